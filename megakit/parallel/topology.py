@@ -1,0 +1,263 @@
+"""The 3D rank grid (TP fastest, then DP, then PP) and its process groups, built once.
+
+Rank order follows Megatron: ``rank = tp + T * (dp + D * pp)``, so the T ranks of
+a tensor-parallel group are consecutive and sit inside one node. A worked example
+with 16 ranks, TP = 2, DP = 2, PP = 4 (``Layout(tp=2, pp=4, dp=2)``)::
+
+    pp stage 0:  dp 0 -> ranks [0, 1]    dp 1 -> ranks [2, 3]
+    pp stage 1:  dp 0 -> ranks [4, 5]    dp 1 -> ranks [6, 7]
+    pp stage 2:  dp 0 -> ranks [8, 9]    dp 1 -> ranks [10, 11]
+    pp stage 3:  dp 0 -> ranks [12, 13]  dp 1 -> ranks [14, 15]
+
+    tp groups:   [0, 1] [2, 3] [4, 5] ... [14, 15]
+    dp groups:   [0, 2] [1, 3] [4, 6] ... [13, 15]
+    pp groups:   [0, 4, 8, 12] [1, 5, 9, 13] [2, 6, 10, 14] [3, 7, 11, 15]
+    mp groups:   (TP x PP, one model replica) [0, 1, 4, 5, 8, 9, 12, 13] [2, 3, 6, 7, ...]
+    embedding:   (first + last stage, for tied weights) [0, 12] [1, 13] [2, 14] [3, 15]
+
+``Layout`` is pure data and needs no processes. ``Topology`` adds the
+torch.distributed groups for the calling rank and answers DeepSpeed's ``mpu``
+questions, so ZeRO shards and reduces over the DP group only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from functools import cached_property
+
+from megakit.errors import UsageError
+
+AXES = ("pp", "dp", "tp")  # outermost -> innermost
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """Sizes of the three parallel axes; rank <-> coordinate arithmetic."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            size = getattr(self, axis)
+            if not isinstance(size, int) or size < 1:
+                raise UsageError(f"--{axis} must be a positive integer, got {size!r}")
+
+    @classmethod
+    def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1) -> "Layout":
+        """The layout that fills ``world_size`` ranks: DP takes what TP x PP leaves."""
+        if world_size % (tp * pp):
+            raise UsageError(
+                f"world size {world_size} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}; "
+                f"launch a multiple of {tp * pp} processes or change --tp/--pp"
+            )
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp))
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def rank(self, *, pp: int, dp: int, tp: int) -> int:
+        return tp + self.tp * (dp + self.dp * pp)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """``{"pp": ., "dp": ., "tp": .}`` of a global rank."""
+        assert 0 <= rank < self.world_size, (rank, self)
+        return {"tp": rank % self.tp, "dp": rank // self.tp % self.dp, "pp": rank // (self.tp * self.dp)}
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """Every group of one kind, as lists of global ranks.
+
+        kind: "tp", "dp", "pp" (ranks that differ only along that axis), "mp" (TP x PP:
+        one full model replica) or "embedding" (first and last pipeline stage).
+        """
+        if kind == "mp":
+            return [
+                [self.rank(pp=p, dp=d, tp=t) for p in range(self.pp) for t in range(self.tp)]
+                for d in range(self.dp)
+            ]
+        if kind == "embedding":
+            stages = sorted({0, self.pp - 1})
+            return [
+                [self.rank(pp=p, dp=d, tp=t) for p in stages]
+                for d in range(self.dp)
+                for t in range(self.tp)
+            ]
+        assert kind in AXES, kind
+        others = [axis for axis in AXES if axis != kind]
+        result = []
+        for a in range(getattr(self, others[0])):
+            for b in range(getattr(self, others[1])):
+                fixed = {others[0]: a, others[1]: b}
+                result.append([self.rank(**fixed, **{kind: i}) for i in range(getattr(self, kind))])
+        return sorted(result)
+
+
+def default_backend() -> str:
+    """NCCL when this process has a GPU, gloo otherwise."""
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(*, timeout_s: float = 300.0) -> None:
+    """Join the job described by the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
+
+    A bounded timeout turns a dead peer into an error instead of a hang.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class Topology:
+    """The calling rank's place in the grid and its process groups (built once, passed in).
+
+    Every rank must construct it, in the same order, because ``new_group`` is collective.
+    The methods named ``get_*`` are the ``mpu`` interface that ``deepspeed.initialize`` uses.
+    """
+
+    def __init__(self, layout: Layout, *, timeout_s: float = 300.0) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("call megakit.parallel.topology.init_distributed() before building a Topology")
+        if dist.get_world_size() != layout.world_size:
+            raise UsageError(
+                f"world size {dist.get_world_size()} != TP x PP x DP = {layout.tp} x {layout.pp} x {layout.dp}; "
+                "launch exactly that many processes or change --tp/--pp"
+            )
+        self.layout = layout
+        self.rank = dist.get_rank()
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self._groups = {}
+        self._ranks = {}
+        for kind in ("tp", "dp", "pp", "mp", "embedding"):
+            for ranks in layout.groups(kind):
+                group = dist.new_group(ranks, timeout=timeout)
+                if self.rank in ranks:
+                    self._groups[kind], self._ranks[kind] = group, ranks
+        coords = layout.coords(self.rank)
+        self.tp_rank, self.dp_rank, self.pp_rank = coords["tp"], coords["dp"], coords["pp"]
+
+    @classmethod
+    def from_world(cls, *, tp: int = 1, pp: int = 1, timeout_s: float = 300.0) -> "Topology":
+        """Build the grid over the already-initialised world; DP takes the remaining ranks."""
+        import torch.distributed as dist
+
+        return cls(Layout.for_world(dist.get_world_size(), tp=tp, pp=pp), timeout_s=timeout_s)
+
+    # -- sizes, groups and neighbours ---------------------------------------------------------
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def tp_group(self):
+        return self._groups["tp"]
+
+    @property
+    def dp_group(self):
+        return self._groups["dp"]
+
+    @property
+    def pp_group(self):
+        return self._groups["pp"]
+
+    @property
+    def mp_group(self):
+        return self._groups["mp"]
+
+    @property
+    def embedding_group(self):
+        """First and last stage of this pipeline (same TP and DP coordinate): tied embeddings sync here."""
+        return self._groups["embedding"]
+
+    def group_ranks(self, kind: str) -> list[int]:
+        return list(self._ranks[kind])
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def stage_rank(self, stage: int) -> int:
+        """Global rank of ``stage`` in this rank's pipeline (same TP and DP coordinate)."""
+        return self.layout.rank(pp=stage, dp=self.dp_rank, tp=self.tp_rank)
+
+    @cached_property
+    def next_rank(self) -> int | None:
+        return None if self.is_last_stage else self.stage_rank(self.pp_rank + 1)
+
+    @cached_property
+    def prev_rank(self) -> int | None:
+        return None if self.is_first_stage else self.stage_rank(self.pp_rank - 1)
+
+    def __repr__(self) -> str:
+        return f"Topology(rank={self.rank}, tp={self.tp_rank}/{self.tp}, dp={self.dp_rank}/{self.dp}, pp={self.pp_rank}/{self.pp})"
+
+    # -- DeepSpeed mpu interface -------------------------------------------------------------
+    def get_model_parallel_rank(self) -> int:
+        return self._ranks["mp"].index(self.rank)
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp * self.pp
+
+    def get_model_parallel_group(self):
+        return self.mp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return self.group_ranks("dp")
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.tp_rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.tp
+
+    def get_tensor_model_parallel_group(self):
+        return self.tp_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self._ranks["tp"][0]
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.pp_rank
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.pp
+
+    def get_pipeline_model_parallel_group(self):
+        return self.pp_group
+
+    get_pipe_parallel_group = get_pipeline_model_parallel_group
+    get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size

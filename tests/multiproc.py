@@ -1,0 +1,69 @@
+"""Run a function on N real processes joined by a gloo process group (no mocks).
+
+    results = run_ranks(worker, 4, some_arg)   # worker(rank, world_size, some_arg) -> picklable
+
+The worker must be a module-level function. Each rank runs single-threaded (2-core
+machine); an exception on any rank is re-raised here with that rank's traceback, and a
+job that does not finish within ``timeout_s`` is killed and reported, never left hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, results, args):
+    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=120))
+        out = fn(rank, world_size, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:  # report every failure to the parent, with its traceback
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    try:
+        while len(out) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout_s}s")
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world_size)]
