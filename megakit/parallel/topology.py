@@ -218,7 +218,13 @@ class Topology:
 
     # -- DeepSpeed mpu interface -------------------------------------------------------------
     def get_model_parallel_rank(self) -> int:
-        return self._ranks["mp"].index(self.rank)
+        """The TP rank, as in Megatron-DeepSpeed's mpu (not the index in the TP x PP group).
+
+        DeepSpeed's gradient norm counts a replicated (non-TP) parameter only where this is
+        0, then sums over ``get_model_parallel_group()`` (TP x PP): so every stage's
+        replicated parameters count exactly once and TP shards count once each.
+        """
+        return self.tp_rank
 
     def get_model_parallel_world_size(self) -> int:
         return self.tp * self.pp
