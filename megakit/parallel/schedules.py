@@ -1,0 +1,239 @@
+"""Pipeline schedules as data: for each stage, the ordered list of instructions it runs.
+
+A schedule is produced in two passes, as in ``torch.distributed.pipelining``:
+
+1. a small pure function orders the *compute* of one stage (``forward`` and
+   ``backward`` of micro-batch i on model chunk c) — GPipe, 1F1B, interleaved 1F1B;
+2. ``add_p2p`` inserts the communication each compute action implies (receive the
+   activation before a forward, send it after; receive the gradient before a
+   backward, send it after) and appends the end-of-step actions (reduce tied
+   embedding gradients, reduce gradients over DP, optimizer step).
+
+The same list is proven deadlock-free by ``simulator.simulate`` and run by
+``pipeline.PipelineExecutor``: nothing else decides what a rank does.
+
+Virtual stages: with interleaving, rank ``r`` holds ``vpp`` model chunks; chunk ``c``
+of rank ``r`` is virtual stage ``c * pp + r`` of ``pp * vpp``. A micro-batch flows
+through virtual stages 0, 1, ... in order, so it visits every rank ``vpp`` times.
+Without interleaving ``vpp = 1`` and virtual stage = rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megakit.errors import UsageError
+
+FORWARD, BACKWARD = "forward", "backward"
+SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "send_act", "recv_act", "send_grad", "recv_grad"
+REDUCE_TIED, REDUCE_GRADS, STEP = "reduce_tied_grads", "reduce_grads", "optimizer_step"
+COMPUTE = (FORWARD, BACKWARD)
+SENDS = (SEND_ACT, SEND_GRAD)
+RECVS = (RECV_ACT, RECV_GRAD)
+KINDS = COMPUTE + SENDS + RECVS + (REDUCE_TIED, REDUCE_GRADS, STEP)
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Action:
+    """One instruction of one stage.
+
+    ``micro_batch`` and ``chunk`` (the local model chunk) say which activation the
+    action touches; ``peer`` is the pipeline stage (rank in the PP group) that a
+    send/recv talks to. End-of-step actions carry neither.
+    """
+
+    kind: str
+    micro_batch: int | None = None
+    chunk: int = 0
+    peer: int | None = None
+
+    def __post_init__(self) -> None:
+        assert self.kind in KINDS, self.kind
+
+    def __str__(self) -> str:
+        short = {FORWARD: "F", BACKWARD: "B", SEND_ACT: "sA", RECV_ACT: "rA", SEND_GRAD: "sG",
+                 RECV_GRAD: "rG", REDUCE_TIED: "tied", REDUCE_GRADS: "reduce", STEP: "step"}[self.kind]
+        if self.micro_batch is None:
+            return short
+        chunk = f".{self.chunk}" if self.chunk else ""
+        peer = f"@{self.peer}" if self.peer is not None else ""
+        return f"{short}{self.micro_batch}{chunk}{peer}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """One optimizer step of a pipeline: ``stages[r]`` is the action list of PP rank ``r``."""
+
+    name: str
+    pp: int
+    micro_batches: int
+    vpp: int
+    stages: tuple[tuple[Action, ...], ...]
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.pp * self.vpp
+
+    def virtual_stage(self, stage: int, chunk: int) -> int:
+        return chunk * self.pp + stage
+
+    def owner(self, virtual_stage: int) -> tuple[int, int]:
+        """``(stage, chunk)`` holding a virtual stage."""
+        return virtual_stage % self.pp, virtual_stage // self.pp
+
+    @property
+    def has_p2p(self) -> bool:
+        return any(a.kind in SENDS + RECVS for actions in self.stages for a in actions)
+
+    def compute_only(self) -> "Schedule":
+        """The same schedule with communication and end-of-step actions removed."""
+        stages = tuple(tuple(a for a in actions if a.kind in COMPUTE) for actions in self.stages)
+        return Schedule(name=self.name, pp=self.pp, micro_batches=self.micro_batches, vpp=self.vpp, stages=stages)
+
+
+def _check(pp: int, micro_batches: int, vpp: int = 1) -> None:
+    for flag, value in (("--pp", pp), ("--micro-batches", micro_batches), ("--vpp", vpp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UsageError(f"{flag} must be a positive integer, got {value!r}")
+
+
+def _schedule(name, pp, micro_batches, vpp, stages) -> Schedule:
+    return Schedule(name=name, pp=pp, micro_batches=micro_batches, vpp=vpp,
+                    stages=tuple(tuple(s) for s in stages))
+
+
+# -- compute orders ---------------------------------------------------------------------------
+def gpipe_compute(pp: int, micro_batches: int) -> Schedule:
+    """All forwards, then all backwards (GPipe): keeps every micro-batch in flight."""
+    _check(pp, micro_batches)
+    stage = [Action(kind=FORWARD, micro_batch=i) for i in range(micro_batches)]
+    stage += [Action(kind=BACKWARD, micro_batch=i) for i in range(micro_batches)]
+    return _schedule("gpipe", pp, micro_batches, 1, [stage] * pp)
+
+
+def one_f_one_b_compute(pp: int, micro_batches: int) -> Schedule:
+    """1F1B (PipeDream-Flush): warm-up forwards, then alternate one forward one backward, then cool-down.
+
+    Stage ``r`` warms up with ``min(pp - r - 1, m)`` forwards, so it holds at most
+    ``pp - r`` micro-batches' activations at once, against GPipe's ``m``.
+    """
+    _check(pp, micro_batches)
+    stages = []
+    for rank in range(pp):
+        warmup = min(pp - rank - 1, micro_batches)
+        steady = micro_batches - warmup
+        actions = [Action(kind=FORWARD, micro_batch=i) for i in range(warmup)]
+        for i in range(steady):  # steady state: F(warmup + i), B(i)
+            actions.append(Action(kind=FORWARD, micro_batch=warmup + i))
+            actions.append(Action(kind=BACKWARD, micro_batch=i))
+        actions += [Action(kind=BACKWARD, micro_batch=i) for i in range(steady, micro_batches)]
+        stages.append(actions)
+    return _schedule("1f1b", pp, micro_batches, 1, stages)
+
+
+def interleaved_compute(pp: int, micro_batches: int, vpp: int) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM) with ``vpp`` chunks per rank.
+
+    Micro-batches go in groups of ``pp``: the k-th forward of a rank runs chunk
+    ``(k // pp) % vpp`` on micro-batch ``(k // (pp * vpp)) * pp + k % pp``; backwards
+    mirror it from the last chunk. Warm-up is ``2 (pp - r - 1) + (vpp - 1) pp``
+    forwards. The bubble shrinks to (p-1)/(v m + p - 1) because each chunk is 1/v of
+    the stage's work. Needs ``m`` divisible by ``pp``.
+    """
+    _check(pp, micro_batches, vpp)
+    if micro_batches % pp:
+        raise UsageError(
+            f"the interleaved schedule needs --micro-batches divisible by --pp, got {micro_batches} and {pp}; "
+            f"use a multiple of {pp} (e.g. {pp * max(1, -(-micro_batches // pp))})"
+        )
+    total = micro_batches * vpp
+
+    def unit(k: int, kind: str) -> Action:
+        chunk = (k // pp) % vpp
+        chunk = chunk if kind == FORWARD else vpp - 1 - chunk
+        return Action(kind=kind, micro_batch=(k // (pp * vpp)) * pp + k % pp, chunk=chunk)
+
+    stages = []
+    for rank in range(pp):
+        warmup = min(2 * (pp - rank - 1) + (vpp - 1) * pp, total)
+        actions = [unit(k, FORWARD) for k in range(warmup)]
+        for i in range(total - warmup):
+            actions.append(unit(warmup + i, FORWARD))
+            actions.append(unit(i, BACKWARD))
+        actions += [unit(k, BACKWARD) for k in range(total - warmup, total)]
+        stages.append(actions)
+    return _schedule(f"interleaved(v={vpp})", pp, micro_batches, vpp, stages)
+
+
+# -- communication pass ---------------------------------------------------------------------
+def add_p2p(compute: Schedule) -> Schedule:
+    """Insert send/recv around every compute action, then the end-of-step actions.
+
+    Forward on virtual stage s > 0 first receives its activation from s - 1; its
+    output goes to s + 1 unless s is the last. Backward on s < last first receives
+    the gradient from s + 1 and sends its input gradient to s - 1 unless s = 0.
+    A receive sits right before the compute that needs it and a send right after
+    the compute that makes it; the executor posts sends asynchronously.
+    """
+    assert not compute.has_p2p, "schedule already has communication"
+    pp, last = compute.pp, compute.virtual_stages - 1
+    stages = []
+    for rank, actions in enumerate(compute.stages):
+        out = []
+        for a in actions:
+            vs = compute.virtual_stage(rank, a.chunk)
+            mb, chunk = a.micro_batch, a.chunk
+            if a.kind == FORWARD:
+                if vs > 0:
+                    out.append(Action(kind=RECV_ACT, micro_batch=mb, chunk=chunk, peer=(vs - 1) % pp))
+                out.append(a)
+                if vs < last:
+                    out.append(Action(kind=SEND_ACT, micro_batch=mb, chunk=chunk, peer=(vs + 1) % pp))
+            else:
+                if vs < last:
+                    out.append(Action(kind=RECV_GRAD, micro_batch=mb, chunk=chunk, peer=(vs + 1) % pp))
+                out.append(a)
+                if vs > 0:
+                    out.append(Action(kind=SEND_GRAD, micro_batch=mb, chunk=chunk, peer=(vs - 1) % pp))
+        if pp > 1 and rank in (0, pp - 1):
+            out.append(Action(kind=REDUCE_TIED))
+        out += [Action(kind=REDUCE_GRADS), Action(kind=STEP)]
+        stages.append(out)
+    return _schedule(compute.name, compute.pp, compute.micro_batches, compute.vpp, stages)
+
+
+def schedule_gpipe(pp: int, micro_batches: int) -> Schedule:
+    """GPipe with communication: the baseline that keeps all m micro-batches in flight."""
+    return add_p2p(gpipe_compute(pp, micro_batches))
+
+
+def schedule_1f1b(pp: int, micro_batches: int) -> Schedule:
+    """1F1B (PipeDream-Flush) with communication: DeepSpeed's ``TrainSchedule`` order."""
+    return add_p2p(one_f_one_b_compute(pp, micro_batches))
+
+
+def schedule_interleaved(pp: int, micro_batches: int, vpp: int) -> Schedule:
+    """Interleaved 1F1B with ``vpp`` model chunks per rank, with communication."""
+    return add_p2p(interleaved_compute(pp, micro_batches, vpp))
+
+
+def build_schedule(name: str, pp: int, micro_batches: int, vpp: int = 1) -> Schedule:
+    """The schedule called ``name`` ("1f1b", "gpipe" or "interleaved"), with communication."""
+    if name == "1f1b":
+        if vpp != 1:
+            raise UsageError(f"--vpp {vpp} needs --schedule interleaved; 1f1b has one chunk per stage")
+        return schedule_1f1b(pp, micro_batches)
+    if name == "gpipe":
+        if vpp != 1:
+            raise UsageError(f"--vpp {vpp} needs --schedule interleaved; gpipe has one chunk per stage")
+        return schedule_gpipe(pp, micro_batches)
+    if name == "interleaved":
+        return schedule_interleaved(pp, micro_batches, vpp)
+    raise UsageError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+def bubble_formula(name: str, pp: int, micro_batches: int, vpp: int = 1) -> float:
+    """The textbook bubble fraction: (p-1)/(m+p-1), or (p-1)/(v m+p-1) when interleaved."""
+    v = vpp if name == "interleaved" else 1
+    return (pp - 1) / (v * micro_batches + pp - 1)

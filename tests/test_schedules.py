@@ -1,0 +1,156 @@
+"""Schedules as data: their order, bubble, memory and deadlock-freedom, checked without processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megakit.errors import UsageError
+from megakit.parallel.schedules import (BACKWARD, FORWARD, RECV_ACT, SEND_ACT, Action, add_p2p, bubble_formula,
+                                        build_schedule, gpipe_compute, interleaved_compute, one_f_one_b_compute,
+                                        schedule_1f1b, schedule_gpipe, schedule_interleaved)
+from megakit.parallel.simulator import Costs, ScheduleError, simulate
+
+
+def test_1f1b_compute_order_matches_deepspeed_train_schedule():
+    from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, TrainSchedule
+
+    for pp in range(1, 9):
+        for m in (1, 2, 3, pp, 2 * pp + 1, 16):
+            ours = one_f_one_b_compute(pp, m)
+            for stage in range(pp):
+                ds = TrainSchedule(micro_batches=m, stages=pp, stage_id=stage)
+                order = []
+                for step_id, cmds in enumerate(ds.steps()):
+                    mb, _ = ds._step_to_micro_batch(step_id)
+                    order += [(FORWARD if isinstance(c, ForwardPass) else BACKWARD, mb)
+                              for c in cmds if isinstance(c, (ForwardPass, BackwardPass))]
+                assert order == [(a.kind, a.micro_batch) for a in ours.stages[stage]], (pp, m, stage)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16), (8, 8), (3, 1)])
+def test_1f1b_and_gpipe_bubble_equal_formula(pp, m):
+    for costs in (Costs(), Costs(forward=1.0, backward=1.0), Costs(forward=0.3, backward=0.7)):
+        for schedule in (schedule_1f1b(pp, m), schedule_gpipe(pp, m)):
+            report = simulate(schedule, costs)
+            assert report.bubble == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-12)
+            f, b = costs.forward, costs.backward
+            assert report.step_time == pytest.approx((m + pp - 1) * (f + b))
+
+
+@pytest.mark.parametrize("pp,m,vpp", [(2, 4, 2), (4, 8, 2), (4, 8, 4), (4, 4, 3), (8, 16, 2)])
+def test_interleaving_reduces_bubble_as_formula(pp, m, vpp):
+    report = simulate(schedule_interleaved(pp, m, vpp), Costs(forward=1.0, backward=2.0))
+    assert report.bubble == pytest.approx((pp - 1) / (vpp * m + pp - 1), abs=1e-9)
+    assert report.bubble == pytest.approx(bubble_formula("interleaved", pp, m, vpp))
+    assert report.bubble < simulate(schedule_1f1b(pp, m)).bubble
+
+
+def test_in_flight_bounds():
+    for pp in range(1, 9):
+        for m in (1, pp, 4 * pp):
+            ones = simulate(schedule_1f1b(pp, m)).peak_in_flight
+            assert ones == tuple(min(pp - s, m) for s in range(pp))  # stage 0 keeps at most p
+            assert simulate(schedule_gpipe(pp, m)).peak_in_flight == (m,) * pp  # GPipe keeps all m
+
+
+def test_every_schedule_up_to_p8_m32_is_deadlock_free():
+    count = 0
+    for pp in range(1, 9):
+        for m in range(1, 33):
+            schedules = [schedule_1f1b(pp, m), schedule_gpipe(pp, m)]
+            if m % pp == 0:
+                schedules += [schedule_interleaved(pp, m, vpp) for vpp in (2, 3)]
+            for schedule in schedules:
+                simulate(schedule)  # raises on deadlock, mismatch, missing or repeated work
+                count += 1
+    assert count > 500
+
+
+def test_schedules_also_run_without_p2p_tags():
+    """NCCL has no P2P tags: activations and gradients on one rank pair must agree in order too."""
+    for pp in (2, 3, 4, 8):
+        for m in (pp, 2 * pp, 3 * pp + (0 if pp > 1 else 1)):
+            for schedule in (schedule_1f1b(pp, m), schedule_gpipe(pp, m), schedule_interleaved(pp, m, 2)):
+                simulate(schedule, tagged=False)
+
+
+def test_interleaved_visits_each_chunk_in_virtual_stage_order():
+    s = schedule_interleaved(2, 4, 2)
+    sends = [a for a in s.stages[1] if a.kind == SEND_ACT]
+    assert {(a.chunk, a.peer) for a in sends} == {(0, 0)}  # chunk 0 of rank 1 feeds chunk 1 of rank 0
+    recvs = [a for a in s.stages[0] if a.kind == RECV_ACT]
+    assert {(a.chunk, a.peer) for a in recvs} == {(1, 1)}
+
+
+def test_deadlock_is_reported_not_hung():
+    good = one_f_one_b_compute(2, 2)
+    # stage 1 waits for a gradient of micro-batch 1 first, stage 0 for micro-batch 0's: a cycle
+    swapped = list(good.stages[0])
+    swapped[2], swapped[3] = swapped[3], swapped[2]  # F0 F1 B1 B0
+    bad = dataclasses.replace(good, stages=(tuple(swapped), good.stages[1]))
+    with pytest.raises(ScheduleError, match="mismatched|deadlock"):
+        simulate(bad)
+    # stage 0 never sends its activations: stage 1 waits for them, stage 0 for gradients
+    cyc = schedule_1f1b(2, 2)
+    s0 = [a for a in cyc.stages[0] if a.kind != SEND_ACT]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(dataclasses.replace(cyc, stages=(tuple(s0), cyc.stages[1])))
+
+
+def test_backward_before_forward_is_an_error():
+    s = gpipe_compute(1, 2)
+    bad = dataclasses.replace(s, stages=((Action(kind=BACKWARD, micro_batch=0),) + s.stages[0],))
+    with pytest.raises(ScheduleError, match="backward before its forward"):
+        simulate(bad)
+
+
+def test_missing_work_and_unmatched_sends_are_errors():
+    s = one_f_one_b_compute(2, 2)
+    with pytest.raises(ScheduleError, match="exactly once"):
+        simulate(dataclasses.replace(s, stages=(s.stages[0][:-1], s.stages[1][:-1])))
+    full = schedule_1f1b(2, 2)
+    extra = full.stages[0] + (Action(kind=SEND_ACT, micro_batch=0, chunk=0, peer=1),)
+    with pytest.raises(ScheduleError, match="never received"):
+        simulate(dataclasses.replace(full, stages=(extra, full.stages[1])))
+
+
+def test_invalid_inputs_get_usage_errors():
+    with pytest.raises(UsageError, match="divisible"):
+        interleaved_compute(4, 6, 2)
+    with pytest.raises(UsageError, match="positive"):
+        schedule_1f1b(0, 4)
+    with pytest.raises(UsageError, match="positive"):
+        schedule_gpipe(2, 0)
+    with pytest.raises(UsageError, match="interleaved"):
+        build_schedule("1f1b", 2, 4, vpp=2)
+    with pytest.raises(UsageError, match="unknown schedule"):
+        build_schedule("zigzag", 2, 4)
+    with pytest.raises(UsageError, match="one per stage"):
+        simulate(schedule_1f1b(2, 2), Costs(forward=(1.0, 2.0, 3.0)))
+
+
+def test_unequal_measured_costs_bound_step_by_slowest_stage():
+    report = simulate(schedule_1f1b(2, 8), Costs(forward=(1.0, 3.0), backward=(2.0, 6.0)))
+    assert report.step_time >= 8 * 9.0
+    assert report.bubble_per_stage[1] < report.bubble_per_stage[0]
+
+
+def test_cli_prints_timeline_and_writes_png(tmp_path):
+    out = tmp_path / "s.png"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "megakit.cli", "schedule", "--pp", "4", "--micro-batches", "8",
+           "--schedule", "interleaved", "--vpp", "2", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "bubble 15.8%" in done.stdout and "stage  3" in done.stdout
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run(cmd[:6] + ["--micro-batches", "6", "--schedule", "interleaved", "--out", str(tmp_path / "b.png")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "divisible" in bad.stderr
+    assert not (tmp_path / "b.png").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["s.png"]  # no temporary file left behind
