@@ -1,0 +1,170 @@
+"""The single-process model: configs, Hugging Face equivalence, pipeline stages, init, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megakit.errors import UsageError
+from megakit.model import ModelConfig, Transformer, full_state_dict, load_full_state_dict, model_flops_per_token
+
+torch.set_num_threads(1)
+
+
+def _hf_state(model: Transformer) -> dict[str, torch.Tensor]:
+    """megakit's full weights under transformers' names and layouts."""
+    c, sd = model.config, full_state_dict(model)
+    out = {}
+    if c.family == "gpt2":
+        out["transformer.wte.weight"] = sd["embed.weight"]
+        out["transformer.wpe.weight"] = sd["pos_embed.weight"]
+        for i in range(c.layers):
+            p, h = f"layers.{i}.", f"transformer.h.{i}."
+            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+                out[h + theirs + ".weight"], out[h + theirs + ".bias"] = sd[p + ours + ".weight"], sd[p + ours + ".bias"]
+            qkv = [sd[p + f"attn.{x}_proj.weight"] for x in "qkv"]
+            out[h + "attn.c_attn.weight"] = torch.cat(qkv).t()  # Conv1D stores (in, out)
+            out[h + "attn.c_attn.bias"] = torch.cat([sd[p + f"attn.{x}_proj.bias"] for x in "qkv"])
+            out[h + "attn.c_proj.weight"] = sd[p + "attn.o_proj.weight"].t()
+            out[h + "attn.c_proj.bias"] = sd[p + "attn.o_proj.bias"]
+            out[h + "mlp.c_fc.weight"] = sd[p + "mlp.up_proj.weight"].t()
+            out[h + "mlp.c_fc.bias"] = sd[p + "mlp.up_proj.bias"]
+            out[h + "mlp.c_proj.weight"] = sd[p + "mlp.down_proj.weight"].t()
+            out[h + "mlp.c_proj.bias"] = sd[p + "mlp.down_proj.bias"]
+        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = sd["norm.weight"], sd["norm.bias"]
+        out["lm_head.weight"] = sd["embed.weight"]
+        return out
+    out["model.embed_tokens.weight"] = sd["embed.weight"]
+    for i in range(c.layers):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        out[h + "input_layernorm.weight"] = sd[p + "attn_norm.weight"]
+        out[h + "post_attention_layernorm.weight"] = sd[p + "mlp_norm.weight"]
+        for x in ("q", "k", "v", "o"):
+            out[h + f"self_attn.{x}_proj.weight"] = sd[p + f"attn.{x}_proj.weight"]
+        for x in ("gate", "up", "down"):
+            out[h + f"mlp.{x}_proj.weight"] = sd[p + f"mlp.{x}_proj.weight"]
+    out["model.norm.weight"] = sd["norm.weight"]
+    out["lm_head.weight"] = sd["lm_head.weight"]
+    return out
+
+
+@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
+def test_matches_hugging_face_transformers(preset):
+    """Same weights in transformers' own implementation give the same logits: the architecture is right."""
+    import transformers
+
+    config = ModelConfig.load(preset)
+    hf_config = transformers.AutoConfig.for_model(**json.loads((config_path := _preset(preset)).read_text()))
+    hf_config._attn_implementation = "eager"
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config).float().eval()
+    ours = Transformer(config, seed=3).eval()
+    missing, unexpected = hf.load_state_dict(_hf_state(ours), strict=False)
+    assert not unexpected and all("attn.bias" in k or "masked_bias" in k for k in missing), (missing, unexpected)
+    ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = ours(ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert config_path.exists()
+
+
+def _preset(name):
+    from megakit.model_config import PRESETS
+
+    return PRESETS / f"{name}.json"
+
+
+@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
+def test_pipeline_stages_are_slices_of_the_full_model(preset):
+    config = ModelConfig.load(preset)
+    full = Transformer(config, seed=7)
+    full_params = dict(full.named_parameters())
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    stages = [Transformer(config, layers=range(0, 1), pre=True, post=False, seed=7),
+              Transformer(config, layers=range(1, 3), pre=False, post=False, seed=7),
+              Transformer(config, layers=range(3, 4), pre=False, post=True, seed=7)]
+    for stage in stages:
+        for name, param in stage.named_parameters():
+            assert name in full_params, name
+            assert torch.equal(param, full_params[name]), name
+    names = set().union(*(dict(s.named_parameters()) for s in stages))
+    assert names == set(full_params)
+    if config.tie_embeddings:  # the last stage holds its own copy of the tied embedding, same name
+        assert "embed.weight" in dict(stages[-1].named_parameters())
+    h = ids
+    for stage in stages:
+        h = stage(h)
+    torch.testing.assert_close(h, full(ids), rtol=0, atol=0)
+
+
+def test_init_depends_on_seed_and_name_only():
+    config = ModelConfig.load("gpt-tiny")
+    a = full_state_dict(Transformer(config, seed=11))
+    torch.manual_seed(1234)  # global RNG state must not matter
+    b = full_state_dict(Transformer(config, seed=11))
+    c = full_state_dict(Transformer(config, seed=12))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["layers.0.attn.q_proj.weight"], c["layers.0.attn.q_proj.weight"])
+    # Distinct parameters get distinct values; output projections are scaled down.
+    assert not torch.equal(a["layers.0.attn.q_proj.weight"], a["layers.1.attn.q_proj.weight"])
+    assert a["layers.0.attn.o_proj.weight"].std() < 0.6 * a["layers.0.attn.q_proj.weight"].std()
+    assert torch.equal(a["layers.0.attn_norm.weight"], torch.ones(config.hidden))
+
+
+def test_state_dict_round_trip():
+    config = ModelConfig.load("llama-tiny")
+    a, b = Transformer(config, seed=1), Transformer(config, seed=2)
+    load_full_state_dict(b, full_state_dict(a))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    with pytest.raises(UsageError, match="lacks"):
+        load_full_state_dict(b, {})
+
+
+def test_config_loading_and_errors(tmp_path):
+    gpt = ModelConfig.load("gpt-tiny")
+    assert (gpt.family, gpt.hidden, gpt.heads, gpt.kv_heads, gpt.ffn, gpt.tie_embeddings) == ("gpt2", 32, 4, 4, 128, True)
+    llama = ModelConfig.load("llama-tiny")
+    assert (llama.family, llama.kv_heads, llama.head_dim, llama.tie_embeddings) == ("llama", 4, 4, False)
+    assert gpt.padded_vocab(3) == 258 and gpt.padded_vocab(4) == 256
+    assert ModelConfig.load(_preset("gpt-mini")) == ModelConfig.load("gpt-mini")
+    with pytest.raises(UsageError, match="not found"):
+        ModelConfig.load("no-such-model")
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(UsageError, match="cannot read"):
+        ModelConfig.load(bad)
+    bad.write_text(json.dumps({"model_type": "bert", "vocab_size": 10}))
+    with pytest.raises(UsageError, match="model_type 'bert'"):
+        ModelConfig.load(tmp_path)
+    bad.write_text(json.dumps({"model_type": "llama", "vocab_size": 10}))
+    with pytest.raises(UsageError, match="lacks the field .num_attention_heads."):
+        ModelConfig.load(bad)
+
+
+def test_bad_tp_names_the_numbers():
+    llama = ModelConfig.load("llama-tiny")  # 8 heads, 4 KV heads, hidden 32, FFN 96
+    with pytest.raises(UsageError, match=r"TP 8 does not divide KV heads 4;"):
+        llama.check_tp(8)
+    with pytest.raises(UsageError, match=r"TP 3 does not divide attention heads 8, KV heads 4, hidden size 32;"):
+        llama.check_tp(3)
+    llama.check_tp(4)
+
+
+def test_bad_inputs():
+    config = ModelConfig.load("gpt-tiny")
+    model = Transformer(config)
+    with pytest.raises(UsageError, match="exceeds the model's max_seq_len 64"):
+        model(torch.zeros(1, 65, dtype=torch.long))
+    with pytest.raises(UsageError, match="token ids"):
+        model(torch.zeros(1, 8))
+    with pytest.raises(UsageError, match="range"):
+        Transformer(config, layers=range(2, 9))
+
+
+def test_flops_per_token():
+    config = ModelConfig.load("gpt-mini")
+    n_matmul = config.layers * config.layer_params() + config.vocab_size * config.hidden
+    assert model_flops_per_token(config, 128) == 6 * n_matmul + 12 * config.layers * config.hidden * 128
+    assert config.num_params() == sum(p.numel() for p in Transformer(config).parameters())
