@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from megakit.errors import UsageError
-from megakit.parallel.schedules import (BACKWARD, FORWARD, RECV_ACT, SEND_ACT, Action, add_p2p, bubble_formula,
+from megakit.parallel.schedules import (BACKWARD, FORWARD, RECV_ACT, SEND_ACT, Action, bubble_formula,
                                         build_schedule, gpipe_compute, interleaved_compute, one_f_one_b_compute,
                                         schedule_1f1b, schedule_gpipe, schedule_interleaved)
 from megakit.parallel.simulator import Costs, ScheduleError, simulate

@@ -1,0 +1,103 @@
+"""Split a transformer's layers into contiguous pipeline stages of balanced cost.
+
+The first virtual stage also holds the token (and position) embedding and the last
+one the final norm and LM head, so their cost counts there: with a large vocabulary
+the end stages get fewer blocks. Costs are parameters (memory balance, DeepSpeed's
+``partition_method="parameters"``) or forward FLOPs per token (time balance, where
+the LM head's 2·V·h matters and the embedding lookup costs nothing). The split that
+minimises the most expensive stage is found exactly by dynamic programming, and
+among those the most even one (least sum of squared stage costs).
+"""
+
+from __future__ import annotations
+
+from megakit.errors import UsageError
+
+METHODS = ("params", "flops")
+
+
+def layer_costs(config, method: str = "params", *, seq_len: int | None = None) -> tuple[list[float], float, float]:
+    """``(per block, embedding, head)`` cost of a ``ModelConfig``."""
+    if method not in METHODS:
+        raise UsageError(f"unknown partition method {method!r}; use one of {', '.join(METHODS)} or a list of layer counts")
+    h, vocab, gpt2 = config.hidden, config.vocab_size, config.family == "gpt2"
+    q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
+    matmul = h * (q + 2 * kv) + q * h + (2 if gpt2 else 3) * h * config.ffn  # multiply-adds per token
+    if method == "params":
+        block = config.layer_params()
+        embedding = vocab * h + (config.max_seq_len * h if gpt2 else 0)
+        head = vocab * h + (2 if gpt2 else 1) * h  # a copy of the embedding when tied, plus the final norm
+    else:  # forward FLOPs per token: 2 per multiply-add; attention scores and values 2·2·s·q
+        block = 2 * matmul + 4 * (seq_len or config.max_seq_len) * q
+        embedding = 0.0
+        head = 2 * vocab * h
+    return [float(block)] * config.layers, float(embedding), float(head)
+
+
+def _split_counts(counts, total: int, stages: int) -> list[int]:
+    counts = list(counts)
+    if len(counts) != stages:
+        raise UsageError(f"the partition gives {len(counts)} layer counts for {stages} (virtual) stages; give one per stage")
+    if any(not isinstance(c, int) or c < 1 for c in counts) or sum(counts) != total:
+        raise UsageError(f"the partition {counts} must be positive layer counts summing to the model's {total} layers")
+    return counts
+
+
+def _balanced_counts(block: list[float], embedding: float, head: float, stages: int) -> list[int]:
+    n = len(block)
+    prefix = [0.0]
+    for w in block:
+        prefix.append(prefix[-1] + w)
+
+    def cost(k: int, i: int, j: int) -> float:  # stage k holds blocks [i, j)
+        return prefix[j] - prefix[i] + (embedding if k == 0 else 0.0) + (head if k == stages - 1 else 0.0)
+
+    def solve(combine, limit=float("inf")):
+        """DP over (stages used, blocks used); ``combine(prefix_value, stage_cost)``."""
+        best = [[None] * (n + 1) for _ in range(stages + 1)]
+        cut = [[0] * (n + 1) for _ in range(stages + 1)]
+        best[0][0] = 0.0
+        for k in range(1, stages + 1):
+            for j in range(k, n - (stages - k) + 1):
+                for i in range(k - 1, j):
+                    c = cost(k - 1, i, j)
+                    if best[k - 1][i] is None or c > limit:
+                        continue
+                    value = combine(best[k - 1][i], c)
+                    if best[k][j] is None or value < best[k][j] - 1e-9 * abs(value):
+                        best[k][j], cut[k][j] = value, i
+        return best[stages][n], cut
+
+    # the smallest possible slowest stage; then, among splits that reach it, the most even one
+    bound, _ = solve(max)
+    _, cut = solve(lambda total, c: total + c * c, limit=bound * (1 + 1e-9))
+    counts, j = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][j]
+        counts.append(j - i)
+        j = i
+    return counts[::-1]
+
+
+def partition_layers(config, pp: int, vpp: int = 1, method="params", *, seq_len: int | None = None) -> list[range]:
+    """The global layer indices of each virtual stage (``pp * vpp`` ranges, in pipeline order).
+
+    ``method`` is "params", "flops", or a list of layer counts per virtual stage.
+    Virtual stage ``c * pp + r`` is chunk ``c`` of PP rank ``r``.
+    """
+    stages = pp * vpp
+    if not isinstance(pp, int) or not isinstance(vpp, int) or pp < 1 or vpp < 1:
+        raise UsageError(f"--pp and --vpp must be positive integers, got {pp!r} and {vpp!r}")
+    if config.layers < stages:
+        raise UsageError(f"{config.layers} layers cannot fill {stages} pipeline (virtual) stages; "
+                         f"lower --pp/--vpp to at most {config.layers} stages in all")
+    if isinstance(method, str):
+        block, embedding, head = layer_costs(config, method, seq_len=seq_len)
+        counts = _balanced_counts(block, embedding, head, stages)
+    else:
+        counts = _split_counts(method, config.layers, stages)
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges

@@ -1,0 +1,309 @@
+"""The pipeline executor: runs this rank's action list of a schedule over torch.distributed P2P.
+
+One ``PipelineExecutor`` per rank holds that rank's model chunk(s) (one per virtual
+stage it owns: ``vpp`` of them when interleaved) and, for each optimizer step,
+walks its list from ``schedules`` — nothing else decides what runs when:
+
+- ``forward`` runs the chunk on the micro-batch's input (token ids on the first
+  virtual stage, the received hidden state elsewhere) and keeps input and output
+  for the backward; the last virtual stage is called with labels and returns the loss;
+- ``backward`` calls the pluggable ``backward(output, grad)``: ``grad`` is None on the
+  last virtual stage (``output`` is the micro-batch's loss) and the gradient from
+  the next stage elsewhere. The default scales the loss by ``1 / micro_batches``
+  (the step's loss is the mean over micro-batches), as DeepSpeed's
+  ``engine.backward(loss)`` does with ``gradient_accumulation_steps = micro_batches``;
+  a trainer routes it through DeepSpeed: last stage ``engine.backward(output)``,
+  others ``engine.backward((output * grad).sum(), scale_wrt_gas=False)``;
+- ``send_*`` posts ``isend`` and moves on (the simulator's asynchronous-send model);
+  ``recv_*`` waits for an ``irecv`` that was posted a few actions ahead, so the
+  transfer overlaps the compute before it. Activation messages carry P2P tag 0 and
+  gradient messages tag 1; the simulator proves the order is also right without tags
+  (NCCL). No shape handshake is needed when ``activation_shape`` is given (every
+  boundary carries the same hidden state); a gradient's shape is that of the
+  activation this rank sent;
+- ``reduce_tied_grads`` all-reduces (sums) the gradients of parameters that the
+  first and last virtual stage both hold under one name (tied input/output
+  embeddings) over ``topo.embedding_group``; ``reduce_grads`` averages gradients
+  over ``topo.dp_group``; ``optimizer_step`` calls ``optimizer_step()`` if given.
+  A trainer using DeepSpeed replaces the last two (its engine reduces and steps).
+
+TP composes inside a stage (each TP rank talks to the same TP rank of the next
+stage; tensor-parallel collectives run inside the chunk) and DP across replicas
+(each replica is its own pipeline; gradients meet in ``reduce_grads``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megakit.errors import UsageError
+from megakit.parallel.partition import partition_layers
+from megakit.parallel.schedules import (BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, RECVS, REDUCE_GRADS, REDUCE_TIED,
+                                        SEND_ACT, SEND_GRAD, STEP, Schedule)
+
+__all__ = ["PipelineExecutor", "build_stage_chunks", "partition_layers"]
+_TAG = {RECV_ACT: 0, SEND_ACT: 0, RECV_GRAD: 1, SEND_GRAD: 1}
+
+
+class PipelineExecutor:
+    """Runs one rank's part of a pipeline schedule; ``step(inputs, labels)`` is one optimizer step.
+
+    Args:
+        chunks: this rank's model chunk per local chunk index (virtual stage ``c * pp + pp_rank``).
+        topo: the ``Topology``: ``pp_rank``, neighbours via ``stage_rank``, ``dp_group``, ``embedding_group``.
+        schedule: a schedule with communication (``schedules.build_schedule``); ``schedule.pp == topo.pp``.
+        backward: ``backward(output, grad)``, see the module docstring.
+        activation_shape: shape of the hidden state between stages (e.g. ``(B, S, H)``), or None to
+            send a shape header before every activation.
+        reduce_grads / optimizer_step: callables replacing the default DP average / doing the step.
+        broadcast_loss: average the loss over DP replicas and send it from the last stage to every
+            stage (a scalar all-reduce and broadcast); otherwise return this replica's loss on the last stage.
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], topo, *, schedule: Schedule,
+                 backward: Callable | None = None, activation_shape: Sequence[int] | None = None,
+                 activation_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 reduce_grads: Callable[[], None] | None = None, optimizer_step: Callable[[], None] | None = None,
+                 broadcast_loss: bool = True, prefetch: int = 2) -> None:
+        if schedule.pp != topo.pp:
+            raise UsageError(f"the schedule has {schedule.pp} stages but the topology has --pp {topo.pp}; build it with pp={topo.pp}")
+        if len(chunks) != schedule.vpp:
+            raise UsageError(f"this rank holds {len(chunks)} model chunks but the schedule wants vpp={schedule.vpp}")
+        if not schedule.has_p2p:
+            raise UsageError("the schedule has no send/recv; build it with schedules.build_schedule or add_p2p")
+        self.chunks = list(chunks)
+        self.topo = topo
+        self.schedule = schedule
+        self.actions = schedule.stages[topo.pp_rank]
+        self.backward_fn = backward or self._default_backward
+        self.activation_shape = tuple(activation_shape) if activation_shape is not None else None
+        self.dtype = activation_dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.reduce_grads_fn = reduce_grads or self._average_over_dp
+        self.optimizer_step_fn = optimizer_step
+        self.broadcast_loss = broadcast_loss
+        self.prefetch = prefetch
+        self.tied = self._find_tied_parameters()
+        self.sync_tied_weights()
+
+    # -- virtual stages -------------------------------------------------------------------------
+    def _vs(self, chunk: int) -> int:
+        return self.schedule.virtual_stage(self.topo.pp_rank, chunk)
+
+    @property
+    def holds_first(self) -> bool:
+        return self.topo.pp_rank == 0
+
+    @property
+    def holds_last(self) -> bool:
+        return self.topo.pp_rank == self.schedule.pp - 1
+
+    # -- tied embeddings ------------------------------------------------------------------------
+    def _find_tied_parameters(self) -> list[tuple[nn.Parameter, ...]]:
+        """Parameters held under one name by the first and the last virtual stage (tied embeddings).
+
+        With PP > 1 they live on two ranks: names are exchanged once over the embedding group.
+        Returns, per tied name, this rank's copies (two when one rank holds both ends).
+        """
+        first = dict(self.chunks[0].named_parameters()) if self.holds_first else {}
+        last = dict(self.chunks[-1].named_parameters()) if self.holds_last else {}
+        if self.schedule.virtual_stages == 1:
+            return []
+        if self.topo.pp == 1:
+            return [(first[n], last[n]) for n in sorted(first.keys() & last.keys())]
+        if not (self.holds_first or self.holds_last):
+            return []
+        mine = sorted(first if self.holds_first else last)
+        gathered: list = [None, None]
+        dist.all_gather_object(gathered, mine, group=self.topo.embedding_group)
+        shared = sorted(set(gathered[0]) & set(gathered[1]))
+        own = first if self.holds_first else last
+        return [(own[n],) for n in shared]
+
+    @torch.no_grad()
+    def sync_tied_weights(self) -> None:
+        """Make both copies of each tied parameter equal to the first stage's (a broadcast over the embedding group)."""
+        for copies in self.tied:
+            if len(copies) == 2:
+                copies[1].copy_(copies[0])
+            else:
+                dist.broadcast(copies[0].data, src=self.topo.stage_rank(0), group=self.topo.embedding_group)
+
+    def reduce_tied_grads(self) -> None:
+        """Sum the gradients of tied copies (embedding + LM head), so both copies step identically.
+
+        Forward: nothing. Here (after the last backward): an all-reduce (sum) over
+        ``topo.embedding_group`` when the copies live on two ranks, a local sum otherwise.
+        """
+        for copies in self.tied:
+            for p in copies:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if len(copies) == 2:
+                total = copies[0].grad + copies[1].grad
+                copies[0].grad.copy_(total)
+                copies[1].grad.copy_(total)
+            else:
+                dist.all_reduce(copies[0].grad, group=self.topo.embedding_group)
+
+    # -- defaults -------------------------------------------------------------------------------
+    def _default_backward(self, output: torch.Tensor, grad: torch.Tensor | None) -> None:
+        if grad is None:
+            (output / self.schedule.micro_batches).backward()
+        else:
+            torch.autograd.backward(output, grad)
+
+    def _average_over_dp(self) -> None:
+        if self.topo.dp == 1:
+            return
+        grads = [p.grad for c in self.chunks for p in c.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.topo.dp_group)
+        flat /= self.topo.dp
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    # -- P2P ------------------------------------------------------------------------------------
+    def _recv_shape(self, a) -> tuple[int, ...] | None:
+        if a.kind == RECV_GRAD:
+            return tuple(self._sent_shape[(a.micro_batch, a.chunk)]) if (a.micro_batch, a.chunk) in self._sent_shape else None
+        return self.activation_shape
+
+    def _post_recvs(self, upto: int) -> None:
+        """Post irecvs, in list order, for the receives among the next few actions whose shapes are known."""
+        while self._next_recv < len(self._recv_index) and len(self._posted) < self.prefetch + 1:
+            index = self._recv_index[self._next_recv]
+            if index > upto:
+                return
+            a = self.actions[index]
+            shape = self._recv_shape(a)
+            if shape is None:
+                return  # keep order: this one is posted (with a header) when it is reached
+            buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+            work = dist.irecv(buf, src=self.topo.stage_rank(a.peer), tag=_TAG[a.kind])
+            self._posted[index] = (buf, work)
+            self._next_recv += 1
+
+    def _recv(self, index: int, a) -> torch.Tensor:
+        self._post_recvs(index)
+        if index in self._posted:
+            buf, work = self._posted.pop(index)
+            work.wait()
+            return buf
+        assert self._recv_index[self._next_recv] == index, "receives must be taken in order"
+        self._next_recv += 1
+        src = self.topo.stage_rank(a.peer)
+        header = torch.zeros(9, dtype=torch.int64)
+        dist.recv(header, src=src, tag=_TAG[a.kind])
+        buf = torch.empty(tuple(header[1:1 + int(header[0])].tolist()), dtype=self.dtype, device=self.device)
+        dist.recv(buf, src=src, tag=_TAG[a.kind])
+        return buf
+
+    def _send(self, a, tensor: torch.Tensor) -> None:
+        dst = self.topo.stage_rank(a.peer)
+        tensor = tensor.detach().to(self.dtype).contiguous()
+        if a.kind == SEND_ACT and self.activation_shape is None:
+            assert tensor.dim() <= 8, tensor.shape
+            header = torch.tensor([tensor.dim(), *tensor.shape] + [0] * (8 - tensor.dim()), dtype=torch.int64)
+            self._pending.append((header, dist.isend(header, dst=dst, tag=_TAG[a.kind])))
+        elif a.kind == SEND_ACT and tuple(tensor.shape) != self.activation_shape:
+            raise UsageError(f"a stage produced an activation of shape {tuple(tensor.shape)} but activation_shape "
+                             f"is {self.activation_shape}; pass the hidden-state shape the model sends")
+        self._pending.append((tensor, dist.isend(tensor, dst=dst, tag=_TAG[a.kind])))
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self, inputs: Sequence[torch.Tensor] | None = None, labels: Sequence[torch.Tensor] | None = None):
+        """Run one optimizer step's schedule: ``inputs`` (first stage) and ``labels`` (last stage), one per micro-batch.
+
+        Returns the mean loss over micro-batches (a float): with ``broadcast_loss``
+        (default) also over DP replicas and on every stage; otherwise this replica's, on
+        the last stage only (None elsewhere).
+        """
+        m = self.schedule.micro_batches
+        for name, values, needed in (("inputs", inputs, self.holds_first), ("labels", labels, self.holds_last)):
+            if needed and (values is None or len(values) != m):
+                got = "none" if values is None else len(values)
+                raise UsageError(f"this stage needs {m} micro-batch {name} (one per micro-batch), got {got}")
+        self._stash: dict = {}
+        self._received: dict = {}
+        self._sent_shape: dict = {}
+        self._pending: list = []
+        self._posted: dict = {}
+        self._recv_index = [i for i, a in enumerate(self.actions) if a.kind in RECVS]
+        self._next_recv = 0
+        losses = []
+        last_vs = self.schedule.virtual_stages - 1
+        for index, a in enumerate(self.actions):
+            self._post_recvs(index + 4)
+            key = (a.micro_batch, a.chunk)
+            if a.kind in RECVS:
+                buf = self._recv(index, a)
+                if a.kind == RECV_ACT:
+                    buf.requires_grad_(True)
+                self._received[(a.kind, *key)] = buf
+            elif a.kind == FORWARD:
+                vs = self._vs(a.chunk)
+                x = inputs[a.micro_batch] if vs == 0 else self._received.pop((RECV_ACT, *key))
+                if vs == last_vs:
+                    out = self.chunks[a.chunk](x, labels[a.micro_batch])
+                    losses.append(out.detach())
+                else:
+                    out = self.chunks[a.chunk](x)
+                self._stash[key] = (x, out)
+            elif a.kind == SEND_ACT:
+                out = self._stash[key][1]
+                self._sent_shape[key] = out.shape
+                self._send(a, out)
+            elif a.kind == BACKWARD:
+                x, out = self._stash.pop(key)
+                grad = None if self._vs(a.chunk) == last_vs else self._received.pop((RECV_GRAD, *key))
+                self.backward_fn(out, grad)
+                self._stash[("grad", *key)] = x.grad if x.requires_grad else None
+            elif a.kind == SEND_GRAD:
+                grad = self._stash.pop(("grad", *key))
+                assert grad is not None, f"no input gradient for micro-batch {a.micro_batch} chunk {a.chunk}"
+                self._send(a, grad)
+            elif a.kind == REDUCE_TIED:
+                self.reduce_tied_grads()
+            elif a.kind == REDUCE_GRADS:
+                self.reduce_grads_fn()
+            elif a.kind == STEP:
+                if self.optimizer_step_fn is not None:
+                    self.optimizer_step_fn()
+            else:
+                raise AssertionError(a)
+        for _, work in self._pending:
+            work.wait()
+        assert not self._posted and not self._received, "schedule left messages unconsumed"
+        self._pending = []
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
+        if not self.broadcast_loss:
+            return float(loss) if losses else None
+        loss = loss.detach().to(torch.float32).clone()
+        if self.topo.dp > 1 and self.holds_last:  # the step's loss: the mean over DP replicas too
+            dist.all_reduce(loss, group=self.topo.dp_group)
+            loss /= self.topo.dp
+        if self.schedule.pp > 1:
+            dist.broadcast(loss, src=self.topo.stage_rank(self.schedule.pp - 1), group=self.topo.pp_group)
+        return float(loss)
+
+
+def build_stage_chunks(config, topo, *, vpp: int = 1, method="params", **model_kwargs) -> list[nn.Module]:
+    """This rank's ``Transformer`` chunks for a ``pp x vpp`` split (embedding on the first, head on the last)."""
+    from megakit.model import Transformer
+
+    ranges = partition_layers(config, topo.pp, vpp, method)
+    last = topo.pp * vpp - 1
+    chunks = []
+    for chunk in range(vpp):
+        vs = chunk * topo.pp + topo.pp_rank
+        chunks.append(Transformer(config, topo, layers=ranges[vs], pre=vs == 0, post=vs == last, **model_kwargs))
+    return chunks
