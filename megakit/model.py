@@ -278,14 +278,15 @@ def _group(topo):
 
 
 @torch.no_grad()
-def full_state_dict(model: nn.Module, topo=None) -> dict[str, torch.Tensor]:
-    """Every parameter of this stage, gathered over TP and with vocab padding removed.
+def full_state_dict(model: nn.Module, topo=None, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter of this stage (or, with ``grads``, its gradient), gathered over TP and
+    with vocab padding removed.
 
     Collective over the TP group: every TP rank must call it. Returns name -> full tensor.
     """
     group, out = _group(topo), {}
     for name, param in model.named_parameters():
-        full = param.detach()
+        full = param.detach() if not grads else param.grad if param.grad is not None else torch.zeros_like(param)
         dim = getattr(param, "tp_dim", None)
         if dim is not None:
             full = C.all_gather(full.contiguous(), group, dim=dim)

@@ -1,0 +1,165 @@
+"""Tensor parallelism on real gloo processes: TP = 2 and 4 against the TP = 1 model (fp32).
+
+Each world size is one spawn that sweeps every case, because starting processes costs
+far more than the tiny models. Tolerance: |a - b| <= 1e-5 * max|b| per tensor, plus an
+absolute floor of 1e-9 for gradients that are zero in exact arithmetic (the key bias:
+softmax ignores a shift shared by all keys, so its gradient is pure rounding noise).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from multiproc import run_ranks
+
+RTOL, FLOOR = 1e-5, 1e-9
+CASES = [("gpt-tiny", 254), ("llama-tiny", 250)]  # vocabs that need padding at TP = 4
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    err = (got - want).abs().max().item()
+    bound = RTOL * want.abs().max().item() + FLOOR
+    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
+
+
+def _equivalence(topo, preset: str, vocab: int, sequence_parallel: bool) -> None:
+    from megakit.model import ModelConfig, Transformer, full_state_dict
+
+    config = ModelConfig.load(preset).replace(vocab_size=vocab)
+    gen = torch.Generator().manual_seed(42)
+    ids = torch.randint(0, vocab, (2, 16), generator=gen)
+    labels = torch.randint(0, vocab, (2, 16), generator=gen)
+    labels[0, :3] = -100  # ignored tokens are left out of the mean
+    ref = Transformer(config, seed=9)
+    model = Transformer(config, topo, seed=9, sequence_parallel=sequence_parallel)
+    case = f"{preset} tp={topo.tp} sp={sequence_parallel}"
+
+    want_logits, got_logits = ref(ids), model(ids)  # (B, S, V) vs this rank's (B, S, V/tp)
+    assert got_logits.shape == (2, 16, config.padded_vocab(topo.tp) // topo.tp)
+    gathered = torch.cat(_gather(got_logits, topo), dim=-1)
+    assert torch.isinf(gathered[..., vocab:]).all()  # padded columns are -inf
+    _close(gathered[..., :vocab], want_logits[..., :vocab], f"{case} logits")
+
+    want_loss, loss = ref(ids, labels), model(ids, labels)
+    torch.testing.assert_close(want_loss, F.cross_entropy(want_logits.transpose(1, 2), labels))
+    _close(loss.detach(), want_loss.detach(), f"{case} loss")
+    want_loss.backward()
+    loss.backward()
+    grads, ref_grads = full_state_dict(model, topo, grads=True), full_state_dict(ref, grads=True)
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        _close(grads[name], ref_grads[name], f"{case} grad of {name}")
+    # The same seed gives the same full weights at every TP degree.
+    weights, ref_weights = full_state_dict(model, topo), full_state_dict(ref)
+    assert all(torch.equal(weights[n], ref_weights[n]) for n in ref_weights), case
+
+
+def _gather(x: torch.Tensor, topo) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    out = [torch.empty_like(x) for _ in range(topo.tp)]
+    dist.all_gather(out, x.contiguous(), group=topo.tp_group)
+    return out
+
+
+def _cross_entropy(topo) -> None:
+    """The vocab-parallel loss against F.cross_entropy on gathered logits, values and grads."""
+    from megakit.parallel.tensor import vocab_parallel_cross_entropy
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = 30 * topo.tp - 1  # one padded column on the last rank
+    full = (torch.randn(5, 7, 30 * topo.tp, generator=gen) * 4).requires_grad_()
+    target = torch.randint(0, vocab, (5, 7), generator=gen)
+    target[1, 2] = -100
+    target[0, 0] = vocab - 1  # a target on the last rank
+    mine = full.detach().chunk(topo.tp, dim=-1)[topo.tp_rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(mine, target, topo.tp_group, vocab_size=vocab)
+    want = F.cross_entropy(full[..., :vocab].transpose(1, 2), target)
+    _close(loss.detach(), want.detach(), "cross-entropy")
+    loss.backward()
+    want.backward()
+    _close(mine.grad, full.grad.chunk(topo.tp, dim=-1)[topo.tp_rank], "cross-entropy grad")
+    per_token = vocab_parallel_cross_entropy(mine.detach(), target, topo.tp_group, vocab_size=vocab,
+                                             reduction="none")
+    _close(per_token, F.cross_entropy(full.detach()[..., :vocab].transpose(1, 2), target, reduction="none"),
+           "cross-entropy per token")
+
+
+def _stages(topo, preset: str, sequence_parallel: bool) -> None:
+    """A TP-sharded pipeline stage holds a subset of the full model's names, identically initialised,
+    and chaining stages reproduces the whole model (the hidden state passes through unchanged)."""
+    from megakit.model import ModelConfig, Transformer, full_state_dict
+
+    config = ModelConfig.load(preset)
+    kw = dict(seed=4, sequence_parallel=sequence_parallel)
+    whole = Transformer(config, topo, **kw)
+    first = Transformer(config, topo, layers=range(0, 2), post=False, **kw)
+    last = Transformer(config, topo, layers=range(2, 4), pre=False, **kw)
+    params = dict(whole.named_parameters())
+    for stage in (first, last):
+        for name, p in stage.named_parameters():
+            assert name in params and torch.equal(p, params[name]), name
+    ids = torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(5))
+    hidden = first(ids)
+    assert hidden.shape == (8 // topo.tp if sequence_parallel else 8, 2, config.hidden)
+    torch.testing.assert_close(last(hidden, ids), whole(ids, ids), rtol=0, atol=0)
+    assert full_state_dict(first, topo).keys() <= full_state_dict(whole, topo).keys()
+
+
+def _dropout_streams(topo) -> None:
+    """Replicated activations drop the same units on every TP rank, split ones different units."""
+    from megakit.model import ModelConfig, Transformer
+    from megakit.parallel.tensor import DropoutRNG
+
+    rng = DropoutRNG(seed=1, tp_rank=topo.tp_rank)
+    torch.manual_seed(123)  # the caller seeds the default stream alike on TP ranks
+    with rng.split():
+        split = torch.rand(8)
+    replicated = torch.rand(8)
+    splits, replicas = _gather(split, topo), _gather(replicated, topo)
+    assert all(torch.equal(r, replicas[0]) for r in replicas)
+    assert all(not torch.equal(s, splits[0]) for s in splits[1:])
+    # In a model with dropout: the residual stream (replicated without SP) stays identical on all ranks.
+    config = ModelConfig.load("llama-tiny").replace(dropout=0.2)
+    stage = Transformer(config, topo, post=False, seed=2).train()
+    torch.manual_seed(7)
+    hidden = stage(torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0)))
+    assert all(torch.equal(h, hidden) for h in _gather(hidden, topo))
+    eval_hidden = stage.eval()(torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0)))
+    assert not torch.equal(hidden, eval_hidden)  # dropout did act in training mode
+
+
+def _bad_tp(topo) -> None:
+    from megakit.errors import UsageError
+    from megakit.model import ModelConfig, Transformer
+
+    config = ModelConfig.load("gpt-tiny").replace(heads=2, kv_heads=2, hidden=34, ffn=130)
+    if topo.tp == 4:
+        with pytest.raises(UsageError, match="TP 4 does not divide attention heads 2, KV heads 2, "
+                                             "hidden size 34, FFN size 130"):
+            Transformer(config, topo)
+    model = Transformer(ModelConfig.load("gpt-tiny"), topo, sequence_parallel=True)
+    with pytest.raises(UsageError, match=f"sequence length 9 is not divisible by TP {topo.tp}"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def _worker(rank: int, world_size: int) -> str:
+    from megakit.parallel.topology import Topology
+
+    topo = Topology.from_world(tp=world_size)
+    for preset, vocab in CASES:
+        for sequence_parallel in (False, True):
+            _equivalence(topo, preset, vocab, sequence_parallel)
+    _cross_entropy(topo)
+    _stages(topo, "gpt-tiny", sequence_parallel=True)
+    _stages(topo, "llama-tiny", sequence_parallel=False)
+    _dropout_streams(topo)
+    _bad_tp(topo)
+    return "ok"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_matches_single_process(tp):
+    assert run_ranks(_worker, tp) == ["ok"] * tp
