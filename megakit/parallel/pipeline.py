@@ -34,7 +34,9 @@ stage; tensor-parallel collectives run inside the chunk) and DP across replicas
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,8 +47,23 @@ from megakit.parallel.partition import partition_layers
 from megakit.parallel.schedules import (BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, RECVS, REDUCE_GRADS, REDUCE_TIED,
                                         SEND_ACT, SEND_GRAD, STEP, Schedule)
 
-__all__ = ["PipelineExecutor", "build_stage_chunks", "partition_layers"]
+__all__ = ["PipelineExecutor", "StepTimes", "build_stage_chunks", "partition_layers"]
 _TAG = {RECV_ACT: 0, SEND_ACT: 0, RECV_GRAD: 1, SEND_GRAD: 1}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTimes:
+    """Where one step's wall time went on this rank (seconds): what the measured bubble is made of."""
+
+    forward: float
+    backward: float
+    total: float
+    micro_batches: int
+
+    @property
+    def bubble(self) -> float:
+        """Fraction of the step this rank spent not computing (waiting, communicating, reducing)."""
+        return 1.0 - (self.forward + self.backward) / self.total if self.total else 0.0
 
 
 class PipelineExecutor:
@@ -87,6 +104,7 @@ class PipelineExecutor:
         self.optimizer_step_fn = optimizer_step
         self.broadcast_loss = broadcast_loss
         self.prefetch = prefetch
+        self.last_times: StepTimes | None = None  # filled by every step()
         self.tied = self._find_tied_parameters()
         self.sync_tied_weights()
 
@@ -241,8 +259,11 @@ class PipelineExecutor:
         self._next_recv = 0
         losses = []
         last_vs = self.schedule.virtual_stages - 1
+        spent = {FORWARD: 0.0, BACKWARD: 0.0}
+        start = time.perf_counter()
         for index, a in enumerate(self.actions):
             self._post_recvs(index + 4)
+            began = time.perf_counter()
             key = (a.micro_batch, a.chunk)
             if a.kind in RECVS:
                 buf = self._recv(index, a)
@@ -258,6 +279,7 @@ class PipelineExecutor:
                 else:
                     out = self.chunks[a.chunk](x)
                 self._stash[key] = (x, out)
+                spent[FORWARD] += time.perf_counter() - began
             elif a.kind == SEND_ACT:
                 out = self._stash[key][1]
                 self._sent_shape[key] = out.shape
@@ -267,6 +289,7 @@ class PipelineExecutor:
                 grad = None if self._vs(a.chunk) == last_vs else self._received.pop((RECV_GRAD, *key))
                 self.backward_fn(out, grad)
                 self._stash[("grad", *key)] = x.grad if x.requires_grad else None
+                spent[BACKWARD] += time.perf_counter() - began
             elif a.kind == SEND_GRAD:
                 grad = self._stash.pop(("grad", *key))
                 assert grad is not None, f"no input gradient for micro-batch {a.micro_batch} chunk {a.chunk}"
@@ -284,6 +307,8 @@ class PipelineExecutor:
             work.wait()
         assert not self._posted and not self._received, "schedule left messages unconsumed"
         self._pending = []
+        self.last_times = StepTimes(forward=spent[FORWARD], backward=spent[BACKWARD],
+                                    total=time.perf_counter() - start, micro_batches=m)
         loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
         if not self.broadcast_loss:
             return float(loss) if losses else None

@@ -1,0 +1,199 @@
+"""Benchmark megakit's 1F1B executor against DeepSpeed's PipelineEngine on 2 CPU processes.
+
+    python scripts/bench_pipeline.py [--model gpt-mini --micro-batches 8 --micro-batch-size 4 --seq-len 128]
+
+Both run the same model (megakit ``Transformer`` stages, identical weights), the same
+2-stage split and the same micro-batches, one optimizer step (SGD) per batch:
+megakit's ``PipelineExecutor.step`` with the 1F1B schedule, and DeepSpeed's
+``PipelineEngine.train_batch`` (its ``TrainSchedule`` is the same 1F1B order). Embeddings
+are untied for both, so neither does tied-weight communication the other does not.
+Prints each one's median step time, megakit's measured bubble next to the simulator's
+prediction from the measured per-stage costs, and, last, ``ratio <megakit/DeepSpeed>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from torch import nn  # noqa: E402
+
+from megakit.errors import UsageError  # noqa: E402
+
+
+class _Stage(nn.Module):
+    """A DeepSpeed pipeline layer: a megakit ``Transformer`` stage (the last one returns logits)."""
+
+    def __init__(self, config, layers, pre, post, seed):  # built by LayerSpec on its own stage only
+        super().__init__()
+        from megakit.model import Transformer
+
+        self.stage = Transformer(config, layers=layers, pre=pre, post=post, seed=seed)
+
+    def forward(self, x):
+        return self.stage(x)
+
+
+def _logits_loss(logits, labels):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+
+
+def _time_steps(run_step, steps: int, warmup: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        run_step()
+        took = torch.tensor(time.perf_counter() - start)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the step ends when its slowest rank does
+        if i >= warmup:
+            times.append(float(took))
+    return times
+
+
+def _worker(rank: int, args, port: int, queue) -> None:
+    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_SIZE="2")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        queue.put((rank, _bench(rank, args)))
+    except BaseException as error:  # the parent reports it
+        import traceback
+
+        queue.put((rank, error if isinstance(error, UsageError) else RuntimeError(traceback.format_exc())))
+
+
+def _bench(rank: int, args) -> dict:
+    import deepspeed
+    import torch
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    from megakit.model import ModelConfig
+    from megakit.parallel.pipeline import PipelineExecutor, build_stage_chunks, partition_layers
+    from megakit.parallel.schedules import schedule_1f1b
+    from megakit.parallel.simulator import Costs, simulate
+    from megakit.parallel.topology import Layout, Topology
+
+    config = ModelConfig.load(args.model).replace(tie_embeddings=False)
+    m, b, s = args.micro_batches, args.micro_batch_size, args.seq_len
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, config.vocab_size, (m, b, s + 1), generator=g)
+    ids, labels = [x[:, :-1].contiguous() for x in data], [x[:, 1:].contiguous() for x in data]
+
+    # -- megakit 1F1B ----------------------------------------------------------------------------
+    topo = Topology(Layout(pp=2))
+    chunks = build_stage_chunks(config, topo, seed=0)
+    opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=1e-3)
+
+    def step_and_zero():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    executor = PipelineExecutor(chunks, topo, schedule=schedule_1f1b(2, m), activation_shape=(s, b, config.hidden),
+                                optimizer_step=step_and_zero)
+    stage_times = []
+
+    def megakit_step():
+        executor.step(ids if topo.is_first_stage else None, labels if topo.is_last_stage else None)
+        stage_times.append(executor.last_times)
+
+    ours = _time_steps(megakit_step, args.steps, args.warmup)
+    mine = stage_times[args.warmup:]
+    fwd = statistics.median(t.forward for t in mine) / m
+    bwd = statistics.median(t.backward for t in mine) / m
+    bubble = statistics.mean(t.bubble for t in mine)
+    costs = [torch.tensor([fwd, bwd, bubble]) for _ in range(2)]
+    torch.distributed.all_gather(costs, torch.tensor([fwd, bwd, bubble]))
+    sim = simulate(schedule_1f1b(2, m), Costs(forward=tuple(float(c[0]) for c in costs),
+                                              backward=tuple(float(c[1]) for c in costs)))
+
+    # -- DeepSpeed PipelineEngine ---------------------------------------------------------------
+    deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group already set up
+    ranges = partition_layers(config, 2)
+    specs = [LayerSpec(_Stage, config, ranges[0], True, False, 0), LayerSpec(_Stage, config, ranges[1], False, True, 0)]
+    module = PipelineModule(layers=specs, num_stages=2, loss_fn=_logits_loss, partition_method="uniform")
+    ds_config = {"train_micro_batch_size_per_gpu": b, "gradient_accumulation_steps": m, "steps_per_print": 10**9,
+                 "zero_optimization": {"stage": 0}}
+    engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=1e-3),
+                                      config=ds_config)
+
+    def ds_step():
+        engine.train_batch(iter(list(zip(ids, labels))))
+
+    theirs = _time_steps(ds_step, args.steps, args.warmup)
+    return dict(ours=statistics.median(ours), theirs=statistics.median(theirs),
+                bubble=[float(c[2]) for c in costs], sim_bubble=list(sim.bubble_per_stage), sim_step=sim.step_time,
+                costs=[(float(c[0]), float(c[1])) for c in costs])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt-mini")
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args(argv)
+    try:
+        from megakit.model import ModelConfig
+
+        config = ModelConfig.load(args.model)
+        for flag in ("micro_batches", "micro_batch_size", "seq_len", "steps"):
+            if getattr(args, flag) < 1:
+                raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+        if args.seq_len > config.max_seq_len:
+            raise UsageError(f"--seq-len {args.seq_len} exceeds {args.model}'s max_seq_len {config.max_seq_len}; lower it")
+        if config.layers < 2:
+            raise UsageError(f"{args.model} has {config.layers} layer; a 2-stage split needs at least 2")
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_worker, args=(r, args, port, queue), daemon=True) for r in range(2)]
+        for p in procs:
+            p.start()
+        results = dict(queue.get(timeout=900) for _ in procs)
+        for p in procs:
+            p.join(timeout=30)
+        for value in results.values():
+            if isinstance(value, BaseException):
+                raise value
+    except UsageError as error:
+        print(f"bench_pipeline: error: {error}", file=sys.stderr)
+        return 2
+    r = results[0]
+    print(f"model {args.model} (untied), 2 stages, {args.micro_batches} micro-batches of {args.micro_batch_size} x "
+          f"{args.seq_len} tokens, 2 CPU processes, median of {args.steps} steps")
+    print(f"per-micro-batch costs (forward, backward) s: stage 0 {r['costs'][0][0]:.4f}, {r['costs'][0][1]:.4f}; "
+          f"stage 1 {r['costs'][1][0]:.4f}, {r['costs'][1][1]:.4f}")
+    print(f"megakit 1F1B step:              {r['ours'] * 1e3:8.1f} ms")
+    print(f"DeepSpeed PipelineEngine step:  {r['theirs'] * 1e3:8.1f} ms")
+    print(f"bubble per stage, measured (megakit): {r['bubble'][0]:.1%}, {r['bubble'][1]:.1%}; "
+          f"simulator with the measured costs: {r['sim_bubble'][0]:.1%}, {r['sim_bubble'][1]:.1%} "
+          f"(step {r['sim_step'] * 1e3:.1f} ms); formula at equal stages (p-1)/(m+p-1): {1 / (args.micro_batches + 1):.1%}")
+    print(f"ratio {r['ours'] / r['theirs']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
