@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from megakit.model_config import ModelConfig, check_seq_len, model_flops_per_token  # noqa: F401 (API)
@@ -171,11 +172,13 @@ class Transformer(nn.Module):
     parallel; ``-100`` labels ignored). With ``post`` alone: this rank's logits shard
     ``(B, S, padded_vocab/tp)``, padded columns set to ``-inf``. Otherwise the hidden state.
     The default random stream must be seeded alike on all TP ranks when dropout is on.
+    ``recompute=True`` keeps only each block's input in training and recomputes the rest
+    in backward (Megatron's full recompute), trading ~1/3 more compute for activation memory.
     """
 
     def __init__(self, config: ModelConfig, topo=None, *, layers: range | None = None, pre: bool = True,
                  post: bool = True, sequence_parallel: bool = False, seed: int = 0,
-                 dtype: torch.dtype = torch.float32, device=None) -> None:
+                 dtype: torch.dtype = torch.float32, device=None, recompute: bool = False) -> None:
         super().__init__()
         group = None if topo is None else topo.tp_group
         tp, tp_rank = C.size(group), C.rank(group)
@@ -185,6 +188,7 @@ class Transformer(nn.Module):
             raise UsageError(f"layers must be a range within 0..{config.layers}, got {layers!r}")
         self.config, self.group, self.tp, self.tp_rank = config, group, tp, tp_rank
         self.layer_range, self.pre, self.post, self.seed = layers, pre, post, seed
+        self.recompute = recompute  # full activation recompute, block by block
         self.sequence_parallel = sequence_parallel and tp > 1
         self.rng = DropoutRNG(seed, tp_rank, device)
         kw = dict(group=group, sequence_parallel=self.sequence_parallel, dtype=dtype, device=device)
@@ -238,7 +242,7 @@ class Transformer(nn.Module):
             h = x
         rope = (self.rope_cos, self.rope_sin) if self.config.family == "llama" else None
         for block in self.layers.values():
-            h = block(h, rope)  # (S', B, H)
+            h = self._recomputed(block, h, rope) if self.recompute and self.training else block(h, rope)  # (S', B, H)
         if not self.post:
             return h
         h = self.norm(h)
@@ -252,6 +256,27 @@ class Transformer(nn.Module):
             logits = logits.clone()
             logits[..., max(self.config.vocab_size - start, 0):] = float("-inf")
         return logits
+
+    def _recomputed(self, block: Block, h: torch.Tensor, rope) -> torch.Tensor:
+        """Run ``block`` keeping only its input; backward runs it again (full recompute).
+
+        torch.utils.checkpoint restores the default random stream for the second run; the
+        per-rank dropout stream is restored here, so both runs drop the same units.
+        """
+        state, first = self.rng.get_state(), [True]
+
+        def run(x):
+            if first[0]:
+                first[0] = False
+                return block(x, rope)
+            now = self.rng.get_state()
+            self.rng.set_state(state)
+            try:
+                return block(x, rope)
+            finally:
+                self.rng.set_state(now)
+
+        return torch.utils.checkpoint.checkpoint(run, h, use_reentrant=False)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):

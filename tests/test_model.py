@@ -168,3 +168,18 @@ def test_flops_per_token():
     n_matmul = config.layers * config.layer_params() + config.vocab_size * config.hidden
     assert model_flops_per_token(config, 128) == 6 * n_matmul + 12 * config.layers * config.hidden * 128
     assert config.num_params() == sum(p.numel() for p in Transformer(config).parameters())
+
+
+def test_recompute_gives_the_same_gradients_with_dropout():
+    """Full recompute re-runs each block in backward; both dropout streams must replay exactly."""
+    config = ModelConfig.load("llama-tiny").replace(dropout=0.3)
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for recompute in (False, True):
+        model = Transformer(config, seed=5, recompute=recompute).train()
+        torch.manual_seed(0)
+        model(ids, ids).backward()
+        grads.append(full_state_dict(model, grads=True))
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name
+    assert not torch.equal(grads[0]["layers.0.attn.q_proj.weight"], torch.zeros(1))

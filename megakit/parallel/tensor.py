@@ -39,11 +39,15 @@ class _CopyToTP(torch.autograd.Function):
 
 
 class _ReduceFromTP(torch.autograd.Function):
-    """Megatron's ``g``. forward: all-reduce (sum) over TP; backward: identity."""
+    """Megatron's ``g``. forward: all-reduce (sum) over TP, in place; backward: identity.
+
+    In place because its input is a fresh matmul output that nothing else reads.
+    """
 
     @staticmethod
     def forward(ctx, x, group):
-        return C.all_reduce(x.clone(), group)
+        ctx.mark_dirty(x)
+        return C.all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -133,7 +137,8 @@ def leave_tp_region(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Te
     """Sum partial outputs of a row-parallel layer: ``(S, B, H) -> (S', B, H)``.
 
     With SP, forward: reduce-scatter over the sequence, backward: all-gather. Without
-    SP, forward: all-reduce, backward: identity.
+    SP, forward: all-reduce (in place: pass a fresh tensor, such as a matmul output),
+    backward: identity.
     """
     return sp_reduce_scatter(x, group) if sequence_parallel else reduce_from_tp(x, group)
 
