@@ -87,6 +87,38 @@ def _cross_entropy(topo) -> None:
            "cross-entropy per token")
 
 
+def _layers(topo) -> None:
+    """Column-parallel with a gathered output, fed into row-parallel through scatter_to_tp,
+    against plain nn.Linear layers with the same full weights: outputs and all gradients."""
+    from megakit.parallel.init import init_shard_
+    from megakit.parallel.tensor import ColumnParallelLinear, RowParallelLinear, scatter_to_tp
+
+    col = ColumnParallelLinear(6, 4 * topo.tp, group=topo.tp_group, gather_output=True)
+    row = RowParallelLinear(4 * topo.tp, 5, group=topo.tp_group)
+    ref_col, ref_row = torch.nn.Linear(6, 4 * topo.tp), torch.nn.Linear(4 * topo.tp, 5)
+    for name, (ours, ref) in {"col": (col, ref_col), "row": (row, ref_row)}.items():
+        for part in ("weight", "bias"):
+            p = getattr(ours, part)
+            init_shard_(p, name=f"{name}.{part}", seed=0, tp_rank=topo.tp_rank, rule=("normal", 1.0))
+            with torch.no_grad():
+                dim = p.tp_dim
+                full = torch.cat(_gather(p.detach(), topo), dim=dim) if dim is not None else p.detach()
+                getattr(ref, part).copy_(full)
+    x = torch.randn(3, 2, 6, generator=torch.Generator().manual_seed(8))
+    x_ours, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    mid = col(x_ours)  # (3, 2, 4 tp): full features on every rank
+    _close(mid.detach(), ref_col(x_ref).detach(), "column-parallel gathered output")
+    y, want = row(scatter_to_tp(mid, topo.tp_group)), ref_row(ref_col(x_ref))
+    _close(y.detach(), want.detach(), "row-parallel output")
+    (y * y).sum().backward()
+    (want * want).sum().backward()
+    _close(x_ours.grad, x_ref.grad, "input grad")
+    for ours, ref in ((col, ref_col), (row, ref_row)):
+        _close(ours.bias.grad if ours.bias.tp_dim is None else torch.cat(_gather(ours.bias.grad, topo)),
+               ref.bias.grad, "bias grad")
+        _close(torch.cat(_gather(ours.weight.grad, topo), dim=ours.weight.tp_dim), ref.weight.grad, "weight grad")
+
+
 def _stages(topo, preset: str, sequence_parallel: bool) -> None:
     """A TP-sharded pipeline stage holds a subset of the full model's names, identically initialised,
     and chaining stages reproduces the whole model (the hidden state passes through unchanged)."""
@@ -153,6 +185,7 @@ def _worker(rank: int, world_size: int) -> str:
         for sequence_parallel in (False, True):
             _equivalence(topo, preset, vocab, sequence_parallel)
     _cross_entropy(topo)
+    _layers(topo)
     _stages(topo, "gpt-tiny", sequence_parallel=True)
     _stages(topo, "llama-tiny", sequence_parallel=False)
     _dropout_streams(topo)
