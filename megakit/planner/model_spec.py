@@ -263,13 +263,20 @@ def exact_param_count(raw: dict) -> int:
     except ImportError as error:  # pragma: no cover - both are dependencies
         raise UsageError(f"exact parameter counts need transformers and accelerate ({error}); pip install them")
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "transformers_version")}
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # e.g. a tiny vocab below GPT-2's default bos id is fine here
     try:
         config = AutoConfig.for_model(raw["model_type"], **fields)
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(config)
+        model.tie_weights()  # tied embeddings share one tensor (counted once below)
     except Exception as error:  # transformers raises many types for bad configs
         raise UsageError(f"transformers cannot build this config ({error.__class__.__name__}: "
                          f"{str(error).splitlines()[0][:120]}); fix the config.json")
+    finally:
+        hf_logging.set_verbosity(verbosity)
     return sum({id(p): p.numel() for p in model.parameters()}.values())
 
 

@@ -1,0 +1,295 @@
+"""Enumerate, prune, rank: the layout search and the seed's rule.
+
+The seed's rule (FAQ row 1): while the whole training state of the model fits one
+GPU within the memory threshold, train data-parallel (TP = PP = 1), adding ZeRO
+only as memory requires; beyond it, model parallelism: TP inside a node
+(dividing the heads), PP across nodes, DP for the rest, with ZeRO 0-1 under a
+pipeline (ZeRO-2 only with PP = 1; ZeRO-3 only when nothing else fits). Any
+pinned dimension overrides the rule for that dimension.
+
+Pruning keeps the search fast: a layout whose model states alone already exceed
+the limit is dropped before any micro-batch or recompute choice is tried, and
+micro-batches are tried smallest first, stopping at the first that does not fit
+(activations only grow with it). The cost model runs only on plans that fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megakit.errors import UsageError
+from megakit.planner.cost import Cost, estimate_cost
+from megakit.planner.hardware import Cluster
+from megakit.planner.memory import GIB, MemoryEstimate, estimate_memory, peak_memory
+from megakit.planner.model_spec import ModelSpec
+from megakit.planner.plan import Plan
+
+RECOMPUTE_ORDER = ("none", "selective", "full")
+TIE = 0.01  # plans within 1 % of the fastest count as equally fast
+OVERHEAD_BYTES = 1.0 * GIB  # CUDA context, cuBLAS/NCCL workspaces, allocator fragmentation
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pins:
+    """Dimensions the user fixed (None: searched)."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    zero: int | None = None
+    micro_batch: int | None = None
+    recompute: str | None = None
+    vpp: int | None = None
+    sequence_parallel: bool | None = None
+
+    @property
+    def layout_pinned(self) -> bool:
+        return self.tp is not None or self.pp is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    memory: MemoryEstimate
+    cost: Cost
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejection:
+    plan: Plan | None
+    reason: str
+    tokens_per_s: float | None = None  # what it would have done, when the cost was evaluated
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    best: Candidate
+    ranked: list  # all feasible candidates, best first
+    rejected: list
+    branch: str  # "data-parallel" | "model-parallel" | "pinned"
+    branch_why: str
+    limit_bytes: float
+    evaluated: int
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def fits_one_gpu(model: ModelSpec, cluster: Cluster, *, threshold: float, precision: str, flash: bool,
+                 seq_len: int) -> tuple[bool, float]:
+    """Whole training state (ZeRO-0 model states + one sequence with full recompute) on one GPU."""
+    est = estimate_memory(model, precision=precision, micro_batch=1, seq_len=seq_len, recompute="full",
+                          flash_attention=flash, overhead_bytes=OVERHEAD_BYTES)
+    return est.total <= threshold * cluster.gpu.mem_gib * GIB, est.total
+
+
+def tp_choices(model: ModelSpec, world: int) -> list[int]:
+    """TP degrees that divide the heads, the FFN and the world (and the KV heads, or are a multiple of them)."""
+    return [t for t in divisors(world) if model.heads % t == 0 and model.ffn % t == 0
+            and (model.kv_heads % t == 0 or t % model.kv_heads == 0)]
+
+
+def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins = Pins(), threshold: float = 0.8,
+           precision: str = "bf16", offload: str = "none", flash_attention: bool | None = None,
+           seq_len: int | None = None, keep_rejected: int = 200, zero3_fallback: bool = True) -> SearchResult:
+    s = model.seq_len if seq_len is None else seq_len
+    flash = cluster.gpu.flash_attention if flash_attention is None else flash_attention
+    limit = threshold * cluster.gpu.mem_gib * GIB
+    world = cluster.num_gpus
+    _check_pins(model, cluster, pins, global_batch)
+    one_gpu, one_gpu_bytes = fits_one_gpu(model, cluster, threshold=threshold, precision=precision, flash=flash,
+                                          seq_len=s)
+    if pins.layout_pinned:
+        branch, why = "pinned", "the layout was pinned on the command line"
+    elif one_gpu:
+        branch = "data-parallel"
+        why = (f"the whole training state ({one_gpu_bytes / GIB:.1f} GiB with one sequence) fits one GPU within "
+               f"{threshold:.0%} of {cluster.gpu.mem_gib:g} GiB, so: data parallelism, ZeRO only as memory requires")
+    else:
+        branch = "model-parallel"
+        why = (f"the whole training state ({one_gpu_bytes / GIB:.0f} GiB) exceeds {threshold:.0%} of one GPU's "
+               f"{cluster.gpu.mem_gib:g} GiB, so: TP inside a node, PP across nodes, DP for the rest")
+
+    ctx = _Context(model, cluster, pins, global_batch, s, limit, precision, offload, flash, keep_rejected)
+    zeros = (0, 1, 2, 3) if branch != "model-parallel" or pins.zero is not None else (0, 1, 2)
+    ctx.run(branch, zeros)
+    if not ctx.feasible and branch == "model-parallel" and zero3_fallback:  # memory requires ZeRO-3
+        why += "; nothing fit with ZeRO 0-2, so ZeRO-3 shards the model states too"
+        ctx.run(branch, (3,))
+    if not ctx.feasible:
+        raise NoPlan(_no_plan_reason(ctx))
+    ranked = sorted(ctx.feasible, key=lambda c: -c.cost.tokens_per_s)
+    # Within TIE of the fastest, the simplest plan wins (lower ZeRO, fewer stages, ...): the seed's
+    # "ZeRO only as memory requires" and no complexity the cost model cannot tell apart.
+    near = [c for c in ranked if c.cost.tokens_per_s >= (1 - TIE) * ranked[0].cost.tokens_per_s]
+    best = min(near, key=_simplicity)
+    ranked = [best] + [c for c in ranked if c is not best]
+    rejected = sorted(ctx.rejected, key=lambda r: -(r.tokens_per_s or 0.0))
+    return SearchResult(best=ranked[0], ranked=ranked, rejected=rejected, branch=branch, branch_why=why,
+                        limit_bytes=limit, evaluated=ctx.evaluated)
+
+
+class NoPlan(UsageError):
+    """No layout fits this cluster."""
+
+
+def _simplicity(c: Candidate):
+    p = c.plan
+    return (p.zero_stage, p.pp, p.tp, RECOMPUTE_ORDER.index(p.recompute), p.vpp, not p.sequence_parallel,
+            c.memory.total)
+
+
+def _no_plan_reason(ctx) -> str:
+    smallest = min((r for r in ctx.rejected if r.reason.startswith("peak")), default=None,
+                   key=lambda r: float(r.reason.split()[1]))
+    detail = f" (the smallest peak found: {smallest.reason})" if smallest else ""
+    return f"no layout fits {ctx.cluster.num_gpus} x {ctx.cluster.gpu.name}{detail}"
+
+
+def _check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int) -> None:
+    world = cluster.num_gpus
+    if pins.tp is not None:
+        if model.heads % pins.tp or model.ffn % pins.tp:
+            raise UsageError(f"--tp {pins.tp} does not divide the model's {model.heads} heads / {model.ffn} FFN "
+                             f"width; pick one of {', '.join(map(str, tp_choices(model, 10**6)[:12]))}")
+        if world % pins.tp:
+            raise UsageError(f"--tp {pins.tp} does not divide the {world} GPUs; pick a TP that divides {world}")
+    if pins.pp is not None:
+        if pins.pp > model.layers:
+            raise UsageError(f"--pp {pins.pp} exceeds the model's {model.layers} layers; use at most {model.layers}")
+        if world % ((pins.tp or 1) * pins.pp):
+            raise UsageError(f"--tp {pins.tp or 1} x --pp {pins.pp} does not divide the {world} GPUs; "
+                             "pick TP x PP that divides the GPU count")
+    if pins.zero is not None and pins.zero not in (0, 1, 2, 3):
+        raise UsageError(f"--zero {pins.zero} does not exist; use 0, 1, 2 or 3")
+    if pins.zero is not None and pins.zero >= 2 and (pins.pp or 1) > 1:
+        raise UsageError(f"--zero {pins.zero} cannot run with --pp {pins.pp} (ZeRO-2/3 partition gradients per "
+                         "micro-batch); use --zero 0 or 1 with a pipeline")
+    if pins.vpp is not None and pins.vpp > 1:
+        pp = pins.pp or 0
+        if pp and model.layers % (pp * pins.vpp):
+            raise UsageError(f"--vpp {pins.vpp} x --pp {pp} does not divide the {model.layers} layers; "
+                             "pick a VPP so that layers are a multiple of PP x VPP")
+    if pins.micro_batch is not None and global_batch % pins.micro_batch:
+        raise UsageError(f"--micro-batch {pins.micro_batch} does not divide --global-batch {global_batch}")
+
+
+class _Context:
+    """Search state: what fits, what was rejected and why."""
+
+    def __init__(self, model, cluster, pins, global_batch, seq_len, limit, precision, offload, flash, keep):
+        self.model, self.cluster, self.pins, self.global_batch = model, cluster, pins, global_batch
+        self.seq_len, self.limit, self.precision, self.offload, self.flash = seq_len, limit, precision, offload, flash
+        self.keep = keep
+        self.feasible: list[Candidate] = []
+        self.rejected: list[Rejection] = []
+        self.reasons_seen: set = set()
+        self.evaluated = 0
+
+    def reject(self, plan, reason, tokens_per_s=None, *, unique_key=None):
+        key = unique_key or reason
+        if tokens_per_s is None and key in self.reasons_seen:
+            return
+        self.reasons_seen.add(key)
+        if len(self.rejected) < self.keep or tokens_per_s is not None:
+            self.rejected.append(Rejection(plan, reason, tokens_per_s))
+
+    def run(self, branch: str, zeros) -> None:
+        m, c, pins = self.model, self.cluster, self.pins
+        world, node = c.num_gpus, c.gpus_per_node
+        tps = [pins.tp] if pins.tp is not None else tp_choices(m, world)
+        for tp in tps:
+            if pins.tp is None and branch == "data-parallel" and tp > 1:
+                self.reject(Plan(tp=tp), "model fits one GPU: the seed's rule trains it data-parallel (TP=1)",
+                            unique_key="dp-branch-tp")
+                continue
+            if pins.tp is None and (tp > node or node % tp):
+                self.reject(Plan(tp=tp), f"TP={tp} {'crosses' if tp > node else 'straddles'} the node ({node} "
+                            "GPUs per node): its per-layer all-reduces would run on the network",
+                            unique_key=f"tp-node-{tp}")
+                continue
+            pps = [pins.pp] if pins.pp is not None else [p for p in divisors(world // tp) if p <= m.layers]
+            for pp in pps:
+                if world % (tp * pp):
+                    continue
+                dp = world // (tp * pp)
+                if pins.pp is None and branch == "data-parallel" and pp > 1:
+                    self.reject(Plan(pp=pp), "model fits one GPU: the seed's rule trains it data-parallel (PP=1)",
+                                unique_key="dp-branch-pp")
+                    continue
+                if self.global_batch % dp:
+                    self.reject(Plan(tp=tp, pp=pp, dp=dp), f"global batch {self.global_batch} is not a multiple "
+                                f"of DP={dp}", unique_key=f"batch-dp-{dp}")
+                    continue
+                for zero in ([pins.zero] if pins.zero is not None else zeros):
+                    if zero >= 2 and pp > 1:
+                        self.reject(Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero), f"ZeRO-{zero} with PP={pp}: "
+                                    "gradients are partitioned per micro-batch, so a pipeline allows ZeRO 0-1 only",
+                                    unique_key=f"zero-pp-{zero}")
+                        continue
+                    if zero >= 1 and dp == 1:
+                        continue  # identical to ZeRO-0
+                    self._layout(tp, pp, dp, zero)
+
+    def _layout(self, tp, pp, dp, zero) -> None:
+        m, pins = self.model, self.pins
+        per_rank = self.global_batch // dp
+        base = Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch=1, grad_accum=per_rank, recompute="full",
+                    sequence_parallel=tp > 1, precision=self.precision, offload=self.offload,
+                    flash_attention=self.flash)
+        if self.offload == "params" and zero != 3:
+            return
+        # Lower bound: the smallest activations this layout can have (one sequence, full recompute).
+        floor = peak_memory(m, seq_len=self.seq_len, overhead_bytes=OVERHEAD_BYTES, **base.memory_kwargs())
+        self.evaluated += 1
+        if floor.total > self.limit:
+            self.reject(base, f"peak {floor.total / GIB:.1f} GiB > {self.limit / GIB:.1f} GiB even with one "
+                        f"sequence and full recompute (model states {floor.model_states / GIB:.1f} GiB)",
+                        unique_key=("floor", tp, pp, zero))
+            return
+        vpps = [pins.vpp] if pins.vpp is not None else [v for v in (1, 2, 3, 4) if v == 1 or (pp > 1 and
+                                                                                              m.layers % (pp * v) == 0)]
+        recomputes = [pins.recompute] if pins.recompute else [r for r in RECOMPUTE_ORDER
+                                                              if not (r == "selective" and self.flash)]
+        sps = [pins.sequence_parallel] if pins.sequence_parallel is not None else ([True, False] if tp > 1 else [False])
+        mbs = [pins.micro_batch] if pins.micro_batch else [b for b in divisors(per_rank) if b <= 64]
+        for vpp in vpps:
+            for recompute in recomputes:
+                for sp in sps:
+                    for mb in mbs:
+                        if per_rank % mb:
+                            continue
+                        ga = per_rank // mb
+                        plan = dataclasses.replace(base, vpp=vpp, recompute=recompute, sequence_parallel=sp,
+                                                   micro_batch=mb, grad_accum=ga)
+                        if vpp > 1 and ga % pp:
+                            self.reject(plan, f"interleaving (VPP={vpp}) needs the {ga} micro-batches to be a "
+                                        f"multiple of PP={pp}", unique_key=("vpp-ga", pp, vpp))
+                            continue
+                        self.evaluated += 1
+                        mem = peak_memory(m, seq_len=self.seq_len, overhead_bytes=OVERHEAD_BYTES,
+                                          **plan.memory_kwargs())
+                        cost = estimate_cost(m, self.cluster, plan, seq_len=self.seq_len)
+                        if mem.total > self.limit:
+                            self.reject(plan, f"peak {mem.total / GIB:.1f} GiB > {self.limit / GIB:.1f} GiB "
+                                        f"({self.limit / GIB / self.cluster.gpu.mem_gib:.0%} of "
+                                        f"{self.cluster.gpu.mem_gib:g} GiB)", cost.tokens_per_s)
+                            break  # a bigger micro-batch only needs more
+                        self.feasible.append(Candidate(plan, mem, cost))
+
+
+def smallest_cluster(model: ModelSpec, make_cluster, *, global_batch: int, max_nodes: int = 4096, **kwargs):
+    """Search 1, 2, 3 … nodes (starting from a memory lower bound) and return the first result that fits."""
+    probe = make_cluster(1)
+    per_node = probe.gpus_per_node
+    limit = kwargs.get("threshold", 0.8) * probe.gpu.mem_gib * GIB
+    floor_states = estimate_memory(model, dp=1, zero_stage=3, precision=kwargs.get("precision", "bf16"))
+    start = max(1, int(floor_states.model_states // (limit * per_node)))
+    for nodes in range(start, max_nodes + 1):
+        try:
+            return nodes, search(model, make_cluster(nodes), global_batch=global_batch, zero3_fallback=False,
+                                 **kwargs)
+        except NoPlan:
+            continue
+    raise UsageError(f"the model does not fit on {max_nodes} nodes of {probe.gpu.name}; use bigger GPUs")
