@@ -132,8 +132,10 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
             step()
             dist.barrier()
             times[name].append(time.perf_counter() - t0)
+    w = ref.q_proj.weight
+    layout = f"{type(w).__name__} {list(w.placements)} local {tuple(w.to_local().shape)}"
     if rank == 0:
-        results.put((diff, times))
+        results.put((diff, times, layout))
     dist.destroy_process_group()
 
 
@@ -171,7 +173,7 @@ def main(argv=None) -> int:
     procs = [ctx.Process(target=_worker, args=(r, world, port, args, results)) for r in range(world)]
     for p in procs:
         p.start()
-    diff, times = results.get(timeout=1800)
+    diff, times, layout = results.get(timeout=1800)
     for p in procs:
         p.join()
     if any(p.exitcode for p in procs):
@@ -181,7 +183,7 @@ def main(argv=None) -> int:
     print(f"one {args.family} block, TP=2 on 2 CPU processes (gloo, 1 thread each): batch {args.batch}, "
           f"seq {args.seq}, hidden {args.hidden}, heads {args.heads}/{kv} kv, ffn {args.ffn}")
     print(f"forward+backward, median of {args.reps} alternating rounds after {args.warmup} warm-up")
-    print(f"max |output difference| megakit vs reference: {diff:.2e}")
+    print(f"reference q_proj weight: {layout}; max |output difference| megakit vs reference: {diff:.2e}")
     med = {k: statistics.median(v) for k, v in times.items()}
     for name, label in (("megakit", "megakit TP layers"), ("reference", "PyTorch DTensor Colwise/RowwiseParallel")):
         print(f"{label:42s} {med[name] * 1e3:9.2f} ms  (min {min(times[name]) * 1e3:.2f} ms)")
