@@ -13,61 +13,39 @@ from megakit.model import ModelConfig, Transformer, full_state_dict, load_full_s
 torch.set_num_threads(1)
 
 
-def _hf_state(model: Transformer) -> dict[str, torch.Tensor]:
-    """megakit's full weights under transformers' names and layouts."""
-    c, sd = model.config, full_state_dict(model)
-    out = {}
-    if c.family == "gpt2":
-        out["transformer.wte.weight"] = sd["embed.weight"]
-        out["transformer.wpe.weight"] = sd["pos_embed.weight"]
-        for i in range(c.layers):
-            p, h = f"layers.{i}.", f"transformer.h.{i}."
-            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-                out[h + theirs + ".weight"], out[h + theirs + ".bias"] = sd[p + ours + ".weight"], sd[p + ours + ".bias"]
-            qkv = [sd[p + f"attn.{x}_proj.weight"] for x in "qkv"]
-            out[h + "attn.c_attn.weight"] = torch.cat(qkv).t()  # Conv1D stores (in, out)
-            out[h + "attn.c_attn.bias"] = torch.cat([sd[p + f"attn.{x}_proj.bias"] for x in "qkv"])
-            out[h + "attn.c_proj.weight"] = sd[p + "attn.o_proj.weight"].t()
-            out[h + "attn.c_proj.bias"] = sd[p + "attn.o_proj.bias"]
-            out[h + "mlp.c_fc.weight"] = sd[p + "mlp.up_proj.weight"].t()
-            out[h + "mlp.c_fc.bias"] = sd[p + "mlp.up_proj.bias"]
-            out[h + "mlp.c_proj.weight"] = sd[p + "mlp.down_proj.weight"].t()
-            out[h + "mlp.c_proj.bias"] = sd[p + "mlp.down_proj.bias"]
-        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = sd["norm.weight"], sd["norm.bias"]
-        out["lm_head.weight"] = sd["embed.weight"]
-        return out
-    out["model.embed_tokens.weight"] = sd["embed.weight"]
-    for i in range(c.layers):
-        p, h = f"layers.{i}.", f"model.layers.{i}."
-        out[h + "input_layernorm.weight"] = sd[p + "attn_norm.weight"]
-        out[h + "post_attention_layernorm.weight"] = sd[p + "mlp_norm.weight"]
-        for x in ("q", "k", "v", "o"):
-            out[h + f"self_attn.{x}_proj.weight"] = sd[p + f"attn.{x}_proj.weight"]
-        for x in ("gate", "up", "down"):
-            out[h + f"mlp.{x}_proj.weight"] = sd[p + f"mlp.{x}_proj.weight"]
-    out["model.norm.weight"] = sd["norm.weight"]
-    out["lm_head.weight"] = sd["lm_head.weight"]
-    return out
-
-
-@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
-def test_matches_hugging_face_transformers(preset):
-    """Same weights in transformers' own implementation give the same logits: the architecture is right."""
+@pytest.mark.parametrize("preset,changes", [("gpt-tiny", {}), ("llama-tiny", {}),
+                                            ("llama-tiny", dict(qkv_bias=True, tie_embeddings=True))])
+def test_matches_hugging_face_transformers(preset, changes):
+    """Same weights in transformers' own implementation give the same logits, both ways round:
+    the architecture is right, and so is the weight mapping in megakit.hf."""
     import transformers
 
-    config = ModelConfig.load(preset)
-    hf_config = transformers.AutoConfig.for_model(**json.loads((config_path := _preset(preset)).read_text()))
-    hf_config._attn_implementation = "eager"
-    hf = transformers.AutoModelForCausalLM.from_config(hf_config).float().eval()
-    ours = Transformer(config, seed=3).eval()
-    missing, unexpected = hf.load_state_dict(_hf_state(ours), strict=False)
-    assert not unexpected and all("attn.bias" in k or "masked_bias" in k for k in missing), (missing, unexpected)
+    from megakit.hf import from_hf_state_dict, hf_config, to_hf_state_dict
+
+    config = ModelConfig.load(preset).replace(**changes)
+    assert ModelConfig.from_hf(hf_config(config)) == config
+    hf_cfg = transformers.AutoConfig.for_model(**hf_config(config))
+    hf_cfg._attn_implementation = "eager"
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
     ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+
+    def perturb(model):  # biases and norms start at 0 and 1: make every mapping visible
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+        return model
+
+    ours = perturb(Transformer(config, seed=3).eval())  # megakit -> transformers
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(config, full_state_dict(ours)), strict=False)
+    assert not unexpected and all(k.endswith("attn.bias") for k in missing), (missing, unexpected)
     with torch.no_grad():
-        want = hf(ids).logits
-        got = ours(ids)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert config_path.exists()
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+    hf = perturb(transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval())  # transformers -> megakit
+    load_full_state_dict(ours, from_hf_state_dict(config, hf.state_dict()))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def _preset(name):
