@@ -56,9 +56,9 @@ def test_in_flight_micro_batches_of_1f1b_and_interleaving():
     ("bf16", 1, lambda P, N: 4 * P + 16 * P / N),
     ("bf16", 2, lambda P, N: 2 * P + 18 * P / N),
     ("fp32", 0, lambda P, N: 16 * P),
-    ("fp32", 1, lambda P, N: 8 * P + 12 * P / N),
-    ("fp32", 2, lambda P, N: 4 * P + 16 * P / N),
-    ("fp32", 3, lambda P, N: 20 * P / N),
+    ("fp32", 1, lambda P, N: 8 * P + 16 * P / N),
+    ("fp32", 2, lambda P, N: 4 * P + 20 * P / N),
+    ("fp32", 3, lambda P, N: 24 * P / N),
 ])
 def test_model_states_follow_the_zero_table(precision, zero, expected):
     model = known_shape("gpt3-1.3b")

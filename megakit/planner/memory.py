@@ -14,14 +14,15 @@ shard, N = DP size, p = bytes of the training dtype, 2 for bf16/fp16, 4 for fp32
 ZeRO       params       grads       fp32 master        Adam m, v    fp32 grads at step
 =========  ===========  ==========  =================  ===========  =====================
 0          pΨ           pΨ          4Ψ (mixed only)    8Ψ           4Ψ (mixed only)
-1          pΨ           pΨ          4Ψ/N               8Ψ/N         4Ψ/N (mixed only)
-2          pΨ           pΨ/N        4Ψ/N               8Ψ/N         4Ψ/N (mixed only)
-3          pΨ/N         pΨ/N        4Ψ/N               8Ψ/N         ≤ sub-group (mixed)
+1          pΨ           pΨ          4Ψ/N               8Ψ/N         4Ψ/N
+2          pΨ           pΨ/N        4Ψ/N               8Ψ/N         4Ψ/N
+3          pΨ/N         pΨ/N        4Ψ/N               8Ψ/N         4 × min(Ψ/N, sub-group)
 =========  ===========  ==========  =================  ===========  =====================
 
 With p = 2 this is the ZeRO paper's 16Ψ / 4Ψ+12Ψ/N / 2Ψ+14Ψ/N / 16Ψ/N plus the
 fp32 copy of the gradient partition DeepSpeed makes at ``step()`` (which is why
-DeepSpeed's own ZeRO-2 estimator says 2Ψ+18Ψ/N). ZeRO 1-3 keep an fp32 master
+DeepSpeed's own ZeRO-2 estimator says 2Ψ+18Ψ/N); that copy is transient (it lives
+during ``step()`` only) and ZeRO 1-3 make it in fp32 training too (the flatten copies). ZeRO 1-3 keep an fp32 master
 partition even when training in fp32 (DeepSpeed clones it). CPU offload moves
 master params, optimizer states and fp32 step gradients to the host
 (``offload="optimizer"``) and, with ZeRO-3, the parameters too (``"params"``).
@@ -221,9 +222,9 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     master = 4 * psi / shard if (mixed or zero_stage >= 1) else 0
     items["master_params"] = master * on_gpu
     items["optimizer"] = 8 * psi / shard * on_gpu
-    if not mixed:
+    if zero_stage == 0 and not mixed:  # torch's Adam steps on p.grad directly
         step_grads = 0.0
-    elif zero_stage == 3:
+    elif zero_stage == 3:  # the flattened (copied) gradient of one optimizer sub-group at a time
         step_grads = 4 * min(psi / dp, buckets.stage3_sub_group)
     else:
         step_grads = 4 * psi / shard

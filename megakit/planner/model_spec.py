@@ -31,7 +31,7 @@ from megakit.errors import UsageError
 MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 
 _SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-_NUMBER = re.compile(r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([kmbgt]?)\s*$", re.IGNORECASE)
+_NUMBER = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([kmbgt]?)\s*$", re.IGNORECASE)
 
 
 def parse_count(text: str, *, what: str = "--params", minimum: float = 1.0) -> float:
@@ -40,8 +40,10 @@ def parse_count(text: str, *, what: str = "--params", minimum: float = 1.0) -> f
     if not match:
         raise UsageError(f"{what} {text!r} is not a size; write e.g. 125M, 1.3B, 175e9 or 1T")
     value = float(match.group(1)) * _SUFFIX[match.group(2).lower()]
-    if not math.isfinite(value) or value < minimum:
-        raise UsageError(f"{what} {text!r} must be at least {minimum:g}; write e.g. 125M, 1.3B or 1T")
+    if not math.isfinite(value) or value <= 0:
+        raise UsageError(f"{what} {text!r} must be a positive size; write e.g. 125M, 1.3B or 1T")
+    if value < minimum:
+        raise UsageError(f"{what} {text!r} is below the smallest supported {_fmt(minimum)}; write e.g. 125M or 1.3B")
     return value
 
 

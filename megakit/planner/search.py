@@ -125,7 +125,9 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
     near = [c for c in ranked if c.cost.tokens_per_s >= (1 - TIE) * ranked[0].cost.tokens_per_s]
     best = min(near, key=_simplicity)
     ranked = [best] + [c for c in ranked if c is not best]
-    rejected = sorted(ctx.rejected, key=lambda r: -(r.tokens_per_s or 0.0))
+    # The fastest plans that did not fit (up to keep_rejected), then every structural reason once.
+    rejected = sorted((r for r in ctx.rejected if r.tokens_per_s is not None), key=lambda r: -r.tokens_per_s)
+    rejected = rejected[:keep_rejected] + [r for r in ctx.rejected if r.tokens_per_s is None]
     return SearchResult(best=ranked[0], ranked=ranked, rejected=rejected, branch=branch, branch_why=why,
                         limit_bytes=limit, evaluated=ctx.evaluated)
 
@@ -192,8 +194,7 @@ class _Context:
         if tokens_per_s is None and key in self.reasons_seen:
             return
         self.reasons_seen.add(key)
-        if len(self.rejected) < self.keep or tokens_per_s is not None:
-            self.rejected.append(Rejection(plan, reason, tokens_per_s))
+        self.rejected.append(Rejection(plan, reason, tokens_per_s))
 
     def run(self, branch: str, zeros) -> None:
         m, c, pins = self.model, self.cluster, self.pins
@@ -244,7 +245,7 @@ class _Context:
         floor = peak_memory(m, seq_len=self.seq_len, overhead_bytes=OVERHEAD_BYTES, **base.memory_kwargs())
         self.evaluated += 1
         if floor.total > self.limit:
-            self.reject(base, f"peak {floor.total / GIB:.1f} GiB > {self.limit / GIB:.1f} GiB even with one "
+            self.reject(base, f"peak {floor.total / GIB:.2f} GiB > {self.limit / GIB:.2f} GiB even with one "
                         f"sequence and full recompute (model states {floor.model_states / GIB:.1f} GiB)",
                         unique_key=("floor", tp, pp, zero))
             return
@@ -272,7 +273,7 @@ class _Context:
                                           **plan.memory_kwargs())
                         cost = estimate_cost(m, self.cluster, plan, seq_len=self.seq_len)
                         if mem.total > self.limit:
-                            self.reject(plan, f"peak {mem.total / GIB:.1f} GiB > {self.limit / GIB:.1f} GiB "
+                            self.reject(plan, f"peak {mem.total / GIB:.2f} GiB > {self.limit / GIB:.2f} GiB "
                                         f"({self.limit / GIB / self.cluster.gpu.mem_gib:.0%} of "
                                         f"{self.cluster.gpu.mem_gib:g} GiB)", cost.tokens_per_s)
                             break  # a bigger micro-batch only needs more

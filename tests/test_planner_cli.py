@@ -1,0 +1,127 @@
+"""`megakit plan` end to end: the report, --json, --emit-config through DeepSpeed's own parser,
+and bad input (one line, exit 2, nothing written)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megakit import cli
+from multiproc import run_ranks
+
+PLAN_KEYS = {"tp", "pp", "dp", "vpp", "zero_stage", "micro_batch", "grad_accum", "global_batch", "recompute",
+             "sequence_parallel", "peak_memory_gib", "gpu_memory_gib", "memory", "step_time_s", "tokens_per_s",
+             "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu", "comm_fraction", "bubble_fraction"}
+
+
+def plan(capsys, *argv):
+    code = cli.main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_console_script_plans_175b_from_a_fresh_shell():
+    done = subprocess.run([sys.executable, "-m", "megakit.cli", "plan", "--params", "175B"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    for needle in ("gpt3-175b shape", "smallest whole number of nodes", "TP x PP x DP", "80% line",
+                   "hardware TFLOP/s per GPU", "Top alternatives", "Rejected", "Tips", "deepspeed --num_nodes"):
+        assert needle in out, needle
+    assert "torch" not in done.stderr
+
+
+def test_json_report_has_the_issue_schema(capsys):
+    code, out, _ = plan(capsys, "--params", "175B", "--gpus", "1024", "--tokens", "300B", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert set(report) == {"plan", "alternatives", "rejected", "assumptions"}
+    p = report["plan"]
+    assert PLAN_KEYS <= set(p) and "train_days" in p
+    assert p["tp"] * p["pp"] * p["dp"] == 1024 and p["micro_batch"] * p["grad_accum"] * p["dp"] == p["global_batch"]
+    assert p["peak_memory_gib"] <= 0.8 * p["gpu_memory_gib"]
+    assert sum(p["memory"].values()) == pytest.approx(p["peak_memory_gib"])
+    assert 15 < p["train_days"] < 60
+    assert report["alternatives"] and all(PLAN_KEYS <= set(a) for a in report["alternatives"])
+    assert report["rejected"] and all({"plan", "reason"} <= set(r) for r in report["rejected"])
+    assert report["assumptions"]["rule"]["branch"] == "model-parallel"
+
+
+def test_small_model_gets_pure_dp_and_a_tip_about_communication(capsys):
+    code, out, _ = plan(capsys, "--params", "125M", "--gpus", "64", "--gpu", "a100-80gb", "--inter-bw", "1",
+                        "--json")
+    report = json.loads(out)
+    assert code == 0 and (report["plan"]["tp"], report["plan"]["pp"]) == (1, 1)
+    assert report["plan"]["comm_fraction"] > 0.3
+    code, out, _ = plan(capsys, "--params", "125M", "--gpus", "64", "--inter-bw", "1")
+    assert "1-bit Adam" in out and "accumulation" in out
+
+
+def _parse_with_deepspeed(rank, world, path, dp):
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    deepspeed.init_distributed(dist_backend="gloo")  # adopts the gloo group run_ranks started
+
+    class PlannedDataParallel:  # the mpu protocol: the DP size the planned job will have
+        def get_data_parallel_world_size(self):
+            return dp
+
+    config = DeepSpeedConfig(path, mpu=PlannedDataParallel())
+    return (config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps,
+            config.zero_optimization_stage, config.gradient_clipping, config.scheduler_name, config.optimizer_name,
+            config.bfloat16_config.enabled)
+
+
+def test_emitted_ds_config_is_accepted_by_deepspeed(tmp_path, capsys):
+    target = tmp_path / "plan.json"
+    code, out, _ = plan(capsys, "--params", "13B", "--gpus", "64", "--emit-config", str(target))
+    assert code == 0 and f"--ds_config {target}" in out
+    written = json.loads(target.read_text())
+    code, out, _ = plan(capsys, "--params", "13B", "--gpus", "64", "--json")
+    p = json.loads(out)["plan"]
+    assert written["train_batch_size"] == p["micro_batch"] * p["grad_accum"] * p["dp"]
+    parsed = run_ranks(_parse_with_deepspeed, 1, str(target), p["dp"])[0]
+    assert parsed == (p["global_batch"], p["micro_batch"], p["grad_accum"], p["zero_stage"], 1.0, "WarmupCosineLR",
+                      "adamw", True)
+    assert written["optimizer"]["params"]["lr"] == pytest.approx(p["lr"])
+    assert not [f for f in tmp_path.iterdir() if f.name != "plan.json"]  # no temporary file left
+
+
+BAD = [
+    (["--params", "abc"], "not a size"),
+    (["--params=-5B"], "positive"),
+    (["--params", "0"], "positive"),
+    (["--params", "175B", "--gpu", "a100"], "known GPUs: v100-32gb"),
+    (["--model", "no/such/config.json"], "does not exist"),
+    (["--model", "nosuchpreset"], "known presets"),
+    (["--params", "175B", "--gpus", "64", "--tp", "3"], "--tp 3"),
+    (["--params", "175B", "--gpus", "64", "--tp", "8", "--pp", "3"], "--pp 3"),
+    (["--params", "175B", "--gpus", "64", "--pp", "4", "--zero", "3"], "--zero 3"),
+    (["--params", "175B", "--gpus", "8"], "needs at least"),
+    (["--params", "175B", "--mem-threshold", "1.5"], "--mem-threshold"),
+    (["--params", "1T", "--tokens", "-3"], "--tokens"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, needle, tmp_path, capsys):
+    target = tmp_path / "out.json"
+    code, out, err = plan(capsys, *argv, "--emit-config", str(target))
+    assert code == 2
+    assert err.startswith("megakit plan: error: ") and err.count("\n") == 1 and needle in err, err
+    assert "Traceback" not in err and not target.exists() and not list(tmp_path.iterdir())
+
+
+def test_malformed_and_unsupported_configs(tmp_path, capsys):
+    broken = tmp_path / "config.json"
+    broken.write_text('{"model_type": "llama", "hidden_size": ')
+    code, _, err = plan(capsys, "--model", str(broken))
+    assert code == 2 and "not valid JSON" in err
+    broken.write_text('{"model_type": "llama", "hidden_size": 64}')
+    code, _, err = plan(capsys, "--model", str(broken))
+    assert code == 2 and "shape field" in err
+    broken.write_text('{"model_type": "bert", "hidden_size": 64}')
+    code, _, err = plan(capsys, "--model", str(broken))
+    assert code == 2 and "not supported" in err
