@@ -161,3 +161,18 @@ def test_recompute_gives_the_same_gradients_with_dropout():
     for name in grads[0]:
         assert torch.equal(grads[0][name], grads[1][name]), name
     assert not torch.equal(grads[0]["layers.0.attn.q_proj.weight"], torch.zeros(1))
+
+
+def test_bf16_and_meta():
+    config = ModelConfig.load("gpt-tiny")
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    fp32 = Transformer(config, seed=1)
+    bf16 = Transformer(config, seed=1, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in bf16.parameters())
+    assert torch.equal(bf16.embed.weight, fp32.embed.weight.to(torch.bfloat16))  # same draws, cast
+    loss = bf16(ids, ids.int())
+    loss.backward()
+    assert loss.dtype == torch.float32 and abs(loss.item() - fp32(ids, ids).item()) < 2e-2
+    assert all(torch.isfinite(p.grad).all() for p in bf16.parameters())
+    meta = Transformer(ModelConfig.load("llama-3-8b").replace(layers=2), device="meta")
+    assert sum(p.numel() for p in meta.parameters()) == ModelConfig.load("llama-3-8b").replace(layers=2).num_params()

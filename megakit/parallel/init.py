@@ -36,6 +36,8 @@ def init_shard_(param: torch.Tensor, *, name: str, seed: int, tp_rank: int, rule
     without padding: padded slices are zero) as set by ``megakit.parallel.tensor.mark``.
     """
     kind = rule[0]
+    if param.is_meta:  # shapes only (e.g. counting parameters): nothing to draw
+        return
     if kind == "zeros":
         param.zero_()
         return

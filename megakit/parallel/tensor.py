@@ -312,6 +312,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     """
     tp, local = C.size(group), logits.shape[-1]
     vocab_size = local * tp if vocab_size is None else vocab_size
+    target = target.long()
     loss = _VocabParallelCrossEntropy.apply(logits, target, group, C.rank(group) * local, vocab_size,
                                             ignore_index)
     if reduction == "none":
@@ -338,6 +339,8 @@ class DropoutRNG:
 
     def __init__(self, seed: int, tp_rank: int, device=None) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type not in ("cpu", "cuda"):  # e.g. meta: nothing random will run there
+            self.device = torch.device("cpu")
         generator = torch.Generator(device=self.device).manual_seed(seed + self.OFFSET + tp_rank)
         self._state = generator.get_state()
 
