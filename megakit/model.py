@@ -196,7 +196,8 @@ class Transformer(nn.Module):
         if pre or (post and tied):  # a tied last stage keeps its own copy, under the same name
             self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden, **kw)
         if pre and config.family == "gpt2":
-            self.pos_embed = nn.Embedding(config.max_seq_len, config.hidden, dtype=dtype, device=device)
+            table = torch.empty(config.max_seq_len, config.hidden, dtype=dtype, device=device)
+            self.pos_embed = nn.Embedding(config.max_seq_len, config.hidden, _weight=table)  # no default init
             mark(self.pos_embed.weight, None)
         if pre:
             self.embed_dropout = _ResidualDropout(config.dropout, self.rng, self.sequence_parallel)
