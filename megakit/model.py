@@ -190,7 +190,7 @@ class Transformer(nn.Module):
         self.layer_range, self.pre, self.post, self.seed = layers, pre, post, seed
         self.recompute = recompute  # full activation recompute, block by block
         self.sequence_parallel = sequence_parallel and tp > 1
-        self.rng = DropoutRNG(seed, tp_rank, device)
+        self.rng = DropoutRNG(seed, tp_rank, device, stream=layers.start)
         kw = dict(group=group, sequence_parallel=self.sequence_parallel, dtype=dtype, device=device)
         tied = config.tie_embeddings
         if pre or (post and tied):  # a tied last stage keeps its own copy, under the same name

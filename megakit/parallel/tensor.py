@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megakit.parallel import collectives as C
+from megakit.parallel.init import index_seed
 
 
 # -- 1. differentiable collectives -------------------------------------------------------------
@@ -331,17 +332,18 @@ class DropoutRNG:
     Replicated activations (the residual stream without SP) use the default generator,
     which the caller seeds identically on every TP rank (consuming none of it elsewhere
     keeps the ranks in step). Split activations (attention heads; the residual stream with
-    SP) run inside ``with rng.split():``, which swaps in a private stream seeded with
-    ``seed + 2718 + tp_rank`` (Megatron's offset) and swaps the default one back after.
+    SP) run inside ``with rng.split():``, which swaps in a private stream and swaps the
+    default one back after. The private stream is seeded from ``(seed, stream, tp_rank)``;
+    ``stream`` tells apart the model chunks that run side by side (the model passes its
+    first layer index, so pipeline stages and interleaved chunks do not repeat each
+    other's masks). The caller likewise seeds the default stream per pipeline stage.
     """
 
-    OFFSET = 2718
-
-    def __init__(self, seed: int, tp_rank: int, device=None) -> None:
+    def __init__(self, seed: int, tp_rank: int, device=None, *, stream: int = 0) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type not in ("cpu", "cuda"):  # e.g. meta: nothing random will run there
             self.device = torch.device("cpu")
-        generator = torch.Generator(device=self.device).manual_seed(seed + self.OFFSET + tp_rank)
+        generator = torch.Generator(device=self.device).manual_seed(index_seed(seed, f"dropout/{stream}", tp_rank))
         self._state = generator.get_state()
 
     def _get(self):
