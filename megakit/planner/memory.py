@@ -80,11 +80,13 @@ class SavedTensor:
 
 def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool = False,
                        precision: str = "bf16", flash_attention: bool = True,
-                       dropout: bool | None = None) -> list[SavedTensor]:
+                       dropout: bool | None = None, dropout_mask_bytes: int = 1) -> list[SavedTensor]:
     """The tensors one transformer block saves for backward, sizes already divided by TP/SP.
 
-    Dropout masks are 1 byte per element; flash attention saves q, k, v, the output
-    and an fp32 log-sum-exp per head and token instead of the s×s scores."""
+    Dropout masks are 1 byte per element on GPUs (a bool mask); PyTorch's CPU dropout
+    keeps a scaled mask in the activation dtype (pass ``dropout_mask_bytes=4`` for fp32
+    on CPU). Flash attention saves q, k, v, the output and an fp32 log-sum-exp per head
+    and token instead of the s×s scores (PyTorch's CPU kernel too, when dropout is off)."""
     p = PRECISIONS[precision]
     dropout = model.dropout > 0 if dropout is None else dropout
     h, f, hd = model.hidden, model.ffn, model.head_dim
@@ -95,27 +97,47 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
     def t(name, per_token, bytes_=p, shard="tp", per_seq=0.0):
         return SavedTensor(name, per_token, per_seq, bytes_, shard)
 
-    out = [t("norm1 input", h / rest, shard="sp"), t("norm1 stats", 2 / rest, 4, "sp"),
-           t("qkv input", h / rest, shard="sp"),
-           t("q", heads * hd), t("k", kv), t("v", kv)]
+    def norm(which):
+        """LayerNorm keeps its input and fp32 mean/rstd; RMSNorm (torch's composite) its input, the
+        normalised input (for the weight's gradient) and the fp32 rstd."""
+        if model.family == "gpt2":
+            return [t(f"{which} input", h / rest, shard="sp"), t(f"{which} stats", 2 / rest, 4, "sp")]
+        return [t(f"{which} input", h / rest, shard="sp"), t(f"{which} normalised", h / rest, shard="sp"),
+                t(f"{which} stats", 1 / rest, 4, "sp")]
+
+    out = norm("norm1") + [t("qkv input", h / rest, shard="sp"), t("q", heads * hd), t("k", kv), t("v", kv)]
     if flash_attention:
         out.append(t("attention log-sum-exp", heads, 4))
     else:
         out.append(t("softmax output", 0, per_seq=heads))
         if dropout:
-            out += [t("attention dropout mask", 0, 1, per_seq=heads), t("attention dropout output", 0, per_seq=heads)]
+            out += [t("attention dropout mask", 0, dropout_mask_bytes, per_seq=heads),
+                    t("attention dropout output", 0, per_seq=heads)]
     out.append(t("attention output (proj input)", heads * hd))
     if dropout:
-        out.append(t("attention residual dropout mask", h / rest, 1, "sp"))
-    out += [t("norm2 input", h / rest, shard="sp"), t("norm2 stats", 2 / rest, 4, "sp"),
-            t("mlp input", h / rest, shard="sp")]
+        out.append(t("attention residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
+    out += norm("norm2") + [t("mlp input", h / rest, shard="sp")]
     if model.gated_mlp:
         out += [t("gate output", f / tp), t("up output", f / tp), t("act(gate)", f / tp), t("down input", f / tp)]
     else:
         out += [t("gelu input", f / tp), t("fc2 input", f / tp)]
     if dropout:
-        out.append(t("mlp residual dropout mask", h / rest, 1, "sp"))
+        out.append(t("mlp residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
     return out
+
+
+def logits_bytes(model: ModelSpec, *, tp: int, sequence_parallel: bool, precision: str, seq_len: int,
+                 micro_batch: int, transient: bool = True) -> float:
+    """The last stage's head for one micro-batch: saved are the final norm's input (+ stats), the
+    head's input and the vocab-parallel cross-entropy's fp32 softmax (V/tp per token) and its
+    per-token target bookkeeping; transient are the logits shard and, below fp32, their fp32 copy."""
+    p = PRECISIONS[precision]
+    rest = tp if sequence_parallel else 1
+    vocab_shard = model.padded_vocab(tp) // tp
+    norm = (2 * p * model.hidden + 8) / rest if model.family == "gpt2" else (3 * p * model.hidden + 4) / rest
+    saved = norm + p * model.hidden + 4 * vocab_shard + 10
+    extra = vocab_shard * (p + (4 if p < 4 else 0)) if transient else 0
+    return seq_len * micro_batch * (saved + extra)
 
 
 def in_flight_micro_batches(*, pp: int, stage: int, num_micro_batches: int, vpp: int = 1) -> float:
@@ -187,7 +209,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                     micro_batch: int = 1, seq_len: int | None = None, num_micro_batches: int | None = None,
                     recompute: str = "none", sequence_parallel: bool = False, vpp: int = 1,
                     precision: str = "bf16", offload: str = "none", stage="first",
-                    flash_attention: bool = True, dropout: bool | None = None, layers: int | None = None,
+                    flash_attention: bool = True, dropout: bool | None = None, dropout_mask_bytes: int = 1,
+                    layers: int | None = None,
                     buckets: Buckets = Buckets(), overhead_bytes: float = 0.0) -> MemoryEstimate:
     """Itemised per-GPU bytes of one layout on one pipeline ``stage`` (index, 'first', 'last', 'middle').
 
@@ -232,7 +255,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
 
     # ---- activations ------------------------------------------------------------------
     tensors = activation_tensors(model, tp=tp, sequence_parallel=sequence_parallel, precision=precision,
-                                 flash_attention=flash_attention, dropout=dropout)
+                                 flash_attention=flash_attention, dropout=dropout,
+                                 dropout_mask_bytes=dropout_mask_bytes)
     full_layer = sum(x.bytes(seq_len=s, micro_batch=b) for x in tensors)
     if recompute == "full":
         kept = p * s * b * model.hidden / (tp if sequence_parallel else 1)  # the block input only
@@ -245,14 +269,13 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     items["activations"] = kept * n_layers * in_flight
     if stage == 0:  # token ids, the embedding output's dropout mask
         uses_dropout = model.dropout > 0 if dropout is None else dropout
-        items["activations"] += in_flight * s * b * (8 + (model.hidden if uses_dropout else 0))
+        items["activations"] += in_flight * s * b * (8 + (model.hidden * dropout_mask_bytes if uses_dropout else 0))
     # Recomputing one block in backward rebuilds its full activations for one micro-batch.
     items["recompute_working_set"] = (full_layer if recompute == "full" else
                                       full_layer - kept if recompute == "selective" else 0.0)
-    if stage == pp - 1:  # final norm input + head input saved, logits shard transient, fp32 softmax saved
-        vocab_shard = model.padded_vocab(tp) // tp
-        items["logits"] = s * b * (2 * p * model.hidden / (tp if sequence_parallel else 1)
-                                   + vocab_shard * (p + 4))
+    if stage == pp - 1:
+        items["logits"] = logits_bytes(model, tp=tp, sequence_parallel=sequence_parallel, precision=precision,
+                                       seq_len=s, micro_batch=b)
     else:
         items["logits"] = 0.0
 
