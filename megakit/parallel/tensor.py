@@ -11,6 +11,8 @@ sequence parallelism, Korthikanti et al. 2022 (arXiv:2205.05198):
 Activations are sequence-first ``(S, B, H)``, so sequence parallelism splits dim 0
 and every SP collective moves contiguous blocks. Each function and layer takes the
 TP process group explicitly; ``None`` or a group of one means no communication.
+Layers allocate their shards uninitialised: ``megakit.parallel.init.init_shard_``
+(what ``megakit.model.Transformer`` does) or ``load_full_state_dict`` fills them.
 """
 
 from __future__ import annotations
