@@ -137,3 +137,13 @@ def test_bad_layouts_are_usage_errors():
         estimate_memory(GPT3, zero_stage=2, offload="params")
     with pytest.raises(UsageError):
         estimate_memory(GPT3, pp=4, stage=4)
+
+
+@pytest.mark.parametrize("pp,m,vpp", [(4, 8, 1), (4, 2, 1), (4, 8, 2), (8, 16, 3), (16, 64, 4), (2, 4, 2)])
+def test_in_flight_counts_agree_with_the_pipeline_simulator(pp, m, vpp):
+    from megakit.parallel.schedules import build_schedule
+    from megakit.parallel.simulator import simulate
+
+    report = simulate(build_schedule("interleaved" if vpp > 1 else "1f1b", pp, m, vpp))
+    simulated = [chunks / vpp for chunks in report.peak_in_flight]  # chunk activations, in stage units
+    assert simulated == [in_flight_micro_batches(pp=pp, stage=i, num_micro_batches=m, vpp=vpp) for i in range(pp)]

@@ -8,6 +8,8 @@ The model is physical, not one efficiency per run. Per micro-batch and block a G
 * memory-bound time: the elementwise kernels (norms, softmax, GELU, dropout,
   residuals) stream the block's activations, ``K_MEM`` × the Korthikanti bytes,
   through HBM; this is what makes small hidden sizes and long sequences slower;
+* a fixed kernel-launch cost per block (``LAUNCH_S``), which is what makes tiny
+  micro-batches of small models slow;
 * TP all-reduces (or SP all-gather + reduce-scatter) on the intra-node link:
   2 forward, 2 backward, 2 more when the block is recomputed, not overlapped;
 
@@ -38,6 +40,7 @@ D_HALF = 256  # smallest GEMM dimension at which efficiency halves
 K_MEM = 4.0  # HBM traffic of the elementwise kernels, in multiples of the saved-activation bytes
 LINK_EFFICIENCY = {"intra": 0.90, "inter": 0.72}  # achieved collective bandwidth / link bandwidth
 OVERLAP_NORM = 2.0  # compute and traffic running together take (C^k + Z^k)^(1/k): k=1 no overlap, k=inf perfect
+LAUNCH_S = 2e-4  # fixed cost per block and micro-batch (forward + backward): ~50 kernel launches x 4 µs
 ADAM_BYTES = 36  # HBM bytes the optimizer step touches per local parameter (fp32 master, m, v, grads)
 
 
@@ -135,7 +138,8 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     tp_bw, tp_where = _where(cluster, t, 1)
     n_collectives = 6 if plan.recompute == "full" else 4
     tp_s = n_collectives * collective_time(tokens * model.hidden * nbytes, t, tp_bw, tp_where)
-    layer_s = gemm_s + mem_s + tp_s
+    launch_s = LAUNCH_S * (4 / 3 if plan.recompute == "full" else 1.0)
+    layer_s = gemm_s + mem_s + tp_s + launch_s
     layer_bwd_share = 2 / 3  # of a block's compute, the backward part (what DP traffic can hide behind)
 
     # ---- embedding and LM head on the first / last stage --------------------------------

@@ -45,7 +45,7 @@ def scaled_lr(params: float, global_batch: int, seq_len: int, *, base_lr: float 
         base_batch_seqs = base_batch or 256
         source = f"--base-lr {base_lr:g} at {base_batch_seqs:g} sequences"
     lr = base_lr * global_batch / base_batch_seqs
-    return lr, f"{lr:.3g} = {source} x {global_batch} / {base_batch_seqs:g} (linear scaling)"
+    return lr, f"{lr:.3g} = {source} x {global_batch} / {base_batch_seqs:.0f} sequences (linear scaling)"
 
 
 def ds_config(plan: Plan, *, lr: float, total_steps: int, warmup_steps: int, buckets: Buckets = Buckets()) -> dict:

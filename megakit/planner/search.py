@@ -287,7 +287,11 @@ def smallest_cluster(model: ModelSpec, make_cluster, *, global_batch: int, max_n
     limit = kwargs.get("threshold", 0.8) * probe.gpu.mem_gib * GIB
     floor_states = estimate_memory(model, dp=1, zero_stage=3, precision=kwargs.get("precision", "bf16"))
     start = max(1, int(floor_states.model_states // (limit * per_node)))
+    pins = kwargs.get("pins", Pins())
+    fixed = (pins.tp or 1) * (pins.pp or 1)
     for nodes in range(start, max_nodes + 1):
+        if (nodes * per_node) % fixed:
+            continue  # the pinned TP x PP does not divide this many GPUs
         try:
             return nodes, search(model, make_cluster(nodes), global_batch=global_batch, zero3_fallback=False,
                                  **kwargs)
