@@ -140,7 +140,7 @@ def run(args) -> int:
             "lr": lr, "warmup_steps": warmup, "total_steps": total_steps},
         "alternatives": [plan_dict(c.plan, c.memory, c.cost, cluster, tokens, model.seq_len)
                          for c in result.ranked[1:1 + args.top]],
-        "rejected": [{"plan": _plan_fields(r.plan) if r.plan else None, "reason": r.reason,
+        "rejected": [{"plan": _plan_fields(r.plan) if r.plan else None, "reason": r.reason, "kind": r.kind,
                       "tokens_per_s": r.tokens_per_s} for r in _top_rejected(result.rejected, args.top)],
         "assumptions": assumptions(model, cluster, auto, result, precision, flash, args.mem_threshold,
                                    global_batch, tokens, launch),
@@ -164,10 +164,14 @@ def _preset_for(model: ModelSpec) -> str:
 
 
 def _top_rejected(rejected, top):
-    """The fastest plans that did not fit, then one line per structural reason."""
-    with_speed = [r for r in rejected if r.tokens_per_s is not None][:top]
-    structural = [r for r in rejected if r.tokens_per_s is None][:top]
-    return with_speed + structural
+    """The fastest plans that did not fit, then one example of each structural reason (for layouts
+    that failed even at their smallest, the one closest to fitting)."""
+    out = [r for r in rejected if r.kind == "memory"][:top]
+    for kind in ("tp-node", "zero-pp", "rule", "vpp", "batch", "floor"):
+        of_kind = [r for r in rejected if r.kind == kind]
+        if of_kind:
+            out.append(min(of_kind, key=lambda r: r.peak_gib or 0.0))
+    return out
 
 
 def _plan_fields(plan: Plan) -> dict:

@@ -89,8 +89,13 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
         rej.add_column("would do tok/s", justify="right")
         rej.add_column("why not")
         for r in report["rejected"]:
-            layout = _short(r["plan"]) if r["plan"] and r["tokens_per_s"] is not None else (
-                f"TP={r['plan']['tp']} PP={r['plan']['pp']}" if r["plan"] else "")
+            q = r["plan"]
+            if r["kind"] == "memory":
+                layout = _short(q)
+            elif r["kind"] in ("floor", "zero-pp", "batch"):
+                layout = f"TP={q['tp']} PP={q['pp']} DP={q['dp']} ZeRO-{q['zero_stage']}"
+            else:
+                layout = f"TP={q['tp']} PP={q['pp']}"
             speed_text = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"
             rej.add_row(layout, speed_text, r["reason"])
         console.print(rej)

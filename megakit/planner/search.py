@@ -59,6 +59,8 @@ class Rejection:
     plan: Plan | None
     reason: str
     tokens_per_s: float | None = None  # what it would have done, when the cost was evaluated
+    kind: str = "memory"  # memory | floor | tp-node | zero-pp | batch | vpp | rule
+    peak_gib: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -143,8 +145,7 @@ def _simplicity(c: Candidate):
 
 
 def _no_plan_reason(ctx) -> str:
-    smallest = min((r for r in ctx.rejected if r.reason.startswith("peak")), default=None,
-                   key=lambda r: float(r.reason.split()[1]))
+    smallest = min((r for r in ctx.rejected if r.peak_gib is not None), default=None, key=lambda r: r.peak_gib)
     detail = f" (the smallest peak found: {smallest.reason})" if smallest else ""
     return f"no layout fits {ctx.cluster.num_gpus} x {ctx.cluster.gpu.name}{detail}"
 
@@ -189,12 +190,12 @@ class _Context:
         self.reasons_seen: set = set()
         self.evaluated = 0
 
-    def reject(self, plan, reason, tokens_per_s=None, *, unique_key=None):
+    def reject(self, plan, reason, tokens_per_s=None, *, unique_key=None, kind="memory", peak=None):
         key = unique_key or reason
         if tokens_per_s is None and key in self.reasons_seen:
             return
         self.reasons_seen.add(key)
-        self.rejected.append(Rejection(plan, reason, tokens_per_s))
+        self.rejected.append(Rejection(plan, reason, tokens_per_s, kind, None if peak is None else peak / GIB))
 
     def run(self, branch: str, zeros) -> None:
         m, c, pins = self.model, self.cluster, self.pins
@@ -203,12 +204,12 @@ class _Context:
         for tp in tps:
             if pins.tp is None and branch == "data-parallel" and tp > 1:
                 self.reject(Plan(tp=tp), "model fits one GPU: the seed's rule trains it data-parallel (TP=1)",
-                            unique_key="dp-branch-tp")
+                            unique_key="dp-branch-tp", kind="rule")
                 continue
             if pins.tp is None and (tp > node or node % tp):
                 self.reject(Plan(tp=tp), f"TP={tp} {'crosses' if tp > node else 'straddles'} the node ({node} "
                             "GPUs per node): its per-layer all-reduces would run on the network",
-                            unique_key=f"tp-node-{tp}")
+                            unique_key=f"tp-node-{tp}", kind="tp-node")
                 continue
             pps = [pins.pp] if pins.pp is not None else [p for p in divisors(world // tp) if p <= m.layers]
             for pp in pps:
@@ -217,17 +218,17 @@ class _Context:
                 dp = world // (tp * pp)
                 if pins.pp is None and branch == "data-parallel" and pp > 1:
                     self.reject(Plan(pp=pp), "model fits one GPU: the seed's rule trains it data-parallel (PP=1)",
-                                unique_key="dp-branch-pp")
+                                unique_key="dp-branch-pp", kind="rule")
                     continue
                 if self.global_batch % dp:
                     self.reject(Plan(tp=tp, pp=pp, dp=dp), f"global batch {self.global_batch} is not a multiple "
-                                f"of DP={dp}", unique_key=f"batch-dp-{dp}")
+                                f"of DP={dp}", unique_key=f"batch-dp-{dp}", kind="batch")
                     continue
                 for zero in ([pins.zero] if pins.zero is not None else zeros):
                     if zero >= 2 and pp > 1:
                         self.reject(Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero), f"ZeRO-{zero} with PP={pp}: "
                                     "gradients are partitioned per micro-batch, so a pipeline allows ZeRO 0-1 only",
-                                    unique_key=f"zero-pp-{zero}")
+                                    unique_key=f"zero-pp-{zero}", kind="zero-pp")
                         continue
                     if zero >= 1 and dp == 1:
                         continue  # identical to ZeRO-0
@@ -247,7 +248,7 @@ class _Context:
         if floor.total > self.limit:
             self.reject(base, f"peak {floor.total / GIB:.2f} GiB > {self.limit / GIB:.2f} GiB even with one "
                         f"sequence and full recompute (model states {floor.model_states / GIB:.1f} GiB)",
-                        unique_key=("floor", tp, pp, zero))
+                        unique_key=("floor", tp, pp, zero), kind="floor", peak=floor.total)
             return
         vpps = [pins.vpp] if pins.vpp is not None else [v for v in (1, 2, 3, 4) if v == 1 or (pp > 1 and
                                                                                               m.layers % (pp * v) == 0)]
@@ -266,7 +267,7 @@ class _Context:
                                                    micro_batch=mb, grad_accum=ga)
                         if vpp > 1 and ga % pp:
                             self.reject(plan, f"interleaving (VPP={vpp}) needs the {ga} micro-batches to be a "
-                                        f"multiple of PP={pp}", unique_key=("vpp-ga", pp, vpp))
+                                        f"multiple of PP={pp}", unique_key=("vpp-ga", pp, vpp), kind="vpp")
                             continue
                         self.evaluated += 1
                         mem = peak_memory(m, seq_len=self.seq_len, overhead_bytes=OVERHEAD_BYTES,
@@ -275,7 +276,7 @@ class _Context:
                         if mem.total > self.limit:
                             self.reject(plan, f"peak {mem.total / GIB:.2f} GiB > {self.limit / GIB:.2f} GiB "
                                         f"({self.limit / GIB / self.cluster.gpu.mem_gib:.0%} of "
-                                        f"{self.cluster.gpu.mem_gib:g} GiB)", cost.tokens_per_s)
+                                        f"{self.cluster.gpu.mem_gib:g} GiB)", cost.tokens_per_s, peak=mem.total)
                             break  # a bigger micro-batch only needs more
                         self.feasible.append(Candidate(plan, mem, cost))
 
