@@ -1,0 +1,440 @@
+"""Hybrid 3D training: megakit's TP model and 1F1B executor, with one DeepSpeed engine per pipeline stage.
+
+DeepSpeed stays the engine for ZeRO, precision, the optimizer, the LR schedule,
+gradient clipping and accumulation: ``deepspeed.initialize(model=stage, mpu=topology,
+config=ds_config)`` on every rank, so ZeRO shards and reduces over the DP group only
+and ``train_batch_size = micro × accumulation × DP``.
+
+- PP = 1: DeepSpeed counts micro-batches (``engine.step()`` after each backward only
+  steps at the accumulation boundary); ZeRO 0-1 all-reduce once, at the boundary.
+  (ZeRO 2-3 reduce-scatter gradient buckets during every backward: that is what
+  partitioned gradients mean.)
+- PP > 1: megakit's executor runs one optimizer step's 1F1B schedule; the last stage
+  calls ``engine.backward(loss)``, earlier stages ``engine.backward((out * grad).sum(),
+  scale_wrt_gas=False)``, and the schedule's final action calls ``engine.step()``. With
+  ``"managed_gradient_accumulation": false`` (DeepSpeed >= 0.19.8) each ``step()`` is
+  the boundary, so DP gradients are reduced once per step. Only ZeRO 0-1: ZeRO 2-3
+  partition gradients per micro-batch, which a pipeline's interleaved backward breaks.
+
+Global gradient norm (clipping): TP shards count once each, replicated parameters
+once per stage (``Topology.get_model_parallel_rank`` is the TP rank), and the tied
+embedding copy on the last stage is marked ``ds_pipe_replicated`` so DeepSpeed skips it.
+DeepSpeed's fp32 ZeRO-0 path ignores that mark and does not report the norm, so there
+megakit clips itself (``_Zero0Clipper``) with the same rule.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megakit.data import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches, load_tokens
+from megakit.errors import UsageError
+from megakit.metrics import CommTimer, StepMetrics, gpu_peak_tflops
+
+MISSING_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run. ``ds_config``: a path or an already-loaded dict."""
+
+    ds_config: str | dict
+    model: str = "gpt-mini"
+    data: str | None = None
+    steps: int = 200
+    tp: int = 1
+    pp: int = 1
+    seq_len: int | None = None
+    seed: int = 0
+    schedule: str = "1f1b"
+    tensorboard: str | None = None
+    profile: str | None = None
+    verify_memory: bool = False
+    metrics_out: str | None = None
+    log_every: int = 1
+    progress: bool = True
+    stall_timeout_s: float = 60.0
+    collective_timeout_s: float = 300.0
+    max_bytes: int = DEFAULT_MAX_BYTES
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise UsageError(f"--steps must be at least 1, got {self.steps}")
+        if self.log_every < 1:
+            raise UsageError(f"--log-every must be at least 1, got {self.log_every}")
+
+
+class TrainingDiverged(RuntimeError):
+    """A loss or gradient became NaN/inf; the message names the step and the rank(s)."""
+
+
+@dataclass
+class TrainResult:
+    steps: list = field(default_factory=list)  # StepMetrics per step (rank 0 has them all)
+    memory: list | None = None  # per-rank rows of --verify-memory
+
+    @property
+    def losses(self) -> list[float]:
+        return [m.loss for m in self.steps]
+
+
+# -- ds_config -----------------------------------------------------------------------------------
+def load_ds_config(source: str | dict, *, dp: int, pp: int) -> dict:
+    """The ds_config as DeepSpeed will get it, checked against the layout (UsageError on any mistake)."""
+    if isinstance(source, dict):
+        config = json.loads(json.dumps(source))
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise UsageError(f"--ds_config {source}: no such file; pass a DeepSpeed JSON config such as ds_configs/zero1.json")
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise UsageError(f"--ds_config {source} is not valid JSON ({error.msg} at line {error.lineno}); fix the file") from None
+        if not isinstance(config, dict):
+            raise UsageError(f"--ds_config {source} must hold a JSON object; see ds_configs/zero1.json")
+    micro = config.get("train_micro_batch_size_per_gpu")
+    accumulation = config.get("gradient_accumulation_steps", 1)
+    total = config.get("train_batch_size")
+    if micro is None:
+        if total is None or total % (accumulation * dp):
+            raise UsageError("the ds_config needs train_micro_batch_size_per_gpu (or a train_batch_size divisible by "
+                             f"gradient_accumulation_steps x DP = {accumulation} x {dp}); add it")
+        micro = total // (accumulation * dp)
+    if total is not None and total != micro * accumulation * dp:
+        raise UsageError(f"train_batch_size {total} != micro-batch {micro} x accumulation {accumulation} x DP {dp}; "
+                         "drop train_batch_size from the ds_config or make it match this layout")
+    config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation,
+                  train_batch_size=micro * accumulation * dp)
+    stage = int(config.get("zero_optimization", {}).get("stage", 0))
+    if pp > 1 and stage >= 2:
+        raise UsageError(f"ZeRO stage {stage} partitions gradients during every micro-batch's backward, which a "
+                         f"pipeline (--pp {pp}) cannot accumulate; use ZeRO 0 or 1 with --pp > 1, or --pp 1")
+    optimizer = str(config.get("optimizer", {}).get("type", "")).lower()
+    if optimizer in MISSING_OPTIMIZERS:
+        import deepspeed
+
+        raise UsageError(f"this DeepSpeed ({deepspeed.__version__}) no longer ships {config['optimizer']['type']} "
+                         "(1-bit Adam/LAMB were removed); use another ds_config or a DeepSpeed release that has it")
+    if config.get("fp16", {}).get("enabled") and not torch.cuda.is_available():
+        raise UsageError("fp16 training needs a GPU (CPU kernels and DeepSpeed's loss scaler are GPU-only here); "
+                         "use ds_configs/zero1.json (fp32) or bf16 on CPU")
+    if pp > 1:
+        config["managed_gradient_accumulation"] = False  # each engine.step() is the boundary
+    return config
+
+
+# -- gradient norm ---------------------------------------------------------------------------------
+def counted_in_norm(param, topo) -> bool:
+    """Whether this rank adds ``param``'s gradient to the global norm (each element counted once in the job)."""
+    if getattr(param, "ds_pipe_replicated", False):
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or topo.tp_rank == 0
+
+
+def global_grad_norm(params, topo) -> tuple[float, bool]:
+    """``(norm, this rank's gradients finite)``: the single-process gradient norm of the whole model.
+
+    Collective: a scalar all-reduce (sum of squares) over the model-parallel (TP x PP) group.
+    """
+    local = torch.zeros((), dtype=torch.float64)
+    finite = True
+    for p in params:
+        if p.grad is None:
+            continue
+        finite &= bool(torch.isfinite(p.grad).all())
+        if counted_in_norm(p, topo):
+            local += p.grad.detach().double().pow(2).sum()
+    if topo.tp * topo.pp > 1:
+        dist.all_reduce(local, group=topo.mp_group)
+    return float(local.sqrt()), finite
+
+
+class _Zero0Clipper:
+    """Clips fp32 ZeRO-0 gradients by the global norm, as an optimizer pre-step hook (after DP reduction)."""
+
+    def __init__(self, params, topo, max_norm: float) -> None:
+        self.params, self.topo, self.max_norm = list(params), topo, max_norm
+        self.norm, self.finite = float("nan"), True
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        self.norm, self.finite = global_grad_norm(self.params, self.topo)
+        if self.max_norm > 0 and math.isfinite(self.norm):
+            coef = self.max_norm / (self.norm + 1e-6)
+            if coef < 1.0:
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+def _describe(topo, rank: int) -> str:
+    c = topo.layout.coords(rank)
+    return f"rank {rank} (pp {c['pp']}, dp {c['dp']}, tp {c['tp']})"
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Run ``cfg.steps`` optimizer steps on the job the launcher started; returns the metrics."""
+    from megakit.parallel.topology import Topology, init_distributed
+
+    init_distributed(timeout_s=cfg.collective_timeout_s)
+    timer = CommTimer(sync_cuda=torch.cuda.is_available())
+    with timer:  # installed before DeepSpeed and the TP layers look up their collectives
+        topo = Topology.from_world(tp=cfg.tp, pp=cfg.pp, timeout_s=cfg.collective_timeout_s)
+        watchdog = _start_watchdog(cfg, topo)
+        try:
+            result = _train(cfg, topo, timer, watchdog)
+        except (UsageError, TrainingDiverged):
+            watchdog.stop(done=True)
+            raise
+        except Exception as error:
+            if dist.get_world_size() > 1 and not isinstance(error, AssertionError):
+                why = watchdog.diagnose()
+                raise RuntimeError(f"{_describe(topo, topo.rank)}: communication failed "
+                                   f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); {why}") from error
+            raise
+        watchdog.stop(done=True)
+        return result
+
+
+def _start_watchdog(cfg: TrainConfig, topo):
+    from megakit.faults import Watchdog, connect_store
+
+    store = None
+    if dist.get_world_size() > 1:
+        store = connect_store(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 29500)),
+                              timeout_s=max(5.0, cfg.stall_timeout_s / 2))
+    return Watchdog(topo.rank, dist.get_world_size(), stall_s=cfg.stall_timeout_s,
+                    describe=lambda r: _describe(topo, r), store=store).start()
+
+
+def _build(cfg: TrainConfig, topo, ds_config: dict):
+    """This rank's stage model wrapped in a DeepSpeed engine (and the ZeRO-0 clipper when needed)."""
+    import deepspeed
+
+    from megakit.model import ModelConfig
+    from megakit.parallel.pipeline import build_stage_chunks
+
+    config = ModelConfig.load(cfg.model)
+    if config.vocab_size < 256:
+        raise UsageError(f"model {cfg.model} has a vocabulary of {config.vocab_size}; byte-level training needs 256")
+    (stage,) = build_stage_chunks(config, topo, seed=cfg.seed)
+    if topo.pp > 1 and topo.is_last_stage and config.tie_embeddings:
+        stage.embed.weight.ds_pipe_replicated = True  # the first stage's copy counts in the norm
+    zero = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    mixed = ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled")
+    clipper = None
+    if zero == 0 and not mixed:
+        clipper = _Zero0Clipper(stage.parameters(), topo, float(ds_config.get("gradient_clipping", 0.0)))
+        ds_config = {**ds_config, "gradient_clipping": 0.0}
+    engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=stage.parameters(), mpu=topo,
+                                                   config=ds_config)
+    if clipper is not None:
+        optimizer.register_step_pre_hook(clipper)
+    return config, engine, clipper
+
+
+def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog) -> TrainResult:
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    ds_config = load_ds_config(cfg.ds_config, dp=topo.dp, pp=topo.pp)
+    config, engine, clipper = _build(cfg, topo, ds_config)
+    seq_len = cfg.seq_len or config.max_seq_len
+    plan = BatchPlan(seq_len=seq_len, micro_batch=engine.train_micro_batch_size_per_gpu(),
+                     accumulation=engine.gradient_accumulation_steps(), dp=topo.dp, seed=cfg.seed)
+    batches = TokenBatches(load_tokens(cfg.data, max_bytes=cfg.max_bytes), plan)
+    run_step = _pipeline_step(cfg, topo, engine, plan, config) if topo.pp > 1 else _plain_step(engine)
+
+    from megakit.model import model_flops_per_token
+
+    probe = None
+    if cfg.verify_memory:
+        from megakit.memory_check import MemoryProbe
+
+        probe = MemoryProbe(engine, topo, plan=plan, config=config, ds_config=ds_config)
+    reporter = _Reporter(cfg, topo)
+    result = TrainResult()
+    flops_per_step = model_flops_per_token(config, seq_len) * plan.global_batch * seq_len
+    peak = gpu_peak_tflops()
+    profiler = _profiler(cfg, topo)
+    for step in range(cfg.steps):
+        micro_batches = batches.micro_batches(step, topo.dp_rank)
+        timer.measuring = not torch.cuda.is_available() or step % 10 == 1
+        timer.take()
+        lr = engine.get_lr()[0]
+        start = time.perf_counter()
+        with probe.step() if probe else _nothing():
+            loss = run_step(micro_batches)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        comm = timer.take() if timer.measuring else None
+        if clipper is not None:
+            grad_norm, grads_finite = clipper.norm, clipper.finite
+        else:
+            grad_norm = float(engine.get_global_grad_norm() or float("nan"))
+            grads_finite = math.isfinite(grad_norm) and grad_norm >= 0  # DeepSpeed masks inf/nan as -1
+        loss = _check_finite(topo, step, loss, grads_finite)
+        if profiler is not None:
+            profiler.step()
+        metrics = StepMetrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds,
+                              samples=plan.global_batch, tokens=plan.global_batch * seq_len, flops=flops_per_step,
+                              comm_seconds=comm, world_size=dist.get_world_size(), peak_tflops=peak)
+        result.steps.append(metrics)
+        reporter.log(metrics)
+    if profiler is not None:
+        profiler.stop()
+    if probe is not None:
+        result.memory = probe.report()
+        reporter.memory(result.memory)
+    reporter.close(result)
+    return result
+
+
+def _plain_step(engine):
+    """PP = 1: DeepSpeed accumulates; ``step()`` after each micro-batch only updates at the boundary."""
+
+    def run(micro_batches) -> torch.Tensor:
+        losses = []
+        for inputs, labels in micro_batches:
+            loss = engine(inputs, labels)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach().float())
+        return torch.stack(losses).mean()
+
+    return run
+
+
+def _pipeline_step(cfg: TrainConfig, topo, engine, plan: BatchPlan, config):
+    """PP > 1: one 1F1B (or chosen) schedule per step; DeepSpeed does backward scaling, DP reduction and step."""
+    from megakit.parallel.pipeline import PipelineExecutor
+    from megakit.parallel.schedules import build_schedule
+
+    def backward(output, grad):
+        if grad is None:
+            engine.backward(output)  # the loss: scaled by 1 / accumulation, as with PP = 1
+        else:
+            engine.backward((output * grad).sum(), scale_wrt_gas=False)
+
+    executor = PipelineExecutor([engine], topo, schedule=build_schedule(cfg.schedule, topo.pp, plan.accumulation),
+                                backward=backward, activation_shape=(plan.seq_len, plan.micro_batch, config.hidden),
+                                reduce_grads=lambda: None, optimizer_step=engine.step, broadcast_loss=True)
+
+    def run(micro_batches) -> torch.Tensor:
+        inputs = [x for x, _ in micro_batches] if topo.is_first_stage else None
+        labels = [y for _, y in micro_batches] if topo.is_last_stage else None
+        return torch.tensor(executor.step(inputs, labels))
+
+    return run
+
+
+def _check_finite(topo, step: int, loss: torch.Tensor, grads_finite: bool) -> float:
+    """The step's loss averaged over DP (one small all-reduce); raises naming the ranks that saw NaN/inf."""
+    world = dist.get_world_size()
+    loss = loss.detach().double()
+    flags = torch.zeros(world + 1, dtype=torch.float64)
+    loss_ok = bool(torch.isfinite(loss))
+    flags[topo.rank] = float(not loss_ok) + 2.0 * float(not grads_finite)
+    flags[world] = (loss if loss_ok else torch.zeros(())) / world
+    dist.all_reduce(flags)
+    bad = [(r, int(v)) for r, v in enumerate(flags[:world].tolist()) if v]
+    if bad:
+        what = {1: "loss", 2: "gradient", 3: "loss and gradient"}
+        found = "; ".join(f"{_describe(topo, r)}: non-finite {what[v]}" for r, v in bad)
+        raise TrainingDiverged(f"NaN/inf at step {step}: {found}; lower the learning rate, enable "
+                               "gradient_clipping, or use bf16 instead of fp16")
+    return float(flags[world])
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def _profiler(cfg: TrainConfig, topo):
+    if not cfg.profile:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    out = Path(cfg.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+    def save(prof) -> None:
+        tmp = out / f".trace_rank{topo.rank}.json.tmp"
+        prof.export_chrome_trace(str(tmp))
+        os.replace(tmp, out / f"trace_rank{topo.rank}.json")
+
+    prof = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=2, repeat=1),
+                   on_trace_ready=save, record_shapes=False)
+    prof.start()
+    return prof
+
+
+class _Reporter:
+    """Rank 0's progress bar, per-step log lines, TensorBoard events and metrics file."""
+
+    def __init__(self, cfg: TrainConfig, topo) -> None:
+        self.cfg, self.active = cfg, topo.rank == 0
+        self.bar = self.writer = None
+        if not self.active:
+            return
+        print(f"megakit: training {cfg.model} on {dist.get_world_size()} processes: TP {topo.tp} x PP {topo.pp} "
+              f"x DP {topo.dp}", flush=True)
+        if cfg.progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=cfg.steps, desc="train", unit="step", dynamic_ncols=True)
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(cfg.tensorboard)
+
+    def _print(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def log(self, m: StepMetrics) -> None:
+        if not self.active:
+            return
+        if m.step % self.cfg.log_every == 0 or m.step == self.cfg.steps - 1:
+            self._print(m.line())
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{m.loss:.3f}", lr=f"{m.lr:.1e}")
+        if self.writer is not None:
+            for name, value in m.scalars().items():
+                self.writer.add_scalar(name, value, m.step)
+
+    def memory(self, rows: list) -> None:
+        if self.active:
+            from megakit.memory_check import format_table
+
+            self._print(format_table(rows))
+
+    def close(self, result: TrainResult) -> None:
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.cfg.metrics_out:
+            out = Path(self.cfg.metrics_out)
+            tmp = out.with_name(f".{out.name}.tmp")
+            tmp.write_text(json.dumps({"steps": [m.to_dict() for m in result.steps], "memory": result.memory}, indent=1))
+            os.replace(tmp, out)

@@ -1,0 +1,79 @@
+"""Train a megakit model with TP x PP x DeepSpeed ZeRO DP, on CPU or GPU.
+
+    deepspeed scripts/train.py --ds_config ds_configs/zero2.json
+    deepspeed --num_gpus 4 scripts/train.py --ds_config ds_configs/zero1.json --tp 2 --pp 2
+
+The launcher starts one process per GPU (per CPU process with --num_gpus on a CPU
+machine); DP takes the processes that TP x PP leave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_DS_CONFIG = Path(__file__).resolve().parent.parent / "ds_configs" / "zero1.json"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        self.exit(2, f"train.py: error: {message}\n")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--ds_config", "--ds-config", default=str(DEFAULT_DS_CONFIG),
+                   help="DeepSpeed JSON config (ds_configs/*.json, or what `megakit plan --emit-config` wrote)")
+    p.add_argument("--model", default="gpt-mini", help="preset in models/ or a path to a HF config.json")
+    p.add_argument("--data", default=None, help="text file or directory (default: the Python standard library's sources)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps to run")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule (PP > 1)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's max)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensorboard", metavar="DIR", default=None, help="write TensorBoard event files to DIR")
+    p.add_argument("--profile", metavar="DIR", nargs="?", const="profile", default=None,
+                   help="write a PyTorch profiler trace per rank (steps 2-3) to DIR (default ./profile)")
+    p.add_argument("--verify-memory", action="store_true",
+                   help="print each rank's measured memory next to the planner's prediction")
+    p.add_argument("--metrics-out", metavar="FILE", default=None, help="write per-step metrics as JSON (rank 0)")
+    p.add_argument("--log-every", type=int, default=1, help="print a metrics line every N steps")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--stall-timeout", type=float, default=60.0,
+                   help="seconds without a heartbeat after which a peer counts as dead and the job ends")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from megakit.errors import UsageError
+    from megakit.trainer import TrainConfig, TrainingDiverged, train
+
+    try:
+        cfg = TrainConfig(ds_config=args.ds_config, model=args.model, data=args.data, steps=args.steps, tp=args.tp,
+                          pp=args.pp, schedule=args.schedule, seq_len=args.seq_len, seed=args.seed,
+                          tensorboard=args.tensorboard, profile=args.profile, verify_memory=args.verify_memory,
+                          metrics_out=args.metrics_out, log_every=args.log_every, progress=not args.no_progress,
+                          stall_timeout_s=args.stall_timeout)
+        train(cfg)
+    except UsageError as error:
+        print(f"train.py: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    except TrainingDiverged as error:
+        print(f"train.py: {error}", file=sys.stderr, flush=True)
+        return 1
+    except RuntimeError as error:
+        if "communication failed" not in str(error):
+            raise
+        print(f"train.py: {error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

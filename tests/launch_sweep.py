@@ -1,0 +1,33 @@
+"""Run several training cases in ONE job started by the real ``deepspeed`` launcher (saves launcher starts).
+
+    deepspeed --num_gpus N tests/launch_sweep.py CASES.json RESULTS.json
+
+CASES.json: a list of ``TrainConfig`` keyword dicts (``ds_config`` may be a dict). Rank 0
+writes, per case, the per-step losses, grad norms, LRs and the --verify-memory rows.
+"""
+
+import json
+import os
+import sys
+
+from megakit.trainer import TrainConfig, train
+
+
+def main() -> int:
+    cases_path, results_path = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    cases = json.load(open(cases_path))
+    results = []
+    for case in cases:
+        result = train(TrainConfig(progress=False, log_every=10**9, **case))
+        results.append({"loss": result.losses, "grad_norm": [m.grad_norm for m in result.steps],
+                        "lr": [m.lr for m in result.steps], "memory": result.memory})
+    if int(os.environ.get("RANK", 0)) == 0:
+        tmp = results_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(results, f)
+        os.replace(tmp, results_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
