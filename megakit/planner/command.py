@@ -21,7 +21,7 @@ from megakit.planner.hardware import GPUS, Cluster, gpu_preset
 from megakit.planner.memory import GIB
 from megakit.planner.model_spec import ModelSpec, parse_count
 from megakit.planner.plan import Plan
-from megakit.planner.search import Pins, search, smallest_cluster
+from megakit.planner.search import NoPlan, Pins, search, smallest_cluster
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -110,8 +110,8 @@ def run(args) -> int:
         cluster = make_cluster(gpus=args.gpus) if args.gpus is not None else make_cluster(nodes=args.nodes)
         try:
             result = search(model, cluster, global_batch=global_batch, **kwargs)
-        except UsageError as error:
-            if "no layout fits" not in str(error):
+        except NoPlan as error:
+            if not error.memory_bound:
                 raise
             try:
                 nodes, _ = smallest_cluster(model, lambda n: make_cluster(nodes=n), global_batch=global_batch,

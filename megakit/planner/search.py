@@ -35,7 +35,6 @@ class Pins:
 
     tp: int | None = None
     pp: int | None = None
-    dp: int | None = None
     zero: int | None = None
     micro_batch: int | None = None
     recompute: str | None = None
@@ -116,11 +115,16 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
     ctx = _Context(model, cluster, pins, global_batch, s, limit, precision, offload, flash, keep_rejected)
     zeros = (0, 1, 2, 3) if branch != "model-parallel" or pins.zero is not None else (0, 1, 2)
     ctx.run(branch, zeros)
+    if not ctx.feasible and branch == "data-parallel":  # e.g. a global batch smaller than the GPU count
+        branch = "model-parallel"
+        why += (f"; but data parallelism alone cannot use {world} GPUs with a global batch of {global_batch}, "
+                "so TP inside a node and PP across nodes take the rest")
+        ctx.run(branch, (0, 1, 2))
     if not ctx.feasible and branch == "model-parallel" and zero3_fallback:  # memory requires ZeRO-3
         why += "; nothing fit with ZeRO 0-2, so ZeRO-3 shards the model states too"
         ctx.run(branch, (3,))
     if not ctx.feasible:
-        raise NoPlan(_no_plan_reason(ctx))
+        raise NoPlan(_no_plan_reason(ctx), memory_bound=ctx.evaluated > 0)
     ranked = sorted(ctx.feasible, key=lambda c: -c.cost.tokens_per_s)
     # Within TIE of the fastest, the simplest plan wins (lower ZeRO, fewer stages, ...): the seed's
     # "ZeRO only as memory requires" and no complexity the cost model cannot tell apart.
@@ -135,7 +139,12 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
 
 
 class NoPlan(UsageError):
-    """No layout fits this cluster."""
+    """No layout fits this cluster; ``memory_bound``: some layout got as far as the memory check
+    (else every layout was excluded by divisibility: batch, heads, layers)."""
+
+    def __init__(self, message: str, *, memory_bound: bool = True):
+        super().__init__(message)
+        self.memory_bound = memory_bound
 
 
 def _simplicity(c: Candidate):
@@ -145,9 +154,17 @@ def _simplicity(c: Candidate):
 
 
 def _no_plan_reason(ctx) -> str:
+    where = f"{ctx.cluster.num_gpus} x {ctx.cluster.gpu.name}"
+    if ctx.evaluated == 0:
+        dps = sorted({r.plan.dp for r in ctx.rejected if r.kind == "batch"})
+        if dps:
+            return (f"no layout of {where} divides the global batch {ctx.global_batch} (DP would be "
+                    f"{', '.join(map(str, dps[:6]))}); pick --global-batch divisible by one of them or another "
+                    "GPU count")
+        return f"no layout of {where} is allowed ({ctx.rejected[0].reason if ctx.rejected else 'none'})"
     smallest = min((r for r in ctx.rejected if r.peak_gib is not None), default=None, key=lambda r: r.peak_gib)
     detail = f" (the smallest peak found: {smallest.reason})" if smallest else ""
-    return f"no layout fits {ctx.cluster.num_gpus} x {ctx.cluster.gpu.name}{detail}"
+    return f"no layout fits {where}{detail}"
 
 
 def _check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int) -> None:
