@@ -97,7 +97,9 @@ def test_pins_fix_dimensions_and_bad_pins_name_the_dimension():
         search(model, a100s(1024), global_batch=1536, pins=Pins(tp=8, pp=16, vpp=5))
     # A pinned layout that cannot fit is reported, not silently replaced.
     with pytest.raises(UsageError, match="no layout fits"):
-        search(model, a100s(1024), global_batch=1536, pins=Pins(tp=1, pp=1, zero=0))
+        search(model, a100s(1024), global_batch=2048, pins=Pins(tp=1, pp=1, zero=0))
+    with pytest.raises(UsageError, match="divides the global batch"):
+        search(model, a100s(1024), global_batch=1536, pins=Pins(tp=1, pp=1))
 
 
 def test_gqa_llama_and_long_sequences_with_flash_attention():
