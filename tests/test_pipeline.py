@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megakit.errors import UsageError
-from megakit.model import ModelConfig, Transformer
+from megakit.model import ModelConfig, Transformer, full_state_dict
 from megakit.parallel.pipeline import PipelineExecutor, build_stage_chunks, partition_layers
 from megakit.parallel.schedules import build_schedule
 from megakit.parallel.topology import Layout, Topology
@@ -38,24 +38,6 @@ def _batches(config, dp_rank: int, dp: int, seed: int = 1):
     ids = torch.randint(0, config.vocab_size, (dp * M, B, S + 1), generator=g)
     mine = ids[dp_rank * M:(dp_rank + 1) * M]
     return [x[:, :-1] for x in ids], [x[:, 1:] for x in ids], [x[:, :-1] for x in mine], [x[:, 1:] for x in mine]
-
-
-def _full_grads(chunks, topo) -> dict[str, torch.Tensor]:
-    """Gradients of this rank's chunks, gathered over TP and with vocab padding removed."""
-    out = {}
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            g = p.grad.detach()
-            dim = getattr(p, "tp_dim", None)
-            if dim is not None and topo.tp > 1:
-                parts = [torch.empty_like(g) for _ in range(topo.tp)]
-                dist.all_gather(parts, g.contiguous(), group=topo.tp_group)
-                g = torch.cat(parts, dim=dim)
-                unpadded = getattr(p, "tp_unpadded", None)
-                if unpadded is not None:
-                    g = g.narrow(dim, 0, unpadded)
-            out[name] = g
-    return out
 
 
 def _ds_style_backward(m: int):
@@ -90,10 +72,11 @@ def _equivalence_worker(rank, world_size, cases):
         lr = 0.1
         params = [p for c in chunks for p in c.parameters()]
         opt = torch.optim.SGD(params, lr=lr)
-        executor = PipelineExecutor(chunks, topo, schedule=schedule, activation_shape=(S, B, config.hidden),
+        shape = None if schedule_name == "gpipe" else (S, B, config.hidden)  # None: a shape header per message
+        executor = PipelineExecutor(chunks, topo, schedule=schedule, activation_shape=shape,
                                     backward=_ds_style_backward(M) if tp == 2 else None, optimizer_step=opt.step)
         loss = executor.step(ids, labels)
-        grads = _full_grads(chunks, topo)
+        grads = {n: g for c in chunks for n, g in full_state_dict(c, topo, grads=True).items()}
         assert grads, "stage holds no parameters"
         grad_err = max((grads[n] - ref_grads[n]).abs().max().item() for n in grads)
         # after the optimizer step, every weight (both copies of a tied embedding too) equals the reference's
@@ -101,7 +84,6 @@ def _equivalence_worker(rank, world_size, cases):
             for p in ref.parameters():
                 p -= lr * p.grad
         ref_params = dict(ref.named_parameters())
-        from megakit.model import full_state_dict
         weight_err = max(max((w - ref_params[n]).abs().max().item() for n, w in full_state_dict(c, topo).items())
                          for c in chunks)
         results.append(dict(case=(model, tp, pp, schedule_name, vpp), loss_err=abs(loss - ref_loss.item()),
@@ -144,3 +126,54 @@ def test_partition_balances_and_validates():
         partition_layers(config, 2, method=[1, 1, 2])
     with pytest.raises(UsageError, match="unknown partition"):
         partition_layers(config, 2, method="magic")
+
+
+def _deepspeed_worker(rank, world_size):
+    """PP = 2 x DP = 2 with one DeepSpeed engine (ZeRO-1) per stage, driven through the pluggable hooks."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")  # adopts the running process group
+    config = ModelConfig.load("gpt-tiny")  # tied embeddings: first and last stage sync them
+    topo = Topology(Layout.for_world(world_size, pp=2))
+    all_ids, all_labels, ids, labels = _batches(config, topo.dp_rank, topo.dp, seed=5)
+    ref = Transformer(config, seed=3)
+    torch.stack([ref(x, y) for x, y in zip(all_ids, all_labels)]).mean().backward()
+    lr = 0.1
+    assert torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0) > 1.0  # clipping is part of the check
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= lr * p.grad
+
+    chunks = build_stage_chunks(config, topo, seed=3)
+    stage = torch.nn.ModuleList(chunks)
+    ds_config = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": M,
+                 "zero_optimization": {"stage": 1}, "managed_gradient_accumulation": False,
+                 "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=lr),
+                                      config=ds_config, mpu=topo)
+
+    def backward(output, grad):
+        if grad is None:
+            engine.backward(output)  # DeepSpeed scales by 1 / gradient_accumulation_steps
+        else:
+            engine.backward((output * grad).sum(), scale_wrt_gas=False)
+
+    executor = PipelineExecutor(chunks, topo, schedule=build_schedule("1f1b", 2, M), backward=backward,
+                                activation_shape=(S, B, config.hidden), reduce_grads=lambda: None,
+                                optimizer_step=engine.step)
+    with pytest.raises(UsageError, match="micro-batch"):
+        executor.step(ids[:1] if topo.is_first_stage else None, labels[:1] if topo.is_last_stage else None)
+    with pytest.raises(UsageError, match="stages"):
+        PipelineExecutor(chunks, topo, schedule=build_schedule("1f1b", 4, M))
+    loss = executor.step(ids if topo.is_first_stage else None, labels if topo.is_last_stage else None)
+    ref_params = dict(ref.named_parameters())
+    err = max((w - ref_params[n]).abs().max().item() for n, w in full_state_dict(stage[0], topo).items())
+    return loss, err
+
+
+@pytest.mark.slow
+def test_pipeline_drives_one_deepspeed_engine_per_stage():
+    results = run_ranks(_deepspeed_worker, 4, timeout_s=170)
+    losses = {round(loss, 6) for loss, _ in results}
+    assert len(losses) == 1, results  # every rank reports the step's mean loss
+    assert max(err for _, err in results) < 1e-5, results

@@ -125,22 +125,29 @@ class PipelineExecutor:
         """Parameters held under one name by the first and the last virtual stage (tied embeddings).
 
         With PP > 1 they live on two ranks: names are exchanged once over the embedding group.
-        Returns, per tied name, this rank's copies (two when one rank holds both ends).
+        Returns, per tied name, this rank's copies (two when one rank holds both ends). The
+        last stage's copy gets ``ds_pipe_replicated = True``, the flag DeepSpeed's own
+        PipelineModule sets, so DeepSpeed's gradient norm (clipping) counts it once.
         """
         first = dict(self.chunks[0].named_parameters()) if self.holds_first else {}
         last = dict(self.chunks[-1].named_parameters()) if self.holds_last else {}
         if self.schedule.virtual_stages == 1:
             return []
         if self.topo.pp == 1:
-            return [(first[n], last[n]) for n in sorted(first.keys() & last.keys())]
-        if not (self.holds_first or self.holds_last):
+            tied = [(first[n], last[n]) for n in sorted(first.keys() & last.keys())]
+        elif not (self.holds_first or self.holds_last):
             return []
-        mine = sorted(first if self.holds_first else last)
-        gathered: list = [None, None]
-        dist.all_gather_object(gathered, mine, group=self.topo.embedding_group)
-        shared = sorted(set(gathered[0]) & set(gathered[1]))
-        own = first if self.holds_first else last
-        return [(own[n],) for n in shared]
+        else:
+            mine = sorted(first if self.holds_first else last)
+            gathered: list = [None, None]
+            dist.all_gather_object(gathered, mine, group=self.topo.embedding_group)
+            shared = sorted(set(gathered[0]) & set(gathered[1]))
+            own = first if self.holds_first else last
+            tied = [(own[n],) for n in shared]
+        for copies in tied:  # the last stage's copy: DeepSpeed's gradient norm must count it once, not twice
+            if self.holds_last and (len(copies) == 2 or not self.holds_first):
+                copies[-1].ds_pipe_replicated = True
+        return tied
 
     @torch.no_grad()
     def sync_tied_weights(self) -> None:
