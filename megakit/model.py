@@ -195,6 +195,8 @@ class Transformer(nn.Module):
         tied = config.tie_embeddings
         if pre or (post and tied):  # a tied last stage keeps its own copy, under the same name
             self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden, **kw)
+            # DeepSpeed counts a ds_pipe_replicated parameter once (on the first stage) in the grad norm.
+            self.embed.weight.ds_pipe_replicated = not pre
         if pre and config.family == "gpt2":
             table = torch.empty(config.max_seq_len, config.hidden, dtype=dtype, device=device)
             self.pos_embed = nn.Embedding(config.max_seq_len, config.hidden, _weight=table)  # no default init

@@ -71,6 +71,7 @@ def test_pipeline_stages_are_slices_of_the_full_model(preset):
     assert names == set(full_params)
     if config.tie_embeddings:  # the last stage holds its own copy of the tied embedding, same name
         assert "embed.weight" in dict(stages[-1].named_parameters())
+        assert stages[-1].embed.weight.ds_pipe_replicated and not stages[0].embed.weight.ds_pipe_replicated
     h = ids
     for stage in stages:
         h = stage(h)
