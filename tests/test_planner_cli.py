@@ -125,3 +125,20 @@ def test_malformed_and_unsupported_configs(tmp_path, capsys):
     broken.write_text('{"model_type": "bert", "hidden_size": 64}')
     code, _, err = plan(capsys, "--model", str(broken))
     assert code == 2 and "not supported" in err
+
+
+def test_params_plan_writes_the_model_config_the_trainer_reads(tmp_path, capsys):
+    from megakit.model_config import ModelConfig
+    from megakit.planner.model_spec import ModelSpec
+    from megakit.trainer import load_ds_config
+
+    target = tmp_path / "plan.json"
+    code, out, _ = plan(capsys, "--params", "6.7B", "--gpus", "16", "--emit-config", str(target))
+    model_file = tmp_path / "plan.model.json"
+    assert code == 0 and f"--model {model_file}" in out
+    assert ModelSpec.from_config(str(model_file), exact=False).params == ModelSpec.from_params("6.7B").params
+    assert ModelConfig.load(str(model_file)).hidden == 4096
+    code, out, _ = plan(capsys, "--params", "6.7B", "--gpus", "16", "--json")
+    p = json.loads(out)["plan"]
+    config = load_ds_config(str(target), dp=p["dp"], pp=p["pp"])  # the trainer's own checks
+    assert config["train_batch_size"] == p["global_batch"]

@@ -19,7 +19,7 @@ from megakit.planner import emit
 from megakit.planner.cost import estimate_cost
 from megakit.planner.hardware import GPUS, Cluster, gpu_preset
 from megakit.planner.memory import GIB
-from megakit.planner.model_spec import ModelSpec, parse_count
+from megakit.planner.model_spec import ModelSpec, parse_count, preset_names
 from megakit.planner.plan import Plan
 from megakit.planner.search import NoPlan, Pins, search, smallest_cluster
 
@@ -126,8 +126,9 @@ def run(args) -> int:
                                  base_batch=args.base_batch if args.base_lr else None)
     total_steps, warmup = emit.schedule_steps(plan.global_batch, model.seq_len, tokens)
     config_path = args.emit_config or "ds_configs/plan.json"
-    launch = emit.launch_command(plan, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
-                                 config_path=config_path, model_arg=args.model or _preset_for(model),
+    model_arg, model_file = _model_arg(args, model, config_path)
+    launch, launch_note = emit.launch_command(plan, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
+                                 config_path=config_path, model_arg=model_arg,
                                  seq_len=model.seq_len)
     single = estimate_cost(model, dataclasses.replace(cluster, num_gpus=1),
                            dataclasses.replace(plan, tp=1, pp=1, dp=1, vpp=1, zero_stage=0, sequence_parallel=False,
@@ -143,9 +144,11 @@ def run(args) -> int:
         "rejected": [{"plan": _plan_fields(r.plan) if r.plan else None, "reason": r.reason, "kind": r.kind,
                       "tokens_per_s": r.tokens_per_s} for r in _top_rejected(result.rejected, args.top)],
         "assumptions": assumptions(model, cluster, auto, result, precision, flash, args.mem_threshold,
-                                   global_batch, tokens, launch),
+                                   global_batch, tokens, launch, launch_note),
     }
     if args.emit_config:
+        if model_file:  # a --params shape with no preset: the trainer gets its config.json too
+            emit.write_json_atomic(model_file, model.to_hf_config())
         emit.write_json_atomic(args.emit_config, emit.ds_config(plan, lr=lr, total_steps=total_steps,
                                                                 warmup_steps=warmup))
     if args.json:
@@ -155,12 +158,19 @@ def run(args) -> int:
     from megakit.planner.render import render  # rich, only for the tables
     render(report, result, model, cluster, tips=emit.tips(result, cost, plan, cluster, lr_note=lr_note,
                                                           warmup=warmup, total=total_steps),
-           emitted=args.emit_config, launch=launch)
+           emitted=args.emit_config, launch=launch, launch_note=launch_note)
     return 0
 
 
-def _preset_for(model: ModelSpec) -> str:
-    return model.name if not model.name.endswith("-scaled") else "PATH/TO/config.json"
+def _model_arg(args, model: ModelSpec, config_path: str) -> tuple[str, str | None]:
+    """What the launch command passes as --model, and the config.json to write for it (or None):
+    the user's --model, a preset of that shape, or ``<ds_config stem>.model.json`` beside the ds_config."""
+    if args.model:
+        return args.model, None
+    if model.name in preset_names() and args.vocab is None:
+        return model.name, None
+    stem = config_path[:-5] if config_path.endswith(".json") else config_path
+    return f"{stem}.model.json", f"{stem}.model.json"
 
 
 def _top_rejected(rejected, top):
@@ -196,7 +206,7 @@ def plan_dict(plan: Plan, mem, cost, cluster: Cluster, tokens, seq_len: int) -> 
 
 
 def assumptions(model: ModelSpec, cluster: Cluster, auto: bool, result, precision, flash, threshold,
-                global_batch, tokens, launch) -> dict:
+                global_batch, tokens, launch, launch_note) -> dict:
     gpu = cluster.gpu
     return {
         "model": {"name": model.name, "source": model.assumed, "family": model.family, "params": model.params,
@@ -212,5 +222,5 @@ def assumptions(model: ModelSpec, cluster: Cluster, auto: bool, result, precisio
         "rule": {"branch": result.branch, "why": result.branch_why},
         "mem_threshold": threshold, "precision": precision, "attention": "flash" if flash else "standard",
         "global_batch": global_batch, "tokens": tokens, "layouts_evaluated": result.evaluated,
-        "launch": launch,
+        "launch": launch, "launch_note": launch_note,
     }

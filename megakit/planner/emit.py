@@ -94,20 +94,24 @@ def schedule_steps(global_batch: int, seq_len: int, tokens: float | None) -> tup
 
 
 def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: str, model_arg: str,
-                   seq_len: int) -> str:
+                   seq_len: int) -> tuple[str, str]:
+    """(the ``deepspeed`` command line for ``scripts/train.py``, a note on what the plan assumes that
+    train.py takes no flag for yet: recompute, sequence parallelism, interleaving; '' if none)."""
     gpus = min(gpus_per_node, plan.world)
     parts = ["deepspeed"]
     if nodes > 1:
         parts += ["--num_nodes", str(nodes)]
     parts += ["--num_gpus", str(gpus), "scripts/train.py", "--ds_config", config_path,
               "--tp", str(plan.tp), "--pp", str(plan.pp), "--model", model_arg, "--seq-len", str(seq_len)]
-    if plan.vpp > 1:
-        parts += ["--vpp", str(plan.vpp)]
+    assumed = []
     if plan.recompute != "none":
-        parts += ["--recompute", plan.recompute]
+        assumed.append(f"{plan.recompute} activation recompute")
     if plan.sequence_parallel:
-        parts.append("--sequence-parallel")
-    return " ".join(parts)
+        assumed.append("sequence parallelism")
+    if plan.vpp > 1:
+        assumed.append(f"the interleaved 1F1B schedule with {plan.vpp} virtual stages")
+    note = f"the plan also assumes {', '.join(assumed)}" if assumed else ""
+    return " ".join(parts), note
 
 
 def write_json_atomic(path: str, data: dict) -> None:

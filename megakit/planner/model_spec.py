@@ -157,6 +157,21 @@ class ModelSpec:
             changes["exact_params"] = None  # the count from the config no longer applies
         return dataclasses.replace(self, **changes) if changes else self
 
+    def to_hf_config(self) -> dict:
+        """A Hugging Face config.json dict of this shape (what ``--emit-config`` writes for --params models)."""
+        if self.family == "gpt2":
+            return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": self.vocab,
+                    "n_positions": self.max_positions, "n_embd": self.hidden, "n_layer": self.layers,
+                    "n_head": self.heads, "n_inner": self.ffn, "activation_function": "gelu_new",
+                    "layer_norm_epsilon": 1e-5, "resid_pdrop": self.dropout, "embd_pdrop": self.dropout,
+                    "attn_pdrop": self.dropout, "tie_word_embeddings": self.tie_embeddings}
+        return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": self.vocab,
+                "hidden_size": self.hidden, "intermediate_size": self.ffn, "num_hidden_layers": self.layers,
+                "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
+                "max_position_embeddings": self.max_positions, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                "attention_bias": self.qkv_bias, "attention_dropout": self.dropout,
+                "tie_word_embeddings": self.tie_embeddings}
+
     # ---- constructors ---------------------------------------------------------------------
     @classmethod
     def from_params(cls, size: str | float, *, seq_len: int = 2048, vocab: int | None = None) -> "ModelSpec":

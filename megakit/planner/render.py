@@ -24,7 +24,8 @@ def _short(p: dict) -> str:
     return text + (" SP" if p["sequence_parallel"] else "")
 
 
-def render(report: dict, result, model, cluster, *, tips: list, emitted: str | None, launch: str) -> None:
+def render(report: dict, result, model, cluster, *, tips: list, emitted: str | None, launch: str,
+           launch_note: str = "") -> None:
     console = Console(highlight=False)
     a, p = report["assumptions"], report["plan"]
     m, c = a["model"], a["cluster"]
@@ -107,3 +108,5 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
     else:
         console.print("[bold]Launch[/] (write the config with --emit-config PATH):")
     console.print(f"  {launch}", soft_wrap=True)
+    if launch_note:
+        console.print(f"  ({launch_note}; the memory and speed above count on them)")
