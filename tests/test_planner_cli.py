@@ -86,7 +86,7 @@ def test_emitted_ds_config_is_accepted_by_deepspeed(tmp_path, capsys):
     assert parsed == (p["global_batch"], p["micro_batch"], p["grad_accum"], p["zero_stage"], 1.0, "WarmupCosineLR",
                       "adamw", True)
     assert written["optimizer"]["params"]["lr"] == pytest.approx(p["lr"])
-    assert not [f for f in tmp_path.iterdir() if f.name != "plan.json"]  # no temporary file left
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["plan.json", "plan.model.json"]  # no temporary file left
 
 
 BAD = [
