@@ -157,7 +157,7 @@ def run(args) -> int:
         return 0
     from megakit.planner.render import render  # rich, only for the tables
     render(report, result, model, cluster, tips=emit.tips(result, cost, plan, cluster, lr_note=lr_note,
-                                                          warmup=warmup, total=total_steps),
+                                                          warmup=warmup, total=total_steps, auto_sized=auto),
            emitted=args.emit_config, launch=launch, launch_note=launch_note)
     return 0
 

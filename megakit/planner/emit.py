@@ -133,7 +133,8 @@ def write_json_atomic(path: str, data: dict) -> None:
         raise
 
 
-def tips(result, cost, plan: Plan, cluster, *, lr_note: str, warmup: int, total: int) -> list[str]:
+def tips(result, cost, plan: Plan, cluster, *, lr_note: str, warmup: int, total: int,
+         auto_sized: bool = False) -> list[str]:
     """FAQ advice (rows 1, 2, 4, 5) that applies to this plan, with its numbers."""
     out = []
     if cost.comm_fraction > 0.30:
@@ -153,6 +154,10 @@ def tips(result, cost, plan: Plan, cluster, *, lr_note: str, warmup: int, total:
     if plan.pp > 1 and cost.bubble_fraction > 0.10:
         out.append(f"The pipeline bubble is {cost.bubble_fraction:.0%}: more micro-batches per step or "
                    "interleaving (--vpp) shrink it.")
+    if auto_sized:
+        days = DEFAULT_SCHEDULE_TOKENS / cost.tokens_per_s / 86400
+        out.append(f"This is the fewest whole nodes that fit ({cluster.nodes}); 300B tokens would take {days:,.0f} "
+                   "days here: pass --nodes or --gpus to plan a bigger cluster.")
     out.append(f"LR {lr_note}; linear warm-up over {warmup} steps, cosine decay to 10 % over {total} steps, "
                "gradient clipping at 1.0 (all in the emitted ds_config).")
     return out

@@ -38,7 +38,7 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
                   f"inter-node {c['inter_node']}")
     if c["auto_sized"]:
         console.print(f"  No --gpus/--nodes given: planned for the smallest whole number of nodes on which "
-                      f"training fits: [bold]{c['nodes']}[/].")
+                      f"training fits: [bold]{c['nodes']} nodes ({c['num_gpus']} GPUs)[/].")
     console.print(f"[bold]Rule[/] ({a['rule']['branch']}): {a['rule']['why']}.")
 
     plan = Table(title="Plan", show_header=False)
