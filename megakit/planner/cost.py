@@ -59,6 +59,8 @@ class Cost:
     dp_comm_s: float  # exposed
     bubble_s: float
     optimizer_s: float
+    pipeline_s: float = 0.0  # the 1F1B schedule's length: m·T_slowest + (ΣT − T_slowest)/v
+    stage_times: tuple = ()  # forward + backward of one micro-batch, per stage (no P2P)
 
 
 def flops_per_token(model: ModelSpec, seq_len: int, *, recompute: str = "none", flash_attention: bool = False,
@@ -201,4 +203,4 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
                 hardware_tflops_per_gpu=hardware_flops / step / world / 1e12,
                 mfu=model_flops / step / world / peak, comm_fraction=comm / step, bubble_fraction=bubble_s / step,
                 compute_s=compute_s, tp_comm_s=tp_total, pp_comm_s=m * p2p_s, dp_comm_s=dp_exposed,
-                bubble_s=bubble_s, optimizer_s=optimizer_s)
+                bubble_s=bubble_s, optimizer_s=optimizer_s, pipeline_s=pipeline_s, stage_times=tuple(stage_s))
