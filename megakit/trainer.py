@@ -259,7 +259,7 @@ def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog) -> TrainResult:
     if cfg.verify_memory:
         from megakit.memory_check import MemoryProbe
 
-        probe = MemoryProbe(engine, topo, plan=plan, config=config, ds_config=ds_config)
+        probe = MemoryProbe(engine, topo, plan=plan, model=cfg.model, ds_config=ds_config)
     reporter = _Reporter(cfg, topo)
     result = TrainResult()
     flops_per_step = model_flops_per_token(config, seq_len) * plan.global_batch * seq_len
