@@ -1,6 +1,6 @@
 """The executor on real gloo processes: loss and every gradient equal the single-process model's.
 
-One spawn of 4 ranks sweeps the layouts (PP = 4, PP = 2 x DP = 2, TP = 2 x PP = 2) and
+One spawn of 4 ranks sweeps the layouts (PP = 4, PP = 2 x DP = 2, TP = 2 x PP = 2, DP = 4) and
 schedules (1F1B, GPipe, interleaved); each rank compares its own stage against a
 single-process ``Transformer`` built from the same seed, on the same micro-batches.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megakit.errors import UsageError
 from megakit.model import ModelConfig, Transformer, full_state_dict
@@ -29,6 +28,7 @@ CASES = [
     ("gpt-tiny", 1, 2, "gpipe", 1, None),
     ("llama-tiny", 2, 2, "1f1b", 1, None),
     ("gpt-tiny", 2, 2, "interleaved", 2, None),
+    ("gpt-tiny", 1, 1, "interleaved", 2, None),  # DP = 4; both tied copies on one rank
 ]
 
 

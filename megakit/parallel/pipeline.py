@@ -210,7 +210,7 @@ class PipelineExecutor:
                 return
             a = self.actions[index]
             shape = self._recv_shape(a)
-            if shape is None:
+            if shape is None or a.peer == self.topo.pp_rank:
                 return  # keep order: this one is posted (with a header) when it is reached
             buf = torch.empty(shape, dtype=self.dtype, device=self.device)
             work = dist.irecv(buf, src=self.topo.stage_rank(a.peer), tag=_TAG[a.kind])
@@ -225,6 +225,8 @@ class PipelineExecutor:
             return buf
         assert self._recv_index[self._next_recv] == index, "receives must be taken in order"
         self._next_recv += 1
+        if a.peer == self.topo.pp_rank:  # PP = 1 with chunks: a hand-over inside this rank
+            return self._local[_TAG[a.kind]].pop(0)
         src = self.topo.stage_rank(a.peer)
         header = torch.zeros(9, dtype=torch.int64)
         dist.recv(header, src=src, tag=_TAG[a.kind])
@@ -235,6 +237,9 @@ class PipelineExecutor:
     def _send(self, a, tensor: torch.Tensor) -> None:
         dst = self.topo.stage_rank(a.peer)
         tensor = tensor.detach().to(self.dtype).contiguous()
+        if a.peer == self.topo.pp_rank:
+            self._local[_TAG[a.kind]].append(tensor.clone())
+            return
         if a.kind == SEND_ACT and self.activation_shape is None:
             assert tensor.dim() <= 8, tensor.shape
             header = torch.tensor([tensor.dim(), *tensor.shape] + [0] * (8 - tensor.dim()), dtype=torch.int64)
@@ -262,6 +267,7 @@ class PipelineExecutor:
         self._sent_shape: dict = {}
         self._pending: list = []
         self._posted: dict = {}
+        self._local: dict = {0: [], 1: []}  # messages to this same rank, by tag
         self._recv_index = [i for i, a in enumerate(self.actions) if a.kind in RECVS]
         self._next_recv = 0
         losses = []

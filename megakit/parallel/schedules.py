@@ -142,6 +142,9 @@ def interleaved_compute(pp: int, micro_batches: int, vpp: int) -> Schedule:
     the stage's work. Needs ``m`` divisible by ``pp``.
     """
     _check(pp, micro_batches, vpp)
+    if micro_batches < pp:
+        raise UsageError(f"the interleaved schedule needs at least as many micro-batches as stages, got "
+                         f"--micro-batches {micro_batches} for --pp {pp}; use {pp} or a multiple of it")
     if micro_batches % pp:
         raise UsageError(
             f"the interleaved schedule needs --micro-batches divisible by --pp, got {micro_batches} and {pp}; "
@@ -196,7 +199,7 @@ def add_p2p(compute: Schedule) -> Schedule:
                 out.append(a)
                 if vs > 0:
                     out.append(Action(kind=SEND_GRAD, micro_batch=mb, chunk=chunk, peer=(vs - 1) % pp))
-        if pp > 1 and rank in (0, pp - 1):
+        if compute.virtual_stages > 1 and rank in (0, pp - 1):  # the ranks holding embedding and head
             out.append(Action(kind=REDUCE_TIED))
         out += [Action(kind=REDUCE_GRADS), Action(kind=STEP)]
         stages.append(out)

@@ -86,6 +86,8 @@ def _validate_costs(costs: Costs, pp: int) -> None:
     for name in ("forward", "backward", "p2p", "reduce", "step"):
         value = getattr(costs, name)
         values = value if isinstance(value, (tuple, list)) else (value,)
+        if isinstance(value, (tuple, list)) and name not in ("forward", "backward"):
+            raise UsageError(f"{name} cost must be one number; only forward and backward costs may differ per stage")
         if isinstance(value, (tuple, list)) and len(value) != pp:
             raise UsageError(f"{name} costs give {len(value)} values for {pp} stages; give one per stage")
         if any(not isinstance(x, (int, float)) or x < 0 for x in values):
