@@ -196,3 +196,42 @@ def _worker(rank: int, world_size: int) -> str:
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_matches_single_process(tp):
     assert run_ranks(_worker, tp) == ["ok"] * tp
+
+
+def _deepspeed_worker(rank: int, world_size: int) -> list[float]:
+    """TP = 2 x DP = 2 under a DeepSpeed engine (ZeRO-1, clipping active): one step equals plain
+    SGD on the single-process model. Checks the parameters' TP marks and the mpu's grad norm."""
+    import deepspeed
+
+    from megakit.model import ModelConfig, Transformer, full_state_dict
+    from megakit.parallel.topology import Topology
+
+    deepspeed.init_distributed(dist_backend="gloo")  # adopts the running process group
+    topo = Topology.from_world(tp=2)
+    config = ModelConfig.load("llama-tiny").replace(vocab_size=250)
+    ids = torch.randint(0, 250, (topo.dp, 2, 16), generator=torch.Generator().manual_seed(0))
+    ref = Transformer(config, seed=3)
+    torch.stack([ref(ids[d], ids[d]) for d in range(topo.dp)]).mean().backward()
+    assert torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5) > 0.5  # clipping is part of the check
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    errors = []
+    for sequence_parallel in (False, True):
+        model = Transformer(config, topo, seed=3, sequence_parallel=sequence_parallel)
+        ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                     "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
+                     "gradient_clipping": 0.5, "steps_per_print": 10**9}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                          config=ds_config, mpu=topo)
+        engine.backward(engine(ids[topo.dp_rank], ids[topo.dp_rank]))
+        engine.step()
+        state, want = full_state_dict(model, topo), dict(ref.named_parameters())
+        errors.append(max((state[n] - want[n]).abs().max().item() for n in want))
+    return errors
+
+
+@pytest.mark.slow
+def test_deepspeed_zero1_step_with_tp_matches_single_process():
+    errors = run_ranks(_deepspeed_worker, 4, timeout_s=200)
+    assert max(max(e) for e in errors) < 1e-6, errors
