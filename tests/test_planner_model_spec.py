@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from megakit.errors import UsageError
-from megakit.planner.model_spec import KNOWN_SHAPES, ModelSpec, known_shape, parse_count, preset_names
+from megakit.planner.model_spec import ModelSpec, known_shape, parse_count, preset_names
 
 
 @pytest.mark.parametrize("text,value", [("125M", 125e6), ("1.3B", 1.3e9), ("70b", 70e9), ("175e9", 175e9),

@@ -5,7 +5,6 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from megakit.planner.memory import GIB
 
 MEMORY_LABELS = {
     "params": "parameters", "grads": "gradients", "master_params": "fp32 master params",
