@@ -46,7 +46,7 @@ def test_megatron_table_sizes_reproduce_the_published_counts():
 def test_presets_exact_counts_from_transformers_match_the_analytic_count():
     assert {"gpt3-175b", "megatron-1t", "llama-2-70b", "llama-3-8b", "gpt2", "gpt-tiny"} <= set(preset_names())
     for name in ("gpt2", "gpt-tiny", "llama-tiny", "llama-2-70b", "llama-3-8b", "mistral-7b", "qwen2-7b",
-                 "gpt3-175b", "megatron-1t"):
+                 "gpt3-175b"):  # megatron-1t: same family and code path as gpt3-175b, 2 s more
         spec = ModelSpec.from_config(name)
         assert spec.exact_params == spec.analytic_params(), name
     assert ModelSpec.from_config("llama-2-70b").params == 68_976_648_192  # the published Llama-2-70B count
