@@ -24,7 +24,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
-def _equivalence(topo, preset: str, vocab: int, sequence_parallel: bool) -> None:
+def _equivalence(topo, preset: str, vocab: int, sequence_parallel: bool, recompute: bool = False) -> None:
     from megakit.model import ModelConfig, Transformer, full_state_dict
 
     config = ModelConfig.load(preset).replace(vocab_size=vocab)
@@ -33,8 +33,8 @@ def _equivalence(topo, preset: str, vocab: int, sequence_parallel: bool) -> None
     labels = torch.randint(0, vocab, (2, 16), generator=gen)
     labels[0, :3] = -100  # ignored tokens are left out of the mean
     ref = Transformer(config, seed=9)
-    model = Transformer(config, topo, seed=9, sequence_parallel=sequence_parallel)
-    case = f"{preset} tp={topo.tp} sp={sequence_parallel}"
+    model = Transformer(config, topo, seed=9, sequence_parallel=sequence_parallel, recompute=recompute)
+    case = f"{preset} tp={topo.tp} sp={sequence_parallel} recompute={recompute}"
 
     want_logits, got_logits = ref(ids), model(ids)  # (B, S, V) vs this rank's (B, S, V/tp)
     assert got_logits.shape == (2, 16, config.padded_vocab(topo.tp) // topo.tp)
@@ -184,6 +184,7 @@ def _worker(rank: int, world_size: int) -> str:
     for preset, vocab in CASES:
         for sequence_parallel in (False, True):
             _equivalence(topo, preset, vocab, sequence_parallel)
+    _equivalence(topo, "llama-tiny", 250, sequence_parallel=True, recompute=True)
     _cross_entropy(topo)
     _layers(topo)
     _stages(topo, "gpt-tiny", sequence_parallel=True)
