@@ -7,6 +7,7 @@ Both run the same model (megakit ``Transformer`` stages, identical weights), the
 megakit's ``PipelineExecutor.step`` with the 1F1B schedule, and DeepSpeed's
 ``PipelineEngine.train_batch`` (its ``TrainSchedule`` is the same 1F1B order). Embeddings
 are untied for both, so neither does tied-weight communication the other does not.
+The two alternate step by step (so a change in the machine's load hits both alike).
 Prints each one's median step time, megakit's measured bubble next to the simulator's
 prediction from the measured per-stage costs, and, last, ``ratio <megakit/DeepSpeed>``.
 """
@@ -46,20 +47,17 @@ def _logits_loss(logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
 
 
-def _time_steps(run_step, steps: int, warmup: int) -> list[float]:
+def _timed(run_step) -> float:
+    """Wall time of one step, ended when its slowest rank ends it (ranks start together)."""
     import torch
     import torch.distributed as dist
 
-    times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        start = time.perf_counter()
-        run_step()
-        took = torch.tensor(time.perf_counter() - start)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the step ends when its slowest rank does
-        if i >= warmup:
-            times.append(float(took))
-    return times
+    dist.barrier()
+    start = time.perf_counter()
+    run_step()
+    took = torch.tensor(time.perf_counter() - start)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took)
 
 
 def _worker(rank: int, args, port: int, queue) -> None:
@@ -112,16 +110,6 @@ def _bench(rank: int, args) -> dict:
         executor.step(ids if topo.is_first_stage else None, labels if topo.is_last_stage else None)
         stage_times.append(executor.last_times)
 
-    ours = _time_steps(megakit_step, args.steps, args.warmup)
-    mine = stage_times[args.warmup:]
-    fwd = statistics.median(t.forward for t in mine) / m
-    bwd = statistics.median(t.backward for t in mine) / m
-    bubble = statistics.mean(t.bubble for t in mine)
-    costs = [torch.tensor([fwd, bwd, bubble]) for _ in range(2)]
-    torch.distributed.all_gather(costs, torch.tensor([fwd, bwd, bubble]))
-    sim = simulate(schedule_1f1b(2, m), Costs(forward=tuple(float(c[0]) for c in costs),
-                                              backward=tuple(float(c[1]) for c in costs)))
-
     # -- DeepSpeed PipelineEngine ---------------------------------------------------------------
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group already set up
     ranges = partition_layers(config, 2)
@@ -135,7 +123,27 @@ def _bench(rank: int, args) -> dict:
     def ds_step():
         engine.train_batch(iter(list(zip(ids, labels))))
 
-    theirs = _time_steps(ds_step, args.steps, args.warmup)
+    # alternate the two, step by step, so that a change in the machine's load hits both alike
+    ours, theirs = [], []
+    for i in range(args.warmup + args.steps):
+        if i % 2 == 0:
+            t_ours = _timed(megakit_step)
+            t_theirs = _timed(ds_step)
+        else:
+            t_theirs = _timed(ds_step)
+            t_ours = _timed(megakit_step)
+        if i >= args.warmup:
+            ours.append(t_ours)
+            theirs.append(t_theirs)
+    mine = stage_times[args.warmup:]
+    fwd = statistics.median(t.forward for t in mine) / m
+    bwd = statistics.median(t.backward for t in mine) / m
+    bubble = statistics.mean(t.bubble for t in mine)
+    costs = [torch.tensor([fwd, bwd, bubble]) for _ in range(2)]
+    torch.distributed.all_gather(costs, torch.tensor([fwd, bwd, bubble]))
+    sim = simulate(schedule_1f1b(2, m), Costs(forward=tuple(float(c[0]) for c in costs),
+                                              backward=tuple(float(c[1]) for c in costs)))
+
     return dict(ours=statistics.median(ours), theirs=statistics.median(theirs),
                 bubble=[float(c[2]) for c in costs], sim_bubble=list(sim.bubble_per_stage), sim_step=sim.step_time,
                 costs=[(float(c[0]), float(c[1])) for c in costs])

@@ -227,8 +227,9 @@ class PipelineExecutor:
         self._next_recv += 1
         if a.peer == self.topo.pp_rank:  # PP = 1 with chunks: a hand-over inside this rank
             return self._local[_TAG[a.kind]].pop(0)
+        assert a.kind == RECV_ACT, "a gradient's shape is that of the activation sent: always known"
         src = self.topo.stage_rank(a.peer)
-        header = torch.zeros(9, dtype=torch.int64)
+        header = torch.zeros(9, dtype=torch.int64, device=self.device)
         dist.recv(header, src=src, tag=_TAG[a.kind])
         buf = torch.empty(tuple(header[1:1 + int(header[0])].tolist()), dtype=self.dtype, device=self.device)
         dist.recv(buf, src=src, tag=_TAG[a.kind])
@@ -242,7 +243,8 @@ class PipelineExecutor:
             return
         if a.kind == SEND_ACT and self.activation_shape is None:
             assert tensor.dim() <= 8, tensor.shape
-            header = torch.tensor([tensor.dim(), *tensor.shape] + [0] * (8 - tensor.dim()), dtype=torch.int64)
+            header = torch.tensor([tensor.dim(), *tensor.shape] + [0] * (8 - tensor.dim()), dtype=torch.int64,
+                                  device=tensor.device)
             self._pending.append((header, dist.isend(header, dst=dst, tag=_TAG[a.kind])))
         elif a.kind == SEND_ACT and tuple(tensor.shape) != self.activation_shape:
             raise UsageError(f"a stage produced an activation of shape {tuple(tensor.shape)} but activation_shape "
@@ -322,7 +324,7 @@ class PipelineExecutor:
         self._pending = []
         self.last_times = StepTimes(forward=spent[FORWARD], backward=spent[BACKWARD],
                                     total=time.perf_counter() - start, micro_batches=m)
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32, device=self.device)
         if not self.broadcast_loss:
             return float(loss) if losses else None
         loss = loss.detach().to(torch.float32).clone()
