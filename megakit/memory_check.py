@@ -173,7 +173,7 @@ class MemoryProbe:
         zero = self.ds_config.get("zero_optimization", {})
         precision = "bf16" if self.ds_config.get("bf16", {}).get("enabled") else \
             "fp16" if self.ds_config.get("fp16", {}).get("enabled") else "fp32"
-        spec = ModelSpec.from_config(self.model).with_overrides(seq_len=self.plan.seq_len)
+        spec = self.spec = ModelSpec.from_config(self.model).with_overrides(seq_len=self.plan.seq_len)
         buckets = Buckets(reduce_bucket=int(zero.get("reduce_bucket_size", 5e8)),
                           allgather_bucket=int(zero.get("allgather_bucket_size", 5e8)))
         return estimate_memory(spec, tp=self.topo.tp, pp=self.topo.pp, dp=self.topo.dp, zero_stage=int(zero.get("stage", 0)),
@@ -194,7 +194,15 @@ class MemoryProbe:
             predicted = {k: float(est.items[k]) for k in ITEMS}
             predicted["model_states"] = sum(predicted[k] for k in ITEMS)
             predicted["fp32_step_grads"] = float(est.items["fp32_step_grads"])
-            predicted["activations"] = float(est.items["activations"] + est.items["logits"])
+            # The planner's "logits" item is the saved head input, norm input and fp32 softmax plus the
+            # logits shard, which it calls transient (not saved for backward): leave that part out.
+            logits_shard = 0.0
+            if est.items["logits"]:
+                bytes_per = 4 if not (self.ds_config.get("bf16", {}).get("enabled")
+                                      or self.ds_config.get("fp16", {}).get("enabled")) else 2
+                logits_shard = (self.plan.seq_len * self.plan.micro_batch * bytes_per
+                                * self.spec.padded_vocab(self.topo.tp) // self.topo.tp)
+            predicted["activations"] = float(est.items["activations"] + est.items["logits"] - logits_shard)
         return {"rank": self.topo.rank, "tp": self.topo.tp_rank, "pp": self.topo.pp_rank, "dp": self.topo.dp_rank,
                 "measured": measured, "predicted": predicted}
 

@@ -88,20 +88,25 @@ class TrainResult:
 
 
 # -- ds_config -----------------------------------------------------------------------------------
+def read_ds_config(source: str | dict) -> dict:
+    """The ds_config file as a dict (a copy when given a dict); UsageError if missing or not JSON."""
+    if isinstance(source, dict):
+        return json.loads(json.dumps(source))
+    path = Path(source)
+    if not path.is_file():
+        raise UsageError(f"--ds_config {source}: no such file; pass a DeepSpeed JSON config such as ds_configs/zero1.json")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--ds_config {source} is not valid JSON ({error.msg} at line {error.lineno}); fix the file") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--ds_config {source} must hold a JSON object; see ds_configs/zero1.json")
+    return config
+
+
 def load_ds_config(source: str | dict, *, dp: int, pp: int) -> dict:
     """The ds_config as DeepSpeed will get it, checked against the layout (UsageError on any mistake)."""
-    if isinstance(source, dict):
-        config = json.loads(json.dumps(source))
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise UsageError(f"--ds_config {source}: no such file; pass a DeepSpeed JSON config such as ds_configs/zero1.json")
-        try:
-            config = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise UsageError(f"--ds_config {source} is not valid JSON ({error.msg} at line {error.lineno}); fix the file") from None
-        if not isinstance(config, dict):
-            raise UsageError(f"--ds_config {source} must hold a JSON object; see ds_configs/zero1.json")
+    config = read_ds_config(source)
     micro = config.get("train_micro_batch_size_per_gpu")
     accumulation = config.get("gradient_accumulation_steps", 1)
     total = config.get("train_batch_size")
@@ -184,15 +189,19 @@ def _describe(topo, rank: int) -> str:
 
 def train(cfg: TrainConfig) -> TrainResult:
     """Run ``cfg.steps`` optimizer steps on the job the launcher started; returns the metrics."""
+    from megakit.model import ModelConfig
     from megakit.parallel.topology import Topology, init_distributed
 
+    read_ds_config(cfg.ds_config)  # user mistakes fail here, before any process group exists
+    ModelConfig.load(cfg.model)
+    tokens = load_tokens(cfg.data, max_bytes=cfg.max_bytes)
     init_distributed(timeout_s=cfg.collective_timeout_s)
     timer = CommTimer(sync_cuda=torch.cuda.is_available())
     with timer:  # installed before DeepSpeed and the TP layers look up their collectives
         topo = Topology.from_world(tp=cfg.tp, pp=cfg.pp, timeout_s=cfg.collective_timeout_s)
         watchdog = _start_watchdog(cfg, topo)
         try:
-            result = _train(cfg, topo, timer, watchdog)
+            result = _train(cfg, topo, timer, watchdog, tokens)
         except (UsageError, TrainingDiverged):
             watchdog.stop(done=True)
             raise
@@ -243,14 +252,14 @@ def _build(cfg: TrainConfig, topo, ds_config: dict):
     return config, engine, clipper
 
 
-def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog) -> TrainResult:
+def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog, tokens: torch.Tensor) -> TrainResult:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     ds_config = load_ds_config(cfg.ds_config, dp=topo.dp, pp=topo.pp)
     config, engine, clipper = _build(cfg, topo, ds_config)
     seq_len = cfg.seq_len or config.max_seq_len
     plan = BatchPlan(seq_len=seq_len, micro_batch=engine.train_micro_batch_size_per_gpu(),
                      accumulation=engine.gradient_accumulation_steps(), dp=topo.dp, seed=cfg.seed)
-    batches = TokenBatches(load_tokens(cfg.data, max_bytes=cfg.max_bytes), plan)
+    batches = TokenBatches(tokens, plan)
     run_step = _pipeline_step(cfg, topo, engine, plan, config) if topo.pp > 1 else _plain_step(engine)
 
     from megakit.model import model_flops_per_token
@@ -391,7 +400,7 @@ class _Reporter:
         self.bar = self.writer = None
         if not self.active:
             return
-        print(f"megakit: training {cfg.model} on {dist.get_world_size()} processes: TP {topo.tp} x PP {topo.pp} "
+        print(f"megakit: training {cfg.model} on {dist.get_world_size()} process(es): TP {topo.tp} x PP {topo.pp} "
               f"x DP {topo.dp}", flush=True)
         if cfg.progress:
             from tqdm.auto import tqdm

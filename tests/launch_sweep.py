@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from megakit.trainer import TrainConfig, train
+from megakit.trainer import TrainConfig, TrainingDiverged, train
 
 
 def main() -> int:
@@ -18,7 +18,11 @@ def main() -> int:
     cases = json.load(open(cases_path))
     results = []
     for case in cases:
-        result = train(TrainConfig(progress=False, log_every=10**9, **case))
+        try:
+            result = train(TrainConfig(progress=False, log_every=10**9, **case))
+        except TrainingDiverged as error:
+            results.append({"error": str(error)})
+            continue
         results.append({"loss": result.losses, "grad_norm": [m.grad_norm for m in result.steps],
                         "lr": [m.lr for m in result.steps], "memory": result.memory})
     if int(os.environ.get("RANK", 0)) == 0:

@@ -1,0 +1,203 @@
+"""The trainer through the real ``deepspeed`` launcher on CPU, against the single-process reference.
+
+Launcher starts are expensive (~10 s), so each job runs several cases
+(``tests/launch_sweep.py``): one 2-process job for ZeRO 0-3 and one 4-process job
+for TP x PP and TP x DP, all with ``--verify-memory`` on (it only observes).
+"""
+
+import copy
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from multiproc import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 20
+LOSS_TOL = 2e-5  # fp32: the distributed loss differs from the single process by summation order only
+
+
+def ds_config(stage: int, *, micro: int = 2, accumulation: int = 2) -> dict:
+    config = json.loads((ROOT / "ds_configs" / f"zero{stage}.json").read_text())
+    config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation)
+    config["scheduler"]["params"].update(warmup_num_steps=5, total_num_steps=40)
+    config["optimizer"]["params"]["lr"] = 3e-3
+    return config
+
+
+def deepspeed(nprocs: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = ["deepspeed", "--num_gpus", str(nprocs), "--master_port", str(free_port()), *args]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return out
+
+
+def sweep(tmp_path_factory, nprocs: int, cases: list[dict]) -> list[dict]:
+    work = tmp_path_factory.mktemp(f"sweep{nprocs}")
+    (work / "cases.json").write_text(json.dumps(cases))
+    out = deepspeed(nprocs, "tests/launch_sweep.py", str(work / "cases.json"), str(work / "results.json"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads((work / "results.json").read_text())
+
+
+def reference(case: dict, dp: int) -> dict:
+    from megakit.reference import reference_run
+
+    return reference_run(case["ds_config"], model=case["model"], steps=case["steps"], dp=dp, seq_len=case["seq_len"])
+
+
+def assert_same_trajectory(result: dict, ref: dict) -> None:
+    assert len(result["loss"]) == len(ref["loss"]) == STEPS
+    for step, (got, want) in enumerate(zip(result["loss"], ref["loss"])):
+        assert abs(got - want) < LOSS_TOL, (step, got, want)
+    for got, want in zip(result["grad_norm"], ref["grad_norm"]):  # clipped at 1.0 by the global norm
+        assert abs(got - want) < 2e-3 * want, (got, want)
+    assert result["lr"] == pytest.approx(ref["lr"], rel=1e-9, abs=1e-12)
+    assert ref["loss"][-1] < ref["loss"][0] - 0.5  # it trained: the comparison is not between two flat lines
+
+
+def assert_memory_matches(rows: list[dict]) -> None:
+    for row in rows:
+        m, p = row["measured"], row["predicted"]
+        assert abs(m["model_states"] - p["model_states"]) <= 0.02 * p["model_states"], row
+        assert abs(m["activations"] - p["activations"]) <= 0.15 * p["activations"], row
+
+
+# -- DP x ZeRO 0-3 (2 processes) -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dp_results(tmp_path_factory):
+    cases = [dict(ds_config=ds_config(z), model="gpt-tiny", steps=STEPS, seq_len=32, verify_memory=True)
+             for z in range(4)]
+    diverge = ds_config(0)
+    diverge["optimizer"]["params"]["lr"] = 1e5
+    diverge["gradient_clipping"] = 0.0
+    diverge["scheduler"]["params"].update(warmup_num_steps=2)
+    cases.append(dict(ds_config=diverge, model="gpt-tiny", steps=30, seq_len=32))
+    return cases, sweep(tmp_path_factory, 2, cases)
+
+
+@pytest.mark.slow
+def test_zero_0_to_3_match_the_single_process_model(dp_results):
+    cases, results = dp_results
+    ref = reference(cases[0], dp=2)  # the stages differ only in how DeepSpeed shards: one reference
+    for stage in range(4):
+        assert_same_trajectory(results[stage], ref)
+
+
+@pytest.mark.slow
+def test_verify_memory_zero_0_to_3(dp_results):
+    _, results = dp_results
+    for stage in range(4):
+        rows = results[stage]["memory"]
+        assert [r["rank"] for r in rows] == [0, 1]
+        assert_memory_matches(rows)
+    # ZeRO-3 holds half the parameters per rank, ZeRO-0 all of them
+    assert results[3]["memory"][0]["measured"]["params"] == pytest.approx(
+        results[0]["memory"][0]["measured"]["params"] / 2, rel=0.01)
+
+
+@pytest.mark.slow
+def test_nan_is_reported_with_step_and_rank(dp_results):
+    _, results = dp_results
+    error = results[4].get("error", "")
+    assert re.search(r"NaN/inf at step \d+: rank \d \(pp 0, dp \d, tp 0\): non-finite", error), results[4]
+
+
+# -- TP x PP and TP x DP (4 processes) -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mp_results(tmp_path_factory):
+    cases = [dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
+                  verify_memory=True),
+             dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2),
+             dict(ds_config=ds_config(1), model="llama-tiny", steps=STEPS, seq_len=32, tp=2, pp=1)]
+    return cases, sweep(tmp_path_factory, 4, cases)
+
+
+@pytest.mark.slow
+def test_tp2_pp2_and_tp2_dp2_match_the_single_process_model(mp_results):
+    cases, results = mp_results
+    ref = reference(cases[0], dp=1)
+    assert_same_trajectory(results[0], ref)  # ZeRO-1: DeepSpeed's norm skips the tied copy
+    assert_same_trajectory(results[1], ref)  # ZeRO-0: megakit's clipper, same rule
+    assert_same_trajectory(results[2], reference(cases[2], dp=2))
+
+
+@pytest.mark.slow
+def test_verify_memory_tp2_pp2(mp_results):
+    _, results = mp_results
+    rows = results[0]["memory"]
+    assert [(r["pp"], r["tp"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert_memory_matches(rows)
+
+
+# -- the default run, TensorBoard and profiler -----------------------------------------------------
+@pytest.mark.slow
+def test_default_run_loss_falls(tmp_path):
+    out = deepspeed(1, "scripts/train.py", "--ds_config", "ds_configs/zero2.json", "--steps", "40",
+                    "--metrics-out", str(tmp_path / "m.json"), "--tensorboard", str(tmp_path / "tb"),
+                    "--profile", str(tmp_path / "prof"), "--no-progress", "--log-every", "10")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "training gpt-mini" in out.stdout and "tok/s" in out.stdout and "grad-norm" in out.stdout
+    steps = json.loads((tmp_path / "m.json").read_text())["steps"]
+    losses = [s["loss"] for s in steps]
+    assert losses[0] > 5.0 and max(losses[-5:]) < 3.8, losses  # byte-level: ln 256 = 5.55 at the start
+    assert all(s["comm_share"] is not None and s["tokens_per_s"] > 0 for s in steps)
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert (tmp_path / "prof" / "trace_rank0.json").stat().st_size > 1000
+
+
+# -- faults ----------------------------------------------------------------------------------------
+def _start_and_signal(tmp_path, sig: int, *extra: str) -> tuple[int, float, str]:
+    """Start a 4-rank job, send ``sig`` to rank 2 once it is training; returns (status, seconds, output)."""
+    log = open(tmp_path / "out.txt", "w+")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = ["deepspeed", "--num_gpus", "4", "--master_port", str(free_port()), "scripts/train.py",
+           "--ds_config", "ds_configs/zero1.json", "--model", "gpt-tiny", "--seq-len", "32", "--steps", "100000",
+           "--tp", "2", "--no-progress", *extra]
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        victim, deadline = None, time.time() + 180
+        while time.time() < deadline:
+            text = (tmp_path / "out.txt").read_text()
+            if victim is None:
+                found = re.search(r"process (\d+) spawned with command: \[[^\]]*--local_rank=2", text)
+                victim = int(found.group(1)) if found else None
+            if victim and re.search(r"step\s+3 \|", text):
+                break
+            assert job.poll() is None, text[-3000:]
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the job did not start training: " + (tmp_path / "out.txt").read_text()[-3000:])
+        os.kill(victim, sig)
+        start = time.time()
+        status = job.wait(timeout=150)
+        return status, time.time() - start, (tmp_path / "out.txt").read_text()
+    finally:
+        if job.poll() is None:
+            job.kill()
+        for pid in [victim] if victim else []:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.slow
+def test_killed_rank_ends_the_job_and_is_named(tmp_path):
+    status, seconds, text = _start_and_signal(tmp_path, signal.SIGKILL)
+    assert status != 0 and seconds < 120, (status, seconds)
+    assert "rank 2 (pp 0, dp 1, tp 0) died" in text, text[-3000:]
+
+
+@pytest.mark.slow
+def test_stopped_rank_ends_the_job_and_is_named(tmp_path):
+    status, seconds, text = _start_and_signal(tmp_path, signal.SIGSTOP, "--stall-timeout", "10")
+    assert status != 0 and seconds < 120, (status, seconds)
+    assert "rank 2 (pp 0, dp 1, tp 0) (silent for" in text, text[-3000:]

@@ -1,0 +1,66 @@
+"""ds_config checks and the script's bad-input handling (no process group needed)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megakit.errors import UsageError
+from megakit.trainer import TrainConfig, load_ds_config
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = sorted((ROOT / "ds_configs").glob("*.json"))
+
+
+def test_presets_are_valid_json_and_documented():
+    readme = (ROOT / "ds_configs" / "README.md").read_text()
+    assert {p.stem for p in PRESETS} >= {"zero0", "zero1", "zero2", "zero3", "zero3_offload", "bf16", "fp16", "onebit_adam"}
+    for path in PRESETS:
+        json.loads(path.read_text())
+        assert f"`{path.name}`" in readme, path.name
+
+
+def test_batch_sizes_follow_the_layout():
+    config = load_ds_config(str(ROOT / "ds_configs" / "zero1.json"), dp=4, pp=1)
+    assert config["train_batch_size"] == 4 * 2 * 4  # micro x accumulation x DP
+    derived = load_ds_config({"train_batch_size": 32, "gradient_accumulation_steps": 2}, dp=4, pp=1)
+    assert derived["train_micro_batch_size_per_gpu"] == 4
+    with pytest.raises(UsageError, match="train_batch_size 30 != micro-batch"):
+        load_ds_config({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, dp=4, pp=1)
+
+
+def test_zero_2_and_3_are_refused_with_pipeline_parallelism():
+    for stage in (2, 3):
+        with pytest.raises(UsageError, match=f"ZeRO stage {stage} .* use ZeRO 0 or 1 with --pp > 1"):
+            load_ds_config(str(ROOT / "ds_configs" / f"zero{stage}.json"), dp=1, pp=2)
+    piped = load_ds_config(str(ROOT / "ds_configs" / "zero1.json"), dp=1, pp=2)
+    assert piped["managed_gradient_accumulation"] is False  # every engine.step() is the boundary
+
+
+def test_unusable_presets_say_why():
+    with pytest.raises(UsageError, match="no longer ships OneBitAdam"):
+        load_ds_config(str(ROOT / "ds_configs" / "onebit_adam.json"), dp=1, pp=1)
+    with pytest.raises(UsageError, match="fp16 training needs a GPU"):
+        load_ds_config(str(ROOT / "ds_configs" / "fp16.json"), dp=1, pp=1)
+
+
+def test_bad_files_and_flags(tmp_path):
+    with pytest.raises(UsageError, match="no such file"):
+        load_ds_config(str(tmp_path / "nope.json"), dp=1, pp=1)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(UsageError, match="not valid JSON"):
+        load_ds_config(str(tmp_path / "bad.json"), dp=1, pp=1)
+    with pytest.raises(UsageError, match="--steps"):
+        TrainConfig(ds_config={}, steps=0)
+
+
+def test_script_reports_a_bad_data_path_in_one_line(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "scripts/train.py", "--data", str(tmp_path / "missing"), "--steps", "1"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("train.py: error: --data ")
+    assert "Traceback" not in out.stderr
