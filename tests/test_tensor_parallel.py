@@ -194,7 +194,7 @@ def _worker(rank: int, world_size: int) -> str:
     return "ok"
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tensor_parallel_matches_single_process(tp):
     assert run_ranks(_worker, tp) == ["ok"] * tp
 
