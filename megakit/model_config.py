@@ -80,6 +80,10 @@ class ModelConfig:
     def from_hf(cls, data: dict, *, source: str = "config") -> "ModelConfig":
         """Translate a Hugging Face config dict (model_type gpt2, llama, mistral or qwen2)."""
         kind = data.get("model_type")
+        act = data.get("activation_function" if kind == "gpt2" else "hidden_act")
+        if kind in ("gpt2", *LLAMA_LIKE) and act is not None and act not in (("gelu_new", "gelu_pytorch_tanh") if kind == "gpt2" else ("silu",)):
+            raise UsageError(f"model config {source} uses activation {act!r}, which megakit does not implement; "
+                             f"the {kind} family here uses {'gelu_new' if kind == 'gpt2' else 'silu'}")
         try:
             if kind == "gpt2":
                 hidden = data["n_embd"]

@@ -116,9 +116,12 @@ def test_config_loading_and_errors(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(UsageError, match="cannot read"):
         ModelConfig.load(bad)
-    bad.write_text(json.dumps({"model_type": "bert", "vocab_size": 10}))
+    bad.write_text(json.dumps({"model_type": "bert", "vocab_size": 10, "hidden_act": "gelu"}))
     with pytest.raises(UsageError, match="model_type 'bert'"):
         ModelConfig.load(tmp_path)
+    bad.write_text(json.dumps({"model_type": "gpt2", "activation_function": "relu"}))
+    with pytest.raises(UsageError, match="activation 'relu'"):
+        ModelConfig.load(bad)
     bad.write_text(json.dumps({"model_type": "llama", "vocab_size": 10}))
     with pytest.raises(UsageError, match="lacks the field .num_attention_heads."):
         ModelConfig.load(bad)
