@@ -84,11 +84,15 @@ def save_png(report: Report, path: str) -> None:
     fig, ax = plt.subplots(figsize=(min(24, 4 + report.step_time * 0.25), 1 + 0.6 * pp))
     for stage in range(pp):
         ax.broken_barh([(0, report.step_time)], (stage - 0.4, 0.8), facecolors="#e6e6e6")  # idle = bubble
-    per_unit = fig.get_size_inches()[0] * 72 / max(report.step_time, 1e-9)
+    spans: dict = {}  # one broken_barh per (stage, kind, shade): thousands of events draw in a second
     for e in report.events:
-        colour = _PNG[e.kind][min(e.chunk, 1)]
-        ax.broken_barh([(e.start, e.end - e.start)], (e.stage - 0.4, 0.8), facecolors=colour, edgecolors="white")
-        if (e.end - e.start) * per_unit > 9:
+        spans.setdefault((e.stage, e.kind, min(e.chunk, 1)), []).append((e.start, e.end - e.start))
+    for (stage, kind, shade), bars in spans.items():
+        edge = "white" if len(report.events) < 4000 else "none"
+        ax.broken_barh(bars, (stage - 0.4, 0.8), facecolors=_PNG[kind][shade], edgecolors=edge, linewidth=0.5)
+    per_unit = fig.get_size_inches()[0] * 72 / max(report.step_time, 1e-9)
+    for e in report.events if len(report.events) <= 2000 else ():
+        if (e.end - e.start) * per_unit > 9:  # label a cell with its micro-batch only where it fits
             ax.text((e.start + e.end) / 2, e.stage, str(e.micro_batch), ha="center", va="center", fontsize=7,
                     color="white")
     ax.set_yticks(range(pp), [f"stage {s}" for s in range(pp)])
@@ -98,8 +102,8 @@ def save_png(report: Report, path: str) -> None:
     ax.set_xlabel(f"time (units of the per-op costs){chunks}")
     ax.set_title(title(report), fontsize=10)
     ax.legend(handles=[Patch(color=_PNG[FORWARD][0], label="forward"), Patch(color=_PNG["backward"][0], label="backward"),
-                       Patch(color="#e6e6e6", label="idle (bubble)")], loc="upper right", fontsize=7,
-              bbox_to_anchor=(1.0, -0.12 if pp < 3 else -0.06), ncol=3)
+                       Patch(color="#e6e6e6", label="idle (bubble)")], loc="upper left", fontsize=7,
+              bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(suffix=".png", dir=directory)
