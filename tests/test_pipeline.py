@@ -19,7 +19,7 @@ from multiproc import run_ranks
 
 B, S, M = 2, 8, 4  # micro-batch size, sequence length, micro-batches per step
 
-# (model, tp, pp, schedule, vpp, layers or None)
+# (model, tp, pp, schedule, vpp, layers or None); "+sp": TP with sequence parallelism
 CASES = [
     ("gpt-tiny", 1, 4, "1f1b", 1, None),
     ("gpt-tiny", 1, 4, "interleaved", 2, 8),
@@ -27,6 +27,7 @@ CASES = [
     ("gpt-tiny", 1, 2, "interleaved", 2, None),
     ("gpt-tiny", 1, 2, "gpipe", 1, None),
     ("llama-tiny", 2, 2, "1f1b", 1, None),
+    ("gpt-tiny+sp", 2, 2, "1f1b", 1, None),
     ("gpt-tiny", 2, 2, "interleaved", 2, None),
     ("gpt-tiny", 1, 1, "interleaved", 2, None),  # DP = 4; both tied copies on one rank
 ]
@@ -54,7 +55,8 @@ def _equivalence_worker(rank, world_size, cases):
     torch.manual_seed(0)
     results = []
     for model, tp, pp, schedule_name, vpp, layers in cases:
-        config = ModelConfig.load(model)
+        sp = model.endswith("+sp")
+        config = ModelConfig.load(model.removesuffix("+sp"))
         if layers:
             config = config.replace(layers=layers)
         layout = Layout.for_world(world_size, tp=tp, pp=pp)
@@ -67,12 +69,12 @@ def _equivalence_worker(rank, world_size, cases):
         ref_loss.backward()
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
-        chunks = build_stage_chunks(config, topo, vpp=vpp, seed=3)
+        chunks = build_stage_chunks(config, topo, vpp=vpp, seed=3, sequence_parallel=sp)
         schedule = build_schedule(schedule_name, pp, M, vpp)
         lr = 0.1
         params = [p for c in chunks for p in c.parameters()]
         opt = torch.optim.SGD(params, lr=lr)
-        shape = None if schedule_name == "gpipe" else (S, B, config.hidden)  # None: a shape header per message
+        shape = None if schedule_name == "gpipe" else (S // tp if sp else S, B, config.hidden)  # None: headers
         executor = PipelineExecutor(chunks, topo, schedule=schedule, activation_shape=shape,
                                     backward=_ds_style_backward(M) if tp == 2 else None, optimizer_step=opt.step)
         loss = executor.step(ids, labels)
@@ -102,7 +104,7 @@ def test_pipeline_matches_single_process_model():
             assert r["grad_err"] < 1e-5, r
             assert r["weight_err"] < 1e-5, r
             names |= set(r["names"])
-        config = ModelConfig.load(case[0])
+        config = ModelConfig.load(case[0].removesuffix("+sp"))
         if case[5]:
             config = config.replace(layers=case[5])
         assert names == {n for n, _ in Transformer(config).named_parameters()}, case  # every gradient checked
