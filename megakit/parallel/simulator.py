@@ -8,7 +8,9 @@ uses on real processes:
 - a **receive** blocks its stage until the matching message has arrived. Messages
   between two ranks travel in one FIFO per direction and kind (activation or
   gradient: the executor's P2P tag), so a receive that finds a different
-  micro-batch at the head of its channel is a *mismatched send/recv* error;
+  micro-batch at the head of its channel is a *mismatched send/recv* error
+  (``tagged=False`` merges the two kinds into one FIFO per direction, as NCCL,
+  which has no tags, would);
 - a **forward** on a virtual stage > 0 needs its activation received first, and a
   **backward** needs its own forward done and, except on the last virtual stage,
   its gradient received first.
