@@ -6,7 +6,9 @@ Both run the same model (megakit ``Transformer`` stages, identical weights), the
 2-stage split and the same micro-batches, one optimizer step (SGD) per batch:
 megakit's ``PipelineExecutor.step`` with the 1F1B schedule, and DeepSpeed's
 ``PipelineEngine.train_batch`` (its ``TrainSchedule`` is the same 1F1B order). Embeddings
-are untied for both, so neither does tied-weight communication the other does not.
+are untied for both, so neither does tied-weight communication the other does not,
+and the last stage computes logits then ``F.cross_entropy`` in both, so only the
+executors differ.
 The two alternate step by step (so a change in the machine's load hits both alike).
 Prints each one's median step time, megakit's measured bubble next to the simulator's
 prediction from the measured per-stage costs, and, last, ``ratio <megakit/DeepSpeed>``.
@@ -39,6 +41,17 @@ class _Stage(nn.Module):
 
     def forward(self, x):
         return self.stage(x)
+
+
+class _LogitsLoss(nn.Module):
+    """megakit's last stage computing its loss exactly as the DeepSpeed run's ``loss_fn`` does."""
+
+    def __init__(self, stage):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x, labels=None):
+        return _logits_loss(self.stage(x), labels)
 
 
 def _logits_loss(logits, labels):
@@ -102,6 +115,8 @@ def _bench(rank: int, args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    if topo.is_last_stage:  # same loss computation as DeepSpeed's loss_fn: only the executors differ
+        chunks = [_LogitsLoss(chunks[0])]
     executor = PipelineExecutor(chunks, topo, schedule=schedule_1f1b(2, m), activation_shape=(s, b, config.hidden),
                                 optimizer_step=step_and_zero)
     stage_times = []
