@@ -1,0 +1,1 @@
+"""Tensor and pipeline parallelism: the rank grid, TP layers, schedules and their executor."""
