@@ -227,15 +227,23 @@ def _unpack(x):
 
 
 def format_table(rows: list[dict]) -> str:
-    """A plain-text table: per rank and item, measured / predicted bytes (KiB) and the ratio."""
+    """Per rank: measured/predicted for each item, and the ratio for the two checked totals."""
     items = list(rows[0]["measured"])
-    head = f"{'rank':>4} {'pp':>2} {'dp':>2} {'tp':>2}  " + "  ".join(f"{k:>24}" for k in items)
-    lines = ["--verify-memory: measured / predicted KiB (ratio)", head]
+    largest = max(max(r["measured"].values()) for r in rows)
+    unit, scale = next((u, f) for u, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+                       if largest >= 10 * f or f == 1)
+    short = {"master_params": "master", "optimizer": "adam", "fp32_step_grads": "step-grads",
+             "model_states": "states", "activations": "activations", "total": "total"}
+    head = ["rank", "pp", "dp", "tp"] + [short.get(k, k) for k in items] + [f"{short.get(k, k)} ratio" for k in items
+                                                                               if k in ("model_states", "activations", "total")]
+    table = []
     for r in rows:
-        cells = []
-        for k in items:
-            m, p = r["measured"][k], r["predicted"][k]
-            ratio = f"{m / p:.3f}" if p else "-"
-            cells.append(f"{m / 1024:>9.1f}/{p / 1024:<9.1f}({ratio})")
-        lines.append(f"{r['rank']:>4} {r['pp']:>2} {r['dp']:>2} {r['tp']:>2}  " + "  ".join(f"{c:>24}" for c in cells))
+        cells = [str(r[k]) for k in ("rank", "pp", "dp", "tp")]
+        cells += [f"{r['measured'][k] / scale:.1f}/{r['predicted'][k] / scale:.1f}" for k in items]
+        cells += [f"{r['measured'][k] / r['predicted'][k]:.3f}" if r["predicted"][k] else "-"
+                  for k in items if k in ("model_states", "activations", "total")]
+        table.append(cells)
+    widths = [max(len(x) for x in col) for col in zip(head, *table)]
+    lines = [f"--verify-memory: measured/predicted {unit} per rank (planner: megakit.planner.memory.estimate_memory)"]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [head] + table]
     return "\n".join(lines)

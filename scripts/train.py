@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="DeepSpeed JSON config (ds_configs/*.json, or what `megakit plan --emit-config` wrote)")
     p.add_argument("--model", default="gpt-mini", help="preset in models/ or a path to a HF config.json")
     p.add_argument("--data", default=None, help="text file or directory (default: the Python standard library's sources)")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps to run")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps to run (default 200; 3 with --verify-memory)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule (PP > 1)")
@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     from megakit.trainer import TrainConfig, TrainingDiverged, train
 
     try:
-        cfg = TrainConfig(ds_config=args.ds_config, model=args.model, data=args.data, steps=args.steps, tp=args.tp,
+        cfg = TrainConfig(ds_config=args.ds_config, model=args.model, data=args.data,
+                          steps=args.steps if args.steps is not None else 3 if args.verify_memory else 200, tp=args.tp,
                           pp=args.pp, schedule=args.schedule, seq_len=args.seq_len, seed=args.seed,
                           tensorboard=args.tensorboard, profile=args.profile, verify_memory=args.verify_memory,
                           metrics_out=args.metrics_out, log_every=args.log_every, progress=not args.no_progress,
