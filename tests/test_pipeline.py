@@ -12,7 +12,7 @@ import torch
 
 from megakit.errors import UsageError
 from megakit.model import ModelConfig, Transformer, full_state_dict
-from megakit.parallel.pipeline import PipelineExecutor, build_stage_chunks, partition_layers
+from megakit.parallel.pipeline import PipelineExecutor, activation_shape, build_stage_chunks, partition_layers
 from megakit.parallel.schedules import build_schedule
 from megakit.parallel.topology import Layout, Topology
 from multiproc import run_ranks
@@ -74,7 +74,8 @@ def _equivalence_worker(rank, world_size, cases):
         lr = 0.1
         params = [p for c in chunks for p in c.parameters()]
         opt = torch.optim.SGD(params, lr=lr)
-        shape = None if schedule_name == "gpipe" else (S // tp if sp else S, B, config.hidden)  # None: headers
+        shape = None if schedule_name == "gpipe" else activation_shape(  # None: a shape header per message
+            config, micro_batch_size=B, seq_len=S, tp=tp, sequence_parallel=sp)
         executor = PipelineExecutor(chunks, topo, schedule=schedule, activation_shape=shape,
                                     backward=_ds_style_backward(M) if tp == 2 else None, optimizer_step=opt.step)
         loss = executor.step(ids, labels)

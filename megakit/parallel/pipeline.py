@@ -47,7 +47,7 @@ from megakit.parallel.partition import partition_layers
 from megakit.parallel.schedules import (BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, RECVS, REDUCE_GRADS, REDUCE_TIED,
                                         SEND_ACT, SEND_GRAD, STEP, Schedule)
 
-__all__ = ["PipelineExecutor", "StepTimes", "build_stage_chunks", "partition_layers"]
+__all__ = ["PipelineExecutor", "StepTimes", "activation_shape", "build_stage_chunks", "partition_layers"]
 _TAG = {RECV_ACT: 0, SEND_ACT: 0, RECV_GRAD: 1, SEND_GRAD: 1}
 
 
@@ -334,6 +334,12 @@ class PipelineExecutor:
         if self.schedule.pp > 1:
             dist.broadcast(loss, src=self.topo.stage_rank(self.schedule.pp - 1), group=self.topo.pp_group)
         return float(loss)
+
+
+def activation_shape(config, *, micro_batch_size: int, seq_len: int, tp: int = 1,
+                     sequence_parallel: bool = False) -> tuple[int, int, int]:
+    """The hidden state one ``Transformer`` stage hands the next: ``(S, B, H)``, ``(S/tp, B, H)`` with SP."""
+    return (seq_len // tp if sequence_parallel else seq_len, micro_batch_size, config.hidden)
 
 
 def build_stage_chunks(config, topo, *, vpp: int = 1, method="params", **model_kwargs) -> list[nn.Module]:
