@@ -14,6 +14,7 @@ from megakit.errors import UsageError
 from megakit.model import ModelConfig, Transformer, full_state_dict
 from megakit.parallel.pipeline import PipelineExecutor, activation_shape, build_stage_chunks, partition_layers
 from megakit.parallel.schedules import build_schedule
+from megakit.parallel.simulator import simulate
 from megakit.parallel.topology import Layout, Topology
 from multiproc import run_ranks
 
@@ -79,6 +80,8 @@ def _equivalence_worker(rank, world_size, cases):
         executor = PipelineExecutor(chunks, topo, schedule=schedule, activation_shape=shape,
                                     backward=_ds_style_backward(M) if tp == 2 else None, optimizer_step=opt.step)
         loss = executor.step(ids, labels)
+        # the executor ran the very list the simulator proved: same activations held at the peak
+        assert executor.last_times.peak_in_flight == simulate(schedule).peak_in_flight[topo.pp_rank]
         grads = {n: g for c in chunks for n, g in full_state_dict(c, topo, grads=True).items()}
         assert grads, "stage holds no parameters"
         grad_err = max((grads[n] - ref_grads[n]).abs().max().item() for n in grads)

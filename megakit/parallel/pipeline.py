@@ -59,6 +59,7 @@ class StepTimes:
     backward: float
     total: float
     micro_batches: int
+    peak_in_flight: int  # most (micro-batch, chunk) activations held at once: the simulator's figure
 
     @property
     def bubble(self) -> float:
@@ -275,6 +276,7 @@ class PipelineExecutor:
         losses = []
         last_vs = self.schedule.virtual_stages - 1
         spent = {FORWARD: 0.0, BACKWARD: 0.0}
+        in_flight = peak = 0
         start = time.perf_counter()
         for index, a in enumerate(self.actions):
             self._post_recvs(index + 4)
@@ -294,6 +296,8 @@ class PipelineExecutor:
                 else:
                     out = self.chunks[a.chunk](x)
                 self._stash[key] = (x, out)
+                in_flight += 1
+                peak = max(peak, in_flight)
                 spent[FORWARD] += time.perf_counter() - began
             elif a.kind == SEND_ACT:
                 out = self._stash[key][1]
@@ -301,6 +305,7 @@ class PipelineExecutor:
                 self._send(a, out)
             elif a.kind == BACKWARD:
                 x, out = self._stash.pop(key)
+                in_flight -= 1
                 grad = None if self._vs(a.chunk) == last_vs else self._received.pop((RECV_GRAD, *key))
                 self.backward_fn(out, grad)
                 self._stash[("grad", *key)] = x.grad if x.requires_grad else None
@@ -323,7 +328,7 @@ class PipelineExecutor:
         assert not self._posted and not self._received, "schedule left messages unconsumed"
         self._pending = []
         self.last_times = StepTimes(forward=spent[FORWARD], backward=spent[BACKWARD],
-                                    total=time.perf_counter() - start, micro_batches=m)
+                                    total=time.perf_counter() - start, micro_batches=m, peak_in_flight=peak)
         loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32, device=self.device)
         if not self.broadcast_loss:
             return float(loss) if losses else None
