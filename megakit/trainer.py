@@ -208,8 +208,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         except Exception as error:
             if dist.get_world_size() > 1 and not isinstance(error, AssertionError):
                 why = watchdog.diagnose()
-                raise RuntimeError(f"{_describe(topo, topo.rank)}: communication failed "
-                                   f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); {why}") from error
+                detail = str(error).splitlines()[0] if str(error) else ""
+                raise RuntimeError(f"{_describe(topo, topo.rank)}: communication failed: {why} "
+                                   f"({type(error).__name__}: {detail[:120]})") from error
             raise
         watchdog.stop(done=True)
         return result
