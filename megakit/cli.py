@@ -17,6 +17,7 @@ from megakit.errors import UsageError
 COMMANDS = {
     "plan": ("megakit.planner.command", "pick TP x PP x DP x ZeRO for a model and a cluster"),
     "schedule": ("megakit.parallel.schedule_command", "print and draw a pipeline schedule"),
+    "convert": ("megakit.convert_command", "export a megakit checkpoint to Hugging Face transformers' layout"),
 }
 
 
