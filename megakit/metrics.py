@@ -47,6 +47,8 @@ class CommTimer:
 
     def __init__(self, *, sync_cuda: bool = False) -> None:
         self.seconds = 0.0
+        self.calls = 0  # collective/P2P calls since the last take(): shows where communication happens
+        self.last_calls = 0
         self.measuring = True
         self.sync_cuda = sync_cuda
         self._originals: dict = {}
@@ -72,6 +74,8 @@ class CommTimer:
     def _wrap(self, name, fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
+            if not self._depth:
+                self.calls += 1
             if name in _ASYNC or kwargs.get("async_op"):  # time the wait, not the posting
                 work = fn(*args, **kwargs)
                 return None if work is None else _TimedWork(work, self)
@@ -80,8 +84,9 @@ class CommTimer:
         return wrapper
 
     def take(self) -> float:
-        """Seconds since the last ``take``."""
+        """Seconds since the last ``take`` (the call count goes to ``last_calls``)."""
         seconds, self.seconds = self.seconds, 0.0
+        self.last_calls, self.calls = self.calls, 0
         return seconds
 
     def __enter__(self) -> "CommTimer":
@@ -125,6 +130,7 @@ class StepMetrics:
     tokens: int
     flops: float  # model FLOPs of the step, all ranks together
     comm_seconds: float | None  # this rank's time in communication, None when not sampled
+    comm_calls: int  # torch.distributed calls this rank made during the step
     world_size: int
     peak_tflops: float | None  # per device
 
@@ -173,4 +179,5 @@ class StepMetrics:
     def to_dict(self) -> dict:
         return {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
                 "seconds": self.seconds, "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
-                "tflops": self.tflops, "mfu": self.mfu, "comm_share": self.comm_share}
+                "tflops": self.tflops, "mfu": self.mfu, "comm_share": self.comm_share,
+                "comm_calls": self.comm_calls}

@@ -287,6 +287,7 @@ def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog, tokens: torch.Ten
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         comm = timer.take() if timer.measuring else None
+        comm_calls = timer.last_calls
         if clipper is not None:
             grad_norm, grads_finite = clipper.norm, clipper.finite
         else:
@@ -297,7 +298,8 @@ def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog, tokens: torch.Ten
             profiler.step()
         metrics = StepMetrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds,
                               samples=plan.global_batch, tokens=plan.global_batch * seq_len, flops=flops_per_step,
-                              comm_seconds=comm, world_size=dist.get_world_size(), peak_tflops=peak)
+                              comm_seconds=comm, comm_calls=comm_calls, world_size=dist.get_world_size(),
+                              peak_tflops=peak)
         result.steps.append(metrics)
         reporter.log(metrics)
     if profiler is not None:

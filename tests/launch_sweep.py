@@ -24,7 +24,8 @@ def main() -> int:
             results.append({"error": str(error)})
             continue
         results.append({"loss": result.losses, "grad_norm": [m.grad_norm for m in result.steps],
-                        "lr": [m.lr for m in result.steps], "memory": result.memory})
+                        "lr": [m.lr for m in result.steps], "memory": result.memory,
+                        "comm_calls": [m.comm_calls for m in result.steps]})
     if int(os.environ.get("RANK", 0)) == 0:
         tmp = results_path + ".tmp"
         with open(tmp, "w") as f:

@@ -80,6 +80,8 @@ def dp_results(tmp_path_factory):
     diverge["gradient_clipping"] = 0.0
     diverge["scheduler"]["params"].update(warmup_num_steps=2)
     cases.append(dict(ds_config=diverge, model="gpt-tiny", steps=30, seq_len=32))
+    for stage in (0, 1):  # twice the micro-batches per step: for the communication count
+        cases.append(dict(ds_config=ds_config(stage, accumulation=4), model="gpt-tiny", steps=3, seq_len=32))
     return cases, sweep(tmp_path_factory, 2, cases)
 
 
@@ -108,6 +110,15 @@ def test_nan_is_reported_with_step_and_rank(dp_results):
     _, results = dp_results
     error = results[4].get("error", "")
     assert re.search(r"NaN/inf at step \d+: rank \d \(pp 0, dp \d, tp 0\): non-finite", error), results[4]
+
+
+@pytest.mark.slow
+def test_accumulation_communicates_only_at_the_boundary(dp_results):
+    """ZeRO 0-1: a step with 4 micro-batches makes as many collective calls as one with 2."""
+    _, results = dp_results
+    for stage, doubled in ((0, results[5]), (1, results[6])):
+        assert doubled["comm_calls"][1:] == results[stage]["comm_calls"][1:3], (stage, doubled, results[stage])
+        assert 0 < results[stage]["comm_calls"][1] <= 4
 
 
 # -- TP x PP and TP x DP (4 processes) -------------------------------------------------------------
