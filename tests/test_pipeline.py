@@ -20,17 +20,18 @@ from multiproc import run_ranks
 
 B, S, M = 2, 8, 4  # micro-batch size, sequence length, micro-batches per step
 
-# (model, tp, pp, schedule, vpp, layers or None); "+sp": TP with sequence parallelism
+# (model, tp, pp, schedule, vpp, layers or None, p2p); "+sp": TP with sequence parallelism
 CASES = [
-    ("gpt-tiny", 1, 4, "1f1b", 1, None),
-    ("gpt-tiny", 1, 4, "interleaved", 2, 8),
-    ("llama-tiny", 1, 2, "1f1b", 1, None),
-    ("gpt-tiny", 1, 2, "interleaved", 2, None),
-    ("gpt-tiny", 1, 2, "gpipe", 1, None),
-    ("llama-tiny", 2, 2, "1f1b", 1, None),
-    ("gpt-tiny+sp", 2, 2, "1f1b", 1, None),
-    ("gpt-tiny", 2, 2, "interleaved", 2, None),
-    ("gpt-tiny", 1, 1, "interleaved", 2, None),  # DP = 4; both tied copies on one rank
+    ("gpt-tiny", 1, 4, "1f1b", 1, None, "async"),
+    ("gpt-tiny", 1, 4, "1f1b", 1, None, "batched"),  # NCCL's way, run here on gloo
+    ("gpt-tiny", 1, 4, "interleaved", 2, 8, "async"),
+    ("llama-tiny", 1, 2, "1f1b", 1, None, "async"),
+    ("gpt-tiny", 1, 2, "interleaved", 2, None, "async"),
+    ("gpt-tiny", 1, 2, "gpipe", 1, None, "async"),
+    ("llama-tiny", 2, 2, "1f1b", 1, None, "batched"),
+    ("gpt-tiny+sp", 2, 2, "1f1b", 1, None, "async"),
+    ("gpt-tiny", 2, 2, "interleaved", 2, None, "async"),
+    ("gpt-tiny", 1, 1, "interleaved", 2, None, "async"),  # DP = 4; both tied copies on one rank
 ]
 
 
@@ -55,7 +56,7 @@ def _ds_style_backward(m: int):
 def _equivalence_worker(rank, world_size, cases):
     torch.manual_seed(0)
     results = []
-    for model, tp, pp, schedule_name, vpp, layers in cases:
+    for model, tp, pp, schedule_name, vpp, layers, p2p in cases:
         sp = model.endswith("+sp")
         config = ModelConfig.load(model.removesuffix("+sp"))
         if layers:
@@ -77,7 +78,7 @@ def _equivalence_worker(rank, world_size, cases):
         opt = torch.optim.SGD(params, lr=lr)
         shape = None if schedule_name == "gpipe" else activation_shape(  # None: a shape header per message
             config, micro_batch_size=B, seq_len=S, tp=tp, sequence_parallel=sp)
-        executor = PipelineExecutor(chunks, topo, schedule=schedule, activation_shape=shape,
+        executor = PipelineExecutor(chunks, topo, schedule=schedule, activation_shape=shape, p2p=p2p,
                                     backward=_ds_style_backward(M) if tp == 2 else None, optimizer_step=opt.step)
         loss = executor.step(ids, labels)
         # the executor ran the very list the simulator proved: same activations held at the peak
@@ -92,7 +93,7 @@ def _equivalence_worker(rank, world_size, cases):
         ref_params = dict(ref.named_parameters())
         weight_err = max(max((w - ref_params[n]).abs().max().item() for n, w in full_state_dict(c, topo).items())
                          for c in chunks)
-        results.append(dict(case=(model, tp, pp, schedule_name, vpp), loss_err=abs(loss - ref_loss.item()),
+        results.append(dict(case=(model, tp, pp, schedule_name, vpp, p2p), loss_err=abs(loss - ref_loss.item()),
                             grad_err=grad_err, weight_err=weight_err, names=sorted(grads)))
     return results
 
@@ -171,6 +172,9 @@ def _deepspeed_worker(rank, world_size):
         executor.step(ids[:1] if topo.is_first_stage else None, labels[:1] if topo.is_last_stage else None)
     with pytest.raises(UsageError, match="stages"):
         PipelineExecutor(chunks, topo, schedule=build_schedule("1f1b", 4, M))
+    with pytest.raises(UsageError, match="not deadlock-free with batched"):
+        PipelineExecutor(chunks * 2, topo, schedule=build_schedule("interleaved", 2, M, 2), p2p="batched",
+                         activation_shape=(S, B, config.hidden))
     loss = executor.step(ids if topo.is_first_stage else None, labels if topo.is_last_stage else None)
     ref_params = dict(ref.named_parameters())
     err = max((w - ref_params[n]).abs().max().item() for n, w in full_state_dict(stage[0], topo).items())

@@ -154,3 +154,16 @@ def test_cli_prints_timeline_and_writes_png(tmp_path):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "divisible" in bad.stderr
     assert not (tmp_path / "b.png").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["s.png"]  # no temporary file left behind
+
+
+def test_batched_rendezvous_p2p_proves_1f1b_and_gpipe_and_catches_interleaved():
+    """NCCL: a send waits for its receive; runs of send/recv go out as one batch."""
+    for pp in range(1, 9):
+        for m in range(1, 33, 3):
+            for schedule in (schedule_1f1b(pp, m), schedule_gpipe(pp, m)):
+                report = simulate(schedule, p2p="batched")
+                assert report.step_time == pytest.approx(simulate(schedule).step_time)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(schedule_interleaved(2, 4, 2), p2p="batched")
+    with pytest.raises(UsageError, match="P2P mode"):
+        simulate(schedule_1f1b(2, 2), p2p="eager")

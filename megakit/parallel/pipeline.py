@@ -14,13 +14,17 @@ walks its list from ``schedules`` — nothing else decides what runs when:
   ``engine.backward(loss)`` does with ``gradient_accumulation_steps = micro_batches``;
   a trainer routes it through DeepSpeed: last stage ``engine.backward(output)``,
   others ``engine.backward((output * grad).sum(), scale_wrt_gas=False)``;
-- ``send_*`` posts ``isend`` and moves on (the simulator's asynchronous-send model);
-  ``recv_*`` waits for an ``irecv`` that was posted a few actions ahead, so the
-  transfer overlaps the compute before it. Activation messages carry P2P tag 0 and
-  gradient messages tag 1; the simulator proves the order is also right without tags
-  (NCCL). No shape handshake is needed when ``activation_shape`` is given (every
-  boundary carries the same hidden state); a gradient's shape is that of the
-  activation this rank sent;
+- P2P, ``p2p="async"`` (gloo's default): ``send_*`` posts ``isend`` and moves on
+  (the simulator's asynchronous-send model); ``recv_*`` waits for an ``irecv`` that
+  was posted a few actions ahead, so the transfer overlaps the compute before it.
+  ``p2p="batched"`` (NCCL's default, where a send waits for its receive): each run
+  of consecutive send/recv actions goes out as one ``batch_isend_irecv``, and the
+  executor refuses a schedule the simulator cannot prove deadlock-free that way
+  (1F1B and GPipe pass; interleaved with the plain communication pass does not).
+  Activation messages carry P2P tag 0 and gradient messages tag 1; the simulator
+  proves the order is also right without tags (NCCL). No shape handshake is needed
+  when ``activation_shape`` is given (every boundary carries the same hidden
+  state); a gradient's shape is that of the activation this rank sent;
 - ``reduce_tied_grads`` all-reduces (sums) the gradients of parameters that the
   first and last virtual stage both hold under one name (tied input/output
   embeddings) over ``topo.embedding_group``; ``reduce_grads`` averages gradients
@@ -45,7 +49,8 @@ from torch import nn
 from megakit.errors import UsageError
 from megakit.parallel.partition import partition_layers
 from megakit.parallel.schedules import (BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, RECVS, REDUCE_GRADS, REDUCE_TIED,
-                                        SEND_ACT, SEND_GRAD, STEP, Schedule)
+                                        SEND_ACT, SEND_GRAD, SENDS, STEP, Schedule)
+from megakit.parallel.simulator import P2P_MODES, ScheduleError, simulate
 
 __all__ = ["PipelineExecutor", "StepTimes", "activation_shape", "build_stage_chunks", "partition_layers"]
 _TAG = {RECV_ACT: 0, SEND_ACT: 0, RECV_GRAD: 1, SEND_GRAD: 1}
@@ -78,6 +83,7 @@ class PipelineExecutor:
         activation_shape: shape of the hidden state between stages (e.g. ``(B, S, H)``), or None to
             send a shape header before every activation.
         reduce_grads / optimizer_step: callables replacing the default DP average / doing the step.
+        p2p: "async" or "batched" (see the module docstring); default: batched on NCCL, async otherwise.
         broadcast_loss: average the loss over DP replicas and send it from the last stage to every
             stage (a scalar all-reduce and broadcast); otherwise return this replica's loss on the last stage.
     """
@@ -86,7 +92,7 @@ class PipelineExecutor:
                  backward: Callable | None = None, activation_shape: Sequence[int] | None = None,
                  activation_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  reduce_grads: Callable[[], None] | None = None, optimizer_step: Callable[[], None] | None = None,
-                 broadcast_loss: bool = True, prefetch: int = 2) -> None:
+                 broadcast_loss: bool = True, prefetch: int = 2, p2p: str | None = None) -> None:
         if schedule.pp != topo.pp:
             raise UsageError(f"the schedule has {schedule.pp} stages but the topology has --pp {topo.pp}; build it with pp={topo.pp}")
         if len(chunks) != schedule.vpp:
@@ -105,6 +111,17 @@ class PipelineExecutor:
         self.optimizer_step_fn = optimizer_step
         self.broadcast_loss = broadcast_loss
         self.prefetch = prefetch
+        self.p2p = p2p or ("batched" if dist.get_backend() == "nccl" else "async")
+        if self.p2p not in P2P_MODES:
+            raise UsageError(f"unknown P2P mode {p2p!r}; use one of {', '.join(P2P_MODES)}")
+        if self.p2p == "batched":
+            if activation_shape is None:
+                raise UsageError("batched P2P (NCCL) needs activation_shape: pass the hidden-state shape between stages")
+            try:  # NCCL's send waits for its receive: only schedules proven safe under that may run
+                simulate(schedule, p2p="batched")
+            except ScheduleError as error:
+                raise UsageError(f"schedule {schedule.name} is not deadlock-free with batched (NCCL) P2P: {error}; "
+                                 "use the 1f1b or gpipe schedule here") from None
         self.last_times: StepTimes | None = None  # filled by every step()
         self.tied = self._find_tied_parameters()
         self.sync_tied_weights()
@@ -236,9 +253,59 @@ class PipelineExecutor:
         dist.recv(buf, src=src, tag=_TAG[a.kind])
         return buf
 
+    def _outgoing(self, a) -> torch.Tensor:
+        """The tensor a send action carries: the forward's output, or the gradient of the forward's input."""
+        key = (a.micro_batch, a.chunk)
+        if a.kind == SEND_ACT:
+            out = self._stash[key][1]
+            self._sent_shape[key] = out.shape
+            return out
+        grad = self._stash.pop(("grad", *key))
+        assert grad is not None, f"no input gradient for micro-batch {a.micro_batch} chunk {a.chunk}"
+        return grad
+
+    def _run_batch(self, index: int) -> int:
+        """Batched mode: post the run of send/recv actions at ``index`` together and wait for all of them.
+
+        One ``batch_isend_irecv``: NCCL runs the batch's sends and receives
+        concurrently, so two stages sending to each other do not wait on each other.
+        Returns the index of the first action after the run.
+        """
+        ops, recvs, end = [], [], index
+        while end < len(self.actions) and self.actions[end].kind in SENDS + RECVS:
+            a = self.actions[end]
+            if a.peer == self.topo.pp_rank:  # a hand-over inside this rank
+                if a.kind in SENDS:
+                    self._send(a, self._outgoing(a))
+                else:
+                    recvs.append((a, self._local[_TAG[a.kind]].pop(0)))
+            elif a.kind in SENDS:
+                tensor = self._checked(a, self._outgoing(a))
+                ops.append(dist.P2POp(dist.isend, tensor, self.topo.stage_rank(a.peer), tag=_TAG[a.kind]))
+            else:
+                buf = torch.empty(self._recv_shape(a), dtype=self.dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, buf, self.topo.stage_rank(a.peer), tag=_TAG[a.kind]))
+                recvs.append((a, buf))
+            end += 1
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for a, buf in recvs:
+            if a.kind == RECV_ACT:
+                buf.requires_grad_(True)
+            self._received[(a.kind, a.micro_batch, a.chunk)] = buf
+        return end
+
+    def _checked(self, a, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach().to(self.dtype).contiguous()
+        if a.kind == SEND_ACT and self.activation_shape is not None and tuple(tensor.shape) != self.activation_shape:
+            raise UsageError(f"a stage produced an activation of shape {tuple(tensor.shape)} but activation_shape "
+                             f"is {self.activation_shape}; pass the hidden-state shape the model sends")
+        return tensor
+
     def _send(self, a, tensor: torch.Tensor) -> None:
         dst = self.topo.stage_rank(a.peer)
-        tensor = tensor.detach().to(self.dtype).contiguous()
+        tensor = self._checked(a, tensor)
         if a.peer == self.topo.pp_rank:
             self._local[_TAG[a.kind]].append(tensor.clone())
             return
@@ -247,9 +314,6 @@ class PipelineExecutor:
             header = torch.tensor([tensor.dim(), *tensor.shape] + [0] * (8 - tensor.dim()), dtype=torch.int64,
                                   device=tensor.device)
             self._pending.append((header, dist.isend(header, dst=dst, tag=_TAG[a.kind])))
-        elif a.kind == SEND_ACT and tuple(tensor.shape) != self.activation_shape:
-            raise UsageError(f"a stage produced an activation of shape {tuple(tensor.shape)} but activation_shape "
-                             f"is {self.activation_shape}; pass the hidden-state shape the model sends")
         self._pending.append((tensor, dist.isend(tensor, dst=dst, tag=_TAG[a.kind])))
 
     # -- one step -------------------------------------------------------------------------------
@@ -278,8 +342,16 @@ class PipelineExecutor:
         spent = {FORWARD: 0.0, BACKWARD: 0.0}
         in_flight = peak = 0
         start = time.perf_counter()
+        batched = self.p2p == "batched"
+        skip_to = 0
         for index, a in enumerate(self.actions):
-            self._post_recvs(index + 4)
+            if index < skip_to:
+                continue  # already run as part of a batch
+            if batched and a.kind in SENDS + RECVS:
+                skip_to = self._run_batch(index)
+                continue
+            if not batched:
+                self._post_recvs(index + 4)
             began = time.perf_counter()
             key = (a.micro_batch, a.chunk)
             if a.kind in RECVS:
@@ -299,10 +371,8 @@ class PipelineExecutor:
                 in_flight += 1
                 peak = max(peak, in_flight)
                 spent[FORWARD] += time.perf_counter() - began
-            elif a.kind == SEND_ACT:
-                out = self._stash[key][1]
-                self._sent_shape[key] = out.shape
-                self._send(a, out)
+            elif a.kind in SENDS:
+                self._send(a, self._outgoing(a))
             elif a.kind == BACKWARD:
                 x, out = self._stash.pop(key)
                 in_flight -= 1
@@ -310,10 +380,6 @@ class PipelineExecutor:
                 self.backward_fn(out, grad)
                 self._stash[("grad", *key)] = x.grad if x.requires_grad else None
                 spent[BACKWARD] += time.perf_counter() - began
-            elif a.kind == SEND_GRAD:
-                grad = self._stash.pop(("grad", *key))
-                assert grad is not None, f"no input gradient for micro-batch {a.micro_batch} chunk {a.chunk}"
-                self._send(a, grad)
             elif a.kind == REDUCE_TIED:
                 self.reduce_tied_grads()
             elif a.kind == REDUCE_GRADS:

@@ -109,17 +109,29 @@ def _message(schedule: Schedule, stage: int, a: Action) -> tuple[tuple[int, int,
     return (a.peer, stage, "grad"), (a.micro_batch, vs)
 
 
-def simulate(schedule: Schedule, costs: Costs = Costs(), *, tagged: bool = True) -> Report:
+P2P_MODES = ("async", "batched")
+
+
+def simulate(schedule: Schedule, costs: Costs = Costs(), *, tagged: bool = True, p2p: str = "async") -> Report:
     """Execute ``schedule`` (communication is inserted first if it has none); raise ``ScheduleError`` if it cannot run.
 
     ``tagged=False`` models a transport without P2P tags (NCCL): activations and
     gradients between two ranks then share one FIFO, so their orders must agree too.
+    ``p2p="batched"`` models NCCL's rendezvous instead of asynchronous sends: each run
+    of consecutive send/recv actions is posted together (``batch_isend_irecv``), a
+    send completes only when its receive is posted, and the stage moves on only when
+    the whole batch has completed; channels are then untagged.
     """
+    if p2p not in P2P_MODES:
+        raise UsageError(f"unknown P2P mode {p2p!r}; use one of {', '.join(P2P_MODES)}")
     if not schedule.has_p2p:
         schedule = add_p2p(schedule)
     pp, vpp, last = schedule.pp, schedule.vpp, schedule.virtual_stages - 1
     _validate_costs(costs, pp)
     channels: dict[tuple, deque] = {}
+    posted_sends: dict[tuple, deque] = {}  # batched mode: ops posted, not yet matched, per channel
+    posted_recvs: dict[tuple, deque] = {}
+    batch: list = [None] * pp  # batched mode: the ops this stage has posted and waits on
     pc = [0] * pp  # next action per stage
     clock = [0.0] * pp
     busy = [0.0] * pp
@@ -133,12 +145,63 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), *, tagged: bool = True)
     def fail(stage: int, a: Action, why: str) -> None:
         raise ScheduleError(f"{schedule.name} p={pp} m={schedule.micro_batches}: stage {stage} action #{pc[stage]} ({a}): {why}")
 
+    def check_send(stage: int, a: Action) -> None:
+        if a.peer is None or not 0 <= a.peer < pp:
+            fail(stage, a, f"peer {a.peer} is not a stage")
+        if a.kind == SEND_ACT and (a.micro_batch, a.chunk) not in forwarded[stage]:
+            fail(stage, a, "sends an activation before computing it")
+        if a.kind == SEND_GRAD and (a.micro_batch, a.chunk) not in done_backward[stage]:
+            fail(stage, a, "sends a gradient before computing it")
+
+    def match(channel: tuple) -> None:
+        sends, recvs = posted_sends.get(channel), posted_recvs.get(channel)
+        while sends and recvs:
+            if sends[0]["payload"] != recvs[0]["payload"]:
+                r = recvs[0]
+                fail(r["stage"], r["action"], f"expects {r['payload']} from stage {channel[0]} but the next message "
+                                              f"posted on that channel is {sends[0]['payload']} (mismatched send/recv)")
+            s, r = sends.popleft(), recvs.popleft()
+            s["done"] = r["done"] = max(s["posted"], r["posted"]) + costs.p2p
+
+    def batched(stage: int) -> bool:
+        """Post this stage's run of send/recv actions at once; move past it when all have matched."""
+        actions = schedule.stages[stage]
+        if batch[stage] is None:
+            ops, i = [], pc[stage]
+            while i < len(actions) and actions[i].kind in SENDS + (RECV_ACT, RECV_GRAD) and actions[i].peer != stage:
+                a = actions[i]
+                if a.kind in SENDS:
+                    check_send(stage, a)
+                elif a.peer is None or not 0 <= a.peer < pp:
+                    fail(stage, a, f"peer {a.peer} is not a stage")
+                (src, dst, kind), payload = _message(schedule, stage, a)
+                op = dict(stage=stage, action=a, payload=(*payload, kind), posted=clock[stage], done=None)
+                (posted_sends if a.kind in SENDS else posted_recvs).setdefault((src, dst), deque()).append(op)
+                ops.append(op)
+                match((src, dst))
+                i += 1
+            batch[stage] = ops
+            return True  # posting is progress: a peer may now complete its own batch
+        ops = batch[stage]
+        if any(op["done"] is None for op in ops):
+            return False
+        for op in ops:
+            a = op["action"]
+            if a.kind in (RECV_ACT, RECV_GRAD):
+                received[stage][(op["payload"][2], *op["payload"][:2])] = op["done"]
+        clock[stage] = max([clock[stage]] + [op["done"] for op in ops])
+        pc[stage] += len(ops)
+        batch[stage] = None
+        return True
+
     def step(stage: int) -> bool:
         """Run one action of ``stage`` if it can; False if it is blocked or finished."""
         actions = schedule.stages[stage]
         if pc[stage] >= len(actions):
             return False
         a = actions[pc[stage]]
+        if p2p == "batched" and a.kind in SENDS + (RECV_ACT, RECV_GRAD) and a.peer != stage:
+            return batched(stage)  # (a hand-over to this same rank, PP = 1 with chunks, is a buffer)
         if a.kind in SENDS or a.kind in (RECV_ACT, RECV_GRAD):
             if a.peer is None or not 0 <= a.peer < pp:
                 fail(stage, a, f"peer {a.peer} is not a stage")
@@ -147,10 +210,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), *, tagged: bool = True)
             if not tagged:
                 channel, payload = channel[:2], (*payload, kind)
             if a.kind in SENDS:
-                if a.kind == SEND_ACT and (a.micro_batch, a.chunk) not in forwarded[stage]:
-                    fail(stage, a, "sends an activation before computing it")
-                if a.kind == SEND_GRAD and (a.micro_batch, a.chunk) not in done_backward[stage]:
-                    fail(stage, a, "sends a gradient before computing it")
+                check_send(stage, a)
                 channels.setdefault(channel, deque()).append((payload, clock[stage] + costs.p2p))
             else:
                 queue = channels.get(channel)
@@ -210,7 +270,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), *, tagged: bool = True)
                               if pc[s] < len(schedule.stages[s]))
             raise ScheduleError(f"{schedule.name} p={pp} m={schedule.micro_batches}: deadlock: {waits}")
 
-    leftover = {ch: len(q) for ch, q in channels.items() if q}
+    leftover = {ch: len(q) for ch, q in list(channels.items()) + list(posted_sends.items()) if q}
     if leftover:
         raise ScheduleError(f"{schedule.name}: messages sent but never received (mismatched send/recv): {leftover}")
     expected = {(mb, c) for mb in range(schedule.micro_batches) for c in range(vpp)}
