@@ -1,0 +1,251 @@
+"""Checkpoints on real gloo processes: save at one TP x PP layout, load at another, export to transformers.
+
+One 4-process spawn sweeps every multi-process case (process start-up dominates); the
+single-process halves run in the test process. Weights are compared exactly (a checkpoint
+copies bits), losses to fp32 rounding. Vocab 253 needs padding at TP = 2 and TP = 4, so
+resharding must trim and re-pad it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from multiproc import run_ranks
+
+from megakit.checkpoint import load_checkpoint, save_checkpoint
+from megakit.errors import UsageError
+from megakit.model import ModelConfig, Transformer, full_state_dict
+
+CASES = [("gpt-tiny", 253), ("llama-tiny", 253)]  # tied (gpt2) and untied (llama) embeddings
+SAVE_SEED, LOAD_SEED = 7, 99  # loads go into differently-initialised models
+
+
+def _config(preset: str, vocab: int) -> ModelConfig:
+    return ModelConfig.load(preset).replace(vocab_size=vocab)
+
+
+def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return torch.randint(0, vocab, (2, 16), generator=gen), torch.randint(0, vocab, (2, 16), generator=gen)
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _pipeline_loss(stage, topo, ids, labels) -> float | None:
+    """Two-stage forward by hand: stage 0 sends its hidden state ``(S, B, H)`` to stage 1."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        if topo.is_first_stage:
+            dist.send(stage(ids).contiguous(), topo.next_rank)
+            return None
+        h = torch.empty(ids.shape[1], ids.shape[0], stage.config.hidden)
+        dist.recv(h, topo.prev_rank)
+        return stage(h, labels).item()
+
+
+def _numpy(state: dict) -> dict:
+    """Plain arrays cross the result queue (tensors would go through shared memory the child frees)."""
+    return {k: v.numpy() for k, v in state.items()}
+
+
+def _errors(fn) -> str | None:
+    try:
+        fn()
+    except (UsageError, RuntimeError, OSError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _worker(rank, world_size, root):
+    import torch.distributed as dist
+
+    import megakit.checkpoint as ckpt
+    from megakit.parallel.pipeline import build_stage_chunks
+    from megakit.parallel.topology import Layout, Topology
+
+    root = Path(root)
+    topo22, topo4, topo2x2 = (Topology(Layout(tp=2, pp=2)), Topology(Layout(tp=4)), Topology(Layout(tp=2, dp=2)))
+    out = {}
+    for preset, vocab in CASES:
+        config, d = _config(preset, vocab), root / preset
+        ids, labels = _batch(vocab)
+        (stage,) = build_stage_chunks(config, topo22, seed=SAVE_SEED)
+        save_checkpoint(d / "tp2pp2", stage, topo22, step=3, config=config, extra={"preset": preset})
+        # TP = 2 x PP = 2 -> TP = 4
+        m4 = Transformer(config, topo4, seed=LOAD_SEED).eval()
+        loaded = load_checkpoint(d / "tp2pp2", m4, topo4)
+        pad = m4.embed.weight[vocab - rank * m4.embed.weight.shape[0]:] if rank == 3 else None
+        with torch.no_grad():
+            loss4 = m4(ids, labels).item()
+        # TP = 1 (saved by the test process) -> TP = 2 x PP = 2
+        (s22,) = build_stage_chunks(config, topo22, seed=LOAD_SEED)
+        s22.eval()
+        load_checkpoint(d / "tp1", s22, topo22)
+        # TP = 2 x DP = 2: DP replica 1 holds the same weights and writes nothing
+        save_checkpoint(d / "tp2dp2", Transformer(config, topo2x2, seed=SAVE_SEED), topo2x2, step=4, config=config)
+        out[preset] = {"loaded": tuple(loaded), "w4": _numpy(full_state_dict(m4, topo4)), "loss4": loss4,
+                       "pad_zero": None if pad is None else bool((pad == 0).all()) and pad.shape[0] == 3,
+                       "w22": _numpy(full_state_dict(s22, topo22)), "loss22": _pipeline_loss(s22, topo22, ids, labels)}
+
+    # Failures: raised on every rank, nothing half-written, the old checkpoint intact.
+    config, d = _config(*CASES[0]), root / CASES[0][0]
+    (stage,) = build_stage_chunks(config, topo22, seed=LOAD_SEED)
+    if rank == 0:
+        def crash(tmp, target):
+            raise RuntimeError("injected crash after every shard was written, before the rename")
+        ckpt._publish = crash
+    out["crash_before_rename"] = _errors(lambda: save_checkpoint(d / "tp2pp2", stage, topo22, step=9, config=config))
+    if rank == 3:
+        def disk_full(*args, **kwargs):
+            raise OSError("injected: no space left on device")
+        ckpt._write_shard = disk_full
+    out["write_fails_on_rank_3"] = _errors(lambda: save_checkpoint(d / "tp2pp2", stage, topo22, step=10, config=config))
+    out["after_failures"] = tuple(load_checkpoint(d / "tp2pp2", stage, topo22))
+    out["leftovers"] = sorted(p.name for p in d.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+    if rank == 0:
+        shutil.copytree(d / "tp2pp2", d / "corrupt")
+        _flip_byte(d / "corrupt" / "model-pp01-tp01.safetensors")
+    dist.barrier()
+    out["corrupt"] = _errors(lambda: load_checkpoint(d / "corrupt", stage, topo22))
+    return out
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    for preset, vocab in CASES:
+        config = _config(preset, vocab)
+        save_checkpoint(root / preset / "tp1", Transformer(config, seed=SAVE_SEED), step=1, config=config)
+    return root, run_ranks(_worker, 4, str(root))
+
+
+@pytest.mark.parametrize("preset,vocab", CASES)
+def test_tp2pp2_loads_at_tp1_and_tp4(spawned, preset, vocab):
+    root, results = spawned
+    config, ids, labels = _config(preset, vocab), *_batch(vocab)
+    ref = Transformer(config, seed=SAVE_SEED).eval()
+    want = full_state_dict(ref)
+    one = Transformer(config, seed=LOAD_SEED).eval()
+    assert load_checkpoint(root / preset / "tp2pp2", one) == (3, {"preset": preset})
+    assert all(r[preset]["loaded"] == (3, {"preset": preset}) for r in results)
+    got1 = full_state_dict(one)
+    got4 = {k: torch.from_numpy(v) for k, v in results[0][preset]["w4"].items()}
+    assert got1.keys() == got4.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got1[name], want[name]) and torch.equal(got4[name], want[name]), name
+    assert results[3][preset]["pad_zero"]  # TP=4 pads vocab 253 to 256 with zero rows
+    with torch.no_grad():
+        want_loss = ref(ids, labels).item()
+        assert one(ids, labels).item() == want_loss
+    assert all(r[preset]["loss4"] == pytest.approx(want_loss, rel=1e-6) for r in results)
+    manifest = json.loads((root / preset / "tp2pp2" / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == [f"model-pp0{p}-tp0{t}.safetensors" for p in (0, 1) for t in (0, 1)]
+    embed = manifest["params"]["embed.weight"]
+    assert embed["shape"] == [vocab, config.hidden]  # padding trimmed; the tied copy on stage 1 is not written
+    assert [(s["file"], s["start"], s["stop"]) for s in embed["slices"]] == [
+        ("model-pp00-tp00.safetensors", 0, 127), ("model-pp00-tp01.safetensors", 127, 253)]
+
+
+@pytest.mark.parametrize("preset,vocab", CASES)
+def test_tp1_loads_at_tp2pp2(spawned, preset, vocab):
+    root, results = spawned
+    config, ids, labels = _config(preset, vocab), *_batch(vocab)
+    ref = Transformer(config, seed=SAVE_SEED).eval()
+    want = full_state_dict(ref)
+    seen = {}
+    for r in results:  # each stage holds a subset of the names; the tied embedding is on both stages
+        for name, tensor in r[preset]["w22"].items():
+            assert torch.equal(torch.from_numpy(tensor), want[name]), name
+            seen[name] = True
+    assert seen.keys() == want.keys()
+    with torch.no_grad():
+        assert results[3][preset]["loss22"] == pytest.approx(ref(ids, labels).item(), rel=1e-6)
+    manifest = json.loads((root / preset / "tp2dp2" / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == ["model-pp00-tp00.safetensors", "model-pp00-tp01.safetensors"]
+    assert manifest["layout"] == {"tp": 2, "pp": 1, "dp": 2} and manifest["step"] == 4
+
+
+def test_failure_on_any_rank_raises_everywhere_and_keeps_the_old_checkpoint(spawned):
+    _, results = spawned
+    for rank, r in enumerate(results):
+        assert "injected crash" in r["crash_before_rename"], (rank, r["crash_before_rename"])
+        assert "no space left" in r["write_fails_on_rank_3"], (rank, r["write_fails_on_rank_3"])
+        assert r["after_failures"] == (3, {"preset": "gpt-tiny"})  # the step-3 checkpoint survived
+        assert r["leftovers"] == []  # no temporary or moved-aside directories
+    assert "(on rank 0)" in results[1]["crash_before_rename"]
+    assert "(on rank 3)" in results[0]["write_fails_on_rank_3"]
+
+
+def test_corrupt_byte_names_the_file(spawned, tmp_path):
+    root, results = spawned
+    for rank, r in enumerate(results):  # only rank 3 reads the file; every rank reports it
+        assert r["corrupt"].startswith("UsageError") and "model-pp01-tp01.safetensors fails its checksum" in r["corrupt"], (rank, r)
+    config = _config(*CASES[1])
+    model = Transformer(config, seed=SAVE_SEED)
+    save_checkpoint(tmp_path / "c", model, step=2, config=config)
+    _flip_byte(tmp_path / "c" / "model-pp00-tp00.safetensors")
+    with pytest.raises(UsageError, match="model-pp00-tp00.safetensors fails its checksum"):
+        load_checkpoint(tmp_path / "c", model)
+
+
+def test_bad_checkpoints_are_clear_usage_errors(tmp_path):
+    config = _config(*CASES[1])
+    model = Transformer(config, seed=SAVE_SEED)
+    with pytest.raises(UsageError, match="does not exist"):
+        load_checkpoint(tmp_path / "nowhere", model)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="holds no manifest.json"):
+        load_checkpoint(tmp_path / "empty", model)
+    save_checkpoint(tmp_path / "ok", model, step=0, config=config)
+    with pytest.raises(UsageError, match="different model.*layers 4 vs 2"):
+        load_checkpoint(tmp_path / "ok", Transformer(config.replace(layers=2)))
+    assert load_checkpoint(tmp_path / "ok", Transformer(config.replace(dropout=0.1))).step == 0  # training setting
+    (tmp_path / "ok" / "manifest.json").write_text('{"format": "megakit-checkpoint", "ver')
+    with pytest.raises(UsageError, match="manifest.json is corrupt"):
+        load_checkpoint(tmp_path / "ok", model)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("precious")
+    with pytest.raises(UsageError, match="not a megakit checkpoint; refusing to replace it"):
+        save_checkpoint(tmp_path / "mine", model, step=0, config=config)
+    with pytest.raises(UsageError, match="JSON-serialisable"):
+        save_checkpoint(tmp_path / "x", model, step=0, config=config, extra={"bad": object()})
+    assert sorted(os.listdir(tmp_path)) == ["empty", "mine", "ok"]
+
+
+@pytest.mark.parametrize("preset,vocab", CASES)
+def test_hf_export_matches_transformers(spawned, tmp_path, capsys, preset, vocab):
+    """Exported from the TP=2 x PP=2 checkpoint; transformers loads it and gives megakit's logits."""
+    import transformers
+
+    from megakit.cli import main
+
+    root, _ = spawned
+    out = tmp_path / "hf"
+    assert main(["convert", str(root / preset / "tp2pp2"), "--to-hf", str(out)]) == 0
+    assert "model.safetensors + config.json" in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    ref = Transformer(_config(preset, vocab), seed=SAVE_SEED).eval()
+    ids, _ = _batch(vocab)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ref(ids), rtol=1e-5, atol=1e-5)
+    # sharded form: one file per unit at a tiny shard size, still loadable
+    from megakit.hf_export import export_hf
+
+    summary = export_hf(root / preset / "tp2pp2", tmp_path / "sharded", max_shard_bytes=1)
+    assert len(summary["files"]) == 1 + ref.config.layers
+    sharded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sharded", attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(sharded(ids).logits, ref(ids), rtol=1e-5, atol=1e-5)
+    assert main(["convert", str(root / preset / "tp2pp2"), "--to-hf", str(out)]) == 2  # not over a full directory
+    assert "already exists and is not empty" in capsys.readouterr().err
