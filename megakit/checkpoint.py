@@ -130,9 +130,31 @@ def _params(model) -> dict[str, nn.Parameter]:
         for name, param in module.named_parameters():
             assert name not in out, f"parameter {name} appears in two chunks"
             out[name] = param
-    if any(hasattr(p, "ds_id") for p in out.values()):
-        raise UsageError("the model's parameters are partitioned by DeepSpeed ZeRO-3; megakit checkpoints "
-                         "need whole TP shards: use ZeRO 0-2, or DeepSpeed's own engine.save_checkpoint")
+    return out
+
+
+def _zero3(param) -> bool:
+    """Partitioned over DP by DeepSpeed ZeRO-3 (the local tensor is empty outside a gather)."""
+    return hasattr(param, "ds_id")
+
+
+def _host_copies(params: dict, wanted) -> dict[str, torch.Tensor]:
+    """CPU copies of the ``wanted`` parameters of this rank's TP x PP shard.
+
+    A ZeRO-3 parameter is gathered over its DP group first (``GatheredParameters``: an
+    all-gather in, nothing out), one at a time, so every DP rank must call this -- with the
+    same parameters in the same order -- even when it writes nothing.
+    """
+    out = {}
+    for name, param in params.items():
+        if _zero3(param):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param]):
+                if name in wanted:
+                    out[name] = param.detach().to("cpu", copy=True)
+        elif name in wanted:
+            out[name] = param.detach().to("cpu")
     return out
 
 
@@ -190,12 +212,13 @@ def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConf
             first_holder.setdefault(name, stage)
     tmp = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp = Path(_broadcast_from_0(str(tmp), topo))
+    owned = {n for n, p in params.items()
+             if dp_rank == 0 and first_holder[n] == pp_rank and (getattr(p, "tp_dim", None) is not None or tp_rank == 0)}
+    tensors = _host_copies(params, owned)  # collective over DP under ZeRO-3
     record, local_error = None, None
     if dp_rank == 0:
         try:
-            owned = {n: p for n, p in params.items()
-                     if first_holder[n] == pp_rank and (getattr(p, "tp_dim", None) is not None or tp_rank == 0)}
-            record = _write_shard(tmp, owned, tp=tp, tp_rank=tp_rank, pp_rank=pp_rank, pp=pp)
+            record = _write_shard(tmp, params, tensors, tp=tp, tp_rank=tp_rank, pp_rank=pp_rank, pp=pp)
         except Exception as error:  # reported to rank 0, which cleans up and tells every rank
             local_error, record = error, {"failure": _failure(error)}
     records = _gather_to_0(record, topo)  # every rank has written: the barrier before renaming
@@ -226,13 +249,14 @@ def _shard_file(pp_rank: int, tp_rank: int, pp: int, tp: int) -> str:
     return f"model-pp{pp_rank:0{width}d}-tp{tp_rank:0{width}d}.safetensors"
 
 
-def _write_shard(tmp: Path, owned: dict, *, tp: int, tp_rank: int, pp_rank: int, pp: int) -> dict:
-    """Write the owned parameters (vocab padding trimmed) to one safetensors file; its record."""
+def _write_shard(tmp: Path, params: dict, owned: dict, *, tp: int, tp_rank: int, pp_rank: int, pp: int) -> dict:
+    """Write the owned tensors (vocab padding trimmed) to one safetensors file; its record."""
     from safetensors.torch import save_file
 
     tensors, entries = {}, {}
-    for name, param in owned.items():
-        t, dim = param.detach(), getattr(param, "tp_dim", None)
+    for name, t in owned.items():
+        param = params[name]
+        dim = getattr(param, "tp_dim", None)
         shape, part = list(t.shape), {}
         if dim is not None:
             local = t.shape[dim]
@@ -423,6 +447,9 @@ def _load(directory: Path, model, topo) -> Loaded:
             raise UsageError(f"checkpoint {directory} was saved from a different model ({', '.join(diff[:4])}, "
                              "checkpoint vs model); build the model from the checkpoint's config")
     tp, _, _, tp_rank, _, _ = _coords(topo)
+    if any(_zero3(p) for p in _params(model).values()):
+        raise UsageError("the model is already partitioned by DeepSpeed ZeRO-3; load the checkpoint into the "
+                         "model before deepspeed.initialize (the engine copies its master weights from it there)")
     with ShardReader(directory, manifest) as reader:
         for name, param in _params(model).items():
             entry, dim = reader.entry(name), getattr(param, "tp_dim", None)

@@ -100,6 +100,7 @@ def _worker(rank, world_size, root):
     # Failures: raised on every rank, nothing half-written, the old checkpoint intact.
     config, d = _config(*CASES[0]), root / CASES[0][0]
     (stage,) = build_stage_chunks(config, topo22, seed=LOAD_SEED)
+    publish, write_shard = ckpt._publish, ckpt._write_shard
     if rank == 0:
         def crash(tmp, target):
             raise RuntimeError("injected crash after every shard was written, before the rename")
@@ -110,6 +111,7 @@ def _worker(rank, world_size, root):
             raise OSError("injected: no space left on device")
         ckpt._write_shard = disk_full
     out["write_fails_on_rank_3"] = _errors(lambda: save_checkpoint(d / "tp2pp2", stage, topo22, step=10, config=config))
+    ckpt._publish, ckpt._write_shard = publish, write_shard
     out["after_failures"] = tuple(load_checkpoint(d / "tp2pp2", stage, topo22))
     out["leftovers"] = sorted(p.name for p in d.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
     if rank == 0:
@@ -117,6 +119,20 @@ def _worker(rank, world_size, root):
         _flip_byte(d / "corrupt" / "model-pp01-tp01.safetensors")
     dist.barrier()
     out["corrupt"] = _errors(lambda: load_checkpoint(d / "corrupt", stage, topo22))
+
+    # ZeRO-3 partitions each TP shard over DP: save gathers it (every DP rank takes part).
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")  # adopts the running process group
+    config = _config(*CASES[1])
+    model = Transformer(config, topo2x2, seed=SAVE_SEED)
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                 "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=ds_config,
+                         mpu=topo2x2)
+    out["zero3_partitioned"] = model.embed.weight.numel() == 0
+    save_checkpoint(root / "zero3", model, topo2x2, step=5, config=config)
+    out["zero3_load"] = _errors(lambda: load_checkpoint(root / "zero3", model, topo2x2))
     return out
 
 
@@ -249,3 +265,14 @@ def test_hf_export_matches_transformers(spawned, tmp_path, capsys, preset, vocab
         torch.testing.assert_close(sharded(ids).logits, ref(ids), rtol=1e-5, atol=1e-5)
     assert main(["convert", str(root / preset / "tp2pp2"), "--to-hf", str(out)]) == 2  # not over a full directory
     assert "already exists and is not empty" in capsys.readouterr().err
+
+
+def test_zero3_partitioned_model_saves_whole_shards(spawned):
+    root, results = spawned
+    assert all(r["zero3_partitioned"] for r in results)  # so saving must have gathered
+    assert all("before deepspeed.initialize" in r["zero3_load"] for r in results)
+    config = _config(*CASES[1])
+    model = Transformer(config, seed=LOAD_SEED)
+    assert load_checkpoint(root / "zero3", model).step == 5
+    got, want = full_state_dict(model), full_state_dict(Transformer(config, seed=SAVE_SEED))
+    assert all(torch.equal(got[n], want[n]) for n in want)
