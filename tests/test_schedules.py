@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from megakit.errors import UsageError
-from megakit.parallel.schedules import (BACKWARD, FORWARD, RECV_ACT, SEND_ACT, Action, bubble_formula,
+from megakit.parallel.schedules import (BACKWARD, FORWARD, RECV_ACT, SEND_ACT, Action, add_p2p, bubble_formula,
                                         build_schedule, gpipe_compute, interleaved_compute, one_f_one_b_compute,
                                         schedule_1f1b, schedule_gpipe, schedule_interleaved)
 from megakit.parallel.simulator import Costs, ScheduleError, simulate
@@ -156,14 +156,18 @@ def test_cli_prints_timeline_and_writes_png(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["s.png"]  # no temporary file left behind
 
 
-def test_batched_rendezvous_p2p_proves_1f1b_and_gpipe_and_catches_interleaved():
-    """NCCL: a send waits for its receive; runs of send/recv go out as one batch."""
+def test_batched_rendezvous_p2p_proves_every_schedule():
+    """NCCL: a send waits for its receive; runs of send/recv go out as one batch (batch_isend_irecv)."""
     for pp in range(1, 9):
-        for m in range(1, 33, 3):
-            for schedule in (schedule_1f1b(pp, m), schedule_gpipe(pp, m)):
-                report = simulate(schedule, p2p="batched")
-                assert report.step_time == pytest.approx(simulate(schedule).step_time)
+        for m in range(1, 33):
+            schedules = [schedule_1f1b(pp, m), schedule_gpipe(pp, m)]
+            if m % pp == 0:
+                schedules += [schedule_interleaved(pp, m, vpp) for vpp in (2, 3)]
+            for schedule in schedules:
+                report = simulate(schedule, p2p="batched")  # raises on deadlock or mismatch
+                assert report.step_time == pytest.approx(simulate(schedule).step_time)  # and costs nothing
+    # interleaving needs its fused forward-backward pairs there: with the plain pass it deadlocks
     with pytest.raises(ScheduleError, match="deadlock"):
-        simulate(schedule_interleaved(2, 4, 2), p2p="batched")
+        simulate(add_p2p(interleaved_compute(2, 4, 2)), p2p="batched")
     with pytest.raises(UsageError, match="P2P mode"):
         simulate(schedule_1f1b(2, 2), p2p="eager")

@@ -20,7 +20,8 @@ walks its list from ``schedules`` — nothing else decides what runs when:
   ``p2p="batched"`` (NCCL's default, where a send waits for its receive): each run
   of consecutive send/recv actions goes out as one ``batch_isend_irecv``, and the
   executor refuses a schedule the simulator cannot prove deadlock-free that way
-  (1F1B and GPipe pass; interleaved with the plain communication pass does not).
+  (megakit's GPipe, 1F1B and interleaved schedules all pass; interleaving does
+  thanks to its fused forward-backward pairs, see ``schedules.add_p2p``).
   Activation messages carry P2P tag 0 and gradient messages tag 1; the simulator
   proves the order is also right without tags (NCCL). No shape handshake is needed
   when ``activation_shape`` is given (every boundary carries the same hidden
@@ -121,7 +122,7 @@ class PipelineExecutor:
                 simulate(schedule, p2p="batched")
             except ScheduleError as error:
                 raise UsageError(f"schedule {schedule.name} is not deadlock-free with batched (NCCL) P2P: {error}; "
-                                 "use the 1f1b or gpipe schedule here") from None
+                                 "use a schedule from schedules.build_schedule") from None
         self.last_times: StepTimes | None = None  # filled by every step()
         self.tied = self._find_tied_parameters()
         self.sync_tied_weights()

@@ -138,8 +138,8 @@ def interleaved_compute(pp: int, micro_batches: int, vpp: int) -> Schedule:
     Micro-batches go in groups of ``pp``: the k-th forward of a rank runs chunk
     ``(k // pp) % vpp`` on micro-batch ``(k // (pp * vpp)) * pp + k % pp``; backwards
     mirror it from the last chunk. Warm-up is ``2 (pp - r - 1) + (vpp - 1) pp``
-    forwards. The bubble shrinks to (p-1)/(v m + p - 1) because each chunk is 1/v of
-    the stage's work. Needs ``m`` divisible by ``pp``.
+    forwards (all of them when ``m == pp``). The bubble shrinks to (p-1)/(v m + p - 1)
+    because each chunk is 1/v of the stage's work. Needs ``m`` divisible by ``pp``.
     """
     _check(pp, micro_batches, vpp)
     if micro_batches < pp:
@@ -159,7 +159,8 @@ def interleaved_compute(pp: int, micro_batches: int, vpp: int) -> Schedule:
 
     stages = []
     for rank in range(pp):
-        warmup = min(2 * (pp - rank - 1) + (vpp - 1) * pp, total)
+        # with m == pp every forward comes first, as in Megatron-LM (the bubble is the same)
+        warmup = total if micro_batches == pp else min(2 * (pp - rank - 1) + (vpp - 1) * pp, total)
         actions = [unit(k, FORWARD) for k in range(warmup)]
         for i in range(total - warmup):
             actions.append(unit(warmup + i, FORWARD))
@@ -170,35 +171,48 @@ def interleaved_compute(pp: int, micro_batches: int, vpp: int) -> Schedule:
 
 
 # -- communication pass ---------------------------------------------------------------------
-def add_p2p(compute: Schedule) -> Schedule:
+def add_p2p(compute: Schedule, *, fuse_pairs: bool = False) -> Schedule:
     """Insert send/recv around every compute action, then the end-of-step actions.
 
     Forward on virtual stage s > 0 first receives its activation from s - 1; its
     output goes to s + 1 unless s is the last. Backward on s < last first receives
     the gradient from s + 1 and sends its input gradient to s - 1 unless s = 0.
     A receive sits right before the compute that needs it and a send right after
-    the compute that makes it; the executor posts sends asynchronously.
+    the compute that makes it.
+
+    ``fuse_pairs`` (interleaved 1F1B, as Megatron-LM does it): a steady-state
+    forward and the backward right after it run back to back — both receives
+    before the pair, both sends after — so the four messages of a step travel as
+    one batch; without this, interleaving deadlocks where a send waits for its
+    receive (NCCL). A pair whose backward depends on its own forward's output is
+    left apart.
     """
     assert not compute.has_p2p, "schedule already has communication"
     pp, last = compute.pp, compute.virtual_stages - 1
     stages = []
     for rank, actions in enumerate(compute.stages):
-        out = []
+        units = []  # (receives, compute, sends) per compute action
         for a in actions:
             vs = compute.virtual_stage(rank, a.chunk)
             mb, chunk = a.micro_batch, a.chunk
             if a.kind == FORWARD:
-                if vs > 0:
-                    out.append(Action(kind=RECV_ACT, micro_batch=mb, chunk=chunk, peer=(vs - 1) % pp))
-                out.append(a)
-                if vs < last:
-                    out.append(Action(kind=SEND_ACT, micro_batch=mb, chunk=chunk, peer=(vs + 1) % pp))
+                recv = [Action(kind=RECV_ACT, micro_batch=mb, chunk=chunk, peer=(vs - 1) % pp)] if vs > 0 else []
+                send = [Action(kind=SEND_ACT, micro_batch=mb, chunk=chunk, peer=(vs + 1) % pp)] if vs < last else []
             else:
-                if vs < last:
-                    out.append(Action(kind=RECV_GRAD, micro_batch=mb, chunk=chunk, peer=(vs + 1) % pp))
-                out.append(a)
-                if vs > 0:
-                    out.append(Action(kind=SEND_GRAD, micro_batch=mb, chunk=chunk, peer=(vs - 1) % pp))
+                recv = [Action(kind=RECV_GRAD, micro_batch=mb, chunk=chunk, peer=(vs + 1) % pp)] if vs < last else []
+                send = [Action(kind=SEND_GRAD, micro_batch=mb, chunk=chunk, peer=(vs - 1) % pp)] if vs > 0 else []
+            units.append((recv, a, send))
+        out, i = [], 0
+        while i < len(units):
+            recv, a, send = units[i]
+            nxt = units[i + 1] if i + 1 < len(units) else None
+            if (fuse_pairs and nxt and a.kind == FORWARD and nxt[1].kind == BACKWARD
+                    and not (nxt[1].micro_batch == a.micro_batch and nxt[0])):
+                out += recv + nxt[0] + [a, nxt[1]] + send + nxt[2]
+                i += 2
+            else:
+                out += recv + [a] + send
+                i += 1
         if compute.virtual_stages > 1 and rank in (0, pp - 1):  # the ranks holding embedding and head
             out.append(Action(kind=REDUCE_TIED))
         out += [Action(kind=REDUCE_GRADS), Action(kind=STEP)]
@@ -218,7 +232,8 @@ def schedule_1f1b(pp: int, micro_batches: int) -> Schedule:
 
 def schedule_interleaved(pp: int, micro_batches: int, vpp: int) -> Schedule:
     """Interleaved 1F1B with ``vpp`` model chunks per rank, with communication."""
-    return add_p2p(interleaved_compute(pp, micro_batches, vpp))
+    # m == pp runs all forwards first: no steady state, nothing to fuse
+    return add_p2p(interleaved_compute(pp, micro_batches, vpp), fuse_pairs=micro_batches != pp)
 
 
 def build_schedule(name: str, pp: int, micro_batches: int, vpp: int = 1) -> Schedule:
