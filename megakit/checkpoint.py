@@ -27,6 +27,11 @@ Why it looks like this:
   written (a gather to rank 0 is the barrier), rank 0 renames it to ``DIR``. An existing
   checkpoint at ``DIR`` is moved aside only then, and removed after the rename.
 - sha256 per file, checked by every reader before it reads a file.
+- ZeRO-3 partitions each TP shard over DP: saving gathers one parameter at a time over
+  DP (``deepspeed.zero.GatheredParameters``); loading goes into the unpartitioned model,
+  before ``deepspeed.initialize``, and is refused after it.
+
+The manifest's fields and the slice reader are in ``megakit.checkpoint_format``.
 
 Collectives: ``save_checkpoint`` and ``load_checkpoint`` are collective over the world --
 every rank calls them. Save runs an all-gather of parameter names over the PP group, a
@@ -37,22 +42,21 @@ of leaving the others waiting. ``DIR`` must be on a filesystem every rank sees.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import uuid
-from contextlib import ExitStack
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from megakit.checkpoint_format import (MANIFEST, ShardReader, build_manifest, fsync, manifest_config,
+                                       read_manifest, sha256_file, shard_file)
 from megakit.errors import UsageError
 from megakit.model_config import ModelConfig
 
-FORMAT, VERSION, MANIFEST = "megakit-checkpoint", 1, "manifest.json"
 IGNORED_FIELDS = ("dropout", "init_std")  # training settings: they do not change what the weights mean
 
 
@@ -167,22 +171,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # -- save -------------------------------------------------------------------------------------------
 def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConfig, extra: dict | None = None) -> Path:
     """Write this rank's shard of ``model`` (a stage module or list of chunks) to ``directory``.
@@ -227,11 +215,11 @@ def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConf
         failures = [None if r is None or "failure" not in r else r["failure"] for r in records]
         try:
             if not any(failures):
-                manifest = _manifest(records, step=step, config=config, extra=extra, tp=tp, pp=pp, dp=dp)
+                manifest = build_manifest(records, step=step, config=config, extra=extra, tp=tp, pp=pp, dp=dp)
                 _check_visible(tmp, manifest)
                 path = tmp / MANIFEST
                 path.write_text(json.dumps(manifest, indent=1))
-                _fsync(path)
+                fsync(path)
                 _publish(tmp, target)
         except Exception as error:
             local_error = error
@@ -242,11 +230,6 @@ def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConf
     failures = _broadcast_from_0(failures, topo)
     _raise_failures(failures, local_error)
     return target
-
-
-def _shard_file(pp_rank: int, tp_rank: int, pp: int, tp: int) -> str:
-    width = max(2, len(str(max(pp, tp) - 1)))
-    return f"model-pp{pp_rank:0{width}d}-tp{tp_rank:0{width}d}.safetensors"
 
 
 def _write_shard(tmp: Path, params: dict, owned: dict, *, tp: int, tp_rank: int, pp_rank: int, pp: int) -> dict:
@@ -271,34 +254,12 @@ def _write_shard(tmp: Path, params: dict, owned: dict, *, tp: int, tp_rank: int,
         tensors[name] = t.to("cpu").contiguous()
         entries[name] = {"shape": shape, "dtype": _dtype_name(t.dtype), "tp_dim": dim, "slice": part}
     tmp.mkdir(parents=True, exist_ok=True)
-    fname = _shard_file(pp_rank, tp_rank, pp, tp)
+    fname = shard_file(pp_rank, tp_rank, pp, tp)
     path = tmp / fname
     save_file(tensors, path, metadata={"format": "pt"})
-    _fsync(path)
+    fsync(path)
     return {"file": fname, "sha256": sha256_file(path), "bytes": path.stat().st_size, "pp": pp_rank,
             "tp": tp_rank, "params": entries}
-
-
-def _manifest(records: list, *, step: int, config: ModelConfig, extra: dict, tp: int, pp: int, dp: int) -> dict:
-    files, params = {}, {}
-    for record in records:
-        if record is None:
-            continue
-        files[record["file"]] = {k: record[k] for k in ("sha256", "bytes", "pp", "tp")}
-        for name, entry in record["params"].items():
-            merged = params.setdefault(name, {k: entry[k] for k in ("shape", "dtype", "tp_dim")} | {"slices": []})
-            assert merged["shape"] == entry["shape"] and merged["dtype"] == entry["dtype"], (name, merged, entry)
-            if entry["slice"] is not None:
-                merged["slices"].append({"file": record["file"], **entry["slice"]})
-    for name, entry in params.items():
-        entry["slices"].sort(key=lambda s: s.get("start", 0))
-        if entry["tp_dim"] is None:
-            assert len(entry["slices"]) == 1, (name, entry)
-        else:
-            ends = [0] + [s["stop"] for s in entry["slices"]]
-            assert [s["start"] for s in entry["slices"]] == ends[:-1] and ends[-1] == entry["shape"][entry["tp_dim"]], (name, entry)
-    return {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "config": config.to_dict(),
-            "layout": {"tp": tp, "pp": pp, "dp": dp}, "files": files, "params": params}
 
 
 def _check_visible(tmp: Path, manifest: dict) -> None:
@@ -320,103 +281,12 @@ def _publish(tmp: Path, target: Path) -> None:
         if old is not None:
             os.rename(old, target)
         raise
-    _fsync(target.parent)
+    fsync(target.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
 # -- load -------------------------------------------------------------------------------------------
-def read_manifest(directory) -> dict:
-    """The manifest of the checkpoint in ``directory``; UsageError if it is missing or malformed."""
-    path = Path(directory)
-    if not path.is_dir():
-        raise UsageError(f"checkpoint directory {path} does not exist; give a directory written by save_checkpoint "
-                         f"(it holds {MANIFEST})")
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise UsageError(f"{path} holds no {MANIFEST}, so it is not a complete megakit checkpoint; "
-                         "give the directory a finished save wrote")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        ok = (isinstance(manifest, dict) and manifest.get("format") == FORMAT
-              and all(isinstance(manifest.get(k), dict) for k in ("config", "files", "params", "layout", "extra"))
-              and isinstance(manifest.get("step"), int))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError(f"{manifest_path} is corrupt ({exc}); restore it or save the checkpoint again") from exc
-    if not ok:
-        raise UsageError(f"{manifest_path} is not a megakit checkpoint manifest; restore it or save the checkpoint again")
-    if manifest.get("version") != VERSION:
-        raise UsageError(f"{manifest_path} has format version {manifest.get('version')!r}; this megakit reads "
-                         f"version {VERSION}")
-    return manifest
-
-
-def manifest_config(manifest: dict, *, source="checkpoint") -> ModelConfig:
-    try:
-        return ModelConfig(**manifest["config"])
-    except TypeError as exc:
-        raise UsageError(f"{source}'s model config is malformed ({exc}); save the checkpoint again") from exc
-
-
-class ShardReader:
-    """Reads any slice of any parameter from a checkpoint, verifying each file's sha256 on first use.
-
-    Use as a context manager (it keeps the safetensors files it opened open).
-    """
-
-    def __init__(self, directory, manifest: dict) -> None:
-        self.directory, self.manifest = Path(directory), manifest
-        self._files: dict = {}
-        self._stack = ExitStack()
-
-    def __enter__(self) -> "ShardReader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stack.close()
-
-    def _open(self, fname: str):
-        if fname not in self._files:
-            from safetensors import safe_open
-
-            path = self.directory / fname
-            want = self.manifest["files"].get(fname, {}).get("sha256")
-            if not path.is_file():
-                raise UsageError(f"checkpoint {self.directory} lacks {fname}, which its manifest lists; "
-                                 "it is incomplete: restore the file or save the checkpoint again")
-            got = sha256_file(path)
-            if got != want:
-                raise UsageError(f"checkpoint file {path} fails its checksum (sha256 {got[:12]}..., manifest says "
-                                 f"{str(want)[:12]}...): it is corrupt; restore it or save the checkpoint again")
-            self._files[fname] = self._stack.enter_context(safe_open(path, framework="pt"))
-        return self._files[fname]
-
-    def entry(self, name: str) -> dict:
-        entry = self.manifest["params"].get(name)
-        if entry is None:
-            raise UsageError(f"checkpoint {self.directory} has no parameter {name!r}; it was saved from a different model")
-        return entry
-
-    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """The parameter ``name``, or rows ``[start, stop)`` of its ``tp_dim`` (unpadded indices)."""
-        entry = self.entry(name)
-        dim = entry["tp_dim"]
-        if dim is None:
-            return self._open(entry["slices"][0]["file"]).get_tensor(name)
-        start, stop = (0, entry["shape"][dim]) if start is None else (start, stop)
-        pieces = []
-        for part in entry["slices"]:
-            lo, hi = max(start, part["start"]), min(stop, part["stop"])
-            if lo < hi:
-                index = (slice(None),) * dim + (slice(lo - part["start"], hi - part["start"]),)
-                pieces.append(self._open(part["file"]).get_slice(name)[index])
-        shape = list(entry["shape"])
-        shape[dim] = max(stop - start, 0)
-        out = torch.cat(pieces, dim) if pieces else torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
-        assert list(out.shape) == shape, (name, out.shape, shape)
-        return out
-
-
 def load_checkpoint(directory, model, topo=None) -> Loaded:
     """Copy this rank's shard of every parameter of ``model`` from the checkpoint in ``directory``.
 

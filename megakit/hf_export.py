@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from megakit.checkpoint import ShardReader, manifest_config, read_manifest
+from megakit.checkpoint_format import ShardReader, manifest_config, read_manifest
 from megakit.errors import UsageError
 from megakit.hf import hf_config, to_hf_state_dict
 
