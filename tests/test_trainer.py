@@ -5,13 +5,11 @@ Launcher starts are expensive (~10 s), so each job runs several cases
 for TP x PP and TP x DP, all with ``--verify-memory`` on (it only observes).
 """
 
-import copy
 import json
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 

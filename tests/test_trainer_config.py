@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from megakit.errors import UsageError
-from megakit.trainer import TrainConfig, load_ds_config
+from megakit.ds_config import load_ds_config
+from megakit.trainer import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "ds_configs").glob("*.json"))
