@@ -23,6 +23,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--forward-cost", type=float, default=1.0, help="time of one stage's forward (default 1)")
     parser.add_argument("--backward-cost", type=float, default=2.0, help="time of one stage's backward (default 2)")
     parser.add_argument("--p2p-cost", type=float, default=0.0, help="time for a message between stages (default 0)")
+    parser.add_argument("--p2p", choices=("async", "batched"), default="async",
+                        help="P2P model: async sends (gloo) or batched rendezvous (NCCL) (default async)")
     parser.add_argument("--out", default=None, help="also draw the timeline to this PNG file")
 
 
@@ -41,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("forward_cost", "backward_cost", "p2p_cost"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    report = simulate(schedule, Costs(forward=args.forward_cost, backward=args.backward_cost, p2p=args.p2p_cost))
+    report = simulate(schedule, Costs(forward=args.forward_cost, backward=args.backward_cost, p2p=args.p2p_cost),
+                      p2p=args.p2p)
     print_timeline(report)
     formula = bubble_formula(args.schedule, args.pp, args.micro_batches, vpp)
     print(f"step time {report.step_time:g}  bubble {report.bubble:.1%}  (formula {formula:.1%})  "
