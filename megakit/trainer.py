@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -184,7 +185,7 @@ def _build(cfg: TrainConfig, topo, ds_config: dict):
     config = ModelConfig.load(cfg.model)
     if config.vocab_size < 256:
         raise UsageError(f"model {cfg.model} has a vocabulary of {config.vocab_size}; byte-level training needs 256")
-    (stage,) = build_stage_chunks(config, topo, seed=cfg.seed)
+    (stage,) = build_stage_chunks(config, topo, seed=cfg.seed, device=_device())  # each rank: its shard only
     if topo.pp > 1 and topo.is_last_stage and config.tie_embeddings:
         stage.embed.weight.ds_pipe_replicated = True  # the first stage's copy counts in the norm
     zero = int(ds_config.get("zero_optimization", {}).get("stage", 0))
@@ -202,13 +203,16 @@ def _build(cfg: TrainConfig, topo, ds_config: dict):
 
 def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog, tokens: torch.Tensor) -> TrainResult:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # DeepSpeed 0.19.8 calls collectives torch 2.13 renamed; the warning repeats every step
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     ds_config = load_ds_config(cfg.ds_config, dp=topo.dp, pp=topo.pp)
     config, engine, clipper = _build(cfg, topo, ds_config)
     seq_len = cfg.seq_len or config.max_seq_len
     plan = BatchPlan(seq_len=seq_len, micro_batch=engine.train_micro_batch_size_per_gpu(),
                      accumulation=engine.gradient_accumulation_steps(), dp=topo.dp, seed=cfg.seed)
     batches = TokenBatches(tokens, plan)
-    run_step = _pipeline_step(cfg, topo, engine, plan, config) if topo.pp > 1 else _plain_step(engine)
+    run_step = _pipeline_step(cfg, topo, engine, plan, config, ds_config) if topo.pp > 1 else _plain_step(engine)
+    device = _device() or torch.device("cpu")
 
     from megakit.model import model_flops_per_token
 
@@ -223,7 +227,7 @@ def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog, tokens: torch.Ten
     peak = gpu_peak_tflops()
     profiler = _profiler(cfg, topo)
     for step in range(cfg.steps):
-        micro_batches = batches.micro_batches(step, topo.dp_rank)
+        micro_batches = [(x.to(device), y.to(device)) for x, y in batches.micro_batches(step, topo.dp_rank)]
         timer.measuring = not torch.cuda.is_available() or step % 10 == 1
         timer.take()
         lr = engine.get_lr()[0]
@@ -273,10 +277,18 @@ def _plain_step(engine):
     return run
 
 
-def _pipeline_step(cfg: TrainConfig, topo, engine, plan: BatchPlan, config):
+def _device() -> torch.device | None:
+    """This rank's GPU (``init_distributed`` selected it from LOCAL_RANK), or None on CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+def _pipeline_step(cfg: TrainConfig, topo, engine, plan: BatchPlan, config, ds_config: dict):
     """PP > 1: one 1F1B (or chosen) schedule per step; DeepSpeed does backward scaling, DP reduction and step."""
     from megakit.parallel.pipeline import PipelineExecutor
     from megakit.parallel.schedules import build_schedule
+
+    dtype = (torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else
+             torch.float16 if ds_config.get("fp16", {}).get("enabled") else torch.float32)  # what stages exchange
 
     def backward(output, grad):
         if grad is None:
@@ -286,6 +298,7 @@ def _pipeline_step(cfg: TrainConfig, topo, engine, plan: BatchPlan, config):
 
     executor = PipelineExecutor([engine], topo, schedule=build_schedule(cfg.schedule, topo.pp, plan.accumulation),
                                 backward=backward, activation_shape=(plan.seq_len, plan.micro_batch, config.hidden),
+                                activation_dtype=dtype, device=_device(),
                                 reduce_grads=lambda: None, optimizer_step=engine.step, broadcast_loss=True)
 
     def run(micro_batches) -> torch.Tensor:

@@ -146,6 +146,19 @@ def test_verify_memory_tp2_pp2(mp_results):
     assert_memory_matches(rows)
 
 
+@pytest.mark.slow
+def test_3d_tp2_pp2_dp2_on_8_processes(tmp_path_factory):
+    case = dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=10, seq_len=32, tp=2, pp=2,
+                verify_memory=True)
+    (result,) = sweep(tmp_path_factory, 8, [case])
+    ref = reference(case, dp=2)
+    for got, want in zip(result["loss"], ref["loss"], strict=True):
+        assert abs(got - want) < LOSS_TOL, (got, want)
+    rows = result["memory"]
+    assert sorted((r["pp"], r["dp"], r["tp"]) for r in rows) == [(p, d, t) for p in (0, 1) for d in (0, 1) for t in (0, 1)]
+    assert_memory_matches(rows)
+
+
 # -- the default run, TensorBoard and profiler -----------------------------------------------------
 @pytest.mark.slow
 def test_default_run_loss_falls(tmp_path):
