@@ -81,6 +81,7 @@ class CommTimer:
                 return None if work is None else _TimedWork(work, self)
             return self.timed(fn, *args, **kwargs)
 
+        wrapper._megakit_timer = self
         return wrapper
 
     def take(self) -> float:
@@ -88,6 +89,20 @@ class CommTimer:
         seconds, self.seconds = self.seconds, 0.0
         self.last_calls, self.calls = self.calls, 0
         return seconds
+
+    @classmethod
+    def shared(cls, *, sync_cuda: bool = False) -> "CommTimer":
+        """The timer installed for this process, installing one on first use (and never removing it).
+
+        One per process because libraries keep the functions they looked up: DeepSpeed's
+        comm backend holds on to the wrapped all-gather after the first run, so a second
+        run in the same process must keep feeding the same timer.
+        """
+        timer = getattr(dist.all_reduce, "_megakit_timer", None)
+        if timer is None:
+            timer = cls(sync_cuda=sync_cuda).__enter__()
+        timer.sync_cuda = sync_cuda
+        return timer
 
     def __enter__(self) -> "CommTimer":
         for name in _WRAPPED:

@@ -144,24 +144,23 @@ def train(cfg: TrainConfig) -> TrainResult:
     ModelConfig.load(cfg.model)
     tokens = load_tokens(cfg.data, max_bytes=cfg.max_bytes)
     init_distributed(timeout_s=cfg.collective_timeout_s)
-    timer = CommTimer(sync_cuda=torch.cuda.is_available())
-    with timer:  # installed before DeepSpeed and the TP layers look up their collectives
-        topo = Topology.from_world(tp=cfg.tp, pp=cfg.pp, timeout_s=cfg.collective_timeout_s)
-        watchdog = _start_watchdog(cfg, topo)
-        try:
-            result = _train(cfg, topo, timer, watchdog, tokens)
-        except (UsageError, TrainingDiverged):
-            watchdog.stop(done=True)
-            raise
-        except Exception as error:
-            if dist.get_world_size() > 1 and not isinstance(error, AssertionError):
-                why = watchdog.diagnose()
-                detail = str(error).splitlines()[0] if str(error) else ""
-                raise RuntimeError(f"{_describe(topo, topo.rank)}: communication failed: {why} "
-                                   f"({type(error).__name__}: {detail[:120]})") from error
-            raise
+    timer = CommTimer.shared(sync_cuda=torch.cuda.is_available())  # before DeepSpeed and TP layers look them up
+    topo = Topology.from_world(tp=cfg.tp, pp=cfg.pp, timeout_s=cfg.collective_timeout_s)
+    watchdog = _start_watchdog(cfg, topo)
+    try:
+        result = _train(cfg, topo, timer, watchdog, tokens)
+    except (UsageError, TrainingDiverged):
         watchdog.stop(done=True)
-        return result
+        raise
+    except Exception as error:
+        if dist.get_world_size() > 1 and not isinstance(error, AssertionError):
+            why = watchdog.diagnose()
+            detail = str(error).splitlines()[0] if str(error) else ""
+            raise RuntimeError(f"{_describe(topo, topo.rank)}: communication failed: {why} "
+                               f"({type(error).__name__}: {detail[:120]})") from error
+        raise
+    watchdog.stop(done=True)
+    return result
 
 
 def _start_watchdog(cfg: TrainConfig, topo):
@@ -315,7 +314,8 @@ def _check_finite(topo, step: int, loss: torch.Tensor, grads_finite: bool) -> fl
     loss = loss.detach().double()
     flags = torch.zeros(world + 1, dtype=torch.float64)
     loss_ok = bool(torch.isfinite(loss))
-    flags[topo.rank] = float(not loss_ok) + 2.0 * float(not grads_finite)
+    own_loss = topo.is_last_stage  # earlier stages only received the last stage's loss
+    flags[topo.rank] = float(own_loss and not loss_ok) + 2.0 * float(not grads_finite)
     flags[world] = (loss if loss_ok else torch.zeros(())) / world
     dist.all_reduce(flags)
     bad = [(r, int(v)) for r, v in enumerate(flags[:world].tolist()) if v]
