@@ -91,6 +91,9 @@ def _worker(rank, world_size, root):
         (s22,) = build_stage_chunks(config, topo22, seed=LOAD_SEED)
         s22.eval()
         load_checkpoint(d / "tp1", s22, topo22)
+        # PP = 2 with two interleaved chunks per rank (a list of modules) -> loaded at TP = 1 below
+        chunks = build_stage_chunks(config, topo22, vpp=2, seed=SAVE_SEED)
+        save_checkpoint(d / "vpp2", chunks, topo22, step=6, config=config)
         # TP = 2 x DP = 2: DP replica 1 holds the same weights and writes nothing
         save_checkpoint(d / "tp2dp2", Transformer(config, topo2x2, seed=SAVE_SEED), topo2x2, step=4, config=config)
         out[preset] = {"loaded": tuple(loaded), "w4": _numpy(full_state_dict(m4, topo4)), "loss4": loss4,
@@ -186,6 +189,9 @@ def test_tp1_loads_at_tp2pp2(spawned, preset, vocab):
     assert seen.keys() == want.keys()
     with torch.no_grad():
         assert results[3][preset]["loss22"] == pytest.approx(ref(ids, labels).item(), rel=1e-6)
+    vpp = Transformer(config, seed=LOAD_SEED)
+    assert load_checkpoint(root / preset / "vpp2", vpp).step == 6
+    assert all(torch.equal(t, want[n]) for n, t in full_state_dict(vpp).items())
     manifest = json.loads((root / preset / "tp2dp2" / "manifest.json").read_text())
     assert sorted(manifest["files"]) == ["model-pp00-tp00.safetensors", "model-pp00-tp01.safetensors"]
     assert manifest["layout"] == {"tp": 2, "pp": 1, "dp": 2} and manifest["step"] == 4
@@ -236,6 +242,18 @@ def test_bad_checkpoints_are_clear_usage_errors(tmp_path):
     with pytest.raises(UsageError, match="JSON-serialisable"):
         save_checkpoint(tmp_path / "x", model, step=0, config=config, extra={"bad": object()})
     assert sorted(os.listdir(tmp_path)) == ["empty", "mine", "ok"]
+
+
+def test_dtype_is_kept_and_converted_on_load(tmp_path):
+    config = _config(*CASES[0])
+    half = Transformer(config, seed=SAVE_SEED, dtype=torch.bfloat16)
+    save_checkpoint(tmp_path / "bf16", half, step=1, config=config)
+    manifest = json.loads((tmp_path / "bf16" / "manifest.json").read_text())
+    assert {p["dtype"] for p in manifest["params"].values()} == {"bfloat16"}
+    full = Transformer(config, seed=LOAD_SEED)
+    load_checkpoint(tmp_path / "bf16", full)
+    want = full_state_dict(half)
+    assert all(torch.equal(t, want[n].float()) for n, t in full_state_dict(full).items())
 
 
 @pytest.mark.parametrize("preset,vocab", CASES)
