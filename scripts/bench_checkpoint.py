@@ -1,0 +1,78 @@
+"""Benchmark: megakit checkpoint save and load against a bare safetensors file of the same weights.
+
+One process (TP = 1), a Llama-family model built from flags (default ~200 M parameters,
+fp32, ~0.8 GB). The reference is the floor for the same bytes: ``safetensors.torch.
+save_file(model.state_dict())`` and ``load_file`` + ``load_state_dict``, with no checksum,
+no fsync, no rename. megakit adds sha256 (written and verified), fsync and the atomic
+rename. Rounds alternate so machine load hits both alike; the median round counts.
+
+    python scripts/bench_checkpoint.py                       # hidden 1024, 8 layers
+    python scripts/bench_checkpoint.py --hidden 2048 --layers 4 --dir /fast/disk
+
+Prints save and load times and GB/s for both, and, last, ``ratio <megakit/reference>``
+of save + load time (above 1: megakit's integrity checks cost that factor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    from safetensors.torch import load_file, save_file
+
+    from megakit.checkpoint import load_checkpoint, save_checkpoint
+    from megakit.model import ModelConfig, Transformer
+
+    config = ModelConfig(family="llama", vocab_size=args.vocab, max_seq_len=2048, hidden=args.hidden,
+                         layers=args.layers, heads=args.hidden // 64, kv_heads=args.hidden // 64, ffn=4 * args.hidden)
+    model, other = Transformer(config, seed=0), Transformer(config, seed=1)
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    root = tempfile.mkdtemp(dir=args.dir, prefix="bench_checkpoint-")
+    times = {k: [] for k in ("megakit save", "megakit load", "reference save", "reference load")}
+    try:
+        for r in range(args.rounds):
+            start = time.perf_counter()
+            save_checkpoint(os.path.join(root, "mk"), model, step=r, config=config)
+            times["megakit save"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            load_checkpoint(os.path.join(root, "mk"), other)
+            times["megakit load"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            save_file(model.state_dict(), os.path.join(root, "ref.safetensors"))
+            times["reference save"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            other.load_state_dict(load_file(os.path.join(root, "ref.safetensors")))
+            times["reference load"].append(time.perf_counter() - start)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"model: {config.num_params() / 1e6:.0f} M parameters, {nbytes / 1e9:.2f} GB fp32; median of {args.rounds} rounds")
+    median = {k: statistics.median(v) for k, v in times.items()}
+    for name, seconds in median.items():
+        print(f"{name:15s} {seconds:7.3f} s   {nbytes / seconds / 1e9:6.2f} GB/s")
+    ours = median["megakit save"] + median["megakit load"]
+    ref = median["reference save"] + median["reference load"]
+    print(f"ratio {ours / ref:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
