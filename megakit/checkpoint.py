@@ -167,6 +167,12 @@ def _model_config(model) -> ModelConfig | None:
     return getattr(first, "config", None)
 
 
+def _config_diff(saved: ModelConfig, ours: ModelConfig) -> list[str]:
+    """Fields that differ (training-only settings aside), as "name saved vs ours"."""
+    a, b = saved.to_dict(), ours.to_dict()
+    return [f"{k} {a[k]} vs {b[k]}" for k in b if k not in IGNORED_FIELDS and a[k] != b[k]]
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -190,6 +196,9 @@ def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConf
     if target.exists() and not (target / MANIFEST).is_file() and (not target.is_dir() or any(target.iterdir())):
         raise UsageError(f"{target} exists and is not a megakit checkpoint; refusing to replace it: "
                          "choose another directory or remove it")
+    if _model_config(model) is not None and _config_diff(config, _model_config(model)):
+        raise UsageError(f"the config given to save_checkpoint differs from the model's "
+                         f"({', '.join(_config_diff(config, _model_config(model))[:4])}); pass the model's own config")
     tp, pp, dp, tp_rank, pp_rank, dp_rank = _coords(topo)
     params = _params(model)
     # Who writes what: the first PP stage that holds a name (a tied embedding: the first stage).
@@ -311,8 +320,7 @@ def _load(directory: Path, model, topo) -> Loaded:
     saved = manifest_config(manifest, source=str(directory))
     config = _model_config(model)
     if config is not None:
-        ours, theirs = config.to_dict(), saved.to_dict()
-        diff = [f"{k} {theirs[k]} vs {ours[k]}" for k in ours if k not in IGNORED_FIELDS and ours[k] != theirs[k]]
+        diff = _config_diff(saved, config)
         if diff:
             raise UsageError(f"checkpoint {directory} was saved from a different model ({', '.join(diff[:4])}, "
                              "checkpoint vs model); build the model from the checkpoint's config")

@@ -239,6 +239,8 @@ def test_bad_checkpoints_are_clear_usage_errors(tmp_path):
     (tmp_path / "mine" / "notes.txt").write_text("precious")
     with pytest.raises(UsageError, match="not a megakit checkpoint; refusing to replace it"):
         save_checkpoint(tmp_path / "mine", model, step=0, config=config)
+    with pytest.raises(UsageError, match="differs from the model's.*layers 2 vs 4"):
+        save_checkpoint(tmp_path / "x", model, step=0, config=config.replace(layers=2))
     with pytest.raises(UsageError, match="JSON-serialisable"):
         save_checkpoint(tmp_path / "x", model, step=0, config=config, extra={"bad": object()})
     assert sorted(os.listdir(tmp_path)) == ["empty", "mine", "ok"]
