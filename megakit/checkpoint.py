@@ -42,6 +42,7 @@ of leaving the others waiting. ``DIR`` must be on a filesystem every rank sees.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -291,8 +292,10 @@ def _publish(tmp: Path, target: Path) -> None:
             os.rename(old, target)
         raise
     fsync(target.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    # this save's old copy, and what saves killed mid-way left behind (they are never read)
+    for stale in target.parent.glob(f"{glob.escape(target.name)}.*-*"):
+        if stale.name.startswith((f"{target.name}.tmp-", f"{target.name}.old-")):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 # -- load -------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ this module needs no process group (``megakit convert`` uses it alone).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -81,6 +82,10 @@ def build_manifest(records: list, *, step: int, config: ModelConfig, extra: dict
 def read_manifest(directory) -> dict:
     """The manifest of the checkpoint in ``directory``; UsageError if it is missing or malformed."""
     path = Path(directory)
+    moved = sorted(path.parent.glob(f"{glob.escape(path.name)}.old-*"))
+    if not path.exists() and moved:
+        raise UsageError(f"checkpoint directory {path} does not exist, but a save killed while replacing it left "
+                         f"{moved[-1]}; rename that back to {path.name}")
     if not path.is_dir():
         raise UsageError(f"checkpoint directory {path} does not exist; give a directory written by save_checkpoint "
                          f"(it holds {MANIFEST})")

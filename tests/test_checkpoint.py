@@ -244,6 +244,13 @@ def test_bad_checkpoints_are_clear_usage_errors(tmp_path):
     with pytest.raises(UsageError, match="JSON-serialisable"):
         save_checkpoint(tmp_path / "x", model, step=0, config=config, extra={"bad": object()})
     assert sorted(os.listdir(tmp_path)) == ["empty", "mine", "ok"]
+    # a save killed mid-way: its leftovers go with the next save; a moved-aside copy is pointed out
+    shutil.copytree(tmp_path / "empty", tmp_path / "ok.tmp-dead")
+    shutil.move(tmp_path / "ok", tmp_path / "ok.old-dead")
+    with pytest.raises(UsageError, match="left .*ok.old-dead; rename that back to ok"):
+        load_checkpoint(tmp_path / "ok", model)
+    save_checkpoint(tmp_path / "ok", model, step=1, config=config)
+    assert sorted(os.listdir(tmp_path)) == ["empty", "mine", "ok"]
 
 
 def test_dtype_is_kept_and_converted_on_load(tmp_path):
