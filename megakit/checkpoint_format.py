@@ -156,6 +156,13 @@ class ShardReader:
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         """The parameter ``name``, or rows ``[start, stop)`` of its ``tp_dim`` (unpadded indices)."""
+        try:
+            return self._read(name, start, stop)
+        except (KeyError, IndexError, TypeError) as exc:  # a hand-edited manifest, not a bug of ours
+            raise UsageError(f"{self.directory / MANIFEST} describes {name!r} inconsistently ({type(exc).__name__}: "
+                             f"{exc}); restore it or save the checkpoint again") from exc
+
+    def _read(self, name: str, start: int | None, stop: int | None) -> torch.Tensor:
         entry = self.entry(name)
         dim = entry["tp_dim"]
         if dim is None:
