@@ -80,6 +80,8 @@ def dp_results(tmp_path_factory):
     cases.append(dict(ds_config=diverge, model="gpt-tiny", steps=30, seq_len=32))
     for stage in (0, 1):  # twice the micro-batches per step: for the communication count
         cases.append(dict(ds_config=ds_config(stage, accumulation=4), model="gpt-tiny", steps=3, seq_len=32))
+    # PP = 2 with ZeRO-0: megakit's own clipper must count the tied embedding once
+    cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, pp=2))
     return cases, sweep(tmp_path_factory, 2, cases)
 
 
@@ -104,6 +106,12 @@ def test_verify_memory_zero_0_to_3(dp_results):
 
 
 @pytest.mark.slow
+def test_pp2_with_zero0_matches_the_single_process_model(dp_results):
+    cases, results = dp_results
+    assert_same_trajectory(results[7], reference(cases[7], dp=1))
+
+
+@pytest.mark.slow
 def test_nan_is_reported_with_step_and_rank(dp_results):
     _, results = dp_results
     error = results[4].get("error", "")
@@ -124,7 +132,6 @@ def test_accumulation_communicates_only_at_the_boundary(dp_results):
 def mp_results(tmp_path_factory):
     cases = [dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
                   verify_memory=True),
-             dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2),
              dict(ds_config=ds_config(1), model="llama-tiny", steps=STEPS, seq_len=32, tp=2, pp=1)]
     return cases, sweep(tmp_path_factory, 4, cases)
 
@@ -132,10 +139,8 @@ def mp_results(tmp_path_factory):
 @pytest.mark.slow
 def test_tp2_pp2_and_tp2_dp2_match_the_single_process_model(mp_results):
     cases, results = mp_results
-    ref = reference(cases[0], dp=1)
-    assert_same_trajectory(results[0], ref)  # ZeRO-1: DeepSpeed's norm skips the tied copy
-    assert_same_trajectory(results[1], ref)  # ZeRO-0: megakit's clipper, same rule
-    assert_same_trajectory(results[2], reference(cases[2], dp=2))
+    assert_same_trajectory(results[0], reference(cases[0], dp=1))  # ZeRO-1: DeepSpeed's norm skips the tied copy
+    assert_same_trajectory(results[1], reference(cases[1], dp=2))
 
 
 @pytest.mark.slow
@@ -148,7 +153,7 @@ def test_verify_memory_tp2_pp2(mp_results):
 
 @pytest.mark.slow
 def test_3d_tp2_pp2_dp2_on_8_processes(tmp_path_factory):
-    case = dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=10, seq_len=32, tp=2, pp=2,
+    case = dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=8, seq_len=32, tp=2, pp=2,
                 verify_memory=True)
     (result,) = sweep(tmp_path_factory, 8, [case])
     ref = reference(case, dp=2)
@@ -191,7 +196,7 @@ def _start_and_signal(tmp_path, sig: int, *extra: str) -> tuple[int, float, str]
             if victim is None:
                 found = re.search(r"process (\d+) spawned with command: \[[^\]]*--local_rank=2", text)
                 victim = int(found.group(1)) if found else None
-            if victim and re.search(r"step\s+3 \|", text):
+            if victim and re.search(r"step\s+1 \|", text):
                 break
             assert job.poll() is None, text[-3000:]
             time.sleep(0.5)
@@ -220,6 +225,6 @@ def test_killed_rank_ends_the_job_and_is_named(tmp_path):
 
 @pytest.mark.slow
 def test_stopped_rank_ends_the_job_and_is_named(tmp_path):
-    status, seconds, text = _start_and_signal(tmp_path, signal.SIGSTOP, "--stall-timeout", "10")
+    status, seconds, text = _start_and_signal(tmp_path, signal.SIGSTOP, "--stall-timeout", "6")
     assert status != 0 and seconds < 120, (status, seconds)
     assert "rank 2 (pp 0, dp 1, tp 0) (silent for" in text, text[-3000:]
