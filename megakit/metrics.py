@@ -21,8 +21,10 @@ import torch.distributed as dist
 
 _WRAPPED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
             "all_gather_single", "reduce_scatter_single", "broadcast", "reduce", "all_to_all", "all_to_all_single",
-            "send", "recv", "isend", "irecv", "barrier", "all_gather_object")
+            "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "all_gather_object")
 _ASYNC = ("isend", "irecv")
+# P2POp checks ``op is isend`` against distributed_c10d's own names: patch them there too
+_ALSO_IN_C10D = ("isend", "irecv")
 
 
 class _TimedWork:
@@ -76,6 +78,8 @@ class CommTimer:
         def wrapper(*args, **kwargs):
             if not self._depth:
                 self.calls += 1
+            if name == "batch_isend_irecv":
+                return [_TimedWork(work, self) for work in fn(*args, **kwargs)]
             if name in _ASYNC or kwargs.get("async_op"):  # time the wait, not the posting
                 work = fn(*args, **kwargs)
                 return None if work is None else _TimedWork(work, self)
@@ -105,16 +109,25 @@ class CommTimer:
         return timer
 
     def __enter__(self) -> "CommTimer":
+        from torch.distributed import distributed_c10d
+
         for name in _WRAPPED:
             fn = getattr(dist, name, None)
             if fn is not None:
                 self._originals[name] = fn
-                setattr(dist, name, self._wrap(name, fn))
+                wrapped = self._wrap(name, fn)
+                setattr(dist, name, wrapped)
+                if name in _ALSO_IN_C10D:
+                    setattr(distributed_c10d, name, wrapped)
         return self
 
     def __exit__(self, *exc) -> None:
+        from torch.distributed import distributed_c10d
+
         for name, fn in self._originals.items():
             setattr(dist, name, fn)
+            if name in _ALSO_IN_C10D:
+                setattr(distributed_c10d, name, fn)
         self._originals.clear()
 
 
