@@ -239,7 +239,7 @@ def format_table(rows: list[dict]) -> str:
     table = []
     for r in rows:
         cells = [str(r[k]) for k in ("rank", "pp", "dp", "tp")]
-        cells += [f"{r['measured'][k] / scale:.1f}/{r['predicted'][k] / scale:.1f}" for k in items]
+        cells += [f"{r['measured'][k] / scale:.2f}/{r['predicted'][k] / scale:.2f}" for k in items]
         cells += [f"{r['measured'][k] / r['predicted'][k]:.3f}" if r["predicted"][k] else "-"
                   for k in items if k in ("model_states", "activations", "total")]
         table.append(cells)
