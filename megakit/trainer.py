@@ -349,7 +349,10 @@ def _profiler(cfg: TrainConfig, topo):
         prof.export_chrome_trace(str(tmp))
         os.replace(tmp, out / f"trace_rank{topo.rank}.json")
 
-    prof = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=2, repeat=1),
+    wait = 1 if cfg.steps >= 4 else 0  # skip the first step (lazy initialisation) when there are enough
+    warmup = 1 if cfg.steps >= 3 else 0
+    prof = profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup,
+                                                            active=min(2, cfg.steps - wait - warmup), repeat=1),
                    on_trace_ready=save, record_shapes=False)
     prof.start()
     return prof

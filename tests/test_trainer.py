@@ -48,7 +48,8 @@ def sweep(tmp_path_factory, nprocs: int, cases: list[dict]) -> list[dict]:
 def reference(case: dict, dp: int) -> dict:
     from megakit.reference import reference_run
 
-    return reference_run(case["ds_config"], model=case["model"], steps=case["steps"], dp=dp, seq_len=case["seq_len"])
+    return reference_run(case["ds_config"], model=case["model"], steps=case["steps"], dp=dp, seq_len=case["seq_len"],
+                         data=case.get("data"))
 
 
 def assert_same_trajectory(result: dict, ref: dict) -> None:
@@ -133,6 +134,10 @@ def mp_results(tmp_path_factory):
     cases = [dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
                   verify_memory=True),
              dict(ds_config=ds_config(1), model="llama-tiny", steps=STEPS, seq_len=32, tp=2, pp=1)]
+    text = tmp_path_factory.mktemp("data")  # --data: the user's own text instead of the standard library
+    (text / "a.txt").write_text((ROOT / "README.md").read_text() * 3)
+    (text / "b.md").write_text((ROOT / "ds_configs" / "README.md").read_text() * 3)
+    cases[1]["data"] = str(text)
     return cases, sweep(tmp_path_factory, 4, cases)
 
 
