@@ -39,12 +39,18 @@ def connect_store(host: str, port: int, *, timeout_s: float):
 class Watchdog:
     """A daemon thread that exits the process (status 1) when a peer stops beating.
 
+    ``peers``: the ranks to watch (default: all). A trainer passes the ranks this rank
+    waits on directly (its TP, DP and PP groups): a frozen rank is then noticed by its
+    neighbours, whose exit ends the job, and each rank reads O(group) keys per beat
+    instead of O(world). ``interval_s`` defaults to ``stall_s / 20``.
     ``describe(rank)`` gives the text used to name a rank (e.g. its TP/PP/DP place).
     """
 
-    def __init__(self, rank: int, world_size: int, *, stall_s: float = 60.0, interval_s: float = 1.0,
-                 describe=str, store) -> None:
+    def __init__(self, rank: int, world_size: int, *, stall_s: float = 60.0, interval_s: float | None = None,
+                 describe=str, store, peers=None) -> None:
         self.rank, self.world_size = rank, world_size
+        self.peers = sorted(set(range(world_size) if peers is None else peers) - {rank})
+        interval_s = min(1.0, stall_s / 20) if interval_s is None else interval_s
         self.stall_s, self.interval_s, self.describe = stall_s, interval_s, describe
         self.store = store
         self._beats = 0
@@ -67,9 +73,7 @@ class Watchdog:
         """Peers whose heartbeat has not moved, with for how long (seconds); reads the store once."""
         now = time.monotonic()
         stalled = []
-        for peer in range(self.world_size):
-            if peer == self.rank:
-                continue
+        for peer in self.peers:
             key = f"{_PREFIX}{peer}"
             value = self.store.get(key) if self.store.check([key]) else b"missing"
             if value == DONE:
@@ -122,7 +126,7 @@ class Watchdog:
         about a second after one rank dies); others by watching their heartbeat for ``wait_s``.
         """
         try:
-            local = [(p, self._local_state(p)) for p in range(self.world_size) if p != self.rank]
+            local = [(p, self._local_state(p)) for p in self.peers]
             found = [f"{self.describe(p)} {state}" for p, state in local if state]
             if found:
                 return ", ".join(found)

@@ -170,7 +170,8 @@ def _start_watchdog(cfg: TrainConfig, topo):
     if dist.get_world_size() > 1:
         store = connect_store(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 29500)),
                               timeout_s=max(5.0, cfg.stall_timeout_s / 2))
-    return Watchdog(topo.rank, dist.get_world_size(), stall_s=cfg.stall_timeout_s,
+    peers = {r for kind in ("tp", "dp", "pp") for r in topo.group_ranks(kind)}  # the ranks this one waits on
+    return Watchdog(topo.rank, dist.get_world_size(), stall_s=cfg.stall_timeout_s, peers=peers,
                     describe=lambda r: _describe(topo, r), store=store).start()
 
 
