@@ -99,11 +99,10 @@ def global_grad_norm(params, topo) -> tuple[float, bool]:
 
     Collective: a scalar all-reduce (sum of squares) over the model-parallel (TP x PP) group.
     """
-    local = torch.zeros((), dtype=torch.float64)
+    params = [p for p in params if p.grad is not None]
+    local = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else None)
     finite = True
     for p in params:
-        if p.grad is None:
-            continue
         finite &= bool(torch.isfinite(p.grad).all())
         if counted_in_norm(p, topo):
             local += p.grad.detach().double().pow(2).sum()
@@ -312,12 +311,13 @@ def _pipeline_step(cfg: TrainConfig, topo, engine, plan: BatchPlan, config, ds_c
 def _check_finite(topo, step: int, loss: torch.Tensor, grads_finite: bool) -> float:
     """The step's loss averaged over DP (one small all-reduce); raises naming the ranks that saw NaN/inf."""
     world = dist.get_world_size()
-    loss = loss.detach().double()
-    flags = torch.zeros(world + 1, dtype=torch.float64)
+    device = _device()  # NCCL reduces GPU tensors only
+    loss = loss.detach().double().to(device or "cpu")
+    flags = torch.zeros(world + 1, dtype=torch.float64, device=device)
     loss_ok = bool(torch.isfinite(loss))
     own_loss = topo.is_last_stage  # earlier stages only received the last stage's loss
     flags[topo.rank] = float(own_loss and not loss_ok) + 2.0 * float(not grads_finite)
-    flags[world] = (loss if loss_ok else torch.zeros(())) / world
+    flags[world] = (loss if loss_ok else torch.zeros((), device=device)) / world
     dist.all_reduce(flags)
     bad = [(r, int(v)) for r, v in enumerate(flags[:world].tolist()) if v]
     if bad:
