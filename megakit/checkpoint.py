@@ -128,10 +128,16 @@ def _raise_failures(failures: list, local: BaseException | None) -> None:
 
 
 # -- the model's parameters ---------------------------------------------------------------------
+def _modules(model) -> list[nn.Module]:
+    """A stage module, or the chunks of an interleaved stage: a list, or an ``nn.ModuleList``
+    (what a DeepSpeed engine over all chunks holds as ``engine.module``)."""
+    return list(model) if isinstance(model, (list, tuple, nn.ModuleList)) else [model]
+
+
 def _params(model) -> dict[str, nn.Parameter]:
-    """Name -> parameter over this rank's stage module(s) (a module or a list of chunks)."""
+    """Name -> parameter over this rank's stage module(s), by the model's layout-independent names."""
     out: dict[str, nn.Parameter] = {}
-    for module in model if isinstance(model, (list, tuple)) else [model]:
+    for module in _modules(model):
         for name, param in module.named_parameters():
             assert name not in out, f"parameter {name} appears in two chunks"
             out[name] = param
@@ -164,8 +170,7 @@ def _host_copies(params: dict, wanted) -> dict[str, torch.Tensor]:
 
 
 def _model_config(model) -> ModelConfig | None:
-    first = model[0] if isinstance(model, (list, tuple)) else model
-    return getattr(first, "config", None)
+    return getattr(_modules(model)[0], "config", None)
 
 
 def _config_diff(saved: ModelConfig, ours: ModelConfig) -> list[str]:
@@ -180,7 +185,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 # -- save -------------------------------------------------------------------------------------------
 def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConfig, extra: dict | None = None) -> Path:
-    """Write this rank's shard of ``model`` (a stage module or list of chunks) to ``directory``.
+    """Write this rank's shard of ``model`` (a stage module, or a list/ModuleList of chunks) to ``directory``.
 
     Collective over the world: every rank calls it with its own stage. ``extra`` is any
     JSON-serialisable metadata (returned by ``load_checkpoint``). Returns the directory.

@@ -91,8 +91,9 @@ def _worker(rank, world_size, root):
         (s22,) = build_stage_chunks(config, topo22, seed=LOAD_SEED)
         s22.eval()
         load_checkpoint(d / "tp1", s22, topo22)
-        # PP = 2 with two interleaved chunks per rank (a list of modules) -> loaded at TP = 1 below
-        chunks = build_stage_chunks(config, topo22, vpp=2, seed=SAVE_SEED)
+        # PP = 2 with two interleaved chunks per rank -> loaded at TP = 1 below
+        chunks = build_stage_chunks(config, topo22, vpp=2, seed=SAVE_SEED)  # as a list, or as one engine holds them
+        chunks = chunks if preset == "llama-tiny" else torch.nn.ModuleList(chunks)
         save_checkpoint(d / "vpp2", chunks, topo22, step=6, config=config)
         # TP = 2 x DP = 2: DP replica 1 holds the same weights and writes nothing
         save_checkpoint(d / "tp2dp2", Transformer(config, topo2x2, seed=SAVE_SEED), topo2x2, step=4, config=config)
