@@ -88,8 +88,9 @@ class _Census:
 class MemoryProbe:
     """Samples one rank's model-state and activation bytes during a few training steps."""
 
-    def __init__(self, engine, topo, *, plan, model: str, ds_config: dict) -> None:
+    def __init__(self, engine, topo, *, plan, model: str, ds_config: dict, vpp: int = 1) -> None:
         self.engine, self.topo, self.plan, self.model, self.ds_config = engine, topo, plan, model, ds_config
+        self.vpp = vpp
         self.peak = {k: 0 for k in ITEMS + ("fp32_step_grads", "comm_buffers", "zero3_gather")}
         self.activation_peak = 0
         self._live: dict[int, list] = {}  # storage -> [bytes, references]
@@ -179,7 +180,12 @@ class MemoryProbe:
         return estimate_memory(spec, tp=self.topo.tp, pp=self.topo.pp, dp=self.topo.dp, zero_stage=int(zero.get("stage", 0)),
                                micro_batch=self.plan.micro_batch, seq_len=self.plan.seq_len,
                                num_micro_batches=self.plan.accumulation, precision=precision, stage=self.topo.pp_rank,
-                               layers=len(self.engine.module.layer_range), flash_attention=True, buckets=buckets)
+                               layers=self._layers(), vpp=self.vpp, flash_attention=True, buckets=buckets)
+
+    def _layers(self) -> int:
+        module = self.engine.module
+        chunks = module if isinstance(module, torch.nn.ModuleList) else [module]
+        return sum(len(chunk.layer_range) for chunk in chunks)
 
     def row(self) -> dict:
         est = self.predicted()

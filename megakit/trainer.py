@@ -9,7 +9,8 @@ and ``train_batch_size = micro × accumulation × DP``.
   steps at the accumulation boundary); ZeRO 0-1 all-reduce once, at the boundary.
   (ZeRO 2-3 reduce-scatter gradient buckets during every backward: that is what
   partitioned gradients mean.)
-- PP > 1: megakit's executor runs one optimizer step's 1F1B schedule; the last stage
+- PP > 1: megakit's executor runs one optimizer step's 1F1B schedule (or GPipe, or
+  interleaved 1F1B with ``vpp`` chunks per rank, all under one engine); the last stage
   calls ``engine.backward(loss)``, earlier stages ``engine.backward((out * grad).sum(),
   scale_wrt_gas=False)``, and the schedule's final action calls ``engine.step()``. With
   ``"managed_gradient_accumulation": false`` (DeepSpeed >= 0.19.8) each ``step()`` is
@@ -25,14 +26,12 @@ megakit clips itself (``_Zero0Clipper``) with the same rule.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -41,6 +40,7 @@ from megakit.data import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches, load_tokens
 from megakit.ds_config import load_ds_config, read_ds_config
 from megakit.errors import UsageError
 from megakit.metrics import CommTimer, StepMetrics, gpu_peak_tflops
+from megakit.reporting import Reporter, start_profiler
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -54,7 +54,8 @@ class TrainConfig:
     pp: int = 1
     seq_len: int | None = None
     seed: int = 0
-    schedule: str = "1f1b"
+    vpp: int = 1
+    schedule: str | None = None  # default: "interleaved" with vpp > 1, else "1f1b"
     tensorboard: str | None = None
     profile: str | None = None
     verify_memory: bool = False
@@ -70,6 +71,8 @@ class TrainConfig:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
         if self.log_every < 1:
             raise UsageError(f"--log-every must be at least 1, got {self.log_every}")
+        if self.vpp > 1 and self.pp == 1:
+            raise UsageError(f"--vpp {self.vpp} splits each pipeline stage into chunks, so it needs --pp > 1")
 
 
 class TrainingDiverged(RuntimeError):
@@ -184,9 +187,10 @@ def _build(cfg: TrainConfig, topo, ds_config: dict):
     config = ModelConfig.load(cfg.model)
     if config.vocab_size < 256:
         raise UsageError(f"model {cfg.model} has a vocabulary of {config.vocab_size}; byte-level training needs 256")
-    (stage,) = build_stage_chunks(config, topo, seed=cfg.seed, device=_device())  # each rank: its shard only
+    chunks = build_stage_chunks(config, topo, vpp=cfg.vpp, seed=cfg.seed, device=_device())  # this rank's shard only
     if topo.pp > 1 and topo.is_last_stage and config.tie_embeddings:
-        stage.embed.weight.ds_pipe_replicated = True  # the first stage's copy counts in the norm
+        chunks[-1].embed.weight.ds_pipe_replicated = True  # the first stage's copy counts in the norm
+    stage = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # interleaved: one engine, all chunks
     zero = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     mixed = ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled")
     clipper = None
@@ -219,12 +223,12 @@ def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog, tokens: torch.Ten
     if cfg.verify_memory:
         from megakit.memory_check import MemoryProbe
 
-        probe = MemoryProbe(engine, topo, plan=plan, model=cfg.model, ds_config=ds_config)
-    reporter = _Reporter(cfg, topo)
+        probe = MemoryProbe(engine, topo, plan=plan, model=cfg.model, ds_config=ds_config, vpp=cfg.vpp)
+    reporter = Reporter(cfg, topo)
     result = TrainResult()
     flops_per_step = model_flops_per_token(config, seq_len) * plan.global_batch * seq_len
     peak = gpu_peak_tflops()
-    profiler = _profiler(cfg, topo)
+    profiler = start_profiler(cfg.profile, steps=cfg.steps, rank=topo.rank)
     for step in range(cfg.steps):
         micro_batches = [(x.to(device), y.to(device)) for x, y in batches.micro_batches(step, topo.dp_rank)]
         timer.measuring = not torch.cuda.is_available() or step % 10 == 1
@@ -295,7 +299,9 @@ def _pipeline_step(cfg: TrainConfig, topo, engine, plan: BatchPlan, config, ds_c
         else:
             engine.backward((output * grad).sum(), scale_wrt_gas=False)
 
-    executor = PipelineExecutor([engine], topo, schedule=build_schedule(cfg.schedule, topo.pp, plan.accumulation),
+    name = cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b")
+    chunks = [engine] if cfg.vpp == 1 else list(engine.module)  # DeepSpeed needs no forward hooks at ZeRO 0-1
+    executor = PipelineExecutor(chunks, topo, schedule=build_schedule(name, topo.pp, plan.accumulation, cfg.vpp),
                                 backward=backward, activation_shape=(plan.seq_len, plan.micro_batch, config.hidden),
                                 activation_dtype=dtype, device=_device(),
                                 reduce_grads=lambda: None, optimizer_step=engine.step, broadcast_loss=True)
@@ -334,83 +340,3 @@ class _nothing:
 
     def __exit__(self, *exc):
         return None
-
-
-def _profiler(cfg: TrainConfig, topo):
-    if not cfg.profile:
-        return None
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    out = Path(cfg.profile)
-    out.mkdir(parents=True, exist_ok=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-
-    def save(prof) -> None:
-        tmp = out / f".trace_rank{topo.rank}.json.tmp"
-        prof.export_chrome_trace(str(tmp))
-        os.replace(tmp, out / f"trace_rank{topo.rank}.json")
-
-    wait = 1 if cfg.steps >= 4 else 0  # skip the first step (lazy initialisation) when there are enough
-    warmup = 1 if cfg.steps >= 3 else 0
-    prof = profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup,
-                                                            active=min(2, cfg.steps - wait - warmup), repeat=1),
-                   on_trace_ready=save, record_shapes=False)
-    prof.start()
-    return prof
-
-
-class _Reporter:
-    """Rank 0's progress bar, per-step log lines, TensorBoard events and metrics file."""
-
-    def __init__(self, cfg: TrainConfig, topo) -> None:
-        self.cfg, self.active = cfg, topo.rank == 0
-        self.bar = self.writer = None
-        if not self.active:
-            return
-        print(f"megakit: training {cfg.model} on {dist.get_world_size()} process(es): TP {topo.tp} x PP {topo.pp} "
-              f"x DP {topo.dp}", flush=True)
-        if cfg.progress:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=cfg.steps, desc="train", unit="step", dynamic_ncols=True)
-        if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(cfg.tensorboard)
-
-    def _print(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.write(text)
-        else:
-            print(text, flush=True)
-
-    def log(self, m: StepMetrics) -> None:
-        if not self.active:
-            return
-        if m.step % self.cfg.log_every == 0 or m.step == self.cfg.steps - 1:
-            self._print(m.line())
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{m.loss:.3f}", lr=f"{m.lr:.1e}")
-        if self.writer is not None:
-            for name, value in m.scalars().items():
-                self.writer.add_scalar(name, value, m.step)
-
-    def memory(self, rows: list) -> None:
-        if self.active:
-            from megakit.memory_check import format_table
-
-            self._print(format_table(rows))
-
-    def close(self, result: TrainResult) -> None:
-        if not self.active:
-            return
-        if self.bar is not None:
-            self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
-        if self.cfg.metrics_out:
-            out = Path(self.cfg.metrics_out)
-            tmp = out.with_name(f".{out.name}.tmp")
-            tmp.write_text(json.dumps({"steps": [m.to_dict() for m in result.steps], "memory": result.memory}, indent=1))
-            os.replace(tmp, out)

@@ -31,7 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps to run (default 200; 3 with --verify-memory)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule (PP > 1)")
+    p.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline stage (interleaved 1F1B)")
+    p.add_argument("--schedule", default=None, choices=["1f1b", "gpipe", "interleaved"],
+                   help="pipeline schedule (PP > 1); default 1f1b, or interleaved with --vpp > 1")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's max)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensorboard", metavar="DIR", default=None, help="write TensorBoard event files to DIR")
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = TrainConfig(ds_config=args.ds_config, model=args.model, data=args.data,
                           steps=args.steps if args.steps is not None else 3 if args.verify_memory else 200, tp=args.tp,
-                          pp=args.pp, schedule=args.schedule, seq_len=args.seq_len, seed=args.seed,
+                          pp=args.pp, vpp=args.vpp, schedule=args.schedule, seq_len=args.seq_len, seed=args.seed,
                           tensorboard=args.tensorboard, profile=args.profile, verify_memory=args.verify_memory,
                           metrics_out=args.metrics_out, log_every=args.log_every, progress=not args.no_progress,
                           stall_timeout_s=args.stall_timeout)

@@ -83,6 +83,9 @@ def dp_results(tmp_path_factory):
         cases.append(dict(ds_config=ds_config(stage, accumulation=4), model="gpt-tiny", steps=3, seq_len=32))
     # PP = 2 with ZeRO-0: megakit's own clipper must count the tied embedding once
     cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, pp=2))
+    # interleaved 1F1B: two chunks per stage under one DeepSpeed engine
+    cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, pp=2, vpp=2,
+                      verify_memory=True))
     return cases, sweep(tmp_path_factory, 2, cases)
 
 
@@ -110,6 +113,13 @@ def test_verify_memory_zero_0_to_3(dp_results):
 def test_pp2_with_zero0_matches_the_single_process_model(dp_results):
     cases, results = dp_results
     assert_same_trajectory(results[7], reference(cases[7], dp=1))
+
+
+@pytest.mark.slow
+def test_interleaved_pp2_vpp2_matches_the_single_process_model(dp_results):
+    cases, results = dp_results
+    assert_same_trajectory(results[8], reference(cases[8], dp=1))
+    assert_memory_matches(results[8]["memory"])
 
 
 @pytest.mark.slow
