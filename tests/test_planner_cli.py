@@ -142,3 +142,14 @@ def test_params_plan_writes_the_model_config_the_trainer_reads(tmp_path, capsys)
     p = json.loads(out)["plan"]
     config = load_ds_config(str(target), dp=p["dp"], pp=p["pp"])  # the trainer's own checks
     assert config["train_batch_size"] == p["global_batch"]
+
+
+def test_launch_command_carries_the_plans_recompute_sp_and_virtual_stages(capsys):
+    code, out, _ = plan(capsys, "--params", "175B", "--gpus", "1024", "--tp", "8", "--pp", "16", "--vpp", "2",
+                        "--recompute", "full", "--json")
+    assert code == 0
+    report = json.loads(out)
+    launch, p = report["assumptions"]["launch"], report["plan"]
+    assert " --tp 8 --pp 16 " in launch and "--vpp 2" in launch and "--recompute full" in launch
+    assert ("--sequence-parallel" in launch) == p["sequence_parallel"]
+    assert report["assumptions"]["launch_note"] == ""

@@ -124,7 +124,7 @@ def run(args) -> int:
     plan, cost, mem = result.best.plan, result.best.cost, result.best.memory
     lr, lr_note = emit.scaled_lr(model.params, plan.global_batch, model.seq_len, base_lr=args.base_lr,
                                  base_batch=args.base_batch if args.base_lr else None)
-    total_steps, warmup = emit.schedule_steps(plan.global_batch, model.seq_len, tokens)
+    total_steps, warmup = emit.schedule_steps(plan.global_batch, model.seq_len, tokens, params=model.params)
     config_path = args.emit_config or "ds_configs/plan.json"
     model_arg, model_file = _model_arg(args, model, config_path)
     launch, launch_note = emit.launch_command(plan, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,

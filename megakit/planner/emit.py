@@ -23,7 +23,8 @@ from megakit.planner.plan import Plan
 GPT3_LR = [(125e6, 6.0e-4, 0.5e6), (350e6, 3.0e-4, 0.5e6), (760e6, 2.5e-4, 0.5e6), (1.3e9, 2.0e-4, 1e6),
            (2.7e9, 1.6e-4, 1e6), (6.7e9, 1.2e-4, 2e6), (13e9, 1.0e-4, 2e6), (175e9, 0.6e-4, 3.2e6)]
 WARMUP_TOKENS = 375e6  # GPT-3's linear warm-up
-DEFAULT_SCHEDULE_TOKENS = 300e9
+CHINCHILLA_TOKENS_PER_PARAM = 20
+GPT3_TOKENS = 300e9  # the yardstick for time-to-train when the cluster was auto-sized
 
 
 def default_global_batch(params: float, seq_len: int) -> int:
@@ -85,32 +86,38 @@ def ds_config(plan: Plan, *, lr: float, total_steps: int, warmup_steps: int, buc
     return config
 
 
-def schedule_steps(global_batch: int, seq_len: int, tokens: float | None) -> tuple[int, int]:
-    """(total steps, warm-up steps) for ``tokens`` (default 300B) at this batch."""
+def schedule_steps(global_batch: int, seq_len: int, tokens: float | None, *, params: float) -> tuple[int, int]:
+    """(total steps, warm-up steps) for ``tokens`` at this batch.
+
+    Without ``--tokens`` the schedule spans 20 tokens per parameter (Chinchilla-optimal,
+    Hoffmann et al. 2022), so a small model's emitted config does not warm up for longer
+    than a sensible run lasts."""
     per_step = global_batch * seq_len
-    total = max(1, math.ceil((tokens or DEFAULT_SCHEDULE_TOKENS) / per_step))
+    total = max(1, math.ceil((tokens or CHINCHILLA_TOKENS_PER_PARAM * params) / per_step))
     warmup = max(1, min(math.ceil(WARMUP_TOKENS / per_step), total // 10 or 1))
     return total, warmup
 
 
 def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: str, model_arg: str,
                    seq_len: int) -> tuple[str, str]:
-    """(the ``deepspeed`` command line for ``scripts/train.py``, a note on what the plan assumes that
-    train.py takes no flag for yet: recompute, sequence parallelism, interleaving; '' if none)."""
+    """(the ``deepspeed`` command line for ``scripts/train.py`` with the plan's layout, recompute,
+    sequence parallelism and virtual stages; a note on what the plan assumes that train.py cannot
+    do yet, '' if none)."""
     gpus = min(gpus_per_node, plan.world)
     parts = ["deepspeed"]
     if nodes > 1:
         parts += ["--num_nodes", str(nodes)]
     parts += ["--num_gpus", str(gpus), "scripts/train.py", "--ds_config", config_path,
               "--tp", str(plan.tp), "--pp", str(plan.pp), "--model", model_arg, "--seq-len", str(seq_len)]
-    assumed = []
-    if plan.recompute != "none":
-        assumed.append(f"{plan.recompute} activation recompute")
-    if plan.sequence_parallel:
-        assumed.append("sequence parallelism")
     if plan.vpp > 1:
-        assumed.append(f"the interleaved 1F1B schedule with {plan.vpp} virtual stages")
-    note = f"the plan also assumes {', '.join(assumed)}" if assumed else ""
+        parts += ["--vpp", str(plan.vpp)]
+    if plan.sequence_parallel:
+        parts.append("--sequence-parallel")
+    if plan.recompute == "full":
+        parts += ["--recompute", "full"]
+    note = ""
+    if plan.recompute not in ("none", "full"):
+        note = f"the plan also assumes {plan.recompute} activation recompute, which megakit's model does not do yet"
     return " ".join(parts), note
 
 
@@ -155,7 +162,7 @@ def tips(result, cost, plan: Plan, cluster, *, lr_note: str, warmup: int, total:
         out.append(f"The pipeline bubble is {cost.bubble_fraction:.0%}: more micro-batches per step or "
                    "interleaving (--vpp) shrink it.")
     if auto_sized:
-        days = DEFAULT_SCHEDULE_TOKENS / cost.tokens_per_s / 86400
+        days = GPT3_TOKENS / cost.tokens_per_s / 86400
         out.append(f"This is the fewest whole nodes that fit ({cluster.nodes}); 300B tokens would take {days:,.0f} "
                    "days here: pass --nodes or --gpus to plan a bigger cluster.")
     out.append(f"LR {lr_note}; linear warm-up over {warmup} steps, cosine decay to 10 % over {total} steps, "
