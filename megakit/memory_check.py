@@ -88,9 +88,10 @@ class _Census:
 class MemoryProbe:
     """Samples one rank's model-state and activation bytes during a few training steps."""
 
-    def __init__(self, engine, topo, *, plan, model: str, ds_config: dict, vpp: int = 1) -> None:
+    def __init__(self, engine, topo, *, plan, model: str, ds_config: dict, vpp: int = 1, recompute: str = "none",
+                 sequence_parallel: bool = False) -> None:
         self.engine, self.topo, self.plan, self.model, self.ds_config = engine, topo, plan, model, ds_config
-        self.vpp = vpp
+        self.vpp, self.recompute, self.sequence_parallel = vpp, recompute, sequence_parallel and topo.tp > 1
         self.peak = {k: 0 for k in ITEMS + ("fp32_step_grads", "comm_buffers", "zero3_gather")}
         self.activation_peak = 0
         self._live: dict[int, list] = {}  # storage -> [bytes, references]
@@ -180,7 +181,8 @@ class MemoryProbe:
         return estimate_memory(spec, tp=self.topo.tp, pp=self.topo.pp, dp=self.topo.dp, zero_stage=int(zero.get("stage", 0)),
                                micro_batch=self.plan.micro_batch, seq_len=self.plan.seq_len,
                                num_micro_batches=self.plan.accumulation, precision=precision, stage=self.topo.pp_rank,
-                               layers=self._layers(), vpp=self.vpp, flash_attention=True, buckets=buckets)
+                               layers=self._layers(), vpp=self.vpp, flash_attention=True, buckets=buckets,
+                               recompute=self.recompute, sequence_parallel=self.sequence_parallel)
 
     def _layers(self) -> int:
         module = self.engine.module

@@ -22,6 +22,11 @@ once per stage (``Topology.get_model_parallel_rank`` is the TP rank), and the ti
 embedding copy on the last stage is marked ``ds_pipe_replicated`` so DeepSpeed skips it.
 DeepSpeed's fp32 ZeRO-0 path ignores that mark and does not report the norm, so there
 megakit clips itself (``_Zero0Clipper``) with the same rule.
+
+Sequence parallelism and full recompute are the model's (``Transformer(sequence_parallel=,
+recompute=)``); with SP the stages exchange ``(S/tp, B, H)``. Checkpoints (``--save``,
+``--load``: weights and step, not optimizer state) are in ``megakit.resume``. A user
+mistake that every rank makes alike is marked ``all_ranks`` so that only rank 0 prints it.
 """
 
 from __future__ import annotations
@@ -36,11 +41,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megakit.checkpoint import load_checkpoint
 from megakit.data import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches, load_tokens
 from megakit.ds_config import load_ds_config, read_ds_config
 from megakit.errors import UsageError
 from megakit.metrics import CommTimer, StepMetrics, gpu_peak_tflops
 from megakit.reporting import Reporter, start_profiler
+from megakit.resume import check_checkpoint_flags, resume_schedule, save_weights
+
+RECOMPUTE = ("none", "full")
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -65,8 +75,18 @@ class TrainConfig:
     stall_timeout_s: float = 60.0
     collective_timeout_s: float = 300.0
     max_bytes: int = DEFAULT_MAX_BYTES
+    recompute: str = "none"  # "full": keep only each block's input, recompute the rest in backward
+    sequence_parallel: bool = False  # split norms/dropout/residual over TP along the sequence (no-op at TP 1)
+    save: str | None = None  # checkpoint directory, written at the end (and every save_every steps)
+    save_every: int = 0
+    load: str | None = None  # checkpoint to start from: weights and step count (not the optimizer state)
 
     def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise UsageError(f"--recompute {self.recompute} is not one of {', '.join(RECOMPUTE)}; megakit recomputes "
+                             "whole blocks (full) or nothing (none)")
+        if self.save_every < 0 or (self.save_every and not self.save):
+            raise UsageError(f"--save-every {self.save_every} needs --save DIR and a count of at least 1")
         if self.steps < 1:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
         if self.log_every < 1:
@@ -142,15 +162,18 @@ def train(cfg: TrainConfig) -> TrainResult:
     from megakit.model import ModelConfig
     from megakit.parallel.topology import Topology, init_distributed
 
-    read_ds_config(cfg.ds_config)  # user mistakes fail here, before any process group exists
-    ModelConfig.load(cfg.model)
-    tokens = load_tokens(cfg.data, max_bytes=cfg.max_bytes)
+    try:  # user mistakes fail here, before any process group exists, alike on every rank
+        read_ds_config(cfg.ds_config)
+        start = _check_layout_and_checkpoints(cfg, ModelConfig.load(cfg.model))
+        tokens = load_tokens(cfg.data, max_bytes=cfg.max_bytes)
+    except UsageError as error:
+        raise everywhere(error)
     init_distributed(timeout_s=cfg.collective_timeout_s)
     timer = CommTimer.shared(sync_cuda=torch.cuda.is_available())  # before DeepSpeed and TP layers look them up
     topo = Topology.from_world(tp=cfg.tp, pp=cfg.pp, timeout_s=cfg.collective_timeout_s)
     watchdog = _start_watchdog(cfg, topo)
     try:
-        result = _train(cfg, topo, timer, watchdog, tokens)
+        result = _train(cfg, topo, timer, watchdog, tokens, start)
     except (UsageError, TrainingDiverged):
         watchdog.stop(done=True)
         raise
@@ -163,6 +186,28 @@ def train(cfg: TrainConfig) -> TrainResult:
         raise
     watchdog.stop(done=True)
     return result
+
+
+def everywhere(error: UsageError) -> UsageError:
+    """Mark ``error`` as raised alike on every rank, so that only rank 0 needs to print it."""
+    error.all_ranks = True
+    return error
+
+
+def _check_layout_and_checkpoints(cfg: TrainConfig, config) -> int:
+    """The checks every rank makes alike before the job starts; returns the step to start from.
+
+    Sequence parallelism splits the sequence over TP, so it must divide; the model would
+    find out only on the first stage, with later stages already waiting for its activations.
+    """
+    from megakit.model_config import check_seq_len
+
+    seq_len = cfg.seq_len or config.max_seq_len
+    check_seq_len(config, seq_len)
+    if cfg.sequence_parallel and cfg.tp > 1 and seq_len % cfg.tp:
+        raise UsageError(f"sequence length {seq_len} is not divisible by TP {cfg.tp}; sequence parallelism "
+                         "needs it to be (change --seq-len or drop --sequence-parallel)")
+    return check_checkpoint_flags(save=cfg.save, load=cfg.load, steps=cfg.steps)
 
 
 def _start_watchdog(cfg: TrainConfig, topo):
@@ -187,10 +232,16 @@ def _build(cfg: TrainConfig, topo, ds_config: dict):
     config = ModelConfig.load(cfg.model)
     if config.vocab_size < 256:
         raise UsageError(f"model {cfg.model} has a vocabulary of {config.vocab_size}; byte-level training needs 256")
-    chunks = build_stage_chunks(config, topo, vpp=cfg.vpp, seed=cfg.seed, device=_device())  # this rank's shard only
+    chunks = build_stage_chunks(config, topo, vpp=cfg.vpp, seed=cfg.seed, device=_device(),  # this rank's shard only
+                                sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute == "full")
     if topo.pp > 1 and topo.is_last_stage and config.tie_embeddings:
         chunks[-1].embed.weight.ds_pipe_replicated = True  # the first stage's copy counts in the norm
     stage = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # interleaved: one engine, all chunks
+    if cfg.load:  # before deepspeed.initialize: the engine copies its master weights from the model
+        try:
+            load_checkpoint(cfg.load, stage, topo)
+        except UsageError as error:
+            raise everywhere(error)  # load_checkpoint raises on every rank when any rank fails
     zero = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     mixed = ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled")
     clipper = None
@@ -204,12 +255,13 @@ def _build(cfg: TrainConfig, topo, ds_config: dict):
     return config, engine, clipper
 
 
-def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog, tokens: torch.Tensor) -> TrainResult:
+def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog, tokens: torch.Tensor, start: int) -> TrainResult:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     # DeepSpeed 0.19.8 calls collectives torch 2.13 renamed; the warning repeats every step
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     ds_config = load_ds_config(cfg.ds_config, dp=topo.dp, pp=topo.pp)
     config, engine, clipper = _build(cfg, topo, ds_config)
+    resume_schedule(engine, start)
     seq_len = cfg.seq_len or config.max_seq_len
     plan = BatchPlan(seq_len=seq_len, micro_batch=engine.train_micro_batch_size_per_gpu(),
                      accumulation=engine.gradient_accumulation_steps(), dp=topo.dp, seed=cfg.seed)
@@ -223,13 +275,14 @@ def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog, tokens: torch.Ten
     if cfg.verify_memory:
         from megakit.memory_check import MemoryProbe
 
-        probe = MemoryProbe(engine, topo, plan=plan, model=cfg.model, ds_config=ds_config, vpp=cfg.vpp)
-    reporter = Reporter(cfg, topo)
+        probe = MemoryProbe(engine, topo, plan=plan, model=cfg.model, ds_config=ds_config, vpp=cfg.vpp,
+                            recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel)
+    reporter = Reporter(cfg, topo, start=start)
     result = TrainResult()
     flops_per_step = model_flops_per_token(config, seq_len) * plan.global_batch * seq_len
     peak = gpu_peak_tflops()
-    profiler = start_profiler(cfg.profile, steps=cfg.steps, rank=topo.rank)
-    for step in range(cfg.steps):
+    profiler = start_profiler(cfg.profile, steps=cfg.steps - start, rank=topo.rank)
+    for step in range(start, cfg.steps):
         micro_batches = [(x.to(device), y.to(device)) for x, y in batches.micro_batches(step, topo.dp_rank)]
         timer.measuring = not torch.cuda.is_available() or step % 10 == 1
         timer.take()
@@ -256,6 +309,12 @@ def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog, tokens: torch.Ten
                               peak_tflops=peak)
         result.steps.append(metrics)
         reporter.log(metrics)
+        done = step + 1
+        if cfg.save and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
+            try:
+                save_weights(cfg.save, engine, topo, config, step=done, extra={"loss": loss, "seed": cfg.seed})
+            except UsageError as error:
+                raise everywhere(error)  # save_checkpoint raises on every rank when any rank fails
     if profiler is not None:
         profiler.stop()
     if probe is not None:
@@ -287,7 +346,7 @@ def _device() -> torch.device | None:
 
 def _pipeline_step(cfg: TrainConfig, topo, engine, plan: BatchPlan, config, ds_config: dict):
     """PP > 1: one 1F1B (or chosen) schedule per step; DeepSpeed does backward scaling, DP reduction and step."""
-    from megakit.parallel.pipeline import PipelineExecutor
+    from megakit.parallel.pipeline import PipelineExecutor, activation_shape
     from megakit.parallel.schedules import build_schedule
 
     dtype = (torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else
@@ -302,7 +361,9 @@ def _pipeline_step(cfg: TrainConfig, topo, engine, plan: BatchPlan, config, ds_c
     name = cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b")
     chunks = [engine] if cfg.vpp == 1 else list(engine.module)  # DeepSpeed needs no forward hooks at ZeRO 0-1
     executor = PipelineExecutor(chunks, topo, schedule=build_schedule(name, topo.pp, plan.accumulation, cfg.vpp),
-                                backward=backward, activation_shape=(plan.seq_len, plan.micro_batch, config.hidden),
+                                backward=backward, activation_shape=activation_shape(
+                                    config, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len, tp=topo.tp,
+                                    sequence_parallel=cfg.sequence_parallel and topo.tp > 1),
                                 activation_dtype=dtype, device=_device(),
                                 reduce_grads=lambda: None, optimizer_step=engine.step, broadcast_loss=True)
 

@@ -17,9 +17,14 @@ from pathlib import Path
 DEFAULT_DS_CONFIG = Path(__file__).resolve().parent.parent / "ds_configs" / "zero1.json"
 
 
+def _rank0() -> bool:
+    """Whether this process prints errors every rank makes alike (the launcher sets RANK)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        self.exit(2, f"train.py: error: {message}\n")
+    def error(self, message: str) -> None:  # every rank parses the same command line: rank 0 says it
+        self.exit(2, f"train.py: error: {message}\n" if _rank0() else None)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -28,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="DeepSpeed JSON config (ds_configs/*.json, or what `megakit plan --emit-config` wrote)")
     p.add_argument("--model", default="gpt-mini", help="preset in models/ or a path to a HF config.json")
     p.add_argument("--data", default=None, help="text file or directory (default: the Python standard library's sources)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps to run (default 200; 3 with --verify-memory)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps in all, a --load checkpoint's included (default 200; 3 with --verify-memory)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     p.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline stage (interleaved 1F1B)")
@@ -36,6 +41,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="pipeline schedule (PP > 1); default 1f1b, or interleaved with --vpp > 1")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's max)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--recompute", choices=["none", "full"], default="none",
+                   help="full: keep only each block's input and recompute the block in backward (~1/3 more "
+                        "compute, far less activation memory)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="split norms, dropout and the residual stream over TP along the sequence (Megatron SP; "
+                        "--seq-len must divide by --tp); nothing to split at --tp 1, where it changes nothing")
+    p.add_argument("--save", metavar="DIR", default=None,
+                   help="write a checkpoint (weights and step; not the optimizer state) to DIR at the end")
+    p.add_argument("--save-every", metavar="N", type=int, default=0,
+                   help="with --save: also every N steps (each save replaces DIR)")
+    p.add_argument("--load", metavar="DIR", default=None,
+                   help="start from a checkpoint saved at any TP/PP layout: its weights and step count (data and "
+                        "LR schedule continue from there; --steps counts the loaded steps too). Optimizer state "
+                        "(Adam moments) is not in megakit checkpoints, so it starts afresh")
     p.add_argument("--tensorboard", metavar="DIR", default=None, help="write TensorBoard event files to DIR")
     p.add_argument("--profile", metavar="DIR", nargs="?", const="profile", default=None,
                    help="write a PyTorch profiler trace per rank (steps 2-3) to DIR (default ./profile)")
@@ -62,13 +81,22 @@ def main(argv: list[str] | None = None) -> int:
                           pp=args.pp, vpp=args.vpp, schedule=args.schedule, seq_len=args.seq_len, seed=args.seed,
                           tensorboard=args.tensorboard, profile=args.profile, verify_memory=args.verify_memory,
                           metrics_out=args.metrics_out, log_every=args.log_every, progress=not args.no_progress,
-                          stall_timeout_s=args.stall_timeout)
+                          stall_timeout_s=args.stall_timeout, recompute=args.recompute,
+                          sequence_parallel=args.sequence_parallel, save=args.save, save_every=args.save_every,
+                          load=args.load)
+    except UsageError as error:  # the same flags on every rank
+        if _rank0():
+            print(f"train.py: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    try:
         train(cfg)
     except UsageError as error:
-        print(f"train.py: error: {error}", file=sys.stderr, flush=True)
+        if _rank0() or not getattr(error, "all_ranks", False):  # a rank's own mistake: it says so itself
+            print(f"train.py: error: {error}", file=sys.stderr, flush=True)
         return 2
     except TrainingDiverged as error:
-        print(f"train.py: {error}", file=sys.stderr, flush=True)
+        if _rank0():  # every rank learnt it from the same all-reduce
+            print(f"train.py: {error}", file=sys.stderr, flush=True)
         return 1
     except RuntimeError as error:
         if "communication failed" not in str(error):

@@ -86,6 +86,10 @@ def dp_results(tmp_path_factory):
     # interleaved 1F1B: two chunks per stage under one DeepSpeed engine
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, pp=2, vpp=2,
                       verify_memory=True))
+    # checkpoints: save at TP 2 (every 3 steps, so the final save replaces one), and a run one step longer
+    saved = tmp_path_factory.mktemp("ckpt") / "tp2"
+    cases.append(dict(ds_config=ds_config(1), model="gpt-tiny", steps=6, seq_len=32, tp=2, save=str(saved), save_every=3))
+    cases.append(dict(ds_config=ds_config(1), model="gpt-tiny", steps=7, seq_len=32, tp=2))
     return cases, sweep(tmp_path_factory, 2, cases)
 
 
@@ -123,6 +127,29 @@ def test_interleaved_pp2_vpp2_matches_the_single_process_model(dp_results):
 
 
 @pytest.mark.slow
+def test_tp2_checkpoint_resumes_at_tp1(dp_results, tmp_path):
+    """Weights saved at TP 2 after 6 steps, loaded by one process at TP 1: step 6's loss (computed before any
+    update, so the optimizer state the checkpoint lacks plays no part) and LR equal the TP 2 run's step 6."""
+    cases, results = dp_results
+    saved, longer = cases[9], results[10]
+    assert json.loads((Path(saved["save"]) / "manifest.json").read_text())["step"] == 6
+    (tmp_path / "ds.json").write_text(json.dumps(saved["ds_config"]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))  # what the launcher sets for one process
+    out = subprocess.run(["python", "scripts/train.py", "--ds_config", str(tmp_path / "ds.json"), "--model", "gpt-tiny",
+                          "--seq-len", "32", "--load", saved["save"], "--steps", "7", "--no-progress",
+                          "--metrics-out", str(tmp_path / "m.json")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "resuming" in out.stdout and "at step 6" in out.stdout
+    (step,) = json.loads((tmp_path / "m.json").read_text())["steps"]
+    assert step["step"] == 6
+    assert abs(step["loss"] - longer["loss"][6]) < LOSS_TOL, (step["loss"], longer["loss"])
+    assert abs(longer["loss"][6] - longer["loss"][0]) > 100 * LOSS_TOL  # the weights did move in 6 steps
+    assert step["lr"] == pytest.approx(longer["lr"][6], rel=1e-9)
+
+
+@pytest.mark.slow
 def test_nan_is_reported_with_step_and_rank(dp_results):
     _, results = dp_results
     error = results[4].get("error", "")
@@ -143,7 +170,9 @@ def test_accumulation_communicates_only_at_the_boundary(dp_results):
 def mp_results(tmp_path_factory):
     cases = [dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
                   verify_memory=True),
-             dict(ds_config=ds_config(1), model="llama-tiny", steps=STEPS, seq_len=32, tp=2, pp=1)]
+             dict(ds_config=ds_config(1), model="llama-tiny", steps=STEPS, seq_len=32, tp=2, pp=1),
+             dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
+                  sequence_parallel=True, recompute="full", verify_memory=True)]
     text = tmp_path_factory.mktemp("data")  # --data: the user's own text instead of the standard library
     (text / "a.txt").write_text((ROOT / "README.md").read_text() * 3)
     (text / "b.md").write_text((ROOT / "ds_configs" / "README.md").read_text() * 3)
@@ -156,6 +185,17 @@ def test_tp2_pp2_and_tp2_dp2_match_the_single_process_model(mp_results):
     cases, results = mp_results
     assert_same_trajectory(results[0], reference(cases[0], dp=1))  # ZeRO-1: DeepSpeed's norm skips the tied copy
     assert_same_trajectory(results[1], reference(cases[1], dp=2))
+
+
+@pytest.mark.slow
+def test_sequence_parallel_and_full_recompute_tp2_pp2(mp_results):
+    """SP (stages exchange (S/tp, B, H)) with full recompute follows the same trajectory as the plain TP2xPP2 run,
+    and saves fewer activation bytes on every rank."""
+    cases, results = mp_results
+    for got, want in zip(results[2]["loss"], results[0]["loss"], strict=True):
+        assert abs(got - want) < LOSS_TOL, (got, want)
+    for plain, lean in zip(results[0]["memory"], results[2]["memory"], strict=True):
+        assert lean["measured"]["activations"] < 0.6 * plain["measured"]["activations"], (plain, lean)
 
 
 @pytest.mark.slow

@@ -65,3 +65,32 @@ def test_script_reports_a_bad_data_path_in_one_line(tmp_path):
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("train.py: error: --data ")
     assert "Traceback" not in out.stderr
+
+
+def test_recompute_and_save_flags_are_checked():
+    with pytest.raises(UsageError, match="--recompute selective is not one of none, full"):
+        TrainConfig(ds_config={}, recompute="selective")
+    with pytest.raises(UsageError, match="--save-every 5 needs --save DIR"):
+        TrainConfig(ds_config={}, save_every=5)
+
+
+def test_launched_job_reports_a_user_mistake_once_and_every_rank_exits_2(tmp_path):
+    """Sequence parallelism with a sequence TP does not divide: one line from rank 0, status 2, no traceback.
+    Then a --load directory that holds no checkpoint, in one process."""
+    from multiproc import free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "scripts/train.py",
+                          "--model", "gpt-tiny", "--tp", "2", "--sequence-parallel", "--seq-len", "33"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text[-3000:]
+    assert text.count("train.py: error:") == 1, text[-3000:]
+    assert "sequence length 33 is not divisible by TP 2" in text and "Traceback" not in text
+    (tmp_path / "ckpt").mkdir()
+    out = subprocess.run([sys.executable, "scripts/train.py", "--model", "gpt-tiny", "--load", str(tmp_path / "ckpt")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [f"train.py: error: {tmp_path / 'ckpt'} holds no manifest.json, so it "
+                                               "is not a complete megakit checkpoint; give the directory a finished "
+                                               "save wrote"]
