@@ -153,3 +153,27 @@ def test_launch_command_carries_the_plans_recompute_sp_and_virtual_stages(capsys
     assert " --tp 8 --pp 16 " in launch and "--vpp 2" in launch and "--recompute full" in launch
     assert ("--sequence-parallel" in launch) == p["sequence_parallel"]
     assert report["assumptions"]["launch_note"] == ""
+
+
+def _deepspeed_engine_from(rank, world, path, dp, pp):
+    import deepspeed
+    import torch
+
+    from megakit.ds_config import load_ds_config
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = load_ds_config(path, dp=dp, pp=pp)  # the trainer's reading: a pipeline steps once per flush
+    model = torch.nn.Linear(4, 4)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return type(engine.optimizer).__name__, config["zero_optimization"]["overlap_comm"]
+
+
+def test_emitted_pipeline_config_builds_a_deepspeed_engine(tmp_path, capsys):
+    """DeepSpeed refuses overlap_comm with ZeRO-1 when each step is the accumulation boundary (PP > 1)."""
+    target = tmp_path / "pp.json"
+    code, out, err = plan(capsys, "--model", "gpt-tiny", "--gpus", "4", "--pp", "2", "--zero", "1",
+                          "--global-batch", "8", "--emit-config", str(target))
+    assert code == 0, err
+    assert "--pp 2" in out
+    # Two processes stand for one stage's two DP replicas (the engine's view of a PP=2 x DP=2 job).
+    assert run_ranks(_deepspeed_engine_from, 2, str(target), 2, 2) == [("DeepSpeedZeroOptimizer", False)] * 2

@@ -52,7 +52,9 @@ def scaled_lr(params: float, global_batch: int, seq_len: int, *, base_lr: float 
 def ds_config(plan: Plan, *, lr: float, total_steps: int, warmup_steps: int, buckets: Buckets = Buckets()) -> dict:
     zero: dict = {"stage": plan.zero_stage}
     if plan.zero_stage >= 1:
-        zero.update(overlap_comm=True, contiguous_gradients=True, reduce_scatter=True,
+        # A pipeline steps once per flush (managed_gradient_accumulation off), and DeepSpeed then
+        # allows overlap_comm only with ZeRO-2, which PP excludes: so overlap only without PP.
+        zero.update(overlap_comm=plan.pp == 1, contiguous_gradients=True, reduce_scatter=True,
                     reduce_bucket_size=buckets.reduce_bucket, allgather_bucket_size=buckets.allgather_bucket)
     if plan.zero_stage == 3:
         zero.pop("allgather_bucket_size")

@@ -284,9 +284,9 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
         if zero_stage == 0:
             comm = p * min(buckets.reduce_bucket, psi)
         elif zero_stage in (1, 2):
-            # With contiguous gradients and overlap_comm (what emit.py writes), DeepSpeed allocates two
-            # whole reduce buckets up front, however small the model (stage_1_and_2.setup_buckets).
-            comm = 2 * p * buckets.reduce_bucket + p * min(buckets.allgather_bucket, psi / dp)
+            # With contiguous gradients DeepSpeed allocates whole reduce buckets up front, however small
+            # the model (stage_1_and_2.setup_buckets): two with overlap_comm, which emit.py sets without PP.
+            comm = (2 if pp == 1 else 1) * p * buckets.reduce_bucket + p * min(buckets.allgather_bucket, psi / dp)
         else:
             comm = p * min(buckets.reduce_bucket, psi)
     else:
