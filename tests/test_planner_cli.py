@@ -97,6 +97,9 @@ BAD = [
     (["--model", "no/such/config.json"], "does not exist"),
     (["--model", "nosuchpreset"], "known presets"),
     (["--params", "175B", "--gpus", "64", "--tp", "3"], "--tp 3"),
+    (["--params", "175B", "--tp", "3"], "GPUs per node"),
+    (["--model", "llama-2-70b", "--nodes", "8", "--tp", "16"], "KV heads 8"),
+    (["--params", "1.3B", "--gpus", "8", "--pp", "1", "--vpp", "2"], "--vpp 2"),
     (["--params", "175B", "--gpus", "64", "--tp", "8", "--pp", "3"], "--pp 3"),
     (["--params", "175B", "--gpus", "64", "--pp", "4", "--zero", "3"], "--zero 3"),
     (["--params", "175B", "--gpus", "8"], "needs at least"),
@@ -118,13 +121,18 @@ def test_malformed_and_unsupported_configs(tmp_path, capsys):
     broken = tmp_path / "config.json"
     broken.write_text('{"model_type": "llama", "hidden_size": ')
     code, _, err = plan(capsys, "--model", str(broken))
-    assert code == 2 and "not valid JSON" in err
+    assert code == 2 and "cannot read model config" in err and "Expecting value" in err
     broken.write_text('{"model_type": "llama", "hidden_size": 64}')
     code, _, err = plan(capsys, "--model", str(broken))
-    assert code == 2 and "shape field" in err
+    assert code == 2 and "lacks the field" in err
     broken.write_text('{"model_type": "bert", "hidden_size": 64}')
     code, _, err = plan(capsys, "--model", str(broken))
-    assert code == 2 and "not supported" in err
+    assert code == 2 and "model_type 'bert'; supported" in err
+    # a config without hidden_size: one line naming the key, never a Python TypeError
+    broken.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "intermediate_size": 64}))
+    code, _, err = plan(capsys, "--model", str(broken))
+    assert code == 2 and "lacks the field 'hidden_size'" in err and err.count("\n") == 1, err
 
 
 def test_params_plan_writes_the_model_config_the_trainer_reads(tmp_path, capsys):

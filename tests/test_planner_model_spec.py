@@ -1,5 +1,6 @@
 """ModelSpec: sizes from the table, shapes from HF config.json files with exact counts, no torch at import."""
 
+import json
 import subprocess
 import sys
 
@@ -61,3 +62,25 @@ def test_planner_runs_without_importing_torch():
             "assert 'transformers' not in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_config_is_read_by_the_model_code_parser_with_head_dim(tmp_path):
+    from megakit.model_config import ModelConfig
+
+    raw = {"model_type": "llama", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+           "max_position_embeddings": 256, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    spec = ModelSpec.from_config(str(path))
+    assert spec.head_dim == 128
+    assert spec.exact_params == spec.analytic_params() == ModelConfig.load(path).num_params()
+    # the same families and messages as the model code: qwen3 and a missing key are refused alike
+    for change, needle in (({"model_type": "qwen3"}, "has model_type 'qwen3'"), ({"hidden_size": None}, "hidden")):
+        bad = {k: v for k, v in {**raw, **change}.items() if v is not None}
+        path.write_text(json.dumps(bad))
+        with pytest.raises(UsageError) as planner_error:
+            ModelSpec.from_config(str(path))
+        with pytest.raises(UsageError) as model_error:
+            ModelConfig.load(path)
+        assert str(planner_error.value) == str(model_error.value) and needle in str(planner_error.value)

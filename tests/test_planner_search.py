@@ -113,3 +113,21 @@ def test_gqa_llama_and_long_sequences_with_flash_attention():
         assert len(standard.ranked) < len(flash.ranked)
     except UsageError as error:
         assert "no layout fits" in str(error)
+
+
+def test_pins_the_trainer_cannot_run_are_refused_and_searched_tp_follows_the_model_rule():
+    small = ModelSpec.from_params("1.3B")
+    with pytest.raises(UsageError, match="--vpp 2 .*--pp is 1"):
+        search(small, a100s(8), global_batch=512, pins=Pins(pp=1, vpp=2))
+    # --vpp pinned, --pp searched: only pipelines are considered
+    assert search(small, a100s(8), global_batch=512, pins=Pins(vpp=2)).best.plan.pp > 1
+    big = ModelSpec.from_params("175B")
+    with pytest.raises(UsageError, match="--tp 3 does not divide the 8 GPUs per node"):
+        search(big, a100s(48), global_batch=1536, pins=Pins(tp=3))
+    llama = ModelSpec.from_config("llama-2-70b", exact=False)  # 64 heads, 8 KV heads
+    with pytest.raises(UsageError, match="--tp 16 .*KV heads 8"):
+        search(llama, Cluster(gpu=A100, num_gpus=64, gpus_per_node=16), global_batch=512, pins=Pins(tp=16))
+    # the searched TP never replicates KV heads (megakit's model splits them), with wide nodes too
+    assert tp_choices(llama, 64) == [1, 2, 4, 8]
+    wide = search(llama, Cluster(gpu=A100, num_gpus=64, gpus_per_node=16), global_batch=512)
+    assert all(llama.kv_heads % c.plan.tp == 0 for c in wide.ranked)

@@ -27,6 +27,7 @@ import re
 from pathlib import Path
 
 from megakit.errors import UsageError
+from megakit.model_config import ModelConfig
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 
@@ -64,6 +65,9 @@ class ModelSpec:
     max_positions: int
     tie_embeddings: bool
     qkv_bias: bool = False
+    out_bias: bool = False  # llama-style attention_bias also biases o_proj
+    mlp_bias: bool = False
+    head_dim: int = 0  # 0: hidden // heads (configs such as Qwen3's set it independently)
     dropout: float = 0.0
     exact_params: int | None = None  # from the meta-device model, when known
     assumed: str = ""  # one line: where this shape came from
@@ -74,15 +78,37 @@ class ModelSpec:
         for field in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len"):
             if int(getattr(self, field)) < 1:
                 raise UsageError(f"model {field} must be a positive integer, got {getattr(self, field)!r}")
-        if self.hidden % self.heads:
-            raise UsageError(f"hidden size {self.hidden} is not a multiple of the {self.heads} heads; fix the config")
+        if not self.head_dim:
+            if self.hidden % self.heads:
+                raise UsageError(f"hidden size {self.hidden} is not a multiple of the {self.heads} heads; "
+                                 "fix the config or set head_dim")
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
         if self.heads % self.kv_heads:
             raise UsageError(f"{self.heads} heads are not a multiple of {self.kv_heads} key/value heads; fix the config")
 
+    # ---- the model code's view ----------------------------------------------------------
+    def to_model_config(self) -> ModelConfig:
+        """The same shape as megakit's model reads it (one rule for TP, partition and counts)."""
+        gpt2 = self.family == "gpt2"
+        return ModelConfig(family=self.family, vocab_size=self.vocab, max_seq_len=self.max_positions,
+                           hidden=self.hidden, layers=self.layers, heads=self.heads, kv_heads=self.kv_heads,
+                           ffn=self.ffn, tie_embeddings=self.tie_embeddings, dropout=self.dropout,
+                           head_dim=self.head_dim, qkv_bias=gpt2 or self.qkv_bias, out_bias=gpt2 or self.out_bias,
+                           mlp_bias=gpt2 or self.mlp_bias)
+
+    def check_tp(self, tp: int) -> None:
+        """UsageError unless megakit's model can shard this model ``tp`` ways (``ModelConfig.check_tp``:
+        TP divides heads, KV heads, hidden and FFN; KV heads are never replicated)."""
+        self.to_model_config().check_tp(tp)
+
+    def tp_ok(self, tp: int) -> bool:
+        try:
+            self.check_tp(tp)
+        except UsageError:
+            return False
+        return True
+
     # ---- shapes -------------------------------------------------------------------------
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
 
     @property
     def gated_mlp(self) -> bool:
@@ -106,9 +132,9 @@ class ModelSpec:
             sharded = h * (q + 2 * kv) + (q + 2 * kv) + q * h + 2 * h * (f // tp) + f // tp
             replicated = 2 * h + 2 * 2 * h  # proj and fc2 biases, two LayerNorms
         else:
-            bias = (q + 2 * kv) if self.qkv_bias else 0
+            bias = (q + 2 * kv) * self.qkv_bias + 2 * (f // tp) * self.mlp_bias  # column-parallel biases
             sharded = h * (q + 2 * kv) + bias + q * h + 3 * h * (f // tp)
-            replicated = 2 * h  # two RMSNorms
+            replicated = 2 * h + h * self.out_bias + h * self.mlp_bias  # two RMSNorms, row-parallel biases
         return sharded, replicated
 
     def embedding_params(self, tp: int = 1) -> int:
@@ -169,7 +195,7 @@ class ModelSpec:
                 "hidden_size": self.hidden, "intermediate_size": self.ffn, "num_hidden_layers": self.layers,
                 "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
                 "max_position_embeddings": self.max_positions, "hidden_act": "silu", "rms_norm_eps": 1e-5,
-                "attention_bias": self.qkv_bias, "attention_dropout": self.dropout,
+                "head_dim": self.head_dim, "attention_bias": self.qkv_bias, "attention_dropout": self.dropout,
                 "tie_word_embeddings": self.tie_embeddings}
 
     # ---- constructors ---------------------------------------------------------------------
@@ -194,19 +220,26 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, name_or_path: str, *, exact: bool = True) -> "ModelSpec":
+        """Read through ``ModelConfig.load``, the model code's own parser: the same accepted
+        families, fields (head_dim, biases) and error messages as ``megakit train``."""
         path = _resolve_config(name_or_path)
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError) as error:
-            raise UsageError(f"cannot read model config {path}: {error.__class__.__name__}; pass a readable config.json")
-        except json.JSONDecodeError as error:
-            raise UsageError(f"model config {path} is not valid JSON (line {error.lineno}); fix the file")
-        if not isinstance(raw, dict) or "model_type" not in raw:
-            raise UsageError(f"model config {path} has no 'model_type'; pass a Hugging Face config.json")
-        spec = _spec_from_hf_dict(raw, name=path.stem)
+        config = ModelConfig.load(path)
+        spec = cls.from_model_config(config, name=path.stem)
+        raw = json.loads(path.read_text())  # already parsed once by ModelConfig.load
+        spec = dataclasses.replace(spec, assumed=f"read from {path.stem} ({raw.get('model_type')})")
         if exact:
             spec = dataclasses.replace(spec, exact_params=exact_param_count(raw))
         return spec
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig, *, name: str) -> "ModelSpec":
+        gpt2 = config.family == "gpt2"
+        return cls(name=name, family=config.family, layers=config.layers, hidden=config.hidden, heads=config.heads,
+                   kv_heads=config.kv_heads, ffn=config.ffn, vocab=config.vocab_size,
+                   seq_len=min(config.max_seq_len, 8192), max_positions=config.max_seq_len,
+                   tie_embeddings=config.tie_embeddings, qkv_bias=False if gpt2 else config.qkv_bias,
+                   out_bias=False if gpt2 else config.out_bias, mlp_bias=False if gpt2 else config.mlp_bias,
+                   head_dim=config.head_dim, dropout=config.dropout, assumed=f"read from {name}")
 
 
 def _fmt(n: float) -> str:
@@ -233,43 +266,6 @@ def _resolve_config(name_or_path: str) -> Path:
 
 def preset_names() -> list[str]:
     return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
-
-
-def _get(raw: dict, *keys, default=None):
-    for key in keys:
-        if raw.get(key) is not None:
-            return raw[key]
-    return default
-
-
-def _spec_from_hf_dict(raw: dict, *, name: str) -> ModelSpec:
-    """Read the fields the planner needs from an HF config dict (no transformers needed)."""
-    model_type = str(raw["model_type"])
-    family = "gpt2" if model_type == "gpt2" else "llama"
-    if model_type not in ("gpt2", "llama", "mistral", "qwen2", "qwen3"):
-        raise UsageError(f"model_type {model_type!r} is not supported; use a GPT-2, Llama, Mistral or Qwen2 config")
-    try:
-        hidden = int(_get(raw, "n_embd", "hidden_size"))
-        heads = int(_get(raw, "n_head", "num_attention_heads"))
-        layers = int(_get(raw, "n_layer", "num_hidden_layers"))
-        vocab = int(raw["vocab_size"])
-        if family == "gpt2":
-            ffn = int(_get(raw, "n_inner", default=4 * hidden))
-            max_pos = int(_get(raw, "n_positions", "n_ctx", default=1024))
-            dropout = float(_get(raw, "resid_pdrop", default=0.1))
-        else:
-            ffn = int(raw["intermediate_size"])
-            max_pos = int(_get(raw, "max_position_embeddings", default=4096))
-            dropout = float(_get(raw, "attention_dropout", default=0.0))
-        kv_heads = int(_get(raw, "num_key_value_heads", default=heads))
-    except (KeyError, TypeError, ValueError) as error:
-        raise UsageError(f"model config {name!r} lacks or garbles a shape field ({error}); fix the config.json")
-    tie = bool(_get(raw, "tie_word_embeddings", default=family == "gpt2"))
-    qkv_bias = bool(_get(raw, "attention_bias", default=model_type == "qwen2"))
-    return ModelSpec(name=name, family=family, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                     ffn=ffn, vocab=vocab, seq_len=min(max_pos, 8192), max_positions=max_pos,
-                     tie_embeddings=tie, qkv_bias=qkv_bias, dropout=dropout,
-                     assumed=f"read from {name} ({model_type})")
 
 
 def exact_param_count(raw: dict) -> int:

@@ -86,9 +86,9 @@ def fits_one_gpu(model: ModelSpec, cluster: Cluster, *, threshold: float, precis
 
 
 def tp_choices(model: ModelSpec, world: int) -> list[int]:
-    """TP degrees that divide the heads, the FFN and the world (and the KV heads, or are a multiple of them)."""
-    return [t for t in divisors(world) if model.heads % t == 0 and model.ffn % t == 0
-            and (model.kv_heads % t == 0 or t % model.kv_heads == 0)]
+    """TP degrees that divide the world and that megakit's model can shard by (``ModelConfig.check_tp``:
+    heads, KV heads, hidden and FFN; KV heads are split, never replicated)."""
+    return [t for t in divisors(world) if model.tp_ok(t)]
 
 
 def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins = Pins(), threshold: float = 0.8,
@@ -167,14 +167,27 @@ def _no_plan_reason(ctx) -> str:
     return f"no layout fits {where}{detail}"
 
 
+def _tp_rule(model: ModelSpec, tp: int) -> str:
+    bad = [f"{what} {n}" for what, n in (("attention heads", model.heads), ("KV heads", model.kv_heads),
+                                          ("hidden size", model.hidden), ("FFN size", model.ffn)) if n % tp]
+    return f"TP must divide {', '.join(bad)}"
+
+
 def _check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int) -> None:
     world = cluster.num_gpus
+    node = cluster.gpus_per_node
     if pins.tp is not None:
-        if model.heads % pins.tp or model.ffn % pins.tp:
-            raise UsageError(f"--tp {pins.tp} does not divide the model's {model.heads} heads / {model.ffn} FFN "
-                             f"width; pick one of {', '.join(map(str, tp_choices(model, 10**6)[:12]))}")
+        if pins.tp < 1:
+            raise UsageError(f"--tp {pins.tp} must be a positive integer")
+        if not model.tp_ok(pins.tp):
+            ok = [t for t in divisors(node) if model.tp_ok(t)]
+            raise UsageError(f"--tp {pins.tp} cannot shard this model ({_tp_rule(model, pins.tp)}); "
+                             f"pick --tp {' or '.join(map(str, ok))}")
         if world % pins.tp:
             raise UsageError(f"--tp {pins.tp} does not divide the {world} GPUs; pick a TP that divides {world}")
+        if node % pins.tp:
+            raise UsageError(f"--tp {pins.tp} does not divide the {node} GPUs per node (a TP group would span "
+                             f"nodes); pick --tp {' or '.join(str(t) for t in divisors(node) if model.tp_ok(t))}")
     if pins.pp is not None:
         if pins.pp > model.layers:
             raise UsageError(f"--pp {pins.pp} exceeds the model's {model.layers} layers; use at most {model.layers}")
@@ -186,6 +199,11 @@ def _check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: in
     if pins.zero is not None and pins.zero >= 2 and (pins.pp or 1) > 1:
         raise UsageError(f"--zero {pins.zero} cannot run with --pp {pins.pp} (ZeRO-2/3 partition gradients per "
                          "micro-batch); use --zero 0 or 1 with a pipeline")
+    if pins.vpp is not None and pins.vpp < 1:
+        raise UsageError(f"--vpp {pins.vpp} must be a positive integer")
+    if pins.vpp is not None and pins.vpp > 1 and pins.pp == 1:
+        raise UsageError(f"--vpp {pins.vpp} interleaves pipeline stages but --pp is 1; "
+                         "pin --pp 2 or more, or drop --vpp")
     if pins.vpp is not None and pins.vpp > 1:
         pp = pins.pp or 0
         if pp and model.layers % (pp * pins.vpp):
@@ -229,6 +247,11 @@ class _Context:
                             unique_key=f"tp-node-{tp}", kind="tp-node")
                 continue
             pps = [pins.pp] if pins.pp is not None else [p for p in divisors(world // tp) if p <= m.layers]
+            if (pins.vpp or 1) > 1:  # interleaving needs a pipeline
+                for pp in [p for p in pps if p == 1]:
+                    self.reject(Plan(tp=tp, pp=pp), f"--vpp {pins.vpp} needs PP > 1; pin --pp 2 or more, or "
+                                "drop --vpp", unique_key="vpp-pp1", kind="vpp")
+                pps = [p for p in pps if p > 1]
             for pp in pps:
                 if world % (tp * pp):
                     continue
