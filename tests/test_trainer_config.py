@@ -67,6 +67,19 @@ def test_script_reports_a_bad_data_path_in_one_line(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+def test_script_without_the_launcher_is_a_world_of_one(tmp_path):
+    """`python scripts/train.py` (no RANK in the environment) runs as one process; a layout that needs more
+    processes is one line, not torch's rendezvous traceback."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "scripts/train.py", "--tp", "2", "--steps", "1"],
+                         cwd=ROOT, env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        "train.py: error: world size 1 is not divisible by TP x PP = 2 x 1 = 2; "
+        "launch a multiple of 2 processes or change --tp/--pp")
+    assert "Traceback" not in out.stderr
+
+
 def test_recompute_and_save_flags_are_checked():
     with pytest.raises(UsageError, match="--recompute selective is not one of none, full"):
         TrainConfig(ds_config={}, recompute="selective")

@@ -113,6 +113,13 @@ def init_distributed(*, timeout_s: float = 300.0) -> None:
 
     if dist.is_initialized():
         return
+    if "RANK" not in os.environ:  # started without a launcher (`python scripts/train.py`): a world of one
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     backend = default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
