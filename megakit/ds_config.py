@@ -55,6 +55,9 @@ def load_ds_config(source: str | dict, *, dp: int, pp: int) -> dict:
     if pp > 1 and stage >= 2:
         raise UsageError(f"ZeRO stage {stage} partitions gradients during every micro-batch's backward, which a "
                          f"pipeline (--pp {pp}) cannot accumulate; use ZeRO 0 or 1 with --pp > 1, or --pp 1")
+    if pp > 1 and stage == 1 and config["zero_optimization"].get("overlap_comm"):
+        raise UsageError("DeepSpeed allows zero_optimization.overlap_comm with ZeRO-1 only when it manages gradient "
+                         f"accumulation, which a pipeline (--pp {pp}) does itself; set overlap_comm to false")
     optimizer = str(config.get("optimizer", {}).get("type", "")).lower()
     if optimizer in MISSING_OPTIMIZERS:
         import deepspeed

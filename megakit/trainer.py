@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from megakit.checkpoint import load_checkpoint
 from megakit.data import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches, load_tokens
-from megakit.ds_config import load_ds_config, read_ds_config
+from megakit.ds_config import load_ds_config
 from megakit.errors import UsageError
 from megakit.metrics import CommTimer, StepMetrics, gpu_peak_tflops
 from megakit.reporting import Reporter, start_profiler
@@ -160,10 +160,11 @@ def _describe(topo, rank: int) -> str:
 def train(cfg: TrainConfig) -> TrainResult:
     """Run ``cfg.steps`` optimizer steps on the job the launcher started; returns the metrics."""
     from megakit.model import ModelConfig
-    from megakit.parallel.topology import Topology, init_distributed
+    from megakit.parallel.topology import Layout, Topology, init_distributed
 
     try:  # user mistakes fail here, before any process group exists, alike on every rank
-        read_ds_config(cfg.ds_config)
+        world = int(os.environ.get("WORLD_SIZE", 1))  # what the launcher started (1 without one)
+        load_ds_config(cfg.ds_config, dp=Layout.for_world(world, tp=cfg.tp, pp=cfg.pp).dp, pp=cfg.pp)
         start = _check_layout_and_checkpoints(cfg, ModelConfig.load(cfg.model))
         tokens = load_tokens(cfg.data, max_bytes=cfg.max_bytes)
     except UsageError as error:

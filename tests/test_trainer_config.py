@@ -39,6 +39,10 @@ def test_zero_2_and_3_are_refused_with_pipeline_parallelism():
             load_ds_config(str(ROOT / "ds_configs" / f"zero{stage}.json"), dp=1, pp=2)
     piped = load_ds_config(str(ROOT / "ds_configs" / "zero1.json"), dp=1, pp=2)
     assert piped["managed_gradient_accumulation"] is False  # every engine.step() is the boundary
+    overlapped = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1, "overlap_comm": True}}
+    assert load_ds_config(overlapped, dp=1, pp=1)["zero_optimization"]["overlap_comm"]
+    with pytest.raises(UsageError, match=r"overlap_comm with ZeRO-1 .*\(--pp 2\).* set overlap_comm to false"):
+        load_ds_config(overlapped, dp=1, pp=2)  # DeepSpeed would assert mid-initialize
 
 
 def test_unusable_presets_say_why():
