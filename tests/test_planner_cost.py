@@ -110,7 +110,8 @@ def test_efficiency_comes_from_physics_not_a_constant():
 @pytest.mark.parametrize("pp,m,vpp", [(4, 8, 1), (4, 8, 2), (8, 16, 1), (8, 32, 4)])
 def test_pipeline_time_agrees_with_the_schedule_simulator(pp, m, vpp):
     """The cost model's m·T_slowest + (ΣT − T_slowest)/v is what the simulator measures when the
-    same per-stage costs (head on the last stage, so stages are unequal) run the real schedule."""
+    same per-stage costs (the trainer's split, the head on the last stage, so stages are unequal) run
+    the real schedule: exactly when the last stage is the slowest, else within 2 % above."""
     from megakit.parallel.schedules import build_schedule
     from megakit.parallel.simulator import Costs, simulate
 
@@ -119,7 +120,10 @@ def test_pipeline_time_agrees_with_the_schedule_simulator(pp, m, vpp):
     cluster = Cluster(gpu=A100, num_gpus=pp).with_overrides(intra_gbps=1e12, inter_gbps=1e12)  # P2P ~ free
     cost = estimate_cost(model, cluster, Plan(pp=pp, vpp=vpp, micro_batch=1, grad_accum=m))
     times = cost.stage_times
-    assert times[-1] > times[1]  # the LM head makes the last stage slower
+    assert times[-1] > times[0]  # the LM head makes the last stage slower than the first
     report = simulate(build_schedule("interleaved" if vpp > 1 else "1f1b", pp, m, vpp),
                       Costs(forward=tuple(t / 3 for t in times), backward=tuple(2 * t / 3 for t in times)))
-    assert cost.pipeline_s == pytest.approx(report.step_time, rel=1e-6)
+    if times[-1] == max(times):  # the slowest stage last: the formula is the schedule's exact length
+        assert cost.pipeline_s == pytest.approx(report.step_time, rel=1e-6)
+    else:  # the trainer's split (by parameters) can leave a middle stage slowest: then a close upper bound
+        assert report.step_time * (1 - 1e-9) <= cost.pipeline_s <= report.step_time * 1.02

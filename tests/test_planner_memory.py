@@ -147,3 +147,29 @@ def test_in_flight_counts_agree_with_the_pipeline_simulator(pp, m, vpp):
     report = simulate(build_schedule("interleaved" if vpp > 1 else "1f1b", pp, m, vpp))
     simulated = [chunks / vpp for chunks in report.peak_in_flight]  # chunk activations, in stage units
     assert simulated == [in_flight_micro_batches(pp=pp, stage=i, num_micro_batches=m, vpp=vpp) for i in range(pp)]
+
+
+def test_stages_follow_the_trainers_split_and_peak_covers_middle_stages():
+    from megakit.model_config import ModelConfig
+    from megakit.parallel.partition import partition_layers
+    from megakit.planner.memory import stage_layer_counts
+    from megakit.planner.model_spec import ModelSpec
+
+    llama = ModelSpec.from_config("llama-3-8b", exact=False)
+    config = ModelConfig.load("llama-3-8b")
+    assert stage_layer_counts(llama, 4) == (7, 9, 9, 7)  # not the even 8, 8, 8, 8
+    assert list(stage_layer_counts(llama, 4)) == [len(r) for r in partition_layers(config, 4)]
+    chunks = partition_layers(config, 2, 2)
+    assert stage_layer_counts(llama, 2, 2) == (len(chunks[0]) + len(chunks[2]), len(chunks[1]) + len(chunks[3]))
+    assert estimate_memory(llama, pp=4, stage=1).layers == 9
+    # one micro-batch in flight everywhere: the 14-block middle stages outweigh the 13 blocks + embedding
+    layout = dict(tp=8, pp=7, dp=1, zero_stage=0, micro_batch=1, num_micro_batches=1, recompute="full")
+    assert stage_layer_counts(GPT3, 7) == (13, 14, 14, 14, 14, 14, 13)
+    peak = peak_memory(GPT3, **layout)
+    assert peak.stage not in (0, 6)
+    for model, layout in ((GPT3, layout), (GPT3, {**layout, "num_micro_batches": 64, "recompute": "none"}),
+                          (llama, dict(pp=4, dp=2, zero_stage=1, num_micro_batches=2)),
+                          (llama, dict(pp=2, vpp=2, num_micro_batches=8, recompute="selective"))):
+        pp = layout["pp"]
+        assert peak_memory(model, **layout).total == max(estimate_memory(model, stage=s, **layout).total
+                                                         for s in range(pp))

@@ -14,7 +14,8 @@ The model is physical, not one efficiency per run. Per micro-batch and block a G
   2 forward, 2 backward, 2 more when the block is recomputed, not overlapped;
 
 then the 1F1B pipeline runs ``m`` micro-batches through ``p`` stages:
-``m·T_slowest + (ΣT − T_slowest)/v`` plus P2P sends, and data parallelism
+``m·T_slowest + (ΣT − T_slowest)/v`` plus P2P sends (exact when the last stage is the
+slowest, a slight upper bound when the trainer's split leaves a middle stage slowest), and data parallelism
 adds the gradient traffic (all-reduce for ZeRO 0-1, per-micro-batch
 reduce-scatter for ZeRO-2, gather-forward + gather-backward + reduce-scatter
 per micro-batch for ZeRO-3) on the slowest link the DP group spans, which overlaps the compute it
@@ -31,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from megakit.planner.hardware import Cluster
-from megakit.planner.memory import PRECISIONS, activation_tensors, stage_layers, stage_params
+from megakit.planner.memory import PRECISIONS, activation_tensors, stage_layer_counts, stage_params
 from megakit.planner.model_spec import ModelSpec
 from megakit.planner.plan import Plan
 
@@ -152,9 +153,9 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     head_s += 2 * collective_time(tokens * model.hidden * nbytes, t, tp_bw, tp_where)
     embed_s = 2 * collective_time(tokens * model.hidden * nbytes, t, tp_bw, tp_where)
 
+    counts = stage_layer_counts(model, p, v)  # the trainer's split (partition_layers)
     stage_s = []
-    for stage in range(p):
-        n_layers = stage_layers(model.layers, p, stage)
+    for stage, n_layers in enumerate(counts):
         stage_s.append(n_layers * layer_s + (embed_s if stage == 0 else 0) + (head_s if stage == p - 1 else 0))
     # P2P: activations forward, gradients backward, per micro-batch and stage boundary; with TP the
     # send is split over the TP ranks (Megatron's scatter/gather) when it crosses nodes.
@@ -165,10 +166,10 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     compute_s = m * max(stage_s)
     bubble_s = (sum(stage_s) + p * p2p_s - slowest) / v if p > 1 else 0.0
     pipeline_s = m * slowest + bubble_s
-    tp_total = m * stage_layers(model.layers, p, 0) * tp_s
+    tp_total = m * counts[stage_s.index(max(stage_s))] * tp_s
 
     # ---- data parallelism / ZeRO ---------------------------------------------------------
-    psi = max(stage_params(model, tp=t, pp=p, stage=i) for i in {0, p - 1})
+    psi = max(stage_params(model, tp=t, pp=p, stage=i, layers=counts[i]) for i in range(p))
     grad_bytes = psi * nbytes
     dp_bw, dp_where = _where(cluster, d, t)
     last_bwd = max(stage_s) * layer_bwd_share

@@ -39,8 +39,10 @@ interleaved schedule keeps ``(p - i - 1)·2 + (v - 1)·p + 1`` model chunks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from megakit.errors import UsageError
+from megakit.parallel.partition import partition_layers
 from megakit.planner.model_spec import ModelSpec
 
 GIB = 1024**3
@@ -151,9 +153,13 @@ def in_flight_micro_batches(*, pp: int, stage: int, num_micro_batches: int, vpp:
     return chunks / vpp
 
 
-def stage_layers(layers: int, pp: int, stage: int) -> int:
-    """Blocks on ``stage`` when ``layers`` are split as evenly as possible (the first stages take the remainder)."""
-    return layers // pp + (1 if stage < layers % pp else 0)
+@functools.lru_cache(maxsize=1024)
+def stage_layer_counts(model: ModelSpec, pp: int, vpp: int = 1) -> tuple[int, ...]:
+    """Blocks on each PP rank as the trainer splits them: ``partition_layers`` balanced by parameters
+    (embedding on the first stage, head on the last), a rank holding its ``vpp`` chunks.
+    Cached: the dynamic programme costs ~10 ms for 100 layers, the search asks thousands of times."""
+    ranges = partition_layers(model.to_model_config(), pp, vpp)
+    return tuple(sum(len(ranges[chunk * pp + rank]) for chunk in range(vpp)) for rank in range(pp))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -193,9 +199,9 @@ def _resolve_stage(stage, pp: int) -> int:
     return stage
 
 
-def stage_params(model: ModelSpec, *, tp: int, pp: int, stage: int, layers: int | None = None) -> int:
+def stage_params(model: ModelSpec, *, tp: int, pp: int, stage: int, layers: int | None = None, vpp: int = 1) -> int:
     """Parameters one GPU of this TP rank × PP stage holds (embedding on the first stage, head on the last)."""
-    n_layers = stage_layers(model.layers, pp, stage) if layers is None else layers
+    n_layers = stage_layer_counts(model, pp, vpp)[stage] if layers is None else layers
     sharded, replicated = model.layer_params(tp)
     count = n_layers * (sharded + replicated)
     if stage == 0:
@@ -216,7 +222,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
 
     ``num_micro_batches``: micro-batches per optimizer step (gradient accumulation),
     which caps the micro-batches in flight; default: enough to fill the pipeline.
-    ``layers``: the blocks on this stage if the partition is not the even split."""
+    ``layers``: the blocks on this stage if not the trainer's split (``stage_layer_counts``)."""
     if precision not in PRECISIONS:
         raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if recompute not in RECOMPUTE:
@@ -234,7 +240,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     stage = _resolve_stage(stage, pp)
     p = PRECISIONS[precision]
     mixed = precision != "fp32"
-    n_layers = stage_layers(model.layers, pp, stage) if layers is None else layers
+    n_layers = stage_layer_counts(model, pp, vpp)[stage] if layers is None else layers
     psi = stage_params(model, tp=tp, pp=pp, stage=stage, layers=n_layers)
     shard = dp if zero_stage >= 1 else 1
 
@@ -306,11 +312,21 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
 
 
 def peak_memory(model: ModelSpec, **layout) -> MemoryEstimate:
-    """The stage with the largest total (first stage: most in flight + embedding; last: head + logits)."""
+    """The stage with the largest total, over every distinct stage of the trainer's split.
+
+    Stages differ by their block count, the embedding (first), the head and logits (last) and the
+    micro-batches in flight, which only fall along the pipeline; so among middle stages with the
+    same block count the earliest dominates, and only it is evaluated (the search stays fast)."""
     pp = layout.get("pp", 1)
+    counts = stage_layer_counts(model, pp, layout.get("vpp", 1)) if layout.get("layers") is None else None
     stages = {0, pp - 1}
+    if counts is not None:
+        first_with = {}
+        for stage in range(1, pp - 1):
+            first_with.setdefault(counts[stage], stage)
+        stages |= set(first_with.values())
     best = None
-    for stage in stages:
+    for stage in sorted(stages):
         est = estimate_memory(model, stage=stage, **layout)
         if best is None or est.total > best.total:
             best = est
