@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 
 from megakit.errors import UsageError
@@ -24,7 +25,16 @@ from megakit.planner.plan import Plan
 from megakit.planner.search import NoPlan, Pins, search, smallest_cluster
 
 
+# A value such as "-5B" or "-1.3e9" is a (wrong) size, not an option: argparse only treats plain
+# negative numbers so, and would say "--params: expected one argument". No flag of this command looks
+# like a number, so widening argparse's matcher (a private attribute, hence the hasattr) is safe; the
+# value then reaches parse_count, which says why it is wrong.
+_NEGATIVE_VALUE = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[+-]?\d+)?[kmbgt]?$", re.IGNORECASE)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
+    if hasattr(parser, "_negative_number_matcher"):
+        parser._negative_number_matcher = _NEGATIVE_VALUE
     model = parser.add_argument_group("model")
     model.add_argument("--params", help="model size: 125M, 1.3B, 70b, 175e9, 1T (nearest well-known shape)")
     model.add_argument("--model", help="preset name from models/ or a Hugging Face config.json path")

@@ -58,7 +58,7 @@ class Rejection:
     plan: Plan | None
     reason: str
     tokens_per_s: float | None = None  # what it would have done, when the cost was evaluated
-    kind: str = "memory"  # memory | floor | tp-node | zero-pp | batch | vpp | rule
+    kind: str = "memory"  # memory | floor | tp-node | zero-pp | zero-dp | batch | vpp | rule
     peak_gib: float | None = None
 
 
@@ -161,7 +161,12 @@ def _no_plan_reason(ctx) -> str:
             return (f"no layout of {where} divides the global batch {ctx.global_batch} (DP would be "
                     f"{', '.join(map(str, dps[:6]))}); pick --global-batch divisible by one of them or another "
                     "GPU count")
-        return f"no layout of {where} is allowed ({ctx.rejected[0].reason if ctx.rejected else 'none'})"
+        # the pin that excluded everything says more than the seed's rule or the node boundary
+        why = sorted(ctx.rejected, key=lambda r: r.kind in ("rule", "tp-node"))
+        if not why:
+            return (f"no layout of {where} passes the pinned dimensions; relax --tp, --pp, --zero or --vpp, or "
+                    "use another GPU count")
+        return f"no layout of {where} can run: {why[0].reason}"
     smallest = min((r for r in ctx.rejected if r.peak_gib is not None), default=None, key=lambda r: r.peak_gib)
     detail = f" (the smallest peak found: {smallest.reason})" if smallest else ""
     return f"no layout fits {where}{detail}"
@@ -271,6 +276,11 @@ class _Context:
                                     unique_key=f"zero-pp-{zero}", kind="zero-pp")
                         continue
                     if zero >= 1 and dp == 1:
+                        if pins.zero is not None:
+                            self.reject(Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero), f"--zero {zero} shards over "
+                                        f"data-parallel replicas but TP={tp} x PP={pp} leaves DP=1 with {world} "
+                                        "GPU(s); use --zero 0 (the same with one replica) or more GPUs",
+                                        unique_key=f"zero-dp1-{tp}-{pp}", kind="zero-dp")
                         continue  # identical to ZeRO-0
                     self._layout(tp, pp, dp, zero)
 
