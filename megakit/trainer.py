@@ -288,12 +288,12 @@ def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog, tokens: torch.Ten
         timer.measuring = not torch.cuda.is_available() or step % 10 == 1
         timer.take()
         lr = engine.get_lr()[0]
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         with probe.step() if probe else _nothing():
             loss = run_step(micro_batches)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - t0
         comm = timer.take() if timer.measuring else None
         comm_calls = timer.last_calls
         if clipper is not None:
