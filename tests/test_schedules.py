@@ -58,16 +58,21 @@ def test_in_flight_bounds():
             assert simulate(schedule_gpipe(pp, m)).peak_in_flight == (m,) * pp  # GPipe keeps all m
 
 
-def test_every_schedule_up_to_p8_m32_is_deadlock_free():
-    count = 0
+def every_schedule_up_to_p8_m32():
+    """GPipe and 1F1B for every p <= 8, m <= 32, and interleaved (v = 2, 3) wherever m allows it."""
     for pp in range(1, 9):
         for m in range(1, 33):
-            schedules = [schedule_1f1b(pp, m), schedule_gpipe(pp, m)]
+            yield schedule_1f1b(pp, m)
+            yield schedule_gpipe(pp, m)
             if m % pp == 0:
-                schedules += [schedule_interleaved(pp, m, vpp) for vpp in (2, 3)]
-            for schedule in schedules:
-                simulate(schedule)  # raises on deadlock, mismatch, missing or repeated work
-                count += 1
+                yield from (schedule_interleaved(pp, m, vpp) for vpp in (2, 3))
+
+
+def test_every_schedule_up_to_p8_m32_is_deadlock_free():
+    count = 0
+    for schedule in every_schedule_up_to_p8_m32():
+        simulate(schedule)  # raises on deadlock, mismatch, missing or repeated work
+        count += 1
     assert count > 500
 
 
@@ -158,14 +163,9 @@ def test_cli_prints_timeline_and_writes_png(tmp_path):
 
 def test_batched_rendezvous_p2p_proves_every_schedule():
     """NCCL: a send waits for its receive; runs of send/recv go out as one batch (batch_isend_irecv)."""
-    for pp in range(1, 9):
-        for m in range(1, 33):
-            schedules = [schedule_1f1b(pp, m), schedule_gpipe(pp, m)]
-            if m % pp == 0:
-                schedules += [schedule_interleaved(pp, m, vpp) for vpp in (2, 3)]
-            for schedule in schedules:
-                report = simulate(schedule, p2p="batched")  # raises on deadlock or mismatch
-                assert report.step_time == pytest.approx(simulate(schedule).step_time)  # and costs nothing
+    for schedule in every_schedule_up_to_p8_m32():
+        report = simulate(schedule, p2p="batched")  # raises on deadlock or mismatch
+        assert report.step_time == pytest.approx(simulate(schedule).step_time)  # and costs nothing
     # interleaving needs its fused forward-backward pairs there: with the plain pass it deadlocks
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate(add_p2p(interleaved_compute(2, 4, 2)), p2p="batched")
