@@ -128,6 +128,18 @@ class TokenBatches:
         """Every sample of step ``step`` (what a single process trains on)."""
         return self._samples(self.global_indices(step))
 
+    def sample_numbers(self, step: int, dp_rank: int) -> list[range]:
+        """The stream numbers of DP rank ``dp_rank``'s micro-batch rows at step ``step``, one range per
+        micro-batch: ``step * global_batch`` plus the row's place in the step's batch (rank 0's first).
+
+        They do not depend on the layout (a single process numbers the same sample alike), so
+        they key the dropout masks (``megakit.parallel.dropout``).
+        """
+        plan = self.plan
+        first = step * plan.global_batch + dp_rank * plan.micro_batch * plan.accumulation
+        return [range(first + i * plan.micro_batch, first + (i + 1) * plan.micro_batch)
+                for i in range(plan.accumulation)]
+
     def micro_batches(self, step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """DP rank ``dp_rank``'s ``accumulation`` micro-batches of step ``step``."""
         plan = self.plan

@@ -15,11 +15,12 @@ A rank that leaves on purpose marks itself "done", so it is never blamed.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
 from datetime import timedelta
+
+from megakit.placement import host_id
 
 _PREFIX = "megakit/heartbeat/"
 DONE = b"done"
@@ -60,7 +61,7 @@ class Watchdog:
 
     def start(self) -> "Watchdog":
         if self.world_size > 1:
-            self.store.set(f"{_PREFIX}where/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+            self.store.set(f"{_PREFIX}where/{self.rank}", f"{host_id()} {os.getpid()}")
             self._beat()
             self._thread.start()
         return self
@@ -110,7 +111,7 @@ class Watchdog:
     def _local_state(self, peer: int) -> str | None:
         """'died' or 'stopped' for a peer on this host whose process is gone or frozen, else None."""
         host, pid = self.store.get(f"{_PREFIX}where/{peer}").decode().split()
-        if host != socket.gethostname():
+        if host != host_id():  # another machine or PID namespace: its pid means nothing here
             return None
         try:
             with open(f"/proc/{pid}/stat") as f:

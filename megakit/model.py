@@ -21,8 +21,9 @@ from torch import nn
 
 from megakit.model_config import ModelConfig, check_seq_len, model_flops_per_token  # noqa: F401 (API)
 from megakit.parallel import collectives as C
+from megakit.parallel.dropout import DropoutKeys, attention_dropout, residual_dropout
 from megakit.parallel.init import init_shard_
-from megakit.parallel.tensor import (ColumnParallelLinear, DropoutRNG, RowParallelLinear,
+from megakit.parallel.tensor import (ColumnParallelLinear, RowParallelLinear,
                                      VocabParallelEmbedding, enter_tp_region, mark, replicated,
                                      vocab_parallel_cross_entropy)
 from megakit.errors import UsageError
@@ -66,14 +67,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Causal self-attention, heads split over TP: q/k/v column-parallel, output row-parallel."""
+    """Causal self-attention, heads split over TP: q/k/v column-parallel, output row-parallel.
 
-    def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, rng: DropoutRNG,
-                 dtype, device) -> None:
+    With dropout in training the attention is written out (scores, softmax, dropout, values)
+    so that the probabilities' mask is megakit's layout-free one; otherwise it is PyTorch's
+    fused ``scaled_dot_product_attention``.
+    """
+
+    def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, site: str, dtype, device) -> None:
         super().__init__()
         tp = C.size(group)
-        self.group, self.sequence_parallel, self.rng = group, sequence_parallel, rng
+        self.group, self.sequence_parallel, self.site = group, sequence_parallel, site
         self.heads, self.kv_heads, self.head_dim = config.heads // tp, config.kv_heads // tp, config.head_dim
+        self.total_heads, self.head_start = config.heads, C.rank(group) * self.heads
         self.dropout = config.dropout
         self.rope = config.family == "llama"
         q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
@@ -88,7 +94,7 @@ class Attention(nn.Module):
         s, b, _ = x.shape
         return x.view(s, b, n, self.head_dim).permute(1, 2, 0, 3)  # (B, n, S, d)
 
-    def forward(self, x: torch.Tensor, rope: tuple | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None) -> torch.Tensor:
         x = enter_tp_region(x, self.group, self.sequence_parallel)  # (S, B, H)
         s, b, _ = x.shape
         q = self._heads(self.q_proj(x), self.heads)  # (B, nh/tp, S, d)
@@ -97,12 +103,26 @@ class Attention(nn.Module):
         if self.rope:
             cos, sin = rope[0][:s], rope[1][:s]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        p = self.dropout if self.training else 0.0
-        with self.rng.split():  # heads are split over TP: each rank drops its own
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+        if self.training and self.dropout > 0:
+            y = self._attend_with_dropout(q, k, v, keys)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                enable_gqa=self.heads != self.kv_heads)  # (B, nh/tp, S, d)
         y = y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # (S, B, nh/tp * d)
         return self.o_proj(y)  # (S', B, H)
+
+    def _attend_with_dropout(self, q, k, v, keys: DropoutKeys) -> torch.Tensor:
+        """``softmax(q k^T / sqrt(d) + causal) -> dropout -> @ v``, as SDPA's math path, with megakit's masks."""
+        if self.kv_heads != self.heads:  # GQA: each KV head serves a run of query heads (SDPA's enable_gqa)
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        s = q.shape[2]
+        scores = torch.matmul(q, k.transpose(-2, -1)) * (self.head_dim ** -0.5)  # (B, nh/tp, S, S)
+        causal = torch.full((s, s), float("-inf"), dtype=scores.dtype, device=q.device).triu_(1)
+        probs = (scores + causal).softmax(dim=-1)  # an added constant: nothing more saved for backward
+        probs = attention_dropout(probs, self.dropout, keys, site=self.site, head_start=self.head_start,
+                                  heads=self.total_heads)
+        return torch.matmul(probs, v)  # (B, nh/tp, S, d)
 
 
 class MLP(nn.Module):
@@ -132,35 +152,36 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``."""
 
-    def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, rng: DropoutRNG,
-                 dtype, device) -> None:
+    def __init__(self, config: ModelConfig, *, index: int, group, sequence_parallel: bool, dtype, device) -> None:
         super().__init__()
         kw = dict(group=group, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        site = f"layers.{index}"
         self.attn_norm = Norm(config, **kw)
-        self.attn = Attention(config, rng=rng, **kw)
+        self.attn = Attention(config, site=f"{site}.attn_probs", **kw)
         self.mlp_norm = Norm(config, **kw)
         self.mlp = MLP(config, **kw)
-        self.dropout = _ResidualDropout(config.dropout, rng, sequence_parallel)
+        self.attn_dropout = ResidualDropout(config.dropout, f"{site}.attn_residual", group, sequence_parallel)
+        self.mlp_dropout = ResidualDropout(config.dropout, f"{site}.mlp_residual", group, sequence_parallel)
 
-    def forward(self, x: torch.Tensor, rope: tuple | None) -> torch.Tensor:  # (S', B, H) -> same
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope))
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+    def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None) -> torch.Tensor:  # (S', B, H)
+        x = x + self.attn_dropout(self.attn(self.attn_norm(x), rope, keys), keys)
+        return x + self.mlp_dropout(self.mlp(self.mlp_norm(x)), keys)
 
 
-class _ResidualDropout(nn.Module):
-    """Dropout on the residual stream: split over TP with SP (per-rank stream), else replicated."""
+class ResidualDropout(nn.Module):
+    """Dropout on the residual stream ``(S', B, H)`` at the site called ``site``, with layout-free masks
+    (``megakit.parallel.dropout``): replicated over TP, or this rank's ``S/tp`` rows with SP."""
 
-    def __init__(self, p: float, rng: DropoutRNG, split: bool) -> None:
+    def __init__(self, p: float, site: str, group, sequence_parallel: bool) -> None:
         super().__init__()
-        self.p, self.rng, self.split = p, rng, split
+        self.p, self.site = p, site
+        self.tp, self.tp_rank = (C.size(group), C.rank(group)) if sequence_parallel else (1, 0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, keys: DropoutKeys | None) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        if self.split:
-            with self.rng.split():
-                return F.dropout(x, self.p, True)
-        return F.dropout(x, self.p, True)
+        s = x.shape[0]
+        return residual_dropout(x, self.p, keys, site=self.site, seq_start=self.tp_rank * s, seq_len=self.tp * s)
 
 
 class Transformer(nn.Module):
@@ -171,7 +192,10 @@ class Transformer(nn.Module):
     With ``post`` and ``labels`` ``(B, S)``: the scalar mean token cross-entropy (vocab-
     parallel; ``-100`` labels ignored). With ``post`` alone: this rank's logits shard
     ``(B, S, padded_vocab/tp)``, padded columns set to ``-inf``. Otherwise the hidden state.
-    The default random stream must be seeded alike on all TP ranks when dropout is on.
+    ``sample_ids`` ``(B,)``: each row's number in the run's data stream, which with ``seed``
+    decides the dropout masks (``megakit.parallel.dropout``), so they are the same at every
+    layout; a trainer passes them. Without them a training forward numbers its rows after
+    those of the previous training forwards (``samples_seen``).
     ``recompute=True`` keeps only each block's input in training and recomputes the rest
     in backward (Megatron's full recompute), trading ~1/3 more compute for activation memory.
     """
@@ -190,7 +214,7 @@ class Transformer(nn.Module):
         self.layer_range, self.pre, self.post, self.seed = layers, pre, post, seed
         self.recompute = recompute  # full activation recompute, block by block
         self.sequence_parallel = sequence_parallel and tp > 1
-        self.rng = DropoutRNG(seed, tp_rank, device, stream=layers.start)
+        self.samples_seen = 0  # rows numbered by training forwards without sample_ids
         kw = dict(group=group, sequence_parallel=self.sequence_parallel, dtype=dtype, device=device)
         tied = config.tie_embeddings
         if pre or (post and tied):  # a tied last stage keeps its own copy, under the same name
@@ -202,8 +226,8 @@ class Transformer(nn.Module):
             self.pos_embed = nn.Embedding(config.max_seq_len, config.hidden, _weight=table)  # no default init
             mark(self.pos_embed.weight, None)
         if pre:
-            self.embed_dropout = _ResidualDropout(config.dropout, self.rng, self.sequence_parallel)
-        self.layers = nn.ModuleDict({str(i): Block(config, rng=self.rng, **kw) for i in layers})
+            self.embed_dropout = ResidualDropout(config.dropout, "embed", group, self.sequence_parallel)
+        self.layers = nn.ModuleDict({str(i): Block(config, index=i, **kw) for i in layers})
         if post:
             self.norm = Norm(config, **kw)
             if not tied:
@@ -238,14 +262,16 @@ class Transformer(nn.Module):
             init_shard_(param, name=name, seed=self.seed, tp_rank=self.tp_rank, rule=self.init_rule(name))
 
     # -- forward -----------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        if self.pre:
-            h = self._embed(x)  # (S', B, H)
-        else:
-            h = x
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
+                sample_ids: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+        keys = self._dropout_keys(x, sample_ids)
+        h = self._embed(x, keys) if self.pre else x  # (S', B, H)
         rope = (self.rope_cos, self.rope_sin) if self.config.family == "llama" else None
         for block in self.layers.values():
-            h = self._recomputed(block, h, rope) if self.recompute and self.training else block(h, rope)  # (S', B, H)
+            if self.recompute and self.training:  # keep only the block's input; masks are redrawn alike
+                h = torch.utils.checkpoint.checkpoint(block, h, rope, keys, use_reentrant=False)
+            else:
+                h = block(h, rope, keys)  # (S', B, H)
         if not self.post:
             return h
         h = self.norm(h)
@@ -260,28 +286,19 @@ class Transformer(nn.Module):
             logits[..., max(self.config.vocab_size - start, 0):] = float("-inf")
         return logits
 
-    def _recomputed(self, block: Block, h: torch.Tensor, rope) -> torch.Tensor:
-        """Run ``block`` keeping only its input; backward runs it again (full recompute).
+    def _dropout_keys(self, x: torch.Tensor, sample_ids) -> DropoutKeys | None:
+        if not self.training or self.config.dropout == 0.0:
+            return None
+        batch = x.shape[0] if self.pre else x.shape[1]  # ids (B, S); hidden (S', B, H)
+        if sample_ids is None:
+            sample_ids = range(self.samples_seen, self.samples_seen + batch)
+        self.samples_seen += batch
+        keys = DropoutKeys.of(self.seed, sample_ids)
+        if len(keys.samples) != batch:
+            raise UsageError(f"sample_ids has {len(keys.samples)} numbers for a batch of {batch}; give one per row")
+        return keys
 
-        torch.utils.checkpoint restores the default random stream for the second run; the
-        per-rank dropout stream is restored here, so both runs drop the same units.
-        """
-        state, first = self.rng.get_state(), [True]
-
-        def run(x):
-            if first[0]:
-                first[0] = False
-                return block(x, rope)
-            now = self.rng.get_state()
-            self.rng.set_state(state)
-            try:
-                return block(x, rope)
-            finally:
-                self.rng.set_state(now)
-
-        return torch.utils.checkpoint.checkpoint(run, h, use_reentrant=False)
-
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, keys: DropoutKeys | None) -> torch.Tensor:
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
             raise UsageError(f"the first stage takes token ids of shape (batch, seq) and integer dtype, "
                              f"got {tuple(ids.shape)} {ids.dtype}")
@@ -297,7 +314,7 @@ class Transformer(nn.Module):
             positions = torch.arange(offset, offset + local, device=ids.device)
             pos = F.embedding(positions, replicated(self.pos_embed.weight, self.group, self.sequence_parallel))
             h = h + pos.unsqueeze(1)  # (S', B, H)
-        return self.embed_dropout(h)
+        return self.embed_dropout(h, keys)
 
 
 # -- whole-model views (tests, checkpoints, resharding) ---------------------------------------

@@ -45,8 +45,8 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
         out["lr"].append(optimizer.param_groups[0]["lr"])
         total = 0.0
         for rank in range(plan.dp):
-            for inputs, labels in batches.micro_batches(step, rank):
-                loss = net(inputs, labels)
+            for (inputs, labels), rows in zip(batches.micro_batches(step, rank), batches.sample_numbers(step, rank)):
+                loss = net(inputs, labels, sample_ids=rows)
                 (loss / micro_count).backward()
                 total += float(loss.detach()) / micro_count
         norm = torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm if max_norm > 0 else float("inf"))

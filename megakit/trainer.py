@@ -80,6 +80,7 @@ class TrainConfig:
     save: str | None = None  # checkpoint directory, written at the end (and every save_every steps)
     save_every: int = 0
     load: str | None = None  # checkpoint to start from: weights and step count (not the optimizer state)
+    allow_cross_node_tp: bool = False  # run a TP group that spans nodes (with a warning) instead of refusing it
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -170,8 +171,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     except UsageError as error:
         raise everywhere(error)
     init_distributed(timeout_s=cfg.collective_timeout_s)
+    _check_placement(cfg, Layout.for_world(dist.get_world_size(), tp=cfg.tp, pp=cfg.pp))
     timer = CommTimer.shared(sync_cuda=torch.cuda.is_available())  # before DeepSpeed and TP layers look them up
     topo = Topology.from_world(tp=cfg.tp, pp=cfg.pp, timeout_s=cfg.collective_timeout_s)
+    _seed_default_generators(cfg.seed, topo)
     watchdog = _start_watchdog(cfg, topo)
     try:
         result = _train(cfg, topo, timer, watchdog, tokens, start)
@@ -187,6 +190,36 @@ def train(cfg: TrainConfig) -> TrainResult:
         raise
     watchdog.stop(done=True)
     return result
+
+
+def _check_placement(cfg: TrainConfig, layout) -> None:
+    """Refuse (alike on every rank) a TP group that the launcher spread over several nodes."""
+    from megakit.placement import check_tp_within_nodes, gather_places
+
+    try:
+        warning = check_tp_within_nodes(layout.groups("tp"), gather_places(), allow=cfg.allow_cross_node_tp)
+    except UsageError as error:
+        raise everywhere(error)
+    if warning and dist.get_rank() == 0:
+        print(f"megakit: {warning}", flush=True)
+
+
+def _seed_default_generators(seed: int, topo) -> None:
+    """Seed torch's (CPU and GPU), Python's and NumPy's default generators from ``seed`` and this rank's place.
+
+    megakit's own streams (weights, data order, dropout masks) never draw from them; this
+    makes whatever else does (a library, a user's hook) repeatable, and no rank unseeded.
+    """
+    import random
+
+    import numpy as np
+
+    from megakit.parallel.init import index_seed
+
+    value = index_seed(seed, f"default/pp{topo.pp_rank}/dp{topo.dp_rank}", topo.tp_rank)
+    torch.manual_seed(value)
+    random.seed(value)
+    np.random.seed(value % 2**32)
 
 
 def everywhere(error: UsageError) -> UsageError:
@@ -284,7 +317,8 @@ def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog, tokens: torch.Ten
     peak = gpu_peak_tflops()
     profiler = start_profiler(cfg.profile, steps=cfg.steps - start, rank=topo.rank)
     for step in range(start, cfg.steps):
-        micro_batches = [(x.to(device), y.to(device)) for x, y in batches.micro_batches(step, topo.dp_rank)]
+        micro_batches = [(x.to(device), y.to(device), rows) for (x, y), rows in
+                         zip(batches.micro_batches(step, topo.dp_rank), batches.sample_numbers(step, topo.dp_rank))]
         timer.measuring = not torch.cuda.is_available() or step % 10 == 1
         timer.take()
         lr = engine.get_lr()[0]
@@ -330,8 +364,8 @@ def _plain_step(engine):
 
     def run(micro_batches) -> torch.Tensor:
         losses = []
-        for inputs, labels in micro_batches:
-            loss = engine(inputs, labels)
+        for inputs, labels, rows in micro_batches:
+            loss = engine(inputs, labels, sample_ids=rows)
             engine.backward(loss)
             engine.step()
             losses.append(loss.detach().float())
@@ -369,9 +403,9 @@ def _pipeline_step(cfg: TrainConfig, topo, engine, plan: BatchPlan, config, ds_c
                                 reduce_grads=lambda: None, optimizer_step=engine.step, broadcast_loss=True)
 
     def run(micro_batches) -> torch.Tensor:
-        inputs = [x for x, _ in micro_batches] if topo.is_first_stage else None
-        labels = [y for _, y in micro_batches] if topo.is_last_stage else None
-        return torch.tensor(executor.step(inputs, labels))
+        inputs = [x for x, _, _ in micro_batches] if topo.is_first_stage else None
+        labels = [y for _, y, _ in micro_batches] if topo.is_last_stage else None
+        return torch.tensor(executor.step(inputs, labels, sample_ids=[rows for _, _, rows in micro_batches]))
 
     return run
 

@@ -8,6 +8,12 @@ alternating rounds so machine load hits both alike; the median round counts.
 
     python scripts/bench_tp.py                      # llama block, hidden 512, seq 512
     python scripts/bench_tp.py --family gpt2 --hidden 768 --heads 12 --ffn 3072
+    python scripts/bench_tp.py --dropout 0.1        # both in training mode with dropout
+
+With ``--dropout`` the reference uses PyTorch's own dropout (``F.dropout`` on the residual
+branches, ``dropout_p`` in SDPA), whose masks depend on each rank's generator; megakit
+draws its layout-free masks (the same units drop at every TP/PP/DP layout), so the ratio
+is what that guarantee costs.
 
 Prints both times and, last, ``ratio <megakit/reference>`` (below 1: megakit is faster).
 """
@@ -52,6 +58,8 @@ class ReferenceBlock(nn.Module):
     def forward(self, x, rope):  # (B, S, H)
         from megakit.model import apply_rope
 
+        p = self.config.dropout if self.training else 0.0
+        drop = (lambda t: F.dropout(t, p)) if p else (lambda t: t)
         b, s, _ = x.shape
         d = self.config.head_dim
         y = self.attn_norm(x)
@@ -60,11 +68,11 @@ class ReferenceBlock(nn.Module):
         v = self.v_proj(y).view(b, s, -1, d).transpose(1, 2)
         if self.llama:
             q, k = apply_rope(q, rope[0][:s], rope[1][:s]), apply_rope(k, rope[0][:s], rope[1][:s])
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-        x = x + self.o_proj(a.transpose(1, 2).reshape(b, s, -1))
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        x = x + drop(self.o_proj(a.transpose(1, 2).reshape(b, s, -1)))
         y = self.mlp_norm(x)
         h = F.silu(self.gate_proj(y)) * self.up_proj(y) if self.llama else F.gelu(self.up_proj(y), approximate="tanh")
-        return x + self.down_proj(h)
+        return x + drop(self.down_proj(h))
 
 
 def _megakit_names(name: str) -> str:
@@ -81,7 +89,7 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from megakit.model import Block, ModelConfig, load_full_state_dict, rope_tables
-    from megakit.parallel.tensor import DropoutRNG
+    from megakit.parallel.dropout import DropoutKeys
     from megakit.parallel.topology import Topology
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -89,7 +97,7 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
     config = ModelConfig(family=args.family, vocab_size=256, max_seq_len=args.seq, hidden=args.hidden,
                          layers=1, heads=args.heads, kv_heads=args.kv_heads or args.heads, ffn=args.ffn,
                          qkv_bias=args.family == "gpt2", out_bias=args.family == "gpt2",
-                         mlp_bias=args.family == "gpt2")
+                         mlp_bias=args.family == "gpt2", dropout=args.dropout)
     topo = Topology.from_world(tp=world)
 
     torch.manual_seed(0)  # same full weights on both ranks, then DTensor shards them
@@ -102,8 +110,7 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
         plan["gate_proj"] = ColwiseParallel()
     parallelize_module(ref, mesh, plan)
 
-    ours = Block(config, group=topo.tp_group, sequence_parallel=False, rng=DropoutRNG(0, topo.tp_rank),
-                 dtype=torch.float32, device=None)
+    ours = Block(config, index=0, group=topo.tp_group, sequence_parallel=False, dtype=torch.float32, device=None)
     load_full_state_dict(ours, full, topo)
     rope = rope_tables(config, None) if config.family == "llama" else None
 
@@ -115,11 +122,17 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
         ref.zero_grad(set_to_none=True)
         ref(x_ref, rope).sum().backward()
 
+    steps = iter(range(10**9))
+
     def step_ours():
         ours.zero_grad(set_to_none=True)
-        ours(x_ours, rope).sum().backward()
+        n = next(steps)
+        keys = DropoutKeys.of(0, range(n * args.batch, (n + 1) * args.batch))  # fresh masks every step
+        ours(x_ours, rope, keys).sum().backward()
 
-    diff = (ours(x_ours, rope).transpose(0, 1) - ref(x_ref, rope)).abs().max().item()
+    ours.eval(), ref.eval()  # compare outputs without dropout, then time in training mode
+    diff = (ours(x_ours, rope, None).transpose(0, 1) - ref(x_ref, rope)).abs().max().item()
+    ours.train(), ref.train()
     for _ in range(args.warmup):
         step_ours()
         step_ref()
@@ -150,11 +163,14 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout probability (both blocks, training mode)")
     args = parser.parse_args(argv)
     world = 2
     try:
         if min(args.hidden, args.heads, args.ffn, args.seq, args.batch, args.reps) < 1 or args.warmup < 0:
             raise UsageError("sizes and --reps must be positive and --warmup non-negative")
+        if not 0.0 <= args.dropout < 1.0:
+            raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
         from megakit.model import ModelConfig
 
         ModelConfig(family=args.family, vocab_size=256, max_seq_len=args.seq, hidden=args.hidden, layers=1,
@@ -181,7 +197,7 @@ def main(argv=None) -> int:
         return 1
     kv = args.kv_heads or args.heads
     print(f"one {args.family} block, TP=2 on 2 CPU processes (gloo, 1 thread each): batch {args.batch}, "
-          f"seq {args.seq}, hidden {args.hidden}, heads {args.heads}/{kv} kv, ffn {args.ffn}")
+          f"seq {args.seq}, hidden {args.hidden}, heads {args.heads}/{kv} kv, ffn {args.ffn}, dropout {args.dropout}")
     print(f"forward+backward, median of {args.reps} alternating rounds after {args.warmup} warm-up")
     print(f"reference q_proj weight: {layout}; max |output difference| megakit vs reference: {diff:.2e}")
     med = {k: statistics.median(v) for k, v in times.items()}

@@ -40,7 +40,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedule", default=None, choices=["1f1b", "gpipe", "interleaved"],
                    help="pipeline schedule (PP > 1); default 1f1b, or interleaved with --vpp > 1")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's max)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="every random stream derives from it: weights, data order and dropout masks (the same at any "
+                        "TP/PP/DP layout), and each rank's default generators from it and the rank's grid place")
+    p.add_argument("--allow-cross-node-tp", action="store_true",
+                   help="run a TP group that spans nodes (refused by default: its per-layer all-reduce would "
+                        "cross the slow inter-node link)")
     p.add_argument("--recompute", choices=["none", "full"], default="none",
                    help="full: keep only each block's input and recompute the block in backward (~1/3 more "
                         "compute, far less activation memory)")
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                           metrics_out=args.metrics_out, log_every=args.log_every, progress=not args.no_progress,
                           stall_timeout_s=args.stall_timeout, recompute=args.recompute,
                           sequence_parallel=args.sequence_parallel, save=args.save, save_every=args.save_every,
-                          load=args.load)
+                          load=args.load, allow_cross_node_tp=args.allow_cross_node_tp)
     except UsageError as error:  # the same flags on every rank
         if _rank0():
             print(f"train.py: error: {error}", file=sys.stderr, flush=True)

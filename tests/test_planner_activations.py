@@ -38,9 +38,9 @@ def test_one_block_saves_what_the_model_predicts(name, dropout):
     config = dataclasses.replace(ModelConfig.load(name), dropout=dropout)
     spec = dataclasses.replace(ModelSpec.from_config(name, exact=False), dropout=dropout)
     x = torch.randn(S, B, config.hidden, requires_grad=True)
-    # PyTorch's CPU attention is the fused (flash) kernel unless dropout forces the math path,
-    # and CPU dropout keeps its mask in fp32.
-    tensors = activation_tensors(spec, precision="fp32", flash_attention=dropout == 0, dropout_mask_bytes=4)
+    # Attention is PyTorch's fused (flash) kernel unless dropout needs megakit's written-out path,
+    # and megakit's dropout keeps a one-byte (bool) mask on every device.
+    tensors = activation_tensors(spec, precision="fp32", flash_attention=dropout == 0, dropout_mask_bytes=1)
     predicted = sum(t.bytes(seq_len=S, micro_batch=B) for t in tensors)
     block = Transformer(config, layers=range(0, 1), pre=False, post=False).train()
     measured = saved_bytes(block, x)  # the block input is saved by the first norm: counted
@@ -48,7 +48,7 @@ def test_one_block_saves_what_the_model_predicts(name, dropout):
     # Full recompute keeps only each block's input.
     recomputed = Transformer(config, layers=range(0, 1), pre=False, post=False, recompute=True).train()
     full = estimate_memory(spec, precision="fp32", micro_batch=B, seq_len=S, recompute="full",
-                           flash_attention=dropout == 0, dropout_mask_bytes=4)
+                           flash_attention=dropout == 0, dropout_mask_bytes=1)
     assert full.activation_per_layer == pytest.approx(saved_bytes(recomputed, x))
 
 
@@ -60,7 +60,7 @@ def test_whole_model_activations_and_head(name):
     ids = torch.randint(0, config.vocab_size, (B, S))
     measured = saved_bytes(model, ids, labels=ids)
     est = estimate_memory(spec, precision="fp32", micro_batch=B, seq_len=S, flash_attention=True,
-                          dropout_mask_bytes=4)
+                          dropout_mask_bytes=1)
     saved_head = logits_bytes(spec, tp=1, sequence_parallel=False, precision="fp32", seq_len=S, micro_batch=B,
                               transient=False)
     assert est.items["activations"] + saved_head == pytest.approx(measured, rel=0.03)

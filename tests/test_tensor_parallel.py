@@ -24,25 +24,28 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
-def _equivalence(topo, preset: str, vocab: int, sequence_parallel: bool, recompute: bool = False) -> None:
+def _equivalence(topo, preset: str, vocab: int, sequence_parallel: bool, recompute: bool = False,
+                 dropout: float = 0.0) -> None:
+    """In training mode: with dropout the TP model must drop the very units the TP = 1 model drops."""
     from megakit.model import ModelConfig, Transformer, full_state_dict
 
-    config = ModelConfig.load(preset).replace(vocab_size=vocab)
+    config = ModelConfig.load(preset).replace(vocab_size=vocab, dropout=dropout)
     gen = torch.Generator().manual_seed(42)
     ids = torch.randint(0, vocab, (2, 16), generator=gen)
     labels = torch.randint(0, vocab, (2, 16), generator=gen)
     labels[0, :3] = -100  # ignored tokens are left out of the mean
     ref = Transformer(config, seed=9)
     model = Transformer(config, topo, seed=9, sequence_parallel=sequence_parallel, recompute=recompute)
-    case = f"{preset} tp={topo.tp} sp={sequence_parallel} recompute={recompute}"
+    case = f"{preset} tp={topo.tp} sp={sequence_parallel} recompute={recompute} dropout={dropout}"
 
-    want_logits, got_logits = ref(ids), model(ids)  # (B, S, V) vs this rank's (B, S, V/tp)
+    rows = dict(sample_ids=[7, 8])  # the same masks in every call below
+    want_logits, got_logits = ref(ids, **rows), model(ids, **rows)  # (B, S, V) vs this rank's (B, S, V/tp)
     assert got_logits.shape == (2, 16, config.padded_vocab(topo.tp) // topo.tp)
     gathered = torch.cat(_gather(got_logits, topo), dim=-1)
     assert torch.isinf(gathered[..., vocab:]).all()  # padded columns are -inf
     _close(gathered[..., :vocab], want_logits[..., :vocab], f"{case} logits")
 
-    want_loss, loss = ref(ids, labels), model(ids, labels)
+    want_loss, loss = ref(ids, labels, **rows), model(ids, labels, **rows)
     torch.testing.assert_close(want_loss, F.cross_entropy(want_logits.transpose(1, 2), labels))
     _close(loss.detach(), want_loss.detach(), f"{case} loss")
     want_loss.backward()
@@ -140,27 +143,28 @@ def _stages(topo, preset: str, sequence_parallel: bool) -> None:
     assert full_state_dict(first, topo).keys() <= full_state_dict(whole, topo).keys()
 
 
-def _dropout_streams(topo) -> None:
-    """Replicated activations drop the same units on every TP rank, split ones different units."""
+def _dropout_is_layout_free(topo) -> None:
+    """In training mode with dropout: the replicated residual stream is bit-identical on every TP rank,
+    with SP each rank holds its rows of the TP = 1 model's stream, and torch's default generator is
+    never drawn from (so no rank's masks depend on how it was seeded)."""
     from megakit.model import ModelConfig, Transformer
-    from megakit.parallel.tensor import DropoutRNG
 
-    rng = DropoutRNG(seed=1, tp_rank=topo.tp_rank)
-    torch.manual_seed(123)  # the caller seeds the default stream alike on TP ranks
-    with rng.split():
-        split = torch.rand(8)
-    replicated = torch.rand(8)
-    splits, replicas = _gather(split, topo), _gather(replicated, topo)
-    assert all(torch.equal(r, replicas[0]) for r in replicas)
-    assert all(not torch.equal(s, splits[0]) for s in splits[1:])
-    # In a model with dropout: the residual stream (replicated without SP) stays identical on all ranks.
     config = ModelConfig.load("llama-tiny").replace(dropout=0.2)
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1000 + topo.tp_rank)  # deliberately different on every rank: it must not matter
+    default_stream = torch.get_rng_state()
     stage = Transformer(config, topo, post=False, seed=2).train()
-    torch.manual_seed(7)
-    hidden = stage(torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0)))
+    hidden = stage(ids, sample_ids=[40, 41])
     assert all(torch.equal(h, hidden) for h in _gather(hidden, topo))
-    eval_hidden = stage.eval()(torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0)))
-    assert not torch.equal(hidden, eval_hidden)  # dropout did act in training mode
+    assert not torch.equal(hidden, stage.eval()(ids))  # dropout did act in training mode
+    single = Transformer(config, post=False, seed=2).train()(ids, sample_ids=[40, 41])
+    split = Transformer(config, topo, post=False, seed=2, sequence_parallel=True).train()(ids, sample_ids=[40, 41])
+    rows = 8 // topo.tp
+    _close(split, single[topo.tp_rank * rows:(topo.tp_rank + 1) * rows], "SP residual stream under dropout")
+    _close(hidden, single, "TP residual stream under dropout")
+    swapped = Transformer(config, topo, post=False, seed=2).train()(ids.flip(0), sample_ids=[41, 40])
+    _close(swapped.flip(1), hidden, "a sample's masks follow it to another batch row")
+    assert torch.equal(torch.get_rng_state(), default_stream)
 
 
 def _bad_tp(topo) -> None:
@@ -185,11 +189,14 @@ def _worker(rank: int, world_size: int) -> str:
         for sequence_parallel in (False, True):
             _equivalence(topo, preset, vocab, sequence_parallel)
     _equivalence(topo, "llama-tiny", 250, sequence_parallel=True, recompute=True)
+    for preset, vocab in CASES:  # dropout: the same masks at every layout
+        _equivalence(topo, preset, vocab, sequence_parallel=preset == "gpt-tiny", dropout=0.1)
+    _equivalence(topo, "gpt-tiny", 254, sequence_parallel=True, recompute=True, dropout=0.1)
     _cross_entropy(topo)
     _layers(topo)
     _stages(topo, "gpt-tiny", sequence_parallel=True)
     _stages(topo, "llama-tiny", sequence_parallel=False)
-    _dropout_streams(topo)
+    _dropout_is_layout_free(topo)
     _bad_tp(topo)
     return "ok"
 

@@ -318,8 +318,12 @@ class PipelineExecutor:
         self._pending.append((tensor, dist.isend(tensor, dst=dst, tag=_TAG[a.kind])))
 
     # -- one step -------------------------------------------------------------------------------
-    def step(self, inputs: Sequence[torch.Tensor] | None = None, labels: Sequence[torch.Tensor] | None = None):
+    def step(self, inputs: Sequence[torch.Tensor] | None = None, labels: Sequence[torch.Tensor] | None = None,
+             sample_ids: Sequence[Sequence[int]] | None = None):
         """Run one optimizer step's schedule: ``inputs`` (first stage) and ``labels`` (last stage), one per micro-batch.
+
+        ``sample_ids`` (every stage, one per micro-batch): the rows' numbers in the data stream,
+        passed to each chunk's forward so that dropout masks are the layout-free ones.
 
         Returns the mean loss over micro-batches (a float): with ``broadcast_loss``
         (default) also over DP replicas and on every stage; otherwise this replica's, on
@@ -363,11 +367,12 @@ class PipelineExecutor:
             elif a.kind == FORWARD:
                 vs = self._vs(a.chunk)
                 x = inputs[a.micro_batch] if vs == 0 else self._received.pop((RECV_ACT, *key))
+                rows = {} if sample_ids is None else {"sample_ids": sample_ids[a.micro_batch]}
                 if vs == last_vs:
-                    out = self.chunks[a.chunk](x, labels[a.micro_batch])
+                    out = self.chunks[a.chunk](x, labels[a.micro_batch], **rows)
                     losses.append(out.detach())
                 else:
-                    out = self.chunks[a.chunk](x)
+                    out = self.chunks[a.chunk](x, **rows)
                 self._stash[key] = (x, out)
                 in_flight += 1
                 peak = max(peak, in_flight)

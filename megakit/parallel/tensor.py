@@ -17,14 +17,11 @@ Layers allocate their shards uninitialised: ``megakit.parallel.init.init_shard_`
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megakit.parallel import collectives as C
-from megakit.parallel.init import index_seed
 
 
 # -- 1. differentiable collectives -------------------------------------------------------------
@@ -324,55 +321,3 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
         return loss.sum()
     assert reduction == "mean", reduction
     return loss.sum() / (target != ignore_index).sum().clamp(min=1)
-
-
-# -- dropout randomness ------------------------------------------------------------------------
-class DropoutRNG:
-    """Two random streams, so dropout is the same where activations are replicated over TP
-    and different where they are split.
-
-    Replicated activations (the residual stream without SP) use the default generator,
-    which the caller seeds identically on every TP rank (consuming none of it elsewhere
-    keeps the ranks in step). Split activations (attention heads; the residual stream with
-    SP) run inside ``with rng.split():``, which swaps in a private stream and swaps the
-    default one back after. The private stream is seeded from ``(seed, stream, tp_rank)``;
-    ``stream`` tells apart the model chunks that run side by side (the model passes its
-    first layer index, so pipeline stages and interleaved chunks do not repeat each
-    other's masks). The caller likewise seeds the default stream per pipeline stage.
-    """
-
-    def __init__(self, seed: int, tp_rank: int, device=None, *, stream: int = 0) -> None:
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        if self.device.type not in ("cpu", "cuda"):  # e.g. meta: nothing random will run there
-            self.device = torch.device("cpu")
-        generator = torch.Generator(device=self.device).manual_seed(index_seed(seed, f"dropout/{stream}", tp_rank))
-        self._state = generator.get_state()
-
-    def _get(self):
-        if self.device.type == "cuda":
-            return torch.cuda.get_rng_state(self.device)
-        return torch.get_rng_state()
-
-    def _set(self, state) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            torch.set_rng_state(state)
-
-    @contextlib.contextmanager
-    def split(self):
-        """Run the body with the per-rank stream; the default stream is untouched by it."""
-        saved = self._get()
-        self._set(self._state)
-        try:
-            yield
-        finally:
-            self._state = self._get()
-            self._set(saved)
-
-    def get_state(self):
-        """The per-rank stream's state (for activation recompute and checkpoints)."""
-        return self._state.clone()
-
-    def set_state(self, state) -> None:
-        self._state = state.clone()

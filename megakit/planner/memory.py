@@ -85,10 +85,11 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
                        dropout: bool | None = None, dropout_mask_bytes: int = 1) -> list[SavedTensor]:
     """The tensors one transformer block saves for backward, sizes already divided by TP/SP.
 
-    Dropout masks are 1 byte per element on GPUs (a bool mask); PyTorch's CPU dropout
-    keeps a scaled mask in the activation dtype (pass ``dropout_mask_bytes=4`` for fp32
-    on CPU). Flash attention saves q, k, v, the output and an fp32 log-sum-exp per head
-    and token instead of the s×s scores (PyTorch's CPU kernel too, when dropout is off)."""
+    Dropout masks are 1 byte per element (megakit's dropout keeps a bool mask on every
+    device). Flash attention saves q, k, v, the output and an fp32 log-sum-exp per head
+    and token instead of the s×s scores (PyTorch's CPU kernel too, when dropout is off);
+    written-out attention (SDPA's math path, megakit's with dropout) saves K and V
+    repeated to every query head under GQA."""
     p = PRECISIONS[precision]
     dropout = model.dropout > 0 if dropout is None else dropout
     h, f, hd = model.hidden, model.ffn, model.head_dim
@@ -107,6 +108,7 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
         return [t(f"{which} input", h / rest, shard="sp"), t(f"{which} normalised", h / rest, shard="sp"),
                 t(f"{which} stats", 1 / rest, 4, "sp")]
 
+    kv = kv if flash_attention else heads * hd
     out = norm("norm1") + [t("qkv input", h / rest, shard="sp"), t("q", heads * hd), t("k", kv), t("v", kv)]
     if flash_attention:
         out.append(t("attention log-sum-exp", heads, 4))
