@@ -15,6 +15,7 @@ Two different questions, two different answers:
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -81,10 +82,7 @@ def check_tp_within_nodes(tp_groups: list[list[int]], places: list[Place], *, al
                 "all-reduce in every layer would cross the slow link between them")
         if allow:
             return f"warning: {what}; running anyway because of --allow-cross-node-tp"
-        raise UsageError(f"{what}; use --tp {_largest_divisor_at_most(len(group), per_node)} or less (the processes per "
-                         "node) and the rest as --pp, or pass --allow-cross-node-tp to run it anyway")
+        raise UsageError(f"{what}; use a --tp that divides the {per_node} processes per node (e.g. --tp "
+                         f"{math.gcd(len(group), per_node)}) and the rest as --pp, or pass --allow-cross-node-tp "
+                         "to run it anyway")
     return None
-
-
-def _largest_divisor_at_most(n: int, limit: int) -> int:
-    return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(limit, 1))

@@ -31,6 +31,7 @@ mistake that every rank makes alike is marked ``all_ranks`` so that only rank 0 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -284,9 +285,31 @@ def _build(cfg: TrainConfig, topo, ds_config: dict):
         ds_config = {**ds_config, "gradient_clipping": 0.0}
     engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=stage.parameters(), mpu=topo,
                                                    config=ds_config)
+    _unlink_shared_memory()
     if clipper is not None:
         optimizer.register_step_pre_hook(clipper)
     return config, engine, clipper
+
+
+def _unlink_shared_memory() -> None:
+    """Remove the name of this rank's DeepSpeed CPU all-reduce buffer from /dev/shm, keeping the buffer.
+
+    DeepSpeed 0.19.8's shared-memory all-reduce (CPU, all ranks on one host) creates
+    ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` and never
+    removes it. Every rank has mapped every buffer once ``deepspeed.initialize`` returned
+    everywhere (the barrier), so the names can go at once: the mappings live on, and the
+    memory is freed when the job ends on any exit path, SIGKILL included.
+    """
+    import glob
+
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    env = os.environ
+    pattern = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_"
+               f"{env.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    for path in glob.glob(glob.escape(pattern)):
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
 
 def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog, tokens: torch.Tensor, start: int) -> TrainResult:

@@ -74,6 +74,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _leave() -> None:
+    """Close the process group on a clean exit (NCCL warns of leaked resources otherwise); after a
+    peer died it could hang, so the failure paths leave it to the process's end."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -95,11 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         train(cfg)
+        _leave()
     except UsageError as error:
+        _leave()
         if _rank0() or not getattr(error, "all_ranks", False):  # a rank's own mistake: it says so itself
             print(f"train.py: error: {error}", file=sys.stderr, flush=True)
         return 2
     except TrainingDiverged as error:
+        _leave()
         if _rank0():  # every rank learnt it from the same all-reduce
             print(f"train.py: {error}", file=sys.stderr, flush=True)
         return 1

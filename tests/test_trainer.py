@@ -5,6 +5,7 @@ Launcher starts are expensive (~10 s), so each job runs several cases
 for TP x PP and TP x DP, all with ``--verify-memory`` on (it only observes).
 """
 
+import glob
 import json
 import os
 import re
@@ -22,6 +23,16 @@ STEPS = 20
 LOSS_TOL = 2e-5  # fp32: the distributed loss differs from the single process by summation order only
 
 
+def dropout_model(directory: Path, name: str = "gpt-tiny", p: float = 0.1) -> str:
+    """A copy of a preset with dropout ``p`` everywhere (as every Hugging Face GPT-2 config has)."""
+    config = json.loads((ROOT / "models" / f"{name}.json").read_text())
+    keys = ("resid_pdrop", "embd_pdrop", "attn_pdrop") if config["model_type"] == "gpt2" else ("attention_dropout",)
+    config.update({key: p for key in keys})
+    path = directory / f"{name}-dropout.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
 def ds_config(stage: int, *, micro: int = 2, accumulation: int = 2) -> dict:
     config = json.loads((ROOT / "ds_configs" / f"zero{stage}.json").read_text())
     config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation)
@@ -30,9 +41,9 @@ def ds_config(stage: int, *, micro: int = 2, accumulation: int = 2) -> dict:
     return config
 
 
-def deepspeed(nprocs: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def deepspeed(nprocs: int, *args: str, timeout: float = 300, port: int | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = ["deepspeed", "--num_gpus", str(nprocs), "--master_port", str(free_port()), *args]
+    cmd = ["deepspeed", "--num_gpus", str(nprocs), "--master_port", str(port or free_port()), *args]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return out
 
@@ -40,8 +51,11 @@ def deepspeed(nprocs: int, *args: str, timeout: float = 300) -> subprocess.Compl
 def sweep(tmp_path_factory, nprocs: int, cases: list[dict]) -> list[dict]:
     work = tmp_path_factory.mktemp(f"sweep{nprocs}")
     (work / "cases.json").write_text(json.dumps(cases))
-    out = deepspeed(nprocs, "tests/launch_sweep.py", str(work / "cases.json"), str(work / "results.json"))
+    port = free_port()
+    out = deepspeed(nprocs, "tests/launch_sweep.py", str(work / "cases.json"), str(work / "results.json"), port=port)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    left = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")  # the trainer unlinks DeepSpeed's buffers
+    assert not left, left
     return json.loads((work / "results.json").read_text())
 
 
@@ -90,6 +104,10 @@ def dp_results(tmp_path_factory):
     saved = tmp_path_factory.mktemp("ckpt") / "tp2"
     cases.append(dict(ds_config=ds_config(1), model="gpt-tiny", steps=6, seq_len=32, tp=2, save=str(saved), save_every=3))
     cases.append(dict(ds_config=ds_config(1), model="gpt-tiny", steps=7, seq_len=32, tp=2))
+    # dropout 0.1: DP 2 and TP 2 must drop the units the single process drops (cases 11, 12)
+    dropout = dropout_model(tmp_path_factory.mktemp("models"))
+    cases.append(dict(ds_config=ds_config(1), model=dropout, steps=STEPS, seq_len=32))
+    cases.append(dict(ds_config=ds_config(1), model=dropout, steps=STEPS, seq_len=32, tp=2))
     return cases, sweep(tmp_path_factory, 2, cases)
 
 
@@ -150,6 +168,17 @@ def test_tp2_checkpoint_resumes_at_tp1(dp_results, tmp_path):
 
 
 @pytest.mark.slow
+def test_dropout_dp2_and_tp2_match_the_single_process_model(dp_results):
+    """With dropout 0.1 the masks are keyed by sample number, not by rank: DP 2 and TP 2 train the model the
+    single process trains (before, each rank's unseeded generator drew its own masks)."""
+    cases, results = dp_results
+    assert_same_trajectory(results[11], reference(cases[11], dp=2))
+    assert_same_trajectory(results[12], reference(cases[12], dp=1))
+    plain = reference(cases[0], dp=2)  # the same run without dropout: dropout did act
+    assert abs(results[11]["loss"][0] - plain["loss"][0]) > 100 * LOSS_TOL
+
+
+@pytest.mark.slow
 def test_nan_is_reported_with_step_and_rank(dp_results):
     _, results = dp_results
     error = results[4].get("error", "")
@@ -177,6 +206,10 @@ def mp_results(tmp_path_factory):
     (text / "a.txt").write_text((ROOT / "README.md").read_text() * 3)
     (text / "b.md").write_text((ROOT / "ds_configs" / "README.md").read_text() * 3)
     cases[1]["data"] = str(text)
+    dropout = dropout_model(tmp_path_factory.mktemp("models"))
+    for sp in (False, True):  # cases 3, 4: TP2 x PP2 under dropout, without and with SP
+        cases.append(dict(ds_config=ds_config(1, accumulation=4), model=dropout, steps=STEPS, seq_len=32, tp=2,
+                          pp=2, sequence_parallel=sp))
     return cases, sweep(tmp_path_factory, 4, cases)
 
 
@@ -196,6 +229,14 @@ def test_sequence_parallel_and_full_recompute_tp2_pp2(mp_results):
         assert abs(got - want) < LOSS_TOL, (got, want)
     for plain, lean in zip(results[0]["memory"], results[2]["memory"], strict=True):
         assert lean["measured"]["activations"] < 0.6 * plain["measured"]["activations"], (plain, lean)
+
+
+@pytest.mark.slow
+def test_dropout_tp2_pp2_with_and_without_sp_match_the_single_process_model(mp_results):
+    cases, results = mp_results
+    ref = reference(cases[3], dp=1)
+    assert_same_trajectory(results[3], ref)
+    assert_same_trajectory(results[4], ref)
 
 
 @pytest.mark.slow
