@@ -4,20 +4,20 @@ megakit's weights are a function of ``(seed, parameter name, index)`` only (``in
 a run at any layout starts as the single process does. Dropout keeps that promise: a mask
 is a function of ``(seed, site, sample)`` only, where the *site* is the dropout's global
 name (``layers.3.mlp_residual``) and the *sample* is the row's number in the run's data
-stream (step x global batch + its place in the step's batch), plus the global head for
-attention dropout. Each such key seeds its own generator, which draws the mask of the
-*whole* per-sample tensor (``S x H`` of the residual stream, ``S x S`` of one attention
-head), and the rank keeps the part it holds:
+stream (step x global batch + its place in the step's batch). Each such key seeds its own
+generator, which draws the mask of the *whole* per-sample tensor (``S x H`` of the residual stream, ``heads x S x S`` of the
+attention probabilities), and the rank keeps the part it holds:
 
 - TP without SP: the residual stream is replicated, so every TP rank draws the same mask
-  (bit-identical replicas); attention heads are split, so each rank draws its own heads;
+  (bit-identical replicas); attention heads are split, so each rank keeps its own heads;
 - SP: each TP rank keeps its ``S/tp`` rows of the sequence;
 - PP and DP: a rank sees only its micro-batch's samples, under their global numbers.
 
 No generator is shared, nothing depends on the order work runs in (recompute draws the
 same mask again), and nothing touches torch's default generator. Cost: one uniform draw
-per element, as ``F.dropout``; with SP each rank draws the whole sequence's residual mask
-and keeps ``1/tp`` of it. The mask is kept for backward as one byte per element.
+per element, as ``F.dropout``, where a rank holds the whole tensor; with SP each rank draws
+the whole sequence's residual mask and keeps ``1/tp`` of it, under TP all heads' attention
+masks and keeps its own. The mask is kept for backward as one byte per element.
 """
 
 from __future__ import annotations
@@ -81,10 +81,15 @@ def residual_dropout(x: torch.Tensor, p: float, keys: DropoutKeys, *, site: str,
 def attention_dropout(probs: torch.Tensor, p: float, keys: DropoutKeys, *, site: str, head_start: int,
                       heads: int) -> torch.Tensor:
     """Dropout on attention probabilities ``(B, n, S, S)`` of global heads ``head_start .. head_start + n``
-    out of ``heads``; each (sample, global head) has its own stream."""
+    out of ``heads``.
+
+    One draw per sample covers every head and the rank keeps its own: under TP that is
+    ``tp`` times the random numbers it needs, but ``B`` generator launches instead of
+    ``B x heads/tp`` (on a GPU, each draw is far cheaper than its launch).
+    """
     b, n, s, t = probs.shape
     if len(keys.samples) != b:
         raise ValueError(f"{len(keys.samples)} sample numbers for a batch of {b}")
-    streams = [sample * heads + head_start + j for sample in keys.samples for j in range(n)]
-    keep = keep_mask(p, keys, site=site, streams=streams, full_shape=(s, t), device=probs.device)
-    return apply_mask(probs, keep.view(b, n, s, t), p)
+    keep = keep_mask(p, keys, site=site, streams=keys.samples, full_shape=(heads, s, t),
+                     rows=slice(head_start, head_start + n), device=probs.device)  # (B, n, S, S)
+    return apply_mask(probs, keep, p)
