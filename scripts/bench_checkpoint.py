@@ -39,8 +39,8 @@ def main() -> int:
     torch.set_num_threads(1)
     from safetensors.torch import load_file, save_file
 
-    from megakit.checkpoint import load_checkpoint, save_checkpoint
-    from megakit.model import ModelConfig, Transformer
+    from megakit.interop.checkpoint import load_checkpoint, save_checkpoint
+    from megakit.nn.model import ModelConfig, Transformer
 
     config = ModelConfig(family="llama", vocab_size=args.vocab, max_seq_len=2048, hidden=args.hidden,
                          layers=args.layers, heads=args.hidden // 64, kv_heads=args.hidden // 64, ffn=4 * args.hidden)

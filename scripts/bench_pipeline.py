@@ -35,7 +35,7 @@ class _Stage(nn.Module):
 
     def __init__(self, config, layers, pre, post, seed):  # built by LayerSpec on its own stage only
         super().__init__()
-        from megakit.model import Transformer
+        from megakit.nn.model import Transformer
 
         self.stage = Transformer(config, layers=layers, pre=pre, post=post, seed=seed)
 
@@ -94,11 +94,13 @@ def _bench(rank: int, args) -> dict:
     import torch
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    from megakit.model import ModelConfig
-    from megakit.parallel.pipeline import PipelineExecutor, build_stage_chunks, partition_layers
-    from megakit.parallel.schedules import schedule_1f1b
-    from megakit.parallel.simulator import Costs, simulate
-    from megakit.parallel.topology import Layout, Topology
+    from megakit.core.layout import Layout
+    from megakit.core.partition import partition_layers
+    from megakit.core.schedules import schedule_1f1b
+    from megakit.core.simulator import Costs, simulate
+    from megakit.nn.model import ModelConfig, build_stage_chunks
+    from megakit.nn.pipeline import PipelineExecutor
+    from megakit.nn.topology import Topology
 
     config = ModelConfig.load(args.model).replace(tie_embeddings=False)
     m, b, s = args.micro_batches, args.micro_batch_size, args.seq_len
@@ -174,7 +176,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args(argv)
     try:
-        from megakit.model import ModelConfig
+        from megakit.nn.model import ModelConfig
 
         config = ModelConfig.load(args.model)
         for flag in ("micro_batches", "micro_batch_size", "seq_len", "steps"):

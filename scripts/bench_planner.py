@@ -17,9 +17,9 @@ def main(argv=None) -> int:
     parser.add_argument("--global-batch", type=int, default=3072)
     parser.add_argument("--repeat", type=int, default=3, help="report the fastest of this many runs")
     args = parser.parse_args(argv)
-    from megakit.planner.hardware import Cluster, gpu_preset
-    from megakit.planner.model_spec import ModelSpec
-    from megakit.planner.search import search
+    from megakit.core.planner.hardware import Cluster, gpu_preset
+    from megakit.core.planner.model_spec import ModelSpec
+    from megakit.core.planner.search import search
 
     try:
         model = ModelSpec.from_params(args.params)

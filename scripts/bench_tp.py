@@ -1,6 +1,6 @@
 """Benchmark: one transformer block, forward + backward, TP = 2 on 2 CPU processes (gloo).
 
-megakit's block (``megakit.model.Block``: column/row-parallel layers, Megatron f/g)
+megakit's block (``megakit.nn.model.Block``: column/row-parallel layers, Megatron f/g)
 against the same block written as plain PyTorch and sharded with PyTorch's DTensor
 tensor parallelism (``ColwiseParallel`` for q/k/v/gate/up, ``RowwiseParallel`` for
 o/down), on the same shapes and the same weights, in one run. The two are timed in
@@ -56,7 +56,7 @@ class ReferenceBlock(nn.Module):
         self.down_proj = nn.Linear(config.ffn, h, bias=config.mlp_bias)
 
     def forward(self, x, rope):  # (B, S, H)
-        from megakit.model import apply_rope
+        from megakit.nn.model import apply_rope
 
         p = self.config.dropout if self.training else 0.0
         drop = (lambda t: F.dropout(t, p)) if p else (lambda t: t)
@@ -86,11 +86,15 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
-    from megakit.model import Block, ModelConfig, load_full_state_dict, rope_tables
-    from megakit.parallel.dropout import DropoutKeys
-    from megakit.parallel.topology import Topology
+    from megakit.nn.dropout import DropoutKeys
+    from megakit.nn.model import Block, ModelConfig, load_full_state_dict, rope_tables
+    from megakit.nn.topology import Topology
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
@@ -171,7 +175,7 @@ def main(argv=None) -> int:
             raise UsageError("sizes and --reps must be positive and --warmup non-negative")
         if not 0.0 <= args.dropout < 1.0:
             raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
-        from megakit.model import ModelConfig
+        from megakit.nn.model import ModelConfig
 
         ModelConfig(family=args.family, vocab_size=256, max_seq_len=args.seq, hidden=args.hidden, layers=1,
                     heads=args.heads, kv_heads=args.kv_heads or args.heads, ffn=args.ffn).check_tp(world)

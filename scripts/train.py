@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from megakit.errors import UsageError
-    from megakit.trainer import TrainConfig, TrainingDiverged, train
+    from megakit.train.trainer import TrainConfig, TrainingDiverged, train
 
     try:
         cfg = TrainConfig(ds_config=args.ds_config, model=args.model, data=args.data,

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from megakit.trainer import TrainConfig, TrainingDiverged, train
+from megakit.train.trainer import TrainConfig, TrainingDiverged, train
 
 
 def main() -> int:

@@ -17,9 +17,9 @@ import pytest
 import torch
 from multiproc import run_ranks
 
-from megakit.checkpoint import load_checkpoint, save_checkpoint
 from megakit.errors import UsageError
-from megakit.model import ModelConfig, Transformer, full_state_dict
+from megakit.interop.checkpoint import load_checkpoint, save_checkpoint
+from megakit.nn.model import ModelConfig, Transformer, full_state_dict
 
 CASES = [("gpt-tiny", 253), ("llama-tiny", 253)]  # tied (gpt2) and untied (llama) embeddings
 SAVE_SEED, LOAD_SEED = 7, 99  # loads go into differently-initialised models
@@ -69,9 +69,10 @@ def _errors(fn) -> str | None:
 def _worker(rank, world_size, root):
     import torch.distributed as dist
 
-    import megakit.checkpoint as ckpt
-    from megakit.parallel.pipeline import build_stage_chunks
-    from megakit.parallel.topology import Layout, Topology
+    import megakit.interop.checkpoint as ckpt
+    from megakit.core.layout import Layout
+    from megakit.nn.model import build_stage_chunks
+    from megakit.nn.topology import Topology
 
     root = Path(root)
     topo22, topo4, topo2x2 = (Topology(Layout(tp=2, pp=2)), Topology(Layout(tp=4)), Topology(Layout(tp=2, dp=2)))
@@ -271,7 +272,7 @@ def test_hf_export_matches_transformers(spawned, tmp_path, capsys, preset, vocab
     """Exported from the TP=2 x PP=2 checkpoint; transformers loads it and gives megakit's logits."""
     import transformers
 
-    from megakit.cli import main
+    from megakit.commands.cli import main
 
     root, _ = spawned
     out = tmp_path / "hf"
@@ -284,7 +285,7 @@ def test_hf_export_matches_transformers(spawned, tmp_path, capsys, preset, vocab
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ref(ids), rtol=1e-5, atol=1e-5)
     # sharded form: one file per unit at a tiny shard size, still loadable
-    from megakit.hf_export import export_hf
+    from megakit.interop.hf_export import export_hf
 
     summary = export_hf(root / preset / "tp2pp2", tmp_path / "sharded", max_shard_bytes=1)
     assert len(summary["files"]) == 1 + ref.config.layers

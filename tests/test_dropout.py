@@ -2,7 +2,12 @@
 
 import torch
 
-from megakit.parallel.dropout import DropoutKeys, attention_dropout, keep_mask, residual_dropout
+from megakit.nn.dropout import (
+    DropoutKeys,
+    attention_dropout,
+    keep_mask,
+    residual_dropout,
+)
 
 
 def test_masks_depend_on_seed_site_and_sample_only():

@@ -10,7 +10,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from multiproc import free_port
 from test_trainer import ROOT, deepspeed, dropout_model
 

@@ -4,9 +4,9 @@ import time
 
 import torch
 import torch.distributed as dist
-
-from megakit.metrics import CommTimer, StepMetrics
 from multiproc import run_ranks
+
+from megakit.train.metrics import CommTimer, StepMetrics
 
 
 def _worker(rank, world_size):

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from megakit.errors import UsageError
-from megakit.model import ModelConfig, Transformer, full_state_dict, load_full_state_dict, model_flops_per_token
+from megakit.nn.model import (
+    ModelConfig,
+    Transformer,
+    full_state_dict,
+    load_full_state_dict,
+    model_flops_per_token,
+)
 
 torch.set_num_threads(1)
 
@@ -17,10 +23,10 @@ torch.set_num_threads(1)
                                             ("llama-tiny", dict(qkv_bias=True, tie_embeddings=True))])
 def test_matches_hugging_face_transformers(preset, changes):
     """Same weights in transformers' own implementation give the same logits, both ways round:
-    the architecture is right, and so is the weight mapping in megakit.hf."""
+    the architecture is right, and so is the weight mapping in megakit.interop.hf."""
     import transformers
 
-    from megakit.hf import from_hf_state_dict, hf_config, to_hf_state_dict
+    from megakit.interop.hf import from_hf_state_dict, hf_config, to_hf_state_dict
 
     config = ModelConfig.load(preset).replace(**changes)
     assert ModelConfig.from_hf(hf_config(config)) == config
@@ -49,7 +55,7 @@ def test_matches_hugging_face_transformers(preset, changes):
 
 
 def _preset(name):
-    from megakit.model_config import PRESETS
+    from megakit.core.model_config import PRESETS
 
     return PRESETS / f"{name}.json"
 

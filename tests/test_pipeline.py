@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from megakit.errors import UsageError
-from megakit.model import ModelConfig, Transformer, full_state_dict
-from megakit.parallel.pipeline import PipelineExecutor, activation_shape, build_stage_chunks, partition_layers
-from megakit.parallel.schedules import add_p2p, build_schedule, interleaved_compute
-from megakit.parallel.simulator import simulate
-from megakit.parallel.topology import Layout, Topology
 from multiproc import run_ranks
+
+from megakit.core.layout import Layout
+from megakit.core.partition import partition_layers
+from megakit.core.schedules import add_p2p, build_schedule, interleaved_compute
+from megakit.core.simulator import simulate
+from megakit.errors import UsageError
+from megakit.nn.model import (
+    ModelConfig,
+    Transformer,
+    build_stage_chunks,
+    full_state_dict,
+)
+from megakit.nn.pipeline import PipelineExecutor, activation_shape
+from megakit.nn.topology import Topology
 
 B, S, M = 2, 8, 4  # micro-batch size, sequence length, micro-batches per step
 

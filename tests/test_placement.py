@@ -2,9 +2,9 @@
 
 import pytest
 
+from megakit.core.layout import Layout
 from megakit.errors import UsageError
-from megakit.parallel.topology import Layout
-from megakit.placement import Place, check_tp_within_nodes, host_id, node_id
+from megakit.train.placement import Place, check_tp_within_nodes, host_id, node_id
 
 
 def _places(nodes: list[str]) -> list[Place]:

@@ -7,9 +7,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from megakit.model import ModelConfig, Transformer  # noqa: E402
-from megakit.planner.memory import activation_tensors, estimate_memory, logits_bytes  # noqa: E402
-from megakit.planner.model_spec import ModelSpec  # noqa: E402
+from megakit.core.planner.memory import (  # noqa: E402
+    activation_tensors,
+    estimate_memory,
+    logits_bytes,
+)
+from megakit.core.planner.model_spec import ModelSpec  # noqa: E402
+from megakit.nn.model import ModelConfig, Transformer  # noqa: E402
 
 S, B = 64, 2
 
@@ -36,7 +40,7 @@ def saved_bytes(model, x, labels=None, skip_input=False):
 def test_one_block_saves_what_the_model_predicts(name, dropout):
     torch.manual_seed(0)
     config = dataclasses.replace(ModelConfig.load(name), dropout=dropout)
-    spec = dataclasses.replace(ModelSpec.from_config(name, exact=False), dropout=dropout)
+    spec = dataclasses.replace(ModelSpec.from_config(name), dropout=dropout)
     x = torch.randn(S, B, config.hidden, requires_grad=True)
     # Attention is PyTorch's fused (flash) kernel unless dropout needs megakit's written-out path,
     # and megakit's dropout keeps a one-byte (bool) mask on every device.
@@ -55,7 +59,7 @@ def test_one_block_saves_what_the_model_predicts(name, dropout):
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
 def test_whole_model_activations_and_head(name):
     config = ModelConfig.load(name)
-    spec = ModelSpec.from_config(name, exact=False)
+    spec = ModelSpec.from_config(name)
     model = Transformer(config).train()
     ids = torch.randint(0, config.vocab_size, (B, S))
     measured = saved_bytes(model, ids, labels=ids)

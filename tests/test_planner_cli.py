@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 import pytest
-
-from megakit import cli
 from multiproc import run_ranks
+
+from megakit.commands import cli
 
 PLAN_KEYS = {"tp", "pp", "dp", "vpp", "zero_stage", "micro_batch", "grad_accum", "global_batch", "recompute",
              "sequence_parallel", "peak_memory_gib", "gpu_memory_gib", "memory", "step_time_s", "tokens_per_s",
@@ -22,7 +22,7 @@ def plan(capsys, *argv):
 
 
 def test_console_script_plans_175b_from_a_fresh_shell():
-    done = subprocess.run([sys.executable, "-m", "megakit.cli", "plan", "--params", "175B"], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "megakit.commands.cli", "plan", "--params", "175B"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     out = done.stdout
@@ -140,15 +140,15 @@ def test_malformed_and_unsupported_configs(tmp_path, capsys):
 
 
 def test_params_plan_writes_the_model_config_the_trainer_reads(tmp_path, capsys):
-    from megakit.model_config import ModelConfig
-    from megakit.planner.model_spec import ModelSpec
-    from megakit.trainer import load_ds_config
+    from megakit.core.model_config import ModelConfig
+    from megakit.core.planner.model_spec import ModelSpec
+    from megakit.train.trainer import load_ds_config
 
     target = tmp_path / "plan.json"
     code, out, _ = plan(capsys, "--params", "6.7B", "--gpus", "16", "--emit-config", str(target))
     model_file = tmp_path / "plan.model.json"
     assert code == 0 and f"--model {model_file}" in out
-    assert ModelSpec.from_config(str(model_file), exact=False).params == ModelSpec.from_params("6.7B").params
+    assert ModelSpec.from_config(str(model_file)).params == ModelSpec.from_params("6.7B").params
     assert ModelConfig.load(str(model_file)).hidden == 4096
     code, out, _ = plan(capsys, "--params", "6.7B", "--gpus", "16", "--json")
     p = json.loads(out)["plan"]
@@ -171,7 +171,7 @@ def _deepspeed_engine_from(rank, world, path, dp, pp):
     import deepspeed
     import torch
 
-    from megakit.ds_config import load_ds_config
+    from megakit.train.ds_config import load_ds_config
 
     deepspeed.init_distributed(dist_backend="gloo")
     config = load_ds_config(path, dp=dp, pp=pp)  # the trainer's reading: a pipeline steps once per flush

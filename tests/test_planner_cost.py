@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from megakit.planner.cost import estimate_cost, flops_per_token
-from megakit.planner.hardware import Cluster, gpu_preset
-from megakit.planner.model_spec import ModelSpec
-from megakit.planner.plan import Plan
+from megakit.core.planner.cost import estimate_cost, flops_per_token
+from megakit.core.planner.hardware import Cluster, gpu_preset
+from megakit.core.planner.model_spec import ModelSpec
+from megakit.core.planner.plan import Plan
 
 ROWS = json.loads((Path(__file__).parent / "data" / "megatron-2021.json").read_text())["rows"]
 A100 = gpu_preset("a100-80gb")
@@ -112,8 +112,8 @@ def test_pipeline_time_agrees_with_the_schedule_simulator(pp, m, vpp):
     """The cost model's m·T_slowest + (ΣT − T_slowest)/v is what the simulator measures when the
     same per-stage costs (the trainer's split, the head on the last stage, so stages are unequal) run
     the real schedule: exactly when the last stage is the slowest, else within 2 % above."""
-    from megakit.parallel.schedules import build_schedule
-    from megakit.parallel.simulator import Costs, simulate
+    from megakit.core.schedules import build_schedule
+    from megakit.core.simulator import Costs, simulate
 
     model = ModelSpec(name="m", family="llama", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336,
                       vocab=128256, seq_len=4096, max_positions=4096, tie_embeddings=False)

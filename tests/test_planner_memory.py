@@ -5,10 +5,15 @@ import re
 
 import pytest
 
+from megakit.core.planner.memory import (
+    activation_tensors,
+    estimate_memory,
+    in_flight_micro_batches,
+    peak_memory,
+    stage_params,
+)
+from megakit.core.planner.model_spec import known_shape
 from megakit.errors import UsageError
-from megakit.planner.memory import (activation_tensors, estimate_memory, in_flight_micro_batches,
-                                    peak_memory, stage_params)
-from megakit.planner.model_spec import known_shape
 
 GPT3 = known_shape("gpt3-175b")
 S, H, A = 2048, 12288, 96
@@ -141,8 +146,8 @@ def test_bad_layouts_are_usage_errors():
 
 @pytest.mark.parametrize("pp,m,vpp", [(4, 8, 1), (4, 2, 1), (4, 8, 2), (8, 16, 3), (16, 64, 4), (2, 4, 2)])
 def test_in_flight_counts_agree_with_the_pipeline_simulator(pp, m, vpp):
-    from megakit.parallel.schedules import build_schedule
-    from megakit.parallel.simulator import simulate
+    from megakit.core.schedules import build_schedule
+    from megakit.core.simulator import simulate
 
     report = simulate(build_schedule("interleaved" if vpp > 1 else "1f1b", pp, m, vpp))
     simulated = [chunks / vpp for chunks in report.peak_in_flight]  # chunk activations, in stage units
@@ -150,12 +155,12 @@ def test_in_flight_counts_agree_with_the_pipeline_simulator(pp, m, vpp):
 
 
 def test_stages_follow_the_trainers_split_and_peak_covers_middle_stages():
-    from megakit.model_config import ModelConfig
-    from megakit.parallel.partition import partition_layers
-    from megakit.planner.memory import stage_layer_counts
-    from megakit.planner.model_spec import ModelSpec
+    from megakit.core.model_config import ModelConfig
+    from megakit.core.partition import partition_layers
+    from megakit.core.planner.memory import stage_layer_counts
+    from megakit.core.planner.model_spec import ModelSpec
 
-    llama = ModelSpec.from_config("llama-3-8b", exact=False)
+    llama = ModelSpec.from_config("llama-3-8b")
     config = ModelConfig.load("llama-3-8b")
     assert stage_layer_counts(llama, 4) == (7, 9, 9, 7)  # not the even 8, 8, 8, 8
     assert list(stage_layer_counts(llama, 4)) == [len(r) for r in partition_layers(config, 4)]

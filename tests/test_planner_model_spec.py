@@ -6,8 +6,14 @@ import sys
 
 import pytest
 
+from megakit.core.planner.model_spec import (
+    ModelSpec,
+    known_shape,
+    parse_count,
+    preset_names,
+)
 from megakit.errors import UsageError
-from megakit.planner.model_spec import ModelSpec, known_shape, parse_count, preset_names
+from megakit.interop.hf import exact_param_count
 
 
 @pytest.mark.parametrize("text,value", [("125M", 125e6), ("1.3B", 1.3e9), ("70b", 70e9), ("175e9", 175e9),
@@ -48,16 +54,17 @@ def test_presets_exact_counts_from_transformers_match_the_analytic_count():
     assert {"gpt3-175b", "megatron-1t", "llama-2-70b", "llama-3-8b", "gpt2", "gpt-tiny"} <= set(preset_names())
     for name in ("gpt2", "gpt-tiny", "llama-tiny", "llama-2-70b", "llama-3-8b", "mistral-7b", "qwen2-7b",
                  "gpt3-175b"):  # megatron-1t: same family and code path as gpt3-175b, 2 s more
-        spec = ModelSpec.from_config(name)
+        spec = ModelSpec.from_config(name, count_params=exact_param_count)
         assert spec.exact_params == spec.analytic_params(), name
-    assert ModelSpec.from_config("llama-2-70b").params == 68_976_648_192  # the published Llama-2-70B count
-    assert ModelSpec.from_config("gpt2").params == 124_439_808  # GPT-2 small
-    qwen = ModelSpec.from_config("qwen2-7b")
+    llama = ModelSpec.from_config("llama-2-70b", count_params=exact_param_count)
+    assert llama.params == 68_976_648_192  # the published Llama-2-70B count
+    assert ModelSpec.from_config("gpt2", count_params=exact_param_count).params == 124_439_808  # GPT-2 small
+    qwen = ModelSpec.from_config("qwen2-7b", count_params=exact_param_count)
     assert qwen.qkv_bias and qwen.kv_heads == 4
 
 
 def test_planner_runs_without_importing_torch():
-    code = ("import sys; from megakit import cli; rc = cli.main(['plan', '--params', '1.3B', '--gpus', '8', "
+    code = ("import sys; from megakit.commands import cli; rc = cli.main(['plan', '--params', '1.3B', '--gpus', '8', "
             "'--json']); assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'; "
             "assert 'transformers' not in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -65,14 +72,14 @@ def test_planner_runs_without_importing_torch():
 
 
 def test_config_is_read_by_the_model_code_parser_with_head_dim(tmp_path):
-    from megakit.model_config import ModelConfig
+    from megakit.core.model_config import ModelConfig
 
     raw = {"model_type": "llama", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
            "max_position_embeddings": 256, "tie_word_embeddings": False}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(raw))
-    spec = ModelSpec.from_config(str(path))
+    spec = ModelSpec.from_config(str(path), count_params=exact_param_count)
     assert spec.head_dim == 128
     assert spec.exact_params == spec.analytic_params() == ModelConfig.load(path).num_params()
     # the same families and messages as the model code: qwen3 and a missing key are refused alike
@@ -80,7 +87,7 @@ def test_config_is_read_by_the_model_code_parser_with_head_dim(tmp_path):
         bad = {k: v for k, v in {**raw, **change}.items() if v is not None}
         path.write_text(json.dumps(bad))
         with pytest.raises(UsageError) as planner_error:
-            ModelSpec.from_config(str(path))
+            ModelSpec.from_config(str(path), count_params=exact_param_count)
         with pytest.raises(UsageError) as model_error:
             ModelConfig.load(path)
         assert str(planner_error.value) == str(model_error.value) and needle in str(planner_error.value)

@@ -4,13 +4,20 @@ import itertools
 
 import pytest
 
+from megakit.core.planner.cost import estimate_cost
+from megakit.core.planner.hardware import Cluster, gpu_preset
+from megakit.core.planner.memory import GIB, peak_memory
+from megakit.core.planner.model_spec import ModelSpec
+from megakit.core.planner.plan import Plan
+from megakit.core.planner.search import (
+    OVERHEAD_BYTES,
+    Pins,
+    divisors,
+    search,
+    smallest_cluster,
+    tp_choices,
+)
 from megakit.errors import UsageError
-from megakit.planner.cost import estimate_cost
-from megakit.planner.hardware import Cluster, gpu_preset
-from megakit.planner.memory import GIB, peak_memory
-from megakit.planner.model_spec import ModelSpec
-from megakit.planner.plan import Plan
-from megakit.planner.search import OVERHEAD_BYTES, Pins, divisors, search, smallest_cluster, tp_choices
 
 A100 = gpu_preset("a100-80gb")
 
@@ -124,7 +131,7 @@ def test_pins_the_trainer_cannot_run_are_refused_and_searched_tp_follows_the_mod
     big = ModelSpec.from_params("175B")
     with pytest.raises(UsageError, match="--tp 3 does not divide the 8 GPUs per node"):
         search(big, a100s(48), global_batch=1536, pins=Pins(tp=3))
-    llama = ModelSpec.from_config("llama-2-70b", exact=False)  # 64 heads, 8 KV heads
+    llama = ModelSpec.from_config("llama-2-70b")  # 64 heads, 8 KV heads
     with pytest.raises(UsageError, match="--tp 16 .*KV heads 8"):
         search(llama, Cluster(gpu=A100, num_gpus=64, gpus_per_node=16), global_batch=512, pins=Pins(tp=16))
     # the searched TP never replicates KV heads (megakit's model splits them), with wide nodes too

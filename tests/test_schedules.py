@@ -9,11 +9,24 @@ import sys
 
 import pytest
 
+from megakit.core.schedules import (
+    BACKWARD,
+    FORWARD,
+    RECV_ACT,
+    SEND_ACT,
+    Action,
+    add_p2p,
+    bubble_formula,
+    build_schedule,
+    gpipe_compute,
+    interleaved_compute,
+    one_f_one_b_compute,
+    schedule_1f1b,
+    schedule_gpipe,
+    schedule_interleaved,
+)
+from megakit.core.simulator import Costs, ScheduleError, simulate
 from megakit.errors import UsageError
-from megakit.parallel.schedules import (BACKWARD, FORWARD, RECV_ACT, SEND_ACT, Action, add_p2p, bubble_formula,
-                                        build_schedule, gpipe_compute, interleaved_compute, one_f_one_b_compute,
-                                        schedule_1f1b, schedule_gpipe, schedule_interleaved)
-from megakit.parallel.simulator import Costs, ScheduleError, simulate
 
 
 def test_1f1b_compute_order_matches_deepspeed_train_schedule():
@@ -148,7 +161,7 @@ def test_unequal_measured_costs_bound_step_by_slowest_stage():
 def test_cli_prints_timeline_and_writes_png(tmp_path):
     out = tmp_path / "s.png"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "megakit.cli", "schedule", "--pp", "4", "--micro-batches", "8",
+    cmd = [sys.executable, "-m", "megakit.commands.cli", "schedule", "--pp", "4", "--micro-batches", "8",
            "--schedule", "interleaved", "--vpp", "2", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -27,7 +27,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 def _equivalence(topo, preset: str, vocab: int, sequence_parallel: bool, recompute: bool = False,
                  dropout: float = 0.0) -> None:
     """In training mode: with dropout the TP model must drop the very units the TP = 1 model drops."""
-    from megakit.model import ModelConfig, Transformer, full_state_dict
+    from megakit.nn.model import ModelConfig, Transformer, full_state_dict
 
     config = ModelConfig.load(preset).replace(vocab_size=vocab, dropout=dropout)
     gen = torch.Generator().manual_seed(42)
@@ -69,7 +69,7 @@ def _gather(x: torch.Tensor, topo) -> list[torch.Tensor]:
 
 def _cross_entropy(topo) -> None:
     """The vocab-parallel loss against F.cross_entropy on gathered logits, values and grads."""
-    from megakit.parallel.tensor import vocab_parallel_cross_entropy
+    from megakit.nn.tensor_parallel import vocab_parallel_cross_entropy
 
     gen = torch.Generator().manual_seed(3)
     vocab = 30 * topo.tp - 1  # one padded column on the last rank
@@ -93,8 +93,12 @@ def _cross_entropy(topo) -> None:
 def _layers(topo) -> None:
     """Column-parallel with a gathered output, fed into row-parallel through scatter_to_tp,
     against plain nn.Linear layers with the same full weights: outputs and all gradients."""
-    from megakit.parallel.init import init_shard_
-    from megakit.parallel.tensor import ColumnParallelLinear, RowParallelLinear, scatter_to_tp
+    from megakit.nn.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        scatter_to_tp,
+    )
+    from megakit.nn.weights import init_shard_
 
     col = ColumnParallelLinear(6, 4 * topo.tp, group=topo.tp_group, gather_output=True)
     row = RowParallelLinear(4 * topo.tp, 5, group=topo.tp_group)
@@ -125,7 +129,7 @@ def _layers(topo) -> None:
 def _stages(topo, preset: str, sequence_parallel: bool) -> None:
     """A TP-sharded pipeline stage holds a subset of the full model's names, identically initialised,
     and chaining stages reproduces the whole model (the hidden state passes through unchanged)."""
-    from megakit.model import ModelConfig, Transformer, full_state_dict
+    from megakit.nn.model import ModelConfig, Transformer, full_state_dict
 
     config = ModelConfig.load(preset)
     kw = dict(seed=4, sequence_parallel=sequence_parallel)
@@ -147,7 +151,7 @@ def _dropout_is_layout_free(topo) -> None:
     """In training mode with dropout: the replicated residual stream is bit-identical on every TP rank,
     with SP each rank holds its rows of the TP = 1 model's stream, and torch's default generator is
     never drawn from (so no rank's masks depend on how it was seeded)."""
-    from megakit.model import ModelConfig, Transformer
+    from megakit.nn.model import ModelConfig, Transformer
 
     config = ModelConfig.load("llama-tiny").replace(dropout=0.2)
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -169,7 +173,7 @@ def _dropout_is_layout_free(topo) -> None:
 
 def _bad_tp(topo) -> None:
     from megakit.errors import UsageError
-    from megakit.model import ModelConfig, Transformer
+    from megakit.nn.model import ModelConfig, Transformer
 
     config = ModelConfig.load("gpt-tiny").replace(heads=2, kv_heads=2, hidden=34, ffn=130)
     if topo.tp == 4:
@@ -182,7 +186,7 @@ def _bad_tp(topo) -> None:
 
 
 def _worker(rank: int, world_size: int) -> str:
-    from megakit.parallel.topology import Topology
+    from megakit.nn.topology import Topology
 
     topo = Topology.from_world(tp=world_size)
     for preset, vocab in CASES:
@@ -211,8 +215,8 @@ def _deepspeed_worker(rank: int, world_size: int) -> list[float]:
     SGD on the single-process model. Checks the parameters' TP marks and the mpu's grad norm."""
     import deepspeed
 
-    from megakit.model import ModelConfig, Transformer, full_state_dict
-    from megakit.parallel.topology import Topology
+    from megakit.nn.model import ModelConfig, Transformer, full_state_dict
+    from megakit.nn.topology import Topology
 
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the running process group
     topo = Topology.from_world(tp=2)

@@ -1,10 +1,10 @@
 """The rank grid as pure data, and the process groups it builds on real gloo processes."""
 
 import pytest
-
-from megakit.errors import UsageError
-from megakit.parallel.topology import Layout
 from multiproc import run_ranks
+
+from megakit.core.layout import Layout
+from megakit.errors import UsageError
 
 
 def test_worked_example_from_docstring():
@@ -40,7 +40,7 @@ def _groups_worker(rank, world_size):
     import torch
     import torch.distributed as dist
 
-    from megakit.parallel.topology import Topology
+    from megakit.nn.topology import Topology
 
     topo = Topology.from_world(tp=2, pp=2)
     seen = {}

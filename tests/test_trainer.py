@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from multiproc import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +59,7 @@ def sweep(tmp_path_factory, nprocs: int, cases: list[dict]) -> list[dict]:
 
 
 def reference(case: dict, dp: int) -> dict:
-    from megakit.reference import reference_run
+    from megakit.train.reference import reference_run
 
     return reference_run(case["ds_config"], model=case["model"], steps=case["steps"], dp=dp, seq_len=case["seq_len"],
                          data=case.get("data"))

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from megakit.errors import UsageError
-from megakit.ds_config import load_ds_config
-from megakit.trainer import TrainConfig
+from megakit.train.ds_config import load_ds_config
+from megakit.train.trainer import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "ds_configs").glob("*.json"))

@@ -1,0 +1,1 @@
+"""The ``megakit`` command line: one module per sub-command (``cli`` dispatches)."""

@@ -1,0 +1,239 @@
+"""``megakit plan``: pick TP × PP × DP × ZeRO for a model and a cluster, and say why.
+
+Reads the model (``--params`` or ``--model``) and the cluster (``--gpu``, ``--gpus`` or
+``--nodes``), runs the search, and prints the plan, its memory against the
+threshold line, its throughput, the best alternatives and rejections, and tips;
+``--json`` prints the same as one JSON object, ``--emit-config`` writes the
+ds_config and prints the launch command. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+
+from megakit.core.planner import emit
+from megakit.core.planner.cost import estimate_cost
+from megakit.core.planner.hardware import GPUS, Cluster, gpu_preset
+from megakit.core.planner.memory import GIB
+from megakit.core.planner.model_spec import ModelSpec, parse_count, preset_names
+from megakit.core.planner.plan import Plan
+from megakit.core.planner.search import NoPlan, Pins, search, smallest_cluster
+from megakit.errors import UsageError
+
+# A value such as "-5B" or "-1.3e9" is a (wrong) size, not an option: argparse only treats plain
+# negative numbers so, and would say "--params: expected one argument". No flag of this command looks
+# like a number, so widening argparse's matcher (a private attribute, hence the hasattr) is safe; the
+# value then reaches parse_count, which says why it is wrong.
+_NEGATIVE_VALUE = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[+-]?\d+)?[kmbgt]?$", re.IGNORECASE)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    if hasattr(parser, "_negative_number_matcher"):
+        parser._negative_number_matcher = _NEGATIVE_VALUE
+    model = parser.add_argument_group("model")
+    model.add_argument("--params", help="model size: 125M, 1.3B, 70b, 175e9, 1T (nearest well-known shape)")
+    model.add_argument("--model", help="preset name from models/ or a Hugging Face config.json path")
+    model.add_argument("--seq-len", type=int, help="sequence length (default 2048, or the config's, up to 8192)")
+    model.add_argument("--vocab", type=int, help="vocabulary size override")
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--gpu", default="a100-80gb", help=f"GPU preset: {', '.join(GPUS)}")
+    cluster.add_argument("--gpus", type=int, help="total GPUs (default: the fewest whole nodes that fit)")
+    cluster.add_argument("--nodes", type=int, help="nodes (x --gpus-per-node)")
+    cluster.add_argument("--gpus-per-node", type=int, default=8)
+    cluster.add_argument("--gpu-mem", type=float, help="GPU memory override, GiB")
+    cluster.add_argument("--intra-bw", type=float, help="intra-node link override, GB/s per GPU")
+    cluster.add_argument("--inter-bw", type=float, help="inter-node network override, GB/s per GPU")
+    cluster.add_argument("--peak-tflops", type=float, help="peak dense 16-bit TFLOP/s override")
+    train = parser.add_argument_group("training")
+    train.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: GPT-3's for the size)")
+    train.add_argument("--tokens", help="training tokens, e.g. 300B: adds time-to-train")
+    train.add_argument("--precision", choices=("bf16", "fp16", "fp32"), help="default bf16 (fp16 on V100)")
+    train.add_argument("--offload", choices=("none", "optimizer", "params"), default="none")
+    train.add_argument("--attention", choices=("flash", "standard"), help="default: flash where the GPU has it")
+    train.add_argument("--mem-threshold", type=float, default=0.80, help="feasible if peak <= this x GPU memory")
+    train.add_argument("--base-lr", type=float, help="reference LR for linear scaling (with --base-batch)")
+    train.add_argument("--base-batch", type=int, default=256, help="sequences at which --base-lr applies")
+    pins = parser.add_argument_group("pin a dimension (the rest is searched)")
+    pins.add_argument("--tp", type=int)
+    pins.add_argument("--pp", type=int)
+    pins.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
+    pins.add_argument("--micro-batch", type=int)
+    pins.add_argument("--recompute", choices=("none", "selective", "full"))
+    pins.add_argument("--vpp", type=int)
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    out.add_argument("--emit-config", metavar="PATH", help="write the plan's ds_config here")
+    out.add_argument("--top", type=int, default=5, help="alternatives and rejections to show")
+
+
+def _positive(args, *names):
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+def load_model(args) -> ModelSpec:
+    if bool(args.params) == bool(args.model):
+        raise UsageError("give exactly one of --params SIZE (e.g. 175B) or --model NAME|config.json")
+    if args.params:
+        spec = ModelSpec.from_params(args.params, seq_len=args.seq_len or 2048)
+    else:
+        from megakit.interop.hf import (
+            exact_param_count,  # transformers on the meta device
+        )
+
+        spec = ModelSpec.from_config(args.model, count_params=exact_param_count)
+    return spec.with_overrides(seq_len=args.seq_len, vocab=args.vocab)
+
+
+def run(args) -> int:
+    _positive(args, "seq_len", "vocab", "gpus", "nodes", "gpus_per_node", "gpu_mem", "intra_bw", "inter_bw",
+              "peak_tflops", "global_batch", "tp", "pp", "micro_batch", "vpp", "base_lr", "base_batch", "top")
+    if not 0 < args.mem_threshold <= 1:
+        raise UsageError(f"--mem-threshold {args.mem_threshold} must be in (0, 1], e.g. 0.8")
+    gpu = gpu_preset(args.gpu)
+    model = load_model(args)
+    tokens = parse_count(args.tokens, what="--tokens") if args.tokens else None
+    precision = args.precision or ("fp16" if gpu.name.startswith("v100") else "bf16")
+    flash = gpu.flash_attention if args.attention is None else args.attention == "flash"
+    global_batch = args.global_batch or emit.default_global_batch(model.params, model.seq_len)
+    pins = Pins(tp=args.tp, pp=args.pp, zero=args.zero, micro_batch=args.micro_batch, recompute=args.recompute,
+                vpp=args.vpp)
+
+    def make_cluster(nodes: int | None = None, gpus: int | None = None) -> Cluster:
+        total = gpus if gpus is not None else nodes * args.gpus_per_node
+        return Cluster(gpu=gpu, num_gpus=total, gpus_per_node=args.gpus_per_node).with_overrides(
+            mem_gib=args.gpu_mem, intra_gbps=args.intra_bw, inter_gbps=args.inter_bw, peak_tflops=args.peak_tflops)
+
+    kwargs = dict(pins=pins, threshold=args.mem_threshold, precision=precision, offload=args.offload,
+                  flash_attention=flash, seq_len=model.seq_len)
+    auto = args.gpus is None and args.nodes is None
+    if auto:
+        _, result = smallest_cluster(model, lambda n: make_cluster(nodes=n), global_batch=global_batch, **kwargs)
+        cluster = make_cluster(gpus=result.best.plan.world)
+    else:
+        if args.gpus is not None and args.nodes is not None and args.gpus != args.nodes * args.gpus_per_node:
+            raise UsageError(f"--gpus {args.gpus} disagrees with --nodes {args.nodes} x --gpus-per-node "
+                             f"{args.gpus_per_node}; give one of them")
+        cluster = make_cluster(gpus=args.gpus) if args.gpus is not None else make_cluster(nodes=args.nodes)
+        try:
+            result = search(model, cluster, global_batch=global_batch, **kwargs)
+        except NoPlan as error:
+            if not error.memory_bound:
+                raise
+            try:
+                nodes, _ = smallest_cluster(model, lambda n: make_cluster(nodes=n), global_batch=global_batch,
+                                            **kwargs)
+                need = f"; it needs at least {nodes * args.gpus_per_node} GPUs ({nodes} nodes)"
+            except UsageError:
+                need = ""
+            raise UsageError(f"{error}{need}") from None
+
+    plan, cost, mem = result.best.plan, result.best.cost, result.best.memory
+    lr, lr_note = emit.scaled_lr(model.params, plan.global_batch, model.seq_len, base_lr=args.base_lr,
+                                 base_batch=args.base_batch if args.base_lr else None)
+    total_steps, warmup = emit.schedule_steps(plan.global_batch, model.seq_len, tokens, params=model.params)
+    config_path = args.emit_config or "ds_configs/plan.json"
+    model_arg, model_file = _model_arg(args, model, config_path)
+    launch, launch_note = emit.launch_command(plan, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
+                                 config_path=config_path, model_arg=model_arg,
+                                 seq_len=model.seq_len)
+    single = estimate_cost(model, dataclasses.replace(cluster, num_gpus=1),
+                           dataclasses.replace(plan, tp=1, pp=1, dp=1, vpp=1, zero_stage=0, sequence_parallel=False,
+                                               grad_accum=plan.global_batch // plan.micro_batch),
+                           seq_len=model.seq_len)
+    speedup = cost.tokens_per_s / single.tokens_per_s
+    report = {
+        "plan": plan_dict(plan, mem, cost, cluster, tokens, model.seq_len) | {
+            "speedup_vs_one_gpu": speedup, "scaling_efficiency": speedup / plan.world,
+            "lr": lr, "warmup_steps": warmup, "total_steps": total_steps},
+        "alternatives": [plan_dict(c.plan, c.memory, c.cost, cluster, tokens, model.seq_len)
+                         for c in result.ranked[1:1 + args.top]],
+        "rejected": [{"plan": _plan_fields(r.plan) if r.plan else None, "reason": r.reason, "kind": r.kind,
+                      "tokens_per_s": r.tokens_per_s} for r in _top_rejected(result.rejected, args.top)],
+        "assumptions": assumptions(model, cluster, auto, result, precision, flash, args.mem_threshold,
+                                   global_batch, tokens, launch, launch_note),
+    }
+    if args.emit_config:
+        if model_file:  # a --params shape with no preset: the trainer gets its config.json too
+            emit.write_json_atomic(model_file, model.to_hf_config())
+        emit.write_json_atomic(args.emit_config, emit.ds_config(plan, lr=lr, total_steps=total_steps,
+                                                                warmup_steps=warmup))
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    from megakit.commands.plan_render import render  # rich, only for the tables
+    render(report, result, model, cluster, tips=emit.tips(result, cost, plan, cluster, lr_note=lr_note,
+                                                          warmup=warmup, total=total_steps, auto_sized=auto),
+           emitted=args.emit_config, launch=launch, launch_note=launch_note)
+    return 0
+
+
+def _model_arg(args, model: ModelSpec, config_path: str) -> tuple[str, str | None]:
+    """What the launch command passes as --model, and the config.json to write for it (or None):
+    the user's --model, a preset of that shape, or ``<ds_config stem>.model.json`` beside the ds_config."""
+    if args.model:
+        return args.model, None
+    if model.name in preset_names() and args.vocab is None:
+        return model.name, None
+    stem = config_path[:-5] if config_path.endswith(".json") else config_path
+    return f"{stem}.model.json", f"{stem}.model.json"
+
+
+def _top_rejected(rejected, top):
+    """The fastest plans that did not fit, then one example of each structural reason (for layouts
+    that failed even at their smallest, the one closest to fitting)."""
+    out = [r for r in rejected if r.kind == "memory"][:top]
+    for kind in ("tp-node", "zero-pp", "rule", "vpp", "batch", "floor"):
+        of_kind = [r for r in rejected if r.kind == kind]
+        if of_kind:
+            out.append(min(of_kind, key=lambda r: r.peak_gib or 0.0))
+    return out
+
+
+def _plan_fields(plan: Plan) -> dict:
+    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "vpp": plan.vpp, "zero_stage": plan.zero_stage,
+            "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum, "global_batch": plan.global_batch,
+            "recompute": plan.recompute, "sequence_parallel": plan.sequence_parallel, "precision": plan.precision,
+            "offload": plan.offload, "flash_attention": plan.flash_attention}
+
+
+def plan_dict(plan: Plan, mem, cost, cluster: Cluster, tokens, seq_len: int) -> dict:
+    out = _plan_fields(plan) | {
+        "peak_memory_gib": mem.total / GIB, "gpu_memory_gib": cluster.gpu.mem_gib,
+        "memory": mem.gib(), "peak_stage": mem.stage,
+        "step_time_s": cost.step_time_s, "tokens_per_s": cost.tokens_per_s,
+        "model_tflops_per_gpu": cost.model_tflops_per_gpu, "hardware_tflops_per_gpu": cost.hardware_tflops_per_gpu,
+        "mfu": cost.mfu, "comm_fraction": cost.comm_fraction, "bubble_fraction": cost.bubble_fraction,
+        "num_gpus": plan.world,
+    }
+    if tokens:
+        out["train_days"] = tokens / cost.tokens_per_s / 86400
+    return out
+
+
+def assumptions(model: ModelSpec, cluster: Cluster, auto: bool, result, precision, flash, threshold,
+                global_batch, tokens, launch, launch_note) -> dict:
+    gpu = cluster.gpu
+    return {
+        "model": {"name": model.name, "source": model.assumed, "family": model.family, "params": model.params,
+                  "layers": model.layers, "hidden": model.hidden, "heads": model.heads, "kv_heads": model.kv_heads,
+                  "ffn": model.ffn, "vocab": model.vocab, "seq_len": model.seq_len,
+                  "tie_embeddings": model.tie_embeddings},
+        "cluster": {"gpu": gpu.name, "num_gpus": cluster.num_gpus, "nodes": cluster.nodes,
+                    "gpus_per_node": cluster.gpus_per_node, "gpu_memory_gib": gpu.mem_gib,
+                    "peak_tflops": gpu.peak_tflops, "hbm_gbps": gpu.hbm_gbps,
+                    "intra_node": f"{gpu.intra_link}, {gpu.intra_gbps:g} GB/s per GPU",
+                    "inter_node": f"{gpu.inter_link}, {gpu.inter_gbps:g} GB/s per GPU",
+                    "auto_sized": auto},
+        "rule": {"branch": result.branch, "why": result.branch_why},
+        "mem_threshold": threshold, "precision": precision, "attention": "flash" if flash else "standard",
+        "global_batch": global_batch, "tokens": tokens, "layouts_evaluated": result.evaluated,
+        "launch": launch, "launch_note": launch_note,
+    }

@@ -1,0 +1,110 @@
+"""The human-readable ``megakit plan`` report: rich tables built from the JSON report."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+MEMORY_LABELS = {
+    "params": "parameters", "grads": "gradients", "master_params": "fp32 master params",
+    "optimizer": "Adam states (m, v)", "fp32_step_grads": "fp32 grads at step", "activations": "activations",
+    "recompute_working_set": "recompute working set", "logits": "logits + loss (last stage)",
+    "comm_buffers": "communication buckets", "zero3_gather": "ZeRO-3 gather buffers",
+    "overhead": "CUDA context / workspaces",
+}
+
+
+def _short(p: dict) -> str:
+    text = f"TP={p['tp']} PP={p['pp']} DP={p['dp']}"
+    if p["vpp"] > 1:
+        text += f" VPP={p['vpp']}"
+    text += f" ZeRO-{p['zero_stage']} mb={p['micro_batch']}x{p['grad_accum']} rc={p['recompute']}"
+    return text + (" SP" if p["sequence_parallel"] else "")
+
+
+def render(report: dict, result, model, cluster, *, tips: list, emitted: str | None, launch: str,
+           launch_note: str = "") -> None:
+    console = Console(highlight=False)
+    a, p = report["assumptions"], report["plan"]
+    m, c = a["model"], a["cluster"]
+    console.print(f"[bold]Model[/]: {m['source']}")
+    console.print(f"  {m['family']}: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads"
+                  f"{' (' + str(m['kv_heads']) + ' KV)' if m['kv_heads'] != m['heads'] else ''}, FFN {m['ffn']}, "
+                  f"vocab {m['vocab']}, seq {m['seq_len']}: {m['params'] / 1e9:.2f}B parameters")
+    console.print(f"[bold]Cluster[/]: {c['num_gpus']} x {c['gpu']} ({c['nodes']} node(s) x {c['gpus_per_node']}), "
+                  f"{c['gpu_memory_gib']:g} GiB, {c['peak_tflops']:g} TFLOP/s peak; intra-node {c['intra_node']}; "
+                  f"inter-node {c['inter_node']}")
+    if c["auto_sized"]:
+        console.print(f"  No --gpus/--nodes given: planned for the smallest whole number of nodes on which "
+                      f"training fits: [bold]{c['nodes']} nodes ({c['num_gpus']} GPUs)[/].")
+    console.print(f"[bold]Rule[/] ({a['rule']['branch']}): {a['rule']['why']}.")
+
+    plan = Table(title="Plan", show_header=False)
+    for key, value in (("TP x PP x DP", f"{p['tp']} x {p['pp']} x {p['dp']} = {p['num_gpus']} GPUs"),
+                       ("virtual stages", p["vpp"]), ("ZeRO stage", p["zero_stage"]),
+                       ("batch", f"micro {p['micro_batch']} x accumulation {p['grad_accum']} x DP {p['dp']} = "
+                                 f"{p['global_batch']} sequences"),
+                       ("recompute", p["recompute"]), ("sequence parallel", p["sequence_parallel"]),
+                       ("precision / attention", f"{p['precision']} / {a['attention']}")):
+        plan.add_row(key, str(value))
+    console.print(plan)
+
+    limit = a["mem_threshold"] * p["gpu_memory_gib"]
+    mem = Table(title=f"Memory per GPU (stage {p['peak_stage']}, the peak)")
+    mem.add_column("item")
+    mem.add_column("GiB", justify="right")
+    for key, gib in p["memory"].items():
+        if gib > 0.0005:
+            mem.add_row(MEMORY_LABELS.get(key, key), f"{gib:.2f}")
+    mem.add_row("[bold]peak[/]", f"[bold]{p['peak_memory_gib']:.2f}[/]")
+    mem.add_row(f"{a['mem_threshold']:.0%} line", f"{limit:.2f}")
+    mem.add_row("headroom to the line", f"{limit - p['peak_memory_gib']:.2f}")
+    console.print(mem)
+
+    speed = Table(title="Throughput (predicted)", show_header=False)
+    rows = [("step time", f"{p['step_time_s']:.2f} s"), ("tokens/s", f"{p['tokens_per_s']:,.0f}"),
+            ("model TFLOP/s per GPU", f"{p['model_tflops_per_gpu']:.0f}"),
+            ("hardware TFLOP/s per GPU", f"{p['hardware_tflops_per_gpu']:.0f}"), ("MFU", f"{p['mfu']:.1%}"),
+            ("communication share", f"{p['comm_fraction']:.1%}"), ("pipeline bubble", f"{p['bubble_fraction']:.1%}"),
+            ("speed-up vs one GPU", f"{p['speedup_vs_one_gpu']:.1f}x (scaling efficiency "
+                                    f"{p['scaling_efficiency']:.0%})")]
+    if "train_days" in p:
+        rows.append((f"time to train {a['tokens'] / 1e9:g}B tokens", f"{p['train_days']:.1f} days"))
+    for key, value in rows:
+        speed.add_row(key, value)
+    console.print(speed)
+
+    if report["alternatives"]:
+        alt = Table(title="Top alternatives")
+        for col in ("layout", "peak GiB", "tokens/s", "vs plan"):
+            alt.add_column(col, justify="left" if col == "layout" else "right")
+        for q in report["alternatives"]:
+            alt.add_row(_short(q), f"{q['peak_memory_gib']:.1f}", f"{q['tokens_per_s']:,.0f}",
+                        f"{q['tokens_per_s'] / p['tokens_per_s']:.0%}")
+        console.print(alt)
+    if report["rejected"]:
+        rej = Table(title="Rejected")
+        rej.add_column("layout")
+        rej.add_column("would do tok/s", justify="right")
+        rej.add_column("why not")
+        for r in report["rejected"]:
+            q = r["plan"]
+            if r["kind"] == "memory":
+                layout = _short(q)
+            elif r["kind"] in ("floor", "zero-pp", "batch"):
+                layout = f"TP={q['tp']} PP={q['pp']} DP={q['dp']} ZeRO-{q['zero_stage']}"
+            else:
+                layout = f"TP={q['tp']} PP={q['pp']}"
+            speed_text = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"
+            rej.add_row(layout, speed_text, r["reason"])
+        console.print(rej)
+    console.print("[bold]Tips[/]")
+    for tip in tips:
+        console.print(f"  - {tip}")
+    if emitted:
+        console.print(f"[bold]Wrote[/] {emitted}. Launch:")
+    else:
+        console.print("[bold]Launch[/] (write the config with --emit-config PATH):")
+    console.print(f"  {launch}", soft_wrap=True)
+    if launch_note:
+        console.print(f"  ({launch_note}; the memory and speed above count on them)")

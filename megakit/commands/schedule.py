@@ -1,0 +1,55 @@
+"""``megakit schedule``: build a pipeline schedule, simulate it, print its timeline and draw it.
+
+    megakit schedule --pp 4 --micro-batches 8 --schedule interleaved --vpp 2 --out schedule.png
+
+Needs no torch and no processes: the schedule is data and the simulator runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from megakit.core.schedules import SCHEDULES, bubble_formula, build_schedule
+from megakit.errors import UsageError
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pp", type=int, default=4, help="pipeline stages (default 4)")
+    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (default 8)")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="schedule (default 1f1b)")
+    parser.add_argument("--vpp", type=int, default=None,
+                        help="model chunks per stage for --schedule interleaved (default 2)")
+    parser.add_argument("--forward-cost", type=float, default=1.0, help="time of one stage's forward (default 1)")
+    parser.add_argument("--backward-cost", type=float, default=2.0, help="time of one stage's backward (default 2)")
+    parser.add_argument("--p2p-cost", type=float, default=0.0, help="time for a message between stages (default 0)")
+    parser.add_argument("--p2p", choices=("async", "batched"), default="async",
+                        help="P2P model: async sends (gloo) or batched rendezvous (NCCL) (default async)")
+    parser.add_argument("--out", default=None, help="also draw the timeline to this PNG file")
+
+
+def run(args: argparse.Namespace) -> int:
+    from megakit.commands.schedule_render import print_timeline, save_png
+    from megakit.core.simulator import Costs, simulate
+
+    vpp = args.vpp if args.vpp is not None else (2 if args.schedule == "interleaved" else 1)
+    if args.out is not None:
+        directory = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(directory):
+            raise UsageError(f"--out {args.out}: directory {directory} does not exist; create it or pick another path")
+        if not args.out.lower().endswith(".png"):
+            raise UsageError(f"--out {args.out}: the picture is a PNG; give a path ending in .png")
+    schedule = build_schedule(args.schedule, args.pp, args.micro_batches, vpp)
+    for name in ("forward_cost", "backward_cost", "p2p_cost"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    report = simulate(schedule, Costs(forward=args.forward_cost, backward=args.backward_cost, p2p=args.p2p_cost),
+                      p2p=args.p2p)
+    print_timeline(report)
+    formula = bubble_formula(args.schedule, args.pp, args.micro_batches, vpp)
+    print(f"step time {report.step_time:g}  bubble {report.bubble:.1%}  (formula {formula:.1%})  "
+          f"peak in-flight activations per stage {list(report.peak_in_flight)}")
+    if args.out:
+        save_png(report, args.out)
+        print(f"wrote {args.out}")
+    return 0

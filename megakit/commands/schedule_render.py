@@ -1,0 +1,117 @@
+"""Draw a simulated schedule: a terminal timeline (rich) and a PNG (matplotlib).
+
+Both show stages as rows and time as columns; forward cells are blue, backward
+cells green (a lighter shade for later chunks when interleaved), each labelled with
+its micro-batch, and idle time — the bubble — is left grey and empty. The title
+carries the bubble fraction measured by the simulator next to the textbook formula.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+
+from megakit.core.schedules import FORWARD, bubble_formula
+from megakit.core.simulator import Report
+
+_TERMINAL = {FORWARD: ("white on blue", "white on dark_blue"), "backward": ("black on green", "black on dark_green")}
+_PNG = {FORWARD: ("#2f6fd0", "#89aef0"), "backward": ("#2e9e49", "#8fd6a0")}
+
+
+def _label(mb: int) -> str:
+    return "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[mb % 62]
+
+
+def title(report: Report) -> str:
+    s = report.schedule
+    name = s.name.split("(")[0]
+    formula = bubble_formula(name, s.pp, s.micro_batches, s.vpp)
+    return (f"{s.name}  pp={s.pp} micro-batches={s.micro_batches}: bubble {report.bubble:.1%} "
+            f"(formula {formula:.1%}), step time {report.step_time:g}")
+
+
+def timeline_text(report: Report, *, width: int = 120):
+    """A ``rich.text.Text`` with one row per stage; one column is one time unit (scaled to fit ``width``)."""
+    from rich.text import Text
+
+    durations = [e.end - e.start for e in report.events if e.end > e.start]
+    unit = min(durations) if durations else 1.0
+    columns = max(1, math.ceil(report.step_time / unit - 1e-9))
+    if columns > width:
+        unit *= columns / width
+        columns = width
+    rows = {stage: [None] * columns for stage in range(report.schedule.pp)}
+    for e in report.events:
+        first, last = int(e.start / unit + 1e-9), math.ceil(e.end / unit - 1e-9)
+        for col in range(first, min(max(last, first + 1), columns)):
+            rows[e.stage][col] = e
+    text = Text()
+    text.append(title(report) + "\n", style="bold")
+    for stage, cells in rows.items():
+        text.append(f"stage {stage:>2} │")
+        for cell in cells:
+            if cell is None:
+                text.append("·", style="grey42")
+            else:
+                text.append(_label(cell.micro_batch), style=_TERMINAL[cell.kind][min(cell.chunk, 1)])
+        text.append(f"│ idle {report.bubble_per_stage[stage]:.0%}, peak in flight {report.peak_in_flight[stage]}\n")
+    text.append("forward", style=_TERMINAL[FORWARD][0])
+    text.append(" ")
+    text.append("backward", style=_TERMINAL["backward"][0])
+    text.append(" · idle (bubble); digits are micro-batch ids")
+    if report.schedule.vpp > 1:
+        text.append("; darker = later chunks")
+    return text
+
+
+def print_timeline(report: Report, console=None) -> None:
+    from rich.console import Console
+
+    console = console or Console(soft_wrap=True)  # long rows overflow rather than wrap mid-timeline
+    console.print(timeline_text(report, width=160), soft_wrap=True)
+
+
+def save_png(report: Report, path: str) -> None:
+    """Draw the timeline to ``path``; written to a temporary file first, so a failure leaves nothing half-written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    pp = report.schedule.pp
+    fig, ax = plt.subplots(figsize=(min(24, 4 + report.step_time * 0.25), 1 + 0.6 * pp))
+    for stage in range(pp):
+        ax.broken_barh([(0, report.step_time)], (stage - 0.4, 0.8), facecolors="#e6e6e6")  # idle = bubble
+    spans: dict = {}  # one broken_barh per (stage, kind, shade): thousands of events draw in a second
+    for e in report.events:
+        spans.setdefault((e.stage, e.kind, min(e.chunk, 1)), []).append((e.start, e.end - e.start))
+    for (stage, kind, shade), bars in spans.items():
+        edge = "white" if len(report.events) < 4000 else "none"
+        ax.broken_barh(bars, (stage - 0.4, 0.8), facecolors=_PNG[kind][shade], edgecolors=edge, linewidth=0.5)
+    per_unit = fig.get_size_inches()[0] * 72 / max(report.step_time, 1e-9)
+    for e in report.events if len(report.events) <= 2000 else ():
+        if (e.end - e.start) * per_unit > 9:  # label a cell with its micro-batch only where it fits
+            ax.text((e.start + e.end) / 2, e.stage, str(e.micro_batch), ha="center", va="center", fontsize=7,
+                    color="white")
+    ax.set_yticks(range(pp), [f"stage {s}" for s in range(pp)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, report.step_time)
+    chunks = "; lighter shade = later model chunk" if report.schedule.vpp > 1 else ""
+    ax.set_xlabel(f"time (units of the per-op costs){chunks}")
+    ax.set_title(title(report), fontsize=10)
+    ax.legend(handles=[Patch(color=_PNG[FORWARD][0], label="forward"), Patch(color=_PNG["backward"][0], label="backward"),
+                       Patch(color="#e6e6e6", label="idle (bubble)")], loc="upper left", fontsize=7,
+              bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(suffix=".png", dir=directory)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)

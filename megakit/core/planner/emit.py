@@ -1,0 +1,172 @@
+"""What the plan turns into: a ds_config, the launch command, and tips tied to this plan.
+
+The ds_config keeps to standard DeepSpeed keys (DeepSpeed's own parser must accept
+it): batch sizes (``train_batch_size = micro × accumulation × DP``), bf16/fp16,
+the ZeRO section, AdamW with a linearly scaled LR, a WarmupCosineLR schedule and
+gradient clipping (FAQ row 4). TP and PP are not DeepSpeed keys: they go into
+the printed launch command.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from megakit.core.planner.memory import Buckets
+from megakit.core.planner.plan import Plan
+from megakit.errors import UsageError
+
+# (parameters, learning rate, batch in tokens): GPT-3 (Brown et al. 2020, Table 2.1)
+GPT3_LR = [(125e6, 6.0e-4, 0.5e6), (350e6, 3.0e-4, 0.5e6), (760e6, 2.5e-4, 0.5e6), (1.3e9, 2.0e-4, 1e6),
+           (2.7e9, 1.6e-4, 1e6), (6.7e9, 1.2e-4, 2e6), (13e9, 1.0e-4, 2e6), (175e9, 0.6e-4, 3.2e6)]
+WARMUP_TOKENS = 375e6  # GPT-3's linear warm-up
+CHINCHILLA_TOKENS_PER_PARAM = 20
+GPT3_TOKENS = 300e9  # the yardstick for time-to-train when the cluster was auto-sized
+
+
+def default_global_batch(params: float, seq_len: int) -> int:
+    """GPT-3's batch for the nearest size, in sequences, rounded to a multiple of 256 (at least 1)."""
+    tokens = min(GPT3_LR, key=lambda row: abs(math.log(row[0] / params)))[2]
+    seqs = tokens / seq_len
+    return max(1, int(round(seqs / 256)) * 256) if seqs >= 256 else max(1, 2 ** int(round(math.log2(seqs))))
+
+
+def scaled_lr(params: float, global_batch: int, seq_len: int, *, base_lr: float | None = None,
+              base_batch: int | None = None) -> tuple[float, str]:
+    """Linear scaling (FAQ row 4: batch 64 / lr 0.1 -> batch 512 / lr 0.8) from a reference point:
+    the user's ``base_lr`` at ``base_batch`` sequences, else GPT-3's LR and batch for the nearest size."""
+    if base_lr is None:
+        _, base_lr, tokens = min(GPT3_LR, key=lambda row: abs(math.log(row[0] / params)))
+        base_batch_seqs = tokens / seq_len
+        source = f"GPT-3's {base_lr:.1e} at {tokens / 1e6:g}M tokens/batch"
+    else:
+        base_batch_seqs = base_batch or 256
+        source = f"--base-lr {base_lr:g} at {base_batch_seqs:g} sequences"
+    lr = base_lr * global_batch / base_batch_seqs
+    return lr, f"{lr:.3g} = {source} x {global_batch} / {base_batch_seqs:.0f} sequences (linear scaling)"
+
+
+def ds_config(plan: Plan, *, lr: float, total_steps: int, warmup_steps: int, buckets: Buckets = Buckets()) -> dict:
+    zero: dict = {"stage": plan.zero_stage}
+    if plan.zero_stage >= 1:
+        # A pipeline steps once per flush (managed_gradient_accumulation off), and DeepSpeed then
+        # allows overlap_comm only with ZeRO-2, which PP excludes: so overlap only without PP.
+        zero.update(overlap_comm=plan.pp == 1, contiguous_gradients=True, reduce_scatter=True,
+                    reduce_bucket_size=buckets.reduce_bucket, allgather_bucket_size=buckets.allgather_bucket)
+    if plan.zero_stage == 3:
+        zero.pop("allgather_bucket_size")
+        zero.pop("reduce_scatter")
+        zero.update(stage3_prefetch_bucket_size=buckets.stage3_prefetch,
+                    stage3_max_live_parameters=buckets.stage3_max_live,
+                    sub_group_size=buckets.stage3_sub_group)
+    if plan.offload in ("optimizer", "params"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if plan.offload == "params":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                  "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": max(total_steps, warmup_steps + 1), "warmup_num_steps": warmup_steps,
+            "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1, "warmup_type": "linear"}},
+        "steps_per_print": 10,
+        "wall_clock_breakdown": False,
+    }
+    if plan.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif plan.precision == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                          "hysteresis": 2, "min_loss_scale": 1}
+    return config
+
+
+def schedule_steps(global_batch: int, seq_len: int, tokens: float | None, *, params: float) -> tuple[int, int]:
+    """(total steps, warm-up steps) for ``tokens`` at this batch.
+
+    Without ``--tokens`` the schedule spans 20 tokens per parameter (Chinchilla-optimal,
+    Hoffmann et al. 2022), so a small model's emitted config does not warm up for longer
+    than a sensible run lasts."""
+    per_step = global_batch * seq_len
+    total = max(1, math.ceil((tokens or CHINCHILLA_TOKENS_PER_PARAM * params) / per_step))
+    warmup = max(1, min(math.ceil(WARMUP_TOKENS / per_step), total // 10 or 1))
+    return total, warmup
+
+
+def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: str, model_arg: str,
+                   seq_len: int) -> tuple[str, str]:
+    """(the ``deepspeed`` command line for ``scripts/train.py`` with the plan's layout, recompute,
+    sequence parallelism and virtual stages; a note on what the plan assumes that train.py cannot
+    do yet, '' if none)."""
+    gpus = min(gpus_per_node, plan.world)
+    parts = ["deepspeed"]
+    if nodes > 1:
+        parts += ["--num_nodes", str(nodes)]
+    parts += ["--num_gpus", str(gpus), "scripts/train.py", "--ds_config", config_path,
+              "--tp", str(plan.tp), "--pp", str(plan.pp), "--model", model_arg, "--seq-len", str(seq_len)]
+    if plan.vpp > 1:
+        parts += ["--vpp", str(plan.vpp)]
+    if plan.sequence_parallel:
+        parts.append("--sequence-parallel")
+    if plan.recompute == "full":
+        parts += ["--recompute", "full"]
+    note = ""
+    if plan.recompute not in ("none", "full"):
+        note = f"the plan also assumes {plan.recompute} activation recompute, which megakit's model does not do yet"
+    return " ".join(parts), note
+
+
+def write_json_atomic(path: str, data: dict) -> None:
+    """Write to a temporary file in the same folder, then rename: never a half-written config."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"--emit-config {path} is a directory; give a file name such as {path}/plan.json")
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        raise UsageError(f"--emit-config folder {folder} does not exist; create it or pick another path")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=2)
+            handle.write("\n")
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def tips(result, cost, plan: Plan, cluster, *, lr_note: str, warmup: int, total: int,
+         auto_sized: bool = False) -> list[str]:
+    """FAQ advice (rows 1, 2, 4, 5) that applies to this plan, with its numbers."""
+    out = []
+    if cost.comm_fraction > 0.30:
+        out.append(f"Communication is {cost.comm_fraction:.0%} of the step (> 30 %): raise gradient accumulation "
+                   "(communication happens only at the boundary), or use a bigger micro-batch.")
+        if plan.dp > 1 and plan.tp * plan.dp > cluster.gpus_per_node:
+            out.append(f"DP traffic crosses nodes on {cluster.gpu.inter_link} ({cluster.gpu.inter_gbps:g} GB/s per "
+                       "GPU): 1-bit Adam (ds_configs preset) or megakit's Top-K / INT8 gradient compression with "
+                       "error feedback cut it by 50-90 %.")
+    small_model = result.branch == "data-parallel" and plan.dp >= 8
+    if small_model and cost.comm_fraction > 0.15:
+        out.append(f"A small model on {plan.dp} GPUs is communication-bound: fewer GPUs or a bigger global batch "
+                   "would be nearly as fast per GPU-hour.")
+    if cluster.gpu.inter_gbps < 12.5 and plan.world > cluster.gpus_per_node:
+        out.append(f"The inter-node link is slow ({cluster.gpu.inter_gbps:g} GB/s per GPU): prefer gradient "
+                   "accumulation and compression (1-bit Adam, Top-K/INT8 with error feedback).")
+    if plan.pp > 1 and cost.bubble_fraction > 0.10:
+        out.append(f"The pipeline bubble is {cost.bubble_fraction:.0%}: more micro-batches per step or "
+                   "interleaving (--vpp) shrink it.")
+    if auto_sized:
+        days = GPT3_TOKENS / cost.tokens_per_s / 86400
+        out.append(f"This is the fewest whole nodes that fit ({cluster.nodes}); 300B tokens would take {days:,.0f} "
+                   "days here: pass --nodes or --gpus to plan a bigger cluster.")
+    out.append(f"LR {lr_note}; linear warm-up over {warmup} steps, cosine decay to 10 % over {total} steps, "
+               "gradient clipping at 1.0 (all in the emitted ds_config).")
+    return out

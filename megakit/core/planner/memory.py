@@ -1,0 +1,335 @@
+"""Per-GPU memory of one training layout, itemised, for one pipeline stage.
+
+``estimate_memory(model, tp=, pp=, dp=, zero_stage=, micro_batch=, ...)`` returns
+a ``MemoryEstimate``: bytes per item (params, grads, master params, optimizer,
+fp32 step gradients, activations, logits, recompute working set, communication
+buckets, ZeRO-3 gather buffers, framework overhead) plus the activation model it
+used, tensor by tensor, so a measured run (the trainer's ``--verify-memory``)
+can be compared item by item.
+
+Model states follow what DeepSpeed allocates (Ψ = parameters on this TP×PP
+shard, N = DP size, p = bytes of the training dtype, 2 for bf16/fp16, 4 for fp32):
+
+=========  ===========  ==========  =================  ===========  =====================
+ZeRO       params       grads       fp32 master        Adam m, v    fp32 grads at step
+=========  ===========  ==========  =================  ===========  =====================
+0          pΨ           pΨ          4Ψ (mixed only)    8Ψ           4Ψ (mixed only)
+1          pΨ           pΨ          4Ψ/N               8Ψ/N         4Ψ/N
+2          pΨ           pΨ/N        4Ψ/N               8Ψ/N         4Ψ/N
+3          pΨ/N         pΨ/N        4Ψ/N               8Ψ/N         4 × min(Ψ/N, sub-group)
+=========  ===========  ==========  =================  ===========  =====================
+
+With p = 2 this is the ZeRO paper's 16Ψ / 4Ψ+12Ψ/N / 2Ψ+14Ψ/N / 16Ψ/N plus the
+fp32 copy of the gradient partition DeepSpeed makes at ``step()`` (which is why
+DeepSpeed's own ZeRO-2 estimator says 2Ψ+18Ψ/N); that copy is transient (it lives
+during ``step()`` only) and ZeRO 1-3 make it in fp32 training too (the flatten copies). ZeRO 1-3 keep an fp32 master
+partition even when training in fp32 (DeepSpeed clones it). CPU offload moves
+master params, optimizer states and fp32 step gradients to the host
+(``offload="optimizer"``) and, with ZeRO-3, the parameters too (``"params"``).
+
+Activations per layer and micro-batch follow Korthikanti et al. 2022 (Table 2):
+``sbh(34 + 5as/h)`` bytes in 16-bit with dropout, which ``activation_tensors``
+lists tensor by tensor so it also covers GQA, SwiGLU, fp32, no-dropout and
+fused (flash) attention, where the ``as²`` scores are never stored. TP shards
+the tensors inside attention and the MLP; sequence parallelism shards the rest.
+A 1F1B stage ``i`` of ``p`` keeps ``min(p - i, m)`` micro-batches in flight; the
+interleaved schedule keeps ``(p - i - 1)·2 + (v - 1)·p + 1`` model chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from megakit.core.partition import partition_layers
+from megakit.core.planner.model_spec import ModelSpec
+from megakit.errors import UsageError
+
+GIB = 1024**3
+PRECISIONS = {"bf16": 2, "fp16": 2, "fp32": 4}
+RECOMPUTE = ("none", "selective", "full")
+OFFLOAD = ("none", "optimizer", "params")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Buckets:
+    """DeepSpeed communication buffer sizes, in elements (the values ``emit.py`` writes)."""
+
+    reduce_bucket: int = 200_000_000
+    allgather_bucket: int = 200_000_000
+    stage3_prefetch: int = 50_000_000
+    stage3_max_live: int = 1_000_000_000
+    stage3_sub_group: int = 1_000_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedTensor:
+    """One tensor a transformer layer keeps for backward, per micro-batch.
+
+    ``per_token`` elements for each of the s·b tokens, plus ``per_token_seq`` × s
+    for the attention-score tensors (``as`` per token). ``shard``: 'tp' (split by
+    tensor parallelism), 'sp' (split only with sequence parallelism), 'none'."""
+
+    name: str
+    per_token: float
+    per_token_seq: float
+    bytes_per_element: int
+    shard: str
+
+    def bytes(self, *, seq_len: int, micro_batch: int) -> float:
+        return seq_len * micro_batch * (self.per_token + self.per_token_seq * seq_len) * self.bytes_per_element
+
+
+def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool = False,
+                       precision: str = "bf16", flash_attention: bool = True,
+                       dropout: bool | None = None, dropout_mask_bytes: int = 1) -> list[SavedTensor]:
+    """The tensors one transformer block saves for backward, sizes already divided by TP/SP.
+
+    Dropout masks are 1 byte per element (megakit's dropout keeps a bool mask on every
+    device). Flash attention saves q, k, v, the output and an fp32 log-sum-exp per head
+    and token instead of the s×s scores (PyTorch's CPU kernel too, when dropout is off);
+    written-out attention (SDPA's math path, megakit's with dropout) saves K and V
+    repeated to every query head under GQA."""
+    p = PRECISIONS[precision]
+    dropout = model.dropout > 0 if dropout is None else dropout
+    h, f, hd = model.hidden, model.ffn, model.head_dim
+    heads = model.heads // tp
+    kv = model.kv_heads_per_rank(tp) * hd
+    rest = tp if sequence_parallel else 1  # the LayerNorm/dropout region: split only with SP
+
+    def t(name, per_token, bytes_=p, shard="tp", per_seq=0.0):
+        return SavedTensor(name, per_token, per_seq, bytes_, shard)
+
+    def norm(which):
+        """LayerNorm keeps its input and fp32 mean/rstd; RMSNorm (torch's composite) its input, the
+        normalised input (for the weight's gradient) and the fp32 rstd."""
+        if model.family == "gpt2":
+            return [t(f"{which} input", h / rest, shard="sp"), t(f"{which} stats", 2 / rest, 4, "sp")]
+        return [t(f"{which} input", h / rest, shard="sp"), t(f"{which} normalised", h / rest, shard="sp"),
+                t(f"{which} stats", 1 / rest, 4, "sp")]
+
+    kv = kv if flash_attention else heads * hd
+    out = norm("norm1") + [t("qkv input", h / rest, shard="sp"), t("q", heads * hd), t("k", kv), t("v", kv)]
+    if flash_attention:
+        out.append(t("attention log-sum-exp", heads, 4))
+    else:
+        out.append(t("softmax output", 0, per_seq=heads))
+        if dropout:
+            out += [t("attention dropout mask", 0, dropout_mask_bytes, per_seq=heads),
+                    t("attention dropout output", 0, per_seq=heads)]
+    out.append(t("attention output (proj input)", heads * hd))
+    if dropout:
+        out.append(t("attention residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
+    out += norm("norm2") + [t("mlp input", h / rest, shard="sp")]
+    if model.gated_mlp:
+        out += [t("gate output", f / tp), t("up output", f / tp), t("act(gate)", f / tp), t("down input", f / tp)]
+    else:
+        out += [t("gelu input", f / tp), t("fc2 input", f / tp)]
+    if dropout:
+        out.append(t("mlp residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
+    return out
+
+
+def logits_bytes(model: ModelSpec, *, tp: int, sequence_parallel: bool, precision: str, seq_len: int,
+                 micro_batch: int, transient: bool = True) -> float:
+    """The last stage's head for one micro-batch: saved are the final norm's input (+ stats), the
+    head's input and the vocab-parallel cross-entropy's fp32 softmax (V/tp per token) and its
+    per-token target bookkeeping; transient are the logits shard and, below fp32, their fp32 copy."""
+    p = PRECISIONS[precision]
+    rest = tp if sequence_parallel else 1
+    vocab_shard = model.padded_vocab(tp) // tp
+    norm = (2 * p * model.hidden + 8) / rest if model.family == "gpt2" else (3 * p * model.hidden + 4) / rest
+    saved = norm + p * model.hidden + 4 * vocab_shard + 10
+    extra = vocab_shard * (p + (4 if p < 4 else 0)) if transient else 0
+    return seq_len * micro_batch * (saved + extra)
+
+
+def in_flight_micro_batches(*, pp: int, stage: int, num_micro_batches: int, vpp: int = 1) -> float:
+    """Micro-batches of a stage's layers alive at the peak of a 1F1B (interleaved) schedule.
+
+    Counted in whole-stage units: with ``vpp`` chunks each holding 1/vpp of the stage's layers."""
+    m = max(num_micro_batches, 1)
+    if vpp <= 1:
+        return min(pp - stage, m)
+    chunks = min((pp - stage - 1) * 2 + (vpp - 1) * pp + 1, m * vpp)
+    return chunks / vpp
+
+
+@functools.lru_cache(maxsize=1024)
+def stage_layer_counts(model: ModelSpec, pp: int, vpp: int = 1) -> tuple[int, ...]:
+    """Blocks on each PP rank as the trainer splits them: ``partition_layers`` balanced by parameters
+    (embedding on the first stage, head on the last), a rank holding its ``vpp`` chunks.
+    Cached: the dynamic programme costs ~10 ms for 100 layers, the search asks thousands of times."""
+    ranges = partition_layers(model.to_model_config(), pp, vpp)
+    return tuple(sum(len(ranges[chunk * pp + rank]) for chunk in range(vpp)) for rank in range(pp))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Bytes per GPU, by item; ``total`` is the predicted peak."""
+
+    items: dict
+    stage: int
+    layers: int
+    in_flight: float
+    params_local: int
+    activation_per_layer: float  # bytes, one micro-batch
+    tensors: tuple  # the SavedTensor list behind the activations
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.items.values()))
+
+    @property
+    def model_states(self) -> float:
+        return float(sum(self.items[k] for k in ("params", "grads", "master_params", "optimizer", "fp32_step_grads")))
+
+    def gib(self) -> dict:
+        return {k: v / GIB for k, v in self.items.items()}
+
+
+def _resolve_stage(stage, pp: int) -> int:
+    if stage in ("first", None):
+        return 0
+    if stage == "last":
+        return pp - 1
+    if stage == "middle":
+        return min(pp // 2, pp - 1) if pp > 2 else min(1, pp - 1)
+    stage = int(stage)
+    if not 0 <= stage < pp:
+        raise UsageError(f"stage {stage} is outside the pipeline's {pp} stages")
+    return stage
+
+
+def stage_params(model: ModelSpec, *, tp: int, pp: int, stage: int, layers: int | None = None, vpp: int = 1) -> int:
+    """Parameters one GPU of this TP rank × PP stage holds (embedding on the first stage, head on the last)."""
+    n_layers = stage_layer_counts(model, pp, vpp)[stage] if layers is None else layers
+    sharded, replicated = model.layer_params(tp)
+    count = n_layers * (sharded + replicated)
+    if stage == 0:
+        count += model.embedding_params(tp)
+    if stage == pp - 1:
+        count += model.head_params(tp, separate=not model.tie_embeddings or pp > 1)
+    return count
+
+
+def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 0,
+                    micro_batch: int = 1, seq_len: int | None = None, num_micro_batches: int | None = None,
+                    recompute: str = "none", sequence_parallel: bool = False, vpp: int = 1,
+                    precision: str = "bf16", offload: str = "none", stage="first",
+                    flash_attention: bool = True, dropout: bool | None = None, dropout_mask_bytes: int = 1,
+                    layers: int | None = None,
+                    buckets: Buckets = Buckets(), overhead_bytes: float = 0.0) -> MemoryEstimate:
+    """Itemised per-GPU bytes of one layout on one pipeline ``stage`` (index, 'first', 'last', 'middle').
+
+    ``num_micro_batches``: micro-batches per optimizer step (gradient accumulation),
+    which caps the micro-batches in flight; default: enough to fill the pipeline.
+    ``layers``: the blocks on this stage if not the trainer's split (``stage_layer_counts``)."""
+    if precision not in PRECISIONS:
+        raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if recompute not in RECOMPUTE:
+        raise UsageError(f"recompute {recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    if offload not in OFFLOAD:
+        raise UsageError(f"offload {offload!r} is not one of {', '.join(OFFLOAD)}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise UsageError(f"ZeRO stage {zero_stage} does not exist; use 0, 1, 2 or 3")
+    if offload == "params" and zero_stage != 3:
+        raise UsageError("parameter offload needs ZeRO stage 3; use --offload optimizer or --zero 3")
+    if min(tp, pp, dp, vpp, micro_batch) < 1:
+        raise UsageError("tp, pp, dp, vpp and micro-batch must all be at least 1")
+    s = model.seq_len if seq_len is None else seq_len
+    b = micro_batch
+    stage = _resolve_stage(stage, pp)
+    p = PRECISIONS[precision]
+    mixed = precision != "fp32"
+    n_layers = stage_layer_counts(model, pp, vpp)[stage] if layers is None else layers
+    psi = stage_params(model, tp=tp, pp=pp, stage=stage, layers=n_layers)
+    shard = dp if zero_stage >= 1 else 1
+
+    items = {}
+    items["params"] = p * psi / (dp if zero_stage == 3 else 1) * (0 if offload == "params" else 1)
+    items["grads"] = p * psi / (dp if zero_stage >= 2 else 1)
+    on_gpu = 0 if offload != "none" else 1
+    master = 4 * psi / shard if (mixed or zero_stage >= 1) else 0
+    items["master_params"] = master * on_gpu
+    items["optimizer"] = 8 * psi / shard * on_gpu
+    if zero_stage == 0 and not mixed:  # torch's Adam steps on p.grad directly
+        step_grads = 0.0
+    elif zero_stage == 3:  # the flattened (copied) gradient of one optimizer sub-group at a time
+        step_grads = 4 * min(psi / dp, buckets.stage3_sub_group)
+    else:
+        step_grads = 4 * psi / shard
+    items["fp32_step_grads"] = step_grads * on_gpu
+
+    # ---- activations ------------------------------------------------------------------
+    tensors = activation_tensors(model, tp=tp, sequence_parallel=sequence_parallel, precision=precision,
+                                 flash_attention=flash_attention, dropout=dropout,
+                                 dropout_mask_bytes=dropout_mask_bytes)
+    full_layer = sum(x.bytes(seq_len=s, micro_batch=b) for x in tensors)
+    if recompute == "full":
+        kept = p * s * b * model.hidden / (tp if sequence_parallel else 1)  # the block input only
+    elif recompute == "selective":  # core attention (scores, softmax, dropout) is recomputed
+        kept = sum(x.bytes(seq_len=s, micro_batch=b) for x in tensors if x.per_token_seq == 0)
+    else:
+        kept = full_layer
+    m = num_micro_batches if num_micro_batches is not None else pp * vpp
+    in_flight = in_flight_micro_batches(pp=pp, stage=stage, num_micro_batches=m, vpp=vpp)
+    items["activations"] = kept * n_layers * in_flight
+    if stage == 0:  # token ids, the embedding output's dropout mask
+        uses_dropout = model.dropout > 0 if dropout is None else dropout
+        items["activations"] += in_flight * s * b * (8 + (model.hidden * dropout_mask_bytes if uses_dropout else 0))
+    # Recomputing one block in backward rebuilds its full activations for one micro-batch.
+    items["recompute_working_set"] = (full_layer if recompute == "full" else
+                                      full_layer - kept if recompute == "selective" else 0.0)
+    if stage == pp - 1:
+        items["logits"] = logits_bytes(model, tp=tp, sequence_parallel=sequence_parallel, precision=precision,
+                                       seq_len=s, micro_batch=b)
+    else:
+        items["logits"] = 0.0
+
+    # ---- communication buffers --------------------------------------------------------
+    if dp > 1 or zero_stage >= 1:
+        if zero_stage == 0:
+            comm = p * min(buckets.reduce_bucket, psi)
+        elif zero_stage in (1, 2):
+            # With contiguous gradients DeepSpeed allocates whole reduce buckets up front, however small
+            # the model (stage_1_and_2.setup_buckets): two with overlap_comm, which emit.py sets without PP.
+            comm = (2 if pp == 1 else 1) * p * buckets.reduce_bucket + p * min(buckets.allgather_bucket, psi / dp)
+        else:
+            comm = p * min(buckets.reduce_bucket, psi)
+    else:
+        comm = 0.0
+    if tp > 1 or pp > 1:  # one P2P activation send + receive buffer
+        comm += 2 * p * s * b * model.hidden / (tp if sequence_parallel else 1) * (1 if pp > 1 else 0)
+    items["comm_buffers"] = comm
+    if zero_stage == 3:  # full (TP-sharded) parameters of the layer in use plus the prefetched one
+        sharded, replicated = model.layer_params(tp)
+        live = min(buckets.stage3_max_live, 2 * (sharded + replicated) + buckets.stage3_prefetch)
+        items["zero3_gather"] = p * live
+    else:
+        items["zero3_gather"] = 0.0
+    items["overhead"] = float(overhead_bytes)
+    return MemoryEstimate(items=items, stage=stage, layers=n_layers, in_flight=in_flight, params_local=psi,
+                          activation_per_layer=kept, tensors=tuple(tensors))
+
+
+def peak_memory(model: ModelSpec, **layout) -> MemoryEstimate:
+    """The stage with the largest total, over every distinct stage of the trainer's split.
+
+    Stages differ by their block count, the embedding (first), the head and logits (last) and the
+    micro-batches in flight, which only fall along the pipeline; so among middle stages with the
+    same block count the earliest dominates, and only it is evaluated (the search stays fast)."""
+    pp = layout.get("pp", 1)
+    counts = stage_layer_counts(model, pp, layout.get("vpp", 1)) if layout.get("layers") is None else None
+    stages = {0, pp - 1}
+    if counts is not None:
+        first_with = {}
+        for stage in range(1, pp - 1):
+            first_with.setdefault(counts[stage], stage)
+        stages |= set(first_with.values())
+    best = None
+    for stage in sorted(stages):
+        est = estimate_memory(model, stage=stage, **layout)
+        if best is None or est.total > best.total:
+            best = est
+    return best

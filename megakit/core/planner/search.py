@@ -1,0 +1,360 @@
+"""Enumerate, prune, rank: the layout search and the seed's rule.
+
+The seed's rule (FAQ row 1): while the whole training state of the model fits one
+GPU within the memory threshold, train data-parallel (TP = PP = 1), adding ZeRO
+only as memory requires; beyond it, model parallelism: TP inside a node
+(dividing the heads), PP across nodes, DP for the rest, with ZeRO 0-1 under a
+pipeline (ZeRO-2 only with PP = 1; ZeRO-3 only when nothing else fits). Any
+pinned dimension overrides the rule for that dimension.
+
+Pruning keeps the search fast: a layout whose model states alone already exceed
+the limit is dropped before any micro-batch or recompute choice is tried, and
+micro-batches are tried smallest first, stopping at the first that does not fit
+(activations only grow with it). The cost model runs only on plans that fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megakit.core.planner.cost import Cost, estimate_cost
+from megakit.core.planner.hardware import Cluster
+from megakit.core.planner.memory import (
+    GIB,
+    MemoryEstimate,
+    estimate_memory,
+    peak_memory,
+)
+from megakit.core.planner.model_spec import ModelSpec
+from megakit.core.planner.plan import Plan
+from megakit.errors import UsageError
+
+RECOMPUTE_ORDER = ("none", "selective", "full")
+TIE = 0.01  # plans within 1 % of the fastest count as equally fast
+OVERHEAD_BYTES = 1.0 * GIB  # CUDA context, cuBLAS/NCCL workspaces, allocator fragmentation
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pins:
+    """Dimensions the user fixed (None: searched)."""
+
+    tp: int | None = None
+    pp: int | None = None
+    zero: int | None = None
+    micro_batch: int | None = None
+    recompute: str | None = None
+    vpp: int | None = None
+    sequence_parallel: bool | None = None
+
+    @property
+    def layout_pinned(self) -> bool:
+        return self.tp is not None or self.pp is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    memory: MemoryEstimate
+    cost: Cost
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejection:
+    plan: Plan | None
+    reason: str
+    tokens_per_s: float | None = None  # what it would have done, when the cost was evaluated
+    kind: str = "memory"  # memory | floor | tp-node | zero-pp | zero-dp | batch | vpp | rule
+    peak_gib: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    best: Candidate
+    ranked: list  # all feasible candidates, best first
+    rejected: list
+    branch: str  # "data-parallel" | "model-parallel" | "pinned"
+    branch_why: str
+    limit_bytes: float
+    evaluated: int
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def fits_one_gpu(model: ModelSpec, cluster: Cluster, *, threshold: float, precision: str, flash: bool,
+                 seq_len: int) -> tuple[bool, float]:
+    """Whole training state (ZeRO-0 model states + one sequence with full recompute) on one GPU."""
+    est = estimate_memory(model, precision=precision, micro_batch=1, seq_len=seq_len, recompute="full",
+                          flash_attention=flash, overhead_bytes=OVERHEAD_BYTES)
+    return est.total <= threshold * cluster.gpu.mem_gib * GIB, est.total
+
+
+def tp_choices(model: ModelSpec, world: int) -> list[int]:
+    """TP degrees that divide the world and that megakit's model can shard by (``ModelConfig.check_tp``:
+    heads, KV heads, hidden and FFN; KV heads are split, never replicated)."""
+    return [t for t in divisors(world) if model.tp_ok(t)]
+
+
+def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins = Pins(), threshold: float = 0.8,
+           precision: str = "bf16", offload: str = "none", flash_attention: bool | None = None,
+           seq_len: int | None = None, keep_rejected: int = 200, zero3_fallback: bool = True) -> SearchResult:
+    s = model.seq_len if seq_len is None else seq_len
+    flash = cluster.gpu.flash_attention if flash_attention is None else flash_attention
+    limit = threshold * cluster.gpu.mem_gib * GIB
+    world = cluster.num_gpus
+    _check_pins(model, cluster, pins, global_batch)
+    one_gpu, one_gpu_bytes = fits_one_gpu(model, cluster, threshold=threshold, precision=precision, flash=flash,
+                                          seq_len=s)
+    if pins.layout_pinned:
+        branch, why = "pinned", "the layout was pinned on the command line"
+    elif one_gpu:
+        branch = "data-parallel"
+        why = (f"the whole training state ({one_gpu_bytes / GIB:.1f} GiB with one sequence) fits one GPU within "
+               f"{threshold:.0%} of {cluster.gpu.mem_gib:g} GiB, so: data parallelism, ZeRO only as memory requires")
+    else:
+        branch = "model-parallel"
+        why = (f"the whole training state ({one_gpu_bytes / GIB:.0f} GiB) exceeds {threshold:.0%} of one GPU's "
+               f"{cluster.gpu.mem_gib:g} GiB, so: TP inside a node, PP across nodes, DP for the rest")
+
+    ctx = _Context(model, cluster, pins, global_batch, s, limit, precision, offload, flash, keep_rejected)
+    zeros = (0, 1, 2, 3) if branch != "model-parallel" or pins.zero is not None else (0, 1, 2)
+    ctx.run(branch, zeros)
+    if not ctx.feasible and branch == "data-parallel":  # e.g. a global batch smaller than the GPU count
+        branch = "model-parallel"
+        why += (f"; but data parallelism alone cannot use {world} GPUs with a global batch of {global_batch}, "
+                "so TP inside a node and PP across nodes take the rest")
+        ctx.run(branch, (0, 1, 2))
+    if not ctx.feasible and branch == "model-parallel" and zero3_fallback:  # memory requires ZeRO-3
+        why += "; nothing fit with ZeRO 0-2, so ZeRO-3 shards the model states too"
+        ctx.run(branch, (3,))
+    if not ctx.feasible:
+        raise NoPlan(_no_plan_reason(ctx), memory_bound=ctx.evaluated > 0)
+    ranked = sorted(ctx.feasible, key=lambda c: -c.cost.tokens_per_s)
+    # Within TIE of the fastest, the simplest plan wins (lower ZeRO, fewer stages, ...): the seed's
+    # "ZeRO only as memory requires" and no complexity the cost model cannot tell apart.
+    near = [c for c in ranked if c.cost.tokens_per_s >= (1 - TIE) * ranked[0].cost.tokens_per_s]
+    best = min(near, key=_simplicity)
+    ranked = [best] + [c for c in ranked if c is not best]
+    # The fastest plans that did not fit (up to keep_rejected), then every structural reason once.
+    rejected = sorted((r for r in ctx.rejected if r.tokens_per_s is not None), key=lambda r: -r.tokens_per_s)
+    rejected = rejected[:keep_rejected] + [r for r in ctx.rejected if r.tokens_per_s is None]
+    return SearchResult(best=ranked[0], ranked=ranked, rejected=rejected, branch=branch, branch_why=why,
+                        limit_bytes=limit, evaluated=ctx.evaluated)
+
+
+class NoPlan(UsageError):
+    """No layout fits this cluster; ``memory_bound``: some layout got as far as the memory check
+    (else every layout was excluded by divisibility: batch, heads, layers)."""
+
+    def __init__(self, message: str, *, memory_bound: bool = True):
+        super().__init__(message)
+        self.memory_bound = memory_bound
+
+
+def _simplicity(c: Candidate):
+    p = c.plan
+    return (p.zero_stage, p.pp, p.tp, RECOMPUTE_ORDER.index(p.recompute), p.vpp, not p.sequence_parallel,
+            c.memory.total)
+
+
+def _no_plan_reason(ctx) -> str:
+    where = f"{ctx.cluster.num_gpus} x {ctx.cluster.gpu.name}"
+    if ctx.evaluated == 0:
+        dps = sorted({r.plan.dp for r in ctx.rejected if r.kind == "batch"})
+        if dps:
+            return (f"no layout of {where} divides the global batch {ctx.global_batch} (DP would be "
+                    f"{', '.join(map(str, dps[:6]))}); pick --global-batch divisible by one of them or another "
+                    "GPU count")
+        # the pin that excluded everything says more than the seed's rule or the node boundary
+        why = sorted(ctx.rejected, key=lambda r: r.kind in ("rule", "tp-node"))
+        if not why:
+            return (f"no layout of {where} passes the pinned dimensions; relax --tp, --pp, --zero or --vpp, or "
+                    "use another GPU count")
+        return f"no layout of {where} can run: {why[0].reason}"
+    smallest = min((r for r in ctx.rejected if r.peak_gib is not None), default=None, key=lambda r: r.peak_gib)
+    detail = f" (the smallest peak found: {smallest.reason})" if smallest else ""
+    return f"no layout fits {where}{detail}"
+
+
+def _tp_rule(model: ModelSpec, tp: int) -> str:
+    bad = [f"{what} {n}" for what, n in (("attention heads", model.heads), ("KV heads", model.kv_heads),
+                                          ("hidden size", model.hidden), ("FFN size", model.ffn)) if n % tp]
+    return f"TP must divide {', '.join(bad)}"
+
+
+def _check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int) -> None:
+    world = cluster.num_gpus
+    node = cluster.gpus_per_node
+    if pins.tp is not None:
+        if pins.tp < 1:
+            raise UsageError(f"--tp {pins.tp} must be a positive integer")
+        if not model.tp_ok(pins.tp):
+            ok = [t for t in divisors(node) if model.tp_ok(t)]
+            raise UsageError(f"--tp {pins.tp} cannot shard this model ({_tp_rule(model, pins.tp)}); "
+                             f"pick --tp {' or '.join(map(str, ok))}")
+        if world % pins.tp:
+            raise UsageError(f"--tp {pins.tp} does not divide the {world} GPUs; pick a TP that divides {world}")
+        if node % pins.tp:
+            raise UsageError(f"--tp {pins.tp} does not divide the {node} GPUs per node (a TP group would span "
+                             f"nodes); pick --tp {' or '.join(str(t) for t in divisors(node) if model.tp_ok(t))}")
+    if pins.pp is not None:
+        if pins.pp > model.layers:
+            raise UsageError(f"--pp {pins.pp} exceeds the model's {model.layers} layers; use at most {model.layers}")
+        if world % ((pins.tp or 1) * pins.pp):
+            raise UsageError(f"--tp {pins.tp or 1} x --pp {pins.pp} does not divide the {world} GPUs; "
+                             "pick TP x PP that divides the GPU count")
+    if pins.zero is not None and pins.zero not in (0, 1, 2, 3):
+        raise UsageError(f"--zero {pins.zero} does not exist; use 0, 1, 2 or 3")
+    if pins.zero is not None and pins.zero >= 2 and (pins.pp or 1) > 1:
+        raise UsageError(f"--zero {pins.zero} cannot run with --pp {pins.pp} (ZeRO-2/3 partition gradients per "
+                         "micro-batch); use --zero 0 or 1 with a pipeline")
+    if pins.vpp is not None and pins.vpp < 1:
+        raise UsageError(f"--vpp {pins.vpp} must be a positive integer")
+    if pins.vpp is not None and pins.vpp > 1 and pins.pp == 1:
+        raise UsageError(f"--vpp {pins.vpp} interleaves pipeline stages but --pp is 1; "
+                         "pin --pp 2 or more, or drop --vpp")
+    if pins.vpp is not None and pins.vpp > 1:
+        pp = pins.pp or 0
+        if pp and model.layers % (pp * pins.vpp):
+            raise UsageError(f"--vpp {pins.vpp} x --pp {pp} does not divide the {model.layers} layers; "
+                             "pick a VPP so that layers are a multiple of PP x VPP")
+    if pins.micro_batch is not None and global_batch % pins.micro_batch:
+        raise UsageError(f"--micro-batch {pins.micro_batch} does not divide --global-batch {global_batch}")
+
+
+class _Context:
+    """Search state: what fits, what was rejected and why."""
+
+    def __init__(self, model, cluster, pins, global_batch, seq_len, limit, precision, offload, flash, keep):
+        self.model, self.cluster, self.pins, self.global_batch = model, cluster, pins, global_batch
+        self.seq_len, self.limit, self.precision, self.offload, self.flash = seq_len, limit, precision, offload, flash
+        self.keep = keep
+        self.feasible: list[Candidate] = []
+        self.rejected: list[Rejection] = []
+        self.reasons_seen: set = set()
+        self.evaluated = 0
+
+    def reject(self, plan, reason, tokens_per_s=None, *, unique_key=None, kind="memory", peak=None):
+        key = unique_key or reason
+        if tokens_per_s is None and key in self.reasons_seen:
+            return
+        self.reasons_seen.add(key)
+        self.rejected.append(Rejection(plan, reason, tokens_per_s, kind, None if peak is None else peak / GIB))
+
+    def run(self, branch: str, zeros) -> None:
+        m, c, pins = self.model, self.cluster, self.pins
+        world, node = c.num_gpus, c.gpus_per_node
+        tps = [pins.tp] if pins.tp is not None else tp_choices(m, world)
+        for tp in tps:
+            if pins.tp is None and branch == "data-parallel" and tp > 1:
+                self.reject(Plan(tp=tp), "model fits one GPU: the seed's rule trains it data-parallel (TP=1)",
+                            unique_key="dp-branch-tp", kind="rule")
+                continue
+            if pins.tp is None and (tp > node or node % tp):
+                self.reject(Plan(tp=tp), f"TP={tp} {'crosses' if tp > node else 'straddles'} the node ({node} "
+                            "GPUs per node): its per-layer all-reduces would run on the network",
+                            unique_key=f"tp-node-{tp}", kind="tp-node")
+                continue
+            pps = [pins.pp] if pins.pp is not None else [p for p in divisors(world // tp) if p <= m.layers]
+            if (pins.vpp or 1) > 1:  # interleaving needs a pipeline
+                for pp in [p for p in pps if p == 1]:
+                    self.reject(Plan(tp=tp, pp=pp), f"--vpp {pins.vpp} needs PP > 1; pin --pp 2 or more, or "
+                                "drop --vpp", unique_key="vpp-pp1", kind="vpp")
+                pps = [p for p in pps if p > 1]
+            for pp in pps:
+                if world % (tp * pp):
+                    continue
+                dp = world // (tp * pp)
+                if pins.pp is None and branch == "data-parallel" and pp > 1:
+                    self.reject(Plan(pp=pp), "model fits one GPU: the seed's rule trains it data-parallel (PP=1)",
+                                unique_key="dp-branch-pp", kind="rule")
+                    continue
+                if self.global_batch % dp:
+                    self.reject(Plan(tp=tp, pp=pp, dp=dp), f"global batch {self.global_batch} is not a multiple "
+                                f"of DP={dp}", unique_key=f"batch-dp-{dp}", kind="batch")
+                    continue
+                for zero in ([pins.zero] if pins.zero is not None else zeros):
+                    if zero >= 2 and pp > 1:
+                        self.reject(Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero), f"ZeRO-{zero} with PP={pp}: "
+                                    "gradients are partitioned per micro-batch, so a pipeline allows ZeRO 0-1 only",
+                                    unique_key=f"zero-pp-{zero}", kind="zero-pp")
+                        continue
+                    if zero >= 1 and dp == 1:
+                        if pins.zero is not None:
+                            self.reject(Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero), f"--zero {zero} shards over "
+                                        f"data-parallel replicas but TP={tp} x PP={pp} leaves DP=1 with {world} "
+                                        "GPU(s); use --zero 0 (the same with one replica) or more GPUs",
+                                        unique_key=f"zero-dp1-{tp}-{pp}", kind="zero-dp")
+                        continue  # identical to ZeRO-0
+                    self._layout(tp, pp, dp, zero)
+
+    def _layout(self, tp, pp, dp, zero) -> None:
+        m, pins = self.model, self.pins
+        per_rank = self.global_batch // dp
+        base = Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch=1, grad_accum=per_rank, recompute="full",
+                    sequence_parallel=tp > 1, precision=self.precision, offload=self.offload,
+                    flash_attention=self.flash)
+        if self.offload == "params" and zero != 3:
+            return
+        # Lower bound: the smallest activations this layout can have (one sequence, full recompute).
+        floor = peak_memory(m, seq_len=self.seq_len, overhead_bytes=OVERHEAD_BYTES, **base.memory_kwargs())
+        self.evaluated += 1
+        if floor.total > self.limit:
+            self.reject(base, f"peak {floor.total / GIB:.2f} GiB > {self.limit / GIB:.2f} GiB even with one "
+                        f"sequence and full recompute (model states {floor.model_states / GIB:.1f} GiB)",
+                        unique_key=("floor", tp, pp, zero), kind="floor", peak=floor.total)
+            return
+        vpps = [pins.vpp] if pins.vpp is not None else [v for v in (1, 2, 3, 4) if v == 1 or (pp > 1 and
+                                                                                              m.layers % (pp * v) == 0)]
+        recomputes = [pins.recompute] if pins.recompute else [r for r in RECOMPUTE_ORDER
+                                                              if not (r == "selective" and self.flash)]
+        sps = [pins.sequence_parallel] if pins.sequence_parallel is not None else ([True, False] if tp > 1 else [False])
+        mbs = [pins.micro_batch] if pins.micro_batch else [b for b in divisors(per_rank) if b <= 64]
+        for vpp in vpps:
+            if pp * vpp > m.layers:
+                self.reject(Plan(tp=tp, pp=pp, vpp=vpp), f"PP={pp} x VPP={vpp} stages exceed the {m.layers} layers",
+                            unique_key=("vpp-layers", pp, vpp), kind="vpp")
+                continue
+            for recompute in recomputes:
+                for sp in sps:
+                    for mb in mbs:
+                        if per_rank % mb:
+                            continue
+                        ga = per_rank // mb
+                        plan = dataclasses.replace(base, vpp=vpp, recompute=recompute, sequence_parallel=sp,
+                                                   micro_batch=mb, grad_accum=ga)
+                        if vpp > 1 and ga % pp:
+                            self.reject(plan, f"interleaving (VPP={vpp}) needs the {ga} micro-batches to be a "
+                                        f"multiple of PP={pp}", unique_key=("vpp-ga", pp, vpp), kind="vpp")
+                            continue
+                        self.evaluated += 1
+                        mem = peak_memory(m, seq_len=self.seq_len, overhead_bytes=OVERHEAD_BYTES,
+                                          **plan.memory_kwargs())
+                        cost = estimate_cost(m, self.cluster, plan, seq_len=self.seq_len)
+                        if mem.total > self.limit:
+                            self.reject(plan, f"peak {mem.total / GIB:.2f} GiB > {self.limit / GIB:.2f} GiB "
+                                        f"({self.limit / GIB / self.cluster.gpu.mem_gib:.0%} of "
+                                        f"{self.cluster.gpu.mem_gib:g} GiB)", cost.tokens_per_s, peak=mem.total)
+                            break  # a bigger micro-batch only needs more
+                        self.feasible.append(Candidate(plan, mem, cost))
+
+
+def smallest_cluster(model: ModelSpec, make_cluster, *, global_batch: int, max_nodes: int = 4096, **kwargs):
+    """Search 1, 2, 3 … nodes (starting from a memory lower bound) and return the first result that fits."""
+    probe = make_cluster(1)
+    per_node = probe.gpus_per_node
+    limit = kwargs.get("threshold", 0.8) * probe.gpu.mem_gib * GIB
+    floor_states = estimate_memory(model, dp=1, zero_stage=3, precision=kwargs.get("precision", "bf16"))
+    start = max(1, int(floor_states.model_states // (limit * per_node)))
+    pins = kwargs.get("pins", Pins())
+    fixed = (pins.tp or 1) * (pins.pp or 1)
+    for nodes in range(start, max_nodes + 1):
+        if (nodes * per_node) % fixed:
+            continue  # the pinned TP x PP does not divide this many GPUs
+        try:
+            return nodes, search(model, make_cluster(nodes), global_batch=global_batch, zero3_fallback=False,
+                                 **kwargs)
+        except NoPlan:
+            continue
+    raise UsageError(f"the model does not fit on {max_nodes} nodes of {probe.gpu.name}; use bigger GPUs")

@@ -1,0 +1,2 @@
+"""Weights in and out: megakit's safetensors checkpoints (any TP/PP layout) and Hugging Face
+transformers' layout."""

@@ -1,0 +1,371 @@
+"""Checkpoints: safetensors shards plus a JSON manifest, loadable at any TP x PP layout.
+
+Scope: the model's weights, the step and the caller's JSON metadata. Optimizer state
+(Adam moments, fp32 master weights, ZeRO partitions, LR schedule) is DeepSpeed's
+business -- ``engine.save_checkpoint`` / ``engine.load_checkpoint`` -- and is neither
+written nor read here. Load weights *before* ``deepspeed.initialize``: the engine makes
+its master copies from the model at that moment.
+
+On disk::
+
+    DIR/manifest.json                      step, extra, model config, layout, sha256 of
+                                           every file, and for every parameter its full
+                                           shape, dtype, tp_dim and which file holds
+                                           which slice
+    DIR/model-pp00-tp00.safetensors ...    one per (pp, tp) rank of DP replica 0
+
+Why it looks like this:
+
+- No pickle: safetensors and JSON, so loading a checkpoint runs no code.
+- Every rank writes only its own shard; no rank ever holds the full model. DP replicas
+  hold identical weights, so only DP replica 0 writes. A parameter held by several ranks
+  is written once: a replicated one (``tp_dim`` None) by TP rank 0, the last stage's copy
+  of a tied embedding by the first stage.
+- Vocab padding is trimmed before writing, so files hold only real rows and the
+  checkpoint does not depend on the TP degree; a reader pads for its own TP.
+- Nothing half-written: shards and manifest go to ``DIR.tmp-XXXX``; once every rank has
+  written (a gather to rank 0 is the barrier), rank 0 renames it to ``DIR``. An existing
+  checkpoint at ``DIR`` is moved aside only then, and removed after the rename.
+- sha256 per file, checked by every reader before it reads a file.
+- ZeRO-3 partitions each TP shard over DP: saving gathers one parameter at a time over
+  DP (``deepspeed.zero.GatheredParameters``); loading goes into the unpartitioned model,
+  before ``deepspeed.initialize``, and is refused after it.
+
+The manifest's fields and the slice reader are in ``megakit.interop.checkpoint_format``.
+
+Collectives: ``save_checkpoint`` and ``load_checkpoint`` are collective over the world --
+every rank calls them. Save runs an all-gather of parameter names over the PP group, a
+gather of small per-rank records to rank 0 and a broadcast of the outcome; load runs one
+all-gather of the outcome. A failure on any rank therefore raises on every rank instead
+of leaving the others waiting. ``DIR`` must be on a filesystem every rank sees.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from megakit.core.model_config import ModelConfig
+from megakit.errors import UsageError
+from megakit.interop.checkpoint_format import (
+    MANIFEST,
+    ShardReader,
+    build_manifest,
+    fsync,
+    manifest_config,
+    read_manifest,
+    sha256_file,
+    shard_file,
+)
+
+IGNORED_FIELDS = ("dropout", "init_std")  # training settings: they do not change what the weights mean
+
+
+class Loaded(NamedTuple):
+    """What ``load_checkpoint`` returns besides the weights it copied into the model."""
+
+    step: int
+    extra: dict
+
+
+# -- process-group plumbing (topo None: a single process, no collectives) ------------------------
+def _coords(topo) -> tuple[int, int, int, int, int, int]:
+    """(tp, pp, dp, tp_rank, pp_rank, dp_rank)."""
+    if topo is None:
+        return 1, 1, 1, 0, 0, 0
+    return topo.tp, topo.pp, topo.dp, topo.tp_rank, topo.pp_rank, topo.dp_rank
+
+
+def _rank(topo) -> int:
+    return 0 if topo is None else topo.rank
+
+
+def _all_gather(obj, topo, group=None) -> list:
+    if topo is None:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _gather_to_0(obj, topo) -> list | None:
+    if topo is None:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size() if topo.rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def _broadcast_from_0(obj, topo):
+    if topo is None:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _failure(error: BaseException) -> tuple[bool, str]:
+    """(is it the user's mistake, message): what other ranks learn about a rank's error."""
+    if isinstance(error, UsageError):
+        return True, str(error)
+    return False, f"{type(error).__name__}: {error}"
+
+
+def _raise_failures(failures: list, local: BaseException | None) -> None:
+    """Raise on every rank if any rank failed: the local error itself, else the first rank's."""
+    bad = [(rank, f) for rank, f in enumerate(failures) if f is not None]
+    if local is not None:
+        raise local
+    if bad:
+        rank, (usage, message) = bad[0]
+        raise (UsageError if usage else RuntimeError)(f"{message} (on rank {rank})")
+
+
+# -- the model's parameters ---------------------------------------------------------------------
+def _modules(model) -> list[nn.Module]:
+    """A stage module, or the chunks of an interleaved stage: a list, or an ``nn.ModuleList``
+    (what a DeepSpeed engine over all chunks holds as ``engine.module``)."""
+    return list(model) if isinstance(model, (list, tuple, nn.ModuleList)) else [model]
+
+
+def _params(model) -> dict[str, nn.Parameter]:
+    """Name -> parameter over this rank's stage module(s), by the model's layout-independent names."""
+    out: dict[str, nn.Parameter] = {}
+    for module in _modules(model):
+        for name, param in module.named_parameters():
+            assert name not in out, f"parameter {name} appears in two chunks"
+            out[name] = param
+    return out
+
+
+def _zero3(param) -> bool:
+    """Partitioned over DP by DeepSpeed ZeRO-3 (the local tensor is empty outside a gather)."""
+    return hasattr(param, "ds_id")
+
+
+def _host_copies(params: dict, wanted) -> dict[str, torch.Tensor]:
+    """CPU copies of the ``wanted`` parameters of this rank's TP x PP shard.
+
+    A ZeRO-3 parameter is gathered over its DP group first (``GatheredParameters``: an
+    all-gather in, nothing out), one at a time, so every DP rank must call this -- with the
+    same parameters in the same order -- even when it writes nothing.
+    """
+    out = {}
+    for name, param in params.items():
+        if _zero3(param):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param]):
+                if name in wanted:
+                    out[name] = param.detach().to("cpu", copy=True)
+        elif name in wanted:
+            out[name] = param.detach().to("cpu")
+    return out
+
+
+def _model_config(model) -> ModelConfig | None:
+    return getattr(_modules(model)[0], "config", None)
+
+
+def _config_diff(saved: ModelConfig, ours: ModelConfig) -> list[str]:
+    """Fields that differ (training-only settings aside), as "name saved vs ours"."""
+    a, b = saved.to_dict(), ours.to_dict()
+    return [f"{k} {a[k]} vs {b[k]}" for k in b if k not in IGNORED_FIELDS and a[k] != b[k]]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# -- save -------------------------------------------------------------------------------------------
+def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConfig, extra: dict | None = None) -> Path:
+    """Write this rank's shard of ``model`` (a stage module, or a list/ModuleList of chunks) to ``directory``.
+
+    Collective over the world: every rank calls it with its own stage. ``extra`` is any
+    JSON-serialisable metadata (returned by ``load_checkpoint``). Returns the directory.
+    """
+    target = Path(directory)
+    extra = {} if extra is None else extra
+    try:
+        json.dumps(extra, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"checkpoint metadata must be JSON-serialisable ({exc}); pass plain numbers, "
+                         "strings, lists and dicts as extra") from exc
+    if not isinstance(step, int) or step < 0:
+        raise UsageError(f"checkpoint step must be a non-negative integer, got {step!r}")
+    if target.exists() and not (target / MANIFEST).is_file() and (not target.is_dir() or any(target.iterdir())):
+        raise UsageError(f"{target} exists and is not a megakit checkpoint; refusing to replace it: "
+                         "choose another directory or remove it")
+    if _model_config(model) is not None and _config_diff(config, _model_config(model)):
+        raise UsageError(f"the config given to save_checkpoint differs from the model's "
+                         f"({', '.join(_config_diff(config, _model_config(model))[:4])}); pass the model's own config")
+    tp, pp, dp, tp_rank, pp_rank, dp_rank = _coords(topo)
+    params = _params(model)
+    # Who writes what: the first PP stage that holds a name (a tied embedding: the first stage).
+    stage_names = _all_gather(sorted(params), topo, None if topo is None else topo.pp_group)
+    first_holder = {}
+    for stage, names in enumerate(stage_names):
+        for name in names:
+            first_holder.setdefault(name, stage)
+    tmp = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = Path(_broadcast_from_0(str(tmp), topo))
+    owned = {n for n, p in params.items()
+             if dp_rank == 0 and first_holder[n] == pp_rank and (getattr(p, "tp_dim", None) is not None or tp_rank == 0)}
+    tensors = _host_copies(params, owned)  # collective over DP under ZeRO-3
+    record, local_error = None, None
+    if dp_rank == 0:
+        try:
+            record = _write_shard(tmp, params, tensors, tp=tp, tp_rank=tp_rank, pp_rank=pp_rank, pp=pp)
+        except Exception as error:  # reported to rank 0, which cleans up and tells every rank
+            local_error, record = error, {"failure": _failure(error)}
+    records = _gather_to_0(record, topo)  # every rank has written: the barrier before renaming
+    failures = None
+    if _rank(topo) == 0:
+        failures = [None if r is None or "failure" not in r else r["failure"] for r in records]
+        try:
+            if not any(failures):
+                manifest = build_manifest(records, step=step, config=config, extra=extra, tp=tp, pp=pp, dp=dp)
+                _check_visible(tmp, manifest)
+                path = tmp / MANIFEST
+                path.write_text(json.dumps(manifest, indent=1))
+                fsync(path)
+                _publish(tmp, target)
+        except Exception as error:
+            local_error = error
+            failures[0] = _failure(error)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    failures = _broadcast_from_0(failures, topo)
+    _raise_failures(failures, local_error)
+    return target
+
+
+def _write_shard(tmp: Path, params: dict, owned: dict, *, tp: int, tp_rank: int, pp_rank: int, pp: int) -> dict:
+    """Write the owned tensors (vocab padding trimmed) to one safetensors file; its record."""
+    from safetensors.torch import save_file
+
+    tensors, entries = {}, {}
+    for name, t in owned.items():
+        param = params[name]
+        dim = getattr(param, "tp_dim", None)
+        shape, part = list(t.shape), {}
+        if dim is not None:
+            local = t.shape[dim]
+            full = getattr(param, "tp_unpadded", None) or local * tp
+            start, stop = tp_rank * local, min((tp_rank + 1) * local, full)
+            shape[dim] = full
+            part = {"start": start, "stop": max(start, stop)}
+            if stop <= start:  # this rank holds only vocab padding
+                entries[name] = {"shape": shape, "dtype": _dtype_name(t.dtype), "tp_dim": dim, "slice": None}
+                continue
+            t = t.narrow(dim, 0, stop - start)
+        tensors[name] = t.to("cpu").contiguous()
+        entries[name] = {"shape": shape, "dtype": _dtype_name(t.dtype), "tp_dim": dim, "slice": part}
+    tmp.mkdir(parents=True, exist_ok=True)
+    fname = shard_file(pp_rank, tp_rank, pp, tp)
+    path = tmp / fname
+    save_file(tensors, path, metadata={"format": "pt"})
+    fsync(path)
+    return {"file": fname, "sha256": sha256_file(path), "bytes": path.stat().st_size, "pp": pp_rank,
+            "tp": tp_rank, "params": entries}
+
+
+def _check_visible(tmp: Path, manifest: dict) -> None:
+    for fname in manifest["files"]:
+        if not (tmp / fname).is_file():
+            raise UsageError(f"{tmp / fname}, written by another rank, is not visible on rank 0; "
+                             "save checkpoints to a filesystem that every node shares")
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Rename the finished ``tmp`` to ``target``; an old checkpoint there is moved aside first, then removed."""
+    old = None
+    if target.exists():
+        old = target.with_name(f"{target.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(target, old)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        if old is not None:
+            os.rename(old, target)
+        raise
+    fsync(target.parent)
+    # this save's old copy, and what saves killed mid-way left behind (they are never read)
+    for stale in target.parent.glob(f"{glob.escape(target.name)}.*-*"):
+        if stale.name.startswith((f"{target.name}.tmp-", f"{target.name}.old-")):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+# -- load -------------------------------------------------------------------------------------------
+def load_checkpoint(directory, model, topo=None) -> Loaded:
+    """Copy this rank's shard of every parameter of ``model`` from the checkpoint in ``directory``.
+
+    Any saved TP x PP layout loads into any other: each rank reads only the slices its shard
+    needs. Collective over the world (one all-gather of the outcome): every rank calls it, and
+    an error on any rank (missing or corrupt file, other model) raises on all of them.
+    Returns the saved step and extra metadata.
+    """
+    local_error, result = None, None
+    try:
+        result = _load(Path(directory), model, topo)
+    except Exception as error:
+        local_error = error
+    failures = _all_gather(None if local_error is None else _failure(local_error), topo)
+    _raise_failures(failures, local_error)
+    return result
+
+
+@torch.no_grad()
+def _load(directory: Path, model, topo) -> Loaded:
+    manifest = read_manifest(directory)
+    saved = manifest_config(manifest, source=str(directory))
+    config = _model_config(model)
+    if config is not None:
+        diff = _config_diff(saved, config)
+        if diff:
+            raise UsageError(f"checkpoint {directory} was saved from a different model ({', '.join(diff[:4])}, "
+                             "checkpoint vs model); build the model from the checkpoint's config")
+    tp, _, _, tp_rank, _, _ = _coords(topo)
+    if any(_zero3(p) for p in _params(model).values()):
+        raise UsageError("the model is already partitioned by DeepSpeed ZeRO-3; load the checkpoint into the "
+                         "model before deepspeed.initialize (the engine copies its master weights from it there)")
+    with ShardReader(directory, manifest) as reader:
+        for name, param in _params(model).items():
+            entry, dim = reader.entry(name), getattr(param, "tp_dim", None)
+            if entry["tp_dim"] != dim:
+                raise UsageError(f"parameter {name} is split along {entry['tp_dim']} in checkpoint {directory} but "
+                                 f"along {dim} in the model; it was saved from a different model")
+            want = list(param.shape)
+            if dim is None:
+                t = reader.read(name)
+            else:
+                local = param.shape[dim]
+                want[dim] = entry["shape"][dim]
+                if tp * local < want[dim] or list(entry["shape"]) != want:
+                    raise UsageError(f"parameter {name} has full shape {entry['shape']} in checkpoint {directory} "
+                                     f"but the model's shard is {list(param.shape)} at TP {tp}; it was saved from "
+                                     "a different model")
+                start = tp_rank * local
+                t = reader.read(name, min(start, want[dim]), min(start + local, want[dim]))
+                param.narrow(dim, t.shape[dim], local - t.shape[dim]).zero_()  # vocab padding
+                param = param.narrow(dim, 0, t.shape[dim])
+            if list(t.shape) != list(param.shape):
+                raise UsageError(f"parameter {name} has shape {list(t.shape)} in checkpoint {directory} but "
+                                 f"{list(param.shape)} in the model; it was saved from a different model")
+            param.copy_(t)
+    return Loaded(step=manifest["step"], extra=manifest["extra"])

@@ -1,0 +1,146 @@
+"""Translate full (TP-gathered) megakit weights to and from Hugging Face transformers' layout.
+
+megakit keeps q, k and v (and gate, up) as separate ``(out, in)`` matrices under
+layout-independent names; transformers' GPT-2 fuses q/k/v into ``c_attn`` and stores
+``Conv1D`` weights as ``(in, out)``, while its Llama family (also Mistral, Qwen2) uses
+``nn.Linear`` like megakit. ``tests/test_model.py`` proves the mapping by comparing
+logits with transformers' own models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megakit.core.model_config import ModelConfig
+from megakit.errors import UsageError
+
+_GPT2_BLOCK = {  # megakit suffix -> (transformers suffix, transposed)
+    "attn_norm.weight": ("ln_1.weight", False), "attn_norm.bias": ("ln_1.bias", False),
+    "mlp_norm.weight": ("ln_2.weight", False), "mlp_norm.bias": ("ln_2.bias", False),
+    "attn.o_proj.weight": ("attn.c_proj.weight", True), "attn.o_proj.bias": ("attn.c_proj.bias", False),
+    "mlp.up_proj.weight": ("mlp.c_fc.weight", True), "mlp.up_proj.bias": ("mlp.c_fc.bias", False),
+    "mlp.down_proj.weight": ("mlp.c_proj.weight", True), "mlp.down_proj.bias": ("mlp.c_proj.bias", False),
+}
+_LLAMA_BLOCK = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight"}
+for _x in ("q", "k", "v", "o"):
+    for _p in ("weight", "bias"):
+        _LLAMA_BLOCK[f"attn.{_x}_proj.{_p}"] = f"self_attn.{_x}_proj.{_p}"
+for _x in ("gate", "up", "down"):
+    for _p in ("weight", "bias"):
+        _LLAMA_BLOCK[f"mlp.{_x}_proj.{_p}"] = f"mlp.{_x}_proj.{_p}"
+
+
+def _get(state: dict, name: str) -> torch.Tensor:
+    if name not in state:
+        raise UsageError(f"weights lack {name!r}; they are not a complete checkpoint of this model")
+    return state[name]
+
+
+def to_hf_state_dict(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full megakit weights (``megakit.nn.model.full_state_dict``) -> transformers' names and layouts."""
+    out: dict[str, torch.Tensor] = {}
+    if config.family == "gpt2":
+        out["transformer.wte.weight"] = _get(state, "embed.weight")
+        out["transformer.wpe.weight"] = _get(state, "pos_embed.weight")
+        for i in range(config.layers):
+            ours, theirs = f"layers.{i}.", f"transformer.h.{i}."
+            for suffix, (hf, transposed) in _GPT2_BLOCK.items():
+                if ours + suffix in state:
+                    t = state[ours + suffix]
+                    out[theirs + hf] = t.t().contiguous() if transposed else t
+            qkv = [_get(state, ours + f"attn.{x}_proj.weight") for x in "qkv"]
+            out[theirs + "attn.c_attn.weight"] = torch.cat(qkv).t().contiguous()
+            if ours + "attn.q_proj.bias" in state:
+                out[theirs + "attn.c_attn.bias"] = torch.cat([state[ours + f"attn.{x}_proj.bias"] for x in "qkv"])
+        out["transformer.ln_f.weight"] = _get(state, "norm.weight")
+        out["transformer.ln_f.bias"] = _get(state, "norm.bias")
+        out["lm_head.weight"] = _get(state, "embed.weight" if config.tie_embeddings else "lm_head.weight")
+        return out
+    out["model.embed_tokens.weight"] = _get(state, "embed.weight")
+    for i in range(config.layers):
+        for suffix, hf in _LLAMA_BLOCK.items():
+            if f"layers.{i}.{suffix}" in state:
+                out[f"model.layers.{i}.{hf}"] = state[f"layers.{i}.{suffix}"]
+    out["model.norm.weight"] = _get(state, "norm.weight")
+    out["lm_head.weight"] = _get(state, "embed.weight" if config.tie_embeddings else "lm_head.weight")
+    return out
+
+
+def from_hf_state_dict(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' weights -> full megakit weights (load with ``megakit.nn.model.load_full_state_dict``)."""
+    out: dict[str, torch.Tensor] = {}
+    if config.family == "gpt2":
+        out["embed.weight"] = _get(hf, "transformer.wte.weight")
+        out["pos_embed.weight"] = _get(hf, "transformer.wpe.weight")
+        q = config.heads * config.head_dim
+        for i in range(config.layers):
+            ours, theirs = f"layers.{i}.", f"transformer.h.{i}."
+            for suffix, (name, transposed) in _GPT2_BLOCK.items():
+                t = _get(hf, theirs + name)
+                out[ours + suffix] = t.t().contiguous() if transposed else t
+            w = _get(hf, theirs + "attn.c_attn.weight").t()
+            b = _get(hf, theirs + "attn.c_attn.bias")
+            for x, rows in zip("qkv", (slice(0, q), slice(q, 2 * q), slice(2 * q, 3 * q))):
+                out[ours + f"attn.{x}_proj.weight"] = w[rows].contiguous()
+                out[ours + f"attn.{x}_proj.bias"] = b[rows].contiguous()
+        out["norm.weight"] = _get(hf, "transformer.ln_f.weight")
+        out["norm.bias"] = _get(hf, "transformer.ln_f.bias")
+    else:
+        out["embed.weight"] = _get(hf, "model.embed_tokens.weight")
+        for i in range(config.layers):
+            for suffix, name in _LLAMA_BLOCK.items():
+                if f"model.layers.{i}.{name}" in hf:
+                    out[f"layers.{i}.{suffix}"] = hf[f"model.layers.{i}.{name}"]
+        out["norm.weight"] = _get(hf, "model.norm.weight")
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = _get(hf, "lm_head.weight")
+    return out
+
+
+def hf_config(config: ModelConfig) -> dict:
+    """A transformers config.json dict for ``config`` (``ModelConfig.from_hf`` reads it back)."""
+    if config.family == "gpt2":
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": config.vocab_size,
+                "n_positions": config.max_seq_len, "n_embd": config.hidden, "n_layer": config.layers,
+                "n_head": config.heads, "n_inner": config.ffn, "activation_function": "gelu_new",
+                "layer_norm_epsilon": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
+                "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
+                "initializer_range": config.init_std}
+    qwen2 = config.qkv_bias and not config.out_bias  # Llama's attention_bias covers o_proj too
+    out = {"model_type": "qwen2" if qwen2 else "llama",
+            "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"], "vocab_size": config.vocab_size,
+            "max_position_embeddings": config.max_seq_len, "hidden_size": config.hidden,
+            "intermediate_size": config.ffn, "num_hidden_layers": config.layers,
+            "num_attention_heads": config.heads, "num_key_value_heads": config.kv_heads,
+            "head_dim": config.head_dim, "hidden_act": "silu", "rms_norm_eps": config.norm_eps,
+            "rope_theta": config.rope_theta, "tie_word_embeddings": config.tie_embeddings,
+            "attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias,
+            "attention_dropout": config.dropout, "initializer_range": config.init_std}
+    if qwen2:
+        del out["attention_bias"]
+    return out
+
+
+def exact_param_count(raw: dict) -> int:
+    """Build the transformers model on the meta device and count parameters (tied ones once)."""
+    try:
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as error:  # pragma: no cover - both are dependencies
+        raise UsageError(f"exact parameter counts need transformers and accelerate ({error}); pip install them")
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "transformers_version")}
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # e.g. a tiny vocab below GPT-2's default bos id is fine here
+    try:
+        config = AutoConfig.for_model(raw["model_type"], **fields)
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config)
+        model.tie_weights()  # tied embeddings share one tensor (counted once below)
+    except Exception as error:  # transformers raises many types for bad configs
+        raise UsageError(f"transformers cannot build this config ({error.__class__.__name__}: "
+                         f"{str(error).splitlines()[0][:120]}); fix the config.json")
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return sum({id(p): p.numel() for p in model.parameters()}.values())

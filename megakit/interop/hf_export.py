@@ -1,0 +1,125 @@
+"""Export a megakit checkpoint (any TP x PP layout) to Hugging Face transformers' layout.
+
+The output directory holds ``config.json`` and ``model.safetensors`` -- or, past
+``max_shard_bytes``, transformers' sharded form (``model-00001-of-0000N.safetensors`` and
+``model.safetensors.index.json``) -- so ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``
+loads it with no megakit installed.
+
+Streaming: the weights are converted one unit at a time (the embeddings, final norm and
+head; then each block), reading each parameter's TP slices straight from the checkpoint's
+files, so memory holds at most one output shard, never the whole model. The name and
+layout mapping is ``megakit.interop.hf.to_hf_state_dict`` itself, applied to a one-block model per
+unit; a first pass over meta tensors sizes the shards without reading any weights. Every
+file read is checked against the manifest's sha256. The output is written to a temporary
+directory and renamed, so a failed export leaves nothing at ``OUT_DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+from megakit.errors import UsageError
+from megakit.interop.checkpoint_format import (
+    ShardReader,
+    manifest_config,
+    read_manifest,
+)
+from megakit.interop.hf import hf_config, to_hf_state_dict
+
+DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
+
+
+def _layer_prefix(family: str, i: int) -> str:
+    return f"transformer.h.{i}." if family == "gpt2" else f"model.layers.{i}."
+
+
+def _unit(config, manifest: dict, reader: ShardReader, unit: int | None, *, meta: bool) -> dict[str, torch.Tensor]:
+    """transformers' tensors of one unit: ``None`` = everything outside the blocks, else block ``unit``.
+
+    Runs ``to_hf_state_dict`` on a one-block model whose block 0 is block ``unit``; tensors
+    not wanted from this unit are meta (no data), as is everything when ``meta``.
+    """
+    params = manifest["params"]
+
+    def tensor(name: str, source: str, real: bool) -> torch.Tensor:
+        if real and not meta:
+            return reader.read(source)
+        entry = params[source]
+        return torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]), device="meta")
+
+    state = {}
+    for name in params:
+        if not name.startswith("layers."):
+            state[name] = tensor(name, name, unit is None)
+        elif name.startswith("layers.0."):
+            suffix = name[len("layers.0."):]
+            block = 0 if unit is None else unit
+            state[name] = tensor(name, f"layers.{block}.{suffix}", unit is not None)
+    hf = to_hf_state_dict(config.replace(layers=1), state)
+    first = _layer_prefix(config.family, 0)
+    if unit is None:
+        out = {k: v for k, v in hf.items() if not k.startswith(first)}
+        if config.tie_embeddings:
+            del out["lm_head.weight"]  # transformers ties it to the input embedding, as save_pretrained does
+        return out
+    return {_layer_prefix(config.family, unit) + k[len(first):]: v for k, v in hf.items() if k.startswith(first)}
+
+
+def export_hf(checkpoint, out_dir, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:
+    """Write ``checkpoint`` to ``out_dir`` in transformers' layout; returns a summary dict."""
+    checkpoint, out = Path(checkpoint), Path(out_dir)
+    manifest = read_manifest(checkpoint)
+    config = manifest_config(manifest, source=str(checkpoint))
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"{out} already exists and is not empty; choose a new output directory or remove it")
+    units = [None, *range(config.layers)]
+    with ShardReader(checkpoint, manifest) as reader:
+        shards, size = [[]], 0  # units per output file, sized from meta tensors
+        for unit in units:
+            nbytes = sum(t.numel() * t.element_size() for t in _unit(config, manifest, reader, unit, meta=True).values())
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(unit)
+            size += nbytes
+        tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+        tmp.mkdir(parents=True)
+        try:
+            summary = _write(config, manifest, reader, shards, tmp)
+            if out.exists():
+                out.rmdir()  # empty, checked above
+            os.rename(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return summary
+
+
+def _write(config, manifest: dict, reader: ShardReader, shards: list[list], tmp: Path) -> dict:
+    from safetensors.torch import save_file
+
+    weight_map, params, total = {}, 0, 0
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for fname, units in zip(names, shards):
+        tensors = {}
+        for unit in units:
+            tensors.update({k: v.contiguous() for k, v in _unit(config, manifest, reader, unit, meta=False).items()})
+        save_file(tensors, tmp / fname, metadata={"format": "pt"})
+        for k, v in tensors.items():
+            weight_map[k] = fname
+            params += v.numel()
+            total += v.numel() * v.element_size()
+        del tensors
+    dtype = manifest["params"]["embed.weight"]["dtype"]
+    (tmp / "config.json").write_text(json.dumps({**hf_config(config), "dtype": dtype}, indent=2))
+    if len(names) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return {"files": names, "tensors": len(weight_map), "params": params, "bytes": total, "dtype": dtype,
+            "step": manifest["step"]}

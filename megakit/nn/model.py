@@ -1,0 +1,389 @@
+"""A decoder-only transformer (GPT-2 and Llama families) built from megakit's TP layers.
+
+One class serves every layout: ``Transformer(config, topo)`` holds the calling rank's
+TP shard, and ``layers=range(a, b)``, ``pre``, ``post`` cut out a pipeline stage.
+
+Activations inside the model are sequence-first: ``(S, B, H)``, or ``(S/tp, B, H)``
+with sequence parallelism. A stage without ``pre`` takes, and a stage without
+``post`` returns, exactly that tensor, so one stage's output feeds the next as is.
+
+Weights depend only on ``(seed, parameter name)``: see ``megakit.nn.weights``.
+Parameter names do not depend on the layout (blocks are keyed by their global
+index), so a pipeline stage's names are a subset of the full model's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+
+from megakit.core.model_config import ModelConfig, check_seq_len, model_flops_per_token  # noqa: F401 (API)
+from megakit.core.partition import partition_layers
+from megakit.errors import UsageError
+from megakit.nn import comm as C
+from megakit.nn.dropout import DropoutKeys, attention_dropout, residual_dropout
+from megakit.nn.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    enter_tp_region,
+    mark,
+    replicated,
+    vocab_parallel_cross_entropy,
+)
+from megakit.nn.weights import init_shard_
+
+__all__ = ["ModelConfig", "Transformer", "build_stage_chunks", "full_state_dict", "load_full_state_dict",
+           "model_flops_per_token"]
+
+
+class Norm(nn.Module):
+    """LayerNorm (gpt2: weight and bias) or RMSNorm (llama: weight), replicated over TP."""
+
+    def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, dtype, device) -> None:
+        super().__init__()
+        self.group, self.sequence_parallel, self.eps = group, sequence_parallel, config.norm_eps
+        self.rms = config.family == "llama"
+        h = config.hidden
+        self.weight = mark(nn.Parameter(torch.empty(h, dtype=dtype, device=device)), None)
+        self.bias = None if self.rms else mark(nn.Parameter(torch.empty(h, dtype=dtype, device=device)), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = replicated(self.weight, self.group, self.sequence_parallel)
+        if self.rms:
+            return F.rms_norm(x, x.shape[-1:], w, self.eps)
+        b = replicated(self.bias, self.group, self.sequence_parallel)
+        return F.layer_norm(x, x.shape[-1:], w, b, self.eps)
+
+
+def rope_tables(config: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, ``(max_seq_len, head_dim)`` in fp32, in Hugging Face Llama's half-split layout."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
+    angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float64, device=device), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(B, n, S, d)`` by position; ``cos``/``sin`` are ``(S, d)``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention, heads split over TP: q/k/v column-parallel, output row-parallel.
+
+    With dropout in training the attention is written out (scores, softmax, dropout, values)
+    so that the probabilities' mask is megakit's layout-free one; otherwise it is PyTorch's
+    fused ``scaled_dot_product_attention``.
+    """
+
+    def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, site: str, dtype, device) -> None:
+        super().__init__()
+        tp = C.size(group)
+        self.group, self.sequence_parallel, self.site = group, sequence_parallel, site
+        self.heads, self.kv_heads, self.head_dim = config.heads // tp, config.kv_heads // tp, config.head_dim
+        self.total_heads, self.head_start = config.heads, C.rank(group) * self.heads
+        self.dropout = config.dropout
+        self.rope = config.family == "llama"
+        q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
+        col = dict(group=group, sequence_parallel=sequence_parallel, enter_region=False, dtype=dtype, device=device)
+        self.q_proj = ColumnParallelLinear(config.hidden, q, bias=config.qkv_bias, **col)
+        self.k_proj = ColumnParallelLinear(config.hidden, kv, bias=config.qkv_bias, **col)
+        self.v_proj = ColumnParallelLinear(config.hidden, kv, bias=config.qkv_bias, **col)
+        self.o_proj = RowParallelLinear(q, config.hidden, bias=config.out_bias, group=group,
+                                        sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        s, b, _ = x.shape
+        return x.view(s, b, n, self.head_dim).permute(1, 2, 0, 3)  # (B, n, S, d)
+
+    def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None) -> torch.Tensor:
+        x = enter_tp_region(x, self.group, self.sequence_parallel)  # (S, B, H)
+        s, b, _ = x.shape
+        q = self._heads(self.q_proj(x), self.heads)  # (B, nh/tp, S, d)
+        k = self._heads(self.k_proj(x), self.kv_heads)  # (B, nkv/tp, S, d)
+        v = self._heads(self.v_proj(x), self.kv_heads)
+        if self.rope:
+            cos, sin = rope[0][:s], rope[1][:s]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.training and self.dropout > 0:
+            y = self._attend_with_dropout(q, k, v, keys)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               enable_gqa=self.heads != self.kv_heads)  # (B, nh/tp, S, d)
+        y = y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # (S, B, nh/tp * d)
+        return self.o_proj(y)  # (S', B, H)
+
+    def _attend_with_dropout(self, q, k, v, keys: DropoutKeys) -> torch.Tensor:
+        """``softmax(q k^T / sqrt(d) + causal) -> dropout -> @ v``, as SDPA's math path, with megakit's masks."""
+        if self.kv_heads != self.heads:  # GQA: each KV head serves a run of query heads (SDPA's enable_gqa)
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        s = q.shape[2]
+        scores = torch.matmul(q, k.transpose(-2, -1)) * (self.head_dim ** -0.5)  # (B, nh/tp, S, S)
+        causal = torch.full((s, s), float("-inf"), dtype=scores.dtype, device=q.device).triu_(1)
+        probs = (scores + causal).softmax(dim=-1)  # an added constant: nothing more saved for backward
+        probs = attention_dropout(probs, self.dropout, keys, site=self.site, head_start=self.head_start,
+                                  heads=self.total_heads)
+        return torch.matmul(probs, v)  # (B, nh/tp, S, d)
+
+
+class MLP(nn.Module):
+    """GELU MLP (gpt2) or SwiGLU (llama): up/gate column-parallel, down row-parallel."""
+
+    def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, dtype, device) -> None:
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.gated = config.family == "llama"
+        col = dict(group=group, sequence_parallel=sequence_parallel, enter_region=False, bias=config.mlp_bias,
+                   dtype=dtype, device=device)
+        if self.gated:
+            self.gate_proj = ColumnParallelLinear(config.hidden, config.ffn, **col)
+        self.up_proj = ColumnParallelLinear(config.hidden, config.ffn, **col)
+        self.down_proj = RowParallelLinear(config.ffn, config.hidden, bias=config.mlp_bias, group=group,
+                                           sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(x, self.group, self.sequence_parallel)  # (S, B, H)
+        if self.gated:
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (S, B, ffn/tp)
+        else:
+            h = F.gelu(self.up_proj(x), approximate="tanh")  # (S, B, ffn/tp)
+        return self.down_proj(h)  # (S', B, H)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``."""
+
+    def __init__(self, config: ModelConfig, *, index: int, group, sequence_parallel: bool, dtype, device) -> None:
+        super().__init__()
+        kw = dict(group=group, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        site = f"layers.{index}"
+        self.attn_norm = Norm(config, **kw)
+        self.attn = Attention(config, site=f"{site}.attn_probs", **kw)
+        self.mlp_norm = Norm(config, **kw)
+        self.mlp = MLP(config, **kw)
+        self.attn_dropout = ResidualDropout(config.dropout, f"{site}.attn_residual", group, sequence_parallel)
+        self.mlp_dropout = ResidualDropout(config.dropout, f"{site}.mlp_residual", group, sequence_parallel)
+
+    def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None) -> torch.Tensor:  # (S', B, H)
+        x = x + self.attn_dropout(self.attn(self.attn_norm(x), rope, keys), keys)
+        return x + self.mlp_dropout(self.mlp(self.mlp_norm(x)), keys)
+
+
+class ResidualDropout(nn.Module):
+    """Dropout on the residual stream ``(S', B, H)`` at the site called ``site``, with layout-free masks
+    (``megakit.nn.dropout``): replicated over TP, or this rank's ``S/tp`` rows with SP."""
+
+    def __init__(self, p: float, site: str, group, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.p, self.site = p, site
+        self.tp, self.tp_rank = (C.size(group), C.rank(group)) if sequence_parallel else (1, 0)
+
+    def forward(self, x: torch.Tensor, keys: DropoutKeys | None) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        s = x.shape[0]
+        return residual_dropout(x, self.p, keys, site=self.site, seq_start=self.tp_rank * s, seq_len=self.tp * s)
+
+
+class Transformer(nn.Module):
+    """The model, or one pipeline stage of it, holding this rank's TP shard.
+
+    ``forward(x, labels=None)``: with ``pre``, ``x`` is token ids ``(B, S)``; otherwise the
+    previous stage's hidden state ``(S', B, H)`` (``S' = S/tp`` with sequence parallelism).
+    With ``post`` and ``labels`` ``(B, S)``: the scalar mean token cross-entropy (vocab-
+    parallel; ``-100`` labels ignored). With ``post`` alone: this rank's logits shard
+    ``(B, S, padded_vocab/tp)``, padded columns set to ``-inf``. Otherwise the hidden state.
+    ``sample_ids`` ``(B,)``: each row's number in the run's data stream, which with ``seed``
+    decides the dropout masks (``megakit.nn.dropout``), so they are the same at every
+    layout; a trainer passes them. Without them a training forward numbers its rows after
+    those of the previous training forwards (``samples_seen``).
+    ``recompute=True`` keeps only each block's input in training and recomputes the rest
+    in backward (Megatron's full recompute), trading ~1/3 more compute for activation memory.
+    """
+
+    def __init__(self, config: ModelConfig, topo=None, *, layers: range | None = None, pre: bool = True,
+                 post: bool = True, sequence_parallel: bool = False, seed: int = 0,
+                 dtype: torch.dtype = torch.float32, device=None, recompute: bool = False) -> None:
+        super().__init__()
+        group = None if topo is None else topo.tp_group
+        tp, tp_rank = C.size(group), C.rank(group)
+        config.check_tp(tp)
+        layers = range(config.layers) if layers is None else layers
+        if not isinstance(layers, range) or layers.step != 1 or not (0 <= layers.start <= layers.stop <= config.layers):
+            raise UsageError(f"layers must be a range within 0..{config.layers}, got {layers!r}")
+        self.config, self.group, self.tp, self.tp_rank = config, group, tp, tp_rank
+        self.layer_range, self.pre, self.post, self.seed = layers, pre, post, seed
+        self.recompute = recompute  # full activation recompute, block by block
+        self.sequence_parallel = sequence_parallel and tp > 1
+        self.samples_seen = 0  # rows numbered by training forwards without sample_ids
+        kw = dict(group=group, sequence_parallel=self.sequence_parallel, dtype=dtype, device=device)
+        tied = config.tie_embeddings
+        if pre or (post and tied):  # a tied last stage keeps its own copy, under the same name
+            self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden, **kw)
+            # DeepSpeed counts a ds_pipe_replicated parameter once (on the first stage) in the grad norm.
+            self.embed.weight.ds_pipe_replicated = not pre
+        if pre and config.family == "gpt2":
+            table = torch.empty(config.max_seq_len, config.hidden, dtype=dtype, device=device)
+            self.pos_embed = nn.Embedding(config.max_seq_len, config.hidden, _weight=table)  # no default init
+            mark(self.pos_embed.weight, None)
+        if pre:
+            self.embed_dropout = ResidualDropout(config.dropout, "embed", group, self.sequence_parallel)
+        self.layers = nn.ModuleDict({str(i): Block(config, index=i, **kw) for i in layers})
+        if post:
+            self.norm = Norm(config, **kw)
+            if not tied:
+                self.lm_head = ColumnParallelLinear(config.hidden, config.padded_vocab(tp), bias=False, **kw)
+                self.lm_head.weight.tp_unpadded = config.vocab_size
+        if config.family == "llama":
+            cos, sin = rope_tables(config, device)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    # -- initialisation ----------------------------------------------------------------------
+    def init_rule(self, name: str) -> tuple:
+        """How the parameter called ``name`` starts: GPT-2's scheme, for both families.
+
+        Norm weights one, biases zero, output projections (``o_proj``, ``down_proj``)
+        ``N(0, (std / sqrt(2 L))^2)``, everything else ``N(0, std^2)``.
+        """
+        leaf = name.rsplit(".", 2)
+        if leaf[-1] == "bias":
+            return ("zeros",)
+        if "norm" in leaf[-2]:
+            return ("ones",)
+        std = self.config.init_std
+        if leaf[-2] in ("o_proj", "down_proj"):
+            std /= (2 * self.config.layers) ** 0.5
+        return ("normal", std)
+
+    def reset_parameters(self) -> None:
+        """(Re)draw every parameter of this shard from ``(seed, name)``; see ``megakit.nn.weights``."""
+        for name, param in self.named_parameters():
+            init_shard_(param, name=name, seed=self.seed, tp_rank=self.tp_rank, rule=self.init_rule(name))
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
+                sample_ids: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+        keys = self._dropout_keys(x, sample_ids)
+        h = self._embed(x, keys) if self.pre else x  # (S', B, H)
+        rope = (self.rope_cos, self.rope_sin) if self.config.family == "llama" else None
+        for block in self.layers.values():
+            if self.recompute and self.training:  # keep only the block's input; masks are redrawn alike
+                h = torch.utils.checkpoint.checkpoint(block, h, rope, keys, use_reentrant=False)
+            else:
+                h = block(h, rope, keys)  # (S', B, H)
+        if not self.post:
+            return h
+        h = self.norm(h)
+        head = self.lm_head.weight if hasattr(self, "lm_head") else self.embed.weight  # (V/tp, H)
+        logits = F.linear(enter_tp_region(h, self.group, self.sequence_parallel), head)  # (S, B, V/tp)
+        if labels is not None:
+            return vocab_parallel_cross_entropy(logits, labels.t(), self.group, vocab_size=self.config.vocab_size)
+        logits = logits.transpose(0, 1)  # (B, S, V/tp)
+        start = self.tp_rank * logits.shape[-1]
+        if start + logits.shape[-1] > self.config.vocab_size:
+            logits = logits.clone()
+            logits[..., max(self.config.vocab_size - start, 0):] = float("-inf")
+        return logits
+
+    def _dropout_keys(self, x: torch.Tensor, sample_ids) -> DropoutKeys | None:
+        if not self.training or self.config.dropout == 0.0:
+            return None
+        batch = x.shape[0] if self.pre else x.shape[1]  # ids (B, S); hidden (S', B, H)
+        if sample_ids is None:
+            sample_ids = range(self.samples_seen, self.samples_seen + batch)
+        self.samples_seen += batch
+        keys = DropoutKeys.of(self.seed, sample_ids)
+        if len(keys.samples) != batch:
+            raise UsageError(f"sample_ids has {len(keys.samples)} numbers for a batch of {batch}; give one per row")
+        return keys
+
+    def _embed(self, ids: torch.Tensor, keys: DropoutKeys | None) -> torch.Tensor:
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise UsageError(f"the first stage takes token ids of shape (batch, seq) and integer dtype, "
+                             f"got {tuple(ids.shape)} {ids.dtype}")
+        s = ids.shape[1]
+        check_seq_len(self.config, s)
+        if self.sequence_parallel and s % self.tp:
+            raise UsageError(f"sequence length {s} is not divisible by TP {self.tp}; sequence parallelism "
+                             "needs it to be (pad the batch or turn sequence parallelism off)")
+        h = self.embed(ids.t())  # (S', B, H)
+        if hasattr(self, "pos_embed"):
+            local = s // self.tp if self.sequence_parallel else s
+            offset = self.tp_rank * local if self.sequence_parallel else 0
+            positions = torch.arange(offset, offset + local, device=ids.device)
+            pos = F.embedding(positions, replicated(self.pos_embed.weight, self.group, self.sequence_parallel))
+            h = h + pos.unsqueeze(1)  # (S', B, H)
+        return self.embed_dropout(h, keys)
+
+
+def build_stage_chunks(config, topo, *, vpp: int = 1, method="params", **model_kwargs) -> list[Transformer]:
+    """This rank's ``Transformer`` chunks for a ``pp x vpp`` split (embedding on the first, head on the last)."""
+    ranges = partition_layers(config, topo.pp, vpp, method)
+    last = topo.pp * vpp - 1
+    chunks = []
+    for chunk in range(vpp):
+        vs = chunk * topo.pp + topo.pp_rank
+        chunks.append(Transformer(config, topo, layers=ranges[vs], pre=vs == 0, post=vs == last, **model_kwargs))
+    return chunks
+
+
+# -- whole-model views (tests, checkpoints, resharding) ---------------------------------------
+def _group(topo):
+    return None if topo is None else topo.tp_group
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module, topo=None, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter of this stage (or, with ``grads``, its gradient), gathered over TP and
+    with vocab padding removed.
+
+    Collective over the TP group: every TP rank must call it. Returns name -> full tensor.
+    """
+    group, out = _group(topo), {}
+    for name, param in model.named_parameters():
+        full = param.detach() if not grads else param.grad if param.grad is not None else torch.zeros_like(param)
+        dim = getattr(param, "tp_dim", None)
+        if dim is not None:
+            full = C.all_gather(full.contiguous(), group, dim=dim)
+            unpadded = getattr(param, "tp_unpadded", None)
+            if unpadded is not None:
+                full = full.narrow(dim, 0, unpadded)
+        out[name] = full.clone()
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], topo=None, *, strict: bool = True) -> None:
+    """Copy this rank's shard of each full tensor in ``state`` into ``model`` (inverse of above)."""
+    group = _group(topo)
+    tp, rank = C.size(group), C.rank(group)
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(state))
+    if strict and missing:
+        raise UsageError(f"state lacks {len(missing)} parameters of the model, e.g. {missing[:3]}; "
+                         "it was saved from a different model")
+    for name, param in params.items():
+        if name not in state:
+            continue
+        full = state[name]
+        dim = getattr(param, "tp_dim", None)
+        if dim is not None:
+            padded = param.shape[dim] * tp
+            if full.shape[dim] < padded:
+                pad = list(full.shape)
+                pad[dim] = padded - full.shape[dim]
+                full = torch.cat([full, full.new_zeros(pad)], dim=dim)
+            full = full.narrow(dim, rank * param.shape[dim], param.shape[dim])
+        if full.shape != param.shape:
+            raise UsageError(f"parameter {name} has shape {tuple(full.shape)} in the state but the model "
+                             f"shard needs {tuple(param.shape)}; it was saved from a different model")
+        param.copy_(full)

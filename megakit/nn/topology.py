@@ -1,0 +1,194 @@
+"""The calling rank's process groups over the ``Layout`` grid, built once, and joining the job.
+
+``Topology`` answers DeepSpeed's ``mpu`` questions, so ZeRO shards and reduces over the DP
+group only; the rank order is ``megakit.core.layout``'s (TP fastest, then DP, then PP).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from functools import cached_property
+
+from megakit.core.layout import Layout
+from megakit.errors import UsageError
+
+
+def default_backend() -> str:
+    """NCCL when this process has a GPU, gloo otherwise."""
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(*, timeout_s: float = 300.0) -> None:
+    """Join the job described by the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
+
+    A bounded timeout turns a dead peer into an error instead of a hang.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # started without a launcher (`python scripts/train.py`): a world of one
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    backend = default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class Topology:
+    """The calling rank's place in the grid and its process groups (built once, passed in).
+
+    Every rank must construct it, in the same order, because ``new_group`` is collective.
+    The methods named ``get_*`` are the ``mpu`` interface that ``deepspeed.initialize`` uses.
+    """
+
+    def __init__(self, layout: Layout, *, timeout_s: float = 300.0) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("call megakit.nn.topology.init_distributed() before building a Topology")
+        if dist.get_world_size() != layout.world_size:
+            raise UsageError(
+                f"world size {dist.get_world_size()} != TP x PP x DP = {layout.tp} x {layout.pp} x {layout.dp}; "
+                "launch exactly that many processes or change --tp/--pp"
+            )
+        self.layout = layout
+        self.rank = dist.get_rank()
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self._groups = {}
+        self._ranks = {}
+        for kind in ("tp", "dp", "pp", "mp", "embedding"):
+            for ranks in layout.groups(kind):
+                group = dist.new_group(ranks, timeout=timeout)
+                if self.rank in ranks:
+                    self._groups[kind], self._ranks[kind] = group, ranks
+        coords = layout.coords(self.rank)
+        self.tp_rank, self.dp_rank, self.pp_rank = coords["tp"], coords["dp"], coords["pp"]
+
+    @classmethod
+    def from_world(cls, *, tp: int = 1, pp: int = 1, timeout_s: float = 300.0) -> "Topology":
+        """Build the grid over the already-initialised world; DP takes the remaining ranks."""
+        import torch.distributed as dist
+
+        return cls(Layout.for_world(dist.get_world_size(), tp=tp, pp=pp), timeout_s=timeout_s)
+
+    # -- sizes, groups and neighbours ---------------------------------------------------------
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def tp_group(self):
+        return self._groups["tp"]
+
+    @property
+    def dp_group(self):
+        return self._groups["dp"]
+
+    @property
+    def pp_group(self):
+        return self._groups["pp"]
+
+    @property
+    def mp_group(self):
+        return self._groups["mp"]
+
+    @property
+    def embedding_group(self):
+        """First and last stage of this pipeline (same TP and DP coordinate): tied embeddings sync here."""
+        return self._groups["embedding"]
+
+    def group_ranks(self, kind: str) -> list[int]:
+        return list(self._ranks[kind])
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def stage_rank(self, stage: int) -> int:
+        """Global rank of ``stage`` in this rank's pipeline (same TP and DP coordinate)."""
+        return self.layout.rank(pp=stage, dp=self.dp_rank, tp=self.tp_rank)
+
+    @cached_property
+    def next_rank(self) -> int | None:
+        return None if self.is_last_stage else self.stage_rank(self.pp_rank + 1)
+
+    @cached_property
+    def prev_rank(self) -> int | None:
+        return None if self.is_first_stage else self.stage_rank(self.pp_rank - 1)
+
+    def __repr__(self) -> str:
+        return f"Topology(rank={self.rank}, tp={self.tp_rank}/{self.tp}, dp={self.dp_rank}/{self.dp}, pp={self.pp_rank}/{self.pp})"
+
+    # -- DeepSpeed mpu interface -------------------------------------------------------------
+    def get_model_parallel_rank(self) -> int:
+        """The TP rank, as in Megatron-DeepSpeed's mpu (not the index in the TP x PP group).
+
+        DeepSpeed's gradient norm counts a replicated (non-TP) parameter only where this is
+        0, then sums over ``get_model_parallel_group()`` (TP x PP): so every stage's
+        replicated parameters count exactly once and TP shards count once each.
+        """
+        return self.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp * self.pp
+
+    def get_model_parallel_group(self):
+        return self.mp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return self.group_ranks("dp")
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.tp_rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.tp
+
+    def get_tensor_model_parallel_group(self):
+        return self.tp_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self._ranks["tp"][0]
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.pp_rank
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.pp
+
+    def get_pipeline_model_parallel_group(self):
+        return self.pp_group
+
+    get_pipe_parallel_group = get_pipeline_model_parallel_group
+    get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size

@@ -1,1 +1,0 @@
-"""Tensor and pipeline parallelism: the rank grid, TP layers, schedules and their executor."""

@@ -1,0 +1,150 @@
+"""Training text as byte-level tokens, cut into samples and dealt out to DP ranks deterministically.
+
+Why bytes: every byte is a token (vocabulary 256), so any text trains any megakit model
+without a tokenizer to download. Why the standard library: it is real text (Python
+source) that every machine running megakit already has, so the default run needs
+nothing from the network.
+
+The corpus is cut into non-overlapping windows of ``seq_len + 1`` tokens (input and
+next-token labels). Each epoch shuffles the windows with ``seed + epoch``; step ``s``
+of an epoch takes the ``s``-th block of ``global_batch`` windows, and DP rank ``r``
+takes the ``r``-th equal slice of that block. So every DP rank gets the same number of
+distinct samples, no sample is seen twice within an epoch, and the union over ranks
+is exactly the batch a single process would train on (the equivalence tests use it).
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megakit.errors import UsageError
+
+DEFAULT_MAX_BYTES = 8 * 2**20
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idlelib"}
+
+
+def stdlib_files() -> list[Path]:
+    """The Python standard library's own ``.py`` sources, sorted (tests and installed packages left out)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts))
+
+
+def _user_files(path: Path) -> list[Path]:
+    if not path.exists():
+        raise UsageError(f"--data {path}: no such file or directory; give a text file or a directory of text files")
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise UsageError(f"--data {path}: the directory holds no files; put text files in it or point --data at one")
+    return files
+
+
+def load_tokens(path: str | Path | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
+    """Byte tokens (uint8 tensor) of the files under ``path``, or of the standard library if ``None``.
+
+    Files are read in sorted order until ``max_bytes``; binary files (holding a NUL byte)
+    are skipped, so pointing ``--data`` at a mixed directory still trains on its text.
+    """
+    files = stdlib_files() if path is None else _user_files(Path(path))
+    chunks, total = [], 0
+    for file in files:
+        try:
+            data = file.read_bytes()
+        except OSError as error:
+            if path is None:
+                continue
+            raise UsageError(f"--data: cannot read {file} ({error.strerror}); fix its permissions or remove it") from None
+        if not data or b"\0" in data:
+            continue
+        data = data[: max_bytes - total]
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if not chunks:
+        where = "the standard library" if path is None else f"--data {path}"
+        raise UsageError(f"{where} holds no text (every file is empty or binary); point --data at text files")
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchPlan:
+    """How many samples one optimizer step takes, and how they split.
+
+    ``global_batch = micro_batch * accumulation * dp`` (DeepSpeed's train_batch_size).
+    """
+
+    seq_len: int
+    micro_batch: int
+    accumulation: int = 1
+    dp: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "micro_batch", "accumulation", "dp"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accumulation * self.dp
+
+
+class TokenBatches:
+    """Deterministic batches of ``(inputs, labels)``, each ``(batch, seq_len)`` int64, from a token stream."""
+
+    def __init__(self, tokens: torch.Tensor, plan: BatchPlan) -> None:
+        self.tokens, self.plan = tokens, plan
+        self.num_samples = (len(tokens) - 1) // plan.seq_len
+        self.steps_per_epoch = self.num_samples // plan.global_batch
+        if self.steps_per_epoch < 1:
+            raise UsageError(
+                f"the corpus has {len(tokens)} tokens, {self.num_samples} samples of {plan.seq_len + 1} tokens, "
+                f"fewer than one global batch of {plan.global_batch}; give more text with --data or lower the batch size"
+            )
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.plan.seed + epoch)
+        return torch.randperm(self.num_samples, generator=generator)
+
+    def _samples(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seq = self.plan.seq_len
+        starts = indices * seq
+        windows = torch.stack([self.tokens[s : s + seq + 1] for s in starts.tolist()]).long()
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (B, S), (B, S)
+
+    def global_indices(self, step: int) -> torch.Tensor:
+        """Sample indices of optimizer step ``step``, DP rank 0's slice first."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        batch = self.plan.global_batch
+        return self._order(epoch)[index * batch : (index + 1) * batch]
+
+    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every sample of step ``step`` (what a single process trains on)."""
+        return self._samples(self.global_indices(step))
+
+    def sample_numbers(self, step: int, dp_rank: int) -> list[range]:
+        """The stream numbers of DP rank ``dp_rank``'s micro-batch rows at step ``step``, one range per
+        micro-batch: ``step * global_batch`` plus the row's place in the step's batch (rank 0's first).
+
+        They do not depend on the layout (a single process numbers the same sample alike), so
+        they key the dropout masks (``megakit.nn.dropout``).
+        """
+        plan = self.plan
+        first = step * plan.global_batch + dp_rank * plan.micro_batch * plan.accumulation
+        return [range(first + i * plan.micro_batch, first + (i + 1) * plan.micro_batch)
+                for i in range(plan.accumulation)]
+
+    def micro_batches(self, step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """DP rank ``dp_rank``'s ``accumulation`` micro-batches of step ``step``."""
+        plan = self.plan
+        assert 0 <= dp_rank < plan.dp, (dp_rank, plan.dp)
+        per_rank = plan.micro_batch * plan.accumulation
+        mine = self.global_indices(step)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        inputs, labels = self._samples(mine)
+        return list(zip(inputs.split(plan.micro_batch), labels.split(plan.micro_batch)))

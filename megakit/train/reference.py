@@ -1,0 +1,59 @@
+"""The single-process run a distributed run must reproduce: same weights, data, optimizer, schedule, clipping.
+
+Plain PyTorch, no DeepSpeed engine and no process group: the full model, every
+micro-batch of every DP rank in turn, torch's AdamW with the ds_config's settings,
+the ds_config's LR scheduler class from ``deepspeed.runtime.lr_schedules`` and
+``torch.nn.utils.clip_grad_norm_``. The equivalence tests compare the trainer's
+loss trajectory against this; it is also the "shrink to one GPU and compare the
+curves" check of the FAQ.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches, load_tokens
+
+
+def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_len: int | None = None, seed: int = 0,
+                  data: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, list[float]]:
+    """``{"loss": [...], "grad_norm": [...], "lr": [...]}`` of ``steps`` steps of the unsplit model.
+
+    ``ds_config`` is the dict the trainer used (micro-batch and accumulation per rank);
+    ``dp`` is the distributed run's DP size, so the global batch is the same.
+    """
+    from deepspeed.runtime import lr_schedules
+
+    from megakit.nn.model import ModelConfig, Transformer
+
+    config = ModelConfig.load(model)
+    net = Transformer(config, seed=seed)
+    seq_len = seq_len or config.max_seq_len
+    plan = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
+                     accumulation=ds_config.get("gradient_accumulation_steps", 1), dp=dp, seed=seed)
+    batches = TokenBatches(load_tokens(data, max_bytes=max_bytes), plan)
+    params = {k: v for k, v in ds_config["optimizer"]["params"].items() if k not in ("torch_adam", "adam_w_mode")}
+    optimizer = torch.optim.AdamW(net.parameters(), **params)
+    scheduler = None
+    if "scheduler" in ds_config:
+        kind = ds_config["scheduler"]["type"]
+        scheduler = getattr(lr_schedules, kind)(optimizer, **ds_config["scheduler"].get("params", {}))
+    max_norm = float(ds_config.get("gradient_clipping", 0.0))
+    out = {"loss": [], "grad_norm": [], "lr": []}
+    micro_count = plan.dp * plan.accumulation
+    for step in range(steps):
+        out["lr"].append(optimizer.param_groups[0]["lr"])
+        total = 0.0
+        for rank in range(plan.dp):
+            for (inputs, labels), rows in zip(batches.micro_batches(step, rank), batches.sample_numbers(step, rank)):
+                loss = net(inputs, labels, sample_ids=rows)
+                (loss / micro_count).backward()
+                total += float(loss.detach()) / micro_count
+        norm = torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm if max_norm > 0 else float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+        out["loss"].append(total)
+        out["grad_norm"].append(float(norm))
+    return out

@@ -1,0 +1,103 @@
+"""Where a run's numbers go: rank 0's progress bar and log lines, TensorBoard, the metrics file, profiler traces.
+
+Only rank 0 prints and writes (every rank computes the same per-step metrics);
+each rank writes its own profiler trace, because ranks of different pipeline stages
+do different work. Files are written to a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megakit.train.metrics import StepMetrics
+
+
+def start_profiler(directory: str | None, *, steps: int, rank: int):
+    """A started torch profiler whose trace (steps 2-3, or what a short run has) lands in DIR/trace_rank{rank}.json;
+    call ``.step()`` after every step and ``.stop()`` at the end. None without a directory."""
+    if not directory:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+    def save(prof) -> None:
+        tmp = out / f".trace_rank{rank}.json.tmp"
+        prof.export_chrome_trace(str(tmp))
+        os.replace(tmp, out / f"trace_rank{rank}.json")
+
+    wait = 1 if steps >= 4 else 0  # skip the first step (lazy initialisation) when there are enough
+    warmup = 1 if steps >= 3 else 0
+    prof = profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup,
+                                                            active=min(2, steps - wait - warmup), repeat=1),
+                   on_trace_ready=save, record_shapes=False)
+    prof.start()
+    return prof
+
+
+class Reporter:
+    """Rank 0's progress bar, per-step log lines, TensorBoard events and metrics file."""
+
+    def __init__(self, cfg, topo, *, start: int = 0) -> None:
+        self.cfg, self.active = cfg, topo.rank == 0
+        self.bar = self.writer = None
+        if not self.active:
+            return
+        chunks = f" (x {cfg.vpp} chunks)" if cfg.vpp > 1 else ""
+        options = "".join([", sequence parallel" if cfg.sequence_parallel and topo.tp > 1 else "",
+                           f", {cfg.recompute} recompute" if cfg.recompute != "none" else "",
+                           f", resuming {cfg.load} at step {start}" if start else ""])
+        print(f"megakit: training {cfg.model} on {dist.get_world_size()} process(es): TP {topo.tp} x PP {topo.pp}{chunks} "
+              f"x DP {topo.dp}{options}", flush=True)
+        if cfg.progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(cfg.tensorboard)
+
+    def _print(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def log(self, m: StepMetrics) -> None:
+        if not self.active:
+            return
+        if m.step % self.cfg.log_every == 0 or m.step == self.cfg.steps - 1:
+            self._print(m.line())
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{m.loss:.3f}", lr=f"{m.lr:.1e}")
+        if self.writer is not None:
+            for name, value in m.scalars().items():
+                self.writer.add_scalar(name, value, m.step)
+
+    def memory(self, rows: list) -> None:
+        if self.active:
+            from megakit.train.memory_probe import format_table
+
+            self._print(format_table(rows))
+
+    def close(self, result) -> None:
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.cfg.metrics_out:
+            out = Path(self.cfg.metrics_out)
+            tmp = out.with_name(f".{out.name}.tmp")
+            tmp.write_text(json.dumps({"steps": [m.to_dict() for m in result.steps], "memory": result.memory}, indent=1))
+            os.replace(tmp, out)

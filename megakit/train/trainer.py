@@ -1,0 +1,461 @@
+"""Hybrid 3D training: megakit's TP model and 1F1B executor, with one DeepSpeed engine per pipeline stage.
+
+DeepSpeed stays the engine for ZeRO, precision, the optimizer, the LR schedule,
+gradient clipping and accumulation: ``deepspeed.initialize(model=stage, mpu=topology,
+config=ds_config)`` on every rank, so ZeRO shards and reduces over the DP group only
+and ``train_batch_size = micro × accumulation × DP``.
+
+- PP = 1: DeepSpeed counts micro-batches (``engine.step()`` after each backward only
+  steps at the accumulation boundary); ZeRO 0-1 all-reduce once, at the boundary.
+  (ZeRO 2-3 reduce-scatter gradient buckets during every backward: that is what
+  partitioned gradients mean.)
+- PP > 1: megakit's executor runs one optimizer step's 1F1B schedule (or GPipe, or
+  interleaved 1F1B with ``vpp`` chunks per rank, all under one engine); the last stage
+  calls ``engine.backward(loss)``, earlier stages ``engine.backward((out * grad).sum(),
+  scale_wrt_gas=False)``, and the schedule's final action calls ``engine.step()``. With
+  ``"managed_gradient_accumulation": false`` (DeepSpeed >= 0.19.8) each ``step()`` is
+  the boundary, so DP gradients are reduced once per step. Only ZeRO 0-1: ZeRO 2-3
+  partition gradients per micro-batch, which a pipeline's interleaved backward breaks.
+
+Global gradient norm (clipping): TP shards count once each, replicated parameters
+once per stage (``Topology.get_model_parallel_rank`` is the TP rank), and the tied
+embedding copy on the last stage is marked ``ds_pipe_replicated`` so DeepSpeed skips it.
+DeepSpeed's fp32 ZeRO-0 path ignores that mark and does not report the norm, so there
+megakit clips itself (``_Zero0Clipper``) with the same rule.
+
+Sequence parallelism and full recompute are the model's (``Transformer(sequence_parallel=,
+recompute=)``); with SP the stages exchange ``(S/tp, B, H)``. Checkpoints (``--save``,
+``--load``: weights and step, not optimizer state) are in ``megakit.train.resume``. A user
+mistake that every rank makes alike is marked ``all_ranks`` so that only rank 0 prints it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megakit.errors import UsageError
+from megakit.interop.checkpoint import load_checkpoint
+from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches, load_tokens
+from megakit.train.ds_config import load_ds_config
+from megakit.train.metrics import CommTimer, StepMetrics, gpu_peak_tflops
+from megakit.train.reporting import Reporter, start_profiler
+from megakit.train.resume import check_checkpoint_flags, resume_schedule, save_weights
+
+RECOMPUTE = ("none", "full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run. ``ds_config``: a path or an already-loaded dict."""
+
+    ds_config: str | dict
+    model: str = "gpt-mini"
+    data: str | None = None
+    steps: int = 200
+    tp: int = 1
+    pp: int = 1
+    seq_len: int | None = None
+    seed: int = 0
+    vpp: int = 1
+    schedule: str | None = None  # default: "interleaved" with vpp > 1, else "1f1b"
+    tensorboard: str | None = None
+    profile: str | None = None
+    verify_memory: bool = False
+    metrics_out: str | None = None
+    log_every: int = 1
+    progress: bool = True
+    stall_timeout_s: float = 60.0
+    collective_timeout_s: float = 300.0
+    max_bytes: int = DEFAULT_MAX_BYTES
+    recompute: str = "none"  # "full": keep only each block's input, recompute the rest in backward
+    sequence_parallel: bool = False  # split norms/dropout/residual over TP along the sequence (no-op at TP 1)
+    save: str | None = None  # checkpoint directory, written at the end (and every save_every steps)
+    save_every: int = 0
+    load: str | None = None  # checkpoint to start from: weights and step count (not the optimizer state)
+    allow_cross_node_tp: bool = False  # run a TP group that spans nodes (with a warning) instead of refusing it
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise UsageError(f"--recompute {self.recompute} is not one of {', '.join(RECOMPUTE)}; megakit recomputes "
+                             "whole blocks (full) or nothing (none)")
+        if self.save_every < 0 or (self.save_every and not self.save):
+            raise UsageError(f"--save-every {self.save_every} needs --save DIR and a count of at least 1")
+        if self.steps < 1:
+            raise UsageError(f"--steps must be at least 1, got {self.steps}")
+        if self.log_every < 1:
+            raise UsageError(f"--log-every must be at least 1, got {self.log_every}")
+        if self.vpp > 1 and self.pp == 1:
+            raise UsageError(f"--vpp {self.vpp} splits each pipeline stage into chunks, so it needs --pp > 1")
+
+
+class TrainingDiverged(RuntimeError):
+    """A loss or gradient became NaN/inf; the message names the step and the rank(s)."""
+
+
+@dataclass
+class TrainResult:
+    steps: list = field(default_factory=list)  # StepMetrics per step (rank 0 has them all)
+    memory: list | None = None  # per-rank rows of --verify-memory
+
+    @property
+    def losses(self) -> list[float]:
+        return [m.loss for m in self.steps]
+
+
+# -- gradient norm ---------------------------------------------------------------------------------
+def counted_in_norm(param, topo) -> bool:
+    """Whether this rank adds ``param``'s gradient to the global norm (each element counted once in the job)."""
+    if getattr(param, "ds_pipe_replicated", False):
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or topo.tp_rank == 0
+
+
+def global_grad_norm(params, topo) -> tuple[float, bool]:
+    """``(norm, this rank's gradients finite)``: the single-process gradient norm of the whole model.
+
+    Collective: a scalar all-reduce (sum of squares) over the model-parallel (TP x PP) group.
+    """
+    params = [p for p in params if p.grad is not None]
+    local = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else None)
+    finite = True
+    for p in params:
+        finite &= bool(torch.isfinite(p.grad).all())
+        if counted_in_norm(p, topo):
+            local += p.grad.detach().double().pow(2).sum()
+    if topo.tp * topo.pp > 1:
+        dist.all_reduce(local, group=topo.mp_group)
+    return float(local.sqrt()), finite
+
+
+class _Zero0Clipper:
+    """Clips fp32 ZeRO-0 gradients by the global norm, as an optimizer pre-step hook (after DP reduction)."""
+
+    def __init__(self, params, topo, max_norm: float) -> None:
+        self.params, self.topo, self.max_norm = list(params), topo, max_norm
+        self.norm, self.finite = float("nan"), True
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        self.norm, self.finite = global_grad_norm(self.params, self.topo)
+        if self.max_norm > 0 and math.isfinite(self.norm):
+            coef = self.max_norm / (self.norm + 1e-6)
+            if coef < 1.0:
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+def _describe(topo, rank: int) -> str:
+    c = topo.layout.coords(rank)
+    return f"rank {rank} (pp {c['pp']}, dp {c['dp']}, tp {c['tp']})"
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Run ``cfg.steps`` optimizer steps on the job the launcher started; returns the metrics."""
+    from megakit.core.layout import Layout
+    from megakit.nn.model import ModelConfig
+    from megakit.nn.topology import Topology, init_distributed
+
+    try:  # user mistakes fail here, before any process group exists, alike on every rank
+        world = int(os.environ.get("WORLD_SIZE", 1))  # what the launcher started (1 without one)
+        load_ds_config(cfg.ds_config, dp=Layout.for_world(world, tp=cfg.tp, pp=cfg.pp).dp, pp=cfg.pp)
+        start = _check_layout_and_checkpoints(cfg, ModelConfig.load(cfg.model))
+        tokens = load_tokens(cfg.data, max_bytes=cfg.max_bytes)
+    except UsageError as error:
+        raise everywhere(error)
+    init_distributed(timeout_s=cfg.collective_timeout_s)
+    _check_placement(cfg, Layout.for_world(dist.get_world_size(), tp=cfg.tp, pp=cfg.pp))
+    timer = CommTimer.shared(sync_cuda=torch.cuda.is_available())  # before DeepSpeed and TP layers look them up
+    topo = Topology.from_world(tp=cfg.tp, pp=cfg.pp, timeout_s=cfg.collective_timeout_s)
+    _seed_default_generators(cfg.seed, topo)
+    watchdog = _start_watchdog(cfg, topo)
+    try:
+        result = _train(cfg, topo, timer, watchdog, tokens, start)
+    except (UsageError, TrainingDiverged):
+        watchdog.stop(done=True)
+        raise
+    except Exception as error:
+        if dist.get_world_size() > 1 and not isinstance(error, AssertionError):
+            why = watchdog.diagnose()
+            detail = str(error).splitlines()[0] if str(error) else ""
+            raise RuntimeError(f"{_describe(topo, topo.rank)}: communication failed: {why} "
+                               f"({type(error).__name__}: {detail[:120]})") from error
+        raise
+    watchdog.stop(done=True)
+    return result
+
+
+def _check_placement(cfg: TrainConfig, layout) -> None:
+    """Refuse (alike on every rank) a TP group that the launcher spread over several nodes."""
+    from megakit.train.placement import check_tp_within_nodes, gather_places
+
+    try:
+        warning = check_tp_within_nodes(layout.groups("tp"), gather_places(), allow=cfg.allow_cross_node_tp)
+    except UsageError as error:
+        raise everywhere(error)
+    if warning and dist.get_rank() == 0:
+        print(f"megakit: {warning}", flush=True)
+
+
+def _seed_default_generators(seed: int, topo) -> None:
+    """Seed torch's (CPU and GPU), Python's and NumPy's default generators from ``seed`` and this rank's place.
+
+    megakit's own streams (weights, data order, dropout masks) never draw from them; this
+    makes whatever else does (a library, a user's hook) repeatable, and no rank unseeded.
+    """
+    import random
+
+    import numpy as np
+
+    from megakit.nn.weights import index_seed
+
+    value = index_seed(seed, f"default/pp{topo.pp_rank}/dp{topo.dp_rank}", topo.tp_rank)
+    torch.manual_seed(value)
+    random.seed(value)
+    np.random.seed(value % 2**32)
+
+
+def everywhere(error: UsageError) -> UsageError:
+    """Mark ``error`` as raised alike on every rank, so that only rank 0 needs to print it."""
+    error.all_ranks = True
+    return error
+
+
+def _check_layout_and_checkpoints(cfg: TrainConfig, config) -> int:
+    """The checks every rank makes alike before the job starts; returns the step to start from.
+
+    Sequence parallelism splits the sequence over TP, so it must divide; the model would
+    find out only on the first stage, with later stages already waiting for its activations.
+    """
+    from megakit.core.model_config import check_seq_len
+
+    seq_len = cfg.seq_len or config.max_seq_len
+    check_seq_len(config, seq_len)
+    if cfg.sequence_parallel and cfg.tp > 1 and seq_len % cfg.tp:
+        raise UsageError(f"sequence length {seq_len} is not divisible by TP {cfg.tp}; sequence parallelism "
+                         "needs it to be (change --seq-len or drop --sequence-parallel)")
+    return check_checkpoint_flags(save=cfg.save, load=cfg.load, steps=cfg.steps)
+
+
+def _start_watchdog(cfg: TrainConfig, topo):
+    from megakit.train.faults import Watchdog, connect_store
+
+    store = None
+    if dist.get_world_size() > 1:
+        store = connect_store(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 29500)),
+                              timeout_s=max(5.0, cfg.stall_timeout_s / 2))
+    peers = {r for kind in ("tp", "dp", "pp") for r in topo.group_ranks(kind)}  # the ranks this one waits on
+    return Watchdog(topo.rank, dist.get_world_size(), stall_s=cfg.stall_timeout_s, peers=peers,
+                    describe=lambda r: _describe(topo, r), store=store).start()
+
+
+def _build(cfg: TrainConfig, topo, ds_config: dict):
+    """This rank's stage model wrapped in a DeepSpeed engine (and the ZeRO-0 clipper when needed)."""
+    import deepspeed
+
+    from megakit.nn.model import ModelConfig, build_stage_chunks
+
+    config = ModelConfig.load(cfg.model)
+    if config.vocab_size < 256:
+        raise UsageError(f"model {cfg.model} has a vocabulary of {config.vocab_size}; byte-level training needs 256")
+    chunks = build_stage_chunks(config, topo, vpp=cfg.vpp, seed=cfg.seed, device=_device(),  # this rank's shard only
+                                sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute == "full")
+    if topo.pp > 1 and topo.is_last_stage and config.tie_embeddings:
+        chunks[-1].embed.weight.ds_pipe_replicated = True  # the first stage's copy counts in the norm
+    stage = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # interleaved: one engine, all chunks
+    if cfg.load:  # before deepspeed.initialize: the engine copies its master weights from the model
+        try:
+            load_checkpoint(cfg.load, stage, topo)
+        except UsageError as error:
+            raise everywhere(error)  # load_checkpoint raises on every rank when any rank fails
+    zero = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    mixed = ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled")
+    clipper = None
+    if zero == 0 and not mixed:
+        clipper = _Zero0Clipper(stage.parameters(), topo, float(ds_config.get("gradient_clipping", 0.0)))
+        ds_config = {**ds_config, "gradient_clipping": 0.0}
+    engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=stage.parameters(), mpu=topo,
+                                                   config=ds_config)
+    _unlink_shared_memory()
+    if clipper is not None:
+        optimizer.register_step_pre_hook(clipper)
+    return config, engine, clipper
+
+
+def _unlink_shared_memory() -> None:
+    """Remove the name of this rank's DeepSpeed CPU all-reduce buffer from /dev/shm, keeping the buffer.
+
+    DeepSpeed 0.19.8's shared-memory all-reduce (CPU, all ranks on one host) creates
+    ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` and never
+    removes it. Every rank has mapped every buffer once ``deepspeed.initialize`` returned
+    everywhere (the barrier), so the names can go at once: the mappings live on, and the
+    memory is freed when the job ends on any exit path, SIGKILL included.
+    """
+    import glob
+
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    env = os.environ
+    pattern = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_"
+               f"{env.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    for path in glob.glob(glob.escape(pattern)):
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog, tokens: torch.Tensor, start: int) -> TrainResult:
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # DeepSpeed 0.19.8 calls collectives torch 2.13 renamed; the warning repeats every step
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    ds_config = load_ds_config(cfg.ds_config, dp=topo.dp, pp=topo.pp)
+    config, engine, clipper = _build(cfg, topo, ds_config)
+    resume_schedule(engine, start)
+    seq_len = cfg.seq_len or config.max_seq_len
+    plan = BatchPlan(seq_len=seq_len, micro_batch=engine.train_micro_batch_size_per_gpu(),
+                     accumulation=engine.gradient_accumulation_steps(), dp=topo.dp, seed=cfg.seed)
+    batches = TokenBatches(tokens, plan)
+    run_step = _pipeline_step(cfg, topo, engine, plan, config, ds_config) if topo.pp > 1 else _plain_step(engine)
+    device = _device() or torch.device("cpu")
+
+    from megakit.nn.model import model_flops_per_token
+
+    probe = None
+    if cfg.verify_memory:
+        from megakit.train.memory_probe import MemoryProbe
+
+        probe = MemoryProbe(engine, topo, plan=plan, model=cfg.model, ds_config=ds_config, vpp=cfg.vpp,
+                            recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel)
+    reporter = Reporter(cfg, topo, start=start)
+    result = TrainResult()
+    flops_per_step = model_flops_per_token(config, seq_len) * plan.global_batch * seq_len
+    peak = gpu_peak_tflops()
+    profiler = start_profiler(cfg.profile, steps=cfg.steps - start, rank=topo.rank)
+    for step in range(start, cfg.steps):
+        micro_batches = [(x.to(device), y.to(device), rows) for (x, y), rows in
+                         zip(batches.micro_batches(step, topo.dp_rank), batches.sample_numbers(step, topo.dp_rank))]
+        timer.measuring = not torch.cuda.is_available() or step % 10 == 1
+        timer.take()
+        lr = engine.get_lr()[0]
+        t0 = time.perf_counter()
+        with probe.step() if probe else _nothing():
+            loss = run_step(micro_batches)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        comm = timer.take() if timer.measuring else None
+        comm_calls = timer.last_calls
+        if clipper is not None:
+            grad_norm, grads_finite = clipper.norm, clipper.finite
+        else:
+            grad_norm = float(engine.get_global_grad_norm() or float("nan"))
+            grads_finite = math.isfinite(grad_norm) and grad_norm >= 0  # DeepSpeed masks inf/nan as -1
+        loss = _check_finite(topo, step, loss, grads_finite)
+        if profiler is not None:
+            profiler.step()
+        metrics = StepMetrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds,
+                              samples=plan.global_batch, tokens=plan.global_batch * seq_len, flops=flops_per_step,
+                              comm_seconds=comm, comm_calls=comm_calls, world_size=dist.get_world_size(),
+                              peak_tflops=peak)
+        result.steps.append(metrics)
+        reporter.log(metrics)
+        done = step + 1
+        if cfg.save and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
+            try:
+                save_weights(cfg.save, engine, topo, config, step=done, extra={"loss": loss, "seed": cfg.seed})
+            except UsageError as error:
+                raise everywhere(error)  # save_checkpoint raises on every rank when any rank fails
+    if profiler is not None:
+        profiler.stop()
+    if probe is not None:
+        result.memory = probe.report()
+        reporter.memory(result.memory)
+    reporter.close(result)
+    return result
+
+
+def _plain_step(engine):
+    """PP = 1: DeepSpeed accumulates; ``step()`` after each micro-batch only updates at the boundary."""
+
+    def run(micro_batches) -> torch.Tensor:
+        losses = []
+        for inputs, labels, rows in micro_batches:
+            loss = engine(inputs, labels, sample_ids=rows)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach().float())
+        return torch.stack(losses).mean()
+
+    return run
+
+
+def _device() -> torch.device | None:
+    """This rank's GPU (``init_distributed`` selected it from LOCAL_RANK), or None on CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+def _pipeline_step(cfg: TrainConfig, topo, engine, plan: BatchPlan, config, ds_config: dict):
+    """PP > 1: one 1F1B (or chosen) schedule per step; DeepSpeed does backward scaling, DP reduction and step."""
+    from megakit.core.schedules import build_schedule
+    from megakit.nn.pipeline import PipelineExecutor, activation_shape
+
+    dtype = (torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else
+             torch.float16 if ds_config.get("fp16", {}).get("enabled") else torch.float32)  # what stages exchange
+
+    def backward(output, grad):
+        if grad is None:
+            engine.backward(output)  # the loss: scaled by 1 / accumulation, as with PP = 1
+        else:
+            engine.backward((output * grad).sum(), scale_wrt_gas=False)
+
+    name = cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b")
+    chunks = [engine] if cfg.vpp == 1 else list(engine.module)  # DeepSpeed needs no forward hooks at ZeRO 0-1
+    executor = PipelineExecutor(chunks, topo, schedule=build_schedule(name, topo.pp, plan.accumulation, cfg.vpp),
+                                backward=backward, activation_shape=activation_shape(
+                                    config, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len, tp=topo.tp,
+                                    sequence_parallel=cfg.sequence_parallel and topo.tp > 1),
+                                activation_dtype=dtype, device=_device(),
+                                reduce_grads=lambda: None, optimizer_step=engine.step, broadcast_loss=True)
+
+    def run(micro_batches) -> torch.Tensor:
+        inputs = [x for x, _, _ in micro_batches] if topo.is_first_stage else None
+        labels = [y for _, y, _ in micro_batches] if topo.is_last_stage else None
+        return torch.tensor(executor.step(inputs, labels, sample_ids=[rows for _, _, rows in micro_batches]))
+
+    return run
+
+
+def _check_finite(topo, step: int, loss: torch.Tensor, grads_finite: bool) -> float:
+    """The step's loss averaged over DP (one small all-reduce); raises naming the ranks that saw NaN/inf."""
+    world = dist.get_world_size()
+    device = _device()  # NCCL reduces GPU tensors only
+    loss = loss.detach().double().to(device or "cpu")
+    flags = torch.zeros(world + 1, dtype=torch.float64, device=device)
+    loss_ok = bool(torch.isfinite(loss))
+    own_loss = topo.is_last_stage  # earlier stages only received the last stage's loss
+    flags[topo.rank] = float(own_loss and not loss_ok) + 2.0 * float(not grads_finite)
+    flags[world] = (loss if loss_ok else torch.zeros((), device=device)) / world
+    dist.all_reduce(flags)
+    bad = [(r, int(v)) for r, v in enumerate(flags[:world].tolist()) if v]
+    if bad:
+        what = {1: "loss", 2: "gradient", 3: "loss and gradient"}
+        found = "; ".join(f"{_describe(topo, r)}: non-finite {what[v]}" for r, v in bad)
+        raise TrainingDiverged(f"NaN/inf at step {step}: {found}; lower the learning rate, enable "
+                               "gradient_clipping, or use bf16 instead of fp16")
+    return float(flags[world])
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None

@@ -1,0 +1,41 @@
+"""The layers of ``pyproject.toml``'s import-linter contracts hold, and would catch an upward import.
+
+commands -> train -> interop -> nn -> core, each importing only the layers below it, and the
+core importing no torch (docs/architecture.md).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """``lint-imports`` on the megakit package found under ``root`` (its own copy first on the path)."""
+    env = dict(os.environ, PYTHONPATH=str(root))
+    script = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+    return subprocess.run([sys.executable, "-c", script, "--config", str(root / "pyproject.toml")], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_layers_import_only_downwards():
+    out = lint_imports(ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "2 kept, 0 broken" in out.stdout, out.stdout
+
+
+def test_an_upward_import_and_torch_in_the_core_break_the_contracts(tmp_path):
+    shutil.copytree(ROOT / "megakit", tmp_path / "megakit", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    with open(tmp_path / "megakit" / "nn" / "weights.py", "a") as f:
+        f.write("\nfrom megakit.train import trainer  # an upward import\n")
+    with open(tmp_path / "megakit" / "core" / "schedules.py", "a") as f:
+        f.write("\nimport torch  # the core must stay pure\n")
+    out = lint_imports(tmp_path)
+    assert out.returncode != 0
+    assert "megakit.nn.weights -> megakit.train.trainer" in out.stdout, out.stdout
+    assert "megakit.core.schedules -> torch" in out.stdout, out.stdout
+    assert "0 kept, 2 broken" in out.stdout, out.stdout
