@@ -3,12 +3,17 @@
     deepspeed --num_gpus N tests/launch_sweep.py CASES.json RESULTS.json
 
 CASES.json: a list of ``TrainConfig`` keyword dicts (``ds_config`` may be a dict). Rank 0
-writes, per case, the per-step losses, grad norms, LRs and the --verify-memory rows.
+writes, per case, the per-step losses, grad norms, LRs, communication shares and calls and
+the --verify-memory rows, and last ``{"replaced": [...]}``: the torch.distributed functions
+that are no longer torch's own after all the runs (none may be).
 """
 
 import json
 import os
 import sys
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from megakit.train.trainer import TrainConfig, TrainingDiverged, train
 
@@ -25,7 +30,12 @@ def main() -> int:
             continue
         results.append({"loss": result.losses, "grad_norm": [m.grad_norm for m in result.steps],
                         "lr": [m.lr for m in result.steps], "memory": result.memory,
-                        "comm_calls": [m.comm_calls for m in result.steps]})
+                        "comm_calls": [m.comm_calls for m in result.steps],
+                        "comm_share": [m.comm_share for m in result.steps]})
+    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "send",
+             "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "all_gather_object")
+    results.append({"replaced": [n for n in names if getattr(dist, n) is not getattr(distributed_c10d, n)
+                                 or getattr(dist, n).__module__ != "torch.distributed.distributed_c10d"]})
     if int(os.environ.get("RANK", 0)) == 0:
         tmp = results_path + ".tmp"
         with open(tmp, "w") as f:

@@ -1,4 +1,4 @@
-"""CommTimer on real gloo processes, and the step metrics' arithmetic."""
+"""The communication door's meter on real gloo processes, and the step metrics' arithmetic."""
 
 import time
 
@@ -6,33 +6,35 @@ import torch
 import torch.distributed as dist
 from multiproc import run_ranks
 
-from megakit.train.metrics import CommTimer, StepMetrics
+from megakit.nn import comm
+from megakit.train.metrics import StepMetrics
 
 
 def _worker(rank, world_size):
-    timer = CommTimer.shared()
-    assert CommTimer.shared() is timer  # one per process, even across runs
-    timer.take()
+    meter = comm.Meter()
     x = torch.ones(1000)
-    dist.all_reduce(x)
-    if rank == 0:
-        time.sleep(0.3)  # rank 1 waits in the receive: that wait is communication time
-        dist.isend(x, dst=1).wait()
-    else:
-        dist.irecv(x, src=0).wait()
-    seconds = timer.take()
-    calls = timer.last_calls
-    # batched P2P (NCCL's default in the executor): P2POp must accept the wrapped isend/irecv
-    op = dist.P2POp(dist.isend, x, 1) if rank == 0 else dist.P2POp(dist.irecv, x, 0)
-    for work in dist.batch_isend_irecv([op]):
-        work.wait()
+    comm.all_reduce(x, comm.WORLD)  # not metered: outside the hook
+    assert meter.take() == (0.0, 0)
+    with comm.metered(meter):
+        comm.all_reduce(x, comm.WORLD)
+        if rank == 0:
+            time.sleep(0.3)  # rank 1 waits in the receive: that wait is communication time
+            comm.isend(x, 1).wait()
+        else:
+            comm.irecv(x, 0).wait()
+    seconds, calls = meter.take()
+    # batched P2P (NCCL's default in the executor)
+    sends, receives = ([(x, 1, 0)], []) if rank == 0 else ([], [(x, 0, 0)])
+    comm.send_and_receive(sends, receives)
     return seconds, calls, float(x[0])
 
 
-def test_comm_timer_counts_blocking_and_async_calls():
+def test_the_door_meters_blocking_and_async_calls_without_touching_torch():
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "isend", "irecv", "batch_isend_irecv")}
     (s0, calls0, x0), (s1, calls1, x1) = run_ranks(_worker, 2)
-    assert calls0 == calls1 == 2 and x0 == x1 == 2.0
+    assert calls0 == calls1 == 2 and x0 == x1 == 4.0  # two all-reduces of ones over 2 ranks
     assert s1 >= 0.25 > s0 - 0.25  # the receiver was blocked while the sender slept
+    assert all(getattr(dist, name) is fn for name, fn in originals.items())
 
 
 def test_step_metrics_arithmetic():

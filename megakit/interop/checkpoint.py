@@ -55,6 +55,7 @@ from torch import nn
 
 from megakit.core.model_config import ModelConfig
 from megakit.errors import UsageError
+from megakit.nn import comm as C
 from megakit.interop.checkpoint_format import (
     MANIFEST,
     ShardReader,
@@ -91,31 +92,15 @@ def _rank(topo) -> int:
 def _all_gather(obj, topo, group=None) -> list:
     if topo is None:
         return [obj]
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    return C.all_gather_object(obj, C.WORLD if group is None else group)
 
 
 def _gather_to_0(obj, topo) -> list | None:
-    if topo is None:
-        return [obj]
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size() if topo.rank == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out
+    return [obj] if topo is None else C.gather_object(obj, 0, C.WORLD)
 
 
 def _broadcast_from_0(obj, topo):
-    if topo is None:
-        return obj
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return obj if topo is None else C.broadcast_object(obj, 0, C.WORLD)
 
 
 def _failure(error: BaseException) -> tuple[bool, str]:

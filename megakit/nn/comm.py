@@ -1,18 +1,24 @@
-"""The only place tensor parallelism calls raw torch.distributed collectives.
+"""The one door for megakit's own communication: TP collectives, pipeline P2P, the trainer's reductions.
 
 Every wrapper takes the process group explicitly and returns its input untouched
 when the group has one member, so a TP = 1 model runs with no communication and
 no initialised process group at all. ``group=None`` means "no parallelism here"
-(size 1) -- unlike torch.distributed, where it would mean the world group.
+(size 1) -- unlike torch.distributed, where it would mean the world group; pass
+``WORLD`` for the whole job.
 
-torch 2.13 renamed the single-tensor collectives (``all_gather_into_tensor`` ->
-``all_gather_single``, ``reduce_scatter_tensor`` -> ``reduce_scatter_single``);
-the names are resolved once below, so the next rename is a one-line change.
-None of these functions is differentiable: ``megakit.nn.tensor_parallel`` wraps
-them in autograd functions that say what runs in forward and in backward.
+Timing is an explicit hook, not a patch: ``with metered(meter):`` makes every call
+through this module (and every wait on a handle it returned) add its wall time and
+one call to ``meter``; nothing in torch is replaced. torch 2.13 renamed the single-
+tensor collectives (``all_gather_into_tensor`` -> ``all_gather_single``, ...); the
+names are resolved once below, so the next rename is a one-line change. None of
+these functions is differentiable: ``megakit.nn.tensor_parallel`` wraps them in
+autograd functions that say what runs in forward and in backward.
 """
 
 from __future__ import annotations
+
+import contextlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,21 +27,146 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class _World:
+    def __repr__(self) -> str:
+        return "WORLD"
+
+
+WORLD = _World()  # the whole job: torch's default group
+
+
+def _pg(group):
+    """torch's name for ``group`` (None is its default group, the world)."""
+    return None if group is WORLD else group
+
+
+# -- the timing hook ---------------------------------------------------------------------------
+class Meter:
+    """Seconds spent in, and number of, calls through this module while it is ``metered``.
+
+    ``sync_cuda``: synchronise the device around each call, so asynchronous NCCL work is
+    counted where it runs (costly: a trainer meters only sampled steps on GPU).
+    """
+
+    def __init__(self, *, sync_cuda: bool = False) -> None:
+        self.seconds, self.calls, self.sync_cuda = 0.0, 0, sync_cuda
+
+    def timed(self, fn, *args, **kwargs):
+        if self.sync_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            out = fn(*args, **kwargs)
+            if self.sync_cuda:
+                torch.cuda.synchronize()
+            return out
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def take(self) -> tuple[float, int]:
+        """``(seconds, calls)`` since the last ``take``."""
+        out = (self.seconds, self.calls)
+        self.seconds, self.calls = 0.0, 0
+        return out
+
+
+_meter: Meter | None = None  # set only inside ``metered``
+
+
+@contextlib.contextmanager
+def metered(meter: Meter):
+    """Count every call through this module, and every wait on its handles, into ``meter``."""
+    global _meter
+    previous, _meter = _meter, meter
+    try:
+        yield meter
+    finally:
+        _meter = previous
+
+
+def _call(fn, *args, **kwargs):
+    if _meter is None:
+        return fn(*args, **kwargs)
+    _meter.calls += 1
+    return _meter.timed(fn, *args, **kwargs)
+
+
+class Handle:
+    """An asynchronous operation this module started; waiting on it is communication time."""
+
+    def __init__(self, work) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        if _meter is None:
+            self._work.wait()
+        else:
+            _meter.timed(self._work.wait)
+
+
+def _posted(fn, *args, **kwargs) -> Handle:
+    if _meter is not None:
+        _meter.calls += 1
+    return Handle(fn(*args, **kwargs))
+
+
 def size(group) -> int:
     """Number of ranks in ``group``; 1 for ``None``."""
-    return 1 if group is None else dist.get_world_size(group)
+    return 1 if group is None else dist.get_world_size(_pg(group))
 
 
 def rank(group) -> int:
     """This process's index in ``group``; 0 for ``None``."""
-    return 0 if group is None else dist.get_rank(group)
+    return 0 if group is None else dist.get_rank(_pg(group))
 
 
+# -- collectives -------------------------------------------------------------------------------
 def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Sum (or ``op``) of ``x`` over the group, in place; returns ``x``."""
     if size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
+        _call(dist.all_reduce, x, op=op, group=_pg(group))
     return x
+
+
+def broadcast(x: torch.Tensor, src: int, group) -> torch.Tensor:
+    """``x`` from global rank ``src`` on every rank of the group, in place; returns ``x``."""
+    if size(group) > 1:
+        _call(dist.broadcast, x, src=src, group=_pg(group))
+    return x
+
+
+def all_gather_object(obj, group) -> list:
+    """Every rank's picklable ``obj``, in rank order."""
+    if size(group) == 1:
+        return [obj]
+    out: list = [None] * size(group)
+    _call(dist.all_gather_object, out, obj, group=_pg(group))
+    return out
+
+
+def gather_object(obj, dst: int, group) -> list | None:
+    """Every rank's picklable ``obj`` on global rank ``dst`` (in rank order), None elsewhere."""
+    if size(group) == 1:
+        return [obj]
+    out = [None] * size(group) if dist.get_rank() == dst else None
+    _call(dist.gather_object, obj, out, dst=dst, group=_pg(group))
+    return out
+
+
+def broadcast_object(obj, src: int, group):
+    """Global rank ``src``'s picklable ``obj`` on every rank of the group."""
+    if size(group) == 1:
+        return obj
+    box = [obj]
+    _call(dist.broadcast_object_list, box, src=src, group=_pg(group))
+    return box[0]
+
+
+def barrier(group) -> None:
+    if size(group) > 1:
+        _call(dist.barrier, group=_pg(group))
 
 
 def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
@@ -45,11 +176,10 @@ def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _call(_all_gather_single, out, x, group=_pg(group))
     if dim == 0:
-        _all_gather_single(out, x, group=group)
         return out
-    # Gather along dim 0 (one contiguous block per rank), then lay the blocks side by side.
-    _all_gather_single(out, x, group=group)
+    # Gathered along dim 0 (one contiguous block per rank): lay the blocks side by side.
     return torch.cat(out.chunk(n, dim=0), dim=dim)
 
 
@@ -63,7 +193,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
         x = torch.cat(x.chunk(n, dim=dim), dim=0)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, x, group=group)
+    _call(_reduce_scatter_single, out, x, group=_pg(group))
     return out
 
 
@@ -74,3 +204,28 @@ def split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
         return x
     assert x.shape[dim] % n == 0, (x.shape, dim, n)
     return x.chunk(n, dim=dim)[rank(group)].contiguous()
+
+
+# -- point to point (global ranks) --------------------------------------------------------------
+def isend(x: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+    return _posted(dist.isend, x, dst=dst, tag=tag)
+
+
+def irecv(x: torch.Tensor, src: int, tag: int = 0) -> Handle:
+    return _posted(dist.irecv, x, src=src, tag=tag)
+
+
+def recv(x: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+    _call(dist.recv, x, src=src, tag=tag)
+    return x
+
+
+def send_and_receive(sends: list[tuple[torch.Tensor, int, int]], receives: list[tuple[torch.Tensor, int, int]]) -> None:
+    """Post every ``(tensor, peer, tag)`` send and receive together and wait for all of them
+    (one ``batch_isend_irecv``: NCCL runs them concurrently, so two stages sending to each
+    other do not wait on each other)."""
+    ops = [dist.P2POp(dist.isend, t, peer, tag=tag) for t, peer, tag in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, tag=tag) for t, peer, tag in receives]
+    if not ops:
+        return
+    _call(lambda: [work.wait() for work in dist.batch_isend_irecv(ops)])

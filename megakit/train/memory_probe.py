@@ -22,7 +22,8 @@ import contextlib
 import weakref
 
 import torch
-import torch.distributed as dist
+
+from megakit.nn import comm
 
 ITEMS = ("params", "grads", "master_params", "optimizer")  # the model states compared within 2 %
 _GRAD_BUFFERS = ("grads_in_partition", "all_grad_tensors", "averaged_gradients", "grad_partitions_flat_buffer",
@@ -224,9 +225,8 @@ class MemoryProbe:
 
     def report(self) -> list[dict] | None:
         """Every rank's row, gathered on rank 0 (None elsewhere). Collective over the world."""
-        rows = [None] * dist.get_world_size()
-        dist.all_gather_object(rows, self.row())
-        return rows if dist.get_rank() == 0 else None
+        rows = comm.all_gather_object(self.row(), comm.WORLD)
+        return rows if self.topo.rank == 0 else None
 
 
 class _Saved:

@@ -1,134 +1,70 @@
 """What one training step cost: throughput, FLOP/s, MFU and the share spent communicating.
 
-Communication share is measured, not modelled: ``CommTimer`` wraps torch.distributed's
-collective and point-to-point functions (DeepSpeed's ZeRO reductions, megakit's TP
-collectives and pipeline sends all call them through the module, so nothing escapes)
-and adds up the wall time spent inside them. With gloo on CPU a collective runs in
-the calling thread, so that is the time the step was blocked on communication
-(including waiting for slower peers, as the FAQ's "communication share" means). On
-GPU, NCCL calls return at once, so a sampled step synchronises the device around
-each call; unsampled steps run undisturbed and report no share.
+Communication share is measured, with nothing patched: megakit's own calls (TP
+collectives, pipeline P2P, the trainer's loss and norm reductions) go through
+``megakit.nn.comm``, whose explicit ``Meter`` hook times each call and each wait on a
+handle it returned; DeepSpeed's collectives (ZeRO's reductions and gathers) are timed by
+DeepSpeed's own comms logger, switched on for measured steps. With gloo on CPU a
+collective runs in the calling thread, so that is the time the step was blocked on
+communication (including waiting for slower peers, as the FAQ's "communication share"
+means). DeepSpeed's asynchronous ZeRO-3 gathers count their launch on CPU and the whole
+operation on GPU, where its logger synchronises the device after each call; on GPU,
+measuring synchronises, so a trainer measures sampled steps only.
 """
 
 from __future__ import annotations
 
-import functools
-import time
+import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-_WRAPPED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-            "all_gather_single", "reduce_scatter_single", "broadcast", "reduce", "all_to_all", "all_to_all_single",
-            "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "all_gather_object")
-_ASYNC = ("isend", "irecv")
-# P2POp checks ``op is isend`` against distributed_c10d's own names: patch them there too
-_ALSO_IN_C10D = ("isend", "irecv")
+from megakit.nn import comm
 
 
-class _TimedWork:
-    """An async handle whose ``wait()`` counts as communication time (the rest is delegated)."""
-
-    def __init__(self, work, timer: "CommTimer") -> None:
-        self._work, self._timer = work, timer
-
-    def wait(self, *args, **kwargs):
-        return self._timer.timed(self._work.wait, *args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
-class CommTimer:
-    """Adds up seconds spent inside torch.distributed calls while ``measuring`` (context manager installs it).
-
-    Forward and backward are untouched: the wrapped functions are called unchanged,
-    the timer only reads the clock around them (and, on GPU, synchronises first).
-    """
+class StepCommunication:
+    """``measure(True)`` around a step leaves ``(seconds, calls)`` of communication in ``result``."""
 
     def __init__(self, *, sync_cuda: bool = False) -> None:
-        self.seconds = 0.0
-        self.calls = 0  # collective/P2P calls since the last take(): shows where communication happens
-        self.last_calls = 0
-        self.measuring = True
-        self.sync_cuda = sync_cuda
-        self._originals: dict = {}
-        self._depth = 0
+        self.meter = comm.Meter(sync_cuda=sync_cuda)
+        self.result: tuple[float, int] | None = None
 
-    def timed(self, fn, *args, **kwargs):
-        """Call ``fn`` and add its wall time (nested calls, e.g. all_gather_object -> all_gather, count once)."""
-        if not self.measuring or self._depth:
-            return fn(*args, **kwargs)
-        self._depth += 1
-        if self.sync_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+    @contextlib.contextmanager
+    def measure(self, enabled: bool):
+        if not enabled:
+            self.result = None
+            yield
+            return
+        import deepspeed.comm as ds_comm
+
+        _deepspeed_totals()  # start from zero
+        ds_comm.configure(enabled=True, prof_all=True, verbose=False, debug=False)
         try:
-            out = fn(*args, **kwargs)
-            if self.sync_cuda:
-                torch.cuda.synchronize()
-            return out
+            with comm.metered(self.meter):
+                yield
         finally:
-            self.seconds += time.perf_counter() - start
-            self._depth -= 1
+            ds_comm.configure(enabled=False)
+        seconds, calls = self.meter.take()
+        ds_seconds, ds_calls = _deepspeed_totals()
+        self.result = (seconds + ds_seconds, calls + ds_calls)
 
-    def _wrap(self, name, fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if not self._depth:
-                self.calls += 1
-            if name == "batch_isend_irecv":
-                return [_TimedWork(work, self) for work in fn(*args, **kwargs)]
-            if name in _ASYNC or kwargs.get("async_op"):  # time the wait, not the posting
-                work = fn(*args, **kwargs)
-                return None if work is None else _TimedWork(work, self)
-            return self.timed(fn, *args, **kwargs)
 
-        wrapper._megakit_timer = self
-        return wrapper
+def _deepspeed_totals() -> tuple[float, int]:
+    """Seconds and calls DeepSpeed's comms logger recorded since the last call, which resets it.
 
-    def take(self) -> float:
-        """Seconds since the last ``take`` (the call count goes to ``last_calls``)."""
-        seconds, self.seconds = self.seconds, 0.0
-        self.last_calls, self.calls = self.calls, 0
-        return seconds
+    DeepSpeed 0.19.8 records, for each call, the *running total* of its op's timer (the
+    timer is never reset), so the total per op is its largest record; resetting the timers
+    here keeps the totals per step and the logger's cost flat.
+    """
+    from deepspeed.comm.comm import comms_logger, timers
 
-    @classmethod
-    def shared(cls, *, sync_cuda: bool = False) -> "CommTimer":
-        """The timer installed for this process, installing one on first use (and never removing it).
-
-        One per process because libraries keep the functions they looked up: DeepSpeed's
-        comm backend holds on to the wrapped all-gather after the first run, so a second
-        run in the same process must keep feeding the same timer.
-        """
-        timer = getattr(dist.all_reduce, "_megakit_timer", None)
-        if timer is None:
-            timer = cls(sync_cuda=sync_cuda).__enter__()
-        timer.sync_cuda = sync_cuda
-        return timer
-
-    def __enter__(self) -> "CommTimer":
-        from torch.distributed import distributed_c10d
-
-        for name in _WRAPPED:
-            fn = getattr(dist, name, None)
-            if fn is not None:
-                self._originals[name] = fn
-                wrapped = self._wrap(name, fn)
-                setattr(dist, name, wrapped)
-                if name in _ALSO_IN_C10D:
-                    setattr(distributed_c10d, name, wrapped)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        from torch.distributed import distributed_c10d
-
-        for name, fn in self._originals.items():
-            setattr(dist, name, fn)
-            if name in _ALSO_IN_C10D:
-                setattr(distributed_c10d, name, fn)
-        self._originals.clear()
+    data = comms_logger.get_raw_data()
+    seconds = sum(max(record[1][-1] for record in sizes.values()) for sizes in data.values()) / 1e3
+    calls = sum(record[0] for sizes in data.values() for record in sizes.values())
+    comms_logger.reset_data()
+    for name in data:
+        timers(name).reset()
+    return seconds, calls
 
 
 def gpu_peak_tflops() -> float | None:
@@ -158,7 +94,7 @@ class StepMetrics:
     tokens: int
     flops: float  # model FLOPs of the step, all ranks together
     comm_seconds: float | None  # this rank's time in communication, None when not sampled
-    comm_calls: int  # torch.distributed calls this rank made during the step
+    comm_calls: int | None  # collective and P2P calls this rank made during the step, None when not sampled
     world_size: int
     peak_tflops: float | None  # per device
 

@@ -61,11 +61,11 @@ def gather_places() -> list[Place]:
     """Every rank's ``Place``, by rank (collective over the default group)."""
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    from megakit.nn import comm
+
+    if not dist.is_initialized():
         return [here()]
-    places: list = [None] * dist.get_world_size()
-    dist.all_gather_object(places, here())
-    return places
+    return comm.all_gather_object(here(), comm.WORLD)
 
 
 def check_tp_within_nodes(tp_groups: list[list[int]], places: list[Place], *, allow: bool = False) -> str | None:

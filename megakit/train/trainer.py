@@ -46,7 +46,8 @@ from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_checkpoint
 from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches, load_tokens
 from megakit.train.ds_config import load_ds_config
-from megakit.train.metrics import CommTimer, StepMetrics, gpu_peak_tflops
+from megakit.nn import comm
+from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops
 from megakit.train.reporting import Reporter, start_profiler
 from megakit.train.resume import check_checkpoint_flags, resume_schedule, save_weights
 
@@ -132,7 +133,7 @@ def global_grad_norm(params, topo) -> tuple[float, bool]:
         if counted_in_norm(p, topo):
             local += p.grad.detach().double().pow(2).sum()
     if topo.tp * topo.pp > 1:
-        dist.all_reduce(local, group=topo.mp_group)
+        comm.all_reduce(local, topo.mp_group)
     return float(local.sqrt()), finite
 
 
@@ -174,12 +175,11 @@ def train(cfg: TrainConfig) -> TrainResult:
         raise everywhere(error)
     init_distributed(timeout_s=cfg.collective_timeout_s)
     _check_placement(cfg, Layout.for_world(dist.get_world_size(), tp=cfg.tp, pp=cfg.pp))
-    timer = CommTimer.shared(sync_cuda=torch.cuda.is_available())  # before DeepSpeed and TP layers look them up
     topo = Topology.from_world(tp=cfg.tp, pp=cfg.pp, timeout_s=cfg.collective_timeout_s)
     _seed_default_generators(cfg.seed, topo)
     watchdog = _start_watchdog(cfg, topo)
     try:
-        result = _train(cfg, topo, timer, watchdog, tokens, start)
+        result = _train(cfg, topo, watchdog, tokens, start)
     except (UsageError, TrainingDiverged):
         watchdog.stop(done=True)
         raise
@@ -302,8 +302,7 @@ def _unlink_shared_memory() -> None:
     """
     import glob
 
-    if dist.get_world_size() > 1:
-        dist.barrier()
+    comm.barrier(comm.WORLD)
     env = os.environ
     pattern = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_"
                f"{env.get('MASTER_PORT', '')}_{dist.get_rank()}")
@@ -312,7 +311,7 @@ def _unlink_shared_memory() -> None:
             os.remove(path)
 
 
-def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog, tokens: torch.Tensor, start: int) -> TrainResult:
+def _train(cfg: TrainConfig, topo, watchdog, tokens: torch.Tensor, start: int) -> TrainResult:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     # DeepSpeed 0.19.8 calls collectives torch 2.13 renamed; the warning repeats every step
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
@@ -338,21 +337,20 @@ def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog, tokens: torch.Ten
     result = TrainResult()
     flops_per_step = model_flops_per_token(config, seq_len) * plan.global_batch * seq_len
     peak = gpu_peak_tflops()
+    communication = StepCommunication(sync_cuda=torch.cuda.is_available())
     profiler = start_profiler(cfg.profile, steps=cfg.steps - start, rank=topo.rank)
     for step in range(start, cfg.steps):
         micro_batches = [(x.to(device), y.to(device), rows) for (x, y), rows in
                          zip(batches.micro_batches(step, topo.dp_rank), batches.sample_numbers(step, topo.dp_rank))]
-        timer.measuring = not torch.cuda.is_available() or step % 10 == 1
-        timer.take()
         lr = engine.get_lr()[0]
         t0 = time.perf_counter()
-        with probe.step() if probe else _nothing():
-            loss = run_step(micro_batches)
+        with communication.measure(not torch.cuda.is_available() or step % 10 == 1):  # on GPU it synchronises
+            with probe.step() if probe else contextlib.nullcontext():
+                loss = run_step(micro_batches)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        comm = timer.take() if timer.measuring else None
-        comm_calls = timer.last_calls
+        comm_seconds, comm_calls = communication.result or (None, None)
         if clipper is not None:
             grad_norm, grads_finite = clipper.norm, clipper.finite
         else:
@@ -363,7 +361,7 @@ def _train(cfg: TrainConfig, topo, timer: CommTimer, watchdog, tokens: torch.Ten
             profiler.step()
         metrics = StepMetrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds,
                               samples=plan.global_batch, tokens=plan.global_batch * seq_len, flops=flops_per_step,
-                              comm_seconds=comm, comm_calls=comm_calls, world_size=dist.get_world_size(),
+                              comm_seconds=comm_seconds, comm_calls=comm_calls, world_size=dist.get_world_size(),
                               peak_tflops=peak)
         result.steps.append(metrics)
         reporter.log(metrics)
@@ -443,7 +441,7 @@ def _check_finite(topo, step: int, loss: torch.Tensor, grads_finite: bool) -> fl
     own_loss = topo.is_last_stage  # earlier stages only received the last stage's loss
     flags[topo.rank] = float(own_loss and not loss_ok) + 2.0 * float(not grads_finite)
     flags[world] = (loss if loss_ok else torch.zeros((), device=device)) / world
-    dist.all_reduce(flags)
+    comm.all_reduce(flags, comm.WORLD)
     bad = [(r, int(v)) for r, v in enumerate(flags[:world].tolist()) if v]
     if bad:
         what = {1: "loss", 2: "gradient", 3: "loss and gradient"}
@@ -451,11 +449,3 @@ def _check_finite(topo, step: int, loss: torch.Tensor, grads_finite: bool) -> fl
         raise TrainingDiverged(f"NaN/inf at step {step}: {found}; lower the learning rate, enable "
                                "gradient_clipping, or use bf16 instead of fp16")
     return float(flags[world])
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
