@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megakit.errors import UsageError
-from megakit.train.ds_config import load_ds_config
+from megakit.train.ds_config import load_ds_config, require_optimizer
 from megakit.train.trainer import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,3 +112,27 @@ def test_launched_job_reports_a_user_mistake_once_and_every_rank_exits_2(tmp_pat
     assert out.stderr.strip().splitlines() == [f"train.py: error: {tmp_path / 'ckpt'} holds no manifest.json, so it "
                                                "is not a complete megakit checkpoint; give the directory a finished "
                                                "save wrote"]
+
+
+def test_mistakes_a_new_user_makes_get_one_line_before_any_process_starts():
+    base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    cases = [
+        ({"optimiser": base["optimizer"], "train_micro_batch_size_per_gpu": 2},
+         "unknown key 'optimiser'; did you mean 'optimizer'?"),
+        ({**base, "train_micro_batch_size_per_gpu": "four"},
+         "train_micro_batch_size_per_gpu must be a positive integer, got 'four'"),
+        ({**base, "zero_optimization": {"stage": 1, "overlap_com": True}},
+         "unknown key 'zero_optimization.overlap_com'; did you mean 'overlap_comm'?"),
+        ({**base, "zero_optimization": {"stage": "two"}}, "zero_optimization.stage: input should be"),
+        ({**base, "bf16": {"enabled": "yes"}}, "bf16.enabled must be true or false"),
+        ({**base, "gradient_clipping": -1}, "gradient_clipping must be a number >= 0"),
+        ({**base, "scheduler": "cosine"}, "scheduler must be a JSON object"),
+    ]
+    for config, message in cases:
+        with pytest.raises(UsageError, match=re.escape(message)):
+            load_ds_config(config, dp=1, pp=1)
+    with pytest.raises(UsageError, match='no "optimizer" section'):
+        require_optimizer(load_ds_config({"train_micro_batch_size_per_gpu": 2}, dp=1, pp=1))
+    for path in PRESETS:  # every preset passes validation (those refused are refused for other reasons)
+        if path.stem not in ("onebit_adam", "fp16"):
+            load_ds_config(str(path), dp=2, pp=1)

@@ -12,11 +12,11 @@ import math
 import os
 import tempfile
 
-from megakit.core.schedules import FORWARD, bubble_formula
+from megakit.core.schedules import Backward, Forward, bubble_formula
 from megakit.core.simulator import Report
 
-_TERMINAL = {FORWARD: ("white on blue", "white on dark_blue"), "backward": ("black on green", "black on dark_green")}
-_PNG = {FORWARD: ("#2f6fd0", "#89aef0"), "backward": ("#2e9e49", "#8fd6a0")}
+_TERMINAL = {Forward: ("white on blue", "white on dark_blue"), Backward: ("black on green", "black on dark_green")}
+_PNG = {Forward: ("#2f6fd0", "#89aef0"), Backward: ("#2e9e49", "#8fd6a0")}
 
 
 def _label(mb: int) -> str:
@@ -56,9 +56,9 @@ def timeline_text(report: Report, *, width: int = 120):
             else:
                 text.append(_label(cell.micro_batch), style=_TERMINAL[cell.kind][min(cell.chunk, 1)])
         text.append(f"│ idle {report.bubble_per_stage[stage]:.0%}, peak in flight {report.peak_in_flight[stage]}\n")
-    text.append("forward", style=_TERMINAL[FORWARD][0])
+    text.append("forward", style=_TERMINAL[Forward][0])
     text.append(" ")
-    text.append("backward", style=_TERMINAL["backward"][0])
+    text.append("backward", style=_TERMINAL[Backward][0])
     text.append(" · idle (bubble); digits are micro-batch ids")
     if report.schedule.vpp > 1:
         text.append("; darker = later chunks")
@@ -101,7 +101,7 @@ def save_png(report: Report, path: str) -> None:
     chunks = "; lighter shade = later model chunk" if report.schedule.vpp > 1 else ""
     ax.set_xlabel(f"time (units of the per-op costs){chunks}")
     ax.set_title(title(report), fontsize=10)
-    ax.legend(handles=[Patch(color=_PNG[FORWARD][0], label="forward"), Patch(color=_PNG["backward"][0], label="backward"),
+    ax.legend(handles=[Patch(color=_PNG[Forward][0], label="forward"), Patch(color=_PNG[Backward][0], label="backward"),
                        Patch(color="#e6e6e6", label="idle (bubble)")], loc="upper left", fontsize=7,
               bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()

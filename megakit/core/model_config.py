@@ -1,6 +1,10 @@
-"""``ModelConfig``: a decoder-only transformer's shape, read from a Hugging Face config.json.
+"""``ModelConfig``: the one description of a decoder-only transformer.
 
-Pure Python (no torch), so the planner and the CLI can read model files cheaply.
+Read from (``from_hf``) and written to (``to_hf``) a Hugging Face config.json; the model,
+the pipeline partition, the planner (``ModelSpec`` wraps one), checkpoints and the HF
+export all read this object, and its one count of parameters (per TP rank, split into
+sharded and replicated parts), padded vocab and FLOPs formula. Pure Python (no torch),
+so the planner and the CLI can read model files cheaply.
 Two families: ``gpt2`` (LayerNorm, GELU, learned positions, tied embeddings) and
 ``llama`` (RMSNorm, SwiGLU, RoPE, grouped-query attention; also mistral and
 qwen2 files, which share the architecture).
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from megakit.errors import UsageError
 
@@ -115,38 +120,111 @@ class ModelConfig:
         raise UsageError(f"model config {source} has model_type {kind!r}; supported: gpt2, "
                          f"{', '.join(LLAMA_LIKE)}")
 
-    # -- derived sizes -----------------------------------------------------------------------
+    # -- derived sizes: the one count of parameters and FLOPs (model, planner, partition) -----------
     def padded_vocab(self, tp: int) -> int:
-        """Vocab rows held in total under TP: rounded up to a multiple of TP (extra rows are zero
-        and masked out of logits and loss), so each rank holds ``padded_vocab(tp) // tp`` rows."""
-        return -(-self.vocab_size // tp) * tp
+        """Vocab rows held in total under TP (``padded_vocab(vocab_size, tp)``)."""
+        return padded_vocab(self.vocab_size, tp)
+
+    def tp_conflicts(self, tp: int) -> list[str]:
+        """What TP does not divide, e.g. ``["attention heads 14"]`` (empty: ``tp`` shards this model;
+        KV heads are never replicated)."""
+        return [f"{what} {n}" for what, n in (("attention heads", self.heads), ("KV heads", self.kv_heads),
+                                              ("hidden size", self.hidden), ("FFN size", self.ffn)) if n % tp]
 
     def check_tp(self, tp: int) -> None:
         """UsageError unless TP divides heads, KV heads, hidden size and FFN size."""
-        bad = [f"{what} {n}" for what, n in (("attention heads", self.heads), ("KV heads", self.kv_heads),
-                                              ("hidden size", self.hidden), ("FFN size", self.ffn))
-               if n % tp]
+        bad = self.tp_conflicts(tp)
         if bad:
             raise UsageError(f"TP {tp} does not divide {', '.join(bad)}; choose a TP that divides "
                              f"all of heads {self.heads}, KV heads {self.kv_heads}, hidden {self.hidden} "
                              f"and FFN {self.ffn}")
 
+    @property
+    def gated_mlp(self) -> bool:
+        """SwiGLU (gate, up and down matrices) rather than GPT-2's two-matrix GELU MLP."""
+        return self.family == "llama"
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """Key/value heads a TP rank holds: split when they divide, else one replicated head."""
+        return max(self.kv_heads // tp, 1)
+
+    def block_params(self, tp: int = 1) -> BlockParams:
+        """One transformer block's parameters on one TP rank, split as tensor parallelism splits them."""
+        h, hd = self.hidden, self.head_dim
+        q, kv, f = self.heads // tp * hd, self.kv_heads_per_rank(tp) * hd, self.ffn // tp
+        mats = 3 if self.gated_mlp else 2
+        matmul = h * (q + 2 * kv) + q * h + mats * h * f
+        column_bias = self.qkv_bias * (q + 2 * kv) + self.mlp_bias * (mats - 1) * f
+        norms = (4 if self.family == "gpt2" else 2) * h  # two LayerNorms (weight, bias) or RMSNorms
+        return BlockParams(matmul, column_bias, norms + self.out_bias * h + self.mlp_bias * h)
+
     def layer_params(self) -> int:
         """Parameters of one transformer block."""
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attn = h * (q + 2 * kv) + q * h + self.qkv_bias * (q + 2 * kv) + self.out_bias * h
-        mats = 2 if self.family == "gpt2" else 3
-        mlp = mats * h * self.ffn + self.mlp_bias * ((mats - 1) * self.ffn + h)
-        norms = (4 if self.family == "gpt2" else 2) * h
-        return attn + mlp + norms
+        return self.block_params(1).total
+
+    def embedding_params(self, tp: int = 1) -> int:
+        """Token embedding rows one TP rank holds (padded vocab), plus GPT-2's learned positions (replicated)."""
+        positions = self.max_seq_len * self.hidden if self.family == "gpt2" else 0
+        return self.padded_vocab(tp) // tp * self.hidden + positions
+
+    def head_params(self, tp: int = 1, *, separate: bool = True) -> int:
+        """Final norm + the LM head's rows on one TP rank; ``separate``: the head is its own matrix
+        (untied, or tied but held by another pipeline stage than the embedding)."""
+        norm = (2 if self.family == "gpt2" else 1) * self.hidden
+        return norm + (self.padded_vocab(tp) // tp * self.hidden if separate else 0)
 
     def num_params(self) -> int:
-        """Total parameters (tied embeddings counted once)."""
-        embed = self.vocab_size * self.hidden
-        pos = self.max_seq_len * self.hidden if self.family == "gpt2" else 0
-        final_norm = (2 if self.family == "gpt2" else 1) * self.hidden
-        head = 0 if self.tie_embeddings else embed
-        return embed + pos + self.layers * self.layer_params() + final_norm + head
+        """Total parameters (tied embeddings counted once, vocab unpadded)."""
+        return (self.layers * self.layer_params() + self.embedding_params()
+                + self.head_params(separate=not self.tie_embeddings))
+
+    def block_flops(self, seq_len: int, tp: int = 1, *, convention: str = "palm") -> tuple[float, float]:
+        """(forward FLOPs per token of one block on one TP rank, of which core attention).
+
+        2 FLOPs per weight the ``convention`` counts (``FLOPS_CONVENTIONS``), plus attention's
+        score and value products, 2 x 2 x ``seq_len`` per channel of its width (full S x S,
+        not halved for the causal mask)."""
+        if convention not in FLOPS_CONVENTIONS:
+            raise ValueError(f"unknown FLOPs convention {convention!r}; use one of {', '.join(FLOPS_CONVENTIONS)}")
+        weights, width = FLOPS_CONVENTIONS[convention]
+        attn = 4 * seq_len * (self.heads // tp * self.head_dim) if width == "q" else 4 * seq_len * self.hidden / tp
+        return 2 * getattr(self.block_params(tp), weights) + attn, attn
+
+    def head_flops(self) -> int:
+        """Forward FLOPs per token of the LM head (``V x H``, paid even when tied; the lookups are free)."""
+        return 2 * self.hidden * self.vocab_size
+
+    def flops_per_token(self, seq_len: int, *, convention: str = "palm", recompute: str = "none",
+                        flash_attention: bool = False) -> float:
+        """Training FLOPs per token: 3 x forward (blocks and LM head), plus what ``recompute`` and
+        flash attention run again (``recompute_flops``; the defaults: none, the model FLOPs)."""
+        fwd, attn = self.block_flops(seq_len, convention=convention)
+        total = 3 * (self.layers * fwd + self.head_flops())
+        return float(total + self.layers * recompute_flops(fwd, attn, recompute, flash_attention))
+
+    # -- writing -----------------------------------------------------------------------------
+    def to_hf(self) -> dict:
+        """A transformers config.json dict of this model (``from_hf`` reads it back unchanged)."""
+        if self.family == "gpt2":
+            return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": self.vocab_size,
+                    "n_positions": self.max_seq_len, "n_embd": self.hidden, "n_layer": self.layers,
+                    "n_head": self.heads, "n_inner": self.ffn, "activation_function": "gelu_new",
+                    "layer_norm_epsilon": self.norm_eps, "tie_word_embeddings": self.tie_embeddings,
+                    "resid_pdrop": self.dropout, "embd_pdrop": self.dropout, "attn_pdrop": self.dropout,
+                    "initializer_range": self.init_std}
+        qwen2 = self.qkv_bias and not self.out_bias  # Llama's attention_bias covers o_proj too
+        out = {"model_type": "qwen2" if qwen2 else "llama",
+               "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"], "vocab_size": self.vocab_size,
+               "max_position_embeddings": self.max_seq_len, "hidden_size": self.hidden,
+               "intermediate_size": self.ffn, "num_hidden_layers": self.layers,
+               "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
+               "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.norm_eps,
+               "rope_theta": self.rope_theta, "tie_word_embeddings": self.tie_embeddings,
+               "attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias,
+               "attention_dropout": self.dropout, "initializer_range": self.init_std}
+        if qwen2:
+            del out["attention_bias"]
+        return out
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -155,16 +233,61 @@ class ModelConfig:
         return replace(self, **changes)
 
 
+class BlockParams(NamedTuple):
+    """One block's parameters on one TP rank."""
+
+    matmul: int  # weight matrices (TP-sharded)
+    column_bias: int  # biases of the column-parallel layers (q/k/v, up/gate), sharded with them
+    replicated: int  # norms and the row-parallel layers' biases (o_proj, down): every TP rank holds them
+
+    @property
+    def sharded(self) -> int:
+        return self.matmul + self.column_bias
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.replicated
+
+
+# The weights 2 FLOPs/token each are counted for (a ``BlockParams`` part) and attention's width:
+FLOPS_CONVENTIONS = {
+    # model FLOPs for MFU, PaLM's 6N + 12 L q S (Chowdhery et al. 2022, App. B): every block parameter
+    "palm": ("total", "q"),
+    # the planner's, Megatron's Eq. 3 (Narayanan et al. 2021) plus column biases: TP-sharded weights, width H
+    "megatron": ("sharded", "hidden"),
+    # the pipeline partition's time balance: weight matrices only
+    "matmul": ("matmul", "q"),
+}
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The vocab rounded up to a multiple of TP, so every rank holds ``padded_vocab // tp`` rows.
+
+    Rows past ``vocab_size`` are zero, never looked up, and masked out of the loss and logits.
+    """
+    return -(-vocab_size // tp) * tp
+
+
+def recompute_flops(block_fwd: float, attn_fwd: float, recompute: str = "none",
+                    flash_attention: bool = False) -> float:
+    """Forward FLOPs per token of one block that training runs a second time: the whole block
+    (``recompute="full"``), its core attention ("selective"), and flash attention's scores in backward."""
+    if recompute == "full":
+        return block_fwd + (attn_fwd / 2 if flash_attention else 0)
+    if recompute == "selective" and not flash_attention:
+        return attn_fwd
+    return attn_fwd / 2 if flash_attention else 0.0
+
+
 def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), for MFU: ``6N + 12 L q S``.
 
     N counts the matrices that do matmuls -- every block plus the LM head (``V x H``, paid
     even when tied); the lookup tables (token, position) are free. ``12 L q S`` is
     attention's score and value products (q = heads x head_dim), PaLM's convention, not
-    halved for the causal mask.
+    halved for the causal mask. (``ModelConfig.flops_per_token``'s default convention.)
     """
-    n = config.layers * config.layer_params() + config.vocab_size * config.hidden
-    return 6.0 * n + 12.0 * config.layers * config.heads * config.head_dim * seq_len
+    return config.flops_per_token(seq_len)
 
 
 def check_seq_len(config: ModelConfig, seq_len: int) -> None:

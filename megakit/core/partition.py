@@ -19,20 +19,18 @@ METHODS = ("params", "flops")
 
 
 def layer_costs(config, method: str = "params", *, seq_len: int | None = None) -> tuple[list[float], float, float]:
-    """``(per block, embedding, head)`` cost of a ``ModelConfig``."""
+    """``(per block, embedding, head)`` cost of a ``ModelConfig`` (its own counts: ``block_params``,
+    ``embedding_params``, ``head_params``; ``block_flops`` in the weight-matrices convention)."""
     if method not in METHODS:
         raise UsageError(f"unknown partition method {method!r}; use one of {', '.join(METHODS)} or a list of layer counts")
-    h, vocab, gpt2 = config.hidden, config.vocab_size, config.family == "gpt2"
-    q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
-    matmul = h * (q + 2 * kv) + q * h + (2 if gpt2 else 3) * h * config.ffn  # multiply-adds per token
     if method == "params":
         block = config.layer_params()
-        embedding = vocab * h + (config.max_seq_len * h if gpt2 else 0)
-        head = vocab * h + (2 if gpt2 else 1) * h  # a copy of the embedding when tied, plus the final norm
+        embedding = config.embedding_params()
+        head = config.head_params(separate=True)  # a copy of the embedding when tied, plus the final norm
     else:  # forward FLOPs per token: 2 per multiply-add; attention scores and values 2·2·s·q
-        block = 2 * matmul + 4 * (seq_len or config.max_seq_len) * q
+        block, _ = config.block_flops(seq_len or config.max_seq_len, convention="matmul")
         embedding = 0.0
-        head = 2 * vocab * h
+        head = config.head_flops()
     return [float(block)] * config.layers, float(embedding), float(head)
 
 

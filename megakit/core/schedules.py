@@ -2,15 +2,17 @@
 
 A schedule is produced in two passes, as in ``torch.distributed.pipelining``:
 
-1. a small pure function orders the *compute* of one stage (``forward`` and
-   ``backward`` of micro-batch i on model chunk c) — GPipe, 1F1B, interleaved 1F1B;
+1. a small pure function orders the *compute* of one stage (``Forward`` and
+   ``Backward`` of micro-batch i on model chunk c) — GPipe, 1F1B, interleaved 1F1B;
 2. ``add_p2p`` inserts the communication each compute action implies (receive the
    activation before a forward, send it after; receive the gradient before a
    backward, send it after) and appends the end-of-step actions (reduce tied
    embedding gradients, reduce gradients over DP, optimizer step).
 
 The same list is proven deadlock-free by ``simulator.simulate`` and run by
-``pipeline.PipelineExecutor``: nothing else decides what a rank does.
+``pipeline.PipelineExecutor``: nothing else decides what a rank does. Each
+instruction is a small frozen dataclass whose class says what it does; both handle
+it through a table keyed by that class (as DeepSpeed's ``_INSTRUCTION_MAP``).
 
 Virtual stages: with interleaving, rank ``r`` holds ``vpp`` model chunks; chunk ``c``
 of rank ``r`` is virtual stage ``c * pp + r`` of ``pp * vpp``. A micro-batch flows
@@ -21,55 +23,104 @@ Without interleaving ``vpp = 1`` and virtual stage = rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from megakit.errors import UsageError
 
-FORWARD, BACKWARD = "forward", "backward"
-SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "send_act", "recv_act", "send_grad", "recv_grad"
-REDUCE_TIED, REDUCE_GRADS, STEP = "reduce_tied_grads", "reduce_grads", "optimizer_step"
-COMPUTE = (FORWARD, BACKWARD)
-SENDS = (SEND_ACT, SEND_GRAD)
-RECVS = (RECV_ACT, RECV_GRAD)
-KINDS = COMPUTE + SENDS + RECVS + (REDUCE_TIED, REDUCE_GRADS, STEP)
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Action:
-    """One instruction of one stage.
+class Instruction:
+    """One instruction of one stage; its class says what it does (the executor and simulator dispatch on it).
 
     ``micro_batch`` and ``chunk`` (the local model chunk) say which activation the
-    action touches; ``peer`` is the pipeline stage (rank in the PP group) that a
-    send/recv talks to. End-of-step actions carry neither.
+    instruction touches; ``peer`` is the pipeline stage (rank in the PP group) that a
+    send/recv talks to. End-of-step instructions carry neither.
     """
 
-    kind: str
     micro_batch: int | None = None
     chunk: int = 0
     peer: int | None = None
+    short: ClassVar[str]  # the name in a printed schedule
 
     def __post_init__(self) -> None:
-        assert self.kind in KINDS, self.kind
+        assert type(self) in KINDS, type(self)  # one of the classes below, not the base
+
+    @property
+    def kind(self) -> type[Instruction]:
+        """The instruction's class, so ``a.kind == FORWARD`` reads as before."""
+        return type(self)
 
     def __str__(self) -> str:
-        short = {FORWARD: "F", BACKWARD: "B", SEND_ACT: "sA", RECV_ACT: "rA", SEND_GRAD: "sG",
-                 RECV_GRAD: "rG", REDUCE_TIED: "tied", REDUCE_GRADS: "reduce", STEP: "step"}[self.kind]
         if self.micro_batch is None:
-            return short
+            return self.short
         chunk = f".{self.chunk}" if self.chunk else ""
         peer = f"@{self.peer}" if self.peer is not None else ""
-        return f"{short}{self.micro_batch}{chunk}{peer}"
+        return f"{self.short}{self.micro_batch}{chunk}{peer}"
+
+
+class Forward(Instruction):
+    short = "F"
+
+
+class Backward(Instruction):
+    short = "B"
+
+
+class SendActivation(Instruction):
+    short, channel = "sA", "act"  # channel: activations and gradients travel apart (the P2P tag)
+
+
+class RecvActivation(Instruction):
+    short, channel = "rA", "act"
+
+
+class SendGrad(Instruction):
+    short, channel = "sG", "grad"
+
+
+class RecvGrad(Instruction):
+    short, channel = "rG", "grad"
+
+
+class ReduceTiedGrads(Instruction):
+    short = "tied"
+
+
+class ReduceGrads(Instruction):
+    short = "reduce"
+
+
+class OptimizerStep(Instruction):
+    short = "step"
+
+
+COMPUTE = (Forward, Backward)
+SENDS = (SendActivation, SendGrad)
+RECVS = (RecvActivation, RecvGrad)
+KINDS = COMPUTE + SENDS + RECVS + (ReduceTiedGrads, ReduceGrads, OptimizerStep)
+# the names from when kinds were strings
+FORWARD, BACKWARD = Forward, Backward
+SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = SendActivation, RecvActivation, SendGrad, RecvGrad
+REDUCE_TIED, REDUCE_GRADS, STEP = ReduceTiedGrads, ReduceGrads, OptimizerStep
+
+
+def Action(*, kind: type[Instruction], **fields) -> Instruction:
+    """``Action(kind=FORWARD, micro_batch=0)``, from when instructions were one class: ``Forward(micro_batch=0)``."""
+    assert kind in KINDS, kind
+    return kind(**fields)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Schedule:
-    """One optimizer step of a pipeline: ``stages[r]`` is the action list of PP rank ``r``."""
+    """One optimizer step of a pipeline: ``stages[r]`` is the instruction list of PP rank ``r``."""
 
     name: str
     pp: int
     micro_batches: int
     vpp: int
-    stages: tuple[tuple[Action, ...], ...]
+    stages: tuple[tuple[Instruction, ...], ...]
 
     @property
     def virtual_stages(self) -> int:
@@ -84,11 +135,11 @@ class Schedule:
 
     @property
     def has_p2p(self) -> bool:
-        return any(a.kind in SENDS + RECVS for actions in self.stages for a in actions)
+        return any(isinstance(a, SENDS + RECVS) for actions in self.stages for a in actions)
 
     def compute_only(self) -> "Schedule":
         """The same schedule with communication and end-of-step actions removed."""
-        stages = tuple(tuple(a for a in actions if a.kind in COMPUTE) for actions in self.stages)
+        stages = tuple(tuple(a for a in actions if isinstance(a, COMPUTE)) for actions in self.stages)
         return Schedule(name=self.name, pp=self.pp, micro_batches=self.micro_batches, vpp=self.vpp, stages=stages)
 
 
@@ -107,8 +158,8 @@ def _schedule(name, pp, micro_batches, vpp, stages) -> Schedule:
 def gpipe_compute(pp: int, micro_batches: int) -> Schedule:
     """All forwards, then all backwards (GPipe): keeps every micro-batch in flight."""
     _check(pp, micro_batches)
-    stage = [Action(kind=FORWARD, micro_batch=i) for i in range(micro_batches)]
-    stage += [Action(kind=BACKWARD, micro_batch=i) for i in range(micro_batches)]
+    stage = [Forward(micro_batch=i) for i in range(micro_batches)]
+    stage += [Backward(micro_batch=i) for i in range(micro_batches)]
     return _schedule("gpipe", pp, micro_batches, 1, [stage] * pp)
 
 
@@ -123,11 +174,11 @@ def one_f_one_b_compute(pp: int, micro_batches: int) -> Schedule:
     for rank in range(pp):
         warmup = min(pp - rank - 1, micro_batches)
         steady = micro_batches - warmup
-        actions = [Action(kind=FORWARD, micro_batch=i) for i in range(warmup)]
+        actions = [Forward(micro_batch=i) for i in range(warmup)]
         for i in range(steady):  # steady state: F(warmup + i), B(i)
-            actions.append(Action(kind=FORWARD, micro_batch=warmup + i))
-            actions.append(Action(kind=BACKWARD, micro_batch=i))
-        actions += [Action(kind=BACKWARD, micro_batch=i) for i in range(steady, micro_batches)]
+            actions.append(Forward(micro_batch=warmup + i))
+            actions.append(Backward(micro_batch=i))
+        actions += [Backward(micro_batch=i) for i in range(steady, micro_batches)]
         stages.append(actions)
     return _schedule("1f1b", pp, micro_batches, 1, stages)
 
@@ -152,20 +203,20 @@ def interleaved_compute(pp: int, micro_batches: int, vpp: int) -> Schedule:
         )
     total = micro_batches * vpp
 
-    def unit(k: int, kind: str) -> Action:
+    def unit(k: int, kind: type[Instruction]) -> Instruction:
         chunk = (k // pp) % vpp
-        chunk = chunk if kind == FORWARD else vpp - 1 - chunk
-        return Action(kind=kind, micro_batch=(k // (pp * vpp)) * pp + k % pp, chunk=chunk)
+        chunk = chunk if kind is Forward else vpp - 1 - chunk
+        return kind(micro_batch=(k // (pp * vpp)) * pp + k % pp, chunk=chunk)
 
     stages = []
     for rank in range(pp):
         # with m == pp every forward comes first, as in Megatron-LM (the bubble is the same)
         warmup = total if micro_batches == pp else min(2 * (pp - rank - 1) + (vpp - 1) * pp, total)
-        actions = [unit(k, FORWARD) for k in range(warmup)]
+        actions = [unit(k, Forward) for k in range(warmup)]
         for i in range(total - warmup):
-            actions.append(unit(warmup + i, FORWARD))
-            actions.append(unit(i, BACKWARD))
-        actions += [unit(k, BACKWARD) for k in range(total - warmup, total)]
+            actions.append(unit(warmup + i, Forward))
+            actions.append(unit(i, Backward))
+        actions += [unit(k, Backward) for k in range(total - warmup, total)]
         stages.append(actions)
     return _schedule(f"interleaved(v={vpp})", pp, micro_batches, vpp, stages)
 
@@ -195,18 +246,18 @@ def add_p2p(compute: Schedule, *, fuse_pairs: bool = False) -> Schedule:
         for a in actions:
             vs = compute.virtual_stage(rank, a.chunk)
             mb, chunk = a.micro_batch, a.chunk
-            if a.kind == FORWARD:
-                recv = [Action(kind=RECV_ACT, micro_batch=mb, chunk=chunk, peer=(vs - 1) % pp)] if vs > 0 else []
-                send = [Action(kind=SEND_ACT, micro_batch=mb, chunk=chunk, peer=(vs + 1) % pp)] if vs < last else []
+            if isinstance(a, Forward):
+                recv = [RecvActivation(micro_batch=mb, chunk=chunk, peer=(vs - 1) % pp)] if vs > 0 else []
+                send = [SendActivation(micro_batch=mb, chunk=chunk, peer=(vs + 1) % pp)] if vs < last else []
             else:
-                recv = [Action(kind=RECV_GRAD, micro_batch=mb, chunk=chunk, peer=(vs + 1) % pp)] if vs < last else []
-                send = [Action(kind=SEND_GRAD, micro_batch=mb, chunk=chunk, peer=(vs - 1) % pp)] if vs > 0 else []
+                recv = [RecvGrad(micro_batch=mb, chunk=chunk, peer=(vs + 1) % pp)] if vs < last else []
+                send = [SendGrad(micro_batch=mb, chunk=chunk, peer=(vs - 1) % pp)] if vs > 0 else []
             units.append((recv, a, send))
         out, i = [], 0
         while i < len(units):
             recv, a, send = units[i]
             nxt = units[i + 1] if i + 1 < len(units) else None
-            if (fuse_pairs and nxt and a.kind == FORWARD and nxt[1].kind == BACKWARD
+            if (fuse_pairs and nxt and isinstance(a, Forward) and isinstance(nxt[1], Backward)
                     and not (nxt[1].micro_batch == a.micro_batch and nxt[0])):
                 out += recv + nxt[0] + [a, nxt[1]] + send + nxt[2]
                 i += 2
@@ -214,8 +265,8 @@ def add_p2p(compute: Schedule, *, fuse_pairs: bool = False) -> Schedule:
                 out += recv + [a] + send
                 i += 1
         if compute.virtual_stages > 1 and rank in (0, pp - 1):  # the ranks holding embedding and head
-            out.append(Action(kind=REDUCE_TIED))
-        out += [Action(kind=REDUCE_GRADS), Action(kind=STEP)]
+            out.append(ReduceTiedGrads())
+        out += [ReduceGrads(), OptimizerStep()]
         stages.append(out)
     return _schedule(compute.name, compute.pp, compute.micro_batches, compute.vpp, stages)
 

@@ -27,15 +27,19 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from megakit.core.schedules import (
-    BACKWARD,
-    FORWARD,
-    RECV_ACT,
-    RECV_GRAD,
-    SEND_ACT,
-    SEND_GRAD,
+    RECVS,
     SENDS,
-    Action,
+    Backward,
+    Forward,
+    Instruction,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
     Schedule,
+    SendActivation,
+    SendGrad,
     add_p2p,
 )
 from megakit.errors import UsageError
@@ -67,10 +71,10 @@ class Costs:
 
 @dataclass(frozen=True, kw_only=True)
 class Event:
-    """One executed compute action: for the timeline."""
+    """One executed compute instruction: for the timeline."""
 
     stage: int
-    kind: str
+    kind: type[Instruction]  # Forward or Backward
     micro_batch: int
     chunk: int
     start: float
@@ -106,20 +110,242 @@ def _validate_costs(costs: Costs, pp: int) -> None:
             raise UsageError(f"{name} cost must be a non-negative number, got {value!r}")
 
 
-def _message(schedule: Schedule, stage: int, a: Action) -> tuple[tuple[int, int, str], tuple[int, int]]:
+def _message(schedule: Schedule, stage: int, a: Instruction) -> tuple[tuple[int, int, str], tuple[int, int]]:
     """``(channel, payload)`` of a send or recv: channel = (src, dst, kind), payload = (mb, dst virtual stage)."""
     vs = schedule.virtual_stage(stage, a.chunk)
-    if a.kind == SEND_ACT:
-        return (stage, a.peer, "act"), (a.micro_batch, vs + 1)
-    if a.kind == RECV_ACT:
-        return (a.peer, stage, "act"), (a.micro_batch, vs)
-    if a.kind == SEND_GRAD:
-        return (stage, a.peer, "grad"), (a.micro_batch, vs - 1)
-    assert a.kind == RECV_GRAD, a
-    return (a.peer, stage, "grad"), (a.micro_batch, vs)
+    if isinstance(a, SENDS):  # an activation goes to the next virtual stage, a gradient to the one before
+        return (stage, a.peer, a.channel), (a.micro_batch, vs + (1 if isinstance(a, SendActivation) else -1))
+    return (a.peer, stage, a.channel), (a.micro_batch, vs)
 
 
 P2P_MODES = ("async", "batched")
+
+
+@dataclass(kw_only=True, eq=False)
+class _Stage:
+    """Where one stage is in its instruction list, and what it has computed and received so far."""
+
+    index: int
+    actions: tuple[Instruction, ...]
+    pc: int = 0  # next instruction
+    clock: float = 0.0
+    busy: float = 0.0
+    received: dict = field(default_factory=dict)  # (channel kind, mb, vs) -> arrival time
+    forwarded: dict = field(default_factory=dict)  # (mb, chunk) -> end time of its forward
+    done_backward: set = field(default_factory=set)
+    in_flight: int = 0
+    peak: int = 0
+    batch: list | None = None  # batched mode: the ops this stage has posted and waits on
+
+
+@dataclass(kw_only=True, eq=False)
+class _Op:
+    """Batched mode: one posted send or recv, done once its counterpart is posted too."""
+
+    stage: _Stage
+    action: Instruction
+    payload: tuple  # (mb, dst virtual stage, channel kind)
+    posted: float
+    done: float | None = None
+
+
+class _Simulator:
+    """One run of a schedule: stages take turns, each running until it blocks."""
+
+    def __init__(self, schedule: Schedule, costs: Costs, *, tagged: bool, p2p: str) -> None:
+        self.schedule, self.costs, self.tagged, self.batched = schedule, costs, tagged, p2p == "batched"
+        self.pp, self.vpp, self.last = schedule.pp, schedule.vpp, schedule.virtual_stages - 1
+        self.stages = [_Stage(index=s, actions=schedule.stages[s]) for s in range(self.pp)]
+        self.channels: dict[tuple, deque] = {}  # async mode: messages sent, not yet received
+        self.posted_sends: dict[tuple, deque[_Op]] = {}  # batched mode: ops posted, not yet matched, per channel
+        self.posted_recvs: dict[tuple, deque[_Op]] = {}
+        self.events: list[Event] = []
+        self.handlers = {Forward: self._forward, Backward: self._backward,
+                         SendActivation: self._send, SendGrad: self._send,
+                         RecvActivation: self._recv, RecvGrad: self._recv,
+                         ReduceTiedGrads: self._reduce, ReduceGrads: self._reduce, OptimizerStep: self._optimizer_step}
+
+    def fail(self, st: _Stage, a: Instruction, why: str) -> None:
+        s = self.schedule
+        raise ScheduleError(f"{s.name} p={s.pp} m={s.micro_batches}: stage {st.index} action #{st.pc} ({a}): {why}")
+
+    def run(self) -> Report:
+        s = self.schedule
+        while True:
+            moved = False
+            for st in self.stages:
+                while self.step(st):
+                    moved = True
+            if all(st.pc >= len(st.actions) for st in self.stages):
+                break
+            if not moved:
+                waits = "; ".join(f"stage {st.index} waits at {st.actions[st.pc]}" for st in self.stages
+                                  if st.pc < len(st.actions))
+                raise ScheduleError(f"{s.name} p={s.pp} m={s.micro_batches}: deadlock: {waits}")
+        self._check_all_done()
+        clocks, busy = [st.clock for st in self.stages], tuple(st.busy for st in self.stages)
+        step_time = max(clocks)
+        bubble = tuple(1.0 - b / step_time if step_time else 0.0 for b in busy)
+        return Report(schedule=s, step_time=step_time, busy=busy, bubble_per_stage=bubble,
+                      peak_in_flight=tuple(st.peak for st in self.stages), events=tuple(self.events))
+
+    def _check_all_done(self) -> None:
+        s = self.schedule
+        leftover = {ch: len(q) for ch, q in list(self.channels.items()) + list(self.posted_sends.items()) if q}
+        if leftover:
+            raise ScheduleError(f"{s.name}: messages sent but never received (mismatched send/recv): {leftover}")
+        expected = {(mb, c) for mb in range(s.micro_batches) for c in range(self.vpp)}
+        for st in self.stages:
+            if set(st.forwarded) != expected or st.done_backward != expected:
+                raise ScheduleError(f"{s.name}: stage {st.index} does not run forward and backward exactly once "
+                                    f"for every micro-batch and chunk")
+
+    def step(self, st: _Stage) -> bool:
+        """Run one instruction of ``st`` if it can; False if it is blocked or finished."""
+        if st.pc >= len(st.actions):
+            return False
+        a = st.actions[st.pc]
+        if self.batched and isinstance(a, SENDS + RECVS) and a.peer != st.index:
+            return self._batch(st)  # (a hand-over to this same rank, PP = 1 with chunks, is a buffer)
+        if not self.handlers[type(a)](st, a):
+            return False
+        st.pc += 1
+        return True
+
+    # -- communication --------------------------------------------------------------------------
+    def _check_peer(self, st: _Stage, a: Instruction) -> None:
+        if a.peer is None or not 0 <= a.peer < self.pp:
+            self.fail(st, a, f"peer {a.peer} is not a stage")
+
+    def _check_send(self, st: _Stage, a: Instruction) -> None:
+        self._check_peer(st, a)
+        if isinstance(a, SendActivation) and (a.micro_batch, a.chunk) not in st.forwarded:
+            self.fail(st, a, "sends an activation before computing it")
+        if isinstance(a, SendGrad) and (a.micro_batch, a.chunk) not in st.done_backward:
+            self.fail(st, a, "sends a gradient before computing it")
+
+    def _channel(self, st: _Stage, a: Instruction) -> tuple[tuple, tuple, str]:
+        """``(channel, payload, kind)``; without tags the two kinds share one channel and the payload names its kind."""
+        channel, payload = _message(self.schedule, st.index, a)
+        kind = channel[2]
+        if not self.tagged:
+            channel, payload = channel[:2], (*payload, kind)
+        return channel, payload, kind
+
+    def _send(self, st: _Stage, a: Instruction) -> bool:
+        """Asynchronous: the message is posted and arrives ``costs.p2p`` later; the sender moves on."""
+        self._check_peer(st, a)
+        channel, payload, _ = self._channel(st, a)
+        self._check_send(st, a)
+        self.channels.setdefault(channel, deque()).append((payload, st.clock + self.costs.p2p))
+        return True
+
+    def _recv(self, st: _Stage, a: Instruction) -> bool:
+        self._check_peer(st, a)
+        channel, payload, kind = self._channel(st, a)
+        queue = self.channels.get(channel)
+        if not queue:
+            return False  # blocked: the message has not been sent yet
+        (got, arrival) = queue[0]
+        if got != payload:
+            self.fail(st, a, f"expects {kind} of micro-batch {payload[0]} for virtual stage {payload[1]} from "
+                             f"stage {a.peer} but the next message on that channel is {got} (mismatched send/recv)")
+        queue.popleft()
+        st.received[(kind, *payload[:2])] = arrival
+        st.clock = max(st.clock, arrival)
+        return True
+
+    def _batch(self, st: _Stage) -> bool:
+        """Post this stage's run of send/recv instructions at once; move past it when all have matched."""
+        if st.batch is None:
+            st.batch = self._post_batch(st)
+            return True  # posting is progress: a peer may now complete its own batch
+        ops = st.batch
+        if any(op.done is None for op in ops):
+            return False
+        for op in ops:
+            if isinstance(op.action, RECVS):
+                st.received[(op.payload[2], *op.payload[:2])] = op.done
+        st.clock = max([st.clock] + [op.done for op in ops])
+        st.pc += len(ops)
+        st.batch = None
+        return True
+
+    def _post_batch(self, st: _Stage) -> list[_Op]:
+        ops, i = [], st.pc
+        while i < len(st.actions) and isinstance(st.actions[i], SENDS + RECVS) and st.actions[i].peer != st.index:
+            a = st.actions[i]
+            if isinstance(a, SENDS):
+                self._check_send(st, a)
+            else:
+                self._check_peer(st, a)
+            (src, dst, kind), payload = _message(self.schedule, st.index, a)
+            op = _Op(stage=st, action=a, payload=(*payload, kind), posted=st.clock)
+            (self.posted_sends if isinstance(a, SENDS) else self.posted_recvs).setdefault((src, dst), deque()).append(op)
+            ops.append(op)
+            self._match((src, dst))
+            i += 1
+        return ops
+
+    def _match(self, channel: tuple) -> None:
+        """Batched mode: a send and a receive complete together once both are posted (NCCL's rendezvous)."""
+        sends, recvs = self.posted_sends.get(channel), self.posted_recvs.get(channel)
+        while sends and recvs:
+            if sends[0].payload != recvs[0].payload:
+                r = recvs[0]
+                self.fail(r.stage, r.action, f"expects {r.payload} from stage {channel[0]} but the next message "
+                                             f"posted on that channel is {sends[0].payload} (mismatched send/recv)")
+            s, r = sends.popleft(), recvs.popleft()
+            s.done = r.done = max(s.posted, r.posted) + self.costs.p2p
+
+    # -- compute and end of step ----------------------------------------------------------------
+    def _target(self, st: _Stage, a: Instruction) -> tuple[int, int, int]:
+        """``(micro-batch, chunk, virtual stage)`` of a compute instruction."""
+        mb, chunk = a.micro_batch, a.chunk
+        if mb is None or not 0 <= mb < self.schedule.micro_batches or not 0 <= chunk < self.vpp:
+            self.fail(st, a, "micro-batch or chunk out of range")
+        return mb, chunk, self.schedule.virtual_stage(st.index, chunk)
+
+    def _forward(self, st: _Stage, a: Forward) -> bool:
+        mb, chunk, vs = self._target(st, a)
+        if (mb, chunk) in st.forwarded:
+            self.fail(st, a, "runs the same forward twice")
+        if vs > 0 and (RecvActivation.channel, mb, vs) not in st.received:
+            self.fail(st, a, "runs a forward before receiving its activation")
+        cost = self.costs.per_stage("forward", st.index) / self.vpp
+        st.forwarded[(mb, chunk)] = st.clock + cost
+        st.in_flight += 1
+        st.peak = max(st.peak, st.in_flight)
+        return self._compute(st, a, cost)
+
+    def _backward(self, st: _Stage, a: Backward) -> bool:
+        mb, chunk, vs = self._target(st, a)
+        if (mb, chunk) not in st.forwarded:
+            self.fail(st, a, "runs a backward before its forward (backward must follow forward)")
+        if (mb, chunk) in st.done_backward:
+            self.fail(st, a, "runs the same backward twice")
+        if vs < self.last and (RecvGrad.channel, mb, vs) not in st.received:
+            self.fail(st, a, "runs a backward before receiving its output gradient")
+        cost = self.costs.per_stage("backward", st.index) / self.vpp
+        st.done_backward.add((mb, chunk))
+        st.in_flight -= 1
+        return self._compute(st, a, cost)
+
+    def _compute(self, st: _Stage, a: Instruction, cost: float) -> bool:
+        start = st.clock
+        st.clock = start + cost
+        st.busy += cost
+        self.events.append(Event(stage=st.index, kind=type(a), micro_batch=a.micro_batch, chunk=a.chunk,
+                                 start=start, end=start + cost))
+        return True
+
+    def _reduce(self, st: _Stage, a: Instruction) -> bool:
+        st.clock += self.costs.reduce
+        return True
+
+    def _optimizer_step(self, st: _Stage, a: Instruction) -> bool:
+        st.clock += self.costs.step
+        return True
 
 
 def simulate(schedule: Schedule, costs: Costs = Costs(), *, tagged: bool = True, p2p: str = "async") -> Report:
@@ -136,159 +362,5 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), *, tagged: bool = True,
         raise UsageError(f"unknown P2P mode {p2p!r}; use one of {', '.join(P2P_MODES)}")
     if not schedule.has_p2p:
         schedule = add_p2p(schedule)
-    pp, vpp, last = schedule.pp, schedule.vpp, schedule.virtual_stages - 1
-    _validate_costs(costs, pp)
-    channels: dict[tuple, deque] = {}
-    posted_sends: dict[tuple, deque] = {}  # batched mode: ops posted, not yet matched, per channel
-    posted_recvs: dict[tuple, deque] = {}
-    batch: list = [None] * pp  # batched mode: the ops this stage has posted and waits on
-    pc = [0] * pp  # next action per stage
-    clock = [0.0] * pp
-    busy = [0.0] * pp
-    received: list[dict] = [{} for _ in range(pp)]  # (kind, mb, vs) -> arrival time
-    forwarded: list[dict] = [{} for _ in range(pp)]  # (mb, chunk) -> end time of its forward
-    done_backward: list[set] = [set() for _ in range(pp)]
-    in_flight = [0] * pp
-    peak = [0] * pp
-    events: list[Event] = []
-
-    def fail(stage: int, a: Action, why: str) -> None:
-        raise ScheduleError(f"{schedule.name} p={pp} m={schedule.micro_batches}: stage {stage} action #{pc[stage]} ({a}): {why}")
-
-    def check_send(stage: int, a: Action) -> None:
-        if a.peer is None or not 0 <= a.peer < pp:
-            fail(stage, a, f"peer {a.peer} is not a stage")
-        if a.kind == SEND_ACT and (a.micro_batch, a.chunk) not in forwarded[stage]:
-            fail(stage, a, "sends an activation before computing it")
-        if a.kind == SEND_GRAD and (a.micro_batch, a.chunk) not in done_backward[stage]:
-            fail(stage, a, "sends a gradient before computing it")
-
-    def match(channel: tuple) -> None:
-        sends, recvs = posted_sends.get(channel), posted_recvs.get(channel)
-        while sends and recvs:
-            if sends[0]["payload"] != recvs[0]["payload"]:
-                r = recvs[0]
-                fail(r["stage"], r["action"], f"expects {r['payload']} from stage {channel[0]} but the next message "
-                                              f"posted on that channel is {sends[0]['payload']} (mismatched send/recv)")
-            s, r = sends.popleft(), recvs.popleft()
-            s["done"] = r["done"] = max(s["posted"], r["posted"]) + costs.p2p
-
-    def batched(stage: int) -> bool:
-        """Post this stage's run of send/recv actions at once; move past it when all have matched."""
-        actions = schedule.stages[stage]
-        if batch[stage] is None:
-            ops, i = [], pc[stage]
-            while i < len(actions) and actions[i].kind in SENDS + (RECV_ACT, RECV_GRAD) and actions[i].peer != stage:
-                a = actions[i]
-                if a.kind in SENDS:
-                    check_send(stage, a)
-                elif a.peer is None or not 0 <= a.peer < pp:
-                    fail(stage, a, f"peer {a.peer} is not a stage")
-                (src, dst, kind), payload = _message(schedule, stage, a)
-                op = dict(stage=stage, action=a, payload=(*payload, kind), posted=clock[stage], done=None)
-                (posted_sends if a.kind in SENDS else posted_recvs).setdefault((src, dst), deque()).append(op)
-                ops.append(op)
-                match((src, dst))
-                i += 1
-            batch[stage] = ops
-            return True  # posting is progress: a peer may now complete its own batch
-        ops = batch[stage]
-        if any(op["done"] is None for op in ops):
-            return False
-        for op in ops:
-            a = op["action"]
-            if a.kind in (RECV_ACT, RECV_GRAD):
-                received[stage][(op["payload"][2], *op["payload"][:2])] = op["done"]
-        clock[stage] = max([clock[stage]] + [op["done"] for op in ops])
-        pc[stage] += len(ops)
-        batch[stage] = None
-        return True
-
-    def step(stage: int) -> bool:
-        """Run one action of ``stage`` if it can; False if it is blocked or finished."""
-        actions = schedule.stages[stage]
-        if pc[stage] >= len(actions):
-            return False
-        a = actions[pc[stage]]
-        if p2p == "batched" and a.kind in SENDS + (RECV_ACT, RECV_GRAD) and a.peer != stage:
-            return batched(stage)  # (a hand-over to this same rank, PP = 1 with chunks, is a buffer)
-        if a.kind in SENDS or a.kind in (RECV_ACT, RECV_GRAD):
-            if a.peer is None or not 0 <= a.peer < pp:
-                fail(stage, a, f"peer {a.peer} is not a stage")
-            channel, payload = _message(schedule, stage, a)
-            kind = channel[2]
-            if not tagged:
-                channel, payload = channel[:2], (*payload, kind)
-            if a.kind in SENDS:
-                check_send(stage, a)
-                channels.setdefault(channel, deque()).append((payload, clock[stage] + costs.p2p))
-            else:
-                queue = channels.get(channel)
-                if not queue:
-                    return False  # blocked: the message has not been sent yet
-                (got, arrival) = queue[0]
-                if got != payload:
-                    fail(stage, a, f"expects {kind} of micro-batch {payload[0]} for virtual stage {payload[1]} from "
-                                   f"stage {a.peer} but the next message on that channel is {got} (mismatched send/recv)")
-                queue.popleft()
-                received[stage][(kind, *payload[:2])] = arrival
-                clock[stage] = max(clock[stage], arrival)
-        elif a.kind in (FORWARD, BACKWARD):
-            mb, chunk = a.micro_batch, a.chunk
-            if mb is None or not 0 <= mb < schedule.micro_batches or not 0 <= chunk < vpp:
-                fail(stage, a, "micro-batch or chunk out of range")
-            vs = schedule.virtual_stage(stage, chunk)
-            start = clock[stage]
-            if a.kind == FORWARD:
-                if (mb, chunk) in forwarded[stage]:
-                    fail(stage, a, "runs the same forward twice")
-                if vs > 0:
-                    if ("act", mb, vs) not in received[stage]:
-                        fail(stage, a, "runs a forward before receiving its activation")
-                cost = costs.per_stage("forward", stage) / vpp
-                forwarded[stage][(mb, chunk)] = start + cost
-                in_flight[stage] += 1
-                peak[stage] = max(peak[stage], in_flight[stage])
-            else:
-                if (mb, chunk) not in forwarded[stage]:
-                    fail(stage, a, "runs a backward before its forward (backward must follow forward)")
-                if (mb, chunk) in done_backward[stage]:
-                    fail(stage, a, "runs the same backward twice")
-                if vs < last and ("grad", mb, vs) not in received[stage]:
-                    fail(stage, a, "runs a backward before receiving its output gradient")
-                cost = costs.per_stage("backward", stage) / vpp
-                done_backward[stage].add((mb, chunk))
-                in_flight[stage] -= 1
-            clock[stage] = start + cost
-            busy[stage] += cost
-            events.append(Event(stage=stage, kind=a.kind, micro_batch=mb, chunk=chunk, start=start, end=start + cost))
-        else:  # end-of-step: reduce tied grads / reduce grads / optimizer step
-            cost = costs.step if a.kind == "optimizer_step" else costs.reduce
-            clock[stage] += cost
-        pc[stage] += 1
-        return True
-
-    while True:
-        moved = False
-        for stage in range(pp):
-            while step(stage):
-                moved = True
-        if all(pc[s] >= len(schedule.stages[s]) for s in range(pp)):
-            break
-        if not moved:
-            waits = "; ".join(f"stage {s} waits at {schedule.stages[s][pc[s]]}" for s in range(pp)
-                              if pc[s] < len(schedule.stages[s]))
-            raise ScheduleError(f"{schedule.name} p={pp} m={schedule.micro_batches}: deadlock: {waits}")
-
-    leftover = {ch: len(q) for ch, q in list(channels.items()) + list(posted_sends.items()) if q}
-    if leftover:
-        raise ScheduleError(f"{schedule.name}: messages sent but never received (mismatched send/recv): {leftover}")
-    expected = {(mb, c) for mb in range(schedule.micro_batches) for c in range(vpp)}
-    for stage in range(pp):
-        if set(forwarded[stage]) != expected or done_backward[stage] != expected:
-            raise ScheduleError(f"{schedule.name}: stage {stage} does not run forward and backward exactly once "
-                                f"for every micro-batch and chunk")
-    step_time = max(clock)
-    bubble = tuple(1.0 - b / step_time if step_time else 0.0 for b in busy)
-    return Report(schedule=schedule, step_time=step_time, busy=tuple(busy), bubble_per_stage=bubble,
-                  peak_in_flight=tuple(peak), events=tuple(events))
+    _validate_costs(costs, schedule.pp)
+    return _Simulator(schedule, costs, tagged=tagged, p2p=p2p).run()

@@ -55,7 +55,6 @@ from torch import nn
 
 from megakit.core.model_config import ModelConfig
 from megakit.errors import UsageError
-from megakit.nn import comm as C
 from megakit.interop.checkpoint_format import (
     MANIFEST,
     ShardReader,
@@ -66,6 +65,7 @@ from megakit.interop.checkpoint_format import (
     sha256_file,
     shard_file,
 )
+from megakit.nn import comm as C
 
 IGNORED_FIELDS = ("dropout", "init_std")  # training settings: they do not change what the weights mean
 

@@ -98,27 +98,8 @@ def from_hf_state_dict(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict
 
 
 def hf_config(config: ModelConfig) -> dict:
-    """A transformers config.json dict for ``config`` (``ModelConfig.from_hf`` reads it back)."""
-    if config.family == "gpt2":
-        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": config.vocab_size,
-                "n_positions": config.max_seq_len, "n_embd": config.hidden, "n_layer": config.layers,
-                "n_head": config.heads, "n_inner": config.ffn, "activation_function": "gelu_new",
-                "layer_norm_epsilon": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
-                "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
-                "initializer_range": config.init_std}
-    qwen2 = config.qkv_bias and not config.out_bias  # Llama's attention_bias covers o_proj too
-    out = {"model_type": "qwen2" if qwen2 else "llama",
-            "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"], "vocab_size": config.vocab_size,
-            "max_position_embeddings": config.max_seq_len, "hidden_size": config.hidden,
-            "intermediate_size": config.ffn, "num_hidden_layers": config.layers,
-            "num_attention_heads": config.heads, "num_key_value_heads": config.kv_heads,
-            "head_dim": config.head_dim, "hidden_act": "silu", "rms_norm_eps": config.norm_eps,
-            "rope_theta": config.rope_theta, "tie_word_embeddings": config.tie_embeddings,
-            "attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias,
-            "attention_dropout": config.dropout, "initializer_range": config.init_std}
-    if qwen2:
-        del out["attention_bias"]
-    return out
+    """A transformers config.json dict for ``config``: ``config.to_hf()``, the one writer."""
+    return config.to_hf()
 
 
 def exact_param_count(raw: dict) -> int:

@@ -30,7 +30,7 @@ from megakit.interop.checkpoint_format import (
     manifest_config,
     read_manifest,
 )
-from megakit.interop.hf import hf_config, to_hf_state_dict
+from megakit.interop.hf import to_hf_state_dict
 
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
 
@@ -117,7 +117,7 @@ def _write(config, manifest: dict, reader: ShardReader, shards: list[list], tmp:
             total += v.numel() * v.element_size()
         del tensors
     dtype = manifest["params"]["embed.weight"]["dtype"]
-    (tmp / "config.json").write_text(json.dumps({**hf_config(config), "dtype": dtype}, indent=2))
+    (tmp / "config.json").write_text(json.dumps({**config.to_hf(), "dtype": dtype}, indent=2))
     if len(names) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -1,71 +1,73 @@
-"""The pipeline executor: runs this rank's action list of a schedule over torch.distributed P2P.
+"""The pipeline executor: runs this rank's instruction list of a schedule over torch.distributed P2P.
 
 One ``PipelineExecutor`` per rank holds that rank's model chunk(s) (one per virtual
 stage it owns: ``vpp`` of them when interleaved) and, for each optimizer step,
-walks its list from ``schedules`` — nothing else decides what runs when:
+walks its list from ``schedules`` — nothing else decides what runs when. Each
+instruction class has its handler (``PipelineExecutor._handlers``):
 
-- ``forward`` runs the chunk on the micro-batch's input (token ids on the first
+- ``Forward`` runs the chunk on the micro-batch's input (token ids on the first
   virtual stage, the received hidden state elsewhere) and keeps input and output
   for the backward; the last virtual stage is called with labels and returns the loss;
-- ``backward`` calls the pluggable ``backward(output, grad)``: ``grad`` is None on the
+- ``Backward`` calls the pluggable ``backward(output, grad)``: ``grad`` is None on the
   last virtual stage (``output`` is the micro-batch's loss) and the gradient from
   the next stage elsewhere. The default scales the loss by ``1 / micro_batches``
   (the step's loss is the mean over micro-batches), as DeepSpeed's
   ``engine.backward(loss)`` does with ``gradient_accumulation_steps = micro_batches``;
   a trainer routes it through DeepSpeed: last stage ``engine.backward(output)``,
   others ``engine.backward((output * grad).sum(), scale_wrt_gas=False)``;
-- P2P, ``p2p="async"`` (gloo's default): ``send_*`` posts ``isend`` and moves on
-  (the simulator's asynchronous-send model); ``recv_*`` waits for an ``irecv`` that
-  was posted a few actions ahead, so the transfer overlaps the compute before it.
+- P2P, ``p2p="async"`` (gloo's default): a send posts ``isend`` and moves on (the
+  simulator's asynchronous-send model); a receive waits for an ``irecv`` posted a
+  few instructions ahead, so the transfer overlaps the compute before it.
   ``p2p="batched"`` (NCCL's default, where a send waits for its receive): each run
-  of consecutive send/recv actions goes out as one ``batch_isend_irecv``, and the
+  of consecutive sends/receives goes out as one ``batch_isend_irecv``, and the
   executor refuses a schedule the simulator cannot prove deadlock-free that way
-  (megakit's GPipe, 1F1B and interleaved schedules all pass; interleaving does
-  thanks to its fused forward-backward pairs, see ``schedules.add_p2p``).
-  Activation messages carry P2P tag 0 and gradient messages tag 1; the simulator
-  proves the order is also right without tags (NCCL). No shape handshake is needed
-  when ``activation_shape`` is given (every boundary carries the same hidden
-  state); a gradient's shape is that of the activation this rank sent;
-- ``reduce_tied_grads`` all-reduces (sums) the gradients of parameters that the
-  first and last virtual stage both hold under one name (tied input/output
-  embeddings) over ``topo.embedding_group``; ``reduce_grads`` averages gradients
-  over ``topo.dp_group``; ``optimizer_step`` calls ``optimizer_step()`` if given.
+  (GPipe, 1F1B and interleaved all pass; interleaving thanks to its fused
+  forward-backward pairs, see ``schedules.add_p2p``). Activations carry P2P tag 0,
+  gradients tag 1; the simulator proves the order right without tags (NCCL) too.
+  No shape handshake is needed when ``activation_shape`` is given (every boundary
+  carries the same hidden state); a gradient's shape is that of the activation sent;
+- ``ReduceTiedGrads`` sums the gradients of the tied input/output embeddings of the
+  first and last virtual stage (``stage_grads``); ``ReduceGrads`` averages gradients
+  over ``topo.dp_group``; ``OptimizerStep`` calls ``optimizer_step()`` if given.
   A trainer using DeepSpeed replaces the last two (its engine reduces and steps).
 
 TP composes inside a stage (each TP rank talks to the same TP rank of the next
 stage; tensor-parallel collectives run inside the chunk) and DP across replicas
-(each replica is its own pipeline; gradients meet in ``reduce_grads``).
+(each replica is its own pipeline; gradients meet in ``ReduceGrads``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megakit.core.schedules import (
-    BACKWARD,
-    FORWARD,
-    RECV_ACT,
-    RECV_GRAD,
     RECVS,
-    REDUCE_GRADS,
-    REDUCE_TIED,
-    SEND_ACT,
-    SEND_GRAD,
     SENDS,
-    STEP,
+    Backward,
+    Forward,
+    Instruction,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
     Schedule,
+    SendActivation,
+    SendGrad,
 )
 from megakit.core.simulator import P2P_MODES, ScheduleError, simulate
 from megakit.errors import UsageError
+from megakit.nn import comm as C
+from megakit.nn import stage_grads
 
 __all__ = ["PipelineExecutor", "StepTimes", "activation_shape"]
-_TAG = {RECV_ACT: 0, SEND_ACT: 0, RECV_GRAD: 1, SEND_GRAD: 1}
+_TAG = {RecvActivation: 0, SendActivation: 0, RecvGrad: 1, SendGrad: 1}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +84,28 @@ class StepTimes:
     def bubble(self) -> float:
         """Fraction of the step this rank spent not computing (waiting, communicating, reducing)."""
         return 1.0 - (self.forward + self.backward) / self.total if self.total else 0.0
+
+
+@dataclass(kw_only=True)
+class _StepState:
+    """What one ``step`` builds up and consumes: made per step, so nothing leaks into the next."""
+
+    inputs: Sequence[torch.Tensor] | None
+    labels: Sequence[torch.Tensor] | None
+    sample_ids: Sequence[Sequence[int]] | None
+    recv_index: list[int]  # positions of the receives in the list, in order
+    next_recv: int = 0  # the first receive in recv_index not yet posted or taken
+    stash: dict = field(default_factory=dict)  # (mb, chunk) -> (input, output); ("grad", mb, chunk) -> input grad
+    received: dict = field(default_factory=dict)  # (recv class, mb, chunk) -> tensor
+    sent_shape: dict = field(default_factory=dict)  # (mb, chunk) -> shape of the activation sent
+    pending: list = field(default_factory=list)  # (tensor, work) of isends, waited for at the end of the step
+    posted: dict = field(default_factory=dict)  # list index -> (buffer, work) of irecvs posted ahead
+    local: dict = field(default_factory=lambda: {0: [], 1: []})  # messages to this same rank, by tag
+    losses: list = field(default_factory=list)
+    forward_time: float = 0.0
+    backward_time: float = 0.0
+    in_flight: int = 0
+    peak: int = 0
 
 
 class PipelineExecutor:
@@ -119,7 +143,7 @@ class PipelineExecutor:
         self.activation_shape = tuple(activation_shape) if activation_shape is not None else None
         self.dtype = activation_dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.reduce_grads_fn = reduce_grads or self._average_over_dp
+        self.reduce_grads_fn = reduce_grads or (lambda: stage_grads.average_over_dp(self.chunks, self.topo))
         self.optimizer_step_fn = optimizer_step
         self.broadcast_loss = broadcast_loss
         self.prefetch = prefetch
@@ -135,7 +159,12 @@ class PipelineExecutor:
                 raise UsageError(f"schedule {schedule.name} is not deadlock-free with batched (NCCL) P2P: {error}; "
                                  "use a schedule from schedules.build_schedule") from None
         self.last_times: StepTimes | None = None  # filled by every step()
-        self.tied = self._find_tied_parameters()
+        self._handlers = {RecvActivation: self._run_recv, RecvGrad: self._run_recv, Forward: self._run_forward,
+                          Backward: self._run_backward, SendActivation: self._run_send, SendGrad: self._run_send,
+                          ReduceTiedGrads: lambda st, index, a: self.reduce_tied_grads(),
+                          ReduceGrads: lambda st, index, a: self.reduce_grads_fn(),
+                          OptimizerStep: self._run_optimizer_step}  # what each instruction class runs
+        self.tied = stage_grads.find_tied_parameters(self.chunks, topo, virtual_stages=schedule.virtual_stages)
         self.sync_tied_weights()
 
     # -- virtual stages -------------------------------------------------------------------------
@@ -150,183 +179,163 @@ class PipelineExecutor:
     def holds_last(self) -> bool:
         return self.topo.pp_rank == self.schedule.pp - 1
 
-    # -- tied embeddings ------------------------------------------------------------------------
-    def _find_tied_parameters(self) -> list[tuple[nn.Parameter, ...]]:
-        """Parameters held under one name by the first and the last virtual stage (tied embeddings).
-
-        With PP > 1 they live on two ranks: names are exchanged once over the embedding group.
-        Returns, per tied name, this rank's copies (two when one rank holds both ends). The
-        last stage's copy gets ``ds_pipe_replicated = True``, the flag DeepSpeed's own
-        PipelineModule sets, so DeepSpeed's gradient norm (clipping) counts it once.
-        """
-        first = dict(self.chunks[0].named_parameters()) if self.holds_first else {}
-        last = dict(self.chunks[-1].named_parameters()) if self.holds_last else {}
-        if self.schedule.virtual_stages == 1:
-            return []
-        if self.topo.pp == 1:
-            tied = [(first[n], last[n]) for n in sorted(first.keys() & last.keys())]
-        elif not (self.holds_first or self.holds_last):
-            return []
-        else:
-            mine = sorted(first if self.holds_first else last)
-            gathered: list = [None, None]
-            dist.all_gather_object(gathered, mine, group=self.topo.embedding_group)
-            shared = sorted(set(gathered[0]) & set(gathered[1]))
-            own = first if self.holds_first else last
-            tied = [(own[n],) for n in shared]
-        for copies in tied:  # the last stage's copy: DeepSpeed's gradient norm must count it once, not twice
-            if self.holds_last and (len(copies) == 2 or not self.holds_first):
-                copies[-1].ds_pipe_replicated = True
-        return tied
-
-    @torch.no_grad()
+    # -- end of step: tied copies and DP replicas (megakit.nn.stage_grads) ------------------------
     def sync_tied_weights(self) -> None:
-        """Make both copies of each tied parameter equal to the first stage's (a broadcast over the embedding group)."""
-        for copies in self.tied:
-            if len(copies) == 2:
-                copies[1].copy_(copies[0])
-            else:
-                dist.broadcast(copies[0].data, src=self.topo.stage_rank(0), group=self.topo.embedding_group)
+        """Make both copies of each tied parameter equal to the first stage's."""
+        stage_grads.sync_tied_weights(self.tied, self.topo)
 
     def reduce_tied_grads(self) -> None:
-        """Sum the gradients of tied copies (embedding + LM head), so both copies step identically.
+        """Sum the gradients of tied copies (embedding + LM head), so both copies step identically."""
+        stage_grads.reduce_tied_grads(self.tied, self.topo)
 
-        Forward: nothing. Here (after the last backward): an all-reduce (sum) over
-        ``topo.embedding_group`` when the copies live on two ranks, a local sum otherwise.
-        """
-        for copies in self.tied:
-            for p in copies:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            if len(copies) == 2:
-                total = copies[0].grad + copies[1].grad
-                copies[0].grad.copy_(total)
-                copies[1].grad.copy_(total)
-            else:
-                dist.all_reduce(copies[0].grad, group=self.topo.embedding_group)
-
-    # -- defaults -------------------------------------------------------------------------------
     def _default_backward(self, output: torch.Tensor, grad: torch.Tensor | None) -> None:
         if grad is None:
             (output / self.schedule.micro_batches).backward()
         else:
             torch.autograd.backward(output, grad)
 
-    def _average_over_dp(self) -> None:
-        if self.topo.dp == 1:
-            return
-        grads = [p.grad for c in self.chunks for p in c.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.topo.dp_group)
-        flat /= self.topo.dp
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+    # -- P2P: each torch.distributed call in one small method ----------------------------------
+    def _isend(self, tensor: torch.Tensor, a: Instruction) -> C.Handle:
+        return C.isend(tensor, self.topo.stage_rank(a.peer), tag=_TAG[type(a)])
 
-    # -- P2P ------------------------------------------------------------------------------------
-    def _recv_shape(self, a) -> tuple[int, ...] | None:
-        if a.kind == RECV_GRAD:
-            return tuple(self._sent_shape[(a.micro_batch, a.chunk)]) if (a.micro_batch, a.chunk) in self._sent_shape else None
+    def _irecv(self, buf: torch.Tensor, a: Instruction) -> C.Handle:
+        return C.irecv(buf, self.topo.stage_rank(a.peer), tag=_TAG[type(a)])
+
+    def _recv_blocking(self, buf: torch.Tensor, a: Instruction) -> None:
+        C.recv(buf, self.topo.stage_rank(a.peer), tag=_TAG[type(a)])
+
+    def _message(self, tensor: torch.Tensor, a: Instruction) -> tuple[torch.Tensor, int, int]:
+        return tensor, self.topo.stage_rank(a.peer), _TAG[type(a)]
+
+    # -- receives and sends ---------------------------------------------------------------------
+    def _recv_shape(self, st: _StepState, a: Instruction) -> tuple[int, ...] | None:
+        if isinstance(a, RecvGrad):
+            return tuple(st.sent_shape[(a.micro_batch, a.chunk)]) if (a.micro_batch, a.chunk) in st.sent_shape else None
         return self.activation_shape
 
-    def _post_recvs(self, upto: int) -> None:
+    def _post_recvs(self, st: _StepState, upto: int) -> None:
         """Post irecvs, in list order, for the receives among the next few actions whose shapes are known."""
-        while self._next_recv < len(self._recv_index) and len(self._posted) < self.prefetch + 1:
-            index = self._recv_index[self._next_recv]
+        while st.next_recv < len(st.recv_index) and len(st.posted) < self.prefetch + 1:
+            index = st.recv_index[st.next_recv]
             if index > upto:
                 return
             a = self.actions[index]
-            shape = self._recv_shape(a)
+            shape = self._recv_shape(st, a)
             if shape is None or a.peer == self.topo.pp_rank:
                 return  # keep order: this one is posted (with a header) when it is reached
             buf = torch.empty(shape, dtype=self.dtype, device=self.device)
-            work = dist.irecv(buf, src=self.topo.stage_rank(a.peer), tag=_TAG[a.kind])
-            self._posted[index] = (buf, work)
-            self._next_recv += 1
+            st.posted[index] = (buf, self._irecv(buf, a))
+            st.next_recv += 1
 
-    def _recv(self, index: int, a) -> torch.Tensor:
-        self._post_recvs(index)
-        if index in self._posted:
-            buf, work = self._posted.pop(index)
+    def _recv(self, st: _StepState, index: int, a: Instruction) -> torch.Tensor:
+        self._post_recvs(st, index)
+        if index in st.posted:
+            buf, work = st.posted.pop(index)
             work.wait()
             return buf
-        assert self._recv_index[self._next_recv] == index, "receives must be taken in order"
-        self._next_recv += 1
+        assert st.recv_index[st.next_recv] == index, "receives must be taken in order"
+        st.next_recv += 1
         if a.peer == self.topo.pp_rank:  # PP = 1 with chunks: a hand-over inside this rank
-            return self._local[_TAG[a.kind]].pop(0)
-        assert a.kind == RECV_ACT, "a gradient's shape is that of the activation sent: always known"
-        src = self.topo.stage_rank(a.peer)
+            return st.local[_TAG[type(a)]].pop(0)
+        assert isinstance(a, RecvActivation), "a gradient's shape is that of the activation sent: always known"
         header = torch.zeros(9, dtype=torch.int64, device=self.device)
-        dist.recv(header, src=src, tag=_TAG[a.kind])
+        self._recv_blocking(header, a)
         buf = torch.empty(tuple(header[1:1 + int(header[0])].tolist()), dtype=self.dtype, device=self.device)
-        dist.recv(buf, src=src, tag=_TAG[a.kind])
+        self._recv_blocking(buf, a)
         return buf
 
-    def _outgoing(self, a) -> torch.Tensor:
-        """The tensor a send action carries: the forward's output, or the gradient of the forward's input."""
+    def _outgoing(self, st: _StepState, a: Instruction) -> torch.Tensor:
+        """The tensor a send carries: the forward's output, or the gradient of the forward's input."""
         key = (a.micro_batch, a.chunk)
-        if a.kind == SEND_ACT:
-            out = self._stash[key][1]
-            self._sent_shape[key] = out.shape
+        if isinstance(a, SendActivation):
+            out = st.stash[key][1]
+            st.sent_shape[key] = out.shape
             return out
-        grad = self._stash.pop(("grad", *key))
+        grad = st.stash.pop(("grad", *key))
         assert grad is not None, f"no input gradient for micro-batch {a.micro_batch} chunk {a.chunk}"
         return grad
 
-    def _run_batch(self, index: int) -> int:
-        """Batched mode: post the run of send/recv actions at ``index`` together and wait for all of them.
-
-        One ``batch_isend_irecv``: NCCL runs the batch's sends and receives
-        concurrently, so two stages sending to each other do not wait on each other.
-        Returns the index of the first action after the run.
-        """
-        ops, recvs, end = [], [], index
-        while end < len(self.actions) and self.actions[end].kind in SENDS + RECVS:
-            a = self.actions[end]
-            if a.peer == self.topo.pp_rank:  # a hand-over inside this rank
-                if a.kind in SENDS:
-                    self._send(a, self._outgoing(a))
-                else:
-                    recvs.append((a, self._local[_TAG[a.kind]].pop(0)))
-            elif a.kind in SENDS:
-                tensor = self._checked(a, self._outgoing(a))
-                ops.append(dist.P2POp(dist.isend, tensor, self.topo.stage_rank(a.peer), tag=_TAG[a.kind]))
-            else:
-                buf = torch.empty(self._recv_shape(a), dtype=self.dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, buf, self.topo.stage_rank(a.peer), tag=_TAG[a.kind]))
-                recvs.append((a, buf))
-            end += 1
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        for a, buf in recvs:
-            if a.kind == RECV_ACT:
-                buf.requires_grad_(True)
-            self._received[(a.kind, a.micro_batch, a.chunk)] = buf
-        return end
-
-    def _checked(self, a, tensor: torch.Tensor) -> torch.Tensor:
+    def _checked(self, a: Instruction, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach().to(self.dtype).contiguous()
-        if a.kind == SEND_ACT and self.activation_shape is not None and tuple(tensor.shape) != self.activation_shape:
+        if isinstance(a, SendActivation) and self.activation_shape is not None and tuple(tensor.shape) != self.activation_shape:
             raise UsageError(f"a stage produced an activation of shape {tuple(tensor.shape)} but activation_shape "
                              f"is {self.activation_shape}; pass the hidden-state shape the model sends")
         return tensor
 
-    def _send(self, a, tensor: torch.Tensor) -> None:
-        dst = self.topo.stage_rank(a.peer)
+    def _send(self, st: _StepState, a: Instruction, tensor: torch.Tensor) -> None:
         tensor = self._checked(a, tensor)
         if a.peer == self.topo.pp_rank:
-            self._local[_TAG[a.kind]].append(tensor.clone())
+            st.local[_TAG[type(a)]].append(tensor.clone())
             return
-        if a.kind == SEND_ACT and self.activation_shape is None:
+        if isinstance(a, SendActivation) and self.activation_shape is None:
             assert tensor.dim() <= 8, tensor.shape
             header = torch.tensor([tensor.dim(), *tensor.shape] + [0] * (8 - tensor.dim()), dtype=torch.int64,
                                   device=tensor.device)
-            self._pending.append((header, dist.isend(header, dst=dst, tag=_TAG[a.kind])))
-        self._pending.append((tensor, dist.isend(tensor, dst=dst, tag=_TAG[a.kind])))
+            st.pending.append((header, self._isend(header, a)))
+        st.pending.append((tensor, self._isend(tensor, a)))
+
+    def _run_batch(self, st: _StepState, index: int) -> int:
+        """Batched mode: post the run of sends/receives at ``index`` at once, wait for all; return the index after it."""
+        sends, receives, recvs, end = [], [], [], index
+        while end < len(self.actions) and isinstance(self.actions[end], SENDS + RECVS):
+            a = self.actions[end]
+            if a.peer == self.topo.pp_rank:  # a hand-over inside this rank
+                if isinstance(a, SENDS):
+                    self._send(st, a, self._outgoing(st, a))
+                else:
+                    recvs.append((a, st.local[_TAG[type(a)]].pop(0)))
+            elif isinstance(a, SENDS):
+                sends.append(self._message(self._checked(a, self._outgoing(st, a)), a))
+            else:
+                buf = torch.empty(self._recv_shape(st, a), dtype=self.dtype, device=self.device)
+                receives.append(self._message(buf, a))
+                recvs.append((a, buf))
+            end += 1
+        C.send_and_receive(sends, receives)  # NCCL runs them together: two stages sending to each other do not wait
+        for a, buf in recvs:
+            self._store_received(st, a, buf)
+        return end
+
+    # -- one instruction each -------------------------------------------------------------------
+    def _store_received(self, st: _StepState, a: Instruction, buf: torch.Tensor) -> None:
+        if isinstance(a, RecvActivation):
+            buf.requires_grad_(True)
+        st.received[(type(a), a.micro_batch, a.chunk)] = buf
+
+    def _run_recv(self, st: _StepState, index: int, a: Instruction) -> None:
+        self._store_received(st, a, self._recv(st, index, a))
+
+    def _run_send(self, st: _StepState, index: int, a: Instruction) -> None:
+        self._send(st, a, self._outgoing(st, a))
+
+    def _run_forward(self, st: _StepState, index: int, a: Instruction) -> None:
+        began = time.perf_counter()
+        key, vs = (a.micro_batch, a.chunk), self._vs(a.chunk)
+        x = st.inputs[a.micro_batch] if vs == 0 else st.received.pop((RecvActivation, *key))
+        rows = {} if st.sample_ids is None else {"sample_ids": st.sample_ids[a.micro_batch]}
+        if vs == self.schedule.virtual_stages - 1:
+            out = self.chunks[a.chunk](x, st.labels[a.micro_batch], **rows)
+            st.losses.append(out.detach())
+        else:
+            out = self.chunks[a.chunk](x, **rows)
+        st.stash[key] = (x, out)
+        st.in_flight += 1
+        st.peak = max(st.peak, st.in_flight)
+        st.forward_time += time.perf_counter() - began
+
+    def _run_backward(self, st: _StepState, index: int, a: Instruction) -> None:
+        began = time.perf_counter()
+        key = (a.micro_batch, a.chunk)
+        x, out = st.stash.pop(key)
+        st.in_flight -= 1
+        last = self._vs(a.chunk) == self.schedule.virtual_stages - 1
+        self.backward_fn(out, None if last else st.received.pop((RecvGrad, *key)))
+        st.stash[("grad", *key)] = x.grad if x.requires_grad else None
+        st.backward_time += time.perf_counter() - began
+
+    def _run_optimizer_step(self, st: _StepState, index: int, a: Instruction) -> None:
+        if self.optimizer_step_fn is not None:
+            self.optimizer_step_fn()
 
     # -- one step -------------------------------------------------------------------------------
     def step(self, inputs: Sequence[torch.Tensor] | None = None, labels: Sequence[torch.Tensor] | None = None,
@@ -345,82 +354,36 @@ class PipelineExecutor:
             if needed and (values is None or len(values) != m):
                 got = "none" if values is None else len(values)
                 raise UsageError(f"this stage needs {m} micro-batch {name} (one per micro-batch), got {got}")
-        self._stash: dict = {}
-        self._received: dict = {}
-        self._sent_shape: dict = {}
-        self._pending: list = []
-        self._posted: dict = {}
-        self._local: dict = {0: [], 1: []}  # messages to this same rank, by tag
-        self._recv_index = [i for i, a in enumerate(self.actions) if a.kind in RECVS]
-        self._next_recv = 0
-        losses = []
-        last_vs = self.schedule.virtual_stages - 1
-        spent = {FORWARD: 0.0, BACKWARD: 0.0}
-        in_flight = peak = 0
+        st = _StepState(inputs=inputs, labels=labels, sample_ids=sample_ids,
+                        recv_index=[i for i, a in enumerate(self.actions) if isinstance(a, RECVS)])
         start = time.perf_counter()
-        batched = self.p2p == "batched"
-        skip_to = 0
-        for index, a in enumerate(self.actions):
-            if index < skip_to:
-                continue  # already run as part of a batch
-            if batched and a.kind in SENDS + RECVS:
-                skip_to = self._run_batch(index)
+        batched, index = self.p2p == "batched", 0
+        while index < len(self.actions):
+            a = self.actions[index]
+            if batched and isinstance(a, SENDS + RECVS):
+                index = self._run_batch(st, index)
                 continue
             if not batched:
-                self._post_recvs(index + 4)
-            began = time.perf_counter()
-            key = (a.micro_batch, a.chunk)
-            if a.kind in RECVS:
-                buf = self._recv(index, a)
-                if a.kind == RECV_ACT:
-                    buf.requires_grad_(True)
-                self._received[(a.kind, *key)] = buf
-            elif a.kind == FORWARD:
-                vs = self._vs(a.chunk)
-                x = inputs[a.micro_batch] if vs == 0 else self._received.pop((RECV_ACT, *key))
-                rows = {} if sample_ids is None else {"sample_ids": sample_ids[a.micro_batch]}
-                if vs == last_vs:
-                    out = self.chunks[a.chunk](x, labels[a.micro_batch], **rows)
-                    losses.append(out.detach())
-                else:
-                    out = self.chunks[a.chunk](x, **rows)
-                self._stash[key] = (x, out)
-                in_flight += 1
-                peak = max(peak, in_flight)
-                spent[FORWARD] += time.perf_counter() - began
-            elif a.kind in SENDS:
-                self._send(a, self._outgoing(a))
-            elif a.kind == BACKWARD:
-                x, out = self._stash.pop(key)
-                in_flight -= 1
-                grad = None if self._vs(a.chunk) == last_vs else self._received.pop((RECV_GRAD, *key))
-                self.backward_fn(out, grad)
-                self._stash[("grad", *key)] = x.grad if x.requires_grad else None
-                spent[BACKWARD] += time.perf_counter() - began
-            elif a.kind == REDUCE_TIED:
-                self.reduce_tied_grads()
-            elif a.kind == REDUCE_GRADS:
-                self.reduce_grads_fn()
-            elif a.kind == STEP:
-                if self.optimizer_step_fn is not None:
-                    self.optimizer_step_fn()
-            else:
-                raise AssertionError(a)
-        for _, work in self._pending:
+                self._post_recvs(st, index + 4)
+            self._handlers[type(a)](st, index, a)
+            index += 1
+        for _, work in st.pending:
             work.wait()
-        assert not self._posted and not self._received, "schedule left messages unconsumed"
-        self._pending = []
-        self.last_times = StepTimes(forward=spent[FORWARD], backward=spent[BACKWARD],
-                                    total=time.perf_counter() - start, micro_batches=m, peak_in_flight=peak)
+        assert not st.posted and not st.received, "schedule left messages unconsumed"
+        self.last_times = StepTimes(forward=st.forward_time, backward=st.backward_time,
+                                    total=time.perf_counter() - start, micro_batches=m, peak_in_flight=st.peak)
+        return self._step_loss(st.losses)
+
+    def _step_loss(self, losses: list[torch.Tensor]) -> float | None:
         loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32, device=self.device)
         if not self.broadcast_loss:
             return float(loss) if losses else None
         loss = loss.detach().to(torch.float32).clone()
         if self.topo.dp > 1 and self.holds_last:  # the step's loss: the mean over DP replicas too
-            dist.all_reduce(loss, group=self.topo.dp_group)
+            C.all_reduce(loss, self.topo.dp_group)
             loss /= self.topo.dp
         if self.schedule.pp > 1:
-            dist.broadcast(loss, src=self.topo.stage_rank(self.schedule.pp - 1), group=self.topo.pp_group)
+            C.broadcast(loss, self.topo.stage_rank(self.schedule.pp - 1), self.topo.pp_group)
         return float(loss)
 
 

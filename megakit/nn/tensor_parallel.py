@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megakit.core.model_config import padded_vocab
 from megakit.nn import comm as C
 
 
@@ -224,14 +225,6 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             y = y + replicated(self.bias, self.group, self.sequence_parallel)
         return y
-
-
-def padded_vocab(vocab_size: int, tp: int) -> int:
-    """The vocab rounded up to a multiple of TP, so every rank holds the same number of rows.
-
-    Rows past ``vocab_size`` are zero, never looked up, and masked out of the loss and logits.
-    """
-    return -(-vocab_size // tp) * tp
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,14 +1,20 @@
-"""The DeepSpeed config a run uses: read, checked against the layout, adjusted for the pipeline.
+"""The DeepSpeed config a run uses: read, validated, checked against the layout, adjusted for the pipeline.
 
 The file stays DeepSpeed's own format (the presets in ``ds_configs/`` or what
-``megakit plan --emit-config`` wrote); megakit only fills in what depends on the
-layout (``train_batch_size = micro x accumulation x DP``) and refuses, in one
-sentence, what cannot work: ZeRO 2-3 with PP > 1, optimizers this DeepSpeed lacks,
+``megakit plan --emit-config`` wrote). It is validated completely before any process
+exists, because DeepSpeed would otherwise fail mid-start on every rank with a traceback
+(a misspelt ``optimiser`` ends in ``AttributeError: 'NoneType' object has no attribute
+...``): unknown keys get a "did you mean", wrong types and missing sections one line each,
+and the ZeRO section goes through DeepSpeed's own config model. megakit then fills in what
+depends on the layout (``train_batch_size = micro x accumulation x DP``) and refuses, in
+one sentence, what cannot work: ZeRO 2-3 with PP > 1, optimizers this DeepSpeed lacks,
 fp16 without a GPU.
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib
 import json
 from pathlib import Path
 
@@ -17,6 +23,89 @@ import torch
 from megakit.errors import UsageError
 
 MISSING_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
+POSITIVE_INTEGERS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                     "steps_per_print")
+SECTIONS = ("optimizer", "scheduler", "zero_optimization", "bf16", "fp16", "comms_logger", "activation_checkpointing",
+            "flops_profiler", "tensorboard", "wandb", "csv_monitor", "aio", "data_types")
+# where DeepSpeed names its config keys; their union is the set of keys it knows
+_KEY_MODULES = ("deepspeed.runtime.constants", "deepspeed.runtime.zero.constants", "deepspeed.comm.constants",
+                "deepspeed.profiling.constants", "deepspeed.autotuning.constants", "deepspeed.elasticity.constants",
+                "deepspeed.compression.constants", "deepspeed.runtime.data_pipeline.constants",
+                "deepspeed.nebula.constants", "deepspeed.runtime.swap_tensor.constants",
+                "deepspeed.checkpoint.constants", "deepspeed.runtime.activation_checkpointing.config")
+_MORE_KEYS = ("tensorboard", "wandb", "csv_monitor", "comet", "compile", "hybrid_engine", "weight_quantization",
+              "torch_autocast", "zenflow", "tensor_parallel", "timers", "data_types", "pipeline")
+
+
+def known_keys() -> set[str]:
+    """Every top-level key DeepSpeed reads (a superset: the constants name nested keys too)."""
+    keys = set(_MORE_KEYS + SECTIONS + POSITIVE_INTEGERS)
+    for name in _KEY_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        keys |= {v for k, v in vars(module).items() if k.isupper() and isinstance(v, str) and v.islower()}
+    return keys
+
+
+def _did_you_mean(key: str, known) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+    return f"did you mean {close[0]!r}?" if close else "remove it (DeepSpeed would ignore it)"
+
+
+def validate_ds_config(config: dict) -> None:
+    """UsageError naming the first problem: an unknown key, a wrong type, a missing section, a bad ZeRO field."""
+    known = known_keys()
+    for key in config:
+        if key not in known:
+            raise UsageError(f"the ds_config has an unknown key {key!r}; {_did_you_mean(key, known)}")
+    for key in POSITIVE_INTEGERS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UsageError(f"ds_config {key} must be a positive integer, got {value!r}")
+    clipping = config.get("gradient_clipping", 0.0)
+    if isinstance(clipping, bool) or not isinstance(clipping, (int, float)) or clipping < 0:
+        raise UsageError(f"ds_config gradient_clipping must be a number >= 0 (0: off), got {clipping!r}")
+    for key in SECTIONS:
+        if key in config and not isinstance(config[key], dict):
+            raise UsageError(f"ds_config {key} must be a JSON object, got {config[key]!r}")
+    optimizer = config.get("optimizer", {"type": "none"})
+    if not isinstance(optimizer.get("type"), str):
+        raise UsageError(f'ds_config optimizer needs a "type" such as "AdamW", got {optimizer.get("type")!r}')
+    if not isinstance(optimizer.get("params", {}), dict):
+        raise UsageError(f"ds_config optimizer.params must be a JSON object, got {optimizer['params']!r}")
+    for key in ("bf16", "fp16"):
+        enabled = config.get(key, {}).get("enabled", False)
+        if not isinstance(enabled, bool):
+            raise UsageError(f"ds_config {key}.enabled must be true or false, got {enabled!r}")
+    if "zero_optimization" in config:
+        _validate_zero(config["zero_optimization"])
+
+
+def require_optimizer(config: dict) -> None:
+    """The trainer lets DeepSpeed build the optimizer, so the ds_config must say which."""
+    if "optimizer" not in config:
+        raise UsageError('the ds_config has no "optimizer" section (megakit lets DeepSpeed build the optimizer); add '
+                         'one, e.g. "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}')
+
+
+def _validate_zero(section: dict) -> None:
+    """Through DeepSpeed's own model of the section (pydantic, unknown fields forbidden)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    try:
+        DeepSpeedZeroConfig(**section)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = "zero_optimization." + ".".join(str(part) for part in first["loc"])
+        if first["type"] == "extra_forbidden":
+            fields = set(DeepSpeedZeroConfig.model_fields)
+            fields |= {f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias}
+            raise UsageError(f"the ds_config has an unknown key {where!r}; "
+                             f"{_did_you_mean(str(first['loc'][-1]), fields)}") from None
+        raise UsageError(f"ds_config {where}: {first['msg'].lower()}, got {first.get('input')!r}") from None
 
 
 def read_ds_config(source: str | dict) -> dict:
@@ -38,6 +127,7 @@ def read_ds_config(source: str | dict) -> dict:
 def load_ds_config(source: str | dict, *, dp: int, pp: int) -> dict:
     """The ds_config as DeepSpeed will get it, checked against the layout (UsageError on any mistake)."""
     config = read_ds_config(source)
+    validate_ds_config(config)
     micro = config.get("train_micro_batch_size_per_gpu")
     accumulation = config.get("gradient_accumulation_steps", 1)
     total = config.get("train_batch_size")

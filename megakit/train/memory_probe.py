@@ -89,10 +89,8 @@ class _Census:
 class MemoryProbe:
     """Samples one rank's model-state and activation bytes during a few training steps."""
 
-    def __init__(self, engine, topo, *, plan, model: str, ds_config: dict, vpp: int = 1, recompute: str = "none",
-                 sequence_parallel: bool = False) -> None:
-        self.engine, self.topo, self.plan, self.model, self.ds_config = engine, topo, plan, model, ds_config
-        self.vpp, self.recompute, self.sequence_parallel = vpp, recompute, sequence_parallel and topo.tp > 1
+    def __init__(self, engine, topo, run) -> None:
+        self.engine, self.topo, self.run = engine, topo, run
         self.peak = {k: 0 for k in ITEMS + ("fp32_step_grads", "comm_buffers", "zero3_gather")}
         self.activation_peak = 0
         self._live: dict[int, list] = {}  # storage -> [bytes, references]
@@ -180,18 +178,17 @@ class MemoryProbe:
         from megakit.core.planner.model_spec import ModelSpec
         from megakit.interop.hf import exact_param_count
 
-        zero = self.ds_config.get("zero_optimization", {})
-        precision = "bf16" if self.ds_config.get("bf16", {}).get("enabled") else \
-            "fp16" if self.ds_config.get("fp16", {}).get("enabled") else "fp32"
-        spec = ModelSpec.from_config(self.model, count_params=exact_param_count)
-        spec = self.spec = spec.with_overrides(seq_len=self.plan.seq_len)
+        run, plan = self.run, self.run.batch
+        zero = run.ds_config.get("zero_optimization", {})
+        spec = ModelSpec.from_config(run.cfg.model, count_params=exact_param_count)
+        spec = self.spec = spec.with_overrides(seq_len=plan.seq_len)
         buckets = Buckets(reduce_bucket=int(zero.get("reduce_bucket_size", 5e8)),
                           allgather_bucket=int(zero.get("allgather_bucket_size", 5e8)))
-        return estimate_memory(spec, tp=self.topo.tp, pp=self.topo.pp, dp=self.topo.dp, zero_stage=int(zero.get("stage", 0)),
-                               micro_batch=self.plan.micro_batch, seq_len=self.plan.seq_len,
-                               num_micro_batches=self.plan.accumulation, precision=precision, stage=self.topo.pp_rank,
-                               layers=self._layers(), vpp=self.vpp, flash_attention=True, buckets=buckets,
-                               recompute=self.recompute, sequence_parallel=self.sequence_parallel)
+        return estimate_memory(spec, tp=self.topo.tp, pp=self.topo.pp, dp=self.topo.dp, zero_stage=run.zero_stage,
+                               micro_batch=plan.micro_batch, seq_len=plan.seq_len,
+                               num_micro_batches=plan.accumulation, precision=run.precision, stage=self.topo.pp_rank,
+                               layers=self._layers(), vpp=run.cfg.vpp, flash_attention=True, buckets=buckets,
+                               recompute=run.cfg.recompute, sequence_parallel=run.sequence_parallel)
 
     def _layers(self) -> int:
         module = self.engine.module
@@ -215,9 +212,8 @@ class MemoryProbe:
             # logits shard, which it calls transient (not saved for backward): leave that part out.
             logits_shard = 0.0
             if est.items["logits"]:
-                bytes_per = 4 if not (self.ds_config.get("bf16", {}).get("enabled")
-                                      or self.ds_config.get("fp16", {}).get("enabled")) else 2
-                logits_shard = (self.plan.seq_len * self.plan.micro_batch * bytes_per
+                bytes_per = 4 if self.run.precision == "fp32" else 2
+                logits_shard = (self.run.batch.seq_len * self.run.batch.micro_batch * bytes_per
                                 * self.spec.padded_vocab(self.topo.tp) // self.topo.tp)
             predicted["activations"] = float(est.items["activations"] + est.items["logits"] - logits_shard)
         return {"rank": self.topo.rank, "tp": self.topo.tp_rank, "pp": self.topo.pp_rank, "dp": self.topo.dp_rank,

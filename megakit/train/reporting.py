@@ -45,13 +45,14 @@ def start_profiler(directory: str | None, *, steps: int, rank: int):
 class Reporter:
     """Rank 0's progress bar, per-step log lines, TensorBoard events and metrics file."""
 
-    def __init__(self, cfg, topo, *, start: int = 0) -> None:
+    def __init__(self, run, topo) -> None:
+        cfg, start = run.cfg, run.start_step
         self.cfg, self.active = cfg, topo.rank == 0
         self.bar = self.writer = None
         if not self.active:
             return
         chunks = f" (x {cfg.vpp} chunks)" if cfg.vpp > 1 else ""
-        options = "".join([", sequence parallel" if cfg.sequence_parallel and topo.tp > 1 else "",
+        options = "".join([", sequence parallel" if run.sequence_parallel else "",
                            f", {cfg.recompute} recompute" if cfg.recompute != "none" else "",
                            f", resuming {cfg.load} at step {start}" if start else ""])
         print(f"megakit: training {cfg.model} on {dist.get_world_size()} process(es): TP {topo.tp} x PP {topo.pp}{chunks} "

@@ -44,58 +44,13 @@ import torch.distributed as dist
 
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_checkpoint
-from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches, load_tokens
-from megakit.train.ds_config import load_ds_config
 from megakit.nn import comm
+from megakit.train.data import TokenBatches, load_tokens
+from megakit.train.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops
 from megakit.train.reporting import Reporter, start_profiler
-from megakit.train.resume import check_checkpoint_flags, resume_schedule, save_weights
-
-RECOMPUTE = ("none", "full")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """One training run. ``ds_config``: a path or an already-loaded dict."""
-
-    ds_config: str | dict
-    model: str = "gpt-mini"
-    data: str | None = None
-    steps: int = 200
-    tp: int = 1
-    pp: int = 1
-    seq_len: int | None = None
-    seed: int = 0
-    vpp: int = 1
-    schedule: str | None = None  # default: "interleaved" with vpp > 1, else "1f1b"
-    tensorboard: str | None = None
-    profile: str | None = None
-    verify_memory: bool = False
-    metrics_out: str | None = None
-    log_every: int = 1
-    progress: bool = True
-    stall_timeout_s: float = 60.0
-    collective_timeout_s: float = 300.0
-    max_bytes: int = DEFAULT_MAX_BYTES
-    recompute: str = "none"  # "full": keep only each block's input, recompute the rest in backward
-    sequence_parallel: bool = False  # split norms/dropout/residual over TP along the sequence (no-op at TP 1)
-    save: str | None = None  # checkpoint directory, written at the end (and every save_every steps)
-    save_every: int = 0
-    load: str | None = None  # checkpoint to start from: weights and step count (not the optimizer state)
-    allow_cross_node_tp: bool = False  # run a TP group that spans nodes (with a warning) instead of refusing it
-
-    def __post_init__(self) -> None:
-        if self.recompute not in RECOMPUTE:
-            raise UsageError(f"--recompute {self.recompute} is not one of {', '.join(RECOMPUTE)}; megakit recomputes "
-                             "whole blocks (full) or nothing (none)")
-        if self.save_every < 0 or (self.save_every and not self.save):
-            raise UsageError(f"--save-every {self.save_every} needs --save DIR and a count of at least 1")
-        if self.steps < 1:
-            raise UsageError(f"--steps must be at least 1, got {self.steps}")
-        if self.log_every < 1:
-            raise UsageError(f"--log-every must be at least 1, got {self.log_every}")
-        if self.vpp > 1 and self.pp == 1:
-            raise UsageError(f"--vpp {self.vpp} splits each pipeline stage into chunks, so it needs --pp > 1")
+from megakit.train.resume import resume_schedule, save_weights
+from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
 
 
 class TrainingDiverged(RuntimeError):
@@ -162,24 +117,20 @@ def _describe(topo, rank: int) -> str:
 
 def train(cfg: TrainConfig) -> TrainResult:
     """Run ``cfg.steps`` optimizer steps on the job the launcher started; returns the metrics."""
-    from megakit.core.layout import Layout
-    from megakit.nn.model import ModelConfig
     from megakit.nn.topology import Topology, init_distributed
 
     try:  # user mistakes fail here, before any process group exists, alike on every rank
-        world = int(os.environ.get("WORLD_SIZE", 1))  # what the launcher started (1 without one)
-        load_ds_config(cfg.ds_config, dp=Layout.for_world(world, tp=cfg.tp, pp=cfg.pp).dp, pp=cfg.pp)
-        start = _check_layout_and_checkpoints(cfg, ModelConfig.load(cfg.model))
+        run = resolve(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # what the launcher started (1 without one)
         tokens = load_tokens(cfg.data, max_bytes=cfg.max_bytes)
     except UsageError as error:
         raise everywhere(error)
     init_distributed(timeout_s=cfg.collective_timeout_s)
-    _check_placement(cfg, Layout.for_world(dist.get_world_size(), tp=cfg.tp, pp=cfg.pp))
-    topo = Topology.from_world(tp=cfg.tp, pp=cfg.pp, timeout_s=cfg.collective_timeout_s)
+    _check_placement(cfg, run.layout)
+    topo = Topology(run.layout, timeout_s=cfg.collective_timeout_s)
     _seed_default_generators(cfg.seed, topo)
     watchdog = _start_watchdog(cfg, topo)
     try:
-        result = _train(cfg, topo, watchdog, tokens, start)
+        result = _train(run, topo, watchdog, tokens)
     except (UsageError, TrainingDiverged):
         watchdog.stop(done=True)
         raise
@@ -230,22 +181,6 @@ def everywhere(error: UsageError) -> UsageError:
     return error
 
 
-def _check_layout_and_checkpoints(cfg: TrainConfig, config) -> int:
-    """The checks every rank makes alike before the job starts; returns the step to start from.
-
-    Sequence parallelism splits the sequence over TP, so it must divide; the model would
-    find out only on the first stage, with later stages already waiting for its activations.
-    """
-    from megakit.core.model_config import check_seq_len
-
-    seq_len = cfg.seq_len or config.max_seq_len
-    check_seq_len(config, seq_len)
-    if cfg.sequence_parallel and cfg.tp > 1 and seq_len % cfg.tp:
-        raise UsageError(f"sequence length {seq_len} is not divisible by TP {cfg.tp}; sequence parallelism "
-                         "needs it to be (change --seq-len or drop --sequence-parallel)")
-    return check_checkpoint_flags(save=cfg.save, load=cfg.load, steps=cfg.steps)
-
-
 def _start_watchdog(cfg: TrainConfig, topo):
     from megakit.train.faults import Watchdog, connect_store
 
@@ -258,18 +193,16 @@ def _start_watchdog(cfg: TrainConfig, topo):
                     describe=lambda r: _describe(topo, r), store=store).start()
 
 
-def _build(cfg: TrainConfig, topo, ds_config: dict):
+def _build(run: Run, topo):
     """This rank's stage model wrapped in a DeepSpeed engine (and the ZeRO-0 clipper when needed)."""
     import deepspeed
 
-    from megakit.nn.model import ModelConfig, build_stage_chunks
+    from megakit.nn.model import build_stage_chunks
 
-    config = ModelConfig.load(cfg.model)
-    if config.vocab_size < 256:
-        raise UsageError(f"model {cfg.model} has a vocabulary of {config.vocab_size}; byte-level training needs 256")
-    chunks = build_stage_chunks(config, topo, vpp=cfg.vpp, seed=cfg.seed, device=_device(),  # this rank's shard only
-                                sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute == "full")
-    if topo.pp > 1 and topo.is_last_stage and config.tie_embeddings:
+    cfg, ds_config = run.cfg, run.ds_config
+    chunks = build_stage_chunks(run.model, topo, vpp=cfg.vpp, seed=cfg.seed, device=_device(),  # this rank's shard
+                                sequence_parallel=run.sequence_parallel, recompute=cfg.recompute == "full")
+    if topo.pp > 1 and topo.is_last_stage and run.model.tie_embeddings:
         chunks[-1].embed.weight.ds_pipe_replicated = True  # the first stage's copy counts in the norm
     stage = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # interleaved: one engine, all chunks
     if cfg.load:  # before deepspeed.initialize: the engine copies its master weights from the model
@@ -277,10 +210,8 @@ def _build(cfg: TrainConfig, topo, ds_config: dict):
             load_checkpoint(cfg.load, stage, topo)
         except UsageError as error:
             raise everywhere(error)  # load_checkpoint raises on every rank when any rank fails
-    zero = int(ds_config.get("zero_optimization", {}).get("stage", 0))
-    mixed = ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled")
     clipper = None
-    if zero == 0 and not mixed:
+    if run.zero_stage == 0 and run.precision == "fp32":
         clipper = _Zero0Clipper(stage.parameters(), topo, float(ds_config.get("gradient_clipping", 0.0)))
         ds_config = {**ds_config, "gradient_clipping": 0.0}
     engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=stage.parameters(), mpu=topo,
@@ -288,7 +219,7 @@ def _build(cfg: TrainConfig, topo, ds_config: dict):
     _unlink_shared_memory()
     if clipper is not None:
         optimizer.register_step_pre_hook(clipper)
-    return config, engine, clipper
+    return engine, clipper
 
 
 def _unlink_shared_memory() -> None:
@@ -311,18 +242,15 @@ def _unlink_shared_memory() -> None:
             os.remove(path)
 
 
-def _train(cfg: TrainConfig, topo, watchdog, tokens: torch.Tensor, start: int) -> TrainResult:
+def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     # DeepSpeed 0.19.8 calls collectives torch 2.13 renamed; the warning repeats every step
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    ds_config = load_ds_config(cfg.ds_config, dp=topo.dp, pp=topo.pp)
-    config, engine, clipper = _build(cfg, topo, ds_config)
+    cfg, plan, start = run.cfg, run.batch, run.start_step
+    engine, clipper = _build(run, topo)
     resume_schedule(engine, start)
-    seq_len = cfg.seq_len or config.max_seq_len
-    plan = BatchPlan(seq_len=seq_len, micro_batch=engine.train_micro_batch_size_per_gpu(),
-                     accumulation=engine.gradient_accumulation_steps(), dp=topo.dp, seed=cfg.seed)
     batches = TokenBatches(tokens, plan)
-    run_step = _pipeline_step(cfg, topo, engine, plan, config, ds_config) if topo.pp > 1 else _plain_step(engine)
+    run_step = _pipeline_step(run, topo, engine) if topo.pp > 1 else _plain_step(engine)
     device = _device() or torch.device("cpu")
 
     from megakit.nn.model import model_flops_per_token
@@ -331,11 +259,10 @@ def _train(cfg: TrainConfig, topo, watchdog, tokens: torch.Tensor, start: int) -
     if cfg.verify_memory:
         from megakit.train.memory_probe import MemoryProbe
 
-        probe = MemoryProbe(engine, topo, plan=plan, model=cfg.model, ds_config=ds_config, vpp=cfg.vpp,
-                            recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel)
-    reporter = Reporter(cfg, topo, start=start)
+        probe = MemoryProbe(engine, topo, run)
+    reporter = Reporter(run, topo)
     result = TrainResult()
-    flops_per_step = model_flops_per_token(config, seq_len) * plan.global_batch * seq_len
+    flops_per_step = model_flops_per_token(run.model, plan.seq_len) * plan.global_batch * plan.seq_len
     peak = gpu_peak_tflops()
     communication = StepCommunication(sync_cuda=torch.cuda.is_available())
     profiler = start_profiler(cfg.profile, steps=cfg.steps - start, rank=topo.rank)
@@ -360,7 +287,7 @@ def _train(cfg: TrainConfig, topo, watchdog, tokens: torch.Tensor, start: int) -
         if profiler is not None:
             profiler.step()
         metrics = StepMetrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds,
-                              samples=plan.global_batch, tokens=plan.global_batch * seq_len, flops=flops_per_step,
+                              samples=plan.global_batch, tokens=plan.global_batch * plan.seq_len, flops=flops_per_step,
                               comm_seconds=comm_seconds, comm_calls=comm_calls, world_size=dist.get_world_size(),
                               peak_tflops=peak)
         result.steps.append(metrics)
@@ -368,7 +295,7 @@ def _train(cfg: TrainConfig, topo, watchdog, tokens: torch.Tensor, start: int) -
         done = step + 1
         if cfg.save and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
             try:
-                save_weights(cfg.save, engine, topo, config, step=done, extra={"loss": loss, "seed": cfg.seed})
+                save_weights(cfg.save, engine, topo, run.model, step=done, extra={"loss": loss, "seed": cfg.seed})
             except UsageError as error:
                 raise everywhere(error)  # save_checkpoint raises on every rank when any rank fails
     if profiler is not None:
@@ -400,13 +327,12 @@ def _device() -> torch.device | None:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
-def _pipeline_step(cfg: TrainConfig, topo, engine, plan: BatchPlan, config, ds_config: dict):
+def _pipeline_step(run: Run, topo, engine):
     """PP > 1: one 1F1B (or chosen) schedule per step; DeepSpeed does backward scaling, DP reduction and step."""
     from megakit.core.schedules import build_schedule
     from megakit.nn.pipeline import PipelineExecutor, activation_shape
 
-    dtype = (torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else
-             torch.float16 if ds_config.get("fp16", {}).get("enabled") else torch.float32)  # what stages exchange
+    plan, vpp = run.batch, run.cfg.vpp
 
     def backward(output, grad):
         if grad is None:
@@ -414,21 +340,20 @@ def _pipeline_step(cfg: TrainConfig, topo, engine, plan: BatchPlan, config, ds_c
         else:
             engine.backward((output * grad).sum(), scale_wrt_gas=False)
 
-    name = cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b")
-    chunks = [engine] if cfg.vpp == 1 else list(engine.module)  # DeepSpeed needs no forward hooks at ZeRO 0-1
-    executor = PipelineExecutor(chunks, topo, schedule=build_schedule(name, topo.pp, plan.accumulation, cfg.vpp),
+    chunks = [engine] if vpp == 1 else list(engine.module)  # DeepSpeed needs no forward hooks at ZeRO 0-1
+    executor = PipelineExecutor(chunks, topo, schedule=build_schedule(run.schedule, topo.pp, plan.accumulation, vpp),
                                 backward=backward, activation_shape=activation_shape(
-                                    config, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len, tp=topo.tp,
-                                    sequence_parallel=cfg.sequence_parallel and topo.tp > 1),
-                                activation_dtype=dtype, device=_device(),
+                                    run.model, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len, tp=topo.tp,
+                                    sequence_parallel=run.sequence_parallel),
+                                activation_dtype=run.dtype, device=_device(),  # stages exchange the weights' type
                                 reduce_grads=lambda: None, optimizer_step=engine.step, broadcast_loss=True)
 
-    def run(micro_batches) -> torch.Tensor:
+    def step(micro_batches) -> torch.Tensor:
         inputs = [x for x, _, _ in micro_batches] if topo.is_first_stage else None
         labels = [y for _, y, _ in micro_batches] if topo.is_last_stage else None
         return torch.tensor(executor.step(inputs, labels, sample_ids=[rows for _, _, rows in micro_batches]))
 
-    return run
+    return step
 
 
 def _check_finite(topo, step: int, loss: torch.Tensor, grads_finite: bool) -> float:

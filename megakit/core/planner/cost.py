@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megakit.core.model_config import recompute_flops
 from megakit.core.planner.hardware import Cluster
 from megakit.core.planner.memory import (
     PRECISIONS,
@@ -71,30 +72,13 @@ class Cost:
 
 def flops_per_token(model: ModelSpec, seq_len: int, *, recompute: str = "none", flash_attention: bool = False,
                     hardware: bool = True) -> float:
-    """Training FLOPs per token: 3 × forward (Megatron's Eq. 3 counting, full s×s attention), plus the
-    recomputed forward ('full'), the recomputed core attention ('selective') or flash attention's
-    recomputed scores, when ``hardware``."""
-    per_layer_fwd, attn_fwd = _layer_flops(model, seq_len)
-    head_fwd = 2 * model.hidden * model.vocab
-    total = 3 * (model.layers * per_layer_fwd + head_fwd)
-    if hardware:
-        total += model.layers * _recompute_extra(per_layer_fwd, attn_fwd, recompute, flash_attention)
-    return total
-
-
-def _layer_flops(model: ModelSpec, seq_len: int, tp: int = 1) -> tuple[float, float]:
-    """(forward FLOPs per token of one block on one TP rank, of which core attention)."""
-    sharded, _ = model.layer_params(tp)
-    attn = 4 * seq_len * model.hidden / tp
-    return 2 * sharded + attn, attn
-
-
-def _recompute_extra(per_layer_fwd: float, attn_fwd: float, recompute: str, flash: bool) -> float:
-    if recompute == "full":
-        return per_layer_fwd + (attn_fwd / 2 if flash else 0)
-    if recompute == "selective" and not flash:
-        return attn_fwd
-    return attn_fwd / 2 if flash else 0.0
+    """Training FLOPs per token (``ModelConfig.flops_per_token``, Megatron's Eq. 3 convention): 3 × forward,
+    plus, when ``hardware``, the recomputed forward ('full'), the recomputed core attention ('selective')
+    or flash attention's recomputed scores."""
+    if not hardware:
+        recompute, flash_attention = "none", False
+    return model.config.flops_per_token(seq_len, convention="megatron", recompute=recompute,
+                                        flash_attention=flash_attention)
 
 
 def overlapped(compute_s: float, comm_s: float) -> float:
@@ -134,9 +118,9 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     tokens = b * s
 
     # ---- one block, one micro-batch, forward + backward (+ recompute) on one GPU --------
-    per_layer_fwd, attn_fwd = _layer_flops(model, s, t)
-    layer_flops = tokens * (3 * per_layer_fwd + _recompute_extra(per_layer_fwd, attn_fwd, plan.recompute,
-                                                                   plan.flash_attention))
+    per_layer_fwd, attn_fwd = model.config.block_flops(s, t, convention="megatron")
+    layer_flops = tokens * (3 * per_layer_fwd + recompute_flops(per_layer_fwd, attn_fwd, plan.recompute,
+                                                                  plan.flash_attention))
     smallest = min(tokens, model.hidden, model.heads // t * model.head_dim, model.ffn // t)
     gemm_s = layer_flops / (peak * gemm_efficiency(smallest))
     saved = sum(x.bytes(seq_len=s, micro_batch=b)

@@ -160,7 +160,7 @@ def stage_layer_counts(model: ModelSpec, pp: int, vpp: int = 1) -> tuple[int, ..
     """Blocks on each PP rank as the trainer splits them: ``partition_layers`` balanced by parameters
     (embedding on the first stage, head on the last), a rank holding its ``vpp`` chunks.
     Cached: the dynamic programme costs ~10 ms for 100 layers, the search asks thousands of times."""
-    ranges = partition_layers(model.to_model_config(), pp, vpp)
+    ranges = partition_layers(model.config, pp, vpp)
     return tuple(sum(len(ranges[chunk * pp + rank]) for chunk in range(vpp)) for rank in range(pp))
 
 

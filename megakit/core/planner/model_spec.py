@@ -1,6 +1,10 @@
-"""ModelSpec: the shape of a decoder-only transformer, as the planner needs it.
+"""ModelSpec: the planner's scenario -- a ``ModelConfig`` plus what planning adds to it.
 
-Three ways in, all ending in the same frozen dataclass:
+The shape (validation, parameter counts, padded vocab, FLOPs, the HF config.json) is the
+``ModelConfig``'s, the same object megakit's model reads; a ModelSpec adds the training
+sequence length, a name, the exact parameter count when known and the one-line
+``assumed`` text, and reads the shape under the planner's names (``vocab``,
+``max_positions``, ``layers``, ...). Three ways in:
 
 * ``ModelSpec.from_params("175B")`` picks the nearest shape from ``KNOWN_SHAPES``
   (GPT-3 and Megatron-LM table sizes, Llama friends) and, when the requested
@@ -8,13 +12,11 @@ Three ways in, all ending in the same frozen dataclass:
   nearest one. ``spec.assumed`` says which entry was used and how.
 * ``ModelSpec.from_config(path_or_preset)`` reads a Hugging Face ``config.json``
   (GPT-2, Llama, Mistral, Qwen2-style incl. grouped-query attention) or a preset
-  name from ``models/``; the exact parameter count comes from a function passed in
-  (``megakit.interop.hf.exact_param_count`` builds the transformers model on the meta
-  device), since the core imports no torch.
-* ``ModelSpec(...)`` directly (tests, the calibration rows).
-
-Parameter counts per layer are split into the part tensor parallelism shards
-and the part it replicates, because per-GPU memory depends on both.
+  name from ``models/`` through ``ModelConfig.load``; the exact parameter count comes
+  from a function passed in (``megakit.interop.hf.exact_param_count`` builds the
+  transformers model on the meta device), since the core imports no torch.
+* ``ModelSpec(config=..., name=..., seq_len=...)``, or with the shape as keywords under the
+  planner's names instead of ``config`` (tests, the calibration rows).
 """
 
 from __future__ import annotations
@@ -47,105 +49,105 @@ def parse_count(text: str, *, what: str = "--params", minimum: float = 1.0) -> f
     return value
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    """A decoder-only transformer. ``family`` is 'gpt2' (LayerNorm, biases, GELU MLP,
-    learned positions) or 'llama' (RMSNorm, no biases, SwiGLU MLP, rotary, GQA)."""
+class _Shape:
+    """A ModelSpec attribute that is its ModelConfig's field (``vocab`` is ``vocab_size``, ...)."""
 
+    def __init__(self, field: str | None = None):
+        self.field = field
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.field = self.field or name
+
+    def __get__(self, spec, owner=None):
+        return self if spec is None else getattr(spec.config, self.field)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class ModelSpec:
+    """A ``ModelConfig`` as the planner plans it. ``family`` is 'gpt2' (LayerNorm, biases, GELU MLP,
+    learned positions) or 'llama' (RMSNorm, no biases unless the config sets them, SwiGLU, rotary, GQA)."""
+
+    config: ModelConfig
     name: str
-    family: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    seq_len: int
-    max_positions: int
-    tie_embeddings: bool
-    qkv_bias: bool = False
-    out_bias: bool = False  # llama-style attention_bias also biases o_proj
-    mlp_bias: bool = False
-    head_dim: int = 0  # 0: hidden // heads (configs such as Qwen3's set it independently)
-    dropout: float = 0.0
+    seq_len: int  # the training sequence length planned for
     exact_params: int | None = None  # from the meta-device model, when known
     assumed: str = ""  # one line: where this shape came from
 
-    def __post_init__(self):
-        if self.family not in ("gpt2", "llama"):
-            raise UsageError(f"model family {self.family!r} is not supported; use a GPT-2 or Llama-style config")
-        for field in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len"):
-            if int(getattr(self, field)) < 1:
-                raise UsageError(f"model {field} must be a positive integer, got {getattr(self, field)!r}")
-        if not self.head_dim:
-            if self.hidden % self.heads:
-                raise UsageError(f"hidden size {self.hidden} is not a multiple of the {self.heads} heads; "
-                                 "fix the config or set head_dim")
-            object.__setattr__(self, "head_dim", self.hidden // self.heads)
-        if self.heads % self.kv_heads:
-            raise UsageError(f"{self.heads} heads are not a multiple of {self.kv_heads} key/value heads; fix the config")
+    family = _Shape()
+    layers = _Shape()
+    hidden = _Shape()
+    heads = _Shape()
+    kv_heads = _Shape()
+    ffn = _Shape()
+    vocab = _Shape("vocab_size")
+    max_positions = _Shape("max_seq_len")
+    tie_embeddings = _Shape()
+    qkv_bias = _Shape()
+    out_bias = _Shape()  # llama-style attention_bias also biases o_proj
+    mlp_bias = _Shape()
+    head_dim = _Shape()
+    dropout = _Shape()
+    norm_eps = _Shape()
+    rope_theta = _Shape()
+    init_std = _Shape()
 
-    # ---- the model code's view ----------------------------------------------------------
+    def __init__(self, *, name: str, seq_len: int, config: ModelConfig | None = None, exact_params: int | None = None,
+                 assumed: str = "", **shape):
+        """``shape``: ModelConfig fields under the planner's names (``vocab``, ``max_positions``, ...):
+        the whole shape without ``config``, else changes to it (so ``dataclasses.replace(spec, layers=8)``
+        works). Biases default by family: GPT-2 has them all, Llama none."""
+        unknown = sorted(set(shape) - set(_SHAPE_FIELDS))
+        if unknown:
+            raise TypeError(f"ModelSpec got unexpected keyword arguments {', '.join(unknown)}")
+        fields = {_SHAPE_FIELDS[k]: v for k, v in shape.items()}
+        if config is None:
+            gpt2 = fields.get("family") == "gpt2"
+            for bias in ("qkv_bias", "out_bias", "mlp_bias"):
+                fields.setdefault(bias, gpt2)
+            config = ModelConfig(**fields)
+        elif fields:
+            config = config.replace(**fields)
+        if int(seq_len) < 1:
+            raise UsageError(f"model seq_len must be a positive integer, got {seq_len!r}")
+        for key, value in (("config", config), ("name", name), ("seq_len", seq_len), ("exact_params", exact_params),
+                           ("assumed", assumed)):
+            object.__setattr__(self, key, value)
+
     def to_model_config(self) -> ModelConfig:
-        """The same shape as megakit's model reads it (one rule for TP, partition and counts)."""
-        gpt2 = self.family == "gpt2"
-        return ModelConfig(family=self.family, vocab_size=self.vocab, max_seq_len=self.max_positions,
-                           hidden=self.hidden, layers=self.layers, heads=self.heads, kv_heads=self.kv_heads,
-                           ffn=self.ffn, tie_embeddings=self.tie_embeddings, dropout=self.dropout,
-                           head_dim=self.head_dim, qkv_bias=gpt2 or self.qkv_bias, out_bias=gpt2 or self.out_bias,
-                           mlp_bias=gpt2 or self.mlp_bias)
+        """The shape as megakit's model reads it (the same object: one rule for TP, partition and counts)."""
+        return self.config
 
     def check_tp(self, tp: int) -> None:
         """UsageError unless megakit's model can shard this model ``tp`` ways (``ModelConfig.check_tp``:
         TP divides heads, KV heads, hidden and FFN; KV heads are never replicated)."""
-        self.to_model_config().check_tp(tp)
+        self.config.check_tp(tp)
 
     def tp_ok(self, tp: int) -> bool:
-        try:
-            self.check_tp(tp)
-        except UsageError:
-            return False
-        return True
+        return not self.config.tp_conflicts(tp)
 
-    # ---- shapes -------------------------------------------------------------------------
-
+    # ---- shapes and parameter counts: the ModelConfig's ----------------------------------
     @property
     def gated_mlp(self) -> bool:
-        return self.family == "llama"
+        return self.config.gated_mlp
 
     def kv_heads_per_rank(self, tp: int) -> int:
-        """Key/value heads a TP rank holds: split when they divide, else one replicated head."""
-        return max(self.kv_heads // tp, 1)
+        return self.config.kv_heads_per_rank(tp)
 
     def padded_vocab(self, tp: int) -> int:
-        """Vocabulary rows after padding to a multiple of TP (vocab-parallel embedding)."""
-        return -(-self.vocab // tp) * tp
+        return self.config.padded_vocab(tp)
 
-    # ---- parameter counts ---------------------------------------------------------------
     def layer_params(self, tp: int = 1) -> tuple[int, int]:
         """(params this TP rank holds that TP shards, params every TP rank replicates) of one block."""
-        h, f, hd = self.hidden, self.ffn, self.head_dim
-        q = self.heads // tp * hd
-        kv = self.kv_heads_per_rank(tp) * hd
-        if self.family == "gpt2":
-            sharded = h * (q + 2 * kv) + (q + 2 * kv) + q * h + 2 * h * (f // tp) + f // tp
-            replicated = 2 * h + 2 * 2 * h  # proj and fc2 biases, two LayerNorms
-        else:
-            bias = (q + 2 * kv) * self.qkv_bias + 2 * (f // tp) * self.mlp_bias  # column-parallel biases
-            sharded = h * (q + 2 * kv) + bias + q * h + 3 * h * (f // tp)
-            replicated = 2 * h + h * self.out_bias + h * self.mlp_bias  # two RMSNorms, row-parallel biases
-        return sharded, replicated
+        block = self.config.block_params(tp)
+        return block.sharded, block.replicated
 
     def embedding_params(self, tp: int = 1) -> int:
         """Token embedding shard (+ learned positions, replicated) held by the first stage."""
-        positions = self.max_positions * self.hidden if self.family == "gpt2" else 0
-        return self.padded_vocab(tp) // tp * self.hidden + positions
+        return self.config.embedding_params(tp)
 
     def head_params(self, tp: int = 1, *, separate: bool) -> int:
-        """Final norm + LM head shard on the last stage; ``separate``: the head is its own matrix
-        (untied, or tied but on another stage than the embedding)."""
-        norm = 2 * self.hidden if self.family == "gpt2" else self.hidden
-        return norm + (self.padded_vocab(tp) // tp * self.hidden if separate else 0)
+        """Final norm + LM head shard on the last stage (``ModelConfig.head_params``)."""
+        return self.config.head_params(tp, separate=separate)
 
     @property
     def params(self) -> int:
@@ -155,14 +157,11 @@ class ModelSpec:
         return self.analytic_params()
 
     def analytic_params(self) -> int:
-        sharded, replicated = self.layer_params(1)
-        return (self.layers * (sharded + replicated) + self.embedding_params(1)
-                + self.head_params(1, separate=not self.tie_embeddings))
+        return self.config.num_params()
 
     def largest_layer_params(self) -> int:
         """The biggest single module (DeepSpeed's ZeRO-3 estimator and gather buffer want it)."""
-        sharded, replicated = self.layer_params(1)
-        return max(sharded + replicated, self.vocab * self.hidden)
+        return max(self.config.layer_params(), self.vocab * self.hidden)
 
     def with_overrides(self, *, seq_len: int | None = None, vocab: int | None = None) -> "ModelSpec":
         changes = {}
@@ -184,18 +183,7 @@ class ModelSpec:
 
     def to_hf_config(self) -> dict:
         """A Hugging Face config.json dict of this shape (what ``--emit-config`` writes for --params models)."""
-        if self.family == "gpt2":
-            return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": self.vocab,
-                    "n_positions": self.max_positions, "n_embd": self.hidden, "n_layer": self.layers,
-                    "n_head": self.heads, "n_inner": self.ffn, "activation_function": "gelu_new",
-                    "layer_norm_epsilon": 1e-5, "resid_pdrop": self.dropout, "embd_pdrop": self.dropout,
-                    "attn_pdrop": self.dropout, "tie_word_embeddings": self.tie_embeddings}
-        return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": self.vocab,
-                "hidden_size": self.hidden, "intermediate_size": self.ffn, "num_hidden_layers": self.layers,
-                "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
-                "max_position_embeddings": self.max_positions, "hidden_act": "silu", "rms_norm_eps": 1e-5,
-                "head_dim": self.head_dim, "attention_bias": self.qkv_bias, "attention_dropout": self.dropout,
-                "tie_word_embeddings": self.tie_embeddings}
+        return self.config.to_hf()
 
     # ---- constructors ---------------------------------------------------------------------
     @classmethod
@@ -209,9 +197,9 @@ class ModelSpec:
             spec = dataclasses.replace(nearest, assumed=f"{_fmt(target)} -> the {nearest.name} shape from the table "
                                                         f"of well-known sizes ({_fmt(nearest.params)} parameters)")
         else:
-            sharded, replicated = nearest.layer_params(1)
-            fixed = nearest.params - nearest.layers * (sharded + replicated)
-            layers = max(1, round((target - fixed) / (sharded + replicated)))
+            block = nearest.config.layer_params()
+            fixed = nearest.params - nearest.layers * block
+            layers = max(1, round((target - fixed) / block))
             spec = dataclasses.replace(nearest, layers=layers, name=f"{_fmt(target)}-scaled")
             spec = dataclasses.replace(spec, assumed=f"{_fmt(target)} is not in the table: took the {nearest.name} "
                                                      f"shape with {layers} layers ({_fmt(spec.params)} parameters)")
@@ -228,22 +216,17 @@ class ModelSpec:
         """
         path = _resolve_config(name_or_path)
         config = ModelConfig.load(path)
-        spec = cls.from_model_config(config, name=path.stem)
         raw = json.loads(path.read_text())  # already parsed once by ModelConfig.load
-        spec = dataclasses.replace(spec, assumed=f"read from {path.stem} ({raw.get('model_type')})")
-        if count_params is not None:
-            spec = dataclasses.replace(spec, exact_params=count_params(raw))
-        return spec
+        return cls(config=config, name=path.stem, seq_len=min(config.max_seq_len, 8192),
+                   assumed=f"read from {path.stem} ({raw.get('model_type')})",
+                   exact_params=count_params(raw) if count_params is not None else None)
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, *, name: str) -> "ModelSpec":
-        gpt2 = config.family == "gpt2"
-        return cls(name=name, family=config.family, layers=config.layers, hidden=config.hidden, heads=config.heads,
-                   kv_heads=config.kv_heads, ffn=config.ffn, vocab=config.vocab_size,
-                   seq_len=min(config.max_seq_len, 8192), max_positions=config.max_seq_len,
-                   tie_embeddings=config.tie_embeddings, qkv_bias=False if gpt2 else config.qkv_bias,
-                   out_bias=False if gpt2 else config.out_bias, mlp_bias=False if gpt2 else config.mlp_bias,
-                   head_dim=config.head_dim, dropout=config.dropout, assumed=f"read from {name}")
+        return cls(config=config, name=name, seq_len=min(config.max_seq_len, 8192), assumed=f"read from {name}")
+
+
+_SHAPE_FIELDS = {name: attr.field for name, attr in vars(ModelSpec).items() if isinstance(attr, _Shape)}
 
 
 def _fmt(n: float) -> str:

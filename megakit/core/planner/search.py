@@ -178,9 +178,7 @@ def _no_plan_reason(ctx) -> str:
 
 
 def _tp_rule(model: ModelSpec, tp: int) -> str:
-    bad = [f"{what} {n}" for what, n in (("attention heads", model.heads), ("KV heads", model.kv_heads),
-                                          ("hidden size", model.hidden), ("FFN size", model.ffn)) if n % tp]
-    return f"TP must divide {', '.join(bad)}"
+    return f"TP must divide {', '.join(model.config.tp_conflicts(tp))}"
 
 
 def _check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int) -> None:

@@ -1,0 +1,89 @@
+"""The gradients a pipeline stage shares with other ranks at the end of a step.
+
+Tied parameters (input embedding and LM head, held under one name by the first and
+the last virtual stage) must stay equal: their weights start equal and their gradients
+are summed, over ``topo.embedding_group`` when two ranks hold them. Every gradient is
+averaged over the DP replicas (``topo.dp_group``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from megakit.nn import comm as C
+
+
+def find_tied_parameters(chunks: Sequence[nn.Module], topo, *, virtual_stages: int) -> list[tuple[nn.Parameter, ...]]:
+    """Parameters held under one name by the first and the last virtual stage (tied embeddings).
+
+    With PP > 1 they live on two ranks: names are exchanged once over the embedding group.
+    Returns, per tied name, this rank's copies (two when one rank holds both ends). The
+    last stage's copy gets ``ds_pipe_replicated = True``, the flag DeepSpeed's own
+    PipelineModule sets, so DeepSpeed's gradient norm (clipping) counts it once.
+    """
+    holds_first, holds_last = topo.pp_rank == 0, topo.pp_rank == topo.pp - 1
+    first = dict(chunks[0].named_parameters()) if holds_first else {}
+    last = dict(chunks[-1].named_parameters()) if holds_last else {}
+    if virtual_stages == 1:
+        return []
+    if topo.pp == 1:
+        tied = [(first[n], last[n]) for n in sorted(first.keys() & last.keys())]
+    elif not (holds_first or holds_last):
+        return []
+    else:
+        mine = sorted(first if holds_first else last)
+        gathered = C.all_gather_object(mine, topo.embedding_group)
+        shared = sorted(set(gathered[0]) & set(gathered[1]))
+        own = first if holds_first else last
+        tied = [(own[n],) for n in shared]
+    for copies in tied:  # the last stage's copy: DeepSpeed's gradient norm must count it once, not twice
+        if holds_last and (len(copies) == 2 or not holds_first):
+            copies[-1].ds_pipe_replicated = True
+    return tied
+
+
+@torch.no_grad()
+def sync_tied_weights(tied: list[tuple[nn.Parameter, ...]], topo) -> None:
+    """Make both copies of each tied parameter equal to the first stage's (a broadcast over the embedding group)."""
+    for copies in tied:
+        if len(copies) == 2:
+            copies[1].copy_(copies[0])
+        else:
+            C.broadcast(copies[0].data, topo.stage_rank(0), topo.embedding_group)
+
+
+def reduce_tied_grads(tied: list[tuple[nn.Parameter, ...]], topo) -> None:
+    """Sum the gradients of tied copies (embedding + LM head), so both copies step identically.
+
+    Forward: nothing. Here (after the last backward): an all-reduce (sum) over
+    ``topo.embedding_group`` when the copies live on two ranks, a local sum otherwise.
+    """
+    for copies in tied:
+        for p in copies:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if len(copies) == 2:
+            total = copies[0].grad + copies[1].grad
+            copies[0].grad.copy_(total)
+            copies[1].grad.copy_(total)
+        else:
+            C.all_reduce(copies[0].grad, topo.embedding_group)
+
+
+def average_over_dp(chunks: Sequence[nn.Module], topo) -> None:
+    """Average every gradient over the DP replicas: one all-reduce of all of them flattened together."""
+    if topo.dp == 1:
+        return
+    grads = [p.grad for c in chunks for p in c.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    C.all_reduce(flat, topo.dp_group)
+    flat /= topo.dp
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()

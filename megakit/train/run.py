@@ -1,0 +1,115 @@
+"""One training run, resolved once: ``TrainConfig`` is what the user asked for, ``Run`` what it means.
+
+``resolve`` turns the flags and the job's size into every derived setting -- the layout,
+the validated ds_config as DeepSpeed gets it, the model description, the batch plan,
+the precision, the effective sequence parallelism and pipeline schedule, the step to
+start from -- and checks them all before any process group exists, alike on every rank.
+Everything below ``train`` reads the ``Run`` instead of working the same things out again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megakit.core.layout import Layout
+from megakit.core.model_config import ModelConfig, check_seq_len
+from megakit.errors import UsageError
+from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan
+from megakit.train.ds_config import load_ds_config, require_optimizer
+from megakit.train.resume import check_checkpoint_flags
+
+RECOMPUTE = ("none", "full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run. ``ds_config``: a path or an already-loaded dict."""
+
+    ds_config: str | dict
+    model: str = "gpt-mini"
+    data: str | None = None
+    steps: int = 200
+    tp: int = 1
+    pp: int = 1
+    seq_len: int | None = None
+    seed: int = 0
+    vpp: int = 1
+    schedule: str | None = None  # default: "interleaved" with vpp > 1, else "1f1b"
+    tensorboard: str | None = None
+    profile: str | None = None
+    verify_memory: bool = False
+    metrics_out: str | None = None
+    log_every: int = 1
+    progress: bool = True
+    stall_timeout_s: float = 60.0
+    collective_timeout_s: float = 300.0
+    max_bytes: int = DEFAULT_MAX_BYTES
+    recompute: str = "none"  # "full": keep only each block's input, recompute the rest in backward
+    sequence_parallel: bool = False  # split norms/dropout/residual over TP along the sequence (no-op at TP 1)
+    save: str | None = None  # checkpoint directory, written at the end (and every save_every steps)
+    save_every: int = 0
+    load: str | None = None  # checkpoint to start from: weights and step count (not the optimizer state)
+    allow_cross_node_tp: bool = False  # run a TP group that spans nodes (with a warning) instead of refusing it
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise UsageError(f"--recompute {self.recompute} is not one of {', '.join(RECOMPUTE)}; megakit recomputes "
+                             "whole blocks (full) or nothing (none)")
+        if self.save_every < 0 or (self.save_every and not self.save):
+            raise UsageError(f"--save-every {self.save_every} needs --save DIR and a count of at least 1")
+        if self.steps < 1:
+            raise UsageError(f"--steps must be at least 1, got {self.steps}")
+        if self.log_every < 1:
+            raise UsageError(f"--log-every must be at least 1, got {self.log_every}")
+        if self.vpp > 1 and self.pp == 1:
+            raise UsageError(f"--vpp {self.vpp} splits each pipeline stage into chunks, so it needs --pp > 1")
+
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    """Everything ``train`` derives from a ``TrainConfig`` and the job's size (see ``resolve``)."""
+
+    cfg: TrainConfig
+    layout: Layout
+    ds_config: dict  # as DeepSpeed gets it: validated, batch sizes filled in for this layout
+    model: ModelConfig
+    batch: BatchPlan
+    start_step: int
+    precision: str  # "fp32" | "bf16" | "fp16": the weights' and the exchanged activations' type
+    zero_stage: int
+    sequence_parallel: bool  # asked for, and TP > 1 (nothing to split otherwise)
+    schedule: str  # the pipeline schedule (PP > 1)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return PRECISION_DTYPES[self.precision]
+
+
+def resolve(cfg: TrainConfig, world_size: int) -> Run:
+    """The ``Run`` of ``cfg`` on ``world_size`` processes; UsageError on any mistake, before any process group."""
+    layout = Layout.for_world(world_size, tp=cfg.tp, pp=cfg.pp)
+    ds_config = load_ds_config(cfg.ds_config, dp=layout.dp, pp=layout.pp)
+    require_optimizer(ds_config)
+    model = ModelConfig.load(cfg.model)
+    if model.vocab_size < 256:
+        raise UsageError(f"model {cfg.model} has a vocabulary of {model.vocab_size}; byte-level training needs 256")
+    seq_len = cfg.seq_len or model.max_seq_len
+    check_seq_len(model, seq_len)
+    sequence_parallel = cfg.sequence_parallel and cfg.tp > 1
+    if sequence_parallel and seq_len % cfg.tp:  # the model would find out only on the first stage
+        raise UsageError(f"sequence length {seq_len} is not divisible by TP {cfg.tp}; sequence parallelism "
+                         "needs it to be (change --seq-len or drop --sequence-parallel)")
+    start = check_checkpoint_flags(save=cfg.save, load=cfg.load, steps=cfg.steps)
+    batch = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
+                      accumulation=ds_config["gradient_accumulation_steps"], dp=layout.dp, seed=cfg.seed)
+    precision = ("bf16" if ds_config.get("bf16", {}).get("enabled") else
+                 "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32")
+    return Run(cfg=cfg, layout=layout, ds_config=ds_config, model=model, batch=batch, start_step=start,
+               precision=precision, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
+               sequence_parallel=sequence_parallel,
+               schedule=cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b"))
