@@ -35,7 +35,7 @@ def row_case(row):
     mb = row["micro_batch"] or 1
     plan = Plan(tp=tp, pp=pp, dp=dp, vpp=_vpp(model.layers // pp) if pp > 1 else 1,
                 zero_stage=3 if "ZeRO-3" in (row["zero_or_fsdp"] or "") else 0, micro_batch=mb,
-                grad_accum=row["global_batch_seqs"] // (mb * dp), recompute="full", precision="fp16",
+                accumulation=row["global_batch_seqs"] // (mb * dp), recompute="full", precision="fp16",
                 flash_attention=False)
     assert plan.world == n and plan.global_batch == row["global_batch_seqs"]
     return model, plan, estimate_cost(model, Cluster(gpu=A100, num_gpus=n), plan)
@@ -88,21 +88,21 @@ def test_efficiency_comes_from_physics_not_a_constant():
     model = ModelSpec(name="m", family="gpt2", layers=24, hidden=2048, heads=16, kv_heads=16, ffn=8192,
                       vocab=51200, seq_len=2048, max_positions=2048, tie_embeddings=True)
     cluster = Cluster(gpu=A100, num_gpus=8)
-    tp8 = estimate_cost(model, cluster, Plan(tp=8, dp=1, micro_batch=8, grad_accum=1))
-    dp8 = estimate_cost(model, cluster, Plan(dp=8, micro_batch=1, grad_accum=1))
+    tp8 = estimate_cost(model, cluster, Plan(tp=8, dp=1, micro_batch=8, accumulation=1))
+    dp8 = estimate_cost(model, cluster, Plan(dp=8, micro_batch=1, accumulation=1))
     assert dp8.tokens_per_s > tp8.tokens_per_s  # TP on a small model: thin GEMMs and per-layer all-reduces
     assert tp8.comm_fraction > dp8.comm_fraction
     # Same plan over a slow network: DP gradient traffic becomes exposed.
     slow = Cluster(gpu=A100, num_gpus=64, gpus_per_node=8).with_overrides(inter_gbps=1.0)
     fast = Cluster(gpu=A100, num_gpus=64, gpus_per_node=8)
-    plan = Plan(dp=64, micro_batch=4, grad_accum=1)
+    plan = Plan(dp=64, micro_batch=4, accumulation=1)
     assert estimate_cost(model, slow, plan).comm_fraction > 0.3 > estimate_cost(model, fast, plan).comm_fraction
     # A pipeline bubble of (p-1)/(v·m): interleaving shrinks it.
     big = ModelSpec(name="b", family="gpt2", layers=48, hidden=8192, heads=64, kv_heads=64, ffn=32768, vocab=51200,
                     seq_len=2048, max_positions=2048, tie_embeddings=True)
     c = Cluster(gpu=A100, num_gpus=64)
-    one = estimate_cost(big, c, Plan(tp=8, pp=8, dp=1, micro_batch=1, grad_accum=16))
-    two = estimate_cost(big, c, Plan(tp=8, pp=8, dp=1, vpp=2, micro_batch=1, grad_accum=16))
+    one = estimate_cost(big, c, Plan(tp=8, pp=8, dp=1, micro_batch=1, accumulation=16))
+    two = estimate_cost(big, c, Plan(tp=8, pp=8, dp=1, vpp=2, micro_batch=1, accumulation=16))
     assert one.bubble_fraction == pytest.approx(7 / (16 + 7), rel=0.1)
     assert two.bubble_fraction < one.bubble_fraction
 
@@ -118,7 +118,7 @@ def test_pipeline_time_agrees_with_the_schedule_simulator(pp, m, vpp):
     model = ModelSpec(name="m", family="llama", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336,
                       vocab=128256, seq_len=4096, max_positions=4096, tie_embeddings=False)
     cluster = Cluster(gpu=A100, num_gpus=pp).with_overrides(intra_gbps=1e12, inter_gbps=1e12)  # P2P ~ free
-    cost = estimate_cost(model, cluster, Plan(pp=pp, vpp=vpp, micro_batch=1, grad_accum=m))
+    cost = estimate_cost(model, cluster, Plan(pp=pp, vpp=vpp, micro_batch=1, accumulation=m))
     times = cost.stage_times
     assert times[-1] > times[0]  # the LM head makes the last stage slower than the first
     report = simulate(build_schedule("interleaved" if vpp > 1 else "1f1b", pp, m, vpp),

@@ -49,10 +49,10 @@ def test_recompute_variants_keep_what_the_paper_says():
 
 
 def test_in_flight_micro_batches_of_1f1b_and_interleaving():
-    assert [in_flight_micro_batches(pp=4, stage=i, num_micro_batches=8) for i in range(4)] == [4, 3, 2, 1]
-    assert in_flight_micro_batches(pp=4, stage=0, num_micro_batches=2) == 2  # fewer micro-batches than stages
+    assert [in_flight_micro_batches(pp=4, stage=i, accumulation=8) for i in range(4)] == [4, 3, 2, 1]
+    assert in_flight_micro_batches(pp=4, stage=0, accumulation=2) == 2  # fewer micro-batches than stages
     for p, v in ((4, 2), (8, 3), (16, 4)):  # Korthikanti: stage 0 holds p(1 + (p-1)/(pv)) micro-batches
-        assert in_flight_micro_batches(pp=p, stage=0, num_micro_batches=64, vpp=v) == pytest.approx(
+        assert in_flight_micro_batches(pp=p, stage=0, accumulation=64, vpp=v) == pytest.approx(
             p * (1 + (p - 1) / (p * v)))
 
 
@@ -129,7 +129,7 @@ def test_embedding_on_first_stage_head_on_last_and_peak_picks_the_worst():
     assert last - middle == model.head_params(8, separate=True)  # tied, but a copy lives on the last stage
     one_stage = stage_params(model, tp=1, pp=1, stage=0)
     assert one_stage == model.params  # tied head counted once
-    layout = dict(tp=8, pp=16, dp=8, zero_stage=1, micro_batch=1, num_micro_batches=64, recompute="selective",
+    layout = dict(tp=8, pp=16, dp=8, zero_stage=1, micro_batch=1, accumulation=64, recompute="selective",
                   sequence_parallel=True)
     peak = peak_memory(model, **layout)
     assert peak.total == max(estimate_memory(model, stage=s, **layout).total for s in range(16))
@@ -151,7 +151,7 @@ def test_in_flight_counts_agree_with_the_pipeline_simulator(pp, m, vpp):
 
     report = simulate(build_schedule("interleaved" if vpp > 1 else "1f1b", pp, m, vpp))
     simulated = [chunks / vpp for chunks in report.peak_in_flight]  # chunk activations, in stage units
-    assert simulated == [in_flight_micro_batches(pp=pp, stage=i, num_micro_batches=m, vpp=vpp) for i in range(pp)]
+    assert simulated == [in_flight_micro_batches(pp=pp, stage=i, accumulation=m, vpp=vpp) for i in range(pp)]
 
 
 def test_stages_follow_the_trainers_split_and_peak_covers_middle_stages():
@@ -168,13 +168,13 @@ def test_stages_follow_the_trainers_split_and_peak_covers_middle_stages():
     assert stage_layer_counts(llama, 2, 2) == (len(chunks[0]) + len(chunks[2]), len(chunks[1]) + len(chunks[3]))
     assert estimate_memory(llama, pp=4, stage=1).layers == 9
     # one micro-batch in flight everywhere: the 14-block middle stages outweigh the 13 blocks + embedding
-    layout = dict(tp=8, pp=7, dp=1, zero_stage=0, micro_batch=1, num_micro_batches=1, recompute="full")
+    layout = dict(tp=8, pp=7, dp=1, zero_stage=0, micro_batch=1, accumulation=1, recompute="full")
     assert stage_layer_counts(GPT3, 7) == (13, 14, 14, 14, 14, 14, 13)
     peak = peak_memory(GPT3, **layout)
     assert peak.stage not in (0, 6)
-    for model, layout in ((GPT3, layout), (GPT3, {**layout, "num_micro_batches": 64, "recompute": "none"}),
-                          (llama, dict(pp=4, dp=2, zero_stage=1, num_micro_batches=2)),
-                          (llama, dict(pp=2, vpp=2, num_micro_batches=8, recompute="selective"))):
+    for model, layout in ((GPT3, layout), (GPT3, {**layout, "accumulation": 64, "recompute": "none"}),
+                          (llama, dict(pp=4, dp=2, zero_stage=1, accumulation=2)),
+                          (llama, dict(pp=2, vpp=2, accumulation=8, recompute="selective"))):
         pp = layout["pp"]
         assert peak_memory(model, **layout).total == max(estimate_memory(model, stage=s, **layout).total
                                                          for s in range(pp))

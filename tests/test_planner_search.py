@@ -79,8 +79,8 @@ def test_pruned_search_finds_the_brute_force_optimum():
                 continue
             for mb in divisors(batch // dp):
                 plan = Plan(tp=tp, pp=pp, dp=dp, vpp=vpp, zero_stage=zero, micro_batch=mb,
-                            grad_accum=batch // dp // mb, recompute=rc, sequence_parallel=sp)
-                if vpp > 1 and plan.grad_accum % pp or mb > 64:
+                            accumulation=batch // dp // mb, recompute=rc, sequence_parallel=sp)
+                if vpp > 1 and plan.accumulation % pp or mb > 64:
                     continue
                 mem = peak_memory(model, seq_len=1024, overhead_bytes=OVERHEAD_BYTES, **plan.memory_kwargs())
                 if mem.total <= limit:

@@ -145,7 +145,7 @@ def run(args) -> int:
                                  seq_len=model.seq_len)
     single = estimate_cost(model, dataclasses.replace(cluster, num_gpus=1),
                            dataclasses.replace(plan, tp=1, pp=1, dp=1, vpp=1, zero_stage=0, sequence_parallel=False,
-                                               grad_accum=plan.global_batch // plan.micro_batch),
+                                               accumulation=plan.global_batch // plan.micro_batch),
                            seq_len=model.seq_len)
     speedup = cost.tokens_per_s / single.tokens_per_s
     report = {
@@ -199,7 +199,7 @@ def _top_rejected(rejected, top):
 
 def _plan_fields(plan: Plan) -> dict:
     return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "vpp": plan.vpp, "zero_stage": plan.zero_stage,
-            "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum, "global_batch": plan.global_batch,
+            "micro_batch": plan.micro_batch, "grad_accum": plan.accumulation, "global_batch": plan.global_batch,
             "recompute": plan.recompute, "sequence_parallel": plan.sequence_parallel, "precision": plan.precision,
             "offload": plan.offload, "flash_attention": plan.flash_attention}
 

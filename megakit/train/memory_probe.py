@@ -186,7 +186,7 @@ class MemoryProbe:
                           allgather_bucket=int(zero.get("allgather_bucket_size", 5e8)))
         return estimate_memory(spec, tp=self.topo.tp, pp=self.topo.pp, dp=self.topo.dp, zero_stage=run.zero_stage,
                                micro_batch=plan.micro_batch, seq_len=plan.seq_len,
-                               num_micro_batches=plan.accumulation, precision=run.precision, stage=self.topo.pp_rank,
+                               accumulation=plan.accumulation, precision=run.precision, stage=self.topo.pp_rank,
                                layers=self._layers(), vpp=run.cfg.vpp, flash_attention=True, buckets=buckets,
                                recompute=run.cfg.recompute, sequence_parallel=run.sequence_parallel)
 

@@ -111,7 +111,7 @@ def _where(cluster: Cluster, span: int, stride: int) -> tuple[float, str]:
 
 def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | None = None) -> Cost:
     s = model.seq_len if seq_len is None else seq_len
-    t, p, d, v, b, m = plan.tp, plan.pp, plan.dp, plan.vpp, plan.micro_batch, plan.grad_accum
+    t, p, d, v, b, m = plan.tp, plan.pp, plan.dp, plan.vpp, plan.micro_batch, plan.accumulation
     gpu = cluster.gpu
     peak = gpu.peak_tflops * 1e12 * (0.5 if plan.precision == "fp32" else 1.0)  # fp32 runs as TF32: half rate
     nbytes = PRECISIONS[plan.precision]

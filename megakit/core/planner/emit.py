@@ -69,7 +69,7 @@ def ds_config(plan: Plan, *, lr: float, total_steps: int, warmup_steps: int, buc
     config = {
         "train_batch_size": plan.global_batch,
         "train_micro_batch_size_per_gpu": plan.micro_batch,
-        "gradient_accumulation_steps": plan.grad_accum,
+        "gradient_accumulation_steps": plan.accumulation,
         "gradient_clipping": 1.0,
         "zero_optimization": zero,
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8,

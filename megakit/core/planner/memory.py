@@ -144,11 +144,11 @@ def logits_bytes(model: ModelSpec, *, tp: int, sequence_parallel: bool, precisio
     return seq_len * micro_batch * (saved + extra)
 
 
-def in_flight_micro_batches(*, pp: int, stage: int, num_micro_batches: int, vpp: int = 1) -> float:
+def in_flight_micro_batches(*, pp: int, stage: int, accumulation: int, vpp: int = 1) -> float:
     """Micro-batches of a stage's layers alive at the peak of a 1F1B (interleaved) schedule.
 
     Counted in whole-stage units: with ``vpp`` chunks each holding 1/vpp of the stage's layers."""
-    m = max(num_micro_batches, 1)
+    m = max(accumulation, 1)
     if vpp <= 1:
         return min(pp - stage, m)
     chunks = min((pp - stage - 1) * 2 + (vpp - 1) * pp + 1, m * vpp)
@@ -214,7 +214,7 @@ def stage_params(model: ModelSpec, *, tp: int, pp: int, stage: int, layers: int 
 
 
 def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 0,
-                    micro_batch: int = 1, seq_len: int | None = None, num_micro_batches: int | None = None,
+                    micro_batch: int = 1, seq_len: int | None = None, accumulation: int | None = None,
                     recompute: str = "none", sequence_parallel: bool = False, vpp: int = 1,
                     precision: str = "bf16", offload: str = "none", stage="first",
                     flash_attention: bool = True, dropout: bool | None = None, dropout_mask_bytes: int = 1,
@@ -222,7 +222,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                     buckets: Buckets = Buckets(), overhead_bytes: float = 0.0) -> MemoryEstimate:
     """Itemised per-GPU bytes of one layout on one pipeline ``stage`` (index, 'first', 'last', 'middle').
 
-    ``num_micro_batches``: micro-batches per optimizer step (gradient accumulation),
+    ``accumulation``: micro-batches per optimizer step (gradient accumulation),
     which caps the micro-batches in flight; default: enough to fill the pipeline.
     ``layers``: the blocks on this stage if not the trainer's split (``stage_layer_counts``)."""
     if precision not in PRECISIONS:
@@ -272,8 +272,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
         kept = sum(x.bytes(seq_len=s, micro_batch=b) for x in tensors if x.per_token_seq == 0)
     else:
         kept = full_layer
-    m = num_micro_batches if num_micro_batches is not None else pp * vpp
-    in_flight = in_flight_micro_batches(pp=pp, stage=stage, num_micro_batches=m, vpp=vpp)
+    m = accumulation if accumulation is not None else pp * vpp
+    in_flight = in_flight_micro_batches(pp=pp, stage=stage, accumulation=m, vpp=vpp)
     items["activations"] = kept * n_layers * in_flight
     if stage == 0:  # token ids, the embedding output's dropout mask
         uses_dropout = model.dropout > 0 if dropout is None else dropout

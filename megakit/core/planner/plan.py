@@ -9,8 +9,8 @@ import dataclasses
 class Plan:
     """TP × PP × DP with ZeRO, micro-batching and recomputation.
 
-    ``grad_accum`` is the number of micro-batches per optimizer step per DP rank, so the
-    global batch is ``micro_batch × grad_accum × dp`` sequences; with PP > 1 these
+    ``accumulation`` is the number of micro-batches per optimizer step per DP rank, so the
+    global batch is ``micro_batch × accumulation × dp`` sequences; with PP > 1 these
     micro-batches are what the 1F1B pipeline streams."""
 
     tp: int = 1
@@ -19,7 +19,7 @@ class Plan:
     vpp: int = 1
     zero_stage: int = 0
     micro_batch: int = 1
-    grad_accum: int = 1
+    accumulation: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
     precision: str = "bf16"
@@ -32,12 +32,12 @@ class Plan:
 
     @property
     def global_batch(self) -> int:
-        return self.micro_batch * self.grad_accum * self.dp
+        return self.micro_batch * self.accumulation * self.dp
 
     def memory_kwargs(self) -> dict:
         """The keyword arguments of ``memory.estimate_memory`` for this plan."""
         return dict(tp=self.tp, pp=self.pp, dp=self.dp, zero_stage=self.zero_stage, micro_batch=self.micro_batch,
-                    num_micro_batches=self.grad_accum, recompute=self.recompute,
+                    accumulation=self.accumulation, recompute=self.recompute,
                     sequence_parallel=self.sequence_parallel, vpp=self.vpp, precision=self.precision,
                     offload=self.offload, flash_attention=self.flash_attention)
 
@@ -46,7 +46,7 @@ class Plan:
         if self.vpp > 1:
             parts.append(f"VPP={self.vpp}")
         parts.append(f"ZeRO-{self.zero_stage}")
-        parts.append(f"mb={self.micro_batch}x{self.grad_accum}")
+        parts.append(f"mb={self.micro_batch}x{self.accumulation}")
         parts.append(f"recompute={self.recompute}")
         if self.sequence_parallel:
             parts.append("SP")

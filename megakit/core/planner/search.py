@@ -290,7 +290,7 @@ class _Context:
     def _layout(self, tp, pp, dp, zero) -> None:
         m, pins = self.model, self.pins
         per_rank = self.global_batch // dp
-        base = Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch=1, grad_accum=per_rank, recompute="full",
+        base = Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch=1, accumulation=per_rank, recompute="full",
                     sequence_parallel=tp > 1, precision=self.precision, offload=self.offload,
                     flash_attention=self.flash)
         if self.offload == "params" and zero != 3:
@@ -321,7 +321,7 @@ class _Context:
                             continue
                         ga = per_rank // mb
                         plan = dataclasses.replace(base, vpp=vpp, recompute=recompute, sequence_parallel=sp,
-                                                   micro_batch=mb, grad_accum=ga)
+                                                   micro_batch=mb, accumulation=ga)
                         if vpp > 1 and ga % pp:
                             self.reject(plan, f"interleaving (VPP={vpp}) needs the {ga} micro-batches to be a "
                                         f"multiple of PP={pp}", unique_key=("vpp-ga", pp, vpp), kind="vpp")
