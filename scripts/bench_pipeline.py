@@ -101,6 +101,7 @@ def _bench(rank: int, args) -> dict:
     from megakit.nn.model import ModelConfig, build_stage_chunks
     from megakit.nn.pipeline import PipelineExecutor
     from megakit.nn.topology import Topology
+    from megakit.train.deepspeed_shm import unlink_shared_memory
 
     config = ModelConfig.load(args.model).replace(tie_embeddings=False)
     m, b, s = args.micro_batches, args.micro_batch_size, args.seq_len
@@ -136,6 +137,7 @@ def _bench(rank: int, args) -> dict:
                  "zero_optimization": {"stage": 0}}
     engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=1e-3),
                                       config=ds_config)
+    unlink_shared_memory()  # DeepSpeed's CPU all-reduce buffers: leave none behind in /dev/shm
 
     def ds_step():
         engine.train_batch(iter(list(zip(ids, labels))))

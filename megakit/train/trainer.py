@@ -46,6 +46,7 @@ from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_checkpoint
 from megakit.nn import comm
 from megakit.train.data import TokenBatches, load_tokens
+from megakit.train.deepspeed_shm import unlink_shared_memory
 from megakit.train.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops
 from megakit.train.reporting import Reporter, start_profiler
@@ -216,30 +217,10 @@ def _build(run: Run, topo):
         ds_config = {**ds_config, "gradient_clipping": 0.0}
     engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=stage.parameters(), mpu=topo,
                                                    config=ds_config)
-    _unlink_shared_memory()
+    unlink_shared_memory()
     if clipper is not None:
         optimizer.register_step_pre_hook(clipper)
     return engine, clipper
-
-
-def _unlink_shared_memory() -> None:
-    """Remove the name of this rank's DeepSpeed CPU all-reduce buffer from /dev/shm, keeping the buffer.
-
-    DeepSpeed 0.19.8's shared-memory all-reduce (CPU, all ranks on one host) creates
-    ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` and never
-    removes it. Every rank has mapped every buffer once ``deepspeed.initialize`` returned
-    everywhere (the barrier), so the names can go at once: the mappings live on, and the
-    memory is freed when the job ends on any exit path, SIGKILL included.
-    """
-    import glob
-
-    comm.barrier(comm.WORLD)
-    env = os.environ
-    pattern = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_"
-               f"{env.get('MASTER_PORT', '')}_{dist.get_rank()}")
-    for path in glob.glob(glob.escape(pattern)):
-        with contextlib.suppress(OSError):
-            os.remove(path)
 
 
 def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
