@@ -53,13 +53,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="split norms, dropout and the residual stream over TP along the sequence (Megatron SP; "
                         "--seq-len must divide by --tp); nothing to split at --tp 1, where it changes nothing")
     p.add_argument("--save", metavar="DIR", default=None,
-                   help="write a checkpoint (weights and step; not the optimizer state) to DIR at the end")
+                   help="write a checkpoint (weights, optimizer state, step) to DIR at the end")
     p.add_argument("--save-every", metavar="N", type=int, default=0,
-                   help="with --save: also every N steps (each save replaces DIR)")
+                   help="with --save: also every N steps (each save replaces DIR, or see --keep)")
+    p.add_argument("--keep", metavar="K", type=int, default=0,
+                   help="with --save-every: keep the newest K checkpoints as DIR/step-N, DIR/latest written last; "
+                        "--load DIR then takes the newest intact one")
     p.add_argument("--load", metavar="DIR", default=None,
-                   help="start from a checkpoint saved at any TP/PP layout: its weights and step count (data and "
-                        "LR schedule continue from there; --steps counts the loaded steps too). Optimizer state "
-                        "(Adam moments) is not in megakit checkpoints, so it starts afresh")
+                   help="resume from a checkpoint (or the newest intact one of a --keep series) saved at any "
+                        "TP/PP/DP layout and ZeRO stage: weights, fp32 master weights, Adam moments and step; data and "
+                        "LR schedule continue (same --seed and global batch); --steps counts the loaded steps too")
     p.add_argument("--tensorboard", metavar="DIR", default=None, help="write TensorBoard event files to DIR")
     p.add_argument("--profile", metavar="DIR", nargs="?", const="profile", default=None,
                    help="write a PyTorch profiler trace per rank (steps 2-3) to DIR (default ./profile)")
@@ -97,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                           metrics_out=args.metrics_out, log_every=args.log_every, progress=not args.no_progress,
                           stall_timeout_s=args.stall_timeout, recompute=args.recompute,
                           sequence_parallel=args.sequence_parallel, save=args.save, save_every=args.save_every,
+                          keep=args.keep,
                           load=args.load, allow_cross_node_tp=args.allow_cross_node_tp)
     except UsageError as error:  # the same flags on every rank
         if _rank0():

@@ -1,10 +1,9 @@
 """Checkpoints: safetensors shards plus a JSON manifest, loadable at any TP x PP layout.
 
-Scope: the model's weights, the step and the caller's JSON metadata. Optimizer state
-(Adam moments, fp32 master weights, ZeRO partitions, LR schedule) is DeepSpeed's
-business -- ``engine.save_checkpoint`` / ``engine.load_checkpoint`` -- and is neither
-written nor read here. Load weights *before* ``deepspeed.initialize``: the engine makes
-its master copies from the model at that moment.
+Scope: the weights, the step, the caller's JSON metadata and, optionally, tensors split like a
+parameter (a trainer's fp32 master and optimizer moments: ``state``), stored as ``state_name(key,
+parameter)`` and read back for any layout by ``load_state``. Load weights *before*
+``deepspeed.initialize``: the engine makes its master copies from the model at that moment.
 
 On disk::
 
@@ -70,6 +69,19 @@ from megakit.nn import comm as C
 IGNORED_FIELDS = ("dropout", "init_std")  # training settings: they do not change what the weights mean
 
 
+STATE_PREFIX = "state/"
+
+
+def state_name(key: str, name: str) -> str:
+    """Where tensor ``key`` (e.g. ``exp_avg``) of parameter ``name`` is stored."""
+    return f"{STATE_PREFIX}{key}/{name}"
+
+
+def state_keys(manifest: dict) -> list[str]:
+    """The per-parameter state keys a checkpoint holds (empty: weights only)."""
+    return sorted({n[len(STATE_PREFIX):].split("/", 1)[0] for n in manifest["params"] if n.startswith(STATE_PREFIX)})
+
+
 class Loaded(NamedTuple):
     """What ``load_checkpoint`` returns besides the weights it copied into the model."""
 
@@ -127,7 +139,7 @@ def _modules(model) -> list[nn.Module]:
     return list(model) if isinstance(model, (list, tuple, nn.ModuleList)) else [model]
 
 
-def _params(model) -> dict[str, nn.Parameter]:
+def named_parameters(model) -> dict[str, nn.Parameter]:
     """Name -> parameter over this rank's stage module(s), by the model's layout-independent names."""
     out: dict[str, nn.Parameter] = {}
     for module in _modules(model):
@@ -177,11 +189,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 # -- save -------------------------------------------------------------------------------------------
-def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConfig, extra: dict | None = None) -> Path:
+def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConfig, extra: dict | None = None,
+                    state: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
     """Write this rank's shard of ``model`` (a stage module, or a list/ModuleList of chunks) to ``directory``.
 
     Collective over the world: every rank calls it with its own stage. ``extra`` is any
-    JSON-serialisable metadata (returned by ``load_checkpoint``). Returns the directory.
+    JSON-serialisable metadata (returned by ``load_checkpoint``). ``state``: parameter name ->
+    {key: tensor shaped like this rank's shard of it}, written beside it. Returns the directory.
     """
     target = Path(directory)
     extra = {} if extra is None else extra
@@ -199,7 +213,7 @@ def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConf
         raise UsageError(f"the config given to save_checkpoint differs from the model's "
                          f"({', '.join(_config_diff(config, _model_config(model))[:4])}); pass the model's own config")
     tp, pp, dp, tp_rank, pp_rank, dp_rank = _coords(topo)
-    params = _params(model)
+    params = named_parameters(model)
     # Who writes what: the first PP stage that holds a name (a tied embedding: the first stage).
     stage_names = _all_gather(sorted(params), topo, None if topo is None else topo.pp_group)
     first_holder = {}
@@ -214,6 +228,9 @@ def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConf
     record, local_error = None, None
     if dp_rank == 0:
         try:
+            for name in list(tensors):  # state tensors are split like their parameter
+                for key, t in (state or {}).get(name, {}).items():
+                    tensors[state_name(key, name)] = t
             record = _write_shard(tmp, params, tensors, tp=tp, tp_rank=tp_rank, pp_rank=pp_rank, pp=pp)
         except Exception as error:  # reported to rank 0, which cleans up and tells every rank
             local_error, record = error, {"failure": _failure(error)}
@@ -246,7 +263,7 @@ def _write_shard(tmp: Path, params: dict, owned: dict, *, tp: int, tp_rank: int,
 
     tensors, entries = {}, {}
     for name, t in owned.items():
-        param = params[name]
+        param = params[name.rsplit("/", 1)[-1] if name.startswith(STATE_PREFIX) else name]
         dim = getattr(param, "tp_dim", None)
         shape, part = list(t.shape), {}
         if dim is not None:
@@ -326,31 +343,58 @@ def _load(directory: Path, model, topo) -> Loaded:
             raise UsageError(f"checkpoint {directory} was saved from a different model ({', '.join(diff[:4])}, "
                              "checkpoint vs model); build the model from the checkpoint's config")
     tp, _, _, tp_rank, _, _ = _coords(topo)
-    if any(_zero3(p) for p in _params(model).values()):
+    if any(_zero3(p) for p in named_parameters(model).values()):
         raise UsageError("the model is already partitioned by DeepSpeed ZeRO-3; load the checkpoint into the "
                          "model before deepspeed.initialize (the engine copies its master weights from it there)")
     with ShardReader(directory, manifest) as reader:
-        for name, param in _params(model).items():
-            entry, dim = reader.entry(name), getattr(param, "tp_dim", None)
-            if entry["tp_dim"] != dim:
-                raise UsageError(f"parameter {name} is split along {entry['tp_dim']} in checkpoint {directory} but "
-                                 f"along {dim} in the model; it was saved from a different model")
-            want = list(param.shape)
-            if dim is None:
-                t = reader.read(name)
-            else:
-                local = param.shape[dim]
-                want[dim] = entry["shape"][dim]
-                if tp * local < want[dim] or list(entry["shape"]) != want:
-                    raise UsageError(f"parameter {name} has full shape {entry['shape']} in checkpoint {directory} "
-                                     f"but the model's shard is {list(param.shape)} at TP {tp}; it was saved from "
-                                     "a different model")
-                start = tp_rank * local
-                t = reader.read(name, min(start, want[dim]), min(start + local, want[dim]))
-                param.narrow(dim, t.shape[dim], local - t.shape[dim]).zero_()  # vocab padding
-                param = param.narrow(dim, 0, t.shape[dim])
-            if list(t.shape) != list(param.shape):
-                raise UsageError(f"parameter {name} has shape {list(t.shape)} in checkpoint {directory} but "
-                                 f"{list(param.shape)} in the model; it was saved from a different model")
-            param.copy_(t)
+        for name, param in named_parameters(model).items():
+            param.copy_(_read_shard(reader, name, param, tp, tp_rank, directory))
     return Loaded(step=manifest["step"], extra=manifest["extra"])
+
+
+def _read_shard(reader: ShardReader, name: str, param, tp: int, tp_rank: int, directory) -> torch.Tensor:
+    """This rank's shard of entry ``name`` (split like ``param``), vocab padding as zeros."""
+    pname = name.rsplit("/", 1)[-1] if name.startswith(STATE_PREFIX) else name
+    entry, dim = reader.entry(name), getattr(param, "tp_dim", None)
+    if entry["tp_dim"] != dim:
+        raise UsageError(f"parameter {pname} is split along {entry['tp_dim']} in checkpoint {directory} but "
+                         f"along {dim} in the model; it was saved from a different model")
+    if dim is None:
+        t = reader.read(name)
+    else:
+        local, want = param.shape[dim], list(param.shape)
+        want[dim] = entry["shape"][dim]
+        if tp * local < want[dim] or list(entry["shape"]) != want:
+            raise UsageError(f"parameter {pname} has full shape {entry['shape']} in checkpoint {directory} "
+                             f"but the model's shard is {list(param.shape)} at TP {tp}; it was saved from "
+                             "a different model")
+        start = tp_rank * local
+        t = reader.read(name, min(start, want[dim]), min(start + local, want[dim]))
+        if t.shape[dim] < local:  # vocab padding
+            pad = list(t.shape)
+            pad[dim] = local - t.shape[dim]
+            t = torch.cat([t, t.new_zeros(pad)], dim=dim)
+    if list(t.shape) != list(param.shape):
+        raise UsageError(f"parameter {pname} has shape {list(t.shape)} in checkpoint {directory} but "
+                         f"{list(param.shape)} in the model; it was saved from a different model")
+    return t
+
+
+def load_state(directory, model, topo=None) -> dict[str, dict[str, torch.Tensor]]:
+    """Parameter name -> {key: this rank's TP shard} of the state saved beside the weights.
+
+    Reads only the slices this rank needs, at any TP x PP layout (a ZeRO-3 parameter by its
+    unpartitioned ``ds_shape``); not collective.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    tp, _, _, tp_rank, _, _ = _coords(topo)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    with ShardReader(directory, manifest) as reader:
+        for name, param in named_parameters(model).items():
+            shaped = param if not _zero3(param) else torch.empty(param.ds_shape, device="meta")
+            if _zero3(param):
+                shaped.tp_dim = getattr(param, "tp_dim", None)
+            out[name] = {key: _read_shard(reader, state_name(key, name), shaped, tp, tp_rank, directory)
+                         for key in state_keys(manifest)}
+    return out

@@ -1,44 +1,209 @@
-"""A training run's checkpoints: ``--save``, ``--save-every`` and ``--load`` around ``megakit.interop.checkpoint``.
+"""A training run's checkpoints: ``--save``, ``--save-every``, ``--keep`` and ``--load``, resumed exactly.
 
-What a checkpoint carries is the checkpoint module's scope: the weights (at any TP x PP
-layout), the step and a little metadata. A resumed run continues the data stream and
-the LR schedule from the saved step (both are functions of the step), but its Adam
-moments start from zero: optimizer state is not in megakit checkpoints. Weights are
-loaded into the stage model *before* ``deepspeed.initialize``, which copies its master
-weights from the model there (and partitions it under ZeRO-3).
+A checkpoint holds what the next step depends on, so a resumed run's losses are the
+uninterrupted run's:
+
+- weights (``megakit.interop.checkpoint``), at any TP x PP layout;
+- per parameter, the fp32 master weights and the optimizer's moments, whole over DP and
+  split over TP like the parameter, so they reshard to any TP x PP x DP and ZeRO stage.
+  DeepSpeed's public views give and take them: ``safe_get_full_fp32_param`` and
+  ``safe_get_full_optimizer_state`` (and the ``safe_set_full_*`` twins) under ZeRO 1-3 and
+  bf16; the torch optimizer's own ``state`` under fp32 ZeRO-0, where the parameter is the
+  master copy;
+- the optimizer's step count; the LR schedule, the data position and the dropout masks
+  are functions of the step, the global batch and the seed, which must match on resume.
+
+``--save DIR --save-every N`` writes ``DIR/step-000123`` and then, last, ``DIR/latest``;
+``--keep K`` removes all but the newest K. ``--load DIR`` takes a checkpoint directory, or
+the newest intact one of a series (``latest`` first), saying which, and falls back past a
+damaged one with one line saying why. A save killed half-way leaves only a ``.tmp-``
+directory, which is never a candidate.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import warnings
 from pathlib import Path
 
+import torch
+
 from megakit.errors import UsageError
-from megakit.interop.checkpoint import save_checkpoint
-from megakit.interop.checkpoint_format import MANIFEST, read_manifest
+from megakit.interop.checkpoint import load_state, named_parameters, save_checkpoint
+from megakit.interop.checkpoint_format import MANIFEST, read_manifest, sha256_file
+
+LATEST = "latest"
+STEP_PREFIX = "step-"
 
 
-def check_checkpoint_flags(*, save: str | None, load: str | None, steps: int) -> int:
-    """The step a run starts from (0, or the loaded checkpoint's); UsageError for what would fail later.
+# -- which checkpoint ------------------------------------------------------------------------------
+def is_series(directory: str | Path) -> bool:
+    path = Path(directory)
+    return path.is_dir() and not (path / MANIFEST).is_file() and (
+        (path / LATEST).is_file() or any(path.glob(f"{STEP_PREFIX}*")))
 
-    Runs before any process group exists, so a mistake is found before training, not at its end.
-    ``steps`` counts every step, loaded ones included (Megatron's ``--train-iters``), so the LR
-    schedule in the ds_config means the same thing in a resumed run.
+
+def _intact(path: Path) -> str | None:
+    """None if ``path`` is a complete checkpoint whose files match their checksums, else why not."""
+    try:
+        manifest = read_manifest(path)
+        for fname, info in manifest["files"].items():
+            if not (path / fname).is_file():
+                return f"{fname} is missing"
+            if sha256_file(path / fname) != info["sha256"]:
+                return f"{fname} fails its checksum"
+    except UsageError as error:
+        return str(error)
+    return None
+
+
+def choose_checkpoint(load: str, *, say=print) -> Path:
+    """The checkpoint ``--load`` means: the directory itself, or the newest intact one of a series."""
+    path = Path(load)
+    if not is_series(path):
+        read_manifest(path)  # one clear line if it is not a checkpoint
+        return path
+    candidates = sorted(path.glob(f"{STEP_PREFIX}[0-9]*"), reverse=True)
+    candidates = [c for c in candidates if c.is_dir() and ".tmp-" not in c.name and ".old-" not in c.name]
+    if (path / LATEST).is_file():
+        pointed = path / (path / LATEST).read_text().strip()
+        candidates = [pointed] + [c for c in candidates if c != pointed]
+    for candidate in candidates:
+        why = _intact(candidate)
+        if why is None:
+            say(f"megakit: resuming from {candidate}")
+            return candidate
+        say(f"megakit: skipping damaged checkpoint {candidate} ({why}); trying the one before")
+    raise UsageError(f"--load {path}: no intact checkpoint in the series; start without --load or restore one")
+
+
+def check_checkpoint_flags(*, save: str | None, load: str | None, steps: int, say=print) -> tuple[int, Path | None]:
+    """``(step to start from, checkpoint to load)``; UsageError for what would fail later.
+
+    Runs before any process group exists. ``steps`` counts every step, loaded ones included
+    (Megatron's ``--train-iters``), so the LR schedule in the ds_config means the same thing.
     """
     if save:
         target = Path(save)
-        if target.exists() and not (target / MANIFEST).is_file() and (not target.is_dir() or any(target.iterdir())):
+        if target.exists() and not (target / MANIFEST).is_file() and not is_series(target) and (
+                not target.is_dir() or any(target.iterdir())):
             raise UsageError(f"--save {target} exists and is not a megakit checkpoint; choose another directory "
                              "or remove it")
     if not load:
-        return 0
-    start = read_manifest(load)["step"]
+        return 0, None
+    chosen = choose_checkpoint(load, say=say)
+    start = read_manifest(chosen)["step"]
     if start >= steps:
-        raise UsageError(f"checkpoint {load} is at step {start} and --steps counts all steps, loaded ones "
+        raise UsageError(f"checkpoint {chosen} is at step {start} and --steps counts all steps, loaded ones "
                          f"included; pass --steps larger than {start}")
-    return start
+    return start, chosen
 
 
+def check_same_run(checkpoint: Path, *, seed: int, global_batch: int) -> None:
+    """The data position and the dropout masks resume only with the same seed and global batch."""
+    extra = read_manifest(checkpoint)["extra"]
+    for what, flag, ours in (("seed", "--seed", seed),
+                             ("global_batch", "global batch (micro-batch x accumulation x DP)", global_batch)):
+        if what in extra and extra[what] != ours:
+            raise UsageError(f"checkpoint {checkpoint} was trained with {what} {extra[what]}, this run has {ours}; "
+                             f"resume with the same {flag}, or the data position and dropout masks would not "
+                             "continue")
+
+
+# -- what the optimizer holds ----------------------------------------------------------------------
+def _torch_optimizer(engine) -> torch.optim.Optimizer:
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+def _moment_keys(optimizer) -> list[str]:
+    keys = {k for state in optimizer.state.values() for k, v in state.items() if k != "step" and torch.is_tensor(v)
+            and v.dim() > 0}
+    return sorted(keys) or ["exp_avg", "exp_avg_sq"]
+
+
+def optimizer_step_count(engine) -> int:
+    optimizer = _torch_optimizer(engine)
+    for state in optimizer.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return int(optimizer.param_groups[0].get("step", 0))
+
+
+def optimizer_state(engine) -> dict[str, dict[str, torch.Tensor]]:
+    """Parameter name -> {"fp32": master, moment: tensor} on the CPU (this rank's TP shard, whole over DP).
+
+    Collective over DP under ZeRO (DeepSpeed gathers each fragment): every rank calls it.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    optimizer = _torch_optimizer(engine)
+    keys = _moment_keys(optimizer)
+    out = {}
+    for name, param in named_parameters(engine.module).items():
+        master = safe_get_full_fp32_param(param)
+        if master is None:  # fp32 ZeRO-0: the parameter is the master, the torch optimizer holds the moments
+            state = optimizer.state.get(param, {})
+            out[name] = {k: state[k].detach().to("cpu", copy=True) for k in keys if k in state}
+            continue
+        out[name] = {"fp32": master.detach().to("cpu", copy=True)}
+        for key in keys:
+            value = safe_get_full_optimizer_state(param, key)
+            if value is not None:
+                out[name][key] = value.detach().to("cpu", copy=True)
+    return out
+
+
+def _create_optimizer_state(engine, keys: list[str]) -> None:
+    """Adam-style state for every parameter the torch optimizer steps, as its first step would make it.
+
+    Before a first step nothing exists for DeepSpeed's ``safe_set_full_*`` to write into;
+    ZeRO 1-2 and bf16 then link each parameter to its fragment of the new state (DeepSpeed
+    does the same after its first step).
+    """
+    optimizer = _torch_optimizer(engine)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                for key in keys:
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:
+        link()
+
+
+def set_optimizer_state(engine, state: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+    """Put saved master weights, moments and the step count into the engine's optimizer (any ZeRO stage)."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    optimizer = _torch_optimizer(engine)
+    keys = sorted({k for per in state.values() for k in per if k != "fp32"})
+    _create_optimizer_state(engine, keys)
+    with torch.no_grad():
+        for name, param in named_parameters(engine.module).items():
+            saved = state[name]
+            if not hasattr(param, "_hp_mapping") and not hasattr(param, "ds_id"):  # fp32 ZeRO-0: torch's own
+                if "fp32" in saved:  # saved by a mixed-precision or ZeRO run: the master is the better copy
+                    param.copy_(saved["fp32"])
+                for key in keys:
+                    optimizer.state[param][key].copy_(saved[key])
+                continue
+            if "fp32" in saved:  # every DP rank calls: each writes its own fragment
+                safe_set_full_fp32_param(param, saved["fp32"].to(param.device))
+            for key in keys:
+                safe_set_full_optimizer_state(param, saved[key].to(param.device), key)
+    for per_param in optimizer.state.values():
+        if "step" in per_param:
+            per_param["step"] = torch.tensor(float(step), dtype=per_param["step"].dtype,
+                                             device=per_param["step"].device)
+    for group in optimizer.param_groups:
+        if "step" in group:
+            group["step"] = step
+
+
+# -- save and load ----------------------------------------------------------------------------------
 def resume_schedule(engine, start: int) -> None:
     """Move the engine's LR schedule to step ``start``: one scheduler step per optimizer step, as a run from 0."""
     if engine.lr_scheduler is not None:
@@ -48,12 +213,32 @@ def resume_schedule(engine, start: int) -> None:
                 engine.lr_scheduler.step()
 
 
-def save_weights(directory: str, engine, topo, config, *, step: int, extra: dict) -> None:
-    """Every rank writes its shard of ``engine.module`` (one stage, or an interleaved stage's chunks).
+def restore(engine, topo, checkpoint: Path, step: int) -> None:
+    """After ``deepspeed.initialize``: the saved optimizer state (if any) and the LR schedule's position."""
+    from megakit.interop.checkpoint import state_keys
+
+    manifest = read_manifest(checkpoint)
+    if state_keys(manifest):
+        set_optimizer_state(engine, load_state(checkpoint, engine.module, topo),
+                            int(manifest["extra"].get("optimizer_step", step)))
+    resume_schedule(engine, step)
+
+
+def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, series: bool, keep: int) -> Path:
+    """Save weights and optimizer state; in a series, as ``DIR/step-N`` with ``DIR/latest`` written last.
 
     Collective over the world (see ``save_checkpoint``); an error on any rank raises on every rank.
-    Under ZeRO-3 the checkpoint module gathers each parameter over DP; under bf16 the weights
-    saved are the engine's bf16 ones (the fp32 master copy is optimizer state).
     """
-    save_checkpoint(directory, engine.module, topo, step=step, config=config,
-                    extra={**extra, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp})
+    state = optimizer_state(engine)  # collective over DP under ZeRO: every rank
+    target = Path(directory) / f"{STEP_PREFIX}{step:07d}" if series else Path(directory)
+    save_checkpoint(target, engine.module, topo, step=step, config=config, state=state,
+                    extra={**extra, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
+                           "optimizer_step": optimizer_step_count(engine)})
+    if series and topo.rank == 0:
+        pointer = Path(directory) / f"{LATEST}.tmp"
+        pointer.write_text(target.name + "\n")
+        os.replace(pointer, Path(directory) / LATEST)
+        for old in sorted(Path(directory).glob(f"{STEP_PREFIX}[0-9]*"))[:-keep]:
+            if "." not in old.name:
+                shutil.rmtree(old, ignore_errors=True)
+    return target

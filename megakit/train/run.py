@@ -10,6 +10,7 @@ Everything below ``train`` reads the ``Run`` instead of working the same things 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -18,7 +19,7 @@ from megakit.core.model_config import ModelConfig, check_seq_len
 from megakit.errors import UsageError
 from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan
 from megakit.train.ds_config import load_ds_config, require_optimizer
-from megakit.train.resume import check_checkpoint_flags
+from megakit.train.resume import check_checkpoint_flags, check_same_run
 
 RECOMPUTE = ("none", "full")
 
@@ -50,6 +51,7 @@ class TrainConfig:
     sequence_parallel: bool = False  # split norms/dropout/residual over TP along the sequence (no-op at TP 1)
     save: str | None = None  # checkpoint directory, written at the end (and every save_every steps)
     save_every: int = 0
+    keep: int = 0  # with --save-every: keep the newest K checkpoints as DIR/step-N with DIR/latest (0: one, replaced)
     load: str | None = None  # checkpoint to start from: weights and step count (not the optimizer state)
     allow_cross_node_tp: bool = False  # run a TP group that spans nodes (with a warning) instead of refusing it
 
@@ -59,6 +61,9 @@ class TrainConfig:
                              "whole blocks (full) or nothing (none)")
         if self.save_every < 0 or (self.save_every and not self.save):
             raise UsageError(f"--save-every {self.save_every} needs --save DIR and a count of at least 1")
+        if self.keep < 0 or (self.keep and not self.save_every):
+            raise UsageError(f"--keep {self.keep} keeps the newest of the checkpoints --save-every writes; "
+                             "pass --save DIR --save-every N with it, and a count of at least 1")
         if self.steps < 1:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
         if self.log_every < 1:
@@ -80,6 +85,7 @@ class Run:
     model: ModelConfig
     batch: BatchPlan
     start_step: int
+    checkpoint: Path | None  # what --load resolved to (a directory, or the newest intact one of a series)
     precision: str  # "fp32" | "bf16" | "fp16": the weights' and the exchanged activations' type
     zero_stage: int
     sequence_parallel: bool  # asked for, and TP > 1 (nothing to split otherwise)
@@ -90,8 +96,10 @@ class Run:
         return PRECISION_DTYPES[self.precision]
 
 
-def resolve(cfg: TrainConfig, world_size: int) -> Run:
-    """The ``Run`` of ``cfg`` on ``world_size`` processes; UsageError on any mistake, before any process group."""
+def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
+    """The ``Run`` of ``cfg`` on ``world_size`` processes; UsageError on any mistake, before any process group.
+
+    ``say`` prints what it chose (which checkpoint ``--load`` resumes from)."""
     layout = Layout.for_world(world_size, tp=cfg.tp, pp=cfg.pp)
     ds_config = load_ds_config(cfg.ds_config, dp=layout.dp, pp=layout.pp)
     require_optimizer(ds_config)
@@ -104,12 +112,15 @@ def resolve(cfg: TrainConfig, world_size: int) -> Run:
     if sequence_parallel and seq_len % cfg.tp:  # the model would find out only on the first stage
         raise UsageError(f"sequence length {seq_len} is not divisible by TP {cfg.tp}; sequence parallelism "
                          "needs it to be (change --seq-len or drop --sequence-parallel)")
-    start = check_checkpoint_flags(save=cfg.save, load=cfg.load, steps=cfg.steps)
+    start, checkpoint = check_checkpoint_flags(save=cfg.save, load=cfg.load, steps=cfg.steps, say=say)
     batch = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
                       accumulation=ds_config["gradient_accumulation_steps"], dp=layout.dp, seed=cfg.seed)
+    if checkpoint is not None:
+        check_same_run(checkpoint, seed=cfg.seed, global_batch=batch.global_batch)
     precision = ("bf16" if ds_config.get("bf16", {}).get("enabled") else
                  "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32")
     return Run(cfg=cfg, layout=layout, ds_config=ds_config, model=model, batch=batch, start_step=start,
+               checkpoint=checkpoint,
                precision=precision, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
                sequence_parallel=sequence_parallel,
                schedule=cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b"))

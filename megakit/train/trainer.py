@@ -25,7 +25,7 @@ megakit clips itself (``_Zero0Clipper``) with the same rule.
 
 Sequence parallelism and full recompute are the model's (``Transformer(sequence_parallel=,
 recompute=)``); with SP the stages exchange ``(S/tp, B, H)``. Checkpoints (``--save``,
-``--load``: weights and step, not optimizer state) are in ``megakit.train.resume``. A user
+``--load``, ``--keep``: weights, optimizer state and step, resumed exactly) are in ``megakit.train.resume``. A user
 mistake that every rank makes alike is marked ``all_ranks`` so that only rank 0 prints it.
 """
 
@@ -50,7 +50,7 @@ from megakit.train.deepspeed_shm import unlink_shared_memory
 from megakit.train.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops
 from megakit.train.reporting import Reporter, start_profiler
-from megakit.train.resume import resume_schedule, save_weights
+from megakit.train.resume import restore, save_run
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
 
 
@@ -121,7 +121,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     from megakit.nn.topology import Topology, init_distributed
 
     try:  # user mistakes fail here, before any process group exists, alike on every rank
-        run = resolve(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # what the launcher started (1 without one)
+        rank0 = os.environ.get("RANK", "0") == "0"
+        run = resolve(cfg, int(os.environ.get("WORLD_SIZE", 1)), say=print if rank0 else (lambda *_: None))
         tokens = load_tokens(cfg.data, max_bytes=cfg.max_bytes)
     except UsageError as error:
         raise everywhere(error)
@@ -132,8 +133,11 @@ def train(cfg: TrainConfig) -> TrainResult:
     watchdog = _start_watchdog(cfg, topo)
     try:
         result = _train(run, topo, watchdog, tokens)
-    except (UsageError, TrainingDiverged):
-        watchdog.stop(done=True)
+    except (UsageError, TrainingDiverged) as error:
+        if isinstance(error, TrainingDiverged) or getattr(error, "all_ranks", False):  # every rank raised it
+            _leave_together(watchdog)
+        else:  # this rank's own: its exit ends the job
+            watchdog.stop(done=True)
         raise
     except Exception as error:
         if dist.get_world_size() > 1 and not isinstance(error, AssertionError):
@@ -142,8 +146,15 @@ def train(cfg: TrainConfig) -> TrainResult:
             raise RuntimeError(f"{_describe(topo, topo.rank)}: communication failed: {why} "
                                f"({type(error).__name__}: {detail[:120]})") from error
         raise
-    watchdog.stop(done=True)
+    _leave_together(watchdog)
     return result
+
+
+def _leave_together(watchdog) -> None:
+    """Stop the watchdog, then wait for every rank: rank 0 hosts the store the watchdogs talk to, so
+    it must not exit while another rank's watchdog is still in a store call (that rank would abort)."""
+    watchdog.stop(done=True)
+    comm.barrier(comm.WORLD)
 
 
 def _check_placement(cfg: TrainConfig, layout) -> None:
@@ -206,9 +217,9 @@ def _build(run: Run, topo):
     if topo.pp > 1 and topo.is_last_stage and run.model.tie_embeddings:
         chunks[-1].embed.weight.ds_pipe_replicated = True  # the first stage's copy counts in the norm
     stage = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # interleaved: one engine, all chunks
-    if cfg.load:  # before deepspeed.initialize: the engine copies its master weights from the model
+    if run.checkpoint:  # before deepspeed.initialize: the engine copies its master weights from the model
         try:
-            load_checkpoint(cfg.load, stage, topo)
+            load_checkpoint(run.checkpoint, stage, topo)
         except UsageError as error:
             raise everywhere(error)  # load_checkpoint raises on every rank when any rank fails
     clipper = None
@@ -229,7 +240,8 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     cfg, plan, start = run.cfg, run.batch, run.start_step
     engine, clipper = _build(run, topo)
-    resume_schedule(engine, start)
+    if run.checkpoint:
+        restore(engine, topo, run.checkpoint, start)  # optimizer state, LR schedule
     batches = TokenBatches(tokens, plan)
     run_step = _pipeline_step(run, topo, engine) if topo.pp > 1 else _plain_step(engine)
     device = _device() or torch.device("cpu")
@@ -276,7 +288,8 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
         done = step + 1
         if cfg.save and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
             try:
-                save_weights(cfg.save, engine, topo, run.model, step=done, extra={"loss": loss, "seed": cfg.seed})
+                save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
+                         extra={"loss": loss, "seed": cfg.seed, "global_batch": plan.global_batch})
             except UsageError as error:
                 raise everywhere(error)  # save_checkpoint raises on every rank when any rank fails
     if profiler is not None:

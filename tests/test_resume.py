@@ -1,0 +1,149 @@
+"""Exact resume through the real launcher: optimizer state in the checkpoint, resharded across layouts and ZeRO
+stages, a crash-safe series, and bad checkpoints refused in one line.
+
+One 4-process job runs the uninterrupted run (TP2 x DP2, ZeRO-1, dropout 0.1, saving a series every 2 steps)
+and then resumes its checkpoints at other layouts; every case keeps the global batch at 8 sequences.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from multiproc import free_port
+from test_trainer import ROOT, ds_config, dropout_model, sweep
+
+STEPS = 8
+TOL = 1e-5
+
+
+def _case(tmp, model, *, stage, micro, accumulation, steps=STEPS, **layout) -> dict:
+    return dict(ds_config=ds_config(stage, micro=micro, accumulation=accumulation), model=model, steps=steps,
+                seq_len=32, **layout)
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resume")
+    model = dropout_model(tmp)
+    series = tmp / "series"
+    base = _case(tmp, model, stage=1, micro=2, accumulation=2, tp=2, save=str(series), save_every=2, keep=10)
+    cases = [
+        base,  # 0: uninterrupted; checkpoints at steps 2, 4, 6, 8
+        {**_case(tmp, model, stage=1, micro=2, accumulation=2, tp=2), "load": str(series / "step-0000004")},  # same
+        {**_case(tmp, model, stage=0, micro=2, accumulation=2, pp=2), "load": str(series / "step-0000002")},
+        {**_case(tmp, model, stage=2, micro=2, accumulation=1), "load": str(series / "step-0000004")},  # DP 4
+        {**_case(tmp, model, stage=0, micro=2, accumulation=4, tp=4), "load": str(series / "step-0000006")},
+    ]
+    return cases, sweep(tmp_path_factory, 4, cases)
+
+
+@pytest.mark.slow
+def test_resume_at_the_same_layout_is_bitwise(resumed):
+    _, results = resumed
+    full, again = results[0]["loss"], results[1]["loss"]
+    assert again == full[4:], (again, full)  # exact float equality: Adam's moments and step came back
+
+
+@pytest.mark.slow
+def test_resume_reshards_optimizer_state_across_layouts_and_zero_stages(resumed):
+    """TP2xDP2 ZeRO-1 -> PP2xDP2 ZeRO-0, -> DP4 ZeRO-2, -> TP4 ZeRO-0: the uninterrupted losses within 1e-5."""
+    _, results = resumed
+    full = results[0]["loss"]
+    for index, start in ((2, 2), (3, 4), (4, 6)):
+        got = results[index]["loss"]
+        assert len(got) == STEPS - start
+        for step, (a, b) in enumerate(zip(got, full[start:]), start):
+            assert abs(a - b) < TOL, (index, step, a, b)
+
+
+@pytest.mark.slow
+def test_a_series_keeps_its_newest_and_falls_back_past_damage(resumed, tmp_path):
+    cases, _ = resumed
+    series = Path(cases[0]["save"])
+    assert (series / "latest").read_text().strip() == "step-0000008"
+    assert sorted(p.name for p in series.iterdir()) == ["latest"] + [f"step-000000{i}" for i in (2, 4, 6, 8)]
+    manifest = json.loads((series / "step-0000008" / "manifest.json").read_text())
+    assert any(name.startswith("state/exp_avg/") for name in manifest["params"])  # Adam moments are in it
+    assert manifest["extra"]["optimizer_step"] == 8
+    # damage the newest: the series resumes from the one before, saying why
+    newest = next((series / "step-0000008").glob("*.safetensors"))
+    newest.write_bytes(newest.read_bytes()[:-7])
+    out = _train(tmp_path, "--load", str(series), "--steps", "7", "--tp", "2", nprocs=4)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.search(r"skipping damaged checkpoint .*step-0000008 \(.*fails its checksum\)", out.stdout), out.stdout
+    assert "resuming from " + str(series / "step-0000006") in out.stdout
+
+
+def _train(tmp_path, *args, nprocs=2, model="gpt-tiny", stage=1, steps=None):
+    config = tmp_path / f"zero{stage}.json"
+    config.write_text(json.dumps(ds_config(stage, micro=2, accumulation=2)))
+    cmd = ["deepspeed", "--num_gpus", str(nprocs), "--master_port", str(free_port()), "scripts/train.py",
+           "--ds_config", str(config), "--model", model, "--seq-len", "32", "--no-progress", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_bad_checkpoints_are_refused_in_one_line(resumed, tmp_path):
+    cases, _ = resumed
+    good = Path(cases[0]["save"]) / "step-0000004"
+    tampered = tmp_path / "tampered"
+    subprocess.run(["cp", "-r", str(good), str(tampered)], check=True)
+    shard = next(tampered.glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = {p.name: p.read_bytes() for p in tampered.iterdir()}
+    out = _train(tmp_path, "--load", str(tampered), "--steps", "6", nprocs=2, model=cases[0]["model"])
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("train.py: error:")]
+    assert out.returncode != 0 and len(lines) == 1 and "fails its checksum" in lines[0], out.stderr[-2000:]
+    assert {p.name: p.read_bytes() for p in tampered.iterdir()} == before  # nothing overwritten
+    foreign = _train(tmp_path, "--load", str(good), "--steps", "6", nprocs=2, model="gpt-mini")  # another model
+    lines = [line for line in (foreign.stdout + foreign.stderr).splitlines() if line.startswith("train.py: error:")]
+    assert foreign.returncode != 0 and len(lines) == 1 and "different model" in lines[0], foreign.stderr[-2000:]
+    other_seed = _train(tmp_path, "--load", str(good), "--steps", "6", "--seed", "3", nprocs=2,
+                        model=cases[0]["model"])
+    assert other_seed.returncode == 2 and "resume with the same --seed" in other_seed.stderr, other_seed.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_job_killed_while_saving_resumes_on_the_uninterrupted_trajectory(tmp_path):
+    """SIGKILL the whole job while a checkpoint is being written (a .tmp- directory exists); the series
+    resumes from the newest complete one and reproduces the uninterrupted losses exactly."""
+    full = _train(tmp_path, "--steps", "40", "--metrics-out", str(tmp_path / "full.json"))
+    assert full.returncode == 0, full.stderr[-3000:]
+    series = tmp_path / "series"
+    config = tmp_path / "zero1.json"
+    log = open(tmp_path / "job.txt", "w")
+    job = subprocess.Popen(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "scripts/train.py",
+                            "--ds_config", str(config), "--model", "gpt-tiny", "--seq-len", "32", "--no-progress",
+                            "--steps", "400", "--save", str(series), "--save-every", "1", "--keep", "3"],
+                           cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT,
+                           start_new_session=True)
+    try:
+        deadline, caught = time.time() + 240, False
+        while time.time() < deadline and job.poll() is None:
+            saved = sorted(series.glob("step-*")) if series.exists() else []
+            if any(".tmp-" in p.name for p in saved) and len(saved) > 3:
+                caught = True
+                break
+            time.sleep(0.002)
+        assert job.poll() is None, (tmp_path / "job.txt").read_text()[-3000:]
+        os.killpg(job.pid, signal.SIGKILL)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    assert caught, "no save was caught in progress"
+    resumed = _train(tmp_path, "--load", str(series), "--steps", "40", "--metrics-out", str(tmp_path / "res.json"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    start = int(re.search(r"resuming from .*step-(\d+)", resumed.stdout).group(1))
+    want = [s["loss"] for s in json.loads((tmp_path / "full.json").read_text())["steps"]][start:]
+    got = [s["loss"] for s in json.loads((tmp_path / "res.json").read_text())["steps"]]
+    assert got == want and 0 < start < 40, (start, got, want)
