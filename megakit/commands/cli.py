@@ -17,7 +17,7 @@ from megakit.errors import UsageError
 COMMANDS = {
     "plan": ("megakit.commands.plan", "pick TP x PP x DP x ZeRO for a model and a cluster"),
     "schedule": ("megakit.commands.schedule", "print and draw a pipeline schedule"),
-    "convert": ("megakit.commands.convert", "export a megakit checkpoint to Hugging Face transformers' layout"),
+    "convert": ("megakit.commands.convert", "a megakit checkpoint to Hugging Face transformers' layout, or back"),
 }
 
 

@@ -1,6 +1,9 @@
-"""``megakit convert CHECKPOINT --to-hf OUT_DIR``: a megakit checkpoint to transformers' layout.
+"""``megakit convert``: between a megakit checkpoint and transformers' layout, both ways.
 
-Single process, any saved TP x PP layout; see ``megakit.interop.hf_export``.
+    megakit convert CHECKPOINT --to-hf OUT_DIR      # megakit -> transformers (any saved TP x PP layout)
+    megakit convert HF_DIR OUT_DIR --from-hf        # transformers (safetensors) -> megakit, step 0
+
+Single process; see ``megakit.interop.hf_export`` and ``megakit.interop.hf_import``.
 """
 
 from __future__ import annotations
@@ -9,20 +12,37 @@ import argparse
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a directory written by megakit's save_checkpoint")
-    parser.add_argument("--to-hf", metavar="OUT_DIR", required=True,
+    parser.add_argument("source", metavar="SOURCE",
+                        help="a megakit checkpoint directory (with --to-hf), or a transformers one (with --from-hf)")
+    parser.add_argument("out", metavar="OUT_DIR", nargs="?", default=None,
+                        help="with --from-hf: where to write the megakit checkpoint (a new or empty directory)")
+    parser.add_argument("--to-hf", metavar="OUT_DIR",
                         help="write config.json and model.safetensors here (a new or empty directory)")
+    parser.add_argument("--from-hf", action="store_true",
+                        help="SOURCE is a transformers checkpoint (config.json + safetensors): write it to OUT_DIR "
+                             "as a megakit checkpoint that train.py --load starts from at any layout")
     parser.add_argument("--max-shard-gb", type=float, default=5.0,
-                        help="split the weights into files of at most this size, as transformers does (default 5)")
+                        help="with --to-hf: split the weights into files of at most this size, as transformers does")
 
 
 def run(args: argparse.Namespace) -> int:
     from megakit.errors import UsageError
+
+    if bool(args.to_hf) == bool(args.from_hf) or (args.from_hf and not args.out) or (args.to_hf and args.out):
+        raise UsageError("give either CHECKPOINT --to-hf OUT_DIR, or HF_DIR OUT_DIR --from-hf")
+    if args.from_hf:
+        from megakit.interop.hf_import import import_hf
+
+        summary = import_hf(args.source, args.out)
+        print(f"wrote {args.out}: a megakit checkpoint at step 0 ({summary['family']}, "
+              f"{summary['params'] / 1e6:.2f} M parameters, {summary['dtype']}) from {args.source}")
+        print(f"train from it with: deepspeed scripts/train.py --model {args.source} --load {args.out} ...")
+        return 0
     from megakit.interop.hf_export import export_hf
 
     if args.max_shard_gb <= 0:
         raise UsageError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
-    summary = export_hf(args.checkpoint, args.to_hf, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    summary = export_hf(args.source, args.to_hf, max_shard_bytes=int(args.max_shard_gb * 2**30))
     print(f"wrote {args.to_hf}: {', '.join(summary['files'])} + config.json "
           f"({summary['params'] / 1e6:.2f} M parameters, {summary['dtype']}, {summary['bytes'] / 2**20:.1f} MiB) "
           f"from step {summary['step']}")

@@ -1,0 +1,71 @@
+"""A transformers checkpoint imported, trained one step by megakit at TP2 x PP2, exported: the same model as
+transformers' own one-step training of the same weights on the same batch."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from multiproc import free_port  # noqa: E402
+from test_trainer import ROOT  # noqa: E402
+
+from megakit.commands.cli import main  # noqa: E402
+from megakit.train.data import BatchPlan, TokenBatches, load_tokens  # noqa: E402
+
+OPTIMIZER = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+
+
+def _hf_model(directory):
+    config = json.loads((ROOT / "models" / "llama-tiny.json").read_text())
+    config = transformers.LlamaConfig(**{k: v for k, v in config.items() if k not in ("model_type", "architectures")})
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+
+
+def test_import_then_export_gives_back_the_same_bytes(tmp_path):
+    from safetensors.torch import load_file
+
+    _hf_model(tmp_path / "hf")
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "ck"), "--from-hf"]) == 0
+    assert main(["convert", str(tmp_path / "ck"), "--to-hf", str(tmp_path / "back")]) == 0
+    before, after = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert main(["convert", str(tmp_path / "hf"), "--from-hf"]) == 2  # no OUT_DIR: one line, exit 2
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "ck"), "--from-hf"]) == 2  # never over a checkpoint
+
+
+@pytest.mark.slow
+def test_one_step_at_tp2_pp2_equals_transformers_own_step(tmp_path):
+    _hf_model(tmp_path / "hf")
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "ck"), "--from-hf"]) == 0
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {**OPTIMIZER, "torch_adam": True}},
+          "zero_optimization": {"stage": 1}, "steps_per_print": 10**9}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    out = subprocess.run(["deepspeed", "--num_gpus", "4", "--master_port", str(free_port()), "scripts/train.py",
+                          "--ds_config", str(tmp_path / "ds.json"), "--model", str(tmp_path / "hf"), "--load",
+                          str(tmp_path / "ck"), "--steps", "1", "--tp", "2", "--pp", "2", "--seq-len", "32",
+                          "--save", str(tmp_path / "trained"), "--no-progress"],
+                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert main(["convert", str(tmp_path / "trained"), "--to-hf", str(tmp_path / "exported")]) == 0
+
+    inputs, labels = TokenBatches(load_tokens(None), BatchPlan(seq_len=32, micro_batch=2, accumulation=2)).global_batch(0)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=OPTIMIZER["lr"], betas=tuple(OPTIMIZER["betas"]),
+                                  eps=OPTIMIZER["eps"], weight_decay=OPTIMIZER["weight_decay"])
+    logits = reference(inputs).logits
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    optimizer.step()
+    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").float()
+    with torch.no_grad():
+        want, got = reference.eval()(inputs).logits, trained.eval()(inputs).logits
+        moved = (want - transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(inputs).logits).abs().max()
+    assert moved > 1e-3  # the step did change the model
+    assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
