@@ -10,7 +10,7 @@ head; then each block), reading each parameter's TP slices straight from the che
 files, so memory holds at most one output shard, never the whole model. The name and
 layout mapping is ``megakit.interop.hf.to_hf_state_dict`` itself, applied to a one-block model per
 unit; a first pass over meta tensors sizes the shards without reading any weights. Every
-file read is checked against the manifest's sha256. The output is written to a temporary
+tensor read is checked against the manifest's checksum. The output is written to a temporary
 directory and renamed, so a failed export leaves nothing at ``OUT_DIR``.
 """
 

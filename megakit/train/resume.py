@@ -31,7 +31,7 @@ import torch
 
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_state, named_parameters, save_checkpoint
-from megakit.interop.checkpoint_format import MANIFEST, read_manifest, sha256_file
+from megakit.interop.checkpoint_format import MANIFEST, ShardReader, read_manifest
 
 LATEST = "latest"
 STEP_PREFIX = "step-"
@@ -45,14 +45,11 @@ def is_series(directory: str | Path) -> bool:
 
 
 def _intact(path: Path) -> str | None:
-    """None if ``path`` is a complete checkpoint whose files match their checksums, else why not."""
+    """None if ``path`` is a complete checkpoint whose tensors match their checksums, else why not."""
     try:
         manifest = read_manifest(path)
-        for fname, info in manifest["files"].items():
-            if not (path / fname).is_file():
-                return f"{fname} is missing"
-            if sha256_file(path / fname) != info["sha256"]:
-                return f"{fname} fails its checksum"
+        with ShardReader(path, manifest) as reader:
+            reader.verify()
     except UsageError as error:
         return str(error)
     return None
