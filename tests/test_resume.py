@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from multiproc import free_port
-from test_trainer import ROOT, ds_config, dropout_model, sweep
+from test_trainer import ROOT, dropout_model, ds_config, sweep
 
 STEPS = 8
 TOL = 1e-5
