@@ -57,30 +57,19 @@ from megakit.core.model_config import ModelConfig
 from megakit.errors import UsageError
 from megakit.interop.checkpoint_format import (
     MANIFEST,
+    STATE_PREFIX,
     ShardReader,
     build_manifest,
     fsync,
     manifest_config,
     read_manifest,
     shard_file,
+    state_name,
     write_tensors,
 )
 from megakit.nn import comm as C
 
 IGNORED_FIELDS = ("dropout", "init_std")  # training settings: they do not change what the weights mean
-
-
-STATE_PREFIX = "state/"
-
-
-def state_name(key: str, name: str) -> str:
-    """Where tensor ``key`` (e.g. ``exp_avg``) of parameter ``name`` is stored."""
-    return f"{STATE_PREFIX}{key}/{name}"
-
-
-def state_keys(manifest: dict) -> list[str]:
-    """The per-parameter state keys a checkpoint holds (empty: weights only)."""
-    return sorted({n[len(STATE_PREFIX):].split("/", 1)[0] for n in manifest["params"] if n.startswith(STATE_PREFIX)})
 
 
 class Loaded(NamedTuple):
@@ -121,6 +110,17 @@ def _failure(error: BaseException) -> tuple[bool, str]:
     if isinstance(error, UsageError):
         return True, str(error)
     return False, f"{type(error).__name__}: {error}"
+
+
+def _collectively(work, topo):
+    """``work()`` on every rank; if it fails on any rank, raise on every rank (an all-gather of the outcome)."""
+    local_error, result = None, None
+    try:
+        result = work()
+    except Exception as error:
+        local_error = error
+    _raise_failures(_all_gather(None if local_error is None else _failure(local_error), topo), local_error)
+    return result
 
 
 def _raise_failures(failures: list, local: BaseException | None) -> None:
@@ -320,14 +320,7 @@ def load_checkpoint(directory, model, topo=None) -> Loaded:
     an error on any rank (missing or corrupt file, other model) raises on all of them.
     Returns the saved step and extra metadata.
     """
-    local_error, result = None, None
-    try:
-        result = _load(Path(directory), model, topo)
-    except Exception as error:
-        local_error = error
-    failures = _all_gather(None if local_error is None else _failure(local_error), topo)
-    _raise_failures(failures, local_error)
-    return result
+    return _collectively(lambda: _load(Path(directory), model, topo), topo)
 
 
 @torch.no_grad()
@@ -382,9 +375,12 @@ def load_state(directory, model, topo=None) -> dict[str, dict[str, torch.Tensor]
     """Parameter name -> {key: this rank's TP shard} of the state saved beside the weights.
 
     Reads only the slices this rank needs, at any TP x PP layout (a ZeRO-3 parameter by its
-    unpartitioned ``ds_shape``); not collective.
+    unpartitioned ``ds_shape``). Collective like ``load_checkpoint``: an error anywhere raises everywhere.
     """
-    directory = Path(directory)
+    return _collectively(lambda: _load_state(Path(directory), model, topo), topo)
+
+
+def _load_state(directory: Path, model, topo) -> dict[str, dict[str, torch.Tensor]]:
     manifest = read_manifest(directory)
     tp, _, _, tp_rank, _, _ = _coords(topo)
     out: dict[str, dict[str, torch.Tensor]] = {}

@@ -29,6 +29,19 @@ FORMAT, VERSION, MANIFEST = "megakit-checkpoint", 2, "manifest.json"
 READABLE = (1, 2)
 
 
+STATE_PREFIX = "state/"
+
+
+def state_name(key: str, name: str) -> str:
+    """Where tensor ``key`` (e.g. ``exp_avg``) of parameter ``name`` is stored."""
+    return f"{STATE_PREFIX}{key}/{name}"
+
+
+def state_keys(manifest: dict) -> list[str]:
+    """The per-parameter state keys a checkpoint holds (empty: weights only)."""
+    return sorted({n[len(STATE_PREFIX):].split("/", 1)[0] for n in manifest["params"] if n.startswith(STATE_PREFIX)})
+
+
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, read in 4 MiB chunks."""
     digest = hashlib.sha256()

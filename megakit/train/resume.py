@@ -31,7 +31,7 @@ import torch
 
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_state, named_parameters, save_checkpoint
-from megakit.interop.checkpoint_format import MANIFEST, ShardReader, read_manifest
+from megakit.interop.checkpoint_format import MANIFEST, ShardReader, read_manifest, state_keys
 
 LATEST = "latest"
 STEP_PREFIX = "step-"
@@ -212,8 +212,6 @@ def resume_schedule(engine, start: int) -> None:
 
 def restore(engine, topo, checkpoint: Path, step: int) -> None:
     """After ``deepspeed.initialize``: the saved optimizer state (if any) and the LR schedule's position."""
-    from megakit.interop.checkpoint import state_keys
-
     manifest = read_manifest(checkpoint)
     if state_keys(manifest):
         set_optimizer_state(engine, load_state(checkpoint, engine.module, topo),

@@ -241,7 +241,10 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
     cfg, plan, start = run.cfg, run.batch, run.start_step
     engine, clipper = _build(run, topo)
     if run.checkpoint:
-        restore(engine, topo, run.checkpoint, start)  # optimizer state, LR schedule
+        try:
+            restore(engine, topo, run.checkpoint, start)  # optimizer state, LR schedule
+        except UsageError as error:
+            raise everywhere(error)  # load_state raises on every rank when any rank fails
     batches = TokenBatches(tokens, plan)
     run_step = _pipeline_step(run, topo, engine) if topo.pp > 1 else _plain_step(engine)
     device = _device() or torch.device("cpu")
