@@ -64,6 +64,7 @@ from megakit.interop.checkpoint_format import (
     manifest_config,
     read_manifest,
     shard_file,
+    state_keys,
     state_name,
     write_tensors,
 )
