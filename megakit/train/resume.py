@@ -31,7 +31,12 @@ import torch
 
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_state, named_parameters, save_checkpoint
-from megakit.interop.checkpoint_format import MANIFEST, ShardReader, read_manifest, state_keys
+from megakit.interop.checkpoint_format import (
+    MANIFEST,
+    ShardReader,
+    read_manifest,
+    state_keys,
+)
 
 LATEST = "latest"
 STEP_PREFIX = "step-"
