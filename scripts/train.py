@@ -46,9 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allow-cross-node-tp", action="store_true",
                    help="run a TP group that spans nodes (refused by default: its per-layer all-reduce would "
                         "cross the slow inter-node link)")
-    p.add_argument("--recompute", choices=["none", "full"], default="none",
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
                    help="full: keep only each block's input and recompute the block in backward (~1/3 more "
-                        "compute, far less activation memory)")
+                        "compute, far less activation memory); selective: recompute only the attention core "
+                        "(Korthikanti et al. 2022), which saves its s x s scores when attention is written out")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="split norms, dropout and the residual stream over TP along the sequence (Megatron SP; "
                         "--seq-len must divide by --tp); nothing to split at --tp 1, where it changes nothing")

@@ -86,8 +86,9 @@ def test_script_without_the_launcher_is_a_world_of_one(tmp_path):
 
 
 def test_recompute_and_save_flags_are_checked():
-    with pytest.raises(UsageError, match="--recompute selective is not one of none, full"):
-        TrainConfig(ds_config={}, recompute="selective")
+    with pytest.raises(UsageError, match="--recompute partial is not one of none, selective, full"):
+        TrainConfig(ds_config={}, recompute="partial")
+    assert TrainConfig(ds_config={}, recompute="selective").recompute == "selective"
     with pytest.raises(UsageError, match="--save-every 5 needs --save DIR"):
         TrainConfig(ds_config={}, save_every=5)
 

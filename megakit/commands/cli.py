@@ -18,6 +18,7 @@ COMMANDS = {
     "plan": ("megakit.commands.plan", "pick TP x PP x DP x ZeRO for a model and a cluster"),
     "schedule": ("megakit.commands.schedule", "print and draw a pipeline schedule"),
     "convert": ("megakit.commands.convert", "a megakit checkpoint to Hugging Face transformers' layout, or back"),
+    "probe": ("megakit.commands.probe", "measure this machine into a hardware profile for megakit plan --hardware"),
 }
 
 

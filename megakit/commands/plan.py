@@ -14,14 +14,23 @@ import dataclasses
 import json
 import re
 import sys
+from pathlib import Path
 
 from megakit.core.planner import emit
 from megakit.core.planner.cost import estimate_cost
-from megakit.core.planner.hardware import GPUS, Cluster, gpu_preset
+from megakit.core.planner.hardware import (
+    GPU,
+    GPUS,
+    Cluster,
+    gpu_from_profile,
+    gpu_preset,
+)
 from megakit.core.planner.memory import GIB
 from megakit.core.planner.model_spec import ModelSpec, parse_count, preset_names
 from megakit.core.planner.plan import Plan
 from megakit.core.planner.search import NoPlan, Pins, search, smallest_cluster
+from megakit.core.planner.sharding import LINK_EFFICIENCY
+from megakit.core.planner.verdict import headroom_note
 from megakit.errors import UsageError
 
 # A value such as "-5B" or "-1.3e9" is a (wrong) size, not an option: argparse only treats plain
@@ -43,7 +52,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--gpu", default="a100-80gb", help=f"GPU preset: {', '.join(GPUS)}")
     cluster.add_argument("--gpus", type=int, help="total GPUs (default: the fewest whole nodes that fit)")
     cluster.add_argument("--nodes", type=int, help="nodes (x --gpus-per-node)")
-    cluster.add_argument("--gpus-per-node", type=int, default=8)
+    cluster.add_argument("--gpus-per-node", type=int, help="default 8, or the probed machine's")
+    cluster.add_argument("--hardware", metavar="PROFILE.json",
+                         help="a profile written by megakit probe: its measured rates replace the --gpu preset")
     cluster.add_argument("--gpu-mem", type=float, help="GPU memory override, GiB")
     cluster.add_argument("--intra-bw", type=float, help="intra-node link override, GB/s per GPU")
     cluster.add_argument("--inter-bw", type=float, help="inter-node network override, GB/s per GPU")
@@ -96,10 +107,11 @@ def run(args) -> int:
               "peak_tflops", "global_batch", "tp", "pp", "micro_batch", "vpp", "base_lr", "base_batch", "top")
     if not 0 < args.mem_threshold <= 1:
         raise UsageError(f"--mem-threshold {args.mem_threshold} must be in (0, 1], e.g. 0.8")
-    gpu = gpu_preset(args.gpu)
+    gpu, args.gpus_per_node = _hardware(args)
     model = load_model(args)
     tokens = parse_count(args.tokens, what="--tokens") if args.tokens else None
-    precision = args.precision or ("fp16" if gpu.name.startswith("v100") else "bf16")
+    precision = args.precision or ("fp16" if gpu.name.startswith("v100") else
+                                   "fp32" if gpu.fp32_rate == 1.0 and gpu.name.startswith("probed:") else "bf16")
     flash = gpu.flash_attention if args.attention is None else args.attention == "flash"
     global_batch = args.global_batch or emit.default_global_batch(model.params, model.seq_len)
     pins = Pins(tp=args.tp, pp=args.pp, zero=args.zero, micro_batch=args.micro_batch, recompute=args.recompute,
@@ -124,6 +136,14 @@ def run(args) -> int:
         try:
             result = search(model, cluster, global_batch=global_batch, **kwargs)
         except NoPlan as error:
+            if error.closest is not None:  # a judged layout over the GPU's memory: verdict 'no', the fix named
+                if args.json:
+                    c = error.closest
+                    no = plan_dict(c.plan, c.memory, c.cost, cluster, tokens, model.seq_len)
+                    json.dump({"plan": no | {"fits": "no", "mem_threshold": args.mem_threshold, "fix": error.fix}},
+                              sys.stdout, indent=2)
+                    sys.stdout.write("\n")
+                raise
             if not error.memory_bound:
                 raise
             try:
@@ -150,6 +170,7 @@ def run(args) -> int:
     speedup = cost.tokens_per_s / single.tokens_per_s
     report = {
         "plan": plan_dict(plan, mem, cost, cluster, tokens, model.seq_len) | {
+            "fits": result.fits, "mem_threshold": result.threshold,
             "speedup_vs_one_gpu": speedup, "scaling_efficiency": speedup / plan.world,
             "lr": lr, "warmup_steps": warmup, "total_steps": total_steps},
         "alternatives": [plan_dict(c.plan, c.memory, c.cost, cluster, tokens, model.seq_len)
@@ -159,6 +180,9 @@ def run(args) -> int:
         "assumptions": assumptions(model, cluster, auto, result, precision, flash, args.mem_threshold,
                                    global_batch, tokens, launch, launch_note),
     }
+    if result.fits == "above_threshold":
+        report["plan"]["headroom"] = headroom_note(mem.total / GIB, gpu_gib=cluster.gpu.mem_gib,
+                                                   threshold=args.mem_threshold)
     if args.emit_config:
         if model_file:  # a --params shape with no preset: the trainer gets its config.json too
             emit.write_json_atomic(model_file, model.to_hf_config())
@@ -173,6 +197,19 @@ def run(args) -> int:
                                                           warmup=warmup, total=total_steps, auto_sized=auto),
            emitted=args.emit_config, launch=launch, launch_note=launch_note)
     return 0
+
+
+def _hardware(args) -> tuple[GPU, int]:
+    """The GPU and GPUs per node: a preset, or what ``megakit probe`` measured (``--hardware``)."""
+    if not args.hardware:
+        return gpu_preset(args.gpu), args.gpus_per_node or 8
+    try:
+        profile = json.loads(Path(args.hardware).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UsageError(f"cannot read --hardware {args.hardware}: {error}; write it with megakit probe --nproc N "
+                         "--out FILE") from None
+    gpu, per_node = gpu_from_profile(profile, source=f"--hardware {args.hardware}", link_efficiency=LINK_EFFICIENCY)
+    return gpu, args.gpus_per_node or per_node
 
 
 def _model_arg(args, model: ModelSpec, config_path: str) -> tuple[str, str | None]:

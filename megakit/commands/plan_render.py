@@ -8,6 +8,7 @@ from rich.table import Table
 MEMORY_LABELS = {
     "params": "parameters", "grads": "gradients", "master_params": "fp32 master params",
     "optimizer": "Adam states (m, v)", "fp32_step_grads": "fp32 grads at step", "activations": "activations",
+    "pipeline_outputs": "stage outputs kept for backward",
     "recompute_working_set": "recompute working set", "logits": "logits + loss (last stage)",
     "comm_buffers": "communication buckets", "zero3_gather": "ZeRO-3 gather buffers",
     "overhead": "CUDA context / workspaces",
@@ -60,6 +61,10 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
     mem.add_row(f"{a['mem_threshold']:.0%} line", f"{limit:.2f}")
     mem.add_row("headroom to the line", f"{limit - p['peak_memory_gib']:.2f}")
     console.print(mem)
+    if p.get("fits") == "above_threshold":
+        console.print(f"[bold yellow]Fits: above the line[/]: {p['headroom']}.")
+    elif a["rule"]["branch"] == "pinned":
+        console.print(f"[bold]Fits[/]: yes, under the {a['mem_threshold']:.0%} line.")
 
     speed = Table(title="Throughput (predicted)", show_header=False)
     rows = [("step time", f"{p['step_time_s']:.2f} s"), ("tokens/s", f"{p['tokens_per_s']:,.0f}"),

@@ -79,17 +79,19 @@ class Attention(nn.Module):
 
     With dropout in training the attention is written out (scores, softmax, dropout, values)
     so that the probabilities' mask is megakit's layout-free one; otherwise it is PyTorch's
-    fused ``scaled_dot_product_attention``.
+    fused ``scaled_dot_product_attention``. ``selective``: in training, keep only q, k and v of the attention
+    core (rotary, scores, softmax, dropout, values) and recompute it in backward (Korthikanti et al. 2022,
+    Sec. 4.2); its dropout mask is keyed, so the recompute redraws it.
     """
 
-    def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, site: str, dtype, device) -> None:
+    def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, site: str, dtype, device,
+                 selective: bool = False) -> None:
         super().__init__()
         tp = C.size(group)
-        self.group, self.sequence_parallel, self.site = group, sequence_parallel, site
+        self.group, self.sequence_parallel, self.site, self.selective = group, sequence_parallel, site, selective
         self.heads, self.kv_heads, self.head_dim = config.heads // tp, config.kv_heads // tp, config.head_dim
         self.total_heads, self.head_start = config.heads, C.rank(group) * self.heads
-        self.dropout = config.dropout
-        self.rope = config.family == "llama"
+        self.dropout, self.rope = config.dropout, config.family == "llama"
         q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
         col = dict(group=group, sequence_parallel=sequence_parallel, enter_region=False, dtype=dtype, device=device)
         self.q_proj = ColumnParallelLinear(config.hidden, q, bias=config.qkv_bias, **col)
@@ -99,15 +101,21 @@ class Attention(nn.Module):
                                         sequence_parallel=sequence_parallel, dtype=dtype, device=device)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        s, b, _ = x.shape
-        return x.view(s, b, n, self.head_dim).permute(1, 2, 0, 3)  # (B, n, S, d)
+        return x.view(*x.shape[:2], n, self.head_dim).permute(1, 2, 0, 3)  # (S, B, n*d) -> (B, n, S, d)
 
     def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None) -> torch.Tensor:
         x = enter_tp_region(x, self.group, self.sequence_parallel)  # (S, B, H)
-        s, b, _ = x.shape
-        q = self._heads(self.q_proj(x), self.heads)  # (B, nh/tp, S, d)
-        k = self._heads(self.k_proj(x), self.kv_heads)  # (B, nkv/tp, S, d)
-        v = self._heads(self.v_proj(x), self.kv_heads)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (S, B, nh/tp * d), (S, B, nkv/tp * d) x 2
+        if self.selective and self.training:  # no collective inside the core: none is recomputed
+            y = torch.utils.checkpoint.checkpoint(self._core, q, k, v, rope, keys, use_reentrant=False)
+        else:
+            y = self._core(q, k, v, rope, keys)
+        return self.o_proj(y)  # (S', B, H)
+
+    def _core(self, q, k, v, rope: tuple | None, keys: DropoutKeys | None) -> torch.Tensor:
+        """The attention core: projections in, ``(S, B, nh/tp * d)`` out (what ``o_proj`` takes)."""
+        s, b, _ = q.shape
+        q, k, v = self._heads(q, self.heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
         if self.rope:
             cos, sin = rope[0][:s], rope[1][:s]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -116,8 +124,7 @@ class Attention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                enable_gqa=self.heads != self.kv_heads)  # (B, nh/tp, S, d)
-        y = y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # (S, B, nh/tp * d)
-        return self.o_proj(y)  # (S', B, H)
+        return y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # (S, B, nh/tp * d)
 
     def _attend_with_dropout(self, q, k, v, keys: DropoutKeys) -> torch.Tensor:
         """``softmax(q k^T / sqrt(d) + causal) -> dropout -> @ v``, as SDPA's math path, with megakit's masks."""
@@ -160,12 +167,13 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``."""
 
-    def __init__(self, config: ModelConfig, *, index: int, group, sequence_parallel: bool, dtype, device) -> None:
+    def __init__(self, config: ModelConfig, *, index: int, group, sequence_parallel: bool, dtype, device,
+                 selective: bool = False) -> None:
         super().__init__()
         kw = dict(group=group, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         site = f"layers.{index}"
         self.attn_norm = Norm(config, **kw)
-        self.attn = Attention(config, site=f"{site}.attn_probs", **kw)
+        self.attn = Attention(config, site=f"{site}.attn_probs", selective=selective, **kw)
         self.mlp_norm = Norm(config, **kw)
         self.mlp = MLP(config, **kw)
         self.attn_dropout = ResidualDropout(config.dropout, f"{site}.attn_residual", group, sequence_parallel)
@@ -204,13 +212,13 @@ class Transformer(nn.Module):
     decides the dropout masks (``megakit.nn.dropout``), so they are the same at every
     layout; a trainer passes them. Without them a training forward numbers its rows after
     those of the previous training forwards (``samples_seen``).
-    ``recompute=True`` keeps only each block's input in training and recomputes the rest
-    in backward (Megatron's full recompute), trading ~1/3 more compute for activation memory.
+    ``recompute``: ``"full"`` (``True``) keeps each block's input only and recomputes the rest in backward
+    (~1/3 more compute); ``"selective"`` recomputes the attention core (Korthikanti et al. 2022); ``"none"``.
     """
 
     def __init__(self, config: ModelConfig, topo=None, *, layers: range | None = None, pre: bool = True,
                  post: bool = True, sequence_parallel: bool = False, seed: int = 0,
-                 dtype: torch.dtype = torch.float32, device=None, recompute: bool = False) -> None:
+                 dtype: torch.dtype = torch.float32, device=None, recompute: bool | str = False) -> None:
         super().__init__()
         group = None if topo is None else topo.tp_group
         tp, tp_rank = C.size(group), C.rank(group)
@@ -220,8 +228,10 @@ class Transformer(nn.Module):
             raise UsageError(f"layers must be a range within 0..{config.layers}, got {layers!r}")
         self.config, self.group, self.tp, self.tp_rank = config, group, tp, tp_rank
         self.layer_range, self.pre, self.post, self.seed = layers, pre, post, seed
-        self.recompute = recompute  # full activation recompute, block by block
-        self.sequence_parallel = sequence_parallel and tp > 1
+        recompute = {False: "none", True: "full"}.get(recompute, recompute)
+        if recompute not in ("none", "selective", "full"):
+            raise UsageError(f"recompute {recompute!r} is not one of none, selective, full")
+        self.recompute, self.sequence_parallel = recompute == "full", sequence_parallel and tp > 1  # full: per block
         self.samples_seen = 0  # rows numbered by training forwards without sample_ids
         kw = dict(group=group, sequence_parallel=self.sequence_parallel, dtype=dtype, device=device)
         tied = config.tie_embeddings
@@ -235,7 +245,8 @@ class Transformer(nn.Module):
             mark(self.pos_embed.weight, None)
         if pre:
             self.embed_dropout = ResidualDropout(config.dropout, "embed", group, self.sequence_parallel)
-        self.layers = nn.ModuleDict({str(i): Block(config, index=i, **kw) for i in layers})
+        blocks = dict(selective=recompute == "selective", **kw)  # selective: the attention core, in Attention
+        self.layers = nn.ModuleDict({str(i): Block(config, index=i, **blocks) for i in layers})
         if post:
             self.norm = Norm(config, **kw)
             if not tied:

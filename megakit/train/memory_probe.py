@@ -188,7 +188,8 @@ class MemoryProbe:
                                micro_batch=plan.micro_batch, seq_len=plan.seq_len,
                                accumulation=plan.accumulation, precision=run.precision, stage=self.topo.pp_rank,
                                layers=self._layers(), vpp=run.cfg.vpp, flash_attention=True, buckets=buckets,
-                               recompute=run.cfg.recompute, sequence_parallel=run.sequence_parallel)
+                               recompute=run.cfg.recompute, sequence_parallel=run.sequence_parallel,
+                               gathered_inputs=True)  # megakit's TP layers keep the all-gathered input
 
     def _layers(self) -> int:
         module = self.engine.module

@@ -21,7 +21,7 @@ from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan
 from megakit.train.ds_config import load_ds_config, require_optimizer
 from megakit.train.resume import check_checkpoint_flags, check_same_run
 
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +47,7 @@ class TrainConfig:
     stall_timeout_s: float = 60.0
     collective_timeout_s: float = 300.0
     max_bytes: int = DEFAULT_MAX_BYTES
-    recompute: str = "none"  # "full": keep only each block's input, recompute the rest in backward
+    recompute: str = "none"  # "full": keep each block's input only; "selective": recompute the attention core
     sequence_parallel: bool = False  # split norms/dropout/residual over TP along the sequence (no-op at TP 1)
     save: str | None = None  # checkpoint directory, written at the end (and every save_every steps)
     save_every: int = 0
@@ -58,7 +58,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
             raise UsageError(f"--recompute {self.recompute} is not one of {', '.join(RECOMPUTE)}; megakit recomputes "
-                             "whole blocks (full) or nothing (none)")
+                             "whole blocks (full), the attention core (selective) or nothing (none)")
         if self.save_every < 0 or (self.save_every and not self.save):
             raise UsageError(f"--save-every {self.save_every} needs --save DIR and a count of at least 1")
         if self.keep < 0 or (self.keep and not self.save_every):

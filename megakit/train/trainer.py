@@ -23,7 +23,7 @@ embedding copy on the last stage is marked ``ds_pipe_replicated`` so DeepSpeed s
 DeepSpeed's fp32 ZeRO-0 path ignores that mark and does not report the norm, so there
 megakit clips itself (``_Zero0Clipper``) with the same rule.
 
-Sequence parallelism and full recompute are the model's (``Transformer(sequence_parallel=,
+Sequence parallelism and recompute (full or selective) are the model's (``Transformer(sequence_parallel=,
 recompute=)``); with SP the stages exchange ``(S/tp, B, H)``. Checkpoints (``--save``,
 ``--load``, ``--keep``: weights, optimizer state and step, resumed exactly) are in ``megakit.train.resume``. A user
 mistake that every rank makes alike is marked ``all_ranks`` so that only rank 0 prints it.
@@ -213,7 +213,7 @@ def _build(run: Run, topo):
 
     cfg, ds_config = run.cfg, run.ds_config
     chunks = build_stage_chunks(run.model, topo, vpp=cfg.vpp, seed=cfg.seed, device=_device(),  # this rank's shard
-                                sequence_parallel=run.sequence_parallel, recompute=cfg.recompute == "full")
+                                sequence_parallel=run.sequence_parallel, recompute=cfg.recompute)
     if topo.pp > 1 and topo.is_last_stage and run.model.tie_embeddings:
         chunks[-1].embed.weight.ds_pipe_replicated = True  # the first stage's copy counts in the norm
     stage = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # interleaved: one engine, all chunks

@@ -115,10 +115,10 @@ def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: s
         parts += ["--vpp", str(plan.vpp)]
     if plan.sequence_parallel:
         parts.append("--sequence-parallel")
-    if plan.recompute == "full":
-        parts += ["--recompute", "full"]
+    if plan.recompute in ("selective", "full"):
+        parts += ["--recompute", plan.recompute]
     note = ""
-    if plan.recompute not in ("none", "full"):
+    if plan.recompute not in ("none", "selective", "full"):
         note = f"the plan also assumes {plan.recompute} activation recompute, which megakit's model does not do yet"
     return " ".join(parts), note
 

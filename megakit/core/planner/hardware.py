@@ -26,27 +26,52 @@ class GPU:
     intra_link: str
     inter_link: str
     flash_attention: bool = True  # fused attention kernels available (FlashAttention-2 needs Ampere+)
+    matmul_fraction: float = 0.80  # best large bf16 GEMM / datasheet peak (MAMF, see below)
+    attention_fraction: float = 0.50  # best FlashAttention-2 forward+backward / datasheet peak
+    fp32_rate: float = 0.5  # fp32 matmul rate / peak: TF32 tensor cores run at half the 16-bit rate
 
 
+# matmul_fraction: the Maximum Achievable Matmul FLOPS (MAMF) of a bf16 GEMM over the datasheet peak, as
+# measured by stas00/ml-engineering (compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
+# comparison table"): A100 SXM 267.9/312 = 85.9 %, H100 SXM 792.1/989 = 80.1 %, H100/H200 SXM 80.3 %, A100
+# PCIe 82.2 %, MI300X 60.1 %. GPUs the table lacks (V100, L40S, RTX 4090) take 0.80, an assumption.
+# attention_fraction: FlashAttention-2 forward+backward at long sequences over the peak: "50-73 % of the
+# theoretical maximum FLOPs/s on A100" (Dao 2023, FlashAttention-2, abstract) -> 0.65; "only 35 % utilization
+# on the H100" (Shah et al. 2024, FlashAttention-3, Sec. 1) -> 0.35 for Hopper, whose SDPA runs FA-2.
+# h100-96gb is Meta's Grand Teton H100 (96 GB HBM2e, 2.4 TB/s, 500 W power limit) that torchtitan's
+# benchmarks ran on (torchtitan docs/performance.md): it computes at the lower clocks of the 500 W cap,
+# 0.875 of the 700 W part's rates (0.70 = 0.801 x 0.875, attention 0.31 = 0.35 x 0.875); 0.875 is fitted to
+# the twelve torchtitan rows of tests/data/sharded-dp.json, the only data on this part.
 GPUS = {
     g.name: g
     for g in (
         GPU(name="v100-32gb", peak_tflops=125, mem_gib=32, hbm_gbps=900, intra_gbps=150, inter_gbps=12.5,
-            intra_link="NVLink 2", inter_link="100 Gb/s EDR InfiniBand per GPU", flash_attention=False),
+            intra_link="NVLink 2", inter_link="100 Gb/s EDR InfiniBand per GPU", flash_attention=False,
+            matmul_fraction=0.80, attention_fraction=0.0),
         GPU(name="a100-40gb", peak_tflops=312, mem_gib=40, hbm_gbps=1555, intra_gbps=300, inter_gbps=25,
-            intra_link="NVLink 3 / NVSwitch", inter_link="200 Gb/s HDR InfiniBand per GPU"),
+            intra_link="NVLink 3 / NVSwitch", inter_link="200 Gb/s HDR InfiniBand per GPU",
+            matmul_fraction=0.859, attention_fraction=0.65),
         GPU(name="a100-80gb", peak_tflops=312, mem_gib=80, hbm_gbps=2039, intra_gbps=300, inter_gbps=25,
-            intra_link="NVLink 3 / NVSwitch", inter_link="200 Gb/s HDR InfiniBand per GPU"),
+            intra_link="NVLink 3 / NVSwitch", inter_link="200 Gb/s HDR InfiniBand per GPU",
+            matmul_fraction=0.859, attention_fraction=0.65),
         GPU(name="h100-80gb", peak_tflops=989, mem_gib=80, hbm_gbps=3350, intra_gbps=450, inter_gbps=50,
-            intra_link="NVLink 4 / NVSwitch", inter_link="400 Gb/s NDR InfiniBand per GPU"),
+            intra_link="NVLink 4 / NVSwitch", inter_link="400 Gb/s NDR InfiniBand per GPU",
+            matmul_fraction=0.801, attention_fraction=0.35),
+        GPU(name="h100-96gb", peak_tflops=989, mem_gib=95, hbm_gbps=2400, intra_gbps=450, inter_gbps=50,
+            intra_link="NVLink 4 / NVSwitch", inter_link="400 Gb/s RDMA per GPU (Grand Teton, 500 W)",
+            matmul_fraction=0.70, attention_fraction=0.31),
         GPU(name="h200-141gb", peak_tflops=989, mem_gib=140, hbm_gbps=4800, intra_gbps=450, inter_gbps=50,
-            intra_link="NVLink 4 / NVSwitch", inter_link="400 Gb/s NDR InfiniBand per GPU"),
+            intra_link="NVLink 4 / NVSwitch", inter_link="400 Gb/s NDR InfiniBand per GPU",
+            matmul_fraction=0.803, attention_fraction=0.35),
         GPU(name="mi300x-192gb", peak_tflops=1307, mem_gib=192, hbm_gbps=5300, intra_gbps=448, inter_gbps=50,
-            intra_link="Infinity Fabric", inter_link="400 Gb/s RoCE per GPU"),
+            intra_link="Infinity Fabric", inter_link="400 Gb/s RoCE per GPU",
+            matmul_fraction=0.601, attention_fraction=0.35),
         GPU(name="l40s-48gb", peak_tflops=362, mem_gib=45, hbm_gbps=864, intra_gbps=25, inter_gbps=12.5,
-            intra_link="PCIe 4.0 x16", inter_link="100 Gb/s Ethernet per GPU"),
+            intra_link="PCIe 4.0 x16", inter_link="100 Gb/s Ethernet per GPU",
+            matmul_fraction=0.80, attention_fraction=0.50),
         GPU(name="rtx4090-24gb", peak_tflops=165, mem_gib=24, hbm_gbps=1008, intra_gbps=25, inter_gbps=3.1,
-            intra_link="PCIe 4.0 x16", inter_link="25 Gb/s Ethernet per GPU"),
+            intra_link="PCIe 4.0 x16", inter_link="25 Gb/s Ethernet per GPU",
+            matmul_fraction=0.80, attention_fraction=0.50),
     )
 }
 
@@ -90,3 +115,33 @@ class Cluster:
             if not value > 0:
                 raise UsageError(f"--{key.replace('_', '-')} must be positive, got {value}")
         return dataclasses.replace(self, gpu=dataclasses.replace(self.gpu, **changes)) if changes else self
+
+
+PROFILE_KEYS = ("matmul_tflops", "copy_gbps", "attention_tflops", "memory_gib", "gpus_per_node", "dtype", "links")
+
+
+def gpu_from_profile(profile: dict, *, source: str = "profile", link_efficiency: dict) -> tuple[GPU, int]:
+    """(the GPU ``megakit probe`` measured, its GPUs per node): rates as measured, so the planner's
+    efficiencies see the measured best matmul as the achievable peak and the measured bus bandwidths
+    as what its collectives reach (``link_efficiency`` undone). One node was measured: the network
+    across nodes is taken as the intra-node one, and said so."""
+    if not isinstance(profile, dict) or profile.get("profile") != "megakit-probe":
+        raise UsageError(f"{source} is not a megakit probe profile; write one with megakit probe --nproc N --out FILE")
+    missing = [k for k in PROFILE_KEYS if k not in profile]
+    if missing:
+        raise UsageError(f"{source} lacks {', '.join(missing)}; run megakit probe again to rewrite it")
+    peak = float(profile["matmul_tflops"])
+    links = profile["links"]
+    bus = links.get("all_reduce", {}).get("bus_gbps")  # the collective DP and TP run most
+    if bus is None:
+        bus = 1e3  # one process: no link measured, and none used
+    intra = bus / link_efficiency["intra"]
+    name = f"probed:{profile.get('device', 'device')}"
+    gpu = GPU(name=name, peak_tflops=peak, mem_gib=float(profile["memory_gib"]), hbm_gbps=float(profile["copy_gbps"]),
+              intra_gbps=intra, inter_gbps=bus / link_efficiency["inter"],
+              intra_link=f"{profile.get('backend', '?')} between {profile.get('nproc', '?')} processes, measured "
+                         f"{bus:.2f} GB/s bus bandwidth", inter_link="not measured (one node): taken as intra-node",
+              flash_attention=True, matmul_fraction=1.0,
+              attention_fraction=min(1.0, float(profile["attention_tflops"]) / peak),
+              fp32_rate=1.0 if profile["dtype"] == "fp32" else 0.5)
+    return gpu, int(profile["gpus_per_node"])

@@ -33,21 +33,33 @@ lists tensor by tensor so it also covers GQA, SwiGLU, fp32, no-dropout and
 fused (flash) attention, where the ``as²`` scores are never stored. TP shards
 the tensors inside attention and the MLP; sequence parallelism shards the rest.
 A 1F1B stage ``i`` of ``p`` keeps ``min(p - i, m)`` micro-batches in flight; the
-interleaved schedule keeps ``(p - i - 1)·2 + (v - 1)·p + 1`` model chunks.
+interleaved schedule keeps ``(p - i - 1)·2 + (v - 1)·p + 1`` model chunks, counted chunk by chunk
+(``in_flight_chunks``: earlier chunks hold more, and chunks hold unequal layers). Each in-flight
+chunk that sends on also holds its output until its backward, and a stage that receives
+gradients holds one during a backward (what the trainer's ``(output * grad).sum()`` keeps).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-from megakit.core.partition import partition_layers
 from megakit.core.planner.model_spec import ModelSpec
+from megakit.core.planner.stages import (  # noqa: F401 (memory's API: where the stages' blocks and micro-batches are)
+    in_flight_chunks,
+    in_flight_micro_batches,
+    stage_chunk_layers,
+    stage_layer_counts,
+)
 from megakit.errors import UsageError
 
 GIB = 1024**3
 PRECISIONS = {"bf16": 2, "fp16": 2, "fp32": 4}
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "per-op")
+# torchtitan's per-op selective checkpointing keeps the outputs of every other matmul (q, v, gate/fc1, and
+# the down projection's, the size of the block input), flash attention's output and log-sum-exp, and the
+# block input; everything else is recomputed (torchtitan/models/llama/parallelize_llama.py, _save_list).
+PER_OP_KEPT = ("q", "v", "attention log-sum-exp", "attention output (proj input)",
+               "gate output", "gelu input")
 OFFLOAD = ("none", "optimizer", "params")
 
 
@@ -82,7 +94,8 @@ class SavedTensor:
 
 def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool = False,
                        precision: str = "bf16", flash_attention: bool = True,
-                       dropout: bool | None = None, dropout_mask_bytes: int = 1) -> list[SavedTensor]:
+                       dropout: bool | None = None, dropout_mask_bytes: int = 1,
+                       gathered_inputs: bool = False) -> list[SavedTensor]:
     """The tensors one transformer block saves for backward, sizes already divided by TP/SP.
 
     Dropout masks are 1 byte per element (megakit's dropout keeps a bool mask on every
@@ -109,7 +122,10 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
                 t(f"{which} stats", 1 / rest, 4, "sp")]
 
     kv = kv if flash_attention else heads * hd
-    out = norm("norm1") + [t("qkv input", h / rest, shard="sp"), t("q", heads * hd), t("k", kv), t("v", kv)]
+    # With SP, Megatron-LM keeps the column-parallel layers' input split and all-gathers it again in
+    # backward (Korthikanti et al.); megakit's layers keep the all-gathered (S, B, H) (``gathered_inputs``).
+    gathered = h if gathered_inputs else h / rest
+    out = norm("norm1") + [t("qkv input", gathered, shard="sp"), t("q", heads * hd), t("k", kv), t("v", kv)]
     if flash_attention:
         out.append(t("attention log-sum-exp", heads, 4))
     else:
@@ -120,7 +136,7 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
     out.append(t("attention output (proj input)", heads * hd))
     if dropout:
         out.append(t("attention residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
-    out += norm("norm2") + [t("mlp input", h / rest, shard="sp")]
+    out += norm("norm2") + [t("mlp input", gathered, shard="sp")]
     if model.gated_mlp:
         out += [t("gate output", f / tp), t("up output", f / tp), t("act(gate)", f / tp), t("down input", f / tp)]
     else:
@@ -138,30 +154,11 @@ def logits_bytes(model: ModelSpec, *, tp: int, sequence_parallel: bool, precisio
     p = PRECISIONS[precision]
     rest = tp if sequence_parallel else 1
     vocab_shard = model.padded_vocab(tp) // tp
-    norm = (2 * p * model.hidden + 8) / rest if model.family == "gpt2" else (3 * p * model.hidden + 4) / rest
+    # LayerNorm keeps its input and fp32 mean/rstd; RMSNorm its input, the normalised input and rstd
+    norm = (p * model.hidden + 8) / rest if model.family == "gpt2" else (2 * p * model.hidden + 4) / rest
     saved = norm + p * model.hidden + 4 * vocab_shard + 10
     extra = vocab_shard * (p + (4 if p < 4 else 0)) if transient else 0
     return seq_len * micro_batch * (saved + extra)
-
-
-def in_flight_micro_batches(*, pp: int, stage: int, accumulation: int, vpp: int = 1) -> float:
-    """Micro-batches of a stage's layers alive at the peak of a 1F1B (interleaved) schedule.
-
-    Counted in whole-stage units: with ``vpp`` chunks each holding 1/vpp of the stage's layers."""
-    m = max(accumulation, 1)
-    if vpp <= 1:
-        return min(pp - stage, m)
-    chunks = min((pp - stage - 1) * 2 + (vpp - 1) * pp + 1, m * vpp)
-    return chunks / vpp
-
-
-@functools.lru_cache(maxsize=1024)
-def stage_layer_counts(model: ModelSpec, pp: int, vpp: int = 1) -> tuple[int, ...]:
-    """Blocks on each PP rank as the trainer splits them: ``partition_layers`` balanced by parameters
-    (embedding on the first stage, head on the last), a rank holding its ``vpp`` chunks.
-    Cached: the dynamic programme costs ~10 ms for 100 layers, the search asks thousands of times."""
-    ranges = partition_layers(model.config, pp, vpp)
-    return tuple(sum(len(ranges[chunk * pp + rank]) for chunk in range(vpp)) for rank in range(pp))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -218,13 +215,18 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                     recompute: str = "none", sequence_parallel: bool = False, vpp: int = 1,
                     precision: str = "bf16", offload: str = "none", stage="first",
                     flash_attention: bool = True, dropout: bool | None = None, dropout_mask_bytes: int = 1,
-                    layers: int | None = None,
+                    layers: int | None = None, recompute_fraction: float = 1.0, dp_shard: int = 0,
+                    gathered_inputs: bool = False,
                     buckets: Buckets = Buckets(), overhead_bytes: float = 0.0) -> MemoryEstimate:
     """Itemised per-GPU bytes of one layout on one pipeline ``stage`` (index, 'first', 'last', 'middle').
 
     ``accumulation``: micro-batches per optimizer step (gradient accumulation),
     which caps the micro-batches in flight; default: enough to fill the pipeline.
-    ``layers``: the blocks on this stage if not the trainer's split (``stage_layer_counts``)."""
+    ``layers``: the blocks on this stage if not the trainer's split (``stage_layer_counts``).
+    ``recompute_fraction``: with full recompute, the share of blocks recomputed (the rest keep all).
+    ``dp_shard``: ZeRO-3's shard group when smaller than DP (HSDP); 0: all of DP.
+    ``gathered_inputs``: with SP the column-parallel layers keep their all-gathered input (megakit's
+    model, torchtitan) instead of re-gathering it in backward (Megatron-LM, Korthikanti's table)."""
     if precision not in PRECISIONS:
         raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if recompute not in RECOMPUTE:
@@ -244,6 +246,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     mixed = precision != "fp32"
     n_layers = stage_layer_counts(model, pp, vpp)[stage] if layers is None else layers
     psi = stage_params(model, tp=tp, pp=pp, stage=stage, layers=n_layers)
+    if zero_stage == 3 and 0 < dp_shard < dp:  # HSDP: states sharded inside the shard group only
+        dp = dp_shard
     shard = dp if zero_stage >= 1 else 1
 
     items = {}
@@ -264,23 +268,41 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     # ---- activations ------------------------------------------------------------------
     tensors = activation_tensors(model, tp=tp, sequence_parallel=sequence_parallel, precision=precision,
                                  flash_attention=flash_attention, dropout=dropout,
-                                 dropout_mask_bytes=dropout_mask_bytes)
+                                 dropout_mask_bytes=dropout_mask_bytes, gathered_inputs=gathered_inputs)
     full_layer = sum(x.bytes(seq_len=s, micro_batch=b) for x in tensors)
-    if recompute == "full":
-        kept = p * s * b * model.hidden / (tp if sequence_parallel else 1)  # the block input only
-    elif recompute == "selective":  # core attention (scores, softmax, dropout) is recomputed
-        kept = sum(x.bytes(seq_len=s, micro_batch=b) for x in tensors if x.per_token_seq == 0)
+    block_input = p * s * b * model.hidden / (tp if sequence_parallel else 1)
+    if recompute == "full":  # the block input only, on recompute_fraction of the blocks
+        kept = recompute_fraction * block_input + (1 - recompute_fraction) * full_layer
+    elif recompute == "selective":  # the attention core is recomputed: kept are its inputs q, k, v (K and V
+        # unrepeated under GQA) and o_proj's input, as flash attention keeps them, without its log-sum-exp
+        kept = sum(x.bytes(seq_len=s, micro_batch=b) for x in activation_tensors(
+            model, tp=tp, sequence_parallel=sequence_parallel, precision=precision, flash_attention=True,
+            dropout=dropout, dropout_mask_bytes=dropout_mask_bytes, gathered_inputs=gathered_inputs)
+            if x.name != "attention log-sum-exp")
+    elif recompute == "per-op":
+        kept = 2 * block_input + sum(x.bytes(seq_len=s, micro_batch=b) for x in tensors if x.name in PER_OP_KEPT)
     else:
         kept = full_layer
     m = accumulation if accumulation is not None else pp * vpp
-    in_flight = in_flight_micro_batches(pp=pp, stage=stage, accumulation=m, vpp=vpp)
-    items["activations"] = kept * n_layers * in_flight
-    if stage == 0:  # token ids, the embedding output's dropout mask
-        uses_dropout = model.dropout > 0 if dropout is None else dropout
-        items["activations"] += in_flight * s * b * (8 + (model.hidden * dropout_mask_bytes if uses_dropout else 0))
+    chunk_layers = (stage_chunk_layers(model, pp, vpp)[stage] if layers is None else (n_layers / vpp,) * vpp)
+    uses_dropout = model.dropout > 0 if dropout is None else dropout
+    embedded = s * b * (8 + (model.hidden * dropout_mask_bytes if uses_dropout else 0))  # ids, dropout mask
+    hidden = p * s * b * model.hidden / (tp if sequence_parallel else 1)  # one (S', B, H) tensor
+    last_chunk = vpp - 1 if stage == pp - 1 else vpp  # the last virtual stage sends nothing on
+    # Per chunk: its blocks' kept tensors, the first one's embedding inputs, and the output that the
+    # executor keeps for the backward of every chunk that sends on (not saved by autograd).
+    weights = [(kept * layers_c + (embedded if stage == 0 and c == 0 else 0.0), hidden if c < last_chunk else 0.0)
+               for c, layers_c in enumerate(chunk_layers)]
+    peak = max(in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp),
+               key=lambda live: sum(n * (w + o) for n, (w, o) in zip(live, weights)))
+    items["activations"] = sum(n * w for n, (w, _) in zip(peak, weights))
+    if pp > 1 and stage < pp - 1:  # the gradient received for the micro-batch in backward, which it holds
+        items["activations"] += hidden
+    items["pipeline_outputs"] = sum(n * o for n, (_, o) in zip(peak, weights))
+    in_flight = sum(peak) / vpp  # in whole-stage units
     # Recomputing one block in backward rebuilds its full activations for one micro-batch.
     items["recompute_working_set"] = (full_layer if recompute == "full" else
-                                      full_layer - kept if recompute == "selective" else 0.0)
+                                      full_layer - kept if recompute in ("selective", "per-op") else 0.0)
     if stage == pp - 1:
         items["logits"] = logits_bytes(model, tp=tp, sequence_parallel=sequence_parallel, precision=precision,
                                        seq_len=s, micro_batch=b)
@@ -299,8 +321,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
             comm = p * min(buckets.reduce_bucket, psi)
     else:
         comm = 0.0
-    if tp > 1 or pp > 1:  # one P2P activation send + receive buffer
-        comm += 2 * p * s * b * model.hidden / (tp if sequence_parallel else 1) * (1 if pp > 1 else 0)
+    if pp > 1:  # the receive buffer posted for the next micro-batch's activation or gradient
+        comm += hidden
     items["comm_buffers"] = comm
     if zero_stage == 3:  # full (TP-sharded) parameters of the layer in use plus the prefetched one
         sharded, replicated = model.layer_params(tp)

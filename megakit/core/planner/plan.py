@@ -25,6 +25,13 @@ class Plan:
     precision: str = "bf16"
     offload: str = "none"
     flash_attention: bool = True
+    # How the run executes, beyond the layout (defaults: megakit's trainer). The calibration rows set
+    # them to what each published run did.
+    recompute_fraction: float = 1.0  # full recompute on this share of the blocks (HF/FSDP: every n-th block)
+    fused_kernels: bool = False  # elementwise ops fused (torch.compile, Megatron's kernels), not eager PyTorch
+    dp_shard: int = 0  # ZeRO-3/FSDP shard group (HSDP: shard inside it, replicate across); 0: all of DP
+    zero3: str = "deepspeed"  # who runs ZeRO-3 (sharding.ZERO3): DeepSpeed today, FSDP, or DeepSpeed of 2021
+    reduce_precision: str = ""  # dtype of the gradient reduction ('fp32' in FSDP2's default policy); '': training's
 
     @property
     def world(self) -> int:
@@ -39,7 +46,13 @@ class Plan:
         return dict(tp=self.tp, pp=self.pp, dp=self.dp, zero_stage=self.zero_stage, micro_batch=self.micro_batch,
                     accumulation=self.accumulation, recompute=self.recompute,
                     sequence_parallel=self.sequence_parallel, vpp=self.vpp, precision=self.precision,
-                    offload=self.offload, flash_attention=self.flash_attention)
+                    offload=self.offload, flash_attention=self.flash_attention,
+                    recompute_fraction=self.recompute_fraction, dp_shard=self.dp_shard, gathered_inputs=True)
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks ZeRO-3 shards the model states over: all of DP, or HSDP's shard group."""
+        return self.dp_shard if 0 < self.dp_shard < self.dp else self.dp
 
     def describe(self) -> str:
         parts = [f"TP={self.tp}", f"PP={self.pp}", f"DP={self.dp}"]
@@ -48,6 +61,10 @@ class Plan:
         parts.append(f"ZeRO-{self.zero_stage}")
         parts.append(f"mb={self.micro_batch}x{self.accumulation}")
         parts.append(f"recompute={self.recompute}")
+        if self.recompute_fraction < 1 and self.recompute == "full":
+            parts[-1] += f" ({self.recompute_fraction:.0%} of blocks)"
+        if 0 < self.dp_shard < self.dp:
+            parts.append(f"HSDP shard={self.dp_shard}")
         if self.sequence_parallel:
             parts.append("SP")
         if self.offload != "none":

@@ -26,29 +26,14 @@ from megakit.core.planner.memory import (
     peak_memory,
 )
 from megakit.core.planner.model_spec import ModelSpec
+from megakit.core.planner.pins import Pins, check_pins, divisors
 from megakit.core.planner.plan import Plan
+from megakit.core.planner.verdict import suggest_fix, verdict
 from megakit.errors import UsageError
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 TIE = 0.01  # plans within 1 % of the fastest count as equally fast
 OVERHEAD_BYTES = 1.0 * GIB  # CUDA context, cuBLAS/NCCL workspaces, allocator fragmentation
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Pins:
-    """Dimensions the user fixed (None: searched)."""
-
-    tp: int | None = None
-    pp: int | None = None
-    zero: int | None = None
-    micro_batch: int | None = None
-    recompute: str | None = None
-    vpp: int | None = None
-    sequence_parallel: bool | None = None
-
-    @property
-    def layout_pinned(self) -> bool:
-        return self.tp is not None or self.pp is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +61,8 @@ class SearchResult:
     branch_why: str
     limit_bytes: float
     evaluated: int
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    fits: str = "yes"  # verdict.VERDICTS: 'above_threshold' only for a fully pinned (judged) layout
+    threshold: float = 0.8
 
 
 def fits_one_gpu(model: ModelSpec, cluster: Cluster, *, threshold: float, precision: str, flash: bool,
@@ -102,8 +85,9 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
     s = model.seq_len if seq_len is None else seq_len
     flash = cluster.gpu.flash_attention if flash_attention is None else flash_attention
     limit = threshold * cluster.gpu.mem_gib * GIB
+    judged = pins.memory_pinned  # "will my layout fit?": against the whole memory, then a verdict
     world = cluster.num_gpus
-    _check_pins(model, cluster, pins, global_batch)
+    check_pins(model, cluster, pins, global_batch)
     one_gpu, one_gpu_bytes = fits_one_gpu(model, cluster, threshold=threshold, precision=precision, flash=flash,
                                           seq_len=s)
     if pins.layout_pinned:
@@ -117,7 +101,8 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
         why = (f"the whole training state ({one_gpu_bytes / GIB:.0f} GiB) exceeds {threshold:.0%} of one GPU's "
                f"{cluster.gpu.mem_gib:g} GiB, so: TP inside a node, PP across nodes, DP for the rest")
 
-    ctx = _Context(model, cluster, pins, global_batch, s, limit, precision, offload, flash, keep_rejected)
+    hard = cluster.gpu.mem_gib * GIB if judged else limit
+    ctx = _Context(model, cluster, pins, global_batch, s, hard, precision, offload, flash, keep_rejected)
     zeros = (0, 1, 2, 3) if branch != "model-parallel" or pins.zero is not None else (0, 1, 2)
     ctx.run(branch, zeros)
     if not ctx.feasible and branch == "data-parallel":  # e.g. a global batch smaller than the GPU count
@@ -128,9 +113,21 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
     if not ctx.feasible and branch == "model-parallel" and zero3_fallback:  # memory requires ZeRO-3
         why += "; nothing fit with ZeRO 0-2, so ZeRO-3 shards the model states too"
         ctx.run(branch, (3,))
+    if not ctx.feasible and zero3_fallback and offload == "none" and not judged and pins.zero is None:
+        # ZeRO-Offload (Ren et al. 2021): fp32 master weights and Adam states in host memory, stepped by
+        # DeepSpeed's CPU Adam, gradients down and parameters up over PCIe each step; one GPU is enough.
+        ctx.offload = "optimizer"
+        ctx.run(branch, (1, 2, 3))
+        if ctx.feasible:
+            host = max(_host_bytes(model, c.plan, s) for c in ctx.feasible) * min(cluster.gpus_per_node, world)
+            why += (f"; nothing fit on the GPUs, so ZeRO-Offload keeps the optimizer in host memory (up to "
+                    f"{host / GIB:.0f} GiB of CPU memory per node, and PCIe traffic every step)")
     if not ctx.feasible:
+        if judged and ctx.closest is not None:
+            raise _judged_no(model, cluster, ctx, threshold=threshold, limit=limit)
         raise NoPlan(_no_plan_reason(ctx), memory_bound=ctx.evaluated > 0)
-    ranked = sorted(ctx.feasible, key=lambda c: -c.cost.tokens_per_s)
+    under = [c for c in ctx.feasible if c.memory.total <= limit]
+    ranked = sorted(under or ctx.feasible, key=lambda c: -c.cost.tokens_per_s)
     # Within TIE of the fastest, the simplest plan wins (lower ZeRO, fewer stages, ...): the seed's
     # "ZeRO only as memory requires" and no complexity the cost model cannot tell apart.
     near = [c for c in ranked if c.cost.tokens_per_s >= (1 - TIE) * ranked[0].cost.tokens_per_s]
@@ -139,17 +136,37 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
     # The fastest plans that did not fit (up to keep_rejected), then every structural reason once.
     rejected = sorted((r for r in ctx.rejected if r.tokens_per_s is not None), key=lambda r: -r.tokens_per_s)
     rejected = rejected[:keep_rejected] + [r for r in ctx.rejected if r.tokens_per_s is None]
+    fits = verdict(best.memory.total, threshold_bytes=limit, gpu_bytes=hard)
     return SearchResult(best=ranked[0], ranked=ranked, rejected=rejected, branch=branch, branch_why=why,
-                        limit_bytes=limit, evaluated=ctx.evaluated)
+                        limit_bytes=limit, evaluated=ctx.evaluated, fits=fits, threshold=threshold)
 
 
 class NoPlan(UsageError):
     """No layout fits this cluster; ``memory_bound``: some layout got as far as the memory check
-    (else every layout was excluded by divisibility: batch, heads, layers)."""
+    (else every layout was excluded by divisibility: batch, heads, layers). For a judged (fully
+    pinned) layout, ``closest`` is its evaluated candidate and ``fix`` the change that fits."""
 
-    def __init__(self, message: str, *, memory_bound: bool = True):
+    def __init__(self, message: str, *, memory_bound: bool = True, closest: Candidate | None = None,
+                 fix: str | None = None):
         super().__init__(message)
-        self.memory_bound = memory_bound
+        self.memory_bound, self.closest, self.fix = memory_bound, closest, fix
+
+
+def _judged_no(model, cluster, ctx, *, threshold, limit) -> NoPlan:
+    """Verdict 'no': the pinned layout's peak is over the GPU's memory; name the fix."""
+    c = ctx.closest
+    fix = suggest_fix(model, c.plan, seq_len=ctx.seq_len, world=cluster.num_gpus,
+                      gpus_per_node=cluster.gpus_per_node, threshold_bytes=limit,
+                      gpu_bytes=cluster.gpu.mem_gib * GIB, overhead_bytes=OVERHEAD_BYTES)
+    return NoPlan(f"the pinned layout {c.plan.describe()} does not fit: peak {c.memory.total / GIB:.1f} GiB > "
+                  f"the {cluster.gpu.mem_gib:g} GiB of one {cluster.gpu.name} ({threshold:.0%} line "
+                  f"{limit / GIB:.1f} GiB); fix: {fix}", closest=c, fix=fix)
+
+
+def _host_bytes(model: ModelSpec, plan: Plan, seq_len: int) -> float:
+    """What an offloaded plan keeps in host memory per GPU: the fp32 master, Adam and step gradients."""
+    on_gpu = peak_memory(model, seq_len=seq_len, **dataclasses.replace(plan, offload="none").memory_kwargs())
+    return sum(on_gpu.items[k] for k in ("master_params", "optimizer", "fp32_step_grads"))
 
 
 def _simplicity(c: Candidate):
@@ -177,50 +194,6 @@ def _no_plan_reason(ctx) -> str:
     return f"no layout fits {where}{detail}"
 
 
-def _tp_rule(model: ModelSpec, tp: int) -> str:
-    return f"TP must divide {', '.join(model.config.tp_conflicts(tp))}"
-
-
-def _check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int) -> None:
-    world = cluster.num_gpus
-    node = cluster.gpus_per_node
-    if pins.tp is not None:
-        if pins.tp < 1:
-            raise UsageError(f"--tp {pins.tp} must be a positive integer")
-        if not model.tp_ok(pins.tp):
-            ok = [t for t in divisors(node) if model.tp_ok(t)]
-            raise UsageError(f"--tp {pins.tp} cannot shard this model ({_tp_rule(model, pins.tp)}); "
-                             f"pick --tp {' or '.join(map(str, ok))}")
-        if world % pins.tp:
-            raise UsageError(f"--tp {pins.tp} does not divide the {world} GPUs; pick a TP that divides {world}")
-        if node % pins.tp:
-            raise UsageError(f"--tp {pins.tp} does not divide the {node} GPUs per node (a TP group would span "
-                             f"nodes); pick --tp {' or '.join(str(t) for t in divisors(node) if model.tp_ok(t))}")
-    if pins.pp is not None:
-        if pins.pp > model.layers:
-            raise UsageError(f"--pp {pins.pp} exceeds the model's {model.layers} layers; use at most {model.layers}")
-        if world % ((pins.tp or 1) * pins.pp):
-            raise UsageError(f"--tp {pins.tp or 1} x --pp {pins.pp} does not divide the {world} GPUs; "
-                             "pick TP x PP that divides the GPU count")
-    if pins.zero is not None and pins.zero not in (0, 1, 2, 3):
-        raise UsageError(f"--zero {pins.zero} does not exist; use 0, 1, 2 or 3")
-    if pins.zero is not None and pins.zero >= 2 and (pins.pp or 1) > 1:
-        raise UsageError(f"--zero {pins.zero} cannot run with --pp {pins.pp} (ZeRO-2/3 partition gradients per "
-                         "micro-batch); use --zero 0 or 1 with a pipeline")
-    if pins.vpp is not None and pins.vpp < 1:
-        raise UsageError(f"--vpp {pins.vpp} must be a positive integer")
-    if pins.vpp is not None and pins.vpp > 1 and pins.pp == 1:
-        raise UsageError(f"--vpp {pins.vpp} interleaves pipeline stages but --pp is 1; "
-                         "pin --pp 2 or more, or drop --vpp")
-    if pins.vpp is not None and pins.vpp > 1:
-        pp = pins.pp or 0
-        if pp and model.layers % (pp * pins.vpp):
-            raise UsageError(f"--vpp {pins.vpp} x --pp {pp} does not divide the {model.layers} layers; "
-                             "pick a VPP so that layers are a multiple of PP x VPP")
-    if pins.micro_batch is not None and global_batch % pins.micro_batch:
-        raise UsageError(f"--micro-batch {pins.micro_batch} does not divide --global-batch {global_batch}")
-
-
 class _Context:
     """Search state: what fits, what was rejected and why."""
 
@@ -232,6 +205,7 @@ class _Context:
         self.rejected: list[Rejection] = []
         self.reasons_seen: set = set()
         self.evaluated = 0
+        self.closest: Candidate | None = None  # the evaluated plan with the smallest peak over the limit
 
     def reject(self, plan, reason, tokens_per_s=None, *, unique_key=None, kind="memory", peak=None):
         key = unique_key or reason
@@ -278,7 +252,7 @@ class _Context:
                                     "gradients are partitioned per micro-batch, so a pipeline allows ZeRO 0-1 only",
                                     unique_key=f"zero-pp-{zero}", kind="zero-pp")
                         continue
-                    if zero >= 1 and dp == 1:
+                    if zero >= 1 and dp == 1 and self.offload == "none":  # offload runs ZeRO on one replica
                         if pins.zero is not None:
                             self.reject(Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero), f"--zero {zero} shards over "
                                         f"data-parallel replicas but TP={tp} x PP={pp} leaves DP=1 with {world} "
@@ -295,10 +269,12 @@ class _Context:
                     flash_attention=self.flash)
         if self.offload == "params" and zero != 3:
             return
-        # Lower bound: the smallest activations this layout can have (one sequence, full recompute).
-        floor = peak_memory(m, seq_len=self.seq_len, overhead_bytes=OVERHEAD_BYTES, **base.memory_kwargs())
+        # Lower bound: the smallest activations this layout can have (one sequence, full recompute);
+        # a judged layout skips it: its own plan is evaluated, so that a verdict 'no' can name the fix.
+        floor = None if pins.memory_pinned else peak_memory(m, seq_len=self.seq_len, overhead_bytes=OVERHEAD_BYTES,
+                                                            **base.memory_kwargs())
         self.evaluated += 1
-        if floor.total > self.limit:
+        if floor is not None and floor.total > self.limit:
             self.reject(base, f"peak {floor.total / GIB:.2f} GiB > {self.limit / GIB:.2f} GiB even with one "
                         f"sequence and full recompute (model states {floor.model_states / GIB:.1f} GiB)",
                         unique_key=("floor", tp, pp, zero), kind="floor", peak=floor.total)
@@ -331,6 +307,8 @@ class _Context:
                                           **plan.memory_kwargs())
                         cost = estimate_cost(m, self.cluster, plan, seq_len=self.seq_len)
                         if mem.total > self.limit:
+                            if self.closest is None or mem.total < self.closest.memory.total:
+                                self.closest = Candidate(plan, mem, cost)
                             self.reject(plan, f"peak {mem.total / GIB:.2f} GiB > {self.limit / GIB:.2f} GiB "
                                         f"({self.limit / GIB / self.cluster.gpu.mem_gib:.0%} of "
                                         f"{self.cluster.gpu.mem_gib:g} GiB)", cost.tokens_per_s, peak=mem.total)

@@ -1,0 +1,118 @@
+"""Compute time of one transformer block and of the LM head on one GPU, from the shapes it runs.
+
+Each GEMM of the block (q, k, v, o, the MLP's two or three matrices, at their TP-sharded sizes over
+the micro-batch's tokens) costs its FLOPs at the GPU's best matmul rate (``GPU.matmul_fraction`` of
+the datasheet peak, measured by MAMF, times ``IN_TRAINING``) or the HBM traffic its arithmetic
+intensity implies, whichever dominates -- a smooth roofline, ``time = FLOPs / rate × √(1 + (ROOFLINE ·
+ridge / intensity)²)``, with the GPU's ridge point ``rate / HBM bandwidth``. So an H100, whose ridge is twice an A100's, needs
+twice as large a GEMM to get as close to its peak, and a thin TP-sharded GEMM is slower everywhere.
+
+Fused (flash) attention runs at ``GPU.attention_fraction`` of the peak (FlashAttention-2's published
+utilisation) scaled by ``s / (s + ATTENTION_SEQ_HALF)``: short sequences give its tiles less work.
+The causal mask halves its FLOPs; its backward is 2.5 × the forward (it recomputes the scores).
+Written-out attention (no flash) is two batched GEMMs over the full ``s × s``.
+
+The elementwise kernels (norms, activations, rotary, residuals, dropout, softmax) are memory-bound:
+``K_MEM`` (eager PyTorch) or ``K_MEM_FUSED`` (torch.compile, Megatron's fused kernels) passes over
+the block's saved activations through HBM. Recompute adds the forward part of what it recomputes.
+
+The host issues the kernels: ``LAUNCH_S`` per block and micro-batch in eager PyTorch (Python, autograd
+and launch per op), less fused. CUDA runs them asynchronously, so a block takes the smooth maximum
+of the GPU's time and the host's, and small models on fast GPUs are host-bound (``BlockTime.cpu``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megakit.core.planner.hardware import GPU
+from megakit.core.planner.memory import PRECISIONS, activation_tensors
+from megakit.core.planner.model_spec import ModelSpec
+from megakit.core.planner.plan import Plan
+
+IN_TRAINING = 0.845  # a GEMM inside a training step vs the same GEMM alone (MAMF): clocks, caches, gaps
+ROOFLINE = 2.9  # HBM bytes a GEMM moves, in multiples of reading A, B and writing C once (tiles re-read)
+ATTENTION_SEQ_HALF = 128  # sequence length at which flash attention reaches half its best rate
+K_MEM = 13.5  # HBM passes over the saved activations of eager elementwise kernels (forward + backward)
+K_MEM_FUSED = 0.5  # the same, fused (torch.compile, Megatron's bias-GeLU / bias-dropout-add / softmax)
+LAUNCH_S = 2e-4  # host time per block and micro-batch (forward + backward): ~50 kernel launches x 4 us
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTime:
+    """Seconds of one block for one micro-batch on one GPU, without TP communication."""
+
+    forward: float
+    backward: float  # including what recompute runs again
+    cpu: float  # the host's time to issue both
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+
+def gemm_time(gpu: GPU, m: float, k: float, n: float, *, peak: float, nbytes: int) -> float:
+    """One ``(m × k) @ (k × n)`` GEMM: FLOPs at the matmul rate plus the traffic its intensity leaves exposed."""
+    rate = peak * gpu.matmul_fraction * IN_TRAINING
+    intensity = 2 / nbytes / (1 / m + 1 / k + 1 / n)  # FLOPs per HBM byte, each operand moved once
+    ridge = rate / (gpu.hbm_gbps * 1e9)
+    return 2 * m * k * n / rate * (1 + ROOFLINE * ridge / intensity)
+
+
+def _linears(model: ModelSpec, tp: int) -> list[tuple[float, float]]:
+    """(k, n) of the block's weight GEMMs on one TP rank, in execution order."""
+    h, hd = model.hidden, model.head_dim
+    q, kv, f = model.heads // tp * hd, model.kv_heads_per_rank(tp) * hd, model.ffn // tp
+    mlp = [(h, f), (h, f), (f, h)] if model.gated_mlp else [(h, f), (f, h)]
+    return [(h, q), (h, kv), (h, kv), (q, h)] + mlp
+
+
+def attention_time(model: ModelSpec, gpu: GPU, *, tp: int, seq_len: int, micro_batch: int, flash: bool,
+                   peak: float, nbytes: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core (scores, softmax, values) of one block."""
+    s, b = seq_len, micro_batch
+    heads = model.heads // tp
+    if flash and gpu.attention_fraction > 0:
+        fwd_flops = 4 * b * s * s * heads * model.head_dim / 2  # causal: the kernel skips masked tiles
+        rate = peak * gpu.attention_fraction * s / (s + ATTENTION_SEQ_HALF)
+        return fwd_flops / rate, 2.5 * fwd_flops / rate
+    one = gemm_time(gpu, s, model.head_dim, s, peak=peak, nbytes=nbytes) * b * heads
+    return 2 * one, 4 * one  # q k^T and p v, full s x s; backward twice each
+
+
+def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: float) -> BlockTime:
+    """One block, one micro-batch: GEMMs, attention core, elementwise traffic, launches, recompute."""
+    t, b, s = plan.tp, plan.micro_batch, seq_len
+    nbytes = PRECISIONS[plan.precision]
+    tokens = b * s
+    per_gemm = [gemm_time(gpu, tokens, k, n, peak=peak, nbytes=nbytes) for k, n in _linears(model, t)]
+    gemm_f = sum(per_gemm)
+    attn_f, attn_b = attention_time(model, gpu, tp=t, seq_len=s, micro_batch=b, flash=plan.flash_attention,
+                                    peak=peak, nbytes=nbytes)
+    saved = sum(x.bytes(seq_len=s, micro_batch=b)
+                for x in activation_tensors(model, tp=t, sequence_parallel=plan.sequence_parallel,
+                                            precision=plan.precision, flash_attention=plan.flash_attention))
+    elementwise = (K_MEM_FUSED if plan.fused_kernels else K_MEM) * saved / (gpu.hbm_gbps * 1e9)
+    ew_f = elementwise / 3
+    forward = gemm_f + attn_f + ew_f
+    backward = 2 * gemm_f + attn_b + 2 * ew_f
+    cpu = LAUNCH_S
+    if plan.recompute == "full":
+        backward += plan.recompute_fraction * forward
+        cpu *= 1 + plan.recompute_fraction / 3
+    elif plan.recompute == "selective":  # the attention core (Korthikanti et al. 2022)
+        backward += attn_f
+    elif plan.recompute == "per-op":  # every other matmul (k, o, the MLP's second) and the elementwise ops
+        backward += sum(per_gemm[1::2][:3]) + ew_f
+        cpu *= 4 / 3
+    return BlockTime(forward, backward, cpu)
+
+
+def head_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: float) -> float:
+    """LM head forward + backward and the vocab-parallel cross-entropy on the last stage."""
+    nbytes = PRECISIONS[plan.precision]
+    tokens = plan.micro_batch * seq_len
+    vocab_shard = model.padded_vocab(plan.tp) // plan.tp
+    gemm = 3 * gemm_time(gpu, tokens, model.hidden, vocab_shard, peak=peak, nbytes=nbytes)
+    k_mem = K_MEM_FUSED if plan.fused_kernels else K_MEM
+    return gemm + k_mem * tokens * vocab_shard * (nbytes + 4) / (gpu.hbm_gbps * 1e9)

@@ -1,0 +1,82 @@
+"""Pinned dimensions: what the user fixed on the command line, and the checks that refuse a pin the
+trainer cannot run (one line naming the pin and the fix) before any layout is searched."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megakit.core.planner.hardware import Cluster
+from megakit.core.planner.model_spec import ModelSpec
+from megakit.errors import UsageError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pins:
+    """Dimensions the user fixed (None: searched)."""
+
+    tp: int | None = None
+    pp: int | None = None
+    zero: int | None = None
+    micro_batch: int | None = None
+    recompute: str | None = None
+    vpp: int | None = None
+    sequence_parallel: bool | None = None
+
+    @property
+    def layout_pinned(self) -> bool:
+        return self.tp is not None or self.pp is not None
+
+    @property
+    def memory_pinned(self) -> bool:
+        """Every dimension that decides memory is pinned: the layout is judged, not searched
+        (``verdict``), against the GPU's whole memory rather than the threshold."""
+        return None not in (self.tp, self.pp, self.zero, self.micro_batch, self.recompute)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+
+def _tp_rule(model: ModelSpec, tp: int) -> str:
+    return f"TP must divide {', '.join(model.config.tp_conflicts(tp))}"
+
+
+def check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int) -> None:
+    world = cluster.num_gpus
+    node = cluster.gpus_per_node
+    if pins.tp is not None:
+        if pins.tp < 1:
+            raise UsageError(f"--tp {pins.tp} must be a positive integer")
+        if not model.tp_ok(pins.tp):
+            ok = [t for t in divisors(node) if model.tp_ok(t)]
+            raise UsageError(f"--tp {pins.tp} cannot shard this model ({_tp_rule(model, pins.tp)}); "
+                             f"pick --tp {' or '.join(map(str, ok))}")
+        if world % pins.tp:
+            raise UsageError(f"--tp {pins.tp} does not divide the {world} GPUs; pick a TP that divides {world}")
+        if node % pins.tp:
+            raise UsageError(f"--tp {pins.tp} does not divide the {node} GPUs per node (a TP group would span "
+                             f"nodes); pick --tp {' or '.join(str(t) for t in divisors(node) if model.tp_ok(t))}")
+    if pins.pp is not None:
+        if pins.pp > model.layers:
+            raise UsageError(f"--pp {pins.pp} exceeds the model's {model.layers} layers; use at most {model.layers}")
+        if world % ((pins.tp or 1) * pins.pp):
+            raise UsageError(f"--tp {pins.tp or 1} x --pp {pins.pp} does not divide the {world} GPUs; "
+                             "pick TP x PP that divides the GPU count")
+    if pins.zero is not None and pins.zero not in (0, 1, 2, 3):
+        raise UsageError(f"--zero {pins.zero} does not exist; use 0, 1, 2 or 3")
+    if pins.zero is not None and pins.zero >= 2 and (pins.pp or 1) > 1:
+        raise UsageError(f"--zero {pins.zero} cannot run with --pp {pins.pp} (ZeRO-2/3 partition gradients per "
+                         "micro-batch); use --zero 0 or 1 with a pipeline")
+    if pins.vpp is not None and pins.vpp < 1:
+        raise UsageError(f"--vpp {pins.vpp} must be a positive integer")
+    if pins.vpp is not None and pins.vpp > 1 and pins.pp == 1:
+        raise UsageError(f"--vpp {pins.vpp} interleaves pipeline stages but --pp is 1; "
+                         "pin --pp 2 or more, or drop --vpp")
+    if pins.vpp is not None and pins.vpp > 1:
+        pp = pins.pp or 0
+        if pp and model.layers % (pp * pins.vpp):
+            raise UsageError(f"--vpp {pins.vpp} x --pp {pp} does not divide the {model.layers} layers; "
+                             "pick a VPP so that layers are a multiple of PP x VPP")
+    if pins.micro_batch is not None and global_batch % pins.micro_batch:
+        raise UsageError(f"--micro-batch {pins.micro_batch} does not divide --global-batch {global_batch}")

@@ -1,0 +1,66 @@
+"""Where a pipeline's work sits: blocks per stage and per chunk as the trainer splits them, and the
+micro-batches each stage (and each of its interleaved chunks) holds at its peak.
+
+Pure arithmetic over ``partition_layers`` and the schedules' ordering, used by the memory and the
+cost models; cached, because the search asks thousands of times.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from megakit.core.partition import partition_layers
+from megakit.core.planner.model_spec import ModelSpec
+
+
+def in_flight_micro_batches(*, pp: int, stage: int, accumulation: int, vpp: int = 1) -> float:
+    """Micro-batches of a stage's layers alive at the peak of a 1F1B (interleaved) schedule.
+
+    Counted in whole-stage units: with ``vpp`` chunks each holding 1/vpp of the stage's layers."""
+    m = max(accumulation, 1)
+    if vpp <= 1:
+        return min(pp - stage, m)
+    chunks = min((pp - stage - 1) * 2 + (vpp - 1) * pp + 1, m * vpp)
+    return chunks / vpp
+
+
+@functools.lru_cache(maxsize=4096)
+def in_flight_chunks(*, pp: int, stage: int, accumulation: int, vpp: int = 1) -> tuple[tuple[int, ...], ...]:
+    """Live micro-batches of each of the stage's ``vpp`` chunks at the moments its total peaks, over one
+    step of the trainer's schedule (as ``schedules.interleaved_compute`` orders it): the k-th forward runs chunk
+    ``(k // pp) % vpp`` for its k-th forward, so earlier chunks hold more than later ones, and a stage
+    whose chunks hold unequal layers peaks where its biggest chunks are most in flight."""
+    m = max(accumulation, 1)
+    if vpp <= 1:
+        return ((min(pp - stage, m),),)
+    if m % pp:  # the trainer refuses it; an even spread of the formula's count
+        return ((min((pp - stage - 1) * 2 + (vpp - 1) * pp + 1, m * vpp) / vpp,) * vpp,)
+    total = m * vpp
+    warmup = total if m == pp else min(2 * (pp - stage - 1) + (vpp - 1) * pp, total)
+    live = [0] * vpp
+    for k in range(warmup):
+        live[(k // pp) % vpp] += 1
+    if warmup == total:
+        return (tuple(live),)
+    states = set()
+    for i in range(min(total - warmup, pp * vpp)):  # steady state: forward warmup + i, then backward i;
+        live[((warmup + i) // pp) % vpp] += 1  # the pattern repeats every pp * vpp forwards
+        states.add(tuple(live))
+        live[vpp - 1 - (i // pp) % vpp] -= 1
+    return tuple(sorted(states))
+
+
+@functools.lru_cache(maxsize=1024)
+def stage_chunk_layers(model: ModelSpec, pp: int, vpp: int = 1) -> tuple[tuple[int, ...], ...]:
+    """Blocks of each chunk on each PP rank, as the trainer splits them (``partition_layers``)."""
+    ranges = partition_layers(model.config, pp, vpp)
+    return tuple(tuple(len(ranges[chunk * pp + rank]) for chunk in range(vpp)) for rank in range(pp))
+
+
+@functools.lru_cache(maxsize=1024)
+def stage_layer_counts(model: ModelSpec, pp: int, vpp: int = 1) -> tuple[int, ...]:
+    """Blocks on each PP rank as the trainer splits them: ``partition_layers`` balanced by parameters
+    (embedding on the first stage, head on the last), a rank holding its ``vpp`` chunks.
+    Cached: the dynamic programme costs ~10 ms for 100 layers, the search asks thousands of times."""
+    ranges = partition_layers(model.config, pp, vpp)
+    return tuple(sum(len(ranges[chunk * pp + rank]) for chunk in range(vpp)) for rank in range(pp))

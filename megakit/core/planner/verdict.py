@@ -1,0 +1,81 @@
+"""A pinned layout's verdict: does it fit, and if not, the one change that makes it fit.
+
+The 80 % line (``--mem-threshold``) is the rule for what the search *chooses*: it leaves room for
+what the memory model does not itemise. It is the wrong answer to "will my layout fit?", which is
+asked when every dimension that decides memory is pinned (TP, PP, ZeRO, micro-batch, recompute).
+Such a layout is judged against the GPU's whole memory instead:
+
+* ``yes``: the predicted peak is under the line;
+* ``above_threshold``: over the line but within the GPU's memory; it runs, with less headroom
+  for allocator fragmentation, NCCL's buffers and transient spikes than the search would leave;
+* ``no``: over the GPU's memory; ``suggest_fix`` names the smallest single change that fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megakit.core.planner.memory import GIB, peak_memory
+from megakit.core.planner.plan import Plan
+
+VERDICTS = ("yes", "above_threshold", "no")
+
+
+def verdict(peak_bytes: float, *, threshold_bytes: float, gpu_bytes: float) -> str:
+    if peak_bytes <= threshold_bytes:
+        return "yes"
+    return "above_threshold" if peak_bytes <= gpu_bytes else "no"
+
+
+def headroom_note(peak_gib: float, *, gpu_gib: float, threshold: float) -> str:
+    """What running above the line means, in this plan's numbers."""
+    return (f"above the {threshold:.0%} line ({threshold * gpu_gib:.1f} GiB) but within the GPU's {gpu_gib:g} GiB: "
+            f"{gpu_gib - peak_gib:.1f} GiB remain for allocator fragmentation, NCCL buffers and transient spikes "
+            "that the estimate does not itemise; it should run, but the search would not choose it "
+            "(watch torch.cuda.max_memory_reserved on the first steps)")
+
+
+def _changes(plan: Plan, *, world: int, gpus_per_node: int, model) -> list[tuple[str, dict]]:
+    """Single changes that only lower memory, cheapest in speed first."""
+    out = []
+    per_rank = plan.micro_batch * plan.accumulation
+    for mb in sorted((b for b in range(1, plan.micro_batch) if per_rank % b == 0), reverse=True):
+        out.append((f"--micro-batch {mb}", dict(micro_batch=mb, accumulation=per_rank // mb)))
+    if plan.recompute != "full":
+        out.append(("--recompute full", dict(recompute="full")))
+    for zero in range(plan.zero_stage + 1, 4):
+        if plan.dp > 1 and not (zero >= 2 and plan.pp > 1):
+            out.append((f"--zero {zero}", dict(zero_stage=zero)))
+    if plan.tp > 1 and not plan.sequence_parallel:
+        out.append(("sequence parallelism", dict(sequence_parallel=True)))
+    for tp in (2 * plan.tp, 4 * plan.tp, 8 * plan.tp):
+        if tp <= gpus_per_node and gpus_per_node % tp == 0 and model.tp_ok(tp) and plan.dp * plan.tp % tp == 0:
+            out.append((f"--tp {tp}", dict(tp=tp, dp=plan.dp * plan.tp // tp, sequence_parallel=True)))
+    for pp in (2 * plan.pp, 4 * plan.pp, 8 * plan.pp):
+        if pp <= model.layers and plan.dp * plan.pp % pp == 0 and plan.zero_stage <= 1:
+            out.append((f"--pp {pp}", dict(pp=pp, dp=plan.dp * plan.pp // pp)))
+    if plan.offload == "none" and plan.zero_stage >= 1:
+        out.append(("--offload optimizer", dict(offload="optimizer")))
+    return [(text, change) for text, change in out if _divides(plan, change, world)]
+
+
+def _divides(plan: Plan, change: dict, world: int) -> bool:
+    new = dataclasses.replace(plan, **change)
+    return new.world == world and new.global_batch == plan.global_batch
+
+
+def suggest_fix(model, plan: Plan, *, seq_len: int, world: int, gpus_per_node: int, threshold_bytes: float,
+                gpu_bytes: float, overhead_bytes: float) -> str:
+    """The first single change (``_changes``' order) that brings the peak under the line, else under
+    the GPU's memory, with the peak it gives; or what to do when no single change is enough."""
+    within = None
+    for text, change in _changes(plan, world=world, gpus_per_node=gpus_per_node, model=model):
+        new = dataclasses.replace(plan, **change)
+        peak = peak_memory(model, seq_len=seq_len, overhead_bytes=overhead_bytes, **new.memory_kwargs()).total
+        if peak <= threshold_bytes:
+            return f"{text} (peak {peak / GIB:.1f} GiB, under the line)"
+        if within is None and peak <= gpu_bytes:
+            within = f"{text} (peak {peak / GIB:.1f} GiB, above the line but within memory)"
+    if within:
+        return within
+    return "no single change is enough: drop the pins and let the planner search, or use more or bigger GPUs"
