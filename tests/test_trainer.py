@@ -220,6 +220,9 @@ def mp_results(tmp_path_factory):
     for sp in (False, True):  # cases 3, 4: TP2 x PP2 under dropout, without and with SP
         cases.append(dict(ds_config=ds_config(1, accumulation=4), model=dropout, steps=STEPS, seq_len=32, tp=2,
                           pp=2, sequence_parallel=sp))
+    # case 5: selective recompute (the attention core), TP2 x PP2 with SP
+    cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
+                      sequence_parallel=True, recompute="selective", verify_memory=True))
     return cases, sweep(tmp_path_factory, 4, cases)
 
 
@@ -247,6 +250,19 @@ def test_dropout_tp2_pp2_with_and_without_sp_match_the_single_process_model(mp_r
     ref = reference(cases[3], dp=1)
     assert_same_trajectory(results[3], ref)
     assert_same_trajectory(results[4], ref)
+
+
+@pytest.mark.slow
+def test_selective_recompute_trains_the_same_model_and_the_planner_knows_its_memory(mp_results):
+    """TP2 x PP2 with SP: selective recompute follows the plain run's trajectory, and --verify-memory matches the
+    planner within 15 % for none, full and selective recompute on every rank."""
+    cases, results = mp_results
+    for got, want in zip(results[5]["loss"], results[0]["loss"], strict=True):
+        assert abs(got - want) < LOSS_TOL, (got, want)
+    for case in (0, 2, 5):
+        assert_memory_matches(results[case]["memory"])
+    full, selective = results[2]["memory"], results[5]["memory"]
+    assert all(s["measured"]["activations"] > f["measured"]["activations"] for f, s in zip(full, selective))
 
 
 @pytest.mark.slow
