@@ -340,25 +340,27 @@ def _load(directory: Path, model, topo) -> Loaded:
                          "model before deepspeed.initialize (the engine copies its master weights from it there)")
     with ShardReader(directory, manifest) as reader:
         for name, param in named_parameters(model).items():
-            param.copy_(_read_shard(reader, name, param, tp, tp_rank, directory))
+            param.copy_(_read_shard(reader, name, list(param.shape), getattr(param, "tp_dim", None), tp, tp_rank,
+                                    directory))
     return Loaded(step=manifest["step"], extra=manifest["extra"])
 
 
-def _read_shard(reader: ShardReader, name: str, param, tp: int, tp_rank: int, directory) -> torch.Tensor:
-    """This rank's shard of entry ``name`` (split like ``param``), vocab padding as zeros."""
+def _read_shard(reader: ShardReader, name: str, shape: list[int], dim: int | None, tp: int, tp_rank: int,
+                directory) -> torch.Tensor:
+    """This rank's shard (``shape``, split along ``dim`` over TP) of entry ``name``, vocab padding as zeros."""
     pname = name.rsplit("/", 1)[-1] if name.startswith(STATE_PREFIX) else name
-    entry, dim = reader.entry(name), getattr(param, "tp_dim", None)
+    entry = reader.entry(name)
     if entry["tp_dim"] != dim:
         raise UsageError(f"parameter {pname} is split along {entry['tp_dim']} in checkpoint {directory} but "
                          f"along {dim} in the model; it was saved from a different model")
     if dim is None:
         t = reader.read(name)
     else:
-        local, want = param.shape[dim], list(param.shape)
+        local, want = shape[dim], list(shape)
         want[dim] = entry["shape"][dim]
         if tp * local < want[dim] or list(entry["shape"]) != want:
             raise UsageError(f"parameter {pname} has full shape {entry['shape']} in checkpoint {directory} "
-                             f"but the model's shard is {list(param.shape)} at TP {tp}; it was saved from "
+                             f"but the model's shard is {shape} at TP {tp}; it was saved from "
                              "a different model")
         start = tp_rank * local
         t = reader.read(name, min(start, want[dim]), min(start + local, want[dim]))
@@ -366,9 +368,9 @@ def _read_shard(reader: ShardReader, name: str, param, tp: int, tp_rank: int, di
             pad = list(t.shape)
             pad[dim] = local - t.shape[dim]
             t = torch.cat([t, t.new_zeros(pad)], dim=dim)
-    if list(t.shape) != list(param.shape):
+    if list(t.shape) != shape:
         raise UsageError(f"parameter {pname} has shape {list(t.shape)} in checkpoint {directory} but "
-                         f"{list(param.shape)} in the model; it was saved from a different model")
+                         f"{shape} in the model; it was saved from a different model")
     return t
 
 
@@ -387,9 +389,8 @@ def _load_state(directory: Path, model, topo) -> dict[str, dict[str, torch.Tenso
     out: dict[str, dict[str, torch.Tensor]] = {}
     with ShardReader(directory, manifest) as reader:
         for name, param in named_parameters(model).items():
-            shaped = param if not _zero3(param) else torch.empty(param.ds_shape, device="meta")
-            if _zero3(param):
-                shaped.tp_dim = getattr(param, "tp_dim", None)
-            out[name] = {key: _read_shard(reader, state_name(key, name), shaped, tp, tp_rank, directory)
+            shape = list(param.ds_shape if _zero3(param) else param.shape)  # ZeRO-3: the unpartitioned shard
+            dim = getattr(param, "tp_dim", None)
+            out[name] = {key: _read_shard(reader, state_name(key, name), shape, dim, tp, tp_rank, directory)
                          for key in state_keys(manifest)}
     return out
