@@ -184,3 +184,31 @@ def test_batched_rendezvous_p2p_proves_every_schedule():
         simulate(add_p2p(interleaved_compute(2, 4, 2)), p2p="batched")
     with pytest.raises(UsageError, match="P2P mode"):
         simulate(schedule_1f1b(2, 2), p2p="eager")
+
+
+def test_zb_h1_idles_a_third_of_1f1b_with_equal_f_b_w():
+    """Qi et al. 2023: with F = B = W (1F1B's backward = B + W = 2F) ZB-H1 idles (p-1)(F+B-W) against (p-1)(F+B+W)."""
+    costs = Costs(forward=1.0, backward=2.0, weight=0.5)
+    one, zb = simulate(build_schedule("1f1b", 4, 8), costs), simulate(build_schedule("zb-h1", 4, 8), costs)
+    idle_1f1b = [one.step_time - b for b in one.busy]
+    idle_zb = [zb.step_time - b for b in zb.busy]
+    assert idle_1f1b == [9.0] * 4 and idle_zb == [3.0] * 4  # (p-1)(F+B+W) and (p-1)(F+B-W)
+    assert zb.step_time == 27.0 and one.step_time == 33.0
+    assert zb.bubble == pytest.approx(bubble_formula("zb-h1", 4, 8)) and zb.bubble < one.bubble / 2
+    # the deferred W's keep activations alive: every stage holds up to p, 1F1B's first stage's peak
+    assert zb.peak_in_flight == (4, 4, 4, 4) and max(one.peak_in_flight) == 4
+    # a cheaper W leaves more bubble: idle (p-1)(F+B-W) = 3 * (1 + 1.5 - 0.5)
+    light = simulate(build_schedule("zb-h1", 4, 8), Costs(forward=1.0, backward=2.0, weight=0.25))
+    assert light.step_time - light.busy[0] == pytest.approx(6.0)
+
+
+def test_zb_h1_is_deadlock_free_and_splits_every_backward():
+    for pp in range(1, 9):
+        for m in range(1, 17):
+            schedule = build_schedule("zb-h1", pp, m)
+            for tagged, p2p in ((True, "async"), (False, "async"), (False, "batched")):
+                simulate(schedule, tagged=tagged, p2p=p2p)  # checks each F, B and W runs once, W after its B
+            names = [str(a) for a in schedule.stages[0] if str(a)[0] in "Fbw"]
+            assert sorted(names) == sorted([f"{k}{i}" for k in "Fbw" for i in range(m)])
+    with pytest.raises(UsageError, match="zb-h1 runs one chunk"):
+        build_schedule("zb-h1", 4, 8, vpp=2)

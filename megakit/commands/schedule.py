@@ -1,6 +1,7 @@
 """``megakit schedule``: build a pipeline schedule, simulate it, print its timeline and draw it.
 
     megakit schedule --pp 4 --micro-batches 8 --schedule interleaved --vpp 2 --out schedule.png
+    megakit schedule --pp 4 --micro-batches 8 --schedule zb-h1     # B and W split, W deferred (zero bubble)
 
 Needs no torch and no processes: the schedule is data and the simulator runs it.
 """
@@ -22,6 +23,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="model chunks per stage for --schedule interleaved (default 2)")
     parser.add_argument("--forward-cost", type=float, default=1.0, help="time of one stage's forward (default 1)")
     parser.add_argument("--backward-cost", type=float, default=2.0, help="time of one stage's backward (default 2)")
+    parser.add_argument("--weight-share", type=float, default=0.5,
+                        help="zb-h1: the share of the backward that is the weight gradient W (default 0.5: F = B = W)")
     parser.add_argument("--p2p-cost", type=float, default=0.0, help="time for a message between stages (default 0)")
     parser.add_argument("--p2p", choices=("async", "batched"), default="async",
                         help="P2P model: async sends (gloo) or batched rendezvous (NCCL) (default async)")
@@ -43,11 +46,12 @@ def run(args: argparse.Namespace) -> int:
     for name in ("forward_cost", "backward_cost", "p2p_cost"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    report = simulate(schedule, Costs(forward=args.forward_cost, backward=args.backward_cost, p2p=args.p2p_cost),
-                      p2p=args.p2p)
+    report = simulate(schedule, Costs(forward=args.forward_cost, backward=args.backward_cost, p2p=args.p2p_cost,
+                                      weight=args.weight_share), p2p=args.p2p)
     print_timeline(report)
-    formula = bubble_formula(args.schedule, args.pp, args.micro_batches, vpp)
-    print(f"step time {report.step_time:g}  bubble {report.bubble:.1%}  (formula {formula:.1%})  "
+    formula = bubble_formula(args.schedule, args.pp, args.micro_batches, vpp, weight_share=args.weight_share)
+    idle = report.step_time - min(report.busy)
+    print(f"step time {report.step_time:g}  bubble {report.bubble:.1%} ({idle:g} idle per stage)  (formula {formula:.1%})  "
           f"peak in-flight activations per stage {list(report.peak_in_flight)}")
     if args.out:
         save_png(report, args.out)

@@ -1,7 +1,8 @@
 """Draw a simulated schedule: a terminal timeline (rich) and a PNG (matplotlib).
 
 Both show stages as rows and time as columns; forward cells are blue, backward
-cells green (a lighter shade for later chunks when interleaved), each labelled with
+cells green (a lighter shade for later chunks when interleaved; with zero bubble the
+input-gradient B green and the deferred weight-gradient W yellow), each labelled with
 its micro-batch, and idle time — the bubble — is left grey and empty. The title
 carries the bubble fraction measured by the simulator next to the textbook formula.
 """
@@ -12,21 +13,23 @@ import math
 import os
 import tempfile
 
-from megakit.core.schedules import Backward, Forward, bubble_formula
+from megakit.core.schedules import Backward, BackwardInput, BackwardWeight, Forward, bubble_formula
 from megakit.core.simulator import Report
 
-_TERMINAL = {Forward: ("white on blue", "white on dark_blue"), Backward: ("black on green", "black on dark_green")}
-_PNG = {Forward: ("#2f6fd0", "#89aef0"), Backward: ("#2e9e49", "#8fd6a0")}
+_TERMINAL = {Forward: ("white on blue", "white on dark_blue"), Backward: ("black on green", "black on dark_green"),
+             BackwardInput: ("black on green", "black on dark_green"), BackwardWeight: ("black on yellow",) * 2}
+_PNG = {Forward: ("#2f6fd0", "#89aef0"), Backward: ("#2e9e49", "#8fd6a0"), BackwardInput: ("#2e9e49", "#8fd6a0"),
+        BackwardWeight: ("#e0a800", "#f0d070")}
 
 
 def _label(mb: int) -> str:
     return "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[mb % 62]
 
 
-def title(report: Report) -> str:
+def title(report: Report, weight_share: float = 0.5) -> str:
     s = report.schedule
     name = s.name.split("(")[0]
-    formula = bubble_formula(name, s.pp, s.micro_batches, s.vpp)
+    formula = bubble_formula(name, s.pp, s.micro_batches, s.vpp, weight_share=weight_share)
     return (f"{s.name}  pp={s.pp} micro-batches={s.micro_batches}: bubble {report.bubble:.1%} "
             f"(formula {formula:.1%}), step time {report.step_time:g}")
 
@@ -59,6 +62,9 @@ def timeline_text(report: Report, *, width: int = 120):
     text.append("forward", style=_TERMINAL[Forward][0])
     text.append(" ")
     text.append("backward", style=_TERMINAL[Backward][0])
+    if report.schedule.split_backward:
+        text.append(" (input gradient B) ")
+        text.append("weight gradient W", style=_TERMINAL[BackwardWeight][0])
     text.append(" · idle (bubble); digits are micro-batch ids")
     if report.schedule.vpp > 1:
         text.append("; darker = later chunks")
@@ -101,8 +107,9 @@ def save_png(report: Report, path: str) -> None:
     chunks = "; lighter shade = later model chunk" if report.schedule.vpp > 1 else ""
     ax.set_xlabel(f"time (units of the per-op costs){chunks}")
     ax.set_title(title(report), fontsize=10)
+    weight = [Patch(color=_PNG[BackwardWeight][0], label="weight grad W")] if report.schedule.split_backward else []
     ax.legend(handles=[Patch(color=_PNG[Forward][0], label="forward"), Patch(color=_PNG[Backward][0], label="backward"),
-                       Patch(color="#e6e6e6", label="idle (bubble)")], loc="upper left", fontsize=7,
+                       *weight, Patch(color="#e6e6e6", label="idle (bubble)")], loc="upper left", fontsize=7,
               bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     directory = os.path.dirname(os.path.abspath(path))

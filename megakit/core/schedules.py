@@ -27,7 +27,7 @@ from typing import ClassVar
 
 from megakit.errors import UsageError
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +68,18 @@ class Backward(Instruction):
     short = "B"
 
 
+class BackwardInput(Instruction):
+    """Zero bubble's B: the gradient w.r.t. the stage input only, on the critical path (the weights wait)."""
+
+    short = "b"
+
+
+class BackwardWeight(Instruction):
+    """Zero bubble's W: the weight gradients of a micro-batch whose B ran, deferred into what would be bubble."""
+
+    short = "w"
+
+
 class SendActivation(Instruction):
     short, channel = "sA", "act"  # channel: activations and gradients travel apart (the P2P tag)
 
@@ -96,7 +108,8 @@ class OptimizerStep(Instruction):
     short = "step"
 
 
-COMPUTE = (Forward, Backward)
+COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
+BACKWARDS = (Backward, BackwardInput)  # what makes the gradient sent to the stage before
 SENDS = (SendActivation, SendGrad)
 RECVS = (RecvActivation, RecvGrad)
 KINDS = COMPUTE + SENDS + RECVS + (ReduceTiedGrads, ReduceGrads, OptimizerStep)
@@ -132,6 +145,11 @@ class Schedule:
     def owner(self, virtual_stage: int) -> tuple[int, int]:
         """``(stage, chunk)`` holding a virtual stage."""
         return virtual_stage % self.pp, virtual_stage // self.pp
+
+    @property
+    def split_backward(self) -> bool:
+        """True when backwards are split into B and W (zero bubble)."""
+        return any(isinstance(a, BackwardWeight) for actions in self.stages for a in actions)
 
     @property
     def has_p2p(self) -> bool:
@@ -221,6 +239,35 @@ def interleaved_compute(pp: int, micro_batches: int, vpp: int) -> Schedule:
     return _schedule(f"interleaved(v={vpp})", pp, micro_batches, vpp, stages)
 
 
+def zb_h1_compute(pp: int, micro_batches: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 3.1): 1F1B with W deferred.
+
+    Each backward is split into B (input gradient, what the stage before waits for)
+    and W (weight gradient, which nobody waits for). Stage ``r`` runs 1F1B's forwards
+    and B's in 1F1B's order and holds back its first ``r`` W's, running one W after
+    each later B and the rest at the end, so the W's fill the cool-down where 1F1B
+    idles. That is torch's ``_get_1f1b_rank_ops(enable_zero_bubble=True)`` for one
+    chunk per rank. Each stage keeps at most ``pp`` micro-batches alive (1F1B's
+    first stage's peak), and with costs F, B, W the idle time per stage falls from
+    (p-1)(F+B+W) to (p-1)(F+B-W): a third of 1F1B's when F = B = W.
+    """
+    _check(pp, micro_batches)
+    stages = []
+    for rank in range(pp):
+        warmup = min(pp - rank - 1, micro_batches)
+        actions, weights = [Forward(micro_batch=i) for i in range(warmup)], 0
+        for i in range(micro_batches):  # the i-th B, after the forward of the steady state if any is left
+            if warmup + i < micro_batches:
+                actions.append(Forward(micro_batch=warmup + i))
+            actions.append(BackwardInput(micro_batch=i))
+            if i >= rank:
+                actions.append(BackwardWeight(micro_batch=weights))
+                weights += 1
+        actions += [BackwardWeight(micro_batch=i) for i in range(weights, micro_batches)]
+        stages.append(actions)
+    return _schedule("zb-h1", pp, micro_batches, 1, stages)
+
+
 # -- communication pass ---------------------------------------------------------------------
 def add_p2p(compute: Schedule, *, fuse_pairs: bool = False) -> Schedule:
     """Insert send/recv around every compute action, then the end-of-step actions.
@@ -246,6 +293,9 @@ def add_p2p(compute: Schedule, *, fuse_pairs: bool = False) -> Schedule:
         for a in actions:
             vs = compute.virtual_stage(rank, a.chunk)
             mb, chunk = a.micro_batch, a.chunk
+            if isinstance(a, BackwardWeight):  # local: nothing to receive or send
+                units.append(([], a, []))
+                continue
             if isinstance(a, Forward):
                 recv = [RecvActivation(micro_batch=mb, chunk=chunk, peer=(vs - 1) % pp)] if vs > 0 else []
                 send = [SendActivation(micro_batch=mb, chunk=chunk, peer=(vs + 1) % pp)] if vs < last else []
@@ -288,7 +338,7 @@ def schedule_interleaved(pp: int, micro_batches: int, vpp: int) -> Schedule:
 
 
 def build_schedule(name: str, pp: int, micro_batches: int, vpp: int = 1) -> Schedule:
-    """The schedule called ``name`` ("1f1b", "gpipe" or "interleaved"), with communication."""
+    """The schedule called ``name`` ("1f1b", "gpipe", "interleaved" or "zb-h1"), with communication."""
     if name == "1f1b":
         if vpp != 1:
             raise UsageError(f"--vpp {vpp} needs --schedule interleaved; 1f1b has one chunk per stage")
@@ -299,10 +349,22 @@ def build_schedule(name: str, pp: int, micro_batches: int, vpp: int = 1) -> Sche
         return schedule_gpipe(pp, micro_batches)
     if name == "interleaved":
         return schedule_interleaved(pp, micro_batches, vpp)
+    if name == "zb-h1":
+        if vpp != 1:
+            raise UsageError(f"--schedule zb-h1 runs one chunk per stage, got --vpp {vpp}; drop --vpp or use "
+                             "--schedule interleaved")
+        return add_p2p(zb_h1_compute(pp, micro_batches))
     raise UsageError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
 
 
-def bubble_formula(name: str, pp: int, micro_batches: int, vpp: int = 1) -> float:
-    """The textbook bubble fraction: (p-1)/(m+p-1), or (p-1)/(v m+p-1) when interleaved."""
+def bubble_formula(name: str, pp: int, micro_batches: int, vpp: int = 1, *, weight_share: float = 0.5) -> float:
+    """The textbook bubble fraction: (p-1)/(m+p-1), or (p-1)/(v m+p-1) when interleaved.
+
+    ZB-H1 (Qi et al. 2023): idle (p-1)(F+B-W) over m(F+B+W) of work; with backward = 2F
+    (the convention here) and W a ``weight_share`` of it, F+B-W = F (1 + 2 (1 - 2 share)).
+    """
+    if name == "zb-h1":
+        idle = (pp - 1) * (1 + 2 * (1 - 2 * weight_share))
+        return idle / (3 * micro_batches + idle)
     v = vpp if name == "interleaved" else 1
     return (pp - 1) / (v * micro_batches + pp - 1)

@@ -12,8 +12,11 @@ uses on real processes:
   (``tagged=False`` merges the two kinds into one FIFO per direction, as NCCL,
   which has no tags, would);
 - a **forward** on a virtual stage > 0 needs its activation received first, and a
-  **backward** needs its own forward done and, except on the last virtual stage,
-  its gradient received first.
+  **backward** (or zero bubble's input-gradient B) needs its own forward done and,
+  except on the last virtual stage, its gradient received first; a weight-gradient
+  W needs its B done. A micro-batch's activations count as in flight from its
+  forward until its backward, or until its W when split (W needs what the
+  forward saved for the weights).
 
 Execution is round-robin over stages, each running until it blocks; a full round
 in which no stage moves is a deadlock, reported with what every stage waits for
@@ -30,6 +33,8 @@ from megakit.core.schedules import (
     RECVS,
     SENDS,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     Instruction,
     OptimizerStep,
@@ -56,11 +61,14 @@ class Costs:
     ``forward`` and ``backward`` are the cost of a whole stage's layers for one
     micro-batch; with ``vpp`` chunks a chunk costs 1/vpp of it, so interleaving does
     not change the total work. ``p2p`` is the time a message takes to arrive.
+    ``weight`` is the share of ``backward`` that is the weight gradient W when a
+    schedule splits it (zero bubble): B costs the rest.
     """
 
     forward: float | tuple[float, ...] = 1.0
     backward: float | tuple[float, ...] = 2.0
     p2p: float = 0.0
+    weight: float = 0.5
     reduce: float = 0.0
     step: float = 0.0
 
@@ -74,7 +82,7 @@ class Event:
     """One executed compute instruction: for the timeline."""
 
     stage: int
-    kind: type[Instruction]  # Forward or Backward
+    kind: type[Instruction]  # Forward, Backward, BackwardInput or BackwardWeight
     micro_batch: int
     chunk: int
     start: float
@@ -99,6 +107,8 @@ class Report:
 
 
 def _validate_costs(costs: Costs, pp: int) -> None:
+    if not 0.0 <= costs.weight <= 1.0:
+        raise UsageError(f"weight is the share of the backward that is W, between 0 and 1; got {costs.weight!r}")
     for name in ("forward", "backward", "p2p", "reduce", "step"):
         value = getattr(costs, name)
         values = value if isinstance(value, (tuple, list)) else (value,)
@@ -133,6 +143,7 @@ class _Stage:
     received: dict = field(default_factory=dict)  # (channel kind, mb, vs) -> arrival time
     forwarded: dict = field(default_factory=dict)  # (mb, chunk) -> end time of its forward
     done_backward: set = field(default_factory=set)
+    done_weight: set = field(default_factory=set)
     in_flight: int = 0
     peak: int = 0
     batch: list | None = None  # batched mode: the ops this stage has posted and waits on
@@ -160,7 +171,8 @@ class _Simulator:
         self.posted_sends: dict[tuple, deque[_Op]] = {}  # batched mode: ops posted, not yet matched, per channel
         self.posted_recvs: dict[tuple, deque[_Op]] = {}
         self.events: list[Event] = []
-        self.handlers = {Forward: self._forward, Backward: self._backward,
+        self.handlers = {Forward: self._forward, Backward: self._backward, BackwardInput: self._backward,
+                         BackwardWeight: self._weight,
                          SendActivation: self._send, SendGrad: self._send,
                          RecvActivation: self._recv, RecvGrad: self._recv,
                          ReduceTiedGrads: self._reduce, ReduceGrads: self._reduce, OptimizerStep: self._optimizer_step}
@@ -196,7 +208,8 @@ class _Simulator:
             raise ScheduleError(f"{s.name}: messages sent but never received (mismatched send/recv): {leftover}")
         expected = {(mb, c) for mb in range(s.micro_batches) for c in range(self.vpp)}
         for st in self.stages:
-            if set(st.forwarded) != expected or st.done_backward != expected:
+            weights = expected if s.split_backward else set()
+            if set(st.forwarded) != expected or st.done_backward != expected or st.done_weight != weights:
                 raise ScheduleError(f"{s.name}: stage {st.index} does not run forward and backward exactly once "
                                     f"for every micro-batch and chunk")
 
@@ -328,8 +341,18 @@ class _Simulator:
             self.fail(st, a, "runs a backward before receiving its output gradient")
         cost = self.costs.per_stage("backward", st.index) / self.vpp
         st.done_backward.add((mb, chunk))
+        if isinstance(a, BackwardInput):  # what W needs stays in flight
+            return self._compute(st, a, cost * (1.0 - self.costs.weight))
         st.in_flight -= 1
         return self._compute(st, a, cost)
+
+    def _weight(self, st: _Stage, a: BackwardWeight) -> bool:
+        mb, chunk, _ = self._target(st, a)
+        if (mb, chunk) not in st.done_backward or (mb, chunk) in st.done_weight:
+            self.fail(st, a, "runs a weight gradient before its input gradient, or twice")
+        st.done_weight.add((mb, chunk))
+        st.in_flight -= 1
+        return self._compute(st, a, self.costs.per_stage("backward", st.index) / self.vpp * self.costs.weight)
 
     def _compute(self, st: _Stage, a: Instruction, cost: float) -> bool:
         start = st.clock
