@@ -1,7 +1,7 @@
 """The executor on real gloo processes: loss and every gradient equal the single-process model's.
 
 One spawn of 4 ranks sweeps the layouts (PP = 4, PP = 2 x DP = 2, TP = 2 x PP = 2, DP = 4) and
-schedules (1F1B, GPipe, interleaved); each rank compares its own stage against a
+schedules (1F1B, GPipe, interleaved, zero bubble's ZB-H1); each rank compares its own stage against a
 single-process ``Transformer`` built from the same seed, on the same micro-batches.
 """
 
@@ -27,7 +27,7 @@ from megakit.nn.topology import Topology
 
 B, S, M = 2, 8, 4  # micro-batch size, sequence length, micro-batches per step
 
-# (model, tp, pp, schedule, vpp, layers or None, p2p); "+sp": TP with sequence parallelism
+# (model, tp, pp, schedule, vpp, layers or None, p2p[, micro-batches]); "+sp": TP with sequence parallelism
 CASES = [
     ("gpt-tiny", 1, 4, "1f1b", 1, None, "async"),
     ("gpt-tiny", 1, 4, "1f1b", 1, None, "batched"),  # NCCL's way, run here on gloo
@@ -39,14 +39,16 @@ CASES = [
     ("gpt-tiny+sp", 2, 2, "1f1b", 1, None, "async"),
     ("gpt-tiny", 2, 2, "interleaved", 2, None, "batched"),
     ("gpt-tiny", 1, 1, "interleaved", 2, None, "async"),  # DP = 4; both tied copies on one rank
+    ("gpt-tiny", 1, 4, "zb-h1", 1, None, "async", 8),  # B and W split, W deferred: 4 stages, 8 micro-batches
+    ("llama-tiny+sp", 2, 2, "zb-h1", 1, None, "batched"),  # with TP (SP's collectives in B) and NCCL's P2P
 ]
 
 
-def _batches(config, dp_rank: int, dp: int, seed: int = 1):
-    """``dp * M`` micro-batches (token ids, labels) shared by every rank; replica d takes its M."""
+def _batches(config, dp_rank: int, dp: int, seed: int = 1, m: int = M):
+    """``dp * m`` micro-batches (token ids, labels) shared by every rank; replica d takes its m."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, config.vocab_size, (dp * M, B, S + 1), generator=g)
-    mine = ids[dp_rank * M:(dp_rank + 1) * M]
+    ids = torch.randint(0, config.vocab_size, (dp * m, B, S + 1), generator=g)
+    mine = ids[dp_rank * m:(dp_rank + 1) * m]
     return [x[:, :-1] for x in ids], [x[:, 1:] for x in ids], [x[:, :-1] for x in mine], [x[:, 1:] for x in mine]
 
 
@@ -63,14 +65,15 @@ def _ds_style_backward(m: int):
 def _equivalence_worker(rank, world_size, cases):
     torch.manual_seed(0)
     results = []
-    for model, tp, pp, schedule_name, vpp, layers, p2p in cases:
+    for model, tp, pp, schedule_name, vpp, layers, p2p, *m in cases:
+        m = m[0] if m else M
         sp = model.endswith("+sp")
         config = ModelConfig.load(model.removesuffix("+sp"))
         if layers:
             config = config.replace(layers=layers)
         layout = Layout.for_world(world_size, tp=tp, pp=pp)
         topo = Topology(layout)
-        all_ids, all_labels, ids, labels = _batches(config, topo.dp_rank, topo.dp)
+        all_ids, all_labels, ids, labels = _batches(config, topo.dp_rank, topo.dp, m=m)
 
         ref = Transformer(config, seed=3)
         ref_losses = [ref(x, y) for x, y in zip(all_ids, all_labels)]
@@ -79,14 +82,15 @@ def _equivalence_worker(rank, world_size, cases):
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
         chunks = build_stage_chunks(config, topo, vpp=vpp, seed=3, sequence_parallel=sp)
-        schedule = build_schedule(schedule_name, pp, M, vpp)
+        schedule = build_schedule(schedule_name, pp, m, vpp)
         lr = 0.1
         params = [p for c in chunks for p in c.parameters()]
         opt = torch.optim.SGD(params, lr=lr)
         shape = None if schedule_name == "gpipe" else activation_shape(  # None: a shape header per message
             config, micro_batch_size=B, seq_len=S, tp=tp, sequence_parallel=sp)
         executor = PipelineExecutor(chunks, topo, schedule=schedule, activation_shape=shape, p2p=p2p,
-                                    backward=_ds_style_backward(M) if tp == 2 else None, optimizer_step=opt.step)
+                                    backward=_ds_style_backward(m) if tp == 2 and not schedule.split_backward else None,
+                                    optimizer_step=opt.step)
         loss = executor.step(ids, labels)
         # the executor ran the very list the simulator proved: same activations held at the peak
         assert executor.last_times.peak_in_flight == simulate(schedule).peak_in_flight[topo.pp_rank]

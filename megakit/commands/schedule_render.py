@@ -13,7 +13,13 @@ import math
 import os
 import tempfile
 
-from megakit.core.schedules import Backward, BackwardInput, BackwardWeight, Forward, bubble_formula
+from megakit.core.schedules import (
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    bubble_formula,
+)
 from megakit.core.simulator import Report
 
 _TERMINAL = {Forward: ("white on blue", "white on dark_blue"), Backward: ("black on green", "black on dark_green"),

@@ -9,31 +9,24 @@ instruction class has its handler (``PipelineExecutor._handlers``):
   virtual stage, the received hidden state elsewhere) and keeps input and output
   for the backward; the last virtual stage is called with labels and returns the loss;
 - ``Backward`` calls the pluggable ``backward(output, grad)``: ``grad`` is None on the
-  last virtual stage (``output`` is the micro-batch's loss) and the gradient from
-  the next stage elsewhere. The default scales the loss by ``1 / micro_batches``
-  (the step's loss is the mean over micro-batches), as DeepSpeed's
+  last virtual stage (``output`` is the micro-batch's loss), the next stage's gradient
+  elsewhere. The default scales the loss by ``1 / micro_batches``, as DeepSpeed's
   ``engine.backward(loss)`` does with ``gradient_accumulation_steps = micro_batches``;
-  a trainer routes it through DeepSpeed: last stage ``engine.backward(output)``,
-  others ``engine.backward((output * grad).sum(), scale_wrt_gas=False)``;
-- P2P, ``p2p="async"`` (gloo's default): a send posts ``isend`` and moves on (the
-  simulator's asynchronous-send model); a receive waits for an ``irecv`` posted a
-  few instructions ahead, so the transfer overlaps the compute before it.
-  ``p2p="batched"`` (NCCL's default, where a send waits for its receive): each run
-  of consecutive sends/receives goes out as one ``batch_isend_irecv``, and the
-  executor refuses a schedule the simulator cannot prove deadlock-free that way
-  (GPipe, 1F1B and interleaved all pass; interleaving thanks to its fused
-  forward-backward pairs, see ``schedules.add_p2p``). Activations carry P2P tag 0,
-  gradients tag 1; the simulator proves the order right without tags (NCCL) too.
-  No shape handshake is needed when ``activation_shape`` is given (every boundary
-  carries the same hidden state); a gradient's shape is that of the activation sent;
-- ``ReduceTiedGrads`` sums the gradients of the tied input/output embeddings of the
-  first and last virtual stage (``stage_grads``); ``ReduceGrads`` averages gradients
-  over ``topo.dp_group``; ``OptimizerStep`` calls ``optimizer_step()`` if given.
-  A trainer using DeepSpeed replaces the last two (its engine reduces and steps).
+- ``BackwardInput`` / ``BackwardWeight`` (zero bubble, ``split_backward``): B computes
+  the gradient of the stage input only, W later the weights' (the loss scaled as above);
+- P2P, ``p2p="async"`` (gloo's default): a send posts ``isend`` and moves on; a receive
+  waits for an ``irecv`` posted a few instructions ahead. ``p2p="batched"`` (NCCL's
+  default, where a send waits for its receive): each run of consecutive sends/receives
+  is one ``batch_isend_irecv``, and only schedules the simulator proves deadlock-free
+  that way may run (interleaving thanks to its fused pairs, ``schedules.add_p2p``).
+  Activations carry P2P tag 0, gradients tag 1. With ``activation_shape`` no shape
+  header is sent; a gradient's shape is that of the activation sent;
+- ``ReduceTiedGrads`` sums the tied embeddings' gradients (``stage_grads``), ``ReduceGrads``
+  averages over ``topo.dp_group``, ``OptimizerStep`` calls ``optimizer_step()`` if given
+  (a trainer using DeepSpeed replaces the last two: its engine reduces and steps).
 
-TP composes inside a stage (each TP rank talks to the same TP rank of the next
-stage; tensor-parallel collectives run inside the chunk) and DP across replicas
-(each replica is its own pipeline; gradients meet in ``ReduceGrads``).
+TP composes inside a stage (TP rank t talks to TP rank t of the next stage) and DP
+across replicas (each its own pipeline; gradients meet in ``ReduceGrads``).
 """
 
 from __future__ import annotations
@@ -50,6 +43,8 @@ from megakit.core.schedules import (
     RECVS,
     SENDS,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     Instruction,
     OptimizerStep,
@@ -64,7 +59,7 @@ from megakit.core.schedules import (
 from megakit.core.simulator import P2P_MODES, ScheduleError, simulate
 from megakit.errors import UsageError
 from megakit.nn import comm as C
-from megakit.nn import stage_grads
+from megakit.nn import split_backward, stage_grads
 
 __all__ = ["PipelineExecutor", "StepTimes", "activation_shape"]
 _TAG = {RecvActivation: 0, SendActivation: 0, RecvGrad: 1, SendGrad: 1}
@@ -95,7 +90,7 @@ class _StepState:
     sample_ids: Sequence[Sequence[int]] | None
     recv_index: list[int]  # positions of the receives in the list, in order
     next_recv: int = 0  # the first receive in recv_index not yet posted or taken
-    stash: dict = field(default_factory=dict)  # (mb, chunk) -> (input, output); ("grad", mb, chunk) -> input grad
+    stash: dict = field(default_factory=dict)  # (mb, chunk) -> (input, output); ("grad"/"W", mb, chunk) -> grad / W's
     received: dict = field(default_factory=dict)  # (recv class, mb, chunk) -> tensor
     sent_shape: dict = field(default_factory=dict)  # (mb, chunk) -> shape of the activation sent
     pending: list = field(default_factory=list)  # (tensor, work) of isends, waited for at the end of the step
@@ -139,6 +134,8 @@ class PipelineExecutor:
         self.topo = topo
         self.schedule = schedule
         self.actions = schedule.stages[topo.pp_rank]
+        if backward is not None and schedule.split_backward:
+            raise UsageError(f"{schedule.name} splits each backward into B and W and runs both itself; pass no backward")
         self.backward_fn = backward or self._default_backward
         self.activation_shape = tuple(activation_shape) if activation_shape is not None else None
         self.dtype = activation_dtype
@@ -160,7 +157,8 @@ class PipelineExecutor:
                                  "use a schedule from schedules.build_schedule") from None
         self.last_times: StepTimes | None = None  # filled by every step()
         self._handlers = {RecvActivation: self._run_recv, RecvGrad: self._run_recv, Forward: self._run_forward,
-                          Backward: self._run_backward, SendActivation: self._run_send, SendGrad: self._run_send,
+                          Backward: self._run_backward, BackwardInput: self._run_backward_input,
+                          BackwardWeight: self._run_backward_weight, SendActivation: self._run_send, SendGrad: self._run_send,
                           ReduceTiedGrads: lambda st, index, a: self.reduce_tied_grads(),
                           ReduceGrads: lambda st, index, a: self.reduce_grads_fn(),
                           OptimizerStep: self._run_optimizer_step}  # what each instruction class runs
@@ -189,10 +187,7 @@ class PipelineExecutor:
         stage_grads.reduce_tied_grads(self.tied, self.topo)
 
     def _default_backward(self, output: torch.Tensor, grad: torch.Tensor | None) -> None:
-        if grad is None:
-            (output / self.schedule.micro_batches).backward()
-        else:
-            torch.autograd.backward(output, grad)
+        torch.autograd.backward(output / self.schedule.micro_batches if grad is None else output, grad)
 
     # -- P2P: each torch.distributed call in one small method ----------------------------------
     def _isend(self, tensor: torch.Tensor, a: Instruction) -> C.Handle:
@@ -200,9 +195,6 @@ class PipelineExecutor:
 
     def _irecv(self, buf: torch.Tensor, a: Instruction) -> C.Handle:
         return C.irecv(buf, self.topo.stage_rank(a.peer), tag=_TAG[type(a)])
-
-    def _recv_blocking(self, buf: torch.Tensor, a: Instruction) -> None:
-        C.recv(buf, self.topo.stage_rank(a.peer), tag=_TAG[type(a)])
 
     def _message(self, tensor: torch.Tensor, a: Instruction) -> tuple[torch.Tensor, int, int]:
         return tensor, self.topo.stage_rank(a.peer), _TAG[type(a)]
@@ -239,9 +231,9 @@ class PipelineExecutor:
             return st.local[_TAG[type(a)]].pop(0)
         assert isinstance(a, RecvActivation), "a gradient's shape is that of the activation sent: always known"
         header = torch.zeros(9, dtype=torch.int64, device=self.device)
-        self._recv_blocking(header, a)
+        C.recv(header, self.topo.stage_rank(a.peer), tag=_TAG[type(a)])
         buf = torch.empty(tuple(header[1:1 + int(header[0])].tolist()), dtype=self.dtype, device=self.device)
-        self._recv_blocking(buf, a)
+        C.recv(buf, self.topo.stage_rank(a.peer), tag=_TAG[type(a)])
         return buf
 
     def _outgoing(self, st: _StepState, a: Instruction) -> torch.Tensor:
@@ -331,6 +323,20 @@ class PipelineExecutor:
         last = self._vs(a.chunk) == self.schedule.virtual_stages - 1
         self.backward_fn(out, None if last else st.received.pop((RecvGrad, *key)))
         st.stash[("grad", *key)] = x.grad if x.requires_grad else None
+        st.backward_time += time.perf_counter() - began
+
+    def _run_backward_input(self, st: _StepState, index: int, a: Instruction) -> None:
+        began, key = time.perf_counter(), (a.micro_batch, a.chunk)
+        x, out = st.stash.pop(key)
+        last = self._vs(a.chunk) == self.schedule.virtual_stages - 1  # the loss: scaled as _default_backward does
+        out, grad = (out / self.schedule.micro_batches, None) if last else (out, st.received.pop((RecvGrad, *key)))
+        st.stash[("grad", *key)], st.stash[("W", *key)] = split_backward.backward_input(self.chunks[a.chunk], x, out, grad)
+        st.backward_time += time.perf_counter() - began
+
+    def _run_backward_weight(self, st: _StepState, index: int, a: Instruction) -> None:
+        began = time.perf_counter()  # W: the activations the weights needed are free after it
+        split_backward.backward_weight(self.chunks[a.chunk], st.stash.pop(("W", a.micro_batch, a.chunk)))
+        st.in_flight -= 1
         st.backward_time += time.perf_counter() - began
 
     def _run_optimizer_step(self, st: _StepState, index: int, a: Instruction) -> None:
