@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     p.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline stage (interleaved 1F1B)")
-    p.add_argument("--schedule", default=None, choices=["1f1b", "gpipe", "interleaved"],
+    p.add_argument("--schedule", default=None, choices=["1f1b", "gpipe", "interleaved", "zb-h1"],
                    help="pipeline schedule (PP > 1); default 1f1b, or interleaved with --vpp > 1")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's max)")
     p.add_argument("--seed", type=int, default=0,

@@ -109,6 +109,9 @@ def dp_results(tmp_path_factory):
     dropout = dropout_model(tmp_path_factory.mktemp("models"))
     cases.append(dict(ds_config=ds_config(1), model=dropout, steps=STEPS, seq_len=32))
     cases.append(dict(ds_config=ds_config(1), model=dropout, steps=STEPS, seq_len=32, tp=2))
+    for stage in (0, 1):  # cases 13, 14: zero bubble (ZB-H1), backward split into B and W, under ZeRO 0 and 1
+        cases.append(dict(ds_config=ds_config(stage, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32,
+                          pp=2, schedule="zb-h1"))
     return cases, sweep(tmp_path_factory, 2, cases)
 
 
@@ -152,6 +155,14 @@ def test_interleaved_pp2_vpp2_matches_the_single_process_model(dp_results):
     cases, results = dp_results
     assert_same_trajectory(results[8], reference(cases[8], dp=1))
     assert_memory_matches(results[8]["memory"])
+
+
+@pytest.mark.slow
+def test_zero_bubble_pp2_under_zero_0_and_1_matches_the_single_process_model(dp_results):
+    """ZB-H1 calls no engine.backward: its split B/W must still leave DeepSpeed the gradients it reduces and clips."""
+    cases, results = dp_results
+    for i in (13, 14):
+        assert_same_trajectory(results[i], reference(cases[i], dp=1))
 
 
 @pytest.mark.slow
@@ -223,6 +234,9 @@ def mp_results(tmp_path_factory):
     # case 5: selective recompute (the attention core), TP2 x PP2 with SP
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
                       sequence_parallel=True, recompute="selective", verify_memory=True))
+    # case 6: zero bubble (ZB-H1) with TP2 (and SP) x PP2
+    cases.append(dict(ds_config=ds_config(1, accumulation=4), model="llama-tiny", steps=STEPS, seq_len=32, tp=2,
+                      pp=2, sequence_parallel=True, schedule="zb-h1"))
     return cases, sweep(tmp_path_factory, 4, cases)
 
 
@@ -263,6 +277,12 @@ def test_selective_recompute_trains_the_same_model_and_the_planner_knows_its_mem
         assert_memory_matches(results[case]["memory"])
     full, selective = results[2]["memory"], results[5]["memory"]
     assert all(s["measured"]["activations"] > f["measured"]["activations"] for f, s in zip(full, selective))
+
+
+@pytest.mark.slow
+def test_zero_bubble_tp2_sp_pp2_matches_the_single_process_model(mp_results):
+    cases, results = mp_results
+    assert_same_trajectory(results[6], reference(cases[6], dp=1))
 
 
 @pytest.mark.slow

@@ -137,3 +137,14 @@ def test_mistakes_a_new_user_makes_get_one_line_before_any_process_starts():
     for path in PRESETS:  # every preset passes validation (those refused are refused for other reasons)
         if path.stem not in ("onebit_adam", "fp16"):
             load_ds_config(str(path), dp=2, pp=1)
+
+
+def test_zero_bubble_with_interleaving_is_one_line_before_any_process_group():
+    with pytest.raises(UsageError, match="--schedule zb-h1 runs one model chunk per stage, got --vpp 2"):
+        TrainConfig(ds_config={}, pp=2, vpp=2, schedule="zb-h1")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "scripts/train.py", "--pp", "2", "--vpp", "2", "--schedule", "zb-h1"],
+                         cwd=ROOT, env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines() == ["train.py: error: --schedule zb-h1 runs one model chunk per stage, "
+                                               "got --vpp 2; drop --vpp, or use --schedule interleaved"]

@@ -1,13 +1,14 @@
 """Zero bubble's split backward: a stage's input gradient now (B), its weight gradients later (W).
 
-torch's ``torch.distributed.pipelining`` does the split, and megakit uses its two helpers
-rather than copying them: ``stage_backward_input`` runs autograd from the stage's output
-to its input only (``retain_graph``) and records the gradient arriving where each
-weight's branch leaves the input path; ``stage_backward_weight`` later resumes from
-there to the weights, so W repeats none of B's work, and accumulates into ``.grad``
-(hooks on the weights, e.g. DeepSpeed's, fire as in a plain backward). On the first
-stage the input is token ids, with no gradient: as torch does, B does nothing and W
-is the whole backward.
+B is ``torch.distributed.pipelining``'s ``stage_backward_input``: autograd from the stage
+output to the stage input only (``retain_graph``), recording the gradient that arrives
+where each group of weights branches off the input path. W resumes from those branch
+points, so it repeats none of B's work. torch's own ``stage_backward_weight`` writes
+``.grad`` by hand, which skips the hooks that run when a gradient accumulates
+(DeepSpeed's ZeRO gathers gradients in them); megakit's W instead runs
+``torch.autograd.backward`` from the branch points *into* the weights, so those hooks fire
+as in a plain backward. On the first stage the input is token ids, with no gradient:
+as torch does, B does nothing and W is the whole backward.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining._backward import (
+    _get_grad_fn_or_grad_acc,
     stage_backward_input,
-    stage_backward_weight,
 )
 
 
@@ -41,9 +43,21 @@ def backward_input(chunk: nn.Module, x: torch.Tensor, output: torch.Tensor, grad
 
 
 def backward_weight(chunk: nn.Module, deferred: Deferred) -> None:
-    """W: accumulate the weight gradients of the micro-batch whose B made ``deferred``."""
+    """W: accumulate into ``.grad`` the weight gradients of the micro-batch whose B made ``deferred``."""
     if deferred.param_groups is None:
         torch.autograd.backward(deferred.output, deferred.grad)
         return
-    stage_backward_weight(chunk.parameters(), deferred.param_groups)
-
+    weights = {_get_grad_fn_or_grad_acc(p): p for p in chunk.parameters() if p.requires_grad}
+    for group in deferred.param_groups:
+        edges, grads, hooks = [], [], []
+        for saved, node in zip(group["grads"], group["intermediates"]):
+            edges += [GradientEdge(node, i) for i, g in enumerate(saved) if g is not None]
+            grads += [g for g in saved if g is not None]
+            if len(group["intermediates"]) > 1:  # as torch: a branch point below another gets its saved grad only
+                hooks.append(node.register_prehook(lambda _, saved=saved: saved))
+        try:
+            if edges:
+                torch.autograd.backward(edges, grads, inputs=[weights[acc] for acc in group["params"]])
+        finally:
+            for hook in hooks:
+                hook.remove()

@@ -70,6 +70,9 @@ class TrainConfig:
             raise UsageError(f"--log-every must be at least 1, got {self.log_every}")
         if self.vpp > 1 and self.pp == 1:
             raise UsageError(f"--vpp {self.vpp} splits each pipeline stage into chunks, so it needs --pp > 1")
+        if self.schedule == "zb-h1" and self.vpp > 1:
+            raise UsageError(f"--schedule zb-h1 runs one model chunk per stage, got --vpp {self.vpp}; drop --vpp, "
+                             "or use --schedule interleaved")
 
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

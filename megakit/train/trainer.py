@@ -337,9 +337,13 @@ def _pipeline_step(run: Run, topo, engine):
         else:
             engine.backward((output * grad).sum(), scale_wrt_gas=False)
 
-    chunks = [engine] if vpp == 1 else list(engine.module)  # DeepSpeed needs no forward hooks at ZeRO 0-1
-    executor = PipelineExecutor(chunks, topo, schedule=build_schedule(run.schedule, topo.pp, plan.accumulation, vpp),
-                                backward=backward, activation_shape=activation_shape(
+    schedule = build_schedule(run.schedule, topo.pp, plan.accumulation, vpp)
+    # zero bubble splits each backward itself (loss / accumulation, into .grad, DeepSpeed's gradient hooks firing)
+    # and so calls no engine.backward: its chunk is the bare module, whose outputs carry no engine backward hooks
+    bare = vpp > 1 or schedule.split_backward
+    chunks = [engine] if not bare else list(engine.module) if vpp > 1 else [engine.module]  # no hooks needed, ZeRO 0-1
+    executor = PipelineExecutor(chunks, topo, schedule=schedule,
+                                backward=None if schedule.split_backward else backward, activation_shape=activation_shape(
                                     run.model, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len, tp=topo.tp,
                                     sequence_parallel=run.sequence_parallel),
                                 activation_dtype=run.dtype, device=_device(),  # stages exchange the weights' type
