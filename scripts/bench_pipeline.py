@@ -1,17 +1,18 @@
-"""Benchmark megakit's 1F1B executor against DeepSpeed's PipelineEngine on 2 CPU processes.
+"""Benchmark megakit's 1F1B and zero-bubble ZB-H1 executors against DeepSpeed's PipelineEngine on 2 CPU processes.
 
     python scripts/bench_pipeline.py [--model gpt-mini --micro-batches 8 --micro-batch-size 4 --seq-len 128]
 
 Both run the same model (megakit ``Transformer`` stages, identical weights), the same
 2-stage split and the same micro-batches, one optimizer step (SGD) per batch:
-megakit's ``PipelineExecutor.step`` with the 1F1B schedule, and DeepSpeed's
+megakit's ``PipelineExecutor.step`` with the 1F1B schedule and with ZB-H1 (each backward
+split into the input gradient B and the deferred weight gradient W), and DeepSpeed's
 ``PipelineEngine.train_batch`` (its ``TrainSchedule`` is the same 1F1B order). Embeddings
 are untied for both, so neither does tied-weight communication the other does not,
 and the last stage computes logits then ``F.cross_entropy`` in both, so only the
 executors differ.
-The two alternate step by step (so a change in the machine's load hits both alike).
-Prints each one's median step time, megakit's measured bubble next to the simulator's
-prediction from the measured per-stage costs, and, last, ``ratio <megakit/DeepSpeed>``.
+The three alternate step by step (so a change in the machine's load hits all alike).
+Prints each one's median step time, megakit's measured bubbles next to the simulator's
+predictions from the measured per-stage costs, and, last, ``ratio <megakit 1F1B/DeepSpeed>``.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def _bench(rank: int, args) -> dict:
 
     from megakit.core.layout import Layout
     from megakit.core.partition import partition_layers
-    from megakit.core.schedules import schedule_1f1b
+    from megakit.core.schedules import build_schedule, schedule_1f1b
     from megakit.core.simulator import Costs, simulate
     from megakit.nn.model import ModelConfig, build_stage_chunks
     from megakit.nn.pipeline import PipelineExecutor
@@ -122,11 +123,17 @@ def _bench(rank: int, args) -> dict:
         chunks = [_LogitsLoss(chunks[0])]
     executor = PipelineExecutor(chunks, topo, schedule=schedule_1f1b(2, m), activation_shape=(s, b, config.hidden),
                                 optimizer_step=step_and_zero)
-    stage_times = []
+    zero_bubble = PipelineExecutor(chunks, topo, schedule=build_schedule("zb-h1", 2, m),
+                                   activation_shape=(s, b, config.hidden), optimizer_step=step_and_zero)
+    stage_times, zb_times = [], []
 
     def megakit_step():
         executor.step(ids if topo.is_first_stage else None, labels if topo.is_last_stage else None)
         stage_times.append(executor.last_times)
+
+    def zb_step():
+        zero_bubble.step(ids if topo.is_first_stage else None, labels if topo.is_last_stage else None)
+        zb_times.append(zero_bubble.last_times)
 
     # -- DeepSpeed PipelineEngine ---------------------------------------------------------------
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group already set up
@@ -142,29 +149,33 @@ def _bench(rank: int, args) -> dict:
     def ds_step():
         engine.train_batch(iter(list(zip(ids, labels))))
 
-    # alternate the two, step by step, so that a change in the machine's load hits both alike
-    ours, theirs = [], []
+    # rotate the three, step by step, so that a change in the machine's load hits all alike
+    runs, times = (megakit_step, zb_step, ds_step), ([], [], [])
     for i in range(args.warmup + args.steps):
-        if i % 2 == 0:
-            t_ours = _timed(megakit_step)
-            t_theirs = _timed(ds_step)
-        else:
-            t_theirs = _timed(ds_step)
-            t_ours = _timed(megakit_step)
+        took = {}
+        for k in range(3):
+            j = (i + k) % 3
+            took[j] = _timed(runs[j])
         if i >= args.warmup:
-            ours.append(t_ours)
-            theirs.append(t_theirs)
+            for j in range(3):
+                times[j].append(took[j])
+    ours, zb, theirs = times
     mine = stage_times[args.warmup:]
     fwd = statistics.median(t.forward for t in mine) / m
     bwd = statistics.median(t.backward for t in mine) / m
     bubble = statistics.mean(t.bubble for t in mine)
-    costs = [torch.tensor([fwd, bwd, bubble]) for _ in range(2)]
-    torch.distributed.all_gather(costs, torch.tensor([fwd, bwd, bubble]))
-    sim = simulate(schedule_1f1b(2, m), Costs(forward=tuple(float(c[0]) for c in costs),
-                                              backward=tuple(float(c[1]) for c in costs)))
+    zb_mine = zb_times[args.warmup:]
+    zb_bubble, zb_bwd = statistics.mean(t.bubble for t in zb_mine), statistics.median(t.backward for t in zb_mine) / m
+    costs = [torch.tensor([fwd, bwd, bubble, zb_bubble, zb_bwd]) for _ in range(2)]
+    torch.distributed.all_gather(costs, torch.tensor([fwd, bwd, bubble, zb_bubble, zb_bwd]))
+    forward, backward = tuple(float(c[0]) for c in costs), tuple(float(c[1]) for c in costs)
+    sim = simulate(schedule_1f1b(2, m), Costs(forward=forward, backward=backward))
+    sim_zb = simulate(build_schedule("zb-h1", 2, m), Costs(forward=forward, backward=backward, weight=0.5))
 
-    return dict(ours=statistics.median(ours), theirs=statistics.median(theirs),
+    return dict(ours=statistics.median(ours), zb=statistics.median(zb), theirs=statistics.median(theirs),
                 bubble=[float(c[2]) for c in costs], sim_bubble=list(sim.bubble_per_stage), sim_step=sim.step_time,
+                zb_bubble=[float(c[3]) for c in costs], sim_zb_bubble=list(sim_zb.bubble_per_stage),
+                sim_zb_step=sim_zb.step_time, zb_backward=[float(c[4]) for c in costs],
                 costs=[(float(c[0]), float(c[1])) for c in costs])
 
 
@@ -214,10 +225,16 @@ def main(argv=None) -> int:
     print(f"per-micro-batch costs (forward, backward) s: stage 0 {r['costs'][0][0]:.4f}, {r['costs'][0][1]:.4f}; "
           f"stage 1 {r['costs'][1][0]:.4f}, {r['costs'][1][1]:.4f}")
     print(f"megakit 1F1B step:              {r['ours'] * 1e3:8.1f} ms")
+    print(f"megakit ZB-H1 step:             {r['zb'] * 1e3:8.1f} ms")
     print(f"DeepSpeed PipelineEngine step:  {r['theirs'] * 1e3:8.1f} ms")
     print(f"bubble per stage, measured (megakit): {r['bubble'][0]:.1%}, {r['bubble'][1]:.1%}; "
           f"simulator with the measured costs: {r['sim_bubble'][0]:.1%}, {r['sim_bubble'][1]:.1%} "
           f"(step {r['sim_step'] * 1e3:.1f} ms); formula at equal stages (p-1)/(m+p-1): {1 / (args.micro_batches + 1):.1%}")
+    print(f"ZB-H1: B + W per micro-batch s: stage 0 {r['zb_backward'][0]:.4f}, stage 1 {r['zb_backward'][1]:.4f} "
+          f"(1F1B's whole backward above); bubble measured {r['zb_bubble'][0]:.1%}, {r['zb_bubble'][1]:.1%}; "
+          f"simulator with the measured costs, W = half the backward: {r['sim_zb_bubble'][0]:.1%}, "
+          f"{r['sim_zb_bubble'][1]:.1%} (step {r['sim_zb_step'] * 1e3:.1f} ms)")
+    print(f"ratio ZB-H1/1F1B {r['zb'] / r['ours']:.3f}, ZB-H1/DeepSpeed {r['zb'] / r['theirs']:.3f}")
     print(f"ratio {r['ours'] / r['theirs']:.3f}")
     return 0
 
