@@ -75,6 +75,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pins.add_argument("--micro-batch", type=int)
     pins.add_argument("--recompute", choices=("none", "selective", "full"))
     pins.add_argument("--vpp", type=int)
+    pins.add_argument("--schedule", choices=("1f1b", "zb-h1"),
+                      help="pipeline schedule: zb-h1 (zero bubble, Qi et al. 2023) trades memory for bubble")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     out.add_argument("--emit-config", metavar="PATH", help="write the plan's ds_config here")
@@ -115,7 +117,7 @@ def run(args) -> int:
     flash = gpu.flash_attention if args.attention is None else args.attention == "flash"
     global_batch = args.global_batch or emit.default_global_batch(model.params, model.seq_len)
     pins = Pins(tp=args.tp, pp=args.pp, zero=args.zero, micro_batch=args.micro_batch, recompute=args.recompute,
-                vpp=args.vpp)
+                vpp=args.vpp, schedule=args.schedule)
 
     def make_cluster(nodes: int | None = None, gpus: int | None = None) -> Cluster:
         total = gpus if gpus is not None else nodes * args.gpus_per_node
@@ -236,6 +238,7 @@ def _top_rejected(rejected, top):
 
 def _plan_fields(plan: Plan) -> dict:
     return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "vpp": plan.vpp, "zero_stage": plan.zero_stage,
+            "schedule": "zb-h1" if plan.zero_bubble else "interleaved" if plan.vpp > 1 else "1f1b",
             "micro_batch": plan.micro_batch, "grad_accum": plan.accumulation, "global_batch": plan.global_batch,
             "recompute": plan.recompute, "sequence_parallel": plan.sequence_parallel, "precision": plan.precision,
             "offload": plan.offload, "flash_attention": plan.flash_attention}

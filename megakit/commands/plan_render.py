@@ -9,6 +9,7 @@ MEMORY_LABELS = {
     "params": "parameters", "grads": "gradients", "master_params": "fp32 master params",
     "optimizer": "Adam states (m, v)", "fp32_step_grads": "fp32 grads at step", "activations": "activations",
     "pipeline_outputs": "stage outputs kept for backward",
+    "weight_grad_inputs": "kept for deferred W (ZB-H1)",
     "recompute_working_set": "recompute working set", "logits": "logits + loss (last stage)",
     "comm_buffers": "communication buckets", "zero3_gather": "ZeRO-3 gather buffers",
     "overhead": "CUDA context / workspaces",
@@ -42,7 +43,8 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
 
     plan = Table(title="Plan", show_header=False)
     for key, value in (("TP x PP x DP", f"{p['tp']} x {p['pp']} x {p['dp']} = {p['num_gpus']} GPUs"),
-                       ("virtual stages", p["vpp"]), ("ZeRO stage", p["zero_stage"]),
+                       ("virtual stages", p["vpp"]), ("schedule", p.get("schedule", "1f1b")),
+                       ("ZeRO stage", p["zero_stage"]),
                        ("batch", f"micro {p['micro_batch']} x accumulation {p['grad_accum']} x DP {p['dp']} = "
                                  f"{p['global_batch']} sequences"),
                        ("recompute", p["recompute"]), ("sequence parallel", p["sequence_parallel"]),

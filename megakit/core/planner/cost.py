@@ -31,6 +31,7 @@ from megakit.core.planner.sharding import (
     group_bandwidth,
     overlapped,
 )
+from megakit.core.planner.stages import zero_bubble_bubble_share
 
 ADAM_BYTES = 36  # HBM bytes the optimizer step touches per local parameter (fp32 master, m, v, grads)
 STEP_S = 0.015  # host time per optimizer step (engine bookkeeping, grad-norm sync, logging)
@@ -68,6 +69,16 @@ def flops_per_token(model: ModelSpec, seq_len: int, *, recompute: str = "none", 
                                         flash_attention=flash_attention)
 
 
+def weight_grad_share(model: ModelSpec, seq_len: int, plan: Plan) -> float:
+    """W's share of a stage's compute: the weight-gradient GEMMs, 2 FLOPs per weight and token (the
+    blocks' matmuls and the LM head), over all the training FLOPs the hardware runs (a third without
+    recompute, a quarter with full recompute, whose extra forward falls in B)."""
+    weights = model.config.layers * model.config.block_params(1).matmul + model.config.vocab_size * model.hidden
+    total = flops_per_token(model, seq_len, recompute=plan.recompute if plan.recompute != "per-op" else "none",
+                            flash_attention=plan.flash_attention)
+    return 2 * weights / total
+
+
 def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | None = None) -> Cost:
     s = model.seq_len if seq_len is None else seq_len
     t, p, d, v, b, m = plan.tp, plan.pp, plan.dp, plan.vpp, plan.micro_batch, plan.accumulation
@@ -99,6 +110,8 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     slowest = max(stage_s) + p2p_s
     compute_s = m * max(stage_s)
     bubble_s = (sum(stage_s) + p * p2p_s - slowest) / v if p > 1 else 0.0
+    if plan.zero_bubble:  # ZB-H1: the W's fill what 1F1B leaves idle, (p-1)(F+B-W) instead of (p-1)(F+B+W)
+        bubble_s *= zero_bubble_bubble_share(weight_grad_share(model, s, plan))
     pipeline_s = m * slowest + bubble_s
     worst = stage_s.index(max(stage_s))
     tp_total = m * counts[worst] * tp_s

@@ -113,6 +113,8 @@ def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: s
               "--tp", str(plan.tp), "--pp", str(plan.pp), "--model", model_arg, "--seq-len", str(seq_len)]
     if plan.vpp > 1:
         parts += ["--vpp", str(plan.vpp)]
+    if plan.zero_bubble:
+        parts += ["--schedule", "zb-h1"]
     if plan.sequence_parallel:
         parts.append("--sequence-parallel")
     if plan.recompute in ("selective", "full"):

@@ -37,6 +37,11 @@ interleaved schedule keeps ``(p - i - 1)·2 + (v - 1)·p + 1`` model chunks, cou
 (``in_flight_chunks``: earlier chunks hold more, and chunks hold unequal layers). Each in-flight
 chunk that sends on also holds its output until its backward, and a stage that receives
 gradients holds one during a backward (what the trainer's ``(output * grad).sum()`` keeps).
+ZB-H1 (``zero_bubble``, Qi et al. 2023) keeps a micro-batch's activations until its deferred W,
+so every stage holds ``min(p, m)`` (1F1B's first stage's count), and, for each W still pending
+(at most ``i + 1`` on stage ``i``; none on the first, whose B does nothing), the gradient that B
+left at each weight's matmul output and, with recompute, the activations B rebuilt, which the
+retained graph keeps until W (``weight_grad_inputs``): the extra memory of zero bubble.
 """
 
 from __future__ import annotations
@@ -216,7 +221,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                     precision: str = "bf16", offload: str = "none", stage="first",
                     flash_attention: bool = True, dropout: bool | None = None, dropout_mask_bytes: int = 1,
                     layers: int | None = None, recompute_fraction: float = 1.0, dp_shard: int = 0,
-                    gathered_inputs: bool = False,
+                    gathered_inputs: bool = False, zero_bubble: bool = False,
                     buckets: Buckets = Buckets(), overhead_bytes: float = 0.0) -> MemoryEstimate:
     """Itemised per-GPU bytes of one layout on one pipeline ``stage`` (index, 'first', 'last', 'middle').
 
@@ -295,10 +300,15 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                for c, layers_c in enumerate(chunk_layers)]
     peak = max(in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp),
                key=lambda live: sum(n * (w + o) for n, (w, o) in zip(live, weights)))
+    items["pipeline_outputs"] = sum(n * o for n, (_, o) in zip(peak, weights))  # freed at B with zero bubble
+    if zero_bubble:
+        peak = in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp, zero_bubble=True)[0]
     items["activations"] = sum(n * w for n, (w, _) in zip(peak, weights))
     if pp > 1 and stage < pp - 1:  # the gradient received for the micro-batch in backward, which it holds
         items["activations"] += hidden
-    items["pipeline_outputs"] = sum(n * o for n, (_, o) in zip(peak, weights))
+    if zero_bubble:  # per pending W: the gradients B left, and what B recomputed (kept by the retained graph)
+        items["weight_grad_inputs"] = min(stage + 1, m) * n_layers * (_matmul_output_bytes(
+            model, tp=tp, precision=precision, seq_len=s, micro_batch=b) + full_layer - kept) if stage > 0 else 0.0
     in_flight = sum(peak) / vpp  # in whole-stage units
     # Recomputing one block in backward rebuilds its full activations for one micro-batch.
     items["recompute_working_set"] = (full_layer if recompute == "full" else
@@ -333,6 +343,14 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     items["overhead"] = float(overhead_bytes)
     return MemoryEstimate(items=items, stage=stage, layers=n_layers, in_flight=in_flight, params_local=psi,
                           activation_per_layer=kept, tensors=tuple(tensors))
+
+
+def _matmul_output_bytes(model: ModelSpec, *, tp: int, precision: str, seq_len: int, micro_batch: int) -> float:
+    """One block's matmul outputs on a TP rank (q, k, v, attention out, MLP in and out): the gradients W reads."""
+    c = model.config
+    q, kv, f = c.heads // tp * c.head_dim, c.kv_heads_per_rank(tp) * c.head_dim, c.ffn // tp
+    width = q + 2 * kv + c.hidden + (2 if c.gated_mlp else 1) * f + c.hidden
+    return PRECISIONS[precision] * seq_len * micro_batch * width
 
 
 def peak_memory(model: ModelSpec, **layout) -> MemoryEstimate:

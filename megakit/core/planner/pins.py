@@ -21,6 +21,7 @@ class Pins:
     recompute: str | None = None
     vpp: int | None = None
     sequence_parallel: bool | None = None
+    schedule: str | None = None  # "1f1b" or "zb-h1" (one chunk per stage); None: 1F1B, interleaved if VPP > 1
 
     @property
     def layout_pinned(self) -> bool:
@@ -78,5 +79,10 @@ def check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int
         if pp and model.layers % (pp * pins.vpp):
             raise UsageError(f"--vpp {pins.vpp} x --pp {pp} does not divide the {model.layers} layers; "
                              "pick a VPP so that layers are a multiple of PP x VPP")
+    if pins.schedule not in (None, "1f1b", "zb-h1"):
+        raise UsageError(f"--schedule {pins.schedule} is not one of 1f1b, zb-h1 (interleaving: pin --vpp)")
+    if pins.schedule is not None and (pins.vpp or 1) > 1:
+        raise UsageError(f"--schedule {pins.schedule} runs one model chunk per stage, got --vpp {pins.vpp}; "
+                         "drop --vpp, or drop --schedule to interleave")
     if pins.micro_batch is not None and global_batch % pins.micro_batch:
         raise UsageError(f"--micro-batch {pins.micro_batch} does not divide --global-batch {global_batch}")

@@ -25,6 +25,7 @@ class Plan:
     precision: str = "bf16"
     offload: str = "none"
     flash_attention: bool = True
+    zero_bubble: bool = False  # ZB-H1 (--schedule zb-h1): each backward split into B and W, the W's deferred
     # How the run executes, beyond the layout (defaults: megakit's trainer). The calibration rows set
     # them to what each published run did.
     recompute_fraction: float = 1.0  # full recompute on this share of the blocks (HF/FSDP: every n-th block)
@@ -47,7 +48,8 @@ class Plan:
                     accumulation=self.accumulation, recompute=self.recompute,
                     sequence_parallel=self.sequence_parallel, vpp=self.vpp, precision=self.precision,
                     offload=self.offload, flash_attention=self.flash_attention,
-                    recompute_fraction=self.recompute_fraction, dp_shard=self.dp_shard, gathered_inputs=True)
+                    recompute_fraction=self.recompute_fraction, dp_shard=self.dp_shard, gathered_inputs=True,
+                    zero_bubble=self.zero_bubble)
 
     @property
     def shard_group(self) -> int:
@@ -58,6 +60,8 @@ class Plan:
         parts = [f"TP={self.tp}", f"PP={self.pp}", f"DP={self.dp}"]
         if self.vpp > 1:
             parts.append(f"VPP={self.vpp}")
+        if self.zero_bubble:
+            parts.append("ZB-H1")
         parts.append(f"ZeRO-{self.zero_stage}")
         parts.append(f"mb={self.micro_batch}x{self.accumulation}")
         parts.append(f"recompute={self.recompute}")

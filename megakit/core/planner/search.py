@@ -266,7 +266,7 @@ class _Context:
         per_rank = self.global_batch // dp
         base = Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch=1, accumulation=per_rank, recompute="full",
                     sequence_parallel=tp > 1, precision=self.precision, offload=self.offload,
-                    flash_attention=self.flash)
+                    flash_attention=self.flash, zero_bubble=pins.schedule == "zb-h1" and pp > 1)
         if self.offload == "params" and zero != 3:
             return
         # Lower bound: the smallest activations this layout can have (one sequence, full recompute);
@@ -281,6 +281,7 @@ class _Context:
             return
         vpps = [pins.vpp] if pins.vpp is not None else [v for v in (1, 2, 3, 4) if v == 1 or (pp > 1 and
                                                                                               m.layers % (pp * v) == 0)]
+        vpps = [1] if pins.schedule is not None else vpps  # a pinned schedule runs one chunk per stage
         recomputes = [pins.recompute] if pins.recompute else [r for r in RECOMPUTE_ORDER
                                                               if not (r == "selective" and self.flash)]
         sps = [pins.sequence_parallel] if pins.sequence_parallel is not None else ([True, False] if tp > 1 else [False])

@@ -13,11 +13,16 @@ from megakit.core.partition import partition_layers
 from megakit.core.planner.model_spec import ModelSpec
 
 
-def in_flight_micro_batches(*, pp: int, stage: int, accumulation: int, vpp: int = 1) -> float:
+def in_flight_micro_batches(*, pp: int, stage: int, accumulation: int, vpp: int = 1,
+                            zero_bubble: bool = False) -> float:
     """Micro-batches of a stage's layers alive at the peak of a 1F1B (interleaved) schedule.
 
-    Counted in whole-stage units: with ``vpp`` chunks each holding 1/vpp of the stage's layers."""
+    Counted in whole-stage units: with ``vpp`` chunks each holding 1/vpp of the stage's layers.
+    ZB-H1 (``zero_bubble``): every stage holds ``min(p, m)``, what 1F1B's first stage holds, since a
+    micro-batch stays alive until its deferred W (``schedules.zb_h1_compute``; the simulator's peak)."""
     m = max(accumulation, 1)
+    if zero_bubble:
+        return min(pp, m)
     if vpp <= 1:
         return min(pp - stage, m)
     chunks = min((pp - stage - 1) * 2 + (vpp - 1) * pp + 1, m * vpp)
@@ -25,14 +30,15 @@ def in_flight_micro_batches(*, pp: int, stage: int, accumulation: int, vpp: int 
 
 
 @functools.lru_cache(maxsize=4096)
-def in_flight_chunks(*, pp: int, stage: int, accumulation: int, vpp: int = 1) -> tuple[tuple[int, ...], ...]:
+def in_flight_chunks(*, pp: int, stage: int, accumulation: int, vpp: int = 1,
+                     zero_bubble: bool = False) -> tuple[tuple[int, ...], ...]:
     """Live micro-batches of each of the stage's ``vpp`` chunks at the moments its total peaks, over one
     step of the trainer's schedule (as ``schedules.interleaved_compute`` orders it): the k-th forward runs chunk
     ``(k // pp) % vpp`` for its k-th forward, so earlier chunks hold more than later ones, and a stage
     whose chunks hold unequal layers peaks where its biggest chunks are most in flight."""
     m = max(accumulation, 1)
     if vpp <= 1:
-        return ((min(pp - stage, m),),)
+        return ((min(pp if zero_bubble else pp - stage, m),),)
     if m % pp:  # the trainer refuses it; an even spread of the formula's count
         return ((min((pp - stage - 1) * 2 + (vpp - 1) * pp + 1, m * vpp) / vpp,) * vpp,)
     total = m * vpp
@@ -48,6 +54,15 @@ def in_flight_chunks(*, pp: int, stage: int, accumulation: int, vpp: int = 1) ->
         states.add(tuple(live))
         live[vpp - 1 - (i // pp) % vpp] -= 1
     return tuple(sorted(states))
+
+
+def zero_bubble_bubble_share(weight_share: float) -> float:
+    """ZB-H1's bubble over 1F1B's at the same stage times (Qi et al. 2023, section 3.1).
+
+    1F1B idles (p-1)(F+B+W) per stage (its backward is B+W); ZB-H1 runs each stage's W's
+    in the cool-down where 1F1B waits and idles (p-1)(F+B-W). With T = F+B+W and W = w·T
+    the ratio is 1 - 2w: a third when F = B = W (and never below 0)."""
+    return max(0.0, 1.0 - 2.0 * weight_share)
 
 
 @functools.lru_cache(maxsize=1024)
