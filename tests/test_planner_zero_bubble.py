@@ -15,7 +15,10 @@ from megakit.core.planner.hardware import Cluster, gpu_preset
 from megakit.core.planner.memory import estimate_memory
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.core.planner.plan import Plan
-from megakit.core.planner.stages import in_flight_micro_batches, zero_bubble_bubble_share
+from megakit.core.planner.stages import (
+    in_flight_micro_batches,
+    zero_bubble_bubble_share,
+)
 from megakit.core.schedules import build_schedule
 from megakit.core.simulator import simulate
 
@@ -44,7 +47,7 @@ def test_bubble_is_qi_et_al_with_the_weight_gradient_share():
 
 def test_extra_memory_is_the_deferred_ws():
     model = ModelSpec.from_params("1.3B", seq_len=2048)
-    kw = dict(tp=2, pp=4, micro_batch=1, accumulation=8, sequence_parallel=True)
+    kw = {"tp": 2, "pp": 4, "micro_batch": 1, "accumulation": 8, "sequence_parallel": True}
     for stage in range(4):
         one = estimate_memory(model, stage=stage, **kw)
         zb = estimate_memory(model, stage=stage, zero_bubble=True, **kw)
