@@ -212,3 +212,16 @@ def test_zb_h1_is_deadlock_free_and_splits_every_backward():
             assert sorted(names) == sorted([f"{k}{i}" for k in "Fbw" for i in range(m)])
     with pytest.raises(UsageError, match="zb-h1 runs one chunk"):
         build_schedule("zb-h1", 4, 8, vpp=2)
+
+
+def test_cli_prints_zero_bubble(capsys):
+    from megakit.commands import cli
+
+    assert cli.main(["schedule", "--pp", "4", "--micro-batches", "8", "--schedule", "zb-h1"]) == 0
+    out = capsys.readouterr().out
+    assert "bubble 11.1% (3 idle per stage)  (formula 11.1%)" in out and "weight gradient W" in out
+    assert "peak in-flight activations per stage [4, 4, 4, 4]" in out
+    assert cli.main(["schedule", "--schedule", "zb-h1", "--weight-share", "0.25"]) == 0  # W cheaper: more bubble
+    assert "bubble 20.0% (6 idle per stage)  (formula 20.0%)" in capsys.readouterr().out
+    assert cli.main(["schedule", "--schedule", "zb-h1", "--vpp", "2"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

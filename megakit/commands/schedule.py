@@ -48,12 +48,12 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     report = simulate(schedule, Costs(forward=args.forward_cost, backward=args.backward_cost, p2p=args.p2p_cost,
                                       weight=args.weight_share), p2p=args.p2p)
-    print_timeline(report)
+    print_timeline(report, weight_share=args.weight_share)
     formula = bubble_formula(args.schedule, args.pp, args.micro_batches, vpp, weight_share=args.weight_share)
     idle = report.step_time - min(report.busy)
     print(f"step time {report.step_time:g}  bubble {report.bubble:.1%} ({idle:g} idle per stage)  (formula {formula:.1%})  "
           f"peak in-flight activations per stage {list(report.peak_in_flight)}")
     if args.out:
-        save_png(report, args.out)
+        save_png(report, args.out, weight_share=args.weight_share)
         print(f"wrote {args.out}")
     return 0

@@ -40,7 +40,7 @@ def title(report: Report, weight_share: float = 0.5) -> str:
             f"(formula {formula:.1%}), step time {report.step_time:g}")
 
 
-def timeline_text(report: Report, *, width: int = 120):
+def timeline_text(report: Report, *, width: int = 120, weight_share: float = 0.5):
     """A ``rich.text.Text`` with one row per stage; one column is one time unit (scaled to fit ``width``)."""
     from rich.text import Text
 
@@ -56,7 +56,7 @@ def timeline_text(report: Report, *, width: int = 120):
         for col in range(first, min(max(last, first + 1), columns)):
             rows[e.stage][col] = e
     text = Text()
-    text.append(title(report) + "\n", style="bold")
+    text.append(title(report, weight_share) + "\n", style="bold")
     for stage, cells in rows.items():
         text.append(f"stage {stage:>2} │")
         for cell in cells:
@@ -77,14 +77,14 @@ def timeline_text(report: Report, *, width: int = 120):
     return text
 
 
-def print_timeline(report: Report, console=None) -> None:
+def print_timeline(report: Report, console=None, *, weight_share: float = 0.5) -> None:
     from rich.console import Console
 
     console = console or Console(soft_wrap=True)  # long rows overflow rather than wrap mid-timeline
-    console.print(timeline_text(report, width=160), soft_wrap=True)
+    console.print(timeline_text(report, width=160, weight_share=weight_share), soft_wrap=True)
 
 
-def save_png(report: Report, path: str) -> None:
+def save_png(report: Report, path: str, *, weight_share: float = 0.5) -> None:
     """Draw the timeline to ``path``; written to a temporary file first, so a failure leaves nothing half-written."""
     import matplotlib
 
@@ -112,7 +112,7 @@ def save_png(report: Report, path: str) -> None:
     ax.set_xlim(0, report.step_time)
     chunks = "; lighter shade = later model chunk" if report.schedule.vpp > 1 else ""
     ax.set_xlabel(f"time (units of the per-op costs){chunks}")
-    ax.set_title(title(report), fontsize=10)
+    ax.set_title(title(report, weight_share), fontsize=10)
     weight = [Patch(color=_PNG[BackwardWeight][0], label="weight grad W")] if report.schedule.split_backward else []
     ax.legend(handles=[Patch(color=_PNG[Forward][0], label="forward"), Patch(color=_PNG[Backward][0], label="backward"),
                        *weight, Patch(color="#e6e6e6", label="idle (bubble)")], loc="upper left", fontsize=7,
