@@ -214,6 +214,25 @@ def test_zb_h1_is_deadlock_free_and_splits_every_backward():
         build_schedule("zb-h1", 4, 8, vpp=2)
 
 
+def test_zero_bubble_under_rendezvous_p2p_is_never_slower_than_1f1b():
+    """NCCL: a gradient send waits for its receive; running the W behind it first lets it go with the next receive."""
+    from megakit.core.schedules import weights_before_grad_sends
+    from megakit.core.simulator import fastest_order
+
+    for pp in range(1, 9):
+        for m in range(1, 17):
+            zb = build_schedule("zb-h1", pp, m)
+            chosen = fastest_order(zb, p2p="batched")
+            assert chosen in (zb, weights_before_grad_sends(zb))
+            step = simulate(chosen, p2p="batched").step_time
+            assert step <= simulate(build_schedule("1f1b", pp, m), p2p="batched").step_time
+            assert simulate(chosen).peak_in_flight == simulate(zb).peak_in_flight
+    zb = build_schedule("zb-h1", 4, 8)
+    assert simulate(zb, p2p="batched").step_time == 33.0  # as slow as 1F1B in its plain order
+    assert simulate(fastest_order(zb, p2p="batched"), p2p="batched").step_time == 30.0
+    assert fastest_order(zb, p2p="async") is zb
+
+
 def test_cli_prints_zero_bubble(capsys):
     from megakit.commands import cli
 

@@ -33,7 +33,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megakit.commands.schedule_render import print_timeline, save_png
-    from megakit.core.simulator import Costs, simulate
+    from megakit.core.simulator import Costs, fastest_order, simulate
 
     vpp = args.vpp if args.vpp is not None else (2 if args.schedule == "interleaved" else 1)
     if args.out is not None:
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--out {args.out}: directory {directory} does not exist; create it or pick another path")
         if not args.out.lower().endswith(".png"):
             raise UsageError(f"--out {args.out}: the picture is a PNG; give a path ending in .png")
-    schedule = build_schedule(args.schedule, args.pp, args.micro_batches, vpp)
+    schedule = fastest_order(build_schedule(args.schedule, args.pp, args.micro_batches, vpp), p2p=args.p2p)
     for name in ("forward_cost", "backward_cost", "p2p_cost"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")

@@ -321,6 +321,25 @@ def add_p2p(compute: Schedule, *, fuse_pairs: bool = False) -> Schedule:
     return _schedule(compute.name, compute.pp, compute.micro_batches, compute.vpp, stages)
 
 
+def weights_before_grad_sends(schedule: Schedule) -> Schedule:
+    """Zero bubble under rendezvous P2P (NCCL, ``p2p="batched"``): each W that follows a gradient send runs first.
+
+    Where a send waits for its receive, a gradient sent right after B waits alone until the
+    stage before posts its receive, while the W behind it could run; sent after W, it goes out
+    in one batch with the next receive. At F = B = W, p = 4, m = 8 the step takes 30 against
+    1F1B's 33 (27 with asynchronous sends, where the original order is best)."""
+    stages = []
+    for actions in schedule.stages:
+        out, i = list(actions), 0
+        while i < len(out) - 1:
+            if isinstance(out[i], SendGrad) and isinstance(out[i + 1], BackwardWeight):
+                out[i], out[i + 1] = out[i + 1], out[i]
+                i += 1  # past one W only: the last sends of a step must not wait for every W left
+            i += 1
+        stages.append(out)
+    return _schedule(schedule.name, schedule.pp, schedule.micro_batches, schedule.vpp, stages)
+
+
 def schedule_gpipe(pp: int, micro_batches: int) -> Schedule:
     """GPipe with communication: the baseline that keeps all m micro-batches in flight."""
     return add_p2p(gpipe_compute(pp, micro_batches))

@@ -46,6 +46,7 @@ from megakit.core.schedules import (
     SendActivation,
     SendGrad,
     add_p2p,
+    weights_before_grad_sends,
 )
 from megakit.errors import UsageError
 
@@ -387,3 +388,10 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), *, tagged: bool = True,
         schedule = add_p2p(schedule)
     _validate_costs(costs, schedule.pp)
     return _Simulator(schedule, costs, tagged=tagged, p2p=p2p).run()
+
+
+def fastest_order(schedule: Schedule, *, p2p: str) -> Schedule:
+    """Zero bubble under rendezvous P2P: the schedule or its ``weights_before_grad_sends`` order, whichever runs faster."""
+    if p2p != "batched" or not schedule.split_backward:
+        return schedule
+    return min((schedule, weights_before_grad_sends(schedule)), key=lambda s: simulate(s, p2p=p2p).step_time)

@@ -56,7 +56,7 @@ from megakit.core.schedules import (
     SendActivation,
     SendGrad,
 )
-from megakit.core.simulator import P2P_MODES, ScheduleError, simulate
+from megakit.core.simulator import P2P_MODES, ScheduleError, fastest_order, simulate
 from megakit.errors import UsageError
 from megakit.nn import comm as C
 from megakit.nn import split_backward, stage_grads
@@ -132,8 +132,6 @@ class PipelineExecutor:
             raise UsageError("the schedule has no send/recv; build it with schedules.build_schedule or add_p2p")
         self.chunks = list(chunks)
         self.topo = topo
-        self.schedule = schedule
-        self.actions = schedule.stages[topo.pp_rank]
         if backward is not None and schedule.split_backward:
             raise UsageError(f"{schedule.name} splits each backward into B and W and runs both itself; pass no backward")
         self.backward_fn = backward or self._default_backward
@@ -155,6 +153,8 @@ class PipelineExecutor:
             except ScheduleError as error:
                 raise UsageError(f"schedule {schedule.name} is not deadlock-free with batched (NCCL) P2P: {error}; "
                                  "use a schedule from schedules.build_schedule") from None
+        self.schedule = fastest_order(schedule, p2p=self.p2p)  # zero bubble under NCCL: maybe W before a send
+        self.actions = self.schedule.stages[topo.pp_rank]
         self.last_times: StepTimes | None = None  # filled by every step()
         self._handlers = {RecvActivation: self._run_recv, RecvGrad: self._run_recv, Forward: self._run_forward,
                           Backward: self._run_backward, BackwardInput: self._run_backward_input,
