@@ -137,3 +137,28 @@ def test_mistakes_a_new_user_makes_get_one_line_before_any_process_starts():
     for path in PRESETS:  # every preset passes validation (those refused are refused for other reasons)
         if path.stem not in ("onebit_adam", "fp16"):
             load_ds_config(str(path), dp=2, pp=1)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--compress", "topk:0"], "--compress topk:0: the Top-K ratio must be above 0 and below 1"),
+    (["--compress", "topk:2"], "--compress topk:2: the Top-K ratio must be above 0 and below 1"),
+    (["--compress", "int9"], "--compress int9: not one of none, fp16, int8, sign, topk:RATIO"),
+    (["--compress", "int8", "--ds_config", "ds_configs/zero3.json"], "--compress int8 needs ZeRO stage 0"),
+    (["--local-sgd", "0"], "--local-sgd 0: the averaging period must be at least 1 step"),
+    (["--local-sgd", "4", "--compress", "sign"], "choose one"),
+])
+def test_dp_sync_flags_are_refused_in_one_line_before_any_process_group(flags, message, capsys, monkeypatch):
+    import importlib.util
+
+    import torch.distributed as dist
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(ROOT)
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--model", "gpt-tiny", "--steps", "1", "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("train.py: error: ") and message in err[0], err
+    assert not dist.is_initialized()

@@ -97,6 +97,8 @@ class StepMetrics:
     comm_calls: int | None  # collective and P2P calls this rank made during the step, None when not sampled
     world_size: int
     peak_tflops: float | None  # per device
+    dp_bytes: int | None = None  # DP bytes this rank sent (when megakit, not DeepSpeed, syncs DP: --compress, --local-sgd)
+    dp_bytes_dense: int | None = None  # what the plain fp32 all-reduce of the same gradients would have sent
 
     @property
     def samples_per_s(self) -> float:
@@ -128,6 +130,8 @@ class StepMetrics:
             parts.append(f"MFU {self.mfu:.1%}")
         if self.comm_share is not None:
             parts.append(f"comm {self.comm_share:.0%}")
+        if self.dp_bytes is not None:
+            parts.append(f"DP sent {self.dp_bytes / 1e6:.3g} MB of {self.dp_bytes_dense / 1e6:.3g}")
         return " | ".join(parts)
 
     def scalars(self) -> dict[str, float]:
@@ -138,10 +142,12 @@ class StepMetrics:
             out["perf/mfu"] = self.mfu
         if self.comm_share is not None:
             out["perf/comm_share"] = self.comm_share
+        if self.dp_bytes is not None:
+            out["comm/dp_bytes"], out["comm/dp_bytes_dense"] = float(self.dp_bytes), float(self.dp_bytes_dense)
         return out
 
     def to_dict(self) -> dict:
         return {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
                 "seconds": self.seconds, "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
                 "tflops": self.tflops, "mfu": self.mfu, "comm_share": self.comm_share,
-                "comm_calls": self.comm_calls}
+                "comm_calls": self.comm_calls, "dp_bytes": self.dp_bytes, "dp_bytes_dense": self.dp_bytes_dense}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from megakit.core.compression import Compression, parse_compression
 from megakit.core.layout import Layout
 from megakit.core.model_config import ModelConfig, check_seq_len
 from megakit.errors import UsageError
@@ -54,6 +55,9 @@ class TrainConfig:
     keep: int = 0  # with --save-every: keep the newest K checkpoints as DIR/step-N with DIR/latest (0: one, replaced)
     load: str | None = None  # checkpoint to start from: weights and step count (not the optimizer state)
     allow_cross_node_tp: bool = False  # run a TP group that spans nodes (with a warning) instead of refusing it
+    compress: str = "none"  # DP gradient compression: none | fp16 | int8 | sign | topk:RATIO (megakit.core.compression)
+    error_feedback: bool = True  # carry what compression dropped into the next step (off only to compare)
+    local_sgd: int | None = None  # average the weights over DP every H steps instead of the gradients every step
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -68,6 +72,12 @@ class TrainConfig:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
         if self.log_every < 1:
             raise UsageError(f"--log-every must be at least 1, got {self.log_every}")
+        compression = parse_compression(self.compress)
+        if self.local_sgd is not None and self.local_sgd < 1:
+            raise UsageError(f"--local-sgd {self.local_sgd}: the averaging period must be at least 1 step "
+                             "(leave it out for synchronous training)")
+        if self.local_sgd and compression.enabled:
+            raise UsageError(f"--local-sgd averages weights, --compress {self.compress} gradients; choose one")
         if self.vpp > 1 and self.pp == 1:
             raise UsageError(f"--vpp {self.vpp} splits each pipeline stage into chunks, so it needs --pp > 1")
 
@@ -90,6 +100,7 @@ class Run:
     zero_stage: int
     sequence_parallel: bool  # asked for, and TP > 1 (nothing to split otherwise)
     schedule: str  # the pipeline schedule (PP > 1)
+    compression: Compression  # of the DP gradients (``kind == "none"``: DeepSpeed all-reduces them)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -117,10 +128,26 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
                       accumulation=ds_config["gradient_accumulation_steps"], dp=layout.dp, seed=cfg.seed)
     if checkpoint is not None:
         check_same_run(checkpoint, seed=cfg.seed, global_batch=batch.global_batch)
+    compression = _check_dp_sync(cfg, ds_config)
     precision = ("bf16" if ds_config.get("bf16", {}).get("enabled") else
                  "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32")
     return Run(cfg=cfg, layout=layout, ds_config=ds_config, model=model, batch=batch, start_step=start,
                checkpoint=checkpoint,
                precision=precision, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
                sequence_parallel=sequence_parallel,
-               schedule=cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b"))
+               schedule=cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b"), compression=compression)
+
+
+def _check_dp_sync(cfg: TrainConfig, ds_config: dict) -> Compression:
+    """``--compress`` and ``--local-sgd`` replace DeepSpeed's DP all-reduce, which only ZeRO 0 leaves to megakit."""
+    compression = parse_compression(cfg.compress)
+    flag = f"--compress {cfg.compress}" if compression.enabled else f"--local-sgd {cfg.local_sgd}" if cfg.local_sgd else None
+    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    if flag and stage > 0:
+        raise UsageError(f"{flag} needs ZeRO stage 0 (ds_configs/zero0.json): ZeRO {stage} reduces and shards the "
+                         "gradients inside DeepSpeed's optimizer, where megakit cannot compress or skip the exchange")
+    fp32 = not (ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled"))
+    if cfg.local_sgd and not fp32:
+        raise UsageError(f"--local-sgd {cfg.local_sgd} averages the module's weights, but with bf16/fp16 DeepSpeed "
+                         "steps a separate fp32 master copy; use fp32, or --compress for mixed precision")
+    return compression

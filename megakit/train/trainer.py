@@ -47,6 +47,7 @@ from megakit.interop.checkpoint import load_checkpoint
 from megakit.nn import comm
 from megakit.train.data import TokenBatches, load_tokens
 from megakit.train.deepspeed_shm import unlink_shared_memory
+from megakit.train.dp_sync import DataParallelSync
 from megakit.train.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops
 from megakit.train.reporting import Reporter, start_profiler
@@ -246,7 +247,8 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
         except UsageError as error:
             raise everywhere(error)  # load_state raises on every rank when any rank fails
     batches = TokenBatches(tokens, plan)
-    run_step = _pipeline_step(run, topo, engine) if topo.pp > 1 else _plain_step(engine)
+    dp_sync = DataParallelSync(run, topo, engine)
+    run_step = _pipeline_step(run, topo, engine, dp_sync) if topo.pp > 1 else _plain_step(engine, dp_sync)
     device = _device() or torch.device("cpu")
 
     from megakit.nn.model import model_flops_per_token
@@ -270,10 +272,12 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
         with communication.measure(not torch.cuda.is_available() or step % 10 == 1):  # on GPU it synchronises
             with probe.step() if probe else contextlib.nullcontext():
                 loss = run_step(micro_batches)
+                dp_sync.after_step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         comm_seconds, comm_calls = communication.result or (None, None)
+        dp_bytes, dp_bytes_dense = dp_sync.take_bytes()
         if clipper is not None:
             grad_norm, grads_finite = clipper.norm, clipper.finite
         else:
@@ -285,7 +289,7 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
         metrics = StepMetrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds,
                               samples=plan.global_batch, tokens=plan.global_batch * plan.seq_len, flops=flops_per_step,
                               comm_seconds=comm_seconds, comm_calls=comm_calls, world_size=dist.get_world_size(),
-                              peak_tflops=peak)
+                              peak_tflops=peak, dp_bytes=dp_bytes, dp_bytes_dense=dp_bytes_dense)
         result.steps.append(metrics)
         reporter.log(metrics)
         done = step + 1
@@ -304,14 +308,16 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
     return result
 
 
-def _plain_step(engine):
+def _plain_step(engine, dp_sync):
     """PP = 1: DeepSpeed accumulates; ``step()`` after each micro-batch only updates at the boundary."""
 
     def run(micro_batches) -> torch.Tensor:
         losses = []
-        for inputs, labels, rows in micro_batches:
+        for i, (inputs, labels, rows) in enumerate(micro_batches):
             loss = engine(inputs, labels, sample_ids=rows)
             engine.backward(loss)
+            if i == len(micro_batches) - 1:
+                dp_sync.before_step()
             engine.step()
             losses.append(loss.detach().float())
         return torch.stack(losses).mean()
@@ -324,7 +330,7 @@ def _device() -> torch.device | None:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
-def _pipeline_step(run: Run, topo, engine):
+def _pipeline_step(run: Run, topo, engine, dp_sync):
     """PP > 1: one 1F1B (or chosen) schedule per step; DeepSpeed does backward scaling, DP reduction and step."""
     from megakit.core.schedules import build_schedule
     from megakit.nn.pipeline import PipelineExecutor, activation_shape
@@ -343,7 +349,7 @@ def _pipeline_step(run: Run, topo, engine):
                                     run.model, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len, tp=topo.tp,
                                     sequence_parallel=run.sequence_parallel),
                                 activation_dtype=run.dtype, device=_device(),  # stages exchange the weights' type
-                                reduce_grads=lambda: None, optimizer_step=engine.step, broadcast_loss=True)
+                                reduce_grads=dp_sync.before_step, optimizer_step=engine.step, broadcast_loss=True)
 
     def step(micro_batches) -> torch.Tensor:
         inputs = [x for x, _, _ in micro_batches] if topo.is_first_stage else None
