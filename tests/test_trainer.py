@@ -109,6 +109,10 @@ def dp_results(tmp_path_factory):
     dropout = dropout_model(tmp_path_factory.mktemp("models"))
     cases.append(dict(ds_config=ds_config(1), model=dropout, steps=STEPS, seq_len=32))
     cases.append(dict(ds_config=ds_config(1), model=dropout, steps=STEPS, seq_len=32, tp=2))
+    # cases 13-16: megakit syncs DP itself (ZeRO 0): Top-K 1 % with and without error feedback, local SGD, fp16
+    for extra in (dict(compress="topk:0.01"), dict(compress="topk:0.01", error_feedback=False), dict(local_sgd=4),
+                  dict(compress="fp16")):
+        cases.append(dict(ds_config=ds_config(0), model="gpt-tiny", steps=STEPS, seq_len=32, **extra))
     return cases, sweep(tmp_path_factory, 2, cases)
 
 
@@ -223,6 +227,10 @@ def mp_results(tmp_path_factory):
     # case 5: selective recompute (the attention core), TP2 x PP2 with SP
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
                       sequence_parallel=True, recompute="selective", verify_memory=True))
+    # cases 6, 7: compressed DP reduction composes with TP (int8 at TP2 x DP2) and PP (sign at PP2 x DP2)
+    cases.append(dict(ds_config=ds_config(0), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, compress="int8"))
+    cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, pp=2,
+                      compress="sign"))
     return cases, sweep(tmp_path_factory, 4, cases)
 
 
@@ -350,3 +358,34 @@ def test_stopped_rank_ends_the_job_and_is_named(tmp_path):
     status, seconds, text = _start_and_signal(tmp_path, signal.SIGSTOP, "--stall-timeout", "6")
     assert status != 0 and seconds < 120, (status, seconds)
     assert "rank 2 (pp 0, dp 1, tp 0) (silent for" in text, text[-3000:]
+
+
+def _gap(result: dict, ref: dict, last: int = 5) -> float:
+    """Relative distance of the mean loss over the last steps from the reference's."""
+    got, want = sum(result["loss"][-last:]) / last, sum(ref["loss"][-last:]) / last
+    return abs(got - want) / want
+
+
+@pytest.mark.slow
+def test_compressed_dp_and_local_sgd_train_close_to_the_exact_run(dp_results, mp_results):
+    """megakit's own DP sync (ZeRO 0) through the launcher: every codec trains near the single-process
+    trajectory with far fewer bytes; Top-K without error feedback is measurably further from it."""
+    cases, results = dp_results
+    ref = reference(cases[0], dp=2)  # ZeRO-0 and ZeRO-1 follow the same trajectory
+    topk, topk_plain, local, fp16 = results[13:17]
+    for result in (topk, topk_plain, local, fp16):
+        assert result["loss"][-1] < result["loss"][0] - 0.3, result["loss"]  # it trains
+    print("gaps", _gap(topk, ref), _gap(topk_plain, ref), _gap(local, ref), _gap(fp16, ref))
+    assert _gap(fp16, ref) < 2e-3
+    assert _gap(topk, ref) < 0.03 and _gap(local, ref) < 0.05
+    assert _gap(topk_plain, ref) > 1.5 * _gap(topk, ref)
+    sent, dense = topk["dp_bytes"][0]
+    assert sent <= 0.1 * dense
+    local_sent = sum(s for s, _ in local["dp_bytes"])
+    assert local_sent == sum(d for _, d in local["dp_bytes"]) / 4  # weights every 4th step, as many as gradients
+    mp_cases, mp = mp_results
+    for index, saved in ((6, 0.70), (7, 0.95)):  # int8 at TP2 x DP2, sign at PP2 x DP2
+        print("mp gap", index, _gap(mp[index], reference(mp_cases[index], dp=2)))
+        assert _gap(mp[index], reference(mp_cases[index], dp=2)) < 0.02
+        sent, dense = mp[index]["dp_bytes"][0]
+        assert sent <= (1 - saved) * dense, (index, sent, dense)

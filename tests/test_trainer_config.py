@@ -19,7 +19,7 @@ PRESETS = sorted((ROOT / "ds_configs").glob("*.json"))
 
 def test_presets_are_valid_json_and_documented():
     readme = (ROOT / "ds_configs" / "README.md").read_text()
-    assert {p.stem for p in PRESETS} >= {"zero0", "zero1", "zero2", "zero3", "zero3_offload", "bf16", "fp16", "onebit_adam"}
+    assert {p.stem for p in PRESETS} >= {"zero0", "zero1", "zero2", "zero3", "zero3_offload", "bf16", "fp16"}
     for path in PRESETS:
         json.loads(path.read_text())
         assert f"`{path.name}`" in readme, path.name
@@ -47,8 +47,9 @@ def test_zero_2_and_3_are_refused_with_pipeline_parallelism():
 
 
 def test_unusable_presets_say_why():
-    with pytest.raises(UsageError, match="no longer ships OneBitAdam"):
-        load_ds_config(str(ROOT / "ds_configs" / "onebit_adam.json"), dp=1, pp=1)
+    one_bit = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}
+    with pytest.raises(UsageError, match="no longer ships OneBitAdam.*--compress sign"):
+        load_ds_config(one_bit, dp=1, pp=1)
     with pytest.raises(UsageError, match="fp16 training needs a GPU"):
         load_ds_config(str(ROOT / "ds_configs" / "fp16.json"), dp=1, pp=1)
 
@@ -135,7 +136,7 @@ def test_mistakes_a_new_user_makes_get_one_line_before_any_process_starts():
     with pytest.raises(UsageError, match='no "optimizer" section'):
         require_optimizer(load_ds_config({"train_micro_batch_size_per_gpu": 2}, dp=1, pp=1))
     for path in PRESETS:  # every preset passes validation (those refused are refused for other reasons)
-        if path.stem not in ("onebit_adam", "fp16"):
+        if path.stem != "fp16":
             load_ds_config(str(path), dp=2, pp=1)
 
 

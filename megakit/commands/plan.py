@@ -16,6 +16,7 @@ import re
 import sys
 from pathlib import Path
 
+from megakit.core.compression import parse_compression
 from megakit.core.planner import emit
 from megakit.core.planner.cost import estimate_cost
 from megakit.core.planner.hardware import (
@@ -68,6 +69,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--mem-threshold", type=float, default=0.80, help="feasible if peak <= this x GPU memory")
     train.add_argument("--base-lr", type=float, help="reference LR for linear scaling (with --base-batch)")
     train.add_argument("--base-batch", type=int, default=256, help="sequences at which --base-lr applies")
+    train.add_argument("--compress", default="none", metavar="CODEC",
+                       help="price DP traffic compressed as the trainer's --compress does (fp16, int8, sign, "
+                            "topk:RATIO; ZeRO 0 plans only)")
     pins = parser.add_argument_group("pin a dimension (the rest is searched)")
     pins.add_argument("--tp", type=int)
     pins.add_argument("--pp", type=int)
@@ -115,7 +119,7 @@ def run(args) -> int:
     flash = gpu.flash_attention if args.attention is None else args.attention == "flash"
     global_batch = args.global_batch or emit.default_global_batch(model.params, model.seq_len)
     pins = Pins(tp=args.tp, pp=args.pp, zero=args.zero, micro_batch=args.micro_batch, recompute=args.recompute,
-                vpp=args.vpp)
+                vpp=args.vpp, compress=str(parse_compression(args.compress)))
 
     def make_cluster(nodes: int | None = None, gpus: int | None = None) -> Cluster:
         total = gpus if gpus is not None else nodes * args.gpus_per_node

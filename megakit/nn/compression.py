@@ -123,25 +123,25 @@ class GradientReducer:
 
 class ModelAverager:
     """``--local-sgd H``: every H optimizer steps, average the weights over ``group`` (post-local SGD, Lin et al.
-    2020); in between each DP rank steps on its own gradients. torch's ``PeriodicModelAverager`` does the work."""
+    2020); in between each DP rank steps on its own gradients. (torch's ``PeriodicModelAverager`` averages only
+    parameters that hold a gradient, and DeepSpeed has freed them by then: the one flat all-reduce is here.)"""
 
     def __init__(self, period: int, group, *, start_step: int = 0) -> None:
-        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-
-        self.period, self.steps, self.bytes_sent = period, start_step, 0
-        self.averager = None  # first average after step H (torch's averager counts its warm-up steps from 0)
-        if comm.size(group) > 1:
-            self.averager = PeriodicModelAverager(period=period, warmup_steps=period - 1, process_group=group)
-            self.averager.step = start_step  # a resumed run keeps the averaging phase
+        self.period, self.group, self.steps, self.bytes_sent = period, group, start_step, 0
 
     def after_step(self, params: list[torch.Tensor]) -> None:
-        """Call after every optimizer step; averages on every ``period``-th."""
+        """Call after every optimizer step; averages on every ``period``-th (counted from the run's start)."""
         self.steps += 1
-        if self.averager is None:
+        if comm.size(self.group) == 1 or self.steps % self.period:
             return
-        if self.steps % self.period == 0:
-            self.bytes_sent += sum(p.numel() * p.element_size() for p in params)
-        self.averager.average_parameters(params)
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            self.bytes_sent += flat.numel() * flat.element_size()
+            comm.all_reduce(flat, self.group).div_(comm.size(self.group))
+            offset = 0
+            for p in params:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
 
     def take_bytes(self) -> int:
         out, self.bytes_sent = self.bytes_sent, 0

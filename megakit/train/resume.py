@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
@@ -141,6 +140,8 @@ def optimizer_state(engine) -> dict[str, dict[str, torch.Tensor]]:
 
     optimizer = _torch_optimizer(engine)
     keys = _moment_keys(optimizer)
+    if optimizer.state:
+        link_optimizer_state(engine)
     out = {}
     for name, param in named_parameters(engine.module).items():
         master = safe_get_full_fp32_param(param)
@@ -171,8 +172,20 @@ def _create_optimizer_state(engine, keys: list[str]) -> None:
                 state["step"] = torch.tensor(0.0)
                 for key in keys:
                     state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    link_optimizer_state(engine)
+
+
+def link_optimizer_state(engine) -> None:
+    """(Re)link each parameter to its fragment of the optimizer state, for ``safe_get/set_full_*``.
+
+    DeepSpeed links once, right after the first parameter group's first step, so a second
+    group (megakit's undecayed biases and norms) is linked to state not yet created and
+    its moments read as missing; linking again once every group has state fixes that.
+    """
     link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
     if link is not None:
+        if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
+            engine.optimizer._hp_optimizer_states_linked = False
         link()
 
 
@@ -206,22 +219,12 @@ def set_optimizer_state(engine, state: dict[str, dict[str, torch.Tensor]], step:
 
 
 # -- save and load ----------------------------------------------------------------------------------
-def resume_schedule(engine, start: int) -> None:
-    """Move the engine's LR schedule to step ``start``: one scheduler step per optimizer step, as a run from 0."""
-    if engine.lr_scheduler is not None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch schedulers warn when stepped before the optimizer
-            for _ in range(start):
-                engine.lr_scheduler.step()
-
-
 def restore(engine, topo, checkpoint: Path, step: int) -> None:
-    """After ``deepspeed.initialize``: the saved optimizer state (if any) and the LR schedule's position."""
+    """After ``deepspeed.initialize``: the saved optimizer state (if any); the trainer places the LR schedule."""
     manifest = read_manifest(checkpoint)
     if state_keys(manifest):
         set_optimizer_state(engine, load_state(checkpoint, engine.module, topo),
                             int(manifest["extra"].get("optimizer_step", step)))
-    resume_schedule(engine, step)
 
 
 def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, series: bool, keep: int) -> Path:

@@ -49,6 +49,7 @@ from megakit.train.data import TokenBatches, load_tokens
 from megakit.train.deepspeed_shm import unlink_shared_memory
 from megakit.train.dp_sync import DataParallelSync
 from megakit.train.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
+from megakit.train.optim import decay_groups, start_schedule
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops
 from megakit.train.reporting import Reporter, start_profiler
 from megakit.train.resume import restore, save_run
@@ -227,7 +228,7 @@ def _build(run: Run, topo):
     if run.zero_stage == 0 and run.precision == "fp32":
         clipper = _Zero0Clipper(stage.parameters(), topo, float(ds_config.get("gradient_clipping", 0.0)))
         ds_config = {**ds_config, "gradient_clipping": 0.0}
-    engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=stage.parameters(), mpu=topo,
+    engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=decay_groups(stage), mpu=topo,
                                                    config=ds_config)
     unlink_shared_memory()
     if clipper is not None:
@@ -246,6 +247,7 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
             restore(engine, topo, run.checkpoint, start)  # optimizer state, LR schedule
         except UsageError as error:
             raise everywhere(error)  # load_state raises on every rank when any rank fails
+    start_schedule(engine.lr_scheduler, start)
     batches = TokenBatches(tokens, plan)
     dp_sync = DataParallelSync(run, topo, engine)
     run_step = _pipeline_step(run, topo, engine, dp_sync) if topo.pp > 1 else _plain_step(engine, dp_sync)

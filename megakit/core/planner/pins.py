@@ -21,6 +21,7 @@ class Pins:
     recompute: str | None = None
     vpp: int | None = None
     sequence_parallel: bool | None = None
+    compress: str = "none"  # DP gradient compression the plan uses (megakit's, ZeRO 0 only)
 
     @property
     def layout_pinned(self) -> bool:
@@ -45,6 +46,9 @@ def _tp_rule(model: ModelSpec, tp: int) -> str:
 def check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int) -> None:
     world = cluster.num_gpus
     node = cluster.gpus_per_node
+    if pins.compress != "none" and pins.zero not in (None, 0):
+        raise UsageError(f"--compress {pins.compress} runs with ZeRO 0 only (ZeRO 1-3 reduce inside DeepSpeed); "
+                         "drop --zero or pin --zero 0")
     if pins.tp is not None:
         if pins.tp < 1:
             raise UsageError(f"--tp {pins.tp} must be a positive integer")

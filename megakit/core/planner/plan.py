@@ -32,6 +32,7 @@ class Plan:
     dp_shard: int = 0  # ZeRO-3/FSDP shard group (HSDP: shard inside it, replicate across); 0: all of DP
     zero3: str = "deepspeed"  # who runs ZeRO-3 (sharding.ZERO3): DeepSpeed today, FSDP, or DeepSpeed of 2021
     reduce_precision: str = ""  # dtype of the gradient reduction ('fp32' in FSDP2's default policy); '': training's
+    compress: str = "none"  # megakit's DP gradient compression (--compress; ZeRO 0): core.compression prices it
 
     @property
     def world(self) -> int:

@@ -104,6 +104,8 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
     hard = cluster.gpu.mem_gib * GIB if judged else limit
     ctx = _Context(model, cluster, pins, global_batch, s, hard, precision, offload, flash, keep_rejected)
     zeros = (0, 1, 2, 3) if branch != "model-parallel" or pins.zero is not None else (0, 1, 2)
+    if pins.compress != "none":  # megakit compresses only what DeepSpeed leaves it: ZeRO 0's all-reduce
+        zeros = (0,)
     ctx.run(branch, zeros)
     if not ctx.feasible and branch == "data-parallel":  # e.g. a global batch smaller than the GPU count
         branch = "model-parallel"
@@ -266,7 +268,7 @@ class _Context:
         per_rank = self.global_batch // dp
         base = Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch=1, accumulation=per_rank, recompute="full",
                     sequence_parallel=tp > 1, precision=self.precision, offload=self.offload,
-                    flash_attention=self.flash)
+                    flash_attention=self.flash, compress=pins.compress if zero == 0 else "none")
         if self.offload == "params" and zero != 3:
             return
         # Lower bound: the smallest activations this layout can have (one sequence, full recompute);
