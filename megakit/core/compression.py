@@ -10,6 +10,18 @@ compressed DP traffic agree. The codecs themselves are in ``megakit.nn.compressi
 | ``int8``    | 1 byte + one fp32 scale per ``CHUNK`` elements                                    |
 | ``sign``    | 1 bit + one fp32 scale per ``CHUNK`` elements (1-bit SGD, Seide et al. 2014)      |
 | ``topk:R``  | the largest R·n elements as (int32 index, fp32 value) pairs (Lin et al. 2018)     |
+
+Where it applies: ``fp16`` and ``int8`` lose little, so they compress the gradients and
+every rank's optimizer steps on the same average, as without compression. ``sign`` and
+``topk`` lose most of each step's gradient and return it later through error feedback;
+Adam scales every coordinate by its own gradient history, so a coordinate that receives
+its delayed gradient as one spike takes a far smaller step than the dense run took
+(measured: Top-K 1 % of gradients ends 14 % above the exact loss, with or without
+feedback). They therefore compress what the optimizer applies instead: each rank steps
+Adam on its own gradients, and the weight updates are averaged, compressed, with error
+feedback (the idea of 1-bit Adam, Tang et al. 2021, which compresses after Adam's
+non-linear part). That keeps the weights identical on every DP rank; each rank's Adam
+moments follow its own gradients.
 """
 
 from __future__ import annotations
@@ -30,6 +42,11 @@ class Compression:
     @property
     def enabled(self) -> bool:
         return self.kind != "none"
+
+    @property
+    def after_optimizer(self) -> bool:
+        """Compress the optimizer's weight update rather than the gradient (see the module docstring)."""
+        return self.kind in ("sign", "topk")
 
     def wire_bytes_per_element(self) -> float:
         """Bytes one rank contributes to the DP exchange per gradient element."""

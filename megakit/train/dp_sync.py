@@ -15,6 +15,8 @@ as DeepSpeed's ``PipelineEngine`` does), so they need ZeRO 0: ZeRO 1-3 optimizer
 
 from __future__ import annotations
 
+import torch
+
 from megakit.nn.compression import GradientReducer, ModelAverager
 
 
@@ -30,10 +32,12 @@ class DataParallelSync:
     """The trainer's hooks: ``before_step`` at the accumulation boundary, ``after_step`` after the optimizer."""
 
     def __init__(self, run, topo, engine) -> None:
-        self.engine, self.reducer, self.averager = engine, None, None
+        self.engine, self.reducer, self.averager, self.before = engine, None, None, None
         cfg = run.cfg
         if run.compression.enabled:
             self.reducer = GradientReducer(run.compression, topo.dp_group, error_feedback=cfg.error_feedback)
+            if run.compression.after_optimizer and topo.dp > 1:  # the weights the next update starts from
+                self.before = [p.detach().clone() for p in self._params()]
         elif cfg.local_sgd:
             self.averager = ModelAverager(cfg.local_sgd, topo.dp_group, start_step=run.start_step)
         if self.reducer or self.averager:
@@ -44,14 +48,27 @@ class DataParallelSync:
     def active(self) -> bool:
         return self.reducer is not None or self.averager is not None
 
+    def _params(self) -> list:
+        return [p for p in self.engine.module.parameters() if p.requires_grad]
+
     def before_step(self) -> None:
-        """Average the DP gradients through the compressor (nothing to do otherwise)."""
-        if self.reducer is not None:
+        """Average the DP gradients through the compressor (``fp16``, ``int8``; nothing to do otherwise)."""
+        if self.reducer is not None and self.before is None:
             self.reducer.reduce(dp_gradients(self.engine))
 
     def after_step(self) -> None:
+        """``sign``/``topk``: average this step's weight updates through the compressor; local SGD: average the
+        weights every H steps."""
+        if self.before is not None:
+            with torch.no_grad():
+                params = self._params()
+                updates = [p.detach() - b for p, b in zip(params, self.before)]
+                self.reducer.reduce(updates)
+                for p, b, u in zip(params, self.before, updates):
+                    b.add_(u)
+                    p.copy_(b)
         if self.averager is not None:
-            params = [p for p in self.engine.module.parameters() if p.requires_grad]
+            params = self._params()
             self.dense_bytes += sum(p.numel() * p.element_size() for p in params)  # what sync SGD would reduce
             self.averager.after_step(params)
 

@@ -147,7 +147,7 @@ def _check_dp_sync(cfg: TrainConfig, ds_config: dict) -> Compression:
         raise UsageError(f"{flag} needs ZeRO stage 0 (ds_configs/zero0.json): ZeRO {stage} reduces and shards the "
                          "gradients inside DeepSpeed's optimizer, where megakit cannot compress or skip the exchange")
     fp32 = not (ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled"))
-    if cfg.local_sgd and not fp32:
-        raise UsageError(f"--local-sgd {cfg.local_sgd} averages the module's weights, but with bf16/fp16 DeepSpeed "
-                         "steps a separate fp32 master copy; use fp32, or --compress for mixed precision")
+    if (cfg.local_sgd or compression.after_optimizer) and not fp32:
+        raise UsageError(f"{flag} averages the module's weights (or their updates), but with bf16/fp16 DeepSpeed "
+                         "steps a separate fp32 master copy; use fp32, or --compress fp16/int8 for mixed precision")
     return compression
