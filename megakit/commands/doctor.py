@@ -90,7 +90,7 @@ def _launch(args, train_args: list[str], facts: Path) -> subprocess.CompletedPro
            *train_args, "--steps", str(args.steps), "--no-progress", "--doctor-out", str(facts)]
     print(f"megakit doctor: {' '.join(cmd)}", flush=True)
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+        return subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=args.timeout,
                               env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
     except FileNotFoundError:
         raise UsageError("the deepspeed launcher is not on PATH; pip install deepspeed") from None

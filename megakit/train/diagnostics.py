@@ -9,7 +9,8 @@ that killed it.
 
 Per rank: its grid place, seed, node, host, backend and device; an xxh3 hash of every
 weight tensor as the rank built it and again after ``deepspeed.initialize`` (which
-broadcasts DP rank 0's weights, so only the first shows a rank that built others).
+broadcasts DP rank 0's weights, so only the first shows a rank that built others; at
+ZeRO-3 the module then holds only partitions, so the second is left out).
 Per step and rank: a hash of every sample's tokens (what it actually trained on), its
 token count, its own loss, the norm of its own gradients before the DP reduction (a
 tensor hook sees each micro-batch's gradient before DeepSpeed does), and its step and
@@ -51,7 +52,7 @@ class Diagnostics:
         self.step = run.start_step
         self.built: dict[str, str] = {}
         self.samples: list[str] = []
-        self.micro_batches = 0
+        self.tokens = self.micro_batches = 0
         self.squares: torch.Tensor | None = None
         self.facts = {"config": _config_facts(run, topo), "faults": os.environ.get(VARIABLE, ""), "ranks": [],
                       "steps": []}
@@ -76,7 +77,7 @@ class Diagnostics:
         mine = {"rank": self.topo.rank, "tp": self.topo.tp_rank, "pp": self.topo.pp_rank, "dp": self.topo.dp_rank,
                 "seed": self.run.cfg.seed, "node": place.node, "host": place.host, "pid": place.pid,
                 "backend": dist.get_backend(), "device": _device_name(params[0].device),
-                "built": self.built, "weights": weight_hashes(module),
+                "built": self.built, "weights": weight_hashes(module) if self.run.zero_stage < 3 else None,
                 "tp_split": [n for n, p in module.named_parameters() if getattr(p, "tensor_model_parallel", False)]}
         self._gather(mine, lambda rows: self.facts.update(ranks=rows))
         if self.faults.overlap or self.faults.unbalanced:

@@ -70,12 +70,13 @@ def _differences(ranks: list[dict], which: str) -> list[str]:
 
 def check_weights(facts: dict) -> Verdict:
     ranks = facts["ranks"]
-    built, trained = _differences(ranks, "built"), _differences(ranks, "weights")
+    built = _differences(ranks, "built")
+    trained = _differences(ranks, "weights") if ranks[0]["weights"] is not None else []
     seeds = sorted({r["seed"] for r in ranks})
     tensors = sum(len(r["built"]) for r in ranks)
     numbers = (f"{tensors} tensors hashed on {len(ranks)} ranks; seeds {', '.join(map(str, seeds))}; as each rank "
                f"built them: {'; '.join(built) or 'identical where they should be'}; after deepspeed.initialize: "
-               f"{'; '.join(trained) or 'identical'}")
+               + ("; ".join(trained) or "identical" if ranks[0]["weights"] is not None else "partitioned (ZeRO-3)"))
     if not built and not trained and len(seeds) == 1:
         return Verdict("identical initial weights", True, numbers)
     if len(seeds) > 1:
@@ -241,16 +242,17 @@ def check_lr(facts: dict, *, base_lr: float | None = None, base_batch: int | Non
     LR is taken as tuned for this global batch."""
     config = facts["config"]
     ds = config["ds_config"]
-    peak = float(ds["optimizer"]["params"]["lr"])
+    observed = [step["lr"] for step in facts["steps"]]
+    peak = float(ds["optimizer"].get("params", {}).get("lr") or max(observed))
     scheduler = ds.get("scheduler") or {}
     warmup_steps = int(scheduler.get("params", {}).get("warmup_num_steps", 0)) if scheduler else 0
-    observed = [step["lr"] for step in facts["steps"]]
     first = observed[0] if observed else peak
     warms_up = first < 0.5 * peak
     glob = config["global_batch"]
     schedule = (f"{scheduler['type']}, warm-up {warmup_steps} steps" if scheduler else "no scheduler (constant LR)")
-    numbers = [f"peak {_g(peak)} at global batch {glob}; {schedule}; LR at steps "
-               f"{config['start_step']}-{config['start_step'] + len(observed) - 1}: {' '.join(_g(x) for x in observed)}"]
+    last = config["start_step"] + len(observed) - 1
+    numbers = [f"peak {_g(peak)} at global batch {glob}; {schedule}; LR at steps {config['start_step']}-{last}: "
+               + " ".join(_g(x) for x in observed)]
     scale = None
     if base_lr is None:
         numbers.append("no --base-lr: the ds_config's LR taken as tuned for this batch")
@@ -294,35 +296,35 @@ def check_stragglers(facts: dict) -> Verdict:
     """Busy time per rank and step: the step's seconds minus its seconds in communication, waiting included
     (in synchronous training the others wait for the slowest, so its own time stands out, not the step's).
 
-    A straggler is slow in nearly every step: a rank counts as one when it is the slowest by more than
-    ``STRAGGLER_LIMIT`` x that step's median in at least 3/4 of the steps, so a rank the host's scheduler
-    held up once is not blamed."""
+    A straggler is slow in nearly every step: a rank counts as one when it is the slowest of the ranks doing
+    the same work (its pipeline stage) by more than ``STRAGGLER_LIMIT`` x their median in at least 3/4 of
+    the steps, so a rank the host's scheduler held up once is not blamed."""
     steps = facts["steps"][1:] if len(facts["steps"]) > 2 else facts["steps"]  # the first step warms up
+    stage = {r["rank"]: r["pp"] for r in facts["ranks"]}
     busy: dict[int, list[float]] = {}
     slow_steps: dict[int, int] = {}
     measured = 0
     for step in steps:
         times = {row["rank"]: row["seconds"] - row["comm_seconds"] for row in step["ranks"]
                  if row["comm_seconds"] is not None}
-        if len(times) < 2:
-            continue
-        measured += 1
+        measured += len(times) > 1
         for rank, value in times.items():
             busy.setdefault(rank, []).append(value)
-        slowest = max(times, key=times.get)
-        if times[slowest] > STRAGGLER_LIMIT * statistics.median_low(times.values()):
-            slow_steps[slowest] = slow_steps.get(slowest, 0) + 1
+        for pp in set(stage.values()):
+            peers = {rank: value for rank, value in times.items() if stage[rank] == pp}
+            slowest = max(peers, key=peers.get, default=None)
+            if len(peers) > 1 and peers[slowest] > STRAGGLER_LIMIT * statistics.median_low(peers.values()):
+                slow_steps[slowest] = slow_steps.get(slowest, 0) + 1
     if not measured:
         return Verdict("stragglers", None, "no step with measured communication time")
     medians = {rank: statistics.median(values) for rank, values in sorted(busy.items())}
-    typical = statistics.median_low(medians.values())
-    slowest = max(medians, key=medians.get)
-    worst = max(slow_steps, key=slow_steps.get, default=slowest)
+    worst = max(slow_steps, key=slow_steps.get, default=max(medians, key=medians.get))
     count = slow_steps.get(worst, 0)
+    typical = statistics.median_low(v for r, v in medians.items() if stage[r] == stage[worst])
     numbers = ("busy seconds per step (step minus communication), median per rank: "
                + ", ".join(f"rank {r} {v:.3f}" for r, v in medians.items())
-               + f" (slowest {medians[slowest] / typical if typical > 0 else 1.0:.2f}x the median); rank {worst} "
-               f"slowest by more than {STRAGGLER_LIMIT:g}x the step's median in {count}/{measured} steps")
+               + f"; rank {worst} the slowest of its stage by more than {STRAGGLER_LIMIT:g}x their median in "
+               f"{count}/{measured} steps ({medians[worst] / typical if typical > 0 else 1.0:.2f}x over all steps)")
     if count < math.ceil(0.75 * measured):
         return Verdict("stragglers", True, numbers)
     info = {r["rank"]: r for r in facts["ranks"]}
