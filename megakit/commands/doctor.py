@@ -54,6 +54,10 @@ def _check(args, train_args: list[str]) -> None:
         raise UsageError("--doctor-out is the doctor's to set; drop it")
     if not TRAIN_SCRIPT.exists():
         raise UsageError(f"{TRAIN_SCRIPT} is missing: megakit doctor runs from a source checkout of megakit")
+    import torch
+
+    if torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
+        raise UsageError(f"--nproc {args.nproc} exceeds the {torch.cuda.device_count()} GPUs here; use at most that")
     from megakit.train.fault_injection import VARIABLE, parse
 
     parse(os.environ.get(VARIABLE, ""))

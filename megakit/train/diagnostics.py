@@ -14,7 +14,8 @@ ZeRO-3 the module then holds only partitions, so the second is left out).
 Per step and rank: a hash of every sample's tokens (what it actually trained on), its
 token count, its own loss, the norm of its own gradients before the DP reduction (a
 tensor hook sees each micro-batch's gradient before DeepSpeed does), and its step and
-communication seconds. The faults of ``megakit.train.fault_injection`` are applied here.
+communication seconds. The faults of ``megakit.train.fault_injection`` are played here
+(all but a wrong seed, which ``train`` gives the rank before resolving its run).
 """
 
 from __future__ import annotations

@@ -123,8 +123,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     """Run ``cfg.steps`` optimizer steps on the job the launcher started; returns the metrics."""
     from megakit.nn.topology import Topology, init_distributed
 
-    cfg = with_seed_fault(cfg, int(os.environ.get("RANK", "0")))  # only in megakit doctor's tests
     try:  # user mistakes fail here, before any process group exists, alike on every rank
+        cfg = with_seed_fault(cfg, int(os.environ.get("RANK", "0")))  # only in megakit doctor's tests
         rank0 = os.environ.get("RANK", "0") == "0"
         run = resolve(cfg, int(os.environ.get("WORLD_SIZE", 1)), say=print if rank0 else (lambda *_: None))
         tokens = load_tokens(cfg.data, max_bytes=cfg.max_bytes)
