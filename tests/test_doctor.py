@@ -93,7 +93,7 @@ def test_each_check_fails_on_its_fault_and_names_the_rank(faulty):
     assert not lr["passed"] and "no warm-up" in lr["numbers"] and "warmup_num_steps" in lr["fix"]
     assert checks["backend and interconnect"]["passed"]
     stragglers = checks["stragglers"]
-    assert not stragglers["passed"] and "rank 1 the slowest of its stage by more than 1.5x" in stragglers["numbers"]
+    assert not stragglers["passed"] and "rank 1 the slowest of its stage by more than 1.5x their median and 20% of the step in" in stragglers["numbers"]
 
 
 @pytest.mark.parametrize(("argv", "env", "needle"), [

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 GRAD_RATIO_LIMIT = 2.0  # DP ranks' own gradient norms (median over steps) within this factor
 STRAGGLER_LIMIT = 1.5  # slowest rank's busy time against the median
+STRAGGLER_COST = 0.2  # ... and the others waiting at least this share of the step for it
 LOSS_LIMIT = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}  # relative; fp32 differs by summation order only
 OVERSCALED_LIMIT = 1.5  # peak LR above linear scaling by more than this
 REFERENCE_MAX_PARAMS = 2e9  # the single-process run must fit this machine
@@ -297,8 +298,9 @@ def check_stragglers(facts: dict) -> Verdict:
     (in synchronous training the others wait for the slowest, so its own time stands out, not the step's).
 
     A straggler is slow in nearly every step: a rank counts as one when it is the slowest of the ranks doing
-    the same work (its pipeline stage) by more than ``STRAGGLER_LIMIT`` x their median in at least 3/4 of
-    the steps, so a rank the host's scheduler held up once is not blamed."""
+    the same work (its pipeline stage) by more than ``STRAGGLER_LIMIT`` x their median, costing the others
+    more than ``STRAGGLER_COST`` of the step, in at least 3/4 of the steps; so a rank the host's scheduler
+    held up once, or a few milliseconds of jitter in a short step, is not blamed."""
     steps = facts["steps"][1:] if len(facts["steps"]) > 2 else facts["steps"]  # the first step warms up
     stage = {r["rank"]: r["pp"] for r in facts["ranks"]}
     busy: dict[int, list[float]] = {}
@@ -308,12 +310,16 @@ def check_stragglers(facts: dict) -> Verdict:
         times = {row["rank"]: row["seconds"] - row["comm_seconds"] for row in step["ranks"]
                  if row["comm_seconds"] is not None}
         measured += len(times) > 1
+        step_seconds = statistics.median(row["seconds"] for row in step["ranks"])
         for rank, value in times.items():
             busy.setdefault(rank, []).append(value)
         for pp in set(stage.values()):
             peers = {rank: value for rank, value in times.items() if stage[rank] == pp}
-            slowest = max(peers, key=peers.get, default=None)
-            if len(peers) > 1 and peers[slowest] > STRAGGLER_LIMIT * statistics.median_low(peers.values()):
+            if len(peers) < 2:
+                continue
+            slowest = max(peers, key=peers.get)
+            typical = statistics.median_low(peers.values())
+            if peers[slowest] > STRAGGLER_LIMIT * typical and peers[slowest] - typical > STRAGGLER_COST * step_seconds:
                 slow_steps[slowest] = slow_steps.get(slowest, 0) + 1
     if not measured:
         return Verdict("stragglers", None, "no step with measured communication time")
@@ -323,8 +329,9 @@ def check_stragglers(facts: dict) -> Verdict:
     typical = statistics.median_low(v for r, v in medians.items() if stage[r] == stage[worst])
     numbers = ("busy seconds per step (step minus communication), median per rank: "
                + ", ".join(f"rank {r} {v:.3f}" for r, v in medians.items())
-               + f"; rank {worst} the slowest of its stage by more than {STRAGGLER_LIMIT:g}x their median in "
-               f"{count}/{measured} steps ({medians[worst] / typical if typical > 0 else 1.0:.2f}x over all steps)")
+               + f"; rank {worst} the slowest of its stage by more than {STRAGGLER_LIMIT:g}x their median and "
+               f"{STRAGGLER_COST:.0%} of the step in {count}/{measured} steps "
+               f"({medians[worst] / typical if typical > 0 else 1.0:.2f}x over all steps)")
     if count < math.ceil(0.75 * measured):
         return Verdict("stragglers", True, numbers)
     info = {r["rank"]: r for r in facts["ranks"]}
