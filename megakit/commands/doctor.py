@@ -28,7 +28,8 @@ TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.description = __doc__.splitlines()[0]
+    parser.epilog = ("Every other flag goes to scripts/train.py (its --ds_config, --model, --tp, --pp, ...). Exit status "
+                     "0 when every check passed, 1 when one failed, 2 for bad input.")
     parser.usage = "megakit doctor --nproc N [doctor flags] [scripts/train.py flags]"
     parser.add_argument("--nproc", type=int, default=2, help="processes to start (one per GPU, or CPU processes)")
     parser.add_argument("--steps", type=int, default=6, help="steps to run and to compare with one process")
