@@ -85,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--stall-timeout", type=float, default=60.0,
                    help="seconds without a heartbeat after which a peer counts as dead and the job ends")
+    p.add_argument("--doctor-out", metavar="FILE", default=None,
+                   help="write per-rank facts (weight hashes, samples, local gradient norms, step times) to FILE for "
+                        "`megakit doctor`, which starts the job with it")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     return p.parse_args(argv)
 
@@ -114,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                           sequence_parallel=args.sequence_parallel, save=args.save, save_every=args.save_every,
                           keep=args.keep,
                           load=args.load, allow_cross_node_tp=args.allow_cross_node_tp, compress=args.compress,
-                          error_feedback=not args.no_error_feedback, local_sgd=args.local_sgd)
+                          error_feedback=not args.no_error_feedback, local_sgd=args.local_sgd,
+                          doctor_out=args.doctor_out)
     except UsageError as error:  # the same flags on every rank
         if _rank0():
             print(f"train.py: error: {error}", file=sys.stderr, flush=True)

@@ -58,6 +58,7 @@ class TrainConfig:
     compress: str = "none"  # DP gradient compression: none | fp16 | int8 | sign | topk:RATIO (megakit.core.compression)
     error_feedback: bool = True  # carry what compression dropped into the next step (off only to compare)
     local_sgd: int | None = None  # average the weights over DP every H steps instead of the gradients every step
+    doctor_out: str | None = None  # megakit doctor: gather per-rank facts to this JSON file (megakit.train.diagnostics)
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:

@@ -47,8 +47,10 @@ from megakit.interop.checkpoint import load_checkpoint
 from megakit.nn import comm
 from megakit.train.data import TokenBatches, load_tokens
 from megakit.train.deepspeed_shm import unlink_shared_memory
+from megakit.train.diagnostics import Diagnostics
 from megakit.train.dp_sync import DataParallelSync
 from megakit.train.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
+from megakit.train.fault_injection import with_seed_fault
 from megakit.train.optim import decay_groups, start_schedule
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops
 from megakit.train.reporting import Reporter, start_profiler
@@ -123,6 +125,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     from megakit.nn.topology import Topology, init_distributed
 
     try:  # user mistakes fail here, before any process group exists, alike on every rank
+        cfg = with_seed_fault(cfg, int(os.environ.get("RANK", "0")))  # only in megakit doctor's tests
         rank0 = os.environ.get("RANK", "0") == "0"
         run = resolve(cfg, int(os.environ.get("WORLD_SIZE", 1)), say=print if rank0 else (lambda *_: None))
         tokens = load_tokens(cfg.data, max_bytes=cfg.max_bytes)
@@ -207,7 +210,7 @@ def _start_watchdog(cfg: TrainConfig, topo):
                     describe=lambda r: _describe(topo, r), store=store).start()
 
 
-def _build(run: Run, topo):
+def _build(run: Run, topo, doctor=None):
     """This rank's stage model wrapped in a DeepSpeed engine (and the ZeRO-0 clipper when needed)."""
     import deepspeed
 
@@ -224,6 +227,8 @@ def _build(run: Run, topo):
             load_checkpoint(run.checkpoint, stage, topo)
         except UsageError as error:
             raise everywhere(error)  # load_checkpoint raises on every rank when any rank fails
+    if doctor is not None:
+        doctor.weights_built(stage)  # before DeepSpeed broadcasts DP rank 0's weights
     clipper = None
     if run.zero_stage == 0 and run.precision == "fp32":
         clipper = _Zero0Clipper(stage.parameters(), topo, float(ds_config.get("gradient_clipping", 0.0)))
@@ -241,7 +246,8 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
     # DeepSpeed 0.19.8 calls collectives torch 2.13 renamed; the warning repeats every step
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     cfg, plan, start = run.cfg, run.batch, run.start_step
-    engine, clipper = _build(run, topo)
+    doctor = Diagnostics(run, topo, cfg.doctor_out) if cfg.doctor_out else None  # facts for megakit doctor
+    engine, clipper = _build(run, topo, doctor)
     if run.checkpoint:
         try:
             restore(engine, topo, run.checkpoint, start)  # optimizer state, LR schedule
@@ -251,6 +257,8 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
     batches = TokenBatches(tokens, plan)
     dp_sync = DataParallelSync(run, topo, engine)
     run_step = _pipeline_step(run, topo, engine, dp_sync) if topo.pp > 1 else _plain_step(engine, dp_sync)
+    if doctor is not None:
+        batches, run_step = doctor.attach(engine, batches, run_step)
     device = _device() or torch.device("cpu")
 
     from megakit.nn.model import model_flops_per_token
@@ -271,7 +279,7 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
                          zip(batches.micro_batches(step, topo.dp_rank), batches.sample_numbers(step, topo.dp_rank))]
         lr = engine.get_lr()[0]
         t0 = time.perf_counter()
-        with communication.measure(not torch.cuda.is_available() or step % 10 == 1):  # on GPU it synchronises
+        with communication.measure(not torch.cuda.is_available() or step % 10 == 1 or doctor is not None):  # on GPU it synchronises
             with probe.step() if probe else contextlib.nullcontext():
                 loss = run_step(micro_batches)
                 dp_sync.after_step()
@@ -285,6 +293,8 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
         else:
             grad_norm = float(engine.get_global_grad_norm() or float("nan"))
             grads_finite = math.isfinite(grad_norm) and grad_norm >= 0  # DeepSpeed masks inf/nan as -1
+        if doctor is not None:
+            doctor.after_step(loss=loss, lr=lr, seconds=seconds, comm_seconds=comm_seconds, grad_norm=grad_norm)
         loss = _check_finite(topo, step, loss, grads_finite)
         if profiler is not None:
             profiler.step()
