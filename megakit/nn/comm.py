@@ -122,6 +122,13 @@ def rank(group) -> int:
     return 0 if group is None else dist.get_rank(_pg(group))
 
 
+def group_ranks(group) -> list[int]:
+    """The global ranks of ``group``, in the group's order; ``[this rank]`` for ``None``."""
+    if group is None:
+        return [dist.get_rank()] if dist.is_initialized() else [0]
+    return list(dist.get_process_group_ranks(_pg(group)))
+
+
 # -- collectives -------------------------------------------------------------------------------
 def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Sum (or ``op``) of ``x`` over the group, in place; returns ``x``."""
