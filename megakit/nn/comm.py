@@ -227,6 +227,24 @@ def recv(x: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
     return x
 
 
+def exchange(sends: list[tuple[torch.Tensor, int, int]], receives: list[tuple[torch.Tensor, int, int]]) -> Handle:
+    """Post every ``(tensor, peer, tag)`` send and receive together (one ``batch_isend_irecv``) and
+    return at once; ``wait()`` on the handle waits for all of them. Posted as one batch, two ranks
+    exchanging with each other cannot block on each other's send (as separate NCCL calls could)."""
+    ops = [dist.P2POp(dist.isend, t, peer, tag=tag) for t, peer, tag in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, tag=tag) for t, peer, tag in receives]
+    return _posted(lambda: _Works(dist.batch_isend_irecv(ops)) if ops else None)
+
+
+class _Works:
+    def __init__(self, works) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
 def send_and_receive(sends: list[tuple[torch.Tensor, int, int]], receives: list[tuple[torch.Tensor, int, int]]) -> None:
     """Post every ``(tensor, peer, tag)`` send and receive together and wait for all of them
     (one ``batch_isend_irecv``: NCCL runs them concurrently, so two stages sending to each

@@ -72,7 +72,7 @@ class _SequenceMean(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local_sum, local_count, group):
         totals = C.all_reduce(torch.stack([local_sum.detach().float(), local_count.float()]), group)
-        ctx.scale = C.size(group) / totals[1].clamp(min=1).item()
+        ctx.scale = C.size(group) / totals[1].clamp(min=1)  # a tensor: no device sync
         ctx.dtype = local_sum.dtype
         return (totals[0] / totals[1].clamp(min=1)).to(local_sum.dtype)
 
@@ -128,10 +128,10 @@ class _RingAttention(torch.autograd.Function):
         out = acc / total
         if keep is not None:
             out = out / (1.0 - p)
-        lse = m + total.log()
-        ctx.save_for_backward(q, k, v, out, lse, keep)
+        out = out.to(q.dtype)  # kept in the training dtype, as flash attention keeps it
+        ctx.save_for_backward(q, k, v, out, m + total.log(), keep)  # the log-sum-exp in fp32
         ctx.p, ctx.group, ctx.ranks, ctx.scale = p, group, ranks, scale
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -141,9 +141,9 @@ class _RingAttention(torch.autograd.Function):
         b, n, s, d = q.shape
         pos = positions(s * cp, cp, r, device=q.device)
         grad_out = grad_out.float()
-        delta = (grad_out * out).sum(dim=-1, keepdim=True)  # rowsum(dP * P), dropout included
+        delta = (grad_out * out.float()).sum(dim=-1, keepdim=True)  # rowsum(dP * P), dropout included
         dq = torch.zeros((b, n, s, d), dtype=torch.float32, device=q.device)
-        kv, incoming, sends = torch.stack([k, v]).contiguous(), None, []
+        kv, incoming = torch.stack([k, v]).contiguous(), None
         for t in range(cp):
             j = (r - t) % cp
             nxt = _pass_on(kv, ranks, r, _KV_TAG) if t < cp - 1 else None
@@ -161,16 +161,10 @@ class _RingAttention(torch.autograd.Function):
             grads = torch.stack([_sum_kv(grad_k, k.shape[1]), _sum_kv(grad_v, k.shape[1])])
             if incoming is not None:
                 grads += _arrived(incoming)
-            if cp == 1:
-                incoming = (grads, C.Handle(None))
-                break
-            sends.append((grads, C.isend(grads, ranks[(r + 1) % cp], _GRAD_TAG)))  # the tensor kept until sent
-            incoming = _posted_recv(grads, ranks[(r - 1) % cp], _GRAD_TAG)
+            incoming = _pass_on(grads, ranks, r, _GRAD_TAG)  # block j's gradients follow block j
             if nxt is not None:
                 kv = _arrived(nxt)
         own = _arrived(incoming)  # this rank's K/V gradients, home after one full turn
-        for _, handle in sends:
-            handle.wait()
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None
 
 
@@ -194,26 +188,19 @@ def _sum_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def _pass_on(x: torch.Tensor, ranks: list[int], r: int, tag: int):
-    """Send ``x`` to the next rank of the ring and post the receive of the previous rank's block."""
+    """Send ``x`` to the next rank of the ring and receive the previous rank's block, posted as one
+    batch (``comm.exchange``); ``_arrived`` waits for it. With one rank, ``x`` comes back to itself."""
     cp = len(ranks)
-    send = C.isend(x, ranks[(r + 1) % cp], tag)
-    return (x, send), _posted_recv(x, ranks[(r - 1) % cp], tag)
+    if cp == 1:
+        return x, x, C.Handle(None)
+    buf = torch.empty_like(x)
+    return x, buf, C.exchange([(x, ranks[(r + 1) % cp], tag)], [(buf, ranks[(r - 1) % cp], tag)])
 
 
-def _posted_recv(like: torch.Tensor, src: int, tag: int):
-    buf = torch.empty_like(like)
-    return buf, C.irecv(buf, src, tag)
-
-
-def _arrived(posted):
-    """Wait for a posted transfer; returns the received tensor."""
-    if isinstance(posted[0], tuple):  # (send, recv) from _pass_on
-        (_, send), (buf, recv) = posted
-        recv.wait()
-        send.wait()
-        return buf
-    buf, recv = posted
-    recv.wait()
+def _arrived(posted) -> torch.Tensor:
+    """Wait for a transfer ``_pass_on`` posted (its send too); returns the received tensor."""
+    _, buf, handle = posted
+    handle.wait()
     return buf
 
 
