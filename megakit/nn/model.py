@@ -4,7 +4,8 @@ One class serves every layout: ``Transformer(config, topo)`` holds the calling r
 TP shard, and ``layers=range(a, b)``, ``pre``, ``post`` cut out a pipeline stage.
 
 Activations inside the model are sequence-first: ``(S, B, H)``, or ``(S/tp, B, H)``
-with sequence parallelism. A stage without ``pre`` takes, and a stage without
+with sequence parallelism; with context parallelism ``S`` is the rank's ``S/cp`` tokens (two
+chunks of the load-balanced split, ``megakit.nn.context_parallel``). A stage without ``pre`` takes, and a stage without
 ``post`` returns, exactly that tensor, so one stage's output feeds the next as is.
 
 Weights depend only on ``(seed, parameter name)``: see ``megakit.nn.weights``.
