@@ -155,3 +155,4 @@ def test_context_parallel_flags_are_checked_before_any_process_group():
                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "world size 1 is not divisible by TP x PP x CP" in out.stderr  # one process cannot hold CP 2
