@@ -223,8 +223,8 @@ def mp_results(tmp_path_factory):
     # case 5: selective recompute (the attention core), TP2 x PP2 with SP
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
                       sequence_parallel=True, recompute="selective", verify_memory=True))
-    # cases 6, 7: context parallelism, CP 2 x DP 2 (Llama, GQA) and CP 2 x PP 2 under dropout
-    cases.append(dict(ds_config=ds_config(1), model="llama-tiny", steps=STEPS, seq_len=32, cp=2))
+    # cases 6, 7: context parallelism, CP 2 x DP 2 (Llama, GQA, ZeRO-0) and CP 2 x PP 2 under dropout (ZeRO-1)
+    cases.append(dict(ds_config=ds_config(0), model="llama-tiny", steps=STEPS, seq_len=32, cp=2))
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model=dropout, steps=STEPS, seq_len=32, cp=2, pp=2))
     return cases, sweep(tmp_path_factory, 4, cases)
 
@@ -270,8 +270,8 @@ def test_selective_recompute_trains_the_same_model_and_the_planner_knows_its_mem
 
 @pytest.mark.slow
 def test_context_parallel_cp2_follows_the_single_process_trajectory(mp_results):
-    """CP 2 x DP 2 (ZeRO-1 reduces over DP x CP) and CP 2 x PP 2 with dropout (layout-free masks at the
-    ranks' global positions, ring attention's probabilities included)."""
+    """CP 2 x DP 2 with ZeRO-0 (DeepSpeed averages over DP x CP) and CP 2 x PP 2 with ZeRO-1 and dropout
+    (layout-free masks at the ranks' global positions, ring attention's probabilities included)."""
     cases, results = mp_results
     assert_same_trajectory(results[6], reference(cases[6], dp=2))
     assert_same_trajectory(results[7], reference(cases[7], dp=1))
