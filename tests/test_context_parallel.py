@@ -70,8 +70,9 @@ def _equivalence(topo, preset: str, *, sequence_parallel: bool = False, dropout:
     return case
 
 
-def _sweep(rank, world_size):
+def _sweep(rank, world_size, root):
     from megakit.core.layout import Layout
+    from megakit.interop.checkpoint import save_checkpoint
     from megakit.errors import UsageError
     from megakit.nn.model import ModelConfig, Transformer
     from megakit.nn.topology import Topology
@@ -85,6 +86,9 @@ def _sweep(rank, world_size):
         done.append(_equivalence(cp2dp2, preset))
     done.append(_equivalence(cp2tp2, "llama-tiny", sequence_parallel=True, dropout=0.1))  # residual + attention
     done.append(_equivalence(cp4, "gpt-tiny", dropout=0.1, recompute="full"))
+    # a checkpoint saved at CP 2 x TP 2: CP ranks hold the same weights, so one of them writes
+    config = ModelConfig.load("llama-tiny")
+    save_checkpoint(f"{root}/cp2tp2", Transformer(config, cp2tp2, seed=21), cp2tp2, step=1, config=config)
     model = Transformer(ModelConfig.load("gpt-tiny"), cp4)
     try:
         model(torch.zeros((1, 12), dtype=torch.long))
@@ -93,10 +97,17 @@ def _sweep(rank, world_size):
     return done
 
 
-def test_context_parallel_matches_one_process():
-    results = run_ranks(_sweep, 4, timeout_s=400)
+def test_context_parallel_matches_one_process(tmp_path):
+    from megakit.interop.checkpoint import load_checkpoint
+    from megakit.nn.model import ModelConfig, Transformer, full_state_dict
+
+    results = run_ranks(_sweep, 4, str(tmp_path), timeout_s=400)
     assert len(results[0]) == 11
     assert "not divisible by 2 x CP = 8" in results[0][-1]
+    loaded = Transformer(ModelConfig.load("llama-tiny"), seed=0)
+    load_checkpoint(tmp_path / "cp2tp2", loaded)
+    want = full_state_dict(Transformer(ModelConfig.load("llama-tiny"), seed=21))
+    assert all(torch.equal(t, want[name]) for name, t in full_state_dict(loaded).items())
 
 
 @pytest.mark.parametrize("cp", [2, 4])
