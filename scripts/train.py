@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps in all, a --load checkpoint's included (default 200; 3 with --verify-memory)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel degree: the sequence split over CP ranks (load-balanced causal halves), "
+                        "attention as ring attention; --seq-len must divide by 2 x CP")
     p.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline stage (interleaved 1F1B)")
     p.add_argument("--schedule", default=None, choices=["1f1b", "gpipe", "interleaved"],
                    help="pipeline schedule (PP > 1); default 1f1b, or interleaved with --vpp > 1")
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = TrainConfig(ds_config=args.ds_config, model=args.model, data=args.data,
                           steps=args.steps if args.steps is not None else 3 if args.verify_memory else 200, tp=args.tp,
-                          pp=args.pp, vpp=args.vpp, schedule=args.schedule, seq_len=args.seq_len, seed=args.seed,
+                          pp=args.pp, cp=args.cp, vpp=args.vpp, schedule=args.schedule, seq_len=args.seq_len, seed=args.seed,
                           tensorboard=args.tensorboard, profile=args.profile, verify_memory=args.verify_memory,
                           metrics_out=args.metrics_out, log_every=args.log_every, progress=not args.no_progress,
                           stall_timeout_s=args.stall_timeout, recompute=args.recompute,

@@ -2,7 +2,7 @@
 
 Launcher starts are expensive (~10 s), so each job runs several cases
 (``tests/launch_sweep.py``): one 2-process job for ZeRO 0-3 and one 4-process job
-for TP x PP and TP x DP, all with ``--verify-memory`` on (it only observes).
+for TP x PP, TP x DP and CP, most with ``--verify-memory`` on (it only observes).
 """
 
 import glob
@@ -227,7 +227,10 @@ def mp_results(tmp_path_factory):
     # case 5: selective recompute (the attention core), TP2 x PP2 with SP
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
                       sequence_parallel=True, recompute="selective", verify_memory=True))
-    # cases 6, 7: compressed DP reduction composes with TP (int8 at TP2 x DP2) and PP (sign at PP2 x DP2)
+    # cases 6, 7: context parallelism, CP 2 x DP 2 (Llama, GQA, ZeRO-0) and CP 2 x PP 2 under dropout (ZeRO-1)
+    cases.append(dict(ds_config=ds_config(0), model="llama-tiny", steps=STEPS, seq_len=32, cp=2))
+    cases.append(dict(ds_config=ds_config(1, accumulation=4), model=dropout, steps=STEPS, seq_len=32, cp=2, pp=2))
+    # cases 8, 9: compressed DP reduction composes with TP (int8 at TP2 x DP2) and PP (sign at PP2 x DP2)
     cases.append(dict(ds_config=ds_config(0), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, compress="int8"))
     cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, pp=2,
                       compress="sign"))
@@ -271,6 +274,15 @@ def test_selective_recompute_trains_the_same_model_and_the_planner_knows_its_mem
         assert_memory_matches(results[case]["memory"])
     full, selective = results[2]["memory"], results[5]["memory"]
     assert all(s["measured"]["activations"] > f["measured"]["activations"] for f, s in zip(full, selective))
+
+
+@pytest.mark.slow
+def test_context_parallel_cp2_follows_the_single_process_trajectory(mp_results):
+    """CP 2 x DP 2 with ZeRO-0 (DeepSpeed averages over DP x CP) and CP 2 x PP 2 with ZeRO-1 and dropout
+    (layout-free masks at the ranks' global positions, ring attention's probabilities included)."""
+    cases, results = mp_results
+    assert_same_trajectory(results[6], reference(cases[6], dp=2))
+    assert_same_trajectory(results[7], reference(cases[7], dp=1))
 
 
 @pytest.mark.slow
@@ -384,7 +396,7 @@ def test_compressed_dp_and_local_sgd_train_close_to_the_exact_run(dp_results, mp
     local_sent = sum(s for s, _ in local["dp_bytes"])
     assert local_sent == sum(d for _, d in local["dp_bytes"]) / 4  # weights every 4th step, as many as gradients
     mp_cases, mp = mp_results
-    for index, saved in ((6, 0.70), (7, 0.95)):  # int8 at TP2 x DP2, sign at PP2 x DP2
+    for index, saved in ((8, 0.70), (9, 0.95)):  # int8 at TP2 x DP2, sign at PP2 x DP2
         print("mp gap", index, _gap(mp[index], reference(mp_cases[index], dp=2)))
         assert _gap(mp[index], reference(mp_cases[index], dp=2)) < 0.02
         sent, dense = mp[index]["dp_bytes"][0]

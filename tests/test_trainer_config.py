@@ -163,3 +163,22 @@ def test_dp_sync_flags_are_refused_in_one_line_before_any_process_group(flags, m
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("train.py: error: ") and message in err[0], err
     assert not dist.is_initialized()
+
+
+def test_context_parallel_flags_are_checked_before_any_process_group():
+    """--cp 3 on 4 processes, --cp 2 with a sequence that 2 x CP does not divide: one line each, from ``resolve``
+    (no process group exists in this test process); and DeepSpeed is told the batch of DP x CP ranks."""
+    from megakit.train.run import resolve
+
+    ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with pytest.raises(UsageError, match=re.escape("world size 4 is not divisible by TP x PP x CP = 1 x 1 x 3 = 3")):
+        resolve(TrainConfig(ds_config=ds, model="gpt-tiny", cp=3), 4)
+    with pytest.raises(UsageError, match="sequence length 30 is not divisible by 2 x CP = 4"):
+        resolve(TrainConfig(ds_config=ds, model="gpt-tiny", cp=2, seq_len=30), 4)
+    run = resolve(TrainConfig(ds_config=ds, model="gpt-tiny", cp=2, seq_len=32), 4)
+    assert (run.layout.cp, run.layout.dp, run.batch.global_batch, run.ds_config["train_batch_size"]) == (2, 2, 4, 8)
+    out = subprocess.run([sys.executable, "scripts/train.py", "--model", "gpt-tiny", "--cp", "2", "--seq-len", "30"],
+                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "world size 1 is not divisible by TP x PP x CP" in out.stderr  # one process cannot hold CP 2

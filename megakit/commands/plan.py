@@ -75,6 +75,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pins = parser.add_argument_group("pin a dimension (the rest is searched)")
     pins.add_argument("--tp", type=int)
     pins.add_argument("--pp", type=int)
+    pins.add_argument("--cp", type=int, help="context parallelism: each sequence split over CP GPUs (ring attention)")
     pins.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
     pins.add_argument("--micro-batch", type=int)
     pins.add_argument("--recompute", choices=("none", "selective", "full"))
@@ -108,7 +109,7 @@ def load_model(args) -> ModelSpec:
 
 def run(args) -> int:
     _positive(args, "seq_len", "vocab", "gpus", "nodes", "gpus_per_node", "gpu_mem", "intra_bw", "inter_bw",
-              "peak_tflops", "global_batch", "tp", "pp", "micro_batch", "vpp", "base_lr", "base_batch", "top")
+              "peak_tflops", "global_batch", "tp", "pp", "cp", "micro_batch", "vpp", "base_lr", "base_batch", "top")
     if not 0 < args.mem_threshold <= 1:
         raise UsageError(f"--mem-threshold {args.mem_threshold} must be in (0, 1], e.g. 0.8")
     gpu, args.gpus_per_node = _hardware(args)
@@ -118,8 +119,8 @@ def run(args) -> int:
                                    "fp32" if gpu.fp32_rate == 1.0 and gpu.name.startswith("probed:") else "bf16")
     flash = gpu.flash_attention if args.attention is None else args.attention == "flash"
     global_batch = args.global_batch or emit.default_global_batch(model.params, model.seq_len)
-    pins = Pins(tp=args.tp, pp=args.pp, zero=args.zero, micro_batch=args.micro_batch, recompute=args.recompute,
-                vpp=args.vpp, compress=str(parse_compression(args.compress)))
+    pins = Pins(tp=args.tp, pp=args.pp, cp=args.cp, zero=args.zero, micro_batch=args.micro_batch,
+                recompute=args.recompute, vpp=args.vpp, compress=str(parse_compression(args.compress)))
 
     def make_cluster(nodes: int | None = None, gpus: int | None = None) -> Cluster:
         total = gpus if gpus is not None else nodes * args.gpus_per_node
@@ -168,7 +169,7 @@ def run(args) -> int:
                                  config_path=config_path, model_arg=model_arg,
                                  seq_len=model.seq_len)
     single = estimate_cost(model, dataclasses.replace(cluster, num_gpus=1),
-                           dataclasses.replace(plan, tp=1, pp=1, dp=1, vpp=1, zero_stage=0, sequence_parallel=False,
+                           dataclasses.replace(plan, tp=1, pp=1, dp=1, cp=1, vpp=1, zero_stage=0, sequence_parallel=False,
                                                accumulation=plan.global_batch // plan.micro_batch),
                            seq_len=model.seq_len)
     speedup = cost.tokens_per_s / single.tokens_per_s
@@ -239,7 +240,7 @@ def _top_rejected(rejected, top):
 
 
 def _plan_fields(plan: Plan) -> dict:
-    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "vpp": plan.vpp, "zero_stage": plan.zero_stage,
+    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "vpp": plan.vpp, "zero_stage": plan.zero_stage,
             "micro_batch": plan.micro_batch, "grad_accum": plan.accumulation, "global_batch": plan.global_batch,
             "recompute": plan.recompute, "sequence_parallel": plan.sequence_parallel, "precision": plan.precision,
             "offload": plan.offload, "flash_attention": plan.flash_attention}

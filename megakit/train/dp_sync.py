@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from megakit.nn import comm
 from megakit.nn.compression import GradientReducer, ModelAverager
 
 
@@ -33,13 +34,13 @@ class DataParallelSync:
 
     def __init__(self, run, topo, engine) -> None:
         self.engine, self.reducer, self.averager, self.before = engine, None, None, None
-        cfg = run.cfg
+        cfg, group = run.cfg, topo.get_data_parallel_group()  # DeepSpeed's: DP x CP (CP ranks hold the same weights)
         if run.compression.enabled:
-            self.reducer = GradientReducer(run.compression, topo.dp_group, error_feedback=cfg.error_feedback)
-            if run.compression.after_optimizer and topo.dp > 1:  # the weights the next update starts from
+            self.reducer = GradientReducer(run.compression, group, error_feedback=cfg.error_feedback)
+            if run.compression.after_optimizer and comm.size(group) > 1:  # the weights the next update starts from
                 self.before = [p.detach().clone() for p in self._params()]
         elif cfg.local_sgd:
-            self.averager = ModelAverager(cfg.local_sgd, topo.dp_group, start_step=run.start_step)
+            self.averager = ModelAverager(cfg.local_sgd, group, start_step=run.start_step)
         if self.reducer or self.averager:
             engine.enable_backward_allreduce = False
         self.dense_bytes = 0

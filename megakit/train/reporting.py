@@ -56,7 +56,7 @@ class Reporter:
                            f", {cfg.recompute} recompute" if cfg.recompute != "none" else "",
                            f", resuming {cfg.load} at step {start}" if start else ""])
         print(f"megakit: training {cfg.model} on {dist.get_world_size()} process(es): TP {topo.tp} x PP {topo.pp}{chunks} "
-              f"x DP {topo.dp}{options}", flush=True)
+              f"{f'x CP {topo.cp} ' if topo.cp > 1 else ''}x DP {topo.dp}{options}", flush=True)
         if cfg.progress:
             from tqdm.auto import tqdm
 

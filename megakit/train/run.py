@@ -35,6 +35,7 @@ class TrainConfig:
     steps: int = 200
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism: the sequence split over CP ranks, attention as ring attention
     seq_len: int | None = None
     seed: int = 0
     vpp: int = 1
@@ -112,7 +113,7 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     """The ``Run`` of ``cfg`` on ``world_size`` processes; UsageError on any mistake, before any process group.
 
     ``say`` prints what it chose (which checkpoint ``--load`` resumes from)."""
-    layout = Layout.for_world(world_size, tp=cfg.tp, pp=cfg.pp)
+    layout = Layout.for_world(world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
     ds_config = load_ds_config(cfg.ds_config, dp=layout.dp, pp=layout.pp)
     require_optimizer(ds_config)
     model = ModelConfig.load(cfg.model)
@@ -120,9 +121,14 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
         raise UsageError(f"model {cfg.model} has a vocabulary of {model.vocab_size}; byte-level training needs 256")
     seq_len = cfg.seq_len or model.max_seq_len
     check_seq_len(model, seq_len)
+    if seq_len % (2 * cfg.cp):
+        raise UsageError(f"sequence length {seq_len} is not divisible by 2 x CP = {2 * cfg.cp}; context parallelism "
+                         "splits it into that many equal chunks (change --seq-len or --cp)")
+    if cfg.cp > 1:  # DeepSpeed counts every rank that holds the same weights, DP x CP, in its batch
+        ds_config["train_batch_size"] *= cfg.cp
     sequence_parallel = cfg.sequence_parallel and cfg.tp > 1
-    if sequence_parallel and seq_len % cfg.tp:  # the model would find out only on the first stage
-        raise UsageError(f"sequence length {seq_len} is not divisible by TP {cfg.tp}; sequence parallelism "
+    if sequence_parallel and seq_len // cfg.cp % cfg.tp:  # the model would find out only on the first stage
+        raise UsageError(f"sequence length {seq_len // cfg.cp} per CP rank is not divisible by TP {cfg.tp}; sequence parallelism "
                          "needs it to be (change --seq-len or drop --sequence-parallel)")
     start, checkpoint = check_checkpoint_flags(save=cfg.save, load=cfg.load, steps=cfg.steps, say=say)
     batch = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],

@@ -117,7 +117,8 @@ class _Zero0Clipper:
 # -- the run ---------------------------------------------------------------------------------------
 def _describe(topo, rank: int) -> str:
     c = topo.layout.coords(rank)
-    return f"rank {rank} (pp {c['pp']}, dp {c['dp']}, tp {c['tp']})"
+    cp = f", cp {c['cp']}" if topo.layout.cp > 1 else ""
+    return f"rank {rank} (pp {c['pp']}, dp {c['dp']}{cp}, tp {c['tp']})"
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -186,7 +187,8 @@ def _seed_default_generators(seed: int, topo) -> None:
 
     from megakit.nn.weights import index_seed
 
-    value = index_seed(seed, f"default/pp{topo.pp_rank}/dp{topo.dp_rank}", topo.tp_rank)
+    cp = f"/cp{topo.cp_rank}" if topo.cp > 1 else ""
+    value = index_seed(seed, f"default/pp{topo.pp_rank}/dp{topo.dp_rank}{cp}", topo.tp_rank)
     torch.manual_seed(value)
     random.seed(value)
     np.random.seed(value % 2**32)
@@ -205,7 +207,7 @@ def _start_watchdog(cfg: TrainConfig, topo):
     if dist.get_world_size() > 1:
         store = connect_store(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 29500)),
                               timeout_s=max(5.0, cfg.stall_timeout_s / 2))
-    peers = {r for kind in ("tp", "dp", "pp") for r in topo.group_ranks(kind)}  # the ranks this one waits on
+    peers = {r for kind in ("tp", "cp", "dp", "pp") for r in topo.group_ranks(kind)}  # the ranks this one waits on
     return Watchdog(topo.rank, dist.get_world_size(), stall_s=cfg.stall_timeout_s, peers=peers,
                     describe=lambda r: _describe(topo, r), store=store).start()
 
@@ -358,7 +360,7 @@ def _pipeline_step(run: Run, topo, engine, dp_sync):
     chunks = [engine] if vpp == 1 else list(engine.module)  # DeepSpeed needs no forward hooks at ZeRO 0-1
     executor = PipelineExecutor(chunks, topo, schedule=build_schedule(run.schedule, topo.pp, plan.accumulation, vpp),
                                 backward=backward, activation_shape=activation_shape(
-                                    run.model, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len, tp=topo.tp,
+                                    run.model, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len // topo.cp, tp=topo.tp,
                                     sequence_parallel=run.sequence_parallel),
                                 activation_dtype=run.dtype, device=_device(),  # stages exchange the weights' type
                                 reduce_grads=dp_sync.before_step, optimizer_step=engine.step, broadcast_loss=True)

@@ -111,6 +111,8 @@ def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: s
         parts += ["--num_nodes", str(nodes)]
     parts += ["--num_gpus", str(gpus), "scripts/train.py", "--ds_config", config_path,
               "--tp", str(plan.tp), "--pp", str(plan.pp), "--model", model_arg, "--seq-len", str(seq_len)]
+    if plan.cp > 1:
+        parts += ["--cp", str(plan.cp)]
     if plan.vpp > 1:
         parts += ["--vpp", str(plan.vpp)]
     if plan.sequence_parallel:
