@@ -121,15 +121,16 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
         raise UsageError(f"model {cfg.model} has a vocabulary of {model.vocab_size}; byte-level training needs 256")
     seq_len = cfg.seq_len or model.max_seq_len
     check_seq_len(model, seq_len)
-    if seq_len % (2 * cfg.cp):
+    if cfg.cp > 1 and seq_len % (2 * cfg.cp):
         raise UsageError(f"sequence length {seq_len} is not divisible by 2 x CP = {2 * cfg.cp}; context parallelism "
                          "splits it into that many equal chunks (change --seq-len or --cp)")
     if cfg.cp > 1:  # DeepSpeed counts every rank that holds the same weights, DP x CP, in its batch
         ds_config["train_batch_size"] *= cfg.cp
     sequence_parallel = cfg.sequence_parallel and cfg.tp > 1
     if sequence_parallel and seq_len // cfg.cp % cfg.tp:  # the model would find out only on the first stage
-        raise UsageError(f"sequence length {seq_len // cfg.cp} per CP rank is not divisible by TP {cfg.tp}; sequence parallelism "
-                         "needs it to be (change --seq-len or drop --sequence-parallel)")
+        held = f"sequence length {seq_len}" if cfg.cp == 1 else f"sequence length {seq_len // cfg.cp} per CP rank"
+        raise UsageError(f"{held} is not divisible by TP {cfg.tp}; sequence parallelism needs it to be (change "
+                         "--seq-len or drop --sequence-parallel)")
     start, checkpoint = check_checkpoint_flags(save=cfg.save, load=cfg.load, steps=cfg.steps, say=say)
     batch = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
                       accumulation=ds_config["gradient_accumulation_steps"], dp=layout.dp, seed=cfg.seed)
