@@ -19,6 +19,8 @@ COMMANDS = {
     "schedule": ("megakit.commands.schedule", "print and draw a pipeline schedule"),
     "convert": ("megakit.commands.convert", "a megakit checkpoint to Hugging Face transformers' layout, or back"),
     "probe": ("megakit.commands.probe", "measure this machine into a hardware profile for megakit plan --hardware"),
+    "prepare-data": ("megakit.commands.prepare_data", "tokenize text into the shards train.py --data reads"),
+    "generate": ("megakit.commands.generate", "continue a prompt with a trained checkpoint"),
 }
 
 

@@ -97,6 +97,7 @@ class StepMetrics:
     comm_calls: int | None  # collective and P2P calls this rank made during the step, None when not sampled
     world_size: int
     peak_tflops: float | None  # per device
+    data_seconds: float | None = None  # this rank's wait for its batch (the loader), before the step's clock
 
     @property
     def samples_per_s(self) -> float:
@@ -121,6 +122,11 @@ class StepMetrics:
     def comm_share(self) -> float | None:
         return None if self.comm_seconds is None else min(1.0, self.comm_seconds / self.seconds)
 
+    @property
+    def data_share(self) -> float | None:
+        """The loader's wait as a share of the step time (the wait included)."""
+        return None if self.data_seconds is None else self.data_seconds / (self.seconds + self.data_seconds)
+
     def line(self) -> str:
         parts = [f"step {self.step:>5}", f"loss {self.loss:.4f}", f"lr {self.lr:.2e}", f"grad-norm {self.grad_norm:.3f}",
                  f"{self.samples_per_s:.1f} samples/s", f"{self.tokens_per_s:,.0f} tok/s", f"{self.tflops:.3f} TFLOP/s"]
@@ -128,6 +134,8 @@ class StepMetrics:
             parts.append(f"MFU {self.mfu:.1%}")
         if self.comm_share is not None:
             parts.append(f"comm {self.comm_share:.0%}")
+        if self.data_share is not None:
+            parts.append(f"data {self.data_share:.2%}")
         return " | ".join(parts)
 
     def scalars(self) -> dict[str, float]:
@@ -138,10 +146,12 @@ class StepMetrics:
             out["perf/mfu"] = self.mfu
         if self.comm_share is not None:
             out["perf/comm_share"] = self.comm_share
+        if self.data_share is not None:
+            out["perf/data_share"] = self.data_share
         return out
 
     def to_dict(self) -> dict:
         return {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
                 "seconds": self.seconds, "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
                 "tflops": self.tflops, "mfu": self.mfu, "comm_share": self.comm_share,
-                "comm_calls": self.comm_calls}
+                "comm_calls": self.comm_calls, "data_share": self.data_share}

@@ -17,6 +17,7 @@ import torch
 from megakit.core.layout import Layout
 from megakit.core.model_config import ModelConfig, check_seq_len
 from megakit.errors import UsageError
+from megakit.train.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan
 from megakit.train.ds_config import load_ds_config, require_optimizer
 from megakit.train.resume import check_checkpoint_flags, check_same_run
@@ -54,6 +55,8 @@ class TrainConfig:
     keep: int = 0  # with --save-every: keep the newest K checkpoints as DIR/step-N with DIR/latest (0: one, replaced)
     load: str | None = None  # checkpoint to start from: weights and step count (not the optimizer state)
     allow_cross_node_tp: bool = False  # run a TP group that spans nodes (with a warning) instead of refusing it
+    eval_every: int = 0  # validation loss every N steps (and at the end); 0: never
+    eval_batches: int = 8  # global batches of the validation split per evaluation
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -68,6 +71,9 @@ class TrainConfig:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
         if self.log_every < 1:
             raise UsageError(f"--log-every must be at least 1, got {self.log_every}")
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise UsageError(f"--eval-every must be at least 0 and --eval-batches at least 1, got {self.eval_every} "
+                             f"and {self.eval_batches}")
         if self.vpp > 1 and self.pp == 1:
             raise UsageError(f"--vpp {self.vpp} splits each pipeline stage into chunks, so it needs --pp > 1")
 
@@ -90,6 +96,7 @@ class Run:
     zero_stage: int
     sequence_parallel: bool  # asked for, and TP > 1 (nothing to split otherwise)
     schedule: str  # the pipeline schedule (PP > 1)
+    corpus: Corpus | None = None  # what --data names, opened (its vocabulary is the model's)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -103,9 +110,8 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     layout = Layout.for_world(world_size, tp=cfg.tp, pp=cfg.pp)
     ds_config = load_ds_config(cfg.ds_config, dp=layout.dp, pp=layout.pp)
     require_optimizer(ds_config)
-    model = ModelConfig.load(cfg.model)
-    if model.vocab_size < 256:
-        raise UsageError(f"model {cfg.model} has a vocabulary of {model.vocab_size}; byte-level training needs 256")
+    corpus = open_corpus(cfg.data, max_bytes=cfg.max_bytes)
+    model = model_for_corpus(ModelConfig.load(cfg.model), cfg.model, corpus)
     seq_len = cfg.seq_len or model.max_seq_len
     check_seq_len(model, seq_len)
     sequence_parallel = cfg.sequence_parallel and cfg.tp > 1
@@ -116,11 +122,13 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     batch = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
                       accumulation=ds_config["gradient_accumulation_steps"], dp=layout.dp, seed=cfg.seed)
     if checkpoint is not None:
-        check_same_run(checkpoint, seed=cfg.seed, global_batch=batch.global_batch)
+        check_same_run(checkpoint, seed=cfg.seed, global_batch=batch.global_batch, vocab_size=model.vocab_size)
+    if cfg.eval_every:
+        ValidationBatches(corpus, batch, cfg.eval_batches)  # one clear line now if there is no validation split
     precision = ("bf16" if ds_config.get("bf16", {}).get("enabled") else
                  "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32")
     return Run(cfg=cfg, layout=layout, ds_config=ds_config, model=model, batch=batch, start_step=start,
                checkpoint=checkpoint,
                precision=precision, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
                sequence_parallel=sequence_parallel,
-               schedule=cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b"))
+               schedule=cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b"), corpus=corpus)

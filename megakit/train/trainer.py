@@ -45,7 +45,8 @@ import torch.distributed as dist
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_checkpoint
 from megakit.nn import comm
-from megakit.train.data import TokenBatches, load_tokens
+from megakit.train.corpus import ValidationBatches
+from megakit.train.data import TokenBatches
 from megakit.train.deepspeed_shm import unlink_shared_memory
 from megakit.train.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops
@@ -62,6 +63,7 @@ class TrainingDiverged(RuntimeError):
 class TrainResult:
     steps: list = field(default_factory=list)  # StepMetrics per step (rank 0 has them all)
     memory: list | None = None  # per-rank rows of --verify-memory
+    evals: list = field(default_factory=list)  # {"step", "loss", "perplexity"} per evaluation
 
     @property
     def losses(self) -> list[float]:
@@ -123,7 +125,6 @@ def train(cfg: TrainConfig) -> TrainResult:
     try:  # user mistakes fail here, before any process group exists, alike on every rank
         rank0 = os.environ.get("RANK", "0") == "0"
         run = resolve(cfg, int(os.environ.get("WORLD_SIZE", 1)), say=print if rank0 else (lambda *_: None))
-        tokens = load_tokens(cfg.data, max_bytes=cfg.max_bytes)
     except UsageError as error:
         raise everywhere(error)
     init_distributed(timeout_s=cfg.collective_timeout_s)
@@ -132,7 +133,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     _seed_default_generators(cfg.seed, topo)
     watchdog = _start_watchdog(cfg, topo)
     try:
-        result = _train(run, topo, watchdog, tokens)
+        result = _train(run, topo, watchdog)
     except (UsageError, TrainingDiverged) as error:
         if isinstance(error, TrainingDiverged) or getattr(error, "all_ranks", False):  # every rank raised it
             _leave_together(watchdog)
@@ -234,7 +235,7 @@ def _build(run: Run, topo):
     return engine, clipper
 
 
-def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
+def _train(run: Run, topo, watchdog) -> TrainResult:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     # DeepSpeed 0.19.8 calls collectives torch 2.13 renamed; the warning repeats every step
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
@@ -245,7 +246,8 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
             restore(engine, topo, run.checkpoint, start)  # optimizer state, LR schedule
         except UsageError as error:
             raise everywhere(error)  # load_state raises on every rank when any rank fails
-    batches = TokenBatches(tokens, plan)
+    batches = TokenBatches(run.corpus.train, plan)
+    evaluate = _evaluator(run, topo, engine) if cfg.eval_every else None
     run_step = _pipeline_step(run, topo, engine) if topo.pp > 1 else _plain_step(engine)
     device = _device() or torch.device("cpu")
 
@@ -263,8 +265,10 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
     communication = StepCommunication(sync_cuda=torch.cuda.is_available())
     profiler = start_profiler(cfg.profile, steps=cfg.steps - start, rank=topo.rank)
     for step in range(start, cfg.steps):
+        waited = time.perf_counter()  # the loader's share of the step (reads from memory-mapped shards)
         micro_batches = [(x.to(device), y.to(device), rows) for (x, y), rows in
                          zip(batches.micro_batches(step, topo.dp_rank), batches.sample_numbers(step, topo.dp_rank))]
+        waited = time.perf_counter() - waited
         lr = engine.get_lr()[0]
         t0 = time.perf_counter()
         with communication.measure(not torch.cuda.is_available() or step % 10 == 1):  # on GPU it synchronises
@@ -285,14 +289,18 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
         metrics = StepMetrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds,
                               samples=plan.global_batch, tokens=plan.global_batch * plan.seq_len, flops=flops_per_step,
                               comm_seconds=comm_seconds, comm_calls=comm_calls, world_size=dist.get_world_size(),
-                              peak_tflops=peak)
+                              peak_tflops=peak, data_seconds=waited)
         result.steps.append(metrics)
         reporter.log(metrics)
         done = step + 1
+        if evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
+            result.evals.append(reporter.eval(done, evaluate()))
         if cfg.save and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
             try:
                 save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
-                         extra={"loss": loss, "seed": cfg.seed, "global_batch": plan.global_batch})
+                         extra={"loss": loss, "seed": cfg.seed, "global_batch": plan.global_batch,
+                                "data": {"samples": done * plan.global_batch, "corpus": run.corpus.fingerprint}},
+                         tokenizer=run.corpus.tokenizer_dir)
             except UsageError as error:
                 raise everywhere(error)  # save_checkpoint raises on every rank when any rank fails
     if profiler is not None:
@@ -302,6 +310,19 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
         reporter.memory(result.memory)
     reporter.close(result)
     return result
+
+
+def _evaluator(run: Run, topo, engine):
+    """``evaluate()`` -> the validation loss, on every rank (see ``megakit.train.evaluate``)."""
+    from megakit.nn.pipeline import activation_shape
+    from megakit.train.evaluate import evaluate
+
+    plan = run.batch
+    batches = ValidationBatches(run.corpus, plan, run.cfg.eval_batches)
+    modules = [engine] if run.cfg.vpp == 1 else list(engine.module)
+    shape = activation_shape(run.model, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len, tp=topo.tp,
+                             sequence_parallel=run.sequence_parallel)
+    return lambda: evaluate(modules, topo, batches, shape=shape, dtype=run.dtype, device=_device())
 
 
 def _plain_step(engine):
