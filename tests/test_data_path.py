@@ -11,13 +11,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from test_trainer import ROOT
 
 from megakit.commands.cli import main as megakit
 from megakit.interop.prepare_data import PrepareConfig, prepare, read_documents
 from megakit.interop.token_shards import open_shards
 from megakit.train.corpus import open_corpus
 from megakit.train.data import BatchPlan, TokenBatches, stdlib_files
-from test_trainer import ROOT
 
 
 def _train_script():

@@ -55,7 +55,7 @@ class ShardWriter:
 
     def _open(self) -> None:
         name = f"{self.split}-{len(self.entries):05d}.bin"
-        self._file, self._digest = open(self.directory / name, "wb"), hashlib.sha256()
+        self._file, self._digest = open(self.directory / name, "wb"), hashlib.sha256()  # noqa: SIM115 (closed by _close)
         self._name, self._tokens, self._starts = name, 0, []
 
     def add(self, ids: np.ndarray) -> None:

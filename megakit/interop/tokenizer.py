@@ -55,14 +55,14 @@ def load_tokenizer(path: str | Path):
     if file.is_file():
         try:
             return Tokenizer.from_file(str(file))
-        except Exception as error:  # tokenizers raises a plain Exception on a bad file
+        except Exception as error:  # noqa: BLE001 (tokenizers raises a plain Exception on a bad file)
             raise UsageError(f"--tokenizer {file} is not a tokenizers JSON file ({str(error)[:120]}); give the "
                              "tokenizer.json a fast tokenizer saves") from None
     try:  # a transformers directory without tokenizer.json: its fast tokenizer, converted locally
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(source), local_files_only=True, use_fast=True).backend_tokenizer
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 (transformers raises many kinds for a directory it cannot read)
         raise UsageError(f"--tokenizer {source} holds no tokenizer.json and transformers cannot load a fast tokenizer "
                          f"from it ({str(error)[:120]})") from None
 
