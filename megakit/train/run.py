@@ -17,6 +17,7 @@ import torch
 from megakit.core.layout import Layout
 from megakit.core.model_config import ModelConfig, check_seq_len
 from megakit.errors import UsageError
+from megakit.interop.checkpoint_format import read_manifest
 from megakit.train.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan
 from megakit.train.ds_config import load_ds_config, require_optimizer
@@ -123,6 +124,10 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
                       accumulation=ds_config["gradient_accumulation_steps"], dp=layout.dp, seed=cfg.seed)
     if checkpoint is not None:
         check_same_run(checkpoint, seed=cfg.seed, global_batch=batch.global_batch, vocab_size=model.vocab_size)
+        trained_on = read_manifest(checkpoint)["extra"].get("data", {}).get("corpus")
+        if trained_on not in (None, corpus.fingerprint):
+            say(f"megakit: warning: checkpoint {checkpoint} was trained on other data than {corpus.source}; its data "
+                "position (the step) continues on this data")
     if cfg.eval_every:
         ValidationBatches(corpus, batch, cfg.eval_batches)  # one clear line now if there is no validation split
     precision = ("bf16" if ds_config.get("bf16", {}).get("enabled") else
