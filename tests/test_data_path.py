@@ -76,6 +76,11 @@ def test_shards_round_trip_to_the_tokenizers_own_ids(prepared):
     for name in ("tokenizer.json", "train-00000.bin", "validation-00000.bin"):  # one worker, same bytes
         assert (shards.directory / name).read_bytes() == (shards.directory.parent / "tokens-again" / name).read_bytes()
     assert not again["unchanged"] and prepare(cfg, say=lambda *_: None)["unchanged"]
+    local = prepare(PrepareConfig(**{**cfg.__dict__, "out": cfg.out + "-local", "tokenizer": cfg.out}),
+                    say=lambda *_: None)  # --tokenizer: the saved transformers tokenizer directory
+    assert local["vocab_size"] == 400
+    assert (shards.directory / "train-00001.bin").read_bytes() == (
+        shards.directory.parent / "tokens-local" / "train-00001.bin").read_bytes()
     assert not list(shards.directory.parent.glob(".tokens*"))  # no temporary directory left
 
 
