@@ -223,9 +223,9 @@ def mp_results(tmp_path_factory):
     # case 5: selective recompute (the attention core), TP2 x PP2 with SP
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
                       sequence_parallel=True, recompute="selective", verify_memory=True))
-    # case 6: TP2 x PP2 on token shards (BPE 512) with validation every 5 steps, saved for the export test
+    # case 6: TP2 x PP2, interleaved (2 chunks), on token shards (BPE 512) with validation every 5 steps, saved
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
-                      data=_token_shards(tmp_path_factory), eval_every=5, eval_batches=2,
+                      vpp=2, data=_token_shards(tmp_path_factory), eval_every=5, eval_batches=2,
                       save=str(tmp_path_factory.mktemp("ckpt") / "run")))
     return cases, sweep(tmp_path_factory, 4, cases)
 
@@ -250,7 +250,7 @@ def test_tp2_pp2_and_tp2_dp2_match_the_single_process_model(mp_results):
 
 @pytest.mark.slow
 def test_tp2_pp2_on_token_shards_validates_and_exports_a_model_transformers_talks_to(mp_results, tmp_path):
-    """Shards through the loader at TP2 x PP2 follow the single process; evaluating every 5 steps leaves the
+    """Shards through the loader at TP2 x PP2 (interleaved) follow the single process; evaluating every 5 steps leaves the
     training losses alone and its loss falls; the export loads with its tokenizer in transformers, gives the
     trainer's last validation loss, and generates."""
     import torch
