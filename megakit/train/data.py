@@ -120,8 +120,10 @@ class TokenBatches:
             )
 
     def _order(self, epoch: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.plan.seed + epoch)
-        return torch.randperm(self.num_samples, generator=generator)
+        if getattr(self, "_epoch", None) != epoch:  # drawn once per epoch, not once per step
+            generator = torch.Generator().manual_seed(self.plan.seed + epoch)
+            self._epoch, self._permutation = epoch, torch.randperm(self.num_samples, generator=generator)
+        return self._permutation
 
     def _samples(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         seq = self.plan.seq_len

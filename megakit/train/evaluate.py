@@ -72,5 +72,21 @@ def evaluate(modules, topo, batches, *, shape, dtype, device) -> float:
     return float(total)
 
 
+def evaluator(run, topo, engine, device):
+    """``evaluate()`` -> the validation loss of the engine's model now, on every rank."""
+    from megakit.nn.pipeline import activation_shape
+    from megakit.train.corpus import ValidationBatches
+
+    plan = run.batch
+    batches = ValidationBatches(run.corpus, plan, run.cfg.eval_batches)
+    if batches.batches < run.cfg.eval_batches and topo.rank == 0:
+        print(f"megakit: the validation split holds {batches.batches} global batches; --eval-batches "
+              f"{run.cfg.eval_batches} uses those", flush=True)
+    modules = [engine] if run.cfg.vpp == 1 else list(engine.module)  # the chunks the pipeline runs
+    shape = activation_shape(run.model, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len, tp=topo.tp,
+                             sequence_parallel=run.sequence_parallel)
+    return lambda: evaluate(modules, topo, batches, shape=shape, dtype=run.dtype, device=device)
+
+
 def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else float("inf")

@@ -45,10 +45,10 @@ import torch.distributed as dist
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_checkpoint
 from megakit.nn import comm
-from megakit.train.corpus import ValidationBatches
 from megakit.train.data import TokenBatches
 from megakit.train.deepspeed_shm import unlink_shared_memory
 from megakit.train.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
+from megakit.train.evaluate import evaluator
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops
 from megakit.train.reporting import Reporter, start_profiler
 from megakit.train.resume import restore, save_run
@@ -247,7 +247,7 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
         except UsageError as error:
             raise everywhere(error)  # load_state raises on every rank when any rank fails
     batches = TokenBatches(run.corpus.train, plan)
-    evaluate = _evaluator(run, topo, engine) if cfg.eval_every else None
+    evaluate = evaluator(run, topo, engine, _device()) if cfg.eval_every else None
     run_step = _pipeline_step(run, topo, engine) if topo.pp > 1 else _plain_step(engine)
     device = _device() or torch.device("cpu")
 
@@ -310,19 +310,6 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
         reporter.memory(result.memory)
     reporter.close(result)
     return result
-
-
-def _evaluator(run: Run, topo, engine):
-    """``evaluate()`` -> the validation loss, on every rank (see ``megakit.train.evaluate``)."""
-    from megakit.nn.pipeline import activation_shape
-    from megakit.train.evaluate import evaluate
-
-    plan = run.batch
-    batches = ValidationBatches(run.corpus, plan, run.cfg.eval_batches)
-    modules = [engine] if run.cfg.vpp == 1 else list(engine.module)
-    shape = activation_shape(run.model, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len, tp=topo.tp,
-                             sequence_parallel=run.sequence_parallel)
-    return lambda: evaluate(modules, topo, batches, shape=shape, dtype=run.dtype, device=_device())
 
 
 def _plain_step(engine):
