@@ -132,6 +132,11 @@ def test_prepare_data_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "good.txt").write_text("plain text " * 500)  # among others, a bad file is skipped and counted
     assert megakit(["prepare-data", str(tmp_path / "good.txt"), str(tmp_path / "latin1.txt"), *out]) == 0
     assert "skipped 1 of 2 files that are not UTF-8 text" in capsys.readouterr().out
+    (tmp_path / "latin1.txt").unlink()
+    (tmp_path / "empty.txt").unlink()
+    inside = ["prepare-data", str(tmp_path), "--out", str(tmp_path / "out"), *out[2:]]  # --out under the input
+    assert megakit(inside) == 0 and "wrote" in capsys.readouterr().out
+    assert megakit(inside) == 0 and "up to date" in capsys.readouterr().out  # its own shards are not input
 
 
 def test_trainer_data_errors_are_one_line(prepared, tmp_path, capsys):

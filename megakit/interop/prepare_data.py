@@ -65,8 +65,9 @@ class PrepareConfig:
             raise UsageError("--workers and --shard-tokens must be at least 1")
 
 
-def list_inputs(inputs: list[str]) -> list[Path]:
-    """Every file the inputs name, directories walked in sorted order (hidden files left out)."""
+def list_inputs(inputs: list[str], *, exclude: Path | None = None) -> list[Path]:
+    """Every file the inputs name, directories walked in sorted order (hidden files and ``exclude``, the
+    output directory, left out)."""
     if not inputs:
         raise UsageError("give at least one input file or directory")
     files = []
@@ -77,8 +78,10 @@ def list_inputs(inputs: list[str]) -> list[Path]:
         if path.is_file():
             files.append(path)
         else:
+            skip = exclude.resolve() if exclude is not None else None
             files += sorted(p for p in path.rglob("*") if p.is_file()
-                            and not any(part.startswith(".") for part in p.relative_to(path).parts))
+                            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                            and (skip is None or skip not in p.resolve().parents))
     if not files:
         raise UsageError(f"the inputs ({', '.join(inputs)}) hold no files; give text files, directories of them or JSONL")
     return files
@@ -190,7 +193,7 @@ def prepare(cfg: PrepareConfig, *, say=print) -> dict:
     out = Path(cfg.out)
     if out.exists() and not looks_prepared(out) and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--out {out} exists and is not a megakit data directory; choose another or remove it")
-    files = list_inputs(cfg.inputs)
+    files = list_inputs(cfg.inputs, exclude=out)
     stamp = fingerprint(files, _settings(cfg))
     if (out / INDEX).is_file():
         try:
