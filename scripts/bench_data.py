@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -86,6 +87,19 @@ def loader_share(data: Path, steps: int = 5) -> tuple[float, float]:
     return load / steps, train / steps
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished children (the pool's workers)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def timed(fn, *args, **kwargs) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of ``fn(*args, **kwargs)``."""
+    cpu = cpu_seconds()
+    wall = fn(*args, **kwargs)
+    return wall, cpu_seconds() - cpu
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=0, help="the first N standard-library files (default: all)")
@@ -105,17 +119,19 @@ def main() -> int:
         tokenizer = work / "bpe" / "tokenizer.json"
         times = {"plain": [], "plain, one thread": [], "megakit": []}
         for r in range(args.repeats):
-            times["plain"].append(plain(files, tokenizer))
-            times["plain, one thread"].append(plain(files, tokenizer, threads=False))
-            times["megakit"].append(megakit(files, tokenizer, work / f"out{r}", args.workers))
+            times["plain"].append(timed(plain, files, tokenizer))
+            times["plain, one thread"].append(timed(plain, files, tokenizer, threads=False))
+            times["megakit"].append(timed(megakit, files, tokenizer, work / f"out{r}", args.workers))
         load, step = loader_share(work / "out0")
-    rates = {k: size / min(v) for k, v in times.items()}
+    best = {k: min(v) for k, v in times.items()}  # (wall, cpu) of the fastest run
+    rates = {k: size / wall for k, (wall, _) in best.items()}
     print(f"{len(files)} files, {size:.1f} MiB, BPE 4096, {os.cpu_count()} cores, megakit with {args.workers} workers, "
           f"best of {args.repeats}")
-    print(f"{'':<42}{'MiB/s':>8}{'seconds':>10}")
+    print(f"load average {os.getloadavg()[0]:.1f} (other work on the machine slows both sides)")
+    print(f"{'':<42}{'MiB/s':>8}{'seconds':>10}{'CPU s':>8}")
     for name, label in (("plain", "plain tokenizers encode_batch"), ("plain, one thread", "  the same, TOKENIZERS_PARALLELISM=false"),
                         ("megakit", "megakit prepare-data")):
-        print(f"{label:<42}{rates[name]:>8.2f}{min(times[name]):>10.2f}")
+        print(f"{label:<42}{rates[name]:>8.2f}{best[name][0]:>10.2f}{best[name][1]:>8.2f}")
     print(f"loader: {load * 1e3:.2f} ms to cut a step's batch (8 x 128 tokens) from the shards, a gpt-mini step "
           f"{step * 1e3:.0f} ms: {load / (load + step):.2%} of the step")
     print(f"ratio {rates['megakit'] / rates['plain']:.2f}")
