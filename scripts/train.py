@@ -32,7 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ds_config", "--ds-config", default=str(DEFAULT_DS_CONFIG),
                    help="DeepSpeed JSON config (ds_configs/*.json, or what `megakit plan --emit-config` wrote)")
     p.add_argument("--model", default="gpt-mini", help="preset in models/ or a path to a HF config.json")
-    p.add_argument("--data", default=None, help="text file or directory (default: the Python standard library's sources)")
+    p.add_argument("--data", default=None,
+                   help="a directory `megakit prepare-data` wrote (token shards and their tokenizer), or a text file "
+                        "or directory trained on as bytes (default: the Python standard library's sources, as bytes)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps in all, a --load checkpoint's included (default 200; 3 with --verify-memory)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
@@ -78,6 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="resume from a checkpoint (or the newest intact one of a --keep series) saved at any "
                         "TP/PP/DP layout and ZeRO stage: weights, fp32 master weights, Adam moments and step; data and "
                         "LR schedule continue (same --seed and global batch); --steps counts the loaded steps too")
+    p.add_argument("--eval-every", metavar="N", type=int, default=0,
+                   help="validation loss and perplexity every N steps and at the end (needs --data from prepare-data)")
+    p.add_argument("--eval-batches", metavar="K", type=int, default=8,
+                   help="global batches of the validation split per evaluation (default 8)")
     p.add_argument("--tensorboard", metavar="DIR", default=None, help="write TensorBoard event files to DIR")
     p.add_argument("--profile", metavar="DIR", nargs="?", const="profile", default=None,
                    help="write a PyTorch profiler trace per rank (steps 2-3) to DIR (default ./profile)")
@@ -121,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                           keep=args.keep,
                           load=args.load, allow_cross_node_tp=args.allow_cross_node_tp, compress=args.compress,
                           error_feedback=not args.no_error_feedback, local_sgd=args.local_sgd,
-                          doctor_out=args.doctor_out)
+                          doctor_out=args.doctor_out, eval_every=args.eval_every, eval_batches=args.eval_batches)
     except UsageError as error:  # the same flags on every rank
         if _rank0():
             print(f"train.py: error: {error}", file=sys.stderr, flush=True)

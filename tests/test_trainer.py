@@ -234,7 +234,22 @@ def mp_results(tmp_path_factory):
     cases.append(dict(ds_config=ds_config(0), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, compress="int8"))
     cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, pp=2,
                       compress="sign"))
+    # case 10: TP2 x PP2, interleaved (2 chunks), on token shards (BPE 512) with validation every 5 steps, saved
+    cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
+                      vpp=2, data=_token_shards(tmp_path_factory), eval_every=5, eval_batches=2,
+                      save=str(tmp_path_factory.mktemp("ckpt") / "run")))
     return cases, sweep(tmp_path_factory, 4, cases)
+
+
+def _token_shards(tmp_path_factory) -> str:
+    """40 standard-library sources through prepare-data: a BPE of 512 tokens, a tenth held out."""
+    from megakit.interop.prepare_data import PrepareConfig, prepare
+    from megakit.train.data import stdlib_files
+
+    out = tmp_path_factory.mktemp("tokens") / "stdlib"
+    prepare(PrepareConfig(inputs=[str(p) for p in stdlib_files()[:40]], out=str(out), vocab_size=512,
+                          val_fraction=0.1, progress=False), say=lambda *_: None)
+    return str(out)
 
 
 @pytest.mark.slow
@@ -242,6 +257,39 @@ def test_tp2_pp2_and_tp2_dp2_match_the_single_process_model(mp_results):
     cases, results = mp_results
     assert_same_trajectory(results[0], reference(cases[0], dp=1))  # ZeRO-1: DeepSpeed's norm skips the tied copy
     assert_same_trajectory(results[1], reference(cases[1], dp=2))
+
+
+@pytest.mark.slow
+def test_tp2_pp2_on_token_shards_validates_and_exports_a_model_transformers_talks_to(mp_results, tmp_path):
+    """Shards through the loader at TP2 x PP2 (interleaved) follow the single process; evaluating every 5 steps leaves the
+    training losses alone and its loss falls; the export loads with its tokenizer in transformers, gives the
+    trainer's last validation loss, and generates."""
+    import torch
+    import transformers
+
+    from megakit.commands.cli import main as megakit
+    from megakit.train.corpus import ValidationBatches, open_corpus
+    from megakit.train.data import BatchPlan
+
+    cases, results = mp_results
+    case, result = cases[10], results[10]
+    assert_same_trajectory(result, reference(case, dp=1))
+    evals = result["evals"]
+    assert [e["step"] for e in evals] == [5, 10, 15, 20] and evals[-1]["loss"] < evals[0]["loss"] - 0.3, evals
+    out = tmp_path / "hf"
+    assert megakit(["convert", case["save"], "--to-hf", str(out)]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    plan = BatchPlan(seq_len=32, micro_batch=2, accumulation=4)
+    batches = ValidationBatches(open_corpus(case["data"]), plan, 2)
+    with torch.no_grad():
+        losses = [torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
+                  for k in range(2) for x, y in batches.micro_batches(k, 0)]
+    assert abs(float(torch.stack(losses).mean()) - evals[-1]["loss"]) < 1e-4
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert tokenizer.eos_token == "<|endoftext|>" and model.config.vocab_size == 512
+    generated = transformers.pipeline("text-generation", model=str(out))("import os\n", max_new_tokens=8,
+                                                                        do_sample=False)[0]["generated_text"]
+    assert generated.startswith("import os\n") and len(generated) > len("import os\n")
 
 
 @pytest.mark.slow

@@ -20,6 +20,8 @@ COMMANDS = {
     "convert": ("megakit.commands.convert", "a megakit checkpoint to Hugging Face transformers' layout, or back"),
     "probe": ("megakit.commands.probe", "measure this machine into a hardware profile for megakit plan --hardware"),
     "doctor": ("megakit.commands.doctor", "run FAQ 6's loss-not-decreasing checks on a short real job"),
+    "prepare-data": ("megakit.commands.prepare_data", "tokenize text into the shards train.py --data reads"),
+    "generate": ("megakit.commands.generate", "continue a prompt with a trained checkpoint"),
 }
 
 

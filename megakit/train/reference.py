@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches, load_tokens
+from megakit.train.corpus import model_for_corpus, open_corpus
+from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches
 from megakit.train.optim import decay_groups, start_schedule
 
 
@@ -28,12 +29,13 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
 
     from megakit.nn.model import ModelConfig, Transformer
 
-    config = ModelConfig.load(model)
+    corpus = open_corpus(data, max_bytes=max_bytes)
+    config = model_for_corpus(ModelConfig.load(model), model, corpus)
     net = Transformer(config, seed=seed)
     seq_len = seq_len or config.max_seq_len
     plan = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
                      accumulation=ds_config.get("gradient_accumulation_steps", 1), dp=dp, seed=seed)
-    batches = TokenBatches(load_tokens(data, max_bytes=max_bytes), plan)
+    batches = TokenBatches(corpus.train, plan)
     params = {k: v for k, v in ds_config["optimizer"]["params"].items() if k not in ("torch_adam", "adam_w_mode")}
     optimizer = torch.optim.AdamW(decay_groups(net), **params)
     scheduler = None

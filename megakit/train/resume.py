@@ -38,6 +38,7 @@ from megakit.interop.checkpoint_format import (
 )
 
 LATEST = "latest"
+TOKENIZER = "tokenizer"  # the data's tokenizer, copied into each checkpoint
 STEP_PREFIX = "step-"
 
 
@@ -101,9 +102,15 @@ def check_checkpoint_flags(*, save: str | None, load: str | None, steps: int, sa
     return start, chosen
 
 
-def check_same_run(checkpoint: Path, *, seed: int, global_batch: int) -> None:
-    """The data position and the dropout masks resume only with the same seed and global batch."""
-    extra = read_manifest(checkpoint)["extra"]
+def check_same_run(checkpoint: Path, *, seed: int, global_batch: int, vocab_size: int | None = None) -> None:
+    """The data position and the dropout masks resume only with the same seed and global batch (and the
+    weights only into a model of the same vocabulary)."""
+    manifest = read_manifest(checkpoint)
+    extra = manifest["extra"]
+    saved_vocab = manifest.get("config", {}).get("vocab_size")
+    if vocab_size is not None and saved_vocab is not None and saved_vocab != vocab_size:
+        raise UsageError(f"checkpoint {checkpoint} has a vocabulary of {saved_vocab} but this run's model and data have "
+                         f"{vocab_size}; resume with the --data (tokenizer) it was trained on")
     for what, flag, ours in (("seed", "--seed", seed),
                              ("global_batch", "global batch (micro-batch x accumulation x DP)", global_batch)):
         if what in extra and extra[what] != ours:
@@ -227,8 +234,21 @@ def restore(engine, topo, checkpoint: Path, step: int) -> None:
                             int(manifest["extra"].get("optimizer_step", step)))
 
 
-def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, series: bool, keep: int) -> Path:
+def _add_tokenizer(source: Path, checkpoint: Path) -> None:
+    """Copy the tokenizer beside the weights (to a temporary name, then renamed, before ``latest`` names it)."""
+    from megakit.interop.tokenizer import copy_tokenizer
+
+    tmp = checkpoint / f".{TOKENIZER}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    copy_tokenizer(source, tmp)
+    shutil.rmtree(checkpoint / TOKENIZER, ignore_errors=True)
+    os.replace(tmp, checkpoint / TOKENIZER)
+
+
+def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, series: bool, keep: int,
+             tokenizer: Path | None = None) -> Path:
     """Save weights and optimizer state; in a series, as ``DIR/step-N`` with ``DIR/latest`` written last.
+    ``tokenizer``: a directory whose tokenizer files go into ``CHECKPOINT/tokenizer`` (for ``convert --to-hf``).
 
     Collective over the world (see ``save_checkpoint``); an error on any rank raises on every rank.
     """
@@ -237,6 +257,8 @@ def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, se
     save_checkpoint(target, engine.module, topo, step=step, config=config, state=state,
                     extra={**extra, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
                            "optimizer_step": optimizer_step_count(engine)})
+    if tokenizer is not None and topo.rank == 0:
+        _add_tokenizer(tokenizer, target)
     if series and topo.rank == 0:
         pointer = Path(directory) / f"{LATEST}.tmp"
         pointer.write_text(target.name + "\n")

@@ -18,6 +18,8 @@ from megakit.core.compression import Compression, parse_compression
 from megakit.core.layout import Layout
 from megakit.core.model_config import ModelConfig, check_seq_len
 from megakit.errors import UsageError
+from megakit.interop.checkpoint_format import read_manifest
+from megakit.train.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan
 from megakit.train.ds_config import load_ds_config, require_optimizer
 from megakit.train.resume import check_checkpoint_flags, check_same_run
@@ -60,6 +62,8 @@ class TrainConfig:
     error_feedback: bool = True  # carry what compression dropped into the next step (off only to compare)
     local_sgd: int | None = None  # average the weights over DP every H steps instead of the gradients every step
     doctor_out: str | None = None  # megakit doctor: gather per-rank facts to this JSON file (megakit.train.diagnostics)
+    eval_every: int = 0  # validation loss every N steps (and at the end); 0: never
+    eval_batches: int = 8  # global batches of the validation split per evaluation
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -80,6 +84,9 @@ class TrainConfig:
                              "(leave it out for synchronous training)")
         if self.local_sgd and compression.enabled:
             raise UsageError(f"--local-sgd averages weights, --compress {self.compress} gradients; choose one")
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise UsageError(f"--eval-every must be at least 0 and --eval-batches at least 1, got {self.eval_every} "
+                             f"and {self.eval_batches}")
         if self.vpp > 1 and self.pp == 1:
             raise UsageError(f"--vpp {self.vpp} splits each pipeline stage into chunks, so it needs --pp > 1")
 
@@ -103,6 +110,7 @@ class Run:
     sequence_parallel: bool  # asked for, and TP > 1 (nothing to split otherwise)
     schedule: str  # the pipeline schedule (PP > 1)
     compression: Compression  # of the DP gradients (``kind == "none"``: DeepSpeed all-reduces them)
+    corpus: Corpus | None = None  # what --data names, opened (its vocabulary is the model's)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -116,9 +124,8 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     layout = Layout.for_world(world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
     ds_config = load_ds_config(cfg.ds_config, dp=layout.dp, pp=layout.pp)
     require_optimizer(ds_config)
-    model = ModelConfig.load(cfg.model)
-    if model.vocab_size < 256:
-        raise UsageError(f"model {cfg.model} has a vocabulary of {model.vocab_size}; byte-level training needs 256")
+    corpus = open_corpus(cfg.data, max_bytes=cfg.max_bytes)
+    model = model_for_corpus(ModelConfig.load(cfg.model), cfg.model, corpus)
     seq_len = cfg.seq_len or model.max_seq_len
     check_seq_len(model, seq_len)
     if cfg.cp > 1 and seq_len % (2 * cfg.cp):
@@ -135,7 +142,13 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     batch = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
                       accumulation=ds_config["gradient_accumulation_steps"], dp=layout.dp, seed=cfg.seed)
     if checkpoint is not None:
-        check_same_run(checkpoint, seed=cfg.seed, global_batch=batch.global_batch)
+        check_same_run(checkpoint, seed=cfg.seed, global_batch=batch.global_batch, vocab_size=model.vocab_size)
+        trained_on = read_manifest(checkpoint)["extra"].get("data", {}).get("corpus")
+        if trained_on not in (None, corpus.fingerprint):
+            say(f"megakit: warning: checkpoint {checkpoint} was trained on other data than {corpus.source}; its data "
+                "position (the step) continues on this data")
+    if cfg.eval_every:
+        ValidationBatches(corpus, batch, cfg.eval_batches)  # one clear line now if there is no validation split
     compression = _check_dp_sync(cfg, ds_config)
     precision = ("bf16" if ds_config.get("bf16", {}).get("enabled") else
                  "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32")
@@ -143,7 +156,8 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
                checkpoint=checkpoint,
                precision=precision, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
                sequence_parallel=sequence_parallel,
-               schedule=cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b"), compression=compression)
+               schedule=cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b"), compression=compression,
+               corpus=corpus)
 
 
 def _check_dp_sync(cfg: TrainConfig, ds_config: dict) -> Compression:

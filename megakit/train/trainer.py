@@ -45,11 +45,12 @@ import torch.distributed as dist
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_checkpoint
 from megakit.nn import comm
-from megakit.train.data import TokenBatches, load_tokens
+from megakit.train.data import TokenBatches
 from megakit.train.deepspeed_shm import unlink_shared_memory
 from megakit.train.diagnostics import Diagnostics
 from megakit.train.dp_sync import DataParallelSync
 from megakit.train.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
+from megakit.train.evaluate import evaluator
 from megakit.train.fault_injection import with_seed_fault
 from megakit.train.optim import decay_groups, start_schedule
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops
@@ -66,6 +67,7 @@ class TrainingDiverged(RuntimeError):
 class TrainResult:
     steps: list = field(default_factory=list)  # StepMetrics per step (rank 0 has them all)
     memory: list | None = None  # per-rank rows of --verify-memory
+    evals: list = field(default_factory=list)  # {"step", "loss", "perplexity"} per evaluation
 
     @property
     def losses(self) -> list[float]:
@@ -129,7 +131,6 @@ def train(cfg: TrainConfig) -> TrainResult:
         cfg = with_seed_fault(cfg, int(os.environ.get("RANK", "0")))  # only in megakit doctor's tests
         rank0 = os.environ.get("RANK", "0") == "0"
         run = resolve(cfg, int(os.environ.get("WORLD_SIZE", 1)), say=print if rank0 else (lambda *_: None))
-        tokens = load_tokens(cfg.data, max_bytes=cfg.max_bytes)
     except UsageError as error:
         raise everywhere(error)
     init_distributed(timeout_s=cfg.collective_timeout_s)
@@ -138,7 +139,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     _seed_default_generators(cfg.seed, topo)
     watchdog = _start_watchdog(cfg, topo)
     try:
-        result = _train(run, topo, watchdog, tokens)
+        result = _train(run, topo, watchdog)
     except (UsageError, TrainingDiverged) as error:
         if isinstance(error, TrainingDiverged) or getattr(error, "all_ranks", False):  # every rank raised it
             _leave_together(watchdog)
@@ -243,7 +244,7 @@ def _build(run: Run, topo, doctor=None):
     return engine, clipper
 
 
-def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
+def _train(run: Run, topo, watchdog) -> TrainResult:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     # DeepSpeed 0.19.8 calls collectives torch 2.13 renamed; the warning repeats every step
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
@@ -256,7 +257,8 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
         except UsageError as error:
             raise everywhere(error)  # load_state raises on every rank when any rank fails
     start_schedule(engine.lr_scheduler, start)
-    batches = TokenBatches(tokens, plan)
+    batches = TokenBatches(run.corpus.train, plan)
+    evaluate = evaluator(run, topo, engine, _device()) if cfg.eval_every else None
     dp_sync = DataParallelSync(run, topo, engine)
     run_step = _pipeline_step(run, topo, engine, dp_sync) if topo.pp > 1 else _plain_step(engine, dp_sync)
     if doctor is not None:
@@ -277,8 +279,10 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
     communication = StepCommunication(sync_cuda=torch.cuda.is_available())
     profiler = start_profiler(cfg.profile, steps=cfg.steps - start, rank=topo.rank)
     for step in range(start, cfg.steps):
+        waited = time.perf_counter()  # the loader's share of the step (reads from memory-mapped shards)
         micro_batches = [(x.to(device), y.to(device), rows) for (x, y), rows in
                          zip(batches.micro_batches(step, topo.dp_rank), batches.sample_numbers(step, topo.dp_rank))]
+        waited = time.perf_counter() - waited
         lr = engine.get_lr()[0]
         t0 = time.perf_counter()
         with communication.measure(not torch.cuda.is_available() or step % 10 == 1 or doctor is not None):  # on GPU it synchronises
@@ -303,14 +307,19 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
         metrics = StepMetrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds,
                               samples=plan.global_batch, tokens=plan.global_batch * plan.seq_len, flops=flops_per_step,
                               comm_seconds=comm_seconds, comm_calls=comm_calls, world_size=dist.get_world_size(),
-                              peak_tflops=peak, dp_bytes=dp_bytes, dp_bytes_dense=dp_bytes_dense)
+                              peak_tflops=peak, data_seconds=waited, dp_bytes=dp_bytes,
+                              dp_bytes_dense=dp_bytes_dense)
         result.steps.append(metrics)
         reporter.log(metrics)
         done = step + 1
+        if evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
+            result.evals.append(reporter.eval(done, evaluate()))
         if cfg.save and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
             try:
                 save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
-                         extra={"loss": loss, "seed": cfg.seed, "global_batch": plan.global_batch})
+                         extra={"loss": loss, "seed": cfg.seed, "global_batch": plan.global_batch,
+                                "data": {"samples": done * plan.global_batch, "corpus": run.corpus.fingerprint}},
+                         tokenizer=run.corpus.tokenizer_dir)
             except UsageError as error:
                 raise everywhere(error)  # save_checkpoint raises on every rank when any rank fails
     if profiler is not None:
