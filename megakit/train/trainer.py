@@ -21,7 +21,7 @@ Global gradient norm (clipping): TP shards count once each, replicated parameter
 once per stage (``Topology.get_model_parallel_rank`` is the TP rank), and the tied
 embedding copy on the last stage is marked ``ds_pipe_replicated`` so DeepSpeed skips it.
 DeepSpeed's fp32 ZeRO-0 path ignores that mark and does not report the norm, so there
-megakit clips itself (``_Zero0Clipper``) with the same rule.
+megakit clips itself (``megakit.train.grad_norm``) with the same rule.
 
 Sequence parallelism and recompute (full or selective) are the model's (``Transformer(sequence_parallel=,
 recompute=)``); with SP the stages exchange ``(S/tp, B, H)``. Checkpoints (``--save``,
@@ -52,8 +52,9 @@ from megakit.train.dp_sync import DataParallelSync
 from megakit.train.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
 from megakit.train.evaluate import evaluator
 from megakit.train.fault_injection import with_seed_fault
-from megakit.train.optim import decay_groups, start_schedule
+from megakit.train.grad_norm import Zero0Clipper
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops
+from megakit.train.optim import decay_groups, start_schedule
 from megakit.train.reporting import Reporter, start_profiler
 from megakit.train.resume import restore, save_run
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
@@ -72,48 +73,6 @@ class TrainResult:
     @property
     def losses(self) -> list[float]:
         return [m.loss for m in self.steps]
-
-
-# -- gradient norm ---------------------------------------------------------------------------------
-def counted_in_norm(param, topo) -> bool:
-    """Whether this rank adds ``param``'s gradient to the global norm (each element counted once in the job)."""
-    if getattr(param, "ds_pipe_replicated", False):
-        return False
-    return bool(getattr(param, "tensor_model_parallel", False)) or topo.tp_rank == 0
-
-
-def global_grad_norm(params, topo) -> tuple[float, bool]:
-    """``(norm, this rank's gradients finite)``: the single-process gradient norm of the whole model.
-
-    Collective: a scalar all-reduce (sum of squares) over the model-parallel (TP x PP) group.
-    """
-    params = [p for p in params if p.grad is not None]
-    local = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else None)
-    finite = True
-    for p in params:
-        finite &= bool(torch.isfinite(p.grad).all())
-        if counted_in_norm(p, topo):
-            local += p.grad.detach().double().pow(2).sum()
-    if topo.tp * topo.pp > 1:
-        comm.all_reduce(local, topo.mp_group)
-    return float(local.sqrt()), finite
-
-
-class _Zero0Clipper:
-    """Clips fp32 ZeRO-0 gradients by the global norm, as an optimizer pre-step hook (after DP reduction)."""
-
-    def __init__(self, params, topo, max_norm: float) -> None:
-        self.params, self.topo, self.max_norm = list(params), topo, max_norm
-        self.norm, self.finite = float("nan"), True
-
-    def __call__(self, optimizer, args, kwargs) -> None:
-        self.norm, self.finite = global_grad_norm(self.params, self.topo)
-        if self.max_norm > 0 and math.isfinite(self.norm):
-            coef = self.max_norm / (self.norm + 1e-6)
-            if coef < 1.0:
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -234,7 +193,7 @@ def _build(run: Run, topo, doctor=None):
         doctor.weights_built(stage)  # before DeepSpeed broadcasts DP rank 0's weights
     clipper = None
     if run.zero_stage == 0 and run.precision == "fp32":
-        clipper = _Zero0Clipper(stage.parameters(), topo, float(ds_config.get("gradient_clipping", 0.0)))
+        clipper = Zero0Clipper(stage.parameters(), topo, float(ds_config.get("gradient_clipping", 0.0)))
         ds_config = {**ds_config, "gradient_clipping": 0.0}
     engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=decay_groups(stage), mpu=topo,
                                                    config=ds_config)
