@@ -203,8 +203,15 @@ def _build(run: Run, topo, doctor=None):
     return engine, clipper
 
 
+def _not_scheduler_start(record) -> bool:
+    return "before it has started" not in record.getMessage()
+
+
 def _train(run: Run, topo, watchdog) -> TrainResult:
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    logger = logging.getLogger("DeepSpeed")
+    logger.setLevel(logging.WARNING)
+    # DeepSpeed's schedulers warn when built (at iteration -1); megakit places them right after (optim.start_schedule)
+    logger.addFilter(_not_scheduler_start)  # added once (a filter already there is not added again)
     # DeepSpeed 0.19.8 calls collectives torch 2.13 renamed; the warning repeats every step
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     cfg, plan, start = run.cfg, run.batch, run.start_step
@@ -212,7 +219,7 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
     engine, clipper = _build(run, topo, doctor)
     if run.checkpoint:
         try:
-            restore(engine, topo, run.checkpoint, start)  # optimizer state, LR schedule
+            restore(engine, topo, run.checkpoint, start)  # optimizer state
         except UsageError as error:
             raise everywhere(error)  # load_state raises on every rank when any rank fails
     start_schedule(engine.lr_scheduler, start)
