@@ -1,7 +1,8 @@
-"""The planner with a probed profile against this machine: one data-parallel training step of a small GPT
-(fp32, megakit's model, gradients all-reduced through megakit.nn.comm, AdamW) measured on ``--nproc``
-processes, and the step time ``megakit plan --hardware`` predicts for the same layout. Without
-``--hardware`` it probes first. Last line: ``ratio <predicted/measured>`` (target: within 0.75-1.25)."""
+"""Data-parallel scaling on this machine, measured and predicted: one training step of a small GPT (fp32,
+megakit's model, gradients all-reduced through megakit.nn.comm, AdamW) on 1, 2 and 4 processes, samples/s
+and the efficiency against linear, beside the step time ``megakit plan --hardware`` predicts for the same
+layout from a probe of the same process count. Last lines: ``ratio <predicted/measured step time>`` at the
+largest size and ``efficiency <measured> predicted <planner>`` (target: within 25 % of each other)."""
 
 import argparse
 import json
@@ -86,24 +87,36 @@ def predict(profile: dict, nproc: int) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--hardware", help="a megakit probe profile (default: probe now)")
+    parser.add_argument("--nprocs", default="1,2,4", help="DP sizes to measure, the first the baseline (default 1,2,4)")
+    parser.add_argument("--hardware", help="a megakit probe profile for every size (default: probe each size now, "
+                                           "since processes sharing the cores change the per-process rates)")
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args(argv)
-    if args.hardware:
-        profile = json.loads(open(args.hardware).read())
-    else:
-        from megakit.train import probe
+    sizes = [int(n) for n in args.nprocs.split(",")]
+    fixed = json.loads(open(args.hardware).read()) if args.hardware else None
+    print(f"model gpt2 {LAYERS}x{HIDDEN} (FFN {FFN}, vocab {VOCAB}), micro-batch {MICRO} x {SEQ} tokens per process, "
+          "fp32, DP all-reduce through megakit.nn.comm")
+    print(f"{'DP':>3}{'samples/s':>11}{'step s':>9}{'predicted s':>13}{'ratio':>7}{'eff.':>7}{'pred. eff.':>12}   probe")
+    rows = []
+    for n in sizes:
+        if fixed is None:
+            from megakit.train import probe
 
-        profile = probe.run(args.nproc, hidden=HIDDEN, tokens=MICRO * SEQ, nbytes=16 * 2**20)
-    predicted = predict(profile, args.nproc)
-    measured = measure(args.nproc, args.steps)
-    print(f"model gpt2 {LAYERS}x{HIDDEN} (FFN {FFN}, vocab {VOCAB}), micro-batch {MICRO} x {SEQ} tokens, "
-          f"DP={args.nproc}, fp32, on {profile['device']}")
-    print(f"probe: matmul {profile['matmul_tflops']:.3g} TFLOP/s, copy {profile['copy_gbps']:.3g} GB/s, all-reduce "
-          f"{profile['links'].get('all_reduce', {}).get('bus_gbps', float('nan')):.3g} GB/s")
-    print(f"step time: measured {measured:.3f} s, predicted {predicted:.3f} s")
-    print(f"ratio {predicted / measured:.3f}")
+            profile = probe.run(n, hidden=HIDDEN, tokens=MICRO * SEQ, nbytes=16 * 2**20)
+        else:
+            profile = fixed
+        predicted, measured = predict(profile, n), measure(n, args.steps)
+        rows.append((n, measured, predicted))
+        _, base_m, base_p = rows[0]  # weak scaling (the same batch per process): efficiency = base step / step
+        eff, pred_eff = base_m / measured, base_p / predicted
+        print(f"{n:>3}{n * MICRO / measured:>11.2f}{measured:>9.3f}{predicted:>13.3f}{predicted / measured:>7.2f}"
+              f"{eff:>7.2f}{pred_eff:>12.2f}   matmul {profile['matmul_tflops']:.3g} TFLOP/s, all-reduce "
+              f"{profile['links'].get('all_reduce', {}).get('bus_gbps', float('nan')):.3g} GB/s", flush=True)
+    print(f"(the planner's prediction is `megakit plan --hardware PROFILE` for the same layout: the profile's "
+          f"rates replace --peak-tflops and --intra-bw; efficiency = samples/s against {sizes[0]} process(es) "
+          "scaled linearly)")
+    print(f"ratio {rows[-1][2] / rows[-1][1]:.3f}")
+    print(f"efficiency {eff:.3f} predicted {pred_eff:.3f}")
     return 0
 
 

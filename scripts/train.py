@@ -32,10 +32,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ds_config", "--ds-config", default=str(DEFAULT_DS_CONFIG),
                    help="DeepSpeed JSON config (ds_configs/*.json, or what `megakit plan --emit-config` wrote)")
     p.add_argument("--model", default="gpt-mini", help="preset in models/ or a path to a HF config.json")
-    p.add_argument("--data", default=None, help="text file or directory (default: the Python standard library's sources)")
+    p.add_argument("--data", default=None,
+                   help="a directory `megakit prepare-data` wrote (token shards and their tokenizer), or a text file "
+                        "or directory trained on as bytes (default: the Python standard library's sources, as bytes)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps in all, a --load checkpoint's included (default 200; 3 with --verify-memory)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel degree: the sequence split over CP ranks (load-balanced causal halves), "
+                        "attention as ring attention; --seq-len must divide by 2 x CP")
     p.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline stage (interleaved 1F1B)")
     p.add_argument("--schedule", default=None, choices=["1f1b", "gpipe", "interleaved", "zb-h1"],
                    help="pipeline schedule (PP > 1); default 1f1b, or interleaved with --vpp > 1")
@@ -53,6 +58,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="split norms, dropout and the residual stream over TP along the sequence (Megatron SP; "
                         "--seq-len must divide by --tp); nothing to split at --tp 1, where it changes nothing")
+    p.add_argument("--compress", metavar="CODEC", default="none",
+                   help="compress the DP gradient exchange, with error feedback (ZeRO 0): fp16 (2x fewer bytes), "
+                        "int8 (~4x), sign (1-bit with a per-chunk scale, ~28x) or topk:RATIO (the largest RATIO of the "
+                        "elements as index/value pairs; topk:0.01 ~50x). For links that cannot keep up with the step "
+                        "(FAQ 3/5); on NVLink/InfiniBand the default exact all-reduce is faster")
+    p.add_argument("--no-error-feedback", action="store_true",
+                   help="drop what --compress loses instead of sending it next step (to measure what feedback buys)")
+    p.add_argument("--local-sgd", metavar="H", type=int, default=None,
+                   help="asynchronous-style DP (ZeRO 0, fp32): each rank steps on its own gradients and the weights "
+                        "are averaged every H steps (post-local SGD): ~H x fewer bytes, some loss per step. Prefer "
+                        "the default synchronous training unless the network is the bottleneck")
     p.add_argument("--save", metavar="DIR", default=None,
                    help="write a checkpoint (weights, optimizer state, step) to DIR at the end")
     p.add_argument("--save-every", metavar="N", type=int, default=0,
@@ -64,6 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="resume from a checkpoint (or the newest intact one of a --keep series) saved at any "
                         "TP/PP/DP layout and ZeRO stage: weights, fp32 master weights, Adam moments and step; data and "
                         "LR schedule continue (same --seed and global batch); --steps counts the loaded steps too")
+    p.add_argument("--eval-every", metavar="N", type=int, default=0,
+                   help="validation loss and perplexity every N steps and at the end (needs --data from prepare-data)")
+    p.add_argument("--eval-batches", metavar="K", type=int, default=8,
+                   help="global batches of the validation split per evaluation (default 8)")
     p.add_argument("--tensorboard", metavar="DIR", default=None, help="write TensorBoard event files to DIR")
     p.add_argument("--profile", metavar="DIR", nargs="?", const="profile", default=None,
                    help="write a PyTorch profiler trace per rank (steps 2-3) to DIR (default ./profile)")
@@ -74,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--stall-timeout", type=float, default=60.0,
                    help="seconds without a heartbeat after which a peer counts as dead and the job ends")
+    p.add_argument("--doctor-out", metavar="FILE", default=None,
+                   help="write per-rank facts (weight hashes, samples, local gradient norms, step times) to FILE for "
+                        "`megakit doctor`, which starts the job with it")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     return p.parse_args(argv)
 
@@ -96,13 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = TrainConfig(ds_config=args.ds_config, model=args.model, data=args.data,
                           steps=args.steps if args.steps is not None else 3 if args.verify_memory else 200, tp=args.tp,
-                          pp=args.pp, vpp=args.vpp, schedule=args.schedule, seq_len=args.seq_len, seed=args.seed,
+                          pp=args.pp, cp=args.cp, vpp=args.vpp, schedule=args.schedule, seq_len=args.seq_len, seed=args.seed,
                           tensorboard=args.tensorboard, profile=args.profile, verify_memory=args.verify_memory,
                           metrics_out=args.metrics_out, log_every=args.log_every, progress=not args.no_progress,
                           stall_timeout_s=args.stall_timeout, recompute=args.recompute,
                           sequence_parallel=args.sequence_parallel, save=args.save, save_every=args.save_every,
                           keep=args.keep,
-                          load=args.load, allow_cross_node_tp=args.allow_cross_node_tp)
+                          load=args.load, allow_cross_node_tp=args.allow_cross_node_tp, compress=args.compress,
+                          error_feedback=not args.no_error_feedback, local_sgd=args.local_sgd,
+                          doctor_out=args.doctor_out, eval_every=args.eval_every, eval_batches=args.eval_batches)
     except UsageError as error:  # the same flags on every rank
         if _rank0():
             print(f"train.py: error: {error}", file=sys.stderr, flush=True)

@@ -57,7 +57,11 @@ def test_one_step_at_tp2_pp2_equals_transformers_own_step(tmp_path):
 
     inputs, labels = TokenBatches(load_tokens(None), BatchPlan(seq_len=32, micro_batch=2, accumulation=2)).global_batch(0)
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float()
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=OPTIMIZER["lr"], betas=tuple(OPTIMIZER["betas"]),
+    decayed = set(transformers.Trainer.get_decay_parameter_names(None, reference))  # transformers' own rule
+    groups = [{"params": [p for n, p in reference.named_parameters() if n in decayed]},
+              {"params": [p for n, p in reference.named_parameters() if n not in decayed], "weight_decay": 0.0}]
+    assert groups[1]["params"]  # the norms and biases
+    optimizer = torch.optim.AdamW(groups, lr=OPTIMIZER["lr"], betas=tuple(OPTIMIZER["betas"]),
                                   eps=OPTIMIZER["eps"], weight_decay=OPTIMIZER["weight_decay"])
     logits = reference(inputs).logits
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()

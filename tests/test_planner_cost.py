@@ -2,6 +2,7 @@
 published. One set of physical constants for every row: the efficiency differences come from GEMM
 sizes, memory-bound kernels, TP/DP traffic and the pipeline bubble, not from per-row factors."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -129,3 +130,22 @@ def test_pipeline_time_agrees_with_the_schedule_simulator(pp, m, vpp):
         assert cost.pipeline_s == pytest.approx(report.step_time, rel=1e-6)
     else:  # the trainer's split (by parameters) can leave a middle stage slowest: then a close upper bound
         assert report.step_time * (1 - 1e-9) <= cost.pipeline_s <= report.step_time * 1.02
+
+
+def test_compressed_dp_traffic_is_priced_from_the_bytes_the_codec_sends():
+    """--compress prices DP traffic from core.compression's bytes per element (what the trainer sends). fp16
+    is all-reduced; int8, sign and Top-K are all-gathered, so their traffic grows with DP: at DP 16 int8 costs
+    more than the dense all-reduce, while sign and Top-K 1 % still win by far."""
+    model = ModelSpec.from_params("1.3B", seq_len=2048)
+
+    def dp_comm(dp, compress):
+        cluster = Cluster(gpu=A100, num_gpus=dp, gpus_per_node=1).with_overrides(inter_gbps=3.0)
+        plan = Plan(dp=dp, micro_batch=1, accumulation=4, zero_stage=0, precision="fp32", compress=compress)
+        return estimate_cost(model, cluster, plan).dp_comm_s
+
+    for dp in (2, 16):
+        dense = dp_comm(dp, "none")
+        costs = {c: dp_comm(dp, c) for c in ("fp16", "int8", "sign", "topk:0.01")}
+        assert costs["topk:0.01"] < costs["sign"] < costs["fp16"] < dense, (dp, dense, costs)
+        assert (costs["int8"] < costs["fp16"]) == (dp == 2), (dp, dense, costs)
+    assert dp_comm(16, "int8") > dp_comm(16, "none")

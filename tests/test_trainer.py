@@ -2,7 +2,7 @@
 
 Launcher starts are expensive (~10 s), so each job runs several cases
 (``tests/launch_sweep.py``): one 2-process job for ZeRO 0-3 and one 4-process job
-for TP x PP and TP x DP, all with ``--verify-memory`` on (it only observes).
+for TP x PP, TP x DP and CP, most with ``--verify-memory`` on (it only observes).
 """
 
 import glob
@@ -109,7 +109,11 @@ def dp_results(tmp_path_factory):
     dropout = dropout_model(tmp_path_factory.mktemp("models"))
     cases.append(dict(ds_config=ds_config(1), model=dropout, steps=STEPS, seq_len=32))
     cases.append(dict(ds_config=ds_config(1), model=dropout, steps=STEPS, seq_len=32, tp=2))
-    for stage in (0, 1):  # cases 13, 14: zero bubble (ZB-H1), backward split into B and W, under ZeRO 0 and 1
+    # cases 13-16: megakit syncs DP itself (ZeRO 0): Top-K 1 % with and without error feedback, local SGD, fp16
+    for extra in (dict(compress="topk:0.01"), dict(compress="topk:0.01", error_feedback=False), dict(local_sgd=4),
+                  dict(compress="fp16")):
+        cases.append(dict(ds_config=ds_config(0), model="gpt-tiny", steps=STEPS, seq_len=32, **extra))
+    for stage in (0, 1):  # cases 17, 18: zero bubble (ZB-H1), backward split into B and W, under ZeRO 0 and 1
         cases.append(dict(ds_config=ds_config(stage, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32,
                           pp=2, schedule="zb-h1"))
     return cases, sweep(tmp_path_factory, 2, cases)
@@ -161,7 +165,7 @@ def test_interleaved_pp2_vpp2_matches_the_single_process_model(dp_results):
 def test_zero_bubble_pp2_under_zero_0_and_1_matches_the_single_process_model(dp_results):
     """ZB-H1 calls no engine.backward: its split B/W must still leave DeepSpeed the gradients it reduces and clips."""
     cases, results = dp_results
-    for i in (13, 14):
+    for i in (17, 18):
         assert_same_trajectory(results[i], reference(cases[i], dp=1))
 
 
@@ -212,7 +216,7 @@ def test_accumulation_communicates_only_at_the_boundary(dp_results):
     _, results = dp_results
     for stage, doubled in ((0, results[5]), (1, results[6])):
         assert doubled["comm_calls"][1:] == results[stage]["comm_calls"][1:3], (stage, doubled, results[stage])
-        assert 0 < results[stage]["comm_calls"][1] <= 4
+        assert 0 < results[stage]["comm_calls"][1] <= 4 + stage  # ZeRO-1: one norm all-reduce per param group
 
 
 # -- TP x PP and TP x DP (4 processes) -------------------------------------------------------------
@@ -234,10 +238,32 @@ def mp_results(tmp_path_factory):
     # case 5: selective recompute (the attention core), TP2 x PP2 with SP
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
                       sequence_parallel=True, recompute="selective", verify_memory=True))
-    # case 6: zero bubble (ZB-H1) with TP2 (and SP) x PP2
+    # cases 6, 7: context parallelism, CP 2 x DP 2 (Llama, GQA, ZeRO-0) and CP 2 x PP 2 under dropout (ZeRO-1)
+    cases.append(dict(ds_config=ds_config(0), model="llama-tiny", steps=STEPS, seq_len=32, cp=2))
+    cases.append(dict(ds_config=ds_config(1, accumulation=4), model=dropout, steps=STEPS, seq_len=32, cp=2, pp=2))
+    # cases 8, 9: compressed DP reduction composes with TP (int8 at TP2 x DP2) and PP (sign at PP2 x DP2)
+    cases.append(dict(ds_config=ds_config(0), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, compress="int8"))
+    cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, pp=2,
+                      compress="sign"))
+    # case 10: TP2 x PP2, interleaved (2 chunks), on token shards (BPE 512) with validation every 5 steps, saved
+    cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
+                      vpp=2, data=_token_shards(tmp_path_factory), eval_every=5, eval_batches=2,
+                      save=str(tmp_path_factory.mktemp("ckpt") / "run")))
+    # case 11: zero bubble (ZB-H1) with TP2 (and SP) x PP2
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model="llama-tiny", steps=STEPS, seq_len=32, tp=2,
                       pp=2, sequence_parallel=True, schedule="zb-h1"))
     return cases, sweep(tmp_path_factory, 4, cases)
+
+
+def _token_shards(tmp_path_factory) -> str:
+    """40 standard-library sources through prepare-data: a BPE of 512 tokens, a tenth held out."""
+    from megakit.interop.prepare_data import PrepareConfig, prepare
+    from megakit.train.data import stdlib_files
+
+    out = tmp_path_factory.mktemp("tokens") / "stdlib"
+    prepare(PrepareConfig(inputs=[str(p) for p in stdlib_files()[:40]], out=str(out), vocab_size=512,
+                          val_fraction=0.1, progress=False), say=lambda *_: None)
+    return str(out)
 
 
 @pytest.mark.slow
@@ -245,6 +271,39 @@ def test_tp2_pp2_and_tp2_dp2_match_the_single_process_model(mp_results):
     cases, results = mp_results
     assert_same_trajectory(results[0], reference(cases[0], dp=1))  # ZeRO-1: DeepSpeed's norm skips the tied copy
     assert_same_trajectory(results[1], reference(cases[1], dp=2))
+
+
+@pytest.mark.slow
+def test_tp2_pp2_on_token_shards_validates_and_exports_a_model_transformers_talks_to(mp_results, tmp_path):
+    """Shards through the loader at TP2 x PP2 (interleaved) follow the single process; evaluating every 5 steps leaves the
+    training losses alone and its loss falls; the export loads with its tokenizer in transformers, gives the
+    trainer's last validation loss, and generates."""
+    import torch
+    import transformers
+
+    from megakit.commands.cli import main as megakit
+    from megakit.train.corpus import ValidationBatches, open_corpus
+    from megakit.train.data import BatchPlan
+
+    cases, results = mp_results
+    case, result = cases[10], results[10]
+    assert_same_trajectory(result, reference(case, dp=1))
+    evals = result["evals"]
+    assert [e["step"] for e in evals] == [5, 10, 15, 20] and evals[-1]["loss"] < evals[0]["loss"] - 0.3, evals
+    out = tmp_path / "hf"
+    assert megakit(["convert", case["save"], "--to-hf", str(out)]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    plan = BatchPlan(seq_len=32, micro_batch=2, accumulation=4)
+    batches = ValidationBatches(open_corpus(case["data"]), plan, 2)
+    with torch.no_grad():
+        losses = [torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
+                  for k in range(2) for x, y in batches.micro_batches(k, 0)]
+    assert abs(float(torch.stack(losses).mean()) - evals[-1]["loss"]) < 1e-4
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert tokenizer.eos_token == "<|endoftext|>" and model.config.vocab_size == 512
+    generated = transformers.pipeline("text-generation", model=str(out))("import os\n", max_new_tokens=8,
+                                                                        do_sample=False)[0]["generated_text"]
+    assert generated.startswith("import os\n") and len(generated) > len("import os\n")
 
 
 @pytest.mark.slow
@@ -282,7 +341,16 @@ def test_selective_recompute_trains_the_same_model_and_the_planner_knows_its_mem
 @pytest.mark.slow
 def test_zero_bubble_tp2_sp_pp2_matches_the_single_process_model(mp_results):
     cases, results = mp_results
-    assert_same_trajectory(results[6], reference(cases[6], dp=1))
+    assert_same_trajectory(results[11], reference(cases[11], dp=1))
+
+
+@pytest.mark.slow
+def test_context_parallel_cp2_follows_the_single_process_trajectory(mp_results):
+    """CP 2 x DP 2 with ZeRO-0 (DeepSpeed averages over DP x CP) and CP 2 x PP 2 with ZeRO-1 and dropout
+    (layout-free masks at the ranks' global positions, ring attention's probabilities included)."""
+    cases, results = mp_results
+    assert_same_trajectory(results[6], reference(cases[6], dp=2))
+    assert_same_trajectory(results[7], reference(cases[7], dp=1))
 
 
 @pytest.mark.slow
@@ -370,3 +438,41 @@ def test_stopped_rank_ends_the_job_and_is_named(tmp_path):
     status, seconds, text = _start_and_signal(tmp_path, signal.SIGSTOP, "--stall-timeout", "6")
     assert status != 0 and seconds < 120, (status, seconds)
     assert "rank 2 (pp 0, dp 1, tp 0) (silent for" in text, text[-3000:]
+
+
+def _gap(result: dict, ref: dict, last: int = 5) -> float:
+    """Relative distance of the mean loss over the last steps from the reference's."""
+    got, want = sum(result["loss"][-last:]) / last, sum(ref["loss"][-last:]) / last
+    return abs(got - want) / want
+
+
+@pytest.mark.slow
+def test_compressed_dp_and_local_sgd_train_close_to_the_exact_run(dp_results):
+    """megakit's own DP sync (ZeRO 0) through the launcher, 2 processes: fp16 gradients follow the exact run,
+    Top-K 1 % of the weight updates and local SGD stay near it with a fraction of the bytes, and Top-K without
+    error feedback falls far behind (what it drops is never sent)."""
+    cases, results = dp_results
+    ref = reference(cases[0], dp=2)  # ZeRO-0 and ZeRO-1 follow the same trajectory
+    topk, topk_plain, local, fp16 = results[13:17]
+    gaps = {name: _gap(r, ref) for name, r in (("topk", topk), ("plain", topk_plain), ("local", local), ("fp16", fp16))}
+    print("compression gaps", gaps)
+    for result in (topk, local, fp16):
+        assert result["loss"][-1] < result["loss"][0] - 0.3, result["loss"]  # it trains
+    assert gaps["fp16"] < 2e-3 and gaps["local"] < 0.05 and gaps["topk"] < 0.2, gaps  # 20 steps: Top-K lags
+    assert gaps["plain"] > 1.5 * gaps["topk"], gaps  # measured: 0.30 against 0.16
+    sent, dense = topk["dp_bytes"][0]
+    assert sent <= 0.1 * dense
+    local_sent = sum(s for s, _ in local["dp_bytes"])
+    assert local_sent == sum(d for _, d in local["dp_bytes"]) / 4  # weights every 4th step, as many as gradients
+
+
+@pytest.mark.slow
+def test_compression_composes_with_tp_and_pp(mp_results):
+    """int8 gradients at TP2 x DP2 and sign-compressed updates at PP2 x DP2 (every stage its own shard)."""
+    cases, results = mp_results
+    for index, saved, tolerance in ((8, 0.70, 0.01), (9, 0.95, 0.05)):
+        gap = _gap(results[index], reference(cases[index], dp=2))
+        print("compression gap", cases[index].get("compress"), gap)
+        assert gap < tolerance, (index, gap)
+        sent, dense = results[index]["dp_bytes"][0]
+        assert sent <= (1 - saved) * dense, (index, sent, dense)

@@ -19,7 +19,7 @@ PRESETS = sorted((ROOT / "ds_configs").glob("*.json"))
 
 def test_presets_are_valid_json_and_documented():
     readme = (ROOT / "ds_configs" / "README.md").read_text()
-    assert {p.stem for p in PRESETS} >= {"zero0", "zero1", "zero2", "zero3", "zero3_offload", "bf16", "fp16", "onebit_adam"}
+    assert {p.stem for p in PRESETS} >= {"zero0", "zero1", "zero2", "zero3", "zero3_offload", "bf16", "fp16"}
     for path in PRESETS:
         json.loads(path.read_text())
         assert f"`{path.name}`" in readme, path.name
@@ -47,8 +47,9 @@ def test_zero_2_and_3_are_refused_with_pipeline_parallelism():
 
 
 def test_unusable_presets_say_why():
-    with pytest.raises(UsageError, match="no longer ships OneBitAdam"):
-        load_ds_config(str(ROOT / "ds_configs" / "onebit_adam.json"), dp=1, pp=1)
+    one_bit = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}
+    with pytest.raises(UsageError, match="no longer ships OneBitAdam.*--compress sign"):
+        load_ds_config(one_bit, dp=1, pp=1)
     with pytest.raises(UsageError, match="fp16 training needs a GPU"):
         load_ds_config(str(ROOT / "ds_configs" / "fp16.json"), dp=1, pp=1)
 
@@ -135,7 +136,7 @@ def test_mistakes_a_new_user_makes_get_one_line_before_any_process_starts():
     with pytest.raises(UsageError, match='no "optimizer" section'):
         require_optimizer(load_ds_config({"train_micro_batch_size_per_gpu": 2}, dp=1, pp=1))
     for path in PRESETS:  # every preset passes validation (those refused are refused for other reasons)
-        if path.stem not in ("onebit_adam", "fp16"):
+        if path.stem != "fp16":
             load_ds_config(str(path), dp=2, pp=1)
 
 
@@ -148,3 +149,47 @@ def test_zero_bubble_with_interleaving_is_one_line_before_any_process_group():
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines() == ["train.py: error: --schedule zb-h1 runs one model chunk per stage, "
                                                "got --vpp 2; drop --vpp, or use --schedule interleaved"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--compress", "topk:0"], "--compress topk:0: the Top-K ratio must be above 0 and below 1"),
+    (["--compress", "topk:2"], "--compress topk:2: the Top-K ratio must be above 0 and below 1"),
+    (["--compress", "int9"], "--compress int9: not one of none, fp16, int8, sign, topk:RATIO"),
+    (["--compress", "int8", "--ds_config", "ds_configs/zero3.json"], "--compress int8 needs ZeRO stage 0"),
+    (["--local-sgd", "0"], "--local-sgd 0: the averaging period must be at least 1 step"),
+    (["--local-sgd", "4", "--compress", "sign"], "choose one"),
+])
+def test_dp_sync_flags_are_refused_in_one_line_before_any_process_group(flags, message, capsys, monkeypatch):
+    import importlib.util
+
+    import torch.distributed as dist
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(ROOT)
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--model", "gpt-tiny", "--steps", "1", "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("train.py: error: ") and message in err[0], err
+    assert not dist.is_initialized()
+
+
+def test_context_parallel_flags_are_checked_before_any_process_group():
+    """--cp 3 on 4 processes, --cp 2 with a sequence that 2 x CP does not divide: one line each, from ``resolve``
+    (no process group exists in this test process); and DeepSpeed is told the batch of DP x CP ranks."""
+    from megakit.train.run import resolve
+
+    ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with pytest.raises(UsageError, match=re.escape("world size 4 is not divisible by TP x PP x CP = 1 x 1 x 3 = 3")):
+        resolve(TrainConfig(ds_config=ds, model="gpt-tiny", cp=3), 4)
+    with pytest.raises(UsageError, match="sequence length 30 is not divisible by 2 x CP = 4"):
+        resolve(TrainConfig(ds_config=ds, model="gpt-tiny", cp=2, seq_len=30), 4)
+    run = resolve(TrainConfig(ds_config=ds, model="gpt-tiny", cp=2, seq_len=32), 4)
+    assert (run.layout.cp, run.layout.dp, run.batch.global_batch, run.ds_config["train_batch_size"]) == (2, 2, 4, 8)
+    out = subprocess.run([sys.executable, "scripts/train.py", "--model", "gpt-tiny", "--cp", "2", "--seq-len", "30"],
+                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "world size 1 is not divisible by TP x PP x CP" in out.stderr  # one process cannot hold CP 2

@@ -19,6 +19,9 @@ COMMANDS = {
     "schedule": ("megakit.commands.schedule", "print and draw a pipeline schedule"),
     "convert": ("megakit.commands.convert", "a megakit checkpoint to Hugging Face transformers' layout, or back"),
     "probe": ("megakit.commands.probe", "measure this machine into a hardware profile for megakit plan --hardware"),
+    "doctor": ("megakit.commands.doctor", "run FAQ 6's loss-not-decreasing checks on a short real job"),
+    "prepare-data": ("megakit.commands.prepare_data", "tokenize text into the shards train.py --data reads"),
+    "generate": ("megakit.commands.generate", "continue a prompt with a trained checkpoint"),
 }
 
 
@@ -45,8 +48,11 @@ def build_parser(wanted: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv[0] if argv else None)
-    args = parser.parse_args(argv)
+    args, passed_on = parser.parse_known_args(argv)
     module = importlib.import_module(COMMANDS[args.command][0])
+    if passed_on and not getattr(module, "PASSES_UNKNOWN_FLAGS", False):  # doctor hands them to the trainer
+        parser.error(f"unrecognized arguments: {' '.join(passed_on)}")
+    args.passed_on = passed_on
     try:
         return int(module.run(args) or 0)
     except UsageError as error:

@@ -47,4 +47,6 @@ def run(args: argparse.Namespace) -> int:
           f"({summary['params'] / 1e6:.2f} M parameters, {summary['dtype']}, {summary['bytes'] / 2**20:.1f} MiB) "
           f"from step {summary['step']}")
     print(f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(args.to_hf)!r})")
+    if summary["tokenizer"]:
+        print(f"with its tokenizer: transformers.pipeline('text-generation', model={str(args.to_hf)!r})")
     return 0

@@ -16,6 +16,7 @@ import re
 import sys
 from pathlib import Path
 
+from megakit.core.compression import parse_compression
 from megakit.core.planner import emit
 from megakit.core.planner.cost import estimate_cost
 from megakit.core.planner.hardware import (
@@ -68,9 +69,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--mem-threshold", type=float, default=0.80, help="feasible if peak <= this x GPU memory")
     train.add_argument("--base-lr", type=float, help="reference LR for linear scaling (with --base-batch)")
     train.add_argument("--base-batch", type=int, default=256, help="sequences at which --base-lr applies")
+    train.add_argument("--compress", default="none", metavar="CODEC",
+                       help="price DP traffic compressed as the trainer's --compress does (fp16, int8, sign, "
+                            "topk:RATIO; ZeRO 0 plans only)")
     pins = parser.add_argument_group("pin a dimension (the rest is searched)")
     pins.add_argument("--tp", type=int)
     pins.add_argument("--pp", type=int)
+    pins.add_argument("--cp", type=int, help="context parallelism: each sequence split over CP GPUs (ring attention)")
     pins.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
     pins.add_argument("--micro-batch", type=int)
     pins.add_argument("--recompute", choices=("none", "selective", "full"))
@@ -106,7 +111,7 @@ def load_model(args) -> ModelSpec:
 
 def run(args) -> int:
     _positive(args, "seq_len", "vocab", "gpus", "nodes", "gpus_per_node", "gpu_mem", "intra_bw", "inter_bw",
-              "peak_tflops", "global_batch", "tp", "pp", "micro_batch", "vpp", "base_lr", "base_batch", "top")
+              "peak_tflops", "global_batch", "tp", "pp", "cp", "micro_batch", "vpp", "base_lr", "base_batch", "top")
     if not 0 < args.mem_threshold <= 1:
         raise UsageError(f"--mem-threshold {args.mem_threshold} must be in (0, 1], e.g. 0.8")
     gpu, args.gpus_per_node = _hardware(args)
@@ -116,8 +121,9 @@ def run(args) -> int:
                                    "fp32" if gpu.fp32_rate == 1.0 and gpu.name.startswith("probed:") else "bf16")
     flash = gpu.flash_attention if args.attention is None else args.attention == "flash"
     global_batch = args.global_batch or emit.default_global_batch(model.params, model.seq_len)
-    pins = Pins(tp=args.tp, pp=args.pp, zero=args.zero, micro_batch=args.micro_batch, recompute=args.recompute,
-                vpp=args.vpp, schedule=args.schedule)
+    pins = Pins(tp=args.tp, pp=args.pp, cp=args.cp, zero=args.zero, micro_batch=args.micro_batch,
+                recompute=args.recompute, vpp=args.vpp, compress=str(parse_compression(args.compress)),
+                schedule=args.schedule)
 
     def make_cluster(nodes: int | None = None, gpus: int | None = None) -> Cluster:
         total = gpus if gpus is not None else nodes * args.gpus_per_node
@@ -166,7 +172,7 @@ def run(args) -> int:
                                  config_path=config_path, model_arg=model_arg,
                                  seq_len=model.seq_len)
     single = estimate_cost(model, dataclasses.replace(cluster, num_gpus=1),
-                           dataclasses.replace(plan, tp=1, pp=1, dp=1, vpp=1, zero_stage=0, sequence_parallel=False,
+                           dataclasses.replace(plan, tp=1, pp=1, dp=1, cp=1, vpp=1, zero_stage=0, sequence_parallel=False,
                                                accumulation=plan.global_batch // plan.micro_batch),
                            seq_len=model.seq_len)
     speedup = cost.tokens_per_s / single.tokens_per_s
@@ -237,7 +243,7 @@ def _top_rejected(rejected, top):
 
 
 def _plan_fields(plan: Plan) -> dict:
-    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "vpp": plan.vpp, "zero_stage": plan.zero_stage,
+    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "vpp": plan.vpp, "zero_stage": plan.zero_stage,
             "schedule": "zb-h1" if plan.zero_bubble else "interleaved" if plan.vpp > 1 else "1f1b",
             "micro_batch": plan.micro_batch, "grad_accum": plan.accumulation, "global_batch": plan.global_batch,
             "recompute": plan.recompute, "sequence_parallel": plan.sequence_parallel, "precision": plan.precision,

@@ -17,7 +17,8 @@ MEMORY_LABELS = {
 
 
 def _short(p: dict) -> str:
-    text = f"TP={p['tp']} PP={p['pp']} DP={p['dp']}"
+    cp = f" CP={p['cp']}" if p.get("cp", 1) > 1 else ""
+    text = f"TP={p['tp']}{cp} PP={p['pp']} DP={p['dp']}"
     if p["vpp"] > 1:
         text += f" VPP={p['vpp']}"
     text += f" ZeRO-{p['zero_stage']} mb={p['micro_batch']}x{p['grad_accum']} rc={p['recompute']}"
@@ -42,7 +43,9 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
     console.print(f"[bold]Rule[/] ({a['rule']['branch']}): {a['rule']['why']}.")
 
     plan = Table(title="Plan", show_header=False)
-    for key, value in (("TP x PP x DP", f"{p['tp']} x {p['pp']} x {p['dp']} = {p['num_gpus']} GPUs"),
+    grid = (("TP x CP x PP x DP", f"{p['tp']} x {p['cp']} x {p['pp']} x {p['dp']} = {p['num_gpus']} GPUs")
+            if p.get("cp", 1) > 1 else ("TP x PP x DP", f"{p['tp']} x {p['pp']} x {p['dp']} = {p['num_gpus']} GPUs"))
+    for key, value in (grid,
                        ("virtual stages", p["vpp"]), ("schedule", p.get("schedule", "1f1b")),
                        ("ZeRO stage", p["zero_stage"]),
                        ("batch", f"micro {p['micro_batch']} x accumulation {p['grad_accum']} x DP {p['dp']} = "

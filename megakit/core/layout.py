@@ -1,7 +1,10 @@
-"""The 3D rank grid (TP fastest, then DP, then PP) and its process groups, built once.
+"""The rank grid (TP fastest, then CP, then DP, then PP) and its process groups, built once.
 
-Rank order follows Megatron: ``rank = tp + T * (dp + D * pp)``, so the T ranks of
-a tensor-parallel group are consecutive and sit inside one node. A worked example
+Rank order follows Megatron: ``rank = tp + T * (cp + C * (dp + D * pp))``, so the T ranks
+of a tensor-parallel group are consecutive and sit inside one node, and the T x C ranks
+of one context-parallel group (its ring of K/V blocks, every attention layer) come right
+after them, inside the node too whenever T x C <= GPUs per node. With CP = 1 the order
+is the 3D one, ``tp + T * (dp + D * pp)``. A worked example
 with 16 ranks, TP = 2, DP = 2, PP = 4 (``Layout(tp=2, pp=4, dp=2)``)::
 
     pp stage 0:  dp 0 -> ranks [0, 1]    dp 1 -> ranks [2, 3]
@@ -15,26 +18,33 @@ with 16 ranks, TP = 2, DP = 2, PP = 4 (``Layout(tp=2, pp=4, dp=2)``)::
     mp groups:   (TP x PP, one model replica) [0, 1, 4, 5, 8, 9, 12, 13] [2, 3, 6, 7, ...]
     embedding:   (first + last stage, for tied weights) [0, 12] [1, 13] [2, 14] [3, 15]
 
+With ``Layout(tp=2, cp=2, dp=2)`` (8 ranks): tp groups [0, 1] [2, 3] ..., cp groups
+[0, 2] [1, 3] [4, 6] [5, 7], dp groups [0, 4] [1, 5] [2, 6] [3, 7], and "dpcp" groups
+(the ranks holding the same weights, over which gradients are averaged) [0, 2, 4, 6]
+[1, 3, 5, 7].
+
 ``Layout`` is pure data and needs no processes; ``megakit.nn.topology.Topology`` adds
 the torch.distributed groups for the calling rank.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from megakit.errors import UsageError
 
-AXES = ("pp", "dp", "tp")  # outermost -> innermost
+AXES = ("pp", "dp", "cp", "tp")  # outermost -> innermost
 
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """Sizes of the three parallel axes; rank <-> coordinate arithmetic."""
+    """Sizes of the four parallel axes; rank <-> coordinate arithmetic."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -43,50 +53,59 @@ class Layout:
                 raise UsageError(f"--{axis} must be a positive integer, got {size!r}")
 
     @classmethod
-    def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1) -> "Layout":
-        """The layout that fills ``world_size`` ranks: DP takes what TP x PP leaves."""
-        if world_size % (tp * pp):
+    def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1) -> "Layout":
+        """The layout that fills ``world_size`` ranks: DP takes what TP x PP (x CP) leaves."""
+        for name, size in (("tp", tp), ("pp", pp), ("cp", cp)):
+            if not isinstance(size, int) or size < 1:
+                raise UsageError(f"--{name} must be a positive integer, got {size!r}")
+        if world_size % (tp * pp * cp):
+            names, sizes = ("TP x PP", f"{tp} x {pp}") if cp == 1 else ("TP x PP x CP", f"{tp} x {pp} x {cp}")
             raise UsageError(
-                f"world size {world_size} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}; "
-                f"launch a multiple of {tp * pp} processes or change --tp/--pp"
+                f"world size {world_size} is not divisible by {names} = {sizes} = {tp * pp * cp}; "
+                f"launch a multiple of {tp * pp * cp} processes or change --tp/--pp" + ("/--cp" if cp > 1 else "")
             )
-        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp))
+        return cls(tp=tp, pp=pp, cp=cp, dp=world_size // (tp * pp * cp))
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
-    def rank(self, *, pp: int, dp: int, tp: int) -> int:
-        return tp + self.tp * (dp + self.dp * pp)
+    def rank(self, *, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def coords(self, rank: int) -> dict[str, int]:
-        """``{"pp": ., "dp": ., "tp": .}`` of a global rank."""
+        """``{"pp": ., "dp": ., "cp": ., "tp": .}`` of a global rank."""
         assert 0 <= rank < self.world_size, (rank, self)
-        return {"tp": rank % self.tp, "dp": rank // self.tp % self.dp, "pp": rank // (self.tp * self.dp)}
+        return {"tp": rank % self.tp, "cp": rank // self.tp % self.cp, "dp": rank // (self.tp * self.cp) % self.dp,
+                "pp": rank // (self.tp * self.cp * self.dp)}
 
     def groups(self, kind: str) -> list[list[int]]:
         """Every group of one kind, as lists of global ranks.
 
-        kind: "tp", "dp", "pp" (ranks that differ only along that axis), "mp" (TP x PP:
+        kind: "tp", "cp", "dp", "pp" (ranks that differ only along that axis), "dpcp" (DP x CP:
+        the ranks that hold the same weights, over which gradients are averaged), "mp" (TP x PP:
         one full model replica) or "embedding" (first and last pipeline stage).
         """
         if kind == "mp":
-            return [
-                [self.rank(pp=p, dp=d, tp=t) for p in range(self.pp) for t in range(self.tp)]
-                for d in range(self.dp)
-            ]
+            return sorted(
+                [self.rank(pp=p, dp=d, cp=c, tp=t) for p in range(self.pp) for t in range(self.tp)]
+                for d in range(self.dp) for c in range(self.cp)
+            )
         if kind == "embedding":
             stages = sorted({0, self.pp - 1})
-            return [
-                [self.rank(pp=p, dp=d, tp=t) for p in stages]
-                for d in range(self.dp)
-                for t in range(self.tp)
-            ]
+            return sorted(
+                [self.rank(pp=p, dp=d, cp=c, tp=t) for p in stages]
+                for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)
+            )
+        if kind == "dpcp":
+            return sorted(
+                [self.rank(pp=p, dp=d, cp=c, tp=t) for d in range(self.dp) for c in range(self.cp)]
+                for p in range(self.pp) for t in range(self.tp)
+            )
         assert kind in AXES, kind
         others = [axis for axis in AXES if axis != kind]
-        result = []
-        for a in range(getattr(self, others[0])):
-            for b in range(getattr(self, others[1])):
-                fixed = {others[0]: a, others[1]: b}
-                result.append([self.rank(**fixed, **{kind: i}) for i in range(getattr(self, kind))])
-        return sorted(result)
+        sizes = [range(getattr(self, axis)) for axis in others]
+        return sorted(
+            [self.rank(**dict(zip(others, fixed)), **{kind: i}) for i in range(getattr(self, kind))]
+            for fixed in itertools.product(*sizes)
+        )

@@ -82,10 +82,11 @@ class Loaded(NamedTuple):
 
 # -- process-group plumbing (topo None: a single process, no collectives) ------------------------
 def _coords(topo) -> tuple[int, int, int, int, int, int]:
-    """(tp, pp, dp, tp_rank, pp_rank, dp_rank)."""
+    """(tp, pp, dp, tp_rank, pp_rank, dp_rank); CP ranks hold the same weights, so they count as DP here."""
     if topo is None:
         return 1, 1, 1, 0, 0, 0
-    return topo.tp, topo.pp, topo.dp, topo.tp_rank, topo.pp_rank, topo.dp_rank
+    cp, cp_rank = getattr(topo, "cp", 1), getattr(topo, "cp_rank", 0)
+    return topo.tp, topo.pp, topo.dp * cp, topo.tp_rank, topo.pp_rank, topo.dp_rank * cp + cp_rank
 
 
 def _rank(topo) -> int:

@@ -1,6 +1,6 @@
 """Export a megakit checkpoint (any TP x PP layout) to Hugging Face transformers' layout.
 
-The output directory holds ``config.json`` and ``model.safetensors`` -- or, past
+The output directory holds ``config.json``, the tokenizer the run trained with (if any) and ``model.safetensors`` -- or, past
 ``max_shard_bytes``, transformers' sharded form (``model-00001-of-0000N.safetensors`` and
 ``model.safetensors.index.json``) -- so ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``
 loads it with no megakit installed.
@@ -92,12 +92,29 @@ def export_hf(checkpoint, out_dir, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES
         tmp.mkdir(parents=True)
         try:
             summary = _write(config, manifest, reader, shards, tmp)
+            summary["tokenizer"] = _tokenizer(checkpoint, tmp, config)
             if out.exists():
                 out.rmdir()  # empty, checked above
             os.rename(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return summary
+
+
+def _tokenizer(checkpoint: Path, tmp: Path, config) -> bool:
+    """The checkpoint's tokenizer (``CHECKPOINT/tokenizer``, saved from the data it trained on) beside the weights,
+    its end-of-text id in config.json, so ``AutoTokenizer`` and ``pipeline("text-generation")`` load ``OUT_DIR``."""
+    from megakit.interop.tokenizer import export_tokenizer
+
+    source = checkpoint / "tokenizer"
+    if not (source / "tokenizer.json").is_file():
+        return False
+    eos = export_tokenizer(source, tmp, model_max_length=config.max_seq_len)
+    if eos is not None:
+        hf_config = json.loads((tmp / "config.json").read_text())
+        hf_config.update(bos_token_id=eos, eos_token_id=eos)
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+    return True
 
 
 def _write(config, manifest: dict, reader: ShardReader, shards: list[list], tmp: Path) -> dict:

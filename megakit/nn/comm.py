@@ -122,6 +122,13 @@ def rank(group) -> int:
     return 0 if group is None else dist.get_rank(_pg(group))
 
 
+def group_ranks(group) -> list[int]:
+    """The global ranks of ``group``, in the group's order; ``[this rank]`` for ``None``."""
+    if group is None:
+        return [dist.get_rank()] if dist.is_initialized() else [0]
+    return list(dist.get_process_group_ranks(_pg(group)))
+
+
 # -- collectives -------------------------------------------------------------------------------
 def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Sum (or ``op``) of ``x`` over the group, in place; returns ``x``."""
@@ -218,6 +225,24 @@ def irecv(x: torch.Tensor, src: int, tag: int = 0) -> Handle:
 def recv(x: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
     _call(dist.recv, x, src=src, tag=tag)
     return x
+
+
+def exchange(sends: list[tuple[torch.Tensor, int, int]], receives: list[tuple[torch.Tensor, int, int]]) -> Handle:
+    """Post every ``(tensor, peer, tag)`` send and receive together (one ``batch_isend_irecv``) and
+    return at once; ``wait()`` on the handle waits for all of them. Posted as one batch, two ranks
+    exchanging with each other cannot block on each other's send (as separate NCCL calls could)."""
+    ops = [dist.P2POp(dist.isend, t, peer, tag=tag) for t, peer, tag in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, tag=tag) for t, peer, tag in receives]
+    return _posted(lambda: _Works(dist.batch_isend_irecv(ops)) if ops else None)
+
+
+class _Works:
+    def __init__(self, works) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 def send_and_receive(sends: list[tuple[torch.Tensor, int, int]], receives: list[tuple[torch.Tensor, int, int]]) -> None:

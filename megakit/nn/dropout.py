@@ -11,6 +11,8 @@ attention probabilities), and the rank keeps the part it holds:
 - TP without SP: the residual stream is replicated, so every TP rank draws the same mask
   (bit-identical replicas); attention heads are split, so each rank keeps its own heads;
 - SP: each TP rank keeps its ``S/tp`` rows of the sequence;
+- CP: each CP rank keeps the rows at its global positions (two chunks), and of the attention
+  probabilities its query rows against every key;
 - PP and DP: a rank sees only its micro-batch's samples, under their global numbers.
 
 No generator is shared, nothing depends on the order work runs in (recompute draws the
@@ -44,7 +46,7 @@ class DropoutKeys:
 
 
 def keep_mask(p: float, keys: DropoutKeys, *, site: str, streams: Sequence[int], full_shape: tuple[int, ...],
-              rows: slice = slice(None), device=None) -> torch.Tensor:
+              rows: slice | torch.Tensor = slice(None), device=None) -> torch.Tensor:
     """``(len(streams), *local)`` bool, True where a unit is kept (probability ``1 - p``).
 
     Stream ``i`` draws the whole ``full_shape`` from the generator of ``(keys.seed, site,
@@ -67,14 +69,16 @@ def apply_mask(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def residual_dropout(x: torch.Tensor, p: float, keys: DropoutKeys, *, site: str, seq_start: int = 0,
-                     seq_len: int | None = None) -> torch.Tensor:
+                     seq_len: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Dropout on the residual stream ``x`` ``(S', B, H)``: rows ``seq_start .. seq_start + S'`` of a
-    sequence of ``seq_len`` (default ``S'``); batch row ``b`` is sample ``keys.samples[b]``."""
+    sequence of ``seq_len`` (default ``S'``), or the ``S'`` positions ``rows`` (context parallelism
+    holds two chunks apart); batch row ``b`` is sample ``keys.samples[b]``."""
     s, b, h = x.shape
     if len(keys.samples) != b:
         raise ValueError(f"{len(keys.samples)} sample numbers for a batch of {b}")
+    rows = slice(seq_start, seq_start + s) if rows is None else rows
     keep = keep_mask(p, keys, site=site, streams=keys.samples, full_shape=(seq_len or s, h),
-                     rows=slice(seq_start, seq_start + s), device=x.device)  # (B, S', H)
+                     rows=rows, device=x.device)  # (B, S', H)
     return apply_mask(x, keep.transpose(0, 1), p)
 
 

@@ -4,7 +4,8 @@ One class serves every layout: ``Transformer(config, topo)`` holds the calling r
 TP shard, and ``layers=range(a, b)``, ``pre``, ``post`` cut out a pipeline stage.
 
 Activations inside the model are sequence-first: ``(S, B, H)``, or ``(S/tp, B, H)``
-with sequence parallelism. A stage without ``pre`` takes, and a stage without
+with sequence parallelism; with context parallelism ``S`` is the rank's ``S/cp`` tokens (two
+chunks of the load-balanced split, ``megakit.nn.context_parallel``). A stage without ``pre`` takes, and a stage without
 ``post`` returns, exactly that tensor, so one stage's output feeds the next as is.
 
 Weights depend only on ``(seed, parameter name)``: see ``megakit.nn.weights``.
@@ -23,7 +24,9 @@ from megakit.core.model_config import ModelConfig, check_seq_len, model_flops_pe
 from megakit.core.partition import partition_layers
 from megakit.errors import UsageError
 from megakit.nn import comm as C
-from megakit.nn.dropout import DropoutKeys, attention_dropout, residual_dropout
+from megakit.nn.attention import Attention, apply_rope, rope_tables  # noqa: F401 (API)
+from megakit.nn.context_parallel import positions, sequence_mean
+from megakit.nn.dropout import DropoutKeys, residual_dropout
 from megakit.nn.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -58,88 +61,6 @@ class Norm(nn.Module):
         return F.layer_norm(x, x.shape[-1:], w, b, self.eps)
 
 
-def rope_tables(config: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, ``(max_seq_len, head_dim)`` in fp32, in Hugging Face Llama's half-split layout."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
-    angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float64, device=device), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``(B, n, S, d)`` by position; ``cos``/``sin`` are ``(S, d)``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
-
-
-class Attention(nn.Module):
-    """Causal self-attention, heads split over TP: q/k/v column-parallel, output row-parallel.
-
-    With dropout in training the attention is written out (scores, softmax, dropout, values)
-    so that the probabilities' mask is megakit's layout-free one; otherwise it is PyTorch's
-    fused ``scaled_dot_product_attention``. ``selective``: in training, keep only q, k and v of the attention
-    core (rotary, scores, softmax, dropout, values) and recompute it in backward (Korthikanti et al. 2022,
-    Sec. 4.2); its dropout mask is keyed, so the recompute redraws it.
-    """
-
-    def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, site: str, dtype, device,
-                 selective: bool = False) -> None:
-        super().__init__()
-        tp = C.size(group)
-        self.group, self.sequence_parallel, self.site, self.selective = group, sequence_parallel, site, selective
-        self.heads, self.kv_heads, self.head_dim = config.heads // tp, config.kv_heads // tp, config.head_dim
-        self.total_heads, self.head_start = config.heads, C.rank(group) * self.heads
-        self.dropout, self.rope = config.dropout, config.family == "llama"
-        q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
-        col = dict(group=group, sequence_parallel=sequence_parallel, enter_region=False, dtype=dtype, device=device)
-        self.q_proj = ColumnParallelLinear(config.hidden, q, bias=config.qkv_bias, **col)
-        self.k_proj = ColumnParallelLinear(config.hidden, kv, bias=config.qkv_bias, **col)
-        self.v_proj = ColumnParallelLinear(config.hidden, kv, bias=config.qkv_bias, **col)
-        self.o_proj = RowParallelLinear(q, config.hidden, bias=config.out_bias, group=group,
-                                        sequence_parallel=sequence_parallel, dtype=dtype, device=device)
-
-    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        return x.view(*x.shape[:2], n, self.head_dim).permute(1, 2, 0, 3)  # (S, B, n*d) -> (B, n, S, d)
-
-    def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None) -> torch.Tensor:
-        x = enter_tp_region(x, self.group, self.sequence_parallel)  # (S, B, H)
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (S, B, nh/tp * d), (S, B, nkv/tp * d) x 2
-        if self.selective and self.training:  # no collective inside the core: none is recomputed
-            y = torch.utils.checkpoint.checkpoint(self._core, q, k, v, rope, keys, use_reentrant=False)
-        else:
-            y = self._core(q, k, v, rope, keys)
-        return self.o_proj(y)  # (S', B, H)
-
-    def _core(self, q, k, v, rope: tuple | None, keys: DropoutKeys | None) -> torch.Tensor:
-        """The attention core: projections in, ``(S, B, nh/tp * d)`` out (what ``o_proj`` takes)."""
-        s, b, _ = q.shape
-        q, k, v = self._heads(q, self.heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
-        if self.rope:
-            cos, sin = rope[0][:s], rope[1][:s]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.training and self.dropout > 0:
-            y = self._attend_with_dropout(q, k, v, keys)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               enable_gqa=self.heads != self.kv_heads)  # (B, nh/tp, S, d)
-        return y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # (S, B, nh/tp * d)
-
-    def _attend_with_dropout(self, q, k, v, keys: DropoutKeys) -> torch.Tensor:
-        """``softmax(q k^T / sqrt(d) + causal) -> dropout -> @ v``, as SDPA's math path, with megakit's masks."""
-        if self.kv_heads != self.heads:  # GQA: each KV head serves a run of query heads (SDPA's enable_gqa)
-            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
-            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        s = q.shape[2]
-        scores = torch.matmul(q, k.transpose(-2, -1)) * (self.head_dim ** -0.5)  # (B, nh/tp, S, S)
-        causal = torch.full((s, s), float("-inf"), dtype=scores.dtype, device=q.device).triu_(1)
-        probs = (scores + causal).softmax(dim=-1)  # an added constant: nothing more saved for backward
-        probs = attention_dropout(probs, self.dropout, keys, site=self.site, head_start=self.head_start,
-                                  heads=self.total_heads)
-        return torch.matmul(probs, v)  # (B, nh/tp, S, d)
-
-
 class MLP(nn.Module):
     """GELU MLP (gpt2) or SwiGLU (llama): up/gate column-parallel, down row-parallel."""
 
@@ -168,16 +89,17 @@ class Block(nn.Module):
     """Pre-norm residual block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``."""
 
     def __init__(self, config: ModelConfig, *, index: int, group, sequence_parallel: bool, dtype, device,
-                 selective: bool = False) -> None:
+                 selective: bool = False, cp_group=None) -> None:
         super().__init__()
         kw = dict(group=group, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         site = f"layers.{index}"
         self.attn_norm = Norm(config, **kw)
-        self.attn = Attention(config, site=f"{site}.attn_probs", selective=selective, **kw)
+        self.attn = Attention(config, site=f"{site}.attn_probs", selective=selective, cp_group=cp_group, **kw)
         self.mlp_norm = Norm(config, **kw)
         self.mlp = MLP(config, **kw)
-        self.attn_dropout = ResidualDropout(config.dropout, f"{site}.attn_residual", group, sequence_parallel)
-        self.mlp_dropout = ResidualDropout(config.dropout, f"{site}.mlp_residual", group, sequence_parallel)
+        drop = dict(group=group, sequence_parallel=sequence_parallel, cp_group=cp_group)
+        self.attn_dropout = ResidualDropout(config.dropout, f"{site}.attn_residual", **drop)
+        self.mlp_dropout = ResidualDropout(config.dropout, f"{site}.mlp_residual", **drop)
 
     def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None) -> torch.Tensor:  # (S', B, H)
         x = x + self.attn_dropout(self.attn(self.attn_norm(x), rope, keys), keys)
@@ -186,18 +108,24 @@ class Block(nn.Module):
 
 class ResidualDropout(nn.Module):
     """Dropout on the residual stream ``(S', B, H)`` at the site called ``site``, with layout-free masks
-    (``megakit.nn.dropout``): replicated over TP, or this rank's ``S/tp`` rows with SP."""
+    (``megakit.nn.dropout``): replicated over TP, or this rank's ``S/tp`` rows with SP; with CP, the
+    rows at this rank's global positions (``megakit.nn.context_parallel.positions``)."""
 
-    def __init__(self, p: float, site: str, group, sequence_parallel: bool) -> None:
+    def __init__(self, p: float, site: str, group, sequence_parallel: bool, cp_group=None) -> None:
         super().__init__()
         self.p, self.site = p, site
         self.tp, self.tp_rank = (C.size(group), C.rank(group)) if sequence_parallel else (1, 0)
+        self.cp, self.cp_rank = C.size(cp_group), C.rank(cp_group)
 
     def forward(self, x: torch.Tensor, keys: DropoutKeys | None) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
         s = x.shape[0]
-        return residual_dropout(x, self.p, keys, site=self.site, seq_start=self.tp_rank * s, seq_len=self.tp * s)
+        if self.cp == 1:
+            return residual_dropout(x, self.p, keys, site=self.site, seq_start=self.tp_rank * s, seq_len=self.tp * s)
+        held = positions(s * self.tp * self.cp, self.cp, self.cp_rank, device=x.device)
+        return residual_dropout(x, self.p, keys, site=self.site, rows=held[self.tp_rank * s:(self.tp_rank + 1) * s],
+                                seq_len=s * self.tp * self.cp)
 
 
 class Transformer(nn.Module):
@@ -214,6 +142,10 @@ class Transformer(nn.Module):
     those of the previous training forwards (``samples_seen``).
     ``recompute``: ``"full"`` (``True``) keeps each block's input only and recomputes the rest in backward
     (~1/3 more compute); ``"selective"`` recomputes the attention core (Korthikanti et al. 2022); ``"none"``.
+    Context parallelism (``topo.cp > 1``): ids and labels are still the whole ``(B, S)``; the rank keeps
+    the ``S/cp`` positions ``megakit.nn.context_parallel.positions`` names (hidden states and logits
+    hold those rows, in that order) and the loss is the mean over the whole sequence, the same on
+    every CP rank, whose gradient on each rank is CP times its share (DP x CP averages it back).
     """
 
     def __init__(self, config: ModelConfig, topo=None, *, layers: range | None = None, pre: bool = True,
@@ -222,6 +154,8 @@ class Transformer(nn.Module):
         super().__init__()
         group = None if topo is None else topo.tp_group
         tp, tp_rank = C.size(group), C.rank(group)
+        self.cp_group = topo.cp_group if getattr(topo, "cp", 1) > 1 else None
+        self.cp, self.cp_rank = C.size(self.cp_group), C.rank(self.cp_group)
         config.check_tp(tp)
         layers = range(config.layers) if layers is None else layers
         if not isinstance(layers, range) or layers.step != 1 or not (0 <= layers.start <= layers.stop <= config.layers):
@@ -244,8 +178,8 @@ class Transformer(nn.Module):
             self.pos_embed = nn.Embedding(config.max_seq_len, config.hidden, _weight=table)  # no default init
             mark(self.pos_embed.weight, None)
         if pre:
-            self.embed_dropout = ResidualDropout(config.dropout, "embed", group, self.sequence_parallel)
-        blocks = dict(selective=recompute == "selective", **kw)  # selective: the attention core, in Attention
+            self.embed_dropout = ResidualDropout(config.dropout, "embed", group, self.sequence_parallel, self.cp_group)
+        blocks = dict(selective=recompute == "selective", cp_group=self.cp_group, **kw)  # selective: the attention core, in Attention
         self.layers = nn.ModuleDict({str(i): Block(config, index=i, **blocks) for i in layers})
         if post:
             self.norm = Norm(config, **kw)
@@ -284,8 +218,12 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
                 sample_ids: torch.Tensor | list[int] | None = None) -> torch.Tensor:
         keys = self._dropout_keys(x, sample_ids)
-        h = self._embed(x, keys) if self.pre else x  # (S', B, H)
+        seq_len = x.shape[1] if self.pre else x.shape[0] * (self.tp if self.sequence_parallel else 1) * self.cp
+        held = None if self.cp == 1 else self._held_positions(seq_len, x.device)  # (S/cp,) global positions
+        h = self._embed(x, keys, held) if self.pre else x  # (S', B, H)
         rope = (self.rope_cos, self.rope_sin) if self.config.family == "llama" else None
+        if rope is not None and held is not None:
+            rope = (rope[0][held], rope[1][held])  # (S/cp, d): rotate by global position
         for block in self.layers.values():
             if self.recompute and self.training:  # keep only the block's input; masks are redrawn alike
                 h = torch.utils.checkpoint.checkpoint(block, h, rope, keys, use_reentrant=False)
@@ -296,6 +234,11 @@ class Transformer(nn.Module):
         h = self.norm(h)
         head = self.lm_head.weight if hasattr(self, "lm_head") else self.embed.weight  # (V/tp, H)
         logits = F.linear(enter_tp_region(h, self.group, self.sequence_parallel), head)  # (S, B, V/tp)
+        if labels is not None and held is not None:
+            target = labels.index_select(1, held).t()  # (S/cp, B)
+            token = vocab_parallel_cross_entropy(logits, target, self.group, vocab_size=self.config.vocab_size,
+                                                 reduction="none")
+            return sequence_mean(token, target != -100, self.cp_group)
         if labels is not None:
             return vocab_parallel_cross_entropy(logits, labels.t(), self.group, vocab_size=self.config.vocab_size)
         logits = logits.transpose(0, 1)  # (B, S, V/tp)
@@ -317,12 +260,20 @@ class Transformer(nn.Module):
             raise UsageError(f"sample_ids has {len(keys.samples)} numbers for a batch of {batch}; give one per row")
         return keys
 
-    def _embed(self, ids: torch.Tensor, keys: DropoutKeys | None) -> torch.Tensor:
+    def _held_positions(self, seq_len: int, device) -> torch.Tensor:
+        if seq_len % (2 * self.cp):
+            raise UsageError(f"sequence length {seq_len} is not divisible by 2 x CP = {2 * self.cp}; context "
+                             "parallelism splits it into that many equal chunks (pad the batch or change --cp)")
+        return positions(seq_len, self.cp, self.cp_rank, device=device)
+
+    def _embed(self, ids: torch.Tensor, keys: DropoutKeys | None, held: torch.Tensor | None) -> torch.Tensor:
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
             raise UsageError(f"the first stage takes token ids of shape (batch, seq) and integer dtype, "
                              f"got {tuple(ids.shape)} {ids.dtype}")
+        check_seq_len(self.config, ids.shape[1])
+        if held is not None:
+            ids = ids.index_select(1, held)  # (B, S/cp): this CP rank's two chunks
         s = ids.shape[1]
-        check_seq_len(self.config, s)
         if self.sequence_parallel and s % self.tp:
             raise UsageError(f"sequence length {s} is not divisible by TP {self.tp}; sequence parallelism "
                              "needs it to be (pad the batch or turn sequence parallelism off)")
@@ -330,8 +281,9 @@ class Transformer(nn.Module):
         if hasattr(self, "pos_embed"):
             local = s // self.tp if self.sequence_parallel else s
             offset = self.tp_rank * local if self.sequence_parallel else 0
-            positions = torch.arange(offset, offset + local, device=ids.device)
-            pos = F.embedding(positions, replicated(self.pos_embed.weight, self.group, self.sequence_parallel))
+            where = torch.arange(s, device=ids.device) if held is None else held
+            pos = F.embedding(where[offset:offset + local],
+                              replicated(self.pos_embed.weight, self.group, self.sequence_parallel))
             h = h + pos.unsqueeze(1)  # (S', B, H)
         return self.embed_dropout(h, keys)
 

@@ -74,15 +74,17 @@ def reduce_tied_grads(tied: list[tuple[nn.Parameter, ...]], topo) -> None:
 
 
 def average_over_dp(chunks: Sequence[nn.Module], topo) -> None:
-    """Average every gradient over the DP replicas: one all-reduce of all of them flattened together."""
-    if topo.dp == 1:
+    """Average every gradient over the DP replicas (DP x CP with context parallelism, whose loss
+    gradients are CP times each rank's share): one all-reduce of all of them flattened together."""
+    n, group = topo.get_data_parallel_world_size(), topo.get_data_parallel_group()
+    if n == 1:
         return
     grads = [p.grad for c in chunks for p in c.parameters() if p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    C.all_reduce(flat, topo.dp_group)
-    flat /= topo.dp
+    C.all_reduce(flat, group)
+    flat /= n
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))

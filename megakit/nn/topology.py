@@ -1,7 +1,9 @@
 """The calling rank's process groups over the ``Layout`` grid, built once, and joining the job.
 
-``Topology`` answers DeepSpeed's ``mpu`` questions, so ZeRO shards and reduces over the DP
-group only; the rank order is ``megakit.core.layout``'s (TP fastest, then DP, then PP).
+``Topology`` answers DeepSpeed's ``mpu`` questions, so ZeRO shards and reduces over the ranks
+that hold the same weights: the DP group, or DP x CP with context parallelism (each CP rank's
+gradient covers its part of the sequence). The rank order is ``megakit.core.layout``'s (TP
+fastest, then CP, then DP, then PP).
 """
 
 from __future__ import annotations
@@ -58,28 +60,30 @@ class Topology:
             raise RuntimeError("call megakit.nn.topology.init_distributed() before building a Topology")
         if dist.get_world_size() != layout.world_size:
             raise UsageError(
-                f"world size {dist.get_world_size()} != TP x PP x DP = {layout.tp} x {layout.pp} x {layout.dp}; "
-                "launch exactly that many processes or change --tp/--pp"
+                f"world size {dist.get_world_size()} != TP x PP x CP x DP = "
+                f"{layout.tp} x {layout.pp} x {layout.cp} x {layout.dp}; "
+                "launch exactly that many processes or change --tp/--pp/--cp"
             )
         self.layout = layout
         self.rank = dist.get_rank()
         timeout = datetime.timedelta(seconds=timeout_s)
         self._groups = {}
         self._ranks = {}
-        for kind in ("tp", "dp", "pp", "mp", "embedding"):
+        for kind in ("tp", "cp", "dp", "dpcp", "pp", "mp", "embedding"):
             for ranks in layout.groups(kind):
                 group = dist.new_group(ranks, timeout=timeout)
                 if self.rank in ranks:
                     self._groups[kind], self._ranks[kind] = group, ranks
         coords = layout.coords(self.rank)
         self.tp_rank, self.dp_rank, self.pp_rank = coords["tp"], coords["dp"], coords["pp"]
+        self.cp_rank = coords["cp"]
 
     @classmethod
-    def from_world(cls, *, tp: int = 1, pp: int = 1, timeout_s: float = 300.0) -> "Topology":
+    def from_world(cls, *, tp: int = 1, pp: int = 1, cp: int = 1, timeout_s: float = 300.0) -> "Topology":
         """Build the grid over the already-initialised world; DP takes the remaining ranks."""
         import torch.distributed as dist
 
-        return cls(Layout.for_world(dist.get_world_size(), tp=tp, pp=pp), timeout_s=timeout_s)
+        return cls(Layout.for_world(dist.get_world_size(), tp=tp, pp=pp, cp=cp), timeout_s=timeout_s)
 
     # -- sizes, groups and neighbours ---------------------------------------------------------
     @property
@@ -93,6 +97,15 @@ class Topology:
     @property
     def dp(self) -> int:
         return self.layout.dp
+
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
+    def cp_group(self):
+        """The ring of ranks that share one sequence (``megakit.nn.context_parallel``)."""
+        return self._groups["cp"]
 
     @property
     def tp_group(self):
@@ -128,7 +141,7 @@ class Topology:
 
     def stage_rank(self, stage: int) -> int:
         """Global rank of ``stage`` in this rank's pipeline (same TP and DP coordinate)."""
-        return self.layout.rank(pp=stage, dp=self.dp_rank, tp=self.tp_rank)
+        return self.layout.rank(pp=stage, dp=self.dp_rank, cp=self.cp_rank, tp=self.tp_rank)
 
     @cached_property
     def next_rank(self) -> int | None:
@@ -139,7 +152,9 @@ class Topology:
         return None if self.is_first_stage else self.stage_rank(self.pp_rank - 1)
 
     def __repr__(self) -> str:
-        return f"Topology(rank={self.rank}, tp={self.tp_rank}/{self.tp}, dp={self.dp_rank}/{self.dp}, pp={self.pp_rank}/{self.pp})"
+        cp = f", cp={self.cp_rank}/{self.cp}" if self.cp > 1 else ""
+        return (f"Topology(rank={self.rank}, tp={self.tp_rank}/{self.tp}{cp}, dp={self.dp_rank}/{self.dp}, "
+                f"pp={self.pp_rank}/{self.pp})")
 
     # -- DeepSpeed mpu interface -------------------------------------------------------------
     def get_model_parallel_rank(self) -> int:
@@ -157,17 +172,20 @@ class Topology:
     def get_model_parallel_group(self):
         return self.mp_group
 
+    # DeepSpeed's "data parallel" is every rank holding the same weights: DP x CP (Megatron's
+    # data-parallel group "with context parallel"). It averages gradients over DP x CP, so a CP
+    # rank's loss is CP times its share (``megakit.nn.context_parallel.sequence_mean``).
     def get_data_parallel_rank(self) -> int:
-        return self.dp_rank
+        return self.dp_rank * self.cp + self.cp_rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self.dp
+        return self.dp * self.cp
 
     def get_data_parallel_group(self):
-        return self.dp_group
+        return self._groups["dpcp"]
 
     def get_data_parallel_group_ranks(self) -> list[int]:
-        return self.group_ranks("dp")
+        return self.group_ranks("dpcp")
 
     def get_tensor_model_parallel_rank(self) -> int:
         return self.tp_rank

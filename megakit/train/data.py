@@ -19,6 +19,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from megakit.errors import UsageError
@@ -96,26 +97,41 @@ class BatchPlan:
 
 
 class TokenBatches:
-    """Deterministic batches of ``(inputs, labels)``, each ``(batch, seq_len)`` int64, from a token stream."""
+    """Deterministic batches of ``(inputs, labels)``, each ``(batch, seq_len)`` int64, from a token stream.
 
-    def __init__(self, tokens: torch.Tensor, plan: BatchPlan) -> None:
-        self.tokens, self.plan = tokens, plan
-        self.num_samples = (len(tokens) - 1) // plan.seq_len
+    ``tokens``: one 1-D tensor (the byte corpus) or a list of 1-D arrays (memory-mapped shards,
+    ``Corpus.train``). Each shard is cut into its own windows, so none spans two shards; with one
+    shard the samples are those of the single stream.
+    """
+
+    def __init__(self, tokens, plan: BatchPlan) -> None:
+        self.shards = [t.numpy() if isinstance(t, torch.Tensor) else t
+                       for t in (tokens if isinstance(tokens, (list, tuple)) else [tokens])]
+        self.plan = plan
+        counts = [max(len(t) - 1, 0) // plan.seq_len for t in self.shards]
+        self._first = np.cumsum([0, *counts])  # the first sample of each shard
+        self.num_samples = int(self._first[-1])
         self.steps_per_epoch = self.num_samples // plan.global_batch
         if self.steps_per_epoch < 1:
             raise UsageError(
-                f"the corpus has {len(tokens)} tokens, {self.num_samples} samples of {plan.seq_len + 1} tokens, "
-                f"fewer than one global batch of {plan.global_batch}; give more text with --data or lower the batch size"
+                f"the corpus has {sum(len(t) for t in self.shards)} tokens, {self.num_samples} samples of "
+                f"{plan.seq_len + 1} tokens, fewer than one global batch of {plan.global_batch}; give more text "
+                "with --data or lower the batch size"
             )
 
     def _order(self, epoch: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.plan.seed + epoch)
-        return torch.randperm(self.num_samples, generator=generator)
+        if getattr(self, "_epoch", None) != epoch:  # drawn once per epoch, not once per step
+            generator = torch.Generator().manual_seed(self.plan.seed + epoch)
+            self._epoch, self._permutation = epoch, torch.randperm(self.num_samples, generator=generator)
+        return self._permutation
 
     def _samples(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         seq = self.plan.seq_len
-        starts = indices * seq
-        windows = torch.stack([self.tokens[s : s + seq + 1] for s in starts.tolist()]).long()
+        indices = np.asarray(indices.tolist(), dtype=np.int64)
+        shard = np.searchsorted(self._first, indices, side="right") - 1
+        starts = (indices - self._first[shard]) * seq
+        windows = torch.from_numpy(np.stack([self.shards[k][s:s + seq + 1] for k, s in zip(shard, starts)])
+                                   .astype(np.int64))
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (B, S), (B, S)
 
     def global_indices(self, step: int) -> torch.Tensor:
@@ -123,6 +139,13 @@ class TokenBatches:
         epoch, index = divmod(step, self.steps_per_epoch)
         batch = self.plan.global_batch
         return self._order(epoch)[index * batch : (index + 1) * batch]
+
+    def rank_indices(self, step: int, dp_rank: int) -> torch.Tensor:
+        """The sample indices DP rank ``dp_rank`` trains on at step ``step``: its equal slice of the step's batch."""
+        plan = self.plan
+        assert 0 <= dp_rank < plan.dp, (dp_rank, plan.dp)
+        per_rank = plan.micro_batch * plan.accumulation
+        return self.global_indices(step)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every sample of step ``step`` (what a single process trains on)."""
@@ -142,9 +165,5 @@ class TokenBatches:
 
     def micro_batches(self, step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """DP rank ``dp_rank``'s ``accumulation`` micro-batches of step ``step``."""
-        plan = self.plan
-        assert 0 <= dp_rank < plan.dp, (dp_rank, plan.dp)
-        per_rank = plan.micro_batch * plan.accumulation
-        mine = self.global_indices(step)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
-        inputs, labels = self._samples(mine)
-        return list(zip(inputs.split(plan.micro_batch), labels.split(plan.micro_batch)))
+        inputs, labels = self._samples(self.rank_indices(step, dp_rank))
+        return list(zip(inputs.split(self.plan.micro_batch), labels.split(self.plan.micro_batch)))

@@ -153,7 +153,8 @@ def load_ds_config(source: str | dict, *, dp: int, pp: int) -> dict:
         import deepspeed
 
         raise UsageError(f"this DeepSpeed ({deepspeed.__version__}) no longer ships {config['optimizer']['type']} "
-                         "(1-bit Adam/LAMB were removed); use another ds_config or a DeepSpeed release that has it")
+                         "(1-bit Adam/LAMB were removed); for 1-bit compressed DP with error feedback use AdamW with "
+                         "ZeRO 0 (ds_configs/zero0.json) and the trainer's --compress sign")
     if config.get("fp16", {}).get("enabled") and not torch.cuda.is_available():
         raise UsageError("fp16 training needs a GPU (CPU kernels and DeepSpeed's loss scaler are GPU-only here); "
                          "use ds_configs/zero1.json (fp32) or bf16 on CPU")

@@ -184,7 +184,8 @@ class MemoryProbe:
         spec = self.spec = spec.with_overrides(seq_len=plan.seq_len)
         buckets = Buckets(reduce_bucket=int(zero.get("reduce_bucket_size", 5e8)),
                           allgather_bucket=int(zero.get("allgather_bucket_size", 5e8)))
-        return estimate_memory(spec, tp=self.topo.tp, pp=self.topo.pp, dp=self.topo.dp, zero_stage=run.zero_stage,
+        return estimate_memory(spec, tp=self.topo.tp, pp=self.topo.pp, dp=self.topo.dp, cp=self.topo.cp,
+                               zero_stage=run.zero_stage,
                                micro_batch=plan.micro_batch, seq_len=plan.seq_len,
                                accumulation=plan.accumulation, precision=run.precision, stage=self.topo.pp_rank,
                                layers=self._layers(), vpp=run.cfg.vpp, flash_attention=True, buckets=buckets,

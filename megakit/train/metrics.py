@@ -97,6 +97,9 @@ class StepMetrics:
     comm_calls: int | None  # collective and P2P calls this rank made during the step, None when not sampled
     world_size: int
     peak_tflops: float | None  # per device
+    dp_bytes: int | None = None  # DP bytes this rank sent (when megakit, not DeepSpeed, syncs DP: --compress, --local-sgd)
+    dp_bytes_dense: int | None = None  # what the plain fp32 all-reduce of the same gradients would have sent
+    data_seconds: float | None = None  # this rank's wait for its batch (the loader), before the step's clock
 
     @property
     def samples_per_s(self) -> float:
@@ -121,6 +124,11 @@ class StepMetrics:
     def comm_share(self) -> float | None:
         return None if self.comm_seconds is None else min(1.0, self.comm_seconds / self.seconds)
 
+    @property
+    def data_share(self) -> float | None:
+        """The loader's wait as a share of the step time (the wait included)."""
+        return None if self.data_seconds is None else self.data_seconds / (self.seconds + self.data_seconds)
+
     def line(self) -> str:
         parts = [f"step {self.step:>5}", f"loss {self.loss:.4f}", f"lr {self.lr:.2e}", f"grad-norm {self.grad_norm:.3f}",
                  f"{self.samples_per_s:.1f} samples/s", f"{self.tokens_per_s:,.0f} tok/s", f"{self.tflops:.3f} TFLOP/s"]
@@ -128,6 +136,10 @@ class StepMetrics:
             parts.append(f"MFU {self.mfu:.1%}")
         if self.comm_share is not None:
             parts.append(f"comm {self.comm_share:.0%}")
+        if self.dp_bytes is not None:
+            parts.append(f"DP sent {self.dp_bytes / 1e6:.3g} MB of {self.dp_bytes_dense / 1e6:.3g}")
+        if self.data_share is not None:
+            parts.append(f"data {self.data_share:.2%}")
         return " | ".join(parts)
 
     def scalars(self) -> dict[str, float]:
@@ -138,10 +150,15 @@ class StepMetrics:
             out["perf/mfu"] = self.mfu
         if self.comm_share is not None:
             out["perf/comm_share"] = self.comm_share
+        if self.dp_bytes is not None:
+            out["comm/dp_bytes"], out["comm/dp_bytes_dense"] = float(self.dp_bytes), float(self.dp_bytes_dense)
+        if self.data_share is not None:
+            out["perf/data_share"] = self.data_share
         return out
 
     def to_dict(self) -> dict:
         return {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
                 "seconds": self.seconds, "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
                 "tflops": self.tflops, "mfu": self.mfu, "comm_share": self.comm_share,
-                "comm_calls": self.comm_calls}
+                "comm_calls": self.comm_calls, "data_share": self.data_share, "dp_bytes": self.dp_bytes,
+                "dp_bytes_dense": self.dp_bytes_dense}

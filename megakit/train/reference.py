@@ -1,7 +1,8 @@
 """The single-process run a distributed run must reproduce: same weights, data, optimizer, schedule, clipping.
 
 Plain PyTorch, no DeepSpeed engine and no process group: the full model, every
-micro-batch of every DP rank in turn, torch's AdamW with the ds_config's settings,
+micro-batch of every DP rank in turn, torch's AdamW with the ds_config's settings (and the trainer's
+decay groups and schedule placement, ``megakit.train.optim``),
 the ds_config's LR scheduler class from ``deepspeed.runtime.lr_schedules`` and
 ``torch.nn.utils.clip_grad_norm_``. The equivalence tests compare the trainer's
 loss trajectory against this; it is also the "shrink to one GPU and compare the
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches, load_tokens
+from megakit.train.corpus import model_for_corpus, open_corpus
+from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches
+from megakit.train.optim import decay_groups, start_schedule
 
 
 def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_len: int | None = None, seed: int = 0,
@@ -26,18 +29,20 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
 
     from megakit.nn.model import ModelConfig, Transformer
 
-    config = ModelConfig.load(model)
+    corpus = open_corpus(data, max_bytes=max_bytes)
+    config = model_for_corpus(ModelConfig.load(model), model, corpus)
     net = Transformer(config, seed=seed)
     seq_len = seq_len or config.max_seq_len
     plan = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
                      accumulation=ds_config.get("gradient_accumulation_steps", 1), dp=dp, seed=seed)
-    batches = TokenBatches(load_tokens(data, max_bytes=max_bytes), plan)
+    batches = TokenBatches(corpus.train, plan)
     params = {k: v for k, v in ds_config["optimizer"]["params"].items() if k not in ("torch_adam", "adam_w_mode")}
-    optimizer = torch.optim.AdamW(net.parameters(), **params)
+    optimizer = torch.optim.AdamW(decay_groups(net), **params)
     scheduler = None
     if "scheduler" in ds_config:
         kind = ds_config["scheduler"]["type"]
         scheduler = getattr(lr_schedules, kind)(optimizer, **ds_config["scheduler"].get("params", {}))
+        start_schedule(scheduler, 0)
     max_norm = float(ds_config.get("gradient_clipping", 0.0))
     out = {"loss": [], "grad_norm": [], "lr": []}
     micro_count = plan.dp * plan.accumulation

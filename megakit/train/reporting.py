@@ -56,7 +56,7 @@ class Reporter:
                            f", {cfg.recompute} recompute" if cfg.recompute != "none" else "",
                            f", resuming {cfg.load} at step {start}" if start else ""])
         print(f"megakit: training {cfg.model} on {dist.get_world_size()} process(es): TP {topo.tp} x PP {topo.pp}{chunks} "
-              f"x DP {topo.dp}{options}", flush=True)
+              f"{f'x CP {topo.cp} ' if topo.cp > 1 else ''}x DP {topo.dp}{options}", flush=True)
         if cfg.progress:
             from tqdm.auto import tqdm
 
@@ -84,6 +84,18 @@ class Reporter:
             for name, value in m.scalars().items():
                 self.writer.add_scalar(name, value, m.step)
 
+    def eval(self, step: int, loss: float) -> dict:
+        """Log a validation loss (console, TensorBoard); returns the record the metrics file keeps."""
+        from megakit.train.evaluate import perplexity
+
+        record = {"step": step, "loss": loss, "perplexity": perplexity(loss)}
+        if self.active:
+            self._print(f"eval after {step} steps | val loss {loss:.4f} | perplexity {record['perplexity']:.2f}")
+            if self.writer is not None:
+                self.writer.add_scalar("val/loss", loss, step)
+                self.writer.add_scalar("val/perplexity", record["perplexity"], step)
+        return record
+
     def memory(self, rows: list) -> None:
         if self.active:
             from megakit.train.memory_probe import format_table
@@ -100,5 +112,6 @@ class Reporter:
         if self.cfg.metrics_out:
             out = Path(self.cfg.metrics_out)
             tmp = out.with_name(f".{out.name}.tmp")
-            tmp.write_text(json.dumps({"steps": [m.to_dict() for m in result.steps], "memory": result.memory}, indent=1))
+            tmp.write_text(json.dumps({"steps": [m.to_dict() for m in result.steps], "memory": result.memory,
+                                       "eval": result.evals}, indent=1))
             os.replace(tmp, out)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from megakit.interop.checkpoint_format import (
 )
 
 LATEST = "latest"
+TOKENIZER = "tokenizer"  # the data's tokenizer, copied into each checkpoint
 STEP_PREFIX = "step-"
 
 
@@ -102,9 +102,15 @@ def check_checkpoint_flags(*, save: str | None, load: str | None, steps: int, sa
     return start, chosen
 
 
-def check_same_run(checkpoint: Path, *, seed: int, global_batch: int) -> None:
-    """The data position and the dropout masks resume only with the same seed and global batch."""
-    extra = read_manifest(checkpoint)["extra"]
+def check_same_run(checkpoint: Path, *, seed: int, global_batch: int, vocab_size: int | None = None) -> None:
+    """The data position and the dropout masks resume only with the same seed and global batch (and the
+    weights only into a model of the same vocabulary)."""
+    manifest = read_manifest(checkpoint)
+    extra = manifest["extra"]
+    saved_vocab = manifest.get("config", {}).get("vocab_size")
+    if vocab_size is not None and saved_vocab is not None and saved_vocab != vocab_size:
+        raise UsageError(f"checkpoint {checkpoint} has a vocabulary of {saved_vocab} but this run's model and data have "
+                         f"{vocab_size}; resume with the --data (tokenizer) it was trained on")
     for what, flag, ours in (("seed", "--seed", seed),
                              ("global_batch", "global batch (micro-batch x accumulation x DP)", global_batch)):
         if what in extra and extra[what] != ours:
@@ -141,6 +147,8 @@ def optimizer_state(engine) -> dict[str, dict[str, torch.Tensor]]:
 
     optimizer = _torch_optimizer(engine)
     keys = _moment_keys(optimizer)
+    if optimizer.state:
+        link_optimizer_state(engine)
     out = {}
     for name, param in named_parameters(engine.module).items():
         master = safe_get_full_fp32_param(param)
@@ -171,8 +179,20 @@ def _create_optimizer_state(engine, keys: list[str]) -> None:
                 state["step"] = torch.tensor(0.0)
                 for key in keys:
                     state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    link_optimizer_state(engine)
+
+
+def link_optimizer_state(engine) -> None:
+    """(Re)link each parameter to its fragment of the optimizer state, for ``safe_get/set_full_*``.
+
+    DeepSpeed links once, right after the first parameter group's first step, so a second
+    group (megakit's undecayed biases and norms) is linked to state not yet created and
+    its moments read as missing; linking again once every group has state fixes that.
+    """
     link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
     if link is not None:
+        if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
+            engine.optimizer._hp_optimizer_states_linked = False
         link()
 
 
@@ -206,26 +226,29 @@ def set_optimizer_state(engine, state: dict[str, dict[str, torch.Tensor]], step:
 
 
 # -- save and load ----------------------------------------------------------------------------------
-def resume_schedule(engine, start: int) -> None:
-    """Move the engine's LR schedule to step ``start``: one scheduler step per optimizer step, as a run from 0."""
-    if engine.lr_scheduler is not None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch schedulers warn when stepped before the optimizer
-            for _ in range(start):
-                engine.lr_scheduler.step()
-
-
 def restore(engine, topo, checkpoint: Path, step: int) -> None:
-    """After ``deepspeed.initialize``: the saved optimizer state (if any) and the LR schedule's position."""
+    """After ``deepspeed.initialize``: the saved optimizer state (if any); the trainer places the LR schedule."""
     manifest = read_manifest(checkpoint)
     if state_keys(manifest):
         set_optimizer_state(engine, load_state(checkpoint, engine.module, topo),
                             int(manifest["extra"].get("optimizer_step", step)))
-    resume_schedule(engine, step)
 
 
-def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, series: bool, keep: int) -> Path:
+def _add_tokenizer(source: Path, checkpoint: Path) -> None:
+    """Copy the tokenizer beside the weights (to a temporary name, then renamed, before ``latest`` names it)."""
+    from megakit.interop.tokenizer import copy_tokenizer
+
+    tmp = checkpoint / f".{TOKENIZER}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    copy_tokenizer(source, tmp)
+    shutil.rmtree(checkpoint / TOKENIZER, ignore_errors=True)
+    os.replace(tmp, checkpoint / TOKENIZER)
+
+
+def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, series: bool, keep: int,
+             tokenizer: Path | None = None) -> Path:
     """Save weights and optimizer state; in a series, as ``DIR/step-N`` with ``DIR/latest`` written last.
+    ``tokenizer``: a directory whose tokenizer files go into ``CHECKPOINT/tokenizer`` (for ``convert --to-hf``).
 
     Collective over the world (see ``save_checkpoint``); an error on any rank raises on every rank.
     """
@@ -234,6 +257,8 @@ def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, se
     save_checkpoint(target, engine.module, topo, step=step, config=config, state=state,
                     extra={**extra, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
                            "optimizer_step": optimizer_step_count(engine)})
+    if tokenizer is not None and topo.rank == 0:
+        _add_tokenizer(tokenizer, target)
     if series and topo.rank == 0:
         pointer = Path(directory) / f"{LATEST}.tmp"
         pointer.write_text(target.name + "\n")

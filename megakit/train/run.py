@@ -14,9 +14,12 @@ from pathlib import Path
 
 import torch
 
+from megakit.core.compression import Compression, parse_compression
 from megakit.core.layout import Layout
 from megakit.core.model_config import ModelConfig, check_seq_len
 from megakit.errors import UsageError
+from megakit.interop.checkpoint_format import read_manifest
+from megakit.train.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan
 from megakit.train.ds_config import load_ds_config, require_optimizer
 from megakit.train.resume import check_checkpoint_flags, check_same_run
@@ -34,6 +37,7 @@ class TrainConfig:
     steps: int = 200
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism: the sequence split over CP ranks, attention as ring attention
     seq_len: int | None = None
     seed: int = 0
     vpp: int = 1
@@ -54,6 +58,12 @@ class TrainConfig:
     keep: int = 0  # with --save-every: keep the newest K checkpoints as DIR/step-N with DIR/latest (0: one, replaced)
     load: str | None = None  # checkpoint to start from: weights and step count (not the optimizer state)
     allow_cross_node_tp: bool = False  # run a TP group that spans nodes (with a warning) instead of refusing it
+    compress: str = "none"  # DP gradient compression: none | fp16 | int8 | sign | topk:RATIO (megakit.core.compression)
+    error_feedback: bool = True  # carry what compression dropped into the next step (off only to compare)
+    local_sgd: int | None = None  # average the weights over DP every H steps instead of the gradients every step
+    doctor_out: str | None = None  # megakit doctor: gather per-rank facts to this JSON file (megakit.train.diagnostics)
+    eval_every: int = 0  # validation loss every N steps (and at the end); 0: never
+    eval_batches: int = 8  # global batches of the validation split per evaluation
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -68,6 +78,15 @@ class TrainConfig:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
         if self.log_every < 1:
             raise UsageError(f"--log-every must be at least 1, got {self.log_every}")
+        compression = parse_compression(self.compress)
+        if self.local_sgd is not None and self.local_sgd < 1:
+            raise UsageError(f"--local-sgd {self.local_sgd}: the averaging period must be at least 1 step "
+                             "(leave it out for synchronous training)")
+        if self.local_sgd and compression.enabled:
+            raise UsageError(f"--local-sgd averages weights, --compress {self.compress} gradients; choose one")
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise UsageError(f"--eval-every must be at least 0 and --eval-batches at least 1, got {self.eval_every} "
+                             f"and {self.eval_batches}")
         if self.vpp > 1 and self.pp == 1:
             raise UsageError(f"--vpp {self.vpp} splits each pipeline stage into chunks, so it needs --pp > 1")
         if self.schedule == "zb-h1" and self.vpp > 1:
@@ -93,6 +112,8 @@ class Run:
     zero_stage: int
     sequence_parallel: bool  # asked for, and TP > 1 (nothing to split otherwise)
     schedule: str  # the pipeline schedule (PP > 1)
+    compression: Compression  # of the DP gradients (``kind == "none"``: DeepSpeed all-reduces them)
+    corpus: Corpus | None = None  # what --data names, opened (its vocabulary is the model's)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -103,27 +124,55 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     """The ``Run`` of ``cfg`` on ``world_size`` processes; UsageError on any mistake, before any process group.
 
     ``say`` prints what it chose (which checkpoint ``--load`` resumes from)."""
-    layout = Layout.for_world(world_size, tp=cfg.tp, pp=cfg.pp)
+    layout = Layout.for_world(world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
     ds_config = load_ds_config(cfg.ds_config, dp=layout.dp, pp=layout.pp)
     require_optimizer(ds_config)
-    model = ModelConfig.load(cfg.model)
-    if model.vocab_size < 256:
-        raise UsageError(f"model {cfg.model} has a vocabulary of {model.vocab_size}; byte-level training needs 256")
+    corpus = open_corpus(cfg.data, max_bytes=cfg.max_bytes)
+    model = model_for_corpus(ModelConfig.load(cfg.model), cfg.model, corpus)
     seq_len = cfg.seq_len or model.max_seq_len
     check_seq_len(model, seq_len)
+    if cfg.cp > 1 and seq_len % (2 * cfg.cp):
+        raise UsageError(f"sequence length {seq_len} is not divisible by 2 x CP = {2 * cfg.cp}; context parallelism "
+                         "splits it into that many equal chunks (change --seq-len or --cp)")
+    if cfg.cp > 1:  # DeepSpeed counts every rank that holds the same weights, DP x CP, in its batch
+        ds_config["train_batch_size"] *= cfg.cp
     sequence_parallel = cfg.sequence_parallel and cfg.tp > 1
-    if sequence_parallel and seq_len % cfg.tp:  # the model would find out only on the first stage
-        raise UsageError(f"sequence length {seq_len} is not divisible by TP {cfg.tp}; sequence parallelism "
-                         "needs it to be (change --seq-len or drop --sequence-parallel)")
+    if sequence_parallel and seq_len // cfg.cp % cfg.tp:  # the model would find out only on the first stage
+        held = f"sequence length {seq_len}" if cfg.cp == 1 else f"sequence length {seq_len // cfg.cp} per CP rank"
+        raise UsageError(f"{held} is not divisible by TP {cfg.tp}; sequence parallelism needs it to be (change "
+                         "--seq-len or drop --sequence-parallel)")
     start, checkpoint = check_checkpoint_flags(save=cfg.save, load=cfg.load, steps=cfg.steps, say=say)
     batch = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
                       accumulation=ds_config["gradient_accumulation_steps"], dp=layout.dp, seed=cfg.seed)
     if checkpoint is not None:
-        check_same_run(checkpoint, seed=cfg.seed, global_batch=batch.global_batch)
+        check_same_run(checkpoint, seed=cfg.seed, global_batch=batch.global_batch, vocab_size=model.vocab_size)
+        trained_on = read_manifest(checkpoint)["extra"].get("data", {}).get("corpus")
+        if trained_on not in (None, corpus.fingerprint):
+            say(f"megakit: warning: checkpoint {checkpoint} was trained on other data than {corpus.source}; its data "
+                "position (the step) continues on this data")
+    if cfg.eval_every:
+        ValidationBatches(corpus, batch, cfg.eval_batches)  # one clear line now if there is no validation split
+    compression = _check_dp_sync(cfg, ds_config)
     precision = ("bf16" if ds_config.get("bf16", {}).get("enabled") else
                  "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32")
     return Run(cfg=cfg, layout=layout, ds_config=ds_config, model=model, batch=batch, start_step=start,
                checkpoint=checkpoint,
                precision=precision, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
                sequence_parallel=sequence_parallel,
-               schedule=cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b"))
+               schedule=cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b"), compression=compression,
+               corpus=corpus)
+
+
+def _check_dp_sync(cfg: TrainConfig, ds_config: dict) -> Compression:
+    """``--compress`` and ``--local-sgd`` replace DeepSpeed's DP all-reduce, which only ZeRO 0 leaves to megakit."""
+    compression = parse_compression(cfg.compress)
+    flag = f"--compress {cfg.compress}" if compression.enabled else f"--local-sgd {cfg.local_sgd}" if cfg.local_sgd else None
+    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    if flag and stage > 0:
+        raise UsageError(f"{flag} needs ZeRO stage 0 (ds_configs/zero0.json): ZeRO {stage} reduces and shards the "
+                         "gradients inside DeepSpeed's optimizer, where megakit cannot compress or skip the exchange")
+    fp32 = not (ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled"))
+    if (cfg.local_sgd or compression.after_optimizer) and not fp32:
+        raise UsageError(f"{flag} averages the module's weights (or their updates), but with bf16/fp16 DeepSpeed "
+                         "steps a separate fp32 master copy; use fp32, or --compress fp16/int8 for mixed precision")
+    return compression

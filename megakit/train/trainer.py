@@ -21,7 +21,7 @@ Global gradient norm (clipping): TP shards count once each, replicated parameter
 once per stage (``Topology.get_model_parallel_rank`` is the TP rank), and the tied
 embedding copy on the last stage is marked ``ds_pipe_replicated`` so DeepSpeed skips it.
 DeepSpeed's fp32 ZeRO-0 path ignores that mark and does not report the norm, so there
-megakit clips itself (``_Zero0Clipper``) with the same rule.
+megakit clips itself (``megakit.train.grad_norm``) with the same rule.
 
 Sequence parallelism and recompute (full or selective) are the model's (``Transformer(sequence_parallel=,
 recompute=)``); with SP the stages exchange ``(S/tp, B, H)``. Checkpoints (``--save``,
@@ -45,10 +45,16 @@ import torch.distributed as dist
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_checkpoint
 from megakit.nn import comm
-from megakit.train.data import TokenBatches, load_tokens
+from megakit.train.data import TokenBatches
 from megakit.train.deepspeed_shm import unlink_shared_memory
+from megakit.train.diagnostics import Diagnostics
+from megakit.train.dp_sync import DataParallelSync
 from megakit.train.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
+from megakit.train.evaluate import evaluator
+from megakit.train.fault_injection import with_seed_fault
+from megakit.train.grad_norm import Zero0Clipper
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops
+from megakit.train.optim import decay_groups, start_schedule
 from megakit.train.reporting import Reporter, start_profiler
 from megakit.train.resume import restore, save_run
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
@@ -62,58 +68,18 @@ class TrainingDiverged(RuntimeError):
 class TrainResult:
     steps: list = field(default_factory=list)  # StepMetrics per step (rank 0 has them all)
     memory: list | None = None  # per-rank rows of --verify-memory
+    evals: list = field(default_factory=list)  # {"step", "loss", "perplexity"} per evaluation
 
     @property
     def losses(self) -> list[float]:
         return [m.loss for m in self.steps]
 
 
-# -- gradient norm ---------------------------------------------------------------------------------
-def counted_in_norm(param, topo) -> bool:
-    """Whether this rank adds ``param``'s gradient to the global norm (each element counted once in the job)."""
-    if getattr(param, "ds_pipe_replicated", False):
-        return False
-    return bool(getattr(param, "tensor_model_parallel", False)) or topo.tp_rank == 0
-
-
-def global_grad_norm(params, topo) -> tuple[float, bool]:
-    """``(norm, this rank's gradients finite)``: the single-process gradient norm of the whole model.
-
-    Collective: a scalar all-reduce (sum of squares) over the model-parallel (TP x PP) group.
-    """
-    params = [p for p in params if p.grad is not None]
-    local = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else None)
-    finite = True
-    for p in params:
-        finite &= bool(torch.isfinite(p.grad).all())
-        if counted_in_norm(p, topo):
-            local += p.grad.detach().double().pow(2).sum()
-    if topo.tp * topo.pp > 1:
-        comm.all_reduce(local, topo.mp_group)
-    return float(local.sqrt()), finite
-
-
-class _Zero0Clipper:
-    """Clips fp32 ZeRO-0 gradients by the global norm, as an optimizer pre-step hook (after DP reduction)."""
-
-    def __init__(self, params, topo, max_norm: float) -> None:
-        self.params, self.topo, self.max_norm = list(params), topo, max_norm
-        self.norm, self.finite = float("nan"), True
-
-    def __call__(self, optimizer, args, kwargs) -> None:
-        self.norm, self.finite = global_grad_norm(self.params, self.topo)
-        if self.max_norm > 0 and math.isfinite(self.norm):
-            coef = self.max_norm / (self.norm + 1e-6)
-            if coef < 1.0:
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-
-
 # -- the run ---------------------------------------------------------------------------------------
 def _describe(topo, rank: int) -> str:
     c = topo.layout.coords(rank)
-    return f"rank {rank} (pp {c['pp']}, dp {c['dp']}, tp {c['tp']})"
+    cp = f", cp {c['cp']}" if topo.layout.cp > 1 else ""
+    return f"rank {rank} (pp {c['pp']}, dp {c['dp']}{cp}, tp {c['tp']})"
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -121,9 +87,9 @@ def train(cfg: TrainConfig) -> TrainResult:
     from megakit.nn.topology import Topology, init_distributed
 
     try:  # user mistakes fail here, before any process group exists, alike on every rank
+        cfg = with_seed_fault(cfg, int(os.environ.get("RANK", "0")))  # only in megakit doctor's tests
         rank0 = os.environ.get("RANK", "0") == "0"
         run = resolve(cfg, int(os.environ.get("WORLD_SIZE", 1)), say=print if rank0 else (lambda *_: None))
-        tokens = load_tokens(cfg.data, max_bytes=cfg.max_bytes)
     except UsageError as error:
         raise everywhere(error)
     init_distributed(timeout_s=cfg.collective_timeout_s)
@@ -132,7 +98,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     _seed_default_generators(cfg.seed, topo)
     watchdog = _start_watchdog(cfg, topo)
     try:
-        result = _train(run, topo, watchdog, tokens)
+        result = _train(run, topo, watchdog)
     except (UsageError, TrainingDiverged) as error:
         if isinstance(error, TrainingDiverged) or getattr(error, "all_ranks", False):  # every rank raised it
             _leave_together(watchdog)
@@ -181,7 +147,8 @@ def _seed_default_generators(seed: int, topo) -> None:
 
     from megakit.nn.weights import index_seed
 
-    value = index_seed(seed, f"default/pp{topo.pp_rank}/dp{topo.dp_rank}", topo.tp_rank)
+    cp = f"/cp{topo.cp_rank}" if topo.cp > 1 else ""
+    value = index_seed(seed, f"default/pp{topo.pp_rank}/dp{topo.dp_rank}{cp}", topo.tp_rank)
     torch.manual_seed(value)
     random.seed(value)
     np.random.seed(value % 2**32)
@@ -200,12 +167,12 @@ def _start_watchdog(cfg: TrainConfig, topo):
     if dist.get_world_size() > 1:
         store = connect_store(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 29500)),
                               timeout_s=max(5.0, cfg.stall_timeout_s / 2))
-    peers = {r for kind in ("tp", "dp", "pp") for r in topo.group_ranks(kind)}  # the ranks this one waits on
+    peers = {r for kind in ("tp", "cp", "dp", "pp") for r in topo.group_ranks(kind)}  # the ranks this one waits on
     return Watchdog(topo.rank, dist.get_world_size(), stall_s=cfg.stall_timeout_s, peers=peers,
                     describe=lambda r: _describe(topo, r), store=store).start()
 
 
-def _build(run: Run, topo):
+def _build(run: Run, topo, doctor=None):
     """This rank's stage model wrapped in a DeepSpeed engine (and the ZeRO-0 clipper when needed)."""
     import deepspeed
 
@@ -222,11 +189,13 @@ def _build(run: Run, topo):
             load_checkpoint(run.checkpoint, stage, topo)
         except UsageError as error:
             raise everywhere(error)  # load_checkpoint raises on every rank when any rank fails
+    if doctor is not None:
+        doctor.weights_built(stage)  # before DeepSpeed broadcasts DP rank 0's weights
     clipper = None
     if run.zero_stage == 0 and run.precision == "fp32":
-        clipper = _Zero0Clipper(stage.parameters(), topo, float(ds_config.get("gradient_clipping", 0.0)))
+        clipper = Zero0Clipper(stage.parameters(), topo, float(ds_config.get("gradient_clipping", 0.0)))
         ds_config = {**ds_config, "gradient_clipping": 0.0}
-    engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=stage.parameters(), mpu=topo,
+    engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=decay_groups(stage), mpu=topo,
                                                    config=ds_config)
     unlink_shared_memory()
     if clipper is not None:
@@ -234,19 +203,32 @@ def _build(run: Run, topo):
     return engine, clipper
 
 
-def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+def _not_scheduler_start(record) -> bool:
+    return "before it has started" not in record.getMessage()
+
+
+def _train(run: Run, topo, watchdog) -> TrainResult:
+    logger = logging.getLogger("DeepSpeed")
+    logger.setLevel(logging.WARNING)
+    # DeepSpeed's schedulers warn when built (at iteration -1); megakit places them right after (optim.start_schedule)
+    logger.addFilter(_not_scheduler_start)  # added once (a filter already there is not added again)
     # DeepSpeed 0.19.8 calls collectives torch 2.13 renamed; the warning repeats every step
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     cfg, plan, start = run.cfg, run.batch, run.start_step
-    engine, clipper = _build(run, topo)
+    doctor = Diagnostics(run, topo, cfg.doctor_out) if cfg.doctor_out else None  # facts for megakit doctor
+    engine, clipper = _build(run, topo, doctor)
     if run.checkpoint:
         try:
-            restore(engine, topo, run.checkpoint, start)  # optimizer state, LR schedule
+            restore(engine, topo, run.checkpoint, start)  # optimizer state
         except UsageError as error:
             raise everywhere(error)  # load_state raises on every rank when any rank fails
-    batches = TokenBatches(tokens, plan)
-    run_step = _pipeline_step(run, topo, engine) if topo.pp > 1 else _plain_step(engine)
+    start_schedule(engine.lr_scheduler, start)
+    batches = TokenBatches(run.corpus.train, plan)
+    evaluate = evaluator(run, topo, engine, _device()) if cfg.eval_every else None
+    dp_sync = DataParallelSync(run, topo, engine)
+    run_step = _pipeline_step(run, topo, engine, dp_sync) if topo.pp > 1 else _plain_step(engine, dp_sync)
+    if doctor is not None:
+        batches, run_step = doctor.attach(engine, batches, run_step)
     device = _device() or torch.device("cpu")
 
     from megakit.nn.model import model_flops_per_token
@@ -263,36 +245,47 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
     communication = StepCommunication(sync_cuda=torch.cuda.is_available())
     profiler = start_profiler(cfg.profile, steps=cfg.steps - start, rank=topo.rank)
     for step in range(start, cfg.steps):
+        waited = time.perf_counter()  # the loader's share of the step (reads from memory-mapped shards)
         micro_batches = [(x.to(device), y.to(device), rows) for (x, y), rows in
                          zip(batches.micro_batches(step, topo.dp_rank), batches.sample_numbers(step, topo.dp_rank))]
+        waited = time.perf_counter() - waited
         lr = engine.get_lr()[0]
         t0 = time.perf_counter()
-        with communication.measure(not torch.cuda.is_available() or step % 10 == 1):  # on GPU it synchronises
+        with communication.measure(not torch.cuda.is_available() or step % 10 == 1 or doctor is not None):  # on GPU it synchronises
             with probe.step() if probe else contextlib.nullcontext():
                 loss = run_step(micro_batches)
+                dp_sync.after_step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         comm_seconds, comm_calls = communication.result or (None, None)
+        dp_bytes, dp_bytes_dense = dp_sync.take_bytes()
         if clipper is not None:
             grad_norm, grads_finite = clipper.norm, clipper.finite
         else:
             grad_norm = float(engine.get_global_grad_norm() or float("nan"))
             grads_finite = math.isfinite(grad_norm) and grad_norm >= 0  # DeepSpeed masks inf/nan as -1
+        if doctor is not None:
+            doctor.after_step(loss=loss, lr=lr, seconds=seconds, comm_seconds=comm_seconds, grad_norm=grad_norm)
         loss = _check_finite(topo, step, loss, grads_finite)
         if profiler is not None:
             profiler.step()
         metrics = StepMetrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds,
                               samples=plan.global_batch, tokens=plan.global_batch * plan.seq_len, flops=flops_per_step,
                               comm_seconds=comm_seconds, comm_calls=comm_calls, world_size=dist.get_world_size(),
-                              peak_tflops=peak)
+                              peak_tflops=peak, data_seconds=waited, dp_bytes=dp_bytes,
+                              dp_bytes_dense=dp_bytes_dense)
         result.steps.append(metrics)
         reporter.log(metrics)
         done = step + 1
+        if evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
+            result.evals.append(reporter.eval(done, evaluate()))
         if cfg.save and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
             try:
                 save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
-                         extra={"loss": loss, "seed": cfg.seed, "global_batch": plan.global_batch})
+                         extra={"loss": loss, "seed": cfg.seed, "global_batch": plan.global_batch,
+                                "data": {"samples": done * plan.global_batch, "corpus": run.corpus.fingerprint}},
+                         tokenizer=run.corpus.tokenizer_dir)
             except UsageError as error:
                 raise everywhere(error)  # save_checkpoint raises on every rank when any rank fails
     if profiler is not None:
@@ -304,14 +297,16 @@ def _train(run: Run, topo, watchdog, tokens: torch.Tensor) -> TrainResult:
     return result
 
 
-def _plain_step(engine):
+def _plain_step(engine, dp_sync):
     """PP = 1: DeepSpeed accumulates; ``step()`` after each micro-batch only updates at the boundary."""
 
     def run(micro_batches) -> torch.Tensor:
         losses = []
-        for inputs, labels, rows in micro_batches:
+        for i, (inputs, labels, rows) in enumerate(micro_batches):
             loss = engine(inputs, labels, sample_ids=rows)
             engine.backward(loss)
+            if i == len(micro_batches) - 1:
+                dp_sync.before_step()
             engine.step()
             losses.append(loss.detach().float())
         return torch.stack(losses).mean()
@@ -324,7 +319,7 @@ def _device() -> torch.device | None:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
-def _pipeline_step(run: Run, topo, engine):
+def _pipeline_step(run: Run, topo, engine, dp_sync):
     """PP > 1: one 1F1B (or chosen) schedule per step; DeepSpeed does backward scaling, DP reduction and step."""
     from megakit.core.schedules import build_schedule
     from megakit.nn.pipeline import PipelineExecutor, activation_shape
@@ -344,10 +339,10 @@ def _pipeline_step(run: Run, topo, engine):
     chunks = [engine] if not bare else list(engine.module) if vpp > 1 else [engine.module]  # no hooks needed, ZeRO 0-1
     executor = PipelineExecutor(chunks, topo, schedule=schedule,
                                 backward=None if schedule.split_backward else backward, activation_shape=activation_shape(
-                                    run.model, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len, tp=topo.tp,
+                                    run.model, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len // topo.cp, tp=topo.tp,
                                     sequence_parallel=run.sequence_parallel),
                                 activation_dtype=run.dtype, device=_device(),  # stages exchange the weights' type
-                                reduce_grads=lambda: None, optimizer_step=engine.step, broadcast_loss=True)
+                                reduce_grads=dp_sync.before_step, optimizer_step=engine.step, broadcast_loss=True)
 
     def step(micro_batches) -> torch.Tensor:
         inputs = [x for x, _, _ in micro_batches] if topo.is_first_stage else None

@@ -81,14 +81,18 @@ def attention_time(model: ModelSpec, gpu: GPU, *, tp: int, seq_len: int, micro_b
 
 
 def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: float) -> BlockTime:
-    """One block, one micro-batch: GEMMs, attention core, elementwise traffic, launches, recompute."""
-    t, b, s = plan.tp, plan.micro_batch, seq_len
+    """One block, one micro-batch: GEMMs, attention core, elementwise traffic, launches, recompute.
+
+    With context parallelism a rank runs everything on its ``s/cp`` tokens, and attention on its
+    queries against the whole sequence: ``1/cp`` of the causal attention (the load-balanced split)."""
+    t, b, s = plan.tp, plan.micro_batch, seq_len // plan.cp
     nbytes = PRECISIONS[plan.precision]
     tokens = b * s
     per_gemm = [gemm_time(gpu, tokens, k, n, peak=peak, nbytes=nbytes) for k, n in _linears(model, t)]
     gemm_f = sum(per_gemm)
-    attn_f, attn_b = attention_time(model, gpu, tp=t, seq_len=s, micro_batch=b, flash=plan.flash_attention,
-                                    peak=peak, nbytes=nbytes)
+    attn_f, attn_b = attention_time(model, gpu, tp=t, seq_len=seq_len, micro_batch=b,
+                                    flash=plan.flash_attention or plan.cp > 1, peak=peak, nbytes=nbytes)
+    attn_f, attn_b = attn_f / plan.cp, attn_b / plan.cp
     saved = sum(x.bytes(seq_len=s, micro_batch=b)
                 for x in activation_tensors(model, tp=t, sequence_parallel=plan.sequence_parallel,
                                             precision=plan.precision, flash_attention=plan.flash_attention))

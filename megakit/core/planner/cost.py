@@ -7,7 +7,8 @@ reduce-scatter) on the intra-node link: 2 forward, 2 backward, 2 more when the b
 not overlapped. The 1F1B pipeline then runs ``m`` micro-batches through ``p`` stages:
 ``m·T_slowest + (ΣT − T_slowest)/v`` plus P2P sends (exact when the last stage is the slowest, a
 slight upper bound when the trainer's split leaves a middle stage slowest), and data parallelism adds
-the traffic that its compute does not hide (``sharding.dp_time``: DDP/ZeRO-1 all-reduce, ZeRO-2
+the traffic that its compute does not hide (over DP x CP with context parallelism, whose ring passes
+each K/V block around the CP group beside the block's attention, exposed only where it outlasts it) (``sharding.dp_time``: DDP/ZeRO-1 all-reduce, ZeRO-2
 reduce-scatter, ZeRO-3/FSDP gathers prefetched behind the previous block), then the optimizer step.
 
 One set of constants (here, in ``compute`` and ``sharding``, and the GPU presets' measured matmul and
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megakit.core.planner.compute import block_time, head_time
+from megakit.core.planner.compute import attention_time, block_time, head_time
 from megakit.core.planner.hardware import Cluster
 from megakit.core.planner.memory import PRECISIONS, stage_layer_counts, stage_params
 from megakit.core.planner.model_spec import ModelSpec
@@ -28,6 +29,7 @@ from megakit.core.planner.sharding import (
     LINK_EFFICIENCY,
     collective_time,
     dp_time,
+    exposed,
     group_bandwidth,
     overlapped,
 )
@@ -54,6 +56,7 @@ class Cost:
     dp_comm_s: float  # exposed
     bubble_s: float
     optimizer_s: float
+    cp_comm_s: float = 0.0  # ring attention's K/V traffic that the attention compute does not hide
     pipeline_s: float = 0.0  # the 1F1B schedule's length: m·T_slowest + (ΣT − T_slowest)/v
     stage_times: tuple = ()  # forward + backward of one micro-batch, per stage (no P2P)
 
@@ -85,7 +88,7 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     gpu = cluster.gpu
     peak = gpu.peak_tflops * 1e12 * (gpu.fp32_rate if plan.precision == "fp32" else 1.0)
     nbytes = PRECISIONS[plan.precision]
-    tokens = b * s
+    tokens = b * s // plan.cp  # this rank's
 
     # ---- one block, one micro-batch, forward + backward (+ recompute) on one GPU --------
     block = block_time(model, gpu, plan, seq_len=s, peak=peak)
@@ -93,10 +96,11 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     one_tp = collective_time(tokens * model.hidden * nbytes, t, tp_bw, tp_where)
     recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
     tp_s = (4 + 2 * recomputed) * one_tp
-    layer_s = overlapped(block.total + tp_s, block.cpu)  # the host issues while the GPU runs
+    cp_s = _ring_exposed(model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s)
+    layer_s = overlapped(block.total + tp_s + cp_s, block.cpu)  # the host issues while the GPU runs
 
     # ---- embedding and LM head on the first / last stage --------------------------------
-    head_s = head_time(model, gpu, plan, seq_len=s, peak=peak) + 2 * one_tp
+    head_s = head_time(model, gpu, plan, seq_len=s // plan.cp, peak=peak) + 2 * one_tp
     embed_s = 2 * one_tp
 
     counts = stage_layer_counts(model, p, v)  # the trainer's split (partition_layers)
@@ -104,7 +108,7 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
                for i, n in enumerate(counts)]
     # P2P: activations forward, gradients backward, per micro-batch and stage boundary; with TP the
     # send is split over the TP ranks (Megatron's scatter/gather) when it crosses nodes.
-    p2p_bw, p2p_where = group_bandwidth(cluster, 2, t * d)
+    p2p_bw, p2p_where = group_bandwidth(cluster, 2, t * plan.cp * d)
     p2p_bytes = tokens * model.hidden * nbytes / (t if p2p_where == "inter" else 1)
     p2p_s = 2 * v * p2p_bytes / (p2p_bw * 1e9 * LINK_EFFICIENCY[p2p_where]) if p > 1 else 0.0
     slowest = max(stage_s) + p2p_s
@@ -119,11 +123,12 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     # ---- data parallelism / ZeRO / FSDP ----------------------------------------------------
     psi = max(stage_params(model, tp=t, pp=p, stage=i, layers=counts[i]) for i in range(p))
     sharded, replicated = model.layer_params(t)
-    dp_exposed = dp_time(cluster, plan, psi=psi, layer_params=sharded + replicated, layers=counts[worst],
+    replicas = dataclasses.replace(plan, dp=d * plan.cp, cp=1)  # ZeRO shards, gradients reduce over DP x CP
+    dp_exposed = dp_time(cluster, replicas, psi=psi, layer_params=sharded + replicated, layers=counts[worst],
                          stage_s=max(stage_s), layer_fwd_s=block.forward + 2 * one_tp,
                          layer_bwd_s=block.backward + (2 + 2 * recomputed) * one_tp)
 
-    shard = (plan.shard_group if plan.zero_stage == 3 else d) if plan.zero_stage >= 1 else 1
+    shard = (replicas.shard_group if plan.zero_stage == 3 else d * plan.cp) if plan.zero_stage >= 1 else 1
     optimizer_s = ADAM_BYTES * psi / shard / (gpu.hbm_gbps * 1e9)
     if plan.offload != "none":  # gradients down and parameters up over PCIe, Adam on the host
         optimizer_s = 2 * nbytes * psi / shard / (PCIE_GBPS * 1e9) + psi / shard * CPU_ADAM_S
@@ -134,10 +139,31 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     hardware_flops = flops_per_token(model, s, recompute=plan.recompute if plan.recompute != "per-op" else "none",
                                      flash_attention=plan.flash_attention) * global_tokens
     world = plan.world
-    comm = tp_total + m * p2p_s + dp_exposed
-    return Cost(step_time_s=step, tokens_per_s=global_tokens / step,
+    cp_total = m * counts[worst] * cp_s
+    comm = tp_total + m * p2p_s + dp_exposed + cp_total
+    return Cost(cp_comm_s=cp_total, step_time_s=step, tokens_per_s=global_tokens / step,
                 model_tflops_per_gpu=model_flops / step / world / 1e12,
                 hardware_tflops_per_gpu=hardware_flops / step / world / 1e12,
                 mfu=model_flops / step / world / peak, comm_fraction=comm / step, bubble_fraction=bubble_s / step,
                 compute_s=compute_s, tp_comm_s=tp_total, pp_comm_s=m * p2p_s, dp_comm_s=dp_exposed,
                 bubble_s=bubble_s, optimizer_s=optimizer_s, pipeline_s=pipeline_s, stage_times=tuple(stage_s))
+
+
+def _ring_exposed(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int, nbytes: int, peak: float,
+                  seq_len: int) -> float:
+    """Ring attention's K/V traffic per block and micro-batch that its attention compute does not hide.
+
+    Forward: CP - 1 K/V blocks arrive, each behind the previous block's attention; backward: CP - 1
+    K/V blocks and CP blocks of their gradients (fp32). The ring's neighbours are TP ranks apart, so
+    the ring stays on NVLink while TP x CP fits a node."""
+    cp = plan.cp
+    if cp == 1:
+        return 0.0
+    kv = 2 * tokens * model.kv_heads_per_rank(plan.tp) * model.head_dim  # K and V elements of one block
+    bw, where = group_bandwidth(cluster, cp, plan.tp)
+    rate = bw * 1e9 * LINK_EFFICIENCY[where]
+    fwd, bwd = (cp - 1) * kv * nbytes / rate, ((cp - 1) * kv * nbytes + cp * kv * 4) / rate
+    attn_f, attn_b = attention_time(model, cluster.gpu, tp=plan.tp, seq_len=seq_len, micro_batch=plan.micro_batch,
+                                    flash=True, peak=peak, nbytes=nbytes)
+    recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
+    return (1 + recomputed) * exposed(attn_f / cp, fwd) + exposed(attn_b / cp, bwd)

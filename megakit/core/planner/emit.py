@@ -111,6 +111,8 @@ def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: s
         parts += ["--num_nodes", str(nodes)]
     parts += ["--num_gpus", str(gpus), "scripts/train.py", "--ds_config", config_path,
               "--tp", str(plan.tp), "--pp", str(plan.pp), "--model", model_arg, "--seq-len", str(seq_len)]
+    if plan.cp > 1:
+        parts += ["--cp", str(plan.cp)]
     if plan.vpp > 1:
         parts += ["--vpp", str(plan.vpp)]
     if plan.zero_bubble:
@@ -119,6 +121,8 @@ def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: s
         parts.append("--sequence-parallel")
     if plan.recompute in ("selective", "full"):
         parts += ["--recompute", plan.recompute]
+    if plan.compress != "none":
+        parts += ["--compress", plan.compress]
     note = ""
     if plan.recompute not in ("none", "selective", "full"):
         note = f"the plan also assumes {plan.recompute} activation recompute, which megakit's model does not do yet"
@@ -151,17 +155,19 @@ def tips(result, cost, plan: Plan, cluster, *, lr_note: str, warmup: int, total:
     if cost.comm_fraction > 0.30:
         out.append(f"Communication is {cost.comm_fraction:.0%} of the step (> 30 %): raise gradient accumulation "
                    "(communication happens only at the boundary), or use a bigger micro-batch.")
-        if plan.dp > 1 and plan.tp * plan.dp > cluster.gpus_per_node:
+        if plan.dp > 1 and plan.tp * plan.dp > cluster.gpus_per_node and plan.compress == "none":
             out.append(f"DP traffic crosses nodes on {cluster.gpu.inter_link} ({cluster.gpu.inter_gbps:g} GB/s per "
-                       "GPU): 1-bit Adam (ds_configs preset) or megakit's Top-K / INT8 gradient compression with "
-                       "error feedback cut it by 50-90 %.")
+                       "GPU): with ZeRO 0, megakit's gradient compression with error feedback (plan and train with "
+                       "--compress int8, sign or topk:0.01) sends 4-50x fewer bytes; or --local-sgd H averages the "
+                       "weights only every H steps.")
     small_model = result.branch == "data-parallel" and plan.dp >= 8
     if small_model and cost.comm_fraction > 0.15:
         out.append(f"A small model on {plan.dp} GPUs is communication-bound: fewer GPUs or a bigger global batch "
                    "would be nearly as fast per GPU-hour.")
     if cluster.gpu.inter_gbps < 12.5 and plan.world > cluster.gpus_per_node:
         out.append(f"The inter-node link is slow ({cluster.gpu.inter_gbps:g} GB/s per GPU): prefer gradient "
-                   "accumulation and compression (1-bit Adam, Top-K/INT8 with error feedback).")
+                   "accumulation, and with ZeRO 0 megakit's --compress (int8, sign, topk:RATIO, with error "
+                   "feedback) or --local-sgd H.")
     if plan.pp > 1 and cost.bubble_fraction > 0.10:
         out.append(f"The pipeline bubble is {cost.bubble_fraction:.0%}: more micro-batches per step or "
                    "interleaving (--vpp) shrink it.")

@@ -32,7 +32,9 @@ Activations per layer and micro-batch follow Korthikanti et al. 2022 (Table 2):
 lists tensor by tensor so it also covers GQA, SwiGLU, fp32, no-dropout and
 fused (flash) attention, where the ``as²`` scores are never stored. TP shards
 the tensors inside attention and the MLP; sequence parallelism shards the rest.
-A 1F1B stage ``i`` of ``p`` keeps ``min(p - i, m)`` micro-batches in flight; the
+Context parallelism (``cp``) divides every activation by CP (a rank holds ``s/cp`` tokens; ring
+attention keeps q, k, v, its output and log-sum-exp, never the scores) and shards ZeRO's states over
+DP x CP; the ring adds two K/V blocks in flight. A 1F1B stage ``i`` of ``p`` keeps ``min(p - i, m)`` micro-batches in flight; the
 interleaved schedule keeps ``(p - i - 1)·2 + (v - 1)·p + 1`` model chunks, counted chunk by chunk
 (``in_flight_chunks``: earlier chunks hold more, and chunks hold unequal layers). Each in-flight
 chunk that sends on also holds its output until its backward, and a stage that receives
@@ -215,7 +217,7 @@ def stage_params(model: ModelSpec, *, tp: int, pp: int, stage: int, layers: int 
     return count
 
 
-def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 0,
+def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, zero_stage: int = 0,
                     micro_batch: int = 1, seq_len: int | None = None, accumulation: int | None = None,
                     recompute: str = "none", sequence_parallel: bool = False, vpp: int = 1,
                     precision: str = "bf16", offload: str = "none", stage="first",
@@ -245,6 +247,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     if min(tp, pp, dp, vpp, micro_batch) < 1:
         raise UsageError("tp, pp, dp, vpp and micro-batch must all be at least 1")
     s = model.seq_len if seq_len is None else seq_len
+    if cp > 1:  # this rank's s/cp tokens; the ring keeps what flash attention keeps; ZeRO over DP x CP
+        s, dp, flash_attention = s // cp, dp * cp, True
     b = micro_batch
     stage = _resolve_stage(stage, pp)
     p = PRECISIONS[precision]
@@ -333,6 +337,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
         comm = 0.0
     if pp > 1:  # the receive buffer posted for the next micro-batch's activation or gradient
         comm += hidden
+    if cp > 1:  # ring attention: the K/V block in use and the one arriving
+        comm += 2 * 2 * p * s * b * model.kv_heads_per_rank(tp) * model.head_dim
     items["comm_buffers"] = comm
     if zero_stage == 3:  # full (TP-sharded) parameters of the layer in use plus the prefetched one
         sharded, replicated = model.layer_params(tp)

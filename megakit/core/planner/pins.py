@@ -16,16 +16,18 @@ class Pins:
 
     tp: int | None = None
     pp: int | None = None
+    cp: int | None = None
     zero: int | None = None
     micro_batch: int | None = None
     recompute: str | None = None
     vpp: int | None = None
     sequence_parallel: bool | None = None
     schedule: str | None = None  # "1f1b" or "zb-h1" (one chunk per stage); None: 1F1B, interleaved if VPP > 1
+    compress: str = "none"  # DP gradient compression the plan uses (megakit's, ZeRO 0 only)
 
     @property
     def layout_pinned(self) -> bool:
-        return self.tp is not None or self.pp is not None
+        return self.tp is not None or self.pp is not None or self.cp is not None
 
     @property
     def memory_pinned(self) -> bool:
@@ -43,9 +45,22 @@ def _tp_rule(model: ModelSpec, tp: int) -> str:
     return f"TP must divide {', '.join(model.config.tp_conflicts(tp))}"
 
 
-def check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int) -> None:
+def check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int, *, seq_len: int | None = None) -> None:
     world = cluster.num_gpus
     node = cluster.gpus_per_node
+    if pins.compress != "none" and pins.zero not in (None, 0):
+        raise UsageError(f"--compress {pins.compress} runs with ZeRO 0 only (ZeRO 1-3 reduce inside DeepSpeed); "
+                         "drop --zero or pin --zero 0")
+    if pins.cp is not None:
+        s = model.seq_len if seq_len is None else seq_len
+        if pins.cp < 1:
+            raise UsageError(f"--cp {pins.cp} must be a positive integer")
+        if s % (2 * pins.cp):
+            raise UsageError(f"--cp {pins.cp} does not divide the sequence: context parallelism cuts the {s} tokens "
+                             f"into 2 x CP = {2 * pins.cp} equal chunks; pick a CP with 2 x CP dividing --seq-len")
+        if world % ((pins.tp or 1) * (pins.pp or 1) * pins.cp):
+            raise UsageError(f"--cp {pins.cp} (x --tp {pins.tp or 1} x --pp {pins.pp or 1}) does not divide the "
+                             f"{world} GPUs; pick a CP that divides the GPU count")
     if pins.tp is not None:
         if pins.tp < 1:
             raise UsageError(f"--tp {pins.tp} must be a positive integer")

@@ -7,15 +7,18 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
-    """TP × PP × DP with ZeRO, micro-batching and recomputation.
+    """TP × CP × PP × DP with ZeRO, micro-batching and recomputation.
 
     ``accumulation`` is the number of micro-batches per optimizer step per DP rank, so the
     global batch is ``micro_batch × accumulation × dp`` sequences; with PP > 1 these
-    micro-batches are what the 1F1B pipeline streams."""
+    micro-batches are what the 1F1B pipeline streams. ``cp``: context parallelism, each
+    sequence split over CP ranks (ring attention); they hold the same weights, so ZeRO shards
+    and gradients reduce over DP × CP."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
     vpp: int = 1
     zero_stage: int = 0
     micro_batch: int = 1
@@ -33,10 +36,11 @@ class Plan:
     dp_shard: int = 0  # ZeRO-3/FSDP shard group (HSDP: shard inside it, replicate across); 0: all of DP
     zero3: str = "deepspeed"  # who runs ZeRO-3 (sharding.ZERO3): DeepSpeed today, FSDP, or DeepSpeed of 2021
     reduce_precision: str = ""  # dtype of the gradient reduction ('fp32' in FSDP2's default policy); '': training's
+    compress: str = "none"  # megakit's DP gradient compression (--compress; ZeRO 0): core.compression prices it
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def global_batch(self) -> int:
@@ -44,7 +48,7 @@ class Plan:
 
     def memory_kwargs(self) -> dict:
         """The keyword arguments of ``memory.estimate_memory`` for this plan."""
-        return dict(tp=self.tp, pp=self.pp, dp=self.dp, zero_stage=self.zero_stage, micro_batch=self.micro_batch,
+        return dict(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, zero_stage=self.zero_stage, micro_batch=self.micro_batch,
                     accumulation=self.accumulation, recompute=self.recompute,
                     sequence_parallel=self.sequence_parallel, vpp=self.vpp, precision=self.precision,
                     offload=self.offload, flash_attention=self.flash_attention,
@@ -57,7 +61,7 @@ class Plan:
         return self.dp_shard if 0 < self.dp_shard < self.dp else self.dp
 
     def describe(self) -> str:
-        parts = [f"TP={self.tp}", f"PP={self.pp}", f"DP={self.dp}"]
+        parts = [f"TP={self.tp}"] + ([f"CP={self.cp}"] if self.cp > 1 else []) + [f"PP={self.pp}", f"DP={self.dp}"]
         if self.vpp > 1:
             parts.append(f"VPP={self.vpp}")
         if self.zero_bubble:

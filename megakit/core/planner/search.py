@@ -7,6 +7,12 @@ only as memory requires; beyond it, model parallelism: TP inside a node
 pipeline (ZeRO-2 only with PP = 1; ZeRO-3 only when nothing else fits). Any
 pinned dimension overrides the rule for that dimension.
 
+Context parallelism (CP) is searched when the sequence is long (``LONG_SEQ`` tokens or more: below
+that the per-layer ring costs more than the memory it saves is worth) or pinned, outside the
+data-parallel branch: a CP group sits right after TP in the rank order, so TP x CP inside a node
+keeps its ring on NVLink, and the cost model prefers CP inside the node to TP across it (which the
+search never builds).
+
 Pruning keeps the search fast: a layout whose model states alone already exceed
 the limit is dropped before any micro-batch or recompute choice is tried, and
 micro-batches are tried smallest first, stopping at the first that does not fit
@@ -33,6 +39,7 @@ from megakit.errors import UsageError
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 TIE = 0.01  # plans within 1 % of the fastest count as equally fast
+LONG_SEQ = 16384  # sequences from this length on are also split over CP ranks in the search
 OVERHEAD_BYTES = 1.0 * GIB  # CUDA context, cuBLAS/NCCL workspaces, allocator fragmentation
 
 
@@ -87,7 +94,7 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
     limit = threshold * cluster.gpu.mem_gib * GIB
     judged = pins.memory_pinned  # "will my layout fit?": against the whole memory, then a verdict
     world = cluster.num_gpus
-    check_pins(model, cluster, pins, global_batch)
+    check_pins(model, cluster, pins, global_batch, seq_len=s)
     one_gpu, one_gpu_bytes = fits_one_gpu(model, cluster, threshold=threshold, precision=precision, flash=flash,
                                           seq_len=s)
     if pins.layout_pinned:
@@ -104,6 +111,8 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
     hard = cluster.gpu.mem_gib * GIB if judged else limit
     ctx = _Context(model, cluster, pins, global_batch, s, hard, precision, offload, flash, keep_rejected)
     zeros = (0, 1, 2, 3) if branch != "model-parallel" or pins.zero is not None else (0, 1, 2)
+    if pins.compress != "none":  # megakit compresses only what DeepSpeed leaves it: ZeRO 0's all-reduce
+        zeros = (0,)
     ctx.run(branch, zeros)
     if not ctx.feasible and branch == "data-parallel":  # e.g. a global batch smaller than the GPU count
         branch = "model-parallel"
@@ -171,7 +180,7 @@ def _host_bytes(model: ModelSpec, plan: Plan, seq_len: int) -> float:
 
 def _simplicity(c: Candidate):
     p = c.plan
-    return (p.zero_stage, p.pp, p.tp, RECOMPUTE_ORDER.index(p.recompute), p.vpp, not p.sequence_parallel,
+    return (p.zero_stage, p.pp, p.cp, p.tp, RECOMPUTE_ORDER.index(p.recompute), p.vpp, not p.sequence_parallel,
             c.memory.total)
 
 
@@ -228,45 +237,60 @@ class _Context:
                             "GPUs per node): its per-layer all-reduces would run on the network",
                             unique_key=f"tp-node-{tp}", kind="tp-node")
                 continue
-            pps = [pins.pp] if pins.pp is not None else [p for p in divisors(world // tp) if p <= m.layers]
-            if (pins.vpp or 1) > 1:  # interleaving needs a pipeline
-                for pp in [p for p in pps if p == 1]:
-                    self.reject(Plan(tp=tp, pp=pp), f"--vpp {pins.vpp} needs PP > 1; pin --pp 2 or more, or "
-                                "drop --vpp", unique_key="vpp-pp1", kind="vpp")
-                pps = [p for p in pps if p > 1]
-            for pp in pps:
-                if world % (tp * pp):
-                    continue
-                dp = world // (tp * pp)
-                if pins.pp is None and branch == "data-parallel" and pp > 1:
-                    self.reject(Plan(pp=pp), "model fits one GPU: the seed's rule trains it data-parallel (PP=1)",
-                                unique_key="dp-branch-pp", kind="rule")
-                    continue
-                if self.global_batch % dp:
-                    self.reject(Plan(tp=tp, pp=pp, dp=dp), f"global batch {self.global_batch} is not a multiple "
-                                f"of DP={dp}", unique_key=f"batch-dp-{dp}", kind="batch")
-                    continue
-                for zero in ([pins.zero] if pins.zero is not None else zeros):
-                    if zero >= 2 and pp > 1:
-                        self.reject(Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero), f"ZeRO-{zero} with PP={pp}: "
-                                    "gradients are partitioned per micro-batch, so a pipeline allows ZeRO 0-1 only",
-                                    unique_key=f"zero-pp-{zero}", kind="zero-pp")
-                        continue
-                    if zero >= 1 and dp == 1 and self.offload == "none":  # offload runs ZeRO on one replica
-                        if pins.zero is not None:
-                            self.reject(Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero), f"--zero {zero} shards over "
-                                        f"data-parallel replicas but TP={tp} x PP={pp} leaves DP=1 with {world} "
-                                        "GPU(s); use --zero 0 (the same with one replica) or more GPUs",
-                                        unique_key=f"zero-dp1-{tp}-{pp}", kind="zero-dp")
-                        continue  # identical to ZeRO-0
-                    self._layout(tp, pp, dp, zero)
+            for cp in self._cps(branch, tp):
+                self._pps(branch, zeros, tp, cp)
 
-    def _layout(self, tp, pp, dp, zero) -> None:
+    def _cps(self, branch: str, tp: int) -> list[int]:
+        """CP degrees to try with this TP: the pin, 1, and for a long sequence outside the data-parallel
+        branch every degree that splits it into 2 x CP chunks and fits beside TP in the GPU count."""
+        if self.pins.cp is not None:
+            return [self.pins.cp]
+        if branch == "data-parallel" or self.seq_len < LONG_SEQ:
+            return [1]
+        return [c for c in divisors(self.cluster.num_gpus // tp) if self.seq_len % (2 * c) == 0]
+
+    def _pps(self, branch: str, zeros, tp: int, cp: int) -> None:
+        m, pins, world = self.model, self.pins, self.cluster.num_gpus
+        pps = [pins.pp] if pins.pp is not None else [p for p in divisors(world // (tp * cp)) if p <= m.layers]
+        if (pins.vpp or 1) > 1:  # interleaving needs a pipeline
+            for pp in [p for p in pps if p == 1]:
+                self.reject(Plan(tp=tp, pp=pp), f"--vpp {pins.vpp} needs PP > 1; pin --pp 2 or more, or "
+                            "drop --vpp", unique_key="vpp-pp1", kind="vpp")
+            pps = [p for p in pps if p > 1]
+        for pp in pps:
+            if world % (tp * pp * cp):
+                continue
+            dp = world // (tp * pp * cp)
+            if pins.pp is None and branch == "data-parallel" and pp > 1:
+                self.reject(Plan(pp=pp), "model fits one GPU: the seed's rule trains it data-parallel (PP=1)",
+                            unique_key="dp-branch-pp", kind="rule")
+                continue
+            if self.global_batch % dp:
+                self.reject(Plan(tp=tp, pp=pp, dp=dp), f"global batch {self.global_batch} is not a multiple "
+                            f"of DP={dp}", unique_key=f"batch-dp-{dp}", kind="batch")
+                continue
+            for zero in ([pins.zero] if pins.zero is not None else zeros):
+                if zero >= 2 and pp > 1:
+                    self.reject(Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero), f"ZeRO-{zero} with PP={pp}: "
+                                "gradients are partitioned per micro-batch, so a pipeline allows ZeRO 0-1 only",
+                                unique_key=f"zero-pp-{zero}", kind="zero-pp")
+                    continue
+                if zero >= 1 and dp * cp == 1 and self.offload == "none":  # offload runs ZeRO on one replica
+                    if pins.zero is not None:
+                        self.reject(Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero), f"--zero {zero} shards over "
+                                    f"data-parallel replicas but TP={tp} x PP={pp} leaves DP=1 with {world} "
+                                    "GPU(s); use --zero 0 (the same with one replica) or more GPUs",
+                                    unique_key=f"zero-dp1-{tp}-{pp}", kind="zero-dp")
+                    continue  # identical to ZeRO-0
+                self._layout(tp, pp, dp, zero, cp)
+
+    def _layout(self, tp, pp, dp, zero, cp=1) -> None:
         m, pins = self.model, self.pins
         per_rank = self.global_batch // dp
-        base = Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch=1, accumulation=per_rank, recompute="full",
+        base = Plan(tp=tp, pp=pp, dp=dp, cp=cp, zero_stage=zero, micro_batch=1, accumulation=per_rank, recompute="full",
                     sequence_parallel=tp > 1, precision=self.precision, offload=self.offload,
-                    flash_attention=self.flash, zero_bubble=pins.schedule == "zb-h1" and pp > 1)
+                    flash_attention=self.flash, compress=pins.compress if zero == 0 else "none",
+                    zero_bubble=pins.schedule == "zb-h1" and pp > 1)
         if self.offload == "params" and zero != 3:
             return
         # Lower bound: the smallest activations this layout can have (one sequence, full recompute);
@@ -325,7 +349,7 @@ def smallest_cluster(model: ModelSpec, make_cluster, *, global_batch: int, max_n
     floor_states = estimate_memory(model, dp=1, zero_stage=3, precision=kwargs.get("precision", "bf16"))
     start = max(1, int(floor_states.model_states // (limit * per_node)))
     pins = kwargs.get("pins", Pins())
-    fixed = (pins.tp or 1) * (pins.pp or 1)
+    fixed = (pins.tp or 1) * (pins.pp or 1) * (pins.cp or 1)
     for nodes in range(start, max_nodes + 1):
         if (nodes * per_node) % fixed:
             continue  # the pinned TP x PP does not divide this many GPUs

@@ -1,0 +1,52 @@
+"""``megakit prepare-data``: text to token shards the trainer reads with ``--data DIR``.
+
+    megakit prepare-data corpus/ notes.txt --out data/mine --vocab-size 8192
+    megakit prepare-data pile.jsonl --field text --tokenizer my-tokenizer/ --out data/pile
+    megakit prepare-data --stdlib --out data/stdlib          # the Python standard library's sources
+
+See ``megakit.interop.prepare_data`` (the pipeline) and ``megakit.interop.token_shards`` (the format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inputs", metavar="INPUT", nargs="*",
+                        help="text files, directories of them (walked recursively) and .jsonl files")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the data directory to write (replaced atomically)")
+    parser.add_argument("--stdlib", action="store_true",
+                        help="add the Python standard library's sources (what the trainer uses by default)")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="train a byte-level BPE of this many tokens")
+    parser.add_argument("--tokenizer", metavar="PATH", default=None,
+                        help="use this tokenizer.json or transformers tokenizer directory instead of training one")
+    parser.add_argument("--field", default="text", help="the JSONL key that holds the text")
+    parser.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out for validation")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes")
+    parser.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard file")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from megakit.interop.prepare_data import PrepareConfig, prepare
+
+    inputs = list(args.inputs)
+    if args.stdlib:
+        from megakit.train.data import stdlib_files
+
+        inputs += [str(p) for p in stdlib_files()]
+    cfg = PrepareConfig(inputs=inputs, out=args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
+                        field=args.field, val_fraction=args.val_fraction, workers=args.workers,
+                        shard_tokens=args.shard_tokens, progress=not args.no_progress)
+    s = prepare(cfg)
+    if s["unchanged"]:
+        print(f"{args.out} is up to date ({s['tokens']['train']:,} train tokens); nothing to do")
+        return 0
+    rate = s["bytes"] / 2**20 / s["seconds"]
+    print(f"wrote {args.out}: {s['tokens']['train']:,} train and {s['tokens']['validation']:,} validation tokens "
+          f"from {s['documents']['train'] + s['documents']['validation']:,} documents in {s['files'] - s['skipped']} "
+          f"files ({s['skipped']} skipped), vocabulary {s['vocab_size']}, {s['seconds']:.1f} s, {rate:.2f} MB/s")
+    print(f"train on it with: deepspeed scripts/train.py --data {args.out} ...")
+    return 0

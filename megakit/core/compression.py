@@ -1,0 +1,81 @@
+"""What a ``--compress`` spec means: its parse, and the bytes per gradient element it puts on the wire.
+
+One place for both, so the trainer that compresses and the planner that prices the
+compressed DP traffic agree. The codecs themselves are in ``megakit.nn.compression``.
+
+| spec        | what each rank sends per gradient element (fp32 gradients: 4 bytes dense)        |
+|-------------|-----------------------------------------------------------------------------------|
+| ``none``    | the fp32 gradient, all-reduced by DeepSpeed                                       |
+| ``fp16``    | 2 bytes (all-reduced in fp16)                                                     |
+| ``int8``    | 1 byte + one fp32 scale per ``CHUNK`` elements                                    |
+| ``sign``    | 1 bit + one fp32 scale per ``CHUNK`` elements (1-bit SGD, Seide et al. 2014)      |
+| ``topk:R``  | the largest R·n elements as (int32 index, fp32 value) pairs (Lin et al. 2018)     |
+
+Where it applies: ``fp16`` and ``int8`` lose little, so they compress the gradients and
+every rank's optimizer steps on the same average, as without compression. ``sign`` and
+``topk`` lose most of each step's gradient and return it later through error feedback;
+Adam scales every coordinate by its own gradient history, so a coordinate that receives
+its delayed gradient as one spike takes a far smaller step than the dense run took
+(measured: Top-K 1 % of gradients ends 14 % above the exact loss, with or without
+feedback). They therefore compress what the optimizer applies instead: each rank steps
+Adam on its own gradients, and the weight updates are averaged, compressed, with error
+feedback (the idea of 1-bit Adam, Tang et al. 2021, which compresses after Adam's
+non-linear part). That keeps the weights identical on every DP rank; each rank's Adam
+moments follow its own gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megakit.errors import UsageError
+
+CHUNK = 512  # elements sharing one scale (int8, sign): 1/128 byte per element of overhead
+KINDS = ("none", "fp16", "int8", "sign", "topk")
+
+
+@dataclass(frozen=True)
+class Compression:
+    kind: str = "none"
+    ratio: float = 1.0  # topk: the share of elements sent
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "none"
+
+    @property
+    def after_optimizer(self) -> bool:
+        """Compress the optimizer's weight update rather than the gradient (see the module docstring)."""
+        return self.kind in ("sign", "topk")
+
+    def wire_bytes_per_element(self) -> float:
+        """Bytes one rank contributes to the DP exchange per gradient element."""
+        return {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / CHUNK, "sign": 1 / 8 + 4.0 / CHUNK,
+                "topk": 8.0 * self.ratio}[self.kind]
+
+    def wire_fraction(self) -> float:
+        """Bytes sent against an uncompressed fp32 exchange of the same gradients."""
+        return self.wire_bytes_per_element() / 4.0
+
+    def __str__(self) -> str:
+        return f"topk:{self.ratio:g}" if self.kind == "topk" else self.kind
+
+
+def parse_compression(text: str) -> Compression:
+    """``none | fp16 | int8 | sign | topk:RATIO`` (0 < RATIO < 1) as a ``Compression``; UsageError otherwise."""
+    kind, _, arg = text.strip().lower().partition(":")
+    if kind not in KINDS:
+        raise UsageError(f"--compress {text}: not one of none, fp16, int8, sign, topk:RATIO "
+                         "(e.g. topk:0.01 sends the largest 1 % of gradient elements)")
+    if kind != "topk":
+        if arg:
+            raise UsageError(f"--compress {text}: {kind} takes no argument; only topk:RATIO does")
+        return Compression(kind)
+    try:
+        ratio = float(arg)
+    except ValueError:
+        raise UsageError(f"--compress {text}: topk needs the share of elements to send, e.g. topk:0.01") from None
+    if not 0.0 < ratio < 1.0:
+        raise UsageError(f"--compress {text}: the Top-K ratio must be above 0 and below 1 (topk:0.01 sends 1 %); "
+                         "use --compress none to send everything")
+    return Compression("topk", ratio)

@@ -1,0 +1,270 @@
+"""``prepare-data``: text files, directories and JSONL to token shards, a validation split and the tokenizer.
+
+- A text file is one document; a ``.jsonl`` file holds one document per line (its ``field``).
+  A file that is not UTF-8 text (or holds a NUL byte) is skipped with a counted warning: one
+  bad file among thousands should not stop a run, and a corpus of nothing but bad files is
+  an error that names one.
+- Documents are tokenized in parallel: batches of files go to a pool of processes, each
+  with its own copy of the tokenizer, and come back in order, so the output does not depend
+  on the number of workers. Each worker encodes a batch at once (``encode_batch``).
+- Document ``i`` goes to validation when ``floor((i+1) f) > floor(i f)``: an exact fraction
+  ``f``, spread evenly over the corpus, the same on every run.
+- Everything is written to a temporary directory beside ``--out`` and renamed into place
+  with the index written last, so an interrupted run leaves nothing a later run (or the
+  trainer) takes for finished. The index records a fingerprint of the inputs (path, size and
+  modification time of every file) and the settings; a second run with the same fingerprint
+  and intact shards does nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from megakit.errors import UsageError
+from megakit.interop import tokenizer as tok
+from megakit.interop.token_shards import (
+    INDEX,
+    ShardWriter,
+    looks_prepared,
+    open_shards,
+    read_index,
+    token_dtype,
+    write_index,
+)
+
+TASK_BYTES = 1 << 19  # files are handed to workers in batches of about this much text
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareConfig:
+    inputs: list[str]
+    out: str
+    vocab_size: int = 4096
+    tokenizer: str | None = None  # a tokenizer.json / transformers directory instead of training one
+    field: str = "text"  # the JSONL key holding the text
+    val_fraction: float = 0.01
+    workers: int = 1
+    shard_tokens: int = 1 << 26
+    max_train_bytes: int = 1 << 28  # text the BPE is trained on (the first files, in order)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise UsageError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.workers < 1 or self.shard_tokens < 1:
+            raise UsageError("--workers and --shard-tokens must be at least 1")
+
+
+def list_inputs(inputs: list[str], *, exclude: Path | None = None) -> list[Path]:
+    """Every file the inputs name, directories walked in sorted order (hidden files and ``exclude``, the
+    output directory, left out)."""
+    if not inputs:
+        raise UsageError("give at least one input file or directory")
+    files = []
+    for item in inputs:
+        path = Path(item)
+        if not path.exists():
+            raise UsageError(f"input {path}: no such file or directory")
+        if path.is_file():
+            files.append(path)
+        else:
+            skip = exclude.resolve() if exclude is not None else None
+            files += sorted(p for p in path.rglob("*") if p.is_file()
+                            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                            and (skip is None or skip not in p.resolve().parents))
+    if not files:
+        raise UsageError(f"the inputs ({', '.join(inputs)}) hold no files; give text files, directories of them or JSONL")
+    return files
+
+
+def read_documents(path: Path, text_field: str) -> tuple[list[str], str | None]:
+    """``(documents, why skipped)``: the file's documents, or ``([], reason)`` when it is not text."""
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        return [], f"unreadable ({error.strerror})"
+    if b"\0" in data:
+        return [], "binary (holds a NUL byte)"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return [], f"not UTF-8 (byte {error.start})"
+    if path.suffix != ".jsonl":
+        return ([text] if text else []), None
+    docs = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)[text_field]
+        except (json.JSONDecodeError, TypeError, KeyError):
+            return [], f"line {number} is not a JSON object with a {text_field!r} string (--field)"
+        if isinstance(value, str) and value:
+            docs.append(value)
+    return docs, None
+
+
+def fingerprint(files: list[Path], settings: dict) -> str:
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for path in files:
+        stat = path.stat()
+        digest.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+# -- the workers ----------------------------------------------------------------------------------
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer_json: str, text_field: str, eos: int | None, dtype: str) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the pool is the parallelism
+    from tokenizers import Tokenizer
+
+    _WORKER.update(tokenizer=Tokenizer.from_str(tokenizer_json), field=text_field, eos=eos, dtype=np.dtype(dtype))
+
+
+def _encode_files(paths: list[str]) -> list[tuple[list[np.ndarray], int, str | None]]:
+    """Per file: its documents' ids (end-of-text appended), its size in bytes, why it was skipped (or None)."""
+    tokenizer, eos, dtype = _WORKER["tokenizer"], _WORKER["eos"], _WORKER["dtype"]
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # fast: no offsets computed
+    read = [(path, *read_documents(Path(path), _WORKER["field"])) for path in paths]
+    texts = [doc for _, docs, _ in read for doc in docs]
+    encoded = iter(encode(texts, add_special_tokens=False)) if texts else iter(())
+    tail = [] if eos is None else [eos]
+    out = []
+    for path, docs, skipped in read:
+        arrays = [np.array(next(encoded).ids + tail, dtype=dtype) for _ in docs]
+        out.append((arrays, os.path.getsize(path), skipped))
+    return out
+
+
+def _tasks(files: list[Path]) -> list[list[str]]:
+    tasks, size = [[]], 0
+    for path in files:
+        if tasks[-1] and size >= TASK_BYTES:
+            tasks.append([])
+            size = 0
+        tasks[-1].append(str(path))
+        size += path.stat().st_size
+    return tasks
+
+
+# -- the run ----------------------------------------------------------------------------------------
+def _tokenizer(cfg: PrepareConfig, files: list[Path], say):
+    if cfg.tokenizer:
+        return tok.load_tokenizer(cfg.tokenizer)
+
+    def texts():
+        seen = 0
+        for path in files:
+            docs, _ = read_documents(path, cfg.field)
+            for doc in docs:
+                yield doc
+                seen += len(doc)
+            if seen >= cfg.max_train_bytes:
+                return
+
+    say(f"prepare-data: training a byte-level BPE tokenizer of {cfg.vocab_size} tokens")
+    return tok.train_bpe(texts(), cfg.vocab_size)
+
+
+def _settings(cfg: PrepareConfig) -> dict:
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("inputs", "out", "workers", "progress")}
+    if cfg.tokenizer:
+        source = Path(cfg.tokenizer)
+        file = source / "tokenizer.json" if source.is_dir() else source
+        settings["vocab_size"] = None
+        settings["tokenizer"] = hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else str(source.resolve())
+    return settings
+
+
+def prepare(cfg: PrepareConfig, *, say=print) -> dict:
+    """Run ``cfg``; returns a summary (``unchanged`` when the output was already up to date)."""
+    out = Path(cfg.out)
+    if out.exists() and not looks_prepared(out) and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {out} exists and is not a megakit data directory; choose another or remove it")
+    files = list_inputs(cfg.inputs, exclude=out)
+    stamp = fingerprint(files, _settings(cfg))
+    if (out / INDEX).is_file():
+        try:
+            if read_index(out)["source"]["fingerprint"] == stamp:
+                open_shards(out)  # sizes as indexed
+                return {"unchanged": True, "out": str(out), **read_index(out)["summary"]}
+        except (UsageError, KeyError):
+            pass  # damaged or older: make it again
+    started = time.perf_counter()
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    try:
+        summary = _write(cfg, files, tmp, stamp, say)
+        summary["seconds"] = time.perf_counter() - started
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"unchanged": False, "out": str(out), **summary}
+
+
+def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) -> dict:
+    from tqdm.auto import tqdm
+
+    tokenizer = _tokenizer(cfg, files, say)
+    vocab, eos = tok.vocab_size(tokenizer), tok.end_of_text_id(tokenizer)
+    dtype = token_dtype(vocab)
+    writers = {split: ShardWriter(tmp, split, dtype, shard_tokens=cfg.shard_tokens) for split in ("train", "validation")}
+    counts = {"documents": {"train": 0, "validation": 0}, "tokens": {"train": 0, "validation": 0}}
+    skipped, total_bytes, doc = [], sum(p.stat().st_size for p in files), 0
+    args = (tokenizer.to_str(), cfg.field, eos, dtype.str)
+    tasks = _tasks(files)
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="prepare-data",
+               disable=not cfg.progress, dynamic_ncols=True)
+    workers = min(cfg.workers, len(tasks))
+    pool = multiprocessing.get_context("fork").Pool(workers, _init_worker, args) if workers > 1 else None
+    try:
+        if pool is None:
+            _init_worker(*args)
+        results = pool.imap(_encode_files, tasks) if pool else map(_encode_files, tasks)
+        for batch, paths in zip(results, tasks):
+            for (arrays, size, why), path in zip(batch, paths):
+                if why:
+                    skipped.append(f"{path}: {why}")
+                for ids in arrays:
+                    f = cfg.val_fraction
+                    split = "validation" if int((doc + 1) * f) > int(doc * f) else "train"
+                    writers[split].add(ids)
+                    counts["documents"][split] += 1
+                    counts["tokens"][split] += len(ids)
+                    doc += 1
+                bar.update(size)
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+    splits = {split: writer.close() for split, writer in writers.items()}
+    if not counts["tokens"]["train"]:
+        why = f" ({skipped[0]})" if len(skipped) == 1 else f" ({len(skipped)} skipped, e.g. {skipped[0]})" if skipped else ""
+        raise UsageError(f"the inputs hold no text to train on{why}; give UTF-8 text files or JSONL")
+    if skipped:
+        say(f"prepare-data: warning: skipped {len(skipped)} of {len(files)} files that are not UTF-8 text, "
+            f"e.g. {skipped[0]}")
+    tok.save_tokenizer(tokenizer, tmp)
+    summary = {"files": len(files), "skipped": len(skipped), "bytes": total_bytes, "vocab_size": vocab, **counts}
+    write_index(tmp, {"dtype": dtype.name, "vocab_size": vocab, "eos_id": eos,
+                      "source": {"fingerprint": stamp, "inputs": [str(i) for i in cfg.inputs], "skipped": skipped},
+                      "splits": splits, "summary": summary})
+    return summary

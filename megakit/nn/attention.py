@@ -1,0 +1,116 @@
+"""Causal self-attention with heads split over TP, and over CP as ring attention; rotary positions.
+
+q/k/v are column-parallel and the output row-parallel (Megatron). Without context parallelism
+the core is PyTorch's fused ``scaled_dot_product_attention`` (or, with dropout in training,
+the same written out so the mask is megakit's layout-free one); with it, the rank holds
+``S/cp`` rows of the sequence and the core is ``megakit.nn.context_parallel.ring_attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+
+from megakit.core.model_config import ModelConfig
+from megakit.nn import comm as C
+from megakit.nn.context_parallel import attention_keep, positions, ring_attention
+from megakit.nn.dropout import DropoutKeys, attention_dropout
+from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, enter_tp_region
+
+
+def rope_tables(config: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, ``(max_seq_len, head_dim)`` in fp32, in Hugging Face Llama's half-split layout."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
+    angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float64, device=device), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(B, n, S, d)`` by position; ``cos``/``sin`` are ``(S, d)``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention, heads split over TP: q/k/v column-parallel, output row-parallel.
+
+    With dropout in training the attention is written out (scores, softmax, dropout, values)
+    so that the probabilities' mask is megakit's layout-free one; otherwise it is PyTorch's
+    fused ``scaled_dot_product_attention``. ``selective``: in training, keep only q, k and v of the attention
+    core (rotary, scores, softmax, dropout, values) and recompute it in backward (Korthikanti et al. 2022,
+    Sec. 4.2); its dropout mask is keyed, so the recompute redraws it. ``cp_group``: context
+    parallelism, the core is ring attention, which keeps q, k, v, its output and the
+    log-sum-exp and recomputes the scores in backward by itself (so ``selective`` changes nothing).
+    """
+
+    def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, site: str, dtype, device,
+                 selective: bool = False, cp_group=None) -> None:
+        super().__init__()
+        tp = C.size(group)
+        self.cp_group, self.cp, self.cp_rank = cp_group, C.size(cp_group), C.rank(cp_group)
+        self.group, self.sequence_parallel, self.site, self.selective = group, sequence_parallel, site, selective
+        self.heads, self.kv_heads, self.head_dim = config.heads // tp, config.kv_heads // tp, config.head_dim
+        self.total_heads, self.head_start = config.heads, C.rank(group) * self.heads
+        self.dropout, self.rope = config.dropout, config.family == "llama"
+        q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
+        col = dict(group=group, sequence_parallel=sequence_parallel, enter_region=False, dtype=dtype, device=device)
+        self.q_proj = ColumnParallelLinear(config.hidden, q, bias=config.qkv_bias, **col)
+        self.k_proj = ColumnParallelLinear(config.hidden, kv, bias=config.qkv_bias, **col)
+        self.v_proj = ColumnParallelLinear(config.hidden, kv, bias=config.qkv_bias, **col)
+        self.o_proj = RowParallelLinear(q, config.hidden, bias=config.out_bias, group=group,
+                                        sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(*x.shape[:2], n, self.head_dim).permute(1, 2, 0, 3)  # (S, B, n*d) -> (B, n, S, d)
+
+    def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None) -> torch.Tensor:
+        x = enter_tp_region(x, self.group, self.sequence_parallel)  # (S, B, H)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (S, B, nh/tp * d), (S, B, nkv/tp * d) x 2
+        if self.selective and self.training and self.cp == 1:  # no collective inside the core: none is recomputed
+            y = torch.utils.checkpoint.checkpoint(self._core, q, k, v, rope, keys, use_reentrant=False)
+        else:
+            y = self._core(q, k, v, rope, keys)
+        return self.o_proj(y)  # (S', B, H)
+
+    def _core(self, q, k, v, rope: tuple | None, keys: DropoutKeys | None) -> torch.Tensor:
+        """The attention core: projections in, ``(S, B, nh/tp * d)`` out (what ``o_proj`` takes)."""
+        s, b, _ = q.shape
+        q, k, v = self._heads(q, self.heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
+        if self.rope:
+            cos, sin = rope[0][:s], rope[1][:s]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.cp > 1:
+            y = self._ring(q, k, v, keys)
+        elif self.training and self.dropout > 0:
+            y = self._attend_with_dropout(q, k, v, keys)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               enable_gqa=self.heads != self.kv_heads)  # (B, nh/tp, S, d)
+        return y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # (S, B, nh/tp * d)
+
+    def _attend_with_dropout(self, q, k, v, keys: DropoutKeys) -> torch.Tensor:
+        """``softmax(q k^T / sqrt(d) + causal) -> dropout -> @ v``, as SDPA's math path, with megakit's masks."""
+        if self.kv_heads != self.heads:  # GQA: each KV head serves a run of query heads (SDPA's enable_gqa)
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        s = q.shape[2]
+        scores = torch.matmul(q, k.transpose(-2, -1)) * (self.head_dim ** -0.5)  # (B, nh/tp, S, S)
+        causal = torch.full((s, s), float("-inf"), dtype=scores.dtype, device=q.device).triu_(1)
+        probs = (scores + causal).softmax(dim=-1)  # an added constant: nothing more saved for backward
+        probs = attention_dropout(probs, self.dropout, keys, site=self.site, head_start=self.head_start,
+                                  heads=self.total_heads)
+        return torch.matmul(probs, v)  # (B, nh/tp, S, d)
+
+    def _ring(self, q, k, v, keys: DropoutKeys | None) -> torch.Tensor:
+        """Ring attention over the CP group; the dropout mask is this rank's rows of the whole draw."""
+        keep, seq_len = None, q.shape[2] * self.cp
+        if self.training and self.dropout > 0:
+            keep = attention_keep(self.dropout, keys, site=self.site, head_start=self.head_start,
+                                  heads_local=self.heads, heads=self.total_heads, seq_len=seq_len, device=q.device,
+                                  rows=positions(seq_len, self.cp, self.cp_rank, device=q.device))
+        return ring_attention(q, k, v, self.cp_group, keep=keep, p=self.dropout)  # (B, nh/tp, S/cp, d)

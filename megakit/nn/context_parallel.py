@@ -1,0 +1,216 @@
+"""Context parallelism (CP): the sequence split over a ring of ranks, attention as ring attention.
+
+The load-balanced causal split (Megatron-Core's, Liu et al. 2023 "Ring Attention" with the
+zig-zag order of Brandon et al. 2023): the sequence is cut into ``2 x CP`` equal chunks and
+CP rank ``i`` holds chunks ``i`` and ``2 CP - 1 - i``, side by side. Under a causal mask
+every rank then has the same amount of attention work (an early chunk sees little, its
+late partner sees much). Everything in a block except attention is per token, so it runs
+on the rank's own rows; only attention needs the other ranks' keys and values:
+
+- forward: each rank's K/V block travels once around the ring (P2P ``isend``/``irecv``
+  through ``megakit.nn.comm``, the next block posted before the current one is used, so
+  the transfer overlaps the block's attention); the partial results are merged with the
+  online softmax (running max, running sum: the log-sum-exp), and the causal mask compares
+  *global* token positions, so it is exact at every chunk boundary;
+- backward: the block scores are recomputed from the saved ``q``, ``k``, ``v``, output and
+  log-sum-exp (nothing ``S x S`` is kept); K/V ring around again, and the gradients of each
+  K/V block travel with it and arrive back at its owner after one full turn.
+
+The loss is the mean over the whole sequence (``sequence_mean``). Positions (RoPE, learned
+position embeddings) and dropout masks use the global positions (``positions``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megakit.nn import comm as C
+from megakit.nn.dropout import DropoutKeys, keep_mask
+
+_KV_TAG, _GRAD_TAG = 71, 72  # P2P tags of the ring (its peers are never pipeline peers)
+
+
+def positions(seq_len: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
+    """The global token positions CP rank ``cp_rank`` holds, in its order: chunk ``cp_rank``, then
+    chunk ``2 cp - 1 - cp_rank`` (each ``seq_len / (2 cp)`` long). ``(seq_len / cp,)`` int64."""
+    assert seq_len % (2 * cp) == 0, (seq_len, cp)
+    n = seq_len // (2 * cp)
+    first, second = cp_rank * n, (2 * cp - 1 - cp_rank) * n
+    return torch.cat([torch.arange(first, first + n, device=device), torch.arange(second, second + n, device=device)])
+
+
+def split_sequence(x: torch.Tensor, cp: int, cp_rank: int, *, dim: int) -> torch.Tensor:
+    """This rank's rows of ``x`` along its sequence dimension ``dim`` (no communication)."""
+    if cp == 1:
+        return x
+    return x.index_select(dim, positions(x.shape[dim], cp, cp_rank, device=x.device))
+
+
+@torch.no_grad()
+def gather_sequence(x: torch.Tensor, group, *, dim: int) -> torch.Tensor:
+    """Inverse of ``split_sequence`` over the CP group: every rank's rows, in sequence order.
+
+    forward only (a collective: every CP rank calls it); for logits and tests, not training.
+    """
+    cp = C.size(group)
+    if cp == 1:
+        return x
+    parts = C.all_gather(x.movedim(dim, 0).contiguous(), group, dim=0).chunk(cp, dim=0)
+    seq_len = x.shape[dim] * cp
+    order = torch.cat([positions(seq_len, cp, r, device=x.device) for r in range(cp)])
+    out = torch.empty_like(torch.cat(parts, dim=0))
+    out[order] = torch.cat(parts, dim=0)
+    return out.movedim(0, dim)
+
+
+class _SequenceMean(torch.autograd.Function):
+    """forward: all-reduce (sum) of [loss sum, token count] over CP, then their ratio: the mean over
+    the whole sequence, the same on every CP rank. backward: ``grad x CP / count`` on each rank,
+    the adjoint of the all-reduce when every rank's copy of the loss is counted: DeepSpeed
+    averages gradients over DP x CP, which divides the CP back out."""
+
+    @staticmethod
+    def forward(ctx, local_sum, local_count, group):
+        totals = C.all_reduce(torch.stack([local_sum.detach().float(), local_count.float()]), group)
+        ctx.scale = C.size(group) / totals[1].clamp(min=1)  # a tensor: no device sync
+        ctx.dtype = local_sum.dtype
+        return (totals[0] / totals[1].clamp(min=1)).to(local_sum.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad * ctx.scale).to(ctx.dtype), None, None
+
+
+def sequence_mean(token_losses: torch.Tensor, valid: torch.Tensor, group) -> torch.Tensor:
+    """The mean of ``token_losses`` over the valid tokens of the whole sequence (every CP rank's rows)."""
+    return _SequenceMean.apply(token_losses.sum(), valid.sum(), group)
+
+
+def attention_keep(p: float, keys: DropoutKeys, *, site: str, head_start: int, heads_local: int, heads: int,
+                   rows: torch.Tensor, seq_len: int, device) -> torch.Tensor:
+    """The attention-probability dropout mask of this rank's query rows against every key:
+    ``(B, heads_local, S/cp, S)`` bool, cut from the same ``(heads, S, S)`` draw per sample as
+    ``megakit.nn.dropout.attention_dropout`` (so the same units drop at any layout)."""
+    keep = keep_mask(p, keys, site=site, streams=keys.samples, full_shape=(heads, seq_len, seq_len),
+                     rows=slice(head_start, head_start + heads_local), device=device)
+    return keep.index_select(2, rows)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries against the whole sequence's keys (see module docstring).
+
+    forward: CP - 1 K/V transfers around the ring (each posted before the previous block is
+    used); backward: CP - 1 K/V transfers and CP transfers of K/V gradients around the ring.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, keep, p, group, ranks, scale):
+        cp, r = len(ranks), C.rank(group)
+        b, n, s, d = q.shape
+        pos = positions(s * cp, cp, r, device=q.device)
+        m = q.new_full((b, n, s, 1), float("-inf"), dtype=torch.float32)
+        total = torch.zeros((b, n, s, 1), dtype=torch.float32, device=q.device)
+        acc = torch.zeros((b, n, s, d), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        for t in range(cp):
+            j = (r - t) % cp
+            nxt = _pass_on(kv, ranks, r, _KV_TAG) if t < cp - 1 else None
+            scores, keep_j = _block_scores(q, kv[0], pos, positions(s * cp, cp, j, device=q.device), keep, scale)
+            m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))  # finite: step 0 is the own block
+            alpha, e = (m - m_new).exp(), (scores - m_new).exp()
+            total = total * alpha + e.sum(dim=-1, keepdim=True)
+            if keep_j is not None:
+                e = e * keep_j
+            acc = acc * alpha + torch.matmul(e, _repeat_kv(kv[1], n).float())
+            m = m_new
+            if nxt is not None:
+                kv = _arrived(nxt)
+        out = acc / total
+        if keep is not None:
+            out = out / (1.0 - p)
+        out = out.to(q.dtype)  # kept in the training dtype, as flash attention keeps it
+        ctx.save_for_backward(q, k, v, out, m + total.log(), keep)  # the log-sum-exp in fp32
+        ctx.p, ctx.group, ctx.ranks, ctx.scale = p, group, ranks, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, keep = ctx.saved_tensors
+        ranks, scale, p = ctx.ranks, ctx.scale, ctx.p
+        cp, r = len(ranks), C.rank(ctx.group)
+        b, n, s, d = q.shape
+        pos = positions(s * cp, cp, r, device=q.device)
+        grad_out = grad_out.float()
+        delta = (grad_out * out.float()).sum(dim=-1, keepdim=True)  # rowsum(dP * P), dropout included
+        dq = torch.zeros((b, n, s, d), dtype=torch.float32, device=q.device)
+        kv, incoming = torch.stack([k, v]).contiguous(), None
+        for t in range(cp):
+            j = (r - t) % cp
+            nxt = _pass_on(kv, ranks, r, _KV_TAG) if t < cp - 1 else None
+            kj, vj = _repeat_kv(kv[0], n).float(), _repeat_kv(kv[1], n).float()
+            scores, keep_j = _block_scores(q, kv[0], pos, positions(s * cp, cp, j, device=q.device), keep, scale)
+            probs = (scores - lse).exp()  # masked entries: exp(-inf) = 0
+            dropped = probs if keep_j is None else probs * keep_j / (1.0 - p)
+            grad_v = torch.matmul(dropped.transpose(-2, -1), grad_out)  # (B, n, S_k, d)
+            grad_p = torch.matmul(grad_out, vj.transpose(-2, -1))
+            if keep_j is not None:
+                grad_p = grad_p * keep_j / (1.0 - p)
+            grad_s = probs * (grad_p - delta)
+            dq += torch.matmul(grad_s, kj) * scale
+            grad_k = torch.matmul(grad_s.transpose(-2, -1), q.float()) * scale
+            grads = torch.stack([_sum_kv(grad_k, k.shape[1]), _sum_kv(grad_v, k.shape[1])])
+            if incoming is not None:
+                grads += _arrived(incoming)
+            incoming = _pass_on(grads, ranks, r, _GRAD_TAG)  # block j's gradients follow block j
+            if nxt is not None:
+                kv = _arrived(nxt)
+        own = _arrived(incoming)  # this rank's K/V gradients, home after one full turn
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None
+
+
+def _block_scores(q, k_block, pos_q, pos_k, keep, scale):
+    """Scaled scores ``(B, n, S_q, S_k)`` in fp32 with the causal mask on global positions, and the
+    block's dropout mask (or None)."""
+    scores = torch.matmul(q.float(), _repeat_kv(k_block, q.shape[1]).float().transpose(-2, -1)) * scale
+    scores = scores.masked_fill(pos_q[:, None] < pos_k[None, :], float("-inf"))
+    return scores, None if keep is None else keep.index_select(-1, pos_k)
+
+
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """GQA: each K/V head serves a run of ``heads / kv_heads`` query heads (SDPA's ``enable_gqa``)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _sum_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Adjoint of ``_repeat_kv``: sum the gradients of the query heads that shared a K/V head."""
+    b, n, s, d = grad.shape
+    return grad if n == kv_heads else grad.view(b, kv_heads, n // kv_heads, s, d).sum(dim=2)
+
+
+def _pass_on(x: torch.Tensor, ranks: list[int], r: int, tag: int):
+    """Send ``x`` to the next rank of the ring and receive the previous rank's block, posted as one
+    batch (``comm.exchange``); ``_arrived`` waits for it. With one rank, ``x`` comes back to itself."""
+    cp = len(ranks)
+    if cp == 1:
+        return x, x, C.Handle(None)
+    buf = torch.empty_like(x)
+    return x, buf, C.exchange([(x, ranks[(r + 1) % cp], tag)], [(buf, ranks[(r - 1) % cp], tag)])
+
+
+def _arrived(posted) -> torch.Tensor:
+    """Wait for a transfer ``_pass_on`` posted (its send too); returns the received tensor."""
+    _, buf, handle = posted
+    handle.wait()
+    return buf
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, keep: torch.Tensor | None = None,
+                   p: float = 0.0) -> torch.Tensor:
+    """Causal attention over the whole sequence held by the CP ``group`` (load-balanced split).
+
+    ``q`` ``(B, n, S/cp, d)``, ``k``/``v`` ``(B, n_kv, S/cp, d)`` (GQA when ``n_kv < n``), already
+    rotated at their global positions; ``keep``: ``attention_keep``'s dropout mask with
+    probability ``p``, or None. Returns ``(B, n, S/cp, d)``, this rank's rows.
+    """
+    ranks = C.group_ranks(group)
+    return _RingAttention.apply(q, k, v, keep, p, group, ranks, q.shape[-1] ** -0.5)

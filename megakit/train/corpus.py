@@ -1,0 +1,81 @@
+"""What ``--data`` names, opened once: token shards from ``prepare-data``, or raw text as bytes.
+
+Both come out as one ``Corpus`` -- a list of 1-D token arrays per split and a vocabulary --
+which ``TokenBatches`` samples alike, so the default run (the Python standard library as
+bytes, vocabulary 256), a text file and a prepared directory go through the same loader.
+A prepared directory also brings its tokenizer, which sets the model's vocabulary and
+travels into checkpoints (and from there into ``convert --to-hf``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megakit.core.model_config import ModelConfig
+from megakit.errors import UsageError
+from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches, load_tokens
+
+BYTE_VOCAB = 256
+
+
+@dataclass(frozen=True)
+class Corpus:
+    train: list  # 1-D token arrays (memory-mapped shards) or one byte tensor
+    validation: list | None  # None: raw text has no held-out split
+    vocab_size: int
+    tokenizer_dir: Path | None  # where tokenizer.json is (None: bytes)
+    fingerprint: str  # names the data, recorded with the position in checkpoints
+    source: str  # for messages
+
+
+def open_corpus(data: str | None, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
+    """The corpus of ``--data``: a prepared directory (it has ``index.json``), else raw text (default: the stdlib)."""
+    from megakit.interop.token_shards import looks_prepared, open_shards
+
+    if data is not None and looks_prepared(Path(data)):
+        shards = open_shards(data)  # one clear line when the index is missing or a shard is truncated
+        return Corpus(train=shards.tokens("train"), validation=shards.tokens("validation") or None,
+                      vocab_size=shards.vocab_size, tokenizer_dir=Path(data).resolve(),
+                      fingerprint=shards.fingerprint, source=f"--data {data}")
+    tokens = load_tokens(data, max_bytes=max_bytes)
+    return Corpus(train=[tokens], validation=None, vocab_size=BYTE_VOCAB, tokenizer_dir=None,
+                  fingerprint=f"bytes:{data or 'stdlib'}:{len(tokens)}",
+                  source="the standard library" if data is None else f"--data {data}")
+
+
+def model_for_corpus(model: ModelConfig, name: str, corpus: Corpus) -> ModelConfig:
+    """The model with the corpus's vocabulary: a preset takes the tokenizer's; a config of its own must hold it."""
+    if corpus.tokenizer_dir is None:
+        if model.vocab_size < BYTE_VOCAB:
+            raise UsageError(f"model {name} has a vocabulary of {model.vocab_size}; byte-level training needs 256")
+        return model
+    preset = not Path(name).suffix and not Path(name).exists()
+    if preset:
+        return model.replace(vocab_size=corpus.vocab_size)
+    if model.vocab_size < corpus.vocab_size:
+        raise UsageError(f"model {name} has a vocabulary of {model.vocab_size} but the tokenizer of {corpus.source} "
+                         f"has {corpus.vocab_size} tokens; set vocab_size to {corpus.vocab_size} in the model config "
+                         "(or use a preset, which takes the tokenizer's)")
+    return model
+
+
+class ValidationBatches(TokenBatches):
+    """The validation split in a fixed order (never shuffled): eval batch ``k`` is what step ``k`` of the
+    training loader would be, split over DP ranks the same way."""
+
+    def __init__(self, corpus: Corpus, plan: BatchPlan, batches: int) -> None:
+        if corpus.validation is None:
+            raise UsageError(f"--eval-every needs a validation split, which {corpus.source} does not have; prepare "
+                             "the text with megakit prepare-data and pass --data DIR")
+        try:
+            super().__init__(corpus.validation, plan)
+        except UsageError:
+            raise UsageError(f"the validation split of {corpus.source} holds fewer samples than one global batch of "
+                             f"{plan.global_batch}; prepare the data with a larger --val-fraction") from None
+        self.batches = min(batches, self.steps_per_epoch)
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        return torch.arange(self.num_samples)

@@ -1,0 +1,83 @@
+"""Who keeps the DP replicas in step: DeepSpeed's all-reduce (default), megakit's compressed reduction, or
+periodic weight averaging (``--local-sgd H``).
+
+FAQ 3 asks synchronous or asynchronous. Synchronous (every step's gradients averaged,
+exactly or through ``--compress``) gives every DP rank the same weights and the
+single-process trajectory; prefer it whenever the network keeps up. ``--local-sgd H``
+(post-local SGD, Lin et al. 2020) lets each rank step on its own gradients and averages
+the weights every H steps: about H times fewer bytes, at some loss per step -- for
+slow, shared or cross-datacenter links where even compressed gradients stall the step.
+
+Both take the reduction away from DeepSpeed (``engine.enable_backward_allreduce = False``,
+as DeepSpeed's ``PipelineEngine`` does), so they need ZeRO 0: ZeRO 1-3 optimizers reduce
+(and shard) the gradients inside DeepSpeed, where no compressed exchange can be put.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megakit.nn import comm
+from megakit.nn.compression import GradientReducer, ModelAverager
+
+
+def dp_gradients(engine) -> list:
+    """The gradient tensors DeepSpeed itself would all-reduce at the boundary (``buffered_allreduce_fallback``):
+    the bf16 optimizer's fp32 accumulators, or the module's ``.grad``s."""
+    if hasattr(engine.optimizer, "get_grads_for_reduction"):
+        return list(engine.optimizer.get_grads_for_reduction()[0])
+    return list(engine._get_gradients_for_reduction()[0])  # noqa: SLF001 (the same list DeepSpeed reduces)
+
+
+class DataParallelSync:
+    """The trainer's hooks: ``before_step`` at the accumulation boundary, ``after_step`` after the optimizer."""
+
+    def __init__(self, run, topo, engine) -> None:
+        self.engine, self.reducer, self.averager, self.before = engine, None, None, None
+        cfg, group = run.cfg, topo.get_data_parallel_group()  # DeepSpeed's: DP x CP (CP ranks hold the same weights)
+        if run.compression.enabled:
+            self.reducer = GradientReducer(run.compression, group, error_feedback=cfg.error_feedback)
+            if run.compression.after_optimizer and comm.size(group) > 1:  # the weights the next update starts from
+                self.before = [p.detach().clone() for p in self._params()]
+        elif cfg.local_sgd:
+            self.averager = ModelAverager(cfg.local_sgd, group, start_step=run.start_step)
+        if self.reducer or self.averager:
+            engine.enable_backward_allreduce = False
+        self.dense_bytes = 0
+
+    @property
+    def active(self) -> bool:
+        return self.reducer is not None or self.averager is not None
+
+    def _params(self) -> list:
+        return [p for p in self.engine.module.parameters() if p.requires_grad]
+
+    def before_step(self) -> None:
+        """Average the DP gradients through the compressor (``fp16``, ``int8``; nothing to do otherwise)."""
+        if self.reducer is not None and self.before is None:
+            self.reducer.reduce(dp_gradients(self.engine))
+
+    def after_step(self) -> None:
+        """``sign``/``topk``: average this step's weight updates through the compressor; local SGD: average the
+        weights every H steps."""
+        if self.before is not None:
+            with torch.no_grad():
+                params = self._params()
+                updates = [p.detach() - b for p, b in zip(params, self.before)]
+                self.reducer.reduce(updates)
+                for p, b, u in zip(params, self.before, updates):
+                    b.add_(u)
+                    p.copy_(b)
+        if self.averager is not None:
+            params = self._params()
+            self.dense_bytes += sum(p.numel() * p.element_size() for p in params)  # what sync SGD would reduce
+            self.averager.after_step(params)
+
+    def take_bytes(self) -> tuple[int | None, int | None]:
+        """``(sent, dense)`` DP bytes of this rank since the last call; ``(None, None)`` when DeepSpeed reduces."""
+        if self.reducer is not None:
+            return self.reducer.take_bytes()
+        if self.averager is not None:
+            dense, self.dense_bytes = self.dense_bytes, 0
+            return self.averager.take_bytes(), dense
+        return None, None

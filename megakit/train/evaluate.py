@@ -1,0 +1,92 @@
+"""Validation loss and perplexity, on the model being trained, without touching the training stream.
+
+The validation split is read in a fixed order (``corpus.ValidationBatches``): eval batch
+``k`` is split over DP ranks as a training step's batch is, so each sample is computed once
+per evaluation in the whole job, and the loss is the mean over every micro-batch of every
+DP rank, as a single process would compute it. The forward is the training one (the same
+stage modules, TP collectives and, with PP, the stages' activations sent along the
+pipeline), run under ``torch.no_grad`` in eval mode: no dropout, no recompute, no
+gradients, no optimizer state, and nothing drawn from a random generator, so the training
+losses after an evaluation are those of a run without one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megakit.nn import comm
+
+
+def _forward_pipeline(chunks, topo, inputs, labels, *, shape, dtype, device) -> torch.Tensor | None:
+    """One micro-batch forward through every virtual stage (chunk ``c`` of PP rank ``r`` is stage ``c * pp + r``);
+    returns the loss on the rank that holds the last stage, else None.
+
+    Each rank's sends and receives follow the order of the stages, so they pair up without a schedule.
+    """
+    pp, last = topo.pp, topo.pp * len(chunks) - 1
+    loss = None
+    for c, chunk in enumerate(chunks):
+        stage = c * pp + topo.pp_rank
+        if stage == 0:
+            x = inputs
+        else:
+            x = comm.recv(torch.empty(shape, dtype=dtype, device=device), topo.stage_rank((stage - 1) % pp))
+        if stage == last:
+            loss = chunk(x, labels)
+        else:
+            comm.isend(chunk(x).contiguous(), topo.stage_rank((stage + 1) % pp)).wait()
+    return loss
+
+
+def evaluate(modules, topo, batches, *, shape, dtype, device) -> float:
+    """The mean validation loss over ``batches.batches`` eval batches; the same float on every rank.
+
+    ``modules``: this rank's model chunks (a list; one with PP = 1). Collective over the world:
+    the stages' P2P with PP > 1, and one scalar all-reduce at the end.
+    """
+    was_training = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    losses = []
+    try:
+        with torch.no_grad():
+            for k in range(batches.batches):
+                for x, y in batches.micro_batches(k, topo.dp_rank):
+                    x, y = x.to(device or "cpu"), y.to(device or "cpu")
+                    if topo.pp == 1:
+                        losses.append(modules[0](x, y).float())
+                    else:
+                        loss = _forward_pipeline(modules, topo, x, y, shape=shape, dtype=dtype, device=device)
+                        if loss is not None:
+                            losses.append(loss.float())
+    finally:
+        for m, mode in zip(modules, was_training):
+            m.train(mode)
+    holds_loss = bool(losses) and topo.tp_rank == 0  # TP ranks hold the same loss; count it once
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    if holds_loss:
+        total += torch.stack(losses).double().mean() / topo.dp
+    comm.all_reduce(total, comm.WORLD)
+    return float(total)
+
+
+def evaluator(run, topo, engine, device):
+    """``evaluate()`` -> the validation loss of the engine's model now, on every rank."""
+    from megakit.nn.pipeline import activation_shape
+    from megakit.train.corpus import ValidationBatches
+
+    plan = run.batch
+    batches = ValidationBatches(run.corpus, plan, run.cfg.eval_batches)
+    if batches.batches < run.cfg.eval_batches and topo.rank == 0:
+        print(f"megakit: the validation split holds {batches.batches} global batches; --eval-batches "
+              f"{run.cfg.eval_batches} uses those", flush=True)
+    modules = [engine] if run.cfg.vpp == 1 else list(engine.module)  # the chunks the pipeline runs
+    shape = activation_shape(run.model, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len, tp=topo.tp,
+                             sequence_parallel=run.sequence_parallel)
+    return lambda: evaluate(modules, topo, batches, shape=shape, dtype=run.dtype, device=device)
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else float("inf")

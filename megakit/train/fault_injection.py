@@ -1,0 +1,96 @@
+"""Faults planted in a real job on purpose, to test that ``megakit doctor`` catches each one. For testing only.
+
+The doctor's checks must fail on the faults they exist for, through the real launcher and
+the real trainer, not on made-up numbers. ``MEGAKIT_INJECT_FAULT`` (read here and nowhere
+else, and only when the trainer runs with ``--doctor-out``) lists them, comma-separated,
+by global rank:
+
+    seed@R          rank R runs with --seed + 1 (its weights, data order and dropout masks)
+    overlap@R       rank R reads the next DP rank's samples (every rank reading one shard)
+    unbalanced@R    rank R keeps half the rows of each micro-batch (an uneven shard)
+    nan@R[:STEP]    a NaN in one of rank R's gradients from step STEP on (default 1)
+    sleep@R:SECONDS rank R sleeps that long inside every step (a straggler)
+
+A job with faults says so on rank 0 before it starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from megakit.errors import UsageError
+
+VARIABLE = "MEGAKIT_INJECT_FAULT"
+KINDS = ("seed", "overlap", "unbalanced", "nan", "sleep")
+
+
+@dataclass(frozen=True)
+class Faults:
+    """The faults one rank plays (all off by default)."""
+
+    seed: bool = False
+    overlap: bool = False
+    unbalanced: bool = False
+    nan_from_step: int | None = None
+    sleep_s: float = 0.0
+
+    @property
+    def any(self) -> bool:
+        return self != Faults()
+
+
+def parse(spec: str) -> dict[int, Faults]:
+    """``{rank: Faults}`` of a ``MEGAKIT_INJECT_FAULT`` value; UsageError naming the bad item."""
+    out: dict[int, dict] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        kind, _, where = item.partition("@")
+        rank_text, _, value = where.partition(":")
+        try:
+            rank = int(rank_text)
+            number = float(value) if value else None
+        except ValueError:
+            rank = number = -1
+        takes_number = {"sleep": True, "nan": None}.get(kind, False)  # required, optional, refused
+        ok = kind in KINDS and rank >= 0 and (number is None or number >= 0)
+        if not ok or (takes_number is not None and takes_number != (number is not None)):
+            raise UsageError(f"{VARIABLE}: cannot read '{item}'; use KIND@RANK with KIND one of {', '.join(KINDS)} "
+                             "(nan@RANK:STEP and sleep@RANK:SECONDS take a number)")
+        field = {"seed": ("seed", True), "overlap": ("overlap", True), "unbalanced": ("unbalanced", True),
+                 "nan": ("nan_from_step", int(number) if number is not None else 1), "sleep": ("sleep_s", number)}[kind]
+        out.setdefault(rank, {})[field[0]] = field[1]
+    return {rank: Faults(**fields) for rank, fields in out.items()}
+
+
+def injected(rank: int, environ=os.environ) -> Faults:
+    """This rank's faults from the environment (none when the variable is unset)."""
+    return parse(environ.get(VARIABLE, "")).get(rank, Faults())
+
+
+def with_seed_fault(cfg, rank: int):
+    """``cfg`` as rank ``rank`` runs it: ``seed + 1`` under ``seed@rank`` in a doctor's job (``cfg.doctor_out``)."""
+    return dataclasses.replace(cfg, seed=cfg.seed + 1) if cfg.doctor_out and injected(rank).seed else cfg
+
+
+class FaultyBatches:
+    """A ``TokenBatches`` whose rank reads another DP rank's samples (overlap) or half its rows (unbalanced)."""
+
+    def __init__(self, batches, faults: Faults) -> None:
+        self.batches, self.faults = batches, faults
+
+    def __getattr__(self, name):
+        return getattr(self.batches, name)
+
+    def _source(self, dp_rank: int) -> int:
+        return (dp_rank + 1) % self.batches.plan.dp if self.faults.overlap else dp_rank
+
+    def _keep(self, rows: int) -> int:
+        return max(1, rows // 2) if self.faults.unbalanced else rows
+
+    def micro_batches(self, step: int, dp_rank: int):
+        return [(x[: self._keep(len(x))], y[: self._keep(len(y))])
+                for x, y in self.batches.micro_batches(step, self._source(dp_rank))]
+
+    def sample_numbers(self, step: int, dp_rank: int) -> list[range]:
+        return [rows[: self._keep(len(rows))] for rows in self.batches.sample_numbers(step, self._source(dp_rank))]

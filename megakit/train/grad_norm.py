@@ -1,0 +1,56 @@
+"""The single-process gradient norm of a TP x PP model, and megakit's clipper for fp32 ZeRO-0.
+
+TP shards count once each, replicated parameters once per stage (on TP rank 0), and the
+tied embedding copy on the last stage (``ds_pipe_replicated``) not at all. DeepSpeed's
+fp32 ZeRO-0 path ignores that mark and does not report the norm, so there megakit clips
+itself with the same rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megakit.nn import comm
+
+
+def counted_in_norm(param, topo) -> bool:
+    """Whether this rank adds ``param``'s gradient to the global norm (each element counted once in the job)."""
+    if getattr(param, "ds_pipe_replicated", False):
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or topo.tp_rank == 0
+
+
+def global_grad_norm(params, topo) -> tuple[float, bool]:
+    """``(norm, this rank's gradients finite)``: the single-process gradient norm of the whole model.
+
+    Collective: a scalar all-reduce (sum of squares) over the model-parallel (TP x PP) group.
+    """
+    params = [p for p in params if p.grad is not None]
+    local = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else None)
+    finite = True
+    for p in params:
+        finite &= bool(torch.isfinite(p.grad).all())
+        if counted_in_norm(p, topo):
+            local += p.grad.detach().double().pow(2).sum()
+    if topo.tp * topo.pp > 1:
+        comm.all_reduce(local, topo.mp_group)
+    return float(local.sqrt()), finite
+
+
+class Zero0Clipper:
+    """Clips fp32 ZeRO-0 gradients by the global norm, as an optimizer pre-step hook (after DP reduction)."""
+
+    def __init__(self, params, topo, max_norm: float) -> None:
+        self.params, self.topo, self.max_norm = list(params), topo, max_norm
+        self.norm, self.finite = float("nan"), True
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        self.norm, self.finite = global_grad_norm(self.params, self.topo)
+        if self.max_norm > 0 and math.isfinite(self.norm):
+            coef = self.max_norm / (self.norm + 1e-6)
+            if coef < 1.0:
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)

@@ -1,0 +1,29 @@
+"""The optimizer as practitioners set it (FAQ 4): which weights decay, and a warm-up whose first step moves them.
+
+- Weight decay: matrices (linear and embedding weights) decay; biases and norm weights
+  (every 1-D parameter) do not -- Megatron's and transformers' convention
+  (``Trainer.get_decay_parameter_names``). Decaying a norm's gain pulls it towards 0,
+  which only fights the normalisation.
+- Warm-up: DeepSpeed's schedulers start at iteration -1 and give lr 0 there and, with a
+  linear warm-up, at iteration 0 too: two wasted steps. megakit runs optimizer step t at
+  iteration t + 1, so step 0 already trains at lr·1/warmup (nanoGPT's ``(it + 1) / warmup``).
+  The reference run and a resumed run place the schedule the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def decay_groups(module: torch.nn.Module) -> list[dict]:
+    """``module``'s trainable parameters as two optimizer groups: decayed, and not decayed (weight_decay 0)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2]},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def start_schedule(scheduler, step: int) -> None:
+    """Put a DeepSpeed LR scheduler where optimizer step ``step`` runs: iteration ``step + 1``."""
+    if scheduler is not None and hasattr(scheduler, "last_batch_iteration"):
+        scheduler.step(step + 1)

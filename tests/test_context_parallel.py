@@ -1,0 +1,122 @@
+"""Context parallelism on real gloo processes: CP = 2 and 4, and CP 2 x TP 2, against one process (fp32).
+
+One spawn of four ranks sweeps every case (CP 4; CP 2 x TP 2 with and without sequence
+parallelism; CP 2 x DP 2, i.e. two CP 2 rings). Under CP each rank's gradient is CP times
+its share of the sequence's (DeepSpeed averages over DP x CP), so the test averages the
+gradients over the CP group and compares them with the single process's. Tolerance as in
+``test_tensor_parallel``: ``|a - b| <= 1e-5 * max|b| + 1e-9`` per tensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multiproc import run_ranks
+
+from megakit.nn.context_parallel import positions
+
+RTOL, FLOOR = 1e-5, 1e-9
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    err = (got - want).abs().max().item()
+    bound = RTOL * want.abs().max().item() + FLOOR
+    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
+
+
+def test_load_balanced_split_covers_the_sequence_once():
+    held = [positions(16, 4, r).tolist() for r in range(4)]
+    assert held[0] == [0, 1, 14, 15] and held[3] == [6, 7, 8, 9]
+    assert sorted(sum(held, [])) == list(range(16))
+
+
+def _equivalence(topo, preset: str, *, sequence_parallel: bool = False, dropout: float = 0.0,
+                 recompute: str = "none") -> str:
+    import torch.distributed as dist
+
+    from megakit.nn import comm as C
+    from megakit.nn.context_parallel import gather_sequence
+    from megakit.nn.model import ModelConfig, Transformer, full_state_dict
+
+    config = ModelConfig.load(preset).replace(vocab_size=250, dropout=dropout)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 250, (2, 16), generator=gen)
+    labels = torch.randint(0, 250, (2, 16), generator=gen)
+    labels[0, :3] = -100  # ignored tokens (all in CP rank 0's first chunk) are left out of the mean
+    labels[1, 9] = -100
+    ref = Transformer(config, seed=3)
+    model = Transformer(config, topo, seed=3, sequence_parallel=sequence_parallel, recompute=recompute)
+    case = f"{preset} cp={topo.cp} tp={topo.tp} sp={sequence_parallel} dropout={dropout} recompute={recompute}"
+    rows = {"sample_ids": [11, 12]}
+
+    want_logits, got = ref(ids, **rows), model(ids, **rows)  # (B, S, V) vs (B, S/cp, V/tp)
+    got = gather_sequence(got, topo.cp_group, dim=1)
+    if topo.tp > 1:
+        parts = [torch.empty_like(got) for _ in range(topo.tp)]
+        dist.all_gather(parts, got.contiguous(), group=topo.tp_group)
+        got = torch.cat(parts, dim=-1)
+    _close(got[..., :250], want_logits[..., :250], f"{case} logits")
+
+    want_loss, loss = ref(ids, labels, **rows), model(ids, labels, **rows)
+    _close(loss.detach(), want_loss.detach(), f"{case} loss")  # the whole sequence's mean, on every CP rank
+    want_loss.backward()
+    loss.backward()
+    grads, ref_grads = full_state_dict(model, topo, grads=True), full_state_dict(ref, grads=True)
+    assert grads.keys() == ref_grads.keys()
+    for name, want in ref_grads.items():
+        mean = C.all_reduce(grads[name].clone(), topo.cp_group) / topo.cp
+        _close(mean, want, f"{case} grad of {name}")
+    return case
+
+
+def _sweep(rank, world_size, root):
+    from megakit.core.layout import Layout
+    from megakit.interop.checkpoint import save_checkpoint
+    from megakit.errors import UsageError
+    from megakit.nn.model import ModelConfig, Transformer
+    from megakit.nn.topology import Topology
+
+    cp4, cp2tp2, cp2dp2 = Topology(Layout(cp=4)), Topology(Layout(tp=2, cp=2)), Topology(Layout(cp=2, dp=2))
+    done = []
+    for preset in ("gpt-tiny", "llama-tiny"):  # llama-tiny: 8 heads over 4 KV heads (GQA)
+        done.append(_equivalence(cp4, preset))
+        done.append(_equivalence(cp2tp2, preset))
+        done.append(_equivalence(cp2tp2, preset, sequence_parallel=True))
+        done.append(_equivalence(cp2dp2, preset))
+    done.append(_equivalence(cp2tp2, "llama-tiny", sequence_parallel=True, dropout=0.1))  # residual + attention
+    done.append(_equivalence(cp4, "gpt-tiny", dropout=0.1, recompute="full"))
+    # a checkpoint saved at CP 2 x TP 2: CP ranks hold the same weights, so one of them writes
+    config = ModelConfig.load("llama-tiny")
+    save_checkpoint(f"{root}/cp2tp2", Transformer(config, cp2tp2, seed=21), cp2tp2, step=1, config=config)
+    model = Transformer(ModelConfig.load("gpt-tiny"), cp4)
+    try:
+        model(torch.zeros((1, 12), dtype=torch.long))
+    except UsageError as error:
+        done.append(str(error))
+    return done
+
+
+def test_context_parallel_matches_one_process(tmp_path):
+    from megakit.interop.checkpoint import load_checkpoint
+    from megakit.nn.model import ModelConfig, Transformer, full_state_dict
+
+    results = run_ranks(_sweep, 4, str(tmp_path), timeout_s=400)
+    assert len(results[0]) == 11
+    assert "not divisible by 2 x CP = 8" in results[0][-1]
+    loaded = Transformer(ModelConfig.load("llama-tiny"), seed=0)
+    load_checkpoint(tmp_path / "cp2tp2", loaded)
+    want = full_state_dict(Transformer(ModelConfig.load("llama-tiny"), seed=21))
+    assert all(torch.equal(t, want[name]) for name, t in full_state_dict(loaded).items())
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_layout_places_cp_groups_next_to_tp(cp):
+    from megakit.core.layout import Layout
+
+    layout = Layout(tp=2, cp=cp, dp=2)
+    assert layout.groups("cp")[0] == [2 * i for i in range(cp)]  # CP after TP: inside a node of 2 x CP GPUs
+    for kind in ("tp", "cp", "dp", "dpcp", "pp", "mp"):
+        assert sorted(r for g in layout.groups(kind) for r in g) == list(range(layout.world_size)), kind
+    for rank in range(layout.world_size):
+        assert layout.rank(**layout.coords(rank)) == rank

@@ -1,0 +1,157 @@
+"""The data path: prepare-data's shards and tokenizer, the loader's DP split and resume, and its errors.
+
+Pure functions and in-process CLI calls (``main(argv)``); the trainer on shards through the
+launcher is in test_trainer.py (case 6 of the TP x PP sweep).
+"""
+
+import importlib.util
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from test_trainer import ROOT
+
+from megakit.commands.cli import main as megakit
+from megakit.interop.prepare_data import PrepareConfig, prepare, read_documents
+from megakit.interop.token_shards import open_shards
+from megakit.train.corpus import open_corpus
+from megakit.train.data import BatchPlan, TokenBatches, stdlib_files
+
+
+def _train_script():
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def _corpus(directory, files=40):
+    """Some stdlib sources, a JSONL file of records and a nested directory."""
+    directory.mkdir()
+    for path in stdlib_files()[:files]:
+        shutil.copyfile(path, directory / path.name)
+    (directory / "nested").mkdir()
+    (directory / "nested" / "note.txt").write_text("héllo wörld, naïve café\n" * 20)
+    records = [{"text": f"record {i}: " + "lorem ipsum " * (i % 7 + 1), "id": i} for i in range(30)]
+    (directory / "records.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    base = tmp_path_factory.mktemp("data")
+    corpus = _corpus(base / "corpus")
+    out = base / "tokens"
+    cfg = PrepareConfig(inputs=[str(corpus)], out=str(out), vocab_size=400, val_fraction=0.1, workers=2,
+                        shard_tokens=20_000, progress=False)
+    return cfg, prepare(cfg, say=lambda *_: None), corpus
+
+
+def test_shards_round_trip_to_the_tokenizers_own_ids(prepared):
+    """Every document's ids in the shards are the tokenizer's ids of its text, then end-of-text; in order,
+    whatever the number of workers; BPE training is deterministic, and a second run is a no-op."""
+    cfg, summary, corpus = prepared
+    from tokenizers import Tokenizer
+
+    shards = open_shards(cfg.out, verify=True)
+    tokenizer = Tokenizer.from_file(str(shards.directory / "tokenizer.json"))
+    eos = shards.index["eos_id"]
+    assert tokenizer.id_to_token(eos) == "<|endoftext|>" and shards.vocab_size == 400
+    assert shards.index["dtype"] == "uint16" and len(shards.index["splits"]["train"]) > 1  # several shards
+    got = []
+    for split in ("train", "validation"):
+        for tokens, starts in zip(shards.tokens(split), shards.documents(split)):
+            ends = [*starts[1:], len(tokens)]
+            got += [(split, tokens[s:e].tolist()) for s, e in zip(starts, ends)]
+    docs = [d for path in sorted(p for p in corpus.rglob("*") if p.is_file()) for d in read_documents(path, "text")[0]]
+    assert len(got) == len(docs) == summary["documents"]["train"] + summary["documents"]["validation"]
+    splits = {"train": iter([g for s, g in got if s == "train"]), "validation": iter([g for s, g in got if s != "train"])}
+    for i, doc in enumerate(docs):  # document i is held out when floor((i+1) f) > floor(i f)
+        split = "validation" if int((i + 1) * 0.1) > int(i * 0.1) else "train"
+        assert next(splits[split]) == tokenizer.encode(doc, add_special_tokens=False).ids + [eos], i
+
+    again = prepare(PrepareConfig(**{**cfg.__dict__, "out": cfg.out + "-again", "workers": 1}), say=lambda *_: None)
+    for name in ("tokenizer.json", "train-00000.bin", "validation-00000.bin"):  # one worker, same bytes
+        assert (shards.directory / name).read_bytes() == (shards.directory.parent / "tokens-again" / name).read_bytes()
+    assert not again["unchanged"] and prepare(cfg, say=lambda *_: None)["unchanged"]
+    local = prepare(PrepareConfig(**{**cfg.__dict__, "out": cfg.out + "-local", "tokenizer": cfg.out}),
+                    say=lambda *_: None)  # --tokenizer: the saved transformers tokenizer directory
+    assert local["vocab_size"] == 400
+    assert (shards.directory / "train-00001.bin").read_bytes() == (
+        shards.directory.parent / "tokens-local" / "train-00001.bin").read_bytes()
+    assert not list(shards.directory.parent.glob(".tokens*"))  # no temporary directory left
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_dp_ranks_take_disjoint_samples_whose_union_is_the_batch(prepared, dp):
+    corpus = open_corpus(prepared[0].out)
+    plan = BatchPlan(seq_len=16, micro_batch=8 // dp, accumulation=2, dp=dp, seed=3)
+    batches = TokenBatches(corpus.train, plan)
+    single = TokenBatches(corpus.train, BatchPlan(seq_len=16, micro_batch=16, seed=3))
+    for step in (0, 5, batches.steps_per_epoch + 1):
+        parts = [batches.rank_indices(step, r).tolist() for r in range(dp)]
+        assert sum(map(len, parts)) == len(set().union(*parts)) == plan.global_batch  # disjoint
+        assert sorted(i for p in parts for i in p) == sorted(single.global_indices(step).tolist())  # complete
+        glued = torch.cat([x for r in range(dp) for x, _ in batches.micro_batches(step, r)])
+        assert torch.equal(glued, single.global_batch(step)[0])
+    windows = [np.asarray(t) for t in corpus.train]  # every sample is a window of one shard, labels shifted by one
+    x, y = batches.global_batch(0)
+    assert torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < corpus.vocab_size and len(windows) > 1
+
+
+def test_a_mid_epoch_resume_at_another_dp_sees_every_remaining_sample_once(prepared):
+    corpus = open_corpus(prepared[0].out)
+    before = TokenBatches(corpus.train, BatchPlan(seq_len=16, micro_batch=4, accumulation=1, dp=2, seed=5))
+    after = TokenBatches(corpus.train, BatchPlan(seq_len=16, micro_batch=1, accumulation=2, dp=4, seed=5))
+    epoch, stop = before.steps_per_epoch, before.steps_per_epoch // 3  # stopped a third into the epoch
+    seen = [i for s in range(stop) for r in range(2) for i in before.rank_indices(s, r).tolist()]
+    rest = [i for s in range(stop, epoch) for r in range(4) for i in after.rank_indices(s, r).tolist()]
+    assert len(set(rest)) == len(rest) and not set(seen) & set(rest)
+    assert sorted(seen + rest) == sorted(before._order(0)[: epoch * 8].tolist())
+
+
+def _one_line(capsys, status, argv, runner=megakit):
+    assert runner(argv) == status
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+def test_prepare_data_errors_are_one_line(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))
+    out = ["--out", str(tmp_path / "out"), "--vocab-size", "300", "--no-progress", "--workers", "1"]
+    assert "hold no files" in _one_line(capsys, 2, ["prepare-data", str(tmp_path / "empty"), *out])
+    assert "hold no text" in _one_line(capsys, 2, ["prepare-data", str(tmp_path / "empty.txt"), *out])
+    line = _one_line(capsys, 2, ["prepare-data", str(tmp_path / "latin1.txt"), *out])
+    assert "latin1.txt: not UTF-8" in line
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))  # nothing written half-way
+    (tmp_path / "good.txt").write_text("plain text " * 500)  # among others, a bad file is skipped and counted
+    assert megakit(["prepare-data", str(tmp_path / "good.txt"), str(tmp_path / "latin1.txt"), *out]) == 0
+    assert "skipped 1 of 2 files that are not UTF-8 text" in capsys.readouterr().out
+    (tmp_path / "latin1.txt").unlink()
+    (tmp_path / "empty.txt").unlink()
+    inside = ["prepare-data", str(tmp_path), "--out", str(tmp_path / "out"), *out[2:]]  # --out under the input
+    assert megakit(inside) == 0 and "wrote" in capsys.readouterr().out
+    assert megakit(inside) == 0 and "up to date" in capsys.readouterr().out  # its own shards are not input
+
+
+def test_trainer_data_errors_are_one_line(prepared, tmp_path, capsys):
+    train = _train_script()
+    data = tmp_path / "tokens"
+    shutil.copytree(prepared[0].out, data)
+    model = json.loads((ROOT / "models" / "gpt-tiny.json").read_text())  # a config of its own: vocab 256
+    (tmp_path / "model.json").write_text(json.dumps(model))
+    base = ["--data", str(data), "--steps", "1", "--no-progress"]
+    line = _one_line(capsys, 2, [*base, "--model", str(tmp_path / "model.json")], train)
+    assert "vocabulary of 256 but the tokenizer" in line and "has 400 tokens" in line
+    line = _one_line(capsys, 2, ["--steps", "1", "--eval-every", "5"], train)  # raw text: no validation split
+    assert "--eval-every needs a validation split" in line
+    shard = data / "train-00001.bin"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    assert "train-00001.bin is truncated" in _one_line(capsys, 2, base, train)
+    (data / "index.json").unlink()
+    assert "has no index.json" in _one_line(capsys, 2, base, train)

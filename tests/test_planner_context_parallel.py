@@ -1,0 +1,72 @@
+"""The planner and context parallelism: memory and cost of a CP plan, the long-context search, the --cp pin."""
+
+import json
+
+import pytest
+
+from megakit.commands import cli
+from megakit.core.planner.cost import estimate_cost
+from megakit.core.planner.hardware import Cluster, gpu_preset
+from megakit.core.planner.memory import estimate_memory
+from megakit.core.planner.model_spec import ModelSpec
+from megakit.core.planner.plan import Plan
+
+LONG = 131072
+
+
+def _llama8b() -> ModelSpec:
+    return ModelSpec.from_config("llama-3-8b").with_overrides(seq_len=LONG)
+
+
+def test_cp_divides_activations_and_shards_zero_over_dp_x_cp():
+    model = _llama8b()
+    one = estimate_memory(model, tp=2, dp=1, zero_stage=1, recompute="full", sequence_parallel=True)
+    four = estimate_memory(model, tp=2, dp=1, cp=4, zero_stage=1, recompute="full", sequence_parallel=True)
+    assert four.items["activations"] == pytest.approx(one.items["activations"] / 4)
+    assert four.items["logits"] == pytest.approx(one.items["logits"] / 4)
+    assert four.items["optimizer"] == pytest.approx(one.items["optimizer"] / 4)  # ZeRO-1 over DP x CP = 4
+    assert four.items["params"] == one.items["params"]  # every CP rank holds the weights
+
+
+def test_ring_traffic_hides_behind_attention_inside_a_node_and_not_across_slow_nodes():
+    model = _llama8b()
+    plan = Plan(tp=1, cp=8, dp=1, zero_stage=1, micro_batch=1, accumulation=16, recompute="full")
+    inside = estimate_cost(model, Cluster(gpu=gpu_preset("a100-80gb"), num_gpus=8, gpus_per_node=8), plan)
+    assert inside.cp_comm_s < 1e-6 * inside.step_time_s  # K/V blocks arrive before the previous block's attention is done
+    short = model.with_overrides(seq_len=8192)
+    slow = Cluster(gpu=gpu_preset("a100-80gb"), num_gpus=8, gpus_per_node=1).with_overrides(inter_gbps=1.0)
+    assert estimate_cost(short, slow, plan, seq_len=8192).cp_comm_s > 0.01  # a short sequence over a slow network
+
+
+def _plan(capsys, *argv):
+    code = cli.main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_llama3_8b_at_128k_tokens_on_8_gpus_picks_context_parallelism(capsys):
+    code, out, err = _plan(capsys, "--model", "llama-3-8b", "--seq-len", str(LONG), "--gpus", "8", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    p = report["plan"]
+    assert p["cp"] > 1 and p["tp"] * p["cp"] <= 8  # CP (and TP) inside the node
+    assert p["tp"] * p["cp"] * p["pp"] * p["dp"] == 8
+    assert p["peak_memory_gib"] <= 0.8 * p["gpu_memory_gib"]
+    assert f"--cp {p['cp']}" in report["assumptions"]["launch"]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--cp", "3"], "--cp 3 does not divide the sequence"),
+    (["--cp", "16"], "--cp 16 (x --tp 1 x --pp 1) does not divide the 8 GPUs"),
+])
+def test_a_pinned_cp_that_does_not_divide_is_refused_in_one_line(argv, needle, capsys):
+    code, _, err = _plan(capsys, "--params", "8B", "--seq-len", str(LONG), "--gpus", "8", *argv)
+    assert code == 2
+    assert err.startswith("megakit plan: error: ") and err.count("\n") == 1 and needle in err, err
+
+
+def test_pinned_cp_is_planned_and_judged(capsys):
+    code, out, err = _plan(capsys, "--params", "8B", "--seq-len", "32768", "--gpus", "8", "--cp", "2", "--json")
+    assert code == 0, err
+    p = json.loads(out)["plan"]
+    assert p["cp"] == 2 and p["tp"] * p["cp"] * p["pp"] * p["dp"] == 8
