@@ -1,12 +1,14 @@
-"""Compressed averaging of the DP gradients, with error feedback (FAQ 3 and 5: when bandwidth is the limit).
+"""Compressed averaging over DP, with error feedback (FAQ 3 and 5: when bandwidth is the limit).
 
-``GradientReducer.reduce(grads)`` replaces DeepSpeed's DP all-reduce (the trainer sets
-``engine.enable_backward_allreduce = False``, as DeepSpeed's own ``PipelineEngine`` does,
-and calls this before ``engine.step()``). Each rank flattens its gradients, adds the
-residual it kept from the last step, compresses, exchanges, decompresses every rank's
-part and averages; what compression dropped becomes the next residual (error feedback:
-Seide et al. 2014, Karimireddy et al. 2019). Without it, Top-K never sends the small
-coordinates at all and the model trains measurably worse (tests/test_compression.py).
+``GradientReducer.reduce(tensors)`` replaces DeepSpeed's DP all-reduce (the trainer sets
+``engine.enable_backward_allreduce = False``, as DeepSpeed's own ``PipelineEngine`` does):
+``megakit.train.dp_sync`` hands it the gradients before ``engine.step()`` (fp16, int8) or
+the optimizer's weight updates after it (sign, Top-K; ``megakit.core.compression`` says
+why). Each rank flattens the tensors, adds the residual it kept from the last call,
+compresses, exchanges, decompresses every rank's part and averages; what compression
+dropped becomes the next residual (error feedback: Seide et al. 2014, Karimireddy et al.
+2019). Without it, Top-K never sends the small coordinates at all and the model trains
+measurably worse (tests/test_compression.py, tests/test_trainer.py).
 
 ``fp16`` is all-reduced in half precision; ``int8``, ``sign`` and ``topk`` differ per
 rank in their scales or indices, so every rank all-gathers the compact form and sums

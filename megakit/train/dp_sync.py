@@ -45,10 +45,6 @@ class DataParallelSync:
             engine.enable_backward_allreduce = False
         self.dense_bytes = 0
 
-    @property
-    def active(self) -> bool:
-        return self.reducer is not None or self.averager is not None
-
     def _params(self) -> list:
         return [p for p in self.engine.module.parameters() if p.requires_grad]
 
