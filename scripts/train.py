@@ -43,7 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "attention as ring attention; --seq-len must divide by 2 x CP")
     p.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline stage (interleaved 1F1B)")
     p.add_argument("--schedule", default=None, choices=["1f1b", "gpipe", "interleaved", "zb-h1"],
-                   help="pipeline schedule (PP > 1); default 1f1b, or interleaved with --vpp > 1")
+                   help="pipeline schedule (PP > 1); default 1f1b, or interleaved with --vpp > 1; zb-h1 splits each "
+                        "backward into the input gradient and the deferred weight gradient (zero bubble, Qi et al. 2023)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's max)")
     p.add_argument("--seed", type=int, default=0,
                    help="every random stream derives from it: weights, data order and dropout masks (the same at any "
