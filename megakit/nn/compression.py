@@ -129,11 +129,13 @@ class ModelAverager:
     parameters that hold a gradient, and DeepSpeed has freed them by then: the one flat all-reduce is here.)"""
 
     def __init__(self, period: int, group, *, start_step: int = 0) -> None:
-        self.period, self.group, self.steps, self.bytes_sent = period, group, start_step, 0
+        self.period, self.group, self.steps = period, group, start_step
+        self.bytes_sent = self.bytes_dense = 0
 
     def after_step(self, params: list[torch.Tensor]) -> None:
         """Call after every optimizer step; averages on every ``period``-th (counted from the run's start)."""
         self.steps += 1
+        self.bytes_dense += sum(p.numel() * p.element_size() for p in params)  # what synchronous DP would reduce
         if comm.size(self.group) == 1 or self.steps % self.period:
             return
         with torch.no_grad():
@@ -145,6 +147,8 @@ class ModelAverager:
                 p.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
 
-    def take_bytes(self) -> int:
-        out, self.bytes_sent = self.bytes_sent, 0
+    def take_bytes(self) -> tuple[int, int]:
+        """``(sent, dense)`` since the last call."""
+        out = (self.bytes_sent, self.bytes_dense)
+        self.bytes_sent = self.bytes_dense = 0
         return out

@@ -43,7 +43,6 @@ class DataParallelSync:
             self.averager = ModelAverager(cfg.local_sgd, group, start_step=run.start_step)
         if self.reducer or self.averager:
             engine.enable_backward_allreduce = False
-        self.dense_bytes = 0
 
     def _params(self) -> list:
         return [p for p in self.engine.module.parameters() if p.requires_grad]
@@ -65,15 +64,9 @@ class DataParallelSync:
                     b.add_(u)
                     p.copy_(b)
         if self.averager is not None:
-            params = self._params()
-            self.dense_bytes += sum(p.numel() * p.element_size() for p in params)  # what sync SGD would reduce
-            self.averager.after_step(params)
+            self.averager.after_step(self._params())
 
     def take_bytes(self) -> tuple[int | None, int | None]:
         """``(sent, dense)`` DP bytes of this rank since the last call; ``(None, None)`` when DeepSpeed reduces."""
-        if self.reducer is not None:
-            return self.reducer.take_bytes()
-        if self.averager is not None:
-            dense, self.dense_bytes = self.dense_bytes, 0
-            return self.averager.take_bytes(), dense
-        return None, None
+        meter = self.reducer or self.averager
+        return meter.take_bytes() if meter is not None else (None, None)
