@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 import torch
 
 from megakit.core.compression import Compression, parse_compression
@@ -77,3 +76,62 @@ def test_error_feedback_sends_what_was_dropped():
     err_fb = float((mean_fb - exact).norm() / exact.norm())
     err_plain = float((mean_plain - exact).norm() / exact.norm())
     assert err_fb < 0.15 and err_plain > 0.6, (err_fb, err_plain)
+
+
+def _compress_shared_beside_own(rank, world, spec):
+    """Each rank compresses [shared, its own]: what it keeps of ``shared`` must not depend on the neighbour."""
+    import torch
+
+    from megakit.core.compression import parse_compression
+    from megakit.nn import comm
+    from megakit.nn.compression import GradientReducer
+
+    shared = torch.randn(700, generator=torch.Generator().manual_seed(0))
+    own = 100 * torch.randn(900, generator=torch.Generator().manual_seed(rank + 1))
+    codec = GradientReducer(parse_compression(spec), comm.WORLD)
+    _, kept = codec.exchange(torch.cat([shared, own]), (700, 900))
+    return kept[:700].tolist()
+
+
+@pytest.mark.parametrize("spec", ["int8", "sign", "topk:0.05"])
+def test_a_tensor_compresses_alike_whatever_its_neighbours(spec):
+    """A TP-replicated norm weight sits beside different shards on each TP rank (an embedding tied over PP, beside
+    different stages): no scale chunk and no Top-K choice may span two tensors, or the replicas drift apart."""
+    first, second = run_ranks(_compress_shared_beside_own, 2, spec)
+    assert first == second
+
+
+def _update_rounds(rank, world, spec, rounds):
+    """Each rank takes its own fixed 'optimizer step' ``rounds`` times through an UpdateReducer."""
+    import torch
+
+    from megakit.core.compression import parse_compression
+    from megakit.nn import comm
+    from megakit.nn.compression import UpdateReducer
+
+    params = [torch.zeros(40, 30), torch.zeros(50)]
+    reducer = UpdateReducer(parse_compression(spec), comm.WORLD, params)
+    gen = torch.Generator().manual_seed(rank)
+    steps = [torch.randn(p.shape, generator=gen) for p in params]
+    means = []
+    for _ in range(rounds):
+        for p, s in zip(params, steps):
+            p.add_(s)
+        before = torch.cat([p.reshape(-1) for p in params])
+        reducer.after_step(params)
+        after = torch.cat([p.reshape(-1) for p in params])
+        moved = comm.all_reduce(before.clone(), comm.WORLD) - comm.all_reduce(after.clone(), comm.WORLD)
+        means.append(moved.abs().max().item())
+    reducer.synchronize(params)
+    return {"mean_moved": max(means), "final": torch.cat([p.reshape(-1) for p in params]).tolist(),
+            "expected": (rounds * comm.all_reduce(torch.cat([s.reshape(-1) for s in steps]), comm.WORLD) / world).tolist()}
+
+
+@pytest.mark.parametrize("spec", ["sign", "topk:0.01"])
+def test_update_reducer_keeps_the_mean_model_and_synchronizes_to_it(spec):
+    """Each rank's weights keep its unsent updates, so the exchange never changes the mean over ranks of the weights
+    (nothing is lost, only delayed); ``synchronize`` then gives every rank that mean: the exact sum of all steps."""
+    first, second = run_ranks(_update_rounds, 2, spec, 5)
+    assert first["mean_moved"] < 1e-4 and second["mean_moved"] < 1e-4
+    assert first["final"] == second["final"]
+    assert torch.allclose(torch.tensor(first["final"]), torch.tensor(first["expected"]), atol=1e-4)

