@@ -60,9 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="split norms, dropout and the residual stream over TP along the sequence (Megatron SP; "
                         "--seq-len must divide by --tp); nothing to split at --tp 1, where it changes nothing")
     p.add_argument("--compress", metavar="CODEC", default="none",
-                   help="compress the DP exchange, with error feedback (ZeRO 0): fp16 (2x fewer bytes) or int8 "
-                        "(~4x) gradients; sign (1-bit with a per-chunk scale, ~30x) or topk:RATIO (the largest RATIO "
-                        "of the elements as index/value pairs; topk:0.01 ~50x) of the optimizer's weight update. For "
+                   help="compress the DP exchange, with error feedback: fp16 (2x fewer bytes) or int8 (~4x) "
+                        "gradients (ZeRO 0 or 1); sign (1-bit with a per-chunk scale, ~30x) or topk:RATIO (the largest "
+                        "RATIO of the elements as index/value pairs; topk:0.01 ~50x) of the optimizer's weight update "
+                        "(ZeRO 0, fp32). For "
                         "links that cannot keep up with the step (FAQ 3/5); on NVLink/InfiniBand the default exact "
                         "all-reduce is faster")
     p.add_argument("--no-error-feedback", action="store_true",

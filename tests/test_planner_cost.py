@@ -149,3 +149,24 @@ def test_compressed_dp_traffic_is_priced_from_the_bytes_the_codec_sends():
         assert costs["topk:0.01"] < costs["sign"] < costs["fp16"] < dense, (dp, dense, costs)
         assert (costs["int8"] < costs["fp16"]) == (dp == 2), (dp, dense, costs)
     assert dp_comm(16, "int8") > dp_comm(16, "none")
+
+
+def test_zero_1_compresses_gradient_codecs_and_still_gathers_the_weights():
+    """ZeRO 1 composes with fp16/int8 (megakit compresses the buckets DeepSpeed's optimizer all-reduces), priced as
+    ZeRO 0's compressed exchange plus the all-gather of every rank's updated weight shard; sign and Top-K compress
+    whole-weight updates, which ZeRO 1 does not hold: pinning them to ZeRO 1 is one clear error."""
+    from megakit.core.planner.pins import Pins, check_pins
+    from megakit.errors import UsageError
+
+    model = ModelSpec.from_params("1.3B", seq_len=2048)
+    cluster = Cluster(gpu=A100, num_gpus=2, gpus_per_node=1).with_overrides(inter_gbps=3.0)
+
+    def dp_comm(zero, compress):
+        plan = Plan(dp=2, micro_batch=1, accumulation=4, zero_stage=zero, precision="fp32", compress=compress)
+        return estimate_cost(model, cluster, plan).dp_comm_s
+
+    zero0, zero1, dense = dp_comm(0, "int8"), dp_comm(1, "int8"), dp_comm(1, "none")
+    assert zero0 < zero1 < dense, (zero0, zero1, dense)
+    check_pins(model, cluster, Pins(zero=1, compress="int8"), 64)  # accepted
+    with pytest.raises(UsageError, match="--compress topk:0.01 runs with ZeRO 0 only"):
+        check_pins(model, cluster, Pins(zero=1, compress="topk:0.01"), 64)

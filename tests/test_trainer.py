@@ -241,8 +241,9 @@ def mp_results(tmp_path_factory):
     # cases 6, 7: context parallelism, CP 2 x DP 2 (Llama, GQA, ZeRO-0) and CP 2 x PP 2 under dropout (ZeRO-1)
     cases.append(dict(ds_config=ds_config(0), model="llama-tiny", steps=STEPS, seq_len=32, cp=2))
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model=dropout, steps=STEPS, seq_len=32, cp=2, pp=2))
-    # cases 8, 9: compressed DP reduction composes with TP (int8 at TP2 x DP2) and PP (sign at PP2 x DP2)
-    cases.append(dict(ds_config=ds_config(0), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, compress="int8"))
+    # cases 8, 9: compressed DP reduction composes with TP and ZeRO-1 (int8 in DeepSpeed's buckets at TP2 x DP2) and
+    # PP (sign at PP2 x DP2)
+    cases.append(dict(ds_config=ds_config(1), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, compress="int8"))
     cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, pp=2,
                       compress="sign"))
     # case 10: TP2 x PP2, interleaved (2 chunks), on token shards (BPE 512) with validation every 5 steps, saved
@@ -468,7 +469,8 @@ def test_compressed_dp_and_local_sgd_train_close_to_the_exact_run(dp_results):
 
 @pytest.mark.slow
 def test_compression_composes_with_tp_and_pp(mp_results):
-    """int8 gradients at TP2 x DP2 and sign-compressed updates at PP2 x DP2 (every stage its own shard)."""
+    """int8 gradients at TP2 x DP2 under ZeRO-1 (DeepSpeed's buckets) and sign-compressed updates at PP2 x DP2
+    (every stage its own shard)."""
     cases, results = mp_results
     for index, saved, tolerance in ((8, 0.70, 0.01), (9, 0.95, 0.05)):
         gap = _gap(results[index], reference(cases[index], dp=2))

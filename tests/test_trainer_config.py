@@ -155,7 +155,9 @@ def test_zero_bubble_with_interleaving_is_one_line_before_any_process_group():
     (["--compress", "topk:0"], "--compress topk:0: the Top-K ratio must be above 0 and below 1"),
     (["--compress", "topk:2"], "--compress topk:2: the Top-K ratio must be above 0 and below 1"),
     (["--compress", "int9"], "--compress int9: not one of none, fp16, int8, sign, topk:RATIO"),
-    (["--compress", "int8", "--ds_config", "ds_configs/zero3.json"], "--compress int8 needs ZeRO stage 0"),
+    (["--compress", "int8", "--ds_config", "ds_configs/zero3.json"], "--compress int8 needs ZeRO stage 0 or 1"),
+    (["--compress", "topk:0.01", "--ds_config", "ds_configs/zero1.json"], "use ZeRO 0 (ds_configs/zero0.json)"),
+    (["--local-sgd", "2", "--ds_config", "ds_configs/zero1.json"], "ZeRO 1 keeps each rank's optimizer step"),
     (["--local-sgd", "0"], "--local-sgd 0: the averaging period must be at least 1 step"),
     (["--local-sgd", "4", "--compress", "sign"], "choose one"),
 ])

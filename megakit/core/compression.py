@@ -49,6 +49,12 @@ class Compression:
         """Compress the optimizer's weight update rather than the gradient (see the module docstring)."""
         return self.kind in ("sign", "topk")
 
+    @property
+    def zero_stages(self) -> tuple[int, ...]:
+        """The ZeRO stages it composes with: gradient codecs replace ZeRO 1's bucket all-reduce too; weight
+        updates need the whole weights on every rank (ZeRO 0)."""
+        return (0,) if self.after_optimizer else (0, 1)
+
     def wire_bytes_per_element(self) -> float:
         """Bytes one rank contributes to the DP exchange per gradient element."""
         return {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / CHUNK, "sign": 1 / 8 + 4.0 / CHUNK,

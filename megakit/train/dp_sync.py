@@ -10,14 +10,25 @@ updates until they are sent. ``--local-sgd H``
 the weights every H steps: about H times fewer bytes, at some loss per step -- for
 slow, shared or cross-datacenter links where even compressed gradients stall the step.
 
-Both take the reduction away from DeepSpeed (``engine.enable_backward_allreduce = False``,
-as DeepSpeed's ``PipelineEngine`` does), so they need ZeRO 0: ZeRO 1-3 optimizers reduce
-(and shard) the gradients inside DeepSpeed, where no compressed exchange can be put.
+At ZeRO 0 megakit takes the reduction away from DeepSpeed (``engine.enable_backward_allreduce
+= False``, as DeepSpeed's ``PipelineEngine`` does). At ZeRO 1 the optimizer reduces inside
+DeepSpeed; with its reduce-scatter off (``ds_config.compressible``) every gradient bucket goes
+through one method, ``gradient_reduction_w_predivide`` (all-reduce and average), which
+``ZeroOneBuckets`` replaces by the compressed exchange: fp16 and int8 compose with ZeRO 1.
+Weight updates (sign, Top-K) and local SGD need the whole weights on every rank: ZeRO 0.
+ZeRO 2-3 reduce-scatter in the backward's hooks, where nothing is replaced.
 """
 
 from __future__ import annotations
 
-from megakit.nn.compression import GradientReducer, ModelAverager, UpdateReducer
+import torch
+
+from megakit.nn.compression import (
+    ByteMeter,
+    GradientReducer,
+    ModelAverager,
+    UpdateReducer,
+)
 
 
 def dp_gradients(engine) -> list:
@@ -28,15 +39,55 @@ def dp_gradients(engine) -> list:
     return list(engine._get_gradients_for_reduction()[0])  # noqa: SLF001 (the same list DeepSpeed reduces)
 
 
+class ZeroOneBuckets(ByteMeter):
+    """ZeRO 1: DeepSpeed's optimizer all-reduces its gradient buckets through ``gradient_reduction_w_predivide``
+    (reduce-scatter off); this takes that method's place on the optimizer and sends each bucket compressed, every
+    parameter's gradient on its own, with one residual per bucket (they come in the same order every step)."""
+
+    def __init__(self, optimizer, make_reducer) -> None:
+        super().__init__()
+        if not hasattr(optimizer, "gradient_reduction_w_predivide"):
+            raise RuntimeError(f"DeepSpeed's {type(optimizer).__name__} has no gradient_reduction_w_predivide: "
+                               "this DeepSpeed reduces ZeRO-1 gradients elsewhere, so --compress needs ZeRO 0")
+        self.optimizer, self.make_reducer, self.reducers, self.calls = optimizer, make_reducer, [], 0
+        optimizer.gradient_reduction_w_predivide = self
+
+    def __call__(self, tensor: torch.Tensor, communication_data_type) -> torch.Tensor:
+        """``tensor`` (a bucket of gradients, end to end) replaced by its DP average, as DeepSpeed's method does."""
+        if self.calls == len(self.reducers):
+            self.reducers.append(self.make_reducer())
+        reducer = self.reducers[self.calls]
+        self.calls += 1
+        reducer.reduce(list(tensor.split(self._sizes(tensor, communication_data_type))))
+        return tensor
+
+    def _sizes(self, tensor: torch.Tensor, dtype) -> list[int]:
+        """The bucket's parameters' sizes, in order (so each is compressed alike on every rank holding it)."""
+        opt = self.optimizer
+        bucket = getattr(opt, "ipg_buckets", {}).get(dtype)
+        sizes = [opt.bit16_groups[g][i].numel() for g, i, _ in bucket.params] if bucket is not None else []
+        return sizes if sum(sizes) == tensor.numel() else [tensor.numel()]
+
+    def new_step(self) -> None:
+        self.calls = 0
+
+    def take_bytes(self) -> tuple[int, int]:
+        taken = [r.take_bytes() for r in self.reducers]
+        return sum(s for s, _ in taken), sum(d for _, d in taken)
+
+
 class DataParallelSync:
     """The trainer's hooks: ``before_step`` at the accumulation boundary, ``after_step`` after the optimizer,
     ``synchronize`` before a save or an evaluation."""
 
     def __init__(self, run, topo, engine) -> None:
-        self.engine, self.gradients, self.updates, self.averager = engine, None, None, None
+        self.engine, self.gradients, self.buckets, self.updates, self.averager = engine, None, None, None, None
         cfg, group = run.cfg, topo.get_data_parallel_group()  # DeepSpeed's: DP x CP (CP ranks hold the same weights)
         if run.compression.after_optimizer:
             self.updates = UpdateReducer(run.compression, group, self._params(), error_feedback=cfg.error_feedback)
+        elif run.compression.enabled and run.zero_stage == 1:  # DeepSpeed reduces; megakit compresses its buckets
+            self.buckets = ZeroOneBuckets(engine.optimizer, lambda: GradientReducer(
+                run.compression, group, error_feedback=cfg.error_feedback))
         elif run.compression.enabled:
             self.gradients = GradientReducer(run.compression, group, error_feedback=cfg.error_feedback)
         elif cfg.local_sgd:
@@ -55,6 +106,8 @@ class DataParallelSync:
     def after_step(self) -> None:
         """``sign``/``topk``: average this step's weight updates through the compressor; local SGD: average the
         weights every H steps."""
+        if self.buckets is not None:
+            self.buckets.new_step()
         if self.updates is not None:
             self.updates.after_step(self._params())
         if self.averager is not None:
@@ -69,5 +122,5 @@ class DataParallelSync:
 
     def take_bytes(self) -> tuple[int | None, int | None]:
         """``(sent, dense)`` DP bytes of this rank since the last call; ``(None, None)`` when DeepSpeed reduces."""
-        meter = self.gradients or self.updates or self.averager
+        meter = self.gradients or self.buckets or self.updates or self.averager
         return meter.take_bytes() if meter is not None else (None, None)

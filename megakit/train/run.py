@@ -164,13 +164,22 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
 
 
 def _check_dp_sync(cfg: TrainConfig, ds_config: dict) -> Compression:
-    """``--compress`` and ``--local-sgd`` replace DeepSpeed's DP all-reduce, which only ZeRO 0 leaves to megakit."""
+    """``--compress`` and ``--local-sgd`` replace DeepSpeed's DP all-reduce: at ZeRO 0 all of them, at ZeRO 1 the
+    gradient codecs (fp16, int8), through the one all-reduce DeepSpeed's ZeRO-1 optimizer makes with its
+    reduce-scatter off (``megakit.train.dp_sync``)."""
     compression = parse_compression(cfg.compress)
     flag = f"--compress {cfg.compress}" if compression.enabled else f"--local-sgd {cfg.local_sgd}" if cfg.local_sgd else None
-    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
-    if flag and stage > 0:
-        raise UsageError(f"{flag} needs ZeRO stage 0 (ds_configs/zero0.json): ZeRO {stage} reduces and shards the "
-                         "gradients inside DeepSpeed's optimizer, where megakit cannot compress or skip the exchange")
+    zero = ds_config.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    if flag and stage > 1:
+        raise UsageError(f"{flag} needs ZeRO stage 0 or 1 (ds_configs/zero0.json, zero1.json): ZeRO {stage} "
+                         "reduce-scatters the gradients inside DeepSpeed's backward hooks, where megakit cannot "
+                         "compress or skip the exchange")
+    if flag and stage == 1 and (cfg.local_sgd or 1 not in compression.zero_stages):
+        raise UsageError(f"{flag} averages whole weights (or their updates), but ZeRO 1 keeps each rank's optimizer "
+                         "step to its own shard; use ZeRO 0 (ds_configs/zero0.json), or --compress fp16/int8 with ZeRO 1")
+    if compression.enabled and stage == 1:  # one all-reduce per bucket, through the method dp_sync replaces
+        ds_config["zero_optimization"] = {**zero, "reduce_scatter": False, "contiguous_gradients": True}
     fp32 = not (ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled"))
     if (cfg.local_sgd or compression.after_optimizer) and not fp32:
         raise UsageError(f"{flag} averages the module's weights (or their updates), but with bf16/fp16 DeepSpeed "

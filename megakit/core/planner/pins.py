@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megakit.core.compression import parse_compression
 from megakit.core.planner.hardware import Cluster
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.errors import UsageError
@@ -23,7 +24,7 @@ class Pins:
     vpp: int | None = None
     sequence_parallel: bool | None = None
     schedule: str | None = None  # "1f1b" or "zb-h1" (one chunk per stage); None: 1F1B, interleaved if VPP > 1
-    compress: str = "none"  # DP gradient compression the plan uses (megakit's, ZeRO 0 only)
+    compress: str = "none"  # DP compression the plan uses (megakit's: fp16/int8 with ZeRO 0-1, sign/topk ZeRO 0)
 
     @property
     def layout_pinned(self) -> bool:
@@ -48,9 +49,10 @@ def _tp_rule(model: ModelSpec, tp: int) -> str:
 def check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int, *, seq_len: int | None = None) -> None:
     world = cluster.num_gpus
     node = cluster.gpus_per_node
-    if pins.compress != "none" and pins.zero not in (None, 0):
-        raise UsageError(f"--compress {pins.compress} runs with ZeRO 0 only (ZeRO 1-3 reduce inside DeepSpeed); "
-                         "drop --zero or pin --zero 0")
+    if pins.compress != "none" and pins.zero not in (None, *parse_compression(pins.compress).zero_stages):
+        stages = " or ".join(map(str, parse_compression(pins.compress).zero_stages))
+        raise UsageError(f"--compress {pins.compress} runs with ZeRO {stages} only (higher stages reduce inside "
+                         f"DeepSpeed's backward); drop --zero or pin --zero {stages.split()[-1]}")
     if pins.cp is not None:
         s = model.seq_len if seq_len is None else seq_len
         if pins.cp < 1:

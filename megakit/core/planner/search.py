@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megakit.core.compression import parse_compression
 from megakit.core.planner.cost import Cost, estimate_cost
 from megakit.core.planner.hardware import Cluster
 from megakit.core.planner.memory import (
@@ -111,8 +112,8 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
     hard = cluster.gpu.mem_gib * GIB if judged else limit
     ctx = _Context(model, cluster, pins, global_batch, s, hard, precision, offload, flash, keep_rejected)
     zeros = (0, 1, 2, 3) if branch != "model-parallel" or pins.zero is not None else (0, 1, 2)
-    if pins.compress != "none":  # megakit compresses only what DeepSpeed leaves it: ZeRO 0's all-reduce
-        zeros = (0,)
+    if pins.compress != "none":  # megakit compresses ZeRO 0's all-reduce, and (fp16, int8) ZeRO 1's buckets
+        zeros = tuple(z for z in zeros if z in parse_compression(pins.compress).zero_stages)
     ctx.run(branch, zeros)
     if not ctx.feasible and branch == "data-parallel":  # e.g. a global batch smaller than the GPU count
         branch = "model-parallel"
@@ -289,7 +290,7 @@ class _Context:
         per_rank = self.global_batch // dp
         base = Plan(tp=tp, pp=pp, dp=dp, cp=cp, zero_stage=zero, micro_batch=1, accumulation=per_rank, recompute="full",
                     sequence_parallel=tp > 1, precision=self.precision, offload=self.offload,
-                    flash_attention=self.flash, compress=pins.compress if zero == 0 else "none",
+                    flash_attention=self.flash, compress=pins.compress if zero in parse_compression(pins.compress).zero_stages else "none",
                     zero_bubble=pins.schedule == "zb-h1" and pp > 1)
         if self.offload == "params" and zero != 3:
             return

@@ -79,12 +79,16 @@ def dp_time(cluster: Cluster, plan: Plan, *, psi: float, layer_params: float, la
     rbytes = PRECISIONS[plan.reduce_precision] if plan.reduce_precision else nbytes
     bw, where = group_bandwidth(cluster, d, t)
     last_bwd = stage_s * 2 / 3  # a micro-batch's backward: what DP traffic can hide behind
-    if plan.compress != "none" and plan.zero_stage == 0:  # megakit's exchange, after the backward: nothing hides it
+    if plan.compress != "none" and plan.zero_stage <= 1:  # megakit's exchange, after the backward: nothing hides it
         codec = parse_compression(plan.compress)
         payload = psi * codec.wire_bytes_per_element()  # what each rank contributes
         if codec.kind == "fp16":
-            return collective_time(payload, d, bw, where)
-        return collective_time(payload * d, d, bw, where, kind="all_gather")
+            grads = collective_time(payload, d, bw, where)
+        else:
+            grads = collective_time(payload * d, d, bw, where, kind="all_gather")
+        if plan.zero_stage == 1:  # ZeRO-1 then gathers every rank's updated shard of the weights
+            grads += collective_time(psi * nbytes, d, bw, where, kind="all_gather")
+        return grads
     if plan.zero_stage <= 1:  # one all-reduce at the accumulation boundary, behind the last backward
         return exposed(last_bwd, collective_time(psi * rbytes, d, bw, where))
     if plan.zero_stage == 2:  # reduce-scatter in every micro-batch's backward, gather after the step
