@@ -9,9 +9,14 @@ tokenizer (a byte-level BPE of 4096, trained once first):
   documents (tokenizers' own thread pool on, as by default; also shown with it off),
   collecting each document's ids in a numpy array -- what a user writes without megakit;
 - megakit: ``prepare-data --tokenizer`` end to end: reading, tokenizing in a pool of
-  processes, writing the shards, the index and the tokenizer.
+  processes (forked from a clean fork server: forked from this process, which by then has
+  run the plain loops, they spent 10-30 % more CPU copying its pages), writing the shards,
+  the index and the tokenizer.
 
-The best of ``--repeats`` runs of each, alternating. The loader's share: the time
+``--repeats`` runs of each, alternating; the ratio is the median over the repeats of each
+megakit run against the plain run just before it (on a shared machine the speed drifts
+by 10-20 % within a minute; pairs close in time cancel most of it), and the best runs are
+shown too. The loader's share: the time
 ``TokenBatches`` takes to cut one step's batch from the memory-mapped shards, against one
 single-process gpt-mini training step (forward, backward, AdamW) on it. The last line is
 ``ratio <megakit MB/s / plain MB/s>``.
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -87,23 +92,10 @@ def loader_share(data: Path, steps: int = 5) -> tuple[float, float]:
     return load / steps, train / steps
 
 
-def cpu_seconds() -> float:
-    """CPU time of this process and its finished children (the pool's workers)."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
-def timed(fn, *args, **kwargs) -> tuple[float, float]:
-    """(wall seconds, CPU seconds) of ``fn(*args, **kwargs)``."""
-    cpu = cpu_seconds()
-    wall = fn(*args, **kwargs)
-    return wall, cpu_seconds() - cpu
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=0, help="the first N standard-library files (default: all)")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each side, alternating (default 5)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -119,22 +111,26 @@ def main() -> int:
         tokenizer = work / "bpe" / "tokenizer.json"
         times = {"plain": [], "plain, one thread": [], "megakit": []}
         for r in range(args.repeats):
-            times["plain"].append(timed(plain, files, tokenizer))
-            times["plain, one thread"].append(timed(plain, files, tokenizer, threads=False))
-            times["megakit"].append(timed(megakit, files, tokenizer, work / f"out{r}", args.workers))
+            times["plain"].append(plain(files, tokenizer))
+            times["plain, one thread"].append(plain(files, tokenizer, threads=False))
+            times["megakit"].append(megakit(files, tokenizer, work / f"out{r}", args.workers))
         load, step = loader_share(work / "out0")
-    best = {k: min(v) for k, v in times.items()}  # (wall, cpu) of the fastest run
-    rates = {k: size / wall for k, (wall, _) in best.items()}
+    best = {k: min(v) for k, v in times.items()}  # wall seconds of the fastest run
+    rates = {k: size / wall for k, wall in best.items()}
     print(f"{len(files)} files, {size:.1f} MiB, BPE 4096, {os.cpu_count()} cores, megakit with {args.workers} workers, "
           f"best of {args.repeats}")
     print(f"load average {os.getloadavg()[0]:.1f} (other work on the machine slows both sides)")
-    print(f"{'':<42}{'MiB/s':>8}{'seconds':>10}{'CPU s':>8}")
+    print(f"{'':<42}{'MiB/s':>8}{'seconds':>10}  (every run)")
     for name, label in (("plain", "plain tokenizers encode_batch"), ("plain, one thread", "  the same, TOKENIZERS_PARALLELISM=false"),
                         ("megakit", "megakit prepare-data")):
-        print(f"{label:<42}{rates[name]:>8.2f}{best[name][0]:>10.2f}{best[name][1]:>8.2f}")
+        runs = " ".join(f"{t:.2f}" for t in times[name])
+        print(f"{label:<42}{rates[name]:>8.2f}{best[name]:>10.2f}  ({runs})")
     print(f"loader: {load * 1e3:.2f} ms to cut a step's batch (8 x 128 tokens) from the shards, a gpt-mini step "
           f"{step * 1e3:.0f} ms: {load / (load + step):.2%} of the step")
-    print(f"ratio {rates['megakit'] / rates['plain']:.2f}")
+    paired = statistics.median(p / m for p, m in zip(times["plain"], times["megakit"]))
+    print(f"best against best: {rates['megakit'] / rates['plain']:.2f}; run against the plain run just before it, "
+          f"median of {args.repeats}: {paired:.2f} (steadier when the machine's speed drifts)")
+    print(f"ratio {paired:.2f}")
     return 0
 
 
