@@ -84,6 +84,35 @@ def test_shards_round_trip_to_the_tokenizers_own_ids(prepared):
     assert not list(shards.directory.parent.glob(".tokens*"))  # no temporary directory left
 
 
+def test_a_big_jsonl_is_cut_into_pieces_and_its_bad_lines_counted(prepared, tmp_path, monkeypatch):
+    """One JSONL file bigger than a task is read and tokenized in line-aligned pieces over the workers, never
+    whole; a line that is not UTF-8, not JSON or without the field is counted and skipped; the ids are the
+    tokenizer's, in order."""
+    import megakit.interop.prepare_data as prepare_data
+    from tokenizers import Tokenizer
+
+    monkeypatch.setattr(prepare_data, "TASK_BYTES", 700)
+    records = [json.dumps({"text": f"record {i} " + "naïve café " * (i % 5)}).encode() for i in range(60)]
+    bad = {7: b'{"text": "\xff\xfe broken"}', 21: b"not json at all", 40: b'{"body": "no text field"}'}
+    lines = [bad.get(i, r) for i, r in enumerate(records)]
+    path = tmp_path / "big.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    cuts = prepare_data.pieces(path)
+    assert len(cuts) > 4 and cuts[0][1] == 0 and cuts[-1][2] == path.stat().st_size
+    assert all(a[2] == b[1] for a, b in zip(cuts, cuts[1:])) and all(path.read_bytes()[c[1] - 1] == 10 for c in cuts[1:])
+    said = []
+    cfg = PrepareConfig(inputs=[str(path)], out=str(tmp_path / "out"), tokenizer=prepared[0].out, val_fraction=0.0,
+                        workers=2, progress=False)
+    summary = prepare(cfg, say=said.append)
+    assert summary["bad_records"] == 3 and summary["documents"]["train"] == 57, summary
+    assert any("skipped 3 JSONL lines" in line and "big.jsonl, the line at byte" in line for line in said), said
+    shards = open_shards(cfg.out)
+    tokenizer = Tokenizer.from_file(str(shards.directory / "tokenizer.json"))
+    want = [t for i, r in enumerate(records) if i not in bad
+            for t in tokenizer.encode(json.loads(r)["text"], add_special_tokens=False).ids + [shards.index["eos_id"]]]
+    assert np.concatenate([np.asarray(t) for t in shards.tokens("train")]).tolist() == want
+
+
 @pytest.mark.parametrize("dp", [1, 2, 4])
 def test_dp_ranks_take_disjoint_samples_whose_union_is_the_batch(prepared, dp):
     corpus = open_corpus(prepared[0].out)

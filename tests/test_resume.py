@@ -62,7 +62,7 @@ def test_resume_reshards_optimizer_state_across_layouts_and_zero_stages(resumed)
 
 
 @pytest.mark.slow
-def test_a_series_keeps_its_newest_and_falls_back_past_damage(resumed, tmp_path):
+def test_a_series_keeps_its_newest_and_falls_back_past_damage(resumed, tmp_path, capsys):
     cases, _ = resumed
     series = Path(cases[0]["save"])
     assert (series / "latest").read_text().strip() == "step-0000008"
@@ -77,6 +77,12 @@ def test_a_series_keeps_its_newest_and_falls_back_past_damage(resumed, tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert re.search(r"skipping damaged checkpoint .*step-0000008 \(.*fails its checksum", out.stdout), out.stdout
     assert "resuming from " + str(series / "step-0000006") in out.stdout
+    # megakit convert takes a series as --load does: its newest intact checkpoint
+    from megakit.commands.cli import main
+
+    assert main(["convert", str(series), "--to-hf", str(tmp_path / "hf")]) == 0
+    said = capsys.readouterr().out
+    assert "converting " + str(series / "step-0000006") in said and "from step 6 of" in said, said
 
 
 def _train(tmp_path, *args, nprocs=2, model="gpt-tiny", stage=1, steps=None):

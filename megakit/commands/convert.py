@@ -13,7 +13,8 @@ import argparse
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="SOURCE",
-                        help="a megakit checkpoint directory (with --to-hf), or a transformers one (with --from-hf)")
+                        help="a megakit checkpoint directory or a --keep series, whose newest intact checkpoint is "
+                             "taken (with --to-hf); or a transformers directory (with --from-hf)")
     parser.add_argument("out", metavar="OUT_DIR", nargs="?", default=None,
                         help="with --from-hf: where to write the megakit checkpoint (a new or empty directory)")
     parser.add_argument("--to-hf", metavar="OUT_DIR",
@@ -39,13 +40,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"train from it with: deepspeed scripts/train.py --model {args.source} --load {args.out} ...")
         return 0
     from megakit.interop.hf_export import export_hf
+    from megakit.train.resume import choose_checkpoint
 
     if args.max_shard_gb <= 0:
         raise UsageError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
-    summary = export_hf(args.source, args.to_hf, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    checkpoint = choose_checkpoint(args.source, doing="converting")  # a --keep series: its newest intact one
+    summary = export_hf(checkpoint, args.to_hf, max_shard_bytes=int(args.max_shard_gb * 2**30))
     print(f"wrote {args.to_hf}: {', '.join(summary['files'])} + config.json "
           f"({summary['params'] / 1e6:.2f} M parameters, {summary['dtype']}, {summary['bytes'] / 2**20:.1f} MiB) "
-          f"from step {summary['step']}")
+          f"from step {summary['step']} of {checkpoint}")
     print(f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(args.to_hf)!r})")
     if summary["tokenizer"]:
         print(f"with its tokenizer: transformers.pipeline('text-generation', model={str(args.to_hf)!r})")

@@ -45,8 +45,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.out} is up to date ({s['tokens']['train']:,} train tokens); nothing to do")
         return 0
     rate = s["bytes"] / 2**20 / s["seconds"]
+    bad = f", {s['bad_records']:,} bad JSONL lines skipped" if s.get("bad_records") else ""
     print(f"wrote {args.out}: {s['tokens']['train']:,} train and {s['tokens']['validation']:,} validation tokens "
           f"from {s['documents']['train'] + s['documents']['validation']:,} documents in {s['files'] - s['skipped']} "
-          f"files ({s['skipped']} skipped), vocabulary {s['vocab_size']}, {s['seconds']:.1f} s, {rate:.2f} MB/s")
+          f"files ({s['skipped']} skipped{bad}), vocabulary {s['vocab_size']}, {s['seconds']:.1f} s, {rate:.2f} MB/s")
     print(f"train on it with: deepspeed scripts/train.py --data {args.out} ...")
     return 0

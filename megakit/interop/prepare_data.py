@@ -3,7 +3,11 @@
 - A text file is one document; a ``.jsonl`` file holds one document per line (its ``field``).
   A file that is not UTF-8 text (or holds a NUL byte) is skipped with a counted warning: one
   bad file among thousands should not stop a run, and a corpus of nothing but bad files is
-  an error that names one.
+  an error that names one. Likewise a JSONL line that is not UTF-8 or not a JSON object
+  with that field: one bad record among millions is counted and skipped, not fatal.
+- A JSONL file larger than a task is cut at line boundaries into pieces of about
+  ``TASK_BYTES``, so one big file (the usual shape of a corpus) is read piece by piece and
+  tokenized on every core, never held in memory whole.
 - Documents are tokenized in parallel: batches of files go to a pool of processes (forked
   from a clean fork server), each with its own copy of the tokenizer, and come back in order, so the output does not depend
   on the number of workers. Each worker encodes a batch at once (``encode_batch``).
@@ -19,6 +23,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -87,31 +92,59 @@ def list_inputs(inputs: list[str], *, exclude: Path | None = None) -> list[Path]
     return files
 
 
-def read_documents(path: Path, text_field: str) -> tuple[list[str], str | None]:
-    """``(documents, why skipped)``: the file's documents, or ``([], reason)`` when it is not text."""
+def read_documents(path: Path, text_field: str, start: int = 0,
+                   end: int | None = None) -> tuple[list[str], str | None, list[str]]:
+    """``(documents, why the file is skipped, the bad JSONL lines)`` of the file, or of bytes ``start:end`` of a
+    JSONL file (whole lines: see ``pieces``); a bad line is named by its byte offset."""
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read() if end is None else f.read(end - start)
     except OSError as error:
-        return [], f"unreadable ({error.strerror})"
+        return [], f"unreadable ({error.strerror})", []
+    if path.suffix == ".jsonl":
+        return _records(data, text_field, start, path)
     if b"\0" in data:
-        return [], "binary (holds a NUL byte)"
+        return [], "binary (holds a NUL byte)", []
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
-        return [], f"not UTF-8 (byte {error.start})"
-    if path.suffix != ".jsonl":
-        return ([text] if text else []), None
-    docs = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)[text_field]
-        except (json.JSONDecodeError, TypeError, KeyError):
-            return [], f"line {number} is not a JSON object with a {text_field!r} string (--field)"
-        if isinstance(value, str) and value:
-            docs.append(value)
-    return docs, None
+        return [], f"not UTF-8 (byte {error.start})", []
+    return ([text] if text else []), None, []
+
+
+def _records(data: bytes, text_field: str, offset: int, path: Path) -> tuple[list[str], None, list[str]]:
+    docs, bad = [], []
+    for line in data.split(b"\n"):
+        if line.strip():
+            try:
+                value = json.loads(line.decode("utf-8"))[text_field]
+            except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, IndexError):
+                bad.append(f"{path}, the line at byte {offset}")
+            else:
+                if isinstance(value, str) and value:
+                    docs.append(value)
+                elif not isinstance(value, str):
+                    bad.append(f"{path}, the line at byte {offset}")
+        offset += len(line) + 1
+    return docs, None, bad
+
+
+def pieces(path: Path) -> list[tuple[str, int, int | None]]:
+    """``(path, start, end)`` ranges that together cover the file: a JSONL file larger than ``TASK_BYTES`` cut
+    after the first newline past every multiple of it (reading one line per cut); anything else whole."""
+    size = path.stat().st_size
+    if path.suffix != ".jsonl" or size <= TASK_BYTES:
+        return [(str(path), 0, None)]
+    cuts = [0]
+    with open(path, "rb") as f:
+        for nominal in range(TASK_BYTES, size, TASK_BYTES):
+            if nominal > cuts[-1]:
+                f.seek(nominal - 1)
+                f.readline()  # to the end of the line holding byte nominal - 1
+                cuts.append(f.tell())
+    cuts = [c for c in cuts if c < size] + [size]  # increasing: each cut is past the one before
+    return [(str(path), a, b) for a, b in itertools.pairwise(cuts)]
 
 
 def fingerprint(files: list[Path], settings: dict) -> str:
@@ -133,18 +166,19 @@ def _init_worker(tokenizer_json: str, text_field: str, eos: int | None, dtype: s
     _WORKER.update(tokenizer=Tokenizer.from_str(tokenizer_json), field=text_field, eos=eos, dtype=np.dtype(dtype))
 
 
-def _encode_files(paths: list[str]) -> list[tuple[list[np.ndarray], int, str | None]]:
-    """Per file: its documents' ids (end-of-text appended), its size in bytes, why it was skipped (or None)."""
+def _encode_pieces(task: list[tuple[str, int, int | None]]) -> list[tuple[list[np.ndarray], int, str | None, list]]:
+    """Per piece: its documents' ids (end-of-text appended), its size in bytes, why its file was skipped (or
+    None), its bad JSONL lines."""
     tokenizer, eos, dtype = _WORKER["tokenizer"], _WORKER["eos"], _WORKER["dtype"]
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # fast: no offsets computed
-    read = [(path, *read_documents(Path(path), _WORKER["field"])) for path in paths]
-    texts = [doc for _, docs, _ in read for doc in docs]
+    read = [read_documents(Path(path), _WORKER["field"], start, end) for path, start, end in task]
+    texts = [doc for docs, _, _ in read for doc in docs]
     encoded = iter(encode(texts, add_special_tokens=False)) if texts else iter(())
     tail = [] if eos is None else [eos]
     out = []
-    for path, docs, skipped in read:
+    for (path, start, end), (docs, skipped, bad) in zip(task, read):
         arrays = [np.array(next(encoded).ids + tail, dtype=dtype) for _ in docs]
-        out.append((arrays, os.path.getsize(path), skipped))
+        out.append((arrays, (os.path.getsize(path) if end is None else end) - start, skipped, bad))
     return out
 
 
@@ -157,14 +191,16 @@ def _context():
     return context
 
 
-def _tasks(files: list[Path]) -> list[list[str]]:
+def _tasks(files: list[Path]) -> list[list[tuple[str, int, int | None]]]:
+    """The files' pieces in order, in tasks of about ``TASK_BYTES``."""
     tasks, size = [[]], 0
     for path in files:
-        if tasks[-1] and size >= TASK_BYTES:
-            tasks.append([])
-            size = 0
-        tasks[-1].append(str(path))
-        size += path.stat().st_size
+        for piece in pieces(path):
+            if tasks[-1] and size >= TASK_BYTES:
+                tasks.append([])
+                size = 0
+            tasks[-1].append(piece)
+            size += (piece[2] if piece[2] is not None else path.stat().st_size) - piece[1]
     return tasks
 
 
@@ -176,12 +212,13 @@ def _tokenizer(cfg: PrepareConfig, files: list[Path], say):
     def texts():
         seen = 0
         for path in files:
-            docs, _ = read_documents(path, cfg.field)
-            for doc in docs:
-                yield doc
-                seen += len(doc)
-            if seen >= cfg.max_train_bytes:
-                return
+            for _, start, end in pieces(path):
+                docs, _, _ = read_documents(path, cfg.field, start, end)
+                for doc in docs:
+                    yield doc
+                    seen += len(doc)
+                if seen >= cfg.max_train_bytes:
+                    return
 
     say(f"prepare-data: training a byte-level BPE tokenizer of {cfg.vocab_size} tokens")
     return tok.train_bpe(texts(), cfg.vocab_size)
@@ -237,7 +274,7 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
     dtype = token_dtype(vocab)
     writers = {split: ShardWriter(tmp, split, dtype, shard_tokens=cfg.shard_tokens) for split in ("train", "validation")}
     counts = {"documents": {"train": 0, "validation": 0}, "tokens": {"train": 0, "validation": 0}}
-    skipped, total_bytes, doc = [], sum(p.stat().st_size for p in files), 0
+    skipped, bad, total_bytes, doc = [], [], sum(p.stat().st_size for p in files), 0
     args = (tokenizer.to_str(), cfg.field, eos, dtype.str)
     tasks = _tasks(files)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="prepare-data",
@@ -247,11 +284,12 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
     try:
         if pool is None:
             _init_worker(*args)
-        results = pool.imap(_encode_files, tasks) if pool else map(_encode_files, tasks)
-        for batch, paths in zip(results, tasks):
-            for (arrays, size, why), path in zip(batch, paths):
+        results = pool.imap(_encode_pieces, tasks) if pool else map(_encode_pieces, tasks)
+        for batch, task in zip(results, tasks):
+            for (arrays, size, why, bad_lines), (path, _, _) in zip(batch, task):
                 if why:
                     skipped.append(f"{path}: {why}")
+                bad += bad_lines
                 for ids in arrays:
                     f = cfg.val_fraction
                     split = "validation" if int((doc + 1) * f) > int(doc * f) else "train"
@@ -271,8 +309,12 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
     if skipped:
         say(f"prepare-data: warning: skipped {len(skipped)} of {len(files)} files that are not UTF-8 text, "
             f"e.g. {skipped[0]}")
+    if bad:
+        say(f"prepare-data: warning: skipped {len(bad)} JSONL lines that are not UTF-8 JSON objects with a "
+            f"{cfg.field!r} string (--field), e.g. {bad[0]}")
     tok.save_tokenizer(tokenizer, tmp)
-    summary = {"files": len(files), "skipped": len(skipped), "bytes": total_bytes, "vocab_size": vocab, **counts}
+    summary = {"files": len(files), "skipped": len(skipped), "bad_records": len(bad), "bytes": total_bytes,
+               "vocab_size": vocab, **counts}
     write_index(tmp, {"dtype": dtype.name, "vocab_size": vocab, "eos_id": eos,
                       "source": {"fingerprint": stamp, "inputs": [str(i) for i in cfg.inputs], "skipped": skipped},
                       "splits": splits, "summary": summary})

@@ -60,8 +60,9 @@ def _intact(path: Path) -> str | None:
     return None
 
 
-def choose_checkpoint(load: str, *, say=print) -> Path:
-    """The checkpoint ``--load`` means: the directory itself, or the newest intact one of a series."""
+def choose_checkpoint(load: str, *, say=print, doing: str = "resuming from") -> Path:
+    """The checkpoint ``--load`` (or a command reading one) means: the directory itself, or the newest intact one
+    of a series; ``say`` names the one chosen (``megakit: <doing> DIR``) and any damaged one passed over."""
     path = Path(load)
     if not is_series(path):
         read_manifest(path)  # one clear line if it is not a checkpoint
@@ -74,7 +75,7 @@ def choose_checkpoint(load: str, *, say=print) -> Path:
     for candidate in candidates:
         why = _intact(candidate)
         if why is None:
-            say(f"megakit: resuming from {candidate}")
+            say(f"megakit: {doing} {candidate}")
             return candidate
         say(f"megakit: skipping damaged checkpoint {candidate} ({why}); trying the one before")
     raise UsageError(f"--load {path}: no intact checkpoint in the series; start without --load or restore one")
