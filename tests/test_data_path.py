@@ -5,6 +5,7 @@ launcher is in test_trainer.py (case 6 of the TP x PP sweep).
 """
 
 import importlib.util
+import itertools
 import json
 import shutil
 
@@ -88,8 +89,9 @@ def test_a_big_jsonl_is_cut_into_pieces_and_its_bad_lines_counted(prepared, tmp_
     """One JSONL file bigger than a task is read and tokenized in line-aligned pieces over the workers, never
     whole; a line that is not UTF-8, not JSON or without the field is counted and skipped; the ids are the
     tokenizer's, in order."""
-    import megakit.interop.prepare_data as prepare_data
     from tokenizers import Tokenizer
+
+    from megakit.interop import prepare_data
 
     monkeypatch.setattr(prepare_data, "TASK_BYTES", 700)
     records = [json.dumps({"text": f"record {i} " + "naïve café " * (i % 5)}).encode() for i in range(60)]
@@ -99,7 +101,7 @@ def test_a_big_jsonl_is_cut_into_pieces_and_its_bad_lines_counted(prepared, tmp_
     path.write_bytes(b"\n".join(lines) + b"\n")
     cuts = prepare_data.pieces(path)
     assert len(cuts) > 4 and cuts[0][1] == 0 and cuts[-1][2] == path.stat().st_size
-    assert all(a[2] == b[1] for a, b in zip(cuts, cuts[1:])) and all(path.read_bytes()[c[1] - 1] == 10 for c in cuts[1:])
+    assert all(a[2] == b[1] for a, b in itertools.pairwise(cuts)) and all(path.read_bytes()[c[1] - 1] == 10 for c in cuts[1:])
     said = []
     cfg = PrepareConfig(inputs=[str(path)], out=str(tmp_path / "out"), tokenizer=prepared[0].out, val_fraction=0.0,
                         workers=2, progress=False)
