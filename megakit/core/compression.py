@@ -3,13 +3,18 @@
 One place for both, so the trainer that compresses and the planner that prices the
 compressed DP traffic agree. The codecs themselves are in ``megakit.nn.compression``.
 
-| spec        | what each rank sends per gradient element (fp32 gradients: 4 bytes dense)        |
-|-------------|-----------------------------------------------------------------------------------|
-| ``none``    | the fp32 gradient, all-reduced by DeepSpeed                                       |
-| ``fp16``    | 2 bytes (all-reduced in fp16)                                                     |
-| ``int8``    | 1 byte + one fp32 scale per ``CHUNK`` elements                                    |
-| ``sign``    | 1 bit + one fp32 scale per ``CHUNK`` elements (1-bit SGD, Seide et al. 2014)      |
-| ``topk:R``  | the largest R·n elements as (int32 index, fp32 value) pairs (Lin et al. 2018)     |
+| spec        | each rank's compressed tensor, per gradient element (fp32: 4 bytes) | travels as |
+|-------------|----------------------------------------------------------------------|------------|
+| ``none``    | the fp32 gradient, all-reduced by DeepSpeed                           | all-reduce |
+| ``fp16``    | 2 bytes                                                               | all-reduce |
+| ``int8``    | 1 byte + one fp32 scale per ``CHUNK`` elements                        | two phases |
+| ``sign``    | 1 bit + one fp32 scale per ``CHUNK`` elements (1-bit SGD, Seide 2014) | two phases |
+| ``topk:R``  | the largest R·n elements as (int32 index, fp32 value) pairs (DGC)     | all-gather |
+
+A ring all-reduce puts 2 (n-1)/n of its tensor on the wire per rank; the two phases (an
+all-to-all of compressed segments, each rank sums its segment and recompresses it, then an
+all-gather, as 1-bit Adam's compressed all-reduce) the same of the compressed tensor; an
+all-gather n - 1 times it, so Top-K's share grows with DP (``Compression.wire_fraction``).
 
 Where it applies: ``fp16`` and ``int8`` lose little, so they compress the gradients and
 every rank's optimizer steps on the same average, as without compression. ``sign`` and
@@ -55,14 +60,22 @@ class Compression:
         updates need the whole weights on every rank (ZeRO 0)."""
         return (0,) if self.after_optimizer else (0, 1)
 
+    @property
+    def collective(self) -> str:
+        """How the compressed tensor travels: shaped as a ring all-reduce (fp16; int8 and sign in two phases,
+        all-to-all then all-gather: 2 (n-1)/n of it per rank), or all-gathered (Top-K: n - 1 times it)."""
+        return "all_gather" if self.kind == "topk" else "all_reduce"
+
     def wire_bytes_per_element(self) -> float:
-        """Bytes one rank contributes to the DP exchange per gradient element."""
+        """Bytes of this rank's compressed tensor per gradient element (what ``collective`` carries)."""
         return {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / CHUNK, "sign": 1 / 8 + 4.0 / CHUNK,
                 "topk": 8.0 * self.ratio}[self.kind]
 
-    def wire_fraction(self) -> float:
-        """Bytes sent against an uncompressed fp32 exchange of the same gradients."""
-        return self.wire_bytes_per_element() / 4.0
+    def wire_fraction(self, dp: int = 2) -> float:
+        """Bytes on the wire against the uncompressed fp32 ring all-reduce of the same gradients, at ``dp``."""
+        dp = max(dp, 2)
+        shape = (dp - 1) if self.collective == "all_gather" else 2 * (dp - 1) / dp
+        return self.wire_bytes_per_element() * shape / (4.0 * 2 * (dp - 1) / dp)
 
     def __str__(self) -> str:
         return f"topk:{self.ratio:g}" if self.kind == "topk" else self.kind

@@ -204,6 +204,16 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     return out
 
 
+def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Block ``r`` of ``x`` (cut along dim 0 into n equal blocks) goes to rank ``r``; returns the blocks this rank
+    received, in rank order (a new tensor)."""
+    if size(group) == 1:
+        return x
+    out = torch.empty_like(x)
+    _call(dist.all_to_all_single, out, x.contiguous(), group=_pg(group))
+    return out
+
+
 def split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """This rank's 1/n slice of ``x`` along ``dim`` (no communication)."""
     n = size(group)

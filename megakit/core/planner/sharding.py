@@ -82,9 +82,9 @@ def dp_time(cluster: Cluster, plan: Plan, *, psi: float, layer_params: float, la
     if plan.compress != "none" and plan.zero_stage <= 1:  # megakit's exchange, after the backward: nothing hides it
         codec = parse_compression(plan.compress)
         payload = psi * codec.wire_bytes_per_element()  # what each rank contributes
-        if codec.kind == "fp16":
+        if codec.collective == "all_reduce":  # fp16; int8, sign in two phases (all-to-all, all-gather), same bytes
             grads = collective_time(payload, d, bw, where)
-        else:
+        else:  # Top-K: every rank's pairs
             grads = collective_time(payload * d, d, bw, where, kind="all_gather")
         if plan.zero_stage == 1:  # ZeRO-1 then gathers every rank's updated shard of the weights
             grads += collective_time(psi * nbytes, d, bw, where, kind="all_gather")
