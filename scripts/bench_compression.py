@@ -44,7 +44,7 @@ def _port() -> int:
 def run(flags: list[str], *, nproc: int, steps: int, model: str, out: Path) -> dict:
     """One launcher run; its per-step metrics (rank 0)."""
     cmd = ["deepspeed", "--num_gpus", str(nproc), "--master_port", str(_port()), str(ROOT / "scripts" / "train.py"),
-           "--ds_config", str(ROOT / "ds_configs" / "zero0.json"), "--model", model,  # a later --ds_config wins "--steps", str(steps),
+           "--ds_config", str(ROOT / "ds_configs" / "zero0.json"), "--model", model, "--steps", str(steps),
            "--no-progress", "--log-every", str(10**6), "--metrics-out", str(out), *flags]
     done = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
     if done.returncode != 0:

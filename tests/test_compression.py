@@ -129,7 +129,8 @@ def _update_rounds(rank, world, spec, rounds):
         means.append(moved.abs().max().item())
     reducer.synchronize(params)
     return {"mean_moved": max(means), "final": torch.cat([p.reshape(-1) for p in params]).tolist(),
-            "expected": (rounds * comm.all_reduce(torch.cat([s.reshape(-1) for s in steps]), comm.WORLD) / world).tolist()}
+            "expected": (rounds * comm.all_reduce(torch.cat([s.reshape(-1) for s in steps]), comm.WORLD)
+                         / world).tolist()}
 
 
 @pytest.mark.parametrize("spec", ["sign", "topk:0.01"])

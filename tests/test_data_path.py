@@ -101,7 +101,8 @@ def test_a_big_jsonl_is_cut_into_pieces_and_its_bad_lines_counted(prepared, tmp_
     path.write_bytes(b"\n".join(lines) + b"\n")
     cuts = prepare_data.pieces(path)
     assert len(cuts) > 4 and cuts[0][1] == 0 and cuts[-1][2] == path.stat().st_size
-    assert all(a[2] == b[1] for a, b in itertools.pairwise(cuts)) and all(path.read_bytes()[c[1] - 1] == 10 for c in cuts[1:])
+    assert all(a[2] == b[1] for a, b in itertools.pairwise(cuts))  # contiguous, each cut just after a newline
+    assert all(path.read_bytes()[c[1] - 1] == ord("\n") for c in cuts[1:])
     said = []
     cfg = PrepareConfig(inputs=[str(path)], out=str(tmp_path / "out"), tokenizer=prepared[0].out, val_fraction=0.0,
                         workers=2, progress=False)

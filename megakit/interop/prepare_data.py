@@ -9,8 +9,9 @@
   ``TASK_BYTES``, so one big file (the usual shape of a corpus) is read piece by piece and
   tokenized on every core, never held in memory whole.
 - Documents are tokenized in parallel: batches of files go to a pool of processes (forked
-  from a clean fork server), each with its own copy of the tokenizer, and come back in order, so the output does not depend
-  on the number of workers. Each worker encodes a batch at once (``encode_batch``).
+  from a clean fork server), each with its own copy of the tokenizer, and come back in
+  order, so the output does not depend on the number of workers. Each worker encodes a
+  batch at once (``encode_batch_fast``: no offsets).
 - Document ``i`` goes to validation when ``floor((i+1) f) > floor(i f)``: an exact fraction
   ``f``, spread evenly over the corpus, the same on every run.
 - Everything is written to a temporary directory beside ``--out`` and renamed into place
@@ -93,41 +94,41 @@ def list_inputs(inputs: list[str], *, exclude: Path | None = None) -> list[Path]
 
 
 def read_documents(path: Path, text_field: str, start: int = 0,
-                   end: int | None = None) -> tuple[list[str], str | None, list[str]]:
-    """``(documents, why the file is skipped, the bad JSONL lines)`` of the file, or of bytes ``start:end`` of a
-    JSONL file (whole lines: see ``pieces``); a bad line is named by its byte offset."""
+                   end: int | None = None) -> tuple[list[str], str | None, tuple[int, str | None]]:
+    """``(documents, why the file is skipped, (bad JSONL lines, the first named by its byte offset))`` of the
+    file, or of bytes ``start:end`` of a JSONL file (whole lines: see ``pieces``)."""
     try:
         with open(path, "rb") as f:
             f.seek(start)
             data = f.read() if end is None else f.read(end - start)
     except OSError as error:
-        return [], f"unreadable ({error.strerror})", []
+        return [], f"unreadable ({error.strerror})", (0, None)
     if path.suffix == ".jsonl":
         return _records(data, text_field, start, path)
     if b"\0" in data:
-        return [], "binary (holds a NUL byte)", []
+        return [], "binary (holds a NUL byte)", (0, None)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
-        return [], f"not UTF-8 (byte {error.start})", []
-    return ([text] if text else []), None, []
+        return [], f"not UTF-8 (byte {error.start})", (0, None)
+    return ([text] if text else []), None, (0, None)
 
 
-def _records(data: bytes, text_field: str, offset: int, path: Path) -> tuple[list[str], None, list[str]]:
-    docs, bad = [], []
+def _records(data: bytes, text_field: str, offset: int, path: Path) -> tuple[list[str], None, tuple[int, str | None]]:
+    docs, bad, first = [], 0, None
     for line in data.split(b"\n"):
         if line.strip():
             try:
                 value = json.loads(line.decode("utf-8"))[text_field]
             except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, IndexError):
-                bad.append(f"{path}, the line at byte {offset}")
+                value = None
+            if isinstance(value, str):
+                docs += [value] if value else []
             else:
-                if isinstance(value, str) and value:
-                    docs.append(value)
-                elif not isinstance(value, str):
-                    bad.append(f"{path}, the line at byte {offset}")
+                bad += 1
+                first = first or f"{path}, the line at byte {offset}"
         offset += len(line) + 1
-    return docs, None, bad
+    return docs, None, (bad, first)
 
 
 def pieces(path: Path) -> list[tuple[str, int, int | None]]:
@@ -166,7 +167,7 @@ def _init_worker(tokenizer_json: str, text_field: str, eos: int | None, dtype: s
     _WORKER.update(tokenizer=Tokenizer.from_str(tokenizer_json), field=text_field, eos=eos, dtype=np.dtype(dtype))
 
 
-def _encode_pieces(task: list[tuple[str, int, int | None]]) -> list[tuple[list[np.ndarray], int, str | None, list]]:
+def _encode_pieces(task: list[tuple[str, int, int | None]]) -> list[tuple[list[np.ndarray], int, str | None, tuple]]:
     """Per piece: its documents' ids (end-of-text appended), its size in bytes, why its file was skipped (or
     None), its bad JSONL lines."""
     tokenizer, eos, dtype = _WORKER["tokenizer"], _WORKER["eos"], _WORKER["dtype"]
@@ -274,7 +275,7 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
     dtype = token_dtype(vocab)
     writers = {split: ShardWriter(tmp, split, dtype, shard_tokens=cfg.shard_tokens) for split in ("train", "validation")}
     counts = {"documents": {"train": 0, "validation": 0}, "tokens": {"train": 0, "validation": 0}}
-    skipped, bad, total_bytes, doc = [], [], sum(p.stat().st_size for p in files), 0
+    skipped, bad, first_bad, total_bytes, doc = [], 0, None, sum(p.stat().st_size for p in files), 0
     args = (tokenizer.to_str(), cfg.field, eos, dtype.str)
     tasks = _tasks(files)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="prepare-data",
@@ -286,10 +287,10 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
             _init_worker(*args)
         results = pool.imap(_encode_pieces, tasks) if pool else map(_encode_pieces, tasks)
         for batch, task in zip(results, tasks):
-            for (arrays, size, why, bad_lines), (path, _, _) in zip(batch, task):
+            for (arrays, size, why, (bad_lines, first)), (path, _, _) in zip(batch, task):
                 if why:
                     skipped.append(f"{path}: {why}")
-                bad += bad_lines
+                bad, first_bad = bad + bad_lines, first_bad or first
                 for ids in arrays:
                     f = cfg.val_fraction
                     split = "validation" if int((doc + 1) * f) > int(doc * f) else "train"
@@ -310,10 +311,10 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
         say(f"prepare-data: warning: skipped {len(skipped)} of {len(files)} files that are not UTF-8 text, "
             f"e.g. {skipped[0]}")
     if bad:
-        say(f"prepare-data: warning: skipped {len(bad)} JSONL lines that are not UTF-8 JSON objects with a "
-            f"{cfg.field!r} string (--field), e.g. {bad[0]}")
+        say(f"prepare-data: warning: skipped {bad:,} JSONL lines that are not UTF-8 JSON objects with a "
+            f"{cfg.field!r} string (--field), e.g. {first_bad}")
     tok.save_tokenizer(tokenizer, tmp)
-    summary = {"files": len(files), "skipped": len(skipped), "bad_records": len(bad), "bytes": total_bytes,
+    summary = {"files": len(files), "skipped": len(skipped), "bad_records": bad, "bytes": total_bytes,
                "vocab_size": vocab, **counts}
     write_index(tmp, {"dtype": dtype.name, "vocab_size": vocab, "eos_id": eos,
                       "source": {"fingerprint": stamp, "inputs": [str(i) for i in cfg.inputs], "skipped": skipped},
