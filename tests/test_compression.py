@@ -142,3 +142,31 @@ def test_update_reducer_keeps_the_mean_model_and_synchronizes_to_it(spec):
     assert first["mean_moved"] < 1e-4 and second["mean_moved"] < 1e-4
     assert first["final"] == second["final"]
     assert torch.allclose(torch.tensor(first["final"]), torch.tensor(first["expected"]), atol=1e-4)
+
+
+def _overflow_then_finite(rank, world, spec):
+    """Round 1: rank 0 holds an inf (a loss-scaled fp16 overflow, whose step DeepSpeed skips); round 2 is finite."""
+    import torch
+
+    from megakit.core.compression import parse_compression
+    from megakit.nn import comm
+    from megakit.nn.compression import GradientReducer
+
+    reducer = GradientReducer(parse_compression(spec), comm.WORLD)
+    gen = torch.Generator().manual_seed(rank)
+    outs = []
+    for step in range(2):
+        grads = [torch.randn(700, generator=gen), torch.randn(300, generator=gen)]
+        if step == 0 and rank == 0:
+            grads[0][5] = float("inf")
+        reducer.reduce(grads)
+        outs.append(bool(torch.isfinite(torch.cat(grads)).all()))
+    return outs
+
+
+@pytest.mark.parametrize("spec", ["fp16", "int8"])
+def test_an_overflowing_step_does_not_poison_the_residuals(spec):
+    """The overflowing step reaches DeepSpeed non-finite (so it is skipped), and leaves no residual behind: the
+    next step is finite on every rank."""
+    for outs in run_ranks(_overflow_then_finite, 2, spec):
+        assert outs == [False, True], outs

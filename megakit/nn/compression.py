@@ -76,15 +76,17 @@ def _unflatten_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
 
 
 def _chunk_scales(values: torch.Tensor, ids: torch.Tensor, chunks: int, reduce: str) -> torch.Tensor:
-    """Per chunk, the ``reduce`` ("amax" or "mean") of ``values``."""
-    out = torch.zeros(chunks, device=values.device)
-    return out.scatter_reduce_(0, ids, values, reduce, include_self=False)
+    """Per chunk, the ``reduce`` ("max" or "mean") of ``values``. Chunks are runs of ``ids``, so a segmented
+    reduction (deterministic on GPU too, unlike an atomic scatter) gives every rank holding a tensor the same bits."""
+    if chunks == 0:
+        return values.new_zeros(0)
+    return torch.segment_reduce(values, reduce, lengths=torch.bincount(ids, minlength=chunks))
 
 
 def _encode(kind: str, x: torch.Tensor, ids: torch.Tensor, chunks: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """int8 or sign: ``([payload, scales], what the payload decodes to)``; ``ids``: each element's chunk."""
     if kind == "int8":
-        scale = _chunk_scales(x.abs(), ids, chunks, "amax").clamp_min_(1e-30) / 127.0
+        scale = _chunk_scales(x.abs(), ids, chunks, "max").clamp_min_(1e-30) / 127.0
         q = (x / scale[ids]).round_().clamp_(-127, 127).to(torch.int8)
         return [q, scale], q.float() * scale[ids]
     scale = _chunk_scales(x.abs(), ids, chunks, "mean")  # keeps each chunk's L1 mass (1-bit SGD / signSGD with EF)
@@ -147,6 +149,7 @@ class _Codec(ByteMeter):
         self.server_residual: torch.Tensor | None = None  # int8/sign: what recompressing this rank's sums dropped
 
     _ids: torch.Tensor | None = None
+    _sizes: tuple[int, ...] | None = None
 
     def exchange(self, flat: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mean over ranks of the decompressed tensors, this rank's decompressed tensor)``; ``flat`` holds
@@ -154,6 +157,7 @@ class _Codec(ByteMeter):
         if self._ids is None or self._sizes != sizes:
             self._sizes, self._ids = sizes, _chunk_ids(sizes, flat.device)
             self._segments = self._cut(comm.size(self.group))
+            self.server_residual = None  # it was of other tensors
         kind = self.compression.kind
         total, kept = self._two_phase(flat) if kind in ("int8", "sign") else getattr(self, f"_{kind}")(flat)
         return total.div_(comm.size(self.group)), kept
@@ -190,9 +194,10 @@ class _Codec(ByteMeter):
         return self._send(flat.clone(), "all_reduce"), flat.clone()
 
     def _fp16(self, flat):
-        half = flat.half()
-        kept = half.float()  # before the all-reduce sums into ``half``
-        return self._send(half, "all_reduce").float(), kept
+        n = comm.size(self.group)
+        half = (flat / n).half()  # divided first, as DeepSpeed does: a loss-scaled sum overflows n times later
+        kept = half.float() * n  # before the all-reduce sums into ``half``
+        return self._send(half, "all_reduce").float() * n, kept
 
     def _two_phase(self, flat):
         kind, me, segments = self.compression.kind, comm.rank(self.group), self._segments
@@ -206,20 +211,20 @@ class _Codec(ByteMeter):
         if self.error_feedback and self.server_residual is not None:
             mine = mine + self.server_residual
         (payload, scale), decoded = _encode(kind, mine, ids[me], segments[me][3] - segments[me][2])
-        if self.error_feedback:
-            self.server_residual = mine - decoded
         width = [max(p[i].numel() for p in sent) for i in (0, 1)]  # every rank's blocks alike, as in phase 1
         payloads = self._send(torch.nn.functional.pad(payload, (0, width[0] - payload.numel())), "all_gather")
         scales = self._send(torch.nn.functional.pad(scale, (0, width[1] - scale.numel())), "all_gather")
         total = torch.empty_like(flat)
         for (e0, e1, _, _), local, payload, scale in zip(segments, ids, payloads, scales):  # phase 2: every sum
             total[e0:e1] = _decode(kind, payload, scale, local)
+        if self.error_feedback and torch.isfinite(total).all():  # the same on every rank; an overflow step is
+            self.server_residual = mine - decoded                  # skipped, and so is its residual
         return total, kept
 
     def _topk(self, flat):
         index, offset = [], 0
         for part in flat.split(self._sizes):  # each tensor's own largest share
-            k = max(1, int(part.numel() * self.compression.ratio))
+            k = min(part.numel(), max(1, int(part.numel() * self.compression.ratio)))
             index.append(part.abs().topk(k, sorted=False).indices + offset)
             offset += part.numel()
         index = torch.cat(index)
@@ -242,11 +247,12 @@ class GradientReducer(_Codec):
             return
         flat = _flat(grads)
         self.count(sum(g.numel() * g.element_size() for g in grads), self.group, dense=True)
-        if self.error_feedback and self.residual is not None:
+        sizes = tuple(g.numel() for g in grads)
+        if self.error_feedback and self.residual is not None and self._sizes == sizes:
             flat += self.residual
-        mean, kept = self.exchange(flat, tuple(g.numel() for g in grads))
-        if self.error_feedback:
-            self.residual = flat.sub_(kept)  # what this rank's compression dropped; sent next step
+        mean, kept = self.exchange(flat, sizes)
+        if self.error_feedback and torch.isfinite(mean).all():  # the same on every rank: DeepSpeed skips an
+            self.residual = flat.sub_(kept)  # overflowing step, so its residual is not kept; else sent next step
         _unflatten_into(grads, mean)
 
 

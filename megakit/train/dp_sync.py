@@ -42,37 +42,39 @@ def dp_gradients(engine) -> list:
 class ZeroOneBuckets(ByteMeter):
     """ZeRO 1: DeepSpeed's optimizer all-reduces its gradient buckets through ``gradient_reduction_w_predivide``
     (reduce-scatter off); this takes that method's place on the optimizer and sends each bucket compressed, every
-    parameter's gradient on its own, with one residual per bucket (they come in the same order every step)."""
+    parameter's gradient on its own, with one residual per bucket (known by its parameters: a parameter without a
+    gradient in some step shifts the buckets)."""
 
     def __init__(self, optimizer, make_reducer) -> None:
         super().__init__()
         if not hasattr(optimizer, "gradient_reduction_w_predivide"):
             raise RuntimeError(f"DeepSpeed's {type(optimizer).__name__} has no gradient_reduction_w_predivide: "
                                "this DeepSpeed reduces ZeRO-1 gradients elsewhere, so --compress needs ZeRO 0")
-        self.optimizer, self.make_reducer, self.reducers, self.calls = optimizer, make_reducer, [], 0
+        self.optimizer, self.make_reducer, self.reducers = optimizer, make_reducer, {}
         optimizer.gradient_reduction_w_predivide = self
 
     def __call__(self, tensor: torch.Tensor, communication_data_type) -> torch.Tensor:
         """``tensor`` (a bucket of gradients, end to end) replaced by its DP average, as DeepSpeed's method does."""
-        if self.calls == len(self.reducers):
-            self.reducers.append(self.make_reducer())
-        reducer = self.reducers[self.calls]
-        self.calls += 1
-        reducer.reduce(list(tensor.split(self._sizes(tensor, communication_data_type))))
+        ids, sizes = self._bucket(tensor, communication_data_type)
+        key = (communication_data_type, ids)
+        if key not in self.reducers:
+            self.reducers[key] = self.make_reducer()
+        self.reducers[key].reduce(list(tensor.split(sizes)))
         return tensor
 
-    def _sizes(self, tensor: torch.Tensor, dtype) -> list[int]:
-        """The bucket's parameters' sizes, in order (so each is compressed alike on every rank holding it)."""
+    def _bucket(self, tensor: torch.Tensor, dtype) -> tuple[tuple, list[int]]:
+        """The bucket's parameter ids and sizes, in order (each parameter is compressed on its own, so alike on
+        every rank holding it); one part when DeepSpeed's bucket does not say."""
         opt = self.optimizer
         bucket = getattr(opt, "ipg_buckets", {}).get(dtype)
-        sizes = [opt.bit16_groups[g][i].numel() for g, i, _ in bucket.params] if bucket is not None else []
-        return sizes if sum(sizes) == tensor.numel() else [tensor.numel()]
-
-    def new_step(self) -> None:
-        self.calls = 0
+        params = list(bucket.params) if bucket is not None else []
+        sizes = [opt.bit16_groups[g][i].numel() for g, i, _ in params]
+        if sum(sizes) != tensor.numel():
+            return ("whole", tensor.numel()), [tensor.numel()]
+        return tuple(pid for _, _, pid in params), sizes
 
     def take_bytes(self) -> tuple[int, int]:
-        taken = [r.take_bytes() for r in self.reducers]
+        taken = [r.take_bytes() for r in self.reducers.values()]
         return sum(s for s, _ in taken), sum(d for _, d in taken)
 
 
@@ -106,8 +108,6 @@ class DataParallelSync:
     def after_step(self) -> None:
         """``sign``/``topk``: average this step's weight updates through the compressor; local SGD: average the
         weights every H steps."""
-        if self.buckets is not None:
-            self.buckets.new_step()
         if self.updates is not None:
             self.updates.after_step(self._params())
         if self.averager is not None:

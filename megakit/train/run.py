@@ -178,6 +178,12 @@ def _check_dp_sync(cfg: TrainConfig, ds_config: dict) -> Compression:
     if flag and stage == 1 and (cfg.local_sgd or 1 not in compression.zero_stages):
         raise UsageError(f"{flag} averages whole weights (or their updates), but ZeRO 1 keeps each rank's optimizer "
                          "step to its own shard; use ZeRO 0 (ds_configs/zero0.json), or --compress fp16/int8 with ZeRO 1")
+    bf16 = ds_config.get("bf16", {}).get("enabled")
+    fp32_accumulation = str(ds_config.get("data_types", {}).get("grad_accum_dtype", "")).lower() in ("fp32", "float32")
+    if compression.enabled and stage == 1 and bf16 and fp32_accumulation and not zero.get("offload_optimizer"):
+        raise UsageError(f"{flag} with ZeRO 1: bf16 with fp32 gradient accumulation (data_types.grad_accum_dtype) "
+                         "makes DeepSpeed use its BF16_Optimizer, whose reduction megakit cannot replace; drop "
+                         "grad_accum_dtype, or use ZeRO 0")
     if compression.enabled and stage == 1:  # one all-reduce per bucket, through the method dp_sync replaces
         ds_config["zero_optimization"] = {**zero, "reduce_scatter": False, "contiguous_gradients": True}
     fp32 = not (ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled"))
