@@ -12,7 +12,7 @@ slow, shared or cross-datacenter links where even compressed gradients stall the
 
 At ZeRO 0 megakit takes the reduction away from DeepSpeed (``engine.enable_backward_allreduce
 = False``, as DeepSpeed's ``PipelineEngine`` does). At ZeRO 1 the optimizer reduces inside
-DeepSpeed; with its reduce-scatter off (``ds_config.compressible``) every gradient bucket goes
+DeepSpeed; with its reduce-scatter off (``run._check_dp_sync``) every gradient bucket goes
 through one method, ``gradient_reduction_w_predivide`` (all-reduce and average), which
 ``ZeroOneBuckets`` replaces by the compressed exchange: fp16 and int8 compose with ZeRO 1.
 Weight updates (sign, Top-K) and local SGD need the whole weights on every rank: ZeRO 0.

@@ -49,10 +49,10 @@ def _tp_rule(model: ModelSpec, tp: int) -> str:
 def check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int, *, seq_len: int | None = None) -> None:
     world = cluster.num_gpus
     node = cluster.gpus_per_node
-    if pins.compress != "none" and pins.zero not in (None, *parse_compression(pins.compress).zero_stages):
-        stages = " or ".join(map(str, parse_compression(pins.compress).zero_stages))
-        raise UsageError(f"--compress {pins.compress} runs with ZeRO {stages} only (higher stages reduce inside "
-                         f"DeepSpeed's backward); drop --zero or pin --zero {stages.split()[-1]}")
+    stages = parse_compression(pins.compress).zero_stages
+    if pins.compress != "none" and pins.zero not in (None, *stages):
+        raise UsageError(f"--compress {pins.compress} runs with ZeRO {' or '.join(map(str, stages))} only (higher "
+                         f"stages reduce inside DeepSpeed's backward); drop --zero or pin --zero {stages[-1]}")
     if pins.cp is not None:
         s = model.seq_len if seq_len is None else seq_len
         if pins.cp < 1:

@@ -113,7 +113,7 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
     ctx = _Context(model, cluster, pins, global_batch, s, hard, precision, offload, flash, keep_rejected)
     zeros = (0, 1, 2, 3) if branch != "model-parallel" or pins.zero is not None else (0, 1, 2)
     if pins.compress != "none":  # megakit compresses ZeRO 0's all-reduce, and (fp16, int8) ZeRO 1's buckets
-        zeros = tuple(z for z in zeros if z in parse_compression(pins.compress).zero_stages)
+        zeros = tuple(z for z in zeros if z in ctx.compress_stages)
     ctx.run(branch, zeros)
     if not ctx.feasible and branch == "data-parallel":  # e.g. a global batch smaller than the GPU count
         branch = "model-parallel"
@@ -211,6 +211,7 @@ class _Context:
         self.model, self.cluster, self.pins, self.global_batch = model, cluster, pins, global_batch
         self.seq_len, self.limit, self.precision, self.offload, self.flash = seq_len, limit, precision, offload, flash
         self.keep = keep
+        self.compress_stages = parse_compression(pins.compress).zero_stages  # where --compress applies
         self.feasible: list[Candidate] = []
         self.rejected: list[Rejection] = []
         self.reasons_seen: set = set()
@@ -290,7 +291,7 @@ class _Context:
         per_rank = self.global_batch // dp
         base = Plan(tp=tp, pp=pp, dp=dp, cp=cp, zero_stage=zero, micro_batch=1, accumulation=per_rank, recompute="full",
                     sequence_parallel=tp > 1, precision=self.precision, offload=self.offload,
-                    flash_attention=self.flash, compress=pins.compress if zero in parse_compression(pins.compress).zero_stages else "none",
+                    flash_attention=self.flash, compress=pins.compress if zero in self.compress_stages else "none",
                     zero_bubble=pins.schedule == "zb-h1" and pp > 1)
         if self.offload == "params" and zero != 3:
             return
