@@ -83,7 +83,7 @@ def test_config_is_read_by_the_model_code_parser_with_head_dim(tmp_path):
     assert spec.head_dim == 128
     assert spec.exact_params == spec.analytic_params() == ModelConfig.load(path).num_params()
     # the same families and messages as the model code: qwen3 and a missing key are refused alike
-    for change, needle in (({"model_type": "qwen3"}, "has model_type 'qwen3'"), ({"hidden_size": None}, "hidden")):
+    for change, needle in (({"model_type": "falcon"}, "has model_type 'falcon'"), ({"hidden_size": None}, "hidden")):
         bad = {k: v for k, v in {**raw, **change}.items() if v is not None}
         path.write_text(json.dumps(bad))
         with pytest.raises(UsageError) as planner_error:

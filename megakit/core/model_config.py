@@ -6,8 +6,9 @@ export all read this object, and its one count of parameters (per TP rank, split
 sharded and replicated parts), padded vocab and FLOPs formula. Pure Python (no torch),
 so the planner and the CLI can read model files cheaply.
 Two families: ``gpt2`` (LayerNorm, GELU, learned positions, tied embeddings) and
-``llama`` (RMSNorm, SwiGLU, RoPE, grouped-query attention; also mistral and
-qwen2 files, which share the architecture).
+``llama`` (RMSNorm, SwiGLU, RoPE, grouped-query attention; also mistral, qwen2 and qwen3
+files, which share the architecture, qwen3 with a per-head RMSNorm on q and k). ``moe``
+(``core.moe_config``) makes it a Mixture-of-Experts model: mixtral, qwen2_moe, qwen3_moe.
 """
 
 from __future__ import annotations
@@ -17,10 +18,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
+from megakit.core.moe_config import MoEConfig
 from megakit.errors import UsageError
 
 PRESETS = Path(__file__).resolve().parents[2] / "models"
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                    "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,8 +48,14 @@ class ModelConfig:
     out_bias: bool = False
     mlp_bias: bool = False
     init_std: float = 0.02
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k, before RoPE
+    moe: MoEConfig | None = None  # None: a dense model
+    hf_type: str = ""  # the config.json's model_type, kept for the export ("": gpt2, llama or qwen2)
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # read back from a checkpoint manifest (``to_dict``)
+            object.__setattr__(self, "moe", MoEConfig(**{k: tuple(v) if k == "dense_layers" else v
+                                                         for k, v in self.moe.items()}))
         if self.family not in ("gpt2", "llama"):
             raise UsageError(f"model family must be 'gpt2' or 'llama', got {self.family!r}")
         for field in ("vocab_size", "max_seq_len", "hidden", "layers", "heads", "kv_heads", "ffn"):
@@ -59,6 +71,8 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
         if not 0.0 <= self.dropout < 1.0:
             raise UsageError(f"dropout must be in [0, 1), got {self.dropout}")
+        if (self.moe or self.qk_norm) and self.family != "llama":
+            raise UsageError("experts and q/k norms need the llama family (RMSNorm, SwiGLU, RoPE)")
 
     # -- loading -----------------------------------------------------------------------------
     @classmethod
@@ -86,7 +100,7 @@ class ModelConfig:
         """Translate a Hugging Face config dict (model_type gpt2, llama, mistral or qwen2)."""
         kind = data.get("model_type")
         act = data.get("activation_function" if kind == "gpt2" else "hidden_act")
-        if kind in ("gpt2", *LLAMA_LIKE) and act is not None and act not in (("gelu_new", "gelu_pytorch_tanh") if kind == "gpt2" else ("silu",)):
+        if kind in ("gpt2", *LLAMA_LIKE, *MOE_TYPES) and act is not None and act not in (("gelu_new", "gelu_pytorch_tanh") if kind == "gpt2" else ("silu",)):
             raise UsageError(f"model config {source} uses activation {act!r}, which megakit does not implement; "
                              f"the {kind} family here uses {'gelu_new' if kind == 'gpt2' else 'silu'}")
         try:
@@ -100,25 +114,29 @@ class ModelConfig:
                     dropout=data.get("resid_pdrop", 0.1), qkv_bias=True, out_bias=True, mlp_bias=True,
                     init_std=data.get("initializer_range", 0.02),
                 )
-            if kind in LLAMA_LIKE:
+            if kind in LLAMA_LIKE or kind in MOE_TYPES:
                 heads = data["num_attention_heads"]
-                bias = data.get("attention_bias", kind == "qwen2")
+                qwen = kind in ("qwen2", "qwen2_moe")
+                bias = data.get("attention_bias", qwen) if kind != "qwen2_moe" else data.get("qkv_bias", True)
+                layers = data["num_hidden_layers"]
+                moe = MoEConfig.from_hf(data, layers=layers, source=source) if kind in MOE_TYPES else None
                 return cls(
                     family="llama", vocab_size=data["vocab_size"],
                     max_seq_len=data.get("max_position_embeddings", 2048),
-                    hidden=data["hidden_size"], layers=data["num_hidden_layers"], heads=heads,
+                    hidden=data["hidden_size"], layers=layers, heads=heads,
                     kv_heads=data.get("num_key_value_heads") or heads, ffn=data["intermediate_size"],
                     norm_eps=data.get("rms_norm_eps", 1e-6), tie_embeddings=data.get("tie_word_embeddings", False),
                     dropout=data.get("attention_dropout", 0.0), head_dim=data.get("head_dim") or 0,
                     rope_theta=data.get("rope_theta", 10000.0), qkv_bias=bool(bias),
-                    out_bias=bool(bias) and kind != "qwen2", mlp_bias=bool(data.get("mlp_bias", False)),
-                    init_std=data.get("initializer_range", 0.02),
+                    out_bias=bool(bias) and not qwen, mlp_bias=bool(data.get("mlp_bias", False)),
+                    init_std=data.get("initializer_range", 0.02), qk_norm=kind in ("qwen3", "qwen3_moe"),
+                    moe=moe, hf_type=kind if kind in (*MOE_TYPES, "qwen3") else "",
                 )
         except KeyError as exc:
             raise UsageError(f"model config {source} lacks the field {exc.args[0]!r}; "
                              "give a complete HF config.json") from exc
         raise UsageError(f"model config {source} has model_type {kind!r}; supported: gpt2, "
-                         f"{', '.join(LLAMA_LIKE)}")
+                         f"{', '.join((*LLAMA_LIKE, *MOE_TYPES))}")
 
     # -- derived sizes: the one count of parameters and FLOPs (model, planner, partition) -----------
     def padded_vocab(self, tp: int) -> int:
@@ -155,7 +173,7 @@ class ModelConfig:
         mats = 3 if self.gated_mlp else 2
         matmul = h * (q + 2 * kv) + q * h + mats * h * f
         column_bias = self.qkv_bias * (q + 2 * kv) + self.mlp_bias * (mats - 1) * f
-        norms = (4 if self.family == "gpt2" else 2) * h  # two LayerNorms (weight, bias) or RMSNorms
+        norms = (4 if self.family == "gpt2" else 2) * h + 2 * self.qk_norm * hd  # two Layer/RMSNorms (+ q, k norms)
         return BlockParams(matmul, column_bias, norms + self.out_bias * h + self.mlp_bias * h)
 
     def layer_params(self) -> int:
@@ -213,8 +231,8 @@ class ModelConfig:
                     "resid_pdrop": self.dropout, "embd_pdrop": self.dropout, "attn_pdrop": self.dropout,
                     "initializer_range": self.init_std}
         qwen2 = self.qkv_bias and not self.out_bias  # Llama's attention_bias covers o_proj too
-        out = {"model_type": "qwen2" if qwen2 else "llama",
-               "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"], "vocab_size": self.vocab_size,
+        kind = self.hf_type or ("qwen2" if qwen2 else "llama")
+        out = {"model_type": kind, "architectures": [HF_ARCHITECTURES[kind]], "vocab_size": self.vocab_size,
                "max_position_embeddings": self.max_seq_len, "hidden_size": self.hidden,
                "intermediate_size": self.ffn, "num_hidden_layers": self.layers,
                "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
@@ -222,8 +240,10 @@ class ModelConfig:
                "rope_theta": self.rope_theta, "tie_word_embeddings": self.tie_embeddings,
                "attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias,
                "attention_dropout": self.dropout, "initializer_range": self.init_std}
-        if qwen2:
+        if kind in ("qwen2", "qwen2_moe"):
             del out["attention_bias"]
+        if self.moe:
+            out |= self.moe.to_hf(kind, layers=self.layers)
         return out
 
     def to_dict(self) -> dict:
