@@ -19,12 +19,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 from megakit.core.moe_config import MoEConfig
+from megakit.core.rope import RopeScaling, read_rope, write_rope
 from megakit.errors import UsageError
 
 PRESETS = Path(__file__).resolve().parents[2] / "models"
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "mistral": "MistralForCausalLM",
                     "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                     "qwen3_moe": "Qwen3MoeForCausalLM"}
 
@@ -44,6 +46,11 @@ class ModelConfig:
     dropout: float = 0.0
     head_dim: int = 0  # 0: hidden // heads
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # llama3, linear, yarn, dynamic (megakit.core.rope); None: plain RoPE
+    sliding_window: int = 0  # blocks from sliding_window_from on see only the latest this many positions; 0: all
+    sliding_window_from: int = 0  # Qwen2's max_window_layers
+    scale_attn_weights: bool = True  # GPT-2: scores times 1/sqrt(head_dim) (False: not scaled)
+    scale_attn_by_inverse_layer_idx: bool = False  # GPT-2: scores also times 1/(block index + 1)
     qkv_bias: bool = False
     out_bias: bool = False
     mlp_bias: bool = False
@@ -73,6 +80,11 @@ class ModelConfig:
             raise UsageError(f"dropout must be in [0, 1), got {self.dropout}")
         if (self.moe or self.qk_norm) and self.family != "llama":
             raise UsageError("experts and q/k norms need the llama family (RMSNorm, SwiGLU, RoPE)")
+        if isinstance(self.rope_scaling, dict):  # read back from a checkpoint manifest
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.sliding_window < 0 or self.sliding_window_from < 0:
+            raise UsageError(f"sliding_window {self.sliding_window} and sliding_window_from {self.sliding_window_from} "
+                             "must not be negative")
 
     # -- loading -----------------------------------------------------------------------------
     @classmethod
@@ -97,7 +109,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, data: dict, *, source: str = "config") -> "ModelConfig":
-        """Translate a Hugging Face config dict (model_type gpt2, llama, mistral or qwen2)."""
+        """Translate a Hugging Face config dict (model_type gpt2, llama, mistral or qwen2). Every field
+        transformers' model of that type reads is mapped, or refused in one line naming it."""
         kind = data.get("model_type")
         act = data.get("activation_function" if kind == "gpt2" else "hidden_act")
         if kind in ("gpt2", *LLAMA_LIKE, *MOE_TYPES) and act is not None and act not in (("gelu_new", "gelu_pytorch_tanh") if kind == "gpt2" else ("silu",)):
@@ -105,21 +118,27 @@ class ModelConfig:
                              f"the {kind} family here uses {'gelu_new' if kind == 'gpt2' else 'silu'}")
         try:
             if kind == "gpt2":
-                hidden = data["n_embd"]
+                hidden, dropout = data["n_embd"], _gpt2_dropout(data, source)
                 return cls(
                     family="gpt2", vocab_size=data["vocab_size"], max_seq_len=data["n_positions"],
                     hidden=hidden, layers=data["n_layer"], heads=data["n_head"], kv_heads=data["n_head"],
                     ffn=data.get("n_inner") or 4 * hidden, norm_eps=data.get("layer_norm_epsilon", 1e-5),
                     tie_embeddings=data.get("tie_word_embeddings", True),
-                    dropout=data.get("resid_pdrop", 0.1), qkv_bias=True, out_bias=True, mlp_bias=True,
+                    dropout=dropout, qkv_bias=True, out_bias=True, mlp_bias=True,
                     init_std=data.get("initializer_range", 0.02),
+                    scale_attn_weights=bool(data.get("scale_attn_weights", True)),
+                    scale_attn_by_inverse_layer_idx=bool(data.get("scale_attn_by_inverse_layer_idx", False)),
                 )
             if kind in LLAMA_LIKE or kind in MOE_TYPES:
                 heads = data["num_attention_heads"]
                 qwen = kind in ("qwen2", "qwen2_moe")
                 bias = data.get("attention_bias", qwen) if kind != "qwen2_moe" else data.get("qkv_bias", True)
+                if kind in ("qwen2", "mistral", "mixtral"):  # transformers fixes these: q/k/v biases (Qwen2) or none
+                    bias = kind == "qwen2"
                 layers = data["num_hidden_layers"]
                 moe = MoEConfig.from_hf(data, layers=layers, source=source) if kind in MOE_TYPES else None
+                theta, scaling = read_rope(data, source=source)
+                window, window_from = _sliding_window(data, kind, source)
                 return cls(
                     family="llama", vocab_size=data["vocab_size"],
                     max_seq_len=data.get("max_position_embeddings", 2048),
@@ -127,8 +146,9 @@ class ModelConfig:
                     kv_heads=data.get("num_key_value_heads") or heads, ffn=data["intermediate_size"],
                     norm_eps=data.get("rms_norm_eps", 1e-6), tie_embeddings=data.get("tie_word_embeddings", False),
                     dropout=data.get("attention_dropout", 0.0), head_dim=data.get("head_dim") or 0,
-                    rope_theta=data.get("rope_theta", 10000.0), qkv_bias=bool(bias),
-                    out_bias=bool(bias) and not qwen, mlp_bias=bool(data.get("mlp_bias", False)),
+                    rope_theta=theta, rope_scaling=scaling, sliding_window=window, sliding_window_from=window_from,
+                    qkv_bias=bool(bias), out_bias=bool(bias) and not qwen,
+                    mlp_bias=kind == "llama" and bool(data.get("mlp_bias", False)),  # only Llama reads it
                     init_std=data.get("initializer_range", 0.02), qk_norm=kind in ("qwen3", "qwen3_moe"),
                     moe=moe, hf_type=kind if kind in (*MOE_TYPES, "qwen3") else "",
                 )
@@ -137,6 +157,15 @@ class ModelConfig:
                              "give a complete HF config.json") from exc
         raise UsageError(f"model config {source} has model_type {kind!r}; supported: gpt2, "
                          f"{', '.join((*LLAMA_LIKE, *MOE_TYPES))}")
+
+    def attention_scale(self, index: int) -> float:
+        """What block ``index`` multiplies its attention scores by: 1/sqrt(head_dim), or GPT-2's variants."""
+        scale = self.head_dim ** -0.5 if self.scale_attn_weights else 1.0
+        return scale / (index + 1) if self.scale_attn_by_inverse_layer_idx else scale
+
+    def attention_window(self, index: int) -> int:
+        """How many of the latest positions (itself included) block ``index`` attends to; 0: all before it."""
+        return self.sliding_window if index >= self.sliding_window_from else 0
 
     # -- derived sizes: the one count of parameters and FLOPs (model, planner, partition) -----------
     def padded_vocab(self, tp: int) -> int:
@@ -229,19 +258,24 @@ class ModelConfig:
                     "n_head": self.heads, "n_inner": self.ffn, "activation_function": "gelu_new",
                     "layer_norm_epsilon": self.norm_eps, "tie_word_embeddings": self.tie_embeddings,
                     "resid_pdrop": self.dropout, "embd_pdrop": self.dropout, "attn_pdrop": self.dropout,
-                    "initializer_range": self.init_std}
+                    "initializer_range": self.init_std, "scale_attn_weights": self.scale_attn_weights,
+                    "scale_attn_by_inverse_layer_idx": self.scale_attn_by_inverse_layer_idx}
         qwen2 = self.qkv_bias and not self.out_bias  # Llama's attention_bias covers o_proj too
-        kind = self.hf_type or ("qwen2" if qwen2 else "llama")
+        kind = self.hf_type or ("qwen2" if qwen2 else "mistral" if self.sliding_window else "llama")
+        if kind == "mistral" and (self.qkv_bias or self.mlp_bias):
+            raise UsageError("a sliding window with Llama's biases cannot be written as a transformers config "
+                             "(Mistral has no biases, Llama no window)")
         out = {"model_type": kind, "architectures": [HF_ARCHITECTURES[kind]], "vocab_size": self.vocab_size,
                "max_position_embeddings": self.max_seq_len, "hidden_size": self.hidden,
                "intermediate_size": self.ffn, "num_hidden_layers": self.layers,
                "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
                "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.norm_eps,
-               "rope_theta": self.rope_theta, "tie_word_embeddings": self.tie_embeddings,
+               **write_rope(self.rope_theta, self.rope_scaling), "tie_word_embeddings": self.tie_embeddings,
                "attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias,
                "attention_dropout": self.dropout, "initializer_range": self.init_std}
         if kind in ("qwen2", "qwen2_moe"):
             del out["attention_bias"]
+        out |= _window_to_hf(kind, self.sliding_window, self.sliding_window_from)
         if self.moe:
             out |= self.moe.to_hf(kind, layers=self.layers)
         return out
@@ -308,6 +342,56 @@ def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     halved for the causal mask. (``ModelConfig.flops_per_token``'s default convention.)
     """
     return config.flops_per_token(seq_len)
+
+
+def _gpt2_dropout(data: dict, source: str) -> float:
+    """GPT-2's one dropout rate: megakit drops embeddings, attention and residuals alike (transformers: 0.1 each)."""
+    rates = {k: data.get(k, 0.1) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
+    if len(set(rates.values())) > 1:
+        raise UsageError(f"model config {source} sets {', '.join(f'{k} {v}' for k, v in rates.items())}; megakit uses "
+                         "one dropout rate for all three: set them equal")
+    if data.get("add_cross_attention"):
+        raise UsageError(f"model config {source} sets add_cross_attention (blocks that attend to an encoder), which "
+                         "megakit does not implement; set it false")
+    return rates["resid_pdrop"]
+
+
+def _sliding_window(data: dict, kind: str, source: str) -> tuple[int, int]:
+    """``(window, first block using it)`` as transformers reads them: Mistral and Mixtral slide every block
+    (Mistral 4096 unless null), the Qwens only with ``use_sliding_window`` (Qwen2/3 from ``max_window_layers``
+    on, Qwen2-MoE every other block below it, Qwen3-MoE all; or as ``layer_types`` says). ``(0, 0)``: none."""
+    n = data["num_hidden_layers"]
+    if kind in ("mistral", "mixtral"):
+        window, sliding = data.get("sliding_window", 4096 if kind == "mistral" else None), [True] * n
+    elif kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and data.get("use_sliding_window", False):
+        window, last, types = (data.get(k, d) for k, d in (("sliding_window", 4096), ("max_window_layers", 28),
+                                                             ("layer_types", None)))
+        sliding = ([t == "sliding_attention" for t in types] if types and kind != "qwen3_moe" else
+                   [i % 2 == 0 and i < last for i in range(n)] if kind == "qwen2_moe" else
+                   [True] * n if kind == "qwen3_moe" else [i >= last for i in range(n)])
+    else:
+        return 0, 0
+    if window is None or not any(sliding):
+        return 0, 0
+    start = sliding.index(True)
+    if sliding != [i >= start for i in range(len(sliding))]:
+        blocks = [i for i, x in enumerate(sliding) if x]
+        raise UsageError(f"model config {source}'s layer_types slide the attention window in blocks {blocks}, not in "
+                         "a run of last blocks, which megakit does not implement; set use_sliding_window false")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise UsageError(f"model config {source} has sliding_window {window!r}; give a positive integer or null")
+    return window, start
+
+
+def _window_to_hf(kind: str, window: int, start: int) -> dict:
+    """The config.json fields that give transformers' ``kind`` this window (``_sliding_window``'s inverse)."""
+    if kind in ("qwen2", "qwen3"):
+        return {"use_sliding_window": bool(window), "sliding_window": window or None, "max_window_layers": start}
+    if window and (start or kind not in ("mistral", "mixtral", "qwen3_moe")):
+        raise UsageError(f"a sliding window from block {start} cannot be written as a transformers {kind} config")
+    if kind == "qwen3_moe":
+        return {"use_sliding_window": bool(window), "sliding_window": window or None}
+    return {"sliding_window": window or None} if kind in ("mistral", "mixtral") else {}
 
 
 def check_seq_len(config: ModelConfig, seq_len: int) -> None:

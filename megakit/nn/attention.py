@@ -1,5 +1,8 @@
 """Causal self-attention with heads split over TP, and over CP as ring attention; rotary positions.
 
+RoPE's variants (llama3, linear, yarn, dynamic) are ``megakit.core.rope``'s frequencies; a sliding
+window (Mistral, Qwen2) masks keys more than ``window - 1`` positions back, in every path.
+
 q/k/v are column-parallel and the output row-parallel (Megatron). Without context parallelism
 the core is PyTorch's fused ``scaled_dot_product_attention`` (or, with dropout in training,
 the same written out so the mask is megakit's layout-free one); with it, the rank holds
@@ -14,6 +17,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from megakit.core.model_config import ModelConfig
+from megakit.core.rope import inv_freq
 from megakit.nn import comm as C
 from megakit.nn.context_parallel import attention_keep, positions, ring_attention
 from megakit.nn.dropout import DropoutKeys, attention_dropout
@@ -21,12 +25,23 @@ from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, 
 
 
 def rope_tables(config: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, ``(max_seq_len, head_dim)`` in fp32, in Hugging Face Llama's half-split layout."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
-    angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float64, device=device), inv_freq)
+    """cos and sin, ``(max_seq_len, head_dim)`` in fp32, in Hugging Face Llama's half-split layout, times
+    the variant's attention factor (yarn's mscale) as transformers multiplies them."""
+    freqs, factor = inv_freq(config.rope_theta, config.head_dim, config.rope_scaling, config.max_seq_len)
+    freqs = torch.tensor(freqs, dtype=torch.float64, device=device)
+    angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float64, device=device), freqs)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
+    return (angles.cos() * factor).float(), (angles.sin() * factor).float()
+
+
+def causal_mask(s: int, window: int, device) -> torch.Tensor | None:
+    """``(S, S)`` bool, True where query ``i`` may see key ``j``: ``i - window < j <= i`` (transformers'
+    sliding window); None when plain causal attention is the same (no window, or one not shorter than S)."""
+    if not window or window >= s:
+        return None
+    pos = torch.arange(s, device=device)
+    gap = pos[:, None] - pos[None, :]
+    return (gap >= 0) & (gap < window)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -49,7 +64,7 @@ class Attention(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, site: str, dtype, device,
-                 selective: bool = False, cp_group=None) -> None:
+                 selective: bool = False, cp_group=None, index: int = 0) -> None:
         super().__init__()
         tp = C.size(group)
         self.cp_group, self.cp, self.cp_rank = cp_group, C.size(cp_group), C.rank(cp_group)
@@ -57,6 +72,8 @@ class Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = config.heads // tp, config.kv_heads // tp, config.head_dim
         self.total_heads, self.head_start = config.heads, C.rank(group) * self.heads
         self.dropout, self.rope = config.dropout, config.family == "llama"
+        self.scale, self.window = config.attention_scale(index), config.attention_window(index)  # block ``index``'s
+        self.sdpa_scale = None if self.scale == self.head_dim ** -0.5 else self.scale  # None: SDPA's own 1/sqrt(d)
         q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
         col = dict(group=group, sequence_parallel=sequence_parallel, enter_region=False, dtype=dtype, device=device)
         self.q_proj = ColumnParallelLinear(config.hidden, q, bias=config.qkv_bias, **col)
@@ -89,18 +106,23 @@ class Attention(nn.Module):
         elif self.training and self.dropout > 0:
             y = self._attend_with_dropout(q, k, v, keys)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+            mask = causal_mask(s, self.window, q.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.sdpa_scale,
                                                enable_gqa=self.heads != self.kv_heads)  # (B, nh/tp, S, d)
         return y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # (S, B, nh/tp * d)
 
     def _attend_with_dropout(self, q, k, v, keys: DropoutKeys) -> torch.Tensor:
-        """``softmax(q k^T / sqrt(d) + causal) -> dropout -> @ v``, as SDPA's math path, with megakit's masks."""
+        """``softmax(q k^T * scale + causal) -> dropout -> @ v``, as SDPA's math path, with megakit's masks."""
         if self.kv_heads != self.heads:  # GQA: each KV head serves a run of query heads (SDPA's enable_gqa)
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
         s = q.shape[2]
-        scores = torch.matmul(q, k.transpose(-2, -1)) * (self.head_dim ** -0.5)  # (B, nh/tp, S, S)
-        causal = torch.full((s, s), float("-inf"), dtype=scores.dtype, device=q.device).triu_(1)
+        scores = torch.matmul(q, k.transpose(-2, -1)) * self.scale  # (B, nh/tp, S, S)
+        allowed = causal_mask(s, self.window, q.device)
+        if allowed is None:
+            causal = torch.full((s, s), float("-inf"), dtype=scores.dtype, device=q.device).triu_(1)
+        else:
+            causal = torch.zeros((s, s), dtype=scores.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
         probs = (scores + causal).softmax(dim=-1)  # an added constant: nothing more saved for backward
         probs = attention_dropout(probs, self.dropout, keys, site=self.site, head_start=self.head_start,
                                   heads=self.total_heads)
@@ -113,4 +135,5 @@ class Attention(nn.Module):
             keep = attention_keep(self.dropout, keys, site=self.site, head_start=self.head_start,
                                   heads_local=self.heads, heads=self.total_heads, seq_len=seq_len, device=q.device,
                                   rows=positions(seq_len, self.cp, self.cp_rank, device=q.device))
-        return ring_attention(q, k, v, self.cp_group, keep=keep, p=self.dropout)  # (B, nh/tp, S/cp, d)
+        return ring_attention(q, k, v, self.cp_group, keep=keep, p=self.dropout, scale=self.scale,
+                              window=self.window)  # (B, nh/tp, S/cp, d)

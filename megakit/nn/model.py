@@ -94,7 +94,8 @@ class Block(nn.Module):
         kw = dict(group=group, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         site = f"layers.{index}"
         self.attn_norm = Norm(config, **kw)
-        self.attn = Attention(config, site=f"{site}.attn_probs", selective=selective, cp_group=cp_group, **kw)
+        self.attn = Attention(config, site=f"{site}.attn_probs", selective=selective, cp_group=cp_group, index=index,
+                              **kw)
         self.mlp_norm = Norm(config, **kw)
         self.mlp = MLP(config, **kw)
         drop = dict(group=group, sequence_parallel=sequence_parallel, cp_group=cp_group)
