@@ -1,9 +1,10 @@
 """Context parallelism on real gloo processes: CP = 2 and 4, and CP 2 x TP 2, against one process (fp32).
 
 One spawn of four ranks sweeps every case (CP 4; CP 2 x TP 2 with and without sequence
-parallelism; CP 2 x DP 2, i.e. two CP 2 rings). Under CP each rank's gradient is CP times
-its share of the sequence's (DeepSpeed averages over DP x CP), so the test averages the
-gradients over the CP group and compares them with the single process's. Tolerance as in
+parallelism; CP 2 x DP 2, i.e. two CP 2 rings; sliding windows, RoPE scaling, GPT-2's score
+scaling). Under CP each rank's gradient is CP times its share of the sequence's (DeepSpeed
+averages over DP x CP), so the test averages the gradients over the CP group and compares
+them with the single process's. Tolerance as in
 ``test_tensor_parallel``: ``|a - b| <= 1e-5 * max|b| + 1e-9`` per tensor.
 """
 
@@ -32,14 +33,14 @@ def test_load_balanced_split_covers_the_sequence_once():
 
 
 def _equivalence(topo, preset: str, *, sequence_parallel: bool = False, dropout: float = 0.0,
-                 recompute: str = "none") -> str:
+                 recompute: str = "none", **changes) -> str:
     import torch.distributed as dist
 
     from megakit.nn import comm as C
     from megakit.nn.context_parallel import gather_sequence
     from megakit.nn.model import ModelConfig, Transformer, full_state_dict
 
-    config = ModelConfig.load(preset).replace(vocab_size=250, dropout=dropout)
+    config = ModelConfig.load(preset).replace(vocab_size=250, dropout=dropout, **changes)
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 250, (2, 16), generator=gen)
     labels = torch.randint(0, 250, (2, 16), generator=gen)
@@ -47,7 +48,8 @@ def _equivalence(topo, preset: str, *, sequence_parallel: bool = False, dropout:
     labels[1, 9] = -100
     ref = Transformer(config, seed=3)
     model = Transformer(config, topo, seed=3, sequence_parallel=sequence_parallel, recompute=recompute)
-    case = f"{preset} cp={topo.cp} tp={topo.tp} sp={sequence_parallel} dropout={dropout} recompute={recompute}"
+    case = (f"{preset} cp={topo.cp} tp={topo.tp} sp={sequence_parallel} dropout={dropout} recompute={recompute} "
+            f"{changes}")
     rows = {"sample_ids": [11, 12]}
 
     want_logits, got = ref(ids, **rows), model(ids, **rows)  # (B, S, V) vs (B, S/cp, V/tp)
@@ -72,6 +74,7 @@ def _equivalence(topo, preset: str, *, sequence_parallel: bool = False, dropout:
 
 def _sweep(rank, world_size, root):
     from megakit.core.layout import Layout
+    from megakit.core.rope import RopeScaling
     from megakit.interop.checkpoint import save_checkpoint
     from megakit.errors import UsageError
     from megakit.nn.model import ModelConfig, Transformer
@@ -86,6 +89,15 @@ def _sweep(rank, world_size, root):
         done.append(_equivalence(cp2dp2, preset))
     done.append(_equivalence(cp2tp2, "llama-tiny", sequence_parallel=True, dropout=0.1))  # residual + attention
     done.append(_equivalence(cp4, "gpt-tiny", dropout=0.1, recompute="full"))
+    # a sliding window shorter than the sequence (masked in the ring; Qwen2's: blocks 1 on), Llama 3.1's RoPE
+    # at the rank's global positions, GPT-2's score scaling; with dropout the single process writes attention out
+    llama3 = RopeScaling("llama3", (("factor", 8.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
+                                    ("original_max_position_embeddings", 4)))
+    done.append(_equivalence(cp4, "llama-tiny", sliding_window=5, sliding_window_from=1, rope_theta=5e5,
+                             rope_scaling=llama3))
+    done.append(_equivalence(cp2tp2, "llama-tiny", dropout=0.1, sliding_window=3))
+    done.append(_equivalence(cp2dp2, "gpt-tiny", dropout=0.1, scale_attn_weights=False,
+                             scale_attn_by_inverse_layer_idx=True))
     # a checkpoint saved at CP 2 x TP 2: CP ranks hold the same weights, so one of them writes
     config = ModelConfig.load("llama-tiny")
     save_checkpoint(f"{root}/cp2tp2", Transformer(config, cp2tp2, seed=21), cp2tp2, step=1, config=config)
@@ -102,7 +114,7 @@ def test_context_parallel_matches_one_process(tmp_path):
     from megakit.nn.model import ModelConfig, Transformer, full_state_dict
 
     results = run_ranks(_sweep, 4, str(tmp_path), timeout_s=400)
-    assert len(results[0]) == 11
+    assert len(results[0]) == 14
     assert "not divisible by 2 x CP = 8" in results[0][-1]
     loaded = Transformer(ModelConfig.load("llama-tiny"), seed=0)
     load_checkpoint(tmp_path / "cp2tp2", loaded)

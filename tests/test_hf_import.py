@@ -1,8 +1,10 @@
 """A transformers checkpoint imported, trained one step by megakit at TP2 x PP2, exported: the same model as
-transformers' own one-step training of the same weights on the same batch."""
+transformers' own one-step training of the same weights on the same batch. The model carries Llama 3.1's
+RoPE (theta 500000, llama3 scaling by 8 past 16 positions), so sequences of 32 test the scaled positions."""
 
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -17,13 +19,26 @@ from megakit.commands.cli import main  # noqa: E402
 from megakit.train.data import BatchPlan, TokenBatches, load_tokens  # noqa: E402
 
 OPTIMIZER = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}
 
 
 def _hf_model(directory):
+    """llama-tiny with Llama 3.1's RoPE, saved by the installed transformers (5: ``rope_parameters``)."""
     config = json.loads((ROOT / "models" / "llama-tiny.json").read_text())
-    config = transformers.LlamaConfig(**{k: v for k, v in config.items() if k not in ("model_type", "architectures")})
+    config = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "rope_theta")}
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, rope_parameters=dict(ROPE)))
+    model.save_pretrained(directory, safe_serialization=True)
+
+
+def _as_transformers_4(source, directory):
+    """The same checkpoint with transformers 4's config.json: top-level ``rope_theta`` and ``rope_scaling``."""
+    shutil.copytree(source, directory)
+    data = json.loads((directory / "config.json").read_text())
+    data["rope_scaling"] = data.pop("rope_parameters")
+    data["rope_theta"] = data["rope_scaling"].pop("rope_theta")
+    (directory / "config.json").write_text(json.dumps(data))
 
 
 def test_import_then_export_gives_back_the_same_bytes(tmp_path):
@@ -42,12 +57,13 @@ def test_import_then_export_gives_back_the_same_bytes(tmp_path):
 def test_one_step_at_tp2_pp2_equals_transformers_own_step(tmp_path):
     _hf_model(tmp_path / "hf")
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "ck"), "--from-hf"]) == 0
+    _as_transformers_4(tmp_path / "hf", tmp_path / "hf4")  # trained from: its config must be the checkpoint's
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {**OPTIMIZER, "torch_adam": True}},
           "zero_optimization": {"stage": 1}, "steps_per_print": 10**9}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     out = subprocess.run(["deepspeed", "--num_gpus", "4", "--master_port", str(free_port()), "scripts/train.py",
-                          "--ds_config", str(tmp_path / "ds.json"), "--model", str(tmp_path / "hf"), "--load",
+                          "--ds_config", str(tmp_path / "ds.json"), "--model", str(tmp_path / "hf4"), "--load",
                           str(tmp_path / "ck"), "--steps", "1", "--tp", "2", "--pp", "2", "--seq-len", "32",
                           "--save", str(tmp_path / "trained"), "--no-progress"],
                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
@@ -72,4 +88,7 @@ def test_one_step_at_tp2_pp2_equals_transformers_own_step(tmp_path):
         want, got = reference.eval()(inputs).logits, trained.eval()(inputs).logits
         moved = (want - transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(inputs).logits).abs().max()
     assert moved > 1e-3  # the step did change the model
-    assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
+    assert trained.config.rope_parameters == reference.config.rope_parameters
+    beyond = (got - want)[:, ROPE["original_max_position_embeddings"]:].abs().max()
+    print(f"TP2 x PP2 step, llama3 RoPE: max |logit diff| {(got - want).abs().max():.2e}, beyond 16 {beyond:.2e}")
+    assert (got - want).abs().max() < 1e-5 and beyond < 1e-5, (got - want).abs().max()
