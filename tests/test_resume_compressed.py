@@ -6,13 +6,20 @@ them per DP rank, and a resume at the same layout must reproduce the uninterrupt
 
 One 4-process launch runs, per method, the uninterrupted run (saving a series at step 2) and the run resumed
 from it, then the Top-K checkpoint at another layout (its per-rank state dropped, with one warning line).
+Without processes: the per-rank files' round trip and checksums; on two gloo ranks: ZeRO 0's int8/fp16
+reducer rebuilt from its state.
 """
 
 import json
 
 import pytest
+import torch
 from test_trainer import deepspeed, ds_config, dropout_model
 
+from megakit.errors import UsageError
+from megakit.interop.checkpoint import load_rank_state, save_checkpoint
+from megakit.nn.model import ModelConfig, Transformer
+from megakit.train.resume import choose_checkpoint
 from tests.multiproc import run_ranks
 
 STEPS, SAVED = 4, 2
@@ -70,6 +77,29 @@ def test_per_rank_state_is_saved_per_dp_rank_and_dropped_at_another_layout_with_
     assert len(results[-1]["loss"]) == STEPS - SAVED  # the resharded run trains on
 
 
+def test_per_rank_files_round_trip_and_are_checksummed(tmp_path):
+    """A rank's own tensors come back bitwise; a flipped byte in its file makes the checkpoint damaged (a series
+    then resumes from the one before) and its load one clear error naming the file."""
+    config = ModelConfig.load("gpt-tiny")
+    model, own = Transformer(config, seed=1), {"residual/residual": torch.randn(1000), "residual/sizes": torch.arange(3)}
+    for step in (2, 4):
+        save_checkpoint(tmp_path / f"step-{step:07d}", model, step=step, config=config, rank_state=own,
+                        rank_key={"dp": 2})
+    newest = tmp_path / "step-0000004"
+    assert json.loads((newest / "manifest.json").read_text())["per_rank"]["key"] == {"dp": 2}
+    back = load_rank_state(newest)
+    assert back.keys() == own.keys() and all(torch.equal(back[k], own[k]) for k in own)
+    rank_file = newest / "rank-pp00-tp00-dp00.safetensors"
+    data = bytearray(rank_file.read_bytes())
+    data[-3] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+    said = []
+    assert choose_checkpoint(str(tmp_path), say=said.append) == tmp_path / "step-0000002"
+    assert "skipping damaged checkpoint" in said[0] and rank_file.name in said[0], said
+    with pytest.raises(UsageError, match="rank-pp00-tp00-dp00.safetensors fails its checksum"):
+        load_rank_state(newest)
+
+
 def _reduce_resumed(rank, world, specs, rounds, cut):
     """Per spec, each rank reduces a new gradient every round; from round ``cut`` on, through a reducer rebuilt
     from the first one's ``state()`` (what a checkpoint holds). Returns both runs' outputs per spec and round."""
@@ -84,7 +114,8 @@ def _reduce_resumed(rank, world, specs, rounds, cut):
              for r in range(rounds)]
     outs = {}
     for spec, run in ((spec, run) for spec in specs for run in ("full", "resumed")):
-        reducer, got = GradientReducer(parse_compression(spec), comm.WORLD), outs.setdefault(spec, {}).setdefault(run, [])
+        reducer = GradientReducer(parse_compression(spec), comm.WORLD)
+        got = outs.setdefault(spec, {}).setdefault(run, [])
         for r, local in enumerate(grads):
             if run == "resumed" and r == cut:
                 saved = {k: t.clone() for k, t in reducer.state().items()}
