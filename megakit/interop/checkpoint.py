@@ -12,6 +12,9 @@ On disk::
                                            which file holds which slice, and the slice's
                                            checksum
     DIR/model-pp00-tp00.safetensors ...    one per (pp, tp) rank of DP replica 0
+    DIR/rank-pp00-tp00-dp01.safetensors    optional, per rank: state only that rank holds (a
+                                           local-SGD replica's own Adam moments, its residuals),
+                                           read back only at the same layout (``rank_state``)
 
 Why it looks like this:
 
@@ -62,10 +65,13 @@ from megakit.interop.checkpoint_format import (
     build_manifest,
     fsync,
     manifest_config,
+    rank_file,
     read_manifest,
+    read_rank_file,
     shard_file,
     state_keys,
     state_name,
+    write_rank_file,
     write_tensors,
 )
 from megakit.nn import comm as C
@@ -193,12 +199,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 # -- save -------------------------------------------------------------------------------------------
 def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConfig, extra: dict | None = None,
-                    state: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+                    state: dict[str, dict[str, torch.Tensor]] | None = None,
+                    rank_state: dict[str, torch.Tensor] | None = None, rank_key: dict | None = None) -> Path:
     """Write this rank's shard of ``model`` (a stage module, or a list/ModuleList of chunks) to ``directory``.
 
     Collective over the world: every rank calls it with its own stage. ``extra`` is any
     JSON-serialisable metadata (returned by ``load_checkpoint``). ``state``: parameter name ->
-    {key: tensor shaped like this rank's shard of it}, written beside it. Returns the directory.
+    {key: tensor shaped like this rank's shard of it}, written beside it. ``rank_state``: CPU tensors
+    only this rank holds, written as they are, on any DP rank, for ``load_rank_state`` at the same
+    layout; ``rank_key`` (JSON) says what a reader must match. Returns the directory.
     """
     target = Path(directory)
     extra = {} if extra is None else extra
@@ -229,21 +238,25 @@ def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConf
              if dp_rank == 0 and first_holder[n] == pp_rank and (getattr(p, "tp_dim", None) is not None or tp_rank == 0)}
     tensors = _host_copies(params, owned)  # collective over DP under ZeRO-3
     record, local_error = None, None
-    if dp_rank == 0:
-        try:
+    try:
+        if dp_rank == 0:
             for name in list(tensors):  # state tensors are split like their parameter
                 for key, t in (state or {}).get(name, {}).items():
                     tensors[state_name(key, name)] = t
             record = _write_shard(tmp, params, tensors, tp=tp, tp_rank=tp_rank, pp_rank=pp_rank, pp=pp)
-        except Exception as error:  # reported to rank 0, which cleans up and tells every rank
-            local_error, record = error, {"failure": _failure(error)}
+        if rank_state:
+            record = (record or {}) | {"rank_file": write_rank_file(tmp, rank_state, (pp_rank, tp_rank, dp_rank),
+                                                                    (pp, tp, dp))}
+    except Exception as error:  # reported to rank 0, which cleans up and tells every rank
+        local_error, record = error, {"failure": _failure(error)}
     records = _gather_to_0(record, topo)  # every rank has written: the barrier before renaming
     failures = None
     if _rank(topo) == 0:
         failures = [None if r is None or "failure" not in r else r["failure"] for r in records]
         try:
             if not any(failures):
-                manifest = build_manifest(records, step=step, config=config, extra=extra, tp=tp, pp=pp, dp=dp)
+                manifest = build_manifest(records, step=step, config=config, extra=extra, tp=tp, pp=pp, dp=dp,
+                                          rank_key=rank_key)
                 _check_visible(tmp, manifest)
                 path = tmp / MANIFEST
                 path.write_text(json.dumps(manifest, indent=1))
@@ -288,7 +301,7 @@ def _write_shard(tmp: Path, params: dict, owned: dict, *, tp: int, tp_rank: int,
 
 
 def _check_visible(tmp: Path, manifest: dict) -> None:
-    for fname in manifest["files"]:
+    for fname in [*manifest["files"], *manifest.get("per_rank", {}).get("files", {})]:
         if not (tmp / fname).is_file():
             raise UsageError(f"{tmp / fname}, written by another rank, is not visible on rank 0; "
                              "save checkpoints to a filesystem that every node shares")
@@ -395,3 +408,11 @@ def _load_state(directory: Path, model, topo) -> dict[str, dict[str, torch.Tenso
             out[name] = {key: _read_shard(reader, state_name(key, name), shape, dim, tp, tp_rank, directory)
                          for key in state_keys(manifest)}
     return out
+
+
+def load_rank_state(directory, topo=None) -> dict[str, torch.Tensor]:
+    """This rank's ``rank_state``, as the same rank of the same layout saved it (empty if it saved none); the
+    caller first checks the manifest's ``per_rank`` key. Collective like ``load_checkpoint``."""
+    tp, pp, dp, tp_rank, pp_rank, dp_rank = _coords(topo)
+    return _collectively(lambda: read_rank_file(Path(directory), rank_file(pp_rank, tp_rank, dp_rank, pp, tp, dp)),
+                         topo)

@@ -6,7 +6,9 @@ metadata, the model config, the layout that saved it, each file's size, and for 
 parameter (by its layout-independent name) the full unpadded shape, dtype, ``tp_dim`` and
 ``slices``: which file holds which rows ``[start, stop)`` of ``tp_dim`` (a replicated
 parameter: one slice, the whole tensor) and the xxh3-128 checksum of what it stored. The
-tensor key inside a file is the parameter's name. Version 1 (one sha256 per file instead
+tensor key inside a file is the parameter's name. An optional ``per_rank`` section lists the
+``rank-…`` files that hold what only one rank has (each tensor's checksum) and the ``key`` a
+run must match to read them. Version 1 (one sha256 per file instead
 of per-tensor checksums) is still read. Collective saving and loading live in ``megakit.interop.checkpoint``;
 this module needs no process group (``megakit convert`` uses it alone).
 """
@@ -91,15 +93,36 @@ def shard_file(pp_rank: int, tp_rank: int, pp: int, tp: int) -> str:
     return f"model-pp{pp_rank:0{width}d}-tp{tp_rank:0{width}d}.safetensors"
 
 
+def rank_file(pp_rank: int, tp_rank: int, dp_rank: int, pp: int, tp: int, dp: int) -> str:
+    """``rank-pp00-tp01-dp01.safetensors``: the state only this rank holds (its own Adam moments, its residuals),
+    read back only by the same rank of the same layout."""
+    width = max(2, len(str(max(pp, tp, dp) - 1)))
+    return f"rank-pp{pp_rank:0{width}d}-tp{tp_rank:0{width}d}-dp{dp_rank:0{width}d}.safetensors"
+
+
+def write_rank_file(directory: Path, tensors: dict[str, torch.Tensor], ranks: tuple[int, int, int],
+                    sizes: tuple[int, int, int]) -> dict:
+    """Write one rank's own CPU ``tensors`` to ``directory`` (``ranks``, ``sizes``: its (pp, tp, dp) coordinates
+    and the layout's); its record for ``build_manifest``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fname = rank_file(*ranks, *sizes)
+    sums = write_tensors(directory / fname, {k: t.contiguous() for k, t in tensors.items()})
+    return {"file": fname, "bytes": (directory / fname).stat().st_size, **dict(zip(("pp", "tp", "dp"), ranks)),
+            "tensors": sums}
+
+
 def build_manifest(records: list, *, step: int, config: ModelConfig, extra: dict, tp: int, pp: int,
-                   dp: int) -> dict:
+                   dp: int, rank_key: dict | None = None) -> dict:
     """The manifest from every writing rank's record (``None`` for ranks that wrote nothing).
 
-    Checks that each split parameter's slices tile ``[0, full)`` exactly.
+    Checks that each split parameter's slices tile ``[0, full)`` exactly. Per-rank files (a record's
+    ``rank_file``) are listed under ``per_rank`` with ``rank_key``: what a run must match to read them.
     """
-    files, params = {}, {}
+    files, params, per_rank = {}, {}, {}
     for record in records:
-        if record is None:
+        if record is not None and "rank_file" in record:
+            per_rank[record["rank_file"]["file"]] = {k: v for k, v in record["rank_file"].items() if k != "file"}
+        if record is None or "file" not in record:
             continue
         files[record["file"]] = {k: record[k] for k in ("bytes", "pp", "tp")}
         for name, entry in record["params"].items():
@@ -115,8 +138,11 @@ def build_manifest(records: list, *, step: int, config: ModelConfig, extra: dict
             ends = [0] + [s["stop"] for s in entry["slices"]]
             tiled = [s["start"] for s in entry["slices"]] == ends[:-1]
             assert tiled and ends[-1] == entry["shape"][entry["tp_dim"]], (name, entry)
-    return {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "config": config.to_dict(),
-            "layout": {"tp": tp, "pp": pp, "dp": dp}, "files": files, "params": params}
+    manifest = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "config": config.to_dict(),
+                "layout": {"tp": tp, "pp": pp, "dp": dp}, "files": files, "params": params}
+    if per_rank:
+        manifest["per_rank"] = {"key": rank_key or {}, "files": dict(sorted(per_rank.items()))}
+    return manifest
 
 
 def read_manifest(directory) -> dict:
@@ -153,6 +179,15 @@ def manifest_config(manifest: dict, *, source="checkpoint") -> ModelConfig:
         return ModelConfig(**manifest["config"])
     except TypeError as exc:
         raise UsageError(f"{source}'s model config is malformed ({exc}); save the checkpoint again") from exc
+
+
+def read_rank_file(directory: Path, fname: str) -> dict[str, torch.Tensor]:
+    """The tensors of per-rank file ``fname``, checked, or nothing if the checkpoint lists no such file."""
+    manifest = read_manifest(directory)
+    if fname not in manifest.get("per_rank", {}).get("files", {}):
+        return {}
+    with ShardReader(directory, manifest) as reader:
+        return {name: t.clone() for name, t in reader.rank_tensors(fname).items()}
 
 
 class ShardReader:
@@ -214,6 +249,16 @@ class ShardReader:
         for name, entry in self.manifest["params"].items():
             for part in entry["slices"]:
                 self._tensor(part, name)
+        for fname in self.manifest.get("per_rank", {}).get("files", {}):
+            self.rank_tensors(fname)
+
+    def rank_tensors(self, fname: str) -> dict[str, torch.Tensor]:
+        """Every tensor of the per-rank file ``fname`` (``rank_file``), each checked against its checksum."""
+        entry = self.manifest.get("per_rank", {}).get("files", {}).get(fname)
+        if entry is None:
+            raise UsageError(f"checkpoint {self.directory} lists no per-rank file {fname}; it was saved at "
+                             "another layout")
+        return {name: self._tensor({"file": fname, "xxh3": digest}, name) for name, digest in entry["tensors"].items()}
 
     def entry(self, name: str) -> dict:
         entry = self.manifest["params"].get(name)

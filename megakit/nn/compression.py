@@ -155,12 +155,27 @@ class _Codec(ByteMeter):
         """``(mean over ranks of the decompressed tensors, this rank's decompressed tensor)``; ``flat`` holds
         tensors of ``sizes`` elements end to end, each compressed on its own."""
         if self._ids is None or self._sizes != sizes:
+            if self._sizes != sizes:
+                self.server_residual = None  # it was of other tensors
             self._sizes, self._ids = sizes, _chunk_ids(sizes, flat.device)
             self._segments = self._cut(comm.size(self.group))
-            self.server_residual = None  # it was of other tensors
         kind = self.compression.kind
         total, kept = self._two_phase(flat) if kind in ("int8", "sign") else getattr(self, f"_{kind}")(flat)
         return total.div_(comm.size(self.group)), kept
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """What the next exchange depends on besides its input (for a checkpoint): the residual this rank kept and
+        the tensor sizes it belongs to."""
+        out = {} if self._sizes is None else {"sizes": torch.tensor(self._sizes, dtype=torch.int64)}
+        if self.server_residual is not None:
+            out["server_residual"] = self.server_residual
+        return out
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Take back what ``state()`` gave (tensors already on this rank's device)."""
+        if "sizes" in state:
+            self._sizes = tuple(state["sizes"].tolist())
+        self.server_residual = state.get("server_residual")
 
     def held_back(self, numel: int) -> torch.Tensor:
         """What recompressing this rank's sums (int8, sign) has held back for the next ones, in place in a zero
@@ -255,6 +270,13 @@ class GradientReducer(_Codec):
             self.residual = flat.sub_(kept)  # overflowing step, so its residual is not kept; else sent next step
         _unflatten_into(grads, mean)
 
+    def state(self) -> dict[str, torch.Tensor]:
+        return super().state() | ({} if self.residual is None else {"residual": self.residual})
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        super().load_state(state)
+        self.residual = state.get("residual")
+
 
 class UpdateReducer(_Codec):
     """sign, Top-K: averages the optimizer's weight updates over ``group``; each rank's weights keep its own
@@ -277,6 +299,15 @@ class UpdateReducer(_Codec):
             shared = _flat(self.shared).add_(mean)
             _unflatten_into(self.shared, shared)
             _unflatten_into(params, shared.add_(pending.sub_(kept)) if self.error_feedback else shared)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Nothing: after ``synchronize()`` (which precedes every save) the weights are the shared ones, nothing is
+        pending and the second phase holds nothing back, so a reducer built on the loaded weights is this one."""
+        assert not (self.pending and self.error_feedback), "synchronize() before saving"
+        return {}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        assert not state, sorted(state)
 
     def synchronize(self, params: list[torch.Tensor]) -> None:
         """Send every rank's pending updates densely, so that all hold the same weights (before a save or an eval)."""

@@ -21,6 +21,8 @@ ZeRO 2-3 reduce-scatter in the backward's hooks, where nothing is replaced.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from megakit.nn.compression import (
@@ -52,6 +54,7 @@ class ZeroOneBuckets(ByteMeter):
                                "this DeepSpeed reduces ZeRO-1 gradients elsewhere, so --compress needs ZeRO 0")
         self.optimizer, self.make_reducer, self.reducers = optimizer, make_reducer, {}
         optimizer.gradient_reduction_w_predivide = self
+        self.loaded: dict[str, dict] = {}  # a checkpoint's residuals, by bucket, until the bucket is first seen
 
     def __call__(self, tensor: torch.Tensor, communication_data_type) -> torch.Tensor:
         """``tensor`` (a bucket of gradients, end to end) replaced by its DP average, as DeepSpeed's method does."""
@@ -59,6 +62,7 @@ class ZeroOneBuckets(ByteMeter):
         key = (communication_data_type, ids)
         if key not in self.reducers:
             self.reducers[key] = self.make_reducer()
+            self.reducers[key].load_state(self.loaded.pop(_bucket_name(key), {}))
         self.reducers[key].reduce(list(tensor.split(sizes)))
         return tensor
 
@@ -76,6 +80,22 @@ class ZeroOneBuckets(ByteMeter):
     def take_bytes(self) -> tuple[int, int]:
         taken = [r.take_bytes() for r in self.reducers.values()]
         return sum(s for s, _ in taken), sum(d for _, d in taken)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Every bucket's residuals, named by the bucket (its parameters), as ``bucket-HASH/FIELD``."""
+        return {f"{_bucket_name(key)}/{field}": t for key, reducer in self.reducers.items()
+                for field, t in reducer.state().items()}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Keep ``state()``'s residuals until their bucket is reduced (DeepSpeed builds buckets in the backward)."""
+        for name, t in state.items():
+            bucket, field = name.rsplit("/", 1)
+            self.loaded.setdefault(bucket, {})[field] = t
+
+
+def _bucket_name(key: tuple) -> str:
+    """A short name for a bucket key (its dtype and parameter ids), the same in every run at the same layout."""
+    return "bucket-" + hashlib.sha256(repr(key).encode()).hexdigest()[:16]
 
 
 class DataParallelSync:
@@ -124,3 +144,22 @@ class DataParallelSync:
         """``(sent, dense)`` DP bytes of this rank since the last call; ``(None, None)`` when DeepSpeed reduces."""
         meter = self.gradients or self.buckets or self.updates or self.averager
         return meter.take_bytes() if meter is not None else (None, None)
+
+    @property
+    def own_moments(self) -> bool:
+        """Whether each DP rank's optimizer steps on its own gradients (sign, Top-K, local SGD), so that its Adam
+        moments are its own; with exact or fp16/int8 gradients every rank steps on the same average."""
+        return self.updates is not None or self.averager is not None
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """This rank's compression state the next step depends on (error-feedback residuals), on the CPU; call
+        after ``synchronize()``. Local SGD keeps none: its period counts from the step."""
+        reducer = self.gradients or self.buckets or self.updates
+        return {} if reducer is None else {k: t.detach().to("cpu", copy=True) for k, t in reducer.state().items()}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Take back what ``state()`` gave at the same layout."""
+        reducer = self.gradients or self.buckets or self.updates
+        device = next(iter(self._params()), torch.empty(0)).device
+        if reducer is not None:
+            reducer.load_state({k: t.to(device) for k, t in state.items()})

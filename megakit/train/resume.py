@@ -11,7 +11,12 @@ uninterrupted run's:
   bf16; the torch optimizer's own ``state`` under fp32 ZeRO-0, where the parameter is the
   master copy;
 - the optimizer's step count; the LR schedule, the data position and the dropout masks
-  are functions of the step, the global batch and the seed, which must match on resume.
+  are functions of the step, the global batch and the seed, which must match on resume;
+- what one DP rank holds alone (``own_state``): its Adam moments when it steps on its own
+  gradients (sign, Top-K, local SGD) and its error-feedback residuals (fp16, int8), in a
+  file per rank keyed by the layout and DP method (``per_rank_key``). Only a run with the
+  same key reads them; any other starts every DP rank from DP rank 0's moments and empty
+  residuals, and says so in one line.
 
 ``--save DIR --save-every N`` writes ``DIR/step-000123`` and then, last, ``DIR/latest``;
 ``--keep K`` removes all but the newest K. ``--load DIR`` takes a checkpoint directory, or
@@ -29,7 +34,7 @@ from pathlib import Path
 import torch
 
 from megakit.errors import UsageError
-from megakit.interop.checkpoint import load_state, named_parameters, save_checkpoint
+from megakit.interop.checkpoint import load_rank_state, load_state, named_parameters, save_checkpoint
 from megakit.interop.checkpoint_format import (
     MANIFEST,
     ShardReader,
@@ -226,6 +231,55 @@ def set_optimizer_state(engine, state: dict[str, dict[str, torch.Tensor]], step:
             group["step"] = step
 
 
+# -- what only one DP rank holds -------------------------------------------------------------------
+def per_rank_key(run, topo) -> dict:
+    """What a resumed run must match to reuse per-rank state: every rank holding the same shard, and kept in step
+    over DP the same way (the period of local SGD aside: it only says when to average)."""
+    sync = "local-sgd" if run.cfg.local_sgd else str(run.compression)
+    return {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "cp": topo.cp, "vpp": run.cfg.vpp, "zero": run.zero_stage,
+            "sync": sync}
+
+
+def _describe_key(key: dict) -> str:
+    cp = f" x CP{key['cp']}" if key.get("cp", 1) > 1 else ""
+    return f"TP{key.get('tp')} x PP{key.get('pp')} x DP{key.get('dp')}{cp}, ZeRO {key.get('zero')}, {key.get('sync')}"
+
+
+def own_state(engine, topo, dp_sync) -> dict[str, torch.Tensor]:
+    """What this rank alone holds, on the CPU, after ``dp_sync.synchronize()``: its error-feedback residuals, and
+    its Adam moments when each DP rank steps on its own gradients (DP rank 0's are in the checkpoint already)."""
+    out = {f"residual/{k}": t for k, t in dp_sync.state().items()}
+    if dp_sync.own_moments and topo.get_data_parallel_rank() > 0:  # fp32 ZeRO 0 (run._check_dp_sync)
+        optimizer = _torch_optimizer(engine)
+        for name, param in named_parameters(engine.module).items():
+            for key, value in optimizer.state.get(param, {}).items():
+                if key != "step" and torch.is_tensor(value) and value.dim() > 0:
+                    out[f"optimizer/{key}/{name}"] = value.detach().to("cpu", copy=True)
+    return out
+
+
+def restore_own_state(engine, topo, checkpoint: Path, dp_sync, key: dict, *, say=print) -> None:
+    """After ``restore`` and once ``dp_sync`` exists: each rank's own moments and residuals, if the checkpoint
+    was saved at ``key``; at another layout or DP method they are dropped, which ``say`` reports in one line."""
+    saved = read_manifest(checkpoint).get("per_rank")
+    if saved is None:
+        return
+    if saved["key"] != key:
+        say(f"megakit: {checkpoint} holds per-DP-rank state (each replica's Adam moments, error-feedback residuals) "
+            f"saved at {_describe_key(saved['key'])}; this run is {_describe_key(key)}, so every DP rank starts from "
+            "DP rank 0's moments and empty residuals (the resume is not bitwise)")
+        return
+    state = load_rank_state(checkpoint, topo)
+    optimizer, params = _torch_optimizer(engine), named_parameters(engine.module)
+    with torch.no_grad():
+        for name, value in state.items():
+            kind, _, rest = name.partition("/")
+            if kind == "optimizer":
+                moment, pname = rest.split("/", 1)
+                optimizer.state[params[pname]][moment].copy_(value)
+    dp_sync.load_state({name.partition("/")[2]: t for name, t in state.items() if name.startswith("residual/")})
+
+
 # -- save and load ----------------------------------------------------------------------------------
 def restore(engine, topo, checkpoint: Path, step: int) -> None:
     """After ``deepspeed.initialize``: the saved optimizer state (if any); the trainer places the LR schedule."""
@@ -247,9 +301,10 @@ def _add_tokenizer(source: Path, checkpoint: Path) -> None:
 
 
 def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, series: bool, keep: int,
-             tokenizer: Path | None = None) -> Path:
+             tokenizer: Path | None = None, dp_sync=None, rank_key: dict | None = None) -> Path:
     """Save weights and optimizer state; in a series, as ``DIR/step-N`` with ``DIR/latest`` written last.
     ``tokenizer``: a directory whose tokenizer files go into ``CHECKPOINT/tokenizer`` (for ``convert --to-hf``).
+    ``dp_sync`` (synchronized): each rank's own state is saved too, under ``rank_key`` (``per_rank_key``).
 
     Collective over the world (see ``save_checkpoint``); an error on any rank raises on every rank.
     """
@@ -257,7 +312,8 @@ def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, se
     target = Path(directory) / f"{STEP_PREFIX}{step:07d}" if series else Path(directory)
     save_checkpoint(target, engine.module, topo, step=step, config=config, state=state,
                     extra={**extra, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-                           "optimizer_step": optimizer_step_count(engine)})
+                           "optimizer_step": optimizer_step_count(engine)},
+                    rank_state=None if dp_sync is None else own_state(engine, topo, dp_sync), rank_key=rank_key)
     if tokenizer is not None and topo.rank == 0:
         _add_tokenizer(tokenizer, target)
     if series and topo.rank == 0:

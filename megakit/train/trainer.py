@@ -56,7 +56,7 @@ from megakit.train.grad_norm import Zero0Clipper
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops
 from megakit.train.optim import decay_groups, start_schedule
 from megakit.train.reporting import Reporter, start_profiler
-from megakit.train.resume import restore, save_run
+from megakit.train.resume import per_rank_key, restore, restore_own_state, save_run
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
 
 
@@ -226,6 +226,12 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
     batches = TokenBatches(run.corpus.train, plan)
     evaluate = evaluator(run, topo, engine, _device()) if cfg.eval_every else None
     dp_sync = DataParallelSync(run, topo, engine)
+    if run.checkpoint:
+        try:  # each DP rank's own moments and residuals, at the layout that saved them
+            restore_own_state(engine, topo, run.checkpoint, dp_sync, per_rank_key(run, topo),
+                              say=print if topo.rank == 0 else lambda *_: None)
+        except UsageError as error:
+            raise everywhere(error)
     run_step = _pipeline_step(run, topo, engine, dp_sync) if topo.pp > 1 else _plain_step(engine, dp_sync)
     if doctor is not None:
         batches, run_step = doctor.attach(engine, batches, run_step)
@@ -289,7 +295,7 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
                 save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
                          extra={"loss": loss, "seed": cfg.seed, "global_batch": plan.global_batch,
                                 "data": {"samples": done * plan.global_batch, "corpus": run.corpus.fingerprint}},
-                         tokenizer=run.corpus.tokenizer_dir)
+                         tokenizer=run.corpus.tokenizer_dir, dp_sync=dp_sync, rank_key=per_rank_key(run, topo))
             except UsageError as error:
                 raise everywhere(error)  # save_checkpoint raises on every rank when any rank fails
     if profiler is not None:
