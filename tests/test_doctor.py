@@ -122,3 +122,20 @@ def test_bad_input_is_one_line_and_exit_2_before_any_process(argv, env, needle, 
     assert cli.main(["doctor", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("megakit doctor: error: ") and needle in err[-1], err
+
+
+def test_the_backend_line_and_the_job_line_name_context_parallelism(capsys):
+    """``megakit doctor --cp 2``: the grid is TP x CP x PP x DP (CP was left out); without CP it reads as before."""
+    from megakit.commands.doctor_render import render
+    from megakit.train.doctor_checks import check_backend
+
+    ranks = [{"rank": r, "pp": 0, "dp": 0, "tp": 0, "backend": "gloo", "device": "cpu", "node": "node 0",
+              "host": "h"} for r in range(2)]
+    config = {"model": "gpt-tiny", "world": 2, "tp": 1, "pp": 1, "dp": 1, "cp": 2, "zero_stage": 1,
+              "precision": "fp32", "global_batch": 4, "seq_len": 32, "steps": 2, "start_step": 0}
+    verdict = check_backend({"ranks": ranks, "config": config})
+    assert verdict.passed and "; TP 1 x CP 2 x PP 1 x DP 1;" in verdict.numbers, verdict
+    render({"config": config, "steps": [{}, {}], "faults": ""}, [verdict])
+    assert "TP 1 x CP 2 x PP 1 x DP 1, ZeRO 1" in capsys.readouterr().out
+    without_cp = {k: v for k, v in config.items() if k != "cp"}  # facts a doctor of before CP wrote
+    assert "; TP 1 x PP 1 x DP 1;" in check_backend({"ranks": ranks, "config": without_cp}).numbers

@@ -51,7 +51,8 @@ def sweep(tmp_path_factory, nprocs: int, cases: list[dict]) -> list[dict]:
     work = tmp_path_factory.mktemp(f"sweep{nprocs}")
     (work / "cases.json").write_text(json.dumps(cases))
     port = free_port()
-    out = deepspeed(nprocs, "tests/launch_sweep.py", str(work / "cases.json"), str(work / "results.json"), port=port)
+    out = deepspeed(nprocs, "tests/launch_sweep.py", str(work / "cases.json"), str(work / "results.json"), port=port,
+                    timeout=900)  # a few minutes on 2 idle cores; far more on shared ones
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     left = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")  # the trainer unlinks DeepSpeed's buffers
     assert not left, left
@@ -64,7 +65,8 @@ def reference(case: dict, dp: int) -> dict:
     from megakit.train.reference import reference_run
 
     return reference_run(case["ds_config"], model=case["model"], steps=case["steps"], dp=dp, seq_len=case["seq_len"],
-                         data=case.get("data"))
+                         data=case.get("data"), eval_every=case.get("eval_every", 0),
+                         eval_batches=case.get("eval_batches", 8))
 
 
 def assert_same_trajectory(result: dict, ref: dict) -> None:
@@ -84,9 +86,42 @@ def assert_memory_matches(rows: list[dict]) -> None:
         assert abs(m["activations"] - p["activations"]) <= 0.15 * p["activations"], row
 
 
+def assert_close_runs(got: dict, want: dict, tol: float = 1e-5) -> None:
+    """Every step's loss and every validation loss within ``tol``."""
+    assert len(got["loss"]) == len(want["loss"]) and len(got["evals"]) == len(want["evals"]), (got, want)
+    for step, (a, b) in enumerate(zip(got["loss"], want["loss"])):
+        assert abs(a - b) < tol, (step, a, b)
+    for a, b in zip(got["evals"], want["evals"]):
+        assert a["step"] == b["step"] and abs(a["loss"] - b["loss"]) < tol, (a, b)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    return _token_shards(tmp_path_factory)
+
+
+def sync_cases(data: str, flags: list[dict], **layout) -> list[dict]:
+    """megakit's own DP sync (ZeRO 0, or ZeRO 1's buckets with ``zero=1``), 6 steps on ``data``, validated at 3 and 6.
+    Adam's eps is 1e-4: with 1e-8 the first update is +-lr almost everywhere, a near-tie that the last bits in which
+    two layouts' gradients differ break differently, so Top-K picks other elements (measured: 5e-5 apart at step 1;
+    1e-4 keeps the magnitudes apart: 7e-7)."""
+    cases = []
+    for extra in flags:
+        extra = dict(extra)
+        config = ds_config(extra.pop("zero", 0))
+        config["optimizer"]["params"]["eps"] = 1e-4
+        cases.append(dict(ds_config=config, model="gpt-tiny", steps=6, seq_len=32, data=data, eval_every=3,
+                          eval_batches=1, **extra, **layout))
+    return cases
+
+
+CP_DP1_SYNC = [dict(local_sgd=2), dict(compress="int8", zero=1), dict(compress="topk:0.1")]
+DP_SYNC = [dict(local_sgd=2), dict(compress="int8"), dict(compress="int8", zero=1), dict(compress="topk:0.1")]
+
+
 # -- DP x ZeRO 0-3 (2 processes) -------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def dp_results(tmp_path_factory):
+def dp_results(tmp_path_factory, shards):
     cases = [dict(ds_config=ds_config(z), model="gpt-tiny", steps=STEPS, seq_len=32, verify_memory=True)
              for z in range(4)]
     diverge = ds_config(0)
@@ -116,6 +151,9 @@ def dp_results(tmp_path_factory):
     for stage in (0, 1):  # cases 17, 18: zero bubble (ZB-H1), backward split into B and W, under ZeRO 0 and 1
         cases.append(dict(ds_config=ds_config(stage, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32,
                           pp=2, schedule="zb-h1"))
+    # cases 19-21: CP 2 (DP 1) under local SGD, int8 (ZeRO-1's buckets) and Top-K; 22-25: DP 2 under local SGD, int8
+    # (ZeRO 0 and 1) and Top-K, which CP 2 x DP 2 must equal (mp_results)
+    cases += sync_cases(shards, CP_DP1_SYNC, cp=2) + sync_cases(shards, DP_SYNC)
     return cases, sweep(tmp_path_factory, 2, cases)
 
 
@@ -221,7 +259,7 @@ def test_accumulation_communicates_only_at_the_boundary(dp_results):
 
 # -- TP x PP and TP x DP (4 processes) -------------------------------------------------------------
 @pytest.fixture(scope="module")
-def mp_results(tmp_path_factory):
+def mp_results(tmp_path_factory, shards):
     cases = [dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
                   verify_memory=True),
              dict(ds_config=ds_config(1), model="llama-tiny", steps=STEPS, seq_len=32, tp=2, pp=1),
@@ -248,11 +286,18 @@ def mp_results(tmp_path_factory):
                       compress="sign"))
     # case 10: TP2 x PP2, interleaved (2 chunks), on token shards (BPE 512) with validation every 5 steps, saved
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
-                      vpp=2, data=_token_shards(tmp_path_factory), eval_every=5, eval_batches=2,
+                      vpp=2, data=shards, eval_every=5, eval_batches=2,
                       save=str(tmp_path_factory.mktemp("ckpt") / "run")))
     # case 11: zero bubble (ZB-H1) with TP2 (and SP) x PP2
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model="llama-tiny", steps=STEPS, seq_len=32, tp=2,
                       pp=2, sequence_parallel=True, schedule="zb-h1"))
+    # case 12: CP 2 x PP 2 validated (the stages pass S/cp rows); 13-16: CP 2 x DP 2 under megakit's DP sync
+    cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=6, seq_len=32, cp=2, pp=2,
+                      data=shards, eval_every=3, eval_batches=1))
+    cases += sync_cases(shards, DP_SYNC, cp=2)
+    # case 17: CP 2 x DP 2 validated (Llama, GQA)
+    cases.append(dict(ds_config=ds_config(0), model="llama-tiny", steps=6, seq_len=32, cp=2, data=shards,
+                      eval_every=3, eval_batches=1))
     return cases, sweep(tmp_path_factory, 4, cases)
 
 
@@ -352,6 +397,38 @@ def test_context_parallel_cp2_follows_the_single_process_trajectory(mp_results):
     cases, results = mp_results
     assert_same_trajectory(results[6], reference(cases[6], dp=2))
     assert_same_trajectory(results[7], reference(cases[7], dp=1))
+
+
+@pytest.mark.slow
+def test_validation_loss_under_context_parallelism_is_the_single_process_one(dp_results, mp_results):
+    """CP 2, CP 2 x DP 2 and CP 2 x PP 2 (the stages exchange S/cp rows): every validation loss equals one
+    process's within 1e-5 (each CP rank holds the whole sequence's loss; it counts once), and CP 2 x PP 2 validates
+    and trains to the end."""
+    for (cases, results), index, dp in ((dp_results, 19, 1), (mp_results, 17, 2), (mp_results, 12, 1)):
+        got, want = results[index]["evals"], reference(cases[index], dp=dp)["evals"]
+        assert [e["step"] for e in got] == [e["step"] for e in want] != [], (index, got)
+        for a, b in zip(got, want):
+            assert abs(a["loss"] - b["loss"]) < 1e-5, (index, a, b)
+    assert len(mp_results[1][12]["loss"]) == 6 and [e["step"] for e in mp_results[1][12]["evals"]] == [3, 6]
+
+
+@pytest.mark.slow
+def test_context_parallel_ranks_are_summed_exactly_under_compression_and_local_sgd(dp_results, mp_results):
+    """CP ranks hold parts of one sequence: their gradients are summed exactly, and only DP compresses or averages.
+    CP 2 at DP 1 (local SGD, int8 in ZeRO-1's buckets, Top-K 10 %) has nothing to compress: it is the single process,
+    and reports no DP bytes. CP 2 x DP 2 equals DP 2 without CP under the same sync (local SGD, int8 at ZeRO 0 and 1,
+    Top-K): the same losses, validation losses and DP bytes."""
+    cases, results = dp_results
+    for case, result in zip(cases[19:22], results[19:22], strict=True):
+        assert_close_runs(result, reference(case, dp=1))
+        assert result["dp_bytes"] == [[None, None]] * 6, result["dp_bytes"]
+    exact = reference(cases[22], dp=2)
+    for case, dp_only, with_cp in zip(cases[22:26], results[22:26], mp_results[1][13:17], strict=True):
+        assert_close_runs(with_cp, dp_only)
+        assert with_cp["dp_bytes"] == dp_only["dp_bytes"], (case, with_cp["dp_bytes"], dp_only["dp_bytes"])
+        sent, dense = map(sum, zip(*dp_only["dp_bytes"]))
+        assert 0 < sent < dense, (case, sent, dense)  # DP did compress or skip steps
+        assert max(abs(a - b) for a, b in zip(dp_only["loss"], exact["loss"])) > 1e-5, case  # and it showed
 
 
 @pytest.mark.slow

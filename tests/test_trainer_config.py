@@ -195,3 +195,37 @@ def test_context_parallel_flags_are_checked_before_any_process_group():
                          timeout=120)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "world size 1 is not divisible by TP x PP x CP" in out.stderr  # one process cannot hold CP 2
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    (["--model", "llama-tiny", "--tp", "8"], 8, "TP 8 does not divide KV heads 4; choose a TP that divides"),
+    (["--model", "gpt-tiny", "--pp", "8"], 8, "4 layers cannot fill 8 pipeline (virtual) stages"),
+    (["--model", "gpt-tiny", "--pp", "2", "--vpp", "2", "--ds_config", "ACCUMULATION_3"], 2,
+     "but the ds_config's gradient_accumulation_steps is 3; set it to a multiple of 2 (e.g. 4)"),
+])
+def test_layout_refusals_come_once_before_any_process_group(flags, world, message, capsys, monkeypatch, tmp_path):
+    """What the model or the schedule refuses at this layout is said by rank 0 alone, in one line with status 2,
+    before any process group exists (it used to come from every rank's model or schedule, after them). The
+    interleaved schedule names the ds_config's setting: train.py has no --micro-batches."""
+    import importlib.util
+
+    import torch.distributed as dist
+
+    config = json.loads((ROOT / "ds_configs" / "zero1.json").read_text()) | {"gradient_accumulation_steps": 3}
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    flags = [str(tmp_path / "ds.json") if f == "ACCUMULATION_3" else f for f in flags]
+    monkeypatch.chdir(ROOT)
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for rank in (0, 1):  # as a launched job's ranks: the launcher's environment, one process standing in for each
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        assert script.main([*flags, "--steps", "1", "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        if rank == 0:
+            assert len(err) == 1 and err[0].startswith("train.py: error: ") and message in err[0], err
+            assert "--micro-batches" not in err[0]
+        else:
+            assert err == [], err
+        assert not dist.is_initialized()

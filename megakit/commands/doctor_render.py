@@ -5,13 +5,15 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from megakit.train.doctor_checks import grid
+
 RESULT = {True: "[green]pass[/]", False: "[bold red]FAIL[/]", None: "[yellow]n/a[/]"}
 
 
 def render(facts: dict, verdicts: list, *, ended: str = "") -> None:
     console = Console(highlight=False)
     c = facts["config"]
-    console.print(f"[bold]Job[/]: {c['model']} on {c['world']} processes, TP {c['tp']} x PP {c['pp']} x DP {c['dp']}, "
+    console.print(f"[bold]Job[/]: {c['model']} on {c['world']} processes, {grid(c)}, "
                   f"ZeRO {c['zero_stage']}, {c['precision']}, global batch {c['global_batch']} x {c['seq_len']} "
                   f"tokens, {len(facts['steps'])} of {c['steps'] - c['start_step']} steps ran"
                   + (f"; faults injected: {facts['faults']}" if facts["faults"] else ""))

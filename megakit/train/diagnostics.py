@@ -135,6 +135,6 @@ def _config_facts(run, topo) -> dict:
     return {"model": cfg.model, "data": cfg.data, "max_bytes": cfg.max_bytes, "seed": cfg.seed, "steps": cfg.steps,
             "start_step": run.start_step, "seq_len": batch.seq_len, "micro_batch": batch.micro_batch,
             "accumulation": batch.accumulation, "global_batch": batch.global_batch, "tp": topo.tp, "pp": topo.pp,
-            "dp": topo.dp, "vpp": cfg.vpp, "world": dist.get_world_size(), "precision": run.precision,
+            "dp": topo.dp, "cp": topo.cp, "vpp": cfg.vpp, "world": dist.get_world_size(), "precision": run.precision,
             "zero_stage": run.zero_stage, "ds_config": run.ds_config, "compress": getattr(cfg, "compress", "none"),
             "local_sgd": getattr(cfg, "local_sgd", None)}

@@ -35,6 +35,12 @@ def _who(rank: dict) -> str:
     return f"rank {rank['rank']} (pp {rank['pp']}, dp {rank['dp']}, tp {rank['tp']})"
 
 
+def grid(config: dict) -> str:
+    """The job's parallel degrees, e.g. "TP 2 x PP 1 x DP 2", with CP when there is any."""
+    cp = config.get("cp", 1)
+    return f"TP {config['tp']}" + (f" x CP {cp}" if cp > 1 else "") + f" x PP {config['pp']} x DP {config['dp']}"
+
+
 def _groups(ranks: list[dict], *keys: str) -> list[list[dict]]:
     """Ranks with equal ``keys`` coordinates, each group in rank order."""
     out: dict[tuple, list[dict]] = {}
@@ -283,7 +289,7 @@ def check_backend(facts: dict) -> Verdict:
     hosts = {r["host"] for r in ranks}
     dp_nodes = max(len({r["node"] for r in group}) for group in _groups(ranks, "pp", "tp"))
     numbers = (f"{'/'.join(backends)} on {', '.join(devices)}; {len(ranks)} ranks on {len(nodes)} node(s) "
-               f"({', '.join(nodes)}), {len(hosts)} host(s); TP {config['tp']} x PP {config['pp']} x DP {config['dp']}"
+               f"({', '.join(nodes)}), {len(hosts)} host(s); {grid(config)}"
                + (f"; the DP all-reduce crosses {dp_nodes} nodes" if dp_nodes > 1 else "; DP stays inside a node"))
     if any(d != "cpu" for d in devices) and backends != ["nccl"]:
         return Verdict("backend and interconnect", False, numbers,

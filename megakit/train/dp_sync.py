@@ -17,6 +17,13 @@ through one method, ``gradient_reduction_w_predivide`` (all-reduce and average),
 ``ZeroOneBuckets`` replaces by the compressed exchange: fp16 and int8 compose with ZeRO 1.
 Weight updates (sign, Top-K) and local SGD need the whole weights on every rank: ZeRO 0.
 ZeRO 2-3 reduce-scatter in the backward's hooks, where nothing is replaced.
+
+Context parallelism: DeepSpeed's "data parallel" group is DP x CP, but a CP rank's gradient
+is its part of one sequence's, so the CP ranks are always summed exactly (``_cp_mean``: an
+all-reduce over the CP group) and only then compressed or averaged over the pure DP group.
+Compressing over DP x CP instead would step each CP rank on a lossy or local share of the
+sequence's gradient. With DP 1 there is nothing to compress or average: DeepSpeed's exact
+all-reduce (over CP) stays, and no DP bytes are reported.
 """
 
 from __future__ import annotations
@@ -25,12 +32,26 @@ import hashlib
 
 import torch
 
+from megakit.nn import comm
 from megakit.nn.compression import (
     ByteMeter,
     GradientReducer,
     ModelAverager,
     UpdateReducer,
 )
+
+
+def _cp_mean(tensors: list[torch.Tensor], group) -> None:
+    """Replace each tensor by its exact mean over the CP group, in place: one all-reduce per dtype. Each CP rank's
+    gradient is CP times its share of the sequence's (``megakit.nn.context_parallel.sequence_mean``), so the mean is
+    the whole sequence's gradient."""
+    if comm.size(group) == 1:
+        return
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        same = [t for t in tensors if t.dtype == dtype]
+        flat = comm.all_reduce(torch.cat([t.reshape(-1) for t in same]), group).div_(comm.size(group))
+        for t, part in zip(same, flat.split([t.numel() for t in same])):
+            t.copy_(part.view_as(t))
 
 
 def dp_gradients(engine) -> list:
@@ -47,17 +68,19 @@ class ZeroOneBuckets(ByteMeter):
     parameter's gradient on its own, with one residual per bucket (known by its parameters: a parameter without a
     gradient in some step shifts the buckets)."""
 
-    def __init__(self, optimizer, make_reducer) -> None:
+    def __init__(self, optimizer, make_reducer, cp_group=None) -> None:
         super().__init__()
         if not hasattr(optimizer, "gradient_reduction_w_predivide"):
             raise RuntimeError(f"DeepSpeed's {type(optimizer).__name__} has no gradient_reduction_w_predivide: "
                                "this DeepSpeed reduces ZeRO-1 gradients elsewhere, so --compress needs ZeRO 0")
-        self.optimizer, self.make_reducer, self.reducers = optimizer, make_reducer, {}
+        self.optimizer, self.make_reducer, self.reducers, self.cp_group = optimizer, make_reducer, {}, cp_group
         optimizer.gradient_reduction_w_predivide = self
         self.loaded: dict[str, dict] = {}  # a checkpoint's residuals, by bucket, until the bucket is first seen
 
     def __call__(self, tensor: torch.Tensor, communication_data_type) -> torch.Tensor:
-        """``tensor`` (a bucket of gradients, end to end) replaced by its DP average, as DeepSpeed's method does."""
+        """``tensor`` (a bucket of gradients, end to end) replaced by its DP x CP average, as DeepSpeed's method does:
+        exact over CP, then compressed over DP."""
+        _cp_mean([tensor], self.cp_group)
         ids, sizes = self._bucket(tensor, communication_data_type)
         key = (communication_data_type, ids)
         if key not in self.reducers:
@@ -104,26 +127,36 @@ class DataParallelSync:
 
     def __init__(self, run, topo, engine) -> None:
         self.engine, self.gradients, self.buckets, self.updates, self.averager = engine, None, None, None, None
-        cfg, group = run.cfg, topo.get_data_parallel_group()  # DeepSpeed's: DP x CP (CP ranks hold the same weights)
+        self.cp_group = topo.cp_group if topo.cp > 1 else None  # summed exactly, before anything over DP
+        self.reduces = False
+        if topo.dp == 1:  # nothing to compress or average: DeepSpeed's exact all-reduce (over CP, if any) stays
+            return
+        cfg, group = run.cfg, topo.dp_group  # DP alone, not DeepSpeed's DP x CP
         if run.compression.after_optimizer:
             self.updates = UpdateReducer(run.compression, group, self._params(), error_feedback=cfg.error_feedback)
         elif run.compression.enabled and run.zero_stage == 1:  # DeepSpeed reduces; megakit compresses its buckets
             self.buckets = ZeroOneBuckets(engine.optimizer, lambda: GradientReducer(
-                run.compression, group, error_feedback=cfg.error_feedback))
+                run.compression, group, error_feedback=cfg.error_feedback), self.cp_group)
         elif run.compression.enabled:
             self.gradients = GradientReducer(run.compression, group, error_feedback=cfg.error_feedback)
         elif cfg.local_sgd:
             self.averager = ModelAverager(cfg.local_sgd, group, start_step=run.start_step)
-        if self.gradients or self.updates or self.averager:
+        self.reduces = any(m is not None for m in (self.gradients, self.updates, self.averager))
+        if self.reduces:  # megakit's before_step reduces instead (ZeRO 1's buckets stay DeepSpeed's)
             engine.enable_backward_allreduce = False
 
     def _params(self) -> list:
         return [p for p in self.engine.module.parameters() if p.requires_grad]
 
     def before_step(self) -> None:
-        """Average the DP gradients through the compressor (``fp16``, ``int8``; nothing to do otherwise)."""
+        """Where megakit took the reduction from DeepSpeed: sum the CP ranks' gradients exactly, then average the DP
+        gradients through the compressor (``fp16``, ``int8``; sign, Top-K and local SGD work after the step)."""
+        if not self.reduces:
+            return
+        grads = dp_gradients(self.engine)
+        _cp_mean(grads, self.cp_group)
         if self.gradients is not None:
-            self.gradients.reduce(dp_gradients(self.engine))
+            self.gradients.reduce(grads)
 
     def after_step(self) -> None:
         """``sign``/``topk``: average this step's weight updates through the compressor; local SGD: average the

@@ -3,7 +3,8 @@
 The validation split is read in a fixed order (``corpus.ValidationBatches``): eval batch
 ``k`` is split over DP ranks as a training step's batch is, so each sample is computed once
 per evaluation in the whole job, and the loss is the mean over every micro-batch of every
-DP rank, as a single process would compute it. The forward is the training one (the same
+DP rank, as a single process would compute it (with CP every rank of a ring holds the whole
+sequence's loss, so one of them counts it). The forward is the training one (the same
 stage modules, TP collectives and, with PP, the stages' activations sent along the
 pipeline), run under ``torch.no_grad`` in eval mode: no dropout, no recompute, no
 gradients, no optimizer state, and nothing drawn from a random generator, so the training
@@ -64,7 +65,7 @@ def evaluate(modules, topo, batches, *, shape, dtype, device) -> float:
     finally:
         for m, mode in zip(modules, was_training):
             m.train(mode)
-    holds_loss = bool(losses) and topo.tp_rank == 0  # TP ranks hold the same loss; count it once
+    holds_loss = bool(losses) and topo.tp_rank == 0 and topo.cp_rank == 0  # TP and CP ranks hold the same loss
     total = torch.zeros((), dtype=torch.float64, device=device)
     if holds_loss:
         total += torch.stack(losses).double().mean() / topo.dp
@@ -83,8 +84,8 @@ def evaluator(run, topo, engine, device):
         print(f"megakit: the validation split holds {batches.batches} global batches; --eval-batches "
               f"{run.cfg.eval_batches} uses those", flush=True)
     modules = [engine] if run.cfg.vpp == 1 else list(engine.module)  # the chunks the pipeline runs
-    shape = activation_shape(run.model, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len, tp=topo.tp,
-                             sequence_parallel=run.sequence_parallel)
+    shape = activation_shape(run.model, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len // topo.cp,
+                             tp=topo.tp, sequence_parallel=run.sequence_parallel)
     return lambda: evaluate(modules, topo, batches, shape=shape, dtype=run.dtype, device=device)
 
 

@@ -9,7 +9,9 @@ The thread runs while the main thread is blocked in a collective, so a peer whos
 counter stops moving for ``stall_s`` is dead or frozen: the watchdog names it and
 ends this rank with status 1, and the ``deepspeed`` launcher then ends the job.
 
-A rank that leaves on purpose marks itself "done", so it is never blamed.
+A rank that leaves on purpose marks itself "done", so it is never blamed. A rank's own
+error (an exception that did not come out of a collective) is its own, not the network's:
+``from_communication`` tells the two apart, so only the first asks the watchdog who is silent.
 """
 
 from __future__ import annotations
@@ -18,12 +20,25 @@ import os
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 
 from megakit.train.placement import host_id
 
 _PREFIX = "megakit/heartbeat/"
 DONE = b"done"
+
+
+_COMMUNICATION = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}deepspeed{os.sep}comm{os.sep}",
+                  f"{os.sep}megakit{os.sep}nn{os.sep}comm.py")
+
+
+def from_communication(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside a collective or P2P call (torch.distributed, DeepSpeed's comm, or
+    ``megakit.nn.comm``, whose handles' ``wait`` raises there), where a dead peer or the network shows up; anything
+    else (an index out of range, a shape mismatch in a layer) is the rank's own."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and any(part in frames[-1].filename for part in _COMMUNICATION)
 
 
 def connect_store(host: str, port: int, *, timeout_s: float):

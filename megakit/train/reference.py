@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import torch
 
-from megakit.train.corpus import model_for_corpus, open_corpus
+from megakit.train.corpus import ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches
 from megakit.train.optim import decay_groups, start_schedule
 
 
 def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_len: int | None = None, seed: int = 0,
-                  data: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, list[float]]:
-    """``{"loss": [...], "grad_norm": [...], "lr": [...]}`` of ``steps`` steps of the unsplit model.
+                  data: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES, eval_every: int = 0,
+                  eval_batches: int = 8) -> dict[str, list]:
+    """``{"loss": [...], "grad_norm": [...], "lr": [...], "evals": [...]}`` of ``steps`` steps of the unsplit model.
 
     ``ds_config`` is the dict the trainer used (micro-batch and accumulation per rank);
-    ``dp`` is the distributed run's DP size, so the global batch is the same.
+    ``dp`` is the distributed run's DP size, so the global batch is the same. With ``eval_every``, ``evals``
+    holds ``{"step", "loss"}`` where the trainer evaluates: the mean loss, in eval mode, over every
+    micro-batch of ``eval_batches`` validation batches.
     """
     from deepspeed.runtime import lr_schedules
 
@@ -44,7 +47,7 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
         scheduler = getattr(lr_schedules, kind)(optimizer, **ds_config["scheduler"].get("params", {}))
         start_schedule(scheduler, 0)
     max_norm = float(ds_config.get("gradient_clipping", 0.0))
-    out = {"loss": [], "grad_norm": [], "lr": []}
+    out = {"loss": [], "grad_norm": [], "lr": [], "evals": []}
     micro_count = plan.dp * plan.accumulation
     for step in range(steps):
         out["lr"].append(optimizer.param_groups[0]["lr"])
@@ -61,4 +64,17 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
             scheduler.step()
         out["loss"].append(total)
         out["grad_norm"].append(float(norm))
+        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
+            out["evals"].append({"step": step + 1, "loss": _validation_loss(net, corpus, plan, eval_batches)})
     return out
+
+
+def _validation_loss(net, corpus, plan: BatchPlan, batches: int) -> float:
+    """The mean loss over every micro-batch of every DP rank of ``batches`` validation batches, in eval mode."""
+    validation = ValidationBatches(corpus, plan, batches)
+    net.eval()
+    with torch.no_grad():
+        losses = [net(x, y).double() for k in range(validation.batches) for rank in range(plan.dp)
+                  for x, y in validation.micro_batches(k, rank)]
+    net.train()
+    return float(torch.stack(losses).mean())

@@ -17,6 +17,8 @@ import torch
 from megakit.core.compression import Compression, parse_compression
 from megakit.core.layout import Layout
 from megakit.core.model_config import ModelConfig, check_seq_len
+from megakit.core.partition import partition_layers
+from megakit.core.schedules import build_schedule
 from megakit.errors import UsageError
 from megakit.interop.checkpoint_format import read_manifest
 from megakit.train.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
@@ -131,6 +133,8 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     model = model_for_corpus(ModelConfig.load(cfg.model), cfg.model, corpus)
     seq_len = cfg.seq_len or model.max_seq_len
     check_seq_len(model, seq_len)
+    model.check_tp(cfg.tp)  # the model's shards and stages, refused here once rather than by every rank's model
+    partition_layers(model, cfg.pp, cfg.vpp)
     if cfg.cp > 1 and seq_len % (2 * cfg.cp):
         raise UsageError(f"sequence length {seq_len} is not divisible by 2 x CP = {2 * cfg.cp}; context parallelism "
                          "splits it into that many equal chunks (change --seq-len or --cp)")
@@ -153,14 +157,29 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     if cfg.eval_every:
         ValidationBatches(corpus, batch, cfg.eval_batches)  # one clear line now if there is no validation split
     compression = _check_dp_sync(cfg, ds_config)
+    schedule = cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b")
+    _check_schedule(schedule, pp=cfg.pp, vpp=cfg.vpp, accumulation=batch.accumulation)
     precision = ("bf16" if ds_config.get("bf16", {}).get("enabled") else
                  "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32")
     return Run(cfg=cfg, layout=layout, ds_config=ds_config, model=model, batch=batch, start_step=start,
                checkpoint=checkpoint,
                precision=precision, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
                sequence_parallel=sequence_parallel,
-               schedule=cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b"), compression=compression,
+               schedule=schedule, compression=compression,
                corpus=corpus)
+
+
+def _check_schedule(schedule: str, *, pp: int, vpp: int, accumulation: int) -> None:
+    """Build the pipeline schedule once here (it is pure data), so that what it refuses is refused before any
+    process group. A step's micro-batches are the ds_config's ``gradient_accumulation_steps``, which the
+    interleaved schedule runs in groups of PP."""
+    if pp == 1:
+        return
+    if schedule == "interleaved" and accumulation % pp:
+        raise UsageError(f"the interleaved schedule runs a step's micro-batches in groups of --pp {pp}, but the "
+                         f"ds_config's gradient_accumulation_steps is {accumulation}; set it to a multiple of {pp} "
+                         f"(e.g. {pp * max(1, -(-accumulation // pp))})")
+    build_schedule(schedule, pp, accumulation, vpp)
 
 
 def _check_dp_sync(cfg: TrainConfig, ds_config: dict) -> Compression:

@@ -85,6 +85,7 @@ def _describe(topo, rank: int) -> str:
 def train(cfg: TrainConfig) -> TrainResult:
     """Run ``cfg.steps`` optimizer steps on the job the launcher started; returns the metrics."""
     from megakit.nn.topology import Topology, init_distributed
+    from megakit.train.faults import from_communication
 
     try:  # user mistakes fail here, before any process group exists, alike on every rank
         cfg = with_seed_fault(cfg, int(os.environ.get("RANK", "0")))  # only in megakit doctor's tests
@@ -106,11 +107,13 @@ def train(cfg: TrainConfig) -> TrainResult:
             watchdog.stop(done=True)
         raise
     except Exception as error:
-        if dist.get_world_size() > 1 and not isinstance(error, AssertionError):
+        if dist.get_world_size() > 1 and not isinstance(error, AssertionError) and from_communication(error):
             why = watchdog.diagnose()
             detail = str(error).splitlines()[0] if str(error) else ""
             raise RuntimeError(f"{_describe(topo, topo.rank)}: communication failed: {why} "
                                f"({type(error).__name__}: {detail[:120]})") from error
+        if dist.get_world_size() > 1:  # its traceback is the one to read; its peers will report it gone
+            error.add_note(f"megakit: raised on {_describe(topo, topo.rank)} itself, not by a peer or the network")
         raise
     _leave_together(watchdog)
     return result
