@@ -160,12 +160,15 @@ def everywhere(error: UsageError) -> UsageError:
 
 
 def _start_watchdog(cfg: TrainConfig, topo):
+    from megakit.nn.topology import attempt_prefix
     from megakit.train.faults import Watchdog, connect_store
 
     store = None
     if dist.get_world_size() > 1:
         store = connect_store(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 29500)),
                               timeout_s=max(5.0, cfg.stall_timeout_s / 2))
+        if attempt_prefix() is not None:  # a torchrun restart: not the dead attempt's heartbeats
+            store = dist.PrefixStore(attempt_prefix(), store)
     peers = {r for kind in ("tp", "cp", "dp", "pp") for r in topo.group_ranks(kind)}  # the ranks this one waits on
     return Watchdog(topo.rank, dist.get_world_size(), stall_s=cfg.stall_timeout_s, peers=peers,
                     describe=lambda r: _describe(topo, r), store=store).start()
