@@ -77,3 +77,40 @@ def test_a_negative_max_skipped_steps_is_one_line_and_exit_2():
 
     with pytest.raises(UsageError, match="--max-skipped-steps must be 0 .* or more, got -1"):
         TrainConfig(ds_config={}, max_skipped_steps=-1)
+
+
+def _guard_decisions(rank: int, world: int) -> list:
+    """Rank 1 sees a NaN loss at steps 1 and 2 (its optimizer, like rank 0's, did not step); then a step
+    only rank 0 applied."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megakit.train.guards import StepGuard, TrainingDiverged
+
+    topo = SimpleNamespace(rank=rank, is_last_stage=True)
+    guard = StepGuard(topo, max_skipped=1, precision="fp32", describe=lambda r: f"rank {r}")
+    out = []
+    for step, bad in ((0, False), (1, True), (2, True)):
+        loss = torch.tensor(float("nan") if bad and rank == 1 else 2.0 + rank)
+        try:
+            out.append(guard.check(step, loss, grads_finite=not bad, applied=not bad))
+        except TrainingDiverged as error:
+            out.append(str(error))
+    try:
+        guard.check(3, torch.tensor(1.0), grads_finite=True, applied=rank == 0)
+    except RuntimeError as error:
+        out.append(str(error))
+    return out
+
+
+def test_the_guard_decides_alike_on_every_rank_and_ends_after_the_limit():
+    from multiproc import run_ranks
+
+    for out in run_ranks(_guard_decisions, 2):
+        assert out[0] == (2.5, None)  # the loss averaged over the job
+        assert out[1] == (pytest.approx(float("nan"), nan_ok=True), "step 1 skipped (1 in all): rank 0: non-finite "
+                                                                      "gradient; rank 1: non-finite loss and gradient")
+        assert out[2].startswith("NaN/inf at step 2: rank 0: non-finite gradient; rank 1: non-finite loss and "
+                                 "gradient; 2 non-finite step(s) in a row (--max-skipped-steps 1)"), out[2]
+        assert out[3] == "step 3: finite everywhere, but the optimizer did not step on ranks [1]", out[3]
