@@ -80,7 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --save-every: keep the newest K checkpoints as DIR/step-N, DIR/latest written last; "
                         "--load DIR then takes the newest intact one")
     p.add_argument("--load", metavar="DIR", default=None,
-                   help="resume from a checkpoint (or the newest intact one of a --keep series) saved at any "
+                   help="'auto': the --save DIR's newest intact checkpoint, or step 0 while it has none (the same "
+                        "command then restarts a run after a crash, e.g. under torchrun --max-restarts N); or "
+                        "resume from a checkpoint (or the newest intact one of a --keep series) saved at any "
                         "TP/PP/DP layout and ZeRO stage: weights, fp32 master weights, Adam moments and step; data and "
                         "LR schedule continue (same --seed and global batch); --steps counts the loaded steps too")
     p.add_argument("--eval-every", metavar="N", type=int, default=0,
@@ -95,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-out", metavar="FILE", default=None, help="write per-step metrics as JSON (rank 0)")
     p.add_argument("--log-every", type=int, default=1, help="print a metrics line every N steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--max-skipped-steps", metavar="N", type=int, default=None,
+                   help="a step whose loss or gradient norm is NaN/inf is skipped (no update; its batch is spent); "
+                        "the run ends at the next one after N skipped in a row (default 10; 0: at the first)")
     p.add_argument("--stall-timeout", type=float, default=60.0,
                    help="seconds without a heartbeat after which a peer counts as dead and the job ends")
     p.add_argument("--doctor-out", metavar="FILE", default=None,
@@ -130,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                           keep=args.keep,
                           load=args.load, allow_cross_node_tp=args.allow_cross_node_tp, compress=args.compress,
                           error_feedback=not args.no_error_feedback, local_sgd=args.local_sgd,
-                          doctor_out=args.doctor_out, eval_every=args.eval_every, eval_batches=args.eval_batches)
+                          doctor_out=args.doctor_out, eval_every=args.eval_every, eval_batches=args.eval_batches,
+                          **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}))
     except UsageError as error:  # the same flags on every rank
         if _rank0():
             print(f"train.py: error: {error}", file=sys.stderr, flush=True)

@@ -49,6 +49,11 @@ def test_import_then_export_gives_back_the_same_bytes(tmp_path):
     assert main(["convert", str(tmp_path / "ck"), "--to-hf", str(tmp_path / "back")]) == 0
     before, after = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert main(["convert", str(tmp_path / "ck"), str(tmp_path / "back2"), "--to-hf"]) == 0  # the --from-hf shape
+    again = load_file(tmp_path / "back2" / "model.safetensors")
+    assert again.keys() == after.keys() and all(torch.equal(again[k], after[k]) for k in again)
+    assert main(["convert", str(tmp_path / "ck"), str(tmp_path / "x"), "--to-hf", str(tmp_path / "y")]) == 2  # two OUTs
+    assert main(["convert", str(tmp_path / "ck"), "--to-hf"]) == 2  # no OUT_DIR
     assert main(["convert", str(tmp_path / "hf"), "--from-hf"]) == 2  # no OUT_DIR: one line, exit 2
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "ck"), "--from-hf"]) == 2  # never over a checkpoint
 

@@ -22,14 +22,23 @@ def _losses(path: Path) -> list[float]:
 
 @pytest.mark.slow
 def test_the_same_command_twice_gives_identical_losses(tmp_path):
-    """TP 2 with dropout 0.1: bit-identical losses run to run; another --seed gives other losses."""
+    """TP 2 with dropout 0.1: bit-identical losses run to run; another --seed gives other losses.
+
+    The first run keeps the progress bar on, as a cluster job would: its output is a pipe, so the
+    log has no carriage return and one line per logged step (0, 2, 4 and the last, 5)."""
     model = dropout_model(tmp_path)
     runs = {}
     for name, seed in (("first", "0"), ("second", "0"), ("other seed", "1")):
-        out = deepspeed(2, *TRAIN, "--model", model, "--tp", "2", "--steps", "6", "--seed", seed,
+        flags = [f for f in TRAIN if f != "--no-progress"] + ["--log-every", "2"] if name == "first" else TRAIN
+        out = deepspeed(2, *flags, "--model", model, "--tp", "2", "--steps", "6", "--seed", seed,
                         "--metrics-out", str(tmp_path / f"{name}.json"))
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         runs[name] = _losses(tmp_path / f"{name}.json")
+        if name == "first":
+            log = out.stdout + out.stderr
+            assert "\r" not in log, log[-3000:]
+            steps = [line.split("step", 1)[1].split()[0] for line in log.splitlines() if " | loss " in line]
+            assert steps == ["0", "2", "4", "5"], log[-3000:]
     assert runs["first"] == runs["second"], runs  # exact float equality
     assert all(a != b for a, b in zip(runs["first"], runs["other seed"])), runs
 

@@ -128,7 +128,7 @@ def dp_results(tmp_path_factory, shards):
     diverge["optimizer"]["params"]["lr"] = 1e5
     diverge["gradient_clipping"] = 0.0
     diverge["scheduler"]["params"].update(warmup_num_steps=2)
-    cases.append(dict(ds_config=diverge, model="gpt-tiny", steps=30, seq_len=32))
+    cases.append(dict(ds_config=diverge, model="gpt-tiny", steps=30, seq_len=32, max_skipped_steps=0))  # end at once
     for stage in (0, 1):  # twice the micro-batches per step: for the communication count
         cases.append(dict(ds_config=ds_config(stage, accumulation=4), model="gpt-tiny", steps=3, seq_len=32))
     # PP = 2 with ZeRO-0: megakit's own clipper must count the tied embedding once

@@ -1,7 +1,9 @@
 """``megakit convert``: between a megakit checkpoint and transformers' layout, both ways.
 
-    megakit convert CHECKPOINT --to-hf OUT_DIR      # megakit -> transformers (any saved TP x PP layout)
+    megakit convert CHECKPOINT OUT_DIR --to-hf      # megakit -> transformers (any saved TP x PP layout)
     megakit convert HF_DIR OUT_DIR --from-hf        # transformers (safetensors) -> megakit, step 0
+
+One shape for both directions; the older ``CHECKPOINT --to-hf OUT_DIR`` still works.
 
 Single process; see ``megakit.interop.hf_export`` and ``megakit.interop.hf_import``.
 """
@@ -16,9 +18,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="a megakit checkpoint directory or a --keep series, whose newest intact checkpoint is "
                              "taken (with --to-hf); or a transformers directory (with --from-hf)")
     parser.add_argument("out", metavar="OUT_DIR", nargs="?", default=None,
-                        help="with --from-hf: where to write the megakit checkpoint (a new or empty directory)")
-    parser.add_argument("--to-hf", metavar="OUT_DIR",
-                        help="write config.json and model.safetensors here (a new or empty directory)")
+                        help="where to write: the transformers directory (--to-hf) or the megakit checkpoint "
+                             "(--from-hf); a new or empty directory")
+    parser.add_argument("--to-hf", metavar="OUT_DIR", nargs="?", const=True, default=None,
+                        help="SOURCE is a megakit checkpoint: write config.json and model.safetensors to OUT_DIR "
+                             "(given before or, as before, after --to-hf)")
     parser.add_argument("--from-hf", action="store_true",
                         help="SOURCE is a transformers checkpoint (config.json + safetensors): write it to OUT_DIR "
                              "as a megakit checkpoint that train.py --load starts from at any layout")
@@ -29,8 +33,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from megakit.errors import UsageError
 
-    if bool(args.to_hf) == bool(args.from_hf) or (args.from_hf and not args.out) or (args.to_hf and args.out):
-        raise UsageError("give either CHECKPOINT --to-hf OUT_DIR, or HF_DIR OUT_DIR --from-hf")
+    to_hf = args.to_hf is not None
+    if isinstance(args.to_hf, str):  # the older CHECKPOINT --to-hf OUT_DIR
+        args.out = None if args.out else args.to_hf
+    if to_hf == bool(args.from_hf) or not args.out:
+        raise UsageError("give either CHECKPOINT OUT_DIR --to-hf, or HF_DIR OUT_DIR --from-hf")
     if args.from_hf:
         from megakit.interop.hf_import import import_hf
 
@@ -45,11 +52,11 @@ def run(args: argparse.Namespace) -> int:
     if args.max_shard_gb <= 0:
         raise UsageError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
     checkpoint = choose_checkpoint(args.source, doing="converting")  # a --keep series: its newest intact one
-    summary = export_hf(checkpoint, args.to_hf, max_shard_bytes=int(args.max_shard_gb * 2**30))
-    print(f"wrote {args.to_hf}: {', '.join(summary['files'])} + config.json "
+    summary = export_hf(checkpoint, args.out, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    print(f"wrote {args.out}: {', '.join(summary['files'])} + config.json "
           f"({summary['params'] / 1e6:.2f} M parameters, {summary['dtype']}, {summary['bytes'] / 2**20:.1f} MiB) "
           f"from step {summary['step']} of {checkpoint}")
-    print(f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(args.to_hf)!r})")
+    print(f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
     if summary["tokenizer"]:
-        print(f"with its tokenizer: transformers.pipeline('text-generation', model={str(args.to_hf)!r})")
+        print(f"with its tokenizer: transformers.pipeline('text-generation', model={str(args.out)!r})")
     return 0

@@ -43,7 +43,26 @@ def init_distributed(*, timeout_s: float = 300.0) -> None:
     backend = default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    prefix = attempt_prefix()
+    if prefix is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    dist.init_process_group(backend=backend, timeout=timeout, store=dist.PrefixStore(prefix, store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
+def attempt_prefix() -> str | None:
+    """A store key prefix of its own for each attempt of a job restarted by torchrun's agent, else None.
+
+    The agent's TCPStore outlives its workers and torch 2.13's ``env://`` rendezvous adds no
+    per-attempt prefix, so a restarted rank could read a dead one's address (gloo then fails
+    to connect) or heartbeat.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return f"megakit/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
 class Topology:

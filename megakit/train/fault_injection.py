@@ -11,6 +11,12 @@ by global rank:
     nan@R[:STEP]    a NaN in one of rank R's gradients from step STEP on (default 1)
     sleep@R:SECONDS rank R sleeps that long inside every step (a straggler)
 
+Two more test the trainer's own guards and restarts, in any run (not only the doctor's):
+
+    nanloss@R:STEP  rank R's forward output (the loss, on the last stage) is NaN at step STEP only
+    kill@R:STEP     rank R kills itself (SIGKILL) at the start of step STEP, on a job's first attempt
+                    only (torchrun's TORCHELASTIC_RESTART_COUNT 0), so the restarted job gets past it
+
 A job with faults says so on rank 0 before it starts.
 """
 
@@ -18,12 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 from dataclasses import dataclass
 
 from megakit.errors import UsageError
 
 VARIABLE = "MEGAKIT_INJECT_FAULT"
-KINDS = ("seed", "overlap", "unbalanced", "nan", "sleep")
+KINDS = ("seed", "overlap", "unbalanced", "nan", "sleep", "nanloss", "kill")
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,8 @@ class Faults:
     unbalanced: bool = False
     nan_from_step: int | None = None
     sleep_s: float = 0.0
+    nan_loss_step: int | None = None
+    kill_step: int | None = None
 
     @property
     def any(self) -> bool:
@@ -52,13 +61,15 @@ def parse(spec: str) -> dict[int, Faults]:
             number = float(value) if value else None
         except ValueError:
             rank = number = -1
-        takes_number = {"sleep": True, "nan": None}.get(kind, False)  # required, optional, refused
+        # a number: required (True), optional (None) or refused (False)
+        takes_number = {"sleep": True, "nan": None, "nanloss": True, "kill": True}.get(kind, False)
         ok = kind in KINDS and rank >= 0 and (number is None or number >= 0)
         if not ok or (takes_number is not None and takes_number != (number is not None)):
             raise UsageError(f"{VARIABLE}: cannot read '{item}'; use KIND@RANK with KIND one of {', '.join(KINDS)} "
-                             "(nan@RANK:STEP and sleep@RANK:SECONDS take a number)")
+                             "(nan@RANK:STEP, nanloss@RANK:STEP, kill@RANK:STEP and sleep@RANK:SECONDS take a number)")
         field = {"seed": ("seed", True), "overlap": ("overlap", True), "unbalanced": ("unbalanced", True),
-                 "nan": ("nan_from_step", int(number) if number is not None else 1), "sleep": ("sleep_s", number)}[kind]
+                 "nan": ("nan_from_step", int(number) if number is not None else 1), "sleep": ("sleep_s", number),
+                 "nanloss": ("nan_loss_step", int(number or 0)), "kill": ("kill_step", int(number or 0))}[kind]
         out.setdefault(rank, {})[field[0]] = field[1]
     return {rank: Faults(**fields) for rank, fields in out.items()}
 
@@ -71,6 +82,27 @@ def injected(rank: int, environ=os.environ) -> Faults:
 def with_seed_fault(cfg, rank: int):
     """``cfg`` as rank ``rank`` runs it: ``seed + 1`` under ``seed@rank`` in a doctor's job (``cfg.doctor_out``)."""
     return dataclasses.replace(cfg, seed=cfg.seed + 1) if cfg.doctor_out and injected(rank).seed else cfg
+
+
+class TrainingFaults:
+    """Rank ``rank``'s ``nanloss`` and ``kill`` faults, played by the trainer: ``at_step(step)`` before each step."""
+
+    def __init__(self, rank: int, chunks, environ=os.environ) -> None:
+        faults = injected(rank, environ)
+        self.nan_step, self.step = faults.nan_loss_step, -1
+        first_attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.kill_step = faults.kill_step if first_attempt else None
+        if self.nan_step is not None:
+            for chunk in chunks:
+                chunk.register_forward_hook(self._poison)
+
+    def _poison(self, module, args, output):
+        return output * float("nan") if self.step == self.nan_step else output
+
+    def at_step(self, step: int) -> None:
+        self.step = step
+        if step == self.kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class FaultyBatches:

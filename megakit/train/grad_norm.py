@@ -40,17 +40,35 @@ def global_grad_norm(params, topo) -> tuple[float, bool]:
 
 
 class Zero0Clipper:
-    """Clips fp32 ZeRO-0 gradients by the global norm, as an optimizer pre-step hook (after DP reduction)."""
+    """Clips fp32 ZeRO-0 gradients by the global norm, as an optimizer pre-step hook (after DP reduction).
+
+    A non-finite norm on any rank (one all-reduced flag: with --local-sgd the DP ranks' gradients
+    differ) clears every gradient instead, so the optimizer skips the step, as DeepSpeed's own
+    optimizers do (``megakit.train.guards``).
+    """
 
     def __init__(self, params, topo, max_norm: float) -> None:
         self.params, self.topo, self.max_norm = list(params), topo, max_norm
-        self.norm, self.finite = float("nan"), True
+        self.norm, self.finite, self.applied = float("nan"), True, True
 
     def __call__(self, optimizer, args, kwargs) -> None:
         self.norm, self.finite = global_grad_norm(self.params, self.topo)
+        self.applied = _everywhere(self.finite and math.isfinite(self.norm), self.params)
+        if not self.applied:
+            for p in self.params:
+                p.grad = None  # torch's optimizers leave a parameter without a gradient as it is
+            return
         if self.max_norm > 0 and math.isfinite(self.norm):
             coef = self.max_norm / (self.norm + 1e-6)
             if coef < 1.0:
                 for p in self.params:
                     if p.grad is not None:
                         p.grad.mul_(coef)
+
+
+def _everywhere(flag: bool, params) -> bool:
+    """Whether ``flag`` holds on every rank (a one-element all-reduce over the world)."""
+    device = next((p.grad.device for p in params if p.grad is not None), None)
+    bad = torch.tensor([0.0 if flag else 1.0], device=device)
+    comm.all_reduce(bad, comm.WORLD)
+    return not bool(bad.item())

@@ -100,6 +100,7 @@ class StepMetrics:
     dp_bytes: int | None = None  # DP bytes this rank sent (when megakit, not DeepSpeed, syncs DP: --compress, --local-sgd)
     dp_bytes_dense: int | None = None  # what the plain fp32 all-reduce of the same gradients would have sent
     data_seconds: float | None = None  # this rank's wait for its batch (the loader), before the step's clock
+    skipped: bool = False  # a non-finite step the optimizer did not apply (megakit.train.guards)
 
     @property
     def samples_per_s(self) -> float:
@@ -130,7 +131,8 @@ class StepMetrics:
         return None if self.data_seconds is None else self.data_seconds / (self.seconds + self.data_seconds)
 
     def line(self) -> str:
-        parts = [f"step {self.step:>5}", f"loss {self.loss:.4f}", f"lr {self.lr:.2e}", f"grad-norm {self.grad_norm:.3f}",
+        parts = [f"step {self.step:>5}" + (" (skipped)" if self.skipped else ""), f"loss {self.loss:.4f}",
+                 f"lr {self.lr:.2e}", f"grad-norm {self.grad_norm:.3f}",
                  f"{self.samples_per_s:.1f} samples/s", f"{self.tokens_per_s:,.0f} tok/s", f"{self.tflops:.3f} TFLOP/s"]
         if self.mfu is not None:
             parts.append(f"MFU {self.mfu:.1%}")
@@ -161,4 +163,4 @@ class StepMetrics:
                 "seconds": self.seconds, "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
                 "tflops": self.tflops, "mfu": self.mfu, "comm_share": self.comm_share,
                 "comm_calls": self.comm_calls, "data_share": self.data_share, "dp_bytes": self.dp_bytes,
-                "dp_bytes_dense": self.dp_bytes_dense}
+                "dp_bytes_dense": self.dp_bytes_dense, "skipped": self.skipped}

@@ -2,13 +2,16 @@
 
 Only rank 0 prints and writes (every rank computes the same per-step metrics);
 each rank writes its own profiler trace, because ranks of different pipeline stages
-do different work. Files are written to a temporary name and renamed.
+do different work. Files are written to a temporary name and renamed. The bar is drawn
+only on a terminal: in a log file (a cluster job's stderr) its carriage returns would run
+into the step lines, so there the log is one line per step or event, and grep-able.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -42,6 +45,16 @@ def start_profiler(directory: str | None, *, steps: int, rank: int):
     return prof
 
 
+def progress_bar(total: int, initial: int, stream=None):
+    """A tqdm bar on ``stream`` (stderr) when it is a terminal; None otherwise (a file or a pipe)."""
+    stream = sys.stderr if stream is None else stream
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, file=stream)
+
+
 class Reporter:
     """Rank 0's progress bar, per-step log lines, TensorBoard events and metrics file."""
 
@@ -54,13 +67,10 @@ class Reporter:
         chunks = f" (x {cfg.vpp} chunks)" if cfg.vpp > 1 else ""
         options = "".join([", sequence parallel" if run.sequence_parallel else "",
                            f", {cfg.recompute} recompute" if cfg.recompute != "none" else "",
-                           f", resuming {cfg.load} at step {start}" if start else ""])
+                           f", resuming {run.checkpoint} at step {start}" if start else ""])
         print(f"megakit: training {cfg.model} on {dist.get_world_size()} process(es): TP {topo.tp} x PP {topo.pp}{chunks} "
               f"{f'x CP {topo.cp} ' if topo.cp > 1 else ''}x DP {topo.dp}{options}", flush=True)
-        if cfg.progress:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+        self.bar = progress_bar(cfg.steps, start) if cfg.progress else None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -83,6 +93,15 @@ class Reporter:
         if self.writer is not None:
             for name, value in m.scalars().items():
                 self.writer.add_scalar(name, value, m.step)
+
+    def event(self, step: int, kind: str, text: str, **numbers: float) -> dict:
+        """One line for an intervention (a skipped step), its numbers in TensorBoard; returns its metrics record."""
+        if self.active:
+            self._print(f"megakit: {text}")
+            if self.writer is not None:
+                for name, value in numbers.items():
+                    self.writer.add_scalar(f"guard/{name}", value, step)
+        return {"step": step, "kind": kind, "text": text, **numbers}
 
     def eval(self, step: int, loss: float) -> dict:
         """Log a validation loss (console, TensorBoard); returns the record the metrics file keeps."""
@@ -113,5 +132,5 @@ class Reporter:
             out = Path(self.cfg.metrics_out)
             tmp = out.with_name(f".{out.name}.tmp")
             tmp.write_text(json.dumps({"steps": [m.to_dict() for m in result.steps], "memory": result.memory,
-                                       "eval": result.evals}, indent=1))
+                                       "eval": result.evals, "events": result.events}, indent=1))
             os.replace(tmp, out)

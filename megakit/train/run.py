@@ -24,6 +24,8 @@ from megakit.interop.checkpoint_format import read_manifest
 from megakit.train.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan
 from megakit.train.ds_config import load_ds_config, require_optimizer
+from megakit.train.guards import DEFAULT_MAX_SKIPPED
+from megakit.train.restarts import auto_load
 from megakit.train.resume import check_checkpoint_flags, check_same_run
 
 RECOMPUTE = ("none", "selective", "full")
@@ -66,6 +68,7 @@ class TrainConfig:
     doctor_out: str | None = None  # megakit doctor: gather per-rank facts to this JSON file (megakit.train.diagnostics)
     eval_every: int = 0  # validation loss every N steps (and at the end); 0: never
     eval_batches: int = 8  # global batches of the validation split per evaluation
+    max_skipped_steps: int = DEFAULT_MAX_SKIPPED  # non-finite steps skipped in a row before the run ends (guards)
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -78,6 +81,9 @@ class TrainConfig:
                              "pass --save DIR --save-every N with it, and a count of at least 1")
         if self.steps < 1:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
+        if self.max_skipped_steps < 0:
+            raise UsageError(f"--max-skipped-steps must be 0 (end at the first non-finite step) or more, "
+                             f"got {self.max_skipped_steps}")
         if self.log_every < 1:
             raise UsageError(f"--log-every must be at least 1, got {self.log_every}")
         compression = parse_compression(self.compress)
@@ -145,7 +151,8 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
         held = f"sequence length {seq_len}" if cfg.cp == 1 else f"sequence length {seq_len // cfg.cp} per CP rank"
         raise UsageError(f"{held} is not divisible by TP {cfg.tp}; sequence parallelism needs it to be (change "
                          "--seq-len or drop --sequence-parallel)")
-    start, checkpoint = check_checkpoint_flags(save=cfg.save, load=cfg.load, steps=cfg.steps, say=say)
+    start, checkpoint = check_checkpoint_flags(save=cfg.save, load=auto_load(cfg.save, cfg.load, say=say),
+                                               steps=cfg.steps, say=say)
     batch = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
                       accumulation=ds_config["gradient_accumulation_steps"], dp=layout.dp, seed=cfg.seed)
     if checkpoint is not None:

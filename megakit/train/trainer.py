@@ -51,17 +51,15 @@ from megakit.train.diagnostics import Diagnostics
 from megakit.train.dp_sync import DataParallelSync
 from megakit.train.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
 from megakit.train.evaluate import evaluator
-from megakit.train.fault_injection import with_seed_fault
+from megakit.train.fault_injection import TrainingFaults, with_seed_fault
 from megakit.train.grad_norm import Zero0Clipper
+from megakit.train.guards import StepGuard, TrainingDiverged
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops
 from megakit.train.optim import decay_groups, start_schedule
 from megakit.train.reporting import Reporter, start_profiler
+from megakit.train.restarts import AUTO, Attempts
 from megakit.train.resume import per_rank_key, restore, restore_own_state, save_run
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
-
-
-class TrainingDiverged(RuntimeError):
-    """A loss or gradient became NaN/inf; the message names the step and the rank(s)."""
 
 
 @dataclass
@@ -69,6 +67,7 @@ class TrainResult:
     steps: list = field(default_factory=list)  # StepMetrics per step (rank 0 has them all)
     memory: list | None = None  # per-rank rows of --verify-memory
     evals: list = field(default_factory=list)  # {"step", "loss", "perplexity"} per evaluation
+    events: list = field(default_factory=list)  # {"step", "kind", "text", ...} per intervention (a skipped step)
 
     @property
     def losses(self) -> list[float]:
@@ -164,12 +163,15 @@ def everywhere(error: UsageError) -> UsageError:
 
 
 def _start_watchdog(cfg: TrainConfig, topo):
+    from megakit.nn.topology import attempt_prefix
     from megakit.train.faults import Watchdog, connect_store
 
     store = None
     if dist.get_world_size() > 1:
         store = connect_store(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 29500)),
                               timeout_s=max(5.0, cfg.stall_timeout_s / 2))
+        if attempt_prefix() is not None:  # a torchrun restart: not the dead attempt's heartbeats
+            store = dist.PrefixStore(attempt_prefix(), store)
     peers = {r for kind in ("tp", "cp", "dp", "pp") for r in topo.group_ranks(kind)}  # the ranks this one waits on
     return Watchdog(topo.rank, dist.get_world_size(), stall_s=cfg.stall_timeout_s, peers=peers,
                     describe=lambda r: _describe(topo, r), store=store).start()
@@ -236,6 +238,9 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
         except UsageError as error:
             raise everywhere(error)
     run_step = _pipeline_step(run, topo, engine, dp_sync) if topo.pp > 1 else _plain_step(engine, dp_sync)
+    faults = TrainingFaults(topo.rank, list(engine.module) if cfg.vpp > 1 else [engine.module])  # tests only
+    guard = StepGuard(topo, max_skipped=0 if doctor is not None else cfg.max_skipped_steps, precision=run.precision,
+                      describe=lambda r: _describe(topo, r), device=_device())  # the doctor sees the first NaN
     if doctor is not None:
         batches, run_step = doctor.attach(engine, batches, run_step)
     device = _device() or torch.device("cpu")
@@ -248,12 +253,14 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
 
         probe = MemoryProbe(engine, topo, run)
     reporter = Reporter(run, topo)
+    attempts = Attempts(cfg.save if cfg.load == AUTO else None, start=start, active=topo.rank == 0)
     result = TrainResult()
     flops_per_step = model_flops_per_token(run.model, plan.seq_len) * plan.global_batch * plan.seq_len
     peak = gpu_peak_tflops()
     communication = StepCommunication(sync_cuda=torch.cuda.is_available())
     profiler = start_profiler(cfg.profile, steps=cfg.steps - start, rank=topo.rank)
     for step in range(start, cfg.steps):
+        faults.at_step(step)
         waited = time.perf_counter()  # the loader's share of the step (reads from memory-mapped shards)
         micro_batches = [(x.to(device), y.to(device), rows) for (x, y), rows in
                          zip(batches.micro_batches(step, topo.dp_rank), batches.sample_numbers(step, topo.dp_rank))]
@@ -270,22 +277,27 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
         comm_seconds, comm_calls = communication.result or (None, None)
         dp_bytes, dp_bytes_dense = dp_sync.take_bytes()
         if clipper is not None:
-            grad_norm, grads_finite = clipper.norm, clipper.finite
+            grad_norm, grads_finite, applied = clipper.norm, clipper.finite, clipper.applied
         else:
             grad_norm = float(engine.get_global_grad_norm() or float("nan"))
             grads_finite = math.isfinite(grad_norm) and grad_norm >= 0  # DeepSpeed masks inf/nan as -1
+            applied = engine.was_step_applied()
         if doctor is not None:
             doctor.after_step(loss=loss, lr=lr, seconds=seconds, comm_seconds=comm_seconds, grad_norm=grad_norm)
-        loss = _check_finite(topo, step, loss, grads_finite)
+        loss, skipped = guard.check(step, loss, grads_finite=grads_finite, applied=applied)
+        if skipped:  # the batch and the LR slot are spent: data and LR stay functions of the step
+            start_schedule(engine.lr_scheduler, step + 1)
+            result.events.append(reporter.event(step, "skipped", skipped, skipped_steps=guard.skipped))
         if profiler is not None:
             profiler.step()
         metrics = StepMetrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds,
                               samples=plan.global_batch, tokens=plan.global_batch * plan.seq_len, flops=flops_per_step,
                               comm_seconds=comm_seconds, comm_calls=comm_calls, world_size=dist.get_world_size(),
                               peak_tflops=peak, data_seconds=waited, dp_bytes=dp_bytes,
-                              dp_bytes_dense=dp_bytes_dense)
+                              dp_bytes_dense=dp_bytes_dense, skipped=bool(skipped))
         result.steps.append(metrics)
         reporter.log(metrics)
+        attempts.finished(step)
         done = step + 1
         evaluating = evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.steps)
         saving = cfg.save and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0))
@@ -296,7 +308,8 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
         if saving:
             try:
                 save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
-                         extra={"loss": loss, "seed": cfg.seed, "global_batch": plan.global_batch,
+                         extra={"loss": loss if math.isfinite(loss) else None, "seed": cfg.seed,
+                                "global_batch": plan.global_batch,
                                 "data": {"samples": done * plan.global_batch, "corpus": run.corpus.fingerprint}},
                          tokenizer=run.corpus.tokenizer_dir, dp_sync=dp_sync, rank_key=per_rank_key(run, topo))
             except UsageError as error:
@@ -363,23 +376,3 @@ def _pipeline_step(run: Run, topo, engine, dp_sync):
         return torch.tensor(executor.step(inputs, labels, sample_ids=[rows for _, _, rows in micro_batches]))
 
     return step
-
-
-def _check_finite(topo, step: int, loss: torch.Tensor, grads_finite: bool) -> float:
-    """The step's loss averaged over DP (one small all-reduce); raises naming the ranks that saw NaN/inf."""
-    world = dist.get_world_size()
-    device = _device()  # NCCL reduces GPU tensors only
-    loss = loss.detach().double().to(device or "cpu")
-    flags = torch.zeros(world + 1, dtype=torch.float64, device=device)
-    loss_ok = bool(torch.isfinite(loss))
-    own_loss = topo.is_last_stage  # earlier stages only received the last stage's loss
-    flags[topo.rank] = float(own_loss and not loss_ok) + 2.0 * float(not grads_finite)
-    flags[world] = (loss if loss_ok else torch.zeros((), device=device)) / world
-    comm.all_reduce(flags, comm.WORLD)
-    bad = [(r, int(v)) for r, v in enumerate(flags[:world].tolist()) if v]
-    if bad:
-        what = {1: "loss", 2: "gradient", 3: "loss and gradient"}
-        found = "; ".join(f"{_describe(topo, r)}: non-finite {what[v]}" for r, v in bad)
-        raise TrainingDiverged(f"NaN/inf at step {step}: {found}; lower the learning rate, enable "
-                               "gradient_clipping, or use bf16 instead of fp16")
-    return float(flags[world])

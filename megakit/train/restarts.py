@@ -1,0 +1,78 @@
+"""``--load auto``: one command that a scheduler (torchrun's agent, Slurm's requeue) can run again after a crash.
+
+``--save DIR --load auto`` starts from DIR's newest intact checkpoint (a ``--keep`` series
+already falls back past a damaged one), or from step 0 while DIR holds none. It is a value
+of ``--load`` and not the default because a default would quietly continue an old run in a
+reused ``--save`` directory; the same command that starts the run also restarts it.
+
+Rank 0 keeps a record of the run's attempts beside DIR, in ``.DIR.attempts.json`` (beside,
+not inside: a single checkpoint at DIR is replaced whole on each save): where each attempt
+started and the last step it finished. A restarted attempt says which restart it is and
+how many steps it redoes (those its predecessor finished after its last checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from megakit.errors import UsageError
+from megakit.interop.checkpoint_format import MANIFEST
+from megakit.train.resume import is_series
+
+AUTO = "auto"
+
+
+def auto_load(save: str | None, load: str | None, *, say=print) -> str | None:
+    """What ``--load`` means: ``auto`` is ``--save`` DIR when it holds a checkpoint, else nothing (step 0)."""
+    if load != AUTO:
+        return load
+    if not save:
+        raise UsageError("--load auto resumes from the --save directory's newest checkpoint; pass --save DIR "
+                         "(with --save-every N) as well")
+    if (Path(save) / MANIFEST).is_file() or is_series(save):
+        return save
+    say(f"megakit: --load auto: no checkpoint in {save} yet; starting at step 0")
+    return None
+
+
+def attempts_path(save: str) -> Path:
+    path = Path(save)
+    return path.with_name(f".{path.name}.attempts.json")
+
+
+class Attempts:
+    """Rank 0's record of this run's attempts; ``finished(step)`` after every step."""
+
+    def __init__(self, save: str | None, *, start: int, active: bool, say=print) -> None:
+        self.path = attempts_path(save) if save and active else None
+        self.history: list[dict] = []
+        if self.path is None:
+            return
+        if self.path.is_file():
+            self.history = json.loads(self.path.read_text()).get("attempts", [])
+        if self.history:
+            last = self.history[-1]
+            redo = max(0, last["reached"] - start)
+            total = sum(max(0, a["reached"] - b["started"]) for a, b in zip(self.history, self.history[1:])) + redo
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+            agent = f" (torchrun restart {restart})" if restart not in (None, "0") else ""
+            say(f"megakit: restart {len(self.history)} of this run{agent}: the last attempt finished step "
+                f"{last['reached'] - 1}, resuming at step {start} redoes {redo} step(s) ({total} in all)")
+        self.history.append({"started": start, "reached": start})
+        self._write()
+
+    @property
+    def restarts(self) -> int:
+        return max(0, len(self.history) - 1)
+
+    def finished(self, step: int) -> None:
+        if self.path is not None:
+            self.history[-1]["reached"] = step + 1
+            self._write()
+
+    def _write(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps({"attempts": self.history}))
+        os.replace(tmp, self.path)
