@@ -179,9 +179,12 @@ def routing_tensors(model: ModelSpec, *, tp: int = 1, precision: str = "bf16",
             SavedTensor("expert outputs", k * model.hidden, 0.0, p, "tp")]
 
 
-def routed_imbalance(model: ModelSpec, imbalance: float) -> float:
-    """The expert-side load of the busiest rank over the balanced share: the routing regime's factor,
-    capped by the capacity factor when one drops tokens."""
+def routed_imbalance(model: ModelSpec, imbalance: float, ep: int) -> float:
+    """The expert-side load of the busiest rank over the balanced share: the routing regime's factor
+    once experts are spread over ranks (one rank holding them all gets every token whatever the
+    routing), capped by the capacity factor when one drops tokens."""
+    if ep == 1:
+        return 1.0
     cf = model.config.moe.capacity_factor if model.config.moe else None
     return min(imbalance, cf) if cf else imbalance
 
@@ -359,7 +362,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
 
     tensors, full_layer, kept = kept_bytes(moe)  # a typical block: the MoE one in an MoE model
     dense_kept = kept_bytes(False)[2] if moe else kept
-    imbalance = routed_imbalance(model, moe_imbalance)
+    imbalance = routed_imbalance(model, moe_imbalance, ep)
     routing = sum(x.bytes(seq_len=s, micro_batch=b) for x in routing_tensors(
         model, tp=tp, precision=precision, imbalance=imbalance)) if moe else 0.0
     routing_kept = (1 - recompute_fraction) * routing if recompute == "full" else routing

@@ -5,6 +5,15 @@ from __future__ import annotations
 import dataclasses
 
 
+# The routing regimes an MoE plan is priced in: the busiest expert rank's tokens over the balanced share.
+# "balanced" is what most published MoE throughput forces (Megatron-Bridge docs/performance-summary.md:
+# "we force-balance the token distribution among experts"; torchtitan's --debug.moe_force_load_balance);
+# "real" is dropless training with a load-balancing loss: Megatron-MoE-ModelZoo best_practice/Qwen3
+# measured 9-25 % fewer TFLOP/s dropless than force-balanced (Qwen3-235B, 256 H100s, 16K-128K tokens), which
+# an imbalance of 1.2 on the expert side reproduces (tests/test_planner_moe.py). The planner's default: real.
+ROUTING = {"balanced": 1.0, "real": 1.2}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
     """TP × CP × PP × DP with ZeRO, micro-batching and recomputation.
