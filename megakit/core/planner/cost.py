@@ -121,7 +121,7 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     cp_s = _ring_exposed(model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s)
     a2a_s = (4 + 2 * recomputed) * all_to_all_time(
         cluster, tokens / t * model.moe.top_k * routed_imbalance(model, plan.moe_imbalance, plan.ep) * model.hidden * nbytes,
-        plan.ep, t) if moe else 0.0
+        plan.ep, 1 if plan.ep_over_tp else t) if moe else 0.0
     layer_s = overlapped(block.total + tp_s + cp_s + a2a_s, block.cpu)  # the host issues while the GPU runs
     dense_s = overlapped(dense_block.total + tp_s + cp_s, dense_block.cpu)
 

@@ -7,11 +7,13 @@ import dataclasses
 
 # The routing regimes an MoE plan is priced in: the busiest expert rank's tokens over the balanced share.
 # "balanced" is what most published MoE throughput forces (Megatron-Bridge docs/performance-summary.md:
-# "we force-balance the token distribution among experts"; torchtitan's --debug.moe_force_load_balance);
-# "real" is dropless training with a load-balancing loss: Megatron-MoE-ModelZoo best_practice/Qwen3
-# measured 9-25 % fewer TFLOP/s dropless than force-balanced (Qwen3-235B, 256 H100s, 16K-128K tokens), which
-# an imbalance of 1.2 on the expert side reproduces (tests/test_planner_moe.py). The planner's default: real.
-ROUTING = {"balanced": 1.0, "real": 1.2}
+# "we force-balance the token distribution among experts"; torchtitan's --debug.moe_force_load_balance).
+# "real" is dropless training with a load-balancing loss, which Megatron measured costing 3 % for
+# Mixtral-8x22B (Megatron-MoE-ModelZoo best_practice/Mixtral: 455 TFLOP/s dropless, 470 at capacity 1.0)
+# and 9-25 % for the fine-grained Qwen3-235B (best_practice/Qwen3: forced balance vs dropless, 16K-128K
+# tokens): 1.1 on the expert side puts the planner between the two (tests/test_planner_moe.py), so it
+# under-prices imbalance for many small experts and over-prices it for a few large ones. Default: real.
+ROUTING = {"balanced": 1.0, "real": 1.1}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,6 +53,7 @@ class Plan:
     # expert rank gets over the balanced share (1.0: forced-balanced routing, as most published runs).
     ep: int = 1
     moe_imbalance: float = 1.0
+    ep_over_tp: bool = False  # EP ranks contiguous, folded over TP too (Megatron's calibration rows), not TP apart
 
     @property
     def world(self) -> int:
