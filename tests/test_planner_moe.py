@@ -9,6 +9,7 @@ import pytest
 
 from megakit.commands import cli
 from megakit.core.model_config import PRESETS, ModelConfig
+from megakit.core.planner import emit
 from megakit.core.planner.cost import estimate_cost
 from megakit.core.planner.hardware import Cluster, gpu_preset
 from megakit.core.planner.memory import GIB, estimate_memory, peak_memory
@@ -198,7 +199,7 @@ def plan_cli(capsys, *argv):
     return code, out, err
 
 
-def test_cli_reports_experts_routing_and_all_to_all(capsys):
+def test_cli_reports_experts_routing_and_all_to_all(capsys, tmp_path):
     code, out, _ = plan_cli(capsys, "--model", "models/mixtral-8x7b.json", "--gpu", "h100-80gb", "--gpus", "16",
                             "--json")
     assert code == 0
@@ -211,9 +212,14 @@ def test_cli_reports_experts_routing_and_all_to_all(capsys):
     assert report["assumptions"]["model"]["params"] == 46702792704
     assert round(moe["active_params"] / 1e9, 1) == 12.9
     assert f"--ep {p['ep']}" in report["assumptions"]["launch"]
+    target = tmp_path / "moe.json"
     code, out, _ = plan_cli(capsys, "--model", "models/mixtral-8x7b.json", "--gpu", "h100-80gb", "--gpus", "16",
-                            "--moe-routing", "balanced")
+                            "--moe-routing", "balanced", "--emit-config", str(target))
     assert code == 0
+    written = json.loads(target.read_text())  # DeepSpeed's keys only: EP travels in the launch command
+    dense = emit.ds_config(Plan(dp=4, zero_stage=1, accumulation=2, pp=2), lr=1e-4, total_steps=10, warmup_steps=1)
+    assert set(written) == set(dense) and set(written["zero_optimization"]) == set(dense["zero_optimization"])
+    assert written["train_batch_size"] == 256 and written["zero_optimization"]["stage"] in (0, 1, 2)
     out = " ".join(out.split())  # rich wraps lines at the terminal's width
     for needle in ("12.88B active", "experts: params, grads, Adam", "MoE all-to-all", "EP x EDP", "balanced",
                    "--ep "):
