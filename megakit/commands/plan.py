@@ -247,7 +247,7 @@ def _top_rejected(rejected, top):
     """The fastest plans that did not fit, then one example of each structural reason (for layouts
     that failed even at their smallest, the one closest to fitting)."""
     out = [r for r in rejected if r.kind == "memory"][:top]
-    for kind in ("tp-node", "zero-pp", "rule", "vpp", "batch", "floor"):
+    for kind in ("tp-node", "zero-pp", "rule", "vpp", "batch", "ep", "floor"):
         of_kind = [r for r in rejected if r.kind == kind]
         if of_kind:
             out.append(min(of_kind, key=lambda r: r.peak_gib or 0.0))

@@ -116,6 +116,8 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
                 layout = _short(q)
             elif r["kind"] in ("floor", "zero-pp", "batch"):
                 layout = f"TP={q['tp']} PP={q['pp']} DP={q['dp']} ZeRO-{q['zero_stage']}"
+            elif r["kind"] == "ep":
+                layout = f"TP={q['tp']} PP={q['pp']} DP={q['dp']} EP={q['ep']}"
             else:
                 layout = f"TP={q['tp']} PP={q['pp']}"
             speed_text = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"
