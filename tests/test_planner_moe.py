@@ -221,7 +221,8 @@ def test_cli_reports_experts_routing_and_all_to_all(capsys, tmp_path):
     assert set(written) == set(dense) and set(written["zero_optimization"]) == set(dense["zero_optimization"])
     assert written["train_batch_size"] == 256 and written["zero_optimization"]["stage"] in (0, 1, 2)
     out = " ".join(out.split())  # rich wraps lines at the terminal's width
-    for needle in ("12.88B active", "experts: params, grads, Adam", "MoE all-to-all", "EP x EDP", "balanced",
+    for needle in ("12.88B active", "experts: params, grads, Adam", "MoE routing", "MoE all-to-all", "EP x EDP",
+                   "balanced",
                    "--ep "):
         assert needle in out, needle
 
