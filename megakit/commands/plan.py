@@ -28,7 +28,7 @@ from megakit.core.planner.hardware import (
 )
 from megakit.core.planner.memory import GIB
 from megakit.core.planner.model_spec import ModelSpec, parse_count, preset_names
-from megakit.core.planner.plan import Plan
+from megakit.core.planner.plan import ROUTING, Plan
 from megakit.core.planner.search import NoPlan, Pins, search, smallest_cluster
 from megakit.core.planner.sharding import LINK_EFFICIENCY
 from megakit.core.planner.verdict import headroom_note
@@ -69,6 +69,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--mem-threshold", type=float, default=0.80, help="feasible if peak <= this x GPU memory")
     train.add_argument("--base-lr", type=float, help="reference LR for linear scaling (with --base-batch)")
     train.add_argument("--base-batch", type=int, default=256, help="sequences at which --base-lr applies")
+    train.add_argument("--moe-routing", choices=tuple(ROUTING), default="real",
+                       help="MoE routing priced: real (dropless, the busiest expert rank gets "
+                            f"{ROUTING['real']:g}x its share; default) or balanced (forced, as most published runs)")
+    train.add_argument("--moe-imbalance", type=float, metavar="F",
+                       help="MoE: the busiest expert rank's tokens over the balanced share (overrides --moe-routing)")
     train.add_argument("--compress", default="none", metavar="CODEC",
                        help="price DP traffic compressed as the trainer's --compress does (fp16, int8, sign, "
                             "topk:RATIO; ZeRO 0 plans only)")
@@ -76,6 +81,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pins.add_argument("--tp", type=int)
     pins.add_argument("--pp", type=int)
     pins.add_argument("--cp", type=int, help="context parallelism: each sequence split over CP GPUs (ring attention)")
+    pins.add_argument("--ep", type=int, help="expert parallelism (MoE models): experts sharded over EP of the DP x CP "
+                                             "ranks")
     pins.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
     pins.add_argument("--micro-batch", type=int)
     pins.add_argument("--recompute", choices=("none", "selective", "full"))
@@ -111,7 +118,10 @@ def load_model(args) -> ModelSpec:
 
 def run(args) -> int:
     _positive(args, "seq_len", "vocab", "gpus", "nodes", "gpus_per_node", "gpu_mem", "intra_bw", "inter_bw",
-              "peak_tflops", "global_batch", "tp", "pp", "cp", "micro_batch", "vpp", "base_lr", "base_batch", "top")
+              "peak_tflops", "global_batch", "tp", "pp", "cp", "ep", "micro_batch", "vpp", "base_lr", "base_batch",
+              "top")
+    if args.moe_imbalance is not None and not args.moe_imbalance >= 1:
+        raise UsageError(f"--moe-imbalance {args.moe_imbalance} must be at least 1 (1: perfectly balanced routing)")
     if not 0 < args.mem_threshold <= 1:
         raise UsageError(f"--mem-threshold {args.mem_threshold} must be in (0, 1], e.g. 0.8")
     gpu, args.gpus_per_node = _hardware(args)
@@ -121,7 +131,8 @@ def run(args) -> int:
                                    "fp32" if gpu.fp32_rate == 1.0 and gpu.name.startswith("probed:") else "bf16")
     flash = gpu.flash_attention if args.attention is None else args.attention == "flash"
     global_batch = args.global_batch or emit.default_global_batch(model.params, model.seq_len)
-    pins = Pins(tp=args.tp, pp=args.pp, cp=args.cp, zero=args.zero, micro_batch=args.micro_batch,
+    imbalance = args.moe_imbalance if args.moe_imbalance is not None else ROUTING[args.moe_routing]
+    pins = Pins(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero, micro_batch=args.micro_batch,
                 recompute=args.recompute, vpp=args.vpp, compress=str(parse_compression(args.compress)),
                 schedule=args.schedule)
 
@@ -131,7 +142,7 @@ def run(args) -> int:
             mem_gib=args.gpu_mem, intra_gbps=args.intra_bw, inter_gbps=args.inter_bw, peak_tflops=args.peak_tflops)
 
     kwargs = dict(pins=pins, threshold=args.mem_threshold, precision=precision, offload=args.offload,
-                  flash_attention=flash, seq_len=model.seq_len)
+                  flash_attention=flash, seq_len=model.seq_len, moe_imbalance=imbalance)
     auto = args.gpus is None and args.nodes is None
     if auto:
         _, result = smallest_cluster(model, lambda n: make_cluster(nodes=n), global_batch=global_batch, **kwargs)
@@ -172,7 +183,8 @@ def run(args) -> int:
                                  config_path=config_path, model_arg=model_arg,
                                  seq_len=model.seq_len)
     single = estimate_cost(model, dataclasses.replace(cluster, num_gpus=1),
-                           dataclasses.replace(plan, tp=1, pp=1, dp=1, cp=1, vpp=1, zero_stage=0, sequence_parallel=False,
+                           dataclasses.replace(plan, tp=1, pp=1, dp=1, cp=1, ep=1, vpp=1, zero_stage=0,
+                                               sequence_parallel=False,
                                                accumulation=plan.global_batch // plan.micro_batch),
                            seq_len=model.seq_len)
     speedup = cost.tokens_per_s / single.tokens_per_s
@@ -186,7 +198,7 @@ def run(args) -> int:
         "rejected": [{"plan": _plan_fields(r.plan) if r.plan else None, "reason": r.reason, "kind": r.kind,
                       "tokens_per_s": r.tokens_per_s} for r in _top_rejected(result.rejected, args.top)],
         "assumptions": assumptions(model, cluster, auto, result, precision, flash, args.mem_threshold,
-                                   global_batch, tokens, launch, launch_note),
+                                   global_batch, tokens, launch, launch_note) | _moe_assumptions(model, args, imbalance),
     }
     if result.fits == "above_threshold":
         report["plan"]["headroom"] = headroom_note(mem.total / GIB, gpu_gib=cluster.gpu.mem_gib,
@@ -235,15 +247,31 @@ def _top_rejected(rejected, top):
     """The fastest plans that did not fit, then one example of each structural reason (for layouts
     that failed even at their smallest, the one closest to fitting)."""
     out = [r for r in rejected if r.kind == "memory"][:top]
-    for kind in ("tp-node", "zero-pp", "rule", "vpp", "batch", "floor"):
+    for kind in ("tp-node", "zero-pp", "rule", "vpp", "batch", "ep", "floor"):
         of_kind = [r for r in rejected if r.kind == kind]
         if of_kind:
             out.append(min(of_kind, key=lambda r: r.peak_gib or 0.0))
     return out
 
 
+def _moe_assumptions(model: ModelSpec, args, imbalance: float) -> dict:
+    """The experts and the routing regime the plan is priced in (nothing for a dense model)."""
+    if model.moe is None:
+        return {}
+    regime = "custom" if args.moe_imbalance is not None else args.moe_routing
+    return {"moe": {"experts": model.moe.experts, "top_k": model.moe.top_k, "expert_ffn": model.moe.ffn,
+                    "shared_ffn": model.moe.shared_ffn, "moe_layers": model.config.moe_layers,
+                    "active_params": model.active_params(), "routing": regime, "imbalance": imbalance,
+                    "capacity_factor": model.moe.capacity_factor,
+                    "routing_note": ("forced-balanced routing, as most published MoE throughput is measured"
+                                     if imbalance == 1.0 else f"the busiest expert rank gets {imbalance:g}x its "
+                                     "balanced share of tokens (dropless routing with a balancing loss); "
+                                     "--moe-routing balanced prices forced balance")}}
+
+
 def _plan_fields(plan: Plan) -> dict:
-    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "vpp": plan.vpp, "zero_stage": plan.zero_stage,
+    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep, "edp": plan.edp,
+            "vpp": plan.vpp, "zero_stage": plan.zero_stage,
             "schedule": "zb-h1" if plan.zero_bubble else "interleaved" if plan.vpp > 1 else "1f1b",
             "micro_batch": plan.micro_batch, "grad_accum": plan.accumulation, "global_batch": plan.global_batch,
             "recompute": plan.recompute, "sequence_parallel": plan.sequence_parallel, "precision": plan.precision,
@@ -257,6 +285,7 @@ def plan_dict(plan: Plan, mem, cost, cluster: Cluster, tokens, seq_len: int) -> 
         "step_time_s": cost.step_time_s, "tokens_per_s": cost.tokens_per_s,
         "model_tflops_per_gpu": cost.model_tflops_per_gpu, "hardware_tflops_per_gpu": cost.hardware_tflops_per_gpu,
         "mfu": cost.mfu, "comm_fraction": cost.comm_fraction, "bubble_fraction": cost.bubble_fraction,
+        "all_to_all_s": cost.a2a_s, "all_to_all_fraction": cost.a2a_s / cost.step_time_s,
         "num_gpus": plan.world,
     }
     if tokens:
@@ -271,6 +300,7 @@ def assumptions(model: ModelSpec, cluster: Cluster, auto: bool, result, precisio
         "model": {"name": model.name, "source": model.assumed, "family": model.family, "params": model.params,
                   "layers": model.layers, "hidden": model.hidden, "heads": model.heads, "kv_heads": model.kv_heads,
                   "ffn": model.ffn, "vocab": model.vocab, "seq_len": model.seq_len,
+                  "active_params": model.active_params(),
                   "tie_embeddings": model.tie_embeddings},
         "cluster": {"gpu": gpu.name, "num_gpus": cluster.num_gpus, "nodes": cluster.nodes,
                     "gpus_per_node": cluster.gpus_per_node, "gpu_memory_gib": gpu.mem_gib,

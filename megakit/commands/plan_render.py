@@ -7,7 +7,9 @@ from rich.table import Table
 
 MEMORY_LABELS = {
     "params": "parameters", "grads": "gradients", "master_params": "fp32 master params",
-    "optimizer": "Adam states (m, v)", "fp32_step_grads": "fp32 grads at step", "activations": "activations",
+    "optimizer": "Adam states (m, v)", "fp32_step_grads": "fp32 grads at step",
+    "expert_states": "experts: params, grads, Adam (E/EP per GPU, ZeRO over EDP)", "activations": "activations",
+    "moe_routing": "MoE routing (router probs, permute map, permuted tokens, expert acts)",
     "pipeline_outputs": "stage outputs kept for backward",
     "weight_grad_inputs": "kept for deferred W (ZB-H1)",
     "recompute_working_set": "recompute working set", "logits": "logits + loss (last stage)",
@@ -18,7 +20,7 @@ MEMORY_LABELS = {
 
 def _short(p: dict) -> str:
     cp = f" CP={p['cp']}" if p.get("cp", 1) > 1 else ""
-    text = f"TP={p['tp']}{cp} PP={p['pp']} DP={p['dp']}"
+    text = f"TP={p['tp']}{cp} PP={p['pp']} DP={p['dp']}" + (f" EP={p['ep']}" if p.get("ep", 1) > 1 else "")
     if p["vpp"] > 1:
         text += f" VPP={p['vpp']}"
     text += f" ZeRO-{p['zero_stage']} mb={p['micro_batch']}x{p['grad_accum']} rc={p['recompute']}"
@@ -34,6 +36,13 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
     console.print(f"  {m['family']}: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads"
                   f"{' (' + str(m['kv_heads']) + ' KV)' if m['kv_heads'] != m['heads'] else ''}, FFN {m['ffn']}, "
                   f"vocab {m['vocab']}, seq {m['seq_len']}: {m['params'] / 1e9:.2f}B parameters")
+    if "moe" in a:
+        e = a["moe"]
+        console.print(f"  MoE: {e['experts']} experts of FFN {e['expert_ffn']}, top-{e['top_k']}"
+                      f"{', shared FFN ' + str(e['shared_ffn']) if e['shared_ffn'] else ''}, in {e['moe_layers']} "
+                      f"of {m['layers']} layers: {m['params'] / 1e9:.2f}B total, {e['active_params'] / 1e9:.2f}B "
+                      f"active per token")
+        console.print(f"  Routing priced: {e['routing']} ({e['routing_note']}).")
     console.print(f"[bold]Cluster[/]: {c['num_gpus']} x {c['gpu']} ({c['nodes']} node(s) x {c['gpus_per_node']}), "
                   f"{c['gpu_memory_gib']:g} GiB, {c['peak_tflops']:g} TFLOP/s peak; intra-node {c['intra_node']}; "
                   f"inter-node {c['inter_node']}")
@@ -45,7 +54,9 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
     plan = Table(title="Plan", show_header=False)
     grid = (("TP x CP x PP x DP", f"{p['tp']} x {p['cp']} x {p['pp']} x {p['dp']} = {p['num_gpus']} GPUs")
             if p.get("cp", 1) > 1 else ("TP x PP x DP", f"{p['tp']} x {p['pp']} x {p['dp']} = {p['num_gpus']} GPUs"))
-    for key, value in (grid,
+    moe = (("experts: EP x EDP", f"{p['ep']} x {p['edp']} (E/EP experts per GPU; attention on TP x CP x DP)"),) \
+        if "moe" in a else ()
+    for key, value in (grid, *moe,
                        ("virtual stages", p["vpp"]), ("schedule", p.get("schedule", "1f1b")),
                        ("ZeRO stage", p["zero_stage"]),
                        ("batch", f"micro {p['micro_batch']} x accumulation {p['grad_accum']} x DP {p['dp']} = "
@@ -62,6 +73,8 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
     for key, gib in p["memory"].items():
         if gib > 0.0005:
             mem.add_row(MEMORY_LABELS.get(key, key), f"{gib:.2f}")
+        elif key == "moe_routing" and "moe" in a:  # shown even when full recompute drops it
+            mem.add_row(MEMORY_LABELS[key], f"{gib:.2f} (recomputed)" if p["recompute"] == "full" else f"{gib:.2f}")
     mem.add_row("[bold]peak[/]", f"[bold]{p['peak_memory_gib']:.2f}[/]")
     mem.add_row(f"{a['mem_threshold']:.0%} line", f"{limit:.2f}")
     mem.add_row("headroom to the line", f"{limit - p['peak_memory_gib']:.2f}")
@@ -76,6 +89,8 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
             ("model TFLOP/s per GPU", f"{p['model_tflops_per_gpu']:.0f}"),
             ("hardware TFLOP/s per GPU", f"{p['hardware_tflops_per_gpu']:.0f}"), ("MFU", f"{p['mfu']:.1%}"),
             ("communication share", f"{p['comm_fraction']:.1%}"), ("pipeline bubble", f"{p['bubble_fraction']:.1%}"),
+            *((("MoE all-to-all (dispatch + combine)", f"{p['all_to_all_s']:.2f} s per step, "
+                f"{p['all_to_all_fraction']:.1%} of it"),) if "moe" in a else ()),
             ("speed-up vs one GPU", f"{p['speedup_vs_one_gpu']:.1f}x (scaling efficiency "
                                     f"{p['scaling_efficiency']:.0%})")]
     if "train_days" in p:
@@ -103,6 +118,8 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
                 layout = _short(q)
             elif r["kind"] in ("floor", "zero-pp", "batch"):
                 layout = f"TP={q['tp']} PP={q['pp']} DP={q['dp']} ZeRO-{q['zero_stage']}"
+            elif r["kind"] == "ep":
+                layout = f"TP={q['tp']} PP={q['pp']} DP={q['dp']} EP={q['ep']}"
             else:
                 layout = f"TP={q['tp']} PP={q['pp']}"
             speed_text = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"

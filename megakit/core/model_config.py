@@ -175,8 +175,9 @@ class ModelConfig:
     def tp_conflicts(self, tp: int) -> list[str]:
         """What TP does not divide, e.g. ``["attention heads 14"]`` (empty: ``tp`` shards this model;
         KV heads are never replicated)."""
+        shared = (("shared-expert FFN size", self.moe.shared_ffn),) if self.moe and self.moe.shared_ffn else ()
         return [f"{what} {n}" for what, n in (("attention heads", self.heads), ("KV heads", self.kv_heads),
-                                              ("hidden size", self.hidden), ("FFN size", self.ffn)) if n % tp]
+                                              ("hidden size", self.hidden), ("FFN size", self.ffn), *shared) if n % tp]
 
     def check_tp(self, tp: int) -> None:
         """UsageError unless TP divides heads, KV heads, hidden size and FFN size."""
@@ -195,19 +196,45 @@ class ModelConfig:
         """Key/value heads a TP rank holds: split when they divide, else one replicated head."""
         return max(self.kv_heads // tp, 1)
 
-    def block_params(self, tp: int = 1) -> BlockParams:
-        """One transformer block's parameters on one TP rank, split as tensor parallelism splits them."""
+    def block_params(self, tp: int = 1, *, moe: bool | None = None) -> BlockParams:
+        """One transformer block's parameters on one TP rank, split as tensor parallelism splits them.
+
+        ``moe``: an MoE block (default: whenever the model has experts) or a dense one. An MoE block
+        has, in place of the MLP, a router (E x H, replicated over TP), the routed experts (E x 3 x H x F,
+        sharded over EP, never over TP: ETP = 1), and shared experts TP-sharded like a dense MLP of
+        width ``shared_ffn`` (plus Qwen2-MoE's H x 1 shared gate, replicated)."""
+        moe = self.moe is not None if moe is None else (moe and self.moe is not None)
         h, hd = self.hidden, self.head_dim
-        q, kv, f = self.heads // tp * hd, self.kv_heads_per_rank(tp) * hd, self.ffn // tp
+        q, kv = self.heads // tp * hd, self.kv_heads_per_rank(tp) * hd
+        f = (self.moe.shared_ffn if moe else self.ffn) // tp
         mats = 3 if self.gated_mlp else 2
         matmul = h * (q + 2 * kv) + q * h + mats * h * f
         column_bias = self.qkv_bias * (q + 2 * kv) + self.mlp_bias * (mats - 1) * f
         norms = (4 if self.family == "gpt2" else 2) * h + 2 * self.qk_norm * hd  # two Layer/RMSNorms (+ q, k norms)
-        return BlockParams(matmul, column_bias, norms + self.out_bias * h + self.mlp_bias * h)
+        replicated = norms + self.out_bias * h + self.mlp_bias * h
+        if not moe:
+            return BlockParams(matmul, column_bias, replicated)
+        m = self.moe
+        router = m.experts * h + (h if m.shared_gate else 0)
+        return BlockParams(matmul, column_bias, replicated + router, experts=m.experts * 3 * h * m.ffn,
+                           active_experts=m.top_k * 3 * h * m.ffn, router=router)
 
-    def layer_params(self) -> int:
-        """Parameters of one transformer block."""
-        return self.block_params(1).total
+    def layer_params(self, layer: int | None = None) -> int:
+        """Parameters of one transformer block (``layer``: that one, dense or MoE; default: a typical one)."""
+        return self.block_params(1, moe=None if layer is None else self.is_moe_layer(layer)).total
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(layer)
+
+    @property
+    def moe_layers(self) -> int:
+        """How many blocks have routed experts (0 for a dense model)."""
+        return sum(self.is_moe_layer(i) for i in range(self.layers))
+
+    def _blocks(self) -> list[tuple[int, bool]]:
+        """(count, is MoE) of the two kinds of block, skipping an absent kind."""
+        n = self.moe_layers
+        return [(c, moe) for c, moe in ((n, True), (self.layers - n, False)) if c]
 
     def embedding_params(self, tp: int = 1) -> int:
         """Token embedding rows one TP rank holds (padded vocab), plus GPT-2's learned positions (replicated)."""
@@ -221,21 +248,26 @@ class ModelConfig:
         return norm + (self.padded_vocab(tp) // tp * self.hidden if separate else 0)
 
     def num_params(self) -> int:
-        """Total parameters (tied embeddings counted once, vocab unpadded)."""
-        return (self.layers * self.layer_params() + self.embedding_params()
+        """Total parameters (tied embeddings counted once, vocab unpadded; every expert)."""
+        return (sum(n * self.block_params(moe=moe).total for n, moe in self._blocks()) + self.embedding_params()
                 + self.head_params(separate=not self.tie_embeddings))
 
-    def block_flops(self, seq_len: int, tp: int = 1, *, convention: str = "palm") -> tuple[float, float]:
+    def active_params(self) -> int:
+        """Parameters one token uses: ``num_params`` with each MoE block's top-k experts only."""
+        return self.num_params() - self.moe_layers * (self.block_params().experts - self.block_params().active_experts)
+
+    def block_flops(self, seq_len: int, tp: int = 1, *, convention: str = "palm",
+                    moe: bool | None = None) -> tuple[float, float]:
         """(forward FLOPs per token of one block on one TP rank, of which core attention).
 
-        2 FLOPs per weight the ``convention`` counts (``FLOPS_CONVENTIONS``), plus attention's
-        score and value products, 2 x 2 x ``seq_len`` per channel of its width (full S x S,
-        not halved for the causal mask)."""
+        2 FLOPs per weight the ``convention`` counts (``FLOPS_CONVENTIONS``; of the routed experts only
+        the top-k a token uses, and the router in every convention), plus attention's score and value
+        products, 2 x 2 x ``seq_len`` per channel of its width (full S x S, not halved for the causal mask)."""
         if convention not in FLOPS_CONVENTIONS:
             raise ValueError(f"unknown FLOPs convention {convention!r}; use one of {', '.join(FLOPS_CONVENTIONS)}")
         weights, width = FLOPS_CONVENTIONS[convention]
         attn = 4 * seq_len * (self.heads // tp * self.head_dim) if width == "q" else 4 * seq_len * self.hidden / tp
-        return 2 * getattr(self.block_params(tp), weights) + attn, attn
+        return 2 * self.block_params(tp, moe=moe).flop_weights(weights) + attn, attn
 
     def head_flops(self) -> int:
         """Forward FLOPs per token of the LM head (``V x H``, paid even when tied; the lookups are free)."""
@@ -245,9 +277,11 @@ class ModelConfig:
                         flash_attention: bool = False) -> float:
         """Training FLOPs per token: 3 x forward (blocks and LM head), plus what ``recompute`` and
         flash attention run again (``recompute_flops``; the defaults: none, the model FLOPs)."""
-        fwd, attn = self.block_flops(seq_len, convention=convention)
-        total = 3 * (self.layers * fwd + self.head_flops())
-        return float(total + self.layers * recompute_flops(fwd, attn, recompute, flash_attention))
+        total = 3.0 * self.head_flops()
+        for n, moe in self._blocks():
+            fwd, attn = self.block_flops(seq_len, convention=convention, moe=moe)
+            total += n * (3 * fwd + recompute_flops(fwd, attn, recompute, flash_attention))
+        return float(total)
 
     # -- writing -----------------------------------------------------------------------------
     def to_hf(self) -> dict:
@@ -290,9 +324,12 @@ class ModelConfig:
 class BlockParams(NamedTuple):
     """One block's parameters on one TP rank."""
 
-    matmul: int  # weight matrices (TP-sharded)
+    matmul: int  # weight matrices (TP-sharded; in an MoE block, attention and the shared experts)
     column_bias: int  # biases of the column-parallel layers (q/k/v, up/gate), sharded with them
-    replicated: int  # norms and the row-parallel layers' biases (o_proj, down): every TP rank holds them
+    replicated: int  # norms, the row-parallel layers' biases (o_proj, down), the router: every TP rank holds them
+    experts: int = 0  # the routed experts' weights, all E of them (EP shards them, TP does not)
+    active_experts: int = 0  # the top-k experts' weights one token runs through
+    router: int = 0  # the router's (and shared gate's) matrix, part of ``replicated``
 
     @property
     def sharded(self) -> int:
@@ -300,10 +337,17 @@ class BlockParams(NamedTuple):
 
     @property
     def total(self) -> int:
-        return self.sharded + self.replicated
+        return self.sharded + self.replicated + self.experts
+
+    def flop_weights(self, kind: str) -> int:
+        """The weights a FLOPs convention counts (``FLOPS_CONVENTIONS``): of the routed experts the
+        active ones, and the router as a matmul in each convention."""
+        if kind == "total":
+            return self.sharded + self.replicated + self.active_experts
+        return getattr(self, kind) + self.router + self.active_experts
 
 
-# The weights 2 FLOPs/token each are counted for (a ``BlockParams`` part) and attention's width:
+# The weights 2 FLOPs/token each are counted for (``BlockParams.flop_weights``) and attention's width:
 FLOPS_CONVENTIONS = {
     # model FLOPs for MFU, PaLM's 6N + 12 L q S (Chowdhery et al. 2022, App. B): every block parameter
     "palm": ("total", "q"),

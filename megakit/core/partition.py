@@ -23,15 +23,17 @@ def layer_costs(config, method: str = "params", *, seq_len: int | None = None) -
     ``embedding_params``, ``head_params``; ``block_flops`` in the weight-matrices convention)."""
     if method not in METHODS:
         raise UsageError(f"unknown partition method {method!r}; use one of {', '.join(METHODS)} or a list of layer counts")
+    kinds = [config.is_moe_layer(i) for i in range(config.layers)]  # an MoE model's dense blocks cost less
     if method == "params":
-        block = config.layer_params()
+        cost = {moe: config.block_params(moe=moe).total for moe in set(kinds)}
         embedding = config.embedding_params()
         head = config.head_params(separate=True)  # a copy of the embedding when tied, plus the final norm
     else:  # forward FLOPs per token: 2 per multiply-add; attention scores and values 2·2·s·q
-        block, _ = config.block_flops(seq_len or config.max_seq_len, convention="matmul")
+        cost = {moe: config.block_flops(seq_len or config.max_seq_len, convention="matmul", moe=moe)[0]
+                for moe in set(kinds)}
         embedding = 0.0
         head = config.head_flops()
-    return [float(block)] * config.layers, float(embedding), float(head)
+    return [float(cost[k]) for k in kinds], float(embedding), float(head)
 
 
 def _split_counts(counts, total: int, stages: int) -> list[int]:

@@ -16,6 +16,13 @@ The elementwise kernels (norms, activations, rotary, residuals, dropout, softmax
 ``K_MEM`` (eager PyTorch) or ``K_MEM_FUSED`` (torch.compile, Megatron's fused kernels) passes over
 the block's saved activations through HBM. Recompute adds the forward part of what it recomputes.
 
+An MoE block (``moe=True``) runs, in place of the MLP, its shared experts (TP-sharded, like the MLP),
+the router and, on each rank, the grouped GEMMs of its E / EP experts over the tokens they receive:
+top-k copies of the rank's 1/TP share of the tokens, spread over the experts, ``imbalance`` times the
+balanced count on the busiest rank. Each expert's GEMM is priced from its own shape (tokens per expert
+x H x F), so fine-grained experts with few tokens each run further from the peak: the grouped GEMM's
+efficiency follows from the per-expert token count, with no separate constant.
+
 The host issues the kernels: ``LAUNCH_S`` per block and micro-batch in eager PyTorch (Python, autograd
 and launch per op), less fused. CUDA runs them asynchronously, so a block takes the smooth maximum
 of the GPU's time and the host's, and small models on fast GPUs are host-bound (``BlockTime.cpu``).
@@ -26,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 
 from megakit.core.planner.hardware import GPU
-from megakit.core.planner.memory import PRECISIONS, activation_tensors
+from megakit.core.planner.memory import PRECISIONS, activation_tensors, routed_imbalance, routing_tensors
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.core.planner.plan import Plan
 
@@ -59,12 +66,27 @@ def gemm_time(gpu: GPU, m: float, k: float, n: float, *, peak: float, nbytes: in
     return 2 * m * k * n / rate * (1 + ROOFLINE * ridge / intensity)
 
 
-def _linears(model: ModelSpec, tp: int) -> list[tuple[float, float]]:
-    """(k, n) of the block's weight GEMMs on one TP rank, in execution order."""
+def _linears(model: ModelSpec, tp: int, moe: bool = False) -> list[tuple[float, float]]:
+    """(k, n) of the block's weight GEMMs on one TP rank over all its tokens, in execution order
+    (an MoE block: attention and the shared experts; ``expert_gemm_time`` adds the rest)."""
     h, hd = model.hidden, model.head_dim
-    q, kv, f = model.heads // tp * hd, model.kv_heads_per_rank(tp) * hd, model.ffn // tp
-    mlp = [(h, f), (h, f), (f, h)] if model.gated_mlp else [(h, f), (f, h)]
+    q, kv = model.heads // tp * hd, model.kv_heads_per_rank(tp) * hd
+    f = (model.moe.shared_ffn if moe else model.ffn) // tp
+    mlp = [] if f == 0 else [(h, f), (h, f), (f, h)] if model.gated_mlp else [(h, f), (f, h)]
     return [(h, q), (h, kv), (h, kv), (q, h)] + mlp
+
+
+def expert_gemm_time(model: ModelSpec, gpu: GPU, plan: Plan, *, tokens: float, peak: float) -> float:
+    """Forward seconds of an MoE block's router and routed experts on one rank: ``tokens`` (this
+    rank's, before the TP split) routed, and the grouped GEMMs (fc1: H -> 2F, fc2: F -> H) of the
+    E / EP local experts, each over its share of the top-k copies the rank receives."""
+    m, nbytes = model.moe, PRECISIONS[plan.precision]
+    local = tokens / plan.tp  # each TP rank routes its 1/TP of the tokens (sequence-parallel split)
+    router = gemm_time(gpu, local, model.hidden, m.experts, peak=peak, nbytes=nbytes)
+    per_expert = local * m.top_k * routed_imbalance(model, plan.moe_imbalance, plan.ep) * plan.ep / m.experts
+    one = (gemm_time(gpu, per_expert, model.hidden, 2 * m.ffn, peak=peak, nbytes=nbytes)
+           + gemm_time(gpu, per_expert, m.ffn, model.hidden, peak=peak, nbytes=nbytes))
+    return router + one * m.experts / plan.ep
 
 
 def attention_time(model: ModelSpec, gpu: GPU, *, tp: int, seq_len: int, micro_batch: int, flash: bool,
@@ -80,22 +102,25 @@ def attention_time(model: ModelSpec, gpu: GPU, *, tp: int, seq_len: int, micro_b
     return 2 * one, 4 * one  # q k^T and p v, full s x s; backward twice each
 
 
-def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: float) -> BlockTime:
-    """One block, one micro-batch: GEMMs, attention core, elementwise traffic, launches, recompute.
+def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: float, moe: bool = False) -> BlockTime:
+    """One block (``moe``: an MoE block), one micro-batch: GEMMs, attention core, elementwise traffic,
+    launches, recompute.
 
     With context parallelism a rank runs everything on its ``s/cp`` tokens, and attention on its
     queries against the whole sequence: ``1/cp`` of the causal attention (the load-balanced split)."""
     t, b, s = plan.tp, plan.micro_batch, seq_len // plan.cp
     nbytes = PRECISIONS[plan.precision]
     tokens = b * s
-    per_gemm = [gemm_time(gpu, tokens, k, n, peak=peak, nbytes=nbytes) for k, n in _linears(model, t)]
-    gemm_f = sum(per_gemm)
+    per_gemm = [gemm_time(gpu, tokens, k, n, peak=peak, nbytes=nbytes) for k, n in _linears(model, t, moe)]
+    gemm_f = sum(per_gemm) + (expert_gemm_time(model, gpu, plan, tokens=tokens, peak=peak) if moe else 0.0)
     attn_f, attn_b = attention_time(model, gpu, tp=t, seq_len=seq_len, micro_batch=b,
                                     flash=plan.flash_attention or plan.cp > 1, peak=peak, nbytes=nbytes)
     attn_f, attn_b = attn_f / plan.cp, attn_b / plan.cp
     saved = sum(x.bytes(seq_len=s, micro_batch=b)
                 for x in activation_tensors(model, tp=t, sequence_parallel=plan.sequence_parallel,
-                                            precision=plan.precision, flash_attention=plan.flash_attention))
+                                            precision=plan.precision, flash_attention=plan.flash_attention, moe=moe)
+                + (routing_tensors(model, tp=t, precision=plan.precision,  # permute, unpermute, SwiGLU
+                                   imbalance=routed_imbalance(model, plan.moe_imbalance, plan.ep)) if moe else []))
     elementwise = (K_MEM_FUSED if plan.fused_kernels else K_MEM) * saved / (gpu.hbm_gbps * 1e9)
     ew_f = elementwise / 3
     forward = gemm_f + attn_f + ew_f

@@ -11,6 +11,14 @@ the traffic that its compute does not hide (over DP x CP with context parallelis
 each K/V block around the CP group beside the block's attention, exposed only where it outlasts it) (``sharding.dp_time``: DDP/ZeRO-1 all-reduce, ZeRO-2
 reduce-scatter, ZeRO-3/FSDP gathers prefetched behind the previous block), then the optimizer step.
 
+An MoE block (``compute.block_time(moe=True)``) adds its dispatch and combine all-to-alls over the EP
+group (``sharding.all_to_all_time``: NVLink while EP x TP fits a node, the network for what leaves it):
+each moves top-k copies of the rank's tokens (its 1/TP share), of which (EP - 1)/EP leave the rank,
+times the routing imbalance on the busiest rank; four per block and micro-batch (forward dispatch and
+combine, their backward twins), two more when the block is recomputed; not overlapped. Expert
+gradients reduce over the EDP ranks (and over TP, whose ranks route different tokens through the same
+experts), beside the dense ones over DP x CP.
+
 One set of constants (here, in ``compute`` and ``sharding``, and the GPU presets' measured matmul and
 attention rates) is used for every model, GPU and layout; ``tests/test_planner_calibration.py``
 checks it row by row against Narayanan et al. 2021, 27 published FSDP/ZeRO-3 runs and megakit's own.
@@ -22,11 +30,19 @@ import dataclasses
 
 from megakit.core.planner.compute import attention_time, block_time, head_time
 from megakit.core.planner.hardware import Cluster
-from megakit.core.planner.memory import PRECISIONS, stage_layer_counts, stage_params
+from megakit.core.planner.memory import (
+    PRECISIONS,
+    routed_imbalance,
+    stage_expert_params,
+    stage_layer_counts,
+    stage_moe_layers,
+    stage_params,
+)
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.core.planner.plan import Plan
 from megakit.core.planner.sharding import (
     LINK_EFFICIENCY,
+    all_to_all_time,
     collective_time,
     dp_time,
     exposed,
@@ -59,6 +75,7 @@ class Cost:
     cp_comm_s: float = 0.0  # ring attention's K/V traffic that the attention compute does not hide
     pipeline_s: float = 0.0  # the 1F1B schedule's length: m·T_slowest + (ΣT − T_slowest)/v
     stage_times: tuple = ()  # forward + backward of one micro-batch, per stage (no P2P)
+    a2a_s: float = 0.0  # the MoE dispatch and combine all-to-alls of the step on the slowest stage
 
 
 def flops_per_token(model: ModelSpec, seq_len: int, *, recompute: str = "none", flash_attention: bool = False,
@@ -76,7 +93,10 @@ def weight_grad_share(model: ModelSpec, seq_len: int, plan: Plan) -> float:
     """W's share of a stage's compute: the weight-gradient GEMMs, 2 FLOPs per weight and token (the
     blocks' matmuls and the LM head), over all the training FLOPs the hardware runs (a third without
     recompute, a quarter with full recompute, whose extra forward falls in B)."""
-    weights = model.config.layers * model.config.block_params(1).matmul + model.config.vocab_size * model.hidden
+    c = model.config
+    weights = (c.moe_layers * c.block_params(moe=True).flop_weights("matmul")
+               + (c.layers - c.moe_layers) * c.block_params(moe=False).flop_weights("matmul")
+               + c.vocab_size * model.hidden)
     total = flops_per_token(model, seq_len, recompute=plan.recompute if plan.recompute != "per-op" else "none",
                             flash_attention=plan.flash_attention)
     return 2 * weights / total
@@ -91,21 +111,28 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     tokens = b * s // plan.cp  # this rank's
 
     # ---- one block, one micro-batch, forward + backward (+ recompute) on one GPU --------
-    block = block_time(model, gpu, plan, seq_len=s, peak=peak)
+    moe = model.moe is not None
+    block = block_time(model, gpu, plan, seq_len=s, peak=peak, moe=moe)  # a typical block: MoE in an MoE model
+    dense_block = block_time(model, gpu, plan, seq_len=s, peak=peak) if moe else block
     tp_bw, tp_where = group_bandwidth(cluster, t, 1)
     one_tp = collective_time(tokens * model.hidden * nbytes, t, tp_bw, tp_where)
     recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
     tp_s = (4 + 2 * recomputed) * one_tp
     cp_s = _ring_exposed(model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s)
-    layer_s = overlapped(block.total + tp_s + cp_s, block.cpu)  # the host issues while the GPU runs
+    a2a_s = (4 + 2 * recomputed) * all_to_all_time(
+        cluster, tokens / t * model.moe.top_k * routed_imbalance(model, plan.moe_imbalance, plan.ep) * model.hidden * nbytes,
+        plan.ep, 1 if plan.ep_over_tp else t) if moe else 0.0
+    layer_s = overlapped(block.total + tp_s + cp_s + a2a_s, block.cpu)  # the host issues while the GPU runs
+    dense_s = overlapped(dense_block.total + tp_s + cp_s, dense_block.cpu)
 
     # ---- embedding and LM head on the first / last stage --------------------------------
     head_s = head_time(model, gpu, plan, seq_len=s // plan.cp, peak=peak) + 2 * one_tp
     embed_s = 2 * one_tp
 
     counts = stage_layer_counts(model, p, v)  # the trainer's split (partition_layers)
-    stage_s = [n * layer_s + (embed_s if i == 0 else 0) + (head_s if i == p - 1 else 0)
-               for i, n in enumerate(counts)]
+    moes = stage_moe_layers(model, p, v)
+    stage_s = [k * layer_s + (n - k) * dense_s + (embed_s if i == 0 else 0) + (head_s if i == p - 1 else 0)
+               for i, (n, k) in enumerate(zip(counts, moes))]
     # P2P: activations forward, gradients backward, per micro-batch and stage boundary; with TP the
     # send is split over the TP ranks (Megatron's scatter/gather) when it crosses nodes.
     p2p_bw, p2p_where = group_bandwidth(cluster, 2, t * plan.cp * d)
@@ -128,10 +155,20 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
                          stage_s=max(stage_s), layer_fwd_s=block.forward + 2 * one_tp,
                          layer_bwd_s=block.backward + (2 + 2 * recomputed) * one_tp)
 
+    psi_e = stage_expert_params(model, pp=p, stage=worst, ep=plan.ep, vpp=v)
+    if psi_e:  # expert gradients: over the EDP ranks (EP x TP apart), and over TP, which routes other tokens
+        experts = dataclasses.replace(replicas, dp=plan.edp, tp=t * plan.ep, compress="none")  # tp: the stride
+        dp_exposed += dp_time(cluster, experts, psi=psi_e, layer_params=psi_e / max(moes[worst], 1),
+                              layers=moes[worst], stage_s=max(stage_s), layer_fwd_s=block.forward,
+                              layer_bwd_s=block.backward)
+        rbytes = PRECISIONS[plan.reduce_precision] if plan.reduce_precision else nbytes
+        dp_exposed += exposed(max(stage_s) * 2 / 3, collective_time(psi_e * rbytes, t, tp_bw, tp_where))
+
     shard = (replicas.shard_group if plan.zero_stage == 3 else d * plan.cp) if plan.zero_stage >= 1 else 1
-    optimizer_s = ADAM_BYTES * psi / shard / (gpu.hbm_gbps * 1e9)
+    local = psi / shard + psi_e / (plan.edp if plan.zero_stage >= 1 else 1)  # parameters this GPU steps
+    optimizer_s = ADAM_BYTES * local / (gpu.hbm_gbps * 1e9)
     if plan.offload != "none":  # gradients down and parameters up over PCIe, Adam on the host
-        optimizer_s = 2 * nbytes * psi / shard / (PCIE_GBPS * 1e9) + psi / shard * CPU_ADAM_S
+        optimizer_s = 2 * nbytes * local / (PCIE_GBPS * 1e9) + local * CPU_ADAM_S
 
     step = pipeline_s + dp_exposed + optimizer_s + STEP_S
     global_tokens = plan.global_batch * s
@@ -140,13 +177,15 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
                                      flash_attention=plan.flash_attention) * global_tokens
     world = plan.world
     cp_total = m * counts[worst] * cp_s
-    comm = tp_total + m * p2p_s + dp_exposed + cp_total
+    a2a_total = m * moes[worst] * a2a_s
+    comm = tp_total + m * p2p_s + dp_exposed + cp_total + a2a_total
     return Cost(cp_comm_s=cp_total, step_time_s=step, tokens_per_s=global_tokens / step,
                 model_tflops_per_gpu=model_flops / step / world / 1e12,
                 hardware_tflops_per_gpu=hardware_flops / step / world / 1e12,
                 mfu=model_flops / step / world / peak, comm_fraction=comm / step, bubble_fraction=bubble_s / step,
                 compute_s=compute_s, tp_comm_s=tp_total, pp_comm_s=m * p2p_s, dp_comm_s=dp_exposed,
-                bubble_s=bubble_s, optimizer_s=optimizer_s, pipeline_s=pipeline_s, stage_times=tuple(stage_s))
+                bubble_s=bubble_s, optimizer_s=optimizer_s, pipeline_s=pipeline_s, stage_times=tuple(stage_s),
+                a2a_s=a2a_total)
 
 
 def _ring_exposed(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int, nbytes: int, peak: float,

@@ -113,6 +113,8 @@ def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: s
               "--tp", str(plan.tp), "--pp", str(plan.pp), "--model", model_arg, "--seq-len", str(seq_len)]
     if plan.cp > 1:
         parts += ["--cp", str(plan.cp)]
+    if plan.ep > 1:
+        parts += ["--ep", str(plan.ep)]
     if plan.vpp > 1:
         parts += ["--vpp", str(plan.vpp)]
     if plan.zero_bubble:

@@ -50,23 +50,28 @@ from __future__ import annotations
 
 import dataclasses
 
+from megakit.core.planner.activations import (  # noqa: F401 (memory's API: what one block keeps)
+    PER_OP_KEPT,
+    PRECISIONS,
+    SavedTensor,
+    activation_tensors,
+    logits_bytes,
+    routed_imbalance,
+    routing_tensors,
+)
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.core.planner.stages import (  # noqa: F401 (memory's API: where the stages' blocks and micro-batches are)
     in_flight_chunks,
     in_flight_micro_batches,
     stage_chunk_layers,
+    stage_chunk_moe_layers,
     stage_layer_counts,
+    stage_moe_layers,
 )
 from megakit.errors import UsageError
 
 GIB = 1024**3
-PRECISIONS = {"bf16": 2, "fp16": 2, "fp32": 4}
 RECOMPUTE = ("none", "selective", "full", "per-op")
-# torchtitan's per-op selective checkpointing keeps the outputs of every other matmul (q, v, gate/fc1, and
-# the down projection's, the size of the block input), flash attention's output and log-sum-exp, and the
-# block input; everything else is recomputed (torchtitan/models/llama/parallelize_llama.py, _save_list).
-PER_OP_KEPT = ("q", "v", "attention log-sum-exp", "attention output (proj input)",
-               "gate output", "gelu input")
 OFFLOAD = ("none", "optimizer", "params")
 
 
@@ -79,93 +84,6 @@ class Buckets:
     stage3_prefetch: int = 50_000_000
     stage3_max_live: int = 1_000_000_000
     stage3_sub_group: int = 1_000_000_000
-
-
-@dataclasses.dataclass(frozen=True)
-class SavedTensor:
-    """One tensor a transformer layer keeps for backward, per micro-batch.
-
-    ``per_token`` elements for each of the s·b tokens, plus ``per_token_seq`` × s
-    for the attention-score tensors (``as`` per token). ``shard``: 'tp' (split by
-    tensor parallelism), 'sp' (split only with sequence parallelism), 'none'."""
-
-    name: str
-    per_token: float
-    per_token_seq: float
-    bytes_per_element: int
-    shard: str
-
-    def bytes(self, *, seq_len: int, micro_batch: int) -> float:
-        return seq_len * micro_batch * (self.per_token + self.per_token_seq * seq_len) * self.bytes_per_element
-
-
-def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool = False,
-                       precision: str = "bf16", flash_attention: bool = True,
-                       dropout: bool | None = None, dropout_mask_bytes: int = 1,
-                       gathered_inputs: bool = False) -> list[SavedTensor]:
-    """The tensors one transformer block saves for backward, sizes already divided by TP/SP.
-
-    Dropout masks are 1 byte per element (megakit's dropout keeps a bool mask on every
-    device). Flash attention saves q, k, v, the output and an fp32 log-sum-exp per head
-    and token instead of the s×s scores (PyTorch's CPU kernel too, when dropout is off);
-    written-out attention (SDPA's math path, megakit's with dropout) saves K and V
-    repeated to every query head under GQA."""
-    p = PRECISIONS[precision]
-    dropout = model.dropout > 0 if dropout is None else dropout
-    h, f, hd = model.hidden, model.ffn, model.head_dim
-    heads = model.heads // tp
-    kv = model.kv_heads_per_rank(tp) * hd
-    rest = tp if sequence_parallel else 1  # the LayerNorm/dropout region: split only with SP
-
-    def t(name, per_token, bytes_=p, shard="tp", per_seq=0.0):
-        return SavedTensor(name, per_token, per_seq, bytes_, shard)
-
-    def norm(which):
-        """LayerNorm keeps its input and fp32 mean/rstd; RMSNorm (torch's composite) its input, the
-        normalised input (for the weight's gradient) and the fp32 rstd."""
-        if model.family == "gpt2":
-            return [t(f"{which} input", h / rest, shard="sp"), t(f"{which} stats", 2 / rest, 4, "sp")]
-        return [t(f"{which} input", h / rest, shard="sp"), t(f"{which} normalised", h / rest, shard="sp"),
-                t(f"{which} stats", 1 / rest, 4, "sp")]
-
-    kv = kv if flash_attention else heads * hd
-    # With SP, Megatron-LM keeps the column-parallel layers' input split and all-gathers it again in
-    # backward (Korthikanti et al.); megakit's layers keep the all-gathered (S, B, H) (``gathered_inputs``).
-    gathered = h if gathered_inputs else h / rest
-    out = norm("norm1") + [t("qkv input", gathered, shard="sp"), t("q", heads * hd), t("k", kv), t("v", kv)]
-    if flash_attention:
-        out.append(t("attention log-sum-exp", heads, 4))
-    else:
-        out.append(t("softmax output", 0, per_seq=heads))
-        if dropout:
-            out += [t("attention dropout mask", 0, dropout_mask_bytes, per_seq=heads),
-                    t("attention dropout output", 0, per_seq=heads)]
-    out.append(t("attention output (proj input)", heads * hd))
-    if dropout:
-        out.append(t("attention residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
-    out += norm("norm2") + [t("mlp input", gathered, shard="sp")]
-    if model.gated_mlp:
-        out += [t("gate output", f / tp), t("up output", f / tp), t("act(gate)", f / tp), t("down input", f / tp)]
-    else:
-        out += [t("gelu input", f / tp), t("fc2 input", f / tp)]
-    if dropout:
-        out.append(t("mlp residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
-    return out
-
-
-def logits_bytes(model: ModelSpec, *, tp: int, sequence_parallel: bool, precision: str, seq_len: int,
-                 micro_batch: int, transient: bool = True) -> float:
-    """The last stage's head for one micro-batch: saved are the final norm's input (+ stats), the
-    head's input and the vocab-parallel cross-entropy's fp32 softmax (V/tp per token) and its
-    per-token target bookkeeping; transient are the logits shard and, below fp32, their fp32 copy."""
-    p = PRECISIONS[precision]
-    rest = tp if sequence_parallel else 1
-    vocab_shard = model.padded_vocab(tp) // tp
-    # LayerNorm keeps its input and fp32 mean/rstd; RMSNorm its input, the normalised input and rstd
-    norm = (p * model.hidden + 8) / rest if model.family == "gpt2" else (2 * p * model.hidden + 4) / rest
-    saved = norm + p * model.hidden + 4 * vocab_shard + 10
-    extra = vocab_shard * (p + (4 if p < 4 else 0)) if transient else 0
-    return seq_len * micro_batch * (saved + extra)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -186,7 +104,8 @@ class MemoryEstimate:
 
     @property
     def model_states(self) -> float:
-        return float(sum(self.items[k] for k in ("params", "grads", "master_params", "optimizer", "fp32_step_grads")))
+        return float(sum(self.items.get(k, 0.0) for k in ("params", "grads", "master_params", "optimizer",
+                                                          "fp32_step_grads", "expert_states")))
 
     def gib(self) -> dict:
         return {k: v / GIB for k, v in self.items.items()}
@@ -206,15 +125,46 @@ def _resolve_stage(stage, pp: int) -> int:
 
 
 def stage_params(model: ModelSpec, *, tp: int, pp: int, stage: int, layers: int | None = None, vpp: int = 1) -> int:
-    """Parameters one GPU of this TP rank × PP stage holds (embedding on the first stage, head on the last)."""
+    """Parameters one GPU of this TP rank × PP stage holds (embedding on the first stage, head on the last),
+    routed experts aside (``stage_expert_params``)."""
     n_layers = stage_layer_counts(model, pp, vpp)[stage] if layers is None else layers
-    sharded, replicated = model.layer_params(tp)
-    count = n_layers * (sharded + replicated)
+    n_moe = stage_moe_layers(model, pp, vpp)[stage] if layers is None else (n_layers if model.config.moe else 0)
+    count = sum(n * sum(model.layer_params(tp, moe=moe)) for n, moe in ((n_moe, True), (n_layers - n_moe, False)))
     if stage == 0:
         count += model.embedding_params(tp)
     if stage == pp - 1:
         count += model.head_params(tp, separate=not model.tie_embeddings or pp > 1)
     return count
+
+
+def stage_expert_params(model: ModelSpec, *, pp: int, stage: int, ep: int = 1, layers: int | None = None,
+                        vpp: int = 1) -> float:
+    """Routed-expert parameters one GPU of this PP stage holds: E / EP experts of each of its MoE blocks
+    (every TP rank holds them whole: ETP = 1)."""
+    if model.config.moe is None:
+        return 0.0
+    n_moe = stage_moe_layers(model, pp, vpp)[stage] if layers is None else layers
+    return n_moe * model.config.block_params().experts / ep
+
+
+def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str, offload: str = "none",
+                      buckets: "Buckets" = None) -> dict:
+    """Parameters, gradients, fp32 master, Adam m and v, fp32 step gradients of ``psi`` parameters
+    whose ZeRO group has ``dp`` ranks (the table in the module docstring)."""
+    buckets = buckets or Buckets()
+    p, mixed = PRECISIONS[precision], precision != "fp32"
+    shard = dp if zero_stage >= 1 else 1
+    on_gpu = 0 if offload != "none" else 1
+    if zero_stage == 0 and not mixed:  # torch's Adam steps on p.grad directly
+        step_grads = 0.0
+    elif zero_stage == 3:  # the flattened (copied) gradient of one optimizer sub-group at a time
+        step_grads = 4 * min(psi / dp, buckets.stage3_sub_group)
+    else:
+        step_grads = 4 * psi / shard
+    return {"params": p * psi / (dp if zero_stage == 3 else 1) * (0 if offload == "params" else 1),
+            "grads": p * psi / (dp if zero_stage >= 2 else 1),
+            "master_params": (4 * psi / shard if (mixed or zero_stage >= 1) else 0) * on_gpu,
+            "optimizer": 8 * psi / shard * on_gpu, "fp32_step_grads": step_grads * on_gpu}
 
 
 def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, zero_stage: int = 0,
@@ -223,8 +173,9 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                     precision: str = "bf16", offload: str = "none", stage="first",
                     flash_attention: bool = True, dropout: bool | None = None, dropout_mask_bytes: int = 1,
                     layers: int | None = None, recompute_fraction: float = 1.0, dp_shard: int = 0,
-                    gathered_inputs: bool = False, zero_bubble: bool = False,
-                    buckets: Buckets = Buckets(), overhead_bytes: float = 0.0) -> MemoryEstimate:
+                    gathered_inputs: bool = False, zero_bubble: bool = False, ep: int = 1,
+                    moe_imbalance: float = 1.0, buckets: Buckets = Buckets(),
+                    overhead_bytes: float = 0.0) -> MemoryEstimate:
     """Itemised per-GPU bytes of one layout on one pipeline ``stage`` (index, 'first', 'last', 'middle').
 
     ``accumulation``: micro-batches per optimizer step (gradient accumulation),
@@ -233,7 +184,10 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     ``recompute_fraction``: with full recompute, the share of blocks recomputed (the rest keep all).
     ``dp_shard``: ZeRO-3's shard group when smaller than DP (HSDP); 0: all of DP.
     ``gathered_inputs``: with SP the column-parallel layers keep their all-gathered input (megakit's
-    model, torchtitan) instead of re-gathering it in backward (Megatron-LM, Korthikanti's table)."""
+    model, torchtitan) instead of re-gathering it in backward (Megatron-LM, Korthikanti's table).
+    ``ep``: expert parallelism (``stage_expert_params``; ZeRO shards the experts' states over the
+    EDP = DP x CP / EP ranks that hold the same experts); ``moe_imbalance``: the busiest rank's share
+    of routed tokens over the balanced one (``routing_tensors``)."""
     if precision not in PRECISIONS:
         raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if recompute not in RECOMPUTE:
@@ -252,62 +206,69 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     b = micro_batch
     stage = _resolve_stage(stage, pp)
     p = PRECISIONS[precision]
-    mixed = precision != "fp32"
     n_layers = stage_layer_counts(model, pp, vpp)[stage] if layers is None else layers
-    psi = stage_params(model, tp=tp, pp=pp, stage=stage, layers=n_layers)
+    psi = stage_params(model, tp=tp, pp=pp, stage=stage, layers=layers, vpp=vpp)
+    moe = model.config.moe is not None
+    if ep < 1 or dp % ep or (moe and model.config.moe.experts % ep) or (ep > 1 and not moe):
+        raise UsageError(f"EP {ep} must divide DP x CP {dp} and the experts of an MoE model")
+    psi_experts = stage_expert_params(model, pp=pp, stage=stage, ep=ep, layers=n_layers if layers is not None
+                                      else None, vpp=vpp)
+    edp = dp // ep  # before HSDP: ZeRO-3 is not offered with experts
     if zero_stage == 3 and 0 < dp_shard < dp:  # HSDP: states sharded inside the shard group only
         dp = dp_shard
-    shard = dp if zero_stage >= 1 else 1
-
-    items = {}
-    items["params"] = p * psi / (dp if zero_stage == 3 else 1) * (0 if offload == "params" else 1)
-    items["grads"] = p * psi / (dp if zero_stage >= 2 else 1)
-    on_gpu = 0 if offload != "none" else 1
-    master = 4 * psi / shard if (mixed or zero_stage >= 1) else 0
-    items["master_params"] = master * on_gpu
-    items["optimizer"] = 8 * psi / shard * on_gpu
-    if zero_stage == 0 and not mixed:  # torch's Adam steps on p.grad directly
-        step_grads = 0.0
-    elif zero_stage == 3:  # the flattened (copied) gradient of one optimizer sub-group at a time
-        step_grads = 4 * min(psi / dp, buckets.stage3_sub_group)
-    else:
-        step_grads = 4 * psi / shard
-    items["fp32_step_grads"] = step_grads * on_gpu
+    items = model_state_bytes(psi, dp=dp, zero_stage=zero_stage, precision=precision, offload=offload,
+                              buckets=buckets)
+    experts = model_state_bytes(psi_experts, dp=edp, zero_stage=zero_stage, precision=precision, offload=offload,
+                                buckets=buckets)
+    items["expert_states"] = sum(experts.values())  # over EP and EDP: the same ZeRO formulas, DP -> EDP
 
     # ---- activations ------------------------------------------------------------------
-    tensors = activation_tensors(model, tp=tp, sequence_parallel=sequence_parallel, precision=precision,
-                                 flash_attention=flash_attention, dropout=dropout,
-                                 dropout_mask_bytes=dropout_mask_bytes, gathered_inputs=gathered_inputs)
-    full_layer = sum(x.bytes(seq_len=s, micro_batch=b) for x in tensors)
+    shape = dict(tp=tp, sequence_parallel=sequence_parallel, precision=precision, dropout=dropout,
+                 dropout_mask_bytes=dropout_mask_bytes, gathered_inputs=gathered_inputs)
     block_input = p * s * b * model.hidden / (tp if sequence_parallel else 1)
-    if recompute == "full":  # the block input only, on recompute_fraction of the blocks
-        kept = recompute_fraction * block_input + (1 - recompute_fraction) * full_layer
-    elif recompute == "selective":  # the attention core is recomputed: kept are its inputs q, k, v (K and V
-        # unrepeated under GQA) and o_proj's input, as flash attention keeps them, without its log-sum-exp
-        kept = sum(x.bytes(seq_len=s, micro_batch=b) for x in activation_tensors(
-            model, tp=tp, sequence_parallel=sequence_parallel, precision=precision, flash_attention=True,
-            dropout=dropout, dropout_mask_bytes=dropout_mask_bytes, gathered_inputs=gathered_inputs)
-            if x.name != "attention log-sum-exp")
-    elif recompute == "per-op":
-        kept = 2 * block_input + sum(x.bytes(seq_len=s, micro_batch=b) for x in tensors if x.name in PER_OP_KEPT)
-    else:
-        kept = full_layer
+
+    def kept_bytes(is_moe: bool) -> tuple[list, float, float]:
+        """(the block's saved tensors, their bytes, the bytes recompute leaves kept) of a dense or MoE block."""
+        tensors = activation_tensors(model, flash_attention=flash_attention, moe=is_moe, **shape)
+        full = sum(x.bytes(seq_len=s, micro_batch=b) for x in tensors)
+        if recompute == "full":  # the block input only, on recompute_fraction of the blocks
+            return tensors, full, recompute_fraction * block_input + (1 - recompute_fraction) * full
+        if recompute == "selective":  # the attention core is recomputed: kept are its inputs q, k, v (K and V
+            # unrepeated under GQA) and o_proj's input, as flash attention keeps them, without its log-sum-exp
+            return tensors, full, sum(x.bytes(seq_len=s, micro_batch=b) for x in activation_tensors(
+                model, flash_attention=True, moe=is_moe, **shape) if x.name != "attention log-sum-exp")
+        if recompute == "per-op":
+            return tensors, full, 2 * block_input + sum(x.bytes(seq_len=s, micro_batch=b) for x in tensors
+                                                        if x.name in PER_OP_KEPT)
+        return tensors, full, full
+
+    tensors, full_layer, kept = kept_bytes(moe)  # a typical block: the MoE one in an MoE model
+    dense_kept = kept_bytes(False)[2] if moe else kept
+    imbalance = routed_imbalance(model, moe_imbalance, ep)
+    routing = sum(x.bytes(seq_len=s, micro_batch=b) for x in routing_tensors(
+        model, tp=tp, precision=precision, imbalance=imbalance)) if moe else 0.0
+    routing_kept = (1 - recompute_fraction) * routing if recompute == "full" else routing
     m = accumulation if accumulation is not None else pp * vpp
     chunk_layers = (stage_chunk_layers(model, pp, vpp)[stage] if layers is None else (n_layers / vpp,) * vpp)
+    chunk_moe = (stage_chunk_moe_layers(model, pp, vpp)[stage] if layers is None else
+                 chunk_layers if moe else (0,) * vpp)
     uses_dropout = model.dropout > 0 if dropout is None else dropout
     embedded = s * b * (8 + (model.hidden * dropout_mask_bytes if uses_dropout else 0))  # ids, dropout mask
     hidden = p * s * b * model.hidden / (tp if sequence_parallel else 1)  # one (S', B, H) tensor
     last_chunk = vpp - 1 if stage == pp - 1 else vpp  # the last virtual stage sends nothing on
     # Per chunk: its blocks' kept tensors, the first one's embedding inputs, and the output that the
     # executor keeps for the backward of every chunk that sends on (not saved by autograd).
-    weights = [(kept * layers_c + (embedded if stage == 0 and c == 0 else 0.0), hidden if c < last_chunk else 0.0)
-               for c, layers_c in enumerate(chunk_layers)]
+    # An MoE block keeps its routing tensors too (``moe_routing``, shown apart).
+    weights = [(kept * moe_c + dense_kept * (layers_c - moe_c) + (embedded if stage == 0 and c == 0 else 0.0),
+                routing_kept * moe_c, hidden if c < last_chunk else 0.0)
+               for c, (layers_c, moe_c) in enumerate(zip(chunk_layers, chunk_moe))]
     peak = max(in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp),
-               key=lambda live: sum(n * (w + o) for n, (w, o) in zip(live, weights)))
-    items["pipeline_outputs"] = sum(n * o for n, (_, o) in zip(peak, weights))  # freed at B with zero bubble
+               key=lambda live: sum(n * sum(w) for n, w in zip(live, weights)))
+    items["pipeline_outputs"] = sum(n * o for n, (_, _, o) in zip(peak, weights))  # freed at B with zero bubble
     if zero_bubble:
         peak = in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp, zero_bubble=True)[0]
-    items["activations"] = sum(n * w for n, (w, _) in zip(peak, weights))
+    items["activations"] = sum(n * w for n, (w, _, _) in zip(peak, weights))
+    items["moe_routing"] = sum(n * r for n, (_, r, _) in zip(peak, weights))
     if pp > 1 and stage < pp - 1:  # the gradient received for the micro-batch in backward, which it holds
         items["activations"] += hidden
     if zero_bubble:  # per pending W: the gradients B left, and what B recomputed (kept by the retained graph)
@@ -315,7 +276,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
             model, tp=tp, precision=precision, seq_len=s, micro_batch=b) + full_layer - kept) if stage > 0 else 0.0
     in_flight = sum(peak) / vpp  # in whole-stage units
     # Recomputing one block in backward rebuilds its full activations for one micro-batch.
-    items["recompute_working_set"] = (full_layer if recompute == "full" else
+    items["recompute_working_set"] = (full_layer + routing if recompute == "full" else
                                       full_layer - kept if recompute in ("selective", "per-op") else 0.0)
     if stage == pp - 1:
         items["logits"] = logits_bytes(model, tp=tp, sequence_parallel=sequence_parallel, precision=precision,
@@ -339,6 +300,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
         comm += hidden
     if cp > 1:  # ring attention: the K/V block in use and the one arriving
         comm += 2 * 2 * p * s * b * model.kv_heads_per_rank(tp) * model.head_dim
+    if moe and ep > 1:  # an all-to-all's send and receive buffers: top-k copies of the rank's tokens
+        comm += 2 * p * s * b / tp * model.config.moe.top_k * imbalance * model.hidden
     items["comm_buffers"] = comm
     if zero_stage == 3:  # full (TP-sharded) parameters of the layer in use plus the prefetched one
         sharded, replicated = model.layer_params(tp)

@@ -136,10 +136,20 @@ class ModelSpec:
     def padded_vocab(self, tp: int) -> int:
         return self.config.padded_vocab(tp)
 
-    def layer_params(self, tp: int = 1) -> tuple[int, int]:
-        """(params this TP rank holds that TP shards, params every TP rank replicates) of one block."""
-        block = self.config.block_params(tp)
+    def layer_params(self, tp: int = 1, *, moe: bool | None = None) -> tuple[int, int]:
+        """(params this TP rank holds that TP shards, params every TP rank replicates) of one block,
+        routed experts aside (``ModelConfig.block_params``: EP shards those, not TP)."""
+        block = self.config.block_params(tp, moe=moe)
         return block.sharded, block.replicated
+
+    @property
+    def moe(self):
+        """The ``MoEConfig`` (None: dense)."""
+        return self.config.moe
+
+    def active_params(self) -> int:
+        """Parameters one token uses (all of them for a dense model)."""
+        return self.config.active_params()
 
     def embedding_params(self, tp: int = 1) -> int:
         """Token embedding shard (+ learned positions, replicated) held by the first stage."""

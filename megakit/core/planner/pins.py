@@ -18,6 +18,7 @@ class Pins:
     tp: int | None = None
     pp: int | None = None
     cp: int | None = None
+    ep: int | None = None  # expert parallelism (MoE models), taken from DP x CP
     zero: int | None = None
     micro_batch: int | None = None
     recompute: str | None = None
@@ -81,6 +82,7 @@ def check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int
         if world % ((pins.tp or 1) * pins.pp):
             raise UsageError(f"--tp {pins.tp or 1} x --pp {pins.pp} does not divide the {world} GPUs; "
                              "pick TP x PP that divides the GPU count")
+    _check_ep(model, pins, world)
     if pins.zero is not None and pins.zero not in (0, 1, 2, 3):
         raise UsageError(f"--zero {pins.zero} does not exist; use 0, 1, 2 or 3")
     if pins.zero is not None and pins.zero >= 2 and (pins.pp or 1) > 1:
@@ -103,3 +105,33 @@ def check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int
                          "drop --vpp, or drop --schedule to interleave")
     if pins.micro_batch is not None and global_batch % pins.micro_batch:
         raise UsageError(f"--micro-batch {pins.micro_batch} does not divide --global-batch {global_batch}")
+
+
+def _check_ep(model: ModelSpec, pins: Pins, world: int) -> None:
+    """``--ep`` needs experts, must divide them, and must divide DP x CP when TP and PP are pinned;
+    ZeRO-3 shards no expert groups (DeepSpeed's MoE runs ZeRO 0-2)."""
+    moe = model.moe
+    if moe is not None and pins.zero == 3:
+        raise UsageError(f"--zero 3 cannot shard {model.name}'s experts (DeepSpeed runs MoE with ZeRO 0-2); "
+                         "use --zero 1 or 2, and --ep to shard the experts")
+    if pins.ep is None:
+        return
+    if pins.ep < 1:
+        raise UsageError(f"--ep {pins.ep} must be a positive integer")
+    if moe is None:
+        if pins.ep > 1:
+            raise UsageError(f"--ep {pins.ep} needs a Mixture-of-Experts model, and {model.name} is dense; "
+                             "drop --ep or plan an MoE config (e.g. --model mixtral-8x7b)")
+        return
+    if moe.experts % pins.ep:
+        ok = [e for e in divisors(moe.experts) if e <= world]
+        raise UsageError(f"--ep {pins.ep} does not divide the {moe.experts} experts; pick --ep "
+                         f"{' or '.join(map(str, ok))}")
+    if world % pins.ep:
+        raise UsageError(f"--ep {pins.ep} does not divide the {world} GPUs; pick an EP that divides both")
+    if pins.tp is not None and pins.pp is not None:
+        dpcp = world // (pins.tp * pins.pp)
+        if dpcp % pins.ep:
+            raise UsageError(f"--ep {pins.ep} does not divide DP x CP = {dpcp} (the {world} GPUs over --tp {pins.tp} "
+                             f"x --pp {pins.pp}): experts are sharded over data-parallel ranks; pick --ep dividing "
+                             f"{dpcp}")

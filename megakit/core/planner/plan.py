@@ -5,6 +5,17 @@ from __future__ import annotations
 import dataclasses
 
 
+# The routing regimes an MoE plan is priced in: the busiest expert rank's tokens over the balanced share.
+# "balanced" is what most published MoE throughput forces (Megatron-Bridge docs/performance-summary.md:
+# "we force-balance the token distribution among experts"; torchtitan's --debug.moe_force_load_balance).
+# "real" is dropless training with a load-balancing loss, which Megatron measured costing 3 % for
+# Mixtral-8x22B (Megatron-MoE-ModelZoo best_practice/Mixtral: 455 TFLOP/s dropless, 470 at capacity 1.0)
+# and 9-25 % for the fine-grained Qwen3-235B (best_practice/Qwen3: forced balance vs dropless, 16K-128K
+# tokens): 1.1 on the expert side puts the planner between the two (tests/test_planner_moe.py), so it
+# under-prices imbalance for many small experts and over-prices it for a few large ones. Default: real.
+ROUTING = {"balanced": 1.0, "real": 1.1}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
     """TP × CP × PP × DP with ZeRO, micro-batching and recomputation.
@@ -37,10 +48,21 @@ class Plan:
     zero3: str = "deepspeed"  # who runs ZeRO-3 (sharding.ZERO3): DeepSpeed today, FSDP, or DeepSpeed of 2021
     reduce_precision: str = ""  # dtype of the gradient reduction ('fp32' in FSDP2's default policy); '': training's
     compress: str = "none"  # megakit's DP gradient compression (--compress; ZeRO 0): core.compression prices it
+    # Mixture of Experts: the experts sharded over EP ranks taken from DP x CP, replicated over the
+    # EDP = DP x CP / EP ranks left (and over TP: ETP = 1); ``moe_imbalance``: tokens the busiest
+    # expert rank gets over the balanced share (1.0: forced-balanced routing, as most published runs).
+    ep: int = 1
+    moe_imbalance: float = 1.0
+    ep_over_tp: bool = False  # EP ranks contiguous, folded over TP too (Megatron's calibration rows), not TP apart
 
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel ranks: the DP x CP replicas of one expert shard."""
+        return self.dp * self.cp // self.ep
 
     @property
     def global_batch(self) -> int:
@@ -53,7 +75,7 @@ class Plan:
                     sequence_parallel=self.sequence_parallel, vpp=self.vpp, precision=self.precision,
                     offload=self.offload, flash_attention=self.flash_attention,
                     recompute_fraction=self.recompute_fraction, dp_shard=self.dp_shard, gathered_inputs=True,
-                    zero_bubble=self.zero_bubble)
+                    zero_bubble=self.zero_bubble, ep=self.ep, moe_imbalance=self.moe_imbalance)
 
     @property
     def shard_group(self) -> int:
@@ -62,6 +84,8 @@ class Plan:
 
     def describe(self) -> str:
         parts = [f"TP={self.tp}"] + ([f"CP={self.cp}"] if self.cp > 1 else []) + [f"PP={self.pp}", f"DP={self.dp}"]
+        if self.ep > 1:
+            parts.append(f"EP={self.ep}")
         if self.vpp > 1:
             parts.append(f"VPP={self.vpp}")
         if self.zero_bubble:

@@ -13,6 +13,10 @@ data-parallel branch: a CP group sits right after TP in the rank order, so TP x 
 keeps its ring on NVLink, and the cost model prefers CP inside the node to TP across it (which the
 search never builds).
 
+Expert parallelism (EP) is searched for an MoE model (or pinned, ``--ep``) inside each layout: every
+degree that divides DP x CP and the experts (Megatron's "MoE parallel folding", torchtitan's dp2ep);
+attention stays on TP x CP x DP x PP. ZeRO-3 is not offered for MoE models.
+
 Pruning keeps the search fast: a layout whose model states alone already exceed
 the limit is dropped before any micro-batch or recompute choice is tried, and
 micro-batches are tried smallest first, stopping at the first that does not fit
@@ -89,7 +93,9 @@ def tp_choices(model: ModelSpec, world: int) -> list[int]:
 
 def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins = Pins(), threshold: float = 0.8,
            precision: str = "bf16", offload: str = "none", flash_attention: bool | None = None,
-           seq_len: int | None = None, keep_rejected: int = 200, zero3_fallback: bool = True) -> SearchResult:
+           seq_len: int | None = None, keep_rejected: int = 200, zero3_fallback: bool = True,
+           moe_imbalance: float = 1.0) -> SearchResult:
+    """The fastest layout under the memory line (``moe_imbalance``: the routing regime, ``Plan.moe_imbalance``)."""
     s = model.seq_len if seq_len is None else seq_len
     flash = cluster.gpu.flash_attention if flash_attention is None else flash_attention
     limit = threshold * cluster.gpu.mem_gib * GIB
@@ -110,8 +116,11 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
                f"{cluster.gpu.mem_gib:g} GiB, so: TP inside a node, PP across nodes, DP for the rest")
 
     hard = cluster.gpu.mem_gib * GIB if judged else limit
-    ctx = _Context(model, cluster, pins, global_batch, s, hard, precision, offload, flash, keep_rejected)
+    ctx = _Context(model, cluster, pins, global_batch, s, hard, precision, offload, flash, keep_rejected,
+                   moe_imbalance)
     zeros = (0, 1, 2, 3) if branch != "model-parallel" or pins.zero is not None else (0, 1, 2)
+    if model.moe is not None:  # DeepSpeed shards no expert groups under ZeRO-3
+        zeros, zero3_fallback = tuple(z for z in zeros if z < 3), False
     if pins.compress != "none":  # megakit compresses ZeRO 0's all-reduce, and (fp16, int8) ZeRO 1's buckets
         zeros = tuple(z for z in zeros if z in ctx.compress_stages)
     ctx.run(branch, zeros)
@@ -181,8 +190,8 @@ def _host_bytes(model: ModelSpec, plan: Plan, seq_len: int) -> float:
 
 def _simplicity(c: Candidate):
     p = c.plan
-    return (p.zero_stage, p.pp, p.cp, p.tp, RECOMPUTE_ORDER.index(p.recompute), p.vpp, not p.sequence_parallel,
-            c.memory.total)
+    return (p.zero_stage, p.pp, p.cp, p.tp, p.ep, RECOMPUTE_ORDER.index(p.recompute), p.vpp,
+            not p.sequence_parallel, c.memory.total)
 
 
 def _no_plan_reason(ctx) -> str:
@@ -207,8 +216,10 @@ def _no_plan_reason(ctx) -> str:
 class _Context:
     """Search state: what fits, what was rejected and why."""
 
-    def __init__(self, model, cluster, pins, global_batch, seq_len, limit, precision, offload, flash, keep):
+    def __init__(self, model, cluster, pins, global_batch, seq_len, limit, precision, offload, flash, keep,
+                 moe_imbalance=1.0):
         self.model, self.cluster, self.pins, self.global_batch = model, cluster, pins, global_batch
+        self.moe_imbalance = moe_imbalance
         self.seq_len, self.limit, self.precision, self.offload, self.flash = seq_len, limit, precision, offload, flash
         self.keep = keep
         self.compress_stages = parse_compression(pins.compress).zero_stages  # where --compress applies
@@ -286,13 +297,30 @@ class _Context:
                     continue  # identical to ZeRO-0
                 self._layout(tp, pp, dp, zero, cp)
 
+    def _eps(self, tp, pp, dp, cp) -> list[int]:
+        """EP degrees for this layout: the pin, or every one dividing DP x CP and the experts (1 if dense)."""
+        moe = self.model.moe
+        if moe is None:
+            return [1]
+        eps = [self.pins.ep] if self.pins.ep is not None else divisors(dp * cp)
+        ok = [e for e in eps if (dp * cp) % e == 0 and moe.experts % e == 0]
+        for e in sorted(set(eps) - set(ok)):
+            self.reject(Plan(tp=tp, pp=pp, dp=dp, cp=cp, ep=e), f"EP={e} does not divide DP x CP = {dp * cp} and the "
+                        f"{moe.experts} experts", unique_key=("ep", e, dp * cp), kind="ep")
+        return ok
+
     def _layout(self, tp, pp, dp, zero, cp=1) -> None:
+        for ep in self._eps(tp, pp, dp, cp):
+            self._layout_ep(tp, pp, dp, zero, cp, ep)
+
+    def _layout_ep(self, tp, pp, dp, zero, cp, ep) -> None:
         m, pins = self.model, self.pins
         per_rank = self.global_batch // dp
         base = Plan(tp=tp, pp=pp, dp=dp, cp=cp, zero_stage=zero, micro_batch=1, accumulation=per_rank, recompute="full",
                     sequence_parallel=tp > 1, precision=self.precision, offload=self.offload,
                     flash_attention=self.flash, compress=pins.compress if zero in self.compress_stages else "none",
-                    zero_bubble=pins.schedule == "zb-h1" and pp > 1)
+                    zero_bubble=pins.schedule == "zb-h1" and pp > 1, ep=ep,
+                    moe_imbalance=self.moe_imbalance if m.moe is not None else 1.0)
         if self.offload == "params" and zero != 3:
             return
         # Lower bound: the smallest activations this layout can have (one sequence, full recompute);
@@ -303,7 +331,7 @@ class _Context:
         if floor is not None and floor.total > self.limit:
             self.reject(base, f"peak {floor.total / GIB:.2f} GiB > {self.limit / GIB:.2f} GiB even with one "
                         f"sequence and full recompute (model states {floor.model_states / GIB:.1f} GiB)",
-                        unique_key=("floor", tp, pp, zero), kind="floor", peak=floor.total)
+                        unique_key=("floor", tp, pp, zero, ep), kind="floor", peak=floor.total)
             return
         vpps = [pins.vpp] if pins.vpp is not None else [v for v in (1, 2, 3, 4) if v == 1 or (pp > 1 and
                                                                                               m.layers % (pp * v) == 0)]
@@ -351,7 +379,7 @@ def smallest_cluster(model: ModelSpec, make_cluster, *, global_batch: int, max_n
     floor_states = estimate_memory(model, dp=1, zero_stage=3, precision=kwargs.get("precision", "bf16"))
     start = max(1, int(floor_states.model_states // (limit * per_node)))
     pins = kwargs.get("pins", Pins())
-    fixed = (pins.tp or 1) * (pins.pp or 1) * (pins.cp or 1)
+    fixed = (pins.tp or 1) * (pins.pp or 1) * (pins.cp or 1) * (pins.ep or 1)
     for nodes in range(start, max_nodes + 1):
         if (nodes * per_node) % fixed:
             continue  # the pinned TP x PP does not divide this many GPUs

@@ -66,6 +66,20 @@ def collective_time(nbytes: float, ranks: int, gbps: float, where: str, *, kind:
     return factor * nbytes / (gbps * 1e9 * LINK_EFFICIENCY[where])
 
 
+def all_to_all_time(cluster: Cluster, nbytes: float, ranks: int, stride: int) -> float:
+    """One all-to-all in which each of ``ranks`` ranks (``stride`` apart) sends ``nbytes`` spread evenly
+    over the group, keeping 1/ranks: the peers inside its node are reached over the intra-node link,
+    the others over its NIC, both at once (the slower part sets the time). So an EP group inside a
+    node runs on NVLink, and one that spans nodes pays the network for the share that leaves the node."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    node = cluster.gpus_per_node
+    local = max(1, min(ranks, node // stride)) if stride < node else 1  # group members in one node
+    intra = nbytes * (local - 1) / ranks / (cluster.gpu.intra_gbps * 1e9 * LINK_EFFICIENCY["intra"])
+    inter = nbytes * (ranks - local) / ranks / (cluster.gpu.inter_gbps * 1e9 * LINK_EFFICIENCY["inter"])
+    return max(intra, inter)
+
+
 def dp_time(cluster: Cluster, plan: Plan, *, psi: float, layer_params: float, layers: int, stage_s: float,
             layer_fwd_s: float, layer_bwd_s: float, prefetch: float = Buckets().stage3_prefetch) -> float:
     """Exposed data-parallel communication of one optimizer step on the slowest stage.

@@ -79,3 +79,16 @@ def stage_layer_counts(model: ModelSpec, pp: int, vpp: int = 1) -> tuple[int, ..
     Cached: the dynamic programme costs ~10 ms for 100 layers, the search asks thousands of times."""
     ranges = partition_layers(model.config, pp, vpp)
     return tuple(sum(len(ranges[chunk * pp + rank]) for chunk in range(vpp)) for rank in range(pp))
+
+
+@functools.lru_cache(maxsize=1024)
+def stage_chunk_moe_layers(model: ModelSpec, pp: int, vpp: int = 1) -> tuple[tuple[int, ...], ...]:
+    """MoE blocks (those with routed experts) of each chunk on each PP rank, as the trainer splits them."""
+    ranges = partition_layers(model.config, pp, vpp)
+    return tuple(tuple(sum(model.config.is_moe_layer(i) for i in ranges[chunk * pp + rank]) for chunk in range(vpp))
+                 for rank in range(pp))
+
+
+def stage_moe_layers(model: ModelSpec, pp: int, vpp: int = 1) -> tuple[int, ...]:
+    """MoE blocks on each PP rank (0 everywhere for a dense model)."""
+    return tuple(sum(chunks) for chunks in stage_chunk_moe_layers(model, pp, vpp))

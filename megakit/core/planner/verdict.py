@@ -61,7 +61,7 @@ def _changes(plan: Plan, *, world: int, gpus_per_node: int, model) -> list[tuple
 
 def _divides(plan: Plan, change: dict, world: int) -> bool:
     new = dataclasses.replace(plan, **change)
-    return new.world == world and new.global_batch == plan.global_batch
+    return new.world == world and new.global_batch == plan.global_batch and (new.dp * new.cp) % new.ep == 0
 
 
 def suggest_fix(model, plan: Plan, *, seq_len: int, world: int, gpus_per_node: int, threshold_bytes: float,

@@ -1,0 +1,144 @@
+"""What one transformer block keeps for backward, tensor by tensor, and the LM head's share.
+
+Activations per layer and micro-batch follow Korthikanti et al. 2022 (Table 2):
+``sbh(34 + 5as/h)`` bytes in 16-bit with dropout, which ``activation_tensors`` lists tensor by
+tensor so it also covers GQA, SwiGLU, fp32, no-dropout and fused (flash) attention, where the
+``as²`` scores are never stored. TP shards the tensors inside attention and the MLP; sequence
+parallelism shards the rest. An MoE block keeps, in place of the MLP's, its shared experts' and
+``routing_tensors`` (router probabilities, permutation map, the top-k copies of its tokens through
+the experts). ``memory`` multiplies these by the blocks and micro-batches in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megakit.core.planner.model_spec import ModelSpec
+
+PRECISIONS = {"bf16": 2, "fp16": 2, "fp32": 4}
+# torchtitan's per-op selective checkpointing keeps the outputs of every other matmul (q, v, gate/fc1, and
+# the down projection's, the size of the block input), flash attention's output and log-sum-exp, and the
+# block input; everything else is recomputed (torchtitan/models/llama/parallelize_llama.py, _save_list).
+PER_OP_KEPT = ("q", "v", "attention log-sum-exp", "attention output (proj input)",
+               "gate output", "gelu input")
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedTensor:
+    """One tensor a transformer layer keeps for backward, per micro-batch.
+
+    ``per_token`` elements for each of the s·b tokens, plus ``per_token_seq`` × s
+    for the attention-score tensors (``as`` per token). ``shard``: 'tp' (split by
+    tensor parallelism), 'sp' (split only with sequence parallelism), 'none'."""
+
+    name: str
+    per_token: float
+    per_token_seq: float
+    bytes_per_element: int
+    shard: str
+
+    def bytes(self, *, seq_len: int, micro_batch: int) -> float:
+        return seq_len * micro_batch * (self.per_token + self.per_token_seq * seq_len) * self.bytes_per_element
+
+
+def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool = False,
+                       precision: str = "bf16", flash_attention: bool = True,
+                       dropout: bool | None = None, dropout_mask_bytes: int = 1,
+                       gathered_inputs: bool = False, moe: bool = False) -> list[SavedTensor]:
+    """The tensors one transformer block saves for backward, sizes already divided by TP/SP
+    (``moe``: an MoE block's, whose MLP is its shared experts, if any; ``routing_tensors`` adds the rest).
+
+    Dropout masks are 1 byte per element (megakit's dropout keeps a bool mask on every
+    device). Flash attention saves q, k, v, the output and an fp32 log-sum-exp per head
+    and token instead of the s×s scores (PyTorch's CPU kernel too, when dropout is off);
+    written-out attention (SDPA's math path, megakit's with dropout) saves K and V
+    repeated to every query head under GQA."""
+    p = PRECISIONS[precision]
+    dropout = model.dropout > 0 if dropout is None else dropout
+    h, hd = model.hidden, model.head_dim
+    f = model.config.moe.shared_ffn if moe and model.config.moe else model.ffn
+    heads = model.heads // tp
+    kv = model.kv_heads_per_rank(tp) * hd
+    rest = tp if sequence_parallel else 1  # the LayerNorm/dropout region: split only with SP
+
+    def t(name, per_token, bytes_=p, shard="tp", per_seq=0.0):
+        return SavedTensor(name, per_token, per_seq, bytes_, shard)
+
+    def norm(which):
+        """LayerNorm keeps its input and fp32 mean/rstd; RMSNorm (torch's composite) its input, the
+        normalised input (for the weight's gradient) and the fp32 rstd."""
+        if model.family == "gpt2":
+            return [t(f"{which} input", h / rest, shard="sp"), t(f"{which} stats", 2 / rest, 4, "sp")]
+        return [t(f"{which} input", h / rest, shard="sp"), t(f"{which} normalised", h / rest, shard="sp"),
+                t(f"{which} stats", 1 / rest, 4, "sp")]
+
+    kv = kv if flash_attention else heads * hd
+    # With SP, Megatron-LM keeps the column-parallel layers' input split and all-gathers it again in
+    # backward (Korthikanti et al.); megakit's layers keep the all-gathered (S, B, H) (``gathered_inputs``).
+    gathered = h if gathered_inputs else h / rest
+    out = norm("norm1") + [t("qkv input", gathered, shard="sp"), t("q", heads * hd), t("k", kv), t("v", kv)]
+    if flash_attention:
+        out.append(t("attention log-sum-exp", heads, 4))
+    else:
+        out.append(t("softmax output", 0, per_seq=heads))
+        if dropout:
+            out += [t("attention dropout mask", 0, dropout_mask_bytes, per_seq=heads),
+                    t("attention dropout output", 0, per_seq=heads)]
+    out.append(t("attention output (proj input)", heads * hd))
+    if dropout:
+        out.append(t("attention residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
+    out += norm("norm2") + [t("mlp input", gathered, shard="sp")]
+    if f == 0:
+        pass
+    elif model.gated_mlp:
+        out += [t("gate output", f / tp), t("up output", f / tp), t("act(gate)", f / tp), t("down input", f / tp)]
+    else:
+        out += [t("gelu input", f / tp), t("fc2 input", f / tp)]
+    if dropout:
+        out.append(t("mlp residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
+    return out
+
+
+def routing_tensors(model: ModelSpec, *, tp: int = 1, precision: str = "bf16",
+                    imbalance: float = 1.0) -> list[SavedTensor]:
+    """What an MoE block keeps for backward beyond attention and the shared experts, per token of
+    the sequence: each TP rank routes 1/TP of the tokens (the split sequence parallelism makes). The
+    router's fp32 probabilities and its int64 permutation map (E per token: Megatron's estimator,
+    ModelZoo misc/tools/deepseek_mem_estimate.py), and on the expert side, top-k copies of every
+    token: the permuted tokens (fc1's input), fc1's gate and up output, the SwiGLU output (fc2's input)
+    and the expert outputs (the combine's input, for the gradient of the probabilities). The busiest
+    rank holds ``imbalance`` times the balanced share of those (a capacity factor caps it)."""
+    m = model.config.moe
+    p = PRECISIONS[precision]
+    k = m.top_k * imbalance / tp
+    return [SavedTensor("router probabilities", m.experts / tp, 0.0, 4, "tp"),
+            SavedTensor("permutation map", m.experts / tp, 0.0, 8, "tp"),
+            SavedTensor("permuted tokens", k * model.hidden, 0.0, p, "tp"),
+            SavedTensor("expert fc1 output", k * 2 * m.ffn, 0.0, p, "tp"),
+            SavedTensor("expert fc2 input", k * m.ffn, 0.0, p, "tp"),
+            SavedTensor("expert outputs", k * model.hidden, 0.0, p, "tp")]
+
+
+def routed_imbalance(model: ModelSpec, imbalance: float, ep: int) -> float:
+    """The expert-side load of the busiest rank over the balanced share: the routing regime's factor
+    once experts are spread over ranks (one rank holding them all gets every token whatever the
+    routing), capped by the capacity factor when one drops tokens."""
+    if ep == 1:
+        return 1.0
+    cf = model.config.moe.capacity_factor if model.config.moe else None
+    return min(imbalance, cf) if cf else imbalance
+
+
+def logits_bytes(model: ModelSpec, *, tp: int, sequence_parallel: bool, precision: str, seq_len: int,
+                 micro_batch: int, transient: bool = True) -> float:
+    """The last stage's head for one micro-batch: saved are the final norm's input (+ stats), the
+    head's input and the vocab-parallel cross-entropy's fp32 softmax (V/tp per token) and its
+    per-token target bookkeeping; transient are the logits shard and, below fp32, their fp32 copy."""
+    p = PRECISIONS[precision]
+    rest = tp if sequence_parallel else 1
+    vocab_shard = model.padded_vocab(tp) // tp
+    # LayerNorm keeps its input and fp32 mean/rstd; RMSNorm its input, the normalised input and rstd
+    norm = (p * model.hidden + 8) / rest if model.family == "gpt2" else (2 * p * model.hidden + 4) / rest
+    saved = norm + p * model.hidden + 4 * vocab_shard + 10
+    extra = vocab_shard * (p + (4 if p < 4 else 0)) if transient else 0
+    return seq_len * micro_batch * (saved + extra)
