@@ -213,6 +213,11 @@ def _check_expert_parallel(cfg: TrainConfig, model: ModelConfig, layout: Layout,
     if stage == 3:
         raise UsageError(f"--ep {cfg.ep} with ZeRO 3: DeepSpeed partitions only its own AutoEP experts at stage 3, "
                          "not megakit's; use ZeRO 0-2 (ds_configs/zero2.json) with --ep, or --ep 1")
+    zero = ds_config.get("zero_optimization", {})
+    if stage in (1, 2) and (zero.get("reduce_scatter") is False or (stage == 2 and zero.get("contiguous_gradients") is False)):
+        raise UsageError(f"--ep {cfg.ep} with ZeRO {stage}: DeepSpeed reduces experts over their own group only with "
+                         "zero_optimization.reduce_scatter and contiguous_gradients on; drop those keys (both default "
+                         "to true)")
     if parse_compression(cfg.compress).enabled or cfg.local_sgd:
         flag = f"--compress {cfg.compress}" if not cfg.local_sgd else f"--local-sgd {cfg.local_sgd}"
         raise UsageError(f"{flag} with --ep {cfg.ep}: megakit's DP exchange would average the experts over ranks "

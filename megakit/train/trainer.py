@@ -51,6 +51,7 @@ from megakit.train.diagnostics import Diagnostics
 from megakit.train.dp_sync import DataParallelSync
 from megakit.train.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
 from megakit.train.evaluate import evaluator
+from megakit.train.experts import deepspeed_sees_experts
 from megakit.train.fault_injection import with_seed_fault
 from megakit.train.grad_norm import Zero0Clipper
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops
@@ -195,8 +196,10 @@ def _build(run: Run, topo, doctor=None):
     if run.zero_stage == 0 and run.precision == "fp32":
         clipper = Zero0Clipper(stage.parameters(), topo, float(ds_config.get("gradient_clipping", 0.0)))
         ds_config = {**ds_config, "gradient_clipping": 0.0}
-    engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=decay_groups(stage), mpu=topo,
-                                                   config=ds_config)
+    experts = run.model.moe.experts if run.model.moe else 0
+    with deepspeed_sees_experts(stage, topo, experts):  # EP > 1: expert gradients and ZeRO over EDP
+        engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=decay_groups(stage), mpu=topo,
+                                                       config=ds_config)
     unlink_shared_memory()
     if clipper is not None:
         optimizer.register_step_pre_hook(clipper)
