@@ -214,6 +214,18 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def all_to_all_single(x: torch.Tensor, group, *, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+    """Rows ``x[sum(send_splits[:r]) : ...]`` (``send_splits[r]`` of them) go to rank ``r``; returns the
+    ``sum(recv_splits)`` rows received, in rank order (a new tensor). Splits may be zero, and so may
+    every row this rank sends or receives (MoE token dispatch, ``megakit.nn.moe_dispatch``)."""
+    if size(group) == 1:
+        return x
+    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    _call(dist.all_to_all_single, out, x.contiguous(), output_split_sizes=list(recv_splits),
+          input_split_sizes=list(send_splits), group=_pg(group))
+    return out
+
+
 def split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """This rank's 1/n slice of ``x`` along ``dim`` (no communication)."""
     n = size(group)
