@@ -2,8 +2,8 @@
 
 - A TP-split parameter (``param.tp_dim``) is cut along that dimension over the TP group:
   manifest field ``tp_dim``, one slice per TP rank, in ``model-ppXX-tpYY`` files.
-- A routed expert's weights (``layers.N.mlp.experts.*``, leading dimension the experts) are
-  cut along dimension 0 over the EP group: manifest field ``ep_dim`` 0, one slice per EP rank,
+- A routed expert's weights (``layers.N.mlp.experts.*``, ``param.ep_dim`` 0: stacked experts) are
+  cut along that dimension over the EP group: manifest field ``ep_dim`` 0, one slice per EP rank,
   in ``experts-ppXX-epYY`` files written by the first rank of each expert-data-parallel group
   (TP rank 0: experts are whole on every TP rank). The checkpoint so holds all the experts
   whatever the EP degree, and any EP reads its own rows back; at EP 1 the one slice is all of them.
@@ -32,10 +32,10 @@ class Split(NamedTuple):
     index: int
 
 
-def is_expert_name(name: str) -> bool:
-    """``layers.3.mlp.experts.down_proj``: a routed expert's weights, split over EP (the router ``mlp.gate`` and the
-    shared expert ``mlp.shared_expert`` are dense)."""
-    return ".mlp.experts." in f".{name}"
+def is_expert(tensor) -> bool:
+    """A routed expert's stacked weights (``param.ep_dim``, set by ``megakit.nn.moe``): split over EP along that dim.
+    The router (``mlp.gate``) and the shared expert are dense."""
+    return getattr(tensor, "ep_dim", None) is not None
 
 
 def base_name(name: str) -> str:
@@ -48,15 +48,15 @@ def ep_place(topo) -> tuple[int, int, bool]:
     if topo is None:
         return 1, 0, True
     if getattr(topo, "ep", 1) == 1:
-        return 1, 0, getattr(topo, "dp_rank", 0) == 0 and getattr(topo, "cp_rank", 0) == 0
-    return topo.ep, topo.group_ranks("ep").index(topo.rank), topo.group_ranks("edp")[0] == topo.rank
+        return 1, 0, topo.dp_rank == 0 and getattr(topo, "cp_rank", 0) == 0
+    return topo.ep, topo.ep_rank, topo.edp_rank == 0
 
 
 def split_of(name: str, tensor: torch.Tensor, topo) -> Split:
     """How this rank holds ``tensor`` (a parameter, or a buffer) called ``name``."""
-    if is_expert_name(name):
+    if is_expert(tensor):
         ep, ep_rank, _ = ep_place(topo)
-        return Split("ep_dim", 0, ep, ep_rank)
+        return Split("ep_dim", tensor.ep_dim, ep, ep_rank)
     dim = getattr(tensor, "tp_dim", None)
     if dim is not None:
         return Split("tp_dim", dim, 1 if topo is None else topo.tp, 0 if topo is None else topo.tp_rank)
@@ -67,7 +67,7 @@ def writes(name: str, tensor: torch.Tensor, topo) -> bool:
     """Whether this rank writes its piece of ``tensor`` (within a stage; the stage itself is decided by the caller)."""
     tp_rank = 0 if topo is None else topo.tp_rank
     _, _, edp_first = ep_place(topo)
-    if is_expert_name(name):
+    if is_expert(tensor):
         return edp_first and tp_rank == 0
     dp_first = topo is None or (topo.dp_rank == 0 and getattr(topo, "cp_rank", 0) == 0)
     return dp_first and (getattr(tensor, "tp_dim", None) is not None or tp_rank == 0)

@@ -50,6 +50,7 @@ class Meter:
 
     def __init__(self, *, sync_cuda: bool = False) -> None:
         self.seconds, self.calls, self.sync_cuda = 0.0, 0, sync_cuda
+        self.all_to_all_bytes = 0  # what this rank's all-to-alls sent to other ranks (MoE token dispatch)
 
     def timed(self, fn, *args, **kwargs):
         if self.sync_cuda:
@@ -220,6 +221,9 @@ def all_to_all_single(x: torch.Tensor, group, *, send_splits: list[int], recv_sp
     every row this rank sends or receives (MoE token dispatch, ``megakit.nn.moe_dispatch``)."""
     if size(group) == 1:
         return x
+    if _meter is not None:
+        row = x[:1].numel() * x.element_size() if x.shape[0] else 0
+        _meter.all_to_all_bytes += (sum(send_splits) - send_splits[rank(group)]) * row
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     _call(dist.all_to_all_single, out, x.contiguous(), output_split_sizes=list(recv_splits),
           input_split_sizes=list(send_splits), group=_pg(group))

@@ -41,19 +41,15 @@ def group_name(ep: int) -> str:
     return f"ep_size_{ep}"
 
 
-def is_expert_name(name: str) -> bool:
-    """``layers.3.mlp.experts.gate_up_proj``: a routed expert's weights (split over EP); the router
-    (``mlp.gate``) and shared experts (``mlp.shared_expert``) are dense."""
-    return ".mlp.experts." in f".{name}"
-
-
 def is_expert(param) -> bool:
     """Marked for DeepSpeed as an expert (``mark_experts``)."""
     return getattr(param, "allreduce", True) is False
 
 
 def expert_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    return {n: p for n, p in module.named_parameters() if is_expert_name(n)}
+    """The routed experts' stacked weights (``param.ep_dim``, ``megakit.nn.moe``); the router and the shared
+    expert are dense."""
+    return {n: p for n, p in module.named_parameters() if getattr(p, "ep_dim", None) is not None}
 
 
 def mark_experts(module: torch.nn.Module, ep: int) -> int:

@@ -28,6 +28,7 @@ class StepCommunication:
     def __init__(self, *, sync_cuda: bool = False) -> None:
         self.meter = comm.Meter(sync_cuda=sync_cuda)
         self.result: tuple[float, int] | None = None
+        self.all_to_all_bytes = 0  # of the last measured step (MoE token dispatch, at megakit's door)
 
     @contextlib.contextmanager
     def measure(self, enabled: bool):
@@ -45,6 +46,7 @@ class StepCommunication:
         finally:
             ds_comm.configure(enabled=False)
         seconds, calls = self.meter.take()
+        self.all_to_all_bytes, self.meter.all_to_all_bytes = self.meter.all_to_all_bytes, 0
         ds_seconds, ds_calls = _deepspeed_totals()
         self.result = (seconds + ds_seconds, calls + ds_calls)
 
@@ -100,6 +102,8 @@ class StepMetrics:
     dp_bytes: int | None = None  # DP bytes this rank sent (when megakit, not DeepSpeed, syncs DP: --compress, --local-sgd)
     dp_bytes_dense: int | None = None  # what the plain fp32 all-reduce of the same gradients would have sent
     data_seconds: float | None = None  # this rank's wait for its batch (the loader), before the step's clock
+    moe: dict | None = None  # MoE layer -> {max_tokens, mean_tokens, dropped, aux, seq_aux, z, bias_norm} (train.moe_step)
+    all_to_all_bytes: int | None = None  # what this rank's MoE all-to-alls sent (measured steps)
 
     @property
     def samples_per_s(self) -> float:
@@ -129,6 +133,13 @@ class StepMetrics:
         """The loader's wait as a share of the step time (the wait included)."""
         return None if self.data_seconds is None else self.data_seconds / (self.seconds + self.data_seconds)
 
+    @property
+    def moe_imbalance(self) -> float | None:
+        """The worst MoE layer's max/mean tokens per expert (1.0: perfectly balanced)."""
+        if not self.moe:
+            return None
+        return max(m["max_tokens"] / m["mean_tokens"] for m in self.moe.values())
+
     def line(self) -> str:
         parts = [f"step {self.step:>5}", f"loss {self.loss:.4f}", f"lr {self.lr:.2e}", f"grad-norm {self.grad_norm:.3f}",
                  f"{self.samples_per_s:.1f} samples/s", f"{self.tokens_per_s:,.0f} tok/s", f"{self.tflops:.3f} TFLOP/s"]
@@ -140,6 +151,8 @@ class StepMetrics:
             parts.append(f"DP sent {self.dp_bytes / 1e6:.3g} MB of {self.dp_bytes_dense / 1e6:.3g}")
         if self.data_share is not None:
             parts.append(f"data {self.data_share:.2%}")
+        if self.moe_imbalance is not None:
+            parts.append(f"experts max/mean {self.moe_imbalance:.2f}")
         return " | ".join(parts)
 
     def scalars(self) -> dict[str, float]:
@@ -154,6 +167,12 @@ class StepMetrics:
             out["comm/dp_bytes"], out["comm/dp_bytes_dense"] = float(self.dp_bytes), float(self.dp_bytes_dense)
         if self.data_share is not None:
             out["perf/data_share"] = self.data_share
+        if self.moe:
+            out["moe/max_over_mean"] = self.moe_imbalance
+            for layer, values in self.moe.items():
+                out.update({f"moe/layer{layer}/{name}": value for name, value in values.items()})
+        if self.all_to_all_bytes is not None:
+            out["comm/all_to_all_bytes"] = float(self.all_to_all_bytes)
         return out
 
     def to_dict(self) -> dict:
@@ -161,4 +180,5 @@ class StepMetrics:
                 "seconds": self.seconds, "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
                 "tflops": self.tflops, "mfu": self.mfu, "comm_share": self.comm_share,
                 "comm_calls": self.comm_calls, "data_share": self.data_share, "dp_bytes": self.dp_bytes,
-                "dp_bytes_dense": self.dp_bytes_dense}
+                "dp_bytes_dense": self.dp_bytes_dense, "all_to_all_bytes": self.all_to_all_bytes,
+                "moe": None if self.moe is None else {str(k): v for k, v in self.moe.items()}}

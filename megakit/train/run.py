@@ -138,6 +138,7 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     corpus = open_corpus(cfg.data, max_bytes=cfg.max_bytes)
     model = with_moe_flags(model_for_corpus(ModelConfig.load(cfg.model), cfg.model, corpus), cfg)
     _check_expert_parallel(cfg, model, layout, ds_config)
+    layout = dataclasses.replace(layout, ep=cfg.ep)
     seq_len = cfg.seq_len or model.max_seq_len
     check_seq_len(model, seq_len)
     if cfg.cp > 1 and seq_len % (2 * cfg.cp):

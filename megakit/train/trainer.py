@@ -55,6 +55,7 @@ from megakit.train.experts import deepspeed_sees_experts
 from megakit.train.fault_injection import with_seed_fault
 from megakit.train.grad_norm import Zero0Clipper
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops
+from megakit.train.moe_step import MoEStep
 from megakit.train.optim import decay_groups, start_schedule
 from megakit.train.reporting import Reporter, start_profiler
 from megakit.train.resume import restore, save_run
@@ -241,6 +242,7 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
         from megakit.train.memory_probe import MemoryProbe
 
         probe = MemoryProbe(engine, topo, run)
+    moe = MoEStep(engine.module, topo, layers=run.model.layers, accumulation=plan.accumulation) if run.model.moe else None
     reporter = Reporter(run, topo)
     result = TrainResult()
     flops_per_step = model_flops_per_token(run.model, plan.seq_len) * plan.global_batch * plan.seq_len
@@ -256,12 +258,16 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
         t0 = time.perf_counter()
         with communication.measure(not torch.cuda.is_available() or step % 10 == 1 or doctor is not None):  # on GPU it synchronises
             with probe.step() if probe else contextlib.nullcontext():
+                if moe is not None:
+                    moe.before_step(engine)
                 loss = run_step(micro_batches)
                 dp_sync.after_step()
+                moe_metrics = moe.after_step() if moe is not None else None  # the expert bias moves here
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         comm_seconds, comm_calls = communication.result or (None, None)
+        a2a_bytes = communication.all_to_all_bytes if communication.result and moe is not None else None
         dp_bytes, dp_bytes_dense = dp_sync.take_bytes()
         if clipper is not None:
             grad_norm, grads_finite = clipper.norm, clipper.finite
@@ -277,7 +283,7 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
                               samples=plan.global_batch, tokens=plan.global_batch * plan.seq_len, flops=flops_per_step,
                               comm_seconds=comm_seconds, comm_calls=comm_calls, world_size=dist.get_world_size(),
                               peak_tflops=peak, data_seconds=waited, dp_bytes=dp_bytes,
-                              dp_bytes_dense=dp_bytes_dense)
+                              dp_bytes_dense=dp_bytes_dense, moe=moe_metrics, all_to_all_bytes=a2a_bytes)
         result.steps.append(metrics)
         reporter.log(metrics)
         done = step + 1
