@@ -17,8 +17,7 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
-from test_trainer import ROOT, ds_config, reference, sweep
+from test_trainer import ROOT, ds_config, sweep
 
 from megakit.errors import UsageError
 from megakit.train.run import TrainConfig, resolve
@@ -32,12 +31,20 @@ def _case(stage: int = 1, *, micro: int = 2, accumulation: int = 2, **extra) -> 
                 seq_len=32, **extra)
 
 
+_REFERENCES: dict = {}
+
+
 def _reference(case: dict, dp: int) -> dict:
+    """The single-process run of ``case`` (the ZeRO stage does not change it: cached without it)."""
     from megakit.train.reference import reference_run
 
     flags = {k: v for k, v in case.items() if k.startswith("moe_")}
-    return reference_run(case["ds_config"], model=case["model"], steps=STEPS, dp=dp, seq_len=case["seq_len"],
-                         moe=flags)
+    ds = {k: v for k, v in case["ds_config"].items() if k != "zero_optimization"}
+    key = json.dumps([ds, dp, flags], sort_keys=True)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference_run(case["ds_config"], model=case["model"], steps=STEPS, dp=dp,
+                                         seq_len=case["seq_len"], moe=flags)
+    return _REFERENCES[key]
 
 
 def _follows(result: dict, ref: dict, start: int = 0) -> None:
@@ -46,7 +53,7 @@ def _follows(result: dict, ref: dict, start: int = 0) -> None:
     for step, (a, b) in enumerate(zip(got, want), start):
         assert abs(a - b) < TOL, (step, a, b)
     for a, b in zip(result["grad_norm"], ref["grad_norm"][start:]):  # clipping at 1.0 used the same norm
-        assert abs(a - b) < 1e-4 * b, (a, b)
+        assert abs(a - b) < 2e-5 * b, (a, b)  # the experts left out of the norm on one EP rank: 1e-4 off
 
 
 # -- bad input: one line, before any process group ---------------------------------------------------
@@ -130,10 +137,9 @@ def ep4(tmp_path_factory):
 @pytest.mark.slow
 def test_ep2_with_tp2_pp2_and_dp4_follow_the_single_process(ep4):
     cases, results, _ = ep4
-    ref = reference(dict(cases[0], steps=STEPS), dp=2)
-    _follows(results[0], ref)
-    _follows(results[1], ref)
-    _follows(results[2], reference(dict(cases[2], steps=STEPS), dp=4))
+    _follows(results[0], _reference(cases[0], dp=2))
+    _follows(results[1], _reference(cases[1], dp=2))
+    _follows(results[2], _reference(cases[2], dp=4))
 
 
 @pytest.mark.slow
@@ -159,4 +165,5 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4_with_its_adam_moments(
     for name in ("ep1", "ep4"):
         for key, want in ends["ep2/step-0000020"].items():
             assert want.shape[0] == 8 and want.abs().sum() > 0, key  # all 8 experts, trained
-            torch.testing.assert_close(ends[name][key], want, rtol=1e-3, atol=1e-9, msg=f"{name} {key}")
+            gap = float((ends[name][key] - want).abs().max())
+            assert gap <= 1e-5 * float(want.abs().max()), (name, key, gap)  # measured: ~3e-7 of the scale
