@@ -14,7 +14,6 @@ Bad flags get one line before any process group (no launcher needed).
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 from test_trainer import ROOT, ds_config, sweep
@@ -131,7 +130,7 @@ def ep4(tmp_path_factory):
              _case(1, micro=2, accumulation=1, ep=2, save=str(saved / "ep2"), save_every=10, keep=2),
              _case(1, micro=2, accumulation=1, ep=1, load=str(saved / "ep2" / "step-0000010"), save=str(saved / "ep1")),
              _case(0, micro=2, accumulation=1, ep=4, load=str(saved / "ep2" / "step-0000010"), save=str(saved / "ep4"))]
-    return cases, sweep(tmp_path_factory, 4, cases), saved
+    return cases, sweep(tmp_path_factory, 4, cases, timeout=900), saved  # 80 steps on 4 processes
 
 
 @pytest.mark.slow

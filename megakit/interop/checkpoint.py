@@ -65,14 +65,21 @@ from megakit.interop.checkpoint_format import (
     build_manifest,
     fsync,
     manifest_config,
-    read_manifest,
     expert_file,
+    read_manifest,
     shard_file,
     state_keys,
     state_name,
-    write_tensors,
 )
-from megakit.interop.checkpoint_split import Split, base_name, ep_place, named_tensors, row_range, split_of, writes
+from megakit.interop.checkpoint_split import (
+    Split,
+    base_name,
+    ep_place,
+    named_tensors,
+    split_of,
+    write_shard,
+    writes,
+)
 from megakit.nn import comm as C
 
 IGNORED_FIELDS = ("dropout", "init_std")  # training settings: they do not change what the weights mean
@@ -192,10 +199,6 @@ def _config_diff(saved: ModelConfig, ours: ModelConfig) -> list[str]:
     return [f"{k} {a[k]} vs {b[k]}" for k in b if k not in IGNORED_FIELDS and a[k] != b[k]]
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 # -- save -------------------------------------------------------------------------------------------
 def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConfig, extra: dict | None = None,
                     state: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
@@ -237,14 +240,15 @@ def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConf
             tensors[state_name(key, name)] = t
     mine, local_error = {"records": []}, None
     try:
-        experts = {n: t for n, t in tensors.items() if split_of(base_name(n), params[base_name(n)], topo).key == "ep_dim"}
+        experts = {n: t for n, t in tensors.items()
+                   if split_of(base_name(n), params[base_name(n)], topo).key == "ep_dim"}
         if dp_rank == 0:
             dense = {n: t for n, t in tensors.items() if n not in experts}
-            mine["records"].append(_write_shard(tmp, params, dense, topo, shard_file(pp_rank, tp_rank, pp, tp),
+            mine["records"].append(write_shard(tmp, params, dense, topo, shard_file(pp_rank, tp_rank, pp, tp),
                                                 pp=pp_rank, tp=tp_rank))
         if experts:
             ep, ep_rank, _ = ep_place(topo)
-            mine["records"].append(_write_shard(tmp, params, experts, topo, expert_file(pp_rank, ep_rank, pp, ep),
+            mine["records"].append(write_shard(tmp, params, experts, topo, expert_file(pp_rank, ep_rank, pp, ep),
                                                 pp=pp_rank, tp=tp_rank, ep=ep_rank))
     except Exception as error:  # reported to rank 0, which cleans up and tells every rank
         local_error, mine = error, {"failure": _failure(error)}
@@ -271,36 +275,6 @@ def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConf
     failures = _broadcast_from_0(failures, topo)
     _raise_failures(failures, local_error)
     return target
-
-
-def _write_shard(tmp: Path, params: dict, owned: dict, topo, fname: str, **where) -> dict:
-    """Write the owned tensors (each trimmed to the rows it adds: vocab padding cut) to one safetensors file;
-    its record (``where``: the writer's grid coordinates)."""
-    tensors, entries = {}, {}
-    for name, t in owned.items():
-        param = params[base_name(name)]
-        split = split_of(base_name(name), param, topo)
-        shape, part = list(t.shape), {}
-        fields = {"tp_dim": split.dim if split.key == "tp_dim" else None}
-        if split.key == "ep_dim":
-            fields["ep_dim"] = split.dim
-        if split.key is not None:
-            dim, local = split.dim, t.shape[split.dim]
-            full = (getattr(param, "tp_unpadded", None) if split.key == "tp_dim" else None) or local * split.parts
-            start, stop = row_range(split, local, full)
-            shape[dim] = full
-            part = {"start": start, "stop": max(start, stop)}
-            if stop <= start:  # this rank holds only vocab padding
-                entries[name] = {"shape": shape, "dtype": _dtype_name(t.dtype), **fields, "slice": None}
-                continue
-            t = t.narrow(dim, 0, stop - start)
-        tensors[name] = t.to("cpu").contiguous()
-        entries[name] = {"shape": shape, "dtype": _dtype_name(t.dtype), **fields, "slice": part}
-    tmp.mkdir(parents=True, exist_ok=True)
-    path = tmp / fname
-    for name, value in write_tensors(path, tensors).items():
-        entries[name]["slice"]["xxh3"] = value
-    return {"file": fname, "bytes": path.stat().st_size, **where, "params": entries}
 
 
 def _check_visible(tmp: Path, manifest: dict) -> None:

@@ -11,15 +11,19 @@
   written once by TP rank 0 of DP replica 0.
 
 DP (and CP) replicas hold the same weights, so only DP replica 0 writes dense tensors. The
-same split applies to the optimizer state saved beside a parameter.
+same split applies to the optimizer state saved beside a parameter. ``write_shard`` writes a
+rank's pieces to one file and returns their manifest entries.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from torch import nn
+
+from megakit.interop.checkpoint_format import write_tensors
 
 
 class Split(NamedTuple):
@@ -90,6 +94,36 @@ def named_tensors(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
 
 
 def row_range(split: Split, local: int, full: int) -> tuple[int, int]:
-    """``[start, stop)`` of the full tensor's ``split.dim`` that this rank's ``local`` rows cover (vocab padding cut)."""
+    """``[start, stop)`` of the full tensor's ``split.dim`` that this rank's ``local`` rows cover (padding cut)."""
     start = split.index * local
     return start, min(start + local, full)
+
+
+def write_shard(tmp: Path, params: dict, owned: dict, topo, fname: str, **where) -> dict:
+    """Write the owned tensors (each trimmed to the rows it adds: vocab padding cut) to one safetensors file;
+    its record (``where``: the writer's grid coordinates)."""
+    tensors, entries = {}, {}
+    for name, t in owned.items():
+        param = params[base_name(name)]
+        split = split_of(base_name(name), param, topo)
+        shape, part = list(t.shape), {}
+        fields = {"tp_dim": split.dim if split.key == "tp_dim" else None}
+        if split.key == "ep_dim":
+            fields["ep_dim"] = split.dim
+        if split.key is not None:
+            dim, local = split.dim, t.shape[split.dim]
+            full = (getattr(param, "tp_unpadded", None) if split.key == "tp_dim" else None) or local * split.parts
+            start, stop = row_range(split, local, full)
+            shape[dim] = full
+            part = {"start": start, "stop": max(start, stop)}
+            if stop <= start:  # this rank holds only vocab padding
+                entries[name] = {"shape": shape, "dtype": str(t.dtype).removeprefix("torch."), **fields, "slice": None}
+                continue
+            t = t.narrow(dim, 0, stop - start)
+        tensors[name] = t.to("cpu").contiguous()
+        entries[name] = {"shape": shape, "dtype": str(t.dtype).removeprefix("torch."), **fields, "slice": part}
+    tmp.mkdir(parents=True, exist_ok=True)
+    path = tmp / fname
+    for name, value in write_tensors(path, tensors).items():
+        entries[name]["slice"]["xxh3"] = value
+    return {"file": fname, "bytes": path.stat().st_size, **where, "params": entries}

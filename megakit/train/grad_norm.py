@@ -33,7 +33,8 @@ def global_grad_norm(params, topo) -> tuple[float, bool]:
     """
     params = [p for p in params if p.grad is not None]
     device = params[0].grad.device if params else None
-    local, experts = torch.zeros((), dtype=torch.float64, device=device), torch.zeros((), dtype=torch.float64, device=device)
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    experts = torch.zeros((), dtype=torch.float64, device=device)
     finite = True
     for p in params:
         finite &= bool(torch.isfinite(p.grad).all())

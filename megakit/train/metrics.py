@@ -102,7 +102,7 @@ class StepMetrics:
     dp_bytes: int | None = None  # DP bytes this rank sent (when megakit, not DeepSpeed, syncs DP: --compress, --local-sgd)
     dp_bytes_dense: int | None = None  # what the plain fp32 all-reduce of the same gradients would have sent
     data_seconds: float | None = None  # this rank's wait for its batch (the loader), before the step's clock
-    moe: dict | None = None  # MoE layer -> {max_tokens, mean_tokens, dropped, aux, seq_aux, z, bias_norm} (train.moe_step)
+    moe: dict | None = None  # MoE layer -> {max_tokens, mean_tokens, dropped, aux, ...} (train.moe_step)
     all_to_all_bytes: int | None = None  # what this rank's MoE all-to-alls sent (measured steps)
 
     @property

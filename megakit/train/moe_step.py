@@ -39,7 +39,8 @@ class MoEStep:
 
     def __init__(self, module: torch.nn.Module, topo, *, layers: int, accumulation: int) -> None:
         self.module, self.topo, self.layers, self.accumulation = module, topo, layers, accumulation
-        self.moe = [(_layer_index(n), m) for n, m in module.named_modules() if isinstance(m, MoE)]  # as update_expert_bias
+        # in module order, as update_expert_bias returns their counts
+        self.moe = [(_layer_index(n), m) for n, m in module.named_modules() if isinstance(m, MoE)]
         self.sums = torch.zeros(len(FIELDS), layers, dtype=torch.float64)
         self.forwards = torch.zeros(layers, dtype=torch.float64)
         self.device = next(module.parameters()).device

@@ -215,7 +215,8 @@ def _check_expert_parallel(cfg: TrainConfig, model: ModelConfig, layout: Layout,
         raise UsageError(f"--ep {cfg.ep} with ZeRO 3: DeepSpeed partitions only its own AutoEP experts at stage 3, "
                          "not megakit's; use ZeRO 0-2 (ds_configs/zero2.json) with --ep, or --ep 1")
     zero = ds_config.get("zero_optimization", {})
-    if stage in (1, 2) and (zero.get("reduce_scatter") is False or (stage == 2 and zero.get("contiguous_gradients") is False)):
+    contiguous = zero.get("contiguous_gradients") is not False
+    if stage in (1, 2) and (zero.get("reduce_scatter") is False or (stage == 2 and not contiguous)):
         raise UsageError(f"--ep {cfg.ep} with ZeRO {stage}: DeepSpeed reduces experts over their own group only with "
                          "zero_optimization.reduce_scatter and contiguous_gradients on; drop those keys (both default "
                          "to true)")

@@ -242,7 +242,9 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
         from megakit.train.memory_probe import MemoryProbe
 
         probe = MemoryProbe(engine, topo, run)
-    moe = MoEStep(engine.module, topo, layers=run.model.layers, accumulation=plan.accumulation) if run.model.moe else None
+    moe = None
+    if run.model.moe is not None:  # the balancing losses' scale, the expert bias, per-layer metrics
+        moe = MoEStep(engine.module, topo, layers=run.model.layers, accumulation=plan.accumulation)
     reporter = Reporter(run, topo)
     result = TrainResult()
     flops_per_step = model_flops_per_token(run.model, plan.seq_len) * plan.global_batch * plan.seq_len
