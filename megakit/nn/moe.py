@@ -157,12 +157,12 @@ class _AttachLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out, loss, scale):
-        ctx.scale = scale
+        ctx.scale, ctx.dtype = scale, loss.dtype
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+        return grad, torch.full((), ctx.scale, dtype=ctx.dtype, device=grad.device), None
 
 
 def _in_backward() -> bool:
@@ -207,7 +207,8 @@ class MoE(nn.Module):
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)  # token i is position i // B of sequence i % B
         cfg, tp = self.config, self.tp_group
-        logits = F.linear(tokens.float(), copy_to_tp(self.gate.weight, tp).float())  # (N, E) fp32
+        fp = torch.promote_types(tokens.dtype, torch.float32)  # fp32, or fp64 in fp64 tests
+        logits = F.linear(tokens.to(fp), copy_to_tp(self.gate.weight, tp).to(fp))  # (N, E)
         bias = getattr(self.gate, "e_score_correction_bias", None)
         experts, weights, scores = route(logits, cfg, bias)
         keep = None if cfg.capacity_factor is None else capacity_keep(experts, weights, cfg.experts,
