@@ -74,7 +74,7 @@ def _batch(replica: int):
 
 def _reference(config, replicas: int):
     from megakit.nn.model import Transformer, full_state_dict
-    from megakit.nn.moe import set_aux_loss_scale
+    from megakit.nn.moe import set_aux_loss_scale, update_expert_bias
 
     ref = Transformer(config, seed=5, dtype=torch.float64)
     set_aux_loss_scale(ref, 1.0 / replicas)
@@ -83,7 +83,9 @@ def _reference(config, replicas: int):
         loss = ref(*_batch(d))
         (loss / replicas).backward()
         losses.append(loss.detach())
-    return losses, full_state_dict(ref), full_state_dict(ref, grads=True)
+    weights, grads = full_state_dict(ref), full_state_dict(ref, grads=True)
+    counts = update_expert_bias(ref)  # the step's tokens per expert, every replica's
+    return losses, weights, grads, counts, full_state_dict(ref)
 
 
 def _equivalence(topo, config, *, sp: bool = False, repeat: bool = False) -> None:
@@ -92,7 +94,9 @@ def _equivalence(topo, config, *, sp: bool = False, repeat: bool = False) -> Non
 
     case = f"tp={topo.tp} cp={topo.cp} dp={topo.dp} ep={topo.ep} sp={sp}"
     rtol = FP32_RTOL if topo.cp * topo.tp > 1 else RTOL
-    want_losses, want_weights, want_grads = _reference(config, topo.dp)
+    from megakit.nn.moe import update_expert_bias
+
+    want_losses, want_weights, want_grads, want_counts, want_updated = _reference(config, topo.dp)
     model = Transformer(config, topo, seed=5, dtype=torch.float64, sequence_parallel=sp)
     weights = full_state_dict(model, topo)
     assert weights.keys() == want_weights.keys()
@@ -116,6 +120,11 @@ def _equivalence(topo, config, *, sp: bool = False, repeat: bool = False) -> Non
         assert torch.equal(l1, l2) and all(torch.equal(g1[n], g2[n]) for n in g1)
     moe = model.layers["1"].mlp
     assert moe.stats["tokens_per_expert"].sum() == 2 * 16 * 2 // (topo.cp * topo.tp)  # this rank's tokens x k
+    counts = update_expert_bias(model, topo)  # T5: summed over DP x CP and TP, once per step
+    assert torch.equal(counts, want_counts * (2 if repeat else 1)), case
+    if not repeat:
+        updated = full_state_dict(model, topo)
+        assert all(torch.equal(updated[n], want_updated[n]) for n in want_updated if "bias" in n), case
 
 
 def _two_ranks(rank: int, world: int) -> None:
@@ -136,8 +145,8 @@ def _four_ranks(rank: int, world: int) -> None:
     _dispatch_cases(rank, world)
     _equivalence(Topology(Layout(dp=4, ep=4)), _config())
     _equivalence(Topology(Layout(tp=2, dp=2, ep=2)), _config(), sp=True)
-    _equivalence(Topology(Layout(tp=2, dp=2, ep=2)), _config())
-    _equivalence(Topology(Layout(cp=2, dp=2, ep=4)), _config())
+    _equivalence(Topology(Layout(tp=2, dp=2, ep=2)), _config(expert_bias=True))
+    _equivalence(Topology(Layout(cp=2, dp=2, ep=4)), _config(expert_bias=True))
 
 
 def test_moe_two_ranks():
