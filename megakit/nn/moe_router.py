@@ -57,7 +57,7 @@ def route(logits: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None) ->
         choice = choice.masked_fill(~allowed.repeat_interleave(e // config.groups, dim=1), float("-inf"))
     experts = choice.topk(config.top_k, dim=-1).indices  # (N, k), sorted: best first
     weights = scores.gather(1, experts)
-    if config.normalize_top_k and config.top_k > 1:
+    if config.normalize_top_k:  # top-1 too: Mixtral's weight is then 1
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     if config.route_scale != 1.0:
         weights = weights * config.route_scale
