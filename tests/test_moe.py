@@ -21,9 +21,9 @@ RTOL = 1e-10
 FP32_RTOL = 1e-6  # with TP or CP: the vocab-parallel cross-entropy and ring attention compute in fp32
 
 
-def _close(got, want, what, rtol=RTOL):
+def _close(got, want, what, rtol=RTOL, floor=1.0):
     assert got.shape == want.shape, (what, got.shape, want.shape)
-    err, bound = (got - want).abs().max().item(), rtol * max(want.abs().max().item(), 1.0)
+    err, bound = (got - want).abs().max().item(), rtol * max(want.abs().max().item(), floor)
     assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
@@ -72,7 +72,7 @@ def _batch(replica: int):
     return torch.randint(0, 256, (2, 16), generator=gen), torch.randint(0, 256, (2, 16), generator=gen)
 
 
-def _reference(config, replicas: int):
+def _reference(config, replicas: int, main: float = 1.0):
     from megakit.nn.model import Transformer, full_state_dict
     from megakit.nn.moe import set_aux_loss_scale, update_expert_bias
 
@@ -81,22 +81,23 @@ def _reference(config, replicas: int):
     losses = []
     for d in range(replicas):
         loss = ref(*_batch(d))
-        (loss / replicas).backward()
+        (loss * main / replicas).backward()
         losses.append(loss.detach())
     weights, grads = full_state_dict(ref), full_state_dict(ref, grads=True)
     counts = update_expert_bias(ref)  # the step's tokens per expert, every replica's
     return losses, weights, grads, counts, full_state_dict(ref)
 
 
-def _equivalence(topo, config, *, sp: bool = False, repeat: bool = False) -> None:
+def _equivalence(topo, config, *, sp: bool = False, repeat: bool = False, aux_only: bool = False) -> None:
+    """``aux_only``: T4, the loss's own gradient multiplied by 0, so only the balancing losses' remains."""
     from megakit.nn import comm as C
     from megakit.nn.model import Transformer, full_state_dict
 
-    case = f"tp={topo.tp} cp={topo.cp} dp={topo.dp} ep={topo.ep} sp={sp}"
-    rtol = FP32_RTOL if topo.cp * topo.tp > 1 else RTOL
+    case = f"tp={topo.tp} cp={topo.cp} dp={topo.dp} ep={topo.ep} sp={sp} aux_only={aux_only}"
+    rtol, floor, main = FP32_RTOL if topo.cp * topo.tp > 1 else RTOL, 1e-12 if aux_only else 1.0, 0.0 if aux_only else 1.0
     from megakit.nn.moe import update_expert_bias
 
-    want_losses, want_weights, want_grads, want_counts, want_updated = _reference(config, topo.dp)
+    want_losses, want_weights, want_grads, want_counts, want_updated = _reference(config, topo.dp, main)
     model = Transformer(config, topo, seed=5, dtype=torch.float64, sequence_parallel=sp)
     weights = full_state_dict(model, topo)
     assert weights.keys() == want_weights.keys()
@@ -105,7 +106,7 @@ def _equivalence(topo, config, *, sp: bool = False, repeat: bool = False) -> Non
     for _ in range(2 if repeat else 1):
         model.zero_grad()
         loss = model(*_batch(topo.dp_rank))
-        loss.backward()
+        (loss * main).backward()
         _close(loss.detach(), want_losses[topo.dp_rank], f"{case} loss", rtol)
         for p in model.parameters():
             expert = getattr(p, "ep_dim", None) is not None
@@ -113,7 +114,9 @@ def _equivalence(topo, config, *, sp: bool = False, repeat: bool = False) -> Non
             C.all_reduce(p.grad, group).div_(topo.dp * topo.cp)
         grads = full_state_dict(model, topo, grads=True)
         for name, want in want_grads.items():
-            _close(grads[name], want, f"{case} grad of {name}", rtol)
+            _close(grads[name], want, f"{case} grad of {name}", rtol, floor)
+        if aux_only:
+            assert grads["layers.1.mlp.gate.weight"].abs().max() > 1e-4, case  # the losses do reach the router
         results.append((loss.detach(), grads))
     if repeat:  # T10: the same step twice is bit-identical (no atomics, no duplicate-index scatters)
         (l1, g1), (l2, g2) = results
@@ -137,6 +140,7 @@ def _two_ranks(rank: int, world: int) -> None:
                       shared_gate=False, aux_loss_coeff=0.0)
     _equivalence(Topology(Layout(dp=2, ep=2)), sigmoid)
     _equivalence(Topology(Layout(cp=2, ep=2)), _config())  # EP over the CP ranks of one sequence
+    _equivalence(Topology(Layout(cp=2, ep=2)), _config(), aux_only=True)
 
 
 def _four_ranks(rank: int, world: int) -> None:
@@ -145,6 +149,7 @@ def _four_ranks(rank: int, world: int) -> None:
     _dispatch_cases(rank, world)
     _equivalence(Topology(Layout(dp=4, ep=4)), _config())
     _equivalence(Topology(Layout(tp=2, dp=2, ep=2)), _config(), sp=True)
+    _equivalence(Topology(Layout(tp=2, dp=2, ep=2)), _config(), aux_only=True)
     _equivalence(Topology(Layout(tp=2, dp=2, ep=2)), _config(expert_bias=True))
     _equivalence(Topology(Layout(cp=2, dp=2, ep=4)), _config(expert_bias=True))
 
