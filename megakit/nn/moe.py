@@ -107,7 +107,7 @@ class Experts(nn.Module):
         if self.grouped != "auto":
             return bool(self.grouped)
         aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], self.down_proj.shape[-1]))
-        return (hasattr(torch, "_grouped_mm") and x.is_cuda and aligned
+        return (hasattr(torch, "_grouped_mm") and x.is_cuda and aligned and x.shape[0] > 0
                 and x.dtype in (torch.bfloat16, torch.float16))
 
     def forward(self, rows: torch.Tensor, counts: list[int], tp_group=None) -> torch.Tensor:
@@ -157,17 +157,18 @@ class _AttachLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out, loss, scale):
-        ctx.scale = scale
+        ctx.scale, ctx.dtype = scale, loss.dtype
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+        return grad, torch.full((), ctx.scale, dtype=ctx.dtype, device=grad.device), None
 
 
 def _in_backward() -> bool:
     """True while autograd runs a backward pass (a checkpointed block recomputing its forward)."""
-    return torch._C._current_graph_task_id() != -1
+    task = getattr(torch._C, "_current_graph_task_id", None)  # private; tested by test_moe's recompute case
+    return task is not None and task() != -1
 
 
 class MoE(nn.Module):
@@ -207,7 +208,8 @@ class MoE(nn.Module):
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)  # token i is position i // B of sequence i % B
         cfg, tp = self.config, self.tp_group
-        logits = F.linear(tokens.float(), copy_to_tp(self.gate.weight, tp).float())  # (N, E) fp32
+        fp = torch.promote_types(tokens.dtype, torch.float32)  # fp32, or fp64 in fp64 tests
+        logits = F.linear(tokens.to(fp), copy_to_tp(self.gate.weight, tp).to(fp))  # (N, E)
         bias = getattr(self.gate, "e_score_correction_bias", None)
         experts, weights, scores = route(logits, cfg, bias)
         keep = None if cfg.capacity_factor is None else capacity_keep(experts, weights, cfg.experts,

@@ -1,6 +1,6 @@
 """The MoE router: which experts each token goes to, with what weight, and the balancing losses.
 
-Everything here runs in fp32 whatever the model's dtype (the anchors agree: routing decisions
+Everything here runs in fp32 whatever the model's dtype (fp64 when the model is fp64) (the anchors agree: routing decisions
 in bf16 flip on ties and rounding). Routing follows ``megakit.core.moe_config``: scores are
 softmax or sigmoid of the logits; the expert bias (DeepSeek-V3's aux-loss-free balancing) and
 the group limit only *choose* the top-k, the weights are the unbiased scores of the chosen
@@ -47,7 +47,7 @@ class Routing:
 def route(logits: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(experts (N, k), weights (N, k), scores (N, E))`` from fp32 router ``logits`` ``(N, E)``."""
     scores = logits.softmax(-1) if config.score == "softmax" else logits.sigmoid()
-    choice = scores.detach() if bias is None else scores.detach() + bias.float()
+    choice = scores.detach() if bias is None else scores.detach() + bias.to(scores.dtype)
     if config.groups > 1:  # DeepSeek-V3 noaux_tc: a group's score is the sum of its best two
         n, e = choice.shape
         grouped = choice.view(n, config.groups, e // config.groups)
@@ -57,7 +57,7 @@ def route(logits: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None) ->
         choice = choice.masked_fill(~allowed.repeat_interleave(e // config.groups, dim=1), float("-inf"))
     experts = choice.topk(config.top_k, dim=-1).indices  # (N, k), sorted: best first
     weights = scores.gather(1, experts)
-    if config.normalize_top_k and config.top_k > 1:
+    if config.normalize_top_k:  # top-1 too: Mixtral's weight is then 1
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     if config.route_scale != 1.0:
         weights = weights * config.route_scale
