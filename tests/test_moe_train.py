@@ -158,9 +158,10 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4_with_its_adam_moments(
     ends = {}
     for name in ("ep2/step-0000020", "ep1", "ep4"):
         path = saved / name
-        with ShardReader(path, read_manifest(path)) as reader:
-            ends[name] = {key: reader.read(f"state/{key}/layers.1.mlp.experts.{w}").clone()
-                          for key in ("exp_avg", "exp_avg_sq", "fp32") for w in ("gate_up_proj", "down_proj")}
+        with ShardReader(path, read_manifest(path)) as reader:  # fp32 ZeRO 0 (EP 4): the weight is the master
+            ends[name] = {(key, w): reader.read(f"state/{key}/layers.1.mlp.experts.{w}" if key != "weight" else
+                                                f"layers.1.mlp.experts.{w}").clone()
+                          for key in ("exp_avg", "exp_avg_sq", "weight") for w in ("gate_up_proj", "down_proj")}
     for name in ("ep1", "ep4"):
         for key, want in ends["ep2/step-0000020"].items():
             assert want.shape[0] == 8 and want.abs().sum() > 0, key  # all 8 experts, trained

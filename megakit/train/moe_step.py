@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from megakit.nn import comm
-from megakit.nn.moe import MoE, set_aux_loss_scale, update_expert_bias
+from megakit.nn.moe import MoE, _in_backward, set_aux_loss_scale, update_expert_bias
 
 FIELDS = ("max_tokens", "mean_tokens", "dropped", "aux", "seq_aux", "z", "bias_norm")
 
@@ -49,7 +49,7 @@ class MoEStep:
 
     def _hook(self, index: int):
         def record(layer, inputs, output) -> None:
-            if not layer.training or torch._C._current_graph_task_id() != -1:  # eval, or recompute in backward
+            if not layer.training or _in_backward():  # eval, or recompute in backward
                 return
             s = layer.stats
             for field in ("dropped", "aux", "seq_aux", "z"):
