@@ -1,15 +1,17 @@
 """What one training step cost: throughput, FLOP/s, MFU and the share spent communicating.
 
 Communication share is measured, with nothing patched: megakit's own calls (TP
-collectives, pipeline P2P, the trainer's loss and norm reductions) go through
-``megakit.nn.comm``, whose explicit ``Meter`` hook times each call and each wait on a
+collectives, pipeline P2P, MoE token all-to-alls, the trainer's loss and norm reductions) go
+through ``megakit.nn.comm``, whose explicit ``Meter`` hook times each call and each wait on a
 handle it returned; DeepSpeed's collectives (ZeRO's reductions and gathers) are timed by
 DeepSpeed's own comms logger, switched on for measured steps. With gloo on CPU a
 collective runs in the calling thread, so that is the time the step was blocked on
 communication (including waiting for slower peers, as the FAQ's "communication share"
 means). DeepSpeed's asynchronous ZeRO-3 gathers count their launch on CPU and the whole
 operation on GPU, where its logger synchronises the device after each call; on GPU,
-measuring synchronises, so a trainer measures sampled steps only.
+measuring synchronises, so a trainer measures sampled steps only. The door also counts the
+bytes the all-to-alls send to other ranks (``all_to_all_bytes``); per-layer MoE figures come
+from ``megakit.train.moe_step``.
 """
 
 from __future__ import annotations
