@@ -115,16 +115,25 @@ class Experts(nn.Module):
         """``rows`` ``(M, H)`` grouped by local expert (``counts[e]`` each) -> ``(M, H)``."""
         gate_up, down = copy_to_tp(self.gate_up_proj, tp_group), copy_to_tp(self.down_proj, tp_group)
         if self.use_grouped(rows):
-            offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
-            h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)  # (M, 2F)
-            gate, up = h.chunk(2, dim=-1)
-            return torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(1, 2), offs=offs)
+            try:
+                return self._grouped(rows, counts, gate_up, down)
+            except RuntimeError:  # a device or build without the kernel: the loop, from now on
+                if self.grouped is True:
+                    raise
+                self.grouped = False
         out, start = [], 0
         for e, n in enumerate(counts):
             gate, up = F.linear(rows[start:start + n], gate_up[e]).chunk(2, dim=-1)
             out.append(F.linear(F.silu(gate) * up, down[e]))
             start += n
         return torch.cat(out) if out else rows[:0]
+
+
+    @staticmethod
+    def _grouped(rows, counts, gate_up, down) -> torch.Tensor:
+        offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # (M, F) x 2
+        return torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(1, 2), offs=offs)
 
 
 class _SplitSequence(torch.autograd.Function):
