@@ -174,7 +174,6 @@ def test_moe_four_ranks():
 # -- single process ---------------------------------------------------------------------------------
 def test_loop_and_grouped_gemm_agree():
     from megakit.nn.moe import Experts
-    from megakit.nn.model import Transformer  # noqa: F401 (import order as in the model)
 
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no _grouped_mm")

@@ -38,8 +38,8 @@ size either (``aux`` is defined per micro-batch: a different cut is a different 
 
 Metrics: ``stats`` (the last micro-batch: tokens per expert on this rank, max/mean load, dropped
 fraction, the three losses, the bias norm, the all-to-all bytes this rank sent and received in
-forward -- backward moves as many; their time is the door's ``comm.metered``), and ``step_tokens``, the step's assignments per
-expert on this rank, counted once per forward (not again when recomputation re-runs it in
+forward -- backward moves as many; their time is the door's ``comm.metered``), and ``step_tokens``,
+the step's assignments per expert on this rank, counted once per forward (not again when recomputation re-runs it in
 backward); ``update_expert_bias`` sums them over the job once per optimizer step.
 """
 
