@@ -2,9 +2,10 @@
 
 Everything here runs in fp32 whatever the model's dtype (fp64 when the model is fp64): the
 anchors agree that routing decisions in bf16 flip on ties and rounding. Routing follows
-``megakit.core.moe_config``: scores are softmax or sigmoid of the logits; the expert bias (DeepSeek-V3's aux-loss-free balancing) and
-the group limit only *choose* the top-k, the weights are the unbiased scores of the chosen
-experts, renormalised when ``normalize_top_k``, times ``route_scale``.
+``megakit.core.moe_config``: scores are softmax or sigmoid of the logits; the expert bias
+(DeepSeek-V3's aux-loss-free balancing) and the group limit only *choose* the top-k, the
+weights are the unbiased scores of the chosen experts, renormalised when ``normalize_top_k``,
+times ``route_scale``.
 
 Losses, over *the tokens of one micro-batch of one data-parallel replica* (all its sequences,
 all their positions), whichever ranks hold them -- with sequence or context parallelism a
