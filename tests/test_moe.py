@@ -123,6 +123,7 @@ def _equivalence(topo, config, *, sp: bool = False, repeat: bool = False, aux_on
         assert torch.equal(l1, l2) and all(torch.equal(g1[n], g2[n]) for n in g1)
     moe = model.layers["1"].mlp
     assert moe.stats["tokens_per_expert"].sum() == 2 * 16 * 2 // (topo.cp * topo.tp)  # this rank's tokens x k
+    assert (moe.stats["a2a_bytes"] > 0) == (topo.ep > 1)
     counts = update_expert_bias(model, topo)  # T5: summed over DP x CP and TP, once per step
     assert torch.equal(counts, want_counts * (2 if repeat else 1)), case
     if not repeat:
@@ -146,8 +147,16 @@ def _two_ranks(rank: int, world: int) -> None:
 def _four_ranks(rank: int, world: int) -> None:
     from megakit.nn.topology import Topology
 
+    from megakit.nn.model import Transformer
+    from megakit.nn.moe import MoE
+
     _dispatch_cases(rank, world)
-    _equivalence(Topology(Layout(dp=4, ep=4)), _config())
+    topo = Topology(Layout(dp=4, ep=4))
+    with pytest.raises(UsageError, match="--ep 4 does not divide the 6 experts"):
+        MoE(MoEConfig(experts=6, top_k=2, ffn=4), 8, ep_group=topo.ep_group)
+    with pytest.raises(UsageError, match="the model has no experts"):
+        Transformer(_config().replace(moe=None), topo)
+    _equivalence(topo, _config())
     _equivalence(Topology(Layout(tp=2, dp=2, ep=2)), _config(), sp=True)
     _equivalence(Topology(Layout(tp=2, dp=2, ep=2)), _config(), aux_only=True)
     _equivalence(Topology(Layout(tp=2, dp=2, ep=2)), _config(expert_bias=True))
@@ -165,7 +174,6 @@ def test_moe_four_ranks():
 # -- single process ---------------------------------------------------------------------------------
 def test_loop_and_grouped_gemm_agree():
     from megakit.nn.moe import Experts
-    from megakit.nn.model import Transformer  # noqa: F401 (import order as in the model)
 
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no _grouped_mm")

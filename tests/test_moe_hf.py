@@ -40,22 +40,6 @@ def _save(kind: str, directory) -> torch.nn.Module:
     return model
 
 
-def _megakit(checkpoint):
-    from megakit.interop.checkpoint_format import manifest_config, read_manifest
-    from megakit.interop.hf_import import read_hf_weights  # noqa: F401 (the same reader convert used)
-    from megakit.nn.model import Transformer, load_full_state_dict
-    from safetensors.torch import load_file
-
-    manifest = read_manifest(checkpoint)
-    config = manifest_config(manifest, source=str(checkpoint))
-    model = Transformer(config, seed=1).eval()
-    state = {}
-    for f in sorted(checkpoint.glob("*.safetensors")):
-        state.update(load_file(f))
-    load_full_state_dict(model, {k: v for k, v in state.items() if k in dict(model.named_parameters())})
-    return model
-
-
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_logits_and_round_trip_match_transformers(kind, tmp_path):
     from safetensors.torch import load_file

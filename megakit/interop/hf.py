@@ -74,7 +74,8 @@ def _moe_from_hf(config: ModelConfig, i: int, hf: dict) -> dict[str, torch.Tenso
         out[ours + "experts.gate_up_proj"] = torch.stack([torch.cat([_get(hf, theirs + f"experts.{j}.{gate}.weight"),
                                                                      _get(hf, theirs + f"experts.{j}.{up}.weight")])
                                                           for j in experts])
-        out[ours + "experts.down_proj"] = torch.stack([_get(hf, theirs + f"experts.{j}.{down}.weight") for j in experts])
+        out[ours + "experts.down_proj"] = torch.stack([_get(hf, theirs + f"experts.{j}.{down}.weight")
+                                                       for j in experts])
     wanted = {"gate.e_score_correction_bias": moe.expert_bias, "shared_expert_gate.weight": moe.shared_gate}
     wanted |= {f"shared_expert.{x}_proj.weight": bool(moe.shared_ffn) for x in ("gate", "up", "down")}
     out.update({ours + x: _get(hf, theirs + x) for x in _MOE_EXTRA if wanted[x]})

@@ -188,7 +188,8 @@ class Transformer(nn.Module):
             mark(self.pos_embed.weight, None)
         if pre:
             self.embed_dropout = ResidualDropout(config.dropout, "embed", group, self.sequence_parallel, self.cp_group)
-        blocks = dict(selective=recompute == "selective", cp_group=self.cp_group, ep_group=self.ep_group, **kw)  # selective: the attention core, in Attention
+        # selective: the attention core, in Attention
+        blocks = dict(selective=recompute == "selective", cp_group=self.cp_group, ep_group=self.ep_group, **kw)
         self.layers = nn.ModuleDict({str(i): Block(config, index=i, **blocks) for i in layers})
         if post:
             self.norm = Norm(config, **kw)

@@ -37,8 +37,9 @@ so the gradient does not depend on TP, CP, EP or PP; ``seq_aux`` and ``z`` not o
 size either (``aux`` is defined per micro-batch: a different cut is a different loss).
 
 Metrics: ``stats`` (the last micro-batch: tokens per expert on this rank, max/mean load, dropped
-fraction, the three losses, the bias norm), and ``step_tokens``, the step's assignments per
-expert on this rank, counted once per forward (not again when recomputation re-runs it in
+fraction, the three losses, the bias norm, the all-to-all bytes this rank sent and received in
+forward -- backward moves as many; their time is the door's ``comm.metered``), and ``step_tokens``,
+the step's assignments per expert on this rank, counted once per forward (not again when recomputation re-runs it in
 backward); ``update_expert_bias`` sums them over the job once per optimizer step.
 """
 
@@ -114,16 +115,25 @@ class Experts(nn.Module):
         """``rows`` ``(M, H)`` grouped by local expert (``counts[e]`` each) -> ``(M, H)``."""
         gate_up, down = copy_to_tp(self.gate_up_proj, tp_group), copy_to_tp(self.down_proj, tp_group)
         if self.use_grouped(rows):
-            offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
-            h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)  # (M, 2F)
-            gate, up = h.chunk(2, dim=-1)
-            return torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(1, 2), offs=offs)
+            try:
+                return self._grouped(rows, counts, gate_up, down)
+            except RuntimeError:  # a device or build without the kernel: the loop, from now on
+                if self.grouped is True:
+                    raise
+                self.grouped = False
         out, start = [], 0
         for e, n in enumerate(counts):
             gate, up = F.linear(rows[start:start + n], gate_up[e]).chunk(2, dim=-1)
             out.append(F.linear(F.silu(gate) * up, down[e]))
             start += n
         return torch.cat(out) if out else rows[:0]
+
+
+    @staticmethod
+    def _grouped(rows, counts, gate_up, down) -> torch.Tensor:
+        offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # (M, F) x 2
+        return torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(1, 2), offs=offs)
 
 
 class _SplitSequence(torch.autograd.Function):
@@ -227,20 +237,24 @@ class MoE(nn.Module):
         if torch.is_grad_enabled() and total.requires_grad and (cfg.aux_loss_coeff or cfg.seq_aux_loss_coeff
                                                                 or cfg.z_loss_coeff):
             y = _AttachLoss.apply(y, total, self.loss_scale)
-        self._record(experts, keep, losses, bias)
+        self._record(experts, keep, losses, bias, plan, h * tokens.element_size())
         y = y.view(s, b, h)
         return _GatherSequence.apply(y, self.tp_group) if self.split_sequence else y
 
     @torch.no_grad()
-    def _record(self, experts, keep, losses, bias) -> None:
+    def _record(self, experts, keep, losses, bias, plan, row_bytes: int) -> None:
         counts = torch.bincount(experts.reshape(-1), minlength=self.config.experts)
+        sent = getattr(plan, "send", None)  # rows to other EP ranks, there (dispatch) and back (combine)
+        a2a = 0 if sent is None else 2 * row_bytes * (sum(sent) - sent[self.ep_rank] + sum(plan.recv)
+                                                      - plan.recv[self.ep_rank])
         if self.training and not _in_backward():
             self.step_tokens += counts
         load = counts.float()
         self.stats = {"tokens_per_expert": counts, "max_load": load.max(), "mean_load": load.mean(),
                       "dropped": (1 - keep.float().mean()) if keep is not None else load.new_zeros(()),
                       "aux": losses.aux.detach(), "seq_aux": losses.seq_aux.detach(), "z": losses.z.detach(),
-                      "bias_norm": bias.norm() if bias is not None else load.new_zeros(())}
+                      "bias_norm": bias.norm() if bias is not None else load.new_zeros(()),
+                      "a2a_bytes": torch.tensor(a2a)}  # sent + received by this rank in forward (backward: as much)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -124,7 +124,8 @@ class AllToAllDispatcher:
         send = counts.view(self.ep, self.local).sum(1).tolist()
         recv = received_counts.sum(1).tolist()
         received = all_to_all(rows, self.group, send, recv)  # by source rank, then local expert
-        segment = torch.arange(self.local, device=x.device).repeat(self.ep).repeat_interleave(received_counts.reshape(-1))
+        segment = torch.arange(self.local, device=x.device).repeat(self.ep)  # local expert of each received block
+        segment = segment.repeat_interleave(received_counts.reshape(-1))
         regroup = torch.argsort(segment, stable=True)
         return received[regroup], received_counts.sum(0).tolist(), _Exchange(plan, send, recv, regroup)
 

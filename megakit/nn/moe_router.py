@@ -1,10 +1,11 @@
 """The MoE router: which experts each token goes to, with what weight, and the balancing losses.
 
-Everything here runs in fp32 whatever the model's dtype (fp64 when the model is fp64) (the anchors agree: routing decisions
-in bf16 flip on ties and rounding). Routing follows ``megakit.core.moe_config``: scores are
-softmax or sigmoid of the logits; the expert bias (DeepSeek-V3's aux-loss-free balancing) and
-the group limit only *choose* the top-k, the weights are the unbiased scores of the chosen
-experts, renormalised when ``normalize_top_k``, times ``route_scale``.
+Everything here runs in fp32 whatever the model's dtype (fp64 when the model is fp64): the
+anchors agree that routing decisions in bf16 flip on ties and rounding. Routing follows
+``megakit.core.moe_config``: scores are softmax or sigmoid of the logits; the expert bias
+(DeepSeek-V3's aux-loss-free balancing) and the group limit only *choose* the top-k, the
+weights are the unbiased scores of the chosen experts, renormalised when ``normalize_top_k``,
+times ``route_scale``.
 
 Losses, over *the tokens of one micro-batch of one data-parallel replica* (all its sequences,
 all their positions), whichever ranks hold them -- with sequence or context parallelism a
@@ -34,17 +35,8 @@ from megakit.core.moe_config import MoEConfig
 from megakit.nn import comm as C
 
 
-@dataclass
-class Routing:
-    """One micro-batch's routing on this rank: ``N`` tokens, top ``k`` each."""
-
-    experts: torch.Tensor  # (N, k) int64: global expert ids, best first
-    weights: torch.Tensor  # (N, k) fp32: the combine weights (differentiable)
-    keep: torch.Tensor | None  # (N, k) bool: assignments kept under a capacity; None: dropless
-    counts: torch.Tensor  # (E,) int64: assignments per expert before any drop (this rank's tokens)
-
-
-def route(logits: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(experts (N, k), weights (N, k), scores (N, E))`` from fp32 router ``logits`` ``(N, E)``."""
     scores = logits.softmax(-1) if config.score == "softmax" else logits.sigmoid()
     choice = scores.detach() if bias is None else scores.detach() + bias.to(scores.dtype)
@@ -64,7 +56,8 @@ def route(logits: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None) ->
     return experts, weights, scores
 
 
-def capacity_keep(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity_factor: float) -> torch.Tensor:
+def capacity_keep(experts: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                  capacity_factor: float) -> torch.Tensor:
     """Which assignments an expert keeps under a capacity: ``(N, k)`` bool.
 
     Policy: each expert takes at most ``ceil(capacity_factor * N * k / E)`` of the assignments made
