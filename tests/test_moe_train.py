@@ -91,7 +91,7 @@ def test_expert_flags_are_checked_before_any_process_group(tmp_path):
 @pytest.fixture(scope="module")
 def ep2(tmp_path_factory):
     cases = [_case(0, ep=2), _case(2, ep=2, **AUX), _case(1, ep=2, moe_expert_bias=True)]
-    return cases, sweep(tmp_path_factory, 2, cases)
+    return cases, sweep(tmp_path_factory, 2, cases, timeout=900)  # 60 steps
 
 
 @pytest.mark.slow
