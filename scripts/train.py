@@ -1,7 +1,8 @@
-"""Train a megakit model with TP x PP x DeepSpeed ZeRO DP, on CPU or GPU.
+"""Train a megakit model with TP x PP x DeepSpeed ZeRO DP (x CP, x EP for experts), on CPU or GPU.
 
     deepspeed scripts/train.py --ds_config ds_configs/zero2.json
     deepspeed --num_gpus 4 scripts/train.py --ds_config ds_configs/zero1.json --tp 2 --pp 2
+    deepspeed --num_gpus 4 scripts/train.py --model moe-tiny --ep 2 --tp 2
 
 The launcher starts one process per GPU (per CPU process with --num_gpus on a CPU
 machine); DP takes the processes that TP x PP leave.
@@ -41,6 +42,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel degree: the sequence split over CP ranks (load-balanced causal halves), "
                         "attention as ring attention; --seq-len must divide by 2 x CP")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree (MoE models): each MoE layer's experts split over EP ranks taken "
+                        "from DP x CP, tokens exchanged by all-to-all; must divide the experts and DP x CP")
+    p.add_argument("--moe-aux-loss", metavar="COEFF", type=float, default=None,
+                   help="load-balancing aux loss coefficient (overrides the model config; 0 turns it off)")
+    p.add_argument("--moe-z-loss", metavar="COEFF", type=float, default=None,
+                   help="router z-loss coefficient (overrides the model config)")
+    p.add_argument("--moe-capacity-factor", metavar="CF", type=float, default=None,
+                   help="cap each expert at CF x its even share of the tokens, dropping the rest (default: dropless)")
+    p.add_argument("--moe-expert-bias", action="store_true",
+                   help="aux-loss-free load balancing (DeepSeek-V3): a per-expert routing bias updated once per "
+                        "optimizer step from the step's token counts")
     p.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline stage (interleaved 1F1B)")
     p.add_argument("--schedule", default=None, choices=["1f1b", "gpipe", "interleaved", "zb-h1"],
                    help="pipeline schedule (PP > 1); default 1f1b, or interleaved with --vpp > 1; zb-h1 splits each "
@@ -127,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = TrainConfig(ds_config=args.ds_config, model=args.model, data=args.data,
                           steps=args.steps if args.steps is not None else 3 if args.verify_memory else 200, tp=args.tp,
-                          pp=args.pp, cp=args.cp, vpp=args.vpp, schedule=args.schedule, seq_len=args.seq_len, seed=args.seed,
+                          pp=args.pp, cp=args.cp, ep=args.ep, vpp=args.vpp, schedule=args.schedule, seq_len=args.seq_len, seed=args.seed,
                           tensorboard=args.tensorboard, profile=args.profile, verify_memory=args.verify_memory,
                           metrics_out=args.metrics_out, log_every=args.log_every, progress=not args.no_progress,
                           stall_timeout_s=args.stall_timeout, recompute=args.recompute,
@@ -136,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                           load=args.load, allow_cross_node_tp=args.allow_cross_node_tp, compress=args.compress,
                           error_feedback=not args.no_error_feedback, local_sgd=args.local_sgd,
                           doctor_out=args.doctor_out, eval_every=args.eval_every, eval_batches=args.eval_batches,
+                          moe_aux_loss=args.moe_aux_loss, moe_z_loss=args.moe_z_loss,
+                          moe_capacity_factor=args.moe_capacity_factor, moe_expert_bias=args.moe_expert_bias,
                           **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}))
     except UsageError as error:  # the same flags on every rank
         if _rank0():

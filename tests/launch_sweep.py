@@ -32,7 +32,8 @@ def main() -> int:
                         "lr": [m.lr for m in result.steps], "memory": result.memory,
                         "comm_calls": [m.comm_calls for m in result.steps],
                         "comm_share": [m.comm_share for m in result.steps], "evals": result.evals,
-                        "dp_bytes": [[m.dp_bytes, m.dp_bytes_dense] for m in result.steps]})
+                        "dp_bytes": [[m.dp_bytes, m.dp_bytes_dense] for m in result.steps],
+                        "moe": [m.moe for m in result.steps], "all_to_all_bytes": [m.all_to_all_bytes for m in result.steps]})
     names = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "send",
              "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "all_gather_object")
     results.append({"replaced": [n for n in names if getattr(dist, n) is not getattr(distributed_c10d, n)

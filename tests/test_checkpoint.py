@@ -105,7 +105,7 @@ def _worker(rank, world_size, root):
     # Failures: raised on every rank, nothing half-written, the old checkpoint intact.
     config, d = _config(*CASES[0]), root / CASES[0][0]
     (stage,) = build_stage_chunks(config, topo22, seed=LOAD_SEED)
-    publish, write_shard = ckpt._publish, ckpt._write_shard
+    publish, write_shard = ckpt._publish, ckpt.write_shard
     if rank == 0:
         def crash(tmp, target):
             raise RuntimeError("injected crash after every shard was written, before the rename")
@@ -114,9 +114,9 @@ def _worker(rank, world_size, root):
     if rank == 3:
         def disk_full(*args, **kwargs):
             raise OSError("injected: no space left on device")
-        ckpt._write_shard = disk_full
+        ckpt.write_shard = disk_full
     out["write_fails_on_rank_3"] = _errors(lambda: save_checkpoint(d / "tp2pp2", stage, topo22, step=10, config=config))
-    ckpt._publish, ckpt._write_shard = publish, write_shard
+    ckpt._publish, ckpt.write_shard = publish, write_shard
     out["after_failures"] = tuple(load_checkpoint(d / "tp2pp2", stage, topo22))
     out["leftovers"] = sorted(p.name for p in d.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
     if rank == 0:

@@ -46,3 +46,31 @@ def test_step_metrics_arithmetic():
     cpu = StepMetrics(step=0, loss=1.0, lr=0.0, grad_norm=1.0, seconds=1.0, samples=1, tokens=1, flops=1.0,
                       comm_seconds=None, comm_calls=0, world_size=1, peak_tflops=None)
     assert cpu.mfu is None and "MFU" not in cpu.line() and "comm" not in cpu.line()
+
+
+def _all_to_all_worker(rank, world_size):
+    """Rank r sends r + 1 rows of 4 fp32 values to each rank: the meter counts the bytes that leave the rank."""
+    meter = comm.Meter()
+    x = torch.full((world_size * (rank + 1), 4), float(rank))
+    with comm.metered(meter):
+        out = comm.all_to_all_single(x, comm.WORLD, send_splits=[rank + 1] * world_size,
+                                     recv_splits=[r + 1 for r in range(world_size)])
+    return meter.all_to_all_bytes, meter.take()[1], out[:, 0].tolist()
+
+
+def test_the_door_counts_all_to_all_bytes_sent_to_other_ranks():
+    (b0, c0, out0), (b1, c1, _) = run_ranks(_all_to_all_worker, 2)
+    assert (b0, b1) == (1 * 16, 2 * 16) and c0 == c1 == 1  # its own rows stay home
+    assert out0 == [0.0, 1.0, 1.0]
+
+
+def test_moe_metrics_in_the_line_and_the_logs():
+    moe = {0: dict(max_tokens=96.0, mean_tokens=64.0, dropped=0.0, aux=1.1, seq_aux=1.2, z=3.0, bias_norm=0.0),
+           2: dict(max_tokens=80.0, mean_tokens=64.0, dropped=0.1, aux=1.0, seq_aux=1.0, z=2.0, bias_norm=0.5)}
+    m = StepMetrics(step=0, loss=1.0, lr=0.0, grad_norm=1.0, seconds=1.0, samples=1, tokens=1, flops=1.0,
+                    comm_seconds=None, comm_calls=0, world_size=1, peak_tflops=None, moe=moe, all_to_all_bytes=1024)
+    assert m.moe_imbalance == 1.5 and "experts max/mean 1.50" in m.line()
+    scalars = m.scalars()
+    assert scalars["moe/max_over_mean"] == 1.5 and scalars["moe/layer2/dropped"] == 0.1
+    assert scalars["moe/layer0/bias_norm"] == 0.0 and scalars["comm/all_to_all_bytes"] == 1024.0
+    assert m.to_dict()["moe"]["2"]["z"] == 2.0

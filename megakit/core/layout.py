@@ -23,6 +23,15 @@ With ``Layout(tp=2, cp=2, dp=2)`` (8 ranks): tp groups [0, 1] [2, 3] ..., cp gro
 (the ranks holding the same weights, over which gradients are averaged) [0, 2, 4, 6]
 [1, 3, 5, 7].
 
+Expert parallelism folds onto DP x CP (Megatron's "MoE parallel folding", torchtitan's dp2ep):
+attention keeps the grid above, and the MoE layers' experts are sharded over ``ep`` ranks taken
+from the DP x CP ranks of one (PP, TP) coordinate -- consecutive in the "dpcp" order -- and
+replicated over the rest, the expert-data-parallel group "edp" (expert gradients are reduced
+there). ``Layout(dp=4, ep=2)``: ep groups [0, 1] [2, 3], edp groups [0, 2] [1, 3]. With
+``Layout(tp=2, cp=2, dp=2, ep=2)`` (8 ranks) the EP pairs are the CP rings' ranks: ep groups
+[0, 2] [1, 3] [4, 6] [5, 7], edp groups [0, 4] [1, 5] [2, 6] [3, 7]. Experts are not split over
+TP (expert TP = 1): each TP rank routes its own part of the tokens (``megakit.nn.moe``).
+
 ``Layout`` is pure data and needs no processes; ``megakit.nn.topology.Topology`` adds
 the torch.distributed groups for the calling rank.
 """
@@ -45,15 +54,20 @@ class Layout:
     pp: int = 1
     dp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallelism, folded onto DP x CP (not an axis of its own)
 
     def __post_init__(self) -> None:
-        for axis in AXES:
+        for axis in (*AXES, "ep"):
             size = getattr(self, axis)
             if not isinstance(size, int) or size < 1:
                 raise UsageError(f"--{axis} must be a positive integer, got {size!r}")
+        if (self.dp * self.cp) % self.ep:
+            raise UsageError(f"--ep {self.ep} does not divide DP x CP = {self.dp} x {self.cp}; expert parallelism "
+                             "takes its ranks from the data- and context-parallel ranks: choose an EP that divides "
+                             f"{self.dp * self.cp}")
 
     @classmethod
-    def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1) -> "Layout":
+    def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> "Layout":
         """The layout that fills ``world_size`` ranks: DP takes what TP x PP (x CP) leaves."""
         for name, size in (("tp", tp), ("pp", pp), ("cp", cp)):
             if not isinstance(size, int) or size < 1:
@@ -64,7 +78,7 @@ class Layout:
                 f"world size {world_size} is not divisible by {names} = {sizes} = {tp * pp * cp}; "
                 f"launch a multiple of {tp * pp * cp} processes or change --tp/--pp" + ("/--cp" if cp > 1 else "")
             )
-        return cls(tp=tp, pp=pp, cp=cp, dp=world_size // (tp * pp * cp))
+        return cls(tp=tp, pp=pp, cp=cp, dp=world_size // (tp * pp * cp), ep=ep)
 
     @property
     def world_size(self) -> int:
@@ -79,13 +93,30 @@ class Layout:
         return {"tp": rank % self.tp, "cp": rank // self.tp % self.cp, "dp": rank // (self.tp * self.cp) % self.dp,
                 "pp": rank // (self.tp * self.cp * self.dp)}
 
+    def ep_coords(self, rank: int) -> dict[str, int]:
+        """``{"ep": ., "edp": .}``: a rank's index in its EP group (which experts it holds) and in its EDP group."""
+        c = self.coords(rank)
+        folded = c["cp"] + self.cp * c["dp"]
+        return {"ep": folded % self.ep, "edp": folded // self.ep}
+
     def groups(self, kind: str) -> list[list[int]]:
         """Every group of one kind, as lists of global ranks.
 
         kind: "tp", "cp", "dp", "pp" (ranks that differ only along that axis), "dpcp" (DP x CP:
         the ranks that hold the same weights, over which gradients are averaged), "mp" (TP x PP:
-        one full model replica) or "embedding" (first and last pipeline stage).
+        one full model replica), "embedding" (first and last pipeline stage), "ep" (the ranks
+        that share one MoE layer's experts between them) or "edp" (the ranks holding the same
+        experts, over which expert gradients are averaged).
         """
+        if kind in ("ep", "edp"):
+            out = []
+            for p in range(self.pp):
+                for t in range(self.tp):
+                    folded = [self.rank(pp=p, dp=d, cp=c, tp=t) for d in range(self.dp) for c in range(self.cp)]
+                    n = self.ep if kind == "ep" else len(folded) // self.ep
+                    out += ([folded[i:i + n] for i in range(0, len(folded), n)] if kind == "ep"
+                            else [folded[i::self.ep] for i in range(self.ep)])
+            return sorted(out)
         if kind == "mp":
             return sorted(
                 [self.rank(pp=p, dp=d, cp=c, tp=t) for p in range(self.pp) for t in range(self.tp)]

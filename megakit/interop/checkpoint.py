@@ -12,6 +12,7 @@ On disk::
                                            which file holds which slice, and the slice's
                                            checksum
     DIR/model-pp00-tp00.safetensors ...    one per (pp, tp) rank of DP replica 0
+    DIR/experts-pp00-ep00.safetensors ...  MoE: one per (pp, ep) rank, its slice of the routed experts
     DIR/rank-pp00-tp00-dp01.safetensors    optional, per rank: state only that rank holds (a
                                            local-SGD replica's own Adam moments, its residuals),
                                            read back only at the same layout (``rank_state``)
@@ -22,7 +23,9 @@ Why it looks like this:
 - Every rank writes only its own shard; no rank ever holds the full model. DP replicas
   hold identical weights, so only DP replica 0 writes. A parameter held by several ranks
   is written once: a replicated one (``tp_dim`` None) by TP rank 0, the last stage's copy
-  of a tied embedding by the first stage.
+  of a tied embedding by the first stage. Routed experts are split over EP, so each EP rank
+  writes its slice; any EP degree reads them back (``megakit.interop.checkpoint_split``).
+  Persistent buffers (the aux-loss-free expert bias) are saved like replicated parameters.
 - Vocab padding is trimmed before writing, so files hold only real rows and the
   checkpoint does not depend on the TP degree; a reader pads for its own TP.
 - Nothing half-written: shards and manifest go to ``DIR.tmp-XXXX``; once every rank has
@@ -63,6 +66,7 @@ from megakit.interop.checkpoint_format import (
     STATE_PREFIX,
     ShardReader,
     build_manifest,
+    expert_file,
     fsync,
     manifest_config,
     rank_file,
@@ -72,7 +76,15 @@ from megakit.interop.checkpoint_format import (
     state_keys,
     state_name,
     write_rank_file,
-    write_tensors,
+)
+from megakit.interop.checkpoint_split import (
+    Split,
+    base_name,
+    ep_place,
+    named_tensors,
+    split_of,
+    write_shard,
+    writes,
 )
 from megakit.nn import comm as C
 
@@ -193,10 +205,6 @@ def _config_diff(saved: ModelConfig, ours: ModelConfig) -> list[str]:
     return [f"{k} {a[k]} vs {b[k]}" for k in b if k not in IGNORED_FIELDS and a[k] != b[k]]
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 # -- save -------------------------------------------------------------------------------------------
 def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConfig, extra: dict | None = None,
                     state: dict[str, dict[str, torch.Tensor]] | None = None,
@@ -225,7 +233,7 @@ def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConf
         raise UsageError(f"the config given to save_checkpoint differs from the model's "
                          f"({', '.join(_config_diff(config, _model_config(model))[:4])}); pass the model's own config")
     tp, pp, dp, tp_rank, pp_rank, dp_rank = _coords(topo)
-    params = named_parameters(model)
+    params = named_tensors(_modules(model))  # parameters and persistent buffers (the expert bias)
     # Who writes what: the first PP stage that holds a name (a tied embedding: the first stage).
     stage_names = _all_gather(sorted(params), topo, None if topo is None else topo.pp_group)
     first_holder = {}
@@ -234,29 +242,37 @@ def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConf
             first_holder.setdefault(name, stage)
     tmp = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp = Path(_broadcast_from_0(str(tmp), topo))
-    owned = {n for n, p in params.items()
-             if dp_rank == 0 and first_holder[n] == pp_rank and (getattr(p, "tp_dim", None) is not None or tp_rank == 0)}
+    owned = {n for n, p in params.items() if first_holder[n] == pp_rank and writes(n, p, topo)}
     tensors = _host_copies(params, owned)  # collective over DP under ZeRO-3
-    record, local_error = None, None
+    for name in list(tensors):  # state tensors are split like their parameter
+        for key, t in (state or {}).get(name, {}).items():
+            tensors[state_name(key, name)] = t
+    mine, local_error = {"records": []}, None
     try:
+        experts = {n: t for n, t in tensors.items()
+                   if split_of(base_name(n), params[base_name(n)], topo).key == "ep_dim"}
         if dp_rank == 0:
-            for name in list(tensors):  # state tensors are split like their parameter
-                for key, t in (state or {}).get(name, {}).items():
-                    tensors[state_name(key, name)] = t
-            record = _write_shard(tmp, params, tensors, tp=tp, tp_rank=tp_rank, pp_rank=pp_rank, pp=pp)
+            dense = {n: t for n, t in tensors.items() if n not in experts}
+            mine["records"].append(write_shard(tmp, params, dense, topo, shard_file(pp_rank, tp_rank, pp, tp),
+                                                pp=pp_rank, tp=tp_rank))
+        if experts:
+            ep, ep_rank, _ = ep_place(topo)
+            mine["records"].append(write_shard(tmp, params, experts, topo, expert_file(pp_rank, ep_rank, pp, ep),
+                                                pp=pp_rank, tp=tp_rank, ep=ep_rank))
         if rank_state:
-            record = (record or {}) | {"rank_file": write_rank_file(tmp, rank_state, (pp_rank, tp_rank, dp_rank),
-                                                                    (pp, tp, dp))}
+            mine["records"].append({"rank_file": write_rank_file(tmp, rank_state, (pp_rank, tp_rank, dp_rank),
+                                                                 (pp, tp, dp))})
     except Exception as error:  # reported to rank 0, which cleans up and tells every rank
-        local_error, record = error, {"failure": _failure(error)}
-    records = _gather_to_0(record, topo)  # every rank has written: the barrier before renaming
+        local_error, mine = error, {"failure": _failure(error)}
+    gathered = _gather_to_0(mine, topo)  # every rank has written: the barrier before renaming
     failures = None
     if _rank(topo) == 0:
-        failures = [None if r is None or "failure" not in r else r["failure"] for r in records]
+        failures = [r.get("failure") for r in gathered]
         try:
             if not any(failures):
+                records = [record for r in gathered for record in r["records"]]
                 manifest = build_manifest(records, step=step, config=config, extra=extra, tp=tp, pp=pp, dp=dp,
-                                          rank_key=rank_key)
+                                          ep=ep_place(topo)[0], rank_key=rank_key)
                 _check_visible(tmp, manifest)
                 path = tmp / MANIFEST
                 path.write_text(json.dumps(manifest, indent=1))
@@ -271,33 +287,6 @@ def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConf
     failures = _broadcast_from_0(failures, topo)
     _raise_failures(failures, local_error)
     return target
-
-
-def _write_shard(tmp: Path, params: dict, owned: dict, *, tp: int, tp_rank: int, pp_rank: int, pp: int) -> dict:
-    """Write the owned tensors (vocab padding trimmed) to one safetensors file; its record."""
-    tensors, entries = {}, {}
-    for name, t in owned.items():
-        param = params[name.rsplit("/", 1)[-1] if name.startswith(STATE_PREFIX) else name]
-        dim = getattr(param, "tp_dim", None)
-        shape, part = list(t.shape), {}
-        if dim is not None:
-            local = t.shape[dim]
-            full = getattr(param, "tp_unpadded", None) or local * tp
-            start, stop = tp_rank * local, min((tp_rank + 1) * local, full)
-            shape[dim] = full
-            part = {"start": start, "stop": max(start, stop)}
-            if stop <= start:  # this rank holds only vocab padding
-                entries[name] = {"shape": shape, "dtype": _dtype_name(t.dtype), "tp_dim": dim, "slice": None}
-                continue
-            t = t.narrow(dim, 0, stop - start)
-        tensors[name] = t.to("cpu").contiguous()
-        entries[name] = {"shape": shape, "dtype": _dtype_name(t.dtype), "tp_dim": dim, "slice": part}
-    tmp.mkdir(parents=True, exist_ok=True)
-    fname = shard_file(pp_rank, tp_rank, pp, tp)
-    path = tmp / fname
-    for name, value in write_tensors(path, tensors).items():
-        entries[name]["slice"]["xxh3"] = value
-    return {"file": fname, "bytes": path.stat().st_size, "pp": pp_rank, "tp": tp_rank, "params": entries}
 
 
 def _check_visible(tmp: Path, manifest: dict) -> None:
@@ -348,35 +337,44 @@ def _load(directory: Path, model, topo) -> Loaded:
         if diff:
             raise UsageError(f"checkpoint {directory} was saved from a different model ({', '.join(diff[:4])}, "
                              "checkpoint vs model); build the model from the checkpoint's config")
-    tp, _, _, tp_rank, _, _ = _coords(topo)
     if any(_zero3(p) for p in named_parameters(model).values()):
         raise UsageError("the model is already partitioned by DeepSpeed ZeRO-3; load the checkpoint into the "
                          "model before deepspeed.initialize (the engine copies its master weights from it there)")
     with ShardReader(directory, manifest) as reader:
-        for name, param in named_parameters(model).items():
-            param.copy_(_read_shard(reader, name, list(param.shape), getattr(param, "tp_dim", None), tp, tp_rank,
-                                    directory))
+        for name, tensor in named_tensors(_modules(model)).items():  # parameters and persistent buffers
+            tensor.copy_(_read_shard(reader, name, list(tensor.shape), split_of(name, tensor, topo), directory))
     return Loaded(step=manifest["step"], extra=manifest["extra"])
 
 
-def _read_shard(reader: ShardReader, name: str, shape: list[int], dim: int | None, tp: int, tp_rank: int,
-                directory) -> torch.Tensor:
-    """This rank's shard (``shape``, split along ``dim`` over TP) of entry ``name``, vocab padding as zeros."""
-    pname = name.rsplit("/", 1)[-1] if name.startswith(STATE_PREFIX) else name
+def _saved_split(entry: dict) -> tuple[str | None, int | None]:
+    """``(manifest field, dim)`` of a stored tensor's split (``(None, None)``: stored whole)."""
+    if entry["tp_dim"] is not None:
+        return "tp_dim", entry["tp_dim"]
+    if entry.get("ep_dim") is not None:
+        return "ep_dim", entry["ep_dim"]
+    return None, None
+
+
+def _read_shard(reader: ShardReader, name: str, shape: list[int], split: Split, directory) -> torch.Tensor:
+    """This rank's piece (``shape``, cut as ``split`` says over TP or EP) of entry ``name``, vocab padding as zeros."""
+    pname = base_name(name) if name.startswith(STATE_PREFIX) else name
     entry = reader.entry(name)
-    if entry["tp_dim"] != dim:
-        raise UsageError(f"parameter {pname} is split along {entry['tp_dim']} in checkpoint {directory} but "
-                         f"along {dim} in the model; it was saved from a different model")
+    if _saved_split(entry) != (split.key, split.dim):
+        (key, dim), over = _saved_split(entry), {"tp_dim": " over TP", "ep_dim": " over EP", None: ""}
+        raise UsageError(f"parameter {pname} is split along {dim}{over[key]} in checkpoint {directory} but "
+                         f"along {split.dim}{over[split.key]} in the model; it was saved from a different model")
+    dim = split.dim
     if dim is None:
         t = reader.read(name)
     else:
         local, want = shape[dim], list(shape)
         want[dim] = entry["shape"][dim]
-        if tp * local < want[dim] or list(entry["shape"]) != want:
+        if split.parts * local < want[dim] or list(entry["shape"]) != want:
+            axis = "TP" if split.key == "tp_dim" else "EP"
             raise UsageError(f"parameter {pname} has full shape {entry['shape']} in checkpoint {directory} "
-                             f"but the model's shard is {shape} at TP {tp}; it was saved from "
+                             f"but the model's shard is {shape} at {axis} {split.parts}; it was saved from "
                              "a different model")
-        start = tp_rank * local
+        start = split.index * local
         t = reader.read(name, min(start, want[dim]), min(start + local, want[dim]))
         if t.shape[dim] < local:  # vocab padding
             pad = list(t.shape)
@@ -399,13 +397,11 @@ def load_state(directory, model, topo=None) -> dict[str, dict[str, torch.Tensor]
 
 def _load_state(directory: Path, model, topo) -> dict[str, dict[str, torch.Tensor]]:
     manifest = read_manifest(directory)
-    tp, _, _, tp_rank, _, _ = _coords(topo)
     out: dict[str, dict[str, torch.Tensor]] = {}
     with ShardReader(directory, manifest) as reader:
         for name, param in named_parameters(model).items():
             shape = list(param.ds_shape if _zero3(param) else param.shape)  # ZeRO-3: the unpartitioned shard
-            dim = getattr(param, "tp_dim", None)
-            out[name] = {key: _read_shard(reader, state_name(key, name), shape, dim, tp, tp_rank, directory)
+            out[name] = {key: _read_shard(reader, state_name(key, name), shape, split_of(name, param, topo), directory)
                          for key in state_keys(manifest)}
     return out
 

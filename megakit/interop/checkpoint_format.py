@@ -5,10 +5,11 @@ A checkpoint directory holds ``manifest.json`` and safetensors shard files. The 
 metadata, the model config, the layout that saved it, each file's size, and for every
 parameter (by its layout-independent name) the full unpadded shape, dtype, ``tp_dim`` and
 ``slices``: which file holds which rows ``[start, stop)`` of ``tp_dim`` (a replicated
-parameter: one slice, the whole tensor) and the xxh3-128 checksum of what it stored. The
-tensor key inside a file is the parameter's name. An optional ``per_rank`` section lists the
-``rank-…`` files that hold what only one rank has (each tensor's checksum) and the ``key`` a
-run must match to read them. Version 1 (one sha256 per file instead
+parameter: one slice, the whole tensor) and the xxh3-128 checksum of what it stored; a routed
+expert's weights are cut along ``ep_dim`` 0 over EP instead (``experts-ppXX-epYY`` files), read back
+whole or by rows in the same way. The tensor key inside a file is the parameter's name. An optional
+``per_rank`` section lists the ``rank-…`` files that hold what only one rank has (each tensor's
+checksum) and the ``key`` a run must match to read them. Version 1 (one sha256 per file instead
 of per-tensor checksums) is still read. Collective saving and loading live in ``megakit.interop.checkpoint``;
 this module needs no process group (``megakit convert`` uses it alone).
 """
@@ -111,9 +112,20 @@ def write_rank_file(directory: Path, tensors: dict[str, torch.Tensor], ranks: tu
             "tensors": sums}
 
 
+def expert_file(pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:
+    """``experts-pp00-ep01.safetensors``: the routed experts EP rank ``ep_rank`` of stage ``pp_rank`` holds."""
+    width = max(2, len(str(max(pp, ep) - 1)))
+    return f"experts-pp{pp_rank:0{width}d}-ep{ep_rank:0{width}d}.safetensors"
+
+
+def split_dim(entry: dict) -> int | None:
+    """The dimension a stored tensor is cut along: ``tp_dim`` over TP, ``ep_dim`` over EP (experts); None: whole."""
+    return entry["tp_dim"] if entry["tp_dim"] is not None else entry.get("ep_dim")
+
+
 def build_manifest(records: list, *, step: int, config: ModelConfig, extra: dict, tp: int, pp: int,
-                   dp: int, rank_key: dict | None = None) -> dict:
-    """The manifest from every writing rank's record (``None`` for ranks that wrote nothing).
+                   dp: int, ep: int = 1, rank_key: dict | None = None) -> dict:
+    """The manifest from every written file's record (``None`` for ranks that wrote nothing).
 
     Checks that each split parameter's slices tile ``[0, full)`` exactly. Per-rank files (a record's
     ``rank_file``) are listed under ``per_rank`` with ``rank_key``: what a run must match to read them.
@@ -124,22 +136,24 @@ def build_manifest(records: list, *, step: int, config: ModelConfig, extra: dict
             per_rank[record["rank_file"]["file"]] = {k: v for k, v in record["rank_file"].items() if k != "file"}
         if record is None or "file" not in record:
             continue
-        files[record["file"]] = {k: record[k] for k in ("bytes", "pp", "tp")}
+        files[record["file"]] = {k: record[k] for k in ("bytes", "pp", "tp", "ep") if k in record}
         for name, entry in record["params"].items():
-            merged = params.setdefault(name, {k: entry[k] for k in ("shape", "dtype", "tp_dim")} | {"slices": []})
+            merged = params.setdefault(name, {k: entry[k] for k in ("shape", "dtype", "tp_dim", "ep_dim")
+                                              if k in entry} | {"slices": []})
             assert merged["shape"] == entry["shape"] and merged["dtype"] == entry["dtype"], (name, merged, entry)
             if entry["slice"] is not None:
                 merged["slices"].append({"file": record["file"], **entry["slice"]})
     for name, entry in params.items():
         entry["slices"].sort(key=lambda s: s.get("start", 0))
-        if entry["tp_dim"] is None:
+        if split_dim(entry) is None:
             assert len(entry["slices"]) == 1, (name, entry)
         else:
             ends = [0] + [s["stop"] for s in entry["slices"]]
             tiled = [s["start"] for s in entry["slices"]] == ends[:-1]
-            assert tiled and ends[-1] == entry["shape"][entry["tp_dim"]], (name, entry)
+            assert tiled and ends[-1] == entry["shape"][split_dim(entry)], (name, entry)
+    layout = {"tp": tp, "pp": pp, "dp": dp} | ({"ep": ep} if ep > 1 else {})
     manifest = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "config": config.to_dict(),
-                "layout": {"tp": tp, "pp": pp, "dp": dp}, "files": files, "params": params}
+                "layout": layout, "files": files, "params": params}
     if per_rank:
         manifest["per_rank"] = {"key": rank_key or {}, "files": dict(sorted(per_rank.items()))}
     return manifest
@@ -267,7 +281,7 @@ class ShardReader:
         return entry
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """The parameter ``name``, or rows ``[start, stop)`` of its ``tp_dim`` (unpadded indices)."""
+        """The parameter ``name``, or rows ``[start, stop)`` of its split dimension (unpadded indices)."""
         try:
             return self._read(name, start, stop)
         except (KeyError, IndexError, TypeError) as exc:  # a hand-edited manifest, not a bug of ours
@@ -276,7 +290,7 @@ class ShardReader:
 
     def _read(self, name: str, start: int | None, stop: int | None) -> torch.Tensor:
         entry = self.entry(name)
-        dim = entry["tp_dim"]
+        dim = split_dim(entry)
         if dim is None:
             return self._tensor(entry["slices"][0], name)
         start, stop = (0, entry["shape"][dim]) if start is None else (start, stop)

@@ -5,6 +5,14 @@ layout-independent names; transformers' GPT-2 fuses q/k/v into ``c_attn`` and st
 ``Conv1D`` weights as ``(in, out)``, while its Llama family (also Mistral, Qwen2) uses
 ``nn.Linear`` like megakit. ``tests/test_model.py`` proves the mapping by comparing
 logits with transformers' own models.
+
+MoE layers: megakit's names are transformers 5's in-memory ones (``mlp.gate.weight``, stacked
+``mlp.experts.gate_up_proj`` / ``down_proj``, ``mlp.shared_expert*``), but safetensors files -- the
+hub's, and what transformers 5's ``save_pretrained`` writes -- keep one matrix per expert:
+Mixtral's ``block_sparse_moe.experts.{j}.w1`` (gate), ``w3`` (up), ``w2`` (down), Qwen-MoE's
+``mlp.experts.{j}.{gate,up,down}_proj``. Import stacks them (stacked files are read too), export
+unstacks them, byte for byte. A key in an MoE layer's MLP that nothing reads is an error naming
+it, never a silently dropped weight (Megatron #5844).
 """
 
 from __future__ import annotations
@@ -28,6 +36,62 @@ for _x in ("q", "k", "v", "o"):
 for _x in ("gate", "up", "down"):
     for _p in ("weight", "bias"):
         _LLAMA_BLOCK[f"mlp.{_x}_proj.{_p}"] = f"mlp.{_x}_proj.{_p}"
+for _x in ("q", "k"):  # Qwen3
+    _LLAMA_BLOCK[f"attn.{_x}_norm.weight"] = f"self_attn.{_x}_norm.weight"
+_MOE_EXTRA = ("gate.e_score_correction_bias", "shared_expert_gate.weight",
+              *(f"shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")))
+_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}  # gate, up, down per expert on disk; default Qwen-MoE's
+
+
+def _moe_to_hf(config: ModelConfig, i: int, state: dict) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s MoE weights in the per-expert layout of safetensors files."""
+    ours = f"layers.{i}.mlp."
+    theirs = f"model.layers.{i}." + ("block_sparse_moe." if config.hf_type == "mixtral" else "mlp.")
+    gate, up, down = _EXPERT_NAMES.get(config.hf_type, ("gate_proj", "up_proj", "down_proj"))
+    out = {theirs + "gate.weight": state[ours + "gate.weight"]}
+    gate_up, down_w = state[ours + "experts.gate_up_proj"], _get(state, ours + "experts.down_proj")
+    f = gate_up.shape[1] // 2
+    for j in range(gate_up.shape[0]):
+        out[theirs + f"experts.{j}.{gate}.weight"] = gate_up[j, :f]
+        out[theirs + f"experts.{j}.{up}.weight"] = gate_up[j, f:]
+        out[theirs + f"experts.{j}.{down}.weight"] = down_w[j]
+    out.update({theirs + x: state[ours + x] for x in _MOE_EXTRA if ours + x in state})
+    return out
+
+
+def _moe_from_hf(config: ModelConfig, i: int, hf: dict) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s MoE weights from a per-expert (or already stacked) transformers checkpoint."""
+    moe, ours = config.moe, f"layers.{i}.mlp."
+    theirs = f"model.layers.{i}." + ("block_sparse_moe." if f"model.layers.{i}.block_sparse_moe.gate.weight" in hf
+                                     else "mlp.")
+    gate, up, down = _EXPERT_NAMES.get(config.hf_type, ("gate_proj", "up_proj", "down_proj"))
+    out = {ours + "gate.weight": _get(hf, theirs + "gate.weight")}
+    if theirs + "experts.gate_up_proj" in hf:
+        out[ours + "experts.gate_up_proj"] = hf[theirs + "experts.gate_up_proj"]
+        out[ours + "experts.down_proj"] = _get(hf, theirs + "experts.down_proj")
+    else:
+        experts = range(moe.experts)
+        out[ours + "experts.gate_up_proj"] = torch.stack([torch.cat([_get(hf, theirs + f"experts.{j}.{gate}.weight"),
+                                                                     _get(hf, theirs + f"experts.{j}.{up}.weight")])
+                                                          for j in experts])
+        out[ours + "experts.down_proj"] = torch.stack([_get(hf, theirs + f"experts.{j}.{down}.weight")
+                                                       for j in experts])
+    wanted = {"gate.e_score_correction_bias": moe.expert_bias, "shared_expert_gate.weight": moe.shared_gate}
+    wanted |= {f"shared_expert.{x}_proj.weight": bool(moe.shared_ffn) for x in ("gate", "up", "down")}
+    out.update({ours + x: _get(hf, theirs + x) for x in _MOE_EXTRA if wanted[x]})
+    return out
+
+
+class _Reads(dict):
+    """A dict that remembers which keys were read (to name the ones nothing read)."""
+
+    def __init__(self, data: dict) -> None:
+        super().__init__(data)
+        self.read: set = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
 
 
 def _get(state: dict, name: str) -> torch.Tensor:
@@ -61,6 +125,8 @@ def to_hf_state_dict(config: ModelConfig, state: dict[str, torch.Tensor]) -> dic
         for suffix, hf in _LLAMA_BLOCK.items():
             if f"layers.{i}.{suffix}" in state:
                 out[f"model.layers.{i}.{hf}"] = state[f"layers.{i}.{suffix}"]
+        if f"layers.{i}.mlp.experts.gate_up_proj" in state:  # by the keys: export converts one block at a time
+            out.update(_moe_to_hf(config, i, state))
     out["model.norm.weight"] = _get(state, "norm.weight")
     out["lm_head.weight"] = _get(state, "embed.weight" if config.tie_embeddings else "lm_head.weight")
     return out
@@ -69,6 +135,7 @@ def to_hf_state_dict(config: ModelConfig, state: dict[str, torch.Tensor]) -> dic
 def from_hf_state_dict(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers' weights -> full megakit weights (load with ``megakit.nn.model.load_full_state_dict``)."""
     out: dict[str, torch.Tensor] = {}
+    hf = _Reads(hf)
     if config.family == "gpt2":
         out["embed.weight"] = _get(hf, "transformer.wte.weight")
         out["pos_embed.weight"] = _get(hf, "transformer.wpe.weight")
@@ -91,9 +158,16 @@ def from_hf_state_dict(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict
             for suffix, name in _LLAMA_BLOCK.items():
                 if f"model.layers.{i}.{name}" in hf:
                     out[f"layers.{i}.{suffix}"] = hf[f"model.layers.{i}.{name}"]
+            if config.moe is not None and config.moe.is_moe_layer(i):
+                out.update(_moe_from_hf(config, i, hf))
         out["norm.weight"] = _get(hf, "model.norm.weight")
     if not config.tie_embeddings:
         out["lm_head.weight"] = _get(hf, "lm_head.weight")
+    unread = sorted(k for k in set(hf) - hf.read if ".mlp." in k or ".block_sparse_moe." in k or "expert" in k)
+    if config.moe is not None and unread:
+        raise UsageError(f"weights hold {unread[0]!r} ({len(unread)} MLP/expert tensors in all) that megakit's "
+                         f"model of this config has no place for; check num_experts, the dense layers and "
+                         "shared-expert fields of config.json")
     return out
 
 

@@ -53,14 +53,12 @@ def _unit(config, manifest: dict, reader: ShardReader, unit: int | None, *, meta
         entry = params[source]
         return torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]), device="meta")
 
-    state = {}
+    state, block = {}, f"layers.{0 if unit is None else unit}."  # blocks may differ (MoE and dense layers)
     for name in params:
         if not name.startswith("layers."):
             state[name] = tensor(name, name, unit is None)
-        elif name.startswith("layers.0."):
-            suffix = name[len("layers.0."):]
-            block = 0 if unit is None else unit
-            state[name] = tensor(name, f"layers.{block}.{suffix}", unit is not None)
+        elif name.startswith(block):
+            state["layers.0." + name[len(block):]] = tensor(name, name, unit is not None)
     hf = to_hf_state_dict(config.replace(layers=1), state)
     first = _layer_prefix(config.family, 0)
     if unit is None:

@@ -1,7 +1,7 @@
 """A Hugging Face transformers checkpoint (safetensors) as a megakit checkpoint, to train from at any layout.
 
 ``megakit convert HF_DIR OUT --from-hf``: ``config.json`` is read by ``ModelConfig.load`` (GPT-2,
-Llama, Mistral and Qwen2 families), the weights from ``model.safetensors`` or the shards its
+Llama, Mistral, Qwen2 and Qwen3 families, and the MoE models Mixtral, Qwen2-MoE and Qwen3-MoE), the weights from ``model.safetensors`` or the shards its
 ``model.safetensors.index.json`` lists (never a pickled ``pytorch_model.bin``: loading one runs
 code), translated by ``megakit.interop.hf.from_hf_state_dict`` and written as a step-0 megakit
 checkpoint in their own dtype, so ``--to-hf`` gives back the same bytes. The model is built on

@@ -21,7 +21,7 @@ from megakit.core.rope import inv_freq
 from megakit.nn import comm as C
 from megakit.nn.context_parallel import attention_keep, positions, ring_attention
 from megakit.nn.dropout import DropoutKeys, attention_dropout
-from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, enter_tp_region
+from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp, enter_tp_region, mark
 
 
 def rope_tables(config: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,6 +49,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
+
+
+class HeadNorm(nn.Module):
+    """RMSNorm of every head's ``d`` channels (``(S, B, n * d)`` in and out); the weight is shared by the
+    heads of every TP rank, so its gradient is partial per rank: summed over TP in backward."""
+
+    def __init__(self, head_dim: int, eps: float, dtype, device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = mark(nn.Parameter(torch.empty(head_dim, dtype=dtype, device=device)), None)
+
+    def forward(self, x: torch.Tensor, group) -> torch.Tensor:
+        d = self.weight.shape[0]
+        y = F.rms_norm(x.view(*x.shape[:-1], -1, d), (d,), copy_to_tp(self.weight, group), self.eps)
+        return y.view(x.shape)
 
 
 class Attention(nn.Module):
@@ -81,6 +96,8 @@ class Attention(nn.Module):
         self.v_proj = ColumnParallelLinear(config.hidden, kv, bias=config.qkv_bias, **col)
         self.o_proj = RowParallelLinear(q, config.hidden, bias=config.out_bias, group=group,
                                         sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        if config.qk_norm:  # Qwen3: RMSNorm over each head's q and k before RoPE, one weight for all heads
+            self.q_norm, self.k_norm = (HeadNorm(config.head_dim, config.norm_eps, dtype, device) for _ in "qk")
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(*x.shape[:2], n, self.head_dim).permute(1, 2, 0, 3)  # (S, B, n*d) -> (B, n, S, d)
@@ -88,6 +105,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None) -> torch.Tensor:
         x = enter_tp_region(x, self.group, self.sequence_parallel)  # (S, B, H)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (S, B, nh/tp * d), (S, B, nkv/tp * d) x 2
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q, self.group), self.k_norm(k, self.group)
         if self.selective and self.training and self.cp == 1:  # no collective inside the core: none is recomputed
             y = torch.utils.checkpoint.checkpoint(self._core, q, k, v, rope, keys, use_reentrant=False)
         else:

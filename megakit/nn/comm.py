@@ -50,6 +50,7 @@ class Meter:
 
     def __init__(self, *, sync_cuda: bool = False) -> None:
         self.seconds, self.calls, self.sync_cuda = 0.0, 0, sync_cuda
+        self.all_to_all_bytes = 0  # what this rank's all-to-alls sent to other ranks (MoE token dispatch)
 
     def timed(self, fn, *args, **kwargs):
         if self.sync_cuda:
@@ -211,6 +212,21 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
         return x
     out = torch.empty_like(x)
     _call(dist.all_to_all_single, out, x.contiguous(), group=_pg(group))
+    return out
+
+
+def all_to_all_single(x: torch.Tensor, group, *, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+    """Rows ``x[sum(send_splits[:r]) : ...]`` (``send_splits[r]`` of them) go to rank ``r``; returns the
+    ``sum(recv_splits)`` rows received, in rank order (a new tensor). Splits may be zero, and so may
+    every row this rank sends or receives (MoE token dispatch, ``megakit.nn.moe_dispatch``)."""
+    if size(group) == 1:
+        return x
+    if _meter is not None:
+        row = x[:1].numel() * x.element_size() if x.shape[0] else 0
+        _meter.all_to_all_bytes += (sum(send_splits) - send_splits[rank(group)]) * row
+    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    _call(dist.all_to_all_single, out, x.contiguous(), output_split_sizes=list(recv_splits),
+          input_split_sizes=list(send_splits), group=_pg(group))
     return out
 
 

@@ -27,6 +27,7 @@ from megakit.nn import comm as C
 from megakit.nn.attention import Attention, apply_rope, rope_tables  # noqa: F401 (API)
 from megakit.nn.context_parallel import positions, sequence_mean
 from megakit.nn.dropout import DropoutKeys, residual_dropout
+from megakit.nn.moe import MoE
 from megakit.nn.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -89,7 +90,7 @@ class Block(nn.Module):
     """Pre-norm residual block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``."""
 
     def __init__(self, config: ModelConfig, *, index: int, group, sequence_parallel: bool, dtype, device,
-                 selective: bool = False, cp_group=None) -> None:
+                 selective: bool = False, cp_group=None, ep_group=None) -> None:
         super().__init__()
         kw = dict(group=group, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         site = f"layers.{index}"
@@ -97,7 +98,10 @@ class Block(nn.Module):
         self.attn = Attention(config, site=f"{site}.attn_probs", selective=selective, cp_group=cp_group, index=index,
                               **kw)
         self.mlp_norm = Norm(config, **kw)
-        self.mlp = MLP(config, **kw)
+        if config.moe is not None and config.moe.is_moe_layer(index):
+            self.mlp = MoE(config.moe, config.hidden, cp_group=cp_group, ep_group=ep_group, **kw)
+        else:
+            self.mlp = MLP(config, **kw)
         drop = dict(group=group, sequence_parallel=sequence_parallel, cp_group=cp_group)
         self.attn_dropout = ResidualDropout(config.dropout, f"{site}.attn_residual", **drop)
         self.mlp_dropout = ResidualDropout(config.dropout, f"{site}.mlp_residual", **drop)
@@ -157,6 +161,11 @@ class Transformer(nn.Module):
         tp, tp_rank = C.size(group), C.rank(group)
         self.cp_group = topo.cp_group if getattr(topo, "cp", 1) > 1 else None
         self.cp, self.cp_rank = C.size(self.cp_group), C.rank(self.cp_group)
+        self.ep_group = topo.ep_group if getattr(topo, "ep", 1) > 1 else None  # experts split over EP ranks
+        self.ep_rank = C.rank(self.ep_group)
+        if self.ep_group is not None and config.moe is None:
+            raise UsageError(f"--ep {topo.ep} asks for expert parallelism but the model has no experts; "
+                             "drop --ep or use an MoE model config")
         config.check_tp(tp)
         layers = range(config.layers) if layers is None else layers
         if not isinstance(layers, range) or layers.step != 1 or not (0 <= layers.start <= layers.stop <= config.layers):
@@ -180,7 +189,8 @@ class Transformer(nn.Module):
             mark(self.pos_embed.weight, None)
         if pre:
             self.embed_dropout = ResidualDropout(config.dropout, "embed", group, self.sequence_parallel, self.cp_group)
-        blocks = dict(selective=recompute == "selective", cp_group=self.cp_group, **kw)  # selective: the attention core, in Attention
+        # selective: the attention core, in Attention
+        blocks = dict(selective=recompute == "selective", cp_group=self.cp_group, ep_group=self.ep_group, **kw)
         self.layers = nn.ModuleDict({str(i): Block(config, index=i, **blocks) for i in layers})
         if post:
             self.norm = Norm(config, **kw)
@@ -197,8 +207,8 @@ class Transformer(nn.Module):
     def init_rule(self, name: str) -> tuple:
         """How the parameter called ``name`` starts: GPT-2's scheme, for both families.
 
-        Norm weights one, biases zero, output projections (``o_proj``, ``down_proj``)
-        ``N(0, (std / sqrt(2 L))^2)``, everything else ``N(0, std^2)``.
+        Norm weights one, biases zero, output projections (``o_proj``, ``down_proj``, the experts'
+        stacked ``experts.down_proj``) ``N(0, (std / sqrt(2 L))^2)``, everything else ``N(0, std^2)``.
         """
         leaf = name.rsplit(".", 2)
         if leaf[-1] == "bias":
@@ -206,14 +216,15 @@ class Transformer(nn.Module):
         if "norm" in leaf[-2]:
             return ("ones",)
         std = self.config.init_std
-        if leaf[-2] in ("o_proj", "down_proj"):
+        if leaf[-2] in ("o_proj", "down_proj") or leaf[-2:] == ["experts", "down_proj"]:
             std /= (2 * self.config.layers) ** 0.5
         return ("normal", std)
 
     def reset_parameters(self) -> None:
         """(Re)draw every parameter of this shard from ``(seed, name)``; see ``megakit.nn.weights``."""
         for name, param in self.named_parameters():
-            init_shard_(param, name=name, seed=self.seed, tp_rank=self.tp_rank, rule=self.init_rule(name))
+            init_shard_(param, name=name, seed=self.seed, tp_rank=self.tp_rank, rule=self.init_rule(name),
+                        ep_rank=self.ep_rank)
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
@@ -305,16 +316,29 @@ def _group(topo):
     return None if topo is None else topo.tp_group
 
 
+def _ep_group(topo):
+    return topo.ep_group if getattr(topo, "ep", 1) > 1 else None
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers saved with the weights (the MoE expert bias); rotary tables are not."""
+    keys = set(model.state_dict(keep_vars=True))
+    return {name: b for name, b in model.named_buffers() if name in keys}
+
+
 @torch.no_grad()
 def full_state_dict(model: nn.Module, topo=None, *, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter of this stage (or, with ``grads``, its gradient), gathered over TP and
-    with vocab padding removed.
+    """Every parameter of this stage (or, with ``grads``, its gradient), gathered over TP (and MoE
+    experts over EP) and with vocab padding removed; without ``grads`` also the persistent
+    buffers (the MoE expert bias).
 
-    Collective over the TP group: every TP rank must call it. Returns name -> full tensor.
+    Collective over the TP and EP groups: every rank of them must call it. Returns name -> full tensor.
     """
     group, out = _group(topo), {}
     for name, param in model.named_parameters():
         full = param.detach() if not grads else param.grad if param.grad is not None else torch.zeros_like(param)
+        if getattr(param, "ep_dim", None) is not None:
+            full = C.all_gather(full.contiguous(), _ep_group(topo), dim=param.ep_dim)
         dim = getattr(param, "tp_dim", None)
         if dim is not None:
             full = C.all_gather(full.contiguous(), group, dim=dim)
@@ -322,15 +346,20 @@ def full_state_dict(model: nn.Module, topo=None, *, grads: bool = False) -> dict
             if unpadded is not None:
                 full = full.narrow(dim, 0, unpadded)
         out[name] = full.clone()
+    if not grads:
+        out.update({name: b.detach().clone() for name, b in _persistent_buffers(model).items()})
     return out
 
 
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], topo=None, *, strict: bool = True) -> None:
     """Copy this rank's shard of each full tensor in ``state`` into ``model`` (inverse of above)."""
-    group = _group(topo)
+    group, ep_group = _group(topo), _ep_group(topo)
     tp, rank = C.size(group), C.rank(group)
     params = dict(model.named_parameters())
+    for name, buffer in _persistent_buffers(model).items():
+        if name in state:
+            buffer.copy_(state[name])
     missing = sorted(set(params) - set(state))
     if strict and missing:
         raise UsageError(f"state lacks {len(missing)} parameters of the model, e.g. {missing[:3]}; "
@@ -339,6 +368,9 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], topo=
         if name not in state:
             continue
         full = state[name]
+        if getattr(param, "ep_dim", None) is not None:
+            local = param.shape[param.ep_dim]
+            full = full.narrow(param.ep_dim, C.rank(ep_group) * local, local)
         dim = getattr(param, "tp_dim", None)
         if dim is not None:
             padded = param.shape[dim] * tp

@@ -88,7 +88,7 @@ class Topology:
         timeout = datetime.timedelta(seconds=timeout_s)
         self._groups = {}
         self._ranks = {}
-        for kind in ("tp", "cp", "dp", "dpcp", "pp", "mp", "embedding"):
+        for kind in ("tp", "cp", "dp", "dpcp", "pp", "mp", "embedding", "ep", "edp"):
             for ranks in layout.groups(kind):
                 group = dist.new_group(ranks, timeout=timeout)
                 if self.rank in ranks:
@@ -96,13 +96,15 @@ class Topology:
         coords = layout.coords(self.rank)
         self.tp_rank, self.dp_rank, self.pp_rank = coords["tp"], coords["dp"], coords["pp"]
         self.cp_rank = coords["cp"]
+        folded = layout.ep_coords(self.rank)
+        self.ep_rank, self.edp_rank = folded["ep"], folded["edp"]
 
     @classmethod
-    def from_world(cls, *, tp: int = 1, pp: int = 1, cp: int = 1, timeout_s: float = 300.0) -> "Topology":
+    def from_world(cls, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, timeout_s: float = 300.0) -> "Topology":
         """Build the grid over the already-initialised world; DP takes the remaining ranks."""
         import torch.distributed as dist
 
-        return cls(Layout.for_world(dist.get_world_size(), tp=tp, pp=pp, cp=cp), timeout_s=timeout_s)
+        return cls(Layout.for_world(dist.get_world_size(), tp=tp, pp=pp, cp=cp, ep=ep), timeout_s=timeout_s)
 
     # -- sizes, groups and neighbours ---------------------------------------------------------
     @property
@@ -120,6 +122,20 @@ class Topology:
     @property
     def cp(self) -> int:
         return self.layout.cp
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @property
+    def ep_group(self):
+        """The ranks that split each MoE layer's experts between them (all-to-all token dispatch)."""
+        return self._groups["ep"]
+
+    @property
+    def edp_group(self):
+        """The ranks holding the same experts: expert gradients are averaged (and ZeRO-sharded) here."""
+        return self._groups["edp"]
 
     @property
     def cp_group(self):

@@ -7,7 +7,9 @@ generator, seeded from a hash of the three, and fills that slice with
 ``N(0, std^2)`` drawn on the CPU in fp32. So a rank builds exactly its shard -- never
 a neighbour's rows and never the full parameter -- and the result does not depend
 on TP, PP, the device, the order of construction, or anything else in the model.
-Replicated parameters use the same scheme along dim 0.
+Replicated parameters use the same scheme along dim 0. MoE experts (``param.ep_dim``, stacked along
+dim 0 and split over EP ranks) use it along that dimension with the global expert index, so
+every expert starts the same at EP 1, 2 or 4.
 
 Cost: one ``torch.Generator`` seeding per slice (microseconds), negligible next to
 drawing the numbers; slices are staged in CPU blocks and copied to the device.
@@ -29,7 +31,7 @@ def index_seed(seed: int, name: str, index: int) -> int:
 
 
 @torch.no_grad()
-def init_shard_(param: torch.Tensor, *, name: str, seed: int, tp_rank: int, rule: tuple) -> None:
+def init_shard_(param: torch.Tensor, *, name: str, seed: int, tp_rank: int, rule: tuple, ep_rank: int = 0) -> None:
     """Fill this rank's shard of ``param`` by ``rule``: ``("normal", std)``, ``("zeros",)``, ``("ones",)``.
 
     Reads ``param.tp_dim`` (split dimension or None) and ``param.tp_unpadded`` (global size
@@ -46,10 +48,12 @@ def init_shard_(param: torch.Tensor, *, name: str, seed: int, tp_rank: int, rule
         return
     assert kind == "normal", rule
     std = float(rule[1])
-    split = getattr(param, "tp_dim", None)
+    split, rank = getattr(param, "tp_dim", None), tp_rank
+    if getattr(param, "ep_dim", None) is not None:
+        split, rank = param.ep_dim, ep_rank
     dim = 0 if split is None else split
     local = param.shape[dim]
-    start = 0 if split is None else tp_rank * local
+    start = 0 if split is None else rank * local
     unpadded = getattr(param, "tp_unpadded", None)
     slice_shape = param.shape[:dim] + param.shape[dim + 1:]
     for lo in range(0, local, BLOCK):

@@ -41,7 +41,9 @@ def tensor_hash(tensor: torch.Tensor) -> str:
 
 
 def weight_hashes(module: torch.nn.Module) -> dict[str, str]:
-    return {name: tensor_hash(param) for name, param in module.named_parameters()}
+    """The weights DP replicas must share; routed experts (``ep_dim``) differ between EP ranks by design."""
+    return {name: tensor_hash(param) for name, param in module.named_parameters()
+            if getattr(param, "ep_dim", None) is None}
 
 
 class Diagnostics:

@@ -1,7 +1,9 @@
 """The single-process gradient norm of a TP x PP model, and megakit's clipper for fp32 ZeRO-0.
 
 TP shards count once each, replicated parameters once per stage (on TP rank 0), and the
-tied embedding copy on the last stage (``ds_pipe_replicated``) not at all. DeepSpeed's
+tied embedding copy on the last stage (``ds_pipe_replicated``) not at all. Routed experts
+(``megakit.train.experts``) are replicated over TP and split over EP: they count on TP rank 0,
+summed over the EP group. DeepSpeed's
 fp32 ZeRO-0 path ignores that mark and does not report the norm, so there megakit clips
 itself with the same rule.
 """
@@ -13,6 +15,7 @@ import math
 import torch
 
 from megakit.nn import comm
+from megakit.train.experts import is_expert
 
 
 def counted_in_norm(param, topo) -> bool:
@@ -25,15 +28,21 @@ def counted_in_norm(param, topo) -> bool:
 def global_grad_norm(params, topo) -> tuple[float, bool]:
     """``(norm, this rank's gradients finite)``: the single-process gradient norm of the whole model.
 
-    Collective: a scalar all-reduce (sum of squares) over the model-parallel (TP x PP) group.
+    Collective: a scalar all-reduce (sum of squares) over the model-parallel (TP x PP) group, and with EP > 1
+    first one of the experts' over the EP group.
     """
     params = [p for p in params if p.grad is not None]
-    local = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else None)
+    device = params[0].grad.device if params else None
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    experts = torch.zeros((), dtype=torch.float64, device=device)
     finite = True
     for p in params:
         finite &= bool(torch.isfinite(p.grad).all())
         if counted_in_norm(p, topo):
-            local += p.grad.detach().double().pow(2).sum()
+            (experts if is_expert(p) else local).add_(p.grad.detach().double().pow(2).sum())
+    if getattr(topo, "ep", 1) > 1:  # each EP rank holds other experts (reduced over EDP: the same there)
+        comm.all_reduce(experts, topo.ep_group)
+    local += experts
     if topo.tp * topo.pp > 1:
         comm.all_reduce(local, topo.mp_group)
     return float(local.sqrt()), finite

@@ -1,15 +1,17 @@
 """What one training step cost: throughput, FLOP/s, MFU and the share spent communicating.
 
 Communication share is measured, with nothing patched: megakit's own calls (TP
-collectives, pipeline P2P, the trainer's loss and norm reductions) go through
-``megakit.nn.comm``, whose explicit ``Meter`` hook times each call and each wait on a
+collectives, pipeline P2P, MoE token all-to-alls, the trainer's loss and norm reductions) go
+through ``megakit.nn.comm``, whose explicit ``Meter`` hook times each call and each wait on a
 handle it returned; DeepSpeed's collectives (ZeRO's reductions and gathers) are timed by
 DeepSpeed's own comms logger, switched on for measured steps. With gloo on CPU a
 collective runs in the calling thread, so that is the time the step was blocked on
 communication (including waiting for slower peers, as the FAQ's "communication share"
 means). DeepSpeed's asynchronous ZeRO-3 gathers count their launch on CPU and the whole
 operation on GPU, where its logger synchronises the device after each call; on GPU,
-measuring synchronises, so a trainer measures sampled steps only.
+measuring synchronises, so a trainer measures sampled steps only. The door also counts the
+bytes the all-to-alls send to other ranks (``all_to_all_bytes``); per-layer MoE figures come
+from ``megakit.train.moe_step``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class StepCommunication:
     def __init__(self, *, sync_cuda: bool = False) -> None:
         self.meter = comm.Meter(sync_cuda=sync_cuda)
         self.result: tuple[float, int] | None = None
+        self.all_to_all_bytes = 0  # of the last measured step (MoE token dispatch, at megakit's door)
 
     @contextlib.contextmanager
     def measure(self, enabled: bool):
@@ -45,6 +48,7 @@ class StepCommunication:
         finally:
             ds_comm.configure(enabled=False)
         seconds, calls = self.meter.take()
+        self.all_to_all_bytes, self.meter.all_to_all_bytes = self.meter.all_to_all_bytes, 0
         ds_seconds, ds_calls = _deepspeed_totals()
         self.result = (seconds + ds_seconds, calls + ds_calls)
 
@@ -101,6 +105,8 @@ class StepMetrics:
     dp_bytes_dense: int | None = None  # what the plain fp32 all-reduce of the same gradients would have sent
     data_seconds: float | None = None  # this rank's wait for its batch (the loader), before the step's clock
     skipped: bool = False  # a non-finite step the optimizer did not apply (megakit.train.guards)
+    moe: dict | None = None  # MoE layer -> {max_tokens, mean_tokens, dropped, aux, ...} (train.moe_step)
+    all_to_all_bytes: int | None = None  # what this rank's MoE all-to-alls sent (measured steps)
 
     @property
     def samples_per_s(self) -> float:
@@ -130,6 +136,13 @@ class StepMetrics:
         """The loader's wait as a share of the step time (the wait included)."""
         return None if self.data_seconds is None else self.data_seconds / (self.seconds + self.data_seconds)
 
+    @property
+    def moe_imbalance(self) -> float | None:
+        """The worst MoE layer's max/mean tokens per expert (1.0: perfectly balanced)."""
+        if not self.moe:
+            return None
+        return max(m["max_tokens"] / m["mean_tokens"] for m in self.moe.values())
+
     def line(self) -> str:
         parts = [f"step {self.step:>5}" + (" (skipped)" if self.skipped else ""), f"loss {self.loss:.4f}",
                  f"lr {self.lr:.2e}", f"grad-norm {self.grad_norm:.3f}",
@@ -142,6 +155,8 @@ class StepMetrics:
             parts.append(f"DP sent {self.dp_bytes / 1e6:.3g} MB of {self.dp_bytes_dense / 1e6:.3g}")
         if self.data_share is not None:
             parts.append(f"data {self.data_share:.2%}")
+        if self.moe_imbalance is not None:
+            parts.append(f"experts max/mean {self.moe_imbalance:.2f}")
         return " | ".join(parts)
 
     def scalars(self) -> dict[str, float]:
@@ -156,6 +171,12 @@ class StepMetrics:
             out["comm/dp_bytes"], out["comm/dp_bytes_dense"] = float(self.dp_bytes), float(self.dp_bytes_dense)
         if self.data_share is not None:
             out["perf/data_share"] = self.data_share
+        if self.moe:
+            out["moe/max_over_mean"] = self.moe_imbalance
+            for layer, values in self.moe.items():
+                out.update({f"moe/layer{layer}/{name}": value for name, value in values.items()})
+        if self.all_to_all_bytes is not None:
+            out["comm/all_to_all_bytes"] = float(self.all_to_all_bytes)
         return out
 
     def to_dict(self) -> dict:
@@ -163,4 +184,5 @@ class StepMetrics:
                 "seconds": self.seconds, "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
                 "tflops": self.tflops, "mfu": self.mfu, "comm_share": self.comm_share,
                 "comm_calls": self.comm_calls, "data_share": self.data_share, "dp_bytes": self.dp_bytes,
-                "dp_bytes_dense": self.dp_bytes_dense, "skipped": self.skipped}
+                "dp_bytes_dense": self.dp_bytes_dense, "skipped": self.skipped, "all_to_all_bytes": self.all_to_all_bytes,
+                "moe": None if self.moe is None else {str(k): v for k, v in self.moe.items()}}

@@ -16,10 +16,12 @@ import torch
 
 
 def decay_groups(module: torch.nn.Module) -> list[dict]:
-    """``module``'s trainable parameters as two optimizer groups: decayed, and not decayed (weight_decay 0)."""
+    """``module``'s trainable parameters as two optimizer groups: decayed, and not decayed (weight_decay 0).
+
+    Named: DeepSpeed splits the experts (``megakit.train.experts``) out of each group by its name."""
     params = [p for p in module.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2]},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [{"name": "decay", "params": [p for p in params if p.ndim >= 2]},
+              {"name": "no_decay", "params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
 

@@ -20,20 +20,25 @@ from megakit.train.optim import decay_groups, start_schedule
 
 def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_len: int | None = None, seed: int = 0,
                   data: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES, eval_every: int = 0,
-                  eval_batches: int = 8) -> dict[str, list]:
+                  eval_batches: int = 8, moe: dict | None = None) -> dict[str, list]:
     """``{"loss": [...], "grad_norm": [...], "lr": [...], "evals": [...]}`` of ``steps`` steps of the unsplit model.
 
     ``ds_config`` is the dict the trainer used (micro-batch and accumulation per rank);
     ``dp`` is the distributed run's DP size, so the global batch is the same. With ``eval_every``, ``evals``
     holds ``{"step", "loss"}`` where the trainer evaluates: the mean loss, in eval mode, over every
-    micro-batch of ``eval_batches`` validation batches.
+    micro-batch of ``eval_batches`` validation batches. ``moe``: the ``TrainConfig`` ``moe_*`` flags
+    (``moe_aux_loss=...``). An MoE model's balancing losses are scaled like the loss (1 / micro-batches)
+    and its expert bias moves once per step.
     """
     from deepspeed.runtime import lr_schedules
 
     from megakit.nn.model import ModelConfig, Transformer
+    from megakit.nn.moe import set_aux_loss_scale, update_expert_bias
+    from megakit.train.run import TrainConfig, with_moe_flags
 
     corpus = open_corpus(data, max_bytes=max_bytes)
     config = model_for_corpus(ModelConfig.load(model), model, corpus)
+    config = with_moe_flags(config, TrainConfig(ds_config=ds_config, model=model, **(moe or {})))
     net = Transformer(config, seed=seed)
     seq_len = seq_len or config.max_seq_len
     plan = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
@@ -49,6 +54,7 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
     max_norm = float(ds_config.get("gradient_clipping", 0.0))
     out = {"loss": [], "grad_norm": [], "lr": [], "evals": []}
     micro_count = plan.dp * plan.accumulation
+    set_aux_loss_scale(net, 1.0 / micro_count)
     for step in range(steps):
         out["lr"].append(optimizer.param_groups[0]["lr"])
         total = 0.0
@@ -60,6 +66,7 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
         norm = torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm if max_norm > 0 else float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        update_expert_bias(net)
         if scheduler is not None:
             scheduler.step()
         out["loss"].append(total)

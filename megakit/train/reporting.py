@@ -69,7 +69,9 @@ class Reporter:
                            f", {cfg.recompute} recompute" if cfg.recompute != "none" else "",
                            f", resuming {run.checkpoint} at step {start}" if start else ""])
         print(f"megakit: training {cfg.model} on {dist.get_world_size()} process(es): TP {topo.tp} x PP {topo.pp}{chunks} "
-              f"{f'x CP {topo.cp} ' if topo.cp > 1 else ''}x DP {topo.dp}{options}", flush=True)
+              f"{f'x CP {topo.cp} ' if topo.cp > 1 else ''}x DP {topo.dp}"
+              f"{f' (experts: EP {topo.ep} x EDP {topo.dp * topo.cp // topo.ep})' if topo.ep > 1 else ''}{options}",
+              flush=True)
         self.bar = progress_bar(cfg.steps, start) if cfg.progress else None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter

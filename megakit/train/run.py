@@ -9,6 +9,7 @@ Everything below ``train`` reads the ``Run`` instead of working the same things 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,11 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallelism: the sequence split over CP ranks, attention as ring attention
+    ep: int = 1  # expert parallelism: each MoE layer's experts split over EP ranks taken from DP x CP
+    moe_aux_loss: float | None = None  # overrides of the model's MoEConfig (None: the config's own)
+    moe_z_loss: float | None = None
+    moe_capacity_factor: float | None = None
+    moe_expert_bias: bool = False  # aux-loss-free balancing (DeepSeek-V3's expert bias)
     seq_len: int | None = None
     seed: int = 0
     vpp: int = 1
@@ -95,6 +101,8 @@ class TrainConfig:
         if self.eval_every < 0 or self.eval_batches < 1:
             raise UsageError(f"--eval-every must be at least 0 and --eval-batches at least 1, got {self.eval_every} "
                              f"and {self.eval_batches}")
+        if self.ep < 1:
+            raise UsageError(f"--ep must be at least 1, got {self.ep}")
         if self.vpp > 1 and self.pp == 1:
             raise UsageError(f"--vpp {self.vpp} splits each pipeline stage into chunks, so it needs --pp > 1")
         if self.schedule == "zb-h1" and self.vpp > 1:
@@ -136,7 +144,9 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     ds_config = load_ds_config(cfg.ds_config, dp=layout.dp, pp=layout.pp)
     require_optimizer(ds_config)
     corpus = open_corpus(cfg.data, max_bytes=cfg.max_bytes)
-    model = model_for_corpus(ModelConfig.load(cfg.model), cfg.model, corpus)
+    model = with_moe_flags(model_for_corpus(ModelConfig.load(cfg.model), cfg.model, corpus), cfg)
+    _check_expert_parallel(cfg, model, layout, ds_config)
+    layout = dataclasses.replace(layout, ep=cfg.ep)
     seq_len = cfg.seq_len or model.max_seq_len
     check_seq_len(model, seq_len)
     model.check_tp(cfg.tp)  # the model's shards and stages, refused here once rather than by every rank's model
@@ -187,6 +197,59 @@ def _check_schedule(schedule: str, *, pp: int, vpp: int, accumulation: int) -> N
                          f"ds_config's gradient_accumulation_steps is {accumulation}; set it to a multiple of {pp} "
                          f"(e.g. {pp * max(1, -(-accumulation // pp))})")
     build_schedule(schedule, pp, accumulation, vpp)
+
+
+def moe_overrides(cfg: TrainConfig) -> dict:
+    """The ``MoEConfig`` fields the ``--moe-*`` flags set (empty: none given)."""
+    out = {"aux_loss_coeff": cfg.moe_aux_loss, "z_loss_coeff": cfg.moe_z_loss,
+           "capacity_factor": cfg.moe_capacity_factor, "expert_bias": cfg.moe_expert_bias or None}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def with_moe_flags(model: ModelConfig, cfg: TrainConfig) -> ModelConfig:
+    """``model`` with the ``--moe-*`` flags applied to its experts (MoEConfig checks the values)."""
+    changes = moe_overrides(cfg)
+    if not changes:
+        return model
+    if model.moe is None:
+        flags = ", ".join("--" + {"aux_loss_coeff": "moe-aux-loss", "z_loss_coeff": "moe-z-loss",
+                                  "capacity_factor": "moe-capacity-factor", "expert_bias": "moe-expert-bias"}[k]
+                          for k in changes)
+        raise UsageError(f"{flags}: model {cfg.model} has no experts; drop the flag, or train an MoE model "
+                         "(e.g. --model moe-tiny)")
+    return model.replace(moe=dataclasses.replace(model.moe, **changes))
+
+
+def _check_expert_parallel(cfg: TrainConfig, model: ModelConfig, layout: Layout, ds_config: dict) -> None:
+    """``--ep`` against the model, the grid and the ds_config; one line each, before any process group."""
+    if cfg.ep == 1:
+        return
+    if model.moe is None:
+        raise UsageError(f"--ep {cfg.ep}: model {cfg.model} has no experts to split; drop --ep, or train an MoE "
+                         "model (e.g. --model moe-tiny)")
+    if model.moe.experts % cfg.ep:
+        raise UsageError(f"--ep {cfg.ep} does not divide the {model.moe.experts} experts of each MoE layer; use a "
+                         f"divisor of {model.moe.experts}")
+    dpcp = layout.dp * layout.cp
+    if dpcp % cfg.ep:
+        what = f"DP x CP = {layout.dp} x {layout.cp}" if layout.cp > 1 else f"DP {layout.dp}"
+        raise UsageError(f"--ep {cfg.ep} does not divide {what}: the expert-parallel ranks are taken from the ranks "
+                         f"that share the weights; launch a multiple of TP x PP x EP = "
+                         f"{layout.tp * layout.pp * cfg.ep} processes, or use another --ep")
+    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    if stage == 3:
+        raise UsageError(f"--ep {cfg.ep} with ZeRO 3: DeepSpeed partitions only its own AutoEP experts at stage 3, "
+                         "not megakit's; use ZeRO 0-2 (ds_configs/zero2.json) with --ep, or --ep 1")
+    zero = ds_config.get("zero_optimization", {})
+    contiguous = zero.get("contiguous_gradients") is not False
+    if stage in (1, 2) and (zero.get("reduce_scatter") is False or (stage == 2 and not contiguous)):
+        raise UsageError(f"--ep {cfg.ep} with ZeRO {stage}: DeepSpeed reduces experts over their own group only with "
+                         "zero_optimization.reduce_scatter and contiguous_gradients on; drop those keys (both default "
+                         "to true)")
+    if parse_compression(cfg.compress).enabled or cfg.local_sgd:
+        flag = f"--compress {cfg.compress}" if not cfg.local_sgd else f"--local-sgd {cfg.local_sgd}"
+        raise UsageError(f"{flag} with --ep {cfg.ep}: megakit's DP exchange would average the experts over ranks "
+                         "that hold different ones; drop one of the two")
 
 
 def _check_dp_sync(cfg: TrainConfig, ds_config: dict) -> Compression:

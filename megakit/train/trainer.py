@@ -51,10 +51,12 @@ from megakit.train.diagnostics import Diagnostics
 from megakit.train.dp_sync import DataParallelSync
 from megakit.train.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
 from megakit.train.evaluate import evaluator
+from megakit.train.experts import deepspeed_sees_experts
 from megakit.train.fault_injection import TrainingFaults, with_seed_fault
 from megakit.train.grad_norm import Zero0Clipper
 from megakit.train.guards import StepGuard, TrainingDiverged
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops
+from megakit.train.moe_step import MoEStep
 from megakit.train.optim import decay_groups, start_schedule
 from megakit.train.reporting import Reporter, start_profiler
 from megakit.train.restarts import AUTO, Attempts
@@ -200,8 +202,10 @@ def _build(run: Run, topo, doctor=None):
     if run.zero_stage == 0 and run.precision == "fp32":
         clipper = Zero0Clipper(stage.parameters(), topo, float(ds_config.get("gradient_clipping", 0.0)))
         ds_config = {**ds_config, "gradient_clipping": 0.0}
-    engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=decay_groups(stage), mpu=topo,
-                                                   config=ds_config)
+    experts = run.model.moe.experts if run.model.moe else 0
+    with deepspeed_sees_experts(stage, topo, experts):  # EP > 1: expert gradients and ZeRO over EDP
+        engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=decay_groups(stage), mpu=topo,
+                                                       config=ds_config)
     unlink_shared_memory()
     if clipper is not None:
         optimizer.register_step_pre_hook(clipper)
@@ -252,6 +256,9 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
         from megakit.train.memory_probe import MemoryProbe
 
         probe = MemoryProbe(engine, topo, run)
+    moe = None
+    if run.model.moe is not None:  # the balancing losses' scale, the expert bias, per-layer metrics
+        moe = MoEStep(engine.module, topo, layers=run.model.layers, accumulation=plan.accumulation)
     reporter = Reporter(run, topo)
     attempts = Attempts(cfg.save if cfg.load == AUTO else None, start=start, active=topo.rank == 0)
     result = TrainResult()
@@ -269,12 +276,16 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
         t0 = time.perf_counter()
         with communication.measure(not torch.cuda.is_available() or step % 10 == 1 or doctor is not None):  # on GPU it synchronises
             with probe.step() if probe else contextlib.nullcontext():
+                if moe is not None:
+                    moe.before_step(engine)
                 loss = run_step(micro_batches)
                 dp_sync.after_step()
+                moe_metrics = moe.after_step() if moe is not None else None  # the expert bias moves here
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         comm_seconds, comm_calls = communication.result or (None, None)
+        a2a_bytes = communication.all_to_all_bytes if communication.result and moe is not None else None
         dp_bytes, dp_bytes_dense = dp_sync.take_bytes()
         if clipper is not None:
             grad_norm, grads_finite, applied = clipper.norm, clipper.finite, clipper.applied
@@ -294,7 +305,8 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
                               samples=plan.global_batch, tokens=plan.global_batch * plan.seq_len, flops=flops_per_step,
                               comm_seconds=comm_seconds, comm_calls=comm_calls, world_size=dist.get_world_size(),
                               peak_tflops=peak, data_seconds=waited, dp_bytes=dp_bytes,
-                              dp_bytes_dense=dp_bytes_dense, skipped=bool(skipped))
+                              dp_bytes_dense=dp_bytes_dense, skipped=bool(skipped), moe=moe_metrics,
+                              all_to_all_bytes=a2a_bytes)
         result.steps.append(metrics)
         reporter.log(metrics)
         attempts.finished(step)

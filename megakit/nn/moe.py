@@ -1,0 +1,289 @@
+"""The Mixture-of-Experts block (in place of the MLP on a config's MoE layers), with expert parallelism.
+
+``MoE(config, ...)`` holds, under Hugging Face transformers 5's in-memory names (so the HF
+mapping is a rename-free stack/unstack, ``megakit.interop.hf``):
+
+- ``gate.weight`` ``(E, H)``: the router (``megakit.nn.moe_router``, fp32), and, with the aux-loss-free
+  balancing, the buffer ``gate.e_score_correction_bias`` ``(E,)`` (fp32; only chooses experts);
+- ``experts.gate_up_proj`` ``(E/EP, 2F, H)`` (gate rows first, then up, as ``MixtralExperts``) and
+  ``experts.down_proj`` ``(E/EP, H, F)``: this rank's SwiGLU experts; rank ``r`` of the EP group
+  holds experts ``[r E/EP, (r+1) E/EP)``;
+- optionally ``shared_expert.{gate,up,down}_proj.weight`` (every token, width ``shared_ffn``) and
+  Qwen2-MoE's ``shared_expert_gate.weight`` ``(1, H)`` (the shared output times its sigmoid).
+
+Layout. Experts are not split over TP (expert TP = 1). The block works on *this TP rank's part of
+the tokens*: with sequence parallelism that is its ``S/tp`` rows as they come; without it the
+replicated ``(S, B, H)`` input is cut into ``S/tp`` rows (forward: keep the slice, backward:
+all-gather) and the output gathered back (forward: all-gather, backward: keep the slice). Every
+parameter of the block then gets a partial gradient on each TP rank, summed over TP in backward
+(``tensor_parallel.replicated``). Tokens go to the experts' EP ranks by ``megakit.nn.moe_dispatch``.
+The result equals the single-process block at every TP x CP x EP layout (dropless routing).
+
+Gradient reduction (for the trainer). After backward, dense parameters hold their TP x CP share
+(CP times it, megakit's CP convention) and are averaged over DP x CP. An expert's gradient on a
+rank already sums the contributions of every token of its EP group (the all-to-all's backward
+brought them), so: **sum expert gradients over the EDP group and divide by DP x CP** -- the
+divisor of the dense average (as DeepSpeed's ZeRO-1/2 does for its MoE parameter groups). Simply
+averaging over EDP would leave them EP times too large.
+
+Balancing losses (``moe_router``): the block adds ``aux_loss_coeff * aux + seq_aux_loss_coeff *
+seq_aux + z_loss_coeff * z`` to the training objective by itself, Megatron's
+``MoEAuxLossAutoScaler`` way: forward: the output unchanged; backward: the output's gradient,
+and ``loss_scale`` as the gradient of that sum -- so every pipeline stage's MoE layers train their
+router without the loss having to travel to the last stage. The trainer sets ``loss_scale`` to
+what its loss is multiplied by before backward (``1 / gradient_accumulation_steps``, times the fp16
+loss scale) with ``set_aux_loss_scale``. Each loss is a mean over one micro-batch of one DP replica,
+so the gradient does not depend on TP, CP, EP or PP; ``seq_aux`` and ``z`` not on the micro-batch
+size either (``aux`` is defined per micro-batch: a different cut is a different loss).
+
+Metrics: ``stats`` (the last micro-batch: tokens per expert on this rank, max/mean load, dropped
+fraction, the three losses, the bias norm, the all-to-all bytes this rank sent and received in
+forward -- backward moves as many; their time is the door's ``comm.metered``), and ``step_tokens``,
+the step's assignments per expert on this rank, counted once per forward (not again when recomputation re-runs it in
+backward); ``update_expert_bias`` sums them over the job once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megakit.core.moe_config import MoEConfig
+from megakit.errors import UsageError
+from megakit.nn import comm as C
+from megakit.nn.moe_dispatch import make_dispatcher
+from megakit.nn.moe_router import balance_losses, capacity_keep, route
+from megakit.nn.tensor_parallel import copy_to_tp, mark
+
+
+def _param(*shape, dtype, device, ep: bool = False) -> nn.Parameter:
+    p = mark(nn.Parameter(torch.empty(*shape, dtype=dtype, device=device)), None)  # replicated over TP
+    p.ep_dim = 0 if ep else None  # experts: split over EP along dim 0 (global index = EP rank x local + i)
+    return p
+
+
+class _Weight(nn.Module):
+    def __init__(self, rows: int, cols: int, *, dtype, device) -> None:
+        super().__init__()
+        self.weight = _param(rows, cols, dtype=dtype, device=device)
+
+
+class Router(nn.Module):
+    """``weight`` ``(E, H)``; ``e_score_correction_bias`` ``(E,)`` fp32 buffer with the expert bias."""
+
+    def __init__(self, config: MoEConfig, hidden: int, *, dtype, device) -> None:
+        super().__init__()
+        self.weight = _param(config.experts, hidden, dtype=dtype, device=device)
+        if config.expert_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.experts, dtype=torch.float32,
+                                                                        device=device))
+
+
+class SharedExpert(nn.Module):
+    """A SwiGLU MLP every token goes through (its TP-replicated weights see this rank's tokens)."""
+
+    def __init__(self, hidden: int, ffn: int, *, dtype, device) -> None:
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.gate_proj, self.up_proj, self.down_proj = _Weight(ffn, hidden, **kw), _Weight(ffn, hidden, **kw), \
+            _Weight(hidden, ffn, **kw)
+
+    def forward(self, x: torch.Tensor, tp_group) -> torch.Tensor:
+        w = [copy_to_tp(m.weight, tp_group) for m in (self.gate_proj, self.up_proj, self.down_proj)]
+        return F.linear(F.silu(F.linear(x, w[0])) * F.linear(x, w[1]), w[2])
+
+
+class Experts(nn.Module):
+    """This rank's SwiGLU experts, stacked. ``grouped``: ``torch._grouped_mm`` ("auto": on CUDA in
+    bf16/fp16 when the strides allow it) or a loop over experts (same numbers; the CPU default)."""
+
+    def __init__(self, local: int, hidden: int, ffn: int, *, dtype, device, grouped: bool | str = "auto") -> None:
+        super().__init__()
+        self.gate_up_proj = _param(local, 2 * ffn, hidden, dtype=dtype, device=device, ep=True)
+        self.down_proj = _param(local, hidden, ffn, dtype=dtype, device=device, ep=True)
+        self.grouped = grouped
+
+    def use_grouped(self, x: torch.Tensor) -> bool:
+        if self.grouped != "auto":
+            return bool(self.grouped)
+        aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], self.down_proj.shape[-1]))
+        return (hasattr(torch, "_grouped_mm") and x.is_cuda and aligned and x.shape[0] > 0
+                and x.dtype in (torch.bfloat16, torch.float16))
+
+    def forward(self, rows: torch.Tensor, counts: list[int], tp_group=None) -> torch.Tensor:
+        """``rows`` ``(M, H)`` grouped by local expert (``counts[e]`` each) -> ``(M, H)``."""
+        gate_up, down = copy_to_tp(self.gate_up_proj, tp_group), copy_to_tp(self.down_proj, tp_group)
+        if self.use_grouped(rows):
+            try:
+                return self._grouped(rows, counts, gate_up, down)
+            except RuntimeError:  # a device or build without the kernel: the loop, from now on
+                if self.grouped is True:
+                    raise
+                self.grouped = False
+        out, start = [], 0
+        for e, n in enumerate(counts):
+            gate, up = F.linear(rows[start:start + n], gate_up[e]).chunk(2, dim=-1)
+            out.append(F.linear(F.silu(gate) * up, down[e]))
+            start += n
+        return torch.cat(out) if out else rows[:0]
+
+
+    @staticmethod
+    def _grouped(rows, counts, gate_up, down) -> torch.Tensor:
+        offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # (M, F) x 2
+        return torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(1, 2), offs=offs)
+
+
+class _SplitSequence(torch.autograd.Function):
+    """forward: keep this TP rank's ``S/tp`` rows of a replicated ``(S, B, H)``; backward: all-gather them."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return C.split(x, group, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_gather(grad.contiguous(), ctx.group, dim=0), None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """forward: all-gather the ``S/tp`` rows of every TP rank; backward: keep this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return C.all_gather(x.contiguous(), group, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.split(grad, ctx.group, dim=0), None
+
+
+class _AttachLoss(torch.autograd.Function):
+    """forward: ``out`` unchanged; backward: ``out``'s gradient, and ``scale`` as ``loss``'s (see module doc)."""
+
+    @staticmethod
+    def forward(ctx, out, loss, scale):
+        ctx.scale, ctx.dtype = scale, loss.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, dtype=ctx.dtype, device=grad.device), None
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (a checkpointed block recomputing its forward)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)  # private; tested by test_moe's recompute case
+    return task is not None and task() != -1
+
+
+class MoE(nn.Module):
+    """The routed block: ``(S', B, H) -> (S', B, H)``; see the module docstring."""
+
+    def __init__(self, config: MoEConfig, hidden: int, *, group=None, sequence_parallel: bool = False,
+                 cp_group=None, ep_group=None, dtype=torch.float32, device=None, grouped: bool | str = "auto") -> None:
+        super().__init__()
+        ep = C.size(ep_group)
+        if config.experts % ep:
+            raise UsageError(f"--ep {ep} does not divide the {config.experts} experts; choose an EP that divides "
+                             "the number of experts")
+        self.config, self.hidden = config, hidden
+        self.tp_group = group if C.size(group) > 1 else None
+        self.split_sequence = self.tp_group is not None and not sequence_parallel
+        self.cp_group = cp_group if C.size(cp_group) > 1 else None
+        self.ep_group, self.ep, self.ep_rank = ep_group, ep, C.rank(ep_group)
+        self.dispatcher = make_dispatcher(config.experts, ep_group)
+        kw = dict(dtype=dtype, device=device)
+        self.gate = Router(config, hidden, **kw)
+        self.experts = Experts(config.experts // ep, hidden, config.ffn, grouped=grouped, **kw)
+        if config.shared_ffn:
+            self.shared_expert = SharedExpert(hidden, config.shared_ffn, **kw)
+            if config.shared_gate:
+                self.shared_expert_gate = _Weight(1, hidden, **kw)
+        self.register_buffer("step_tokens", torch.zeros(config.experts, dtype=torch.int64, device=device),
+                             persistent=False)
+        self.loss_scale = 1.0
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_sequence:
+            if x.shape[0] % C.size(self.tp_group):
+                raise UsageError(f"sequence length {x.shape[0]} is not divisible by TP {C.size(self.tp_group)}; "
+                                 "MoE layers split the tokens over TP (pad the batch or change --tp)")
+            x = _SplitSequence.apply(x, self.tp_group)
+        s, b, h = x.shape
+        tokens = x.reshape(s * b, h)  # token i is position i // B of sequence i % B
+        cfg, tp = self.config, self.tp_group
+        fp = torch.promote_types(tokens.dtype, torch.float32)  # fp32, or fp64 in fp64 tests
+        logits = F.linear(tokens.to(fp), copy_to_tp(self.gate.weight, tp).to(fp))  # (N, E)
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        experts, weights, scores = route(logits, cfg, bias)
+        keep = None if cfg.capacity_factor is None else capacity_keep(experts, weights, cfg.experts,
+                                                                      cfg.capacity_factor)
+        rows, counts, plan = self.dispatcher.dispatch(tokens, experts, keep)
+        slots = self.dispatcher.combine(self.experts(rows, counts, tp), plan)  # (N, k, H)
+        y = (slots * weights.unsqueeze(-1).to(slots.dtype)).sum(1)  # fixed order: deterministic
+        if cfg.shared_ffn:
+            shared = self.shared_expert(tokens, tp)
+            if cfg.shared_gate:
+                shared = torch.sigmoid(F.linear(tokens, copy_to_tp(self.shared_expert_gate.weight, tp))) * shared
+            y = y + shared
+        losses = balance_losses(logits, scores, experts, batch=b, config=cfg, tp_group=tp, cp_group=self.cp_group)
+        total = cfg.aux_loss_coeff * losses.aux + cfg.seq_aux_loss_coeff * losses.seq_aux + cfg.z_loss_coeff * losses.z
+        if torch.is_grad_enabled() and total.requires_grad and (cfg.aux_loss_coeff or cfg.seq_aux_loss_coeff
+                                                                or cfg.z_loss_coeff):
+            y = _AttachLoss.apply(y, total, self.loss_scale)
+        self._record(experts, keep, losses, bias, plan, h * tokens.element_size())
+        y = y.view(s, b, h)
+        return _GatherSequence.apply(y, self.tp_group) if self.split_sequence else y
+
+    @torch.no_grad()
+    def _record(self, experts, keep, losses, bias, plan, row_bytes: int) -> None:
+        counts = torch.bincount(experts.reshape(-1), minlength=self.config.experts)
+        sent = getattr(plan, "send", None)  # rows to other EP ranks, there (dispatch) and back (combine)
+        a2a = 0 if sent is None else 2 * row_bytes * (sum(sent) - sent[self.ep_rank] + sum(plan.recv)
+                                                      - plan.recv[self.ep_rank])
+        if self.training and not _in_backward():
+            self.step_tokens += counts
+        load = counts.float()
+        self.stats = {"tokens_per_expert": counts, "max_load": load.max(), "mean_load": load.mean(),
+                      "dropped": (1 - keep.float().mean()) if keep is not None else load.new_zeros(()),
+                      "aux": losses.aux.detach(), "seq_aux": losses.seq_aux.detach(), "z": losses.z.detach(),
+                      "bias_norm": bias.norm() if bias is not None else load.new_zeros(()),
+                      "a2a_bytes": torch.tensor(a2a)}  # sent + received by this rank in forward (backward: as much)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """What the trainer multiplies its loss by before backward (1 / accumulation steps, x fp16 scale)."""
+    for m in moe_layers(model):
+        m.loss_scale = float(scale)
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, topo=None) -> torch.Tensor | None:
+    """Once per optimizer step: sum each MoE layer's ``step_tokens`` over every rank that routes tokens
+    for it (DP x CP, then TP; one all-reduce each for all layers), move the expert bias by
+    ``bias_update_rate * sign(mean load - load)`` (DeepSeek-V3; layers with ``expert_bias``), and
+    zero the counts. Returns the summed counts ``(layers, E)`` (metrics), None without MoE layers.
+    Collective over DP x CP and TP: every rank of a pipeline stage calls it."""
+    layers = moe_layers(model)
+    if not layers:
+        return None
+    counts = torch.stack([m.step_tokens for m in layers])
+    if topo is not None:
+        C.all_reduce(counts, topo.get_data_parallel_group() if topo.dp * topo.cp > 1 else None)
+        C.all_reduce(counts, topo.tp_group if topo.tp > 1 else None)
+    for m, load in zip(layers, counts.double()):
+        bias = getattr(m.gate, "e_score_correction_bias", None)
+        if bias is not None and m.config.expert_bias:
+            bias += (m.config.bias_update_rate * torch.sign(load.mean() - load)).to(bias.dtype)
+        m.step_tokens.zero_()
+    return counts

@@ -1,0 +1,140 @@
+"""Token dispatch: the rows each rank's experts compute, and the way back. One protocol, one class per strategy.
+
+A dispatcher takes this rank's tokens ``x (N, H)`` and their routing ``experts (N, k)`` (global
+ids; ``keep`` marks the assignments a capacity keeps) and returns the rows its local experts
+must compute, grouped by local expert, with the count per local expert; ``combine`` takes the
+experts' outputs in that order and gives back ``(N, k, H)``: slot ``[i, j]`` is the output of
+token ``i``'s ``j``-th expert (zeros where dropped). The caller weighs and sums the ``k`` slots in
+a fixed order, so nothing is accumulated by scattering to duplicate indices: dispatch copies
+each token ``k`` times (its gradient is a sum over ``k``), and every other step is a permutation
+(a gather, whose gradient writes each row once). Bit-reproducible on any device.
+
+- ``LocalDispatcher``: every expert is here (EP = 1): a stable sort by expert.
+- ``AllToAllDispatcher``: experts sharded over the EP group (rank ``r`` holds experts
+  ``[r E/EP, (r+1) E/EP)``). The same sort, then one all-to-all of the per-expert counts and one
+  all-to-all with variable splits of the rows (``_AllToAll``: forward the all-to-all, backward
+  the reverse one); the received rows, ordered by source rank, are regrouped by local expert.
+  A rank may send or receive no rows at all (Megatron #1877).
+
+An all-gather dispatcher, or a DeepEP-class one, would be a third class with the same two methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from megakit.nn import comm as C
+
+
+class Dispatcher(Protocol):
+    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, list[int], object]:
+        """``(rows (M, H) grouped by local expert, rows per local expert, plan for combine)``."""
+
+    def combine(self, y: torch.Tensor, plan) -> torch.Tensor:
+        """Expert outputs ``(M, H)`` in dispatch order -> ``(N, k, H)``."""
+
+
+@dataclass
+class _Sorted:
+    order: torch.Tensor  # (N k,) slot indices sorted by expert (dropped last)
+    kept: int  # assignments dispatched
+    n: int
+    k: int
+
+
+def _sort(x: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor | None, num_experts: int
+          ) -> tuple[torch.Tensor, torch.Tensor, _Sorted]:
+    """``(rows sorted by expert (kept, H), kept assignments per expert (E,), plan)``."""
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    if keep is not None:
+        flat = torch.where(keep.reshape(-1), flat, num_experts)  # dropped: a sentinel expert, sorted last
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    kept = n * k if keep is None else int(keep.sum())
+    copies = x.unsqueeze(1).expand(n, k, x.shape[-1]).reshape(n * k, x.shape[-1])  # grad: a sum over k
+    return copies[order[:kept]], counts, _Sorted(order, kept, n, k)
+
+
+def _unsort(y: torch.Tensor, plan: _Sorted) -> torch.Tensor:
+    """Inverse of ``_sort``: ``(kept, H)`` -> ``(N, k, H)``, zeros for dropped slots."""
+    total = plan.n * plan.k
+    if plan.kept < total:
+        y = torch.cat([y, y.new_zeros(total - plan.kept, y.shape[-1])])
+    inverse = torch.empty_like(plan.order)
+    inverse[plan.order] = torch.arange(total, device=plan.order.device)
+    return y[inverse].view(plan.n, plan.k, y.shape[-1])
+
+
+class LocalDispatcher:
+    """EP = 1: all ``num_experts`` experts on this rank."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+
+    def dispatch(self, x, experts, keep):
+        rows, counts, plan = _sort(x, experts, keep, self.num_experts)
+        return rows, counts.tolist(), plan
+
+    def combine(self, y, plan):
+        return _unsort(y, plan)
+
+
+class _AllToAll(torch.autograd.Function):
+    """forward: all-to-all of rows with variable splits over ``group``; backward: the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, group, send_splits, recv_splits):
+        ctx.group, ctx.send, ctx.recv = group, send_splits, recv_splits
+        return C.all_to_all_single(x, group, send_splits=send_splits, recv_splits=recv_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_to_all_single(grad, ctx.group, send_splits=ctx.recv, recv_splits=ctx.send), None, None, None
+
+
+def all_to_all(x: torch.Tensor, group, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+    """Differentiable ``comm.all_to_all_single``: forward the all-to-all, backward the reverse one."""
+    return x if C.size(group) == 1 else _AllToAll.apply(x, group, send_splits, recv_splits)
+
+
+@dataclass
+class _Exchange:
+    local: _Sorted
+    send: list[int]  # rows to each EP rank
+    recv: list[int]  # rows from each EP rank
+    regroup: torch.Tensor  # received rows (by source) -> rows by local expert
+
+
+class AllToAllDispatcher:
+    """Experts sharded over ``group`` (EP ranks); tokens travel by all-to-all with variable splits."""
+
+    def __init__(self, num_experts: int, group) -> None:
+        self.num_experts, self.group, self.ep = num_experts, group, C.size(group)
+        assert num_experts % self.ep == 0, (num_experts, self.ep)  # checked by the MoE layer
+        self.local = num_experts // self.ep
+
+    def dispatch(self, x, experts, keep):
+        rows, counts, plan = _sort(x, experts, keep, self.num_experts)
+        received_counts = C.all_to_all(counts.contiguous(), self.group).view(self.ep, self.local)  # [src, local e]
+        send = counts.view(self.ep, self.local).sum(1).tolist()
+        recv = received_counts.sum(1).tolist()
+        received = all_to_all(rows, self.group, send, recv)  # by source rank, then local expert
+        segment = torch.arange(self.local, device=x.device).repeat(self.ep)  # local expert of each received block
+        segment = segment.repeat_interleave(received_counts.reshape(-1))
+        regroup = torch.argsort(segment, stable=True)
+        return received[regroup], received_counts.sum(0).tolist(), _Exchange(plan, send, recv, regroup)
+
+    def combine(self, y, plan):
+        inverse = torch.empty_like(plan.regroup)
+        inverse[plan.regroup] = torch.arange(plan.regroup.numel(), device=y.device)
+        back = all_to_all(y[inverse], self.group, plan.recv, plan.send)
+        return _unsort(back, plan.local)
+
+
+def make_dispatcher(num_experts: int, ep_group) -> Dispatcher:
+    return LocalDispatcher(num_experts) if C.size(ep_group) == 1 else AllToAllDispatcher(num_experts, ep_group)

@@ -1,0 +1,107 @@
+"""DeepSpeed's expert machinery, switched on for megakit's MoE layers: expert gradients and ZeRO over EDP.
+
+With ``--ep N`` an MoE layer's experts are split over the EP group, and each expert is
+replicated over the expert-data-parallel group (EDP: the DP x CP ranks with the same EP
+rank). DeepSpeed 0.19.8 already knows this grid (classic ``deepspeed.moe``): a parameter
+with ``allreduce = False`` and a ``group_name`` is an expert (``deepspeed.moe.utils.is_moe_param``),
+and ``deepspeed.utils.groups`` holds the EP and EDP groups under that name. Given those,
+
+- the engine broadcasts an expert's initial weights over EDP only (over DP x CP it would
+  overwrite every EP rank's experts with DP rank 0's);
+- ZeRO 0: the boundary all-reduce sums expert gradients over EDP and dense ones over
+  DP x CP, both divided by DP x CP (``_reduce_expert_gradients``). An expert's gradient on
+  its EP rank already sums the tokens that every rank of the EP group sent it, so this is
+  the mean over the global batch, as for the dense weights;
+- ZeRO 1-2: the experts get optimizer groups of their own (``split_params_into_different_
+  moe_groups_for_optimizer``, from the named groups of ``megakit.train.optim``), whose fp32
+  master, moments and gradient partitions are sharded and reduce-scattered over EDP
+  (``_configure_moe_settings``), again divided by DP x CP; its gradient norm sums every
+  expert element once over DP x CP, then TP x PP (experts count on TP rank 0).
+
+Why DeepSpeed's and not megakit's own reduction: at ZeRO 0 megakit could reduce (as
+``dp_sync`` does), but at ZeRO 1-2 the optimizer state must be partitioned over EDP inside
+DeepSpeed's optimizer, which only this path does. DeepSpeed turns it on only when the model
+holds one of its own ``deepspeed.moe.layer.MoE`` modules (``engine.has_moe_layers``); so while
+``deepspeed.initialize`` runs, the stage carries a parameterless stand-in of that class, taken
+out again right after. ZeRO 3 refuses native MoE ("MoE not supported with Stage 3"); the
+trainer refuses ``--ep`` with ZeRO 3 before any process starts (``run._check_expert_parallel``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+MARKER = "_deepspeed_sees_experts"
+
+
+def group_name(ep: int) -> str:
+    """The name DeepSpeed files the EP/EDP groups under (its own convention)."""
+    return f"ep_size_{ep}"
+
+
+def is_expert(param) -> bool:
+    """Marked for DeepSpeed as an expert (``mark_experts``)."""
+    return getattr(param, "allreduce", True) is False
+
+
+def expert_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The routed experts' stacked weights (``param.ep_dim``, ``megakit.nn.moe``); the router and the shared
+    expert are dense."""
+    return {n: p for n, p in module.named_parameters() if getattr(p, "ep_dim", None) is not None}
+
+
+def mark_experts(module: torch.nn.Module, ep: int) -> int:
+    """Tag ``module``'s routed-expert parameters as DeepSpeed's experts of group ``ep_size_<ep>``;
+    returns how many. At EP 1 nothing is tagged: every rank holds every expert, a dense weight."""
+    params = expert_parameters(module) if ep > 1 else {}
+    for p in params.values():
+        p.allreduce, p.group_name = False, group_name(ep)
+    return len(params)
+
+
+def register_groups(topo) -> None:
+    """File the topology's EP and EDP groups where DeepSpeed's expert code looks them up (by name)."""
+    from deepspeed.utils import groups
+
+    name = group_name(topo.ep)
+    groups._EXPERT_PARALLEL_GROUP[name] = topo.ep_group  # noqa: SLF001 (DeepSpeed's registry of expert groups)
+    groups._EXPERT_PARALLEL_GROUP_RANKS[name] = topo.group_ranks("ep")  # noqa: SLF001
+    groups._EXPERT_DATA_PARALLEL_GROUP[name] = topo.edp_group  # noqa: SLF001
+    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = topo.group_ranks("edp")  # noqa: SLF001
+
+
+def _marker(experts: int) -> torch.nn.Module:
+    from deepspeed.moe.layer import MoE
+
+    class ExpertsHere(MoE):
+        """Tells the engine this model has expert layers (it checks ``isinstance(m, MoE)``); no parameters,
+        never called. DeepSpeed's ``MoE.__init__`` (which would build experts of its own) is not run."""
+
+        def __init__(self) -> None:
+            torch.nn.Module.__init__(self)
+            self.num_experts = experts
+
+        def set_deepspeed_parallelism(self, *args, **kwargs) -> None:
+            pass  # megakit's topology built the groups
+
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("the DeepSpeed MoE marker is not a layer")
+
+    return ExpertsHere()
+
+
+@contextlib.contextmanager
+def deepspeed_sees_experts(stage: torch.nn.Module, topo, experts: int):
+    """Around ``deepspeed.initialize``: with EP > 1, mark the experts, register the groups and let the engine
+    find an ``MoE`` module in ``stage``. Nothing at EP 1."""
+    if getattr(topo, "ep", 1) == 1 or not mark_experts(stage, topo.ep):
+        yield
+        return
+    register_groups(topo)
+    stage.add_module(MARKER, _marker(experts))
+    try:
+        yield
+    finally:
+        del stage._modules[MARKER]  # noqa: SLF001 (the one way to take a child module out again)
