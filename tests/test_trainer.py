@@ -154,7 +154,8 @@ def test_each_rank_seeds_its_default_generators_from_the_seed_and_its_place(dp_r
     draws = {i: r["default_draws"] for i, r in enumerate(results) if "default_draws" in r}
     for i, (first, second) in draws.items():
         assert all(a != b for a, b in zip(first, second)), (i, first, second)  # DP rank 0 vs DP rank 1 (or PP)
-    same_place = [i for i, c in enumerate(cases) if c.get("pp", 1) == 1 and c.get("seed", 0) == 0 and i in draws]
+    same_place = [i for i, c in enumerate(cases)  # DP 2: ranks at (pp 0, dp 0, tp 0) and (pp 0, dp 1, tp 0)
+                  if c.get("pp", 1) == c.get("tp", 1) == 1 and c.get("seed", 0) == 0 and i in draws]
     assert len(same_place) > 5
     for i in same_place:
         assert draws[i] == draws[0], (i, draws[i], draws[0])
