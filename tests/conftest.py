@@ -1,11 +1,10 @@
 """Suite-wide hygiene for the multi-process tests: no job may leave a DeepSpeed buffer in /dev/shm.
 
-DeepSpeed's CPU all-reduce names a shared-memory buffer per rank
+DeepSpeed's CPU all-reduce names a shared-memory buffer per rank of a launched job
 (``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``) and never removes it; the trainer
-unlinks the names once every rank has mapped them (``megakit.train.deepspeed_shm``), and so must a test
-that builds a DeepSpeed engine itself. After each module, a buffer named with a port this session
-handed out (``multiproc.free_port``) is a leak: it is removed, and the module fails. Other
-processes' buffers on the machine are left alone.
+unlinks the names once every rank has mapped them (``megakit.train.deepspeed_shm``). After each module,
+a buffer named with a port this session handed out (``multiproc.free_port``) is a leak: it is removed,
+and the module fails (wiping them silently hid exactly that). Other processes' buffers are left alone.
 """
 
 import glob

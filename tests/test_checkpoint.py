@@ -128,8 +128,6 @@ def _worker(rank, world_size, root):
     # ZeRO-3 partitions each TP shard over DP: save gathers it (every DP rank takes part).
     import deepspeed
 
-    from megakit.train.deepspeed_shm import unlink_shared_memory
-
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the running process group
     config = _config(*CASES[1])
     model = Transformer(config, topo2x2, seed=SAVE_SEED)
@@ -137,7 +135,6 @@ def _worker(rank, world_size, root):
                  "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
     deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=ds_config,
                          mpu=topo2x2)
-    unlink_shared_memory()  # DeepSpeed's /dev/shm buffers: named only until every rank mapped them
     out["zero3_partitioned"] = model.embed.weight.numel() == 0
     save_checkpoint(root / "zero3", model, topo2x2, step=5, config=config)
     out["zero3_load"] = _errors(lambda: load_checkpoint(root / "zero3", model, topo2x2))

@@ -150,8 +150,6 @@ def _deepspeed_worker(rank, world_size):
     """PP = 2 x DP = 2 with one DeepSpeed engine (ZeRO-1) per stage, driven through the pluggable hooks."""
     import deepspeed
 
-    from megakit.train.deepspeed_shm import unlink_shared_memory
-
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the running process group
     config = ModelConfig.load("gpt-tiny")  # tied embeddings: first and last stage sync them
     topo = Topology(Layout.for_world(world_size, pp=2))
@@ -171,7 +169,6 @@ def _deepspeed_worker(rank, world_size):
                  "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0, "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=lr),
                                       config=ds_config, mpu=topo)
-    unlink_shared_memory()  # DeepSpeed's /dev/shm buffers: named only until every rank mapped them
 
     def backward(output, grad):
         if grad is None:

@@ -171,14 +171,12 @@ def _deepspeed_engine_from(rank, world, path, dp, pp):
     import deepspeed
     import torch
 
-    from megakit.train.deepspeed_shm import unlink_shared_memory
     from megakit.train.ds_config import load_ds_config
 
     deepspeed.init_distributed(dist_backend="gloo")
     config = load_ds_config(path, dp=dp, pp=pp)  # the trainer's reading: a pipeline steps once per flush
     model = torch.nn.Linear(4, 4)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    unlink_shared_memory()  # DeepSpeed's /dev/shm buffers: named only until every rank mapped them
     return type(engine.optimizer).__name__, config["zero_optimization"]["overlap_comm"]
 
 

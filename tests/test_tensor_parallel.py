@@ -217,7 +217,6 @@ def _deepspeed_worker(rank: int, world_size: int) -> list[float]:
 
     from megakit.nn.model import ModelConfig, Transformer, full_state_dict
     from megakit.nn.topology import Topology
-    from megakit.train.deepspeed_shm import unlink_shared_memory
 
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the running process group
     topo = Topology.from_world(tp=2)
@@ -237,7 +236,6 @@ def _deepspeed_worker(rank: int, world_size: int) -> list[float]:
                      "gradient_clipping": 0.5, "steps_per_print": 10**9}
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                           config=ds_config, mpu=topo)
-        unlink_shared_memory()  # DeepSpeed's /dev/shm buffers: named only until every rank mapped them
         engine.backward(engine(ids[topo.dp_rank], ids[topo.dp_rank]))
         engine.step()
         state, want = full_state_dict(model, topo), dict(ref.named_parameters())
