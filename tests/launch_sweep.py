@@ -4,18 +4,31 @@
 
 CASES.json: a list of ``TrainConfig`` keyword dicts (``ds_config`` may be a dict). Rank 0
 writes, per case, the per-step losses, grad norms, LRs, communication shares and calls and
-the --verify-memory rows, and last ``{"replaced": [...]}``: the torch.distributed functions
-that are no longer torch's own after all the runs (none may be).
+the --verify-memory rows and what each rank's default generators give after the case
+(``default_draws``: per rank, torch's initial seed and one draw each of torch, Python and NumPy), and
+last ``{"replaced": [...]}``: the torch.distributed functions that are no longer torch's own after all
+the runs (none may be).
 """
 
 import json
 import os
+import random
 import sys
 
+import numpy as np
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from megakit.train.trainer import TrainConfig, TrainingDiverged, train
+
+
+def _default_draws() -> list:
+    """Every rank's default generators now (the next case seeds them again), gathered by rank."""
+    mine = [torch.initial_seed(), torch.rand(1).item(), random.random(), float(np.random.rand())]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
 
 
 def main() -> int:
@@ -33,7 +46,8 @@ def main() -> int:
                         "comm_calls": [m.comm_calls for m in result.steps],
                         "comm_share": [m.comm_share for m in result.steps], "evals": result.evals,
                         "dp_bytes": [[m.dp_bytes, m.dp_bytes_dense] for m in result.steps],
-                        "moe": [m.moe for m in result.steps], "all_to_all_bytes": [m.all_to_all_bytes for m in result.steps]})
+                        "moe": [m.moe for m in result.steps], "all_to_all_bytes": [m.all_to_all_bytes for m in result.steps],
+                        "default_draws": _default_draws()})
     names = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "send",
              "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "all_gather_object")
     results.append({"replaced": [n for n in names if getattr(dist, n) is not getattr(distributed_c10d, n)

@@ -18,10 +18,15 @@ import traceback
 import torch.multiprocessing as mp
 
 
+ISSUED_PORTS: set[int] = set()  # every port handed out here; conftest.py looks for buffers named with them
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    ISSUED_PORTS.add(port)
+    return port
 
 
 def _entry(fn, rank, world_size, port, results, args):

@@ -305,3 +305,32 @@ def test_zero3_partitioned_model_saves_whole_shards(spawned):
     assert load_checkpoint(root / "zero3", model).step == 5
     got, want = full_state_dict(model), full_state_dict(Transformer(config, seed=SAVE_SEED))
     assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+V1 = Path(__file__).parent / "data" / "checkpoint-v1"  # written by megakit's save_checkpoint at format 1
+
+
+def test_a_version_1_checkpoint_still_loads(tmp_path):
+    """A checkpoint of format version 1 (weights only, one sha256 per file; tests/data/checkpoint-v1, written by
+    the code before format 2) loads with its stored tensors, and a changed byte is still caught."""
+    from safetensors import safe_open
+
+    from megakit.interop.checkpoint_format import manifest_config, read_manifest
+
+    manifest = read_manifest(V1)
+    assert manifest["version"] == 1 and all("sha256" in f for f in manifest["files"].values())
+    config = manifest_config(manifest)
+    model = Transformer(config, seed=LOAD_SEED)
+    assert load_checkpoint(V1, model).step == 3
+    with safe_open(V1 / "model-pp00-tp00.safetensors", framework="pt") as f:
+        stored = {name: f.get_tensor(name) for name in f.keys()}
+    params = dict(model.named_parameters())
+    assert set(stored) == set(params) and len(stored) > 10
+    for name, tensor in stored.items():
+        assert torch.equal(params[name], tensor), name
+    assert not torch.equal(params["embed.weight"], Transformer(config, seed=LOAD_SEED).embed.weight)  # it loaded
+    damaged = tmp_path / "v1"
+    shutil.copytree(V1, damaged)
+    _flip_byte(damaged / "model-pp00-tp00.safetensors")
+    with pytest.raises(UsageError, match="fails its checksum.*sha256"):
+        load_checkpoint(damaged, model)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from multiproc import free_port
-from test_trainer import ROOT, deepspeed, dropout_model
+from test_trainer import LOSS_TOL, ROOT, deepspeed, dropout_model
 
 TRAIN = ["scripts/train.py", "--ds_config", "ds_configs/zero1.json", "--seq-len", "32", "--no-progress"]
 
@@ -73,7 +73,12 @@ def test_a_tp_group_across_nodes_is_refused_and_tp_inside_nodes_trains(tmp_path)
 
     trained = _two_nodes("--tp", "2", "--pp", "2", "--steps", "2", "--metrics-out", str(tmp_path / "m.json"))
     assert all(r.returncode == 0 for r in trained), "".join(r.stdout + r.stderr for r in trained)[-3000:]
-    assert len(_losses(tmp_path / "m.json")) == 2
+    from megakit.train.reference import reference_run
+
+    single = reference_run(json.loads((ROOT / "ds_configs" / "zero1.json").read_text()), model="gpt-tiny", steps=2,
+                           seq_len=32)["loss"]  # what one process trains on the same batches
+    got = _losses(tmp_path / "m.json")
+    assert len(got) == 2 and all(abs(a - b) < LOSS_TOL for a, b in zip(got, single)), (got, single)
 
     allowed = _two_nodes("--tp", "4", "--steps", "1", "--allow-cross-node-tp")
     text = "".join(r.stdout + r.stderr for r in allowed)

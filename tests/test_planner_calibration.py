@@ -2,9 +2,11 @@
 HSDP / ZeRO-3 runs (tests/data/sharded-dp.json, a copy of ../shared/calibration with how the planner reads
 each row), Narayanan et al. 2021 Tables 1-2 (tests/data/megatron-2021.json) and megakit's own trainer on
 an H200 (tests/data/megakit-runs.json). Each layout is pinned as published; the per-row errors are printed
-(``pytest -s``) and each must be within 15 %."""
+(``pytest -s``). The bounds sit just above what is measured (sharded-dp: mean 6.9 %, max 14.7 %), and the
+README states the measured figures."""
 
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -22,7 +24,9 @@ from megakit.core.planner.search import OVERHEAD_BYTES
 DATA = Path(__file__).parent / "data"
 SHARDED = json.loads((DATA / "sharded-dp.json").read_text())
 MEGAKIT = json.loads((DATA / "megakit-runs.json").read_text())["rows"]
-TOLERANCE = 0.15
+TOLERANCE = 0.15  # per row; measured max 14.7 %
+MEAN_TOLERANCE = 0.075  # sharded-dp mean; measured 6.9 %
+README = Path(__file__).parent.parent / "README.md"
 
 
 def sharded_case(row) -> tuple[ModelSpec, Cluster, Plan]:
@@ -83,7 +87,18 @@ def test_every_row_within_15_percent_printing_the_table():
     print("\n".join(lines))
     outside = [line for line, (p, m, _) in zip(lines[1:], ERRORS.values()) if abs(p / m - 1) > TOLERANCE]
     assert not outside, "\n".join(outside)
-    assert statistics.mean(sharded) <= 0.10
+    assert statistics.mean(sharded) <= MEAN_TOLERANCE
+
+
+def test_the_readme_states_the_measured_errors():
+    """The README's "mean error X %, max Y %" for the published sharded runs is what this table measures."""
+    sharded = [abs(ERRORS[r["id"]][0] / ERRORS[r["id"]][1] - 1) for r in SHARDED["rows"]]
+    stated = re.search(r"(\d+) published FSDP/FSDP2/HSDP/ZeRO-3 runs\s+\(mean error ([\d.]+) %, max ([\d.]+) %\)",
+                       README.read_text())
+    assert stated, "README.md no longer states the calibration error"
+    assert int(stated.group(1)) == len(sharded)
+    assert (float(stated.group(2)), float(stated.group(3))) == (round(100 * statistics.mean(sharded), 1),
+                                                               round(100 * max(sharded), 1))
 
 
 @pytest.mark.parametrize("row", SHARDED["rows"], ids=lambda r: r["id"])

@@ -5,6 +5,7 @@ One 4-process job runs the uninterrupted run (TP2 x DP2, ZeRO-1, dropout 0.1, sa
 and then resumes its checkpoints at other layouts; every case keeps the global batch at 8 sequences.
 """
 
+import glob
 import json
 import os
 import re
@@ -115,29 +116,48 @@ def test_bad_checkpoints_are_refused_in_one_line(resumed, tmp_path):
     other_seed = _train(tmp_path, "--load", str(good), "--steps", "6", "--seed", "3", nprocs=2,
                         model=cases[0]["model"])
     assert other_seed.returncode == 2 and "resume with the same --seed" in other_seed.stderr, other_seed.stderr[-2000:]
+    # another global batch (here 16 sequences against the checkpoint's 8): refused as the trainer resolves its run,
+    # before any process group, in one line naming the fix
+    from megakit.errors import UsageError
+    from megakit.train.run import TrainConfig, resolve
+
+    for world, micro, accumulation in ((4, 4, 2), (4, 2, 4), (2, 4, 4)):  # 4 ranks: TP 2 x DP 2; 2 ranks: DP 1
+        wrong = TrainConfig(ds_config=ds_config(1, micro=micro, accumulation=accumulation), model=cases[0]["model"],
+                            seq_len=32, steps=6, tp=2, load=str(good))
+        with pytest.raises(UsageError) as refused:
+            resolve(wrong, world, say=lambda *_: None)
+        line = str(refused.value)
+        assert "\n" not in line and "global_batch 8, this run has 16" in line and "same global batch" in line, line
+    right = TrainConfig(ds_config=ds_config(1, micro=4, accumulation=1), model=cases[0]["model"], seq_len=32,
+                        steps=6, tp=2, load=str(good))
+    assert resolve(right, 4, say=lambda *_: None).start_step == 4  # the same 8 sequences in another split resume
 
 
 @pytest.mark.slow
 def test_a_job_killed_while_saving_resumes_on_the_uninterrupted_trajectory(tmp_path):
-    """SIGKILL the whole job while a checkpoint is being written (a .tmp- directory exists); the series
-    resumes from the newest complete one and reproduces the uninterrupted losses exactly."""
+    """SIGKILL the whole job while a checkpoint is being written: the job is frozen (SIGSTOP) once a save's .tmp-
+    directory exists, and killed only if it still does, so the kill lands mid-save. The unfinished save survives
+    as .tmp- only, --keep 3 has kept exactly the three newest complete ones, the killed job left no DeepSpeed
+    buffer in /dev/shm, and the series resumes from the newest complete one on the uninterrupted losses."""
     full = _train(tmp_path, "--steps", "40", "--metrics-out", str(tmp_path / "full.json"))
     assert full.returncode == 0, full.stderr[-3000:]
     series = tmp_path / "series"
     config = tmp_path / "zero1.json"
     log = open(tmp_path / "job.txt", "w")
-    job = subprocess.Popen(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "scripts/train.py",
+    port = free_port()
+    job = subprocess.Popen(["deepspeed", "--num_gpus", "2", "--master_port", str(port), "scripts/train.py",
                             "--ds_config", str(config), "--model", "gpt-tiny", "--seq-len", "32", "--no-progress",
                             "--steps", "400", "--save", str(series), "--save-every", "1", "--keep", "3"],
                            cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT,
                            start_new_session=True)
     try:
-        deadline, caught = time.time() + 240, False
-        while time.time() < deadline and job.poll() is None:
-            saved = sorted(series.glob("step-*")) if series.exists() else []
-            if any(".tmp-" in p.name for p in saved) and len(saved) > 3:
-                caught = True
-                break
+        deadline, caught = time.time() + 240, []
+        while time.time() < deadline and job.poll() is None and not caught:
+            if any(int(p.name[5:12]) >= 5 for p in _unfinished(series)):  # --keep has pruned by then
+                os.killpg(job.pid, signal.SIGSTOP)  # every process of the job stops where it stands
+                caught = _unfinished(series)
+                if not caught:  # the save finished in between: on to the next one
+                    os.killpg(job.pid, signal.SIGCONT)
             time.sleep(0.002)
         assert job.poll() is None, (tmp_path / "job.txt").read_text()[-3000:]
         os.killpg(job.pid, signal.SIGKILL)
@@ -146,9 +166,20 @@ def test_a_job_killed_while_saving_resumes_on_the_uninterrupted_trajectory(tmp_p
             os.killpg(job.pid, signal.SIGKILL)
         job.wait()
     assert caught, "no save was caught in progress"
+    (unfinished,) = _unfinished(series)  # what the kill interrupted is still there, unpublished
+    killed_at = int(unfinished.name[5:12])
+    complete = sorted(p.name for p in series.glob("step-*") if "." not in p.name)
+    assert complete == [f"step-{s:07d}" for s in range(killed_at - 3, killed_at)], (complete, killed_at)  # --keep 3
+    assert (series / "latest").read_text().strip() == complete[-1]
+    assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")  # SIGKILL leaves no buffer behind
     resumed = _train(tmp_path, "--load", str(series), "--steps", "40", "--metrics-out", str(tmp_path / "res.json"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     start = int(re.search(r"resuming from .*step-(\d+)", resumed.stdout).group(1))
+    assert start == killed_at - 1, (start, killed_at)
     want = [s["loss"] for s in json.loads((tmp_path / "full.json").read_text())["steps"]][start:]
     got = [s["loss"] for s in json.loads((tmp_path / "res.json").read_text())["steps"]]
     assert got == want and 0 < start < 40, (start, got, want)
+
+
+def _unfinished(series: Path) -> list[Path]:
+    return sorted(series.glob("step-*.tmp-*")) if series.exists() else []

@@ -7,6 +7,7 @@ for TP x PP, TP x DP and CP, most with ``--verify-memory`` on (it only observes)
 
 import glob
 import json
+import math
 import os
 import re
 import signal
@@ -154,7 +155,21 @@ def dp_results(tmp_path_factory, shards):
     # cases 19-21: CP 2 (DP 1) under local SGD, int8 (ZeRO-1's buckets) and Top-K; 22-25: DP 2 under local SGD, int8
     # (ZeRO 0 and 1) and Top-K, which CP 2 x DP 2 must equal (mp_results)
     cases += sync_cases(shards, CP_DP1_SYNC, cp=2) + sync_cases(shards, DP_SYNC)
+    # case 26: another --seed (one step): each rank's default generators follow it
+    cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=1, seq_len=32, seed=1))
     return cases, sweep(tmp_path_factory, 2, cases)
+
+
+def warmup_cosine_lr(step: int, *, peak: float = 3e-3, warmup: int = 5, total: int = 40, floor: float = 0.1) -> float:
+    """The LR of optimizer step ``step`` (0-based) under ``ds_config()``'s WarmupCosineLR, from its definition:
+    step t runs at the schedule's iteration t + 1, so step 0 already trains at peak / warmup; from iteration
+    ``warmup`` on, a cosine from the peak down to ``floor`` x peak over the remaining ``total - warmup`` steps
+    (DeepSpeed counts the first of them as step 1 of the cosine)."""
+    it = step + 1
+    if it < warmup:
+        return peak * it / warmup
+    progress = min(1.0, (it - warmup + 1) / (total - warmup))
+    return peak * (floor + (1 - floor) * (1 + math.cos(math.pi * progress)) / 2)
 
 
 @pytest.mark.slow
@@ -163,6 +178,27 @@ def test_zero_0_to_3_match_the_single_process_model(dp_results):
     ref = reference(cases[0], dp=2)  # the stages differ only in how DeepSpeed shards: one reference
     for stage in range(4):
         assert_same_trajectory(results[stage], ref)
+    want = [warmup_cosine_lr(step) for step in range(STEPS)]  # not through start_schedule, which both runs share
+    assert results[0]["lr"] == pytest.approx(want, rel=1e-9), (results[0]["lr"], want)
+    assert results[0]["lr"][0] == pytest.approx(3e-3 / 5) and max(results[0]["lr"]) > 0.99 * 3e-3
+
+
+@pytest.mark.slow
+def test_each_rank_seeds_its_default_generators_from_the_seed_and_its_place(dp_results):
+    """torch's, Python's and NumPy's default generators: seeded on every rank (two ranks never draw alike), from
+    --seed and the rank's place in the grid (the same seed and place give the same seed and draws whatever else the
+    run did; another seed gives others)."""
+    cases, results = dp_results
+    draws = {i: r["default_draws"] for i, r in enumerate(results) if "default_draws" in r}
+    for i, (first, second) in draws.items():
+        assert all(a != b for a, b in zip(first, second)), (i, first, second)  # DP rank 0 vs DP rank 1 (or PP)
+    same_place = [i for i, c in enumerate(cases)  # DP 2: ranks at (pp 0, dp 0, tp 0) and (pp 0, dp 1, tp 0)
+                  if c.get("pp", 1) == c.get("tp", 1) == c.get("cp", 1) == 1 and c.get("seed", 0) == 0 and i in draws]
+    assert len(same_place) > 5
+    for i in same_place:
+        assert draws[i] == draws[0], (i, draws[i], draws[0])
+    other_seed = draws[26]
+    assert all(a != b for rank in range(2) for a, b in zip(other_seed[rank], draws[0][rank])), (other_seed, draws[0])
 
 
 @pytest.mark.slow
@@ -285,6 +321,7 @@ def mp_results(tmp_path_factory, shards):
     cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, pp=2,
                       compress="sign"))
     # case 10: TP2 x PP2, interleaved (2 chunks), on token shards (BPE 512) with validation every 5 steps, saved
+    shards = _token_shards(tmp_path_factory)
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
                       vpp=2, data=shards, eval_every=5, eval_batches=2,
                       save=str(tmp_path_factory.mktemp("ckpt") / "run")))
@@ -298,6 +335,11 @@ def mp_results(tmp_path_factory, shards):
     # case 17: CP 2 x DP 2 validated (Llama, GQA)
     cases.append(dict(ds_config=ds_config(0), model="llama-tiny", steps=6, seq_len=32, cp=2, data=shards,
                       eval_every=3, eval_batches=1))
+    # cases 18, 19: sign at PP2 x DP2 and Top-K at TP2 x DP2, evaluating and saving every 3 steps (pending updates)
+    for compress, layout in (("sign", dict(pp=2)), ("topk:0.1", dict(tp=2))):
+        cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=6, seq_len=32, data=shards,
+                          compress=compress, eval_every=3, eval_batches=2, save_every=3, keep=2,
+                          save=str(tmp_path_factory.mktemp("ckpt") / compress.split(":")[0]), **layout))
     return cases, sweep(tmp_path_factory, 4, cases)
 
 
@@ -320,10 +362,10 @@ def test_tp2_pp2_and_tp2_dp2_match_the_single_process_model(mp_results):
 
 
 @pytest.mark.slow
-def test_tp2_pp2_on_token_shards_validates_and_exports_a_model_transformers_talks_to(mp_results, tmp_path):
+def test_tp2_pp2_on_token_shards_validates_and_exports_a_model_transformers_talks_to(mp_results, tmp_path, capsys):
     """Shards through the loader at TP2 x PP2 (interleaved) follow the single process; evaluating every 5 steps leaves the
     training losses alone and its loss falls; the export loads with its tokenizer in transformers, gives the
-    trainer's last validation loss, and generates."""
+    trainer's last validation loss, and generates; ``megakit generate`` prints what transformers generates."""
     import torch
     import transformers
 
@@ -350,6 +392,44 @@ def test_tp2_pp2_on_token_shards_validates_and_exports_a_model_transformers_talk
     generated = transformers.pipeline("text-generation", model=str(out))("import os\n", max_new_tokens=8,
                                                                         do_sample=False)[0]["generated_text"]
     assert generated.startswith("import os\n") and len(generated) > len("import os\n")
+    # megakit generate: the checkpoint itself, continued as transformers' pipeline continues its export
+    capsys.readouterr()
+    assert megakit(["generate", case["save"], "--prompt", "import os\n", "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out == generated + "\n"
+    assert megakit(["generate", case["save"], "--prompt", "x", "--max-new-tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--max-new-tokens" in err, err
+
+
+@pytest.mark.slow
+def test_sign_and_topk_send_their_pending_updates_before_each_save_and_evaluation(mp_results):
+    """Sign (PP2 x DP2) and Top-K (TP2 x DP2) leave each DP rank with updates the others have not received; before
+    a save and an evaluation they are sent, so the trainer evaluates one model and saves that model: each
+    checkpoint, evaluated by one process on the same validation batches, gives the trainer's validation loss."""
+    import torch
+
+    from megakit.interop.checkpoint import load_checkpoint
+    from megakit.interop.checkpoint_format import manifest_config, read_manifest
+    from megakit.nn.model import Transformer
+    from megakit.train.corpus import ValidationBatches, open_corpus
+    from megakit.train.data import BatchPlan
+
+    cases, results = mp_results
+    for index in (18, 19):
+        case, result = cases[index], results[index]
+        assert [e["step"] for e in result["evals"]] == [3, 6], result["evals"]
+        assert sorted(p.name for p in Path(case["save"]).iterdir()) == ["latest", "step-0000003", "step-0000006"]
+        plan = BatchPlan(seq_len=32, micro_batch=2, accumulation=4, dp=2)
+        batches = ValidationBatches(open_corpus(case["data"]), plan, case["eval_batches"])
+        for evaluation in result["evals"]:
+            saved = Path(case["save"]) / f"step-{evaluation['step']:07d}"
+            model = Transformer(manifest_config(read_manifest(saved)))
+            load_checkpoint(saved, model)
+            model.eval()
+            with torch.no_grad():
+                losses = [float(model(x, y)) for k in range(batches.batches) for rank in range(plan.dp)
+                          for x, y in batches.micro_batches(k, rank)]
+            assert abs(sum(losses) / len(losses) - evaluation["loss"]) < 1e-5, (case["compress"], evaluation, losses)
 
 
 @pytest.mark.slow
@@ -537,7 +617,7 @@ def test_compressed_dp_and_local_sgd_train_close_to_the_exact_run(dp_results):
     for result in (topk, local, fp16):
         assert result["loss"][-1] < result["loss"][0] - 0.3, result["loss"]  # it trains
     assert gaps["fp16"] < 2e-3 and gaps["local"] < 0.05 and gaps["topk"] < 0.03, gaps
-    assert gaps["plain"] > 1.5 * gaps["topk"], gaps  # measured: 0.31 against 0.003
+    assert gaps["plain"] > 10 * gaps["topk"], gaps  # measured: 0.31 against 0.003
     sent, dense = topk["dp_bytes"][0]
     assert sent <= 0.1 * dense
     local_sent = sum(s for s, _ in local["dp_bytes"])
