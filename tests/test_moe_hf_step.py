@@ -1,0 +1,89 @@
+"""A transformers Mixtral imported, trained one step by megakit at EP2 x TP2 (4 ranks, DP 2), exported: every
+parameter equals transformers' own one-step AdamW training of the same weights on the same batch (issue 20).
+
+The aux loss is off on both sides (``output_router_logits`` False), so the loss is the plain cross-entropy.
+Adam's first step moves a weight by ``lr * g / (|g| + eps)``, which with a small eps is ``lr * sign(g)``
+whatever the gradient's scale; eps is set to the size of the (clipped) gradients here, so an expert gradient
+off by a factor (a wrong EP/DP average) or a gradient norm that counts the experts wrongly (clipping is
+active: the norm is about 3) moves the weights by ~1e-4, far past the 1e-5 tolerance.
+"""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from multiproc import free_port  # noqa: E402
+from test_trainer import ROOT  # noqa: E402
+
+from megakit.commands.cli import main  # noqa: E402
+from megakit.train.data import BatchPlan, TokenBatches, load_tokens  # noqa: E402
+
+OPTIMIZER = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-3, "weight_decay": 0.1}  # eps ~ |g|: see above
+CLIP = 1.0
+MICRO, ACCUMULATION, DP, SEQ = 2, 2, 2, 32  # 4 ranks at TP2: DP 2, over which EP 2 splits the experts
+
+
+def _hf_mixtral(directory):
+    """A tiny seeded Mixtral (4 experts, top-2) on the byte vocabulary, saved by the installed transformers."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, max_position_embeddings=64, initializer_range=0.2, rms_norm_eps=1e-6, intermediate_size=16,
+        num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0, output_router_logits=False,
+        attention_dropout=0.0, tie_word_embeddings=False)
+    transformers.MixtralForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+
+
+def _transformers_step(directory, inputs, labels):
+    """transformers' model after one torch AdamW step (transformers' decay rule, the same clipping)."""
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory).float()
+    decayed = set(transformers.Trainer.get_decay_parameter_names(None, reference))
+    groups = [{"params": [p for n, p in reference.named_parameters() if n in decayed]},
+              {"params": [p for n, p in reference.named_parameters() if n not in decayed], "weight_decay": 0.0}]
+    assert groups[1]["params"]  # the norms
+    optimizer = torch.optim.AdamW(groups, lr=OPTIMIZER["lr"], betas=tuple(OPTIMIZER["betas"]),
+                                  eps=OPTIMIZER["eps"], weight_decay=OPTIMIZER["weight_decay"])
+    logits = reference(inputs).logits
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+    optimizer.step()
+    return reference, float(norm)
+
+
+@pytest.mark.slow
+def test_one_step_at_ep2_tp2_equals_transformers_own_step(tmp_path):
+    _hf_mixtral(tmp_path / "hf")
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "ck"), "--from-hf"]) == 0
+    ds = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
+          "gradient_clipping": CLIP, "optimizer": {"type": "AdamW", "params": {**OPTIMIZER, "torch_adam": True}},
+          "zero_optimization": {"stage": 1}, "steps_per_print": 10**9}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    out = subprocess.run(["deepspeed", "--num_gpus", "4", "--master_port", str(free_port()), "scripts/train.py",
+                          "--ds_config", str(tmp_path / "ds.json"), "--model", str(tmp_path / "hf"), "--load",
+                          str(tmp_path / "ck"), "--steps", "1", "--ep", "2", "--tp", "2", "--seq-len", str(SEQ),
+                          "--moe-aux-loss", "0", "--save", str(tmp_path / "trained"), "--no-progress"],
+                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert main(["convert", str(tmp_path / "trained"), "--to-hf", str(tmp_path / "exported")]) == 0
+
+    plan = BatchPlan(seq_len=SEQ, micro_batch=MICRO, accumulation=ACCUMULATION, dp=DP)
+    inputs, labels = TokenBatches(load_tokens(None), plan).global_batch(0)
+    reference, norm = _transformers_step(tmp_path / "hf", inputs, labels)
+    assert norm > CLIP  # clipping acts, so the gradient norm over the split experts counts
+    want = reference.state_dict()
+    start = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().state_dict()
+    got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").float().state_dict()
+    assert got.keys() == want.keys()
+    diffs = {k: (got[k] - want[k]).abs().max().item() for k in want}
+    moved = min((want[k] - start[k]).abs().max().item() for k in want)
+    worst = max(diffs, key=diffs.get)
+    print(f"EP2 x TP2 Mixtral step: grad norm {norm:.3f}, max |param diff| {diffs[worst]:.2e} ({worst}), "
+          f"smallest max move {moved:.2e}")
+    assert moved > 1e-4  # every parameter, each expert's included, did move
+    assert diffs[worst] < 1e-5, {k: f"{v:.2e}" for k, v in diffs.items() if v >= 1e-5}
