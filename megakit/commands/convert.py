@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         from megakit.interop.hf_import import import_hf
 
         summary = import_hf(args.source, args.out)
-        print(f"wrote {args.out}: a megakit checkpoint at step 0 ({summary['family']}, "
+        print(f"wrote {args.out}: a megakit checkpoint at step 0 ({summary['model_type']}, "
               f"{summary['params'] / 1e6:.2f} M parameters, {summary['dtype']}) from {args.source}")
         print(f"train from it with: deepspeed scripts/train.py --model {args.source} --load {args.out} ...")
         return 0

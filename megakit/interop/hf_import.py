@@ -73,4 +73,4 @@ def import_hf(hf_dir, out_dir) -> dict:
     load_full_state_dict(model, full)
     save_checkpoint(out, model, None, step=0, config=config, extra={"imported_from": str(hf_dir)})
     return {"params": sum(t.numel() for t in full.values()), "dtype": str(dtype).removeprefix("torch."),
-            "family": config.family}
+            "family": config.family, "model_type": config.to_hf()["model_type"]}
