@@ -1,4 +1,4 @@
-"""A transformers Mixtral imported, trained one step by megakit at EP2 x TP2 (4 ranks, DP 2), exported: every
+"""A transformers Mixtral or Qwen3-MoE imported, trained one step by megakit at EP2 x TP2 (4 ranks, DP 2), exported: every
 parameter equals transformers' own one-step AdamW training of the same weights on the same batch (issue 20).
 
 The aux loss is off on both sides (``output_router_logits`` False), so the loss is the plain cross-entropy.
@@ -28,15 +28,21 @@ CLIP = 1.0
 MICRO, ACCUMULATION, DP, SEQ = 2, 2, 2, 32  # 4 ranks at TP2: DP 2, over which EP 2 splits the experts
 
 
-def _hf_mixtral(directory):
-    """A tiny seeded Mixtral (4 experts, top-2) on the byte vocabulary, saved by the installed transformers."""
+def _hf_model(directory, kind: str):
+    """A tiny seeded Mixtral or Qwen3-MoE (4 experts, top-2; Qwen3's q/k norms and renormalised top-k) on the
+    byte vocabulary, saved by the installed transformers."""
     torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, max_position_embeddings=64, initializer_range=0.2, rms_norm_eps=1e-6, intermediate_size=16,
-        num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0, output_router_logits=False,
-        attention_dropout=0.0, tie_word_embeddings=False)
-    transformers.MixtralForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    shape = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=8, max_position_embeddings=64, initializer_range=0.2, rms_norm_eps=1e-6,
+                 num_experts_per_tok=2, router_aux_loss_coef=0.0, output_router_logits=False, attention_dropout=0.0,
+                 tie_word_embeddings=False)
+    if kind == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            intermediate_size=16, num_local_experts=4, **shape))
+    else:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            intermediate_size=48, moe_intermediate_size=16, num_experts=4, norm_topk_prob=True, **shape))
+    model.save_pretrained(directory, safe_serialization=True)
 
 
 def _transformers_step(directory, inputs, labels):
@@ -56,8 +62,9 @@ def _transformers_step(directory, inputs, labels):
 
 
 @pytest.mark.slow
-def test_one_step_at_ep2_tp2_equals_transformers_own_step(tmp_path):
-    _hf_mixtral(tmp_path / "hf")
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_one_step_at_ep2_tp2_equals_transformers_own_step(tmp_path, kind):
+    _hf_model(tmp_path / "hf", kind)
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "ck"), "--from-hf"]) == 0
     ds = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
           "gradient_clipping": CLIP, "optimizer": {"type": "AdamW", "params": {**OPTIMIZER, "torch_adam": True}},
@@ -83,7 +90,7 @@ def test_one_step_at_ep2_tp2_equals_transformers_own_step(tmp_path):
     diffs = {k: (got[k] - want[k]).abs().max().item() for k in want}
     moved = min((want[k] - start[k]).abs().max().item() for k in want)
     worst = max(diffs, key=diffs.get)
-    print(f"EP2 x TP2 Mixtral step: grad norm {norm:.3f}, max |param diff| {diffs[worst]:.2e} ({worst}), "
+    print(f"EP2 x TP2 {kind} step: grad norm {norm:.3f}, max |param diff| {diffs[worst]:.2e} ({worst}), "
           f"smallest max move {moved:.2e}")
     assert moved > 1e-4  # every parameter, each expert's included, did move
     assert diffs[worst] < 1e-5, {k: f"{v:.2e}" for k, v in diffs.items() if v >= 1e-5}
