@@ -54,7 +54,7 @@ from megakit.errors import UsageError
 from megakit.nn import comm as C
 from megakit.nn.moe_dispatch import make_dispatcher
 from megakit.nn.moe_router import balance_losses, capacity_keep, route
-from megakit.nn.tensor_parallel import copy_to_tp, mark
+from megakit.nn.tensor_parallel import copy_to_tp, gather_from_tp, mark, scatter_to_tp
 
 
 def _param(*shape, dtype, device, ep: bool = False) -> nn.Parameter:
@@ -128,38 +128,11 @@ class Experts(nn.Module):
             start += n
         return torch.cat(out) if out else rows[:0]
 
-
     @staticmethod
     def _grouped(rows, counts, gate_up, down) -> torch.Tensor:
         offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
         gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # (M, F) x 2
         return torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(1, 2), offs=offs)
-
-
-class _SplitSequence(torch.autograd.Function):
-    """forward: keep this TP rank's ``S/tp`` rows of a replicated ``(S, B, H)``; backward: all-gather them."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return C.split(x, group, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return C.all_gather(grad.contiguous(), ctx.group, dim=0), None
-
-
-class _GatherSequence(torch.autograd.Function):
-    """forward: all-gather the ``S/tp`` rows of every TP rank; backward: keep this rank's rows."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return C.all_gather(x.contiguous(), group, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return C.split(grad, ctx.group, dim=0), None
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -214,7 +187,7 @@ class MoE(nn.Module):
             if x.shape[0] % C.size(self.tp_group):
                 raise UsageError(f"sequence length {x.shape[0]} is not divisible by TP {C.size(self.tp_group)}; "
                                  "MoE layers split the tokens over TP (pad the batch or change --tp)")
-            x = _SplitSequence.apply(x, self.tp_group)
+            x = scatter_to_tp(x, self.tp_group, 0)  # forward: keep S/tp rows; backward: all-gather
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)  # token i is position i // B of sequence i % B
         cfg, tp = self.config, self.tp_group
@@ -239,7 +212,7 @@ class MoE(nn.Module):
             y = _AttachLoss.apply(y, total, self.loss_scale)
         self._record(experts, keep, losses, bias, plan, h * tokens.element_size())
         y = y.view(s, b, h)
-        return _GatherSequence.apply(y, self.tp_group) if self.split_sequence else y
+        return gather_from_tp(y, self.tp_group, 0) if self.split_sequence else y
 
     @torch.no_grad()
     def _record(self, experts, keep, losses, bias, plan, row_bytes: int) -> None:

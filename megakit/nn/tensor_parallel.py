@@ -56,29 +56,29 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 class _ScatterToTP(torch.autograd.Function):
-    """forward: keep this rank's slice of the last dim; backward: all-gather the last dim."""
+    """forward: keep this rank's slice of ``dim`` (the last by default); backward: all-gather ``dim``."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return C.split(x, group, dim=-1)
+    def forward(ctx, x, group, dim=-1):
+        ctx.group, ctx.dim = group, dim % x.dim()
+        return C.split(x, group, dim=ctx.dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return C.all_gather(grad, ctx.group, dim=grad.dim() - 1), None
+        return C.all_gather(grad.contiguous(), ctx.group, dim=ctx.dim), None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
-    """forward: all-gather the last dim; backward: keep this rank's slice of the last dim."""
+    """forward: all-gather ``dim`` (the last by default); backward: keep this rank's slice of ``dim``."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return C.all_gather(x, group, dim=x.dim() - 1)
+    def forward(ctx, x, group, dim=-1):
+        ctx.group, ctx.dim = group, dim % x.dim()
+        return C.all_gather(x.contiguous(), group, dim=ctx.dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return C.split(grad, ctx.group, dim=-1), None
+        return C.split(grad, ctx.group, dim=ctx.dim), None, None
 
 
 class _SPAllGather(torch.autograd.Function):
@@ -108,8 +108,8 @@ class _SPReduceScatter(torch.autograd.Function):
 
 
 def _unless_single(fn):
-    def apply(x, group):
-        return x if C.size(group) == 1 else fn.apply(x, group)
+    def apply(x, group, *args):
+        return x if C.size(group) == 1 else fn.apply(x, group, *args)
 
     apply.__doc__ = fn.__doc__
     return apply
