@@ -34,8 +34,8 @@ def sharded_case(row) -> tuple[ModelSpec, Cluster, Plan]:
     q = row["planner"]
     model = ModelSpec(name=row["id"], family=q.get("family", "llama"), layers=row["layers"], hidden=row["hidden"],
                       heads=row["heads"], kv_heads=row["kv_heads"] or row["heads"], ffn=row["ffn"],
-                      vocab=row["vocab"] or q["vocab"], seq_len=row["seq_len"],
-                      max_positions=max(row["seq_len"], 2048), tie_embeddings=False, dropout=0.0)
+                      vocab_size=row["vocab"] or q["vocab"], seq_len=row["seq_len"],
+                      max_seq_len=max(row["seq_len"], 2048), tie_embeddings=False, dropout=0.0)
     tp, dp, mb = row["tp"] or 1, row["dp"] or q["dp"], row["micro_batch"] or q["micro_batch"]
     cluster = Cluster(gpu=gpu_preset(q["gpu"]), num_gpus=tp * dp, gpus_per_node=row["gpus_per_node"] or 8)
     cluster = cluster.with_overrides(inter_gbps=q.get("inter_gbps"))

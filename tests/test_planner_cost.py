@@ -25,8 +25,8 @@ def _vpp(layers_per_stage: int) -> int:
 
 def row_case(row):
     model = ModelSpec(name=row["id"], family="gpt2", layers=row["layers"], hidden=row["hidden"], heads=row["heads"],
-                      kv_heads=row["heads"], ffn=row["ffn"], vocab=row["vocab"], seq_len=row["seq_len"],
-                      max_positions=row["seq_len"], tie_embeddings=True, dropout=0.1)
+                      kv_heads=row["heads"], ffn=row["ffn"], vocab_size=row["vocab"], seq_len=row["seq_len"],
+                      max_seq_len=row["seq_len"], tie_embeddings=True, dropout=0.1)
     n = row["num_gpus"]
     tp, pp = row["tp"], row["pp"]
     if tp is None:  # Table 2 PTD-P 175B rows give only t*p = 96; the GPT-3 estimate: the README's 8 x 16
@@ -48,7 +48,7 @@ def test_eq3_flops_match_the_paper():
     # Megatron Eq. 3: 96·B·s·l·h²·(1 + s/6h + V/16lh) per batch, with the recomputed forward.
     row = next(r for r in ROWS if r["id"] == "nar21-t1-1008.0B")
     model, _, _ = row_case(row)
-    s, l, h, v = 2048, model.layers, model.hidden, model.vocab
+    s, l, h, v = 2048, model.layers, model.hidden, model.vocab_size
     eq3 = 96 * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)) / s  # per token
     ours = flops_per_token(model, s, recompute="full", flash_attention=False)
     assert ours == pytest.approx(eq3, rel=0.002)  # ours also counts biases
@@ -89,7 +89,7 @@ def test_gpt3_175b_on_1024_a100_for_300b_tokens_takes_about_34_days():
 
 def test_efficiency_comes_from_physics_not_a_constant():
     model = ModelSpec(name="m", family="gpt2", layers=24, hidden=2048, heads=16, kv_heads=16, ffn=8192,
-                      vocab=51200, seq_len=2048, max_positions=2048, tie_embeddings=True)
+                      vocab_size=51200, seq_len=2048, max_seq_len=2048, tie_embeddings=True)
     cluster = Cluster(gpu=A100, num_gpus=8)
     tp8 = estimate_cost(model, cluster, Plan(tp=8, dp=1, micro_batch=8, accumulation=1))
     dp8 = estimate_cost(model, cluster, Plan(dp=8, micro_batch=1, accumulation=1))
@@ -101,8 +101,8 @@ def test_efficiency_comes_from_physics_not_a_constant():
     plan = Plan(dp=64, micro_batch=4, accumulation=1)
     assert estimate_cost(model, slow, plan).comm_fraction > 0.3 > estimate_cost(model, fast, plan).comm_fraction
     # A pipeline bubble of (p-1)/(v·m): interleaving shrinks it.
-    big = ModelSpec(name="b", family="gpt2", layers=48, hidden=8192, heads=64, kv_heads=64, ffn=32768, vocab=51200,
-                    seq_len=2048, max_positions=2048, tie_embeddings=True)
+    big = ModelSpec(name="b", family="gpt2", layers=48, hidden=8192, heads=64, kv_heads=64, ffn=32768, vocab_size=51200,
+                    seq_len=2048, max_seq_len=2048, tie_embeddings=True)
     c = Cluster(gpu=A100, num_gpus=64)
     one = estimate_cost(big, c, Plan(tp=8, pp=8, dp=1, micro_batch=1, accumulation=16))
     two = estimate_cost(big, c, Plan(tp=8, pp=8, dp=1, vpp=2, micro_batch=1, accumulation=16))
@@ -119,7 +119,7 @@ def test_pipeline_time_agrees_with_the_schedule_simulator(pp, m, vpp):
     from megakit.core.simulator import Costs, simulate
 
     model = ModelSpec(name="m", family="llama", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336,
-                      vocab=128256, seq_len=4096, max_positions=4096, tie_embeddings=False)
+                      vocab_size=128256, seq_len=4096, max_seq_len=4096, tie_embeddings=False)
     cluster = Cluster(gpu=A100, num_gpus=pp).with_overrides(intra_gbps=1e12, inter_gbps=1e12)  # P2P ~ free
     cost = estimate_cost(model, cluster, Plan(pp=pp, vpp=vpp, micro_batch=1, accumulation=m))
     times = cost.stage_times

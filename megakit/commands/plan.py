@@ -113,7 +113,7 @@ def load_model(args) -> ModelSpec:
         )
 
         spec = ModelSpec.from_config(args.model, count_params=exact_param_count)
-    return spec.with_overrides(seq_len=args.seq_len, vocab=args.vocab)
+    return spec.with_overrides(seq_len=args.seq_len, vocab_size=args.vocab)
 
 
 def run(args) -> int:
@@ -299,7 +299,7 @@ def assumptions(model: ModelSpec, cluster: Cluster, auto: bool, result, precisio
     return {
         "model": {"name": model.name, "source": model.assumed, "family": model.family, "params": model.params,
                   "layers": model.layers, "hidden": model.hidden, "heads": model.heads, "kv_heads": model.kv_heads,
-                  "ffn": model.ffn, "vocab": model.vocab, "seq_len": model.seq_len,
+                  "ffn": model.ffn, "vocab": model.vocab_size, "seq_len": model.seq_len,
                   "active_params": model.active_params(),
                   "tie_embeddings": model.tie_embeddings},
         "cluster": {"gpu": gpu.name, "num_gpus": cluster.num_gpus, "nodes": cluster.nodes,

@@ -3,8 +3,8 @@
 The shape (validation, parameter counts, padded vocab, FLOPs, the HF config.json) is the
 ``ModelConfig``'s, the same object megakit's model reads; a ModelSpec adds the training
 sequence length, a name, the exact parameter count when known and the one-line
-``assumed`` text, and reads the shape under the planner's names (``vocab``,
-``max_positions``, ``layers``, ...). Three ways in:
+``assumed`` text, and reads the shape under the same field names (``vocab_size``,
+``max_seq_len``, ``layers``, ...): ModelConfig's own names. Three ways in:
 
 * ``ModelSpec.from_params("175B")`` picks the nearest shape from ``KNOWN_SHAPES``
   (GPT-3 and Megatron-LM table sizes, Llama friends) and, when the requested
@@ -16,7 +16,7 @@ sequence length, a name, the exact parameter count when known and the one-line
   from a function passed in (``megakit.interop.hf.exact_param_count`` builds the
   transformers model on the meta device), since the core imports no torch.
 * ``ModelSpec(config=..., name=..., seq_len=...)``, or with the shape as keywords under the
-  planner's names instead of ``config`` (tests, the calibration rows).
+  same names instead of ``config`` (tests, the calibration rows).
 """
 
 from __future__ import annotations
@@ -50,13 +50,10 @@ def parse_count(text: str, *, what: str = "--params", minimum: float = 1.0) -> f
 
 
 class _Shape:
-    """A ModelSpec attribute that is its ModelConfig's field (``vocab`` is ``vocab_size``, ...)."""
-
-    def __init__(self, field: str | None = None):
-        self.field = field
+    """A ModelSpec attribute that reads its ModelConfig's field of the same name."""
 
     def __set_name__(self, owner, name: str) -> None:
-        self.field = self.field or name
+        self.field = name
 
     def __get__(self, spec, owner=None):
         return self if spec is None else getattr(spec.config, self.field)
@@ -79,8 +76,8 @@ class ModelSpec:
     heads = _Shape()
     kv_heads = _Shape()
     ffn = _Shape()
-    vocab = _Shape("vocab_size")
-    max_positions = _Shape("max_seq_len")
+    vocab_size = _Shape()
+    max_seq_len = _Shape()
     tie_embeddings = _Shape()
     qkv_bias = _Shape()
     out_bias = _Shape()  # llama-style attention_bias also biases o_proj
@@ -93,13 +90,13 @@ class ModelSpec:
 
     def __init__(self, *, name: str, seq_len: int, config: ModelConfig | None = None, exact_params: int | None = None,
                  assumed: str = "", **shape):
-        """``shape``: ModelConfig fields under the planner's names (``vocab``, ``max_positions``, ...):
+        """``shape``: ModelConfig fields by their own names (``vocab_size``, ``max_seq_len``, ...):
         the whole shape without ``config``, else changes to it (so ``dataclasses.replace(spec, layers=8)``
         works). Biases default by family: GPT-2 has them all, Llama none."""
-        unknown = sorted(set(shape) - set(_SHAPE_FIELDS))
+        unknown = sorted(set(shape) - _SHAPE_FIELDS)
         if unknown:
             raise TypeError(f"ModelSpec got unexpected keyword arguments {', '.join(unknown)}")
-        fields = {_SHAPE_FIELDS[k]: v for k, v in shape.items()}
+        fields = dict(shape)
         if config is None:
             gpt2 = fields.get("family") == "gpt2"
             for bias in ("qkv_bias", "out_bias", "mlp_bias"):
@@ -171,23 +168,23 @@ class ModelSpec:
 
     def largest_layer_params(self) -> int:
         """The biggest single module (DeepSpeed's ZeRO-3 estimator and gather buffer want it)."""
-        return max(self.config.layer_params(), self.vocab * self.hidden)
+        return max(self.config.layer_params(), self.vocab_size * self.hidden)
 
-    def with_overrides(self, *, seq_len: int | None = None, vocab: int | None = None) -> "ModelSpec":
+    def with_overrides(self, *, seq_len: int | None = None, vocab_size: int | None = None) -> "ModelSpec":
         changes = {}
         if seq_len is not None:
             if seq_len < 1:
                 raise UsageError(f"--seq-len {seq_len} must be a positive integer")
-            if self.family == "gpt2" and seq_len > self.max_positions and self.exact_params is not None:
-                raise UsageError(f"--seq-len {seq_len} exceeds this GPT-2 model's {self.max_positions} learned "
+            if self.family == "gpt2" and seq_len > self.max_seq_len and self.exact_params is not None:
+                raise UsageError(f"--seq-len {seq_len} exceeds this GPT-2 model's {self.max_seq_len} learned "
                                  "positions; use a shorter --seq-len or a config with larger n_positions")
             changes["seq_len"] = seq_len
             if self.exact_params is None and self.family == "gpt2":
-                changes["max_positions"] = max(self.max_positions, seq_len)
-        if vocab is not None:
-            if vocab < 1:
-                raise UsageError(f"--vocab {vocab} must be a positive integer")
-            changes["vocab"] = vocab
+                changes["max_seq_len"] = max(self.max_seq_len, seq_len)
+        if vocab_size is not None:
+            if vocab_size < 1:
+                raise UsageError(f"--vocab {vocab_size} must be a positive integer")
+            changes["vocab_size"] = vocab_size
             changes["exact_params"] = None  # the count from the config no longer applies
         return dataclasses.replace(self, **changes) if changes else self
 
@@ -213,7 +210,7 @@ class ModelSpec:
             spec = dataclasses.replace(nearest, layers=layers, name=f"{_fmt(target)}-scaled")
             spec = dataclasses.replace(spec, assumed=f"{_fmt(target)} is not in the table: took the {nearest.name} "
                                                      f"shape with {layers} layers ({_fmt(spec.params)} parameters)")
-        return spec.with_overrides(vocab=vocab) if vocab else spec
+        return spec.with_overrides(vocab_size=vocab) if vocab else spec
 
     @classmethod
     def from_config(cls, name_or_path: str, *, count_params: Callable[[dict], int] | None = None) -> "ModelSpec":
@@ -236,7 +233,7 @@ class ModelSpec:
         return cls(config=config, name=name, seq_len=min(config.max_seq_len, 8192), assumed=f"read from {name}")
 
 
-_SHAPE_FIELDS = {name: attr.field for name, attr in vars(ModelSpec).items() if isinstance(attr, _Shape)}
+_SHAPE_FIELDS = frozenset(name for name, attr in vars(ModelSpec).items() if isinstance(attr, _Shape))
 
 
 def _fmt(n: float) -> str:
@@ -268,7 +265,7 @@ def preset_names() -> list[str]:
 def _known(name: str, *, seq_len: int) -> ModelSpec:
     family, layers, hidden, heads, kv_heads, ffn, vocab, tie = KNOWN_SHAPES[name]
     return ModelSpec(name=name, family=family, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                     ffn=ffn, vocab=vocab, seq_len=seq_len, max_positions=seq_len, tie_embeddings=tie,
+                     ffn=ffn, vocab_size=vocab, seq_len=seq_len, max_seq_len=seq_len, tie_embeddings=tie,
                      dropout=0.1 if family == "gpt2" else 0.0)
 
 
