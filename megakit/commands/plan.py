@@ -28,9 +28,9 @@ from megakit.core.planner.hardware import (
 )
 from megakit.core.planner.memory import GIB
 from megakit.core.planner.model_spec import ModelSpec, parse_count, preset_names
-from megakit.core.planner.plan import ROUTING, Plan
+from megakit.core.planner.plan import FP8_RECIPES, ROUTING, Plan
 from megakit.core.planner.search import NoPlan, Pins, search, smallest_cluster
-from megakit.core.planner.sharding import LINK_EFFICIENCY
+from megakit.core.planner.sharding import LINK_EFFICIENCY, ZERO3
 from megakit.core.planner.verdict import headroom_note
 from megakit.errors import UsageError
 
@@ -66,6 +66,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--precision", choices=("bf16", "fp16", "fp32"), help="default bf16 (fp16 on V100)")
     train.add_argument("--offload", choices=("none", "optimizer", "params"), default="none")
     train.add_argument("--attention", choices=("flash", "standard"), help="default: flash where the GPU has it")
+    train.add_argument("--kernels", choices=("eager", "compiled"), default="compiled",
+                       help="elementwise work priced fused (compiled: train.py's default on a GPU, torch.compile of "
+                            "each block, as Megatron's fused kernels) or one kernel per op (eager: --no-compile)")
+    train.add_argument("--fp8", choices=FP8_RECIPES, default="none",
+                       help="the blocks' linears on FP8 tensor cores (torchao float8, as train.py --fp8); Hopper, "
+                            "Ada, Blackwell and MI300 have them, A100 and V100 do not")
+    train.add_argument("--sp-regather", action="store_true",
+                       help="price sequence parallelism as Megatron-LM runs it: each column-parallel input kept "
+                            "split and all-gathered again in backward (less memory; megakit keeps it gathered)")
+    train.add_argument("--zero3-impl", choices=ZERO3, default="deepspeed",
+                       help="who runs ZeRO-3: deepspeed (the trainer's: prefetch of stage3_prefetch_bucket_size), "
+                            "fsdp (whole next block prefetched), deepspeed-2021 (Narayanan et al. 2021's)")
     train.add_argument("--mem-threshold", type=float, default=0.80, help="feasible if peak <= this x GPU memory")
     train.add_argument("--base-lr", type=float, help="reference LR for linear scaling (with --base-batch)")
     train.add_argument("--base-batch", type=int, default=256, help="sequences at which --base-lr applies")
@@ -130,6 +142,9 @@ def run(args) -> int:
     precision = args.precision or ("fp16" if gpu.name.startswith("v100") else
                                    "fp32" if gpu.fp32_rate == 1.0 and gpu.name.startswith("probed:") else "bf16")
     flash = gpu.flash_attention if args.attention is None else args.attention == "flash"
+    _check_fp8(args, gpu, precision)
+    execution = dict(fused_kernels=args.kernels == "compiled", fp8=args.fp8, sp_regather=args.sp_regather,
+                     zero3=args.zero3_impl)
     global_batch = args.global_batch or emit.default_global_batch(model.params, model.seq_len)
     imbalance = args.moe_imbalance if args.moe_imbalance is not None else ROUTING[args.moe_routing]
     pins = Pins(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero, micro_batch=args.micro_batch,
@@ -142,7 +157,7 @@ def run(args) -> int:
             mem_gib=args.gpu_mem, intra_gbps=args.intra_bw, inter_gbps=args.inter_bw, peak_tflops=args.peak_tflops)
 
     kwargs = dict(pins=pins, threshold=args.mem_threshold, precision=precision, offload=args.offload,
-                  flash_attention=flash, seq_len=model.seq_len, moe_imbalance=imbalance)
+                  flash_attention=flash, seq_len=model.seq_len, moe_imbalance=imbalance, execution=execution)
     auto = args.gpus is None and args.nodes is None
     if auto:
         _, result = smallest_cluster(model, lambda n: make_cluster(nodes=n), global_batch=global_batch, **kwargs)
@@ -219,6 +234,17 @@ def run(args) -> int:
     return 0
 
 
+def _check_fp8(args, gpu: GPU, precision: str) -> None:
+    """FP8 needs FP8 tensor cores and a bf16 run to cast from."""
+    if args.fp8 == "none":
+        return
+    if not gpu.fp8_tflops:
+        raise UsageError(f"--fp8 {args.fp8} needs FP8 tensor cores, which {gpu.name} lacks (Hopper, Ada, Blackwell "
+                         "and MI300 have them); drop --fp8 or plan for e.g. --gpu h100-80gb")
+    if precision != "bf16":
+        raise UsageError(f"--fp8 {args.fp8} casts from bf16, not --precision {precision}; use --precision bf16")
+
+
 def _hardware(args) -> tuple[GPU, int]:
     """The GPU and GPUs per node: a preset, or what ``megakit probe`` measured (``--hardware``)."""
     if not args.hardware:
@@ -275,7 +301,19 @@ def _plan_fields(plan: Plan) -> dict:
             "schedule": "zb-h1" if plan.zero_bubble else "interleaved" if plan.vpp > 1 else "1f1b",
             "micro_batch": plan.micro_batch, "grad_accum": plan.accumulation, "global_batch": plan.global_batch,
             "recompute": plan.recompute, "sequence_parallel": plan.sequence_parallel, "precision": plan.precision,
-            "offload": plan.offload, "flash_attention": plan.flash_attention}
+            "offload": plan.offload, "flash_attention": plan.flash_attention,
+            "kernels": "compiled" if plan.fused_kernels else "eager", "fp8": plan.fp8, "sp_regather": plan.sp_regather,
+            "zero3_impl": plan.zero3}
+
+
+# Which FLOPs each throughput figure counts (the JSON carries this; the tables say it in their labels).
+FLOPS_CONVENTIONS = {
+    "model_tflops_per_gpu": "model FLOPs: 6N-style, attention's full S x S (PaLM's and Megatron's MFU convention), "
+                            "no recompute",
+    "mfu": "model FLOPs / (GPUs x dense 16-bit peak)",
+    "hardware_tflops_per_gpu": "FLOPs the kernels execute: recompute included, causal flash attention's masked half "
+                               "skipped",
+}
 
 
 def plan_dict(plan: Plan, mem, cost, cluster: Cluster, tokens, seq_len: int) -> dict:
@@ -284,7 +322,7 @@ def plan_dict(plan: Plan, mem, cost, cluster: Cluster, tokens, seq_len: int) -> 
         "memory": mem.gib(), "peak_stage": mem.stage,
         "step_time_s": cost.step_time_s, "tokens_per_s": cost.tokens_per_s,
         "model_tflops_per_gpu": cost.model_tflops_per_gpu, "hardware_tflops_per_gpu": cost.hardware_tflops_per_gpu,
-        "mfu": cost.mfu, "comm_fraction": cost.comm_fraction, "bubble_fraction": cost.bubble_fraction,
+        "mfu": cost.mfu, "flops_conventions": FLOPS_CONVENTIONS, "comm_fraction": cost.comm_fraction, "bubble_fraction": cost.bubble_fraction,
         "all_to_all_s": cost.a2a_s, "all_to_all_fraction": cost.a2a_s / cost.step_time_s,
         "num_gpus": plan.world,
     }

@@ -62,7 +62,8 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
                        ("batch", f"micro {p['micro_batch']} x accumulation {p['grad_accum']} x DP {p['dp']} = "
                                  f"{p['global_batch']} sequences"),
                        ("recompute", p["recompute"]), ("sequence parallel", p["sequence_parallel"]),
-                       ("precision / attention", f"{p['precision']} / {a['attention']}")):
+                       ("precision / attention", f"{p['precision']} / {a['attention']}"),
+                       ("kernels / fp8", f"{p['kernels']} / {p['fp8']}")):
         plan.add_row(key, str(value))
     console.print(plan)
 
@@ -86,8 +87,9 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
 
     speed = Table(title="Throughput (predicted)", show_header=False)
     rows = [("step time", f"{p['step_time_s']:.2f} s"), ("tokens/s", f"{p['tokens_per_s']:,.0f}"),
-            ("model TFLOP/s per GPU", f"{p['model_tflops_per_gpu']:.0f}"),
-            ("hardware TFLOP/s per GPU", f"{p['hardware_tflops_per_gpu']:.0f}"), ("MFU", f"{p['mfu']:.1%}"),
+            ("model TFLOP/s per GPU (full S x S attention)", f"{p['model_tflops_per_gpu']:.0f}"),
+            ("hardware TFLOP/s per GPU (as executed: recompute, causal flash half)",
+             f"{p['hardware_tflops_per_gpu']:.0f}"), ("MFU (model FLOPs, PaLM's convention)", f"{p['mfu']:.1%}"),
             ("communication share", f"{p['comm_fraction']:.1%}"), ("pipeline bubble", f"{p['bubble_fraction']:.1%}"),
             *((("MoE all-to-all (dispatch + combine)", f"{p['all_to_all_s']:.2f} s per step, "
                 f"{p['all_to_all_fraction']:.1%} of it"),) if "moe" in a else ()),

@@ -23,6 +23,13 @@ balanced count on the busiest rank. Each expert's GEMM is priced from its own sh
 x H x F), so fine-grained experts with few tokens each run further from the peak: the grouped GEMM's
 efficiency follows from the per-expert token count, with no separate constant.
 
+FP8 (``Plan.fp8``, torchao's Float8Linear): each of the block's linears runs its three GEMMs (forward,
+input and weight gradient) on the FP8 tensor cores (``GPU.fp8_tflops``, at the same MAMF fraction and
+roofline as bf16, with 1-byte operands) at ``FP8_GEMM[recipe]`` of that rate, after scaling and casting its
+operands: ``FP8_CAST[recipe]`` passes (read 16-bit, write 8-bit) over both inputs of each GEMM, three times as
+many without torch.compile to fuse amax, scale and cast. A linear takes FP8 only where that is faster than
+bf16, as a shape filter does (small GEMMs get slower); attention, the LM head and the norms stay in bf16.
+
 The host issues the kernels: ``LAUNCH_S`` per block and micro-batch in eager PyTorch (Python, autograd
 and launch per op), less fused. CUDA runs them asynchronously, so a block takes the smooth maximum
 of the GPU's time and the host's, and small models on fast GPUs are host-bound (``BlockTime.cpu``).
@@ -43,6 +50,14 @@ ATTENTION_SEQ_HALF = 128  # sequence length at which flash attention reaches hal
 K_MEM = 13.5  # HBM passes over the saved activations of eager elementwise kernels (forward + backward)
 K_MEM_FUSED = 0.5  # the same, fused (torch.compile, Megatron's bias-GeLU / bias-dropout-add / softmax)
 LAUNCH_S = 2e-4  # host time per block and micro-batch (forward + backward): ~50 kernel launches x 4 us
+# FP8 GEMM rate over the bf16 GEMM's fraction of its own peak, and HBM passes of the scale-and-cast per GEMM
+# input: tensorwise runs cuBLAS's FP8 GEMM with one scale per tensor; rowwise a CUTLASS GEMM with a scale per
+# row, slower, and its transposed operands re-cast for backward. Set from torchao's Llama-3-8B table (+25 % /
+# +10 % over bf16, tests/data/fp8-runs.json), checked on torchtitan's and Trainy's float8 rows there.
+FP8_GEMM = {"tensorwise": 1.0, "rowwise": 0.75}
+FP8_CAST = {"tensorwise": 1.0, "rowwise": 2.0}
+LAUNCH_FUSED = 0.4  # compiled blocks launch fewer, larger kernels (the GEMMs and attention stay; ~20 of ~50)
+FP8_CAST_EAGER = 3.0  # amax, scale and cast as separate kernels without torch.compile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +79,19 @@ def gemm_time(gpu: GPU, m: float, k: float, n: float, *, peak: float, nbytes: in
     intensity = 2 / nbytes / (1 / m + 1 / k + 1 / n)  # FLOPs per HBM byte, each operand moved once
     ridge = rate / (gpu.hbm_gbps * 1e9)
     return 2 * m * k * n / rate * (1 + ROOFLINE * ridge / intensity)
+
+
+def linear_time(gpu: GPU, plan: Plan, m: float, k: float, n: float, *, peak: float) -> float:
+    """Forward seconds of one ``(m x k) @ (k x n)`` linear of a block, in bf16 or, with ``plan.fp8``, on the
+    FP8 tensor cores where that is faster (backward: its two GEMMs of the same size)."""
+    nbytes = PRECISIONS[plan.precision]
+    dense = gemm_time(gpu, m, k, n, peak=peak, nbytes=nbytes)
+    if plan.fp8 == "none" or not gpu.fp8_tflops:
+        return dense
+    passes = FP8_CAST[plan.fp8] * (1 if plan.fused_kernels else FP8_CAST_EAGER)
+    cast = passes * (m * k + k * n) * (nbytes + 1) / (gpu.hbm_gbps * 1e9)
+    fp8 = gemm_time(gpu, m, k, n, peak=gpu.fp8_tflops * 1e12, nbytes=1) / FP8_GEMM[plan.fp8] + cast
+    return min(dense, fp8)
 
 
 def _linears(model: ModelSpec, tp: int, moe: bool = False) -> list[tuple[float, float]]:
@@ -111,7 +139,7 @@ def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: fl
     t, b, s = plan.tp, plan.micro_batch, seq_len // plan.cp
     nbytes = PRECISIONS[plan.precision]
     tokens = b * s
-    per_gemm = [gemm_time(gpu, tokens, k, n, peak=peak, nbytes=nbytes) for k, n in _linears(model, t, moe)]
+    per_gemm = [linear_time(gpu, plan, tokens, k, n, peak=peak) for k, n in _linears(model, t, moe)]
     gemm_f = sum(per_gemm) + (expert_gemm_time(model, gpu, plan, tokens=tokens, peak=peak) if moe else 0.0)
     attn_f, attn_b = attention_time(model, gpu, tp=t, seq_len=seq_len, micro_batch=b,
                                     flash=plan.flash_attention or plan.cp > 1, peak=peak, nbytes=nbytes)
@@ -125,7 +153,7 @@ def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: fl
     ew_f = elementwise / 3
     forward = gemm_f + attn_f + ew_f
     backward = 2 * gemm_f + attn_b + 2 * ew_f
-    cpu = LAUNCH_S
+    cpu = LAUNCH_S * (LAUNCH_FUSED if plan.fused_kernels else 1.0)
     if plan.recompute == "full":
         backward += plan.recompute_fraction * forward
         cpu *= 1 + plan.recompute_fraction / 3

@@ -82,11 +82,21 @@ def flops_per_token(model: ModelSpec, seq_len: int, *, recompute: str = "none", 
                     hardware: bool = True) -> float:
     """Training FLOPs per token (``ModelConfig.flops_per_token``, Megatron's Eq. 3 convention): 3 × forward,
     plus, when ``hardware``, the recomputed forward ('full'), the recomputed core attention ('selective')
-    or flash attention's recomputed scores."""
+    or flash attention's recomputed scores.
+
+    Two conventions, said so wherever a figure is shown: model FLOPs (``hardware=False``, for MFU) count
+    attention's full S x S, as PaLM's and Megatron's MFU do; hardware FLOPs count what the kernels execute:
+    the recomputation, and for fused (flash) attention only the unmasked half of the causal S x S, whose
+    masked tiles the kernel skips (written-out attention computes the whole square and masks it)."""
     if not hardware:
         recompute, flash_attention = "none", False
-    return model.config.flops_per_token(seq_len, convention="megatron", recompute=recompute,
-                                        flash_attention=flash_attention)
+    total = model.config.flops_per_token(seq_len, convention="megatron", recompute=recompute,
+                                         flash_attention=flash_attention)
+    if hardware and flash_attention:  # each attention pass the kernels run does half the square
+        attn = 4 * seq_len * model.hidden  # one forward pass of scores and values per token and block (width H)
+        passes = 3.5 + (1.0 if recompute == "full" else 0.0)  # forward, 2.5 x for backward (scores again), recompute
+        total -= model.layers * passes * attn / 2
+    return total
 
 
 def weight_grad_share(model: ModelSpec, seq_len: int, plan: Plan) -> float:
@@ -118,6 +128,8 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     one_tp = collective_time(tokens * model.hidden * nbytes, t, tp_bw, tp_where)
     recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
     tp_s = (4 + 2 * recomputed) * one_tp
+    if plan.sp_regather and plan.sequence_parallel and t > 1:  # Megatron's SP: the inputs of the two column-
+        tp_s += exposed(block.backward / 3, one_tp)  # parallel GEMMs gathered again, behind the input gradients
     cp_s = _ring_exposed(model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s)
     a2a_s = (4 + 2 * recomputed) * all_to_all_time(
         cluster, tokens / t * model.moe.top_k * routed_imbalance(model, plan.moe_imbalance, plan.ep) * model.hidden * nbytes,

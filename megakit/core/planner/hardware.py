@@ -29,6 +29,7 @@ class GPU:
     matmul_fraction: float = 0.80  # best large bf16 GEMM / datasheet peak (MAMF, see below)
     attention_fraction: float = 0.50  # best FlashAttention-2 forward+backward / datasheet peak
     fp32_rate: float = 0.5  # fp32 matmul rate / peak: TF32 tensor cores run at half the 16-bit rate
+    fp8_tflops: float = 0.0  # dense FP8 tensor-core TFLOP/s (datasheet); 0: no FP8 tensor cores (A100, V100)
 
 
 # matmul_fraction: the Maximum Achievable Matmul FLOPS (MAMF) of a bf16 GEMM over the datasheet peak, as
@@ -42,6 +43,10 @@ class GPU:
 # benchmarks ran on (torchtitan docs/performance.md): it computes at the lower clocks of the 500 W cap,
 # 0.875 of the 700 W part's rates (0.70 = 0.801 x 0.875, attention 0.31 = 0.35 x 0.875); 0.875 is fitted to
 # the twelve torchtitan rows of tests/data/sharded-dp.json, the only data on this part.
+# fp8_tflops: dense FP8 datasheet peaks (H100/H200 SXM 1979, B200 4500, MI300X 2615, L40S 733, RTX 4090 330);
+# FP8 GEMMs reach the same matmul_fraction of it (compute.FP8_GEMM says what scaling costs on top).
+# b200-180gb: HGX B200 datasheet (2.25 PF dense bf16, 8 TB/s, NVLink 5 at 900 GB/s a direction); no MAMF
+# published for it here, so 0.80 and Hopper's attention fraction are assumptions.
 GPUS = {
     g.name: g
     for g in (
@@ -56,22 +61,25 @@ GPUS = {
             matmul_fraction=0.859, attention_fraction=0.65),
         GPU(name="h100-80gb", peak_tflops=989, mem_gib=80, hbm_gbps=3350, intra_gbps=450, inter_gbps=50,
             intra_link="NVLink 4 / NVSwitch", inter_link="400 Gb/s NDR InfiniBand per GPU",
-            matmul_fraction=0.801, attention_fraction=0.35),
+            matmul_fraction=0.801, attention_fraction=0.35, fp8_tflops=1979),
         GPU(name="h100-96gb", peak_tflops=989, mem_gib=95, hbm_gbps=2400, intra_gbps=450, inter_gbps=50,
             intra_link="NVLink 4 / NVSwitch", inter_link="400 Gb/s RDMA per GPU (Grand Teton, 500 W)",
-            matmul_fraction=0.70, attention_fraction=0.31),
+            matmul_fraction=0.70, attention_fraction=0.31, fp8_tflops=1979),
         GPU(name="h200-141gb", peak_tflops=989, mem_gib=140, hbm_gbps=4800, intra_gbps=450, inter_gbps=50,
             intra_link="NVLink 4 / NVSwitch", inter_link="400 Gb/s NDR InfiniBand per GPU",
-            matmul_fraction=0.803, attention_fraction=0.35),
+            matmul_fraction=0.803, attention_fraction=0.35, fp8_tflops=1979),
+        GPU(name="b200-180gb", peak_tflops=2250, mem_gib=178, hbm_gbps=8000, intra_gbps=900, inter_gbps=50,
+            intra_link="NVLink 5 / NVSwitch", inter_link="400 Gb/s NDR InfiniBand per GPU",
+            matmul_fraction=0.80, attention_fraction=0.35, fp8_tflops=4500),
         GPU(name="mi300x-192gb", peak_tflops=1307, mem_gib=192, hbm_gbps=5300, intra_gbps=448, inter_gbps=50,
             intra_link="Infinity Fabric", inter_link="400 Gb/s RoCE per GPU",
-            matmul_fraction=0.601, attention_fraction=0.35),
+            matmul_fraction=0.601, attention_fraction=0.35, fp8_tflops=2615),
         GPU(name="l40s-48gb", peak_tflops=362, mem_gib=45, hbm_gbps=864, intra_gbps=25, inter_gbps=12.5,
             intra_link="PCIe 4.0 x16", inter_link="100 Gb/s Ethernet per GPU",
-            matmul_fraction=0.80, attention_fraction=0.50),
+            matmul_fraction=0.80, attention_fraction=0.50, fp8_tflops=733),
         GPU(name="rtx4090-24gb", peak_tflops=165, mem_gib=24, hbm_gbps=1008, intra_gbps=25, inter_gbps=3.1,
             intra_link="PCIe 4.0 x16", inter_link="25 Gb/s Ethernet per GPU",
-            matmul_fraction=0.80, attention_fraction=0.50),
+            matmul_fraction=0.80, attention_fraction=0.50, fp8_tflops=330),
     )
 }
 

@@ -94,8 +94,9 @@ def tp_choices(model: ModelSpec, world: int) -> list[int]:
 def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins = Pins(), threshold: float = 0.8,
            precision: str = "bf16", offload: str = "none", flash_attention: bool | None = None,
            seq_len: int | None = None, keep_rejected: int = 200, zero3_fallback: bool = True,
-           moe_imbalance: float = 1.0) -> SearchResult:
-    """The fastest layout under the memory line (``moe_imbalance``: the routing regime, ``Plan.moe_imbalance``)."""
+           moe_imbalance: float = 1.0, execution: dict | None = None) -> SearchResult:
+    """The fastest layout under the memory line (``moe_imbalance``: the routing regime, ``Plan.moe_imbalance``;
+    ``execution``: Plan fields of how the run executes, the same for every layout: kernels, fp8, ...)."""
     s = model.seq_len if seq_len is None else seq_len
     flash = cluster.gpu.flash_attention if flash_attention is None else flash_attention
     limit = threshold * cluster.gpu.mem_gib * GIB
@@ -117,7 +118,7 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
 
     hard = cluster.gpu.mem_gib * GIB if judged else limit
     ctx = _Context(model, cluster, pins, global_batch, s, hard, precision, offload, flash, keep_rejected,
-                   moe_imbalance)
+                   moe_imbalance, execution or {})
     zeros = (0, 1, 2, 3) if branch != "model-parallel" or pins.zero is not None else (0, 1, 2)
     if model.moe is not None:  # DeepSpeed shards no expert groups under ZeRO-3
         zeros, zero3_fallback = tuple(z for z in zeros if z < 3), False
@@ -217,8 +218,9 @@ class _Context:
     """Search state: what fits, what was rejected and why."""
 
     def __init__(self, model, cluster, pins, global_batch, seq_len, limit, precision, offload, flash, keep,
-                 moe_imbalance=1.0):
+                 moe_imbalance=1.0, execution=None):
         self.model, self.cluster, self.pins, self.global_batch = model, cluster, pins, global_batch
+        self.execution = execution or {}
         self.moe_imbalance = moe_imbalance
         self.seq_len, self.limit, self.precision, self.offload, self.flash = seq_len, limit, precision, offload, flash
         self.keep = keep
@@ -320,7 +322,7 @@ class _Context:
                     sequence_parallel=tp > 1, precision=self.precision, offload=self.offload,
                     flash_attention=self.flash, compress=pins.compress if zero in self.compress_stages else "none",
                     zero_bubble=pins.schedule == "zb-h1" and pp > 1, ep=ep,
-                    moe_imbalance=self.moe_imbalance if m.moe is not None else 1.0)
+                    moe_imbalance=self.moe_imbalance if m.moe is not None else 1.0, **self.execution)
         if self.offload == "params" and zero != 3:
             return
         # Lower bound: the smallest activations this layout can have (one sequence, full recompute);
