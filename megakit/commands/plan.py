@@ -28,9 +28,9 @@ from megakit.core.planner.hardware import (
 )
 from megakit.core.planner.memory import GIB
 from megakit.core.planner.model_spec import ModelSpec, parse_count, preset_names
-from megakit.core.planner.plan import FP8_RECIPES, ROUTING, Plan
+from megakit.core.planner.plan import FP8_RECIPES, ROUTING, RUNTIMES, Plan
 from megakit.core.planner.search import NoPlan, Pins, search, smallest_cluster
-from megakit.core.planner.sharding import LINK_EFFICIENCY, ZERO3
+from megakit.core.planner.sharding import LINK_EFFICIENCY
 from megakit.core.planner.verdict import headroom_note
 from megakit.errors import UsageError
 
@@ -72,12 +72,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--fp8", choices=FP8_RECIPES, default="none",
                        help="the blocks' linears on FP8 tensor cores (torchao float8, as train.py --fp8); Hopper, "
                             "Ada, Blackwell and MI300 have them, A100 and V100 do not")
-    train.add_argument("--sp-regather", action="store_true",
-                       help="price sequence parallelism as Megatron-LM runs it: each column-parallel input kept "
-                            "split and all-gathered again in backward (less memory; megakit keeps it gathered)")
-    train.add_argument("--zero3-impl", choices=ZERO3, default="deepspeed",
-                       help="who runs ZeRO-3: deepspeed (the trainer's: prefetch of stage3_prefetch_bucket_size), "
-                            "fsdp (whole next block prefetched), deepspeed-2021 (Narayanan et al. 2021's)")
+    train.add_argument("--runtime", choices=tuple(RUNTIMES), default="megakit",
+                       help="whose trainer runs the plan: megakit (default; DeepSpeed), megatron (Megatron-LM: SP "
+                            "inputs re-gathered in backward, sent outputs freed, fp32 main grads), fsdp (ZeRO-3 "
+                            "prefetching whole blocks), deepspeed-2021 (ZeRO-3 as Narayanan et al. 2021 measured)")
     train.add_argument("--mem-threshold", type=float, default=0.80, help="feasible if peak <= this x GPU memory")
     train.add_argument("--base-lr", type=float, help="reference LR for linear scaling (with --base-batch)")
     train.add_argument("--base-batch", type=int, default=256, help="sequences at which --base-lr applies")
@@ -143,8 +141,7 @@ def run(args) -> int:
                                    "fp32" if gpu.fp32_rate == 1.0 and gpu.name.startswith("probed:") else "bf16")
     flash = gpu.flash_attention if args.attention is None else args.attention == "flash"
     _check_fp8(args, gpu, precision)
-    execution = dict(fused_kernels=args.kernels == "compiled", fp8=args.fp8, sp_regather=args.sp_regather,
-                     zero3=args.zero3_impl)
+    execution = dict(fused_kernels=args.kernels == "compiled", fp8=args.fp8, **RUNTIMES[args.runtime])
     global_batch = args.global_batch or emit.default_global_batch(model.params, model.seq_len)
     imbalance = args.moe_imbalance if args.moe_imbalance is not None else ROUTING[args.moe_routing]
     pins = Pins(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero, micro_batch=args.micro_batch,
@@ -234,6 +231,11 @@ def run(args) -> int:
     return 0
 
 
+def _runtime_fields(plan: Plan) -> dict:
+    """The ``RUNTIMES`` fields this plan differs in from megakit's trainer."""
+    return {k: v for k, v in (("megatron", plan.megatron), ("zero3", plan.zero3)) if v != getattr(Plan(), k)}
+
+
 def _check_fp8(args, gpu: GPU, precision: str) -> None:
     """FP8 needs FP8 tensor cores and a bf16 run to cast from."""
     if args.fp8 == "none":
@@ -302,8 +304,8 @@ def _plan_fields(plan: Plan) -> dict:
             "micro_batch": plan.micro_batch, "grad_accum": plan.accumulation, "global_batch": plan.global_batch,
             "recompute": plan.recompute, "sequence_parallel": plan.sequence_parallel, "precision": plan.precision,
             "offload": plan.offload, "flash_attention": plan.flash_attention,
-            "kernels": "compiled" if plan.fused_kernels else "eager", "fp8": plan.fp8, "sp_regather": plan.sp_regather,
-            "zero3_impl": plan.zero3}
+            "kernels": "compiled" if plan.fused_kernels else "eager", "fp8": plan.fp8,
+            "runtime": next(k for k, v in RUNTIMES.items() if v == _runtime_fields(plan))}
 
 
 # Which FLOPs each throughput figure counts (the JSON carries this; the tables say it in their labels).

@@ -128,7 +128,7 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     one_tp = collective_time(tokens * model.hidden * nbytes, t, tp_bw, tp_where)
     recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
     tp_s = (4 + 2 * recomputed) * one_tp
-    if plan.sp_regather and plan.sequence_parallel and t > 1:  # Megatron's SP: the inputs of the two column-
+    if plan.megatron and plan.sequence_parallel and t > 1:  # Megatron's SP: the inputs of the two column-
         tp_s += exposed(block.backward / 3, one_tp)  # parallel GEMMs gathered again, behind the input gradients
     cp_s = _ring_exposed(model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s)
     a2a_s = (4 + 2 * recomputed) * all_to_all_time(

@@ -148,11 +148,17 @@ def stage_expert_params(model: ModelSpec, *, pp: int, stage: int, ep: int = 1, l
 
 
 def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str, offload: str = "none",
-                      buckets: "Buckets" = None) -> dict:
+                      buckets: "Buckets" = None, main_grads: bool = False) -> dict:
     """Parameters, gradients, fp32 master, Adam m and v, fp32 step gradients of ``psi`` parameters
-    whose ZeRO group has ``dp`` ranks (the table in the module docstring)."""
+    whose ZeRO group has ``dp`` ranks (the table in the module docstring). ``main_grads``: Megatron-LM's
+    optimizer (ZeRO 0-1: its distributed optimizer shards master and Adam), which accumulates gradients
+    in an fp32 buffer that the step reads: 4Ψ of gradients and no 16-bit ones or step copy."""
     buckets = buckets or Buckets()
     p, mixed = PRECISIONS[precision], precision != "fp32"
+    if main_grads and zero_stage <= 1 and mixed and offload == "none":
+        shard = dp if zero_stage == 1 else 1
+        return {"params": p * psi, "grads": 4 * psi, "master_params": 4 * psi / shard, "optimizer": 8 * psi / shard,
+                "fp32_step_grads": 0.0}
     shard = dp if zero_stage >= 1 else 1
     on_gpu = 0 if offload != "none" else 1
     if zero_stage == 0 and not mixed:  # torch's Adam steps on p.grad directly
@@ -175,7 +181,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                     layers: int | None = None, recompute_fraction: float = 1.0, dp_shard: int = 0,
                     gathered_inputs: bool = False, zero_bubble: bool = False, ep: int = 1,
                     moe_imbalance: float = 1.0, buckets: Buckets = Buckets(),
-                    overhead_bytes: float = 0.0) -> MemoryEstimate:
+                    overhead_bytes: float = 0.0, megatron: bool = False) -> MemoryEstimate:
     """Itemised per-GPU bytes of one layout on one pipeline ``stage`` (index, 'first', 'last', 'middle').
 
     ``accumulation``: micro-batches per optimizer step (gradient accumulation),
@@ -187,7 +193,11 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     model, torchtitan) instead of re-gathering it in backward (Megatron-LM, Korthikanti's table).
     ``ep``: expert parallelism (``stage_expert_params``; ZeRO shards the experts' states over the
     EDP = DP x CP / EP ranks that hold the same experts); ``moe_imbalance``: the busiest rank's share
-    of routed tokens over the balanced one (``routing_tensors``)."""
+    of routed tokens over the balanced one (``routing_tensors``).
+    ``megatron``: Megatron-LM's trainer (``Plan.megatron``): fp32 main gradients (``model_state_bytes``), a
+    stage's output freed once sent (``deallocate_output_tensor``: the next stage holds it), and with SP the
+    embedding's dropout mask split over TP like the rest of the sequence-parallel region (pass
+    ``gathered_inputs=False`` too: the column-parallel inputs re-gathered in backward)."""
     if precision not in PRECISIONS:
         raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if recompute not in RECOMPUTE:
@@ -217,9 +227,9 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     if zero_stage == 3 and 0 < dp_shard < dp:  # HSDP: states sharded inside the shard group only
         dp = dp_shard
     items = model_state_bytes(psi, dp=dp, zero_stage=zero_stage, precision=precision, offload=offload,
-                              buckets=buckets)
+                              buckets=buckets, main_grads=megatron)
     experts = model_state_bytes(psi_experts, dp=edp, zero_stage=zero_stage, precision=precision, offload=offload,
-                                buckets=buckets)
+                                buckets=buckets, main_grads=megatron)
     items["expert_states"] = sum(experts.values())  # over EP and EDP: the same ZeRO formulas, DP -> EDP
 
     # ---- activations ------------------------------------------------------------------
@@ -253,7 +263,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     chunk_moe = (stage_chunk_moe_layers(model, pp, vpp)[stage] if layers is None else
                  chunk_layers if moe else (0,) * vpp)
     uses_dropout = model.dropout > 0 if dropout is None else dropout
-    embedded = s * b * (8 + (model.hidden * dropout_mask_bytes if uses_dropout else 0))  # ids, dropout mask
+    mask_split = tp if megatron and sequence_parallel else 1  # Megatron drops out the SP-scattered embedding
+    embedded = s * b * (8 + (model.hidden * dropout_mask_bytes / mask_split if uses_dropout else 0))  # ids, mask
     hidden = p * s * b * model.hidden / (tp if sequence_parallel else 1)  # one (S', B, H) tensor
     last_chunk = vpp - 1 if stage == pp - 1 else vpp  # the last virtual stage sends nothing on
     # Per chunk: its blocks' kept tensors, the first one's embedding inputs, and the output that the
@@ -264,7 +275,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                for c, (layers_c, moe_c) in enumerate(zip(chunk_layers, chunk_moe))]
     peak = max(in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp),
                key=lambda live: sum(n * sum(w) for n, w in zip(live, weights)))
-    items["pipeline_outputs"] = sum(n * o for n, (_, _, o) in zip(peak, weights))  # freed at B with zero bubble
+    items["pipeline_outputs"] = 0.0 if megatron else sum(n * o for n, (_, _, o) in zip(peak, weights))
     if zero_bubble:
         peak = in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp, zero_bubble=True)[0]
     items["activations"] = sum(n * w for n, (w, _, _) in zip(peak, weights))

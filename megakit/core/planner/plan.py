@@ -15,6 +15,10 @@ import dataclasses
 # under-prices imbalance for many small experts and over-prices it for a few large ones. Default: real.
 ROUTING = {"balanced": 1.0, "real": 1.1}
 FP8_RECIPES = ("none", "tensorwise", "rowwise")  # torchao float8 scaling (train.py --fp8)
+# Whose trainer runs the plan (megakit plan --runtime), as Plan fields: megakit's (DeepSpeed, the default),
+# Megatron-LM's, PyTorch FSDP's ZeRO-3, or DeepSpeed's ZeRO-3 of 2021 (Narayanan et al. 2021, Table 2).
+RUNTIMES = {"megakit": {}, "megatron": {"megatron": True}, "fsdp": {"zero3": "fsdp"},
+            "deepspeed-2021": {"zero3": "deepspeed-2021"}}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,9 +50,10 @@ class Plan:
     recompute_fraction: float = 1.0  # full recompute on this share of the blocks (HF/FSDP: every n-th block)
     fused_kernels: bool = False  # elementwise ops fused (torch.compile, Megatron's kernels), not eager PyTorch
     fp8: str = "none"  # FP8 GEMMs in the blocks' linears (torchao Float8Linear): 'tensorwise' or 'rowwise' scaling
-    # With SP, Megatron-LM keeps each column-parallel layer's input split over TP and all-gathers it again in
-    # backward (Korthikanti et al. 2022, Sec. 4.2.2); megakit's layers keep the gathered input (False).
-    sp_regather: bool = False
+    # Megatron-LM's trainer rather than megakit's (``memory.estimate_memory(megatron=True)``): with SP each
+    # column-parallel input kept split and all-gathered again in backward (Korthikanti et al. 2022), a stage's
+    # sent output freed once sent, gradients accumulated in fp32 main-grad buffers.
+    megatron: bool = False
     dp_shard: int = 0  # ZeRO-3/FSDP shard group (HSDP: shard inside it, replicate across); 0: all of DP
     zero3: str = "deepspeed"  # who runs ZeRO-3 (sharding.ZERO3): DeepSpeed today, FSDP, or DeepSpeed of 2021
     reduce_precision: str = ""  # dtype of the gradient reduction ('fp32' in FSDP2's default policy); '': training's
@@ -80,7 +85,7 @@ class Plan:
                     sequence_parallel=self.sequence_parallel, vpp=self.vpp, precision=self.precision,
                     offload=self.offload, flash_attention=self.flash_attention,
                     recompute_fraction=self.recompute_fraction, dp_shard=self.dp_shard,
-                    gathered_inputs=not self.sp_regather,
+                    gathered_inputs=not self.megatron, megatron=self.megatron,
                     zero_bubble=self.zero_bubble, ep=self.ep, moe_imbalance=self.moe_imbalance)
 
     @property
