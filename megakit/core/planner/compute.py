@@ -26,8 +26,8 @@ efficiency follows from the per-expert token count, with no separate constant.
 FP8 (``Plan.fp8``, torchao's Float8Linear): each of the block's linears runs its three GEMMs (forward,
 input and weight gradient) on the FP8 tensor cores (``GPU.fp8_tflops``, at the same MAMF fraction and
 roofline as bf16, with 1-byte operands) at ``FP8_GEMM[recipe]`` of that rate, after scaling and casting its
-operands: ``FP8_CAST[recipe]`` passes (read 16-bit, write 8-bit) over both inputs of each GEMM, three times as
-many without torch.compile to fuse amax, scale and cast. A linear takes FP8 only where that is faster than
+operands: ``FP8_CAST_BYTES[recipe]`` of HBM traffic per element of input, weight and output gradient, three
+times as much without torch.compile to fuse amax, scale and cast. A linear takes FP8 only where that is faster than
 bf16, as a shape filter does (small GEMMs get slower); attention, the LM head and the norms stay in bf16.
 
 The host issues the kernels: ``LAUNCH_S`` per block and micro-batch in eager PyTorch (Python, autograd
@@ -50,12 +50,14 @@ ATTENTION_SEQ_HALF = 128  # sequence length at which flash attention reaches hal
 K_MEM = 13.5  # HBM passes over the saved activations of eager elementwise kernels (forward + backward)
 K_MEM_FUSED = 0.5  # the same, fused (torch.compile, Megatron's bias-GeLU / bias-dropout-add / softmax)
 LAUNCH_S = 2e-4  # host time per block and micro-batch (forward + backward): ~50 kernel launches x 4 us
-# FP8 GEMM rate over the bf16 GEMM's fraction of its own peak, and HBM passes of the scale-and-cast per GEMM
-# input: tensorwise runs cuBLAS's FP8 GEMM with one scale per tensor; rowwise a CUTLASS GEMM with a scale per
-# row, slower, and its transposed operands re-cast for backward. Set from torchao's Llama-3-8B table (+25 % /
-# +10 % over bf16, tests/data/fp8-runs.json), checked on torchtitan's and Trainy's float8 rows there.
-FP8_GEMM = {"tensorwise": 1.0, "rowwise": 0.75}
-FP8_CAST = {"tensorwise": 1.0, "rowwise": 2.0}
+# FP8 (torchao Float8Linear, dynamic scaling): the GEMM's rate over the bf16 GEMM's fraction of its own peak,
+# and the HBM bytes that scaling costs per element of the three tensors a linear casts (input, weight and
+# output gradient: amax, scale, cast, and the transposed copy each GEMM layout needs). Tensorwise from
+# torchao's H100 microbenchmark of a compiled linear (float8/README.md @0cf1281: 0.80x at M,K,N = 1024,2048,1024,
+# 1.39x at 4096,8192,16384; these give 0.83x and 1.35x); rowwise (a scale per row, CUTLASS's slower GEMM,
+# the transposes re-scaled) from torchao's Llama-3-8B table (+10 %; tests/data/fp8-runs.json).
+FP8_GEMM = {"tensorwise": 1.0, "rowwise": 0.9}
+FP8_CAST_BYTES = {"tensorwise": 21.0, "rowwise": 21.0}
 LAUNCH_FUSED = 0.4  # compiled blocks launch fewer, larger kernels (the GEMMs and attention stay; ~20 of ~50)
 FP8_CAST_EAGER = 3.0  # amax, scale and cast as separate kernels without torch.compile
 
@@ -82,15 +84,15 @@ def gemm_time(gpu: GPU, m: float, k: float, n: float, *, peak: float, nbytes: in
 
 
 def linear_time(gpu: GPU, plan: Plan, m: float, k: float, n: float, *, peak: float) -> float:
-    """Forward seconds of one ``(m x k) @ (k x n)`` linear of a block, in bf16 or, with ``plan.fp8``, on the
-    FP8 tensor cores where that is faster (backward: its two GEMMs of the same size)."""
+    """A third of the forward + backward seconds of one ``(m x k) @ (k x n)`` linear of a block (its three
+    GEMMs), in bf16 or, with ``plan.fp8``, on the FP8 tensor cores where that is faster, as a shape filter picks."""
     nbytes = PRECISIONS[plan.precision]
     dense = gemm_time(gpu, m, k, n, peak=peak, nbytes=nbytes)
     if plan.fp8 == "none" or not gpu.fp8_tflops:
         return dense
-    passes = FP8_CAST[plan.fp8] * (1 if plan.fused_kernels else FP8_CAST_EAGER)
-    cast = passes * (m * k + k * n) * (nbytes + 1) / (gpu.hbm_gbps * 1e9)
-    fp8 = gemm_time(gpu, m, k, n, peak=gpu.fp8_tflops * 1e12, nbytes=1) / FP8_GEMM[plan.fp8] + cast
+    cast = FP8_CAST_BYTES[plan.fp8] * (m * k + k * n + m * n) / (gpu.hbm_gbps * 1e9)
+    cast *= 1 if plan.fused_kernels else FP8_CAST_EAGER
+    fp8 = gemm_time(gpu, m, k, n, peak=gpu.fp8_tflops * 1e12, nbytes=1) / FP8_GEMM[plan.fp8] + cast / 3
     return min(dense, fp8)
 
 
