@@ -157,3 +157,10 @@ def test_fp8_speed_ups_follow_the_recipe():
         predicted, measured = got[recipe][0] / got["none"][0], got[recipe][1] / got["none"][1]
         assert predicted == pytest.approx(measured, abs=0.10), recipe
     assert got["tensorwise"][0] > got["rowwise"][0] > got["none"][0]
+
+
+@pytest.mark.parametrize("row", FP8, ids=lambda r: r["id"])
+def test_fp8_runs_are_not_called_out_of_memory(row):
+    model, cluster, plan = sharded_case(row)
+    peak = peak_memory(model, seq_len=model.seq_len, overhead_bytes=OVERHEAD_BYTES, **plan.memory_kwargs()).total
+    assert peak <= cluster.gpu.mem_gib * GIB, f"{peak / GIB:.1f} GiB > {cluster.gpu.mem_gib} GiB"
