@@ -69,6 +69,7 @@ class BlockTime:
     forward: float
     backward: float  # including what recompute runs again
     cpu: float  # the host's time to issue both
+    weight_grad: float = 0.0  # the backward's weight-gradient GEMMs (what Megatron's async TP comm hides behind)
 
     @property
     def total(self) -> float:
@@ -164,7 +165,7 @@ def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: fl
     elif plan.recompute == "per-op":  # every other matmul (k, o, the MLP's second) and the elementwise ops
         backward += sum(per_gemm[1::2][:3]) + ew_f
         cpu *= 4 / 3
-    return BlockTime(forward, backward, cpu)
+    return BlockTime(forward, backward, cpu, weight_grad=gemm_f)
 
 
 def head_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: float) -> float:
