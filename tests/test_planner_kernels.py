@@ -92,6 +92,18 @@ def test_the_default_is_compiled_and_fp8_speeds_up_large_gemms_on_hopper(plan_js
     assert default["flops_conventions"]["hardware_tflops_per_gpu"].startswith("FLOPs the kernels execute")
 
 
+def test_the_launch_command_runs_what_was_priced(monkeypatch, capsys):
+    monkeypatch.setattr(hf, "exact_param_count", lambda raw: None)
+    argv = ["plan", "--model", "llama-3-8b", "--gpu", "h100-80gb", "--gpus", "8", "--tp", "1", "--pp", "1", "--zero", "3",
+            "--micro-batch", "1", "--recompute", "full", "--global-batch", "8", "--json"]
+    assert main([*argv, "--kernels", "eager", "--fp8", "rowwise"]) == 0
+    a = json.loads(capsys.readouterr().out)["assumptions"]
+    assert "--no-compile" in a["launch"] and "--fp8 rowwise" in a["launch"] and a["launch_note"] == ""
+    assert main([*argv, "--runtime", "fsdp"]) == 0
+    a = json.loads(capsys.readouterr().out)["assumptions"]
+    assert "--no-compile" not in a["launch"] and "--fp8" not in a["launch"] and "fsdp runs it" in a["launch_note"]
+
+
 @pytest.mark.parametrize("argv, needle", [
     (("--gpu", "a100-80gb", "--fp8", "tensorwise"), "a100-80gb lacks"),
     (("--gpu", "v100-32gb", "--fp8", "rowwise"), "v100-32gb lacks"),

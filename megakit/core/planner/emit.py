@@ -125,10 +125,18 @@ def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: s
         parts += ["--recompute", plan.recompute]
     if plan.compress != "none":
         parts += ["--compress", plan.compress]
-    note = ""
+    if not plan.fused_kernels:  # train.py compiles each block by default on a GPU (--kernels compiled)
+        parts.append("--no-compile")
+    if plan.fp8 != "none":
+        parts += ["--fp8", plan.fp8]
+    notes = []
     if plan.recompute not in ("none", "selective", "full"):
-        note = f"the plan also assumes {plan.recompute} activation recompute, which megakit's model does not do yet"
-    return " ".join(parts), note
+        notes.append(f"the plan also assumes {plan.recompute} activation recompute, which megakit's model does not do "
+                     "yet")
+    if plan.megatron or plan.zero3 != "deepspeed":
+        notes.append("the plan is priced as " + ("Megatron-LM" if plan.megatron else plan.zero3) + " runs it "
+                     "(--runtime); megakit's trainer differs in memory and overlap")
+    return " ".join(parts), "; ".join(notes)
 
 
 def write_json_atomic(path: str, data: dict) -> None:
