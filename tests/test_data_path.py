@@ -15,7 +15,7 @@ import torch
 from test_trainer import ROOT
 
 from megakit.commands.cli import main as megakit
-from megakit.interop.prepare_data import PrepareConfig, prepare, read_documents
+from megakit.interop.prepare_data import MIN_SPAN, PrepareConfig, prepare, read_documents
 from megakit.interop.token_shards import open_shards
 from megakit.train.corpus import open_corpus
 from megakit.train.data import BatchPlan, TokenBatches, stdlib_files
@@ -66,12 +66,21 @@ def test_shards_round_trip_to_the_tokenizers_own_ids(prepared):
         for tokens, starts in zip(shards.tokens(split), shards.documents(split)):
             ends = [*starts[1:], len(tokens)]
             got += [(split, tokens[s:e].tolist()) for s, e in zip(starts, ends)]
-    docs = [d for path in sorted(p for p in corpus.rglob("*") if p.is_file()) for d in read_documents(path, "text")[0]]
-    assert len(got) == len(docs) == summary["documents"]["train"] + summary["documents"]["validation"]
-    splits = {"train": iter([g for s, g in got if s == "train"]), "validation": iter([g for s, g in got if s != "train"])}
-    for i, doc in enumerate(docs):  # document i is held out when floor((i+1) f) > floor(i f)
-        split = "validation" if int((i + 1) * 0.1) > int(i * 0.1) else "train"
-        assert next(splits[split]) == tokenizer.encode(doc, add_special_tokens=False).ids + [eos], i
+    docs = [tokenizer.encode(d, add_special_tokens=False).ids + [eos]
+            for path in sorted(p for p in corpus.rglob("*") if p.is_file()) for d in read_documents(path, "text")[0]]
+    want, seen, held = {"train": [], "validation": []}, 0, 0
+    for i, ids in enumerate(docs):  # a document's end is held out once the split owes MIN_SPAN tokens, or at the last
+        seen += len(ids)
+        owed = int(0.1 * seen + 0.5) - held
+        take = max(0, min(owed, len(ids), seen - held - 1)) if owed >= MIN_SPAN or i == len(docs) - 1 else 0
+        held += take
+        want["train"] += [ids[:len(ids) - take]] if take < len(ids) else []
+        want["validation"] += [ids[len(ids) - take:]] if take else []
+    for split in ("train", "validation"):
+        assert [g for s, g in got if s == split] == want[split], split
+        assert summary["tokens"][split] == sum(map(len, want[split]))
+    assert summary["input_documents"] == len(docs) and summary["cut_documents"] > 0
+    assert abs(held / seen - 0.1) < MIN_SPAN / seen, held / seen  # a tenth of the tokens, within one span
 
     again = prepare(PrepareConfig(**{**cfg.__dict__, "out": cfg.out + "-again", "workers": 1}), say=lambda *_: None)
     for name in ("tokenizer.json", "train-00000.bin", "validation-00000.bin"):  # one worker, same bytes
