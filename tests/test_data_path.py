@@ -196,3 +196,39 @@ def test_trainer_data_errors_are_one_line(prepared, tmp_path, capsys):
     assert "train-00001.bin is truncated" in _one_line(capsys, 2, base, train)
     (data / "index.json").unlink()
     assert "has no index.json" in _one_line(capsys, 2, base, train)
+
+
+def five_large_files(directory, words_per_file=30_000):
+    """5 text files of made-up prose (~170 KB each, one document each), the same on every call: no downloads."""
+    import random
+
+    directory.mkdir()
+    rng = random.Random(0)
+    vocabulary = ["the", "king", "of", "a", "night", "speak", "my", "lord", "and", "thou", "art", "to", "be", "love",
+                  "death", "sweet", "what", "is", "in", "fair", "heaven", "tongue", "never", "again", "hath", "done"]
+    for i in range(5):
+        lines = [" ".join(rng.choice(vocabulary) for _ in range(12)) + rng.choice(".,;!?") for _ in
+                 range(words_per_file // 12)]
+        (directory / f"play{i}.txt").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+def test_five_large_files_get_a_validation_split_of_the_val_fraction_of_tokens(tmp_path, capsys):
+    """One document per file: 1 % of 5 documents rounds to none, 1 % of the tokens does not. Cut from documents'
+    ends, the same split with 1 or 2 workers; a corpus too small for any says so at prepare time."""
+    corpus = five_large_files(tmp_path / "plays")
+    out = ["--vocab-size", "300", "--no-progress", "--val-fraction", "0.01"]
+    assert megakit(["prepare-data", str(corpus), "--out", str(tmp_path / "a"), "--workers", "2", *out]) == 0
+    said = capsys.readouterr().out
+    assert "warning" not in said and "5 documents (3 cut between the two)" in said, said
+    index = open_shards(tmp_path / "a").index
+    tokens = index["summary"]["tokens"]
+    share = tokens["validation"] / (tokens["train"] + tokens["validation"])
+    assert tokens["validation"] >= MIN_SPAN and abs(share - 0.01) < 0.001, tokens
+    assert megakit(["prepare-data", str(corpus), "--out", str(tmp_path / "b"), "--workers", "1", *out]) == 0
+    assert [(tmp_path / d / "validation-00000.bin").read_bytes() for d in "ab"] == [
+        (tmp_path / "a" / "validation-00000.bin").read_bytes()] * 2  # deterministic
+    (tmp_path / "tiny.txt").write_text("a few words only\n")
+    assert megakit(["prepare-data", str(tmp_path / "tiny.txt"), "--out", str(tmp_path / "c"), *out]) == 0
+    said = capsys.readouterr().out
+    assert "warning: no validation split: " in said and "rounds to none; raise --val-fraction" in said, said
