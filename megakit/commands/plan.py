@@ -104,7 +104,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     ckpt.add_argument("--ckpt-write-gbps", type=float, default=save_interval.WRITE_GBPS_PER_NODE, metavar="GB/S",
                       help="checkpoint write bandwidth per writing node, GB/s (default 1: Llama 3's storage, "
                            "2 TB/s over 2,048 nodes)")
-    ckpt.add_argument("--mtbf-gpu-hours", type=float, default=round(save_interval.GPU_MTBF_HOURS), metavar="H",
+    ckpt.add_argument("--mtbf-gpu-hours", type=float, default=save_interval.GPU_MTBF_HOURS, metavar="H",
                       help="one GPU's mean time between failures, hours (default 50677: Llama 3's 419 unexpected "
                            "interruptions in 54 days on 16,384 GPUs); the cluster's is H / GPUs")
 
