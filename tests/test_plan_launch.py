@@ -45,7 +45,7 @@ def test_175b_on_1024_gpus_saves_every_young_daly_interval(capsys):
     flat = " ".join(text.split())  # rich wraps the report at the terminal's width
     assert f"Save every {want} steps (--save-every {want})" in flat and f"--save-every {want}" in flat
     a = p["save_interval"]
-    for shown in (f"write {a['write_s']:,.1f} s", f"MTBF {a['mtbf_s'] / 3600:,.1f} h", "14 B/param",
+    for shown in (f"write {a['write_s']:,.3g} s", f"MTBF {a['mtbf_s'] / 3600:,.1f} h", "14 B/param",
                   f"over {len(writers)} writing node(s)", "1 GB/s per node", "50,677 GPU-hours per failure",
                   "419 unexpected interruptions in 54 days on 16,384 H100s", "/ 1024 GPUs",
                   f"at {p['step_time_s']:.2f} s per step"):
@@ -79,7 +79,9 @@ def test_emit_launch_writes_a_slurm_script_bash_parses_and_a_hostfile(tmp_path, 
     before = sorted(os.listdir(tmp_path))
     for argv, needle in ((["--emit-launch", "pbs", str(tmp_path / "x.sh")], "--emit-launch pbs: the kinds are"),
                          (["--emit-launch", "slurm", str(tmp_path / "no" / "x.sh"), "--emit-config",
-                           str(tmp_path / "y.json")], "--emit-launch folder")):
+                           str(tmp_path / "y.json")], "--emit-launch folder"),
+                         (["--emit-launch", "hostfile", str(tmp_path / "y.json"), "--emit-config",
+                           str(tmp_path / "y.json")], "is also the ds_config's")):
         code, out, err = _plan(capsys, *common, *argv)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
         assert sorted(os.listdir(tmp_path)) == before  # nothing written

@@ -256,16 +256,19 @@ def _write_outputs(args, plan: Plan, cluster: Cluster, model: ModelSpec, model_f
     for path, flag in targets:
         if path:
             emit.check_target(path, flag)
+    if launch_path and Path(launch_path).resolve() in {Path(p).resolve() for p in (config_path, model_file) if p}:
+        raise UsageError(f"--emit-launch {launch_path} is also the ds_config's or model config's path; give the launch "
+                         "file another name (e.g. job.sh)")
+    per_node = min(cluster.gpus_per_node, plan.world)  # as the deepspeed line: a plan smaller than one node
+    nodes = -(-plan.world // per_node)
     if model_file:  # a --params shape with no preset: the trainer gets its config.json too
         emit.write_json_atomic(model_file, model.to_hf_config())
     emit.write_json_atomic(config_path, config)
     if launch_path:
-        summary = (f"{model.name}: {plan.describe()} on {cluster.nodes} node(s) x {cluster.gpus_per_node} "
-                   f"{cluster.gpu.name}")
-        text = (launch_script.slurm_script(nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
-                                           train_flags=flags, summary=summary) if kind == "slurm" else
-                launch_script.hostfile(nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node, command=launch,
-                                       summary=summary))
+        summary = f"{model.name}: {plan.describe()} on {nodes} node(s) x {per_node} {cluster.gpu.name}"
+        text = (launch_script.slurm_script(nodes=nodes, gpus_per_node=per_node, train_flags=flags, summary=summary)
+                if kind == "slurm" else
+                launch_script.hostfile(nodes=nodes, gpus_per_node=per_node, command=launch, summary=summary))
         emit.write_text_atomic(launch_path, text, flag="--emit-launch", executable=kind == "slurm")
 
 

@@ -23,7 +23,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", metavar="PATH", default=None,
                         help="use this tokenizer.json or transformers tokenizer directory instead of training one")
     parser.add_argument("--field", default="text", help="the JSONL key that holds the text")
-    parser.add_argument("--val-fraction", type=float, default=0.01, help="share of the tokens held out for validation (default 0.01), in spans of >= 1024 tokens "
+    parser.add_argument("--val-fraction", type=float, default=0.01,
+                        help="share of the tokens held out for validation (default 0.01), in spans of >= 1024 tokens "
                              "taken from the ends of documents, a long document cut in two")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes")
     parser.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard file")

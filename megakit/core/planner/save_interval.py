@@ -90,9 +90,17 @@ def advise(plan: Plan, *, params: float, gpus_per_node: int, step_time_s: float,
 def describe(a: SaveAdvice) -> str:
     """One paragraph with the formula's inputs, for the plan report."""
     return (f"Save every {a.save_every} steps (--save-every {a.save_every}): Young/Daly's interval "
-            f"sqrt(2 x write {a.write_s:,.1f} s x MTBF {a.mtbf_s / 3600:,.1f} h) = {a.interval_s / 60:,.1f} min at "
-            f"{a.step_time_s:.2f} s per step. Write: {a.checkpoint_bytes / 1e12:,.3g} TB ({a.bytes_per_param} B/param: "
-            f"weights + fp32 master + Adam m, v) over {a.writer_nodes} writing node(s) (DP replica 0's TP x PP ranks) at "
+            f"sqrt(2 x write {a.write_s:,.3g} s x MTBF {a.mtbf_s / 3600:,.1f} h) = {a.interval_s / 60:,.1f} min at "
+            f"{a.step_time_s:.2f} s per step. Write: {_size(a.checkpoint_bytes)} ({a.bytes_per_param} B/param: "
+            f"weights + fp32 master + Adam m, v) over {a.writer_nodes} writing node(s) (DP replica 0's TP x PP ranks) "
+            "at "
             f"{a.write_gbps_per_node:g} GB/s per node (--ckpt-write-gbps). MTBF: {a.gpu_mtbf_hours:,.0f} GPU-hours per "
             f"failure (--mtbf-gpu-hours; default: Llama 3's 419 unexpected interruptions in 54 days on 16,384 H100s) / "
             f"{a.gpus} GPUs. Expected cost of failures and saves together: {a.overhead:.1%} of the run.")
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.3g} {unit}"
+    return f"{nbytes:,.0f} B"
