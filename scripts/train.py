@@ -110,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-out", metavar="FILE", default=None, help="write per-step metrics as JSON (rank 0)")
     p.add_argument("--log-every", type=int, default=1, help="print a metrics line every N steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--log-heartbeat", metavar="SECONDS", type=float, default=60.0,
+                   help="without a progress bar (a log file): a line every SECONDS while a step runs longer (0: off)")
     p.add_argument("--max-skipped-steps", metavar="N", type=int, default=None,
                    help="a step whose loss or gradient norm is NaN/inf is skipped (no update; its batch is spent); "
                         "the run ends at the next one after N skipped in a row (default 10; 0: at the first)")
@@ -143,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                           pp=args.pp, cp=args.cp, ep=args.ep, vpp=args.vpp, schedule=args.schedule, seq_len=args.seq_len, seed=args.seed,
                           tensorboard=args.tensorboard, profile=args.profile, verify_memory=args.verify_memory,
                           metrics_out=args.metrics_out, log_every=args.log_every, progress=not args.no_progress,
+                          log_heartbeat_s=args.log_heartbeat,
                           stall_timeout_s=args.stall_timeout, recompute=args.recompute,
                           sequence_parallel=args.sequence_parallel, save=args.save, save_every=args.save_every,
                           keep=args.keep,

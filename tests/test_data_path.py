@@ -15,7 +15,7 @@ import torch
 from test_trainer import ROOT
 
 from megakit.commands.cli import main as megakit
-from megakit.interop.prepare_data import PrepareConfig, prepare, read_documents
+from megakit.interop.prepare_data import MIN_SPAN, PrepareConfig, prepare, read_documents
 from megakit.interop.token_shards import open_shards
 from megakit.train.corpus import open_corpus
 from megakit.train.data import BatchPlan, TokenBatches, stdlib_files
@@ -66,12 +66,21 @@ def test_shards_round_trip_to_the_tokenizers_own_ids(prepared):
         for tokens, starts in zip(shards.tokens(split), shards.documents(split)):
             ends = [*starts[1:], len(tokens)]
             got += [(split, tokens[s:e].tolist()) for s, e in zip(starts, ends)]
-    docs = [d for path in sorted(p for p in corpus.rglob("*") if p.is_file()) for d in read_documents(path, "text")[0]]
-    assert len(got) == len(docs) == summary["documents"]["train"] + summary["documents"]["validation"]
-    splits = {"train": iter([g for s, g in got if s == "train"]), "validation": iter([g for s, g in got if s != "train"])}
-    for i, doc in enumerate(docs):  # document i is held out when floor((i+1) f) > floor(i f)
-        split = "validation" if int((i + 1) * 0.1) > int(i * 0.1) else "train"
-        assert next(splits[split]) == tokenizer.encode(doc, add_special_tokens=False).ids + [eos], i
+    docs = [tokenizer.encode(d, add_special_tokens=False).ids + [eos]
+            for path in sorted(p for p in corpus.rglob("*") if p.is_file()) for d in read_documents(path, "text")[0]]
+    want, seen, held = {"train": [], "validation": []}, 0, 0
+    for i, ids in enumerate(docs):  # a document's end is held out once the split owes MIN_SPAN tokens, or at the last
+        seen += len(ids)
+        owed = int(0.1 * seen + 0.5) - held
+        take = max(0, min(owed, len(ids), seen - held - 1)) if owed >= MIN_SPAN or i == len(docs) - 1 else 0
+        held += take
+        want["train"] += [ids[:len(ids) - take]] if take < len(ids) else []
+        want["validation"] += [ids[len(ids) - take:]] if take else []
+    for split in ("train", "validation"):
+        assert [g for s, g in got if s == split] == want[split], split
+        assert summary["tokens"][split] == sum(map(len, want[split]))
+    assert summary["input_documents"] == len(docs) and summary["cut_documents"] > 0
+    assert abs(held / seen - 0.1) < MIN_SPAN / seen, held / seen  # a tenth of the tokens, within one span
 
     again = prepare(PrepareConfig(**{**cfg.__dict__, "out": cfg.out + "-again", "workers": 1}), say=lambda *_: None)
     for name in ("tokenizer.json", "train-00000.bin", "validation-00000.bin"):  # one worker, same bytes
@@ -187,3 +196,39 @@ def test_trainer_data_errors_are_one_line(prepared, tmp_path, capsys):
     assert "train-00001.bin is truncated" in _one_line(capsys, 2, base, train)
     (data / "index.json").unlink()
     assert "has no index.json" in _one_line(capsys, 2, base, train)
+
+
+def five_large_files(directory, words_per_file=30_000):
+    """5 text files of made-up prose (~170 KB each, one document each), the same on every call: no downloads."""
+    import random
+
+    directory.mkdir()
+    rng = random.Random(0)
+    vocabulary = ["the", "king", "of", "a", "night", "speak", "my", "lord", "and", "thou", "art", "to", "be", "love",
+                  "death", "sweet", "what", "is", "in", "fair", "heaven", "tongue", "never", "again", "hath", "done"]
+    for i in range(5):
+        lines = [" ".join(rng.choice(vocabulary) for _ in range(12)) + rng.choice(".,;!?") for _ in
+                 range(words_per_file // 12)]
+        (directory / f"play{i}.txt").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+def test_five_large_files_get_a_validation_split_of_the_val_fraction_of_tokens(tmp_path, capsys):
+    """One document per file: 1 % of 5 documents rounds to none, 1 % of the tokens does not. Cut from documents'
+    ends, the same split with 1 or 2 workers; a corpus too small for any says so at prepare time."""
+    corpus = five_large_files(tmp_path / "plays")
+    out = ["--vocab-size", "300", "--no-progress", "--val-fraction", "0.01"]
+    assert megakit(["prepare-data", str(corpus), "--out", str(tmp_path / "a"), "--workers", "2", *out]) == 0
+    said = capsys.readouterr().out
+    assert "warning" not in said and "5 documents (3 cut between the two)" in said, said
+    index = open_shards(tmp_path / "a").index
+    tokens = index["summary"]["tokens"]
+    share = tokens["validation"] / (tokens["train"] + tokens["validation"])
+    assert tokens["validation"] >= MIN_SPAN and abs(share - 0.01) < 0.001, tokens
+    assert megakit(["prepare-data", str(corpus), "--out", str(tmp_path / "b"), "--workers", "1", *out]) == 0
+    assert [(tmp_path / d / "validation-00000.bin").read_bytes() for d in "ab"] == [
+        (tmp_path / "a" / "validation-00000.bin").read_bytes()] * 2  # deterministic
+    (tmp_path / "tiny.txt").write_text("a few words only\n")
+    assert megakit(["prepare-data", str(tmp_path / "tiny.txt"), "--out", str(tmp_path / "c"), *out]) == 0
+    said = capsys.readouterr().out
+    assert "warning: no validation split: " in said and "rounds to none; raise --val-fraction" in said, said

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from megakit.core.compression import parse_compression
-from megakit.core.planner import emit
+from megakit.core.planner import emit, launch_script, save_interval
 from megakit.core.planner.cost import estimate_cost
 from megakit.core.planner.hardware import (
     GPU,
@@ -102,7 +102,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     out.add_argument("--emit-config", metavar="PATH", help="write the plan's ds_config here")
+    out.add_argument("--emit-launch", nargs=2, metavar=("slurm|hostfile", "PATH"),
+                     help="write a Slurm batch script (torchrun per node, c10d, restarts) or a DeepSpeed hostfile "
+                          "(its deepspeed line on top) for this plan; the ds_config goes to --emit-config, else "
+                          "beside PATH as PATH's stem + .json")
     out.add_argument("--top", type=int, default=5, help="alternatives and rejections to show")
+    ckpt = parser.add_argument_group("checkpoints (Young/Daly: save every sqrt(2 x write time x cluster MTBF))")
+    ckpt.add_argument("--save", metavar="DIR", default="checkpoints",
+                      help="where the launch command saves and resumes (--load auto) (default checkpoints)")
+    ckpt.add_argument("--save-every", type=int, metavar="N", help="steps between saves (default: Young/Daly's)")
+    ckpt.add_argument("--ckpt-write-gbps", type=float, default=save_interval.WRITE_GBPS_PER_NODE, metavar="GB/S",
+                      help="checkpoint write bandwidth per writing node, GB/s (default 1: Llama 3's storage, "
+                           "2 TB/s over 2,048 nodes)")
+    ckpt.add_argument("--mtbf-gpu-hours", type=float, default=save_interval.GPU_MTBF_HOURS, metavar="H",
+                      help="one GPU's mean time between failures, hours (default 50677: Llama 3's 419 unexpected "
+                           "interruptions in 54 days on 16,384 GPUs); the cluster's is H / GPUs")
 
 
 def _positive(args, *names):
@@ -129,7 +143,11 @@ def load_model(args) -> ModelSpec:
 def run(args) -> int:
     _positive(args, "seq_len", "vocab", "gpus", "nodes", "gpus_per_node", "gpu_mem", "intra_bw", "inter_bw",
               "peak_tflops", "global_batch", "tp", "pp", "cp", "ep", "micro_batch", "vpp", "base_lr", "base_batch",
-              "top")
+              "top", "save_every", "ckpt_write_gbps", "mtbf_gpu_hours")
+    kind, launch_path = args.emit_launch or (None, None)
+    if kind is not None and kind not in launch_script.KINDS:
+        raise UsageError(f"--emit-launch {kind}: the kinds are slurm (an sbatch script) and hostfile (for deepspeed); "
+                         "e.g. --emit-launch slurm job.sh")
     if args.moe_imbalance is not None and not args.moe_imbalance >= 1:
         raise UsageError(f"--moe-imbalance {args.moe_imbalance} must be at least 1 (1: perfectly balanced routing)")
     if not 0 < args.mem_threshold <= 1:
@@ -189,11 +207,17 @@ def run(args) -> int:
     lr, lr_note = emit.scaled_lr(model.params, plan.global_batch, model.seq_len, base_lr=args.base_lr,
                                  base_batch=args.base_batch if args.base_lr else None)
     total_steps, warmup = emit.schedule_steps(plan.global_batch, model.seq_len, tokens, params=model.params)
-    config_path = args.emit_config or "ds_configs/plan.json"
+    config_path = args.emit_config or (str(Path(launch_path).with_suffix(".json")) if launch_path
+                                       else "ds_configs/plan.json")
     model_arg, model_file = _model_arg(args, model, config_path)
+    advice = save_interval.advise(plan, params=model.params, gpus_per_node=cluster.gpus_per_node,
+                                  step_time_s=cost.step_time_s, write_gbps=args.ckpt_write_gbps,
+                                  gpu_mtbf_hours=args.mtbf_gpu_hours)
+    save_every = args.save_every or advice.save_every
+    flags = dict(config_path=config_path, model_arg=model_arg, seq_len=model.seq_len, save=args.save,
+                 save_every=save_every)
     launch, launch_note = emit.launch_command(plan, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
-                                 config_path=config_path, model_arg=model_arg,
-                                 seq_len=model.seq_len)
+                                              hostfile=launch_path if kind == "hostfile" else None, **flags)
     single = estimate_cost(model, dataclasses.replace(cluster, num_gpus=1),
                            dataclasses.replace(plan, tp=1, pp=1, dp=1, cp=1, ep=1, vpp=1, zero_stage=0,
                                                sequence_parallel=False,
@@ -204,7 +228,8 @@ def run(args) -> int:
         "plan": plan_dict(plan, mem, cost, cluster, tokens, model.seq_len) | {
             "fits": result.fits, "mem_threshold": result.threshold,
             "speedup_vs_one_gpu": speedup, "scaling_efficiency": speedup / plan.world,
-            "lr": lr, "warmup_steps": warmup, "total_steps": total_steps},
+            "lr": lr, "warmup_steps": warmup, "total_steps": total_steps, "save_every": save_every,
+            "save_interval": dataclasses.asdict(advice)},
         "alternatives": [plan_dict(c.plan, c.memory, c.cost, cluster, tokens, model.seq_len)
                          for c in result.ranked[1:1 + args.top]],
         "rejected": [{"plan": _plan_fields(r.plan) if r.plan else None, "reason": r.reason, "kind": r.kind,
@@ -215,19 +240,22 @@ def run(args) -> int:
     if result.fits == "above_threshold":
         report["plan"]["headroom"] = headroom_note(mem.total / GIB, gpu_gib=cluster.gpu.mem_gib,
                                                    threshold=args.mem_threshold)
-    if args.emit_config:
-        if model_file:  # a --params shape with no preset: the trainer gets its config.json too
-            emit.write_json_atomic(model_file, model.to_hf_config())
-        emit.write_json_atomic(args.emit_config, emit.ds_config(plan, lr=lr, total_steps=total_steps,
-                                                                warmup_steps=warmup))
+    if args.emit_config or launch_path:
+        _write_outputs(args, plan, cluster, model, model_file, config_path, launch, kind, launch_path,
+                       emit.ds_config(plan, lr=lr, total_steps=total_steps, warmup_steps=warmup),
+                       emit.train_flags(plan, **flags))
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     from megakit.commands.plan_render import render  # rich, only for the tables
-    render(report, result, model, cluster, tips=emit.tips(result, cost, plan, cluster, lr_note=lr_note,
-                                                          warmup=warmup, total=total_steps, auto_sized=auto),
-           emitted=args.emit_config, launch=launch, launch_note=launch_note)
+    saving = save_interval.describe(advice) + ("" if not args.save_every else
+                                               f" The launch command uses your --save-every {args.save_every}.")
+    tips = emit.tips(result, cost, plan, cluster, lr_note=lr_note, warmup=warmup, total=total_steps,
+                     auto_sized=auto) + [saving]
+    emitted = ", ".join(p for p in (args.emit_config or (config_path if launch_path else None), launch_path) if p)
+    render(report, result, model, cluster, tips=tips, emitted=emitted or None,
+           launch=f"sbatch {launch_path}" if kind == "slurm" else launch, launch_note=launch_note)
     return 0
 
 
@@ -245,6 +273,31 @@ def _check_fp8(args, gpu: GPU, precision: str) -> None:
                          "and MI300 have them); drop --fp8 or plan for e.g. --gpu h100-80gb")
     if precision != "bf16":
         raise UsageError(f"--fp8 {args.fp8} casts from bf16, not --precision {precision}; use --precision bf16")
+
+
+def _write_outputs(args, plan: Plan, cluster: Cluster, model: ModelSpec, model_file, config_path, launch, kind,
+                   launch_path, config: dict, flags: list[str]) -> None:
+    """The model config (a --params shape), the ds_config and the launch file: every path checked first, each file
+    written to a temporary name and renamed, so a bad path leaves nothing half-way."""
+    targets = [(model_file, "--emit-config"), (config_path, "--emit-config" if args.emit_config else "--emit-launch"),
+               (launch_path, "--emit-launch")]
+    for path, flag in targets:
+        if path:
+            emit.check_target(path, flag)
+    if launch_path and Path(launch_path).resolve() in {Path(p).resolve() for p in (config_path, model_file) if p}:
+        raise UsageError(f"--emit-launch {launch_path} is also the ds_config's or model config's path; give the launch "
+                         "file another name (e.g. job.sh)")
+    per_node = min(cluster.gpus_per_node, plan.world)  # as the deepspeed line: a plan smaller than one node
+    nodes = -(-plan.world // per_node)
+    if model_file:  # a --params shape with no preset: the trainer gets its config.json too
+        emit.write_json_atomic(model_file, model.to_hf_config())
+    emit.write_json_atomic(config_path, config)
+    if launch_path:
+        summary = f"{model.name}: {plan.describe()} on {nodes} node(s) x {per_node} {cluster.gpu.name}"
+        text = (launch_script.slurm_script(nodes=nodes, gpus_per_node=per_node, train_flags=flags, summary=summary)
+                if kind == "slurm" else
+                launch_script.hostfile(nodes=nodes, gpus_per_node=per_node, command=launch, summary=summary))
+        emit.write_text_atomic(launch_path, text, flag="--emit-launch", executable=kind == "slurm")
 
 
 def _hardware(args) -> tuple[GPU, int]:

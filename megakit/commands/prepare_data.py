@@ -23,7 +23,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", metavar="PATH", default=None,
                         help="use this tokenizer.json or transformers tokenizer directory instead of training one")
     parser.add_argument("--field", default="text", help="the JSONL key that holds the text")
-    parser.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out for validation")
+    parser.add_argument("--val-fraction", type=float, default=0.01,
+                        help="share of the tokens held out for validation (default 0.01), in spans of >= 1024 tokens "
+                             "taken from the ends of documents, a long document cut in two")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes")
     parser.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard file")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -47,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     rate = s["bytes"] / 2**20 / s["seconds"]
     bad = f", {s['bad_records']:,} bad JSONL lines skipped" if s.get("bad_records") else ""
     print(f"wrote {args.out}: {s['tokens']['train']:,} train and {s['tokens']['validation']:,} validation tokens "
-          f"from {s['documents']['train'] + s['documents']['validation']:,} documents in {s['files'] - s['skipped']} "
+          f"from {s['input_documents']:,} documents ({s['cut_documents']:,} cut between the two) in "
+          f"{s['files'] - s['skipped']} "
           f"files ({s['skipped']} skipped{bad}), vocabulary {s['vocab_size']}, {s['seconds']:.1f} s, {rate:.2f} MB/s")
     print(f"train on it with: deepspeed scripts/train.py --data {args.out} ...")
     return 0

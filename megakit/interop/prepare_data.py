@@ -12,8 +12,12 @@
   from a clean fork server), each with its own copy of the tokenizer, and come back in
   order, so the output does not depend on the number of workers. Each worker encodes a
   batch at once (``encode_batch_fast``: no offsets).
-- Document ``i`` goes to validation when ``floor((i+1) f) > floor(i f)``: an exact fraction
-  ``f``, spread evenly over the corpus, the same on every run.
+- The validation split is about ``f`` (``--val-fraction``) of the *tokens*, not of the documents
+  (a corpus of 78 plays has no 1 % of its documents to give): ``TokenSplit`` holds out, at the end
+  of a document, what the split owes so far, once that is at least ``MIN_SPAN`` tokens (or at the
+  last document), cutting the document in two when it is longer. So any corpus of more than
+  ``0.5 / f`` tokens gets a validation split, spread over the corpus in contiguous spans long
+  enough for evaluation windows, the same on every run and for any number of workers.
 - Everything is written to a temporary directory beside ``--out`` and renamed into place
   with the index written last, so an interrupted run leaves nothing a later run (or the
   trainer) takes for finished. The index records a fingerprint of the inputs (path, size and
@@ -49,6 +53,7 @@ from megakit.interop.token_shards import (
 )
 
 TASK_BYTES = 1 << 19  # files are handed to workers in batches of about this much text
+MIN_SPAN = 1024  # validation tokens held out at once (a 1024-token evaluation window reads one span)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +74,28 @@ class PrepareConfig:
             raise UsageError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if self.workers < 1 or self.shard_tokens < 1:
             raise UsageError("--workers and --shard-tokens must be at least 1")
+
+
+@dataclass(kw_only=True)
+class TokenSplit:
+    """Holds out ``fraction`` of a token stream for validation, document by document.
+
+    After a document, the split owes ``round(fraction x tokens seen) - tokens held``; it takes that
+    many from the document's end once the debt reaches ``MIN_SPAN`` (or the document is the last),
+    at most the whole document, never the stream's only training token. ``cut`` says how many."""
+
+    fraction: float
+    seen: int = 0
+    held: int = 0
+
+    def cut(self, tokens: int, *, last: bool) -> int:
+        self.seen += tokens
+        owed = int(self.fraction * self.seen + 0.5) - self.held
+        if owed <= 0 or (owed < MIN_SPAN and not last):
+            return 0
+        take = max(0, min(owed, tokens, self.seen - self.held - 1))
+        self.held += take
+        return take
 
 
 def list_inputs(inputs: list[str], *, exclude: Path | None = None) -> list[Path]:
@@ -227,6 +254,7 @@ def _tokenizer(cfg: PrepareConfig, files: list[Path], say):
 
 def _settings(cfg: PrepareConfig) -> dict:
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("inputs", "out", "workers", "progress")}
+    settings["split"] = f"tokens, spans of {MIN_SPAN}"  # a directory split by documents (before) is made again
     if cfg.tokenizer:
         source = Path(cfg.tokenizer)
         file = source / "tokenizer.json" if source.is_dir() else source
@@ -275,7 +303,18 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
     dtype = token_dtype(vocab)
     writers = {split: ShardWriter(tmp, split, dtype, shard_tokens=cfg.shard_tokens) for split in ("train", "validation")}
     counts = {"documents": {"train": 0, "validation": 0}, "tokens": {"train": 0, "validation": 0}}
-    skipped, bad, first_bad, total_bytes, doc = [], 0, None, sum(p.stat().st_size for p in files), 0
+    skipped, bad, first_bad, total_bytes, docs = [], 0, None, sum(p.stat().st_size for p in files), 0
+    split, cut, held_back = TokenSplit(fraction=cfg.val_fraction), 0, None
+
+    def add(ids: np.ndarray, last: bool) -> None:  # one document, its end held out when the split owes tokens
+        nonlocal cut
+        held = split.cut(len(ids), last=last)
+        cut += 0 < held < len(ids)
+        for name, part in (("train", ids[:len(ids) - held]), ("validation", ids[len(ids) - held:])):
+            if len(part):
+                writers[name].add(part)
+                counts["documents"][name] += 1
+                counts["tokens"][name] += len(part)
     args = (tokenizer.to_str(), cfg.field, eos, dtype.str)
     tasks = _tasks(files)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="prepare-data",
@@ -291,14 +330,13 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
                 if why:
                     skipped.append(f"{path}: {why}")
                 bad, first_bad = bad + bad_lines, first_bad or first
-                for ids in arrays:
-                    f = cfg.val_fraction
-                    split = "validation" if int((doc + 1) * f) > int(doc * f) else "train"
-                    writers[split].add(ids)
-                    counts["documents"][split] += 1
-                    counts["tokens"][split] += len(ids)
-                    doc += 1
+                for ids in arrays:  # one document behind, so the last one is known
+                    if held_back is not None:
+                        add(held_back, last=False)
+                    held_back, docs = ids, docs + 1
                 bar.update(size)
+        if held_back is not None:
+            add(held_back, last=True)
     finally:
         bar.close()
         if pool is not None:
@@ -313,10 +351,23 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
     if bad:
         say(f"prepare-data: warning: skipped {bad:,} JSONL lines that are not UTF-8 JSON objects with a "
             f"{cfg.field!r} string (--field), e.g. {first_bad}")
+    _say_validation(cfg.val_fraction, counts["tokens"], say)
     tok.save_tokenizer(tokenizer, tmp)
     summary = {"files": len(files), "skipped": len(skipped), "bad_records": bad, "bytes": total_bytes,
-               "vocab_size": vocab, **counts}
+               "vocab_size": vocab, "input_documents": docs, "cut_documents": cut, **counts}
     write_index(tmp, {"dtype": dtype.name, "vocab_size": vocab, "eos_id": eos,
                       "source": {"fingerprint": stamp, "inputs": [str(i) for i in cfg.inputs], "skipped": skipped},
                       "splits": splits, "summary": summary})
     return summary
+
+
+def _say_validation(fraction: float, tokens: dict, say) -> None:
+    """Why the validation split is empty or too small to evaluate on, now rather than at --eval-every."""
+    total, held = tokens["train"] + tokens["validation"], tokens["validation"]
+    if fraction > 0 and held == 0:
+        say(f"prepare-data: warning: no validation split: {total:,} tokens x --val-fraction {fraction:g} = "
+            f"{total * fraction:.2f} rounds to none; raise --val-fraction or add text (--eval-every needs one)")
+    elif 0 < held < MIN_SPAN:
+        say(f"prepare-data: warning: the validation split holds only {held:,} tokens ({total:,} x --val-fraction "
+            f"{fraction:g}); --eval-every needs at least a global batch x (seq-len + 1): raise --val-fraction or add "
+            "text")

@@ -4,7 +4,9 @@ Only rank 0 prints and writes (every rank computes the same per-step metrics);
 each rank writes its own profiler trace, because ranks of different pipeline stages
 do different work. Files are written to a temporary name and renamed. The bar is drawn
 only on a terminal: in a log file (a cluster job's stderr) its carriage returns would run
-into the step lines, so there the log is one line per step or event, and grep-able.
+into the step lines, so there the log is one line per step or event, and grep-able, plus a
+heartbeat line every ``--log-heartbeat`` seconds while a step (or a save, an evaluation) runs longer,
+so a slow step is told apart from a stuck job in the log.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -55,13 +60,49 @@ def progress_bar(total: int, initial: int, stream=None):
     return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, file=stream)
 
 
+class Heartbeat:
+    """A daemon thread that prints ``megakit: step N running for S s`` every ``every_s`` seconds while no step
+    ends. ``beat(step)`` after each step; ``stop()`` at the end. The thread holds only a weak reference, so a
+    run that ended by an exception (no ``stop``) does not leave it printing into the next one."""
+
+    def __init__(self, every_s: float, *, step: int, say=None, clock=time.monotonic) -> None:
+        self.every_s, self.step, self.clock = every_s, step, clock
+        self.say = say or (lambda text: print(text, flush=True))
+        self.since = self.last = clock()
+        self._stop = threading.Event()
+        threading.Thread(target=Heartbeat._run, args=(weakref.ref(self), self._stop, every_s / 4), daemon=True,
+                         name="megakit-heartbeat").start()
+
+    def beat(self, step: int) -> None:
+        self.step, self.since = step, self.clock()
+        self.last = self.since
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def check(self) -> None:
+        now = self.clock()
+        if now - self.last >= self.every_s:
+            self.last = now
+            self.say(f"megakit: step {self.step} running for {now - self.since:.0f} s")
+
+    @staticmethod
+    def _run(ref, stop: threading.Event, wait_s: float) -> None:
+        while not stop.wait(wait_s):
+            beat = ref()
+            if beat is None:
+                return
+            beat.check()
+            del beat
+
+
 class Reporter:
     """Rank 0's progress bar, per-step log lines, TensorBoard events and metrics file."""
 
     def __init__(self, run, topo) -> None:
         cfg, start = run.cfg, run.start_step
         self.cfg, self.active = cfg, topo.rank == 0
-        self.bar = self.writer = None
+        self.bar = self.writer = self.heartbeat = None
         if not self.active:
             return
         chunks = f" (x {cfg.vpp} chunks)" if cfg.vpp > 1 else ""
@@ -73,6 +114,8 @@ class Reporter:
               f"{f' (experts: EP {topo.ep} x EDP {topo.dp * topo.cp // topo.ep})' if topo.ep > 1 else ''}{options}",
               flush=True)
         self.bar = progress_bar(cfg.steps, start) if cfg.progress else None
+        if self.bar is None and cfg.log_heartbeat_s > 0:
+            self.heartbeat = Heartbeat(cfg.log_heartbeat_s, step=start)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -89,6 +132,8 @@ class Reporter:
             return
         if m.step % self.cfg.log_every == 0 or m.step == self.cfg.steps - 1:
             self._print(m.line())
+        if self.heartbeat is not None:
+            self.heartbeat.beat(m.step + 1)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{m.loss:.3f}", lr=f"{m.lr:.1e}")
@@ -128,6 +173,8 @@ class Reporter:
             return
         if self.bar is not None:
             self.bar.close()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self.writer is not None:
             self.writer.close()
         if self.cfg.metrics_out:

@@ -58,6 +58,7 @@ class TrainConfig:
     metrics_out: str | None = None
     log_every: int = 1
     progress: bool = True
+    log_heartbeat_s: float = 60.0  # without a bar: a line every this many seconds while a step runs longer; 0: never
     stall_timeout_s: float = 60.0
     collective_timeout_s: float = 300.0
     max_bytes: int = DEFAULT_MAX_BYTES
@@ -90,6 +91,8 @@ class TrainConfig:
         if self.max_skipped_steps < 0:
             raise UsageError(f"--max-skipped-steps must be 0 (end at the first non-finite step) or more, "
                              f"got {self.max_skipped_steps}")
+        if not self.log_heartbeat_s >= 0:
+            raise UsageError(f"--log-heartbeat must be 0 (off) or a number of seconds, got {self.log_heartbeat_s}")
         if self.log_every < 1:
             raise UsageError(f"--log-every must be at least 1, got {self.log_every}")
         compression = parse_compression(self.compress)

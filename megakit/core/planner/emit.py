@@ -100,17 +100,15 @@ def schedule_steps(global_batch: int, seq_len: int, tokens: float | None, *, par
     return total, warmup
 
 
-def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: str, model_arg: str,
-                   seq_len: int) -> tuple[str, str]:
-    """(the ``deepspeed`` command line for ``scripts/train.py`` with the plan's layout, recompute,
-    sequence parallelism and virtual stages; a note on what the plan assumes that train.py cannot
-    do yet, '' if none)."""
-    gpus = min(gpus_per_node, plan.world)
-    parts = ["deepspeed"]
-    if nodes > 1:
-        parts += ["--num_nodes", str(nodes)]
-    parts += ["--num_gpus", str(gpus), "scripts/train.py", "--ds_config", config_path,
-              "--tp", str(plan.tp), "--pp", str(plan.pp), "--model", model_arg, "--seq-len", str(seq_len)]
+KEEP = 3  # checkpoints the emitted launch keeps (--keep): the newest is the one --load auto takes
+
+
+def train_flags(plan: Plan, *, config_path: str, model_arg: str, seq_len: int, save: str | None = None,
+                save_every: int = 0) -> list[str]:
+    """``scripts/train.py``'s flags for the plan's layout, recompute, sequence parallelism and virtual stages,
+    and with ``save`` a checkpoint series every ``save_every`` steps that the same command resumes (``--load auto``)."""
+    parts = ["--ds_config", config_path, "--tp", str(plan.tp), "--pp", str(plan.pp), "--model", model_arg,
+             "--seq-len", str(seq_len)]
     if plan.cp > 1:
         parts += ["--cp", str(plan.cp)]
     if plan.ep > 1:
@@ -129,6 +127,23 @@ def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: s
         parts.append("--no-compile")
     if plan.fp8 != "none":
         parts += ["--fp8", plan.fp8]
+    if save:
+        parts += ["--save", save, "--save-every", str(save_every), "--keep", str(KEEP), "--load", "auto"]
+    return parts
+
+
+def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: str, model_arg: str,
+                   seq_len: int, save: str | None = None, save_every: int = 0,
+                   hostfile: str | None = None) -> tuple[str, str]:
+    """(the ``deepspeed`` command line for ``scripts/train.py`` with ``train_flags``; a note on what the plan
+    assumes that train.py cannot do yet, '' if none)."""
+    gpus = min(gpus_per_node, plan.world)
+    parts = ["deepspeed"] + (["--hostfile", hostfile] if hostfile else [])
+    if nodes > 1:
+        parts += ["--num_nodes", str(nodes)]
+    parts += ["--num_gpus", str(gpus), "scripts/train.py"]
+    parts += train_flags(plan, config_path=config_path, model_arg=model_arg, seq_len=seq_len, save=save,
+                         save_every=save_every)
     notes = []
     if plan.recompute not in ("none", "selective", "full"):
         notes.append(f"the plan also assumes {plan.recompute} activation recompute, which megakit's model does not do "
@@ -139,23 +154,34 @@ def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: s
     return " ".join(parts), "; ".join(notes)
 
 
-def write_json_atomic(path: str, data: dict) -> None:
-    """Write to a temporary file in the same folder, then rename: never a half-written config."""
+def check_target(path: str, flag: str) -> None:
+    """A file name in a folder that exists, or one clear line naming ``flag``: checked for every output before any is
+    written, so a bad second path leaves no first file behind."""
     target = Path(path)
     if target.is_dir():
-        raise UsageError(f"--emit-config {path} is a directory; give a file name such as {path}/plan.json")
+        raise UsageError(f"{flag} {path} is a directory; give a file name such as {path}/plan.json")
     folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
-        raise UsageError(f"--emit-config folder {folder} does not exist; create it or pick another path")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=folder)
+        raise UsageError(f"{flag} folder {folder} does not exist; create it or pick another path")
+
+
+def write_text_atomic(path: str, text: str, *, flag: str = "--emit-config", executable: bool = False) -> None:
+    """Write to a temporary file in the same folder, then rename: never a half-written file."""
+    check_target(path, flag)
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent if str(target.parent) else ".")
     try:
         with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2)
-            handle.write("\n")
+            handle.write(text)
+        os.chmod(tmp, 0o755 if executable else 0o644)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: str, data: dict, *, flag: str = "--emit-config") -> None:
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n", flag=flag)
 
 
 def tips(result, cost, plan: Plan, cluster, *, lr_note: str, warmup: int, total: int,
