@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megakit.errors import UsageError  # noqa: E402
+from bench_workers import WorkerFailed, run_workers  # noqa: E402
 
 
 class SwiGLU(nn.Module):
@@ -162,21 +162,10 @@ def main(argv=None) -> int:
         print(f"bench_moe.py: error: {exc}", file=sys.stderr)
         return 2
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    diff, ep2, diff1, ep1 = results.get(timeout=1800)
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        print("bench_moe.py: error: a worker process failed (see above)", file=sys.stderr)
+    try:
+        (diff, ep2, diff1, ep1), = run_workers(_worker, world, args)
+    except WorkerFailed as exc:
+        print(f"bench_moe.py: error: {exc}", file=sys.stderr)
         return 1
     print(f"one MoE layer (SwiGLU experts), {args.experts} experts, top-2, hidden {args.hidden}, ffn {args.ffn}, "
           f"{args.tokens} tokens per rank; forward+backward, median of {args.reps} alternating rounds after "

@@ -7,10 +7,11 @@ largest size and ``efficiency <measured> predicted <planner>`` (target: within 2
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
+
+from bench_workers import run_workers
 
 HIDDEN, LAYERS, HEADS, FFN, VOCAB, SEQ, MICRO = 512, 4, 8, 2048, 1024, 256, 4
 
@@ -56,20 +57,8 @@ def _worker(rank, nproc, port, steps, results):
 
 
 def measure(nproc: int, steps: int) -> float:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, nproc, port, steps, results)) for r in range(nproc)]
-    for p in procs:
-        p.start()
-    step = max(results.get(timeout=600)[1] for _ in range(nproc))
-    for p in procs:
-        p.join()
-    return step
+    """The slowest rank's median step time."""
+    return max(step for _, step in run_workers(_worker, nproc, steps, replies=nproc, timeout=600))
 
 
 def predict(profile: dict, nproc: int) -> float:

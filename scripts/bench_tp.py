@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megakit.errors import UsageError  # noqa: E402
+from bench_workers import WorkerFailed, run_workers  # noqa: E402
 
 
 class ReferenceBlock(nn.Module):
@@ -183,21 +183,10 @@ def main(argv=None) -> int:
         print(f"bench_tp.py: error: {exc}", file=sys.stderr)
         return 2
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    diff, times, layout = results.get(timeout=1800)
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        print("bench_tp.py: error: a worker process failed (see above)", file=sys.stderr)
+    try:
+        (diff, times, layout), = run_workers(_worker, world, args)
+    except WorkerFailed as exc:
+        print(f"bench_tp.py: error: {exc}", file=sys.stderr)
         return 1
     kv = args.kv_heads or args.heads
     print(f"one {args.family} block, TP=2 on 2 CPU processes (gloo, 1 thread each): batch {args.batch}, "
