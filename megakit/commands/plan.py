@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from megakit.core.compression import parse_compression
+from megakit.core.partition import parse_stage_layers
 from megakit.core.planner import emit
 from megakit.core.planner.cost import estimate_cost
 from megakit.core.planner.hardware import (
@@ -31,6 +32,7 @@ from megakit.core.planner.model_spec import ModelSpec, parse_count, preset_names
 from megakit.core.planner.plan import ROUTING, Plan
 from megakit.core.planner.search import NoPlan, Pins, search, smallest_cluster
 from megakit.core.planner.sharding import LINK_EFFICIENCY
+from megakit.core.planner.stages import virtual_stage_ranges
 from megakit.core.planner.verdict import headroom_note
 from megakit.errors import UsageError
 
@@ -86,7 +88,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pins.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
     pins.add_argument("--micro-batch", type=int)
     pins.add_argument("--recompute", choices=("none", "selective", "full"))
-    pins.add_argument("--vpp", type=int)
+    pins.add_argument("--vpp", type=int, help="virtual stages (interleaved chunks) per pipeline stage; they need not "
+                                              "divide the layers")
+    pins.add_argument("--stage-layers", metavar="N,N,...",
+                      help="layers per virtual stage, e.g. 3,4,4,3 (chunk c of stage s is virtual stage c x PP + s; "
+                           "needs --pp); default: balanced by parameters, embedding and head counted")
     pins.add_argument("--schedule", choices=("1f1b", "zb-h1"),
                       help="pipeline schedule: zb-h1 (zero bubble, Qi et al. 2023) trades memory for bubble")
     out = parser.add_argument_group("output")
@@ -134,7 +140,7 @@ def run(args) -> int:
     imbalance = args.moe_imbalance if args.moe_imbalance is not None else ROUTING[args.moe_routing]
     pins = Pins(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero, micro_batch=args.micro_batch,
                 recompute=args.recompute, vpp=args.vpp, compress=str(parse_compression(args.compress)),
-                schedule=args.schedule)
+                schedule=args.schedule, stage_layers=parse_stage_layers(args.stage_layers)).resolved()
 
     def make_cluster(nodes: int | None = None, gpus: int | None = None) -> Cluster:
         total = gpus if gpus is not None else nodes * args.gpus_per_node
@@ -181,7 +187,7 @@ def run(args) -> int:
     model_arg, model_file = _model_arg(args, model, config_path)
     launch, launch_note = emit.launch_command(plan, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
                                  config_path=config_path, model_arg=model_arg,
-                                 seq_len=model.seq_len)
+                                 seq_len=model.seq_len, stage_layers=pins.stage_layers)
     single = estimate_cost(model, dataclasses.replace(cluster, num_gpus=1),
                            dataclasses.replace(plan, tp=1, pp=1, dp=1, cp=1, ep=1, vpp=1, zero_stage=0,
                                                sequence_parallel=False,
@@ -192,7 +198,9 @@ def run(args) -> int:
         "plan": plan_dict(plan, mem, cost, cluster, tokens, model.seq_len) | {
             "fits": result.fits, "mem_threshold": result.threshold,
             "speedup_vs_one_gpu": speedup, "scaling_efficiency": speedup / plan.world,
-            "lr": lr, "warmup_steps": warmup, "total_steps": total_steps},
+            "lr": lr, "warmup_steps": warmup, "total_steps": total_steps,
+            "stage_layers": [len(r) for r in virtual_stage_ranges(
+                model.with_overrides(stage_layers=pins.stage_layers), plan.pp, plan.vpp)]},
         "alternatives": [plan_dict(c.plan, c.memory, c.cost, cluster, tokens, model.seq_len)
                          for c in result.ranked[1:1 + args.top]],
         "rejected": [{"plan": _plan_fields(r.plan) if r.plan else None, "reason": r.reason, "kind": r.kind,

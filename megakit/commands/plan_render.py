@@ -27,6 +27,13 @@ def _short(p: dict) -> str:
     return text + (" SP" if p["sequence_parallel"] else "")
 
 
+def _layers_row(p: dict) -> tuple:
+    """The blocks of each virtual stage, in pipeline order, when there is a pipeline."""
+    if p["pp"] == 1:
+        return ()
+    return (("layers per virtual stage", ",".join(map(str, p["stage_layers"]))),)
+
+
 def render(report: dict, result, model, cluster, *, tips: list, emitted: str | None, launch: str,
            launch_note: str = "") -> None:
     console = Console(highlight=False)
@@ -57,7 +64,7 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
     moe = (("experts: EP x EDP", f"{p['ep']} x {p['edp']} (E/EP experts per GPU; attention on TP x CP x DP)"),) \
         if "moe" in a else ()
     for key, value in (grid, *moe,
-                       ("virtual stages", p["vpp"]), ("schedule", p.get("schedule", "1f1b")),
+                       ("virtual stages", p["vpp"]), *_layers_row(p), ("schedule", p.get("schedule", "1f1b")),
                        ("ZeRO stage", p["zero_stage"]),
                        ("batch", f"micro {p['micro_batch']} x accumulation {p['grad_accum']} x DP {p['dp']} = "
                                  f"{p['global_batch']} sequences"),

@@ -101,10 +101,10 @@ def schedule_steps(global_batch: int, seq_len: int, tokens: float | None, *, par
 
 
 def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: str, model_arg: str,
-                   seq_len: int) -> tuple[str, str]:
+                   seq_len: int, stage_layers: tuple[int, ...] | None = None) -> tuple[str, str]:
     """(the ``deepspeed`` command line for ``scripts/train.py`` with the plan's layout, recompute,
-    sequence parallelism and virtual stages; a note on what the plan assumes that train.py cannot
-    do yet, '' if none)."""
+    sequence parallelism, virtual stages and a pinned ``stage_layers`` split (the default split is the
+    trainer's own); a note on what the plan assumes that train.py cannot do yet, '' if none)."""
     gpus = min(gpus_per_node, plan.world)
     parts = ["deepspeed"]
     if nodes > 1:
@@ -117,6 +117,8 @@ def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: s
         parts += ["--ep", str(plan.ep)]
     if plan.vpp > 1:
         parts += ["--vpp", str(plan.vpp)]
+    if stage_layers is not None:
+        parts += ["--stage-layers", ",".join(map(str, stage_layers))]
     if plan.zero_bubble:
         parts += ["--schedule", "zb-h1"]
     if plan.sequence_parallel:
