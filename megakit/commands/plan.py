@@ -136,7 +136,8 @@ def run(args) -> int:
     precision = args.precision or ("fp16" if gpu.name.startswith("v100") else
                                    "fp32" if gpu.fp32_rate == 1.0 and gpu.name.startswith("probed:") else "bf16")
     flash = gpu.flash_attention if args.attention is None else args.attention == "flash"
-    global_batch = args.global_batch or emit.default_global_batch(model.params, model.seq_len)
+    global_batch, batch_note = ((args.global_batch, "--global-batch") if args.global_batch else
+                                emit.default_global_batch(model.params, model.seq_len, tokens))
     imbalance = args.moe_imbalance if args.moe_imbalance is not None else ROUTING[args.moe_routing]
     pins = Pins(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero, micro_batch=args.micro_batch,
                 recompute=args.recompute, vpp=args.vpp, compress=str(parse_compression(args.compress)),
@@ -206,7 +207,8 @@ def run(args) -> int:
         "rejected": [{"plan": _plan_fields(r.plan) if r.plan else None, "reason": r.reason, "kind": r.kind,
                       "tokens_per_s": r.tokens_per_s} for r in _top_rejected(result.rejected, args.top)],
         "assumptions": assumptions(model, cluster, auto, result, precision, flash, args.mem_threshold,
-                                   global_batch, tokens, launch, launch_note) | _moe_assumptions(model, args, imbalance),
+                                   global_batch, tokens, launch, launch_note, batch_note)
+        | _moe_assumptions(model, args, imbalance),
     }
     if result.fits == "above_threshold":
         report["plan"]["headroom"] = headroom_note(mem.total / GIB, gpu_gib=cluster.gpu.mem_gib,
@@ -302,7 +304,7 @@ def plan_dict(plan: Plan, mem, cost, cluster: Cluster, tokens, seq_len: int) -> 
 
 
 def assumptions(model: ModelSpec, cluster: Cluster, auto: bool, result, precision, flash, threshold,
-                global_batch, tokens, launch, launch_note) -> dict:
+                global_batch, tokens, launch, launch_note, batch_note: str = "") -> dict:
     gpu = cluster.gpu
     return {
         "model": {"name": model.name, "source": model.assumed, "family": model.family, "params": model.params,
@@ -318,6 +320,7 @@ def assumptions(model: ModelSpec, cluster: Cluster, auto: bool, result, precisio
                     "auto_sized": auto},
         "rule": {"branch": result.branch, "why": result.branch_why},
         "mem_threshold": threshold, "precision": precision, "attention": "flash" if flash else "standard",
-        "global_batch": global_batch, "tokens": tokens, "layouts_evaluated": result.evaluated,
+        "global_batch": global_batch, "global_batch_note": batch_note, "tokens": tokens,
+        "layouts_evaluated": result.evaluated,
         "launch": launch, "launch_note": launch_note,
     }

@@ -27,11 +27,26 @@ CHINCHILLA_TOKENS_PER_PARAM = 20
 GPT3_TOKENS = 300e9  # the yardstick for time-to-train when the cluster was auto-sized
 
 
-def default_global_batch(params: float, seq_len: int) -> int:
-    """GPT-3's batch for the nearest size, in sequences, rounded to a multiple of 256 (at least 1)."""
-    tokens = min(GPT3_LR, key=lambda row: abs(math.log(row[0] / params)))[2]
-    seqs = tokens / seq_len
-    return max(1, int(round(seqs / 256)) * 256) if seqs >= 256 else max(1, 2 ** int(round(math.log2(seqs))))
+MIN_STEPS = 500  # the fewest optimizer steps a default batch leaves the token budget: warm-up and decay need room
+
+
+def default_global_batch(params: float, seq_len: int, tokens: float | None = None) -> tuple[int, str]:
+    """(sequences per step, what was assumed): GPT-3's batch for the nearest size, rounded to a multiple of 256
+    (a power of two below that), unless the token budget (``tokens``, else Chinchilla's 20 per parameter) would
+    then last fewer than ``MIN_STEPS`` steps, as for a small model: then the largest power of two that leaves
+    it ``MIN_STEPS`` steps (GPT-3's 0.5M-token batch would train a 66K-parameter model in 3 steps)."""
+    batch_tokens = min(GPT3_LR, key=lambda row: abs(math.log(row[0] / params)))[2]
+    seqs = batch_tokens / seq_len
+    gpt3 = max(1, int(round(seqs / 256)) * 256) if seqs >= 256 else max(1, 2 ** int(round(math.log2(seqs))))
+    budget = tokens or CHINCHILLA_TOKENS_PER_PARAM * params
+    source = "--tokens" if tokens else f"{CHINCHILLA_TOKENS_PER_PARAM} per parameter, Chinchilla"
+    gpt3_note = f"GPT-3's batch for this size ({batch_tokens / 1e6:g}M tokens = {gpt3:,} sequences of {seq_len})"
+    if gpt3 * seq_len * MIN_STEPS <= budget:
+        return gpt3, gpt3_note
+    bounded = max(1, 2 ** int(math.floor(math.log2(max(budget / (MIN_STEPS * seq_len), 1)))))
+    return bounded, (f"{bounded:,} sequences of {seq_len}, so that the token budget, {budget:,.0f} tokens ({source}), "
+                     f"lasts at least {MIN_STEPS} steps; {gpt3_note} would last "
+                     f"{math.ceil(budget / (gpt3 * seq_len))} steps")
 
 
 def scaled_lr(params: float, global_batch: int, seq_len: int, *, base_lr: float | None = None,
