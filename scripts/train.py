@@ -54,7 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe-expert-bias", action="store_true",
                    help="aux-loss-free load balancing (DeepSeek-V3): a per-expert routing bias updated once per "
                         "optimizer step from the step's token counts")
-    p.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline stage (interleaved 1F1B)")
+    p.add_argument("--vpp", type=int, default=1,
+                   help="model chunks per pipeline stage (interleaved 1F1B); they need not divide the layers")
+    p.add_argument("--stage-layers", metavar="N,N,...", default=None,
+                   help="layers per virtual stage, PP x VPP counts in pipeline order (chunk c of stage s is virtual "
+                        "stage c x PP + s), e.g. 3,2,2,3; default: balanced by parameters, embedding and head counted")
     p.add_argument("--schedule", default=None, choices=["1f1b", "gpipe", "interleaved", "zb-h1"],
                    help="pipeline schedule (PP > 1); default 1f1b, or interleaved with --vpp > 1; zb-h1 splits each "
                         "backward into the input gradient and the deferred weight gradient (zero bubble, Qi et al. 2023)")
@@ -136,6 +140,7 @@ def _leave() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from megakit.core.partition import parse_stage_layers
     from megakit.errors import UsageError
     from megakit.train.trainer import TrainConfig, TrainingDiverged, train
 
@@ -143,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = TrainConfig(ds_config=args.ds_config, model=args.model, data=args.data,
                           steps=args.steps if args.steps is not None else 3 if args.verify_memory else 200, tp=args.tp,
                           pp=args.pp, cp=args.cp, ep=args.ep, vpp=args.vpp, schedule=args.schedule, seq_len=args.seq_len, seed=args.seed,
+                          stage_layers=parse_stage_layers(args.stage_layers),
                           tensorboard=args.tensorboard, profile=args.profile, verify_memory=args.verify_memory,
                           metrics_out=args.metrics_out, log_every=args.log_every, progress=not args.no_progress,
                           log_heartbeat_s=args.log_heartbeat,

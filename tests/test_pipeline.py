@@ -138,9 +138,9 @@ def test_partition_balances_and_validates():
     assert counts[0] < counts[1] and counts[-1] < counts[2]
     with pytest.raises(UsageError, match="cannot fill"):
         partition_layers(config, 4, vpp=2)
-    with pytest.raises(UsageError, match="summing"):
+    with pytest.raises(UsageError, match="sums to 3"):
         partition_layers(config, 2, method=[1, 2])
-    with pytest.raises(UsageError, match="one per stage"):
+    with pytest.raises(UsageError, match="one per virtual stage"):
         partition_layers(config, 2, method=[1, 1, 2])
     with pytest.raises(UsageError, match="unknown partition"):
         partition_layers(config, 2, method="magic")

@@ -89,6 +89,18 @@ def test_emitted_ds_config_is_accepted_by_deepspeed(tmp_path, capsys):
     assert sorted(f.name for f in tmp_path.iterdir()) == ["plan.json", "plan.model.json"]  # no temporary file left
 
 
+def test_a_small_model_gets_a_batch_its_token_budget_can_take(capsys):
+    """GPT-3's 0.5M-token batch would train llama-tiny's Chinchilla budget (1.3M tokens) in 3 steps of 7,936
+    sequences: the default batch is bounded to leave at least 500 steps, and the plan says so."""
+    code, out, _ = plan(capsys, "--model", "models/llama-tiny.json", "--gpus", "4", "--json")
+    report = json.loads(out)
+    p, note = report["plan"], report["assumptions"]["global_batch_note"]
+    assert code == 0 and p["total_steps"] >= 100 and p["global_batch"] <= 512, (p["total_steps"], p["global_batch"])
+    assert p["global_batch"] % 4 == 0 and "lasts at least 500 steps" in note and "7,936 sequences" in note, note
+    code, out, _ = plan(capsys, "--model", "models/llama-tiny.json", "--gpus", "4")
+    assert "Global batch (no --global-batch given)" in out
+
+
 BAD = [
     (["--params", "abc"], "not a size"),
     (["--params=-5B"], "positive"),
@@ -109,6 +121,12 @@ BAD = [
     (["--params", "175B", "--gpus", "8"], "needs at least"),
     (["--params", "175B", "--mem-threshold", "1.5"], "--mem-threshold"),
     (["--params", "1T", "--tokens", "-3"], "--tokens"),
+    (["--params", "1.3B", "--gpus", "8", "--stage-layers", "12,12"], "needs the layout: pin --pp"),
+    (["--params", "1.3B", "--gpus", "8", "--pp", "2", "--vpp", "2", "--stage-layers", "12,12"],
+     "--stage-layers 12,12 gives 2 layer counts for --pp 2 x --vpp 2 = 4 virtual stages"),
+    (["--params", "1.3B", "--gpus", "8", "--pp", "2", "--stage-layers", "12,11"], "sums to 23 layers but the model has 24"),
+    (["--params", "1.3B", "--gpus", "8", "--pp", "2", "--stage-layers", "24,0"], "has an entry below 1"),
+    (["--params", "1.3B", "--gpus", "8", "--pp", "2", "--stage-layers", "12;12"], "is not a list of layer counts"),
 ]
 
 

@@ -100,8 +100,8 @@ def test_pins_fix_dimensions_and_bad_pins_name_the_dimension():
         search(model, a100s(1024), global_batch=1536, pins=Pins(tp=8, pp=3))
     with pytest.raises(UsageError, match="ZeRO-2/3|--zero 2"):
         search(model, a100s(1024), global_batch=1536, pins=Pins(pp=16, zero=2))
-    with pytest.raises(UsageError, match="--vpp 5"):
-        search(model, a100s(1024), global_batch=1536, pins=Pins(tp=8, pp=16, vpp=5))
+    with pytest.raises(UsageError, match="--vpp 7 = 112 virtual stages exceed the 96 layers"):  # 5 splits unevenly
+        search(model, a100s(1024), global_batch=1536, pins=Pins(tp=8, pp=16, vpp=7))
     # A pinned layout that cannot fit is reported, not silently replaced.
     with pytest.raises(UsageError, match="no layout fits"):
         search(model, a100s(1024), global_batch=2048, pins=Pins(tp=1, pp=1, zero=0))

@@ -1,6 +1,7 @@
 """Interleaved in-flight work counted chunk by chunk, against the schedule the trainer runs."""
 
 import itertools
+import re
 
 import pytest
 
@@ -47,3 +48,64 @@ def test_a_stage_peaks_where_its_biggest_chunks_are_in_flight():
     assert est.items["activations"] >= heaviest * per_block
     equal = in_flight_micro_batches(pp=pp, stage=0, accumulation=m, vpp=vpp) * sum(layers) * per_block
     assert heaviest * per_block != pytest.approx(equal)  # whole-stage units would be off here
+
+
+# -- uneven virtual stages: Llama 3.1 405B on 8192 H100s (126 layers, PP 16 x VPP 2) ----------------------------------
+def _llama_405b_search(**pins):
+    import dataclasses
+
+    from megakit.core.planner.hardware import Cluster, gpu_preset
+    from megakit.core.planner.search import Pins, search
+
+    model = ModelSpec.from_config("models/llama-3.1-405b.json").with_overrides(seq_len=8192)
+    cluster = Cluster(gpu=gpu_preset("h100-80gb"), num_gpus=8192, gpus_per_node=8)
+    base = Pins(tp=8, pp=16, micro_batch=1, recompute="full")
+    return model, search(model, cluster, global_batch=2048, pins=dataclasses.replace(base, **pins))  # 16M tokens
+
+
+def test_405b_plans_uneven_virtual_stages_and_interleaving_divides_the_bubble():
+    """126 layers do not divide into 16 x 2 virtual stages: the split balanced by parameters gives the first and
+    the last virtual stage (with the 2.1B-parameter embedding and head) one block fewer, as Llama 3 405B ran, and
+    the bubble over the busy time is (p - 1) / (v m), halved by VPP 2."""
+    from megakit.core.planner.stages import virtual_stage_ranges
+
+    model, interleaved = _llama_405b_search(vpp=2)
+    _, plain = _llama_405b_search(vpp=1)
+    assert [len(r) for r in virtual_stage_ranges(model, 16, 2)] == [3] + [4] * 30 + [3]
+    assert stage_chunk_layers(model, 16, 2)[0] == (3, 4) and stage_chunk_layers(model, 16, 2)[15] == (4, 3)
+    bubbles = {}
+    for v, result in ((1, plain), (2, interleaved)):
+        plan, cost = result.best.plan, result.best.cost
+        assert (plan.tp, plan.pp, plan.dp, plan.vpp, plan.accumulation) == (8, 16, 64, v, 32)
+        assert result.fits == "yes" and plan.zero_stage <= 1
+        bubbles[v] = cost.bubble_s / (cost.pipeline_s - cost.bubble_s)  # idle over busy time
+        assert bubbles[v] == pytest.approx((16 - 1) / (v * 32), rel=0.05), (v, bubbles[v])
+    assert bubbles[2] == pytest.approx(bubbles[1] / 2, rel=0.02)
+    assert interleaved.best.cost.tokens_per_s > 1.1 * plain.best.cost.tokens_per_s
+
+
+def test_a_pinned_split_is_what_the_memory_and_cost_models_price():
+    """--stage-layers moves blocks: two more on the last stage (virtual stage 31) and two fewer on the first make
+    the last stage the slowest and the first stage's memory smaller, and the plan slower than the balanced one."""
+    split = (1,) + (4,) * 30 + (5,)
+    model, pinned = _llama_405b_search(stage_layers=split)  # VPP 2 follows from 32 counts over PP 16
+    _, balanced = _llama_405b_search(vpp=2)
+    assert pinned.best.plan.vpp == 2
+    times, even = pinned.best.cost.stage_times, balanced.best.cost.stage_times
+    assert times[-1] == max(times) > max(even) and times[0] < even[0]
+    assert pinned.best.cost.tokens_per_s < balanced.best.cost.tokens_per_s
+    first = estimate_memory(model.with_overrides(stage_layers=split), stage=0, **pinned.best.plan.memory_kwargs())
+    assert first.layers == 5 and first.total < estimate_memory(model, stage=0, **balanced.best.plan.memory_kwargs()).total
+
+
+@pytest.mark.parametrize("pins, message", [
+    (dict(stage_layers=(63, 63)), "gives 2 layer counts for --pp 16 x --vpp 1 = 16 virtual stages"),
+    (dict(vpp=2, stage_layers=(4,) * 32), "sums to 128 layers but the model has 126"),
+    (dict(vpp=2, stage_layers=(0, 6) + (4,) * 30), "has an entry below 1"),
+    (dict(pp=None, stage_layers=(63, 63)), "needs the layout: pin --pp"),
+])
+def test_bad_stage_layer_pins_are_one_line(pins, message):
+    from megakit.errors import UsageError
+
+    with pytest.raises(UsageError, match=re.escape(message)):
+        _llama_405b_search(**pins)

@@ -33,6 +33,13 @@ def dropout_model(directory: Path, name: str = "gpt-tiny", p: float = 0.1) -> st
     return str(path)
 
 
+def deeper_model(directory: Path, layers: int = 10) -> str:
+    """gpt-tiny with ``layers`` blocks: 10 fill PP 2 x VPP 2 unevenly (the balanced split is 2, 3, 3, 2)."""
+    path = directory / f"gpt-tiny-{layers}.json"
+    path.write_text(json.dumps(json.loads((ROOT / "models" / "gpt-tiny.json").read_text()) | {"n_layer": layers}))
+    return str(path)
+
+
 def ds_config(stage: int, *, micro: int = 2, accumulation: int = 2) -> dict:
     config = json.loads((ROOT / "ds_configs" / f"zero{stage}.json").read_text())
     config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation)
@@ -157,6 +164,12 @@ def dp_results(tmp_path_factory, shards):
     cases += sync_cases(shards, CP_DP1_SYNC, cp=2) + sync_cases(shards, DP_SYNC)
     # case 26: another --seed (one step): each rank's default generators follow it
     cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=1, seq_len=32, seed=1))
+    # cases 27, 28: 10 layers at PP 2 x VPP 2, 10 steps at a pinned split 4,1,2,3 (saved), then resumed for 10 more
+    # at the balanced split 2,3,3,2
+    deep, split_ckpt = deeper_model(tmp_path_factory.mktemp("deep")), tmp_path_factory.mktemp("split") / "ckpt"
+    uneven = dict(ds_config=ds_config(1, accumulation=4), model=deep, seq_len=32, pp=2, vpp=2, verify_memory=True)
+    cases.append(dict(uneven, steps=STEPS // 2, stage_layers=[4, 1, 2, 3], save=str(split_ckpt)))
+    cases.append(dict(uneven, steps=STEPS, load=str(split_ckpt)))
     return cases, sweep(tmp_path_factory, 2, cases)
 
 
@@ -233,6 +246,30 @@ def test_interleaved_pp2_vpp2_matches_the_single_process_model(dp_results):
     cases, results = dp_results
     assert_same_trajectory(results[8], reference(cases[8], dp=1))
     assert_memory_matches(results[8]["memory"])
+
+
+@pytest.mark.slow
+def test_uneven_virtual_stages_pinned_then_balanced_follow_the_single_process_model(dp_results):
+    """10 layers on PP 2 x VPP 2 (virtual stage c x PP + s is chunk c of stage s): 10 steps at the pinned split
+    4,1,2,3 (stages hold 6 and 4 blocks), saved, then resumed at the balanced 2,3,3,2 for 10 more. Both halves
+    follow one single-process run within 1e-5: the checkpoint names blocks by global index, so it loads at any
+    split. The memory rows show which split ran (parameters per stage) and that the planner's chunks are the trainer's."""
+    from megakit.core.model_config import ModelConfig
+    from megakit.core.partition import partition_layers
+
+    cases, results = dp_results
+    pinned, balanced = results[27], results[28]
+    assert [len(r) for r in partition_layers(ModelConfig.load(cases[28]["model"]), 2, 2)] == [2, 3, 3, 2]
+    ref = reference(cases[28], dp=1)
+    assert (len(pinned["loss"]), len(balanced["loss"])) == (STEPS // 2, STEPS // 2)
+    for step, (got, want) in enumerate(zip(pinned["loss"] + balanced["loss"], ref["loss"])):
+        assert abs(got - want) < 1e-5, (step, got, want)
+    assert pinned["lr"] + balanced["lr"] == pytest.approx(ref["lr"], rel=1e-9, abs=1e-12)
+    assert ref["loss"][-1] < ref["loss"][0] - 0.5
+    for rows in (pinned["memory"], balanced["memory"]):
+        assert_memory_matches(rows)
+    params = {run: [row["measured"]["params"] for row in results[run]["memory"]] for run in (27, 28)}
+    assert params[27][0] > 1.4 * params[27][1] and abs(params[28][0] - params[28][1]) < 0.1 * params[28][1]
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from megakit.core.compression import parse_compression
+from megakit.core.partition import parse_stage_layers
 from megakit.core.planner import emit, launch_script, save_interval
 from megakit.core.planner.cost import estimate_cost
 from megakit.core.planner.hardware import (
@@ -31,6 +32,7 @@ from megakit.core.planner.model_spec import ModelSpec, parse_count, preset_names
 from megakit.core.planner.plan import FP8_RECIPES, ROUTING, RUNTIMES, Plan
 from megakit.core.planner.search import NoPlan, Pins, search, smallest_cluster
 from megakit.core.planner.sharding import LINK_EFFICIENCY
+from megakit.core.planner.stages import virtual_stage_ranges
 from megakit.core.planner.verdict import headroom_note
 from megakit.errors import UsageError
 
@@ -96,7 +98,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pins.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
     pins.add_argument("--micro-batch", type=int)
     pins.add_argument("--recompute", choices=("none", "selective", "full"))
-    pins.add_argument("--vpp", type=int)
+    pins.add_argument("--vpp", type=int, help="virtual stages (interleaved chunks) per pipeline stage; they need not "
+                                              "divide the layers")
+    pins.add_argument("--stage-layers", metavar="N,N,...",
+                      help="layers per virtual stage, e.g. 3,4,4,3 (chunk c of stage s is virtual stage c x PP + s; "
+                           "needs --pp); default: balanced by parameters, embedding and head counted")
     pins.add_argument("--schedule", choices=("1f1b", "zb-h1"),
                       help="pipeline schedule: zb-h1 (zero bubble, Qi et al. 2023) trades memory for bubble")
     out = parser.add_argument_group("output")
@@ -160,11 +166,12 @@ def run(args) -> int:
     flash = gpu.flash_attention if args.attention is None else args.attention == "flash"
     _check_fp8(args, gpu, precision)
     execution = dict(fused_kernels=args.kernels == "compiled", fp8=args.fp8, **RUNTIMES[args.runtime])
-    global_batch = args.global_batch or emit.default_global_batch(model.params, model.seq_len)
+    global_batch, batch_note = ((args.global_batch, "--global-batch") if args.global_batch else
+                                emit.default_global_batch(model.params, model.seq_len, tokens))
     imbalance = args.moe_imbalance if args.moe_imbalance is not None else ROUTING[args.moe_routing]
     pins = Pins(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero, micro_batch=args.micro_batch,
                 recompute=args.recompute, vpp=args.vpp, compress=str(parse_compression(args.compress)),
-                schedule=args.schedule)
+                schedule=args.schedule, stage_layers=parse_stage_layers(args.stage_layers)).resolved()
 
     def make_cluster(nodes: int | None = None, gpus: int | None = None) -> Cluster:
         total = gpus if gpus is not None else nodes * args.gpus_per_node
@@ -213,9 +220,9 @@ def run(args) -> int:
     advice = save_interval.advise(plan, params=model.params, gpus_per_node=cluster.gpus_per_node,
                                   step_time_s=cost.step_time_s, write_gbps=args.ckpt_write_gbps,
                                   gpu_mtbf_hours=args.mtbf_gpu_hours)
-    save_every = args.save_every or advice.save_every
+    save_every = args.save_every or min(advice.save_every, total_steps)  # a short run saves once, at its end
     flags = dict(config_path=config_path, model_arg=model_arg, seq_len=model.seq_len, save=args.save,
-                 save_every=save_every)
+                 save_every=save_every, stage_layers=pins.stage_layers)
     launch, launch_note = emit.launch_command(plan, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
                                               hostfile=launch_path if kind == "hostfile" else None, **flags)
     single = estimate_cost(model, dataclasses.replace(cluster, num_gpus=1),
@@ -229,13 +236,16 @@ def run(args) -> int:
             "fits": result.fits, "mem_threshold": result.threshold,
             "speedup_vs_one_gpu": speedup, "scaling_efficiency": speedup / plan.world,
             "lr": lr, "warmup_steps": warmup, "total_steps": total_steps, "save_every": save_every,
-            "save_interval": dataclasses.asdict(advice)},
+            "save_interval": dataclasses.asdict(advice),
+            "stage_layers": [len(r) for r in virtual_stage_ranges(
+                model.with_overrides(stage_layers=pins.stage_layers), plan.pp, plan.vpp)]},
         "alternatives": [plan_dict(c.plan, c.memory, c.cost, cluster, tokens, model.seq_len)
                          for c in result.ranked[1:1 + args.top]],
         "rejected": [{"plan": _plan_fields(r.plan) if r.plan else None, "reason": r.reason, "kind": r.kind,
                       "tokens_per_s": r.tokens_per_s} for r in _top_rejected(result.rejected, args.top)],
         "assumptions": assumptions(model, cluster, auto, result, precision, flash, args.mem_threshold,
-                                   global_batch, tokens, launch, launch_note) | _moe_assumptions(model, args, imbalance),
+                                   global_batch, tokens, launch, launch_note, batch_note)
+        | _moe_assumptions(model, args, imbalance),
     }
     if result.fits == "above_threshold":
         report["plan"]["headroom"] = headroom_note(mem.total / GIB, gpu_gib=cluster.gpu.mem_gib,
@@ -249,8 +259,10 @@ def run(args) -> int:
         sys.stdout.write("\n")
         return 0
     from megakit.commands.plan_render import render  # rich, only for the tables
-    saving = save_interval.describe(advice) + ("" if not args.save_every else
-                                               f" The launch command uses your --save-every {args.save_every}.")
+    saving = save_interval.describe(advice) + (
+        f" The launch command uses your --save-every {args.save_every}." if args.save_every else
+        f" That is longer than the whole run ({total_steps} steps), so the launch saves at its end "
+        f"(--save-every {total_steps})." if advice.save_every > total_steps else "")
     tips = emit.tips(result, cost, plan, cluster, lr_note=lr_note, warmup=warmup, total=total_steps,
                      auto_sized=auto) + [saving]
     emitted = ", ".join(p for p in (args.emit_config or (config_path if launch_path else None), launch_path) if p)
@@ -387,7 +399,7 @@ def plan_dict(plan: Plan, mem, cost, cluster: Cluster, tokens, seq_len: int) -> 
 
 
 def assumptions(model: ModelSpec, cluster: Cluster, auto: bool, result, precision, flash, threshold,
-                global_batch, tokens, launch, launch_note) -> dict:
+                global_batch, tokens, launch, launch_note, batch_note: str = "") -> dict:
     gpu = cluster.gpu
     return {
         "model": {"name": model.name, "source": model.assumed, "family": model.family, "params": model.params,
@@ -403,6 +415,7 @@ def assumptions(model: ModelSpec, cluster: Cluster, auto: bool, result, precisio
                     "auto_sized": auto},
         "rule": {"branch": result.branch, "why": result.branch_why},
         "mem_threshold": threshold, "precision": precision, "attention": "flash" if flash else "standard",
-        "global_batch": global_batch, "tokens": tokens, "layouts_evaluated": result.evaluated,
+        "global_batch": global_batch, "global_batch_note": batch_note, "tokens": tokens,
+        "layouts_evaluated": result.evaluated,
         "launch": launch, "launch_note": launch_note,
     }

@@ -27,6 +27,20 @@ def _short(p: dict) -> str:
     return text + (" SP" if p["sequence_parallel"] else "")
 
 
+def _layers_row(p: dict) -> tuple:
+    """The blocks of each virtual stage in pipeline order, runs written once (3, 4 x 30, 3), when there is a pipeline."""
+    if p["pp"] == 1:
+        return ()
+    runs: list[list[int]] = []
+    for count in p["stage_layers"]:
+        if runs and runs[-1][0] == count:
+            runs[-1][1] += 1
+        else:
+            runs.append([count, 1])
+    text = ", ".join(str(c) if n == 1 else f"{c} x {n}" for c, n in runs)
+    return (("layers per virtual stage", f"{text} ({sum(p['stage_layers'])} in all)"),)
+
+
 def render(report: dict, result, model, cluster, *, tips: list, emitted: str | None, launch: str,
            launch_note: str = "") -> None:
     console = Console(highlight=False)
@@ -50,6 +64,8 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
         console.print(f"  No --gpus/--nodes given: planned for the smallest whole number of nodes on which "
                       f"training fits: [bold]{c['nodes']} nodes ({c['num_gpus']} GPUs)[/].")
     console.print(f"[bold]Rule[/] ({a['rule']['branch']}): {a['rule']['why']}.")
+    if a.get("global_batch_note") and a["global_batch_note"] != "--global-batch":
+        console.print(f"[bold]Global batch[/] (no --global-batch given): {a['global_batch_note']}.")
 
     plan = Table(title="Plan", show_header=False)
     grid = (("TP x CP x PP x DP", f"{p['tp']} x {p['cp']} x {p['pp']} x {p['dp']} = {p['num_gpus']} GPUs")
@@ -57,7 +73,7 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
     moe = (("experts: EP x EDP", f"{p['ep']} x {p['edp']} (E/EP experts per GPU; attention on TP x CP x DP)"),) \
         if "moe" in a else ()
     for key, value in (grid, *moe,
-                       ("virtual stages", p["vpp"]), ("schedule", p.get("schedule", "1f1b")),
+                       ("virtual stages", p["vpp"]), *_layers_row(p), ("schedule", p.get("schedule", "1f1b")),
                        ("ZeRO stage", p["zero_stage"]),
                        ("batch", f"micro {p['micro_batch']} x accumulation {p['grad_accum']} x DP {p['dp']} = "
                                  f"{p['global_batch']} sequences"),

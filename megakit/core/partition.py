@@ -1,5 +1,9 @@
 """Split a transformer's layers into contiguous pipeline stages of balanced cost.
 
+With interleaving (``vpp`` > 1) there are ``pp * vpp`` virtual stages and chunk ``c`` of PP rank
+``s`` is virtual stage ``c * pp + s`` (the order interleaved 1F1B runs them in). The layers need
+not divide evenly: like Megatron's ``--decoder-first/last-pipeline-num-layers``, any virtual stage
+may hold fewer blocks, and a user may pin the whole split (``--stage-layers 3,2,2,3``).
 The first virtual stage also holds the token (and position) embedding and the last
 one the final norm and LM head, so their cost counts there: with a large vocabulary
 the end stages get fewer blocks. Costs are parameters (memory balance, DeepSpeed's
@@ -36,12 +40,32 @@ def layer_costs(config, method: str = "params", *, seq_len: int | None = None) -
     return [float(cost[k]) for k in kinds], float(embedding), float(head)
 
 
-def _split_counts(counts, total: int, stages: int) -> list[int]:
-    counts = list(counts)
+def parse_stage_layers(text: str | None) -> tuple[int, ...] | None:
+    """``"3,2,2,3"`` -> ``(3, 2, 2, 3)`` (None stays None): what ``--stage-layers`` gives."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in str(text).split(","))
+    except ValueError:
+        raise UsageError(f"--stage-layers {text!r} is not a list of layer counts; write one integer per virtual "
+                         "stage, comma-separated, e.g. --stage-layers 3,2,2,3") from None
+
+
+def check_stage_layers(counts, *, layers: int, pp: int, vpp: int = 1) -> tuple[int, ...]:
+    """The pinned split ``counts`` (layers per virtual stage), refused unless it has ``pp * vpp``
+    entries, each at least 1, summing to ``layers``."""
+    counts, stages = tuple(counts), pp * vpp
+    shown = ",".join(map(str, counts))
     if len(counts) != stages:
-        raise UsageError(f"the partition gives {len(counts)} layer counts for {stages} (virtual) stages; give one per stage")
-    if any(not isinstance(c, int) or c < 1 for c in counts) or sum(counts) != total:
-        raise UsageError(f"the partition {counts} must be positive layer counts summing to the model's {total} layers")
+        raise UsageError(f"--stage-layers {shown} gives {len(counts)} layer counts for --pp {pp} x --vpp {vpp} = "
+                         f"{stages} virtual stages; give one per virtual stage (chunk c of stage s is virtual stage "
+                         f"c x PP + s)")
+    if any(not isinstance(c, int) or c < 1 for c in counts):
+        raise UsageError(f"--stage-layers {shown} has an entry below 1; every virtual stage needs at least one layer "
+                         "(lower --pp or --vpp for fewer stages)")
+    if sum(counts) != layers:
+        raise UsageError(f"--stage-layers {shown} sums to {sum(counts)} layers but the model has {layers}; make the "
+                         f"counts add up to {layers}")
     return counts
 
 
@@ -95,7 +119,7 @@ def _balanced_counts(block: list[float], embedding: float, head: float, stages: 
 def partition_layers(config, pp: int, vpp: int = 1, method="params", *, seq_len: int | None = None) -> list[range]:
     """The global layer indices of each virtual stage (``pp * vpp`` ranges, in pipeline order).
 
-    ``method`` is "params", "flops", or a list of layer counts per virtual stage.
+    ``method`` is "params", "flops", or a list of layer counts per virtual stage (``check_stage_layers``).
     Virtual stage ``c * pp + r`` is chunk ``c`` of PP rank ``r``.
     """
     stages = pp * vpp
@@ -108,7 +132,7 @@ def partition_layers(config, pp: int, vpp: int = 1, method="params", *, seq_len:
         block, embedding, head = layer_costs(config, method, seq_len=seq_len)
         counts = _balanced_counts(block, embedding, head, stages)
     else:
-        counts = _split_counts(method, config.layers, stages)
+        counts = check_stage_layers(method, layers=config.layers, pp=pp, vpp=vpp)
     ranges, start = [], 0
     for count in counts:
         ranges.append(range(start, start + count))

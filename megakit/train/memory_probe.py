@@ -12,7 +12,7 @@ allocator statistics, so the bytes are counted from the objects that hold them:
   graph holds it (parameters excluded), and the peak over the step is reported, so
   a pipeline's micro-batches in flight count as they overlap.
 
-The planner (``megakit.core.planner.memory.estimate_memory``) gets the same stage, layers,
+The planner (``megakit.core.planner.memory.estimate_memory``) gets the same stage, split of the layers,
 micro-batch, sequence length, accumulation, ZeRO stage and precision.
 """
 
@@ -174,6 +174,7 @@ class MemoryProbe:
 
     # -- report ---------------------------------------------------------------------------------
     def predicted(self):
+        from megakit.core.partition import partition_layers
         from megakit.core.planner.memory import Buckets, estimate_memory
         from megakit.core.planner.model_spec import ModelSpec
         from megakit.interop.hf import exact_param_count
@@ -181,22 +182,19 @@ class MemoryProbe:
         run, plan = self.run, self.run.batch
         zero = run.ds_config.get("zero_optimization", {})
         spec = ModelSpec.from_config(run.cfg.model, count_params=exact_param_count)
-        spec = self.spec = spec.with_overrides(seq_len=plan.seq_len)
+        split = [len(r) for r in partition_layers(run.model, self.topo.pp, run.cfg.vpp,
+                                                  run.cfg.stage_layers or "params")]
+        spec = self.spec = spec.with_overrides(seq_len=plan.seq_len, stage_layers=split)  # the chunks built
         buckets = Buckets(reduce_bucket=int(zero.get("reduce_bucket_size", 5e8)),
                           allgather_bucket=int(zero.get("allgather_bucket_size", 5e8)))
         return estimate_memory(spec, tp=self.topo.tp, pp=self.topo.pp, dp=self.topo.dp, cp=self.topo.cp,
                                zero_stage=run.zero_stage,
                                micro_batch=plan.micro_batch, seq_len=plan.seq_len,
                                accumulation=plan.accumulation, precision=run.precision, stage=self.topo.pp_rank,
-                               layers=self._layers(), vpp=run.cfg.vpp, flash_attention=True, buckets=buckets,
+                               vpp=run.cfg.vpp, flash_attention=True, buckets=buckets,
                                recompute=run.cfg.recompute, sequence_parallel=run.sequence_parallel,
                                gathered_inputs=True,  # megakit's TP layers keep the all-gathered input
                                zero_bubble=self.topo.pp > 1 and run.schedule == "zb-h1")
-
-    def _layers(self) -> int:
-        module = self.engine.module
-        chunks = module if isinstance(module, torch.nn.ModuleList) else [module]
-        return sum(len(chunk.layer_range) for chunk in chunks)
 
     def row(self) -> dict:
         est = self.predicted()

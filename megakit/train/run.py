@@ -51,6 +51,7 @@ class TrainConfig:
     seq_len: int | None = None
     seed: int = 0
     vpp: int = 1
+    stage_layers: tuple[int, ...] | None = None  # blocks per virtual stage (chunk c of stage s is c * pp + s)
     schedule: str | None = None  # default: "interleaved" with vpp > 1, else "1f1b"
     tensorboard: str | None = None
     profile: str | None = None
@@ -78,6 +79,8 @@ class TrainConfig:
     max_skipped_steps: int = DEFAULT_MAX_SKIPPED  # non-finite steps skipped in a row before the run ends (guards)
 
     def __post_init__(self) -> None:
+        if self.stage_layers is not None:  # a list from JSON (tests/launch_sweep.py) or a tuple from --stage-layers
+            object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
         if self.recompute not in RECOMPUTE:
             raise UsageError(f"--recompute {self.recompute} is not one of {', '.join(RECOMPUTE)}; megakit recomputes "
                              "whole blocks (full), the attention core (selective) or nothing (none)")
@@ -153,7 +156,7 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     seq_len = cfg.seq_len or model.max_seq_len
     check_seq_len(model, seq_len)
     model.check_tp(cfg.tp)  # the model's shards and stages, refused here once rather than by every rank's model
-    partition_layers(model, cfg.pp, cfg.vpp)
+    partition_layers(model, cfg.pp, cfg.vpp, cfg.stage_layers or "params")
     if cfg.cp > 1 and seq_len % (2 * cfg.cp):
         raise UsageError(f"sequence length {seq_len} is not divisible by 2 x CP = {2 * cfg.cp}; context parallelism "
                          "splits it into that many equal chunks (change --seq-len or --cp)")

@@ -186,8 +186,9 @@ def _build(run: Run, topo, doctor=None):
     from megakit.nn.model import build_stage_chunks
 
     cfg, ds_config = run.cfg, run.ds_config
-    chunks = build_stage_chunks(run.model, topo, vpp=cfg.vpp, seed=cfg.seed, device=_device(),  # this rank's shard
-                                sequence_parallel=run.sequence_parallel, recompute=cfg.recompute)
+    chunks = build_stage_chunks(run.model, topo, vpp=cfg.vpp, method=cfg.stage_layers or "params", seed=cfg.seed,
+                                device=_device(), sequence_parallel=run.sequence_parallel,  # this rank's shard
+                                recompute=cfg.recompute)
     if topo.pp > 1 and topo.is_last_stage and run.model.tie_embeddings:
         chunks[-1].embed.weight.ds_pipe_replicated = True  # the first stage's copy counts in the norm
     stage = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # interleaved: one engine, all chunks

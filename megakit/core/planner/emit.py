@@ -27,24 +27,45 @@ CHINCHILLA_TOKENS_PER_PARAM = 20
 GPT3_TOKENS = 300e9  # the yardstick for time-to-train when the cluster was auto-sized
 
 
-def default_global_batch(params: float, seq_len: int) -> int:
-    """GPT-3's batch for the nearest size, in sequences, rounded to a multiple of 256 (at least 1)."""
-    tokens = min(GPT3_LR, key=lambda row: abs(math.log(row[0] / params)))[2]
-    seqs = tokens / seq_len
-    return max(1, int(round(seqs / 256)) * 256) if seqs >= 256 else max(1, 2 ** int(round(math.log2(seqs))))
+MIN_STEPS = 500  # the fewest optimizer steps a default batch leaves the token budget: warm-up and decay need room
+
+
+def default_global_batch(params: float, seq_len: int, tokens: float | None = None) -> tuple[int, str]:
+    """(sequences per step, what was assumed): GPT-3's batch for the nearest size, rounded to a multiple of 256
+    (a power of two below that), unless the token budget (``tokens``, else Chinchilla's 20 per parameter) would
+    then last fewer than ``MIN_STEPS`` steps, as for a small model: then the largest power of two that leaves
+    it ``MIN_STEPS`` steps (GPT-3's 0.5M-token batch would train a 66K-parameter model in 3 steps)."""
+    batch_tokens = min(GPT3_LR, key=lambda row: abs(math.log(row[0] / params)))[2]
+    seqs = batch_tokens / seq_len
+    gpt3 = max(1, int(round(seqs / 256)) * 256) if seqs >= 256 else max(1, 2 ** int(round(math.log2(seqs))))
+    budget = tokens or CHINCHILLA_TOKENS_PER_PARAM * params
+    source = "--tokens" if tokens else f"{CHINCHILLA_TOKENS_PER_PARAM} per parameter, Chinchilla"
+    gpt3_note = f"GPT-3's batch for this size ({batch_tokens / 1e6:g}M tokens = {gpt3:,} sequences of {seq_len})"
+    if gpt3 * seq_len * MIN_STEPS <= budget:
+        return gpt3, gpt3_note
+    bounded = max(1, 2 ** int(math.floor(math.log2(max(budget / (MIN_STEPS * seq_len), 1)))))
+    return bounded, (f"{bounded:,} sequences of {seq_len}, so that the token budget, {budget:,.0f} tokens ({source}), "
+                     f"lasts at least {MIN_STEPS} steps; {gpt3_note} would last "
+                     f"{math.ceil(budget / (gpt3 * seq_len))} steps")
 
 
 def scaled_lr(params: float, global_batch: int, seq_len: int, *, base_lr: float | None = None,
               base_batch: int | None = None) -> tuple[float, str]:
     """Linear scaling (FAQ row 4: batch 64 / lr 0.1 -> batch 512 / lr 0.8) from a reference point:
-    the user's ``base_lr`` at ``base_batch`` sequences, else GPT-3's LR and batch for the nearest size."""
-    if base_lr is None:
+    the user's ``base_lr`` at ``base_batch`` sequences, else GPT-3's LR and batch for the nearest size. Below
+    GPT-3's batch (a small model's batch bounded by its token budget) the LR is not scaled down: 32 sequences
+    against GPT-3's 7,812 would give 2.5e-6, which trains nothing in a few hundred Adam steps."""
+    gpt3 = base_lr is None
+    if gpt3:
         _, base_lr, tokens = min(GPT3_LR, key=lambda row: abs(math.log(row[0] / params)))
         base_batch_seqs = tokens / seq_len
         source = f"GPT-3's {base_lr:.1e} at {tokens / 1e6:g}M tokens/batch"
     else:
         base_batch_seqs = base_batch or 256
         source = f"--base-lr {base_lr:g} at {base_batch_seqs:g} sequences"
+    if gpt3 and global_batch < base_batch_seqs:
+        return base_lr, (f"{base_lr:.3g} = {source}, not scaled down to {global_batch} sequences (linear scaling "
+                         f"would give {base_lr * global_batch / base_batch_seqs:.2g}, too small to train)")
     lr = base_lr * global_batch / base_batch_seqs
     return lr, f"{lr:.3g} = {source} x {global_batch} / {base_batch_seqs:.0f} sequences (linear scaling)"
 
@@ -104,9 +125,10 @@ KEEP = 3  # checkpoints the emitted launch keeps (--keep): the newest is the one
 
 
 def train_flags(plan: Plan, *, config_path: str, model_arg: str, seq_len: int, save: str | None = None,
-                save_every: int = 0) -> list[str]:
-    """``scripts/train.py``'s flags for the plan's layout, recompute, sequence parallelism and virtual stages,
-    and with ``save`` a checkpoint series every ``save_every`` steps that the same command resumes (``--load auto``)."""
+                save_every: int = 0, stage_layers: tuple[int, ...] | None = None) -> list[str]:
+    """``scripts/train.py``'s flags for the plan's layout, recompute, sequence parallelism, virtual stages and a
+    pinned ``stage_layers`` split (the default split is the trainer's own), and with ``save`` a checkpoint series
+    every ``save_every`` steps that the same command resumes (``--load auto``)."""
     parts = ["--ds_config", config_path, "--tp", str(plan.tp), "--pp", str(plan.pp), "--model", model_arg,
              "--seq-len", str(seq_len)]
     if plan.cp > 1:
@@ -115,6 +137,8 @@ def train_flags(plan: Plan, *, config_path: str, model_arg: str, seq_len: int, s
         parts += ["--ep", str(plan.ep)]
     if plan.vpp > 1:
         parts += ["--vpp", str(plan.vpp)]
+    if stage_layers is not None:
+        parts += ["--stage-layers", ",".join(map(str, stage_layers))]
     if plan.zero_bubble:
         parts += ["--schedule", "zb-h1"]
     if plan.sequence_parallel:
@@ -134,7 +158,7 @@ def train_flags(plan: Plan, *, config_path: str, model_arg: str, seq_len: int, s
 
 def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: str, model_arg: str,
                    seq_len: int, save: str | None = None, save_every: int = 0,
-                   hostfile: str | None = None) -> tuple[str, str]:
+                   stage_layers: tuple[int, ...] | None = None, hostfile: str | None = None) -> tuple[str, str]:
     """(the ``deepspeed`` command line for ``scripts/train.py`` with ``train_flags``; a note on what the plan
     assumes that train.py cannot do yet, '' if none)."""
     gpus = min(gpus_per_node, plan.world)
@@ -143,7 +167,7 @@ def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: s
         parts += ["--num_nodes", str(nodes)]
     parts += ["--num_gpus", str(gpus), "scripts/train.py"]
     parts += train_flags(plan, config_path=config_path, model_arg=model_arg, seq_len=seq_len, save=save,
-                         save_every=save_every)
+                         save_every=save_every, stage_layers=stage_layers)
     notes = []
     if plan.recompute not in ("none", "selective", "full"):
         notes.append(f"the plan also assumes {plan.recompute} activation recompute, which megakit's model does not do "

@@ -69,6 +69,7 @@ class ModelSpec:
     seq_len: int  # the training sequence length planned for
     exact_params: int | None = None  # from the meta-device model, when known
     assumed: str = ""  # one line: where this shape came from
+    stage_layers: tuple[int, ...] | None = None  # blocks per virtual stage when pinned (--stage-layers); None: balanced
 
     family = _Shape()
     layers = _Shape()
@@ -89,7 +90,7 @@ class ModelSpec:
     init_std = _Shape()
 
     def __init__(self, *, name: str, seq_len: int, config: ModelConfig | None = None, exact_params: int | None = None,
-                 assumed: str = "", **shape):
+                 assumed: str = "", stage_layers: tuple[int, ...] | None = None, **shape):
         """``shape``: ModelConfig fields by their own names (``vocab_size``, ``max_seq_len``, ...):
         the whole shape without ``config``, else changes to it (so ``dataclasses.replace(spec, layers=8)``
         works). Biases default by family: GPT-2 has them all, Llama none."""
@@ -107,7 +108,8 @@ class ModelSpec:
         if int(seq_len) < 1:
             raise UsageError(f"model seq_len must be a positive integer, got {seq_len!r}")
         for key, value in (("config", config), ("name", name), ("seq_len", seq_len), ("exact_params", exact_params),
-                           ("assumed", assumed)):
+                           ("assumed", assumed),
+                           ("stage_layers", None if stage_layers is None else tuple(stage_layers))):
             object.__setattr__(self, key, value)
 
     def to_model_config(self) -> ModelConfig:
@@ -170,8 +172,13 @@ class ModelSpec:
         """The biggest single module (DeepSpeed's ZeRO-3 estimator and gather buffer want it)."""
         return max(self.config.layer_params(), self.vocab_size * self.hidden)
 
-    def with_overrides(self, *, seq_len: int | None = None, vocab_size: int | None = None) -> "ModelSpec":
+    def with_overrides(self, *, seq_len: int | None = None, vocab_size: int | None = None,
+                       stage_layers: tuple[int, ...] | None = None) -> "ModelSpec":
+        """``stage_layers``: the split over virtual stages that ``planner.stages`` uses where it has as many
+        entries as the layout's ``pp * vpp`` stages (the layout it was pinned with)."""
         changes = {}
+        if stage_layers is not None:
+            changes["stage_layers"] = tuple(stage_layers)
         if seq_len is not None:
             if seq_len < 1:
                 raise UsageError(f"--seq-len {seq_len} must be a positive integer")

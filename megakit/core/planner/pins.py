@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from megakit.core.compression import parse_compression
+from megakit.core.partition import check_stage_layers
 from megakit.core.planner.hardware import Cluster
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.errors import UsageError
@@ -26,6 +27,13 @@ class Pins:
     sequence_parallel: bool | None = None
     schedule: str | None = None  # "1f1b" or "zb-h1" (one chunk per stage); None: 1F1B, interleaved if VPP > 1
     compress: str = "none"  # DP compression the plan uses (megakit's: fp16/int8 with ZeRO 0-1, sign/topk ZeRO 0)
+    stage_layers: tuple[int, ...] | None = None  # blocks per virtual stage (--stage-layers; needs --pp)
+
+    def resolved(self) -> "Pins":
+        """With ``stage_layers`` and ``--pp`` but no ``--vpp``: the VPP the split's length implies."""
+        if self.stage_layers is None or self.vpp is not None or not self.pp or len(self.stage_layers) % self.pp:
+            return self
+        return dataclasses.replace(self, vpp=len(self.stage_layers) // self.pp)
 
     @property
     def layout_pinned(self) -> bool:
@@ -93,11 +101,14 @@ def check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int
     if pins.vpp is not None and pins.vpp > 1 and pins.pp == 1:
         raise UsageError(f"--vpp {pins.vpp} interleaves pipeline stages but --pp is 1; "
                          "pin --pp 2 or more, or drop --vpp")
-    if pins.vpp is not None and pins.vpp > 1:
-        pp = pins.pp or 0
-        if pp and model.layers % (pp * pins.vpp):
-            raise UsageError(f"--vpp {pins.vpp} x --pp {pp} does not divide the {model.layers} layers; "
-                             "pick a VPP so that layers are a multiple of PP x VPP")
+    if pins.vpp is not None and pins.pp and pins.pp * pins.vpp > model.layers:
+        raise UsageError(f"--pp {pins.pp} x --vpp {pins.vpp} = {pins.pp * pins.vpp} virtual stages exceed the "
+                         f"{model.layers} layers; lower --vpp so that each virtual stage holds a layer")
+    if pins.stage_layers is not None:
+        if pins.pp is None:
+            raise UsageError("--stage-layers gives the layers of each virtual stage, so it needs the layout: pin --pp "
+                             "(and --vpp when interleaving)")
+        check_stage_layers(pins.stage_layers, layers=model.layers, pp=pins.pp, vpp=pins.vpp or 1)
     if pins.schedule not in (None, "1f1b", "zb-h1"):
         raise UsageError(f"--schedule {pins.schedule} is not one of 1f1b, zb-h1 (interleaving: pin --vpp)")
     if pins.schedule is not None and (pins.vpp or 1) > 1:

@@ -100,6 +100,9 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
     s = model.seq_len if seq_len is None else seq_len
     flash = cluster.gpu.flash_attention if flash_attention is None else flash_attention
     limit = threshold * cluster.gpu.mem_gib * GIB
+    pins = pins.resolved()
+    if pins.stage_layers is not None:  # planner.stages reads the pinned split from the model
+        model = model.with_overrides(stage_layers=pins.stage_layers)
     judged = pins.memory_pinned  # "will my layout fit?": against the whole memory, then a verdict
     world = cluster.num_gpus
     check_pins(model, cluster, pins, global_batch, seq_len=s)
@@ -335,8 +338,8 @@ class _Context:
                         f"sequence and full recompute (model states {floor.model_states / GIB:.1f} GiB)",
                         unique_key=("floor", tp, pp, zero, ep), kind="floor", peak=floor.total)
             return
-        vpps = [pins.vpp] if pins.vpp is not None else [v for v in (1, 2, 3, 4) if v == 1 or (pp > 1 and
-                                                                                              m.layers % (pp * v) == 0)]
+        # Virtual stages need not divide the layers: the split (partition_layers) gives some chunks fewer.
+        vpps = [pins.vpp] if pins.vpp is not None else [v for v in (1, 2, 3, 4) if v == 1 or pp > 1]
         vpps = [1] if pins.schedule is not None else vpps  # a pinned schedule runs one chunk per stage
         recomputes = [pins.recompute] if pins.recompute else [r for r in RECOMPUTE_ORDER
                                                               if not (r == "selective" and self.flash)]

@@ -66,25 +66,34 @@ def zero_bubble_bubble_share(weight_share: float) -> float:
 
 
 @functools.lru_cache(maxsize=1024)
+def virtual_stage_ranges(model: ModelSpec, pp: int, vpp: int = 1) -> tuple[range, ...]:
+    """The blocks of each virtual stage (chunk ``c`` of PP rank ``r`` is ``c * pp + r``) as the trainer
+    splits them: the model's pinned ``stage_layers`` when it has ``pp * vpp`` entries (other layouts,
+    such as the one-GPU check, cannot hold that split), else ``partition_layers`` balanced by parameters."""
+    pinned = model.stage_layers is not None and len(model.stage_layers) == pp * vpp
+    return tuple(partition_layers(model.config, pp, vpp, model.stage_layers if pinned else "params"))
+
+
+@functools.lru_cache(maxsize=1024)
 def stage_chunk_layers(model: ModelSpec, pp: int, vpp: int = 1) -> tuple[tuple[int, ...], ...]:
-    """Blocks of each chunk on each PP rank, as the trainer splits them (``partition_layers``)."""
-    ranges = partition_layers(model.config, pp, vpp)
+    """Blocks of each chunk on each PP rank, as the trainer splits them (``virtual_stage_ranges``)."""
+    ranges = virtual_stage_ranges(model, pp, vpp)
     return tuple(tuple(len(ranges[chunk * pp + rank]) for chunk in range(vpp)) for rank in range(pp))
 
 
 @functools.lru_cache(maxsize=1024)
 def stage_layer_counts(model: ModelSpec, pp: int, vpp: int = 1) -> tuple[int, ...]:
-    """Blocks on each PP rank as the trainer splits them: ``partition_layers`` balanced by parameters
-    (embedding on the first stage, head on the last), a rank holding its ``vpp`` chunks.
+    """Blocks on each PP rank as the trainer splits them (``virtual_stage_ranges``: balanced by parameters,
+    embedding on the first stage, head on the last, unless pinned), a rank holding its ``vpp`` chunks.
     Cached: the dynamic programme costs ~10 ms for 100 layers, the search asks thousands of times."""
-    ranges = partition_layers(model.config, pp, vpp)
+    ranges = virtual_stage_ranges(model, pp, vpp)
     return tuple(sum(len(ranges[chunk * pp + rank]) for chunk in range(vpp)) for rank in range(pp))
 
 
 @functools.lru_cache(maxsize=1024)
 def stage_chunk_moe_layers(model: ModelSpec, pp: int, vpp: int = 1) -> tuple[tuple[int, ...], ...]:
     """MoE blocks (those with routed experts) of each chunk on each PP rank, as the trainer splits them."""
-    ranges = partition_layers(model.config, pp, vpp)
+    ranges = virtual_stage_ranges(model, pp, vpp)
     return tuple(tuple(sum(model.config.is_moe_layer(i) for i in ranges[chunk * pp + rank]) for chunk in range(vpp))
                  for rank in range(pp))
 
