@@ -50,6 +50,8 @@ class KernelChoice:
 
 def choose_kernel(name: str, *, cuda: bool, capability: tuple[int, int] | None = None) -> KernelChoice:
     """``--attention-kernel name`` on this device; UsageError for an unknown name or a CUDA kernel on CPU."""
+    if name == "torch":  # torch's own choice everywhere, K/V broadcast (what megakit ran before; bench_gpu's baseline)
+        return KernelChoice("torch")
     if name not in KERNELS:
         raise UsageError(f"--attention-kernel {name} is not one of {', '.join(KERNELS)}")
     if name in _CUDA_ONLY and not cuda:
