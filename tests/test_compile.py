@@ -13,13 +13,14 @@ from megakit.core.model_config import ModelConfig
 from megakit.nn.model import Transformer
 
 
-def _graphs_and_breaks(config: ModelConfig, topo=None, *, sequence_parallel: bool = False):
+def _graphs_and_breaks(config: ModelConfig, topo=None, *, sequence_parallel: bool = False, recompute: str = "none"):
     """Loss, gradients and counts of a compiled model against its eager twin (2 forward/backward passes)."""
     import torch._dynamo
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    eager, compiled = (Transformer(config, topo, seed=0, sequence_parallel=sequence_parallel) for _ in range(2))
+    eager, compiled = (Transformer(config, topo, seed=0, sequence_parallel=sequence_parallel, recompute=recompute)
+                       for _ in range(2))
     graphs = []
 
     def count(gm, example_inputs):
@@ -44,6 +45,15 @@ def test_a_llama_block_is_one_graph_reused_by_every_layer():
     """TP 1, dropout 0: the 4 blocks share one graph (regional compilation), with no graph break."""
     loss, grads, graphs, breaks = _graphs_and_breaks(ModelConfig.load("llama-tiny"))
     assert (graphs, breaks) == (1, 0)
+    assert loss < 1e-6 and grads < 1e-6
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_recompute_wraps_or_sits_inside_the_compiled_block(recompute):
+    """full: torch.utils.checkpoint around the compiled block (its recompute re-enters the compiled code);
+    selective: the checkpoint of the attention core traced inside the block's graph. Still no break."""
+    loss, grads, graphs, breaks = _graphs_and_breaks(ModelConfig.load("llama-tiny"), recompute=recompute)
+    assert breaks == 0 and graphs == 1
     assert loss < 1e-6 and grads < 1e-6
 
 
