@@ -192,6 +192,10 @@ def measure(shape: dict, variant: str, *, cuda: bool, peak: float | None, gpu: s
         row["skipped"] = f"refused here: {error}"
         print(f"  {variant}: {row['skipped']}", flush=True)
         return row
+    except RuntimeError as error:  # out of memory, a kernel missing on this GPU: GPU time is too scarce to stop here
+        row["skipped"] = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+        print(f"  {variant}: {row['skipped']}", flush=True)
+        return row
     step = statistics.median(got["seconds"][warmup:])
     flops = ModelConfig.load(shape["model_path"]).flops_per_token(shape["seq_len"])
     row.update(micro=got["micro"], accumulation=got["accumulation"], step_s=step, first_step_s=got["seconds"][0],
@@ -395,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
         shape["model_path"] = str(out_dir / f"{name}.json")
         Path(shape["model_path"]).write_text(json.dumps(config.to_hf()))
     peak = gpu_peak_tflops() if cuda else None
+
+    def save(results: dict) -> None:
+        tmp = out_dir / ".bench_gpu.json.tmp"
+        tmp.write_text(json.dumps(results, indent=1, default=str))
+        tmp.replace(out_dir / "bench_gpu.json")
+
     results = dict(environment=environment(), mfu_formula="MFU = tokens/s x (6N + 12 L q S) / peak "
                    f"(N: block matrices + LM head; q = heads x head_dim; peak {peak} TFLOP/s)", shapes={})
     print("environment:", json.dumps(results["environment"]), flush=True)
@@ -408,12 +418,15 @@ def main(argv: list[str] | None = None) -> int:
         for row in kernels:
             print(f"  attention {row['choice']}: " + (row.get("error") or
                   f"{', '.join(row['kernels'])} ({row['fwd_bwd_ms']:.2f} ms fwd+bwd)"), flush=True)
-        rows = [measure(shape, v, cuda=cuda, peak=peak, gpu=args.gpu, warmup=warmup, timed=timed) for v in wanted]
+        rows = []
         results["shapes"][name] = dict(seq_len=shape["seq_len"], model=shape["model"], layers=shape.get("layers"),
                                        attention=kernels, variants=rows)
+        for variant in wanted:
+            rows.append(measure(shape, variant, cuda=cuda, peak=peak, gpu=args.gpu, warmup=warmup, timed=timed))
+            save(results)  # after every row: a run cut short still leaves what it measured
     results["fp8_parity"] = parity(next(iter(shapes.values())), cuda=cuda, steps=parity_steps)
     print("fp8 parity:", json.dumps(results["fp8_parity"]), flush=True)
-    (out_dir / "bench_gpu.json").write_text(json.dumps(results, indent=1, default=str))
+    save(results)
     print(table(results))
     return 0
 

@@ -42,7 +42,8 @@ def test_expanded_kv_gives_the_same_attention_and_the_profiler_names_the_kernel(
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as torch_choice:
         plain = model(ids)
     use_kernel(model, choose_kernel("efficient", cuda=True))  # K/V expanded, as cuDNN and efficient get them
-    with torch.no_grad(), choose_kernel("math", cuda=False).context(), profile(activities=[ProfilerActivity.CPU]) as math:
+    pinned = choose_kernel("math", cuda=False).context()
+    with torch.no_grad(), pinned, profile(activities=[ProfilerActivity.CPU]) as math:
         expanded = model(ids)
     assert torch.allclose(plain, expanded, atol=1e-6)
     ran = attention_kernels_in(e.key for e in math.key_averages())

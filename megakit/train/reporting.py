@@ -124,8 +124,8 @@ class Reporter:
     def compiled(self, m: StepMetrics) -> None:
         """Say that step ``m`` paid for compiling, apart from the throughput of the steps after it."""
         if self.active:
-            self._print(f"megakit: compile: step {m.step} took {m.seconds:.1f} s including torch.compile of the blocks; "
-                        "throughput counts from the next step")
+            self._print(f"megakit: compile: step {m.step} took {m.seconds:.1f} s including torch.compile of the "
+                        "blocks; throughput counts from the next step")
 
     def attention_kernels(self, profiler) -> None:
         """Name the attention kernels the profiler saw (``--profile``), so a run shows which SDPA backend ran."""
