@@ -85,3 +85,10 @@ def test_a_cuda_kernel_on_cpu_is_refused_in_one_line():
     lines = [line for line in out.stderr.splitlines() if "error" in line]
     assert lines == ["train.py: error: --attention-kernel flash needs a CUDA GPU; on CPU use auto (torch's choice) "
                      "or math"], out.stderr[-2000:]
+
+
+def test_compile_defaults_on_for_dense_models_on_cuda_only():
+    from megakit.nn.compile import default_compile
+
+    assert default_compile("cuda") and not default_compile("cpu")
+    assert not default_compile("cuda", moe=True) and not default_compile("cuda", cp=2)

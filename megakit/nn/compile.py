@@ -40,7 +40,9 @@ def compile_blocks(model: nn.Module, *, backend: str = "inductor", mode: str | N
     return len(blocks)
 
 
-def default_compile(device_type: str) -> bool:
+def default_compile(device_type: str, *, moe: bool = False, cp: int = 1) -> bool:
     """On by default on CUDA (Inductor's fused kernels pay there), off on CPU, where compile time would
-    dwarf the short runs a CPU is used for and the gain is small."""
-    return device_type == "cuda"
+    dwarf the short runs a CPU is used for and the gain is small. Off by default for MoE blocks (their token
+    counts per expert change every step: data-dependent shapes) and ring attention (CP > 1), whose
+    compiled forms are not tested here; ``--compile`` still asks for it."""
+    return device_type == "cuda" and not moe and cp == 1

@@ -184,7 +184,8 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     schedule = cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b")
     _check_schedule(schedule, pp=cfg.pp, vpp=cfg.vpp, accumulation=batch.accumulation)
     attention = device_kernel(cfg.attention_kernel)
-    compile = default_compile("cuda" if torch.cuda.is_available() else "cpu") if cfg.compile is None else cfg.compile
+    compile = cfg.compile if cfg.compile is not None else default_compile(
+        "cuda" if torch.cuda.is_available() else "cpu", moe=model.moe is not None, cp=cfg.cp)
     zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     if compile and zero_stage == 3:
         raise UsageError("--compile with ZeRO 3: DeepSpeed gathers each layer's weights in hooks inside the block "
