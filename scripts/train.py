@@ -76,6 +76,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="split norms, dropout and the residual stream over TP along the sequence (Megatron SP; "
                         "--seq-len must divide by --tp); nothing to split at --tp 1, where it changes nothing")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile each transformer block (regional: one block's graph serves all layers; "
+                        "Inductor fuses its elementwise work). Default: on with CUDA, where it pays, off on CPU, "
+                        "where compiling would outlast a short run (and off for MoE and --cp > 1, untested "
+                        "compiled); the first step's time includes compiling and is logged as such")
+    p.add_argument("--attention-kernel", default="auto", choices=["auto", "flash", "cudnn", "efficient", "math"],
+                   help="pin the SDPA backend (flash, cudnn, efficient need CUDA); auto: cuDNN first on Hopper and "
+                        "newer (K/V heads expanded for GQA), torch's own choice elsewhere. --profile names the kernel "
+                        "that ran")
     p.add_argument("--compress", metavar="CODEC", default="none",
                    help="compress the DP exchange, with error feedback: fp16 (2x fewer bytes) or int8 (~4x) "
                         "gradients (ZeRO 0 or 1); sign (1-bit with a per-chunk scale, ~30x) or topk:RATIO (the largest "
@@ -160,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                           doctor_out=args.doctor_out, eval_every=args.eval_every, eval_batches=args.eval_batches,
                           moe_aux_loss=args.moe_aux_loss, moe_z_loss=args.moe_z_loss,
                           moe_capacity_factor=args.moe_capacity_factor, moe_expert_bias=args.moe_expert_bias,
+                          compile=args.compile, attention_kernel=args.attention_kernel,
                           **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}))
     except UsageError as error:  # the same flags on every rank
         if _rank0():

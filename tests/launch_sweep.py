@@ -4,7 +4,8 @@
 
 CASES.json: a list of ``TrainConfig`` keyword dicts (``ds_config`` may be a dict). Rank 0
 writes, per case, the per-step losses, grad norms, LRs, communication shares and calls and
-the --verify-memory rows and what each rank's default generators give after the case
+the --verify-memory rows, the graphs torch.compile has built so far (``dynamo_graphs``), and what each rank's
+default generators give after the case
 (``default_draws``: per rank, torch's initial seed and one draw each of torch, Python and NumPy), and
 last ``{"replaced": [...]}``: the torch.distributed functions that are no longer torch's own after all
 the runs (none may be).
@@ -47,7 +48,8 @@ def main() -> int:
                         "comm_share": [m.comm_share for m in result.steps], "evals": result.evals,
                         "dp_bytes": [[m.dp_bytes, m.dp_bytes_dense] for m in result.steps],
                         "moe": [m.moe for m in result.steps], "all_to_all_bytes": [m.all_to_all_bytes for m in result.steps],
-                        "default_draws": _default_draws()})
+                        "default_draws": _default_draws(),
+                        "dynamo_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]})  # so far, all cases
     names = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "send",
              "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "all_gather_object")
     results.append({"replaced": [n for n in names if getattr(dist, n) is not getattr(distributed_c10d, n)

@@ -87,6 +87,7 @@ class Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = config.heads // tp, config.kv_heads // tp, config.head_dim
         self.total_heads, self.head_start = config.heads, C.rank(group) * self.heads
         self.dropout, self.rope = config.dropout, config.family == "llama"
+        self.expand_kv = False  # set by megakit.nn.attention_kernel.use_kernel for kernels that need it
         self.scale, self.window = config.attention_scale(index), config.attention_window(index)  # block ``index``'s
         self.sdpa_scale = None if self.scale == self.head_dim ** -0.5 else self.scale  # None: SDPA's own 1/sqrt(d)
         q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
@@ -126,8 +127,11 @@ class Attention(nn.Module):
             y = self._attend_with_dropout(q, k, v, keys)
         else:
             mask = causal_mask(s, self.window, q.device)
+            gqa = self.heads != self.kv_heads
+            if gqa and self.expand_kv:  # kernels without GQA broadcast (cuDNN, efficient): one K/V per query head
+                k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.sdpa_scale,
-                                               enable_gqa=self.heads != self.kv_heads)  # (B, nh/tp, S, d)
+                                               enable_gqa=gqa and not self.expand_kv)  # (B, nh/tp, S, d)
         return y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # (S, B, nh/tp * d)
 
     def _attend_with_dropout(self, q, k, v, keys: DropoutKeys) -> torch.Tensor:

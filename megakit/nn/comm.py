@@ -8,7 +8,8 @@ no initialised process group at all. ``group=None`` means "no parallelism here"
 
 Timing is an explicit hook, not a patch: ``with metered(meter):`` makes every call
 through this module (and every wait on a handle it returned) add its wall time and
-one call to ``meter``; nothing in torch is replaced. torch 2.13 renamed the single-
+one call to ``meter``; nothing in torch is replaced. Collectives that ``--compile`` traces into a
+block's graph (TP's ``f``/``g``) run as functional collectives and are not metered. torch 2.13 renamed the single-
 tensor collectives (``all_gather_into_tensor`` -> ``all_gather_single``, ...); the
 names are resolved once below, so the next rename is a one-line change. None of
 these functions is differentiable: ``megakit.nn.tensor_parallel`` wraps them in
@@ -86,7 +87,7 @@ def metered(meter: Meter):
 
 
 def _call(fn, *args, **kwargs):
-    if _meter is None:
+    if _meter is None or torch.compiler.is_compiling():  # traced into a compiled block: no clock in a graph
         return fn(*args, **kwargs)
     _meter.calls += 1
     return _meter.timed(fn, *args, **kwargs)
@@ -108,7 +109,7 @@ class Handle:
 
 
 def _posted(fn, *args, **kwargs) -> Handle:
-    if _meter is not None:
+    if _meter is not None and not torch.compiler.is_compiling():
         _meter.calls += 1
     return Handle(fn(*args, **kwargs))
 

@@ -45,6 +45,7 @@ class DropoutKeys:
         return cls(seed, tuple(int(n) for n in values))
 
 
+@torch.compiler.disable  # per-sample generators cannot live in a graph: under --compile the draw stays eager
 def keep_mask(p: float, keys: DropoutKeys, *, site: str, streams: Sequence[int], full_shape: tuple[int, ...],
               rows: slice | torch.Tensor = slice(None), device=None) -> torch.Tensor:
     """``(len(streams), *local)`` bool, True where a unit is kept (probability ``1 - p``).

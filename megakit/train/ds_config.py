@@ -160,4 +160,17 @@ def load_ds_config(source: str | dict, *, dp: int, pp: int) -> dict:
                          "use ds_configs/zero1.json (fp32) or bf16 on CPU")
     if pp > 1:
         config["managed_gradient_accumulation"] = False  # each engine.step() is the boundary
+    fuse_adam(config, cuda=torch.cuda.is_available())
     return config
+
+
+def fuse_adam(config: dict, *, cuda: bool) -> None:
+    """On a GPU, torch's Adam/AdamW (``torch_adam``) runs fused: one kernel updates every parameter instead of
+    a loop of small ones (+1.5-2 MFU points at Llama-3-8B, torchtitan PR #355). A ``fused`` or ``foreach`` the
+    ds_config sets wins; CPU runs and an optimizer offloaded to the CPU stay as they are."""
+    optimizer = config.get("optimizer", {})
+    params = optimizer.get("params", {})
+    offloaded = config.get("zero_optimization", {}).get("offload_optimizer")
+    if (cuda and not offloaded and str(optimizer.get("type", "")).lower() in ("adam", "adamw")
+            and params.get("torch_adam") and "fused" not in params and params.get("foreach") is None):
+        optimizer["params"] = {**params, "fused": True}

@@ -85,6 +85,21 @@ def gpu_peak_tflops() -> float | None:
     return None
 
 
+def gpu_state() -> tuple[float | None, float | None]:
+    """This process's GPU: (utilisation in %, peak memory allocated so far in GiB); None for what it cannot say.
+
+    Utilisation is NVML's (``torch.cuda.utilization`` needs ``nvidia-ml-py``): the share of the last
+    sample period in which a kernel ran (FAQ 7: keep it above 80 %). On CPU both are None: absent, not zero.
+    """
+    if not torch.cuda.is_available():
+        return None, None
+    try:
+        util = float(torch.cuda.utilization())
+    except Exception:  # no nvidia-ml-py, or NVML refused: leave it out rather than guess
+        util = None
+    return util, torch.cuda.max_memory_allocated() / 2**30
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepMetrics:
     """One optimizer step, as logged (whole-job throughput; MFU per GPU)."""
@@ -107,6 +122,9 @@ class StepMetrics:
     skipped: bool = False  # a non-finite step the optimizer did not apply (megakit.train.guards)
     moe: dict | None = None  # MoE layer -> {max_tokens, mean_tokens, dropped, aux, ...} (train.moe_step)
     all_to_all_bytes: int | None = None  # what this rank's MoE all-to-alls sent (measured steps)
+    compiling: bool = False  # the step's time includes torch.compile of the blocks (--compile's first step)
+    gpu_util: float | None = None  # rank 0's GPU utilisation, % (gpu_state); None on CPU
+    gpu_mem_gib: float | None = None  # rank 0's peak GPU memory allocated so far, GiB; None on CPU
 
     @property
     def samples_per_s(self) -> float:
@@ -144,7 +162,8 @@ class StepMetrics:
         return max(m["max_tokens"] / m["mean_tokens"] for m in self.moe.values())
 
     def line(self) -> str:
-        parts = [f"step {self.step:>5}" + (" (skipped)" if self.skipped else ""), f"loss {self.loss:.4f}",
+        parts = [f"step {self.step:>5}" + (" (skipped)" if self.skipped else "")
+                 + (" (incl. compile)" if self.compiling else ""), f"loss {self.loss:.4f}",
                  f"lr {self.lr:.2e}", f"grad-norm {self.grad_norm:.3f}",
                  f"{self.samples_per_s:.1f} samples/s", f"{self.tokens_per_s:,.0f} tok/s", f"{self.tflops:.3f} TFLOP/s"]
         if self.mfu is not None:
@@ -157,6 +176,10 @@ class StepMetrics:
             parts.append(f"data {self.data_share:.2%}")
         if self.moe_imbalance is not None:
             parts.append(f"experts max/mean {self.moe_imbalance:.2f}")
+        if self.gpu_util is not None:
+            parts.append(f"GPU util {self.gpu_util:.0f}%")
+        if self.gpu_mem_gib is not None:
+            parts.append(f"GPU mem {self.gpu_mem_gib:.1f} GiB")
         return " | ".join(parts)
 
     def scalars(self) -> dict[str, float]:
@@ -177,6 +200,10 @@ class StepMetrics:
                 out.update({f"moe/layer{layer}/{name}": value for name, value in values.items()})
         if self.all_to_all_bytes is not None:
             out["comm/all_to_all_bytes"] = float(self.all_to_all_bytes)
+        if self.gpu_util is not None:
+            out["perf/gpu_util"] = self.gpu_util
+        if self.gpu_mem_gib is not None:
+            out["perf/gpu_mem_gib"] = self.gpu_mem_gib
         return out
 
     def to_dict(self) -> dict:
@@ -185,4 +212,5 @@ class StepMetrics:
                 "tflops": self.tflops, "mfu": self.mfu, "comm_share": self.comm_share,
                 "comm_calls": self.comm_calls, "data_share": self.data_share, "dp_bytes": self.dp_bytes,
                 "dp_bytes_dense": self.dp_bytes_dense, "skipped": self.skipped, "all_to_all_bytes": self.all_to_all_bytes,
+                "compiling": self.compiling, "gpu_util": self.gpu_util, "gpu_mem_gib": self.gpu_mem_gib,
                 "moe": None if self.moe is None else {str(k): v for k, v in self.moe.items()}}

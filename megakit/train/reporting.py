@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megakit.nn.attention_kernel import attention_kernels_in
 from megakit.train.metrics import StepMetrics
 
 
@@ -37,6 +38,7 @@ def start_profiler(directory: str | None, *, steps: int, rank: int):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
 
     def save(prof) -> None:
+        prof.attention_kernels = attention_kernels_in(e.key for e in prof.key_averages())  # which SDPA kernel ran
         tmp = out / f".trace_rank{rank}.json.tmp"
         prof.export_chrome_trace(str(tmp))
         os.replace(tmp, out / f"trace_rank{rank}.json")
@@ -107,6 +109,8 @@ class Reporter:
             return
         chunks = f" (x {cfg.vpp} chunks)" if cfg.vpp > 1 else ""
         options = "".join([", sequence parallel" if run.sequence_parallel else "",
+                           ", compiled blocks" if run.compile else "",
+                           f", attention kernel {run.attention.name}" if run.attention.name != "auto" else "",
                            f", {cfg.recompute} recompute" if cfg.recompute != "none" else "",
                            f", resuming {run.checkpoint} at step {start}" if start else ""])
         print(f"megakit: training {cfg.model} on {dist.get_world_size()} process(es): TP {topo.tp} x PP {topo.pp}{chunks} "
@@ -161,6 +165,18 @@ class Reporter:
                 self.writer.add_scalar("val/loss", loss, step)
                 self.writer.add_scalar("val/perplexity", record["perplexity"], step)
         return record
+
+    def compiled(self, m: StepMetrics) -> None:
+        """Say that step ``m`` paid for compiling, apart from the throughput of the steps after it."""
+        if self.active:
+            self._print(f"megakit: compile: step {m.step} took {m.seconds:.1f} s including torch.compile of the "
+                        "blocks; throughput counts from the next step")
+
+    def attention_kernels(self, profiler) -> None:
+        """Name the attention kernels the profiler saw (``--profile``), so a run shows which SDPA backend ran."""
+        names = getattr(profiler, "attention_kernels", None)
+        if self.active and names is not None:
+            self._print(f"megakit: attention kernels in the profile: {', '.join(names) or 'none (written out)'}")
 
     def memory(self, rows: list) -> None:
         if self.active:

@@ -21,6 +21,8 @@ from megakit.core.model_config import ModelConfig, check_seq_len
 from megakit.core.partition import partition_layers
 from megakit.core.schedules import build_schedule
 from megakit.errors import UsageError
+from megakit.nn.attention_kernel import KernelChoice, device_kernel
+from megakit.nn.compile import default_compile
 from megakit.interop.checkpoint_format import read_manifest
 from megakit.train.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan
@@ -77,6 +79,9 @@ class TrainConfig:
     eval_every: int = 0  # validation loss every N steps (and at the end); 0: never
     eval_batches: int = 8  # global batches of the validation split per evaluation
     max_skipped_steps: int = DEFAULT_MAX_SKIPPED  # non-finite steps skipped in a row before the run ends (guards)
+    compile: bool | None = None  # torch.compile each block (megakit.nn.compile); None: on with CUDA, off on CPU
+    compile_backend: str = "inductor"  # torch.compile's backend; the CPU tests use "aot_eager" (no C++ build)
+    attention_kernel: str = "auto"  # SDPA backend: auto | flash | cudnn | efficient | math (nn.attention_kernel)
 
     def __post_init__(self) -> None:
         if self.stage_layers is not None:  # a list from JSON (tests/launch_sweep.py) or a tuple from --stage-layers
@@ -136,6 +141,8 @@ class Run:
     schedule: str  # the pipeline schedule (PP > 1)
     compression: Compression  # of the DP gradients (``kind == "none"``: DeepSpeed all-reduces them)
     corpus: Corpus | None = None  # what --data names, opened (its vocabulary is the model's)
+    compile: bool = False  # --compile, its default resolved for this device
+    attention: KernelChoice = KernelChoice("auto")  # --attention-kernel on this device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -182,6 +189,13 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     compression = _check_dp_sync(cfg, ds_config)
     schedule = cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b")
     _check_schedule(schedule, pp=cfg.pp, vpp=cfg.vpp, accumulation=batch.accumulation)
+    attention = device_kernel(cfg.attention_kernel)
+    compile = cfg.compile if cfg.compile is not None else default_compile(
+        "cuda" if torch.cuda.is_available() else "cpu", moe=model.moe is not None, cp=cfg.cp)
+    zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    if compile and zero_stage == 3:
+        raise UsageError("--compile with ZeRO 3: DeepSpeed gathers each layer's weights in hooks inside the block "
+                         "that a compiled block cannot hold; use ZeRO 0-2, or --no-compile")
     precision = ("bf16" if ds_config.get("bf16", {}).get("enabled") else
                  "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32")
     return Run(cfg=cfg, layout=layout, ds_config=ds_config, model=model, batch=batch, start_step=start,
@@ -189,7 +203,7 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
                precision=precision, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
                sequence_parallel=sequence_parallel,
                schedule=schedule, compression=compression,
-               corpus=corpus)
+               corpus=corpus, compile=compile, attention=attention)
 
 
 def _check_schedule(schedule: str, *, pp: int, vpp: int, accumulation: int) -> None:

@@ -45,6 +45,8 @@ import torch.distributed as dist
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_checkpoint
 from megakit.nn import comm
+from megakit.nn.attention_kernel import use_kernel
+from megakit.nn.compile import compile_blocks
 from megakit.train.data import TokenBatches
 from megakit.train.deepspeed_shm import unlink_shared_memory
 from megakit.train.diagnostics import Diagnostics
@@ -55,7 +57,7 @@ from megakit.train.experts import deepspeed_sees_experts
 from megakit.train.fault_injection import TrainingFaults, with_seed_fault
 from megakit.train.grad_norm import Zero0Clipper
 from megakit.train.guards import StepGuard, TrainingDiverged
-from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops
+from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops, gpu_state
 from megakit.train.moe_step import MoEStep
 from megakit.train.optim import decay_groups, start_schedule
 from megakit.train.reporting import Reporter, start_profiler
@@ -189,6 +191,10 @@ def _build(run: Run, topo, doctor=None):
     chunks = build_stage_chunks(run.model, topo, vpp=cfg.vpp, method=cfg.stage_layers or "params", seed=cfg.seed,
                                 device=_device(), sequence_parallel=run.sequence_parallel,  # this rank's shard
                                 recompute=cfg.recompute)
+    for chunk in chunks:  # before DeepSpeed: its hooks sit on the parameters, outside the compiled blocks
+        use_kernel(chunk, run.attention)
+        if run.compile:
+            compile_blocks(chunk, backend=cfg.compile_backend)
     if topo.pp > 1 and topo.is_last_stage and run.model.tie_embeddings:
         chunks[-1].embed.weight.ds_pipe_replicated = True  # the first stage's copy counts in the norm
     stage = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # interleaved: one engine, all chunks
@@ -279,7 +285,8 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
             with probe.step() if probe else contextlib.nullcontext():
                 if moe is not None:
                     moe.before_step(engine)
-                loss = run_step(micro_batches)
+                with run.attention.context():  # the SDPA backend --attention-kernel pinned, forward and backward
+                    loss = run_step(micro_batches)
                 dp_sync.after_step()
                 moe_metrics = moe.after_step() if moe is not None else None  # the expert bias moves here
         if torch.cuda.is_available():
@@ -307,9 +314,12 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
                               comm_seconds=comm_seconds, comm_calls=comm_calls, world_size=dist.get_world_size(),
                               peak_tflops=peak, data_seconds=waited, dp_bytes=dp_bytes,
                               dp_bytes_dense=dp_bytes_dense, skipped=bool(skipped), moe=moe_metrics,
-                              all_to_all_bytes=a2a_bytes)
+                              all_to_all_bytes=a2a_bytes, compiling=run.compile and step == start,
+                              **dict(zip(("gpu_util", "gpu_mem_gib"), gpu_state())))
         result.steps.append(metrics)
         reporter.log(metrics)
+        if metrics.compiling:
+            reporter.compiled(metrics)
         attempts.finished(step)
         done = step + 1
         evaluating = evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.steps)
@@ -329,6 +339,7 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
                 raise everywhere(error)  # save_checkpoint raises on every rank when any rank fails
     if profiler is not None:
         profiler.stop()
+        reporter.attention_kernels(profiler)
     if probe is not None:
         result.memory = probe.report()
         reporter.memory(result.memory)

@@ -1,0 +1,48 @@
+"""Regional compilation: ``torch.compile`` of each transformer block, not of the whole model.
+
+Why per block (torchtitan, and PyTorch's "regional compilation" recipe): every block runs the
+same code, so Dynamo traces one and reuses the graph for all L of them (its parameters are
+graph inputs, not constants), and compile time stays that of one block whatever the depth.
+Around the blocks, the things a graph cannot hold stay eager: the pipeline's sends, DeepSpeed's
+gradient hooks (they fire on the parameters, outside any graph) and the loss.
+
+What runs inside a compiled block:
+
+- TP/SP's ``f``/``g`` (``megakit.nn.tensor_parallel``) are autograd functions over
+  ``megakit.nn.comm``; they stay eager (``torch.compiler.disable`` on the collective), so a
+  TP > 1 block is a few graphs joined at its collectives: Inductor still fuses the
+  elementwise work between them, and the collectives are the same calls, metered as before.
+- Layout-free dropout draws its masks from per-sample generators (``megakit.nn.dropout``),
+  which no graph can hold; the draw stays eager, its result enters the graph as a tensor.
+- Recompute (``torch.utils.checkpoint`` around the block, or around the attention core)
+  wraps the compiled block, and the recompute re-enters the same compiled code.
+
+With dropout 0 and TP = 1 a block is exactly one graph (``tests/test_compile.py`` counts it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Inductor needs a C compiler on CPU; the tests use this backend there so that the plumbing is checked cheaply.
+CPU_TEST_BACKEND = "aot_eager"
+
+
+def compile_blocks(model: nn.Module, *, backend: str = "inductor", mode: str | None = None) -> int:
+    """Compile every transformer block of ``model`` (a ``Transformer`` stage) in place; returns how many.
+
+    ``nn.Module.compile`` keeps the module and its parameter names, so checkpoints, DeepSpeed's
+    parameter groups and ``full_state_dict`` see the same model as without compile."""
+    blocks = list(model.layers.values())
+    for block in blocks:
+        block.compile(backend=backend, mode=mode, dynamic=False)
+    return len(blocks)
+
+
+def default_compile(device_type: str, *, moe: bool = False, cp: int = 1) -> bool:
+    """On by default on CUDA (Inductor's fused kernels pay there), off on CPU, where compile time would
+    dwarf the short runs a CPU is used for and the gain is small. Off by default for MoE blocks (their token
+    counts per expert change every step: data-dependent shapes) and ring attention (CP > 1), whose
+    compiled forms are not tested here; ``--compile`` still asks for it."""
+    return device_type == "cuda" and not moe and cp == 1

@@ -1,0 +1,435 @@
+"""Measure megakit's GPU levers on one GPU in one short run (issue 21): each lever added to the last, A to F.
+
+    python scripts/bench_gpu.py --out bench-out            # one H200: about 5 minutes
+    python scripts/bench_gpu.py --dry-run --out /tmp/b     # CPU, tiny shapes, under a minute: catches typos
+
+It runs single-process (world size 1, no ``deepspeed`` launcher: ``train`` forms a world of one
+itself), so a bare GPU box needs no launcher set-up and each variant is an in-process ``train()``
+through the real trainer (DeepSpeed engine, ds_config, compile, kernels), not a copy of it.
+
+Order of the output: the environment (torch, CUDA, cuDNN, triton, torchao, liger, DeepSpeed, GPU, SM
+clock); the bf16 and fp8 matmul ceilings; per shape, which attention kernel each ``--attention-kernel``
+choice dispatches to (profiler kernel names) and its forward+backward time; variants A..F, each adding one
+lever (``LEVERS``), then A again as the noise floor: 3 warm-up steps (the first includes compiling), 10
+timed steps, median step time, tok/s, MFU (megakit's formula, printed), peak memory, final loss, and
+``megakit plan``'s prediction for the same settings beside it; an fp8 parity row (30 steps bf16 vs fp8 from
+one init and data, against the spread of two bf16 seeds). JSON goes to ``--out``; the table is printed last.
+Step times are the trainer's own: host time between ``torch.cuda.synchronize()`` at the step's start and
+end, which is what CUDA events around a whole step measure; the attention micro-benchmark and the
+ceilings use CUDA events. Data: the trainer's default corpus (the standard library's bytes, fixed by the
+seed), so no step runs on zeros and every variant sees the same tokens.
+
+Install on the test H200 (Python 3.12, torch 2.11.0+cu130 and triton 3.6 preinstalled, no internet, no
+DeepSpeed; at most 64 MiB carried per call). On a machine with internet, into the ignored ``.whl/``:
+
+    pip download --no-deps -d .whl deepspeed==0.19.8          # sdist, 2 MB (no wheel on PyPI)
+    pip download --no-deps -d .whl torchao==0.18.0 liger-kernel==0.8.5 nvidia-ml-py \\
+        hjson ninja py-cpuinfo pydantic pydantic-core annotated-types typing-inspection msgpack safetensors
+    # (--python-version 3.12 --only-binary :all: --platform manylinux2014_x86_64 for the compiled ones)
+
+then on the H200, from the repository root (carry ``.whl``):
+
+    pip install --no-index --find-links .whl torchao liger-kernel nvidia-ml-py hjson ninja py-cpuinfo \\
+        pydantic msgpack safetensors
+    DS_BUILD_OPS=0 pip install --no-index --no-build-isolation --no-deps .whl/deepspeed-0.19.8.tar.gz
+    pip install --no-deps --no-build-isolation -e .      # megakit itself; torch stays the image's 2.11
+    python scripts/bench_gpu.py --out bench-out
+
+(DS_BUILD_OPS=0: no CUDA op is built; megakit uses torch's fused AdamW through ``torch_adam``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WARMUP, TIMED, PARITY_STEPS = 3, 10, 30
+
+# the shapes: model preset (or a derived config), sequence length, today's micro-batch x accumulation (A)
+SHAPES = {
+    "tinyllama-2048": dict(model="tinyllama-1.1b", seq_len=2048, micro=4, accumulation=2),
+    "tinyllama-1024": dict(model="tinyllama-1.1b", seq_len=1024, micro=4, accumulation=2,
+                           variants=("A", "B", "C", "D", "A2")),  # the host-bound gap: E/F are memory/8B levers
+    "llama3-8b-w8L-8192": dict(model="llama-3-8b", layers=8, seq_len=8192, micro=1, accumulation=2),
+}
+DRY_SHAPES = {  # --dry-run: the same code paths on CPU in seconds
+    "tiny-64": dict(model="llama-tiny", seq_len=64, micro=2, accumulation=2, micro_tokens=192),
+    "tiny-w2L-32": dict(model="llama-tiny", layers=2, seq_len=32, micro=1, accumulation=2, variants=("A",)),
+}
+
+# one lever per variant, each added to the variant before it (F-rw replaces F-tw's fp8 recipe)
+LEVERS = {
+    "A": ("today's defaults: micro x accumulation as measured, eager, torch AdamW, torch's SDPA choice", {}),
+    "B": ("micro-batch of 16k tokens + fused AdamW", dict(micro_tokens=16384, fused_adam=True)),
+    "C": ("regional torch.compile of each block", dict(compile=True)),
+    "D": ("attention kernel pinned: cuDNN, K/V expanded", dict(attention_kernel="cudnn")),
+    "E": ("chunked LM head + loss (8 chunks)", dict(loss_chunks=8)),
+    "F-tw": ("fp8 tensorwise (torchao, large linears)", dict(fp8="tensorwise")),
+    "F-rw": ("fp8 rowwise instead", dict(fp8="rowwise")),
+    "A2": ("A again: the noise floor", {}),
+}
+ORDER = ("A", "B", "C", "D", "E", "F-tw", "F-rw", "A2")
+BASE = dict(micro_tokens=None, fused_adam=False, compile=False, attention_kernel="torch", loss_chunks=None, fp8=None)
+
+
+def settings(variant: str) -> dict:
+    """The levers in force for ``variant``: A's, plus each later lever up to it (A2 is A)."""
+    out = dict(BASE)
+    if variant == "A2":
+        return out
+    for name in ORDER[:ORDER.index(variant) + 1]:
+        if name == "F-rw":
+            out.pop("fp8")
+        out.update(LEVERS[name][1])
+    return out
+
+
+def missing_levers(s: dict) -> list[str]:
+    """TrainConfig fields a lever needs that this build lacks (flags another branch adds)."""
+    from megakit.train.run import TrainConfig
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    return [key for key in ("loss_chunks", "fp8") if s.get(key) and key not in fields]
+
+
+def train_kwargs(shape: dict, s: dict, *, cuda: bool, steps: int, seed: int = 0) -> tuple[dict, dict]:
+    """``TrainConfig`` keywords and the ds_config for a shape under settings ``s``."""
+    ds = json.loads((ROOT / "ds_configs" / "zero0.json").read_text())
+    micro, accumulation = shape["micro"], shape["accumulation"]
+    if s["micro_tokens"]:  # the shape may scale it (the CPU dry run's tiny shapes)
+        micro, accumulation = max(1, shape.get("micro_tokens", s["micro_tokens"]) // shape["seq_len"]), 1
+    ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation)
+    ds.pop("train_batch_size", None)
+    ds["bf16"] = {"enabled": True}
+    params = ds["optimizer"]["params"]
+    params["torch_adam"] = True
+    if not s["fused_adam"]:
+        params["fused"] = False  # the trainer fuses it on CUDA unless the ds_config says otherwise
+    kernel = s["attention_kernel"]
+    if not cuda and kernel in ("cudnn", "flash", "efficient"):
+        kernel = "math"  # the CPU dry run exercises the pinning path with the kernel CPUs have
+    kw = dict(ds_config=ds, model=shape["model_path"], seq_len=shape["seq_len"], steps=steps, seed=seed,
+              progress=False, log_every=10**9, compile=s["compile"], attention_kernel=kernel,
+              compile_backend="inductor" if cuda else "aot_eager")
+    kw.update({k: s[k] for k in ("loss_chunks", "fp8") if s.get(k)})
+    return kw, dict(micro=micro, accumulation=accumulation)
+
+
+def run_variant(shape: dict, s: dict, *, cuda: bool, steps: int, seed: int = 0) -> dict:
+    """One in-process ``train()`` of ``steps`` steps; per-step seconds and losses, and the peak memory."""
+    import torch
+    import torch._dynamo
+
+    from megakit.train.run import TrainConfig
+    from megakit.train.trainer import train
+
+    kw, batch = train_kwargs(shape, s, cuda=cuda, steps=steps, seed=seed)
+    torch._dynamo.reset()  # every variant compiles afresh: no cache limit reached across variants
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    log = io.StringIO()
+    with redirect_stdout(log):
+        result = train(TrainConfig(**kw))
+    out = dict(batch, seconds=[m.seconds for m in result.steps], loss=result.losses,
+               tokens=result.steps[0].tokens, peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+    del result
+    return out
+
+
+def planner(shape: dict, s: dict, batch: dict, gpu: str) -> dict:
+    """``megakit plan``'s prediction for the same run: step time, tok/s, MFU, peak memory (one place for the flags)."""
+    from megakit.commands.cli import main as megakit
+
+    argv = ["plan", "--model", shape["model_path"], "--gpu", gpu, "--gpus", "1", "--seq-len", str(shape["seq_len"]),
+            "--micro-batch", str(batch["micro"]), "--global-batch", str(batch["micro"] * batch["accumulation"]),
+            "--zero", "0", "--tp", "1", "--pp", "1", "--recompute", "none", "--precision", "bf16", "--json"]
+    levers = ["--kernels", "compiled" if s["compile"] else "eager"]
+    if s.get("fp8"):
+        levers += ["--fp8", s["fp8"]]
+    if s.get("loss_chunks"):
+        levers += ["--loss-chunks", str(s["loss_chunks"])]
+    for extra, note in ((levers, ""), ([], "planner without --kernels/--fp8/--loss-chunks in this build")):
+        out, err = io.StringIO(), io.StringIO()
+        try:
+            with redirect_stdout(out), redirect_stderr(err):
+                code = megakit(argv + extra)
+        except SystemExit as exit_:  # argparse: an unknown flag
+            code = exit_.code
+        if code == 0:
+            plan = json.loads(out.getvalue())["plan"]
+            return dict(step_s=plan["step_time_s"], tokens_per_s=plan["tokens_per_s"], mfu=plan["mfu"],
+                        peak_gib=plan["peak_memory_gib"], note=note)
+    return dict(note=f"planner failed: {err.getvalue().strip()[-200:]}")
+
+
+def measure(shape: dict, variant: str, *, cuda: bool, peak: float | None, gpu: str, warmup: int, timed: int) -> dict:
+    """One table row: the variant's run and the planner's prediction beside it."""
+    from megakit.core.model_config import ModelConfig
+    from megakit.errors import UsageError
+
+    s = settings(variant)
+    row = dict(variant=variant, lever=LEVERS[variant][0], settings=s)
+    lacking = missing_levers(s)
+    if lacking:
+        row["skipped"] = f"not available in this build (TrainConfig lacks {', '.join(lacking)})"
+        print(f"  {variant}: {row['skipped']}", flush=True)
+        return row
+    try:
+        got = run_variant(shape, s, cuda=cuda, steps=warmup + timed)
+    except UsageError as error:  # a lever this device cannot run (fp8 on CPU): one line, the rest goes on
+        row["skipped"] = f"refused here: {error}"
+        print(f"  {variant}: {row['skipped']}", flush=True)
+        return row
+    except RuntimeError as error:  # out of memory, a kernel missing on this GPU: GPU time is too scarce to stop here
+        row["skipped"] = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+        print(f"  {variant}: {row['skipped']}", flush=True)
+        return row
+    step = statistics.median(got["seconds"][warmup:])
+    flops = ModelConfig.load(shape["model_path"]).flops_per_token(shape["seq_len"])
+    row.update(micro=got["micro"], accumulation=got["accumulation"], step_s=step, first_step_s=got["seconds"][0],
+               tokens_per_s=got["tokens"] / step, loss=got["loss"][-1], peak_gib=got["peak_gib"],
+               mfu=None if peak is None else got["tokens"] / step * flops / (peak * 1e12),
+               planner=planner(shape, s, got, gpu))
+    print(f"  {variant}: {step * 1e3:.1f} ms/step, {row['tokens_per_s']:,.0f} tok/s"
+          + (f", MFU {row['mfu']:.1%}" if row["mfu"] is not None else "") + f", loss {row['loss']:.4f}", flush=True)
+    return row
+
+
+def environment() -> dict:
+    import torch
+
+    env = dict(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
+               cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("triton", "torchao", "liger-kernel", "deepspeed", "nvidia-ml-py"):
+        try:
+            env[name] = version(name)  # without importing it (torchao's import alone takes seconds)
+        except PackageNotFoundError:
+            env[name] = None
+    if torch.cuda.is_available():
+        env.update(gpu=torch.cuda.get_device_name(), capability=".".join(map(str, torch.cuda.get_device_capability())))
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            env["sm_clock_mhz"] = pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)
+        except Exception:  # noqa: BLE001
+            env["sm_clock_mhz"] = None
+    return env
+
+
+def _cuda_ms(fn, repeat: int) -> float:
+    """Median milliseconds of ``fn()`` by CUDA events (perf_counter on CPU)."""
+    import time
+
+    import torch
+
+    times = []
+    for _ in range(repeat):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def ceilings(n: int) -> dict:
+    """TFLOP/s of an ``n^3`` bf16 matmul and of an fp8 (e4m3) ``torch._scaled_mm``, 10 timed runs each."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    a @ b
+    out = dict(n=n, bf16_tflops=2 * n**3 / _cuda_ms(lambda: a @ b, 10) / 1e9)
+    try:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()  # b column-major
+        one = torch.tensor(1.0, device=device)
+        torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        out["fp8_tflops"] = 2 * n**3 / _cuda_ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
+                                                                          out_dtype=torch.bfloat16), 10) / 1e9
+    except Exception as error:  # noqa: BLE001 (no fp8 GEMM on this device)
+        out["fp8_tflops"], out["fp8_note"] = None, str(error).splitlines()[0][:120]
+    return out
+
+
+def attention_kernels(shape: dict, micro: int, *, cuda: bool) -> list[dict]:
+    """Per ``--attention-kernel`` choice: the kernels the profiler saw for this shape's attention, fwd+bwd ms."""
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    from megakit.core.model_config import ModelConfig
+    from megakit.errors import UsageError
+    from megakit.nn.attention_kernel import attention_kernels_in, choose_kernel
+
+    config = ModelConfig.load(shape["model_path"])
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    capability = torch.cuda.get_device_capability() if cuda else None
+    q = torch.randn(micro, config.heads, shape["seq_len"], config.head_dim, device=device, dtype=dtype,
+                    requires_grad=True)
+    kv = torch.randn(micro, config.kv_heads, shape["seq_len"], config.head_dim, device=device, dtype=dtype,
+                     requires_grad=True)
+    rows = []
+    for name in ("torch", "auto", "flash", "cudnn", "efficient", "math"):
+        try:
+            choice = choose_kernel(name, cuda=cuda, capability=capability)
+        except UsageError as error:
+            rows.append(dict(choice=name, error=str(error)))
+            continue
+        groups = config.heads // config.kv_heads
+
+        def step():
+            k = kv.repeat_interleave(groups, dim=1) if choice.expand_kv else kv
+            with choice.context():
+                y = F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=not choice.expand_kv)
+                y.sum().backward()
+
+        try:
+            step()
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with profile(activities=activities) as prof:
+                step()
+            rows.append(dict(choice=name, kernels=attention_kernels_in(e.key for e in prof.key_averages()),
+                             fwd_bwd_ms=_cuda_ms(step, 5)))
+        except RuntimeError as error:
+            rows.append(dict(choice=name, error=str(error).splitlines()[0][:160]))
+    return rows
+
+
+def parity(shape: dict, *, cuda: bool, steps: int) -> dict:
+    """bf16 against fp8 (tensorwise) from one init and data, judged against two bf16 runs with other seeds."""
+    s = settings("E")
+    fp8 = dict(s, fp8="tensorwise")
+    if missing_levers(fp8):
+        return dict(skipped=f"not available in this build (TrainConfig lacks {', '.join(missing_levers(fp8))})")
+    from megakit.errors import UsageError
+
+    tail = max(1, steps // 3)
+    try:
+        runs = {name: run_variant(shape, cfg, cuda=cuda, steps=steps, seed=seed)["loss"]
+                for name, cfg, seed in (("fp8", fp8, 0), ("bf16", s, 0), ("bf16_seed1", s, 1))}
+    except UsageError as error:
+        return dict(skipped=f"refused here: {error}")
+    last = {name: statistics.fmean(loss[-tail:]) for name, loss in runs.items()}
+    return dict(steps=steps, mean_last=last, fp8_gap=abs(last["fp8"] - last["bf16"]),
+                bf16_spread=abs(last["bf16_seed1"] - last["bf16"]),
+                nan=any(x != x for loss in runs.values() for x in loss))
+
+
+def _pct(value) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def _num(value, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def table(results: dict) -> str:
+    """The measured rows, the planner's MFU and its step time over the measured one beside each."""
+    head = (f"{'shape':<20} {'var':<5} {'micro':>5} {'ms/step':>9} {'tok/s':>9} {'MFU':>6} {'plan MFU':>8} "
+            f"{'plan/meas':>9} {'peak GiB':>8} {'1st step s':>10} {'loss':>7}")
+    lines = [head, "-" * len(head)]
+    for name, shape in results["shapes"].items():
+        for row in shape["variants"]:
+            if "skipped" in row:
+                lines.append(f"{name:<20} {row['variant']:<5} {row['skipped']}")
+                continue
+            plan = row["planner"]
+            ratio = plan["step_s"] / row["step_s"] if plan.get("step_s") else None
+            lines.append(f"{name:<20} {row['variant']:<5} {row['micro']:>5} {row['step_s'] * 1e3:>9.1f} "
+                         f"{row['tokens_per_s']:>9,.0f} {_pct(row['mfu']):>6} {_pct(plan.get('mfu')):>8} "
+                         f"{_num(ratio, '.2f'):>9} {_num(row['peak_gib'], '.1f'):>8} {row['first_step_s']:>10.1f} "
+                         f"{row['loss']:>7.4f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="directory for bench_gpu.json")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, few steps: the whole script in seconds")
+    p.add_argument("--shapes", default=None, help="comma-separated subset of the shapes")
+    p.add_argument("--variants", default=None, help="comma-separated subset of A,B,C,D,E,F-tw,F-rw,A2")
+    p.add_argument("--gpu", default="h200-141gb", help="the planner's GPU preset for the predictions")
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import logging
+
+    import torch
+
+    from megakit.core.model_config import ModelConfig
+    from megakit.train.metrics import gpu_peak_tflops
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    cuda = torch.cuda.is_available() and not args.dry_run
+    if not cuda and not args.dry_run:
+        print("bench_gpu.py: error: no CUDA GPU here; pass --dry-run to check the script on CPU", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shapes = DRY_SHAPES if args.dry_run else SHAPES
+    if args.shapes:
+        shapes = {k: v for k, v in shapes.items() if k in args.shapes.split(",")}
+    warmup, timed, parity_steps = (1, 2, 4) if args.dry_run else (WARMUP, TIMED, PARITY_STEPS)
+    for name, shape in shapes.items():  # derived configs (fewer layers) as files the planner reads too
+        config = ModelConfig.load(shape["model"])
+        if shape.get("layers"):
+            config = config.replace(layers=shape["layers"])
+        shape["model_path"] = str(out_dir / f"{name}.json")
+        Path(shape["model_path"]).write_text(json.dumps(config.to_hf()))
+    peak = gpu_peak_tflops() if cuda else None
+
+    def save(results: dict) -> None:
+        tmp = out_dir / ".bench_gpu.json.tmp"
+        tmp.write_text(json.dumps(results, indent=1, default=str))
+        tmp.replace(out_dir / "bench_gpu.json")
+
+    results = dict(environment=environment(), mfu_formula="MFU = tokens/s x (6N + 12 L q S) / peak "
+                   f"(N: block matrices + LM head; q = heads x head_dim; peak {peak} TFLOP/s)", shapes={})
+    print("environment:", json.dumps(results["environment"]), flush=True)
+    print(results["mfu_formula"], flush=True)
+    results["ceilings"] = ceilings(8192 if cuda else 256)
+    print("ceilings:", json.dumps(results["ceilings"]), flush=True)
+    for name, shape in shapes.items():
+        print(f"{name}:", flush=True)
+        wanted = [v for v in shape.get("variants", ORDER) if not args.variants or v in args.variants.split(",")]
+        kernels = attention_kernels(shape, shape["micro"], cuda=cuda)
+        for row in kernels:
+            print(f"  attention {row['choice']}: " + (row.get("error") or
+                  f"{', '.join(row['kernels'])} ({row['fwd_bwd_ms']:.2f} ms fwd+bwd)"), flush=True)
+        rows = []
+        results["shapes"][name] = dict(seq_len=shape["seq_len"], model=shape["model"], layers=shape.get("layers"),
+                                       attention=kernels, variants=rows)
+        for variant in wanted:
+            rows.append(measure(shape, variant, cuda=cuda, peak=peak, gpu=args.gpu, warmup=warmup, timed=timed))
+            save(results)  # after every row: a run cut short still leaves what it measured
+    results["fp8_parity"] = parity(next(iter(shapes.values())), cuda=cuda, steps=parity_steps)
+    print("fp8 parity:", json.dumps(results["fp8_parity"]), flush=True)
+    save(results)
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
