@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from megakit.errors import UsageError
-from megakit.interop.checkpoint import load_rank_state, load_state, named_parameters, save_checkpoint
+from megakit.interop.checkpoint import load_rank_state, load_state, named_parameters, stage_checkpoint
 from megakit.interop.checkpoint_format import (
     MANIFEST,
     ShardReader,
@@ -301,26 +301,45 @@ def _add_tokenizer(source: Path, checkpoint: Path) -> None:
 
 
 def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, series: bool, keep: int,
-             tokenizer: Path | None = None, dp_sync=None, rank_key: dict | None = None) -> Path:
+             tokenizer: Path | None = None, dp_sync=None, rank_key: dict | None = None, writer=None) -> Path:
     """Save weights and optimizer state; in a series, as ``DIR/step-N`` with ``DIR/latest`` written last.
     ``tokenizer``: a directory whose tokenizer files go into ``CHECKPOINT/tokenizer`` (for ``convert --to-hf``).
     ``dp_sync`` (synchronized): each rank's own state is saved too, under ``rank_key`` (``per_rank_key``).
+    ``writer`` (``--async-save``, an ``AsyncWriter``): return once the state is copied to host memory, after the
+    previous save has finished; the writer writes and publishes it in the background.
 
-    Collective over the world (see ``save_checkpoint``); an error on any rank raises on every rank.
+    Collective over the world (see ``save_checkpoint``); an error on any rank raises on every rank (with a
+    writer: the write's, at its next ``wait``).
     """
-    state = optimizer_state(engine)  # collective over DP under ZeRO: every rank
+    if writer is not None:
+        writer.wait()  # one save at a time: host memory holds one copy of the state
+    state = optimizer_state(engine)  # collective over DP under ZeRO: every rank; copies on the CPU
     target = Path(directory) / f"{STEP_PREFIX}{step:07d}" if series else Path(directory)
-    save_checkpoint(target, engine.module, topo, step=step, config=config, state=state,
-                    extra={**extra, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-                           "optimizer_step": optimizer_step_count(engine)},
-                    rank_state=None if dp_sync is None else own_state(engine, topo, dp_sync), rank_key=rank_key)
-    if tokenizer is not None and topo.rank == 0:
-        _add_tokenizer(tokenizer, target)
-    if series and topo.rank == 0:
-        pointer = Path(directory) / f"{LATEST}.tmp"
-        pointer.write_text(target.name + "\n")
-        os.replace(pointer, Path(directory) / LATEST)
-        for old in sorted(Path(directory).glob(f"{STEP_PREFIX}[0-9]*"))[:-keep]:
-            if "." not in old.name:
-                shutil.rmtree(old, ignore_errors=True)
+    staged = stage_checkpoint(target, engine.module, topo, step=step, config=config, state=state,
+                              extra={**extra, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
+                                     "optimizer_step": optimizer_step_count(engine)},
+                              rank_state=None if dp_sync is None else own_state(engine, topo, dp_sync),
+                              rank_key=rank_key, snapshot=writer is not None)
+
+    def publish() -> None:  # rank 0, once the checkpoint is in place
+        if tokenizer is not None and topo.rank == 0:
+            _add_tokenizer(tokenizer, target)
+        if series and topo.rank == 0:
+            publish_in_series(Path(directory), target, keep=keep)
+
+    if writer is None:
+        staged.write()
+        publish()
+    else:
+        writer.submit(staged, then=publish)
     return target
+
+
+def publish_in_series(directory: Path, target: Path, *, keep: int) -> None:
+    """Point ``DIR/latest`` at ``target`` (a temporary name, then renamed), then remove all but the newest ``keep``."""
+    pointer = directory / f"{LATEST}.tmp"
+    pointer.write_text(target.name + "\n")
+    os.replace(pointer, directory / LATEST)
+    for old in sorted(directory.glob(f"{STEP_PREFIX}[0-9]*"))[:-keep]:
+        if "." not in old.name:
+            shutil.rmtree(old, ignore_errors=True)
