@@ -49,7 +49,7 @@ writer = AsyncWriter(None)
 
 def save(step):
     target = root / f"step-{step:07d}"
-    staged = stage_checkpoint(target, model, step=step, config=config, snapshot=True)
+    staged = stage_checkpoint(target, model, step=step, config=config, copy=writer.buffers.copy)
     writer.submit(staged, then=lambda: publish_in_series(root, target, keep=2))
 
 save(1)

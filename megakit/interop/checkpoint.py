@@ -30,7 +30,9 @@ Why it looks like this:
   checkpoint does not depend on the TP degree; a reader pads for its own TP.
 - Nothing half-written: shards and manifest go to ``DIR.tmp-XXXX``; once every rank has
   written (a gather to rank 0 is the barrier), rank 0 renames it to ``DIR``. An existing
-  checkpoint at ``DIR`` is moved aside only then, and removed after the rename.
+  checkpoint at ``DIR`` is moved aside only then, and removed after the rename. The two halves
+  of a save (``stage_checkpoint``: host copies; ``StagedCheckpoint.write``: files, manifest,
+  rename) let ``megakit.interop.checkpoint_async`` run the second in a background thread.
 - A checksum (xxh3-128) per stored tensor, checked as a reader reads it: fast enough to
   cost little next to the I/O, and it catches any corrupted byte a load would use.
 - ZeRO-3 partitions each TP shard over DP: saving gathers one parameter at a time over
@@ -176,8 +178,9 @@ def _zero3(param) -> bool:
     return hasattr(param, "ds_id")
 
 
-def _host_copies(params: dict, wanted, *, copy: bool = False) -> dict[str, torch.Tensor]:
-    """CPU copies of the ``wanted`` parameters of this rank's TP x PP shard (``copy``: even of those on the CPU).
+def _host_copies(params: dict, wanted, *, copy=None) -> dict[str, torch.Tensor]:
+    """CPU copies of the ``wanted`` parameters of this rank's TP x PP shard (``copy(name, tensor)``: how to copy,
+    even those already on the CPU; by default a CPU tensor is itself).
 
     A ZeRO-3 parameter is gathered over its DP group first (``GatheredParameters``: an
     all-gather in, nothing out), one at a time, so every DP rank must call this -- with the
@@ -190,9 +193,9 @@ def _host_copies(params: dict, wanted, *, copy: bool = False) -> dict[str, torch
 
             with deepspeed.zero.GatheredParameters([param]):
                 if name in wanted:
-                    out[name] = param.detach().to("cpu", copy=True)
+                    out[name] = copy(name, param) if copy else param.detach().to("cpu", copy=True)
         elif name in wanted:
-            out[name] = param.detach().to("cpu", copy=copy)
+            out[name] = copy(name, param) if copy else param.detach().to("cpu")
     return out
 
 
@@ -225,11 +228,11 @@ def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConf
 def stage_checkpoint(directory, model, topo=None, *, step: int, config: ModelConfig, extra: dict | None = None,
                      state: dict[str, dict[str, torch.Tensor]] | None = None,
                      rank_state: dict[str, torch.Tensor] | None = None, rank_key: dict | None = None,
-                     snapshot: bool = False) -> "StagedCheckpoint":
+                     copy=None) -> "StagedCheckpoint":
     """The first half of ``save_checkpoint`` (same arguments and collectives on the trainer's groups): check the
     request, agree on the temporary directory, and copy this rank's tensors to host memory. Its ``write()`` is
-    the second half. ``snapshot``: copy even tensors already on the CPU, so the model may change before the
-    write (``state`` and ``rank_state`` must then be the caller's own copies already)."""
+    the second half. ``copy(name, tensor)`` (``HostBuffers.copy``): copy the weights even from the CPU, so the
+    model may change before the write (``state`` and ``rank_state`` must then be the caller's own copies)."""
     target = Path(directory)
     extra = {} if extra is None else extra
     try:
@@ -256,7 +259,7 @@ def stage_checkpoint(directory, model, topo=None, *, step: int, config: ModelCon
     tmp = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp = Path(_broadcast_from_0(str(tmp), topo))
     owned = {n for n, p in params.items() if first_holder[n] == pp_rank and writes(n, p, topo)}
-    tensors = _host_copies(params, owned, copy=snapshot)  # collective over DP under ZeRO-3
+    tensors = _host_copies(params, owned, copy=copy)  # collective over DP under ZeRO-3
     for name in list(tensors):  # state tensors are split like their parameter
         for key, t in (state or {}).get(name, {}).items():
             tensors[state_name(key, name)] = t

@@ -10,7 +10,10 @@ record to rank 0, which writes the manifest and renames the temporary directory 
 - its collectives go over a group of their own (``comm.side_group``, gloo), so they never
   interleave with the trainer's on the world group, which the main thread goes on using;
 - one save at a time: ``submit`` first waits for the previous one (and re-raises its error),
-  so checkpoints are published in order and host memory holds at most one extra copy;
+  so checkpoints are published in order and host memory holds one copy of the state;
+- that copy goes into host buffers kept from one save to the next (``HostBuffers``; pinned on a
+  GPU, copied without blocking, then one synchronisation): allocating gigabytes afresh at each
+  save costs more than copying into them (on this project's CPU VM, 5 s instead of 1 for 2.4 GB);
 - a crash during the write leaves what a crashed synchronous save leaves: a ``.tmp-``
   directory that no reader takes, and the previous checkpoint as it was;
 - the caller waits at the end (``wait``) and before it needs the newest checkpoint on disk (a
@@ -21,12 +24,30 @@ from __future__ import annotations
 
 import threading
 
+import torch
+
+
+class HostBuffers:
+    """Host tensors for a save's copies, by name, reused by the next save of the same shapes."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` copied into this save's host buffer ``name`` (valid once ``AsyncWriter.submit`` returns)."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            self._buffers[name] = buffer
+        return buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+
 
 class AsyncWriter:
     """One background thread at a time running a checkpoint's write; ``wait()`` joins it and raises its error."""
 
     def __init__(self, group) -> None:
         self.group = group  # what the write's collectives go over (a group no other thread uses)
+        self.buffers = HostBuffers()  # free for the next save's copies once wait() has returned
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -38,6 +59,8 @@ class AsyncWriter:
         """Write ``staged`` (a ``StagedCheckpoint``) in the background, after the previous save has finished;
         ``then()`` runs after it is published (a series' ``latest`` pointer, pruning)."""
         self.wait()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the host copies made without blocking have landed
 
         def work() -> None:
             try:

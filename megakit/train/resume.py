@@ -144,8 +144,13 @@ def optimizer_step_count(engine) -> int:
     return int(optimizer.param_groups[0].get("step", 0))
 
 
-def optimizer_state(engine) -> dict[str, dict[str, torch.Tensor]]:
-    """Parameter name -> {"fp32": master, moment: tensor} on the CPU (this rank's TP shard, whole over DP).
+def _host(name: str, tensor: torch.Tensor, copy=None) -> torch.Tensor:
+    return copy(name, tensor) if copy is not None else tensor.detach().to("cpu", copy=True)
+
+
+def optimizer_state(engine, copy=None) -> dict[str, dict[str, torch.Tensor]]:
+    """Parameter name -> {"fp32": master, moment: tensor} on the CPU (this rank's TP shard, whole over DP), copied
+    by ``copy(name, tensor)`` if given (``HostBuffers.copy``).
 
     Collective over DP under ZeRO (DeepSpeed gathers each fragment): every rank calls it.
     """
@@ -160,13 +165,13 @@ def optimizer_state(engine) -> dict[str, dict[str, torch.Tensor]]:
         master = safe_get_full_fp32_param(param)
         if master is None:  # fp32 ZeRO-0: the parameter is the master, the torch optimizer holds the moments
             state = optimizer.state.get(param, {})
-            out[name] = {k: state[k].detach().to("cpu", copy=True) for k in keys if k in state}
+            out[name] = {k: _host(f"{k}/{name}", state[k], copy) for k in keys if k in state}
             continue
-        out[name] = {"fp32": master.detach().to("cpu", copy=True)}
+        out[name] = {"fp32": _host(f"fp32/{name}", master, copy)}
         for key in keys:
             value = safe_get_full_optimizer_state(param, key)
             if value is not None:
-                out[name][key] = value.detach().to("cpu", copy=True)
+                out[name][key] = _host(f"{key}/{name}", value, copy)
     return out
 
 
@@ -313,13 +318,14 @@ def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, se
     """
     if writer is not None:
         writer.wait()  # one save at a time: host memory holds one copy of the state
-    state = optimizer_state(engine)  # collective over DP under ZeRO: every rank; copies on the CPU
+    copy = writer.buffers.copy if writer is not None else None  # host buffers kept from the last save
+    state = optimizer_state(engine, copy)  # collective over DP under ZeRO: every rank; copies on the CPU
     target = Path(directory) / f"{STEP_PREFIX}{step:07d}" if series else Path(directory)
     staged = stage_checkpoint(target, engine.module, topo, step=step, config=config, state=state,
                               extra={**extra, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
                                      "optimizer_step": optimizer_step_count(engine)},
                               rank_state=None if dp_sync is None else own_state(engine, topo, dp_sync),
-                              rank_key=rank_key, snapshot=writer is not None)
+                              rank_key=rank_key, copy=copy)
 
     def publish() -> None:  # rank 0, once the checkpoint is in place
         if tokenizer is not None and topo.rank == 0:

@@ -25,7 +25,9 @@ megakit clips itself (``megakit.train.grad_norm``) with the same rule.
 
 Sequence parallelism and recompute (full or selective) are the model's (``Transformer(sequence_parallel=,
 recompute=)``); with SP the stages exchange ``(S/tp, B, H)``. Checkpoints (``--save``,
-``--load``, ``--keep``: weights, optimizer state and step, resumed exactly) are in ``megakit.train.resume``. A user
+``--load``, ``--keep``: weights, optimizer state and step, resumed exactly) are in ``megakit.train.resume``, written in
+the background with ``--async-save`` (``megakit.interop.checkpoint_async``); ``--spike-guard`` rolls back to the newest
+(``megakit.train.spikes``). A user
 mistake that every rank makes alike is marked ``all_ranks`` so that only rank 0 prints it.
 """
 
