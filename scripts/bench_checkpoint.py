@@ -86,6 +86,7 @@ def main() -> int:
             loaded = load_file(os.path.join(root, "ref.safetensors"))
             other.load_state_dict({k: v for k, v in loaded.items() if "/" not in k})
             times["reference load"].append(time.perf_counter() - start)
+            del loaded, moments  # not in memory while the next phase runs
             os.sync()  # no phase pays for another's write-back (megakit's fsync would flush it)
             start = time.perf_counter()
             copy = writer.buffers.copy  # as save_run copies: into host buffers kept from the last save
@@ -110,7 +111,7 @@ def main() -> int:
     held, sync = median["async held"], median["megakit save"]
     print(f"step held by a save: synchronous {sync:.3f} s, --async-save {held:.3f} s (then written in "
           f"{median['async write']:.3f} s in the background; the first save, which allocates the host buffers, "
-          f"held it {times['async held'][0]:.3f} s)")
+          f"held it {times['async held'][0]:.3f} s; rounds: {', '.join(f'{t:.2f}' for t in times['async held'])} s)")
     print(f"async stall ratio {held / sync:.2f}")
     return 0
 
