@@ -71,7 +71,8 @@ def parse(spec: str) -> dict[int, Faults]:
             rank = number = -1
         # a number: required (True), optional (None) or refused (False)
         takes_number = {"sleep": True, "nan": None, "nanloss": True, "kill": True, "spike": True}.get(kind, False)
-        ok = kind in KINDS and (rank == EVERY_RANK if kind == "spike" else rank >= 0) and (number is None or number >= 0)
+        ok = kind in KINDS and (rank == EVERY_RANK if kind == "spike" else rank >= 0) and (
+            number is None or number >= 0)
         if not ok or (takes_number is not None and takes_number != (number is not None)):
             raise UsageError(f"{VARIABLE}: cannot read '{item}'; use KIND@RANK with KIND one of {', '.join(KINDS)} "
                              "(nan@RANK:STEP, nanloss@RANK:STEP, kill@RANK:STEP and sleep@RANK:SECONDS take a number; "

@@ -191,8 +191,8 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     precision = ("bf16" if ds_config.get("bf16", {}).get("enabled") else
                  "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32")
     if cfg.spike_guard and int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3:
-        raise UsageError(f"--spike-guard {cfg.spike_guard:g} with ZeRO 3: a rollback loads the weights into the running "
-                         "model, which ZeRO 3 partitions; use ZeRO 0-2 with --spike-guard, or drop it")
+        raise UsageError(f"--spike-guard {cfg.spike_guard:g} with ZeRO 3: a rollback loads the weights into the "
+                         "running model, which ZeRO 3 partitions; use ZeRO 0-2 with --spike-guard, or drop it")
     return Run(cfg=cfg, layout=layout, ds_config=ds_config, model=model, batch=batch, start_step=start,
                checkpoint=checkpoint,
                precision=precision, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),

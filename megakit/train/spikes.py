@@ -85,7 +85,8 @@ class SpikeGuard:
         ``(None, event)`` when there is no checkpoint yet. Collective: every rank, after the same ``check``."""
         say = print if topo.rank == 0 else (lambda *_: None)
         try:
-            checkpoint = choose_checkpoint(run.cfg.save, say=lambda *_: None, doing="rolling back to")
+            checkpoint = choose_checkpoint(run.cfg.save, doing="rolling back to",  # the event names the one chosen
+                                           say=lambda text: "skipping damaged" in text and say(text))
         except UsageError:
             text = f"loss spike at step {step}: {why}; no checkpoint in {run.cfg.save} yet to roll back to: going on"
             return None, reporter.event(step, "spike", text, spikes=1)

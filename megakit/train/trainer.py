@@ -349,7 +349,8 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
                          extra={"loss": loss if math.isfinite(loss) else None, "seed": cfg.seed,
                                 "global_batch": plan.global_batch, "data": {
                                     "samples": (done + offset) * plan.global_batch, "skipped_batches": offset,
-                                    "corpus": run.corpus.fingerprint}, **({"spike_guard": spikes.state()} if spikes else {})},
+                                    "corpus": run.corpus.fingerprint},
+                                **({"spike_guard": spikes.state()} if spikes else {})},
                          tokenizer=run.corpus.tokenizer_dir, dp_sync=dp_sync, rank_key=per_rank_key(run, topo),
                          writer=writer)
             except UsageError as error:
