@@ -67,7 +67,7 @@ class SpikeGuard:
         return [[s, v] for s, v in self.recent]
 
     def check(self, step: int, loss: float) -> str | None:
-        """Why ``loss`` (finite, or the NaN guard's) at ``step`` is a spike; None, and it joins the window, if not."""
+        """Why ``loss`` at ``step`` is a spike; None, and it joins the window, if not (a NaN: the NaN guard's)."""
         if not math.isfinite(loss):
             return None
         values = [v for _, v in self.recent]
