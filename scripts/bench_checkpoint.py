@@ -109,10 +109,11 @@ def main() -> int:
     ours = median["megakit save"] + median["megakit load"]
     ref = median["reference save"] + median["reference load"]
     print(f"ratio {ours / ref:.2f}")
-    held, sync = statistics.median(times["async held"][1:] or times["async held"]), median["megakit save"]
+    rounds = times["async held"]
+    held, sync = statistics.median(rounds[1:] or rounds), median["megakit save"]
     print(f"step held by a save: synchronous {sync:.3f} s, --async-save {held:.3f} s (median after the first save, "
-          f"which allocates the host buffers and held it {times['async held'][0]:.3f} s; then written in "
-          f"{median['async write']:.3f} s in the background; rounds: {', '.join(f'{t:.2f}' for t in times['async held'])} s)")
+          f"which allocates the host buffers and held it {rounds[0]:.3f} s; then written in "
+          f"{median['async write']:.3f} s in the background; rounds: {', '.join(f'{t:.2f}' for t in rounds)} s)")
     print(f"async stall ratio {held / sync:.2f}")
     return 0
 
