@@ -13,8 +13,16 @@ phase starts after an ``os.sync()``, and the median round counts.
                                                              # erratic: bare saves took 1-5 s run to run)
     python scripts/bench_checkpoint.py --hidden 2048 --layers 4 --dir /fast/disk
 
-Prints save and load times and GB/s for both, and, last, ``ratio <megakit/reference>``
-of save + load time (above 1: megakit's integrity checks cost that factor).
+Prints save and load times and GB/s for both, and ``ratio <megakit/reference>`` of save + load
+time (above 1: megakit's integrity checks cost that factor).
+
+``--async-save`` (``megakit.interop.checkpoint_async``): the time a training step is held by a save
+is, for a synchronous save, the whole save; for an asynchronous one, the copy of weights and moments
+to host memory (as the trainer makes it: ``optimizer_state`` copies the moments, ``snapshot`` the
+weights) and the hand-over to the writer thread; the first save also allocates the host buffers the
+later ones reuse, so it is printed apart and the figure is the median of the others. Each round also
+waits for the background write (``async write``, the time until the checkpoint is published). Printed last:
+``async stall ratio <held / synchronous save>`` (the target: at most 0.3).
 """
 
 from __future__ import annotations
@@ -43,7 +51,8 @@ def main() -> int:
     torch.set_num_threads(1)
     from safetensors.torch import load_file, save_file
 
-    from megakit.interop.checkpoint import load_checkpoint, load_state, save_checkpoint
+    from megakit.interop.checkpoint import load_checkpoint, load_state, save_checkpoint, stage_checkpoint
+    from megakit.interop.checkpoint_async import AsyncWriter
     from megakit.nn.model import ModelConfig, Transformer
 
     config = ModelConfig(family="llama", vocab_size=args.vocab, max_seq_len=2048, hidden=args.hidden,
@@ -54,7 +63,9 @@ def main() -> int:
     flat = {**model.state_dict(), **{f"{k}/{n}": t for n, per in state.items() for k, t in per.items()}}
     nbytes = sum(t.numel() * t.element_size() for t in flat.values())
     root = tempfile.mkdtemp(dir=args.dir, prefix="bench_checkpoint-")
-    times = {k: [] for k in ("megakit save", "megakit load", "reference save", "reference load")}
+    times = {k: [] for k in ("megakit save", "megakit load", "reference save", "reference load", "async held",
+                             "async write")}
+    writer = AsyncWriter(None)
     try:
         for r in range(args.rounds):
             os.sync()  # no phase pays for another's write-back (megakit's fsync would flush it)
@@ -76,6 +87,18 @@ def main() -> int:
             loaded = load_file(os.path.join(root, "ref.safetensors"))
             other.load_state_dict({k: v for k, v in loaded.items() if "/" not in k})
             times["reference load"].append(time.perf_counter() - start)
+            del loaded, moments  # not in memory while the next phase runs
+            os.sync()  # no phase pays for another's write-back (megakit's fsync would flush it)
+            start = time.perf_counter()
+            copy = writer.buffers.copy  # as save_run copies: into host buffers kept from the last save
+            copies = {n: {k: copy(f"{k}/{n}", t) for k, t in per.items()} for n, per in state.items()}
+            writer.submit(stage_checkpoint(os.path.join(root, "mk-async"), model, step=r, config=config, state=copies,
+                                           copy=copy))
+            held = time.perf_counter()
+            times["async held"].append(held - start)
+            del copies  # the writer holds them until it is done
+            writer.wait()
+            times["async write"].append(time.perf_counter() - held)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"model: {config.num_params() / 1e6:.0f} M parameters; weights + Adam moments {nbytes / 1e9:.2f} GB fp32; "
@@ -86,6 +109,12 @@ def main() -> int:
     ours = median["megakit save"] + median["megakit load"]
     ref = median["reference save"] + median["reference load"]
     print(f"ratio {ours / ref:.2f}")
+    rounds = times["async held"]
+    held, sync = statistics.median(rounds[1:] or rounds), median["megakit save"]
+    print(f"step held by a save: synchronous {sync:.3f} s, --async-save {held:.3f} s (median after the first save, "
+          f"which allocates the host buffers and held it {rounds[0]:.3f} s; then written in "
+          f"{median['async write']:.3f} s in the background; rounds: {', '.join(f'{t:.2f}' for t in rounds)} s)")
+    print(f"async stall ratio {held / sync:.2f}")
     return 0
 
 

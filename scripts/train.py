@@ -105,6 +105,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", metavar="K", type=int, default=0,
                    help="with --save-every: keep the newest K checkpoints as DIR/step-N, DIR/latest written last; "
                         "--load DIR then takes the newest intact one")
+    p.add_argument("--async-save", action="store_true",
+                   help="with --save: the step waits only for the copy of the state to host memory; writing, fsync "
+                        "and the rename run in a background thread (one save at a time; a crash mid-write leaves "
+                        "the previous checkpoint as it was)")
     p.add_argument("--load", metavar="DIR", default=None,
                    help="'auto': the --save DIR's newest intact checkpoint, or step 0 while it has none (the same "
                         "command then restarts a run after a crash, e.g. under torchrun --max-restarts N); or "
@@ -128,6 +132,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-skipped-steps", metavar="N", type=int, default=None,
                    help="a step whose loss or gradient norm is NaN/inf is skipped (no update; its batch is spent); "
                         "the run ends at the next one after N skipped in a row (default 10; 0: at the first)")
+    p.add_argument("--spike-guard", metavar="Z", type=float, default=None,
+                   help="a loss more than Z standard deviations above the mean of the last 50 steps (armed after 8) "
+                        "rolls back to the newest checkpoint of --save and skips the batches read since; needs --save "
+                        "DIR --save-every N (ZeRO 0-2); a resume keeps the skip")
     p.add_argument("--stall-timeout", type=float, default=60.0,
                    help="seconds without a heartbeat after which a peer counts as dead and the job ends")
     p.add_argument("--doctor-out", metavar="FILE", default=None,
@@ -170,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                           moe_aux_loss=args.moe_aux_loss, moe_z_loss=args.moe_z_loss,
                           moe_capacity_factor=args.moe_capacity_factor, moe_expert_bias=args.moe_expert_bias,
                           compile=args.compile, attention_kernel=args.attention_kernel,
+                          spike_guard=args.spike_guard, async_save=args.async_save,
                           **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}))
     except UsageError as error:  # the same flags on every rank
         if _rank0():

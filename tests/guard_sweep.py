@@ -1,5 +1,5 @@
 """Launched by test_guards.py: train each case of a JSON list in one process group, with the fault
-injection of MEGAKIT_INJECT_FAULT, and write each case's losses, skipped steps and events (rank 0)."""
+injection of MEGAKIT_INJECT_FAULT, and write each case's steps, losses, skipped steps and events (rank 0)."""
 
 import json
 import os
@@ -17,7 +17,7 @@ def main() -> int:
         except TrainingDiverged as error:
             results.append({"error": str(error)})
             continue
-        results.append({"loss": result.losses, "lr": [m.lr for m in result.steps],
+        results.append({"loss": result.losses, "lr": [m.lr for m in result.steps], "step": [m.step for m in result.steps],
                         "skipped": [m.step for m in result.steps if m.skipped], "events": result.events})
     if int(os.environ.get("RANK", 0)) == 0:
         with open(results_path + ".tmp", "w") as f:

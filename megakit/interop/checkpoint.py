@@ -30,7 +30,9 @@ Why it looks like this:
   checkpoint does not depend on the TP degree; a reader pads for its own TP.
 - Nothing half-written: shards and manifest go to ``DIR.tmp-XXXX``; once every rank has
   written (a gather to rank 0 is the barrier), rank 0 renames it to ``DIR``. An existing
-  checkpoint at ``DIR`` is moved aside only then, and removed after the rename.
+  checkpoint at ``DIR`` is moved aside only then, and removed after the rename. The two halves
+  of a save (``stage_checkpoint``: host copies; ``StagedCheckpoint.write``: files, manifest,
+  rename) let ``megakit.interop.checkpoint_async`` run the second in a background thread.
 - A checksum (xxh3-128) per stored tensor, checked as a reader reads it: fast enough to
   cost little next to the I/O, and it catches any corrupted byte a load would use.
 - ZeRO-3 partitions each TP shard over DP: saving gathers one parameter at a time over
@@ -54,6 +56,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -117,12 +120,12 @@ def _all_gather(obj, topo, group=None) -> list:
     return C.all_gather_object(obj, C.WORLD if group is None else group)
 
 
-def _gather_to_0(obj, topo) -> list | None:
-    return [obj] if topo is None else C.gather_object(obj, 0, C.WORLD)
+def _gather_to_0(obj, topo, group=C.WORLD) -> list | None:
+    return [obj] if topo is None else C.gather_object(obj, 0, group)
 
 
-def _broadcast_from_0(obj, topo):
-    return obj if topo is None else C.broadcast_object(obj, 0, C.WORLD)
+def _broadcast_from_0(obj, topo, group=C.WORLD):
+    return obj if topo is None else C.broadcast_object(obj, 0, group)
 
 
 def _failure(error: BaseException) -> tuple[bool, str]:
@@ -175,8 +178,9 @@ def _zero3(param) -> bool:
     return hasattr(param, "ds_id")
 
 
-def _host_copies(params: dict, wanted) -> dict[str, torch.Tensor]:
-    """CPU copies of the ``wanted`` parameters of this rank's TP x PP shard.
+def _host_copies(params: dict, wanted, *, copy=None) -> dict[str, torch.Tensor]:
+    """CPU copies of the ``wanted`` parameters of this rank's TP x PP shard (``copy(name, tensor)``: how to copy,
+    even those already on the CPU; by default a CPU tensor is itself).
 
     A ZeRO-3 parameter is gathered over its DP group first (``GatheredParameters``: an
     all-gather in, nothing out), one at a time, so every DP rank must call this -- with the
@@ -189,9 +193,9 @@ def _host_copies(params: dict, wanted) -> dict[str, torch.Tensor]:
 
             with deepspeed.zero.GatheredParameters([param]):
                 if name in wanted:
-                    out[name] = param.detach().to("cpu", copy=True)
+                    out[name] = copy(name, param) if copy else param.detach().to("cpu", copy=True)
         elif name in wanted:
-            out[name] = param.detach().to("cpu")
+            out[name] = copy(name, param) if copy else param.detach().to("cpu")
     return out
 
 
@@ -217,6 +221,18 @@ def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConf
     only this rank holds, written as they are, on any DP rank, for ``load_rank_state`` at the same
     layout; ``rank_key`` (JSON) says what a reader must match. Returns the directory.
     """
+    return stage_checkpoint(directory, model, topo, step=step, config=config, extra=extra, state=state,
+                            rank_state=rank_state, rank_key=rank_key).write()
+
+
+def stage_checkpoint(directory, model, topo=None, *, step: int, config: ModelConfig, extra: dict | None = None,
+                     state: dict[str, dict[str, torch.Tensor]] | None = None,
+                     rank_state: dict[str, torch.Tensor] | None = None, rank_key: dict | None = None,
+                     copy=None) -> "StagedCheckpoint":
+    """The first half of ``save_checkpoint`` (same arguments and collectives on the trainer's groups): check the
+    request, agree on the temporary directory, and copy this rank's tensors to host memory. Its ``write()`` is
+    the second half. ``copy(name, tensor)`` (``HostBuffers.copy``): copy the weights even from the CPU, so the
+    model may change before the write (``state`` and ``rank_state`` must then be the caller's own copies)."""
     target = Path(directory)
     extra = {} if extra is None else extra
     try:
@@ -232,7 +248,7 @@ def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConf
     if _model_config(model) is not None and _config_diff(config, _model_config(model)):
         raise UsageError(f"the config given to save_checkpoint differs from the model's "
                          f"({', '.join(_config_diff(config, _model_config(model))[:4])}); pass the model's own config")
-    tp, pp, dp, tp_rank, pp_rank, dp_rank = _coords(topo)
+    _, _, _, _, pp_rank, _ = _coords(topo)
     params = named_tensors(_modules(model))  # parameters and persistent buffers (the expert bias)
     # Who writes what: the first PP stage that holds a name (a tied embedding: the first stage).
     stage_names = _all_gather(sorted(params), topo, None if topo is None else topo.pp_group)
@@ -243,50 +259,76 @@ def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConf
     tmp = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp = Path(_broadcast_from_0(str(tmp), topo))
     owned = {n for n, p in params.items() if first_holder[n] == pp_rank and writes(n, p, topo)}
-    tensors = _host_copies(params, owned)  # collective over DP under ZeRO-3
+    tensors = _host_copies(params, owned, copy=copy)  # collective over DP under ZeRO-3
     for name in list(tensors):  # state tensors are split like their parameter
         for key, t in (state or {}).get(name, {}).items():
             tensors[state_name(key, name)] = t
-    mine, local_error = {"records": []}, None
-    try:
-        experts = {n: t for n, t in tensors.items()
-                   if split_of(base_name(n), params[base_name(n)], topo).key == "ep_dim"}
-        if dp_rank == 0:
-            dense = {n: t for n, t in tensors.items() if n not in experts}
-            mine["records"].append(write_shard(tmp, params, dense, topo, shard_file(pp_rank, tp_rank, pp, tp),
-                                                pp=pp_rank, tp=tp_rank))
-        if experts:
-            ep, ep_rank, _ = ep_place(topo)
-            mine["records"].append(write_shard(tmp, params, experts, topo, expert_file(pp_rank, ep_rank, pp, ep),
-                                                pp=pp_rank, tp=tp_rank, ep=ep_rank))
-        if rank_state:
-            mine["records"].append({"rank_file": write_rank_file(tmp, rank_state, (pp_rank, tp_rank, dp_rank),
-                                                                 (pp, tp, dp))})
-    except Exception as error:  # reported to rank 0, which cleans up and tells every rank
-        local_error, mine = error, {"failure": _failure(error)}
-    gathered = _gather_to_0(mine, topo)  # every rank has written: the barrier before renaming
-    failures = None
-    if _rank(topo) == 0:
-        failures = [r.get("failure") for r in gathered]
+    return StagedCheckpoint(target=target, tmp=tmp, topo=topo, params=params, tensors=tensors, step=step,
+                            config=config, extra=extra, rank_state=rank_state, rank_key=rank_key)
+
+
+@dataclass
+class StagedCheckpoint:
+    """A save whose tensors are in host memory: ``write()`` writes, fsyncs and publishes them."""
+
+    target: Path
+    tmp: Path
+    topo: object
+    params: dict  # the live tensors, read only for how each is split (their attributes), never for data
+    tensors: dict[str, torch.Tensor]
+    step: int
+    config: ModelConfig
+    extra: dict
+    rank_state: dict | None
+    rank_key: dict | None
+
+    def write(self, group=C.WORLD) -> Path:
+        """Write the shards to the temporary directory; once every rank has (a gather to rank 0 over ``group`` is
+        the barrier), rank 0 writes the manifest and renames it into place. Collective over ``group`` (the whole
+        job: from a background thread, a group of its own, ``comm.side_group``); an error on any rank raises on
+        every rank. Returns the directory."""
+        topo, tmp, tensors, params = self.topo, self.tmp, self.tensors, self.params
+        tp, pp, dp, tp_rank, pp_rank, dp_rank = _coords(topo)
+        mine, local_error = {"records": []}, None
         try:
-            if not any(failures):
-                records = [record for r in gathered for record in r["records"]]
-                manifest = build_manifest(records, step=step, config=config, extra=extra, tp=tp, pp=pp, dp=dp,
-                                          ep=ep_place(topo)[0], rank_key=rank_key)
-                _check_visible(tmp, manifest)
-                path = tmp / MANIFEST
-                path.write_text(json.dumps(manifest, indent=1))
-                fsync(path)
-                _publish(tmp, target)
-        except Exception as error:
-            local_error = error
-            failures[0] = _failure(error)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    failures = _broadcast_from_0(failures, topo)
-    _raise_failures(failures, local_error)
-    return target
+            experts = {n: t for n, t in tensors.items()
+                       if split_of(base_name(n), params[base_name(n)], topo).key == "ep_dim"}
+            if dp_rank == 0:
+                dense = {n: t for n, t in tensors.items() if n not in experts}
+                mine["records"].append(write_shard(tmp, params, dense, topo, shard_file(pp_rank, tp_rank, pp, tp),
+                                                   pp=pp_rank, tp=tp_rank))
+            if experts:
+                ep, ep_rank, _ = ep_place(topo)
+                mine["records"].append(write_shard(tmp, params, experts, topo, expert_file(pp_rank, ep_rank, pp, ep),
+                                                   pp=pp_rank, tp=tp_rank, ep=ep_rank))
+            if self.rank_state:
+                mine["records"].append({"rank_file": write_rank_file(tmp, self.rank_state, (pp_rank, tp_rank, dp_rank),
+                                                                     (pp, tp, dp))})
+        except Exception as error:  # reported to rank 0, which cleans up and tells every rank
+            local_error, mine = error, {"failure": _failure(error)}
+        gathered = _gather_to_0(mine, topo, group)  # every rank has written: the barrier before renaming
+        failures = None
+        if _rank(topo) == 0:
+            failures = [r.get("failure") for r in gathered]
+            try:
+                if not any(failures):
+                    records = [record for r in gathered for record in r["records"]]
+                    manifest = build_manifest(records, step=self.step, config=self.config, extra=self.extra, tp=tp,
+                                              pp=pp, dp=dp, ep=ep_place(topo)[0], rank_key=self.rank_key)
+                    _check_visible(tmp, manifest)
+                    path = tmp / MANIFEST
+                    path.write_text(json.dumps(manifest, indent=1))
+                    fsync(path)
+                    _publish(tmp, self.target)
+            except Exception as error:
+                local_error = error
+                failures[0] = _failure(error)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+        failures = _broadcast_from_0(failures, topo, group)
+        _raise_failures(failures, local_error)
+        return self.target
 
 
 def _check_visible(tmp: Path, manifest: dict) -> None:

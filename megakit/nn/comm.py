@@ -19,6 +19,8 @@ autograd functions that say what runs in forward and in backward.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import threading
 import time
 
 import torch
@@ -73,21 +75,23 @@ class Meter:
 
 
 _meter: Meter | None = None  # set only inside ``metered``
+_metered_thread: int | None = None  # the thread it counts (a checkpoint writer's calls are not the step's)
 
 
 @contextlib.contextmanager
 def metered(meter: Meter):
-    """Count every call through this module, and every wait on its handles, into ``meter``."""
-    global _meter
-    previous, _meter = _meter, meter
+    """Count every call through this module from this thread, and every wait on its handles, into ``meter``."""
+    global _meter, _metered_thread
+    previous, _meter = (_meter, _metered_thread), meter
+    _metered_thread = threading.get_ident()
     try:
         yield meter
     finally:
-        _meter = previous
+        _meter, _metered_thread = previous
 
 
 def _call(fn, *args, **kwargs):
-    if _meter is None or torch.compiler.is_compiling():  # traced into a compiled block: no clock in a graph
+    if _meter is None or torch.compiler.is_compiling() or threading.get_ident() != _metered_thread:
         return fn(*args, **kwargs)
     _meter.calls += 1
     return _meter.timed(fn, *args, **kwargs)
@@ -112,6 +116,15 @@ def _posted(fn, *args, **kwargs) -> Handle:
     if _meter is not None and not torch.compiler.is_compiling():
         _meter.calls += 1
     return Handle(fn(*args, **kwargs))
+
+
+def side_group(timeout_s: float):
+    """A second group over the whole job, on gloo, for collectives a background thread makes (an asynchronous
+    checkpoint's write) while the main thread goes on with its own; None without a process group. Collective:
+    every rank calls it, in the same order (``new_group``)."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def size(group) -> int:

@@ -16,6 +16,9 @@ Two more test the trainer's own guards and restarts, in any run (not only the do
     nanloss@R:STEP  rank R's forward output (the loss, on the last stage) is NaN at step STEP only
     kill@R:STEP     rank R kills itself (SIGKILL) at the start of step STEP, on a job's first attempt
                     only (torchrun's TORCHELASTIC_RESTART_COUNT 0), so the restarted job gets past it
+    spike@STEP      every rank's loss is multiplied by 1000 on the batch of step STEP (its data position: after
+                    the spike guard's rollback skips that batch, the run does not read it again); the loss only,
+                    so every rank sees the same spike and the spike guard fires alike everywhere
 
 A job with faults says so on rank 0 before it starts.
 """
@@ -30,7 +33,9 @@ from dataclasses import dataclass
 from megakit.errors import UsageError
 
 VARIABLE = "MEGAKIT_INJECT_FAULT"
-KINDS = ("seed", "overlap", "unbalanced", "nan", "sleep", "nanloss", "kill")
+KINDS = ("seed", "overlap", "unbalanced", "nan", "sleep", "nanloss", "kill", "spike")
+EVERY_RANK = -1  # the rank of a fault every rank plays (spike)
+SPIKE_FACTOR = 1000.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class Faults:
     sleep_s: float = 0.0
     nan_loss_step: int | None = None
     kill_step: int | None = None
+    spike_step: int | None = None
 
     @property
     def any(self) -> bool:
@@ -55,6 +61,8 @@ def parse(spec: str) -> dict[int, Faults]:
     out: dict[int, dict] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         kind, _, where = item.partition("@")
+        if kind == "spike":  # every rank: spike@STEP
+            where = f"{EVERY_RANK}:{where}" if where.isdigit() else "x"
         rank_text, _, value = where.partition(":")
         try:
             rank = int(rank_text)
@@ -62,21 +70,26 @@ def parse(spec: str) -> dict[int, Faults]:
         except ValueError:
             rank = number = -1
         # a number: required (True), optional (None) or refused (False)
-        takes_number = {"sleep": True, "nan": None, "nanloss": True, "kill": True}.get(kind, False)
-        ok = kind in KINDS and rank >= 0 and (number is None or number >= 0)
+        takes_number = {"sleep": True, "nan": None, "nanloss": True, "kill": True, "spike": True}.get(kind, False)
+        ok = kind in KINDS and (rank == EVERY_RANK if kind == "spike" else rank >= 0) and (
+            number is None or number >= 0)
         if not ok or (takes_number is not None and takes_number != (number is not None)):
             raise UsageError(f"{VARIABLE}: cannot read '{item}'; use KIND@RANK with KIND one of {', '.join(KINDS)} "
-                             "(nan@RANK:STEP, nanloss@RANK:STEP, kill@RANK:STEP and sleep@RANK:SECONDS take a number)")
+                             "(nan@RANK:STEP, nanloss@RANK:STEP, kill@RANK:STEP and sleep@RANK:SECONDS take a number; "
+                             "spike@STEP plays on every rank)")
         field = {"seed": ("seed", True), "overlap": ("overlap", True), "unbalanced": ("unbalanced", True),
                  "nan": ("nan_from_step", int(number) if number is not None else 1), "sleep": ("sleep_s", number),
-                 "nanloss": ("nan_loss_step", int(number or 0)), "kill": ("kill_step", int(number or 0))}[kind]
+                 "nanloss": ("nan_loss_step", int(number or 0)), "kill": ("kill_step", int(number or 0)),
+                 "spike": ("spike_step", int(number or 0))}[kind]
         out.setdefault(rank, {})[field[0]] = field[1]
     return {rank: Faults(**fields) for rank, fields in out.items()}
 
 
 def injected(rank: int, environ=os.environ) -> Faults:
-    """This rank's faults from the environment (none when the variable is unset)."""
-    return parse(environ.get(VARIABLE, "")).get(rank, Faults())
+    """This rank's faults from the environment (none when the variable is unset), those of every rank included."""
+    faults = parse(environ.get(VARIABLE, ""))
+    every = {k: v for k, v in dataclasses.asdict(faults.get(EVERY_RANK, Faults())).items() if v != getattr(Faults(), k)}
+    return dataclasses.replace(faults.get(rank, Faults()), **every)
 
 
 def with_seed_fault(cfg, rank: int):
@@ -85,11 +98,12 @@ def with_seed_fault(cfg, rank: int):
 
 
 class TrainingFaults:
-    """Rank ``rank``'s ``nanloss`` and ``kill`` faults, played by the trainer: ``at_step(step)`` before each step."""
+    """Rank ``rank``'s ``nanloss``, ``kill`` and ``spike`` faults, played by the trainer: ``at_step(step)`` before
+    each step, ``spiked(data_step, loss)`` on its loss."""
 
     def __init__(self, rank: int, chunks, environ=os.environ) -> None:
         faults = injected(rank, environ)
-        self.nan_step, self.step = faults.nan_loss_step, -1
+        self.nan_step, self.step, self.spike_step = faults.nan_loss_step, -1, faults.spike_step
         first_attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.kill_step = faults.kill_step if first_attempt else None
         if self.nan_step is not None:
@@ -98,6 +112,9 @@ class TrainingFaults:
 
     def _poison(self, module, args, output):
         return output * float("nan") if self.step == self.nan_step else output
+
+    def spiked(self, data_step: int, loss):
+        return loss * SPIKE_FACTOR if data_step == self.spike_step else loss
 
     def at_step(self, step: int) -> None:
         self.step = step

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from megakit.errors import UsageError
-from megakit.interop.checkpoint import load_rank_state, load_state, named_parameters, save_checkpoint
+from megakit.interop.checkpoint import load_rank_state, load_state, named_parameters, stage_checkpoint
 from megakit.interop.checkpoint_format import (
     MANIFEST,
     ShardReader,
@@ -144,8 +144,13 @@ def optimizer_step_count(engine) -> int:
     return int(optimizer.param_groups[0].get("step", 0))
 
 
-def optimizer_state(engine) -> dict[str, dict[str, torch.Tensor]]:
-    """Parameter name -> {"fp32": master, moment: tensor} on the CPU (this rank's TP shard, whole over DP).
+def _host(name: str, tensor: torch.Tensor, copy=None) -> torch.Tensor:
+    return copy(name, tensor) if copy is not None else tensor.detach().to("cpu", copy=True)
+
+
+def optimizer_state(engine, copy=None) -> dict[str, dict[str, torch.Tensor]]:
+    """Parameter name -> {"fp32": master, moment: tensor} on the CPU (this rank's TP shard, whole over DP), copied
+    by ``copy(name, tensor)`` if given (``HostBuffers.copy``).
 
     Collective over DP under ZeRO (DeepSpeed gathers each fragment): every rank calls it.
     """
@@ -160,13 +165,13 @@ def optimizer_state(engine) -> dict[str, dict[str, torch.Tensor]]:
         master = safe_get_full_fp32_param(param)
         if master is None:  # fp32 ZeRO-0: the parameter is the master, the torch optimizer holds the moments
             state = optimizer.state.get(param, {})
-            out[name] = {k: state[k].detach().to("cpu", copy=True) for k in keys if k in state}
+            out[name] = {k: _host(f"{k}/{name}", state[k], copy) for k in keys if k in state}
             continue
-        out[name] = {"fp32": master.detach().to("cpu", copy=True)}
+        out[name] = {"fp32": _host(f"fp32/{name}", master, copy)}
         for key in keys:
             value = safe_get_full_optimizer_state(param, key)
             if value is not None:
-                out[name][key] = value.detach().to("cpu", copy=True)
+                out[name][key] = _host(f"{key}/{name}", value, copy)
     return out
 
 
@@ -301,26 +306,46 @@ def _add_tokenizer(source: Path, checkpoint: Path) -> None:
 
 
 def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, series: bool, keep: int,
-             tokenizer: Path | None = None, dp_sync=None, rank_key: dict | None = None) -> Path:
+             tokenizer: Path | None = None, dp_sync=None, rank_key: dict | None = None, writer=None) -> Path:
     """Save weights and optimizer state; in a series, as ``DIR/step-N`` with ``DIR/latest`` written last.
     ``tokenizer``: a directory whose tokenizer files go into ``CHECKPOINT/tokenizer`` (for ``convert --to-hf``).
     ``dp_sync`` (synchronized): each rank's own state is saved too, under ``rank_key`` (``per_rank_key``).
+    ``writer`` (``--async-save``, an ``AsyncWriter``): return once the state is copied to host memory, after the
+    previous save has finished; the writer writes and publishes it in the background.
 
-    Collective over the world (see ``save_checkpoint``); an error on any rank raises on every rank.
+    Collective over the world (see ``save_checkpoint``); an error on any rank raises on every rank (with a
+    writer: the write's, at its next ``wait``).
     """
-    state = optimizer_state(engine)  # collective over DP under ZeRO: every rank
+    if writer is not None:
+        writer.wait()  # one save at a time: host memory holds one copy of the state
+    copy = writer.buffers.copy if writer is not None else None  # host buffers kept from the last save
+    state = optimizer_state(engine, copy)  # collective over DP under ZeRO: every rank; copies on the CPU
     target = Path(directory) / f"{STEP_PREFIX}{step:07d}" if series else Path(directory)
-    save_checkpoint(target, engine.module, topo, step=step, config=config, state=state,
-                    extra={**extra, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-                           "optimizer_step": optimizer_step_count(engine)},
-                    rank_state=None if dp_sync is None else own_state(engine, topo, dp_sync), rank_key=rank_key)
-    if tokenizer is not None and topo.rank == 0:
-        _add_tokenizer(tokenizer, target)
-    if series and topo.rank == 0:
-        pointer = Path(directory) / f"{LATEST}.tmp"
-        pointer.write_text(target.name + "\n")
-        os.replace(pointer, Path(directory) / LATEST)
-        for old in sorted(Path(directory).glob(f"{STEP_PREFIX}[0-9]*"))[:-keep]:
-            if "." not in old.name:
-                shutil.rmtree(old, ignore_errors=True)
+    staged = stage_checkpoint(target, engine.module, topo, step=step, config=config, state=state,
+                              extra={**extra, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
+                                     "optimizer_step": optimizer_step_count(engine)},
+                              rank_state=None if dp_sync is None else own_state(engine, topo, dp_sync),
+                              rank_key=rank_key, copy=copy)
+
+    def publish() -> None:  # rank 0, once the checkpoint is in place
+        if tokenizer is not None and topo.rank == 0:
+            _add_tokenizer(tokenizer, target)
+        if series and topo.rank == 0:
+            publish_in_series(Path(directory), target, keep=keep)
+
+    if writer is None:
+        staged.write()
+        publish()
+    else:
+        writer.submit(staged, then=publish)
     return target
+
+
+def publish_in_series(directory: Path, target: Path, *, keep: int) -> None:
+    """Point ``DIR/latest`` at ``target`` (a temporary name, then renamed), then remove all but the newest ``keep``."""
+    pointer = directory / f"{LATEST}.tmp"
+    pointer.write_text(target.name + "\n")
+    os.replace(pointer, directory / LATEST)
+    for old in sorted(directory.glob(f"{STEP_PREFIX}[0-9]*"))[:-keep]:
+        if "." not in old.name:
+            shutil.rmtree(old, ignore_errors=True)

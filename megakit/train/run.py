@@ -30,6 +30,7 @@ from megakit.train.ds_config import load_ds_config, require_optimizer
 from megakit.train.guards import DEFAULT_MAX_SKIPPED
 from megakit.train.restarts import auto_load
 from megakit.train.resume import check_checkpoint_flags, check_same_run
+from megakit.train.spikes import data_offset
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -82,6 +83,8 @@ class TrainConfig:
     compile: bool | None = None  # torch.compile each block (megakit.nn.compile); None: on with CUDA, off on CPU
     compile_backend: str = "inductor"  # torch.compile's backend; the CPU tests use "aot_eager" (no C++ build)
     attention_kernel: str = "auto"  # SDPA backend: auto | flash | cudnn | efficient | math (nn.attention_kernel)
+    spike_guard: float | None = None  # Z: a loss Z recent standard deviations above the recent mean rolls back (spikes)
+    async_save: bool = False  # checkpoints written in a background thread; the step waits for the host copy only
 
     def __post_init__(self) -> None:
         if self.stage_layers is not None:  # a list from JSON (tests/launch_sweep.py) or a tuple from --stage-layers
@@ -101,6 +104,12 @@ class TrainConfig:
                              f"got {self.max_skipped_steps}")
         if not self.log_heartbeat_s >= 0:
             raise UsageError(f"--log-heartbeat must be 0 (off) or a number of seconds, got {self.log_heartbeat_s}")
+        if self.spike_guard is not None and (self.spike_guard <= 0 or not self.save_every):
+            raise UsageError(f"--spike-guard {self.spike_guard:g} rolls back to the newest checkpoint of --save DIR; "
+                             "pass --save DIR --save-every N with it, and a Z above 0 (e.g. 4)")
+        if self.async_save and not self.save:
+            raise UsageError("--async-save writes the checkpoints of --save DIR in the background; pass --save DIR "
+                             "(with --save-every N) with it, or drop it")
         if self.log_every < 1:
             raise UsageError(f"--log-every must be at least 1, got {self.log_every}")
         compression = parse_compression(self.compress)
@@ -143,6 +152,8 @@ class Run:
     corpus: Corpus | None = None  # what --data names, opened (its vocabulary is the model's)
     compile: bool = False  # --compile, its default resolved for this device
     attention: KernelChoice = KernelChoice("auto")  # --attention-kernel on this device
+    data_offset: int = 0  # step s reads the batch of step s + data_offset (batches a spike rollback skipped)
+    spike_window: list | None = None  # the spike guard's recent losses, as the checkpoint saved them
 
     @property
     def dtype(self) -> torch.dtype:
@@ -178,9 +189,10 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
                                                steps=cfg.steps, say=say)
     batch = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
                       accumulation=ds_config["gradient_accumulation_steps"], dp=layout.dp, seed=cfg.seed)
+    extra = read_manifest(checkpoint)["extra"] if checkpoint is not None else {}
     if checkpoint is not None:
         check_same_run(checkpoint, seed=cfg.seed, global_batch=batch.global_batch, vocab_size=model.vocab_size)
-        trained_on = read_manifest(checkpoint)["extra"].get("data", {}).get("corpus")
+        trained_on = extra.get("data", {}).get("corpus")
         if trained_on not in (None, corpus.fingerprint):
             say(f"megakit: warning: checkpoint {checkpoint} was trained on other data than {corpus.source}; its data "
                 "position (the step) continues on this data")
@@ -198,12 +210,16 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
                          "that a compiled block cannot hold; use ZeRO 0-2, or --no-compile")
     precision = ("bf16" if ds_config.get("bf16", {}).get("enabled") else
                  "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32")
+    if cfg.spike_guard and int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3:
+        raise UsageError(f"--spike-guard {cfg.spike_guard:g} with ZeRO 3: a rollback loads the weights into the "
+                         "running model, which ZeRO 3 partitions; use ZeRO 0-2 with --spike-guard, or drop it")
     return Run(cfg=cfg, layout=layout, ds_config=ds_config, model=model, batch=batch, start_step=start,
                checkpoint=checkpoint,
                precision=precision, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
                sequence_parallel=sequence_parallel,
                schedule=schedule, compression=compression,
-               corpus=corpus, compile=compile, attention=attention)
+               corpus=corpus, compile=compile, attention=attention, data_offset=data_offset(extra),
+               spike_window=extra.get("spike_guard"))
 
 
 def _check_schedule(schedule: str, *, pp: int, vpp: int, accumulation: int) -> None:

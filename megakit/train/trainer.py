@@ -25,7 +25,9 @@ megakit clips itself (``megakit.train.grad_norm``) with the same rule.
 
 Sequence parallelism and recompute (full or selective) are the model's (``Transformer(sequence_parallel=,
 recompute=)``); with SP the stages exchange ``(S/tp, B, H)``. Checkpoints (``--save``,
-``--load``, ``--keep``: weights, optimizer state and step, resumed exactly) are in ``megakit.train.resume``. A user
+``--load``, ``--keep``: weights, optimizer state and step, resumed exactly) are in ``megakit.train.resume``, written in
+the background with ``--async-save`` (``megakit.interop.checkpoint_async``); ``--spike-guard`` rolls back to the newest
+(``megakit.train.spikes``). A user
 mistake that every rank makes alike is marked ``all_ranks`` so that only rank 0 prints it.
 """
 
@@ -44,6 +46,7 @@ import torch.distributed as dist
 
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_checkpoint
+from megakit.interop.checkpoint_async import AsyncWriter
 from megakit.nn import comm
 from megakit.nn.attention_kernel import use_kernel
 from megakit.nn.compile import compile_blocks
@@ -64,6 +67,7 @@ from megakit.train.reporting import Reporter, start_profiler
 from megakit.train.restarts import AUTO, Attempts
 from megakit.train.resume import per_rank_key, restore, restore_own_state, save_run
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
+from megakit.train.spikes import SpikeGuard
 
 
 @dataclass
@@ -101,15 +105,18 @@ def train(cfg: TrainConfig) -> TrainResult:
     topo = Topology(run.layout, timeout_s=cfg.collective_timeout_s)
     _seed_default_generators(cfg.seed, topo)
     watchdog = _start_watchdog(cfg, topo)
+    writer = AsyncWriter(comm.side_group(cfg.collective_timeout_s)) if cfg.async_save else None  # --async-save
     try:
-        result = _train(run, topo, watchdog)
+        result = _train(run, topo, watchdog, writer)
     except (UsageError, TrainingDiverged) as error:
+        _drain(writer)
         if isinstance(error, TrainingDiverged) or getattr(error, "all_ranks", False):  # every rank raised it
             _leave_together(watchdog)
         else:  # this rank's own: its exit ends the job
             watchdog.stop(done=True)
         raise
     except Exception as error:
+        _drain(writer)
         if dist.get_world_size() > 1 and not isinstance(error, AssertionError) and from_communication(error):
             why = watchdog.diagnose()
             detail = str(error).splitlines()[0] if str(error) else ""
@@ -120,6 +127,14 @@ def train(cfg: TrainConfig) -> TrainResult:
         raise
     _leave_together(watchdog)
     return result
+
+
+def _drain(writer: AsyncWriter | None) -> None:
+    """On the way out with an error, let a save in flight finish (the writers' collectives run on their own
+    group, so the peers' finish too); its own error aside, the one already raised is the one to report."""
+    with contextlib.suppress(Exception):
+        if writer is not None:
+            writer.wait()
 
 
 def _leave_together(watchdog) -> None:
@@ -223,7 +238,7 @@ def _not_scheduler_start(record) -> bool:
     return "before it has started" not in record.getMessage()
 
 
-def _train(run: Run, topo, watchdog) -> TrainResult:
+def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
     logger = logging.getLogger("DeepSpeed")
     logger.setLevel(logging.WARNING)
     # DeepSpeed's schedulers warn when built (at iteration -1); megakit places them right after (optim.start_schedule)
@@ -273,11 +288,13 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
     peak = gpu_peak_tflops()
     communication = StepCommunication(sync_cuda=torch.cuda.is_available())
     profiler = start_profiler(cfg.profile, steps=cfg.steps - start, rank=topo.rank)
-    for step in range(start, cfg.steps):
+    spikes = SpikeGuard(cfg.spike_guard, saved=run.spike_window) if cfg.spike_guard else None
+    step, offset = start, run.data_offset  # step s reads the batch of step s + offset (spikes skip batches)
+    while step < cfg.steps:
         faults.at_step(step)
         waited = time.perf_counter()  # the loader's share of the step (reads from memory-mapped shards)
-        micro_batches = [(x.to(device), y.to(device), rows) for (x, y), rows in
-                         zip(batches.micro_batches(step, topo.dp_rank), batches.sample_numbers(step, topo.dp_rank))]
+        micro_batches = [(x.to(device), y.to(device), rows) for (x, y), rows in zip(
+            batches.micro_batches(step + offset, topo.dp_rank), batches.sample_numbers(step + offset, topo.dp_rank))]
         waited = time.perf_counter() - waited
         lr = engine.get_lr()[0]
         t0 = time.perf_counter()
@@ -286,7 +303,7 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
                 if moe is not None:
                     moe.before_step(engine)
                 with run.attention.context():  # the SDPA backend --attention-kernel pinned, forward and backward
-                    loss = run_step(micro_batches)
+                    loss = faults.spiked(step + offset, run_step(micro_batches))
                 dp_sync.after_step()
                 moe_metrics = moe.after_step() if moe is not None else None  # the expert bias moves here
         if torch.cuda.is_available():
@@ -307,6 +324,7 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
         if skipped:  # the batch and the LR slot are spent: data and LR stay functions of the step
             start_schedule(engine.lr_scheduler, step + 1)
             result.events.append(reporter.event(step, "skipped", skipped, skipped_steps=guard.skipped))
+        spike = spikes.check(step, loss) if spikes is not None else None
         if profiler is not None:
             profiler.step()
         metrics = StepMetrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds,
@@ -321,7 +339,15 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
         if metrics.compiling:
             reporter.compiled(metrics)
         attempts.finished(step)
-        done = step + 1
+        if spike:  # the newest checkpoint back into the engine; the batches since then are skipped
+            _wait(writer)
+            back, event = spikes.roll_back(spike, step=step, offset=offset, engine=engine, topo=topo, run=run,
+                                           dp_sync=dp_sync, reporter=reporter)
+            result.events.append(event)
+            if back is not None:
+                step, offset = back
+                continue
+        done, step = step + 1, step + 1
         evaluating = evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.steps)
         saving = cfg.save and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0))
         if evaluating or saving:
@@ -332,11 +358,15 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
             try:
                 save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
                          extra={"loss": loss if math.isfinite(loss) else None, "seed": cfg.seed,
-                                "global_batch": plan.global_batch,
-                                "data": {"samples": done * plan.global_batch, "corpus": run.corpus.fingerprint}},
-                         tokenizer=run.corpus.tokenizer_dir, dp_sync=dp_sync, rank_key=per_rank_key(run, topo))
+                                "global_batch": plan.global_batch, "data": {
+                                    "samples": (done + offset) * plan.global_batch, "skipped_batches": offset,
+                                    "corpus": run.corpus.fingerprint},
+                                **({"spike_guard": spikes.state()} if spikes else {})},
+                         tokenizer=run.corpus.tokenizer_dir, dp_sync=dp_sync, rank_key=per_rank_key(run, topo),
+                         writer=writer)
             except UsageError as error:
                 raise everywhere(error)  # save_checkpoint raises on every rank when any rank fails
+    _wait(writer)  # the last save is on disk before the run returns
     if profiler is not None:
         profiler.stop()
         reporter.attention_kernels(profiler)
@@ -345,6 +375,15 @@ def _train(run: Run, topo, watchdog) -> TrainResult:
         reporter.memory(result.memory)
     reporter.close(result)
     return result
+
+
+def _wait(writer: AsyncWriter | None) -> None:
+    """Until the save in flight is on disk (``--async-save``); its error, raised alike on every rank."""
+    try:
+        if writer is not None:
+            writer.wait()
+    except UsageError as error:
+        raise everywhere(error)
 
 
 def _plain_step(engine, dp_sync):
