@@ -68,6 +68,7 @@ from megakit.train.restarts import AUTO, Attempts
 from megakit.train.resume import per_rank_key, restore, restore_own_state, save_run
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
 from megakit.train.spikes import SpikeGuard
+from megakit.train.steps import pipeline_step, plain_step, rank_device
 
 
 @dataclass
@@ -204,7 +205,7 @@ def _build(run: Run, topo, doctor=None):
 
     cfg, ds_config = run.cfg, run.ds_config
     chunks = build_stage_chunks(run.model, topo, vpp=cfg.vpp, method=cfg.stage_layers or "params", seed=cfg.seed,
-                                device=_device(), sequence_parallel=run.sequence_parallel,  # this rank's shard
+                                device=rank_device(), sequence_parallel=run.sequence_parallel,  # this rank's shard
                                 recompute=cfg.recompute)
     for chunk in chunks:  # before DeepSpeed: its hooks sit on the parameters, outside the compiled blocks
         use_kernel(chunk, run.attention)
@@ -255,7 +256,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
             raise everywhere(error)  # load_state raises on every rank when any rank fails
     start_schedule(engine.lr_scheduler, start)
     batches = TokenBatches(run.corpus.train, plan)
-    evaluate = evaluator(run, topo, engine, _device()) if cfg.eval_every else None
+    evaluate = evaluator(run, topo, engine, rank_device()) if cfg.eval_every else None
     dp_sync = DataParallelSync(run, topo, engine)
     if run.checkpoint:
         try:  # each DP rank's own moments and residuals, at the layout that saved them
@@ -263,13 +264,13 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
                               say=print if topo.rank == 0 else lambda *_: None)
         except UsageError as error:
             raise everywhere(error)
-    run_step = _pipeline_step(run, topo, engine, dp_sync) if topo.pp > 1 else _plain_step(engine, dp_sync)
+    run_step = pipeline_step(run, topo, engine, dp_sync) if topo.pp > 1 else plain_step(engine, dp_sync)
     faults = TrainingFaults(topo.rank, list(engine.module) if cfg.vpp > 1 else [engine.module])  # tests only
     guard = StepGuard(topo, max_skipped=0 if doctor is not None else cfg.max_skipped_steps, precision=run.precision,
-                      describe=lambda r: _describe(topo, r), device=_device())  # the doctor sees the first NaN
+                      describe=lambda r: _describe(topo, r), device=rank_device())  # the doctor sees the first NaN
     if doctor is not None:
         batches, run_step = doctor.attach(engine, batches, run_step)
-    device = _device() or torch.device("cpu")
+    device = rank_device() or torch.device("cpu")
 
     from megakit.nn.model import model_flops_per_token
 
@@ -384,58 +385,3 @@ def _wait(writer: AsyncWriter | None) -> None:
             writer.wait()
     except UsageError as error:
         raise everywhere(error)
-
-
-def _plain_step(engine, dp_sync):
-    """PP = 1: DeepSpeed accumulates; ``step()`` after each micro-batch only updates at the boundary."""
-
-    def run(micro_batches) -> torch.Tensor:
-        losses = []
-        for i, (inputs, labels, rows) in enumerate(micro_batches):
-            loss = engine(inputs, labels, sample_ids=rows)
-            engine.backward(loss)
-            if i == len(micro_batches) - 1:
-                dp_sync.before_step()
-            engine.step()
-            losses.append(loss.detach().float())
-        return torch.stack(losses).mean()
-
-    return run
-
-
-def _device() -> torch.device | None:
-    """This rank's GPU (``init_distributed`` selected it from LOCAL_RANK), or None on CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-
-
-def _pipeline_step(run: Run, topo, engine, dp_sync):
-    """PP > 1: one 1F1B (or chosen) schedule per step; DeepSpeed does backward scaling, DP reduction and step."""
-    from megakit.core.schedules import build_schedule
-    from megakit.nn.pipeline import PipelineExecutor, activation_shape
-
-    plan, vpp = run.batch, run.cfg.vpp
-
-    def backward(output, grad):
-        if grad is None:
-            engine.backward(output)  # the loss: scaled by 1 / accumulation, as with PP = 1
-        else:
-            engine.backward((output * grad).sum(), scale_wrt_gas=False)
-
-    schedule = build_schedule(run.schedule, topo.pp, plan.accumulation, vpp)
-    # zero bubble splits each backward itself (loss / accumulation, into .grad, DeepSpeed's gradient hooks firing)
-    # and so calls no engine.backward: its chunk is the bare module, whose outputs carry no engine backward hooks
-    bare = vpp > 1 or schedule.split_backward
-    chunks = [engine] if not bare else list(engine.module) if vpp > 1 else [engine.module]  # no hooks needed, ZeRO 0-1
-    executor = PipelineExecutor(chunks, topo, schedule=schedule,
-                                backward=None if schedule.split_backward else backward, activation_shape=activation_shape(
-                                    run.model, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len // topo.cp, tp=topo.tp,
-                                    sequence_parallel=run.sequence_parallel),
-                                activation_dtype=run.dtype, device=_device(),  # stages exchange the weights' type
-                                reduce_grads=dp_sync.before_step, optimizer_step=engine.step, broadcast_loss=True)
-
-    def step(micro_batches) -> torch.Tensor:
-        inputs = [x for x, _, _ in micro_batches] if topo.is_first_stage else None
-        labels = [y for _, y, _ in micro_batches] if topo.is_last_stage else None
-        return torch.tensor(executor.step(inputs, labels, sample_ids=[rows for _, _, rows in micro_batches]))
-
-    return step
