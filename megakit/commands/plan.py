@@ -18,6 +18,7 @@ from pathlib import Path
 
 from megakit.core.compression import parse_compression
 from megakit.core.planner import emit
+from megakit.core.planner.activations import parse_loss_chunks
 from megakit.core.planner.cost import estimate_cost
 from megakit.core.planner.hardware import (
     GPU,
@@ -77,6 +78,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--compress", default="none", metavar="CODEC",
                        help="price DP traffic compressed as the trainer's --compress does (fp16, int8, sign, "
                             "topk:RATIO; ZeRO 0 plans only)")
+    train.add_argument("--loss-chunks", default="auto", metavar="K",
+                       help="the LM head and loss over K token chunks, as train.py --loss-chunks (default auto: "
+                            "one per 256 MiB of fp32 logits)")
     pins = parser.add_argument_group("pin a dimension (the rest is searched)")
     pins.add_argument("--tp", type=int)
     pins.add_argument("--pp", type=int)
@@ -134,7 +138,7 @@ def run(args) -> int:
     imbalance = args.moe_imbalance if args.moe_imbalance is not None else ROUTING[args.moe_routing]
     pins = Pins(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero, micro_batch=args.micro_batch,
                 recompute=args.recompute, vpp=args.vpp, compress=str(parse_compression(args.compress)),
-                schedule=args.schedule)
+                schedule=args.schedule, loss_chunks=parse_loss_chunks(args.loss_chunks))
 
     def make_cluster(nodes: int | None = None, gpus: int | None = None) -> Cluster:
         total = gpus if gpus is not None else nodes * args.gpus_per_node

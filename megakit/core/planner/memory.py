@@ -175,7 +175,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                     layers: int | None = None, recompute_fraction: float = 1.0, dp_shard: int = 0,
                     gathered_inputs: bool = False, zero_bubble: bool = False, ep: int = 1,
                     moe_imbalance: float = 1.0, buckets: Buckets = Buckets(),
-                    overhead_bytes: float = 0.0) -> MemoryEstimate:
+                    overhead_bytes: float = 0.0, loss_chunks: int = 1) -> MemoryEstimate:
     """Itemised per-GPU bytes of one layout on one pipeline ``stage`` (index, 'first', 'last', 'middle').
 
     ``accumulation``: micro-batches per optimizer step (gradient accumulation),
@@ -187,7 +187,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     model, torchtitan) instead of re-gathering it in backward (Megatron-LM, Korthikanti's table).
     ``ep``: expert parallelism (``stage_expert_params``; ZeRO shards the experts' states over the
     EDP = DP x CP / EP ranks that hold the same experts); ``moe_imbalance``: the busiest rank's share
-    of routed tokens over the balanced one (``routing_tensors``)."""
+    of routed tokens over the balanced one (``routing_tensors``). ``loss_chunks``: the head and loss over
+    that many token chunks (``logits_bytes``; 0: the trainer's default rule, ``auto_loss_chunks``)."""
     if precision not in PRECISIONS:
         raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if recompute not in RECOMPUTE:
@@ -280,7 +281,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                                       full_layer - kept if recompute in ("selective", "per-op") else 0.0)
     if stage == pp - 1:
         items["logits"] = logits_bytes(model, tp=tp, sequence_parallel=sequence_parallel, precision=precision,
-                                       seq_len=s, micro_batch=b)
+                                       seq_len=s, micro_batch=b, loss_chunks=loss_chunks)
     else:
         items["logits"] = 0.0
 
