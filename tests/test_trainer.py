@@ -157,7 +157,36 @@ def dp_results(tmp_path_factory, shards):
     cases += sync_cases(shards, CP_DP1_SYNC, cp=2) + sync_cases(shards, DP_SYNC)
     # case 26: another --seed (one step): each rank's default generators follow it
     cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=1, seq_len=32, seed=1))
+    # cases 27, 28: vocab 32k at TP 2 with SP, the head and loss in one piece and over 8 token chunks (--loss-chunks)
+    big_vocab = vocab_model(tmp_path_factory.mktemp("models"), 32000)
+    for chunks in (1, 8):
+        cases.append(dict(ds_config=ds_config(1, micro=4, accumulation=1), model=big_vocab, steps=2, seq_len=64, tp=2,
+                          sequence_parallel=True, loss_chunks=chunks, verify_memory=True))
     return cases, sweep(tmp_path_factory, 2, cases)
+
+
+def vocab_model(directory: Path, vocab: int) -> str:
+    """gpt-tiny with another vocabulary size."""
+    config = json.loads((ROOT / "models" / "gpt-tiny.json").read_text()) | {"vocab_size": vocab}
+    path = directory / f"gpt-tiny-{vocab}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_loss_chunks_shrink_the_logits_item_and_keep_the_losses(dp_results):
+    """--loss-chunks 8 at vocab 32k, TP 2 x SP: the same losses as one piece, and the logits item (the tensors saved
+    from the final norm to the loss, counted by --verify-memory) measured as predicted and at least 4x smaller."""
+    _, results = dp_results
+    whole, chunked = results[27], results[28]
+    for a, b in zip(whole["loss"], chunked["loss"], strict=True):  # measured: 1 fp32 ulp (9.5e-7 at 10.28)
+        assert abs(a - b) <= 1e-6 * abs(a), (whole["loss"], chunked["loss"])
+    for one, rows in ((whole, whole["memory"]), (chunked, chunked["memory"])):
+        assert_memory_matches(rows)
+        for row in rows:
+            assert abs(row["measured"]["logits"] - row["predicted"]["logits"]) <= 0.05 * row["predicted"]["logits"], row
+    for a, b in zip(whole["memory"], chunked["memory"]):
+        assert b["measured"]["logits"] * 4 <= a["measured"]["logits"], (a, b)
 
 
 def warmup_cosine_lr(step: int, *, peak: float = 3e-3, warmup: int = 5, total: int = 40, floor: float = 0.1) -> float:
