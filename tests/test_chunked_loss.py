@@ -115,3 +115,21 @@ def _tp_worker(rank: int, world_size: int) -> float:
 def test_tp2_with_loss_chunks_matches_single_process():
     worst = run_ranks(_tp_worker, 2)
     assert max(worst) <= TOL
+
+
+def test_planner_logits_item_follows_the_chunk_count():
+    """TinyLlama at seq 2048 x 4 (1 GiB of fp32 logits): auto picks 4 chunks; the item shrinks to the norm's input,
+    the head input's gradient, the head weight's fp32 gradient and one chunk's logits."""
+    from megakit.core.planner.activations import auto_loss_chunks, parse_loss_chunks
+    from megakit.core.planner.memory import estimate_memory
+    from megakit.core.planner.model_spec import ModelSpec
+
+    spec = ModelSpec.from_config("tinyllama-1.1b")
+    one, auto = (estimate_memory(spec, micro_batch=4, seq_len=2048, loss_chunks=k).items["logits"] for k in (1, 0))
+    assert auto_loss_chunks(4 * 2048, spec.padded_vocab(1)) == 4 and auto_loss_chunks(64, 256) == 1
+    assert one / auto > 2.5, (one, auto)
+    assert estimate_memory(spec, micro_batch=4, seq_len=2048, loss_chunks=4).items["logits"] == auto
+    assert parse_loss_chunks("auto") == 0 and parse_loss_chunks("8") == 8
+    for bad in ("0", "-2", "many"):
+        with pytest.raises(UsageError, match=f"--loss-chunks {bad}: give a count of at least 1"):
+            parse_loss_chunks(bad)
