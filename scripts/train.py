@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loss-chunks", metavar="K", default="auto",
                    help="compute the LM head and loss over K chunks of the tokens, so the whole logits never exist "
                         "(same loss and gradients); default auto: one chunk per 256 MiB of fp32 logits, 1 below")
+    p.add_argument("--fp8", choices=["none", "tensorwise", "rowwise"], default="none",
+                   help="float8 GEMMs in the large TP linears through torchao (GPUs of compute capability 8.9+: "
+                        "Ada, Hopper, Blackwell); tensorwise is the faster recipe, rowwise the more accurate")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="split norms, dropout and the residual stream over TP along the sequence (Megatron SP; "
                         "--seq-len must divide by --tp); nothing to split at --tp 1, where it changes nothing")
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                           tensorboard=args.tensorboard, profile=args.profile, verify_memory=args.verify_memory,
                           metrics_out=args.metrics_out, log_every=args.log_every, progress=not args.no_progress,
                           stall_timeout_s=args.stall_timeout, recompute=args.recompute,
-                          loss_chunks=parse_loss_chunks(args.loss_chunks),
+                          loss_chunks=parse_loss_chunks(args.loss_chunks), fp8=args.fp8,
                           sequence_parallel=args.sequence_parallel, save=args.save, save_every=args.save_every,
                           keep=args.keep,
                           load=args.load, allow_cross_node_tp=args.allow_cross_node_tp, compress=args.compress,

@@ -23,6 +23,7 @@ from megakit.core.planner.activations import loss_chunks_of
 from megakit.core.schedules import build_schedule
 from megakit.errors import UsageError
 from megakit.interop.checkpoint_format import read_manifest
+from megakit.nn.fp8 import check_fp8
 from megakit.train.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan
 from megakit.train.ds_config import load_ds_config, require_optimizer
@@ -65,6 +66,7 @@ class TrainConfig:
     recompute: str = "none"  # "full": keep each block's input only; "selective": recompute the attention core
     sequence_parallel: bool = False  # split norms/dropout/residual over TP along the sequence (no-op at TP 1)
     loss_chunks: int = 0  # the LM head and loss over K token chunks (megakit.nn.chunked_loss); 0: auto_loss_chunks
+    fp8: str = "none"  # float8 GEMMs in the large TP linears (megakit.nn.fp8): none | tensorwise | rowwise
     save: str | None = None  # checkpoint directory, written at the end (and every save_every steps)
     save_every: int = 0
     keep: int = 0  # with --save-every: keep the newest K checkpoints as DIR/step-N with DIR/latest (0: one, replaced)
@@ -143,6 +145,7 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     """The ``Run`` of ``cfg`` on ``world_size`` processes; UsageError on any mistake, before any process group.
 
     ``say`` prints what it chose (which checkpoint ``--load`` resumes from)."""
+    check_fp8(cfg.fp8)  # torchao and a GPU with float8 GEMMs, or one line now
     layout = Layout.for_world(world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
     ds_config = load_ds_config(cfg.ds_config, dp=layout.dp, pp=layout.pp)
     require_optimizer(ds_config)

@@ -183,12 +183,15 @@ def _build(run: Run, topo, doctor=None):
     """This rank's stage model wrapped in a DeepSpeed engine (and the ZeRO-0 clipper when needed)."""
     import deepspeed
 
+    from megakit.nn.fp8 import convert_to_fp8
     from megakit.nn.model import build_stage_chunks
 
     cfg, ds_config = run.cfg, run.ds_config
     chunks = build_stage_chunks(run.model, topo, vpp=cfg.vpp, seed=cfg.seed, device=_device(),  # this rank's shard
                                 sequence_parallel=run.sequence_parallel, recompute=cfg.recompute,
                                 loss_chunks=run.loss_chunks)
+    for chunk in chunks:  # the weights stay the module's own: checkpoints and DeepSpeed see plain parameters
+        convert_to_fp8(chunk, cfg.fp8)
     if topo.pp > 1 and topo.is_last_stage and run.model.tie_embeddings:
         chunks[-1].embed.weight.ds_pipe_replicated = True  # the first stage's copy counts in the norm
     stage = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # interleaved: one engine, all chunks
