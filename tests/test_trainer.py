@@ -184,7 +184,7 @@ def test_fp8_at_tp2_trains_within_2_percent_and_saves_plain_weights(dp_results):
     for recipe, result in (("tensorwise", results[29]), ("rowwise", results[30])):
         gaps = [abs(a - b) / b for a, b in zip(result["loss"], ref["loss"], strict=True)]
         assert max(gaps) <= 0.02 and max(gaps) > 1e-5, (recipe, gaps)
-    fp8, plain = (Path(cases[i]["save"]) for i in (29, 11))
+    fp8, plain = (Path(cases[i]["save"]) for i in (29, 9))
 
     def tensors(directory: Path) -> dict:
         out = {}
