@@ -73,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="full: keep only each block's input and recompute the block in backward (~1/3 more "
                         "compute, far less activation memory); selective: recompute only the attention core "
                         "(Korthikanti et al. 2022), which saves its s x s scores when attention is written out")
+    p.add_argument("--loss-chunks", metavar="K", default="auto",
+                   help="compute the LM head and loss over K chunks of the tokens, so the whole logits never exist "
+                        "(same loss and gradients); default auto: one chunk per 256 MiB of fp32 logits, 1 below")
+    p.add_argument("--fp8", choices=["none", "tensorwise", "rowwise"], default="none",
+                   help="float8 GEMMs in the large TP linears through torchao (GPUs of compute capability 8.9+: "
+                        "Ada, Hopper, Blackwell); tensorwise is the faster recipe, rowwise the more accurate")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="split norms, dropout and the residual stream over TP along the sequence (Megatron SP; "
                         "--seq-len must divide by --tp); nothing to split at --tp 1, where it changes nothing")
@@ -158,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from megakit.core.partition import parse_stage_layers
+    from megakit.core.planner.activations import parse_loss_chunks
     from megakit.errors import UsageError
     from megakit.train.trainer import TrainConfig, TrainingDiverged, train
 
@@ -170,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                           metrics_out=args.metrics_out, log_every=args.log_every, progress=not args.no_progress,
                           log_heartbeat_s=args.log_heartbeat,
                           stall_timeout_s=args.stall_timeout, recompute=args.recompute,
+                          loss_chunks=parse_loss_chunks(args.loss_chunks), fp8=args.fp8,
                           sequence_parallel=args.sequence_parallel, save=args.save, save_every=args.save_every,
                           keep=args.keep,
                           load=args.load, allow_cross_node_tp=args.allow_cross_node_tp, compress=args.compress,

@@ -19,6 +19,7 @@ from pathlib import Path
 from megakit.core.compression import parse_compression
 from megakit.core.partition import parse_stage_layers
 from megakit.core.planner import emit, launch_script, save_interval
+from megakit.core.planner.activations import parse_loss_chunks
 from megakit.core.planner.cost import estimate_cost
 from megakit.core.planner.hardware import (
     GPU,
@@ -89,6 +90,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--compress", default="none", metavar="CODEC",
                        help="price DP traffic compressed as the trainer's --compress does (fp16, int8, sign, "
                             "topk:RATIO; ZeRO 0 plans only)")
+    train.add_argument("--loss-chunks", default="auto", metavar="K",
+                       help="the LM head and loss over K token chunks, as train.py --loss-chunks (default auto: "
+                            "one per 256 MiB of fp32 logits)")
     pins = parser.add_argument_group("pin a dimension (the rest is searched)")
     pins.add_argument("--tp", type=int)
     pins.add_argument("--pp", type=int)
@@ -171,7 +175,8 @@ def run(args) -> int:
     imbalance = args.moe_imbalance if args.moe_imbalance is not None else ROUTING[args.moe_routing]
     pins = Pins(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero, micro_batch=args.micro_batch,
                 recompute=args.recompute, vpp=args.vpp, compress=str(parse_compression(args.compress)),
-                schedule=args.schedule, stage_layers=parse_stage_layers(args.stage_layers)).resolved()
+                schedule=args.schedule, stage_layers=parse_stage_layers(args.stage_layers),
+                loss_chunks=parse_loss_chunks(args.loss_chunks)).resolved()
 
     def make_cluster(nodes: int | None = None, gpus: int | None = None) -> Cluster:
         total = gpus if gpus is not None else nodes * args.gpus_per_node

@@ -25,6 +25,7 @@ from megakit.core.partition import partition_layers
 from megakit.errors import UsageError
 from megakit.nn import comm as C
 from megakit.nn.attention import Attention, apply_rope, rope_tables  # noqa: F401 (API)
+from megakit.nn.chunked_loss import chunked_head_loss
 from megakit.nn.context_parallel import positions, sequence_mean
 from megakit.nn.dropout import DropoutKeys, residual_dropout
 from megakit.nn.moe import MoE
@@ -151,11 +152,14 @@ class Transformer(nn.Module):
     the ``S/cp`` positions ``megakit.nn.context_parallel.positions`` names (hidden states and logits
     hold those rows, in that order) and the loss is the mean over the whole sequence, the same on
     every CP rank, whose gradient on each rank is CP times its share (DP x CP averages it back).
+    ``loss_chunks`` K > 1: with labels, the head and loss run over K chunks of the tokens
+    (``megakit.nn.chunked_loss``), so the logits shard never exists whole; the same loss and gradients.
     """
 
     def __init__(self, config: ModelConfig, topo=None, *, layers: range | None = None, pre: bool = True,
                  post: bool = True, sequence_parallel: bool = False, seed: int = 0,
-                 dtype: torch.dtype = torch.float32, device=None, recompute: bool | str = False) -> None:
+                 dtype: torch.dtype = torch.float32, device=None, recompute: bool | str = False,
+                 loss_chunks: int = 1) -> None:
         super().__init__()
         group = None if topo is None else topo.tp_group
         tp, tp_rank = C.size(group), C.rank(group)
@@ -177,6 +181,9 @@ class Transformer(nn.Module):
             raise UsageError(f"recompute {recompute!r} is not one of none, selective, full")
         self.recompute, self.sequence_parallel = recompute == "full", sequence_parallel and tp > 1  # full: per block
         self.samples_seen = 0  # rows numbered by training forwards without sample_ids
+        if loss_chunks < 1:
+            raise UsageError(f"loss_chunks must be at least 1 (1: the head and loss in one piece), got {loss_chunks}")
+        self.loss_chunks = loss_chunks
         kw = dict(group=group, sequence_parallel=self.sequence_parallel, dtype=dtype, device=device)
         tied = config.tie_embeddings
         if pre or (post and tied):  # a tied last stage keeps its own copy, under the same name
@@ -245,7 +252,15 @@ class Transformer(nn.Module):
             return h
         h = self.norm(h)
         head = self.lm_head.weight if hasattr(self, "lm_head") else self.embed.weight  # (V/tp, H)
-        logits = F.linear(enter_tp_region(h, self.group, self.sequence_parallel), head)  # (S, B, V/tp)
+        h = enter_tp_region(h, self.group, self.sequence_parallel)  # (S, B, H)
+        if labels is not None and self.loss_chunks > 1:
+            target = labels.t() if held is None else labels.index_select(1, held).t()  # (S, B)
+            total = chunked_head_loss(h, head, target, self.group, chunks=self.loss_chunks,
+                                      vocab_size=self.config.vocab_size)
+            if held is not None:
+                return sequence_mean(total, target != -100, self.cp_group)
+            return total / (target != -100).sum().clamp(min=1)
+        logits = F.linear(h, head)  # (S, B, V/tp)
         if labels is not None and held is not None:
             target = labels.index_select(1, held).t()  # (S/cp, B)
             token = vocab_parallel_cross_entropy(logits, target, self.group, vocab_size=self.config.vocab_size,

@@ -196,11 +196,12 @@ class ColumnParallelLinear(nn.Module):
         local = _divide(out_features, C.size(group), "output features")
         self.weight = mark(_empty(local, in_features, dtype=dtype, device=device), 0)
         self.bias = mark(_empty(local, dtype=dtype, device=device), 0) if bias else None
+        self.matmul = F.linear  # megakit.nn.fp8 swaps in a float8 matmul (same weight, same names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
             x = enter_tp_region(x, self.group, self.sequence_parallel)  # (S, B, in)
-        y = F.linear(x, self.weight, self.bias)  # (S, B, out/tp)
+        y = self.matmul(x, self.weight, self.bias)  # (S, B, out/tp)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
@@ -219,9 +220,10 @@ class RowParallelLinear(nn.Module):
         local = _divide(in_features, C.size(group), "input features")
         self.weight = mark(_empty(out_features, local, dtype=dtype, device=device), 1)
         self.bias = mark(_empty(out_features, dtype=dtype, device=device), None) if bias else None
+        self.matmul = F.linear  # megakit.nn.fp8 swaps in a float8 matmul (same weight, same names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = leave_tp_region(F.linear(x, self.weight), self.group, self.sequence_parallel)  # (S', B, out)
+        y = leave_tp_region(self.matmul(x, self.weight), self.group, self.sequence_parallel)  # (S', B, out)
         if self.bias is not None:
             y = y + replicated(self.bias, self.group, self.sequence_parallel)
         return y
@@ -254,44 +256,59 @@ class VocabParallelEmbedding(nn.Module):
 
 
 # -- 3. the loss -------------------------------------------------------------------------------
+def vocab_parallel_softmax(logits, target, group, start: int, vocab_size: int, ignore_index: int):
+    """The fp32 softmax of vocab-split ``logits`` (``(..., V/tp)``) and the per-token loss of ``target``.
+
+    All-reduce MAX of the row maxima, then one all-reduce SUM of [sum of exp, target logit] (the
+    target lives on one rank, zeros elsewhere). Returns ``(softmax, loss, mine, idx, valid)``:
+    ``mine`` marks the tokens whose target column is on this rank, at local column ``idx``.
+    """
+    local = logits.shape[-1]
+    x = logits.float()  # (..., V/tp); the softmax is computed in fp32
+    if start + local > vocab_size:  # padded vocab rows must not count
+        x = x.clone() if x is logits else x
+        x[..., max(vocab_size - start, 0):] = float("-inf")
+    row_max = x.max(dim=-1).values
+    C.all_reduce(row_max, group, op=torch.distributed.ReduceOp.MAX)
+    x = x - row_max.unsqueeze(-1)
+    valid = target != ignore_index
+    mine = valid & (target >= start) & (target < start + local)
+    idx = (target - start).masked_fill(~mine, 0)
+    picked = x.gather(-1, idx.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+    x = x.exp_()
+    sums = torch.stack([x.sum(dim=-1), picked])
+    C.all_reduce(sums, group)
+    sum_exp, target_logit = sums
+    loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
+    x.div_(sum_exp.unsqueeze(-1))
+    return x, loss, mine, idx, valid
+
+
+def softmax_grad_(softmax, mine, idx, scale) -> torch.Tensor:
+    """``(softmax - onehot(target)) * scale`` in place: the loss's gradient wrt the logits shard."""
+    softmax.scatter_add_(-1, idx.unsqueeze(-1), -mine.unsqueeze(-1).to(softmax.dtype))
+    return softmax.mul_(scale.unsqueeze(-1))
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy over vocab-split logits; the full logits never exist on one rank.
 
-    forward: all-reduce MAX of the row maxima, then one all-reduce SUM of [sum of exp,
-    target logit] (the target lives on one rank, zeros elsewhere). backward: local only,
+    forward: ``vocab_parallel_softmax`` (two all-reduces). backward: local only,
     ``softmax - onehot`` on this rank's columns.
     """
 
     @staticmethod
     def forward(ctx, logits, target, group, start, vocab_size, ignore_index):
-        local = logits.shape[-1]
-        x = logits.float()  # (..., V/tp); the softmax is computed in fp32
-        if start + local > vocab_size:  # padded vocab rows must not count
-            x = x.clone() if x is logits else x
-            x[..., max(vocab_size - start, 0):] = float("-inf")
-        row_max = x.max(dim=-1).values
-        C.all_reduce(row_max, group, op=torch.distributed.ReduceOp.MAX)
-        x = x - row_max.unsqueeze(-1)
-        valid = target != ignore_index
-        mine = valid & (target >= start) & (target < start + local)
-        idx = (target - start).masked_fill(~mine, 0)
-        picked = x.gather(-1, idx.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-        x = x.exp_()
-        sums = torch.stack([x.sum(dim=-1), picked])
-        C.all_reduce(sums, group)
-        sum_exp, target_logit = sums
-        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
-        x.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
-        ctx.save_for_backward(x, mine, idx, valid)
+        softmax, loss, mine, idx, valid = vocab_parallel_softmax(logits, target, group, start, vocab_size,
+                                                                 ignore_index)
+        ctx.save_for_backward(softmax, mine, idx, valid)  # softmax, kept for backward
         ctx.logits_dtype = logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         softmax, mine, idx, valid = ctx.saved_tensors
-        g = softmax  # reused in place: backward runs once
-        g.scatter_add_(-1, idx.unsqueeze(-1), -mine.unsqueeze(-1).to(g.dtype))
-        g.mul_((grad * valid).unsqueeze(-1))
+        g = softmax_grad_(softmax, mine, idx, grad * valid)  # reused in place: backward runs once
         return g.to(ctx.logits_dtype), None, None, None, None, None
 
 

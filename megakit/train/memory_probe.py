@@ -10,7 +10,9 @@ allocator statistics, so the bytes are counted from the objects that hold them:
 - activations: every tensor autograd saves for backward passes through
   ``torch.autograd.graph.saved_tensors_hooks``; its storage is counted while the
   graph holds it (parameters excluded), and the peak over the step is reported, so
-  a pipeline's micro-batches in flight count as they overlap.
+  a pipeline's micro-batches in flight count as they overlap; of them, those saved from the
+  final norm to the loss are the ``logits`` item as well (the planner's ``logits_bytes``,
+  its transient logits left out).
 
 The planner (``megakit.core.planner.memory.estimate_memory``) gets the same stage, split of the layers,
 micro-batch, sequence length, accumulation, ZeRO stage and precision.
@@ -93,8 +95,9 @@ class MemoryProbe:
         self.engine, self.topo, self.run = engine, topo, run
         self.peak = {k: 0 for k in ITEMS + ("fp32_step_grads", "comm_buffers", "zero3_gather")}
         self.activation_peak = 0
-        self._live: dict[int, list] = {}  # storage -> [bytes, references]
+        self._live: dict[int, list] = {}  # storage -> [bytes, references, saved by the head and loss]
         self._live_bytes = 0
+        self.logits_peak, self._logits_bytes, self._in_head = 0, 0, False
         self._params = {_storage(p)[0] for p in engine.module.parameters() if p.numel()}
         self.counting = not torch.cuda.is_available()  # a GPU's allocator counts for us (see row)
         if not self.counting:
@@ -105,6 +108,10 @@ class MemoryProbe:
         basic.register_step_post_hook(lambda *_: self.sample())
         for p in engine.module.parameters():
             p.register_post_accumulate_grad_hook(lambda _p: self.sample())
+        for chunk in self._chunks():  # from the final norm to the loss: the head's saved tensors
+            if chunk.post:
+                chunk.norm.register_forward_pre_hook(lambda *_: setattr(self, "_in_head", True))
+                chunk.register_forward_hook(lambda *_: setattr(self, "_in_head", False))
 
     # -- model states ---------------------------------------------------------------------------
     def sample(self, *, pre_step: bool = False) -> None:
@@ -148,10 +155,13 @@ class MemoryProbe:
         ptr, nbytes = _storage(t)
         if ptr in self._params or not ptr:
             return t
-        entry = self._live.setdefault(ptr, [nbytes, 0])
+        entry = self._live.setdefault(ptr, [nbytes, 0, self._in_head])
         if entry[1] == 0:
             self._live_bytes += nbytes
             self.activation_peak = max(self.activation_peak, self._live_bytes)
+            if entry[2]:
+                self._logits_bytes += nbytes
+                self.logits_peak = max(self.logits_peak, self._logits_bytes)
         entry[1] += 1
         holder = _Saved(t)
         weakref.finalize(holder, self._release, ptr)
@@ -162,6 +172,7 @@ class MemoryProbe:
         entry[1] -= 1
         if entry[1] == 0:
             self._live_bytes -= entry[0]
+            self._logits_bytes -= entry[0] if entry[2] else 0
             del self._live[ptr]
 
     @contextlib.contextmanager
@@ -194,7 +205,20 @@ class MemoryProbe:
                                vpp=run.cfg.vpp, flash_attention=True, buckets=buckets,
                                recompute=run.cfg.recompute, sequence_parallel=run.sequence_parallel,
                                gathered_inputs=True,  # megakit's TP layers keep the all-gathered input
-                               zero_bubble=self.topo.pp > 1 and run.schedule == "zb-h1")
+                               zero_bubble=self.topo.pp > 1 and run.schedule == "zb-h1",
+                               loss_chunks=run.loss_chunks)
+
+    def _chunks(self) -> list:
+        module = self.engine.module
+        return list(module) if isinstance(module, torch.nn.ModuleList) else [module]
+
+    def _saved_logits(self) -> float:
+        from megakit.core.planner.activations import logits_bytes
+
+        plan = self.run.batch
+        return logits_bytes(self.spec, tp=self.topo.tp, sequence_parallel=self.run.sequence_parallel,
+                            precision=self.run.precision, seq_len=plan.seq_len // self.topo.cp,
+                            micro_batch=plan.micro_batch, transient=False, loss_chunks=self.run.loss_chunks)
 
     def row(self) -> dict:
         est = self.predicted()
@@ -216,7 +240,10 @@ class MemoryProbe:
                 bytes_per = 4 if self.run.precision == "fp32" else 2
                 logits_shard = (self.run.batch.seq_len * self.run.batch.micro_batch * bytes_per
                                 * self.spec.padded_vocab(self.topo.tp) // self.topo.tp)
+                if self.run.loss_chunks > 1:  # one chunk's logits and fp32 softmax
+                    logits_shard = est.items["logits"] - self._saved_logits()
             predicted["activations"] = float(est.items["activations"] + est.items["logits"] - logits_shard)
+            measured["logits"], predicted["logits"] = float(self.logits_peak), float(est.items["logits"] - logits_shard)
         return {"rank": self.topo.rank, "tp": self.topo.tp_rank, "pp": self.topo.pp_rank, "dp": self.topo.dp_rank,
                 "measured": measured, "predicted": predicted}
 

@@ -112,6 +112,8 @@ class Reporter:
                            ", compiled blocks" if run.compile else "",
                            f", attention kernel {run.attention.name}" if run.attention.name != "auto" else "",
                            f", {cfg.recompute} recompute" if cfg.recompute != "none" else "",
+                           f", loss in {run.loss_chunks} chunks" if run.loss_chunks > 1 else "",
+                           f", fp8 {cfg.fp8}" if cfg.fp8 != "none" else "",
                            f", resuming {run.checkpoint} at step {start}" if start else ""])
         print(f"megakit: training {cfg.model} on {dist.get_world_size()} process(es): TP {topo.tp} x PP {topo.pp}{chunks} "
               f"{f'x CP {topo.cp} ' if topo.cp > 1 else ''}x DP {topo.dp}"

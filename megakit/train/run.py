@@ -19,11 +19,13 @@ from megakit.core.compression import Compression, parse_compression
 from megakit.core.layout import Layout
 from megakit.core.model_config import ModelConfig, check_seq_len
 from megakit.core.partition import partition_layers
+from megakit.core.planner.activations import loss_chunks_of
 from megakit.core.schedules import build_schedule
 from megakit.errors import UsageError
 from megakit.nn.attention_kernel import KernelChoice, device_kernel
 from megakit.nn.compile import default_compile
 from megakit.interop.checkpoint_format import read_manifest
+from megakit.nn.fp8 import check_fp8
 from megakit.train.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan
 from megakit.train.ds_config import load_ds_config, require_optimizer
@@ -68,6 +70,8 @@ class TrainConfig:
     max_bytes: int = DEFAULT_MAX_BYTES
     recompute: str = "none"  # "full": keep each block's input only; "selective": recompute the attention core
     sequence_parallel: bool = False  # split norms/dropout/residual over TP along the sequence (no-op at TP 1)
+    loss_chunks: int = 0  # the LM head and loss over K token chunks (megakit.nn.chunked_loss); 0: auto_loss_chunks
+    fp8: str = "none"  # float8 GEMMs in the large TP linears (megakit.nn.fp8): none | tensorwise | rowwise
     save: str | None = None  # checkpoint directory, written at the end (and every save_every steps)
     save_every: int = 0
     keep: int = 0  # with --save-every: keep the newest K checkpoints as DIR/step-N with DIR/latest (0: one, replaced)
@@ -147,6 +151,7 @@ class Run:
     precision: str  # "fp32" | "bf16" | "fp16": the weights' and the exchanged activations' type
     zero_stage: int
     sequence_parallel: bool  # asked for, and TP > 1 (nothing to split otherwise)
+    loss_chunks: int  # the head and loss over this many token chunks (1: in one piece), --loss-chunks or its rule
     schedule: str  # the pipeline schedule (PP > 1)
     compression: Compression  # of the DP gradients (``kind == "none"``: DeepSpeed all-reduces them)
     corpus: Corpus | None = None  # what --data names, opened (its vocabulary is the model's)
@@ -164,6 +169,7 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     """The ``Run`` of ``cfg`` on ``world_size`` processes; UsageError on any mistake, before any process group.
 
     ``say`` prints what it chose (which checkpoint ``--load`` resumes from)."""
+    check_fp8(cfg.fp8)  # torchao and a GPU with float8 GEMMs, or one line now
     layout = Layout.for_world(world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
     ds_config = load_ds_config(cfg.ds_config, dp=layout.dp, pp=layout.pp)
     require_optimizer(ds_config)
@@ -217,6 +223,8 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
                checkpoint=checkpoint,
                precision=precision, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
                sequence_parallel=sequence_parallel,
+               loss_chunks=loss_chunks_of(model, tp=cfg.tp, tokens=batch.micro_batch * seq_len // cfg.cp,
+                                          loss_chunks=cfg.loss_chunks),
                schedule=schedule, compression=compression,
                corpus=corpus, compile=compile, attention=attention, data_offset=data_offset(extra),
                spike_window=extra.get("spike_guard"))

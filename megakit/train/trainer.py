@@ -201,13 +201,15 @@ def _build(run: Run, topo, doctor=None):
     """This rank's stage model wrapped in a DeepSpeed engine (and the ZeRO-0 clipper when needed)."""
     import deepspeed
 
+    from megakit.nn.fp8 import convert_to_fp8
     from megakit.nn.model import build_stage_chunks
 
     cfg, ds_config = run.cfg, run.ds_config
     chunks = build_stage_chunks(run.model, topo, vpp=cfg.vpp, method=cfg.stage_layers or "params", seed=cfg.seed,
                                 device=rank_device(), sequence_parallel=run.sequence_parallel,  # this rank's shard
-                                recompute=cfg.recompute)
+                                recompute=cfg.recompute, loss_chunks=run.loss_chunks)
     for chunk in chunks:  # before DeepSpeed: its hooks sit on the parameters, outside the compiled blocks
+        convert_to_fp8(chunk, cfg.fp8)  # the weights stay the module's own: checkpoints see plain parameters
         use_kernel(chunk, run.attention)
         if run.compile:
             compile_blocks(chunk, backend=cfg.compile_backend)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from megakit.core.planner.model_spec import ModelSpec
+from megakit.errors import UsageError
 
 PRECISIONS = {"bf16": 2, "fp16": 2, "fp32": 4}
 # torchtitan's per-op selective checkpointing keeps the outputs of every other matmul (q, v, gate/fc1, and
@@ -129,16 +130,57 @@ def routed_imbalance(model: ModelSpec, imbalance: float, ep: int) -> float:
     return min(imbalance, cf) if cf else imbalance
 
 
+# The default ``--loss-chunks`` (0: this rule): one chunk per 256 MiB of a micro-batch's fp32 logits shard. Chunking
+# keeps the GEMMs and FLOPs of the unchunked head (``megakit.nn.chunked_loss``), so its cost is only smaller GEMMs
+# and two small all-reduces per chunk; below 256 MiB the logits are no memory worth saving (every CPU test, small
+# models), above it they are (TinyLlama at seq 2048 x 4: 1 GiB -> 4 chunks; Llama-3-8B's 128k vocab at seq 8192: 16).
+LOGITS_CHUNK_BYTES = 256 * 2**20
+
+
+def auto_loss_chunks(tokens: int, vocab_shard: int) -> int:
+    """The default chunk count for ``tokens`` per micro-batch and rank and a ``vocab_shard`` of V/tp columns."""
+    return max(1, min(tokens, -(-tokens * vocab_shard * 4 // LOGITS_CHUNK_BYTES)))
+
+
+def parse_loss_chunks(text: str | int | None) -> int:
+    """``--loss-chunks``: ``auto`` (or None) is 0, the default rule; else a count of at least 1."""
+    if text is None or str(text) == "auto":
+        return 0
+    try:
+        chunks = int(text)
+    except ValueError:
+        chunks = 0
+    if chunks < 1:
+        raise UsageError(f"--loss-chunks {text}: give a count of at least 1 (1: the head and loss in one piece) "
+                         "or auto")
+    return chunks
+
+
+def loss_chunks_of(model: ModelSpec, *, tp: int, tokens: int, loss_chunks: int) -> int:
+    """``loss_chunks`` as the trainer runs it: 0 is ``auto_loss_chunks``."""
+    if loss_chunks < 0:
+        raise UsageError(f"--loss-chunks {loss_chunks}: give a count of at least 1 (1: no chunking), or 0 for auto")
+    return loss_chunks or auto_loss_chunks(tokens, model.padded_vocab(tp) // tp)
+
+
 def logits_bytes(model: ModelSpec, *, tp: int, sequence_parallel: bool, precision: str, seq_len: int,
-                 micro_batch: int, transient: bool = True) -> float:
+                 micro_batch: int, transient: bool = True, loss_chunks: int = 1) -> float:
     """The last stage's head for one micro-batch: saved are the final norm's input (+ stats), the
     head's input and the vocab-parallel cross-entropy's fp32 softmax (V/tp per token) and its
-    per-token target bookkeeping; transient are the logits shard and, below fp32, their fp32 copy."""
+    per-token target bookkeeping; transient are the logits shard and, below fp32, their fp32 copy.
+    With ``loss_chunks`` K > 1 (``megakit.nn.chunked_loss``; 0: ``auto_loss_chunks``): saved are the
+    norm's input, the head input's gradient (in place of the input) and the head weight's gradient in
+    fp32; transient are one chunk's logits and fp32 softmax."""
     p = PRECISIONS[precision]
     rest = tp if sequence_parallel else 1
     vocab_shard = model.padded_vocab(tp) // tp
+    tokens = seq_len * micro_batch
+    chunks = loss_chunks_of(model, tp=tp, tokens=tokens, loss_chunks=loss_chunks)
     # LayerNorm keeps its input and fp32 mean/rstd; RMSNorm its input, the normalised input and rstd
     norm = (p * model.hidden + 8) / rest if model.family == "gpt2" else (2 * p * model.hidden + 4) / rest
+    if chunks > 1:
+        extra = -(-tokens // chunks) * vocab_shard * (p + 4) if transient else 0
+        return tokens * (norm + p * model.hidden) + 4 * vocab_shard * model.hidden + extra
     saved = norm + p * model.hidden + 4 * vocab_shard + 10
     extra = vocab_shard * (p + (4 if p < 4 else 0)) if transient else 0
-    return seq_len * micro_batch * (saved + extra)
+    return tokens * (saved + extra)

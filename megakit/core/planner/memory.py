@@ -181,7 +181,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                     layers: int | None = None, recompute_fraction: float = 1.0, dp_shard: int = 0,
                     gathered_inputs: bool = False, zero_bubble: bool = False, ep: int = 1,
                     moe_imbalance: float = 1.0, buckets: Buckets = Buckets(),
-                    overhead_bytes: float = 0.0, megatron: bool = False) -> MemoryEstimate:
+                    overhead_bytes: float = 0.0, megatron: bool = False,
+                    loss_chunks: int = 1) -> MemoryEstimate:
     """Itemised per-GPU bytes of one layout on one pipeline ``stage`` (index, 'first', 'last', 'middle').
 
     ``accumulation``: micro-batches per optimizer step (gradient accumulation),
@@ -197,7 +198,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     ``megatron``: Megatron-LM's trainer (``Plan.megatron``): fp32 main gradients (``model_state_bytes``), a
     stage's output freed once sent (``deallocate_output_tensor``: the next stage holds it), and with SP the
     embedding's dropout mask split over TP like the rest of the sequence-parallel region (pass
-    ``gathered_inputs=False`` too: the column-parallel inputs re-gathered in backward)."""
+    ``gathered_inputs=False`` too: the column-parallel inputs re-gathered in backward). ``loss_chunks``: the head and
+    loss over that many token chunks (``logits_bytes``; 0: the trainer's default rule, ``auto_loss_chunks``)."""
     if precision not in PRECISIONS:
         raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if recompute not in RECOMPUTE:
@@ -291,7 +293,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                                       full_layer - kept if recompute in ("selective", "per-op") else 0.0)
     if stage == pp - 1:
         items["logits"] = logits_bytes(model, tp=tp, sequence_parallel=sequence_parallel, precision=precision,
-                                       seq_len=s, micro_batch=b)
+                                       seq_len=s, micro_batch=b, loss_chunks=loss_chunks)
     else:
         items["logits"] = 0.0
 

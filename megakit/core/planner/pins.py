@@ -28,6 +28,7 @@ class Pins:
     schedule: str | None = None  # "1f1b" or "zb-h1" (one chunk per stage); None: 1F1B, interleaved if VPP > 1
     compress: str = "none"  # DP compression the plan uses (megakit's: fp16/int8 with ZeRO 0-1, sign/topk ZeRO 0)
     stage_layers: tuple[int, ...] | None = None  # blocks per virtual stage (--stage-layers; needs --pp)
+    loss_chunks: int = 0  # --loss-chunks: the head and loss over K token chunks; 0: the trainer's auto rule
 
     def resolved(self) -> "Pins":
         """With ``stage_layers`` and ``--pp`` but no ``--vpp``: the VPP the split's length implies."""

@@ -64,6 +64,7 @@ class Plan:
     ep: int = 1
     moe_imbalance: float = 1.0
     ep_over_tp: bool = False  # EP ranks contiguous, folded over TP too (Megatron's calibration rows), not TP apart
+    loss_chunks: int = 1  # the LM head and loss over K token chunks (--loss-chunks; 0: the trainer's auto rule)
 
     @property
     def world(self) -> int:
@@ -86,7 +87,8 @@ class Plan:
                     offload=self.offload, flash_attention=self.flash_attention,
                     recompute_fraction=self.recompute_fraction, dp_shard=self.dp_shard,
                     gathered_inputs=not self.megatron, megatron=self.megatron,
-                    zero_bubble=self.zero_bubble, ep=self.ep, moe_imbalance=self.moe_imbalance)
+                    zero_bubble=self.zero_bubble, ep=self.ep, moe_imbalance=self.moe_imbalance,
+                    loss_chunks=self.loss_chunks)
 
     @property
     def shard_group(self) -> int:

@@ -324,7 +324,7 @@ class _Context:
         base = Plan(tp=tp, pp=pp, dp=dp, cp=cp, zero_stage=zero, micro_batch=1, accumulation=per_rank, recompute="full",
                     sequence_parallel=tp > 1, precision=self.precision, offload=self.offload,
                     flash_attention=self.flash, compress=pins.compress if zero in self.compress_stages else "none",
-                    zero_bubble=pins.schedule == "zb-h1" and pp > 1, ep=ep,
+                    zero_bubble=pins.schedule == "zb-h1" and pp > 1, ep=ep, loss_chunks=pins.loss_chunks,
                     moe_imbalance=self.moe_imbalance if m.moe is not None else 1.0, **self.execution)
         if self.offload == "params" and zero != 3:
             return
