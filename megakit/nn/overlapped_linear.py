@@ -16,7 +16,9 @@ input (q, k, v; gate, up):
 Zero bubble (``megakit.nn.split_backward``) runs the backward in two passes: B wants only the
 input gradient and W only the weights'. The engine says which edges the running pass needs
 (``torch._C._will_engine_execute_node``), so B skips the re-gather and the weight GEMMs and W
-skips ``grad_input`` and its reduce-scatter: nothing is computed or sent twice.
+skips ``grad_input`` and its reduce-scatter: nothing is computed or sent twice. The engine
+cannot be asked about a leaf (a weight, AccumulateGrad) inside ``autograd.grad``, so each
+tensor enters through ``view_as`` (no copy): the question is then asked of that view's node.
 """
 
 from __future__ import annotations
@@ -85,6 +87,11 @@ def column_parallel(x: torch.Tensor, layers, group, sequence_parallel: bool) -> 
     """
     if C.size(group) == 1:
         return tuple(layer(x) for layer in layers)
-    weights = [layer.weight for layer in layers]
-    biases = [layer.bias for layer in layers]
-    return _ColumnParallelLinears.apply(x, group, sequence_parallel, len(layers), *weights, *biases)
+    weights = [_askable(layer.weight) for layer in layers]
+    biases = [_askable(layer.bias) for layer in layers]
+    return _ColumnParallelLinears.apply(_askable(x), group, sequence_parallel, len(layers), *weights, *biases)
+
+
+def _askable(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` behind a node the engine can be asked about (see the module's docstring); no copy."""
+    return t.view_as(t) if t is not None and t.requires_grad and t.grad_fn is None else t
