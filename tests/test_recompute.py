@@ -177,8 +177,7 @@ def _one_f_one_b_peaks(topo, recompute: str, m: int = 4):
     predicted = []
     for stage in (0, 1):
         est = estimate_memory(spec, tp=topo.tp, pp=2, stage=stage, precision="fp32", micro_batch=b, seq_len=s,
-                              accumulation=m, recompute=recompute, sequence_parallel=True, flash_attention=True,
-                              gathered_inputs=True)
+                              accumulation=m, recompute=recompute, sequence_parallel=True, flash_attention=True)
         logits_shard = s * b * 4 * spec.padded_vocab(topo.tp) // topo.tp if stage == 1 else 0  # transient
         predicted.append(est.items["activations"] + est.items["logits"] - logits_shard)
     return [p.peak for p in peaks], predicted

@@ -21,7 +21,8 @@ from megakit.core.rope import inv_freq
 from megakit.nn import comm as C
 from megakit.nn.context_parallel import attention_keep, positions, ring_attention
 from megakit.nn.dropout import DropoutKeys, attention_dropout
-from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp, enter_tp_region, mark
+from megakit.nn.overlapped_linear import column_parallel
+from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp, mark
 
 
 def rope_tables(config: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,8 +105,8 @@ class Attention(nn.Module):
         return x.view(*x.shape[:2], n, self.head_dim).permute(1, 2, 0, 3)  # (S, B, n*d) -> (B, n, S, d)
 
     def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None) -> torch.Tensor:
-        x = enter_tp_region(x, self.group, self.sequence_parallel)  # (S, B, H)
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (S, B, nh/tp * d), (S, B, nkv/tp * d) x 2
+        projections = (self.q_proj, self.k_proj, self.v_proj)  # (S', B, H) -> (S, B, nh/tp * d), (S, B, nkv/tp * d) x 2
+        q, k, v = column_parallel(x, projections, self.group, self.sequence_parallel)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q, self.group), self.k_norm(k, self.group)
         if self.selective and self.training and self.cp == 1:  # no collective inside the core: none is recomputed

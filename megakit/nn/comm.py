@@ -219,6 +219,34 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     return out
 
 
+def all_gather_async(x: torch.Tensor, group) -> tuple[torch.Tensor, Handle]:
+    """Start ``all_gather(x, group, dim=0)``; the result is valid after ``wait()`` on the handle."""
+    n = size(group)
+    if n == 1:
+        return x, Handle(None)
+    x = x.contiguous()
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return out, _posted(_all_gather_single, out, x, group=_pg(group), async_op=True)
+
+
+def reduce_scatter_async(x: torch.Tensor, group) -> tuple[torch.Tensor, Handle]:
+    """Start ``reduce_scatter(x, group, dim=0)``; the result is valid after ``wait()`` on the handle."""
+    n = size(group)
+    if n == 1:
+        return x, Handle(None)
+    assert x.shape[0] % n == 0, (x.shape, n)
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return out, _posted(_reduce_scatter_single, out, x, group=_pg(group), async_op=True)
+
+
+def all_reduce_async(x: torch.Tensor, group) -> Handle:
+    """Start summing ``x`` over the group in place; ``x`` holds the sum after ``wait()``."""
+    if size(group) == 1:
+        return Handle(None)
+    return _posted(dist.all_reduce, x, group=_pg(group), async_op=True)
+
+
 def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """Block ``r`` of ``x`` (cut along dim 0 into n equal blocks) goes to rank ``r``; returns the blocks this rank
     received, in rank order (a new tensor)."""

@@ -29,6 +29,7 @@ from megakit.nn.chunked_loss import chunked_head_loss
 from megakit.nn.context_parallel import positions, sequence_mean
 from megakit.nn.dropout import DropoutKeys, residual_dropout
 from megakit.nn.moe import MoE
+from megakit.nn.overlapped_linear import column_parallel
 from megakit.nn.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -79,11 +80,12 @@ class MLP(nn.Module):
                                            sequence_parallel=sequence_parallel, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter_tp_region(x, self.group, self.sequence_parallel)  # (S, B, H)
         if self.gated:
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (S, B, ffn/tp)
+            gate, up = column_parallel(x, (self.gate_proj, self.up_proj), self.group, self.sequence_parallel)
+            h = F.silu(gate) * up  # (S, B, ffn/tp)
         else:
-            h = F.gelu(self.up_proj(x), approximate="tanh")  # (S, B, ffn/tp)
+            up, = column_parallel(x, (self.up_proj,), self.group, self.sequence_parallel)
+            h = F.gelu(up, approximate="tanh")  # (S, B, ffn/tp)
         return self.down_proj(h)  # (S', B, H)
 
 

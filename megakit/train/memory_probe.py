@@ -204,7 +204,6 @@ class MemoryProbe:
                                accumulation=plan.accumulation, precision=run.precision, stage=self.topo.pp_rank,
                                vpp=run.cfg.vpp, flash_attention=True, buckets=buckets,
                                recompute=run.cfg.recompute, sequence_parallel=run.sequence_parallel,
-                               gathered_inputs=True,  # megakit's TP layers keep the all-gathered input
                                zero_bubble=self.topo.pp > 1 and run.schedule == "zb-h1",
                                loss_chunks=run.loss_chunks)
 

@@ -74,8 +74,9 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
                 t(f"{which} stats", 1 / rest, 4, "sp")]
 
     kv = kv if flash_attention else heads * hd
-    # With SP, Megatron-LM keeps the column-parallel layers' input split and all-gathers it again in
-    # backward (Korthikanti et al.); megakit's layers keep the all-gathered (S, B, H) (``gathered_inputs``).
+    # With SP, Megatron-LM and megakit (``megakit.nn.overlapped_linear``) keep the column-parallel layers'
+    # input split and all-gather it again in backward (Korthikanti et al.); torchtitan's layers keep the
+    # all-gathered (S, B, H) (``gathered_inputs``).
     gathered = h if gathered_inputs else h / rest
     out = norm("norm1") + [t("qkv input", gathered, shard="sp"), t("q", heads * hd), t("k", kv), t("v", kv)]
     if flash_attention:

@@ -128,11 +128,12 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     one_tp = collective_time(tokens * model.hidden * nbytes, t, tp_bw, tp_where)
     recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
     tp_s = (4 + 2 * recomputed) * one_tp
-    if plan.megatron and t > 1:
+    if plan.column_overlap and t > 1:
         # Megatron-LM's column-parallel backward launches its input gradient's all-reduce (reduce-scatter with
         # SP) asynchronously and computes the weight gradient meanwhile (--async-tensor-model-parallel-allreduce,
-        # 2021-22; Korthikanti et al. 2022 Sec. 4.2.2): two of the four exchanges hide behind the wgrad GEMMs.
-        # With SP it also all-gathers each column-parallel input again there, behind the same GEMMs.
+        # 2021-22; Korthikanti et al. 2022 Sec. 4.2.2), and so does megakit's (megakit.nn.overlapped_linear):
+        # two of the four exchanges hide behind the wgrad GEMMs. With SP it also all-gathers each
+        # column-parallel input again there, behind the same GEMMs.
         hidden_comm = (2 + (1 if plan.sequence_parallel else 0)) * one_tp
         tp_s += exposed(block.weight_grad, hidden_comm) - 2 * one_tp
     cp_s = _ring_exposed(model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s)

@@ -190,16 +190,15 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     ``layers``: the blocks on this stage if not the trainer's split (``stage_layer_counts``).
     ``recompute_fraction``: with full recompute, the share of blocks recomputed (the rest keep all).
     ``dp_shard``: ZeRO-3's shard group when smaller than DP (HSDP); 0: all of DP.
-    ``gathered_inputs``: with SP the column-parallel layers keep their all-gathered input (megakit's
-    model, torchtitan) instead of re-gathering it in backward (Megatron-LM, Korthikanti's table).
+    ``gathered_inputs``: with SP the column-parallel layers keep their all-gathered input (torchtitan)
+    instead of re-gathering it in backward (Megatron-LM, Korthikanti's table; megakit's layers too).
     ``ep``: expert parallelism (``stage_expert_params``; ZeRO shards the experts' states over the
     EDP = DP x CP / EP ranks that hold the same experts); ``moe_imbalance``: the busiest rank's share
     of routed tokens over the balanced one (``routing_tensors``).
     ``megatron``: Megatron-LM's trainer (``Plan.megatron``): fp32 main gradients (``model_state_bytes``), a
     stage's output freed once sent (``deallocate_output_tensor``: the next stage holds it), and with SP the
-    embedding's dropout mask split over TP like the rest of the sequence-parallel region (pass
-    ``gathered_inputs=False`` too: the column-parallel inputs re-gathered in backward). ``loss_chunks``: the head and
-    loss over that many token chunks (``logits_bytes``; 0: the trainer's default rule, ``auto_loss_chunks``)."""
+    embedding's dropout mask split over TP like the rest of the sequence-parallel region. ``loss_chunks``: the head
+    and loss over that many token chunks (``logits_bytes``; 0: the trainer's default rule, ``auto_loss_chunks``)."""
     if precision not in PRECISIONS:
         raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if recompute not in RECOMPUTE:

@@ -50,9 +50,9 @@ class Plan:
     recompute_fraction: float = 1.0  # full recompute on this share of the blocks (HF/FSDP: every n-th block)
     fused_kernels: bool = False  # elementwise ops fused (torch.compile, Megatron's kernels), not eager PyTorch
     fp8: str = "none"  # FP8 GEMMs in the blocks' linears (torchao Float8Linear): 'tensorwise' or 'rowwise' scaling
-    # Megatron-LM's trainer rather than megakit's (``memory.estimate_memory(megatron=True)``): with SP each
-    # column-parallel input kept split and all-gathered again in backward (Korthikanti et al. 2022), a stage's
-    # sent output freed once sent, gradients accumulated in fp32 main-grad buffers.
+    # Megatron-LM's trainer rather than megakit's (``memory.estimate_memory(megatron=True)``): a stage's
+    # sent output freed once sent, gradients accumulated in fp32 main-grad buffers. (Both keep each
+    # column-parallel input split under SP and overlap its backward: ``column_overlap``.)
     megatron: bool = False
     dp_shard: int = 0  # ZeRO-3/FSDP shard group (HSDP: shard inside it, replicate across); 0: all of DP
     zero3: str = "deepspeed"  # who runs ZeRO-3 (sharding.ZERO3): DeepSpeed today, FSDP, or DeepSpeed of 2021
@@ -65,6 +65,14 @@ class Plan:
     moe_imbalance: float = 1.0
     ep_over_tp: bool = False  # EP ranks contiguous, folded over TP too (Megatron's calibration rows), not TP apart
     loss_chunks: int = 1  # the LM head and loss over K token chunks (--loss-chunks; 0: the trainer's auto rule)
+
+    @property
+    def column_overlap(self) -> bool:
+        """Whether the column-parallel linears keep their input split under SP (all-gathered again in
+        backward) and hide the backward's TP exchange behind the weight-gradient GEMMs: Megatron-LM's
+        (Korthikanti et al. 2022) and megakit's (``megakit.nn.overlapped_linear``) do; torchtitan's
+        (the FSDP runtime) keep the gathered input and exchange after the GEMMs."""
+        return self.zero3 != "fsdp"
 
     @property
     def world(self) -> int:
@@ -86,7 +94,7 @@ class Plan:
                     sequence_parallel=self.sequence_parallel, vpp=self.vpp, precision=self.precision,
                     offload=self.offload, flash_attention=self.flash_attention,
                     recompute_fraction=self.recompute_fraction, dp_shard=self.dp_shard,
-                    gathered_inputs=not self.megatron, megatron=self.megatron,
+                    gathered_inputs=not self.column_overlap, megatron=self.megatron,
                     zero_bubble=self.zero_bubble, ep=self.ep, moe_imbalance=self.moe_imbalance,
                     loss_chunks=self.loss_chunks)
 
