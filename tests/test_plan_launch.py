@@ -14,7 +14,7 @@ import subprocess
 import pytest
 from multiproc import free_port
 from test_data_path import five_large_files
-from test_trainer import LOSS_TOL, ROOT
+from test_trainer import LOSS_TOL, ROOT, dropout_model
 
 from megakit.commands import cli
 
@@ -99,18 +99,24 @@ exit $status
 
 
 @pytest.mark.slow
-def test_the_slurm_script_trains_on_two_loopback_nodes(tmp_path, capsys):
-    """The plan's TP 2 x PP 2 on 2 nodes x 2 processes, through the emitted script with the variables a two-node
-    allocation sets: it trains, validates on prepared data and saves as planned (arguments to the script
-    override the plan's --save-every), and its losses are the single process's."""
+def test_the_slurm_script_trains_on_two_loopback_nodes_and_survives_a_killed_worker(tmp_path, capsys):
+    """The plan's TP 2 x PP 2 on 2 nodes x 2 processes, dropout 0.1, through the emitted script with the variables a
+    two-node allocation sets. Rank 1 is killed (SIGKILL) at the start of step 7: the torchrun agents restart every
+    worker on both nodes (the script's --max-restarts), ``--load auto`` resumes from the step-6 checkpoint and the
+    run ends at step 12. It validates on prepared data, keeps 2 checkpoints (arguments to the script override the
+    plan's --save-every), and its losses are the single process's. (That a resume is bitwise the uninterrupted run
+    at the same layout is test_restart's.)"""
     from megakit.interop.prepare_data import PrepareConfig, prepare
+    from megakit.train.fault_injection import VARIABLE
     from megakit.train.reference import reference_run
 
-    data = str(tmp_path / "tokens")
+    data, model = str(tmp_path / "tokens"), dropout_model(tmp_path)
+    config = json.loads(open(model).read()) | {"vocab_size": 300}  # the tokenizer's below
+    open(model, "w").write(json.dumps(config))
     prepare(PrepareConfig(inputs=[str(five_large_files(tmp_path / "plays", words_per_file=10_000))], out=data,
                           vocab_size=300, workers=1, progress=False), say=lambda *_: None)
     job, config = tmp_path / "job.sh", tmp_path / "job.json"
-    code, _, err = _plan(capsys, "--model", "gpt-tiny", "--gpus", "4", "--gpus-per-node", "2", "--tp", "2",
+    code, _, err = _plan(capsys, "--model", model, "--gpus", "4", "--gpus-per-node", "2", "--tp", "2",
                          "--pp", "2", "--vpp", "1", "--precision", "fp32", "--global-batch", "4", "--micro-batch", "1",
                          "--seq-len", "32", "--tokens", "5120", "--base-lr", "1e-3", "--base-batch", "4",
                          "--emit-launch", "slurm", str(job), "--save", str(tmp_path / "ckpt"))
@@ -120,18 +126,20 @@ def test_the_slurm_script_trains_on_two_loopback_nodes(tmp_path, capsys):
     (tmp_path / "bin" / "srun").chmod(0o755)
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", SLURM_NNODES="2",
                SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[1-2]", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
-    out = subprocess.run(["bash", str(job), "--steps", "4", "--data", data, "--eval-every", "2", "--eval-batches",
-                          "1", "--save-every", "2", "--metrics-out", str(tmp_path / "m.json")],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+               MASTER_PORT=str(free_port()), **{VARIABLE: "kill@1:7"})
+    out = subprocess.run(["bash", str(job), "--steps", "12", "--data", data, "--eval-every", "4", "--eval-batches",
+                          "1", "--save-every", "3", "--keep", "2", "--metrics-out", str(tmp_path / "m.json")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-4000:]
+    assert out.returncode == 0, "\n".join(line for line in log.splitlines() if "error" in line)[-4000:]
     assert "--load auto: no checkpoint in" in log and "TP 2 x PP 2 x DP 1" in log and "\r" not in log, log[-3000:]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-0000002", "step-0000004"]
-    got = json.loads((tmp_path / "m.json").read_text())
-    want = reference_run(json.loads(config.read_text()), model="gpt-tiny", steps=4, seq_len=32, data=data,
-                         eval_every=2, eval_batches=1)
-    losses = [s["loss"] for s in got["steps"]]
-    assert len(losses) == 4 and all(abs(a - b) < LOSS_TOL for a, b in zip(losses, want["loss"])), (losses, want)
-    assert [e["step"] for e in got["eval"]] == [2, 4]
-    assert all(abs(a["loss"] - b["loss"]) < LOSS_TOL for a, b in zip(got["eval"], want["evals"])), (got, want)
+    assert "the last attempt finished step 6, resuming at step 6 redoes 1 step(s)" in log, log[-4000:]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-0000009", "step-0000012"]
+    got = json.loads((tmp_path / "m.json").read_text())  # the last attempt's: steps 6-11
+    want = reference_run(json.loads(config.read_text()), model=model, steps=12, seq_len=32, data=data,
+                         eval_every=4, eval_batches=1)
+    losses = {s["step"]: s["loss"] for s in got["steps"]}
+    assert sorted(losses) == list(range(6, 12)), losses
+    assert all(abs(losses[s] - want["loss"][s]) < LOSS_TOL for s in losses), (losses, want["loss"])
+    assert [e["step"] for e in got["eval"]] == [8, 12]
+    assert all(abs(a["loss"] - b["loss"]) < LOSS_TOL for a, b in zip(got["eval"], want["evals"][1:])), (got, want)
