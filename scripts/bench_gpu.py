@@ -79,7 +79,8 @@ LEVERS = {
     "A2": ("A again: the noise floor", {}),
 }
 ORDER = ("A", "B", "C", "D", "E", "F-tw", "F-rw", "A2")
-BASE = dict(micro_tokens=None, fused_adam=False, compile=False, attention_kernel="torch", loss_chunks=None, fp8=None)
+BASE = dict(micro_tokens=None, fused_adam=False, compile=False, attention_kernel="torch", loss_chunks=1,
+            fp8=None)  # loss_chunks=1: the head and loss in one piece, as before --loss-chunks (its default is auto)
 
 
 def settings(variant: str) -> dict:
