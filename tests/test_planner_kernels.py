@@ -43,11 +43,11 @@ def _megatron_argv(row, tmp_path) -> list:
     argv = ["--model", config, "--seq-len", row["seq_len"], "--gpu", "a100-80gb", "--gpus", plan.world,
             "--tp", plan.tp, "--pp", plan.pp, "--zero", plan.zero_stage, "--micro-batch", plan.micro_batch,
             "--global-batch", plan.global_batch, "--recompute", "full", "--precision", "fp16",
-            "--attention", "standard", "--kernels", "compiled", "--runtime", "megatron"]
+            "--attention", "standard", "--kernels", "compiled"]  # megakit's own runtime: Megatron's TP linears
     if plan.vpp > 1:
         argv += ["--vpp", plan.vpp]
     if plan.zero_stage == 3:  # DeepSpeed's ZeRO-3 of 2021, as measured then
-        argv[-1] = "deepspeed-2021"
+        argv += ["--runtime", "deepspeed-2021"]
     return argv
 
 
