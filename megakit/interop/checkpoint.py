@@ -89,6 +89,7 @@ from megakit.interop.checkpoint_split import (
     write_shard,
     writes,
 )
+from megakit.interop import checkpoint_ranks as R
 from megakit.nn import comm as C
 
 IGNORED_FIELDS = ("dropout", "init_std")  # training settings: they do not change what the weights mean
@@ -99,61 +100,6 @@ class Loaded(NamedTuple):
 
     step: int
     extra: dict
-
-
-# -- process-group plumbing (topo None: a single process, no collectives) ------------------------
-def _coords(topo) -> tuple[int, int, int, int, int, int]:
-    """(tp, pp, dp, tp_rank, pp_rank, dp_rank); CP ranks hold the same weights, so they count as DP here."""
-    if topo is None:
-        return 1, 1, 1, 0, 0, 0
-    cp, cp_rank = getattr(topo, "cp", 1), getattr(topo, "cp_rank", 0)
-    return topo.tp, topo.pp, topo.dp * cp, topo.tp_rank, topo.pp_rank, topo.dp_rank * cp + cp_rank
-
-
-def _rank(topo) -> int:
-    return 0 if topo is None else topo.rank
-
-
-def _all_gather(obj, topo, group=None) -> list:
-    if topo is None:
-        return [obj]
-    return C.all_gather_object(obj, C.WORLD if group is None else group)
-
-
-def _gather_to_0(obj, topo, group=C.WORLD) -> list | None:
-    return [obj] if topo is None else C.gather_object(obj, 0, group)
-
-
-def _broadcast_from_0(obj, topo, group=C.WORLD):
-    return obj if topo is None else C.broadcast_object(obj, 0, group)
-
-
-def _failure(error: BaseException) -> tuple[bool, str]:
-    """(is it the user's mistake, message): what other ranks learn about a rank's error."""
-    if isinstance(error, UsageError):
-        return True, str(error)
-    return False, f"{type(error).__name__}: {error}"
-
-
-def _collectively(work, topo):
-    """``work()`` on every rank; if it fails on any rank, raise on every rank (an all-gather of the outcome)."""
-    local_error, result = None, None
-    try:
-        result = work()
-    except Exception as error:
-        local_error = error
-    _raise_failures(_all_gather(None if local_error is None else _failure(local_error), topo), local_error)
-    return result
-
-
-def _raise_failures(failures: list, local: BaseException | None) -> None:
-    """Raise on every rank if any rank failed: the local error itself, else the first rank's."""
-    bad = [(rank, f) for rank, f in enumerate(failures) if f is not None]
-    if local is not None:
-        raise local
-    if bad:
-        rank, (usage, message) = bad[0]
-        raise (UsageError if usage else RuntimeError)(f"{message} (on rank {rank})")
 
 
 # -- the model's parameters ---------------------------------------------------------------------
@@ -248,16 +194,16 @@ def stage_checkpoint(directory, model, topo=None, *, step: int, config: ModelCon
     if _model_config(model) is not None and _config_diff(config, _model_config(model)):
         raise UsageError(f"the config given to save_checkpoint differs from the model's "
                          f"({', '.join(_config_diff(config, _model_config(model))[:4])}); pass the model's own config")
-    _, _, _, _, pp_rank, _ = _coords(topo)
+    _, _, _, _, pp_rank, _ = R.coords(topo)
     params = named_tensors(_modules(model))  # parameters and persistent buffers (the expert bias)
     # Who writes what: the first PP stage that holds a name (a tied embedding: the first stage).
-    stage_names = _all_gather(sorted(params), topo, None if topo is None else topo.pp_group)
+    stage_names = R.all_gather(sorted(params), topo, None if topo is None else topo.pp_group)
     first_holder = {}
     for stage, names in enumerate(stage_names):
         for name in names:
             first_holder.setdefault(name, stage)
     tmp = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp = Path(_broadcast_from_0(str(tmp), topo))
+    tmp = Path(R.broadcast_from_0(str(tmp), topo))
     owned = {n for n, p in params.items() if first_holder[n] == pp_rank and writes(n, p, topo)}
     tensors = _host_copies(params, owned, copy=copy)  # collective over DP under ZeRO-3
     for name in list(tensors):  # state tensors are split like their parameter
@@ -288,7 +234,7 @@ class StagedCheckpoint:
         job: from a background thread, a group of its own, ``comm.side_group``); an error on any rank raises on
         every rank. Returns the directory."""
         topo, tmp, tensors, params = self.topo, self.tmp, self.tensors, self.params
-        tp, pp, dp, tp_rank, pp_rank, dp_rank = _coords(topo)
+        tp, pp, dp, tp_rank, pp_rank, dp_rank = R.coords(topo)
         mine, local_error = {"records": []}, None
         try:
             experts = {n: t for n, t in tensors.items()
@@ -305,10 +251,10 @@ class StagedCheckpoint:
                 mine["records"].append({"rank_file": write_rank_file(tmp, self.rank_state, (pp_rank, tp_rank, dp_rank),
                                                                      (pp, tp, dp))})
         except Exception as error:  # reported to rank 0, which cleans up and tells every rank
-            local_error, mine = error, {"failure": _failure(error)}
-        gathered = _gather_to_0(mine, topo, group)  # every rank has written: the barrier before renaming
+            local_error, mine = error, {"failure": R.failure(error)}
+        gathered = R.gather_to_0(mine, topo, group)  # every rank has written: the barrier before renaming
         failures = None
-        if _rank(topo) == 0:
+        if R.rank(topo) == 0:
             failures = [r.get("failure") for r in gathered]
             try:
                 if not any(failures):
@@ -322,12 +268,12 @@ class StagedCheckpoint:
                     _publish(tmp, self.target)
             except Exception as error:
                 local_error = error
-                failures[0] = _failure(error)
+                failures[0] = R.failure(error)
             finally:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
-        failures = _broadcast_from_0(failures, topo, group)
-        _raise_failures(failures, local_error)
+        failures = R.broadcast_from_0(failures, topo, group)
+        R.raise_failures(failures, local_error)
         return self.target
 
 
@@ -366,7 +312,7 @@ def load_checkpoint(directory, model, topo=None) -> Loaded:
     an error on any rank (missing or corrupt file, other model) raises on all of them.
     Returns the saved step and extra metadata.
     """
-    return _collectively(lambda: _load(Path(directory), model, topo), topo)
+    return R.collectively(lambda: _load(Path(directory), model, topo), topo)
 
 
 @torch.no_grad()
@@ -434,7 +380,7 @@ def load_state(directory, model, topo=None) -> dict[str, dict[str, torch.Tensor]
     Reads only the slices this rank needs, at any TP x PP layout (a ZeRO-3 parameter by its
     unpartitioned ``ds_shape``). Collective like ``load_checkpoint``: an error anywhere raises everywhere.
     """
-    return _collectively(lambda: _load_state(Path(directory), model, topo), topo)
+    return R.collectively(lambda: _load_state(Path(directory), model, topo), topo)
 
 
 def _load_state(directory: Path, model, topo) -> dict[str, dict[str, torch.Tensor]]:
@@ -451,6 +397,6 @@ def _load_state(directory: Path, model, topo) -> dict[str, dict[str, torch.Tenso
 def load_rank_state(directory, topo=None) -> dict[str, torch.Tensor]:
     """This rank's ``rank_state``, as the same rank of the same layout saved it (empty if it saved none); the
     caller first checks the manifest's ``per_rank`` key. Collective like ``load_checkpoint``."""
-    tp, pp, dp, tp_rank, pp_rank, dp_rank = _coords(topo)
-    return _collectively(lambda: read_rank_file(Path(directory), rank_file(pp_rank, tp_rank, dp_rank, pp, tp, dp)),
+    tp, pp, dp, tp_rank, pp_rank, dp_rank = R.coords(topo)
+    return R.collectively(lambda: read_rank_file(Path(directory), rank_file(pp_rank, tp_rank, dp_rank, pp, tp, dp)),
                          topo)
