@@ -18,6 +18,7 @@ from pathlib import Path
 
 from megakit.core.compression import parse_compression
 from megakit.core.partition import parse_stage_layers
+from megakit.commands import plan_report
 from megakit.core.planner import emit, launch_script, save_interval
 from megakit.core.planner.activations import parse_loss_chunks
 from megakit.core.planner.cost import estimate_cost
@@ -200,7 +201,7 @@ def run(args) -> int:
             if error.closest is not None:  # a judged layout over the GPU's memory: verdict 'no', the fix named
                 if args.json:
                     c = error.closest
-                    no = plan_dict(c.plan, c.memory, c.cost, cluster, tokens, model.seq_len)
+                    no = plan_report.plan_dict(c.plan, c.memory, c.cost, cluster, tokens, model.seq_len)
                     json.dump({"plan": no | {"fits": "no", "mem_threshold": args.mem_threshold, "fix": error.fix}},
                               sys.stdout, indent=2)
                     sys.stdout.write("\n")
@@ -237,20 +238,20 @@ def run(args) -> int:
                            seq_len=model.seq_len)
     speedup = cost.tokens_per_s / single.tokens_per_s
     report = {
-        "plan": plan_dict(plan, mem, cost, cluster, tokens, model.seq_len) | {
+        "plan": plan_report.plan_dict(plan, mem, cost, cluster, tokens, model.seq_len) | {
             "fits": result.fits, "mem_threshold": result.threshold,
             "speedup_vs_one_gpu": speedup, "scaling_efficiency": speedup / plan.world,
             "lr": lr, "warmup_steps": warmup, "total_steps": total_steps, "save_every": save_every,
             "save_interval": dataclasses.asdict(advice),
             "stage_layers": [len(r) for r in virtual_stage_ranges(
                 model.with_overrides(stage_layers=pins.stage_layers), plan.pp, plan.vpp)]},
-        "alternatives": [plan_dict(c.plan, c.memory, c.cost, cluster, tokens, model.seq_len)
+        "alternatives": [plan_report.plan_dict(c.plan, c.memory, c.cost, cluster, tokens, model.seq_len)
                          for c in result.ranked[1:1 + args.top]],
-        "rejected": [{"plan": _plan_fields(r.plan) if r.plan else None, "reason": r.reason, "kind": r.kind,
-                      "tokens_per_s": r.tokens_per_s} for r in _top_rejected(result.rejected, args.top)],
-        "assumptions": assumptions(model, cluster, auto, result, precision, flash, args.mem_threshold,
+        "rejected": [{"plan": plan_report.plan_fields(r.plan) if r.plan else None, "reason": r.reason, "kind": r.kind,
+                      "tokens_per_s": r.tokens_per_s} for r in plan_report.top_rejected(result.rejected, args.top)],
+        "assumptions": plan_report.assumptions(model, cluster, auto, result, precision, flash, args.mem_threshold,
                                    global_batch, tokens, launch, launch_note, batch_note)
-        | _moe_assumptions(model, args, imbalance),
+        | plan_report.moe_assumptions(model, args, imbalance),
     }
     if result.fits == "above_threshold":
         report["plan"]["headroom"] = headroom_note(mem.total / GIB, gpu_gib=cluster.gpu.mem_gib,
@@ -274,11 +275,6 @@ def run(args) -> int:
     render(report, result, model, cluster, tips=tips, emitted=emitted or None,
            launch=f"sbatch {launch_path}" if kind == "slurm" else launch, launch_note=launch_note)
     return 0
-
-
-def _runtime_fields(plan: Plan) -> dict:
-    """The ``RUNTIMES`` fields this plan differs in from megakit's trainer."""
-    return {k: v for k, v in (("megatron", plan.megatron), ("zero3", plan.zero3)) if v != getattr(Plan(), k)}
 
 
 def _check_fp8(args, gpu: GPU, precision: str) -> None:
@@ -339,88 +335,3 @@ def _model_arg(args, model: ModelSpec, config_path: str) -> tuple[str, str | Non
         return model.name, None
     stem = config_path[:-5] if config_path.endswith(".json") else config_path
     return f"{stem}.model.json", f"{stem}.model.json"
-
-
-def _top_rejected(rejected, top):
-    """The fastest plans that did not fit, then one example of each structural reason (for layouts
-    that failed even at their smallest, the one closest to fitting)."""
-    out = [r for r in rejected if r.kind == "memory"][:top]
-    for kind in ("tp-node", "zero-pp", "rule", "vpp", "batch", "ep", "floor"):
-        of_kind = [r for r in rejected if r.kind == kind]
-        if of_kind:
-            out.append(min(of_kind, key=lambda r: r.peak_gib or 0.0))
-    return out
-
-
-def _moe_assumptions(model: ModelSpec, args, imbalance: float) -> dict:
-    """The experts and the routing regime the plan is priced in (nothing for a dense model)."""
-    if model.moe is None:
-        return {}
-    regime = "custom" if args.moe_imbalance is not None else args.moe_routing
-    return {"moe": {"experts": model.moe.experts, "top_k": model.moe.top_k, "expert_ffn": model.moe.ffn,
-                    "shared_ffn": model.moe.shared_ffn, "moe_layers": model.config.moe_layers,
-                    "active_params": model.active_params(), "routing": regime, "imbalance": imbalance,
-                    "capacity_factor": model.moe.capacity_factor,
-                    "routing_note": ("forced-balanced routing, as most published MoE throughput is measured"
-                                     if imbalance == 1.0 else f"the busiest expert rank gets {imbalance:g}x its "
-                                     "balanced share of tokens (dropless routing with a balancing loss); "
-                                     "--moe-routing balanced prices forced balance")}}
-
-
-def _plan_fields(plan: Plan) -> dict:
-    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep, "edp": plan.edp,
-            "vpp": plan.vpp, "zero_stage": plan.zero_stage,
-            "schedule": "zb-h1" if plan.zero_bubble else "interleaved" if plan.vpp > 1 else "1f1b",
-            "micro_batch": plan.micro_batch, "grad_accum": plan.accumulation, "global_batch": plan.global_batch,
-            "recompute": plan.recompute, "sequence_parallel": plan.sequence_parallel, "precision": plan.precision,
-            "offload": plan.offload, "flash_attention": plan.flash_attention,
-            "kernels": "compiled" if plan.fused_kernels else "eager", "fp8": plan.fp8,
-            "runtime": next(k for k, v in RUNTIMES.items() if v == _runtime_fields(plan))}
-
-
-# Which FLOPs each throughput figure counts (the JSON carries this; the tables say it in their labels).
-FLOPS_CONVENTIONS = {
-    "model_tflops_per_gpu": "model FLOPs: 6N-style, attention's full S x S (PaLM's and Megatron's MFU convention), "
-                            "no recompute",
-    "mfu": "model FLOPs / (GPUs x dense 16-bit peak)",
-    "hardware_tflops_per_gpu": "FLOPs the kernels execute: recompute included, causal flash attention's masked half "
-                               "skipped",
-}
-
-
-def plan_dict(plan: Plan, mem, cost, cluster: Cluster, tokens, seq_len: int) -> dict:
-    out = _plan_fields(plan) | {
-        "peak_memory_gib": mem.total / GIB, "gpu_memory_gib": cluster.gpu.mem_gib,
-        "memory": mem.gib(), "peak_stage": mem.stage,
-        "step_time_s": cost.step_time_s, "tokens_per_s": cost.tokens_per_s,
-        "model_tflops_per_gpu": cost.model_tflops_per_gpu, "hardware_tflops_per_gpu": cost.hardware_tflops_per_gpu,
-        "mfu": cost.mfu, "flops_conventions": FLOPS_CONVENTIONS, "comm_fraction": cost.comm_fraction, "bubble_fraction": cost.bubble_fraction,
-        "all_to_all_s": cost.a2a_s, "all_to_all_fraction": cost.a2a_s / cost.step_time_s,
-        "num_gpus": plan.world,
-    }
-    if tokens:
-        out["train_days"] = tokens / cost.tokens_per_s / 86400
-    return out
-
-
-def assumptions(model: ModelSpec, cluster: Cluster, auto: bool, result, precision, flash, threshold,
-                global_batch, tokens, launch, launch_note, batch_note: str = "") -> dict:
-    gpu = cluster.gpu
-    return {
-        "model": {"name": model.name, "source": model.assumed, "family": model.family, "params": model.params,
-                  "layers": model.layers, "hidden": model.hidden, "heads": model.heads, "kv_heads": model.kv_heads,
-                  "ffn": model.ffn, "vocab": model.vocab_size, "seq_len": model.seq_len,
-                  "active_params": model.active_params(),
-                  "tie_embeddings": model.tie_embeddings},
-        "cluster": {"gpu": gpu.name, "num_gpus": cluster.num_gpus, "nodes": cluster.nodes,
-                    "gpus_per_node": cluster.gpus_per_node, "gpu_memory_gib": gpu.mem_gib,
-                    "peak_tflops": gpu.peak_tflops, "hbm_gbps": gpu.hbm_gbps,
-                    "intra_node": f"{gpu.intra_link}, {gpu.intra_gbps:g} GB/s per GPU",
-                    "inter_node": f"{gpu.inter_link}, {gpu.inter_gbps:g} GB/s per GPU",
-                    "auto_sized": auto},
-        "rule": {"branch": result.branch, "why": result.branch_why},
-        "mem_threshold": threshold, "precision": precision, "attention": "flash" if flash else "standard",
-        "global_batch": global_batch, "global_batch_note": batch_note, "tokens": tokens,
-        "layouts_evaluated": result.evaluated,
-        "launch": launch, "launch_note": launch_note,
-    }
