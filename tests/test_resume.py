@@ -133,6 +133,26 @@ def test_bad_checkpoints_are_refused_in_one_line(resumed, tmp_path):
     assert resolve(right, 4, say=lambda *_: None).start_step == 4  # the same 8 sequences in another split resume
 
 
+def test_the_saved_step_count_is_fused_adams_too():
+    """An Adam ds_config without ``torch_adam`` (the planner's) runs DeepSpeed's FusedAdam, which counts steps in the
+    last parameter of each group only: the checkpoint's step count must be the steps taken, or a resume redoes
+    Adam's bias correction from step 1 (fp32 ZeRO-0, where the optimizer sees every parameter)."""
+    from types import SimpleNamespace
+
+    import torch
+    from deepspeed.ops.adam import FusedAdam
+
+    from megakit.train.resume import optimizer_step_count
+
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(4)]
+    optimizer = FusedAdam([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}], lr=1e-3)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.ones(3)
+        optimizer.step()
+    assert optimizer_step_count(SimpleNamespace(optimizer=optimizer)) == 3
+
+
 @pytest.mark.slow
 def test_a_job_killed_while_saving_resumes_on_the_uninterrupted_trajectory(tmp_path):
     """SIGKILL the whole job while a checkpoint is being written: the job is frozen (SIGSTOP) once a save's .tmp-

@@ -137,11 +137,13 @@ def _moment_keys(optimizer) -> list[str]:
 
 
 def optimizer_step_count(engine) -> int:
+    """The optimizer's step count: the largest kept anywhere. DeepSpeed's FusedAdam (an Adam ds_config without
+    ``torch_adam``) advances only the last parameter's ``state["step"]`` in each group and steps them all with
+    it, so the first parameter's count stays 0."""
     optimizer = _torch_optimizer(engine)
-    for state in optimizer.state.values():
-        if "step" in state:
-            return int(state["step"])
-    return int(optimizer.param_groups[0].get("step", 0))
+    counts = [int(state["step"]) for state in optimizer.state.values() if "step" in state]
+    counts += [int(group.get("step", 0)) for group in optimizer.param_groups]
+    return max(counts)
 
 
 def _host(name: str, tensor: torch.Tensor, copy=None) -> torch.Tensor:
