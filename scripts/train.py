@@ -160,34 +160,39 @@ def _leave() -> None:
         dist.destroy_process_group()
 
 
+def config(args: argparse.Namespace):
+    """The ``TrainConfig`` these flags ask for (``megakit doctor`` checks its trainer flags through it too).
+    UsageError for a flag value no run can take."""
+    from megakit.core.partition import parse_stage_layers
+    from megakit.core.planner.activations import parse_loss_chunks
+    from megakit.train.run import TrainConfig
+
+    return TrainConfig(
+        ds_config=args.ds_config, model=args.model, data=args.data,
+        steps=args.steps if args.steps is not None else 3 if args.verify_memory else 200, seed=args.seed,
+        tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, vpp=args.vpp, schedule=args.schedule, seq_len=args.seq_len,
+        stage_layers=parse_stage_layers(args.stage_layers), tensorboard=args.tensorboard, profile=args.profile,
+        verify_memory=args.verify_memory, metrics_out=args.metrics_out, log_every=args.log_every,
+        progress=not args.no_progress, log_heartbeat_s=args.log_heartbeat, stall_timeout_s=args.stall_timeout,
+        recompute=args.recompute, loss_chunks=parse_loss_chunks(args.loss_chunks), fp8=args.fp8,
+        sequence_parallel=args.sequence_parallel, save=args.save, save_every=args.save_every, keep=args.keep,
+        load=args.load, allow_cross_node_tp=args.allow_cross_node_tp, compress=args.compress,
+        error_feedback=not args.no_error_feedback, local_sgd=args.local_sgd, doctor_out=args.doctor_out,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, moe_aux_loss=args.moe_aux_loss,
+        moe_z_loss=args.moe_z_loss, moe_capacity_factor=args.moe_capacity_factor,
+        moe_expert_bias=args.moe_expert_bias, compile=args.compile, attention_kernel=args.attention_kernel,
+        spike_guard=args.spike_guard, async_save=args.async_save,
+        **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from megakit.core.partition import parse_stage_layers
-    from megakit.core.planner.activations import parse_loss_chunks
     from megakit.errors import UsageError
-    from megakit.train.trainer import TrainConfig, TrainingDiverged, train
+    from megakit.train.trainer import TrainingDiverged, train
 
     try:
-        cfg = TrainConfig(ds_config=args.ds_config, model=args.model, data=args.data,
-                          steps=args.steps if args.steps is not None else 3 if args.verify_memory else 200, tp=args.tp,
-                          pp=args.pp, cp=args.cp, ep=args.ep, vpp=args.vpp, schedule=args.schedule, seq_len=args.seq_len, seed=args.seed,
-                          stage_layers=parse_stage_layers(args.stage_layers),
-                          tensorboard=args.tensorboard, profile=args.profile, verify_memory=args.verify_memory,
-                          metrics_out=args.metrics_out, log_every=args.log_every, progress=not args.no_progress,
-                          log_heartbeat_s=args.log_heartbeat,
-                          stall_timeout_s=args.stall_timeout, recompute=args.recompute,
-                          loss_chunks=parse_loss_chunks(args.loss_chunks), fp8=args.fp8,
-                          sequence_parallel=args.sequence_parallel, save=args.save, save_every=args.save_every,
-                          keep=args.keep,
-                          load=args.load, allow_cross_node_tp=args.allow_cross_node_tp, compress=args.compress,
-                          error_feedback=not args.no_error_feedback, local_sgd=args.local_sgd,
-                          doctor_out=args.doctor_out, eval_every=args.eval_every, eval_batches=args.eval_batches,
-                          moe_aux_loss=args.moe_aux_loss, moe_z_loss=args.moe_z_loss,
-                          moe_capacity_factor=args.moe_capacity_factor, moe_expert_bias=args.moe_expert_bias,
-                          compile=args.compile, attention_kernel=args.attention_kernel,
-                          spike_guard=args.spike_guard, async_save=args.async_save,
-                          **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}))
+        cfg = config(args)
     except UsageError as error:  # the same flags on every rank
         if _rank0():
             print(f"train.py: error: {error}", file=sys.stderr, flush=True)

@@ -66,22 +66,20 @@ def _check(args, train_args: list[str]) -> None:
 
 
 def _resolve_trainer_flags(train_args: list[str], args) -> None:
-    """Parse the trainer's flags with scripts/train.py's own parser and resolve them for ``--nproc`` ranks."""
-    import dataclasses
+    """Read the trainer's flags as scripts/train.py reads them (its parser and ``config``) and resolve them for
+    ``--nproc`` ranks."""
     import importlib.util
 
-    from megakit.train.run import TrainConfig, resolve
+    from megakit.train.run import resolve
 
     spec = importlib.util.spec_from_file_location("megakit_train_script", TRAIN_SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     try:
-        parsed = vars(script.parse_args([*train_args, "--steps", str(args.steps)]))
+        parsed = script.parse_args([*train_args, "--steps", str(args.steps)])
     except SystemExit as exit_:  # the trainer's parser printed its one line
         raise SystemExit(2) from exit_
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    resolve(TrainConfig(**{k: v for k, v in parsed.items() if k in names and v is not None}), args.nproc,
-            say=lambda *_: None)
+    resolve(script.config(parsed), args.nproc, say=lambda *_: None)
 
 
 def _free_port() -> int:
