@@ -44,25 +44,37 @@ def init_distributed(*, timeout_s: float = 300.0) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     timeout = datetime.timedelta(seconds=timeout_s)
-    prefix = attempt_prefix()
-    if prefix is None:
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend=backend, timeout=timeout)
         return
+    global _attempt
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    dist.init_process_group(backend=backend, timeout=timeout, store=dist.PrefixStore(prefix, store),
+    _attempt = _new_attempt_prefix(store)
+    dist.init_process_group(backend=backend, timeout=timeout, store=dist.PrefixStore(_attempt, store),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
-def attempt_prefix() -> str | None:
-    """A store key prefix of its own for each attempt of a job restarted by torchrun's agent, else None.
+_attempt: str | None = None  # this attempt's store key prefix under torchrun's agents (init_distributed sets it)
 
-    The agent's TCPStore outlives its workers and torch 2.13's ``env://`` rendezvous adds no
-    per-attempt prefix, so a restarted rank could read a dead one's address (gloo then fails
-    to connect) or heartbeat.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    return f"megakit/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+def attempt_prefix() -> str | None:
+    """This attempt's store key prefix when torchrun's agents run the job (the watchdog's heartbeats use it
+    too), else None."""
+    return _attempt
+
+
+def _new_attempt_prefix(store) -> str:
+    """A store key prefix of its own for each attempt of a job that torchrun's agents restart.
+
+    The agents' TCPStore outlives the workers and torch 2.13's ``env://`` rendezvous adds no per-attempt
+    prefix, so a restarted rank could read a dead one's address (gloo then waits for ever to connect)
+    or heartbeat. TORCHELASTIC_RESTART_COUNT cannot name the attempt: each node's agent counts its own
+    restarts, and an agent whose workers were restarted because another node's failed does not count
+    one, so two nodes could take different prefixes and never meet. Every attempt starts every rank
+    once, so the number of times this rank has started, counted in the store itself, is the same on
+    every rank."""
+    starts = store.add(f"megakit/starts/rank_{os.environ['RANK']}", 1)
+    return f"megakit/attempt_{starts}/"
 
 
 class Topology:
