@@ -41,7 +41,6 @@ then on the H200, from the repository root (carry ``.whl``):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import io
 import json
@@ -93,14 +92,6 @@ def settings(variant: str) -> dict:
             out.pop("fp8")
         out.update(LEVERS[name][1])
     return out
-
-
-def missing_levers(s: dict) -> list[str]:
-    """TrainConfig fields a lever needs that this build lacks (flags another branch adds)."""
-    from megakit.train.run import TrainConfig
-
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    return [key for key in ("loss_chunks", "fp8") if s.get(key) and key not in fields]
 
 
 def train_kwargs(shape: dict, s: dict, *, cuda: bool, steps: int, seed: int = 0) -> tuple[dict, dict]:
@@ -161,18 +152,17 @@ def planner(shape: dict, s: dict, batch: dict, gpu: str) -> dict:
         levers += ["--fp8", s["fp8"]]
     if s.get("loss_chunks"):
         levers += ["--loss-chunks", str(s["loss_chunks"])]
-    for extra, note in ((levers, ""), ([], "planner without --kernels/--fp8/--loss-chunks in this build")):
-        out, err = io.StringIO(), io.StringIO()
-        try:
-            with redirect_stdout(out), redirect_stderr(err):
-                code = megakit(argv + extra)
-        except SystemExit as exit_:  # argparse: an unknown flag
-            code = exit_.code
-        if code == 0:
-            plan = json.loads(out.getvalue())["plan"]
-            return dict(step_s=plan["step_time_s"], tokens_per_s=plan["tokens_per_s"], mfu=plan["mfu"],
-                        peak_gib=plan["peak_memory_gib"], note=note)
-    return dict(note=f"planner failed: {err.getvalue().strip()[-200:]}")
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            code = megakit(argv + levers)
+    except SystemExit as exit_:  # argparse: a flag it refuses
+        code = exit_.code
+    if code != 0:
+        return dict(note=f"planner failed: {err.getvalue().strip()[-200:]}")
+    plan = json.loads(out.getvalue())["plan"]
+    return dict(step_s=plan["step_time_s"], tokens_per_s=plan["tokens_per_s"], mfu=plan["mfu"],
+                peak_gib=plan["peak_memory_gib"], note="")
 
 
 def measure(shape: dict, variant: str, *, cuda: bool, peak: float | None, gpu: str, warmup: int, timed: int) -> dict:
@@ -182,11 +172,6 @@ def measure(shape: dict, variant: str, *, cuda: bool, peak: float | None, gpu: s
 
     s = settings(variant)
     row = dict(variant=variant, lever=LEVERS[variant][0], settings=s)
-    lacking = missing_levers(s)
-    if lacking:
-        row["skipped"] = f"not available in this build (TrainConfig lacks {', '.join(lacking)})"
-        print(f"  {variant}: {row['skipped']}", flush=True)
-        return row
     try:
         got = run_variant(shape, s, cuda=cuda, steps=warmup + timed)
     except UsageError as error:  # a lever this device cannot run (fp8 on CPU): one line, the rest goes on
@@ -323,8 +308,6 @@ def parity(shape: dict, *, cuda: bool, steps: int) -> dict:
     """bf16 against fp8 (tensorwise) from one init and data, judged against two bf16 runs with other seeds."""
     s = settings("E")
     fp8 = dict(s, fp8="tensorwise")
-    if missing_levers(fp8):
-        return dict(skipped=f"not available in this build (TrainConfig lacks {', '.join(missing_levers(fp8))})")
     from megakit.errors import UsageError
 
     tail = max(1, steps // 3)
