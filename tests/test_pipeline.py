@@ -52,13 +52,12 @@ def _batches(config, dp_rank: int, dp: int, seed: int = 1, m: int = M):
     return [x[:, :-1] for x in ids], [x[:, 1:] for x in ids], [x[:, :-1] for x in mine], [x[:, 1:] for x in mine]
 
 
-def _ds_style_backward(m: int):
-    """What a trainer does through DeepSpeed engines, without DeepSpeed: the pluggable path."""
-    def backward(output, grad):
-        if grad is None:
-            (output / m).backward()
-        else:
-            (output * grad).sum().backward()
+def _ds_style_backward(m: int, outputs: list, held: list):
+    """What a trainer does through DeepSpeed engines, without DeepSpeed: the pluggable path. It notes how
+    many sent outputs (``outputs``: what the chunks returned) still hold their values at each backward."""
+    def backward(scalar, is_loss):  # the loss, or a sent output's handle (its gradient: the one received)
+        held.append(sum(out.untyped_storage().nbytes() > 0 for out in outputs if out.dim()))
+        (scalar / m if is_loss else scalar).backward()
     return backward
 
 
@@ -88,9 +87,12 @@ def _equivalence_worker(rank, world_size, cases):
         opt = torch.optim.SGD(params, lr=lr)
         shape = None if schedule_name == "gpipe" else activation_shape(  # None: a shape header per message
             config, micro_batch_size=B, seq_len=S, tp=tp, sequence_parallel=sp)
+        outputs, held = [], []  # the last virtual stage returns the loss, a 0-dim tensor
+        for c in chunks:
+            c.register_forward_hook(lambda _module, _args, out: outputs.append(out))
         executor = PipelineExecutor(chunks, topo, schedule=schedule, activation_shape=shape, p2p=p2p,
-                                    backward=_ds_style_backward(m) if tp == 2 and not schedule.split_backward else None,
-                                    optimizer_step=opt.step)
+                                    backward=_ds_style_backward(m, outputs, held)
+                                    if tp == 2 and not schedule.split_backward else None, optimizer_step=opt.step)
         loss = executor.step(ids, labels)
         # the executor ran the very list the simulator proved: same activations held at the peak
         assert executor.last_times.peak_in_flight == simulate(schedule).peak_in_flight[topo.pp_rank]
@@ -105,7 +107,8 @@ def _equivalence_worker(rank, world_size, cases):
         weight_err = max(max((w - ref_params[n]).abs().max().item() for n, w in full_state_dict(c, topo).items())
                          for c in chunks)
         results.append(dict(case=(model, tp, pp, schedule_name, vpp, p2p), loss_err=abs(loss - ref_loss.item()),
-                            grad_err=grad_err, weight_err=weight_err, names=sorted(grads)))
+                            grad_err=grad_err, weight_err=weight_err, names=sorted(grads),
+                            held=max(held, default=None), sent=sum(out.dim() > 0 for out in outputs)))
     return results
 
 
@@ -120,6 +123,12 @@ def test_pipeline_matches_single_process_model():
             assert r["grad_err"] < 1e-5, r
             assert r["weight_err"] < 1e-5, r
             names |= set(r["names"])
+            if r["held"] is not None and case[6] == "batched" and r["sent"]:
+                # batched P2P waits for its sends, so every output sent is freed (sent_output); interleaving's fused
+                # pairs send one output together with a later receive, so it may still hold that one
+                assert r["held"] <= (1 if case[3] == "interleaved" else 0), r
+            elif r["held"] is not None and r["sent"]:  # gloo's isends are known done at the output's backward
+                assert r["held"] >= 1, r
         config = ModelConfig.load(case[0].removesuffix("+sp"))
         if case[5]:
             config = config.replace(layers=case[5])
@@ -170,11 +179,8 @@ def _deepspeed_worker(rank, world_size):
     engine, *_ = deepspeed.initialize(model=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=lr),
                                       config=ds_config, mpu=topo)
 
-    def backward(output, grad):
-        if grad is None:
-            engine.backward(output)  # DeepSpeed scales by 1 / gradient_accumulation_steps
-        else:
-            engine.backward((output * grad).sum(), scale_wrt_gas=False)
+    def backward(scalar, is_loss):  # DeepSpeed scales the loss by 1 / gradient_accumulation_steps
+        engine.backward(scalar, scale_wrt_gas=is_loss)
 
     executor = PipelineExecutor(chunks, topo, schedule=build_schedule("1f1b", 2, M), backward=backward,
                                 activation_shape=(S, B, config.hidden), reduce_grads=lambda: None,

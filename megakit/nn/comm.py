@@ -111,6 +111,10 @@ class Handle:
         else:
             _meter.timed(self._work.wait)
 
+    def is_completed(self) -> bool:
+        """Done, without waiting (a send's buffer may be reused)."""
+        return self._work is None or self._work.is_completed()
+
 
 def _posted(fn, *args, **kwargs) -> Handle:
     if _meter is not None and not torch.compiler.is_compiling():

@@ -8,10 +8,11 @@ instruction class has its handler (``PipelineExecutor._handlers``):
 - ``Forward`` runs the chunk on the micro-batch's input (token ids on the first
   virtual stage, the received hidden state elsewhere) and keeps input and output
   for the backward; the last virtual stage is called with labels and returns the loss;
-- ``Backward`` calls the pluggable ``backward(output, grad)``: ``grad`` is None on the
-  last virtual stage (``output`` is the micro-batch's loss), the next stage's gradient
-  elsewhere. The default scales the loss by ``1 / micro_batches``, as DeepSpeed's
-  ``engine.backward(loss)`` does with ``gradient_accumulation_steps = micro_batches``;
+- ``Backward`` calls the pluggable ``backward(scalar, is_loss)``: on the last virtual stage
+  ``scalar`` is the micro-batch's loss; elsewhere it is the stage output's handle, whose
+  gradient is the one received (``sent_output``: a sent output's values are freed once the send
+  completes, as Megatron-LM does). The default scales the loss by ``1 / micro_batches``, as
+  DeepSpeed's ``engine.backward(loss)`` does with ``gradient_accumulation_steps = micro_batches``;
 - ``BackwardInput`` / ``BackwardWeight`` (zero bubble, ``split_backward``): B computes
   the gradient of the stage input only, W later the weights' (the loss scaled as above);
 - P2P, ``p2p="async"`` (gloo's default): a send posts ``isend`` and moves on; a receive
@@ -32,6 +33,7 @@ across replicas (each its own pipeline; gradients meet in ``ReduceGrads``).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -59,7 +61,7 @@ from megakit.core.schedules import (
 from megakit.core.simulator import P2P_MODES, ScheduleError, fastest_order, simulate
 from megakit.errors import UsageError
 from megakit.nn import comm as C
-from megakit.nn import split_backward, stage_grads
+from megakit.nn import sent_output, split_backward, stage_grads
 
 __all__ = ["PipelineExecutor", "StepTimes", "activation_shape"]
 _TAG = {RecvActivation: 0, SendActivation: 0, RecvGrad: 1, SendGrad: 1}
@@ -94,6 +96,8 @@ class _StepState:
     received: dict = field(default_factory=dict)  # (recv class, mb, chunk) -> tensor
     sent_shape: dict = field(default_factory=dict)  # (mb, chunk) -> shape of the activation sent
     pending: list = field(default_factory=list)  # (tensor, work) of isends, waited for at the end of the step
+    handles: dict = field(default_factory=dict)  # (mb, chunk) -> the sent output's handle (sent_output)
+    unreleased: deque = field(default_factory=deque)  # (tensor, work, key) of activation isends, oldest first
     posted: dict = field(default_factory=dict)  # list index -> (buffer, work) of irecvs posted ahead
     local: dict = field(default_factory=lambda: {0: [], 1: []})  # messages to this same rank, by tag
     losses: list = field(default_factory=list)
@@ -110,7 +114,7 @@ class PipelineExecutor:
         chunks: this rank's model chunk per local chunk index (virtual stage ``c * pp + pp_rank``).
         topo: the ``Topology``: ``pp_rank``, neighbours via ``stage_rank``, ``dp_group``, ``embedding_group``.
         schedule: a schedule with communication (``schedules.build_schedule``); ``schedule.pp == topo.pp``.
-        backward: ``backward(output, grad)``, see the module docstring.
+        backward: ``backward(scalar, is_loss)``, see the module docstring.
         activation_shape: shape of the hidden state between stages (e.g. ``(B, S, H)``), or None to
             send a shape header before every activation.
         reduce_grads / optimizer_step: callables replacing the default DP average / doing the step.
@@ -135,6 +139,7 @@ class PipelineExecutor:
         if backward is not None and schedule.split_backward:
             raise UsageError(f"{schedule.name} splits each backward into B and W and runs both itself; pass no backward")
         self.backward_fn = backward or self._default_backward
+        self.releases = not schedule.split_backward  # zero bubble's B and W take the output itself
         self.activation_shape = tuple(activation_shape) if activation_shape is not None else None
         self.dtype = activation_dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -186,8 +191,8 @@ class PipelineExecutor:
         """Sum the gradients of tied copies (embedding + LM head), so both copies step identically."""
         stage_grads.reduce_tied_grads(self.tied, self.topo)
 
-    def _default_backward(self, output: torch.Tensor, grad: torch.Tensor | None) -> None:
-        torch.autograd.backward(output / self.schedule.micro_batches if grad is None else output, grad)
+    def _default_backward(self, scalar: torch.Tensor, is_loss: bool) -> None:
+        torch.autograd.backward(scalar / self.schedule.micro_batches if is_loss else scalar)
 
     # -- P2P: each torch.distributed call in one small method ----------------------------------
     def _isend(self, tensor: torch.Tensor, a: Instruction) -> C.Handle:
@@ -258,13 +263,40 @@ class PipelineExecutor:
         tensor = self._checked(a, tensor)
         if a.peer == self.topo.pp_rank:
             st.local[_TAG[type(a)]].append(tensor.clone())
+            self._release(st, a)
             return
         if isinstance(a, SendActivation) and self.activation_shape is None:
             assert tensor.dim() <= 8, tensor.shape
             header = torch.tensor([tensor.dim(), *tensor.shape] + [0] * (8 - tensor.dim()), dtype=torch.int64,
                                   device=tensor.device)
             st.pending.append((header, self._isend(header, a)))
-        st.pending.append((tensor, self._isend(tensor, a)))
+        if isinstance(a, SendActivation):
+            st.unreleased.append((tensor, self._isend(tensor, a), a))
+        else:
+            st.pending.append((tensor, self._isend(tensor, a)))
+
+    def _release(self, st: _StepState, a: Instruction) -> None:
+        """Free the values of the output ``a`` sent, now that the send has completed (``sent_output``)."""
+        if (a.micro_batch, a.chunk) in st.handles:
+            sent_output.release(st.stash[(a.micro_batch, a.chunk)][1])
+
+    def _release_completed(self, st: _StepState, wait: bool = False) -> None:
+        """Release the outputs whose isends have completed, oldest first (all of them, waiting, with ``wait``).
+        NCCL's works say when they are done; gloo's only once waited for, so there ``_release_sent`` frees
+        each output at its backward (batched P2P, which waits for its sends, frees them at once)."""
+        while st.unreleased and (wait or st.unreleased[0][1].is_completed()):
+            _, work, a = st.unreleased.popleft()
+            work.wait()
+            self._release(st, a)
+
+    def _release_sent(self, st: _StepState, key: tuple[int, int]) -> None:
+        """The gradient for ``key`` arrived, so its activation's send is done: release that output."""
+        for i, (_, work, a) in enumerate(st.unreleased):
+            if (a.micro_batch, a.chunk) == key:
+                del st.unreleased[i]
+                work.wait()
+                self._release(st, a)
+                return
 
     def _run_batch(self, st: _StepState, index: int) -> int:
         """Batched mode: post the run of sends/receives at ``index`` at once, wait for all; return the index after it."""
@@ -284,6 +316,9 @@ class PipelineExecutor:
                 recvs.append((a, buf))
             end += 1
         C.send_and_receive(sends, receives)  # NCCL runs them together: two stages sending to each other do not wait
+        for a in self.actions[index:end]:
+            if isinstance(a, SendActivation) and a.peer != self.topo.pp_rank:
+                self._release(st, a)
         for a, buf in recvs:
             self._store_received(st, a, buf)
         return end
@@ -301,6 +336,7 @@ class PipelineExecutor:
         self._send(st, a, self._outgoing(st, a))
 
     def _run_forward(self, st: _StepState, index: int, a: Instruction) -> None:
+        self._release_completed(st)
         began = time.perf_counter()
         key, vs = (a.micro_batch, a.chunk), self._vs(a.chunk)
         x = st.inputs[a.micro_batch] if vs == 0 else st.received.pop((RecvActivation, *key))
@@ -310,18 +346,26 @@ class PipelineExecutor:
             st.losses.append(out.detach())
         else:
             out = self.chunks[a.chunk](x, **rows)
+            if self.releases and out.requires_grad:
+                st.handles[key] = sent_output.handle(out)
         st.stash[key] = (x, out)
         st.in_flight += 1
         st.peak = max(st.peak, st.in_flight)
         st.forward_time += time.perf_counter() - began
 
     def _run_backward(self, st: _StepState, index: int, a: Instruction) -> None:
+        self._release_completed(st)
         began = time.perf_counter()
         key = (a.micro_batch, a.chunk)
+        self._release_sent(st, key)  # its gradient has arrived: the send is done
         x, out = st.stash.pop(key)
         st.in_flight -= 1
-        last = self._vs(a.chunk) == self.schedule.virtual_stages - 1
-        self.backward_fn(out, None if last else st.received.pop((RecvGrad, *key)))
+        if self._vs(a.chunk) == self.schedule.virtual_stages - 1:
+            self.backward_fn(out, True)
+        else:
+            grad = st.received.pop((RecvGrad, *key))
+            if key in st.handles:
+                self.backward_fn(sent_output.with_gradient(st.handles.pop(key), grad), False)
         st.stash[("grad", *key)] = x.grad if x.requires_grad else None
         st.backward_time += time.perf_counter() - began
 
@@ -373,6 +417,7 @@ class PipelineExecutor:
                 self._post_recvs(st, index + 4)
             self._handlers[type(a)](st, index, a)
             index += 1
+        self._release_completed(st, wait=True)
         for _, work in st.pending:
             work.wait()
         assert not st.posted and not st.received, "schedule left messages unconsumed"

@@ -38,11 +38,8 @@ def pipeline_step(run: Run, topo, engine, dp_sync):
 
     plan, vpp = run.batch, run.cfg.vpp
 
-    def backward(output, grad):
-        if grad is None:
-            engine.backward(output)  # the loss: scaled by 1 / accumulation, as with PP = 1
-        else:
-            engine.backward((output * grad).sum(), scale_wrt_gas=False)
+    def backward(scalar, is_loss):  # the loss is scaled by 1 / accumulation, as with PP = 1; an output's handle not
+        engine.backward(scalar, scale_wrt_gas=is_loss)
 
     schedule = build_schedule(run.schedule, topo.pp, plan.accumulation, vpp)
     # zero bubble splits each backward itself (loss / accumulation, into .grad, DeepSpeed's gradient hooks firing)

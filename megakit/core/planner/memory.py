@@ -264,7 +264,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     chunk_moe = (stage_chunk_moe_layers(model, pp, vpp)[stage] if layers is None else
                  chunk_layers if moe else (0,) * vpp)
     uses_dropout = model.dropout > 0 if dropout is None else dropout
-    mask_split = tp if megatron and sequence_parallel else 1  # Megatron drops out the SP-scattered embedding
+    mask_split = tp if sequence_parallel else 1  # the embedding is dropped out after its reduce-scatter (both trainers)
     embedded = s * b * (8 + (model.hidden * dropout_mask_bytes / mask_split if uses_dropout else 0))  # ids, mask
     hidden = p * s * b * model.hidden / (tp if sequence_parallel else 1)  # one (S', B, H) tensor
     last_chunk = vpp - 1 if stage == pp - 1 else vpp  # the last virtual stage sends nothing on
