@@ -41,7 +41,9 @@ def test_json_report_has_the_issue_schema(capsys):
     assert PLAN_KEYS <= set(p) and "train_days" in p
     assert p["tp"] * p["pp"] * p["dp"] == 1024 and p["micro_batch"] * p["grad_accum"] * p["dp"] == p["global_batch"]
     assert p["peak_memory_gib"] <= 0.8 * p["gpu_memory_gib"]
-    assert sum(p["memory"].values()) == pytest.approx(p["peak_memory_gib"])
+    m = p["memory"]  # the step's fp32 gradient copies come once the activations are freed: the larger phase counts
+    backward = sum(m[k] for k in ("activations", "pipeline_outputs", "recompute_working_set", "logits") if k in m)
+    assert sum(m.values()) - min(m["fp32_step_grads"], backward) == pytest.approx(p["peak_memory_gib"])
     assert 15 < p["train_days"] < 60
     assert report["alternatives"] and all(PLAN_KEYS <= set(a) for a in report["alternatives"])
     assert report["rejected"] and all({"plan", "reason"} <= set(r) for r in report["rejected"])

@@ -7,7 +7,7 @@ from rich.table import Table
 
 MEMORY_LABELS = {
     "params": "parameters", "grads": "gradients", "master_params": "fp32 master params",
-    "optimizer": "Adam states (m, v)", "fp32_step_grads": "fp32 grads at step",
+    "optimizer": "Adam states (m, v)", "fp32_step_grads": "fp32 grads at step (in the activations' place)",
     "expert_states": "experts: params, grads, Adam (E/EP per GPU, ZeRO over EDP)", "activations": "activations",
     "moe_routing": "MoE routing (router probs, permute map, permuted tokens, expert acts)",
     "pipeline_outputs": "stage outputs kept for backward",

@@ -118,6 +118,8 @@ class PipelineExecutor:
         activation_shape: shape of the hidden state between stages (e.g. ``(B, S, H)``), or None to
             send a shape header before every activation.
         reduce_grads / optimizer_step: callables replacing the default DP average / doing the step.
+        gradient: ``gradient(p)``, the tensor the optimizer steps ``p`` with (default ``p.grad``), which
+            ``ReduceTiedGrads`` sums.
         p2p: "async" or "batched" (see the module docstring); default: batched on NCCL, async otherwise.
         broadcast_loss: average the loss over DP replicas and send it from the last stage to every
             stage (a scalar all-reduce and broadcast); otherwise return this replica's loss on the last stage.
@@ -127,7 +129,8 @@ class PipelineExecutor:
                  backward: Callable | None = None, activation_shape: Sequence[int] | None = None,
                  activation_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  reduce_grads: Callable[[], None] | None = None, optimizer_step: Callable[[], None] | None = None,
-                 broadcast_loss: bool = True, prefetch: int = 2, p2p: str | None = None) -> None:
+                 broadcast_loss: bool = True, prefetch: int = 2, p2p: str | None = None,
+                 gradient: Callable | None = None) -> None:
         if schedule.pp != topo.pp:
             raise UsageError(f"the schedule has {schedule.pp} stages but the topology has --pp {topo.pp}; build it with pp={topo.pp}")
         if len(chunks) != schedule.vpp:
@@ -145,6 +148,7 @@ class PipelineExecutor:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.reduce_grads_fn = reduce_grads or (lambda: stage_grads.average_over_dp(self.chunks, self.topo))
         self.optimizer_step_fn = optimizer_step
+        self.gradient = gradient
         self.broadcast_loss = broadcast_loss
         self.prefetch = prefetch
         self.p2p = p2p or ("batched" if dist.get_backend() == "nccl" else "async")
@@ -189,7 +193,7 @@ class PipelineExecutor:
 
     def reduce_tied_grads(self) -> None:
         """Sum the gradients of tied copies (embedding + LM head), so both copies step identically."""
-        stage_grads.reduce_tied_grads(self.tied, self.topo)
+        stage_grads.reduce_tied_grads(self.tied, self.topo, self.gradient)
 
     def _default_backward(self, scalar: torch.Tensor, is_loss: bool) -> None:
         torch.autograd.backward(scalar / self.schedule.micro_batches if is_loss else scalar)

@@ -55,22 +55,26 @@ def sync_tied_weights(tied: list[tuple[nn.Parameter, ...]], topo) -> None:
             C.broadcast(copies[0].data, topo.stage_rank(0), topo.embedding_group)
 
 
-def reduce_tied_grads(tied: list[tuple[nn.Parameter, ...]], topo) -> None:
+def reduce_tied_grads(tied: list[tuple[nn.Parameter, ...]], topo, gradient=None) -> None:
     """Sum the gradients of tied copies (embedding + LM head), so both copies step identically.
 
     Forward: nothing. Here (after the last backward): an all-reduce (sum) over
     ``topo.embedding_group`` when the copies live on two ranks, a local sum otherwise.
+    ``gradient(p)``: the tensor the optimizer will step ``p`` with (default ``p.grad``; DeepSpeed's
+    bf16 optimizer steps from its fp32 accumulator, ``megakit.train.dp_sync.gradient_of``).
     """
+    gradient = gradient or (lambda p: p.grad)
     for copies in tied:
-        for p in copies:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        grads = [gradient(p) for p in copies]
+        for i, p in enumerate(copies):
+            if grads[i] is None:  # no gradient reached this copy in the step
+                p.grad = grads[i] = torch.zeros_like(p)
         if len(copies) == 2:
-            total = copies[0].grad + copies[1].grad
-            copies[0].grad.copy_(total)
-            copies[1].grad.copy_(total)
+            total = grads[0] + grads[1]
+            grads[0].copy_(total)
+            grads[1].copy_(total)
         else:
-            C.all_reduce(copies[0].grad, topo.embedding_group)
+            C.all_reduce(grads[0], topo.embedding_group)
 
 
 def average_over_dp(chunks: Sequence[nn.Module], topo) -> None:

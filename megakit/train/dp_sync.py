@@ -62,6 +62,15 @@ def dp_gradients(engine) -> list:
     return list(engine._get_gradients_for_reduction()[0])  # noqa: SLF001 (the same list DeepSpeed reduces)
 
 
+def gradient_of(engine):
+    """``gradient(p)``: the tensor DeepSpeed's optimizer will step ``p`` with. The bf16 optimizer (ZeRO 0) adds
+    each micro-batch's bf16 gradient into an fp32 accumulator (``p._hp_grad``) and steps from there, so a sum
+    made on ``p.grad`` after the last backward (tied embeddings) would never reach the step; others use ``.grad``."""
+    if hasattr(engine.optimizer, "get_grads_for_reduction"):  # as dp_gradients: the bf16 optimizer
+        return lambda p: getattr(p, "_hp_grad", None)
+    return lambda p: p.grad
+
+
 class ZeroOneBuckets(ByteMeter):
     """ZeRO 1: DeepSpeed's optimizer all-reduces its gradient buckets through ``gradient_reduction_w_predivide``
     (reduce-scatter off); this takes that method's place on the optimizer and sends each bucket compressed, every

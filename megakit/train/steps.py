@@ -35,6 +35,7 @@ def pipeline_step(run: Run, topo, engine, dp_sync):
     """PP > 1: one 1F1B (or chosen) schedule per step; DeepSpeed does backward scaling, DP reduction and step."""
     from megakit.core.schedules import build_schedule
     from megakit.nn.pipeline import PipelineExecutor, activation_shape
+    from megakit.train.dp_sync import gradient_of
 
     plan, vpp = run.batch, run.cfg.vpp
 
@@ -51,7 +52,8 @@ def pipeline_step(run: Run, topo, engine, dp_sync):
                                     run.model, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len // topo.cp, tp=topo.tp,
                                     sequence_parallel=run.sequence_parallel),
                                 activation_dtype=run.dtype, device=rank_device(),  # stages exchange the weights' type
-                                reduce_grads=dp_sync.before_step, optimizer_step=engine.step, broadcast_loss=True)
+                                reduce_grads=dp_sync.before_step, optimizer_step=engine.step, broadcast_loss=True,
+                                gradient=gradient_of(engine))
 
     def step(micro_batches) -> torch.Tensor:
         inputs = [x for x, _, _ in micro_batches] if topo.is_first_stage else None

@@ -36,9 +36,11 @@ Context parallelism (``cp``) divides every activation by CP (a rank holds ``s/cp
 attention keeps q, k, v, its output and log-sum-exp, never the scores) and shards ZeRO's states over
 DP x CP; the ring adds two K/V blocks in flight. A 1F1B stage ``i`` of ``p`` keeps ``min(p - i, m)`` micro-batches in flight; the
 interleaved schedule keeps ``(p - i - 1)·2 + (v - 1)·p + 1`` model chunks, counted chunk by chunk
-(``in_flight_chunks``: earlier chunks hold more, and chunks hold unequal layers). Each in-flight
-chunk that sends on also holds its output until its backward, and a stage that receives
-gradients holds one during a backward (what the trainer's ``(output * grad).sum()`` keeps).
+(``in_flight_chunks``: earlier chunks hold more, and chunks hold unequal layers). A chunk's output is
+freed once sent (``megakit.nn.sent_output``, Megatron-LM's ``deallocate_output_tensor``) except under zero
+bubble, whose B and W take the output itself; a stage that receives gradients holds one during a backward.
+The fp32 gradient copies of ``step()`` live once every activation is freed: ``MemoryEstimate.total``
+counts the larger of the two phases.
 ZB-H1 (``zero_bubble``, Qi et al. 2023) keeps a micro-batch's activations until its deferred W,
 so every stage holds ``min(p, m)`` (1F1B's first stage's count), and, for each W still pending
 (at most ``i + 1`` on stage ``i``; none on the first, whose B does nothing), the gradient that B
@@ -71,6 +73,9 @@ from megakit.core.planner.stages import (  # noqa: F401 (memory's API: where the
 from megakit.errors import UsageError
 
 GIB = 1024**3
+STEP_ONLY = ("fp32_step_grads",)  # items that live during ``step()`` only
+BACKWARD_ONLY = ("activations", "pipeline_outputs", "moe_routing", "weight_grad_inputs", "recompute_working_set",
+                 "logits")  # items freed by the end of the last backward
 RECOMPUTE = ("none", "selective", "full", "per-op")
 OFFLOAD = ("none", "optimizer", "params")
 
@@ -100,7 +105,12 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return float(sum(self.items.values()))
+        """Model states and buffers, plus the larger of the two phases: backward (what activations hold) and
+        ``step()``, whose fp32 gradient copies come once every activation is freed (the step follows the last
+        backward, with or without a pipeline)."""
+        step = sum(self.items.get(k, 0.0) for k in STEP_ONLY)
+        backward = sum(self.items.get(k, 0.0) for k in BACKWARD_ONLY)
+        return float(sum(self.items.values()) - min(step, backward))
 
     @property
     def model_states(self) -> float:
@@ -195,9 +205,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     ``ep``: expert parallelism (``stage_expert_params``; ZeRO shards the experts' states over the
     EDP = DP x CP / EP ranks that hold the same experts); ``moe_imbalance``: the busiest rank's share
     of routed tokens over the balanced one (``routing_tensors``).
-    ``megatron``: Megatron-LM's trainer (``Plan.megatron``): fp32 main gradients (``model_state_bytes``), a
-    stage's output freed once sent (``deallocate_output_tensor``: the next stage holds it), and with SP the
-    embedding's dropout mask split over TP like the rest of the sequence-parallel region. ``loss_chunks``: the head
+    ``megatron``: Megatron-LM's trainer (``Plan.megatron``): fp32 main gradients (``model_state_bytes``). ``loss_chunks``: the head
     and loss over that many token chunks (``logits_bytes``; 0: the trainer's default rule, ``auto_loss_chunks``)."""
     if precision not in PRECISIONS:
         raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -268,15 +276,15 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     embedded = s * b * (8 + (model.hidden * dropout_mask_bytes / mask_split if uses_dropout else 0))  # ids, mask
     hidden = p * s * b * model.hidden / (tp if sequence_parallel else 1)  # one (S', B, H) tensor
     last_chunk = vpp - 1 if stage == pp - 1 else vpp  # the last virtual stage sends nothing on
-    # Per chunk: its blocks' kept tensors, the first one's embedding inputs, and the output that the
-    # executor keeps for the backward of every chunk that sends on (not saved by autograd).
+    # Per chunk: its blocks' kept tensors, the first one's embedding inputs, and the output of every chunk that
+    # sends on, which zero bubble's executor keeps until B (not saved by autograd; freed once sent otherwise).
     # An MoE block keeps its routing tensors too (``moe_routing``, shown apart).
     weights = [(kept * moe_c + dense_kept * (layers_c - moe_c) + (embedded if stage == 0 and c == 0 else 0.0),
                 routing_kept * moe_c, hidden if c < last_chunk else 0.0)
                for c, (layers_c, moe_c) in enumerate(zip(chunk_layers, chunk_moe))]
     peak = max(in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp),
                key=lambda live: sum(n * sum(w) for n, w in zip(live, weights)))
-    items["pipeline_outputs"] = 0.0 if megatron else sum(n * o for n, (_, _, o) in zip(peak, weights))
+    items["pipeline_outputs"] = sum(n * o for n, (_, _, o) in zip(peak, weights)) if zero_bubble else 0.0
     if zero_bubble:
         peak = in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp, zero_bubble=True)[0]
     items["activations"] = sum(n * w for n, (w, _, _) in zip(peak, weights))

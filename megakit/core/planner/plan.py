@@ -50,8 +50,8 @@ class Plan:
     recompute_fraction: float = 1.0  # full recompute on this share of the blocks (HF/FSDP: every n-th block)
     fused_kernels: bool = False  # elementwise ops fused (torch.compile, Megatron's kernels), not eager PyTorch
     fp8: str = "none"  # FP8 GEMMs in the blocks' linears (torchao Float8Linear): 'tensorwise' or 'rowwise' scaling
-    # Megatron-LM's trainer rather than megakit's (``memory.estimate_memory(megatron=True)``): a stage's
-    # sent output freed once sent, gradients accumulated in fp32 main-grad buffers. (Both keep each
+    # Megatron-LM's trainer rather than megakit's (``memory.estimate_memory(megatron=True)``): gradients
+    # accumulated in fp32 main-grad buffers. (Both free a stage's output once sent, and keep each
     # column-parallel input split under SP and overlap its backward: ``column_overlap``.)
     megatron: bool = False
     dp_shard: int = 0  # ZeRO-3/FSDP shard group (HSDP: shard inside it, replicate across); 0: all of DP
