@@ -7,8 +7,8 @@ writes, per case, the per-step losses, grad norms, LRs, communication shares and
 the --verify-memory rows, the graphs torch.compile has built so far (``dynamo_graphs``), and what each rank's
 default generators give after the case
 (``default_draws``: per rank, torch's initial seed and one draw each of torch, Python and NumPy), and
-last ``{"replaced": [...]}``: the torch.distributed functions that are no longer torch's own after all
-the runs (none may be).
+last ``{"replaced": [...]}``: the torch.distributed functions, and ``F.linear``, that are no longer
+torch's own after all the runs (none may be).
 """
 
 import json
@@ -53,7 +53,8 @@ def main() -> int:
     names = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "send",
              "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "all_gather_object")
     results.append({"replaced": [n for n in names if getattr(dist, n) is not getattr(distributed_c10d, n)
-                                 or getattr(dist, n).__module__ != "torch.distributed.distributed_c10d"]})
+                                 or getattr(dist, n).__module__ != "torch.distributed.distributed_c10d"]
+                + (["F.linear"] if torch.nn.functional.linear is not torch._C._nn.linear else [])})  # ZeRO-3's
     if int(os.environ.get("RANK", 0)) == 0:
         tmp = results_path + ".tmp"
         with open(tmp, "w") as f:

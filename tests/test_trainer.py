@@ -284,11 +284,8 @@ def test_communication_share_is_measured_under_every_zero_stage(dp_results):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known bug, open: inside the 2-process sweep, the ZeRO 1 case that follows the "
-                   "ZeRO 0 case measures 32 % more activations than predicted (794 vs 602 KiB), while the same "
-                   "flags alone through the launcher measure 602.4 vs 601.6 KiB at ZeRO 0 and 1; strict, so a fix "
-                   "turns this red until the mark goes")
 def test_verify_memory_zero_0_to_3(dp_results):
+    """Under ZeRO-3 too: F.linear's saved ``weight.t()`` kept every gathered weight until backward (794 vs 602 KiB)."""
     _, results = dp_results
     for stage in range(4):
         rows = results[stage]["memory"]

@@ -69,6 +69,7 @@ from megakit.train.resume import per_rank_key, restore, restore_own_state, save_
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
 from megakit.train.spikes import SpikeGuard
 from megakit.train.steps import pipeline_step, plain_step, rank_device
+from megakit.train.zero3_linear import linear_restored, save_weights_not_views
 
 
 @dataclass
@@ -108,7 +109,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     watchdog = _start_watchdog(cfg, topo)
     writer = AsyncWriter(comm.side_group(cfg.collective_timeout_s)) if cfg.async_save else None  # --async-save
     try:
-        result = _train(run, topo, watchdog, writer)
+        with linear_restored():  # ZeRO-3's engine replaces F.linear process-wide
+            result = _train(run, topo, watchdog, writer)
     except (UsageError, TrainingDiverged) as error:
         _drain(writer)
         if isinstance(error, TrainingDiverged) or getattr(error, "all_ranks", False):  # every rank raised it
@@ -216,6 +218,8 @@ def _build(run: Run, topo, doctor=None):
     if topo.pp > 1 and topo.is_last_stage and run.model.tie_embeddings:
         chunks[-1].embed.weight.ds_pipe_replicated = True  # the first stage's copy counts in the norm
     stage = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # interleaved: one engine, all chunks
+    if run.zero_stage == 3:  # F.linear would keep each gathered weight alive until backward
+        save_weights_not_views(stage)
     if run.checkpoint:  # before deepspeed.initialize: the engine copies its master weights from the model
         try:
             load_checkpoint(run.checkpoint, stage, topo)
