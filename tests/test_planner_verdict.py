@@ -83,3 +83,16 @@ def test_when_nothing_fits_the_search_offloads_the_optimizer_and_says_so(capsys)
     # The 80 % line and the cluster size still rule: auto-sizing does not offload, it adds nodes.
     code, out, _ = plan(capsys, "--params", "6.7B", "--gpu", "a100-40gb", "--json")
     assert code == 0 and json.loads(out)["plan"]["offload"] == "none"
+
+
+def test_a_pinned_split_of_the_layers_is_never_undone_by_the_fix():
+    """--stage-layers fixes the number of virtual stages, so the fix never proposes another --pp."""
+    from megakit.core.planner.model_spec import ModelSpec
+    from megakit.core.planner.plan import Plan
+    from megakit.core.planner.verdict import _changes
+
+    model = ModelSpec.from_params("1.3B", seq_len=2048)  # 24 layers
+    plan_ = Plan(tp=1, pp=2, dp=4, zero_stage=1, micro_batch=1, accumulation=8, recompute="full")
+    assert any(text.startswith("--pp") for text, _ in _changes(plan_, world=8, gpus_per_node=8, model=model))
+    pinned = model.with_overrides(stage_layers=(11, 13))
+    assert not any(text.startswith("--pp") for text, _ in _changes(plan_, world=8, gpus_per_node=8, model=pinned))

@@ -50,13 +50,18 @@ def _changes(plan: Plan, *, world: int, gpus_per_node: int, model) -> list[tuple
         out.append(("sequence parallelism", dict(sequence_parallel=True)))
     for tp in (2 * plan.tp, 4 * plan.tp, 8 * plan.tp):
         if tp <= gpus_per_node and gpus_per_node % tp == 0 and model.tp_ok(tp) and plan.dp * plan.tp % tp == 0:
-            out.append((f"--tp {tp}", dict(tp=tp, dp=plan.dp * plan.tp // tp, sequence_parallel=True)))
-    for pp in (2 * plan.pp, 4 * plan.pp, 8 * plan.pp):
+            out.append((f"--tp {tp}", dict(tp=tp, sequence_parallel=True, **_fewer_replicas(plan, tp // plan.tp))))
+    for pp in (() if model.stage_layers else (2 * plan.pp, 4 * plan.pp, 8 * plan.pp)):  # a pinned split fixes PP
         if pp <= model.layers and plan.dp * plan.pp % pp == 0 and plan.zero_stage <= 1:
-            out.append((f"--pp {pp}", dict(pp=pp, dp=plan.dp * plan.pp // pp)))
+            out.append((f"--pp {pp}", dict(pp=pp, **_fewer_replicas(plan, pp // plan.pp))))
     if plan.offload == "none" and plan.zero_stage >= 1:
         out.append(("--offload optimizer", dict(offload="optimizer")))
     return [(text, change) for text, change in out if _divides(plan, change, world)]
+
+
+def _fewer_replicas(plan: Plan, factor: int) -> dict:
+    """DP divided by ``factor`` and each replica's accumulation multiplied by it: the same global batch."""
+    return dict(dp=plan.dp // factor, accumulation=plan.accumulation * factor)
 
 
 def _divides(plan: Plan, change: dict, world: int) -> bool:
