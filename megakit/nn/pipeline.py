@@ -33,7 +33,6 @@ across replicas (each its own pipeline; gradients meet in ``ReduceGrads``).
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -96,8 +95,7 @@ class _StepState:
     received: dict = field(default_factory=dict)  # (recv class, mb, chunk) -> tensor
     sent_shape: dict = field(default_factory=dict)  # (mb, chunk) -> shape of the activation sent
     pending: list = field(default_factory=list)  # (tensor, work) of isends, waited for at the end of the step
-    handles: dict = field(default_factory=dict)  # (mb, chunk) -> the sent output's handle (sent_output)
-    unreleased: deque = field(default_factory=deque)  # (tensor, work, key) of activation isends, oldest first
+    outputs: sent_output.SentOutputs = None  # the outputs sent on: released once sent, their backward's handles
     posted: dict = field(default_factory=dict)  # list index -> (buffer, work) of irecvs posted ahead
     local: dict = field(default_factory=lambda: {0: [], 1: []})  # messages to this same rank, by tag
     losses: list = field(default_factory=list)
@@ -142,7 +140,6 @@ class PipelineExecutor:
         if backward is not None and schedule.split_backward:
             raise UsageError(f"{schedule.name} splits each backward into B and W and runs both itself; pass no backward")
         self.backward_fn = backward or self._default_backward
-        self.releases = not schedule.split_backward  # zero bubble's B and W take the output itself
         self.activation_shape = tuple(activation_shape) if activation_shape is not None else None
         self.dtype = activation_dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -267,7 +264,7 @@ class PipelineExecutor:
         tensor = self._checked(a, tensor)
         if a.peer == self.topo.pp_rank:
             st.local[_TAG[type(a)]].append(tensor.clone())
-            self._release(st, a)
+            st.outputs.released((a.micro_batch, a.chunk))
             return
         if isinstance(a, SendActivation) and self.activation_shape is None:
             assert tensor.dim() <= 8, tensor.shape
@@ -275,32 +272,9 @@ class PipelineExecutor:
                                   device=tensor.device)
             st.pending.append((header, self._isend(header, a)))
         if isinstance(a, SendActivation):
-            st.unreleased.append((tensor, self._isend(tensor, a), a))
+            st.outputs.sent((a.micro_batch, a.chunk), tensor, self._isend(tensor, a))
         else:
             st.pending.append((tensor, self._isend(tensor, a)))
-
-    def _release(self, st: _StepState, a: Instruction) -> None:
-        """Free the values of the output ``a`` sent, now that the send has completed (``sent_output``)."""
-        if (a.micro_batch, a.chunk) in st.handles:
-            sent_output.release(st.stash[(a.micro_batch, a.chunk)][1])
-
-    def _release_completed(self, st: _StepState, wait: bool = False) -> None:
-        """Release the outputs whose isends have completed, oldest first (all of them, waiting, with ``wait``).
-        NCCL's works say when they are done; gloo's only once waited for, so there ``_release_sent`` frees
-        each output at its backward (batched P2P, which waits for its sends, frees them at once)."""
-        while st.unreleased and (wait or st.unreleased[0][1].is_completed()):
-            _, work, a = st.unreleased.popleft()
-            work.wait()
-            self._release(st, a)
-
-    def _release_sent(self, st: _StepState, key: tuple[int, int]) -> None:
-        """The gradient for ``key`` arrived, so its activation's send is done: release that output."""
-        for i, (_, work, a) in enumerate(st.unreleased):
-            if (a.micro_batch, a.chunk) == key:
-                del st.unreleased[i]
-                work.wait()
-                self._release(st, a)
-                return
 
     def _run_batch(self, st: _StepState, index: int) -> int:
         """Batched mode: post the run of sends/receives at ``index`` at once, wait for all; return the index after it."""
@@ -322,7 +296,7 @@ class PipelineExecutor:
         C.send_and_receive(sends, receives)  # NCCL runs them together: two stages sending to each other do not wait
         for a in self.actions[index:end]:
             if isinstance(a, SendActivation) and a.peer != self.topo.pp_rank:
-                self._release(st, a)
+                st.outputs.released((a.micro_batch, a.chunk))
         for a, buf in recvs:
             self._store_received(st, a, buf)
         return end
@@ -340,7 +314,7 @@ class PipelineExecutor:
         self._send(st, a, self._outgoing(st, a))
 
     def _run_forward(self, st: _StepState, index: int, a: Instruction) -> None:
-        self._release_completed(st)
+        st.outputs.poll()
         began = time.perf_counter()
         key, vs = (a.micro_batch, a.chunk), self._vs(a.chunk)
         x = st.inputs[a.micro_batch] if vs == 0 else st.received.pop((RecvActivation, *key))
@@ -350,26 +324,23 @@ class PipelineExecutor:
             st.losses.append(out.detach())
         else:
             out = self.chunks[a.chunk](x, **rows)
-            if self.releases and out.requires_grad:
-                st.handles[key] = sent_output.handle(out)
+            st.outputs.keep(key, out)
         st.stash[key] = (x, out)
         st.in_flight += 1
         st.peak = max(st.peak, st.in_flight)
         st.forward_time += time.perf_counter() - began
 
     def _run_backward(self, st: _StepState, index: int, a: Instruction) -> None:
-        self._release_completed(st)
+        st.outputs.poll()
         began = time.perf_counter()
         key = (a.micro_batch, a.chunk)
-        self._release_sent(st, key)  # its gradient has arrived: the send is done
+        st.outputs.arrived(key)
         x, out = st.stash.pop(key)
         st.in_flight -= 1
         if self._vs(a.chunk) == self.schedule.virtual_stages - 1:
             self.backward_fn(out, True)
-        else:
-            grad = st.received.pop((RecvGrad, *key))
-            if key in st.handles:
-                self.backward_fn(sent_output.with_gradient(st.handles.pop(key), grad), False)
+        elif (scalar := st.outputs.backward_scalar(key, st.received.pop((RecvGrad, *key)))) is not None:
+            self.backward_fn(scalar, False)
         st.stash[("grad", *key)] = x.grad if x.requires_grad else None
         st.backward_time += time.perf_counter() - began
 
@@ -409,7 +380,8 @@ class PipelineExecutor:
                 got = "none" if values is None else len(values)
                 raise UsageError(f"this stage needs {m} micro-batch {name} (one per micro-batch), got {got}")
         st = _StepState(inputs=inputs, labels=labels, sample_ids=sample_ids,
-                        recv_index=[i for i, a in enumerate(self.actions) if isinstance(a, RECVS)])
+                        recv_index=[i for i, a in enumerate(self.actions) if isinstance(a, RECVS)],
+                        outputs=sent_output.SentOutputs(enabled=not self.schedule.split_backward))
         start = time.perf_counter()
         batched, index = self.p2p == "batched", 0
         while index < len(self.actions):
@@ -421,7 +393,7 @@ class PipelineExecutor:
                 self._post_recvs(st, index + 4)
             self._handlers[type(a)](st, index, a)
             index += 1
-        self._release_completed(st, wait=True)
+        st.outputs.poll(wait=True)
         for _, work in st.pending:
             work.wait()
         assert not st.posted and not st.received, "schedule left messages unconsumed"

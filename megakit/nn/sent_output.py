@@ -46,3 +46,52 @@ def with_gradient(handle_: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 def release(output: torch.Tensor) -> None:
     """Free ``output``'s values; autograd keeps its node and shape (what the backward needs)."""
     output.data = torch.empty(0, dtype=output.dtype, device=output.device)
+
+
+class SentOutputs:
+    """One step's outputs that go to the next stage: each gets a handle at forward, its values are released
+    once its send is known complete, and its backward runs through the handle.
+
+    NCCL's works say when they are done (``poll``); gloo's only once waited for, so there an output is
+    released when its gradient arrives (``arrived``: the peer received it, so the send is done), and
+    batched P2P, which waits for its sends, releases at once (``released``)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled  # zero bubble's B and W take the output itself: nothing is released
+        self.outputs: dict = {}  # key -> (output, handle)
+        self.sending: list = []  # (key, tensor, work) of isends not yet known complete, oldest first
+
+    def keep(self, key, output: torch.Tensor) -> None:
+        if self.enabled and output.requires_grad:
+            self.outputs[key] = (output, handle(output))
+
+    def sent(self, key, tensor: torch.Tensor, work) -> None:
+        """``tensor`` (the output, or a copy) is on its way under ``work``."""
+        self.sending.append((key, tensor, work))
+
+    def released(self, key) -> None:
+        """The send of ``key`` is complete: free the output's values."""
+        if key in self.outputs:
+            release(self.outputs[key][0])
+
+    def poll(self, wait: bool = False) -> None:
+        """Release the outputs whose sends have completed, oldest first (all, waiting, with ``wait``)."""
+        while self.sending and (wait or self.sending[0][2].is_completed()):
+            key, _, work = self.sending.pop(0)
+            work.wait()
+            self.released(key)
+
+    def arrived(self, key) -> None:
+        """The gradient for ``key`` arrived, so its send is done."""
+        for i, (sent_key, _, work) in enumerate(self.sending):
+            if sent_key == key:
+                del self.sending[i]
+                work.wait()
+                self.released(key)
+                return
+
+    def backward_scalar(self, key, grad: torch.Tensor) -> torch.Tensor | None:
+        """The scalar whose backward hands ``grad`` to output ``key`` (None: that output needs no gradient)."""
+        if key not in self.outputs:
+            return None
+        return with_gradient(self.outputs.pop(key)[1], grad)
