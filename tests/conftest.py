@@ -5,6 +5,8 @@ DeepSpeed's CPU all-reduce names a shared-memory buffer per rank of a launched j
 unlinks the names once every rank has mapped them (``megakit.train.deepspeed_shm``). After each module,
 a buffer named with a port this session handed out (``multiproc.free_port``) is a leak: it is removed,
 and the module fails (wiping them silently hid exactly that). Other processes' buffers are left alone.
+
+Launcher jobs shared by several modules (a start costs more than most cases) are session fixtures here.
 """
 
 import glob
@@ -36,3 +38,23 @@ def _no_deepspeed_shared_memory_left():
         except OSError:
             pass
     assert not left, f"a job of this module left DeepSpeed buffers in /dev/shm (removed now): {left}"
+
+
+@pytest.fixture(scope="session")
+def resume_jobs(tmp_path_factory) -> dict:
+    """test_resume.py's and test_resume_compressed.py's 4-process cases in ONE launcher job; per module: its
+    directory, cases, results and the job's stdout."""
+    import test_resume
+    import test_resume_compressed
+    from test_trainer import sweep
+
+    jobs = {}
+    for module in (test_resume, test_resume_compressed):
+        tmp = tmp_path_factory.mktemp(module.__name__)
+        jobs[module.__name__] = {"tmp": tmp, "cases": module.sweep_cases(tmp)}
+    output: list[str] = []
+    results = sweep(tmp_path_factory, 4, [case for job in jobs.values() for case in job["cases"]], output=output)
+    for job in jobs.values():
+        job["results"], results = results[:len(job["cases"])], results[len(job["cases"]):]
+        job["stdout"] = output[0]
+    return jobs

@@ -1,6 +1,7 @@
 """Run a function on N real processes joined by a gloo process group (no mocks).
 
     results = run_ranks(worker, 4, some_arg)   # worker(rank, world_size, some_arg) -> picklable
+    a, b = run_many([(worker, (1,)), (other, ())], 2)   # several workers in one job: one start for all
 
 The worker must be a module-level function. Each rank runs single-threaded (2-core
 machine); an exception on any rank is re-raised here with that rank's traceback, and a
@@ -72,3 +73,14 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0) -> list:
             if p.is_alive():
                 p.kill()
     return [out[r] for r in range(world_size)]
+
+
+def _each(rank, world_size, calls):
+    return [fn(rank, world_size, *args) for fn, args in calls]
+
+
+def run_many(calls: list[tuple], world_size: int, *, timeout_s: float = 240.0) -> list[list]:
+    """Run ``fn(rank, world_size, *args)`` for each ``(fn, args)`` in turn in ONE job (starting processes costs
+    more than most workers); return, per call, its results by rank."""
+    by_rank = run_ranks(_each, world_size, calls, timeout_s=timeout_s)
+    return [[by_rank[r][i] for r in range(world_size)] for i in range(len(calls))]

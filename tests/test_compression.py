@@ -1,4 +1,7 @@
-"""Compressed DP gradient averaging: the spec, each codec over real gloo, error feedback, bytes counted."""
+"""Compressed DP gradient averaging: the spec, each codec over real gloo, error feedback, bytes counted.
+
+Every multi-process worker of this module runs in one gloo job per world size (the ``jobs`` fixture):
+starting processes costs far more than the workers."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import torch
 
 from megakit.core.compression import Compression, parse_compression
 from megakit.errors import UsageError
-from tests.multiproc import run_ranks
+from tests.multiproc import run_many
 
 
 @pytest.mark.parametrize("text", ["topk:0", "topk:2", "topk:1", "topk:x", "topk", "int9", "fp16:3", ""])
@@ -88,17 +91,45 @@ def _expected_mean(spec: str, per_rank: list[list[torch.Tensor]]) -> torch.Tenso
 
 
 SHAPES = [(37, 29), (1000,), (3,)]
+CODECS = [("none", 1e-6), ("fp16", 2e-3), ("int8", 0.03), ("sign", 1e-5), ("topk:0.1", 1e-6)]
+FEEDBACK_ROUNDS = 60
+NEIGHBOURS, UPDATES, OVERFLOWS = ["int8", "sign", "topk:0.05"], ["sign", "topk:0.01"], ["fp16", "int8"]
+
+
+def _calls(world: int) -> dict:
+    """Every worker of this module at ``world`` ranks, by (test, parameter): all run in one job per world size."""
+    calls = {("codec", spec): (_reduce_rounds, (spec, True, 1)) for spec, _ in CODECS}
+    if world == 2:
+        calls |= {("feedback", fb): (_reduce_rounds, ("topk:0.1", fb, FEEDBACK_ROUNDS)) for fb in (True, False)}
+        calls |= {("neighbours", spec): (_compress_shared_beside_own, (spec,)) for spec in NEIGHBOURS}
+        calls |= {("update", spec): (_update_rounds, (spec, 5)) for spec in UPDATES}
+        calls |= {("overflow", spec): (_overflow_then_finite, (spec,)) for spec in OVERFLOWS}
+    return calls
+
+
+@pytest.fixture(scope="module")
+def jobs():
+    """``jobs(world)[(test, parameter)]``: that worker's results by rank; one gloo job per world size, started once."""
+    done: dict = {}
+
+    def results(world: int) -> dict:
+        if world not in done:
+            calls = _calls(world)
+            done[world] = dict(zip(calls, run_many(list(calls.values()), world)))
+        return done[world]
+
+    return results
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_codecs_average_over_ranks_and_agree_everywhere(world):
+def test_codecs_average_over_ranks_and_agree_everywhere(world, jobs):
     """Every codec's average against one computed without it: the exact mean within the codec's precision (none,
     fp16, int8), or the lossy codec's definition (sign, Top-K) within fp32 rounding (sign averages 512 elements
     per scale); and the bytes each rank put on the wire are what the codec sends, bounded from above and from
     below (a codec that sends nothing fails)."""
     local = [_local_tensors(r, SHAPES) for r in range(world)]
-    for spec, tolerance in [("none", 1e-6), ("fp16", 2e-3), ("int8", 0.03), ("sign", 1e-5), ("topk:0.1", 1e-6)]:
-        results = run_ranks(_reduce_rounds, world, spec, True, 1)
+    for spec, tolerance in CODECS:
+        results = jobs(world)[("codec", spec)]
         first = results[0]["outs"][0]
         for r in results[1:]:  # every rank applies the same averaged gradient
             assert r["outs"][0] == first, spec
@@ -114,11 +145,11 @@ def test_codecs_average_over_ranks_and_agree_everywhere(world):
         assert 0.95 * nominal <= sent <= nominal + 4 * 512 * world, (spec, sent, nominal)
 
 
-def test_error_feedback_sends_what_was_dropped():
+def test_error_feedback_sends_what_was_dropped(jobs):
     """With a fixed gradient, the running mean of Top-K + error feedback's outputs converges to the true
     average (nothing is lost, only delayed); without feedback the small coordinates are never sent."""
-    rounds = 60
-    with_fb, without = (run_ranks(_reduce_rounds, 2, "topk:0.1", fb, rounds)[0] for fb in (True, False))
+    with_fb, without = (jobs(2)[("feedback", fb)][0] for fb in (True, False))
+    assert len(with_fb["outs"]) == len(without["outs"]) == FEEDBACK_ROUNDS
     exact = torch.tensor(with_fb["exact"])
     mean_fb = torch.tensor(with_fb["outs"]).mean(0)
     mean_plain = torch.tensor(without["outs"]).mean(0)
@@ -142,11 +173,11 @@ def _compress_shared_beside_own(rank, world, spec):
     return kept[:700].tolist()
 
 
-@pytest.mark.parametrize("spec", ["int8", "sign", "topk:0.05"])
-def test_a_tensor_compresses_alike_whatever_its_neighbours(spec):
+@pytest.mark.parametrize("spec", NEIGHBOURS)
+def test_a_tensor_compresses_alike_whatever_its_neighbours(spec, jobs):
     """A TP-replicated norm weight sits beside different shards on each TP rank (an embedding tied over PP, beside
     different stages): no scale chunk and no Top-K choice may span two tensors, or the replicas drift apart."""
-    first, second = run_ranks(_compress_shared_beside_own, 2, spec)
+    first, second = jobs(2)[("neighbours", spec)]
     assert first == second
 
 
@@ -182,13 +213,13 @@ def _update_rounds(rank, world, spec, rounds):
                          / world).tolist()}
 
 
-@pytest.mark.parametrize("spec", ["sign", "topk:0.01"])
-def test_update_reducer_keeps_the_mean_model_and_synchronizes_to_it(spec):
+@pytest.mark.parametrize("spec", UPDATES)
+def test_update_reducer_keeps_the_mean_model_and_synchronizes_to_it(spec, jobs):
     """The first exchange makes common the compressed mean of the ranks' updates, as the codec defines it, and
     sends its bytes; each rank's weights keep its unsent updates, so the exchange never changes the mean over
     ranks of the weights plus what sign's second compression holds back (nothing is lost, only delayed);
     ``synchronize`` then gives every rank that mean: the exact sum of all steps."""
-    first, second = run_ranks(_update_rounds, 2, spec, 5)
+    first, second = jobs(2)[("update", spec)]
     want = _expected_mean(spec, [_local_tensors(r, [(40, 30), (50,)]) for r in range(2)])
     for result in (first, second):
         assert torch.allclose(torch.tensor(result["shared"]), want, rtol=1e-5, atol=1e-5), spec
@@ -219,9 +250,9 @@ def _overflow_then_finite(rank, world, spec):
     return outs
 
 
-@pytest.mark.parametrize("spec", ["fp16", "int8"])
-def test_an_overflowing_step_does_not_poison_the_residuals(spec):
+@pytest.mark.parametrize("spec", OVERFLOWS)
+def test_an_overflowing_step_does_not_poison_the_residuals(spec, jobs):
     """The overflowing step reaches DeepSpeed non-finite (so it is skipped), and leaves no residual behind: the
     next step is finite on every rank."""
-    for outs in run_ranks(_overflow_then_finite, 2, spec):
+    for outs in jobs(2)[("overflow", spec)]:
         assert outs == [False, True], outs

@@ -2,7 +2,9 @@
 stages, a crash-safe series, and bad checkpoints refused in one line.
 
 One 4-process job runs the uninterrupted run (TP2 x DP2, ZeRO-1, dropout 0.1, saving a series every 2 steps)
-and then resumes its checkpoints at other layouts; every case keeps the global batch at 8 sequences.
+and then resumes its checkpoints at other layouts; every case keeps the global batch at 8 sequences. The same
+job runs test_resume_compressed.py's cases (``resume_jobs`` in conftest.py): a launcher start costs more than
+all of them.
 """
 
 import glob
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from multiproc import free_port
-from test_trainer import ROOT, dropout_model, ds_config, sweep
+from test_trainer import ROOT, dropout_model, ds_config
 
 STEPS = 8
 TOL = 1e-5
@@ -27,9 +29,9 @@ def _case(tmp, model, *, stage, micro, accumulation, steps=STEPS, **layout) -> d
                 seq_len=32, **layout)
 
 
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("resume")
+def sweep_cases(tmp: Path) -> list[dict]:
+    """This module's cases of the 4-process job (``resume_jobs`` in conftest.py runs them with
+    test_resume_compressed.py's: one launcher start for both)."""
     model = dropout_model(tmp)
     series = tmp / "series"
     base = _case(tmp, model, stage=1, micro=2, accumulation=2, tp=2, save=str(series), save_every=2, keep=10)
@@ -40,7 +42,13 @@ def resumed(tmp_path_factory):
         {**_case(tmp, model, stage=2, micro=2, accumulation=1), "load": str(series / "step-0000004")},  # DP 4
         {**_case(tmp, model, stage=0, micro=2, accumulation=4, tp=4), "load": str(series / "step-0000006")},
     ]
-    return cases, sweep(tmp_path_factory, 4, cases)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def resumed(resume_jobs):
+    job = resume_jobs["test_resume"]
+    return job["cases"], job["results"]
 
 
 @pytest.mark.slow
@@ -71,10 +79,11 @@ def test_a_series_keeps_its_newest_and_falls_back_past_damage(resumed, tmp_path,
     manifest = json.loads((series / "step-0000008" / "manifest.json").read_text())
     assert any(name.startswith("state/exp_avg/") for name in manifest["params"])  # Adam moments are in it
     assert manifest["extra"]["optimizer_step"] == 8
-    # damage the newest: the series resumes from the one before, saying why
+    # damage the newest: the series resumes from the one before, saying why (at DP 2: the same 8 sequences a step,
+    # and 2 processes start faster than the 4 that saved it)
     newest = next((series / "step-0000008").glob("*.safetensors"))
     newest.write_bytes(newest.read_bytes()[:-7])
-    out = _train(tmp_path, "--load", str(series), "--steps", "7", "--tp", "2", nprocs=4)
+    out = _train(tmp_path, "--load", str(series), "--steps", "7", nprocs=2)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert re.search(r"skipping damaged checkpoint .*step-0000008 \(.*fails its checksum", out.stdout), out.stdout
     assert "resuming from " + str(series / "step-0000006") in out.stdout

@@ -4,8 +4,9 @@ Under local SGD, sign and Top-K every DP rank steps Adam on its own gradients, s
 int8 keeps each rank's error-feedback residuals (the worker's and the second phase's). A checkpoint saves
 them per DP rank, and a resume at the same layout must reproduce the uninterrupted losses bit for bit.
 
-One 4-process launch runs, per method, the uninterrupted run (saving a series at step 2) and the run resumed
-from it, then the Top-K checkpoint at another layout (its per-rank state dropped, with one warning line).
+One 4-process launch (shared with test_resume.py: ``resume_jobs`` in conftest.py) runs, per method, the
+uninterrupted run (saving a series at step 2) and the run resumed from it, then the Top-K checkpoint at another
+layout (its per-rank state dropped, with one warning line).
 Without processes: the per-rank files' round trip and checksums; on two gloo ranks: ZeRO 0's int8/fp16
 reducer rebuilt from its state.
 """
@@ -14,7 +15,7 @@ import json
 
 import pytest
 import torch
-from test_trainer import deepspeed, ds_config, dropout_model
+from test_trainer import ds_config, dropout_model
 
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_rank_state, save_checkpoint
@@ -31,9 +32,8 @@ METHODS = {  # method -> (ZeRO stage, layout, DP flags)
 }
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("resume_compressed")
+def sweep_cases(tmp) -> list[dict]:
+    """This module's cases of the 4-process job (``resume_jobs`` in conftest.py runs them with test_resume.py's)."""
     model = dropout_model(tmp)
     cases = []
     for name, (stage, layout, flags) in METHODS.items():
@@ -45,12 +45,13 @@ def runs(tmp_path_factory):
     stage, _, flags = METHODS["topk"]  # another layout: DP 4 takes DP rank 0's moments, residuals from zero
     cases.append(dict(ds_config=ds_config(stage, micro=1, accumulation=2), model=model, steps=STEPS, seq_len=32,
                       load=str(tmp / "topk" / f"step-{SAVED:07d}"), **flags))
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    out = deepspeed(4, "tests/launch_sweep.py", str(tmp / "cases.json"), str(tmp / "results.json"), timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    *results, replaced = json.loads((tmp / "results.json").read_text())
-    assert replaced == {"replaced": []}
-    return tmp, results, out.stdout
+    return cases
+
+
+@pytest.fixture(scope="module")
+def runs(resume_jobs):
+    job = resume_jobs["test_resume_compressed"]
+    return job["tmp"], job["results"], job["stdout"]
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Tensor parallelism on real gloo processes: TP = 2 and 4 against the TP = 1 model (fp32).
 
-Each world size is one spawn that sweeps every case, because starting processes costs
-far more than the tiny models. Tolerance: |a - b| <= 1e-5 * max|b| per tensor, plus an
+Each world size is one spawn that sweeps every case (at 4, the DeepSpeed step too), because starting
+processes costs far more than the tiny models. Tolerance: |a - b| <= 1e-5 * max|b| per tensor, plus an
 absolute floor of 1e-9 for gradients that are zero in exact arithmetic (the key bias:
 softmax ignores a shift shared by all keys, so its gradient is pure rounding noise).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from multiproc import run_ranks
+from multiproc import run_many, run_ranks
 
 RTOL, FLOOR = 1e-5, 1e-9
 CASES = [("gpt-tiny", 254), ("llama-tiny", 250)]  # vocabs that need padding at TP = 4
@@ -205,9 +205,17 @@ def _worker(rank: int, world_size: int) -> str:
     return "ok"
 
 
+@pytest.fixture(scope="module")
+def four_ranks() -> dict:
+    """The TP = 4 sweep and the DeepSpeed step below in one 4-process job (one start for both)."""
+    tp, deepspeed = run_many([(_worker, ()), (_deepspeed_worker, ())], 4, timeout_s=440)
+    return {"tp": tp, "deepspeed": deepspeed}
+
+
 @pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_tensor_parallel_matches_single_process(tp):
-    assert run_ranks(_worker, tp) == ["ok"] * tp
+def test_tensor_parallel_matches_single_process(tp, request):
+    got = request.getfixturevalue("four_ranks")["tp"] if tp == 4 else run_ranks(_worker, tp)
+    assert got == ["ok"] * tp
 
 
 def _deepspeed_worker(rank: int, world_size: int) -> list[float]:
@@ -244,6 +252,6 @@ def _deepspeed_worker(rank: int, world_size: int) -> list[float]:
 
 
 @pytest.mark.slow
-def test_deepspeed_zero1_step_with_tp_matches_single_process():
-    errors = run_ranks(_deepspeed_worker, 4, timeout_s=200)
+def test_deepspeed_zero1_step_with_tp_matches_single_process(four_ranks):
+    errors = four_ranks["deepspeed"]
     assert max(max(e) for e in errors) < 1e-6, errors

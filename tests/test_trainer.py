@@ -19,7 +19,8 @@ import pytest
 from multiproc import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = 20
+STEPS = 10  # a trajectory case: the warm-up (5 steps) and the cosine after it; the loss falls by over 0.8
+GAP_STEPS = 20  # a compressed or fp8 run: its distance from the exact run is measured over its last 5 steps
 LOSS_TOL = 2e-5  # fp32: the distributed loss differs from the single process by summation order only
 
 
@@ -55,13 +56,17 @@ def deepspeed(nprocs: int, *args: str, timeout: float = 300, port: int | None = 
     return out
 
 
-def sweep(tmp_path_factory, nprocs: int, cases: list[dict], *, timeout: float = 900) -> list[dict]:
+def sweep(tmp_path_factory, nprocs: int, cases: list[dict], *, timeout: float = 900, output: list | None = None
+          ) -> list[dict]:
+    """Run ``cases`` in one launcher job of ``nprocs`` processes; the job's stdout is appended to ``output``."""
     work = tmp_path_factory.mktemp(f"sweep{nprocs}")
     (work / "cases.json").write_text(json.dumps(cases))
     port = free_port()
     out = deepspeed(nprocs, "tests/launch_sweep.py", str(work / "cases.json"), str(work / "results.json"), port=port,
                     timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    if output is not None:
+        output.append(out.stdout)
     left = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")  # the trainer unlinks DeepSpeed's buffers
     assert not left, left
     *results, last = json.loads((work / "results.json").read_text())
@@ -78,7 +83,7 @@ def reference(case: dict, dp: int) -> dict:
 
 
 def assert_same_trajectory(result: dict, ref: dict) -> None:
-    assert len(result["loss"]) == len(ref["loss"]) == STEPS
+    assert len(result["loss"]) == len(ref["loss"]) > 0  # every step of the case (the reference ran its steps)
     for step, (got, want) in enumerate(zip(result["loss"], ref["loss"])):
         assert abs(got - want) < LOSS_TOL, (step, got, want)
     for got, want in zip(result["grad_norm"], ref["grad_norm"]):  # clipped at 1.0 by the global norm
@@ -155,7 +160,7 @@ def dp_results(tmp_path_factory, shards):
     # cases 13-16: megakit syncs DP itself (ZeRO 0): Top-K 1 % with and without error feedback, local SGD, fp16
     for extra in (dict(compress="topk:0.01"), dict(compress="topk:0.01", error_feedback=False), dict(local_sgd=4),
                   dict(compress="fp16")):
-        cases.append(dict(ds_config=ds_config(0), model="gpt-tiny", steps=STEPS, seq_len=32, **extra))
+        cases.append(dict(ds_config=ds_config(0), model="gpt-tiny", steps=GAP_STEPS, seq_len=32, **extra))
     for stage in (0, 1):  # cases 17, 18: zero bubble (ZB-H1), backward split into B and W, under ZeRO 0 and 1
         cases.append(dict(ds_config=ds_config(stage, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32,
                           pp=2, schedule="zb-h1"))
@@ -164,7 +169,7 @@ def dp_results(tmp_path_factory, shards):
     cases += sync_cases(shards, CP_DP1_SYNC, cp=2) + sync_cases(shards, DP_SYNC)
     # case 26: another --seed (one step): each rank's default generators follow it
     cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=1, seq_len=32, seed=1))
-    # cases 27, 28: 10 layers at PP 2 x VPP 2, 10 steps at a pinned split 4,1,2,3 (saved), then resumed for 10 more
+    # cases 27, 28: 10 layers at PP 2 x VPP 2, 5 steps at a pinned split 4,1,2,3 (saved), then resumed for 5 more
     # at the balanced split 2,3,3,2
     deep, split_ckpt = deeper_model(tmp_path_factory.mktemp("deep")), tmp_path_factory.mktemp("split") / "ckpt"
     uneven = dict(ds_config=ds_config(1, accumulation=4), model=deep, seq_len=32, pp=2, vpp=2, verify_memory=True)
@@ -177,7 +182,7 @@ def dp_results(tmp_path_factory, shards):
                           sequence_parallel=True, loss_chunks=chunks, verify_memory=True))
     # cases 31, 32: --fp8 tensorwise and rowwise at TP 2 under torchao's emulation (CPU), 20 steps; 31 saves
     for recipe in ("tensorwise", "rowwise"):
-        cases.append(dict(ds_config=ds_config(1), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, fp8=recipe,
+        cases.append(dict(ds_config=ds_config(1), model="gpt-tiny", steps=GAP_STEPS, seq_len=32, tp=2, fp8=recipe,
                           save=str(saved.parent / "fp8") if recipe == "tensorwise" else None))
     os.environ["MEGAKIT_FP8_EMULATE"] = "1"  # read by --fp8 cases only
     try:
@@ -311,8 +316,8 @@ def test_interleaved_pp2_vpp2_matches_the_single_process_model(dp_results):
 
 @pytest.mark.slow
 def test_uneven_virtual_stages_pinned_then_balanced_follow_the_single_process_model(dp_results):
-    """10 layers on PP 2 x VPP 2 (virtual stage c x PP + s is chunk c of stage s): 10 steps at the pinned split
-    4,1,2,3 (stages hold 6 and 4 blocks), saved, then resumed at the balanced 2,3,3,2 for 10 more. Both halves
+    """10 layers on PP 2 x VPP 2 (virtual stage c x PP + s is chunk c of stage s): 5 steps at the pinned split
+    4,1,2,3 (stages hold 6 and 4 blocks), saved, then resumed at the balanced 2,3,3,2 for 5 more. Both halves
     follow one single-process run within 1e-5: the checkpoint names blocks by global index, so it loads at any
     split. The memory rows show which split ran (parameters per stage) and that the planner's chunks are the trainer's."""
     from megakit.core.model_config import ModelConfig
@@ -415,12 +420,13 @@ def mp_results(tmp_path_factory, shards):
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model=dropout, steps=STEPS, seq_len=32, cp=2, pp=2))
     # cases 8, 9: compressed DP reduction composes with TP and ZeRO-1 (int8 in DeepSpeed's buckets at TP2 x DP2) and
     # PP (sign at PP2 x DP2)
-    cases.append(dict(ds_config=ds_config(1), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, compress="int8"))
-    cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, pp=2,
+    cases.append(dict(ds_config=ds_config(1), model="gpt-tiny", steps=GAP_STEPS, seq_len=32, tp=2, compress="int8"))
+    cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=GAP_STEPS, seq_len=32, pp=2,
                       compress="sign"))
-    # case 10: TP2 x PP2, interleaved (2 chunks), on token shards (BPE 512) with validation every 5 steps, saved
+    # case 10: TP2 x PP2, interleaved (2 chunks), on token shards (BPE 512) with validation every 5 steps, saved; 20
+    # steps (on these tokens the loss falls by 0.5 only after 10: measured 6.26 -> 5.86)
     shards = _token_shards(tmp_path_factory)
-    cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
+    cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=2 * STEPS, seq_len=32, tp=2, pp=2,
                       vpp=2, data=shards, eval_every=5, eval_batches=2,
                       save=str(tmp_path_factory.mktemp("ckpt") / "run")))
     # case 11: zero bubble (ZB-H1) with TP2 (and SP) x PP2
@@ -636,7 +642,7 @@ def test_verify_memory_tp2_pp2(mp_results):
 
 @pytest.mark.slow
 def test_3d_tp2_pp2_dp2_on_8_processes(tmp_path_factory):
-    case = dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=8, seq_len=32, tp=2, pp=2,
+    case = dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=4, seq_len=32, tp=2, pp=2,
                 verify_memory=True)
     (result,) = sweep(tmp_path_factory, 8, [case])
     ref = reference(case, dp=2)
@@ -725,7 +731,7 @@ def test_compressed_dp_and_local_sgd_train_close_to_the_exact_run(dp_results):
     Top-K 1 % of the weight updates and local SGD stay near it with a fraction of the bytes, and Top-K without
     error feedback falls far behind (what it drops is never sent)."""
     cases, results = dp_results
-    ref = reference(cases[0], dp=2)  # ZeRO-0 and ZeRO-1 follow the same trajectory
+    ref = reference(dict(cases[0], steps=GAP_STEPS), dp=2)  # ZeRO-0 and ZeRO-1 follow the same trajectory
     topk, topk_plain, local, fp16 = results[13:17]
     gaps = {name: _gap(r, ref) for name, r in (("topk", topk), ("plain", topk_plain), ("local", local), ("fp16", fp16))}
     print("compression gaps", gaps)
