@@ -143,7 +143,8 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
         ctx.run(branch, (1, 2, 3))
         if ctx.feasible:
             host = max(_host_bytes(model, c.plan, s) for c in ctx.feasible) * min(cluster.gpus_per_node, world)
-            why += (f"; nothing fit on the GPUs, so ZeRO-Offload keeps the optimizer in host memory (up to "
+            why += (f"; nothing fit on the GPUs under the {threshold:.0%} line (pin --zero to judge a layout against "
+                    "the whole memory instead), so ZeRO-Offload keeps the optimizer in host memory (up to "
                     f"{host / GIB:.0f} GiB of CPU memory per node, and PCIe traffic every step)")
     if not ctx.feasible:
         if judged and ctx.closest is not None:
