@@ -38,7 +38,8 @@ DP x CP; the ring adds two K/V blocks in flight. A 1F1B stage ``i`` of ``p`` kee
 interleaved schedule keeps ``(p - i - 1)·2 + (v - 1)·p + 1`` model chunks, counted chunk by chunk
 (``in_flight_chunks``: earlier chunks hold more, and chunks hold unequal layers). A chunk's output is
 freed once sent (``megakit.nn.sent_output``, Megatron-LM's ``deallocate_output_tensor``) except under zero
-bubble, whose B and W take the output itself; a stage that receives gradients holds one during a backward.
+bubble, whose B and W take the output itself; a stage that receives gradients holds one during a backward
+(a communication buffer: the output's handle hands it to autograd, which saves none of it).
 The fp32 gradient copies of ``step()`` live once every activation is freed: ``MemoryEstimate.total``
 counts the larger of the two phases.
 ZB-H1 (``zero_bubble``, Qi et al. 2023) keeps a micro-batch's activations until its deferred W,
@@ -289,8 +290,6 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
         peak = in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp, zero_bubble=True)[0]
     items["activations"] = sum(n * w for n, (w, _, _) in zip(peak, weights))
     items["moe_routing"] = sum(n * r for n, (_, r, _) in zip(peak, weights))
-    if pp > 1 and stage < pp - 1:  # the gradient received for the micro-batch in backward, which it holds
-        items["activations"] += hidden
     if zero_bubble:  # per pending W: the gradients B left, and what B recomputed (kept by the retained graph)
         items["weight_grad_inputs"] = min(stage + 1, m) * n_layers * (_matmul_output_bytes(
             model, tp=tp, precision=precision, seq_len=s, micro_batch=b) + full_layer - kept) if stage > 0 else 0.0
@@ -317,6 +316,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     else:
         comm = 0.0
     if pp > 1:  # the receive buffer posted for the next micro-batch's activation or gradient
+        comm += hidden
+    if pp > 1 and stage < pp - 1:  # the gradient received for the micro-batch in backward, held until it ends
         comm += hidden
     if cp > 1:  # ring attention: the K/V block in use and the one arriving
         comm += 2 * 2 * p * s * b * model.kv_heads_per_rank(tp) * model.head_dim
