@@ -1,20 +1,18 @@
-"""``megakit plan --runtime megatron`` against Megatron-Core's own H100 BF16 runs: the Megatron-LM README's
-weak-scaling table (Megatron-Core r0.8.0, GPT 1.7B-462B, TP + SP, PP up to 16, distributed optimizer, seq 4096;
-tests/data/megatron-core-runs.json). Each row goes through the CLI in-process with its layout pinned as
-published; the unstated parts are pinned as micro-batch 1, selective recompute, no interleaving.
+"""``megakit plan --runtime megatron-core`` against Megatron-Core's own H100 BF16 runs: the Megatron-LM README's
+weak-scaling table (Megatron-Core r0.8.0, GPT 1.7B-462B, TP + SP, PP up to 16, distributed optimizer, seq 4096,
+``--tp-comm-overlap --overlap-grad-reduce --overlap-param-gather``; tests/data/megatron-core-runs.json). Each row
+goes through the CLI in-process with its layout pinned as published; the unstated parts are pinned as micro-batch 1,
+selective recompute, no interleaving.
 
-Measured with one set of constants (``pytest -s`` prints the table): TP <= 2 rows +1.8 % and -4.5 %; the rest
-are predicted slow, beyond 15 %: 16B (TP 4) -18.2 %, 32B (TP 8) -34.6 %, 70B -25.5 %, 119B -21.9 %,
-177B -21.1 %, 314B -24.0 %, 462B -21.4 %. Why, from the planner's breakdown (share of its step):
-(1) data parallelism, 2-22 %: DP 48 spans 48 nodes with only 4-64 micro-batches per step; the planner prices
-ZeRO-1 as one all-reduce hidden only behind the last backward, while Megatron's distributed optimizer with
-``--overlap-grad-reduce --overlap-param-gather`` reduce-scatters behind the backward and all-gathers behind the
-next step's forwards. (2) TP, 4-7 %: ``--tp-comm-overlap`` pipelines every all-gather/reduce-scatter with its
-GEMM; the planner hides only the column-parallel backward exchange. (3) The bubble, 10-17 % for PP > 1: the
-README does not say whether the pipeline was interleaved; at one layer per virtual stage the PP rows come to
--11 % to -23 % (``test_interleaved_sensitivity``). Without (1) and (2) the 32B row would be about -8 %. The
-bound below is the measured worst plus a margin, not a target; the TP <= 2, PP 1 rows, where none of the
-three applies, are held to 15 %."""
+Measured with one set of constants (``pytest -s`` prints the table): TP <= 4 rows +1.8 %, -2.1 %, -11.1 %; TP 8:
+32B -26.0 %, 70B -17.4 %, 119B -14.9 %, 177B -15.2 %, 314B -19.5 %, 462B -17.4 % (with ``--runtime megatron``,
+which prices no TP/DP overlap beyond Megatron-LM 2022's: -18.2 % to -34.6 %). What is left, from the planner's
+breakdown: (1) the DP exchange, 2-20 % of the step: 48 replicas on 48 nodes and 4-64 micro-batches per step, so
+the reduce-scatter has only the last backward to hide behind and the gather the first forward; (2) the bubble,
+10-17 % for PP > 1, since the README does not say whether the pipeline was interleaved: at one layer per virtual
+stage (what Megatron-Core r0.8 allows for the prime 23- and 7-layer stages) the PP rows come to -5.7 % to -15 %
+(``test_interleaved_sensitivity``). The bound below is the measured worst plus a margin, not a target; the
+TP <= 4, PP 1 rows are held to 15 %."""
 
 import json
 from pathlib import Path
@@ -25,8 +23,8 @@ import megakit.interop.hf as hf
 from megakit.commands.cli import main
 
 ROWS = json.loads((Path(__file__).parent / "data" / "megatron-core-runs.json").read_text())["rows"]
-TOLERANCE = 0.15  # where TP communication and the bubble are small (TP <= 2, PP 1)
-BOUND = 0.38  # every row; measured worst -34.6 % (32B, TP 8)
+TOLERANCE = 0.15  # where DP traffic and the bubble are small (TP <= 4, PP 1)
+BOUND = 0.30  # every row; measured worst -26.0 % (32B, TP 8)
 
 
 @pytest.fixture
@@ -70,15 +68,14 @@ def test_megatron_core_h100_rows_through_the_cli(plan_json, tmp_path):
                      f"{got['bubble_fraction']:6.2f}")
     print("\n".join(lines))
     assert max(map(abs, errors.values())) <= BOUND, errors
-    small = {r["id"]: errors[r["id"]] for r in ROWS if r["tp"] <= 2 and r["pp"] == 1}
+    small = {r["id"]: errors[r["id"]] for r in ROWS if r["tp"] <= 4 and r["pp"] == 1}
     assert small and max(map(abs, small.values())) <= TOLERANCE, small
 
 
 def test_interleaved_sensitivity(plan_json, tmp_path):
     """The VP the README leaves unstated: one layer per virtual stage (what Megatron-Core r0.8 allows for the
-    prime 23- and 7-layer stages) shrinks the bubble and the error, but the exposed DP and TP traffic keeps every
-    PP row more than 10 % slow."""
+    prime 23- and 7-layer stages) shrinks the bubble and the error, to within 16 % on every PP row."""
     for row in (r for r in ROWS if r["pp"] > 1):
         plain = _error(plan_json(*_argv(row, tmp_path)), row)
         interleaved = _error(plan_json(*_argv(row, tmp_path, vpp=row["layers"] // row["pp"])), row)
-        assert plain < interleaved < -0.10, (row["id"], plain, interleaved)
+        assert plain < interleaved and abs(interleaved) < 0.16, (row["id"], plain, interleaved)

@@ -136,6 +136,8 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
         # column-parallel input again there, behind the same GEMMs.
         hidden_comm = (2 + (1 if plan.sequence_parallel else 0)) * one_tp
         tp_s += exposed(block.weight_grad, hidden_comm) - 2 * one_tp
+    if plan.comm_overlap and t > 1:  # every exchange pipelined with its GEMM: only what outlasts the block shows
+        tp_s = exposed(block.total, (4 + 2 * recomputed + (1 if plan.sequence_parallel else 0)) * one_tp)
     cp_s = _ring_exposed(model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s)
     a2a_s = (4 + 2 * recomputed) * all_to_all_time(
         cluster, tokens / t * model.moe.top_k * routed_imbalance(model, plan.moe_imbalance, plan.ep) * model.hidden * nbytes,

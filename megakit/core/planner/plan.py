@@ -17,7 +17,8 @@ ROUTING = {"balanced": 1.0, "real": 1.1}
 FP8_RECIPES = ("none", "tensorwise", "rowwise")  # torchao float8 scaling (train.py --fp8)
 # Whose trainer runs the plan (megakit plan --runtime), as Plan fields: megakit's (DeepSpeed, the default),
 # Megatron-LM's, PyTorch FSDP's ZeRO-3, or DeepSpeed's ZeRO-3 of 2021 (Narayanan et al. 2021, Table 2).
-RUNTIMES = {"megakit": {}, "megatron": {"megatron": True}, "fsdp": {"zero3": "fsdp"},
+RUNTIMES = {"megakit": {}, "megatron": {"megatron": True}, "megatron-core": {"megatron": True, "comm_overlap": True},
+            "fsdp": {"zero3": "fsdp"},
             "deepspeed-2021": {"zero3": "deepspeed-2021"}}
 
 
@@ -54,6 +55,11 @@ class Plan:
     # accumulated in fp32 main-grad buffers. (Both free a stage's output once sent, and keep each
     # column-parallel input split under SP and overlap its backward: ``column_overlap``.)
     megatron: bool = False
+    # Megatron-Core's communication overlap (2023-; its README's scaling runs): --tp-comm-overlap pipelines every TP
+    # all-gather and reduce-scatter with its GEMM, and the distributed optimizer's --overlap-grad-reduce and
+    # --overlap-param-gather reduce-scatter gradients behind the last backward and gather the weights behind the
+    # next step's first forward (``sharding.dp_time``).
+    comm_overlap: bool = False
     dp_shard: int = 0  # ZeRO-3/FSDP shard group (HSDP: shard inside it, replicate across); 0: all of DP
     zero3: str = "deepspeed"  # who runs ZeRO-3 (sharding.ZERO3): DeepSpeed today, FSDP, or DeepSpeed of 2021
     reduce_precision: str = ""  # dtype of the gradient reduction ('fp32' in FSDP2's default policy); '': training's

@@ -103,6 +103,10 @@ def dp_time(cluster: Cluster, plan: Plan, *, psi: float, layer_params: float, la
         if plan.zero_stage == 1:  # ZeRO-1 then gathers every rank's updated shard of the weights
             grads += collective_time(psi * nbytes, d, bw, where, kind="all_gather")
         return grads
+    if plan.zero_stage == 1 and plan.comm_overlap:  # Megatron-Core's distributed optimizer, overlapped both ways
+        reduce = collective_time(psi * rbytes, d, bw, where, kind="reduce_scatter")
+        gather = collective_time(psi * nbytes, d, bw, where, kind="all_gather")
+        return exposed(last_bwd, reduce) + exposed(stage_s - last_bwd, gather)
     if plan.zero_stage <= 1:  # one all-reduce at the accumulation boundary, behind the last backward
         return exposed(last_bwd, collective_time(psi * rbytes, d, bw, where))
     if plan.zero_stage == 2:  # reduce-scatter in every micro-batch's backward, gather after the step
