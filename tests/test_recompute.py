@@ -14,6 +14,7 @@ from test_planner_activations import saved_bytes
 from megakit.core.planner.memory import estimate_memory
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.errors import UsageError
+from megakit.nn import sent_output
 from megakit.nn.model import ModelConfig, Transformer
 
 TOL = 1e-6
@@ -141,8 +142,8 @@ class _Holder:
 
 def _one_f_one_b_peaks(topo, recompute: str, m: int = 4):
     """Two pipeline stages of gpt-tiny run 1F1B in one process (TP over the ranks, SP on), each stage's
-    saved bytes tracked as the trainer's census does; its backward is the trainer's
-    ``(output * grad).sum()``. Returns (peak of stage 0, peak of stage 1) and the planner's predictions."""
+    saved bytes tracked as the trainer's census does; its backward is the trainer's (the sent output's
+    handle, ``megakit.nn.sent_output``). Returns (peak of stage 0, peak of stage 1) and the planner's predictions."""
     from megakit.core.planner.memory import estimate_memory
 
     config, spec = ModelConfig.load("gpt-tiny"), ModelSpec.from_config("gpt-tiny")
@@ -158,16 +159,18 @@ def _one_f_one_b_peaks(topo, recompute: str, m: int = 4):
     def run(stage, action, mb):
         with torch.autograd.graph.saved_tensors_hooks(peaks[stage].pack, lambda h: getattr(h, "tensor", h)):
             if action == "F" and stage == 0:
-                outs[0, mb] = stages[0](ids[mb], sample_ids=[2 * mb, 2 * mb + 1])
+                out = stages[0](ids[mb], sample_ids=[2 * mb, 2 * mb + 1])
+                outs[0, mb] = (out, sent_output.handle(out))
             elif action == "F":
-                x = outs[0, mb].detach().requires_grad_()
+                x = outs[0, mb][0].detach().clone().requires_grad_()  # what stage 1 receives
+                sent_output.release(outs[0, mb][0])  # sent: stage 0 frees its output
                 outs[1, mb] = (x, stages[1](x, ids[mb], sample_ids=[2 * mb, 2 * mb + 1]))
             elif stage == 1:
                 x, loss = outs.pop((1, mb))
                 (loss / m).backward()
                 grads[mb] = x.grad
             else:
-                (outs.pop((0, mb)) * grads.pop(mb)).sum().backward()
+                sent_output.with_gradient(outs.pop((0, mb))[1], grads.pop(mb)).backward()
 
     order = [(0, "F", 0), (0, "F", 1), (1, "F", 0), (1, "B", 0), (0, "B", 0), (0, "F", 2), (1, "F", 1),
              (1, "B", 1), (0, "B", 1), (0, "F", 3), (1, "F", 2), (1, "B", 2), (0, "B", 2), (1, "F", 3),
