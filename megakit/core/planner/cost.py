@@ -181,7 +181,7 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
         dp_exposed += dp_time(cluster, experts, psi=psi_e, layer_params=psi_e / max(moes[worst], 1),
                               layers=moes[worst], stage_s=max(stage_s), layer_fwd_s=block.forward,
                               layer_bwd_s=block.backward)
-        rbytes = PRECISIONS[plan.reduce_precision] if plan.reduce_precision else nbytes
+        rbytes = PRECISIONS[plan.grad_reduce_precision]
         dp_exposed += exposed(max(stage_s) * 2 / 3, collective_time(psi_e * rbytes, t, tp_bw, tp_where))
 
     shard = (replicas.shard_group if plan.zero_stage == 3 else d * plan.cp) if plan.zero_stage >= 1 else 1

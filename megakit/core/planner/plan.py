@@ -81,6 +81,15 @@ class Plan:
         return self.zero3 != "fsdp"
 
     @property
+    def grad_reduce_precision(self) -> str:
+        """The dtype data parallelism reduces gradients in: as pinned (``reduce_precision``), else fp32 for
+        Megatron's trainer under bf16 (its arguments.py forces --accumulate-allreduce-grads-in-fp32 there:
+        main-grad buffers are reduced as they are kept, unless --grad-reduce-in-bf16), else training's."""
+        if self.reduce_precision:
+            return self.reduce_precision
+        return "fp32" if self.megatron and self.precision == "bf16" else self.precision
+
+    @property
     def world(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
 

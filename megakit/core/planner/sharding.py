@@ -90,7 +90,7 @@ def dp_time(cluster: Cluster, plan: Plan, *, psi: float, layer_params: float, la
     if d == 1:
         return 0.0
     nbytes = PRECISIONS[plan.precision]
-    rbytes = PRECISIONS[plan.reduce_precision] if plan.reduce_precision else nbytes
+    rbytes = PRECISIONS[plan.grad_reduce_precision]
     bw, where = group_bandwidth(cluster, d, t)
     last_bwd = stage_s * 2 / 3  # a micro-batch's backward: what DP traffic can hide behind
     if plan.compress != "none" and plan.zero_stage <= 1:  # megakit's exchange, after the backward: nothing hides it
