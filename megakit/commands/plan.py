@@ -78,7 +78,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                             "Ada, Blackwell and MI300 have them, A100 and V100 do not")
     train.add_argument("--runtime", choices=tuple(RUNTIMES), default="megakit",
                        help="whose trainer runs the plan: megakit (default; DeepSpeed), megatron (Megatron-LM: SP "
-                            "inputs re-gathered in backward, fp32 main grads), megatron-core (the same with "
+                            "inputs re-gathered in backward, fp32 main grads under bf16), megatron-core (the same with "
                             "Megatron-Core's TP and DP communication overlap), fsdp (ZeRO-3 "
                             "prefetching whole blocks), deepspeed-2021 (ZeRO-3 as Narayanan et al. 2021 measured)")
     train.add_argument("--mem-threshold", type=float, default=0.80, help="feasible if peak <= this x GPU memory")

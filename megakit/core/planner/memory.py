@@ -162,11 +162,13 @@ def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str, o
                       buckets: "Buckets" = None, main_grads: bool = False) -> dict:
     """Parameters, gradients, fp32 master, Adam m and v, fp32 step gradients of ``psi`` parameters
     whose ZeRO group has ``dp`` ranks (the table in the module docstring). ``main_grads``: Megatron-LM's
-    optimizer (ZeRO 0-1: its distributed optimizer shards master and Adam), which accumulates gradients
-    in an fp32 buffer that the step reads: 4Ψ of gradients and no 16-bit ones or step copy."""
+    optimizer (ZeRO 0-1: its distributed optimizer shards master and Adam), which under bf16 accumulates
+    gradients in an fp32 buffer that the step reads: 4Ψ of gradients and no 16-bit ones or step copy.
+    Under fp16 its buffer holds fp16 gradients, copied to fp32 at the step as DeepSpeed's are (arguments.py
+    forces --accumulate-allreduce-grads-in-fp32 for bf16 only; optimizer.py _copy_model_grads_to_main_grads)."""
     buckets = buckets or Buckets()
     p, mixed = PRECISIONS[precision], precision != "fp32"
-    if main_grads and zero_stage <= 1 and mixed and offload == "none":
+    if main_grads and zero_stage <= 1 and precision == "bf16" and offload == "none":
         shard = dp if zero_stage == 1 else 1
         return {"params": p * psi, "grads": 4 * psi, "master_params": 4 * psi / shard, "optimizer": 8 * psi / shard,
                 "fp32_step_grads": 0.0}
