@@ -16,7 +16,9 @@ of 2^20 bytes): plain 1F1B -8.2 % to +2.2 % over 20 rows (low by 2-8 % once micr
 difference times one layer's activations (8, 9, 16 and 31 layer-micro-batches), predicted 9.2, 7.8, 5.8, 13.4 GiB
 against 10, 9, 7, 15 measured: 8-17 % short. Tolerances: 15 % on peaks, where the figures are whole GB and the one
 configuration measured twice (28.3B, PP 32, micro-batch 2: 72 and 69 GB) differs by 4 %; 20 % on the increase, where
-the rounding of two whole-GB figures alone is up to 1 GB of a 7-15 GB difference."""
+the rounding of two whole-GB figures alone is up to 1 GB of a 7-15 GB difference.
+Read as 10^9 bytes (the paper does not say), the figures are 7 % lower: peaks -1.5 % to +9.6 %, the increase -1 %
+to -11 %, inside the same tolerances."""
 
 import json
 from pathlib import Path
