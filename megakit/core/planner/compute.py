@@ -7,9 +7,10 @@ intensity implies, whichever dominates -- a smooth roofline, ``time = FLOPs / ra
 ridge / intensity)²)``, with the GPU's ridge point ``rate / HBM bandwidth``. So an H100, whose ridge is twice an A100's, needs
 twice as large a GEMM to get as close to its peak, and a thin TP-sharded GEMM is slower everywhere.
 
-Fused (flash) attention runs at ``GPU.attention_fraction`` of the peak (FlashAttention-2's published
-utilisation) scaled by ``s / (s + ATTENTION_SEQ_HALF)``: short sequences give its tiles less work.
-The causal mask halves its FLOPs; its backward is 2.5 × the forward (it recomputes the scores).
+Fused (flash) attention runs at ``GPU.attention_fraction`` of the peak (FlashAttention-2's causal rate at
+long sequences) scaled by ``s / (s + ATTENTION_SEQ_HALF)``: a causal kernel computes the diagonal tiles
+whole and short sequences fill fewer waves of tiles. The causal mask halves its FLOPs; its backward is
+2.5 × the forward (it recomputes the scores), at the same rate: the published curves are forward + backward.
 Written-out attention (no flash) is two batched GEMMs over the full ``s × s``.
 
 The elementwise kernels (norms, activations, rotary, residuals, dropout, softmax) are memory-bound:
@@ -46,7 +47,12 @@ from megakit.core.planner.plan import Plan
 
 IN_TRAINING = 0.845  # a GEMM inside a training step vs the same GEMM alone (MAMF): clocks, caches, gaps
 ROOFLINE = 2.9  # HBM bytes a GEMM moves, in multiples of reading A, B and writing C once (tiles re-read)
-ATTENTION_SEQ_HALF = 128  # sequence length at which flash attention reaches half its best rate
+# Sequence length at which causal flash attention reaches half its best rate. FlashAttention-2's own forward +
+# backward benchmark, causal, head dim 128 (Dao-AILab/flash-attention assets/flash2_{a100,h100}_fwd_bwd_benchmark.png
+# @0251105, panel d; tests/data/long-sequence-runs.json "kernel"): A100 99, 133, 155, 173, 182, 189 TFLOP/s and
+# H100 163, 221, 265, 294, 308, 328 at 512 ... 16k lie on R·s/(s + s0) with s0 = 495 and 553 (R = 195 and 339):
+# 512 for both (the old 128 put A100 at 162 TFLOP/s at 512 and H100 at 277, 64 % and 70 % above the figures).
+ATTENTION_SEQ_HALF = 512
 K_MEM = 13.5  # HBM passes over the saved activations of eager elementwise kernels (forward + backward)
 K_MEM_FUSED = 0.5  # the same, fused (torch.compile, Megatron's bias-GeLU / bias-dropout-add / softmax)
 LAUNCH_S = 2e-4  # host time per block and micro-batch (forward + backward): ~50 kernel launches x 4 us

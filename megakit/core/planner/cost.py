@@ -21,7 +21,7 @@ experts), beside the dense ones over DP x CP.
 
 One set of constants (here, in ``compute`` and ``sharding``, and the GPU presets' measured matmul and
 attention rates) is used for every model, GPU and layout; ``tests/test_planner_calibration.py``
-checks it row by row against Narayanan et al. 2021, 27 published FSDP/ZeRO-3 runs and megakit's own.
+checks it row by row against Narayanan et al. 2021, 26 published FSDP/ZeRO-3 runs and megakit's own.
 """
 
 from __future__ import annotations

@@ -36,12 +36,13 @@ class GPU:
 # measured by stas00/ml-engineering (compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
 # comparison table"): A100 SXM 267.9/312 = 85.9 %, H100 SXM 792.1/989 = 80.1 %, H100/H200 SXM 80.3 %, A100
 # PCIe 82.2 %, MI300X 60.1 %. GPUs the table lacks (V100, L40S, RTX 4090) take 0.80, an assumption.
-# attention_fraction: FlashAttention-2 forward+backward at long sequences over the peak: "50-73 % of the
-# theoretical maximum FLOPs/s on A100" (Dao 2023, FlashAttention-2, abstract) -> 0.65; "only 35 % utilization
-# on the H100" (Shah et al. 2024, FlashAttention-3, Sec. 1) -> 0.35 for Hopper, whose SDPA runs FA-2.
+# attention_fraction: FlashAttention-2 forward+backward, causal, head dim 128, at long sequences over the peak:
+# the asymptote R of its own benchmark curves (compute.ATTENTION_SEQ_HALF; assets/flash2_a100_fwd_bwd_benchmark.png,
+# flash2_h100_fwd_bwd_benchmark.png): A100 195/312 -> 0.62 ("50-73 %", Dao 2023, abstract); H100 339/989 -> 0.34
+# ("only 35 % utilization on the H100", Shah et al. 2024, FlashAttention-3, Sec. 1), Hopper's SDPA runs FA-2.
 # h100-96gb is Meta's Grand Teton H100 (96 GB HBM2e, 2.4 TB/s, 500 W power limit) that torchtitan's
 # benchmarks ran on (torchtitan docs/performance.md): it computes at the lower clocks of the 500 W cap,
-# 0.875 of the 700 W part's rates (0.70 = 0.801 x 0.875, attention 0.31 = 0.35 x 0.875); 0.875 is fitted to
+# 0.875 of the 700 W part's rates (0.70 = 0.801 x 0.875, attention 0.30 = 0.34 x 0.875); 0.875 is fitted to
 # the twelve torchtitan rows of tests/data/sharded-dp.json, the only data on this part.
 # fp8_tflops: dense FP8 datasheet peaks (H100/H200 SXM 1979, B200 4500, MI300X 2615, L40S 733, RTX 4090 330);
 # FP8 GEMMs reach the same matmul_fraction of it (compute.FP8_GEMM says what scaling costs on top).
@@ -55,22 +56,22 @@ GPUS = {
             matmul_fraction=0.80, attention_fraction=0.0),
         GPU(name="a100-40gb", peak_tflops=312, mem_gib=40, hbm_gbps=1555, intra_gbps=300, inter_gbps=25,
             intra_link="NVLink 3 / NVSwitch", inter_link="200 Gb/s HDR InfiniBand per GPU",
-            matmul_fraction=0.859, attention_fraction=0.65),
+            matmul_fraction=0.859, attention_fraction=0.62),
         GPU(name="a100-80gb", peak_tflops=312, mem_gib=80, hbm_gbps=2039, intra_gbps=300, inter_gbps=25,
             intra_link="NVLink 3 / NVSwitch", inter_link="200 Gb/s HDR InfiniBand per GPU",
-            matmul_fraction=0.859, attention_fraction=0.65),
+            matmul_fraction=0.859, attention_fraction=0.62),
         GPU(name="h100-80gb", peak_tflops=989, mem_gib=80, hbm_gbps=3350, intra_gbps=450, inter_gbps=50,
             intra_link="NVLink 4 / NVSwitch", inter_link="400 Gb/s NDR InfiniBand per GPU",
-            matmul_fraction=0.801, attention_fraction=0.35, fp8_tflops=1979),
+            matmul_fraction=0.801, attention_fraction=0.34, fp8_tflops=1979),
         GPU(name="h100-96gb", peak_tflops=989, mem_gib=95, hbm_gbps=2400, intra_gbps=450, inter_gbps=50,
             intra_link="NVLink 4 / NVSwitch", inter_link="400 Gb/s RDMA per GPU (Grand Teton, 500 W)",
-            matmul_fraction=0.70, attention_fraction=0.31, fp8_tflops=1979),
+            matmul_fraction=0.70, attention_fraction=0.30, fp8_tflops=1979),
         GPU(name="h200-141gb", peak_tflops=989, mem_gib=140, hbm_gbps=4800, intra_gbps=450, inter_gbps=50,
             intra_link="NVLink 4 / NVSwitch", inter_link="400 Gb/s NDR InfiniBand per GPU",
-            matmul_fraction=0.803, attention_fraction=0.35, fp8_tflops=1979),
+            matmul_fraction=0.803, attention_fraction=0.34, fp8_tflops=1979),
         GPU(name="b200-180gb", peak_tflops=2250, mem_gib=178, hbm_gbps=8000, intra_gbps=900, inter_gbps=50,
             intra_link="NVLink 5 / NVSwitch", inter_link="400 Gb/s NDR InfiniBand per GPU",
-            matmul_fraction=0.80, attention_fraction=0.35, fp8_tflops=4500),
+            matmul_fraction=0.80, attention_fraction=0.34, fp8_tflops=4500),
         GPU(name="mi300x-192gb", peak_tflops=1307, mem_gib=192, hbm_gbps=5300, intra_gbps=448, inter_gbps=50,
             intra_link="Infinity Fabric", inter_link="400 Gb/s RoCE per GPU",
             matmul_fraction=0.601, attention_fraction=0.35, fp8_tflops=2615),
