@@ -5,9 +5,9 @@ goes through the CLI in-process with what the table states pinned (TP, PP, DP, g
 the interleaving, which it does not state, are the planner's own pick (the fastest that fits under the 80 % line),
 and recompute is pinned selective.
 
-Measured with one set of constants (``pytest -s`` prints the table): +7.4 %, +4.6 %, +0.3 %, -3.3 % (PP 1, micro-batch
-4), -11.6 %, -6.2 %, -8.9 %, -12.2 %, -8.3 % (PP 2-16, interleaved over 4 virtual stages, micro-batch 1-2); mean |error|
-7.0 %.
+Measured with one set of constants (``pytest -s`` prints the table): +4.7 %, +2.8 %, -1.0 %, -4.1 % (PP 1, micro-batch
+4), -12.2 %, -6.8 %, -9.4 %, -12.6 %, -8.7 % (PP 2-16, interleaved over 4 virtual stages, micro-batch 1-2); mean |error|
+6.9 %.
 
 Reading the unstated knobs as micro-batch 1 and no interleaving instead leaves the TP 8 rows 15-38 % slow, and the
 32B row shows that reading cannot be what ran (``test_micro_batch_one_cannot_be_what_ran``): one micro-batch of 4

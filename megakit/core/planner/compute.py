@@ -2,10 +2,12 @@
 
 Each GEMM of the block (q, k, v, o, the MLP's two or three matrices, at their TP-sharded sizes over
 the micro-batch's tokens) costs its FLOPs at the GPU's best matmul rate (``GPU.matmul_fraction`` of
-the datasheet peak, measured by MAMF, times ``IN_TRAINING``) or the HBM traffic its arithmetic
-intensity implies, whichever dominates -- a smooth roofline, ``time = FLOPs / rate × √(1 + (ROOFLINE ·
-ridge / intensity)²)``, with the GPU's ridge point ``rate / HBM bandwidth``. So an H100, whose ridge is twice an A100's, needs
-twice as large a GEMM to get as close to its peak, and a thin TP-sharded GEMM is slower everywhere.
+the datasheet peak, measured by MAMF, times ``IN_TRAINING``) plus the HBM traffic its arithmetic
+intensity implies, not overlapped: ``time = FLOPs / rate × (1 + ROOFLINE · ridge / intensity)``, with the
+GPU's ridge point ``rate / HBM bandwidth``. So an H100, whose ridge is twice an A100's, needs twice as large
+a GEMM to get as close to its peak, and a thin TP-sharded GEMM is slower everywhere. (The sum, not a smooth
+maximum, is what the calibration rows were fitted with; it is harshest on thin GEMMs of micro-batch 1 at TP 8,
+where no public row says whether it is right.)
 
 Fused (flash) attention runs at ``GPU.attention_fraction`` of the peak (FlashAttention-2's causal rate at
 long sequences) scaled by ``s / (s + ATTENTION_SEQ_HALF)``: a causal kernel computes the diagonal tiles
