@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model chunks per pipeline stage (interleaved 1F1B); they need not divide the layers")
     p.add_argument("--stage-layers", metavar="N,N,...", default=None,
                    help="layers per virtual stage, PP x VPP counts in pipeline order (chunk c of stage s is virtual "
-                        "stage c x PP + s), e.g. 3,2,2,3; default: balanced by parameters, embedding and head counted")
+                        "stage c x PP + s), e.g. 3,2,2,3; the first and last may be 0 (embedding or head only); "
+                        "default: balanced by parameters, embedding and head counted")
     p.add_argument("--schedule", default=None, choices=["1f1b", "gpipe", "interleaved", "zb-h1"],
                    help="pipeline schedule (PP > 1); default 1f1b, or interleaved with --vpp > 1; zb-h1 splits each "
                         "backward into the input gradient and the deferred weight gradient (zero bubble, Qi et al. 2023)")

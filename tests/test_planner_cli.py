@@ -128,7 +128,7 @@ BAD = [
     (["--params", "1.3B", "--gpus", "8", "--pp", "2", "--vpp", "2", "--stage-layers", "12,12"],
      "--stage-layers 12,12 gives 2 layer counts for --pp 2 x --vpp 2 = 4 virtual stages"),
     (["--params", "1.3B", "--gpus", "8", "--pp", "2", "--stage-layers", "12,11"], "sums to 23 layers but the model has 24"),
-    (["--params", "1.3B", "--gpus", "8", "--pp", "2", "--stage-layers", "24,0"], "has an entry below 1"),
+    (["--params", "1.3B", "--gpus", "8", "--pp", "4", "--stage-layers", "12,0,6,6"], "has an entry below 1 in the middle"),
     (["--params", "1.3B", "--gpus", "8", "--pp", "2", "--stage-layers", "12;12"], "is not a list of layer counts"),
 ]
 

@@ -101,7 +101,7 @@ def test_a_pinned_split_is_what_the_memory_and_cost_models_price():
 @pytest.mark.parametrize("pins, message", [
     (dict(stage_layers=(63, 63)), "gives 2 layer counts for --pp 16 x --vpp 1 = 16 virtual stages"),
     (dict(vpp=2, stage_layers=(4,) * 32), "sums to 128 layers but the model has 126"),
-    (dict(vpp=2, stage_layers=(0, 6) + (4,) * 30), "has an entry below 1"),
+    (dict(vpp=2, stage_layers=(4, 0, 6) + (4,) * 29), "has an entry below 1 in the middle"),
     (dict(pp=None, stage_layers=(63, 63)), "needs the layout: pin --pp"),
 ])
 def test_bad_stage_layer_pins_are_one_line(pins, message):

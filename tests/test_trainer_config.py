@@ -206,7 +206,8 @@ def test_context_parallel_flags_are_checked_before_any_process_group():
      "--stage-layers 1,1,2 gives 3 layer counts for --pp 2 x --vpp 1 = 2 virtual stages; give one per virtual stage"),
     (["--model", "gpt-tiny", "--pp", "2", "--vpp", "2", "--stage-layers", "1,1,1,2"], 2,
      "--stage-layers 1,1,1,2 sums to 5 layers but the model has 4; make the counts add up to 4"),
-    (["--model", "gpt-tiny", "--pp", "2", "--stage-layers", "4,0"], 2, "--stage-layers 4,0 has an entry below 1"),
+    (["--model", "gpt-tiny", "--pp", "2", "--vpp", "2", "--stage-layers", "2,0,1,1"], 2,
+     "--stage-layers 2,0,1,1 has an entry below 1 in the middle"),
     (["--model", "gpt-tiny", "--pp", "2", "--stage-layers", "2;2"], 2, "--stage-layers '2;2' is not a list of layer"),
 ])
 def test_layout_refusals_come_once_before_any_process_group(flags, world, message, capsys, monkeypatch, tmp_path):

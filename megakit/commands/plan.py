@@ -108,7 +108,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                               "divide the layers")
     pins.add_argument("--stage-layers", metavar="N,N,...",
                       help="layers per virtual stage, e.g. 3,4,4,3 (chunk c of stage s is virtual stage c x PP + s; "
-                           "needs --pp); default: balanced by parameters, embedding and head counted")
+                           "needs --pp; the first and last may be 0: embedding or head only); default: balanced by "
+                           "parameters, embedding and head counted")
     pins.add_argument("--schedule", choices=("1f1b", "zb-h1"),
                       help="pipeline schedule: zb-h1 (zero bubble, Qi et al. 2023) trades memory for bubble")
     out = parser.add_argument_group("output")

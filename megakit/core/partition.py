@@ -53,15 +53,18 @@ def parse_stage_layers(text: str | None) -> tuple[int, ...] | None:
 
 def check_stage_layers(counts, *, layers: int, pp: int, vpp: int = 1) -> tuple[int, ...]:
     """The pinned split ``counts`` (layers per virtual stage), refused unless it has ``pp * vpp``
-    entries, each at least 1, summing to ``layers``."""
+    entries summing to ``layers``, each at least 1 except the first and the last: those may hold only the
+    embedding or only the head, as Megatron's pipeline layouts and the Zero Bubble runs place them."""
     counts, stages = tuple(counts), pp * vpp
     shown = ",".join(map(str, counts))
     if len(counts) != stages:
         raise UsageError(f"--stage-layers {shown} gives {len(counts)} layer counts for --pp {pp} x --vpp {vpp} = "
                          f"{stages} virtual stages; give one per virtual stage (chunk c of stage s is virtual stage "
                          f"c x PP + s)")
-    if any(not isinstance(c, int) or c < 1 for c in counts):
-        raise UsageError(f"--stage-layers {shown} has an entry below 1; every virtual stage needs at least one layer "
+    ends = {0, stages - 1} if stages > 1 else set()  # the embedding's and the head's virtual stages
+    if any(not isinstance(c, int) or c < (0 if i in ends else 1) for i, c in enumerate(counts)):
+        raise UsageError(f"--stage-layers {shown} has an entry below 1 in the middle or below 0; every virtual stage "
+                         "but the first and the last (which hold the embedding and the head) needs at least one layer "
                          "(lower --pp or --vpp for fewer stages)")
     if sum(counts) != layers:
         raise UsageError(f"--stage-layers {shown} sums to {sum(counts)} layers but the model has {layers}; make the "
@@ -125,7 +128,7 @@ def partition_layers(config, pp: int, vpp: int = 1, method="params", *, seq_len:
     stages = pp * vpp
     if not isinstance(pp, int) or not isinstance(vpp, int) or pp < 1 or vpp < 1:
         raise UsageError(f"--pp and --vpp must be positive integers, got {pp!r} and {vpp!r}")
-    if config.layers < stages:
+    if config.layers < stages and isinstance(method, str):  # a pinned split may leave both ends without a layer
         raise UsageError(f"{config.layers} layers cannot fill {stages} pipeline (virtual) stages; "
                          f"lower --pp/--vpp to at most {config.layers} stages in all")
     if isinstance(method, str):

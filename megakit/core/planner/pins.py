@@ -102,7 +102,7 @@ def check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int
     if pins.vpp is not None and pins.vpp > 1 and pins.pp == 1:
         raise UsageError(f"--vpp {pins.vpp} interleaves pipeline stages but --pp is 1; "
                          "pin --pp 2 or more, or drop --vpp")
-    if pins.vpp is not None and pins.pp and pins.pp * pins.vpp > model.layers:
+    if pins.vpp is not None and pins.pp and pins.pp * pins.vpp > model.layers and pins.stage_layers is None:
         raise UsageError(f"--pp {pins.pp} x --vpp {pins.vpp} = {pins.pp * pins.vpp} virtual stages exceed the "
                          f"{model.layers} layers; lower --vpp so that each virtual stage holds a layer")
     if pins.stage_layers is not None:

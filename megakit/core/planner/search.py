@@ -347,7 +347,7 @@ class _Context:
         sps = [pins.sequence_parallel] if pins.sequence_parallel is not None else ([True, False] if tp > 1 else [False])
         mbs = [pins.micro_batch] if pins.micro_batch else [b for b in divisors(per_rank) if b <= 64]
         for vpp in vpps:
-            if pp * vpp > m.layers:
+            if pp * vpp > m.layers and pins.stage_layers is None:  # a pinned split may leave the ends empty
                 self.reject(Plan(tp=tp, pp=pp, vpp=vpp), f"PP={pp} x VPP={vpp} stages exceed the {m.layers} layers",
                             unique_key=("vpp-layers", pp, vpp), kind="vpp")
                 continue
