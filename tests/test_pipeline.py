@@ -139,6 +139,11 @@ def test_partition_balances_and_validates():
     config = ModelConfig.load("gpt-tiny")
     assert partition_layers(config, 4) == [range(i, i + 1) for i in range(4)]
     assert partition_layers(config, 2, method=[1, 3]) == [range(0, 1), range(1, 4)]
+    # a pinned split may leave the embedding's and the head's chunks without a block, even with more chunks than blocks
+    assert partition_layers(config, 2, 2, method=[0, 2, 2, 0]) == [range(0, 0), range(0, 2), range(2, 4), range(4, 4)]
+    assert len(partition_layers(config, 3, 2, method=[0, 1, 1, 1, 1, 0])) == 6
+    with pytest.raises(UsageError, match="below 1 in the middle"):
+        partition_layers(config, 2, 2, method=[2, 0, 2, 0])
     # a huge vocabulary pushes blocks away from the first and last stage
     big_vocab = config.replace(layers=12, vocab_size=64_000)
     counts = [len(r) for r in partition_layers(big_vocab, 4, method="flops")]
