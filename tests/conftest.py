@@ -7,11 +7,12 @@ a buffer named with a port this session handed out (``multiproc.free_port``) is 
 and the module fails (wiping them silently hid exactly that). Other processes' buffers are left alone.
 
 Launcher jobs shared by several modules (a start costs more than most cases) are session fixtures here: one
-2-process and one 4-process job run the cases of test_trainer, test_moe_train, test_resume and
-test_resume_compressed.
+2-process and one 4-process job run the cases of test_trainer, test_moe_train, test_moe_hf_step, test_resume and
+test_resume_compressed; one 2-process guard job those of test_guards and test_spikes.
 """
 
 import glob
+import json
 import os
 import sys
 
@@ -80,15 +81,17 @@ def two_process_job(tmp_path_factory, token_shards) -> dict:
 
 @pytest.fixture(scope="session")
 def four_process_job(tmp_path_factory, token_shards) -> dict:
-    """test_resume.py's, test_resume_compressed.py's and test_moe_train.py's 4-process cases, then test_trainer.py's
-    TP x PP x CP sweep (its compiled case last), in ONE 4-process job; per module: its directory (``tmp``)."""
+    """test_resume.py's, test_resume_compressed.py's, test_moe_hf_step.py's and test_moe_train.py's 4-process cases,
+    then test_trainer.py's TP x PP x CP sweep (its compiled case last), in ONE 4-process job; per module: its
+    directory (``tmp``)."""
+    import test_moe_hf_step
     import test_moe_train
     import test_resume
     import test_resume_compressed
     import test_trainer
 
     parts = {}
-    for module in (test_resume, test_resume_compressed):
+    for module in (test_resume, test_resume_compressed, test_moe_hf_step):
         tmp = tmp_path_factory.mktemp(module.__name__)
         parts[module.__name__] = {"tmp": tmp, "cases": module.sweep_cases(tmp)}
     saved = tmp_path_factory.mktemp("moe-ckpt")
@@ -102,3 +105,30 @@ def resume_jobs(four_process_job) -> dict:
     """test_resume.py's and test_resume_compressed.py's part of the 4-process job: per module its directory, cases,
     results and the job's stdout."""
     return four_process_job
+
+
+@pytest.fixture(scope="session")
+def guard_job(tmp_path_factory) -> dict:
+    """test_guards.py's NaN-guard cases and test_spikes.py's spiked run, each case with its own injected ``faults``,
+    in ONE 2-process job of tests/guard_sweep.py; per module: its directory, cases, results and the job's log."""
+    import test_guards
+    import test_spikes
+    from multiproc import free_port
+    from test_trainer import deepspeed
+
+    parts = {}
+    for module in (test_guards, test_spikes):
+        tmp = tmp_path_factory.mktemp(module.__name__)
+        parts[module.__name__] = {"tmp": tmp, "cases": module.sweep_cases(tmp)}
+    work = tmp_path_factory.mktemp("guard_job")
+    (work / "cases.json").write_text(json.dumps([case for part in parts.values() for case in part["cases"]]))
+    port = free_port()
+    out = deepspeed(2, "tests/guard_sweep.py", str(work / "cases.json"), str(work / "results.json"), port=port,
+                    timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
+    results = json.loads((work / "results.json").read_text())
+    for part in parts.values():
+        part["results"], results = results[:len(part["cases"])], results[len(part["cases"]):]
+        part["log"] = out.stdout + out.stderr
+    return parts
