@@ -174,11 +174,11 @@ def dp_cases(tmp_path_factory, shards: str) -> list[dict]:
     cases += sync_cases(shards, CP_DP1_SYNC, cp=2) + sync_cases(shards, DP_SYNC)
     # case 26: another --seed (one step): each rank's default generators follow it
     cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=1, seq_len=32, seed=1))
-    # cases 27, 28: 10 layers at PP 2 x VPP 2, 5 steps at a pinned split 4,1,2,3 (saved), then resumed for 5 more
+    # cases 27, 28: 10 layers at PP 2 x VPP 2, 5 steps at a pinned split 0,6,4,0 (saved), then resumed for 5 more
     # at the balanced split 2,3,3,2
     deep, split_ckpt = deeper_model(tmp_path_factory.mktemp("deep")), tmp_path_factory.mktemp("split") / "ckpt"
     uneven = dict(ds_config=ds_config(1, accumulation=4), model=deep, seq_len=32, pp=2, vpp=2, verify_memory=True)
-    cases.append(dict(uneven, steps=STEPS // 2, stage_layers=[4, 1, 2, 3], save=str(split_ckpt)))
+    cases.append(dict(uneven, steps=STEPS // 2, stage_layers=[0, 6, 4, 0], save=str(split_ckpt)))
     cases.append(dict(uneven, steps=STEPS, load=str(split_ckpt)))
     # cases 29, 30: vocab 32k at TP 2 with SP, the head and loss in one piece and over 8 token chunks (--loss-chunks)
     big_vocab = vocab_model(tmp_path_factory.mktemp("models"), 32000)
@@ -318,7 +318,8 @@ def test_interleaved_pp2_vpp2_matches_the_single_process_model(dp_results):
 @pytest.mark.slow
 def test_uneven_virtual_stages_pinned_then_balanced_follow_the_single_process_model(dp_results):
     """10 layers on PP 2 x VPP 2 (virtual stage c x PP + s is chunk c of stage s): 5 steps at the pinned split
-    4,1,2,3 (stages hold 6 and 4 blocks), saved, then resumed at the balanced 2,3,3,2 for 5 more. Both halves
+    0,6,4,0 (the embedding and the head alone in their chunks; stages hold 4 and 6 blocks), saved, then resumed at
+    the balanced 2,3,3,2 for 5 more. Both halves
     follow one single-process run within 1e-5: the checkpoint names blocks by global index, so it loads at any
     split. The memory rows show which split ran (parameters per stage) and that the planner's chunks are the trainer's."""
     from megakit.core.model_config import ModelConfig
@@ -336,7 +337,7 @@ def test_uneven_virtual_stages_pinned_then_balanced_follow_the_single_process_mo
     for rows in (pinned["memory"], balanced["memory"]):
         assert_memory_matches(rows)
     params = {run: [row["measured"]["params"] for row in results[run]["memory"]] for run in (27, 28)}
-    assert params[27][0] > 1.4 * params[27][1] and abs(params[28][0] - params[28][1]) < 0.1 * params[28][1]
+    assert params[27][1] > 1.3 * params[27][0] and abs(params[28][0] - params[28][1]) < 0.1 * params[28][1]
 
 
 @pytest.mark.slow
