@@ -1,20 +1,17 @@
-"""Launched by test_guards.py and test_spikes.py: train each case of a JSON list in one process group, with the fault
-injection of MEGAKIT_INJECT_FAULT (or the case's own ``faults``), and write each case's steps, losses, skipped steps
-and events (rank 0)."""
+"""Launched by test_guards.py: train each case of a JSON list in one process group, with the fault
+injection of MEGAKIT_INJECT_FAULT, and write each case's steps, losses, skipped steps and events (rank 0)."""
 
 import json
 import os
 import sys
 
-from megakit.train.fault_injection import VARIABLE
 from megakit.train.trainer import TrainConfig, TrainingDiverged, train
 
 
 def main() -> int:
     cases_path, results_path = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    results, job_faults = [], os.environ.get(VARIABLE, "")
+    results = []
     for case in json.load(open(cases_path)):
-        os.environ[VARIABLE] = case.pop("faults", job_faults)  # a case may bring its own: read as train() starts
         try:
             result = train(TrainConfig(progress=False, **case))
         except TrainingDiverged as error:

@@ -1,12 +1,14 @@
 """The NaN guard through the launcher: a NaN loss on one rank at step 4 is skipped on every rank, at ZeRO 0-3,
-bf16 and PP 2; the weights after the skipped step are those before it; N skips in a row end the run. The cases run
-in one job with test_spikes.py's spiked run (``guard_job`` in conftest.py), each with its own injected faults."""
+bf16 and PP 2; the weights after the skipped step are those before it; N skips in a row end the run."""
 
+import json
 import math
 
 import pytest
 from safetensors.torch import load_file
-from test_trainer import ds_config
+from test_trainer import deepspeed, ds_config
+
+from megakit.train.fault_injection import VARIABLE
 
 
 def _weights(directory) -> dict:
@@ -28,17 +30,15 @@ def _cases(tmp_path) -> list[dict]:
         dict(ds_config=_config(1), model="gpt-tiny", steps=7, seq_len=32, max_skipped_steps=0)]  # ends at step 4
 
 
-def sweep_cases(tmp_path) -> list[dict]:
-    """This module's cases of the guard job (``guard_job`` in conftest.py, shared with test_spikes.py): a NaN loss on
-    rank 1 at step 4."""
-    return [dict(case, faults="nanloss@1:4") for case in _cases(tmp_path)]
-
-
 @pytest.mark.slow
-def test_a_nan_loss_on_one_rank_is_skipped_everywhere(guard_job):
-    job = guard_job["test_guards"]
-    cases, tmp_path, log = job["cases"], job["tmp"], job["log"]
-    *results, ended = job["results"]
+def test_a_nan_loss_on_one_rank_is_skipped_everywhere(tmp_path, monkeypatch):
+    cases = _cases(tmp_path)
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    monkeypatch.setenv(VARIABLE, "nanloss@1:4")
+    out = deepspeed(2, "tests/guard_sweep.py", str(tmp_path / "cases.json"), str(tmp_path / "results.json"),
+                    timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    *results, ended = json.loads((tmp_path / "results.json").read_text())
     for case, result in zip(cases, results):
         name = case["save"].rsplit("/", 1)[1]
         assert result["skipped"] == [4], (name, result)
@@ -56,6 +56,7 @@ def test_a_nan_loss_on_one_rank_is_skipped_everywhere(guard_job):
     assert ended["error"].startswith("NaN/inf at step 4: rank 0 (pp 0, dp 0, tp 0): non-finite gradient; "
                                      "rank 1 (pp 0, dp 1, tp 0): non-finite loss and gradient; "
                                      "1 non-finite step(s) in a row (--max-skipped-steps 0)"), ended
+    log = out.stdout + out.stderr
     assert log.count("megakit: step 4 skipped (1 in all): rank 0 ") == 6, log[-3000:]  # one line per case
 
 

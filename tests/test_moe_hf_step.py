@@ -1,6 +1,5 @@
 """A transformers Mixtral or Qwen3-MoE imported, trained one step by megakit at EP2 x TP2 (4 ranks, DP 2), exported: every
-parameter equals transformers' own one-step AdamW training of the same weights on the same batch (issue 20). Both
-kinds train in the suite's shared 4-process launcher job (``four_process_job`` in conftest.py), from train.py's flags.
+parameter equals transformers' own one-step AdamW training of the same weights on the same batch (issue 20).
 
 The aux loss is off on both sides (``output_router_logits`` False), so the loss is the plain cross-entropy.
 Adam's first step moves a weight by ``lr * g / (|g| + eps)``, which with a small eps is ``lr * sign(g)``
@@ -10,13 +9,15 @@ active: the norm is about 3) moves the weights by ~1e-4, far past the 1e-5 toler
 """
 
 import json
-from pathlib import Path
+import os
+import subprocess
 
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from multiproc import free_port  # noqa: E402
 from test_trainer import ROOT  # noqa: E402
 
 from megakit.commands.cli import main  # noqa: E402
@@ -60,50 +61,22 @@ def _transformers_step(directory, inputs, labels):
     return reference, float(norm)
 
 
-KINDS = ("mixtral", "qwen3_moe")
-
-
-def _train_script():
-    """scripts/train.py as a module: its flags give the cases' ``TrainConfig``s."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("megakit_train_script", ROOT / "scripts" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def sweep_cases(tmp) -> list[dict]:
-    """This module's cases of the 4-process job (``four_process_job`` in conftest.py), one per kind: the model built
-    and imported, then one step at EP 2 x TP 2 from train.py's own flags, saved to ``tmp/KIND/trained``."""
-    import dataclasses
-
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_one_step_at_ep2_tp2_equals_transformers_own_step(tmp_path, kind):
+    _hf_model(tmp_path / "hf", kind)
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "ck"), "--from-hf"]) == 0
     ds = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
           "gradient_clipping": CLIP, "optimizer": {"type": "AdamW", "params": {**OPTIMIZER, "torch_adam": True}},
           "zero_optimization": {"stage": 1}, "steps_per_print": 10**9}
-    script, cases = _train_script(), []
-    for kind in KINDS:
-        work = tmp / kind
-        _hf_model(work / "hf", kind)
-        assert main(["convert", str(work / "hf"), str(work / "ck"), "--from-hf"]) == 0
-        (work / "ds.json").write_text(json.dumps(ds))
-        cfg = script.config(script.parse_args([
-            "--ds_config", str(work / "ds.json"), "--model", str(work / "hf"), "--load", str(work / "ck"), "--steps",
-            "1", "--ep", "2", "--tp", "2", "--seq-len", str(SEQ), "--moe-aux-loss", "0", "--save",
-            str(work / "trained"), "--no-progress"]))
-        assert (cfg.ep, cfg.tp, cfg.moe_aux_loss, cfg.steps) == (2, 2, 0.0, 1), cfg
-        default = script.config(script.parse_args([]))  # the sweep sets progress and logging itself
-        cases.append({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-                      if getattr(cfg, f.name) != getattr(default, f.name) and f.name not in ("progress", "log_every")})
-    return cases
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", KINDS)
-def test_one_step_at_ep2_tp2_equals_transformers_own_step(four_process_job, kind):
-    job = four_process_job["test_moe_hf_step"]
-    tmp_path = job["tmp"] / kind  # the model, its import and the trained checkpoint, made by sweep_cases
-    assert Path(job["cases"][KINDS.index(kind)]["save"]) == tmp_path / "trained"
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    out = subprocess.run(["deepspeed", "--num_gpus", "4", "--master_port", str(free_port()), "scripts/train.py",
+                          "--ds_config", str(tmp_path / "ds.json"), "--model", str(tmp_path / "hf"), "--load",
+                          str(tmp_path / "ck"), "--steps", "1", "--ep", "2", "--tp", "2", "--seq-len", str(SEQ),
+                          "--moe-aux-loss", "0", "--save", str(tmp_path / "trained"), "--no-progress"],
+                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert main(["convert", str(tmp_path / "trained"), "--to-hf", str(tmp_path / "exported")]) == 0
 
     plan = BatchPlan(seq_len=SEQ, micro_batch=MICRO, accumulation=ACCUMULATION, dp=DP)

@@ -1,7 +1,7 @@
 """Training Mixture-of-Experts models with expert parallelism, through the real launcher, against the single process.
 
-Cases in the suite's shared 2- and 4-process launcher jobs (``two_process_job`` and ``four_process_job`` in
-conftest.py), 20 steps of ``models/moe-tiny.json`` (8 experts, top-2, a gated shared expert) each case:
+Two jobs (``tests/launch_sweep.py``), 20 steps of ``models/moe-tiny.json`` (8 experts, top-2, a gated
+shared expert) each case:
 
 - 2 processes: EP 2 under ZeRO 0 (megakit's own clipper: the experts' norm summed over EP),
   EP 2 under ZeRO 2 with the aux and z losses on, EP 2 under ZeRO 1 with the aux-loss-free expert bias;
@@ -14,10 +14,9 @@ Bad flags get one line before any process group (no launcher needed).
 
 import json
 import re
-from pathlib import Path
 
 import pytest
-from test_trainer import ROOT, ds_config
+from test_trainer import ROOT, ds_config, sweep
 
 from megakit.errors import UsageError
 from megakit.train.run import TrainConfig, resolve
@@ -89,15 +88,10 @@ def test_expert_flags_are_checked_before_any_process_group(tmp_path):
 
 
 # -- 2 processes: EP 2 under ZeRO 0-2, with the balancing losses and the expert bias ------------------
-def ep2_cases() -> list[dict]:
-    """This module's cases of the 2-process job (``two_process_job`` in conftest.py): 60 steps."""
-    return [_case(0, ep=2), _case(2, ep=2, **AUX), _case(1, ep=2, moe_expert_bias=True)]
-
-
 @pytest.fixture(scope="module")
-def ep2(two_process_job):
-    job = two_process_job["test_moe_train"]
-    return job["cases"], job["results"]
+def ep2(tmp_path_factory):
+    cases = [_case(0, ep=2), _case(2, ep=2, **AUX), _case(1, ep=2, moe_expert_bias=True)]
+    return cases, sweep(tmp_path_factory, 2, cases, timeout=900)  # 60 steps
 
 
 @pytest.mark.slow
@@ -129,19 +123,14 @@ def test_moe_metrics_per_layer_and_all_to_all_bytes(ep2):
 
 
 # -- 4 processes: EP with TP, PP and DP 4; a checkpoint at EP 2 resumed at EP 1 and EP 4 ---------------
-def ep4_cases(saved: Path) -> list[dict]:
-    """This module's cases of the 4-process job (``four_process_job`` in conftest.py): 80 steps, saving under
-    ``saved``."""
-    return [_case(1, ep=2, tp=2), _case(1, ep=2, pp=2),
+@pytest.fixture(scope="module")
+def ep4(tmp_path_factory):
+    saved = tmp_path_factory.mktemp("moe-ckpt")
+    cases = [_case(1, ep=2, tp=2), _case(1, ep=2, pp=2),
              _case(1, micro=2, accumulation=1, ep=2, save=str(saved / "ep2"), save_every=10, keep=2),
              _case(1, micro=2, accumulation=1, ep=1, load=str(saved / "ep2" / "step-0000010"), save=str(saved / "ep1")),
              _case(0, micro=2, accumulation=1, ep=4, load=str(saved / "ep2" / "step-0000010"), save=str(saved / "ep4"))]
-
-
-@pytest.fixture(scope="module")
-def ep4(four_process_job):
-    job = four_process_job["test_moe_train"]
-    return job["cases"], job["results"], job["tmp"]
+    return cases, sweep(tmp_path_factory, 4, cases, timeout=900), saved  # 80 steps on 4 processes
 
 
 @pytest.mark.slow

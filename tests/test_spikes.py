@@ -1,8 +1,7 @@
 """The loss-spike guard through the launcher: a spike injected at step 8 rolls back to the step-6 checkpoint,
 skips the batches read since (those of steps 6-8), and goes on to the end; its checkpoints keep the skip.
 
-DP 2, ZeRO 1, dropout 0.1 (its masks follow the data position too), ``--save-every 3 --async-save``. The spiked
-run is a case of the guard job shared with test_guards.py (``guard_job`` in conftest.py). The run
+DP 2, ZeRO 1, dropout 0.1 (its masks follow the data position too), ``--save-every 3 --async-save``. The run
 that rolled back is checked against two resumes in a second job: from its own step-9 checkpoint (a resume keeps
 the skip), and from its step-6 checkpoint with the skip written into the manifest by hand (the run that never
 spiked and skipped those batches): the losses are the same, bit for bit.
@@ -36,20 +35,13 @@ def _extra(checkpoint) -> dict:
     return json.loads((checkpoint / "manifest.json").read_text())["extra"]
 
 
-def sweep_cases(tmp_path) -> list[dict]:
-    """This module's first job, the spiked run, as a case of the guard job (``guard_job`` in conftest.py, shared with
-    test_guards.py)."""
-    common = dict(ds_config=ds_config(1), model=dropout_model(tmp_path), steps=12, seq_len=32)
-    return [dict(common, save=str(tmp_path / "spiked"), save_every=3, keep=10, spike_guard=4.0, async_save=True,
-                 metrics_out=str(tmp_path / "metrics.json"), tensorboard=str(tmp_path / "tb"), faults="spike@8")]
-
-
 @pytest.mark.slow
-def test_a_spike_rolls_back_skips_its_batches_and_a_resume_keeps_the_skip(guard_job, monkeypatch):
-    job = guard_job["test_spikes"]
-    (a,), log, tmp_path, (spiked,) = job["results"], job["log"], job["tmp"], job["cases"]
-    save = tmp_path / "spiked"
-    common = {k: spiked[k] for k in ("ds_config", "model", "steps", "seq_len")}
+def test_a_spike_rolls_back_skips_its_batches_and_a_resume_keeps_the_skip(tmp_path, monkeypatch):
+    model, save = dropout_model(tmp_path), tmp_path / "spiked"
+    common = dict(ds_config=ds_config(1), model=model, steps=12, seq_len=32)
+    spiked = dict(common, save=str(save), save_every=3, keep=10, spike_guard=4.0, async_save=True,
+                  metrics_out=str(tmp_path / "metrics.json"), tensorboard=str(tmp_path / "tb"))
+    (a,), log = _launch(tmp_path, "spiked", [spiked], monkeypatch, fault="spike@8")
     assert a["step"] == [*range(9), *range(6, 12)], a  # steps 6-8 again, after the rollback
     assert a["loss"][8] > 100 * a["loss"][7]  # the injected spike
     (event,) = a["events"]

@@ -2,8 +2,7 @@
 
 Launcher starts are expensive (~10 s), so each job runs several cases
 (``tests/launch_sweep.py``): one 2-process job for ZeRO 0-3 and one 4-process job
-for TP x PP, TP x DP and CP, most with ``--verify-memory`` on (it only observes); other modules' cases
-join those two jobs (``two_process_job`` and ``four_process_job`` in conftest.py).
+for TP x PP, TP x DP and CP, most with ``--verify-memory`` on (it only observes).
 """
 
 import glob
@@ -21,9 +20,7 @@ from multiproc import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 10  # a trajectory case: the warm-up (5 steps) and the cosine after it; the loss falls by over 0.8
-GAP_STEPS = 20  # a compressed run: its distance from the exact run is measured over its last 5 steps
-FP8_STEPS = 10  # an fp8 run (emulated, slow on CPU): its largest gap over 10 steps is 5e-5 to 8e-5 (> 1e-5)
-COMPILED_STEPS = 5  # the compiled case: the warm-up's 5 steps, against the eager run's first 5 (about 2 s a step)
+GAP_STEPS = 20  # a compressed or fp8 run: its distance from the exact run is measured over its last 5 steps
 LOSS_TOL = 2e-5  # fp32: the distributed loss differs from the single process by summation order only
 
 
@@ -111,6 +108,11 @@ def assert_close_runs(got: dict, want: dict, tol: float = 1e-5) -> None:
         assert a["step"] == b["step"] and abs(a["loss"] - b["loss"]) < tol, (a, b)
 
 
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    return _token_shards(tmp_path_factory)
+
+
 def sync_cases(data: str, flags: list[dict], **layout) -> list[dict]:
     """megakit's own DP sync (ZeRO 0, or ZeRO 1's buckets with ``zero=1``), 6 steps on ``data``, validated at 3 and 6.
     Adam's eps is 1e-4: with 1e-8 the first update is +-lr almost everywhere, a near-tie that the last bits in which
@@ -132,14 +134,7 @@ DP_SYNC = [dict(local_sgd=2), dict(compress="int8"), dict(compress="int8", zero=
 
 # -- DP x ZeRO 0-3 (2 processes) -------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def dp_results(two_process_job):
-    job = two_process_job["test_trainer"]  # one job with test_moe_train.py's EP 2 cases (conftest.py)
-    return job["cases"], job["results"]
-
-
-def dp_cases(tmp_path_factory, shards: str) -> list[dict]:
-    """This module's cases of the 2-process job (``two_process_job`` in conftest.py, which sets
-    MEGAKIT_FP8_EMULATE for the --fp8 cases)."""
+def dp_results(tmp_path_factory, shards):
     cases = [dict(ds_config=ds_config(z), model="gpt-tiny", steps=STEPS, seq_len=32, verify_memory=True)
              for z in range(4)]
     diverge = ds_config(0)
@@ -185,16 +180,20 @@ def dp_cases(tmp_path_factory, shards: str) -> list[dict]:
     for chunks in (1, 8):
         cases.append(dict(ds_config=ds_config(1, micro=4, accumulation=1), model=big_vocab, steps=2, seq_len=64, tp=2,
                           sequence_parallel=True, loss_chunks=chunks, verify_memory=True))
-    # cases 31, 32: --fp8 tensorwise and rowwise at TP 2 under torchao's emulation (CPU), 10 steps; 31 saves
+    # cases 31, 32: --fp8 tensorwise and rowwise at TP 2 under torchao's emulation (CPU), 20 steps; 31 saves
     for recipe in ("tensorwise", "rowwise"):
-        cases.append(dict(ds_config=ds_config(1), model="gpt-tiny", steps=FP8_STEPS, seq_len=32, tp=2, fp8=recipe,
+        cases.append(dict(ds_config=ds_config(1), model="gpt-tiny", steps=GAP_STEPS, seq_len=32, tp=2, fp8=recipe,
                           save=str(saved.parent / "fp8") if recipe == "tensorwise" else None))
-    return cases
+    os.environ["MEGAKIT_FP8_EMULATE"] = "1"  # read by --fp8 cases only
+    try:
+        return cases, sweep(tmp_path_factory, 2, cases)
+    finally:
+        del os.environ["MEGAKIT_FP8_EMULATE"]
 
 
 @pytest.mark.slow
 def test_fp8_at_tp2_trains_within_2_percent_and_saves_plain_weights(dp_results):
-    """torchao's float8 matmul in megakit's TP linears (emulated on CPU): 10 steps within 2 % of the fp32 single-process
+    """torchao's float8 matmul in megakit's TP linears (emulated on CPU): 20 steps within 2 % of the fp32 single-process
     losses, but not equal to them (the GEMMs did run in float8); the checkpoint holds the plain weights, same names."""
     from safetensors import safe_open
 
@@ -400,13 +399,7 @@ def test_accumulation_communicates_only_at_the_boundary(dp_results):
 
 # -- TP x PP and TP x DP (4 processes) -------------------------------------------------------------
 @pytest.fixture(scope="module")
-def mp_results(four_process_job):
-    job = four_process_job["test_trainer"]  # one job with test_moe_train.py's and test_resume*.py's (conftest.py)
-    return job["cases"], job["results"]
-
-
-def mp_cases(tmp_path_factory, shards: str) -> list[dict]:
-    """This module's cases of the 4-process job (``four_process_job`` in conftest.py)."""
+def mp_results(tmp_path_factory, shards):
     cases = [dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
                   verify_memory=True),
              dict(ds_config=ds_config(1), model="llama-tiny", steps=STEPS, seq_len=32, tp=2, pp=1),
@@ -433,6 +426,7 @@ def mp_cases(tmp_path_factory, shards: str) -> list[dict]:
                       compress="sign"))
     # case 10: TP2 x PP2, interleaved (2 chunks), on token shards (BPE 512) with validation every 5 steps, saved; 20
     # steps (on these tokens the loss falls by 0.5 only after 10: measured 6.26 -> 5.86)
+    shards = _token_shards(tmp_path_factory)
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=2 * STEPS, seq_len=32, tp=2, pp=2,
                       vpp=2, data=shards, eval_every=5, eval_batches=2,
                       save=str(tmp_path_factory.mktemp("ckpt") / "run")))
@@ -451,10 +445,10 @@ def mp_cases(tmp_path_factory, shards: str) -> list[dict]:
         cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=6, seq_len=32, data=shards,
                           compress=compress, eval_every=3, eval_batches=2, save_every=3, keep=2,
                           save=str(tmp_path_factory.mktemp("ckpt") / compress.split(":")[0]), **layout))
-    # case 20: case 4 (TP2 x PP2, SP, dropout 0.1) with compiled blocks, 5 steps (aot_eager: Inductor's C++ build
+    # case 20: case 4 (TP2 x PP2, SP, dropout 0.1) with compiled blocks, 10 steps (aot_eager: Inductor's C++ build
     # takes minutes on this CPU; the plumbing checked here is Dynamo's and AOTAutograd's)
-    cases.append(dict(cases[4], steps=COMPILED_STEPS, compile=True, compile_backend="aot_eager"))
-    return cases
+    cases.append(dict(cases[4], steps=10, compile=True, compile_backend="aot_eager"))
+    return cases, sweep(tmp_path_factory, 4, cases)
 
 
 def _token_shards(tmp_path_factory) -> str:
@@ -482,7 +476,7 @@ def test_compiled_blocks_follow_eager_at_tp2_pp2_with_sp_and_dropout(mp_results)
     _, results = mp_results
     eager, compiled = results[4], results[20]
     assert eager["dynamo_graphs"] == 0 < compiled["dynamo_graphs"]  # it did compile, and only that case
-    assert len(compiled["loss"]) == COMPILED_STEPS
+    assert len(compiled["loss"]) == 10
     for step, (got, want) in enumerate(zip(compiled["loss"], eager["loss"])):
         assert abs(got - want) < 1e-5, (step, got, want)
 
