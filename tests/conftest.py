@@ -10,6 +10,7 @@ Launcher jobs shared by several modules (a start costs more than most cases) are
 """
 
 import glob
+import json
 import os
 import sys
 
@@ -58,3 +59,18 @@ def resume_jobs(tmp_path_factory) -> dict:
         job["results"], results = results[:len(job["cases"])], results[len(job["cases"]):]
         job["stdout"] = output[0]
     return jobs
+
+
+@pytest.fixture
+def plan_json(monkeypatch, capsys):
+    """``megakit plan ... --json`` in-process, returning its "plan" object (the calibration tests' way in). The exact
+    parameter count is skipped: it builds the model through transformers only to name it, and the cost never reads it."""
+    import megakit.interop.hf as hf
+    from megakit.commands.cli import main
+
+    monkeypatch.setattr(hf, "exact_param_count", lambda raw: None)
+
+    def run(*argv) -> dict:
+        assert main(["plan", *map(str, argv), "--json"]) == 0, capsys.readouterr().err
+        return json.loads(capsys.readouterr().out)["plan"]
+    return run

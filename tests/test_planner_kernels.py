@@ -25,16 +25,6 @@ from megakit.core.planner.plan import Plan
 MEGAKIT = json.loads((Path(__file__).parent / "data" / "megakit-runs.json").read_text())["rows"]
 
 
-@pytest.fixture
-def plan_json(monkeypatch, capsys):
-    monkeypatch.setattr(hf, "exact_param_count", lambda raw: None)
-
-    def run(*argv) -> dict:
-        assert main(["plan", *map(str, argv), "--json"]) == 0, capsys.readouterr().err
-        return json.loads(capsys.readouterr().out)["plan"]
-    return run
-
-
 def _megatron_argv(row, tmp_path) -> list:
     """The row's shape as a GPT-2 config.json, its layout pinned as ``test_planner_cost.row_case`` reads it."""
     model, plan, _ = row_case(row)

@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-import megakit.interop.hf as hf
-from megakit.commands.cli import main
 from megakit.core.planner.compute import attention_time
 from megakit.core.planner.hardware import gpu_preset
 from megakit.core.planner.model_spec import ModelSpec
@@ -25,16 +23,6 @@ ROWS = DATA["rows"]
 MODELS = Path(__file__).parent.parent / "models"
 TOLERANCE = 0.15  # every row held to it ("within": true)
 KERNEL_TOLERANCE = 0.05  # FlashAttention-2's published bars; measured max 3.0 %
-
-
-@pytest.fixture
-def plan_json(monkeypatch, capsys):
-    monkeypatch.setattr(hf, "exact_param_count", lambda raw: None)  # names the model only; the cost never reads it
-
-    def run(*argv) -> dict:
-        assert main(["plan", *map(str, argv), "--json"]) == 0, capsys.readouterr().err
-        return json.loads(capsys.readouterr().out)["plan"]
-    return run
 
 
 def _argv(row, tmp_path) -> list:

@@ -18,23 +18,8 @@ less its compute at the 7.1B row's efficiency."""
 import json
 from pathlib import Path
 
-import pytest
-
-import megakit.interop.hf as hf
-from megakit.commands.cli import main
-
 ROWS = json.loads((Path(__file__).parent / "data" / "megatron-core-runs.json").read_text())["rows"]
 TOLERANCE = 0.15  # every row
-
-
-@pytest.fixture
-def plan_json(monkeypatch, capsys):
-    monkeypatch.setattr(hf, "exact_param_count", lambda raw: None)  # names the model only; the cost never reads it
-
-    def run(*argv) -> dict:
-        assert main(["plan", *map(str, argv), "--json"]) == 0, capsys.readouterr().err
-        return json.loads(capsys.readouterr().out)["plan"]
-    return run
 
 
 def _argv(row, tmp_path, **override) -> list:

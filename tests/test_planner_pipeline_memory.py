@@ -22,25 +22,12 @@ from pathlib import Path
 
 import pytest
 
-import megakit.interop.hf as hf
-from megakit.commands.cli import main
-
 DATA = json.loads((Path(__file__).parent / "data" / "pipeline-memory-runs.json").read_text())
 ROWS = DATA["rows"]
 PLAIN = [r for r in ROWS if r["schedule"] == "1f1b"]
 INTERLEAVED = [r for r in ROWS if r["schedule"] == "interleaved"]
 TOLERANCE = 0.15  # peaks
 INCREASE_TOLERANCE = 0.20  # interleaved minus plain
-
-
-@pytest.fixture
-def plan_json(monkeypatch, capsys):
-    monkeypatch.setattr(hf, "exact_param_count", lambda raw: None)  # names the model only; memory counts analytically
-
-    def run(*argv) -> dict:
-        assert main(["plan", *map(str, argv), "--json"]) == 0, capsys.readouterr().err
-        return json.loads(capsys.readouterr().out)["plan"]
-    return run
 
 
 def _config(row, tmp_path, layers: int) -> Path:
