@@ -63,6 +63,7 @@ from megakit.core.planner.activations import (  # noqa: F401 (memory's API: what
     routing_tensors,
 )
 from megakit.core.planner.model_spec import ModelSpec
+from megakit.core.planner.plan import megatron_fp32_grads
 from megakit.core.planner.stages import (  # noqa: F401 (memory's API: where the stages' blocks and micro-batches are)
     in_flight_chunks,
     in_flight_micro_batches,
@@ -168,7 +169,7 @@ def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str, o
     forces --accumulate-allreduce-grads-in-fp32 for bf16 only; optimizer.py _copy_model_grads_to_main_grads)."""
     buckets = buckets or Buckets()
     p, mixed = PRECISIONS[precision], precision != "fp32"
-    if main_grads and zero_stage <= 1 and precision == "bf16" and offload == "none":
+    if main_grads and zero_stage <= 1 and megatron_fp32_grads(precision) and offload == "none":
         shard = dp if zero_stage == 1 else 1
         return {"params": p * psi, "grads": 4 * psi, "master_params": 4 * psi / shard, "optimizer": 8 * psi / shard,
                 "fp32_step_grads": 0.0}

@@ -22,6 +22,13 @@ RUNTIMES = {"megakit": {}, "megatron": {"megatron": True}, "megatron-core": {"me
             "deepspeed-2021": {"zero3": "deepspeed-2021"}}
 
 
+
+def megatron_fp32_grads(precision: str) -> bool:
+    """Whether Megatron-LM keeps and reduces fp32 gradients (main-grad buffers) for this training precision: under bf16
+    only, where its arguments.py forces --accumulate-allreduce-grads-in-fp32; under fp16 they stay fp16 until the step."""
+    return precision == "bf16"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
     """TP × CP × PP × DP with ZeRO, micro-batching and recomputation.
@@ -82,12 +89,12 @@ class Plan:
 
     @property
     def grad_reduce_precision(self) -> str:
-        """The dtype data parallelism reduces gradients in: as pinned (``reduce_precision``), else fp32 for
-        Megatron's trainer under bf16 (its arguments.py forces --accumulate-allreduce-grads-in-fp32 there:
-        main-grad buffers are reduced as they are kept, unless --grad-reduce-in-bf16), else training's."""
+        """The dtype data parallelism reduces gradients in: as pinned (``reduce_precision``), else fp32 where
+        Megatron's trainer keeps fp32 main grads (reduced as they are kept, unless --grad-reduce-in-bf16), else
+        training's."""
         if self.reduce_precision:
             return self.reduce_precision
-        return "fp32" if self.megatron and self.precision == "bf16" else self.precision
+        return "fp32" if self.megatron and megatron_fp32_grads(self.precision) else self.precision
 
     @property
     def world(self) -> int:
