@@ -98,6 +98,23 @@ def test_a_pinned_split_is_what_the_memory_and_cost_models_price():
     assert first.layers == 5 and first.total < estimate_memory(model, stage=0, **balanced.best.plan.memory_kwargs()).total
 
 
+def test_a_pinned_split_with_empty_end_chunks_is_priced_by_its_schedule():
+    """Pinned chunks are timed by running the interleaved schedule in the simulator, chunk by chunk: 3,4,...,4,3
+    (what the balanced split gives) keeps the closed form's bubble, while 0,4,...,4,7,7,4,...,4,0 (the embedding alone
+    in the first chunk, the head alone in the last, ranks 0 and 15 each one 7-block chunk) fills and drains the
+    pipeline through those two big chunks, so its bubble is larger, and the step slower, at about the same per-rank
+    work."""
+    balanced_split = (3,) + (4,) * 30 + (3,)
+    ends_apart = (0,) + (4,) * 14 + (7, 7) + (4,) * 14 + (0,)
+    _, formula = _llama_405b_search(vpp=2)
+    _, balanced = _llama_405b_search(stage_layers=balanced_split)
+    _, ends = _llama_405b_search(stage_layers=ends_apart)
+    assert balanced.best.cost.bubble_s == pytest.approx(formula.best.cost.bubble_s, rel=0.03)
+    assert max(ends.best.cost.stage_times) == pytest.approx(max(balanced.best.cost.stage_times), rel=0.05)
+    assert ends.best.cost.bubble_s > 1.3 * balanced.best.cost.bubble_s
+    assert ends.best.cost.tokens_per_s < balanced.best.cost.tokens_per_s
+
+
 @pytest.mark.parametrize("pins, message", [
     (dict(stage_layers=(63, 63)), "gives 2 layer counts for --pp 16 x --vpp 1 = 16 virtual stages"),
     (dict(vpp=2, stage_layers=(4,) * 32), "sums to 128 layers but the model has 126"),

@@ -63,6 +63,23 @@ def test_interleaving_reduces_bubble_as_formula(pp, m, vpp):
     assert report.bubble < simulate(schedule_1f1b(pp, m)).bubble
 
 
+def test_costs_per_virtual_stage():
+    """Costs given chunk by chunk (pp x vpp values): 1/vpp of each stage's cost is the per-stage run exactly; a split
+    whose rank 1 holds all of virtual stage 1's work and rank 0 all of stage 2's (PP 2 x VPP 2, empty ends) is two
+    plain stages run in interleaving's order: a third of the step idle, worse than 1F1B's ninth, not better."""
+    pp, m, vpp = 4, 8, 2
+    per_stage = simulate(schedule_interleaved(pp, m, vpp), Costs(forward=(1.0, 2.0, 1.5, 1.0), backward=(2.0, 4.0, 3.0, 2.0)))
+    chunked = Costs(forward=(0.5, 1.0, 0.75, 0.5) * 2, backward=(1.0, 2.0, 1.5, 1.0) * 2)
+    assert simulate(schedule_interleaved(pp, m, vpp), chunked).step_time == pytest.approx(per_stage.step_time)
+    empty_ends = simulate(schedule_interleaved(2, 8, 2), Costs(forward=(0.0, 1.0, 1.0, 0.0), backward=(0.0, 2.0, 2.0, 0.0)))
+    balanced = simulate(schedule_interleaved(2, 8, 2), Costs(forward=1.0, backward=2.0))
+    assert balanced.bubble == pytest.approx(1 / (2 * 8 + 1))
+    assert empty_ends.bubble == pytest.approx(1 / 3)
+    assert simulate(schedule_1f1b(2, 8)).bubble == pytest.approx(1 / 9)
+    with pytest.raises(UsageError, match="one per stage or one per virtual stage"):
+        simulate(schedule_interleaved(2, 4, 2), Costs(forward=(1.0, 2.0, 3.0)))
+
+
 def test_in_flight_bounds():
     for pp in range(1, 9):
         for m in (1, pp, 4 * pp):

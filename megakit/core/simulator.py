@@ -57,11 +57,14 @@ class ScheduleError(Exception):
 
 @dataclass(frozen=True, kw_only=True)
 class Costs:
-    """Time per action: floats, or one float per stage (measured costs of unequal stages).
+    """Time per action: floats, one float per stage (measured costs of unequal stages), or, for
+    ``forward`` and ``backward``, one per virtual stage (chunks holding unequal layers).
 
     ``forward`` and ``backward`` are the cost of a whole stage's layers for one
     micro-batch; with ``vpp`` chunks a chunk costs 1/vpp of it, so interleaving does
-    not change the total work. ``p2p`` is the time a message takes to arrive.
+    not change the total work. Given ``pp * vpp`` values instead, in virtual-stage
+    order (chunk ``c`` of rank ``r`` is ``c * pp + r``), each chunk costs its own.
+    ``p2p`` is the time a message takes to arrive.
     ``weight`` is the share of ``backward`` that is the weight gradient W when a
     schedule splits it (zero bubble): B costs the rest.
     """
@@ -107,7 +110,7 @@ class Report:
         return sum(self.bubble_per_stage) / len(self.bubble_per_stage)
 
 
-def _validate_costs(costs: Costs, pp: int) -> None:
+def _validate_costs(costs: Costs, pp: int, vpp: int = 1) -> None:
     if not 0.0 <= costs.weight <= 1.0:
         raise UsageError(f"weight is the share of the backward that is W, between 0 and 1; got {costs.weight!r}")
     for name in ("forward", "backward", "p2p", "reduce", "step"):
@@ -115,8 +118,9 @@ def _validate_costs(costs: Costs, pp: int) -> None:
         values = value if isinstance(value, (tuple, list)) else (value,)
         if isinstance(value, (tuple, list)) and name not in ("forward", "backward"):
             raise UsageError(f"{name} cost must be one number; only forward and backward costs may differ per stage")
-        if isinstance(value, (tuple, list)) and len(value) != pp:
-            raise UsageError(f"{name} costs give {len(value)} values for {pp} stages; give one per stage")
+        if isinstance(value, (tuple, list)) and len(value) not in (pp, pp * vpp):
+            per_chunk = f" or one per virtual stage ({pp * vpp})" if vpp > 1 else ""
+            raise UsageError(f"{name} costs give {len(value)} values for {pp} stages; give one per stage{per_chunk}")
         if any(not isinstance(x, (int, float)) or x < 0 for x in values):
             raise UsageError(f"{name} cost must be a non-negative number, got {value!r}")
 
@@ -326,7 +330,7 @@ class _Simulator:
             self.fail(st, a, "runs the same forward twice")
         if vs > 0 and (RecvActivation.channel, mb, vs) not in st.received:
             self.fail(st, a, "runs a forward before receiving its activation")
-        cost = self.costs.per_stage("forward", st.index) / self.vpp
+        cost = self._cost("forward", st.index, chunk)
         st.forwarded[(mb, chunk)] = st.clock + cost
         st.in_flight += 1
         st.peak = max(st.peak, st.in_flight)
@@ -340,7 +344,7 @@ class _Simulator:
             self.fail(st, a, "runs the same backward twice")
         if vs < self.last and (RecvGrad.channel, mb, vs) not in st.received:
             self.fail(st, a, "runs a backward before receiving its output gradient")
-        cost = self.costs.per_stage("backward", st.index) / self.vpp
+        cost = self._cost("backward", st.index, chunk)
         st.done_backward.add((mb, chunk))
         if isinstance(a, BackwardInput):  # what W needs stays in flight
             return self._compute(st, a, cost * (1.0 - self.costs.weight))
@@ -353,7 +357,14 @@ class _Simulator:
             self.fail(st, a, "runs a weight gradient before its input gradient, or twice")
         st.done_weight.add((mb, chunk))
         st.in_flight -= 1
-        return self._compute(st, a, self.costs.per_stage("backward", st.index) / self.vpp * self.costs.weight)
+        return self._compute(st, a, self._cost("backward", st.index, chunk) * self.costs.weight)
+
+    def _cost(self, name: str, stage: int, chunk: int) -> float:
+        """One chunk's ``forward`` or ``backward``: its own value when given per virtual stage, else 1/vpp of its stage's."""
+        value = getattr(self.costs, name)
+        if self.vpp > 1 and isinstance(value, (tuple, list)) and len(value) == self.pp * self.vpp:
+            return float(value[self.schedule.virtual_stage(stage, chunk)])
+        return self.costs.per_stage(name, stage) / self.vpp
 
     def _compute(self, st: _Stage, a: Instruction, cost: float) -> bool:
         start = st.clock
@@ -386,7 +397,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), *, tagged: bool = True,
         raise UsageError(f"unknown P2P mode {p2p!r}; use one of {', '.join(P2P_MODES)}")
     if not schedule.has_p2p:
         schedule = add_p2p(schedule)
-    _validate_costs(costs, schedule.pp)
+    _validate_costs(costs, schedule.pp, schedule.vpp)
     return _Simulator(schedule, costs, tagged=tagged, p2p=p2p).run()
 
 

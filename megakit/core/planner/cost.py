@@ -6,7 +6,9 @@ memory-bound elementwise kernels, launches, recompute) plus the TP all-reduces (
 reduce-scatter) on the intra-node link: 2 forward, 2 backward, 2 more when the block is recomputed,
 not overlapped. The 1F1B pipeline then runs ``m`` micro-batches through ``p`` stages:
 ``m·T_slowest + (ΣT − T_slowest)/v`` plus P2P sends (exact when the last stage is the slowest, a
-slight upper bound when the trainer's split leaves a middle stage slowest), and data parallelism adds
+slight upper bound when the trainer's split leaves a middle stage slowest). That form assumes each of
+a stage's ``v`` chunks is 1/v of its work; a pinned ``--stage-layers`` split is instead timed chunk by
+chunk, its schedule run in ``core.simulator`` (``stages.interleaved_step_time``). Data parallelism adds
 the traffic that its compute does not hide (over DP x CP with context parallelism, whose ring passes
 each K/V block around the CP group beside the block's attention, exposed only where it outlasts it) (``sharding.dp_time``: DDP/ZeRO-1 all-reduce, ZeRO-2
 reduce-scatter, ZeRO-3/FSDP gathers prefetched behind the previous block), then the optimizer step.
@@ -49,7 +51,12 @@ from megakit.core.planner.sharding import (
     group_bandwidth,
     overlapped,
 )
-from megakit.core.planner.stages import zero_bubble_bubble_share
+from megakit.core.planner.stages import (
+    interleaved_step_time,
+    stage_chunk_layers,
+    stage_chunk_moe_layers,
+    zero_bubble_bubble_share,
+)
 
 ADAM_BYTES = 36  # HBM bytes the optimizer step touches per local parameter (fp32 master, m, v, grads)
 STEP_S = 0.015  # host time per optimizer step (engine bookkeeping, grad-norm sync, logging)
@@ -163,6 +170,19 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     bubble_s = (sum(stage_s) + p * p2p_s - slowest) / v if p > 1 else 0.0
     if plan.zero_bubble:  # ZB-H1: the W's fill what 1F1B leaves idle, (p-1)(F+B-W) instead of (p-1)(F+B+W)
         bubble_s *= zero_bubble_bubble_share(weight_grad_share(model, s, plan))
+    if v > 1 and model.stage_layers is not None:  # a pinned split: its chunks may hold unequal work
+        chunk_layers, chunk_moes = stage_chunk_layers(model, p, v), stage_chunk_moe_layers(model, p, v)
+        chunk_s = [0.0] * (p * v)
+        for rank in range(p):
+            for c in range(v):
+                n, k = chunk_layers[rank][c], chunk_moes[rank][c]
+                chunk_s[c * p + rank] = k * layer_s + (n - k) * dense_s
+        chunk_s[0] += embed_s
+        chunk_s[-1] += head_s
+        timed = interleaved_step_time(tuple(chunk_s), pp=p, vpp=v, micro_batches=m,
+                                      forward_share=block.forward / block.total, message_s=p2p_s / (2 * v))
+        if timed is not None:
+            bubble_s = max(timed - m * slowest, 0.0)
     pipeline_s = m * slowest + bubble_s
     worst = stage_s.index(max(stage_s))
     tp_total = m * counts[worst] * tp_s

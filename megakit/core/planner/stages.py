@@ -11,6 +11,8 @@ import functools
 
 from megakit.core.partition import partition_layers
 from megakit.core.planner.model_spec import ModelSpec
+from megakit.core.schedules import build_schedule
+from megakit.core.simulator import Costs, simulate
 
 
 def in_flight_micro_batches(*, pp: int, stage: int, accumulation: int, vpp: int = 1,
@@ -54,6 +56,34 @@ def in_flight_chunks(*, pp: int, stage: int, accumulation: int, vpp: int = 1,
         states.add(tuple(live))
         live[vpp - 1 - (i // pp) % vpp] -= 1
     return tuple(sorted(states))
+
+
+def interleaved_step_time(chunk_times: tuple[float, ...], *, pp: int, vpp: int, micro_batches: int,
+                          forward_share: float, message_s: float) -> float | None:
+    """Seconds of an interleaved step whose chunks (``chunk_times``: forward + backward of one micro-batch, per
+    virtual stage; ``message_s`` one P2P send) hold unequal work: the trainer's schedule run in the simulator, the first ``pp`` micro-batches
+    (a group, each of them through every chunk), each further one at the slowest rank's pace.
+
+    The closed form ``(ΣT − T_slowest) / v`` assumes each chunk is 1/v of its rank's work; a split such as
+    ``0,12,12,0`` (PP 2 x VPP 2) has the ranks' totals of a balanced one but a plain 1F1B's fill and drain.
+    None where the schedule cannot run (micro-batches not a multiple of ``pp``). Cached on the costs relative
+    to the slowest chunk, to 1e-3: the search prices the same pinned split at many micro-batch sizes."""
+    if micro_batches < pp or micro_batches % pp:
+        return None
+    scale = max(chunk_times)
+    if scale <= 0:
+        return 0.0
+    unit = _interleaved_unit_time(tuple(round(t / scale, 3) for t in chunk_times), pp, vpp,
+                                  round(forward_share, 3), round(message_s / scale, 3))
+    per_rank = [sum(chunk_times[c * pp + r] for c in range(vpp)) for r in range(pp)]
+    return unit * scale + (micro_batches - pp) * (max(per_rank) + 2 * vpp * message_s)
+
+
+@functools.lru_cache(maxsize=256)
+def _interleaved_unit_time(chunks: tuple[float, ...], pp: int, vpp: int, forward_share: float, p2p: float) -> float:
+    costs = Costs(forward=tuple(t * forward_share for t in chunks),
+                  backward=tuple(t * (1 - forward_share) for t in chunks), p2p=p2p)
+    return simulate(build_schedule("interleaved", pp, pp, vpp), costs).step_time
 
 
 def zero_bubble_bubble_share(weight_share: float) -> float:
