@@ -134,6 +134,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-out", metavar="FILE", default=None, help="write per-step metrics as JSON (rank 0)")
     p.add_argument("--log-every", type=int, default=1, help="print a metrics line every N steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--check", action="store_true",
+                   help="check the flags, the ds_config, the model, the data and --load for $WORLD_SIZE processes "
+                        "(default 1) in this one process, say what would run and exit (2 on a mistake): what a "
+                        "cluster job runs before it starts its workers")
     p.add_argument("--log-heartbeat", metavar="SECONDS", type=float, default=60.0,
                    help="without a progress bar (a log file): a line every SECONDS while a step runs longer (0: off)")
     p.add_argument("--max-skipped-steps", metavar="N", type=int, default=None,
@@ -186,6 +190,25 @@ def config(args: argparse.Namespace):
         **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}))
 
 
+def _check(cfg) -> int:
+    """``--check``: ``resolve`` the run (every check the workers make before any process group) and say what it is."""
+    from megakit.errors import UsageError
+    from megakit.train.run import resolve
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        run = resolve(cfg, world, say=lambda *_: None)
+    except UsageError as error:
+        print(f"train.py: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    layout, batch = run.layout, run.batch
+    cp = f" x CP {layout.cp}" if layout.cp > 1 else ""
+    start = f", resuming at step {run.start_step} from {run.checkpoint}" if run.checkpoint is not None else ""
+    print(f"train.py: check passed: {cfg.model} on {world} process(es), TP {layout.tp}{cp} x PP {layout.pp} x DP "
+          f"{layout.dp}, {batch.global_batch} sequences of {batch.seq_len} per step, {cfg.steps} steps{start}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -198,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         if _rank0():
             print(f"train.py: error: {error}", file=sys.stderr, flush=True)
         return 2
+    if args.check:
+        return _check(cfg)
     try:
         train(cfg)
         _leave()

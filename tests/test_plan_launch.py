@@ -90,6 +90,7 @@ def test_emit_launch_writes_a_slurm_script_bash_parses_and_a_hostfile(tmp_path, 
 SRUN = """#!/bin/bash
 # srun's stand-in: its command once per node of the allocation (SLURM_NNODES), all on this machine
 while [[ "$1" == --* ]]; do shift; done
+echo "srun: starting $SLURM_NNODES node(s)" >&2
 pids=()
 for ((node = 0; node < SLURM_NNODES; node++)); do SLURM_NODEID=$node SLURM_PROCID=$node "$@" & pids+=($!); done
 status=0
@@ -105,7 +106,8 @@ def test_the_slurm_script_trains_on_two_loopback_nodes_and_survives_a_killed_wor
     worker on both nodes (the script's --max-restarts), ``--load auto`` resumes from the step-6 checkpoint and the
     run ends at step 12. It validates on prepared data, keeps 2 checkpoints (arguments to the script override the
     plan's --save-every), and its losses are the single process's. (That a resume is bitwise the uninterrupted run
-    at the same layout is test_restart's.)"""
+    at the same layout is test_restart's.) Before it, the script given a flag no worker can run stops at its
+    ``train.py --check`` in one line, exit 2, without starting torchrun (which would retry it 3 times)."""
     from megakit.interop.prepare_data import PrepareConfig, prepare
     from megakit.train.fault_injection import VARIABLE
     from megakit.train.reference import reference_run
@@ -127,11 +129,17 @@ def test_the_slurm_script_trains_on_two_loopback_nodes_and_survives_a_killed_wor
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", SLURM_NNODES="2",
                SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[1-2]", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), **{VARIABLE: "kill@1:7"})
+    mistake = subprocess.run(["bash", str(job), "--cp", "3"], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=300)  # a flag no worker could run: the script's --check ends the job first
+    errors = [line for line in mistake.stderr.splitlines() if line.startswith("train.py")]
+    assert mistake.returncode == 2 and len(errors) == 1 and "--cp" in errors[0], mistake.stderr[-2000:]
+    assert "srun: starting" not in mistake.stderr and not (tmp_path / "ckpt").exists()
     out = subprocess.run(["bash", str(job), "--steps", "12", "--data", data, "--eval-every", "4", "--eval-batches",
                           "1", "--save-every", "3", "--keep", "2", "--metrics-out", str(tmp_path / "m.json")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     log = out.stdout + out.stderr
     assert out.returncode == 0, "\n".join(line for line in log.splitlines() if "error" in line)[-4000:]
+    assert "train.py: check passed: " in log and "on 4 process(es), TP 2 x PP 2 x DP 1" in log
     assert "--load auto: no checkpoint in" in log and "TP 2 x PP 2 x DP 1" in log and "\r" not in log, log[-3000:]
     assert "the last attempt finished step 6, resuming at step 6 redoes 1 step(s)" in log, log[-4000:]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-0000009", "step-0000012"]

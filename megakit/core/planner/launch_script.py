@@ -3,7 +3,9 @@
 - **slurm**: one ``torchrun`` per node (``srun --ntasks-per-node=1``), meeting at a c10d
   rendezvous on the allocation's first node (``MASTER_ADDR``, unless set), with
   ``--max-restarts``: when a worker dies, every node's agent restarts its workers and
-  ``--load auto`` resumes from the newest intact checkpoint. torchrun numbers each node's
+  ``--load auto`` resumes from the newest intact checkpoint. Before that, ``train.py --check`` runs once on
+  the first node: torchrun restarts workers whatever their exit status, so a mistake in the flags would
+  otherwise be made, and reported, ``MAX_RESTARTS + 1`` times. torchrun numbers each node's
   workers consecutively, so a TP group (consecutive ranks, TP dividing GPUs per node) stays
   inside a node, as the trainer checks. Arguments given to the script (``sbatch job.sh
   --steps 1000 --data data/mine``) are appended to train.py's, and argparse takes the last
@@ -44,6 +46,9 @@ def slurm_script(*, nodes: int, gpus_per_node: int, train_flags: list[str], summ
 set -euo pipefail
 MASTER_ADDR="${{MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}}"
 MASTER_PORT="${{MASTER_PORT:-{RDZV_PORT}}}"
+# One process checks the flags, the ds_config, the data and the checkpoint first: a mistake ends the job
+# here in one line (exit 2), rather than in every worker, {MAX_RESTARTS} times over torchrun's restarts.
+WORLD_SIZE=$((SLURM_NNODES * {gpus_per_node})) python scripts/train.py {_quoted(train_flags)} "$@" --check
 srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \\
   torchrun --nnodes="$SLURM_NNODES" --nproc-per-node={gpus_per_node} --max-restarts={MAX_RESTARTS} \\
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\
