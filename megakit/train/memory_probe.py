@@ -188,11 +188,12 @@ class MemoryProbe:
         from megakit.core.partition import partition_layers
         from megakit.core.planner.memory import Buckets, estimate_memory
         from megakit.core.planner.model_spec import ModelSpec
-        from megakit.interop.hf import exact_param_count
 
         run, plan = self.run, self.run.batch
         zero = run.ds_config.get("zero_optimization", {})
-        spec = ModelSpec.from_config(run.cfg.model, count_params=exact_param_count)
+        # the analytic count: the memory model reads per-stage counts, never the total that transformers would
+        # give by building the model (5-10 s a rank)
+        spec = ModelSpec.from_config(run.cfg.model)
         split = [len(r) for r in partition_layers(run.model, self.topo.pp, run.cfg.vpp,
                                                   run.cfg.stage_layers or "params")]
         spec = self.spec = spec.with_overrides(seq_len=plan.seq_len, stage_layers=split)  # the chunks built
