@@ -45,7 +45,8 @@ class SavedTensor:
 def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool = False,
                        precision: str = "bf16", flash_attention: bool = True,
                        dropout: bool | None = None, dropout_mask_bytes: int = 1,
-                       gathered_inputs: bool = False, moe: bool = False) -> list[SavedTensor]:
+                       gathered_inputs: bool = False, moe: bool = False,
+                       fused_swiglu: bool = False) -> list[SavedTensor]:
     """The tensors one transformer block saves for backward, sizes already divided by TP/SP
     (``moe``: an MoE block's, whose MLP is its shared experts, if any; ``routing_tensors`` adds the rest).
 
@@ -53,7 +54,9 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
     device). Flash attention saves q, k, v, the output and an fp32 log-sum-exp per head
     and token instead of the s×s scores (PyTorch's CPU kernel too, when dropout is off);
     written-out attention (SDPA's math path, megakit's with dropout) saves K and V
-    repeated to every query head under GQA."""
+    repeated to every query head under GQA. A gated MLP keeps gate, up, act(gate) and the product (megakit's
+    composite SwiGLU); with ``fused_swiglu`` (Megatron's ``bias_swiglu_impl``, megatron/core/fusions/
+    fused_bias_swiglu.py) the activation saves only its input, fc1's gate and up, and recomputes the rest."""
     p = PRECISIONS[precision]
     dropout = model.dropout > 0 if dropout is None else dropout
     h, hd = model.hidden, model.head_dim
@@ -92,6 +95,8 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
     out += norm("norm2") + [t("mlp input", gathered, shard="sp")]
     if f == 0:
         pass
+    elif model.gated_mlp and fused_swiglu:
+        out += [t("gate and up output", 2 * f / tp), t("down input", f / tp)]
     elif model.gated_mlp:
         out += [t("gate output", f / tp), t("up output", f / tp), t("act(gate)", f / tp), t("down input", f / tp)]
     else:

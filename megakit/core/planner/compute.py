@@ -157,7 +157,8 @@ def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: fl
     attn_f, attn_b = attn_f / plan.cp, attn_b / plan.cp
     saved = sum(x.bytes(seq_len=s, micro_batch=b)
                 for x in activation_tensors(model, tp=t, sequence_parallel=plan.sequence_parallel,
-                                            precision=plan.precision, flash_attention=plan.flash_attention, moe=moe)
+                                            precision=plan.precision, flash_attention=plan.flash_attention, moe=moe,
+                                            fused_swiglu=plan.megatron)
                 + (routing_tensors(model, tp=t, precision=plan.precision,  # permute, unpermute, SwiGLU
                                    imbalance=routed_imbalance(model, plan.moe_imbalance, plan.ep)) if moe else []))
     elementwise = (K_MEM_FUSED if plan.fused_kernels else K_MEM) * saved / (gpu.hbm_gbps * 1e9)

@@ -209,7 +209,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     ``ep``: expert parallelism (``stage_expert_params``; ZeRO shards the experts' states over the
     EDP = DP x CP / EP ranks that hold the same experts); ``moe_imbalance``: the busiest rank's share
     of routed tokens over the balanced one (``routing_tensors``).
-    ``megatron``: Megatron-LM's trainer (``Plan.megatron``): fp32 main gradients (``model_state_bytes``). ``loss_chunks``: the head
+    ``megatron``: Megatron-LM's trainer (``Plan.megatron``): fp32 main gradients (``model_state_bytes``), its fused
+    SwiGLU (``activation_tensors(fused_swiglu=True)``). ``loss_chunks``: the head
     and loss over that many token chunks (``logits_bytes``; 0: the trainer's default rule, ``auto_loss_chunks``)."""
     if precision not in PRECISIONS:
         raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -247,7 +248,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
 
     # ---- activations ------------------------------------------------------------------
     shape = dict(tp=tp, sequence_parallel=sequence_parallel, precision=precision, dropout=dropout,
-                 dropout_mask_bytes=dropout_mask_bytes, gathered_inputs=gathered_inputs)
+                 dropout_mask_bytes=dropout_mask_bytes, gathered_inputs=gathered_inputs, fused_swiglu=megatron)
     block_input = p * s * b * model.hidden / (tp if sequence_parallel else 1)
 
     def kept_bytes(is_moe: bool) -> tuple[list, float, float]:
