@@ -50,6 +50,7 @@ def test_megatron_core_h100_rows_through_the_cli(plan_json, tmp_path):
         got = plan_json(*_argv(row, tmp_path))
         assert (got["tp"], got["pp"], got["dp"]) == (row["tp"], row["pp"], row["dp"])
         assert got["global_batch"] == row["global_batch_seqs"]
+        assert got["runtime"] == row["planner"]["runtime"]  # the JSON names the runtime that priced it
         assert got["peak_memory_gib"] <= got["gpu_memory_gib"], f"{row['id']} called out of memory"
         errors[row["id"]] = _error(got, row)
         lines.append(f"{row['id']:26s} {row['tp']:2d} {row['pp']:2d} {got['micro_batch']:2d} {got['vpp']:3d} "

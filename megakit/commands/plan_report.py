@@ -11,7 +11,8 @@ from megakit.core.planner.plan import RUNTIMES, Plan
 
 def _runtime_fields(plan: Plan) -> dict:
     """The ``RUNTIMES`` fields this plan differs in from megakit's trainer."""
-    return {k: v for k, v in (("megatron", plan.megatron), ("zero3", plan.zero3)) if v != getattr(Plan(), k)}
+    fields = sorted(set().union(*RUNTIMES.values()))  # megatron, comm_overlap (megatron-core), zero3
+    return {k: getattr(plan, k) for k in fields if getattr(plan, k) != getattr(Plan(), k)}
 
 
 def top_rejected(rejected, top):
