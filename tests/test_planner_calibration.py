@@ -169,3 +169,27 @@ def test_fp8_runs_are_not_called_out_of_memory(row):
     model, cluster, plan = sharded_case(row)
     peak = peak_memory(model, seq_len=model.seq_len, overhead_bytes=OVERHEAD_BYTES, **plan.memory_kwargs()).total
     assert peak <= cluster.gpu.mem_gib * GIB, f"{peak / GIB:.1f} GiB > {cluster.gpu.mem_gib} GiB"
+
+
+def test_hsdp_rows_through_the_cli_with_dp_shard(plan_json, tmp_path):
+    """IBM's HSDP runs (shard inside each 8-GPU node, replicate across) through ``megakit plan --runtime fsdp
+    --dp-shard 8``: the CLI prices what the row's in-process plan prices; sharding over all 128 GPUs (FSDP) holds
+    a sixteenth of the states per GPU instead. --dp-shard without --runtime fsdp, or one that does not divide DP,
+    is one line."""
+    from megakit.commands.cli import main
+
+    row = next(r for r in SHARDED["rows"] if r["id"] == "fms-a100x128-llama2-7b-hsdp")
+    model, cluster, plan = sharded_case(row)
+    config = tmp_path / "llama2-7b.json"
+    config.write_text(json.dumps(model.config.to_hf()))
+    argv = ["--model", config, "--seq-len", row["seq_len"], "--gpu", "a100-80gb", "--gpus", plan.world,
+            "--inter-bw", cluster.gpu.inter_gbps, "--tp", 1, "--pp", 1, "--zero", 3, "--micro-batch", plan.micro_batch,
+            "--global-batch", plan.global_batch, "--recompute", "none", "--kernels", "eager", "--runtime", "fsdp"]
+    hsdp = plan_json(*argv, "--dp-shard", 8)
+    assert hsdp["tokens_per_s"] / plan.world == pytest.approx(ERRORS[row["id"]][0], rel=1e-6)
+    fsdp = plan_json(*argv)
+    assert fsdp["peak_memory_gib"] < hsdp["peak_memory_gib"] - 5  # 7B: 16 B/param over 8 GPUs, not 128
+    for extra, needle in ((["--dp-shard", 8], "add --runtime fsdp"), (["--runtime", "fsdp", "--dp-shard", 48],
+                                                                       "does not divide DP")):
+        args = [a for a in argv if a not in ("--runtime", "fsdp")] + extra
+        assert main(["plan", *map(str, args)]) == 2

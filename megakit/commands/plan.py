@@ -89,6 +89,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                             f"{ROUTING['real']:g}x its share; default) or balanced (forced, as most published runs)")
     train.add_argument("--moe-imbalance", type=float, metavar="F",
                        help="MoE: the busiest expert rank's tokens over the balanced share (overrides --moe-routing)")
+    train.add_argument("--dp-shard", type=int, metavar="N",
+                       help="--runtime fsdp: shard the model states over groups of N data-parallel GPUs and replicate "
+                            "across groups (HSDP; torchtitan's data_parallel_shard_degree); default: all of DP")
     train.add_argument("--compress", default="none", metavar="CODEC",
                        help="price DP traffic compressed as the trainer's --compress does (fp16, int8, sign, "
                             "topk:RATIO; ZeRO 0 plans only)")
@@ -173,6 +176,13 @@ def run(args) -> int:
     flash = gpu.flash_attention if args.attention is None else args.attention == "flash"
     _check_fp8(args, gpu, precision)
     execution = dict(fused_kernels=args.kernels == "compiled", fp8=args.fp8, **RUNTIMES[args.runtime])
+    if args.dp_shard is not None:
+        if args.runtime != "fsdp":
+            raise UsageError(f"--dp-shard {args.dp_shard} is HSDP, which PyTorch FSDP runs: add --runtime fsdp (megakit's "
+                             "trainer and DeepSpeed's ZeRO-3 shard over all of DP)")
+        if args.dp_shard < 1:
+            raise UsageError(f"--dp-shard {args.dp_shard} must be at least 1, e.g. 8 (one node)")
+        execution["dp_shard"] = args.dp_shard
     global_batch, batch_note = ((args.global_batch, "--global-batch") if args.global_batch else
                                 emit.default_global_batch(model.params, model.seq_len, tokens))
     imbalance = args.moe_imbalance if args.moe_imbalance is not None else ROUTING[args.moe_routing]

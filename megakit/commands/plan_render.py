@@ -27,6 +27,14 @@ def _short(p: dict) -> str:
     return text + (" SP" if p["sequence_parallel"] else "")
 
 
+def _zero_stage(p: dict) -> str:
+    """The stage, and HSDP's shard group where ZeRO-3 shards inside groups smaller than DP x CP."""
+    group, ranks = p.get("zero3_shard_group"), p["dp"] * p.get("cp", 1)
+    if group and group < ranks:
+        return f"{p['zero_stage']} (HSDP: states sharded over {group} GPUs, replicated {ranks // group}x)"
+    return str(p["zero_stage"])
+
+
 def _layers_row(p: dict) -> tuple:
     """The blocks of each virtual stage in pipeline order, runs written once (3, 4 x 30, 3), when there is a pipeline."""
     if p["pp"] == 1:
@@ -74,7 +82,7 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
         if "moe" in a else ()
     for key, value in (grid, *moe,
                        ("virtual stages", p["vpp"]), *_layers_row(p), ("schedule", p.get("schedule", "1f1b")),
-                       ("ZeRO stage", p["zero_stage"]),
+                       ("ZeRO stage", _zero_stage(p)),
                        ("batch", f"micro {p['micro_batch']} x accumulation {p['grad_accum']} x DP {p['dp']} = "
                                  f"{p['global_batch']} sequences"),
                        ("recompute", p["recompute"]), ("sequence parallel", p["sequence_parallel"]),

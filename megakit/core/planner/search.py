@@ -294,6 +294,12 @@ class _Context:
                                 "gradients are partitioned per micro-batch, so a pipeline allows ZeRO 0-1 only",
                                 unique_key=f"zero-pp-{zero}", kind="zero-pp")
                     continue
+                shard = self.execution.get("dp_shard", 0)
+                if zero == 3 and shard and dp * cp > shard and dp * cp % shard:
+                    self.reject(Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero), f"HSDP shard group {shard} does not "
+                                f"divide DP x CP = {dp * cp}; pick --dp-shard dividing it",
+                                unique_key=f"hsdp-{dp * cp}", kind="zero-dp")
+                    continue
                 if zero >= 1 and dp * cp == 1 and self.offload == "none":  # offload runs ZeRO on one replica
                     if pins.zero is not None:
                         self.reject(Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero), f"--zero {zero} shards over "
