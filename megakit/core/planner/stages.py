@@ -60,30 +60,34 @@ def in_flight_chunks(*, pp: int, stage: int, accumulation: int, vpp: int = 1,
 
 def interleaved_step_time(chunk_times: tuple[float, ...], *, pp: int, vpp: int, micro_batches: int,
                           forward_share: float, message_s: float) -> float | None:
-    """Seconds of an interleaved step whose chunks (``chunk_times``: forward + backward of one micro-batch, per
-    virtual stage; ``message_s`` one P2P send) hold unequal work: the trainer's schedule run in the simulator, the first ``pp`` micro-batches
-    (a group, each of them through every chunk), each further one at the slowest rank's pace.
+    """Seconds of an interleaved step whose chunks hold unequal work (``chunk_times``: forward + backward of one
+    micro-batch per virtual stage; ``message_s``: one P2P send), from the trainer's schedule run in the simulator.
 
-    The closed form ``(ΣT − T_slowest) / v`` assumes each chunk is 1/v of its rank's work; a split such as
-    ``0,12,12,0`` (PP 2 x VPP 2) has the ranks' totals of a balanced one but a plain 1F1B's fill and drain.
-    None where the schedule cannot run (micro-batches not a multiple of ``pp``). Cached on the costs relative
-    to the slowest chunk, to 1e-3: the search prices the same pinned split at many micro-batch sizes."""
+    The closed form ``(ΣT − T_slowest) / v`` assumes each chunk is 1/v of its rank's work. Unequal chunks also
+    stall the steady state: at PP 2 x VPP 2, ``0,12,12,0`` takes 1.5x a rank's work per micro-batch, where the
+    balanced split takes 1x. The schedule repeats every ``pp`` micro-batches once warmed up, so ``2pp`` and ``3pp``
+    are simulated and longer steps extrapolated along that line (within 1e-3 of the whole step simulated:
+    tests/test_planner_stages.py). None where the schedule cannot run (micro-batches not a multiple of ``pp``).
+    Cached on the costs relative to the slowest chunk, to 1e-3: the search prices one pinned split many times."""
     if micro_batches < pp or micro_batches % pp:
         return None
     scale = max(chunk_times)
     if scale <= 0:
         return 0.0
-    unit = _interleaved_unit_time(tuple(round(t / scale, 3) for t in chunk_times), pp, vpp,
-                                  round(forward_share, 3), round(message_s / scale, 3))
-    per_rank = [sum(chunk_times[c * pp + r] for c in range(vpp)) for r in range(pp)]
-    return unit * scale + (micro_batches - pp) * (max(per_rank) + 2 * vpp * message_s)
+    key = (tuple(round(t / scale, 3) for t in chunk_times), pp, vpp, round(forward_share, 3), round(message_s / scale, 3))
+    if micro_batches <= 3 * pp:
+        return _interleaved_time(*key, micro_batches) * scale
+    two, three = _interleaved_time(*key, 2 * pp), _interleaved_time(*key, 3 * pp)
+    return (three + (micro_batches - 3 * pp) * (three - two) / pp) * scale
 
 
 @functools.lru_cache(maxsize=256)
-def _interleaved_unit_time(chunks: tuple[float, ...], pp: int, vpp: int, forward_share: float, p2p: float) -> float:
+def _interleaved_time(chunks: tuple[float, ...], pp: int, vpp: int, forward_share: float, p2p: float,
+                      micro_batches: int) -> float:
+    """The simulated step of ``micro_batches`` through the interleaved schedule, chunk costs as given."""
     costs = Costs(forward=tuple(t * forward_share for t in chunks),
                   backward=tuple(t * (1 - forward_share) for t in chunks), p2p=p2p)
-    return simulate(build_schedule("interleaved", pp, pp, vpp), costs).step_time
+    return simulate(build_schedule("interleaved", pp, micro_batches, vpp), costs).step_time
 
 
 def zero_bubble_bubble_share(weight_share: float) -> float:
