@@ -158,8 +158,13 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
 
     counts = stage_layer_counts(model, p, v)  # the trainer's split (partition_layers)
     moes = stage_moe_layers(model, p, v)
-    stage_s = [k * layer_s + (n - k) * dense_s + (embed_s if i == 0 else 0) + (head_s if i == p - 1 else 0)
-               for i, (n, k) in enumerate(zip(counts, moes))]
+    # each virtual stage (chunk c of rank r is c·p + r): its blocks, the embedding on the first, the head on the last
+    chunk_layers, chunk_moes = stage_chunk_layers(model, p, v), stage_chunk_moe_layers(model, p, v)
+    chunk_s = [chunk_moes[r][c] * layer_s + (chunk_layers[r][c] - chunk_moes[r][c]) * dense_s
+               for c in range(v) for r in range(p)]
+    chunk_s[0] += embed_s
+    chunk_s[-1] += head_s
+    stage_s = [sum(chunk_s[c * p + r] for c in range(v)) for r in range(p)]
     # P2P: activations forward, gradients backward, per micro-batch and stage boundary; with TP the
     # send is split over the TP ranks (Megatron's scatter/gather) when it crosses nodes.
     p2p_bw, p2p_where = group_bandwidth(cluster, 2, t * plan.cp * d)
@@ -171,14 +176,6 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     if plan.zero_bubble:  # ZB-H1: the W's fill what 1F1B leaves idle, (p-1)(F+B-W) instead of (p-1)(F+B+W)
         bubble_s *= zero_bubble_bubble_share(weight_grad_share(model, s, plan))
     if v > 1 and model.stage_layers is not None:  # a pinned split: its chunks may hold unequal work
-        chunk_layers, chunk_moes = stage_chunk_layers(model, p, v), stage_chunk_moe_layers(model, p, v)
-        chunk_s = [0.0] * (p * v)
-        for rank in range(p):
-            for c in range(v):
-                n, k = chunk_layers[rank][c], chunk_moes[rank][c]
-                chunk_s[c * p + rank] = k * layer_s + (n - k) * dense_s
-        chunk_s[0] += embed_s
-        chunk_s[-1] += head_s
         timed = interleaved_step_time(tuple(chunk_s), pp=p, vpp=v, micro_batches=m,
                                       forward_share=block.forward / block.total, message_s=p2p_s / (2 * v))
         if timed is not None:
