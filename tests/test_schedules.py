@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -261,3 +262,16 @@ def test_cli_prints_zero_bubble(capsys):
     assert "bubble 20.0% (6 idle per stage)  (formula 20.0%)" in capsys.readouterr().out
     assert cli.main(["schedule", "--schedule", "zb-h1", "--vpp", "2"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_cli_takes_costs_per_virtual_stage(capsys):
+    """Chunk costs on the command line: PP 2 x VPP 2 with empty end chunks idles a third of its step."""
+    from megakit.commands import cli
+
+    argv = ["schedule", "--pp", "2", "--micro-batches", "8", "--schedule", "interleaved"]
+    assert cli.main([*argv, "--forward-cost", "0,1,1,0", "--backward-cost", "0,2,2,0"]) == 0
+    assert "step time 36  bubble 33.3%" in capsys.readouterr().out
+    for bad in (["--forward-cost", "1,2,3"], ["--forward-cost", "1,x"], ["--backward-cost", "2,-1"]):
+        with pytest.raises(SystemExit) if "x" in bad[1] else contextlib.nullcontext():  # argparse's own exit
+            assert cli.main([*argv, *bad]) == 2
+        assert capsys.readouterr().err.strip().count("\n") <= 1
