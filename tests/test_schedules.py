@@ -270,7 +270,10 @@ def test_cli_takes_costs_per_virtual_stage(capsys):
 
     argv = ["schedule", "--pp", "2", "--micro-batches", "8", "--schedule", "interleaved"]
     assert cli.main([*argv, "--forward-cost", "0,1,1,0", "--backward-cost", "0,2,2,0"]) == 0
-    assert "step time 36  bubble 33.3%" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "step time 36  bubble 33.3%" in out
+    rows = [line.split("│")[1] for line in out.splitlines() if line.startswith("stage")]
+    assert [len(row) - row.count("·") for row in rows] == [24, 24]  # 8 x (1 + 2) units of work each; empty chunks none
     for bad in (["--forward-cost", "1,2,3"], ["--forward-cost", "1,x"], ["--backward-cost", "2,-1"]):
         with pytest.raises(SystemExit) if "x" in bad[1] else contextlib.nullcontext():  # argparse's own exit
             assert cli.main([*argv, *bad]) == 2

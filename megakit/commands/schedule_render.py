@@ -51,7 +51,7 @@ def timeline_text(report: Report, *, width: int = 120, weight_share: float = 0.5
         unit *= columns / width
         columns = width
     rows = {stage: [None] * columns for stage in range(report.schedule.pp)}
-    for e in report.events:
+    for e in (e for e in report.events if e.end > e.start):  # a chunk with no work (--forward-cost 0,...) has no cell
         first, last = int(e.start / unit + 1e-9), math.ceil(e.end / unit - 1e-9)
         for col in range(first, min(max(last, first + 1), columns)):
             rows[e.stage][col] = e
