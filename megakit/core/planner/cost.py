@@ -36,8 +36,6 @@ from megakit.core.planner.memory import (
     PRECISIONS,
     routed_imbalance,
     stage_expert_params,
-    stage_layer_counts,
-    stage_moe_layers,
     stage_params,
 )
 from megakit.core.planner.model_spec import ModelSpec
@@ -156,10 +154,10 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     head_s = head_time(model, gpu, plan, seq_len=s // plan.cp, peak=peak) + 2 * one_tp
     embed_s = 2 * one_tp
 
-    counts = stage_layer_counts(model, p, v)  # the trainer's split (partition_layers)
-    moes = stage_moe_layers(model, p, v)
-    # each virtual stage (chunk c of rank r is c·p + r): its blocks, the embedding on the first, the head on the last
+    # each virtual stage (chunk c of rank r is c·p + r), as the trainer splits them (partition_layers): its blocks,
+    # the embedding on the first, the head on the last; a rank holds its chunks
     chunk_layers, chunk_moes = stage_chunk_layers(model, p, v), stage_chunk_moe_layers(model, p, v)
+    counts, moes = [sum(n) for n in chunk_layers], [sum(k) for k in chunk_moes]
     chunk_s = [chunk_moes[r][c] * layer_s + (chunk_layers[r][c] - chunk_moes[r][c]) * dense_s
                for c in range(v) for r in range(p)]
     chunk_s[0] += embed_s
