@@ -240,6 +240,7 @@ class _Context:
         if tokens_per_s is None and key in self.reasons_seen:
             return
         self.reasons_seen.add(key)
+        plan = dataclasses.replace(plan, **self.execution)  # a structural rejection is built without them
         self.rejected.append(Rejection(plan, reason, tokens_per_s, kind, None if peak is None else peak / GIB))
 
     def run(self, branch: str, zeros) -> None:
