@@ -7,6 +7,10 @@ a buffer named with a port this session handed out (``multiproc.free_port``) is 
 and the module fails (wiping them silently hid exactly that). Other processes' buffers are left alone.
 
 Launcher jobs shared by several modules (a start costs more than most cases) are session fixtures here.
+
+Under pytest-xdist (the README's ``-n 2 --dist loadgroup``) the tests that share a module- or session-scoped
+fixture -- one launcher job, one prepared data set -- form one unit of work, so a job runs once, on one worker;
+every other test goes wherever a worker is free.
 """
 
 import glob
@@ -26,6 +30,34 @@ def _issued_ports() -> set[int]:
 def _port(path: str) -> int | None:
     parts = os.path.basename(path).split("_")
     return int(parts[-2]) if len(parts) >= 2 and parts[-2].isdigit() else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist names each test's group from its mark
+def pytest_collection_modifyitems(items):
+    """Mark each test with its xdist group: the tests joined, directly or through others, by a shared fixture wider
+    than a test (autouse ones excepted: every test of a module uses them, and each worker's copy checks its own)."""
+    parent: dict = {}
+
+    def find(key):
+        while parent.setdefault(key, key) != key:
+            key = parent[key] = parent[parent[key]]
+        return key
+
+    shared = {}
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs if info else {}
+        shared[item] = [(d[-1].scope == "module" and item.module.__name__, name) for name, d in defs.items()
+                        if d and d[-1].scope in ("module", "session") and d[-1].baseid  # ours, not pytest's
+                        and name not in _AUTOUSE]
+        for key in shared[item]:
+            parent[find(key)] = find(shared[item][0])
+    for item in items:
+        group = find(shared[item][0]) if shared[item] else (item.nodeid,)
+        item.add_marker(pytest.mark.xdist_group("/".join(map(str, group))))
+
+
+_AUTOUSE = {"_no_deepspeed_shared_memory_left"}
 
 
 @pytest.fixture(autouse=True, scope="module")

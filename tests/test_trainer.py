@@ -428,7 +428,6 @@ def mp_results(tmp_path_factory, shards):
                       compress="sign"))
     # case 10: TP2 x PP2, interleaved (2 chunks), on token shards (BPE 512) with validation every 5 steps, saved; 20
     # steps (on these tokens the loss falls by 0.5 only after 10: measured 6.26 -> 5.86)
-    shards = _token_shards(tmp_path_factory)
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=2 * STEPS, seq_len=32, tp=2, pp=2,
                       vpp=2, data=shards, eval_every=5, eval_batches=2,
                       save=str(tmp_path_factory.mktemp("ckpt") / "run")))
