@@ -47,7 +47,8 @@ def pytest_collection_modifyitems(items):
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         defs = info.name2fixturedefs if info else {}
-        shared[item] = [(d[-1].scope == "module" and item.module.__name__, name) for name, d in defs.items()
+        shared[item] = [(item.module.__name__ if d[-1].scope == "module" else "session", name)
+                        for name, d in defs.items()
                         if d and d[-1].scope in ("module", "session") and d[-1].baseid  # ours, not pytest's
                         and name not in _AUTOUSE]
         for key in shared[item]:
