@@ -32,6 +32,9 @@ def _port(path: str) -> int | None:
     return int(parts[-2]) if len(parts) >= 2 and parts[-2].isdigit() else None
 
 
+_AUTOUSE = {"_no_deepspeed_shared_memory_left"}  # module-scoped, but each worker's copy checks its own jobs
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist names each test's group from its mark
 def pytest_collection_modifyitems(items):
     """Mark each test with its xdist group: the tests joined, directly or through others, by a shared fixture wider
@@ -56,9 +59,6 @@ def pytest_collection_modifyitems(items):
     for item in items:
         group = find(shared[item][0]) if shared[item] else (item.nodeid,)
         item.add_marker(pytest.mark.xdist_group("/".join(map(str, group))))
-
-
-_AUTOUSE = {"_no_deepspeed_shared_memory_left"}
 
 
 @pytest.fixture(autouse=True, scope="module")

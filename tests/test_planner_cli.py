@@ -51,7 +51,6 @@ def test_json_report_has_the_issue_schema(capsys):
     assert report["assumptions"]["rule"]["branch"] == "model-parallel"
 
 
-
 def test_every_json_entry_names_the_runtime_that_priced_it(capsys):
     """Layouts refused before any plan is built (ZeRO-2 under a pipeline, the memory floor) carry the run's runtime
     too, not megakit's default."""
@@ -62,6 +61,7 @@ def test_every_json_entry_names_the_runtime_that_priced_it(capsys):
     assert kinds - {"memory"}, kinds  # a structural rejection is among them
     entries = [report["plan"], *report["alternatives"], *(r["plan"] for r in report["rejected"])]
     assert {e["runtime"] for e in entries} == {"megatron-core"}
+
 
 def test_small_model_gets_pure_dp_and_a_tip_about_communication(capsys):
     code, out, _ = plan(capsys, "--params", "125M", "--gpus", "64", "--gpu", "a100-80gb", "--inter-bw", "1",
