@@ -33,7 +33,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megakit.errors import UsageError  # noqa: E402
+from megakit.errors import UsageError, finite_float  # noqa: E402
 from bench_workers import WorkerFailed, run_workers  # noqa: E402
 
 
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--dropout", type=float, default=0.0, help="dropout probability (both blocks, training mode)")
+    parser.add_argument("--dropout", type=finite_float, default=0.0, help="dropout probability (both blocks, training mode)")
     args = parser.parse_args(argv)
     world = 2
     try:

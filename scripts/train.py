@@ -15,6 +15,8 @@ import os
 import sys
 from pathlib import Path
 
+from megakit.errors import finite_float
+
 DEFAULT_DS_CONFIG = Path(__file__).resolve().parent.parent / "ds_configs" / "zero1.json"
 
 
@@ -45,11 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel degree (MoE models): each MoE layer's experts split over EP ranks taken "
                         "from DP x CP, tokens exchanged by all-to-all; must divide the experts and DP x CP")
-    p.add_argument("--moe-aux-loss", metavar="COEFF", type=float, default=None,
+    p.add_argument("--moe-aux-loss", metavar="COEFF", type=finite_float, default=None,
                    help="load-balancing aux loss coefficient (overrides the model config; 0 turns it off)")
-    p.add_argument("--moe-z-loss", metavar="COEFF", type=float, default=None,
+    p.add_argument("--moe-z-loss", metavar="COEFF", type=finite_float, default=None,
                    help="router z-loss coefficient (overrides the model config)")
-    p.add_argument("--moe-capacity-factor", metavar="CF", type=float, default=None,
+    p.add_argument("--moe-capacity-factor", metavar="CF", type=finite_float, default=None,
                    help="cap each expert at CF x its even share of the tokens, dropping the rest (default: dropless)")
     p.add_argument("--moe-expert-bias", action="store_true",
                    help="aux-loss-free load balancing (DeepSeek-V3): a per-expert routing bias updated once per "
@@ -138,16 +140,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="check the flags, the ds_config, the model, the data and --load for $WORLD_SIZE processes "
                         "(default 1) in this one process, say what would run and exit (2 on a mistake): what a "
                         "cluster job runs before it starts its workers")
-    p.add_argument("--log-heartbeat", metavar="SECONDS", type=float, default=60.0,
+    p.add_argument("--log-heartbeat", metavar="SECONDS", type=finite_float, default=60.0,
                    help="without a progress bar (a log file): a line every SECONDS while a step runs longer (0: off)")
     p.add_argument("--max-skipped-steps", metavar="N", type=int, default=None,
                    help="a step whose loss or gradient norm is NaN/inf is skipped (no update; its batch is spent); "
                         "the run ends at the next one after N skipped in a row (default 10; 0: at the first)")
-    p.add_argument("--spike-guard", metavar="Z", type=float, default=None,
+    p.add_argument("--spike-guard", metavar="Z", type=finite_float, default=None,
                    help="a loss more than Z standard deviations above the mean of the last 50 steps (armed after 8) "
                         "rolls back to the newest checkpoint of --save and skips the batches read since; needs --save "
                         "DIR --save-every N (ZeRO 0-2); a resume keeps the skip")
-    p.add_argument("--stall-timeout", type=float, default=60.0,
+    p.add_argument("--stall-timeout", type=finite_float, default=60.0,
                    help="seconds without a heartbeat after which a peer counts as dead and the job ends")
     p.add_argument("--doctor-out", metavar="FILE", default=None,
                    help="write per-rank facts (weight hashes, samples, local gradient norms, step times) to FILE for "

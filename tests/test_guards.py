@@ -1,5 +1,6 @@
 """The NaN guard through the launcher: a NaN loss on one rank at step 4 is skipped on every rank, at ZeRO 0-3,
-bf16 and PP 2; the weights after the skipped step are those before it; N skips in a row end the run."""
+bf16 and PP 2, and for an MoE model with the expert bias at PP 2 and EP 2; the weights (and the expert bias) after
+the skipped step are those before it; N skips in a row end the run."""
 
 import json
 import math
@@ -25,8 +26,11 @@ def _cases(tmp_path) -> list[dict]:
     configs = {"zero0": (_config(0), {}), "zero1": (_config(1), {}), "zero2": (_config(2), {}),
                "zero3": (_config(3), {}), "zero1-bf16": (_config(1, bf16={"enabled": True}), {}),
                "pp2": (_config(1), {"pp": 2})}
+    moe = {"moe-pp2": {"pp": 2}, "moe-ep2": {"ep": 2}}  # the expert bias moves after the guard's verdict, or not at all
     return [dict(ds_config=config, model="gpt-tiny", steps=7, seq_len=32, save=str(tmp_path / name), save_every=1,
                  keep=10, **extra) for name, (config, extra) in configs.items()] + [
+        dict(ds_config=_config(1), model="moe-tiny", steps=7, seq_len=32, save=str(tmp_path / name), save_every=1,
+             keep=10, moe_expert_bias=True, **extra) for name, extra in moe.items()] + [
         dict(ds_config=_config(1), model="gpt-tiny", steps=7, seq_len=32, max_skipped_steps=0)]  # ends at step 4
 
 
@@ -52,12 +56,16 @@ def test_a_nan_loss_on_one_rank_is_skipped_everywhere(tmp_path, monkeypatch):
         assert before.keys() == after.keys()
         assert all(before[k].equal(after[k]) for k in before), name  # step 4 left the weights as they were
         assert any(not before[k].equal(earlier[k]) for k in before), name  # step 3 did move them
+        if name.startswith("moe"):  # the expert bias too: bitwise unchanged by the skipped step, moved by step 3
+            bias = [k for k in before if k.endswith("e_score_correction_bias")]
+            assert bias and all(before[k].equal(after[k]) for k in bias), (name, bias)
+            assert all(not before[k].equal(earlier[k]) for k in bias), name
         assert math.isfinite(result["loss"][6]) and result["loss"][6] != result["loss"][5]
     assert ended["error"].startswith("NaN/inf at step 4: rank 0 (pp 0, dp 0, tp 0): non-finite gradient; "
                                      "rank 1 (pp 0, dp 1, tp 0): non-finite loss and gradient; "
                                      "1 non-finite step(s) in a row (--max-skipped-steps 0)"), ended
     log = out.stdout + out.stderr
-    assert log.count("megakit: step 4 skipped (1 in all): rank 0 ") == 6, log[-3000:]  # one line per case
+    assert log.count("megakit: step 4 skipped (1 in all): rank 0 ") == 8, log[-3000:]  # one line per case
 
 
 def test_the_training_faults_are_read_and_refused_like_the_doctors():

@@ -267,3 +267,7 @@ def test_layout_and_bad_input():
         MoEConfig(experts=8, top_k=9, ffn=4)
     with pytest.raises(UsageError, match="capacity factor must be > 0"):
         MoEConfig(experts=8, top_k=2, ffn=4, capacity_factor=0.0)
+    for name in ("aux_loss_coeff", "z_loss_coeff", "seq_aux_loss_coeff"):  # NaN passed `< 0`: every step skipped
+        for bad in (float("nan"), float("inf"), -0.1):
+            with pytest.raises(UsageError, match=f"MoE field {name} must be a finite number >= 0"):
+                MoEConfig(experts=8, top_k=2, ffn=4, **{name: bad})

@@ -17,7 +17,10 @@ PLAN_KEYS = {"tp", "pp", "dp", "vpp", "zero_stage", "micro_batch", "grad_accum",
 
 
 def plan(capsys, *argv):
-    code = cli.main(["plan", *argv])
+    try:
+        code = cli.main(["plan", *argv])
+    except SystemExit as stop:  # argparse's own refusals (a flag's type) exit, with status 2
+        code = stop.code
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -142,6 +145,11 @@ BAD = [
     (["--params", "1.3B", "--gpus", "8", "--pp", "2", "--stage-layers", "12,11"], "sums to 23 layers but the model has 24"),
     (["--params", "1.3B", "--gpus", "8", "--pp", "4", "--stage-layers", "12,0,6,6"], "has an entry below 1 in the middle"),
     (["--params", "1.3B", "--gpus", "8", "--pp", "2", "--stage-layers", "12;12"], "is not a list of layer counts"),
+    (["--params", "7B", "--moe-routing", "balanced"], "--moe-routing balanced prices Mixture-of-Experts routing, and "
+                                                      "gpt3-6.7b is dense"),  # refused as --ep 2 is, not ignored
+    (["--params", "7B", "--moe-imbalance", "1.5"], "--moe-imbalance 1.5 prices Mixture-of-Experts routing"),
+    (["--params", "7B", "--mem-threshold", "nan"], "--mem-threshold: nan is not a finite number"),
+    (["--params", "7B", "--inter-bw", "inf"], "--inter-bw: inf is not a finite number"),
 ]
 
 
@@ -152,6 +160,13 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, needle, tmp_path,
     assert code == 2
     assert err.startswith("megakit plan: error: ") and err.count("\n") == 1 and needle in err, err
     assert "Traceback" not in err and not target.exists() and not list(tmp_path.iterdir())
+
+
+def test_a_bad_launch_path_names_the_flag_given(tmp_path, capsys):
+    """--params writes a model config beside the ds_config, which --emit-launch placed: the error names --emit-launch."""
+    code, _, err = plan(capsys, "--params", "7B", "--emit-launch", "slurm", "/nonexistent/dir/job.sh")
+    assert code == 2 and err.count("\n") == 1 and "--emit-launch folder /nonexistent/dir does not exist" in err, err
+    assert "--emit-config" not in err
 
 
 def test_malformed_and_unsupported_configs(tmp_path, capsys):

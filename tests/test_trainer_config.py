@@ -73,6 +73,17 @@ def test_script_reports_a_bad_data_path_in_one_line(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+def test_non_finite_float_flags_are_one_line_and_exit_2():
+    """--moe-aux-loss nan used to be accepted: every step was then skipped, and the run exited 0 having trained nothing."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for flag, value in (("--moe-aux-loss", "nan"), ("--moe-z-loss", "nan"), ("--spike-guard", "inf")):
+        out = subprocess.run([sys.executable, "scripts/train.py", "--model", "moe-tiny", flag, value, "--steps", "1"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.strip().splitlines() == [f"train.py: error: argument {flag}: {value} is not a finite number; "
+                                                   "give a finite value"], out.stderr
+
+
 def test_script_without_the_launcher_is_a_world_of_one(tmp_path):
     """`python scripts/train.py` (no RANK in the environment) runs as one process; a layout that needs more
     processes is one line, not torch's rendezvous traceback."""

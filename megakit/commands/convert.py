@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 
+from megakit.errors import finite_float
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="SOURCE",
@@ -26,7 +28,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from-hf", action="store_true",
                         help="SOURCE is a transformers checkpoint (config.json + safetensors): write it to OUT_DIR "
                              "as a megakit checkpoint that train.py --load starts from at any layout")
-    parser.add_argument("--max-shard-gb", type=float, default=5.0,
+    parser.add_argument("--max-shard-gb", type=finite_float, default=5.0,
                         help="with --to-hf: split the weights into files of at most this size, as transformers does")
 
 

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megakit.errors import UsageError
+from megakit.errors import UsageError, finite_float
 
 PASSES_UNKNOWN_FLAGS = True  # every flag the doctor does not know goes to scripts/train.py
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
@@ -33,12 +33,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.usage = "megakit doctor --nproc N [doctor flags] [scripts/train.py flags]"
     parser.add_argument("--nproc", type=int, default=2, help="processes to start (one per GPU, or CPU processes)")
     parser.add_argument("--steps", type=int, default=6, help="steps to run and to compare with one process")
-    parser.add_argument("--base-lr", type=float, help="an LR known to train well at --base-batch (e.g. the "
+    parser.add_argument("--base-lr", type=finite_float, help="an LR known to train well at --base-batch (e.g. the "
                         "single-GPU run's): the LR check then judges linear scaling and warm-up against it")
     parser.add_argument("--base-batch", type=int, help="sequences per step at which --base-lr was used")
     parser.add_argument("--facts-out", metavar="FILE", help="keep the facts the job gathered (JSON)")
     parser.add_argument("--report-out", metavar="FILE", help="write the verdicts as JSON")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds the job may take")
+    parser.add_argument("--timeout", type=finite_float, default=1800, help="seconds the job may take")
 
 
 def _check(args, train_args: list[str]) -> None:

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import argparse
 
+from megakit.errors import finite_float
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CHECKPOINT",
                         help="a megakit checkpoint, a --keep series (its newest intact one), or a transformers directory")
     parser.add_argument("--prompt", required=True, help="the text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default); above 0: sampled")
+    parser.add_argument("--temperature", type=finite_float, default=0.0, help="0: greedy (the default); above 0: sampled")
     parser.add_argument("--top-k", type=int, default=0, help="with --temperature: sample from the K likeliest only")
     parser.add_argument("--seed", type=int, default=0, help="with --temperature: the sampling seed")
 

@@ -36,7 +36,7 @@ from megakit.core.planner.search import NoPlan, Pins, search, smallest_cluster
 from megakit.core.planner.sharding import LINK_EFFICIENCY
 from megakit.core.planner.stages import virtual_stage_ranges
 from megakit.core.planner.verdict import headroom_note
-from megakit.errors import UsageError
+from megakit.errors import UsageError, finite_float
 
 # A value such as "-5B" or "-1.3e9" is a (wrong) size, not an option: argparse only treats plain
 # negative numbers so, and would say "--params: expected one argument". No flag of this command looks
@@ -60,10 +60,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--gpus-per-node", type=int, help="default 8, or the probed machine's")
     cluster.add_argument("--hardware", metavar="PROFILE.json",
                          help="a profile written by megakit probe: its measured rates replace the --gpu preset")
-    cluster.add_argument("--gpu-mem", type=float, help="GPU memory override, GiB")
-    cluster.add_argument("--intra-bw", type=float, help="intra-node link override, GB/s per GPU")
-    cluster.add_argument("--inter-bw", type=float, help="inter-node network override, GB/s per GPU")
-    cluster.add_argument("--peak-tflops", type=float, help="peak dense 16-bit TFLOP/s override")
+    cluster.add_argument("--gpu-mem", type=finite_float, help="GPU memory override, GiB")
+    cluster.add_argument("--intra-bw", type=finite_float, help="intra-node link override, GB/s per GPU")
+    cluster.add_argument("--inter-bw", type=finite_float, help="inter-node network override, GB/s per GPU")
+    cluster.add_argument("--peak-tflops", type=finite_float, help="peak dense 16-bit TFLOP/s override")
     train = parser.add_argument_group("training")
     train.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: GPT-3's for the size)")
     train.add_argument("--tokens", help="training tokens, e.g. 300B: adds time-to-train")
@@ -81,13 +81,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                             "inputs re-gathered in backward, fp32 main grads under bf16), megatron-core (the same with "
                             "Megatron-Core's TP and DP communication overlap), fsdp (ZeRO-3 "
                             "prefetching whole blocks), deepspeed-2021 (ZeRO-3 as Narayanan et al. 2021 measured)")
-    train.add_argument("--mem-threshold", type=float, default=0.80, help="feasible if peak <= this x GPU memory")
-    train.add_argument("--base-lr", type=float, help="reference LR for linear scaling (with --base-batch)")
+    train.add_argument("--mem-threshold", type=finite_float, default=0.80, help="feasible if peak <= this x GPU memory")
+    train.add_argument("--base-lr", type=finite_float, help="reference LR for linear scaling (with --base-batch)")
     train.add_argument("--base-batch", type=int, default=256, help="sequences at which --base-lr applies")
-    train.add_argument("--moe-routing", choices=tuple(ROUTING), default="real",
+    train.add_argument("--moe-routing", choices=tuple(ROUTING),
                        help="MoE routing priced: real (dropless, the busiest expert rank gets "
                             f"{ROUTING['real']:g}x its share; default) or balanced (forced, as most published runs)")
-    train.add_argument("--moe-imbalance", type=float, metavar="F",
+    train.add_argument("--moe-imbalance", type=finite_float, metavar="F",
                        help="MoE: the busiest expert rank's tokens over the balanced share (overrides --moe-routing)")
     train.add_argument("--dp-shard", type=int, metavar="N",
                        help="--runtime fsdp: shard the model states over groups of N data-parallel GPUs and replicate "
@@ -127,12 +127,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
     ckpt.add_argument("--save", metavar="DIR", default="checkpoints",
                       help="where the launch command saves and resumes (--load auto) (default checkpoints)")
     ckpt.add_argument("--save-every", type=int, metavar="N", help="steps between saves (default: Young/Daly's)")
-    ckpt.add_argument("--ckpt-write-gbps", type=float, default=save_interval.WRITE_GBPS_PER_NODE, metavar="GB/S",
+    ckpt.add_argument("--ckpt-write-gbps", type=finite_float, default=save_interval.WRITE_GBPS_PER_NODE, metavar="GB/S",
                       help="checkpoint write bandwidth per writing node, GB/s (default 1: Llama 3's storage, "
                            "2 TB/s over 2,048 nodes)")
-    ckpt.add_argument("--mtbf-gpu-hours", type=float, default=save_interval.GPU_MTBF_HOURS, metavar="H",
+    ckpt.add_argument("--mtbf-gpu-hours", type=finite_float, default=save_interval.GPU_MTBF_HOURS, metavar="H",
                       help="one GPU's mean time between failures, hours (default 50677: Llama 3's 419 unexpected "
                            "interruptions in 54 days on 16,384 GPUs); the cluster's is H / GPUs")
+
+
+def _check_moe_flags(args, model: ModelSpec) -> None:
+    """Routing flags price experts: on a dense model they would change nothing, so they are refused as --ep is."""
+    given = [f"--moe-routing {args.moe_routing}" if args.moe_routing else None,
+             f"--moe-imbalance {args.moe_imbalance:g}" if args.moe_imbalance is not None else None]
+    given = [flag for flag in given if flag]
+    if model.moe is None and given:
+        raise UsageError(f"{' and '.join(given)} {'price' if len(given) > 1 else 'prices'} Mixture-of-Experts routing, "
+                         f"and {model.name} is dense; drop {'them' if len(given) > 1 else 'it'} or plan an MoE config "
+                         "(e.g. --model mixtral-8x7b)")
+    args.moe_routing = args.moe_routing or "real"
 
 
 def _positive(args, *names):
@@ -170,6 +182,7 @@ def run(args) -> int:
         raise UsageError(f"--mem-threshold {args.mem_threshold} must be in (0, 1], e.g. 0.8")
     gpu, args.gpus_per_node = _hardware(args)
     model = load_model(args)
+    _check_moe_flags(args, model)
     tokens = parse_count(args.tokens, what="--tokens") if args.tokens else None
     precision = args.precision or ("fp16" if gpu.name.startswith("v100") else
                                    "fp32" if gpu.fp32_rate == 1.0 and gpu.name.startswith("probed:") else "bf16")
@@ -304,8 +317,8 @@ def _write_outputs(args, plan: Plan, cluster: Cluster, model: ModelSpec, model_f
                    launch_path, config: dict, flags: list[str]) -> None:
     """The model config (a --params shape), the ds_config and the launch file: every path checked first, each file
     written to a temporary name and renamed, so a bad path leaves nothing half-way."""
-    targets = [(model_file, "--emit-config"), (config_path, "--emit-config" if args.emit_config else "--emit-launch"),
-               (launch_path, "--emit-launch")]
+    config_flag = "--emit-config" if args.emit_config else "--emit-launch"  # the flag whose path placed the config
+    targets = [(model_file, config_flag), (config_path, config_flag), (launch_path, "--emit-launch")]
     for path, flag in targets:
         if path:
             emit.check_target(path, flag)
@@ -315,8 +328,8 @@ def _write_outputs(args, plan: Plan, cluster: Cluster, model: ModelSpec, model_f
     per_node = min(cluster.gpus_per_node, plan.world)  # as the deepspeed line: a plan smaller than one node
     nodes = -(-plan.world // per_node)
     if model_file:  # a --params shape with no preset: the trainer gets its config.json too
-        emit.write_json_atomic(model_file, model.to_hf_config())
-    emit.write_json_atomic(config_path, config)
+        emit.write_json_atomic(model_file, model.to_hf_config(), flag=config_flag)
+    emit.write_json_atomic(config_path, config, flag=config_flag)
     if launch_path:
         summary = f"{model.name}: {plan.describe()} on {nodes} node(s) x {per_node} {cluster.gpu.name}"
         text = (launch_script.slurm_script(nodes=nodes, gpus_per_node=per_node, train_flags=flags, summary=summary)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from megakit.errors import finite_float
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", metavar="INPUT", nargs="*",
@@ -23,7 +25,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", metavar="PATH", default=None,
                         help="use this tokenizer.json or transformers tokenizer directory instead of training one")
     parser.add_argument("--field", default="text", help="the JSONL key that holds the text")
-    parser.add_argument("--val-fraction", type=float, default=0.01,
+    parser.add_argument("--val-fraction", type=finite_float, default=0.01,
                         help="share of the tokens held out for validation (default 0.01), in spans of >= 1024 tokens "
                              "taken from the ends of documents, a long document cut in two")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes")

@@ -12,7 +12,7 @@ import argparse
 import os
 
 from megakit.core.schedules import SCHEDULES, bubble_formula, build_schedule
-from megakit.errors import UsageError
+from megakit.errors import UsageError, finite_float
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -26,9 +26,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "or one per virtual stage (chunk c of stage s is c x PP + s; e.g. 0,1,1,0 at PP 2 x VPP 2)")
     parser.add_argument("--backward-cost", type=_costs, default=2.0,
                         help="time of one stage's backward (default 2); comma-separated as --forward-cost")
-    parser.add_argument("--weight-share", type=float, default=0.5,
+    parser.add_argument("--weight-share", type=finite_float, default=0.5,
                         help="zb-h1: the share of the backward that is the weight gradient W (default 0.5: F = B = W)")
-    parser.add_argument("--p2p-cost", type=float, default=0.0, help="time for a message between stages (default 0)")
+    parser.add_argument("--p2p-cost", type=finite_float, default=0.0, help="time for a message between stages (default 0)")
     parser.add_argument("--p2p", choices=("async", "batched"), default="async",
                         help="P2P model: async sends (gloo) or batched rendezvous (NCCL) (default async)")
     parser.add_argument("--out", default=None, help="also draw the timeline to this PNG file")

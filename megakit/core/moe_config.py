@@ -62,8 +62,8 @@ class MoEConfig:
             raise UsageError(f"MoE capacity factor must be > 0, got {self.capacity_factor}; "
                              "leave it unset for dropless routing")
         for name in ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "shared_ffn"):
-            if getattr(self, name) < 0:
-                raise UsageError(f"MoE field {name} must be >= 0, got {getattr(self, name)}")
+            if not 0 <= getattr(self, name) < float("inf"):  # NaN fails too: it would skip every step
+                raise UsageError(f"MoE field {name} must be a finite number >= 0, got {getattr(self, name)}")
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_layers

@@ -241,11 +241,12 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, topo=None) -> torch.Tensor | None:
+def update_expert_bias(model: nn.Module, topo=None, *, move: bool = True) -> torch.Tensor | None:
     """Once per optimizer step: sum each MoE layer's ``step_tokens`` over every rank that routes tokens
     for it (DP x CP, then TP; one all-reduce each for all layers), move the expert bias by
-    ``bias_update_rate * sign(mean load - load)`` (DeepSeek-V3; layers with ``expert_bias``), and
-    zero the counts. Returns the summed counts ``(layers, E)`` (metrics), None without MoE layers.
+    ``bias_update_rate * sign(mean load - load)`` (DeepSeek-V3; layers with ``expert_bias``) unless
+    ``move`` is False (a skipped step changes no state), and zero the counts. Returns the summed
+    counts ``(layers, E)`` (metrics), None without MoE layers.
     Collective over DP x CP and TP: every rank of a pipeline stage calls it."""
     layers = moe_layers(model)
     if not layers:
@@ -256,7 +257,7 @@ def update_expert_bias(model: nn.Module, topo=None) -> torch.Tensor | None:
         C.all_reduce(counts, topo.tp_group if topo.tp > 1 else None)
     for m, load in zip(layers, counts.double()):
         bias = getattr(m.gate, "e_score_correction_bias", None)
-        if bias is not None and m.config.expert_bias:
+        if bias is not None and m.config.expert_bias and move:
             bias += (m.config.bias_update_rate * torch.sign(load.mean() - load)).to(bias.dtype)
         m.step_tokens.zero_()
     return counts

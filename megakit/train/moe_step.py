@@ -7,7 +7,8 @@
   averaging follows in DeepSpeed's reduction, as for the dense gradient), times the fp16 loss
   scale. Each loss is a mean over one micro-batch of one DP replica, so its gradient does not
   depend on TP, CP, EP, PP or the accumulation.
-- Aux-loss-free bias (``--moe-expert-bias``): after the optimizer step, once per step, from the
+- Aux-loss-free bias (``--moe-expert-bias``): after the optimizer step, once per applied step (a step
+  the NaN guard skips leaves it as it was, like every other state), from the
   step's token counts summed over every micro-batch and rank (``nn.moe.update_expert_bias``):
   not per micro-batch (torchtitan #1324), not recounted by recompute (#1593).
 - Metrics, per MoE layer of the whole model: tokens per expert (max and mean over the
@@ -64,9 +65,10 @@ class MoEStep:
             scale *= float(getattr(engine.optimizer, "loss_scale", getattr(engine.optimizer, "cur_scale", 1.0)))
         set_aux_loss_scale(self.module, scale)
 
-    def after_step(self) -> dict[int, dict[str, float]]:
-        """After the optimizer step: update the expert bias; the step's metrics per MoE layer (every rank)."""
-        counts = update_expert_bias(self.module, self.topo)  # summed over DP x CP and TP
+    def after_step(self, *, applied: bool) -> dict[int, dict[str, float]]:
+        """After the step guard's verdict: move the expert bias if the step was ``applied`` (a skipped step
+        changes no state); the step's metrics per MoE layer (every rank)."""
+        counts = update_expert_bias(self.module, self.topo, move=applied)  # summed over DP x CP and TP
         table = torch.zeros(len(FIELDS), self.layers, dtype=torch.float64)
         for row, (index, layer) in enumerate(self.moe):
             load = counts[row].double()

@@ -312,7 +312,6 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
                 with run.attention.context():  # the SDPA backend --attention-kernel pinned, forward and backward
                     loss = faults.spiked(step + offset, run_step(micro_batches))
                 dp_sync.after_step()
-                moe_metrics = moe.after_step() if moe is not None else None  # the expert bias moves here
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
@@ -328,6 +327,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
         if doctor is not None:
             doctor.after_step(loss=loss, lr=lr, seconds=seconds, comm_seconds=comm_seconds, grad_norm=grad_norm)
         loss, skipped = guard.check(step, loss, grads_finite=grads_finite, applied=applied)
+        moe_metrics = moe.after_step(applied=not skipped) if moe is not None else None  # the expert bias moves here
         if skipped:  # the batch and the LR slot are spent: data and LR stay functions of the step
             start_schedule(engine.lr_scheduler, step + 1)
             result.events.append(reporter.event(step, "skipped", skipped, skipped_steps=guard.skipped))
