@@ -185,7 +185,7 @@ def measure(shape: dict, variant: str, *, cuda: bool, peak: float | None, gpu: s
     step = statistics.median(got["seconds"][warmup:])
     flops = ModelConfig.load(shape["model_path"]).flops_per_token(shape["seq_len"])
     row.update(micro=got["micro"], accumulation=got["accumulation"], step_s=step, first_step_s=got["seconds"][0],
-               tokens_per_s=got["tokens"] / step, loss=got["loss"][-1], peak_gib=got["peak_gib"],
+               tokens_per_s=got["tokens"] / step, loss=got["loss"][-1], first_loss=got["loss"][0], peak_gib=got["peak_gib"],
                mfu=None if peak is None else got["tokens"] / step * flops / (peak * 1e12),
                planner=planner(shape, s, got, gpu))
     print(f"  {variant}: {step * 1e3:.1f} ms/step, {row['tokens_per_s']:,.0f} tok/s"

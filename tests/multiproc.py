@@ -19,6 +19,10 @@ import traceback
 import torch.multiprocessing as mp
 
 
+# Threads per rank: 1 on this 2-core machine. ``scripts/rounding_modes.py`` sets 2, so that every reduction runs in
+# another order (as on another machine) and the tests show that their tolerances do not lean on one order.
+THREADS = os.environ.get("MEGAKIT_TEST_THREADS", "1")
+
 ISSUED_PORTS: set[int] = set()  # every port handed out here; conftest.py looks for buffers named with them
 
 
@@ -46,12 +50,12 @@ def _context():
 def _entry(fn, rank, world_size, port, results, args, environ):
     os.environ.clear()
     os.environ.update(environ)  # the caller's now, not the server's from when it started
-    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    os.environ.update(OMP_NUM_THREADS=THREADS, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(THREADS))
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=120))

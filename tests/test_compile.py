@@ -2,19 +2,23 @@
 
 A counting backend records every graph Dynamo hands over (and runs it eagerly, so the numbers are the
 eager ones through Dynamo's and AOTAutograd's capture); a graph break would split a block into more
-graphs and shows in Dynamo's ``graph_break`` counter. The TP case runs on 2 real gloo ranks.
+graphs and shows in Dynamo's ``graph_break`` counter. The TP case runs on 2 real gloo ranks. AOTAutograd
+may decompose an op (a softmax, a norm) into others that sum in another order, so the loss and the
+gradients are compared within fp32 rounding of their magnitude over the 64 tokens (``tolerance``).
 """
 
 import pytest
 import torch
 from multiproc import run_ranks
+from tolerance import fp32_bound, grad_scale
 
 from megakit.core.model_config import ModelConfig
 from megakit.nn.model import Transformer
 
 
 def _graphs_and_breaks(config: ModelConfig, topo=None, *, sequence_parallel: bool = False, recompute: str = "none"):
-    """Loss, gradients and counts of a compiled model against its eager twin (2 forward/backward passes)."""
+    """Loss and gradient differences of a compiled model from its eager twin (2 forward/backward passes), each as a
+    share of its fp32 bound, and the graph and break counts."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -35,8 +39,9 @@ def _graphs_and_breaks(config: ModelConfig, topo=None, *, sequence_parallel: boo
         losses = [m(ids, ids.roll(-1, 1), sample_ids=[2 * step, 2 * step + 1]) for m in (eager, compiled)]
         for loss in losses:
             loss.backward()
-        worst = max(worst, abs(losses[0].item() - losses[1].item()))
-    grads = max((a.grad - b.grad).abs().max().item() for a, b in zip(eager.parameters(), compiled.parameters()))
+        worst = max(worst, abs(losses[0].item() - losses[1].item()) / fp32_bound(losses[0].item(), ids.numel()))
+    bound = fp32_bound(grad_scale({n: p.grad for n, p in eager.named_parameters()}), ids.numel())
+    grads = max((a.grad - b.grad).abs().max().item() for a, b in zip(eager.parameters(), compiled.parameters())) / bound
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     return worst, grads, len(graphs), breaks
 
@@ -45,7 +50,7 @@ def test_a_llama_block_is_one_graph_reused_by_every_layer():
     """TP 1, dropout 0: the 4 blocks share one graph (regional compilation), with no graph break."""
     loss, grads, graphs, breaks = _graphs_and_breaks(ModelConfig.load("llama-tiny"))
     assert (graphs, breaks) == (1, 0)
-    assert loss < 1e-6 and grads < 1e-6
+    assert loss <= 1 and grads <= 1
 
 
 @pytest.mark.parametrize("recompute", ["full", "selective"])
@@ -54,7 +59,7 @@ def test_recompute_wraps_or_sits_inside_the_compiled_block(recompute):
     selective: the checkpoint of the attention core traced inside the block's graph. Still no break."""
     loss, grads, graphs, breaks = _graphs_and_breaks(ModelConfig.load("llama-tiny"), recompute=recompute)
     assert breaks == 0 and graphs == 1
-    assert loss < 1e-6 and grads < 1e-6
+    assert loss <= 1 and grads <= 1
 
 
 def test_dropout_draws_stay_eager_and_the_losses_stay_equal():
@@ -62,7 +67,7 @@ def test_dropout_draws_stay_eager_and_the_losses_stay_equal():
     draw), and the masks are still the eager ones."""
     loss, grads, graphs, breaks = _graphs_and_breaks(ModelConfig.load("gpt-tiny").replace(dropout=0.1))
     assert breaks > 0 and graphs > 1
-    assert loss < 1e-6 and grads < 1e-6
+    assert loss <= 1 and grads <= 1
 
 
 def _tp2(rank, world_size):
@@ -79,4 +84,4 @@ def test_tp2_sp_collectives_are_traced_into_the_block_graph():
     not broken around: still one graph per rank, with the eager model's loss and gradients."""
     for loss, grads, graphs, breaks in run_ranks(_tp2, 2):
         assert (graphs, breaks) == (1, 0)
-        assert loss < 1e-6 and grads < 1e-6
+        assert loss <= 1 and grads <= 1

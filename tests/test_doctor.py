@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from multiproc import THREADS
 from test_trainer import ROOT
 
 from megakit.commands import cli
@@ -48,7 +49,7 @@ def _ds_config(path, *, lr: float, warmup: int | None) -> str:
 
 
 def _doctor(work, nproc: int, ds_config: str, faults: str = "") -> tuple[subprocess.CompletedProcess, dict]:
-    env = {k: v for k, v in os.environ.items() if k != VARIABLE} | {"OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k != VARIABLE} | {"OMP_NUM_THREADS": THREADS}
     if faults:
         env[VARIABLE] = faults
     report = work / "report.json"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from multiproc import THREADS
 
 from megakit.errors import UsageError
 from megakit.nn.fp8 import EMULATE_ENV, Float8Matmul, check_fp8, convert_to_fp8
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without float8 GEMMs")
 def test_fp8_without_a_float8_gpu_is_refused_in_one_line_before_any_process_group():
-    env = {k: v for k, v in os.environ.items() if k != EMULATE_ENV} | {"OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k != EMULATE_ENV} | {"OMP_NUM_THREADS": THREADS}
     out = subprocess.run([sys.executable, "scripts/train.py", "--fp8", "tensorwise", "--steps", "1"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr

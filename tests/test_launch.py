@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from multiproc import free_port
+from multiproc import THREADS, free_port
 from test_trainer import LOSS_TOL, ROOT, deepspeed, dropout_model
 
 TRAIN = ["scripts/train.py", "--ds_config", "ds_configs/zero1.json", "--seq-len", "32", "--no-progress"]
@@ -46,7 +46,7 @@ def test_the_same_command_twice_gives_identical_losses(tmp_path):
 def _two_nodes(*args: str, timeout: float = 240) -> list[subprocess.CompletedProcess]:
     """Run ``scripts/train.py ARGS`` as 2 nodes x 2 processes: two torchrun invocations on loopback."""
     port = str(free_port())
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS=THREADS)
     jobs = [subprocess.Popen(["torchrun", "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2",
                               "--master_addr", "127.0.0.1", "--master_port", port, *TRAIN, "--model", "gpt-tiny",
                               *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

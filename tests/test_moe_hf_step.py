@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from multiproc import free_port  # noqa: E402
+from multiproc import THREADS, free_port  # noqa: E402
 from test_trainer import ROOT  # noqa: E402
 
 from megakit.commands.cli import main  # noqa: E402
@@ -74,7 +74,7 @@ def test_one_step_at_ep2_tp2_equals_transformers_own_step(tmp_path, kind):
                           "--ds_config", str(tmp_path / "ds.json"), "--model", str(tmp_path / "hf"), "--load",
                           str(tmp_path / "ck"), "--steps", "1", "--ep", "2", "--tp", "2", "--seq-len", str(SEQ),
                           "--moe-aux-loss", "0", "--save", str(tmp_path / "trained"), "--no-progress"],
-                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=THREADS), capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert main(["convert", str(tmp_path / "trained"), "--to-hf", str(tmp_path / "exported")]) == 0

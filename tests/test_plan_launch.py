@@ -12,7 +12,7 @@ import os
 import subprocess
 
 import pytest
-from multiproc import free_port
+from multiproc import THREADS, free_port
 from test_data_path import five_large_files
 from test_trainer import LOSS_TOL, ROOT, dropout_model
 
@@ -126,7 +126,7 @@ def test_the_slurm_script_trains_on_two_loopback_nodes_and_survives_a_killed_wor
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "srun").write_text(SRUN)
     (tmp_path / "bin" / "srun").chmod(0o755)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", SLURM_NNODES="2",
+    env = dict(os.environ, OMP_NUM_THREADS=THREADS, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", SLURM_NNODES="2",
                SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[1-2]", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), **{VARIABLE: "kill@1:7"})
     mistake = subprocess.run(["bash", str(job), "--cp", "3"], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -11,6 +11,7 @@ import os
 import subprocess
 
 import pytest
+from multiproc import THREADS
 from test_trainer import ROOT, dropout_model
 
 from megakit.train.fault_injection import VARIABLE
@@ -20,7 +21,7 @@ TRAIN = ["scripts/train.py", "--ds_config", "ds_configs/zero1.json", "--seq-len"
 
 
 def _torchrun(*args: str, fault: str = "") -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{VARIABLE: fault})
+    env = dict(os.environ, OMP_NUM_THREADS=THREADS, **{VARIABLE: fault})
     cmd = ["torchrun", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1", *TRAIN, *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from multiproc import free_port
+from multiproc import THREADS, free_port
 from test_trainer import ROOT, dropout_model, ds_config
 
 STEPS = 8
@@ -100,7 +100,7 @@ def _train(tmp_path, *args, nprocs=2, model="gpt-tiny", stage=1, steps=None):
     config.write_text(json.dumps(ds_config(stage, micro=2, accumulation=2)))
     cmd = ["deepspeed", "--num_gpus", str(nprocs), "--master_port", str(free_port()), "scripts/train.py",
            "--ds_config", str(config), "--model", model, "--seq-len", "32", "--no-progress", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+    return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=THREADS), capture_output=True,
                           text=True, timeout=300)
 
 
@@ -177,7 +177,7 @@ def test_a_job_killed_while_saving_resumes_on_the_uninterrupted_trajectory(tmp_p
     job = subprocess.Popen(["deepspeed", "--num_gpus", "2", "--master_port", str(port), "scripts/train.py",
                             "--ds_config", str(config), "--model", "gpt-tiny", "--seq-len", "32", "--no-progress",
                             "--steps", "400", "--save", str(series), "--save-every", "1", "--keep", "3"],
-                           cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT,
+                           cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=THREADS), stdout=log, stderr=subprocess.STDOUT,
                            start_new_session=True)
     try:
         deadline, caught = time.time() + 240, []

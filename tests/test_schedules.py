@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from multiproc import THREADS
 
 from megakit.core.schedules import (
     BACKWARD,
@@ -178,7 +179,7 @@ def test_unequal_measured_costs_bound_step_by_slowest_stage():
 
 def test_cli_prints_timeline_and_writes_png(tmp_path):
     out = tmp_path / "s.png"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": THREADS}
     cmd = [sys.executable, "-m", "megakit.commands.cli", "schedule", "--pp", "4", "--micro-batches", "8",
            "--schedule", "interleaved", "--vpp", "2", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)

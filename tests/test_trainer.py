@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from multiproc import free_port
+from multiproc import THREADS, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 10  # a trajectory case: the warm-up (5 steps) and the cosine after it; the loss falls by over 0.8
@@ -52,7 +52,7 @@ def ds_config(stage: int, *, micro: int = 2, accumulation: int = 2) -> dict:
 
 
 def deepspeed(nprocs: int, *args: str, timeout: float = 300, port: int | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS=THREADS)
     cmd = ["deepspeed", "--num_gpus", str(nprocs), "--master_port", str(port or free_port()), *args]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return out
@@ -357,7 +357,7 @@ def test_tp2_checkpoint_resumes_at_tp1(dp_results, tmp_path):
     saved, longer = cases[9], results[10]
     assert json.loads((Path(saved["save"]) / "manifest.json").read_text())["step"] == 6
     (tmp_path / "ds.json").write_text(json.dumps(saved["ds_config"]))
-    env = dict(os.environ, OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+    env = dict(os.environ, OMP_NUM_THREADS=THREADS, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()))  # what the launcher sets for one process
     out = subprocess.run(["python", "scripts/train.py", "--ds_config", str(tmp_path / "ds.json"), "--model", "gpt-tiny",
                           "--seq-len", "32", "--load", saved["save"], "--steps", "7", "--no-progress",
@@ -675,7 +675,7 @@ def test_default_run_loss_falls(tmp_path):
 def _start_and_signal(tmp_path, sig: int, *extra: str) -> tuple[int, float, str]:
     """Start a 4-rank job, send ``sig`` to rank 2 once it is training; returns (status, seconds, output)."""
     log = open(tmp_path / "out.txt", "w+")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS=THREADS)
     cmd = ["deepspeed", "--num_gpus", "4", "--master_port", str(free_port()), "scripts/train.py",
            "--ds_config", "ds_configs/zero1.json", "--model", "gpt-tiny", "--seq-len", "32", "--steps", "100000",
            "--tp", "2", "--no-progress", *extra]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from multiproc import THREADS
 
 from megakit.errors import UsageError
 from megakit.train.ds_config import load_ds_config, require_optimizer
@@ -65,7 +66,7 @@ def test_bad_files_and_flags(tmp_path):
 
 
 def test_script_reports_a_bad_data_path_in_one_line(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS=THREADS)
     out = subprocess.run([sys.executable, "scripts/train.py", "--data", str(tmp_path / "missing"), "--steps", "1"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
@@ -75,7 +76,7 @@ def test_script_reports_a_bad_data_path_in_one_line(tmp_path):
 
 def test_non_finite_float_flags_are_one_line_and_exit_2():
     """--moe-aux-loss nan used to be accepted: every step was then skipped, and the run exited 0 having trained nothing."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS=THREADS)
     for flag, value in (("--moe-aux-loss", "nan"), ("--moe-z-loss", "nan"), ("--spike-guard", "inf")):
         out = subprocess.run([sys.executable, "scripts/train.py", "--model", "moe-tiny", flag, value, "--steps", "1"],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -89,7 +90,7 @@ def test_script_without_the_launcher_is_a_world_of_one(tmp_path):
     processes is one line, not torch's rendezvous traceback."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     out = subprocess.run([sys.executable, "scripts/train.py", "--tp", "2", "--steps", "1"],
-                         cwd=ROOT, env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+                         cwd=ROOT, env=dict(env, OMP_NUM_THREADS=THREADS), capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines()[-1] == (
         "train.py: error: world size 1 is not divisible by TP x PP = 2 x 1 = 2; "
@@ -110,7 +111,7 @@ def test_launched_job_reports_a_user_mistake_once_and_every_rank_exits_2(tmp_pat
     Then a --load directory that holds no checkpoint, in one process."""
     from multiproc import free_port
 
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS=THREADS)
     out = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "scripts/train.py",
                           "--model", "gpt-tiny", "--tp", "2", "--sequence-parallel", "--seq-len", "33"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
@@ -156,7 +157,7 @@ def test_zero_bubble_with_interleaving_is_one_line_before_any_process_group():
         TrainConfig(ds_config={}, pp=2, vpp=2, schedule="zb-h1")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     out = subprocess.run([sys.executable, "scripts/train.py", "--pp", "2", "--vpp", "2", "--schedule", "zb-h1"],
-                         cwd=ROOT, env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+                         cwd=ROOT, env=dict(env, OMP_NUM_THREADS=THREADS), capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines() == ["train.py: error: --schedule zb-h1 runs one model chunk per stage, "
                                                "got --vpp 2; drop --vpp, or use --schedule interleaved"]
@@ -202,7 +203,7 @@ def test_context_parallel_flags_are_checked_before_any_process_group():
     run = resolve(TrainConfig(ds_config=ds, model="gpt-tiny", cp=2, seq_len=32), 4)
     assert (run.layout.cp, run.layout.dp, run.batch.global_batch, run.ds_config["train_batch_size"]) == (2, 2, 4, 8)
     out = subprocess.run([sys.executable, "scripts/train.py", "--model", "gpt-tiny", "--cp", "2", "--seq-len", "30"],
-                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=THREADS), capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "world size 1 is not divisible by TP x PP x CP" in out.stderr  # one process cannot hold CP 2
