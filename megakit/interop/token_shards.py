@@ -4,14 +4,16 @@ Why this format (nanoGPT's ``np.memmap`` bins, Megatron's indexed dataset made r
 a shard is the raw little-endian ``uint16`` (vocabularies up to 65 536) or ``uint32`` ids of
 whole documents, each followed by the end-of-text id, so the trainer maps it and reads any
 window without parsing. Beside it, ``NAME.docs`` holds each document's first token offset
-(``int64``). ``index.json`` names every file with its token and document counts and sha256,
+(``int64``), and, for data prepared with a loss mask (chat data trained on the assistant's turns only),
+``NAME.mask`` one ``uint8`` per token: 1 where the token is a target the loss counts, 0 where it is
+context only. ``index.json`` names every file with its token and document counts and sha256,
 the dtype, the vocabulary and what it was made from; it is written last, so a directory
 without it is not a finished one. Opening checks each file's size against the index (a
 truncated shard is one clear line); ``verify`` also checks the sha256.
 
     DIR/index.json
     DIR/tokenizer.json, tokenizer_config.json, special_tokens_map.json
-    DIR/train-00000.bin, DIR/train-00000.docs, ..., DIR/validation-00000.bin, ...
+    DIR/train-00000.bin, DIR/train-00000.docs, [DIR/train-00000.mask], ..., DIR/validation-00000.bin, ...
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ def sha256_file(path: Path) -> str:
 class ShardWriter:
     """Appends documents to ``SPLIT-00000.bin``, ``SPLIT-00001.bin``, ... (a new shard past ``shard_tokens``)."""
 
-    def __init__(self, directory: Path, split: str, dtype: np.dtype, *, shard_tokens: int) -> None:
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, *, shard_tokens: int, masks: bool = False) -> None:
         self.directory, self.split, self.dtype, self.shard_tokens = Path(directory), split, dtype, shard_tokens
+        self.masks = masks  # every document then comes with its loss mask, written to NAME.mask
         self.entries: list[dict] = []
         self._file = None
 
@@ -57,14 +60,25 @@ class ShardWriter:
         name = f"{self.split}-{len(self.entries):05d}.bin"
         self._file, self._digest = open(self.directory / name, "wb"), hashlib.sha256()  # noqa: SIM115 (closed by _close)
         self._name, self._tokens, self._starts = name, 0, []
+        if self.masks:
+            self._mask_file = open(self.directory / f"{name[:-4]}.mask", "wb")  # noqa: SIM115 (closed by _close)
+            self._mask_digest = hashlib.sha256()
 
-    def add(self, ids: np.ndarray) -> None:
-        """One document's ids (its end-of-text included)."""
+    def add(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """One document's ids (its end-of-text included) and, for a writer with ``masks``, its loss mask: one
+        0/1 per id, 1 where the id is a target the loss counts."""
+        if (mask is None) == self.masks or (mask is not None and len(mask) != len(ids)):
+            raise ValueError(f"a loss mask per id is {'required' if self.masks else 'not expected'} here "
+                             f"({len(ids)} ids, mask {None if mask is None else len(mask)})")
         if self._file is None:
             self._open()
         data = np.ascontiguousarray(ids, dtype=self.dtype).tobytes()
         self._file.write(data)
         self._digest.update(data)
+        if mask is not None:
+            bits = np.ascontiguousarray(mask, dtype=np.uint8).tobytes()
+            self._mask_file.write(bits)
+            self._mask_digest.update(bits)
         self._starts.append(self._tokens)
         self._tokens += len(ids)
         if self._tokens >= self.shard_tokens:
@@ -79,6 +93,9 @@ class ShardWriter:
         self.entries.append({"file": self._name, "tokens": self._tokens, "documents": len(starts),
                              "sha256": self._digest.hexdigest(), "docs_file": docs,
                              "docs_sha256": hashlib.sha256(starts.tobytes()).hexdigest()})
+        if self.masks:
+            self._mask_file.close()
+            self.entries[-1].update(mask_file=f"{self._name[:-4]}.mask", mask_sha256=self._mask_digest.hexdigest())
 
     def close(self) -> list[dict]:
         if self._file is not None:
@@ -140,6 +157,13 @@ class TokenShards:
         return [self._map(entry["docs_file"], "int64", entry["documents"])
                 for entry in self.index["splits"][split] if entry["tokens"]]
 
+    def masks(self, split: str) -> list[np.ndarray] | None:
+        """Per shard, the loss mask (``uint8``, 1: a target the loss counts); None for data prepared without one."""
+        entries = [entry for entry in self.index["splits"][split] if entry["tokens"]]
+        if not entries or "mask_file" not in entries[0]:
+            return None
+        return [self._map(entry["mask_file"], "uint8", entry["tokens"]) for entry in entries]
+
     def _map(self, name: str, dtype: str, count: int) -> np.ndarray:
         return np.memmap(self.directory / name, dtype=np.dtype(dtype), mode="r", shape=(count,))
 
@@ -151,8 +175,11 @@ def open_shards(directory: str | Path, *, verify: bool = False) -> TokenShards:
     itemsize = np.dtype(index["dtype"]).itemsize
     for split in SPLITS:
         for entry in index["splits"][split]:
-            for name, size, digest in ((entry["file"], entry["tokens"] * itemsize, entry["sha256"]),
-                                       (entry["docs_file"], entry["documents"] * 8, entry["docs_sha256"])):
+            files = [(entry["file"], entry["tokens"] * itemsize, entry["sha256"]),
+                     (entry["docs_file"], entry["documents"] * 8, entry["docs_sha256"])]
+            if "mask_file" in entry:
+                files.append((entry["mask_file"], entry["tokens"], entry["mask_sha256"]))
+            for name, size, digest in files:
                 path = directory / name
                 have = path.stat().st_size if path.is_file() else None
                 if have != size:

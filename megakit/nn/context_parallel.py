@@ -16,7 +16,8 @@ on the rank's own rows; only attention needs the other ranks' keys and values:
   log-sum-exp (nothing ``S x S`` is kept); K/V ring around again, and the gradients of each
   K/V block travel with it and arrive back at its owner after one full turn.
 
-The loss is the mean over the whole sequence (``sequence_mean``). Positions (RoPE, learned
+The loss is the sum over the whole sequence's valid tokens over their count, or over the trainer's token
+count (``sequence_mean``). Positions (RoPE, learned
 position embeddings) and dropout masks use the global positions (``positions``).
 """
 
@@ -64,26 +65,29 @@ def gather_sequence(x: torch.Tensor, group, *, dim: int) -> torch.Tensor:
 
 
 class _SequenceMean(torch.autograd.Function):
-    """forward: all-reduce (sum) of [loss sum, token count] over CP, then their ratio: the mean over
-    the whole sequence, the same on every CP rank. backward: ``grad x CP / count`` on each rank,
-    the adjoint of the all-reduce when every rank's copy of the loss is counted: DeepSpeed
-    averages gradients over DP x CP, which divides the CP back out."""
+    """forward: all-reduce (sum) of [loss sum, token count] over CP, then the sum over ``tokens`` (or over
+    the count): the same on every CP rank. backward: ``grad x CP / tokens`` on each rank, the adjoint of
+    the all-reduce when every rank's copy of the loss is counted: DeepSpeed averages gradients over
+    DP x CP, which divides the CP back out."""
 
     @staticmethod
-    def forward(ctx, local_sum, local_count, group):
+    def forward(ctx, local_sum, local_count, group, tokens):
         totals = C.all_reduce(torch.stack([local_sum.detach().float(), local_count.float()]), group)
-        ctx.scale = C.size(group) / totals[1].clamp(min=1)  # a tensor: no device sync
+        divisor = totals[1].clamp(min=1) if tokens is None else tokens  # a tensor or a float: no device sync
+        ctx.scale = C.size(group) / divisor
         ctx.dtype = local_sum.dtype
-        return (totals[0] / totals[1].clamp(min=1)).to(local_sum.dtype)
+        return (totals[0] / divisor).to(local_sum.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return (grad * ctx.scale).to(ctx.dtype), None, None
+        return (grad * ctx.scale).to(ctx.dtype), None, None, None
 
 
-def sequence_mean(token_losses: torch.Tensor, valid: torch.Tensor, group) -> torch.Tensor:
-    """The mean of ``token_losses`` over the valid tokens of the whole sequence (every CP rank's rows)."""
-    return _SequenceMean.apply(token_losses.sum(), valid.sum(), group)
+def sequence_mean(token_losses: torch.Tensor, valid: torch.Tensor, group, tokens: float | None = None) -> torch.Tensor:
+    """The sum of ``token_losses`` over the valid tokens of the whole sequence (every CP rank's rows), divided by
+    ``tokens`` (the trainer's share of the step's token count, ``Transformer.loss_tokens``) or else by their count:
+    the sequence's mean."""
+    return _SequenceMean.apply(token_losses.sum(), valid.sum(), group, tokens)
 
 
 def attention_keep(p: float, keys: DropoutKeys, *, site: str, head_start: int, heads_local: int, heads: int,

@@ -156,6 +156,8 @@ class Transformer(nn.Module):
     every CP rank, whose gradient on each rank is CP times its share (DP x CP averages it back).
     ``loss_chunks`` K > 1: with labels, the head and loss run over K chunks of the tokens
     (``megakit.nn.chunked_loss``), so the logits shard never exists whole; the same loss and gradients.
+    ``loss_tokens`` (``set_loss_tokens``): divide the summed loss by the trainer's token count instead of the
+    batch's own, so that a step whose micro-batches count different tokens trains sum(loss) / sum(tokens).
     """
 
     def __init__(self, config: ModelConfig, topo=None, *, layers: range | None = None, pre: bool = True,
@@ -186,6 +188,10 @@ class Transformer(nn.Module):
         if loss_chunks < 1:
             raise UsageError(f"loss_chunks must be at least 1 (1: the head and loss in one piece), got {loss_chunks}")
         self.loss_chunks = loss_chunks
+        # The summed loss's divisor (``set_loss_tokens``): the step's valid tokens over the micro-batches that
+        # DeepSpeed averages, so that its averages give sum(loss)/sum(tokens) over the step. None: this
+        # micro-batch's own mean.
+        self.loss_tokens: float | None = None
         kw = dict(group=group, sequence_parallel=self.sequence_parallel, dtype=dtype, device=device)
         tied = config.tie_embeddings
         if pre or (post and tied):  # a tied last stage keeps its own copy, under the same name
@@ -260,22 +266,28 @@ class Transformer(nn.Module):
             total = chunked_head_loss(h, head, target, self.group, chunks=self.loss_chunks,
                                       vocab_size=self.config.vocab_size)
             if held is not None:
-                return sequence_mean(total, target != -100, self.cp_group)
-            return total / (target != -100).sum().clamp(min=1)
+                return sequence_mean(total, target != -100, self.cp_group, self.loss_tokens)
+            return total / self._divisor(target)
         logits = F.linear(h, head)  # (S, B, V/tp)
         if labels is not None and held is not None:
             target = labels.index_select(1, held).t()  # (S/cp, B)
             token = vocab_parallel_cross_entropy(logits, target, self.group, vocab_size=self.config.vocab_size,
                                                  reduction="none")
-            return sequence_mean(token, target != -100, self.cp_group)
+            return sequence_mean(token, target != -100, self.cp_group, self.loss_tokens)
         if labels is not None:
-            return vocab_parallel_cross_entropy(logits, labels.t(), self.group, vocab_size=self.config.vocab_size)
+            target = labels.t()
+            return vocab_parallel_cross_entropy(logits, target, self.group, vocab_size=self.config.vocab_size,
+                                                reduction="sum") / self._divisor(target)
         logits = logits.transpose(0, 1)  # (B, S, V/tp)
         start = self.tp_rank * logits.shape[-1]
         if start + logits.shape[-1] > self.config.vocab_size:
             logits = logits.clone()
             logits[..., max(self.config.vocab_size - start, 0):] = float("-inf")
         return logits
+
+    def _divisor(self, target: torch.Tensor):
+        """What the summed loss is divided by: the trainer's ``loss_tokens``, else this batch's valid tokens."""
+        return self.loss_tokens if self.loss_tokens is not None else (target != -100).sum().clamp(min=1)
 
     def _dropout_keys(self, x: torch.Tensor, sample_ids) -> DropoutKeys | None:
         if not self.training or self.config.dropout == 0.0:
@@ -329,6 +341,14 @@ def build_stage_chunks(config, topo, *, vpp: int = 1, method="params", **model_k
 
 
 # -- whole-model views (tests, checkpoints, resharding) ---------------------------------------
+def set_loss_tokens(module: nn.Module, tokens: float | None) -> None:
+    """Every loss-computing ``Transformer`` inside ``module`` (a model, an engine, a list of chunks) divides its
+    summed loss by ``tokens`` from now on (None: by its batch's own valid tokens)."""
+    for m in module.modules():
+        if isinstance(m, Transformer) and m.post:
+            m.loss_tokens = tokens
+
+
 def _group(topo):
     return None if topo is None else topo.tp_group
 

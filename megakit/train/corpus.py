@@ -29,6 +29,8 @@ class Corpus:
     tokenizer_dir: Path | None  # where tokenizer.json is (None: bytes)
     fingerprint: str  # names the data, recorded with the position in checkpoints
     source: str  # for messages
+    train_masks: list | None = None  # per train shard, the loss mask (1: a target the loss counts); None: all count
+    validation_masks: list | None = None
 
 
 def open_corpus(data: str | None, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
@@ -39,7 +41,8 @@ def open_corpus(data: str | None, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Corp
         shards = open_shards(data)  # one clear line when the index is missing or a shard is truncated
         return Corpus(train=shards.tokens("train"), validation=shards.tokens("validation") or None,
                       vocab_size=shards.vocab_size, tokenizer_dir=Path(data).resolve(),
-                      fingerprint=shards.fingerprint, source=f"--data {data}")
+                      fingerprint=shards.fingerprint, source=f"--data {data}", train_masks=shards.masks("train"),
+                      validation_masks=shards.masks("validation"))
     tokens = load_tokens(data, max_bytes=max_bytes)
     return Corpus(train=[tokens], validation=None, vocab_size=BYTE_VOCAB, tokenizer_dir=None,
                   fingerprint=f"bytes:{data or 'stdlib'}:{len(tokens)}",
@@ -71,7 +74,7 @@ class ValidationBatches(TokenBatches):
             raise UsageError(f"--eval-every needs a validation split, which {corpus.source} does not have; prepare "
                              "the text with megakit prepare-data and pass --data DIR")
         try:
-            super().__init__(corpus.validation, plan)
+            super().__init__(corpus.validation, plan, corpus.validation_masks)
         except UsageError:
             raise UsageError(f"the validation split of {corpus.source} holds fewer samples than one global batch of "
                              f"{plan.global_batch}; prepare the data with a larger --val-fraction") from None

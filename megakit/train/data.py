@@ -109,12 +109,16 @@ class TokenBatches:
 
     ``tokens``: one 1-D tensor (the byte corpus) or a list of 1-D arrays (memory-mapped shards,
     ``Corpus.train``). Each shard is cut into its own windows, so none spans two shards; with one
-    shard the samples are those of the single stream.
+    shard the samples are those of the single stream. ``masks``: per shard, one 0/1 per token (a
+    prepared directory's loss mask); a label whose token has mask 0 becomes -100, which the loss
+    leaves out, so how many tokens a window trains varies and the trainer weights the loss by them.
     """
 
-    def __init__(self, tokens, plan: BatchPlan) -> None:
+    def __init__(self, tokens, plan: BatchPlan, masks: list | None = None) -> None:
         self.shards = [t.numpy() if isinstance(t, torch.Tensor) else t
                        for t in (tokens if isinstance(tokens, (list, tuple)) else [tokens])]
+        self.masks = masks
+        assert masks is None or [len(m) for m in masks] == [len(t) for t in self.shards]
         self.plan = plan
         counts = [max(len(t) - 1, 0) // plan.seq_len for t in self.shards]
         self._first = np.cumsum([0, *counts])  # the first sample of each shard
@@ -140,7 +144,11 @@ class TokenBatches:
         starts = (indices - self._first[shard]) * seq
         windows = torch.from_numpy(np.stack([self.shards[k][s:s + seq + 1] for k, s in zip(shard, starts)])
                                    .astype(np.int64))
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (B, S), (B, S)
+        inputs, labels = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (B, S), (B, S)
+        if self.masks is not None:  # the mask of the token each label names
+            counted = np.stack([self.masks[k][s + 1:s + seq + 1] for k, s in zip(shard, starts)])
+            labels[torch.from_numpy(counted == 0)] = -100
+        return inputs, labels
 
     def global_indices(self, step: int) -> torch.Tensor:
         """Sample indices of optimizer step ``step``, DP rank 0's slice first."""

@@ -2,9 +2,10 @@
 
 The validation split is read in a fixed order (``corpus.ValidationBatches``): eval batch
 ``k`` is split over DP ranks as a training step's batch is, so each sample is computed once
-per evaluation in the whole job, and the loss is the mean over every micro-batch of every
-DP rank, as a single process would compute it (with CP every rank of a ring holds the whole
-sequence's loss, so one of them counts it). The forward is the training one (the same
+per evaluation in the whole job, and the loss is the mean over the valid tokens of every
+micro-batch of every DP rank, as a single process would compute it, and as training weights its
+loss (``token_weighting``; with CP every rank of a ring holds the whole sequence's loss, so one of
+them counts it). The forward is the training one (the same
 stage modules, TP collectives and, with PP, the stages' activations sent along the
 pipeline), run under ``torch.no_grad`` in eval mode: no dropout, no recompute, no
 gradients, no optimizer state, and nothing drawn from a random generator, so the training
@@ -18,6 +19,7 @@ import math
 import torch
 
 from megakit.nn import comm
+from megakit.nn.model import set_loss_tokens
 
 
 def _forward_pipeline(chunks, topo, inputs, labels, *, shape, dtype, device) -> torch.Tensor | None:
@@ -50,27 +52,28 @@ def evaluate(modules, topo, batches, *, shape, dtype, device) -> float:
     was_training = [m.training for m in modules]
     for m in modules:
         m.eval()
-    losses = []
+        set_loss_tokens(m, None)  # each micro-batch's own mean, weighted by its tokens below
+    losses = []  # (mean, valid tokens) per micro-batch whose loss this rank holds
     try:
         with torch.no_grad():
             for k in range(batches.batches):
                 for x, y in batches.micro_batches(k, topo.dp_rank):
                     x, y = x.to(device or "cpu"), y.to(device or "cpu")
                     if topo.pp == 1:
-                        losses.append(modules[0](x, y).float())
+                        loss = modules[0](x, y)
                     else:
                         loss = _forward_pipeline(modules, topo, x, y, shape=shape, dtype=dtype, device=device)
-                        if loss is not None:
-                            losses.append(loss.float())
+                    if loss is not None:
+                        losses.append((loss.double(), (y != -100).sum().double()))
     finally:
         for m, mode in zip(modules, was_training):
             m.train(mode)
     holds_loss = bool(losses) and topo.tp_rank == 0 and topo.cp_rank == 0  # TP and CP ranks hold the same loss
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of the token losses, tokens]
     if holds_loss:
-        total += torch.stack(losses).double().mean() / topo.dp
+        total += torch.stack([torch.stack([mean * n, n]) for mean, n in losses]).sum(0)
     comm.all_reduce(total, comm.WORLD)
-    return float(total)
+    return float(total[0] / total[1].clamp(min=1))
 
 
 def evaluator(run, topo, engine, device):

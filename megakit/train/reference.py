@@ -25,14 +25,15 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
 
     ``ds_config`` is the dict the trainer used (micro-batch and accumulation per rank);
     ``dp`` is the distributed run's DP size, so the global batch is the same. With ``eval_every``, ``evals``
-    holds ``{"step", "loss"}`` where the trainer evaluates: the mean loss, in eval mode, over every
+    holds ``{"step", "loss"}`` where the trainer evaluates: the mean loss, in eval mode, over the tokens of every
     micro-batch of ``eval_batches`` validation batches. ``moe``: the ``TrainConfig`` ``moe_*`` flags
-    (``moe_aux_loss=...``). An MoE model's balancing losses are scaled like the loss (1 / micro-batches)
+    (``moe_aux_loss=...``). The loss is sum(loss) / sum(tokens) over each step's global batch (as
+    ``token_weighting`` makes the trainer's); an MoE model's balancing losses are scaled 1 / micro-batches
     and its expert bias moves once per step.
     """
     from deepspeed.runtime import lr_schedules
 
-    from megakit.nn.model import ModelConfig, Transformer
+    from megakit.nn.model import ModelConfig, Transformer, set_loss_tokens
     from megakit.nn.moe import set_aux_loss_scale, update_expert_bias
     from megakit.train.run import TrainConfig, with_moe_flags
 
@@ -43,7 +44,7 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
     seq_len = seq_len or config.max_seq_len
     plan = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
                      accumulation=ds_config.get("gradient_accumulation_steps", 1), dp=dp, seed=seed)
-    batches = TokenBatches(corpus.train, plan)
+    batches = TokenBatches(corpus.train, plan, corpus.train_masks)
     params = {k: v for k, v in ds_config["optimizer"]["params"].items() if k not in ("torch_adam", "adam_w_mode")}
     optimizer = torch.optim.AdamW(decay_groups(net), **params)
     scheduler = None
@@ -58,11 +59,14 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
     for step in range(steps):
         out["lr"].append(optimizer.param_groups[0]["lr"])
         total = 0.0
-        for rank in range(plan.dp):
-            for (inputs, labels), rows in zip(batches.micro_batches(step, rank), batches.sample_numbers(step, rank)):
+        step_batches = [(batches.micro_batches(step, rank), batches.sample_numbers(step, rank)) for rank in range(plan.dp)]
+        tokens = sum(int((labels != -100).sum()) for mbs, _ in step_batches for _, labels in mbs)
+        set_loss_tokens(net, float(max(tokens, 1)))  # sum(loss) / sum(tokens) over the whole global batch
+        for micro_batches, numbers in step_batches:
+            for (inputs, labels), rows in zip(micro_batches, numbers):
                 loss = net(inputs, labels, sample_ids=rows)
-                (loss / micro_count).backward()
-                total += float(loss.detach()) / micro_count
+                loss.backward()
+                total += float(loss.detach())
         norm = torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm if max_norm > 0 else float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -77,11 +81,15 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
 
 
 def _validation_loss(net, corpus, plan: BatchPlan, batches: int) -> float:
-    """The mean loss over every micro-batch of every DP rank of ``batches`` validation batches, in eval mode."""
+    """The mean loss over the valid tokens of every micro-batch of every DP rank of ``batches`` validation batches,
+    in eval mode."""
+    from megakit.nn.model import set_loss_tokens
+
     validation = ValidationBatches(corpus, plan, batches)
     net.eval()
+    set_loss_tokens(net, None)
     with torch.no_grad():
-        losses = [net(x, y).double() for k in range(validation.batches) for rank in range(plan.dp)
-                  for x, y in validation.micro_batches(k, rank)]
+        pairs = [(net(x, y).double(), int((y != -100).sum())) for k in range(validation.batches)
+                 for rank in range(plan.dp) for x, y in validation.micro_batches(k, rank)]
     net.train()
-    return float(torch.stack(losses).mean())
+    return float(sum(loss * n for loss, n in pairs) / max(sum(n for _, n in pairs), 1))

@@ -60,6 +60,7 @@ from megakit.train.experts import deepspeed_sees_experts
 from megakit.train.fault_injection import TrainingFaults, with_seed_fault
 from megakit.train.grad_norm import Zero0Clipper
 from megakit.train.guards import StepGuard, TrainingDiverged
+from megakit.train.token_weighting import weight_by_tokens
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops, gpu_state
 from megakit.train.moe_step import MoEStep
 from megakit.train.optim import decay_groups, start_schedule
@@ -261,7 +262,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
         except UsageError as error:
             raise everywhere(error)  # load_state raises on every rank when any rank fails
     start_schedule(engine.lr_scheduler, start)
-    batches = TokenBatches(run.corpus.train, plan)
+    batches = TokenBatches(run.corpus.train, plan, run.corpus.train_masks)
     evaluate = evaluator(run, topo, engine, rank_device()) if cfg.eval_every else None
     dp_sync = DataParallelSync(run, topo, engine)
     if run.checkpoint:
@@ -309,6 +310,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
             with probe.step() if probe else contextlib.nullcontext():
                 if moe is not None:
                     moe.before_step(engine)
+                weight_by_tokens(engine.module, micro_batches, topo, device)  # sum(loss) / sum(tokens) over the step
                 with run.attention.context():  # the SDPA backend --attention-kernel pinned, forward and backward
                     loss = faults.spiked(step + offset, run_step(micro_batches))
                 dp_sync.after_step()

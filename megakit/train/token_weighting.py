@@ -1,0 +1,35 @@
+"""The step's loss weighted by tokens: ``sum(loss x mask) / sum(mask)`` over the whole global batch.
+
+DeepSpeed averages twice: each micro-batch's loss by ``1 / GA`` (``engine.backward`` scales it), and the
+gradients over the DP x CP ranks. A mean of per-micro-batch means is the mean over the step's tokens only
+while every micro-batch counts as many of them; with loss masks, padding or masked end-of-document tokens
+it is not, the gradient-accumulation bug that transformers (#34191), torchtune (#1875) and Megatron
+(``calculate_per_token_loss``) users met. So, as torchtitan does, each micro-batch divides its summed
+loss by ``N / (GA x DP)``, ``N`` being the step's valid tokens over every DP replica: DeepSpeed's two
+averages then leave ``sum / N`` exactly, for the gradient and for the logged loss, at any layout. A
+micro-batch with no valid token adds 0, never NaN. ``N`` costs one all-reduce of one number per step over
+the DP x CP group (every CP rank counts its replica's whole sequence, so that sum is ``CP x N``); every
+pipeline stage counts the same labels, so each stage's group finds the same ``N``. The MoE balancing losses
+keep their own per-micro-batch scale (``moe_step``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megakit.nn import comm
+from megakit.nn.model import set_loss_tokens
+
+
+def step_tokens(micro_batches, topo, device=None) -> torch.Tensor:
+    """The valid (``!= -100``) labels of the step over every DP replica: one all-reduce over DP x CP."""
+    count = sum((labels != -100).sum() for _, labels, _ in micro_batches).to(device, torch.float64)  # no host sync
+    if topo.dp * topo.cp > 1:
+        comm.all_reduce(count, topo.get_data_parallel_group())
+    return count / topo.cp
+
+
+def weight_by_tokens(module, micro_batches, topo, device=None) -> None:
+    """Before a step: every micro-batch's summed loss is divided by the step's ``N / (GA x DP)``."""
+    per_average = step_tokens(micro_batches, topo, device) / (len(micro_batches) * topo.dp)
+    set_loss_tokens(module, per_average.float())

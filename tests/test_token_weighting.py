@@ -1,0 +1,135 @@
+"""The step's loss is sum(loss x mask) / sum(mask) over the whole global batch, at every layout.
+
+Data: prepared shards with a loss mask whose windows keep 0 %, 5 %, 30 % or all of their labels (counts
+varying over 20x, whole micro-batches masked out). In process: the loader's labels follow the mask, the
+model's token-weighted loss is the global sum over the global count (0, not NaN, for a micro-batch with no
+valid token), and the mean of per-micro-batch means it replaces is far from it on this data. Through the
+launcher, one job of 2 processes: DP 2 x GA 2, TP 2 x GA 4, PP 2 (4 micro-batches), CP 2 and ZeRO-3 each follow
+the single process's sum/sum run (``megakit.train.reference``) step by step, and the step's gradient norm too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_trainer import _token_shards, ds_config, sweep
+from tolerance import fp32_bound
+
+from megakit.errors import UsageError
+
+SEQ = 32
+KEEP = (0.0, 0.05, 0.3, 1.0)  # the share of a window's labels its mask keeps, cycling over the windows
+
+
+def _mask_shards(directory: Path, seed: int = 0) -> None:
+    """Give every shard of a prepared directory a loss mask, window by window (as chat data's would be)."""
+    from megakit.interop.token_shards import read_index, write_index
+
+    index, gen = read_index(directory), np.random.default_rng(seed)
+    for split, entries in index["splits"].items():
+        for entry in entries:
+            n = entry["tokens"]
+            keep = np.array([KEEP[(i // SEQ) % len(KEEP)] for i in range(n)])  # window w = tokens w*SEQ+1 .. (w+1)*SEQ
+            mask = (gen.random(n) < keep).astype(np.uint8)
+            name = entry["file"][:-4] + ".mask"
+            (directory / name).write_bytes(mask.tobytes())
+            entry.update(mask_file=name, mask_sha256=hashlib.sha256(mask.tobytes()).hexdigest())
+    write_index(directory, {k: v for k, v in index.items() if k not in ("format", "version")})
+
+
+@pytest.fixture(scope="module")
+def masked(tmp_path_factory) -> str:
+    data = _token_shards(tmp_path_factory)
+    _mask_shards(Path(data))
+    return data
+
+
+def test_the_loader_masks_labels_and_a_truncated_mask_is_one_line(masked, tmp_path):
+    from megakit.interop.token_shards import open_shards
+    from megakit.train.corpus import open_corpus
+    from megakit.train.data import BatchPlan, TokenBatches
+
+    corpus = open_corpus(masked)
+    assert corpus.train_masks is not None and corpus.validation_masks is not None
+    batches = TokenBatches(corpus.train, BatchPlan(seq_len=SEQ, micro_batch=4), corpus.train_masks)
+    plain = TokenBatches(corpus.train, BatchPlan(seq_len=SEQ, micro_batch=4))
+    for step in range(3):
+        (x, y), (x0, y0) = batches.global_batch(step), plain.global_batch(step)
+        assert torch.equal(x, x0)  # inputs are the stream's, masked or not
+        for row, sample in enumerate(batches.global_indices(step).tolist()):  # brute force: the mask of each target
+            mask = np.asarray(corpus.train_masks[0][sample * SEQ + 1:(sample + 1) * SEQ + 1])
+            assert torch.equal(y[row], torch.where(torch.from_numpy(mask == 1), y0[row], -100))
+    counts = [int((batches.global_batch(s)[1][r] != -100).sum()) for s in range(4) for r in range(4)]
+    assert 0 in counts and max(counts) >= 20 * max(min(c for c in counts if c), 1) / 2, counts
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in Path(masked).iterdir():
+        (broken / f.name).write_bytes(f.read_bytes()[:-1] if f.name == "train-00000.mask" else f.read_bytes())
+    with pytest.raises(UsageError, match=r"train-00000.mask is truncated"):
+        open_shards(broken)
+
+
+def test_the_weighted_loss_is_the_global_sum_over_the_global_count(masked):
+    """Four micro-batches, one with no valid token: their weighted losses add up to sum/sum, and its gradient is
+    that of sum/sum; the mean of means is off by whole percents on this data."""
+    from megakit.nn.model import ModelConfig, Transformer, set_loss_tokens
+    from megakit.train.corpus import open_corpus
+    from megakit.train.data import BatchPlan, TokenBatches
+
+    corpus = open_corpus(masked)
+    config = ModelConfig.load("llama-tiny").replace(vocab_size=corpus.vocab_size)
+    batches = TokenBatches(corpus.train, BatchPlan(seq_len=SEQ, micro_batch=1, accumulation=4), corpus.train_masks)
+    step = next(s for s in range(50) if any((y == -100).all() for _, y in batches.micro_batches(s, 0)))
+    micro = batches.micro_batches(step, 0)
+    x, y = torch.cat([a for a, _ in micro]), torch.cat([b for _, b in micro])
+    whole = Transformer(config, seed=1)
+    whole(x, y).backward()  # one batch: its own sum over its own count
+    want = {n: p.grad.clone() for n, p in whole.named_parameters()}
+    model = Transformer(config, seed=1)
+    tokens = int((y != -100).sum())
+    set_loss_tokens(model, float(tokens))
+    losses = [model(a, b) for a, b in micro]
+    for loss in losses:
+        loss.backward()
+    empty = next(loss for loss, (_, b) in zip(losses, micro) if (b == -100).all())
+    assert empty.item() == 0.0  # no valid token: nothing, not NaN
+    weighted = sum(loss.item() for loss in losses)
+    assert abs(weighted - whole(x, y).item()) <= fp32_bound(weighted, tokens)
+    scale = max(g.abs().max().item() for g in want.values())
+    for name, p in model.named_parameters():
+        assert (p.grad - want[name]).abs().max().item() <= fp32_bound(scale, tokens), name
+    set_loss_tokens(model, None)
+    means = [model(a, b).item() for a, b in micro if (b != -100).any()]
+    assert abs(sum(means) / len(micro) - weighted) > 0.01 * weighted  # what DeepSpeed's averages gave before
+
+
+CASES = {"dp2-ga2": dict(zero=1, accumulation=2), "tp2-ga4": dict(zero=1, accumulation=4, tp=2),
+         "pp2-4mb": dict(zero=1, accumulation=4, pp=2), "cp2": dict(zero=1, accumulation=2, cp=2),
+         "zero3": dict(zero=3, accumulation=2)}
+
+
+@pytest.mark.slow
+def test_every_layout_trains_sum_over_sum_as_one_process(masked, tmp_path_factory):
+    from test_trainer import reference
+
+    cases = []
+    for name, spec in CASES.items():
+        spec = dict(spec)
+        config = ds_config(spec.pop("zero"), micro=1, accumulation=spec.pop("accumulation"))
+        config["optimizer"]["params"]["eps"] = 1e-4  # no near-ties in Adam's first steps (see test_trainer.sync_cases)
+        cases.append(dict(ds_config=config, model="llama-tiny", steps=3, seq_len=SEQ, data=masked, eval_every=3,
+                          eval_batches=2, **spec))
+    results = sweep(tmp_path_factory, 2, cases)
+    for (name, spec), case, got in zip(CASES.items(), cases, results):
+        dp = 2 // (spec.get("tp", 1) * spec.get("pp", 1) * spec.get("cp", 1))
+        want = reference(case, dp=dp)
+        for step, (a, b) in enumerate(zip(got["loss"], want["loss"], strict=True)):
+            assert abs(a - b) <= fp32_bound(b, 2 * 4 * SEQ), (name, step, a, b)  # the step's tokens, at most
+        a, b = got["grad_norm"][0], want["grad_norm"][0]  # the first step's gradient, before clipping
+        assert abs(a - b) <= 1e-4 * b, (name, a, b)
+        (ea,), (eb,) = got["evals"], want["evals"]
+        assert abs(ea["loss"] - eb["loss"]) <= fp32_bound(eb["loss"], 2 * 2 * SEQ), (name, ea, eb)
