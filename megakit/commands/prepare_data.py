@@ -2,6 +2,7 @@
 
     megakit prepare-data corpus/ notes.txt --out data/mine --vocab-size 8192
     megakit prepare-data pile.jsonl --field text --tokenizer my-tokenizer/ --out data/pile
+    megakit prepare-data chats.jsonl --tokenizer my-model/ --loss-on assistant --out data/chats
     megakit prepare-data --stdlib --out data/stdlib          # the Python standard library's sources
 
 See ``megakit.interop.prepare_data`` (the pipeline) and ``megakit.interop.token_shards`` (the format).
@@ -25,6 +26,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", metavar="PATH", default=None,
                         help="use this tokenizer.json or transformers tokenizer directory instead of training one")
     parser.add_argument("--field", default="text", help="the JSONL key that holds the text")
+    parser.add_argument("--loss-on", choices=("auto", "assistant", "completion", "all"), default="auto",
+                        help="chat data (messages, ShareGPT conversations, prompt/completion, Alpaca): the tokens the "
+                             "loss counts: assistant (the template's {%% generation %%} blocks), completion (after the "
+                             "prompt, or the last assistant turn), all; auto: assistant for conversations, completion "
+                             "otherwise")
+    parser.add_argument("--chat-template", metavar="FILE",
+                        help="a Jinja chat template to render chat data with instead of the tokenizer's own (e.g. one "
+                             "with {%% generation %%} markers)")
     parser.add_argument("--val-fraction", type=finite_float, default=0.01,
                         help="share of the tokens held out for validation (default 0.01), in spans of >= 1024 tokens "
                              "taken from the ends of documents, a long document cut in two")
@@ -42,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
 
         inputs += [str(p) for p in stdlib_files()]
     cfg = PrepareConfig(inputs=inputs, out=args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
-                        field=args.field, val_fraction=args.val_fraction, workers=args.workers,
+                        field=args.field, loss_on=args.loss_on, chat_template=args.chat_template,
+                        val_fraction=args.val_fraction, workers=args.workers,
                         shard_tokens=args.shard_tokens, progress=not args.no_progress)
     s = prepare(cfg)
     if s["unchanged"]:
@@ -54,5 +64,9 @@ def run(args: argparse.Namespace) -> int:
           f"from {s['input_documents']:,} documents ({s['cut_documents']:,} cut between the two) in "
           f"{s['files'] - s['skipped']} "
           f"files ({s['skipped']} skipped{bad}), vocabulary {s['vocab_size']}, {s['seconds']:.1f} s, {rate:.2f} MB/s")
+    if s.get("chat"):
+        train, loss = s["tokens"]["train"], s["loss_tokens"]["train"]
+        print(f"loss on {s['loss_on']}: {loss:,} of the {train:,} train tokens ({loss / max(train, 1):.0%}) count in "
+              "the loss, the rest is context")
     print(f"train on it with: deepspeed scripts/train.py --data {args.out} ...")
     return 0

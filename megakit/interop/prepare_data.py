@@ -1,6 +1,9 @@
 """``prepare-data``: text files, directories and JSONL to token shards, a validation split and the tokenizer.
 
-- A text file is one document; a ``.jsonl`` file holds one document per line (its ``field``).
+- A text file is one document; a ``.jsonl`` file holds one document per line (its ``field``), or one
+  chat or instruction record per line (``messages``, ShareGPT ``conversations``, ``prompt``/``completion``,
+  Alpaca): those are rendered with the tokenizer's chat template and written with a loss mask beside the
+  shards (``megakit.interop.chat_data``), the tokens ``--loss-on`` names counted, the rest context only.
   A file that is not UTF-8 text (or holds a NUL byte) is skipped with a counted warning: one
   bad file among thousands should not stop a run, and a corpus of nothing but bad files is
   an error that names one. Likewise a JSONL line that is not UTF-8 or not a JSON object
@@ -41,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from megakit.errors import UsageError
+from megakit.interop import chat_data as chat
 from megakit.interop import tokenizer as tok
 from megakit.interop.token_shards import (
     INDEX,
@@ -67,9 +71,13 @@ class PrepareConfig:
     workers: int = 1
     shard_tokens: int = 1 << 26
     max_train_bytes: int = 1 << 28  # text the BPE is trained on (the first files, in order)
+    loss_on: str = "auto"  # chat data: which tokens the loss counts (chat_data.LOSS_ON)
+    chat_template: str | None = None  # a Jinja file used instead of the tokenizer's own template
     progress: bool = True
 
     def __post_init__(self) -> None:
+        if self.loss_on not in chat.LOSS_ON:
+            raise UsageError(f"--loss-on {self.loss_on} is not one of {', '.join(chat.LOSS_ON)}")
         if not 0.0 <= self.val_fraction < 1.0:
             raise UsageError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if self.workers < 1 or self.shard_tokens < 1:
@@ -120,10 +128,11 @@ def list_inputs(inputs: list[str], *, exclude: Path | None = None) -> list[Path]
     return files
 
 
-def read_documents(path: Path, text_field: str, start: int = 0,
-                   end: int | None = None) -> tuple[list[str], str | None, tuple[int, str | None]]:
+def read_documents(path: Path, text_field: str | None, start: int = 0,
+                   end: int | None = None) -> tuple[list, str | None, tuple[int, str | None]]:
     """``(documents, why the file is skipped, (bad JSONL lines, the first named by its byte offset))`` of the
-    file, or of bytes ``start:end`` of a JSONL file (whole lines: see ``pieces``)."""
+    file, or of bytes ``start:end`` of a JSONL file (whole lines: see ``pieces``). ``text_field`` None: chat
+    data, each JSONL document a ``(record, where)`` pair."""
     try:
         with open(path, "rb") as f:
             f.seek(start)
@@ -146,10 +155,13 @@ def _records(data: bytes, text_field: str, offset: int, path: Path) -> tuple[lis
     for line in data.split(b"\n"):
         if line.strip():
             try:
-                value = json.loads(line.decode("utf-8"))[text_field]
+                record = json.loads(line.decode("utf-8"))
+                value = record[text_field] if text_field is not None else record if chat.is_chat(record) else None
             except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, IndexError):
                 value = None
-            if isinstance(value, str):
+            if isinstance(value, dict):
+                docs.append((value, f"{path}, the line at byte {offset}"))
+            elif isinstance(value, str):
                 docs += [value] if value else []
             else:
                 bad += 1
@@ -187,16 +199,41 @@ def fingerprint(files: list[Path], settings: dict) -> str:
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_json: str, text_field: str, eos: int | None, dtype: str) -> None:
+def _init_worker(tokenizer_json: str, text_field: str | None, eos: int | None, dtype: str,
+                 chat_args: tuple | None = None) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the pool is the parallelism
     from tokenizers import Tokenizer
 
-    _WORKER.update(tokenizer=Tokenizer.from_str(tokenizer_json), field=text_field, eos=eos, dtype=np.dtype(dtype))
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    renderer = chat.ChatRenderer(tokenizer, *chat_args, eos=eos) if chat_args else None
+    _WORKER.update(tokenizer=tokenizer, field=text_field, eos=eos, dtype=np.dtype(dtype), chat=renderer)
+
+
+def _encode_chat(task) -> list[tuple[list, int, str | None, tuple]]:
+    """``_encode_pieces`` for chat data: each record's ids and loss mask; a record that renders to nothing to
+    train on (no assistant turn, a malformed message) is counted with the bad lines."""
+    renderer, dtype, out = _WORKER["chat"], _WORKER["dtype"], []
+    for path, start, end in task:
+        records, skipped, (bad, first) = read_documents(Path(path), None, start, end)
+        arrays = []
+        for record, where in records:
+            try:
+                ids, mask = renderer.ids_and_mask(record, where)
+            except (ValueError, TypeError, KeyError, AttributeError) as error:
+                if isinstance(error, UsageError):
+                    raise
+                bad, first = bad + 1, first or f"{where} ({error})"
+                continue
+            arrays.append((np.array(ids, dtype=dtype), np.array(mask, dtype=np.uint8)))
+        out.append((arrays, (os.path.getsize(path) if end is None else end) - start, skipped, (bad, first)))
+    return out
 
 
 def _encode_pieces(task: list[tuple[str, int, int | None]]) -> list[tuple[list[np.ndarray], int, str | None, tuple]]:
     """Per piece: its documents' ids (end-of-text appended), its size in bytes, why its file was skipped (or
     None), its bad JSONL lines."""
+    if _WORKER["chat"] is not None:
+        return _encode_chat(task)
     tokenizer, eos, dtype = _WORKER["tokenizer"], _WORKER["eos"], _WORKER["dtype"]
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # fast: no offsets computed
     read = [read_documents(Path(path), _WORKER["field"], start, end) for path, start, end in task]
@@ -255,6 +292,8 @@ def _tokenizer(cfg: PrepareConfig, files: list[Path], say):
 def _settings(cfg: PrepareConfig) -> dict:
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("inputs", "out", "workers", "progress")}
     settings["split"] = f"tokens, spans of {MIN_SPAN}"  # a directory split by documents (before) is made again
+    if cfg.chat_template:
+        settings["chat_template"] = hashlib.sha256(chat_template(cfg).encode()).hexdigest()
     if cfg.tokenizer:
         source = Path(cfg.tokenizer)
         file = source / "tokenizer.json" if source.is_dir() else source
@@ -295,27 +334,89 @@ def prepare(cfg: PrepareConfig, *, say=print) -> dict:
     return {"unchanged": False, "out": str(out), **summary}
 
 
+def first_record(files: list[Path]) -> dict | None:
+    """The first JSON object of the first JSONL file (what decides between text and chat data), or None."""
+    for path in files:
+        if path.suffix != ".jsonl":
+            continue
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except (UnicodeDecodeError, json.JSONDecodeError):
+                    continue
+                if isinstance(record, dict):
+                    return record
+    return None
+
+
+def chat_template(cfg: PrepareConfig) -> str | None:
+    """``--chat-template FILE``, else the template of the ``--tokenizer`` directory (its config or its .jinja file)."""
+    if cfg.chat_template:
+        try:
+            return Path(cfg.chat_template).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise UsageError(f"cannot read --chat-template {cfg.chat_template}: {error}; give a Jinja file") from None
+    source = Path(cfg.tokenizer) if cfg.tokenizer else None
+    if source is None or not source.is_dir():
+        return None
+    if (source / "chat_template.jinja").is_file():
+        return (source / "chat_template.jinja").read_text()
+    try:
+        template = json.loads((source / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, json.JSONDecodeError):
+        return None
+    return template if isinstance(template, str) else None
+
+
+def _chat_args(cfg: PrepareConfig, files: list[Path]) -> tuple | None:
+    """``(template, loss_on)`` for chat data (None for text), refusing what would train on nothing."""
+    record = first_record(files)
+    if record is None or not chat.is_chat(record):
+        return None
+    if not cfg.tokenizer:
+        raise UsageError("chat and instruction data is tokenized with the model's own tokenizer: pass --tokenizer DIR "
+                         "(a transformers tokenizer directory, with its chat template)")
+    template = chat_template(cfg)
+    conversational = "messages" in record or "conversations" in record
+    wants_markers = cfg.loss_on == "assistant" or (cfg.loss_on == "auto" and conversational)
+    if wants_markers and not chat.has_generation_markers(template):
+        what = "has no chat template" if not template else "has a chat template without {% generation %} markers"
+        raise UsageError(f"--loss-on {cfg.loss_on} trains the assistant's tokens, but --tokenizer {cfg.tokenizer} "
+                         f"{what}, so none would be found; pass --chat-template FILE whose assistant content sits in "
+                         "{% generation %} ... {% endgeneration %}, or use --loss-on completion (the last assistant "
+                         "turn) or all")
+    return template, cfg.loss_on
+
+
 def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) -> dict:
     from tqdm.auto import tqdm
 
+    chat_args = _chat_args(cfg, files)
     tokenizer = _tokenizer(cfg, files, say)
     vocab, eos = tok.vocab_size(tokenizer), tok.end_of_text_id(tokenizer)
     dtype = token_dtype(vocab)
-    writers = {split: ShardWriter(tmp, split, dtype, shard_tokens=cfg.shard_tokens) for split in ("train", "validation")}
-    counts = {"documents": {"train": 0, "validation": 0}, "tokens": {"train": 0, "validation": 0}}
+    writers = {split: ShardWriter(tmp, split, dtype, shard_tokens=cfg.shard_tokens, masks=chat_args is not None)
+               for split in ("train", "validation")}
+    counts = {"documents": {"train": 0, "validation": 0}, "tokens": {"train": 0, "validation": 0},
+              "loss_tokens": {"train": 0, "validation": 0}}
     skipped, bad, first_bad, total_bytes, docs = [], 0, None, sum(p.stat().st_size for p in files), 0
     split, cut, held_back = TokenSplit(fraction=cfg.val_fraction), 0, None
 
-    def add(ids: np.ndarray, last: bool) -> None:  # one document, its end held out when the split owes tokens
+    def add(doc, last: bool) -> None:  # one document, its end held out when the split owes tokens
         nonlocal cut
+        ids, mask = doc if isinstance(doc, tuple) else (doc, None)
         held = split.cut(len(ids), last=last)
         cut += 0 < held < len(ids)
-        for name, part in (("train", ids[:len(ids) - held]), ("validation", ids[len(ids) - held:])):
+        keep = len(ids) - held
+        for name, part, bits in (("train", ids[:keep], None if mask is None else mask[:keep]),
+                                 ("validation", ids[keep:], None if mask is None else mask[keep:])):
             if len(part):
-                writers[name].add(part)
+                writers[name].add(part, bits)
                 counts["documents"][name] += 1
                 counts["tokens"][name] += len(part)
-    args = (tokenizer.to_str(), cfg.field, eos, dtype.str)
+                counts["loss_tokens"][name] += len(part) if bits is None else int(bits.sum())
+    args = (tokenizer.to_str(), None if chat_args else cfg.field, eos, dtype.str, chat_args)
     tasks = _tasks(files)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="prepare-data",
                disable=not cfg.progress, dynamic_ncols=True)
@@ -349,12 +450,18 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
         say(f"prepare-data: warning: skipped {len(skipped)} of {len(files)} files that are not UTF-8 text, "
             f"e.g. {skipped[0]}")
     if bad:
-        say(f"prepare-data: warning: skipped {bad:,} JSONL lines that are not UTF-8 JSON objects with a "
-            f"{cfg.field!r} string (--field), e.g. {first_bad}")
+        what = ("chat records that are malformed or leave no token to train on" if chat_args else
+                f"JSONL lines that are not UTF-8 JSON objects with a {cfg.field!r} string (--field)")
+        say(f"prepare-data: warning: skipped {bad:,} {what}, e.g. {first_bad}")
     _say_validation(cfg.val_fraction, counts["tokens"], say)
     tok.save_tokenizer(tokenizer, tmp)
+    if chat_args and chat_args[0]:  # the template travels with the data, into checkpoints and convert --to-hf
+        config_file = tmp / "tokenizer_config.json"
+        config = json.loads(config_file.read_text())
+        config_file.write_text(json.dumps({**config, "chat_template": chat_args[0]}, indent=2))
     summary = {"files": len(files), "skipped": len(skipped), "bad_records": bad, "bytes": total_bytes,
-               "vocab_size": vocab, "input_documents": docs, "cut_documents": cut, **counts}
+               "vocab_size": vocab, "input_documents": docs, "cut_documents": cut, "chat": chat_args is not None,
+               "loss_on": chat_args[1] if chat_args else "all", **counts}
     write_index(tmp, {"dtype": dtype.name, "vocab_size": vocab, "eos_id": eos,
                       "source": {"fingerprint": stamp, "inputs": [str(i) for i in cfg.inputs], "skipped": skipped},
                       "splits": splits, "summary": summary})

@@ -1,0 +1,172 @@
+"""``prepare-data`` of chat and instruction JSONL: ids and loss masks token-identical to transformers' own
+``apply_chat_template(..., return_assistant_tokens_mask=True)``, on three templates (ChatML, a Llama-3-style one,
+one with tool calls), every record shape (messages, ShareGPT, prompt/completion, Alpaca), and the refusals.
+
+The tokenizer is a byte-level BPE trained here, with the templates' special tokens; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megakit.commands import cli
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+          "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}"
+          "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAMA3 = ("<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+          "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim }}<|eot_id|>{% endgeneration %}"
+          "{% else %}{{ m['content'] | trim }}<|eot_id|>{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+TOOLS = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
+         "{% if m['content'] %}{{ m['content'] }}{% endif %}{% for c in m['tool_calls'] or [] %}<tool_call>"
+         "{{ c['function'] | tojson }}</tool_call>{% endfor %}<|im_end|>{% endgeneration %}"
+         "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+NO_MARKERS = CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+           "<|end_header_id|>", "<|eot_id|>"]
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def _tokenizer(directory: Path, template: str) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["what is the weather in Paris? It is sunny, thanks for asking."] * 20, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIAL, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=template, eos_token="<|endoftext|>").save_pretrained(
+        str(directory))
+    return directory
+
+
+def _conversations(n: int = 12) -> list[dict]:
+    out = []
+    for i in range(n):
+        turns = [{"role": "system", "content": "be brief"}] if i % 3 == 0 else []
+        for k in range(1 + i % 3):  # one to three exchanges
+            turns += [{"role": "user", "content": f"question {i}.{k}: what is the weather?"},
+                      {"role": "assistant", "content": "sunny " * (1 + (i + k) % 4)}]
+        out.append({"messages": turns})
+    return out
+
+
+def _prepare(tmp_path, records, tokenizer, *extra) -> tuple[int, Path]:
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    code = cli.main(["prepare-data", str(data), "--tokenizer", str(tokenizer), "--out", str(out), "--val-fraction", "0",
+                     "--workers", "2", "--no-progress", *extra])
+    return code, out
+
+
+def _documents(out: Path) -> list[tuple[list[int], list[int]]]:
+    from megakit.interop.token_shards import open_shards
+
+    shards = open_shards(out, verify=True)
+    docs = []
+    for ids, mask, starts in zip(shards.tokens("train"), shards.masks("train"), shards.documents("train")):
+        for a, b in zip(starts, [*starts[1:], len(ids)]):
+            docs.append((np.asarray(ids[a:b]).tolist(), np.asarray(mask[a:b]).tolist()))
+    return docs
+
+
+def _expected(hf, messages, tools=None):
+    rendered = hf.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+    eos = hf.convert_tokens_to_ids("<|endoftext|>")
+    return list(rendered["input_ids"]) + [eos], list(rendered["assistant_masks"]) + [0]
+
+
+@pytest.mark.parametrize("name,template", [("chatml", CHATML), ("llama3", LLAMA3), ("tools", TOOLS)])
+def test_masks_are_token_identical_to_transformers(tmp_path, name, template):
+    from transformers import AutoTokenizer
+
+    tokenizer = _tokenizer(tmp_path / "tok", template)
+    records = _conversations()
+    if name == "tools":
+        records = [{"tools": [WEATHER], "messages": [
+            {"role": "user", "content": f"weather in city {i}?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                "name": "weather", "arguments": {"city": f"city {i}"}}}]},
+            {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]} for i in range(6)]
+    code, out = _prepare(tmp_path, records, tokenizer)
+    assert code == 0
+    hf = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+    docs = _documents(out)
+    assert len(docs) == len(records)
+    for record, (ids, mask) in zip(records, docs):
+        assert (ids, mask) == _expected(hf, record["messages"], record.get("tools"))
+        assert 0 < sum(mask) < len(mask)
+    saved = json.loads((out / "tokenizer_config.json").read_text())
+    assert saved["chat_template"] == template  # the template travels with the data
+
+
+def test_every_record_shape_renders_as_its_conversation(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = _tokenizer(tmp_path / "tok", CHATML)
+    hf = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+    user, answer = "what is the weather in Paris?", "It is sunny."
+    records = [{"conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": answer}]},
+               {"prompt": user, "completion": answer},
+               {"instruction": "what is the weather", "input": "in Paris?", "output": answer},
+               {"text": "a plain record among chat ones is skipped"}]
+    code, out = _prepare(tmp_path, records, tokenizer)
+    assert code == 0
+    sharegpt, completion, alpaca = _documents(out)
+    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    assert sharegpt == _expected(hf, messages)  # a conversation: the assistant's tokens
+    prompt = hf.apply_chat_template(messages[:1], tokenize=True, add_generation_prompt=True, return_dict=True)
+    head = len(prompt["input_ids"])
+    ids, mask = completion  # prompt-completion: everything after the generation prompt
+    assert ids[:-1] == list(hf.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+    assert mask == [0] * head + [1] * (len(ids) - 1 - head) + [0]
+    assert alpaca[0][:-1] == list(hf.apply_chat_template(
+        [{"role": "user", "content": "what is the weather\n\nin Paris?"}, messages[1]], tokenize=True,
+        return_dict=True)["input_ids"])
+    (tmp_path / "all").mkdir()
+    code, out = _prepare(tmp_path / "all", _conversations(2), tokenizer, "--loss-on", "all")
+    assert code == 0 and all(all(mask[:-1]) and not mask[-1] for _, mask in _documents(out))  # the separator: never
+
+
+@pytest.mark.parametrize("records,template,extra,needle", [
+    (_conversations(2), NO_MARKERS, [], "has a chat template without {% generation %} markers"),
+    (_conversations(2), NO_MARKERS, ["--loss-on", "assistant"], "--chat-template FILE"),
+    ([{"messages": [{"role": "wizard", "content": "hi"}]}], CHATML, [], "has the role 'wizard'; the roles are"),
+    ([{"conversations": [{"from": "robot", "value": "hi"}]}], CHATML, [], "a ShareGPT turn has from='robot'"),
+], ids=["no-markers", "no-markers-assistant", "unknown-role", "unknown-sharegpt"])
+def test_refusals_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, records, template, extra, needle):
+    tokenizer = _tokenizer(tmp_path / "tok", template)
+    code, out = _prepare(tmp_path, records, tokenizer, *extra)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and needle in err, err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_no_markers_train_the_completion_and_chat_needs_a_tokenizer(tmp_path, capsys):
+    """Without markers, --loss-on completion still finds the last assistant turn (by the prompt's rendering)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = _tokenizer(tmp_path / "tok", NO_MARKERS)
+    hf = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+    records = _conversations(3)
+    code, out = _prepare(tmp_path, records, tokenizer, "--loss-on", "completion")
+    assert code == 0
+    for record, (ids, mask) in zip(records, _documents(out)):
+        head = len(hf.apply_chat_template(record["messages"][:-1], tokenize=True, add_generation_prompt=True,
+                                          return_dict=True)["input_ids"])
+        assert mask == [0] * head + [1] * (len(ids) - 1 - head) + [0]
+    (tmp_path / "plain.jsonl").write_text(json.dumps(records[0]) + "\n")
+    code = cli.main(["prepare-data", str(tmp_path / "plain.jsonl"), "--out", str(tmp_path / "p"), "--no-progress"])
+    assert code == 2 and "pass --tokenizer DIR" in capsys.readouterr().err
