@@ -1,7 +1,8 @@
 """Causal self-attention with heads split over TP, and over CP as ring attention; rotary positions.
 
 RoPE's variants (llama3, linear, yarn, dynamic) are ``megakit.core.rope``'s frequencies; a sliding
-window (Mistral, Qwen2) masks keys more than ``window - 1`` positions back, in every path.
+window (Mistral, Qwen2) masks keys more than ``window - 1`` positions back, and packed documents
+(``megakit.nn.documents``) mask keys of other documents, in every path.
 
 q/k/v are column-parallel and the output row-parallel (Megatron). Without context parallelism
 the core is PyTorch's fused ``scaled_dot_product_attention`` (or, with dropout in training,
@@ -20,6 +21,7 @@ from megakit.core.model_config import ModelConfig
 from megakit.core.rope import inv_freq
 from megakit.nn import comm as C
 from megakit.nn.context_parallel import attention_keep, positions, ring_attention
+from megakit.nn.documents import same_document
 from megakit.nn.dropout import DropoutKeys, attention_dropout
 from megakit.nn.overlapped_linear import column_parallel
 from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp, mark
@@ -43,6 +45,15 @@ def causal_mask(s: int, window: int, device) -> torch.Tensor | None:
     pos = torch.arange(s, device=device)
     gap = pos[:, None] - pos[None, :]
     return (gap >= 0) & (gap < window)
+
+
+def allowed_keys(s: int, window: int, documents: torch.Tensor | None, device) -> torch.Tensor | None:
+    """``causal_mask``, and with ``documents`` ``(B, S)`` only keys of the query's own document: ``(B, 1, S, S)``."""
+    mask = causal_mask(s, window, device)
+    if documents is None:
+        return mask
+    causal = torch.ones((s, s), dtype=torch.bool, device=device).tril_() if mask is None else mask
+    return same_document(documents, documents) & causal
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -104,30 +115,34 @@ class Attention(nn.Module):
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(*x.shape[:2], n, self.head_dim).permute(1, 2, 0, 3)  # (S, B, n*d) -> (B, n, S, d)
 
-    def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         projections = (self.q_proj, self.k_proj, self.v_proj)  # (S', B, H) -> (S, B, nh/tp * d), (S, B, nkv/tp * d) x 2
         q, k, v = column_parallel(x, projections, self.group, self.sequence_parallel)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q, self.group), self.k_norm(k, self.group)
         if self.selective and self.training and self.cp == 1:  # no collective inside the core: none is recomputed
-            y = torch.utils.checkpoint.checkpoint(self._core, q, k, v, rope, keys, use_reentrant=False)
+            y = torch.utils.checkpoint.checkpoint(self._core, q, k, v, rope, keys, documents, use_reentrant=False)
         else:
-            y = self._core(q, k, v, rope, keys)
+            y = self._core(q, k, v, rope, keys, documents)
         return self.o_proj(y)  # (S', B, H)
 
-    def _core(self, q, k, v, rope: tuple | None, keys: DropoutKeys | None) -> torch.Tensor:
-        """The attention core: projections in, ``(S, B, nh/tp * d)`` out (what ``o_proj`` takes)."""
+    def _core(self, q, k, v, rope: tuple | None, keys: DropoutKeys | None,
+              documents: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention core: projections in, ``(S, B, nh/tp * d)`` out (what ``o_proj`` takes). ``documents``
+        ``(B, S)`` (the whole sequence's, also under CP): attention stays inside each document."""
         s, b, _ = q.shape
         q, k, v = self._heads(q, self.heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
         if self.rope:
-            cos, sin = rope[0][:s], rope[1][:s]
+            cos, sin = rope
+            cos, sin = (cos[:, None], sin[:, None]) if cos.dim() == 3 else (cos[:s], sin[:s])  # per-row positions
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.cp > 1:
-            y = self._ring(q, k, v, keys)
+            y = self._ring(q, k, v, keys, documents)
         elif self.training and self.dropout > 0:
-            y = self._attend_with_dropout(q, k, v, keys)
+            y = self._attend_with_dropout(q, k, v, keys, documents)
         else:
-            mask = causal_mask(s, self.window, q.device)
+            mask = allowed_keys(s, self.window, documents, q.device)
             gqa = self.heads != self.kv_heads
             if gqa and self.expand_kv:  # kernels without GQA broadcast (cuDNN, efficient): one K/V per query head
                 k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
@@ -135,24 +150,24 @@ class Attention(nn.Module):
                                                enable_gqa=gqa and not self.expand_kv)  # (B, nh/tp, S, d)
         return y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # (S, B, nh/tp * d)
 
-    def _attend_with_dropout(self, q, k, v, keys: DropoutKeys) -> torch.Tensor:
+    def _attend_with_dropout(self, q, k, v, keys: DropoutKeys, documents: torch.Tensor | None = None) -> torch.Tensor:
         """``softmax(q k^T * scale + causal) -> dropout -> @ v``, as SDPA's math path, with megakit's masks."""
         if self.kv_heads != self.heads:  # GQA: each KV head serves a run of query heads (SDPA's enable_gqa)
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
         s = q.shape[2]
         scores = torch.matmul(q, k.transpose(-2, -1)) * self.scale  # (B, nh/tp, S, S)
-        allowed = causal_mask(s, self.window, q.device)
+        allowed = allowed_keys(s, self.window, documents, q.device)
         if allowed is None:
             causal = torch.full((s, s), float("-inf"), dtype=scores.dtype, device=q.device).triu_(1)
         else:
-            causal = torch.zeros((s, s), dtype=scores.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+            causal = torch.zeros(allowed.shape, dtype=scores.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
         probs = (scores + causal).softmax(dim=-1)  # an added constant: nothing more saved for backward
         probs = attention_dropout(probs, self.dropout, keys, site=self.site, head_start=self.head_start,
                                   heads=self.total_heads)
         return torch.matmul(probs, v)  # (B, nh/tp, S, d)
 
-    def _ring(self, q, k, v, keys: DropoutKeys | None) -> torch.Tensor:
+    def _ring(self, q, k, v, keys: DropoutKeys | None, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Ring attention over the CP group; the dropout mask is this rank's rows of the whole draw."""
         keep, seq_len = None, q.shape[2] * self.cp
         if self.training and self.dropout > 0:
@@ -160,4 +175,4 @@ class Attention(nn.Module):
                                   heads_local=self.heads, heads=self.total_heads, seq_len=seq_len, device=q.device,
                                   rows=positions(seq_len, self.cp, self.cp_rank, device=q.device))
         return ring_attention(q, k, v, self.cp_group, keep=keep, p=self.dropout, scale=self.scale,
-                              window=self.window)  # (B, nh/tp, S/cp, d)
+                              window=self.window, documents=documents)  # (B, nh/tp, S/cp, d)

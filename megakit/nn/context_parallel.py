@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from megakit.nn import comm as C
+from megakit.nn.documents import same_document
 from megakit.nn.dropout import DropoutKeys, keep_mask
 
 _KV_TAG, _GRAD_TAG = 71, 72  # P2P tags of the ring (its peers are never pipeline peers)
@@ -108,7 +109,7 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, p, group, ranks, scale, window):
+    def forward(ctx, q, k, v, keep, p, group, ranks, scale, window, documents):
         cp, r = len(ranks), C.rank(group)
         b, n, s, d = q.shape
         pos = positions(s * cp, cp, r, device=q.device)
@@ -120,7 +121,7 @@ class _RingAttention(torch.autograd.Function):
             j = (r - t) % cp
             nxt = _pass_on(kv, ranks, r, _KV_TAG) if t < cp - 1 else None
             scores, keep_j = _block_scores(q, kv[0], pos, positions(s * cp, cp, j, device=q.device), keep, scale,
-                                           window)
+                                           window, documents)
             m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))  # finite: step 0 is the own block
             alpha, e = (m - m_new).exp(), (scores - m_new).exp()
             total = total * alpha + e.sum(dim=-1, keepdim=True)
@@ -135,7 +136,7 @@ class _RingAttention(torch.autograd.Function):
             out = out / (1.0 - p)
         out = out.to(q.dtype)  # kept in the training dtype, as flash attention keeps it
         ctx.save_for_backward(q, k, v, out, m + total.log(), keep)  # the log-sum-exp in fp32
-        ctx.p, ctx.group, ctx.ranks, ctx.scale, ctx.window = p, group, ranks, scale, window
+        ctx.p, ctx.group, ctx.ranks, ctx.scale, ctx.window, ctx.documents = p, group, ranks, scale, window, documents
         return out
 
     @staticmethod
@@ -154,7 +155,7 @@ class _RingAttention(torch.autograd.Function):
             nxt = _pass_on(kv, ranks, r, _KV_TAG) if t < cp - 1 else None
             kj, vj = _repeat_kv(kv[0], n).float(), _repeat_kv(kv[1], n).float()
             scores, keep_j = _block_scores(q, kv[0], pos, positions(s * cp, cp, j, device=q.device), keep, scale,
-                                           ctx.window)
+                                           ctx.window, ctx.documents)
             probs = (scores - lse).exp()  # masked entries: exp(-inf) = 0
             dropped = probs if keep_j is None else probs * keep_j / (1.0 - p)
             grad_v = torch.matmul(dropped.transpose(-2, -1), grad_out)  # (B, n, S_k, d)
@@ -171,16 +172,20 @@ class _RingAttention(torch.autograd.Function):
             if nxt is not None:
                 kv = _arrived(nxt)
         own = _arrived(incoming)  # this rank's K/V gradients, home after one full turn
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None, None, None
 
 
-def _block_scores(q, k_block, pos_q, pos_k, keep, scale, window=0):
+def _block_scores(q, k_block, pos_q, pos_k, keep, scale, window=0, documents=None):
     """Scaled scores ``(B, n, S_q, S_k)`` in fp32 with the causal mask on global positions (and a sliding
-    ``window``: keys ``window`` or more positions back masked too), and the block's dropout mask (or None).
-    Every query sees at least itself, in its own block: the running max is finite from the first step."""
+    ``window``: keys ``window`` or more positions back masked too; with ``documents`` ``(B, S)``, keys of
+    another document), and the block's dropout mask (or None). Every query sees at least itself, in its
+    own block: the running max is finite from the first step."""
     scores = torch.matmul(q.float(), _repeat_kv(k_block, q.shape[1]).float().transpose(-2, -1)) * scale
     gap = pos_q[:, None] - pos_k[None, :]
-    scores = scores.masked_fill((gap < 0) | (gap >= window) if window else gap < 0, float("-inf"))
+    masked = (gap < 0) | (gap >= window) if window else gap < 0
+    if documents is not None:  # one more term on the same global positions: no padding of documents to 2 x CP
+        masked = masked | ~same_document(documents[:, pos_q], documents[:, pos_k])
+    scores = scores.masked_fill(masked, float("-inf"))
     return scores, None if keep is None else keep.index_select(-1, pos_k)
 
 
@@ -213,14 +218,16 @@ def _arrived(posted) -> torch.Tensor:
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, keep: torch.Tensor | None = None,
-                   p: float = 0.0, scale: float | None = None, window: int = 0) -> torch.Tensor:
+                   p: float = 0.0, scale: float | None = None, window: int = 0,
+                   documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention over the whole sequence held by the CP ``group`` (load-balanced split).
 
     ``q`` ``(B, n, S/cp, d)``, ``k``/``v`` ``(B, n_kv, S/cp, d)`` (GQA when ``n_kv < n``), already
     rotated at their global positions; ``keep``: ``attention_keep``'s dropout mask with
     probability ``p``, or None; ``scale``: the scores' factor (default ``1/sqrt(d)``); ``window``: a
-    sliding window (0: none). Returns ``(B, n, S/cp, d)``, this rank's rows.
+    sliding window (0: none); ``documents``: the whole sequence's ``(B, S)`` document numbers, attention then
+    stays inside each document (``megakit.nn.documents``). Returns ``(B, n, S/cp, d)``, this rank's rows.
     """
     ranks = C.group_ranks(group)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, keep, p, group, ranks, scale, window)
+    return _RingAttention.apply(q, k, v, keep, p, group, ranks, scale, window, documents)

@@ -109,8 +109,9 @@ class Block(nn.Module):
         self.attn_dropout = ResidualDropout(config.dropout, f"{site}.attn_residual", **drop)
         self.mlp_dropout = ResidualDropout(config.dropout, f"{site}.mlp_residual", **drop)
 
-    def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None) -> torch.Tensor:  # (S', B, H)
-        x = x + self.attn_dropout(self.attn(self.attn_norm(x), rope, keys), keys)
+    def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:  # (S', B, H)
+        x = x + self.attn_dropout(self.attn(self.attn_norm(x), rope, keys, documents), keys)
         return x + self.mlp_dropout(self.mlp(self.mlp_norm(x)), keys)
 
 
@@ -243,19 +244,26 @@ class Transformer(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
-                sample_ids: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+                sample_ids: torch.Tensor | list[int] | None = None, documents: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``documents`` ``(B, S)``: attention stays inside each packed document; ``position_ids`` ``(B, S)``: each
+        token's position (``megakit.nn.documents``; default 0..S-1). Both are the whole sequence's, on every stage."""
         keys = self._dropout_keys(x, sample_ids)
         seq_len = x.shape[1] if self.pre else x.shape[0] * (self.tp if self.sequence_parallel else 1) * self.cp
         held = None if self.cp == 1 else self._held_positions(seq_len, x.device)  # (S/cp,) global positions
-        h = self._embed(x, keys, held) if self.pre else x  # (S', B, H)
+        if position_ids is not None and held is not None:
+            position_ids = position_ids.index_select(1, held)  # (B, S/cp): this rank's rows
+        h = self._embed(x, keys, held, position_ids) if self.pre else x  # (S', B, H)
         rope = (self.rope_cos, self.rope_sin) if self.config.family == "llama" else None
-        if rope is not None and held is not None:
+        if rope is not None and position_ids is not None:
+            rope = (rope[0][position_ids], rope[1][position_ids])  # (B, S', d): each row's own positions
+        elif rope is not None and held is not None:
             rope = (rope[0][held], rope[1][held])  # (S/cp, d): rotate by global position
         for block in self.layers.values():
             if self.recompute and self.training:  # keep only the block's input; masks are redrawn alike
-                h = torch.utils.checkpoint.checkpoint(block, h, rope, keys, use_reentrant=False)
+                h = torch.utils.checkpoint.checkpoint(block, h, rope, keys, documents, use_reentrant=False)
             else:
-                h = block(h, rope, keys)  # (S', B, H)
+                h = block(h, rope, keys, documents)  # (S', B, H)
         if not self.post:
             return h
         h = self.norm(h)
@@ -307,7 +315,8 @@ class Transformer(nn.Module):
                              "parallelism splits it into that many equal chunks (pad the batch or change --cp)")
         return positions(seq_len, self.cp, self.cp_rank, device=device)
 
-    def _embed(self, ids: torch.Tensor, keys: DropoutKeys | None, held: torch.Tensor | None) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, keys: DropoutKeys | None, held: torch.Tensor | None,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
             raise UsageError(f"the first stage takes token ids of shape (batch, seq) and integer dtype, "
                              f"got {tuple(ids.shape)} {ids.dtype}")
@@ -322,10 +331,12 @@ class Transformer(nn.Module):
         if hasattr(self, "pos_embed"):
             local = s // self.tp if self.sequence_parallel else s
             offset = self.tp_rank * local if self.sequence_parallel else 0
-            where = torch.arange(s, device=ids.device) if held is None else held
-            pos = F.embedding(where[offset:offset + local],
-                              replicated(self.pos_embed.weight, self.group, self.sequence_parallel))
-            h = h + pos.unsqueeze(1)  # (S', B, H)
+            table = replicated(self.pos_embed.weight, self.group, self.sequence_parallel)
+            if position_ids is not None:  # (B, S) held rows: each row's own positions
+                h = h + F.embedding(position_ids[:, offset:offset + local], table).transpose(0, 1)  # (S', B, H)
+            else:
+                where = torch.arange(s, device=ids.device) if held is None else held
+                h = h + F.embedding(where[offset:offset + local], table).unsqueeze(1)  # (S', B, H)
         return self.embed_dropout(h, keys)
 
 
