@@ -35,6 +35,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ds_config", "--ds-config", default=str(DEFAULT_DS_CONFIG),
                    help="DeepSpeed JSON config (ds_configs/*.json, or what `megakit plan --emit-config` wrote)")
     p.add_argument("--model", default="gpt-mini", help="preset in models/ or a path to a HF config.json")
+    p.add_argument("--reset-attention-mask", action="store_true",
+                   help="packed documents: attention stays inside each document of a window (Llama 3's pretraining "
+                        "mask; needs --data DIR from prepare-data, which records where documents start)")
+    p.add_argument("--reset-position-ids", action="store_true",
+                   help="packed documents: positions restart at each document (what transformers reads as packing)")
+    p.add_argument("--eod-mask-loss", action="store_true",
+                   help="no loss where the input is the end-of-document token (it predicts the next document)")
     p.add_argument("--data", default=None,
                    help="a directory `megakit prepare-data` wrote (token shards and their tokenizer), or a text file "
                         "or directory trained on as bytes (default: the Python standard library's sources, as bytes)")
@@ -188,7 +195,8 @@ def config(args: argparse.Namespace):
         eval_every=args.eval_every, eval_batches=args.eval_batches, moe_aux_loss=args.moe_aux_loss,
         moe_z_loss=args.moe_z_loss, moe_capacity_factor=args.moe_capacity_factor,
         moe_expert_bias=args.moe_expert_bias, compile=args.compile, attention_kernel=args.attention_kernel,
-        spike_guard=args.spike_guard, async_save=args.async_save,
+        spike_guard=args.spike_guard, async_save=args.async_save, reset_attention_mask=args.reset_attention_mask,
+        reset_position_ids=args.reset_position_ids, eod_mask_loss=args.eod_mask_loss,
         **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}))
 
 

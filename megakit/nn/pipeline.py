@@ -89,6 +89,7 @@ class _StepState:
     inputs: Sequence[torch.Tensor] | None
     labels: Sequence[torch.Tensor] | None
     sample_ids: Sequence[Sequence[int]] | None
+    extras: Sequence[dict] | None
     recv_index: list[int]  # positions of the receives in the list, in order
     next_recv: int = 0  # the first receive in recv_index not yet posted or taken
     stash: dict = field(default_factory=dict)  # (mb, chunk) -> (input, output); ("grad"/"W", mb, chunk) -> grad / W's
@@ -319,6 +320,8 @@ class PipelineExecutor:
         key, vs = (a.micro_batch, a.chunk), self._vs(a.chunk)
         x = st.inputs[a.micro_batch] if vs == 0 else st.received.pop((RecvActivation, *key))
         rows = {} if st.sample_ids is None else {"sample_ids": st.sample_ids[a.micro_batch]}
+        if st.extras is not None:  # documents and positions: every stage's forward takes them
+            rows.update(st.extras[a.micro_batch])
         if vs == self.schedule.virtual_stages - 1:
             out = self.chunks[a.chunk](x, st.labels[a.micro_batch], **rows)
             st.losses.append(out.detach())
@@ -364,11 +367,12 @@ class PipelineExecutor:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self, inputs: Sequence[torch.Tensor] | None = None, labels: Sequence[torch.Tensor] | None = None,
-             sample_ids: Sequence[Sequence[int]] | None = None):
+             sample_ids: Sequence[Sequence[int]] | None = None, extras: Sequence[dict] | None = None):
         """Run one optimizer step's schedule: ``inputs`` (first stage) and ``labels`` (last stage), one per micro-batch.
 
         ``sample_ids`` (every stage, one per micro-batch): the rows' numbers in the data stream,
-        passed to each chunk's forward so that dropout masks are the layout-free ones.
+        passed to each chunk's forward so that dropout masks are the layout-free ones; ``extras`` (every
+        stage, one dict per micro-batch): more keywords of each chunk's forward (packed ``documents``).
 
         Returns the mean loss over micro-batches (a float): with ``broadcast_loss``
         (default) also over DP replicas and on every stage; otherwise this replica's, on
@@ -379,7 +383,7 @@ class PipelineExecutor:
             if needed and (values is None or len(values) != m):
                 got = "none" if values is None else len(values)
                 raise UsageError(f"this stage needs {m} micro-batch {name} (one per micro-batch), got {got}")
-        st = _StepState(inputs=inputs, labels=labels, sample_ids=sample_ids,
+        st = _StepState(inputs=inputs, labels=labels, sample_ids=sample_ids, extras=extras,
                         recv_index=[i for i, a in enumerate(self.actions) if isinstance(a, RECVS)],
                         outputs=sent_output.SentOutputs(enabled=not self.schedule.split_backward))
         start = time.perf_counter()

@@ -31,6 +31,24 @@ class Corpus:
     source: str  # for messages
     train_masks: list | None = None  # per train shard, the loss mask (1: a target the loss counts); None: all count
     validation_masks: list | None = None
+    train_documents: list | None = None  # per shard, each document's first token (None: raw text has none)
+    validation_documents: list | None = None
+    eos_id: int | None = None  # the token that ends each document
+
+    def loader_options(self, cfg, split: str = "train") -> dict:
+        """``TokenBatches`` keywords for ``split``: its loss masks and, as ``cfg`` asks, packed-document options."""
+        wants = cfg.reset_attention_mask or cfg.reset_position_ids or cfg.eod_mask_loss
+        starts = self.train_documents if split == "train" else self.validation_documents
+        if wants and (starts is None or self.eos_id is None):
+            flags = [f for f, on in (("--reset-attention-mask", cfg.reset_attention_mask),
+                                     ("--reset-position-ids", cfg.reset_position_ids),
+                                     ("--eod-mask-loss", cfg.eod_mask_loss)) if on]
+            raise UsageError(f"{' and '.join(flags)} {'need' if len(flags) > 1 else 'needs'} each document's start, "
+                             f"which {self.source} does not record; prepare the text with megakit prepare-data and "
+                             "pass --data DIR")
+        return dict(masks=self.train_masks if split == "train" else self.validation_masks, starts=starts,
+                    document_attention=cfg.reset_attention_mask, reset_positions=cfg.reset_position_ids,
+                    eod=self.eos_id if cfg.eod_mask_loss else None)
 
 
 def open_corpus(data: str | None, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
@@ -42,7 +60,9 @@ def open_corpus(data: str | None, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Corp
         return Corpus(train=shards.tokens("train"), validation=shards.tokens("validation") or None,
                       vocab_size=shards.vocab_size, tokenizer_dir=Path(data).resolve(),
                       fingerprint=shards.fingerprint, source=f"--data {data}", train_masks=shards.masks("train"),
-                      validation_masks=shards.masks("validation"))
+                      validation_masks=shards.masks("validation"), train_documents=shards.documents("train"),
+                      validation_documents=shards.documents("validation") or None,
+                      eos_id=shards.index.get("eos_id"))
     tokens = load_tokens(data, max_bytes=max_bytes)
     return Corpus(train=[tokens], validation=None, vocab_size=BYTE_VOCAB, tokenizer_dir=None,
                   fingerprint=f"bytes:{data or 'stdlib'}:{len(tokens)}",
@@ -69,12 +89,12 @@ class ValidationBatches(TokenBatches):
     """The validation split in a fixed order (never shuffled): eval batch ``k`` is what step ``k`` of the
     training loader would be, split over DP ranks the same way."""
 
-    def __init__(self, corpus: Corpus, plan: BatchPlan, batches: int) -> None:
+    def __init__(self, corpus: Corpus, plan: BatchPlan, batches: int, options: dict | None = None) -> None:
         if corpus.validation is None:
             raise UsageError(f"--eval-every needs a validation split, which {corpus.source} does not have; prepare "
                              "the text with megakit prepare-data and pass --data DIR")
         try:
-            super().__init__(corpus.validation, plan, corpus.validation_masks)
+            super().__init__(corpus.validation, plan, **(options or {"masks": corpus.validation_masks}))
         except UsageError:
             raise UsageError(f"the validation split of {corpus.source} holds fewer samples than one global batch of "
                              f"{plan.global_batch}; prepare the data with a larger --val-fraction") from None

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from megakit.errors import UsageError
+from megakit.nn.documents import position_ids
 
 DEFAULT_MAX_BYTES = 8 * 2**20
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idlelib"}
@@ -114,11 +115,16 @@ class TokenBatches:
     leaves out, so how many tokens a window trains varies and the trainer weights the loss by them.
     """
 
-    def __init__(self, tokens, plan: BatchPlan, masks: list | None = None) -> None:
+    def __init__(self, tokens, plan: BatchPlan, masks: list | None = None, *, starts: list | None = None,
+                 document_attention: bool = False, reset_positions: bool = False, eod: int | None = None) -> None:
         self.shards = [t.numpy() if isinstance(t, torch.Tensor) else t
                        for t in (tokens if isinstance(tokens, (list, tuple)) else [tokens])]
         self.masks = masks
         assert masks is None or [len(m) for m in masks] == [len(t) for t in self.shards]
+        # packed documents (``megakit.nn.documents``): each shard's document starts, and what is made of them
+        self.starts, self.document_attention, self.reset_positions = starts, document_attention, reset_positions
+        self.eod = eod  # --eod-mask-loss: no loss where the input is the end-of-document token (Megatron's)
+        assert starts is not None or not (document_attention or reset_positions)
         self.plan = plan
         counts = [max(len(t) - 1, 0) // plan.seq_len for t in self.shards]
         self._first = np.cumsum([0, *counts])  # the first sample of each shard
@@ -137,18 +143,40 @@ class TokenBatches:
             self._epoch, self._permutation = epoch, torch.randperm(self.num_samples, generator=generator)
         return self._permutation
 
-    def _samples(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        seq = self.plan.seq_len
+    def _windows(self, indices: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Each sample's shard and the offset of its first token there."""
         indices = np.asarray(indices.tolist(), dtype=np.int64)
         shard = np.searchsorted(self._first, indices, side="right") - 1
-        starts = (indices - self._first[shard]) * seq
+        return shard, (indices - self._first[shard]) * self.plan.seq_len
+
+    def _samples(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seq = self.plan.seq_len
+        shard, starts = self._windows(indices)
         windows = torch.from_numpy(np.stack([self.shards[k][s:s + seq + 1] for k, s in zip(shard, starts)])
                                    .astype(np.int64))
         inputs, labels = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (B, S), (B, S)
         if self.masks is not None:  # the mask of the token each label names
             counted = np.stack([self.masks[k][s + 1:s + seq + 1] for k, s in zip(shard, starts)])
             labels[torch.from_numpy(counted == 0)] = -100
+        if self.eod is not None:  # the end-of-document token predicts the next document, which it cannot see
+            labels[inputs == self.eod] = -100
         return inputs, labels
+
+    def _documents(self, indices: torch.Tensor) -> torch.Tensor:
+        """``(B, S)`` int64: each input token's document, numbered from 0 in its window."""
+        offsets = np.arange(self.plan.seq_len)
+        rows = [np.searchsorted(self.starts[k], s + offsets, side="right") for k, s in zip(*self._windows(indices))]
+        docs = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return docs - docs[:, :1]
+
+    def forward_extras(self, step: int, dp_rank: int) -> list[dict]:
+        """Per micro-batch, what the model's forward takes beside the ids: ``documents`` (attention inside each
+        document) and ``position_ids`` (restarting at each), as asked; empty dicts for plain windows."""
+        if not (self.document_attention or self.reset_positions):
+            return [{} for _ in range(self.plan.accumulation)]
+        docs = self._documents(self.rank_indices(step, dp_rank)).split(self.plan.micro_batch)
+        return [{**({"documents": d} if self.document_attention else {}),
+                 **({"position_ids": position_ids(d)} if self.reset_positions else {})} for d in docs]
 
     def global_indices(self, step: int) -> torch.Tensor:
         """Sample indices of optimizer step ``step``, DP rank 0's slice first."""

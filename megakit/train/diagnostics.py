@@ -87,8 +87,8 @@ class Diagnostics:
             batches = FaultyBatches(batches, self.faults)
 
         def step(micro_batches):
-            self.samples = [tensor_hash(row) for inputs, _, _ in micro_batches for row in inputs]
-            self.tokens = sum(inputs.numel() for inputs, _, _ in micro_batches)
+            self.samples = [tensor_hash(row) for inputs, *_ in micro_batches for row in inputs]
+            self.tokens = sum(inputs.numel() for inputs, *_ in micro_batches)
             self.micro_batches = len(micro_batches)
             self.squares.zero_()
             if self.faults.sleep_s:

@@ -22,7 +22,7 @@ from megakit.nn import comm
 from megakit.nn.model import set_loss_tokens
 
 
-def _forward_pipeline(chunks, topo, inputs, labels, *, shape, dtype, device) -> torch.Tensor | None:
+def _forward_pipeline(chunks, topo, inputs, labels, extras, *, shape, dtype, device) -> torch.Tensor | None:
     """One micro-batch forward through every virtual stage (chunk ``c`` of PP rank ``r`` is stage ``c * pp + r``);
     returns the loss on the rank that holds the last stage, else None.
 
@@ -37,9 +37,9 @@ def _forward_pipeline(chunks, topo, inputs, labels, *, shape, dtype, device) -> 
         else:
             x = comm.recv(torch.empty(shape, dtype=dtype, device=device), topo.stage_rank((stage - 1) % pp))
         if stage == last:
-            loss = chunk(x, labels)
+            loss = chunk(x, labels, **extras)
         else:
-            comm.isend(chunk(x).contiguous(), topo.stage_rank((stage + 1) % pp)).wait()
+            comm.isend(chunk(x, **extras).contiguous(), topo.stage_rank((stage + 1) % pp)).wait()
     return loss
 
 
@@ -57,12 +57,13 @@ def evaluate(modules, topo, batches, *, shape, dtype, device) -> float:
     try:
         with torch.no_grad():
             for k in range(batches.batches):
-                for x, y in batches.micro_batches(k, topo.dp_rank):
+                for (x, y), extras in zip(batches.micro_batches(k, topo.dp_rank), batches.forward_extras(k, topo.dp_rank)):
                     x, y = x.to(device or "cpu"), y.to(device or "cpu")
+                    extras = {name: t.to(device or "cpu") for name, t in extras.items()}
                     if topo.pp == 1:
-                        loss = modules[0](x, y)
+                        loss = modules[0](x, y, **extras)
                     else:
-                        loss = _forward_pipeline(modules, topo, x, y, shape=shape, dtype=dtype, device=device)
+                        loss = _forward_pipeline(modules, topo, x, y, extras, shape=shape, dtype=dtype, device=device)
                     if loss is not None:
                         losses.append((loss.double(), (y != -100).sum().double()))
     finally:
@@ -82,7 +83,7 @@ def evaluator(run, topo, engine, device):
     from megakit.train.corpus import ValidationBatches
 
     plan = run.batch
-    batches = ValidationBatches(run.corpus, plan, run.cfg.eval_batches)
+    batches = ValidationBatches(run.corpus, plan, run.cfg.eval_batches, run.corpus.loader_options(run.cfg, "validation"))
     if batches.batches < run.cfg.eval_batches and topo.rank == 0:
         print(f"megakit: the validation split holds {batches.batches} global batches; --eval-batches "
               f"{run.cfg.eval_batches} uses those", flush=True)

@@ -143,3 +143,7 @@ class FaultyBatches:
 
     def sample_numbers(self, step: int, dp_rank: int) -> list[range]:
         return [rows[: self._keep(len(rows))] for rows in self.batches.sample_numbers(step, self._source(dp_rank))]
+
+    def forward_extras(self, step: int, dp_rank: int) -> list[dict]:
+        return [{k: t[: self._keep(len(t))] for k, t in extras.items()}
+                for extras in self.batches.forward_extras(step, self._source(dp_rank))]

@@ -20,14 +20,14 @@ from megakit.train.optim import decay_groups, start_schedule
 
 def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_len: int | None = None, seed: int = 0,
                   data: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES, eval_every: int = 0,
-                  eval_batches: int = 8, moe: dict | None = None) -> dict[str, list]:
+                  eval_batches: int = 8, moe: dict | None = None, documents: dict | None = None) -> dict[str, list]:
     """``{"loss": [...], "grad_norm": [...], "lr": [...], "evals": [...]}`` of ``steps`` steps of the unsplit model.
 
     ``ds_config`` is the dict the trainer used (micro-batch and accumulation per rank);
     ``dp`` is the distributed run's DP size, so the global batch is the same. With ``eval_every``, ``evals``
     holds ``{"step", "loss"}`` where the trainer evaluates: the mean loss, in eval mode, over the tokens of every
     micro-batch of ``eval_batches`` validation batches. ``moe``: the ``TrainConfig`` ``moe_*`` flags
-    (``moe_aux_loss=...``). The loss is sum(loss) / sum(tokens) over each step's global batch (as
+    (``moe_aux_loss=...``); ``documents``: the packed-document flags (``reset_attention_mask=True``, ...). The loss is sum(loss) / sum(tokens) over each step's global batch (as
     ``token_weighting`` makes the trainer's); an MoE model's balancing losses are scaled 1 / micro-batches
     and its expert bias moves once per step.
     """
@@ -39,12 +39,13 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
 
     corpus = open_corpus(data, max_bytes=max_bytes)
     config = model_for_corpus(ModelConfig.load(model), model, corpus)
-    config = with_moe_flags(config, TrainConfig(ds_config=ds_config, model=model, **(moe or {})))
+    cfg = TrainConfig(ds_config=ds_config, model=model, **(moe or {}), **(documents or {}))
+    config = with_moe_flags(config, cfg)
     net = Transformer(config, seed=seed)
     seq_len = seq_len or config.max_seq_len
     plan = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
                      accumulation=ds_config.get("gradient_accumulation_steps", 1), dp=dp, seed=seed)
-    batches = TokenBatches(corpus.train, plan, corpus.train_masks)
+    batches = TokenBatches(corpus.train, plan, **corpus.loader_options(cfg))
     params = {k: v for k, v in ds_config["optimizer"]["params"].items() if k not in ("torch_adam", "adam_w_mode")}
     optimizer = torch.optim.AdamW(decay_groups(net), **params)
     scheduler = None
@@ -59,12 +60,13 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
     for step in range(steps):
         out["lr"].append(optimizer.param_groups[0]["lr"])
         total = 0.0
-        step_batches = [(batches.micro_batches(step, rank), batches.sample_numbers(step, rank)) for rank in range(plan.dp)]
-        tokens = sum(int((labels != -100).sum()) for mbs, _ in step_batches for _, labels in mbs)
+        step_batches = [(batches.micro_batches(step, rank), batches.sample_numbers(step, rank),
+                         batches.forward_extras(step, rank)) for rank in range(plan.dp)]
+        tokens = sum(int((labels != -100).sum()) for mbs, _, _ in step_batches for _, labels in mbs)
         set_loss_tokens(net, float(max(tokens, 1)))  # sum(loss) / sum(tokens) over the whole global batch
-        for micro_batches, numbers in step_batches:
-            for (inputs, labels), rows in zip(micro_batches, numbers):
-                loss = net(inputs, labels, sample_ids=rows)
+        for micro_batches, numbers, extras in step_batches:
+            for (inputs, labels), rows, more in zip(micro_batches, numbers, extras):
+                loss = net(inputs, labels, sample_ids=rows, **more)
                 loss.backward()
                 total += float(loss.detach())
         norm = torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm if max_norm > 0 else float("inf"))
@@ -76,20 +78,22 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
         out["loss"].append(total)
         out["grad_norm"].append(float(norm))
         if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            out["evals"].append({"step": step + 1, "loss": _validation_loss(net, corpus, plan, eval_batches)})
+            out["evals"].append({"step": step + 1, "loss": _validation_loss(net, corpus, plan, eval_batches,
+                                                                           corpus.loader_options(cfg, "validation"))})
     return out
 
 
-def _validation_loss(net, corpus, plan: BatchPlan, batches: int) -> float:
+def _validation_loss(net, corpus, plan: BatchPlan, batches: int, options: dict) -> float:
     """The mean loss over the valid tokens of every micro-batch of every DP rank of ``batches`` validation batches,
     in eval mode."""
     from megakit.nn.model import set_loss_tokens
 
-    validation = ValidationBatches(corpus, plan, batches)
+    validation = ValidationBatches(corpus, plan, batches, options)
     net.eval()
     set_loss_tokens(net, None)
     with torch.no_grad():
-        pairs = [(net(x, y).double(), int((y != -100).sum())) for k in range(validation.batches)
-                 for rank in range(plan.dp) for x, y in validation.micro_batches(k, rank)]
+        pairs = [(net(x, y, **more).double(), int((y != -100).sum())) for k in range(validation.batches)
+                 for rank in range(plan.dp)
+                 for (x, y), more in zip(validation.micro_batches(k, rank), validation.forward_extras(k, rank))]
     net.train()
     return float(sum(loss * n for loss, n in pairs) / max(sum(n for _, n in pairs), 1))

@@ -89,6 +89,11 @@ class TrainConfig:
     attention_kernel: str = "auto"  # SDPA backend: auto | flash | cudnn | efficient | math (nn.attention_kernel)
     spike_guard: float | None = None  # Z: a loss Z recent standard deviations above the recent mean rolls back (spikes)
     async_save: bool = False  # checkpoints written in a background thread; the step waits for the host copy only
+    # packed documents (Megatron's names; off by default: Llama 3 found the mask of "limited impact" in standard
+    # pretraining, and it matters for long sequences and for packed fine-tuning examples)
+    reset_attention_mask: bool = False  # attention stays inside each document of a window
+    reset_position_ids: bool = False  # positions restart at each document (learned embeddings; transformers' packing)
+    eod_mask_loss: bool = False  # no loss where the input is the end-of-document token
 
     def __post_init__(self) -> None:
         if self.stage_layers is not None:  # a list from JSON (tests/launch_sweep.py) or a tuple from --stage-layers
@@ -202,8 +207,9 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
         if trained_on not in (None, corpus.fingerprint):
             say(f"megakit: warning: checkpoint {checkpoint} was trained on other data than {corpus.source}; its data "
                 "position (the step) continues on this data")
-    if cfg.eval_every:
-        ValidationBatches(corpus, batch, cfg.eval_batches)  # one clear line now if there is no validation split
+    corpus.loader_options(cfg)  # one clear line now if packed documents are asked of data without document starts
+    if cfg.eval_every:  # one clear line now if there is no validation split
+        ValidationBatches(corpus, batch, cfg.eval_batches, corpus.loader_options(cfg, "validation"))
     compression = _check_dp_sync(cfg, ds_config)
     schedule = cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b")
     _check_schedule(schedule, pp=cfg.pp, vpp=cfg.vpp, accumulation=batch.accumulation)

@@ -14,8 +14,8 @@ def plain_step(engine, dp_sync):
 
     def run(micro_batches) -> torch.Tensor:
         losses = []
-        for i, (inputs, labels, rows) in enumerate(micro_batches):
-            loss = engine(inputs, labels, sample_ids=rows)
+        for i, (inputs, labels, rows, extras) in enumerate(micro_batches):
+            loss = engine(inputs, labels, sample_ids=rows, **extras)
             engine.backward(loss)
             if i == len(micro_batches) - 1:
                 dp_sync.before_step()
@@ -56,8 +56,9 @@ def pipeline_step(run: Run, topo, engine, dp_sync):
                                 gradient=gradient_of(engine))
 
     def step(micro_batches) -> torch.Tensor:
-        inputs = [x for x, _, _ in micro_batches] if topo.is_first_stage else None
-        labels = [y for _, y, _ in micro_batches] if topo.is_last_stage else None
-        return torch.tensor(executor.step(inputs, labels, sample_ids=[rows for _, _, rows in micro_batches]))
+        inputs = [x for x, _, _, _ in micro_batches] if topo.is_first_stage else None
+        labels = [y for _, y, _, _ in micro_batches] if topo.is_last_stage else None
+        return torch.tensor(executor.step(inputs, labels, sample_ids=[rows for _, _, rows, _ in micro_batches],
+                                          extras=[extras for _, _, _, extras in micro_batches]))
 
     return step

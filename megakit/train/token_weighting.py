@@ -23,7 +23,7 @@ from megakit.nn.model import set_loss_tokens
 
 def step_tokens(micro_batches, topo, device=None) -> torch.Tensor:
     """The valid (``!= -100``) labels of the step over every DP replica: one all-reduce over DP x CP."""
-    count = sum((labels != -100).sum() for _, labels, _ in micro_batches).to(device, torch.float64)  # no host sync
+    count = sum((labels != -100).sum() for _, labels, *_ in micro_batches).to(device, torch.float64)  # no host sync
     if topo.dp * topo.cp > 1:
         comm.all_reduce(count, topo.get_data_parallel_group())
     return count / topo.cp

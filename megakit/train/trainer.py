@@ -262,7 +262,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
         except UsageError as error:
             raise everywhere(error)  # load_state raises on every rank when any rank fails
     start_schedule(engine.lr_scheduler, start)
-    batches = TokenBatches(run.corpus.train, plan, run.corpus.train_masks)
+    batches = TokenBatches(run.corpus.train, plan, **run.corpus.loader_options(cfg))
     evaluate = evaluator(run, topo, engine, rank_device()) if cfg.eval_every else None
     dp_sync = DataParallelSync(run, topo, engine)
     if run.checkpoint:
@@ -301,8 +301,10 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
     while step < cfg.steps:
         faults.at_step(step)
         waited = time.perf_counter()  # the loader's share of the step (reads from memory-mapped shards)
-        micro_batches = [(x.to(device), y.to(device), rows) for (x, y), rows in zip(
-            batches.micro_batches(step + offset, topo.dp_rank), batches.sample_numbers(step + offset, topo.dp_rank))]
+        micro_batches = [(x.to(device), y.to(device), rows, {k: t.to(device) for k, t in extras.items()})
+                         for (x, y), rows, extras in zip(batches.micro_batches(step + offset, topo.dp_rank),
+                                                         batches.sample_numbers(step + offset, topo.dp_rank),
+                                                         batches.forward_extras(step + offset, topo.dp_rank))]
         waited = time.perf_counter() - waited
         lr = engine.get_lr()[0]
         t0 = time.perf_counter()
