@@ -42,9 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="packed documents: positions restart at each document (what transformers reads as packing)")
     p.add_argument("--eod-mask-loss", action="store_true",
                    help="no loss where the input is the end-of-document token (it predicts the next document)")
-    p.add_argument("--data", default=None,
+    p.add_argument("--data", default=None, nargs="+", metavar="DIR",
                    help="a directory `megakit prepare-data` wrote (token shards and their tokenizer), or a text file "
-                        "or directory trained on as bytes (default: the Python standard library's sources, as bytes)")
+                        "or directory trained on as bytes (default: the Python standard library's sources, as bytes); "
+                        "or a mixture of WEIGHT DIR pairs, e.g. --data 0.7 web/ 0.3 code/ (shares of the samples)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps in all, a --load checkpoint's included (default 200; 3 with --verify-memory)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
@@ -182,7 +183,8 @@ def config(args: argparse.Namespace):
     from megakit.train.run import TrainConfig
 
     return TrainConfig(
-        ds_config=args.ds_config, model=args.model, data=args.data,
+        ds_config=args.ds_config, model=args.model,
+        data=args.data[0] if args.data and len(args.data) == 1 else args.data,  # one data set, or a mixture
         steps=args.steps if args.steps is not None else 3 if args.verify_memory else 200, seed=args.seed,
         tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, vpp=args.vpp, schedule=args.schedule, seq_len=args.seq_len,
         stage_layers=parse_stage_layers(args.stage_layers), tensorboard=args.tensorboard, profile=args.profile,

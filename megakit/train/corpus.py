@@ -34,6 +34,8 @@ class Corpus:
     train_documents: list | None = None  # per shard, each document's first token (None: raw text has none)
     validation_documents: list | None = None
     eos_id: int | None = None  # the token that ends each document
+    sources: list | None = None  # a mixture: its data sets' corpora, with their weights as ``weights``
+    weights: list | None = None
 
     def loader_options(self, cfg, split: str = "train") -> dict:
         """``TokenBatches`` keywords for ``split``: its loss masks and, as ``cfg`` asks, packed-document options."""
@@ -46,14 +48,41 @@ class Corpus:
             raise UsageError(f"{' and '.join(flags)} {'need' if len(flags) > 1 else 'needs'} each document's start, "
                              f"which {self.source} does not record; prepare the text with megakit prepare-data and "
                              "pass --data DIR")
+        sources = None if self.sources is None or split != "train" else [
+            (w, len(c.train)) for w, c in zip(self.weights, self.sources)]
         return dict(masks=self.train_masks if split == "train" else self.validation_masks, starts=starts,
                     document_attention=cfg.reset_attention_mask, reset_positions=cfg.reset_position_ids,
-                    eod=self.eos_id if cfg.eod_mask_loss else None)
+                    eod=self.eos_id if cfg.eod_mask_loss else None, sources=sources)
 
 
-def open_corpus(data: str | None, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
-    """The corpus of ``--data``: a prepared directory (it has ``index.json``), else raw text (default: the stdlib)."""
+def parse_mixture(data) -> list[tuple[float, str]] | None:
+    """``--data 0.7 A 0.3 B`` (Megatron's ``--data-path``) as ``[(0.7, "A"), (0.3, "B")]``; None for one data set."""
+    if data is None or isinstance(data, str) or len(data) == 1:
+        return None
+    items = list(data)
+    try:
+        weights = [float(w) for w in items[0::2]]
+    except ValueError:
+        weights = None
+    if weights is None or len(items) % 2:
+        raise UsageError(f"--data {' '.join(items)}: a mixture is WEIGHT DIR pairs, e.g. --data 0.7 web/ 0.3 code/")
+    bad = [w for w in weights if not 0 < w < float("inf")]
+    if bad:
+        raise UsageError(f"--data: mixture weight {bad[0]:g} must be a positive number (a data set's share of the "
+                         "samples; drop a data set rather than weigh it 0)")
+    return list(zip(weights, items[1::2]))
+
+
+def open_corpus(data, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
+    """The corpus of ``--data``: a prepared directory (it has ``index.json``), else raw text (default: the stdlib);
+    or a mixture (``parse_mixture``) of several, their shards one after another."""
     from megakit.interop.token_shards import looks_prepared, open_shards
+
+    mixture = parse_mixture(data)
+    if mixture is not None:
+        return _mix([(w, open_corpus(path, max_bytes=max_bytes)) for w, path in mixture])
+    if isinstance(data, (list, tuple)):
+        data = data[0]
 
     if data is not None and looks_prepared(Path(data)):
         shards = open_shards(data)  # one clear line when the index is missing or a shard is truncated
@@ -67,6 +96,46 @@ def open_corpus(data: str | None, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Corp
     return Corpus(train=[tokens], validation=None, vocab_size=BYTE_VOCAB, tokenizer_dir=None,
                   fingerprint=f"bytes:{data or 'stdlib'}:{len(tokens)}",
                   source="the standard library" if data is None else f"--data {data}")
+
+
+def _mix(parts: list[tuple[float, Corpus]]) -> Corpus:
+    """One corpus of the data sets' shards, in order (``TokenBatches`` deals them out by weight)."""
+    import numpy as np
+
+    first = parts[0][1]
+    for _, c in parts[1:]:
+        if c.vocab_size != first.vocab_size or _tokenizer_file(c) != _tokenizer_file(first):
+            raise UsageError(f"{c.source} and {first.source} were tokenized differently; a mixture needs one tokenizer "
+                             "(prepare every data set with the same --tokenizer)")
+
+    def joined(field: str, fill=None) -> list | None:
+        lists = [getattr(c, field) for _, c in parts]
+        if all(x is None for x in lists):
+            return None
+        if fill is None and any(x is None for x in lists):
+            return None
+        return [a for x, (_, c) in zip(lists, parts) for a in (x if x is not None else fill(c))]
+
+    def ones(split: str):  # a data set without a loss mask counts every token: a view, nothing allocated
+        return lambda c: [np.broadcast_to(np.uint8(1), (len(t),)) for t in getattr(c, split)]
+
+    validation = [c.validation for _, c in parts]
+    return Corpus(train=[t for _, c in parts for t in c.train],
+                  validation=None if any(v is None for v in validation) else [t for v in validation for t in v],
+                  vocab_size=first.vocab_size, tokenizer_dir=first.tokenizer_dir,
+                  fingerprint="mixture:" + ",".join(f"{w:g}:{c.fingerprint}" for w, c in parts),
+                  source="--data " + " ".join(f"{w:g} {c.source.removeprefix('--data ')}" for w, c in parts),
+                  train_masks=joined("train_masks", ones("train")),
+                  validation_masks=None if any(v is None for v in validation) else joined("validation_masks",
+                                                                                         ones("validation")),
+                  train_documents=joined("train_documents"), validation_documents=joined("validation_documents"),
+                  eos_id=first.eos_id, sources=[c for _, c in parts], weights=[w for w, _ in parts])
+
+
+def _tokenizer_file(corpus: Corpus) -> bytes | None:
+    if corpus.tokenizer_dir is None:
+        return None
+    return (corpus.tokenizer_dir / "tokenizer.json").read_bytes()
 
 
 def model_for_corpus(model: ModelConfig, name: str, corpus: Corpus) -> ModelConfig:

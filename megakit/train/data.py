@@ -116,7 +116,8 @@ class TokenBatches:
     """
 
     def __init__(self, tokens, plan: BatchPlan, masks: list | None = None, *, starts: list | None = None,
-                 document_attention: bool = False, reset_positions: bool = False, eod: int | None = None) -> None:
+                 document_attention: bool = False, reset_positions: bool = False, eod: int | None = None,
+                 sources: list[tuple[float, int]] | None = None) -> None:
         self.shards = [t.numpy() if isinstance(t, torch.Tensor) else t
                        for t in (tokens if isinstance(tokens, (list, tuple)) else [tokens])]
         self.masks = masks
@@ -125,11 +126,16 @@ class TokenBatches:
         self.starts, self.document_attention, self.reset_positions = starts, document_attention, reset_positions
         self.eod = eod  # --eod-mask-loss: no loss where the input is the end-of-document token (Megatron's)
         assert starts is not None or not (document_attention or reset_positions)
+        self.sources = sources  # a mixture: (weight, shards) per data set, their shards in that order in ``tokens``
         self.plan = plan
         counts = [max(len(t) - 1, 0) // plan.seq_len for t in self.shards]
         self._first = np.cumsum([0, *counts])  # the first sample of each shard
         self.num_samples = int(self._first[-1])
         self.steps_per_epoch = self.num_samples // plan.global_batch
+        if sources is not None:
+            self._mixture = Mixture([w for w, _ in sources], np.cumsum([0, *(n for _, n in sources)]), self._first,
+                                    plan.seed)
+            self.steps_per_epoch = max(self.steps_per_epoch, 1)  # each data set wraps around on its own
         if self.steps_per_epoch < 1:
             raise UsageError(
                 f"the corpus has {sum(len(t) for t in self.shards)} tokens, {self.num_samples} samples of "
@@ -180,6 +186,8 @@ class TokenBatches:
 
     def global_indices(self, step: int) -> torch.Tensor:
         """Sample indices of optimizer step ``step``, DP rank 0's slice first."""
+        if self.sources is not None:
+            return self._mixture.step_samples(step, self.plan.global_batch)
         epoch, index = divmod(step, self.steps_per_epoch)
         batch = self.plan.global_batch
         return self._order(epoch)[index * batch : (index + 1) * batch]
@@ -211,3 +219,50 @@ class TokenBatches:
         """DP rank ``dp_rank``'s ``accumulation`` micro-batches of step ``step``."""
         inputs, labels = self._samples(self.rank_indices(step, dp_rank))
         return list(zip(inputs.split(self.plan.micro_batch), labels.split(self.plan.micro_batch)))
+
+
+class Mixture:
+    """Which samples of which data set step ``s`` trains on, for weights ``w`` (Megatron's ``--data-path 0.7 A 0.3
+    B``: shares of the samples, so of the tokens, every window having ``seq_len`` of them).
+
+    Data set ``d`` has taken ``K_d(s) = floor(W_d G s) - floor(W_(d-1) G s)`` samples before step ``s`` (``W`` the
+    cumulative weights, ``G`` the global batch): the counts of every step add up to ``G``, and each share is exact
+    to one sample at every step, so the realised shares converge as fast as they can. Within a data set the
+    samples follow its own shuffle per pass (seeded by the run's seed, the data set and the pass), and a step's
+    batch is shuffled (seed and step) so every DP rank gets every data set. All of it is arithmetic on the step:
+    a resume at any layout reads the same samples.
+    """
+
+    def __init__(self, weights: list[float], shard_bounds, first_sample, seed: int) -> None:
+        total = float(sum(weights))
+        self.cumulative = np.cumsum([0.0, *(w / total for w in weights)])
+        self.cumulative[-1] = 1.0
+        self.first = [int(first_sample[a]) for a in shard_bounds[:-1]]  # each data set's first sample
+        self.count = [int(first_sample[b]) - f for b, f in zip(shard_bounds[1:], self.first)]
+        self.seed, self._orders = seed, {}
+        for d, n in enumerate(self.count):
+            if n < 1:
+                raise UsageError(f"data set {d + 1} of the mixture holds no whole sample (seq_len + 1 tokens); give it "
+                                 "more text or drop it")
+
+    def taken(self, step: int, global_batch: int) -> np.ndarray:
+        """``K_d(step)``: samples each data set gave before ``step``."""
+        edges = np.floor(self.cumulative * global_batch * step + 1e-9).astype(np.int64)
+        return np.diff(edges)
+
+    def _order(self, d: int, epoch: int) -> torch.Tensor:
+        if (d, epoch) not in self._orders:
+            generator = torch.Generator().manual_seed(self.seed + 1_000_003 * (d + 1) + epoch)
+            self._orders = {(d, epoch): torch.randperm(self.count[d], generator=generator)} | {
+                k: v for k, v in self._orders.items() if k[0] != d}  # one pass kept per data set
+        return self._orders[(d, epoch)]
+
+    def step_samples(self, step: int, global_batch: int) -> torch.Tensor:
+        before, after = self.taken(step, global_batch), self.taken(step + 1, global_batch)
+        picks = []
+        for d, (a, b) in enumerate(zip(before.tolist(), after.tolist())):
+            for n in range(a, b):
+                epoch, k = divmod(n, self.count[d])
+                picks.append(self.first[d] + int(self._order(d, epoch)[k]))
+        generator = torch.Generator().manual_seed(self.seed * 7_919 + step)
+        return torch.tensor(picks, dtype=torch.int64)[torch.randperm(len(picks), generator=generator)]

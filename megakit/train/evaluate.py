@@ -47,8 +47,14 @@ def evaluate(modules, topo, batches, *, shape, dtype, device) -> float:
     """The mean validation loss over ``batches.batches`` eval batches; the same float on every rank.
 
     ``modules``: this rank's model chunks (a list; one with PP = 1). Collective over the world:
-    the stages' P2P with PP > 1, and one scalar all-reduce at the end.
+    the stages' P2P with PP > 1, and one small all-reduce at the end.
     """
+    total = validation_sums(modules, topo, batches, shape=shape, dtype=dtype, device=device)
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def validation_sums(modules, topo, batches, *, shape, dtype, device) -> torch.Tensor:
+    """``[sum of the token losses, valid tokens]`` (float64) over ``batches``, the same on every rank."""
     was_training = [m.training for m in modules]
     for m in modules:
         m.eval()
@@ -74,23 +80,34 @@ def evaluate(modules, topo, batches, *, shape, dtype, device) -> float:
     if holds_loss:
         total += torch.stack([torch.stack([mean * n, n]) for mean, n in losses]).sum(0)
     comm.all_reduce(total, comm.WORLD)
-    return float(total[0] / total[1].clamp(min=1))
+    return total
 
 
 def evaluator(run, topo, engine, device):
-    """``evaluate()`` -> the validation loss of the engine's model now, on every rank."""
+    """``evaluate()`` -> ``(validation loss, per data set of a mixture or None)`` of the engine's model now, on every
+    rank: the loss over every data set's validation tokens, each data set evaluated on its own split."""
     from megakit.nn.pipeline import activation_shape
     from megakit.train.corpus import ValidationBatches
 
     plan = run.batch
-    batches = ValidationBatches(run.corpus, plan, run.cfg.eval_batches, run.corpus.loader_options(run.cfg, "validation"))
-    if batches.batches < run.cfg.eval_batches and topo.rank == 0:
-        print(f"megakit: the validation split holds {batches.batches} global batches; --eval-batches "
-              f"{run.cfg.eval_batches} uses those", flush=True)
+    corpora = run.corpus.sources or [run.corpus]  # a mixture: each data set's validation split on its own
+    sets = [ValidationBatches(c, plan, run.cfg.eval_batches, c.loader_options(run.cfg, "validation")) for c in corpora]
+    for c, batches in zip(corpora, sets):
+        if batches.batches < run.cfg.eval_batches and topo.rank == 0:
+            print(f"megakit: the validation split of {c.source} holds {batches.batches} global batches; "
+                  f"--eval-batches {run.cfg.eval_batches} uses those", flush=True)
     modules = [engine] if run.cfg.vpp == 1 else list(engine.module)  # the chunks the pipeline runs
     shape = activation_shape(run.model, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len // topo.cp,
                              tp=topo.tp, sequence_parallel=run.sequence_parallel)
-    return lambda: evaluate(modules, topo, batches, shape=shape, dtype=run.dtype, device=device)
+
+    def run_all() -> tuple[float, dict | None]:
+        """The validation loss over every data set's tokens, and (for a mixture) each data set's own."""
+        sums = [validation_sums(modules, topo, b, shape=shape, dtype=run.dtype, device=device) for b in sets]
+        total = torch.stack(sums).sum(0)
+        per_set = {c.source.removeprefix("--data "): float(t[0] / t[1].clamp(min=1)) for c, t in zip(corpora, sums)}
+        return float(total[0] / total[1].clamp(min=1)), per_set if run.corpus.sources else None
+
+    return run_all
 
 
 def perplexity(loss: float) -> float:

@@ -78,22 +78,22 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
         out["loss"].append(total)
         out["grad_norm"].append(float(norm))
         if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            out["evals"].append({"step": step + 1, "loss": _validation_loss(net, corpus, plan, eval_batches,
-                                                                           corpus.loader_options(cfg, "validation"))})
+            out["evals"].append({"step": step + 1, "loss": _validation_loss(net, corpus.sources or [corpus], plan,
+                                                                           eval_batches, cfg)})
     return out
 
 
-def _validation_loss(net, corpus, plan: BatchPlan, batches: int, options: dict) -> float:
-    """The mean loss over the valid tokens of every micro-batch of every DP rank of ``batches`` validation batches,
-    in eval mode."""
+def _validation_loss(net, corpora, plan: BatchPlan, batches: int, cfg) -> float:
+    """The mean loss over the valid tokens of every micro-batch of every DP rank of ``batches`` validation batches
+    of each of ``corpora`` (a mixture's data sets, or the one corpus), in eval mode."""
     from megakit.nn.model import set_loss_tokens
 
-    validation = ValidationBatches(corpus, plan, batches, options)
+    sets = [ValidationBatches(c, plan, batches, c.loader_options(cfg, "validation")) for c in corpora]
     net.eval()
     set_loss_tokens(net, None)
     with torch.no_grad():
-        pairs = [(net(x, y, **more).double(), int((y != -100).sum())) for k in range(validation.batches)
-                 for rank in range(plan.dp)
+        pairs = [(net(x, y, **more).double(), int((y != -100).sum())) for validation in sets
+                 for k in range(validation.batches) for rank in range(plan.dp)
                  for (x, y), more in zip(validation.micro_batches(k, rank), validation.forward_extras(k, rank))]
     net.train()
     return float(sum(loss * n for loss, n in pairs) / max(sum(n for _, n in pairs), 1))

@@ -156,16 +156,20 @@ class Reporter:
                     self.writer.add_scalar(f"guard/{name}", value, step)
         return {"step": step, "kind": kind, "text": text, **numbers}
 
-    def eval(self, step: int, loss: float) -> dict:
-        """Log a validation loss (console, TensorBoard); returns the record the metrics file keeps."""
+    def eval(self, step: int, loss: float, sources: dict | None = None) -> dict:
+        """Log a validation loss (console, TensorBoard), and a mixture's per data set; returns the record the
+        metrics file keeps."""
         from megakit.train.evaluate import perplexity
 
-        record = {"step": step, "loss": loss, "perplexity": perplexity(loss)}
+        record = {"step": step, "loss": loss, "perplexity": perplexity(loss), **({"sources": sources} if sources else {})}
         if self.active:
-            self._print(f"eval after {step} steps | val loss {loss:.4f} | perplexity {record['perplexity']:.2f}")
+            each = "".join(f" | {name} {value:.4f}" for name, value in (sources or {}).items())
+            self._print(f"eval after {step} steps | val loss {loss:.4f} | perplexity {record['perplexity']:.2f}{each}")
             if self.writer is not None:
                 self.writer.add_scalar("val/loss", loss, step)
                 self.writer.add_scalar("val/perplexity", record["perplexity"], step)
+                for name, value in (sources or {}).items():
+                    self.writer.add_scalar(f"val/loss/{name}", value, step)
         return record
 
     def compiled(self, m: StepMetrics) -> None:

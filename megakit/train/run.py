@@ -43,7 +43,7 @@ class TrainConfig:
 
     ds_config: str | dict
     model: str = "gpt-mini"
-    data: str | None = None
+    data: str | list | None = None  # a directory or text, or a mixture: [weight, dir, weight, dir, ...]
     steps: int = 200
     tp: int = 1
     pp: int = 1
@@ -208,8 +208,9 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
             say(f"megakit: warning: checkpoint {checkpoint} was trained on other data than {corpus.source}; its data "
                 "position (the step) continues on this data")
     corpus.loader_options(cfg)  # one clear line now if packed documents are asked of data without document starts
-    if cfg.eval_every:  # one clear line now if there is no validation split
-        ValidationBatches(corpus, batch, cfg.eval_batches, corpus.loader_options(cfg, "validation"))
+    if cfg.eval_every:  # one clear line now if there is no validation split (each data set of a mixture's)
+        for part in corpus.sources or [corpus]:
+            ValidationBatches(part, batch, cfg.eval_batches, part.loader_options(cfg, "validation"))
     compression = _check_dp_sync(cfg, ds_config)
     schedule = cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b")
     _check_schedule(schedule, pp=cfg.pp, vpp=cfg.vpp, accumulation=batch.accumulation)

@@ -364,7 +364,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
         if evaluating or saving:
             dp_sync.synchronize()  # one model on every DP rank (compressed updates may be pending)
         if evaluating:
-            result.evals.append(reporter.eval(done, evaluate()))
+            result.evals.append(reporter.eval(done, *evaluate()))
         if saving:
             try:
                 save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
