@@ -31,6 +31,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "loss counts: assistant (the template's {%% generation %%} blocks), completion (after the "
                              "prompt, or the last assistant turn), all; auto: assistant for conversations, completion "
                              "otherwise")
+    parser.add_argument("--pack", type=int, metavar="N",
+                        help="fine-tuning: pack the examples into windows of N tokens (best-fit decreasing; train with "
+                             "--seq-len N --reset-attention-mask --reset-position-ids, and each trains as alone)")
+    parser.add_argument("--pad", type=int, metavar="N", help="fine-tuning: one example per window of N tokens, padded")
+    parser.add_argument("--too-long", choices=("truncate", "refuse"), default="truncate",
+                        help="with --pack/--pad: an example longer than the window is cut (default) or refused; "
+                             "counted either way")
     parser.add_argument("--chat-template", metavar="FILE",
                         help="a Jinja chat template to render chat data with instead of the tokenizer's own (e.g. one "
                              "with {%% generation %%} markers)")
@@ -51,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
 
         inputs += [str(p) for p in stdlib_files()]
     cfg = PrepareConfig(inputs=inputs, out=args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
-                        field=args.field, loss_on=args.loss_on, chat_template=args.chat_template,
+                        field=args.field, loss_on=args.loss_on, chat_template=args.chat_template, pack=args.pack,
+                        pad=args.pad, too_long=args.too_long,
                         val_fraction=args.val_fraction, workers=args.workers,
                         shard_tokens=args.shard_tokens, progress=not args.no_progress)
     s = prepare(cfg)
@@ -64,6 +72,11 @@ def run(args: argparse.Namespace) -> int:
           f"from {s['input_documents']:,} documents ({s['cut_documents']:,} cut between the two) in "
           f"{s['files'] - s['skipped']} "
           f"files ({s['skipped']} skipped{bad}), vocabulary {s['vocab_size']}, {s['seconds']:.1f} s, {rate:.2f} MB/s")
+    if s.get("packed"):
+        p = s["packed"]
+        print(f"{'packed' if args.pack else 'padded'} {p['examples']:,} examples into {p['bins']:,} windows of "
+              f"{p['window']} tokens ({p['fill']:.0%} filled, {p['truncated']:,} cut to fit); train with --seq-len "
+              f"{p['window']} --reset-attention-mask --reset-position-ids")
     if s.get("chat"):
         train, loss = s["tokens"]["train"], s["loss_tokens"]["train"]
         print(f"loss on {s['loss_on']}: {loss:,} of the {train:,} train tokens ({loss / max(train, 1):.0%}) count in "

@@ -45,6 +45,7 @@ import numpy as np
 
 from megakit.errors import UsageError
 from megakit.interop import chat_data as chat
+from megakit.interop import packing
 from megakit.interop import tokenizer as tok
 from megakit.interop.token_shards import (
     INDEX,
@@ -73,9 +74,18 @@ class PrepareConfig:
     max_train_bytes: int = 1 << 28  # text the BPE is trained on (the first files, in order)
     loss_on: str = "auto"  # chat data: which tokens the loss counts (chat_data.LOSS_ON)
     chat_template: str | None = None  # a Jinja file used instead of the tokenizer's own template
+    pack: int | None = None  # examples packed into windows of this many tokens (best-fit decreasing; packing.py)
+    pad: int | None = None  # one example per window of this many tokens, padded
+    too_long: str = "truncate"  # an example longer than the window: truncate | refuse
     progress: bool = True
 
     def __post_init__(self) -> None:
+        if self.pack is not None and self.pad is not None:
+            raise UsageError("give one of --pack N (several examples per window) and --pad N (one, padded)")
+        if (self.pack or self.pad or 1) < 2:
+            raise UsageError(f"--pack/--pad {self.pack or self.pad}: a window needs at least 2 tokens, e.g. 2048")
+        if self.too_long not in packing.TOO_LONG:
+            raise UsageError(f"--too-long {self.too_long} is not one of {', '.join(packing.TOO_LONG)}")
         if self.loss_on not in chat.LOSS_ON:
             raise UsageError(f"--loss-on {self.loss_on} is not one of {', '.join(chat.LOSS_ON)}")
         if not 0.0 <= self.val_fraction < 1.0:
@@ -396,8 +406,11 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
     tokenizer = _tokenizer(cfg, files, say)
     vocab, eos = tok.vocab_size(tokenizer), tok.end_of_text_id(tokenizer)
     dtype = token_dtype(vocab)
-    writers = {split: ShardWriter(tmp, split, dtype, shard_tokens=cfg.shard_tokens, masks=chat_args is not None)
-               for split in ("train", "validation")}
+    window = cfg.pack or cfg.pad
+    shard_tokens = cfg.shard_tokens if not window else 1 << 62  # packed: one shard a split, its windows its bins
+    writers = {split: ShardWriter(tmp, split, dtype, shard_tokens=shard_tokens, masks=chat_args is not None or
+                                  bool(window)) for split in ("train", "validation")}
+    examples, truncated = [], 0  # with --pack/--pad: every example, packed at the end
     counts = {"documents": {"train": 0, "validation": 0}, "tokens": {"train": 0, "validation": 0},
               "loss_tokens": {"train": 0, "validation": 0}}
     skipped, bad, first_bad, total_bytes, docs = [], 0, None, sum(p.stat().st_size for p in files), 0
@@ -432,6 +445,12 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
                     skipped.append(f"{path}: {why}")
                 bad, first_bad = bad + bad_lines, first_bad or first
                 for ids in arrays:  # one document behind, so the last one is known
+                    if window:
+                        ids, mask = ids if isinstance(ids, tuple) else (ids, np.ones(len(ids), dtype=np.uint8))
+                        truncated += len(ids) > window
+                        examples.append(packing.fit(ids, mask, window, cfg.too_long, f"{path}: example {docs + 1}"))
+                        docs += 1
+                        continue
                     if held_back is not None:
                         add(held_back, last=False)
                     held_back, docs = ids, docs + 1
@@ -442,6 +461,7 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
         bar.close()
         if pool is not None:
             pool.terminate()
+    packed = _write_bins(examples, writers, counts, cfg, pad_id=eos if eos is not None else 0) if window else None
     splits = {split: writer.close() for split, writer in writers.items()}
     if not counts["tokens"]["train"]:
         why = f" ({skipped[0]})" if len(skipped) == 1 else f" ({len(skipped)} skipped, e.g. {skipped[0]})" if skipped else ""
@@ -461,11 +481,37 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
         config_file.write_text(json.dumps({**config, "chat_template": chat_args[0]}, indent=2))
     summary = {"files": len(files), "skipped": len(skipped), "bad_records": bad, "bytes": total_bytes,
                "vocab_size": vocab, "input_documents": docs, "cut_documents": cut, "chat": chat_args is not None,
-               "loss_on": chat_args[1] if chat_args else "all", **counts}
+               "loss_on": chat_args[1] if chat_args else "all", **counts,
+               **({"packed": dict(packed, truncated=truncated)} if packed else {})}
     write_index(tmp, {"dtype": dtype.name, "vocab_size": vocab, "eos_id": eos,
+                      **({"packed": {"seq_len": window, "strategy": "bfd" if cfg.pack else "pad"}} if window else {}),
                       "source": {"fingerprint": stamp, "inputs": [str(i) for i in cfg.inputs], "skipped": skipped},
                       "splits": splits, "summary": summary})
     return summary
+
+
+def _write_bins(examples, writers, counts, cfg: PrepareConfig, *, pad_id: int) -> dict:
+    """``--pack``/``--pad``: whole examples to validation by ``--val-fraction`` (every k-th), each split in bins of the
+    window, each example (and each pad run) a document; one more token ends each split so its last bin is a window."""
+    window = cfg.pack or cfg.pad
+    f = cfg.val_fraction
+    held = [int((i + 1) * f) > int(i * f) for i in range(len(examples))]
+    used = total = 0
+    for name, writer in writers.items():
+        mine = [e for e, h in zip(examples, held) if h == (name == "validation")]
+        if not mine:
+            continue
+        for ids, mask, starts in packing.bins(mine, window, pack=bool(cfg.pack), pad_id=pad_id):
+            for a, b in zip(starts, [*starts[1:], window]):
+                writer.add(ids[a:b], mask[a:b])
+                counts["documents"][name] += 1
+            counts["tokens"][name] += window
+            counts["loss_tokens"][name] += int(mask.sum())
+            total += window
+        writer.add(np.full(1, pad_id, dtype=mine[0][0].dtype), np.zeros(1, dtype=np.uint8))
+        counts["tokens"][name] += 1
+        used += sum(len(ids) for ids, _ in mine)
+    return {"window": window, "bins": total // window, "examples": len(examples), "fill": used / max(total, 1)}
 
 
 def _say_validation(fraction: float, tokens: dict, say) -> None:

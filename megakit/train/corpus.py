@@ -34,8 +34,21 @@ class Corpus:
     train_documents: list | None = None  # per shard, each document's first token (None: raw text has none)
     validation_documents: list | None = None
     eos_id: int | None = None  # the token that ends each document
+    packed: int | None = None  # prepare-data --pack/--pad: the window its bins are (train at --seq-len of it)
     sources: list | None = None  # a mixture: its data sets' corpora, with their weights as ``weights``
     weights: list | None = None
+
+    def check_packed(self, cfg, seq_len: int) -> None:
+        """Packed examples train as they would alone only in their own windows, with the document mask."""
+        for part in self.sources or [self]:
+            if part.packed is None:
+                continue
+            if seq_len != part.packed:
+                raise UsageError(f"{part.source} is packed into windows of {part.packed} tokens; train it with "
+                                 f"--seq-len {part.packed} (got {seq_len}), or prepare it again with --pack {seq_len}")
+            if not (cfg.reset_attention_mask and cfg.reset_position_ids):
+                raise UsageError(f"{part.source} holds packed examples; pass --reset-attention-mask "
+                                 "--reset-position-ids so that each trains as it would alone")
 
     def loader_options(self, cfg, split: str = "train") -> dict:
         """``TokenBatches`` keywords for ``split``: its loss masks and, as ``cfg`` asks, packed-document options."""
@@ -91,7 +104,7 @@ def open_corpus(data, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
                       fingerprint=shards.fingerprint, source=f"--data {data}", train_masks=shards.masks("train"),
                       validation_masks=shards.masks("validation"), train_documents=shards.documents("train"),
                       validation_documents=shards.documents("validation") or None,
-                      eos_id=shards.index.get("eos_id"))
+                      eos_id=shards.index.get("eos_id"), packed=shards.index.get("packed", {}).get("seq_len"))
     tokens = load_tokens(data, max_bytes=max_bytes)
     return Corpus(train=[tokens], validation=None, vocab_size=BYTE_VOCAB, tokenizer_dir=None,
                   fingerprint=f"bytes:{data or 'stdlib'}:{len(tokens)}",

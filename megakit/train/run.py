@@ -208,6 +208,7 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
             say(f"megakit: warning: checkpoint {checkpoint} was trained on other data than {corpus.source}; its data "
                 "position (the step) continues on this data")
     corpus.loader_options(cfg)  # one clear line now if packed documents are asked of data without document starts
+    corpus.check_packed(cfg, seq_len)
     if cfg.eval_every:  # one clear line now if there is no validation split (each data set of a mixture's)
         for part in corpus.sources or [corpus]:
             ValidationBatches(part, batch, cfg.eval_batches, part.loader_options(cfg, "validation"))
