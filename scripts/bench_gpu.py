@@ -41,6 +41,7 @@ then on the H200, from the repository root (carry ``.whl``):
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import io
 import json
@@ -94,6 +95,24 @@ def settings(variant: str) -> dict:
     return out
 
 
+@functools.cache
+def cpu_bf16_flash_runs() -> bool:
+    """Whether torch's CPU flash attention takes bf16 here. Under ``ATEN_CPU_CAPABILITY=default`` on an AVX-512
+    machine torch 2.13 refuses it ("pack_vnni2 is only supported when avx512 is supported": the kernel asks the
+    hardware, the packing routine the capability); the dry run then times the math kernel instead."""
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.zeros(1, 2, 64, 16, dtype=torch.bfloat16)
+    try:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    except RuntimeError:
+        print("bench_gpu.py: torch's CPU flash attention refuses bf16 at this ATen CPU capability; the dry run uses "
+              "the math kernel for torch's choice", flush=True)
+        return False
+    return True
+
+
 def train_kwargs(shape: dict, s: dict, *, cuda: bool, steps: int, seed: int = 0) -> tuple[dict, dict]:
     """``TrainConfig`` keywords and the ds_config for a shape under settings ``s``."""
     ds = json.loads((ROOT / "ds_configs" / "zero0.json").read_text())
@@ -108,7 +127,7 @@ def train_kwargs(shape: dict, s: dict, *, cuda: bool, steps: int, seed: int = 0)
     if not s["fused_adam"]:
         params["fused"] = False  # the trainer fuses it on CUDA unless the ds_config says otherwise
     kernel = s["attention_kernel"]
-    if not cuda and kernel in ("cudnn", "flash", "efficient"):
+    if not cuda and (kernel in ("cudnn", "flash", "efficient") or not cpu_bf16_flash_runs()):
         kernel = "math"  # the CPU dry run exercises the pinning path with the kernel CPUs have
     kw = dict(ds_config=ds, model=shape["model_path"], seq_len=shape["seq_len"], steps=steps, seed=seed,
               progress=False, log_every=10**9, compile=s["compile"], attention_kernel=kernel,
