@@ -82,8 +82,9 @@ class PrepareConfig:
     def __post_init__(self) -> None:
         if self.pack is not None and self.pad is not None:
             raise UsageError("give one of --pack N (several examples per window) and --pad N (one, padded)")
-        if (self.pack or self.pad or 1) < 2:
-            raise UsageError(f"--pack/--pad {self.pack or self.pad}: a window needs at least 2 tokens, e.g. 2048")
+        window = self.pack if self.pack is not None else self.pad
+        if window is not None and window < 2:
+            raise UsageError(f"--pack/--pad {window}: a window needs at least 2 tokens, e.g. 2048")
         if self.too_long not in packing.TOO_LONG:
             raise UsageError(f"--too-long {self.too_long} is not one of {', '.join(packing.TOO_LONG)}")
         if self.loss_on not in chat.LOSS_ON:
