@@ -18,7 +18,10 @@ megakit run against the plain run just before it (on a shared machine the speed 
 by 10-20 % within a minute; pairs close in time cancel most of it), and the best runs are
 shown too. The loader's share: the time
 ``TokenBatches`` takes to cut one step's batch from the memory-mapped shards, against one
-single-process gpt-mini training step (forward, backward, AdamW) on it. The last line is
+single-process gpt-mini training step (forward, backward, AdamW) on it. Two fine-tuning rows: 4,000 chat
+records of spread lengths prepared with ``--pack 128`` against ``--pad 128``, as loss tokens a gpt-mini trains per
+second (document mask on); and ``prepare-data`` of the chat JSONL against a plain loop of transformers'
+``apply_chat_template(..., return_assistant_tokens_mask=True)``. The last line is
 ``ratio <megakit MB/s / plain MB/s>``.
 """
 
@@ -92,6 +95,113 @@ def loader_share(data: Path, steps: int = 5) -> tuple[float, float]:
     return load / steps, train / steps
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+          "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}"
+          "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def chat_records(files: list[Path], n: int, seed: int = 0) -> list[dict]:
+    """``n`` two-turn conversations cut from the files' lines, of lengths spread from a few tokens to ~120."""
+    rng = np.random.default_rng(seed)
+    lines = [line for f in files[:200] for line in f.read_text(errors="replace").splitlines() if line.strip()]
+    out, i = [], 0
+    for _ in range(n):
+        q, a = (int(k) for k in np.exp(rng.uniform(0, np.log(6), 2)))  # 1 to 5 lines each: short and long turns
+        out.append({"messages": [{"role": "user", "content": "\n".join(lines[i:i + q])},
+                                 {"role": "assistant", "content": "\n".join(lines[i + q:i + q + a])}]})
+        i = (i + q + a) % max(len(lines) - 12, 1)
+    return out
+
+
+def chat_tokenizer(bpe_dir: Path, out: Path) -> Path:
+    """The benchmark's BPE with ChatML's special tokens and a template with generation markers."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer.from_file(str(bpe_dir / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=CHATML,
+                            eos_token="<|endoftext|>").save_pretrained(str(out))
+    return out
+
+
+def plain_chat(records: list[dict], tokenizer_dir: Path) -> float:
+    """Seconds for what a user writes without megakit: ``apply_chat_template`` with the assistant mask, per record."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    started = time.perf_counter()
+    for record in records:
+        out = tokenizer.apply_chat_template(record["messages"], tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        np.array(out["input_ids"], dtype=np.uint16), np.array(out["assistant_masks"], dtype=np.uint8)
+    return time.perf_counter() - started
+
+
+def megakit_chat(chats: Path, tokenizer_dir: Path, out: Path, workers: int, **more) -> float:
+    from megakit.interop.prepare_data import PrepareConfig, prepare
+
+    started = time.perf_counter()
+    prepare(PrepareConfig(inputs=[str(chats)], out=str(out), tokenizer=str(tokenizer_dir), val_fraction=0.0,
+                          workers=workers, progress=False, **more), say=lambda *_: None)
+    return time.perf_counter() - started
+
+
+def useful_tokens_per_second(data: Path, steps: int = 6) -> float:
+    """Loss tokens a single-process gpt-mini trains per second on ``data``'s windows (8 a step, 128 tokens each),
+    with the document mask and restarted positions."""
+    import torch
+
+    from megakit.core.model_config import ModelConfig
+    from megakit.nn.model import Transformer
+    from megakit.train.corpus import model_for_corpus, open_corpus
+    from megakit.train.data import BatchPlan, TokenBatches
+    from megakit.train.run import TrainConfig
+
+    corpus = open_corpus(str(data))
+    config = model_for_corpus(ModelConfig.load("gpt-mini"), "gpt-mini", corpus)
+    cfg = TrainConfig(ds_config={}, reset_attention_mask=True, reset_position_ids=True)
+    batches = TokenBatches(corpus.train, BatchPlan(seq_len=config.max_seq_len, micro_batch=8),
+                           **corpus.loader_options(cfg))
+    model = Transformer(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    useful, seconds = 0, 0.0
+    for step in range(steps + 1):
+        (x, y), = batches.micro_batches(step, 0)
+        (extras,) = batches.forward_extras(step, 0)
+        t0 = time.perf_counter()
+        model(x, y, **extras).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step:  # the first step warms up
+            seconds += time.perf_counter() - t0
+            useful += int((y != -100).sum())
+    return useful / seconds
+
+
+def fine_tuning_rows(files: list[Path], bpe_dir: Path, work: Path, workers: int, repeats: int) -> list[tuple]:
+    """``(label, megakit figure, reference figure, ratio)``: packed against padded fine-tuning, and prepare-data of
+    chat JSONL against the plain ``apply_chat_template`` loop."""
+    import json
+
+    tokenizer = chat_tokenizer(bpe_dir, work / "chat-tok")
+    records = chat_records(files, 4000)
+    chats = work / "chats.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in records))
+    plain_s, megakit_s = [], []
+    for r in range(repeats):
+        plain_s.append(plain_chat(records, tokenizer))
+        megakit_s.append(megakit_chat(chats, tokenizer, work / f"chat{r}", workers))
+    paired = statistics.median(p / m for p, m in zip(plain_s, megakit_s))
+    megakit_chat(chats, tokenizer, work / "packed", workers, pack=128)
+    megakit_chat(chats, tokenizer, work / "padded", workers, pad=128)
+    packed, padded = useful_tokens_per_second(work / "packed"), useful_tokens_per_second(work / "padded")
+    return [("fine-tuning, packed vs padded (loss tokens/s)", packed, padded, packed / padded),
+            (f"prepare-data of chat JSONL vs apply_chat_template loop (records/s, {workers} workers)",
+             len(records) / min(megakit_s), len(records) / min(plain_s), paired)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=0, help="the first N standard-library files (default: all)")
@@ -115,6 +225,7 @@ def main() -> int:
             times["plain, one thread"].append(plain(files, tokenizer, threads=False))
             times["megakit"].append(megakit(files, tokenizer, work / f"out{r}", args.workers))
         load, step = loader_share(work / "out0")
+        rows = fine_tuning_rows(files, work / "bpe", work, args.workers, args.repeats)
     best = {k: min(v) for k, v in times.items()}  # wall seconds of the fastest run
     rates = {k: size / wall for k, wall in best.items()}
     print(f"{len(files)} files, {size:.1f} MiB, BPE 4096, {os.cpu_count()} cores, megakit with {args.workers} workers, "
@@ -130,6 +241,9 @@ def main() -> int:
     paired = statistics.median(p / m for p, m in zip(times["plain"], times["megakit"]))
     print(f"best against best: {rates['megakit'] / rates['plain']:.2f}; run against the plain run just before it, "
           f"median of {args.repeats}: {paired:.2f} (steadier when the machine's speed drifts)")
+    print(f"{'':<78}{'megakit':>10}{'reference':>11}{'ratio':>7}")
+    for label, ours, reference, ratio in rows:
+        print(f"{label:<78}{ours:>10,.0f}{reference:>11,.0f}{ratio:>7.2f}")
     print(f"ratio {paired:.2f}")
     return 0
 

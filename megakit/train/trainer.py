@@ -60,7 +60,6 @@ from megakit.train.experts import deepspeed_sees_experts
 from megakit.train.fault_injection import TrainingFaults, with_seed_fault
 from megakit.train.grad_norm import Zero0Clipper
 from megakit.train.guards import StepGuard, TrainingDiverged
-from megakit.train.token_weighting import weight_by_tokens
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops, gpu_state
 from megakit.train.moe_step import MoEStep
 from megakit.train.optim import decay_groups, start_schedule
@@ -70,6 +69,7 @@ from megakit.train.resume import per_rank_key, restore, restore_own_state, save_
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
 from megakit.train.spikes import SpikeGuard
 from megakit.train.steps import pipeline_step, plain_step, rank_device
+from megakit.train.token_weighting import weight_by_tokens
 from megakit.train.zero3_linear import linear_restored, save_weights_not_views
 
 
