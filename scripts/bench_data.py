@@ -18,7 +18,7 @@ megakit run against the plain run just before it (on a shared machine the speed 
 by 10-20 % within a minute; pairs close in time cancel most of it), and the best runs are
 shown too. The loader's share: the time
 ``TokenBatches`` takes to cut one step's batch from the memory-mapped shards, against one
-single-process gpt-mini training step (forward, backward, AdamW) on it. Two fine-tuning rows: 4,000 chat
+single-process gpt-mini training step (forward, backward, AdamW) on it. Two fine-tuning rows: 20,000 chat
 records of spread lengths prepared with ``--pack 128`` against ``--pad 128``, as loss tokens a gpt-mini trains per
 second (document mask on); and ``prepare-data`` of the chat JSONL against a plain loop of transformers'
 ``apply_chat_template(..., return_assistant_tokens_mask=True)``. The last line is
@@ -186,7 +186,7 @@ def fine_tuning_rows(files: list[Path], bpe_dir: Path, work: Path, workers: int,
     import json
 
     tokenizer = chat_tokenizer(bpe_dir, work / "chat-tok")
-    records = chat_records(files, 4000)
+    records = chat_records(files, 20000)  # enough that the pool's start-up is a small share
     chats = work / "chats.jsonl"
     chats.write_text("".join(json.dumps(r) + "\n" for r in records))
     plain_s, megakit_s = [], []

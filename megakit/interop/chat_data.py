@@ -102,6 +102,47 @@ class ChatRenderer:
                                             return_assistant_tokens_mask=assistant_mask)
         return list(out["input_ids"]), list(out.get("assistant_masks", []))
 
+    def many(self, records: list[tuple[dict, str]]) -> list:
+        """``ids_and_mask`` of each ``(record, where)``, or the ValueError that skips it. The conversations the
+        assistant mask reads (no tools) are rendered in one batched ``apply_chat_template`` call, which tokenizes
+        them together: the same ids and masks, at several times the speed of one call each."""
+        out: list = [None] * len(records)
+        batch = []
+        for i, (record, where) in enumerate(records):
+            try:
+                prompt, completion = conversation(record, where)
+            except (ValueError, TypeError, KeyError, AttributeError) as error:
+                if isinstance(error, UsageError):
+                    raise
+                out[i] = ValueError(str(error))
+                continue
+            mode = self.loss_on if self.loss_on != "auto" else "assistant" if completion is None else "completion"
+            if self.fast is not None and mode == "assistant" and not record.get("tools"):
+                batch.append((i, prompt + (completion or [])))
+        if batch:
+            try:
+                rendered = self.fast.apply_chat_template([m for _, m in batch], tokenize=True, return_dict=True,
+                                                         return_assistant_tokens_mask=True)
+                pairs = zip(rendered["input_ids"], rendered["assistant_masks"])
+            except Exception:  # noqa: BLE001 (a template error in one record): each is rendered on its own below
+                pairs = []
+            for (i, _), (ids, mask) in zip(batch, pairs):
+                out[i] = self._finish(list(ids), list(mask)) if any(mask) else ValueError("no token to train on")
+        for i, (record, where) in enumerate(records):
+            if out[i] is None:
+                try:
+                    out[i] = self.ids_and_mask(record, where)
+                except (ValueError, TypeError, KeyError, AttributeError) as error:
+                    if isinstance(error, UsageError):
+                        raise
+                    out[i] = ValueError(str(error))
+        return out
+
+    def _finish(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
+        if self.eos is not None:  # the document separator, predicted by nothing the loss counts
+            return ids + [self.eos], mask + [0]
+        return ids, mask
+
     def ids_and_mask(self, record: dict, where: str) -> tuple[list[int], list[int]]:
         prompt, completion = conversation(record, where)
         mode = self.loss_on if self.loss_on != "auto" else "assistant" if completion is None else "completion"
@@ -134,6 +175,4 @@ class ChatRenderer:
             mask = [1] * len(ids)
         if not any(mask):
             raise ValueError("no token to train on")
-        if self.eos is not None:  # the document separator, predicted by nothing the loss counts
-            ids, mask = ids + [self.eos], mask + [0]
-        return ids, mask
+        return self._finish(ids, mask)

@@ -227,14 +227,11 @@ def _encode_chat(task) -> list[tuple[list, int, str | None, tuple]]:
     for path, start, end in task:
         records, skipped, (bad, first) = read_documents(Path(path), None, start, end)
         arrays = []
-        for record, where in records:
-            try:
-                ids, mask = renderer.ids_and_mask(record, where)
-            except (ValueError, TypeError, KeyError, AttributeError) as error:
-                if isinstance(error, UsageError):
-                    raise
-                bad, first = bad + 1, first or f"{where} ({error})"
+        for (record, where), rendered in zip(records, renderer.many(records)):
+            if isinstance(rendered, ValueError):
+                bad, first = bad + 1, first or f"{where} ({rendered})"
                 continue
+            ids, mask = rendered
             arrays.append((np.array(ids, dtype=dtype), np.array(mask, dtype=np.uint8)))
         out.append((arrays, (os.path.getsize(path) if end is None else end) - start, skipped, (bad, first)))
     return out
