@@ -35,7 +35,8 @@ MODES = {
 NUMERICAL = ["test_chunked_loss.py", "test_bench_gpu.py", "test_compile.py", "test_tensor_parallel.py",
              "test_context_parallel.py", "test_pipeline.py", "test_recompute.py", "test_model.py", "test_hf_rope.py",
              "test_moe.py", "test_moe_hf.py", "test_overlapped_linear.py", "test_zero3_linear.py", "test_dropout.py",
-             "test_gpu_levers.py", "test_compression.py"]
+             "test_gpu_levers.py", "test_compression.py", "test_documents.py", "test_token_weighting.py",
+             "test_packing.py"]
 
 
 def main() -> int:

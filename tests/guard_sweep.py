@@ -5,6 +5,8 @@ import json
 import os
 import sys
 
+import torch.distributed as dist
+
 from megakit.train.trainer import TrainConfig, TrainingDiverged, train
 
 
@@ -23,6 +25,8 @@ def main() -> int:
         with open(results_path + ".tmp", "w") as f:
             json.dump(results, f)
         os.replace(results_path + ".tmp", results_path)
+    if dist.is_initialized():  # as scripts/train.py does: gloo's groups torn down here, not by exit's destructors
+        dist.destroy_process_group()
     return 0
 
 

@@ -60,6 +60,8 @@ def main() -> int:
         with open(tmp, "w") as f:
             json.dump(results, f)
         os.replace(tmp, results_path)
+    if dist.is_initialized():  # as scripts/train.py does: gloo's groups torn down here, not by exit's destructors
+        dist.destroy_process_group()
     return 0
 
 
