@@ -4,7 +4,9 @@ A tiny Llama and a ChatML tokenizer (with generation markers) are written by the
 ``convert --from-hf`` makes it a megakit checkpoint; ``prepare-data`` renders a chat JSONL with that tokenizer and
 writes the assistant-only loss mask; the trainer fine-tunes it at TP 2 x PP 2 through the launcher; ``convert
 --to-hf`` exports it, and transformers loads the result, renders a prompt with the template that travelled with the
-data, and generates. The first step's loss equals transformers' own masked loss of the same batch.
+data, and generates. Each of the 20 steps' losses equals transformers' ``Trainer`` on the same examples in the same
+order (token-averaged, ``average_tokens_across_devices``) within fp32 rounding: same AdamW (Adam's eps 1e-4: no
+near-ties, see ``test_trainer.sync_cases``), clipping, constant LR, and transformers' own decay rule.
 """
 
 from __future__ import annotations
@@ -24,6 +26,41 @@ transformers = pytest.importorskip("transformers")
 
 from megakit.commands.cli import main  # noqa: E402
 
+STEPS = 20
+
+
+def _trainer_losses(hf, data: str, tmp_path) -> list[float]:
+    """transformers' ``Trainer`` on megakit's batches, in megakit's order: each window as 33 ids (HF shifts the labels
+    itself), its labels the masked targets; 2 per micro-batch, 2 micro-batches a step, sequential."""
+    from megakit.train.corpus import open_corpus
+    from megakit.train.data import BatchPlan, TokenBatches
+
+    corpus = open_corpus(data)
+    plan = BatchPlan(seq_len=32, micro_batch=4)
+    masked, raw = TokenBatches(corpus.train, plan, corpus.train_masks), TokenBatches(corpus.train, plan)
+    rows = []
+    for step in range(STEPS):
+        (x, y), (_, targets) = masked.global_batch(step), raw.global_batch(step)
+        for r in range(len(x)):
+            rows.append({"input_ids": torch.cat([x[r], targets[r, -1:]]),
+                         "labels": torch.cat([torch.tensor([-100]), y[r]])})
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        max_steps=STEPS, learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01,
+        adam_epsilon=1e-4, max_grad_norm=1.0, optim="adamw_torch", logging_steps=1, report_to=[], use_cpu=True,
+        save_strategy="no", train_sampling_strategy="sequential", average_tokens_across_devices=True,
+        disable_tqdm=True, seed=0)
+    logged = []
+
+    class Losses(transformers.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                logged.append(logs["loss"])
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf).float()
+    transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[Losses()]).train()
+    return logged
+
 
 @pytest.mark.slow
 def test_a_chat_fine_tune_from_transformers_and_back(tmp_path):
@@ -38,16 +75,16 @@ def test_a_chat_fine_tune_from_transformers_and_back(tmp_path):
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False))
     model.save_pretrained(hf, safe_serialization=True)
     assert main(["convert", str(hf), str(tmp_path / "ck"), "--from-hf"]) == 0
-    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _conversations(40)))
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _conversations(160)))
     assert main(["prepare-data", str(tmp_path / "chats.jsonl"), "--tokenizer", str(hf), "--loss-on", "assistant",
                  "--out", str(tmp_path / "data"), "--val-fraction", "0", "--no-progress"]) == 0
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
           "zero_optimization": {"stage": 1}, "steps_per_print": 10**9}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     out = subprocess.run(["deepspeed", "--num_gpus", "4", "--master_port", str(free_port()), "scripts/train.py",
                           "--ds_config", str(tmp_path / "ds.json"), "--model", str(hf), "--load", str(tmp_path / "ck"),
-                          "--data", str(tmp_path / "data"), "--steps", "3", "--tp", "2", "--pp", "2", "--seq-len", "32",
+                          "--data", str(tmp_path / "data"), "--steps", str(STEPS), "--tp", "2", "--pp", "2", "--seq-len", "32",
                           "--save", str(tmp_path / "trained"), "--metrics-out", str(tmp_path / "m.json"),
                           "--no-progress"],
                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=THREADS), capture_output=True, text=True,
@@ -62,6 +99,10 @@ def test_a_chat_fine_tune_from_transformers_and_back(tmp_path):
         logits = model.float()(x).logits
         want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100).item()
     assert abs(losses[0] - want) <= fp32_bound(want, int((y != -100).sum())), (losses[0], want)
+    reference = _trainer_losses(hf, str(tmp_path / "data"), tmp_path)
+    assert len(reference) == len(losses) == STEPS
+    for step, (a, b) in enumerate(zip(losses, reference)):
+        assert abs(a - b) <= 1e-5, (step, a, b)
 
     assert main(["convert", str(tmp_path / "trained"), "--to-hf", str(tmp_path / "exported")]) == 0
     tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
