@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import random
 import socket
 import traceback
 
@@ -27,7 +28,26 @@ ISSUED_PORTS: set[int] = set()  # every port handed out here; conftest.py looks 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free port for a job's rendezvous, below the ephemeral range (32768-60999 on Linux by default).
+
+    An OS-assigned port is ephemeral, and so are the ports gloo's own connections take: between this call and
+    the job's bind, a job running on the other pytest-xdist worker could take it (EADDRINUSE, seen in CI-like
+    runs). Below that range only explicit binds land; each xdist worker draws from its own block of 1000 and
+    never hands out a port twice, so two workers cannot collide either."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    block = int(worker[2:]) + 1 if worker[:2] == "gw" and worker[2:].isdigit() else 0
+    low = 20000 + 1000 * (block % 12)
+    for port in random.Random(os.getpid()).sample(range(low, low + 1000), 1000):
+        if port in ISSUED_PORTS:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ISSUED_PORTS.add(port)
+        return port
+    with socket.socket() as s:  # the block is spent: an OS-assigned port, as before
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ISSUED_PORTS.add(port)
