@@ -7,7 +7,7 @@ valid token), and the mean of per-micro-batch means it replaces is far from it o
 launcher, one job of 2 processes: DP 2 x GA 2, TP 2 x GA 4, PP 2 (4 micro-batches), CP 2 and ZeRO-3 each follow
 the single process's sum/sum run (``megakit.train.reference``) step by step, and the step's gradient norm too; so do
 packed documents (``--reset-attention-mask --reset-position-ids --eod-mask-loss``) at CP 2, PP 2 (GPT-2's learned
-positions), TP 2 with SP, and in a job of 4 at TP 2 x CP 2 and CP 2 x PP 2.
+positions), TP 2 with SP, EP 2 (an MoE model), and in a job of 4 at TP 2 x CP 2 and CP 2 x PP 2.
 """
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ CASES = {"dp2-ga2": dict(zero=1, accumulation=2), "tp2-ga4": dict(zero=1, accumu
          # packed documents on top: the mask, restarted positions and no loss on the end-of-document token
          "cp2-documents": dict(zero=1, accumulation=2, cp=2, **DOCUMENTS),
          "pp2-documents": dict(zero=1, accumulation=4, pp=2, model="gpt-tiny", **DOCUMENTS),
-         "tp2-sp-documents": dict(zero=1, accumulation=2, tp=2, sequence_parallel=True, **DOCUMENTS)}
+         "tp2-sp-documents": dict(zero=1, accumulation=2, tp=2, sequence_parallel=True, **DOCUMENTS),
+         "ep2-moe-documents": dict(zero=1, accumulation=2, ep=2, model="moe-tiny", **DOCUMENTS)}
 CASES4 = {"tp2-cp2-documents": dict(zero=1, accumulation=2, tp=2, cp=2, **DOCUMENTS),
           "cp2-pp2-documents": dict(zero=1, accumulation=2, cp=2, pp=2, **DOCUMENTS)}
 

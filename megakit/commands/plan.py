@@ -137,14 +137,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _check_moe_flags(args, model: ModelSpec) -> None:
     """Routing flags price experts: on a dense model they would change nothing, so they are refused as --ep is."""
-    given = [f"--moe-routing {args.moe_routing}" if args.moe_routing else None,
-             f"--moe-imbalance {args.moe_imbalance:g}" if args.moe_imbalance is not None else None]
-    given = [flag for flag in given if flag]
+    given = ([f"--moe-routing {args.moe_routing}"] if args.moe_routing else []) + (
+        [f"--moe-imbalance {args.moe_imbalance:g}"] if args.moe_imbalance is not None else [])
     if model.moe is None and given:
         raise UsageError(f"{' and '.join(given)} {'price' if len(given) > 1 else 'prices'} Mixture-of-Experts routing, "
                          f"and {model.name} is dense; drop {'them' if len(given) > 1 else 'it'} or plan an MoE config "
                          "(e.g. --model mixtral-8x7b)")
-    args.moe_routing = args.moe_routing or "real"
 
 
 def _positive(args, *names):
@@ -183,6 +181,7 @@ def run(args) -> int:
     gpu, args.gpus_per_node = _hardware(args)
     model = load_model(args)
     _check_moe_flags(args, model)
+    args.moe_routing = args.moe_routing or "real"  # no default in the parser, so that a given one can be refused
     tokens = parse_count(args.tokens, what="--tokens") if args.tokens else None
     precision = args.precision or ("fp16" if gpu.name.startswith("v100") else
                                    "fp32" if gpu.fp32_rate == 1.0 and gpu.name.startswith("probed:") else "bf16")

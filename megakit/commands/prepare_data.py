@@ -14,6 +14,8 @@ import argparse
 import os
 
 from megakit.errors import finite_float
+from megakit.interop.chat_data import LOSS_ON
+from megakit.interop.packing import TOO_LONG
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +28,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", metavar="PATH", default=None,
                         help="use this tokenizer.json or transformers tokenizer directory instead of training one")
     parser.add_argument("--field", default="text", help="the JSONL key that holds the text")
-    parser.add_argument("--loss-on", choices=("auto", "assistant", "completion", "all"), default="auto",
+    parser.add_argument("--loss-on", choices=LOSS_ON, default="auto",
                         help="chat data (messages, ShareGPT conversations, prompt/completion, Alpaca): the tokens the "
                              "loss counts: assistant (the template's {%% generation %%} blocks), completion (after the "
                              "prompt, or the last assistant turn), all; auto: assistant for conversations, completion "
@@ -35,7 +37,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="fine-tuning: pack the examples into windows of N tokens (best-fit decreasing; train with "
                              "--seq-len N --reset-attention-mask --reset-position-ids, and each trains as alone)")
     parser.add_argument("--pad", type=int, metavar="N", help="fine-tuning: one example per window of N tokens, padded")
-    parser.add_argument("--too-long", choices=("truncate", "refuse"), default="truncate",
+    parser.add_argument("--too-long", choices=TOO_LONG, default="truncate",
                         help="with --pack/--pad: an example longer than the window is cut (default) or refused; "
                              "counted either way")
     parser.add_argument("--chat-template", metavar="FILE",

@@ -87,6 +87,20 @@ def conversation(record: dict, where: str) -> tuple[list[dict], list[dict] | Non
     return [{"role": "user", "content": user}], [{"role": "assistant", "content": output}]
 
 
+MALFORMED = (ValueError, TypeError, KeyError, AttributeError)  # what one bad record raises: counted and skipped
+
+
+def _or_skip(render, *args):
+    """``render(*args)``, or the ValueError that skips a malformed record; a UsageError (the whole input is wrong,
+    not one line) goes on up."""
+    try:
+        return render(*args)
+    except UsageError:
+        raise
+    except MALFORMED as error:
+        return ValueError(str(error))
+
+
 class ChatRenderer:
     """Renders records with one tokenizer and template; ``ids_and_mask(record)`` -> two lists of equal length."""
 
@@ -109,15 +123,12 @@ class ChatRenderer:
         out: list = [None] * len(records)
         batch = []
         for i, (record, where) in enumerate(records):
-            try:
-                prompt, completion = conversation(record, where)
-            except (ValueError, TypeError, KeyError, AttributeError) as error:
-                if isinstance(error, UsageError):
-                    raise
-                out[i] = ValueError(str(error))
+            parsed = _or_skip(conversation, record, where)
+            if isinstance(parsed, ValueError):
+                out[i] = parsed
                 continue
-            mode = self.loss_on if self.loss_on != "auto" else "assistant" if completion is None else "completion"
-            if self.fast is not None and mode == "assistant" and not record.get("tools"):
+            prompt, completion = parsed
+            if self.fast is not None and self._mode(completion) == "assistant" and not record.get("tools"):
                 batch.append((i, prompt + (completion or [])))
         if batch:
             try:
@@ -130,13 +141,12 @@ class ChatRenderer:
                 out[i] = self._finish(list(ids), list(mask)) if any(mask) else ValueError("no token to train on")
         for i, (record, where) in enumerate(records):
             if out[i] is None:
-                try:
-                    out[i] = self.ids_and_mask(record, where)
-                except (ValueError, TypeError, KeyError, AttributeError) as error:
-                    if isinstance(error, UsageError):
-                        raise
-                    out[i] = ValueError(str(error))
+                out[i] = _or_skip(self.ids_and_mask, record, where)
         return out
+
+    def _mode(self, completion) -> str:
+        """What ``auto`` means for a record: the assistant's tokens of a conversation, else the completion."""
+        return self.loss_on if self.loss_on != "auto" else "assistant" if completion is None else "completion"
 
     def _finish(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
         if self.eos is not None:  # the document separator, predicted by nothing the loss counts
@@ -145,7 +155,7 @@ class ChatRenderer:
 
     def ids_and_mask(self, record: dict, where: str) -> tuple[list[int], list[int]]:
         prompt, completion = conversation(record, where)
-        mode = self.loss_on if self.loss_on != "auto" else "assistant" if completion is None else "completion"
+        mode = self._mode(completion)
         tools = record.get("tools")
         if self.fast is None:  # no template: a prompt-completion record as plain text
             if completion is None or any(not isinstance(m.get("content"), str) for m in prompt + completion):

@@ -82,13 +82,17 @@ class PrepareConfig:
     def __post_init__(self) -> None:
         if self.pack is not None and self.pad is not None:
             raise UsageError("give one of --pack N (several examples per window) and --pad N (one, padded)")
-        window = self.pack if self.pack is not None else self.pad
-        if window is not None and window < 2:
-            raise UsageError(f"--pack/--pad {window}: a window needs at least 2 tokens, e.g. 2048")
+        if self.window is not None and self.window < 2:
+            raise UsageError(f"--pack/--pad {self.window}: a window needs at least 2 tokens, e.g. 2048")
         if self.too_long not in packing.TOO_LONG:
             raise UsageError(f"--too-long {self.too_long} is not one of {', '.join(packing.TOO_LONG)}")
         if self.loss_on not in chat.LOSS_ON:
             raise UsageError(f"--loss-on {self.loss_on} is not one of {', '.join(chat.LOSS_ON)}")
+
+    @property
+    def window(self) -> int | None:
+        """The tokens of a window that --pack or --pad fills (None: the documents stream as they are)."""
+        return self.pack if self.pack is not None else self.pad
         if not 0.0 <= self.val_fraction < 1.0:
             raise UsageError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if self.workers < 1 or self.shard_tokens < 1:
@@ -404,7 +408,7 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
     tokenizer = _tokenizer(cfg, files, say)
     vocab, eos = tok.vocab_size(tokenizer), tok.end_of_text_id(tokenizer)
     dtype = token_dtype(vocab)
-    window = cfg.pack or cfg.pad
+    window = cfg.window
     shard_tokens = cfg.shard_tokens if not window else 1 << 62  # packed: one shard a split, its windows its bins
     writers = {split: ShardWriter(tmp, split, dtype, shard_tokens=shard_tokens, masks=chat_args is not None or
                                   bool(window)) for split in ("train", "validation")}
@@ -491,8 +495,7 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
 def _write_bins(examples, writers, counts, cfg: PrepareConfig, *, pad_id: int) -> dict:
     """``--pack``/``--pad``: whole examples to validation by ``--val-fraction`` (every k-th), each split in bins of the
     window, each example (and each pad run) a document; one more token ends each split so its last bin is a window."""
-    window = cfg.pack or cfg.pad
-    f = cfg.val_fraction
+    window, f = cfg.window, cfg.val_fraction
     held = [int((i + 1) * f) > int(i * f) for i in range(len(examples))]
     used = total = 0
     for name, writer in writers.items():

@@ -38,9 +38,14 @@ class Corpus:
     sources: list | None = None  # a mixture: its data sets' corpora, with their weights as ``weights``
     weights: list | None = None
 
+    @property
+    def parts(self) -> list["Corpus"]:
+        """Each data set on its own: a mixture's, or this one (validation and packing are per data set)."""
+        return self.sources or [self]
+
     def check_packed(self, cfg, seq_len: int) -> None:
         """Packed examples train as they would alone only in their own windows, with the document mask."""
-        for part in self.sources or [self]:
+        for part in self.parts:
             if part.packed is None:
                 continue
             if seq_len != part.packed:
@@ -112,7 +117,8 @@ def open_corpus(data, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
 
 
 def _mix(parts: list[tuple[float, Corpus]]) -> Corpus:
-    """One corpus of the data sets' shards, in order (``TokenBatches`` deals them out by weight)."""
+    """One corpus of the data sets' training shards, in order (``TokenBatches`` deals them out by weight); each
+    data set keeps its own validation split (``Corpus.parts``)."""
     import numpy as np
 
     first = parts[0][1]
@@ -129,19 +135,13 @@ def _mix(parts: list[tuple[float, Corpus]]) -> Corpus:
             return None
         return [a for x, (_, c) in zip(lists, parts) for a in (x if x is not None else fill(c))]
 
-    def ones(split: str):  # a data set without a loss mask counts every token: a view, nothing allocated
-        return lambda c: [np.broadcast_to(np.uint8(1), (len(t),)) for t in getattr(c, split)]
+    def ones(c):  # a data set without a loss mask counts every token: a view, nothing allocated
+        return [np.broadcast_to(np.uint8(1), (len(t),)) for t in c.train]
 
-    validation = [c.validation for _, c in parts]
-    return Corpus(train=[t for _, c in parts for t in c.train],
-                  validation=None if any(v is None for v in validation) else [t for v in validation for t in v],
-                  vocab_size=first.vocab_size, tokenizer_dir=first.tokenizer_dir,
+    return Corpus(train=[t for _, c in parts for t in c.train], validation=None, vocab_size=first.vocab_size, tokenizer_dir=first.tokenizer_dir,
                   fingerprint="mixture:" + ",".join(f"{w:g}:{c.fingerprint}" for w, c in parts),
                   source="--data " + " ".join(f"{w:g} {c.source.removeprefix('--data ')}" for w, c in parts),
-                  train_masks=joined("train_masks", ones("train")),
-                  validation_masks=None if any(v is None for v in validation) else joined("validation_masks",
-                                                                                         ones("validation")),
-                  train_documents=joined("train_documents"), validation_documents=joined("validation_documents"),
+                  train_masks=joined("train_masks", ones), train_documents=joined("train_documents"),
                   eos_id=first.eos_id, sources=[c for _, c in parts], weights=[w for w, _ in parts])
 
 

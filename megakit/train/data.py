@@ -251,11 +251,12 @@ class Mixture:
         return np.diff(edges)
 
     def _order(self, d: int, epoch: int) -> torch.Tensor:
-        if (d, epoch) not in self._orders:
+        """Data set ``d``'s shuffle in pass ``epoch`` (the latest pass of each data set kept)."""
+        kept = self._orders.get(d)
+        if kept is None or kept[0] != epoch:
             generator = torch.Generator().manual_seed(self.seed + 1_000_003 * (d + 1) + epoch)
-            self._orders = {(d, epoch): torch.randperm(self.count[d], generator=generator)} | {
-                k: v for k, v in self._orders.items() if k[0] != d}  # one pass kept per data set
-        return self._orders[(d, epoch)]
+            kept = self._orders[d] = (epoch, torch.randperm(self.count[d], generator=generator))
+        return kept[1]
 
     def step_samples(self, step: int, global_batch: int) -> torch.Tensor:
         before, after = self.taken(step, global_batch), self.taken(step + 1, global_batch)

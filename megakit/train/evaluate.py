@@ -90,7 +90,7 @@ def evaluator(run, topo, engine, device):
     from megakit.train.corpus import ValidationBatches
 
     plan = run.batch
-    corpora = run.corpus.sources or [run.corpus]  # a mixture: each data set's validation split on its own
+    corpora = run.corpus.parts  # a mixture: each data set's validation split on its own
     sets = [ValidationBatches(c, plan, run.cfg.eval_batches, c.loader_options(run.cfg, "validation")) for c in corpora]
     for c, batches in zip(corpora, sets):
         if batches.batches < run.cfg.eval_batches and topo.rank == 0:

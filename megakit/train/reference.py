@@ -27,9 +27,9 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
     ``dp`` is the distributed run's DP size, so the global batch is the same. With ``eval_every``, ``evals``
     holds ``{"step", "loss"}`` where the trainer evaluates: the mean loss, in eval mode, over the tokens of every
     micro-batch of ``eval_batches`` validation batches. ``moe``: the ``TrainConfig`` ``moe_*`` flags
-    (``moe_aux_loss=...``); ``documents``: the packed-document flags (``reset_attention_mask=True``, ...). The loss is sum(loss) / sum(tokens) over each step's global batch (as
-    ``token_weighting`` makes the trainer's); an MoE model's balancing losses are scaled 1 / micro-batches
-    and its expert bias moves once per step.
+    (``moe_aux_loss=...``); ``documents``: the packed-document flags (``reset_attention_mask=True``, ...). The
+    loss is sum(loss) / sum(tokens) over each step's global batch (as ``token_weighting`` makes the trainer's);
+    an MoE model's balancing losses are scaled 1 / micro-batches and its expert bias moves once per step.
     """
     from deepspeed.runtime import lr_schedules
 
@@ -78,7 +78,7 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
         out["loss"].append(total)
         out["grad_norm"].append(float(norm))
         if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            out["evals"].append({"step": step + 1, "loss": _validation_loss(net, corpus.sources or [corpus], plan,
+            out["evals"].append({"step": step + 1, "loss": _validation_loss(net, corpus.parts, plan,
                                                                            eval_batches, cfg)})
     return out
 

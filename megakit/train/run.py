@@ -210,7 +210,7 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     corpus.loader_options(cfg)  # one clear line now if packed documents are asked of data without document starts
     corpus.check_packed(cfg, seq_len)
     if cfg.eval_every:  # one clear line now if there is no validation split (each data set of a mixture's)
-        for part in corpus.sources or [corpus]:
+        for part in corpus.parts:
             ValidationBatches(part, batch, cfg.eval_batches, part.loader_options(cfg, "validation"))
     compression = _check_dp_sync(cfg, ds_config)
     schedule = cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b")
