@@ -170,3 +170,83 @@ def test_no_markers_train_the_completion_and_chat_needs_a_tokenizer(tmp_path, ca
     (tmp_path / "plain.jsonl").write_text(json.dumps(records[0]) + "\n")
     code = cli.main(["prepare-data", str(tmp_path / "plain.jsonl"), "--out", str(tmp_path / "p"), "--no-progress"])
     assert code == 2 and "pass --tokenizer DIR" in capsys.readouterr().err
+
+
+def _shards(out: Path, split: str = "train") -> list[tuple[list[int], list[int]]]:
+    from megakit.interop.token_shards import open_shards
+
+    shards = open_shards(out, verify=True)
+    return [(np.asarray(ids).tolist(), np.asarray(mask).tolist())
+            for ids, mask in zip(shards.tokens(split), shards.masks(split))]
+
+
+def test_parquet_and_saved_data_sets_read_as_their_jsonl(tmp_path):
+    """The same records as JSONL, as Parquet in row groups of 5 (pieces over both workers), as a
+    ``datasets.save_to_disk`` directory and as a DatasetDict's: the same tokens and loss masks, the same split."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tokenizer = _tokenizer(tmp_path / "tok", CHATML)
+    records = _conversations(23)
+    code, jsonl = _prepare(tmp_path, records, tokenizer, "--val-fraction", "0.2")
+    assert code == 0
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "chats.parquet", row_group_size=5)
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(records),
+                          "test": datasets.Dataset.from_list(records[:2])}).save_to_disk(str(tmp_path / "dict"))
+    for source in ("chats.parquet", "saved", "dict"):
+        out = tmp_path / f"from-{source}"
+        code = cli.main(["prepare-data", str(tmp_path / source), "--tokenizer", str(tokenizer), "--out", str(out),
+                         "--val-fraction", "0.2", "--workers", "2", "--no-progress"])
+        assert code == 0, source
+        for split in ("train", "validation"):
+            assert _shards(out, split) == _shards(jsonl, split), (source, split)
+
+
+def test_plain_text_parquet_and_a_bad_file(tmp_path, capsys):
+    """A Parquet ``text`` column trains like JSONL text; a file that is not Parquet is skipped with a warning."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"document {i}: " + "the quick brown fox " * (i + 1) for i in range(40)]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "docs.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+    pq.write_table(pa.table({"body": texts, "n": list(range(40))}), tmp_path / "b" / "docs.parquet", row_group_size=7)
+    (tmp_path / "b" / "junk.parquet").write_bytes(b"not parquet at all")
+    outs = []
+    for name in ("a", "b"):
+        outs.append(tmp_path / f"out-{name}")
+        assert cli.main(["prepare-data", str(tmp_path / name), "--field", "body", "--vocab-size", "300", "--out",
+                         str(outs[-1]), "--val-fraction", "0", "--no-progress"]) == 0
+    from megakit.interop.token_shards import open_shards
+
+    a, b = (open_shards(o, verify=True) for o in outs)
+    assert [np.asarray(t).tolist() for t in a.tokens("train")] == [np.asarray(t).tolist() for t in b.tokens("train")]
+    assert "skipped 1 of 2 files" in capsys.readouterr().out
+
+
+def test_chat_examples_are_held_out_whole(tmp_path):
+    """With --val-fraction, a chat example goes to training or to validation whole, never a reply without its
+    prompt, and validation holds about the fraction of the tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = _tokenizer(tmp_path / "tok", CHATML)
+    hf = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+    records = _conversations(40)
+    code, out = _prepare(tmp_path, records, tokenizer, "--val-fraction", "0.25")
+    assert code == 0
+    expected = [_expected(hf, r["messages"]) for r in records]
+    from megakit.interop.token_shards import open_shards
+
+    shards = open_shards(out, verify=True)
+    got = {}
+    for split in ("train", "validation"):
+        got[split] = []
+        for ids, mask, starts in zip(shards.tokens(split), shards.masks(split), shards.documents(split)):
+            got[split] += [(np.asarray(ids[a:b]).tolist(), np.asarray(mask[a:b]).tolist())
+                           for a, b in zip(starts, [*starts[1:], len(ids)])]
+    assert sorted(got["train"] + got["validation"]) == sorted(expected)  # every example whole, on one side
+    held = sum(len(ids) for ids, _ in got["validation"]) / sum(len(ids) for ids, _ in expected)
+    assert got["validation"] and abs(held - 0.25) < 0.05, held

@@ -173,6 +173,8 @@ def test_prepare_data_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "good.txt").write_text("plain text " * 500)  # among others, a bad file is skipped and counted
     assert megakit(["prepare-data", str(tmp_path / "good.txt"), str(tmp_path / "latin1.txt"), *out]) == 0
     assert "skipped 1 of 2 files that are not UTF-8 text" in capsys.readouterr().out
+    line = _one_line(capsys, 2, ["prepare-data", str(tmp_path / "good.txt"), "--val-fraction", "1.5", *out])
+    assert "--val-fraction must be in [0, 1), got 1.5" in line
     (tmp_path / "latin1.txt").unlink()
     (tmp_path / "empty.txt").unlink()
     inside = ["prepare-data", str(tmp_path), "--out", str(tmp_path / "out"), *out[2:]]  # --out under the input

@@ -3,6 +3,7 @@
     megakit prepare-data corpus/ notes.txt --out data/mine --vocab-size 8192
     megakit prepare-data pile.jsonl --field text --tokenizer my-tokenizer/ --out data/pile
     megakit prepare-data chats.jsonl --tokenizer my-model/ --loss-on assistant --out data/chats
+    megakit prepare-data train-00000.parquet saved_dataset/ --tokenizer my-model/ --out data/hub
     megakit prepare-data --stdlib --out data/stdlib          # the Python standard library's sources
 
 See ``megakit.interop.prepare_data`` (the pipeline) and ``megakit.interop.token_shards`` (the format).
@@ -20,14 +21,15 @@ from megakit.interop.packing import TOO_LONG
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", metavar="INPUT", nargs="*",
-                        help="text files, directories of them (walked recursively) and .jsonl files")
+                        help="text files, directories of them (walked recursively), .jsonl, .parquet and .arrow "
+                             "files, and datasets.save_to_disk directories")
     parser.add_argument("--out", required=True, metavar="DIR", help="the data directory to write (replaced atomically)")
     parser.add_argument("--stdlib", action="store_true",
                         help="add the Python standard library's sources (what the trainer uses by default)")
     parser.add_argument("--vocab-size", type=int, default=4096, help="train a byte-level BPE of this many tokens")
     parser.add_argument("--tokenizer", metavar="PATH", default=None,
                         help="use this tokenizer.json or transformers tokenizer directory instead of training one")
-    parser.add_argument("--field", default="text", help="the JSONL key that holds the text")
+    parser.add_argument("--field", default="text", help="the JSONL key (or Parquet column) that holds the text")
     parser.add_argument("--loss-on", choices=LOSS_ON, default="auto",
                         help="chat data (messages, ShareGPT conversations, prompt/completion, Alpaca): the tokens the "
                              "loss counts: assistant (the template's {%% generation %%} blocks), completion (after the "
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.out} is up to date ({s['tokens']['train']:,} train tokens); nothing to do")
         return 0
     rate = s["bytes"] / 2**20 / s["seconds"]
-    bad = f", {s['bad_records']:,} bad JSONL lines skipped" if s.get("bad_records") else ""
+    bad = f", {s['bad_records']:,} bad records skipped" if s.get("bad_records") else ""
     print(f"wrote {args.out}: {s['tokens']['train']:,} train and {s['tokens']['validation']:,} validation tokens "
           f"from {s['input_documents']:,} documents ({s['cut_documents']:,} cut between the two) in "
           f"{s['files'] - s['skipped']} "

@@ -1,7 +1,9 @@
-"""``prepare-data``: text files, directories and JSONL to token shards, a validation split and the tokenizer.
+"""``prepare-data``: text files, directories, JSONL, Parquet and saved data sets to token shards, a validation
+split and the tokenizer.
 
-- A text file is one document; a ``.jsonl`` file holds one document per line (its ``field``), or one
-  chat or instruction record per line (``messages``, ShareGPT ``conversations``, ``prompt``/``completion``,
+- A text file is one document; a ``.jsonl`` file holds one document per line (its ``field``), a ``.parquet``
+  or ``.arrow`` file (a ``datasets.save_to_disk`` directory gives its own, ``megakit.interop.columnar``) one
+  per row, or one chat or instruction record per line or row (``messages``, ShareGPT ``conversations``, ``prompt``/``completion``,
   Alpaca): those are rendered with the tokenizer's chat template and written with a loss mask beside the
   shards (``megakit.interop.chat_data``), the tokens ``--loss-on`` names counted, the rest context only.
   A file that is not UTF-8 text (or holds a NUL byte) is skipped with a counted warning: one
@@ -20,7 +22,8 @@
   of a document, what the split owes so far, once that is at least ``MIN_SPAN`` tokens (or at the
   last document), cutting the document in two when it is longer. So any corpus of more than
   ``0.5 / f`` tokens gets a validation split, spread over the corpus in contiguous spans long
-  enough for evaluation windows, the same on every run and for any number of workers.
+  enough for evaluation windows, the same on every run and for any number of workers. Chat examples are held
+  out whole (``--pack``/``--pad``: every k-th), never a reply cut from its prompt.
 - Everything is written to a temporary directory beside ``--out`` and renamed into place
   with the index written last, so an interrupted run leaves nothing a later run (or the
   trainer) takes for finished. The index records a fingerprint of the inputs (path, size and
@@ -45,6 +48,7 @@ import numpy as np
 
 from megakit.errors import UsageError
 from megakit.interop import chat_data as chat
+from megakit.interop import columnar
 from megakit.interop import packing
 from megakit.interop import tokenizer as tok
 from megakit.interop.token_shards import (
@@ -88,15 +92,15 @@ class PrepareConfig:
             raise UsageError(f"--too-long {self.too_long} is not one of {', '.join(packing.TOO_LONG)}")
         if self.loss_on not in chat.LOSS_ON:
             raise UsageError(f"--loss-on {self.loss_on} is not one of {', '.join(chat.LOSS_ON)}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise UsageError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.workers < 1 or self.shard_tokens < 1:
+            raise UsageError("--workers and --shard-tokens must be at least 1")
 
     @property
     def window(self) -> int | None:
         """The tokens of a window that --pack or --pad fills (None: the documents stream as they are)."""
         return self.pack if self.pack is not None else self.pad
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise UsageError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
-        if self.workers < 1 or self.shard_tokens < 1:
-            raise UsageError("--workers and --shard-tokens must be at least 1")
 
 
 @dataclass(kw_only=True)
@@ -111,33 +115,44 @@ class TokenSplit:
     seen: int = 0
     held: int = 0
 
-    def cut(self, tokens: int, *, last: bool) -> int:
+    def cut(self, tokens: int, *, last: bool, whole: bool = False) -> int:
+        """``whole``: the document goes to one side, never cut (a chat example: half of one would validate on a
+        reply without its prompt); to validation once the debt is half of it or more."""
         self.seen += tokens
         owed = int(self.fraction * self.seen + 0.5) - self.held
-        if owed <= 0 or (owed < MIN_SPAN and not last):
+        if whole:
+            take = tokens if 2 * owed >= tokens > 0 and self.seen - self.held - tokens >= 1 else 0
+        elif owed <= 0 or (owed < MIN_SPAN and not last):
             return 0
-        take = max(0, min(owed, tokens, self.seen - self.held - 1))
+        else:
+            take = max(0, min(owed, tokens, self.seen - self.held - 1))
         self.held += take
         return take
 
 
 def list_inputs(inputs: list[str], *, exclude: Path | None = None) -> list[Path]:
     """Every file the inputs name, directories walked in sorted order (hidden files and ``exclude``, the
-    output directory, left out)."""
+    output directory, left out); a ``datasets.save_to_disk`` directory gives its Arrow files, in its order."""
     if not inputs:
         raise UsageError("give at least one input file or directory")
+    skip = exclude.resolve() if exclude is not None else None
+
+    def walk(path: Path) -> list[Path]:
+        try:
+            saved = columnar.saved_dataset(path)
+        except (ValueError, OSError) as error:
+            raise UsageError(f"input {path}: {error}") from None
+        if saved is not None:
+            return saved
+        return [f for child in sorted(path.iterdir()) if not child.name.startswith(".") and child.resolve() != skip
+                for f in (walk(child) if child.is_dir() else [child] if child.is_file() else [])]
+
     files = []
     for item in inputs:
         path = Path(item)
         if not path.exists():
             raise UsageError(f"input {path}: no such file or directory")
-        if path.is_file():
-            files.append(path)
-        else:
-            skip = exclude.resolve() if exclude is not None else None
-            files += sorted(p for p in path.rglob("*") if p.is_file()
-                            and not any(part.startswith(".") for part in p.relative_to(path).parts)
-                            and (skip is None or skip not in p.resolve().parents))
+        files += [path] if path.is_file() else walk(path)
     if not files:
         raise UsageError(f"the inputs ({', '.join(inputs)}) hold no files; give text files, directories of them or JSONL")
     return files
@@ -148,6 +163,12 @@ def read_documents(path: Path, text_field: str | None, start: int = 0,
     """``(documents, why the file is skipped, (bad JSONL lines, the first named by its byte offset))`` of the
     file, or of bytes ``start:end`` of a JSONL file (whole lines: see ``pieces``). ``text_field`` None: chat
     data, each JSONL document a ``(record, where)`` pair."""
+    if columnar.is_columnar(path):
+        try:
+            rows = columnar.records(path, start, end)
+        except Exception as error:  # noqa: BLE001 (pyarrow raises its own kinds): one unreadable file is skipped
+            return [], f"unreadable as {path.suffix[1:]} ({str(error).splitlines()[0]})", (0, None)
+        return _documents(((row, f"{path}, piece {start} row {n}") for n, row in enumerate(rows)), text_field)
     try:
         with open(path, "rb") as f:
             f.seek(start)
@@ -155,7 +176,7 @@ def read_documents(path: Path, text_field: str | None, start: int = 0,
     except OSError as error:
         return [], f"unreadable ({error.strerror})", (0, None)
     if path.suffix == ".jsonl":
-        return _records(data, text_field, start, path)
+        return _documents(_lines(data, start, path), text_field)
     if b"\0" in data:
         return [], "binary (holds a NUL byte)", (0, None)
     try:
@@ -165,32 +186,51 @@ def read_documents(path: Path, text_field: str | None, start: int = 0,
     return ([text] if text else []), None, (0, None)
 
 
-def _records(data: bytes, text_field: str, offset: int, path: Path) -> tuple[list[str], None, tuple[int, str | None]]:
-    docs, bad, first = [], 0, None
+def _lines(data: bytes, offset: int, path: Path):
+    """``(record or None, where)`` of each JSONL line: None for one that is not UTF-8 JSON."""
     for line in data.split(b"\n"):
         if line.strip():
             try:
-                record = json.loads(line.decode("utf-8"))
-                value = record[text_field] if text_field is not None else record if chat.is_chat(record) else None
-            except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, IndexError):
-                value = None
-            if isinstance(value, dict):
-                docs.append((value, f"{path}, the line at byte {offset}"))
-            elif isinstance(value, str):
-                docs += [value] if value else []
-            else:
-                bad += 1
-                first = first or f"{path}, the line at byte {offset}"
+                yield json.loads(line.decode("utf-8")), f"{path}, the line at byte {offset}"
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                yield None, f"{path}, the line at byte {offset}"
         offset += len(line) + 1
+
+
+def _documents(rows, text_field: str | None) -> tuple[list, None, tuple[int, str | None]]:
+    """The documents of ``(record, where)`` rows: each one's ``text_field`` string, or with ``text_field`` None the
+    chat records themselves as ``(record, where)``; anything else counted as bad, the first one named."""
+    docs, bad, first = [], 0, None
+    for record, where in rows:
+        try:
+            value = record[text_field] if text_field is not None else record if chat.is_chat(record) else None
+        except (TypeError, KeyError, IndexError):
+            value = None
+        if isinstance(value, dict):
+            docs.append((value, where))
+        elif isinstance(value, str):
+            docs += [value] if value else []
+        else:
+            bad += 1
+            first = first or where
     return docs, None, (bad, first)
 
 
-def pieces(path: Path) -> list[tuple[str, int, int | None]]:
-    """``(path, start, end)`` ranges that together cover the file: a JSONL file larger than ``TASK_BYTES`` cut
-    after the first newline past every multiple of it (reading one line per cut); anything else whole."""
+def pieces(path: Path) -> list[tuple[str, int, int | None, int]]:
+    """``(path, start, end, bytes)`` ranges that together cover the file: a JSONL file larger than ``TASK_BYTES``
+    cut after the first newline past every multiple of it (reading one line per cut); a Parquet or Arrow file
+    by its row groups or record batches (``start:end`` count those, ``bytes`` is their share of the file);
+    anything else whole."""
     size = path.stat().st_size
+    if columnar.is_columnar(path):
+        try:
+            rows = columnar.piece_rows(path)
+        except Exception:  # noqa: BLE001: read (and skipped, with the reason) as one piece
+            return [(str(path), 0, None, size)]
+        total = max(sum(rows), 1)
+        return [(str(path), i, i + 1, size * n // total) for i, n in enumerate(rows)] or [(str(path), 0, None, size)]
     if path.suffix != ".jsonl" or size <= TASK_BYTES:
-        return [(str(path), 0, None)]
+        return [(str(path), 0, None, size)]
     cuts = [0]
     with open(path, "rb") as f:
         for nominal in range(TASK_BYTES, size, TASK_BYTES):
@@ -199,7 +239,7 @@ def pieces(path: Path) -> list[tuple[str, int, int | None]]:
                 f.readline()  # to the end of the line holding byte nominal - 1
                 cuts.append(f.tell())
     cuts = [c for c in cuts if c < size] + [size]  # increasing: each cut is past the one before
-    return [(str(path), a, b) for a, b in itertools.pairwise(cuts)]
+    return [(str(path), a, b, b - a) for a, b in itertools.pairwise(cuts)]
 
 
 def fingerprint(files: list[Path], settings: dict) -> str:
@@ -228,7 +268,7 @@ def _encode_chat(task) -> list[tuple[list, int, str | None, tuple]]:
     """``_encode_pieces`` for chat data: each record's ids and loss mask; a record that renders to nothing to
     train on (no assistant turn, a malformed message) is counted with the bad lines."""
     renderer, dtype, out = _WORKER["chat"], _WORKER["dtype"], []
-    for path, start, end in task:
+    for path, start, end, size in task:
         records, skipped, (bad, first) = read_documents(Path(path), None, start, end)
         arrays = []
         for (record, where), rendered in zip(records, renderer.many(records)):
@@ -237,25 +277,25 @@ def _encode_chat(task) -> list[tuple[list, int, str | None, tuple]]:
                 continue
             ids, mask = rendered
             arrays.append((np.array(ids, dtype=dtype), np.array(mask, dtype=np.uint8)))
-        out.append((arrays, (os.path.getsize(path) if end is None else end) - start, skipped, (bad, first)))
+        out.append((arrays, size, skipped, (bad, first)))
     return out
 
 
-def _encode_pieces(task: list[tuple[str, int, int | None]]) -> list[tuple[list[np.ndarray], int, str | None, tuple]]:
+def _encode_pieces(task: list[tuple[str, int, int | None, int]]) -> list[tuple[list[np.ndarray], int, str | None, tuple]]:
     """Per piece: its documents' ids (end-of-text appended), its size in bytes, why its file was skipped (or
     None), its bad JSONL lines."""
     if _WORKER["chat"] is not None:
         return _encode_chat(task)
     tokenizer, eos, dtype = _WORKER["tokenizer"], _WORKER["eos"], _WORKER["dtype"]
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # fast: no offsets computed
-    read = [read_documents(Path(path), _WORKER["field"], start, end) for path, start, end in task]
+    read = [read_documents(Path(path), _WORKER["field"], start, end) for path, start, end, _ in task]
     texts = [doc for docs, _, _ in read for doc in docs]
     encoded = iter(encode(texts, add_special_tokens=False)) if texts else iter(())
     tail = [] if eos is None else [eos]
     out = []
-    for (path, start, end), (docs, skipped, bad) in zip(task, read):
+    for (_, _, _, size), (docs, skipped, bad) in zip(task, read):
         arrays = [np.array(next(encoded).ids + tail, dtype=dtype) for _ in docs]
-        out.append((arrays, (os.path.getsize(path) if end is None else end) - start, skipped, bad))
+        out.append((arrays, size, skipped, bad))
     return out
 
 
@@ -268,7 +308,7 @@ def _context():
     return context
 
 
-def _tasks(files: list[Path]) -> list[list[tuple[str, int, int | None]]]:
+def _tasks(files: list[Path]) -> list[list[tuple[str, int, int | None, int]]]:
     """The files' pieces in order, in tasks of about ``TASK_BYTES``."""
     tasks, size = [[]], 0
     for path in files:
@@ -277,7 +317,7 @@ def _tasks(files: list[Path]) -> list[list[tuple[str, int, int | None]]]:
                 tasks.append([])
                 size = 0
             tasks[-1].append(piece)
-            size += (piece[2] if piece[2] is not None else path.stat().st_size) - piece[1]
+            size += piece[3]
     return tasks
 
 
@@ -289,7 +329,7 @@ def _tokenizer(cfg: PrepareConfig, files: list[Path], say):
     def texts():
         seen = 0
         for path in files:
-            for _, start, end in pieces(path):
+            for _, start, end, _ in pieces(path):
                 docs, _, _ = read_documents(path, cfg.field, start, end)
                 for doc in docs:
                     yield doc
@@ -347,8 +387,17 @@ def prepare(cfg: PrepareConfig, *, say=print) -> dict:
 
 
 def first_record(files: list[Path]) -> dict | None:
-    """The first JSON object of the first JSONL file (what decides between text and chat data), or None."""
+    """The first record of the first JSONL, Parquet or Arrow file (what decides between text and chat data), or None."""
     for path in files:
+        if columnar.is_columnar(path):
+            for _, start, end, _ in pieces(path):
+                try:
+                    rows = columnar.records(path, start, end)
+                except Exception:  # noqa: BLE001: skipped with the reason when read
+                    break
+                if rows:
+                    return rows[0]
+            continue
         if path.suffix != ".jsonl":
             continue
         with open(path, "rb") as f:
@@ -421,7 +470,7 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
     def add(doc, last: bool) -> None:  # one document, its end held out when the split owes tokens
         nonlocal cut
         ids, mask = doc if isinstance(doc, tuple) else (doc, None)
-        held = split.cut(len(ids), last=last)
+        held = split.cut(len(ids), last=last, whole=chat_args is not None)
         cut += 0 < held < len(ids)
         keep = len(ids) - held
         for name, part, bits in (("train", ids[:keep], None if mask is None else mask[:keep]),
@@ -442,7 +491,7 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
             _init_worker(*args)
         results = pool.imap(_encode_pieces, tasks) if pool else map(_encode_pieces, tasks)
         for batch, task in zip(results, tasks):
-            for (arrays, size, why, (bad_lines, first)), (path, _, _) in zip(batch, task):
+            for (arrays, size, why, (bad_lines, first)), (path, *_) in zip(batch, task):
                 if why:
                     skipped.append(f"{path}: {why}")
                 bad, first_bad = bad + bad_lines, first_bad or first
@@ -469,8 +518,8 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
         why = f" ({skipped[0]})" if len(skipped) == 1 else f" ({len(skipped)} skipped, e.g. {skipped[0]})" if skipped else ""
         raise UsageError(f"the inputs hold no text to train on{why}; give UTF-8 text files or JSONL")
     if skipped:
-        say(f"prepare-data: warning: skipped {len(skipped)} of {len(files)} files that are not UTF-8 text, "
-            f"e.g. {skipped[0]}")
+        say(f"prepare-data: warning: skipped {len(skipped)} of {len(files)} files that are not UTF-8 text or "
+            f"readable Parquet/Arrow, e.g. {skipped[0]}")
     if bad:
         what = ("chat records that are malformed or leave no token to train on" if chat_args else
                 f"JSONL lines that are not UTF-8 JSON objects with a {cfg.field!r} string (--field)")
