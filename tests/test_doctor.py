@@ -1,7 +1,8 @@
 """``megakit doctor`` on real jobs through the ``deepspeed`` launcher: every check passes on a healthy job and
 fails on the fault it exists for.
 
-Two launches (~30 s each on 2 idle cores): a healthy 2-process job, and a 4-process job with one fault per check
+Two launches (~30 s each on 2 idle cores): a healthy 2-process job (on packed documents with loss masks), and a
+4-process job with one fault per check
 planted by ``MEGAKIT_INJECT_FAULT`` (``megakit.train.fault_injection``), each on its own rank so that none hides
 another: rank 1 runs another --seed and sleeps in every step, rank 3 reads DP rank 0's samples, rank 2 keeps half
 its rows and gets a NaN gradient at step 3, and the ds_config scales the LR by 4 without a warm-up.
@@ -48,13 +49,28 @@ def _ds_config(path, *, lr: float, warmup: int | None) -> str:
     return str(path)
 
 
-def _doctor(work, nproc: int, ds_config: str, faults: str = "") -> tuple[subprocess.CompletedProcess, dict]:
+def _packed(work) -> list[str]:
+    """Short documents packed into the doctor's 32-token windows: padding out of the loss, each document attending
+    to itself from position 0, so the single-process check has to read the masks and documents as the job does."""
+    import random
+
+    rng = random.Random(1)
+    words = open(_text(work / "words.txt")).read().split()
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 4))) for _ in range(1200)]
+    (work / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    assert cli.main(["prepare-data", str(work / "docs.jsonl"), "--out", str(work / "packed"), "--vocab-size", "300",
+                     "--pack", "32", "--no-progress"]) == 0
+    return ["--data", str(work / "packed"), "--reset-attention-mask", "--reset-position-ids"]
+
+
+def _doctor(work, nproc: int, ds_config: str, faults: str = "", data: list[str] | None = None
+            ) -> tuple[subprocess.CompletedProcess, dict]:
     env = {k: v for k, v in os.environ.items() if k != VARIABLE} | {"OMP_NUM_THREADS": THREADS}
     if faults:
         env[VARIABLE] = faults
     report = work / "report.json"
     out = subprocess.run([*DOCTOR, "--nproc", str(nproc), "--ds_config", ds_config, "--report-out", str(report),
-                          "--data", _text(work / "text.txt")],
+                          *(data or ["--data", _text(work / "text.txt")])],
                          cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=600)
     assert report.exists(), out.stdout[-3000:] + out.stderr[-3000:]
     return out, {check["name"]: check for check in json.loads(report.read_text())["checks"]}
@@ -63,7 +79,7 @@ def _doctor(work, nproc: int, ds_config: str, faults: str = "") -> tuple[subproc
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory):
     work = tmp_path_factory.mktemp("healthy")  # global batch 8 = 2 x base batch 4: LR 2 x 1.5e-3, warmed up
-    return _doctor(work, 2, _ds_config(work / "ds.json", lr=3e-3, warmup=3))
+    return _doctor(work, 2, _ds_config(work / "ds.json", lr=3e-3, warmup=3), data=_packed(work))
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ import xxhash
 
 from megakit.nn import comm
 from megakit.train.fault_injection import VARIABLE, FaultyBatches, injected
+from megakit.train.run import DOCUMENT_FLAGS, MOE_FLAGS
 
 
 def tensor_hash(tensor: torch.Tensor) -> str:
@@ -139,4 +140,6 @@ def _config_facts(run, topo) -> dict:
             "accumulation": batch.accumulation, "global_batch": batch.global_batch, "tp": topo.tp, "pp": topo.pp,
             "dp": topo.dp, "cp": topo.cp, "vpp": cfg.vpp, "world": dist.get_world_size(), "precision": run.precision,
             "zero_stage": run.zero_stage, "ds_config": run.ds_config, "compress": getattr(cfg, "compress", "none"),
-            "local_sgd": getattr(cfg, "local_sgd", None)}
+            "local_sgd": getattr(cfg, "local_sgd", None),
+            "documents": {name: getattr(cfg, name) for name in DOCUMENT_FLAGS},
+            "moe": {name: getattr(cfg, name) for name in MOE_FLAGS}}

@@ -219,16 +219,22 @@ def check_loss(facts: dict, reference: list[float] | None, *, why_not: str = "")
 
 
 def single_process(facts: dict, steps: int) -> tuple[list[float] | None, list[list[str]] | None, str]:
-    """``(losses, sample hashes per step, why not)`` of one process training the job's global batches."""
+    """``(losses, sample hashes per step, why not)`` of one process training the job's global batches: the same
+    data (loss masks, packed documents and mixtures as the job read them) and the same ``--moe-*`` flags."""
     from megakit.core.model_config import ModelConfig
-    from megakit.train.data import BatchPlan, TokenBatches, load_tokens
+    from megakit.train.corpus import open_corpus
+    from megakit.train.data import BatchPlan, TokenBatches
     from megakit.train.diagnostics import tensor_hash
     from megakit.train.reference import reference_run
+    from megakit.train.run import TrainConfig
 
     c = facts["config"]
+    documents, moe = c.get("documents", {}), c.get("moe", {})
     plan = BatchPlan(seq_len=c["seq_len"], micro_batch=c["micro_batch"], accumulation=c["accumulation"], dp=c["dp"],
                      seed=c["seed"])
-    batches = TokenBatches(load_tokens(c["data"], max_bytes=c["max_bytes"]), plan)
+    corpus = open_corpus(c["data"], max_bytes=c["max_bytes"])
+    options = corpus.loader_options(TrainConfig(ds_config=c["ds_config"], model=c["model"], **documents))
+    batches = TokenBatches(corpus.train, plan, **options)
     start = c["start_step"]
     samples = [[tensor_hash(row) for row in batches.global_batch(start + i)[0]] for i in range(steps)]
     params = ModelConfig.load(c["model"]).num_params()
@@ -238,7 +244,7 @@ def single_process(facts: dict, steps: int) -> tuple[list[float] | None, list[li
         return None, samples, (f"{params / 1e9:.1f}B parameters do not train in one process here; run the doctor "
                                "with a smaller --model of the same family")
     ref = reference_run(c["ds_config"], model=c["model"], steps=steps, dp=c["dp"], seq_len=c["seq_len"],
-                        seed=c["seed"], data=c["data"], max_bytes=c["max_bytes"])
+                        seed=c["seed"], data=c["data"], max_bytes=c["max_bytes"], moe=moe, documents=documents)
     return ref["loss"], samples, ""
 
 

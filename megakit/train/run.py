@@ -37,6 +37,10 @@ from megakit.train.spikes import data_offset
 RECOMPUTE = ("none", "selective", "full")
 
 
+MOE_FLAGS = ("moe_aux_loss", "moe_z_loss", "moe_capacity_factor", "moe_expert_bias")  # TrainConfig's --moe-* fields
+DOCUMENT_FLAGS = ("reset_attention_mask", "reset_position_ids", "eod_mask_loss")  # its packed-document fields
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """One training run. ``ds_config``: a path or an already-loaded dict."""
