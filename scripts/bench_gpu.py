@@ -323,6 +323,47 @@ def attention_kernels(shape: dict, micro: int, *, cuda: bool) -> list[dict]:
     return rows
 
 
+def document_kernels(shape: dict, micro: int, *, cuda: bool) -> list[dict]:
+    """Packed documents (lengths drawn around S/8): SDPA with the boolean mask against FlexAttention's block mask
+    (``megakit.nn.documents``, what ``auto`` runs on the GPU), fwd+bwd ms and the outputs' largest gap. On CPU
+    FlexAttention has no backward: forward only."""
+    import torch
+    import torch.nn.functional as F
+
+    from megakit.core.model_config import ModelConfig
+    from megakit.nn.attention import allowed_keys
+    from megakit.nn.documents import flex_document_attention
+
+    config, s = ModelConfig.load(shape["model_path"]), shape["seq_len"]
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    starts = (torch.rand(micro, s, generator=gen) < 8 / s).long()
+    starts[:, 0] = 0
+    docs = starts.cumsum(-1).to(device)
+    q = torch.randn(micro, config.heads, s, config.head_dim, generator=gen).to(device, dtype).requires_grad_(cuda)
+    kv = torch.randn(micro, config.kv_heads, s, config.head_dim, generator=gen).to(device, dtype).requires_grad_(cuda)
+    mask = allowed_keys(s, 0, docs, device)
+    kept = float(mask.float().mean() / torch.ones(s, s).tril().mean())
+    kernels = {"sdpa-mask": lambda: F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=True),
+               "flex": lambda: flex_document_attention(q, kv, kv, docs, window=0, scale=config.head_dim ** -0.5)}
+    outputs, rows = {}, []
+    for name, attend in kernels.items():
+        def step():
+            y = attend()
+            if cuda:
+                y.sum().backward()
+            return y
+
+        try:
+            outputs[name] = step().detach().float()
+            rows.append(dict(choice=f"documents {name}", kept_pairs=kept, fwd_bwd_ms=_cuda_ms(step, 5)))
+        except RuntimeError as error:
+            rows.append(dict(choice=f"documents {name}", error=str(error).splitlines()[0][:160]))
+    if len(outputs) == 2:
+        rows[-1]["max_gap"] = float((outputs["flex"] - outputs["sdpa-mask"]).abs().max())
+    return rows
+
+
 def parity(shape: dict, *, cuda: bool, steps: int) -> dict:
     """bf16 against fp8 (tensorwise) from one init and data, judged against two bf16 runs with other seeds."""
     s = settings("E")
@@ -421,6 +462,11 @@ def main(argv: list[str] | None = None) -> int:
         for row in kernels:
             print(f"  attention {row['choice']}: " + (row.get("error") or
                   f"{', '.join(row['kernels'])} ({row['fwd_bwd_ms']:.2f} ms fwd+bwd)"), flush=True)
+        kernels += document_kernels(shape, shape["micro"], cuda=cuda)
+        for row in kernels[-2:]:
+            print(f"  attention {row['choice']}: " + (row.get("error") or
+                  f"{row['fwd_bwd_ms']:.2f} ms {'fwd+bwd' if cuda else 'fwd'}, {row['kept_pairs']:.0%} of causal "
+                  f"pairs kept" + (f", max gap to SDPA {row['max_gap']:.2e}" if "max_gap" in row else "")), flush=True)
         rows = []
         results["shapes"][name] = dict(seq_len=shape["seq_len"], model=shape["model"], layers=shape.get("layers"),
                                        attention=kernels, variants=rows)

@@ -38,6 +38,8 @@ def test_bench_gpu_dry_run_measures_every_variant_and_prints_the_table_last(tmp_
     assert rows["F-tw"]["loss"] != rows["E"]["loss"] and abs(rows["F-tw"]["loss"] - rows["E"]["loss"]) < 0.01
     attention = {row["choice"]: row for row in results["shapes"]["tiny-64"]["attention"]}
     assert any("math" in k for k in attention["math"]["kernels"]) and "needs a CUDA GPU" in attention["cudnn"]["error"]
+    flex = attention["documents flex"]  # FlexAttention's block mask against SDPA's boolean mask, forward on CPU
+    assert flex["max_gap"] <= fp32_bound(1.0, 64) and 0 < flex["kept_pairs"] < 1, flex
     assert results["shapes"]["tiny-w2L-32"]["variants"][0]["step_s"] > 0  # a derived (fewer layers) shape
     parity = results["fp8_parity"]
     assert parity["fp8_gap"] < parity["bf16_spread"] and not parity["nan"], parity

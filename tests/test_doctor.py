@@ -16,7 +16,7 @@ import sys
 
 import pytest
 from multiproc import THREADS
-from test_trainer import ROOT
+from test_trainer import ROOT, packed_documents
 
 from megakit.commands import cli
 from megakit.train.fault_injection import VARIABLE
@@ -49,20 +49,6 @@ def _ds_config(path, *, lr: float, warmup: int | None) -> str:
     return str(path)
 
 
-def _packed(work) -> list[str]:
-    """Short documents packed into the doctor's 32-token windows: padding out of the loss, each document attending
-    to itself from position 0, so the single-process check has to read the masks and documents as the job does."""
-    import random
-
-    rng = random.Random(1)
-    words = open(_text(work / "words.txt")).read().split()
-    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 4))) for _ in range(1200)]
-    (work / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    assert cli.main(["prepare-data", str(work / "docs.jsonl"), "--out", str(work / "packed"), "--vocab-size", "300",
-                     "--pack", "32", "--no-progress"]) == 0
-    return ["--data", str(work / "packed"), "--reset-attention-mask", "--reset-position-ids"]
-
-
 def _doctor(work, nproc: int, ds_config: str, faults: str = "", data: list[str] | None = None
             ) -> tuple[subprocess.CompletedProcess, dict]:
     env = {k: v for k, v in os.environ.items() if k != VARIABLE} | {"OMP_NUM_THREADS": THREADS}
@@ -79,7 +65,8 @@ def _doctor(work, nproc: int, ds_config: str, faults: str = "", data: list[str] 
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory):
     work = tmp_path_factory.mktemp("healthy")  # global batch 8 = 2 x base batch 4: LR 2 x 1.5e-3, warmed up
-    return _doctor(work, 2, _ds_config(work / "ds.json", lr=3e-3, warmup=3), data=_packed(work))
+    return _doctor(work, 2, _ds_config(work / "ds.json", lr=3e-3, warmup=3), data=[
+        "--data", packed_documents(work), "--reset-attention-mask", "--reset-position-ids"])
 
 
 @pytest.fixture(scope="module")

@@ -88,6 +88,35 @@ def test_packed_sdpa_and_the_dropout_path_equal_each_document_alone(window):
             assert_fp32_close(a, b, terms=32, what=f"d{name}")
 
 
+@pytest.mark.parametrize("window", [0, 4])
+def test_flex_attention_equals_each_document_alone(window):
+    """FlexAttention's block mask (the GPU's kernel for packed documents): the same outputs as each document alone,
+    and as the Attention layer's own SDPA path. Forward only: torch has no FlexAttention backward on CPU."""
+    from megakit.core.model_config import ModelConfig
+    from megakit.nn.attention import Attention
+    from megakit.nn.documents import document_block_mask, flex_document_attention
+
+    q, k, v = (t.detach() for t in _qkv())
+    docs = _documents()
+    want = _per_document(q, k, v, docs, window)
+    assert_fp32_close(flex_document_attention(q, k, v, docs, window=window, scale=8 ** -0.5), want, terms=32,
+                      what="output")
+    assert document_block_mask(docs, window) is document_block_mask(docs, window)  # one mask per micro-batch
+    assert document_block_mask(docs.clone(), window) is not document_block_mask(docs, window)
+    config = ModelConfig.load("llama-tiny")
+    layer = Attention(config, group=None, sequence_parallel=False, site="t", dtype=torch.float32, device="cpu").eval()
+    s, b = docs.shape[1], docs.shape[0]
+    x = torch.randn(s, b, config.hidden, generator=torch.Generator().manual_seed(1))
+    from megakit.nn.attention import rope_tables
+
+    rope = tuple(t[position_ids(docs)] for t in rope_tables(config, "cpu"))
+    with torch.no_grad():
+        sdpa = layer(x, rope, None, docs)
+        layer.flex_documents = True
+        flex = layer(x, rope, None, docs)
+    assert_fp32_close(flex, sdpa, terms=config.hidden, what="Attention layer")
+
+
 def _ring_worker(rank: int, world: int, window: int):
     from megakit.nn.context_parallel import gather_sequence, positions, ring_attention
     from megakit.nn.topology import Topology

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from multiproc import THREADS, free_port
-from test_trainer import ROOT, dropout_model, ds_config
+from test_trainer import ROOT, dropout_model, ds_config, packed_documents
 
 STEPS = 8
 TOL = 1e-5
@@ -41,6 +41,20 @@ def sweep_cases(tmp: Path) -> list[dict]:
         {**_case(tmp, model, stage=0, micro=2, accumulation=2, pp=2), "load": str(series / "step-0000002")},
         {**_case(tmp, model, stage=2, micro=2, accumulation=1), "load": str(series / "step-0000004")},  # DP 4
         {**_case(tmp, model, stage=0, micro=2, accumulation=4, tp=4), "load": str(series / "step-0000006")},
+    ]
+    # packed documents with loss masks, saved at TP2 x DP2 and resumed at PP2 x DP2 and at DP4 x 2 micro-batches
+    documents = dict(data=packed_documents(tmp), reset_attention_mask=True, reset_position_ids=True,
+                     eod_mask_loss=True)
+    config = json.loads(Path(model).read_text()) | {"vocab_size": 300}  # the packed data's tokenizer
+    model = tmp / "gpt-tiny-dropout-300.json"
+    model.write_text(json.dumps(config))
+    model, packed = str(model), tmp / "packed-series"
+    cases += [
+        {**_case(tmp, model, stage=1, micro=2, accumulation=2, tp=2), **documents, "save": str(packed),
+         "save_every": 4, "keep": 10},  # 5
+        {**_case(tmp, model, stage=0, micro=2, accumulation=2, pp=2), **documents,
+         "load": str(packed / "step-0000004")},  # 6
+        {**_case(tmp, model, stage=2, micro=1, accumulation=2), **documents, "load": str(packed / "step-0000004")},
     ]
     return cases
 
@@ -67,6 +81,20 @@ def test_resume_reshards_optimizer_state_across_layouts_and_zero_stages(resumed)
         got = results[index]["loss"]
         assert len(got) == STEPS - start
         for step, (a, b) in enumerate(zip(got, full[start:]), start):
+            assert abs(a - b) < TOL, (index, step, a, b)
+
+
+@pytest.mark.slow
+def test_packed_documents_resume_at_other_layouts(resumed):
+    """Packed documents with masks (the document mask, restarted positions, no loss on the separator), saved at
+    TP2 x DP2 and resumed at PP2 x DP2 and at DP4: the same batches, so the uninterrupted losses within 1e-5."""
+    _, results = resumed
+    full = results[5]["loss"]
+    assert len(full) == STEPS and full != results[0]["loss"]
+    for index in (6, 7):
+        got = results[index]["loss"]
+        assert len(got) == STEPS - 4
+        for step, (a, b) in enumerate(zip(got, full[4:]), 4):
             assert abs(a - b) < TOL, (index, step, a, b)
 
 

@@ -36,6 +36,25 @@ def dropout_model(directory: Path, name: str = "gpt-tiny", p: float = 0.1) -> st
     return str(path)
 
 
+def packed_documents(directory: Path, *, window: int = 32, documents: int = 1200, seed: int = 1) -> str:
+    """Short documents of seeded random words (1-4 each), packed by ``prepare-data --pack`` into windows of
+    ``window`` tokens: loss masks on the padding, a document start per example. Train with --seq-len ``window``
+    --reset-attention-mask --reset-position-ids."""
+    import random
+
+    from megakit.commands import cli
+
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(500)]
+    lines = [json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(1, 4)))})
+             for _ in range(documents)]
+    (directory / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    out = directory / "packed"
+    assert cli.main(["prepare-data", str(directory / "docs.jsonl"), "--out", str(out), "--vocab-size", "300",
+                     "--pack", str(window), "--no-progress"]) == 0
+    return str(out)
+
+
 def deeper_model(directory: Path, layers: int = 10) -> str:
     """gpt-tiny with ``layers`` blocks: 10 fill PP 2 x VPP 2 unevenly (the balanced split is 2, 3, 3, 2)."""
     path = directory / f"gpt-tiny-{layers}.json"

@@ -21,7 +21,7 @@ from megakit.core.model_config import ModelConfig
 from megakit.core.rope import inv_freq
 from megakit.nn import comm as C
 from megakit.nn.context_parallel import attention_keep, positions, ring_attention
-from megakit.nn.documents import same_document
+from megakit.nn.documents import flex_document_attention, same_document
 from megakit.nn.dropout import DropoutKeys, attention_dropout
 from megakit.nn.overlapped_linear import column_parallel
 from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp, mark
@@ -100,6 +100,7 @@ class Attention(nn.Module):
         self.total_heads, self.head_start = config.heads, C.rank(group) * self.heads
         self.dropout, self.rope = config.dropout, config.family == "llama"
         self.expand_kv = False  # set by megakit.nn.attention_kernel.use_kernel for kernels that need it
+        self.flex_documents = False  # packed documents through FlexAttention (use_kernel sets it on a GPU)
         self.scale, self.window = config.attention_scale(index), config.attention_window(index)  # block ``index``'s
         self.sdpa_scale = None if self.scale == self.head_dim ** -0.5 else self.scale  # None: SDPA's own 1/sqrt(d)
         q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
@@ -141,6 +142,8 @@ class Attention(nn.Module):
             y = self._ring(q, k, v, keys, documents)
         elif self.training and self.dropout > 0:
             y = self._attend_with_dropout(q, k, v, keys, documents)
+        elif documents is not None and self.flex_documents:
+            y = flex_document_attention(q, k, v, documents, window=self.window, scale=self.scale)
         else:
             mask = allowed_keys(s, self.window, documents, q.device)
             gqa = self.heads != self.kv_heads

@@ -12,7 +12,10 @@ expanded to one head per query head first (``repeat_interleave``: more memory, o
 capability 9.0 or newer (Hopper, Blackwell), cuDNN first, then flash, with K/V expanded: the
 PyTorch 2.5 notes measured cuDNN's kernel up to 75 % faster than FA2 on H100, and the 2.11
 wheels prefer it there themselves. Older GPUs: torch's choice. ``scripts/bench_gpu.py``
-measures flash against cuDNN (variant D) so that this default can be checked on the GPU.
+measures flash against cuDNN (variant D) so that this default can be checked on the GPU. Packed documents
+(``--reset-attention-mask``) take none of these, whose fused kernels have no mask: on a GPU of compute
+capability 8.0 or newer ``auto`` runs them through FlexAttention (``megakit.nn.documents``), which skips the
+blocks of other documents; elsewhere SDPA with a boolean mask.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class KernelChoice:
     name: str
     backends: tuple = ()
     expand_kv: bool = False
+    flex_documents: bool = False  # packed documents through FlexAttention (megakit.nn.documents), not a masked SDPA
 
     def context(self):
         """The context a step runs in: ``sdpa_kernel`` with these backends, or nothing."""
@@ -57,10 +61,12 @@ def choose_kernel(name: str, *, cuda: bool, capability: tuple[int, int] | None =
     if name in _CUDA_ONLY and not cuda:
         raise UsageError(f"--attention-kernel {name} needs a CUDA GPU; on CPU use auto (torch's choice) or math")
     if name == "auto":
+        flex = cuda and capability is not None and capability >= (8, 0)  # FlexAttention's Triton kernels: Ampere on
         if cuda and capability is not None and capability >= (9, 0):
             return KernelChoice("auto", (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                                         SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH), expand_kv=True)
-        return KernelChoice("auto")
+                                         SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH), expand_kv=True,
+                                flex_documents=flex)
+        return KernelChoice("auto", flex_documents=flex)
     return KernelChoice(name, (_BACKEND[name],), expand_kv=name in _EXPANDS_KV)
 
 
@@ -76,7 +82,7 @@ def use_kernel(model: torch.nn.Module, choice: KernelChoice) -> None:
 
     for module in model.modules():
         if isinstance(module, Attention):
-            module.expand_kv = choice.expand_kv
+            module.expand_kv, module.flex_documents = choice.expand_kv, choice.flex_documents
 
 
 # kernel names as the profiler shows them, per backend (CUDA kernels and the aten ops that launch them)
