@@ -53,8 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="context-parallel degree: the sequence split over CP ranks (load-balanced causal halves), "
                         "attention as ring attention; --seq-len must divide by 2 x CP")
     p.add_argument("--ep", type=int, default=1,
-                   help="expert-parallel degree (MoE models): each MoE layer's experts split over EP ranks taken "
-                        "from DP x CP, tokens exchanged by all-to-all; must divide the experts and DP x CP")
+                   help="expert-parallel degree (MoE models): each MoE layer's experts split over EP ranks folded "
+                        "over TP x CP x DP (consecutive ranks, TP first), tokens exchanged by all-to-all; must divide "
+                        "the experts and TP x CP x DP")
     p.add_argument("--moe-aux-loss", metavar="COEFF", type=finite_float, default=None,
                    help="load-balancing aux loss coefficient (overrides the model config; 0 turns it off)")
     p.add_argument("--moe-z-loss", metavar="COEFF", type=finite_float, default=None,
@@ -64,6 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe-expert-bias", action="store_true",
                    help="aux-loss-free load balancing (DeepSeek-V3): a per-expert routing bias updated once per "
                         "optimizer step from the step's token counts")
+    p.add_argument("--moe-force-balance", action="store_true",
+                   help="benchmarking aid (Megatron's --moe-router-force-load-balancing): route by random logits, "
+                        "so every expert gets its even share in expectation, as most published MoE throughput is "
+                        "measured; the router learns nothing and the run is not a model to keep")
     p.add_argument("--vpp", type=int, default=1,
                    help="model chunks per pipeline stage (interleaved 1F1B); they need not divide the layers")
     p.add_argument("--stage-layers", metavar="N,N,...", default=None,
@@ -196,7 +201,7 @@ def config(args: argparse.Namespace):
         error_feedback=not args.no_error_feedback, local_sgd=args.local_sgd, doctor_out=args.doctor_out,
         eval_every=args.eval_every, eval_batches=args.eval_batches, moe_aux_loss=args.moe_aux_loss,
         moe_z_loss=args.moe_z_loss, moe_capacity_factor=args.moe_capacity_factor,
-        moe_expert_bias=args.moe_expert_bias, compile=args.compile, attention_kernel=args.attention_kernel,
+        moe_expert_bias=args.moe_expert_bias, moe_force_balance=args.moe_force_balance, compile=args.compile, attention_kernel=args.attention_kernel,
         spike_guard=args.spike_guard, async_save=args.async_save, reset_attention_mask=args.reset_attention_mask,
         reset_position_ids=args.reset_position_ids, eod_mask_loss=args.eod_mask_loss,
         **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}))

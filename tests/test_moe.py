@@ -142,6 +142,8 @@ def _two_ranks(rank: int, world: int) -> None:
     _equivalence(Topology(Layout(dp=2, ep=2)), sigmoid)
     _equivalence(Topology(Layout(cp=2, ep=2)), _config())  # EP over the CP ranks of one sequence
     _equivalence(Topology(Layout(cp=2, ep=2)), _config(), aux_only=True)
+    _equivalence(Topology(Layout(tp=2, ep=2)), _config())  # folded: EP over the TP pair, DP 1
+    _equivalence(Topology(Layout(tp=2, ep=2)), _config(), sp=True)
 
 
 def _four_ranks(rank: int, world: int) -> None:
@@ -161,6 +163,9 @@ def _four_ranks(rank: int, world: int) -> None:
     _equivalence(Topology(Layout(tp=2, dp=2, ep=2)), _config(), aux_only=True)
     _equivalence(Topology(Layout(tp=2, dp=2, ep=2)), _config(expert_bias=True))
     _equivalence(Topology(Layout(cp=2, dp=2, ep=4)), _config(expert_bias=True))
+    _equivalence(Topology(Layout(tp=2, dp=2, ep=4)), _config(), sp=True)  # folded over TP x DP
+    _equivalence(Topology(Layout(tp=2, dp=2, ep=4)), _config(expert_bias=True))  # ... without SP
+    _equivalence(Topology(Layout(tp=2, cp=2, ep=4)), _config(), aux_only=True)  # folded over TP x CP
 
 
 def test_moe_two_ranks():
@@ -260,8 +265,12 @@ def test_expert_bias_update_counts_each_token_once():
 def test_layout_and_bad_input():
     assert Layout(dp=4, ep=2).groups("ep") == [[0, 1], [2, 3]]
     assert Layout(dp=4, ep=2).groups("edp") == [[0, 2], [1, 3]]
-    assert Layout(tp=2, cp=2, dp=2, ep=2).groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    with pytest.raises(UsageError, match="--ep 3 does not divide DP x CP"):
+    assert Layout(tp=2, cp=2, dp=2, ep=2).groups("ep") == [[0, 1], [2, 3], [4, 5], [6, 7]]  # the TP pairs
+    assert Layout(tp=2, cp=2, dp=2, ep=2).groups("edp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    folded = Layout(tp=2, pp=2, dp=2, ep=4)  # EP over TP x DP: one group a stage, each expert on one rank
+    assert folded.groups("ep") == [[0, 1, 2, 3], [4, 5, 6, 7]] and folded.groups("edp") == [[r] for r in range(8)]
+    assert [folded.ep_coords(r)["ep"] for r in range(8)] == [0, 1, 2, 3] * 2
+    with pytest.raises(UsageError, match=r"--ep 3 does not divide TP x CP x DP = 1 x 1 x 4 = 4, .* use one of 1, 2, 4"):
         Layout(dp=4, ep=3)
     with pytest.raises(UsageError, match="top-k 9 exceeds"):
         MoEConfig(experts=8, top_k=9, ffn=4)
@@ -271,3 +280,36 @@ def test_layout_and_bad_input():
         for bad in (float("nan"), float("inf"), -0.1):
             with pytest.raises(UsageError, match=f"MoE field {name} must be a finite number >= 0"):
                 MoEConfig(experts=8, top_k=2, ffn=4, **{name: bad})
+
+
+def test_force_balance_spreads_a_skewed_router_evenly_in_training_only():
+    """--moe-force-balance (Megatron's --moe-router-force-load-balancing): a router that sends every token to
+    experts 0 and 1 is ignored in training, whose load is then near even (random logits, drawn from the default
+    generator: the same seed, the same routing); evaluation routes by the router."""
+    from megakit.nn.moe import MoE
+
+    gen = torch.Generator().manual_seed(2)
+    common = torch.randn(16, generator=gen)
+    x = common + 0.1 * torch.randn(64, 4, 16, generator=gen)  # every token near one direction
+    loads = {}
+    for force in (False, True):
+        moe = MoE(MoEConfig(experts=8, top_k=2, ffn=8, force_balance=force), 16)
+        for p in moe.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        with torch.no_grad():
+            moe.gate.weight.zero_()
+            moe.gate.weight[:2] = 10 * common  # experts 0 and 1 win every token
+        torch.manual_seed(0)
+        moe.train()(x)
+        loads[force] = moe.stats["tokens_per_expert"].float()
+        moe.eval()(x)
+        assert moe.stats["tokens_per_expert"][:2].sum() == 64 * 4 * 2  # the router's own choice
+    assert loads[False][2:].sum() == 0
+    balanced = loads[True]
+    assert balanced.max() / balanced.mean() < 1.3 and balanced.sum() == 64 * 4 * 2, balanced
+    torch.manual_seed(0)
+    again = MoE(MoEConfig(experts=8, top_k=2, ffn=8, force_balance=True), 16)
+    again.load_state_dict(moe.state_dict())
+    torch.manual_seed(0)
+    again.train()(x)
+    assert torch.equal(again.stats["tokens_per_expert"].float(), balanced)

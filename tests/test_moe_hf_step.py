@@ -1,4 +1,5 @@
-"""A transformers Mixtral or Qwen3-MoE imported, trained one step by megakit at EP2 x TP2 (4 ranks, DP 2), exported: every
+"""A transformers Mixtral or Qwen3-MoE imported, trained one step by megakit at TP2 x DP2 (4 ranks) with EP 2 (Mixtral)
+or EP 4 (Qwen3-MoE) folded over TP x DP, exported: every
 parameter equals transformers' own one-step AdamW training of the same weights on the same batch (issue 20).
 
 The aux loss is off on both sides (``output_router_logits`` False), so the loss is the plain cross-entropy.
@@ -25,7 +26,7 @@ from megakit.train.data import BatchPlan, TokenBatches, load_tokens  # noqa: E40
 
 OPTIMIZER = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-3, "weight_decay": 0.1}  # eps ~ |g|: see above
 CLIP = 1.0
-MICRO, ACCUMULATION, DP, SEQ = 2, 2, 2, 32  # 4 ranks at TP2: DP 2, over which EP 2 splits the experts
+MICRO, ACCUMULATION, DP, SEQ = 2, 2, 2, 32  # 4 ranks at TP2: DP 2
 
 
 def _hf_model(directory, kind: str):
@@ -62,8 +63,9 @@ def _transformers_step(directory, inputs, labels):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
-def test_one_step_at_ep2_tp2_equals_transformers_own_step(tmp_path, kind):
+@pytest.mark.parametrize("kind,ep", [("mixtral", 2), ("qwen3_moe", 4)])
+def test_one_step_at_ep_over_tp2_equals_transformers_own_step(tmp_path, kind, ep):
+    """EP 2 folds over each TP pair (EDP 2), EP 4 over TP 2 x DP 2 (each expert on one rank, EDP 1)."""
     _hf_model(tmp_path / "hf", kind)
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "ck"), "--from-hf"]) == 0
     ds = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
@@ -72,7 +74,7 @@ def test_one_step_at_ep2_tp2_equals_transformers_own_step(tmp_path, kind):
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     out = subprocess.run(["deepspeed", "--num_gpus", "4", "--master_port", str(free_port()), "scripts/train.py",
                           "--ds_config", str(tmp_path / "ds.json"), "--model", str(tmp_path / "hf"), "--load",
-                          str(tmp_path / "ck"), "--steps", "1", "--ep", "2", "--tp", "2", "--seq-len", str(SEQ),
+                          str(tmp_path / "ck"), "--steps", "1", "--ep", str(ep), "--tp", "2", "--seq-len", str(SEQ),
                           "--moe-aux-loss", "0", "--save", str(tmp_path / "trained"), "--no-progress"],
                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=THREADS), capture_output=True, text=True,
                          timeout=300)
@@ -90,7 +92,7 @@ def test_one_step_at_ep2_tp2_equals_transformers_own_step(tmp_path, kind):
     diffs = {k: (got[k] - want[k]).abs().max().item() for k in want}
     moved = min((want[k] - start[k]).abs().max().item() for k in want)
     worst = max(diffs, key=diffs.get)
-    print(f"EP2 x TP2 {kind} step: grad norm {norm:.3f}, max |param diff| {diffs[worst]:.2e} ({worst}), "
+    print(f"EP{ep} over TP2 x DP2 {kind} step: grad norm {norm:.3f}, max |param diff| {diffs[worst]:.2e} ({worst}), "
           f"smallest max move {moved:.2e}")
     assert moved > 1e-4  # every parameter, each expert's included, did move
     assert diffs[worst] < 1e-5, {k: f"{v:.2e}" for k, v in diffs.items() if v >= 1e-5}

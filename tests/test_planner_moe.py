@@ -170,7 +170,7 @@ def test_mixtral_on_16_h100s_gets_expert_parallelism_under_the_line():
     assert best.plan.ep > 1 and best.memory.total <= 0.8 * 80 * GIB
     assert best.memory.items["expert_states"] > 0.5 * best.memory.total  # the experts dominate the memory
     assert all(c.plan.zero_stage < 3 for c in result.ranked)
-    assert {c.plan.ep for c in result.ranked} - {1} and all((c.plan.dp * c.plan.cp) % c.plan.ep == 0
+    assert {c.plan.ep for c in result.ranked} - {1} and all((c.plan.tp * c.plan.dp * c.plan.cp) % c.plan.ep == 0
                                                            for c in result.ranked)
     # without EP nothing this fast fits: the experts would be whole on every GPU of a stage
     ep1 = [c for c in result.ranked if c.plan.ep == 1]
@@ -205,7 +205,7 @@ def test_cli_reports_experts_routing_and_all_to_all(capsys, tmp_path):
     assert code == 0
     report = json.loads(out)
     p, moe = report["plan"], report["assumptions"]["moe"]
-    assert p["ep"] > 1 and p["edp"] * p["ep"] == p["dp"] * p["cp"]
+    assert p["ep"] > 1 and p["edp"] * p["ep"] == p["tp"] * p["dp"] * p["cp"]
     assert p["peak_memory_gib"] <= 0.8 * 80 and p["memory"]["expert_states"] > 0
     assert p["all_to_all_s"] > 0 and 0 < p["all_to_all_fraction"] < p["comm_fraction"] + 1e-9
     assert moe["routing"] == "real" and moe["imbalance"] == ROUTING["real"]
@@ -227,9 +227,31 @@ def test_cli_reports_experts_routing_and_all_to_all(capsys, tmp_path):
         assert needle in out, needle
 
 
+def test_qwen3_235b_at_megatron_bridges_layout_plans_with_ep_folded_over_tp(capsys):
+    """Megatron-Bridge's public Qwen3-235B-A22B recipe (TP 2, PP 8, EP 32 on 256 H100s): EP 32 exceeds DP x CP = 16,
+    so it folds over TP too: 16 TP pairs, 4 nodes; EDP 1."""
+    pinned = ("--model", "models/qwen3-235b-a22b.json", "--gpu", "h100-80gb", "--gpus", "256", "--tp", "2", "--pp",
+              "8", "--ep", "32", "--vpp", "4")
+    code, out, _ = plan_cli(capsys, *pinned, "--json")
+    assert code == 0
+    p = json.loads(out)["plan"]
+    assert (p["tp"], p["pp"], p["dp"], p["ep"], p["edp"]) == (2, 8, 16, 32, 1)
+    assert p["ep_group"] == {"ranks": 32, "consecutive": True, "tp_groups": 16, "nodes": 4, "edp_stride": 32,
+                             "link": "4 nodes (75% of each rank's tokens leave its node)"}
+    assert p["memory"]["expert_states"] > 0 and p["all_to_all_s"] > 0 and p["peak_memory_gib"] <= 80
+    code, out, _ = plan_cli(capsys, *pinned)
+    out = " ".join(out.split())
+    for needle in ("EP x EDP │ 32 x 1", "EP group (all-to-all) │ 32 consecutive ranks, 16 TP group(s), 4 nodes",
+                   "experts: params, grads, Adam", "MoE all-to-all (dispatch + combine)"):
+        assert needle in out, needle
+
+
 MOE_BAD = [
-    (["--model", "mixtral-8x7b", "--gpus", "16", "--ep", "3"], "does not divide the 8 experts"),
-    (["--model", "mixtral-8x7b", "--gpus", "16", "--tp", "1", "--pp", "4", "--ep", "8"], "DP x CP = 4"),
+    (["--model", "mixtral-8x7b", "--gpus", "16", "--ep", "3"], "--ep 3 must divide the 8 experts and the 16 GPUs"),
+    (["--model", "mixtral-8x7b", "--gpus", "16", "--tp", "1", "--pp", "4", "--ep", "8"],
+     "TP x CP x DP = 4 (the 16 GPUs over --pp 4), the ranks expert parallelism folds over; pick --ep 1, 2, 4"),
+    (["--model", "models/qwen3-235b-a22b.json", "--gpu", "h100-80gb", "--gpus", "256", "--tp", "2", "--pp", "8",
+      "--ep", "3"], "pick --ep 1, 2, 4, 8, 16, 32"),
     (["--model", "mistral-7b", "--gpus", "16", "--ep", "2"], "dense"),
     (["--model", "mixtral-8x7b", "--gpus", "16", "--zero", "3"], "--zero 3"),
     (["--model", "mixtral-8x7b", "--gpus", "16", "--moe-imbalance", "0.5"], "--moe-imbalance"),

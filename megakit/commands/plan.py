@@ -102,8 +102,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pins.add_argument("--tp", type=int)
     pins.add_argument("--pp", type=int)
     pins.add_argument("--cp", type=int, help="context parallelism: each sequence split over CP GPUs (ring attention)")
-    pins.add_argument("--ep", type=int, help="expert parallelism (MoE models): experts sharded over EP of the DP x CP "
-                                             "ranks")
+    pins.add_argument("--ep", type=int, help="expert parallelism (MoE models): experts sharded over EP of a stage's "
+                                             "TP x CP x DP ranks (folded: consecutive, TP first)")
     pins.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
     pins.add_argument("--micro-batch", type=int)
     pins.add_argument("--recompute", choices=("none", "selective", "full"))

@@ -78,8 +78,11 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
     plan = Table(title="Plan", show_header=False)
     grid = (("TP x CP x PP x DP", f"{p['tp']} x {p['cp']} x {p['pp']} x {p['dp']} = {p['num_gpus']} GPUs")
             if p.get("cp", 1) > 1 else ("TP x PP x DP", f"{p['tp']} x {p['pp']} x {p['dp']} = {p['num_gpus']} GPUs"))
-    moe = (("experts: EP x EDP", f"{p['ep']} x {p['edp']} (E/EP experts per GPU; attention on TP x CP x DP)"),) \
-        if "moe" in a else ()
+    span = p.get("ep_group")
+    moe = (("experts: EP x EDP", f"{p['ep']} x {p['edp']} (E/EP experts per GPU; EP folded over TP x CP x DP, "
+                                 f"attention on TP x CP x DP)"),
+           *((("EP group (all-to-all)", f"{span['ranks']} consecutive ranks, {span['tp_groups']} TP group(s), "
+                                         f"{span['link']}"),) if span else ())) if "moe" in a else ()
     for key, value in (grid, *moe,
                        ("virtual stages", p["vpp"]), *_layers_row(p), ("schedule", p.get("schedule", "1f1b")),
                        ("ZeRO stage", _zero_stage(p)),

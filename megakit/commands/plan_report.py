@@ -74,9 +74,22 @@ def plan_dict(plan: Plan, mem, cost, cluster: Cluster, tokens, seq_len: int) -> 
         "all_to_all_s": cost.a2a_s, "all_to_all_fraction": cost.a2a_s / cost.step_time_s,
         "num_gpus": plan.world,
     }
+    if plan.ep > 1:
+        out["ep_group"] = ep_group_span(plan, cluster)
     if tokens:
         out["train_days"] = tokens / cost.tokens_per_s / 86400
     return out
+
+
+def ep_group_span(plan: Plan, cluster: Cluster) -> dict:
+    """Where one EP group's all-to-all runs: EP consecutive ranks of a stage (TP first, then CP, then DP:
+    ``megakit.core.layout``), so over how many TP groups and nodes it reaches."""
+    node = cluster.gpus_per_node
+    nodes = -(-plan.ep // node)
+    return {"ranks": plan.ep, "consecutive": True, "tp_groups": -(-plan.ep // plan.tp), "nodes": nodes,
+            "link": "intra-node" if nodes == 1 else f"{nodes} nodes ({(plan.ep - min(plan.ep, node)) / plan.ep:.0%} "
+                                                    "of each rank's tokens leave its node)",
+            "edp_stride": plan.ep}
 
 
 def assumptions(model: ModelSpec, cluster: Cluster, auto: bool, result, precision, flash, threshold,

@@ -23,14 +23,17 @@ With ``Layout(tp=2, cp=2, dp=2)`` (8 ranks): tp groups [0, 1] [2, 3] ..., cp gro
 (the ranks holding the same weights, over which gradients are averaged) [0, 2, 4, 6]
 [1, 3, 5, 7].
 
-Expert parallelism folds onto DP x CP (Megatron's "MoE parallel folding", torchtitan's dp2ep):
-attention keeps the grid above, and the MoE layers' experts are sharded over ``ep`` ranks taken
-from the DP x CP ranks of one (PP, TP) coordinate -- consecutive in the "dpcp" order -- and
-replicated over the rest, the expert-data-parallel group "edp" (expert gradients are reduced
-there). ``Layout(dp=4, ep=2)``: ep groups [0, 1] [2, 3], edp groups [0, 2] [1, 3]. With
-``Layout(tp=2, cp=2, dp=2, ep=2)`` (8 ranks) the EP pairs are the CP rings' ranks: ep groups
-[0, 2] [1, 3] [4, 6] [5, 7], edp groups [0, 4] [1, 5] [2, 6] [3, 7]. Experts are not split over
-TP (expert TP = 1): each TP rank routes its own part of the tokens (``megakit.nn.moe``).
+Expert parallelism folds onto TP x CP x DP (Megatron-Core's "MoE parallel folding", torchtitan's
+dp2ep, with expert TP = 1): attention keeps the grid above, and each pipeline stage's T x C x D ranks,
+taken in rank order (TP fastest, then CP, then DP), are cut into expert-parallel groups "ep" of ``ep``
+consecutive ranks, which split each MoE layer's experts between them; the ranks at the same place of
+every EP group hold the same experts, the expert-data-parallel group "edp" (expert gradients are reduced
+there). So EP x EDP = TP x CP x DP, and an EP group fills its TP groups before it takes ranks of another
+DP or CP replica: at TP 8 with EP 8, the all-to-all stays inside the TP group's node. ``Layout(dp=4,
+ep=2)``: ep groups [0, 1] [2, 3], edp groups [0, 2] [1, 3]. ``Layout(tp=2, dp=2, ep=4)``: one ep group
+[0, 1, 2, 3], edp groups [0] [1] [2] [3]. ``Layout(tp=2, cp=2, dp=2, ep=2)`` (8 ranks): ep groups [0, 1]
+[2, 3] [4, 5] [6, 7] (the TP pairs), edp groups [0, 2, 4, 6] [1, 3, 5, 7]. Each TP rank routes its own
+part of the tokens (``megakit.nn.moe``).
 
 ``Layout`` is pure data and needs no processes; ``megakit.nn.topology.Topology`` adds
 the torch.distributed groups for the calling rank.
@@ -54,17 +57,19 @@ class Layout:
     pp: int = 1
     dp: int = 1
     cp: int = 1
-    ep: int = 1  # expert parallelism, folded onto DP x CP (not an axis of its own)
+    ep: int = 1  # expert parallelism, folded onto TP x CP x DP (not an axis of its own)
 
     def __post_init__(self) -> None:
         for axis in (*AXES, "ep"):
             size = getattr(self, axis)
             if not isinstance(size, int) or size < 1:
                 raise UsageError(f"--{axis} must be a positive integer, got {size!r}")
-        if (self.dp * self.cp) % self.ep:
-            raise UsageError(f"--ep {self.ep} does not divide DP x CP = {self.dp} x {self.cp}; expert parallelism "
-                             "takes its ranks from the data- and context-parallel ranks: choose an EP that divides "
-                             f"{self.dp * self.cp}")
+        folded = self.tp * self.cp * self.dp
+        if folded % self.ep:
+            divisors = ", ".join(str(d) for d in range(1, folded + 1) if folded % d == 0)
+            raise UsageError(f"--ep {self.ep} does not divide TP x CP x DP = {self.tp} x {self.cp} x {self.dp} = "
+                             f"{folded}, the ranks of a pipeline stage that expert parallelism folds over; use one of "
+                             f"{divisors}")
 
     @classmethod
     def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> "Layout":
@@ -95,8 +100,7 @@ class Layout:
 
     def ep_coords(self, rank: int) -> dict[str, int]:
         """``{"ep": ., "edp": .}``: a rank's index in its EP group (which experts it holds) and in its EDP group."""
-        c = self.coords(rank)
-        folded = c["cp"] + self.cp * c["dp"]
+        folded = rank % (self.tp * self.cp * self.dp)  # the rank's place in its pipeline stage
         return {"ep": folded % self.ep, "edp": folded // self.ep}
 
     def groups(self, kind: str) -> list[list[int]]:
@@ -109,13 +113,11 @@ class Layout:
         experts, over which expert gradients are averaged).
         """
         if kind in ("ep", "edp"):
-            out = []
+            stage, out = self.tp * self.cp * self.dp, []
             for p in range(self.pp):
-                for t in range(self.tp):
-                    folded = [self.rank(pp=p, dp=d, cp=c, tp=t) for d in range(self.dp) for c in range(self.cp)]
-                    n = self.ep if kind == "ep" else len(folded) // self.ep
-                    out += ([folded[i:i + n] for i in range(0, len(folded), n)] if kind == "ep"
-                            else [folded[i::self.ep] for i in range(self.ep)])
+                folded = list(range(p * stage, (p + 1) * stage))
+                out += ([folded[i:i + self.ep] for i in range(0, stage, self.ep)] if kind == "ep"
+                        else [folded[i::self.ep] for i in range(self.ep)])
             return sorted(out)
         if kind == "mp":
             return sorted(

@@ -41,6 +41,8 @@ class MoEConfig:
     seq_aux_loss_coeff: float = 0.0  # the same, per sequence (DeepSeek-V3)
     z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
     capacity_factor: float | None = None  # None: dropless
+    force_balance: bool = False  # benchmarking aid: experts chosen from random logits (Megatron's
+    # --moe-router-force-load-balancing), the load balanced in expectation whatever the data; never a model's own
 
     def __post_init__(self) -> None:
         for name in ("experts", "top_k", "ffn", "groups", "group_top_k"):

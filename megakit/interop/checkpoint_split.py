@@ -71,8 +71,8 @@ def writes(name: str, tensor: torch.Tensor, topo) -> bool:
     """Whether this rank writes its piece of ``tensor`` (within a stage; the stage itself is decided by the caller)."""
     tp_rank = 0 if topo is None else topo.tp_rank
     _, _, edp_first = ep_place(topo)
-    if is_expert(tensor):
-        return edp_first and tp_rank == 0
+    if is_expert(tensor):  # EP > 1: EP ranks of any TP rank hold their own experts (folded over TP x CP x DP)
+        return edp_first and (getattr(topo, "ep", 1) > 1 or tp_rank == 0)
     dp_first = topo is None or (topo.dp_rank == 0 and getattr(topo, "cp_rank", 0) == 0)
     return dp_first and (getattr(tensor, "tp_dim", None) is not None or tp_rank == 0)
 

@@ -14,17 +14,22 @@ mapping is a rename-free stack/unstack, ``megakit.interop.hf``):
 Layout. Experts are not split over TP (expert TP = 1). The block works on *this TP rank's part of
 the tokens*: with sequence parallelism that is its ``S/tp`` rows as they come; without it the
 replicated ``(S, B, H)`` input is cut into ``S/tp`` rows (forward: keep the slice, backward:
-all-gather) and the output gathered back (forward: all-gather, backward: keep the slice). Every
-parameter of the block then gets a partial gradient on each TP rank, summed over TP in backward
-(``tensor_parallel.replicated``). Tokens go to the experts' EP ranks by ``megakit.nn.moe_dispatch``.
-The result equals the single-process block at every TP x CP x EP layout (dropless routing).
+all-gather) and the output gathered back (forward: all-gather, backward: keep the slice); Megatron
+requires SP for MoE with TP, megakit does the slicing itself instead. The router and the shared
+expert are replicated over TP: each TP rank's partial gradient is summed over TP in backward
+(``tensor_parallel.replicated``). Tokens go to the experts' EP ranks by ``megakit.nn.moe_dispatch``;
+the EP group is folded over TP x CP x DP (``megakit.core.layout``), so with EP > 1 the TP ranks of a
+group may hold different experts, and an expert's gradient is summed over the ranks that hold it
+(EDP, by the trainer), never over TP. At EP 1 every rank holds every expert, replicated over TP like
+the router. The result equals the single-process block at every TP x CP x EP layout (dropless routing).
 
 Gradient reduction (for the trainer). After backward, dense parameters hold their TP x CP share
 (CP times it, megakit's CP convention) and are averaged over DP x CP. An expert's gradient on a
 rank already sums the contributions of every token of its EP group (the all-to-all's backward
-brought them), so: **sum expert gradients over the EDP group and divide by DP x CP** -- the
-divisor of the dense average (as DeepSpeed's ZeRO-1/2 does for its MoE parameter groups). Simply
-averaging over EDP would leave them EP times too large.
+brought them, from every TP rank of the group too), so: **sum expert gradients over the EDP group
+and divide by DP x CP** -- the divisor of the dense average (as DeepSpeed's ZeRO-1/2 does for its
+MoE parameter groups). The EDP sum covers every token slice of the stage once (EP x EDP = TP x CP x
+DP); simply averaging over EDP would leave them EP / TP times too large.
 
 Balancing losses (``moe_router``): the block adds ``aux_loss_coeff * aux + seq_aux_loss_coeff *
 seq_aux + z_loss_coeff * z`` to the training objective by itself, Megatron's
@@ -194,11 +199,15 @@ class MoE(nn.Module):
         fp = torch.promote_types(tokens.dtype, torch.float32)  # fp32, or fp64 in fp64 tests
         logits = F.linear(tokens.to(fp), copy_to_tp(self.gate.weight, tp).to(fp))  # (N, E)
         bias = getattr(self.gate, "e_score_correction_bias", None)
+        if cfg.force_balance and self.training:  # --moe-force-balance: a draw of this rank's default generator,
+            # seeded from --seed and its place in the grid (Megatron's apply_random_logits); the router learns nothing
+            logits = torch.randn(logits.shape, dtype=logits.dtype, device=logits.device)
         experts, weights, scores = route(logits, cfg, bias)
         keep = None if cfg.capacity_factor is None else capacity_keep(experts, weights, cfg.experts,
                                                                       cfg.capacity_factor)
         rows, counts, plan = self.dispatcher.dispatch(tokens, experts, keep)
-        slots = self.dispatcher.combine(self.experts(rows, counts, tp), plan)  # (N, k, H)
+        experts_tp = tp if self.ep == 1 else None  # EP > 1: the experts' gradient is summed over EDP instead
+        slots = self.dispatcher.combine(self.experts(rows, counts, experts_tp), plan)  # (N, k, H)
         y = (slots * weights.unsqueeze(-1).to(slots.dtype)).sum(1)  # fixed order: deterministic
         if cfg.shared_ffn:
             shared = self.shared_expert(tokens, tp)

@@ -15,8 +15,12 @@ and ``deepspeed.utils.groups`` holds the EP and EDP groups under that name. Give
 - ZeRO 1-2: the experts get optimizer groups of their own (``split_params_into_different_
   moe_groups_for_optimizer``, from the named groups of ``megakit.train.optim``), whose fp32
   master, moments and gradient partitions are sharded and reduce-scattered over EDP
-  (``_configure_moe_settings``), again divided by DP x CP; its gradient norm sums every
-  expert element once over DP x CP, then TP x PP (experts count on TP rank 0).
+  (``_configure_moe_settings``), again divided by DP x CP; its gradient norm sums every rank's
+  squares over DP x CP, then over TP x PP. The EP group is folded over TP x CP x DP
+  (``megakit.core.layout``), so the TP ranks of a stage may hold different experts: each expert is
+  marked ``model_parallel`` (DeepSpeed's ``is_model_parallel_parameter``), counted on every TP rank
+  rather than on TP rank 0 only, and the two sums then see each element of each expert's EDP
+  partition once.
 
 Why DeepSpeed's and not megakit's own reduction: at ZeRO 0 megakit could reduce (as
 ``dp_sync`` does), but at ZeRO 1-2 the optimizer state must be partitioned over EDP inside
@@ -58,6 +62,7 @@ def mark_experts(module: torch.nn.Module, ep: int) -> int:
     params = expert_parameters(module) if ep > 1 else {}
     for p in params.values():
         p.allreduce, p.group_name = False, group_name(ep)
+        p.model_parallel = True  # held by one rank of each EDP group, whatever its TP rank: counted in the norm there
     return len(params)
 
 

@@ -2,8 +2,9 @@
 
 TP shards count once each, replicated parameters once per stage (on TP rank 0), and the
 tied embedding copy on the last stage (``ds_pipe_replicated``) not at all. Routed experts
-(``megakit.train.experts``) are replicated over TP and split over EP: they count on TP rank 0,
-summed over the EP group. DeepSpeed's
+(``megakit.train.experts``) are split over the EP group, which is folded over TP x CP x DP: one
+sum over the EP group counts each of the stage's experts once, and it joins the rest on TP rank
+0. DeepSpeed's
 fp32 ZeRO-0 path ignores that mark and does not report the norm, so there megakit clips
 itself with the same rule.
 """
@@ -38,11 +39,14 @@ def global_grad_norm(params, topo) -> tuple[float, bool]:
     finite = True
     for p in params:
         finite &= bool(torch.isfinite(p.grad).all())
-        if counted_in_norm(p, topo):
-            (experts if is_expert(p) else local).add_(p.grad.detach().double().pow(2).sum())
+        if is_expert(p):
+            experts.add_(p.grad.detach().double().pow(2).sum())
+        elif counted_in_norm(p, topo):
+            local.add_(p.grad.detach().double().pow(2).sum())
     if getattr(topo, "ep", 1) > 1:  # each EP rank holds other experts (reduced over EDP: the same there)
         comm.all_reduce(experts, topo.ep_group)
-    local += experts
+    if topo.tp_rank == 0:  # the EP group's sum is the same on each of its TP ranks: counted once
+        local += experts
     if topo.tp * topo.pp > 1:
         comm.all_reduce(local, topo.mp_group)
     return float(local.sqrt()), finite

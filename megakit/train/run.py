@@ -37,7 +37,8 @@ from megakit.train.spikes import data_offset
 RECOMPUTE = ("none", "selective", "full")
 
 
-MOE_FLAGS = ("moe_aux_loss", "moe_z_loss", "moe_capacity_factor", "moe_expert_bias")  # TrainConfig's --moe-* fields
+MOE_FLAGS = ("moe_aux_loss", "moe_z_loss", "moe_capacity_factor", "moe_expert_bias",
+             "moe_force_balance")  # TrainConfig's --moe-* fields
 DOCUMENT_FLAGS = ("reset_attention_mask", "reset_position_ids", "eod_mask_loss")  # its packed-document fields
 
 
@@ -52,11 +53,12 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallelism: the sequence split over CP ranks, attention as ring attention
-    ep: int = 1  # expert parallelism: each MoE layer's experts split over EP ranks taken from DP x CP
+    ep: int = 1  # expert parallelism: each MoE layer's experts split over EP ranks folded over TP x CP x DP
     moe_aux_loss: float | None = None  # overrides of the model's MoEConfig (None: the config's own)
     moe_z_loss: float | None = None
     moe_capacity_factor: float | None = None
     moe_expert_bias: bool = False  # aux-loss-free balancing (DeepSeek-V3's expert bias)
+    moe_force_balance: bool = False  # benchmarking aid: random routing, balanced in expectation (Megatron's flag)
     seq_len: int | None = None
     seed: int = 0
     vpp: int = 1
@@ -258,7 +260,8 @@ def _check_schedule(schedule: str, *, pp: int, vpp: int, accumulation: int) -> N
 def moe_overrides(cfg: TrainConfig) -> dict:
     """The ``MoEConfig`` fields the ``--moe-*`` flags set (empty: none given)."""
     out = {"aux_loss_coeff": cfg.moe_aux_loss, "z_loss_coeff": cfg.moe_z_loss,
-           "capacity_factor": cfg.moe_capacity_factor, "expert_bias": cfg.moe_expert_bias or None}
+           "capacity_factor": cfg.moe_capacity_factor, "expert_bias": cfg.moe_expert_bias or None,
+           "force_balance": cfg.moe_force_balance or None}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -269,7 +272,8 @@ def with_moe_flags(model: ModelConfig, cfg: TrainConfig) -> ModelConfig:
         return model
     if model.moe is None:
         flags = ", ".join("--" + {"aux_loss_coeff": "moe-aux-loss", "z_loss_coeff": "moe-z-loss",
-                                  "capacity_factor": "moe-capacity-factor", "expert_bias": "moe-expert-bias"}[k]
+                                  "capacity_factor": "moe-capacity-factor", "expert_bias": "moe-expert-bias",
+                                  "force_balance": "moe-force-balance"}[k]
                           for k in changes)
         raise UsageError(f"{flags}: model {cfg.model} has no experts; drop the flag, or train an MoE model "
                          "(e.g. --model moe-tiny)")
@@ -286,12 +290,12 @@ def _check_expert_parallel(cfg: TrainConfig, model: ModelConfig, layout: Layout,
     if model.moe.experts % cfg.ep:
         raise UsageError(f"--ep {cfg.ep} does not divide the {model.moe.experts} experts of each MoE layer; use a "
                          f"divisor of {model.moe.experts}")
-    dpcp = layout.dp * layout.cp
-    if dpcp % cfg.ep:
-        what = f"DP x CP = {layout.dp} x {layout.cp}" if layout.cp > 1 else f"DP {layout.dp}"
-        raise UsageError(f"--ep {cfg.ep} does not divide {what}: the expert-parallel ranks are taken from the ranks "
-                         f"that share the weights; launch a multiple of TP x PP x EP = "
-                         f"{layout.tp * layout.pp * cfg.ep} processes, or use another --ep")
+    folded = layout.tp * layout.cp * layout.dp
+    if folded % cfg.ep:
+        divisors = ", ".join(str(d) for d in range(1, folded + 1) if folded % d == 0)
+        raise UsageError(f"--ep {cfg.ep} does not divide TP x CP x DP = {layout.tp} x {layout.cp} x {layout.dp} = "
+                         f"{folded}: the expert-parallel ranks are folded over a pipeline stage's ranks; use one of "
+                         f"{divisors}, or launch a multiple of PP x EP = {layout.pp * cfg.ep} processes")
     stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     if stage == 3:
         raise UsageError(f"--ep {cfg.ep} with ZeRO 3: DeepSpeed partitions only its own AutoEP experts at stage 3, "

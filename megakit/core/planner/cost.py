@@ -146,7 +146,7 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     cp_s = _ring_exposed(model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s)
     a2a_s = (4 + 2 * recomputed) * all_to_all_time(
         cluster, tokens / t * model.moe.top_k * routed_imbalance(model, plan.moe_imbalance, plan.ep) * model.hidden * nbytes,
-        plan.ep, 1 if plan.ep_over_tp else t) if moe else 0.0
+        plan.ep, 1) if moe else 0.0  # the EP group: consecutive ranks (core.layout), over TP first
     layer_s = overlapped(block.total + tp_s + cp_s + a2a_s, block.cpu)  # the host issues while the GPU runs
     dense_s = overlapped(dense_block.total + tp_s + cp_s, dense_block.cpu)
 
@@ -191,13 +191,14 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
                          layer_bwd_s=block.backward + (2 + 2 * recomputed) * one_tp)
 
     psi_e = stage_expert_params(model, pp=p, stage=worst, ep=plan.ep, vpp=v)
-    if psi_e:  # expert gradients: over the EDP ranks (EP x TP apart), and over TP, which routes other tokens
-        experts = dataclasses.replace(replicas, dp=plan.edp, tp=t * plan.ep, compress="none")  # tp: the stride
+    if psi_e:  # expert gradients: over the EDP ranks (EP apart); at EP 1 also over TP, which routes other tokens
+        experts = dataclasses.replace(replicas, dp=plan.edp, tp=plan.ep, compress="none")  # tp: the stride
         dp_exposed += dp_time(cluster, experts, psi=psi_e, layer_params=psi_e / max(moes[worst], 1),
                               layers=moes[worst], stage_s=max(stage_s), layer_fwd_s=block.forward,
                               layer_bwd_s=block.backward)
-        rbytes = PRECISIONS[plan.grad_reduce_precision]
-        dp_exposed += exposed(max(stage_s) * 2 / 3, collective_time(psi_e * rbytes, t, tp_bw, tp_where))
+        if plan.ep == 1:
+            rbytes = PRECISIONS[plan.grad_reduce_precision]
+            dp_exposed += exposed(max(stage_s) * 2 / 3, collective_time(psi_e * rbytes, t, tp_bw, tp_where))
 
     shard = (replicas.shard_group if plan.zero_stage == 3 else d * plan.cp) if plan.zero_stage >= 1 else 1
     local = psi / shard + psi_e / (plan.edp if plan.zero_stage >= 1 else 1)  # parameters this GPU steps

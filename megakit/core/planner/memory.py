@@ -207,7 +207,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     ``gathered_inputs``: with SP the column-parallel layers keep their all-gathered input (torchtitan)
     instead of re-gathering it in backward (Megatron-LM, Korthikanti's table; megakit's layers too).
     ``ep``: expert parallelism (``stage_expert_params``; ZeRO shards the experts' states over the
-    EDP = DP x CP / EP ranks that hold the same experts); ``moe_imbalance``: the busiest rank's share
+    EDP = TP x CP x DP / EP ranks that hold the same experts); ``moe_imbalance``: the busiest rank's share
     of routed tokens over the balanced one (``routing_tensors``).
     ``megatron``: Megatron-LM's trainer (``Plan.megatron``): fp32 main gradients (``model_state_bytes``), its fused
     SwiGLU (``activation_tensors(fused_swiglu=True)``). ``loss_chunks``: the head
@@ -233,11 +233,12 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     n_layers = stage_layer_counts(model, pp, vpp)[stage] if layers is None else layers
     psi = stage_params(model, tp=tp, pp=pp, stage=stage, layers=layers, vpp=vpp)
     moe = model.config.moe is not None
-    if ep < 1 or dp % ep or (moe and model.config.moe.experts % ep) or (ep > 1 and not moe):
-        raise UsageError(f"EP {ep} must divide DP x CP {dp} and the experts of an MoE model")
+    folded = tp * dp  # TP x CP x DP (dp counts the CP ranks here): the ranks EP folds over
+    if ep < 1 or folded % ep or (moe and model.config.moe.experts % ep) or (ep > 1 and not moe):
+        raise UsageError(f"EP {ep} must divide TP x CP x DP {folded} and the experts of an MoE model")
     psi_experts = stage_expert_params(model, pp=pp, stage=stage, ep=ep, layers=n_layers if layers is not None
                                       else None, vpp=vpp)
-    edp = dp // ep  # before HSDP: ZeRO-3 is not offered with experts
+    edp = folded // ep  # before HSDP: ZeRO-3 is not offered with experts
     if zero_stage == 3 and 0 < dp_shard < dp:  # HSDP: states sharded inside the shard group only
         dp = dp_shard
     items = model_state_bytes(psi, dp=dp, zero_stage=zero_stage, precision=precision, offload=offload,

@@ -135,15 +135,10 @@ def _check_ep(model: ModelSpec, pins: Pins, world: int) -> None:
             raise UsageError(f"--ep {pins.ep} needs a Mixture-of-Experts model, and {model.name} is dense; "
                              "drop --ep or plan an MoE config (e.g. --model mixtral-8x7b)")
         return
-    if moe.experts % pins.ep:
-        ok = [e for e in divisors(moe.experts) if e <= world]
-        raise UsageError(f"--ep {pins.ep} does not divide the {moe.experts} experts; pick --ep "
-                         f"{' or '.join(map(str, ok))}")
-    if world % pins.ep:
-        raise UsageError(f"--ep {pins.ep} does not divide the {world} GPUs; pick an EP that divides both")
-    if pins.tp is not None and pins.pp is not None:
-        dpcp = world // (pins.tp * pins.pp)
-        if dpcp % pins.ep:
-            raise UsageError(f"--ep {pins.ep} does not divide DP x CP = {dpcp} (the {world} GPUs over --tp {pins.tp} "
-                             f"x --pp {pins.pp}): experts are sharded over data-parallel ranks; pick --ep dividing "
-                             f"{dpcp}")
+    stage = world // pins.pp if pins.pp is not None else world  # TP x CP x DP: the ranks EP folds over
+    if moe.experts % pins.ep or stage % pins.ep:
+        ok = ", ".join(str(e) for e in divisors(stage) if moe.experts % e == 0)
+        ranks = (f"TP x CP x DP = {stage} (the {world} GPUs over --pp {pins.pp})" if pins.pp is not None
+                 else f"the {world} GPUs")
+        raise UsageError(f"--ep {pins.ep} must divide the {moe.experts} experts and {ranks}, the ranks expert "
+                         f"parallelism folds over; pick --ep {ok}")

@@ -71,12 +71,12 @@ class Plan:
     zero3: str = "deepspeed"  # who runs ZeRO-3 (sharding.ZERO3): DeepSpeed today, FSDP, or DeepSpeed of 2021
     reduce_precision: str = ""  # dtype of the gradient reduction ('fp32' in FSDP2's default policy); '': training's
     compress: str = "none"  # megakit's DP gradient compression (--compress; ZeRO 0): core.compression prices it
-    # Mixture of Experts: the experts sharded over EP ranks taken from DP x CP, replicated over the
-    # EDP = DP x CP / EP ranks left (and over TP: ETP = 1); ``moe_imbalance``: tokens the busiest
-    # expert rank gets over the balanced share (1.0: forced-balanced routing, as most published runs).
+    # Mixture of Experts: the experts sharded over EP consecutive ranks of a stage's TP x CP x DP (the trainer's
+    # folding, ``core.layout``; Megatron-Core's with ETP = 1), replicated over the EDP = TP x CP x DP / EP ranks
+    # left; ``moe_imbalance``: tokens the busiest expert rank gets over the balanced share (1.0: forced-balanced
+    # routing, as most published runs).
     ep: int = 1
     moe_imbalance: float = 1.0
-    ep_over_tp: bool = False  # EP ranks contiguous, folded over TP too (Megatron's calibration rows), not TP apart
     loss_chunks: int = 1  # the LM head and loss over K token chunks (--loss-chunks; 0: the trainer's auto rule)
 
     @property
@@ -102,8 +102,8 @@ class Plan:
 
     @property
     def edp(self) -> int:
-        """Expert-data-parallel ranks: the DP x CP replicas of one expert shard."""
-        return self.dp * self.cp // self.ep
+        """Expert-data-parallel ranks: the replicas of one expert shard, EP ranks apart (EP x EDP = TP x CP x DP)."""
+        return self.tp * self.dp * self.cp // self.ep
 
     @property
     def global_batch(self) -> int:

@@ -14,7 +14,8 @@ keeps its ring on NVLink, and the cost model prefers CP inside the node to TP ac
 search never builds).
 
 Expert parallelism (EP) is searched for an MoE model (or pinned, ``--ep``) inside each layout: every
-degree that divides DP x CP and the experts (Megatron's "MoE parallel folding", torchtitan's dp2ep);
+degree that divides TP x CP x DP and the experts (Megatron's "MoE parallel folding" with expert TP 1,
+torchtitan's dp2ep), EP consecutive ranks of a stage, so an EP group fills its node before it leaves it;
 attention stays on TP x CP x DP x PP. ZeRO-3 is not offered for MoE models.
 
 Pruning keeps the search fast: a layout whose model states alone already exceed
@@ -311,15 +312,16 @@ class _Context:
                 self._layout(tp, pp, dp, zero, cp)
 
     def _eps(self, tp, pp, dp, cp) -> list[int]:
-        """EP degrees for this layout: the pin, or every one dividing DP x CP and the experts (1 if dense)."""
+        """EP degrees for this layout: the pin, or every one dividing TP x CP x DP and the experts (1 if dense)."""
         moe = self.model.moe
         if moe is None:
             return [1]
-        eps = [self.pins.ep] if self.pins.ep is not None else divisors(dp * cp)
-        ok = [e for e in eps if (dp * cp) % e == 0 and moe.experts % e == 0]
+        folded = tp * dp * cp
+        eps = [self.pins.ep] if self.pins.ep is not None else divisors(folded)
+        ok = [e for e in eps if folded % e == 0 and moe.experts % e == 0]
         for e in sorted(set(eps) - set(ok)):
-            self.reject(Plan(tp=tp, pp=pp, dp=dp, cp=cp, ep=e), f"EP={e} does not divide DP x CP = {dp * cp} and the "
-                        f"{moe.experts} experts", unique_key=("ep", e, dp * cp), kind="ep")
+            self.reject(Plan(tp=tp, pp=pp, dp=dp, cp=cp, ep=e), f"EP={e} does not divide TP x CP x DP = {folded} "
+                        f"and the {moe.experts} experts", unique_key=("ep", e, folded), kind="ep")
         return ok
 
     def _layout(self, tp, pp, dp, zero, cp=1) -> None:
