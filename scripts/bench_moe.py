@@ -7,7 +7,9 @@ weights and the same tokens, in one run. DeepSpeed runs at capacity factor ``E /
 is every token and it drops none (megakit is dropless); both route the same way (softmax, top-2,
 renormalised), which the printed output difference confirms. The two are timed in alternating
 rounds so machine load hits both alike; the median round counts. Each rank also times megakit at
-EP = 1 against transformers' ``MixtralSparseMoeBlock`` on its own tokens (rank 0's figures shown).
+EP = 1 against transformers' ``MixtralSparseMoeBlock`` on its own tokens (rank 0's figures shown), and
+megakit's EP 2 folded over a TP pair (each TP rank routing its rows of the replicated input, the output
+gathered back) against DeepSpeed's layer given those rows.
 
     python scripts/bench_moe.py                       # hidden 256, ffn 512, 8 experts, top-2, 1024 tokens/rank
     python scripts/bench_moe.py --experts 16 --tokens 2048
@@ -123,6 +125,23 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
     ep2 = _timed({"megakit": step(ours, x_ours), "deepspeed": step(theirs, x_theirs, lambda y: y[0])}, args.reps,
                  dist.barrier)
 
+    # EP 2 folded over TP 2 (DP 1): both ranks hold the TP group's whole (S, B, H) input, each routes its S/TP rows
+    # and the output is gathered back; DeepSpeed's layer gets the same rows of each rank to route (what it would
+    # route with its duplicate tokens dropped), so both do the work of the ep2 row plus, for megakit, the gather.
+    folded = Topology(Layout(tp=world, ep=world))
+    ours_tp = load(MoE(config, h, group=folded.tp_group, ep_group=folded.ep_group), folded.ep_rank, e // world)
+    rows = args.tokens // args.batch
+    x_group = torch.randn(world * rows, args.batch, h, generator=torch.Generator().manual_seed(7))  # same on both
+    x_tp = x_group.clone().requires_grad_()
+    x_half = x_group[rank * rows:(rank + 1) * rows].transpose(0, 1).contiguous().requires_grad_()
+    with torch.no_grad():
+        diff_tp = (ours_tp(x_tp)[rank * rows:(rank + 1) * rows].transpose(0, 1) - theirs(x_half)[0]).abs().max().item()
+    for _ in range(args.warmup):
+        step(ours_tp, x_tp)()
+        step(theirs, x_half, lambda y: y[0])()
+    tp2 = _timed({"megakit": step(ours_tp, x_tp), "deepspeed": step(theirs, x_half, lambda y: y[0])}, args.reps,
+                 dist.barrier)
+
     # EP = 1 against transformers' block, on this rank's tokens alone.
     single = load(MoE(config, h), 0, e)
     hf = MixtralSparseMoeBlock(MixtralConfig(hidden_size=h, intermediate_size=f, num_local_experts=e,
@@ -137,7 +156,7 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
         step(hf, x_theirs)()
     ep1 = _timed({"megakit": step(single, x_ours), "transformers": step(hf, x_theirs)}, args.reps, lambda: None)
     if rank == 0:
-        results.put((diff, ep2, diff1, ep1))
+        results.put((diff, ep2, diff1, ep1, diff_tp, tp2))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -163,7 +182,7 @@ def main(argv=None) -> int:
         return 2
 
     try:
-        (diff, ep2, diff1, ep1), = run_workers(_worker, world, args)
+        (diff, ep2, diff1, ep1, diff_tp, tp2), = run_workers(_worker, world, args)
     except WorkerFailed as exc:
         print(f"bench_moe.py: error: {exc}", file=sys.stderr)
         return 1
@@ -179,6 +198,11 @@ def main(argv=None) -> int:
     print(f"EP 2, two processes: max |output difference| vs DeepSpeed {diff:.2e} (DeepSpeed drops no token)")
     print(f"  megakit MoE (all-to-all, variable splits)   {med2['megakit'] * 1e3:9.2f} ms")
     print(f"  deepspeed.moe.layer.MoE (capacity E/k)      {med2['deepspeed'] * 1e3:9.2f} ms")
+    medtp = {k: statistics.median(v) for k, v in tp2.items()}
+    print(f"EP 2 folded over TP 2 (DP 1): max |output difference| vs DeepSpeed {diff_tp:.2e}")
+    print(f"  megakit MoE (EP over the TP pair, S/TP rows each, output gathered) {medtp['megakit'] * 1e3:9.2f} ms")
+    print(f"  deepspeed.moe.layer.MoE (EP 2, the same rows per rank)             {medtp['deepspeed'] * 1e3:9.2f} ms   "
+          f"ratio {medtp['megakit'] / medtp['deepspeed']:.3f}")
     print(f"ratio {med2['megakit'] / med2['deepspeed']:.3f}")
     return 0
 
