@@ -107,14 +107,17 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
 
 
 def routing_tensors(model: ModelSpec, *, tp: int = 1, precision: str = "bf16",
-                    imbalance: float = 1.0) -> list[SavedTensor]:
+                    imbalance: float = 1.0, megatron: bool = False) -> list[SavedTensor]:
     """What an MoE block keeps for backward beyond attention and the shared experts, per token of
     the sequence: each TP rank routes 1/TP of the tokens (the split sequence parallelism makes). The
     router's fp32 probabilities and its int64 permutation map (E per token: Megatron's estimator,
     ModelZoo misc/tools/deepseek_mem_estimate.py), and on the expert side, top-k copies of every
     token: the permuted tokens (fc1's input), fc1's gate and up output, the SwiGLU output (fc2's input)
     and the expert outputs (the combine's input, for the gradient of the probabilities). The busiest
-    rank holds ``imbalance`` times the balanced share of those (a capacity factor caps it)."""
+    rank holds ``imbalance`` times the balanced share of those (a capacity factor caps it). ``megatron``:
+    Megatron-Core's grouped experts multiply the probabilities inside the fused SwiGLU
+    (``weighted_bias_swiglu_impl`` in megatron/core/transformer/moe/experts.py), so its unpermute needs no
+    expert output for their gradient; megakit weighs the combined slots afterwards and keeps them."""
     m = model.config.moe
     p = PRECISIONS[precision]
     k = m.top_k * imbalance / tp
@@ -123,7 +126,7 @@ def routing_tensors(model: ModelSpec, *, tp: int = 1, precision: str = "bf16",
             SavedTensor("permuted tokens", k * model.hidden, 0.0, p, "tp"),
             SavedTensor("expert fc1 output", k * 2 * m.ffn, 0.0, p, "tp"),
             SavedTensor("expert fc2 input", k * m.ffn, 0.0, p, "tp"),
-            SavedTensor("expert outputs", k * model.hidden, 0.0, p, "tp")]
+            *([] if megatron else [SavedTensor("expert outputs", k * model.hidden, 0.0, p, "tp")])]
 
 
 def routed_imbalance(model: ModelSpec, imbalance: float, ep: int) -> float:

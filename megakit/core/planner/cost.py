@@ -14,11 +14,14 @@ each K/V block around the CP group beside the block's attention, exposed only wh
 reduce-scatter, ZeRO-3/FSDP gathers prefetched behind the previous block), then the optimizer step.
 
 An MoE block (``compute.block_time(moe=True)``) adds its dispatch and combine all-to-alls over the EP
-group (``sharding.all_to_all_time``: NVLink while EP x TP fits a node, the network for what leaves it):
-each moves top-k copies of the rank's tokens (its 1/TP share), of which (EP - 1)/EP leave the rank,
+group, EP consecutive ranks (TP first: ``core.layout``), NVLink while it fits a node, the network for what
+leaves it: with ``Plan.dispatcher`` "alltoall" (megakit's, Megatron's alltoall) each moves top-k copies of
+the rank's tokens (its 1/TP share), of which (EP - 1)/EP leave the rank (``sharding.all_to_all_time``);
+with "deepep" (DeepEP/HybridEP) one copy per node reached (``sharding.node_deduplicated_all_to_all_time``);
 times the routing imbalance on the busiest rank; four per block and micro-batch (forward dispatch and
-combine, their backward twins), two more when the block is recomputed; not overlapped. Expert
-gradients reduce over the EDP ranks (and over TP, whose ranks route different tokens through the same
+combine, their backward twins), two more when the block is recomputed; not overlapped (Megatron's 1F1B
+A2A overlap is listed in tests/data/moe-runs.json, not priced). Expert gradients
+reduce over the EDP ranks (and over TP at EP 1, whose ranks route different tokens through the same
 experts), beside the dense ones over DP x CP.
 
 One set of constants (here, in ``compute`` and ``sharding``, and the GPU presets' measured matmul and
@@ -44,6 +47,7 @@ from megakit.core.planner.sharding import (
     LINK_EFFICIENCY,
     all_to_all_time,
     collective_time,
+    node_deduplicated_all_to_all_time,
     dp_time,
     exposed,
     group_bandwidth,
@@ -117,6 +121,15 @@ def weight_grad_share(model: ModelSpec, seq_len: int, plan: Plan) -> float:
     return 2 * weights / total
 
 
+def _dispatch_time(model: ModelSpec, cluster: Cluster, plan: Plan, token_bytes: float) -> float:
+    """One dispatch (or combine) of this rank's tokens (``token_bytes`` once) over its EP group, consecutive
+    ranks (``core.layout``); the busiest rank receives ``routed_imbalance`` times the balanced share."""
+    k = model.moe.top_k * routed_imbalance(model, plan.moe_imbalance, plan.ep)
+    if plan.dispatcher == "deepep":
+        return node_deduplicated_all_to_all_time(cluster, token_bytes, k, plan.ep)
+    return all_to_all_time(cluster, token_bytes * k, plan.ep, 1)
+
+
 def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | None = None) -> Cost:
     s = model.seq_len if seq_len is None else seq_len
     t, p, d, v, b, m = plan.tp, plan.pp, plan.dp, plan.vpp, plan.micro_batch, plan.accumulation
@@ -144,9 +157,8 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     if plan.comm_overlap and t > 1:  # every exchange pipelined with its GEMM: only what outlasts the block shows
         tp_s = exposed(block.total, (4 + 2 * recomputed + (1 if plan.sequence_parallel else 0)) * one_tp)
     cp_s = _ring_exposed(model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s)
-    a2a_s = (4 + 2 * recomputed) * all_to_all_time(
-        cluster, tokens / t * model.moe.top_k * routed_imbalance(model, plan.moe_imbalance, plan.ep) * model.hidden * nbytes,
-        plan.ep, 1) if moe else 0.0  # the EP group: consecutive ranks (core.layout), over TP first
+    a2a_s = (4 + 2 * recomputed) * _dispatch_time(model, cluster, plan, tokens / t * model.hidden * nbytes) \
+        if moe else 0.0
     layer_s = overlapped(block.total + tp_s + cp_s + a2a_s, block.cpu)  # the host issues while the GPU runs
     dense_s = overlapped(dense_block.total + tp_s + cp_s, dense_block.cpu)
 

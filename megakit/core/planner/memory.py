@@ -271,7 +271,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     dense_kept = kept_bytes(False)[2] if moe else kept
     imbalance = routed_imbalance(model, moe_imbalance, ep)
     routing = sum(x.bytes(seq_len=s, micro_batch=b) for x in routing_tensors(
-        model, tp=tp, precision=precision, imbalance=imbalance)) if moe else 0.0
+        model, tp=tp, precision=precision, imbalance=imbalance, megatron=megatron)) if moe else 0.0
     routing_kept = (1 - recompute_fraction) * routing if recompute == "full" else routing
     m = accumulation if accumulation is not None else pp * vpp
     chunk_layers = (stage_chunk_layers(model, pp, vpp)[stage] if layers is None else (n_layers / vpp,) * vpp)

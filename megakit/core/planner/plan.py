@@ -77,6 +77,11 @@ class Plan:
     # routing, as most published runs).
     ep: int = 1
     moe_imbalance: float = 1.0
+    # How tokens reach their experts: "alltoall" sends a copy per chosen expert (megakit's dispatcher, Megatron's
+    # alltoall); "deepep" a copy per node, fanned out over NVLink there (DeepEP, HybridEP: Megatron's flex
+    # dispatcher; ``sharding.node_deduplicated_all_to_all_time``). Megatron's 1F1B A2A overlap
+    # (--overlap-moe-expert-parallel-comm) is not priced: tests/data/moe-runs.json lists what it measured.
+    dispatcher: str = "alltoall"
     loss_chunks: int = 1  # the LM head and loss over K token chunks (--loss-chunks; 0: the trainer's auto rule)
 
     @property

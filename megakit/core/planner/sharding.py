@@ -80,6 +80,23 @@ def all_to_all_time(cluster: Cluster, nbytes: float, ranks: int, stride: int) ->
     return max(intra, inter)
 
 
+def node_deduplicated_all_to_all_time(cluster: Cluster, token_bytes: float, top_k: float, ranks: int) -> float:
+    """One dispatch (or combine) by a DeepEP-class dispatcher (DeepEP, HybridEP: Megatron's ``flex``): each of this
+    rank's tokens crosses to each *node* holding one of its ``top_k`` experts once, over the NIC, and fans out to
+    the experts' GPUs there over NVLink (DeepSeek-V3 Sec. 3.2.2; the DeepEP README). With experts spread evenly over
+    the EP group's ``n`` nodes, a token reaches ``(n - 1)(1 - (1 - 1/n)^k)`` other nodes, against ``k (n - 1)/n``
+    copies for a dispatcher that sends one copy per expert (``all_to_all_time``). ``token_bytes``: the rank's tokens
+    once."""
+    node = cluster.gpus_per_node
+    nodes = -(-ranks // node)
+    if ranks <= 1 or token_bytes <= 0:
+        return 0.0
+    remote_nodes = (nodes - 1) * (1 - (1 - 1 / nodes) ** top_k)
+    intra = token_bytes * top_k * (ranks - 1) / ranks / (cluster.gpu.intra_gbps * 1e9 * LINK_EFFICIENCY["intra"])
+    inter = token_bytes * remote_nodes / (cluster.gpu.inter_gbps * 1e9 * LINK_EFFICIENCY["inter"])
+    return max(intra, inter)
+
+
 def dp_time(cluster: Cluster, plan: Plan, *, psi: float, layer_params: float, layers: int, stage_s: float,
             layer_fwd_s: float, layer_bwd_s: float, prefetch: float = Buckets().stage3_prefetch) -> float:
     """Exposed data-parallel communication of one optimizer step on the slowest stage.
