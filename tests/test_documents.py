@@ -105,6 +105,10 @@ def test_flex_attention_equals_each_document_alone(window):
     assert document_block_mask(docs.clone(), window) is not document_block_mask(docs, window)
     config = ModelConfig.load("llama-tiny")
     layer = Attention(config, group=None, sequence_parallel=False, site="t", dtype=torch.float32, device="cpu").eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # built empty: megakit.nn.weights writes a model's weights
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
     s, b = docs.shape[1], docs.shape[0]
     x = torch.randn(s, b, config.hidden, generator=torch.Generator().manual_seed(1))
     from megakit.nn.attention import rope_tables
