@@ -33,11 +33,12 @@ def test_load_balanced_split_covers_the_sequence_once():
 
 
 def _equivalence(topo, preset: str, *, sequence_parallel: bool = False, dropout: float = 0.0,
-                 recompute: str = "none", **changes) -> str:
+                 recompute: str = "none", cp_mode: str = "ring", **changes) -> str:
     import torch.distributed as dist
 
     from megakit.nn import comm as C
     from megakit.nn.context_parallel import gather_sequence
+    from megakit.nn.attention import use_cp_mode
     from megakit.nn.model import ModelConfig, Transformer, full_state_dict
 
     config = ModelConfig.load(preset).replace(vocab_size=250, dropout=dropout, **changes)
@@ -48,8 +49,9 @@ def _equivalence(topo, preset: str, *, sequence_parallel: bool = False, dropout:
     labels[1, 9] = -100
     ref = Transformer(config, seed=3)
     model = Transformer(config, topo, seed=3, sequence_parallel=sequence_parallel, recompute=recompute)
-    case = (f"{preset} cp={topo.cp} tp={topo.tp} sp={sequence_parallel} dropout={dropout} recompute={recompute} "
-            f"{changes}")
+    use_cp_mode(model, cp_mode)
+    case = (f"{preset} cp={topo.cp} ({cp_mode}) tp={topo.tp} sp={sequence_parallel} dropout={dropout} "
+            f"recompute={recompute} {changes}")
     rows = {"sample_ids": [11, 12]}
 
     want_logits, got = ref(ids, **rows), model(ids, **rows)  # (B, S, V) vs (B, S/cp, V/tp)
@@ -98,6 +100,13 @@ def _sweep(rank, world_size, root):
     done.append(_equivalence(cp2tp2, "llama-tiny", dropout=0.1, sliding_window=3))
     done.append(_equivalence(cp2dp2, "gpt-tiny", dropout=0.1, scale_attn_weights=False,
                              scale_attn_by_inverse_layer_idx=True))
+    # Ulysses (--cp-mode a2a): MHA and GQA at CP 4 (llama-tiny's 4 KV heads split; 2 KV heads, fewer than CP 4,
+    # replicated per query head), under TP 2 with SP, with dropout, a window and full recompute
+    done.append(_equivalence(cp4, "gpt-tiny", cp_mode="a2a"))
+    done.append(_equivalence(cp4, "llama-tiny", cp_mode="a2a"))
+    done.append(_equivalence(cp4, "llama-tiny", cp_mode="a2a", kv_heads=2, sliding_window=5))
+    done.append(_equivalence(cp2tp2, "llama-tiny", cp_mode="a2a", sequence_parallel=True, dropout=0.1))
+    done.append(_equivalence(cp2dp2, "gpt-tiny", cp_mode="a2a", dropout=0.1, recompute="full"))
     # a checkpoint saved at CP 2 x TP 2: CP ranks hold the same weights, so one of them writes
     config = ModelConfig.load("llama-tiny")
     save_checkpoint(f"{root}/cp2tp2", Transformer(config, cp2tp2, seed=21), cp2tp2, step=1, config=config)
@@ -114,7 +123,7 @@ def test_context_parallel_matches_one_process(tmp_path):
     from megakit.nn.model import ModelConfig, Transformer, full_state_dict
 
     results = run_ranks(_sweep, 4, str(tmp_path), timeout_s=400)
-    assert len(results[0]) == 14
+    assert len(results[0]) == 19
     assert "not divisible by 2 x CP = 8" in results[0][-1]
     loaded = Transformer(ModelConfig.load("llama-tiny"), seed=0)
     load_checkpoint(tmp_path / "cp2tp2", loaded)

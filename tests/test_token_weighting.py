@@ -136,8 +136,10 @@ CASES = {"dp2-ga2": dict(zero=1, accumulation=2), "tp2-ga4": dict(zero=1, accumu
          "cp2-documents": dict(zero=1, accumulation=2, cp=2, **DOCUMENTS),
          "pp2-documents": dict(zero=1, accumulation=4, pp=2, model="gpt-tiny", **DOCUMENTS),
          "tp2-sp-documents": dict(zero=1, accumulation=2, tp=2, sequence_parallel=True, **DOCUMENTS),
-         "ep2-moe-documents": dict(zero=1, accumulation=2, ep=2, model="moe-tiny", **DOCUMENTS)}
+         "ep2-moe-documents": dict(zero=1, accumulation=2, ep=2, model="moe-tiny", **DOCUMENTS),
+         "a2a2-documents": dict(zero=1, accumulation=2, cp=2, cp_mode="a2a", **DOCUMENTS)}  # Ulysses
 CASES4 = {"tp2-cp2-documents": dict(zero=1, accumulation=2, tp=2, cp=2, **DOCUMENTS),
+          "tp2-a2a2-documents": dict(zero=2, accumulation=2, tp=2, cp=2, cp_mode="a2a", **DOCUMENTS),
           "cp2-pp2-documents": dict(zero=1, accumulation=2, cp=2, pp=2, **DOCUMENTS)}
 
 

@@ -202,6 +202,13 @@ def test_context_parallel_flags_are_checked_before_any_process_group():
         resolve(TrainConfig(ds_config=ds, model="gpt-tiny", cp=2, seq_len=30), 4)
     run = resolve(TrainConfig(ds_config=ds, model="gpt-tiny", cp=2, seq_len=32), 4)
     assert (run.layout.cp, run.layout.dp, run.batch.global_batch, run.ds_config["train_batch_size"]) == (2, 2, 4, 8)
+    with pytest.raises(UsageError, match=re.escape("--cp-mode a2a splits each TP rank's 2 attention heads over CP 4, "
+                                                   "which does not divide them; use a --cp that divides 2, or "
+                                                   "--cp-mode ring")):
+        resolve(TrainConfig(ds_config=ds, model="gpt-tiny", tp=2, cp=4, cp_mode="a2a", seq_len=32), 8)
+    with pytest.raises(UsageError, match="--cp-mode ulysses is not one of ring, a2a"):
+        TrainConfig(ds_config=ds, cp_mode="ulysses")
+    assert resolve(TrainConfig(ds_config=ds, model="gpt-tiny", cp=4, cp_mode="a2a", seq_len=32), 4).layout.cp == 4
     out = subprocess.run([sys.executable, "scripts/train.py", "--model", "gpt-tiny", "--cp", "2", "--seq-len", "30"],
                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=THREADS), capture_output=True, text=True,
                          timeout=120)

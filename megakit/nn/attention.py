@@ -7,7 +7,8 @@ window (Mistral, Qwen2) masks keys more than ``window - 1`` positions back, and 
 q/k/v are column-parallel and the output row-parallel (Megatron). Without context parallelism
 the core is PyTorch's fused ``scaled_dot_product_attention`` (or, with dropout in training,
 the same written out so the mask is megakit's layout-free one); with it, the rank holds
-``S/cp`` rows of the sequence and the core is ``megakit.nn.context_parallel.ring_attention``.
+``S/cp`` rows of the sequence and the core is ``megakit.nn.context_parallel.ring_attention``, or with
+``cp_mode`` "a2a" the whole sequence of ``heads/cp`` heads after an all-to-all (``megakit.nn.ulysses``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from megakit.nn.documents import flex_document_attention, same_document
 from megakit.nn.dropout import DropoutKeys, attention_dropout
 from megakit.nn.overlapped_linear import column_parallel
 from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp, mark
+from megakit.nn.ulysses import ulysses_attention
 
 
 def rope_tables(config: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +56,17 @@ def allowed_keys(s: int, window: int, documents: torch.Tensor | None, device) ->
         return mask
     causal = torch.ones((s, s), dtype=torch.bool, device=device).tril_() if mask is None else mask
     return same_document(documents, documents) & causal
+
+
+CP_MODES = ("ring", "a2a")  # --cp-mode: K/V blocks around a ring, or Ulysses' all-to-all of heads
+
+
+def use_cp_mode(model: nn.Module, mode: str) -> None:
+    """Run every attention layer of ``model`` with context parallelism ``mode`` (``CP_MODES``)."""
+    assert mode in CP_MODES, mode
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.cp_mode = mode
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -101,6 +114,7 @@ class Attention(nn.Module):
         self.dropout, self.rope = config.dropout, config.family == "llama"
         self.expand_kv = False  # set by megakit.nn.attention_kernel.use_kernel for kernels that need it
         self.flex_documents = False  # packed documents through FlexAttention (use_kernel sets it on a GPU)
+        self.cp_mode = "ring"  # with CP: ring attention, or "a2a" (Ulysses: megakit.nn.ulysses); use_cp_mode sets it
         self.scale, self.window = config.attention_scale(index), config.attention_window(index)  # block ``index``'s
         self.sdpa_scale = None if self.scale == self.head_dim ** -0.5 else self.scale  # None: SDPA's own 1/sqrt(d)
         q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
@@ -138,26 +152,36 @@ class Attention(nn.Module):
             cos, sin = rope
             cos, sin = (cos[:, None], sin[:, None]) if cos.dim() == 3 else (cos[:s], sin[:s])  # per-row positions
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.cp > 1:
+        if self.cp > 1 and self.cp_mode == "a2a":
+            heads = self.heads // self.cp  # this rank's head group of the whole sequence
+            start = self.head_start + self.cp_rank * heads
+            y = ulysses_attention(q, k, v, self.cp_group,
+                                  lambda q, k, v: self._attend(q, k, v, keys, documents, head_start=start))
+        elif self.cp > 1:
             y = self._ring(q, k, v, keys, documents)
-        elif self.training and self.dropout > 0:
-            y = self._attend_with_dropout(q, k, v, keys, documents)
-        elif documents is not None and self.flex_documents:
-            y = flex_document_attention(q, k, v, documents, window=self.window, scale=self.scale)
         else:
-            mask = allowed_keys(s, self.window, documents, q.device)
-            gqa = self.heads != self.kv_heads
-            if gqa and self.expand_kv:  # kernels without GQA broadcast (cuDNN, efficient): one K/V per query head
-                k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.sdpa_scale,
-                                               enable_gqa=gqa and not self.expand_kv)  # (B, nh/tp, S, d)
+            y = self._attend(q, k, v, keys, documents, head_start=self.head_start)
         return y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # (S, B, nh/tp * d)
 
-    def _attend_with_dropout(self, q, k, v, keys: DropoutKeys, documents: torch.Tensor | None = None) -> torch.Tensor:
+    def _attend(self, q, k, v, keys: DropoutKeys | None, documents: torch.Tensor | None, *, head_start: int
+                ) -> torch.Tensor:
+        """Attention over the whole sequence of ``q``'s heads ``(B, n, S, d)`` (global heads from ``head_start``)."""
+        if self.training and self.dropout > 0:
+            return self._attend_with_dropout(q, k, v, keys, documents, head_start=head_start)
+        if documents is not None and self.flex_documents:
+            return flex_document_attention(q, k, v, documents, window=self.window, scale=self.scale)
+        mask = allowed_keys(q.shape[2], self.window, documents, q.device)
+        gqa = q.shape[1] != k.shape[1]
+        if gqa and self.expand_kv:  # kernels without GQA broadcast (cuDNN, efficient): one K/V per query head
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.sdpa_scale,
+                                              enable_gqa=gqa and not self.expand_kv)  # (B, n, S, d)
+
+    def _attend_with_dropout(self, q, k, v, keys: DropoutKeys, documents: torch.Tensor | None = None, *,
+                             head_start: int) -> torch.Tensor:
         """``softmax(q k^T * scale + causal) -> dropout -> @ v``, as SDPA's math path, with megakit's masks."""
-        if self.kv_heads != self.heads:  # GQA: each KV head serves a run of query heads (SDPA's enable_gqa)
-            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
-            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        if k.shape[1] != q.shape[1]:  # GQA: each KV head serves a run of query heads (SDPA's enable_gqa)
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         s = q.shape[2]
         scores = torch.matmul(q, k.transpose(-2, -1)) * self.scale  # (B, nh/tp, S, S)
         allowed = allowed_keys(s, self.window, documents, q.device)
@@ -166,7 +190,7 @@ class Attention(nn.Module):
         else:
             causal = torch.zeros(allowed.shape, dtype=scores.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
         probs = (scores + causal).softmax(dim=-1)  # an added constant: nothing more saved for backward
-        probs = attention_dropout(probs, self.dropout, keys, site=self.site, head_start=self.head_start,
+        probs = attention_dropout(probs, self.dropout, keys, site=self.site, head_start=head_start,
                                   heads=self.total_heads)
         return torch.matmul(probs, v)  # (B, nh/tp, S, d)
 

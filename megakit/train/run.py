@@ -22,6 +22,7 @@ from megakit.core.partition import partition_layers
 from megakit.core.planner.activations import loss_chunks_of
 from megakit.core.schedules import build_schedule
 from megakit.errors import UsageError
+from megakit.nn.attention import CP_MODES
 from megakit.nn.attention_kernel import KernelChoice, device_kernel
 from megakit.nn.compile import default_compile
 from megakit.interop.checkpoint_format import read_manifest
@@ -53,6 +54,7 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallelism: the sequence split over CP ranks, attention as ring attention
+    cp_mode: str = "ring"  # with CP: "ring" (K/V blocks passed around) or "a2a" (Ulysses: heads over CP, all-to-all)
     ep: int = 1  # expert parallelism: each MoE layer's experts split over EP ranks folded over TP x CP x DP
     moe_aux_loss: float | None = None  # overrides of the model's MoEConfig (None: the config's own)
     moe_z_loss: float | None = None
@@ -138,6 +140,8 @@ class TrainConfig:
                              f"and {self.eval_batches}")
         if self.ep < 1:
             raise UsageError(f"--ep must be at least 1, got {self.ep}")
+        if self.cp_mode not in CP_MODES:
+            raise UsageError(f"--cp-mode {self.cp_mode} is not one of {', '.join(CP_MODES)}")
         if self.vpp > 1 and self.pp == 1:
             raise UsageError(f"--vpp {self.vpp} splits each pipeline stage into chunks, so it needs --pp > 1")
         if self.schedule == "zb-h1" and self.vpp > 1:
@@ -195,6 +199,11 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     if cfg.cp > 1 and seq_len % (2 * cfg.cp):
         raise UsageError(f"sequence length {seq_len} is not divisible by 2 x CP = {2 * cfg.cp}; context parallelism "
                          "splits it into that many equal chunks (change --seq-len or --cp)")
+    if cfg.cp > 1 and cfg.cp_mode == "a2a":
+        heads = model.heads // cfg.tp  # each TP rank's heads, split again over CP by the all-to-all
+        if heads % cfg.cp:
+            raise UsageError(f"--cp-mode a2a splits each TP rank's {heads} attention heads over CP {cfg.cp}, which "
+                             f"does not divide them; use a --cp that divides {heads}, or --cp-mode ring")
     if cfg.cp > 1:  # DeepSpeed counts every rank that holds the same weights, DP x CP, in its batch
         ds_config["train_batch_size"] *= cfg.cp
     sequence_parallel = cfg.sequence_parallel and cfg.tp > 1

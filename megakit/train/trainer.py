@@ -48,6 +48,7 @@ from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_checkpoint
 from megakit.interop.checkpoint_async import AsyncWriter
 from megakit.nn import comm
+from megakit.nn.attention import use_cp_mode
 from megakit.nn.attention_kernel import use_kernel
 from megakit.nn.compile import compile_blocks
 from megakit.train.data import TokenBatches
@@ -214,6 +215,7 @@ def _build(run: Run, topo, doctor=None):
     for chunk in chunks:  # before DeepSpeed: its hooks sit on the parameters, outside the compiled blocks
         convert_to_fp8(chunk, cfg.fp8)  # the weights stay the module's own: checkpoints see plain parameters
         use_kernel(chunk, run.attention)
+        use_cp_mode(chunk, cfg.cp_mode)
         if run.compile:
             compile_blocks(chunk, backend=cfg.compile_backend)
     if topo.pp > 1 and topo.is_last_stage and run.model.tie_embeddings:
