@@ -53,6 +53,28 @@ def test_llama3_8b_at_128k_tokens_on_8_gpus_picks_context_parallelism(capsys):
     assert p["tp"] * p["cp"] * p["pp"] * p["dp"] == 8
     assert p["peak_memory_gib"] <= 0.8 * p["gpu_memory_gib"]
     assert f"--cp {p['cp']}" in report["assumptions"]["launch"]
+    assert p["cp_mode"] in ("ring", "a2a") and p["cp_mode_note"].startswith(p["cp_mode"])  # the mode, and why
+    assert "x the tokens/s of" in p["cp_mode_note"]  # Llama-3-8B's 32 heads allow either: priced against the other
+
+
+def test_ulysses_prices_its_all_to_alls_and_is_launched_as_planned(capsys):
+    """--cp-mode a2a: four all-to-alls of q, k, v and the output a block, forward and backward (and in the recompute),
+    not overlapped: on NVLink cheaper than the ring at a short sequence whose ring is not hidden; pinned, the launch
+    command carries it; heads that CP does not divide are refused in one line."""
+    model = _llama8b().with_overrides(seq_len=8192)
+    cluster = Cluster(gpu=gpu_preset("h100-80gb"), num_gpus=8, gpus_per_node=8)
+    ring = Plan(tp=1, cp=8, dp=1, zero_stage=1, micro_batch=1, accumulation=16, recompute="none")
+    a2a = estimate_cost(model, cluster, Plan(**{**ring.__dict__, "cp_mode": "a2a"}), seq_len=8192)
+    assert a2a.cp_comm_s > 0 and a2a.tokens_per_s != estimate_cost(model, cluster, ring, seq_len=8192).tokens_per_s
+    code, out, err = _plan(capsys, "--model", "llama-3-8b", "--seq-len", str(LONG), "--gpus", "8", "--cp", "8",
+                           "--cp-mode", "a2a", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["plan"]["cp_mode"] == "a2a" and "--cp 8 --cp-mode a2a" in report["assumptions"]["launch"]
+    code, _, err = _plan(capsys, "--model", "llama-3-8b", "--seq-len", str(LONG), "--gpus", "64", "--cp", "8",
+                         "--tp", "8", "--cp-mode", "a2a")
+    assert code == 2 and err.count("\n") == 1 and "--cp-mode a2a splits each TP rank's 4 attention heads over --cp 8" \
+        in err, err
 
 
 @pytest.mark.parametrize("argv,needle", [

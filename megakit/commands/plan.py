@@ -102,6 +102,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pins.add_argument("--tp", type=int)
     pins.add_argument("--pp", type=int)
     pins.add_argument("--cp", type=int, help="context parallelism: each sequence split over CP GPUs (ring attention)")
+    pins.add_argument("--cp-mode", choices=("ring", "a2a"), help="how CP GPUs attend: ring (K/V blocks passed on) or "
+                      "a2a (Ulysses: heads over CP); default: the faster where the heads allow a2a")
     pins.add_argument("--ep", type=int, help="expert parallelism (MoE models): experts sharded over EP of a stage's "
                                              "TP x CP x DP ranks (folded: consecutive, TP first)")
     pins.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
@@ -133,6 +135,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     ckpt.add_argument("--mtbf-gpu-hours", type=finite_float, default=save_interval.GPU_MTBF_HOURS, metavar="H",
                       help="one GPU's mean time between failures, hours (default 50677: Llama 3's 419 unexpected "
                            "interruptions in 54 days on 16,384 GPUs); the cluster's is H / GPUs")
+
+
+def _cp_mode_note(model, cluster, plan, cost, pins) -> str:
+    """Why the plan's CP ranks attend as they do: pinned, the only mode the heads allow, or the other one's speed."""
+    other = "a2a" if plan.cp_mode == "ring" else "ring"
+    heads = model.heads // plan.tp
+    if pins.cp_mode is not None:
+        return f"{plan.cp_mode}: pinned (--cp-mode)"
+    if other == "a2a" and heads % plan.cp:
+        return f"ring: a2a would split each TP rank's {heads} heads over CP {plan.cp}, which does not divide them"
+    alt = estimate_cost(model, cluster, dataclasses.replace(plan, cp_mode=other), seq_len=model.seq_len)
+    what = {"ring": "K/V blocks passed around the CP group behind attention",
+            "a2a": "all-to-alls of q, k, v and the output, each rank attending over the whole sequence of heads/CP"}
+    return (f"{plan.cp_mode} ({what[plan.cp_mode]}): {cost.tokens_per_s / alt.tokens_per_s:.2f}x the tokens/s of "
+            f"{other} here")
 
 
 def _check_moe_flags(args, model: ModelSpec) -> None:
@@ -198,7 +215,7 @@ def run(args) -> int:
     global_batch, batch_note = ((args.global_batch, "--global-batch") if args.global_batch else
                                 emit.default_global_batch(model.params, model.seq_len, tokens))
     imbalance = args.moe_imbalance if args.moe_imbalance is not None else ROUTING[args.moe_routing]
-    pins = Pins(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero, micro_batch=args.micro_batch,
+    pins = Pins(tp=args.tp, pp=args.pp, cp=args.cp, cp_mode=args.cp_mode, ep=args.ep, zero=args.zero, micro_batch=args.micro_batch,
                 recompute=args.recompute, vpp=args.vpp, compress=str(parse_compression(args.compress)),
                 schedule=args.schedule, stage_layers=parse_stage_layers(args.stage_layers),
                 loss_chunks=parse_loss_chunks(args.loss_chunks)).resolved()
@@ -277,6 +294,8 @@ def run(args) -> int:
                                    global_batch, tokens, launch, launch_note, batch_note)
         | plan_report.moe_assumptions(model, args, imbalance),
     }
+    if plan.cp > 1:
+        report["plan"]["cp_mode_note"] = _cp_mode_note(model, cluster, plan, cost, pins)
     if result.fits == "above_threshold":
         report["plan"]["headroom"] = headroom_note(mem.total / GIB, gpu_gib=cluster.gpu.mem_gib,
                                                    threshold=args.mem_threshold)

@@ -83,7 +83,8 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
                                  f"attention on TP x CP x DP)"),
            *((("EP group (all-to-all)", f"{span['ranks']} consecutive ranks, {span['tp_groups']} TP group(s), "
                                          f"{span['link']}"),) if span else ())) if "moe" in a else ()
-    for key, value in (grid, *moe,
+    cp_mode = (("context parallelism", p["cp_mode_note"]),) if p.get("cp_mode_note") else ()
+    for key, value in (grid, *cp_mode, *moe,
                        ("virtual stages", p["vpp"]), *_layers_row(p), ("schedule", p.get("schedule", "1f1b")),
                        ("ZeRO stage", _zero_stage(p)),
                        ("batch", f"micro {p['micro_batch']} x accumulation {p['grad_accum']} x DP {p['dp']} = "

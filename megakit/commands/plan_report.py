@@ -42,7 +42,8 @@ def moe_assumptions(model: ModelSpec, args, imbalance: float) -> dict:
 
 
 def plan_fields(plan: Plan) -> dict:
-    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep, "edp": plan.edp,
+    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "cp_mode": plan.cp_mode, "ep": plan.ep,
+            "edp": plan.edp,
             "vpp": plan.vpp, "zero_stage": plan.zero_stage,
             "zero3_shard_group": plan.shard_group * plan.cp if plan.zero_stage == 3 else None,
             "schedule": "zb-h1" if plan.zero_bubble else "interleaved" if plan.vpp > 1 else "1f1b",

@@ -156,7 +156,8 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
         tp_s += exposed(block.weight_grad, hidden_comm) - 2 * one_tp
     if plan.comm_overlap and t > 1:  # every exchange pipelined with its GEMM: only what outlasts the block shows
         tp_s = exposed(block.total, (4 + 2 * recomputed + (1 if plan.sequence_parallel else 0)) * one_tp)
-    cp_s = _ring_exposed(model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s)
+    cp_s = (_ring_exposed(model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s)
+            if plan.cp_mode == "ring" else _ulysses_time(model, cluster, plan, tokens=tokens, nbytes=nbytes))
     a2a_s = (4 + 2 * recomputed) * _dispatch_time(model, cluster, plan, tokens / t * model.hidden * nbytes) \
         if moe else 0.0
     layer_s = overlapped(block.total + tp_s + cp_s + a2a_s, block.cpu)  # the host issues while the GPU runs
@@ -234,6 +235,21 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
                 compute_s=compute_s, tp_comm_s=tp_total, pp_comm_s=m * p2p_s, dp_comm_s=dp_exposed,
                 bubble_s=bubble_s, optimizer_s=optimizer_s, pipeline_s=pipeline_s, stage_times=tuple(stage_s),
                 a2a_s=a2a_total)
+
+
+def _ulysses_time(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int, nbytes: int) -> float:
+    """Ulysses' all-to-alls per block and micro-batch (``megakit.nn.ulysses``): q, k, v in and the output back,
+    forward and again in backward (and in the recomputed forward), not overlapped; K/V at their width, or at the
+    query heads' when their heads do not divide by CP (replicated). The CP group's ranks are TP apart."""
+    cp = plan.cp
+    if cp == 1:
+        return 0.0
+    q = model.heads // plan.tp * model.head_dim
+    kv_heads = model.kv_heads_per_rank(plan.tp)
+    kv = (kv_heads if kv_heads % cp == 0 else model.heads // plan.tp) * model.head_dim
+    one_pass = sum(all_to_all_time(cluster, tokens * width * nbytes, cp, plan.tp) for width in (q, kv, kv, q))
+    recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
+    return (2 + recomputed) * one_pass
 
 
 def _ring_exposed(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int, nbytes: int, peak: float,

@@ -132,7 +132,7 @@ def train_flags(plan: Plan, *, config_path: str, model_arg: str, seq_len: int, s
     parts = ["--ds_config", config_path, "--tp", str(plan.tp), "--pp", str(plan.pp), "--model", model_arg,
              "--seq-len", str(seq_len)]
     if plan.cp > 1:
-        parts += ["--cp", str(plan.cp)]
+        parts += ["--cp", str(plan.cp)] + (["--cp-mode", plan.cp_mode] if plan.cp_mode != "ring" else [])
     if plan.ep > 1:
         parts += ["--ep", str(plan.ep)]
     if plan.vpp > 1:

@@ -19,7 +19,8 @@ class Pins:
     tp: int | None = None
     pp: int | None = None
     cp: int | None = None
-    ep: int | None = None  # expert parallelism (MoE models), taken from DP x CP
+    cp_mode: str | None = None  # "ring" or "a2a" (Ulysses); None: the faster where the heads allow a2a
+    ep: int | None = None  # expert parallelism (MoE models), folded over TP x CP x DP
     zero: int | None = None
     micro_batch: int | None = None
     recompute: str | None = None
@@ -73,6 +74,10 @@ def check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int
         if world % ((pins.tp or 1) * (pins.pp or 1) * pins.cp):
             raise UsageError(f"--cp {pins.cp} (x --tp {pins.tp or 1} x --pp {pins.pp or 1}) does not divide the "
                              f"{world} GPUs; pick a CP that divides the GPU count")
+        heads = model.heads // (pins.tp or 1)
+        if pins.cp_mode == "a2a" and heads % pins.cp:
+            raise UsageError(f"--cp-mode a2a splits each TP rank's {heads} attention heads over --cp {pins.cp}, which "
+                             f"does not divide them; pick a --cp dividing {heads}, or --cp-mode ring")
     if pins.tp is not None:
         if pins.tp < 1:
             raise UsageError(f"--tp {pins.tp} must be a positive integer")

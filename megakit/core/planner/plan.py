@@ -75,6 +75,7 @@ class Plan:
     # folding, ``core.layout``; Megatron-Core's with ETP = 1), replicated over the EDP = TP x CP x DP / EP ranks
     # left; ``moe_imbalance``: tokens the busiest expert rank gets over the balanced share (1.0: forced-balanced
     # routing, as most published runs).
+    cp_mode: str = "ring"  # how CP ranks attend: "ring" (K/V blocks passed on) or "a2a" (Ulysses, heads over CP)
     ep: int = 1
     moe_imbalance: float = 1.0
     # How tokens reach their experts: "alltoall" sends a copy per chosen expert (megakit's dispatcher, Megatron's
@@ -131,7 +132,8 @@ class Plan:
         return self.dp_shard if 0 < self.dp_shard < self.dp else self.dp
 
     def describe(self) -> str:
-        parts = [f"TP={self.tp}"] + ([f"CP={self.cp}"] if self.cp > 1 else []) + [f"PP={self.pp}", f"DP={self.dp}"]
+        parts = [f"TP={self.tp}"] + ([f"CP={self.cp}" + ("(a2a)" if self.cp_mode == "a2a" else "")]
+                                      if self.cp > 1 else []) + [f"PP={self.pp}", f"DP={self.dp}"]
         if self.ep > 1:
             parts.append(f"EP={self.ep}")
         if self.vpp > 1:

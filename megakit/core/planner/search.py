@@ -324,14 +324,24 @@ class _Context:
                         f"and the {moe.experts} experts", unique_key=("ep", e, folded), kind="ep")
         return ok
 
+    def _cp_modes(self, tp: int, cp: int) -> list[str]:
+        """How CP ranks attend: the pin, or the ring and, where each TP rank's heads divide by CP, Ulysses' a2a."""
+        if cp == 1:
+            return ["ring"]
+        if self.pins.cp_mode is not None:
+            return [self.pins.cp_mode]
+        return ["ring"] + (["a2a"] if (self.model.heads // tp) % cp == 0 else [])
+
     def _layout(self, tp, pp, dp, zero, cp=1) -> None:
         for ep in self._eps(tp, pp, dp, cp):
-            self._layout_ep(tp, pp, dp, zero, cp, ep)
+            for cp_mode in self._cp_modes(tp, cp):
+                self._layout_ep(tp, pp, dp, zero, cp, ep, cp_mode)
 
-    def _layout_ep(self, tp, pp, dp, zero, cp, ep) -> None:
+    def _layout_ep(self, tp, pp, dp, zero, cp, ep, cp_mode="ring") -> None:
         m, pins = self.model, self.pins
         per_rank = self.global_batch // dp
-        base = Plan(tp=tp, pp=pp, dp=dp, cp=cp, zero_stage=zero, micro_batch=1, accumulation=per_rank, recompute="full",
+        base = Plan(tp=tp, pp=pp, dp=dp, cp=cp, cp_mode=cp_mode, zero_stage=zero, micro_batch=1,
+                    accumulation=per_rank, recompute="full",
                     sequence_parallel=tp > 1, precision=self.precision, offload=self.offload,
                     flash_attention=self.flash, compress=pins.compress if zero in self.compress_stages else "none",
                     zero_bubble=pins.schedule == "zb-h1" and pp > 1, ep=ep, loss_chunks=pins.loss_chunks,
