@@ -16,6 +16,10 @@ on the rank's own rows; only attention needs the other ranks' keys and values:
   log-sum-exp (nothing ``S x S`` is kept); K/V ring around again, and the gradients of each
   K/V block travel with it and arrive back at its owner after one full turn.
 
+Each block runs as chunk pairs on a fused kernel (``_FusedRingAttention``: the pairs the causal mask or a window
+rules out skipped, so the zig-zag split halves the off-diagonal work), or, with dropout, as explicit fp32 blocks
+(``_RingAttention``, also the reference the tests hold the fused one to).
+
 The loss is the sum over the whole sequence's valid tokens over their count, or over the trainer's token
 count (``sequence_mean``). Positions (RoPE, learned
 position embeddings) and dropout masks use the global positions (``positions``).
@@ -175,6 +179,113 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None, None, None
 
 
+# -- the ring on a fused kernel ---------------------------------------------------------------------------------
+# Each block is four chunk pairs (this rank's two query chunks against the block's two key chunks): under the causal
+# mask an earlier key chunk is seen whole, the same chunk causally, a later one not at all, so about half of the
+# off-diagonal work is skipped, and a window rules out more. Each pair runs one fused attention call that returns
+# its log-sum-exp (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which take a mask; the
+# pairs merge by the LSE), so nothing (S/cp)^2 is kept in fp32: at most one pair's additive mask, for windows that
+# cut a pair or documents. Dropout needs megakit's keyed masks inside the softmax, which no fused kernel takes: with
+# it the explicit ``_RingAttention`` runs (also the reference the tests hold this one to).
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _pairs(r: int, j: int, cp: int, half: int, window: int, documents, pos_q, pos_k, dtype):
+    """The chunk pairs of rank ``r``'s queries against block ``j``'s keys that have an allowed key: ``(query slice,
+    key slice, is_causal, additive mask or None, rows with no allowed key or None)``."""
+    out = []
+    for qa, a in enumerate((r, 2 * cp - 1 - r)):
+        for kc, c in enumerate((j, 2 * cp - 1 - j)):
+            qs, ks = slice(qa * half, (qa + 1) * half), slice(kc * half, (kc + 1) * half)
+            low, high = (a - c) * half - (half - 1), (a - c) * half + (half - 1)  # the pair's query-key gaps
+            if high < 0 or (window and low >= window):
+                continue  # every key later than every query, or out of the window
+            if not window and documents is None:
+                out.append((qs, ks, a == c, None, None))
+                continue
+            gap = pos_q[qs, None] - pos_k[None, ks]
+            allowed = (gap >= 0) & (gap < window) if window else gap >= 0
+            allowed = allowed[None, None]  # (1, 1, half, half)
+            if documents is not None:
+                allowed = allowed & same_document(documents[:, pos_q[qs]], documents[:, pos_k[ks]])
+            if not allowed.any():
+                continue
+            none = ~allowed.any(-1)  # (B|1, 1, half): rows the kernel gives lse 0 for, not -inf
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+            out.append((qs, ks, False, mask, none if none.any() else None))
+    return out
+
+
+class _FusedRingAttention(torch.autograd.Function):
+    """``_RingAttention`` without dropout, each block's chunk pairs on the fused kernel (see above)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, ranks, scale, window, documents):
+        cp, r = len(ranks), C.rank(group)
+        b, n, s, d = q.shape
+        half = s // 2
+        pos = positions(s * cp, cp, r, device=q.device)
+        out = torch.zeros((b, n, s, d), dtype=torch.float32, device=q.device)
+        lse = torch.full((b, n, s), float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        for t in range(cp):
+            j = (r - t) % cp
+            nxt = _pass_on(kv, ranks, r, _KV_TAG) if t < cp - 1 else None
+            kj, vj = _repeat_kv(kv[0], n), _repeat_kv(kv[1], n)
+            for qs, ks, causal, mask, none in _pairs(r, j, cp, half, window, documents, pos,
+                                                      positions(s * cp, cp, j, device=q.device), q.dtype):
+                o, l = _FLASH(q[:, :, qs], kj[:, :, ks], vj[:, :, ks], 0.0, causal, attn_mask=mask, scale=scale)
+                if none is not None:
+                    l = l.masked_fill(none.expand(b, n, -1), float("-inf"))
+                merged = torch.logaddexp(lse[:, :, qs], l)
+                safe = merged.masked_fill(merged == float("-inf"), 0.0)
+                out[:, :, qs] = (out[:, :, qs] * (lse[:, :, qs] - safe).exp()[..., None]
+                                 + o.float() * (l - safe).exp()[..., None])
+                lse[:, :, qs] = merged
+            if nxt is not None:
+                kv = _arrived(nxt)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.ranks, ctx.scale, ctx.window, ctx.documents = group, ranks, scale, window, documents
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        ranks, scale = ctx.ranks, ctx.scale
+        cp, r = len(ranks), C.rank(ctx.group)
+        b, n, s, d = q.shape
+        half = s // 2
+        pos = positions(s * cp, cp, r, device=q.device)
+        grad_out = grad_out.to(q.dtype).contiguous()
+        dq = torch.zeros((b, n, s, d), dtype=torch.float32, device=q.device)
+        kv, incoming = torch.stack([k, v]).contiguous(), None
+        for t in range(cp):
+            j = (r - t) % cp
+            nxt = _pass_on(kv, ranks, r, _KV_TAG) if t < cp - 1 else None
+            kj, vj = _repeat_kv(kv[0], n), _repeat_kv(kv[1], n)
+            dk = torch.zeros(kj.shape, dtype=torch.float32, device=q.device)
+            dv = torch.zeros(vj.shape, dtype=torch.float32, device=q.device)
+            for qs, ks, causal, mask, _ in _pairs(r, j, cp, half, ctx.window, ctx.documents, pos,
+                                                   positions(s * cp, cp, j, device=q.device), q.dtype):
+                # the final output and log-sum-exp: each pair's share of dS = P (dP - rowsum(dO O))
+                gq, gk, gv = _FLASH_BACKWARD(grad_out[:, :, qs], q[:, :, qs], kj[:, :, ks], vj[:, :, ks],
+                                             out[:, :, qs], lse[:, :, qs].contiguous(), 0.0, causal,
+                                             attn_mask=mask, scale=scale)
+                dq[:, :, qs] += gq.float()
+                dk[:, :, ks] += gk.float()
+                dv[:, :, ks] += gv.float()
+            grads = torch.stack([_sum_kv(dk, k.shape[1]), _sum_kv(dv, k.shape[1])])
+            if incoming is not None:
+                grads += _arrived(incoming)
+            incoming = _pass_on(grads, ranks, r, _GRAD_TAG)  # block j's gradients follow block j
+            if nxt is not None:
+                kv = _arrived(nxt)
+        own = _arrived(incoming)
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None
+
+
 def _block_scores(q, k_block, pos_q, pos_k, keep, scale, window=0, documents=None):
     """Scaled scores ``(B, n, S_q, S_k)`` in fp32 with the causal mask on global positions (and a sliding
     ``window``: keys ``window`` or more positions back masked too; with ``documents`` ``(B, S)``, keys of
@@ -219,15 +330,21 @@ def _arrived(posted) -> torch.Tensor:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, keep: torch.Tensor | None = None,
                    p: float = 0.0, scale: float | None = None, window: int = 0,
-                   documents: torch.Tensor | None = None) -> torch.Tensor:
+                   documents: torch.Tensor | None = None, fused: bool | None = None) -> torch.Tensor:
     """Causal attention over the whole sequence held by the CP ``group`` (load-balanced split).
 
     ``q`` ``(B, n, S/cp, d)``, ``k``/``v`` ``(B, n_kv, S/cp, d)`` (GQA when ``n_kv < n``), already
     rotated at their global positions; ``keep``: ``attention_keep``'s dropout mask with
     probability ``p``, or None; ``scale``: the scores' factor (default ``1/sqrt(d)``); ``window``: a
     sliding window (0: none); ``documents``: the whole sequence's ``(B, S)`` document numbers, attention then
-    stays inside each document (``megakit.nn.documents``). Returns ``(B, n, S/cp, d)``, this rank's rows.
+    stays inside each document (``megakit.nn.documents``). ``fused``: each block's chunk pairs on the fused kernel
+    (``_FusedRingAttention``); default: without dropout, on CPU (the CUDA kernels' LSE-returning entry points are
+    not wired yet, so a GPU runs the explicit blocks). Returns ``(B, n, S/cp, d)``, this rank's rows.
     """
     ranks = C.group_ranks(group)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if fused is None:
+        fused = keep is None and q.device.type == "cpu"
+    if fused:
+        return _FusedRingAttention.apply(q, k, v, group, ranks, scale, window, documents)
     return _RingAttention.apply(q, k, v, keep, p, group, ranks, scale, window, documents)
