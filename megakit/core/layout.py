@@ -98,6 +98,11 @@ class Layout:
         return {"tp": rank % self.tp, "cp": rank // self.tp % self.cp, "dp": rank // (self.tp * self.cp) % self.dp,
                 "pp": rank // (self.tp * self.cp * self.dp)}
 
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel ranks: the replicas of each expert shard (EP x EDP = TP x CP x DP)."""
+        return self.tp * self.cp * self.dp // self.ep
+
     def ep_coords(self, rank: int) -> dict[str, int]:
         """``{"ep": ., "edp": .}``: a rank's index in its EP group (which experts it holds) and in its EDP group."""
         folded = rank % (self.tp * self.cp * self.dp)  # the rank's place in its pipeline stage

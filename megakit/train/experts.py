@@ -1,7 +1,7 @@
 """DeepSpeed's expert machinery, switched on for megakit's MoE layers: expert gradients and ZeRO over EDP.
 
 With ``--ep N`` an MoE layer's experts are split over the EP group, and each expert is
-replicated over the expert-data-parallel group (EDP: the DP x CP ranks with the same EP
+replicated over the expert-data-parallel group (EDP: the TP x CP x DP ranks with the same EP
 rank). DeepSpeed 0.19.8 already knows this grid (classic ``deepspeed.moe``): a parameter
 with ``allreduce = False`` and a ``group_name`` is an expert (``deepspeed.moe.utils.is_moe_param``),
 and ``deepspeed.utils.groups`` holds the EP and EDP groups under that name. Given those,

@@ -117,7 +117,7 @@ class Reporter:
                            f", resuming {run.checkpoint} at step {start}" if start else ""])
         print(f"megakit: training {cfg.model} on {dist.get_world_size()} process(es): TP {topo.tp} x PP {topo.pp}{chunks} "
               f"{f'x CP {topo.cp} ' if topo.cp > 1 else ''}x DP {topo.dp}"
-              f"{f' (experts: EP {topo.ep} x EDP {topo.dp * topo.cp // topo.ep})' if topo.ep > 1 else ''}{options}",
+              f"{f' (experts: EP {topo.ep} x EDP {topo.layout.edp})' if topo.ep > 1 else ''}{options}",
               flush=True)
         self.bar = progress_bar(cfg.steps, start) if cfg.progress else None
         if self.bar is None and cfg.log_heartbeat_s > 0:
