@@ -36,8 +36,8 @@ def same_document(doc_q: torch.Tensor, doc_k: torch.Tensor) -> torch.Tensor:
 # short documents wastes most of that work, and no fused CUDA kernel of SDPA takes the mask (flash and cuDNN take
 # none, so it falls to the memory-efficient or the math kernel). FlexAttention skips the blocks the mask removes
 # (the ``BlockMask`` lists, per block row, the blocks with any allowed pair), compiled into one Triton kernel on the
-# GPU. Its backward has no CPU implementation in torch, so the CPU keeps SDPA (the reference) and FlexAttention runs
-# there only without gradients (evaluation, and the test that holds it to SDPA).
+# GPU. Its backward has no CPU implementation in torch, so the CPU keeps SDPA (the reference), and the tests check
+# FlexAttention's forward against it there.
 _BLOCK_MASKS: dict = {}  # per window, the last (documents, block mask): every layer of a forward shares it
 
 

@@ -47,10 +47,10 @@ from megakit.core.planner.sharding import (
     LINK_EFFICIENCY,
     all_to_all_time,
     collective_time,
-    node_deduplicated_all_to_all_time,
     dp_time,
     exposed,
     group_bandwidth,
+    node_deduplicated_all_to_all_time,
     overlapped,
 )
 from megakit.core.planner.stages import (
