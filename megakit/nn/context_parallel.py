@@ -226,8 +226,9 @@ class _FusedRingAttention(torch.autograd.Function):
         b, n, s, d = q.shape
         half = s // 2
         pos = positions(s * cp, cp, r, device=q.device)
-        out = torch.zeros((b, n, s, d), dtype=torch.float32, device=q.device)
-        lse = torch.full((b, n, s), float("-inf"), dtype=torch.float32, device=q.device)
+        acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 in the fp64 tests (the kernel's LSE dtype)
+        out = torch.zeros((b, n, s, d), dtype=acc, device=q.device)
+        lse = torch.full((b, n, s), float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         for t in range(cp):
             j = (r - t) % cp
@@ -241,7 +242,7 @@ class _FusedRingAttention(torch.autograd.Function):
                 merged = torch.logaddexp(lse[:, :, qs], l)
                 safe = merged.masked_fill(merged == float("-inf"), 0.0)
                 out[:, :, qs] = (out[:, :, qs] * (lse[:, :, qs] - safe).exp()[..., None]
-                                 + o.float() * (l - safe).exp()[..., None])
+                                 + o.to(acc) * (l - safe).exp()[..., None])
                 lse[:, :, qs] = merged
             if nxt is not None:
                 kv = _arrived(nxt)
@@ -259,23 +260,24 @@ class _FusedRingAttention(torch.autograd.Function):
         half = s // 2
         pos = positions(s * cp, cp, r, device=q.device)
         grad_out = grad_out.to(q.dtype).contiguous()
-        dq = torch.zeros((b, n, s, d), dtype=torch.float32, device=q.device)
+        acc = lse.dtype
+        dq = torch.zeros((b, n, s, d), dtype=acc, device=q.device)
         kv, incoming = torch.stack([k, v]).contiguous(), None
         for t in range(cp):
             j = (r - t) % cp
             nxt = _pass_on(kv, ranks, r, _KV_TAG) if t < cp - 1 else None
             kj, vj = _repeat_kv(kv[0], n), _repeat_kv(kv[1], n)
-            dk = torch.zeros(kj.shape, dtype=torch.float32, device=q.device)
-            dv = torch.zeros(vj.shape, dtype=torch.float32, device=q.device)
+            dk = torch.zeros(kj.shape, dtype=acc, device=q.device)
+            dv = torch.zeros(vj.shape, dtype=acc, device=q.device)
             for qs, ks, causal, mask, _ in _pairs(r, j, cp, half, ctx.window, ctx.documents, pos,
                                                    positions(s * cp, cp, j, device=q.device), q.dtype):
                 # the final output and log-sum-exp: each pair's share of dS = P (dP - rowsum(dO O))
                 gq, gk, gv = _FLASH_BACKWARD(grad_out[:, :, qs], q[:, :, qs], kj[:, :, ks], vj[:, :, ks],
                                              out[:, :, qs], lse[:, :, qs].contiguous(), 0.0, causal,
                                              attn_mask=mask, scale=scale)
-                dq[:, :, qs] += gq.float()
-                dk[:, :, ks] += gk.float()
-                dv[:, :, ks] += gv.float()
+                dq[:, :, qs] += gq.to(acc)
+                dk[:, :, ks] += gk.to(acc)
+                dv[:, :, ks] += gv.to(acc)
             grads = torch.stack([_sum_kv(dk, k.shape[1]), _sum_kv(dv, k.shape[1])])
             if incoming is not None:
                 grads += _arrived(incoming)

@@ -200,7 +200,7 @@ class MemoryProbe:
         buckets = Buckets(reduce_bucket=int(zero.get("reduce_bucket_size", 5e8)),
                           allgather_bucket=int(zero.get("allgather_bucket_size", 5e8)))
         return estimate_memory(spec, tp=self.topo.tp, pp=self.topo.pp, dp=self.topo.dp, cp=self.topo.cp,
-                               zero_stage=run.zero_stage,
+                               ep=getattr(self.topo, "ep", 1), zero_stage=run.zero_stage,
                                micro_batch=plan.micro_batch, seq_len=plan.seq_len,
                                accumulation=plan.accumulation, precision=run.precision, stage=self.topo.pp_rank,
                                vpp=run.cfg.vpp, flash_attention=True, buckets=buckets,
