@@ -62,8 +62,8 @@ def test_expert_flags_are_checked_before_any_process_group(tmp_path):
     ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     cases = [
         (dict(model=MODEL, ep=3), 6, "--ep 3 does not divide the 8 experts of each MoE layer; use a divisor of 8"),
-        (dict(model=MODEL, ep=4), 2, "--ep 4 does not divide TP x CP x DP = 1 x 1 x 2 = 2: the expert-parallel "
-         "ranks are folded over a pipeline stage's ranks; use one of 1, 2"),
+        (dict(model=MODEL, ep=4), 2, "--ep 4 does not divide TP x CP x DP = 1 x 1 x 2 = 2, the ranks of a pipeline "
+         "stage that expert parallelism folds over; use one of 1, 2, or launch a multiple of PP x EP = 4 processes"),
         (dict(model=MODEL, ep=8, tp=2), 4, "--ep 8 does not divide TP x CP x DP = 2 x 1 x 2 = 4"),
         (dict(model="gpt-tiny", ep=2), 2, "--ep 2: model gpt-tiny has no experts to split; drop --ep"),
         (dict(model="llama-tiny", moe_aux_loss=0.1), 1, "--moe-aux-loss: model llama-tiny has no experts"),

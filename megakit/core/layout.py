@@ -49,6 +49,15 @@ from megakit.errors import UsageError
 AXES = ("pp", "dp", "cp", "tp")  # outermost -> innermost
 
 
+def check_ep_fold(tp: int, cp: int, dp: int, ep: int, *, fix: str = "") -> None:
+    """UsageError unless ``ep`` divides a stage's TP x CP x DP ranks, naming the degrees that would (``fix``: more)."""
+    folded = tp * cp * dp
+    if folded % ep:
+        divisors = ", ".join(str(d) for d in range(1, folded + 1) if folded % d == 0)
+        raise UsageError(f"--ep {ep} does not divide TP x CP x DP = {tp} x {cp} x {dp} = {folded}, the ranks of a "
+                         f"pipeline stage that expert parallelism folds over; use one of {divisors}{fix}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     """Sizes of the four parallel axes; rank <-> coordinate arithmetic."""
@@ -64,12 +73,7 @@ class Layout:
             size = getattr(self, axis)
             if not isinstance(size, int) or size < 1:
                 raise UsageError(f"--{axis} must be a positive integer, got {size!r}")
-        folded = self.tp * self.cp * self.dp
-        if folded % self.ep:
-            divisors = ", ".join(str(d) for d in range(1, folded + 1) if folded % d == 0)
-            raise UsageError(f"--ep {self.ep} does not divide TP x CP x DP = {self.tp} x {self.cp} x {self.dp} = "
-                             f"{folded}, the ranks of a pipeline stage that expert parallelism folds over; use one of "
-                             f"{divisors}")
+        check_ep_fold(self.tp, self.cp, self.dp, self.ep)
 
     @classmethod
     def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> "Layout":

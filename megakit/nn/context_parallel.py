@@ -169,10 +169,7 @@ class _RingAttention(torch.autograd.Function):
             grad_s = probs * (grad_p - delta)
             dq += torch.matmul(grad_s, kj) * scale
             grad_k = torch.matmul(grad_s.transpose(-2, -1), q.float()) * scale
-            grads = torch.stack([_sum_kv(grad_k, k.shape[1]), _sum_kv(grad_v, k.shape[1])])
-            if incoming is not None:
-                grads += _arrived(incoming)
-            incoming = _pass_on(grads, ranks, r, _GRAD_TAG)  # block j's gradients follow block j
+            incoming = _pass_gradients(grad_k, grad_v, k.shape[1], incoming, ranks, r)
             if nxt is not None:
                 kv = _arrived(nxt)
         own = _arrived(incoming)  # this rank's K/V gradients, home after one full turn
@@ -278,10 +275,7 @@ class _FusedRingAttention(torch.autograd.Function):
                 dq[:, :, qs] += gq.to(acc)
                 dk[:, :, ks] += gk.to(acc)
                 dv[:, :, ks] += gv.to(acc)
-            grads = torch.stack([_sum_kv(dk, k.shape[1]), _sum_kv(dv, k.shape[1])])
-            if incoming is not None:
-                grads += _arrived(incoming)
-            incoming = _pass_on(grads, ranks, r, _GRAD_TAG)  # block j's gradients follow block j
+            incoming = _pass_gradients(dk, dv, k.shape[1], incoming, ranks, r)
             if nxt is not None:
                 kv = _arrived(nxt)
         own = _arrived(incoming)
@@ -321,6 +315,15 @@ def _pass_on(x: torch.Tensor, ranks: list[int], r: int, tag: int):
         return x, x, C.Handle(None)
     buf = torch.empty_like(x)
     return x, buf, C.exchange([(x, ranks[(r + 1) % cp], tag)], [(buf, ranks[(r - 1) % cp], tag)])
+
+
+def _pass_gradients(grad_k, grad_v, kv_heads: int, incoming, ranks: list[int], r: int):
+    """Add this rank's gradients of the block in hand (GQA heads summed) to what arrived with it, and pass them on
+    with the block: after one full turn each K/V block's gradients are home."""
+    grads = torch.stack([_sum_kv(grad_k, kv_heads), _sum_kv(grad_v, kv_heads)])
+    if incoming is not None:
+        grads += _arrived(incoming)
+    return _pass_on(grads, ranks, r, _GRAD_TAG)
 
 
 def _arrived(posted) -> torch.Tensor:

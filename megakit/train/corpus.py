@@ -138,7 +138,8 @@ def _mix(parts: list[tuple[float, Corpus]]) -> Corpus:
     def ones(c):  # a data set without a loss mask counts every token: a view, nothing allocated
         return [np.broadcast_to(np.uint8(1), (len(t),)) for t in c.train]
 
-    return Corpus(train=[t for _, c in parts for t in c.train], validation=None, vocab_size=first.vocab_size, tokenizer_dir=first.tokenizer_dir,
+    return Corpus(train=[t for _, c in parts for t in c.train], validation=None, vocab_size=first.vocab_size,
+                  tokenizer_dir=first.tokenizer_dir,
                   fingerprint="mixture:" + ",".join(f"{w:g}:{c.fingerprint}" for w, c in parts),
                   source="--data " + " ".join(f"{w:g} {c.source.removeprefix('--data ')}" for w, c in parts),
                   train_masks=joined("train_masks", ones), train_documents=joined("train_documents"),

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from megakit.core.compression import Compression, parse_compression
-from megakit.core.layout import Layout
+from megakit.core.layout import Layout, check_ep_fold
 from megakit.core.model_config import ModelConfig, check_seq_len
 from megakit.core.partition import partition_layers
 from megakit.core.planner.activations import loss_chunks_of
@@ -38,8 +38,9 @@ from megakit.train.spikes import data_offset
 RECOMPUTE = ("none", "selective", "full")
 
 
-MOE_FLAGS = ("moe_aux_loss", "moe_z_loss", "moe_capacity_factor", "moe_expert_bias",
-             "moe_force_balance")  # TrainConfig's --moe-* fields
+MOE_FLAGS = {"moe_aux_loss": "aux_loss_coeff", "moe_z_loss": "z_loss_coeff",  # TrainConfig's --moe-* fields
+             "moe_capacity_factor": "capacity_factor", "moe_expert_bias": "expert_bias",  # -> the MoEConfig
+             "moe_force_balance": "force_balance"}  # fields they override
 DOCUMENT_FLAGS = ("reset_attention_mask", "reset_position_ids", "eod_mask_loss")  # its packed-document fields
 
 
@@ -266,26 +267,21 @@ def _check_schedule(schedule: str, *, pp: int, vpp: int, accumulation: int) -> N
     build_schedule(schedule, pp, accumulation, vpp)
 
 
-def moe_overrides(cfg: TrainConfig) -> dict:
-    """The ``MoEConfig`` fields the ``--moe-*`` flags set (empty: none given)."""
-    out = {"aux_loss_coeff": cfg.moe_aux_loss, "z_loss_coeff": cfg.moe_z_loss,
-           "capacity_factor": cfg.moe_capacity_factor, "expert_bias": cfg.moe_expert_bias or None,
-           "force_balance": cfg.moe_force_balance or None}
-    return {k: v for k, v in out.items() if v is not None}
+def _moe_flags_given(cfg: TrainConfig) -> list[str]:
+    """The ``--moe-*`` fields of ``cfg`` that were given (a number, or a switch turned on)."""
+    return [name for name in MOE_FLAGS if getattr(cfg, name) is not None and getattr(cfg, name) is not False]
 
 
 def with_moe_flags(model: ModelConfig, cfg: TrainConfig) -> ModelConfig:
     """``model`` with the ``--moe-*`` flags applied to its experts (MoEConfig checks the values)."""
-    changes = moe_overrides(cfg)
-    if not changes:
+    given = _moe_flags_given(cfg)
+    if not given:
         return model
     if model.moe is None:
-        flags = ", ".join("--" + {"aux_loss_coeff": "moe-aux-loss", "z_loss_coeff": "moe-z-loss",
-                                  "capacity_factor": "moe-capacity-factor", "expert_bias": "moe-expert-bias",
-                                  "force_balance": "moe-force-balance"}[k]
-                          for k in changes)
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
         raise UsageError(f"{flags}: model {cfg.model} has no experts; drop the flag, or train an MoE model "
                          "(e.g. --model moe-tiny)")
+    changes = {MOE_FLAGS[name]: getattr(cfg, name) for name in given}
     return model.replace(moe=dataclasses.replace(model.moe, **changes))
 
 
@@ -299,12 +295,8 @@ def _check_expert_parallel(cfg: TrainConfig, model: ModelConfig, layout: Layout,
     if model.moe.experts % cfg.ep:
         raise UsageError(f"--ep {cfg.ep} does not divide the {model.moe.experts} experts of each MoE layer; use a "
                          f"divisor of {model.moe.experts}")
-    folded = layout.tp * layout.cp * layout.dp
-    if folded % cfg.ep:
-        divisors = ", ".join(str(d) for d in range(1, folded + 1) if folded % d == 0)
-        raise UsageError(f"--ep {cfg.ep} does not divide TP x CP x DP = {layout.tp} x {layout.cp} x {layout.dp} = "
-                         f"{folded}: the expert-parallel ranks are folded over a pipeline stage's ranks; use one of "
-                         f"{divisors}, or launch a multiple of PP x EP = {layout.pp * cfg.ep} processes")
+    check_ep_fold(layout.tp, layout.cp, layout.dp, cfg.ep,
+                  fix=f", or launch a multiple of PP x EP = {layout.pp * cfg.ep} processes")
     stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     if stage == 3:
         raise UsageError(f"--ep {cfg.ep} with ZeRO 3: DeepSpeed partitions only its own AutoEP experts at stage 3, "

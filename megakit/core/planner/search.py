@@ -27,6 +27,7 @@ micro-batches are tried smallest first, stopping at the first that does not fit
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from megakit.core.compression import parse_compression
 from megakit.core.planner.cost import Cost, estimate_cost
@@ -334,14 +335,12 @@ class _Context:
 
     def _layout(self, tp, pp, dp, zero, cp=1) -> None:
         for ep in self._eps(tp, pp, dp, cp):
-            for cp_mode in self._cp_modes(tp, cp):
-                self._layout_ep(tp, pp, dp, zero, cp, ep, cp_mode)
+            self._layout_ep(tp, pp, dp, zero, cp, ep)
 
-    def _layout_ep(self, tp, pp, dp, zero, cp, ep, cp_mode="ring") -> None:
+    def _layout_ep(self, tp, pp, dp, zero, cp, ep) -> None:
         m, pins = self.model, self.pins
         per_rank = self.global_batch // dp
-        base = Plan(tp=tp, pp=pp, dp=dp, cp=cp, cp_mode=cp_mode, zero_stage=zero, micro_batch=1,
-                    accumulation=per_rank, recompute="full",
+        base = Plan(tp=tp, pp=pp, dp=dp, cp=cp, zero_stage=zero, micro_batch=1, accumulation=per_rank, recompute="full",
                     sequence_parallel=tp > 1, precision=self.precision, offload=self.offload,
                     flash_attention=self.flash, compress=pins.compress if zero in self.compress_stages else "none",
                     zero_bubble=pins.schedule == "zb-h1" and pp > 1, ep=ep, loss_chunks=pins.loss_chunks,
@@ -370,30 +369,30 @@ class _Context:
                 self.reject(Plan(tp=tp, pp=pp, vpp=vpp), f"PP={pp} x VPP={vpp} stages exceed the {m.layers} layers",
                             unique_key=("vpp-layers", pp, vpp), kind="vpp")
                 continue
-            for recompute in recomputes:
-                for sp in sps:
-                    for mb in mbs:
-                        if per_rank % mb:
-                            continue
-                        ga = per_rank // mb
-                        plan = dataclasses.replace(base, vpp=vpp, recompute=recompute, sequence_parallel=sp,
-                                                   micro_batch=mb, accumulation=ga)
-                        if vpp > 1 and ga % pp:
-                            self.reject(plan, f"interleaving (VPP={vpp}) needs the {ga} micro-batches to be a "
-                                        f"multiple of PP={pp}", unique_key=("vpp-ga", pp, vpp), kind="vpp")
-                            continue
-                        self.evaluated += 1
-                        mem = peak_memory(m, seq_len=self.seq_len, overhead_bytes=OVERHEAD_BYTES,
-                                          **plan.memory_kwargs())
-                        cost = estimate_cost(m, self.cluster, plan, seq_len=self.seq_len)
-                        if mem.total > self.limit:
-                            if self.closest is None or mem.total < self.closest.memory.total:
-                                self.closest = Candidate(plan, mem, cost)
-                            self.reject(plan, f"peak {mem.total / GIB:.2f} GiB > {self.limit / GIB:.2f} GiB "
-                                        f"({self.limit / GIB / self.cluster.gpu.mem_gib:.0%} of "
-                                        f"{self.cluster.gpu.mem_gib:g} GiB)", cost.tokens_per_s, peak=mem.total)
-                            break  # a bigger micro-batch only needs more
-                        self.feasible.append(Candidate(plan, mem, cost))
+            # the CP mode prices the attention exchange only (memory is the same), so it is tried past the floor
+            for recompute, sp, cp_mode in itertools.product(recomputes, sps, self._cp_modes(tp, cp)):
+                for mb in mbs:
+                    if per_rank % mb:
+                        continue
+                    ga = per_rank // mb
+                    plan = dataclasses.replace(base, vpp=vpp, recompute=recompute, sequence_parallel=sp,
+                                               cp_mode=cp_mode, micro_batch=mb, accumulation=ga)
+                    if vpp > 1 and ga % pp:
+                        self.reject(plan, f"interleaving (VPP={vpp}) needs the {ga} micro-batches to be a "
+                                    f"multiple of PP={pp}", unique_key=("vpp-ga", pp, vpp), kind="vpp")
+                        continue
+                    self.evaluated += 1
+                    mem = peak_memory(m, seq_len=self.seq_len, overhead_bytes=OVERHEAD_BYTES,
+                                      **plan.memory_kwargs())
+                    cost = estimate_cost(m, self.cluster, plan, seq_len=self.seq_len)
+                    if mem.total > self.limit:
+                        if self.closest is None or mem.total < self.closest.memory.total:
+                            self.closest = Candidate(plan, mem, cost)
+                        self.reject(plan, f"peak {mem.total / GIB:.2f} GiB > {self.limit / GIB:.2f} GiB "
+                                    f"({self.limit / GIB / self.cluster.gpu.mem_gib:.0%} of "
+                                    f"{self.cluster.gpu.mem_gib:g} GiB)", cost.tokens_per_s, peak=mem.total)
+                        break  # a bigger micro-batch only needs more
+                    self.feasible.append(Candidate(plan, mem, cost))
 
 
 def smallest_cluster(model: ModelSpec, make_cluster, *, global_batch: int, max_nodes: int = 4096, **kwargs):
