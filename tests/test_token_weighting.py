@@ -140,6 +140,10 @@ CASES = {"dp2-ga2": dict(zero=1, accumulation=2), "tp2-ga4": dict(zero=1, accumu
          "a2a2-documents": dict(zero=1, accumulation=2, cp=2, cp_mode="a2a", **DOCUMENTS)}  # Ulysses
 CASES4 = {"tp2-cp2-documents": dict(zero=1, accumulation=2, tp=2, cp=2, **DOCUMENTS),
           "tp2-a2a2-documents": dict(zero=2, accumulation=2, tp=2, cp=2, cp_mode="a2a", **DOCUMENTS),
+          # EP 4 folded over TP 2 x DP 2 with packed documents; Ulysses under a pipeline
+          "tp2-ep4-moe-documents": dict(zero=1, accumulation=2, tp=2, ep=4, sequence_parallel=True,
+                                        model="moe-tiny", **DOCUMENTS),
+          "a2a2-pp2-documents": dict(zero=1, accumulation=2, cp=2, cp_mode="a2a", pp=2, **DOCUMENTS),
           "cp2-pp2-documents": dict(zero=1, accumulation=2, cp=2, pp=2, **DOCUMENTS)}
 
 
