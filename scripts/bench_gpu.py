@@ -12,7 +12,8 @@ clock); the bf16 and fp8 matmul ceilings; per shape, which attention kernel each
 choice dispatches to (profiler kernel names) and its forward+backward time; variants A..F, each adding one
 lever (``LEVERS``), then A again as the noise floor: 3 warm-up steps (the first includes compiling), 10
 timed steps, median step time, tok/s, MFU (megakit's formula, printed), peak memory, final loss, and
-``megakit plan``'s prediction for the same settings beside it; an fp8 parity row (30 steps bf16 vs fp8 from
+``megakit plan``'s prediction for the same settings beside it; the CP ring's block loop at 8k and 16k local
+tokens, fused against explicit (``ring_kernels``); an fp8 parity row (30 steps bf16 vs fp8 from
 one init and data, against the spread of two bf16 seeds). JSON goes to ``--out``; the table is printed last.
 Step times are the trainer's own: host time between ``torch.cuda.synchronize()`` at the step's start and
 end, which is what CUDA events around a whole step measure; the attention micro-benchmark and the
@@ -364,6 +365,47 @@ def document_kernels(shape: dict, micro: int, *, cuda: bool) -> list[dict]:
     return rows
 
 
+def ring_kernels(*, cuda: bool) -> list[dict]:
+    """One CP rank's ring block loop (a ring of one: its own block, the diagonal every rank computes), the fused
+    chunk pairs (``_FusedRingAttention``: on CUDA the memory-efficient kernel) against the explicit fp32 blocks
+    (``_RingAttention``), at 8k and 16k local tokens, 8 query heads over 2 KV heads of 128 (Llama-3-8B at TP 4),
+    bf16: fwd+bwd ms, peak GiB, and the fused output's and dq's largest gap to the explicit ones."""
+    import torch
+
+    from megakit.nn.context_parallel import ring_attention
+
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    rows = []
+    for tokens in (8192, 16384) if cuda else (256, 512):
+        gen = torch.Generator().manual_seed(tokens)
+        q = torch.randn(1, 8, tokens, 128, generator=gen).to(device, dtype).requires_grad_()
+        k, v = (torch.randn(1, 2, tokens, 128, generator=gen).to(device, dtype).requires_grad_() for _ in "kv")
+        grad = torch.randn(1, 8, tokens, 128, generator=gen).to(device, dtype)
+        got = {}
+        for name, fused in (("fused", True), ("explicit", False)):
+            def step():
+                for t in (q, k, v):
+                    t.grad = None
+                y = ring_attention(q, k, v, None, fused=fused)
+                y.backward(grad)
+                return y
+
+            try:
+                if cuda:
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                got[name] = (step().detach().float(), q.grad.float())
+                ms = _cuda_ms(step, 3)
+                peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+                rows.append(dict(choice=f"ring {name}", local_tokens=tokens, fwd_bwd_ms=ms, peak_gib=peak))
+            except (RuntimeError, torch.OutOfMemoryError) as error:
+                rows.append(dict(choice=f"ring {name}", local_tokens=tokens, error=str(error).splitlines()[0][:160]))
+        if len(got) == 2:
+            rows[-2]["max_gap_out"] = float((got["fused"][0] - got["explicit"][0]).abs().max())
+            rows[-2]["max_gap_dq"] = float((got["fused"][1] - got["explicit"][1]).abs().max())
+    return rows
+
+
 def parity(shape: dict, *, cuda: bool, steps: int) -> dict:
     """bf16 against fp8 (tensorwise) from one init and data, judged against two bf16 runs with other seeds."""
     s = settings("E")
@@ -473,6 +515,13 @@ def main(argv: list[str] | None = None) -> int:
         for variant in wanted:
             rows.append(measure(shape, variant, cuda=cuda, peak=peak, gpu=args.gpu, warmup=warmup, timed=timed))
             save(results)  # after every row: a run cut short still leaves what it measured
+    results["ring"] = ring_kernels(cuda=cuda)
+    for row in results["ring"]:
+        print(f"  {row['choice']} at {row['local_tokens']} local tokens: " + (row.get("error") or
+              f"{row['fwd_bwd_ms']:.2f} ms fwd+bwd, peak {_num(row['peak_gib'], '.2f')} GiB"
+              + (f", max gap to explicit: out {row['max_gap_out']:.2e}, dq {row['max_gap_dq']:.2e}"
+                 if "max_gap_out" in row else "")), flush=True)
+    save(results)
     results["fp8_parity"] = parity(next(iter(shapes.values())), cuda=cuda, steps=parity_steps)
     print("fp8 parity:", json.dumps(results["fp8_parity"]), flush=True)
     save(results)

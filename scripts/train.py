@@ -52,10 +52,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel degree: the sequence split over CP ranks (load-balanced causal halves), "
                         "attention as ring attention; --seq-len must divide by 2 x CP")
-    p.add_argument("--cp-mode", choices=("ring", "a2a"), default="ring",
-                   help="how CP ranks share attention: ring (K/V blocks passed around the CP group) or a2a "
+    p.add_argument("--cp-mode", choices=("ring", "a2a", "hybrid"), default="ring",
+                   help="how CP ranks share attention: ring (K/V blocks passed around the CP group), a2a "
                         "(DeepSpeed-Ulysses: an all-to-all gives each rank the whole sequence of heads/CP heads; "
-                        "needs the heads per TP rank to divide by CP)")
+                        "needs the heads per TP rank to divide by CP) or hybrid (an all-to-all inside groups of "
+                        "--cp-a2a consecutive CP ranks, a ring across the groups: USP, Megatron's a2a+p2p)")
+    p.add_argument("--cp-a2a", type=int, default=0,
+                   help="with --cp-mode hybrid: the all-to-all degree, dividing CP and the heads per TP rank; keep "
+                        "TP x it within a node (default: the largest such degree below CP)")
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel degree (MoE models): each MoE layer's experts split over EP ranks folded "
                         "over TP x CP x DP (consecutive ranks, TP first), tokens exchanged by all-to-all; must divide "
@@ -195,7 +199,8 @@ def config(args: argparse.Namespace):
         ds_config=args.ds_config, model=args.model,
         data=args.data[0] if args.data and len(args.data) == 1 else args.data,  # one data set, or a mixture
         steps=args.steps if args.steps is not None else 3 if args.verify_memory else 200, seed=args.seed,
-        tp=args.tp, pp=args.pp, cp=args.cp, cp_mode=args.cp_mode, ep=args.ep, vpp=args.vpp, schedule=args.schedule,
+        tp=args.tp, pp=args.pp, cp=args.cp, cp_mode=args.cp_mode,
+        cp_a2a=args.cp_a2a, ep=args.ep, vpp=args.vpp, schedule=args.schedule,
         seq_len=args.seq_len,
         stage_layers=parse_stage_layers(args.stage_layers), tensorboard=args.tensorboard, profile=args.profile,
         verify_memory=args.verify_memory, metrics_out=args.metrics_out, log_every=args.log_every,

@@ -40,6 +40,12 @@ def test_bench_gpu_dry_run_measures_every_variant_and_prints_the_table_last(tmp_
     assert any("math" in k for k in attention["math"]["kernels"]) and "needs a CUDA GPU" in attention["cudnn"]["error"]
     flex = attention["documents flex"]  # FlexAttention's block mask against SDPA's boolean mask, forward on CPU
     assert flex["max_gap"] <= fp32_bound(1.0, 64) and 0 < flex["kept_pairs"] < 1, flex
+    ring = results["ring"]  # the CP ring's block loop: fused pairs against explicit blocks (256, 512 tokens here)
+    assert [(r["choice"], r["local_tokens"]) for r in ring] == [(f"ring {n}", t) for t in (256, 512)
+                                                              for n in ("fused", "explicit")], ring
+    for fused in ring[::2]:  # fp32 on CPU: the gap is rounding over the row's keys
+        assert fused["max_gap_out"] <= fp32_bound(1.0, fused["local_tokens"]), fused
+        assert fused["max_gap_dq"] <= fp32_bound(1.0, fused["local_tokens"]), fused
     assert results["shapes"]["tiny-w2L-32"]["variants"][0]["step_s"] > 0  # a derived (fewer layers) shape
     parity = results["fp8_parity"]
     assert parity["fp8_gap"] < parity["bf16_spread"] and not parity["nan"], parity

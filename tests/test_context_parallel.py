@@ -49,7 +49,7 @@ def _equivalence(topo, preset: str, *, sequence_parallel: bool = False, dropout:
     labels[1, 9] = -100
     ref = Transformer(config, seed=3)
     model = Transformer(config, topo, seed=3, sequence_parallel=sequence_parallel, recompute=recompute)
-    use_cp_mode(model, cp_mode)
+    use_cp_mode(model, cp_mode, topo)
     case = (f"{preset} cp={topo.cp} ({cp_mode}) tp={topo.tp} sp={sequence_parallel} dropout={dropout} "
             f"recompute={recompute} {changes}")
     rows = {"sample_ids": [11, 12]}
@@ -83,6 +83,7 @@ def _sweep(rank, world_size, root):
     from megakit.nn.topology import Topology
 
     cp4, cp2tp2, cp2dp2 = Topology(Layout(cp=4)), Topology(Layout(tp=2, cp=2)), Topology(Layout(cp=2, dp=2))
+    hybrid = Topology(Layout(cp=4, cp_a2a=2))  # a2a inside CP ranks {0, 1} and {2, 3}, rings {0, 2} and {1, 3}
     done = []
     for preset in ("gpt-tiny", "llama-tiny"):  # llama-tiny: 8 heads over 4 KV heads (GQA)
         done.append(_equivalence(cp4, preset))
@@ -107,6 +108,11 @@ def _sweep(rank, world_size, root):
     done.append(_equivalence(cp4, "llama-tiny", cp_mode="a2a", kv_heads=2, sliding_window=5))
     done.append(_equivalence(cp2tp2, "llama-tiny", cp_mode="a2a", sequence_parallel=True, dropout=0.1))
     done.append(_equivalence(cp2dp2, "gpt-tiny", cp_mode="a2a", dropout=0.1, recompute="full"))
+    # hybrid 2 x 2 (USP): MHA; GQA with one KV head (replicated for the a2a) and a window; dropout (the explicit
+    # ring's blocks), each rank's mask cut from the draw at its head group and its ring rows
+    done.append(_equivalence(hybrid, "gpt-tiny", cp_mode="hybrid"))
+    done.append(_equivalence(hybrid, "llama-tiny", cp_mode="hybrid", kv_heads=1, sliding_window=5))
+    done.append(_equivalence(hybrid, "llama-tiny", cp_mode="hybrid", dropout=0.1))
     # a checkpoint saved at CP 2 x TP 2: CP ranks hold the same weights, so one of them writes
     config = ModelConfig.load("llama-tiny")
     save_checkpoint(f"{root}/cp2tp2", Transformer(config, cp2tp2, seed=21), cp2tp2, step=1, config=config)
@@ -123,7 +129,7 @@ def test_context_parallel_matches_one_process(tmp_path):
     from megakit.nn.model import ModelConfig, Transformer, full_state_dict
 
     results = run_ranks(_sweep, 4, str(tmp_path), timeout_s=400)
-    assert len(results[0]) == 19
+    assert len(results[0]) == 22
     assert "not divisible by 2 x CP = 8" in results[0][-1]
     loaded = Transformer(ModelConfig.load("llama-tiny"), seed=0)
     load_checkpoint(tmp_path / "cp2tp2", loaded)

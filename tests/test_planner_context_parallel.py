@@ -5,6 +5,7 @@ import json
 import pytest
 
 from megakit.commands import cli
+from megakit.core.planner.compute import attention_time, cp_kernel_seq
 from megakit.core.planner.cost import estimate_cost
 from megakit.core.planner.hardware import Cluster, gpu_preset
 from megakit.core.planner.memory import estimate_memory
@@ -53,8 +54,8 @@ def test_llama3_8b_at_128k_tokens_on_8_gpus_picks_context_parallelism(capsys):
     assert p["tp"] * p["cp"] * p["pp"] * p["dp"] == 8
     assert p["peak_memory_gib"] <= 0.8 * p["gpu_memory_gib"]
     assert f"--cp {p['cp']}" in report["assumptions"]["launch"]
-    assert p["cp_mode"] in ("ring", "a2a") and p["cp_mode_note"].startswith(p["cp_mode"])  # the mode, and why
-    assert "x the tokens/s of" in p["cp_mode_note"]  # Llama-3-8B's 32 heads allow either: priced against the other
+    assert p["cp_mode"] in ("ring", "a2a", "hybrid") and p["cp_mode_note"].startswith(p["cp_mode"])  # and why
+    assert "x the tokens/s of" in p["cp_mode_note"]  # Llama-3-8B's 32 heads allow each: priced against the others
 
 
 def test_ulysses_prices_its_all_to_alls_and_is_launched_as_planned(capsys):
@@ -75,6 +76,46 @@ def test_ulysses_prices_its_all_to_alls_and_is_launched_as_planned(capsys):
                          "--tp", "8", "--cp-mode", "a2a")
     assert code == 2 and err.count("\n") == 1 and "--cp-mode a2a splits each TP rank's 4 attention heads over --cp 8" \
         in err, err
+
+
+def test_the_mode_follows_the_node_a2a_inside_hybrid_across_ring_where_heads_forbid(capsys):
+    """Llama-3-8B at 32k tokens, CP pinned: a2a inside one node of H100s; across 4 nodes hybrid (a2a over the
+    node's 8 GPUs, a ring of 4 across the nodes), which the launch command carries; at TP 8 each rank keeps 4 heads,
+    which CP 8 cannot split: the ring, saying why. The ring's chunk pairs are short (32k / (2 x 32) = 512 tokens),
+    so its attention alone runs slower than Ulysses' over the whole sequence (the per-block kernel time)."""
+    def planned(*argv):
+        code, out, err = _plan(capsys, "--model", "llama-3-8b", "--seq-len", "32768", "--gpu", "h100-80gb", *argv,
+                               "--json")
+        assert code == 0, err
+        return json.loads(out)
+    inside, across = planned("--gpus", "8", "--cp", "8"), planned("--gpus", "32", "--cp", "32")
+    assert (inside["plan"]["cp_mode"], inside["plan"]["cp_a2a"]) == ("a2a", 8)
+    assert (across["plan"]["cp_mode"], across["plan"]["cp_a2a"]) == ("hybrid", 8)
+    assert "--cp 32 --cp-mode hybrid --cp-a2a 8" in across["assumptions"]["launch"]
+    assert "CP=32(ring)" in across["plan"]["cp_mode_note"] and "CP=32(a2a)" in across["plan"]["cp_mode_note"]
+    heads = planned("--gpus", "64", "--cp", "8", "--tp", "8")["plan"]
+    assert heads["cp_mode"] == "ring" and "a2a would split each TP rank's 4 heads over CP 8" in heads["cp_mode_note"]
+    model = _llama8b().with_overrides(seq_len=32768)
+    cluster = Cluster(gpu=gpu_preset("h100-80gb"), num_gpus=32, gpus_per_node=8)
+    ring = Plan(tp=1, cp=32, dp=1, zero_stage=1, micro_batch=1, accumulation=16, recompute="none")
+    a2a = Plan(**{**ring.__dict__, "cp_mode": "a2a"})
+    hybrid = Plan(**{**ring.__dict__, "cp_mode": "hybrid", "cp_a2a": 8})
+    attention = {p.cp_mode: attention_time(model, cluster.gpu, tp=1, seq_len=32768, micro_batch=1, flash=True,
+                                           peak=1e15, nbytes=2, kernel_seq=cp_kernel_seq(p, 32768))[0]
+                 for p in (ring, a2a, hybrid)}
+    assert [cp_kernel_seq(p, 32768) for p in (ring, a2a, hybrid)] == [512, 32768, 4096]  # hybrid: a ring of 4
+    assert attention["ring"] > 1.9 * attention["a2a"] and attention["a2a"] < attention["hybrid"] < attention["ring"]
+    speed = {p.cp_mode: estimate_cost(model, cluster, p, seq_len=32768).tokens_per_s for p in (ring, a2a, hybrid)}
+    assert speed["hybrid"] > max(speed["ring"], speed["a2a"])
+
+
+def test_hybrid_pins_are_checked_in_one_line(capsys):
+    for argv, needle in ((["--cp", "8", "--cp-mode", "hybrid", "--cp-a2a", "3"],
+                          "--cp-a2a 3 must be above 1, below --cp 8"),
+                         (["--cp", "8", "--cp-a2a", "2"], "--cp-a2a 2 sets the all-to-all degree of --cp-mode hybrid"),
+                         (["--cp", "2", "--cp-mode", "hybrid"], "it must be above 1, below --cp 2")):
+        code, _, err = _plan(capsys, "--model", "llama-3-8b", "--seq-len", "32768", "--gpus", "8", *argv)
+        assert code == 2 and err.count("\n") == 1 and needle in err, (argv, err)
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -144,7 +144,9 @@ CASES4 = {"tp2-cp2-documents": dict(zero=1, accumulation=2, tp=2, cp=2, **DOCUME
           "tp2-ep4-moe-documents": dict(zero=1, accumulation=2, tp=2, ep=4, sequence_parallel=True,
                                         model="moe-tiny", **DOCUMENTS),
           "a2a2-pp2-documents": dict(zero=1, accumulation=2, cp=2, cp_mode="a2a", pp=2, **DOCUMENTS),
-          "cp2-pp2-documents": dict(zero=1, accumulation=2, cp=2, pp=2, **DOCUMENTS)}
+          "cp2-pp2-documents": dict(zero=1, accumulation=2, cp=2, pp=2, **DOCUMENTS),
+          # hybrid CP 4: an all-to-all inside CP ranks {0, 1} and {2, 3}, a ring of 2 across them
+          "hybrid2x2-documents": dict(zero=1, accumulation=2, cp=4, cp_mode="hybrid", cp_a2a=2, **DOCUMENTS)}
 
 
 def _cases(specs: dict, data: str) -> list[dict]:

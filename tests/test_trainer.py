@@ -438,7 +438,7 @@ def mp_results(tmp_path_factory, shards):
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
                       sequence_parallel=True, recompute="selective", verify_memory=True))
     # cases 6, 7: context parallelism, CP 2 x DP 2 (Llama, GQA, ZeRO-0) and CP 2 x PP 2 under dropout (ZeRO-1)
-    cases.append(dict(ds_config=ds_config(0), model="llama-tiny", steps=STEPS, seq_len=32, cp=2))
+    cases.append(dict(ds_config=ds_config(0), model="llama-tiny", steps=STEPS, seq_len=32, cp=2, verify_memory=True))
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model=dropout, steps=STEPS, seq_len=32, cp=2, pp=2))
     # cases 8, 9: compressed DP reduction composes with TP and ZeRO-1 (int8 in DeepSpeed's buckets at TP2 x DP2) and
     # PP (sign at PP2 x DP2)
@@ -468,6 +468,8 @@ def mp_results(tmp_path_factory, shards):
     # case 20: case 4 (TP2 x PP2, SP, dropout 0.1) with compiled blocks, 5 steps (aot_eager: Inductor's C++ build
     # takes minutes on this CPU; the plumbing checked here is Dynamo's and AOTAutograd's)
     cases.append(dict(cases[4], steps=COMPILED_STEPS, compile=True, compile_backend="aot_eager"))
+    # case 21: case 6 as Ulysses (CP 2 x DP 2, a2a), 3 steps: the planner's CP memory for it too
+    cases.append(dict(cases[6], steps=3, cp_mode="a2a"))
     return cases, sweep(tmp_path_factory, 4, cases)
 
 
@@ -617,6 +619,19 @@ def test_context_parallel_cp2_follows_the_single_process_trajectory(mp_results):
     cases, results = mp_results
     assert_same_trajectory(results[6], reference(cases[6], dp=2))
     assert_same_trajectory(results[7], reference(cases[7], dp=1))
+
+
+@pytest.mark.slow
+def test_verify_memory_under_context_parallelism_ring_and_a2a(mp_results):
+    """The planner's CP memory is what the trainer allocates: each rank's S/CP tokens, the fused ring's q, k, v,
+    output and LSE (what flash attention keeps), and Ulysses' the same after its all-to-all."""
+    _, results = mp_results
+    for index in (6, 21):
+        rows = results[index]["memory"]
+        assert sorted((r["dp"], r["cp"]) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)], rows
+        assert_memory_matches(rows)
+    for step, (a2a, ring) in enumerate(zip(results[21]["loss"], results[6]["loss"][:3], strict=True)):
+        assert abs(a2a - ring) < LOSS_TOL, (step, a2a, ring)
 
 
 @pytest.mark.slow

@@ -206,8 +206,18 @@ def test_context_parallel_flags_are_checked_before_any_process_group():
                                                    "which does not divide them; use a --cp that divides 2, or "
                                                    "--cp-mode ring")):
         resolve(TrainConfig(ds_config=ds, model="gpt-tiny", tp=2, cp=4, cp_mode="a2a", seq_len=32), 8)
-    with pytest.raises(UsageError, match="--cp-mode ulysses is not one of ring, a2a"):
+    with pytest.raises(UsageError, match="--cp-mode ulysses is not one of ring, a2a, hybrid"):
         TrainConfig(ds_config=ds, cp_mode="ulysses")
+    # hybrid: an all-to-all degree above 1, below CP, dividing CP and the heads per TP rank (gpt-tiny: 4 heads)
+    hybrid = dict(ds_config=ds, model="gpt-tiny", cp_mode="hybrid", seq_len=48)
+    assert resolve(TrainConfig(**hybrid, cp=4), 4).layout.cp_a2a == 2  # the default: the largest such degree
+    assert resolve(TrainConfig(**hybrid, cp=8), 8).layout.cp_a2a == 4
+    assert resolve(TrainConfig(**hybrid, cp=6), 6).layout.cp_a2a == 2  # 3 does not divide 4 heads
+    for bad in (dict(cp=2), dict(cp=4, cp_a2a=4), dict(cp=8, cp_a2a=3), dict(cp=4, tp=4)):
+        with pytest.raises(UsageError, match="--cp-mode hybrid runs an all-to-all inside groups of --cp-a2a CP ranks"):
+            resolve(TrainConfig(**{**hybrid, **bad}), bad["cp"] * bad.get("tp", 1))
+    with pytest.raises(UsageError, match="--cp-a2a 2 sets the all-to-all degree of --cp-mode hybrid"):
+        resolve(TrainConfig(ds_config=ds, model="gpt-tiny", cp=4, cp_a2a=2, seq_len=32), 4)
     assert resolve(TrainConfig(ds_config=ds, model="gpt-tiny", cp=4, cp_mode="a2a", seq_len=32), 4).layout.cp == 4
     out = subprocess.run([sys.executable, "scripts/train.py", "--model", "gpt-tiny", "--cp", "2", "--seq-len", "30"],
                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=THREADS), capture_output=True, text=True,

@@ -31,6 +31,7 @@ from megakit.core.planner.hardware import (
 )
 from megakit.core.planner.memory import GIB
 from megakit.core.planner.model_spec import ModelSpec, parse_count, preset_names
+from megakit.core.planner.pins import hybrid_degree
 from megakit.core.planner.plan import FP8_RECIPES, ROUTING, RUNTIMES, Plan
 from megakit.core.planner.search import NoPlan, Pins, search, smallest_cluster
 from megakit.core.planner.sharding import LINK_EFFICIENCY
@@ -102,8 +103,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pins.add_argument("--tp", type=int)
     pins.add_argument("--pp", type=int)
     pins.add_argument("--cp", type=int, help="context parallelism: each sequence split over CP GPUs (ring attention)")
-    pins.add_argument("--cp-mode", choices=("ring", "a2a"), help="how CP GPUs attend: ring (K/V blocks passed on) or "
-                      "a2a (Ulysses: heads over CP); default: the faster where the heads allow a2a")
+    pins.add_argument("--cp-mode", choices=("ring", "a2a", "hybrid"),
+                      help="how CP GPUs attend: ring (K/V blocks passed on), a2a (Ulysses: heads over CP) or hybrid "
+                           "(a2a inside groups of --cp-a2a GPUs, a ring across them); default: the fastest the heads "
+                           "allow")
+    pins.add_argument("--cp-a2a", type=int, help="with --cp-mode hybrid: the all-to-all degree (default: the largest "
+                                                 "that divides CP and the heads per TP rank within a node)")
     pins.add_argument("--ep", type=int, help="expert parallelism (MoE models): experts sharded over EP of a stage's "
                                              "TP x CP x DP ranks (folded: consecutive, TP first)")
     pins.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
@@ -138,18 +143,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _cp_mode_note(model, cluster, plan, cost, pins) -> str:
-    """Why the plan's CP ranks attend as they do: pinned, the only mode the heads allow, or the other one's speed."""
-    other = "a2a" if plan.cp_mode == "ring" else "ring"
-    heads = model.heads // plan.tp
+    """Why the plan's CP ranks attend as they do: pinned, or its speed against each other mode, and why a mode the
+    heads or the node rule out is not there."""
+    what = {"ring": "K/V blocks passed around the CP group behind attention",
+            "a2a": "all-to-alls of q, k, v and the output, each rank attending over the whole sequence of heads/CP",
+            "hybrid": f"all-to-alls inside groups of {plan.cp_a2a} GPUs, a ring across them"}
     if pins.cp_mode is not None:
         return f"{plan.cp_mode}: pinned (--cp-mode)"
-    if other == "a2a" and heads % plan.cp:
-        return f"ring: a2a would split each TP rank's {heads} heads over CP {plan.cp}, which does not divide them"
-    alt = estimate_cost(model, cluster, dataclasses.replace(plan, cp_mode=other), seq_len=model.seq_len)
-    what = {"ring": "K/V blocks passed around the CP group behind attention",
-            "a2a": "all-to-alls of q, k, v and the output, each rank attending over the whole sequence of heads/CP"}
-    return (f"{plan.cp_mode} ({what[plan.cp_mode]}): {cost.tokens_per_s / alt.tokens_per_s:.2f}x the tokens/s of "
-            f"{other} here")
+    heads, versus, ruled_out = model.heads // plan.tp, [], []
+    a = hybrid_degree(model, cluster, plan.tp, plan.cp, pins.cp_a2a)
+    for mode, cp_a2a in (("ring", 0), ("a2a", 0), ("hybrid", a)):
+        if mode == plan.cp_mode:
+            continue
+        if mode == "a2a" and heads % plan.cp:
+            ruled_out.append(f"a2a would split each TP rank's {heads} heads over CP {plan.cp}, which does not divide "
+                             "them")
+        elif mode == "hybrid" and not a:
+            ruled_out.append(f"hybrid needs a degree above 1 and below CP {plan.cp} dividing it and the {heads} heads, "
+                             "within a node")
+        else:
+            other = dataclasses.replace(plan, cp_mode=mode, cp_a2a=cp_a2a)
+            alt = estimate_cost(model, cluster, other, seq_len=model.seq_len)
+            versus.append(f"{cost.tokens_per_s / alt.tokens_per_s:.2f}x " + ("of " if versus else "the tokens/s of ")
+                          + other.cp_label)
+    return f"{plan.cp_mode} ({what[plan.cp_mode]}): " + "; ".join([" and ".join(versus)] * bool(versus) + ruled_out)
 
 
 def _check_moe_flags(args, model: ModelSpec) -> None:
@@ -215,7 +232,7 @@ def run(args) -> int:
     global_batch, batch_note = ((args.global_batch, "--global-batch") if args.global_batch else
                                 emit.default_global_batch(model.params, model.seq_len, tokens))
     imbalance = args.moe_imbalance if args.moe_imbalance is not None else ROUTING[args.moe_routing]
-    pins = Pins(tp=args.tp, pp=args.pp, cp=args.cp, cp_mode=args.cp_mode, ep=args.ep, zero=args.zero, micro_batch=args.micro_batch,
+    pins = Pins(tp=args.tp, pp=args.pp, cp=args.cp, cp_mode=args.cp_mode, cp_a2a=args.cp_a2a, ep=args.ep, zero=args.zero, micro_batch=args.micro_batch,
                 recompute=args.recompute, vpp=args.vpp, compress=str(parse_compression(args.compress)),
                 schedule=args.schedule, stage_layers=parse_stage_layers(args.stage_layers),
                 loss_chunks=parse_loss_chunks(args.loss_chunks)).resolved()

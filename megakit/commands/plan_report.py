@@ -42,7 +42,8 @@ def moe_assumptions(model: ModelSpec, args, imbalance: float) -> dict:
 
 
 def plan_fields(plan: Plan) -> dict:
-    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "cp_mode": plan.cp_mode, "ep": plan.ep,
+    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "cp_mode": plan.cp_mode,
+            "cp_a2a": plan.a2a_degree, "ep": plan.ep,
             "edp": plan.edp,
             "vpp": plan.vpp, "zero_stage": plan.zero_stage,
             "zero3_shard_group": plan.shard_group * plan.cp if plan.zero_stage == 3 else None,

@@ -67,6 +67,7 @@ class Layout:
     dp: int = 1
     cp: int = 1
     ep: int = 1  # expert parallelism, folded onto TP x CP x DP (not an axis of its own)
+    cp_a2a: int = 1  # hybrid CP: the all-to-all degree inside each CP group (1: no sub-groups; see ``groups``)
 
     def __post_init__(self) -> None:
         for axis in (*AXES, "ep"):
@@ -74,6 +75,13 @@ class Layout:
             if not isinstance(size, int) or size < 1:
                 raise UsageError(f"--{axis} must be a positive integer, got {size!r}")
         check_ep_fold(self.tp, self.cp, self.dp, self.ep)
+        if not isinstance(self.cp_a2a, int) or self.cp_a2a < 1 or self.cp % self.cp_a2a:
+            raise UsageError(f"--cp-a2a {self.cp_a2a} must divide --cp {self.cp}")
+
+    @property
+    def hybrid_cp(self) -> bool:
+        """CP as all-to-all groups of ``cp_a2a`` ranks joined by a ring (neither degree 1)."""
+        return 1 < self.cp_a2a < self.cp
 
     @classmethod
     def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> "Layout":
@@ -118,9 +126,19 @@ class Layout:
         kind: "tp", "cp", "dp", "pp" (ranks that differ only along that axis), "dpcp" (DP x CP:
         the ranks that hold the same weights, over which gradients are averaged), "mp" (TP x PP:
         one full model replica), "embedding" (first and last pipeline stage), "ep" (the ranks
-        that share one MoE layer's experts between them) or "edp" (the ranks holding the same
-        experts, over which expert gradients are averaged).
+        that share one MoE layer's experts between them), "edp" (the ranks holding the same
+        experts, over which expert gradients are averaged), or, for hybrid CP, "cp_a2a" (runs of
+        ``cp_a2a`` consecutive ranks of each CP group: their all-to-all) and "cp_ring" (the ranks at
+        the same place of every run: their ring). CP rank ``c`` holds zig-zag chunks ``c`` and
+        ``2 CP - 1 - c``, so run ``i`` holds chunks ``[i a, (i + 1) a)`` and their mirrors: exactly
+        the chunks ring rank ``i`` of a ring of ``CP / a`` holds in its own zig-zag split.
         """
+        if kind in ("cp_a2a", "cp_ring"):
+            a, out = self.cp_a2a, []
+            for ring in self.groups("cp"):
+                out += ([ring[i:i + a] for i in range(0, self.cp, a)] if kind == "cp_a2a"
+                        else [ring[i::a] for i in range(a)])
+            return sorted(out)
         if kind in ("ep", "edp"):
             stage, out = self.tp * self.cp * self.dp, []
             for p in range(self.pp):

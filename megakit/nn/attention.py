@@ -8,7 +8,8 @@ q/k/v are column-parallel and the output row-parallel (Megatron). Without contex
 the core is PyTorch's fused ``scaled_dot_product_attention`` (or, with dropout in training,
 the same written out so the mask is megakit's layout-free one); with it, the rank holds
 ``S/cp`` rows of the sequence and the core is ``megakit.nn.context_parallel.ring_attention``, or with
-``cp_mode`` "a2a" the whole sequence of ``heads/cp`` heads after an all-to-all (``megakit.nn.ulysses``).
+``cp_mode`` "a2a" the whole sequence of ``heads/cp`` heads after an all-to-all (``megakit.nn.ulysses``), or with
+"hybrid" an all-to-all inside groups of CP ranks and a ring across them.
 """
 
 from __future__ import annotations
@@ -58,15 +59,18 @@ def allowed_keys(s: int, window: int, documents: torch.Tensor | None, device) ->
     return same_document(documents, documents) & causal
 
 
-CP_MODES = ("ring", "a2a")  # --cp-mode: K/V blocks around a ring, or Ulysses' all-to-all of heads
+CP_MODES = ("ring", "a2a", "hybrid")  # --cp-mode: K/V blocks around a ring, Ulysses' all-to-all of heads, or both
 
 
-def use_cp_mode(model: nn.Module, mode: str) -> None:
-    """Run every attention layer of ``model`` with context parallelism ``mode`` (``CP_MODES``)."""
+def use_cp_mode(model: nn.Module, mode: str, topo=None) -> None:
+    """Run every attention layer of ``model`` with context parallelism ``mode`` (``CP_MODES``); "hybrid" takes its
+    all-to-all and ring groups from ``topo`` (a ``Topology`` whose layout has ``cp_a2a``)."""
     assert mode in CP_MODES, mode
+    groups = (topo.cp_a2a_group, topo.cp_ring_group) if mode == "hybrid" else (None, None)
+    assert mode != "hybrid" or None not in groups, "hybrid CP needs a Topology with 1 < cp_a2a < cp"
     for module in model.modules():
         if isinstance(module, Attention):
-            module.cp_mode = mode
+            module.cp_mode, (module.a2a_group, module.ring_group) = mode, groups
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -114,7 +118,8 @@ class Attention(nn.Module):
         self.dropout, self.rope = config.dropout, config.family == "llama"
         self.expand_kv = False  # set by megakit.nn.attention_kernel.use_kernel for kernels that need it
         self.flex_documents = False  # packed documents through FlexAttention (use_kernel sets it on a GPU)
-        self.cp_mode = "ring"  # with CP: ring attention, or "a2a" (Ulysses: megakit.nn.ulysses); use_cp_mode sets it
+        self.cp_mode = "ring"  # with CP: ring attention, "a2a" (Ulysses: megakit.nn.ulysses) or "hybrid"; use_cp_mode
+        self.a2a_group = self.ring_group = None  # hybrid's groups (use_cp_mode sets them)
         self.scale, self.window = config.attention_scale(index), config.attention_window(index)  # block ``index``'s
         self.sdpa_scale = None if self.scale == self.head_dim ** -0.5 else self.scale  # None: SDPA's own 1/sqrt(d)
         q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
@@ -157,8 +162,13 @@ class Attention(nn.Module):
             start = self.head_start + self.cp_rank * heads
             y = ulysses_attention(q, k, v, self.cp_group,
                                   lambda q, k, v: self._attend(q, k, v, keys, documents, head_start=start))
+        elif self.cp > 1 and self.cp_mode == "hybrid":  # a2a inside the run of CP ranks, a ring across the runs
+            a = C.size(self.a2a_group)
+            start = self.head_start + C.rank(self.a2a_group) * self.heads // a
+            ring = lambda q, k, v: self._ring(q, k, v, keys, documents, group=self.ring_group, head_start=start)
+            y = ulysses_attention(q, k, v, self.a2a_group, ring, cp=self.cp, first=self.cp_rank - C.rank(self.a2a_group))
         elif self.cp > 1:
-            y = self._ring(q, k, v, keys, documents)
+            y = self._ring(q, k, v, keys, documents, group=self.cp_group, head_start=self.head_start)
         else:
             y = self._attend(q, k, v, keys, documents, head_start=self.head_start)
         return y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # (S, B, nh/tp * d)
@@ -194,12 +204,15 @@ class Attention(nn.Module):
                                   heads=self.total_heads)
         return torch.matmul(probs, v)  # (B, nh/tp, S, d)
 
-    def _ring(self, q, k, v, keys: DropoutKeys | None, documents: torch.Tensor | None = None) -> torch.Tensor:
-        """Ring attention over the CP group; the dropout mask is this rank's rows of the whole draw."""
-        keep, seq_len = None, q.shape[2] * self.cp
+    def _ring(self, q, k, v, keys: DropoutKeys | None, documents: torch.Tensor | None, *, group, head_start: int
+              ) -> torch.Tensor:
+        """Ring attention over ``group`` of ``q``'s heads (global heads from ``head_start``); the dropout mask is this
+        rank's rows of the whole draw."""
+        keep, ring, r = None, C.size(group), C.rank(group)
+        seq_len = q.shape[2] * ring
         if self.training and self.dropout > 0:
-            keep = attention_keep(self.dropout, keys, site=self.site, head_start=self.head_start,
-                                  heads_local=self.heads, heads=self.total_heads, seq_len=seq_len, device=q.device,
-                                  rows=positions(seq_len, self.cp, self.cp_rank, device=q.device))
-        return ring_attention(q, k, v, self.cp_group, keep=keep, p=self.dropout, scale=self.scale,
-                              window=self.window, documents=documents)  # (B, nh/tp, S/cp, d)
+            keep = attention_keep(self.dropout, keys, site=self.site, head_start=head_start,
+                                  heads_local=q.shape[1], heads=self.total_heads, seq_len=seq_len, device=q.device,
+                                  rows=positions(seq_len, ring, r, device=q.device))
+        return ring_attention(q, k, v, group, keep=keep, p=self.dropout, scale=self.scale,
+                              window=self.window, documents=documents)  # (B, n, S/ring, d)

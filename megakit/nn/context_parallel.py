@@ -180,12 +180,48 @@ class _RingAttention(torch.autograd.Function):
 # Each block is four chunk pairs (this rank's two query chunks against the block's two key chunks): under the causal
 # mask an earlier key chunk is seen whole, the same chunk causally, a later one not at all, so about half of the
 # off-diagonal work is skipped, and a window rules out more. Each pair runs one fused attention call that returns
-# its log-sum-exp (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which take a mask; the
-# pairs merge by the LSE), so nothing (S/cp)^2 is kept in fp32: at most one pair's additive mask, for windows that
-# cut a pair or documents. Dropout needs megakit's keyed masks inside the softmax, which no fused kernel takes: with
-# it the explicit ``_RingAttention`` runs (also the reference the tests hold this one to).
+# its log-sum-exp (the pairs merge by it), so nothing (S/cp)^2 is kept in fp32: at most one pair's additive mask, for
+# windows that cut a pair or documents. The kernels (``_pair_forward``, ``_pair_backward``): on CPU
+# ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward; on CUDA the memory-efficient kernel
+# (``aten._scaled_dot_product_efficient_attention``, as torch's own ``context_parallel`` calls it), the one of
+# SDPA's fused kernels that takes an additive mask and fp32, its mask padded to 16 columns and its LSE to 32 rows as
+# SDPA pads them. Dropout needs megakit's keyed masks inside the softmax, which no fused kernel takes: with it the
+# explicit ``_RingAttention`` runs (also the reference the tests hold this one to).
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention
+_EFFICIENT_BACKWARD = torch.ops.aten._scaled_dot_product_efficient_attention_backward
+
+
+def _cuda_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """The memory-efficient kernel's additive mask: expanded to ``(B, n, S_q, S_k)`` over a row stride padded to 16
+    elements (its alignment; SDPA's ``preprocess_mask`` does the same)."""
+    if mask is None:
+        return None
+    cols = -(-mask.shape[-1] // 16) * 16
+    padded = mask.new_zeros((*mask.shape[:-1], cols))
+    padded[..., :mask.shape[-1]] = mask
+    return padded[..., :mask.shape[-1]].expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+def _pair_forward(q, k, v, causal: bool, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk pair's attention and its log-sum-exp ``(B, n, S_q)`` on this device's fused kernel."""
+    if q.device.type != "cuda":
+        return _FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    out, lse, _, _ = _EFFICIENT(q, k, v, _cuda_bias(mask, q, k), True, 0.0, causal, scale=scale)
+    return out, lse[..., :q.shape[2]]  # the kernel pads the LSE's rows to a multiple of 32
+
+
+def _pair_backward(grad_out, q, k, v, out, lse, causal: bool, mask, scale: float):
+    """``(dq, dk, dv)`` of one chunk pair, given the whole output and LSE (each pair's share of dS = P (dP - D))."""
+    if q.device.type != "cuda":
+        return _FLASH_BACKWARD(grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+    rows = lse.shape[-1]
+    padded = torch.nn.functional.pad(lse, (0, -rows % 32))  # the layout its forward returned
+    no_dropout = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed and offset, unread at p = 0
+    gq, gk, gv, _ = _EFFICIENT_BACKWARD(grad_out, q, k, v, _cuda_bias(mask, q, k), out, padded, no_dropout,
+                                        no_dropout, 0.0, [True, True, True, False], causal, scale=scale)
+    return gq, gk, gv
 
 
 def _pairs(r: int, j: int, cp: int, half: int, window: int, documents, pos_q, pos_k, dtype):
@@ -233,9 +269,10 @@ class _FusedRingAttention(torch.autograd.Function):
             kj, vj = _repeat_kv(kv[0], n), _repeat_kv(kv[1], n)
             for qs, ks, causal, mask, none in _pairs(r, j, cp, half, window, documents, pos,
                                                       positions(s * cp, cp, j, device=q.device), q.dtype):
-                o, l = _FLASH(q[:, :, qs], kj[:, :, ks], vj[:, :, ks], 0.0, causal, attn_mask=mask, scale=scale)
-                if none is not None:
+                o, l = _pair_forward(q[:, :, qs], kj[:, :, ks], vj[:, :, ks], causal, mask, scale)
+                if none is not None:  # rows with no allowed key: nothing (a kernel may give lse 0 or o NaN there)
                     l = l.masked_fill(none.expand(b, n, -1), float("-inf"))
+                    o = o.masked_fill(none.expand(b, n, -1)[..., None], 0.0)
                 merged = torch.logaddexp(lse[:, :, qs], l)
                 safe = merged.masked_fill(merged == float("-inf"), 0.0)
                 out[:, :, qs] = (out[:, :, qs] * (lse[:, :, qs] - safe).exp()[..., None]
@@ -269,9 +306,8 @@ class _FusedRingAttention(torch.autograd.Function):
             for qs, ks, causal, mask, _ in _pairs(r, j, cp, half, ctx.window, ctx.documents, pos,
                                                    positions(s * cp, cp, j, device=q.device), q.dtype):
                 # the final output and log-sum-exp: each pair's share of dS = P (dP - rowsum(dO O))
-                gq, gk, gv = _FLASH_BACKWARD(grad_out[:, :, qs], q[:, :, qs], kj[:, :, ks], vj[:, :, ks],
-                                             out[:, :, qs], lse[:, :, qs].contiguous(), 0.0, causal,
-                                             attn_mask=mask, scale=scale)
+                gq, gk, gv = _pair_backward(grad_out[:, :, qs], q[:, :, qs], kj[:, :, ks], vj[:, :, ks],
+                                            out[:, :, qs], lse[:, :, qs].contiguous(), causal, mask, scale)
                 dq[:, :, qs] += gq.to(acc)
                 dk[:, :, ks] += gk.to(acc)
                 dv[:, :, ks] += gv.to(acc)
@@ -343,13 +379,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
     probability ``p``, or None; ``scale``: the scores' factor (default ``1/sqrt(d)``); ``window``: a
     sliding window (0: none); ``documents``: the whole sequence's ``(B, S)`` document numbers, attention then
     stays inside each document (``megakit.nn.documents``). ``fused``: each block's chunk pairs on the fused kernel
-    (``_FusedRingAttention``); default: without dropout, on CPU (the CUDA kernels' LSE-returning entry points are
-    not wired yet, so a GPU runs the explicit blocks). Returns ``(B, n, S/cp, d)``, this rank's rows.
+    (``_FusedRingAttention``); default: without dropout. Returns ``(B, n, S/cp, d)``, this rank's rows.
     """
     ranks = C.group_ranks(group)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if fused is None:
-        fused = keep is None and q.device.type == "cpu"
+        fused = keep is None
     if fused:
         return _FusedRingAttention.apply(q, k, v, group, ranks, scale, window, documents)
     return _RingAttention.apply(q, k, v, keep, p, group, ranks, scale, window, documents)

@@ -100,7 +100,8 @@ class Topology:
         timeout = datetime.timedelta(seconds=timeout_s)
         self._groups = {}
         self._ranks = {}
-        for kind in ("tp", "cp", "dp", "dpcp", "pp", "mp", "embedding", "ep", "edp"):
+        kinds = ("tp", "cp", "dp", "dpcp", "pp", "mp", "embedding", "ep", "edp")
+        for kind in kinds + (("cp_a2a", "cp_ring") if layout.hybrid_cp else ()):
             for ranks in layout.groups(kind):
                 group = dist.new_group(ranks, timeout=timeout)
                 if self.rank in ranks:
@@ -153,6 +154,16 @@ class Topology:
     def cp_group(self):
         """The ring of ranks that share one sequence (``megakit.nn.context_parallel``)."""
         return self._groups["cp"]
+
+    @property
+    def cp_a2a_group(self):
+        """Hybrid CP: the ranks of this rank's all-to-all (``Layout.groups("cp_a2a")``), else None."""
+        return self._groups.get("cp_a2a")
+
+    @property
+    def cp_ring_group(self):
+        """Hybrid CP: the ring joining this rank's all-to-all group to the others (``"cp_ring"``), else None."""
+        return self._groups.get("cp_ring")
 
     @property
     def tp_group(self):

@@ -7,6 +7,10 @@ documents, dropout), exactly as without CP; one all-to-all takes the output back
 heads. Per layer that moves ``4 x tokens x hidden / (tp x cp)`` elements per rank (q, k, v and the output; K/V at
 their own width under GQA), against the ring's ``cp - 1`` K/V blocks, and needs the heads to divide by CP.
 
+Hybrid (USP, Fang and Zhao 2024; Megatron's ``a2a+p2p``): the all-to-all runs inside runs of ``a`` consecutive CP
+ranks (``Layout.groups("cp_a2a")``), and gives each rank the tokens of its run, ``S a / cp``, in sequence order,
+which are the zig-zag chunks of a ring of ``cp / a`` ranks (see ``Layout.groups``): ``attend`` is then that ring.
+
 GQA: rank ``j`` gets query heads ``[j n/cp, (j+1) n/cp)``; when the KV heads divide by CP it gets their KV heads,
 else every KV head is first repeated once per query head it serves (Megatron's and DeepSpeed's replication), so
 each rank holds the KV heads its queries read.
@@ -21,10 +25,12 @@ from megakit.nn.context_parallel import positions
 from megakit.nn.moe_dispatch import all_to_all
 
 
-def _sequence_order(seq_len: int, cp: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(order, inverse)``: the global positions the ranks hold, concatenated in rank order, and the permutation back."""
-    order = torch.cat([positions(seq_len, cp, r, device=device) for r in range(cp)])
-    return order, torch.argsort(order)
+def _sequence_order(seq_len: int, cp: int, members: range, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, inverse)``: the global positions CP ranks ``members`` hold, concatenated in rank order, and the
+    permutation that sorts them (``inverse``) and back (``order``, as ranks into the sorted positions)."""
+    held = torch.cat([positions(seq_len, cp, r, device=device) for r in members])
+    inverse = torch.argsort(held)
+    return torch.argsort(inverse), inverse
 
 
 def _heads_to_sequence(x: torch.Tensor, group, cp: int, inverse: torch.Tensor) -> torch.Tensor:
@@ -44,13 +50,17 @@ def _sequence_to_heads(y: torch.Tensor, group, cp: int, order: torch.Tensor) -> 
     return got.view(cp, b, m, s // cp, d).transpose(0, 1).reshape(b, cp * m, s // cp, d)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, attend) -> torch.Tensor:
-    """``(B, n, S/cp, d)`` out for this rank's tokens: ``attend(q, k, v)`` run on ``(B, n/cp, S, d)`` (the whole
-    sequence of this rank's head group, in order; ``attend`` knows which heads by ``C.rank(group)``)."""
-    cp = C.size(group)
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, attend, *, cp: int | None = None,
+                      first: int = 0) -> torch.Tensor:
+    """``(B, n, S/cp, d)`` out for this rank's tokens: ``attend(q, k, v)`` run on ``(B, n/a, S a/cp, d)``, ``a`` the
+    ``group``'s size (the tokens of the group's ranks, in sequence order, of this rank's head group; ``attend``
+    knows which heads by ``C.rank(group)``). The group holds CP ranks ``first .. first + a - 1`` of ``cp`` (default:
+    the group is the whole CP group, ``a = cp``)."""
+    a = C.size(group)
+    cp = a if cp is None else cp
     n, kv = q.shape[1], k.shape[1]
-    if kv % cp:  # fewer KV heads than the a2a degree: one per query head, so every head group has its own
+    if kv % a:  # fewer KV heads than the a2a degree: one per query head, so every head group has its own
         k, v = (t.repeat_interleave(n // kv, dim=1) for t in (k, v))
-    order, inverse = _sequence_order(q.shape[2] * cp, cp, q.device)
-    q, k, v = (_heads_to_sequence(t, group, cp, inverse) for t in (q, k, v))
-    return _sequence_to_heads(attend(q, k, v), group, cp, order)
+    order, inverse = _sequence_order(q.shape[2] * cp, cp, range(first, first + a), q.device)
+    q, k, v = (_heads_to_sequence(t, group, a, inverse) for t in (q, k, v))
+    return _sequence_to_heads(attend(q, k, v), group, a, order)

@@ -238,14 +238,14 @@ class MemoryProbe:
             logits_shard = 0.0
             if est.items["logits"]:
                 bytes_per = 4 if self.run.precision == "fp32" else 2
-                logits_shard = (self.run.batch.seq_len * self.run.batch.micro_batch * bytes_per
+                logits_shard = (self.run.batch.seq_len // self.topo.cp * self.run.batch.micro_batch * bytes_per
                                 * self.spec.padded_vocab(self.topo.tp) // self.topo.tp)
                 if self.run.loss_chunks > 1:  # one chunk's logits and fp32 softmax
                     logits_shard = est.items["logits"] - self._saved_logits()
             predicted["activations"] = float(est.items["activations"] + est.items["logits"] - logits_shard)
             measured["logits"], predicted["logits"] = float(self.logits_peak), float(est.items["logits"] - logits_shard)
         return {"rank": self.topo.rank, "tp": self.topo.tp_rank, "pp": self.topo.pp_rank, "dp": self.topo.dp_rank,
-                "measured": measured, "predicted": predicted}
+                "cp": self.topo.cp_rank, "measured": measured, "predicted": predicted}
 
     def report(self) -> list[dict] | None:
         """Every rank's row, gathered on rank 0 (None elsewhere). Collective over the world."""

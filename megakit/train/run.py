@@ -55,7 +55,9 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallelism: the sequence split over CP ranks, attention as ring attention
-    cp_mode: str = "ring"  # with CP: "ring" (K/V blocks passed around) or "a2a" (Ulysses: heads over CP, all-to-all)
+    cp_mode: str = "ring"  # with CP: "ring" (K/V blocks passed around), "a2a" (Ulysses: heads over CP, all-to-all)
+    # or "hybrid" (all-to-all inside groups of cp_a2a CP ranks, a ring across them)
+    cp_a2a: int = 0  # hybrid's all-to-all degree (0: the largest proper divisor of CP that divides the heads)
     ep: int = 1  # expert parallelism: each MoE layer's experts split over EP ranks folded over TP x CP x DP
     moe_aux_loss: float | None = None  # overrides of the model's MoEConfig (None: the config's own)
     moe_z_loss: float | None = None
@@ -181,6 +183,32 @@ class Run:
         return PRECISION_DTYPES[self.precision]
 
 
+def _cp_a2a_degree(cfg: TrainConfig, model: ModelConfig) -> int:
+    """The all-to-all degree of ``cfg``'s CP mode (CP with a2a, 1 with the ring, ``--cp-a2a`` or its default with
+    hybrid); UsageError where the heads per TP rank do not divide by it."""
+    heads = model.heads // cfg.tp  # each TP rank's heads, split again by the all-to-all
+    if cfg.cp_a2a and cfg.cp_mode != "hybrid":
+        raise UsageError(f"--cp-a2a {cfg.cp_a2a} sets the all-to-all degree of --cp-mode hybrid; add --cp-mode hybrid "
+                         "or drop --cp-a2a")
+    if cfg.cp == 1 or cfg.cp_mode == "ring":
+        return 1
+    if cfg.cp_mode == "a2a":
+        if heads % cfg.cp:
+            raise UsageError(f"--cp-mode a2a splits each TP rank's {heads} attention heads over CP {cfg.cp}, which "
+                             f"does not divide them; use a --cp that divides {heads}, or --cp-mode ring")
+        return cfg.cp
+    proper = [a for a in range(2, cfg.cp) if cfg.cp % a == 0 and heads % a == 0]
+    if cfg.cp_a2a and cfg.cp_a2a in proper:
+        return cfg.cp_a2a
+    if cfg.cp_a2a or not proper:
+        given = f"--cp-a2a {cfg.cp_a2a}" if cfg.cp_a2a else "it"
+        choices = ", ".join(map(str, proper)) or "none at this --cp"
+        raise UsageError(f"--cp-mode hybrid runs an all-to-all inside groups of --cp-a2a CP ranks and a ring across "
+                         f"them; {given} must be above 1, below --cp {cfg.cp}, and divide both CP and each TP rank's "
+                         f"{heads} heads: {choices} (or use --cp-mode ring or a2a)")
+    return proper[-1]
+
+
 def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     """The ``Run`` of ``cfg`` on ``world_size`` processes; UsageError on any mistake, before any process group.
 
@@ -197,14 +225,10 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     check_seq_len(model, seq_len)
     model.check_tp(cfg.tp)  # the model's shards and stages, refused here once rather than by every rank's model
     partition_layers(model, cfg.pp, cfg.vpp, cfg.stage_layers or "params")
+    layout = dataclasses.replace(layout, cp_a2a=_cp_a2a_degree(cfg, model))
     if cfg.cp > 1 and seq_len % (2 * cfg.cp):
         raise UsageError(f"sequence length {seq_len} is not divisible by 2 x CP = {2 * cfg.cp}; context parallelism "
                          "splits it into that many equal chunks (change --seq-len or --cp)")
-    if cfg.cp > 1 and cfg.cp_mode == "a2a":
-        heads = model.heads // cfg.tp  # each TP rank's heads, split again over CP by the all-to-all
-        if heads % cfg.cp:
-            raise UsageError(f"--cp-mode a2a splits each TP rank's {heads} attention heads over CP {cfg.cp}, which "
-                             f"does not divide them; use a --cp that divides {heads}, or --cp-mode ring")
     if cfg.cp > 1:  # DeepSpeed counts every rank that holds the same weights, DP x CP, in its batch
         ds_config["train_batch_size"] *= cfg.cp
     sequence_parallel = cfg.sequence_parallel and cfg.tp > 1

@@ -215,7 +215,7 @@ def _build(run: Run, topo, doctor=None):
     for chunk in chunks:  # before DeepSpeed: its hooks sit on the parameters, outside the compiled blocks
         convert_to_fp8(chunk, cfg.fp8)  # the weights stay the module's own: checkpoints see plain parameters
         use_kernel(chunk, run.attention)
-        use_cp_mode(chunk, cfg.cp_mode)
+        use_cp_mode(chunk, cfg.cp_mode, topo)
         if run.compile:
             compile_blocks(chunk, backend=cfg.compile_backend)
     if topo.pp > 1 and topo.is_last_stage and run.model.tie_embeddings:

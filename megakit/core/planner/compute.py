@@ -13,6 +13,9 @@ Fused (flash) attention runs at ``GPU.attention_fraction`` of the peak (FlashAtt
 long sequences) scaled by ``s / (s + ATTENTION_SEQ_HALF)``: a causal kernel computes the diagonal tiles
 whole and short sequences fill fewer waves of tiles. The causal mask halves its FLOPs; its backward is
 2.5 × the forward (it recomputes the scores), at the same rate: the published curves are forward + backward.
+Under context parallelism the kernel runs on what one call sees (``cp_kernel_seq``): the whole sequence after
+Ulysses' all-to-all, but a ring's chunk pairs of ``S / (2 ring)`` tokens, so a long ring of short chunks runs
+further from the peak than Ulysses at the same CP (the per-block kernel time the ring pays).
 Written-out attention (no flash) is two batched GEMMs over the full ``s × s``.
 
 The elementwise kernels (norms, activations, rotary, residuals, dropout, softmax) are memory-bound:
@@ -128,14 +131,23 @@ def expert_gemm_time(model: ModelSpec, gpu: GPU, plan: Plan, *, tokens: float, p
     return router + one * m.experts / plan.ep
 
 
+def cp_kernel_seq(plan: Plan, seq_len: int) -> int:
+    """The tokens one fused attention call sees under ``plan``'s CP: a ring's chunk pairs, ``S / (2 x ring)`` for
+    a ring of ``CP / a2a degree`` ranks, else (Ulysses, no CP) the whole sequence."""
+    ring = plan.cp // plan.a2a_degree
+    return seq_len // (2 * ring) if ring > 1 else seq_len
+
+
 def attention_time(model: ModelSpec, gpu: GPU, *, tp: int, seq_len: int, micro_batch: int, flash: bool,
-                   peak: float, nbytes: int) -> tuple[float, float]:
-    """(forward, backward) seconds of the attention core (scores, softmax, values) of one block."""
+                   peak: float, nbytes: int, kernel_seq: int | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core (scores, softmax, values) of one block; ``kernel_seq``:
+    the tokens each kernel call sees, when the ring cuts the sequence into chunk pairs (``cp_kernel_seq``)."""
     s, b = seq_len, micro_batch
     heads = model.heads // tp
     if flash and gpu.attention_fraction > 0:
         fwd_flops = 4 * b * s * s * heads * model.head_dim / 2  # causal: the kernel skips masked tiles
-        rate = peak * gpu.attention_fraction * s / (s + ATTENTION_SEQ_HALF)
+        k = s if kernel_seq is None else kernel_seq
+        rate = peak * gpu.attention_fraction * k / (k + ATTENTION_SEQ_HALF)
         return fwd_flops / rate, 2.5 * fwd_flops / rate
     one = gemm_time(gpu, s, model.head_dim, s, peak=peak, nbytes=nbytes) * b * heads
     return 2 * one, 4 * one  # q k^T and p v, full s x s; backward twice each
@@ -153,7 +165,8 @@ def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: fl
     per_gemm = [linear_time(gpu, plan, tokens, k, n, peak=peak) for k, n in _linears(model, t, moe)]
     gemm_f = sum(per_gemm) + (expert_gemm_time(model, gpu, plan, tokens=tokens, peak=peak) if moe else 0.0)
     attn_f, attn_b = attention_time(model, gpu, tp=t, seq_len=seq_len, micro_batch=b,
-                                    flash=plan.flash_attention or plan.cp > 1, peak=peak, nbytes=nbytes)
+                                    flash=plan.flash_attention or plan.cp > 1, peak=peak, nbytes=nbytes,
+                                    kernel_seq=cp_kernel_seq(plan, seq_len))
     attn_f, attn_b = attn_f / plan.cp, attn_b / plan.cp
     saved = sum(x.bytes(seq_len=s, micro_batch=b)
                 for x in activation_tensors(model, tp=t, sequence_parallel=plan.sequence_parallel,

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megakit.core.planner.compute import attention_time, block_time, head_time
+from megakit.core.planner.compute import attention_time, block_time, cp_kernel_seq, head_time
 from megakit.core.planner.hardware import Cluster
 from megakit.core.planner.memory import (
     PRECISIONS,
@@ -156,8 +156,8 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
         tp_s += exposed(block.weight_grad, hidden_comm) - 2 * one_tp
     if plan.comm_overlap and t > 1:  # every exchange pipelined with its GEMM: only what outlasts the block shows
         tp_s = exposed(block.total, (4 + 2 * recomputed + (1 if plan.sequence_parallel else 0)) * one_tp)
-    cp_s = (_ring_exposed(model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s)
-            if plan.cp_mode == "ring" else _ulysses_time(model, cluster, plan, tokens=tokens, nbytes=nbytes))
+    cp_s = (_ulysses_time(model, cluster, plan, tokens=tokens, nbytes=nbytes)
+            + _ring_exposed(model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s))
     a2a_s = (4 + 2 * recomputed) * _dispatch_time(model, cluster, plan, tokens / t * model.hidden * nbytes) \
         if moe else 0.0
     layer_s = overlapped(block.total + tp_s + cp_s + a2a_s, block.cpu)  # the host issues while the GPU runs
@@ -237,17 +237,23 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
                 a2a_s=a2a_total)
 
 
+def _a2a_heads(model: ModelSpec, plan: Plan) -> tuple[int, int]:
+    """Query and K/V heads a rank sends through the all-to-all: its TP rank's, K/V replicated to one per query head
+    when they do not divide by the a2a degree (``megakit.nn.ulysses``)."""
+    q, kv = model.heads // plan.tp, model.kv_heads_per_rank(plan.tp)
+    return q, (kv if kv % plan.a2a_degree == 0 else q)
+
+
 def _ulysses_time(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int, nbytes: int) -> float:
     """Ulysses' all-to-alls per block and micro-batch (``megakit.nn.ulysses``): q, k, v in and the output back,
     forward and again in backward (and in the recomputed forward), not overlapped; K/V at their width, or at the
-    query heads' when their heads do not divide by CP (replicated). The CP group's ranks are TP apart."""
-    cp = plan.cp
-    if cp == 1:
+    query heads' when their heads do not divide by the a2a degree (replicated). The a2a group's ranks are TP apart:
+    all of CP with a2a, ``cp_a2a`` consecutive CP ranks with hybrid, none with the ring."""
+    a = plan.a2a_degree
+    if a == 1:
         return 0.0
-    q = model.heads // plan.tp * model.head_dim
-    kv_heads = model.kv_heads_per_rank(plan.tp)
-    kv = (kv_heads if kv_heads % cp == 0 else model.heads // plan.tp) * model.head_dim
-    one_pass = sum(all_to_all_time(cluster, tokens * width * nbytes, cp, plan.tp) for width in (q, kv, kv, q))
+    q, kv = (heads * model.head_dim for heads in _a2a_heads(model, plan))
+    one_pass = sum(all_to_all_time(cluster, tokens * width * nbytes, a, plan.tp) for width in (q, kv, kv, q))
     recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
     return (2 + recomputed) * one_pass
 
@@ -256,17 +262,22 @@ def _ring_exposed(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int
                   seq_len: int) -> float:
     """Ring attention's K/V traffic per block and micro-batch that its attention compute does not hide.
 
-    Forward: CP - 1 K/V blocks arrive, each behind the previous block's attention; backward: CP - 1
-    K/V blocks and CP blocks of their gradients (fp32). The ring's neighbours are TP ranks apart, so
-    the ring stays on NVLink while TP x CP fits a node."""
-    cp = plan.cp
-    if cp == 1:
+    The ring has ``CP / a`` ranks, ``a`` the a2a degree (1: the plain ring; CP: Ulysses, no ring), each holding
+    ``a x tokens`` tokens of ``1/a`` of the heads after hybrid's all-to-all. Forward: ring - 1 K/V blocks arrive,
+    each behind the previous block's attention; backward: ring - 1 K/V blocks and ring blocks of their gradients
+    (fp32). The zig-zag split gives every block the same causal half of the work (the fused ring skips the masked
+    chunk pairs), so the rank's attention, ``1/CP`` of the whole, hides the traffic evenly. The ring's neighbours are
+    ``TP x a`` ranks apart, so it stays on NVLink while TP x CP fits a node."""
+    a = plan.a2a_degree
+    ring = plan.cp // a
+    if ring == 1:
         return 0.0
-    kv = 2 * tokens * model.kv_heads_per_rank(plan.tp) * model.head_dim  # K and V elements of one block
-    bw, where = group_bandwidth(cluster, cp, plan.tp)
+    kv_heads = model.kv_heads_per_rank(plan.tp) if a == 1 else _a2a_heads(model, plan)[1] // a
+    kv = 2 * tokens * a * kv_heads * model.head_dim  # K and V elements of one block
+    bw, where = group_bandwidth(cluster, ring, plan.tp * a)
     rate = bw * 1e9 * LINK_EFFICIENCY[where]
-    fwd, bwd = (cp - 1) * kv * nbytes / rate, ((cp - 1) * kv * nbytes + cp * kv * 4) / rate
+    fwd, bwd = (ring - 1) * kv * nbytes / rate, ((ring - 1) * kv * nbytes + ring * kv * 4) / rate
     attn_f, attn_b = attention_time(model, cluster.gpu, tp=plan.tp, seq_len=seq_len, micro_batch=plan.micro_batch,
-                                    flash=True, peak=peak, nbytes=nbytes)
+                                    flash=True, peak=peak, nbytes=nbytes, kernel_seq=cp_kernel_seq(plan, seq_len))
     recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
-    return (1 + recomputed) * exposed(attn_f / cp, fwd) + exposed(attn_b / cp, bwd)
+    return (1 + recomputed) * exposed(attn_f / plan.cp, fwd) + exposed(attn_b / plan.cp, bwd)

@@ -133,6 +133,7 @@ def train_flags(plan: Plan, *, config_path: str, model_arg: str, seq_len: int, s
              "--seq-len", str(seq_len)]
     if plan.cp > 1:
         parts += ["--cp", str(plan.cp)] + (["--cp-mode", plan.cp_mode] if plan.cp_mode != "ring" else [])
+        parts += ["--cp-a2a", str(plan.cp_a2a)] if plan.cp_mode == "hybrid" else []
     if plan.ep > 1:
         parts += ["--ep", str(plan.ep)]
     if plan.vpp > 1:

@@ -19,7 +19,8 @@ class Pins:
     tp: int | None = None
     pp: int | None = None
     cp: int | None = None
-    cp_mode: str | None = None  # "ring" or "a2a" (Ulysses); None: the faster where the heads allow a2a
+    cp_mode: str | None = None  # "ring", "a2a" (Ulysses) or "hybrid"; None: the fastest the heads allow
+    cp_a2a: int | None = None  # hybrid's all-to-all degree; None: ``hybrid_degree``'s
     ep: int | None = None  # expert parallelism (MoE models), folded over TP x CP x DP
     zero: int | None = None
     micro_batch: int | None = None
@@ -52,6 +53,15 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def hybrid_degree(model: ModelSpec, cluster: Cluster, tp: int, cp: int, pinned: int | None = None) -> int:
+    """Hybrid CP's all-to-all degree at TP ``tp`` and CP ``cp``: ``pinned`` or else the largest, above 1 and below CP,
+    that divides CP and each TP rank's heads and keeps TP x it inside a node (the all-to-all on NVLink, the ring
+    across nodes: USP's placement); 0 where there is none."""
+    ok = [a for a in range(2, cp) if cp % a == 0 and (model.heads // tp) % a == 0 and tp * a <= cluster.gpus_per_node]
+    if pinned is not None:
+        return pinned if pinned in ok else 0
+    return ok[-1] if ok else 0
+
 
 def _tp_rule(model: ModelSpec, tp: int) -> str:
     return f"TP must divide {', '.join(model.config.tp_conflicts(tp))}"
@@ -78,6 +88,14 @@ def check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int
         if pins.cp_mode == "a2a" and heads % pins.cp:
             raise UsageError(f"--cp-mode a2a splits each TP rank's {heads} attention heads over --cp {pins.cp}, which "
                              f"does not divide them; pick a --cp dividing {heads}, or --cp-mode ring")
+        if pins.cp_mode == "hybrid" and not hybrid_degree(model, cluster, pins.tp or 1, pins.cp, pins.cp_a2a):
+            given = f"--cp-a2a {pins.cp_a2a}" if pins.cp_a2a is not None else "it"
+            raise UsageError(f"--cp-mode hybrid runs an all-to-all inside groups of --cp-a2a GPUs and a ring across "
+                             f"them; {given} must be above 1, below --cp {pins.cp}, divide CP and each TP rank's "
+                             f"{heads} heads, and keep TP x it within a {node}-GPU node; or use --cp-mode ring or a2a")
+    if pins.cp_a2a is not None and pins.cp_mode != "hybrid":
+        raise UsageError(f"--cp-a2a {pins.cp_a2a} sets the all-to-all degree of --cp-mode hybrid; add --cp-mode "
+                         "hybrid or drop --cp-a2a")
     if pins.tp is not None:
         if pins.tp < 1:
             raise UsageError(f"--tp {pins.tp} must be a positive integer")

@@ -75,7 +75,9 @@ class Plan:
     # folding, ``core.layout``; Megatron-Core's with ETP = 1), replicated over the EDP = TP x CP x DP / EP ranks
     # left; ``moe_imbalance``: tokens the busiest expert rank gets over the balanced share (1.0: forced-balanced
     # routing, as most published runs).
-    cp_mode: str = "ring"  # how CP ranks attend: "ring" (K/V blocks passed on) or "a2a" (Ulysses, heads over CP)
+    cp_mode: str = "ring"  # how CP ranks attend: "ring" (K/V blocks passed on), "a2a" (Ulysses, heads over CP) or
+    # "hybrid" (an all-to-all inside groups of ``cp_a2a`` consecutive CP ranks, a ring across them: USP)
+    cp_a2a: int = 0
     ep: int = 1
     moe_imbalance: float = 1.0
     # How tokens reach their experts: "alltoall" sends a copy per chosen expert (megakit's dispatcher, Megatron's
@@ -127,13 +129,23 @@ class Plan:
                     loss_chunks=self.loss_chunks)
 
     @property
+    def a2a_degree(self) -> int:
+        """The CP ranks of one all-to-all: 1 for the ring, CP for Ulysses, ``cp_a2a`` for hybrid."""
+        return {"ring": 1, "a2a": self.cp, "hybrid": self.cp_a2a}[self.cp_mode] if self.cp > 1 else 1
+
+    @property
+    def cp_label(self) -> str:
+        """``CP=8(ring)``, ``CP=8(a2a)``, ``CP=8(a2a 2 x ring 4)``."""
+        mode = {"ring": "(ring)", "a2a": "(a2a)", "hybrid": f"(a2a {self.cp_a2a} x ring {self.cp // max(self.cp_a2a, 1)})"}
+        return f"CP={self.cp}{mode[self.cp_mode]}"
+
+    @property
     def shard_group(self) -> int:
         """Ranks ZeRO-3 shards the model states over: all of DP, or HSDP's shard group."""
         return self.dp_shard if 0 < self.dp_shard < self.dp else self.dp
 
     def describe(self) -> str:
-        parts = [f"TP={self.tp}"] + ([f"CP={self.cp}" + ("(a2a)" if self.cp_mode == "a2a" else "")]
-                                      if self.cp > 1 else []) + [f"PP={self.pp}", f"DP={self.dp}"]
+        parts = [f"TP={self.tp}"] + ([self.cp_label] if self.cp > 1 else []) + [f"PP={self.pp}", f"DP={self.dp}"]
         if self.ep > 1:
             parts.append(f"EP={self.ep}")
         if self.vpp > 1:

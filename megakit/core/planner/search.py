@@ -39,7 +39,7 @@ from megakit.core.planner.memory import (
     peak_memory,
 )
 from megakit.core.planner.model_spec import ModelSpec
-from megakit.core.planner.pins import Pins, check_pins, divisors
+from megakit.core.planner.pins import Pins, check_pins, divisors, hybrid_degree
 from megakit.core.planner.plan import Plan
 from megakit.core.planner.verdict import suggest_fix, verdict
 from megakit.errors import UsageError
@@ -325,13 +325,14 @@ class _Context:
                         f"and the {moe.experts} experts", unique_key=("ep", e, folded), kind="ep")
         return ok
 
-    def _cp_modes(self, tp: int, cp: int) -> list[str]:
-        """How CP ranks attend: the pin, or the ring and, where each TP rank's heads divide by CP, Ulysses' a2a."""
+    def _cp_modes(self, tp: int, cp: int) -> list[tuple[str, int]]:
+        """How CP ranks attend, ``(mode, hybrid's a2a degree)``: the pin, or the ring, Ulysses' a2a where each TP
+        rank's heads divide by CP, and hybrid at ``hybrid_degree`` where one exists."""
         if cp == 1:
-            return ["ring"]
-        if self.pins.cp_mode is not None:
-            return [self.pins.cp_mode]
-        return ["ring"] + (["a2a"] if (self.model.heads // tp) % cp == 0 else [])
+            return [("ring", 0)]
+        heads, a = self.model.heads // tp, hybrid_degree(self.model, self.cluster, tp, cp, self.pins.cp_a2a)
+        modes = [("ring", 0)] + ([("a2a", 0)] if heads % cp == 0 else []) + ([("hybrid", a)] if a else [])
+        return [m for m in modes if self.pins.cp_mode in (None, m[0])]
 
     def _layout(self, tp, pp, dp, zero, cp=1) -> None:
         for ep in self._eps(tp, pp, dp, cp):
@@ -370,13 +371,13 @@ class _Context:
                             unique_key=("vpp-layers", pp, vpp), kind="vpp")
                 continue
             # the CP mode prices the attention exchange only (memory is the same), so it is tried past the floor
-            for recompute, sp, cp_mode in itertools.product(recomputes, sps, self._cp_modes(tp, cp)):
+            for recompute, sp, (cp_mode, cp_a2a) in itertools.product(recomputes, sps, self._cp_modes(tp, cp)):
                 for mb in mbs:
                     if per_rank % mb:
                         continue
                     ga = per_rank // mb
                     plan = dataclasses.replace(base, vpp=vpp, recompute=recompute, sequence_parallel=sp,
-                                               cp_mode=cp_mode, micro_batch=mb, accumulation=ga)
+                                               cp_mode=cp_mode, cp_a2a=cp_a2a, micro_batch=mb, accumulation=ga)
                     if vpp > 1 and ga % pp:
                         self.reject(plan, f"interleaving (VPP={vpp}) needs the {ga} micro-batches to be a "
                                     f"multiple of PP={pp}", unique_key=("vpp-ga", pp, vpp), kind="vpp")
