@@ -124,6 +124,9 @@ def test_rope_variants_match_transformers(name):
     ("Mistral", dict(sliding_window=64), [64, 64]),  # not shorter than any sequence: plain causal attention
     ("Qwen2", dict(sliding_window=8, use_sliding_window=True, max_window_layers=1), [0, 8]),
     ("Qwen2", dict(sliding_window=8, use_sliding_window=False), [0, 0]),
+    # a per-block schedule transformers 5 writes as layer_types: the window on block 0 only (not a run of last ones)
+    ("Qwen2", dict(sliding_window=8, use_sliding_window=True, layer_types=["sliding_attention", "full_attention"]),
+     [8, 0]),
 ])
 def test_sliding_windows_match_transformers(kind, fields, sliding):
     hf = _hf(kind, **BASE, **fields)
@@ -133,7 +136,7 @@ def test_sliding_windows_match_transformers(kind, fields, sliding):
     again = transformers.AutoConfig.for_model(**config.to_hf())
     assert again.sliding_window == hf.config.sliding_window and getattr(again, "layer_types", None) == getattr(
         hf.config, "layer_types", None)
-    diff, control = _diff(_ours(config, hf), hf), _diff(_ours(config.replace(sliding_window=0), hf), hf)
+    diff, control = _diff(_ours(config, hf), hf), _diff(_ours(config.replace(sliding_window=0, layer_types=()), hf), hf)
     print(f"{kind} {fields}: max |logit diff| {diff:.2e}; without the window {control:.2e}")
     assert diff < TOL
     assert control < TOL if max(sliding) in (0, 64) else control > 1e-3
@@ -167,7 +170,10 @@ GPT2 = dict(model_type="gpt2", vocab_size=128, n_embd=64, n_layer=2, n_head=4, n
     ({**LLAMA, "rope_scaling": {"type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}}, "low_freq_factor None"),
     ({**LLAMA, "rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per layer type"),
     ({**LLAMA, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8,
-      "layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+      "layer_types": ["chunked_attention", "full_attention"]}, "layer_types has 'chunked_attention'"),
+    ({**LLAMA, "model_type": "gemma3_text", "head_dim": 16, "layer_types": ["linear_attention", "full_attention"]},
+     "it runs full_attention and sliding_attention"),
+    ({**LLAMA, "model_type": "gemma3_text", "head_dim": 16, "attn_logit_softcapping": 50.0}, "soft-capping"),
     ({**LLAMA, "model_type": "mistral", "sliding_window": 0}, "sliding_window 0"),
     ({**GPT2, "attn_pdrop": 0.0}, "attn_pdrop 0.0"),
     ({**GPT2, "add_cross_attention": True}, "add_cross_attention"),
@@ -204,9 +210,11 @@ def test_sliding_windows_of_the_other_model_types_read_and_write_back(kind, fiel
         hf, "layer_types", None)
 
 
-def test_qwen2_moe_alternating_window_is_refused_in_one_line():
+def test_qwen2_moe_alternating_window_reads_as_transformers_5_does_and_writes_back():
     hf = transformers.Qwen2MoeConfig(**BASE, sliding_window=8, use_sliding_window=True, max_window_layers=2)
-    assert hf.layer_types == ["sliding_attention", "full_attention"]  # every other block: not a run of last ones
-    with pytest.raises(UsageError, match=r"layer_types slide the attention window in blocks \[0\]") as error:
-        ModelConfig.from_hf(hf.to_dict(), source="c")
-    assert "\n" not in str(error.value)
+    assert hf.layer_types == ["sliding_attention", "full_attention"]  # its even blocks below max_window_layers
+    config = ModelConfig.from_hf(hf.to_dict(), source="c")
+    assert [config.attention_window(i) for i in range(2)] == [8, 0] and ModelConfig.from_hf(config.to_hf()) == config
+    assert transformers.AutoConfig.for_model(**config.to_hf()).layer_types == hf.layer_types
+    del hf.layer_types  # the same from transformers' own rule, without the written list
+    assert ModelConfig.from_hf({k: v for k, v in hf.to_dict().items() if k != "layer_types"}) == config

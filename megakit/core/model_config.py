@@ -7,8 +7,14 @@ sharded and replicated parts), padded vocab and FLOPs formula. Pure Python (no t
 so the planner and the CLI can read model files cheaply.
 Two families: ``gpt2`` (LayerNorm, GELU, learned positions, tied embeddings) and
 ``llama`` (RMSNorm, SwiGLU, RoPE, grouped-query attention; also mistral, qwen2 and qwen3
-files, which share the architecture, qwen3 with a per-head RMSNorm on q and k). ``moe``
+files, which share the architecture, qwen3 with a per-head RMSNorm on q and k; and Gemma 3's text
+model, ``gemma3_text``: (1 + w) RMSNorms in fp32, norms after attention and the MLP too, GeGLU, a scaled
+embedding, QK-norm, its own score scale, and local and global RoPE on its sliding and full blocks). ``moe``
 (``core.moe_config``) makes it a Mixture-of-Experts model: mixtral, qwen2_moe, qwen3_moe.
+
+The attention schedule is per block (``attention_window``): ``layer_types`` as transformers 5 writes it
+(``full_attention`` or ``sliding_attention`` per block, any pattern), or, without it, Qwen's run of last
+blocks (``sliding_window_from``).
 """
 
 from __future__ import annotations
@@ -23,10 +29,11 @@ from megakit.core.rope import RopeScaling, read_rope, write_rope
 from megakit.errors import UsageError
 
 PRESETS = Path(__file__).resolve().parents[2] / "models"
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # of transformers' ALLOWED_ATTN_LAYER_TYPES, what megakit runs
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "mistral": "MistralForCausalLM",
+                    "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                     "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                     "qwen3_moe": "Qwen3MoeForCausalLM"}
 
@@ -56,6 +63,18 @@ class ModelConfig:
     mlp_bias: bool = False
     init_std: float = 0.02
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k, before RoPE
+    # the per-block schedule: "full_attention" or "sliding_attention" (sliding_window) per block; (): Qwen's rule
+    layer_types: tuple[str, ...] = ()
+    # Gemma 3: RMSNorm times (1 + w) in fp32 (weights start at 0), norms on the attention's and the MLP's outputs
+    # too ("sandwich"), GeGLU (tanh GELU on the gate), the embedding times sqrt(hidden), scores times
+    # query_pre_attn_scalar^-1/2, and its sliding blocks' own RoPE (theta, variant)
+    norm_offset: bool = False
+    sandwich_norms: bool = False
+    mlp_act: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: float = 1.0
+    query_pre_attn_scalar: float = 0.0  # 0: head_dim
+    sliding_rope_theta: float = 0.0  # 0: rope_theta and rope_scaling on every block
+    sliding_rope_scaling: RopeScaling | None = None
     moe: MoEConfig | None = None  # None: a dense model
     hf_type: str = ""  # the config.json's model_type, kept for the export ("": gpt2, llama or qwen2)
 
@@ -80,8 +99,18 @@ class ModelConfig:
             raise UsageError(f"dropout must be in [0, 1), got {self.dropout}")
         if (self.moe or self.qk_norm) and self.family != "llama":
             raise UsageError("experts and q/k norms need the llama family (RMSNorm, SwiGLU, RoPE)")
-        if isinstance(self.rope_scaling, dict):  # read back from a checkpoint manifest
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        for field in ("rope_scaling", "sliding_rope_scaling"):  # read back from a checkpoint manifest
+            if isinstance(getattr(self, field), dict):
+                object.__setattr__(self, field, RopeScaling(**getattr(self, field)))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types and len(self.layer_types) != self.layers:
+            raise UsageError(f"layer_types has {len(self.layer_types)} entries for {self.layers} blocks; give one "
+                             "per block")
+        check_layer_types(self.layer_types)
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise UsageError("layer_types has sliding_attention blocks but sliding_window is not set; give the window")
+        if self.mlp_act not in ("silu", "gelu_tanh"):
+            raise UsageError(f"mlp_act {self.mlp_act!r} is not silu or gelu_tanh")
         if self.sliding_window < 0 or self.sliding_window_from < 0:
             raise UsageError(f"sliding_window {self.sliding_window} and sliding_window_from {self.sliding_window_from} "
                              "must not be negative")
@@ -112,10 +141,11 @@ class ModelConfig:
         """Translate a Hugging Face config dict (model_type gpt2, llama, mistral or qwen2). Every field
         transformers' model of that type reads is mapped, or refused in one line naming it."""
         kind = data.get("model_type")
-        act = data.get("activation_function" if kind == "gpt2" else "hidden_act")
-        if kind in ("gpt2", *LLAMA_LIKE, *MOE_TYPES) and act is not None and act not in (("gelu_new", "gelu_pytorch_tanh") if kind == "gpt2" else ("silu",)):
+        act = data.get({"gpt2": "activation_function", "gemma3_text": "hidden_activation"}.get(kind, "hidden_act"))
+        allowed = {"gpt2": ("gelu_new", "gelu_pytorch_tanh"), "gemma3_text": ("gelu_pytorch_tanh",)}.get(kind, ("silu",))
+        if kind in ("gpt2", *LLAMA_LIKE, *MOE_TYPES) and act is not None and act not in allowed:
             raise UsageError(f"model config {source} uses activation {act!r}, which megakit does not implement; "
-                             f"the {kind} family here uses {'gelu_new' if kind == 'gpt2' else 'silu'}")
+                             f"the {kind} family here uses {allowed[0]}")
         try:
             if kind == "gpt2":
                 hidden, dropout = data["n_embd"], _gpt2_dropout(data, source)
@@ -137,8 +167,10 @@ class ModelConfig:
                     bias = kind == "qwen2"
                 layers = data["num_hidden_layers"]
                 moe = MoEConfig.from_hf(data, layers=layers, source=source) if kind in MOE_TYPES else None
+                if kind == "gemma3_text":
+                    return cls._from_gemma3(data, source)
                 theta, scaling = read_rope(data, source=source)
-                window, window_from = _sliding_window(data, kind, source)
+                window, window_from, types = _sliding_window(data, kind, source)
                 return cls(
                     family="llama", vocab_size=data["vocab_size"],
                     max_seq_len=data.get("max_position_embeddings", 2048),
@@ -147,6 +179,7 @@ class ModelConfig:
                     norm_eps=data.get("rms_norm_eps", 1e-6), tie_embeddings=data.get("tie_word_embeddings", False),
                     dropout=data.get("attention_dropout", 0.0), head_dim=data.get("head_dim") or 0,
                     rope_theta=theta, rope_scaling=scaling, sliding_window=window, sliding_window_from=window_from,
+                    layer_types=types,
                     qkv_bias=bool(bias), out_bias=bool(bias) and not qwen,
                     mlp_bias=kind == "llama" and bool(data.get("mlp_bias", False)),  # only Llama reads it
                     init_std=data.get("initializer_range", 0.02), qk_norm=kind in ("qwen3", "qwen3_moe"),
@@ -158,14 +191,75 @@ class ModelConfig:
         raise UsageError(f"model config {source} has model_type {kind!r}; supported: gpt2, "
                          f"{', '.join((*LLAMA_LIKE, *MOE_TYPES))}")
 
+    @classmethod
+    def _from_gemma3(cls, data: dict, source: str) -> "ModelConfig":
+        """Gemma 3's text model (``Gemma3ForCausalLM``), transformers 5's defaults where a field is absent."""
+        for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if data.get(field) is not None:
+                raise UsageError(f"model config {source} sets {field} {data[field]!r} (Gemma 2's soft-capping), "
+                                 "which megakit does not implement; set it null as Gemma 3 does")
+        if data.get("use_bidirectional_attention"):
+            raise UsageError(f"model config {source} sets use_bidirectional_attention, which megakit (causal "
+                             "language models) does not implement; set it false")
+        layers, heads = data["num_hidden_layers"], data["num_attention_heads"]
+        pattern = data.get("sliding_window_pattern", data.get("_sliding_window_pattern", 6))
+        types = data.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                            for i in range(layers)]
+        params = data.get("rope_parameters")
+        if isinstance(params, dict) and set(params) <= set(LAYER_TYPES) and params:
+            per_type = {t: read_rope({**data, "rope_scaling": None, "rope_parameters": p}, source=source)
+                        for t, p in params.items()}
+        else:  # transformers 4's fields: rope_theta (global), rope_local_base_freq, rope_scaling (global)
+            per_type = {"full_attention": read_rope({"rope_theta": 1e6, **data}, source=source),
+                        "sliding_attention": (float(data.get("rope_local_base_freq", 10000.0)), None)}
+        full = per_type.get("full_attention", (1e6, None))
+        sliding = per_type.get("sliding_attention", full)
+        bias = bool(data.get("attention_bias", False))
+        return cls(
+            family="llama", vocab_size=data["vocab_size"], max_seq_len=data.get("max_position_embeddings", 131072),
+            hidden=data["hidden_size"], layers=layers, heads=heads, kv_heads=data.get("num_key_value_heads") or heads,
+            ffn=data["intermediate_size"], norm_eps=data.get("rms_norm_eps", 1e-6),
+            tie_embeddings=data.get("tie_word_embeddings", True), dropout=data.get("attention_dropout", 0.0),
+            head_dim=data.get("head_dim") or 256, rope_theta=full[0], rope_scaling=full[1],
+            sliding_window=data.get("sliding_window") or 4096, layer_types=tuple(types), qkv_bias=bias,
+            out_bias=bias, init_std=data.get("initializer_range", 0.02), qk_norm=True, norm_offset=True,
+            sandwich_norms=True, mlp_act="gelu_tanh", embed_scale=data["hidden_size"] ** 0.5,
+            query_pre_attn_scalar=float(data.get("query_pre_attn_scalar", 256)), sliding_rope_theta=sliding[0],
+            sliding_rope_scaling=sliding[1], hf_type="gemma3_text")
+
+    def _gemma3_to_hf(self) -> dict:
+        """``_from_gemma3``'s inverse."""
+        rope = {"full_attention": write_rope(self.rope_theta, self.rope_scaling)["rope_parameters"],
+                "sliding_attention": write_rope(self.sliding_rope_theta or self.rope_theta,
+                                                self.sliding_rope_scaling)["rope_parameters"]}
+        return {"model_type": "gemma3_text", "architectures": [HF_ARCHITECTURES["gemma3_text"]],
+                "vocab_size": self.vocab_size, "max_position_embeddings": self.max_seq_len, "hidden_size": self.hidden,
+                "intermediate_size": self.ffn, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+                "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
+                "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": self.norm_eps,
+                "tie_word_embeddings": self.tie_embeddings, "rope_parameters": rope, "attention_bias": self.qkv_bias,
+                "attention_dropout": self.dropout, "query_pre_attn_scalar": self.query_pre_attn_scalar,
+                "sliding_window": self.sliding_window, "layer_types": list(self.layer_types),
+                "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                "use_bidirectional_attention": False, "initializer_range": self.init_std}
+
     def attention_scale(self, index: int) -> float:
-        """What block ``index`` multiplies its attention scores by: 1/sqrt(head_dim), or GPT-2's variants."""
-        scale = self.head_dim ** -0.5 if self.scale_attn_weights else 1.0
+        """What block ``index`` multiplies its attention scores by: 1/sqrt(head_dim), Gemma's
+        1/sqrt(query_pre_attn_scalar), or GPT-2's variants."""
+        scale = (self.query_pre_attn_scalar or self.head_dim) ** -0.5 if self.scale_attn_weights else 1.0
         return scale / (index + 1) if self.scale_attn_by_inverse_layer_idx else scale
 
     def attention_window(self, index: int) -> int:
         """How many of the latest positions (itself included) block ``index`` attends to; 0: all before it."""
+        if self.layer_types:
+            return self.sliding_window if self.layer_types[index] == "sliding_attention" else 0
         return self.sliding_window if index >= self.sliding_window_from else 0
+
+    def block_rope(self, index: int) -> tuple[float, RopeScaling | None]:
+        """``(theta, variant)`` of block ``index``'s RoPE: Gemma 3's sliding blocks have their own."""
+        if self.sliding_rope_theta and self.attention_window(index):
+            return self.sliding_rope_theta, self.sliding_rope_scaling
+        return self.rope_theta, self.rope_scaling
 
     # -- derived sizes: the one count of parameters and FLOPs (model, planner, partition) -----------
     def padded_vocab(self, tp: int) -> int:
@@ -210,7 +304,7 @@ class ModelConfig:
         mats = 3 if self.gated_mlp else 2
         matmul = h * (q + 2 * kv) + q * h + mats * h * f
         column_bias = self.qkv_bias * (q + 2 * kv) + self.mlp_bias * (mats - 1) * f
-        norms = (4 if self.family == "gpt2" else 2) * h + 2 * self.qk_norm * hd  # two Layer/RMSNorms (+ q, k norms)
+        norms = (4 if self.family == "gpt2" else 4 if self.sandwich_norms else 2) * h + 2 * self.qk_norm * hd  # + q, k
         replicated = norms + self.out_bias * h + self.mlp_bias * h
         if not moe:
             return BlockParams(matmul, column_bias, replicated)
@@ -294,6 +388,8 @@ class ModelConfig:
                     "resid_pdrop": self.dropout, "embd_pdrop": self.dropout, "attn_pdrop": self.dropout,
                     "initializer_range": self.init_std, "scale_attn_weights": self.scale_attn_weights,
                     "scale_attn_by_inverse_layer_idx": self.scale_attn_by_inverse_layer_idx}
+        if self.hf_type == "gemma3_text":
+            return self._gemma3_to_hf()
         qwen2 = self.qkv_bias and not self.out_bias  # Llama's attention_bias covers o_proj too
         kind = self.hf_type or ("qwen2" if qwen2 else "mistral" if self.sliding_window else "llama")
         if kind == "mistral" and (self.qkv_bias or self.mlp_bias):
@@ -309,7 +405,7 @@ class ModelConfig:
                "attention_dropout": self.dropout, "initializer_range": self.init_std}
         if kind in ("qwen2", "qwen2_moe"):
             del out["attention_bias"]
-        out |= _window_to_hf(kind, self.sliding_window, self.sliding_window_from)
+        out |= _window_to_hf(kind, self.sliding_window, self.sliding_window_from, self.layer_types)
         if self.moe:
             out |= self.moe.to_hf(kind, layers=self.layers)
         return out
@@ -400,35 +496,50 @@ def _gpt2_dropout(data: dict, source: str) -> float:
     return rates["resid_pdrop"]
 
 
-def _sliding_window(data: dict, kind: str, source: str) -> tuple[int, int]:
-    """``(window, first block using it)`` as transformers reads them: Mistral and Mixtral slide every block
-    (Mistral 4096 unless null), the Qwens only with ``use_sliding_window`` (Qwen2/3 from ``max_window_layers``
-    on, Qwen2-MoE every other block below it, Qwen3-MoE all; or as ``layer_types`` says). ``(0, 0)``: none."""
-    n = data["num_hidden_layers"]
+def check_layer_types(types) -> None:
+    """UsageError naming the ``layer_types`` entries megakit does not run (``LAYER_TYPES``)."""
+    unknown = sorted(set(types or ()) - set(LAYER_TYPES))
+    if unknown:
+        raise UsageError(f"layer_types has {', '.join(map(repr, unknown))}, which megakit does not implement; it runs "
+                         f"{' and '.join(LAYER_TYPES)} (chunked, linear and other attention types are refused)")
+
+
+def _sliding_window(data: dict, kind: str, source: str) -> tuple[int, int, tuple[str, ...]]:
+    """``(window, first block using it, layer_types)`` as transformers reads them: Mistral and Mixtral slide every
+    block (Mistral 4096 unless null), the Qwens only with ``use_sliding_window`` (Qwen2/3 from ``max_window_layers``
+    on, Qwen2-MoE its even blocks below it, Qwen3-MoE all; or as ``layer_types`` says: transformers 5.24's rules). A run of last blocks is
+    kept as its first block (``layer_types`` empty, as Qwen writes it), any other pattern as ``layer_types``.
+    ``(0, 0, ())``: none."""
+    n = data.get("num_hidden_layers", 0)
     if kind in ("mistral", "mixtral"):
         window, sliding = data.get("sliding_window", 4096 if kind == "mistral" else None), [True] * n
     elif kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and data.get("use_sliding_window", False):
         window, last, types = (data.get(k, d) for k, d in (("sliding_window", 4096), ("max_window_layers", 28),
                                                              ("layer_types", None)))
+        check_layer_types(types)
         sliding = ([t == "sliding_attention" for t in types] if types and kind != "qwen3_moe" else
+                   [True] * n if kind == "qwen3_moe" else
                    [i % 2 == 0 and i < last for i in range(n)] if kind == "qwen2_moe" else
-                   [True] * n if kind == "qwen3_moe" else [i >= last for i in range(n)])
+                   [i >= last for i in range(n)])
     else:
-        return 0, 0
+        return 0, 0, ()
     if window is None or not any(sliding):
-        return 0, 0
-    start = sliding.index(True)
-    if sliding != [i >= start for i in range(len(sliding))]:
-        blocks = [i for i, x in enumerate(sliding) if x]
-        raise UsageError(f"model config {source}'s layer_types slide the attention window in blocks {blocks}, not in "
-                         "a run of last blocks, which megakit does not implement; set use_sliding_window false")
+        return 0, 0, ()
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise UsageError(f"model config {source} has sliding_window {window!r}; give a positive integer or null")
-    return window, start
+    start = sliding.index(True)
+    if sliding != [i >= start for i in range(len(sliding))]:
+        return window, 0, tuple("sliding_attention" if x else "full_attention" for x in sliding)
+    return window, start, ()
 
 
-def _window_to_hf(kind: str, window: int, start: int) -> dict:
+def _window_to_hf(kind: str, window: int, start: int, types: tuple[str, ...] = ()) -> dict:
     """The config.json fields that give transformers' ``kind`` this window (``_sliding_window``'s inverse)."""
+    if kind in ("qwen2", "qwen3", "qwen2_moe") and types:
+        return {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 0,
+                "layer_types": list(types)}
+    if types:
+        raise UsageError(f"a per-block layer_types schedule cannot be written as a transformers {kind} config")
     if kind in ("qwen2", "qwen3"):
         return {"use_sliding_window": bool(window), "sliding_window": window or None, "max_window_layers": start}
     if window and (start or kind not in ("mistral", "mixtral", "qwen3_moe")):
