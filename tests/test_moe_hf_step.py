@@ -1,5 +1,6 @@
 """A transformers Mixtral or Qwen3-MoE imported, trained one step by megakit at TP2 x DP2 (4 ranks) with EP 2 (Mixtral)
-or EP 4 (Qwen3-MoE) folded over TP x DP, exported: every
+or EP 4 (Qwen3-MoE) folded over TP x DP, and a Gemma 3 (5 local : 1 global, window 8 at 32 tokens, (1 + w) norms at
+random) at TP2 x PP2, exported: every
 parameter equals transformers' own one-step AdamW training of the same weights on the same batch (issue 20).
 
 The aux loss is off on both sides (``output_router_logits`` False), so the loss is the plain cross-entropy.
@@ -26,7 +27,7 @@ from megakit.train.data import BatchPlan, TokenBatches, load_tokens  # noqa: E40
 
 OPTIMIZER = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-3, "weight_decay": 0.1}  # eps ~ |g|: see above
 CLIP = 1.0
-MICRO, ACCUMULATION, DP, SEQ = 2, 2, 2, 32  # 4 ranks at TP2: DP 2
+MICRO, ACCUMULATION, SEQ = 2, 2, 32  # 4 ranks at TP2: DP 2, or DP 1 with PP 2
 
 
 def _hf_model(directory, kind: str):
@@ -37,7 +38,17 @@ def _hf_model(directory, kind: str):
                  head_dim=8, max_position_embeddings=64, initializer_range=0.2, rms_norm_eps=1e-6,
                  num_experts_per_tok=2, router_aux_loss_coef=0.0, output_router_logits=False, attention_dropout=0.0,
                  tie_word_embeddings=False)
-    if kind == "mixtral":
+    if kind == "gemma3":  # dense; its (1 + w) norms drawn away from transformers' zeros, so they matter
+        shape = {k: v for k, v in shape.items() if "expert" not in k and "router" not in k}
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **{**shape, "num_hidden_layers": 6}, intermediate_size=48, sliding_window=8, query_pre_attn_scalar=12,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.5)
+    elif kind == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             intermediate_size=16, num_local_experts=4, **shape))
     else:
@@ -63,9 +74,13 @@ def _transformers_step(directory, inputs, labels):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,ep", [("mixtral", 2), ("qwen3_moe", 4)])
-def test_one_step_at_ep_over_tp2_equals_transformers_own_step(tmp_path, kind, ep):
-    """EP 2 folds over each TP pair (EDP 2), EP 4 over TP 2 x DP 2 (each expert on one rank, EDP 1)."""
+@pytest.mark.parametrize("kind,flags", [("mixtral", ["--ep", "2", "--moe-aux-loss", "0"]),
+                                        ("qwen3_moe", ["--ep", "4", "--moe-aux-loss", "0"]),
+                                        ("gemma3", ["--pp", "2"])])
+def test_one_step_equals_transformers_own_step(tmp_path, kind, flags):
+    """EP 2 folds over each TP pair (EDP 2), EP 4 over TP 2 x DP 2 (each expert on one rank, EDP 1); Gemma 3 at
+    TP 2 x PP 2 (its tied embedding on both stages)."""
+    dp = 4 // (2 * (2 if "--pp" in flags else 1))
     _hf_model(tmp_path / "hf", kind)
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "ck"), "--from-hf"]) == 0
     ds = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
@@ -74,14 +89,14 @@ def test_one_step_at_ep_over_tp2_equals_transformers_own_step(tmp_path, kind, ep
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     out = subprocess.run(["deepspeed", "--num_gpus", "4", "--master_port", str(free_port()), "scripts/train.py",
                           "--ds_config", str(tmp_path / "ds.json"), "--model", str(tmp_path / "hf"), "--load",
-                          str(tmp_path / "ck"), "--steps", "1", "--ep", str(ep), "--tp", "2", "--seq-len", str(SEQ),
-                          "--moe-aux-loss", "0", "--save", str(tmp_path / "trained"), "--no-progress"],
+                          str(tmp_path / "ck"), "--steps", "1", *flags, "--tp", "2", "--seq-len", str(SEQ),
+                          "--save", str(tmp_path / "trained"), "--no-progress"],
                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=THREADS), capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert main(["convert", str(tmp_path / "trained"), "--to-hf", str(tmp_path / "exported")]) == 0
 
-    plan = BatchPlan(seq_len=SEQ, micro_batch=MICRO, accumulation=ACCUMULATION, dp=DP)
+    plan = BatchPlan(seq_len=SEQ, micro_batch=MICRO, accumulation=ACCUMULATION, dp=dp)
     inputs, labels = TokenBatches(load_tokens(None), plan).global_batch(0)
     reference, norm = _transformers_step(tmp_path / "hf", inputs, labels)
     assert norm > CLIP  # clipping acts, so the gradient norm over the split experts counts
@@ -92,7 +107,7 @@ def test_one_step_at_ep_over_tp2_equals_transformers_own_step(tmp_path, kind, ep
     diffs = {k: (got[k] - want[k]).abs().max().item() for k in want}
     moved = min((want[k] - start[k]).abs().max().item() for k in want)
     worst = max(diffs, key=diffs.get)
-    print(f"EP{ep} over TP2 x DP2 {kind} step: grad norm {norm:.3f}, max |param diff| {diffs[worst]:.2e} ({worst}), "
+    print(f"{kind} {' '.join(flags)} at TP2 step: grad norm {norm:.3f}, max |param diff| {diffs[worst]:.2e} ({worst}), "
           f"smallest max move {moved:.2e}")
     assert moved > 1e-4  # every parameter, each expert's included, did move
     assert diffs[worst] < 1e-5, {k: f"{v:.2e}" for k, v in diffs.items() if v >= 1e-5}

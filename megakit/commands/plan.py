@@ -311,6 +311,9 @@ def run(args) -> int:
                                    global_batch, tokens, launch, launch_note, batch_note)
         | plan_report.moe_assumptions(model, args, imbalance),
     }
+    report["plan"]["gflops_per_token"] = {  # causal, window-aware (Megatron-Bridge's convention), and without windows
+        "causal": model.config.causal_flops_per_token(model.seq_len) / 1e9,
+        "windows_ignored": model.config.causal_flops_per_token(model.seq_len, windows=False) / 1e9}
     if plan.cp > 1:
         report["plan"]["cp_mode_note"] = _cp_mode_note(model, cluster, plan, cost, pins)
     if result.fits == "above_threshold":

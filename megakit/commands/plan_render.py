@@ -116,6 +116,10 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
     speed = Table(title="Throughput (predicted)", show_header=False)
     rows = [("step time", f"{p['step_time_s']:.2f} s"), ("tokens/s", f"{p['tokens_per_s']:,.0f}"),
             ("model TFLOP/s per GPU (full S x S attention)", f"{p['model_tflops_per_gpu']:.0f}"),
+            ("GFLOP per token (causal attention, windows counted)",
+             f"{p['gflops_per_token']['causal']:.1f}" + (f" ({p['gflops_per_token']['windows_ignored']:.1f} if the "
+                                                          "windows were ignored)" if p['gflops_per_token']['causal']
+                                                         != p['gflops_per_token']['windows_ignored'] else "")),
             ("hardware TFLOP/s per GPU (as executed: recompute, causal flash half)",
              f"{p['hardware_tflops_per_gpu']:.0f}"), ("MFU (model FLOPs, PaLM's convention)", f"{p['mfu']:.1%}"),
             ("communication share", f"{p['comm_fraction']:.1%}"), ("pipeline bubble", f"{p['bubble_fraction']:.1%}"),

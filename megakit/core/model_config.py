@@ -238,7 +238,7 @@ class ModelConfig:
                 "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
                 "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": self.norm_eps,
                 "tie_word_embeddings": self.tie_embeddings, "rope_parameters": rope, "attention_bias": self.qkv_bias,
-                "attention_dropout": self.dropout, "query_pre_attn_scalar": self.query_pre_attn_scalar,
+                "attention_dropout": self.dropout, "query_pre_attn_scalar": _number(self.query_pre_attn_scalar),
                 "sliding_window": self.sliding_window, "layer_types": list(self.layer_types),
                 "attn_logit_softcapping": None, "final_logit_softcapping": None,
                 "use_bidirectional_attention": False, "initializer_range": self.init_std}
@@ -362,6 +362,29 @@ class ModelConfig:
         weights, width = FLOPS_CONVENTIONS[convention]
         attn = 4 * seq_len * (self.heads // tp * self.head_dim) if width == "q" else 4 * seq_len * self.hidden / tp
         return 2 * self.block_params(tp, moe=moe).flop_weights(weights) + attn, attn
+
+    def attention_context(self, index: int, seq_len: int) -> float:
+        """The keys a query of block ``index`` attends to on average under the causal mask and its window ``w``:
+        ``w - w (w - 1) / (2 s)`` (query ``i`` sees ``min(i + 1, w)``; Megatron-Bridge's ``calculate_swa_context``),
+        ``(s + 1) / 2`` without a window."""
+        w = min(self.attention_window(index) or seq_len, seq_len)
+        return w - w * (w - 1) / (2 * seq_len)
+
+    def attention_share(self, seq_len: int) -> float:
+        """The blocks' mean causal attention work over what it would be without windows (1.0: no windows)."""
+        full = (seq_len + 1) / 2
+        return sum(self.attention_context(i, seq_len) for i in range(self.layers)) / (self.layers * full)
+
+    def causal_flops_per_token(self, seq_len: int, *, windows: bool = True) -> float:
+        """Training FLOPs per token as causal attention computes them (Megatron-Bridge's ``flop_utils``, the
+        convention its published throughputs use): 6 x the weights a token uses (the LM head included), plus
+        ``12 x q x`` the keys each query attends to (``attention_context``; ``windows`` False: as if none)."""
+        total, q = 3.0 * self.head_flops(), self.heads * self.head_dim
+        for i in range(self.layers):
+            fwd, attn = self.block_flops(seq_len, moe=self.is_moe_layer(i))
+            context = self.attention_context(i, seq_len) if windows else (seq_len + 1) / 2
+            total += 3 * (fwd - attn) + 12 * q * context
+        return total
 
     def head_flops(self) -> int:
         """Forward FLOPs per token of the LM head (``V x H``, paid even when tied; the lookups are free)."""
@@ -494,6 +517,11 @@ def _gpt2_dropout(data: dict, source: str) -> float:
         raise UsageError(f"model config {source} sets add_cross_attention (blocks that attend to an encoder), which "
                          "megakit does not implement; set it false")
     return rates["resid_pdrop"]
+
+
+def _number(x: float) -> int | float:
+    """``x`` as an int where it is whole (transformers' config classes type some of these fields int)."""
+    return int(x) if float(x).is_integer() else x
 
 
 def check_layer_types(types) -> None:

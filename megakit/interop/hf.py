@@ -38,6 +38,9 @@ for _x in ("gate", "up", "down"):
         _LLAMA_BLOCK[f"mlp.{_x}_proj.{_p}"] = f"mlp.{_x}_proj.{_p}"
 for _x in ("q", "k"):  # Qwen3
     _LLAMA_BLOCK[f"attn.{_x}_norm.weight"] = f"self_attn.{_x}_norm.weight"
+_GEMMA_BLOCK = {**_LLAMA_BLOCK, "mlp_norm.weight": "pre_feedforward_layernorm.weight",  # Gemma's sandwich norms
+                "attn_post_norm.weight": "post_attention_layernorm.weight",
+                "mlp_post_norm.weight": "post_feedforward_layernorm.weight"}
 _MOE_EXTRA = ("gate.e_score_correction_bias", "shared_expert_gate.weight",
               *(f"shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")))
 _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}  # gate, up, down per expert on disk; default Qwen-MoE's
@@ -122,7 +125,7 @@ def to_hf_state_dict(config: ModelConfig, state: dict[str, torch.Tensor]) -> dic
         return out
     out["model.embed_tokens.weight"] = _get(state, "embed.weight")
     for i in range(config.layers):
-        for suffix, hf in _LLAMA_BLOCK.items():
+        for suffix, hf in (_GEMMA_BLOCK if config.sandwich_norms else _LLAMA_BLOCK).items():
             if f"layers.{i}.{suffix}" in state:
                 out[f"model.layers.{i}.{hf}"] = state[f"layers.{i}.{suffix}"]
         if f"layers.{i}.mlp.experts.gate_up_proj" in state:  # by the keys: export converts one block at a time
@@ -155,7 +158,7 @@ def from_hf_state_dict(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict
     else:
         out["embed.weight"] = _get(hf, "model.embed_tokens.weight")
         for i in range(config.layers):
-            for suffix, name in _LLAMA_BLOCK.items():
+            for suffix, name in (_GEMMA_BLOCK if config.sandwich_norms else _LLAMA_BLOCK).items():
                 if f"model.layers.{i}.{name}" in hf:
                     out[f"layers.{i}.{suffix}"] = hf[f"model.layers.{i}.{name}"]
             if config.moe is not None and config.moe.is_moe_layer(i):

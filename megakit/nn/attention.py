@@ -30,10 +30,12 @@ from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, 
 from megakit.nn.ulysses import ulysses_attention
 
 
-def rope_tables(config: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(config: ModelConfig, device, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, ``(max_seq_len, head_dim)`` in fp32, in Hugging Face Llama's half-split layout, times
-    the variant's attention factor (yarn's mscale) as transformers multiplies them."""
-    freqs, factor = inv_freq(config.rope_theta, config.head_dim, config.rope_scaling, config.max_seq_len)
+    the variant's attention factor (yarn's mscale) as transformers multiplies them; ``index``: block ``index``'s
+    RoPE (``ModelConfig.block_rope``; default: the model's)."""
+    theta, scaling = (config.rope_theta, config.rope_scaling) if index is None else config.block_rope(index)
+    freqs, factor = inv_freq(theta, config.head_dim, scaling, config.max_seq_len)
     freqs = torch.tensor(freqs, dtype=torch.float64, device=device)
     angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float64, device=device), freqs)
     angles = torch.cat([angles, angles], dim=-1)
@@ -80,18 +82,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+    """RMSNorm over the last dimension: times ``weight`` (Llama), or with ``offset`` times ``1 + weight``, computed
+    in fp32 and cast back after the product (Gemma's, transformers' ``Gemma3RMSNorm``)."""
+    if not offset:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    return (F.rms_norm(x.float(), x.shape[-1:], None, eps) * (1.0 + weight.float())).type_as(x)
+
+
 class HeadNorm(nn.Module):
     """RMSNorm of every head's ``d`` channels (``(S, B, n * d)`` in and out); the weight is shared by the
     heads of every TP rank, so its gradient is partial per rank: summed over TP in backward."""
 
-    def __init__(self, head_dim: int, eps: float, dtype, device) -> None:
+    def __init__(self, head_dim: int, eps: float, dtype, device, offset: bool = False) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = mark(nn.Parameter(torch.empty(head_dim, dtype=dtype, device=device)), None)
 
     def forward(self, x: torch.Tensor, group) -> torch.Tensor:
         d = self.weight.shape[0]
-        y = F.rms_norm(x.view(*x.shape[:-1], -1, d), (d,), copy_to_tp(self.weight, group), self.eps)
+        y = rms_norm(x.view(*x.shape[:-1], -1, d), copy_to_tp(self.weight, group), self.eps, self.offset)
         return y.view(x.shape)
 
 
@@ -130,7 +140,8 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(q, config.hidden, bias=config.out_bias, group=group,
                                         sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         if config.qk_norm:  # Qwen3: RMSNorm over each head's q and k before RoPE, one weight for all heads
-            self.q_norm, self.k_norm = (HeadNorm(config.head_dim, config.norm_eps, dtype, device) for _ in "qk")
+            self.q_norm, self.k_norm = (HeadNorm(config.head_dim, config.norm_eps, dtype, device, config.norm_offset)
+                                        for _ in "qk")
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(*x.shape[:2], n, self.head_dim).permute(1, 2, 0, 3)  # (S, B, n*d) -> (B, n, S, d)

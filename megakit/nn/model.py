@@ -24,7 +24,7 @@ from megakit.core.model_config import ModelConfig, check_seq_len, model_flops_pe
 from megakit.core.partition import partition_layers
 from megakit.errors import UsageError
 from megakit.nn import comm as C
-from megakit.nn.attention import Attention, apply_rope, rope_tables  # noqa: F401 (API)
+from megakit.nn.attention import Attention, apply_rope, rms_norm, rope_tables  # noqa: F401 (API)
 from megakit.nn.chunked_loss import chunked_head_loss
 from megakit.nn.context_parallel import positions, sequence_mean
 from megakit.nn.dropout import DropoutKeys, residual_dropout
@@ -46,12 +46,12 @@ __all__ = ["ModelConfig", "Transformer", "build_stage_chunks", "full_state_dict"
 
 
 class Norm(nn.Module):
-    """LayerNorm (gpt2: weight and bias) or RMSNorm (llama: weight), replicated over TP."""
+    """LayerNorm (gpt2: weight and bias) or RMSNorm (llama: weight; Gemma's times 1 + weight), replicated over TP."""
 
     def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, dtype, device) -> None:
         super().__init__()
         self.group, self.sequence_parallel, self.eps = group, sequence_parallel, config.norm_eps
-        self.rms = config.family == "llama"
+        self.rms, self.offset = config.family == "llama", config.norm_offset
         h = config.hidden
         self.weight = mark(nn.Parameter(torch.empty(h, dtype=dtype, device=device)), None)
         self.bias = None if self.rms else mark(nn.Parameter(torch.empty(h, dtype=dtype, device=device)), None)
@@ -59,18 +59,18 @@ class Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = replicated(self.weight, self.group, self.sequence_parallel)
         if self.rms:
-            return F.rms_norm(x, x.shape[-1:], w, self.eps)
+            return rms_norm(x, w, self.eps, self.offset)
         b = replicated(self.bias, self.group, self.sequence_parallel)
         return F.layer_norm(x, x.shape[-1:], w, b, self.eps)
 
 
 class MLP(nn.Module):
-    """GELU MLP (gpt2) or SwiGLU (llama): up/gate column-parallel, down row-parallel."""
+    """GELU MLP (gpt2) or SwiGLU (llama; GeGLU with Gemma's tanh GELU): up/gate column-parallel, down row-parallel."""
 
     def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, dtype, device) -> None:
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.gated = config.family == "llama"
+        self.gated, self.geglu = config.family == "llama", config.mlp_act == "gelu_tanh"
         col = dict(group=group, sequence_parallel=sequence_parallel, enter_region=False, bias=config.mlp_bias,
                    dtype=dtype, device=device)
         if self.gated:
@@ -82,7 +82,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, up = column_parallel(x, (self.gate_proj, self.up_proj), self.group, self.sequence_parallel)
-            h = F.silu(gate) * up  # (S, B, ffn/tp)
+            h = (F.gelu(gate, approximate="tanh") if self.geglu else F.silu(gate)) * up  # (S, B, ffn/tp)
         else:
             up, = column_parallel(x, (self.up_proj,), self.group, self.sequence_parallel)
             h = F.gelu(up, approximate="tanh")  # (S, B, ffn/tp)
@@ -90,7 +90,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``."""
+    """Pre-norm residual block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``; with Gemma's sandwich
+    norms each branch's output is normed too: ``x + drop(post_norm(attn(norm(x))))``."""
 
     def __init__(self, config: ModelConfig, *, index: int, group, sequence_parallel: bool, dtype, device,
                  selective: bool = False, cp_group=None, ep_group=None) -> None:
@@ -101,6 +102,9 @@ class Block(nn.Module):
         self.attn = Attention(config, site=f"{site}.attn_probs", selective=selective, cp_group=cp_group, index=index,
                               **kw)
         self.mlp_norm = Norm(config, **kw)
+        if config.sandwich_norms:
+            self.attn_post_norm, self.mlp_post_norm = Norm(config, **kw), Norm(config, **kw)
+        self.local_rope = bool(config.sliding_rope_theta and config.attention_window(index))  # Gemma's sliding RoPE
         if config.moe is not None and config.moe.is_moe_layer(index):
             self.mlp = MoE(config.moe, config.hidden, cp_group=cp_group, ep_group=ep_group, **kw)
         else:
@@ -111,8 +115,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:  # (S', B, H)
-        x = x + self.attn_dropout(self.attn(self.attn_norm(x), rope, keys, documents), keys)
-        return x + self.mlp_dropout(self.mlp(self.mlp_norm(x)), keys)
+        a = self.attn(self.attn_norm(x), rope, keys, documents)
+        x = x + self.attn_dropout(self.attn_post_norm(a) if hasattr(self, "attn_post_norm") else a, keys)
+        m = self.mlp(self.mlp_norm(x))
+        return x + self.mlp_dropout(self.mlp_post_norm(m) if hasattr(self, "mlp_post_norm") else m, keys)
 
 
 class ResidualDropout(nn.Module):
@@ -217,6 +223,11 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(config, device)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+            local = next((i for i in layers if self.layers[str(i)].local_rope), None)
+            if local is not None:  # Gemma 3: its sliding blocks' own RoPE
+                cos, sin = rope_tables(config, device, local)
+                self.register_buffer("local_rope_cos", cos, persistent=False)
+                self.register_buffer("local_rope_sin", sin, persistent=False)
         self.reset_parameters()
 
     # -- initialisation ----------------------------------------------------------------------
@@ -230,7 +241,7 @@ class Transformer(nn.Module):
         if leaf[-1] == "bias":
             return ("zeros",)
         if "norm" in leaf[-2]:
-            return ("ones",)
+            return ("zeros",) if self.config.norm_offset else ("ones",)  # Gemma's norms: times 1 + weight
         std = self.config.init_std
         if leaf[-2] in ("o_proj", "down_proj") or leaf[-2:] == ["experts", "down_proj"]:
             std /= (2 * self.config.layers) ** 0.5
@@ -254,12 +265,9 @@ class Transformer(nn.Module):
         if position_ids is not None and held is not None:
             position_ids = position_ids.index_select(1, held)  # (B, S/cp): this rank's rows
         h = self._embed(x, keys, held, position_ids) if self.pre else x  # (S', B, H)
-        rope = (self.rope_cos, self.rope_sin) if self.config.family == "llama" else None
-        if rope is not None and position_ids is not None:
-            rope = (rope[0][position_ids], rope[1][position_ids])  # (B, S', d): each row's own positions
-        elif rope is not None and held is not None:
-            rope = (rope[0][held], rope[1][held])  # (S/cp, d): rotate by global position
+        ropes = {False: self._rope("rope", position_ids, held), True: self._rope("local_rope", position_ids, held)}
         for block in self.layers.values():
+            rope = ropes[block.local_rope]
             if self.recompute and self.training:  # keep only the block's input; masks are redrawn alike
                 h = torch.utils.checkpoint.checkpoint(block, h, rope, keys, documents, use_reentrant=False)
             else:
@@ -292,6 +300,16 @@ class Transformer(nn.Module):
             logits = logits.clone()
             logits[..., max(self.config.vocab_size - start, 0):] = float("-inf")
         return logits
+
+    def _rope(self, name: str, position_ids, held) -> tuple | None:
+        """The ``name`` RoPE tables (cos, sin) at this rank's positions: each row's own (``position_ids``, ``(B, S',
+        d)``), its CP rows' global ones (``held``), or 0..S-1; None without such tables (GPT-2, no local RoPE)."""
+        if not hasattr(self, f"{name}_cos"):
+            return None
+        cos, sin = getattr(self, f"{name}_cos"), getattr(self, f"{name}_sin")
+        if position_ids is not None:
+            return cos[position_ids], sin[position_ids]
+        return (cos[held], sin[held]) if held is not None else (cos, sin)
 
     def _divisor(self, target: torch.Tensor):
         """What the summed loss is divided by: the trainer's ``loss_tokens``, else this batch's valid tokens."""
@@ -328,6 +346,8 @@ class Transformer(nn.Module):
             raise UsageError(f"sequence length {s} is not divisible by TP {self.tp}; sequence parallelism "
                              "needs it to be (pad the batch or turn sequence parallelism off)")
         h = self.embed(ids.t())  # (S', B, H)
+        if self.config.embed_scale != 1.0:  # Gemma: times sqrt(hidden), rounded to the weights' dtype as transformers
+            h = h * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(h.dtype)
         if hasattr(self, "pos_embed"):
             local = s // self.tp if self.sequence_parallel else s
             offset = self.tp_rank * local if self.sequence_parallel else 0

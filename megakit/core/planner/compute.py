@@ -13,6 +13,8 @@ Fused (flash) attention runs at ``GPU.attention_fraction`` of the peak (FlashAtt
 long sequences) scaled by ``s / (s + ATTENTION_SEQ_HALF)``: a causal kernel computes the diagonal tiles
 whole and short sequences fill fewer waves of tiles. The causal mask halves its FLOPs; its backward is
 2.5 × the forward (it recomputes the scores), at the same rate: the published curves are forward + backward.
+Sliding-window blocks attend to ``w - w(w - 1)/(2s)`` keys a query (``ModelConfig.attention_context``), so a typical
+block's attention is the model's mean share of the causal work (``attention_share``: about half for Gemma 3's 5:1).
 Under context parallelism the kernel runs on what one call sees (``cp_kernel_seq``): the whole sequence after
 Ulysses' all-to-all, but a ring's chunk pairs of ``S / (2 ring)`` tokens, so a long ring of short chunks runs
 further from the peak than Ulysses at the same CP (the per-block kernel time the ring pays).
@@ -145,7 +147,8 @@ def attention_time(model: ModelSpec, gpu: GPU, *, tp: int, seq_len: int, micro_b
     s, b = seq_len, micro_batch
     heads = model.heads // tp
     if flash and gpu.attention_fraction > 0:
-        fwd_flops = 4 * b * s * s * heads * model.head_dim / 2  # causal: the kernel skips masked tiles
+        # causal: the kernel skips masked tiles; windows (sliding blocks) skip more: the blocks' mean share
+        fwd_flops = 4 * b * s * s * heads * model.head_dim / 2 * model.config.attention_share(s)
         k = s if kernel_seq is None else kernel_seq
         rate = peak * gpu.attention_fraction * k / (k + ATTENTION_SEQ_HALF)
         return fwd_flops / rate, 2.5 * fwd_flops / rate

@@ -96,15 +96,16 @@ def flops_per_token(model: ModelSpec, seq_len: int, *, recompute: str = "none", 
     Two conventions, said so wherever a figure is shown: model FLOPs (``hardware=False``, for MFU) count
     attention's full S x S, as PaLM's and Megatron's MFU do; hardware FLOPs count what the kernels execute:
     the recomputation, and for fused (flash) attention only the unmasked half of the causal S x S, whose
-    masked tiles the kernel skips (written-out attention computes the whole square and masks it)."""
+    masked tiles the kernel skips, and of sliding blocks only their window (``ModelConfig.attention_share``;
+    written-out attention computes the whole square and masks it)."""
     if not hardware:
         recompute, flash_attention = "none", False
     total = model.config.flops_per_token(seq_len, convention="megatron", recompute=recompute,
                                          flash_attention=flash_attention)
-    if hardware and flash_attention:  # each attention pass the kernels run does half the square
+    if hardware and flash_attention:  # each attention pass the kernels run does half the square, windows less
         attn = 4 * seq_len * model.hidden  # one forward pass of scores and values per token and block (width H)
         passes = 3.5 + (1.0 if recompute == "full" else 0.0)  # forward, 2.5 x for backward (scores again), recompute
-        total -= model.layers * passes * attn / 2
+        total -= model.layers * passes * attn * (1 - model.config.attention_share(seq_len) / 2)
     return total
 
 
