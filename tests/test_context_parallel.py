@@ -113,6 +113,10 @@ def _sweep(rank, world_size, root):
     done.append(_equivalence(hybrid, "gpt-tiny", cp_mode="hybrid"))
     done.append(_equivalence(hybrid, "llama-tiny", cp_mode="hybrid", kv_heads=1, sliding_window=5))
     done.append(_equivalence(hybrid, "llama-tiny", cp_mode="hybrid", dropout=0.1))
+    # Gemma 3 (5 sliding : 1 full, window 8 at 16 tokens: zig-zag chunks of 2 and 4, shorter than it; local and
+    # global RoPE at the global positions; sandwich and (1 + w) norms) on the ring and on Ulysses under TP
+    done.append(_equivalence(cp4, "gemma3-tiny"))
+    done.append(_equivalence(cp2tp2, "gemma3-tiny", cp_mode="a2a", sequence_parallel=True))
     # a checkpoint saved at CP 2 x TP 2: CP ranks hold the same weights, so one of them writes
     config = ModelConfig.load("llama-tiny")
     save_checkpoint(f"{root}/cp2tp2", Transformer(config, cp2tp2, seed=21), cp2tp2, step=1, config=config)
@@ -129,7 +133,7 @@ def test_context_parallel_matches_one_process(tmp_path):
     from megakit.nn.model import ModelConfig, Transformer, full_state_dict
 
     results = run_ranks(_sweep, 4, str(tmp_path), timeout_s=400)
-    assert len(results[0]) == 22
+    assert len(results[0]) == 24
     assert "not divisible by 2 x CP = 8" in results[0][-1]
     loaded = Transformer(ModelConfig.load("llama-tiny"), seed=0)
     load_checkpoint(tmp_path / "cp2tp2", loaded)

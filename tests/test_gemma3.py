@@ -97,3 +97,30 @@ def test_gemma3_parameter_count_is_transformers_own():
     config = ModelConfig.from_hf(hf.config.to_dict(), source="gemma3")
     assert config.num_params() == sum(p.numel() for p in hf.parameters())
     assert dataclasses.replace(config, sandwich_norms=False).num_params() == config.num_params() - 6 * 2 * 64
+
+
+def test_window_aware_attention_context_counts_the_keys_the_mask_allows(capsys):
+    """``attention_context`` is the mean over queries of the keys the causal window allows (counted from the mask
+    every attention path uses); the planner's GFLOP per token adds 12 x q x it per block to 6 x the weights."""
+    from megakit.commands import cli
+    from megakit.nn.attention import allowed_keys
+
+    config = ModelConfig.load("gemma3-tiny")
+    for s in (8, 16, 64):
+        for i in (0, 5):  # a sliding block (window 8) and the full one
+            mask = allowed_keys(s, config.attention_window(i), None, "cpu")
+            counted = (torch.ones(s, s).tril() if mask is None else mask.float()).sum().item() / s
+            assert abs(config.attention_context(i, s) - counted) < 1e-9, (s, i)
+    big = ModelConfig.load("gemma-3-4b")
+    weights = 3 * big.head_flops() + sum(3 * (f - a) for f, a in (big.block_flops(4096) for _ in range(big.layers)))
+    q = big.heads * big.head_dim
+    want = weights + 12 * q * sum(big.attention_context(i, 4096) for i in range(big.layers))
+    assert big.causal_flops_per_token(4096) == pytest.approx(want, rel=1e-12)
+    assert cli.main(["plan", "--model", "gemma-3-4b", "--seq-len", "4096", "--gpus", "8", "--json"]) == 0
+    import json
+
+    flops = json.loads(capsys.readouterr().out)["plan"]["gflops_per_token"]
+    assert flops["causal"] == pytest.approx(want / 1e9)
+    # 29 of 34 blocks slide over 1024 of 4096 tokens: 12 q x (2048.5 - 896.1) x 29 fewer FLOPs than without windows
+    saved = 12 * q * 29 * ((4096 + 1) / 2 - (1024 - 1024 * 1023 / 8192)) / 1e9
+    assert flops["windows_ignored"] - flops["causal"] == pytest.approx(saved, rel=1e-9)
