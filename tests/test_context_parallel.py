@@ -49,6 +49,12 @@ def _equivalence(topo, preset: str, *, sequence_parallel: bool = False, dropout:
     labels[1, 9] = -100
     ref = Transformer(config, seed=3)
     model = Transformer(config, topo, seed=3, sequence_parallel=sequence_parallel, recompute=recompute)
+    if config.attention_sinks:  # drawn near the rows' log-sum-exp (about ln 16), so sigmoid(lse - sink) spans 0.1-0.9
+        with torch.no_grad():
+            for i, block in ref.layers.items():
+                sinks = 2.8 + torch.randn(config.heads, generator=torch.Generator().manual_seed(int(i)))
+                block.attn.sinks.copy_(sinks)
+                model.layers[i].attn.sinks.copy_(sinks.chunk(topo.tp)[topo.tp_rank])
     use_cp_mode(model, cp_mode, topo)
     case = (f"{preset} cp={topo.cp} ({cp_mode}) tp={topo.tp} sp={sequence_parallel} dropout={dropout} "
             f"recompute={recompute} {changes}")
@@ -117,6 +123,14 @@ def _sweep(rank, world_size, root):
     # global RoPE at the global positions; sandwich and (1 + w) norms) on the ring and on Ulysses under TP
     done.append(_equivalence(cp4, "gemma3-tiny"))
     done.append(_equivalence(cp2tp2, "gemma3-tiny", cp_mode="a2a", sequence_parallel=True))
+    # gpt-oss's attention sinks (with a window): the ring at CP 4, CP 2 x TP 2 (sinks split with the heads) with SP,
+    # Ulysses (each rank's head group's sinks), hybrid, and dropout (the explicit ring's blocks)
+    sinks = dict(attention_sinks=True, sliding_window=5)
+    done.append(_equivalence(cp4, "llama-tiny", **sinks))
+    done.append(_equivalence(cp2tp2, "llama-tiny", sequence_parallel=True, **sinks))
+    done.append(_equivalence(cp4, "llama-tiny", cp_mode="a2a", **sinks))
+    done.append(_equivalence(hybrid, "llama-tiny", cp_mode="hybrid", **sinks))
+    done.append(_equivalence(cp2dp2, "llama-tiny", dropout=0.1, **sinks))
     # a checkpoint saved at CP 2 x TP 2: CP ranks hold the same weights, so one of them writes
     config = ModelConfig.load("llama-tiny")
     save_checkpoint(f"{root}/cp2tp2", Transformer(config, cp2tp2, seed=21), cp2tp2, step=1, config=config)
@@ -133,7 +147,7 @@ def test_context_parallel_matches_one_process(tmp_path):
     from megakit.nn.model import ModelConfig, Transformer, full_state_dict
 
     results = run_ranks(_sweep, 4, str(tmp_path), timeout_s=400)
-    assert len(results[0]) == 24
+    assert len(results[0]) == 29
     assert "not divisible by 2 x CP = 8" in results[0][-1]
     loaded = Transformer(ModelConfig.load("llama-tiny"), seed=0)
     load_checkpoint(tmp_path / "cp2tp2", loaded)

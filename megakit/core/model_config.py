@@ -75,6 +75,7 @@ class ModelConfig:
     query_pre_attn_scalar: float = 0.0  # 0: head_dim
     sliding_rope_theta: float = 0.0  # 0: rope_theta and rope_scaling on every block
     sliding_rope_scaling: RopeScaling | None = None
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax denominator
     moe: MoEConfig | None = None  # None: a dense model
     hf_type: str = ""  # the config.json's model_type, kept for the export ("": gpt2, llama or qwen2)
 
@@ -303,7 +304,7 @@ class ModelConfig:
         f = (self.moe.shared_ffn if moe else self.ffn) // tp
         mats = 3 if self.gated_mlp else 2
         matmul = h * (q + 2 * kv) + q * h + mats * h * f
-        column_bias = self.qkv_bias * (q + 2 * kv) + self.mlp_bias * (mats - 1) * f
+        column_bias = self.qkv_bias * (q + 2 * kv) + self.mlp_bias * (mats - 1) * f + self.attention_sinks * q // hd
         norms = (4 if self.family == "gpt2" else 4 if self.sandwich_norms else 2) * h + 2 * self.qk_norm * hd  # + q, k
         replicated = norms + self.out_bias * h + self.mlp_bias * h
         if not moe:

@@ -139,6 +139,8 @@ class Attention(nn.Module):
         self.v_proj = ColumnParallelLinear(config.hidden, kv, bias=config.qkv_bias, **col)
         self.o_proj = RowParallelLinear(q, config.hidden, bias=config.out_bias, group=group,
                                         sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        if config.attention_sinks:  # gpt-oss: one logit per head, split over TP with the heads
+            self.sinks = mark(nn.Parameter(torch.empty(self.heads, dtype=dtype, device=device)), 0)
         if config.qk_norm:  # Qwen3: RMSNorm over each head's q and k before RoPE, one weight for all heads
             self.q_norm, self.k_norm = (HeadNorm(config.head_dim, config.norm_eps, dtype, device, config.norm_offset)
                                         for _ in "qk")
@@ -186,7 +188,10 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, keys: DropoutKeys | None, documents: torch.Tensor | None, *, head_start: int
                 ) -> torch.Tensor:
-        """Attention over the whole sequence of ``q``'s heads ``(B, n, S, d)`` (global heads from ``head_start``)."""
+        """Attention over the whole sequence of ``q``'s heads ``(B, n, S, d)`` (global heads from ``head_start``).
+        With sinks, a ring of one (``ring_attention``'s fused blocks): SDPA's kernels return no log-sum-exp."""
+        if hasattr(self, "sinks"):
+            return self._ring(q, k, v, keys, documents, group=None, head_start=head_start)
         if self.training and self.dropout > 0:
             return self._attend_with_dropout(q, k, v, keys, documents, head_start=head_start)
         if documents is not None and self.flex_documents:
@@ -225,5 +230,6 @@ class Attention(nn.Module):
             keep = attention_keep(self.dropout, keys, site=self.site, head_start=head_start,
                                   heads_local=q.shape[1], heads=self.total_heads, seq_len=seq_len, device=q.device,
                                   rows=positions(seq_len, ring, r, device=q.device))
+        sinks = self.sinks[head_start - self.head_start:][:q.shape[1]] if hasattr(self, "sinks") else None
         return ring_attention(q, k, v, group, keep=keep, p=self.dropout, scale=self.scale,
-                              window=self.window, documents=documents)  # (B, n, S/ring, d)
+                              window=self.window, documents=documents, sinks=sinks)  # (B, n, S/ring, d)

@@ -113,7 +113,7 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, p, group, ranks, scale, window, documents):
+    def forward(ctx, q, k, v, keep, p, group, ranks, scale, window, documents, sinks):
         cp, r = len(ranks), C.rank(group)
         b, n, s, d = q.shape
         pos = positions(s * cp, cp, r, device=q.device)
@@ -139,13 +139,16 @@ class _RingAttention(torch.autograd.Function):
         if keep is not None:
             out = out / (1.0 - p)
         out = out.to(q.dtype)  # kept in the training dtype, as flash attention keeps it
-        ctx.save_for_backward(q, k, v, out, m + total.log(), keep)  # the log-sum-exp in fp32
+        lse = (m + total.log()).squeeze(-1)  # the log-sum-exp in fp32
+        ctx.save_for_backward(q, k, v, out, lse, keep, sinks)
         ctx.p, ctx.group, ctx.ranks, ctx.scale, ctx.window, ctx.documents = p, group, ranks, scale, window, documents
-        return out
+        return _sink_forward(out, lse, sinks)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, keep = ctx.saved_tensors
+        q, k, v, out, lse, keep, sinks = ctx.saved_tensors
+        grad_out, out, grad_sinks = _sink_backward(grad_out, out, lse, sinks)
+        lse = lse[..., None]
         ranks, scale, p = ctx.ranks, ctx.scale, ctx.p
         cp, r = len(ranks), C.rank(ctx.group)
         b, n, s, d = q.shape
@@ -173,7 +176,8 @@ class _RingAttention(torch.autograd.Function):
             if nxt is not None:
                 kv = _arrived(nxt)
         own = _arrived(incoming)  # this rank's K/V gradients, home after one full turn
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None, None, None
+        return (dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None, None, None,
+                grad_sinks)
 
 
 # -- the ring on a fused kernel ---------------------------------------------------------------------------------
@@ -254,7 +258,7 @@ class _FusedRingAttention(torch.autograd.Function):
     """``_RingAttention`` without dropout, each block's chunk pairs on the fused kernel (see above)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, ranks, scale, window, documents):
+    def forward(ctx, q, k, v, group, ranks, scale, window, documents, sinks):
         cp, r = len(ranks), C.rank(group)
         b, n, s, d = q.shape
         half = s // 2
@@ -281,13 +285,14 @@ class _FusedRingAttention(torch.autograd.Function):
             if nxt is not None:
                 kv = _arrived(nxt)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.group, ctx.ranks, ctx.scale, ctx.window, ctx.documents = group, ranks, scale, window, documents
-        return out
+        return _sink_forward(out, lse, sinks)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        grad_out, out, grad_sinks = _sink_backward(grad_out, out, lse, sinks)
         ranks, scale = ctx.ranks, ctx.scale
         cp, r = len(ranks), C.rank(ctx.group)
         b, n, s, d = q.shape
@@ -315,7 +320,31 @@ class _FusedRingAttention(torch.autograd.Function):
             if nxt is not None:
                 kv = _arrived(nxt)
         own = _arrived(incoming)
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None, grad_sinks
+
+
+def _sink_forward(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """gpt-oss's attention sinks: a learned logit per head in every row's softmax denominator, which is the merged
+    output times ``sigmoid(lse - sink)`` (exp(lse) / (exp(lse) + exp(sink))); ``out`` unchanged without sinks."""
+    if sinks is None:
+        return out
+    acc = torch.promote_types(out.dtype, torch.float32)  # fp32, or fp64 in the fp64 tests
+    sigma = torch.sigmoid(lse.to(acc) - sinks.to(acc)[None, :, None])  # (B, n, S)
+    return (out.to(acc) * sigma[..., None]).to(out.dtype)
+
+
+def _sink_backward(grad, out, lse, sinks):
+    """``(grad_out, out, d sinks)`` for the attention backward under sinks: with ``s = sigmoid(lse - sink)`` the
+    kernels take ``grad x s`` as the output's gradient and ``out x s`` as the output, so that their
+    ``D = rowsum(dO o)`` is ``s^2 rowsum(grad out)``, which folds the LSE's gradient ``rowsum(grad out) s (1 - s)``
+    in; ``d sink = -sum rowsum(grad out) s (1 - s)`` over the batch and rows. Without sinks: as given, None."""
+    if sinks is None:
+        return grad, out, None
+    acc = torch.promote_types(out.dtype, torch.float32)
+    sigma = torch.sigmoid(lse.to(acc) - sinks.to(acc)[None, :, None])[..., None]  # (B, n, S, 1)
+    g, o = grad.to(acc), out.to(acc)
+    d_sinks = -((g * o).sum(-1, keepdim=True) * sigma * (1 - sigma)).sum(dim=(0, 2, 3))
+    return (g * sigma).to(grad.dtype), (o * sigma).to(out.dtype), d_sinks.to(sinks.dtype)
 
 
 def _block_scores(q, k_block, pos_q, pos_k, keep, scale, window=0, documents=None):
@@ -371,7 +400,8 @@ def _arrived(posted) -> torch.Tensor:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, keep: torch.Tensor | None = None,
                    p: float = 0.0, scale: float | None = None, window: int = 0,
-                   documents: torch.Tensor | None = None, fused: bool | None = None) -> torch.Tensor:
+                   documents: torch.Tensor | None = None, fused: bool | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention over the whole sequence held by the CP ``group`` (load-balanced split).
 
     ``q`` ``(B, n, S/cp, d)``, ``k``/``v`` ``(B, n_kv, S/cp, d)`` (GQA when ``n_kv < n``), already
@@ -379,12 +409,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
     probability ``p``, or None; ``scale``: the scores' factor (default ``1/sqrt(d)``); ``window``: a
     sliding window (0: none); ``documents``: the whole sequence's ``(B, S)`` document numbers, attention then
     stays inside each document (``megakit.nn.documents``). ``fused``: each block's chunk pairs on the fused kernel
-    (``_FusedRingAttention``); default: without dropout. Returns ``(B, n, S/cp, d)``, this rank's rows.
+    (``_FusedRingAttention``); default: without dropout. ``sinks`` ``(n,)``: gpt-oss's learned logit per head in
+    each softmax denominator (``_sink_forward``). ``group`` None: a ring of one, the whole sequence in order (how
+    attention with sinks runs without CP: SDPA returns no log-sum-exp). Returns ``(B, n, S/cp, d)``, this rank's rows.
     """
     ranks = C.group_ranks(group)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if fused is None:
         fused = keep is None
     if fused:
-        return _FusedRingAttention.apply(q, k, v, group, ranks, scale, window, documents)
-    return _RingAttention.apply(q, k, v, keep, p, group, ranks, scale, window, documents)
+        return _FusedRingAttention.apply(q, k, v, group, ranks, scale, window, documents, sinks)
+    return _RingAttention.apply(q, k, v, keep, p, group, ranks, scale, window, documents, sinks)
