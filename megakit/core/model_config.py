@@ -10,7 +10,8 @@ Two families: ``gpt2`` (LayerNorm, GELU, learned positions, tied embeddings) and
 files, which share the architecture, qwen3 with a per-head RMSNorm on q and k; and Gemma 3's text
 model, ``gemma3_text``: (1 + w) RMSNorms in fp32, norms after attention and the MLP too, GeGLU, a scaled
 embedding, QK-norm, its own score scale, and local and global RoPE on its sliding and full blocks). ``moe``
-(``core.moe_config``) makes it a Mixture-of-Experts model: mixtral, qwen2_moe, qwen3_moe.
+(``core.moe_config``) makes it a Mixture-of-Experts model: mixtral, qwen2_moe, qwen3_moe, and gpt_oss (its
+router and expert biases, clamped SwiGLU, attention biases and sinks, alternating 128-token windows).
 
 The attention schedule is per block (``attention_window``): ``layer_types`` as transformers 5 writes it
 (``full_attention`` or ``sliding_attention`` per block, any pattern), or, without it, Qwen's run of last
@@ -31,11 +32,11 @@ from megakit.errors import UsageError
 PRESETS = Path(__file__).resolve().parents[2] / "models"
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # of transformers' ALLOWED_ATTN_LAYER_TYPES, what megakit runs
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                     "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                    "qwen3_moe": "Qwen3MoeForCausalLM"}
+                    "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,7 +185,7 @@ class ModelConfig:
                     qkv_bias=bool(bias), out_bias=bool(bias) and not qwen,
                     mlp_bias=kind == "llama" and bool(data.get("mlp_bias", False)),  # only Llama reads it
                     init_std=data.get("initializer_range", 0.02), qk_norm=kind in ("qwen3", "qwen3_moe"),
-                    moe=moe, hf_type=kind if kind in (*MOE_TYPES, "qwen3") else "",
+                    moe=moe, hf_type=kind if kind in (*MOE_TYPES, "qwen3") else "", attention_sinks=kind == "gpt_oss",
                 )
         except KeyError as exc:
             raise UsageError(f"model config {source} lacks the field {exc.args[0]!r}; "
@@ -310,9 +311,10 @@ class ModelConfig:
         if not moe:
             return BlockParams(matmul, column_bias, replicated)
         m = self.moe
-        router = m.experts * h + (h if m.shared_gate else 0)
-        return BlockParams(matmul, column_bias, replicated + router, experts=m.experts * 3 * h * m.ffn,
-                           active_experts=m.top_k * 3 * h * m.ffn, router=router)
+        router = m.experts * h + (h if m.shared_gate else 0) + (m.experts if m.router_bias else 0)
+        expert = 3 * h * m.ffn + (2 * m.ffn + h if m.expert_biases else 0)  # gpt-oss: biases on both matrices
+        return BlockParams(matmul, column_bias, replicated + router, experts=m.experts * expert,
+                           active_experts=m.top_k * expert, router=router)
 
     def layer_params(self, layer: int | None = None) -> int:
         """Parameters of one transformer block (``layer``: that one, dense or MoE; default: a typical one)."""
@@ -429,7 +431,8 @@ class ModelConfig:
                "attention_dropout": self.dropout, "initializer_range": self.init_std}
         if kind in ("qwen2", "qwen2_moe"):
             del out["attention_bias"]
-        out |= _window_to_hf(kind, self.sliding_window, self.sliding_window_from, self.layer_types)
+        types = self.layer_types or (("full_attention",) * self.layers if kind == "gpt_oss" else ())
+        out |= _window_to_hf(kind, self.sliding_window, self.sliding_window_from, types)
         if self.moe:
             out |= self.moe.to_hf(kind, layers=self.layers)
         return out
@@ -540,6 +543,11 @@ def _sliding_window(data: dict, kind: str, source: str) -> tuple[int, int, tuple
     kept as its first block (``layer_types`` empty, as Qwen writes it), any other pattern as ``layer_types``.
     ``(0, 0, ())``: none."""
     n = data.get("num_hidden_layers", 0)
+    if kind == "gpt_oss":  # transformers' default: its even blocks slide
+        types = data.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+        check_layer_types(types)
+        window = data.get("sliding_window", 128)
+        return (window, 0, tuple(types)) if window else (0, 0, ())
     if kind in ("mistral", "mixtral"):
         window, sliding = data.get("sliding_window", 4096 if kind == "mistral" else None), [True] * n
     elif kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and data.get("use_sliding_window", False):
@@ -567,6 +575,8 @@ def _window_to_hf(kind: str, window: int, start: int, types: tuple[str, ...] = (
     if kind in ("qwen2", "qwen3", "qwen2_moe") and types:
         return {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 0,
                 "layer_types": list(types)}
+    if kind == "gpt_oss":
+        return {"sliding_window": window or None, "layer_types": list(types)}
     if types:
         raise UsageError(f"a per-block layer_types schedule cannot be written as a transformers {kind} config")
     if kind in ("qwen2", "qwen3"):

@@ -43,6 +43,12 @@ class MoEConfig:
     capacity_factor: float | None = None  # None: dropless
     force_balance: bool = False  # benchmarking aid: experts chosen from random logits (Megatron's
     # --moe-router-force-load-balancing), the load balanced in expectation whatever the data; never a model's own
+    # gpt-oss: a bias on the router and on every expert's two matrices, and its clamped SwiGLU:
+    # (clamp(up, -limit, limit) + 1) x g sigmoid(alpha g), g = min(gate, limit)
+    router_bias: bool = False
+    expert_biases: bool = False
+    swiglu_limit: float = 0.0  # 0: the plain SwiGLU
+    swiglu_alpha: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("experts", "top_k", "ffn", "groups", "group_top_k"):
@@ -73,7 +79,7 @@ class MoEConfig:
     # -- Hugging Face ------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, data: dict, *, layers: int, source: str = "config") -> "MoEConfig":
-        """The MoE fields of a Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V3 config.json."""
+        """The MoE fields of a Mixtral, gpt-oss, Qwen2-MoE, Qwen3-MoE or DeepSeek-V3 config.json."""
         kind = data.get("model_type")
         if data.get("router_jitter_noise"):
             raise UsageError(f"model config {source} sets router_jitter_noise, which megakit does not "
@@ -83,6 +89,10 @@ class MoEConfig:
                       if data.get("output_router_logits") else 0.0)
         if kind == "mixtral":
             return cls(experts=data["num_local_experts"], ffn=data["intermediate_size"], **common)
+        if kind == "gpt_oss":  # top-k of the biased logits, softmax over the k: Mixtral's routing with a bias
+            return cls(experts=data["num_local_experts"], ffn=data["intermediate_size"], router_bias=True,
+                       expert_biases=True, swiglu_limit=float(data.get("swiglu_limit", 7.0)),
+                       swiglu_alpha=float(data.get("swiglu_alpha", 1.702)), **common)
         if kind in ("qwen2_moe", "qwen3_moe"):
             step = data.get("decoder_sparse_step", 1) or 1
             only = set(data.get("mlp_only_layers") or ())
@@ -110,6 +120,9 @@ class MoEConfig:
                      "output_router_logits": self.aux_loss_coeff > 0}
         if kind == "mixtral":
             return out | {"num_local_experts": self.experts, "intermediate_size": self.ffn}
+        if kind == "gpt_oss":
+            return out | {"num_local_experts": self.experts, "intermediate_size": self.ffn,
+                          "swiglu_limit": self.swiglu_limit, "swiglu_alpha": self.swiglu_alpha}
         if kind in ("qwen2_moe", "qwen3_moe"):
             out |= {"num_experts": self.experts, "moe_intermediate_size": self.ffn, "decoder_sparse_step": 1,
                     "mlp_only_layers": list(self.dense_layers), "norm_topk_prob": self.normalize_top_k}

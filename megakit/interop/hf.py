@@ -38,6 +38,7 @@ for _x in ("gate", "up", "down"):
         _LLAMA_BLOCK[f"mlp.{_x}_proj.{_p}"] = f"mlp.{_x}_proj.{_p}"
 for _x in ("q", "k"):  # Qwen3
     _LLAMA_BLOCK[f"attn.{_x}_norm.weight"] = f"self_attn.{_x}_norm.weight"
+_LLAMA_BLOCK["attn.sinks"] = "self_attn.sinks"  # gpt-oss
 _GEMMA_BLOCK = {**_LLAMA_BLOCK, "mlp_norm.weight": "pre_feedforward_layernorm.weight",  # Gemma's sandwich norms
                 "attn_post_norm.weight": "post_attention_layernorm.weight",
                 "mlp_post_norm.weight": "post_feedforward_layernorm.weight"}
@@ -46,8 +47,37 @@ _MOE_EXTRA = ("gate.e_score_correction_bias", "shared_expert_gate.weight",
 _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}  # gate, up, down per expert on disk; default Qwen-MoE's
 
 
+def _gpt_oss_to_hf(i: int, state: dict) -> dict[str, torch.Tensor]:
+    """gpt-oss keeps its experts stacked in ``x @ W`` layout, gate and up columns interleaved: ``gate_up_proj``
+    ``(E, H, 2F)`` with gate ``[..., ::2]``, up ``[..., 1::2]`` (its bias alike), ``down_proj`` ``(E, F, H)``."""
+    ours, theirs = f"layers.{i}.mlp.", f"model.layers.{i}.mlp."
+    gate_up, bias = _get(state, ours + "experts.gate_up_proj"), _get(state, ours + "experts.gate_up_proj_bias")
+    f = gate_up.shape[1] // 2
+    interleaved = torch.stack([gate_up[:, :f], gate_up[:, f:]], dim=2).flatten(1, 2)  # (E, 2F, H): g0 u0 g1 u1 ...
+    return {theirs + "router.weight": _get(state, ours + "gate.weight"), theirs + "router.bias": _get(state, ours + "gate.bias"),
+            theirs + "experts.gate_up_proj": interleaved.transpose(1, 2).contiguous(),
+            theirs + "experts.gate_up_proj_bias": torch.stack([bias[:, :f], bias[:, f:]], dim=2).flatten(1, 2),
+            theirs + "experts.down_proj": _get(state, ours + "experts.down_proj").transpose(1, 2).contiguous(),
+            theirs + "experts.down_proj_bias": _get(state, ours + "experts.down_proj_bias")}
+
+
+def _gpt_oss_from_hf(i: int, hf: dict) -> dict[str, torch.Tensor]:
+    """``_gpt_oss_to_hf``'s inverse: the layout is transformers' documented one (``GptOssExperts``), never guessed
+    from the shapes, which are square for the released models (F = H = 2880; Megatron-Bridge warns of the same)."""
+    ours, theirs = f"layers.{i}.mlp.", f"model.layers.{i}.mlp."
+    gate_up, bias = _get(hf, theirs + "experts.gate_up_proj"), _get(hf, theirs + "experts.gate_up_proj_bias")
+    return {ours + "gate.weight": _get(hf, theirs + "router.weight"), ours + "gate.bias": _get(hf, theirs + "router.bias"),
+            ours + "experts.gate_up_proj": torch.cat([gate_up[..., ::2], gate_up[..., 1::2]], dim=-1)
+            .transpose(1, 2).contiguous(),
+            ours + "experts.gate_up_proj_bias": torch.cat([bias[:, ::2], bias[:, 1::2]], dim=-1),
+            ours + "experts.down_proj": _get(hf, theirs + "experts.down_proj").transpose(1, 2).contiguous(),
+            ours + "experts.down_proj_bias": _get(hf, theirs + "experts.down_proj_bias")}
+
+
 def _moe_to_hf(config: ModelConfig, i: int, state: dict) -> dict[str, torch.Tensor]:
     """Layer ``i``'s MoE weights in the per-expert layout of safetensors files."""
+    if config.hf_type == "gpt_oss":
+        return _gpt_oss_to_hf(i, state)
     ours = f"layers.{i}.mlp."
     theirs = f"model.layers.{i}." + ("block_sparse_moe." if config.hf_type == "mixtral" else "mlp.")
     gate, up, down = _EXPERT_NAMES.get(config.hf_type, ("gate_proj", "up_proj", "down_proj"))
@@ -64,6 +94,8 @@ def _moe_to_hf(config: ModelConfig, i: int, state: dict) -> dict[str, torch.Tens
 
 def _moe_from_hf(config: ModelConfig, i: int, hf: dict) -> dict[str, torch.Tensor]:
     """Layer ``i``'s MoE weights from a per-expert (or already stacked) transformers checkpoint."""
+    if config.hf_type == "gpt_oss":
+        return _gpt_oss_from_hf(i, hf)
     moe, ours = config.moe, f"layers.{i}.mlp."
     theirs = f"model.layers.{i}." + ("block_sparse_moe." if f"model.layers.{i}.block_sparse_moe.gate.weight" in hf
                                      else "mlp.")

@@ -80,6 +80,8 @@ class Router(nn.Module):
     def __init__(self, config: MoEConfig, hidden: int, *, dtype, device) -> None:
         super().__init__()
         self.weight = _param(config.experts, hidden, dtype=dtype, device=device)
+        if config.router_bias:  # gpt-oss: a learned bias on the logits
+            self.bias = _param(config.experts, dtype=dtype, device=device)
         if config.expert_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(config.experts, dtype=torch.float32,
                                                                         device=device))
@@ -101,13 +103,31 @@ class SharedExpert(nn.Module):
 
 class Experts(nn.Module):
     """This rank's SwiGLU experts, stacked. ``grouped``: ``torch._grouped_mm`` ("auto": on CUDA in
-    bf16/fp16 when the strides allow it) or a loop over experts (same numbers; the CPU default)."""
+    bf16/fp16 when the strides allow it) or a loop over experts (same numbers; the CPU default).
+    gpt-oss's (``biases``, ``limit``): a bias on both matrices, and the clamped SwiGLU (``MoEConfig``)."""
 
-    def __init__(self, local: int, hidden: int, ffn: int, *, dtype, device, grouped: bool | str = "auto") -> None:
+    def __init__(self, local: int, hidden: int, ffn: int, *, dtype, device, grouped: bool | str = "auto",
+                 biases: bool = False, limit: float = 0.0, alpha: float = 1.0) -> None:
         super().__init__()
         self.gate_up_proj = _param(local, 2 * ffn, hidden, dtype=dtype, device=device, ep=True)
         self.down_proj = _param(local, hidden, ffn, dtype=dtype, device=device, ep=True)
-        self.grouped = grouped
+        if biases:
+            self.gate_up_proj_bias = _param(local, 2 * ffn, dtype=dtype, device=device, ep=True)
+            self.down_proj_bias = _param(local, hidden, dtype=dtype, device=device, ep=True)
+        self.grouped, self.limit, self.alpha = grouped, limit, alpha
+
+    def _glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of ``[gate | up]``, or gpt-oss's: ``(clamp(up, -l, l) + 1) x g sigmoid(alpha g)``, ``g = min(gate, l)``."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        if not self.limit:
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+    def _biases(self, tp_group) -> tuple:
+        if not hasattr(self, "gate_up_proj_bias"):
+            return None, None
+        return copy_to_tp(self.gate_up_proj_bias, tp_group), copy_to_tp(self.down_proj_bias, tp_group)
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         if self.grouped != "auto":
@@ -119,25 +139,29 @@ class Experts(nn.Module):
     def forward(self, rows: torch.Tensor, counts: list[int], tp_group=None) -> torch.Tensor:
         """``rows`` ``(M, H)`` grouped by local expert (``counts[e]`` each) -> ``(M, H)``."""
         gate_up, down = copy_to_tp(self.gate_up_proj, tp_group), copy_to_tp(self.down_proj, tp_group)
+        bias_up, bias_down = self._biases(tp_group)
         if self.use_grouped(rows):
             try:
-                return self._grouped(rows, counts, gate_up, down)
+                return self._grouped(rows, counts, gate_up, down, bias_up, bias_down)
             except RuntimeError:  # a device or build without the kernel: the loop, from now on
                 if self.grouped is True:
                     raise
                 self.grouped = False
         out, start = [], 0
-        for e, n in enumerate(counts):
-            gate, up = F.linear(rows[start:start + n], gate_up[e]).chunk(2, dim=-1)
-            out.append(F.linear(F.silu(gate) * up, down[e]))
+        for e, n in enumerate(counts):  # only rows routed to expert e: dropped or padded ones never see its bias
+            h = self._glu(F.linear(rows[start:start + n], gate_up[e], None if bias_up is None else bias_up[e]))
+            out.append(F.linear(h, down[e], None if bias_down is None else bias_down[e]))
             start += n
         return torch.cat(out) if out else rows[:0]
 
-    @staticmethod
-    def _grouped(rows, counts, gate_up, down) -> torch.Tensor:
+    def _grouped(self, rows, counts, gate_up, down, bias_up, bias_down) -> torch.Tensor:
         offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # (M, F) x 2
-        return torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(1, 2), offs=offs)
+        per_row = None if bias_up is None else torch.repeat_interleave(
+            torch.arange(len(counts), device=rows.device), torch.tensor(counts, device=rows.device))
+        h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)  # (M, 2F)
+        h = self._glu(h if per_row is None else h + bias_up[per_row])
+        out = torch._grouped_mm(h.contiguous(), down.transpose(1, 2), offs=offs)
+        return out if per_row is None else out + bias_down[per_row]
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -177,7 +201,8 @@ class MoE(nn.Module):
         self.dispatcher = make_dispatcher(config.experts, ep_group)
         kw = dict(dtype=dtype, device=device)
         self.gate = Router(config, hidden, **kw)
-        self.experts = Experts(config.experts // ep, hidden, config.ffn, grouped=grouped, **kw)
+        self.experts = Experts(config.experts // ep, hidden, config.ffn, grouped=grouped, biases=config.expert_biases,
+                               limit=config.swiglu_limit, alpha=config.swiglu_alpha, **kw)
         if config.shared_ffn:
             self.shared_expert = SharedExpert(hidden, config.shared_ffn, **kw)
             if config.shared_gate:
@@ -197,7 +222,8 @@ class MoE(nn.Module):
         tokens = x.reshape(s * b, h)  # token i is position i // B of sequence i % B
         cfg, tp = self.config, self.tp_group
         fp = torch.promote_types(tokens.dtype, torch.float32)  # fp32, or fp64 in fp64 tests
-        logits = F.linear(tokens.to(fp), copy_to_tp(self.gate.weight, tp).to(fp))  # (N, E)
+        router_bias = copy_to_tp(self.gate.bias, tp).to(fp) if cfg.router_bias else None
+        logits = F.linear(tokens.to(fp), copy_to_tp(self.gate.weight, tp).to(fp), router_bias)  # (N, E)
         bias = getattr(self.gate, "e_score_correction_bias", None)
         if cfg.force_balance and self.training:  # --moe-force-balance: a draw of this rank's default generator,
             # seeded from --seed and its place in the grid (Megatron's apply_random_logits); the router learns nothing

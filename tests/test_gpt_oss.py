@@ -1,0 +1,97 @@
+"""gpt-oss (``GptOssForCausalLM``) against transformers' eager model, in fp32.
+
+A tiny config where every piece of gpt-oss is made to act: 4 blocks alternating a window of 8 with full attention at
+64 tokens; sinks drawn near the rows' log-sum-exp (at zero, ``sigmoid(lse - sink)`` is about 1 and a wrong sink
+hides in rounding); non-zero router, attention and expert biases; expert weights large enough that the SwiGLU's
+clamp at 7 acts; YaRN with ``truncate`` false. Each control turns one piece off in megakit and must move the logits
+past 20 times megakit's own error, so each is shown to be read. Also: the config and the weights written back as transformers
+reads them (gate and up interleaved, ``x @ W`` layout), and the parameter count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from megakit.core.model_config import ModelConfig  # noqa: E402
+from megakit.interop.hf import from_hf_state_dict, to_hf_state_dict  # noqa: E402
+from megakit.nn.model import Transformer, full_state_dict, load_full_state_dict  # noqa: E402
+
+TOL = 1e-5
+FIELDS = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+              max_position_embeddings=256, rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                            "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                            "original_max_position_embeddings": 4096})
+
+
+def hf_gpt_oss(seed: int = 0):
+    """The tiny gpt-oss above, its sinks, biases and expert weights drawn so that each acts (see the docstring)."""
+    config = transformers.GptOssConfig(**FIELDS)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(3.0, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            elif "experts" in name:
+                p.normal_(0.0, 1.0)
+            elif "norm" in name:
+                p.normal_(1.0, 0.2)
+    return model
+
+
+def _ours(config: ModelConfig, hf) -> Transformer:
+    model = Transformer(config).eval()
+    load_full_state_dict(model, from_hf_state_dict(config, hf.state_dict()))
+    return model
+
+
+@torch.no_grad()
+def test_gpt_oss_logits_match_transformers_and_each_piece_matters():
+    hf = hf_gpt_oss()
+    config = ModelConfig.from_hf(hf.config.to_dict(), source="gpt-oss")
+    assert [config.attention_window(i) for i in range(4)] == [8, 0, 8, 0] and config.attention_sinks
+    ids = torch.randint(0, 128, (2, 128), generator=torch.Generator().manual_seed(1))
+    want = hf(ids).logits
+    diff = (_ours(config, hf)(ids) - want).abs().max().item()
+    print(f"gpt-oss: max |logit diff| {diff:.2e}")
+    assert diff < TOL
+    state = from_hf_state_dict(config, hf.state_dict())
+    moe = config.moe
+    controls = {"no sinks": (dict(attention_sinks=False), "sinks"),
+                "no windows": (dict(layer_types=("full_attention",) * 4), None),
+                "plain SwiGLU": (dict(moe=dataclasses.replace(moe, swiglu_limit=0.0)), None),
+                "no clamp": (dict(moe=dataclasses.replace(moe, swiglu_limit=1e9)), None),
+                "no router bias": (dict(moe=dataclasses.replace(moe, router_bias=False)), "gate.bias"),
+                "YaRN truncated": (dict(rope_scaling=dataclasses.replace(
+                    config.rope_scaling, params=tuple(p for p in config.rope_scaling.params if p[0] != "truncate"))),
+                    None)}
+    for what, (change, drop) in controls.items():
+        model = Transformer(config.replace(**change)).eval()
+        load_full_state_dict(model, {k: v for k, v in state.items() if drop is None or not k.endswith(drop)})
+        gap = (model(ids) - want).abs().max().item()
+        assert gap > max(20 * diff, TOL), (what, gap, diff)  # far past what megakit is off by
+
+
+def test_gpt_oss_config_and_weights_round_trip_and_transformers_reads_them():
+    hf = hf_gpt_oss()
+    config = ModelConfig.from_hf(hf.config.to_dict(), source="gpt-oss")
+    assert ModelConfig.from_hf(config.to_hf()) == config
+    original = hf.config.to_dict()
+    for field, value in config.to_hf().items():  # field for field what transformers wrote, where it writes it
+        if field in original and field not in ("architectures", "router_aux_loss_coef"):  # the coefficient: kept only
+            # where transformers applies it (output_router_logits), as for Mixtral
+            assert original[field] == value, (field, original[field], value)
+    exported = to_hf_state_dict(config, full_state_dict(_ours(config, hf)))
+    want = hf.state_dict()
+    assert exported.keys() == want.keys()
+    assert all(torch.equal(exported[k], want[k]) for k in want)  # byte for byte, the interleaved experts included
+    assert config.num_params() == sum(p.numel() for p in hf.parameters())
