@@ -95,3 +95,42 @@ def test_gpt_oss_config_and_weights_round_trip_and_transformers_reads_them():
     assert exported.keys() == want.keys()
     assert all(torch.equal(exported[k], want[k]) for k in want)  # byte for byte, the interleaved experts included
     assert config.num_params() == sum(p.numel() for p in hf.parameters())
+
+
+def test_the_planner_counts_gpt_oss_120b_at_32_6_gflop_per_token_and_plans_64_h100s(capsys):
+    """Megatron-Bridge's 26.08 table (GPT OSS 120B: 1077 TFLOP/s at 33024 tokens/s) implies 32.6 GFLOP per token at
+    4096 tokens; its formula counts a sliding block's window, ``w - w(w - 1)/(2s)`` keys a query (34.3 without)."""
+    import json
+
+    from megakit.commands import cli
+
+    assert cli.main(["plan", "--model", "models/gpt-oss-120b.json", "--gpus", "64", "--gpu", "h100-80gb",
+                     "--seq-len", "4096", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    plan = report["plan"]
+    assert round(plan["gflops_per_token"]["causal"], 1) == 32.6
+    assert round(plan["gflops_per_token"]["windows_ignored"], 1) == 34.3
+    assert plan["tp"] * plan["pp"] * plan["dp"] * plan["cp"] == 64 and plan["peak_memory_gib"] < 0.8 * 80
+    assert f"--ep {plan['ep']}" in report["assumptions"]["launch"] and plan["ep"] > 1  # 128 experts: sharded
+    config = ModelConfig.load("gpt-oss-120b")
+    assert round(config.num_params() / 1e9, 1) == 116.8 and round(ModelConfig.load("gpt-oss-20b").num_params() / 1e9,
+                                                                       1) == 20.9
+
+
+def test_sinks_asked_of_an_sdpa_kernel_are_refused_in_one_line(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from multiproc import THREADS
+    from test_trainer import ROOT
+
+    (tmp_path / "gpt-oss").mkdir()
+    config = transformers.GptOssConfig(**{**FIELDS, "vocab_size": 256})  # the byte-level default data
+    (tmp_path / "gpt-oss" / "config.json").write_text(json.dumps(config.to_dict()))
+    out = subprocess.run([sys.executable, "scripts/train.py", "--model", str(tmp_path / "gpt-oss"), "--seq-len", "32",
+                          "--attention-kernel", "math", "--steps", "1"], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS=THREADS), timeout=120)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "--attention-kernel math cannot take this model's attention sinks" in out.stderr

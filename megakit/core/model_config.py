@@ -379,14 +379,16 @@ class ModelConfig:
         return sum(self.attention_context(i, seq_len) for i in range(self.layers)) / (self.layers * full)
 
     def causal_flops_per_token(self, seq_len: int, *, windows: bool = True) -> float:
-        """Training FLOPs per token as causal attention computes them (Megatron-Bridge's ``flop_utils``, the
-        convention its published throughputs use): 6 x the weights a token uses (the LM head included), plus
-        ``12 x q x`` the keys each query attends to (``attention_context``; ``windows`` False: as if none)."""
+        """Training FLOPs per token as Megatron's formula counts them, with causal and window-aware attention
+        (Megatron-Bridge's ``flop_utils``, the convention its published throughputs use): 6 x the weight matrices
+        a token runs through (attention, the MLP or its top-k experts, the LM head; norms, biases and the router's
+        small E x H aside), plus ``12 x q x`` the keys each query attends to (``attention_context``; ``windows``
+        False: as if there were none)."""
         total, q = 3.0 * self.head_flops(), self.heads * self.head_dim
         for i in range(self.layers):
-            fwd, attn = self.block_flops(seq_len, moe=self.is_moe_layer(i))
+            block = self.block_params(moe=self.is_moe_layer(i))
             context = self.attention_context(i, seq_len) if windows else (seq_len + 1) / 2
-            total += 3 * (fwd - attn) + 12 * q * context
+            total += 6 * (block.matmul + block.active_experts) + 12 * q * context
         return total
 
     def head_flops(self) -> int:

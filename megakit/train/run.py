@@ -256,6 +256,10 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     schedule = cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b")
     _check_schedule(schedule, pp=cfg.pp, vpp=cfg.vpp, accumulation=batch.accumulation)
     attention = device_kernel(cfg.attention_kernel)
+    if model.attention_sinks and cfg.attention_kernel != "auto":
+        raise UsageError(f"--attention-kernel {cfg.attention_kernel} cannot take this model's attention sinks (SDPA's "
+                         "kernels return no log-sum-exp to scale by); megakit runs sinks on its ring's fused blocks "
+                         "(on CPU, or CUDA's memory-efficient kernel): use --attention-kernel auto")
     compile = cfg.compile if cfg.compile is not None else default_compile(
         "cuda" if torch.cuda.is_available() else "cpu", moe=model.moe is not None, cp=cfg.cp)
     zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
