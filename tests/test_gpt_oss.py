@@ -134,3 +134,55 @@ def test_sinks_asked_of_an_sdpa_kernel_are_refused_in_one_line(tmp_path):
                          env=dict(os.environ, OMP_NUM_THREADS=THREADS), timeout=120)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "--attention-kernel math cannot take this model's attention sinks" in out.stderr
+
+
+def _mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An in-memory ``(E, cols, rows)`` expert matrix in the released MXFP4 layout: ``(E, rows, cols/32, 16)`` codes,
+    ``(E, rows, cols/32)`` scales (a test's own encoder: each block's scale puts its largest value at or under 6)."""
+    from megakit.interop.mxfp4 import E2M1
+
+    w = weight.transpose(1, 2).float()  # (E, rows, cols)
+    groups = w.reshape(*w.shape[:2], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
+    codes = ((groups / torch.ldexp(torch.ones(()), exponent.int())[..., None])[..., None]
+             - torch.tensor(E2M1)).abs().argmin(-1).to(torch.uint8)  # the nearest of the 16 values
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exponent + 127).to(torch.uint8)
+
+
+def test_an_mxfp4_checkpoint_imports_to_the_logits_of_its_bf16_copy(tmp_path):
+    """The bf16 copy is dequantized by transformers' own ``convert_moe_packed_tensors``, not megakit's: both
+    directories convert with ``megakit convert --from-hf`` and give the same logits (each MXFP4 value is exact in
+    bf16), and far from those of the unquantized weights (the quantization is real)."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from megakit.commands.cli import main
+    from megakit.interop.checkpoint import load_checkpoint
+
+    hf = hf_gpt_oss().to(torch.bfloat16)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    packed, plain = dict(state), dict(state)
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = _mxfp4(state[key])
+        del packed[key]
+        packed[key + "_blocks"], packed[key + "_scales"] = blocks, scales
+        plain[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+        assert plain[key].shape == state[key].shape
+    for name, tensors in (("mxfp4", packed), ("bf16", plain)):
+        (tmp_path / name).mkdir()
+        hf.config.save_pretrained(tmp_path / name)
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+        assert main(["convert", str(tmp_path / name), str(tmp_path / f"{name}-ck"), "--from-hf"]) == 0
+    config = ModelConfig.from_hf(hf.config.to_dict())
+    ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(3))
+    logits = {}
+    for name in ("mxfp4", "bf16"):
+        model = Transformer(config, dtype=torch.bfloat16).eval()
+        load_checkpoint(tmp_path / f"{name}-ck", model)
+        with torch.no_grad():
+            logits[name] = model(ids).float()
+    assert torch.equal(logits["mxfp4"], logits["bf16"])
+    with torch.no_grad():
+        unquantized = hf(ids).logits.float()
+    assert (unquantized - logits["bf16"]).abs().max() > 1e-2
