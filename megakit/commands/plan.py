@@ -232,7 +232,8 @@ def run(args) -> int:
     global_batch, batch_note = ((args.global_batch, "--global-batch") if args.global_batch else
                                 emit.default_global_batch(model.params, model.seq_len, tokens))
     imbalance = args.moe_imbalance if args.moe_imbalance is not None else ROUTING[args.moe_routing]
-    pins = Pins(tp=args.tp, pp=args.pp, cp=args.cp, cp_mode=args.cp_mode, cp_a2a=args.cp_a2a, ep=args.ep, zero=args.zero, micro_batch=args.micro_batch,
+    pins = Pins(tp=args.tp, pp=args.pp, cp=args.cp, cp_mode=args.cp_mode, cp_a2a=args.cp_a2a, ep=args.ep,
+                zero=args.zero, micro_batch=args.micro_batch,
                 recompute=args.recompute, vpp=args.vpp, compress=str(parse_compression(args.compress)),
                 schedule=args.schedule, stage_layers=parse_stage_layers(args.stage_layers),
                 loss_chunks=parse_loss_chunks(args.loss_chunks)).resolved()

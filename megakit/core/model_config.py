@@ -21,10 +21,12 @@ blocks (``sliding_window_from``).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
+from megakit.core.mla_config import MLAConfig
 from megakit.core.moe_config import MoEConfig
 from megakit.core.rope import RopeScaling, read_rope, write_rope
 from megakit.errors import UsageError
@@ -32,11 +34,13 @@ from megakit.errors import UsageError
 PRESETS = Path(__file__).resolve().parents[2] / "models"
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # of transformers' ALLOWED_ATTN_LAYER_TYPES, what megakit runs
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "kimi_k2")
+MLA_TYPES = ("deepseek_v3", "kimi_k2")  # Kimi K2's config is DeepSeek-V3's under another name
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                     "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                    "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+                    "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                    "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,10 +81,14 @@ class ModelConfig:
     sliding_rope_theta: float = 0.0  # 0: rope_theta and rope_scaling on every block
     sliding_rope_scaling: RopeScaling | None = None
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax denominator
+    mla: MLAConfig | None = None  # DeepSeek-V3's Multi-head Latent Attention (the planner reads it)
+    mtp_layers: int = 0  # DeepSeek-V3's Multi-Token Prediction depth (num_nextn_predict_layers)
     moe: MoEConfig | None = None  # None: a dense model
     hf_type: str = ""  # the config.json's model_type, kept for the export ("": gpt2, llama or qwen2)
 
     def __post_init__(self) -> None:
+        if isinstance(self.mla, dict):
+            object.__setattr__(self, "mla", MLAConfig(**self.mla))
         if isinstance(self.moe, dict):  # read back from a checkpoint manifest (``to_dict``)
             object.__setattr__(self, "moe", MoEConfig(**{k: tuple(v) if k == "dense_layers" else v
                                                          for k, v in self.moe.items()}))
@@ -144,7 +152,8 @@ class ModelConfig:
         transformers' model of that type reads is mapped, or refused in one line naming it."""
         kind = data.get("model_type")
         act = data.get({"gpt2": "activation_function", "gemma3_text": "hidden_activation"}.get(kind, "hidden_act"))
-        allowed = {"gpt2": ("gelu_new", "gelu_pytorch_tanh"), "gemma3_text": ("gelu_pytorch_tanh",)}.get(kind, ("silu",))
+        allowed = {"gpt2": ("gelu_new", "gelu_pytorch_tanh"),
+                   "gemma3_text": ("gelu_pytorch_tanh",)}.get(kind, ("silu",))
         if kind in ("gpt2", *LLAMA_LIKE, *MOE_TYPES) and act is not None and act not in allowed:
             raise UsageError(f"model config {source} uses activation {act!r}, which megakit does not implement; "
                              f"the {kind} family here uses {allowed[0]}")
@@ -168,7 +177,9 @@ class ModelConfig:
                 if kind in ("qwen2", "mistral", "mixtral"):  # transformers fixes these: q/k/v biases (Qwen2) or none
                     bias = kind == "qwen2"
                 layers = data["num_hidden_layers"]
-                moe = MoEConfig.from_hf(data, layers=layers, source=source) if kind in MOE_TYPES else None
+                moe = MoEConfig.from_hf({**data, "model_type": "deepseek_v3" if kind in MLA_TYPES else kind},
+                                        layers=layers, source=source) if kind in MOE_TYPES else None
+                mla = MLAConfig.from_hf(data) if kind in MLA_TYPES else None
                 if kind == "gemma3_text":
                     return cls._from_gemma3(data, source)
                 theta, scaling = read_rope(data, source=source)
@@ -177,9 +188,11 @@ class ModelConfig:
                     family="llama", vocab_size=data["vocab_size"],
                     max_seq_len=data.get("max_position_embeddings", 2048),
                     hidden=data["hidden_size"], layers=layers, heads=heads,
-                    kv_heads=data.get("num_key_value_heads") or heads, ffn=data["intermediate_size"],
+                    kv_heads=heads if mla else data.get("num_key_value_heads") or heads, ffn=data["intermediate_size"],
                     norm_eps=data.get("rms_norm_eps", 1e-6), tie_embeddings=data.get("tie_word_embeddings", False),
-                    dropout=data.get("attention_dropout", 0.0), head_dim=data.get("head_dim") or 0,
+                    dropout=data.get("attention_dropout", 0.0),
+                    head_dim=mla.qk_head_dim if mla else data.get("head_dim") or 0, mla=mla,
+                    mtp_layers=data.get("num_nextn_predict_layers", 0) if mla else 0,
                     rope_theta=theta, rope_scaling=scaling, sliding_window=window, sliding_window_from=window_from,
                     layer_types=types,
                     qkv_bias=bool(bias), out_bias=bool(bias) and not qwen,
@@ -249,6 +262,10 @@ class ModelConfig:
         """What block ``index`` multiplies its attention scores by: 1/sqrt(head_dim), Gemma's
         1/sqrt(query_pre_attn_scalar), or GPT-2's variants."""
         scale = (self.query_pre_attn_scalar or self.head_dim) ** -0.5 if self.scale_attn_weights else 1.0
+        if self.mla and self.rope_scaling and self.rope_scaling.type == "yarn":  # DeepSeek's softmax mscale, squared
+            fields = dict(self.rope_scaling.params)
+            if fields.get("mscale_all_dim") and fields["factor"] > 1:
+                scale *= (0.1 * fields["mscale_all_dim"] * math.log(fields["factor"]) + 1) ** 2
         return scale / (index + 1) if self.scale_attn_by_inverse_layer_idx else scale
 
     def attention_window(self, index: int) -> int:
@@ -305,9 +322,12 @@ class ModelConfig:
         f = (self.moe.shared_ffn if moe else self.ffn) // tp
         mats = 3 if self.gated_mlp else 2
         matmul = h * (q + 2 * kv) + q * h + mats * h * f
+        if self.mla:  # latent attention in place of q, k, v, o
+            matmul, latent_norms = self.mla.attention_params(h, self.heads, tp)
+            matmul += mats * h * f
         column_bias = self.qkv_bias * (q + 2 * kv) + self.mlp_bias * (mats - 1) * f + self.attention_sinks * q // hd
         norms = (4 if self.family == "gpt2" else 4 if self.sandwich_norms else 2) * h + 2 * self.qk_norm * hd  # + q, k
-        replicated = norms + self.out_bias * h + self.mlp_bias * h
+        replicated = norms + self.out_bias * h + self.mlp_bias * h + (latent_norms if self.mla else 0)
         if not moe:
             return BlockParams(matmul, column_bias, replicated)
         m = self.moe
@@ -378,17 +398,23 @@ class ModelConfig:
         full = (seq_len + 1) / 2
         return sum(self.attention_context(i, seq_len) for i in range(self.layers)) / (self.layers * full)
 
-    def causal_flops_per_token(self, seq_len: int, *, windows: bool = True) -> float:
+    def causal_flops_per_token(self, seq_len: int, *, windows: bool = True, mtp: bool = False) -> float:
         """Training FLOPs per token as Megatron's formula counts them, with causal and window-aware attention
         (Megatron-Bridge's ``flop_utils``, the convention its published throughputs use): 6 x the weight matrices
         a token runs through (attention, the MLP or its top-k experts, the LM head; norms, biases and the router's
         small E x H aside), plus ``12 x q x`` the keys each query attends to (``attention_context``; ``windows``
-        False: as if there were none)."""
-        total, q = 3.0 * self.head_flops(), self.heads * self.head_dim
+        False: as if there were none); MLA's scores and values at their own widths. ``mtp``: with DeepSeek-V3's
+        prediction modules, each a block like the last, its ``2H x H`` projection and the LM head again."""
+        total = 3.0 * self.head_flops()
+        widths = self.heads * self.head_dim + self.heads * (self.mla.v_head_dim if self.mla else self.head_dim)
         for i in range(self.layers):
             block = self.block_params(moe=self.is_moe_layer(i))
             context = self.attention_context(i, seq_len) if windows else (seq_len + 1) / 2
-            total += 6 * (block.matmul + block.active_experts) + 12 * q * context
+            total += 6 * (block.matmul + block.active_experts) + 6 * widths * context  # scores, then values
+        if mtp and self.mtp_layers:
+            block = self.block_params(moe=self.is_moe_layer(self.layers - 1))
+            total += self.mtp_layers * (6 * (block.matmul + block.active_experts + 2 * self.hidden ** 2)
+                                        + 6 * widths * (seq_len + 1) / 2 + 3 * self.head_flops())
         return total
 
     def head_flops(self) -> int:
@@ -437,6 +463,9 @@ class ModelConfig:
         out |= _window_to_hf(kind, self.sliding_window, self.sliding_window_from, types)
         if self.moe:
             out |= self.moe.to_hf(kind, layers=self.layers)
+        if self.mla:  # transformers derives head_dim (the RoPE's) from the MLA widths itself
+            del out["head_dim"], out["mlp_bias"]
+            out |= self.mla.to_hf() | {"num_nextn_predict_layers": self.mtp_layers}
         return out
 
     def to_dict(self) -> dict:
@@ -541,8 +570,9 @@ def check_layer_types(types) -> None:
 def _sliding_window(data: dict, kind: str, source: str) -> tuple[int, int, tuple[str, ...]]:
     """``(window, first block using it, layer_types)`` as transformers reads them: Mistral and Mixtral slide every
     block (Mistral 4096 unless null), the Qwens only with ``use_sliding_window`` (Qwen2/3 from ``max_window_layers``
-    on, Qwen2-MoE its even blocks below it, Qwen3-MoE all; or as ``layer_types`` says: transformers 5.24's rules). A run of last blocks is
-    kept as its first block (``layer_types`` empty, as Qwen writes it), any other pattern as ``layer_types``.
+    on, Qwen2-MoE its even blocks below it, Qwen3-MoE all; or as ``layer_types`` says: transformers 5.24's
+    rules); gpt-oss its even blocks. A run of last blocks is kept as its first block (``layer_types`` empty, as
+    Qwen writes it), any other pattern as ``layer_types``.
     ``(0, 0, ())``: none."""
     n = data.get("num_hidden_layers", 0)
     if kind == "gpt_oss":  # transformers' default: its even blocks slide

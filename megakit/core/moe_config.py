@@ -129,4 +129,11 @@ class MoEConfig:
             if kind == "qwen2_moe":
                 out["shared_expert_intermediate_size"] = self.shared_ffn
             return out
+        if kind in ("deepseek_v3", "kimi_k2"):
+            first = len(self.dense_layers)
+            return out | {"n_routed_experts": self.experts, "moe_intermediate_size": self.ffn,
+                          "n_shared_experts": self.shared_ffn // self.ffn, "scoring_func": self.score,
+                          "norm_topk_prob": self.normalize_top_k, "routed_scaling_factor": self.route_scale,
+                          "n_group": self.groups, "topk_group": self.group_top_k, "first_k_dense_replace": first,
+                          "topk_method": "noaux_tc"}
         raise UsageError(f"cannot write MoE fields for model_type {kind!r}")

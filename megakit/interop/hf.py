@@ -39,6 +39,9 @@ for _x in ("gate", "up", "down"):
 for _x in ("q", "k"):  # Qwen3
     _LLAMA_BLOCK[f"attn.{_x}_norm.weight"] = f"self_attn.{_x}_norm.weight"
 _LLAMA_BLOCK["attn.sinks"] = "self_attn.sinks"  # gpt-oss
+for _x in ("q_a_proj.weight", "q_a_proj.bias", "q_a_layernorm.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
+           "kv_a_proj_with_mqa.bias", "kv_a_layernorm.weight", "kv_b_proj.weight"):  # DeepSeek-V3's MLA
+    _LLAMA_BLOCK[f"attn.{_x}"] = f"self_attn.{_x}"
 _GEMMA_BLOCK = {**_LLAMA_BLOCK, "mlp_norm.weight": "pre_feedforward_layernorm.weight",  # Gemma's sandwich norms
                 "attn_post_norm.weight": "post_attention_layernorm.weight",
                 "mlp_post_norm.weight": "post_feedforward_layernorm.weight"}
@@ -54,7 +57,8 @@ def _gpt_oss_to_hf(i: int, state: dict) -> dict[str, torch.Tensor]:
     gate_up, bias = _get(state, ours + "experts.gate_up_proj"), _get(state, ours + "experts.gate_up_proj_bias")
     f = gate_up.shape[1] // 2
     interleaved = torch.stack([gate_up[:, :f], gate_up[:, f:]], dim=2).flatten(1, 2)  # (E, 2F, H): g0 u0 g1 u1 ...
-    return {theirs + "router.weight": _get(state, ours + "gate.weight"), theirs + "router.bias": _get(state, ours + "gate.bias"),
+    return {theirs + "router.weight": _get(state, ours + "gate.weight"),
+            theirs + "router.bias": _get(state, ours + "gate.bias"),
             theirs + "experts.gate_up_proj": interleaved.transpose(1, 2).contiguous(),
             theirs + "experts.gate_up_proj_bias": torch.stack([bias[:, :f], bias[:, f:]], dim=2).flatten(1, 2),
             theirs + "experts.down_proj": _get(state, ours + "experts.down_proj").transpose(1, 2).contiguous(),
@@ -66,7 +70,8 @@ def _gpt_oss_from_hf(i: int, hf: dict) -> dict[str, torch.Tensor]:
     from the shapes, which are square for the released models (F = H = 2880; Megatron-Bridge warns of the same)."""
     ours, theirs = f"layers.{i}.mlp.", f"model.layers.{i}.mlp."
     gate_up, bias = _get(hf, theirs + "experts.gate_up_proj"), _get(hf, theirs + "experts.gate_up_proj_bias")
-    return {ours + "gate.weight": _get(hf, theirs + "router.weight"), ours + "gate.bias": _get(hf, theirs + "router.bias"),
+    return {ours + "gate.weight": _get(hf, theirs + "router.weight"),
+            ours + "gate.bias": _get(hf, theirs + "router.bias"),
             ours + "experts.gate_up_proj": torch.cat([gate_up[..., ::2], gate_up[..., 1::2]], dim=-1)
             .transpose(1, 2).contiguous(),
             ours + "experts.gate_up_proj_bias": torch.cat([bias[:, ::2], bias[:, 1::2]], dim=-1),
@@ -88,8 +93,13 @@ def _moe_to_hf(config: ModelConfig, i: int, state: dict) -> dict[str, torch.Tens
         out[theirs + f"experts.{j}.{gate}.weight"] = gate_up[j, :f]
         out[theirs + f"experts.{j}.{up}.weight"] = gate_up[j, f:]
         out[theirs + f"experts.{j}.{down}.weight"] = down_w[j]
-    out.update({theirs + x: state[ours + x] for x in _MOE_EXTRA if ours + x in state})
+    out.update({theirs + _shared_name(config, x): state[ours + x] for x in _MOE_EXTRA if ours + x in state})
     return out
+
+
+def _shared_name(config: ModelConfig, name: str) -> str:
+    """transformers' name of a shared-expert tensor: DeepSeek-V3's ``shared_experts``, Qwen2-MoE's ``shared_expert``."""
+    return name.replace("shared_expert.", "shared_experts.") if config.mla else name
 
 
 def _moe_from_hf(config: ModelConfig, i: int, hf: dict) -> dict[str, torch.Tensor]:
@@ -113,7 +123,7 @@ def _moe_from_hf(config: ModelConfig, i: int, hf: dict) -> dict[str, torch.Tenso
                                                        for j in experts])
     wanted = {"gate.e_score_correction_bias": moe.expert_bias, "shared_expert_gate.weight": moe.shared_gate}
     wanted |= {f"shared_expert.{x}_proj.weight": bool(moe.shared_ffn) for x in ("gate", "up", "down")}
-    out.update({ours + x: _get(hf, theirs + x) for x in _MOE_EXTRA if wanted[x]})
+    out.update({ours + x: _get(hf, theirs + _shared_name(config, x)) for x in _MOE_EXTRA if wanted[x]})
     return out
 
 

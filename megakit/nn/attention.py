@@ -35,7 +35,8 @@ def rope_tables(config: ModelConfig, device, index: int | None = None) -> tuple[
     the variant's attention factor (yarn's mscale) as transformers multiplies them; ``index``: block ``index``'s
     RoPE (``ModelConfig.block_rope``; default: the model's)."""
     theta, scaling = (config.rope_theta, config.rope_scaling) if index is None else config.block_rope(index)
-    freqs, factor = inv_freq(theta, config.head_dim, scaling, config.max_seq_len)
+    dim = config.mla.qk_rope_head_dim if config.mla else config.head_dim  # MLA rotates its RoPE part only
+    freqs, factor = inv_freq(theta, dim, scaling, config.max_seq_len)
     freqs = torch.tensor(freqs, dtype=torch.float64, device=device)
     angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float64, device=device), freqs)
     angles = torch.cat([angles, angles], dim=-1)
@@ -73,6 +74,13 @@ def use_cp_mode(model: nn.Module, mode: str, topo=None) -> None:
     for module in model.modules():
         if isinstance(module, Attention):
             module.cp_mode, (module.a2a_group, module.ring_group) = mode, groups
+
+
+def rope_at(rope: tuple, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin shaped for ``apply_rope`` on ``(B, n, S, d)``: each row's own ``(B, S, d)`` tables, or the first
+    ``s`` rows of one ``(S, d)`` table."""
+    cos, sin = rope
+    return (cos[:, None], sin[:, None]) if cos.dim() == 3 else (cos[:s], sin[:s])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -120,18 +128,8 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, site: str, dtype, device,
                  selective: bool = False, cp_group=None, index: int = 0) -> None:
         super().__init__()
-        tp = C.size(group)
-        self.cp_group, self.cp, self.cp_rank = cp_group, C.size(cp_group), C.rank(cp_group)
-        self.group, self.sequence_parallel, self.site, self.selective = group, sequence_parallel, site, selective
-        self.heads, self.kv_heads, self.head_dim = config.heads // tp, config.kv_heads // tp, config.head_dim
-        self.total_heads, self.head_start = config.heads, C.rank(group) * self.heads
-        self.dropout, self.rope = config.dropout, config.family == "llama"
-        self.expand_kv = False  # set by megakit.nn.attention_kernel.use_kernel for kernels that need it
-        self.flex_documents = False  # packed documents through FlexAttention (use_kernel sets it on a GPU)
-        self.cp_mode = "ring"  # with CP: ring attention, "a2a" (Ulysses: megakit.nn.ulysses) or "hybrid"; use_cp_mode
-        self.a2a_group = self.ring_group = None  # hybrid's groups (use_cp_mode sets them)
-        self.scale, self.window = config.attention_scale(index), config.attention_window(index)  # block ``index``'s
-        self.sdpa_scale = None if self.scale == self.head_dim ** -0.5 else self.scale  # None: SDPA's own 1/sqrt(d)
+        self._setup(config, group=group, sequence_parallel=sequence_parallel, site=site, selective=selective,
+                    cp_group=cp_group, index=index)
         q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
         col = dict(group=group, sequence_parallel=sequence_parallel, enter_region=False, dtype=dtype, device=device)
         self.q_proj = ColumnParallelLinear(config.hidden, q, bias=config.qkv_bias, **col)
@@ -144,6 +142,22 @@ class Attention(nn.Module):
         if config.qk_norm:  # Qwen3: RMSNorm over each head's q and k before RoPE, one weight for all heads
             self.q_norm, self.k_norm = (HeadNorm(config.head_dim, config.norm_eps, dtype, device, config.norm_offset)
                                         for _ in "qk")
+
+    def _setup(self, config: ModelConfig, *, group, sequence_parallel: bool, site: str, selective: bool, cp_group,
+               index: int) -> None:
+        """The state every attention variant keeps: its groups and heads, the CP mode, kernels, scale and window."""
+        tp = C.size(group)
+        self.cp_group, self.cp, self.cp_rank = cp_group, C.size(cp_group), C.rank(cp_group)
+        self.group, self.sequence_parallel, self.site, self.selective = group, sequence_parallel, site, selective
+        self.heads, self.kv_heads, self.head_dim = config.heads // tp, config.kv_heads // tp, config.head_dim
+        self.total_heads, self.head_start = config.heads, C.rank(group) * self.heads
+        self.dropout, self.rope = config.dropout, config.family == "llama"
+        self.expand_kv = False  # set by megakit.nn.attention_kernel.use_kernel for kernels that need it
+        self.flex_documents = False  # packed documents through FlexAttention (use_kernel sets it on a GPU)
+        self.cp_mode = "ring"  # with CP: ring attention, "a2a" (Ulysses: megakit.nn.ulysses) or "hybrid"; use_cp_mode
+        self.a2a_group = self.ring_group = None  # hybrid's groups (use_cp_mode sets them)
+        self.scale, self.window = config.attention_scale(index), config.attention_window(index)  # block ``index``'s
+        self.sdpa_scale = None if self.scale == self.head_dim ** -0.5 else self.scale  # None: SDPA's own 1/sqrt(d)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(*x.shape[:2], n, self.head_dim).permute(1, 2, 0, 3)  # (S, B, n*d) -> (B, n, S, d)
@@ -167,24 +181,30 @@ class Attention(nn.Module):
         s, b, _ = q.shape
         q, k, v = self._heads(q, self.heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
         if self.rope:
-            cos, sin = rope
-            cos, sin = (cos[:, None], sin[:, None]) if cos.dim() == 3 else (cos[:s], sin[:s])  # per-row positions
+            cos, sin = rope_at(rope, s)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = self._dispatch(q, k, v, keys, documents)
+        return y.permute(2, 0, 1, 3).reshape(s, b, -1)  # (S, B, nh/tp * d)
+
+    def _dispatch(self, q, k, v, keys: DropoutKeys | None, documents: torch.Tensor | None) -> torch.Tensor:
+        """Attention of this rank's heads ``(B, n, S', d)`` (rotated) by the CP mode: Ulysses, hybrid, the ring,
+        or over the whole sequence without CP; ``(B, n, S', d_v)`` out."""
         if self.cp > 1 and self.cp_mode == "a2a":
             heads = self.heads // self.cp  # this rank's head group of the whole sequence
             start = self.head_start + self.cp_rank * heads
-            y = ulysses_attention(q, k, v, self.cp_group,
-                                  lambda q, k, v: self._attend(q, k, v, keys, documents, head_start=start))
-        elif self.cp > 1 and self.cp_mode == "hybrid":  # a2a inside the run of CP ranks, a ring across the runs
-            a = C.size(self.a2a_group)
-            start = self.head_start + C.rank(self.a2a_group) * self.heads // a
-            ring = lambda q, k, v: self._ring(q, k, v, keys, documents, group=self.ring_group, head_start=start)
-            y = ulysses_attention(q, k, v, self.a2a_group, ring, cp=self.cp, first=self.cp_rank - C.rank(self.a2a_group))
-        elif self.cp > 1:
-            y = self._ring(q, k, v, keys, documents, group=self.cp_group, head_start=self.head_start)
-        else:
-            y = self._attend(q, k, v, keys, documents, head_start=self.head_start)
-        return y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # (S, B, nh/tp * d)
+            return ulysses_attention(q, k, v, self.cp_group,
+                                     lambda q, k, v: self._attend(q, k, v, keys, documents, head_start=start))
+        if self.cp > 1 and self.cp_mode == "hybrid":  # a2a inside the run of CP ranks, a ring across the runs
+            a, place = C.size(self.a2a_group), C.rank(self.a2a_group)
+            start = self.head_start + place * self.heads // a
+
+            def ring(q, k, v):
+                return self._ring(q, k, v, keys, documents, group=self.ring_group, head_start=start)
+
+            return ulysses_attention(q, k, v, self.a2a_group, ring, cp=self.cp, first=self.cp_rank - place)
+        if self.cp > 1:
+            return self._ring(q, k, v, keys, documents, group=self.cp_group, head_start=self.head_start)
+        return self._attend(q, k, v, keys, documents, head_start=self.head_start)
 
     def _attend(self, q, k, v, keys: DropoutKeys | None, documents: torch.Tensor | None, *, head_start: int
                 ) -> torch.Tensor:

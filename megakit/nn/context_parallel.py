@@ -28,6 +28,7 @@ position embeddings) and dropout masks use the global positions (``positions``).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from megakit.nn import comm as C
 from megakit.nn.documents import same_document
@@ -415,6 +416,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
     """
     ranks = C.group_ranks(group)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    width = v.shape[-1]
+    if width != q.shape[-1]:  # MLA's values are narrower than its keys: zero columns, one K/V block (TE's way)
+        out = ring_attention(q, k, F.pad(v, (0, q.shape[-1] - width)), group, keep=keep, p=p, scale=scale,
+                             window=window, documents=documents, fused=fused, sinks=sinks)
+        return out[..., :width]
     if fused is None:
         fused = keep is None
     if fused:

@@ -28,6 +28,7 @@ from megakit.nn.attention import Attention, apply_rope, rms_norm, rope_tables  #
 from megakit.nn.chunked_loss import chunked_head_loss
 from megakit.nn.context_parallel import positions, sequence_mean
 from megakit.nn.dropout import DropoutKeys, residual_dropout
+from megakit.nn.latent_attention import LatentAttention
 from megakit.nn.moe import MoE
 from megakit.nn.overlapped_linear import column_parallel
 from megakit.nn.tensor_parallel import (
@@ -99,7 +100,8 @@ class Block(nn.Module):
         kw = dict(group=group, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         site = f"layers.{index}"
         self.attn_norm = Norm(config, **kw)
-        self.attn = Attention(config, site=f"{site}.attn_probs", selective=selective, cp_group=cp_group, index=index,
+        attention = LatentAttention if config.mla else Attention  # DeepSeek-V3's MLA, or q/k/v heads
+        self.attn = attention(config, site=f"{site}.attn_probs", selective=selective, cp_group=cp_group, index=index,
                               **kw)
         self.mlp_norm = Norm(config, **kw)
         if config.sandwich_norms:

@@ -117,7 +117,8 @@ class Experts(nn.Module):
         self.grouped, self.limit, self.alpha = grouped, limit, alpha
 
     def _glu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """SwiGLU of ``[gate | up]``, or gpt-oss's: ``(clamp(up, -l, l) + 1) x g sigmoid(alpha g)``, ``g = min(gate, l)``."""
+        """SwiGLU of ``[gate | up]``, or gpt-oss's: ``(clamp(up, -l, l) + 1) x g sigmoid(alpha g)``,
+        ``g = min(gate, l)``."""
         gate, up = gate_up.chunk(2, dim=-1)
         if not self.limit:
             return F.silu(gate) * up

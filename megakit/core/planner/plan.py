@@ -136,7 +136,8 @@ class Plan:
     @property
     def cp_label(self) -> str:
         """``CP=8(ring)``, ``CP=8(a2a)``, ``CP=8(a2a 2 x ring 4)``."""
-        mode = {"ring": "(ring)", "a2a": "(a2a)", "hybrid": f"(a2a {self.cp_a2a} x ring {self.cp // max(self.cp_a2a, 1)})"}
+        ring = self.cp // max(self.cp_a2a, 1)
+        mode = {"ring": "(ring)", "a2a": "(a2a)", "hybrid": f"(a2a {self.cp_a2a} x ring {ring})"}
         return f"CP={self.cp}{mode[self.cp_mode]}"
 
     @property

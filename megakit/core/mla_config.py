@@ -1,0 +1,58 @@
+"""``MLAConfig``: Multi-head Latent Attention (DeepSeek-V2/V3, Kimi K2), the attention part of a model description.
+
+Queries come through a low-rank latent (``q_lora_rank``; 0: a plain projection), keys and values through one
+compressed latent of ``kv_lora_rank`` and a RoPE key of ``qk_rope_head_dim`` shared by every head; per head the
+query and key are ``qk_nope_head_dim + qk_rope_head_dim`` wide and the value ``v_head_dim``. Under TP the
+down-projections and their norms are replicated, the up-projections split by heads (Megatron-Core, torchtitan).
+Read from transformers 5's ``DeepseekV3Config`` fields; pure Python, for the planner: its parameters
+(``attention_params``) and widths. megakit's model does not build MLA yet (``nn.model`` says so in one line).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megakit.errors import UsageError
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLAConfig:
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0  # 0: q_proj straight from the hidden state
+    rope_interleave: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise UsageError(f"MLA field {name} must be a positive integer, got {value!r}")
+        if not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 0:
+            raise UsageError(f"MLA field q_lora_rank must be a positive integer or null, got {self.q_lora_rank!r}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def attention_params(self, hidden: int, heads: int, tp: int = 1) -> tuple[int, int]:
+        """``(matrices, norms)`` of one block's attention on one TP rank: the up-projections and ``o_proj`` split
+        by heads, the down-projections (``q_a_proj``, ``kv_a_proj_with_mqa``) and the latent norms whole."""
+        n = heads // tp
+        q = (hidden * self.q_lora_rank + self.q_lora_rank * n * self.qk_head_dim if self.q_lora_rank
+             else hidden * n * self.qk_head_dim)
+        kv = hidden * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * n * (
+            self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + n * self.v_head_dim * hidden, self.q_lora_rank + self.kv_lora_rank
+
+    @classmethod
+    def from_hf(cls, data: dict) -> "MLAConfig":
+        return cls(kv_lora_rank=data["kv_lora_rank"], qk_nope_head_dim=data["qk_nope_head_dim"],
+                   qk_rope_head_dim=data["qk_rope_head_dim"], v_head_dim=data["v_head_dim"],
+                   q_lora_rank=data.get("q_lora_rank") or 0, rope_interleave=bool(data.get("rope_interleave", True)))
+
+    def to_hf(self) -> dict:
+        return {"kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.qk_nope_head_dim,
+                "qk_rope_head_dim": self.qk_rope_head_dim, "v_head_dim": self.v_head_dim,
+                "q_lora_rank": self.q_lora_rank or None, "rope_interleave": self.rope_interleave}
