@@ -132,6 +132,10 @@ def _sweep(rank, world_size, root):
     done.append(_equivalence(hybrid, "llama-tiny", cp_mode="hybrid", **sinks))
     done.append(_equivalence(cp2dp2, "llama-tiny", dropout=0.1, **sinks))
     done.append(_equivalence(cp2tp2, "gpt-oss-tiny", sequence_parallel=True))  # its window 8 over chunks of 4
+    # DeepSeek-V3's MLA: keys of 24, values of 16 (the ring pads them), the shared RoPE key at global positions
+    done.append(_equivalence(cp2dp2, "deepseek-v3-tiny"))
+    done.append(_equivalence(cp2tp2, "deepseek-v3-tiny", sequence_parallel=True))
+    done.append(_equivalence(cp4, "deepseek-v3-tiny", cp_mode="a2a", dropout=0.1))
     # a checkpoint saved at CP 2 x TP 2: CP ranks hold the same weights, so one of them writes
     config = ModelConfig.load("llama-tiny")
     save_checkpoint(f"{root}/cp2tp2", Transformer(config, cp2tp2, seed=21), cp2tp2, step=1, config=config)
@@ -148,7 +152,7 @@ def test_context_parallel_matches_one_process(tmp_path):
     from megakit.nn.model import ModelConfig, Transformer, full_state_dict
 
     results = run_ranks(_sweep, 4, str(tmp_path), timeout_s=400)
-    assert len(results[0]) == 30
+    assert len(results[0]) == 33
     assert "not divisible by 2 x CP = 8" in results[0][-1]
     loaded = Transformer(ModelConfig.load("llama-tiny"), seed=0)
     load_checkpoint(tmp_path / "cp2tp2", loaded)

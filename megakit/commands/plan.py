@@ -315,6 +315,9 @@ def run(args) -> int:
     report["plan"]["gflops_per_token"] = {  # causal, window-aware (Megatron-Bridge's convention), and without windows
         "causal": model.config.causal_flops_per_token(model.seq_len) / 1e9,
         "windows_ignored": model.config.causal_flops_per_token(model.seq_len, windows=False) / 1e9}
+    if model.config.mtp_layers:  # DeepSeek-V3's prediction modules, which megakit does not train yet
+        report["plan"]["gflops_per_token"]["with_mtp"] = model.config.causal_flops_per_token(model.seq_len,
+                                                                                            mtp=True) / 1e9
     if plan.cp > 1:
         report["plan"]["cp_mode_note"] = _cp_mode_note(model, cluster, plan, cost, pins)
     if result.fits == "above_threshold":

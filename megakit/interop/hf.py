@@ -235,8 +235,8 @@ def exact_param_count(raw: dict) -> int:
     hf_logging.set_verbosity_error()  # e.g. a tiny vocab below GPT-2's default bos id is fine here
     try:
         config = AutoConfig.for_model(raw["model_type"], **fields)
-        with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(config)
+        with torch.device("meta"), init_empty_weights():  # the device too: DeepSeek-V3's stacked experts are
+            model = AutoModelForCausalLM.from_config(config)  # made by torch.empty, which accelerate does not patch
         model.tie_weights()  # tied embeddings share one tensor (counted once below)
     except Exception as error:  # transformers raises many types for bad configs
         raise UsageError(f"transformers cannot build this config ({error.__class__.__name__}: "

@@ -49,12 +49,16 @@ def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
 
 def _materialised(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` (built on the meta device) with uninitialised CPU parameters that keep their attributes
-    (the TP marks checkpoints read; ``to_empty`` would make new parameters without them)."""
+    (the TP marks checkpoints read; ``to_empty`` would make new parameters without them), and zeroed buffers
+    (DeepSeek's expert bias, which the weights then fill)."""
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             new = torch.nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=param.requires_grad)
             new.__dict__.update(param.__dict__)
             setattr(module, name, new)
+        for name, buffer in list(module.named_buffers(recurse=False)):  # DeepSeek's expert bias
+            if buffer.is_meta:
+                module._buffers[name] = torch.zeros_like(buffer, device="cpu")
     return model
 
 
