@@ -135,3 +135,47 @@ def test_the_planner_counts_deepseek_v3_and_plans_it_on_1024_h100s_with_ep(capsy
     assert plan["ep"] > 1 and plan["peak_memory_gib"] < 0.8 * 80, plan
     assert round(plan["gflops_per_token"]["causal"], 1) == 249.8 and round(plan["gflops_per_token"]["with_mtp"],
                                                                            1) == 260.0
+
+
+def test_an_fp8_block_checkpoint_imports_to_the_logits_of_its_bf16_copy(tmp_path):
+    """DeepSeek's released layout: each linear weight in FP8 (E4M3) with an fp32 ``weight_scale_inv`` per 128 x 128
+    block, the expert bias in fp32, the rest bf16. The test quantises a tiny model itself (hidden 64 < 128: one block
+    a matrix, the edges cut) and writes the bf16 copy from its own blockwise product; both directories convert with
+    ``megakit convert --from-hf`` to the same logits, far from the unquantised model's."""
+    from safetensors.torch import save_file
+
+    from megakit.commands.cli import main
+    from megakit.interop.checkpoint import load_checkpoint
+
+    hf = hf_deepseek(hidden_size=192, vocab_size=128)  # 192: two blocks along the hidden size, the second cut
+    state = {k: v.to(torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16).contiguous()
+             for k, v in hf.state_dict().items()}
+    packed, plain = dict(state), dict(state)
+    for key in [k for k, v in state.items() if k.endswith("proj.weight") and v.dim() == 2 and "norm" not in k]:
+        w = state[key].float()
+        rows, cols = w.shape
+        scale = torch.empty(-(-rows // 128), -(-cols // 128))
+        for i in range(scale.shape[0]):
+            for j in range(scale.shape[1]):
+                block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+                scale[i, j] = block.abs().max().clamp(min=1e-12) / 448.0  # E4M3's largest value
+        expanded = scale.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+        fp8 = (w / expanded).to(torch.float8_e4m3fn)
+        packed[key], packed[key + "_scale_inv"] = fp8, scale
+        plain[key] = (fp8.float() * expanded).to(torch.bfloat16)
+    logits = {}
+    config = ModelConfig.from_hf(hf.config.to_dict())
+    ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(5))
+    for name, tensors in (("fp8", packed), ("bf16", plain)):
+        (tmp_path / name).mkdir()
+        hf.config.save_pretrained(tmp_path / name)
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+        assert main(["convert", str(tmp_path / name), str(tmp_path / f"{name}-ck"), "--from-hf"]) == 0
+        model = Transformer(config, dtype=torch.bfloat16).eval()
+        load_checkpoint(tmp_path / f"{name}-ck", model)
+        with torch.no_grad():
+            logits[name] = model(ids).float()
+    assert torch.equal(logits["fp8"], logits["bf16"])
+    with torch.no_grad():
+        unquantised = hf.to(torch.bfloat16)(ids).logits.float()
+    assert (unquantised - logits["bf16"]).abs().max() > 1e-2

@@ -139,7 +139,7 @@ def test_sinks_asked_of_an_sdpa_kernel_are_refused_in_one_line(tmp_path):
 def _mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An in-memory ``(E, cols, rows)`` expert matrix in the released MXFP4 layout: ``(E, rows, cols/32, 16)`` codes,
     ``(E, rows, cols/32)`` scales (a test's own encoder: each block's scale puts its largest value at or under 6)."""
-    from megakit.interop.mxfp4 import E2M1
+    from megakit.interop.quantized import E2M1
 
     w = weight.transpose(1, 2).float()  # (E, rows, cols)
     groups = w.reshape(*w.shape[:2], -1, 32)

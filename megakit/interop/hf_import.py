@@ -2,7 +2,7 @@
 
 ``megakit convert HF_DIR OUT --from-hf``: ``config.json`` is read by ``ModelConfig.load`` (GPT-2,
 Llama, Mistral, Qwen2, Qwen3 and Gemma 3 families, and the MoE models Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss, its
-MXFP4 experts dequantized to bf16), the weights from ``model.safetensors`` or the shards its
+MXFP4 experts and DeepSeek-V3's FP8 blocks dequantized to bf16), the weights from ``model.safetensors`` or the shards its
 ``model.safetensors.index.json`` lists (never a pickled ``pytorch_model.bin``: loading one runs
 code), translated by ``megakit.interop.hf.from_hf_state_dict`` and written as a step-0 megakit
 checkpoint in their own dtype, so ``--to-hf`` gives back the same bytes. The model is built on
@@ -20,7 +20,7 @@ from megakit.core.model_config import ModelConfig
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import save_checkpoint
 from megakit.interop.hf import from_hf_state_dict
-from megakit.interop.mxfp4 import dequantize_experts
+from megakit.interop.quantized import dequantize
 from megakit.nn.model import Transformer, load_full_state_dict
 
 
@@ -44,7 +44,7 @@ def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
         if not (directory / name).is_file():
             raise UsageError(f"{directory} lacks {name}, which its shard index lists; the download is incomplete")
         tensors.update(load_file(directory / name))
-    return dequantize_experts(tensors)  # gpt-oss's MXFP4 experts, as released, to bf16
+    return dequantize(tensors)  # gpt-oss's MXFP4 experts and DeepSeek's FP8 blocks, as released, to bf16
 
 
 def _materialised(model: torch.nn.Module) -> torch.nn.Module:
@@ -71,7 +71,7 @@ def import_hf(hf_dir, out_dir) -> dict:
         raise UsageError(f"{out} already exists and is not empty; choose a new output directory or remove it")
     config = ModelConfig.load(hf_dir)
     full = from_hf_state_dict(config, read_hf_weights(hf_dir))
-    dtypes = {t.dtype for t in full.values()}
+    dtypes = {t.dtype for k, t in full.items() if not k.endswith("e_score_correction_bias")}  # fp32 everywhere
     if len(dtypes) != 1:
         raise UsageError(f"{hf_dir} mixes dtypes {sorted(map(str, dtypes))}; save it in one dtype and convert again")
     dtype = dtypes.pop()
