@@ -144,7 +144,7 @@ def _mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.transpose(1, 2).float()  # (E, rows, cols)
     groups = w.reshape(*w.shape[:2], -1, 32)
     exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
-    codes = ((groups / torch.ldexp(torch.ones(()), exponent.int())[..., None])[..., None]
+    codes = ((groups / torch.exp2(exponent)[..., None])[..., None]
              - torch.tensor(E2M1)).abs().argmin(-1).to(torch.uint8)  # the nearest of the 16 values
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks.contiguous(), (exponent + 127).to(torch.uint8)
