@@ -33,7 +33,7 @@ def test_load_balanced_split_covers_the_sequence_once():
 
 
 def _equivalence(topo, preset: str, *, sequence_parallel: bool = False, dropout: float = 0.0,
-                 recompute: str = "none", cp_mode: str = "ring", **changes) -> str:
+                 recompute: str = "none", cp_mode: str = "ring", seq: int = 16, **changes) -> str:
     import torch.distributed as dist
 
     from megakit.nn import comm as C
@@ -43,8 +43,8 @@ def _equivalence(topo, preset: str, *, sequence_parallel: bool = False, dropout:
 
     config = ModelConfig.load(preset).replace(vocab_size=250, dropout=dropout, **changes)
     gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 250, (2, 16), generator=gen)
-    labels = torch.randint(0, 250, (2, 16), generator=gen)
+    ids = torch.randint(0, 250, (2, seq), generator=gen)
+    labels = torch.randint(0, 250, (2, seq), generator=gen)
     labels[0, :3] = -100  # ignored tokens (all in CP rank 0's first chunk) are left out of the mean
     labels[1, 9] = -100
     ref = Transformer(config, seed=3)
@@ -132,6 +132,7 @@ def _sweep(rank, world_size, root):
     done.append(_equivalence(hybrid, "llama-tiny", cp_mode="hybrid", **sinks))
     done.append(_equivalence(cp2dp2, "llama-tiny", dropout=0.1, **sinks))
     done.append(_equivalence(cp2tp2, "gpt-oss-tiny", sequence_parallel=True))  # its window 8 over chunks of 4
+    done.append(_equivalence(cp2tp2, "gpt-oss-tiny", seq=64))  # chunks of 16: the window inside and across them
     # DeepSeek-V3's MLA: keys of 24, values of 16 (the ring pads them), the shared RoPE key at global positions
     done.append(_equivalence(cp2dp2, "deepseek-v3-tiny"))
     done.append(_equivalence(cp2tp2, "deepseek-v3-tiny", sequence_parallel=True))
@@ -152,7 +153,7 @@ def test_context_parallel_matches_one_process(tmp_path):
     from megakit.nn.model import ModelConfig, Transformer, full_state_dict
 
     results = run_ranks(_sweep, 4, str(tmp_path), timeout_s=400)
-    assert len(results[0]) == 33
+    assert len(results[0]) == 34
     assert "not divisible by 2 x CP = 8" in results[0][-1]
     loaded = Transformer(ModelConfig.load("llama-tiny"), seed=0)
     load_checkpoint(tmp_path / "cp2tp2", loaded)

@@ -66,7 +66,7 @@ class LatentAttention(Attention):
 
     def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, site: str, dtype, device,
                  selective: bool = False, cp_group=None, index: int = 0) -> None:
-        nn.Module.__init__(self)
+        nn.Module.__init__(self)  # Attention's state, not its q/k/v projections
         self._setup(config, group=group, sequence_parallel=sequence_parallel, site=site, selective=selective,
                     cp_group=cp_group, index=index)
         m, h, n = config.mla, config.hidden, config.heads
