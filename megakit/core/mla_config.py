@@ -4,8 +4,8 @@ Queries come through a low-rank latent (``q_lora_rank``; 0: a plain projection),
 compressed latent of ``kv_lora_rank`` and a RoPE key of ``qk_rope_head_dim`` shared by every head; per head the
 query and key are ``qk_nope_head_dim + qk_rope_head_dim`` wide and the value ``v_head_dim``. Under TP the
 down-projections and their norms are replicated, the up-projections split by heads (Megatron-Core, torchtitan).
-Read from transformers 5's ``DeepseekV3Config`` fields; pure Python, for the planner: its parameters
-(``attention_params``) and widths. megakit's model does not build MLA yet (``nn.model`` says so in one line).
+Read from transformers 5's ``DeepseekV3Config`` fields; pure Python: the model (``megakit.nn.latent_attention``)
+and the planner (``attention_params``, the widths) read it.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ Two families: ``gpt2`` (LayerNorm, GELU, learned positions, tied embeddings) and
 files, which share the architecture, qwen3 with a per-head RMSNorm on q and k; and Gemma 3's text
 model, ``gemma3_text``: (1 + w) RMSNorms in fp32, norms after attention and the MLP too, GeGLU, a scaled
 embedding, QK-norm, its own score scale, and local and global RoPE on its sliding and full blocks). ``moe``
-(``core.moe_config``) makes it a Mixture-of-Experts model: mixtral, qwen2_moe, qwen3_moe, and gpt_oss (its
-router and expert biases, clamped SwiGLU, attention biases and sinks, alternating 128-token windows).
+(``core.moe_config``) makes it a Mixture-of-Experts model: mixtral, qwen2_moe, qwen3_moe, gpt_oss (its
+router and expert biases, clamped SwiGLU, attention biases and sinks, alternating 128-token windows), and
+deepseek_v3 (with ``kimi_k2`` its alias), whose attention is ``mla`` (``core.mla_config``).
 
 The attention schedule is per block (``attention_window``): ``layer_types`` as transformers 5 writes it
 (``full_attention`` or ``sliding_attention`` per block, any pattern), or, without it, Qwen's run of last
@@ -81,8 +82,8 @@ class ModelConfig:
     sliding_rope_theta: float = 0.0  # 0: rope_theta and rope_scaling on every block
     sliding_rope_scaling: RopeScaling | None = None
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax denominator
-    mla: MLAConfig | None = None  # DeepSeek-V3's Multi-head Latent Attention (the planner reads it)
-    mtp_layers: int = 0  # DeepSeek-V3's Multi-Token Prediction depth (num_nextn_predict_layers)
+    mla: MLAConfig | None = None  # DeepSeek-V3's Multi-head Latent Attention in place of q/k/v heads
+    mtp_layers: int = 0  # DeepSeek-V3's Multi-Token Prediction depth: read, written back, priced; not trained yet
     moe: MoEConfig | None = None  # None: a dense model
     hf_type: str = ""  # the config.json's model_type, kept for the export ("": gpt2, llama or qwen2)
 
@@ -148,7 +149,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, data: dict, *, source: str = "config") -> "ModelConfig":
-        """Translate a Hugging Face config dict (model_type gpt2, llama, mistral or qwen2). Every field
+        """Translate a Hugging Face config dict (the model types of the module docstring). Every field
         transformers' model of that type reads is mapped, or refused in one line naming it."""
         kind = data.get("model_type")
         act = data.get({"gpt2": "activation_function", "gemma3_text": "hidden_activation"}.get(kind, "hidden_act"))
