@@ -1,8 +1,9 @@
 """A Hugging Face transformers checkpoint (safetensors) as a megakit checkpoint, to train from at any layout.
 
 ``megakit convert HF_DIR OUT --from-hf``: ``config.json`` is read by ``ModelConfig.load`` (GPT-2,
-Llama, Mistral, Qwen2, Qwen3 and Gemma 3 families, and the MoE models Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss, its
-MXFP4 experts and DeepSeek-V3's FP8 blocks dequantized to bf16), the weights from ``model.safetensors`` or the shards its
+Llama, Mistral, Qwen2, Qwen3 and Gemma 3 families, and the MoE models Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss and
+DeepSeek-V3, gpt-oss's MXFP4 experts and DeepSeek's FP8 blocks dequantized to bf16), the weights from
+``model.safetensors`` or the shards its
 ``model.safetensors.index.json`` lists (never a pickled ``pytorch_model.bin``: loading one runs
 code), translated by ``megakit.interop.hf.from_hf_state_dict`` and written as a step-0 megakit
 checkpoint in their own dtype, so ``--to-hf`` gives back the same bytes. The model is built on
