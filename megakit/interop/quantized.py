@@ -5,7 +5,8 @@ scale). The checkpoints store each stacked expert matrix ``W`` as ``W_blocks`` `
 uint8 (two 4-bit codes a byte, the low nibble first) and ``W_scales`` ``(E, rows, cols / 32)`` uint8
 (exponent + 127), rows being the matrix's output dimension; the dequantized ``(E, rows, cols)`` is transposed
 to transformers' in-memory ``x @ W`` layout, ``(E, cols, rows)``
-(``transformers.integrations.mxfp4.convert_moe_packed_tensors``, the same arithmetic). Every MXFP4 value times its scale is exact in bf16, so the import loses nothing the file holds.
+(``transformers.integrations.mxfp4.convert_moe_packed_tensors``, the same arithmetic). Every MXFP4 value times
+its scale is exact in bf16, so the import loses nothing the file holds.
 
 DeepSeek-V3's (and Kimi K2's) linear weights: FP8 (E4M3) with one fp32 ``weight_scale_inv`` per 128 x 128 block
 (``(ceil(rows/128), ceil(cols/128))``): ``W = W_fp8 x scale`` blockwise (Megatron-Bridge's and DeepSeek's own
