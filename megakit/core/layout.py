@@ -58,6 +58,12 @@ def check_ep_fold(tp: int, cp: int, dp: int, ep: int, *, fix: str = "") -> None:
                          f"pipeline stage that expert parallelism folds over; use one of {divisors}{fix}")
 
 
+def hybrid_degrees(cp: int, heads: int) -> list[int]:
+    """The all-to-all degrees hybrid CP can run at CP ``cp`` with ``heads`` per TP rank: above 1 (else the ring),
+    below CP (else Ulysses), dividing CP (the runs of ranks) and the heads (each rank's head group)."""
+    return [a for a in range(2, cp) if cp % a == 0 and heads % a == 0]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     """Sizes of the four parallel axes; rank <-> coordinate arithmetic."""

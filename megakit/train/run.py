@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from megakit.core.compression import Compression, parse_compression
-from megakit.core.layout import Layout, check_ep_fold
+from megakit.core.layout import Layout, check_ep_fold, hybrid_degrees
 from megakit.core.model_config import ModelConfig, check_seq_len
 from megakit.core.partition import partition_layers
 from megakit.core.planner.activations import loss_chunks_of
@@ -197,7 +197,7 @@ def _cp_a2a_degree(cfg: TrainConfig, model: ModelConfig) -> int:
             raise UsageError(f"--cp-mode a2a splits each TP rank's {heads} attention heads over CP {cfg.cp}, which "
                              f"does not divide them; use a --cp that divides {heads}, or --cp-mode ring")
         return cfg.cp
-    proper = [a for a in range(2, cfg.cp) if cfg.cp % a == 0 and heads % a == 0]
+    proper = hybrid_degrees(cfg.cp, heads)
     if cfg.cp_a2a and cfg.cp_a2a in proper:
         return cfg.cp_a2a
     if cfg.cp_a2a or not proper:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from megakit.core.compression import parse_compression
+from megakit.core.layout import hybrid_degrees
 from megakit.core.partition import check_stage_layers
 from megakit.core.planner.hardware import Cluster
 from megakit.core.planner.model_spec import ModelSpec
@@ -57,7 +58,7 @@ def hybrid_degree(model: ModelSpec, cluster: Cluster, tp: int, cp: int, pinned: 
     """Hybrid CP's all-to-all degree at TP ``tp`` and CP ``cp``: ``pinned`` or else the largest, above 1 and below CP,
     that divides CP and each TP rank's heads and keeps TP x it inside a node (the all-to-all on NVLink, the ring
     across nodes: USP's placement); 0 where there is none."""
-    ok = [a for a in range(2, cp) if cp % a == 0 and (model.heads // tp) % a == 0 and tp * a <= cluster.gpus_per_node]
+    ok = [a for a in hybrid_degrees(cp, model.heads // tp) if tp * a <= cluster.gpus_per_node]
     if pinned is not None:
         return pinned if pinned in ok else 0
     return ok[-1] if ok else 0
