@@ -16,6 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_reference import converted_logits, eager, megakit_copy  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 
 from megakit.core.model_config import ModelConfig  # noqa: E402
@@ -29,9 +30,7 @@ def hf_deepseek(**changes):
     """The tiny DeepSeek-V3 of ``models/deepseek-v3-tiny.json`` (vocab 128), its norms and expert bias drawn."""
     fields = ModelConfig.load("deepseek-v3-tiny").to_hf() | {"vocab_size": 128} | changes
     config = transformers.DeepseekV3Config(**{k: v for k, v in fields.items() if k != "model_type"})
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    model = eager(transformers.DeepseekV3ForCausalLM, config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -39,12 +38,6 @@ def hf_deepseek(**changes):
         for module in model.modules():
             if hasattr(module, "e_score_correction_bias"):
                 module.e_score_correction_bias.normal_(0.0, 0.1)
-    return model
-
-
-def _ours(config: ModelConfig, hf) -> Transformer:
-    model = Transformer(config).eval()
-    load_full_state_dict(model, from_hf_state_dict(config, hf.state_dict()))
     return model
 
 
@@ -58,7 +51,7 @@ def test_mla_logits_match_transformers_at_every_position(changes):
     assert config.attention_scale(0) != config.head_dim ** -0.5  # mscale(40, 1.0)^2 / sqrt(24)
     ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1))
     want = hf(ids).logits
-    got = _ours(config, hf)(ids)
+    got = megakit_copy(config, hf)(ids)
     diff, late = (got - want).abs().max().item(), (got - want)[:, 16:].abs().max().item()
     print(f"deepseek-v3 {changes}: max |logit diff| {diff:.2e}, from position 16 {late:.2e}")
     assert diff < TOL and late < TOL
@@ -142,11 +135,6 @@ def test_an_fp8_block_checkpoint_imports_to_the_logits_of_its_bf16_copy(tmp_path
     block, the expert bias in fp32, the rest bf16. The test quantises a tiny model itself (hidden 64 < 128: one block
     a matrix, the edges cut) and writes the bf16 copy from its own blockwise product; both directories convert with
     ``megakit convert --from-hf`` to the same logits, far from the unquantised model's."""
-    from safetensors.torch import save_file
-
-    from megakit.commands.cli import main
-    from megakit.interop.checkpoint import load_checkpoint
-
     hf = hf_deepseek(hidden_size=192, vocab_size=128)  # 192: two blocks along the hidden size, the second cut
     state = {k: v.to(torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16).contiguous()
              for k, v in hf.state_dict().items()}
@@ -167,14 +155,7 @@ def test_an_fp8_block_checkpoint_imports_to_the_logits_of_its_bf16_copy(tmp_path
     config = ModelConfig.from_hf(hf.config.to_dict())
     ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(5))
     for name, tensors in (("fp8", packed), ("bf16", plain)):
-        (tmp_path / name).mkdir()
-        hf.config.save_pretrained(tmp_path / name)
-        save_file(tensors, str(tmp_path / name / "model.safetensors"))
-        assert main(["convert", str(tmp_path / name), str(tmp_path / f"{name}-ck"), "--from-hf"]) == 0
-        model = Transformer(config, dtype=torch.bfloat16).eval()
-        load_checkpoint(tmp_path / f"{name}-ck", model)
-        with torch.no_grad():
-            logits[name] = model(ids).float()
+        logits[name] = converted_logits(tmp_path / name, hf.config, tensors, config, ids)
     assert torch.equal(logits["fp8"], logits["bf16"])
     with torch.no_grad():
         unquantised = hf.to(torch.bfloat16)(ids).logits.float()

@@ -16,6 +16,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_reference import eager, megakit_copy  # noqa: E402
+
 from megakit.core.model_config import ModelConfig  # noqa: E402
 from megakit.interop.hf import from_hf_state_dict, to_hf_state_dict  # noqa: E402
 from megakit.nn.model import Transformer, full_state_dict, load_full_state_dict  # noqa: E402
@@ -30,20 +32,11 @@ FIELDS = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_l
 
 
 def _hf_model():
-    config = transformers.Gemma3TextConfig(**FIELDS)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(config).eval()
+    model = eager(transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(**FIELDS))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(0.0, 0.5)
-    return model
-
-
-def _ours(config: ModelConfig, hf) -> Transformer:
-    model = Transformer(config).eval()
-    load_full_state_dict(model, from_hf_state_dict(config, hf.state_dict()))
     return model
 
 
@@ -55,7 +48,7 @@ def test_gemma3_logits_match_transformers_and_each_piece_matters():
     assert [config.attention_window(i) for i in range(6)] == [8, 8, 8, 8, 8, 0]
     ids = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(1))
     want = hf(ids).logits
-    diff = (_ours(config, hf)(ids) - want).abs().max().item()
+    diff = (megakit_copy(config, hf)(ids) - want).abs().max().item()
     print(f"gemma3: max |logit diff| {diff:.2e}")
     assert diff < TOL
     controls = {"plain RMSNorm": dict(norm_offset=False), "no sandwich norms": dict(sandwich_norms=False),
@@ -83,7 +76,7 @@ def test_gemma3_config_and_weights_round_trip_and_transformers_reads_them(tmp_pa
             assert original[field] == value, (field, original[field], value)
     again = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**{k: v for k, v in written.items()
                                                                             if k != "model_type"})).eval()
-    ours = _ours(config, hf)
+    ours = megakit_copy(config, hf)
     missing, unexpected = again.load_state_dict(to_hf_state_dict(config, full_state_dict(ours)), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied to the embedding
     again.tie_weights()

@@ -17,6 +17,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_reference import converted_logits, draw_gpt_oss, eager, megakit_copy  # noqa: E402
+
 from megakit.core.model_config import ModelConfig  # noqa: E402
 from megakit.interop.hf import from_hf_state_dict, to_hf_state_dict  # noqa: E402
 from megakit.nn.model import Transformer, full_state_dict, load_full_state_dict  # noqa: E402
@@ -31,26 +33,11 @@ FIELDS = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_l
 
 def hf_gpt_oss(seed: int = 0):
     """The tiny gpt-oss above, its sinks, biases and expert weights drawn so that each acts (see the docstring)."""
-    config = transformers.GptOssConfig(**FIELDS)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.GptOssForCausalLM(config).eval()
+    model = draw_gpt_oss(eager(transformers.GptOssForCausalLM, transformers.GptOssConfig(**FIELDS), seed))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("sinks"):
-                p.normal_(3.0, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.5)
-            elif "experts" in name:
-                p.normal_(0.0, 1.0)
-            elif "norm" in name:
+            if "norm" in name:
                 p.normal_(1.0, 0.2)
-    return model
-
-
-def _ours(config: ModelConfig, hf) -> Transformer:
-    model = Transformer(config).eval()
-    load_full_state_dict(model, from_hf_state_dict(config, hf.state_dict()))
     return model
 
 
@@ -61,7 +48,7 @@ def test_gpt_oss_logits_match_transformers_and_each_piece_matters():
     assert [config.attention_window(i) for i in range(4)] == [8, 0, 8, 0] and config.attention_sinks
     ids = torch.randint(0, 128, (2, 128), generator=torch.Generator().manual_seed(1))
     want = hf(ids).logits
-    diff = (_ours(config, hf)(ids) - want).abs().max().item()
+    diff = (megakit_copy(config, hf)(ids) - want).abs().max().item()
     print(f"gpt-oss: max |logit diff| {diff:.2e}")
     assert diff < TOL
     state = from_hf_state_dict(config, hf.state_dict())
@@ -90,7 +77,7 @@ def test_gpt_oss_config_and_weights_round_trip_and_transformers_reads_them():
         if field in original and field not in ("architectures", "router_aux_loss_coef"):  # the coefficient: kept only
             # where transformers applies it (output_router_logits), as for Mixtral
             assert original[field] == value, (field, original[field], value)
-    exported = to_hf_state_dict(config, full_state_dict(_ours(config, hf)))
+    exported = to_hf_state_dict(config, full_state_dict(megakit_copy(config, hf)))
     want = hf.state_dict()
     assert exported.keys() == want.keys()
     assert all(torch.equal(exported[k], want[k]) for k in want)  # byte for byte, the interleaved experts included
@@ -154,11 +141,7 @@ def test_an_mxfp4_checkpoint_imports_to_the_logits_of_its_bf16_copy(tmp_path):
     """The bf16 copy is dequantized by transformers' own ``convert_moe_packed_tensors``, not megakit's: both
     directories convert with ``megakit convert --from-hf`` and give the same logits (each MXFP4 value is exact in
     bf16), and far from those of the unquantized weights (the quantization is real)."""
-    from safetensors.torch import save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    from megakit.commands.cli import main
-    from megakit.interop.checkpoint import load_checkpoint
 
     hf = hf_gpt_oss().to(torch.bfloat16)
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
@@ -169,19 +152,10 @@ def test_an_mxfp4_checkpoint_imports_to_the_logits_of_its_bf16_copy(tmp_path):
         packed[key + "_blocks"], packed[key + "_scales"] = blocks, scales
         plain[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
         assert plain[key].shape == state[key].shape
-    for name, tensors in (("mxfp4", packed), ("bf16", plain)):
-        (tmp_path / name).mkdir()
-        hf.config.save_pretrained(tmp_path / name)
-        save_file(tensors, str(tmp_path / name / "model.safetensors"))
-        assert main(["convert", str(tmp_path / name), str(tmp_path / f"{name}-ck"), "--from-hf"]) == 0
     config = ModelConfig.from_hf(hf.config.to_dict())
     ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(3))
-    logits = {}
-    for name in ("mxfp4", "bf16"):
-        model = Transformer(config, dtype=torch.bfloat16).eval()
-        load_checkpoint(tmp_path / f"{name}-ck", model)
-        with torch.no_grad():
-            logits[name] = model(ids).float()
+    logits = {name: converted_logits(tmp_path / name, hf.config, tensors, config, ids)
+              for name, tensors in (("mxfp4", packed), ("bf16", plain))}
     assert torch.equal(logits["mxfp4"], logits["bf16"])
     with torch.no_grad():
         unquantized = hf(ids).logits.float()

@@ -11,12 +11,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hf_reference import megakit_copy  # noqa: E402
+
 from megakit.commands.cli import main  # noqa: E402
 from megakit.core.model_config import ModelConfig  # noqa: E402
 from megakit.errors import UsageError  # noqa: E402
 from megakit.interop.checkpoint import load_checkpoint  # noqa: E402
 from megakit.interop.checkpoint_format import manifest_config, read_manifest  # noqa: E402
-from megakit.interop.hf import from_hf_state_dict  # noqa: E402
 from megakit.nn.model import Transformer, full_state_dict, load_full_state_dict  # noqa: E402
 
 torch.set_num_threads(1)
@@ -33,12 +34,6 @@ def _hf(kind: str = "Llama", **fields):
     config = getattr(transformers, f"{kind}Config")(**fields)
     torch.manual_seed(0)
     return getattr(transformers, "GPT2LMHeadModel" if kind == "GPT2" else f"{kind}ForCausalLM")(config).eval()
-
-
-def _ours(config: ModelConfig, hf) -> Transformer:
-    model = Transformer(config).eval()
-    load_full_state_dict(model, from_hf_state_dict(config, hf.state_dict()))
-    return model
 
 
 @torch.no_grad()
@@ -111,8 +106,8 @@ def test_rope_variants_match_transformers(name):
     config = ModelConfig.from_hf(hf.config.to_dict())
     assert ModelConfig.from_hf(config.to_hf()) == config
     assert transformers.AutoConfig.for_model(**config.to_hf()).rope_parameters == hf.config.rope_parameters
-    diff = _diff(_ours(config, hf), hf)
-    control = _diff(_ours(config.replace(rope_scaling=None), hf), hf)
+    diff = _diff(megakit_copy(config, hf), hf)
+    control = _diff(megakit_copy(config.replace(rope_scaling=None), hf), hf)
     print(f"{name}: max |logit diff| {diff:.2e}; as plain RoPE {control:.2e}")
     assert diff < TOL
     # dynamic NTK changes theta only past max_position_embeddings, which megakit never runs (check_seq_len)
@@ -136,7 +131,7 @@ def test_sliding_windows_match_transformers(kind, fields, sliding):
     again = transformers.AutoConfig.for_model(**config.to_hf())
     assert again.sliding_window == hf.config.sliding_window and getattr(again, "layer_types", None) == getattr(
         hf.config, "layer_types", None)
-    diff, control = _diff(_ours(config, hf), hf), _diff(_ours(config.replace(sliding_window=0, layer_types=()), hf), hf)
+    diff, control = _diff(megakit_copy(config, hf), hf), _diff(megakit_copy(config.replace(sliding_window=0, layer_types=()), hf), hf)
     print(f"{kind} {fields}: max |logit diff| {diff:.2e}; without the window {control:.2e}")
     assert diff < TOL
     assert control < TOL if max(sliding) in (0, 64) else control > 1e-3
@@ -150,7 +145,7 @@ def test_gpt2_attention_scaling_matches_transformers(flags):
     config = ModelConfig.from_hf(hf.config.to_dict())
     assert ModelConfig.from_hf(config.to_hf()) == config
     plain = config.replace(scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False)
-    diff, control = _diff(_ours(config, hf), hf), _diff(_ours(plain, hf), hf)
+    diff, control = _diff(megakit_copy(config, hf), hf), _diff(megakit_copy(plain, hf), hf)
     print(f"gpt2 {flags}: max |logit diff| {diff:.2e}; unscaled {control:.2e}")
     assert diff < TOL
     assert control < TOL if "reorder_and_upcast_attn" in flags else control > 1e-3

@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hf_reference import draw_gpt_oss  # noqa: E402
 from multiproc import THREADS, free_port  # noqa: E402
 from test_trainer import ROOT  # noqa: E402
 
@@ -40,17 +41,9 @@ def _hf_model(directory, kind: str):
                  tie_word_embeddings=False)
     if kind == "gpt_oss":  # sinks near the rows' log-sum-exp, biases non-zero, expert weights large: the clamp acts
         shape = {k: v for k, v in shape.items() if k != "num_experts_per_tok"}
-        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        model = draw_gpt_oss(transformers.GptOssForCausalLM(transformers.GptOssConfig(
             **{**shape, "num_hidden_layers": 4}, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
-            sliding_window=8))
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("sinks"):
-                    p.normal_(3.0, 1.5)
-                elif name.endswith("bias"):
-                    p.normal_(0.0, 0.5)
-                elif "experts" in name:
-                    p.normal_(0.0, 1.0)
+            sliding_window=8)))
     elif kind == "deepseek_v3":  # MLA (latent q and KV, the shared RoPE key) on the DeepSeek MoE block
         shape = {k: v for k, v in shape.items() if k not in ("num_key_value_heads", "head_dim")}
         model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
