@@ -396,6 +396,8 @@ class ModelConfig:
 
     def attention_share(self, seq_len: int) -> float:
         """The blocks' mean causal attention work over what it would be without windows (1.0: no windows)."""
+        if not self.sliding_window:  # the planner's search asks for every candidate: no loop where nothing slides
+            return 1.0
         full = (seq_len + 1) / 2
         return sum(self.attention_context(i, seq_len) for i in range(self.layers)) / (self.layers * full)
 

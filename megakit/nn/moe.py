@@ -156,9 +156,10 @@ class Experts(nn.Module):
         return torch.cat(out) if out else rows[:0]
 
     def _grouped(self, rows, counts, gate_up, down, bias_up, bias_down) -> torch.Tensor:
-        offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
-        per_row = None if bias_up is None else torch.repeat_interleave(
-            torch.arange(len(counts), device=rows.device), torch.tensor(counts, device=rows.device))
+        sizes = torch.tensor(counts, device=rows.device)
+        offs = sizes.cumsum(0).to(torch.int32)
+        per_row = None if bias_up is None else torch.repeat_interleave(torch.arange(len(counts), device=rows.device),
+                                                                       sizes)
         h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)  # (M, 2F)
         h = self._glu(h if per_row is None else h + bias_up[per_row])
         out = torch._grouped_mm(h.contiguous(), down.transpose(1, 2), offs=offs)
