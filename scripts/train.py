@@ -77,6 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="benchmarking aid (Megatron's --moe-router-force-load-balancing): route by random logits, "
                         "so every expert gets its even share in expectation, as most published MoE throughput is "
                         "measured; the router learns nothing and the run is not a model to keep")
+    p.add_argument("--mtp", action="store_true",
+                   help="train the model's Multi-Token Prediction modules (DeepSeek-V3's num_nextn_predict_layers; "
+                        "off by default, as for fine-tuning): loss = main + MTP_WEIGHT / D x sum of each depth's")
+    p.add_argument("--mtp-weight", metavar="LAMBDA", type=finite_float, default=0.1,
+                   help="the MTP losses' weight (default 0.1, Megatron's; DeepSeek-V3 used 0.3, then 0.1)")
     p.add_argument("--vpp", type=int, default=1,
                    help="model chunks per pipeline stage (interleaved 1F1B); they need not divide the layers")
     p.add_argument("--stage-layers", metavar="N,N,...", default=None,
@@ -213,7 +218,8 @@ def config(args: argparse.Namespace):
         moe_z_loss=args.moe_z_loss, moe_capacity_factor=args.moe_capacity_factor,
         moe_expert_bias=args.moe_expert_bias, moe_force_balance=args.moe_force_balance, compile=args.compile, attention_kernel=args.attention_kernel,
         spike_guard=args.spike_guard, async_save=args.async_save, reset_attention_mask=args.reset_attention_mask,
-        reset_position_ids=args.reset_position_ids, eod_mask_loss=args.eod_mask_loss,
+        reset_position_ids=args.reset_position_ids, eod_mask_loss=args.eod_mask_loss, mtp=args.mtp,
+        mtp_weight=args.mtp_weight,
         **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}))
 
 

@@ -83,7 +83,7 @@ class ModelConfig:
     sliding_rope_scaling: RopeScaling | None = None
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax denominator
     mla: MLAConfig | None = None  # DeepSeek-V3's Multi-head Latent Attention in place of q/k/v heads
-    mtp_layers: int = 0  # DeepSeek-V3's Multi-Token Prediction depth: read, written back, priced; not trained yet
+    mtp_layers: int = 0  # DeepSeek-V3's Multi-Token Prediction depth (megakit.nn.mtp; trained with --mtp)
     moe: MoEConfig | None = None  # None: a dense model
     hf_type: str = ""  # the config.json's model_type, kept for the export ("": gpt2, llama or qwen2)
 

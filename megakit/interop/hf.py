@@ -50,10 +50,10 @@ _MOE_EXTRA = ("gate.e_score_correction_bias", "shared_expert_gate.weight",
 _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}  # gate, up, down per expert on disk; default Qwen-MoE's
 
 
-def _gpt_oss_to_hf(i: int, state: dict) -> dict[str, torch.Tensor]:
+def _gpt_oss_to_hf(ours: str, theirs: str, state: dict) -> dict[str, torch.Tensor]:
     """gpt-oss keeps its experts stacked in ``x @ W`` layout, gate and up columns interleaved: ``gate_up_proj``
     ``(E, H, 2F)`` with gate ``[..., ::2]``, up ``[..., 1::2]`` (its bias alike), ``down_proj`` ``(E, F, H)``."""
-    ours, theirs = f"layers.{i}.mlp.", f"model.layers.{i}.mlp."
+    ours, theirs = ours + "mlp.", theirs + "mlp."
     gate_up, bias = _get(state, ours + "experts.gate_up_proj"), _get(state, ours + "experts.gate_up_proj_bias")
     f = gate_up.shape[1] // 2
     interleaved = torch.stack([gate_up[:, :f], gate_up[:, f:]], dim=2).flatten(1, 2)  # (E, 2F, H): g0 u0 g1 u1 ...
@@ -65,10 +65,10 @@ def _gpt_oss_to_hf(i: int, state: dict) -> dict[str, torch.Tensor]:
             theirs + "experts.down_proj_bias": _get(state, ours + "experts.down_proj_bias")}
 
 
-def _gpt_oss_from_hf(i: int, hf: dict) -> dict[str, torch.Tensor]:
+def _gpt_oss_from_hf(ours: str, theirs: str, hf: dict) -> dict[str, torch.Tensor]:
     """``_gpt_oss_to_hf``'s inverse: the layout is transformers' documented one (``GptOssExperts``), never guessed
     from the shapes, which are square for the released models (F = H = 2880; Megatron-Bridge warns of the same)."""
-    ours, theirs = f"layers.{i}.mlp.", f"model.layers.{i}.mlp."
+    ours, theirs = ours + "mlp.", theirs + "mlp."
     gate_up, bias = _get(hf, theirs + "experts.gate_up_proj"), _get(hf, theirs + "experts.gate_up_proj_bias")
     return {ours + "gate.weight": _get(hf, theirs + "router.weight"),
             ours + "gate.bias": _get(hf, theirs + "router.bias"),
@@ -79,12 +79,13 @@ def _gpt_oss_from_hf(i: int, hf: dict) -> dict[str, torch.Tensor]:
             ours + "experts.down_proj_bias": _get(hf, theirs + "experts.down_proj_bias")}
 
 
-def _moe_to_hf(config: ModelConfig, i: int, state: dict) -> dict[str, torch.Tensor]:
-    """Layer ``i``'s MoE weights in the per-expert layout of safetensors files."""
+def _moe_to_hf(config: ModelConfig, block: str, layer: str, state: dict) -> dict[str, torch.Tensor]:
+    """The MoE weights of our block ``block`` (a name prefix) in the per-expert layout of safetensors files, under
+    their layer prefix ``layer``."""
     if config.hf_type == "gpt_oss":
-        return _gpt_oss_to_hf(i, state)
-    ours = f"layers.{i}.mlp."
-    theirs = f"model.layers.{i}." + ("block_sparse_moe." if config.hf_type == "mixtral" else "mlp.")
+        return _gpt_oss_to_hf(block, layer, state)
+    ours = block + "mlp."
+    theirs = layer + ("block_sparse_moe." if config.hf_type == "mixtral" else "mlp.")
     gate, up, down = _EXPERT_NAMES.get(config.hf_type, ("gate_proj", "up_proj", "down_proj"))
     out = {theirs + "gate.weight": state[ours + "gate.weight"]}
     gate_up, down_w = state[ours + "experts.gate_up_proj"], _get(state, ours + "experts.down_proj")
@@ -102,13 +103,13 @@ def _shared_name(config: ModelConfig, name: str) -> str:
     return name.replace("shared_expert.", "shared_experts.") if config.mla else name
 
 
-def _moe_from_hf(config: ModelConfig, i: int, hf: dict) -> dict[str, torch.Tensor]:
-    """Layer ``i``'s MoE weights from a per-expert (or already stacked) transformers checkpoint."""
+def _moe_from_hf(config: ModelConfig, block: str, layer: str, hf: dict) -> dict[str, torch.Tensor]:
+    """The MoE weights of their layer ``layer`` (a name prefix) from a per-expert (or already stacked) transformers
+    checkpoint, under our block prefix ``block``."""
     if config.hf_type == "gpt_oss":
-        return _gpt_oss_from_hf(i, hf)
-    moe, ours = config.moe, f"layers.{i}.mlp."
-    theirs = f"model.layers.{i}." + ("block_sparse_moe." if f"model.layers.{i}.block_sparse_moe.gate.weight" in hf
-                                     else "mlp.")
+        return _gpt_oss_from_hf(block, layer, hf)
+    moe, ours = config.moe, block + "mlp."
+    theirs = layer + ("block_sparse_moe." if layer + "block_sparse_moe.gate.weight" in hf else "mlp.")
     gate, up, down = _EXPERT_NAMES.get(config.hf_type, ("gate_proj", "up_proj", "down_proj"))
     out = {ours + "gate.weight": _get(hf, theirs + "gate.weight")}
     if theirs + "experts.gate_up_proj" in hf:
@@ -167,13 +168,60 @@ def to_hf_state_dict(config: ModelConfig, state: dict[str, torch.Tensor]) -> dic
         return out
     out["model.embed_tokens.weight"] = _get(state, "embed.weight")
     for i in range(config.layers):
-        for suffix, hf in (_GEMMA_BLOCK if config.sandwich_norms else _LLAMA_BLOCK).items():
-            if f"layers.{i}.{suffix}" in state:
-                out[f"model.layers.{i}.{hf}"] = state[f"layers.{i}.{suffix}"]
-        if f"layers.{i}.mlp.experts.gate_up_proj" in state:  # by the keys: export converts one block at a time
-            out.update(_moe_to_hf(config, i, state))
+        out.update(_block_to_hf(config, f"layers.{i}.", f"model.layers.{i}.", state))
     out["model.norm.weight"] = _get(state, "norm.weight")
     out["lm_head.weight"] = _get(state, "embed.weight" if config.tie_embeddings else "lm_head.weight")
+    for k in range(config.mtp_layers):
+        if f"mtp.{k}.norm.weight" in state:  # trained or imported with --mtp
+            out.update(mtp_to_hf(config, k, state))
+    return out
+
+
+def _block_to_hf(config: ModelConfig, ours: str, theirs: str, state: dict) -> dict[str, torch.Tensor]:
+    """Our block under the name prefix ``ours`` as transformers' decoder layer ``theirs`` (Llama's layout)."""
+    out = {theirs + hf: state[ours + suffix]
+           for suffix, hf in (_GEMMA_BLOCK if config.sandwich_norms else _LLAMA_BLOCK).items() if ours + suffix in state}
+    if ours + "mlp.experts.gate_up_proj" in state:  # by the keys: export converts one block at a time
+        out.update(_moe_to_hf(config, ours, theirs, state))
+    return out
+
+
+def _block_from_hf(config: ModelConfig, ours: str, theirs: str, hf: dict, *, moe: bool) -> dict[str, torch.Tensor]:
+    """``_block_to_hf``'s inverse; ``moe``: the block's MLP is a mixture of experts."""
+    out = {ours + suffix: hf[theirs + name]
+           for suffix, name in (_GEMMA_BLOCK if config.sandwich_norms else _LLAMA_BLOCK).items() if theirs + name in hf}
+    if moe:
+        out.update(_moe_from_hf(config, ours, theirs, hf))
+    return out
+
+
+# DeepSeek-V3's Multi-Token Prediction module k sits in its checkpoints as decoder layer L + k, with the
+# module's own tensors beside the block and copies of the shared embedding and head (megakit.nn.mtp).
+_MTP_PARTS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+              "norm.weight": "shared_head.norm.weight"}
+
+
+def mtp_to_hf(config: ModelConfig, k: int, state: dict) -> dict[str, torch.Tensor]:
+    """Our MTP module ``k`` (0-based) as ``model.layers.{L + k}.*``: its parts, its block, the shared copies."""
+    ours, theirs = f"mtp.{k}.", f"model.layers.{config.layers + k}."
+    out = {theirs + hf: _get(state, ours + part) for part, hf in _MTP_PARTS.items()}
+    out.update(_block_to_hf(config, ours + "block.", theirs, state))
+    out[theirs + "embed_tokens.weight"] = _get(state, "embed.weight").clone()  # own storage: safetensors refuses
+    out[theirs + "shared_head.head.weight"] = _get(state, "embed.weight" if config.tie_embeddings  # shared ones
+                                                   else "lm_head.weight").clone()
+    return out
+
+
+def _mtp_from_hf(config: ModelConfig, k: int, hf: dict, main: dict) -> dict[str, torch.Tensor]:
+    """``mtp_to_hf``'s inverse; the copies of the embedding and head must equal the main model's ``main``."""
+    ours, theirs = f"mtp.{k}.", f"model.layers.{config.layers + k}."
+    out = {ours + part: _get(hf, theirs + name) for part, name in _MTP_PARTS.items()}
+    out.update(_block_from_hf(config, ours + "block.", theirs, hf, moe=config.moe is not None))
+    for copy, source in (("embed_tokens.weight", "embed.weight"),
+                         ("shared_head.head.weight", "embed.weight" if config.tie_embeddings else "lm_head.weight")):
+        if theirs + copy in hf and not torch.equal(hf[theirs + copy], main[source]):
+            raise UsageError(f"{theirs + copy} differs from the main model's; megakit's MTP modules share the "
+                             "embedding and the head with it, as DeepSeek-V3 trains them")
     return out
 
 
@@ -200,14 +248,14 @@ def from_hf_state_dict(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict
     else:
         out["embed.weight"] = _get(hf, "model.embed_tokens.weight")
         for i in range(config.layers):
-            for suffix, name in (_GEMMA_BLOCK if config.sandwich_norms else _LLAMA_BLOCK).items():
-                if f"model.layers.{i}.{name}" in hf:
-                    out[f"layers.{i}.{suffix}"] = hf[f"model.layers.{i}.{name}"]
-            if config.moe is not None and config.moe.is_moe_layer(i):
-                out.update(_moe_from_hf(config, i, hf))
+            out.update(_block_from_hf(config, f"layers.{i}.", f"model.layers.{i}.", hf,
+                                      moe=config.moe is not None and config.moe.is_moe_layer(i)))
         out["norm.weight"] = _get(hf, "model.norm.weight")
     if not config.tie_embeddings:
         out["lm_head.weight"] = _get(hf, "lm_head.weight")
+    for k in range(config.mtp_layers):
+        if f"model.layers.{config.layers + k}.eh_proj.weight" in hf:  # transformers' save_pretrained drops them
+            out.update(_mtp_from_hf(config, k, hf, out))
     unread = sorted(k for k in set(hf) - hf.read if ".mlp." in k or ".block_sparse_moe." in k or "expert" in k)
     if config.moe is not None and unread:
         raise UsageError(f"weights hold {unread[0]!r} ({len(unread)} MLP/expert tensors in all) that megakit's "

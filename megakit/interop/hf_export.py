@@ -30,7 +30,7 @@ from megakit.interop.checkpoint_format import (
     manifest_config,
     read_manifest,
 )
-from megakit.interop.hf import to_hf_state_dict
+from megakit.interop.hf import mtp_to_hf, to_hf_state_dict
 
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
 
@@ -39,8 +39,10 @@ def _layer_prefix(family: str, i: int) -> str:
     return f"transformer.h.{i}." if family == "gpt2" else f"model.layers.{i}."
 
 
-def _unit(config, manifest: dict, reader: ShardReader, unit: int | None, *, meta: bool) -> dict[str, torch.Tensor]:
-    """transformers' tensors of one unit: ``None`` = everything outside the blocks, else block ``unit``.
+def _unit(config, manifest: dict, reader: ShardReader, unit: int | str | None, *,
+          meta: bool) -> dict[str, torch.Tensor]:
+    """transformers' tensors of one unit: ``None`` = everything outside the blocks, ``"mtp.k"`` = MTP module k (layer
+    ``L + k``, with its copies of the embedding and head), else block ``unit``.
 
     Runs ``to_hf_state_dict`` on a one-block model whose block 0 is block ``unit``; tensors
     not wanted from this unit are meta (no data), as is everything when ``meta``.
@@ -53,9 +55,13 @@ def _unit(config, manifest: dict, reader: ShardReader, unit: int | None, *, meta
         entry = params[source]
         return torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]), device="meta")
 
+    if isinstance(unit, str):
+        k = int(unit.removeprefix("mtp."))
+        shared = ("embed.weight", "lm_head.weight")
+        return mtp_to_hf(config, k, {n: tensor(n, n, True) for n in params if n.startswith(unit + ".") or n in shared})
     state, block = {}, f"layers.{0 if unit is None else unit}."  # blocks may differ (MoE and dense layers)
     for name in params:
-        if not name.startswith("layers."):
+        if not name.startswith(("layers.", "mtp.")):
             state[name] = tensor(name, name, unit is None)
         elif name.startswith(block):
             state["layers.0." + name[len(block):]] = tensor(name, name, unit is not None)
@@ -76,7 +82,8 @@ def export_hf(checkpoint, out_dir, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES
     config = manifest_config(manifest, source=str(checkpoint))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"{out} already exists and is not empty; choose a new output directory or remove it")
-    units = [None, *range(config.layers)]
+    mtp = [f"mtp.{k}" for k in range(config.mtp_layers) if f"mtp.{k}.norm.weight" in manifest["params"]]
+    units = [None, *range(config.layers), *mtp]
     with ShardReader(checkpoint, manifest) as reader:
         shards, size = [[]], 0  # units per output file, sized from meta tensors
         for unit in units:

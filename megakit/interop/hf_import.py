@@ -76,7 +76,8 @@ def import_hf(hf_dir, out_dir) -> dict:
     if len(dtypes) != 1:
         raise UsageError(f"{hf_dir} mixes dtypes {sorted(map(str, dtypes))}; save it in one dtype and convert again")
     dtype = dtypes.pop()
-    model = _materialised(Transformer(config, dtype=dtype, device="meta"))
+    mtp = any(name.startswith("mtp.") for name in full)  # DeepSeek's prediction modules, kept for --mtp
+    model = _materialised(Transformer(config, dtype=dtype, device="meta", mtp=mtp))
     load_full_state_dict(model, full)
     save_checkpoint(out, model, None, step=0, config=config, extra={"imported_from": str(hf_dir)})
     return {"params": sum(t.numel() for t in full.values()), "dtype": str(dtype).removeprefix("torch."),

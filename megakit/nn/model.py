@@ -24,16 +24,14 @@ from megakit.core.model_config import ModelConfig, check_seq_len, model_flops_pe
 from megakit.core.partition import partition_layers
 from megakit.errors import UsageError
 from megakit.nn import comm as C
-from megakit.nn.attention import Attention, apply_rope, rms_norm, rope_tables  # noqa: F401 (API)
+from megakit.nn.attention import apply_rope, rms_norm, rope_tables  # noqa: F401 (API)
+from megakit.nn.block import Block, Norm, ResidualDropout
 from megakit.nn.chunked_loss import chunked_head_loss
 from megakit.nn.context_parallel import positions, sequence_mean
-from megakit.nn.dropout import DropoutKeys, residual_dropout
-from megakit.nn.latent_attention import LatentAttention
-from megakit.nn.moe import MoE
-from megakit.nn.overlapped_linear import column_parallel
+from megakit.nn.dropout import DropoutKeys
+from megakit.nn.mtp import PredictionModule, depth_labels, shifted
 from megakit.nn.tensor_parallel import (
     ColumnParallelLinear,
-    RowParallelLinear,
     VocabParallelEmbedding,
     enter_tp_region,
     mark,
@@ -44,105 +42,6 @@ from megakit.nn.weights import init_shard_
 
 __all__ = ["ModelConfig", "Transformer", "build_stage_chunks", "full_state_dict", "load_full_state_dict",
            "model_flops_per_token"]
-
-
-class Norm(nn.Module):
-    """LayerNorm (gpt2: weight and bias) or RMSNorm (llama: weight; Gemma's times 1 + weight), replicated over TP."""
-
-    def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, dtype, device) -> None:
-        super().__init__()
-        self.group, self.sequence_parallel, self.eps = group, sequence_parallel, config.norm_eps
-        self.rms, self.offset = config.family == "llama", config.norm_offset
-        h = config.hidden
-        self.weight = mark(nn.Parameter(torch.empty(h, dtype=dtype, device=device)), None)
-        self.bias = None if self.rms else mark(nn.Parameter(torch.empty(h, dtype=dtype, device=device)), None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = replicated(self.weight, self.group, self.sequence_parallel)
-        if self.rms:
-            return rms_norm(x, w, self.eps, self.offset)
-        b = replicated(self.bias, self.group, self.sequence_parallel)
-        return F.layer_norm(x, x.shape[-1:], w, b, self.eps)
-
-
-class MLP(nn.Module):
-    """GELU MLP (gpt2) or SwiGLU (llama; GeGLU with Gemma's tanh GELU): up/gate column-parallel, down row-parallel."""
-
-    def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, dtype, device) -> None:
-        super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.gated, self.geglu = config.family == "llama", config.mlp_act == "gelu_tanh"
-        col = dict(group=group, sequence_parallel=sequence_parallel, enter_region=False, bias=config.mlp_bias,
-                   dtype=dtype, device=device)
-        if self.gated:
-            self.gate_proj = ColumnParallelLinear(config.hidden, config.ffn, **col)
-        self.up_proj = ColumnParallelLinear(config.hidden, config.ffn, **col)
-        self.down_proj = RowParallelLinear(config.ffn, config.hidden, bias=config.mlp_bias, group=group,
-                                           sequence_parallel=sequence_parallel, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            gate, up = column_parallel(x, (self.gate_proj, self.up_proj), self.group, self.sequence_parallel)
-            h = (F.gelu(gate, approximate="tanh") if self.geglu else F.silu(gate)) * up  # (S, B, ffn/tp)
-        else:
-            up, = column_parallel(x, (self.up_proj,), self.group, self.sequence_parallel)
-            h = F.gelu(up, approximate="tanh")  # (S, B, ffn/tp)
-        return self.down_proj(h)  # (S', B, H)
-
-
-class Block(nn.Module):
-    """Pre-norm residual block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``; with Gemma's sandwich
-    norms each branch's output is normed too: ``x + drop(post_norm(attn(norm(x))))``."""
-
-    def __init__(self, config: ModelConfig, *, index: int, group, sequence_parallel: bool, dtype, device,
-                 selective: bool = False, cp_group=None, ep_group=None) -> None:
-        super().__init__()
-        kw = dict(group=group, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
-        site = f"layers.{index}"
-        self.attn_norm = Norm(config, **kw)
-        attention = LatentAttention if config.mla else Attention  # DeepSeek-V3's MLA, or q/k/v heads
-        self.attn = attention(config, site=f"{site}.attn_probs", selective=selective, cp_group=cp_group, index=index,
-                              **kw)
-        self.mlp_norm = Norm(config, **kw)
-        if config.sandwich_norms:
-            self.attn_post_norm, self.mlp_post_norm = Norm(config, **kw), Norm(config, **kw)
-        self.local_rope = bool(config.sliding_rope_theta and config.attention_window(index))  # Gemma's sliding RoPE
-        if config.moe is not None and config.moe.is_moe_layer(index):
-            self.mlp = MoE(config.moe, config.hidden, cp_group=cp_group, ep_group=ep_group, **kw)
-        else:
-            self.mlp = MLP(config, **kw)
-        drop = dict(group=group, sequence_parallel=sequence_parallel, cp_group=cp_group)
-        self.attn_dropout = ResidualDropout(config.dropout, f"{site}.attn_residual", **drop)
-        self.mlp_dropout = ResidualDropout(config.dropout, f"{site}.mlp_residual", **drop)
-
-    def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:  # (S', B, H)
-        a = self.attn(self.attn_norm(x), rope, keys, documents)
-        x = x + self.attn_dropout(self.attn_post_norm(a) if hasattr(self, "attn_post_norm") else a, keys)
-        m = self.mlp(self.mlp_norm(x))
-        return x + self.mlp_dropout(self.mlp_post_norm(m) if hasattr(self, "mlp_post_norm") else m, keys)
-
-
-class ResidualDropout(nn.Module):
-    """Dropout on the residual stream ``(S', B, H)`` at the site called ``site``, with layout-free masks
-    (``megakit.nn.dropout``): replicated over TP, or this rank's ``S/tp`` rows with SP; with CP, the
-    rows at this rank's global positions (``megakit.nn.context_parallel.positions``)."""
-
-    def __init__(self, p: float, site: str, group, sequence_parallel: bool, cp_group=None) -> None:
-        super().__init__()
-        self.p, self.site = p, site
-        self.tp, self.tp_rank = (C.size(group), C.rank(group)) if sequence_parallel else (1, 0)
-        self.cp, self.cp_rank = C.size(cp_group), C.rank(cp_group)
-
-    def forward(self, x: torch.Tensor, keys: DropoutKeys | None) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        s = x.shape[0]
-        if self.cp == 1:
-            return residual_dropout(x, self.p, keys, site=self.site, seq_start=self.tp_rank * s, seq_len=self.tp * s)
-        held = positions(s * self.tp * self.cp, self.cp, self.cp_rank, device=x.device)
-        return residual_dropout(x, self.p, keys, site=self.site, rows=held[self.tp_rank * s:(self.tp_rank + 1) * s],
-                                seq_len=s * self.tp * self.cp)
 
 
 class Transformer(nn.Module):
@@ -167,12 +66,17 @@ class Transformer(nn.Module):
     (``megakit.nn.chunked_loss``), so the logits shard never exists whole; the same loss and gradients.
     ``loss_tokens`` (``set_loss_tokens``): divide the summed loss by the trainer's token count instead of the
     batch's own, so that a step whose micro-batches count different tokens trains sum(loss) / sum(tokens).
+    ``mtp``: the last stage holds the config's ``mtp_layers`` Multi-Token Prediction modules (``megakit.nn.mtp``);
+    a training forward with labels returns ``L_main + mtp_weight / D x sum(L_k)`` (the ``L_k`` in
+    ``mtp_losses``), an evaluating one ``L_main``. They read the ids: on a stage without ``pre``, pass
+    them as ``input_ids``.
     """
 
     def __init__(self, config: ModelConfig, topo=None, *, layers: range | None = None, pre: bool = True,
                  post: bool = True, sequence_parallel: bool = False, seed: int = 0,
                  dtype: torch.dtype = torch.float32, device=None, recompute: bool | str = False,
-                 loss_chunks: int = 1) -> None:
+                 loss_chunks: int = 1, mtp: bool = False,
+                 mtp_weight: float = 0.1) -> None:
         super().__init__()
         group = None if topo is None else topo.tp_group
         tp, tp_rank = C.size(group), C.rank(group)
@@ -200,10 +104,12 @@ class Transformer(nn.Module):
         # The summed loss's divisor (``set_loss_tokens``): the step's valid tokens over the micro-batches that
         # DeepSpeed averages, so that its averages give sum(loss)/sum(tokens) over the step. None: this
         # micro-batch's own mean.
-        self.loss_tokens: float | None = None
+        self.loss_tokens: float | torch.Tensor | None = None  # with MTP: (1 + D,), the main loss's then each depth's
+        self.mtp_weight, self.mtp_losses = mtp_weight, []
+        mtp_depth = trained_mtp_depth(config, mtp, mtp_weight)  # checked on every stage alike; built on the last
         kw = dict(group=group, sequence_parallel=self.sequence_parallel, dtype=dtype, device=device)
         tied = config.tie_embeddings
-        if pre or (post and tied):  # a tied last stage keeps its own copy, under the same name
+        if pre or (post and (tied or mtp_depth > 0)):  # a tied or MTP last stage keeps its own copy, under the same name
             self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden, **kw)
             # DeepSpeed counts a ds_pipe_replicated parameter once (on the first stage) in the grad norm.
             self.embed.weight.ds_pipe_replicated = not pre
@@ -221,6 +127,7 @@ class Transformer(nn.Module):
             if not tied:
                 self.lm_head = ColumnParallelLinear(config.hidden, config.padded_vocab(tp), bias=False, **kw)
                 self.lm_head.weight.tp_unpadded = config.vocab_size
+            self.mtp = nn.ModuleList(PredictionModule(config, depth=k, **blocks) for k in range(1, mtp_depth + 1))
         if config.family == "llama":
             cos, sin = rope_tables(config, device)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -258,9 +165,10 @@ class Transformer(nn.Module):
     # -- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
                 sample_ids: torch.Tensor | list[int] | None = None, documents: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``documents`` ``(B, S)``: attention stays inside each packed document; ``position_ids`` ``(B, S)``: each
-        token's position (``megakit.nn.documents``; default 0..S-1). Both are the whole sequence's, on every stage."""
+        token's position (``megakit.nn.documents``; default 0..S-1). Both are the whole sequence's, on every stage,
+        and so are ``input_ids``, which only a last stage training MTP modules reads."""
         keys = self._dropout_keys(x, sample_ids)
         seq_len = x.shape[1] if self.pre else x.shape[0] * (self.tp if self.sequence_parallel else 1) * self.cp
         held = None if self.cp == 1 else self._held_positions(seq_len, x.device)  # (S/cp,) global positions
@@ -276,27 +184,62 @@ class Transformer(nn.Module):
                 h = block(h, rope, keys, documents)  # (S', B, H)
         if not self.post:
             return h
-        h = self.norm(h)
+        h = self.norm(h)  # (S', B, H)
+        if labels is None:
+            return self._logits(h)
+        loss = self._head_loss(h, labels, held, depth=0)
+        if len(self.mtp) and self.training:
+            ids = x if self.pre else input_ids
+            if ids is None:
+                raise UsageError("the MTP modules read the token ids on the last stage; pass input_ids=")
+            loss = loss + self._mtp_loss(h, ids, labels, held, ropes, keys, documents)
+        return loss
+
+    def _mtp_loss(self, g, ids, labels, held, ropes, keys, documents) -> torch.Tensor:
+        """``lambda / D x sum_k L_k`` over the prediction modules, ``g`` the main model's normed output."""
+        losses = []
+        for k, module in enumerate(self.mtp, start=1):
+            embedded = self._token_embeddings(shifted(ids, k, 0), held)  # Emb(t_{i+k}) at this rank's rows
+            rope = ropes[module.block.local_rope]
+            if self.recompute:
+                g = torch.utils.checkpoint.checkpoint(module, g, embedded, rope, keys, documents, use_reentrant=False)
+            else:
+                g = module(g, embedded, rope, keys, documents)
+            losses.append(self._head_loss(g, depth_labels(labels, k, documents), held, depth=k))
+        self.mtp_losses = [loss.detach() for loss in losses]
+        return self.mtp_weight / len(losses) * torch.stack(losses).sum()
+
+    def _head_loss(self, h: torch.Tensor, labels: torch.Tensor, held, *, depth: int) -> torch.Tensor:
+        """The mean cross-entropy of ``labels`` (the whole ``(B, S)``) under the head on ``h`` ``(S', B, H)``:
+        divided by the trainer's count of depth ``depth``'s tokens, else by this batch's own (over CP)."""
         head = self.lm_head.weight if hasattr(self, "lm_head") else self.embed.weight  # (V/tp, H)
         h = enter_tp_region(h, self.group, self.sequence_parallel)  # (S, B, H)
-        if labels is not None and self.loss_chunks > 1:
-            target = labels.t() if held is None else labels.index_select(1, held).t()  # (S, B)
+        target = labels.t() if held is None else labels.index_select(1, held).t()  # (S, B), (S/cp, B) with CP
+        tokens = self._loss_tokens(depth)
+        if self.loss_chunks > 1:
             total = chunked_head_loss(h, head, target, self.group, chunks=self.loss_chunks,
                                       vocab_size=self.config.vocab_size)
-            if held is not None:
-                return sequence_mean(total, target != -100, self.cp_group, self.loss_tokens)
-            return total / self._divisor(target)
-        logits = F.linear(h, head)  # (S, B, V/tp)
-        if labels is not None and held is not None:
-            target = labels.index_select(1, held).t()  # (S/cp, B)
-            token = vocab_parallel_cross_entropy(logits, target, self.group, vocab_size=self.config.vocab_size,
-                                                 reduction="none")
-            return sequence_mean(token, target != -100, self.cp_group, self.loss_tokens)
-        if labels is not None:
-            target = labels.t()
-            return vocab_parallel_cross_entropy(logits, target, self.group, vocab_size=self.config.vocab_size,
-                                                reduction="sum") / self._divisor(target)
-        logits = logits.transpose(0, 1)  # (B, S, V/tp)
+        else:
+            total = vocab_parallel_cross_entropy(F.linear(h, head), target, self.group,
+                                                 vocab_size=self.config.vocab_size, reduction="sum")
+        if held is not None:
+            return sequence_mean(total, target != -100, self.cp_group, tokens)
+        return total / (tokens if tokens is not None else (target != -100).sum().clamp(min=1))
+
+    def _loss_tokens(self, depth: int):
+        """The trainer's token count for depth ``depth`` (0: the main loss), or None: the batch's own."""
+        tokens = self.loss_tokens
+        if tokens is None or not isinstance(tokens, torch.Tensor) or tokens.dim() == 0:
+            if depth and tokens is not None:
+                raise UsageError("set_loss_tokens was given one count but the model trains MTP modules; give "
+                                 "(1 + D,) counts (megakit.nn.mtp.depth_token_counts)")
+            return tokens
+        return tokens[depth]
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's logits shard ``(B, S, V/tp)``, padded columns ``-inf``."""
+        head = self.lm_head.weight if hasattr(self, "lm_head") else self.embed.weight  # (V/tp, H)
+        logits = F.linear(enter_tp_region(h, self.group, self.sequence_parallel), head).transpose(0, 1)
         start = self.tp_rank * logits.shape[-1]
         if start + logits.shape[-1] > self.config.vocab_size:
             logits = logits.clone()
@@ -312,10 +255,6 @@ class Transformer(nn.Module):
         if position_ids is not None:
             return cos[position_ids], sin[position_ids]
         return (cos[held], sin[held]) if held is not None else (cos, sin)
-
-    def _divisor(self, target: torch.Tensor):
-        """What the summed loss is divided by: the trainer's ``loss_tokens``, else this batch's valid tokens."""
-        return self.loss_tokens if self.loss_tokens is not None else (target != -100).sum().clamp(min=1)
 
     def _dropout_keys(self, x: torch.Tensor, sample_ids) -> DropoutKeys | None:
         if not self.training or self.config.dropout == 0.0:
@@ -341,15 +280,8 @@ class Transformer(nn.Module):
             raise UsageError(f"the first stage takes token ids of shape (batch, seq) and integer dtype, "
                              f"got {tuple(ids.shape)} {ids.dtype}")
         check_seq_len(self.config, ids.shape[1])
-        if held is not None:
-            ids = ids.index_select(1, held)  # (B, S/cp): this CP rank's two chunks
-        s = ids.shape[1]
-        if self.sequence_parallel and s % self.tp:
-            raise UsageError(f"sequence length {s} is not divisible by TP {self.tp}; sequence parallelism "
-                             "needs it to be (pad the batch or turn sequence parallelism off)")
-        h = self.embed(ids.t())  # (S', B, H)
-        if self.config.embed_scale != 1.0:  # Gemma: times sqrt(hidden), rounded to the weights' dtype as transformers
-            h = h * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(h.dtype)
+        h = self._token_embeddings(ids, held)  # (S', B, H)
+        s = ids.shape[1] if held is None else held.numel()
         if hasattr(self, "pos_embed"):
             local = s // self.tp if self.sequence_parallel else s
             offset = self.tp_rank * local if self.sequence_parallel else 0
@@ -360,6 +292,18 @@ class Transformer(nn.Module):
                 where = torch.arange(s, device=ids.device) if held is None else held
                 h = h + F.embedding(where[offset:offset + local], table).unsqueeze(1)  # (S', B, H)
         return self.embed_dropout(h, keys)
+
+    def _token_embeddings(self, ids: torch.Tensor, held: torch.Tensor | None) -> torch.Tensor:
+        """The embeddings ``(S', B, H)`` of ``ids`` ``(B, S)`` at this rank's rows (its CP chunks, its SP slice)."""
+        if held is not None:
+            ids = ids.index_select(1, held)  # (B, S/cp): this CP rank's two chunks
+        if self.sequence_parallel and ids.shape[1] % self.tp:
+            raise UsageError(f"sequence length {ids.shape[1]} is not divisible by TP {self.tp}; sequence parallelism "
+                             "needs it to be (pad the batch or turn sequence parallelism off)")
+        h = self.embed(ids.t())  # (S', B, H)
+        if self.config.embed_scale != 1.0:  # Gemma: times sqrt(hidden), rounded to the weights' dtype as transformers
+            h = h * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(h.dtype)
+        return h
 
 
 def build_stage_chunks(config, topo, *, vpp: int = 1, method="params", **model_kwargs) -> list[Transformer]:
@@ -374,7 +318,26 @@ def build_stage_chunks(config, topo, *, vpp: int = 1, method="params", **model_k
 
 
 # -- whole-model views (tests, checkpoints, resharding) ---------------------------------------
-def set_loss_tokens(module: nn.Module, tokens: float | None) -> None:
+def trained_mtp_depth(config: ModelConfig, mtp: bool, weight: float) -> int:
+    """How many MTP modules a last stage builds: the config's when ``mtp`` is asked, else none."""
+    if not mtp:
+        return 0
+    if not weight > 0:
+        raise UsageError(f"the MTP loss weight must be positive (DeepSeek-V3 trained with 0.3, then 0.1), got {weight}")
+    if not config.mtp_layers:
+        raise UsageError("MTP asked of a model without prediction modules; set num_nextn_predict_layers in the "
+                         "config (DeepSeek-V3: 1) or drop --mtp")
+    if config.family != "llama":
+        raise UsageError("MTP needs a RoPE model (llama family); GPT-2's learned positions are not supported")
+    return config.mtp_layers
+
+
+def mtp_depth(module: nn.Module) -> int:
+    """The MTP modules a loss-computing ``Transformer`` inside ``module`` trains (0: none)."""
+    return max((len(m.mtp) for m in module.modules() if isinstance(m, Transformer) and m.post), default=0)
+
+
+def set_loss_tokens(module: nn.Module, tokens: float | torch.Tensor | None) -> None:
     """Every loss-computing ``Transformer`` inside ``module`` (a model, an engine, a list of chunks) divides its
     summed loss by ``tokens`` from now on (None: by its batch's own valid tokens)."""
     for m in module.modules():

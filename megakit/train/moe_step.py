@@ -29,21 +29,25 @@ from megakit.nn.moe import MoE, _in_backward, set_aux_loss_scale, update_expert_
 FIELDS = ("max_tokens", "mean_tokens", "dropped", "aux", "seq_aux", "z", "bias_norm")
 
 
-def _layer_index(name: str) -> int:
-    """``layers.3.mlp`` (or ``0.layers.3.mlp`` in a chunk list) -> 3."""
+def _layer_index(name: str, layers: int) -> int:
+    """``layers.3.mlp`` (or ``0.layers.3.mlp`` in a chunk list) -> 3; MTP module k's ``mtp.k.block.mlp`` -> the
+    model's ``layers`` + k, its block's number in DeepSeek's checkpoints."""
     parts = name.split(".")
+    if "mtp" in parts:
+        return layers + int(parts[parts.index("mtp") + 1])
     return int(parts[parts.index("layers") + 1])
 
 
 class MoEStep:
     """Hooks on the stage's MoE layers; ``before_step`` and ``after_step`` around each optimizer step."""
 
-    def __init__(self, module: torch.nn.Module, topo, *, layers: int, accumulation: int) -> None:
-        self.module, self.topo, self.layers, self.accumulation = module, topo, layers, accumulation
+    def __init__(self, module: torch.nn.Module, topo, *, layers: int, accumulation: int, mtp: int = 0) -> None:
+        """``layers``: the model's blocks; ``mtp``: its MTP modules trained (their blocks' rows follow)."""
+        self.module, self.topo, self.layers, self.accumulation = module, topo, layers + mtp, accumulation
         # in module order, as update_expert_bias returns their counts
-        self.moe = [(_layer_index(n), m) for n, m in module.named_modules() if isinstance(m, MoE)]
-        self.sums = torch.zeros(len(FIELDS), layers, dtype=torch.float64)
-        self.forwards = torch.zeros(layers, dtype=torch.float64)
+        self.moe = [(_layer_index(n, layers), m) for n, m in module.named_modules() if isinstance(m, MoE)]
+        self.sums = torch.zeros(len(FIELDS), self.layers, dtype=torch.float64)
+        self.forwards = torch.zeros(self.layers, dtype=torch.float64)
         self.device = next(module.parameters()).device
         for index, layer in self.moe:
             layer.register_forward_hook(self._hook(index))

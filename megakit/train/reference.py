@@ -20,14 +20,16 @@ from megakit.train.optim import decay_groups, start_schedule
 
 def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_len: int | None = None, seed: int = 0,
                   data: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES, eval_every: int = 0,
-                  eval_batches: int = 8, moe: dict | None = None, documents: dict | None = None) -> dict[str, list]:
+                  eval_batches: int = 8, moe: dict | None = None, documents: dict | None = None,
+                  mtp: dict | None = None) -> dict[str, list]:
     """``{"loss": [...], "grad_norm": [...], "lr": [...], "evals": [...]}`` of ``steps`` steps of the unsplit model.
 
     ``ds_config`` is the dict the trainer used (micro-batch and accumulation per rank);
     ``dp`` is the distributed run's DP size, so the global batch is the same. With ``eval_every``, ``evals``
     holds ``{"step", "loss"}`` where the trainer evaluates: the mean loss, in eval mode, over the tokens of every
     micro-batch of ``eval_batches`` validation batches. ``moe``: the ``TrainConfig`` ``moe_*`` flags
-    (``moe_aux_loss=...``); ``documents``: the packed-document flags (``reset_attention_mask=True``, ...). The
+    (``moe_aux_loss=...``); ``documents``: the packed-document flags (``reset_attention_mask=True``, ...); ``mtp``:
+    the MTP flags (``mtp=True, mtp_weight=...``). The
     loss is sum(loss) / sum(tokens) over each step's global batch (as ``token_weighting`` makes the trainer's);
     an MoE model's balancing losses are scaled 1 / micro-batches and its expert bias moves once per step.
     """
@@ -35,13 +37,15 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
 
     from megakit.nn.model import ModelConfig, Transformer, set_loss_tokens
     from megakit.nn.moe import set_aux_loss_scale, update_expert_bias
+    from megakit.nn.mtp import depth_token_counts
     from megakit.train.run import TrainConfig, with_moe_flags
 
     corpus = open_corpus(data, max_bytes=max_bytes)
     config = model_for_corpus(ModelConfig.load(model), model, corpus)
-    cfg = TrainConfig(ds_config=ds_config, model=model, **(moe or {}), **(documents or {}))
+    cfg = TrainConfig(ds_config=ds_config, model=model, **(moe or {}), **(documents or {}), **(mtp or {}))
     config = with_moe_flags(config, cfg)
-    net = Transformer(config, seed=seed)
+    net = Transformer(config, seed=seed, mtp=cfg.mtp, mtp_weight=cfg.mtp_weight)
+    depths = len(net.mtp)
     seq_len = seq_len or config.max_seq_len
     plan = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
                      accumulation=ds_config.get("gradient_accumulation_steps", 1), dp=dp, seed=seed)
@@ -62,8 +66,10 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
         total = 0.0
         step_batches = [(batches.micro_batches(step, rank), batches.sample_numbers(step, rank),
                          batches.forward_extras(step, rank)) for rank in range(plan.dp)]
-        tokens = sum(int((labels != -100).sum()) for mbs, _, _ in step_batches for _, labels in mbs)
-        set_loss_tokens(net, float(max(tokens, 1)))  # sum(loss) / sum(tokens) over the whole global batch
+        tokens = sum(depth_token_counts(labels, depths, more.get("documents")).double()  # the main's, each depth's
+                     for mbs, _, extras in step_batches for (_, labels), more in zip(mbs, extras))
+        tokens = tokens.clamp(min=1)  # a depth without a valid target adds 0, not NaN
+        set_loss_tokens(net, tokens.float() if depths else float(tokens))  # sum / sum over the whole global batch
         for micro_batches, numbers, extras in step_batches:
             for (inputs, labels), rows, more in zip(micro_batches, numbers, extras):
                 loss = net(inputs, labels, sample_ids=rows, **more)

@@ -27,6 +27,7 @@ from megakit.nn.attention_kernel import KernelChoice, device_kernel
 from megakit.nn.compile import default_compile
 from megakit.interop.checkpoint_format import read_manifest
 from megakit.nn.fp8 import check_fp8
+from megakit.nn.model import trained_mtp_depth
 from megakit.train.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan
 from megakit.train.ds_config import load_ds_config, require_optimizer
@@ -105,6 +106,8 @@ class TrainConfig:
     reset_attention_mask: bool = False  # attention stays inside each document of a window
     reset_position_ids: bool = False  # positions restart at each document (learned embeddings; transformers' packing)
     eod_mask_loss: bool = False  # no loss where the input is the end-of-document token
+    mtp: bool = False  # train the config's Multi-Token Prediction modules (DeepSeek-V3's num_nextn_predict_layers)
+    mtp_weight: float = 0.1  # lambda of L_main + lambda / D x sum(L_k) (Megatron's default; DeepSeek-V3: 0.3, then 0.1)
 
     def __post_init__(self) -> None:
         if self.stage_layers is not None:  # a list from JSON (tests/launch_sweep.py) or a tuple from --stage-layers
@@ -145,6 +148,9 @@ class TrainConfig:
             raise UsageError(f"--ep must be at least 1, got {self.ep}")
         if self.cp_mode not in CP_MODES:
             raise UsageError(f"--cp-mode {self.cp_mode} is not one of {', '.join(CP_MODES)}")
+        if not self.mtp_weight > 0:
+            raise UsageError(f"--mtp-weight must be above 0 (DeepSeek-V3 trained with 0.3, then 0.1), got "
+                             f"{self.mtp_weight}")
         if self.vpp > 1 and self.pp == 1:
             raise UsageError(f"--vpp {self.vpp} splits each pipeline stage into chunks, so it needs --pp > 1")
         if self.schedule == "zb-h1" and self.vpp > 1:
@@ -225,6 +231,7 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     check_seq_len(model, seq_len)
     model.check_tp(cfg.tp)  # the model's shards and stages, refused here once rather than by every rank's model
     partition_layers(model, cfg.pp, cfg.vpp, cfg.stage_layers or "params")
+    trained_mtp_depth(model, cfg.mtp, cfg.mtp_weight)  # --mtp of a model that has no prediction modules
     layout = dataclasses.replace(layout, cp_a2a=_cp_a2a_degree(cfg, model))
     if cfg.cp > 1 and seq_len % (2 * cfg.cp):
         raise UsageError(f"sequence length {seq_len} is not divisible by 2 x CP = {2 * cfg.cp}; context parallelism "

@@ -55,10 +55,13 @@ def pipeline_step(run: Run, topo, engine, dp_sync):
                                 reduce_grads=dp_sync.before_step, optimizer_step=engine.step, broadcast_loss=True,
                                 gradient=gradient_of(engine))
 
+    mtp = run.cfg.mtp and topo.is_last_stage  # the prediction modules embed the ids shifted by each depth
+
     def step(micro_batches) -> torch.Tensor:
         inputs = [x for x, _, _, _ in micro_batches] if topo.is_first_stage else None
         labels = [y for _, y, _, _ in micro_batches] if topo.is_last_stage else None
+        extras = [{**more, "input_ids": x} if mtp else more for x, _, _, more in micro_batches]
         return torch.tensor(executor.step(inputs, labels, sample_ids=[rows for _, _, rows, _ in micro_batches],
-                                          extras=[extras for _, _, _, extras in micro_batches]))
+                                          extras=extras))
 
     return step

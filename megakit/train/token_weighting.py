@@ -10,7 +10,9 @@ averages then leave ``sum / N`` exactly, for the gradient and for the logged los
 micro-batch with no valid token adds 0, never NaN. ``N`` costs one all-reduce of one number per step over
 the DP x CP group (every CP rank counts its replica's whole sequence, so that sum is ``CP x N``); every
 pipeline stage counts the same labels, so each stage's group finds the same ``N``. The MoE balancing losses
-keep their own per-micro-batch scale (``moe_step``).
+keep their own per-micro-batch scale (``moe_step``). A stage training MTP modules counts each depth's targets
+too (``megakit.nn.mtp.depth_token_counts``: fewer, the window's tail and document ends masked), in the same
+all-reduce, so each ``L_k`` is its own sum over its own count.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from __future__ import annotations
 import torch
 
 from megakit.nn import comm
-from megakit.nn.model import set_loss_tokens
+from megakit.nn.model import mtp_depth, set_loss_tokens
+from megakit.nn.mtp import depth_token_counts
 
 
-def step_tokens(micro_batches, topo, device=None) -> torch.Tensor:
-    """The valid (``!= -100``) labels of the step over every DP replica: one all-reduce over DP x CP."""
-    count = sum((labels != -100).sum() for _, labels, *_ in micro_batches).to(device, torch.float64)  # no host sync
+def step_tokens(micro_batches, topo, device=None, *, depths: int = 0) -> torch.Tensor:
+    """The valid (``!= -100``) labels of the step over every DP replica: one all-reduce over DP x CP. With
+    ``depths``, a ``(1 + depths,)`` tensor: the main loss's, then each MTP depth's."""
+    count = sum(depth_token_counts(labels, depths, extras.get("documents")) if depths else (labels != -100).sum()
+                for _, labels, _, extras in micro_batches).to(device, torch.float64)  # no host sync
     if topo.dp * topo.cp > 1:
         comm.all_reduce(count, topo.get_data_parallel_group())
     return count / topo.cp
@@ -31,5 +36,5 @@ def step_tokens(micro_batches, topo, device=None) -> torch.Tensor:
 
 def weight_by_tokens(module, micro_batches, topo, device=None) -> None:
     """Before a step: every micro-batch's summed loss is divided by the step's ``N / (GA x DP)``."""
-    per_average = step_tokens(micro_batches, topo, device) / (len(micro_batches) * topo.dp)
-    set_loss_tokens(module, per_average.float())
+    counts = step_tokens(micro_batches, topo, device, depths=mtp_depth(module)).clamp(min=1)  # none: 0, not NaN
+    set_loss_tokens(module, (counts / (len(micro_batches) * topo.dp)).float())

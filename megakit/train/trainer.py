@@ -211,7 +211,8 @@ def _build(run: Run, topo, doctor=None):
     cfg, ds_config = run.cfg, run.ds_config
     chunks = build_stage_chunks(run.model, topo, vpp=cfg.vpp, method=cfg.stage_layers or "params", seed=cfg.seed,
                                 device=rank_device(), sequence_parallel=run.sequence_parallel,  # this rank's shard
-                                recompute=cfg.recompute, loss_chunks=run.loss_chunks)
+                                recompute=cfg.recompute, loss_chunks=run.loss_chunks, mtp=cfg.mtp,
+                                mtp_weight=cfg.mtp_weight)
     for chunk in chunks:  # before DeepSpeed: its hooks sit on the parameters, outside the compiled blocks
         convert_to_fp8(chunk, cfg.fp8)  # the weights stay the module's own: checkpoints see plain parameters
         use_kernel(chunk, run.attention)
@@ -290,7 +291,8 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
         probe = MemoryProbe(engine, topo, run)
     moe = None
     if run.model.moe is not None:  # the balancing losses' scale, the expert bias, per-layer metrics
-        moe = MoEStep(engine.module, topo, layers=run.model.layers, accumulation=plan.accumulation)
+        moe = MoEStep(engine.module, topo, layers=run.model.layers, accumulation=plan.accumulation,
+                      mtp=run.model.mtp_layers if cfg.mtp else 0)
     reporter = Reporter(run, topo)
     attempts = Attempts(cfg.save if cfg.load == AUTO else None, start=start, active=topo.rank == 0)
     result = TrainResult()

@@ -1,0 +1,123 @@
+"""The decoder block and its parts: the norm, the MLP, residual dropout, all holding this rank's TP shard.
+
+``Block(config, index=i)`` is block ``i`` of the model wherever it sits: in a pipeline stage
+(``megakit.nn.model``) or inside a Multi-Token Prediction module (``megakit.nn.mtp``). Activations are
+sequence-first, ``(S', B, H)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megakit.core.model_config import ModelConfig
+from megakit.nn import comm as C
+from megakit.nn.attention import Attention, rms_norm
+from megakit.nn.context_parallel import positions
+from megakit.nn.dropout import DropoutKeys, residual_dropout
+from megakit.nn.latent_attention import LatentAttention
+from megakit.nn.moe import MoE
+from megakit.nn.overlapped_linear import column_parallel
+from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mark, replicated
+
+__all__ = ["Block", "MLP", "Norm", "ResidualDropout"]
+
+
+class Norm(nn.Module):
+    """LayerNorm (gpt2: weight and bias) or RMSNorm (llama: weight; Gemma's times 1 + weight), replicated over TP."""
+
+    def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, dtype, device) -> None:
+        super().__init__()
+        self.group, self.sequence_parallel, self.eps = group, sequence_parallel, config.norm_eps
+        self.rms, self.offset = config.family == "llama", config.norm_offset
+        h = config.hidden
+        self.weight = mark(nn.Parameter(torch.empty(h, dtype=dtype, device=device)), None)
+        self.bias = None if self.rms else mark(nn.Parameter(torch.empty(h, dtype=dtype, device=device)), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = replicated(self.weight, self.group, self.sequence_parallel)
+        if self.rms:
+            return rms_norm(x, w, self.eps, self.offset)
+        b = replicated(self.bias, self.group, self.sequence_parallel)
+        return F.layer_norm(x, x.shape[-1:], w, b, self.eps)
+
+
+class MLP(nn.Module):
+    """GELU MLP (gpt2) or SwiGLU (llama; GeGLU with Gemma's tanh GELU): up/gate column-parallel, down row-parallel."""
+
+    def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, dtype, device) -> None:
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.gated, self.geglu = config.family == "llama", config.mlp_act == "gelu_tanh"
+        col = dict(group=group, sequence_parallel=sequence_parallel, enter_region=False, bias=config.mlp_bias,
+                   dtype=dtype, device=device)
+        if self.gated:
+            self.gate_proj = ColumnParallelLinear(config.hidden, config.ffn, **col)
+        self.up_proj = ColumnParallelLinear(config.hidden, config.ffn, **col)
+        self.down_proj = RowParallelLinear(config.ffn, config.hidden, bias=config.mlp_bias, group=group,
+                                           sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            gate, up = column_parallel(x, (self.gate_proj, self.up_proj), self.group, self.sequence_parallel)
+            h = (F.gelu(gate, approximate="tanh") if self.geglu else F.silu(gate)) * up  # (S, B, ffn/tp)
+        else:
+            up, = column_parallel(x, (self.up_proj,), self.group, self.sequence_parallel)
+            h = F.gelu(up, approximate="tanh")  # (S, B, ffn/tp)
+        return self.down_proj(h)  # (S', B, H)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``; with Gemma's sandwich
+    norms each branch's output is normed too: ``x + drop(post_norm(attn(norm(x))))``."""
+
+    def __init__(self, config: ModelConfig, *, index: int, group, sequence_parallel: bool, dtype, device,
+                 selective: bool = False, cp_group=None, ep_group=None) -> None:
+        super().__init__()
+        kw = dict(group=group, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        site = f"layers.{index}"
+        self.attn_norm = Norm(config, **kw)
+        attention = LatentAttention if config.mla else Attention  # DeepSeek-V3's MLA, or q/k/v heads
+        self.attn = attention(config, site=f"{site}.attn_probs", selective=selective, cp_group=cp_group, index=index,
+                              **kw)
+        self.mlp_norm = Norm(config, **kw)
+        if config.sandwich_norms:
+            self.attn_post_norm, self.mlp_post_norm = Norm(config, **kw), Norm(config, **kw)
+        self.local_rope = bool(config.sliding_rope_theta and config.attention_window(index))  # Gemma's sliding RoPE
+        if config.moe is not None and config.moe.is_moe_layer(index):
+            self.mlp = MoE(config.moe, config.hidden, cp_group=cp_group, ep_group=ep_group, **kw)
+        else:
+            self.mlp = MLP(config, **kw)
+        drop = dict(group=group, sequence_parallel=sequence_parallel, cp_group=cp_group)
+        self.attn_dropout = ResidualDropout(config.dropout, f"{site}.attn_residual", **drop)
+        self.mlp_dropout = ResidualDropout(config.dropout, f"{site}.mlp_residual", **drop)
+
+    def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:  # (S', B, H)
+        a = self.attn(self.attn_norm(x), rope, keys, documents)
+        x = x + self.attn_dropout(self.attn_post_norm(a) if hasattr(self, "attn_post_norm") else a, keys)
+        m = self.mlp(self.mlp_norm(x))
+        return x + self.mlp_dropout(self.mlp_post_norm(m) if hasattr(self, "mlp_post_norm") else m, keys)
+
+
+class ResidualDropout(nn.Module):
+    """Dropout on the residual stream ``(S', B, H)`` at the site called ``site``, with layout-free masks
+    (``megakit.nn.dropout``): replicated over TP, or this rank's ``S/tp`` rows with SP; with CP, the
+    rows at this rank's global positions (``megakit.nn.context_parallel.positions``)."""
+
+    def __init__(self, p: float, site: str, group, sequence_parallel: bool, cp_group=None) -> None:
+        super().__init__()
+        self.p, self.site = p, site
+        self.tp, self.tp_rank = (C.size(group), C.rank(group)) if sequence_parallel else (1, 0)
+        self.cp, self.cp_rank = C.size(cp_group), C.rank(cp_group)
+
+    def forward(self, x: torch.Tensor, keys: DropoutKeys | None) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        s = x.shape[0]
+        if self.cp == 1:
+            return residual_dropout(x, self.p, keys, site=self.site, seq_start=self.tp_rank * s, seq_len=self.tp * s)
+        held = positions(s * self.tp * self.cp, self.cp, self.cp_rank, device=x.device)
+        return residual_dropout(x, self.p, keys, site=self.site, rows=held[self.tp_rank * s:(self.tp_rank + 1) * s],
+                                seq_len=s * self.tp * self.cp)
