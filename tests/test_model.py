@@ -116,6 +116,8 @@ def test_config_loading_and_errors(tmp_path):
     assert (llama.family, llama.kv_heads, llama.head_dim, llama.tie_embeddings) == ("llama", 4, 4, False)
     assert gpt.padded_vocab(3) == 258 and gpt.padded_vocab(4) == 256
     assert ModelConfig.load(_preset("gpt-mini")) == ModelConfig.load("gpt-mini")
+    assert ModelConfig.load("llama-3.1-405b").layers == 126  # a dot in a preset's name is no file suffix
+    assert ModelConfig.load("tinyllama-1.1b") == ModelConfig.load(_preset("tinyllama-1.1b"))
     with pytest.raises(UsageError, match="not found"):
         ModelConfig.load("no-such-model")
     bad = tmp_path / "config.json"

@@ -131,8 +131,9 @@ class ModelConfig:
     def load(cls, name_or_path: str | Path) -> "ModelConfig":
         """A preset name from ``models/`` (e.g. "gpt-tiny") or a path to an HF config.json."""
         path = Path(name_or_path)
-        if not path.suffix and not path.exists():
-            path = PRESETS / f"{name_or_path}.json"
+        preset = PRESETS / f"{name_or_path}.json"
+        if not path.exists() and path.suffix != ".json" and preset.is_file():  # "llama-3.1-405b" has a dot, no suffix
+            path = preset
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
