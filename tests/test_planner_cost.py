@@ -29,7 +29,7 @@ def row_case(row):
                       max_seq_len=row["seq_len"], tie_embeddings=True, dropout=0.1)
     n = row["num_gpus"]
     tp, pp = row["tp"], row["pp"]
-    if tp is None:  # Table 2 PTD-P 175B rows give only t*p = 96; the GPT-3 estimate: the README's 8 x 16
+    if tp is None:  # Table 2 PTD-P 175B rows give only t*p = 96; the GPT-3 estimate: docs/planning.md's 8 x 16
         tp = 8
         pp = n // (8 * row["dp"]) if row["dp"] else 16
     dp = n // (tp * pp)
