@@ -47,7 +47,8 @@ def main() -> int:
                         "comm_calls": [m.comm_calls for m in result.steps],
                         "comm_share": [m.comm_share for m in result.steps], "evals": result.evals,
                         "dp_bytes": [[m.dp_bytes, m.dp_bytes_dense] for m in result.steps],
-                        "moe": [m.moe for m in result.steps], "all_to_all_bytes": [m.all_to_all_bytes for m in result.steps],
+                        "moe": [m.moe for m in result.steps], "mtp": [m.mtp for m in result.steps],
+                        "all_to_all_bytes": [m.all_to_all_bytes for m in result.steps],
                         "default_draws": _default_draws(),
                         "dynamo_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]})  # so far, all cases
     names = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "send",

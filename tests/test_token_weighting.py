@@ -129,6 +129,7 @@ def test_the_weighted_loss_is_the_global_sum_over_the_global_count(masked):
 
 
 DOCUMENTS = dict(reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True)
+MTP_MODEL = "deepseek-v3-tiny"  # one MTP module (num_nextn_predict_layers 1), trained with --mtp
 CASES = {"dp2-ga2": dict(zero=1, accumulation=2), "tp2-ga4": dict(zero=1, accumulation=4, tp=2),
          "pp2-4mb": dict(zero=1, accumulation=4, pp=2), "cp2": dict(zero=1, accumulation=2, cp=2),
          "zero3": dict(zero=3, accumulation=2),
@@ -137,7 +138,10 @@ CASES = {"dp2-ga2": dict(zero=1, accumulation=2), "tp2-ga4": dict(zero=1, accumu
          "pp2-documents": dict(zero=1, accumulation=4, pp=2, model="gpt-tiny", **DOCUMENTS),
          "tp2-sp-documents": dict(zero=1, accumulation=2, tp=2, sequence_parallel=True, **DOCUMENTS),
          "ep2-moe-documents": dict(zero=1, accumulation=2, ep=2, model="moe-tiny", **DOCUMENTS),
-         "a2a2-documents": dict(zero=1, accumulation=2, cp=2, cp_mode="a2a", **DOCUMENTS)}  # Ulysses
+         "a2a2-documents": dict(zero=1, accumulation=2, cp=2, cp_mode="a2a", **DOCUMENTS),  # Ulysses
+         # DeepSeek-V3's MTP module on the last stage: each depth's tokens counted apart, the embedding's two copies
+         "pp2-mtp-documents": dict(zero=1, accumulation=4, pp=2, model=MTP_MODEL, mtp=True, mtp_weight=0.3,
+                                   **DOCUMENTS)}
 CASES4 = {"tp2-cp2-documents": dict(zero=1, accumulation=2, tp=2, cp=2, **DOCUMENTS),
           "tp2-a2a2-documents": dict(zero=2, accumulation=2, tp=2, cp=2, cp_mode="a2a", **DOCUMENTS),
           # EP 4 folded over TP 2 x DP 2 with packed documents; Ulysses under a pipeline
@@ -146,7 +150,9 @@ CASES4 = {"tp2-cp2-documents": dict(zero=1, accumulation=2, tp=2, cp=2, **DOCUME
           "a2a2-pp2-documents": dict(zero=1, accumulation=2, cp=2, cp_mode="a2a", pp=2, **DOCUMENTS),
           "cp2-pp2-documents": dict(zero=1, accumulation=2, cp=2, pp=2, **DOCUMENTS),
           # hybrid CP 4: an all-to-all inside CP ranks {0, 1} and {2, 3}, a ring of 2 across them
-          "hybrid2x2-documents": dict(zero=1, accumulation=2, cp=4, cp_mode="hybrid", cp_a2a=2, **DOCUMENTS)}
+          "hybrid2x2-documents": dict(zero=1, accumulation=2, cp=4, cp_mode="hybrid", cp_a2a=2, **DOCUMENTS),
+          # MTP's targets cut before the CP split, and its loss weighted over GA 2 x DP 2 x CP 2 like the main loss
+          "cp2-dp2-mtp-documents": dict(zero=1, accumulation=2, cp=2, model=MTP_MODEL, mtp=True, **DOCUMENTS)}
 
 
 def _cases(specs: dict, data: str) -> list[dict]:
@@ -175,9 +181,13 @@ def _check_against_one_process(name, spec, case, got, world, reference_run) -> N
     dp = world // (spec.get("tp", 1) * spec.get("pp", 1) * spec.get("cp", 1))
     want = reference_run(case["ds_config"], model=case["model"], steps=case["steps"], dp=dp, seq_len=SEQ,
                          data=case["data"], eval_every=3, eval_batches=2,
-                         documents={k: v for k, v in spec.items() if k in DOCUMENTS})
+                         documents={k: v for k, v in spec.items() if k in DOCUMENTS},
+                         mtp={k: v for k, v in spec.items() if k.startswith("mtp")})
     for step, (a, b) in enumerate(zip(got["loss"], want["loss"], strict=True)):
         assert abs(a - b) <= fp32_bound(b, 2 * 4 * SEQ), (name, step, a, b)  # the step's tokens, at most
+    for step, (a, b) in enumerate(zip(got["mtp"], want["mtp"], strict=True)):  # each depth's own loss, logged
+        assert (a is None) == (b is None) and all(abs(x - y) <= fp32_bound(y, 2 * 4 * SEQ) for x, y in
+                                                  zip(a or [], b or [], strict=True)), (name, step, a, b)
     a, b = got["grad_norm"][0], want["grad_norm"][0]  # the first step's gradient, before clipping
     assert abs(a - b) <= 1e-4 * b, (name, a, b)
     (ea,), (eb,) = got["evals"], want["evals"]

@@ -121,6 +121,7 @@ class StepMetrics:
     data_seconds: float | None = None  # this rank's wait for its batch (the loader), before the step's clock
     skipped: bool = False  # a non-finite step the optimizer did not apply (megakit.train.guards)
     moe: dict | None = None  # MoE layer -> {max_tokens, mean_tokens, dropped, aux, ...} (train.moe_step)
+    mtp: list | None = None  # each MTP depth's loss L_k of the step (train.mtp_step), with --mtp
     all_to_all_bytes: int | None = None  # what this rank's MoE all-to-alls sent (measured steps)
     compiling: bool = False  # the step's time includes torch.compile of the blocks (--compile's first step)
     gpu_util: float | None = None  # rank 0's GPU utilisation, % (gpu_state); None on CPU
@@ -176,6 +177,8 @@ class StepMetrics:
             parts.append(f"data {self.data_share:.2%}")
         if self.moe_imbalance is not None:
             parts.append(f"experts max/mean {self.moe_imbalance:.2f}")
+        if self.mtp:
+            parts.append("MTP loss " + "/".join(f"{x:.4f}" for x in self.mtp))
         if self.gpu_util is not None:
             parts.append(f"GPU util {self.gpu_util:.0f}%")
         if self.gpu_mem_gib is not None:
@@ -200,6 +203,8 @@ class StepMetrics:
                 out.update({f"moe/layer{layer}/{name}": value for name, value in values.items()})
         if self.all_to_all_bytes is not None:
             out["comm/all_to_all_bytes"] = float(self.all_to_all_bytes)
+        for k, value in enumerate(self.mtp or [], start=1):
+            out[f"train/mtp_{k}_loss"] = value
         if self.gpu_util is not None:
             out["perf/gpu_util"] = self.gpu_util
         if self.gpu_mem_gib is not None:
@@ -213,4 +218,4 @@ class StepMetrics:
                 "comm_calls": self.comm_calls, "data_share": self.data_share, "dp_bytes": self.dp_bytes,
                 "dp_bytes_dense": self.dp_bytes_dense, "skipped": self.skipped, "all_to_all_bytes": self.all_to_all_bytes,
                 "compiling": self.compiling, "gpu_util": self.gpu_util, "gpu_mem_gib": self.gpu_mem_gib,
-                "moe": None if self.moe is None else {str(k): v for k, v in self.moe.items()}}
+                "moe": None if self.moe is None else {str(k): v for k, v in self.moe.items()}, "mtp": self.mtp}

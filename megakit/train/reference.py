@@ -58,12 +58,12 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
         scheduler = getattr(lr_schedules, kind)(optimizer, **ds_config["scheduler"].get("params", {}))
         start_schedule(scheduler, 0)
     max_norm = float(ds_config.get("gradient_clipping", 0.0))
-    out = {"loss": [], "grad_norm": [], "lr": [], "evals": []}
+    out = {"loss": [], "grad_norm": [], "lr": [], "evals": [], "mtp": []}
     micro_count = plan.dp * plan.accumulation
     set_aux_loss_scale(net, 1.0 / micro_count)
     for step in range(steps):
         out["lr"].append(optimizer.param_groups[0]["lr"])
-        total = 0.0
+        total, depth_losses = 0.0, torch.zeros(depths, dtype=torch.float64)
         step_batches = [(batches.micro_batches(step, rank), batches.sample_numbers(step, rank),
                          batches.forward_extras(step, rank)) for rank in range(plan.dp)]
         tokens = sum(depth_token_counts(labels, depths, more.get("documents")).double()  # the main's, each depth's
@@ -75,6 +75,7 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
                 loss = net(inputs, labels, sample_ids=rows, **more)
                 loss.backward()
                 total += float(loss.detach())
+                depth_losses += torch.tensor([float(x) for x in net.mtp_losses], dtype=torch.float64)
         norm = torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm if max_norm > 0 else float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -83,6 +84,7 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
             scheduler.step()
         out["loss"].append(total)
         out["grad_norm"].append(float(norm))
+        out["mtp"].append(depth_losses.tolist() if depths else None)  # each L_k: its sum over its own tokens
         if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
             out["evals"].append({"step": step + 1, "loss": _validation_loss(net, corpus.parts, plan,
                                                                            eval_batches, cfg)})

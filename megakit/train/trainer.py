@@ -63,6 +63,7 @@ from megakit.train.grad_norm import Zero0Clipper
 from megakit.train.guards import StepGuard, TrainingDiverged
 from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops, gpu_state
 from megakit.train.moe_step import MoEStep
+from megakit.train.mtp_step import MTPLosses
 from megakit.train.optim import decay_groups, start_schedule
 from megakit.train.reporting import Reporter, start_profiler
 from megakit.train.restarts import AUTO, Attempts
@@ -293,6 +294,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
     if run.model.moe is not None:  # the balancing losses' scale, the expert bias, per-layer metrics
         moe = MoEStep(engine.module, topo, layers=run.model.layers, accumulation=plan.accumulation,
                       mtp=run.model.mtp_layers if cfg.mtp else 0)
+    mtp = MTPLosses(engine.module, topo, run.model.mtp_layers) if cfg.mtp else None  # each depth's loss, logged
     reporter = Reporter(run, topo)
     attempts = Attempts(cfg.save if cfg.load == AUTO else None, start=start, active=topo.rank == 0)
     result = TrainResult()
@@ -336,6 +338,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
             doctor.after_step(loss=loss, lr=lr, seconds=seconds, comm_seconds=comm_seconds, grad_norm=grad_norm)
         loss, skipped = guard.check(step, loss, grads_finite=grads_finite, applied=applied)
         moe_metrics = moe.after_step(applied=not skipped) if moe is not None else None  # the expert bias moves here
+        mtp_losses = mtp.after_step() if mtp is not None else None
         if skipped:  # the batch and the LR slot are spent: data and LR stay functions of the step
             start_schedule(engine.lr_scheduler, step + 1)
             result.events.append(reporter.event(step, "skipped", skipped, skipped_steps=guard.skipped))
@@ -346,7 +349,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
                               samples=plan.global_batch, tokens=plan.global_batch * plan.seq_len, flops=flops_per_step,
                               comm_seconds=comm_seconds, comm_calls=comm_calls, world_size=dist.get_world_size(),
                               peak_tflops=peak, data_seconds=waited, dp_bytes=dp_bytes,
-                              dp_bytes_dense=dp_bytes_dense, skipped=bool(skipped), moe=moe_metrics,
+                              dp_bytes_dense=dp_bytes_dense, skipped=bool(skipped), moe=moe_metrics, mtp=mtp_losses,
                               all_to_all_bytes=a2a_bytes, compiling=run.compile and step == start,
                               **dict(zip(("gpu_util", "gpu_mem_gib"), gpu_state())))
         result.steps.append(metrics)
