@@ -257,7 +257,8 @@ def fused_attention(config) -> bool:
     """Whether SDPA runs a fused kernel here, keeping q, k, v, its output and the log-sum-exp rather than the s x s
     probabilities. torch's CPU flash kernel needs q, k and v of one head width (``check_head_dim_size_cpp`` in
     aten/src/ATen/native/transformers/sdp_utils_cpp.cpp), so MLA, whose values are narrower than its keys, runs the
-    math path on CPU; CUDA's memory-efficient kernel takes a narrower v."""
+    math path on CPU; CUDA's memory-efficient kernel takes a narrower v (``check_head_dim_size_mem_efficient`` in
+    cuda/sdp_utils.cpp asks only q and k for one width)."""
     return torch.cuda.is_available() or config.mla is None or config.mla.v_head_dim == config.mla.qk_head_dim
 
 
