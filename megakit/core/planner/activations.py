@@ -118,10 +118,12 @@ def value_widths(model: ModelSpec, *, tp: int, kv: float, ring: bool = False) ->
     ``o_proj``'s input). ``kv``: the k width as saved (q/k/v heads of one width: v is the same).
 
     MLA's value heads are ``v_head_dim`` wide, its query and key heads ``qk_head_dim`` (``head_dim``;
-    ``megakit.nn.latent_attention``). SDPA keeps v and its output at ``v_head_dim``, and ``o_proj``'s input is a view of
-    that output. The ring carries K and V as one block, so it pads v with zero columns to the key width
-    (``megakit.nn.context_parallel.ring_attention``, TransformerEngine's way) and saves v and its output padded; the
-    ``v_head_dim`` slice it returns is not contiguous, so ``o_proj`` keeps a copy of its own."""
+    ``megakit.nn.latent_attention``). SDPA keeps v at ``v_head_dim`` and the output once: a fused kernel's, laid out
+    (B, S, n, d) so that ``o_proj``'s input is a view of it, or (math path) ``o_proj``'s copy only. The ring carries K
+    and V as one block, so it pads v with zero columns to the key width (``megakit.nn.context_parallel.ring_attention``,
+    TransformerEngine's way) and saves v and its output padded; the ``v_head_dim`` slice it returns is not contiguous,
+    so ``o_proj`` keeps a copy of its own. (Under CP plain attention's ``o_proj`` keeps a copy too, of the ring's
+    (B, n, S, d) output or of Ulysses' all-to-all back; this count leaves that out, as before.)"""
     heads, mla = model.heads // tp, model.config.mla
     if mla is None:
         return kv, 0.0, heads * model.head_dim
