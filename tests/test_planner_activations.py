@@ -68,3 +68,69 @@ def test_whole_model_activations_and_head(name):
     saved_head = logits_bytes(spec, tp=1, sequence_parallel=False, precision="fp32", seq_len=S, micro_batch=B,
                               transient=False)
     assert est.items["activations"] + saved_head == pytest.approx(measured, rel=0.03)
+
+
+def _mla(q_lora_rank: int = 24):
+    """deepseek-v3-tiny's attention (hidden 64, 4 heads, kv_lora_rank 16, nope 16, rope 8, v 16) on a dense MLP: the
+    model and the planner's spec of it."""
+    base = ModelConfig.load("deepseek-v3-tiny")
+    config = base.replace(moe=None, mla=dataclasses.replace(base.mla, q_lora_rank=q_lora_rank))
+    return config, ModelSpec(config=config, name="deepseek-v3-tiny", seq_len=S)
+
+
+def _predicted(spec, **kw):
+    return sum(t.bytes(seq_len=S, micro_batch=B) for t in activation_tensors(spec, precision="fp32", **kw))
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, 0])
+def test_an_mla_block_saves_what_the_planner_predicts(q_lora_rank):
+    """On CPU MLA's core is SDPA's math path (torch's CPU flash kernel needs q, k and v of one head width), which
+    keeps the s x s probabilities: ``flash_attention=False``. Selective recompute keeps the latents, q, k, v and
+    ``o_proj``'s input (v its own tensor: a view would keep ``kv_b_proj``'s whole output) as the planner's
+    selective count says; counted as plain attention (v and the output at the key width, no latents) it differs."""
+    config, spec = _mla(q_lora_rank)
+    x = torch.randn(S, B, config.hidden, requires_grad=True)
+    kept = {}
+    for recompute in ("none", "selective"):
+        torch.manual_seed(0)
+        block = Transformer(config, layers=range(0, 1), pre=False, post=False, recompute=recompute).train()
+        kept[recompute] = saved_bytes(block, x)
+    assert kept["none"] == _predicted(spec, flash_attention=False)
+    selective = estimate_memory(spec, precision="fp32", micro_batch=B, seq_len=S, recompute="selective")
+    assert kept["selective"] == selective.activation_per_layer
+    plain = ModelSpec(config=config.replace(mla=None), name="plain", seq_len=S)
+    assert kept["none"] != _predicted(plain, flash_attention=False)
+
+
+def _mla_under_tp_and_cp(rank: int, world: int) -> list:
+    """(case, bytes saved by one MLA block on this rank, the planner's) at TP 2 with and without SP (and without a
+    query latent), and at CP 2 on the ring."""
+    from megakit.core.layout import Layout
+    from megakit.nn.topology import Topology
+
+    out = []
+    tp2, cp2 = Topology(Layout(tp=2)), Topology(Layout(cp=2))
+    for q_lora_rank in (24, 0):
+        config, spec = _mla(q_lora_rank)
+        for sp in (False, True):
+            block = Transformer(config, tp2, layers=range(0, 1), pre=False, post=False, seed=1,
+                                sequence_parallel=sp).train()
+            x = torch.randn(S // 2 if sp else S, B, config.hidden, requires_grad=True)
+            out.append((f"q_lora_rank {q_lora_rank} tp 2 sp {sp}", saved_bytes(block, x),
+                        _predicted(spec, tp=2, sequence_parallel=sp, flash_attention=False)))
+    config, spec = _mla()
+    block = Transformer(config, cp2, layers=range(0, 1), pre=False, post=False, seed=1).train()
+    measured = saved_bytes(block, torch.randn(S // 2, B, config.hidden, requires_grad=True))
+    rope = 2 * S // 2 * config.mla.qk_rope_head_dim * 4  # cos, sin at the rank's positions: once a model, all blocks
+    held = sum(t.bytes(seq_len=S // 2, micro_batch=B) for t in activation_tensors(spec, precision="fp32", ring=True))
+    out.append(("cp 2 ring", measured - rope, held))
+    return out
+
+
+def test_mla_blocks_under_tp_sp_and_ring_cp_save_what_the_planner_predicts():
+    """The replicated latent path is whole on every TP rank without SP and split with it, except the up-projections'
+    inputs (gathered, kept whole); the ring pads v and its output to the key width and ``o_proj`` keeps a copy."""
+    from multiproc import run_ranks
+
+    for case, measured, predicted in run_ranks(_mla_under_tp_and_cp, 2)[0]:
+        assert measured == predicted, case

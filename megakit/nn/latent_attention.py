@@ -108,8 +108,9 @@ class LatentAttention(Attention):
         q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, self.heads, -1, -1)], dim=-1)
+        v = v.contiguous()  # its own storage: a view would keep kv_b_proj's whole output (k_nope too) for backward
         if self.selective and self.training and self.cp == 1:
             y = torch.utils.checkpoint.checkpoint(self._dispatch, q, k, v, keys, documents, use_reentrant=False)
         else:
-            y = self._dispatch(q, k, v.contiguous(), keys, documents)  # (B, n, S, d_v)
+            y = self._dispatch(q, k, v, keys, documents)  # (B, n, S, d_v)
         return self.o_proj(y.permute(2, 0, 1, 3).reshape(s, b, self.heads * m.v_head_dim))

@@ -203,10 +203,10 @@ class MemoryProbe:
                                ep=getattr(self.topo, "ep", 1), zero_stage=run.zero_stage,
                                micro_batch=plan.micro_batch, seq_len=plan.seq_len,
                                accumulation=plan.accumulation, precision=run.precision, stage=self.topo.pp_rank,
-                               vpp=run.cfg.vpp, flash_attention=True, buckets=buckets,
+                               vpp=run.cfg.vpp, flash_attention=fused_attention(spec.config), buckets=buckets,
                                recompute=run.cfg.recompute, sequence_parallel=run.sequence_parallel,
                                zero_bubble=self.topo.pp > 1 and run.schedule == "zb-h1",
-                               loss_chunks=run.loss_chunks)
+                               loss_chunks=run.loss_chunks, cp_ring=run.cfg.cp_mode != "a2a")
 
     def _chunks(self) -> list:
         module = self.engine.module
@@ -251,6 +251,15 @@ class MemoryProbe:
         """Every rank's row, gathered on rank 0 (None elsewhere). Collective over the world."""
         rows = comm.all_gather_object(self.row(), comm.WORLD)
         return rows if self.topo.rank == 0 else None
+
+
+def fused_attention(config) -> bool:
+    """Whether SDPA runs a fused kernel here, keeping q, k, v, its output and the log-sum-exp rather than the s x s
+    probabilities. torch's CPU flash kernel needs q, k and v of one head width (``check_head_dim_size_cpp`` in
+    aten/src/ATen/native/transformers/sdp_utils_cpp.cpp), so MLA, whose values are narrower than its keys, runs the
+    math path on CPU; CUDA's memory-efficient kernel takes a narrower v (``check_head_dim_size_mem_efficient`` in
+    cuda/sdp_utils.cpp asks only q and k for one width)."""
+    return torch.cuda.is_available() or config.mla is None or config.mla.v_head_dim == config.mla.qk_head_dim
 
 
 class _Saved:

@@ -6,7 +6,8 @@ tensor so it also covers GQA, SwiGLU, fp32, no-dropout and fused (flash) attenti
 ``as²`` scores are never stored. TP shards the tensors inside attention and the MLP; sequence
 parallelism shards the rest. An MoE block keeps, in place of the MLP's, its shared experts' and
 ``routing_tensors`` (router probabilities, permutation map, the top-k copies of its tokens through
-the experts). ``memory`` multiplies these by the blocks and micro-batches in flight.
+the experts). Multi-head Latent Attention (DeepSeek-V3) keeps its latents (``latent_tensors``) and heads of
+its own widths (``value_widths``). ``memory`` multiplies these by the blocks and micro-batches in flight.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
                        precision: str = "bf16", flash_attention: bool = True,
                        dropout: bool | None = None, dropout_mask_bytes: int = 1,
                        gathered_inputs: bool = False, moe: bool = False,
-                       fused_swiglu: bool = False) -> list[SavedTensor]:
+                       fused_swiglu: bool = False, ring: bool = False) -> list[SavedTensor]:
     """The tensors one transformer block saves for backward, sizes already divided by TP/SP
     (``moe``: an MoE block's, whose MLP is its shared experts, if any; ``routing_tensors`` adds the rest).
 
@@ -56,7 +57,8 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
     written-out attention (SDPA's math path, megakit's with dropout) saves K and V
     repeated to every query head under GQA. A gated MLP keeps gate, up, act(gate) and the product (megakit's
     composite SwiGLU); with ``fused_swiglu`` (Megatron's ``bias_swiglu_impl``, megatron/core/fusions/
-    fused_bias_swiglu.py) the activation saves only its input, fc1's gate and up, and recomputes the rest."""
+    fused_bias_swiglu.py) the activation saves only its input, fc1's gate and up, and recomputes the rest.
+    ``ring``: the core is ring attention (context parallelism), which changes what MLA keeps (``value_widths``)."""
     p = PRECISIONS[precision]
     dropout = model.dropout > 0 if dropout is None else dropout
     h, hd = model.hidden, model.head_dim
@@ -81,7 +83,10 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
     # input split and all-gather it again in backward (Korthikanti et al.); torchtitan's layers keep the
     # all-gathered (S, B, H) (``gathered_inputs``).
     gathered = h if gathered_inputs else h / rest
-    out = norm("norm1") + [t("qkv input", gathered, shard="sp"), t("q", heads * hd), t("k", kv), t("v", kv)]
+    v, kernel_out, proj_in = value_widths(model, tp=tp, kv=kv, ring=ring)
+    latents = latent_tensors(model, tp=tp, sequence_parallel=sequence_parallel, precision=precision,
+                             gathered_inputs=gathered_inputs) if model.config.mla else []
+    out = norm("norm1") + [t("qkv input", gathered, shard="sp"), *latents, t("q", heads * hd), t("k", kv), t("v", v)]
     if flash_attention:
         out.append(t("attention log-sum-exp", heads, 4))
     else:
@@ -89,7 +94,9 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
         if dropout:
             out += [t("attention dropout mask", 0, dropout_mask_bytes, per_seq=heads),
                     t("attention dropout output", 0, per_seq=heads)]
-    out.append(t("attention output (proj input)", heads * hd))
+    if kernel_out:
+        out.append(t("ring attention output (padded)", kernel_out))
+    out.append(t("attention output (proj input)", proj_in))
     if dropout:
         out.append(t("attention residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
     out += norm("norm2") + [t("mlp input", gathered, shard="sp")]
@@ -104,6 +111,55 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
     if dropout:
         out.append(t("mlp residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
     return out
+
+
+def value_widths(model: ModelSpec, *, tp: int, kv: float, ring: bool = False) -> tuple[float, float, float]:
+    """Per token on one TP rank: (v, the attention kernel's saved output when ``o_proj`` keeps a copy apart, else 0,
+    ``o_proj``'s input). ``kv``: the k width as saved (q/k/v heads of one width: v is the same).
+
+    MLA's value heads are ``v_head_dim`` wide, its query and key heads ``qk_head_dim`` (``head_dim``;
+    ``megakit.nn.latent_attention``). SDPA keeps v at ``v_head_dim`` and the output once: a fused kernel's, laid out
+    (B, S, n, d) so that ``o_proj``'s input is a view of it, or (math path) ``o_proj``'s copy only. The ring carries K
+    and V as one block, so it pads v with zero columns to the key width (``megakit.nn.context_parallel.ring_attention``,
+    TransformerEngine's way) and saves v and its output padded; the ``v_head_dim`` slice it returns is not contiguous,
+    so ``o_proj`` keeps a copy of its own. (Under CP plain attention's ``o_proj`` keeps a copy too, of the ring's
+    (B, n, S, d) output or of Ulysses' all-to-all back; this count leaves that out, as before.)"""
+    heads, mla = model.heads // tp, model.config.mla
+    if mla is None:
+        return kv, 0.0, heads * model.head_dim
+    v = heads * mla.v_head_dim
+    if ring:
+        return heads * mla.qk_head_dim, heads * mla.qk_head_dim, v
+    return v, 0.0, v
+
+
+def latent_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool = False, precision: str = "bf16",
+                   gathered_inputs: bool = False) -> list[SavedTensor]:
+    """What MLA keeps between the block's norm and its heads (``megakit.nn.latent_attention``): each latent's RMSNorm
+    keeps its input, the normalised input and the fp32 rstd (torch's composite, as ``activation_tensors``' norms), and
+    its up-projection keeps the normed latent.
+
+    The down-projections and latent norms are replicated over TP and run on the rank's rows of the block input: all
+    ``S`` tokens, or ``S/tp`` with SP (all again with ``gathered_inputs``: torchtitan gathers the block input). The
+    up-projections (``ColumnParallelLinear``, which all-gathers its input itself under SP) keep the whole sequence's
+    normed latent on every rank, with SP or without. The compressed KV is a view of ``kv_a_proj_with_mqa``'s output,
+    so its norm's saved input holds the RoPE key's ``qk_rope_head_dim`` columns too. Without a query latent
+    (``q_lora_rank`` 0), ``q_proj`` all-gathers the block input itself under SP and keeps it."""
+    m, p = model.config.mla, PRECISIONS[precision]
+    rows = tp if sequence_parallel and not gathered_inputs else 1  # 1: every rank holds every token
+
+    def latent(which: str, width: int, stored: int) -> list[SavedTensor]:
+        return [SavedTensor(f"{which} latent (norm input)", stored / rows, 0.0, p, "sp"),
+                SavedTensor(f"{which} latent normalised", width / rows, 0.0, p, "sp"),
+                SavedTensor(f"{which} latent stats", 1 / rows, 0.0, 4, "sp"),
+                SavedTensor(f"{which} latent normed (up-projection input)", width, 0.0, p, "none")]
+
+    if m.q_lora_rank:
+        q = latent("q", m.q_lora_rank, m.q_lora_rank)
+    else:
+        gathers = rows > 1  # else q_proj's input is the block's normed input, counted already ("qkv input")
+        q = [SavedTensor("q_proj input (gathered)", model.hidden, 0.0, p, "none")] if gathers else []
+    return q + latent("kv", m.kv_lora_rank, m.kv_lora_rank + m.qk_rope_head_dim)
 
 
 def routing_tensors(model: ModelSpec, *, tp: int = 1, precision: str = "bf16",

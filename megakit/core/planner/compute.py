@@ -174,7 +174,7 @@ def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: fl
     saved = sum(x.bytes(seq_len=s, micro_batch=b)
                 for x in activation_tensors(model, tp=t, sequence_parallel=plan.sequence_parallel,
                                             precision=plan.precision, flash_attention=plan.flash_attention, moe=moe,
-                                            fused_swiglu=plan.megatron)
+                                            fused_swiglu=plan.megatron, ring=plan.a2a_degree < plan.cp)
                 + (routing_tensors(model, tp=t, precision=plan.precision,  # permute, unpermute, SwiGLU
                                    imbalance=routed_imbalance(model, plan.moe_imbalance, plan.ep)) if moe else []))
     elementwise = (K_MEM_FUSED if plan.fused_kernels else K_MEM) * saved / (gpu.hbm_gbps * 1e9)

@@ -196,7 +196,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                     gathered_inputs: bool = False, zero_bubble: bool = False, ep: int = 1,
                     moe_imbalance: float = 1.0, buckets: Buckets = Buckets(),
                     overhead_bytes: float = 0.0, megatron: bool = False,
-                    loss_chunks: int = 1) -> MemoryEstimate:
+                    loss_chunks: int = 1, cp_ring: bool = True) -> MemoryEstimate:
     """Itemised per-GPU bytes of one layout on one pipeline ``stage`` (index, 'first', 'last', 'middle').
 
     ``accumulation``: micro-batches per optimizer step (gradient accumulation),
@@ -211,7 +211,9 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     of routed tokens over the balanced one (``routing_tensors``).
     ``megatron``: Megatron-LM's trainer (``Plan.megatron``): fp32 main gradients (``model_state_bytes``), its fused
     SwiGLU (``activation_tensors(fused_swiglu=True)``). ``loss_chunks``: the head
-    and loss over that many token chunks (``logits_bytes``; 0: the trainer's default rule, ``auto_loss_chunks``)."""
+    and loss over that many token chunks (``logits_bytes``; 0: the trainer's default rule, ``auto_loss_chunks``).
+    ``cp_ring``: with ``cp`` > 1 the attention core runs on a ring (ring or hybrid CP; False: Ulysses' all-to-all),
+    whose padded values MLA keeps (``activation_tensors(ring=True)``)."""
     if precision not in PRECISIONS:
         raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if recompute not in RECOMPUTE:
@@ -249,7 +251,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
 
     # ---- activations ------------------------------------------------------------------
     shape = dict(tp=tp, sequence_parallel=sequence_parallel, precision=precision, dropout=dropout,
-                 dropout_mask_bytes=dropout_mask_bytes, gathered_inputs=gathered_inputs, fused_swiglu=megatron)
+                 dropout_mask_bytes=dropout_mask_bytes, gathered_inputs=gathered_inputs, fused_swiglu=megatron,
+                 ring=cp > 1 and cp_ring)
     block_input = p * s * b * model.hidden / (tp if sequence_parallel else 1)
 
     def kept_bytes(is_moe: bool) -> tuple[list, float, float]:

@@ -126,7 +126,7 @@ class Plan:
                     recompute_fraction=self.recompute_fraction, dp_shard=self.dp_shard,
                     gathered_inputs=not self.column_overlap, megatron=self.megatron,
                     zero_bubble=self.zero_bubble, ep=self.ep, moe_imbalance=self.moe_imbalance,
-                    loss_chunks=self.loss_chunks)
+                    loss_chunks=self.loss_chunks, cp_ring=self.a2a_degree < self.cp)
 
     @property
     def a2a_degree(self) -> int:
