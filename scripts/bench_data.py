@@ -73,8 +73,8 @@ def loader_share(data: Path, steps: int = 5) -> tuple[float, float]:
 
     from megakit.core.model_config import ModelConfig
     from megakit.nn.model import Transformer
-    from megakit.train.data.corpus import model_for_corpus, open_corpus
     from megakit.train.data.batches import BatchPlan, TokenBatches
+    from megakit.train.data.corpus import model_for_corpus, open_corpus
 
     corpus = open_corpus(str(data))
     config = model_for_corpus(ModelConfig.load("gpt-mini"), "gpt-mini", corpus)
@@ -155,8 +155,8 @@ def useful_tokens_per_second(data: Path, steps: int = 6) -> float:
 
     from megakit.core.model_config import ModelConfig
     from megakit.nn.model import Transformer
-    from megakit.train.data.corpus import model_for_corpus, open_corpus
     from megakit.train.data.batches import BatchPlan, TokenBatches
+    from megakit.train.data.corpus import model_for_corpus, open_corpus
     from megakit.train.run import TrainConfig
 
     corpus = open_corpus(str(data))

@@ -53,8 +53,8 @@ def packed_and_padded(tmp_path_factory):
 def _weighted_loss(data: str, documents: bool = True) -> tuple[float, int, int]:
     """sum(loss)/sum(tokens) over every window of ``data`` (one batch), its token count and windows."""
     from megakit.nn.model import ModelConfig, Transformer
-    from megakit.train.data.corpus import open_corpus
     from megakit.train.data.batches import BatchPlan, TokenBatches
+    from megakit.train.data.corpus import open_corpus
     from megakit.train.run import TrainConfig
 
     corpus = open_corpus(data)

@@ -71,8 +71,8 @@ def masked(tmp_path_factory) -> str:
 
 def test_the_loader_masks_labels_and_a_truncated_mask_is_one_line(masked, tmp_path):
     from megakit.interop.token_shards import open_shards
-    from megakit.train.data.corpus import open_corpus
     from megakit.train.data.batches import BatchPlan, TokenBatches
+    from megakit.train.data.corpus import open_corpus
 
     corpus = open_corpus(masked)
     assert corpus.train_masks is not None and corpus.validation_masks is not None
@@ -98,8 +98,8 @@ def test_the_weighted_loss_is_the_global_sum_over_the_global_count(masked):
     """Four micro-batches, one with no valid token: their weighted losses add up to sum/sum, and its gradient is
     that of sum/sum; the mean of means is off by whole percents on this data."""
     from megakit.nn.model import ModelConfig, Transformer, set_loss_tokens
-    from megakit.train.data.corpus import open_corpus
     from megakit.train.data.batches import BatchPlan, TokenBatches
+    from megakit.train.data.corpus import open_corpus
 
     corpus = open_corpus(masked)
     config = ModelConfig.load("llama-tiny").replace(vocab_size=corpus.vocab_size)

@@ -512,8 +512,8 @@ def test_tp2_pp2_on_token_shards_validates_and_exports_a_model_transformers_talk
     import transformers
 
     from megakit.commands.cli import main as megakit
-    from megakit.train.data.corpus import ValidationBatches, open_corpus
     from megakit.train.data.batches import BatchPlan
+    from megakit.train.data.corpus import ValidationBatches, open_corpus
 
     cases, results = mp_results
     case, result = cases[10], results[10]
@@ -553,8 +553,8 @@ def test_sign_and_topk_send_their_pending_updates_before_each_save_and_evaluatio
     from megakit.interop.checkpoint import load_checkpoint
     from megakit.interop.checkpoint_format import manifest_config, read_manifest
     from megakit.nn.model import Transformer
-    from megakit.train.data.corpus import ValidationBatches, open_corpus
     from megakit.train.data.batches import BatchPlan
+    from megakit.train.data.corpus import ValidationBatches, open_corpus
 
     cases, results = mp_results
     for index in (18, 19):

@@ -27,8 +27,8 @@ from megakit.nn.attention_kernel import KernelChoice, device_kernel
 from megakit.nn.compile import default_compile
 from megakit.interop.checkpoint_format import read_manifest
 from megakit.nn.fp8 import check_fp8
-from megakit.train.data.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.data.batches import DEFAULT_MAX_BYTES, BatchPlan
+from megakit.train.data.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.engine.ds_config import load_ds_config, require_optimizer
 from megakit.train.resilience.guards import DEFAULT_MAX_SKIPPED
 from megakit.train.resilience.restarts import auto_load

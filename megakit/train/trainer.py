@@ -53,26 +53,26 @@ from megakit.nn.attention import use_cp_mode
 from megakit.nn.attention_kernel import use_kernel
 from megakit.nn.compile import compile_blocks
 from megakit.train.data.batches import TokenBatches
-from megakit.train.engine.deepspeed_shm import unlink_shared_memory
 from megakit.train.doctor.diagnostics import Diagnostics
+from megakit.train.engine.deepspeed_shm import unlink_shared_memory
 from megakit.train.engine.dp_sync import DataParallelSync
 from megakit.train.engine.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
-from megakit.train.observe.evaluate import evaluator
-from megakit.train.engine.experts import deepspeed_sees_experts
 from megakit.train.doctor.fault_injection import TrainingFaults, with_seed_fault
+from megakit.train.engine.experts import deepspeed_sees_experts
 from megakit.train.engine.grad_norm import Zero0Clipper
-from megakit.train.resilience.guards import StepGuard, TrainingDiverged
-from megakit.train.observe.metrics import StepCommunication, StepMetrics, gpu_peak_tflops, gpu_state
 from megakit.train.engine.moe_step import MoEStep
 from megakit.train.engine.optim import decay_groups, start_schedule
+from megakit.train.observe.evaluate import evaluator
+from megakit.train.observe.metrics import StepCommunication, StepMetrics, gpu_peak_tflops, gpu_state
 from megakit.train.observe.reporting import Reporter, start_profiler
+from megakit.train.resilience.guards import StepGuard, TrainingDiverged
 from megakit.train.resilience.restarts import AUTO, Attempts
 from megakit.train.resilience.resume import per_rank_key, restore, restore_own_state, save_run
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
-from megakit.train.resilience.spikes import SpikeGuard
-from megakit.train.steps import pipeline_step, plain_step, rank_device
 from megakit.train.data.token_weighting import weight_by_tokens
 from megakit.train.engine.zero3_linear import linear_restored, save_weights_not_views
+from megakit.train.resilience.spikes import SpikeGuard
+from megakit.train.steps import pipeline_step, plain_step, rank_device
 
 
 @dataclass

@@ -222,8 +222,8 @@ def single_process(facts: dict, steps: int) -> tuple[list[float] | None, list[li
     """``(losses, sample hashes per step, why not)`` of one process training the job's global batches: the same
     data (loss masks, packed documents and mixtures as the job read them) and the same ``--moe-*`` flags."""
     from megakit.core.model_config import ModelConfig
-    from megakit.train.data.corpus import open_corpus
     from megakit.train.data.batches import BatchPlan, TokenBatches
+    from megakit.train.data.corpus import open_corpus
     from megakit.train.doctor.diagnostics import tensor_hash
     from megakit.train.doctor.reference import reference_run
     from megakit.train.run import TrainConfig

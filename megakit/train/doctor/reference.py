@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from megakit.train.data.corpus import ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.data.batches import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches
+from megakit.train.data.corpus import ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.engine.optim import decay_groups, start_schedule
 
 
