@@ -42,7 +42,7 @@ def test_an_upward_import_and_torch_in_the_core_break_the_contracts(tmp_path):
     assert "0 kept, 4 broken" in out.stdout, out.stdout  # through nn, every room of train now reaches its trainer
 
 
-def test_imports_across_train_s_rooms_break_their_contracts(tmp_path):
+def test_imports_across_the_rooms_of_train_break_their_contracts(tmp_path):
     """The doctor importing the resilience code, and a room importing an entry point, are each refused."""
     shutil.copytree(ROOT / "megakit", tmp_path / "megakit", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
