@@ -73,8 +73,8 @@ def loader_share(data: Path, steps: int = 5) -> tuple[float, float]:
 
     from megakit.core.model_config import ModelConfig
     from megakit.nn.model import Transformer
-    from megakit.train.corpus import model_for_corpus, open_corpus
-    from megakit.train.data import BatchPlan, TokenBatches
+    from megakit.train.data.batches import BatchPlan, TokenBatches
+    from megakit.train.data.corpus import model_for_corpus, open_corpus
 
     corpus = open_corpus(str(data))
     config = model_for_corpus(ModelConfig.load("gpt-mini"), "gpt-mini", corpus)
@@ -155,8 +155,8 @@ def useful_tokens_per_second(data: Path, steps: int = 6) -> float:
 
     from megakit.core.model_config import ModelConfig
     from megakit.nn.model import Transformer
-    from megakit.train.corpus import model_for_corpus, open_corpus
-    from megakit.train.data import BatchPlan, TokenBatches
+    from megakit.train.data.batches import BatchPlan, TokenBatches
+    from megakit.train.data.corpus import model_for_corpus, open_corpus
     from megakit.train.run import TrainConfig
 
     corpus = open_corpus(str(data))
@@ -210,7 +210,7 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from megakit.interop.prepare_data import PrepareConfig, prepare
-    from megakit.train.data import stdlib_files
+    from megakit.train.data.batches import stdlib_files
 
     files = stdlib_files()[: args.files or None]
     size = sum(p.stat().st_size for p in files) / 2**20

@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from megakit.core.model_config import ModelConfig
-    from megakit.train.metrics import gpu_peak_tflops
+    from megakit.train.observe.metrics import gpu_peak_tflops
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     cuda = torch.cuda.is_available() and not args.dry_run

@@ -102,7 +102,7 @@ def _bench(rank: int, args) -> dict:
     from megakit.nn.model import ModelConfig, build_stage_chunks
     from megakit.nn.pipeline import PipelineExecutor
     from megakit.nn.topology import Topology
-    from megakit.train.deepspeed_shm import unlink_shared_memory
+    from megakit.train.engine.deepspeed_shm import unlink_shared_memory
 
     config = ModelConfig.load(args.model).replace(tie_embeddings=False)
     m, b, s = args.micro_batches, args.micro_batch_size, args.seq_len

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     rows = []
     for n in sizes:
         if fixed is None:
-            from megakit.train import probe
+            from megakit.train.cluster import probe
 
             profile = probe.run(n, hidden=HIDDEN, tokens=MICRO * SEQ, nbytes=16 * 2**20)
         else:

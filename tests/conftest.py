@@ -2,7 +2,7 @@
 
 DeepSpeed's CPU all-reduce names a shared-memory buffer per rank of a launched job
 (``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``) and never removes it; the trainer
-unlinks the names once every rank has mapped them (``megakit.train.deepspeed_shm``). After each module,
+unlinks the names once every rank has mapped them (``megakit.train.engine.deepspeed_shm``). After each module,
 a buffer named with a port this session handed out (``multiproc.free_port``) is a leak: it is removed,
 and the module fails (wiping them silently hid exactly that). Other processes' buffers are left alone.
 

@@ -1,7 +1,8 @@
 """The layers of ``pyproject.toml``'s import-linter contracts hold, and would catch an upward import.
 
 commands -> train -> interop -> nn -> core, each importing only the layers below it, and the
-core importing no torch (docs/architecture.md).
+core importing no torch (docs/architecture.md). Inside train, its rooms sit below its entry points
+(trainer, steps, run) in tiers, and the doctor and the run's resilience do not import each other.
 """
 
 import os
@@ -24,7 +25,7 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
 def test_the_layers_import_only_downwards():
     out = lint_imports(ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "2 kept, 0 broken" in out.stdout, out.stdout
+    assert "4 kept, 0 broken" in out.stdout, out.stdout
 
 
 def test_an_upward_import_and_torch_in_the_core_break_the_contracts(tmp_path):
@@ -38,4 +39,21 @@ def test_an_upward_import_and_torch_in_the_core_break_the_contracts(tmp_path):
     assert out.returncode != 0
     assert "megakit.nn.weights -> megakit.train.trainer" in out.stdout, out.stdout
     assert "megakit.core.schedules -> torch" in out.stdout, out.stdout
-    assert "0 kept, 2 broken" in out.stdout, out.stdout
+    assert "0 kept, 4 broken" in out.stdout, out.stdout  # through nn, every room of train now reaches its trainer
+
+
+def test_imports_across_the_rooms_of_train_break_their_contracts(tmp_path):
+    """The doctor importing the resilience code, and a room importing an entry point, are each refused."""
+    shutil.copytree(ROOT / "megakit", tmp_path / "megakit", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    with open(tmp_path / "megakit" / "train" / "doctor" / "checks.py", "a") as f:
+        f.write("\nfrom megakit.train.resilience import guards  # across two rooms kept apart\n")
+    with open(tmp_path / "megakit" / "train" / "observe" / "metrics.py", "a") as f:
+        f.write("\nfrom megakit.train import run  # a room importing an entry point\n")
+    out = lint_imports(tmp_path)
+    assert out.returncode != 0
+    assert "megakit.train.doctor.checks -> megakit.train.resilience.guards" in out.stdout, out.stdout
+    assert "megakit.train.observe.metrics -> megakit.train.run" in out.stdout, out.stdout
+    assert "train's rooms sit below its entry points, in tiers BROKEN" in out.stdout, out.stdout
+    assert "the doctor and the run's resilience do not import each other BROKEN" in out.stdout, out.stdout
+    assert "2 kept, 2 broken" in out.stdout, out.stdout

@@ -26,7 +26,7 @@ from megakit.interop import checkpoint_split
 from megakit.interop.checkpoint import stage_checkpoint
 from megakit.interop.checkpoint_async import AsyncWriter
 from megakit.nn.model import ModelConfig, Transformer
-from megakit.train.resume import publish_in_series
+from megakit.train.resilience.resume import publish_in_series
 
 torch.set_num_threads(1)
 root = Path(sys.argv[1])
@@ -67,7 +67,7 @@ time.sleep(600)
 def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint_loadable(tmp_path):
     from megakit.interop.checkpoint import load_checkpoint
     from megakit.nn.model import ModelConfig, Transformer
-    from megakit.train.resume import choose_checkpoint
+    from megakit.train.resilience.resume import choose_checkpoint
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], cwd=ROOT, env=env,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megakit.errors import UsageError
-from megakit.train.data import BatchPlan, TokenBatches, load_tokens, stdlib_files
+from megakit.train.data.batches import BatchPlan, TokenBatches, load_tokens, stdlib_files
 
 
 def test_default_corpus_is_the_local_standard_library():

@@ -17,8 +17,8 @@ from test_trainer import ROOT
 from megakit.commands.cli import main as megakit
 from megakit.interop.prepare_data import MIN_SPAN, PrepareConfig, prepare, read_documents
 from megakit.interop.token_shards import open_shards
-from megakit.train.corpus import open_corpus
-from megakit.train.data import BatchPlan, TokenBatches, stdlib_files
+from megakit.train.data.batches import BatchPlan, TokenBatches, stdlib_files
+from megakit.train.data.corpus import open_corpus
 
 
 def _train_script():

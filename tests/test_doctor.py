@@ -3,7 +3,7 @@ fails on the fault it exists for.
 
 Two launches (~30 s each on 2 idle cores): a healthy 2-process job (on packed documents with loss masks), and a
 4-process job with one fault per check
-planted by ``MEGAKIT_INJECT_FAULT`` (``megakit.train.fault_injection``), each on its own rank so that none hides
+planted by ``MEGAKIT_INJECT_FAULT`` (``megakit.train.doctor.fault_injection``), each on its own rank so that none hides
 another: rank 1 runs another --seed and sleeps in every step, rank 3 reads DP rank 0's samples, rank 2 keeps half
 its rows and gets a NaN gradient at step 3, and the ds_config scales the LR by 4 without a warm-up.
 """
@@ -19,7 +19,7 @@ from multiproc import THREADS
 from test_trainer import ROOT, packed_documents
 
 from megakit.commands import cli
-from megakit.train.fault_injection import VARIABLE
+from megakit.train.doctor.fault_injection import VARIABLE
 
 DOCTOR = [sys.executable, "-m", "megakit.commands.cli", "doctor", "--steps", "5", "--base-lr", "1.5e-3",
           "--base-batch", "4", "--model", "gpt-tiny", "--seq-len", "32"]
@@ -131,7 +131,7 @@ def test_bad_input_is_one_line_and_exit_2_before_any_process(argv, env, needle, 
 def test_the_backend_line_and_the_job_line_name_context_parallelism(capsys):
     """``megakit doctor --cp 2``: the grid is TP x CP x PP x DP (CP was left out); without CP it reads as before."""
     from megakit.commands.doctor_render import render
-    from megakit.train.doctor_checks import check_backend
+    from megakit.train.doctor.checks import check_backend
 
     ranks = [{"rank": r, "pp": 0, "dp": 0, "tp": 0, "backend": "gloo", "device": "cpu", "node": "node 0",
               "host": "h"} for r in range(2)]

@@ -16,7 +16,7 @@ def _classify(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
     from megakit.nn import comm
-    from megakit.train.faults import from_communication
+    from megakit.train.resilience.faults import from_communication
 
     out = {}
     try:

@@ -13,8 +13,8 @@ from megakit.core.model_config import ModelConfig
 from megakit.errors import UsageError
 from megakit.nn.attention_kernel import attention_kernels_in, choose_kernel, use_kernel
 from megakit.nn.model import Transformer
-from megakit.train.ds_config import fuse_adam, read_ds_config
-from megakit.train.metrics import StepMetrics, gpu_state
+from megakit.train.engine.ds_config import fuse_adam, read_ds_config
+from megakit.train.observe.metrics import StepMetrics, gpu_state
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file
 from test_trainer import deepspeed, ds_config
 
-from megakit.train.fault_injection import VARIABLE
+from megakit.train.doctor.fault_injection import VARIABLE
 
 
 def _weights(directory) -> dict:
@@ -70,7 +70,7 @@ def test_a_nan_loss_on_one_rank_is_skipped_everywhere(tmp_path, monkeypatch):
 
 def test_the_training_faults_are_read_and_refused_like_the_doctors():
     from megakit.errors import UsageError
-    from megakit.train.fault_injection import parse
+    from megakit.train.doctor.fault_injection import parse
 
     faults = parse("nanloss@1:4,kill@0:7")
     assert faults[1].nan_loss_step == 4 and faults[0].kill_step == 7
@@ -94,7 +94,7 @@ def _guard_decisions(rank: int, world: int) -> list:
 
     import torch
 
-    from megakit.train.guards import StepGuard, TrainingDiverged
+    from megakit.train.resilience.guards import StepGuard, TrainingDiverged
 
     topo = SimpleNamespace(rank=rank, is_last_stage=True)
     guard = StepGuard(topo, max_skipped=1, precision="fp32", describe=lambda r: f"rank {r}")

@@ -16,7 +16,7 @@ from multiproc import THREADS, free_port  # noqa: E402
 from test_trainer import ROOT  # noqa: E402
 
 from megakit.commands.cli import main  # noqa: E402
-from megakit.train.data import BatchPlan, TokenBatches, load_tokens  # noqa: E402
+from megakit.train.data.batches import BatchPlan, TokenBatches, load_tokens  # noqa: E402
 
 OPTIMIZER = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

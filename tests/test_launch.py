@@ -73,7 +73,7 @@ def test_a_tp_group_across_nodes_is_refused_and_tp_inside_nodes_trains(tmp_path)
 
     trained = _two_nodes("--tp", "2", "--pp", "2", "--steps", "2", "--metrics-out", str(tmp_path / "m.json"))
     assert all(r.returncode == 0 for r in trained), "".join(r.stdout + r.stderr for r in trained)[-3000:]
-    from megakit.train.reference import reference_run
+    from megakit.train.doctor.reference import reference_run
 
     single = reference_run(json.loads((ROOT / "ds_configs" / "zero1.json").read_text()), model="gpt-tiny", steps=2,
                            seq_len=32)["loss"]  # what one process trains on the same batches

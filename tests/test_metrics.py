@@ -7,7 +7,7 @@ import torch.distributed as dist
 from multiproc import run_ranks
 
 from megakit.nn import comm
-from megakit.train.metrics import StepMetrics
+from megakit.train.observe.metrics import StepMetrics
 
 
 def _worker(rank, world_size):

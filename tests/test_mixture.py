@@ -2,7 +2,7 @@
 samples at any DP size, the validation loss per data set, and one line for each bad mixture.
 
 One launcher job of 2 processes trains a mixture at DP 2 and follows the single process step by step
-(``megakit.train.reference``), its validation loss the token-weighted one over both data sets' splits.
+(``megakit.train.doctor.reference``), its validation loss the token-weighted one over both data sets' splits.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from test_trainer import ds_config, sweep
 from tolerance import fp32_bound
 
 from megakit.errors import UsageError
-from megakit.train.data import BatchPlan, Mixture, TokenBatches
+from megakit.train.data.batches import BatchPlan, Mixture, TokenBatches
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_the_realised_shares_follow_the_weights_and_every_sample_is_one_data_set
 
 
 def test_the_same_samples_at_any_dp_size(two_sets):
-    from megakit.train.corpus import open_corpus
+    from megakit.train.data.corpus import open_corpus
     from megakit.train.run import TrainConfig
 
     corpus = open_corpus([0.7, two_sets[0], 0.3, two_sets[1]])
@@ -67,7 +67,7 @@ def test_the_same_samples_at_any_dp_size(two_sets):
 
 
 def test_bad_mixtures_are_one_line(two_sets, tmp_path):
-    from megakit.train.corpus import open_corpus
+    from megakit.train.data.corpus import open_corpus
 
     a, b = two_sets
     cases = [([0.7, a, 0, b], "mixture weight 0 must be a positive number"),
@@ -84,7 +84,7 @@ def test_bad_mixtures_are_one_line(two_sets, tmp_path):
 
 @pytest.mark.slow
 def test_a_mixture_at_dp2_follows_one_process_with_a_validation_loss_per_data_set(two_sets, tmp_path_factory):
-    from megakit.train.reference import reference_run
+    from megakit.train.doctor.reference import reference_run
 
     data = [0.7, two_sets[0], 0.3, two_sets[1]]
     config = ds_config(1, micro=2, accumulation=2)

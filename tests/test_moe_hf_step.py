@@ -24,7 +24,7 @@ from multiproc import THREADS, free_port  # noqa: E402
 from test_trainer import ROOT  # noqa: E402
 
 from megakit.commands.cli import main  # noqa: E402
-from megakit.train.data import BatchPlan, TokenBatches, load_tokens  # noqa: E402
+from megakit.train.data.batches import BatchPlan, TokenBatches, load_tokens  # noqa: E402
 
 OPTIMIZER = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-3, "weight_decay": 0.1}  # eps ~ |g|: see above
 CLIP = 1.0

@@ -10,7 +10,7 @@ shared expert) each case:
   that checkpoint resumed at EP 1 (ZeRO 1) and EP 4 over DP 4 (ZeRO 0); EP 4 over TP 2 x CP 2 (ZeRO 2,
   evaluated), EP 2 over TP 2 x PP 2 with VPP 2 and full recompute, EP 2 x PP 2, EP 2 with DP 4 (EDP 2).
 
-Every loss follows the single-process model's (``megakit.train.reference``) within 1e-5.
+Every loss follows the single-process model's (``megakit.train.doctor.reference``) within 1e-5.
 Bad flags get one line before any process group (no launcher needed).
 """
 
@@ -37,7 +37,7 @@ _REFERENCES: dict = {}
 
 def _reference(case: dict, dp: int) -> dict:
     """The single-process run of ``case`` (the ZeRO stage does not change it: cached without it)."""
-    from megakit.train.reference import reference_run
+    from megakit.train.doctor.reference import reference_run
 
     flags = {k: v for k, v in case.items() if k.startswith("moe_")}
     ds = {k: v for k, v in case["ds_config"].items() if k != "zero_optimization"}
@@ -153,7 +153,7 @@ def test_folded_expert_parallelism_follows_the_single_process(ep4):
     cases, results, _ = ep4
     for index, dp in ((0, 2), (1, 2), (2, 4), (6, 1)):
         _follows(results[index], _reference(cases[index], dp=dp))
-    from megakit.train.reference import reference_run
+    from megakit.train.doctor.reference import reference_run
 
     ref = reference_run(cases[5]["ds_config"], model=MODEL, steps=STEPS, dp=1, seq_len=32, eval_every=10,
                         eval_batches=1, data=cases[5]["data"])

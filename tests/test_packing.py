@@ -53,8 +53,8 @@ def packed_and_padded(tmp_path_factory):
 def _weighted_loss(data: str, documents: bool = True) -> tuple[float, int, int]:
     """sum(loss)/sum(tokens) over every window of ``data`` (one batch), its token count and windows."""
     from megakit.nn.model import ModelConfig, Transformer
-    from megakit.train.corpus import open_corpus
-    from megakit.train.data import BatchPlan, TokenBatches
+    from megakit.train.data.batches import BatchPlan, TokenBatches
+    from megakit.train.data.corpus import open_corpus
     from megakit.train.run import TrainConfig
 
     corpus = open_corpus(data)
@@ -82,7 +82,7 @@ def test_a_packed_loss_equals_the_examples_alone(packed_and_padded):
 
 def test_too_long_examples_are_cut_or_refused_and_packed_data_asks_for_its_window(packed_and_padded, tmp_path, capsys):
     from megakit.errors import UsageError
-    from megakit.train.corpus import open_corpus
+    from megakit.train.data.corpus import open_corpus
     from megakit.train.run import TrainConfig
 
     dirs, tmp, tokenizer = packed_and_padded

@@ -216,8 +216,8 @@ def _bf16_fp32_accumulation_worker(rank, world_size, sum_tied: bool):
     """PP = 2 in bf16 with fp32 gradient accumulation (DeepSpeed's bf16 optimizer), through the trainer's hooks."""
     import deepspeed
 
-    from megakit.train.dp_sync import gradient_of
-    from megakit.train.ds_config import load_ds_config
+    from megakit.train.engine.dp_sync import gradient_of
+    from megakit.train.engine.ds_config import load_ds_config
 
     deepspeed.init_distributed(dist_backend="gloo")
     config = ModelConfig.load("gpt-tiny")  # tied embeddings: the head's copy on the last stage

@@ -4,7 +4,7 @@ import pytest
 
 from megakit.core.layout import Layout
 from megakit.errors import UsageError
-from megakit.train.placement import Place, check_tp_within_nodes, host_id, node_id
+from megakit.train.cluster.placement import Place, check_tp_within_nodes, host_id, node_id
 
 
 def _places(nodes: list[str]) -> list[Place]:

@@ -109,8 +109,8 @@ def test_the_slurm_script_trains_on_two_loopback_nodes_and_survives_a_killed_wor
     at the same layout is test_restart's.) Before it, the script given a flag no worker can run stops at its
     ``train.py --check`` in one line, exit 2, without starting torchrun (which would retry it 3 times)."""
     from megakit.interop.prepare_data import PrepareConfig, prepare
-    from megakit.train.fault_injection import VARIABLE
-    from megakit.train.reference import reference_run
+    from megakit.train.doctor.fault_injection import VARIABLE
+    from megakit.train.doctor.reference import reference_run
 
     data, model = str(tmp_path / "tokens"), dropout_model(tmp_path)
     config = json.loads(open(model).read()) | {"vocab_size": 300}  # the tokenizer's below

@@ -219,7 +219,7 @@ def _deepspeed_engine_from(rank, world, path, dp, pp):
     import deepspeed
     import torch
 
-    from megakit.train.ds_config import load_ds_config
+    from megakit.train.engine.ds_config import load_ds_config
 
     deepspeed.init_distributed(dist_backend="gloo")
     config = load_ds_config(path, dp=dp, pp=pp)  # the trainer's reading: a pipeline steps once per flush

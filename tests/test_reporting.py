@@ -2,7 +2,7 @@
 
 import io
 
-from megakit.train.reporting import progress_bar
+from megakit.train.observe.reporting import progress_bar
 
 
 class _Terminal(io.StringIO):
@@ -27,7 +27,7 @@ def test_a_long_step_prints_a_heartbeat_line_and_a_step_that_ends_resets_it():
     import threading
     import time
 
-    from megakit.train.reporting import Heartbeat
+    from megakit.train.observe.reporting import Heartbeat
 
     now, said = [100.0], []
     beat = Heartbeat(0.2, step=5, say=said.append, clock=lambda: now[0])  # checks every 0.05 s of real time

@@ -14,7 +14,7 @@ import pytest
 from multiproc import THREADS
 from test_trainer import ROOT, dropout_model
 
-from megakit.train.fault_injection import VARIABLE
+from megakit.train.doctor.fault_injection import VARIABLE
 
 TRAIN = ["scripts/train.py", "--ds_config", "ds_configs/zero1.json", "--seq-len", "32", "--no-progress", "--tp", "2",
          "--steps", "9"]
@@ -50,7 +50,7 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_bitwise(tmp_path):
 
 def test_load_auto_is_the_save_directory_once_it_holds_a_checkpoint(tmp_path):
     from megakit.errors import UsageError
-    from megakit.train.restarts import auto_load
+    from megakit.train.resilience.restarts import auto_load
 
     said = []
     assert auto_load(str(tmp_path / "new"), "auto", say=said.append) is None  # nothing yet: step 0, said once
@@ -63,7 +63,7 @@ def test_load_auto_is_the_save_directory_once_it_holds_a_checkpoint(tmp_path):
 
 
 def test_attempts_count_restarts_and_the_steps_they_redo(tmp_path):
-    from megakit.train.restarts import Attempts
+    from megakit.train.resilience.restarts import Attempts
 
     said = []
     first = Attempts(str(tmp_path / "ckpt"), start=0, active=True, say=said.append)

@@ -198,7 +198,7 @@ def test_the_saved_step_count_is_fused_adams_too():
     import torch
     from deepspeed.ops.adam import FusedAdam
 
-    from megakit.train.resume import optimizer_step_count
+    from megakit.train.resilience.resume import optimizer_step_count
 
     params = [torch.nn.Parameter(torch.ones(3)) for _ in range(4)]
     optimizer = FusedAdam([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}], lr=1e-3)

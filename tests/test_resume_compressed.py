@@ -20,7 +20,7 @@ from test_trainer import ds_config, dropout_model
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_rank_state, save_checkpoint
 from megakit.nn.model import ModelConfig, Transformer
-from megakit.train.resume import choose_checkpoint
+from megakit.train.resilience.resume import choose_checkpoint
 from tests.multiproc import run_ranks
 
 STEPS, SAVED = 4, 2

@@ -32,8 +32,8 @@ STEPS = 20
 def _trainer_losses(hf, data: str, tmp_path) -> list[float]:
     """transformers' ``Trainer`` on megakit's batches, in megakit's order: each window as 33 ids (HF shifts the labels
     itself), its labels the masked targets; 2 per micro-batch, 2 micro-batches a step, sequential."""
-    from megakit.train.corpus import open_corpus
-    from megakit.train.data import BatchPlan, TokenBatches
+    from megakit.train.data.batches import BatchPlan, TokenBatches
+    from megakit.train.data.corpus import open_corpus
 
     corpus = open_corpus(data)
     plan = BatchPlan(seq_len=32, micro_batch=4)
@@ -64,8 +64,8 @@ def _trainer_losses(hf, data: str, tmp_path) -> list[float]:
 
 @pytest.mark.slow
 def test_a_chat_fine_tune_from_transformers_and_back(tmp_path):
-    from megakit.train.corpus import open_corpus
-    from megakit.train.data import BatchPlan, TokenBatches
+    from megakit.train.data.batches import BatchPlan, TokenBatches
+    from megakit.train.data.corpus import open_corpus
 
     hf = _tokenizer(tmp_path / "hf", CHATML)  # the tokenizer first, then the model beside it
     vocab = len(transformers.AutoTokenizer.from_pretrained(str(hf), local_files_only=True))

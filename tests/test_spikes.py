@@ -15,7 +15,7 @@ import pytest
 from multiproc import free_port
 from test_trainer import dropout_model, ds_config
 
-from megakit.train.fault_injection import VARIABLE
+from megakit.train.doctor.fault_injection import VARIABLE
 
 
 def _launch(tmp_path, name: str, cases: list[dict], monkeypatch, fault: str = "") -> tuple[list[dict], str]:
@@ -74,7 +74,7 @@ def test_a_spike_rolls_back_skips_its_batches_and_a_resume_keeps_the_skip(tmp_pa
 
 
 def test_the_spike_rule_arms_after_8_losses_and_keeps_the_last_50():
-    from megakit.train.spikes import ARMED_AFTER, WINDOW, SpikeGuard
+    from megakit.train.resilience.spikes import ARMED_AFTER, WINDOW, SpikeGuard
 
     guard = SpikeGuard(3.0)
     for step in range(ARMED_AFTER):  # not armed: even a huge loss joins the window
@@ -94,7 +94,7 @@ def test_the_spike_rule_arms_after_8_losses_and_keeps_the_last_50():
 
 def test_spike_flags_are_refused_in_one_line():
     from megakit.errors import UsageError
-    from megakit.train.fault_injection import parse
+    from megakit.train.doctor.fault_injection import parse
     from megakit.train.trainer import TrainConfig
 
     with pytest.raises(UsageError, match="--spike-guard 4 rolls back to the newest checkpoint of --save DIR; pass"):

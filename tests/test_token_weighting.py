@@ -5,7 +5,7 @@ varying over 20x, whole micro-batches masked out). In process: the loader's labe
 model's token-weighted loss is the global sum over the global count (0, not NaN, for a micro-batch with no
 valid token), and the mean of per-micro-batch means it replaces is far from it on this data. Through the
 launcher, one job of 2 processes: DP 2 x GA 2, TP 2 x GA 4, PP 2 (4 micro-batches), CP 2 and ZeRO-3 each follow
-the single process's sum/sum run (``megakit.train.reference``) step by step, and the step's gradient norm too; so do
+the single process's sum/sum run (``train.doctor.reference``) step by step, and the step's gradient norm too; so do
 packed documents (``--reset-attention-mask --reset-position-ids --eod-mask-loss``) at CP 2, PP 2 (GPT-2's learned
 positions), TP 2 with SP, EP 2 (an MoE model), and in a job of 4 at TP 2 x CP 2 and CP 2 x PP 2.
 """
@@ -47,7 +47,7 @@ def _mask_shards(directory: Path, seed: int = 0) -> None:
 def _short_documents(tmp_path_factory) -> str:
     """Standard-library lines as 1-8-line documents (a few to ~100 tokens): most windows hold a document boundary."""
     from megakit.interop.prepare_data import PrepareConfig, prepare
-    from megakit.train.data import stdlib_files
+    from megakit.train.data.batches import stdlib_files
 
     lines = [line for f in stdlib_files()[:30] for line in f.read_text().splitlines() if line.strip()]
     docs, i, gen = [], 0, np.random.default_rng(1)
@@ -71,8 +71,8 @@ def masked(tmp_path_factory) -> str:
 
 def test_the_loader_masks_labels_and_a_truncated_mask_is_one_line(masked, tmp_path):
     from megakit.interop.token_shards import open_shards
-    from megakit.train.corpus import open_corpus
-    from megakit.train.data import BatchPlan, TokenBatches
+    from megakit.train.data.batches import BatchPlan, TokenBatches
+    from megakit.train.data.corpus import open_corpus
 
     corpus = open_corpus(masked)
     assert corpus.train_masks is not None and corpus.validation_masks is not None
@@ -98,8 +98,8 @@ def test_the_weighted_loss_is_the_global_sum_over_the_global_count(masked):
     """Four micro-batches, one with no valid token: their weighted losses add up to sum/sum, and its gradient is
     that of sum/sum; the mean of means is off by whole percents on this data."""
     from megakit.nn.model import ModelConfig, Transformer, set_loss_tokens
-    from megakit.train.corpus import open_corpus
-    from megakit.train.data import BatchPlan, TokenBatches
+    from megakit.train.data.batches import BatchPlan, TokenBatches
+    from megakit.train.data.corpus import open_corpus
 
     corpus = open_corpus(masked)
     config = ModelConfig.load("llama-tiny").replace(vocab_size=corpus.vocab_size)
@@ -168,7 +168,7 @@ def _cases(specs: dict, data: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_every_layout_trains_sum_over_sum_as_one_process(masked, tmp_path_factory):
-    from megakit.train.reference import reference_run
+    from megakit.train.doctor.reference import reference_run
 
     for world, specs in ((2, CASES), (4, CASES4)):
         cases = _cases(specs, masked)

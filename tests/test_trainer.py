@@ -96,7 +96,7 @@ def sweep(tmp_path_factory, nprocs: int, cases: list[dict], *, timeout: float = 
 
 
 def reference(case: dict, dp: int) -> dict:
-    from megakit.train.reference import reference_run
+    from megakit.train.doctor.reference import reference_run
 
     return reference_run(case["ds_config"], model=case["model"], steps=case["steps"], dp=dp, seq_len=case["seq_len"],
                          data=case.get("data"), eval_every=case.get("eval_every", 0),
@@ -476,7 +476,7 @@ def mp_results(tmp_path_factory, shards):
 def _token_shards(tmp_path_factory) -> str:
     """40 standard-library sources through prepare-data: a BPE of 512 tokens, a tenth held out."""
     from megakit.interop.prepare_data import PrepareConfig, prepare
-    from megakit.train.data import stdlib_files
+    from megakit.train.data.batches import stdlib_files
 
     out = tmp_path_factory.mktemp("tokens") / "stdlib"
     prepare(PrepareConfig(inputs=[str(p) for p in stdlib_files()[:40]], out=str(out), vocab_size=512,
@@ -512,8 +512,8 @@ def test_tp2_pp2_on_token_shards_validates_and_exports_a_model_transformers_talk
     import transformers
 
     from megakit.commands.cli import main as megakit
-    from megakit.train.corpus import ValidationBatches, open_corpus
-    from megakit.train.data import BatchPlan
+    from megakit.train.data.batches import BatchPlan
+    from megakit.train.data.corpus import ValidationBatches, open_corpus
 
     cases, results = mp_results
     case, result = cases[10], results[10]
@@ -553,8 +553,8 @@ def test_sign_and_topk_send_their_pending_updates_before_each_save_and_evaluatio
     from megakit.interop.checkpoint import load_checkpoint
     from megakit.interop.checkpoint_format import manifest_config, read_manifest
     from megakit.nn.model import Transformer
-    from megakit.train.corpus import ValidationBatches, open_corpus
-    from megakit.train.data import BatchPlan
+    from megakit.train.data.batches import BatchPlan
+    from megakit.train.data.corpus import ValidationBatches, open_corpus
 
     cases, results = mp_results
     for index in (18, 19):

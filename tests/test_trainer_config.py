@@ -11,7 +11,7 @@ import pytest
 from multiproc import THREADS
 
 from megakit.errors import UsageError
-from megakit.train.ds_config import load_ds_config, require_optimizer
+from megakit.train.engine.ds_config import load_ds_config, require_optimizer
 from megakit.train.trainer import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent

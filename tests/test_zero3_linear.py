@@ -1,4 +1,4 @@
-"""ZeRO-3: megakit's linears must hand autograd the weight itself (``megakit.train.zero3_linear``).
+"""ZeRO-3: megakit's linears must hand autograd the weight itself (``megakit.train.engine.zero3_linear``).
 
 A saved view of the weight keeps DeepSpeed's gathered copy alive until backward. The launcher
 test that measures it is ``test_trainer.py::test_verify_memory_zero_0_to_3`` (ZeRO-3 case);
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megakit.train.zero3_linear import save_weights_not_views
+from megakit.train.engine.zero3_linear import save_weights_not_views
 
 
 def _run(layers, x):

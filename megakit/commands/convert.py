@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"train from it with: deepspeed scripts/train.py --model {args.source} --load {args.out} ...")
         return 0
     from megakit.interop.hf_export import export_hf
-    from megakit.train.resume import choose_checkpoint
+    from megakit.train.resilience.resume import choose_checkpoint
 
     if args.max_shard_gb <= 0:
         raise UsageError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")

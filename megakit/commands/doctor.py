@@ -4,8 +4,8 @@
 
 It starts ``scripts/train.py`` with the trainer's flags through the ``deepspeed`` launcher
 for a few steps with ``--doctor-out`` (every rank records what it built, read, computed
-and waited for; ``megakit.train.diagnostics``), then judges the facts
-(``megakit.train.doctor_checks``) and prints one row per check: pass or fail, its
+and waited for; ``megakit.train.doctor.diagnostics``), then judges the facts
+(``megakit.train.doctor.checks``) and prints one row per check: pass or fail, its
 numbers, and on failure what to change. Exit status 0 when every check passed, 1 when
 one failed, 2 for bad input (before any process starts).
 """
@@ -59,7 +59,7 @@ def _check(args, train_args: list[str]) -> None:
 
     if torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
         raise UsageError(f"--nproc {args.nproc} exceeds the {torch.cuda.device_count()} GPUs here; use at most that")
-    from megakit.train.fault_injection import VARIABLE, parse
+    from megakit.train.doctor.fault_injection import VARIABLE, parse
 
     parse(os.environ.get(VARIABLE, ""))
     _resolve_trainer_flags(train_args, args)
@@ -113,7 +113,7 @@ def run(args) -> int:
     train_args = list(getattr(args, "passed_on", []))
     _check(args, train_args)
     from megakit.commands.doctor_render import render
-    from megakit.train.doctor_checks import judge
+    from megakit.train.doctor.checks import judge
 
     with tempfile.TemporaryDirectory(prefix="megakit-doctor-") as work:
         facts_path = Path(args.facts_out or Path(work) / "facts.json")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from megakit.train.doctor_checks import grid
+from megakit.train.doctor.checks import grid
 
 RESULT = {True: "[green]pass[/]", False: "[bold red]FAIL[/]", None: "[yellow]n/a[/]"}
 

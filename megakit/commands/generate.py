@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         text = generate(source, args.prompt, **options)
     else:
         from megakit.interop.hf_export import export_hf
-        from megakit.train.resume import choose_checkpoint
+        from megakit.train.resilience.resume import choose_checkpoint
 
         checkpoint = choose_checkpoint(str(source), say=lambda *_: None)
         with tempfile.TemporaryDirectory(prefix="megakit-generate-") as tmp:

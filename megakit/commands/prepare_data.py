@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     inputs = list(args.inputs)
     if args.stdlib:
-        from megakit.train.data import stdlib_files
+        from megakit.train.data.batches import stdlib_files
 
         inputs += [str(p) for p in stdlib_files()]
     cfg = PrepareConfig(inputs=inputs, out=args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,

@@ -1,7 +1,7 @@
 """``megakit probe``: measure this machine (matmul, memory, attention, collectives) into a profile that
 ``megakit plan --hardware PROFILE.json`` plans with instead of a GPU preset.
 
-The measuring runs in ``megakit.train.probe`` (torch); this module parses, checks and writes.
+The measuring runs in ``megakit.train.cluster.probe`` (torch); this module parses, checks and writes.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def run(args) -> int:
         raise UsageError(f"--out {args.out} should name a .json file, e.g. --out hw.json")
     import torch
 
-    from megakit.train import probe
+    from megakit.train.cluster import probe
 
     gpu = torch.cuda.is_available()
     if gpu and args.nproc > torch.cuda.device_count():

@@ -61,7 +61,7 @@ def reduce_tied_grads(tied: list[tuple[nn.Parameter, ...]], topo, gradient=None)
     Forward: nothing. Here (after the last backward): an all-reduce (sum) over
     ``topo.embedding_group`` when the copies live on two ranks, a local sum otherwise.
     ``gradient(p)``: the tensor the optimizer will step ``p`` with (default ``p.grad``; DeepSpeed's
-    bf16 optimizer steps from its fp32 accumulator, ``megakit.train.dp_sync.gradient_of``).
+    bf16 optimizer steps from its fp32 accumulator, ``megakit.train.engine.dp_sync.gradient_of``).
     """
     gradient = gradient or (lambda p: p.grad)
     for copies in tied:

@@ -28,13 +28,13 @@ from megakit.nn.compile import default_compile
 from megakit.interop.checkpoint_format import read_manifest
 from megakit.nn.fp8 import check_fp8
 from megakit.nn.model import trained_mtp_depth
-from megakit.train.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
-from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan
-from megakit.train.ds_config import load_ds_config, require_optimizer
-from megakit.train.guards import DEFAULT_MAX_SKIPPED
-from megakit.train.restarts import auto_load
-from megakit.train.resume import check_checkpoint_flags, check_same_run
-from megakit.train.spikes import data_offset
+from megakit.train.data.batches import DEFAULT_MAX_BYTES, BatchPlan
+from megakit.train.data.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
+from megakit.train.engine.ds_config import load_ds_config, require_optimizer
+from megakit.train.resilience.guards import DEFAULT_MAX_SKIPPED
+from megakit.train.resilience.restarts import auto_load
+from megakit.train.resilience.resume import check_checkpoint_flags, check_same_run
+from megakit.train.resilience.spikes import data_offset
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -92,7 +92,7 @@ class TrainConfig:
     compress: str = "none"  # DP gradient compression: none | fp16 | int8 | sign | topk:RATIO (megakit.core.compression)
     error_feedback: bool = True  # carry what compression dropped into the next step (off only to compare)
     local_sgd: int | None = None  # average the weights over DP every H steps instead of the gradients every step
-    doctor_out: str | None = None  # megakit doctor: gather per-rank facts to this JSON file (megakit.train.diagnostics)
+    doctor_out: str | None = None  # megakit doctor: gather per-rank facts to this JSON file (train.doctor.diagnostics)
     eval_every: int = 0  # validation loss every N steps (and at the end); 0: never
     eval_batches: int = 8  # global batches of the validation split per evaluation
     max_skipped_steps: int = DEFAULT_MAX_SKIPPED  # non-finite steps skipped in a row before the run ends (guards)
@@ -351,7 +351,7 @@ def _check_expert_parallel(cfg: TrainConfig, model: ModelConfig, layout: Layout,
 def _check_dp_sync(cfg: TrainConfig, ds_config: dict) -> Compression:
     """``--compress`` and ``--local-sgd`` replace DeepSpeed's DP all-reduce: at ZeRO 0 all of them, at ZeRO 1 the
     gradient codecs (fp16, int8), through the one all-reduce DeepSpeed's ZeRO-1 optimizer makes with its
-    reduce-scatter off (``megakit.train.dp_sync``)."""
+    reduce-scatter off (``megakit.train.engine.dp_sync``)."""
     compression = parse_compression(cfg.compress)
     flag = f"--compress {cfg.compress}" if compression.enabled else f"--local-sgd {cfg.local_sgd}" if cfg.local_sgd else None
     zero = ds_config.get("zero_optimization", {})

@@ -21,13 +21,14 @@ Global gradient norm (clipping): TP shards count once each, replicated parameter
 once per stage (``Topology.get_model_parallel_rank`` is the TP rank), and the tied
 embedding copy on the last stage is marked ``ds_pipe_replicated`` so DeepSpeed skips it.
 DeepSpeed's fp32 ZeRO-0 path ignores that mark and does not report the norm, so there
-megakit clips itself (``megakit.train.grad_norm``) with the same rule.
+megakit clips itself (``megakit.train.engine.grad_norm``) with the same rule.
 
 Sequence parallelism and recompute (full or selective) are the model's (``Transformer(sequence_parallel=,
 recompute=)``); with SP the stages exchange ``(S/tp, B, H)``. Checkpoints (``--save``,
-``--load``, ``--keep``: weights, optimizer state and step, resumed exactly) are in ``megakit.train.resume``, written in
-the background with ``--async-save`` (``megakit.interop.checkpoint_async``); ``--spike-guard`` rolls back to the newest
-(``megakit.train.spikes``). A user
+``--load``, ``--keep``: weights, optimizer state and step, resumed exactly) are in
+``megakit.train.resilience.resume``, written in the background with ``--async-save``
+(``megakit.interop.checkpoint_async``); ``--spike-guard`` rolls back to the newest
+(``megakit.train.resilience.spikes``). A user
 mistake that every rank makes alike is marked ``all_ranks`` so that only rank 0 prints it.
 """
 
@@ -51,28 +52,28 @@ from megakit.nn import comm
 from megakit.nn.attention import use_cp_mode
 from megakit.nn.attention_kernel import use_kernel
 from megakit.nn.compile import compile_blocks
-from megakit.train.data import TokenBatches
-from megakit.train.deepspeed_shm import unlink_shared_memory
-from megakit.train.diagnostics import Diagnostics
-from megakit.train.dp_sync import DataParallelSync
-from megakit.train.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
-from megakit.train.evaluate import evaluator
-from megakit.train.experts import deepspeed_sees_experts
-from megakit.train.fault_injection import TrainingFaults, with_seed_fault
-from megakit.train.grad_norm import Zero0Clipper
-from megakit.train.guards import StepGuard, TrainingDiverged
-from megakit.train.metrics import StepCommunication, StepMetrics, gpu_peak_tflops, gpu_state
-from megakit.train.moe_step import MoEStep
-from megakit.train.mtp_step import MTPLosses
-from megakit.train.optim import decay_groups, start_schedule
-from megakit.train.reporting import Reporter, start_profiler
-from megakit.train.restarts import AUTO, Attempts
-from megakit.train.resume import per_rank_key, restore, restore_own_state, save_run
+from megakit.train.data.batches import TokenBatches
+from megakit.train.doctor.diagnostics import Diagnostics
+from megakit.train.engine.deepspeed_shm import unlink_shared_memory
+from megakit.train.engine.dp_sync import DataParallelSync
+from megakit.train.engine.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
+from megakit.train.doctor.fault_injection import TrainingFaults, with_seed_fault
+from megakit.train.engine.experts import deepspeed_sees_experts
+from megakit.train.engine.grad_norm import Zero0Clipper
+from megakit.train.engine.moe_step import MoEStep
+from megakit.train.engine.optim import decay_groups, start_schedule
+from megakit.train.observe.evaluate import evaluator
+from megakit.train.observe.metrics import StepCommunication, StepMetrics, gpu_peak_tflops, gpu_state
+from megakit.train.observe.mtp_losses import MTPLosses
+from megakit.train.observe.reporting import Reporter, start_profiler
+from megakit.train.resilience.guards import StepGuard, TrainingDiverged
+from megakit.train.resilience.restarts import AUTO, Attempts
+from megakit.train.resilience.resume import per_rank_key, restore, restore_own_state, save_run
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
-from megakit.train.spikes import SpikeGuard
+from megakit.train.data.token_weighting import weight_by_tokens
+from megakit.train.engine.zero3_linear import linear_restored, save_weights_not_views
+from megakit.train.resilience.spikes import SpikeGuard
 from megakit.train.steps import pipeline_step, plain_step, rank_device
-from megakit.train.token_weighting import weight_by_tokens
-from megakit.train.zero3_linear import linear_restored, save_weights_not_views
 
 
 @dataclass
@@ -97,7 +98,7 @@ def _describe(topo, rank: int) -> str:
 def train(cfg: TrainConfig) -> TrainResult:
     """Run ``cfg.steps`` optimizer steps on the job the launcher started; returns the metrics."""
     from megakit.nn.topology import Topology, init_distributed
-    from megakit.train.faults import from_communication
+    from megakit.train.resilience.faults import from_communication
 
     try:  # user mistakes fail here, before any process group exists, alike on every rank
         cfg = with_seed_fault(cfg, int(os.environ.get("RANK", "0")))  # only in megakit doctor's tests
@@ -152,7 +153,7 @@ def _leave_together(watchdog) -> None:
 
 def _check_placement(cfg: TrainConfig, layout) -> None:
     """Refuse (alike on every rank) a TP group that the launcher spread over several nodes."""
-    from megakit.train.placement import check_tp_within_nodes, gather_places
+    from megakit.train.cluster.placement import check_tp_within_nodes, gather_places
 
     try:
         warning = check_tp_within_nodes(layout.groups("tp"), gather_places(), allow=cfg.allow_cross_node_tp)
@@ -189,7 +190,7 @@ def everywhere(error: UsageError) -> UsageError:
 
 def _start_watchdog(cfg: TrainConfig, topo):
     from megakit.nn.topology import attempt_prefix
-    from megakit.train.faults import Watchdog, connect_store
+    from megakit.train.resilience.faults import Watchdog, connect_store
 
     store = None
     if dist.get_world_size() > 1:
@@ -287,7 +288,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
 
     probe = None
     if cfg.verify_memory:
-        from megakit.train.memory_probe import MemoryProbe
+        from megakit.train.observe.memory_probe import MemoryProbe
 
         probe = MemoryProbe(engine, topo, run)
     moe = None

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from megakit.errors import UsageError
 from megakit.interop.checkpoint_format import MANIFEST
-from megakit.train.resume import is_series
+from megakit.train.resilience.resume import is_series
 
 AUTO = "auto"
 

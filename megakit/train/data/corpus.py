@@ -16,7 +16,7 @@ import torch
 
 from megakit.core.model_config import ModelConfig
 from megakit.errors import UsageError
-from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches, load_tokens
+from megakit.train.data.batches import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches, load_tokens
 
 BYTE_VOCAB = 256
 

@@ -14,7 +14,7 @@ ZeRO-3 the module then holds only partitions, so the second is left out).
 Per step and rank: a hash of every sample's tokens (what it actually trained on), its
 token count, its own loss, the norm of its own gradients before the DP reduction (a
 tensor hook sees each micro-batch's gradient before DeepSpeed does), and its step and
-communication seconds. The faults of ``megakit.train.fault_injection`` are played here
+communication seconds. The faults of ``megakit.train.doctor.fault_injection`` are played here
 (all but a wrong seed, which ``train`` gives the rank before resolving its run).
 """
 
@@ -31,7 +31,7 @@ import torch.distributed as dist
 import xxhash
 
 from megakit.nn import comm
-from megakit.train.fault_injection import VARIABLE, FaultyBatches, injected
+from megakit.train.doctor.fault_injection import VARIABLE, FaultyBatches, injected
 from megakit.train.run import DOCUMENT_FLAGS, MOE_FLAGS
 
 
@@ -70,7 +70,7 @@ class Diagnostics:
     def attach(self, engine, batches, run_step):
         """After ``deepspeed.initialize``: record this rank's start facts, hook its gradients, and return the
         ``(batches, run_step)`` the trainer should use (wrapped to record each step and play the faults)."""
-        from megakit.train.placement import here
+        from megakit.train.cluster.placement import here
 
         module = engine.module
         params = [p for p in module.parameters() if p.requires_grad]

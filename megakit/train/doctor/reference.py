@@ -2,7 +2,7 @@
 
 Plain PyTorch, no DeepSpeed engine and no process group: the full model, every
 micro-batch of every DP rank in turn, torch's AdamW with the ds_config's settings (and the trainer's
-decay groups and schedule placement, ``megakit.train.optim``),
+decay groups and schedule placement, ``megakit.train.engine.optim``),
 the ds_config's LR scheduler class from ``deepspeed.runtime.lr_schedules`` and
 ``torch.nn.utils.clip_grad_norm_``. The equivalence tests compare the trainer's
 loss trajectory against this; it is also the "shrink to one GPU and compare the
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from megakit.train.corpus import ValidationBatches, model_for_corpus, open_corpus
-from megakit.train.data import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches
-from megakit.train.optim import decay_groups, start_schedule
+from megakit.train.data.batches import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches
+from megakit.train.data.corpus import ValidationBatches, model_for_corpus, open_corpus
+from megakit.train.engine.optim import decay_groups, start_schedule
 
 
 def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_len: int | None = None, seed: int = 0,

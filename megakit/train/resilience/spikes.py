@@ -39,9 +39,9 @@ import statistics
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_checkpoint
 from megakit.interop.checkpoint_format import read_manifest
-from megakit.train.guards import TrainingDiverged
-from megakit.train.optim import start_schedule
-from megakit.train.resume import choose_checkpoint, per_rank_key, restore, restore_own_state
+from megakit.train.engine.optim import start_schedule
+from megakit.train.resilience.guards import TrainingDiverged
+from megakit.train.resilience.resume import choose_checkpoint, per_rank_key, restore, restore_own_state
 
 WINDOW = 50
 ARMED_AFTER = 8

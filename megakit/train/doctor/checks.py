@@ -1,9 +1,9 @@
 """FAQ 6's checks for a loss that will not go down, judged from the facts a real job gathered.
 
 Each check returns a ``Verdict``: pass or fail, the numbers it judged, and on failure
-what to change. The facts come from ``megakit.train.diagnostics`` (one JSON file);
+what to change. The facts come from ``megakit.train.doctor.diagnostics`` (one JSON file);
 ``single_process`` adds what one process would have done with the same global batch
-(``megakit.train.reference``), which checks 2 and 4 compare against.
+(``megakit.train.doctor.reference``), which checks 2 and 4 compare against.
 """
 
 from __future__ import annotations
@@ -222,10 +222,10 @@ def single_process(facts: dict, steps: int) -> tuple[list[float] | None, list[li
     """``(losses, sample hashes per step, why not)`` of one process training the job's global batches: the same
     data (loss masks, packed documents and mixtures as the job read them) and the same ``--moe-*`` flags."""
     from megakit.core.model_config import ModelConfig
-    from megakit.train.corpus import open_corpus
-    from megakit.train.data import BatchPlan, TokenBatches
-    from megakit.train.diagnostics import tensor_hash
-    from megakit.train.reference import reference_run
+    from megakit.train.data.batches import BatchPlan, TokenBatches
+    from megakit.train.data.corpus import open_corpus
+    from megakit.train.doctor.diagnostics import tensor_hash
+    from megakit.train.doctor.reference import reference_run
     from megakit.train.run import TrainConfig
 
     c = facts["config"]

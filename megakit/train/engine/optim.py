@@ -19,7 +19,7 @@ import torch
 def decay_groups(module: torch.nn.Module) -> list[dict]:
     """``module``'s trainable parameters as two optimizer groups: decayed, and not decayed (weight_decay 0).
 
-    Named: DeepSpeed splits the experts (``megakit.train.experts``) out of each group by its name."""
+    Named: DeepSpeed splits the experts (``megakit.train.engine.experts``) out of each group by its name."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     decayed = [p.ndim >= 2 and not n.endswith("bias") for n, p in named]
     groups = [{"name": "decay", "params": [p for (_, p), d in zip(named, decayed) if d]},

@@ -2,7 +2,7 @@
 
 TP shards count once each, replicated parameters once per stage (on TP rank 0), and the
 tied embedding copy on the last stage (``ds_pipe_replicated``) not at all. Routed experts
-(``megakit.train.experts``) are split over the EP group, which is folded over TP x CP x DP: one
+(``megakit.train.engine.experts``) are split over the EP group, which is folded over TP x CP x DP: one
 sum over the EP group counts each of the stage's experts once, and it joins the rest on TP rank
 0. DeepSpeed's
 fp32 ZeRO-0 path ignores that mark and does not report the norm, so there megakit clips
@@ -16,7 +16,7 @@ import math
 import torch
 
 from megakit.nn import comm
-from megakit.train.experts import is_expert
+from megakit.train.engine.experts import is_expert
 
 
 def counted_in_norm(param, topo) -> bool:
@@ -57,7 +57,7 @@ class Zero0Clipper:
 
     A non-finite norm on any rank (one all-reduced flag: with --local-sgd the DP ranks' gradients
     differ) clears every gradient instead, so the optimizer skips the step, as DeepSpeed's own
-    optimizers do (``megakit.train.guards``).
+    optimizers do (``megakit.train.resilience.guards``).
     """
 
     def __init__(self, params, topo, max_norm: float) -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megakit.nn.attention_kernel import attention_kernels_in
-from megakit.train.metrics import StepMetrics
+from megakit.train.observe.metrics import StepMetrics
 
 
 def start_profiler(directory: str | None, *, steps: int, rank: int):
@@ -159,7 +159,7 @@ class Reporter:
     def eval(self, step: int, loss: float, sources: dict | None = None) -> dict:
         """Log a validation loss (console, TensorBoard), and a mixture's per data set; returns the record the
         metrics file keeps."""
-        from megakit.train.evaluate import perplexity
+        from megakit.train.observe.evaluate import perplexity
 
         record = {"step": step, "loss": loss, "perplexity": perplexity(loss), **({"sources": sources} if sources else {})}
         if self.active:
@@ -186,7 +186,7 @@ class Reporter:
 
     def memory(self, rows: list) -> None:
         if self.active:
-            from megakit.train.memory_probe import format_table
+            from megakit.train.observe.memory_probe import format_table
 
             self._print(format_table(rows))
 

@@ -11,7 +11,7 @@ means). DeepSpeed's asynchronous ZeRO-3 gathers count their launch on CPU and th
 operation on GPU, where its logger synchronises the device after each call; on GPU,
 measuring synchronises, so a trainer measures sampled steps only. The door also counts the
 bytes the all-to-alls send to other ranks (``all_to_all_bytes``); per-layer MoE figures come
-from ``megakit.train.moe_step``.
+from ``megakit.train.engine.moe_step``.
 """
 
 from __future__ import annotations
@@ -119,9 +119,9 @@ class StepMetrics:
     dp_bytes: int | None = None  # DP bytes this rank sent (when megakit, not DeepSpeed, syncs DP: --compress, --local-sgd)
     dp_bytes_dense: int | None = None  # what the plain fp32 all-reduce of the same gradients would have sent
     data_seconds: float | None = None  # this rank's wait for its batch (the loader), before the step's clock
-    skipped: bool = False  # a non-finite step the optimizer did not apply (megakit.train.guards)
-    moe: dict | None = None  # MoE layer -> {max_tokens, mean_tokens, dropped, aux, ...} (train.moe_step)
-    mtp: list | None = None  # each MTP depth's loss L_k of the step (train.mtp_step), with --mtp
+    skipped: bool = False  # a non-finite step the optimizer did not apply (megakit.train.resilience.guards)
+    moe: dict | None = None  # MoE layer -> {max_tokens, mean_tokens, dropped, aux, ...} (engine.moe_step)
+    mtp: list | None = None  # each MTP depth's loss L_k of the step (observe.mtp_losses), with --mtp
     all_to_all_bytes: int | None = None  # what this rank's MoE all-to-alls sent (measured steps)
     compiling: bool = False  # the step's time includes torch.compile of the blocks (--compile's first step)
     gpu_util: float | None = None  # rank 0's GPU utilisation, % (gpu_state); None on CPU

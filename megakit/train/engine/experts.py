@@ -13,7 +13,7 @@ and ``deepspeed.utils.groups`` holds the EP and EDP groups under that name. Give
   its EP rank already sums the tokens that every rank of the EP group sent it, so this is
   the mean over the global batch, as for the dense weights;
 - ZeRO 1-2: the experts get optimizer groups of their own (``split_params_into_different_
-  moe_groups_for_optimizer``, from the named groups of ``megakit.train.optim``), whose fp32
+  moe_groups_for_optimizer``, from the named groups of ``megakit.train.engine.optim``), whose fp32
   master, moments and gradient partitions are sharded and reduce-scattered over EDP
   (``_configure_moe_settings``), again divided by DP x CP; its gradient norm sums every rank's
   squares over DP x CP, then over TP x PP. The EP group is folded over TP x CP x DP

@@ -87,7 +87,7 @@ def evaluator(run, topo, engine, device):
     """``evaluate()`` -> ``(validation loss, per data set of a mixture or None)`` of the engine's model now, on every
     rank: the loss over every data set's validation tokens, each data set evaluated on its own split."""
     from megakit.nn.pipeline import activation_shape
-    from megakit.train.corpus import ValidationBatches
+    from megakit.train.data.corpus import ValidationBatches
 
     plan = run.batch
     corpora = run.corpus.parts  # a mixture: each data set's validation split on its own

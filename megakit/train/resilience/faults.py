@@ -23,7 +23,7 @@ import time
 import traceback
 from datetime import timedelta
 
-from megakit.train.placement import host_id
+from megakit.train.cluster.placement import host_id
 
 _PREFIX = "megakit/heartbeat/"
 DONE = b"done"
