@@ -41,6 +41,19 @@ def draw_gpt_oss(model):
 
 
 @torch.no_grad()
+def draw_deepseek(model):
+    """A DeepSeek-V3 whose norms and expert bias act: norm weights ``N(1, 0.2)`` (at one a norm's weight hides in
+    rounding) and the routing bias ``N(0, 0.1)`` (at zero it changes no choice)."""
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.normal_(1.0, 0.2)
+    for module in model.modules():
+        if hasattr(module, "e_score_correction_bias"):
+            module.e_score_correction_bias.normal_(0.0, 0.1)
+    return model
+
+
+@torch.no_grad()
 def converted_logits(directory, hf_config, tensors: dict, config: ModelConfig, ids: torch.Tensor) -> torch.Tensor:
     """Write ``tensors`` with ``hf_config`` as a transformers checkpoint in ``directory``, convert it with ``megakit
     convert --from-hf`` and return the imported bf16 model's fp32 logits of ``ids``."""

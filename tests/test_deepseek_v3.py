@@ -16,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_reference import converted_logits, eager, megakit_copy  # noqa: E402
+from hf_reference import converted_logits, draw_deepseek, eager, megakit_copy  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 
 from megakit.core.model_config import ModelConfig  # noqa: E402
@@ -30,15 +30,7 @@ def hf_deepseek(**changes):
     """The tiny DeepSeek-V3 of ``models/deepseek-v3-tiny.json`` (vocab 128), its norms and expert bias drawn."""
     fields = ModelConfig.load("deepseek-v3-tiny").to_hf() | {"vocab_size": 128} | changes
     config = transformers.DeepseekV3Config(**{k: v for k, v in fields.items() if k != "model_type"})
-    model = eager(transformers.DeepseekV3ForCausalLM, config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-        for module in model.modules():
-            if hasattr(module, "e_score_correction_bias"):
-                module.e_score_correction_bias.normal_(0.0, 0.1)
-    return model
+    return draw_deepseek(eager(transformers.DeepseekV3ForCausalLM, config))
 
 
 @pytest.mark.parametrize("changes", [{}, {"q_lora_rank": None}, {"rope_interleave": False}])

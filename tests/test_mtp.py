@@ -21,7 +21,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_reference import eager  # noqa: E402
+from hf_reference import draw_deepseek, eager  # noqa: E402
 from multiproc import run_ranks  # noqa: E402
 from tolerance import assert_fp32_close, grad_scale  # noqa: E402
 
@@ -59,14 +59,7 @@ def hf_models(depths: int, dtype=torch.float32):
         for name, p in mtp.named_parameters():  # post_init leaves some of MtpModel's own tensors as torch.empty
             if name.startswith("layers.") and "norm" not in name:
                 p.normal_(0.0, config.initializer_range)
-        for model in (main, mtp):
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.normal_(1.0, 0.2)
-            for module in model.modules():
-                if hasattr(module, "e_score_correction_bias"):
-                    module.e_score_correction_bias.normal_(0.0, 0.1)
-    return main, mtp
+    return draw_deepseek(main), draw_deepseek(mtp)
 
 
 def checkpoint_tensors(main, mtp) -> dict[str, torch.Tensor]:

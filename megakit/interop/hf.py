@@ -179,8 +179,8 @@ def to_hf_state_dict(config: ModelConfig, state: dict[str, torch.Tensor]) -> dic
 
 def _block_to_hf(config: ModelConfig, ours: str, theirs: str, state: dict) -> dict[str, torch.Tensor]:
     """Our block under the name prefix ``ours`` as transformers' decoder layer ``theirs`` (Llama's layout)."""
-    out = {theirs + hf: state[ours + suffix]
-           for suffix, hf in (_GEMMA_BLOCK if config.sandwich_norms else _LLAMA_BLOCK).items() if ours + suffix in state}
+    names = _GEMMA_BLOCK if config.sandwich_norms else _LLAMA_BLOCK
+    out = {theirs + hf: state[ours + suffix] for suffix, hf in names.items() if ours + suffix in state}
     if ours + "mlp.experts.gate_up_proj" in state:  # by the keys: export converts one block at a time
         out.update(_moe_to_hf(config, ours, theirs, state))
     return out
@@ -188,8 +188,8 @@ def _block_to_hf(config: ModelConfig, ours: str, theirs: str, state: dict) -> di
 
 def _block_from_hf(config: ModelConfig, ours: str, theirs: str, hf: dict, *, moe: bool) -> dict[str, torch.Tensor]:
     """``_block_to_hf``'s inverse; ``moe``: the block's MLP is a mixture of experts."""
-    out = {ours + suffix: hf[theirs + name]
-           for suffix, name in (_GEMMA_BLOCK if config.sandwich_norms else _LLAMA_BLOCK).items() if theirs + name in hf}
+    names = _GEMMA_BLOCK if config.sandwich_norms else _LLAMA_BLOCK
+    out = {ours + suffix: hf[theirs + name] for suffix, name in names.items() if theirs + name in hf}
     if moe:
         out.update(_moe_from_hf(config, ours, theirs, hf))
     return out

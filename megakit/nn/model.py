@@ -109,7 +109,7 @@ class Transformer(nn.Module):
         mtp_depth = trained_mtp_depth(config, mtp, mtp_weight)  # checked on every stage alike; built on the last
         kw = dict(group=group, sequence_parallel=self.sequence_parallel, dtype=dtype, device=device)
         tied = config.tie_embeddings
-        if pre or (post and (tied or mtp_depth > 0)):  # a tied or MTP last stage keeps its own copy, under the same name
+        if pre or (post and (tied or mtp_depth > 0)):  # a tied or MTP last stage keeps a copy, under the same name
             self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden, **kw)
             # DeepSpeed counts a ds_pipe_replicated parameter once (on the first stage) in the grad norm.
             self.embed.weight.ds_pipe_replicated = not pre

@@ -66,7 +66,8 @@ class PredictionModule(nn.Module):
         self.norm = Norm(config, **kw)
 
     def forward(self, previous: torch.Tensor, embedded: torch.Tensor, rope, keys, documents) -> torch.Tensor:
-        """``previous``: ``g^{k-1}`` ``(S', B, H)``; ``embedded``: ``Emb(t_{i+k})`` at the same rows. Returns ``g^k``."""
+        """``previous``: ``g^{k-1}`` ``(S', B, H)``; ``embedded``: ``Emb(t_{i+k})`` at the same rows.
+        Returns ``g^k``."""
         x = torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1)  # (S', B, 2H): the embedding first
         x = self.eh_proj(x)  # (S, B, H), whole on every TP rank
         if self.sequence_parallel:

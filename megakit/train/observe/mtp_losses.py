@@ -2,8 +2,9 @@
 
 The training loss is the objective ``L_main + lambda / D x sum(L_k)``; a user watching the modules learn needs each
 ``L_k`` itself. Every micro-batch's ``L_k`` is already divided by its share of the step's count of depth-k targets
-(``megakit.train.data.token_weighting``), so the step's ``L_k`` is their mean over the micro-batches and the DP replicas. The last
-stage's ranks hold it; one all-reduce of D numbers over the job (as the MoE metrics do) brings it to every rank.
+(``megakit.train.data.token_weighting``), so the step's ``L_k`` is their mean over the micro-batches and the DP
+replicas. The last stage's ranks hold it; one all-reduce of D numbers over the job (as the MoE metrics do) brings it
+to every rank.
 """
 
 from __future__ import annotations
