@@ -12,11 +12,12 @@ model, ``gemma3_text``: (1 + w) RMSNorms in fp32, norms after attention and the 
 embedding, QK-norm, its own score scale, and local and global RoPE on its sliding and full blocks). ``moe``
 (``core.moe_config``) makes it a Mixture-of-Experts model: mixtral, qwen2_moe, qwen3_moe, gpt_oss (its
 router and expert biases, clamped SwiGLU, attention biases and sinks, alternating 128-token windows), and
-deepseek_v3 (with ``kimi_k2`` its alias), whose attention is ``mla`` (``core.mla_config``).
+deepseek_v3 (with ``kimi_k2`` its alias), whose attention is ``mla`` (``core.mla_config``). SmolLM3 (``smollm3``) is
+Llama with some blocks that do not rotate q and k (``nope_layers``, its ``no_rope_layers``).
 
 The attention schedule is per block (``attention_window``): ``layer_types`` as transformers 5 writes it
 (``full_attention`` or ``sliding_attention`` per block, any pattern), or, without it, Qwen's run of last
-blocks (``sliding_window_from``).
+blocks (``sliding_window_from``); and each block's RoPE (``block_rope``) or none (``block_uses_rope``).
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ from megakit.core.rope import RopeScaling, read_rope, write_rope
 from megakit.errors import UsageError
 
 PRESETS = Path(__file__).resolve().parents[2] / "models"
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # of transformers' ALLOWED_ATTN_LAYER_TYPES, what megakit runs
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "kimi_k2")
 MLA_TYPES = ("deepseek_v3", "kimi_k2")  # Kimi K2's config is DeepSeek-V3's under another name
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                    "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                     "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                     "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                     "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM"}
@@ -81,6 +82,7 @@ class ModelConfig:
     query_pre_attn_scalar: float = 0.0  # 0: head_dim
     sliding_rope_theta: float = 0.0  # 0: rope_theta and rope_scaling on every block
     sliding_rope_scaling: RopeScaling | None = None
+    nope_layers: tuple[int, ...] = ()  # blocks that do not rotate q and k (SmolLM3's NoPE blocks); (): all rotate
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax denominator
     mla: MLAConfig | None = None  # DeepSeek-V3's Multi-head Latent Attention in place of q/k/v heads
     mtp_layers: int = 0  # DeepSeek-V3's Multi-Token Prediction depth (megakit.nn.mtp; trained with --mtp)
@@ -118,6 +120,7 @@ class ModelConfig:
             raise UsageError(f"layer_types has {len(self.layer_types)} entries for {self.layers} blocks; give one "
                              "per block")
         check_layer_types(self.layer_types)
+        self._check_nope_layers()
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise UsageError("layer_types has sliding_attention blocks but sliding_window is not set; give the window")
         if self.mlp_act not in ("silu", "gelu_tanh"):
@@ -125,6 +128,17 @@ class ModelConfig:
         if self.sliding_window < 0 or self.sliding_window_from < 0:
             raise UsageError(f"sliding_window {self.sliding_window} and sliding_window_from {self.sliding_window_from} "
                              "must not be negative")
+
+    def _check_nope_layers(self) -> None:
+        """``nope_layers`` as a sorted tuple of block indices, only where the blocks rotate q and k at all."""
+        object.__setattr__(self, "nope_layers", tuple(sorted(set(self.nope_layers))))
+        if not self.nope_layers:
+            return
+        if self.family != "llama" or self.mla:
+            raise UsageError("nope_layers (blocks without RoPE) needs the llama family's q/k heads (not GPT-2's "
+                             "learned positions, not MLA's shared RoPE key)")
+        if not all(isinstance(i, int) and 0 <= i < self.layers for i in self.nope_layers):
+            raise UsageError(f"nope_layers {list(self.nope_layers)} has entries outside blocks 0..{self.layers - 1}")
 
     # -- loading -----------------------------------------------------------------------------
     @classmethod
@@ -184,6 +198,8 @@ class ModelConfig:
                 mla = MLAConfig.from_hf(data) if kind in MLA_TYPES else None
                 if kind == "gemma3_text":
                     return cls._from_gemma3(data, source)
+                if kind == "smollm3":
+                    return cls._from_smollm3(data, source)
                 theta, scaling = read_rope(data, source=source)
                 window, window_from, types = _sliding_window(data, kind, source)
                 return cls(
@@ -244,6 +260,42 @@ class ModelConfig:
             query_pre_attn_scalar=float(data.get("query_pre_attn_scalar", 256)), sliding_rope_theta=sliding[0],
             sliding_rope_scaling=sliding[1], hf_type="gemma3_text")
 
+    @classmethod
+    def _from_smollm3(cls, data: dict, source: str) -> "ModelConfig":
+        """SmolLM3 (``SmolLM3ForCausalLM``): Llama with ``no_rope_layers`` and an optional window on its NoPE blocks,
+        transformers 5's defaults (``SmolLM3Config``) where a field is absent."""
+        layers, heads = data["num_hidden_layers"], data["num_attention_heads"]
+        theta, scaling = read_rope({"rope_theta": 2e6, **data}, source=source)  # SmolLM3Config.default_theta
+        window, types = _smollm3_windows(data, source)
+        bias = bool(data.get("attention_bias", False))
+        return cls(
+            family="llama", vocab_size=data["vocab_size"], max_seq_len=data.get("max_position_embeddings", 32768),
+            hidden=data["hidden_size"], layers=layers, heads=heads, kv_heads=data.get("num_key_value_heads") or heads,
+            ffn=data["intermediate_size"], norm_eps=data.get("rms_norm_eps", 1e-6),
+            tie_embeddings=data.get("tie_word_embeddings", True), dropout=data.get("attention_dropout", 0.0),
+            head_dim=data.get("head_dim") or 0, rope_theta=theta, rope_scaling=scaling, sliding_window=window,
+            layer_types=types, nope_layers=_smollm3_nope_layers(data, source), qkv_bias=bias, out_bias=bias,
+            mlp_bias=bool(data.get("mlp_bias", False)), init_std=data.get("initializer_range", 0.02),
+            hf_type="smollm3")
+
+    def _smollm3_to_hf(self) -> dict:
+        """``_from_smollm3``'s inverse: the fields transformers' ``SmolLM3Config.to_dict`` writes and its model reads
+        (``head_dim`` only where it is not ``hidden / heads``, as transformers derives it)."""
+        out = {"model_type": "smollm3", "architectures": [HF_ARCHITECTURES["smollm3"]], "vocab_size": self.vocab_size,
+               "max_position_embeddings": self.max_seq_len, "hidden_size": self.hidden,
+               "intermediate_size": self.ffn, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+               "num_key_value_heads": self.kv_heads, "hidden_act": "silu", "rms_norm_eps": self.norm_eps,
+               "rope_parameters": write_rope(self.rope_theta, self.rope_scaling)["rope_parameters"],
+               "tie_word_embeddings": self.tie_embeddings, "attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias,
+               "attention_dropout": self.dropout, "initializer_range": self.init_std,
+               "use_sliding_window": "sliding_attention" in self.layer_types,
+               "sliding_window": self.sliding_window if "sliding_attention" in self.layer_types else None,
+               "layer_types": list(self.layer_types or ("full_attention",) * self.layers),
+               "no_rope_layers": [int(self.block_uses_rope(i)) for i in range(self.layers)]}
+        if self.head_dim != self.hidden // self.heads:
+            out["head_dim"] = self.head_dim
+        return out
+
     def _gemma3_to_hf(self) -> dict:
         """``_from_gemma3``'s inverse."""
         rope = {"full_attention": write_rope(self.rope_theta, self.rope_scaling)["rope_parameters"],
@@ -281,6 +333,10 @@ class ModelConfig:
         if self.sliding_rope_theta and self.attention_window(index):
             return self.sliding_rope_theta, self.sliding_rope_scaling
         return self.rope_theta, self.rope_scaling
+
+    def block_uses_rope(self, index: int) -> bool:
+        """Whether block ``index`` rotates q and k: the llama family's blocks, less SmolLM3's NoPE ones."""
+        return self.family == "llama" and index not in self.nope_layers
 
     # -- derived sizes: the one count of parameters and FLOPs (model, planner, partition) -----------
     def padded_vocab(self, tp: int) -> int:
@@ -448,6 +504,11 @@ class ModelConfig:
                     "scale_attn_by_inverse_layer_idx": self.scale_attn_by_inverse_layer_idx}
         if self.hf_type == "gemma3_text":
             return self._gemma3_to_hf()
+        if self.hf_type == "smollm3":
+            return self._smollm3_to_hf()
+        if self.nope_layers:
+            raise UsageError(f"blocks without RoPE (nope_layers {list(self.nope_layers)}) cannot be written as a "
+                             f"transformers {self.hf_type or 'llama'} config; SmolLM3's (smollm3) has them")
         qwen2 = self.qkv_bias and not self.out_bias  # Llama's attention_bias covers o_proj too
         kind = self.hf_type or ("qwen2" if qwen2 else "mistral" if self.sliding_window else "llama")
         if kind == "mistral" and (self.qkv_bias or self.mlp_bias):
@@ -569,6 +630,41 @@ def check_layer_types(types) -> None:
     if unknown:
         raise UsageError(f"layer_types has {', '.join(map(repr, unknown))}, which megakit does not implement; it runs "
                          f"{' and '.join(LAYER_TYPES)} (chunked, linear and other attention types are refused)")
+
+
+def _smollm3_nope_layers(data: dict, source: str) -> tuple[int, ...]:
+    """The blocks SmolLM3 does not rotate: the 0s of ``no_rope_layers`` (1: RoPE), or, without the list, every
+    ``no_rope_layer_interval``-th block (transformers' ``SmolLM3Config.__post_init__``: ``(i + 1) % interval == 0``)."""
+    n, flags = data["num_hidden_layers"], data.get("no_rope_layers")
+    if flags is None:
+        interval = data.get("no_rope_layer_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise UsageError(f"model config {source} has no_rope_layer_interval {interval!r}; give a positive integer")
+        return tuple(i for i in range(n) if (i + 1) % interval == 0)
+    if not isinstance(flags, list) or len(flags) < n or any(f not in (0, 1) for f in flags):
+        raise UsageError(f"model config {source} has no_rope_layers {flags!r}; give a 1 (RoPE) or 0 (none) per block")
+    return tuple(i for i in range(n) if not flags[i])
+
+
+def _smollm3_windows(data: dict, source: str) -> tuple[int, tuple[str, ...]]:
+    """``(window, layer_types)`` as SmolLM3 reads them: a block slides only where ``use_sliding_window`` is set and
+    its ``layer_types`` entry says so (by default its NoPE blocks, when ``sliding_window`` is set too)."""
+    types, window = data.get("layer_types"), data.get("sliding_window")
+    check_layer_types(types)
+    sliding = "sliding_attention" in (types or ())
+    if not data.get("use_sliding_window", False):
+        if sliding:  # transformers' eager mask would slide, its flash path would not
+            raise UsageError(f"model config {source} has sliding_attention in layer_types but use_sliding_window "
+                             "false, which transformers' attention paths read differently; set one of them")
+        return 0, ()
+    if types is None and window is not None:
+        nope = _smollm3_nope_layers(data, source)
+        types = ["sliding_attention" if i in nope else "full_attention" for i in range(data["num_hidden_layers"])]
+    if not types or "sliding_attention" not in types:
+        return 0, ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise UsageError(f"model config {source} has sliding_window {window!r}; give a positive integer")
+    return window, tuple(types)
 
 
 def _sliding_window(data: dict, kind: str, source: str) -> tuple[int, int, tuple[str, ...]]:

@@ -1,6 +1,7 @@
 """Causal self-attention with heads split over TP, and over CP as ring attention; rotary positions.
 
-RoPE's variants (llama3, linear, yarn, dynamic) are ``megakit.core.rope``'s frequencies; a sliding
+RoPE's variants (llama3, linear, yarn, dynamic) are ``megakit.core.rope``'s frequencies, and a block may have none
+(``ModelConfig.block_uses_rope``: q and k go to the core unrotated, on every path alike); a sliding
 window (Mistral, Qwen2) masks keys more than ``window - 1`` positions back, and packed documents
 (``megakit.nn.documents``) mask keys of other documents, in every path.
 
@@ -151,7 +152,7 @@ class Attention(nn.Module):
         self.group, self.sequence_parallel, self.site, self.selective = group, sequence_parallel, site, selective
         self.heads, self.kv_heads, self.head_dim = config.heads // tp, config.kv_heads // tp, config.head_dim
         self.total_heads, self.head_start = config.heads, C.rank(group) * self.heads
-        self.dropout, self.rope = config.dropout, config.family == "llama"
+        self.dropout, self.rope = config.dropout, config.block_uses_rope(index)  # SmolLM3's NoPE blocks: no rotation
         self.expand_kv = False  # set by megakit.nn.attention_kernel.use_kernel for kernels that need it
         self.flex_documents = False  # packed documents through FlexAttention (use_kernel sets it on a GPU)
         self.cp_mode = "ring"  # with CP: ring attention, "a2a" (Ulysses: megakit.nn.ulysses) or "hybrid"; use_cp_mode
