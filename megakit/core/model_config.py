@@ -39,7 +39,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # of transformers' ALLOWE
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "kimi_k2")
 MLA_TYPES = ("deepseek_v3", "kimi_k2")  # Kimi K2's config is DeepSeek-V3's under another name
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                    "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                    "smollm3": "SmolLM3ForCausalLM",
                     "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                     "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                     "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM"}
