@@ -55,8 +55,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--seq-len", type=int, help="sequence length (default 2048, or the config's, up to 8192)")
     model.add_argument("--vocab", type=int, help="vocabulary size override")
     model.add_argument("--mtp", action="store_true",
-                       help="train the config's Multi-Token Prediction modules (DeepSeek-V3's num_nextn_predict_layers) "
-                            "on the last stage, as train.py --mtp does")
+                       help="train the config's Multi-Token Prediction modules (DeepSeek-V3's "
+                            "num_nextn_predict_layers) on the last stage, as train.py --mtp does")
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--gpu", default="a100-80gb", help=f"GPU preset: {', '.join(GPUS)}")
     cluster.add_argument("--gpus", type=int, help="total GPUs (default: the fewest whole nodes that fit)")

@@ -120,7 +120,8 @@ def _mtp_flops(model: ModelSpec, seq_len: int, recompute: str, flash_attention: 
     total = 0.0
     for k in range(1, model.mtp + 1):
         fwd, attn = c.block_flops(seq_len, convention="megatron", moe=c.is_moe_layer(c.layers + k - 1))
-        total += 3 * fwd + recompute_flops(fwd, attn, recompute, flash_attention) + 6 * 2 * c.hidden ** 2 + 3 * c.head_flops()
+        total += (3 * fwd + recompute_flops(fwd, attn, recompute, flash_attention) + 6 * 2 * c.hidden ** 2
+                  + 3 * c.head_flops())
     return total
 
 

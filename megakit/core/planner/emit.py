@@ -125,9 +125,11 @@ KEEP = 3  # checkpoints the emitted launch keeps (--keep): the newest is the one
 
 
 def train_flags(plan: Plan, *, config_path: str, model_arg: str, seq_len: int, save: str | None = None,
-                save_every: int = 0, stage_layers: tuple[int, ...] | None = None, mtp: bool = False) -> list[str]:
+                save_every: int = 0, stage_layers: tuple[int, ...] | None = None,
+                mtp: bool = False) -> list[str]:
     """``scripts/train.py``'s flags for the plan's layout, recompute, sequence parallelism, virtual stages, a
-    pinned ``stage_layers`` split (the default split is the trainer's own), ``--mtp``, and with ``save`` a checkpoint series
+    pinned ``stage_layers`` split (the default split is the trainer's own), ``--mtp``, and with ``save`` a
+    checkpoint series
     every ``save_every`` steps that the same command resumes (``--load auto``)."""
     parts = ["--ds_config", config_path, "--tp", str(plan.tp), "--pp", str(plan.pp), "--model", model_arg,
              "--seq-len", str(seq_len)]
