@@ -54,6 +54,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", help="preset name from models/ or a Hugging Face config.json path")
     model.add_argument("--seq-len", type=int, help="sequence length (default 2048, or the config's, up to 8192)")
     model.add_argument("--vocab", type=int, help="vocabulary size override")
+    model.add_argument("--mtp", action="store_true",
+                       help="train the config's Multi-Token Prediction modules (DeepSeek-V3's "
+                            "num_nextn_predict_layers) on the last stage, as train.py --mtp does")
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--gpu", default="a100-80gb", help=f"GPU preset: {', '.join(GPUS)}")
     cluster.add_argument("--gpus", type=int, help="total GPUs (default: the fewest whole nodes that fit)")
@@ -197,7 +200,7 @@ def load_model(args) -> ModelSpec:
         )
 
         spec = ModelSpec.from_config(args.model, count_params=exact_param_count)
-    return spec.with_overrides(seq_len=args.seq_len, vocab_size=args.vocab)
+    return spec.with_overrides(seq_len=args.seq_len, vocab_size=args.vocab, mtp=getattr(args, "mtp", False))
 
 
 def run(args) -> int:
@@ -287,7 +290,7 @@ def run(args) -> int:
                                   gpu_mtbf_hours=args.mtbf_gpu_hours)
     save_every = args.save_every or min(advice.save_every, total_steps)  # a short run saves once, at its end
     flags = dict(config_path=config_path, model_arg=model_arg, seq_len=model.seq_len, save=args.save,
-                 save_every=save_every, stage_layers=pins.stage_layers)
+                 save_every=save_every, stage_layers=pins.stage_layers, mtp=model.mtp > 0)
     launch, launch_note = emit.launch_command(plan, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
                                               hostfile=launch_path if kind == "hostfile" else None, **flags)
     single = estimate_cost(model, dataclasses.replace(cluster, num_gpus=1),
@@ -315,7 +318,8 @@ def run(args) -> int:
     report["plan"]["gflops_per_token"] = {  # causal, window-aware (Megatron-Bridge's convention), and without windows
         "causal": model.config.causal_flops_per_token(model.seq_len) / 1e9,
         "windows_ignored": model.config.causal_flops_per_token(model.seq_len, windows=False) / 1e9}
-    if model.config.mtp_layers:  # DeepSeek-V3's prediction modules, which megakit does not train yet
+    report["plan"]["mtp"] = model.mtp  # the MTP modules planned on the last stage (--mtp), in its memory and time
+    if model.config.mtp_layers:  # DeepSeek-V3's prediction modules (counted in the plan's FLOPs with --mtp)
         report["plan"]["gflops_per_token"]["with_mtp"] = model.config.causal_flops_per_token(model.seq_len,
                                                                                             mtp=True) / 1e9
     if plan.cp > 1:

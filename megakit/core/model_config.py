@@ -478,6 +478,24 @@ class ModelConfig:
                                         + 6 * widths * (seq_len + 1) / 2 + 3 * self.head_flops())
         return total
 
+    def mtp_depth(self, mtp: bool) -> int:
+        """The MTP modules trained with ``--mtp`` (``mtp``): the config's, refused where it has none, as the trainer
+        refuses it (``megakit.nn.model.trained_mtp_depth``); 0 without ``--mtp``."""
+        if mtp and not self.mtp_layers:
+            raise UsageError("MTP asked of a model without prediction modules; set num_nextn_predict_layers in the "
+                             "config (DeepSeek-V3: 1) or drop --mtp")
+        return self.mtp_layers if mtp else 0
+
+    def mtp_module_params(self, depth: int, tp: int = 1) -> BlockParams:
+        """MTP module ``depth``'s (1-based) parameters on one TP rank (``megakit.nn.mtp.PredictionModule``): its block,
+        numbered ``layers + depth - 1`` as DeepSeek's checkpoint numbers it (MoE or dense by that index), ``eh_proj``
+        (2H x H, column-parallel) and three norms (enorm, hnorm and the one before the shared head), replicated.
+        The embedding copy and the head it shares are not its own."""
+        block = self.block_params(tp, moe=self.is_moe_layer(self.layers + depth - 1))
+        norm = (2 if self.family == "gpt2" else 1) * self.hidden
+        return block._replace(matmul=block.matmul + 2 * self.hidden * self.hidden // tp,
+                              replicated=block.replicated + 3 * norm)
+
     def head_flops(self) -> int:
         """Forward FLOPs per token of the LM head (``V x H``, paid even when tied; the lookups are free)."""
         return 2 * self.hidden * self.vocab_size

@@ -22,9 +22,11 @@ from megakit.errors import UsageError
 METHODS = ("params", "flops")
 
 
-def layer_costs(config, method: str = "params", *, seq_len: int | None = None) -> tuple[list[float], float, float]:
+def layer_costs(config, method: str = "params", *, seq_len: int | None = None,
+                mtp: int = 0) -> tuple[list[float], float, float]:
     """``(per block, embedding, head)`` cost of a ``ModelConfig`` (its own counts: ``block_params``,
-    ``embedding_params``, ``head_params``; ``block_flops`` in the weight-matrices convention)."""
+    ``embedding_params``, ``head_params``; ``block_flops`` in the weight-matrices convention). ``mtp``: the
+    Multi-Token Prediction modules trained (``ModelConfig.mtp_depth``), which sit with the head on the last stage."""
     if method not in METHODS:
         raise UsageError(f"unknown partition method {method!r}; use one of {', '.join(METHODS)} or a list of layer counts")
     kinds = [config.is_moe_layer(i) for i in range(config.layers)]  # an MoE model's dense blocks cost less
@@ -37,7 +39,19 @@ def layer_costs(config, method: str = "params", *, seq_len: int | None = None) -
                 for moe in set(kinds)}
         embedding = 0.0
         head = config.head_flops()
+    head += sum(_mtp_cost(config, method, k, seq_len) for k in range(1, mtp + 1))
     return [float(cost[k]) for k in kinds], float(embedding), float(head)
+
+
+def _mtp_cost(config, method: str, depth: int, seq_len: int | None) -> float:
+    """MTP module ``depth``'s cost on the last stage: its block, ``eh_proj`` and norms, and either (params) the
+    embedding copy that stage keeps unless the head already is one (tied), or (flops) one more head product."""
+    module = config.mtp_module_params(depth)
+    if method == "params":
+        return module.total + (config.embedding_params() if depth == 1 and not config.tie_embeddings else 0)
+    block, _ = config.block_flops(seq_len or config.max_seq_len, convention="matmul",
+                                  moe=config.is_moe_layer(config.layers + depth - 1))
+    return block + 2 * 2 * config.hidden ** 2 + config.head_flops()
 
 
 def parse_stage_layers(text: str | None) -> tuple[int, ...] | None:
@@ -119,11 +133,13 @@ def _balanced_counts(block: list[float], embedding: float, head: float, stages: 
     return counts[::-1]
 
 
-def partition_layers(config, pp: int, vpp: int = 1, method="params", *, seq_len: int | None = None) -> list[range]:
+def partition_layers(config, pp: int, vpp: int = 1, method="params", *, seq_len: int | None = None,
+                     mtp: int = 0) -> list[range]:
     """The global layer indices of each virtual stage (``pp * vpp`` ranges, in pipeline order).
 
     ``method`` is "params", "flops", or a list of layer counts per virtual stage (``check_stage_layers``).
-    Virtual stage ``c * pp + r`` is chunk ``c`` of PP rank ``r``.
+    Virtual stage ``c * pp + r`` is chunk ``c`` of PP rank ``r``. ``mtp``: the MTP modules trained, which weigh
+    on the last virtual stage (``layer_costs``), so it gets fewer blocks.
     """
     stages = pp * vpp
     if not isinstance(pp, int) or not isinstance(vpp, int) or pp < 1 or vpp < 1:
@@ -132,7 +148,7 @@ def partition_layers(config, pp: int, vpp: int = 1, method="params", *, seq_len:
         raise UsageError(f"{config.layers} layers cannot fill {stages} pipeline (virtual) stages; "
                          f"lower --pp/--vpp to at most {config.layers} stages in all")
     if isinstance(method, str):
-        block, embedding, head = layer_costs(config, method, seq_len=seq_len)
+        block, embedding, head = layer_costs(config, method, seq_len=seq_len, mtp=mtp)
         counts = _balanced_counts(block, embedding, head, stages)
     else:
         counts = check_stage_layers(method, layers=config.layers, pp=pp, vpp=vpp)

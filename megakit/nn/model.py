@@ -307,8 +307,10 @@ class Transformer(nn.Module):
 
 
 def build_stage_chunks(config, topo, *, vpp: int = 1, method="params", **model_kwargs) -> list[Transformer]:
-    """This rank's ``Transformer`` chunks for a ``pp x vpp`` split (embedding on the first, head on the last)."""
-    ranges = partition_layers(config, topo.pp, vpp, method)
+    """This rank's ``Transformer`` chunks for a ``pp x vpp`` split (embedding on the first, head and any MTP modules on
+    the last, which the balanced split gives fewer blocks: the planner's split)."""
+    mtp = trained_mtp_depth(config, model_kwargs.get("mtp", False), model_kwargs.get("mtp_weight", 0.1))
+    ranges = partition_layers(config, topo.pp, vpp, method, mtp=mtp)
     last = topo.pp * vpp - 1
     chunks = []
     for chunk in range(vpp):

@@ -110,14 +110,21 @@ def linear_time(gpu: GPU, plan: Plan, m: float, k: float, n: float, *, peak: flo
     return min(dense, fp8)
 
 
-def _linears(model: ModelSpec, tp: int, moe: bool = False) -> list[tuple[float, float]]:
-    """(k, n) of the block's weight GEMMs on one TP rank over all its tokens, in execution order
-    (an MoE block: attention and the shared experts; ``expert_gemm_time`` adds the rest)."""
+def _linears(model: ModelSpec, tp: int, moe: bool = False, *,
+             sequence_parallel: bool = False) -> list[tuple[float, float, float]]:
+    """(rows, k, n) of the block's weight GEMMs on one TP rank, in execution order, ``rows`` the share of the rank's
+    tokens each runs over (an MoE block: attention and the shared experts; ``expert_gemm_time`` adds the rest).
+    MLA's projections at their own shapes (``MLAConfig.projections``: latents whole, up-projections by heads), not
+    q, k, v and o at the query width, which for DeepSeek-V3 would be 3.8x its attention weights."""
     h, hd = model.hidden, model.head_dim
     q, kv = model.heads // tp * hd, model.kv_heads_per_rank(tp) * hd
     f = (model.moe.shared_ffn if moe else model.ffn) // tp
     mlp = [] if f == 0 else [(h, f), (h, f), (f, h)] if model.gated_mlp else [(h, f), (f, h)]
-    return [(h, q), (h, kv), (h, kv), (q, h)] + mlp
+    mla = model.config.mla
+    attention = ([(rows, k, n) for _, rows, k, n in mla.projections(h, model.heads, tp,
+                                                                   sequence_parallel=sequence_parallel)]
+                 if mla else [(1.0, h, q), (1.0, h, kv), (1.0, h, kv), (1.0, q, h)])
+    return attention + [(1.0, k, n) for k, n in mlp]
 
 
 def expert_gemm_time(model: ModelSpec, gpu: GPU, plan: Plan, *, tokens: float, peak: float) -> float:
@@ -165,7 +172,8 @@ def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: fl
     t, b, s = plan.tp, plan.micro_batch, seq_len // plan.cp
     nbytes = PRECISIONS[plan.precision]
     tokens = b * s
-    per_gemm = [linear_time(gpu, plan, tokens, k, n, peak=peak) for k, n in _linears(model, t, moe)]
+    per_gemm = [linear_time(gpu, plan, rows * tokens, k, n, peak=peak)
+                for rows, k, n in _linears(model, t, moe, sequence_parallel=plan.sequence_parallel)]
     gemm_f = sum(per_gemm) + (expert_gemm_time(model, gpu, plan, tokens=tokens, peak=peak) if moe else 0.0)
     attn_f, attn_b = attention_time(model, gpu, tp=t, seq_len=seq_len, micro_batch=b,
                                     flash=plan.flash_attention or plan.cp > 1, peak=peak, nbytes=nbytes,
@@ -191,6 +199,12 @@ def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: fl
         backward += sum(per_gemm[1::2][:3]) + ew_f
         cpu *= 4 / 3
     return BlockTime(forward, backward, cpu, weight_grad=gemm_f)
+
+
+def eh_proj_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: float) -> float:
+    """Forward + backward seconds of one MTP depth's ``eh_proj`` (``megakit.nn.mtp``: 2H -> H, column-parallel over
+    the gathered tokens, its output gathered), one micro-batch of ``seq_len`` tokens on a rank."""
+    return 3 * linear_time(gpu, plan, plan.micro_batch * seq_len, 2 * model.hidden, model.hidden // plan.tp, peak=peak)
 
 
 def head_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: float) -> float:

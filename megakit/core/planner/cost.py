@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from megakit.core.planner.compute import attention_time, block_time, cp_kernel_seq, head_time
+from megakit.core.model_config import recompute_flops
+from megakit.core.planner.compute import attention_time, block_time, cp_kernel_seq, eh_proj_time, head_time
 from megakit.core.planner.hardware import Cluster
 from megakit.core.planner.memory import (
     PRECISIONS,
@@ -102,10 +103,25 @@ def flops_per_token(model: ModelSpec, seq_len: int, *, recompute: str = "none", 
         recompute, flash_attention = "none", False
     total = model.config.flops_per_token(seq_len, convention="megatron", recompute=recompute,
                                          flash_attention=flash_attention)
+    total += _mtp_flops(model, seq_len, recompute, flash_attention)
     if hardware and flash_attention:  # each attention pass the kernels run does half the square, windows less
         attn = 4 * seq_len * model.hidden  # one forward pass of scores and values per token and block (width H)
         passes = 3.5 + (1.0 if recompute == "full" else 0.0)  # forward, 2.5 x for backward (scores again), recompute
-        total -= model.layers * passes * attn * (1 - model.config.attention_share(seq_len) / 2)
+        total -= (model.layers + model.mtp) * passes * attn * (1 - model.config.attention_share(seq_len) / 2)
+    return total
+
+
+def _mtp_flops(model: ModelSpec, seq_len: int, recompute: str, flash_attention: bool) -> float:
+    """The MTP modules' training FLOPs per token (``model.mtp`` of them), in ``flops_per_token``'s convention:
+    each a block (its forward again under full recompute), ``eh_proj``'s 2H x H and one more head product, as
+    ``ModelConfig.causal_flops_per_token(mtp=True)`` adds them (Megatron's count: one extra layer, ``6 (2h^2)`` and
+    ``6 h V`` per depth)."""
+    c = model.config
+    total = 0.0
+    for k in range(1, model.mtp + 1):
+        fwd, attn = c.block_flops(seq_len, convention="megatron", moe=c.is_moe_layer(c.layers + k - 1))
+        total += (3 * fwd + recompute_flops(fwd, attn, recompute, flash_attention) + 6 * 2 * c.hidden ** 2
+                  + 3 * c.head_flops())
     return total
 
 
@@ -172,10 +188,14 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     # the embedding on the first, the head on the last; a rank holds its chunks
     chunk_layers, chunk_moes = stage_chunk_layers(model, p, v), stage_chunk_moe_layers(model, p, v)
     counts, moes = [sum(n) for n in chunk_layers], [sum(k) for k in chunk_moes]
+    # the blocks whose TP, CP and EP exchanges a stage runs: the last one's MTP modules' too
+    blocks = counts[:-1] + [counts[-1] + model.mtp]
+    moe_blocks = moes[:-1] + [moes[-1] + sum(model.config.is_moe_layer(model.layers + k) for k in range(model.mtp))]
     chunk_s = [chunk_moes[r][c] * layer_s + (chunk_layers[r][c] - chunk_moes[r][c]) * dense_s
                for c in range(v) for r in range(p)]
     chunk_s[0] += embed_s
-    chunk_s[-1] += head_s
+    chunk_s[-1] += head_s + _mtp_time(model, gpu, plan, layer_s=layer_s, dense_s=dense_s, head_s=head_s,
+                                      one_tp=one_tp, seq_len=s // plan.cp, peak=peak)
     stage_s = [sum(chunk_s[c * p + r] for c in range(v)) for r in range(p)]
     # P2P: activations forward, gradients backward, per micro-batch and stage boundary; with TP the
     # send is split over the TP ranks (Megatron's scatter/gather) when it crosses nodes.
@@ -194,7 +214,7 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
             bubble_s = max(timed - m * slowest, 0.0)
     pipeline_s = m * slowest + bubble_s
     worst = stage_s.index(max(stage_s))
-    tp_total = m * counts[worst] * tp_s
+    tp_total = m * blocks[worst] * tp_s
 
     # ---- data parallelism / ZeRO / FSDP ----------------------------------------------------
     psi = max(stage_params(model, tp=t, pp=p, stage=i, layers=counts[i]) for i in range(p))
@@ -226,8 +246,8 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     hardware_flops = flops_per_token(model, s, recompute=plan.recompute if plan.recompute != "per-op" else "none",
                                      flash_attention=plan.flash_attention) * global_tokens
     world = plan.world
-    cp_total = m * counts[worst] * cp_s
-    a2a_total = m * moes[worst] * a2a_s
+    cp_total = m * blocks[worst] * cp_s
+    a2a_total = m * moe_blocks[worst] * a2a_s
     comm = tp_total + m * p2p_s + dp_exposed + cp_total + a2a_total
     return Cost(cp_comm_s=cp_total, step_time_s=step, tokens_per_s=global_tokens / step,
                 model_tflops_per_gpu=model_flops / step / world / 1e12,
@@ -236,6 +256,17 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
                 compute_s=compute_s, tp_comm_s=tp_total, pp_comm_s=m * p2p_s, dp_comm_s=dp_exposed,
                 bubble_s=bubble_s, optimizer_s=optimizer_s, pipeline_s=pipeline_s, stage_times=tuple(stage_s),
                 a2a_s=a2a_total)
+
+
+def _mtp_time(model: ModelSpec, gpu, plan: Plan, *, layer_s: float, dense_s: float, head_s: float, one_tp: float,
+              seq_len: int, peak: float) -> float:
+    """The last stage's MTP modules, one micro-batch: per depth its block (with its TP, CP and EP exchanges, as the
+    other blocks), ``eh_proj`` and its gather (one all-gather forward, one exchange backward) and one more head."""
+    if not model.mtp:
+        return 0.0
+    eh = eh_proj_time(model, gpu, plan, seq_len=seq_len, peak=peak) + 2 * one_tp
+    return sum((layer_s if model.config.is_moe_layer(model.layers + k - 1) else dense_s) + eh + head_s
+               for k in range(1, model.mtp + 1))
 
 
 def _a2a_heads(model: ModelSpec, plan: Plan) -> tuple[int, int]:

@@ -125,9 +125,11 @@ KEEP = 3  # checkpoints the emitted launch keeps (--keep): the newest is the one
 
 
 def train_flags(plan: Plan, *, config_path: str, model_arg: str, seq_len: int, save: str | None = None,
-                save_every: int = 0, stage_layers: tuple[int, ...] | None = None) -> list[str]:
-    """``scripts/train.py``'s flags for the plan's layout, recompute, sequence parallelism, virtual stages and a
-    pinned ``stage_layers`` split (the default split is the trainer's own), and with ``save`` a checkpoint series
+                save_every: int = 0, stage_layers: tuple[int, ...] | None = None,
+                mtp: bool = False) -> list[str]:
+    """``scripts/train.py``'s flags for the plan's layout, recompute, sequence parallelism, virtual stages, a
+    pinned ``stage_layers`` split (the default split is the trainer's own), ``--mtp``, and with ``save`` a
+    checkpoint series
     every ``save_every`` steps that the same command resumes (``--load auto``)."""
     parts = ["--ds_config", config_path, "--tp", str(plan.tp), "--pp", str(plan.pp), "--model", model_arg,
              "--seq-len", str(seq_len)]
@@ -152,6 +154,8 @@ def train_flags(plan: Plan, *, config_path: str, model_arg: str, seq_len: int, s
         parts.append("--no-compile")
     if plan.fp8 != "none":
         parts += ["--fp8", plan.fp8]
+    if mtp:  # the prediction modules the plan charged the last stage for (its split gives that stage fewer blocks)
+        parts.append("--mtp")
     if save:
         parts += ["--save", save, "--save-every", str(save_every), "--keep", str(KEEP), "--load", "auto"]
     return parts
@@ -159,7 +163,8 @@ def train_flags(plan: Plan, *, config_path: str, model_arg: str, seq_len: int, s
 
 def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: str, model_arg: str,
                    seq_len: int, save: str | None = None, save_every: int = 0,
-                   stage_layers: tuple[int, ...] | None = None, hostfile: str | None = None) -> tuple[str, str]:
+                   stage_layers: tuple[int, ...] | None = None, hostfile: str | None = None,
+                   mtp: bool = False) -> tuple[str, str]:
     """(the ``deepspeed`` command line for ``scripts/train.py`` with ``train_flags``; a note on what the plan
     assumes that train.py cannot do yet, '' if none)."""
     gpus = min(gpus_per_node, plan.world)
@@ -168,7 +173,7 @@ def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: s
         parts += ["--num_nodes", str(nodes)]
     parts += ["--num_gpus", str(gpus), "scripts/train.py"]
     parts += train_flags(plan, config_path=config_path, model_arg=model_arg, seq_len=seq_len, save=save,
-                         save_every=save_every, stage_layers=stage_layers)
+                         save_every=save_every, stage_layers=stage_layers, mtp=mtp)
     notes = []
     if plan.recompute not in ("none", "selective", "full"):
         notes.append(f"the plan also assumes {plan.recompute} activation recompute, which megakit's model does not do "

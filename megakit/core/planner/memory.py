@@ -145,8 +145,19 @@ def stage_params(model: ModelSpec, *, tp: int, pp: int, stage: int, layers: int 
     if stage == 0:
         count += model.embedding_params(tp)
     if stage == pp - 1:
-        count += model.head_params(tp, separate=not model.tie_embeddings or pp > 1)
+        count += model.head_params(tp, separate=not model.tie_embeddings or pp > 1) + mtp_params(model, tp=tp, pp=pp)
     return count
+
+
+def mtp_params(model: ModelSpec, *, tp: int, pp: int) -> int:
+    """The last stage's Multi-Token Prediction modules on one TP rank (``ModelConfig.mtp_module_params``: block,
+    ``eh_proj``, three norms; routed experts aside) and, under PP, the token embedding's copy that they read
+    (``megakit.nn.model``: a last stage with MTP keeps one; a tied head already is one)."""
+    if not model.mtp:
+        return 0
+    modules = sum(model.config.mtp_module_params(k, tp).sharded + model.config.mtp_module_params(k, tp).replicated
+                  for k in range(1, model.mtp + 1))
+    return modules + (model.embedding_params(tp) if pp > 1 and not model.tie_embeddings else 0)
 
 
 def stage_expert_params(model: ModelSpec, *, pp: int, stage: int, ep: int = 1, layers: int | None = None,
@@ -156,7 +167,8 @@ def stage_expert_params(model: ModelSpec, *, pp: int, stage: int, ep: int = 1, l
     if model.config.moe is None:
         return 0.0
     n_moe = stage_moe_layers(model, pp, vpp)[stage] if layers is None else layers
-    return n_moe * model.config.block_params().experts / ep
+    mtp = sum(model.config.mtp_module_params(k).experts for k in range(1, model.mtp + 1)) if stage == pp - 1 else 0
+    return (n_moe * model.config.block_params().experts + mtp) / ep
 
 
 def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str, offload: str = "none",
@@ -291,6 +303,15 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     weights = [(kept * moe_c + dense_kept * (layers_c - moe_c) + (embedded if stage == 0 and c == 0 else 0.0),
                 routing_kept * moe_c, hidden if c < last_chunk else 0.0)
                for c, (layers_c, moe_c) in enumerate(zip(chunk_layers, chunk_moe))]
+    mtp = [(0.0, 0.0, 0.0, 0.0)] if stage < pp - 1 or not model.mtp else [
+        _mtp_depth_bytes(model, kept_bytes(model.config.is_moe_layer(model.layers + k - 1)), routing_kept, routing,
+                         moe_block=model.config.is_moe_layer(model.layers + k - 1), recompute=recompute,
+                         fraction=recompute_fraction, hidden=hidden, rows=s * b / (tp if sequence_parallel else 1))
+        for k in range(1, model.mtp + 1)]
+    mtp_kept, mtp_routing = sum(x[0] for x in mtp), sum(x[1] for x in mtp)
+    if mtp_kept:  # the MTP modules follow the last block, in the last chunk, kept as long as it is in flight
+        w, r, o = weights[-1]
+        weights[-1] = (w + mtp_kept, r + mtp_routing, o)
     peak = max(in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp),
                key=lambda live: sum(n * sum(w) for n, w in zip(live, weights)))
     items["pipeline_outputs"] = sum(n * o for n, (_, _, o) in zip(peak, weights)) if zero_bubble else 0.0
@@ -299,15 +320,22 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     items["activations"] = sum(n * w for n, (w, _, _) in zip(peak, weights))
     items["moe_routing"] = sum(n * r for n, (_, r, _) in zip(peak, weights))
     if zero_bubble:  # per pending W: the gradients B left, and what B recomputed (kept by the retained graph)
-        items["weight_grad_inputs"] = min(stage + 1, m) * n_layers * (_matmul_output_bytes(
-            model, tp=tp, precision=precision, seq_len=s, micro_batch=b) + full_layer - kept) if stage > 0 else 0.0
+        blocks = n_layers + (model.mtp if stage == pp - 1 else 0)  # an MTP module's block like the others
+        outputs = _matmul_output_bytes(model, tp=tp, precision=precision, seq_len=s, micro_batch=b,
+                                       sequence_parallel=sequence_parallel)
+        items["weight_grad_inputs"] = min(stage + 1, m) * blocks * (outputs + full_layer - kept) if stage > 0 else 0.0
     in_flight = sum(peak) / vpp  # in whole-stage units
     # Recomputing one block in backward rebuilds its full activations for one micro-batch.
-    items["recompute_working_set"] = (full_layer + routing if recompute == "full" else
-                                      full_layer - kept if recompute in ("selective", "per-op") else 0.0)
-    if stage == pp - 1:
-        items["logits"] = logits_bytes(model, tp=tp, sequence_parallel=sequence_parallel, precision=precision,
-                                       seq_len=s, micro_batch=b, loss_chunks=loss_chunks)
+    items["recompute_working_set"] = max([full_layer + routing if recompute == "full" else
+                                          full_layer - kept if recompute in ("selective", "per-op") else 0.0]
+                                         + [x[3] for x in mtp])
+    if stage == pp - 1:  # the main head's, and each MTP depth's head and loss (saved until backward; the
+        # transient logits of one head at a time), less what full recompute rebuilds: depth k's final norm
+        head = dict(tp=tp, sequence_parallel=sequence_parallel, precision=precision, seq_len=s, micro_batch=b,
+                    loss_chunks=loss_chunks)
+        norm = s * b * (2 * p * model.hidden + 4) / (tp if sequence_parallel else 1)  # RMSNorm: MTP is llama-only
+        items["logits"] = logits_bytes(model, **head) + model.mtp * (
+            logits_bytes(model, transient=False, **head) - (recompute_fraction * norm if recompute == "full" else 0))
     else:
         items["logits"] = 0.0
 
@@ -343,11 +371,32 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                           activation_per_layer=kept, tensors=tuple(tensors))
 
 
-def _matmul_output_bytes(model: ModelSpec, *, tp: int, precision: str, seq_len: int, micro_batch: int) -> float:
-    """One block's matmul outputs on a TP rank (q, k, v, attention out, MLP in and out): the gradients W reads."""
+def _mtp_depth_bytes(model: ModelSpec, block: tuple, routing_kept: float, routing: float, *, moe_block: bool,
+                     recompute: str, fraction: float, hidden: float, rows: float) -> tuple[float, float, float, float]:
+    """(kept, routing kept, -, recompute working set) bytes of one MTP depth for one micro-batch, beside its head
+    (``megakit.nn.mtp.PredictionModule``). ``block``: ``kept_bytes`` of its block, at the stage's recompute like the
+    others. Before the block, ahead of ``eh_proj``: the looked-up embedding (enorm's input; the previous depth's
+    normed state, hnorm's input, is the head's input, already kept), the two normed halves with their fp32 rstd and
+    their concatenation, ``eh_proj``'s 2H-wide input; ``eh_proj``'s output is the block's input. ``hidden``: one
+    ``(S', B, H)`` tensor; ``rows``: its rows. Full recompute checkpoints the whole module: kept is the embedding."""
+    _, full, kept = block
+    inputs = hidden + 2 * (hidden + 4 * rows) + 2 * hidden  # Emb, enorm and hnorm outputs (+ rstd), the concat
+    route = routing_kept if moe_block else 0.0
+    if recompute == "full":  # ``kept`` already counts the embedding as the checkpoint's input (the block input)
+        return kept + (1 - fraction) * inputs, route, 0.0, full + inputs + (routing if moe_block else 0.0)
+    return kept + inputs, route, 0.0, full - kept if recompute in ("selective", "per-op") else 0.0
+
+
+def _matmul_output_bytes(model: ModelSpec, *, tp: int, precision: str, seq_len: int, micro_batch: int,
+                         sequence_parallel: bool = False) -> float:
+    """One block's matmul outputs on a TP rank (q, k, v, attention out, MLP in and out): the gradients W reads.
+    MLA's at its projections' own widths and rows (``MLAConfig.projections``: the latents over the rank's tokens)."""
     c = model.config
     q, kv, f = c.heads // tp * c.head_dim, c.kv_heads_per_rank(tp) * c.head_dim, c.ffn // tp
-    width = q + 2 * kv + c.hidden + (2 if c.gated_mlp else 1) * f + c.hidden
+    attention = (sum(rows * n for _, rows, _, n in c.mla.projections(c.hidden, c.heads, tp,
+                                                                     sequence_parallel=sequence_parallel))
+                 if c.mla else q + 2 * kv + c.hidden)
+    width = attention + (2 if c.gated_mlp else 1) * f + c.hidden
     return PRECISIONS[precision] * seq_len * micro_batch * width
 
 

@@ -70,6 +70,7 @@ class ModelSpec:
     exact_params: int | None = None  # from the meta-device model, when known
     assumed: str = ""  # one line: where this shape came from
     stage_layers: tuple[int, ...] | None = None  # blocks per virtual stage when pinned (--stage-layers); None: balanced
+    mtp: int = 0  # Multi-Token Prediction modules trained on the last stage (--mtp: the config's; 0: none)
 
     family = _Shape()
     layers = _Shape()
@@ -90,7 +91,7 @@ class ModelSpec:
     init_std = _Shape()
 
     def __init__(self, *, name: str, seq_len: int, config: ModelConfig | None = None, exact_params: int | None = None,
-                 assumed: str = "", stage_layers: tuple[int, ...] | None = None, **shape):
+                 assumed: str = "", stage_layers: tuple[int, ...] | None = None, mtp: int = 0, **shape):
         """``shape``: ModelConfig fields by their own names (``vocab_size``, ``max_seq_len``, ...):
         the whole shape without ``config``, else changes to it (so ``dataclasses.replace(spec, layers=8)``
         works). Biases default by family: GPT-2 has them all, Llama none."""
@@ -109,7 +110,7 @@ class ModelSpec:
             raise UsageError(f"model seq_len must be a positive integer, got {seq_len!r}")
         for key, value in (("config", config), ("name", name), ("seq_len", seq_len), ("exact_params", exact_params),
                            ("assumed", assumed),
-                           ("stage_layers", None if stage_layers is None else tuple(stage_layers))):
+                           ("stage_layers", None if stage_layers is None else tuple(stage_layers)), ("mtp", mtp)):
             object.__setattr__(self, key, value)
 
     def to_model_config(self) -> ModelConfig:
@@ -173,10 +174,13 @@ class ModelSpec:
         return max(self.config.layer_params(), self.vocab_size * self.hidden)
 
     def with_overrides(self, *, seq_len: int | None = None, vocab_size: int | None = None,
-                       stage_layers: tuple[int, ...] | None = None) -> "ModelSpec":
+                       stage_layers: tuple[int, ...] | None = None, mtp: bool | None = None) -> "ModelSpec":
         """``stage_layers``: the split over virtual stages that ``planner.stages`` uses where it has as many
-        entries as the layout's ``pp * vpp`` stages (the layout it was pinned with)."""
+        entries as the layout's ``pp * vpp`` stages (the layout it was pinned with). ``mtp``: plan the config's
+        Multi-Token Prediction modules (``--mtp``; refused for a model without them, as the trainer refuses it)."""
         changes = {}
+        if mtp is not None:
+            changes["mtp"] = self.config.mtp_depth(mtp)
         if stage_layers is not None:
             changes["stage_layers"] = tuple(stage_layers)
         if seq_len is not None:

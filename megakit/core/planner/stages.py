@@ -103,9 +103,10 @@ def zero_bubble_bubble_share(weight_share: float) -> float:
 def virtual_stage_ranges(model: ModelSpec, pp: int, vpp: int = 1) -> tuple[range, ...]:
     """The blocks of each virtual stage (chunk ``c`` of PP rank ``r`` is ``c * pp + r``) as the trainer
     splits them: the model's pinned ``stage_layers`` when it has ``pp * vpp`` entries (other layouts,
-    such as the one-GPU check, cannot hold that split), else ``partition_layers`` balanced by parameters."""
+    such as the one-GPU check, cannot hold that split), else ``partition_layers`` balanced by parameters
+    (the last stage's MTP modules, ``model.mtp``, counted with its head)."""
     pinned = model.stage_layers is not None and len(model.stage_layers) == pp * vpp
-    return tuple(partition_layers(model.config, pp, vpp, model.stage_layers if pinned else "params"))
+    return tuple(partition_layers(model.config, pp, vpp, model.stage_layers if pinned else "params", mtp=model.mtp))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -194,9 +194,10 @@ class MemoryProbe:
         # the analytic count: the memory model reads per-stage counts, never the total that transformers would
         # give by building the model (5-10 s a rank)
         spec = ModelSpec.from_config(run.cfg.model)
+        mtp = run.model.mtp_depth(run.cfg.mtp)
         split = [len(r) for r in partition_layers(run.model, self.topo.pp, run.cfg.vpp,
-                                                  run.cfg.stage_layers or "params")]
-        spec = self.spec = spec.with_overrides(seq_len=plan.seq_len, stage_layers=split)  # the chunks built
+                                                  run.cfg.stage_layers or "params", mtp=mtp)]
+        spec = self.spec = spec.with_overrides(seq_len=plan.seq_len, stage_layers=split, mtp=run.cfg.mtp)  # as built
         buckets = Buckets(reduce_bucket=int(zero.get("reduce_bucket_size", 5e8)),
                           allgather_bucket=int(zero.get("allgather_bucket_size", 5e8)))
         return estimate_memory(spec, tp=self.topo.tp, pp=self.topo.pp, dp=self.topo.dp, cp=self.topo.cp,
