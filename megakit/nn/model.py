@@ -321,17 +321,14 @@ def build_stage_chunks(config, topo, *, vpp: int = 1, method="params", **model_k
 
 # -- whole-model views (tests, checkpoints, resharding) ---------------------------------------
 def trained_mtp_depth(config: ModelConfig, mtp: bool, weight: float) -> int:
-    """How many MTP modules a last stage builds: the config's when ``mtp`` is asked, else none."""
-    if not mtp:
-        return 0
-    if not weight > 0:
+    """How many MTP modules a last stage builds: the config's when ``mtp`` is asked (``ModelConfig.mtp_depth``, the
+    planner's count too), else none."""
+    if mtp and not weight > 0:
         raise UsageError(f"the MTP loss weight must be positive (DeepSeek-V3 trained with 0.3, then 0.1), got {weight}")
-    if not config.mtp_layers:
-        raise UsageError("MTP asked of a model without prediction modules; set num_nextn_predict_layers in the "
-                         "config (DeepSeek-V3: 1) or drop --mtp")
-    if config.family != "llama":
+    depth = config.mtp_depth(mtp)
+    if depth and config.family != "llama":
         raise UsageError("MTP needs a RoPE model (llama family); GPT-2's learned positions are not supported")
-    return config.mtp_layers
+    return depth
 
 
 def mtp_depth(module: nn.Module) -> int:
