@@ -10,9 +10,9 @@ slight upper bound when the trainer's split leaves a middle stage slowest). That
 a stage's ``v`` chunks is 1/v of its work; a pinned ``--stage-layers`` split is instead timed chunk by
 chunk, its schedule run in ``core.simulator`` (``stages.interleaved_step_time``). Data parallelism adds
 the traffic that its compute does not hide (over DP x CP with context parallelism, whose ring passes
-each K/V block around the CP group beside the block's attention, exposed only where it outlasts it; a sliding block
-whose window fits in a chunk swaps K/V with its two neighbours only) (``sharding.dp_time``: DDP/ZeRO-1 all-reduce, ZeRO-2
-reduce-scatter, ZeRO-3/FSDP gathers prefetched behind the previous block), then the optimizer step.
+each K/V block around the CP group beside the block's attention, exposed only where it outlasts it; a sliding
+block whose window fits in a chunk swaps K/V with its two neighbours only) (``sharding.dp_time``: DDP/ZeRO-1
+all-reduce, ZeRO-2 reduce-scatter, ZeRO-3/FSDP gathers prefetched behind the previous block), then the optimizer step.
 
 An MoE block (``compute.block_time(moe=True)``) adds its dispatch and combine all-to-alls over the EP
 group, EP consecutive ranks (TP first: ``core.layout``), NVLink while it fits a node, the network for what
