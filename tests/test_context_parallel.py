@@ -169,19 +169,20 @@ def _window_model_sweep(rank, world_size):
     from megakit.core.layout import Layout
     from megakit.nn.topology import Topology
 
-    cp4 = Topology(Layout(cp=4))
+    cp4, hybrid = Topology(Layout(cp=4)), Topology(Layout(cp=4, cp_a2a=2))
     return [_equivalence(cp4, "llama-tiny", seq=64, sliding_window=8),  # the window a whole chunk: c = 64 / 8
             _equivalence(cp4, "llama-tiny", seq=64, sliding_window=3, attention_sinks=True, documents=True),
             _equivalence(cp4, "llama-tiny", seq=64, sliding_window=8, dropout=0.1, documents=True),  # explicit blocks
             _equivalence(cp4, "gpt-oss-tiny", seq=64, documents=True),  # window 8 on alternate blocks, the ring between
-            _equivalence(cp4, "gemma3-tiny", seq=64)]  # window 8 on 5 blocks of 6
+            _equivalence(cp4, "gemma3-tiny", seq=64),  # window 8 on 5 blocks of 6
+            _equivalence(hybrid, "gpt-oss-tiny", cp_mode="hybrid", seq=64)]  # a ring of 2, chunks of 16
 
 
 def test_a_window_within_a_chunk_matches_one_process():
     """Models whose windows fit in a chunk at CP 4 over 64 tokens (chunks of 8), each rank's K/V swapped with its
     two zig-zag neighbours only (``context_parallel._Halo``): one process's logits, loss and every gradient, with
-    sinks, packed documents, dropout, and blocks that keep the full ring beside windowed ones."""
-    assert len(run_ranks(_window_model_sweep, 4, timeout_s=400)[0]) == 5
+    sinks, packed documents, dropout, blocks that keep the full ring beside windowed ones, and hybrid's ring of 2."""
+    assert len(run_ranks(_window_model_sweep, 4, timeout_s=400)[0]) == 6
 
 
 # -- a window within a chunk: K/V from the two zig-zag neighbours, not around the ring ------------------------------
