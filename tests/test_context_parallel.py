@@ -33,7 +33,8 @@ def test_load_balanced_split_covers_the_sequence_once():
 
 
 def _equivalence(topo, preset: str, *, sequence_parallel: bool = False, dropout: float = 0.0,
-                 recompute: str = "none", cp_mode: str = "ring", seq: int = 16, **changes) -> str:
+                 recompute: str = "none", cp_mode: str = "ring", seq: int = 16, documents: bool = False,
+                 **changes) -> str:
     import torch.distributed as dist
 
     from megakit.nn import comm as C
@@ -59,6 +60,9 @@ def _equivalence(topo, preset: str, *, sequence_parallel: bool = False, dropout:
     case = (f"{preset} cp={topo.cp} ({cp_mode}) tp={topo.tp} sp={sequence_parallel} dropout={dropout} "
             f"recompute={recompute} {changes}")
     rows = {"sample_ids": [11, 12]}
+    if documents:  # packed documents of random lengths, crossing the zig-zag chunks
+        rows["documents"] = (torch.rand(2, seq, generator=gen) < 0.1).long().cumsum(-1)
+        case += " documents"
 
     want_logits, got = ref(ids, **rows), model(ids, **rows)  # (B, S, V) vs (B, S/cp, V/tp)
     got = gather_sequence(got, topo.cp_group, dim=1)
@@ -159,6 +163,97 @@ def test_context_parallel_matches_one_process(tmp_path):
     load_checkpoint(tmp_path / "cp2tp2", loaded)
     want = full_state_dict(Transformer(ModelConfig.load("llama-tiny"), seed=21))
     assert all(torch.equal(t, want[name]) for name, t in full_state_dict(loaded).items())
+
+
+def _window_model_sweep(rank, world_size):
+    from megakit.core.layout import Layout
+    from megakit.nn.topology import Topology
+
+    cp4, hybrid = Topology(Layout(cp=4)), Topology(Layout(cp=4, cp_a2a=2))
+    return [_equivalence(cp4, "llama-tiny", seq=64, sliding_window=8),  # the window a whole chunk: c = 64 / 8
+            _equivalence(cp4, "llama-tiny", seq=64, sliding_window=3, attention_sinks=True, documents=True),
+            _equivalence(cp4, "llama-tiny", seq=64, sliding_window=8, dropout=0.1, documents=True),  # explicit blocks
+            _equivalence(cp4, "gpt-oss-tiny", seq=64, documents=True),  # window 8 on alternate blocks, the ring between
+            _equivalence(cp4, "gemma3-tiny", seq=64),  # window 8 on 5 blocks of 6
+            _equivalence(hybrid, "gpt-oss-tiny", cp_mode="hybrid", seq=64)]  # a ring of 2, chunks of 16
+
+
+def test_a_window_within_a_chunk_matches_one_process():
+    """Models whose windows fit in a chunk at CP 4 over 64 tokens (chunks of 8), each rank's K/V swapped with its
+    two zig-zag neighbours only (``context_parallel._Halo``): one process's logits, loss and every gradient, with
+    sinks, packed documents, dropout, blocks that keep the full ring beside windowed ones, and hybrid's ring of 2."""
+    assert len(run_ranks(_window_model_sweep, 4, timeout_s=400)[0]) == 6
+
+
+# -- a window within a chunk: K/V from the two zig-zag neighbours, not around the ring ------------------------------
+B, N, KV, S, D = 2, 4, 2, 64, 8  # at CP 4: chunks of c = S / (2 x 4) = 8 tokens
+WINDOW_CASES = [  # (window, fused, documents, sinks, dropout)
+    (8, True, False, False, 0.0), (8, False, False, False, 0.0), (3, True, True, True, 0.0),
+    (3, False, True, True, 0.0), (8, False, True, False, 0.2), (5, True, False, True, 0.0),
+    (9, True, True, False, 0.0), (0, True, False, False, 0.0), (9, False, False, True, 0.2),
+]
+
+
+def _window_case(rank: int, world: int, window: int, fused: bool, documents: bool, sinks: bool, dropout: float):
+    """One ``ring_attention`` at CP ``world`` against the ring of one over the whole sequence (its fused blocks are
+    held to an eager reference in ``test_sinks``): ``(largest error / scale over out, dq, dk, dv, d sinks; P2P
+    messages sent; bytes sent by peer)`` for this rank. fp64 (the explicit blocks compute in fp32 inside)."""
+    from megakit.nn import comm as C
+    from megakit.nn.context_parallel import positions, ring_attention
+    from megakit.nn.topology import Topology
+
+    topo = Topology.from_world(cp=world)
+    gen = torch.Generator().manual_seed(window)
+    q = torch.randn(B, N, S, D, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(B, KV, S, D, generator=gen, dtype=torch.float64) for _ in "kv")
+    sink = 2.0 + torch.randn(N, generator=gen, dtype=torch.float64) if sinks else None
+    docs = (torch.rand(B, S, generator=gen) < 0.15).long().cumsum(-1) if documents else None
+    keep = torch.rand(B, N, S, S, generator=gen) >= dropout if dropout else None
+    grad = torch.randn(B, N, S, D, generator=gen, dtype=torch.float64)
+    held = positions(S, world, rank)
+
+    def run(q, k, v, sink, group, keep):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([sink.clone().requires_grad_()] if sinks else [])
+        out = ring_attention(*leaves[:3], group, keep=keep, p=dropout, window=window, documents=docs, fused=fused,
+                             sinks=leaves[3] if sinks else None)
+        out.backward(grad.index_select(2, held) if group is not None else grad)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    want = run(q, k, v, sink, None, keep)
+    want = [t.index_select(2, held) for t in want[:4]] + want[4:]
+    meter = C.Meter()
+    with C.metered(meter):
+        got = run(*(t.index_select(2, held) for t in (q, k, v)), sink, topo.cp_group,
+                  None if keep is None else keep.index_select(2, held))
+    if sinks:  # each rank's share of d sinks: summed over the ring
+        got[4] = C.all_reduce(got[4].clone(), topo.cp_group)
+    error = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
+    return error, meter.p2p_messages, dict(meter.p2p_sent)
+
+
+def _window_sweep(rank: int, world: int):
+    return [_window_case(rank, world, *case) for case in WINDOW_CASES]
+
+
+def test_a_window_within_a_chunk_exchanges_with_the_two_neighbours_only():
+    """At CP 4 over 64 tokens (chunks of c = 8): windows of 8 and below give the ring of one's output and
+    gradients (fused and explicit blocks, GQA, packed documents, sinks, dropout) while each rank sends only to its
+    zig-zag neighbours, rank r's first chunk to r + 1 and its second to r - 1: forward one half block each way
+    (K/V), backward one each way again (K/V) and the neighbours' chunks' gradients back. Rank 0 (no chunk before
+    chunk 0) and rank 3 (its chunks 3 and 4 adjacent) have one neighbour. Windows of 9 (> c) and none: the full
+    ring, CP - 1 = 3 K/V blocks forward, 3 more and 4 gradient blocks backward, all to rank r + 1."""
+    results = run_ranks(_window_sweep, 4, timeout_s=300)
+    block = 2 * B * KV * (S // 4) * D * 8  # K and V of one rank, fp64
+    for i, case in enumerate(WINDOW_CASES):
+        window, fused = case[:2]
+        grads = block if fused else block // 2  # the explicit blocks' gradients travel in fp32
+        for rank, (error, messages, sent) in enumerate(r[i] for r in results):
+            assert error <= (1e-12 if fused else 1e-5), (case, rank, error)
+            if 0 < window <= S // 8:
+                peers = {p: block + grads // 2 for p in (rank - 1, rank + 1) if 0 <= p < 4}  # 2 K/V halves, 1 grads
+                assert (messages, sent) == (3 * len(peers), peers), (case, rank, messages, sent)
+            else:
+                assert (messages, sent) == (10, {(rank + 1) % 4: 6 * block + 4 * grads}), (case, rank, messages, sent)
 
 
 @pytest.mark.parametrize("cp", [2, 4])

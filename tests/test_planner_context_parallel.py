@@ -133,3 +133,25 @@ def test_pinned_cp_is_planned_and_judged(capsys):
     assert code == 0, err
     p = json.loads(out)["plan"]
     assert p["cp"] == 2 and p["tp"] * p["cp"] * p["pp"] * p["dp"] == 8
+
+
+def test_a_window_within_a_chunk_prices_the_neighbours_k_v_not_the_ring():
+    """gpt-oss-120b at 32k tokens, CP 8 (TP 1) over a network slow enough that the attention hides nothing. Each rank
+    holds 4096 tokens: its K/V block is 2 x 4096 x 8 KV heads x 64 x 2 bytes (bf16) = 8 MiB, its gradients 16 MiB
+    (fp32). A full block (the ring): forward 7 blocks, backward 7 more and 8 of gradients, 56 + 184 = 240 MiB. A
+    sliding block (window 128 within a chunk of 32k / 16 = 2048 tokens): one chunk of K/V from each neighbour (one
+    block) forward, again backward with their gradients, 8 + 24 = 32 MiB. Half the blocks slide: 136 MiB a block
+    on average, at 0.01 GB/s x 0.63 (the network's efficiency). At 1024 tokens the chunks (64) are shorter than the
+    window: every block keeps the full ring, 30 blocks of 256 KiB."""
+    from megakit.core.planner.cost import _ring_exposed
+
+    model = ModelSpec.from_config("gpt-oss-120b").with_overrides(seq_len=32768)
+    slow = Cluster(gpu=gpu_preset("h100-80gb"), num_gpus=8, gpus_per_node=1).with_overrides(inter_gbps=0.01)
+    plan = Plan(tp=1, cp=8, micro_batch=1, accumulation=1)
+    rate, mib = 0.01e9 * 0.63, 2 ** 20
+
+    def exposed(seq_len):
+        return _ring_exposed(model, slow, plan, tokens=seq_len // 8, nbytes=2, peak=1e15, seq_len=seq_len)
+
+    assert exposed(32768) == pytest.approx(136 * mib / rate, rel=1e-3)  # 240 MiB with the ring on every block
+    assert exposed(1024) == pytest.approx(30 * 256 * 1024 / rate, rel=1e-3)

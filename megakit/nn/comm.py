@@ -18,6 +18,7 @@ autograd functions that say what runs in forward and in backward.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import threading
@@ -54,6 +55,8 @@ class Meter:
     def __init__(self, *, sync_cuda: bool = False) -> None:
         self.seconds, self.calls, self.sync_cuda = 0.0, 0, sync_cuda
         self.all_to_all_bytes = 0  # what this rank's all-to-alls sent to other ranks (MoE token dispatch)
+        self.p2p_sent: collections.Counter = collections.Counter()  # bytes of this rank's P2P sends, by global rank
+        self.p2p_messages = 0  # how many P2P sends (ring attention's traffic, pipeline activations)
 
     def timed(self, fn, *args, **kwargs):
         if self.sync_cuda:
@@ -286,7 +289,17 @@ def split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 
 # -- point to point (global ranks) --------------------------------------------------------------
+def _count_sends(sends) -> None:
+    """Add ``(tensor, peer, ...)`` sends to the meter's P2P messages and bytes by peer."""
+    if _meter is None:
+        return
+    for t, peer, *_ in sends:
+        _meter.p2p_messages += 1
+        _meter.p2p_sent[peer] += t.numel() * t.element_size()
+
+
 def isend(x: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+    _count_sends([(x, dst)])
     return _posted(dist.isend, x, dst=dst, tag=tag)
 
 
@@ -303,6 +316,7 @@ def exchange(sends: list[tuple[torch.Tensor, int, int]], receives: list[tuple[to
     """Post every ``(tensor, peer, tag)`` send and receive together (one ``batch_isend_irecv``) and
     return at once; ``wait()`` on the handle waits for all of them. Posted as one batch, two ranks
     exchanging with each other cannot block on each other's send (as separate NCCL calls could)."""
+    _count_sends(sends)
     ops = [dist.P2POp(dist.isend, t, peer, tag=tag) for t, peer, tag in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, tag=tag) for t, peer, tag in receives]
     return _posted(lambda: _Works(dist.batch_isend_irecv(ops)) if ops else None)
@@ -321,6 +335,7 @@ def send_and_receive(sends: list[tuple[torch.Tensor, int, int]], receives: list[
     """Post every ``(tensor, peer, tag)`` send and receive together and wait for all of them
     (one ``batch_isend_irecv``: NCCL runs them concurrently, so two stages sending to each
     other do not wait on each other)."""
+    _count_sends(sends)
     ops = [dist.P2POp(dist.isend, t, peer, tag=tag) for t, peer, tag in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, tag=tag) for t, peer, tag in receives]
     if not ops:

@@ -14,7 +14,11 @@ on the rank's own rows; only attention needs the other ranks' keys and values:
   *global* token positions, so it is exact at every chunk boundary;
 - backward: the block scores are recomputed from the saved ``q``, ``k``, ``v``, output and
   log-sum-exp (nothing ``S x S`` is kept); K/V ring around again, and the gradients of each
-  K/V block travel with it and arrive back at its owner after one full turn.
+  K/V block travel with it and arrive back at its owner after one full turn;
+- a sliding window no longer than a chunk (``S / (2 CP)`` tokens; gpt-oss's 128, Gemma 3's local layers at long
+  sequences): query chunk ``i`` then needs keys of chunks ``i`` and ``i - 1`` only, which the zig-zag split puts on
+  this rank and its two ring neighbours, so each rank swaps one chunk's K/V with each neighbour (and, in backward,
+  their gradients) instead of passing every block around the ring (``_Halo``; the ring is ``_Ring``).
 
 Each block runs as chunk pairs on a fused kernel (``_FusedRingAttention``: the pairs the causal mask or a window
 rules out skipped, so the zig-zag split halves the off-diagonal work), or, with dropout, as explicit fp32 blocks
@@ -110,7 +114,8 @@ class _RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries against the whole sequence's keys (see module docstring).
 
     forward: CP - 1 K/V transfers around the ring (each posted before the previous block is
-    used); backward: CP - 1 K/V transfers and CP transfers of K/V gradients around the ring.
+    used); backward: CP - 1 K/V transfers and CP transfers of K/V gradients around the ring. A window within a
+    chunk: one half block to and from each neighbour instead, each way (``_transport``).
     """
 
     @staticmethod
@@ -121,11 +126,8 @@ class _RingAttention(torch.autograd.Function):
         m = q.new_full((b, n, s, 1), float("-inf"), dtype=torch.float32)
         total = torch.zeros((b, n, s, 1), dtype=torch.float32, device=q.device)
         acc = torch.zeros((b, n, s, d), dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
-        for t in range(cp):
-            j = (r - t) % cp
-            nxt = _pass_on(kv, ranks, r, _KV_TAG) if t < cp - 1 else None
-            scores, keep_j = _block_scores(q, kv[0], pos, positions(s * cp, cp, j, device=q.device), keep, scale,
+        for kv, chunks in _transport(ranks, r, s // 2, window).blocks(torch.stack([k, v]).contiguous()):
+            scores, keep_j = _block_scores(q, kv[0], pos, _chunk_positions(chunks, s // 2, q.device), keep, scale,
                                            window, documents)
             m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))  # finite: step 0 is the own block
             alpha, e = (m - m_new).exp(), (scores - m_new).exp()
@@ -134,8 +136,6 @@ class _RingAttention(torch.autograd.Function):
                 e = e * keep_j
             acc = acc * alpha + torch.matmul(e, _repeat_kv(kv[1], n).float())
             m = m_new
-            if nxt is not None:
-                kv = _arrived(nxt)
         out = acc / total
         if keep is not None:
             out = out / (1.0 - p)
@@ -157,12 +157,10 @@ class _RingAttention(torch.autograd.Function):
         grad_out = grad_out.float()
         delta = (grad_out * out.float()).sum(dim=-1, keepdim=True)  # rowsum(dP * P), dropout included
         dq = torch.zeros((b, n, s, d), dtype=torch.float32, device=q.device)
-        kv, incoming = torch.stack([k, v]).contiguous(), None
-        for t in range(cp):
-            j = (r - t) % cp
-            nxt = _pass_on(kv, ranks, r, _KV_TAG) if t < cp - 1 else None
+        transport = _transport(ranks, r, s // 2, ctx.window)
+        for kv, chunks in transport.blocks(torch.stack([k, v]).contiguous()):
             kj, vj = _repeat_kv(kv[0], n).float(), _repeat_kv(kv[1], n).float()
-            scores, keep_j = _block_scores(q, kv[0], pos, positions(s * cp, cp, j, device=q.device), keep, scale,
+            scores, keep_j = _block_scores(q, kv[0], pos, _chunk_positions(chunks, s // 2, q.device), keep, scale,
                                            ctx.window, ctx.documents)
             probs = (scores - lse).exp()  # masked entries: exp(-inf) = 0
             dropped = probs if keep_j is None else probs * keep_j / (1.0 - p)
@@ -173,10 +171,8 @@ class _RingAttention(torch.autograd.Function):
             grad_s = probs * (grad_p - delta)
             dq += torch.matmul(grad_s, kj) * scale
             grad_k = torch.matmul(grad_s.transpose(-2, -1), q.float()) * scale
-            incoming = _pass_gradients(grad_k, grad_v, k.shape[1], incoming, ranks, r)
-            if nxt is not None:
-                kv = _arrived(nxt)
-        own = _arrived(incoming)  # this rank's K/V gradients, home after one full turn
+            transport.give_back(grad_k, grad_v, k.shape[1])
+        own = transport.own_gradients()  # this rank's K/V gradients, home
         return (dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None, None, None,
                 grad_sinks)
 
@@ -229,12 +225,13 @@ def _pair_backward(grad_out, q, k, v, out, lse, causal: bool, mask, scale: float
     return gq, gk, gv
 
 
-def _pairs(r: int, j: int, cp: int, half: int, window: int, documents, pos_q, pos_k, dtype):
-    """The chunk pairs of rank ``r``'s queries against block ``j``'s keys that have an allowed key: ``(query slice,
-    key slice, is_causal, additive mask or None, rows with no allowed key or None)``."""
+def _pairs(q_chunks, k_chunks, half: int, window: int, documents, pos_q, pos_k, dtype):
+    """The chunk pairs of this rank's query chunks against a block's key chunks (chunk numbers, side by side) that
+    have an allowed key: ``(query slice, key slice, is_causal, additive mask or None, rows with no allowed key or
+    None)``."""
     out = []
-    for qa, a in enumerate((r, 2 * cp - 1 - r)):
-        for kc, c in enumerate((j, 2 * cp - 1 - j)):
+    for qa, a in enumerate(q_chunks):
+        for kc, c in enumerate(k_chunks):
             qs, ks = slice(qa * half, (qa + 1) * half), slice(kc * half, (kc + 1) * half)
             low, high = (a - c) * half - (half - 1), (a - c) * half + (half - 1)  # the pair's query-key gaps
             if high < 0 or (window and low >= window):
@@ -267,13 +264,10 @@ class _FusedRingAttention(torch.autograd.Function):
         acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 in the fp64 tests (the kernel's LSE dtype)
         out = torch.zeros((b, n, s, d), dtype=acc, device=q.device)
         lse = torch.full((b, n, s), float("-inf"), dtype=acc, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
-        for t in range(cp):
-            j = (r - t) % cp
-            nxt = _pass_on(kv, ranks, r, _KV_TAG) if t < cp - 1 else None
+        for kv, chunks in _transport(ranks, r, half, window).blocks(torch.stack([k, v]).contiguous()):
             kj, vj = _repeat_kv(kv[0], n), _repeat_kv(kv[1], n)
-            for qs, ks, causal, mask, none in _pairs(r, j, cp, half, window, documents, pos,
-                                                      positions(s * cp, cp, j, device=q.device), q.dtype):
+            for qs, ks, causal, mask, none in _pairs((r, 2 * cp - 1 - r), chunks, half, window, documents, pos,
+                                                      _chunk_positions(chunks, half, q.device), q.dtype):
                 o, l = _pair_forward(q[:, :, qs], kj[:, :, ks], vj[:, :, ks], causal, mask, scale)
                 if none is not None:  # rows with no allowed key: nothing (a kernel may give lse 0 or o NaN there)
                     l = l.masked_fill(none.expand(b, n, -1), float("-inf"))
@@ -283,8 +277,6 @@ class _FusedRingAttention(torch.autograd.Function):
                 out[:, :, qs] = (out[:, :, qs] * (lse[:, :, qs] - safe).exp()[..., None]
                                  + o.to(acc) * (l - safe).exp()[..., None])
                 lse[:, :, qs] = merged
-            if nxt is not None:
-                kv = _arrived(nxt)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.group, ctx.ranks, ctx.scale, ctx.window, ctx.documents = group, ranks, scale, window, documents
@@ -302,25 +294,21 @@ class _FusedRingAttention(torch.autograd.Function):
         grad_out = grad_out.to(q.dtype).contiguous()
         acc = lse.dtype
         dq = torch.zeros((b, n, s, d), dtype=acc, device=q.device)
-        kv, incoming = torch.stack([k, v]).contiguous(), None
-        for t in range(cp):
-            j = (r - t) % cp
-            nxt = _pass_on(kv, ranks, r, _KV_TAG) if t < cp - 1 else None
+        transport = _transport(ranks, r, half, ctx.window)
+        for kv, chunks in transport.blocks(torch.stack([k, v]).contiguous()):
             kj, vj = _repeat_kv(kv[0], n), _repeat_kv(kv[1], n)
             dk = torch.zeros(kj.shape, dtype=acc, device=q.device)
             dv = torch.zeros(vj.shape, dtype=acc, device=q.device)
-            for qs, ks, causal, mask, _ in _pairs(r, j, cp, half, ctx.window, ctx.documents, pos,
-                                                   positions(s * cp, cp, j, device=q.device), q.dtype):
+            for qs, ks, causal, mask, _ in _pairs((r, 2 * cp - 1 - r), chunks, half, ctx.window, ctx.documents, pos,
+                                                   _chunk_positions(chunks, half, q.device), q.dtype):
                 # the final output and log-sum-exp: each pair's share of dS = P (dP - rowsum(dO O))
                 gq, gk, gv = _pair_backward(grad_out[:, :, qs], q[:, :, qs], kj[:, :, ks], vj[:, :, ks],
                                             out[:, :, qs], lse[:, :, qs].contiguous(), causal, mask, scale)
                 dq[:, :, qs] += gq.to(acc)
                 dk[:, :, ks] += gk.to(acc)
                 dv[:, :, ks] += gv.to(acc)
-            incoming = _pass_gradients(dk, dv, k.shape[1], incoming, ranks, r)
-            if nxt is not None:
-                kv = _arrived(nxt)
-        own = _arrived(incoming)
+            transport.give_back(dk, dv, k.shape[1])
+        own = transport.own_gradients()
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None, grad_sinks
 
 
@@ -383,20 +371,111 @@ def _pass_on(x: torch.Tensor, ranks: list[int], r: int, tag: int):
     return x, buf, C.exchange([(x, ranks[(r + 1) % cp], tag)], [(buf, ranks[(r - 1) % cp], tag)])
 
 
-def _pass_gradients(grad_k, grad_v, kv_heads: int, incoming, ranks: list[int], r: int):
-    """Add this rank's gradients of the block in hand (GQA heads summed) to what arrived with it, and pass them on
-    with the block: after one full turn each K/V block's gradients are home."""
-    grads = torch.stack([_sum_kv(grad_k, kv_heads), _sum_kv(grad_v, kv_heads)])
-    if incoming is not None:
-        grads += _arrived(incoming)
-    return _pass_on(grads, ranks, r, _GRAD_TAG)
-
-
 def _arrived(posted) -> torch.Tensor:
-    """Wait for a transfer ``_pass_on`` posted (its send too); returns the received tensor."""
+    """Wait for a transfer ``_pass_on`` (or ``_Halo``) posted (its send too); returns what was received."""
     _, buf, handle = posted
     handle.wait()
     return buf
+
+
+def _chunk_positions(chunks, half: int, device) -> torch.Tensor:
+    """The global positions of zig-zag chunks ``chunks`` (each ``half`` long), side by side as a block holds them."""
+    return torch.cat([torch.arange(c * half, (c + 1) * half, device=device) for c in chunks])
+
+
+def _transport(ranks: list[int], r: int, half: int, window: int):
+    """How the K/V blocks reach this rank: from its two zig-zag neighbours alone when the window fits in a chunk
+    (``half`` tokens: query chunk ``i`` then needs keys of chunks ``i`` and ``i - 1`` only), else around the ring."""
+    if len(ranks) > 1 and 0 < window <= half:
+        return _Halo(ranks, r, half)
+    return _Ring(ranks, r)
+
+
+class _Ring:
+    """The full ring: each K/V block travels once around the CP ranks (the next block posted before the one in hand
+    is used), and in backward its gradients travel with it, home after one full turn."""
+
+    def __init__(self, ranks: list[int], r: int) -> None:
+        self.ranks, self.r, self.incoming = ranks, r, None
+
+    def blocks(self, kv: torch.Tensor):
+        """``(K/V block, its chunk numbers)`` for this rank's block, then each one arriving, ``CP`` in all."""
+        cp, r = len(self.ranks), self.r
+        for t in range(cp):
+            j = (r - t) % cp
+            nxt = _pass_on(kv, self.ranks, r, _KV_TAG) if t < cp - 1 else None
+            yield kv, (j, 2 * cp - 1 - j)
+            if nxt is not None:
+                kv = _arrived(nxt)
+
+    def give_back(self, grad_k, grad_v, kv_heads: int) -> None:
+        """Add this rank's gradients of the block in hand (GQA heads summed) to what arrived with it, and pass them on
+        with the block."""
+        grads = torch.stack([_sum_kv(grad_k, kv_heads), _sum_kv(grad_v, kv_heads)])
+        if self.incoming is not None:
+            grads += _arrived(self.incoming)
+        self.incoming = _pass_on(grads, self.ranks, self.r, _GRAD_TAG)
+
+    def own_gradients(self) -> torch.Tensor:
+        """This rank's K/V gradients ``(2, B, n_kv, S/cp, d)``, home after the last ``give_back``'s turn."""
+        return _arrived(self.incoming)
+
+
+class _Halo:
+    """A window within a chunk: rank ``r`` needs the keys of chunk ``r - 1`` (rank ``r - 1``'s first) and of chunk
+    ``2 CP - 2 - r`` (rank ``r + 1``'s second) besides its own, so its first chunk goes to rank ``r + 1`` and its
+    second to rank ``r - 1``: two half blocks each way instead of ``CP - 1`` blocks around the ring. Rank 0's first
+    chunk has no chunk before it, and rank ``CP - 1``'s chunks ``CP - 1`` and ``CP`` are adjacent: the ends exchange
+    with one neighbour. In backward the neighbours' chunk gradients go back the same way."""
+
+    def __init__(self, ranks: list[int], r: int, half: int) -> None:
+        self.ranks, self.r, self.half, self.own, self.posted = ranks, r, half, None, None
+        cp = len(ranks)
+        self.before = ranks[r - 1] if r > 0 else None  # holds chunk r - 1 first
+        self.after = ranks[r + 1] if r < cp - 1 else None  # holds chunk 2 CP - 2 - r second
+        self.chunks = ((r - 1,) if r > 0 else ()) + ((2 * cp - 2 - r,) if r < cp - 1 else ())
+
+    def _swap(self, to_before: torch.Tensor, to_after: torch.Tensor, tag: int):
+        """Send each neighbour its half block and receive one from each (one batch): ``(sent, received, handle)``,
+        the halves from before and after as ``self.chunks`` orders them (``sent`` kept until the wait). The ends
+        send and receive one."""
+        peers = [peer for peer in (self.before, self.after) if peer is not None]
+        sends = [(x.contiguous(), peer, tag) for x, peer in ((to_before, self.before), (to_after, self.after))
+                 if peer is not None]
+        received = [torch.empty_like(sends[0][0]) for _ in peers]
+        return sends, received, C.exchange(sends, [(buf, peer, tag) for buf, peer in zip(received, peers)])
+
+    def blocks(self, kv: torch.Tensor):
+        """This rank's block (its chunks' K/V on their way meanwhile), then the neighbours' chunks side by side."""
+        cp, r, h = len(self.ranks), self.r, self.half
+        posted = self._swap(kv[..., h:, :], kv[..., :h, :], _KV_TAG)  # its sends kept alive until the wait
+        yield kv, (r, 2 * cp - 1 - r)
+        _, received, handle = posted
+        handle.wait()
+        yield torch.cat(received, dim=-2), self.chunks
+
+    def give_back(self, grad_k, grad_v, kv_heads: int) -> None:
+        """The own block's gradients stay; the neighbours' chunks' go back to their owners."""
+        grads = torch.stack([_sum_kv(grad_k, kv_heads), _sum_kv(grad_v, kv_heads)])
+        if self.own is None:
+            self.own = grads
+            return
+        parts = list(grads.split(self.half, dim=-2))
+        to_before = parts.pop(0) if self.before is not None else None
+        to_after = parts.pop(0) if self.after is not None else None
+        self.posted = self._swap(to_before, to_after, _GRAD_TAG)
+
+    def own_gradients(self) -> torch.Tensor:
+        """This rank's K/V gradients: its own block's, plus its first chunk's from rank ``r + 1`` and its second
+        chunk's from rank ``r - 1``."""
+        _, received, handle = self.posted
+        handle.wait()
+        h, own = self.half, self.own
+        if self.before is not None:
+            own[..., h:, :] += received.pop(0)
+        if self.after is not None:
+            own[..., :h, :] += received.pop(0)
+        return own
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, keep: torch.Tensor | None = None,

@@ -10,8 +10,9 @@ slight upper bound when the trainer's split leaves a middle stage slowest). That
 a stage's ``v`` chunks is 1/v of its work; a pinned ``--stage-layers`` split is instead timed chunk by
 chunk, its schedule run in ``core.simulator`` (``stages.interleaved_step_time``). Data parallelism adds
 the traffic that its compute does not hide (over DP x CP with context parallelism, whose ring passes
-each K/V block around the CP group beside the block's attention, exposed only where it outlasts it) (``sharding.dp_time``: DDP/ZeRO-1 all-reduce, ZeRO-2
-reduce-scatter, ZeRO-3/FSDP gathers prefetched behind the previous block), then the optimizer step.
+each K/V block around the CP group beside the block's attention, exposed only where it outlasts it; a sliding
+block whose window fits in a chunk swaps K/V with its two neighbours only) (``sharding.dp_time``: DDP/ZeRO-1
+all-reduce, ZeRO-2 reduce-scatter, ZeRO-3/FSDP gathers prefetched behind the previous block), then the optimizer step.
 
 An MoE block (``compute.block_time(moe=True)``) adds its dispatch and combine all-to-alls over the EP
 group, EP consecutive ranks (TP first: ``core.layout``), NVLink while it fits a node, the network for what
@@ -292,24 +293,45 @@ def _ulysses_time(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int
 
 def _ring_exposed(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int, nbytes: int, peak: float,
                   seq_len: int) -> float:
-    """Ring attention's K/V traffic per block and micro-batch that its attention compute does not hide.
+    """Ring attention's K/V traffic per block and micro-batch that its attention compute does not hide, the mean over
+    the blocks of the full ring's and, on sliding blocks whose window fits in a chunk, the neighbours' exchange's.
 
     The ring has ``CP / a`` ranks, ``a`` the a2a degree (1: the plain ring; CP: Ulysses, no ring), each holding
     ``a x tokens`` tokens of ``1/a`` of the heads after hybrid's all-to-all. Forward: ring - 1 K/V blocks arrive,
     each behind the previous block's attention; backward: ring - 1 K/V blocks and ring blocks of their gradients
     (fp32). The zig-zag split gives every block the same causal half of the work (the fused ring skips the masked
     chunk pairs), so the rank's attention, ``1/CP`` of the whole, hides the traffic evenly. The ring's neighbours are
-    ``TP x a`` ranks apart, so it stays on NVLink while TP x CP fits a node."""
-    a = plan.a2a_degree
-    ring = plan.cp // a
+    ``TP x a`` ranks apart, so it stays on NVLink while TP x CP fits a node. A block whose window fits in a chunk
+    (``_bounded_layers``) swaps a chunk of K/V with each of its two neighbours instead: one block forward, one block
+    and one block of gradients backward, hidden the same way."""
+    ring = plan.cp // plan.a2a_degree
     if ring == 1:
         return 0.0
-    kv_heads = model.kv_heads_per_rank(plan.tp) if a == 1 else _a2a_heads(model, plan)[1] // a
-    kv = 2 * tokens * a * kv_heads * model.head_dim  # K and V elements of one block
-    bw, where = group_bandwidth(cluster, ring, plan.tp * a)
+    kv = _ring_block_bytes(model, plan, tokens=tokens, nbytes=nbytes)
+    grads = kv / nbytes * 4  # a block's gradients travel in fp32
+    bw, where = group_bandwidth(cluster, ring, plan.tp * plan.a2a_degree)
     rate = bw * 1e9 * LINK_EFFICIENCY[where]
-    fwd, bwd = (ring - 1) * kv * nbytes / rate, ((ring - 1) * kv * nbytes + ring * kv * 4) / rate
     attn_f, attn_b = attention_time(model, cluster.gpu, tp=plan.tp, seq_len=seq_len, micro_batch=plan.micro_batch,
                                     flash=True, peak=peak, nbytes=nbytes, kernel_seq=cp_kernel_seq(plan, seq_len))
-    recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
-    return (1 + recomputed) * exposed(attn_f / plan.cp, fwd) + exposed(attn_b / plan.cp, bwd)
+    passes = 1 + (plan.recompute_fraction if plan.recompute == "full" else 0.0)
+
+    def hidden(fwd: float, bwd: float) -> float:
+        return passes * exposed(attn_f / plan.cp, fwd / rate) + exposed(attn_b / plan.cp, bwd / rate)
+
+    full = hidden((ring - 1) * kv, (ring - 1) * kv + ring * grads)
+    bounded = len(_bounded_layers(model, seq_len, ring))
+    return ((model.layers - bounded) * full + bounded * hidden(kv, kv + grads)) / model.layers
+
+
+def _ring_block_bytes(model: ModelSpec, plan: Plan, *, tokens: int, nbytes: int) -> float:
+    """Bytes of one ring rank's K/V block: ``a x tokens`` tokens of its K/V heads after hybrid's all-to-all."""
+    a = plan.a2a_degree
+    kv_heads = model.kv_heads_per_rank(plan.tp) if a == 1 else _a2a_heads(model, plan)[1] // a
+    return 2 * tokens * a * kv_heads * model.head_dim * nbytes
+
+
+def _bounded_layers(model: ModelSpec, seq_len: int, ring: int) -> list[int]:
+    """The blocks whose window fits in a ring chunk (``S / (2 ring)`` tokens): their K/V come from the two zig-zag
+    neighbours alone (``megakit.nn.context_parallel._Halo``), not around the ring."""
+    chunk = seq_len // (2 * ring)
+    return [i for i in range(model.layers) if 0 < model.config.attention_window(i) <= chunk]
