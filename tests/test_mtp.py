@@ -9,8 +9,9 @@ The tiny DeepSeek-V3 of ``test_deepseek_v3`` (MLA, one dense block, the MoE) wit
   (transformers' own ``MtpModel.forward(labels=...)`` cannot serve: it adds to ``None``);
 - the checkpoint layout: ``model.layers.{L + k}.*`` with the shared embedding and head copied, written and read
   back bit for bit, and transformers' main model still loads the file;
-- on four gloo processes: PP 2, PP 4, interleaved PP 2 x VPP 2 and PP 2 x TP 2 with SP give one process's loss and
-  every gradient (the first stage's embedding gradient holds the MTP modules' share, summed from the last stage);
+- on four gloo processes: PP 2, PP 4, interleaved PP 2 x VPP 2, zero bubble (ZB-H1) and PP 2 x TP 2 with SP (and
+  with full recompute and the loss over token chunks) give one process's loss and every gradient (the first
+  stage's embedding gradient holds the MTP modules' share, summed from the last stage);
   CP 2 and CP 4 give CP 1's, with a sequence whose targets leave one CP rank no valid MTP token (no NaN).
 """
 
@@ -203,7 +204,8 @@ def _layouts(rank, world, cases):
         want = full_state_dict(ref, grads=True)
         mine = range(topo.dp_rank * m, (topo.dp_rank + 1) * m)
         sp = case.get("sp", False)
-        chunks = build_stage_chunks(config, topo, vpp=vpp, seed=3, sequence_parallel=sp, mtp=True, mtp_weight=0.3)
+        chunks = build_stage_chunks(config, topo, vpp=vpp, seed=3, sequence_parallel=sp, mtp=True, mtp_weight=0.3,
+                                    recompute=case.get("recompute", "none"), loss_chunks=case.get("loss_chunks", 1))
         if pp == 1:
             model = chunks[0]
             losses = [model(ids[i], labels[i], documents=documents) for i in mine]
@@ -211,7 +213,7 @@ def _layouts(rank, world, cases):
             loss.backward()
             loss = C.all_reduce(loss.detach().clone(), topo.dp_group) / topo.dp
         else:
-            schedule = build_schedule("interleaved" if vpp > 1 else "1f1b", pp, m, vpp)
+            schedule = build_schedule(case.get("schedule", "interleaved" if vpp > 1 else "1f1b"), pp, m, vpp)
             executor = PipelineExecutor(chunks, topo, schedule=schedule, activation_shape=activation_shape(
                 config, micro_batch_size=2, seq_len=seq // cp, tp=tp, sequence_parallel=sp),
                 optimizer_step=lambda: None)
@@ -231,7 +233,10 @@ def _layouts(rank, world, cases):
 
 CASES = [dict(pp=2, m=4), dict(pp=4, layers=4, m=4, depths=2), dict(pp=2, vpp=2, layers=4, m=4),
          dict(pp=2, tp=2, sp=True, m=2), dict(cp=2, m=2), dict(cp=4, depths=2, seq=32),
-         dict(cp=2, m=1, empty_rank=True), dict(cp=2, tp=2, sp=True, m=1)]
+         dict(cp=2, m=1, empty_rank=True), dict(cp=2, tp=2, sp=True, m=1),
+         # zero bubble's split backward (the embedding's and enorm's weight gradients in W); full recompute of the
+         # modules with the head and loss over token chunks
+         dict(pp=2, schedule="zb-h1", m=4), dict(pp=2, tp=2, m=2, recompute="full", loss_chunks=2, depths=2)]
 
 
 @pytest.mark.slow

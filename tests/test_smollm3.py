@@ -89,7 +89,7 @@ def test_smollm3_config_and_weights_round_trip_and_transformers_reads_them():
             assert original[field] == value, (field, original[field], value)
     assert written["no_rope_layers"] == [1, 0, 1, 1] and written["layer_types"] == ["full_attention"] * 4
     again = eager(transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config(
-        **{k: v for k, v in written.items() if k != "model_type"}, pad_token_id=None))
+        **{k: v for k, v in written.items() if k != "model_type"}))  # pad_token_id None: megakit trains every row
     missing, unexpected = again.load_state_dict(to_hf_state_dict(config, full_state_dict(megakit_copy(config, hf))),
                                                 strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied to the embedding
@@ -100,6 +100,22 @@ def test_smollm3_config_and_weights_round_trip_and_transformers_reads_them():
     sliding = ModelConfig.from_hf(_hf_model(use_sliding_window=True, sliding_window=8).config.to_dict())
     assert sliding.to_hf()["layer_types"] == ["full_attention", "sliding_attention"] + ["full_attention"] * 2
     assert ModelConfig.from_hf(sliding.to_hf()) == sliding
+
+
+def test_a_trained_checkpoint_exports_and_transformers_loads_it(tmp_path):
+    """``megakit convert``'s export converts one block at a time through a one-block config, which must not keep
+    the NoPE block numbers of the whole model (it refused every SmolLM3 checkpoint before)."""
+    from megakit.interop.checkpoint import save_checkpoint
+    from megakit.interop.hf_export import export_hf
+
+    hf = _hf_model()
+    config = ModelConfig.from_hf(hf.config.to_dict(), source="smollm3")
+    save_checkpoint(tmp_path / "ck", megakit_copy(config, hf), None, step=0, config=config)
+    export_hf(tmp_path / "ck", tmp_path / "hf")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (loaded(ids).logits - hf(ids).logits).abs().max().item() < TOL
 
 
 @pytest.mark.parametrize("layers, interval", [(4, 4), (7, 3), (36, 4)])

@@ -292,7 +292,8 @@ class ModelConfig:
                "use_sliding_window": "sliding_attention" in self.layer_types,
                "sliding_window": self.sliding_window if "sliding_attention" in self.layer_types else None,
                "layer_types": list(self.layer_types or ("full_attention",) * self.layers),
-               "no_rope_layers": [int(self.block_uses_rope(i)) for i in range(self.layers)]}
+               "no_rope_layers": [int(self.block_uses_rope(i)) for i in range(self.layers)],
+               "pad_token_id": None}  # megakit trains every embedding row; transformers' default 128004 freezes one
         if self.head_dim != self.hidden // self.heads:
             out["head_dim"] = self.head_dim
         return out
@@ -472,18 +473,18 @@ class ModelConfig:
             block = self.block_params(moe=self.is_moe_layer(i))
             context = self.attention_context(i, seq_len) if windows else (seq_len + 1) / 2
             total += 6 * (block.matmul + block.active_experts) + 6 * widths * context  # scores, then values
-        if mtp and self.mtp_layers:
-            block = self.block_params(moe=self.is_moe_layer(self.layers - 1))
-            total += self.mtp_layers * (6 * (block.matmul + block.active_experts + 2 * self.hidden ** 2)
-                                        + 6 * widths * (seq_len + 1) / 2 + 3 * self.head_flops())
+        for k in range(1, self.mtp_layers + 1 if mtp else 1):  # block L + k - 1 of DeepSeek's checkpoints
+            block = self.block_params(moe=self.is_moe_layer(self.layers + k - 1))
+            total += (6 * (block.matmul + block.active_experts + 2 * self.hidden ** 2)
+                      + 6 * widths * (seq_len + 1) / 2 + 3 * self.head_flops())
         return total
 
     def mtp_depth(self, mtp: bool) -> int:
         """The MTP modules trained with ``--mtp`` (``mtp``): the config's, refused where it has none, as the trainer
         refuses it (``megakit.nn.model.trained_mtp_depth``); 0 without ``--mtp``."""
         if mtp and not self.mtp_layers:
-            raise UsageError("MTP asked of a model without prediction modules; set num_nextn_predict_layers in the "
-                             "config (DeepSeek-V3: 1) or drop --mtp")
+            raise UsageError("MTP asked of a model without prediction modules: only DeepSeek-V3's configs (deepseek_v3, "
+                             "kimi_k2) have them, in num_nextn_predict_layers (DeepSeek-V3: 1); drop --mtp")
         return self.mtp_layers if mtp else 0
 
     def mtp_module_params(self, depth: int, tp: int = 1) -> BlockParams:
@@ -501,13 +502,20 @@ class ModelConfig:
         return 2 * self.hidden * self.vocab_size
 
     def flops_per_token(self, seq_len: int, *, convention: str = "palm", recompute: str = "none",
-                        flash_attention: bool = False) -> float:
+                        flash_attention: bool = False, mtp: int = 0) -> float:
         """Training FLOPs per token: 3 x forward (blocks and LM head), plus what ``recompute`` and
-        flash attention run again (``recompute_flops``; the defaults: none, the model FLOPs)."""
+        flash attention run again (``recompute_flops``; the defaults: none, the model FLOPs). ``mtp``: the MTP
+        modules trained (``mtp_depth``), each a block (numbered ``layers + k - 1``), ``eh_proj``'s 2H x H and one
+        more head product, as ``causal_flops_per_token(mtp=True)`` counts them (Megatron's: one extra layer,
+        ``6 (2h^2)`` and ``6 h V`` per depth)."""
         total = 3.0 * self.head_flops()
         for n, moe in self._blocks():
             fwd, attn = self.block_flops(seq_len, convention=convention, moe=moe)
             total += n * (3 * fwd + recompute_flops(fwd, attn, recompute, flash_attention))
+        for k in range(1, mtp + 1):
+            fwd, attn = self.block_flops(seq_len, convention=convention, moe=self.is_moe_layer(self.layers + k - 1))
+            total += (3 * fwd + recompute_flops(fwd, attn, recompute, flash_attention) + 6 * 2 * self.hidden ** 2
+                      + 3 * self.head_flops())
         return float(total)
 
     # -- writing -----------------------------------------------------------------------------
@@ -615,15 +623,16 @@ def recompute_flops(block_fwd: float, attn_fwd: float, recompute: str = "none",
     return attn_fwd / 2 if flash_attention else 0.0
 
 
-def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
+def model_flops_per_token(config: ModelConfig, seq_len: int, *, mtp: int = 0) -> float:
     """Training FLOPs per token (forward + backward), for MFU: ``6N + 12 L q S``.
 
     N counts the matrices that do matmuls -- every block plus the LM head (``V x H``, paid
     even when tied); the lookup tables (token, position) are free. ``12 L q S`` is
     attention's score and value products (q = heads x head_dim), PaLM's convention, not
-    halved for the causal mask. (``ModelConfig.flops_per_token``'s default convention.)
+    halved for the causal mask. (``ModelConfig.flops_per_token``'s default convention.) ``mtp``: the MTP
+    modules trained, their blocks, ``eh_proj`` and head products too.
     """
-    return config.flops_per_token(seq_len)
+    return config.flops_per_token(seq_len, mtp=mtp)
 
 
 def _gpt2_dropout(data: dict, source: str) -> float:

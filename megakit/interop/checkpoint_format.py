@@ -276,6 +276,9 @@ class ShardReader:
 
     def entry(self, name: str) -> dict:
         entry = self.manifest["params"].get(name)
+        if entry is None and name.startswith("mtp."):  # the same model, its prediction modules not kept
+            raise UsageError(f"checkpoint {self.directory} holds no Multi-Token Prediction modules ({name!r}): it was "
+                             "saved without --mtp, or imported from weights without them; drop --mtp")
         if entry is None:
             raise UsageError(f"checkpoint {self.directory} has no parameter {name!r}; it was saved from a different model")
         return entry

@@ -216,7 +216,8 @@ def _mtp_from_hf(config: ModelConfig, k: int, hf: dict, main: dict) -> dict[str,
     """``mtp_to_hf``'s inverse; the copies of the embedding and head must equal the main model's ``main``."""
     ours, theirs = f"mtp.{k}.", f"model.layers.{config.layers + k}."
     out = {ours + part: _get(hf, theirs + name) for part, name in _MTP_PARTS.items()}
-    out.update(_block_from_hf(config, ours + "block.", theirs, hf, moe=config.moe is not None))
+    moe = config.moe is not None and config.moe.is_moe_layer(config.layers + k)
+    out.update(_block_from_hf(config, ours + "block.", theirs, hf, moe=moe))
     for copy, source in (("embed_tokens.weight", "embed.weight"),
                          ("shared_head.head.weight", "embed.weight" if config.tie_embeddings else "lm_head.weight")):
         if theirs + copy in hf and not torch.equal(hf[theirs + copy], main[source]):

@@ -65,7 +65,8 @@ def _unit(config, manifest: dict, reader: ShardReader, unit: int | str | None, *
             state[name] = tensor(name, name, unit is None)
         elif name.startswith(block):
             state["layers.0." + name[len(block):]] = tensor(name, name, unit is not None)
-    hf = to_hf_state_dict(config.replace(layers=1, layer_types=config.layer_types[:1]), state)  # names only
+    one_block = config.replace(layers=1, layer_types=config.layer_types[:1], nope_layers=())  # names only
+    hf = to_hf_state_dict(one_block, state)
     first = _layer_prefix(config.family, 0)
     if unit is None:
         out = {k: v for k, v in hf.items() if not k.startswith(first)}

@@ -299,7 +299,8 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
     reporter = Reporter(run, topo)
     attempts = Attempts(cfg.save if cfg.load == AUTO else None, start=start, active=topo.rank == 0)
     result = TrainResult()
-    flops_per_step = model_flops_per_token(run.model, plan.seq_len) * plan.global_batch * plan.seq_len
+    flops_per_step = (model_flops_per_token(run.model, plan.seq_len, mtp=run.model.mtp_depth(cfg.mtp))
+                      * plan.global_batch * plan.seq_len)
     peak = gpu_peak_tflops()
     communication = StepCommunication(sync_cuda=torch.cuda.is_available())
     profiler = start_profiler(cfg.profile, steps=cfg.steps - start, rank=topo.rank)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from megakit.core.model_config import recompute_flops
 from megakit.core.planner.compute import attention_time, block_time, cp_kernel_seq, eh_proj_time, head_time
 from megakit.core.planner.hardware import Cluster
 from megakit.core.planner.memory import (
@@ -103,26 +102,11 @@ def flops_per_token(model: ModelSpec, seq_len: int, *, recompute: str = "none", 
     if not hardware:
         recompute, flash_attention = "none", False
     total = model.config.flops_per_token(seq_len, convention="megatron", recompute=recompute,
-                                         flash_attention=flash_attention)
-    total += _mtp_flops(model, seq_len, recompute, flash_attention)
+                                         flash_attention=flash_attention, mtp=model.mtp)
     if hardware and flash_attention:  # each attention pass the kernels run does half the square, windows less
         attn = 4 * seq_len * model.hidden  # one forward pass of scores and values per token and block (width H)
         passes = 3.5 + (1.0 if recompute == "full" else 0.0)  # forward, 2.5 x for backward (scores again), recompute
         total -= (model.layers + model.mtp) * passes * attn * (1 - model.config.attention_share(seq_len) / 2)
-    return total
-
-
-def _mtp_flops(model: ModelSpec, seq_len: int, recompute: str, flash_attention: bool) -> float:
-    """The MTP modules' training FLOPs per token (``model.mtp`` of them), in ``flops_per_token``'s convention:
-    each a block (its forward again under full recompute), ``eh_proj``'s 2H x H and one more head product, as
-    ``ModelConfig.causal_flops_per_token(mtp=True)`` adds them (Megatron's count: one extra layer, ``6 (2h^2)`` and
-    ``6 h V`` per depth)."""
-    c = model.config
-    total = 0.0
-    for k in range(1, model.mtp + 1):
-        fwd, attn = c.block_flops(seq_len, convention="megatron", moe=c.is_moe_layer(c.layers + k - 1))
-        total += (3 * fwd + recompute_flops(fwd, attn, recompute, flash_attention) + 6 * 2 * c.hidden ** 2
-                  + 3 * c.head_flops())
     return total
 
 

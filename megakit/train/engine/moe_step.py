@@ -30,8 +30,8 @@ FIELDS = ("max_tokens", "mean_tokens", "dropped", "aux", "seq_aux", "z", "bias_n
 
 
 def _layer_index(name: str, layers: int) -> int:
-    """``layers.3.mlp`` (or ``0.layers.3.mlp`` in a chunk list) -> 3; MTP module k's ``mtp.k.block.mlp`` -> the
-    model's ``layers`` + k, its block's number in DeepSeek's checkpoints."""
+    """``layers.3.mlp`` (or ``0.layers.3.mlp`` in a chunk list) -> 3; the MTP module at index k (0-based; depth
+    k + 1) ``mtp.k.block.mlp`` -> the model's ``layers`` + k, its block's number in DeepSeek's checkpoints."""
     parts = name.split(".")
     if "mtp" in parts:
         return layers + int(parts[parts.index("mtp") + 1])

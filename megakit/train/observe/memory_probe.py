@@ -112,6 +112,10 @@ class MemoryProbe:
             if chunk.post:
                 chunk.norm.register_forward_pre_hook(lambda *_: setattr(self, "_in_head", True))
                 chunk.register_forward_hook(lambda *_: setattr(self, "_in_head", False))
+            if len(getattr(chunk, "mtp", ())):  # an MTP module, from its embedding lookup on, is a block's (the
+                chunk.embed.register_forward_pre_hook(lambda *_: setattr(self, "_in_head", False))  # planner's
+                for module in chunk.mtp:  # activations); its head and loss after it are the head's again
+                    module.register_forward_hook(lambda *_: setattr(self, "_in_head", True))
 
     # -- model states ---------------------------------------------------------------------------
     def sample(self, *, pre_step: bool = False) -> None:

@@ -20,23 +20,23 @@ class MTPLosses:
 
     def __init__(self, module: torch.nn.Module, topo, depths: int) -> None:
         self.topo, self.depths = topo, depths
-        self.sums, self.forwards = torch.zeros(depths, dtype=torch.float64), 0
+        self.device = next(module.parameters()).device
+        self.sums, self.forwards = torch.zeros(depths, dtype=torch.float64, device=self.device), 0  # no host sync
         for m in module.modules():
             if isinstance(m, Transformer) and m.post and len(m.mtp):
                 m.register_forward_hook(self._record)
-        self.device = next(module.parameters()).device
 
     def _record(self, model, inputs, output) -> None:
         if model.training and model.mtp_losses:
-            self.sums += torch.stack(model.mtp_losses).double().cpu()
+            self.sums += torch.stack(model.mtp_losses).double()
             self.forwards += 1
             model.mtp_losses = []
 
     def after_step(self) -> list[float]:
         """The step's ``L_k``, k = 1..D, the same on every rank."""
         holds = self.forwards > 0  # the last stage's ranks: TP x CP copies of each DP replica's values
-        mine = torch.cat([self.sums / max(self.forwards, 1), torch.tensor([float(holds)], dtype=torch.float64)])
-        total = comm.all_reduce(mine.to(self.device), comm.WORLD).cpu()
+        flag = torch.tensor([float(holds)], dtype=torch.float64, device=self.device)
+        total = comm.all_reduce(torch.cat([self.sums / max(self.forwards, 1), flag]), comm.WORLD).cpu()
         self.sums.zero_()
         self.forwards = 0
         return (total[:-1] / total[-1].clamp(min=1)).tolist()
