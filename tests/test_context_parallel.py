@@ -256,6 +256,64 @@ def test_a_window_within_a_chunk_exchanges_with_the_two_neighbours_only():
                 assert (messages, sent) == (10, {(rank + 1) % 4: 6 * block + 4 * grads}), (case, rank, messages, sent)
 
 
+D_QK, D_V = 12, 8  # MLA-shaped heads: values narrower than keys (DeepSeek-V3: 192 and 128)
+MLA_CASES = [(0, True), (0, False), (8, True), (8, False)]  # (window, fused): the full ring, then the neighbours'
+
+
+def _mla_case(rank: int, world: int, window: int, fused: bool):
+    """``ring_attention`` of MLA-shaped heads at CP ``world`` against causal softmax attention over the whole
+    sequence in fp64: ``(largest error / scale over out, dq, dk, dv; P2P messages sent; bytes sent by peer)``."""
+    from megakit.nn import comm as C
+    from megakit.nn.context_parallel import ring_attention
+    from megakit.nn.topology import Topology
+
+    topo = Topology.from_world(cp=world)
+    gen = torch.Generator().manual_seed(window)
+    q, k = (torch.randn(B, N, S, D_QK, generator=gen, dtype=torch.float64) for _ in "qk")
+    v, grad = (torch.randn(B, N, S, D_V, generator=gen, dtype=torch.float64) for _ in "vg")
+    held = positions(S, world, rank)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    gap = torch.arange(S)[:, None] - torch.arange(S)[None, :]
+    allowed = (gap >= 0) & (gap < window) if window else gap >= 0
+    scores = (leaves[0] @ leaves[1].transpose(-2, -1) * D_QK ** -0.5).masked_fill(~allowed, float("-inf"))
+    out = scores.softmax(-1) @ leaves[2]
+    out.backward(grad)
+    want = [t.index_select(2, held) for t in [out.detach()] + [t.grad for t in leaves]]
+    leaves = [t.index_select(2, held).requires_grad_() for t in (q, k, v)]
+    meter = C.Meter()
+    with C.metered(meter):
+        out = ring_attention(*leaves, topo.cp_group, window=window, fused=fused)
+        out.backward(grad.index_select(2, held))
+    got = [out.detach()] + [t.grad for t in leaves]
+    assert got[0].shape[-1] == D_V
+    error = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
+    return error, meter.p2p_messages, dict(meter.p2p_sent)
+
+
+def _mla_sweep(rank: int, world: int):
+    return [_mla_case(rank, world, *case) for case in MLA_CASES]
+
+
+def test_the_ring_carries_mla_values_at_their_own_width():
+    """MLA's values (d_v) narrower than its keys (d_qk), at CP 4 over 64 tokens: the output (d_v wide) and gradients
+    equal whole-sequence attention's, and each step's K/V message is n (d_qk + d_v) x tokens x element bytes, one
+    flat buffer (``megakit.nn.context_parallel._pack``), not the 2 n d_qk of V padded with zero columns (which the
+    ring sent before: 24 / 20 of it here, 384 / 320 for DeepSeek-V3). The full ring: 3 K/V blocks forward, 3 more
+    and 4 gradient blocks backward, all to rank r + 1, one message each; a window within a chunk (8 tokens): half
+    blocks to and from the zig-zag neighbours (the counts of ``test_a_window_within_a_chunk_...``)."""
+    results = run_ranks(_mla_sweep, 4, timeout_s=300)
+    block = B * N * (S // 4) * (D_QK + D_V) * 8  # one step's K/V message: this rank's tokens, fp64
+    for i, (window, fused) in enumerate(MLA_CASES):
+        grads = block if fused else block // 2  # the explicit blocks' gradients travel in fp32
+        for rank, (error, messages, sent) in enumerate(r[i] for r in results):
+            assert error <= (1e-12 if fused else 1e-5), (window, fused, rank, error)
+            if window:
+                peers = {p: block + grads // 2 for p in (rank - 1, rank + 1) if 0 <= p < 4}  # 2 K/V halves, 1 grads
+                assert (messages, sent) == (3 * len(peers), peers), (window, fused, rank, messages, sent)
+            else:
+                assert (messages, sent) == (10, {(rank + 1) % 4: 6 * block + 4 * grads}), (fused, rank, sent)
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 def test_layout_places_cp_groups_next_to_tp(cp):
     from megakit.core.layout import Layout

@@ -129,7 +129,7 @@ def _mla_under_tp_and_cp(rank: int, world: int) -> list:
 
 def test_mla_blocks_under_tp_sp_and_ring_cp_save_what_the_planner_predicts():
     """The replicated latent path is whole on every TP rank without SP and split with it, except the up-projections'
-    inputs (gathered, kept whole); the ring pads v and its output to the key width and ``o_proj`` keeps a copy."""
+    inputs (gathered, kept whole); the ring keeps v and its output at the value width and ``o_proj`` keeps a copy."""
     from multiproc import run_ranks
 
     for case, measured, predicted in run_ranks(_mla_under_tp_and_cp, 2)[0]:

@@ -155,3 +155,15 @@ def test_a_window_within_a_chunk_prices_the_neighbours_k_v_not_the_ring():
 
     assert exposed(32768) == pytest.approx(136 * mib / rate, rel=1e-3)  # 240 MiB with the ring on every block
     assert exposed(1024) == pytest.approx(30 * 256 * 1024 / rate, rel=1e-3)
+
+
+def test_the_ring_prices_mla_values_at_their_own_width():
+    """DeepSeek-V3 at CP 2 (TP 1): a rank's K/V block of 4096 tokens is 128 heads x (192 + 128) x 2 bytes a token,
+    as the ring sends it (``megakit.nn.context_parallel._pack``), not 2 x 192 (values padded to the key width, 20 %
+    more); Llama's equal widths give 2 x 8 KV heads x 128 as before."""
+    from megakit.core.planner.cost import _ring_block_bytes
+
+    plan = Plan(tp=1, cp=2, micro_batch=1, accumulation=1)
+    dsv3 = ModelSpec.from_config("deepseek-v3").with_overrides(seq_len=8192)
+    assert _ring_block_bytes(dsv3, plan, tokens=4096, nbytes=2) == 4096 * 128 * (192 + 128) * 2
+    assert _ring_block_bytes(_llama8b(), plan, tokens=4096, nbytes=2) == 4096 * 2 * 8 * 128 * 2

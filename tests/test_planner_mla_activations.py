@@ -72,17 +72,18 @@ def test_mla_is_not_counted_as_plain_attention():
         plain, tp=8, sequence_parallel=True)  # 30016.5
 
 
-def test_ring_context_parallelism_keeps_mla_values_padded_to_the_key_width():
-    """The ring passes K and V as one block, so V gets zero columns up to d_qk: the ring keeps v and its output at
-    n·d_qk, and ``o_proj`` a contiguous copy of the n·d_v slice (``megakit.nn.context_parallel.ring_attention``).
-    Ulysses' all-to-all runs SDPA on unpadded heads."""
-    padded = 219788 + (2 * 128 * 192 - 2 * 128 * 128) + 2 * 128 * 192  # v wider by 64 columns, the ring's output
-    assert padded == 285324
-    assert attention_bytes(DSV3, ring=True) == padded
+def test_ring_context_parallelism_keeps_mla_values_at_their_own_width():
+    """The ring carries V at d_v (``megakit.nn.context_parallel._pack``; the fused kernel's zero columns are local to
+    each call): it keeps v and its (B, n, S, d_v) output, and ``o_proj`` a contiguous (B, S, n, d_v) copy. Before,
+    v and the output were padded to d_qk: 285324 bytes a token. Ulysses' all-to-all runs SDPA, whose output is
+    ``o_proj``'s input."""
+    ring_bytes = 219788 + 2 * 128 * 128  # the ring's output, apart from o_proj's copy
+    assert ring_bytes == 252556
+    assert attention_bytes(DSV3, ring=True) == ring_bytes
     assert attention_bytes(PLAIN, ring=True) == 240132  # same widths: nothing changes
     layout = dict(tp=8, cp=2, micro_batch=1, seq_len=8192, sequence_parallel=True, layers=1)
     ring, a2a = (estimate_memory(DSV3, cp_ring=r, **layout).activation_per_layer for r in (True, False))
-    assert ring - a2a == 4096 * (padded - 219788) / 8  # this rank's 4096 tokens, 16 heads
+    assert ring - a2a == 4096 * (ring_bytes - 219788) / 8  # this rank's 4096 tokens, 16 heads
 
 
 def test_without_a_query_latent_q_proj_keeps_the_gathered_input_under_sp():

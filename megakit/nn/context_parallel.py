@@ -31,6 +31,8 @@ position embeddings) and dropout masks use the global positions (``positions``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -121,20 +123,20 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, keep, p, group, ranks, scale, window, documents, sinks):
         cp, r = len(ranks), C.rank(group)
-        b, n, s, d = q.shape
+        b, n, s, _ = q.shape
         pos = positions(s * cp, cp, r, device=q.device)
         m = q.new_full((b, n, s, 1), float("-inf"), dtype=torch.float32)
         total = torch.zeros((b, n, s, 1), dtype=torch.float32, device=q.device)
-        acc = torch.zeros((b, n, s, d), dtype=torch.float32, device=q.device)
-        for kv, chunks in _transport(ranks, r, s // 2, window).blocks(torch.stack([k, v]).contiguous()):
-            scores, keep_j = _block_scores(q, kv[0], pos, _chunk_positions(chunks, s // 2, q.device), keep, scale,
+        acc = torch.zeros((b, n, s, v.shape[-1]), dtype=torch.float32, device=q.device)  # v's width (MLA: d_v)
+        for (kb, vb), chunks in _transport(ranks, r, s // 2, window).blocks(k, v):
+            scores, keep_j = _block_scores(q, kb, pos, _chunk_positions(chunks, s // 2, q.device), keep, scale,
                                            window, documents)
             m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))  # finite: step 0 is the own block
             alpha, e = (m - m_new).exp(), (scores - m_new).exp()
             total = total * alpha + e.sum(dim=-1, keepdim=True)
             if keep_j is not None:
                 e = e * keep_j
-            acc = acc * alpha + torch.matmul(e, _repeat_kv(kv[1], n).float())
+            acc = acc * alpha + torch.matmul(e, _repeat_kv(vb, n).float())
             m = m_new
         out = acc / total
         if keep is not None:
@@ -158,13 +160,13 @@ class _RingAttention(torch.autograd.Function):
         delta = (grad_out * out.float()).sum(dim=-1, keepdim=True)  # rowsum(dP * P), dropout included
         dq = torch.zeros((b, n, s, d), dtype=torch.float32, device=q.device)
         transport = _transport(ranks, r, s // 2, ctx.window)
-        for kv, chunks in transport.blocks(torch.stack([k, v]).contiguous()):
-            kj, vj = _repeat_kv(kv[0], n).float(), _repeat_kv(kv[1], n).float()
-            scores, keep_j = _block_scores(q, kv[0], pos, _chunk_positions(chunks, s // 2, q.device), keep, scale,
+        for (kb, vb), chunks in transport.blocks(k, v):
+            kj, vj = _repeat_kv(kb, n).float(), _repeat_kv(vb, n).float()
+            scores, keep_j = _block_scores(q, kb, pos, _chunk_positions(chunks, s // 2, q.device), keep, scale,
                                            ctx.window, ctx.documents)
             probs = (scores - lse).exp()  # masked entries: exp(-inf) = 0
             dropped = probs if keep_j is None else probs * keep_j / (1.0 - p)
-            grad_v = torch.matmul(dropped.transpose(-2, -1), grad_out)  # (B, n, S_k, d)
+            grad_v = torch.matmul(dropped.transpose(-2, -1), grad_out)  # (B, n, S_k, d_v)
             grad_p = torch.matmul(grad_out, vj.transpose(-2, -1))
             if keep_j is not None:
                 grad_p = grad_p * keep_j / (1.0 - p)
@@ -172,8 +174,8 @@ class _RingAttention(torch.autograd.Function):
             dq += torch.matmul(grad_s, kj) * scale
             grad_k = torch.matmul(grad_s.transpose(-2, -1), q.float()) * scale
             transport.give_back(grad_k, grad_v, k.shape[1])
-        own = transport.own_gradients()  # this rank's K/V gradients, home
-        return (dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None, None, None,
+        dk, dv = transport.own_gradients()  # this rank's K/V gradients, home
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None,
                 grad_sinks)
 
 
@@ -205,24 +207,38 @@ def _cuda_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> t
     return padded[..., :mask.shape[-1]].expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
+def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` with zero columns up to ``width``: torch's CPU flash kernel takes q, k and v of one head width, and MLA's
+    v is narrower. Added here, on this rank, so that the ring carries v at its own width. (SDPA's checks let the
+    memory-efficient kernel take a narrower v; it is padded too until a GPU run checks that.)"""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
 def _pair_forward(q, k, v, causal: bool, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk pair's attention and its log-sum-exp ``(B, n, S_q)`` on this device's fused kernel."""
+    """One chunk pair's attention ``(B, n, S_q, d_v)`` and its log-sum-exp ``(B, n, S_q)`` on this device's fused
+    kernel."""
+    width, v = v.shape[-1], _widen(v, q.shape[-1])
     if q.device.type != "cuda":
-        return _FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        out, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
+        return out[..., :width], lse
     out, lse, _, _ = _EFFICIENT(q, k, v, _cuda_bias(mask, q, k), True, 0.0, causal, scale=scale)
-    return out, lse[..., :q.shape[2]]  # the kernel pads the LSE's rows to a multiple of 32
+    return out[..., :width], lse[..., :q.shape[2]]  # the kernel pads the LSE's rows to a multiple of 32
 
 
 def _pair_backward(grad_out, q, k, v, out, lse, causal: bool, mask, scale: float):
-    """``(dq, dk, dv)`` of one chunk pair, given the whole output and LSE (each pair's share of dS = P (dP - D))."""
+    """``(dq, dk, dv)`` of one chunk pair, given the whole output and LSE (each pair's share of dS = P (dP - D)); v,
+    the output and its gradient widened as ``_pair_forward`` widens v (zero columns: D unchanged), dv cut back."""
+    d, width = q.shape[-1], v.shape[-1]
+    grad_out, v, out = _widen(grad_out, d), _widen(v, d), _widen(out, d)
     if q.device.type != "cuda":
-        return _FLASH_BACKWARD(grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+        gq, gk, gv = _FLASH_BACKWARD(grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+        return gq, gk, gv[..., :width]
     rows = lse.shape[-1]
     padded = torch.nn.functional.pad(lse, (0, -rows % 32))  # the layout its forward returned
     no_dropout = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed and offset, unread at p = 0
     gq, gk, gv, _ = _EFFICIENT_BACKWARD(grad_out, q, k, v, _cuda_bias(mask, q, k), out, padded, no_dropout,
                                         no_dropout, 0.0, [True, True, True, False], causal, scale=scale)
-    return gq, gk, gv
+    return gq, gk, gv[..., :width]
 
 
 def _pairs(q_chunks, k_chunks, half: int, window: int, documents, pos_q, pos_k, dtype):
@@ -258,14 +274,14 @@ class _FusedRingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, ranks, scale, window, documents, sinks):
         cp, r = len(ranks), C.rank(group)
-        b, n, s, d = q.shape
+        b, n, s, _ = q.shape
         half = s // 2
         pos = positions(s * cp, cp, r, device=q.device)
         acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 in the fp64 tests (the kernel's LSE dtype)
-        out = torch.zeros((b, n, s, d), dtype=acc, device=q.device)
+        out = torch.zeros((b, n, s, v.shape[-1]), dtype=acc, device=q.device)  # v's width (MLA: d_v)
         lse = torch.full((b, n, s), float("-inf"), dtype=acc, device=q.device)
-        for kv, chunks in _transport(ranks, r, half, window).blocks(torch.stack([k, v]).contiguous()):
-            kj, vj = _repeat_kv(kv[0], n), _repeat_kv(kv[1], n)
+        for (kb, vb), chunks in _transport(ranks, r, half, window).blocks(k, v):
+            kj, vj = _repeat_kv(kb, n), _repeat_kv(vb, n)
             for qs, ks, causal, mask, none in _pairs((r, 2 * cp - 1 - r), chunks, half, window, documents, pos,
                                                       _chunk_positions(chunks, half, q.device), q.dtype):
                 o, l = _pair_forward(q[:, :, qs], kj[:, :, ks], vj[:, :, ks], causal, mask, scale)
@@ -295,8 +311,8 @@ class _FusedRingAttention(torch.autograd.Function):
         acc = lse.dtype
         dq = torch.zeros((b, n, s, d), dtype=acc, device=q.device)
         transport = _transport(ranks, r, half, ctx.window)
-        for kv, chunks in transport.blocks(torch.stack([k, v]).contiguous()):
-            kj, vj = _repeat_kv(kv[0], n), _repeat_kv(kv[1], n)
+        for (kb, vb), chunks in transport.blocks(k, v):
+            kj, vj = _repeat_kv(kb, n), _repeat_kv(vb, n)
             dk = torch.zeros(kj.shape, dtype=acc, device=q.device)
             dv = torch.zeros(vj.shape, dtype=acc, device=q.device)
             for qs, ks, causal, mask, _ in _pairs((r, 2 * cp - 1 - r), chunks, half, ctx.window, ctx.documents, pos,
@@ -308,8 +324,8 @@ class _FusedRingAttention(torch.autograd.Function):
                 dk[:, :, ks] += gk.to(acc)
                 dv[:, :, ks] += gv.to(acc)
             transport.give_back(dk, dv, k.shape[1])
-        own = transport.own_gradients()
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None, grad_sinks
+        dk, dv = transport.own_gradients()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, grad_sinks
 
 
 def _sink_forward(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -391,34 +407,49 @@ def _transport(ranks: list[int], r: int, half: int, window: int):
     return _Ring(ranks, r)
 
 
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V (or their gradients) flattened into one buffer, each at its own width (MLA: d_qk and d_v), so that a
+    transfer stays one message and carries no padding."""
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+
+def _unpack(buf: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``_pack``: K and V as views of ``buf``, given their shapes (the same on every rank of the ring)."""
+    split = math.prod(k_shape)
+    return buf[:split].view(k_shape), buf[split:].view(v_shape)
+
+
 class _Ring:
     """The full ring: each K/V block travels once around the CP ranks (the next block posted before the one in hand
-    is used), and in backward its gradients travel with it, home after one full turn."""
+    is used), and in backward its gradients travel with it, home after one full turn. K and V go as one flat
+    buffer (``_pack``)."""
 
     def __init__(self, ranks: list[int], r: int) -> None:
-        self.ranks, self.r, self.incoming = ranks, r, None
+        self.ranks, self.r, self.incoming, self.shapes = ranks, r, None, None
 
-    def blocks(self, kv: torch.Tensor):
-        """``(K/V block, its chunk numbers)`` for this rank's block, then each one arriving, ``CP`` in all."""
+    def blocks(self, k: torch.Tensor, v: torch.Tensor):
+        """``((K, V) of a block, its chunk numbers)`` for this rank's block, then each one arriving, ``CP`` in all."""
         cp, r = len(self.ranks), self.r
+        self.shapes = (k.shape, v.shape)
+        kv = _pack(k, v)
         for t in range(cp):
             j = (r - t) % cp
             nxt = _pass_on(kv, self.ranks, r, _KV_TAG) if t < cp - 1 else None
-            yield kv, (j, 2 * cp - 1 - j)
+            yield _unpack(kv, *self.shapes), (j, 2 * cp - 1 - j)
             if nxt is not None:
                 kv = _arrived(nxt)
 
     def give_back(self, grad_k, grad_v, kv_heads: int) -> None:
         """Add this rank's gradients of the block in hand (GQA heads summed) to what arrived with it, and pass them on
         with the block."""
-        grads = torch.stack([_sum_kv(grad_k, kv_heads), _sum_kv(grad_v, kv_heads)])
+        grads = _pack(_sum_kv(grad_k, kv_heads), _sum_kv(grad_v, kv_heads))
         if self.incoming is not None:
             grads += _arrived(self.incoming)
         self.incoming = _pass_on(grads, self.ranks, self.r, _GRAD_TAG)
 
-    def own_gradients(self) -> torch.Tensor:
-        """This rank's K/V gradients ``(2, B, n_kv, S/cp, d)``, home after the last ``give_back``'s turn."""
-        return _arrived(self.incoming)
+    def own_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's K and V gradients ``(B, n_kv, S/cp, d_k|d_v)``, home after the last ``give_back``'s turn."""
+        return _unpack(_arrived(self.incoming), *self.shapes)
 
 
 class _Halo:
@@ -426,56 +457,66 @@ class _Halo:
     ``2 CP - 2 - r`` (rank ``r + 1``'s second) besides its own, so its first chunk goes to rank ``r + 1`` and its
     second to rank ``r - 1``: two half blocks each way instead of ``CP - 1`` blocks around the ring. Rank 0's first
     chunk has no chunk before it, and rank ``CP - 1``'s chunks ``CP - 1`` and ``CP`` are adjacent: the ends exchange
-    with one neighbour. In backward the neighbours' chunk gradients go back the same way."""
+    with one neighbour. In backward the neighbours' chunk gradients go back the same way. Each half block's K and V
+    go as one flat buffer (``_pack``)."""
 
     def __init__(self, ranks: list[int], r: int, half: int) -> None:
-        self.ranks, self.r, self.half, self.own, self.posted = ranks, r, half, None, None
+        self.ranks, self.r, self.half, self.own, self.posted, self.shapes = ranks, r, half, None, None, None
         cp = len(ranks)
         self.before = ranks[r - 1] if r > 0 else None  # holds chunk r - 1 first
         self.after = ranks[r + 1] if r < cp - 1 else None  # holds chunk 2 CP - 2 - r second
         self.chunks = ((r - 1,) if r > 0 else ()) + ((2 * cp - 2 - r,) if r < cp - 1 else ())
 
-    def _swap(self, to_before: torch.Tensor, to_after: torch.Tensor, tag: int):
-        """Send each neighbour its half block and receive one from each (one batch): ``(sent, received, handle)``,
-        the halves from before and after as ``self.chunks`` orders them (``sent`` kept until the wait). The ends
-        send and receive one."""
+    def _swap(self, to_before, to_after, tag: int):
+        """Send each neighbour its half block's K and V (pairs, or None for a missing neighbour) and receive one from
+        each (one batch): ``(sent, received, handle)``, the halves from before and after as ``self.chunks`` orders
+        them (``sent`` kept until the wait). The ends send and receive one."""
         peers = [peer for peer in (self.before, self.after) if peer is not None]
-        sends = [(x.contiguous(), peer, tag) for x, peer in ((to_before, self.before), (to_after, self.after))
+        sends = [(_pack(*x), peer, tag) for x, peer in ((to_before, self.before), (to_after, self.after))
                  if peer is not None]
         received = [torch.empty_like(sends[0][0]) for _ in peers]
         return sends, received, C.exchange(sends, [(buf, peer, tag) for buf, peer in zip(received, peers)])
 
-    def blocks(self, kv: torch.Tensor):
-        """This rank's block (its chunks' K/V on their way meanwhile), then the neighbours' chunks side by side."""
-        cp, r, h = len(self.ranks), self.r, self.half
-        posted = self._swap(kv[..., h:, :], kv[..., :h, :], _KV_TAG)  # its sends kept alive until the wait
-        yield kv, (r, 2 * cp - 1 - r)
+    def _received(self, posted) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Wait for a ``_swap``; the ``(K, V)`` halves it received."""
         _, received, handle = posted
         handle.wait()
-        yield torch.cat(received, dim=-2), self.chunks
+        return [_unpack(buf, *self.shapes) for buf in received]
+
+    def blocks(self, k: torch.Tensor, v: torch.Tensor):
+        """This rank's block (its chunks' K/V on their way meanwhile), then the neighbours' chunks side by side."""
+        cp, r, h = len(self.ranks), self.r, self.half
+        self.shapes = (k[..., :h, :].shape, v[..., :h, :].shape)
+        posted = self._swap((k[..., h:, :], v[..., h:, :]), (k[..., :h, :], v[..., :h, :]), _KV_TAG)
+        yield (k, v), (r, 2 * cp - 1 - r)
+        halves = self._received(posted)
+        yield (torch.cat([kh for kh, _ in halves], dim=-2), torch.cat([vh for _, vh in halves], dim=-2)), self.chunks
 
     def give_back(self, grad_k, grad_v, kv_heads: int) -> None:
         """The own block's gradients stay; the neighbours' chunks' go back to their owners."""
-        grads = torch.stack([_sum_kv(grad_k, kv_heads), _sum_kv(grad_v, kv_heads)])
+        grads = (_sum_kv(grad_k, kv_heads), _sum_kv(grad_v, kv_heads))
         if self.own is None:
             self.own = grads
             return
-        parts = list(grads.split(self.half, dim=-2))
+        parts = list(zip(*(g.split(self.half, dim=-2) for g in grads)))
         to_before = parts.pop(0) if self.before is not None else None
         to_after = parts.pop(0) if self.after is not None else None
         self.posted = self._swap(to_before, to_after, _GRAD_TAG)
 
-    def own_gradients(self) -> torch.Tensor:
-        """This rank's K/V gradients: its own block's, plus its first chunk's from rank ``r + 1`` and its second
+    def own_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's K and V gradients: its own block's, plus its first chunk's from rank ``r + 1`` and its second
         chunk's from rank ``r - 1``."""
-        _, received, handle = self.posted
-        handle.wait()
-        h, own = self.half, self.own
+        halves = self._received(self.posted)
+        h, (dk, dv) = self.half, self.own
         if self.before is not None:
-            own[..., h:, :] += received.pop(0)
+            gk, gv = halves.pop(0)
+            dk[..., h:, :] += gk
+            dv[..., h:, :] += gv
         if self.after is not None:
-            own[..., :h, :] += received.pop(0)
-        return own
+            gk, gv = halves.pop(0)
+            dk[..., :h, :] += gk
+            dv[..., :h, :] += gv
+        return dk, dv
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, keep: torch.Tensor | None = None,
@@ -484,22 +525,19 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention over the whole sequence held by the CP ``group`` (load-balanced split).
 
-    ``q`` ``(B, n, S/cp, d)``, ``k``/``v`` ``(B, n_kv, S/cp, d)`` (GQA when ``n_kv < n``), already
+    ``q``/``k`` ``(B, n, S/cp, d)``/``(B, n_kv, S/cp, d)``, ``v`` ``(B, n_kv, S/cp, d_v)`` (GQA when ``n_kv < n``;
+    MLA's ``d_v`` narrower than ``d``: the ring carries v at its own width, ``_pack``), already
     rotated at their global positions; ``keep``: ``attention_keep``'s dropout mask with
     probability ``p``, or None; ``scale``: the scores' factor (default ``1/sqrt(d)``); ``window``: a
     sliding window (0: none); ``documents``: the whole sequence's ``(B, S)`` document numbers, attention then
     stays inside each document (``megakit.nn.documents``). ``fused``: each block's chunk pairs on the fused kernel
     (``_FusedRingAttention``); default: without dropout. ``sinks`` ``(n,)``: gpt-oss's learned logit per head in
     each softmax denominator (``_sink_forward``). ``group`` None: a ring of one, the whole sequence in order (how
-    attention with sinks runs without CP: SDPA returns no log-sum-exp). Returns ``(B, n, S/cp, d)``, this rank's rows.
+    attention with sinks runs without CP: SDPA returns no log-sum-exp). Returns ``(B, n, S/cp, d_v)``, this rank's
+    rows.
     """
     ranks = C.group_ranks(group)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    width = v.shape[-1]
-    if width != q.shape[-1]:  # MLA's values are narrower than its keys: zero columns, one K/V block (TE's way)
-        out = ring_attention(q, k, F.pad(v, (0, q.shape[-1] - width)), group, keep=keep, p=p, scale=scale,
-                             window=window, documents=documents, fused=fused, sinks=sinks)
-        return out[..., :width]
     if fused is None:
         fused = keep is None
     if fused:

@@ -16,7 +16,7 @@ up-projections and ``o_proj`` split by heads. The gradients that reach the repli
 - with SP the down-projections run on the rank's ``S/tp`` tokens, so their weights' gradients are partial and
   summed over TP (``replicated``), as the norms' are.
 
-The core is ``Attention``'s (``_dispatch``): SDPA, the ring (values padded to the key width there), Ulysses or
+The core is ``Attention``'s (``_dispatch``): SDPA, the ring (values carried at their own width), Ulysses or
 hybrid, dropout, windows and documents alike.
 """
 

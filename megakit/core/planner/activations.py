@@ -95,7 +95,7 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
             out += [t("attention dropout mask", 0, dropout_mask_bytes, per_seq=heads),
                     t("attention dropout output", 0, per_seq=heads)]
     if kernel_out:
-        out.append(t("ring attention output (padded)", kernel_out))
+        out.append(t("ring attention output", kernel_out))
     out.append(t("attention output (proj input)", proj_in))
     if dropout:
         out.append(t("attention residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
@@ -119,18 +119,16 @@ def value_widths(model: ModelSpec, *, tp: int, kv: float, ring: bool = False) ->
 
     MLA's value heads are ``v_head_dim`` wide, its query and key heads ``qk_head_dim`` (``head_dim``;
     ``megakit.nn.latent_attention``). SDPA keeps v at ``v_head_dim`` and the output once: a fused kernel's, laid out
-    (B, S, n, d) so that ``o_proj``'s input is a view of it, or (math path) ``o_proj``'s copy only. The ring carries K
-    and V as one block, so it pads v with zero columns to the key width (``megakit.nn.context_parallel.ring_attention``,
-    TransformerEngine's way) and saves v and its output padded; the ``v_head_dim`` slice it returns is not contiguous,
-    so ``o_proj`` keeps a copy of its own. (Under CP plain attention's ``o_proj`` keeps a copy too, of the ring's
-    (B, n, S, d) output or of Ulysses' all-to-all back; this count leaves that out, as before.)"""
+    (B, S, n, d) so that ``o_proj``'s input is a view of it, or (math path) ``o_proj``'s copy only. The ring carries v
+    at its own width too (``megakit.nn.context_parallel._pack``; the fused kernel's zero columns are local to each
+    call) and saves v and its (B, n, S, d_v) output, of which ``o_proj`` keeps a (B, S, n, d_v) copy of its own.
+    (Under CP plain attention's ``o_proj`` keeps a copy too, of the ring's output or of Ulysses' all-to-all back;
+    this count leaves that out, as before.)"""
     heads, mla = model.heads // tp, model.config.mla
     if mla is None:
         return kv, 0.0, heads * model.head_dim
     v = heads * mla.v_head_dim
-    if ring:
-        return heads * mla.qk_head_dim, heads * mla.qk_head_dim, v
-    return v, 0.0, v
+    return v, v if ring else 0.0, v
 
 
 def latent_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool = False, precision: str = "bf16",

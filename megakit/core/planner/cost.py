@@ -308,10 +308,18 @@ def _ring_exposed(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int
 
 
 def _ring_block_bytes(model: ModelSpec, plan: Plan, *, tokens: int, nbytes: int) -> float:
-    """Bytes of one ring rank's K/V block: ``a x tokens`` tokens of its K/V heads after hybrid's all-to-all."""
+    """Bytes of one ring rank's K/V block: ``a x tokens`` tokens of its K/V heads after hybrid's all-to-all, each
+    head's key and value at their own widths (``_kv_width``)."""
     a = plan.a2a_degree
     kv_heads = model.kv_heads_per_rank(plan.tp) if a == 1 else _a2a_heads(model, plan)[1] // a
-    return 2 * tokens * a * kv_heads * model.head_dim * nbytes
+    return tokens * a * kv_heads * _kv_width(model) * nbytes
+
+
+def _kv_width(model: ModelSpec) -> int:
+    """A K/V head's key plus value width: MLA's values (``v_head_dim``) are narrower than its keys (``qk_head_dim``)
+    and the ring carries them at their own width (``megakit.nn.context_parallel._pack``), no zero columns."""
+    mla = model.config.mla
+    return model.head_dim + (mla.v_head_dim if mla else model.head_dim)
 
 
 def _bounded_layers(model: ModelSpec, seq_len: int, ring: int) -> list[int]:

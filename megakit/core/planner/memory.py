@@ -225,7 +225,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     SwiGLU (``activation_tensors(fused_swiglu=True)``). ``loss_chunks``: the head
     and loss over that many token chunks (``logits_bytes``; 0: the trainer's default rule, ``auto_loss_chunks``).
     ``cp_ring``: with ``cp`` > 1 the attention core runs on a ring (ring or hybrid CP; False: Ulysses' all-to-all),
-    whose padded values MLA keeps (``activation_tensors(ring=True)``)."""
+    whose output MLA keeps apart from ``o_proj``'s copy (``activation_tensors(ring=True)``)."""
     if precision not in PRECISIONS:
         raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if recompute not in RECOMPUTE:
