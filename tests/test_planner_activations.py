@@ -35,6 +35,16 @@ def saved_bytes(model, x, labels=None, skip_input=False):
     return sum(seen.values())
 
 
+def block_saved_bytes(config, x, modes=("none", "selective")) -> dict[str, int]:
+    """What one training block of ``config`` keeps for backward from input ``x``, per recompute mode (same weights)."""
+    kept = {}
+    for recompute in modes:
+        torch.manual_seed(0)
+        block = Transformer(config, layers=range(0, 1), pre=False, post=False, recompute=recompute).train()
+        kept[recompute] = saved_bytes(block, x)
+    return kept
+
+
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_one_block_saves_what_the_model_predicts(name, dropout):
@@ -89,12 +99,7 @@ def test_an_mla_block_saves_what_the_planner_predicts(q_lora_rank):
     ``o_proj``'s input (v its own tensor: a view would keep ``kv_b_proj``'s whole output) as the planner's
     selective count says; counted as plain attention (v and the output at the key width, no latents) it differs."""
     config, spec = _mla(q_lora_rank)
-    x = torch.randn(S, B, config.hidden, requires_grad=True)
-    kept = {}
-    for recompute in ("none", "selective"):
-        torch.manual_seed(0)
-        block = Transformer(config, layers=range(0, 1), pre=False, post=False, recompute=recompute).train()
-        kept[recompute] = saved_bytes(block, x)
+    kept = block_saved_bytes(config, torch.randn(S, B, config.hidden, requires_grad=True))
     assert kept["none"] == _predicted(spec, flash_attention=False)
     selective = estimate_memory(spec, precision="fp32", micro_batch=B, seq_len=S, recompute="selective")
     assert kept["selective"] == selective.activation_per_layer

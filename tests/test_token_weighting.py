@@ -141,7 +141,10 @@ CASES = {"dp2-ga2": dict(zero=1, accumulation=2), "tp2-ga4": dict(zero=1, accumu
          "a2a2-documents": dict(zero=1, accumulation=2, cp=2, cp_mode="a2a", **DOCUMENTS),  # Ulysses
          # DeepSeek-V3's MTP module on the last stage: each depth's tokens counted apart, the embedding's two copies
          "pp2-mtp-documents": dict(zero=1, accumulation=4, pp=2, model=MTP_MODEL, mtp=True, mtp_weight=0.3,
-                                   **DOCUMENTS)}
+                                   **DOCUMENTS),
+         # and the MTP module's MoE block with its experts over EP 2, and under ZeRO 3
+         "ep2-mtp-documents": dict(zero=1, accumulation=2, ep=2, model=MTP_MODEL, mtp=True, **DOCUMENTS),
+         "zero3-mtp": dict(zero=3, accumulation=2, model=MTP_MODEL, mtp=True)}
 CASES4 = {"tp2-cp2-documents": dict(zero=1, accumulation=2, tp=2, cp=2, **DOCUMENTS),
           "tp2-a2a2-documents": dict(zero=2, accumulation=2, tp=2, cp=2, cp_mode="a2a", **DOCUMENTS),
           # EP 4 folded over TP 2 x DP 2 with packed documents; Ulysses under a pipeline

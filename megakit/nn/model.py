@@ -212,7 +212,7 @@ class Transformer(nn.Module):
     def _head_loss(self, h: torch.Tensor, labels: torch.Tensor, held, *, depth: int) -> torch.Tensor:
         """The mean cross-entropy of ``labels`` (the whole ``(B, S)``) under the head on ``h`` ``(S', B, H)``:
         divided by the trainer's count of depth ``depth``'s tokens, else by this batch's own (over CP)."""
-        head = self.lm_head.weight if hasattr(self, "lm_head") else self.embed.weight  # (V/tp, H)
+        head = self._head_weight()  # (V/tp, H)
         h = enter_tp_region(h, self.group, self.sequence_parallel)  # (S, B, H)
         target = labels.t() if held is None else labels.index_select(1, held).t()  # (S, B), (S/cp, B) with CP
         tokens = self._loss_tokens(depth)
@@ -227,19 +227,23 @@ class Transformer(nn.Module):
         return total / (tokens if tokens is not None else (target != -100).sum().clamp(min=1))
 
     def _loss_tokens(self, depth: int):
-        """The trainer's token count for depth ``depth`` (0: the main loss), or None: the batch's own."""
+        """The trainer's token count for depth ``depth`` (0: the main loss): one of its ``(1 + D,)`` counts, its one
+        count (a model without MTP modules), or None: the batch's own."""
         tokens = self.loss_tokens
-        if tokens is None or not isinstance(tokens, torch.Tensor) or tokens.dim() == 0:
-            if depth and tokens is not None:
-                raise UsageError("set_loss_tokens was given one count but the model trains MTP modules; give "
-                                 "(1 + D,) counts (megakit.nn.mtp.depth_token_counts)")
-            return tokens
-        return tokens[depth]
+        if isinstance(tokens, torch.Tensor) and tokens.dim() == 1:
+            return tokens[depth]
+        if depth and tokens is not None:
+            raise UsageError("set_loss_tokens was given one count but the model trains MTP modules; give "
+                             "(1 + D,) counts (megakit.nn.mtp.depth_token_counts)")
+        return tokens
+
+    def _head_weight(self) -> torch.Tensor:
+        """The LM head's shard ``(V/tp, H)``: its own, or the tied embedding's."""
+        return self.lm_head.weight if hasattr(self, "lm_head") else self.embed.weight
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """This rank's logits shard ``(B, S, V/tp)``, padded columns ``-inf``."""
-        head = self.lm_head.weight if hasattr(self, "lm_head") else self.embed.weight  # (V/tp, H)
-        logits = F.linear(enter_tp_region(h, self.group, self.sequence_parallel), head).transpose(0, 1)
+        logits = F.linear(enter_tp_region(h, self.group, self.sequence_parallel), self._head_weight()).transpose(0, 1)
         start = self.tp_rank * logits.shape[-1]
         if start + logits.shape[-1] > self.config.vocab_size:
             logits = logits.clone()
@@ -309,8 +313,7 @@ class Transformer(nn.Module):
 def build_stage_chunks(config, topo, *, vpp: int = 1, method="params", **model_kwargs) -> list[Transformer]:
     """This rank's ``Transformer`` chunks for a ``pp x vpp`` split (embedding on the first, head and any MTP modules on
     the last, which the balanced split gives fewer blocks: the planner's split)."""
-    mtp = trained_mtp_depth(config, model_kwargs.get("mtp", False), model_kwargs.get("mtp_weight", 0.1))
-    ranges = partition_layers(config, topo.pp, vpp, method, mtp=mtp)
+    ranges = partition_layers(config, topo.pp, vpp, method, mtp=config.mtp_depth(model_kwargs.get("mtp", False)))
     last = topo.pp * vpp - 1
     chunks = []
     for chunk in range(vpp):

@@ -39,7 +39,10 @@ def shifted(t: torch.Tensor, depth: int, fill: int) -> torch.Tensor:
 
 def depth_labels(labels: torch.Tensor, depth: int, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Depth ``depth``'s targets ``(B, S)``: ``labels[i + depth]`` (token ``i + depth + 1``), ``-100`` past the
-    window's end and, with packed ``documents``, where ``i + depth`` lies in another document than ``i``."""
+    window's end and, with packed ``documents``, where ``i + depth`` lies in another document than ``i``; depth 0:
+    ``labels`` themselves (the main loss's)."""
+    if depth == 0:
+        return labels
     out = shifted(labels, depth, IGNORE)
     if documents is not None:
         out = out.masked_fill(shifted(documents, depth, -1) != documents, IGNORE)

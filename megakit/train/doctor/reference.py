@@ -68,8 +68,7 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
                          batches.forward_extras(step, rank)) for rank in range(plan.dp)]
         tokens = sum(depth_token_counts(labels, depths, more.get("documents")).double()  # the main's, each depth's
                      for mbs, _, extras in step_batches for (_, labels), more in zip(mbs, extras))
-        tokens = tokens.clamp(min=1)  # a depth without a valid target adds 0, not NaN
-        set_loss_tokens(net, tokens.float() if depths else float(tokens))  # sum / sum over the whole global batch
+        set_loss_tokens(net, tokens.clamp(min=1).float())  # sum / sum over the whole global batch; no target: 0
         for micro_batches, numbers, extras in step_batches:
             for (inputs, labels), rows, more in zip(micro_batches, numbers, extras):
                 loss = net(inputs, labels, sample_ids=rows, **more)
