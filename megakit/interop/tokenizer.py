@@ -9,6 +9,13 @@ gives the same merges (a test trains twice and compares).
 Documents are separated by an end-of-text token (``<|endoftext|>`` for a trained one, the
 tokenizer's own for a loaded one); ``add_special_tokens=False`` everywhere, so the ids of a
 document are exactly ``tokenizer.encode(text).ids`` and nothing else is inserted.
+
+A transformers tokenizer directory (a chat model's) travels whole: its ``tokenizer_config.json`` (special
+tokens: a ChatML model's eos is ``<|im_end|>``, not the end-of-text that separates documents), its chat
+template and its model's ``generation_config.json`` (the ids generation stops at: eos, maybe several; pad; bos)
+are copied as they are into the data directory, each checkpoint and the export, where they set config.json's
+``eos_token_id`` and ``bos_token_id``. A model directory without ``generation_config.json`` gets the one
+transformers would derive from its config.json.
 """
 
 from __future__ import annotations
@@ -22,7 +29,10 @@ from megakit.errors import UsageError
 
 END_OF_TEXT = "<|endoftext|>"
 _EOS_NAMES = (END_OF_TEXT, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "<|eot_id|>")
-FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+GENERATION_CONFIG = "generation_config.json"  # the model's stop ids, travelling with its tokenizer
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+_STOP_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 MIN_VOCAB = 256 + 1  # the 256 byte symbols and the end-of-text token
 
 
@@ -81,33 +91,107 @@ def vocab_size(tokenizer) -> int:
     return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
 
-def save_tokenizer(tokenizer, directory: str | Path, *, model_max_length: int | None = None) -> list[str]:
+def special_tokens(source: str | Path | None) -> dict[str, str]:
+    """The special tokens (``SPECIAL_TOKENS``) a transformers tokenizer directory declares, as strings; ``{}``
+    for a ``tokenizer.json`` alone (or None). Chat templates read them (``{{ bos_token }}``)."""
+    if source is None or not Path(source).is_dir() or not (Path(source) / "tokenizer_config.json").is_file():
+        return {}
+    from transformers import AutoTokenizer
+
+    try:
+        loaded = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+    except Exception as error:  # noqa: BLE001 (transformers raises many kinds for a directory it cannot read)
+        raise UsageError(f"--tokenizer {source}: transformers cannot load it ({str(error)[:120]})") from None
+    return {name: str(getattr(loaded, name)) for name in SPECIAL_TOKENS if getattr(loaded, name, None) is not None}
+
+
+def _generation_config(source: Path) -> dict | None:
+    """The model's ``generation_config.json``, else the stop ids of its ``config.json`` (what transformers derives
+    the generation config from), else None."""
+    for name, keys in ((GENERATION_CONFIG, None), ("config.json", _STOP_IDS)):
+        try:
+            config = json.loads((source / name).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        picked = config if keys is None else {k: config[k] for k in keys if config.get(k) is not None}
+        if picked:
+            return picked
+    return None
+
+
+def _ids(value) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+def check_stop_tokens(tokenizer, directory: str | Path, *, source: str) -> None:
+    """UsageError, in one line, for a tokenizer whose eos (or a stop id of its generation config) is not in its
+    vocabulary: generation would never stop."""
+    specials = special_tokens(directory)
+    eos = specials.get("eos_token")
+    if eos is not None and tokenizer.token_to_id(eos) is None:
+        raise UsageError(f"{source}: the eos token {eos!r} is not in the tokenizer's vocabulary, so generation "
+                         "could never stop; fix eos_token in its tokenizer_config.json (or add the token)")
+    rows = vocab_size(tokenizer)
+    generation = _generation_config(Path(directory)) or {}
+    for key in _STOP_IDS:
+        bad = [i for i in _ids(generation.get(key)) if not 0 <= i < rows]
+        if bad:
+            raise UsageError(f"{source}: its {key} {generation[key]} is outside the tokenizer's vocabulary of "
+                             f"{rows}; fix the model's generation_config.json (or config.json)")
+
+
+def save_tokenizer(tokenizer, directory: str | Path, *, model_max_length: int | None = None,
+                   source: str | Path | None = None, chat_template: str | None = None) -> list[str]:
     """Write ``tokenizer`` as transformers saves a fast tokenizer (``AutoTokenizer.from_pretrained(directory)``
-    loads it); returns the file names written."""
+    loads it); returns the file names written. ``source``, a transformers directory: its files as they are (special
+    tokens, template, added tokens) and its model's generation config; else (a tokenizer trained here, or a
+    ``tokenizer.json`` alone) the end-of-text token is eos. ``chat_template``: replaces the source's template."""
+    directory = Path(directory)
+    if source is not None and (Path(source) / "tokenizer_config.json").is_file():
+        source = Path(source)
+        written = copy_tokenizer(source, directory)
+        if "tokenizer.json" not in written:  # a directory of slow-tokenizer files: its fast form, converted
+            tokenizer.save(str(directory / "tokenizer.json"))
+            written.append("tokenizer.json")
+        generation = _generation_config(source)
+        if generation is not None and GENERATION_CONFIG not in written:  # derived from its config.json
+            (directory / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2))
+            written.append(GENERATION_CONFIG)
+        if chat_template is not None:
+            (directory / "chat_template.jinja").write_text(chat_template)
+            config = json.loads((directory / "tokenizer_config.json").read_text())
+            config.pop("chat_template", None)  # one template, the file's
+            (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+            written.append("chat_template.jinja")
+        return sorted(set(written))
     from transformers import PreTrainedTokenizerFast
 
     eos = end_of_text_id(tokenizer)
     eos_token = None if eos is None else tokenizer.id_to_token(eos)
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos_token, bos_token=eos_token,
-                                      unk_token=eos_token, model_max_length=model_max_length or int(1e30))
+                                      unk_token=eos_token, model_max_length=model_max_length or int(1e30),
+                                      chat_template=chat_template)
     return [Path(f).name for f in wrapped.save_pretrained(str(directory)) if Path(f).is_file()]
 
 
 def copy_tokenizer(source: str | Path, target: str | Path) -> list[str]:
-    """Copy the tokenizer files of ``source`` (a directory ``save_tokenizer`` wrote) into ``target``."""
+    """Copy the tokenizer files of ``source`` (a directory ``save_tokenizer`` wrote, or a transformers one) and its
+    generation config into ``target``."""
     source, target = Path(source), Path(target)
     target.mkdir(parents=True, exist_ok=True)
     copied = []
-    for name in FILES:
+    for name in (*FILES, GENERATION_CONFIG):
         if (source / name).is_file():
             shutil.copyfile(source / name, target / name)
             copied.append(name)
     return copied
 
 
-def export_tokenizer(source: str | Path, target: str | Path, *, model_max_length: int) -> int | None:
-    """Copy a saved tokenizer next to exported weights, with the model's context as ``model_max_length``;
-    returns its end-of-text id (which the exported config names as ``eos_token_id``)."""
+def export_tokenizer(source: str | Path, target: str | Path, *, model_max_length: int) -> dict:
+    """Copy a saved tokenizer next to exported weights, with the model's context as ``model_max_length``; returns
+    the ids generation stops at (``bos_token_id``, ``eos_token_id``, ``pad_token_id``; None where there is none):
+    the model's generation config where it travelled with the tokenizer, else the tokenizer's special tokens, else
+    its end-of-text token as eos and bos (a tokenizer trained here)."""
     from tokenizers import Tokenizer
 
     copy_tokenizer(source, target)
@@ -116,4 +200,13 @@ def export_tokenizer(source: str | Path, target: str | Path, *, model_max_length
         config = json.loads(config_file.read_text())
         config["model_max_length"] = model_max_length
         config_file.write_text(json.dumps(config, indent=2))
-    return end_of_text_id(Tokenizer.from_file(str(Path(source) / "tokenizer.json")))
+    generation = _generation_config(Path(source))
+    if generation is not None and generation.get("eos_token_id") is not None:
+        return {key: generation.get(key) for key in _STOP_IDS}
+    tokenizer = Tokenizer.from_file(str(Path(source) / "tokenizer.json"))
+    specials = special_tokens(source)
+    if "eos_token" in specials:
+        return {f"{key}_id": tokenizer.token_to_id(specials[key]) if key in specials else None
+                for key in ("bos_token", "eos_token", "pad_token")}
+    eos = end_of_text_id(tokenizer)
+    return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": None}
