@@ -51,7 +51,8 @@ GEMMA_RELEASED = (
     "{%- else %}{{- m['content'] | trim + '<end_of_turn>\n' }}{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
-           "<|end_header_id|>", "<|eot_id|>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+           "<|end_header_id|>", "<|eot_id|>"]
+GEMMA_SPECIAL = [*SPECIAL, "<bos>", "<start_of_turn>", "<end_of_turn>"]
 WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 
@@ -60,7 +61,7 @@ def _unmarked(template: str) -> str:
     return template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 
 
-def _tokenizer(directory: Path, template: str, **specials) -> Path:
+def _tokenizer(directory: Path, template: str, special: list[str] = SPECIAL, **specials) -> Path:
     """A byte-level BPE with the templates' special tokens and ``template``, saved as transformers saves one; eos
     ``<|endoftext|>`` unless ``specials`` say otherwise."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -70,7 +71,7 @@ def _tokenizer(directory: Path, template: str, **specials) -> Path:
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator(["what is the weather in Paris? It is sunny, thanks for asking."] * 20, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIAL, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        vocab_size=400, special_tokens=special, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=template,
                             **{"eos_token": "<|endoftext|>", **specials}).save_pretrained(str(directory))
     return directory
@@ -202,7 +203,7 @@ def test_templates_without_markers_mask_the_assistant_as_their_markers_do(tmp_pa
     from transformers import PreTrainedTokenizerFast
 
     specials = {"chatml": {}, "llama3": {"bos_token": "<|begin_of_text|>"}, "gemma": {"bos_token": "<bos>"}}[_name(marked)]
-    tokenizer = _tokenizer(tmp_path / "tok", _unmarked(marked), **specials)
+    tokenizer = _tokenizer(tmp_path / "tok", _unmarked(marked), GEMMA_SPECIAL if specials else SPECIAL, **specials)
     records = _conversations()
     code, out = _prepare(tmp_path, records, tokenizer, "--loss-on", "assistant")
     assert code == 0
@@ -247,7 +248,9 @@ def test_a_message_without_content_is_skipped_and_counted_for_every_template(tmp
 
 
 def test_eos_not_in_the_vocabulary_is_refused(tmp_path, capsys):
-    """A chat model whose eos is not a token (a hand-edited tokenizer_config.json) could never stop: one line."""
+    """A chat model whose eos is not a token could never stop: one line, exit 2, nothing written, whether its
+    tokenizer_config.json names a token the vocabulary lacks, or its generation config an id past the vocabulary
+    (at prepare-data, and at convert --from-hf)."""
     tokenizer = _tokenizer(tmp_path / "tok", CHATML, eos_token="<|im_end|>")
     config = json.loads((tokenizer / "tokenizer_config.json").read_text())
     (tokenizer / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|im_stop|>"}))
@@ -255,6 +258,17 @@ def test_eos_not_in_the_vocabulary_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "the eos token '<|im_stop|>' is not in the tokenizer's" in err, err
     assert not out.exists()
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
+    (tokenizer / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 4000]}))
+    (tokenizer / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 400}))
+    code, out = _prepare(tmp_path, _conversations(2), tokenizer)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "its eos_token_id [2, 4000] is outside the tokenizer's" in err, err
+    assert not out.exists()
+    code = cli.main(["convert", str(tokenizer), str(tmp_path / "ck"), "--from-hf"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "eos_token_id [2, 4000] is not in the model's vocabulary" in err, err
+    assert not (tmp_path / "ck").exists()
 
 
 def test_no_markers_train_the_completion_and_chat_needs_a_tokenizer(tmp_path, capsys):

@@ -100,6 +100,9 @@ def test_a_chat_fine_tune_from_transformers_and_back(tmp_path, capsys):
     reply = _says_then_stops(model, hf_tokenizer)
     model.save_pretrained(hf, safe_serialization=True)
     assert main(["convert", str(hf), str(tmp_path / "ck"), "--from-hf"]) == 0
+    capsys.readouterr()  # the import carries the tokenizer: it chats, and stops, before any training
+    assert main(["generate", str(tmp_path / "ck"), "--chat", "--prompt", "hi", "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out == hf_tokenizer.decode(reply[:1]) + "\n"
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _conversations(160)))
     assert main(["prepare-data", str(tmp_path / "chats.jsonl"), "--tokenizer", str(hf), "--loss-on", "assistant",
                  "--out", str(tmp_path / "data"), "--val-fraction", "0", "--no-progress"]) == 0

@@ -140,6 +140,32 @@ def check_stop_tokens(tokenizer, directory: str | Path, *, source: str) -> None:
                              f"{rows}; fix the model's generation_config.json (or config.json)")
 
 
+def check_model_stop_ids(hf_dir: str | Path) -> None:
+    """UsageError, in one line, for a transformers model whose stop ids (generation config, else config.json) are
+    not rows of its embedding: generation could never stop."""
+    try:
+        config = json.loads((Path(hf_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return  # the import names what is wrong with it
+    rows = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    generation = _generation_config(Path(hf_dir)) or {}
+    for key in _STOP_IDS:
+        bad = [i for i in _ids(generation.get(key)) if rows and not 0 <= i < rows]
+        if bad:
+            raise UsageError(f"{hf_dir}: its {key} {generation[key]} is not in the model's vocabulary of {rows}, so "
+                             "generation could never stop; fix generation_config.json (or config.json)")
+
+
+def model_tokenizer(hf_dir: str | Path):
+    """A transformers model directory's tokenizer (None if it has none), loaded before an import writes anything;
+    ``save_tokenizer(it, CHECKPOINT/tokenizer, source=hf_dir)`` then carries it with its template and stop ids, as
+    ``prepare-data`` does, so the import exports and chats before any training."""
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "tokenizer.json").is_file() and not (hf_dir / "tokenizer_config.json").is_file():
+        return None
+    return load_tokenizer(hf_dir)
+
+
 def save_tokenizer(tokenizer, directory: str | Path, *, model_max_length: int | None = None,
                    source: str | Path | None = None, chat_template: str | None = None) -> list[str]:
     """Write ``tokenizer`` as transformers saves a fast tokenizer (``AutoTokenizer.from_pretrained(directory)``
