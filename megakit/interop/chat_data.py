@@ -190,7 +190,7 @@ class ChatRenderer:
                 continue
             try:
                 head, turn = self._text(messages[:i], tools, True), self._text(messages[:i + 1], tools)
-                bare = self._text(messages[:i], tools)
+                bare = self._text(messages[:i], tools) if not spans else None  # once a record
             except _malformed() as error:
                 raise self._unsplittable(where, f"its first {i} messages do not render ({error})") from None
             if head == bare:
