@@ -71,7 +71,8 @@ def _tokenizer(directory: Path, template: str, special: list[str] = SPECIAL, **s
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator(["what is the weather in Paris? It is sunny, thanks for asking."] * 20, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=special, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        vocab_size=400, special_tokens=special, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=template,
                             **{"eos_token": "<|endoftext|>", **specials}).save_pretrained(str(directory))
     return directory
@@ -195,14 +196,16 @@ def test_refusals_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, record
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
-@pytest.mark.parametrize("marked", [CHATML_RELEASED, LLAMA3_RELEASED, GEMMA_RELEASED], ids=["chatml", "llama3", "gemma"])
+@pytest.mark.parametrize("marked", [CHATML_RELEASED, LLAMA3_RELEASED, GEMMA_RELEASED],
+                         ids=["chatml", "llama3", "gemma"])
 def test_templates_without_markers_mask_the_assistant_as_their_markers_do(tmp_path, capsys, marked):
     """A released template has no {% generation %} markers: the assistant's turns are found by rendering prefixes,
     and the mask is token for token the one transformers reads from the same template with markers (system turns,
     one to three exchanges); prepare-data shows the first example with the counted tokens marked."""
     from transformers import PreTrainedTokenizerFast
 
-    specials = {"chatml": {}, "llama3": {"bos_token": "<|begin_of_text|>"}, "gemma": {"bos_token": "<bos>"}}[_name(marked)]
+    specials = {"chatml": {}, "llama3": {"bos_token": "<|begin_of_text|>"},
+                "gemma": {"bos_token": "<bos>"}}[_name(marked)]
     tokenizer = _tokenizer(tmp_path / "tok", _unmarked(marked), GEMMA_SPECIAL if specials else SPECIAL, **specials)
     records = _conversations()
     code, out = _prepare(tmp_path, records, tokenizer, "--loss-on", "assistant")
@@ -269,6 +272,19 @@ def test_eos_not_in_the_vocabulary_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "eos_token_id [2, 4000] is not in the model's vocabulary" in err, err
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--chat"], "--chat needs --prompt TEXT"),
+    (["--messages", "{tmp}/bad.json"], "--messages {tmp}/bad.json: give a JSON list of"),
+    (["--messages", "{tmp}/none.json"], "--messages {tmp}/none.json: cannot read it as JSON"),
+    ([], "give --prompt TEXT"),
+], ids=["chat-without-prompt", "not-messages", "no-file", "nothing"])
+def test_generate_refuses_a_conversation_it_cannot_read(tmp_path, capsys, args, needle):
+    (tmp_path / "bad.json").write_text(json.dumps({"messages": [{"role": "user", "content": None}]}))
+    code = cli.main(["generate", str(tmp_path), *[a.format(tmp=tmp_path) for a in args]])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and needle.format(tmp=tmp_path) in err, err
 
 
 def test_no_markers_train_the_completion_and_chat_needs_a_tokenizer(tmp_path, capsys):

@@ -147,7 +147,12 @@ def test_a_chat_fine_tune_from_transformers_and_back(tmp_path, capsys):
     generated = tuned.generate(**prompt, max_new_tokens=12, do_sample=False)
     assert generated[0, prompt["input_ids"].shape[1]:].tolist() == reply  # it stops at the end of its turn
     capsys.readouterr()
-    assert main(["generate", str(exported), "--chat", "--prompt", "what is the weather?", "--max-new-tokens", "12"]) == 0
+    assert main(["generate", str(exported), "--chat", "--prompt", "what is the weather?",
+                 "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out == tokenizer.decode(reply[:1]) + "\n"
+    (tmp_path / "chat.json").write_text(json.dumps([{"role": "system", "content": "be brief"},
+                                                    {"role": "user", "content": "what is the weather?"}]))
+    assert main(["generate", str(exported), "--messages", str(tmp_path / "chat.json"), "--max-new-tokens", "12"]) == 0
     assert capsys.readouterr().out == tokenizer.decode(reply[:1]) + "\n"
     moved = max((a - b).abs().max().item() for a, b in zip(tuned.parameters(), model.parameters()))
     assert moved > 1e-4  # the fine-tune changed the weights it exported
