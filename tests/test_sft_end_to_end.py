@@ -139,6 +139,7 @@ def test_a_chat_fine_tune_from_transformers_and_back(tmp_path, capsys):
     # the tokenizer and the model's stop ids travelled: data, checkpoint, export
     assert tokenizer.chat_template == chatml
     assert (tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token) == ("<|im_end|>", "<|endoftext|>", None)
+    assert tokenizer.added_tokens_decoder == hf_tokenizer.added_tokens_decoder
     assert json.loads((exported / "generation_config.json").read_text()) == json.loads(
         (hf / "generation_config.json").read_text())
     assert tuned.config.eos_token_id == [end, pad] and tuned.config.bos_token_id is None

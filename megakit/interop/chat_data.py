@@ -16,11 +16,11 @@ Which tokens the loss counts (``--loss-on``; the mask is 1 there):
 
 - ``assistant``: the assistant's turns. A template with ``{% generation %}`` markers says which tokens they are
   (transformers' ``return_assistant_tokens_mask``). Most released templates (ChatML among them) have none: then
-  the conversation is rendered prefix by prefix, as TRL and axolotl do, and an assistant turn is what it adds to
-  the prompt before it (rendered with the generation prompt), less the whitespace the template puts between
-  turns: its content and its end-of-turn token. On templates with markers the two agree token for token (a test
-  checks ChatML, Llama 3 and Gemma styles). A template whose prefixes do not render as the start of the whole
-  cannot be split into turns, and is refused.
+  the conversation is rendered prefix by prefix (axolotl finds turns by comparing renders too), and an assistant
+  turn is what it adds to the prompt before it (rendered with the generation prompt), less the whitespace the
+  template puts between turns: its content and its end-of-turn token. On templates with markers the two agree
+  token for token (a test checks ChatML, Llama 3 and Gemma styles). A template whose prefixes do not render as
+  the start of the whole cannot be split into turns, and is refused.
 - ``completion``: what follows the prompt, the prompt rendered with ``add_generation_prompt=True``; for a
   conversation, its last assistant turn (checked on every record, as above).
 - ``all``: every token.
