@@ -92,17 +92,26 @@ def vocab_size(tokenizer) -> int:
 
 
 def special_tokens(source: str | Path | None) -> dict[str, str]:
-    """The special tokens (``SPECIAL_TOKENS``) a transformers tokenizer directory declares, as strings; ``{}``
-    for a ``tokenizer.json`` alone (or None). Chat templates read them (``{{ bos_token }}``)."""
-    if source is None or not Path(source).is_dir() or not (Path(source) / "tokenizer_config.json").is_file():
-        return {}
-    from transformers import AutoTokenizer
-
-    try:
-        loaded = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
-    except Exception as error:  # noqa: BLE001 (transformers raises many kinds for a directory it cannot read)
-        raise UsageError(f"--tokenizer {source}: transformers cannot load it ({str(error)[:120]})") from None
-    return {name: str(getattr(loaded, name)) for name in SPECIAL_TOKENS if getattr(loaded, name, None) is not None}
+    """The special tokens (``SPECIAL_TOKENS``) a transformers tokenizer directory declares, as strings, read from
+    its files as transformers reads them (``tokenizer_config.json`` over the older ``special_tokens_map.json``;
+    a token is a string or an ``AddedToken`` dict); ``{}`` for a ``tokenizer.json`` alone (or None). Chat templates
+    read them (``{{ bos_token }}``)."""
+    found: dict[str, str] = {}
+    if source is None or not Path(source).is_dir():
+        return found
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        try:
+            declared = json.loads((Path(source) / name).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        for key in SPECIAL_TOKENS:
+            value = declared.get(key, found.get(key))
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                found[key] = value
+            else:
+                found.pop(key, None)
+    return found
 
 
 def _generation_config(source: Path) -> dict | None:
