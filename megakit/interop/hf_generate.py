@@ -28,8 +28,8 @@ def generate(hf_dir: str | Path, prompt: str | None, *, messages: list[dict] | N
         tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
     if messages is not None:
         if tokenizer is None or not tokenizer.chat_template:
-            raise UsageError(f"{hf_dir} has no chat template (the model was trained without a chat tokenizer); "
-                             "drop --chat/--messages and give --prompt text to continue")
+            raise UsageError("the model has no chat template (its tokenizer, from the data it was trained on, has "
+                             "none); drop --chat/--messages and give --prompt text to continue")
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
                                             return_tensors="pt")["input_ids"]
     elif tokenizer is not None:

@@ -128,41 +128,37 @@ def _generation_config(source: Path) -> dict | None:
     return None
 
 
-def _ids(value) -> list[int]:
+def as_ids(value) -> list[int]:
+    """A config's token id field (an id, a list of them, or None) as a list."""
     return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
 def check_stop_tokens(tokenizer, directory: str | Path, *, source: str) -> None:
-    """UsageError, in one line, for a tokenizer whose eos (or a stop id of its generation config) is not in its
-    vocabulary: generation would never stop."""
+    """UsageError, in one line, for a tokenizer whose eos (or an eos id of its model's generation config) is not in
+    its vocabulary: generation would never stop. (A bos or pad id is left alone: some configs hold -1.)"""
     specials = special_tokens(directory)
     eos = specials.get("eos_token")
     if eos is not None and tokenizer.token_to_id(eos) is None:
         raise UsageError(f"{source}: the eos token {eos!r} is not in the tokenizer's vocabulary, so generation "
                          "could never stop; fix eos_token in its tokenizer_config.json (or add the token)")
-    rows = vocab_size(tokenizer)
-    generation = _generation_config(Path(directory)) or {}
-    for key in _STOP_IDS:
-        bad = [i for i in _ids(generation.get(key)) if not 0 <= i < rows]
-        if bad:
-            raise UsageError(f"{source}: its {key} {generation[key]} is outside the tokenizer's vocabulary of "
-                             f"{rows}; fix the model's generation_config.json (or config.json)")
+    rows, stops = vocab_size(tokenizer), (_generation_config(Path(directory)) or {}).get("eos_token_id")
+    if any(not 0 <= i < rows for i in as_ids(stops)):
+        raise UsageError(f"{source}: its eos_token_id {stops} is outside the tokenizer's vocabulary of {rows}; fix "
+                         "the model's generation_config.json (or config.json)")
 
 
 def check_model_stop_ids(hf_dir: str | Path) -> None:
-    """UsageError, in one line, for a transformers model whose stop ids (generation config, else config.json) are
-    not rows of its embedding: generation could never stop."""
+    """UsageError, in one line, for a transformers model whose eos ids (generation config, else config.json) are not
+    rows of its embedding: generation could never stop."""
     try:
         config = json.loads((Path(hf_dir) / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return  # the import names what is wrong with it
     rows = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    generation = _generation_config(Path(hf_dir)) or {}
-    for key in _STOP_IDS:
-        bad = [i for i in _ids(generation.get(key)) if rows and not 0 <= i < rows]
-        if bad:
-            raise UsageError(f"{hf_dir}: its {key} {generation[key]} is not in the model's vocabulary of {rows}, so "
-                             "generation could never stop; fix generation_config.json (or config.json)")
+    stops = (_generation_config(Path(hf_dir)) or {}).get("eos_token_id")
+    if rows and any(not 0 <= i < rows for i in as_ids(stops)):
+        raise UsageError(f"{hf_dir}: its eos_token_id {stops} is not in the model's vocabulary of {rows}, so "
+                         "generation could never stop; fix generation_config.json (or config.json)")
 
 
 def model_tokenizer(hf_dir: str | Path):
