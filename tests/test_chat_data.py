@@ -233,6 +233,23 @@ def _name(template: str) -> str:
     return "chatml" if template is CHATML_RELEASED else "llama3" if template is LLAMA3_RELEASED else "gemma"
 
 
+def test_a_chat_template_file_travels_in_place_of_the_tokenizers(tmp_path):
+    """--chat-template FILE renders the data and replaces the tokenizer's own template in the data directory (so in
+    checkpoints and the export); the tokenizer's special tokens travel as they were."""
+    from transformers import AutoTokenizer
+
+    tokenizer = _tokenizer(tmp_path / "tok", NO_MARKERS, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    (tmp_path / "marked.jinja").write_text(CHATML_RELEASED)
+    code, out = _prepare(tmp_path, _conversations(3), tokenizer, "--chat-template", str(tmp_path / "marked.jinja"))
+    assert code == 0
+    saved = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    assert saved.chat_template == CHATML_RELEASED and (saved.eos_token, saved.pad_token) == ("<|im_end|>",
+                                                                                             "<|endoftext|>")
+    hf = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+    hf.chat_template = CHATML_RELEASED
+    assert _documents(out) == [_expected(hf, r["messages"]) for r in _conversations(3)]
+
+
 @pytest.mark.parametrize("template", [CHATML_RELEASED, NO_MARKERS.replace("m['content']", "m.content")],
                          ids=["m.content", "m['content']"])
 def test_a_message_without_content_is_skipped_and_counted_for_every_template(tmp_path, capsys, template):

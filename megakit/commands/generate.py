@@ -30,7 +30,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--messages", metavar="FILE",
                         help="a conversation to reply to (implies --chat): a JSON list of {role, content} messages, or "
                              "an object with 'messages'; --prompt, if given, is added as a last user turn")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated at most (default 64)")
     parser.add_argument("--temperature", type=finite_float, default=0.0, help="0: greedy (the default); above 0: sampled")
     parser.add_argument("--top-k", type=int, default=0, help="with --temperature: sample from the K likeliest only")
     parser.add_argument("--seed", type=int, default=0, help="with --temperature: the sampling seed")
