@@ -465,10 +465,10 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
     writers = {split: ShardWriter(tmp, split, dtype, shard_tokens=shard_tokens, masks=chat_args is not None or
                                   bool(window)) for split in ("train", "validation")}
     examples, truncated = [], 0  # with --pack/--pad: every example, packed at the end
+    example = None  # the first chat example (ids, mask), shown with its counted tokens marked
     counts = {"documents": {"train": 0, "validation": 0}, "tokens": {"train": 0, "validation": 0},
               "loss_tokens": {"train": 0, "validation": 0}}
     skipped, bad, first_bad, total_bytes, docs = [], 0, None, sum(p.stat().st_size for p in files), 0
-    example = None  # the first chat example (ids, mask), shown with its counted tokens marked
     split, cut, held_back = TokenSplit(fraction=cfg.val_fraction), 0, None
 
     def add(doc, last: bool) -> None:  # one document, its end held out when the split owes tokens
