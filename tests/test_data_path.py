@@ -125,6 +125,27 @@ def test_a_big_jsonl_is_cut_into_pieces_and_its_bad_lines_counted(prepared, tmp_
     assert np.concatenate([np.asarray(t) for t in shards.tokens("train")]).tolist() == want
 
 
+def test_parquet_and_arrow_rows_are_named_as_rows_and_empty_ones_counted(prepared, tmp_path):
+    """A null or non-string row is a bad record named by its file, row group (record batch) and row, not a "JSONL
+    line"; an empty string is counted apart (5 rows: 3 documents, 1 bad, 1 empty)."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = ["one two three", None, "", "four five", "six"]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "rows.parquet", row_group_size=2)
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+    for source, where in (("rows.parquet", "rows.parquet, row group 0, row 1 ('text' is null)"),
+                          ("saved", "record batch 0, row 1 ('text' is null)")):
+        said = []
+        summary = prepare(PrepareConfig(inputs=[str(tmp_path / source)], out=str(tmp_path / f"out-{source}"),
+                                        tokenizer=prepared[0].out, val_fraction=0.0, progress=False), say=said.append)
+        assert (summary["input_documents"], summary["bad_records"], summary["empty_records"]) == (3, 1, 1), summary
+        assert not any("JSONL" in line for line in said), said
+        assert any("skipped 1 Parquet/Arrow rows that are not objects" in line and where in line for line in said), said
+        assert any("skipped 1 Parquet/Arrow rows whose 'text' is an empty string" in line for line in said), said
+
+
 @pytest.mark.parametrize("dp", [1, 2, 4])
 def test_dp_ranks_take_disjoint_samples_whose_union_is_the_batch(prepared, dp):
     corpus = open_corpus(prepared[0].out)
