@@ -226,11 +226,13 @@ def config(args: argparse.Namespace):
 def _check(cfg) -> int:
     """``--check``: ``resolve`` the run (every check the workers make before any process group) and say what it is."""
     from megakit.errors import UsageError
+    from megakit.train.data.corpus import verify_corpus
     from megakit.train.run import resolve
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:
         run = resolve(cfg, world, say=lambda *_: None)
+        verify_corpus(cfg.data)  # every shard's sha256: a shard damaged in place is named now, not at its step
     except UsageError as error:
         print(f"train.py: error: {error}", file=sys.stderr, flush=True)
         return 2

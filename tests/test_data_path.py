@@ -15,10 +15,12 @@ import torch
 from test_trainer import ROOT
 
 from megakit.commands.cli import main as megakit
+from megakit.errors import UsageError
 from megakit.interop.prepare_data import MIN_SPAN, PrepareConfig, prepare, read_documents
 from megakit.interop.token_shards import open_shards
 from megakit.train.data.batches import BatchPlan, TokenBatches, stdlib_files
 from megakit.train.data.corpus import open_corpus
+from megakit.train.run import TrainConfig
 
 
 def _train_script():
@@ -215,7 +217,20 @@ def test_trainer_data_errors_are_one_line(prepared, tmp_path, capsys):
     line = _one_line(capsys, 2, ["--steps", "1", "--eval-every", "5"], train)  # raw text: no validation split
     assert "--eval-every needs a validation split" in line
     shard = data / "train-00001.bin"
-    shard.write_bytes(shard.read_bytes()[:-10])
+    original = shard.read_bytes()
+    shard.write_bytes(original + b"\0\0")
+    assert "train-00001.bin is longer than index.json says" in _one_line(capsys, 2, base, train)
+    damaged = bytearray(original)
+    damaged[10:12] = b"\xff\xff"  # token 5 of the shard: id 65535 of a vocabulary of 400, in place (same size)
+    shard.write_bytes(bytes(damaged))
+    assert "train-00001.bin does not match its sha256 in index.json" in _one_line(capsys, 2, [*base, "--check"], train)
+    corpus = open_corpus(str(data))  # the loader as the trainer builds it, one step reading every sample
+    options = corpus.loader_options(TrainConfig(ds_config=str(ROOT / "ds_configs" / "zero1.json"), model="gpt-tiny"))
+    samples = TokenBatches(corpus.train, BatchPlan(seq_len=64, micro_batch=1)).num_samples
+    with pytest.raises(UsageError, match="train-00001.bin holds token id 65535 at token 5, outside the vocabulary of "
+                                         "400: the shard is damaged; run train.py --check"):
+        TokenBatches(corpus.train, BatchPlan(seq_len=64, micro_batch=samples), **options).global_batch(0)
+    shard.write_bytes(original[:-10])
     assert "train-00001.bin is truncated" in _one_line(capsys, 2, base, train)
     (data / "index.json").unlink()
     assert "has no index.json" in _one_line(capsys, 2, base, train)
