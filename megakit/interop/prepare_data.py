@@ -188,18 +188,17 @@ def read_documents(path: Path, text_field: str | None, start: int = 0,
     return ([text] if text else []), None, (0, None, 0)
 
 
-class _NotJSON:
-    """What ``_lines`` gives for a line that is not UTF-8 JSON (a line holding ``null`` gives None)."""
+_NOT_JSON = object()  # what ``_lines`` gives for a line that is not UTF-8 JSON (a line holding ``null`` gives None)
 
 
 def _lines(data: bytes, offset: int, path: Path):
-    """``(record, where)`` of each JSONL line: ``_NotJSON`` for one that is not UTF-8 JSON."""
+    """``(record, where)`` of each JSONL line: ``_NOT_JSON`` for one that is not UTF-8 JSON."""
     for line in data.split(b"\n"):
         if line.strip():
             try:
                 yield json.loads(line.decode("utf-8")), f"{path}, the line at byte {offset}"
             except (UnicodeDecodeError, json.JSONDecodeError):
-                yield _NotJSON, f"{path}, the line at byte {offset}"
+                yield _NOT_JSON, f"{path}, the line at byte {offset}"
         offset += len(line) + 1
 
 
@@ -225,7 +224,7 @@ def _documents(rows, text_field: str | None) -> tuple[list, None, tuple[int, str
 
 
 def _why_bad(record, text_field: str | None) -> str:
-    if record is _NotJSON:
+    if record is _NOT_JSON:
         return "not UTF-8 JSON"
     if not isinstance(record, dict):
         return "null" if record is None else f"a JSON {type(record).__name__}, not an object"
