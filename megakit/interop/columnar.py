@@ -70,4 +70,5 @@ def records(path: Path, start: int, end: int | None) -> list[tuple[dict | None, 
         kind, groups = "row group", list(range(pieces.num_row_groups)[start:end])
         first = groups[0] if groups else 0
         tables = [pieces.read_row_group(g).to_pylist() for g in groups]
-    return [(row, f"{path}, {kind} {first + k}, row {n}") for k, rows in enumerate(tables) for n, row in enumerate(rows)]
+    return [(row, f"{path}, {kind} {first + k}, row {n}")
+            for k, rows in enumerate(tables) for n, row in enumerate(rows)]
