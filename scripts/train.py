@@ -159,7 +159,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="write a PyTorch profiler trace per rank (steps 2-3) to DIR (default ./profile)")
     p.add_argument("--verify-memory", action="store_true",
                    help="print each rank's measured memory next to the planner's prediction")
-    p.add_argument("--metrics-out", metavar="FILE", default=None, help="write per-step metrics as JSON (rank 0)")
+    p.add_argument("--metrics-out", metavar="FILE", default=None,
+                   help="append one JSON line per step, evaluation and event to FILE as it happens (JSON Lines; rank "
+                        "0; default: none); a killed run keeps what it logged")
     p.add_argument("--log-every", type=int, default=1, help="print a metrics line every N steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--check", action="store_true",
@@ -226,16 +228,19 @@ def config(args: argparse.Namespace):
 def _check(cfg) -> int:
     """``--check``: ``resolve`` the run (every check the workers make before any process group) and say what it is."""
     from megakit.errors import UsageError
+    from megakit.train.data.corpus import verify_corpus
+    from megakit.train.observe.reporting import cp_mode_words
     from megakit.train.run import resolve
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:
         run = resolve(cfg, world, say=lambda *_: None)
+        verify_corpus(cfg.data)  # every shard's sha256: a shard damaged in place is named now, not at its step
     except UsageError as error:
         print(f"train.py: error: {error}", file=sys.stderr, flush=True)
         return 2
     layout, batch = run.layout, run.batch
-    cp = f" x CP {layout.cp}" if layout.cp > 1 else ""
+    cp = f" x CP {layout.cp} ({cp_mode_words(layout)})" if layout.cp > 1 else ""
     start = f", resuming at step {run.start_step} from {run.checkpoint}" if run.checkpoint is not None else ""
     print(f"train.py: check passed: {cfg.model} on {world} process(es), TP {layout.tp}{cp} x PP {layout.pp} x DP "
           f"{layout.dp}, {batch.global_batch} sequences of {batch.seq_len} per step, {cfg.steps} steps{start}", flush=True)
@@ -257,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         return _check(cfg)
     try:
-        train(cfg)
+        train(cfg, keep_steps=False)  # each step's metrics go to the log and --metrics-out, not into memory
         _leave()
     except UsageError as error:
         _leave()

@@ -78,7 +78,7 @@ from megakit.train.steps import pipeline_step, plain_step, rank_device
 
 @dataclass
 class TrainResult:
-    steps: list = field(default_factory=list)  # StepMetrics per step (rank 0 has them all)
+    steps: list = field(default_factory=list)  # StepMetrics per step (rank 0 has them all); none: keep_steps=False
     memory: list | None = None  # per-rank rows of --verify-memory
     evals: list = field(default_factory=list)  # {"step", "loss", "perplexity"} per evaluation
     events: list = field(default_factory=list)  # {"step", "kind", "text", ...} per intervention (a skipped step)
@@ -95,8 +95,9 @@ def _describe(topo, rank: int) -> str:
     return f"rank {rank} (pp {c['pp']}, dp {c['dp']}{cp}, tp {c['tp']})"
 
 
-def train(cfg: TrainConfig) -> TrainResult:
-    """Run ``cfg.steps`` optimizer steps on the job the launcher started; returns the metrics."""
+def train(cfg: TrainConfig, *, keep_steps: bool = True) -> TrainResult:
+    """Run ``cfg.steps`` optimizer steps on the job the launcher started; returns the metrics (``keep_steps``
+    False: not each step's, which would grow with the run; scripts/train.py has them in --metrics-out)."""
     from megakit.nn.topology import Topology, init_distributed
     from megakit.train.resilience.faults import from_communication
 
@@ -114,7 +115,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     writer = AsyncWriter(comm.side_group(cfg.collective_timeout_s)) if cfg.async_save else None  # --async-save
     try:
         with linear_restored():  # ZeRO-3's engine replaces F.linear process-wide
-            result = _train(run, topo, watchdog, writer)
+            result = _train(run, topo, watchdog, writer, keep_steps)
     except (UsageError, TrainingDiverged) as error:
         _drain(writer)
         if isinstance(error, TrainingDiverged) or getattr(error, "all_ranks", False):  # every rank raised it
@@ -251,7 +252,7 @@ def _not_scheduler_start(record) -> bool:
     return "before it has started" not in record.getMessage()
 
 
-def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
+def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, keep_steps: bool = True) -> TrainResult:
     logger = logging.getLogger("DeepSpeed")
     logger.setLevel(logging.WARNING)
     # DeepSpeed's schedulers warn when built (at iteration -1); megakit places them right after (optim.start_schedule)
@@ -328,7 +329,8 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         comm_seconds, comm_calls = communication.result or (None, None)
-        a2a_bytes = communication.all_to_all_bytes if communication.result and moe is not None else None
+        a2a = moe is not None or run.layout.cp_a2a > 1  # MoE dispatch, Ulysses CP: bytes counted from shapes (host)
+        a2a_bytes = communication.all_to_all_bytes if communication.result and a2a else None
         dp_bytes, dp_bytes_dense = dp_sync.take_bytes()
         if clipper is not None:
             grad_norm, grads_finite, applied = clipper.norm, clipper.finite, clipper.applied
@@ -354,7 +356,8 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
                               dp_bytes_dense=dp_bytes_dense, skipped=bool(skipped), moe=moe_metrics, mtp=mtp_losses,
                               all_to_all_bytes=a2a_bytes, compiling=run.compile and step == start,
                               **dict(zip(("gpu_util", "gpu_mem_gib"), gpu_state())))
-        result.steps.append(metrics)
+        if keep_steps:
+            result.steps.append(metrics)
         reporter.log(metrics)
         if metrics.compiling:
             reporter.compiled(metrics)
@@ -393,7 +396,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
     if probe is not None:
         result.memory = probe.report()
         reporter.memory(result.memory)
-    reporter.close(result)
+    reporter.close()
     return result
 
 
