@@ -35,6 +35,7 @@ mistake that every rank makes alike is marked ``all_ranks`` so that only rank 0 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import math
 import os
@@ -82,6 +83,7 @@ class TrainResult:
     memory: list | None = None  # per-rank rows of --verify-memory
     evals: list = field(default_factory=list)  # {"step", "loss", "perplexity"} per evaluation
     events: list = field(default_factory=list)  # {"step", "kind", "text", ...} per intervention (a skipped step)
+    checkpoint: str | None = None  # the last checkpoint this run saved
 
     @property
     def losses(self) -> list[float]:
@@ -239,7 +241,8 @@ def _build(run: Run, topo, doctor=None):
         clipper = Zero0Clipper(stage.parameters(), topo, float(ds_config.get("gradient_clipping", 0.0)))
         ds_config = {**ds_config, "gradient_clipping": 0.0}
     experts = run.model.moe.experts if run.model.moe else 0
-    with deepspeed_sees_experts(stage, topo, experts):  # EP > 1: expert gradients and ZeRO over EDP
+    quiet = contextlib.nullcontext() if cfg.deepspeed_logs else contextlib.redirect_stdout(io.StringIO())
+    with deepspeed_sees_experts(stage, topo, experts), quiet:  # quiet: DeepSpeed prints that its CPU op was built
         engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=decay_groups(stage), mpu=topo,
                                                        config=ds_config)
     unlink_shared_memory()
@@ -249,13 +252,15 @@ def _build(run: Run, topo, doctor=None):
 
 
 def _not_scheduler_start(record) -> bool:
-    return "before it has started" not in record.getMessage()
+    """DeepSpeed's schedulers warn when built (at iteration -1, where megakit places them right after) and when the
+    warm-up outlasts the run; the banner's LR line says the latter once, in megakit's words."""
+    message = record.getMessage()
+    return "before it has started" not in message and "is less than warmup_num_steps" not in message
 
 
 def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, keep_steps: bool = True) -> TrainResult:
     logger = logging.getLogger("DeepSpeed")
-    logger.setLevel(logging.WARNING)
-    # DeepSpeed's schedulers warn when built (at iteration -1); megakit places them right after (optim.start_schedule)
+    logger.setLevel(logging.INFO if run.cfg.deepspeed_logs else logging.WARNING)
     logger.addFilter(_not_scheduler_start)  # added once (a filter already there is not added again)
     # DeepSpeed 0.19.8 calls collectives torch 2.13 renamed; the warning repeats every step
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
@@ -379,7 +384,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, keep_steps: boo
             result.evals.append(reporter.eval(done, *evaluate()))
         if saving:
             try:
-                save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
+                saved = save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
                          extra={"loss": loss if math.isfinite(loss) else None, "seed": cfg.seed,
                                 "global_batch": plan.global_batch, "data": {
                                     "samples": (done + offset) * plan.global_batch, "skipped_batches": offset,
@@ -387,6 +392,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, keep_steps: boo
                                 **({"spike_guard": spikes.state()} if spikes else {})},
                          tokenizer=run.corpus.tokenizer_dir, dp_sync=dp_sync, rank_key=per_rank_key(run, topo),
                          writer=writer)
+                result.checkpoint = str(saved)
             except UsageError as error:
                 raise everywhere(error)  # save_checkpoint raises on every rank when any rank fails
     _wait(writer)  # the last save is on disk before the run returns
@@ -396,7 +402,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, keep_steps: boo
     if probe is not None:
         result.memory = probe.report()
         reporter.memory(result.memory)
-    reporter.close()
+    reporter.close(checkpoint=result.checkpoint)
     return result
 
 

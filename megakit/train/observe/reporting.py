@@ -15,6 +15,7 @@ so a slow step is told apart from a stuck job in the log.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -136,6 +137,44 @@ class MetricsFile:
         self.file.close()
 
 
+class RunSummary:
+    """What the run's closing lines say: the steps and tokens this attempt trained, its time, the first, last and
+    best loss (and validation loss), and where the last checkpoint is, with the command that exports it."""
+
+    def __init__(self, *, start: int, clock=time.perf_counter) -> None:
+        self.clock, self.started = clock, clock()
+        self.start, self.steps, self.tokens = start, 0, 0
+        self.first = self.last = self.best = self.best_eval = None  # (step, loss)
+
+    def step(self, m: StepMetrics) -> None:
+        self.steps, self.tokens = self.steps + 1, self.tokens + m.tokens
+        if math.isfinite(m.loss):  # a skipped step's loss is NaN
+            self.last = (m.step, m.loss)
+            self.first = self.first or self.last
+            if self.best is None or m.loss < self.best[1]:
+                self.best = self.last
+
+    def evaluated(self, step: int, loss: float) -> None:
+        if math.isfinite(loss) and (self.best_eval is None or loss < self.best_eval[1]):
+            self.best_eval = (step, loss)
+
+    def lines(self, *, checkpoint: str | None, save: str | None) -> list[str]:
+        seconds = self.clock() - self.started
+        took = f"{seconds / 60:.0f} min {seconds % 60:02.0f} s" if seconds >= 60 else f"{seconds:.1f} s"
+        text = (f"megakit: done: {self.steps} step(s), {self.start} to {self.start + self.steps - 1}, "
+                f"{self.tokens:,} tokens in {took} of training")
+        if self.last is not None:
+            text += (f" | loss {self.first[1]:.4f} at step {self.first[0]} -> {self.last[1]:.4f} at step "
+                     f"{self.last[0]}, best {self.best[1]:.4f} at step {self.best[0]}")
+        if self.best_eval is not None:
+            text += f" | best val loss {self.best_eval[1]:.4f} after {self.best_eval[0]} steps"
+        if checkpoint is None:
+            return [text + (" | no checkpoint (no --save)" if not save else "")]
+        out = f"{save.rstrip('/')}-hf"
+        return [text, f"megakit: last checkpoint {checkpoint}; export it to transformers with: "
+                      f"megakit convert {save} {out} --to-hf"]
+
+
 class Reporter:
     """Rank 0's progress bar, per-step log lines, TensorBoard events and metrics file."""
 
@@ -143,6 +182,7 @@ class Reporter:
         cfg, start = run.cfg, run.start_step
         self.cfg, self.active = cfg, topo.rank == 0
         self.bar = self.writer = self.heartbeat = self.metrics = None
+        self.summary = RunSummary(start=start)
         if not self.active:
             return
         if cfg.metrics_out:
@@ -158,6 +198,8 @@ class Reporter:
                            f", resuming {run.checkpoint} at step {start}" if start else ""])
         print(f"megakit: training {cfg.model} on {dist.get_world_size()} process(es): "
               f"{layout_words(topo.layout, vpp=cfg.vpp)}{options}", flush=True)
+        if run.lr_schedule:
+            print(run.lr_schedule, flush=True)
         self.bar = progress_bar(cfg.steps, start) if cfg.progress else None
         if self.bar is None and cfg.log_heartbeat_s > 0:
             self.heartbeat = Heartbeat(cfg.log_heartbeat_s, step=start)
@@ -175,6 +217,7 @@ class Reporter:
     def log(self, m: StepMetrics) -> None:
         if not self.active:
             return
+        self.summary.step(m)
         if m.step % self.cfg.log_every == 0 or m.step == self.cfg.steps - 1:
             self._print(m.line())
         if self.heartbeat is not None:
@@ -207,6 +250,7 @@ class Reporter:
 
         record = {"step": step, "loss": loss, "perplexity": perplexity(loss), **({"sources": sources} if sources else {})}
         if self.active:
+            self.summary.evaluated(step, loss)
             each = "".join(f" | {name} {value:.4f}" for name, value in (sources or {}).items())
             self._print(f"eval after {step} steps | val loss {loss:.4f} | perplexity {record['perplexity']:.2f}{each}")
             if self.writer is not None:
@@ -238,9 +282,12 @@ class Reporter:
             if self.metrics is not None:
                 self.metrics.write("memory", {"rows": rows})
 
-    def close(self) -> None:
+    def close(self, *, checkpoint: str | None = None) -> None:
+        """The closing summary (``checkpoint``: the last one the run saved), then the bar, TensorBoard, metrics."""
         if not self.active:
             return
+        for line in self.summary.lines(checkpoint=checkpoint, save=self.cfg.save):
+            self._print(line)
         if self.bar is not None:
             self.bar.close()
         if self.heartbeat is not None:
