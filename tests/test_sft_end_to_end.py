@@ -28,6 +28,7 @@ from tolerance import fp32_bound
 transformers = pytest.importorskip("transformers")
 
 from megakit.commands.cli import main  # noqa: E402
+from megakit.train.observe.metrics import read_metrics  # noqa: E402
 
 STEPS = 20
 
@@ -118,7 +119,7 @@ def test_a_chat_fine_tune_from_transformers_and_back(tmp_path, capsys):
                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=THREADS), capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    losses = [step["loss"] for step in json.loads((tmp_path / "m.json").read_text())["steps"]]
+    losses = [step["loss"] for step in read_metrics(tmp_path / "m.json")["steps"]]
 
     corpus = open_corpus(str(tmp_path / "data"))  # the first step's batch, as one process reads it
     x, y = TokenBatches(corpus.train, BatchPlan(seq_len=32, micro_batch=4), corpus.train_masks).global_batch(0)

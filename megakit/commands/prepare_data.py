@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     rate = s["bytes"] / 2**20 / s["seconds"]
     bad = f", {s['bad_records']:,} bad records skipped" if s.get("bad_records") else ""
+    bad += f", {s['empty_records']:,} empty records skipped" if s.get("empty_records") else ""
     print(f"wrote {args.out}: {s['tokens']['train']:,} train and {s['tokens']['validation']:,} validation tokens "
           f"from {s['input_documents']:,} documents ({s['cut_documents']:,} cut between the two) in "
           f"{s['files'] - s['skipped']} "
