@@ -371,6 +371,10 @@ def _settings(cfg: PrepareConfig) -> dict:
         file = source / "tokenizer.json" if source.is_dir() else source
         settings["vocab_size"] = None
         settings["tokenizer"] = hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else str(source.resolve())
+        if source.is_dir():  # its special tokens, template and the model's stop ids travel with the data
+            settings["tokenizer_files"] = {name: hashlib.sha256((source / name).read_bytes()).hexdigest()
+                                           for name in (*tok.FILES, tok.GENERATION_CONFIG, "config.json")
+                                           if (source / name).is_file()}
     return settings
 
 
@@ -451,7 +455,7 @@ def chat_template(cfg: PrepareConfig) -> str | None:
 
 
 def _chat_args(cfg: PrepareConfig, files: list[Path]) -> tuple | None:
-    """``(template, loss_on)`` for chat data (None for text), refusing what would train on nothing."""
+    """``(template, loss_on, special tokens, the template's source)`` for chat data (None for text)."""
     record = first_record(files)
     if record is None or not chat.is_chat(record):
         return None
@@ -459,15 +463,12 @@ def _chat_args(cfg: PrepareConfig, files: list[Path]) -> tuple | None:
         raise UsageError("chat and instruction data is tokenized with the model's own tokenizer: pass --tokenizer DIR "
                          "(a transformers tokenizer directory, with its chat template)")
     template = chat_template(cfg)
-    conversational = "messages" in record or "conversations" in record
-    wants_markers = cfg.loss_on == "assistant" or (cfg.loss_on == "auto" and conversational)
-    if wants_markers and not chat.has_generation_markers(template):
-        what = "has no chat template" if not template else "has a chat template without {% generation %} markers"
-        raise UsageError(f"--loss-on {cfg.loss_on} trains the assistant's tokens, but --tokenizer {cfg.tokenizer} "
-                         f"{what}, so none would be found; pass --chat-template FILE whose assistant content sits in "
-                         "{% generation %} ... {% endgeneration %}, or use --loss-on completion (the last assistant "
-                         "turn) or all")
-    return template, cfg.loss_on
+    if template is None and ("messages" in record or "conversations" in record):
+        raise UsageError(f"conversations are rendered with a chat template, and --tokenizer {cfg.tokenizer} has none; "
+                         "pass --chat-template FILE (a Jinja template)")
+    source = (f"--chat-template {cfg.chat_template}" if cfg.chat_template else
+              f"the chat template of --tokenizer {cfg.tokenizer}")
+    return template, cfg.loss_on, tok.special_tokens(cfg.tokenizer), source
 
 
 def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) -> dict:
@@ -475,6 +476,8 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
 
     chat_args = _chat_args(cfg, files)
     tokenizer = _tokenizer(cfg, files, say)
+    if cfg.tokenizer and Path(cfg.tokenizer).is_dir():
+        tok.check_stop_tokens(tokenizer, cfg.tokenizer, source=f"--tokenizer {cfg.tokenizer}")
     vocab, eos = tok.vocab_size(tokenizer), tok.end_of_text_id(tokenizer)
     dtype = token_dtype(vocab)
     window = cfg.window
@@ -482,6 +485,7 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
     writers = {split: ShardWriter(tmp, split, dtype, shard_tokens=shard_tokens, masks=chat_args is not None or
                                   bool(window)) for split in ("train", "validation")}
     examples, truncated = [], 0  # with --pack/--pad: every example, packed at the end
+    example = None  # the first chat example (ids, mask), shown with its counted tokens marked
     counts = {"documents": {"train": 0, "validation": 0}, "tokens": {"train": 0, "validation": 0},
               "loss_tokens": {"train": 0, "validation": 0}}
     skipped, bad, first_bad, empty, total_bytes, docs = [], 0, None, 0, sum(p.stat().st_size for p in files), 0
@@ -516,6 +520,7 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
                     skipped.append(f"{path}: {why}")
                 bad, first_bad, empty = bad + bad_lines, first_bad or first, empty + empty_lines
                 for ids in arrays:  # one document behind, so the last one is known
+                    example = example if example is not None or not chat_args else ids
                     if window:
                         ids, mask = ids if isinstance(ids, tuple) else (ids, np.ones(len(ids), dtype=np.uint8))
                         truncated += len(ids) > window
@@ -536,6 +541,9 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
     splits = {split: writer.close() for split, writer in writers.items()}
     if not counts["tokens"]["train"]:
         why = f" ({skipped[0]})" if len(skipped) == 1 else f" ({len(skipped)} skipped, e.g. {skipped[0]})" if skipped else ""
+        if chat_args and bad:  # every chat record malformed: name one, and why
+            raise UsageError(f"the inputs hold no chat record to train on: all {bad:,} are malformed or leave no "
+                             f"token to train on, e.g. {first_bad}")
         raise UsageError(f"the inputs hold no text to train on{why}; give UTF-8 text files or JSONL")
     if skipped:
         say(f"prepare-data: warning: skipped {len(skipped)} of {len(files)} files that are not UTF-8 text or "
@@ -549,16 +557,15 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
     if empty:
         say(f"prepare-data: warning: skipped {empty:,} {records} whose {cfg.field!r} is an empty string (no text)")
     _say_validation(cfg.val_fraction, counts["tokens"], say)
-    tok.save_tokenizer(tokenizer, tmp)
-    if chat_args and chat_args[0]:  # the template travels with the data, into checkpoints and convert --to-hf
-        config_file = tmp / "tokenizer_config.json"
-        config = json.loads(config_file.read_text())
-        config_file.write_text(json.dumps({**config, "chat_template": chat_args[0]}, indent=2))
+    # the tokenizer, its template and the model's stop ids travel with the data, into checkpoints and the export
+    tok.save_tokenizer(tokenizer, tmp, source=cfg.tokenizer,
+                       chat_template=chat_args[0] if chat_args and cfg.chat_template else None)
     summary = {"files": len(files), "skipped": len(skipped), "bad_records": bad, "empty_records": empty,
                "bytes": total_bytes,
                "vocab_size": vocab, "input_documents": docs, "cut_documents": cut, "chat": chat_args is not None,
                "loss_on": chat_args[1] if chat_args else "all", **counts,
-               **({"packed": dict(packed, truncated=truncated)} if packed else {})}
+               **({"packed": dict(packed, truncated=truncated)} if packed else {}),
+               **({"example": chat.marked(tokenizer, *example)} if example is not None else {})}
     write_index(tmp, {"dtype": dtype.name, "vocab_size": vocab, "eos_id": eos,
                       **({"packed": {"seq_len": window, "strategy": "bfd" if cfg.pack else "pad"}} if window else {}),
                       "source": {"fingerprint": stamp, "inputs": [str(i) for i in cfg.inputs], "skipped": skipped},
