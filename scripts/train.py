@@ -222,7 +222,8 @@ def config(args: argparse.Namespace):
         eval_every=args.eval_every, eval_batches=args.eval_batches, moe_aux_loss=args.moe_aux_loss,
         moe_z_loss=args.moe_z_loss, moe_capacity_factor=args.moe_capacity_factor,
         moe_expert_bias=args.moe_expert_bias, moe_force_balance=args.moe_force_balance, compile=args.compile, attention_kernel=args.attention_kernel,
-        spike_guard=args.spike_guard, async_save=args.async_save, save_on_signal=args.save_on_signal, reset_attention_mask=args.reset_attention_mask,
+        spike_guard=args.spike_guard, async_save=args.async_save, reset_attention_mask=args.reset_attention_mask,
+        save_on_signal=args.save_on_signal,
         reset_position_ids=args.reset_position_ids, eod_mask_loss=args.eod_mask_loss, mtp=args.mtp,
         mtp_weight=args.mtp_weight,
         **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}))

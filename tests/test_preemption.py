@@ -165,6 +165,8 @@ def test_a_signal_or_a_lost_launcher_saves_at_an_agreed_step_and_the_run_resumes
     mapped = _shm_mappings(victim.pid, port)
     victim.send_signal(signal.SIGTERM)
     assert first.end() == EXIT_STOPPED, first.text[-3000:]
+    assert _all_gone(tree) == [] and not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    _no_lock_held(save)
     assert mapped == [-(-WORKSPACE_BYTES // page) * page] * 2, mapped  # its own buffer and its peer's, measured
     stopped = re.search(r"megakit: SIGTERM on rank 1 \(pp 0, dp 0, tp 1\): stopped at step (\d+), saved to "
                         rf"{re.escape(str(save))} \(--load auto resumes there\); exit status 75", first.text)

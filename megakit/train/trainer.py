@@ -67,7 +67,7 @@ from megakit.train.observe.metrics import StepCommunication, StepMetrics, gpu_pe
 from megakit.train.observe.mtp_losses import MTPLosses
 from megakit.train.observe.reporting import Reporter, start_profiler
 from megakit.train.resilience.guards import StepGuard, TrainingDiverged
-from megakit.train.resilience.preemption import StopRequests, reason_text
+from megakit.train.resilience.preemption import EXIT_STOPPED, StopRequests, reason_text
 from megakit.train.resilience.restarts import AUTO, Attempts
 from megakit.train.resilience.resume import per_rank_key, restore, restore_own_state, save_run
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
@@ -424,8 +424,6 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequ
 def _stopped(stops: dict[int, int], topo, *, step: int, saved: str | None, why: str, gone: str | None) -> str:
     """The line a stop ends with (rank 0 prints it): why, where, and what was saved. ``gone``: the launcher's
     process this rank finds gone, if it does."""
-    from megakit.train.resilience.preemption import EXIT_STOPPED
-
     first, reason = next(iter(stops.items()))
     what = reason_text(reason, gone)
     where = _describe(topo, first) + (f" and {len(stops) - 1} more rank(s)" if len(stops) > 1 else "")

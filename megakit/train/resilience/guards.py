@@ -12,6 +12,8 @@ them by hand, Megatron checks for them. Here the optimizer never applies such a 
 - ``StepGuard.check`` then all-reduces, per rank, "my loss is not finite", "my gradients are
   not finite" and "my optimizer stepped", so every rank takes the same decision and the log
   names the ranks. A step that some ranks applied and others did not is a bug, and raises.
+- The same all-reduce carries each rank's request to stop (a signal, its launcher gone: ``preemption``), so
+  every rank stops after the same step without a collective or a host read of its own.
 
 A skipped step still consumes its batch and its place in the LR schedule (the trainer sets
 the schedule from the step, as a resume does): data and LR stay functions of the step, so a

@@ -130,7 +130,8 @@ class StopRequests:
             for number in os.read(self._read, 64) if ready else b"":
                 if number == _WAKE:
                     return
-                self._signalled(number)
+                if number in SIGNALS:  # not SIGINT, whose Python handler writes here too (KeyboardInterrupt, as ever)
+                    self._signalled(number)
             self.launcher_gone()
 
     def launcher_gone(self) -> bool:
