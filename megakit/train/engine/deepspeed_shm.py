@@ -3,8 +3,8 @@
 On CPU, ``deepspeed.initialize`` builds (at a machine's first run) and loads its shared-memory all-reduce op,
 and when every rank is on one host (the launcher's LOCAL_SIZE is the world size) each rank writes a buffer of
 ``WORKSPACE_BYTES`` to /dev/shm. Both fail badly in DeepSpeed 0.19.8: a HOME that cannot be written stops the
-build with a traceback, and a /dev/shm without room for the buffers ends the ranks with SIGSEGV and no word
-(``shared_create`` takes a failed or short ``write`` for a size and maps it). These checks run first.
+build with a traceback, and a /dev/shm without room for the buffers can end the ranks with SIGSEGV and no word
+(``shared_create`` takes a failed ``write``'s -1 for a size and maps that). These checks run first.
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def check_shared_memory(path: str = "/dev/shm") -> None:
     if short.item():
         mib = 2**20
         raise UsageError(f"DeepSpeed's CPU all-reduce needs {need / mib:.0f} MiB of {path} ({WORKSPACE_BYTES / mib:.0f}"
-                         f" MiB for each of the {ranks} ranks on this host) but {free / mib:.0f} MiB is free (its "
-                         "ranks would die of SIGSEGV): free some, or enlarge it (Docker: --shm-size="
+                         f" MiB for each of the {ranks} ranks on this host) but {free / mib:.0f} MiB is free (short of "
+                         "it, they can die of SIGSEGV): free some, or enlarge it (Docker: --shm-size="
                          f"{math.ceil((need + 256 * mib) / 2**30)}g; its default is 64m)")
 
 
