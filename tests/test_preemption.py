@@ -288,3 +288,22 @@ def test_dev_shm_without_room_for_deepspeed_s_buffers_is_one_line_and_exit_2(tmp
     assert lines == ["train.py: error: DeepSpeed's CPU all-reduce needs 132 MiB of /dev/shm (66 MiB for each of the "
                      "2 ranks on this host) but 64 MiB is free (short of it, they can die of SIGSEGV): free some, or "
                      "enlarge it (Docker: --shm-size=1g; its default is 64m)"], out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_an_unwritable_torch_extensions_dir_is_one_line_naming_it(tmp_path, monkeypatch):
+    from megakit.errors import UsageError
+    from megakit.train.engine.deepspeed_shm import writable_extensions_dir
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "file" / "ext"))
+    with pytest.raises(UsageError, match=r"^TORCH_EXTENSIONS_DIR=.*/file/ext cannot be written \(Not a directory\); "
+                                         "DeepSpeed builds its CPU ops there: point it at a writable directory$"):
+        writable_extensions_dir()
+
+
+def test_save_on_signal_is_on_and_can_be_turned_off():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from train import config, parse_args
+
+    assert config(parse_args(["--save", "d"])).save_on_signal
+    assert not config(parse_args(["--save", "d", "--no-save-on-signal"])).save_on_signal
