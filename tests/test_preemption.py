@@ -302,8 +302,10 @@ def test_an_unwritable_torch_extensions_dir_is_one_line_naming_it(tmp_path, monk
 
 
 def test_save_on_signal_is_on_and_can_be_turned_off():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from train import config, parse_args
+    import importlib.util
 
-    assert config(parse_args(["--save", "d"])).save_on_signal
-    assert not config(parse_args(["--save", "d", "--no-save-on-signal"])).save_on_signal
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.config(script.parse_args(["--save", "d"])).save_on_signal
+    assert not script.config(script.parse_args(["--save", "d", "--no-save-on-signal"])).save_on_signal
