@@ -168,14 +168,11 @@ def test_every_record_shape_renders_as_its_conversation(tmp_path):
 
 
 COUNTED = "{{ messages | length }} turns\n" + NO_MARKERS  # a prefix renders another count: no turn splits off
-NO_PROMPT = NO_MARKERS[:NO_MARKERS.index("{% if add_generation_prompt %}")]
 
 
 @pytest.mark.parametrize("records,template,extra,needle", [
     (_conversations(2), CHATML, ["--chat-template", "counted.jinja"],
      "--chat-template {tmp}/counted.jinja cannot be split into turns: its first 2 messages render differently"),
-    (_conversations(2), NO_PROMPT, ["--loss-on", "assistant"],
-     "the chat template of --tokenizer {tmp}/tok cannot be split into turns: it renders no generation prompt"),
     (_conversations(2), NO_MARKERS, ["--loss-on", "completion", "--chat-template", "counted.jinja"],
      "--chat-template {tmp}/counted.jinja cannot be split into turns: the prompt renders differently"),
     ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}], CHATML, [],
@@ -183,7 +180,7 @@ NO_PROMPT = NO_MARKERS[:NO_MARKERS.index("{% if add_generation_prompt %}")]
      "{tmp}/chats.jsonl, the line at byte 0 (message 2 (assistant) has no content)"),
     ([{"messages": [{"role": "wizard", "content": "hi"}]}], CHATML, [], "has the role 'wizard'; the roles are"),
     ([{"conversations": [{"from": "robot", "value": "hi"}]}], CHATML, [], "a ShareGPT turn has from='robot'"),
-], ids=["unsplittable", "no-generation-prompt", "unsplittable-completion", "null-content-only", "unknown-role",
+], ids=["unsplittable", "unsplittable-completion", "null-content-only", "unknown-role",
         "unknown-sharegpt"])
 def test_refusals_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, records, template, extra, needle):
     (tmp_path / "counted.jinja").write_text(COUNTED)
@@ -227,6 +224,49 @@ def test_templates_without_markers_mask_the_assistant_as_their_markers_do(tmp_pa
         assert len(ended) == turns  # each assistant turn's end-of-turn token counts: the model learns to stop
     shown = capsys.readouterr().out
     assert f"{end[_name(marked)]}]]" in shown and "[[sunny" in shown, shown
+
+
+# Mistral's and Llama 2 chat's template: no generation prompt, the reply follows [/INST] and ends with </s>
+MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+           "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+           "{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}{% elif m['role'] == 'assistant' %}"
+           "{% generation %}{{ ' ' + m['content'] + eos_token }}{% endgeneration %}{% endif %}{% endfor %}")
+
+
+def test_a_template_without_a_generation_prompt_trains_each_reply_and_its_end(tmp_path, capsys):
+    """Mistral's [INST] template has no add_generation_prompt branch: under the default --loss-on auto each reply
+    and its </s> count, as its markers say; a conversation that opens with the assistant (which transformers will
+    not render a prefix of) is trained from its start, and one the template refuses (roles that do not alternate)
+    is counted and skipped: neither stops the run."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from megakit.interop.chat_data import marked
+
+    specials = {"bos_token": "<s>", "eos_token": "</s>"}
+    tokenizer = _tokenizer(tmp_path / "tok", _unmarked(MISTRAL), [*SPECIAL, "<s>", "</s>"], **specials)
+    records = [r for r in _conversations(6) if r["messages"][0]["role"] == "user"]
+    opening = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"},
+               {"role": "assistant", "content": "sunny"}]
+    unordered = [{"role": "user", "content": "hi"}, {"role": "user", "content": "hi"}]
+    code, out = _prepare(tmp_path, [*records, {"messages": unordered}], tokenizer)
+    assert code == 0
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tokenizer / "tokenizer.json")),
+                                 chat_template=MISTRAL, **specials)
+    docs = _documents(out)
+    assert docs == [_expected(hf, r["messages"]) for r in records]
+    for record, (ids, mask) in zip(records, docs):
+        ended = [i for i in range(len(ids)) if mask[i] and ids[i] == hf.eos_token_id]
+        assert len(ended) == sum(m["role"] == "assistant" for m in record["messages"])
+    assert "skipped 1 chat records" in capsys.readouterr().out
+    chatml = _tokenizer(tmp_path / "chatml", NO_MARKERS)
+    (tmp_path / "opening").mkdir()
+    code, out = _prepare(tmp_path / "opening", [{"messages": opening}], chatml)
+    assert code == 0, capsys.readouterr().err
+    [(ids, mask)] = _documents(out)
+    shown = marked(Tokenizer.from_file(str(chatml / "tokenizer.json")), ids, mask).replace("\n", "")
+    assert shown == "[[<|im_start|>assistanthello<|im_end|>]]<|im_start|>userhi<|im_end|><|im_start|>assistant" \
+                    "[[sunny<|im_end|>]]<|endoftext|>", shown
 
 
 def _name(template: str) -> str:
