@@ -336,10 +336,18 @@ def test_eos_not_in_the_vocabulary_is_refused(tmp_path, capsys):
     (["--messages", "{tmp}/bad.json"], "--messages {tmp}/bad.json: give a JSON list of"),
     (["--messages", "{tmp}/none.json"], "--messages {tmp}/none.json: cannot read it as JSON"),
     ([], "give --prompt TEXT"),
-], ids=["chat-without-prompt", "not-messages", "no-file", "nothing"])
+    (["--messages", "{tmp}/empty.json"], "--messages {tmp}/empty.json: the conversation is empty"),
+    (["--messages", "{tmp}/twice.json"], "--messages {tmp}/twice.json: the model's chat template cannot render it "
+                                         "(Conversation roles must alternate"),
+], ids=["chat-without-prompt", "not-messages", "no-file", "nothing", "empty", "template-refuses"])
 def test_generate_refuses_a_conversation_it_cannot_read(tmp_path, capsys, args, needle):
+    """One line, exit 2, never a traceback: the model (a transformers directory) is not loaded."""
     (tmp_path / "bad.json").write_text(json.dumps({"messages": [{"role": "user", "content": None}]}))
-    code = cli.main(["generate", str(tmp_path), *[a.format(tmp=tmp_path) for a in args]])
+    (tmp_path / "empty.json").write_text("[]")
+    (tmp_path / "twice.json").write_text(json.dumps([{"role": "user", "content": "hi"}] * 2))
+    model = _tokenizer(tmp_path / "model", _unmarked(MISTRAL), [*SPECIAL, "<s>", "</s>"], eos_token="</s>")
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    code = cli.main(["generate", str(model), *[a.format(tmp=tmp_path) for a in args]])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and needle.format(tmp=tmp_path) in err, err
 
