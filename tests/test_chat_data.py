@@ -331,6 +331,31 @@ def test_eos_not_in_the_vocabulary_is_refused(tmp_path, capsys):
     assert not (tmp_path / "ck").exists()
 
 
+def test_convert_from_hf_carries_no_tokenizer_built_from_nothing(tmp_path, capsys):
+    """A model directory with a tokenizer_config.json but no vocabulary imports without a tokenizer and says so in
+    one line (transformers 5 would build one of three special tokens from nothing, and it would travel into the
+    checkpoint and the export); a broken tokenizer.json is one line naming the file, not a --tokenizer flag that
+    convert does not have."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32)).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer",
+                                                                       "eos_token": "</s>"}))
+    assert cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "ck"), "--from-hf"]) == 0
+    said = capsys.readouterr().out
+    assert f"convert: note: {tmp_path / 'hf'} has a tokenizer_config.json but no tokenizer.json" in said, said
+    assert "its tokenizer" not in said and not (tmp_path / "ck" / "tokenizer").exists()
+    (tmp_path / "hf" / "tokenizer.json").write_text("{not json")
+    assert cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "ck2"), "--from-hf"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: {tmp_path / 'hf' / 'tokenizer.json'} is not a tokenizers JSON" in err, err
+    assert not (tmp_path / "ck2").exists()
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--chat"], "--chat needs --prompt TEXT"),
     (["--messages", "{tmp}/bad.json"], "--messages {tmp}/bad.json: give a JSON list of"),

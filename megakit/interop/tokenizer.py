@@ -30,6 +30,8 @@ from megakit.errors import UsageError
 END_OF_TEXT = "<|endoftext|>"
 _EOS_NAMES = (END_OF_TEXT, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "<|eot_id|>")
 FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# a slow tokenizer's vocabulary (SentencePiece, GPT-2 BPE, WordPiece): what transformers converts to a fast one
+SLOW_FILES = ("tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 GENERATION_CONFIG = "generation_config.json"  # the model's stop ids, travelling with its tokenizer
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 _STOP_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -52,28 +54,39 @@ def train_bpe(texts: Iterable[str], vocab_size: int):
     return tokenizer
 
 
-def load_tokenizer(path: str | Path):
+def has_vocabulary(directory: str | Path) -> bool:
+    """Whether a directory holds a tokenizer's vocabulary (``tokenizer.json`` or a slow tokenizer's files): with only
+    ``tokenizer_config.json``, transformers 5 builds a tokenizer of a few special tokens from nothing."""
+    return any((Path(directory) / name).is_file() for name in ("tokenizer.json", *SLOW_FILES))
+
+
+def load_tokenizer(path: str | Path, *, flag: str = "--tokenizer"):
     """A local ``tokenizer.json``, or a directory holding one (a transformers tokenizer directory), as a
-    ``tokenizers.Tokenizer``; UsageError if it is neither. Nothing is downloaded."""
+    ``tokenizers.Tokenizer``; UsageError if it is neither. Nothing is downloaded. ``flag``: what gave ``path``, named
+    in the errors ("" where it is a command's positional argument)."""
     from tokenizers import Tokenizer
 
     source = Path(path)
+    named = f"{flag} " if flag else ""
     file = source / "tokenizer.json" if source.is_dir() else source
     if not source.exists():
-        raise UsageError(f"--tokenizer {source}: no such file or directory; give a tokenizer.json or a transformers "
+        raise UsageError(f"{named}{source}: no such file or directory; give a tokenizer.json or a transformers "
                          "tokenizer directory")
     if file.is_file():
         try:
             return Tokenizer.from_file(str(file))
         except Exception as error:  # noqa: BLE001 (tokenizers raises a plain Exception on a bad file)
-            raise UsageError(f"--tokenizer {file} is not a tokenizers JSON file ({str(error)[:120]}); give the "
+            raise UsageError(f"{named}{file} is not a tokenizers JSON file ({str(error)[:120]}); give the "
                              "tokenizer.json a fast tokenizer saves") from None
+    if not has_vocabulary(source):
+        raise UsageError(f"{named}{source} holds no tokenizer.json nor a slow tokenizer's vocabulary "
+                         f"({', '.join(SLOW_FILES)}); give the directory the model's tokenizer was saved to")
     try:  # a transformers directory without tokenizer.json: its fast tokenizer, converted locally
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(source), local_files_only=True, use_fast=True).backend_tokenizer
     except Exception as error:  # noqa: BLE001 (transformers raises many kinds for a directory it cannot read)
-        raise UsageError(f"--tokenizer {source} holds no tokenizer.json and transformers cannot load a fast tokenizer "
+        raise UsageError(f"{named}{source} holds no tokenizer.json and transformers cannot load a fast tokenizer "
                          f"from it ({str(error)[:120]})") from None
 
 
@@ -161,14 +174,19 @@ def check_model_stop_ids(hf_dir: str | Path) -> None:
                          "generation could never stop; fix generation_config.json (or config.json)")
 
 
-def model_tokenizer(hf_dir: str | Path):
-    """A transformers model directory's tokenizer (None if it has none), loaded before an import writes anything;
-    ``save_tokenizer(it, CHECKPOINT/tokenizer, source=hf_dir)`` then carries it with its template and stop ids, as
-    ``prepare-data`` does, so the import exports and chats before any training."""
+def model_tokenizer(hf_dir: str | Path, *, say=print):
+    """A transformers model directory's tokenizer (None if it has no vocabulary: ``say`` tells why, where it has a
+    ``tokenizer_config.json``), loaded before an import writes anything; ``save_tokenizer(it, CHECKPOINT/tokenizer,
+    source=hf_dir)`` then carries it with its template and stop ids, as ``prepare-data`` does, so the import exports
+    and chats before any training."""
     hf_dir = Path(hf_dir)
-    if not (hf_dir / "tokenizer.json").is_file() and not (hf_dir / "tokenizer_config.json").is_file():
+    if not has_vocabulary(hf_dir):
+        if (hf_dir / "tokenizer_config.json").is_file():
+            say(f"note: {hf_dir} has a tokenizer_config.json but no tokenizer.json nor a slow tokenizer's vocabulary "
+                f"({', '.join(SLOW_FILES)}), so it is imported without a tokenizer; prepare the data with "
+                "--tokenizer DIR, the model's tokenizer, and the checkpoints carry it")
         return None
-    return load_tokenizer(hf_dir)
+    return load_tokenizer(hf_dir, flag="")
 
 
 def save_tokenizer(tokenizer, directory: str | Path, *, model_max_length: int | None = None,
