@@ -473,3 +473,16 @@ def test_chat_examples_are_held_out_whole(tmp_path):
     assert sorted(got["train"] + got["validation"]) == sorted(expected)  # every example whole, on one side
     held = sum(len(ids) for ids, _ in got["validation"]) / sum(len(ids) for ids, _ in expected)
     assert got["validation"] and abs(held - 0.25) < 0.05, held
+
+
+def test_the_transformers_floor_has_the_renderer_chat_data_calls():
+    """chat_data reads {% generation %} spans with transformers' render_jinja_template, added in 4.52 (4.51.3 has
+    none): the floor pyproject.toml declares must be at least that, or an older install fails on the first chat."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11
+
+    from megakit.interop import chat_data
+
+    assert "render_jinja_template" in Path(chat_data.__file__).read_text()
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    [floor] = [d.split(">=")[1] for d in pyproject["project"]["dependencies"] if d.startswith("transformers")]
+    assert tuple(int(p) for p in floor.split(".")[:2]) >= (4, 52), floor
