@@ -226,6 +226,18 @@ def test_templates_without_markers_mask_the_assistant_as_their_markers_do(tmp_pa
     assert f"{end[_name(marked)]}]]" in shown and "[[sunny" in shown, shown
 
 
+def test_a_long_first_example_is_cut_in_index_json_as_on_the_console(tmp_path, capsys):
+    """The first example, marked, is kept in index.json's summary: cut as the console's is, not a whole long
+    conversation."""
+    tokenizer = _tokenizer(tmp_path / "tok", NO_MARKERS)
+    long = {"messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "sunny " * 1000}]}
+    code, out = _prepare(tmp_path, [long], tokenizer)
+    assert code == 0
+    example = json.loads((out / "index.json").read_text())["summary"]["example"]
+    assert example.startswith("<|im_start|>user") and example.endswith(" characters more)"), example[-200:]
+    assert len(example) < 2100 and example in capsys.readouterr().out
+
+
 # Mistral's and Llama 2 chat's template: no generation prompt, the reply follows [/INST] and ends with </s>
 MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
            "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"

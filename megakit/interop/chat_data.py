@@ -42,6 +42,7 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
                   "tool": "tool", "function_call": "assistant", "observation": "tool"}
 GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 CHAT_KEYS = ("messages", "conversations", "prompt", "instruction")
+EXAMPLE_CHARS = 2000  # of the example shown (and kept in index.json) with its counted tokens marked
 
 
 def is_chat(record: dict) -> bool:
@@ -142,16 +143,18 @@ def token_mask(offsets, spans: list[tuple[int, int]]) -> list[int]:
     return mask
 
 
-def marked(tokenizer, ids, mask, *, open_: str = "[[", close: str = "]]") -> str:
+def marked(tokenizer, ids, mask, *, open_: str = "[[", close: str = "]]", limit: int = EXAMPLE_CHARS) -> str:
     """The example as text, each run of tokens the loss counts between ``open_`` and ``close``: what prepare-data
-    shows so the mask can be checked by eye."""
+    shows so the mask can be checked by eye; past ``limit`` characters, cut (a long conversation would fill the
+    console and index.json) with how many more there are."""
     out, start = [], 0
     for i in range(1, len(ids) + 1):
         if i == len(ids) or mask[i] != mask[start]:
             text = tokenizer.decode([int(t) for t in ids[start:i]], skip_special_tokens=False)
             out.append(f"{open_}{text}{close}" if mask[start] else text)
             start = i
-    return "".join(out)
+    text = "".join(out)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit:,} characters more)"
 
 
 class ChatRenderer:
