@@ -335,12 +335,41 @@ def test_eos_not_in_the_vocabulary_is_refused(tmp_path, capsys):
     (tokenizer / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 400}))
     code, out = _prepare(tmp_path, _conversations(2), tokenizer)
     err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "its eos_token_id [2, 4000] is outside the tokenizer's" in err, err
+    assert code == 2 and err.count("\n") == 1 and "its eos_token_id [2, 4000] is not in the tokenizer's vocabulary" in err, err
     assert not out.exists()
     code = cli.main(["convert", str(tokenizer), str(tmp_path / "ck"), "--from-hf"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "eos_token_id [2, 4000] is not in the model's vocabulary" in err, err
     assert not (tmp_path / "ck").exists()
+
+
+def test_an_eos_id_that_is_not_an_id_is_one_line_at_prepare_import_and_export(tmp_path, capsys):
+    """One check of the model's eos ids serves prepare-data, convert --from-hf and --to-hf: an id that is not a
+    number (a null in generation_config.json) is refused in one line at each, as an id past the vocabulary is."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=400, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32)).save_pretrained(tmp_path / "hf")
+    hf = _tokenizer(tmp_path / "hf", CHATML)
+    (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, None]}))
+    capsys.readouterr()  # save_pretrained's progress bar
+    code, out = _prepare(tmp_path, _conversations(2), hf)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "its eos_token_id [2, None] is not in the tokenizer's" in err, err
+    assert cli.main(["convert", str(hf), str(tmp_path / "ck"), "--from-hf"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "its eos_token_id [2, None] is not in the model's vocabulary of 400" in err, err
+    (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert cli.main(["convert", str(hf), str(tmp_path / "ck"), "--from-hf"]) == 0
+    (tmp_path / "ck" / "tokenizer" / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, None]}))
+    capsys.readouterr()
+    assert cli.main(["convert", str(tmp_path / "ck"), str(tmp_path / "back"), "--to-hf"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "its eos_token_id [2, None] is not in the model's vocabulary of 400" in err, err
+    assert not (tmp_path / "back").exists()
 
 
 def test_convert_from_hf_carries_no_tokenizer_built_from_nothing(tmp_path, capsys):

@@ -141,9 +141,17 @@ def _generation_config(source: Path) -> dict | None:
     return None
 
 
-def as_ids(value) -> list[int]:
-    """A config's token id field (an id, a list of them, or None) as a list."""
-    return [] if value is None else [value] if isinstance(value, int) else list(value)
+def as_ids(value) -> list:
+    """A config's token id field (an id, a list of them, or None) as a list (whatever else it holds, as one item)."""
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def check_eos_ids(stops, rows: int, *, source: str, vocabulary: str, fix: str) -> None:
+    """UsageError, in one line, where an eos id (``stops``: a config's id, list of ids, or None) is not an id below
+    ``rows`` (``vocabulary`` names them: the tokenizer's or the model's): generation could never stop."""
+    if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < rows for i in as_ids(stops)):
+        raise UsageError(f"{source}: its eos_token_id {stops} is not in {vocabulary} of {rows}, so generation could "
+                         f"never stop; {fix}")
 
 
 def check_stop_tokens(tokenizer, directory: str | Path, *, source: str) -> None:
@@ -154,10 +162,9 @@ def check_stop_tokens(tokenizer, directory: str | Path, *, source: str) -> None:
     if eos is not None and tokenizer.token_to_id(eos) is None:
         raise UsageError(f"{source}: the eos token {eos!r} is not in the tokenizer's vocabulary, so generation "
                          "could never stop; fix eos_token in its tokenizer_config.json (or add the token)")
-    rows, stops = vocab_size(tokenizer), (_generation_config(Path(directory)) or {}).get("eos_token_id")
-    if any(not 0 <= i < rows for i in as_ids(stops)):
-        raise UsageError(f"{source}: its eos_token_id {stops} is outside the tokenizer's vocabulary of {rows}; fix "
-                         "the model's generation_config.json (or config.json)")
+    check_eos_ids((_generation_config(Path(directory)) or {}).get("eos_token_id"), vocab_size(tokenizer),
+                  source=source, vocabulary="the tokenizer's vocabulary",
+                  fix="fix the model's generation_config.json (or config.json)")
 
 
 def check_model_stop_ids(hf_dir: str | Path) -> None:
@@ -168,10 +175,9 @@ def check_model_stop_ids(hf_dir: str | Path) -> None:
     except (OSError, json.JSONDecodeError):
         return  # the import names what is wrong with it
     rows = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    stops = (_generation_config(Path(hf_dir)) or {}).get("eos_token_id")
-    if rows and any(not 0 <= i < rows for i in as_ids(stops)):
-        raise UsageError(f"{hf_dir}: its eos_token_id {stops} is not in the model's vocabulary of {rows}, so "
-                         "generation could never stop; fix generation_config.json (or config.json)")
+    if rows:
+        check_eos_ids((_generation_config(Path(hf_dir)) or {}).get("eos_token_id"), rows, source=str(hf_dir),
+                      vocabulary="the model's vocabulary", fix="fix generation_config.json (or config.json)")
 
 
 def model_tokenizer(hf_dir: str | Path, *, say=print):
