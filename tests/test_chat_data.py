@@ -391,6 +391,11 @@ def test_convert_from_hf_carries_no_tokenizer_built_from_nothing(tmp_path, capsy
     said = capsys.readouterr().out
     assert f"convert: note: {tmp_path / 'hf'} has a tokenizer_config.json but no tokenizer.json" in said, said
     assert "its tokenizer" not in said and not (tmp_path / "ck" / "tokenizer").exists()
+    (tmp_path / "text.txt").write_text("the weather is sunny\n" * 50)  # nor is data prepared with one
+    assert cli.main(["prepare-data", str(tmp_path / "text.txt"), "--tokenizer", str(tmp_path / "hf"), "--out",
+                     str(tmp_path / "data"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no tokenizer.json nor a slow tokenizer's vocabulary" in err, err
     (tmp_path / "hf" / "tokenizer.json").write_text("{not json")
     assert cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "ck2"), "--from-hf"]) == 2
     err = capsys.readouterr().err
