@@ -68,6 +68,7 @@ from megakit.train.observe.mtp_losses import MTPLosses
 from megakit.train.observe.reporting import Reporter, start_profiler
 from megakit.train.resilience.guards import StepGuard, TrainingDiverged
 from megakit.train.resilience.restarts import AUTO, Attempts
+from megakit.train.resilience.save_lock import hold_save_dir
 from megakit.train.resilience.resume import per_rank_key, restore, restore_own_state, save_run
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
 from megakit.train.data.token_weighting import weight_by_tokens
@@ -110,6 +111,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     _check_placement(cfg, run.layout)
     topo = Topology(run.layout, timeout_s=cfg.collective_timeout_s)
     _seed_default_generators(cfg.seed, topo)
+    try:  # one writer per --save: rank 0 holds its lock for the run (released below, on every way out)
+        save_lock = hold_save_dir(cfg.save, rank=topo.rank)
+    except UsageError as error:
+        raise everywhere(error)
     watchdog = _start_watchdog(cfg, topo)
     writer = AsyncWriter(comm.side_group(cfg.collective_timeout_s)) if cfg.async_save else None  # --async-save
     try:
@@ -132,6 +137,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         if dist.get_world_size() > 1:  # its traceback is the one to read; its peers will report it gone
             error.add_note(f"megakit: raised on {_describe(topo, topo.rank)} itself, not by a peer or the network")
         raise
+    finally:  # after any save in flight has been drained
+        if save_lock is not None:
+            save_lock.release()
     _leave_together(watchdog)
     return result
 
