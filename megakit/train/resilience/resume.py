@@ -108,6 +108,10 @@ def choose_checkpoint(load: str, *, say=print, doing: str = "resuming from") -> 
     if (path / LATEST).is_file():
         name = (path / LATEST).read_text().strip()
         pointed = [c for c in candidates if c.name.split(".old-")[0] == name] or [path / name]
+        newer = [c.name for c in candidates if c.name.split(".")[0] > name]
+        if newer:
+            say(f"megakit: {path}/{LATEST} names {name}, not the newer {', '.join(newer)}: a save killed before it "
+                f"moved {LATEST}, or a run resumed from an earlier step; {LATEST} is the one taken")
         candidates = pointed[:1] + [c for c in candidates if c != pointed[0]]
     for candidate in candidates:
         why = _intact(candidate)
@@ -430,12 +434,12 @@ def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, se
 
 def publish_in_series(directory: Path, target: Path, *, keep: int) -> None:
     """Point ``DIR/latest`` at ``target`` (a temporary name, then renamed), then remove all but the newest ``keep``
-    complete checkpoints up to ``target`` (unfinished saves take no place; ``target`` is never removed, nor a
-    newer step an earlier trajectory left, which its own save of that step replaces)."""
+    complete checkpoints up to ``target`` (``save_dir.series_steps``: unfinished saves take no place, a copy moved
+    aside does; ``target`` is never removed, nor a newer step an earlier trajectory left, which this run's own
+    save of that step replaces)."""
     pointer = directory / f"{LATEST}.tmp"
     pointer.write_text(target.name + "\n")
     os.replace(pointer, directory / LATEST)
-    complete = sorted(p for p in directory.glob(f"{STEP_PREFIX}[0-9]*")
-                      if "." not in p.name and p.is_dir() and p.name <= target.name)
-    for old in complete[:-keep]:
+    complete = [p for p in series_steps(directory) if p.name.split(".")[0] <= target.name]  # newest first
+    for old in complete[keep:]:
         shutil.rmtree(old, ignore_errors=True)
