@@ -174,3 +174,136 @@ def test_a_save_killed_at_each_point_of_its_publish_leaves_the_newest_complete_c
                 (ck / n / "manifest.json").is_file() for n in names[1:]), (case, names)
         assert check_checkpoint_flags(save=str(ck), load=str(ck), steps=10, series=series,
                                       say=lambda *_: None)[0] == 4, case
+
+
+# -- one writer, a writable directory, the right kind of directory ----------------------------------------------
+def test_one_run_holds_a_save_directory_and_a_dead_runs_lock_is_taken_over(tmp_path):
+    import socket
+
+    from megakit.errors import UsageError
+    from megakit.train.resilience.save_lock import SaveLock, lock_path
+
+    save = tmp_path / "ck"
+    lock_path(save).write_text(json.dumps({"host": "gone-node", "pid": 4242, "started": "yesterday"}))  # not locked
+    said = []
+    lock = SaveLock.acquire(save, say=said.append)
+    assert said == [f"megakit: took over the lock on --save {save} from a run that is gone (host gone-node, "
+                    "PID 4242, started yesterday)"]
+    with pytest.raises(UsageError) as refused:  # another open of it, even in this process, is another run
+        SaveLock.acquire(save)
+    line = str(refused.value)
+    assert line.startswith(f"--save {save} is in use by another run (host {socket.gethostname()}, PID {os.getpid()}, "
+                           "started ") and "choose another --save" in line and "\n" not in line, line
+    lock.release()
+    lock.release()  # idempotent
+    assert os.listdir(tmp_path) == []  # the lock file goes with the lock
+    SaveLock.acquire(save, say=said.append).release()  # free again, and nothing to take over
+    assert len(said) == 1 and os.listdir(tmp_path) == []
+
+
+def _train_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def _mount_tmpfs(path: Path, options: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True,
+                              timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _unmount(path: Path) -> None:
+    subprocess.run(["umount", str(path)], capture_output=True, timeout=30)
+
+
+def test_an_unwritable_or_foreign_save_directory_is_refused_before_any_step(tmp_path, capsys, monkeypatch):
+    """A path under a regular file, a read-only mount (a real one, where this machine lets the test mount), a
+    directory holding another run's checkpoint, a series beside a single checkpoint: one line each, exit 2, from
+    --check and from the trainer alike, with --load auto too, before any process group."""
+    import torch.distributed as dist
+
+    from megakit.errors import UsageError
+    from megakit.interop.checkpoint import save_checkpoint
+    from megakit.nn.model import ModelConfig, Transformer
+    from megakit.train.resilience.resume import check_checkpoint_flags
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(ROOT)
+    script = _train_script()
+    (tmp_path / "file").write_text("not a directory")
+    read_only = tmp_path / "ro"
+    mounted = _mount_tmpfs(read_only, "ro,size=64k")
+    try:
+        refusals = [(tmp_path / "file" / "ck", "file is a file, not a directory")]
+        refusals += [(read_only / "ck", f"cannot write in {read_only} (Read-only file system)")] if mounted else []
+        for save, message in refusals:
+            for extra in (["--check"], ["--load", "auto"], ["--check", "--load", "auto"]):
+                assert script.main(["--model", "gpt-tiny", "--steps", "1", "--no-progress", "--save", str(save),
+                                    *extra]) == 2
+                err = capsys.readouterr().err.strip().splitlines()
+                assert len(err) == 1 and err[0].startswith("train.py: error: --save ") and message in err[0], err
+    finally:
+        if mounted:
+            _unmount(read_only)
+    assert not dist.is_initialized() and sorted(os.listdir(tmp_path)) == ["file", "ro"]  # nothing written
+
+    config = ModelConfig.load("gpt-tiny")
+    single, series = tmp_path / "single", tmp_path / "series"
+    save_checkpoint(single, Transformer(config), step=3, config=config)
+    save_checkpoint(series / "step-0000003", Transformer(config), step=3, config=config)
+    flags = dict(steps=9, say=lambda *_: None)
+    for save, load, series_flag, message in [
+        (single, None, False, "already holds a checkpoint of another run, which this run \\(from scratch\\) would"),
+        (single, str(series), False, "already holds a checkpoint of another run"),
+        (single, str(single), True, "holds a single checkpoint, and --keep would write a series"),
+        (series, str(series), False, "holds a --keep series; add --save-every N --keep K"),
+        (series, None, True, "already holds a checkpoint of another run"),
+    ]:
+        with pytest.raises(UsageError, match=message):
+            check_checkpoint_flags(save=str(save), load=load, series=series_flag, **flags)
+    # resuming the directory's own run: from it, a step of its series, or (the same) --load auto
+    assert check_checkpoint_flags(save=str(single), load=str(single), **flags)[0] == 3
+    assert check_checkpoint_flags(save=str(series), load=str(series / "step-0000003"), series=True, **flags)[0] == 3
+    assert check_checkpoint_flags(save=str(tmp_path / "new"), load=str(single), **flags)[0] == 3
+
+
+def test_a_full_disk_is_one_line_with_the_bytes_and_the_intact_checkpoint(tmp_path):
+    """A real tmpfs too small for a second copy: the check before writing refuses, naming the directory, the bytes
+    needed and free, and the step still intact; where the check is passed (space taken meanwhile), the real
+    ENOSPC of the write gives the same line, and nothing of the save is left."""
+    from megakit.errors import UsageError
+    from megakit.interop import checkpoint
+    from megakit.interop.checkpoint import save_checkpoint
+    from megakit.nn.model import ModelConfig, Transformer
+
+    config = ModelConfig.load("gpt-tiny")
+    model = Transformer(config)
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "size=400k"):
+        pytest.skip("mounting a tmpfs is not permitted here (needs root or CAP_SYS_ADMIN)")
+    try:
+        save_checkpoint(disk / "ck", model, step=5, config=config)  # ~250 KB: fits once, not twice
+        with pytest.raises(UsageError) as full:
+            save_checkpoint(disk / "ck", model, step=6, config=config)
+        line = str(full.value)
+        assert line.startswith(f"no space for the checkpoint of step 6 in {disk}: it needs ") and "bytes" in line
+        assert f"the last complete checkpoint (step 5, {disk / 'ck'}) is intact" in line and "\n" not in line, line
+        real_check = checkpoint.StagedCheckpoint._check_space
+        checkpoint.StagedCheckpoint._check_space = lambda self, group: (1, 2)  # as if another writer took the space
+        try:
+            with pytest.raises(UsageError, match=r"no space for the checkpoint of step 6 in .*the last complete "
+                                                 r"checkpoint \(step 5"):
+                save_checkpoint(disk / "ck", model, step=6, config=config)
+        finally:
+            checkpoint.StagedCheckpoint._check_space = real_check
+        assert os.listdir(disk) == ["ck"] and json.loads((disk / "ck" / "manifest.json").read_text())["step"] == 5
+    finally:
+        _unmount(disk)

@@ -317,7 +317,8 @@ class StagedCheckpoint:
 
     def _no_space(self, error: Exception, needed: int, free: int) -> Exception:
         """A full disk (or quota) met while writing, as the one line a check before writing gives."""
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+        if full or any(os.strerror(code) in str(error) for code in (errno.ENOSPC, errno.EDQUOT)):  # safetensors'
             return UsageError(self._no_space_line(needed, free))
         return error
 
