@@ -307,3 +307,149 @@ def test_a_full_disk_is_one_line_with_the_bytes_and_the_intact_checkpoint(tmp_pa
         assert os.listdir(disk) == ["ck"] and json.loads((disk / "ck" / "manifest.json").read_text())["step"] == 5
     finally:
         _unmount(disk)
+
+
+# -- a real trainer killed between the two renames, and the lock on its directory --------------------------------
+PAUSED_TRAINER = r'''
+import os, runpy, sys, time
+from pathlib import Path
+
+rename, marker = os.rename, Path(sys.argv[1])
+
+def paused(a, b):  # the trainer's save of step 4 stops right after moving the step-2 checkpoint aside
+    rename(a, b)
+    if ".old-" in str(b):
+        marker.touch()
+        time.sleep(600)
+
+os.rename = paused
+sys.argv = ["scripts/train.py", *sys.argv[2:]]
+runpy.run_path("scripts/train.py", run_name="__main__")
+'''
+TRAIN = ["--model", "gpt-tiny", "--seq-len", "32", "--no-progress", "--save-every", "2"]
+
+
+def _run(*args: str, save: Path, env: dict, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/train.py", *TRAIN, "--save", str(save), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300, **kwargs)
+
+
+def test_a_trainer_killed_between_the_renames_resumes_and_one_run_holds_the_directory(tmp_path):
+    from megakit.train.doctor.fault_injection import VARIABLE
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop(VARIABLE, None)
+    save, paused = tmp_path / "ck", tmp_path / "paused"
+    killed = subprocess.Popen([sys.executable, "-c", PAUSED_TRAINER, str(paused), *TRAIN, "--save", str(save),
+                               "--steps", "4"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not paused.exists():
+            assert killed.poll() is None and time.monotonic() < deadline, "the trainer never paused in its save"
+            time.sleep(0.05)
+        # a second run on the same --save while the first still runs: refused in one line, before any step
+        second = _run("--steps", "4", "--load", "auto", save=save, env=env)
+        err = second.stderr.strip().splitlines()
+        assert second.returncode == 2 and err[-1].startswith(f"train.py: error: --save {save} is in use by another "
+                                                             f"run (host "), second.stderr[-3000:]
+        assert f"PID {killed.pid}, started" in err[-1] and "step " not in second.stdout.replace("(step", ""), err
+        os.kill(killed.pid, signal.SIGKILL)
+        first_log = killed.communicate(timeout=60)[0]
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+            killed.wait()
+    assert not save.exists() and len(list(tmp_path.glob("ck.old-*"))) == 1  # killed between the two renames
+    (old,) = tmp_path.glob("ck.old-*")
+    (unfinished,) = tmp_path.glob("ck.tmp-*")  # the step-4 checkpoint, complete but never published
+    logged = {int(line.split()[1]): line.split("| loss ")[1].split()[0] for line in first_log.splitlines()
+              if line.startswith("step ")}
+    # --load auto resumes from the moved-aside copy (not from step 0), takes over the dead run's lock, removes
+    # what the killed save left, and says each in one line
+    metrics = tmp_path / "m.json"
+    resumed = _run("--steps", "6", "--load", "auto", "--metrics-out", str(metrics), save=save, env=env)
+    out = resumed.stdout
+    assert resumed.returncode == 0, out[-3000:] + resumed.stderr[-3000:]
+    for line in (f"megakit: {save} is missing: a save killed while replacing it moved its last complete checkpoint "
+                 f"aside to {old}", f"megakit: resuming from {old} (step 2, gpt2, 4 layers",
+                 f"megakit: took over the lock on --save {save} from a run that is gone (host ",
+                 f"megakit: removed what saves killed mid-way left in {save}: {unfinished.name}",
+                 f"megakit: saved step 4 to {save} (", f"megakit: saved step 6 to {save} (",
+                 f"megakit: removed what saves killed mid-way left in {save}: {old.name}"):
+        assert line in out, (line, out[-3000:])
+    steps = {m["step"]: m["loss"] for m in json.loads(metrics.read_text())["steps"]}
+    assert sorted(steps) == [2, 3, 4, 5] and all(f"{steps[s]:.4f}" == logged[s] for s in (2, 3)), (steps, logged)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ck.attempts.json", "ck", "m.json", "paused"]
+    assert json.loads((save / "manifest.json").read_text())["step"] == 6  # and no lock left after a normal end
+    # an error after the lock was taken (a NaN loss with --max-skipped-steps 0) releases it too
+    diverged = _run("--steps", "8", "--load", "auto", "--max-skipped-steps", "0", save=save,
+                    env=dict(env, **{VARIABLE: "nanloss@0:6"}))
+    assert diverged.returncode == 1, diverged.stdout[-2000:] + diverged.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ck.attempts.json", "ck", "m.json", "paused"]
+
+
+# -- at 2 processes: another run's lock, a full disk with and without --async-save ---------------------------------
+JOB = r'''
+import json, os, sys
+import torch.distributed as dist
+from megakit.errors import UsageError
+from megakit.train.trainer import TrainConfig, train
+
+cases_path, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+cases, said = json.load(open(cases_path)), []
+for case in cases:
+    try:
+        train(TrainConfig(progress=False, **case))
+        said.append(None)
+    except UsageError as error:  # what scripts/train.py prints (on rank 0 alone when every rank raised it)
+        said.append([str(error), getattr(error, "all_ranks", False)])
+json.dump(said, open(f"{out}.{os.environ['RANK']}", "w"))
+if dist.is_initialized():
+    dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_at_two_processes_a_held_directory_and_a_full_disk_are_one_line_on_every_rank(tmp_path):
+    """One launcher job: --save held by another process (this test's); then --save-every 1 onto a real tmpfs with
+    room for one checkpoint, synchronously and with --async-save: the second save is refused before writing, on
+    every rank alike, naming the directory, the bytes and the step still intact, and the run keeps that step."""
+    from multiproc import THREADS, free_port
+
+    from megakit.train.resilience.save_lock import SaveLock
+
+    disks = [tmp_path / "sync", tmp_path / "async"]
+    if not all(_mount_tmpfs(disk, "size=1600k") for disk in disks):  # one ~1.1 MB checkpoint fits, not two
+        for disk in disks:
+            _unmount(disk)
+        pytest.skip("mounting a tmpfs is not permitted here (needs root or CAP_SYS_ADMIN)")
+    (tmp_path / "job.py").write_text(JOB)
+    base = dict(ds_config=str(ROOT / "ds_configs" / "zero1.json"), model="gpt-tiny", seq_len=32, steps=2)
+    cases = [dict(base, save=str(tmp_path / "held")),
+             dict(base, save=str(disks[0] / "ck"), save_every=1),
+             dict(base, save=str(disks[1] / "ck"), save_every=1, async_save=True)]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    lock = SaveLock.acquire(tmp_path / "held")
+    try:
+        job = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
+                              str(tmp_path / "job.py"), str(tmp_path / "cases.json"), str(tmp_path / "said")],
+                             cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=THREADS, PYTHONPATH=str(ROOT)),
+                             capture_output=True, text=True, timeout=400)
+        assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+        ranks = [json.loads((tmp_path / f"said.{rank}").read_text()) for rank in (0, 1)]
+        assert ranks[0] == ranks[1] and all(all_ranks for _, all_ranks in ranks[0]), ranks  # printed once
+        held, *full = [line for line, _ in ranks[0]]
+        assert held.startswith(f"--save {tmp_path / 'held'} is in use by another run (host ") and (
+            f"PID {os.getpid()}, started" in held), held
+        for disk, line in zip(disks, full):
+            assert line.startswith(f"no space for the checkpoint of step 2 in {disk}: it needs "), line
+            assert f"the last complete checkpoint (step 1, {disk / 'ck'}) is intact" in line, line
+            needed, free = (int(line.split(words)[0].split()[-1].replace(",", "")) for words in (" bytes (", " are free"))
+            assert needed > free > 0, line
+            assert os.listdir(disk) == ["ck"] and json.loads((disk / "ck" / "manifest.json").read_text())["step"] == 1
+        assert "saved step 1 to " + str(disks[1] / "ck") in job.stdout and "written in the background" in job.stdout
+    finally:
+        lock.release()
+        for disk in disks:
+            _unmount(disk)
