@@ -334,6 +334,7 @@ def _run(*args: str, save: Path, env: dict, **kwargs) -> subprocess.CompletedPro
                           env=env, capture_output=True, text=True, timeout=300, **kwargs)
 
 
+@pytest.mark.slow
 def test_a_trainer_killed_between_the_renames_resumes_and_one_run_holds_the_directory(tmp_path):
     from megakit.train.doctor.fault_injection import VARIABLE
 
