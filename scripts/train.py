@@ -134,7 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "are averaged every H steps (post-local SGD): ~H x fewer bytes, some loss per step. Prefer "
                         "the default synchronous training unless the network is the bottleneck")
     p.add_argument("--save", metavar="DIR", default=None,
-                   help="write a checkpoint (weights, optimizer state, step) to DIR at the end")
+                   help="write a checkpoint (weights, optimizer state, step) to DIR at the end; one run writes DIR "
+                        "at a time (rank 0 locks it), and a DIR holding another run's checkpoint is refused unless "
+                        "--load resumes from it")
     p.add_argument("--save-every", metavar="N", type=int, default=0,
                    help="with --save: also every N steps (each save replaces DIR, or see --keep)")
     p.add_argument("--keep", metavar="K", type=int, default=0,

@@ -273,6 +273,13 @@ def test_an_unwritable_or_foreign_save_directory_is_refused_before_any_step(tmp_
     assert check_checkpoint_flags(save=str(single), load=str(single), **flags)[0] == 3
     assert check_checkpoint_flags(save=str(series), load=str(series / "step-0000003"), series=True, **flags)[0] == 3
     assert check_checkpoint_flags(save=str(tmp_path / "new"), load=str(single), **flags)[0] == 3
+    # what is loaded is said in one line: path, step, model (an imported checkpoint's source too)
+    save_checkpoint(tmp_path / "imported", Transformer(config), step=0, config=config,
+                    extra={"imported_from": "hf/my-model"})
+    said = []
+    check_checkpoint_flags(save=None, load=str(tmp_path / "imported"), steps=9, say=said.append)
+    assert said == [f"megakit: starting from {tmp_path / 'imported'} (step 0, imported from hf/my-model, gpt2, 4 "
+                    "layers, hidden 32, 0.06 M parameters)"], said
 
 
 def test_a_full_disk_is_one_line_with_the_bytes_and_the_intact_checkpoint(tmp_path):
