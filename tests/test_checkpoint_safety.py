@@ -453,7 +453,7 @@ def test_at_two_processes_a_held_directory_and_a_full_disk_are_one_line_on_every
         for disk, line in zip(disks, full):
             assert line.startswith(f"no space for the checkpoint of step 2 in {disk}: it needs "), line
             assert f"the last complete checkpoint (step 1, {disk / 'ck'}) is intact" in line, line
-            needed, free = (int(line.split(words)[0].split()[-1].replace(",", "")) for words in (" bytes (", " are free"))
+            needed, free = (int(line.split(word)[0].split()[-1].replace(",", "")) for word in (" bytes (", " are free"))
             assert needed > free > 0, line
             assert os.listdir(disk) == ["ck"] and json.loads((disk / "ck" / "manifest.json").read_text())["step"] == 1
         assert "saved step 1 to " + str(disks[1] / "ck") in job.stdout and "written in the background" in job.stdout

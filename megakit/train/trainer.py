@@ -68,8 +68,8 @@ from megakit.train.observe.mtp_losses import MTPLosses
 from megakit.train.observe.reporting import Reporter, start_profiler
 from megakit.train.resilience.guards import StepGuard, TrainingDiverged
 from megakit.train.resilience.restarts import AUTO, Attempts
-from megakit.train.resilience.save_lock import hold_save_dir
 from megakit.train.resilience.resume import per_rank_key, restore, restore_own_state, save_run
+from megakit.train.resilience.save_lock import hold_save_dir
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
 from megakit.train.data.token_weighting import weight_by_tokens
 from megakit.train.engine.zero3_linear import linear_restored, save_weights_not_views

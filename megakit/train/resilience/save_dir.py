@@ -104,10 +104,10 @@ def remove_leftovers(save: str | Path, *, say=print) -> list[Path]:
     (``save_lock``) may: another run's save in progress looks the same."""
     found = leftovers(save)
     for path in found:
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+        try:
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        except OSError as error:  # named, not fatal: nothing reads it
+            say(f"megakit: could not remove {path} ({error.strerror or error}); nothing reads it")
     if found:
         say(f"megakit: removed what saves killed mid-way left in {save}: {', '.join(p.name for p in found)}")
     return found

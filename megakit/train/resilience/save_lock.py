@@ -43,7 +43,7 @@ def _holder(fd: int) -> str:
 class SaveLock:
     """The lock on one ``--save`` directory, held from ``acquire`` until ``release`` (or the process's end)."""
 
-    def __init__(self, path: Path, fd: int) -> None:
+    def __init__(self, path: Path, fd: int | None) -> None:
         self.path, self._fd = path, fd
 
     @classmethod
@@ -62,6 +62,12 @@ class SaveLock:
                 raise UsageError(f"--save {save} is in use by another run ({holder}); two runs on one --save would "
                                  "replace each other's checkpoints: wait for it to end or stop it, or choose another "
                                  "--save") from None
+            except OSError as error:  # a filesystem without locks: the run goes on, unguarded, and says so
+                os.close(fd)
+                path.unlink(missing_ok=True)
+                say(f"megakit: warning: the filesystem of --save {save} cannot lock {path} "
+                    f"({error.strerror or error}); nothing stops a second run from writing there too")
+                return cls(path, None)
             try:  # the file we locked is still the one at the path (a releasing run may have just removed it)
                 if os.stat(path).st_ino == os.fstat(fd).st_ino:
                     break
