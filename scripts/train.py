@@ -161,9 +161,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="write a PyTorch profiler trace per rank (steps 2-3) to DIR (default ./profile)")
     p.add_argument("--verify-memory", action="store_true",
                    help="print each rank's measured memory next to the planner's prediction")
-    p.add_argument("--metrics-out", metavar="FILE", default=None, help="write per-step metrics as JSON (rank 0)")
+    p.add_argument("--metrics-out", metavar="FILE", default=None,
+                   help="append one JSON line per step, evaluation and event to FILE as it happens (JSON Lines; rank "
+                        "0; default: none); a killed run keeps what it logged")
     p.add_argument("--log-every", type=int, default=1, help="print a metrics line every N steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--deepspeed-logs", action="store_true",
+                   help="show DeepSpeed's own start-up and INFO lines in the workers (hidden by default: each rank "
+                        "repeats them, and megakit's banner says what they would; the launcher's own lines follow its "
+                        "--log_level)")
     p.add_argument("--check", action="store_true",
                    help="check the flags, the ds_config, the model, the data and --load for $WORLD_SIZE processes "
                         "(default 1) in this one process, say what would run and exit (2 on a mistake): what a "
@@ -211,7 +217,7 @@ def config(args: argparse.Namespace):
         seq_len=args.seq_len,
         stage_layers=parse_stage_layers(args.stage_layers), tensorboard=args.tensorboard, profile=args.profile,
         verify_memory=args.verify_memory, metrics_out=args.metrics_out, log_every=args.log_every,
-        progress=not args.no_progress, log_heartbeat_s=args.log_heartbeat, stall_timeout_s=args.stall_timeout,
+        progress=not args.no_progress, deepspeed_logs=args.deepspeed_logs, log_heartbeat_s=args.log_heartbeat, stall_timeout_s=args.stall_timeout,
         recompute=args.recompute, loss_chunks=parse_loss_chunks(args.loss_chunks), fp8=args.fp8,
         sequence_parallel=args.sequence_parallel, save=args.save, save_every=args.save_every, keep=args.keep,
         load=args.load, allow_cross_node_tp=args.allow_cross_node_tp, compress=args.compress,
@@ -228,25 +234,40 @@ def config(args: argparse.Namespace):
 def _check(cfg) -> int:
     """``--check``: ``resolve`` the run (every check the workers make before any process group) and say what it is."""
     from megakit.errors import UsageError
+    from megakit.train.data.corpus import verify_corpus
+    from megakit.train.observe.reporting import cp_mode_words
     from megakit.train.run import resolve
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:
         run = resolve(cfg, world, say=lambda *_: None)
+        verify_corpus(cfg.data)  # every shard's sha256: a shard damaged in place is named now, not at its step
     except UsageError as error:
         print(f"train.py: error: {error}", file=sys.stderr, flush=True)
         return 2
     layout, batch = run.layout, run.batch
-    cp = f" x CP {layout.cp}" if layout.cp > 1 else ""
+    cp = f" x CP {layout.cp} ({cp_mode_words(layout)})" if layout.cp > 1 else ""
     start = f", resuming at step {run.start_step} from {run.checkpoint}" if run.checkpoint is not None else ""
     print(f"train.py: check passed: {cfg.model} on {world} process(es), TP {layout.tp}{cp} x PP {layout.pp} x DP "
           f"{layout.dp}, {batch.global_batch} sequences of {batch.seq_len} per step, {cfg.steps} steps{start}", flush=True)
     return 0
 
 
+def _quiet_deepspeed(args: argparse.Namespace) -> None:
+    """Before DeepSpeed is imported: on a machine without CUDA, name its accelerator, so that each rank does not
+    warn that it "was unable to detect" a GPU (``--deepspeed-logs`` keeps the warning)."""
+    if args.deepspeed_logs or "DS_ACCELERATOR" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _quiet_deepspeed(args)
     from megakit.errors import UsageError
     from megakit.train.trainer import TrainingDiverged, train
 
@@ -259,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         return _check(cfg)
     try:
-        train(cfg)
+        train(cfg, keep_steps=False)  # each step's metrics go to the log and --metrics-out, not into memory
         _leave()
     except UsageError as error:
         _leave()

@@ -35,6 +35,7 @@ mistake that every rank makes alike is marked ``all_ranks`` so that only rank 0 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import math
 import os
@@ -79,10 +80,11 @@ from megakit.train.steps import pipeline_step, plain_step, rank_device
 
 @dataclass
 class TrainResult:
-    steps: list = field(default_factory=list)  # StepMetrics per step (rank 0 has them all)
+    steps: list = field(default_factory=list)  # StepMetrics per step (rank 0 has them all); none: keep_steps=False
     memory: list | None = None  # per-rank rows of --verify-memory
     evals: list = field(default_factory=list)  # {"step", "loss", "perplexity"} per evaluation
     events: list = field(default_factory=list)  # {"step", "kind", "text", ...} per intervention (a skipped step)
+    checkpoint: str | None = None  # the last checkpoint this run saved
 
     @property
     def losses(self) -> list[float]:
@@ -96,8 +98,9 @@ def _describe(topo, rank: int) -> str:
     return f"rank {rank} (pp {c['pp']}, dp {c['dp']}{cp}, tp {c['tp']})"
 
 
-def train(cfg: TrainConfig) -> TrainResult:
-    """Run ``cfg.steps`` optimizer steps on the job the launcher started; returns the metrics."""
+def train(cfg: TrainConfig, *, keep_steps: bool = True) -> TrainResult:
+    """Run ``cfg.steps`` optimizer steps on the job the launcher started; returns the metrics (``keep_steps``
+    False: not each step's, which would grow with the run; scripts/train.py has them in --metrics-out)."""
     from megakit.nn.topology import Topology, init_distributed
     from megakit.train.resilience.faults import from_communication
 
@@ -119,7 +122,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     writer = AsyncWriter(comm.side_group(cfg.collective_timeout_s)) if cfg.async_save else None  # --async-save
     try:
         with linear_restored():  # ZeRO-3's engine replaces F.linear process-wide
-            result = _train(run, topo, watchdog, writer)
+            result = _train(run, topo, watchdog, writer, keep_steps)
     except (UsageError, TrainingDiverged) as error:
         _drain(writer)
         if isinstance(error, TrainingDiverged) or getattr(error, "all_ranks", False):  # every rank raised it
@@ -246,7 +249,8 @@ def _build(run: Run, topo, doctor=None):
         clipper = Zero0Clipper(stage.parameters(), topo, float(ds_config.get("gradient_clipping", 0.0)))
         ds_config = {**ds_config, "gradient_clipping": 0.0}
     experts = run.model.moe.experts if run.model.moe else 0
-    with deepspeed_sees_experts(stage, topo, experts):  # EP > 1: expert gradients and ZeRO over EDP
+    quiet = contextlib.nullcontext() if cfg.deepspeed_logs else contextlib.redirect_stdout(io.StringIO())
+    with deepspeed_sees_experts(stage, topo, experts), quiet:  # quiet: DeepSpeed prints that its CPU op was built
         engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=decay_groups(stage), mpu=topo,
                                                        config=ds_config)
     unlink_shared_memory()
@@ -256,13 +260,15 @@ def _build(run: Run, topo, doctor=None):
 
 
 def _not_scheduler_start(record) -> bool:
-    return "before it has started" not in record.getMessage()
+    """DeepSpeed's schedulers warn when built (at iteration -1, where megakit places them right after) and when the
+    warm-up outlasts the run; the banner's LR line says the latter once, in megakit's words."""
+    message = record.getMessage()
+    return "before it has started" not in message and "is less than warmup_num_steps" not in message
 
 
-def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
+def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, keep_steps: bool = True) -> TrainResult:
     logger = logging.getLogger("DeepSpeed")
-    logger.setLevel(logging.WARNING)
-    # DeepSpeed's schedulers warn when built (at iteration -1); megakit places them right after (optim.start_schedule)
+    logger.setLevel(logging.INFO if run.cfg.deepspeed_logs else logging.WARNING)
     logger.addFilter(_not_scheduler_start)  # added once (a filter already there is not added again)
     # DeepSpeed 0.19.8 calls collectives torch 2.13 renamed; the warning repeats every step
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
@@ -336,7 +342,8 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         comm_seconds, comm_calls = communication.result or (None, None)
-        a2a_bytes = communication.all_to_all_bytes if communication.result and moe is not None else None
+        a2a = moe is not None or run.layout.cp_a2a > 1  # MoE dispatch, Ulysses CP: bytes counted from shapes (host)
+        a2a_bytes = communication.all_to_all_bytes if communication.result and a2a else None
         dp_bytes, dp_bytes_dense = dp_sync.take_bytes()
         if clipper is not None:
             grad_norm, grads_finite, applied = clipper.norm, clipper.finite, clipper.applied
@@ -362,7 +369,8 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
                               dp_bytes_dense=dp_bytes_dense, skipped=bool(skipped), moe=moe_metrics, mtp=mtp_losses,
                               all_to_all_bytes=a2a_bytes, compiling=run.compile and step == start,
                               **dict(zip(("gpu_util", "gpu_mem_gib"), gpu_state())))
-        result.steps.append(metrics)
+        if keep_steps:
+            result.steps.append(metrics)
         reporter.log(metrics)
         if metrics.compiling:
             reporter.compiled(metrics)
@@ -384,7 +392,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
             result.evals.append(reporter.eval(done, *evaluate()))
         if saving:
             try:
-                save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
+                saved = save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
                          extra={"loss": loss if math.isfinite(loss) else None, "seed": cfg.seed,
                                 "global_batch": plan.global_batch, "data": {
                                     "samples": (done + offset) * plan.global_batch, "skipped_batches": offset,
@@ -392,6 +400,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
                                 **({"spike_guard": spikes.state()} if spikes else {})},
                          tokenizer=run.corpus.tokenizer_dir, dp_sync=dp_sync, rank_key=per_rank_key(run, topo),
                          writer=writer)
+                result.checkpoint = str(saved)
             except UsageError as error:
                 raise everywhere(error)  # save_checkpoint raises on every rank when any rank fails
     _wait(writer)  # the last save is on disk before the run returns
@@ -401,7 +410,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
     if probe is not None:
         result.memory = probe.report()
         reporter.memory(result.memory)
-    reporter.close(result)
+    reporter.close(checkpoint=result.checkpoint)
     return result
 
 
