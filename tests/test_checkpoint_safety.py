@@ -344,6 +344,7 @@ def _run(*args: str, save: Path, env: dict, **kwargs) -> subprocess.CompletedPro
 @pytest.mark.slow
 def test_a_trainer_killed_between_the_renames_resumes_and_one_run_holds_the_directory(tmp_path):
     from megakit.train.doctor.fault_injection import VARIABLE
+    from megakit.train.observe.metrics import read_metrics
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop(VARIABLE, None)
@@ -386,7 +387,7 @@ def test_a_trainer_killed_between_the_renames_resumes_and_one_run_holds_the_dire
                  f"megakit: saved step 4 to {save} (", f"megakit: saved step 6 to {save} (",
                  f"megakit: removed what saves killed mid-way left in {save}: {old.name}"):
         assert line in out, (line, out[-3000:])
-    steps = {m["step"]: m["loss"] for m in json.loads(metrics.read_text())["steps"]}
+    steps = {m["step"]: m["loss"] for m in read_metrics(metrics)["steps"]}
     assert sorted(steps) == [2, 3, 4, 5] and all(f"{steps[s]:.4f}" == logged[s] for s in (2, 3)), (steps, logged)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".ck.attempts.json", "ck", "m.json", "paused"]
     assert json.loads((save / "manifest.json").read_text())["step"] == 6  # and no lock left after a normal end
