@@ -21,8 +21,9 @@ uninterrupted run's:
 ``--save DIR --save-every N`` writes ``DIR/step-000123`` and then, last, ``DIR/latest``;
 ``--keep K`` removes all but the newest K. ``--load DIR`` takes a checkpoint directory, or
 the newest intact one of a series (``latest`` first), saying which, and falls back past a
-damaged one with one line saying why. A save killed half-way leaves only a ``.tmp-``
-directory, which is never a candidate.
+damaged one with one line saying why. A save killed half-way leaves a ``.tmp-`` directory,
+which is never a candidate, or, between its two renames, the last complete checkpoint moved
+aside, which is (``megakit.train.resilience.save_dir`` lists each point and what it leaves).
 """
 
 from __future__ import annotations
@@ -150,8 +151,8 @@ def check_checkpoint_flags(*, save: str | None, load: str | None, steps: int, se
         if series and ((target / MANIFEST).is_file() or moved_aside(target)):
             raise UsageError(f"--save {target} holds a single checkpoint, and --keep would write a series of "
                              f"{target}/step-N beside it that --load {target} does not read; choose another --save "
-                             "directory for the series (drop --keep to replace the checkpoint)")
-        if not series and is_series(target) and series_steps(target):
+                             "directory for the series, or drop --keep to go on with the single checkpoint")
+        if not series and is_series(target):
             raise UsageError(f"--save {target} holds a --keep series; add --save-every N --keep K to go on with it, "
                              "or choose another --save directory")
         if holds_checkpoint(target) and not (load and _inside(Path(load), target)):
