@@ -236,12 +236,16 @@ def _check(cfg) -> int:
     from megakit.errors import UsageError
     from megakit.train.data.corpus import verify_corpus
     from megakit.train.observe.reporting import cp_mode_words
+    from megakit.train.resilience.save_lock import holder, in_use
     from megakit.train.run import resolve
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:
         run = resolve(cfg, world, say=lambda *_: None)
         verify_corpus(cfg.data)  # every shard's sha256: a shard damaged in place is named now, not at its step
+        held = holder(cfg.save) if cfg.save else None
+        if held:  # the run would stop at its start: another run still writes there
+            raise UsageError(in_use(cfg.save, held))
     except UsageError as error:
         print(f"train.py: error: {error}", file=sys.stderr, flush=True)
         return 2

@@ -254,6 +254,15 @@ def test_an_unwritable_or_foreign_save_directory_is_refused_before_any_step(tmp_
         if mounted:
             _unmount(read_only)
     assert not dist.is_initialized() and sorted(os.listdir(tmp_path)) == ["file", "ro"]  # nothing written
+    from megakit.train.resilience.save_lock import SaveLock
+
+    lock = SaveLock.acquire(tmp_path / "held")  # --check says a job would be refused: another run holds --save
+    try:
+        assert script.main(["--model", "gpt-tiny", "--steps", "1", "--save", str(tmp_path / "held"), "--check"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"is in use by another run (host " in err[0] and f"PID {os.getpid()}" in err[0], err
+    finally:
+        lock.release()
 
     config = ModelConfig.load("gpt-tiny")
     single, series = tmp_path / "single", tmp_path / "series"
@@ -462,3 +471,19 @@ def test_at_two_processes_a_held_directory_and_a_full_disk_are_one_line_on_every
         lock.release()
         for disk in disks:
             _unmount(disk)
+
+
+def test_cleanup_keeps_a_moved_aside_copy_of_a_later_step_than_the_one_in_place(tmp_path):
+    """A moved-aside copy is stale only when the checkpoint in place is at least as new (the kill was after the
+    second rename); one of a later step (a checkpoint since written into the empty place) is kept."""
+    from megakit.interop.checkpoint import save_checkpoint
+    from megakit.nn.model import ModelConfig, Transformer
+    from megakit.train.resilience.save_dir import remove_leftovers
+
+    config = ModelConfig.load("gpt-tiny")
+    model = Transformer(config)
+    save_checkpoint(tmp_path / "ck", model, step=5, config=config)
+    (tmp_path / "ck").rename(tmp_path / "ck.old-dead")
+    save_checkpoint(tmp_path / "ck", model, step=0, config=config)  # e.g. convert --from-hf into the empty place
+    assert remove_leftovers(tmp_path / "ck", say=lambda *_: None) == []
+    assert sorted(os.listdir(tmp_path)) == ["ck", "ck.old-dead"]

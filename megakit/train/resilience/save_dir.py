@@ -90,8 +90,8 @@ def leftovers(save: str | Path) -> list[Path]:
     the moved-aside copies of checkpoints that are in place again (a copy is kept while it is the newest)."""
     path = Path(save)
     found = temporaries(path)
-    if (path / MANIFEST).is_file():
-        found += _siblings(path, "old")
+    if (path / MANIFEST).is_file():  # a copy of a later step than the one in place is some other run's: kept
+        found += [old for old in _siblings(path, "old") if _step(old) <= _step(path)]
     if path.is_dir() and not (path / MANIFEST).is_file():
         for old in sorted(path.glob(f"{STEP_PREFIX}[0-9]*.old-*")):
             if (path / old.name.split(".old-")[0] / MANIFEST).is_file():

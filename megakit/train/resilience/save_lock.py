@@ -40,6 +40,30 @@ def _holder(fd: int) -> str:
         return ""
 
 
+def in_use(save: str | Path, held: str) -> str:
+    return (f"--save {save} is in use by another run ({held}); two runs on one --save would replace each other's "
+            "checkpoints: wait for it to end or stop it, or choose another --save")
+
+
+def holder(save: str | Path) -> str | None:
+    """Who holds ``save``'s lock now, in words, or None (``train.py --check``: a job that would be refused)."""
+    path = lock_path(save)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except BlockingIOError:
+        return _holder(fd) or f"see {path}"
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 class SaveLock:
     """The lock on one ``--save`` directory, held from ``acquire`` until ``release`` (or the process's end)."""
 
@@ -57,11 +81,9 @@ class SaveLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _holder(fd) or f"see {path}"
+                held = _holder(fd) or f"see {path}"
                 os.close(fd)
-                raise UsageError(f"--save {save} is in use by another run ({holder}); two runs on one --save would "
-                                 "replace each other's checkpoints: wait for it to end or stop it, or choose another "
-                                 "--save") from None
+                raise UsageError(in_use(save, held)) from None
             except OSError as error:  # a filesystem without locks: the run goes on, unguarded, and says so
                 os.close(fd)
                 path.unlink(missing_ok=True)
