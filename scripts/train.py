@@ -146,6 +146,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --save: the step waits only for the copy of the state to host memory; writing, fsync "
                         "and the rename run in a background thread (one save at a time; a crash mid-write leaves "
                         "the previous checkpoint as it was)")
+    p.add_argument("--save-on-signal", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --save: on SIGTERM or SIGUSR1 to any rank (a scheduler's notice, Slurm's --signal), "
+                        "or its launcher gone, finish the step, save it and exit with status 75, every rank at the "
+                        "same step; a second signal 2 s or more later stops at once (default: on; off, or without "
+                        "--save, the run stops there without saving, also with status 75; docs/clusters.md)")
     p.add_argument("--load", metavar="DIR", default=None,
                    help="'auto': the --save DIR's newest intact checkpoint, or step 0 while it has none (the same "
                         "command then restarts a run after a crash, e.g. under torchrun --max-restarts N); or "
@@ -226,6 +231,7 @@ def config(args: argparse.Namespace):
         moe_z_loss=args.moe_z_loss, moe_capacity_factor=args.moe_capacity_factor,
         moe_expert_bias=args.moe_expert_bias, moe_force_balance=args.moe_force_balance, compile=args.compile, attention_kernel=args.attention_kernel,
         spike_guard=args.spike_guard, async_save=args.async_save, reset_attention_mask=args.reset_attention_mask,
+        save_on_signal=args.save_on_signal,
         reset_position_ids=args.reset_position_ids, eod_mask_loss=args.eod_mask_loss, mtp=args.mtp,
         mtp_weight=args.mtp_weight,
         **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}))
@@ -284,8 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         return _check(cfg)
     try:
-        train(cfg, keep_steps=False)  # each step's metrics go to the log and --metrics-out, not into memory
+        stopped = train(cfg, keep_steps=False).stopped  # each step's metrics: the log and --metrics-out
         _leave()
+        if stopped:  # a signal or the launcher gone: stopped (and saved with --save) at a step every rank agreed on
+            from megakit.train.resilience.preemption import EXIT_STOPPED
+
+            return EXIT_STOPPED
     except UsageError as error:
         _leave()
         if _rank0() or not getattr(error, "all_ranks", False):  # a rank's own mistake: it says so itself

@@ -102,6 +102,7 @@ class TrainConfig:
     attention_kernel: str = "auto"  # SDPA backend: auto | flash | cudnn | efficient | math (nn.attention_kernel)
     spike_guard: float | None = None  # Z: a loss Z recent standard deviations above the recent mean rolls back (spikes)
     async_save: bool = False  # checkpoints written in a background thread; the step waits for the host copy only
+    save_on_signal: bool = True  # with save: SIGTERM/SIGUSR1 (or the launcher gone) save after the step, then stop
     # packed documents (Megatron's names; off by default: Llama 3 found the mask of "limited impact" in standard
     # pretraining, and it matters for long sequences and for packed fine-tuning examples)
     reset_attention_mask: bool = False  # attention stays inside each document of a window
