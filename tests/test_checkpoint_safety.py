@@ -359,7 +359,7 @@ def test_a_trainer_killed_between_the_renames_resumes_and_one_run_holds_the_dire
     env.pop(VARIABLE, None)
     save, paused = tmp_path / "ck", tmp_path / "paused"
     killed = subprocess.Popen([sys.executable, "-c", PAUSED_TRAINER, str(paused), *TRAIN, "--save", str(save),
-                               "--steps", "4"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               "--steps", "4", "--load", "auto"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
     try:
         deadline = time.monotonic() + 240
@@ -372,6 +372,7 @@ def test_a_trainer_killed_between_the_renames_resumes_and_one_run_holds_the_dire
         assert second.returncode == 2 and err[-1].startswith(f"train.py: error: --save {save} is in use by another "
                                                              f"run (host "), second.stderr[-3000:]
         assert f"PID {killed.pid}, started" in err[-1] and "step " not in second.stdout.replace("(step", ""), err
+        assert "restart" not in second.stdout, second.stdout  # the first run's attempts record is not read
         os.kill(killed.pid, signal.SIGKILL)
         first_log = killed.communicate(timeout=60)[0]
     finally:
@@ -394,7 +395,8 @@ def test_a_trainer_killed_between_the_renames_resumes_and_one_run_holds_the_dire
                  f"megakit: took over the lock on --save {save} from a run that is gone (host ",
                  f"megakit: removed what saves killed mid-way left in {save}: {unfinished.name}",
                  f"megakit: saved step 4 to {save} (", f"megakit: saved step 6 to {save} (",
-                 f"megakit: removed what saves killed mid-way left in {save}: {old.name}"):
+                 f"megakit: removed what saves killed mid-way left in {save}: {old.name}",
+                 "megakit: restart 1 of this run: the last attempt finished step 3, resuming at step 2 redoes 2"):
         assert line in out, (line, out[-3000:])
     steps = {m["step"]: m["loss"] for m in read_metrics(metrics)["steps"]}
     assert sorted(steps) == [2, 3, 4, 5] and all(f"{steps[s]:.4f}" == logged[s] for s in (2, 3)), (steps, logged)
