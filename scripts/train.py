@@ -222,7 +222,8 @@ def config(args: argparse.Namespace):
         seq_len=args.seq_len,
         stage_layers=parse_stage_layers(args.stage_layers), tensorboard=args.tensorboard, profile=args.profile,
         verify_memory=args.verify_memory, metrics_out=args.metrics_out, log_every=args.log_every,
-        progress=not args.no_progress, deepspeed_logs=args.deepspeed_logs, log_heartbeat_s=args.log_heartbeat, stall_timeout_s=args.stall_timeout,
+        progress=not args.no_progress, deepspeed_logs=args.deepspeed_logs, log_heartbeat_s=args.log_heartbeat,
+        stall_timeout_s=args.stall_timeout,
         recompute=args.recompute, loss_chunks=parse_loss_chunks(args.loss_chunks), fp8=args.fp8,
         sequence_parallel=args.sequence_parallel, save=args.save, save_every=args.save_every, keep=args.keep,
         load=args.load, allow_cross_node_tp=args.allow_cross_node_tp, compress=args.compress,
@@ -241,7 +242,7 @@ def _check(cfg) -> int:
     """``--check``: ``resolve`` the run (every check the workers make before any process group) and say what it is."""
     from megakit.errors import UsageError
     from megakit.train.data.corpus import verify_corpus
-    from megakit.train.observe.reporting import cp_mode_words
+    from megakit.train.observe.reporting import layout_words
     from megakit.train.resilience.save_lock import holder, in_use
     from megakit.train.run import resolve
 
@@ -255,11 +256,10 @@ def _check(cfg) -> int:
     except UsageError as error:
         print(f"train.py: error: {error}", file=sys.stderr, flush=True)
         return 2
-    layout, batch = run.layout, run.batch
-    cp = f" x CP {layout.cp} ({cp_mode_words(layout)})" if layout.cp > 1 else ""
+    batch = run.batch
     start = f", resuming at step {run.start_step} from {run.checkpoint}" if run.checkpoint is not None else ""
-    print(f"train.py: check passed: {cfg.model} on {world} process(es), TP {layout.tp}{cp} x PP {layout.pp} x DP "
-          f"{layout.dp}, {batch.global_batch} sequences of {batch.seq_len} per step, {cfg.steps} steps{start}", flush=True)
+    print(f"train.py: check passed: {cfg.model} on {world} process(es), {layout_words(run.layout, vpp=cfg.vpp)}, "
+          f"{batch.global_batch} sequences of {batch.seq_len} per step, {cfg.steps} steps{start}", flush=True)
     return 0
 
 
@@ -270,7 +270,9 @@ def _quiet_deepspeed(args: argparse.Namespace) -> None:
         return
     import torch
 
-    if not torch.cuda.is_available():
+    xpu = getattr(torch, "xpu", None)
+    others = (xpu is not None and xpu.is_available()) or torch.backends.mps.is_available()  # DeepSpeed's to detect
+    if not torch.cuda.is_available() and not others:
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 

@@ -57,7 +57,7 @@ from megakit.train.data.batches import TokenBatches
 from megakit.train.doctor.diagnostics import Diagnostics
 from megakit.train.engine.deepspeed_shm import check_shared_memory, unlink_shared_memory, writable_extensions_dir
 from megakit.train.engine.dp_sync import DataParallelSync
-from megakit.train.engine.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
+from megakit.train.engine.ds_config import load_ds_config, scheduled_steps  # noqa: F401 (API: load_ds_config)
 from megakit.train.doctor.fault_injection import TrainingFaults, with_seed_fault
 from megakit.train.engine.experts import deepspeed_sees_experts
 from megakit.train.engine.grad_norm import Zero0Clipper
@@ -413,7 +413,8 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequ
             try:
                 saved = save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
                          extra={"loss": loss if math.isfinite(loss) else None, "seed": cfg.seed,
-                                "global_batch": plan.global_batch, "data": {
+                                "global_batch": plan.global_batch, "lr_total_steps": scheduled_steps(run.ds_config),
+                                "data": {
                                     "samples": (done + offset) * plan.global_batch, "skipped_batches": offset,
                                     "corpus": run.corpus.fingerprint},
                                 **({"spike_guard": spikes.state()} if spikes else {})},
