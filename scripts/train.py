@@ -134,7 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "are averaged every H steps (post-local SGD): ~H x fewer bytes, some loss per step. Prefer "
                         "the default synchronous training unless the network is the bottleneck")
     p.add_argument("--save", metavar="DIR", default=None,
-                   help="write a checkpoint (weights, optimizer state, step) to DIR at the end")
+                   help="write a checkpoint (weights, optimizer state, step) to DIR at the end; one run writes DIR "
+                        "at a time (rank 0 locks it), and a DIR holding another run's checkpoint is refused unless "
+                        "--load resumes from it")
     p.add_argument("--save-every", metavar="N", type=int, default=0,
                    help="with --save: also every N steps (each save replaces DIR, or see --keep)")
     p.add_argument("--keep", metavar="K", type=int, default=0,
@@ -241,12 +243,16 @@ def _check(cfg) -> int:
     from megakit.errors import UsageError
     from megakit.train.data.corpus import verify_corpus
     from megakit.train.observe.reporting import layout_words
+    from megakit.train.resilience.save_lock import holder, in_use
     from megakit.train.run import resolve
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:
         run = resolve(cfg, world, say=lambda *_: None)
         verify_corpus(cfg.data)  # every shard's sha256: a shard damaged in place is named now, not at its step
+        held = holder(cfg.save) if cfg.save else None
+        if held:  # the run would stop at its start: another run still writes there
+            raise UsageError(in_use(cfg.save, held))
     except UsageError as error:
         print(f"train.py: error: {error}", file=sys.stderr, flush=True)
         return 2

@@ -247,7 +247,7 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
         raise UsageError(f"{held} is not divisible by TP {cfg.tp}; sequence parallelism needs it to be (change "
                          "--seq-len or drop --sequence-parallel)")
     start, checkpoint = check_checkpoint_flags(save=cfg.save, load=auto_load(cfg.save, cfg.load, say=say),
-                                               steps=cfg.steps, say=say)
+                                               steps=cfg.steps, series=cfg.keep > 0, say=say)
     batch = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
                       accumulation=ds_config["gradient_accumulation_steps"], dp=layout.dp, seed=cfg.seed)
     extra = read_manifest(checkpoint)["extra"] if checkpoint is not None else {}

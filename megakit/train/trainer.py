@@ -71,6 +71,7 @@ from megakit.train.resilience.guards import StepGuard, TrainingDiverged
 from megakit.train.resilience.preemption import EXIT_STOPPED, StopRequests, reason_text
 from megakit.train.resilience.restarts import AUTO, Attempts
 from megakit.train.resilience.resume import per_rank_key, restore, restore_own_state, save_run
+from megakit.train.resilience.save_lock import hold_save_dir
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
 from megakit.train.data.token_weighting import weight_by_tokens
 from megakit.train.engine.zero3_linear import linear_restored, save_weights_not_views
@@ -128,6 +129,10 @@ def _train_job(cfg: TrainConfig, stops: StopRequests, keep_steps: bool) -> Train
         raise everywhere(error)
     topo = Topology(run.layout, timeout_s=cfg.collective_timeout_s)
     _seed_default_generators(cfg.seed, topo)
+    try:  # one writer per --save: rank 0 holds its lock for the run (released below, on every way out)
+        save_lock = hold_save_dir(cfg.save, rank=topo.rank)
+    except UsageError as error:
+        raise everywhere(error)
     watchdog = _start_watchdog(cfg, topo, stops)
     writer = AsyncWriter(comm.side_group(cfg.collective_timeout_s)) if cfg.async_save else None  # --async-save
     try:
@@ -150,6 +155,9 @@ def _train_job(cfg: TrainConfig, stops: StopRequests, keep_steps: bool) -> Train
         if dist.get_world_size() > 1:  # its traceback is the one to read; its peers will report it gone
             error.add_note(f"megakit: raised on {_describe(topo, topo.rank)} itself, not by a peer or the network")
         raise
+    finally:  # after any save in flight has been drained
+        if save_lock is not None:
+            save_lock.release()
     _leave_together(watchdog)
     return result
 
