@@ -39,7 +39,7 @@ def test_the_same_command_twice_gives_identical_losses(tmp_path):
         if name == "first":
             log = out.stdout + out.stderr
             assert "\r" not in log, log[-3000:]
-            steps = [line.split("step", 1)[1].split()[0] for line in log.splitlines() if " | loss " in line]
+            steps = [line.split()[1] for line in log.splitlines() if line.startswith("step ") and " | loss " in line]
             assert steps == ["0", "2", "4", "5"], log[-3000:]
     assert runs["first"] == runs["second"], runs  # exact float equality
     assert all(a != b for a, b in zip(runs["first"], runs["other seed"])), runs
