@@ -135,6 +135,7 @@ def _unwritable_home(tmp: Path) -> dict:
         "deepspeed_shm_comm"
     fallback = tmp / "tmp" / f"torch_extensions_{os.getuid()}"
     fallback.mkdir(parents=True)
+    fallback.chmod(0o700)  # only this user can write there, whatever the umask: else it is not used
     if list(built.glob("*.so")) and not (built / "lock").exists():
         shutil.copytree(built, fallback / built.name)
     (tmp / "file").write_text("")
@@ -309,3 +310,30 @@ def test_save_on_signal_is_on_and_can_be_turned_off():
     spec.loader.exec_module(script)
     assert script.config(script.parse_args(["--save", "d"])).save_on_signal
     assert not script.config(script.parse_args(["--save", "d", "--no-save-on-signal"])).save_on_signal
+
+
+def test_a_guessable_torch_extensions_dir_others_can_write_is_not_used(tmp_path, monkeypatch):
+    """Another user could make /tmp/torch_extensions_<uid> before this one does and plant an op there to be loaded."""
+    import tempfile
+
+    from megakit.train.engine.deepspeed_shm import writable_extensions_dir
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("HOME", str(tmp_path / "file" / "home"))  # torch's default build root cannot be written
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    squatted = tmp_path / f"torch_extensions_{os.getuid()}"
+    squatted.mkdir()
+    squatted.chmod(0o777)
+    said = []
+    writable_extensions_dir(say=said.append)
+    chosen = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    assert chosen != squatted and chosen.parent == tmp_path and chosen.stat().st_mode & 0o777 == 0o700, chosen
+    assert said == [f"megakit: {tmp_path}/file/home/.cache/torch_extensions cannot be written (Not a directory); "
+                    f"DeepSpeed builds its CPU ops in {chosen} instead (not {squatted}: it is another user's, or others "
+                    "can write in it) (set TORCH_EXTENSIONS_DIR to choose)"], said
+    squatted.chmod(0o700)  # this user's own, and only it can write: used
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    writable_extensions_dir(say=said.append)
+    assert said[-1].endswith(f"DeepSpeed builds its CPU ops in {squatted} instead (set TORCH_EXTENSIONS_DIR to choose)")
