@@ -337,3 +337,17 @@ def test_a_guessable_torch_extensions_dir_others_can_write_is_not_used(tmp_path,
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     writable_extensions_dir(say=said.append)
     assert said[-1].endswith(f"DeepSpeed builds its CPU ops in {squatted} instead (set TORCH_EXTENSIONS_DIR to choose)")
+
+
+def test_workspace_bytes_is_the_size_of_deepspeed_s_struct():
+    """``WORKSPACE_BYTES`` read off the installed DeepSpeed's shm.cpp: its states (a 4-byte enum each), then its
+    buffer, whose size is a multiple of 4, so the struct has no padding: its size is the sum."""
+    import deepspeed
+
+    source = (Path(deepspeed.__file__).parent / "ops" / "csrc" / "cpu" / "comm" / "shm.cpp").read_text()
+    defined = {name: eval(value.split("//")[0]) for name, value in
+               re.findall(r"^#define (NAIVE_ALLREDUCE_THRESHOLD|MAX_BUF_SIZE) ([^\n]+)$", source, re.M)}
+    struct = re.search(r"struct allreduce_workspace \{(.*?)\};", source, re.S).group(1)
+    states = int(re.search(r"enum coll_state states\[(\d+)\];", struct).group(1))
+    buffer = eval(re.search(r"char buffer\[([^\]]+)\];", struct).group(1), {}, defined)
+    assert WORKSPACE_BYTES == states * 4 + buffer, (states, buffer)

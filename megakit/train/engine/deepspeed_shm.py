@@ -24,9 +24,10 @@ import torch.distributed as dist
 from megakit.errors import UsageError
 from megakit.nn import comm
 
-# shm.cpp's ``struct allreduce_workspace``: two states and a fence (4 bytes each), then two 1 MiB buffers for
-# small all-reduces and two of 32 MiB for large ones. Each rank writes all of it, so tmpfs holds every byte.
-WORKSPACE_BYTES = 3 * 4 + 2 * 2**20 + 2 * 32 * 2**20
+# shm.cpp's ``struct allreduce_workspace`` (DeepSpeed 0.19.8): ``enum coll_state states[2]`` (4 bytes each), then
+# two 1 MiB buffers for small all-reduces and two of 32 MiB for large ones (``char buffer[2 * 1 MiB + 2 * 32 MiB]``).
+# Each rank writes all of it, so tmpfs holds every byte: 69,206,024 B, 69,210,112 B in 4 KiB pages.
+WORKSPACE_BYTES = 2 * 4 + 2 * 2**20 + 2 * 32 * 2**20
 
 
 def _unwritable(directory: str) -> str | None:
