@@ -254,6 +254,41 @@ def test_a_second_signal_stops_at_once_even_in_a_blocking_call_and_an_echo_does_
         child.kill()
 
 
+_LEAVING = """
+import sys, time
+from megakit.train.resilience.preemption import EXIT_STOPPED, StopRequests
+with StopRequests(name="rank 1", echo_s=0.5) as stops:
+    print("ready", flush=True)
+    while not stops.reason:
+        time.sleep(0.02)
+    stops.leaving()  # the stop's save is on disk
+    print("saved", flush=True)
+    sys.stdin.readline()  # the last barrier, while DeepSpeed's launch.py signals this rank again
+sys.exit(EXIT_STOPPED)
+"""
+
+
+def test_a_signal_once_the_run_is_leaving_is_ignored():
+    """DeepSpeed's launch.py passes scancel's SIGTERM on one worker at a time: a later rank's comes seconds after
+    the first, once its checkpoint is saved; it must not end the rank with 143 and "without a checkpoint"."""
+    child = subprocess.Popen([sys.executable, "-c", _LEAVING], cwd=ROOT, env=_env(), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        child.send_signal(signal.SIGTERM)
+        assert child.stdout.readline() == "saved\n"
+        time.sleep(1.0)  # past the echo window (0.5 s)
+        child.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert child.poll() is None
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(timeout=30) == EXIT_STOPPED
+        assert child.stderr.read() == ""
+    finally:
+        child.kill()
+
+
 def test_a_launcher_gone_is_a_link_of_the_process_chain_broken():
     code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
             " print(p.pid, flush=True); time.sleep(60)")

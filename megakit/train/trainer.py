@@ -438,6 +438,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequ
                                       gone=stops.gone if stops.launcher_gone() else None)
             break
     _wait(writer)  # the last save is on disk before the run returns
+    stops.leaving()  # a later signal (DeepSpeed's launch.py passing scancel's on) does not end the rank now
     if profiler is not None:
         profiler.stop()
         reporter.attention_kernels(profiler)
