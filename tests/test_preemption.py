@@ -127,12 +127,23 @@ def _no_lock_held(directory: Path) -> None:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _unwritable_home(tmp: Path) -> dict:
-    """HOME under a regular file; TMPDIR seeded with the op this machine built already (else it is built anew)."""
+def _built_op() -> Path:
+    """Where DeepSpeed's CPU all-reduce op is built under HOME; built there first on a machine that has not yet (a
+    first build takes about 50 s of CPU: outside the jobs' timed waits, and once for the jobs of this module)."""
     from torch.utils.cpp_extension import get_default_build_root
 
     built = Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / \
         "deepspeed_shm_comm"
+    if not list(built.glob("*.so")):  # torch's file lock makes a build in flight elsewhere (xdist) wait for it
+        subprocess.run([sys.executable, "-c", "from deepspeed.accelerator import get_accelerator; "
+                        "get_accelerator().create_op_builder('ShareMemCommBuilder').load()"],
+                       env=_env(), check=True, capture_output=True, timeout=1200)
+    return built
+
+
+def _unwritable_home(tmp: Path) -> dict:
+    """HOME under a regular file; TMPDIR seeded with the op this machine built already."""
+    built = _built_op()
     fallback = tmp / "tmp" / f"torch_extensions_{os.getuid()}"
     fallback.mkdir(parents=True)
     fallback.chmod(0o700)  # only this user can write there, whatever the umask: else it is not used
@@ -213,6 +224,7 @@ def test_a_signal_or_a_lost_launcher_saves_at_an_agreed_step_and_the_run_resumes
 
 @pytest.mark.slow
 def test_without_save_sigusr1_stops_one_process_cleanly(tmp_path):
+    _built_op()  # not inside until()'s wait
     job = _Job(tmp_path, "alone", [sys.executable, *TRAIN[:5], "--steps", "400", "--no-progress"], _env())
     job.until(1)
     job.process.send_signal(signal.SIGUSR1)
@@ -318,6 +330,7 @@ def test_dev_shm_without_room_for_deepspeed_s_buffers_is_one_line_and_exit_2(tmp
             ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64m tmpfs /dev/shm"],
             capture_output=True).returncode != 0:
         pytest.skip("this machine cannot mount a small tmpfs on /dev/shm in a mount namespace (unshare -m)")
+    _built_op()  # not inside the run's timeout
     command = " ".join(["mount -t tmpfs -o size=64m tmpfs /dev/shm &&", "deepspeed", "--num_gpus", "2",
                         "--master_port", str(free_port()), *TRAIN])
     out = subprocess.run(["unshare", "-m", "sh", "-c", command], cwd=ROOT, env=_env(), capture_output=True,
