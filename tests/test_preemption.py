@@ -382,8 +382,8 @@ def test_a_guessable_torch_extensions_dir_others_can_write_is_not_used(tmp_path,
     chosen = Path(os.environ["TORCH_EXTENSIONS_DIR"])
     assert chosen != squatted and chosen.parent == tmp_path and chosen.stat().st_mode & 0o777 == 0o700, chosen
     assert said == [f"megakit: {tmp_path}/file/home/.cache/torch_extensions cannot be written (Not a directory); "
-                    f"DeepSpeed builds its CPU ops in {chosen} instead (not {squatted}: it is another user's, or others "
-                    "can write in it) (set TORCH_EXTENSIONS_DIR to choose)"], said
+                    f"DeepSpeed builds its CPU ops in {chosen} instead (not {squatted}: it is another user's, or "
+                    "others can write in it) (set TORCH_EXTENSIONS_DIR to choose)"], said
     squatted.chmod(0o700)  # this user's own, and only it can write: used
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     writable_extensions_dir(say=said.append)
