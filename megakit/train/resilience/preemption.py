@@ -91,7 +91,8 @@ class StopRequests:
     """Collects this process's reason to stop (``reason``: 0, a signal number or ``LAUNCHER_GONE``).
 
     ``with StopRequests(name="rank 1"):`` installs the SIGTERM/SIGUSR1 handling (in the main thread only;
-    elsewhere it watches the launcher alone) and the thread; leaving restores what was there.
+    elsewhere it watches the launcher alone) and the thread; leaving restores what was there. ``echo_s``: how
+    soon after the first a signal is that one passed on (tests widen it: on busy cores a round trip is slow).
     """
 
     def __init__(self, *, name: str, interval_s: float = 1.0, links: list | None = None, echo_s: float = ECHO_S
