@@ -38,3 +38,18 @@ def test_a_rank_s_own_error_is_not_a_communication_failure():
     first, second = run_ranks(_classify, 2)
     assert first == {"own": False, "collective": True}, first
     assert second == {"own": False}, second
+
+
+def test_a_lost_store_is_rank_0_gone_unless_torchrun_s_agent_hosted_it():
+    """Under DeepSpeed's launcher rank 0 hosts the store: with the ``deepspeed`` command gone as well (``scancel``),
+    a lost store is still rank 0's death, which the watchdog must not take for the run stopping on its own."""
+    import os
+
+    from megakit.train.resilience.preemption import StopRequests
+    from megakit.train.trainer import _store_went_with_launcher
+
+    stops = StopRequests(name="rank 1", links=[(os.getpid(), -1, "the deepspeed command (pid -1)")])  # gone
+    assert stops.launcher_gone()
+    assert not _store_went_with_launcher(stops, agent_store=False)()
+    assert _store_went_with_launcher(stops, agent_store=True)()
+    assert not _store_went_with_launcher(StopRequests(name="rank 1", links=[]), agent_store=True)()

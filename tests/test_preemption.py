@@ -30,7 +30,7 @@ from multiproc import THREADS, free_port
 from test_trainer import ROOT
 
 from megakit.train.engine.deepspeed_shm import WORKSPACE_BYTES
-from megakit.train.resilience.preemption import ECHO_S, EXIT_STOPPED, broken_link
+from megakit.train.resilience.preemption import EXIT_STOPPED, broken_link
 
 TRAIN = ["scripts/train.py", "--model", "gpt-tiny", "--seq-len", "32", "--tp", "2", "--steps", "400", "--no-progress"]
 
@@ -127,14 +127,26 @@ def _no_lock_held(directory: Path) -> None:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _unwritable_home(tmp: Path) -> dict:
-    """HOME under a regular file; TMPDIR seeded with the op this machine built already (else it is built anew)."""
+def _built_op() -> Path:
+    """Where DeepSpeed's CPU all-reduce op is built under HOME; built there first on a machine that has not yet (a
+    first build takes about 50 s of CPU: outside the jobs' timed waits, and once for the jobs of this module)."""
     from torch.utils.cpp_extension import get_default_build_root
 
     built = Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / \
         "deepspeed_shm_comm"
+    if not list(built.glob("*.so")):  # torch's file lock makes a build in flight elsewhere (xdist) wait for it
+        subprocess.run([sys.executable, "-c", "from deepspeed.accelerator import get_accelerator; "
+                        "get_accelerator().create_op_builder('ShareMemCommBuilder').load()"],
+                       env=_env(), check=True, capture_output=True, timeout=1200)
+    return built
+
+
+def _unwritable_home(tmp: Path) -> dict:
+    """HOME under a regular file; TMPDIR seeded with the op this machine built already."""
+    built = _built_op()
     fallback = tmp / "tmp" / f"torch_extensions_{os.getuid()}"
     fallback.mkdir(parents=True)
+    fallback.chmod(0o700)  # only this user can write there, whatever the umask: else it is not used
     if list(built.glob("*.so")) and not (built / "lock").exists():
         shutil.copytree(built, fallback / built.name)
     (tmp / "file").write_text("")
@@ -212,6 +224,7 @@ def test_a_signal_or_a_lost_launcher_saves_at_an_agreed_step_and_the_run_resumes
 
 @pytest.mark.slow
 def test_without_save_sigusr1_stops_one_process_cleanly(tmp_path):
+    _built_op()  # not inside until()'s wait
     job = _Job(tmp_path, "alone", [sys.executable, *TRAIN[:5], "--steps", "400", "--no-progress"], _env())
     job.until(1)
     job.process.send_signal(signal.SIGUSR1)
@@ -224,7 +237,7 @@ def test_without_save_sigusr1_stops_one_process_cleanly(tmp_path):
 _BLOCKED = """
 import os, sys, threading, time
 from megakit.train.resilience.preemption import StopRequests
-with StopRequests(name="rank 3") as stops:
+with StopRequests(name="rank 3", echo_s=float(sys.argv[1])) as stops:
     def tell():
         while not stops.reason:
             time.sleep(0.02)
@@ -235,20 +248,58 @@ with StopRequests(name="rank 3") as stops:
 """
 
 
+_ECHO_S = 4.0  # wider than ECHO_S: the echo is sent after a readline round trip, slow on 2 busy cores
+
+
 def test_a_second_signal_stops_at_once_even_in_a_blocking_call_and_an_echo_does_not():
-    child = subprocess.Popen([sys.executable, "-c", _BLOCKED], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", _BLOCKED, str(_ECHO_S)], cwd=ROOT, env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline() == "ready\n"
         child.send_signal(signal.SIGTERM)
         assert child.stdout.readline() == f"asked {int(signal.SIGTERM)}\n"
         child.send_signal(signal.SIGTERM)  # the launcher passing the same notice on: not a second one
-        time.sleep(ECHO_S + 0.3)
+        time.sleep(_ECHO_S + 0.3)
         assert child.poll() is None
         child.send_signal(signal.SIGTERM)
-        sent = time.time()
-        assert child.wait(timeout=5) == 128 + signal.SIGTERM and time.time() - sent < 1.5
+        sent = time.time()  # a Python handler would never run (the read is restarted): only the bound says "at once"
+        assert child.wait(timeout=30) == 128 + signal.SIGTERM and time.time() - sent < 5
         assert child.stderr.read() == "megakit: rank 3: a second SIGTERM: stopping at once, without a checkpoint\n"
+    finally:
+        child.kill()
+
+
+_LEAVING = """
+import sys, time
+from megakit.train.resilience.preemption import EXIT_STOPPED, StopRequests
+with StopRequests(name="rank 1", echo_s=0.5) as stops:
+    print("ready", flush=True)
+    while not stops.reason:
+        time.sleep(0.02)
+    stops.leaving()  # the stop's save is on disk
+    print("saved", flush=True)
+    sys.stdin.readline()  # the last barrier, while DeepSpeed's launch.py signals this rank again
+sys.exit(EXIT_STOPPED)
+"""
+
+
+def test_a_signal_once_the_run_is_leaving_is_ignored():
+    """DeepSpeed's launch.py passes scancel's SIGTERM on one worker at a time: a later rank's comes seconds after
+    the first, once its checkpoint is saved; it must not end the rank with 143 and "without a checkpoint"."""
+    child = subprocess.Popen([sys.executable, "-c", _LEAVING], cwd=ROOT, env=_env(), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        child.send_signal(signal.SIGTERM)
+        assert child.stdout.readline() == "saved\n"
+        time.sleep(1.0)  # past the echo window (0.5 s)
+        child.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert child.poll() is None
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(timeout=30) == EXIT_STOPPED
+        assert child.stderr.read() == ""
     finally:
         child.kill()
 
@@ -279,6 +330,7 @@ def test_dev_shm_without_room_for_deepspeed_s_buffers_is_one_line_and_exit_2(tmp
             ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64m tmpfs /dev/shm"],
             capture_output=True).returncode != 0:
         pytest.skip("this machine cannot mount a small tmpfs on /dev/shm in a mount namespace (unshare -m)")
+    _built_op()  # not inside the run's timeout
     command = " ".join(["mount -t tmpfs -o size=64m tmpfs /dev/shm &&", "deepspeed", "--num_gpus", "2",
                         "--master_port", str(free_port()), *TRAIN])
     out = subprocess.run(["unshare", "-m", "sh", "-c", command], cwd=ROOT, env=_env(), capture_output=True,
@@ -309,3 +361,44 @@ def test_save_on_signal_is_on_and_can_be_turned_off():
     spec.loader.exec_module(script)
     assert script.config(script.parse_args(["--save", "d"])).save_on_signal
     assert not script.config(script.parse_args(["--save", "d", "--no-save-on-signal"])).save_on_signal
+
+
+def test_a_guessable_torch_extensions_dir_others_can_write_is_not_used(tmp_path, monkeypatch):
+    """Another user could make /tmp/torch_extensions_<uid> before this one does and plant an op there to be loaded."""
+    import tempfile
+
+    from megakit.train.engine.deepspeed_shm import writable_extensions_dir
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("HOME", str(tmp_path / "file" / "home"))  # torch's default build root cannot be written
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    squatted = tmp_path / f"torch_extensions_{os.getuid()}"
+    squatted.mkdir()
+    squatted.chmod(0o777)
+    said = []
+    writable_extensions_dir(say=said.append)
+    chosen = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    assert chosen != squatted and chosen.parent == tmp_path and chosen.stat().st_mode & 0o777 == 0o700, chosen
+    assert said == [f"megakit: {tmp_path}/file/home/.cache/torch_extensions cannot be written (Not a directory); "
+                    f"DeepSpeed builds its CPU ops in {chosen} instead (not {squatted}: it is another user's, or "
+                    "others can write in it) (set TORCH_EXTENSIONS_DIR to choose)"], said
+    squatted.chmod(0o700)  # this user's own, and only it can write: used
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    writable_extensions_dir(say=said.append)
+    assert said[-1].endswith(f"DeepSpeed builds its CPU ops in {squatted} instead (set TORCH_EXTENSIONS_DIR to choose)")
+
+
+def test_workspace_bytes_is_the_size_of_deepspeed_s_struct():
+    """``WORKSPACE_BYTES`` read off the installed DeepSpeed's shm.cpp: its states (a 4-byte enum each), then its
+    buffer, whose size is a multiple of 4, so the struct has no padding: its size is the sum."""
+    import deepspeed
+
+    source = (Path(deepspeed.__file__).parent / "ops" / "csrc" / "cpu" / "comm" / "shm.cpp").read_text()
+    defined = {name: eval(value.split("//")[0]) for name, value in
+               re.findall(r"^#define (NAIVE_ALLREDUCE_THRESHOLD|MAX_BUF_SIZE) ([^\n]+)$", source, re.M)}
+    struct = re.search(r"struct allreduce_workspace \{(.*?)\};", source, re.S).group(1)
+    states = int(re.search(r"enum coll_state states\[(\d+)\];", struct).group(1))
+    buffer = eval(re.search(r"char buffer\[([^\]]+)\];", struct).group(1), {}, defined)
+    assert WORKSPACE_BYTES == states * 4 + buffer, (states, buffer)

@@ -227,7 +227,15 @@ def _start_watchdog(cfg: TrainConfig, topo, stops: StopRequests):
     peers = {r for kind in ("tp", "cp", "dp", "pp") for r in topo.group_ranks(kind)}  # the ranks this one waits on
     return Watchdog(topo.rank, dist.get_world_size(), stall_s=cfg.stall_timeout_s, peers=peers,
                     describe=lambda r: _describe(topo, r), store=store,
-                    store_gone_with_launcher=stops.launcher_gone).start()
+                    store_gone_with_launcher=_store_went_with_launcher(stops, agent_store=attempt_prefix() is not None)
+                    ).start()
+
+
+def _store_went_with_launcher(stops: StopRequests, *, agent_store: bool):
+    """The watchdog's test for a lost store that is no peer's death: only torchrun's agent hosts the store
+    (``agent_store``); under DeepSpeed's launcher rank 0 does, so a lost store there is rank 0 gone, even once
+    the ``deepspeed`` command is gone too, and the watchdog must end the rank rather than leave it to hang."""
+    return lambda: agent_store and stops.launcher_gone()
 
 
 def _build(run: Run, topo, doctor=None):
@@ -430,6 +438,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequ
                                       gone=stops.gone if stops.launcher_gone() else None)
             break
     _wait(writer)  # the last save is on disk before the run returns
+    stops.leaving()  # a later signal (DeepSpeed's launch.py passing scancel's on) does not end the rank now
     if profiler is not None:
         profiler.stop()
         reporter.attention_kernels(profiler)

@@ -9,10 +9,13 @@ build with a traceback, and a /dev/shm without room for the buffers can end the 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import math
 import os
+import shutil
+import stat
 import tempfile
 
 import torch
@@ -21,9 +24,10 @@ import torch.distributed as dist
 from megakit.errors import UsageError
 from megakit.nn import comm
 
-# shm.cpp's ``struct allreduce_workspace``: two states and a fence (4 bytes each), then two 1 MiB buffers for
-# small all-reduces and two of 32 MiB for large ones. Each rank writes all of it, so tmpfs holds every byte.
-WORKSPACE_BYTES = 3 * 4 + 2 * 2**20 + 2 * 32 * 2**20
+# shm.cpp's ``struct allreduce_workspace`` (DeepSpeed 0.19.8): ``enum coll_state states[2]`` (4 bytes each), then
+# two 1 MiB buffers for small all-reduces and two of 32 MiB for large ones (``char buffer[2 * 1 MiB + 2 * 32 MiB]``).
+# Each rank writes all of it, so tmpfs holds every byte: 69,206,024 B, 69,210,112 B in 4 KiB pages.
+WORKSPACE_BYTES = 2 * 4 + 2 * 2**20 + 2 * 32 * 2**20
 
 
 def _unwritable(directory: str) -> str | None:
@@ -55,12 +59,31 @@ def writable_extensions_dir(*, say=print) -> None:
     if why is None:
         return
     fallback = os.path.join(tempfile.gettempdir(), f"torch_extensions_{os.getuid()}")
-    if _unwritable(fallback) is not None:
+    unsafe = "" if _private(fallback) else f" (not {fallback}: it is another user's, or others can write in it)"
+    try:
+        if unsafe:  # a name anyone can guess: another user could have made it and planted an op there to be loaded
+            fallback = tempfile.mkdtemp(prefix=f"torch_extensions_{os.getuid()}_")  # built anew at each run
+            atexit.register(shutil.rmtree, fallback, ignore_errors=True)
+        elif _unwritable(fallback) is not None:
+            raise OSError
+    except OSError:
         raise UsageError(f"DeepSpeed builds its CPU ops in {default}, which cannot be written ({why}), and "
-                         f"{fallback} cannot either; set TORCH_EXTENSIONS_DIR to a writable directory")
+                         f"{fallback} cannot either; set TORCH_EXTENSIONS_DIR to a writable directory") from None
     os.environ["TORCH_EXTENSIONS_DIR"] = fallback
-    say(f"megakit: {default} cannot be written ({why}); DeepSpeed builds its CPU ops in {fallback} instead "
+    say(f"megakit: {default} cannot be written ({why}); DeepSpeed builds its CPU ops in {fallback} instead{unsafe} "
         "(set TORCH_EXTENSIONS_DIR to choose)")
+
+
+def _private(directory: str) -> bool:
+    """Whether ``directory`` (made with mode 0700 when absent) is this user's own and no one else can write in it:
+    DeepSpeed loads the ops it finds built there."""
+    with contextlib.suppress(OSError):  # FileExistsError among them
+        os.mkdir(directory, 0o700)
+    try:
+        info = os.lstat(directory)  # not a link: it could lead anywhere
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022
 
 
 def _creates_buffers() -> bool:

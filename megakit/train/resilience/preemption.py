@@ -11,6 +11,11 @@ so every rank stops after the same step, saves it (with ``--save``) and exits wi
   second signal stops the process at once (status 128 + the signal) even while the main thread waits in a
   collective for a peer that is saving. A signal within ``ECHO_S`` of the first is the same notice passed on
   (``scancel`` signals every process of the job, and the launcher then passes it on to its workers again).
+  Once the run is leaving (``leaving()``: the stop's save is on disk, or the run is done), a later signal is
+  ignored: DeepSpeed's launch.py passes SIGTERM on to its workers one at a time, each only after the one before
+  has exited (or after 30 s, then SIGKILL), so the later ranks get it seconds after ``scancel``'s, when it is
+  the same notice again. Ignored rather than ended on with status 75: the rank still marks itself done for the
+  watchdogs and waits for its peers at the last barrier, and leaving that early would fail the peers still there.
 - A worker notices its launcher is gone by watching its process chain once a second: DeepSpeed's
   ``launch.py`` and torchrun's agent are the worker's parent; the ``deepspeed`` command is launch.py's parent
   and has no signal handler on one node, so SIGTERM to it ends it alone and leaves launch.py and the workers
@@ -86,15 +91,18 @@ class StopRequests:
     """Collects this process's reason to stop (``reason``: 0, a signal number or ``LAUNCHER_GONE``).
 
     ``with StopRequests(name="rank 1"):`` installs the SIGTERM/SIGUSR1 handling (in the main thread only;
-    elsewhere it watches the launcher alone) and the thread; leaving restores what was there.
+    elsewhere it watches the launcher alone) and the thread; leaving restores what was there. ``echo_s``: how
+    soon after the first a signal is that one passed on (tests widen it: on busy cores a round trip is slow).
     """
 
-    def __init__(self, *, name: str, interval_s: float = 1.0, links: list | None = None) -> None:
-        self.name, self.interval_s = name, interval_s
+    def __init__(self, *, name: str, interval_s: float = 1.0, links: list | None = None, echo_s: float = ECHO_S
+                 ) -> None:
+        self.name, self.interval_s, self.echo_s = name, interval_s, echo_s
         self.links = launcher_links() if links is None else links
         self.reason = 0
         self.gone: str | None = None  # the launcher process found gone
         self._first: float | None = None  # when the first signal came
+        self._leaving = False
         self._old: dict = {}
         self._old_fd = None
         self._read = self._write = None
@@ -142,13 +150,18 @@ class StopRequests:
                 self.reason = LAUNCHER_GONE
         return self.gone is not None
 
+    def leaving(self) -> None:
+        """The run has saved what it will (the stop's checkpoint is on disk, or the run is done): from now on a
+        signal is ignored, and the rank goes on to exit with its own status."""
+        self._leaving = True
+
     def _signalled(self, number: int) -> None:
         now = time.monotonic()
         if self._first is None:
             self._first = now
             if self.reason != LAUNCHER_GONE:
                 self.reason = number
-        elif now - self._first >= ECHO_S:  # a second notice: no step to finish, no save
+        elif not self._leaving and now - self._first >= self.echo_s:  # a second notice: no step to finish, no save
             os.write(sys.stderr.fileno(), f"megakit: {self.name}: a second {signal.Signals(number).name}: stopping "
                                           "at once, without a checkpoint\n".encode())
             os._exit(128 + number)
