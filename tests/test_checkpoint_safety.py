@@ -488,3 +488,39 @@ def test_cleanup_keeps_a_moved_aside_copy_of_a_later_step_than_the_one_in_place(
     save_checkpoint(tmp_path / "ck", model, step=0, config=config)  # e.g. convert --from-hf into the empty place
     assert remove_leftovers(tmp_path / "ck", say=lambda *_: None) == []
     assert sorted(os.listdir(tmp_path)) == ["ck", "ck.old-dead"]
+
+
+@pytest.fixture
+def world_of_one():
+    """A real one-process gloo group (hold_save_dir broadcasts its verdict over the world)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_cleanup_at_start_keeps_the_moved_aside_copy_the_run_loads(tmp_path, world_of_one):
+    """``--load DIR.old-X`` (or ``DIR/step-N.old-X``) where DIR holds the same step again: the copy is stale to the
+    cleanup, but it is what this run loads, so taking the lock must not remove it."""
+    from megakit.interop.checkpoint import save_checkpoint
+    from megakit.nn.model import ModelConfig, Transformer
+    from megakit.train.resilience.resume import check_checkpoint_flags
+    from megakit.train.resilience.save_lock import hold_save_dir
+
+    config = ModelConfig.load("gpt-tiny")
+    model = Transformer(config)
+    single, series = tmp_path / "single", tmp_path / "series"
+    for step in (3, 5):
+        save_checkpoint(single if step == 5 else tmp_path / "single.old-dead", model, step=step, config=config)
+    save_checkpoint(series / "step-0000004.old-dead", model, step=4, config=config)
+    save_checkpoint(series / "step-0000004", model, step=4, config=config)
+    for save, load, series_flag in ((single, tmp_path / "single.old-dead", False),
+                                    (series, series / "step-0000004.old-dead", True)):
+        start, chosen = check_checkpoint_flags(save=str(save), load=str(load), steps=9, series=series_flag,
+                                               say=lambda *_: None)
+        assert chosen == load
+        hold_save_dir(str(save), rank=0, checkpoint=chosen, say=lambda *_: None).release()
+        assert (load / "manifest.json").is_file(), f"{load} was removed before the run loaded it"

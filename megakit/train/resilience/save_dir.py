@@ -85,9 +85,10 @@ def temporaries(path: Path) -> list[Path]:
     return found
 
 
-def leftovers(save: str | Path) -> list[Path]:
+def leftovers(save: str | Path, *, keep: Path | None = None) -> list[Path]:
     """What saves killed mid-way left in the ``--save`` directory and nothing will read: the unfinished saves, and
-    the moved-aside copies of checkpoints that are in place again (a copy is kept while it is the newest)."""
+    the moved-aside copies of checkpoints that are in place again (a copy is kept while it is the newest).
+    ``keep``: the checkpoint this run loads (``--load DIR.old-X``), never one of them, however stale."""
     path = Path(save)
     found = temporaries(path)
     if (path / MANIFEST).is_file():  # a copy of a later step than the one in place is some other run's: kept
@@ -96,13 +97,14 @@ def leftovers(save: str | Path) -> list[Path]:
         for old in sorted(path.glob(f"{STEP_PREFIX}[0-9]*.old-*")):
             if (path / old.name.split(".old-")[0] / MANIFEST).is_file():
                 found.append(old)
-    return found
+    kept = keep.absolute() if keep is not None else None
+    return [p for p in found if p.absolute() != kept]
 
 
-def remove_leftovers(save: str | Path, *, say=print) -> list[Path]:
-    """Remove ``leftovers(save)``, naming them in one line. Only the run that holds the directory's lock
+def remove_leftovers(save: str | Path, *, keep: Path | None = None, say=print) -> list[Path]:
+    """Remove ``leftovers(save, keep=keep)``, naming them in one line. Only the run that holds the directory's lock
     (``save_lock``) may: another run's save in progress looks the same."""
-    found = leftovers(save)
+    found = leftovers(save, keep=keep)
     for path in found:
         try:
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)

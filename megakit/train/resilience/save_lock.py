@@ -119,9 +119,9 @@ class SaveLock:
             self._fd = None
 
 
-def hold_save_dir(save: str | None, *, rank: int, say=print) -> SaveLock | None:
+def hold_save_dir(save: str | None, *, rank: int, checkpoint: Path | None = None, say=print) -> SaveLock | None:
     """Rank 0 takes ``save``'s lock for the run and removes what saves killed mid-way left there
-    (``save_dir.remove_leftovers``); every rank learns the outcome (a broadcast over the world), so a refusal
+    (``save_dir.remove_leftovers``), never ``checkpoint``, the one the run loads; every rank learns the outcome (a broadcast over the world), so a refusal
     is raised alike on every rank, before any step. None without ``--save``, and on every other rank."""
     from megakit.nn import comm
 
@@ -131,7 +131,7 @@ def hold_save_dir(save: str | None, *, rank: int, say=print) -> SaveLock | None:
     if rank == 0:
         try:
             lock = SaveLock.acquire(save, say=say)
-            remove_leftovers(save, say=say)
+            remove_leftovers(save, keep=checkpoint, say=say)
         except UsageError as error:
             refusal = str(error)
     refusal = comm.broadcast_object(refusal, 0, comm.WORLD)
