@@ -522,5 +522,30 @@ def test_the_cleanup_at_start_keeps_the_moved_aside_copy_the_run_loads(tmp_path,
         start, chosen = check_checkpoint_flags(save=str(save), load=str(load), steps=9, series=series_flag,
                                                say=lambda *_: None)
         assert chosen == load
-        hold_save_dir(str(save), rank=0, checkpoint=chosen, say=lambda *_: None).release()
+        hold_save_dir(str(save), rank=0, checkpoint=chosen, start=start, say=lambda *_: None).release()
         assert (load / "manifest.json").is_file(), f"{load} was removed before the run loaded it"
+
+
+def test_taking_the_lock_refuses_a_directory_changed_since_the_load_was_chosen_or_unlockable(tmp_path, world_of_one):
+    """A requeue race: the run the requeue replaced publishes its stop-save between the new run's choice of what to
+    load and its lock. Taking the lock re-reads the choice and refuses in one line; so is a lock path that cannot
+    be opened (a directory there), never an OSError that would leave the other ranks waiting in the broadcast."""
+    from megakit.errors import UsageError
+    from megakit.interop.checkpoint import save_checkpoint
+    from megakit.nn.model import ModelConfig, Transformer
+    from megakit.train.resilience.save_lock import hold_save_dir, lock_path
+
+    config = ModelConfig.load("gpt-tiny")
+    model, save, quiet = Transformer(config), tmp_path / "ck", (lambda *_: None)
+    save_checkpoint(save, model, step=3, config=config)
+    hold_save_dir(str(save), rank=0, checkpoint=save, start=3, say=quiet).release()  # unchanged: taken
+    for checkpoint, start, now in ((save, 2, "is at step 3 now"), (None, 0, "holds one now"),
+                                   (tmp_path / "gone", 1, "is gone now")):
+        with pytest.raises(UsageError) as refused:
+            hold_save_dir(str(save), rank=0, checkpoint=checkpoint, start=start, say=quiet)
+        line = str(refused.value)
+        assert line.startswith(f"--save {save} changed while this run started: ") and now in line, line
+        assert line.endswith("start the run again") and "\n" not in line and not lock_path(save).exists(), line
+    lock_path(tmp_path / "other").mkdir()
+    with pytest.raises(UsageError, match=r"^--save \S+other: cannot lock \S+\.other\.lock \(Is a directory\); "):
+        hold_save_dir(str(tmp_path / "other"), rank=0, say=quiet)

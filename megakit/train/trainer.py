@@ -130,7 +130,7 @@ def _train_job(cfg: TrainConfig, stops: StopRequests, keep_steps: bool) -> Train
     topo = Topology(run.layout, timeout_s=cfg.collective_timeout_s)
     _seed_default_generators(cfg.seed, topo)
     try:  # one writer per --save: rank 0 holds its lock for the run (released below, on every way out)
-        save_lock = hold_save_dir(cfg.save, rank=topo.rank, checkpoint=run.checkpoint)
+        save_lock = hold_save_dir(cfg.save, rank=topo.rank, checkpoint=run.checkpoint, start=run.start_step)
     except UsageError as error:
         raise everywhere(error)
     watchdog = _start_watchdog(cfg, topo, stops)
