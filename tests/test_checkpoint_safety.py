@@ -549,3 +549,22 @@ def test_taking_the_lock_refuses_a_directory_changed_since_the_load_was_chosen_o
     lock_path(tmp_path / "other").mkdir()
     with pytest.raises(UsageError, match=r"^--save \S+other: cannot lock \S+\.other\.lock \(Is a directory\); "):
         hold_save_dir(str(tmp_path / "other"), rank=0, say=quiet)
+
+
+def test_a_free_space_check_that_fails_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    """statvfs failing where the save goes (a stale NFS handle, a permission) is the verdict rank 0 sends to every
+    rank, not an OSError raised on rank 0 alone while the others wait for the verdict."""
+    import shutil
+
+    from megakit.errors import UsageError
+    from megakit.interop import checkpoint
+    from megakit.nn.model import ModelConfig, Transformer
+
+    def stale(path):
+        raise OSError(116, "Stale file handle")
+
+    config = ModelConfig.load("gpt-tiny")
+    monkeypatch.setattr(shutil, "disk_usage", stale)
+    with pytest.raises(UsageError, match=r"^cannot check the free space for the checkpoint of step 1 in .* \(Stale "):
+        checkpoint.save_checkpoint(tmp_path / "ck", Transformer(config), step=1, config=config)
+    assert os.listdir(tmp_path) == []

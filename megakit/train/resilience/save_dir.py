@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from megakit.errors import UsageError
+from megakit.interop.checkpoint import existing_ancestor
 from megakit.interop.checkpoint_format import MANIFEST, read_manifest
 
 LATEST = "latest"
@@ -121,9 +122,7 @@ def check_writable(save: str | Path, *, series: bool) -> None:
     read-only mount or an immutable directory."""
     target = Path(save).absolute()
     for place in [target.parent] + ([target] if series and target.is_dir() else []):
-        existing = place
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
+        existing = existing_ancestor(place)
         if not existing.is_dir():
             raise UsageError(f"--save {save}: {existing} is a file, not a directory, so no checkpoint can be written "
                              "under it; choose another --save path")
