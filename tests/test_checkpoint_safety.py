@@ -568,3 +568,32 @@ def test_a_free_space_check_that_fails_is_one_line_and_writes_nothing(tmp_path, 
     with pytest.raises(UsageError, match=r"^cannot check the free space for the checkpoint of step 1 in .* \(Stale "):
         checkpoint.save_checkpoint(tmp_path / "ck", Transformer(config), step=1, config=config)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_start_that_fails_after_the_lock_releases_it_in_a_long_lived_process(tmp_path, monkeypatch):
+    """The trainer in this process (as tests/launch_sweep.py runs case after case): its start failing after the
+    --save lock was taken (here the watchdog's store, as a connect_store timeout would) must not keep the flock for
+    the process's life, which would refuse every later case on that --save."""
+    import torch.distributed as dist
+    from multiproc import free_port
+
+    from megakit.train import trainer
+    from megakit.train.resilience.save_lock import SaveLock
+
+    def store_timed_out(*args):
+        raise RuntimeError("connect_store: timed out after 30 s")
+
+    monkeypatch.chdir(ROOT)
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(trainer, "_start_watchdog", store_timed_out)
+    save = tmp_path / "ck"
+    try:
+        with pytest.raises(RuntimeError, match="timed out"):
+            trainer.train(trainer.TrainConfig(ds_config=str(ROOT / "ds_configs" / "zero1.json"), model="gpt-tiny",
+                                              seq_len=32, steps=1, progress=False, save=str(save)))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    SaveLock.acquire(save).release()  # free again in this very process

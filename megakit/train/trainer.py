@@ -133,8 +133,13 @@ def _train_job(cfg: TrainConfig, stops: StopRequests, keep_steps: bool) -> Train
         save_lock = hold_save_dir(cfg.save, rank=topo.rank, checkpoint=run.checkpoint, start=run.start_step)
     except UsageError as error:
         raise everywhere(error)
-    watchdog = _start_watchdog(cfg, topo, stops)
-    writer = AsyncWriter(comm.side_group(cfg.collective_timeout_s)) if cfg.async_save else None  # --async-save
+    try:  # a start that fails here (the watchdog's store timing out) must not keep the lock for the process's life
+        watchdog = _start_watchdog(cfg, topo, stops)
+        writer = AsyncWriter(comm.side_group(cfg.collective_timeout_s)) if cfg.async_save else None  # --async-save
+    except BaseException:
+        if save_lock is not None:
+            save_lock.release()
+        raise
     try:
         with linear_restored():  # ZeRO-3's engine replaces F.linear process-wide
             result = _train(run, topo, watchdog, writer, stops, keep_steps)
