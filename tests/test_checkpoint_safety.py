@@ -597,3 +597,35 @@ def test_a_start_that_fails_after_the_lock_releases_it_in_a_long_lived_process(t
         if dist.is_initialized():
             dist.destroy_process_group()
     SaveLock.acquire(save).release()  # free again in this very process
+
+
+def test_init_starts_a_fine_tune_from_a_model_and_the_same_command_restarts_it_from_save(tmp_path, monkeypatch):
+    """``--save run --init pretrained`` (``--load auto`` implied): the first attempt starts from the pretrained
+    model; once --save holds a checkpoint, the same command (a torchrun restart, a Slurm requeue) resumes from it.
+    ``--init`` with ``--load X`` is refused, and ``--load X`` into a --save that holds checkpoints names the fix."""
+    from megakit.errors import UsageError
+    from megakit.interop.checkpoint import save_checkpoint
+    from megakit.nn.model import ModelConfig, Transformer
+    from megakit.train.run import TrainConfig, resolve
+
+    monkeypatch.chdir(ROOT)
+    config = ModelConfig.load("gpt-tiny")
+    pretrained, save = tmp_path / "pretrained", tmp_path / "run"
+    save_checkpoint(pretrained, Transformer(config), step=0, config=config, extra={"imported_from": "hf/base"})
+    flags = dict(ds_config=str(ROOT / "ds_configs" / "zero1.json"), model="gpt-tiny", seq_len=32, steps=6,
+                 save=str(save), save_every=2)
+    said = []
+    for load in (None, "auto"):
+        run = resolve(TrainConfig(**flags, load=load, init=str(pretrained)), 1, say=said.append)
+        assert (run.checkpoint, run.start_step) == (pretrained, 0)
+    assert f"megakit: --load auto: no checkpoint in {save} yet; starting from --init {pretrained}" in said
+    save_checkpoint(save, Transformer(config), step=2, config=config)  # the first attempt's save
+    run = resolve(TrainConfig(**flags, init=str(pretrained)), 1, say=said.append)
+    assert (run.checkpoint, run.start_step) == (save, 2)
+    with pytest.raises(UsageError, match=f"^--init {pretrained} is what --load auto starts from .* use --load auto "
+                                         f"--init {pretrained} for a run that restarts from --save, or --load "):
+        TrainConfig(**flags, load=str(save), init=str(pretrained))
+    with pytest.raises(UsageError, match=f"already holds a checkpoint of another run, which this run \\(from "
+                                         f"{pretrained}\\) would replace; resume that run with --load auto --init "
+                                         f"{pretrained} "):
+        resolve(TrainConfig(**flags, load=str(pretrained)), 1, say=said.append)

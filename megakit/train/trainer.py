@@ -69,7 +69,7 @@ from megakit.train.observe.mtp_losses import MTPLosses
 from megakit.train.observe.reporting import Reporter, start_profiler
 from megakit.train.resilience.guards import StepGuard, TrainingDiverged
 from megakit.train.resilience.preemption import EXIT_STOPPED, StopRequests, reason_text
-from megakit.train.resilience.restarts import AUTO, Attempts
+from megakit.train.resilience.restarts import Attempts, restarts_from_save
 from megakit.train.resilience.resume import per_rank_key, restore, restore_own_state, save_run
 from megakit.train.resilience.save_lock import hold_save_dir
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
@@ -333,7 +333,8 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequ
                       mtp=run.model.mtp_layers if cfg.mtp else 0)
     mtp = MTPLosses(engine.module, topo, run.model.mtp_layers) if cfg.mtp else None  # each depth's loss, logged
     reporter = Reporter(run, topo)
-    attempts = Attempts(cfg.save if cfg.load == AUTO else None, start=start, active=topo.rank == 0)
+    restarting = restarts_from_save(cfg.load, cfg.init)
+    attempts = Attempts(cfg.save if restarting else None, start=start, active=topo.rank == 0)
     result = TrainResult()
     flops_per_step = (model_flops_per_token(run.model, plan.seq_len, mtp=run.model.mtp_depth(cfg.mtp))
                       * plan.global_batch * plan.seq_len)

@@ -158,7 +158,8 @@ def check_checkpoint_flags(*, save: str | None, load: str | None, steps: int, se
         if holds_checkpoint(target) and not (load and _inside(Path(load), target)):
             raise UsageError(f"--save {target} already holds a checkpoint of another run, which this run "
                              f"({'from ' + load if load else 'from scratch'}) would replace; resume that run with "
-                             "--load auto, or choose another --save directory (or remove it)")
+                             f"--load auto{f' --init {load}' if load else ''} (the same command then restarts it), "
+                             "or choose another --save directory (or remove it)")
     if not load:
         return 0, None
     chosen = choose_checkpoint(load, say=say)
