@@ -629,3 +629,22 @@ def test_init_starts_a_fine_tune_from_a_model_and_the_same_command_restarts_it_f
                                          f"{pretrained}\\) would replace; resume that run with --load auto --init "
                                          f"{pretrained} "):
         resolve(TrainConfig(**flags, load=str(pretrained)), 1, say=said.append)
+
+
+def test_what_a_failed_save_calls_intact_is_what_load_takes(tmp_path):
+    """``latest`` names a step a killed re-save moved aside, beside a newer complete step (a run resumed from an
+    earlier one): --load takes the moved-aside copy, and a failed save's line must name that one, not the newest."""
+    from megakit.interop.checkpoint import save_checkpoint
+    from megakit.nn.model import ModelConfig, Transformer
+    from megakit.train.resilience import resume
+
+    config = ModelConfig.load("gpt-tiny")
+    model, series = Transformer(config), tmp_path / "series"
+    for name, step in (("step-0000002", 2), ("step-0000003.old-dead", 3), ("step-0000004", 4)):
+        save_checkpoint(series / name, model, step=step, config=config)
+    (series / "latest").write_text("step-0000003\n")
+    chosen = resume.choose_checkpoint(str(series), say=lambda *_: None)
+    assert chosen == series / "step-0000003.old-dead"
+    assert resume._last_complete(series) == f"the last complete checkpoint (step 3, {chosen}) is intact"
+    tensors = sum(p.stat().st_size for p in chosen.glob("*.safetensors"))
+    assert resume._size(chosen) == tensors > 0  # from the manifest, not a walk of the directory

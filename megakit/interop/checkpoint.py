@@ -321,12 +321,18 @@ class StagedCheckpoint:
         return needed, free
 
     def _no_space_line(self, needed: int, free: int) -> str:
-        intact = self.intact or (f"the last complete checkpoint (step {read_manifest(self.target)['step']}, "
-                                 f"{self.target}) is intact" if (self.target / MANIFEST).is_file()
-                                 else "no complete checkpoint was touched")
+        intact = self.intact or self._target_intact()
         return (f"no space for the checkpoint of step {self.step} in {self.tmp.parent}: it needs {needed:,} bytes "
                 f"({needed / 2**20:.1f} MiB), {free:,} are free ({free / 2**20:.1f} MiB); nothing of it was kept and "
                 f"{intact}; free some space or --save elsewhere")
+
+    def _target_intact(self) -> str:
+        """Without the caller's words (``save_run``'s: a --save directory's newest, ``save_dir.newest_complete``),
+        what is known here: the checkpoint at the target, which a save replaces only once it is complete."""
+        try:
+            return f"the last complete checkpoint (step {read_manifest(self.target)['step']}, {self.target}) is intact"
+        except UsageError:
+            return "no complete checkpoint was touched"
 
     def _no_space(self, error: Exception, needed: int, free: int) -> Exception:
         """A full disk (or quota) met while writing, as the one line a check before writing gives."""

@@ -26,8 +26,9 @@ from megakit.nn import comm
 WORKSPACE_BYTES = 3 * 4 + 2 * 2**20 + 2 * 32 * 2**20
 
 
-def _unwritable(directory: str) -> str | None:
-    """None when ``directory`` can be made and written in, else why not."""
+def unwritable(directory: str | os.PathLike) -> str | None:
+    """None when ``directory`` can be made and written in, else why not: a probe file, gone at once (permissions
+    alone miss a read-only mount or an immutable directory). Also ``save_dir.check_writable``'s probe."""
     try:
         os.makedirs(directory, exist_ok=True)
         with tempfile.TemporaryFile(dir=directory):
@@ -45,17 +46,17 @@ def writable_extensions_dir(*, say=print) -> None:
 
     chosen = os.environ.get("TORCH_EXTENSIONS_DIR")
     if chosen:
-        why = _unwritable(chosen)
+        why = unwritable(chosen)
         if why is not None:
             raise UsageError(f"TORCH_EXTENSIONS_DIR={chosen} cannot be written ({why}); DeepSpeed builds its CPU "
                              "ops there: point it at a writable directory")
         return
     default = get_default_build_root()
-    why = _unwritable(default)
+    why = unwritable(default)
     if why is None:
         return
     fallback = os.path.join(tempfile.gettempdir(), f"torch_extensions_{os.getuid()}")
-    if _unwritable(fallback) is not None:
+    if unwritable(fallback) is not None:
         raise UsageError(f"DeepSpeed builds its CPU ops in {default}, which cannot be written ({why}), and "
                          f"{fallback} cannot either; set TORCH_EXTENSIONS_DIR to a writable directory")
     os.environ["TORCH_EXTENSIONS_DIR"] = fallback

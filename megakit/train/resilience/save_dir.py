@@ -20,14 +20,13 @@ resumes from where it lies and which is removed only once a newer save has been 
 from __future__ import annotations
 
 import glob
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import existing_ancestor
 from megakit.interop.checkpoint_format import MANIFEST, read_manifest
+from megakit.train.engine.deepspeed_shm import unwritable
 
 LATEST = "latest"
 STEP_PREFIX = "step-"
@@ -70,6 +69,30 @@ def series_steps(directory: Path) -> list[Path]:
         if old.name.split(".old-")[0] not in names and (old / MANIFEST).is_file():
             out.append(old)
     return sorted(out, key=lambda p: p.name.split(".")[0], reverse=True)
+
+
+def series_candidates(directory: Path) -> list[Path]:
+    """A series' checkpoints in the order ``--load`` tries them: the one ``latest`` names (or its moved-aside copy;
+    the named path itself where neither is complete, which the reader then finds damaged) first, then the other
+    complete ones, newest first."""
+    candidates = series_steps(directory)
+    if (directory / LATEST).is_file():
+        name = (directory / LATEST).read_text().strip()
+        pointed = [c for c in candidates if c.name.split(".old-")[0] == name] or [directory / name]
+        candidates = pointed[:1] + [c for c in candidates if c != pointed[0]]
+    return candidates
+
+
+def newest_complete(save: str | Path) -> Path | None:
+    """The checkpoint ``--load`` takes first from ``save`` (``resume.choose_checkpoint``, which also verifies its
+    checksums: not here, which would read it whole), or None."""
+    path = Path(save)
+    if is_series(path):
+        return next((c for c in series_candidates(path) if (c / MANIFEST).is_file()), None)
+    if (path / MANIFEST).is_file():
+        return path
+    moved = moved_aside(path) if not path.exists() else []
+    return moved[-1] if moved else None
 
 
 def holds_checkpoint(save: str | Path) -> bool:
@@ -118,18 +141,14 @@ def remove_leftovers(save: str | Path, *, keep: Path | None = None, say=print) -
 
 def check_writable(save: str | Path, *, series: bool) -> None:
     """UsageError unless this process can create files where a save writes: beside DIR (its temporaries, the run's
-    lock and attempts record) and, for a series, in DIR. A probe file, removed at once: permissions alone miss a
-    read-only mount or an immutable directory."""
+    lock and attempts record) and, for a series, in DIR (``deepspeed_shm.unwritable``'s probe file, in the nearest
+    directory that exists: nothing is made here)."""
     target = Path(save).absolute()
     for place in [target.parent] + ([target] if series and target.is_dir() else []):
         existing = existing_ancestor(place)
         if not existing.is_dir():
             raise UsageError(f"--save {save}: {existing} is a file, not a directory, so no checkpoint can be written "
                              "under it; choose another --save path")
-        try:
-            fd, probe = tempfile.mkstemp(prefix=".megakit-write-probe-", dir=existing)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as error:
-            raise UsageError(f"--save {save}: cannot write in {existing} ({error.strerror or error}); choose a "
-                             "writable --save directory") from None
+        why = unwritable(existing)
+        if why is not None:
+            raise UsageError(f"--save {save}: cannot write in {existing} ({why}); choose a writable --save directory")
