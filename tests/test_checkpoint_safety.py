@@ -97,15 +97,17 @@ for case in cases:
     (here / "paused").unlink()
 '''
 
-# (kind, point): the step --load must take and the seed of its weights, and what it must say
+# (kind, point): the step --load must take and the seed of its weights, and what it must say (an unfinished save is
+# "not (yet) complete": before the lock is held it may be another run's save still in progress)
+IGNORING = "not (yet) complete (a save killed before it finished, or one still in progress"
 EXPECTED = {
-    ("single", "tmp-written"): (1, 1, "ignoring"),
-    ("single", "manifest-written"): (1, 1, "ignoring"),
+    ("single", "tmp-written"): (1, 1, IGNORING),
+    ("single", "manifest-written"): (1, 1, IGNORING),
     ("single", "moved-aside"): (1, 1, "is missing: a save killed while replacing it moved its last complete"),
     ("single", "tmp-renamed"): (2, 2, None),
     ("single", "old-removing"): (2, 2, None),
-    ("series-new", "tmp-written"): (2, 2, "ignoring"),
-    ("series-new", "manifest-written"): (2, 2, "ignoring"),
+    ("series-new", "tmp-written"): (2, 2, IGNORING),
+    ("series-new", "manifest-written"): (2, 2, IGNORING),
     ("series-new", "tmp-renamed"): (2, 2, "latest names step-0000002, not the newer step-0000003: a save killed"),
     ("series-new", "latest-written"): (2, 2, "latest names step-0000002, not the newer step-0000003"),
     ("series-new", "pruning"): (3, 3, None),

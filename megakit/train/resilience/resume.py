@@ -96,7 +96,8 @@ def choose_checkpoint(load: str, *, say=print, doing: str = "resuming from") -> 
     path = Path(load)
     ignored = temporaries(path)
     if ignored:
-        say(f"megakit: ignoring {', '.join(str(p) for p in ignored)}: left by a save killed before it finished")
+        say(f"megakit: ignoring {', '.join(str(p) for p in ignored)}: not (yet) complete (a save killed before "
+            "it finished, or one still in progress: only the run that holds the --save lock may tell)")
     if not is_series(path):
         moved = moved_aside(path) if not path.exists() else []
         if moved:

@@ -10,7 +10,8 @@ The file names its holder (host, PID, start), so a second run refuses in one lin
 holds it. The kernel drops a flock when its process dies, however it dies; a file left by a
 killed run is therefore free, and the next run takes it over and says whose it was. ``release``
 removes the file. On a shared filesystem the lock is as good as its ``flock``: NFS v4 and
-Lustre (mounted with ``flock``) carry it between nodes.
+Lustre (mounted with ``flock``) carry it between nodes; NFS with ``local_lock=flock|all`` and
+Lustre with ``localflock`` keep it per node, so there it does not guard two nodes.
 """
 
 from __future__ import annotations
