@@ -157,6 +157,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "resume from a checkpoint (or the newest intact one of a --keep series) saved at any "
                         "TP/PP/DP layout and ZeRO stage: weights, fp32 master weights, Adam moments and step; data and "
                         "LR schedule continue (same --seed and global batch); --steps counts the loaded steps too")
+    p.add_argument("--init", metavar="DIR", default=None,
+                   help="the checkpoint to start from while --save holds none (a pretrained or imported model to "
+                        "fine-tune, as --load DIR would); implies --load auto, so the same command restarts the run "
+                        "from --save after a crash or a requeue (default: none; not with --load DIR)")
     p.add_argument("--eval-every", metavar="N", type=int, default=0,
                    help="validation loss and perplexity every N steps and at the end (needs --data from prepare-data)")
     p.add_argument("--eval-batches", metavar="K", type=int, default=8,
@@ -226,7 +230,7 @@ def config(args: argparse.Namespace):
         stall_timeout_s=args.stall_timeout,
         recompute=args.recompute, loss_chunks=parse_loss_chunks(args.loss_chunks), fp8=args.fp8,
         sequence_parallel=args.sequence_parallel, save=args.save, save_every=args.save_every, keep=args.keep,
-        load=args.load, allow_cross_node_tp=args.allow_cross_node_tp, compress=args.compress,
+        load=args.load, init=args.init, allow_cross_node_tp=args.allow_cross_node_tp, compress=args.compress,
         error_feedback=not args.no_error_feedback, local_sgd=args.local_sgd, doctor_out=args.doctor_out,
         eval_every=args.eval_every, eval_batches=args.eval_batches, moe_aux_loss=args.moe_aux_loss,
         moe_z_loss=args.moe_z_loss, moe_capacity_factor=args.moe_capacity_factor,

@@ -97,15 +97,17 @@ for case in cases:
     (here / "paused").unlink()
 '''
 
-# (kind, point): the step --load must take and the seed of its weights, and what it must say
+# (kind, point): the step --load must take and the seed of its weights, and what it must say (an unfinished save is
+# "not (yet) complete": before the lock is held it may be another run's save still in progress)
+IGNORING = "not (yet) complete (a save killed before it finished, or one still in progress"
 EXPECTED = {
-    ("single", "tmp-written"): (1, 1, "ignoring"),
-    ("single", "manifest-written"): (1, 1, "ignoring"),
+    ("single", "tmp-written"): (1, 1, IGNORING),
+    ("single", "manifest-written"): (1, 1, IGNORING),
     ("single", "moved-aside"): (1, 1, "is missing: a save killed while replacing it moved its last complete"),
     ("single", "tmp-renamed"): (2, 2, None),
     ("single", "old-removing"): (2, 2, None),
-    ("series-new", "tmp-written"): (2, 2, "ignoring"),
-    ("series-new", "manifest-written"): (2, 2, "ignoring"),
+    ("series-new", "tmp-written"): (2, 2, IGNORING),
+    ("series-new", "manifest-written"): (2, 2, IGNORING),
     ("series-new", "tmp-renamed"): (2, 2, "latest names step-0000002, not the newer step-0000003: a save killed"),
     ("series-new", "latest-written"): (2, 2, "latest names step-0000002, not the newer step-0000003"),
     ("series-new", "pruning"): (3, 3, None),
@@ -488,3 +490,163 @@ def test_cleanup_keeps_a_moved_aside_copy_of_a_later_step_than_the_one_in_place(
     save_checkpoint(tmp_path / "ck", model, step=0, config=config)  # e.g. convert --from-hf into the empty place
     assert remove_leftovers(tmp_path / "ck", say=lambda *_: None) == []
     assert sorted(os.listdir(tmp_path)) == ["ck", "ck.old-dead"]
+
+
+@pytest.fixture
+def world_of_one():
+    """A real one-process gloo group (hold_save_dir broadcasts its verdict over the world)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_cleanup_at_start_keeps_the_moved_aside_copy_the_run_loads(tmp_path, world_of_one):
+    """``--load DIR.old-X`` (or ``DIR/step-N.old-X``) where DIR holds the same step again: the copy is stale to the
+    cleanup, but it is what this run loads, so taking the lock must not remove it."""
+    from megakit.interop.checkpoint import save_checkpoint
+    from megakit.nn.model import ModelConfig, Transformer
+    from megakit.train.resilience.resume import check_checkpoint_flags
+    from megakit.train.resilience.save_lock import hold_save_dir
+
+    config = ModelConfig.load("gpt-tiny")
+    model = Transformer(config)
+    single, series = tmp_path / "single", tmp_path / "series"
+    for step in (3, 5):
+        save_checkpoint(single if step == 5 else tmp_path / "single.old-dead", model, step=step, config=config)
+    save_checkpoint(series / "step-0000004.old-dead", model, step=4, config=config)
+    save_checkpoint(series / "step-0000004", model, step=4, config=config)
+    for save, load, series_flag in ((single, tmp_path / "single.old-dead", False),
+                                    (series, series / "step-0000004.old-dead", True)):
+        start, chosen = check_checkpoint_flags(save=str(save), load=str(load), steps=9, series=series_flag,
+                                               say=lambda *_: None)
+        assert chosen == load
+        hold_save_dir(str(save), rank=0, checkpoint=chosen, start=start, say=lambda *_: None).release()
+        assert (load / "manifest.json").is_file(), f"{load} was removed before the run loaded it"
+
+
+def test_taking_the_lock_refuses_a_directory_changed_since_the_load_was_chosen_or_unlockable(tmp_path, world_of_one):
+    """A requeue race: the run the requeue replaced publishes its stop-save between the new run's choice of what to
+    load and its lock. Taking the lock re-reads the choice and refuses in one line; so is a lock path that cannot
+    be opened (a directory there), never an OSError that would leave the other ranks waiting in the broadcast."""
+    from megakit.errors import UsageError
+    from megakit.interop.checkpoint import save_checkpoint
+    from megakit.nn.model import ModelConfig, Transformer
+    from megakit.train.resilience.save_lock import hold_save_dir, lock_path
+
+    config = ModelConfig.load("gpt-tiny")
+    model, save, quiet = Transformer(config), tmp_path / "ck", (lambda *_: None)
+    save_checkpoint(save, model, step=3, config=config)
+    hold_save_dir(str(save), rank=0, checkpoint=save, start=3, say=quiet).release()  # unchanged: taken
+    for checkpoint, start, now in ((save, 2, "is at step 3 now"), (None, 0, "holds one now"),
+                                   (tmp_path / "gone", 1, "is gone now")):
+        with pytest.raises(UsageError) as refused:
+            hold_save_dir(str(save), rank=0, checkpoint=checkpoint, start=start, say=quiet)
+        line = str(refused.value)
+        assert line.startswith(f"--save {save} changed while this run started: ") and now in line, line
+        assert line.endswith("start the run again") and "\n" not in line and not lock_path(save).exists(), line
+    lock_path(tmp_path / "other").mkdir()
+    with pytest.raises(UsageError, match=r"^--save \S+other: cannot lock \S+\.other\.lock \(Is a directory\); "):
+        hold_save_dir(str(tmp_path / "other"), rank=0, say=quiet)
+
+
+def test_a_free_space_check_that_fails_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    """statvfs failing where the save goes (a stale NFS handle, a permission) is the verdict rank 0 sends to every
+    rank, not an OSError raised on rank 0 alone while the others wait for the verdict."""
+    import shutil
+
+    from megakit.errors import UsageError
+    from megakit.interop import checkpoint
+    from megakit.nn.model import ModelConfig, Transformer
+
+    def stale(path):
+        raise OSError(116, "Stale file handle")
+
+    config = ModelConfig.load("gpt-tiny")
+    monkeypatch.setattr(shutil, "disk_usage", stale)
+    with pytest.raises(UsageError, match=r"^cannot check the free space for the checkpoint of step 1 in .* \(Stale "):
+        checkpoint.save_checkpoint(tmp_path / "ck", Transformer(config), step=1, config=config)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_start_that_fails_after_the_lock_releases_it_in_a_long_lived_process(tmp_path, monkeypatch):
+    """The trainer in this process (as tests/launch_sweep.py runs case after case): its start failing after the
+    --save lock was taken (here the watchdog's store, as a connect_store timeout would) must not keep the flock for
+    the process's life, which would refuse every later case on that --save."""
+    import torch.distributed as dist
+    from multiproc import free_port
+
+    from megakit.train import trainer
+    from megakit.train.resilience.save_lock import SaveLock
+
+    def store_timed_out(*args):
+        raise RuntimeError("connect_store: timed out after 30 s")
+
+    monkeypatch.chdir(ROOT)
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(trainer, "_start_watchdog", store_timed_out)
+    save = tmp_path / "ck"
+    try:
+        with pytest.raises(RuntimeError, match="timed out"):
+            trainer.train(trainer.TrainConfig(ds_config=str(ROOT / "ds_configs" / "zero1.json"), model="gpt-tiny",
+                                              seq_len=32, steps=1, progress=False, save=str(save)))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    SaveLock.acquire(save).release()  # free again in this very process
+
+
+def test_init_starts_a_fine_tune_from_a_model_and_the_same_command_restarts_it_from_save(tmp_path, monkeypatch):
+    """``--save run --init pretrained`` (``--load auto`` implied): the first attempt starts from the pretrained
+    model; once --save holds a checkpoint, the same command (a torchrun restart, a Slurm requeue) resumes from it.
+    ``--init`` with ``--load X`` is refused, and ``--load X`` into a --save that holds checkpoints names the fix."""
+    from megakit.errors import UsageError
+    from megakit.interop.checkpoint import save_checkpoint
+    from megakit.nn.model import ModelConfig, Transformer
+    from megakit.train.run import TrainConfig, resolve
+
+    monkeypatch.chdir(ROOT)
+    config = ModelConfig.load("gpt-tiny")
+    pretrained, save = tmp_path / "pretrained", tmp_path / "run"
+    save_checkpoint(pretrained, Transformer(config), step=0, config=config, extra={"imported_from": "hf/base"})
+    flags = dict(ds_config=str(ROOT / "ds_configs" / "zero1.json"), model="gpt-tiny", seq_len=32, steps=6,
+                 save=str(save), save_every=2)
+    said = []
+    for load in (None, "auto"):
+        run = resolve(TrainConfig(**flags, load=load, init=str(pretrained)), 1, say=said.append)
+        assert (run.checkpoint, run.start_step) == (pretrained, 0)
+    assert f"megakit: --load auto: no checkpoint in {save} yet; starting from --init {pretrained}" in said
+    save_checkpoint(save, Transformer(config), step=2, config=config)  # the first attempt's save
+    run = resolve(TrainConfig(**flags, init=str(pretrained)), 1, say=said.append)
+    assert (run.checkpoint, run.start_step) == (save, 2)
+    with pytest.raises(UsageError, match=f"^--init {pretrained} is what --load auto starts from .* use --load auto "
+                                         f"--init {pretrained} for a run that restarts from --save, or --load "):
+        TrainConfig(**flags, load=str(save), init=str(pretrained))
+    with pytest.raises(UsageError, match=f"already holds a checkpoint of another run, which this run \\(from "
+                                         f"{pretrained}\\) would replace; resume that run with --load auto --init "
+                                         f"{pretrained} "):
+        resolve(TrainConfig(**flags, load=str(pretrained)), 1, say=said.append)
+
+
+def test_what_a_failed_save_calls_intact_is_what_load_takes(tmp_path):
+    """``latest`` names a step a killed re-save moved aside, beside a newer complete step (a run resumed from an
+    earlier one): --load takes the moved-aside copy, and a failed save's line must name that one, not the newest."""
+    from megakit.interop.checkpoint import save_checkpoint
+    from megakit.nn.model import ModelConfig, Transformer
+    from megakit.train.resilience import resume
+
+    config = ModelConfig.load("gpt-tiny")
+    model, series = Transformer(config), tmp_path / "series"
+    for name, step in (("step-0000002", 2), ("step-0000003.old-dead", 3), ("step-0000004", 4)):
+        save_checkpoint(series / name, model, step=step, config=config)
+    (series / "latest").write_text("step-0000003\n")
+    chosen = resume.choose_checkpoint(str(series), say=lambda *_: None)
+    assert chosen == series / "step-0000003.old-dead"
+    assert resume._last_complete(series) == f"the last complete checkpoint (step 3, {chosen}) is intact"
+    tensors = sum(p.stat().st_size for p in chosen.glob("*.safetensors"))
+    assert resume._size(chosen) == tensors > 0  # from the manifest, not a walk of the directory

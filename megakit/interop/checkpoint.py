@@ -293,27 +293,46 @@ class StagedCheckpoint:
 
     def _check_space(self, group) -> tuple[int, int]:
         """``(bytes this save needs, bytes free)`` where it writes; UsageError on every rank, before any byte is
-        written, when they do not fit. A gather of each rank's size to rank 0 and a broadcast of the verdict."""
-        sizes = R.gather_to_0(self._bytes(), self.topo, group)
+        written, when they do not fit. A gather of each rank's size to rank 0 and a broadcast of the verdict, sent
+        whatever a rank met (an error on one raises on every rank, not on it alone while the others wait)."""
+        local_error, mine = None, None
+        try:
+            mine = self._bytes()
+        except Exception as error:
+            local_error, mine = error, R.failure(error)
+        sizes = R.gather_to_0(mine, self.topo, group)
         verdict = None
         if R.rank(self.topo) == 0:
-            place = self.tmp.parent
-            while not place.exists() and place != place.parent:
-                place = place.parent
-            needed, free = sum(sizes) + ENTRY_BYTES, shutil.disk_usage(place).free
-            verdict = (needed, free, None if needed <= free else self._no_space_line(needed, free))
-        needed, free, line = R.broadcast_from_0(verdict, self.topo, group)
+            failures = [s if isinstance(s, tuple) else None for s in sizes]
+            needed = free = 0
+            line = None
+            try:
+                if not any(failures):
+                    needed, free = sum(sizes) + ENTRY_BYTES, shutil.disk_usage(existing_ancestor(self.tmp.parent)).free
+                    line = None if needed <= free else self._no_space_line(needed, free)
+            except OSError as error:
+                line = (f"cannot check the free space for the checkpoint of step {self.step} in {self.tmp.parent} "
+                        f"({error.strerror or error}); --save to a directory on a working filesystem")
+            verdict = (needed, free, line, failures)
+        needed, free, line, failures = R.broadcast_from_0(verdict, self.topo, group)
+        R.raise_failures(failures, local_error)
         if line is not None:
             raise UsageError(line)
         return needed, free
 
     def _no_space_line(self, needed: int, free: int) -> str:
-        intact = self.intact or (f"the last complete checkpoint (step {read_manifest(self.target)['step']}, "
-                                 f"{self.target}) is intact" if (self.target / MANIFEST).is_file()
-                                 else "no complete checkpoint was touched")
+        intact = self.intact or self._target_intact()
         return (f"no space for the checkpoint of step {self.step} in {self.tmp.parent}: it needs {needed:,} bytes "
                 f"({needed / 2**20:.1f} MiB), {free:,} are free ({free / 2**20:.1f} MiB); nothing of it was kept and "
                 f"{intact}; free some space or --save elsewhere")
+
+    def _target_intact(self) -> str:
+        """Without the caller's words (``save_run``'s: a --save directory's newest, ``save_dir.newest_complete``),
+        what is known here: the checkpoint at the target, which a save replaces only once it is complete."""
+        try:
+            return f"the last complete checkpoint (step {read_manifest(self.target)['step']}, {self.target}) is intact"
+        except UsageError:
+            return "no complete checkpoint was touched"
 
     def _no_space(self, error: Exception, needed: int, free: int) -> Exception:
         """A full disk (or quota) met while writing, as the one line a check before writing gives."""
@@ -321,6 +340,13 @@ class StagedCheckpoint:
         if full or any(os.strerror(code) in str(error) for code in (errno.ENOSPC, errno.EDQUOT)):  # safetensors'
             return UsageError(self._no_space_line(needed, free))
         return error
+
+
+def existing_ancestor(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists: where a directory not made yet would be made."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def _check_visible(tmp: Path, manifest: dict) -> None:

@@ -32,7 +32,7 @@ from megakit.train.data.batches import DEFAULT_MAX_BYTES, BatchPlan
 from megakit.train.data.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.engine.ds_config import load_ds_config, require_optimizer, schedule_over_steps
 from megakit.train.resilience.guards import DEFAULT_MAX_SKIPPED
-from megakit.train.resilience.restarts import auto_load
+from megakit.train.resilience.restarts import AUTO, auto_load
 from megakit.train.resilience.resume import check_checkpoint_flags, check_same_run
 from megakit.train.resilience.spikes import data_offset
 
@@ -89,6 +89,7 @@ class TrainConfig:
     save_every: int = 0
     keep: int = 0  # with --save-every: keep the newest K checkpoints as DIR/step-N with DIR/latest (0: one, replaced)
     load: str | None = None  # checkpoint to start from: weights and step count (not the optimizer state)
+    init: str | None = None  # with --load auto (implied): the checkpoint to start from while --save holds none
     allow_cross_node_tp: bool = False  # run a TP group that spans nodes (with a warning) instead of refusing it
     compress: str = "none"  # DP gradient compression: none | fp16 | int8 | sign | topk:RATIO (megakit.core.compression)
     error_feedback: bool = True  # carry what compression dropped into the next step (off only to compare)
@@ -132,6 +133,10 @@ class TrainConfig:
         if self.spike_guard is not None and (self.spike_guard <= 0 or not self.save_every):
             raise UsageError(f"--spike-guard {self.spike_guard:g} rolls back to the newest checkpoint of --save DIR; "
                              "pass --save DIR --save-every N with it, and a Z above 0 (e.g. 4)")
+        if self.init is not None and self.load not in (None, AUTO):
+            raise UsageError(f"--init {self.init} is what --load auto starts from while --save holds no checkpoint, "
+                             f"and --load {self.load} names another: use --load auto --init {self.init} for a run "
+                             f"that restarts from --save, or --load {self.load} alone")
         if self.async_save and not self.save:
             raise UsageError("--async-save writes the checkpoints of --save DIR in the background; pass --save DIR "
                              "(with --save-every N) with it, or drop it")
@@ -246,8 +251,8 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
         held = f"sequence length {seq_len}" if cfg.cp == 1 else f"sequence length {seq_len // cfg.cp} per CP rank"
         raise UsageError(f"{held} is not divisible by TP {cfg.tp}; sequence parallelism needs it to be (change "
                          "--seq-len or drop --sequence-parallel)")
-    start, checkpoint = check_checkpoint_flags(save=cfg.save, load=auto_load(cfg.save, cfg.load, say=say),
-                                               steps=cfg.steps, series=cfg.keep > 0, say=say)
+    load = auto_load(cfg.save, cfg.load, init=cfg.init, say=say)  # --load auto and --init: what --save holds now
+    start, checkpoint = check_checkpoint_flags(save=cfg.save, load=load, steps=cfg.steps, series=cfg.keep > 0, say=say)
     batch = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
                       accumulation=ds_config["gradient_accumulation_steps"], dp=layout.dp, seed=cfg.seed)
     extra = read_manifest(checkpoint)["extra"] if checkpoint is not None else {}

@@ -69,7 +69,7 @@ from megakit.train.observe.mtp_losses import MTPLosses
 from megakit.train.observe.reporting import Reporter, start_profiler
 from megakit.train.resilience.guards import StepGuard, TrainingDiverged
 from megakit.train.resilience.preemption import EXIT_STOPPED, StopRequests, reason_text
-from megakit.train.resilience.restarts import AUTO, Attempts
+from megakit.train.resilience.restarts import Attempts, restarts_from_save
 from megakit.train.resilience.resume import per_rank_key, restore, restore_own_state, save_run
 from megakit.train.resilience.save_lock import hold_save_dir
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
@@ -130,11 +130,16 @@ def _train_job(cfg: TrainConfig, stops: StopRequests, keep_steps: bool) -> Train
     topo = Topology(run.layout, timeout_s=cfg.collective_timeout_s)
     _seed_default_generators(cfg.seed, topo)
     try:  # one writer per --save: rank 0 holds its lock for the run (released below, on every way out)
-        save_lock = hold_save_dir(cfg.save, rank=topo.rank)
+        save_lock = hold_save_dir(cfg.save, rank=topo.rank, checkpoint=run.checkpoint, start=run.start_step)
     except UsageError as error:
         raise everywhere(error)
-    watchdog = _start_watchdog(cfg, topo, stops)
-    writer = AsyncWriter(comm.side_group(cfg.collective_timeout_s)) if cfg.async_save else None  # --async-save
+    try:  # a start that fails here (the watchdog's store timing out) must not keep the lock for the process's life
+        watchdog = _start_watchdog(cfg, topo, stops)
+        writer = AsyncWriter(comm.side_group(cfg.collective_timeout_s)) if cfg.async_save else None  # --async-save
+    except BaseException:
+        if save_lock is not None:
+            save_lock.release()
+        raise
     try:
         with linear_restored():  # ZeRO-3's engine replaces F.linear process-wide
             result = _train(run, topo, watchdog, writer, stops, keep_steps)
@@ -336,7 +341,8 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequ
                       mtp=run.model.mtp_layers if cfg.mtp else 0)
     mtp = MTPLosses(engine.module, topo, run.model.mtp_layers) if cfg.mtp else None  # each depth's loss, logged
     reporter = Reporter(run, topo)
-    attempts = Attempts(cfg.save if cfg.load == AUTO else None, start=start, active=topo.rank == 0)
+    restarting = restarts_from_save(cfg.load, cfg.init)
+    attempts = Attempts(cfg.save if restarting else None, start=start, active=topo.rank == 0)
     result = TrainResult()
     flops_per_step = (model_flops_per_token(run.model, plan.seq_len, mtp=run.model.mtp_depth(cfg.mtp))
                       * plan.global_batch * plan.seq_len)

@@ -30,8 +30,9 @@ from megakit.nn import comm
 WORKSPACE_BYTES = 2 * 4 + 2 * 2**20 + 2 * 32 * 2**20
 
 
-def _unwritable(directory: str) -> str | None:
-    """None when ``directory`` can be made and written in, else why not."""
+def unwritable(directory: str | os.PathLike) -> str | None:
+    """None when ``directory`` can be made and written in, else why not: a probe file, gone at once (permissions
+    alone miss a read-only mount or an immutable directory). Also ``save_dir.check_writable``'s probe."""
     try:
         os.makedirs(directory, exist_ok=True)
         with tempfile.TemporaryFile(dir=directory):
@@ -49,13 +50,13 @@ def writable_extensions_dir(*, say=print) -> None:
 
     chosen = os.environ.get("TORCH_EXTENSIONS_DIR")
     if chosen:
-        why = _unwritable(chosen)
+        why = unwritable(chosen)
         if why is not None:
             raise UsageError(f"TORCH_EXTENSIONS_DIR={chosen} cannot be written ({why}); DeepSpeed builds its CPU "
                              "ops there: point it at a writable directory")
         return
     default = get_default_build_root()
-    why = _unwritable(default)
+    why = unwritable(default)
     if why is None:
         return
     fallback = os.path.join(tempfile.gettempdir(), f"torch_extensions_{os.getuid()}")
@@ -64,7 +65,7 @@ def writable_extensions_dir(*, say=print) -> None:
         if unsafe:  # a name anyone can guess: another user could have made it and planted an op there to be loaded
             fallback = tempfile.mkdtemp(prefix=f"torch_extensions_{os.getuid()}_")  # built anew at each run
             atexit.register(shutil.rmtree, fallback, ignore_errors=True)
-        elif _unwritable(fallback) is not None:
+        elif unwritable(fallback) is not None:
             raise OSError
     except OSError:
         raise UsageError(f"DeepSpeed builds its CPU ops in {default}, which cannot be written ({why}), and "

@@ -2,7 +2,7 @@
 
 ``--save DIR --load auto`` starts from DIR's newest intact checkpoint (a ``--keep`` series
 already falls back past a damaged one; a checkpoint a killed save moved aside counts), or from
-step 0 while DIR holds none (unfinished saves do not count). It is a value
+``--init`` (a model to fine-tune) or step 0 while DIR holds none (unfinished saves do not count). It is a value
 of ``--load`` and not the default because a default would quietly continue an old run in a
 reused ``--save`` directory; the same command that starts the run also restarts it.
 
@@ -25,17 +25,29 @@ from megakit.train.resilience.save_dir import holds_checkpoint
 AUTO = "auto"
 
 
-def auto_load(save: str | None, load: str | None, *, say=print) -> str | None:
-    """What ``--load`` means: ``auto`` is ``--save`` DIR when it holds a checkpoint, else nothing (step 0)."""
+def auto_load(save: str | None, load: str | None, *, init: str | None = None, say=print) -> str | None:
+    """What ``--load`` means: ``auto`` (implied by ``--init``) is ``--save`` DIR when it holds a checkpoint, else
+    ``--init`` (a pretrained or imported model to fine-tune: Megatron's ``--pretrained-checkpoint``, torchtitan's
+    ``initial_load_path``), else nothing (step 0)."""
+    if init is not None and load is None:
+        load = AUTO
     if load != AUTO:
         return load
     if not save:
-        raise UsageError("--load auto resumes from the --save directory's newest checkpoint; pass --save DIR "
-                         "(with --save-every N) as well")
+        raise UsageError(f"--load auto{' (implied by --init)' if init else ''} resumes from the --save directory's "
+                         "newest checkpoint; pass --save DIR (with --save-every N) as well")
     if holds_checkpoint(save):  # in place, in its series, or moved aside by a save killed while replacing it
         return save
+    if init is not None:
+        say(f"megakit: --load auto: no checkpoint in {save} yet; starting from --init {init}")
+        return init
     say(f"megakit: --load auto: no checkpoint in {save} yet; starting at step 0")
     return None
+
+
+def restarts_from_save(load: str | None, init: str | None) -> bool:
+    """Whether the run's command restarts it from --save (``--load auto``, or ``--init``, which implies it)."""
+    return load == AUTO or init is not None
 
 
 def attempts_path(save: str) -> Path:

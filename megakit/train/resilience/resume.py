@@ -51,7 +51,9 @@ from megakit.train.resilience.save_dir import (  # noqa: F401 (LATEST, STEP_PREF
     holds_checkpoint,
     is_series,
     moved_aside,
+    newest_complete,
     remove_leftovers,
+    series_candidates,
     series_steps,
     temporaries,
 )
@@ -94,7 +96,8 @@ def choose_checkpoint(load: str, *, say=print, doing: str = "resuming from") -> 
     path = Path(load)
     ignored = temporaries(path)
     if ignored:
-        say(f"megakit: ignoring {', '.join(str(p) for p in ignored)}: left by a save killed before it finished")
+        say(f"megakit: ignoring {', '.join(str(p) for p in ignored)}: not (yet) complete (a save killed before "
+            "it finished, or one still in progress: only the run that holds the --save lock may tell)")
     if not is_series(path):
         moved = moved_aside(path) if not path.exists() else []
         if moved:
@@ -105,16 +108,13 @@ def choose_checkpoint(load: str, *, say=print, doing: str = "resuming from") -> 
         say(f"megakit: {'starting from' if manifest['step'] == 0 and doing == 'resuming from' else doing} {path} "
             f"({describe(path, manifest)})")
         return path
-    candidates = series_steps(path)
     if (path / LATEST).is_file():
         name = (path / LATEST).read_text().strip()
-        pointed = [c for c in candidates if c.name.split(".old-")[0] == name] or [path / name]
-        newer = [c.name for c in candidates if c.name.split(".")[0] > name]
+        newer = [c.name for c in series_steps(path) if c.name.split(".")[0] > name]
         if newer:
             say(f"megakit: {path}/{LATEST} names {name}, not the newer {', '.join(newer)}: a save killed before it "
                 f"moved {LATEST}, or a run resumed from an earlier step; {LATEST} is the one taken")
-        candidates = pointed[:1] + [c for c in candidates if c != pointed[0]]
-    for candidate in candidates:
+    for candidate in series_candidates(path):
         why = _intact(candidate)
         if why is None:
             aside = " (moved aside by a save killed while replacing it)" if ".old-" in candidate.name else ""
@@ -158,7 +158,8 @@ def check_checkpoint_flags(*, save: str | None, load: str | None, steps: int, se
         if holds_checkpoint(target) and not (load and _inside(Path(load), target)):
             raise UsageError(f"--save {target} already holds a checkpoint of another run, which this run "
                              f"({'from ' + load if load else 'from scratch'}) would replace; resume that run with "
-                             "--load auto, or choose another --save directory (or remove it)")
+                             f"--load auto{f' --init {load}' if load else ''} (the same command then restarts it), "
+                             "or choose another --save directory (or remove it)")
     if not load:
         return 0, None
     chosen = choose_checkpoint(load, say=say)
@@ -368,21 +369,22 @@ def _add_tokenizer(source: Path, checkpoint: Path) -> None:
     os.replace(tmp, checkpoint / TOKENIZER)
 
 
-def _last_complete(directory: Path, series: bool) -> str:
+def _last_complete(directory: Path) -> str:
     """The checkpoint a failed save leaves as the one to resume from, in words (for its error)."""
-    try:  # the one --load would take first (not verified here: that would read it whole at every save)
-        if is_series(directory):
-            pointed = directory / (directory / LATEST).read_text().strip() if (directory / LATEST).is_file() else None
-            chosen = pointed if pointed is not None and pointed.is_dir() else series_steps(directory)[0]
-        else:
-            chosen = directory if (directory / MANIFEST).is_file() else moved_aside(directory)[-1]
-        return f"the last complete checkpoint (step {read_manifest(chosen)['step']}, {chosen}) is intact"
-    except (UsageError, IndexError, OSError):
-        return "there is no complete checkpoint yet"
+    try:
+        chosen = newest_complete(directory)
+        if chosen is not None:
+            return f"the last complete checkpoint (step {read_manifest(chosen)['step']}, {chosen}) is intact"
+    except (UsageError, OSError):
+        pass
+    return "there is no complete checkpoint yet"
 
 
-def _size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+def _size(checkpoint: Path) -> int:
+    """Bytes of a checkpoint's tensor files, as its manifest lists them (no walk of the directory at every save)."""
+    manifest = read_manifest(checkpoint)
+    files = [*manifest["files"].values(), *manifest.get("per_rank", {}).get("files", {}).values()]
+    return sum(entry.get("bytes", 0) for entry in files)
 
 
 def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, series: bool, keep: int,
@@ -411,7 +413,7 @@ def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, se
                               rank_state=None if dp_sync is None else own_state(engine, topo, dp_sync),
                               rank_key=rank_key, copy=copy)
     if topo.rank == 0:  # what a failed write reports as intact
-        staged.intact = _last_complete(Path(directory), series)
+        staged.intact = _last_complete(Path(directory))
 
     def publish() -> None:  # rank 0, once the checkpoint is in place
         if topo.rank != 0:

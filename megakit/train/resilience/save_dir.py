@@ -20,13 +20,13 @@ resumes from where it lies and which is removed only once a newer save has been 
 from __future__ import annotations
 
 import glob
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from megakit.errors import UsageError
+from megakit.interop.checkpoint import existing_ancestor
 from megakit.interop.checkpoint_format import MANIFEST, read_manifest
+from megakit.train.engine.deepspeed_shm import unwritable
 
 LATEST = "latest"
 STEP_PREFIX = "step-"
@@ -71,6 +71,30 @@ def series_steps(directory: Path) -> list[Path]:
     return sorted(out, key=lambda p: p.name.split(".")[0], reverse=True)
 
 
+def series_candidates(directory: Path) -> list[Path]:
+    """A series' checkpoints in the order ``--load`` tries them: the one ``latest`` names (or its moved-aside copy;
+    the named path itself where neither is complete, which the reader then finds damaged) first, then the other
+    complete ones, newest first."""
+    candidates = series_steps(directory)
+    if (directory / LATEST).is_file():
+        name = (directory / LATEST).read_text().strip()
+        pointed = [c for c in candidates if c.name.split(".old-")[0] == name] or [directory / name]
+        candidates = pointed[:1] + [c for c in candidates if c != pointed[0]]
+    return candidates
+
+
+def newest_complete(save: str | Path) -> Path | None:
+    """The checkpoint ``--load`` takes first from ``save`` (``resume.choose_checkpoint``, which also verifies its
+    checksums: not here, which would read it whole), or None."""
+    path = Path(save)
+    if is_series(path):
+        return next((c for c in series_candidates(path) if (c / MANIFEST).is_file()), None)
+    if (path / MANIFEST).is_file():
+        return path
+    moved = moved_aside(path) if not path.exists() else []
+    return moved[-1] if moved else None
+
+
 def holds_checkpoint(save: str | Path) -> bool:
     """Whether the ``--save`` directory holds a complete checkpoint (in place, moved aside, or in its series)."""
     path = Path(save)
@@ -85,9 +109,10 @@ def temporaries(path: Path) -> list[Path]:
     return found
 
 
-def leftovers(save: str | Path) -> list[Path]:
+def leftovers(save: str | Path, *, keep: Path | None = None) -> list[Path]:
     """What saves killed mid-way left in the ``--save`` directory and nothing will read: the unfinished saves, and
-    the moved-aside copies of checkpoints that are in place again (a copy is kept while it is the newest)."""
+    the moved-aside copies of checkpoints that are in place again (a copy is kept while it is the newest).
+    ``keep``: the checkpoint this run loads (``--load DIR.old-X``), never one of them, however stale."""
     path = Path(save)
     found = temporaries(path)
     if (path / MANIFEST).is_file():  # a copy of a later step than the one in place is some other run's: kept
@@ -96,13 +121,14 @@ def leftovers(save: str | Path) -> list[Path]:
         for old in sorted(path.glob(f"{STEP_PREFIX}[0-9]*.old-*")):
             if (path / old.name.split(".old-")[0] / MANIFEST).is_file():
                 found.append(old)
-    return found
+    kept = keep.absolute() if keep is not None else None
+    return [p for p in found if p.absolute() != kept]
 
 
-def remove_leftovers(save: str | Path, *, say=print) -> list[Path]:
-    """Remove ``leftovers(save)``, naming them in one line. Only the run that holds the directory's lock
+def remove_leftovers(save: str | Path, *, keep: Path | None = None, say=print) -> list[Path]:
+    """Remove ``leftovers(save, keep=keep)``, naming them in one line. Only the run that holds the directory's lock
     (``save_lock``) may: another run's save in progress looks the same."""
-    found = leftovers(save)
+    found = leftovers(save, keep=keep)
     for path in found:
         try:
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
@@ -115,20 +141,14 @@ def remove_leftovers(save: str | Path, *, say=print) -> list[Path]:
 
 def check_writable(save: str | Path, *, series: bool) -> None:
     """UsageError unless this process can create files where a save writes: beside DIR (its temporaries, the run's
-    lock and attempts record) and, for a series, in DIR. A probe file, removed at once: permissions alone miss a
-    read-only mount or an immutable directory."""
+    lock and attempts record) and, for a series, in DIR (``deepspeed_shm.unwritable``'s probe file, in the nearest
+    directory that exists: nothing is made here)."""
     target = Path(save).absolute()
     for place in [target.parent] + ([target] if series and target.is_dir() else []):
-        existing = place
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
+        existing = existing_ancestor(place)
         if not existing.is_dir():
             raise UsageError(f"--save {save}: {existing} is a file, not a directory, so no checkpoint can be written "
                              "under it; choose another --save path")
-        try:
-            fd, probe = tempfile.mkstemp(prefix=".megakit-write-probe-", dir=existing)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as error:
-            raise UsageError(f"--save {save}: cannot write in {existing} ({error.strerror or error}); choose a "
-                             "writable --save directory") from None
+        why = unwritable(existing)
+        if why is not None:
+            raise UsageError(f"--save {save}: cannot write in {existing} ({why}); choose a writable --save directory")

@@ -10,7 +10,8 @@ The file names its holder (host, PID, start), so a second run refuses in one lin
 holds it. The kernel drops a flock when its process dies, however it dies; a file left by a
 killed run is therefore free, and the next run takes it over and says whose it was. ``release``
 removes the file. On a shared filesystem the lock is as good as its ``flock``: NFS v4 and
-Lustre (mounted with ``flock``) carry it between nodes.
+Lustre (mounted with ``flock``) carry it between nodes; NFS with ``local_lock=flock|all`` and
+Lustre with ``localflock`` keep it per node, so there it does not guard two nodes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import time
 from pathlib import Path
 
 from megakit.errors import UsageError
-from megakit.train.resilience.save_dir import remove_leftovers
+from megakit.interop.checkpoint_format import read_manifest
+from megakit.train.resilience.save_dir import holds_checkpoint, remove_leftovers
 
 
 def lock_path(save: str | Path) -> Path:
@@ -119,22 +121,59 @@ class SaveLock:
             self._fd = None
 
 
-def hold_save_dir(save: str | None, *, rank: int, say=print) -> SaveLock | None:
-    """Rank 0 takes ``save``'s lock for the run and removes what saves killed mid-way left there
-    (``save_dir.remove_leftovers``); every rank learns the outcome (a broadcast over the world), so a refusal
-    is raised alike on every rank, before any step. None without ``--save``, and on every other rank."""
+def changed(save: str | Path, checkpoint: Path | None, start: int) -> str | None:
+    """Why what ``resolve`` chose to load before the lock was taken (``checkpoint`` at step ``start``, or nothing)
+    no longer holds now that it is, or None: a run that held the lock meanwhile (the job a requeue replaced, still
+    saving as it stopped) may have published a newer checkpoint there."""
+    if checkpoint is None:
+        if not holds_checkpoint(save):
+            return None
+        what = "it held no checkpoint when this run chose to start from step 0"
+        now = "holds one"
+    else:
+        try:
+            step = read_manifest(checkpoint)["step"]
+        except UsageError:
+            step = None
+        if step == start:
+            return None
+        what = f"this run chose {checkpoint} at step {start}"
+        now = "is gone" if step is None else f"is at step {step}"
+    return (f"--save {save} changed while this run started: {what}, and that {now} now (another run saved there "
+            "before this one took the directory's lock); start the run again")
+
+
+def hold_save_dir(save: str | None, *, rank: int, checkpoint: Path | None = None, start: int = 0,
+                  say=print) -> SaveLock | None:
+    """Rank 0 takes ``save``'s lock for the run, checks that ``checkpoint`` (the one ``resolve`` chose, at step
+    ``start``; None: from scratch) is still what DIR holds (``changed``), and removes what saves killed mid-way left
+    there (``save_dir.remove_leftovers``), never ``checkpoint``. Every rank learns the verdict (a broadcast over
+    the world, sent whatever rank 0 met), so a refusal is raised alike on every rank, before any step. None
+    without ``--save``, and on every other rank."""
     from megakit.nn import comm
 
     if not save:
         return None
-    lock, refusal = None, None
+    lock, verdict, raised = None, None, None
     if rank == 0:
         try:
             lock = SaveLock.acquire(save, say=say)
-            remove_leftovers(save, say=say)
+            verdict = changed(save, checkpoint, start)
+            if verdict is None:
+                remove_leftovers(save, keep=checkpoint, say=say)
         except UsageError as error:
-            refusal = str(error)
-    refusal = comm.broadcast_object(refusal, 0, comm.WORLD)
-    if refusal is not None:
-        raise UsageError(refusal)
+            verdict = str(error)
+        except OSError as error:  # a directory at the lock's path, a lock file another user owns: the user's to fix
+            verdict = (f"--save {save}: cannot lock {lock_path(save)} ({error.strerror or error}); remove it or "
+                       "make it writable, or choose another --save")
+        except Exception as error:  # an internal error: raised here, and named on the ranks that wait for rank 0
+            raised, verdict = error, f"rank 0 failed while taking --save {save}: {type(error).__name__}: {error}"
+        if verdict is not None and lock is not None:
+            lock.release()
+            lock = None
+    verdict = comm.broadcast_object((verdict, raised is not None), 0, comm.WORLD)
+    if raised is not None:
+        raise raised
+    if verdict[0] is not None:
+        raise (RuntimeError if verdict[1] else UsageError)(verdict[0])
     return lock
