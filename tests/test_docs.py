@@ -1,0 +1,146 @@
+"""Every guide's commands work: the ``bash``/``sh`` blocks of each docs/*.md that a CPU can run are run, as written,
+in the order written, one guide to a temporary directory (a later block reads what an earlier one wrote, as a reader
+following the guide does); the others are skipped by name, with the reason.
+
+Blocks are read and run as for the README (``doc_blocks``). Where a guide starts from the reader's own files (a
+Hugging Face model, a JSONL of chats), ``GIVEN`` writes small ones first, named in the guide's own words. Each block
+writes under names of its own, none into the checkout: a guide that wrote into ``ds_configs/`` would change what
+other tests read. The blocks a cluster runs are still checked where a CPU can: their ``train.py`` flags, with
+``--check`` for the cluster's world size in one process, as a Slurm job does before it starts its workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+from doc_blocks import LINKED, ROOT, link_checkout, run_block, shell_blocks, uses_launcher
+
+DOCS = ROOT / "docs"
+GUIDES = {page.name: shell_blocks(page.read_text()) for page in sorted(DOCS.glob("*.md"))}
+
+SKIPPED = {  # "guide#block" -> why it is not run here
+    "clusters.md#deepspeeds-launcher-with-a-hostfile": "starts processes over ssh on two nodes of eight GPUs",
+    "clusters.md#torchrun-on-each-node-under-slurm": "a Slurm batch script for four nodes of eight GPUs",
+    "gpus.md#measuring-them-scriptsbench_gpupy": "times kernels on a CUDA GPU",
+    "testing.md#testing": "the test command: it is this suite",
+}
+CHECKED = {  # "guide#block" skipped above -> the world size its train.py flags are checked for, with --check
+    "clusters.md#deepspeeds-launcher-with-a-hostfile": 16,
+    "clusters.md#torchrun-on-each-node-under-slurm": 32,
+}
+
+
+def _chat_model(directory: Path) -> None:
+    """my-model/: a tiny Llama with a ChatML tokenizer (generation markers in its template), as save_pretrained
+    writes it."""
+    import torch
+    import transformers
+    from test_chat_data import CHATML, _tokenizer
+
+    _tokenizer(directory, CHATML)
+    vocab = len(transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True))
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)).save_pretrained(directory)
+
+
+def _given_data(tmp: Path) -> None:
+    """data.md's: my-model/, chats.jsonl of 160 conversations, corpus.jsonl of ~1.5 MB of Python source."""
+    from test_chat_data import _conversations
+
+    _chat_model(tmp / "my-model")
+    (tmp / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _conversations(160)))
+    texts, size = [], 0
+    for source in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        texts.append(json.dumps({"text": source.read_text(errors="replace")}) + "\n")
+        size += len(texts[-1])
+        if size > 1_500_000:  # a validation split of 1 % holds a global batch (16 x 129 tokens) for --eval-every
+            break
+    (tmp / "corpus.jsonl").write_text("".join(texts))
+
+
+def _given_moe(tmp: Path) -> None:
+    """parallelism.md's hf/qwen3-moe: a tiny Qwen3-MoE as save_pretrained writes it."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, tie_word_embeddings=False)).save_pretrained(tmp / "hf" / "qwen3-moe")
+
+
+GIVEN = {"data.md": _given_data, "parallelism.md": _given_moe}  # guide -> writes the files its reader brings
+
+
+def _runs(guide: str) -> list[tuple[str, str]]:
+    return [(name, block) for name, block in GUIDES[guide].items() if f"{guide}#{name}" not in SKIPPED]
+
+
+def params():
+    for guide in GUIDES:
+        runs = _runs(guide)
+        if runs:
+            marks = [pytest.mark.slow] if any(uses_launcher(block) for _, block in runs) else []
+            yield pytest.param(guide, id=guide, marks=marks)
+
+
+def _checkout_listing() -> set[str]:
+    return {str(p.relative_to(ROOT)) for folder in LINKED for p in (ROOT / folder).rglob("*")
+            if "__pycache__" not in p.parts}
+
+
+@pytest.mark.parametrize("guide", params())
+def test_guide_runs_as_written_on_cpu(guide, tmp_path):
+    link_checkout(tmp_path)
+    before = _checkout_listing()
+    if guide in GIVEN:
+        GIVEN[guide](tmp_path)
+    times = []
+    for name, block in _runs(guide):
+        start = time.perf_counter()
+        code, out, script = run_block(block, tmp_path)
+        times.append(f"{name} {time.perf_counter() - start:.1f} s")
+        assert code == 0, f"{guide} block {name!r} failed (exit {code}):\n{script}\n{out[-6000:]}"
+    print(f"{guide}: " + ", ".join(times))
+    assert _checkout_listing() == before, f"{guide} wrote into the checkout: {_checkout_listing() - before}"
+
+
+def _train_flags(block: str) -> list[str]:
+    """The flags a block passes to scripts/train.py (lines joined at their backslashes)."""
+    words = shlex.split(block.replace("\\\n", " "), comments=True)
+    return words[words.index("scripts/train.py") + 1:]
+
+
+@pytest.mark.parametrize("key", sorted(CHECKED))
+def test_cluster_blocks_pass_the_trainers_check(key, tmp_path):
+    guide, _, name = key.partition("#")
+    link_checkout(tmp_path)
+    env = dict(os.environ, WORLD_SIZE=str(CHECKED[key]), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    flags = _train_flags(GUIDES[guide][name])
+    run = subprocess.run([sys.executable, "scripts/train.py", *flags, "--check"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"{key}: train.py {' '.join(flags)} --check\n{run.stdout}{run.stderr}"
+
+
+def test_every_skip_and_check_names_a_block():
+    blocks = {f"{guide}#{name}" for guide, named in GUIDES.items() for name in named}
+    assert set(SKIPPED) <= blocks, f"skips of blocks the guides no longer have: {set(SKIPPED) - blocks}"
+    assert set(CHECKED) <= set(SKIPPED), set(CHECKED) - set(SKIPPED)
+    assert set(GIVEN) <= {guide for guide in GUIDES if _runs(guide)}, GIVEN
+
+
+def test_an_indented_block_in_a_list_is_a_block():
+    text = "# Restarts\n\n- **resume**:\n\n  ```bash\n  torchrun a \\\n      b\n  ```\n\n  more\n```sh\nc\n```\n"
+    assert shell_blocks(text) == {"restarts": "torchrun a \\\n    b\n", "restarts-2": "c\n"}
