@@ -237,3 +237,16 @@ def test_emitted_pipeline_config_builds_a_deepspeed_engine(tmp_path, capsys):
     assert "--pp 2" in out
     # Two processes stand for one stage's two DP replicas (the engine's view of a PP=2 x DP=2 job).
     assert run_ranks(_deepspeed_engine_from, 2, str(target), 2, 2) == [("DeepSpeedZeroOptimizer", False)] * 2
+
+
+def test_gpt3s_batch_is_one_number_for_the_default_batch_and_the_lr_scaled_to_it():
+    """"2M tokens" at 8192 tokens a sequence is GPT-3's batch rounded to 256 sequences for the default batch; the LR
+    is GPT-3's at that same batch, not scaled by 256 / 244 as it was when the LR read 2e6 tokens as 244 sequences."""
+    from megakit.core.planner import emit
+
+    batch, note = emit.default_global_batch(8e9, 8192, tokens=15e12)
+    lr, why = emit.scaled_lr(8e9, batch, 8192)
+    assert batch == 256 and "2M tokens = 256 sequences of 8192" in note
+    assert lr == 1.2e-4 and why == "0.00012 = GPT-3's 1.2e-04 at its 2M-token batch (256 sequences of 8192)", why
+    lr, why = emit.scaled_lr(8e9, 512, 8192)  # twice the batch: twice the LR, from the same 256
+    assert lr == 2.4e-4 and "x 512 / 256 sequences" in why
