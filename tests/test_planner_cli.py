@@ -2,6 +2,7 @@
 and bad input (one line, exit 2, nothing written)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -250,3 +251,21 @@ def test_gpt3s_batch_is_one_number_for_the_default_batch_and_the_lr_scaled_to_it
     assert lr == 1.2e-4 and why == "0.00012 = GPT-3's 1.2e-04 at its 2M-token batch (256 sequences of 8192)", why
     lr, why = emit.scaled_lr(8e9, 512, 8192)  # twice the batch: twice the LR, from the same 256
     assert lr == 2.4e-4 and "x 512 / 256 sequences" in why
+
+
+def test_a_measured_profile_prints_rounded_rates_and_a_tiny_models_count(tmp_path, capsys):
+    """``--hardware``'s measured rates come out to four figures (11.77 GiB, not 11.770145416259766 or 11.7701), and a
+    CPU-sized model's parameters as a count (842K), not 0.00B."""
+    from megakit.commands import cli
+
+    link = {"bytes": 2**24, "seconds": 0.0404, "bus_gbps": 0.4086099588212423}
+    profile = {"profile": "megakit-probe", "version": 1, "device": "cpu", "dtype": "fp32", "backend": "gloo",
+               "nproc": 2, "gpus_per_node": 2, "memory_gib": 11.770145416259766, "matmul_tflops": 0.032171739981735566,
+               "copy_gbps": 3.5378572420870493, "attention_tflops": 0.010661163506496317, "links": {"all_reduce": link}}
+    (tmp_path / "hw.json").write_text(json.dumps(profile))
+    assert cli.main(["plan", "--model", "gpt-mini", "--hardware", str(tmp_path / "hw.json"), "--gpus", "2",
+                     "--global-batch", "8", "--seq-len", "128"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps lines
+    assert "11.77 GiB, 0.03217 TFLOP/s peak" in out and "within 80% of 11.77 GiB" in out, out[:800]
+    assert "0.454 GB/s per GPU" in out and ": 842K parameters" in out
+    assert not re.search(r"\d\.\d{6,}", out), re.findall(r"\S*\d\.\d{6,}\S*", out)

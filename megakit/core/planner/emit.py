@@ -232,7 +232,7 @@ def tips(result, cost, plan: Plan, cluster, *, lr_note: str, warmup: int, total:
         out.append(f"Communication is {cost.comm_fraction:.0%} of the step (> 30 %): raise gradient accumulation "
                    "(communication happens only at the boundary), or use a bigger micro-batch.")
         if plan.dp > 1 and plan.tp * plan.dp > cluster.gpus_per_node and plan.compress == "none":
-            out.append(f"DP traffic crosses nodes on {cluster.gpu.inter_link} ({cluster.gpu.inter_gbps:g} GB/s per "
+            out.append(f"DP traffic crosses nodes on {cluster.gpu.inter_link} ({cluster.gpu.inter_gbps:,.4g} GB/s per "
                        "GPU): megakit's compression with error feedback (plan and train with --compress int8, "
                        "with ZeRO 0 or 1, or sign or topk:0.01 with ZeRO 0) sends 4-50x fewer bytes; or, with ZeRO 0, "
                        "--local-sgd H averages the weights only every H steps.")
@@ -241,7 +241,7 @@ def tips(result, cost, plan: Plan, cluster, *, lr_note: str, warmup: int, total:
         out.append(f"A small model on {plan.dp} GPUs is communication-bound: fewer GPUs or a bigger global batch "
                    "would be nearly as fast per GPU-hour.")
     if cluster.gpu.inter_gbps < 12.5 and plan.world > cluster.gpus_per_node:
-        out.append(f"The inter-node link is slow ({cluster.gpu.inter_gbps:g} GB/s per GPU): prefer gradient "
+        out.append(f"The inter-node link is slow ({cluster.gpu.inter_gbps:,.4g} GB/s per GPU): prefer gradient "
                    "accumulation, megakit's --compress (int8 with ZeRO 0 or 1; sign, topk:RATIO with ZeRO 0; "
                    "all with error feedback) or, with ZeRO 0, --local-sgd H.")
     if plan.pp > 1 and cost.bubble_fraction > 0.10:
