@@ -269,3 +269,27 @@ def test_a_measured_profile_prints_rounded_rates_and_a_tiny_models_count(tmp_pat
     assert "11.77 GiB, 0.03217 TFLOP/s peak" in out and "within 80% of 11.77 GiB" in out, out[:800]
     assert "0.454 GB/s per GPU" in out and ": 842K parameters" in out
     assert not re.search(r"\d\.\d{6,}", out), re.findall(r"\S*\d\.\d{6,}\S*", out)
+
+
+def test_plan_shows_a_spinner_on_a_terminal_while_transformers_counts_the_model_and_nothing_in_a_pipe():
+    """``--model`` spends seconds in transformers before the first line: a terminal sees what it waits for (a pipe
+    sees nothing: ``_progress`` asks ``isatty``)."""
+    import os
+    import pty
+
+    controller, terminal = pty.openpty()
+    command = [sys.executable, "-m", "megakit.commands.cli", "plan", "--model", "llama-tiny", "--gpus", "2"]
+    run = subprocess.run(command, stdout=subprocess.PIPE, stderr=terminal, timeout=300)
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(controller, 1 << 16)
+        except OSError:
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(controller)
+    assert run.returncode == 0 and b"Plan" in run.stdout
+    assert b"megakit plan: reading llama-tiny (transformers counts its parameters)" in shown, shown[:400]

@@ -10,6 +10,7 @@ ds_config and prints the launch command. Imports no torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
@@ -189,6 +190,16 @@ def _positive(args, *names):
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
 
 
+def _progress(message: str):
+    """A spinner on stderr while a slow step runs, erased after it, on a terminal only: a log file or a pipe gets
+    nothing, so stderr there still holds only an error line."""
+    if not sys.stderr.isatty():
+        return contextlib.nullcontext()
+    from rich.console import Console
+
+    return Console(stderr=True).status(message)
+
+
 def load_model(args) -> ModelSpec:
     if bool(args.params) == bool(args.model):
         raise UsageError("give exactly one of --params SIZE (e.g. 175B) or --model NAME|config.json")
@@ -199,7 +210,8 @@ def load_model(args) -> ModelSpec:
             exact_param_count,  # transformers on the meta device
         )
 
-        spec = ModelSpec.from_config(args.model, count_params=exact_param_count)
+        with _progress(f"megakit plan: reading {args.model} (transformers counts its parameters)"):
+            spec = ModelSpec.from_config(args.model, count_params=exact_param_count)
     return spec.with_overrides(seq_len=args.seq_len, vocab_size=args.vocab, mtp=getattr(args, "mtp", False))
 
 
