@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -144,3 +145,23 @@ def test_every_skip_and_check_names_a_block():
 def test_an_indented_block_in_a_list_is_a_block():
     text = "# Restarts\n\n- **resume**:\n\n  ```bash\n  torchrun a \\\n      b\n  ```\n\n  more\n```sh\nc\n```\n"
     assert shell_blocks(text) == {"restarts": "torchrun a \\\n    b\n", "restarts-2": "c\n"}
+
+
+def test_train_help_gives_every_default_the_guides_rely_on():
+    """``train.py --help`` says each flag's default (the guides send readers there for them), in its own words or
+    as ``(default: X)``; flags that are off or unset by default have none to give."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    defaults = {dest: value for dest, value in vars(script.parse_args([])).items()
+                if value is not None and value is not False and dest != "local_rank"}
+    run = subprocess.run([sys.executable, "scripts/train.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, COLUMNS="100"), timeout=120)
+    entries = {m.group(1): m.group(2) for m in re.finditer(r"^  (--[\w-]+)(.*?)(?=^  -|\Z)", run.stdout, re.M | re.S)}
+    lacking = [dest for dest in defaults if "default" not in entries.get(f"--{dest}", entries.get(
+        "--" + dest.replace("_", "-"), ""))]
+    assert not lacking, f"train.py --help gives no default for {lacking}"
+    assert "(default: ds_configs/zero1.json)" in " ".join(entries["--ds_config"].split())
+    assert "(default: 0)" in entries["--seed"]  # "default generators" in its text is not its default
