@@ -165,3 +165,12 @@ def test_train_help_gives_every_default_the_guides_rely_on():
     assert not lacking, f"train.py --help gives no default for {lacking}"
     assert "(default: ds_configs/zero1.json)" in " ".join(entries["--ds_config"].split())
     assert "(default: 0)" in entries["--seed"]  # "default generators" in its text is not its default
+
+
+def test_every_plan_flag_is_in_a_guide():
+    run = subprocess.run([sys.executable, "-m", "megakit.commands.cli", "plan", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    flags = set(re.findall(r"^\s+(--[a-z][\w-]*)", run.stdout, re.M)) - {"--help"}
+    text = "".join(page.read_text() for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))])
+    missing = sorted(flag for flag in flags if not re.search(re.escape(flag) + r"(?![\w-])", text))
+    assert len(flags) > 40 and not missing, f"megakit plan flags in no guide: {missing}"

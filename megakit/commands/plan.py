@@ -73,7 +73,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: GPT-3's for the size)")
     train.add_argument("--tokens", help="training tokens, e.g. 300B: adds time-to-train")
     train.add_argument("--precision", choices=("bf16", "fp16", "fp32"), help="default bf16 (fp16 on V100)")
-    train.add_argument("--offload", choices=("none", "optimizer", "params"), default="none")
+    train.add_argument("--offload", choices=("none", "optimizer", "params"), default="none",
+                       help="ZeRO-Offload: the fp32 master and Adam states (optimizer), or the parameters too "
+                            "(params), in CPU memory (default none; tried by itself when nothing else fits)")
     train.add_argument("--attention", choices=("flash", "standard"), help="default: flash where the GPU has it")
     train.add_argument("--kernels", choices=("eager", "compiled"), default="compiled",
                        help="elementwise work priced fused (compiled: train.py's default on a GPU, torch.compile of "
