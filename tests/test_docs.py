@@ -116,7 +116,10 @@ def test_guide_runs_as_written_on_cpu(guide, tmp_path):
     print(f"{guide}: " + ", ".join(times))
     written = _checkout_listing() - before
     for path in sorted(written, reverse=True):  # removed, so that the other tests read the checkout as it was
-        (ROOT / path).unlink() if (ROOT / path).is_file() else (ROOT / path).rmdir()
+        if (ROOT / path).is_dir():
+            (ROOT / path).rmdir()
+        else:
+            (ROOT / path).unlink()
     assert not written, f"{guide} wrote into the checkout: {written}"
 
 
