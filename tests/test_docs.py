@@ -38,6 +38,13 @@ CHECKED = {  # "guide#block" skipped above -> the world size its train.py flags 
     "clusters.md#torchrun-on-each-node-under-slurm": 32,
 }
 
+CHECKS = {  # "guide#block" -> what the guide says the block does, checked on its output and directory
+    "parallelism.md#pipeline-schedules-megakit-schedule":  # the bubbles its comments give
+        lambda out, tmp: "bubble 27.3%" in out and "bubble 11.1%" in out and (tmp / "schedule.png").is_file(),
+    "checkpoints.md#checkpoints-and-hugging-face":  # resumed at another layout, saved, exported and imported back
+        lambda out, tmp: (tmp / "ckpt" / "step-0000040").is_dir() and (tmp / "mk" / "run" / "manifest.json").is_file(),
+}
+
 
 def _chat_model(directory: Path) -> None:
     """my-model/: a tiny Llama with a ChatML tokenizer (generation markers in its template), as save_pretrained
@@ -113,6 +120,8 @@ def test_guide_runs_as_written_on_cpu(guide, tmp_path):
         code, out, script = run_block(block, tmp_path)
         times.append(f"{name} {time.perf_counter() - start:.1f} s")
         assert code == 0, f"{guide} block {name!r} failed (exit {code}):\n{script}\n{out[-6000:]}"
+        check = CHECKS.get(f"{guide}#{name}")
+        assert check is None or check(out, tmp_path), f"{guide} block {name!r} did not do what it says:\n{out[-6000:]}"
     print(f"{guide}: " + ", ".join(times))
     written = _checkout_listing() - before
     for path in sorted(written, reverse=True):  # removed, so that the other tests read the checkout as it was
@@ -145,6 +154,7 @@ def test_every_skip_and_check_names_a_block():
     blocks = {f"{guide}#{name}" for guide, named in GUIDES.items() for name in named}
     assert set(SKIPPED) <= blocks, f"skips of blocks the guides no longer have: {set(SKIPPED) - blocks}"
     assert set(CHECKED) <= set(SKIPPED), set(CHECKED) - set(SKIPPED)
+    assert set(CHECKS) <= blocks - set(SKIPPED), set(CHECKS) - (blocks - set(SKIPPED))
     assert set(GIVEN) <= {guide for guide in GUIDES if _runs(guide)}, GIVEN
 
 
