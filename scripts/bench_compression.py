@@ -13,7 +13,6 @@ error feedback, to show what feedback buys. Last line:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -21,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from megakit.train.observe.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = [  # (label, flags, goal: (least bytes saved, largest loss gap)) -- issue 9's targets
@@ -49,7 +50,7 @@ def run(flags: list[str], *, nproc: int, steps: int, model: str, out: Path) -> d
     done = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"bench_compression: {' '.join(flags) or 'baseline'} failed:\n{done.stderr[-2000:]}")
-    return json.loads(out.read_text())["steps"]
+    return read_metrics(out)["steps"]
 
 
 def main(argv=None) -> int:
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i, (label, flags, _) in enumerate(METHODS):
             print(f"[{i + 1}/{len(METHODS)}] {label} ...", file=sys.stderr, flush=True)
-            rows[label] = run(flags, nproc=args.nproc, steps=args.steps, model=args.model, out=Path(tmp) / f"{i}.json")
+            rows[label] = run(flags, nproc=args.nproc, steps=args.steps, model=args.model, out=Path(tmp) / f"{i}.jsonl")
     final = {label: statistics.mean(s["loss"] for s in steps[-10:]) for label, steps in rows.items()}
     dense = sum(s["dp_bytes_dense"] or 0 for s in rows["fp16"])  # DeepSpeed's all-reduce is not counted by megakit
     print(f"{args.model}, {args.steps} steps, DP {args.nproc} (ZeRO 0 unless named, fp32), final loss = mean of the "

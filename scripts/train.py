@@ -158,6 +158,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --save: the step waits only for the copy of the state to host memory; writing, fsync "
                         "and the rename run in a background thread (one save at a time; a crash mid-write leaves "
                         "the previous checkpoint as it was)")
+    p.add_argument("--save-on-signal", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --save: on SIGTERM or SIGUSR1 to any rank (a scheduler's notice, Slurm's --signal), "
+                        "or its launcher gone, finish the step, save it and exit with status 75, every rank at the "
+                        "same step; a second signal 2 s or more later stops at once (default: on; off, or without "
+                        "--save, the run stops there without saving, also with status 75; docs/clusters.md)")
     p.add_argument("--load", metavar="DIR", default=None,
                    help="'auto': the --save DIR's newest intact checkpoint, or step 0 while it has none (the same "
                         "command then restarts a run after a crash, e.g. under torchrun --max-restarts N); or "
@@ -173,9 +178,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="write a PyTorch profiler trace per rank (steps 2-3) to DIR (default ./profile)")
     p.add_argument("--verify-memory", action="store_true",
                    help="print each rank's measured memory next to the planner's prediction")
-    p.add_argument("--metrics-out", metavar="FILE", default=None, help="write per-step metrics as JSON (rank 0)")
+    p.add_argument("--metrics-out", metavar="FILE", default=None,
+                   help="append one JSON line per step, evaluation and event to FILE as it happens (JSON Lines; rank "
+                        "0; default: none); a killed run keeps what it logged")
     p.add_argument("--log-every", type=int, default=1, help="print a metrics line every N steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--deepspeed-logs", action="store_true",
+                   help="show DeepSpeed's own start-up and INFO lines in the workers (hidden by default: each rank "
+                        "repeats them, and megakit's banner says what they would; the launcher's own lines follow its "
+                        "--log_level)")
     p.add_argument("--check", action="store_true",
                    help="check the flags, the ds_config, the model, the data and --load for $WORLD_SIZE processes "
                         "(default 1) in this one process, say what would run and exit (2 on a mistake): what a "
@@ -223,7 +234,7 @@ def config(args: argparse.Namespace):
         seq_len=args.seq_len,
         stage_layers=parse_stage_layers(args.stage_layers), tensorboard=args.tensorboard, profile=args.profile,
         verify_memory=args.verify_memory, metrics_out=args.metrics_out, log_every=args.log_every,
-        progress=not args.no_progress, log_heartbeat_s=args.log_heartbeat, stall_timeout_s=args.stall_timeout,
+        progress=not args.no_progress, deepspeed_logs=args.deepspeed_logs, log_heartbeat_s=args.log_heartbeat, stall_timeout_s=args.stall_timeout,
         recompute=args.recompute, loss_chunks=parse_loss_chunks(args.loss_chunks), fp8=args.fp8,
         sequence_parallel=args.sequence_parallel, save=args.save, save_every=args.save_every, keep=args.keep,
         load=args.load, allow_cross_node_tp=args.allow_cross_node_tp, compress=args.compress,
@@ -232,6 +243,7 @@ def config(args: argparse.Namespace):
         moe_z_loss=args.moe_z_loss, moe_capacity_factor=args.moe_capacity_factor,
         moe_expert_bias=args.moe_expert_bias, moe_force_balance=args.moe_force_balance, compile=args.compile, attention_kernel=args.attention_kernel,
         spike_guard=args.spike_guard, async_save=args.async_save, reset_attention_mask=args.reset_attention_mask,
+        save_on_signal=args.save_on_signal,
         reset_position_ids=args.reset_position_ids, eod_mask_loss=args.eod_mask_loss, mtp=args.mtp,
         mtp_weight=args.mtp_weight,
         **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}))
@@ -240,25 +252,40 @@ def config(args: argparse.Namespace):
 def _check(cfg) -> int:
     """``--check``: ``resolve`` the run (every check the workers make before any process group) and say what it is."""
     from megakit.errors import UsageError
+    from megakit.train.data.corpus import verify_corpus
+    from megakit.train.observe.reporting import cp_mode_words
     from megakit.train.run import resolve
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:
         run = resolve(cfg, world, say=lambda *_: None)
+        verify_corpus(cfg.data)  # every shard's sha256: a shard damaged in place is named now, not at its step
     except UsageError as error:
         print(f"train.py: error: {error}", file=sys.stderr, flush=True)
         return 2
     layout, batch = run.layout, run.batch
-    cp = f" x CP {layout.cp}" if layout.cp > 1 else ""
+    cp = f" x CP {layout.cp} ({cp_mode_words(layout)})" if layout.cp > 1 else ""
     start = f", resuming at step {run.start_step} from {run.checkpoint}" if run.checkpoint is not None else ""
     print(f"train.py: check passed: {cfg.model} on {world} process(es), TP {layout.tp}{cp} x PP {layout.pp} x DP "
           f"{layout.dp}, {batch.global_batch} sequences of {batch.seq_len} per step, {cfg.steps} steps{start}", flush=True)
     return 0
 
 
+def _quiet_deepspeed(args: argparse.Namespace) -> None:
+    """Before DeepSpeed is imported: on a machine without CUDA, name its accelerator, so that each rank does not
+    warn that it "was unable to detect" a GPU (``--deepspeed-logs`` keeps the warning)."""
+    if args.deepspeed_logs or "DS_ACCELERATOR" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _quiet_deepspeed(args)
     from megakit.errors import UsageError
     from megakit.train.trainer import TrainingDiverged, train
 
@@ -271,8 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         return _check(cfg)
     try:
-        train(cfg)
+        stopped = train(cfg, keep_steps=False).stopped  # each step's metrics: the log and --metrics-out
         _leave()
+        if stopped:  # a signal or the launcher gone: stopped (and saved with --save) at a step every rank agreed on
+            from megakit.train.resilience.preemption import EXIT_STOPPED
+
+            return EXIT_STOPPED
     except UsageError as error:
         _leave()
         if _rank0() or not getattr(error, "all_ranks", False):  # a rank's own mistake: it says so itself

@@ -30,13 +30,40 @@ TOOLS = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}
          "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 NO_MARKERS = CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+# As released templates write them (whitespace between turns, bos_token, a system turn folded into the first user
+# turn), with {% generation %} markers around what the assistant says: the masks the markers give are what the
+# unmarked templates' prefixes must give.
+CHATML_RELEASED = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' }}{%- if m.role == 'assistant' %}{% generation %}"
+    "{{- m.content + '<|im_end|>' }}{% endgeneration %}{{- '\n' }}{%- else %}{{- m.content + '<|im_end|>\n' }}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+LLAMA3_RELEASED = (
+    "{{- bos_token }}{%- for m in messages %}{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' }}"
+    "{%- if m['role'] == 'assistant' %}{% generation %}{{- m['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+    "{%- else %}{{- m['content'] | trim + '<|eot_id|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}")
+GEMMA_RELEASED = (
+    "{{- bos_token }}{%- if messages[0]['role'] == 'system' %}{%- set first = messages[0]['content'] + '\n\n' %}"
+    "{%- set turns = messages[1:] %}{%- else %}{%- set first = '' %}{%- set turns = messages %}{%- endif %}"
+    "{%- for m in turns %}{%- set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "{{- '<start_of_turn>' + role + '\n' + (first if loop.first else '') }}{%- if m['role'] == 'assistant' %}"
+    "{% generation %}{{- m['content'] | trim + '<end_of_turn>' }}{% endgeneration %}{{- '\n' }}"
+    "{%- else %}{{- m['content'] | trim + '<end_of_turn>\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
            "<|end_header_id|>", "<|eot_id|>"]
+GEMMA_SPECIAL = [*SPECIAL, "<bos>", "<start_of_turn>", "<end_of_turn>"]
 WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 
 
-def _tokenizer(directory: Path, template: str) -> Path:
+def _unmarked(template: str) -> str:
+    return template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+
+
+def _tokenizer(directory: Path, template: str, special: list[str] = SPECIAL, **specials) -> Path:
+    """A byte-level BPE with the templates' special tokens and ``template``, saved as transformers saves one; eos
+    ``<|endoftext|>`` unless ``specials`` say otherwise."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -44,9 +71,10 @@ def _tokenizer(directory: Path, template: str) -> Path:
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator(["what is the weather in Paris? It is sunny, thanks for asking."] * 20, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIAL, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=template, eos_token="<|endoftext|>").save_pretrained(
-        str(directory))
+        vocab_size=400, special_tokens=special, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=template,
+                            **{"eos_token": "<|endoftext|>", **specials}).save_pretrained(str(directory))
     return directory
 
 
@@ -108,8 +136,7 @@ def test_masks_are_token_identical_to_transformers(tmp_path, name, template):
     for record, (ids, mask) in zip(records, docs):
         assert (ids, mask) == _expected(hf, record["messages"], record.get("tools"))
         assert 0 < sum(mask) < len(mask)
-    saved = json.loads((out / "tokenizer_config.json").read_text())
-    assert saved["chat_template"] == template  # the template travels with the data
+    assert AutoTokenizer.from_pretrained(str(out), local_files_only=True).chat_template == template  # it travels
 
 
 def test_every_record_shape_renders_as_its_conversation(tmp_path):
@@ -140,18 +167,141 @@ def test_every_record_shape_renders_as_its_conversation(tmp_path):
     assert code == 0 and all(all(mask[:-1]) and not mask[-1] for _, mask in _documents(out))  # the separator: never
 
 
+COUNTED = "{{ messages | length }} turns\n" + NO_MARKERS  # a prefix renders another count: no turn splits off
+NO_PROMPT = NO_MARKERS[:NO_MARKERS.index("{% if add_generation_prompt %}")]
+
+
 @pytest.mark.parametrize("records,template,extra,needle", [
-    (_conversations(2), NO_MARKERS, [], "has a chat template without {% generation %} markers"),
-    (_conversations(2), NO_MARKERS, ["--loss-on", "assistant"], "--chat-template FILE"),
+    (_conversations(2), CHATML, ["--chat-template", "counted.jinja"],
+     "--chat-template {tmp}/counted.jinja cannot be split into turns: its first 2 messages render differently"),
+    (_conversations(2), NO_PROMPT, ["--loss-on", "assistant"],
+     "the chat template of --tokenizer {tmp}/tok cannot be split into turns: it renders no generation prompt"),
+    (_conversations(2), NO_MARKERS, ["--loss-on", "completion", "--chat-template", "counted.jinja"],
+     "--chat-template {tmp}/counted.jinja cannot be split into turns: the prompt renders differently"),
+    ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}], CHATML, [],
+     "the inputs hold no chat record to train on: all 1 are malformed or leave no token to train on, e.g. "
+     "{tmp}/chats.jsonl, the line at byte 0 (message 2 (assistant) has no content)"),
     ([{"messages": [{"role": "wizard", "content": "hi"}]}], CHATML, [], "has the role 'wizard'; the roles are"),
     ([{"conversations": [{"from": "robot", "value": "hi"}]}], CHATML, [], "a ShareGPT turn has from='robot'"),
-], ids=["no-markers", "no-markers-assistant", "unknown-role", "unknown-sharegpt"])
+], ids=["unsplittable", "no-generation-prompt", "unsplittable-completion", "null-content-only", "unknown-role",
+        "unknown-sharegpt"])
 def test_refusals_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, records, template, extra, needle):
+    (tmp_path / "counted.jinja").write_text(COUNTED)
     tokenizer = _tokenizer(tmp_path / "tok", template)
+    extra = [str(tmp_path / e) if e.endswith(".jinja") else e for e in extra]
+    needle = needle.format(tmp=tmp_path)
     code, out = _prepare(tmp_path, records, tokenizer, *extra)
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and needle in err, err
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+@pytest.mark.parametrize("marked", [CHATML_RELEASED, LLAMA3_RELEASED, GEMMA_RELEASED],
+                         ids=["chatml", "llama3", "gemma"])
+def test_templates_without_markers_mask_the_assistant_as_their_markers_do(tmp_path, capsys, marked):
+    """A released template has no {% generation %} markers: the assistant's turns are found by rendering prefixes,
+    and the mask is token for token the one transformers reads from the same template with markers (system turns,
+    one to three exchanges); prepare-data shows the first example with the counted tokens marked."""
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {"chatml": {}, "llama3": {"bos_token": "<|begin_of_text|>"},
+                "gemma": {"bos_token": "<bos>"}}[_name(marked)]
+    tokenizer = _tokenizer(tmp_path / "tok", _unmarked(marked), GEMMA_SPECIAL if specials else SPECIAL, **specials)
+    records = _conversations()
+    code, out = _prepare(tmp_path, records, tokenizer, "--loss-on", "assistant")
+    assert code == 0
+    from tokenizers import Tokenizer
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tokenizer / "tokenizer.json")),
+                                 chat_template=marked, eos_token="<|endoftext|>", **specials)
+    docs = _documents(out)
+    assert len(docs) == len(records)
+    end = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>"}
+    for record, (ids, mask) in zip(records, docs):
+        want = _expected(hf, record["messages"])
+        assert (ids, mask) == want
+        if specials:
+            assert ids[0] == hf.bos_token_id  # the template's {{ bos_token }} is the tokenizer's
+        turns = sum(m["role"] == "assistant" for m in record["messages"])
+        ended = [i for i in range(len(ids)) if mask[i] and ids[i] == hf.convert_tokens_to_ids(end[_name(marked)])]
+        assert len(ended) == turns  # each assistant turn's end-of-turn token counts: the model learns to stop
+    shown = capsys.readouterr().out
+    assert f"{end[_name(marked)]}]]" in shown and "[[sunny" in shown, shown
+
+
+def _name(template: str) -> str:
+    return "chatml" if template is CHATML_RELEASED else "llama3" if template is LLAMA3_RELEASED else "gemma"
+
+
+def test_a_chat_template_file_travels_in_place_of_the_tokenizers(tmp_path):
+    """--chat-template FILE renders the data and replaces the tokenizer's own template in the data directory (so in
+    checkpoints and the export); the tokenizer's special tokens travel as they were."""
+    from transformers import AutoTokenizer
+
+    tokenizer = _tokenizer(tmp_path / "tok", NO_MARKERS, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    (tmp_path / "marked.jinja").write_text(CHATML_RELEASED)
+    code, out = _prepare(tmp_path, _conversations(3), tokenizer, "--chat-template", str(tmp_path / "marked.jinja"))
+    assert code == 0
+    saved = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    assert saved.chat_template == CHATML_RELEASED and (saved.eos_token, saved.pad_token) == ("<|im_end|>",
+                                                                                             "<|endoftext|>")
+    hf = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+    hf.chat_template = CHATML_RELEASED
+    assert _documents(out) == [_expected(hf, r["messages"]) for r in _conversations(3)]
+
+
+@pytest.mark.parametrize("template", [CHATML_RELEASED, NO_MARKERS.replace("m['content']", "m.content")],
+                         ids=["m.content", "m['content']"])
+def test_a_message_without_content_is_skipped_and_counted_for_every_template(tmp_path, capsys, template):
+    """A message with no content, or a null one, is a malformed record whichever way the template reads it: counted,
+    named and skipped, never a Jinja traceback nor an empty turn trained on."""
+    tokenizer = _tokenizer(tmp_path / "tok", _unmarked(template))
+    good = _conversations(2)
+    records = [good[0], {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]},
+               {"messages": [{"role": "user"}, {"role": "assistant", "content": "sunny"}]},
+               {"conversations": [{"from": "human", "value": None}, {"from": "gpt", "value": "sunny"}]}, good[1]]
+    code, out = _prepare(tmp_path, records, tokenizer)
+    assert code == 0
+    assert len(_documents(out)) == 2
+    said = capsys.readouterr().out
+    assert "skipped 3 chat records" in said and "(message 2 (assistant) has no content)" in said, said
+
+
+def test_eos_not_in_the_vocabulary_is_refused(tmp_path, capsys):
+    """A chat model whose eos is not a token could never stop: one line, exit 2, nothing written, whether its
+    tokenizer_config.json names a token the vocabulary lacks, or its generation config an id past the vocabulary
+    (at prepare-data, and at convert --from-hf)."""
+    tokenizer = _tokenizer(tmp_path / "tok", CHATML, eos_token="<|im_end|>")
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|im_stop|>"}))
+    code, out = _prepare(tmp_path, _conversations(2), tokenizer)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "the eos token '<|im_stop|>' is not in the tokenizer's" in err, err
+    assert not out.exists()
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
+    (tokenizer / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 4000]}))
+    (tokenizer / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 400}))
+    code, out = _prepare(tmp_path, _conversations(2), tokenizer)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "its eos_token_id [2, 4000] is outside the tokenizer's" in err, err
+    assert not out.exists()
+    code = cli.main(["convert", str(tokenizer), str(tmp_path / "ck"), "--from-hf"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "eos_token_id [2, 4000] is not in the model's vocabulary" in err, err
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--chat"], "--chat needs --prompt TEXT"),
+    (["--messages", "{tmp}/bad.json"], "--messages {tmp}/bad.json: give a JSON list of"),
+    (["--messages", "{tmp}/none.json"], "--messages {tmp}/none.json: cannot read it as JSON"),
+    ([], "give --prompt TEXT"),
+], ids=["chat-without-prompt", "not-messages", "no-file", "nothing"])
+def test_generate_refuses_a_conversation_it_cannot_read(tmp_path, capsys, args, needle):
+    (tmp_path / "bad.json").write_text(json.dumps({"messages": [{"role": "user", "content": None}]}))
+    code = cli.main(["generate", str(tmp_path), *[a.format(tmp=tmp_path) for a in args]])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and needle.format(tmp=tmp_path) in err, err
 
 
 def test_no_markers_train_the_completion_and_chat_needs_a_tokenizer(tmp_path, capsys):

@@ -15,10 +15,12 @@ import torch
 from test_trainer import ROOT
 
 from megakit.commands.cli import main as megakit
+from megakit.errors import UsageError
 from megakit.interop.prepare_data import MIN_SPAN, PrepareConfig, prepare, read_documents
 from megakit.interop.token_shards import open_shards
 from megakit.train.data.batches import BatchPlan, TokenBatches, stdlib_files
 from megakit.train.data.corpus import open_corpus
+from megakit.train.run import TrainConfig
 
 
 def _train_script():
@@ -125,6 +127,27 @@ def test_a_big_jsonl_is_cut_into_pieces_and_its_bad_lines_counted(prepared, tmp_
     assert np.concatenate([np.asarray(t) for t in shards.tokens("train")]).tolist() == want
 
 
+def test_parquet_and_arrow_rows_are_named_as_rows_and_empty_ones_counted(prepared, tmp_path):
+    """A null or non-string row is a bad record named by its file, row group (record batch) and row, not a "JSONL
+    line"; an empty string is counted apart (5 rows: 3 documents, 1 bad, 1 empty)."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = ["one two three", None, "", "four five", "six"]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "rows.parquet", row_group_size=2)
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+    for source, where in (("rows.parquet", "rows.parquet, row group 0, row 1 ('text' is null)"),
+                          ("saved", "record batch 0, row 1 ('text' is null)")):
+        said = []
+        summary = prepare(PrepareConfig(inputs=[str(tmp_path / source)], out=str(tmp_path / f"out-{source}"),
+                                        tokenizer=prepared[0].out, val_fraction=0.0, progress=False), say=said.append)
+        assert (summary["input_documents"], summary["bad_records"], summary["empty_records"]) == (3, 1, 1), summary
+        assert not any("JSONL" in line for line in said), said
+        assert any("skipped 1 Parquet/Arrow rows that are not objects" in line and where in line for line in said), said
+        assert any("skipped 1 Parquet/Arrow rows whose 'text' is an empty string" in line for line in said), said
+
+
 @pytest.mark.parametrize("dp", [1, 2, 4])
 def test_dp_ranks_take_disjoint_samples_whose_union_is_the_batch(prepared, dp):
     corpus = open_corpus(prepared[0].out)
@@ -194,7 +217,20 @@ def test_trainer_data_errors_are_one_line(prepared, tmp_path, capsys):
     line = _one_line(capsys, 2, ["--steps", "1", "--eval-every", "5"], train)  # raw text: no validation split
     assert "--eval-every needs a validation split" in line
     shard = data / "train-00001.bin"
-    shard.write_bytes(shard.read_bytes()[:-10])
+    original = shard.read_bytes()
+    shard.write_bytes(original + b"\0\0")
+    assert "train-00001.bin is longer than index.json says" in _one_line(capsys, 2, base, train)
+    damaged = bytearray(original)
+    damaged[10:12] = b"\xff\xff"  # token 5 of the shard: id 65535 of a vocabulary of 400, in place (same size)
+    shard.write_bytes(bytes(damaged))
+    assert "train-00001.bin does not match its sha256 in index.json" in _one_line(capsys, 2, [*base, "--check"], train)
+    corpus = open_corpus(str(data))  # the loader as the trainer builds it, one step reading every sample
+    options = corpus.loader_options(TrainConfig(ds_config=str(ROOT / "ds_configs" / "zero1.json"), model="gpt-tiny"))
+    samples = TokenBatches(corpus.train, BatchPlan(seq_len=64, micro_batch=1)).num_samples
+    with pytest.raises(UsageError, match="train-00001.bin holds token id 65535 at token 5, outside the vocabulary of "
+                                         "400: the shard is damaged; run train.py --check"):
+        TokenBatches(corpus.train, BatchPlan(seq_len=64, micro_batch=samples), **options).global_batch(0)
+    shard.write_bytes(original[:-10])
     assert "train-00001.bin is truncated" in _one_line(capsys, 2, base, train)
     (data / "index.json").unlink()
     assert "has no index.json" in _one_line(capsys, 2, base, train)

@@ -101,10 +101,11 @@ def _guard_decisions(rank: int, world: int) -> list:
     out = []
     for step, bad in ((0, False), (1, True), (2, True)):
         loss = torch.tensor(float("nan") if bad and rank == 1 else 2.0 + rank)
-        try:
-            out.append(guard.check(step, loss, grads_finite=not bad, applied=not bad))
+        try:  # rank 1 is asked to stop (SIGTERM) at step 1: every rank learns it from the same all-reduce
+            out.append(guard.check(step, loss, grads_finite=not bad, applied=not bad, stop=15 * (rank == step == 1)))
         except TrainingDiverged as error:
             out.append(str(error))
+        out.append(guard.stops)
     try:
         guard.check(3, torch.tensor(1.0), grads_finite=True, applied=rank == 0)
     except RuntimeError as error:
@@ -116,6 +117,8 @@ def test_the_guard_decides_alike_on_every_rank_and_ends_after_the_limit():
     from multiproc import run_ranks
 
     for out in run_ranks(_guard_decisions, 2):
+        out, stops = out[:6:2] + out[6:], out[1:6:2]
+        assert stops == [{}, {1: 15}, {}], stops  # a stop asked on one rank, seen on every rank at that step
         assert out[0] == (2.5, None)  # the loss averaged over the job
         assert out[1] == (pytest.approx(float("nan"), nan_ok=True), "step 1 skipped (1 in all): rank 0: non-finite "
                                                                       "gradient; rank 1: non-finite loss and gradient")

@@ -13,11 +13,13 @@ import pytest
 from multiproc import THREADS, free_port
 from test_trainer import LOSS_TOL, ROOT, deepspeed, dropout_model
 
+from megakit.train.observe.metrics import read_metrics
+
 TRAIN = ["scripts/train.py", "--ds_config", "ds_configs/zero1.json", "--seq-len", "32", "--no-progress"]
 
 
 def _losses(path: Path) -> list[float]:
-    return [step["loss"] for step in json.loads(path.read_text())["steps"]]
+    return [step["loss"] for step in read_metrics(path)["steps"]]
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -133,6 +134,30 @@ def test_config_loading_and_errors(tmp_path):
     bad.write_text(json.dumps({"model_type": "llama", "vocab_size": 10}))
     with pytest.raises(UsageError, match="lacks the field .num_attention_heads."):
         ModelConfig.load(bad)
+
+
+@pytest.mark.parametrize("preset, key, value, message", [
+    ("llama-tiny", "rms_norm_eps", "1e-5", 'has rms_norm_eps "1e-5"; give a number above 0'),
+    ("llama-tiny", "num_hidden_layers", True, "has num_hidden_layers true; give a positive integer (true and false"),
+    ("llama-tiny", "num_hidden_layers", 0, "has num_hidden_layers 0; give a positive integer"),
+    ("llama-tiny", "tie_word_embeddings", "false", 'has tie_word_embeddings "false"; give true or false'),
+    ("llama-tiny", "head_dim", 4.0, "has head_dim 4.0; give an integer >= 0 or null"),
+    ("gpt-tiny", "n_layer", 2.5, "has n_layer 2.5; give a positive integer"),
+    ("gpt-tiny", "resid_pdrop", 1.5, "has resid_pdrop 1.5; give a number in [0, 1)"),
+    ("moe-tiny", "num_experts_per_tok", False, "has num_experts_per_tok false; give a positive integer"),
+    ("deepseek-v3-tiny", "kv_lora_rank", "16", 'has kv_lora_rank "16"; give a positive integer'),
+])
+def test_a_config_value_of_the_wrong_type_is_named_by_its_file_and_key(tmp_path, preset, key, value, message):
+    """A number given as a string, or a bool where a number goes (Python takes true for 1), is refused in one line
+    that names the file and the Hugging Face key, not megakit's own field; a bool is not an int in ModelConfig."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(_preset(preset).read_text()), key: value}))
+    with pytest.raises(UsageError, match=re.escape(f"model config {path} {message}")):
+        ModelConfig.load(path)
+    with pytest.raises(UsageError, match="field layers must be a positive integer, got True"):
+        ModelConfig.load("llama-tiny").replace(layers=True)
+    with pytest.raises(UsageError, match="field norm_eps must be a finite number, got '1e-5'"):
+        ModelConfig.load("llama-tiny").replace(norm_eps="1e-5")
 
 
 def test_bad_tp_names_the_numbers():

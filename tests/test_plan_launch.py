@@ -17,6 +17,7 @@ from test_data_path import five_large_files
 from test_trainer import LOSS_TOL, ROOT, dropout_model
 
 from megakit.commands import cli
+from megakit.train.observe.metrics import read_metrics
 
 
 def _plan(capsys, *argv):
@@ -143,11 +144,13 @@ def test_the_slurm_script_trains_on_two_loopback_nodes_and_survives_a_killed_wor
     assert "--load auto: no checkpoint in" in log and "TP 2 x PP 2 x DP 1" in log and "\r" not in log, log[-3000:]
     assert "the last attempt finished step 6, resuming at step 6 redoes 1 step(s)" in log, log[-4000:]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-0000009", "step-0000012"]
-    got = json.loads((tmp_path / "m.json").read_text())  # the last attempt's: steps 6-11
+    got = read_metrics(tmp_path / "m.json")  # both attempts appended: steps 0-6 (eval at 4), then 6-11
+    assert [run["start_step"] for run in got["runs"]] == [0, 6], got["runs"]
     want = reference_run(json.loads(config.read_text()), model=model, steps=12, seq_len=32, data=data,
                          eval_every=4, eval_batches=1)
     losses = {s["step"]: s["loss"] for s in got["steps"]}
-    assert sorted(losses) == list(range(6, 12)), losses
+    assert sorted(losses) == list(range(12)), losses
     assert all(abs(losses[s] - want["loss"][s]) < LOSS_TOL for s in losses), (losses, want["loss"])
-    assert [e["step"] for e in got["eval"]] == [8, 12]
-    assert all(abs(a["loss"] - b["loss"]) < LOSS_TOL for a, b in zip(got["eval"], want["evals"][1:])), (got, want)
+    assert [e["step"] for e in got["eval"]] == [4, 8, 12]
+    assert all(abs(a["loss"] - b["loss"]) < LOSS_TOL for a, b in zip(got["eval"], want["evals"], strict=True)), (
+        got, want)

@@ -15,6 +15,7 @@ from multiproc import THREADS
 from test_trainer import ROOT, dropout_model
 
 from megakit.train.doctor.fault_injection import VARIABLE
+from megakit.train.observe.metrics import read_metrics
 
 TRAIN = ["scripts/train.py", "--ds_config", "ds_configs/zero1.json", "--seq-len", "32", "--no-progress", "--tp", "2",
          "--steps", "9"]
@@ -39,9 +40,11 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_bitwise(tmp_path):
     assert "megakit: --load auto: no checkpoint in" in log  # the first attempt started at step 0
     assert ("megakit: restart 1 of this run (torchrun restart 1): the last attempt finished step 6, resuming at "
             "step 6 redoes 1 step(s) (1 in all)") in log, log[-4000:]
-    losses = {m["step"]: m["loss"] for m in json.loads((tmp_path / "full.json").read_text())["steps"]}
-    resumed = {m["step"]: m["loss"] for m in json.loads((tmp_path / "restarted.json").read_text())["steps"]}
-    assert sorted(resumed) == [6, 7, 8], resumed
+    losses = {m["step"]: m["loss"] for m in read_metrics(tmp_path / "full.json")["steps"]}
+    restarted = read_metrics(tmp_path / "restarted.json")  # both attempts appended: steps 0-6, then 6-8
+    assert [run["start_step"] for run in restarted["runs"]] == [0, 6], restarted["runs"]
+    resumed = {m["step"]: m["loss"] for m in restarted["steps"]}  # step 6: the restarted attempt's, the newest
+    assert sorted(resumed) == list(range(9)), resumed
     assert all(resumed[s] == losses[s] for s in resumed), (resumed, losses)  # bitwise
     assert sorted(p.name for p in save.iterdir()) == ["latest", "step-0000006", "step-0000009"]
     attempts = json.loads((tmp_path / ".ckpt.attempts.json").read_text())["attempts"]

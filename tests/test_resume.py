@@ -20,6 +20,8 @@ import pytest
 from multiproc import THREADS, free_port
 from test_trainer import ROOT, dropout_model, ds_config, packed_documents
 
+from megakit.train.observe.metrics import read_metrics
+
 STEPS = 8
 TOL = 1e-5
 
@@ -252,8 +254,8 @@ def test_a_job_killed_while_saving_resumes_on_the_uninterrupted_trajectory(tmp_p
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     start = int(re.search(r"resuming from .*step-(\d+)", resumed.stdout).group(1))
     assert start == killed_at - 1, (start, killed_at)
-    want = [s["loss"] for s in json.loads((tmp_path / "full.json").read_text())["steps"]][start:]
-    got = [s["loss"] for s in json.loads((tmp_path / "res.json").read_text())["steps"]]
+    want = [s["loss"] for s in read_metrics(tmp_path / "full.json")["steps"]][start:]
+    got = [s["loss"] for s in read_metrics(tmp_path / "res.json")["steps"]]
     assert got == want and 0 < start < 40, (start, got, want)
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from multiproc import THREADS, free_port
 
+from megakit.train.observe.metrics import read_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 10  # a trajectory case: the warm-up (5 steps) and the cosine after it; the loss falls by over 0.8
 GAP_STEPS = 20  # a compressed run: its distance from the exact run is measured over its last 5 steps
@@ -384,7 +386,7 @@ def test_tp2_checkpoint_resumes_at_tp1(dp_results, tmp_path):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "resuming" in out.stdout and "at step 6" in out.stdout
-    (step,) = json.loads((tmp_path / "m.json").read_text())["steps"]
+    (step,) = read_metrics(tmp_path / "m.json")["steps"]
     assert step["step"] == 6
     assert abs(step["loss"] - longer["loss"][6]) < LOSS_TOL, (step["loss"], longer["loss"])
     assert abs(longer["loss"][6] - longer["loss"][0]) > 100 * LOSS_TOL  # the weights did move in 6 steps
@@ -632,6 +634,9 @@ def test_verify_memory_under_context_parallelism_ring_and_a2a(mp_results):
         assert_memory_matches(rows)
     for step, (a2a, ring) in enumerate(zip(results[21]["loss"], results[6]["loss"][:3], strict=True)):
         assert abs(a2a - ring) < LOSS_TOL, (step, a2a, ring)
+    # Ulysses' all-to-alls are counted as gpt-oss's are (every step is measured on CPU); the ring sends none
+    assert all(b and b > 0 for b in results[21]["all_to_all_bytes"]), results[21]["all_to_all_bytes"]
+    assert results[6]["all_to_all_bytes"] == [None] * len(results[6]["loss"])
 
 
 @pytest.mark.slow
@@ -697,7 +702,9 @@ def test_default_run_loss_falls(tmp_path):
                     "--profile", str(tmp_path / "prof"), "--no-progress", "--log-every", "10")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "training gpt-mini" in out.stdout and "tok/s" in out.stdout and "grad-norm" in out.stdout
-    steps = json.loads((tmp_path / "m.json").read_text())["steps"]
+    lines = (tmp_path / "m.json").read_text().splitlines()  # JSON Lines: the run, then one line per step
+    assert [json.loads(line)["type"] for line in lines] == ["run", *["step"] * 40], lines[:3]
+    steps = read_metrics(tmp_path / "m.json")["steps"]
     losses = [s["loss"] for s in steps]
     assert losses[0] > 5.0 and max(losses[-5:]) < 3.8, losses  # byte-level: ln 256 = 5.55 at the start
     assert all(s["comm_share"] is not None and s["tokens_per_s"] > 0 for s in steps)
@@ -743,9 +750,11 @@ def _start_and_signal(tmp_path, sig: int, *extra: str) -> tuple[int, float, str]
 
 @pytest.mark.slow
 def test_killed_rank_ends_the_job_and_is_named(tmp_path):
-    status, seconds, text = _start_and_signal(tmp_path, signal.SIGKILL)
+    status, seconds, text = _start_and_signal(tmp_path, signal.SIGKILL, "--metrics-out", str(tmp_path / "m.jsonl"))
     assert status != 0 and seconds < 120, (status, seconds)
     assert "rank 2 (pp 0, dp 1, tp 0) died" in text, text[-3000:]
+    steps = read_metrics(tmp_path / "m.jsonl")["steps"]  # written as they ended, not lost with the job
+    assert [s["step"] for s in steps][:2] == [0, 1] and all(math.isfinite(s["loss"]) for s in steps), steps
 
 
 @pytest.mark.slow

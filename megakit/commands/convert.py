@@ -41,11 +41,20 @@ def run(args: argparse.Namespace) -> int:
     if to_hf == bool(args.from_hf) or not args.out:
         raise UsageError("give either CHECKPOINT OUT_DIR --to-hf, or HF_DIR OUT_DIR --from-hf")
     if args.from_hf:
-        from megakit.interop.hf_import import import_hf
+        from pathlib import Path
 
+        from megakit.interop.hf_import import import_hf
+        from megakit.interop.tokenizer import check_model_stop_ids, model_tokenizer, save_tokenizer
+        from megakit.train.resilience.resume import TOKENIZER
+
+        check_model_stop_ids(args.source)
+        tokenizer = model_tokenizer(args.source)
         summary = import_hf(args.source, args.out)
+        if tokenizer is not None:  # with its chat template and stop ids, so the import exports and chats as it is
+            save_tokenizer(tokenizer, Path(args.out) / TOKENIZER, source=args.source)
         print(f"wrote {args.out}: a megakit checkpoint at step 0 ({summary['model_type']}, "
-              f"{summary['params'] / 1e6:.2f} M parameters, {summary['dtype']}) from {args.source}")
+              f"{summary['params'] / 1e6:.2f} M parameters, {summary['dtype']})"
+              f"{' and its tokenizer' if tokenizer is not None else ''} from {args.source}")
         print(f"train from it with: deepspeed scripts/train.py --model {args.source} --load {args.out} ...")
         return 0
     from megakit.interop.hf_export import export_hf

@@ -18,6 +18,8 @@ from megakit.errors import finite_float
 from megakit.interop.chat_data import LOSS_ON
 from megakit.interop.packing import TOO_LONG
 
+EXAMPLE_CHARS = 2000  # of the example shown with its counted tokens marked
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", metavar="INPUT", nargs="*",
@@ -32,9 +34,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--field", default="text", help="the JSONL key (or Parquet column) that holds the text")
     parser.add_argument("--loss-on", choices=LOSS_ON, default="auto",
                         help="chat data (messages, ShareGPT conversations, prompt/completion, Alpaca): the tokens the "
-                             "loss counts: assistant (the template's {%% generation %%} blocks), completion (after the "
-                             "prompt, or the last assistant turn), all; auto: assistant for conversations, completion "
-                             "otherwise")
+                             "loss counts: assistant (each assistant turn: the template's {%% generation %%} blocks, "
+                             "else found by rendering the conversation turn by turn), completion (after the prompt, or "
+                             "the last assistant turn), all; auto (the default): assistant for conversations, "
+                             "completion otherwise. The summary shows one example with the counted tokens in [[ ]]")
     parser.add_argument("--pack", type=int, metavar="N",
                         help="fine-tuning: pack the examples into windows of N tokens (best-fit decreasing; train with "
                              "--seq-len N --reset-attention-mask --reset-position-ids, and each trains as alone)")
@@ -73,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     rate = s["bytes"] / 2**20 / s["seconds"]
     bad = f", {s['bad_records']:,} bad records skipped" if s.get("bad_records") else ""
+    bad += f", {s['empty_records']:,} empty records skipped" if s.get("empty_records") else ""
     print(f"wrote {args.out}: {s['tokens']['train']:,} train and {s['tokens']['validation']:,} validation tokens "
           f"from {s['input_documents']:,} documents ({s['cut_documents']:,} cut between the two) in "
           f"{s['files'] - s['skipped']} "
@@ -86,5 +90,10 @@ def run(args: argparse.Namespace) -> int:
         train, loss = s["tokens"]["train"], s["loss_tokens"]["train"]
         print(f"loss on {s['loss_on']}: {loss:,} of the {train:,} train tokens ({loss / max(train, 1):.0%}) count in "
               "the loss, the rest is context")
+        if s.get("example"):
+            example = s["example"]
+            if len(example) > EXAMPLE_CHARS:
+                example = example[:EXAMPLE_CHARS] + f"... ({len(s['example']) - EXAMPLE_CHARS:,} characters more)"
+            print(f"the first example, the tokens the loss counts in [[ ]]:\n{example}")
     print(f"train on it with: deepspeed scripts/train.py --data {args.out} ...")
     return 0

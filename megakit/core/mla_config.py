@@ -27,7 +27,7 @@ class MLAConfig:
     def __post_init__(self) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UsageError(f"MLA field {name} must be a positive integer, got {value!r}")
         if not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 0:
             raise UsageError(f"MLA field q_lora_rank must be a positive integer or null, got {self.q_lora_rank!r}")

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
+from megakit.core.hf_fields import check_hf_fields
 from megakit.core.mla_config import MLAConfig
 from megakit.core.moe_config import MoEConfig
 from megakit.core.rope import RopeScaling, read_rope, write_rope
@@ -100,8 +101,9 @@ class ModelConfig:
             raise UsageError(f"model family must be 'gpt2' or 'llama', got {self.family!r}")
         for field in ("vocab_size", "max_seq_len", "hidden", "layers", "heads", "kv_heads", "ffn"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UsageError(f"model config field {field} must be a positive integer, got {value!r}")
+        self._check_types()
         if self.heads % self.kv_heads:
             raise UsageError(f"attention heads {self.heads} must be a multiple of KV heads {self.kv_heads}")
         if not self.head_dim:
@@ -129,6 +131,22 @@ class ModelConfig:
         if self.sliding_window < 0 or self.sliding_window_from < 0:
             raise UsageError(f"sliding_window {self.sliding_window} and sliding_window_from {self.sliding_window_from} "
                              "must not be negative")
+
+    def _check_types(self) -> None:
+        """Every other number a number (never a bool: Python takes true for 1) and every flag a bool."""
+        for field in ("head_dim", "sliding_window", "sliding_window_from", "mtp_layers"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise UsageError(f"model config field {field} must be an integer, got {value!r}")
+        for field in ("norm_eps", "dropout", "rope_theta", "init_std", "embed_scale", "query_pre_attn_scalar",
+                      "sliding_rope_theta"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise UsageError(f"model config field {field} must be a finite number, got {value!r}")
+        for field in ("tie_embeddings", "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "qkv_bias",
+                      "out_bias", "mlp_bias", "qk_norm", "norm_offset", "sandwich_norms", "attention_sinks"):
+            if not isinstance(getattr(self, field), bool):
+                raise UsageError(f"model config field {field} must be true or false, got {getattr(self, field)!r}")
 
     def _check_nope_layers(self) -> None:
         """``nope_layers`` as a sorted tuple of block indices, only where the blocks rotate q and k at all."""
@@ -168,6 +186,7 @@ class ModelConfig:
         """Translate a Hugging Face config dict (the model types of the module docstring). Every field
         transformers' model of that type reads is mapped, or refused in one line naming it."""
         kind = data.get("model_type")
+        check_hf_fields(data, source)  # "1e-5" or true where a number goes: one line naming the file and the key
         act = data.get({"gpt2": "activation_function", "gemma3_text": "hidden_activation"}.get(kind, "hidden_act"))
         allowed = {"gpt2": ("gelu_new", "gelu_pytorch_tanh"),
                    "gemma3_text": ("gelu_pytorch_tanh",)}.get(kind, ("silu",))

@@ -53,7 +53,7 @@ class MoEConfig:
     def __post_init__(self) -> None:
         for name in ("experts", "top_k", "ffn", "groups", "group_top_k"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UsageError(f"MoE field {name} must be a positive integer, got {value!r}")
         if self.top_k > self.experts:
             raise UsageError(f"MoE top-k {self.top_k} exceeds the {self.experts} experts; "

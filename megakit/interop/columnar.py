@@ -59,10 +59,16 @@ def piece_rows(path: Path) -> list[int]:
     return [pieces.metadata.row_group(i).num_rows for i in range(pieces.num_row_groups)]
 
 
-def records(path: Path, start: int, end: int | None) -> list[dict]:
-    """The rows of pieces ``start:end`` of the file, each a dict of its columns."""
+def records(path: Path, start: int, end: int | None) -> list[tuple[dict | None, str]]:
+    """The rows of pieces ``start:end`` of the file, each a dict of its columns (None for a null row), with where
+    it is: the file, its row group (Parquet) or record batch (Arrow) and its row there."""
     pieces = _pieces(path)
     if isinstance(pieces, list):
-        return [row for batch in pieces[start:end] for row in batch.to_pylist()]
-    groups = list(range(pieces.num_row_groups)[start:end])
-    return pieces.read_row_groups(groups).to_pylist() if groups else []
+        kind, first = "record batch", start
+        tables = [batch.to_pylist() for batch in pieces[start:end]]
+    else:
+        kind, groups = "row group", list(range(pieces.num_row_groups)[start:end])
+        first = groups[0] if groups else 0
+        tables = [pieces.read_row_group(g).to_pylist() for g in groups]
+    return [(row, f"{path}, {kind} {first + k}, row {n}")
+            for k, rows in enumerate(tables) for n, row in enumerate(rows)]

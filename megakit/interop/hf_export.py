@@ -109,17 +109,25 @@ def export_hf(checkpoint, out_dir, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES
 
 def _tokenizer(checkpoint: Path, tmp: Path, config) -> bool:
     """The checkpoint's tokenizer (``CHECKPOINT/tokenizer``, saved from the data it trained on) beside the weights,
-    its end-of-text id in config.json, so ``AutoTokenizer`` and ``pipeline("text-generation")`` load ``OUT_DIR``."""
-    from megakit.interop.tokenizer import export_tokenizer
+    with the model's ``generation_config.json``, and its stop ids in config.json, so ``AutoTokenizer``,
+    ``generate`` and ``pipeline("text-generation")`` load ``OUT_DIR`` and stop where the model was taught to."""
+    from megakit.interop.tokenizer import GENERATION_CONFIG, as_ids, export_tokenizer
 
     source = checkpoint / "tokenizer"
     if not (source / "tokenizer.json").is_file():
         return False
-    eos = export_tokenizer(source, tmp, model_max_length=config.max_seq_len)
-    if eos is not None:
-        hf_config = json.loads((tmp / "config.json").read_text())
-        hf_config.update(bos_token_id=eos, eos_token_id=eos)
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+    ids = export_tokenizer(source, tmp, model_max_length=config.max_seq_len)
+    stops = ids["eos_token_id"]
+    if any(not 0 <= i < config.vocab_size for i in as_ids(stops)):
+        raise UsageError(f"{checkpoint}: its eos_token_id {stops} is not in the model's vocabulary of "
+                         f"{config.vocab_size}, so generation could never stop; prepare the data with the model's own "
+                         "tokenizer")
+    hf_config = json.loads((tmp / "config.json").read_text())
+    hf_config.update({key: ids[key] for key in ("bos_token_id", "eos_token_id")})
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+    if not (tmp / GENERATION_CONFIG).is_file():
+        generation = {key: value for key, value in ids.items() if value is not None}
+        (tmp / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2))
     return True
 
 

@@ -8,8 +8,9 @@ split and the tokenizer.
   shards (``megakit.interop.chat_data``), the tokens ``--loss-on`` names counted, the rest context only.
   A file that is not UTF-8 text (or holds a NUL byte) is skipped with a counted warning: one
   bad file among thousands should not stop a run, and a corpus of nothing but bad files is
-  an error that names one. Likewise a JSONL line that is not UTF-8 or not a JSON object
-  with that field: one bad record among millions is counted and skipped, not fatal.
+  an error that names one. Likewise a record (a JSONL line, a Parquet or Arrow row) that is not a (UTF-8 JSON)
+  object with that field: one bad record among millions is counted and skipped, not fatal, the first named (its
+  file and byte offset, or row group and row) with why; an empty text is counted apart.
 - A JSONL file larger than a task is cut at line boundaries into pieces of about
   ``TASK_BYTES``, so one big file (the usual shape of a corpus) is read piece by piece and
   tokenized on every core, never held in memory whole.
@@ -159,48 +160,53 @@ def list_inputs(inputs: list[str], *, exclude: Path | None = None) -> list[Path]
 
 
 def read_documents(path: Path, text_field: str | None, start: int = 0,
-                   end: int | None = None) -> tuple[list, str | None, tuple[int, str | None]]:
-    """``(documents, why the file is skipped, (bad JSONL lines, the first named by its byte offset))`` of the
-    file, or of bytes ``start:end`` of a JSONL file (whole lines: see ``pieces``). ``text_field`` None: chat
-    data, each JSONL document a ``(record, where)`` pair."""
+                   end: int | None = None) -> tuple[list, str | None, tuple[int, str | None, int]]:
+    """``(documents, why the file is skipped, (bad records, the first named and why, empty records))`` of the
+    file, or of bytes ``start:end`` of a JSONL file (whole lines: see ``pieces``), or of pieces ``start:end`` of a
+    Parquet or Arrow file (a record named by its row group and row). ``text_field`` None: chat data, each
+    document a ``(record, where)`` pair."""
     if columnar.is_columnar(path):
         try:
             rows = columnar.records(path, start, end)
         except Exception as error:  # noqa: BLE001 (pyarrow raises its own kinds): one unreadable file is skipped
-            return [], f"unreadable as {path.suffix[1:]} ({str(error).splitlines()[0]})", (0, None)
-        return _documents(((row, f"{path}, piece {start} row {n}") for n, row in enumerate(rows)), text_field)
+            return [], f"unreadable as {path.suffix[1:]} ({str(error).splitlines()[0]})", (0, None, 0)
+        return _documents(rows, text_field)
     try:
         with open(path, "rb") as f:
             f.seek(start)
             data = f.read() if end is None else f.read(end - start)
     except OSError as error:
-        return [], f"unreadable ({error.strerror})", (0, None)
+        return [], f"unreadable ({error.strerror})", (0, None, 0)
     if path.suffix == ".jsonl":
         return _documents(_lines(data, start, path), text_field)
     if b"\0" in data:
-        return [], "binary (holds a NUL byte)", (0, None)
+        return [], "binary (holds a NUL byte)", (0, None, 0)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
-        return [], f"not UTF-8 (byte {error.start})", (0, None)
-    return ([text] if text else []), None, (0, None)
+        return [], f"not UTF-8 (byte {error.start})", (0, None, 0)
+    return ([text] if text else []), None, (0, None, 0)
+
+
+_NOT_JSON = object()  # what ``_lines`` gives for a line that is not UTF-8 JSON (a line holding ``null`` gives None)
 
 
 def _lines(data: bytes, offset: int, path: Path):
-    """``(record or None, where)`` of each JSONL line: None for one that is not UTF-8 JSON."""
+    """``(record, where)`` of each JSONL line: ``_NOT_JSON`` for one that is not UTF-8 JSON."""
     for line in data.split(b"\n"):
         if line.strip():
             try:
                 yield json.loads(line.decode("utf-8")), f"{path}, the line at byte {offset}"
             except (UnicodeDecodeError, json.JSONDecodeError):
-                yield None, f"{path}, the line at byte {offset}"
+                yield _NOT_JSON, f"{path}, the line at byte {offset}"
         offset += len(line) + 1
 
 
-def _documents(rows, text_field: str | None) -> tuple[list, None, tuple[int, str | None]]:
+def _documents(rows, text_field: str | None) -> tuple[list, None, tuple[int, str | None, int]]:
     """The documents of ``(record, where)`` rows: each one's ``text_field`` string, or with ``text_field`` None the
-    chat records themselves as ``(record, where)``; anything else counted as bad, the first one named."""
-    docs, bad, first = [], 0, None
+    chat records themselves as ``(record, where)``; anything else counted as bad, the first one named with why,
+    and an empty string counted as empty (it holds no document, but it is not lost without a word)."""
+    docs, bad, first, empty = [], 0, None, 0
     for record, where in rows:
         try:
             value = record[text_field] if text_field is not None else record if chat.is_chat(record) else None
@@ -210,10 +216,24 @@ def _documents(rows, text_field: str | None) -> tuple[list, None, tuple[int, str
             docs.append((value, where))
         elif isinstance(value, str):
             docs += [value] if value else []
+            empty += not value
         else:
             bad += 1
-            first = first or where
-    return docs, None, (bad, first)
+            first = first or f"{where} ({_why_bad(record, text_field)})"
+    return docs, None, (bad, first, empty)
+
+
+def _why_bad(record, text_field: str | None) -> str:
+    if record is _NOT_JSON:
+        return "not UTF-8 JSON"
+    if not isinstance(record, dict):
+        return "null" if record is None else f"a JSON {type(record).__name__}, not an object"
+    if text_field is None:
+        return "not a chat or instruction record"
+    if text_field not in record:
+        return f"no {text_field!r} field"
+    value = record[text_field]
+    return f"{text_field!r} is null" if value is None else f"{text_field!r} is a {type(value).__name__}, not a string"
 
 
 def pieces(path: Path) -> list[tuple[str, int, int | None, int]]:
@@ -269,7 +289,7 @@ def _encode_chat(task) -> list[tuple[list, int, str | None, tuple]]:
     train on (no assistant turn, a malformed message) is counted with the bad lines."""
     renderer, dtype, out = _WORKER["chat"], _WORKER["dtype"], []
     for path, start, end, size in task:
-        records, skipped, (bad, first) = read_documents(Path(path), None, start, end)
+        records, skipped, (bad, first, empty) = read_documents(Path(path), None, start, end)
         arrays = []
         for (record, where), rendered in zip(records, renderer.many(records)):
             if isinstance(rendered, ValueError):
@@ -277,13 +297,13 @@ def _encode_chat(task) -> list[tuple[list, int, str | None, tuple]]:
                 continue
             ids, mask = rendered
             arrays.append((np.array(ids, dtype=dtype), np.array(mask, dtype=np.uint8)))
-        out.append((arrays, size, skipped, (bad, first)))
+        out.append((arrays, size, skipped, (bad, first, empty)))
     return out
 
 
 def _encode_pieces(task: list[tuple[str, int, int | None, int]]) -> list[tuple[list[np.ndarray], int, str | None, tuple]]:
     """Per piece: its documents' ids (end-of-text appended), its size in bytes, why its file was skipped (or
-    None), its bad JSONL lines."""
+    None), its bad and empty records (``read_documents``)."""
     if _WORKER["chat"] is not None:
         return _encode_chat(task)
     tokenizer, eos, dtype = _WORKER["tokenizer"], _WORKER["eos"], _WORKER["dtype"]
@@ -351,6 +371,10 @@ def _settings(cfg: PrepareConfig) -> dict:
         file = source / "tokenizer.json" if source.is_dir() else source
         settings["vocab_size"] = None
         settings["tokenizer"] = hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else str(source.resolve())
+        if source.is_dir():  # its special tokens, template and the model's stop ids travel with the data
+            settings["tokenizer_files"] = {name: hashlib.sha256((source / name).read_bytes()).hexdigest()
+                                           for name in (*tok.FILES, tok.GENERATION_CONFIG, "config.json")
+                                           if (source / name).is_file()}
     return settings
 
 
@@ -396,7 +420,7 @@ def first_record(files: list[Path]) -> dict | None:
                 except Exception:  # noqa: BLE001: skipped with the reason when read
                     break
                 if rows:
-                    return rows[0]
+                    return rows[0][0]
             continue
         if path.suffix != ".jsonl":
             continue
@@ -431,7 +455,7 @@ def chat_template(cfg: PrepareConfig) -> str | None:
 
 
 def _chat_args(cfg: PrepareConfig, files: list[Path]) -> tuple | None:
-    """``(template, loss_on)`` for chat data (None for text), refusing what would train on nothing."""
+    """``(template, loss_on, special tokens, the template's source)`` for chat data (None for text)."""
     record = first_record(files)
     if record is None or not chat.is_chat(record):
         return None
@@ -439,15 +463,12 @@ def _chat_args(cfg: PrepareConfig, files: list[Path]) -> tuple | None:
         raise UsageError("chat and instruction data is tokenized with the model's own tokenizer: pass --tokenizer DIR "
                          "(a transformers tokenizer directory, with its chat template)")
     template = chat_template(cfg)
-    conversational = "messages" in record or "conversations" in record
-    wants_markers = cfg.loss_on == "assistant" or (cfg.loss_on == "auto" and conversational)
-    if wants_markers and not chat.has_generation_markers(template):
-        what = "has no chat template" if not template else "has a chat template without {% generation %} markers"
-        raise UsageError(f"--loss-on {cfg.loss_on} trains the assistant's tokens, but --tokenizer {cfg.tokenizer} "
-                         f"{what}, so none would be found; pass --chat-template FILE whose assistant content sits in "
-                         "{% generation %} ... {% endgeneration %}, or use --loss-on completion (the last assistant "
-                         "turn) or all")
-    return template, cfg.loss_on
+    if template is None and ("messages" in record or "conversations" in record):
+        raise UsageError(f"conversations are rendered with a chat template, and --tokenizer {cfg.tokenizer} has none; "
+                         "pass --chat-template FILE (a Jinja template)")
+    source = (f"--chat-template {cfg.chat_template}" if cfg.chat_template else
+              f"the chat template of --tokenizer {cfg.tokenizer}")
+    return template, cfg.loss_on, tok.special_tokens(cfg.tokenizer), source
 
 
 def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) -> dict:
@@ -455,6 +476,8 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
 
     chat_args = _chat_args(cfg, files)
     tokenizer = _tokenizer(cfg, files, say)
+    if cfg.tokenizer and Path(cfg.tokenizer).is_dir():
+        tok.check_stop_tokens(tokenizer, cfg.tokenizer, source=f"--tokenizer {cfg.tokenizer}")
     vocab, eos = tok.vocab_size(tokenizer), tok.end_of_text_id(tokenizer)
     dtype = token_dtype(vocab)
     window = cfg.window
@@ -462,9 +485,10 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
     writers = {split: ShardWriter(tmp, split, dtype, shard_tokens=shard_tokens, masks=chat_args is not None or
                                   bool(window)) for split in ("train", "validation")}
     examples, truncated = [], 0  # with --pack/--pad: every example, packed at the end
+    example = None  # the first chat example (ids, mask), shown with its counted tokens marked
     counts = {"documents": {"train": 0, "validation": 0}, "tokens": {"train": 0, "validation": 0},
               "loss_tokens": {"train": 0, "validation": 0}}
-    skipped, bad, first_bad, total_bytes, docs = [], 0, None, sum(p.stat().st_size for p in files), 0
+    skipped, bad, first_bad, empty, total_bytes, docs = [], 0, None, 0, sum(p.stat().st_size for p in files), 0
     split, cut, held_back = TokenSplit(fraction=cfg.val_fraction), 0, None
 
     def add(doc, last: bool) -> None:  # one document, its end held out when the split owes tokens
@@ -491,11 +515,12 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
             _init_worker(*args)
         results = pool.imap(_encode_pieces, tasks) if pool else map(_encode_pieces, tasks)
         for batch, task in zip(results, tasks):
-            for (arrays, size, why, (bad_lines, first)), (path, *_) in zip(batch, task):
+            for (arrays, size, why, (bad_lines, first, empty_lines)), (path, *_) in zip(batch, task):
                 if why:
                     skipped.append(f"{path}: {why}")
-                bad, first_bad = bad + bad_lines, first_bad or first
+                bad, first_bad, empty = bad + bad_lines, first_bad or first, empty + empty_lines
                 for ids in arrays:  # one document behind, so the last one is known
+                    example = example if example is not None or not chat_args else ids
                     if window:
                         ids, mask = ids if isinstance(ids, tuple) else (ids, np.ones(len(ids), dtype=np.uint8))
                         truncated += len(ids) > window
@@ -516,29 +541,43 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
     splits = {split: writer.close() for split, writer in writers.items()}
     if not counts["tokens"]["train"]:
         why = f" ({skipped[0]})" if len(skipped) == 1 else f" ({len(skipped)} skipped, e.g. {skipped[0]})" if skipped else ""
+        if chat_args and bad:  # every chat record malformed: name one, and why
+            raise UsageError(f"the inputs hold no chat record to train on: all {bad:,} are malformed or leave no "
+                             f"token to train on, e.g. {first_bad}")
         raise UsageError(f"the inputs hold no text to train on{why}; give UTF-8 text files or JSONL")
     if skipped:
         say(f"prepare-data: warning: skipped {len(skipped)} of {len(files)} files that are not UTF-8 text or "
             f"readable Parquet/Arrow, e.g. {skipped[0]}")
+    records = _record_kinds(files)
     if bad:
         what = ("chat records that are malformed or leave no token to train on" if chat_args else
-                f"JSONL lines that are not UTF-8 JSON objects with a {cfg.field!r} string (--field)")
+                f"{records} that are not {'UTF-8 JSON ' if records == 'JSONL lines' else ''}objects with a "
+                f"{cfg.field!r} string (--field)")
         say(f"prepare-data: warning: skipped {bad:,} {what}, e.g. {first_bad}")
+    if empty:
+        say(f"prepare-data: warning: skipped {empty:,} {records} whose {cfg.field!r} is an empty string (no text)")
     _say_validation(cfg.val_fraction, counts["tokens"], say)
-    tok.save_tokenizer(tokenizer, tmp)
-    if chat_args and chat_args[0]:  # the template travels with the data, into checkpoints and convert --to-hf
-        config_file = tmp / "tokenizer_config.json"
-        config = json.loads(config_file.read_text())
-        config_file.write_text(json.dumps({**config, "chat_template": chat_args[0]}, indent=2))
-    summary = {"files": len(files), "skipped": len(skipped), "bad_records": bad, "bytes": total_bytes,
+    # the tokenizer, its template and the model's stop ids travel with the data, into checkpoints and the export
+    tok.save_tokenizer(tokenizer, tmp, source=cfg.tokenizer,
+                       chat_template=chat_args[0] if chat_args and cfg.chat_template else None)
+    summary = {"files": len(files), "skipped": len(skipped), "bad_records": bad, "empty_records": empty,
+               "bytes": total_bytes,
                "vocab_size": vocab, "input_documents": docs, "cut_documents": cut, "chat": chat_args is not None,
                "loss_on": chat_args[1] if chat_args else "all", **counts,
-               **({"packed": dict(packed, truncated=truncated)} if packed else {})}
+               **({"packed": dict(packed, truncated=truncated)} if packed else {}),
+               **({"example": chat.marked(tokenizer, *example)} if example is not None else {})}
     write_index(tmp, {"dtype": dtype.name, "vocab_size": vocab, "eos_id": eos,
                       **({"packed": {"seq_len": window, "strategy": "bfd" if cfg.pack else "pad"}} if window else {}),
                       "source": {"fingerprint": stamp, "inputs": [str(i) for i in cfg.inputs], "skipped": skipped},
                       "splits": splits, "summary": summary})
     return summary
+
+
+def _record_kinds(files: list[Path]) -> str:
+    """What the inputs' records are called: JSONL lines, Parquet/Arrow rows, or both."""
+    kinds = [name for name, there in (("JSONL lines", any(p.suffix == ".jsonl" for p in files)),
+                                      ("Parquet/Arrow rows", any(columnar.is_columnar(p) for p in files))) if there]
+    return " and ".join(kinds) or "records"
 
 
 def _write_bins(examples, writers, counts, cfg: PrepareConfig, *, pad_id: int) -> dict:

@@ -9,7 +9,7 @@ window without parsing. Beside it, ``NAME.docs`` holds each document's first tok
 context only. ``index.json`` names every file with its token and document counts and sha256,
 the dtype, the vocabulary and what it was made from; it is written last, so a directory
 without it is not a finished one. Opening checks each file's size against the index (a
-truncated shard is one clear line); ``verify`` also checks the sha256.
+truncated shard is one clear line); ``verify`` also checks the sha256 (``train.py --check`` does).
 
     DIR/index.json
     DIR/tokenizer.json, tokenizer_config.json, special_tokens_map.json
@@ -183,7 +183,9 @@ def open_shards(directory: str | Path, *, verify: bool = False) -> TokenShards:
                 path = directory / name
                 have = path.stat().st_size if path.is_file() else None
                 if have != size:
-                    state = "missing" if have is None else f"truncated ({have} bytes, the index says {size})"
+                    state = ("missing" if have is None else f"truncated ({have} bytes, {INDEX} says {size})"
+                             if have < size else f"longer than {INDEX} says ({have} bytes, it says {size}), so it "
+                             f"does not match {INDEX}")
                     raise UsageError(f"{path} is {state}; run megakit prepare-data ... --out {directory} again")
                 if verify and sha256_file(path) != digest:
                     raise UsageError(f"{path} does not match its sha256 in {INDEX}; run megakit prepare-data again")

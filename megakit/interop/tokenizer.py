@@ -9,6 +9,13 @@ gives the same merges (a test trains twice and compares).
 Documents are separated by an end-of-text token (``<|endoftext|>`` for a trained one, the
 tokenizer's own for a loaded one); ``add_special_tokens=False`` everywhere, so the ids of a
 document are exactly ``tokenizer.encode(text).ids`` and nothing else is inserted.
+
+A transformers tokenizer directory (a chat model's) travels whole: its ``tokenizer_config.json`` (special
+tokens: a ChatML model's eos is ``<|im_end|>``, not the end-of-text that separates documents), its chat
+template and its model's ``generation_config.json`` (the ids generation stops at: eos, maybe several; pad; bos)
+are copied as they are into the data directory, each checkpoint and the export, where they set config.json's
+``eos_token_id`` and ``bos_token_id``. A model directory without ``generation_config.json`` gets the one
+transformers would derive from its config.json.
 """
 
 from __future__ import annotations
@@ -22,7 +29,10 @@ from megakit.errors import UsageError
 
 END_OF_TEXT = "<|endoftext|>"
 _EOS_NAMES = (END_OF_TEXT, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "<|eot_id|>")
-FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+GENERATION_CONFIG = "generation_config.json"  # the model's stop ids, travelling with its tokenizer
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+_STOP_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 MIN_VOCAB = 256 + 1  # the 256 byte symbols and the end-of-text token
 
 
@@ -81,33 +91,138 @@ def vocab_size(tokenizer) -> int:
     return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
 
-def save_tokenizer(tokenizer, directory: str | Path, *, model_max_length: int | None = None) -> list[str]:
+def special_tokens(source: str | Path | None) -> dict[str, str]:
+    """The special tokens (``SPECIAL_TOKENS``) a transformers tokenizer directory declares, as strings, read from
+    its files as transformers reads them (``tokenizer_config.json`` over the older ``special_tokens_map.json``;
+    a token is a string or an ``AddedToken`` dict); ``{}`` for a ``tokenizer.json`` alone (or None). Chat templates
+    read them (``{{ bos_token }}``)."""
+    found: dict[str, str] = {}
+    if source is None or not Path(source).is_dir():
+        return found
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        try:
+            declared = json.loads((Path(source) / name).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        for key in SPECIAL_TOKENS:
+            value = declared.get(key, found.get(key))
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                found[key] = value
+            else:
+                found.pop(key, None)
+    return found
+
+
+def _generation_config(source: Path) -> dict | None:
+    """The model's ``generation_config.json``, else the stop ids of its ``config.json`` (what transformers derives
+    the generation config from), else None."""
+    for name, keys in ((GENERATION_CONFIG, None), ("config.json", _STOP_IDS)):
+        try:
+            config = json.loads((source / name).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        picked = config if keys is None else {k: config[k] for k in keys if config.get(k) is not None}
+        if picked:
+            return picked
+    return None
+
+
+def as_ids(value) -> list[int]:
+    """A config's token id field (an id, a list of them, or None) as a list."""
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+def check_stop_tokens(tokenizer, directory: str | Path, *, source: str) -> None:
+    """UsageError, in one line, for a tokenizer whose eos (or an eos id of its model's generation config) is not in
+    its vocabulary: generation would never stop. (A bos or pad id is left alone: some configs hold -1.)"""
+    specials = special_tokens(directory)
+    eos = specials.get("eos_token")
+    if eos is not None and tokenizer.token_to_id(eos) is None:
+        raise UsageError(f"{source}: the eos token {eos!r} is not in the tokenizer's vocabulary, so generation "
+                         "could never stop; fix eos_token in its tokenizer_config.json (or add the token)")
+    rows, stops = vocab_size(tokenizer), (_generation_config(Path(directory)) or {}).get("eos_token_id")
+    if any(not 0 <= i < rows for i in as_ids(stops)):
+        raise UsageError(f"{source}: its eos_token_id {stops} is outside the tokenizer's vocabulary of {rows}; fix "
+                         "the model's generation_config.json (or config.json)")
+
+
+def check_model_stop_ids(hf_dir: str | Path) -> None:
+    """UsageError, in one line, for a transformers model whose eos ids (generation config, else config.json) are not
+    rows of its embedding: generation could never stop."""
+    try:
+        config = json.loads((Path(hf_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return  # the import names what is wrong with it
+    rows = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    stops = (_generation_config(Path(hf_dir)) or {}).get("eos_token_id")
+    if rows and any(not 0 <= i < rows for i in as_ids(stops)):
+        raise UsageError(f"{hf_dir}: its eos_token_id {stops} is not in the model's vocabulary of {rows}, so "
+                         "generation could never stop; fix generation_config.json (or config.json)")
+
+
+def model_tokenizer(hf_dir: str | Path):
+    """A transformers model directory's tokenizer (None if it has none), loaded before an import writes anything;
+    ``save_tokenizer(it, CHECKPOINT/tokenizer, source=hf_dir)`` then carries it with its template and stop ids, as
+    ``prepare-data`` does, so the import exports and chats before any training."""
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "tokenizer.json").is_file() and not (hf_dir / "tokenizer_config.json").is_file():
+        return None
+    return load_tokenizer(hf_dir)
+
+
+def save_tokenizer(tokenizer, directory: str | Path, *, model_max_length: int | None = None,
+                   source: str | Path | None = None, chat_template: str | None = None) -> list[str]:
     """Write ``tokenizer`` as transformers saves a fast tokenizer (``AutoTokenizer.from_pretrained(directory)``
-    loads it); returns the file names written."""
+    loads it); returns the file names written. ``source``, a transformers directory: its files as they are (special
+    tokens, template, added tokens) and its model's generation config; else (a tokenizer trained here, or a
+    ``tokenizer.json`` alone) the end-of-text token is eos. ``chat_template``: replaces the source's template."""
+    directory = Path(directory)
+    if source is not None and (Path(source) / "tokenizer_config.json").is_file():
+        source = Path(source)
+        written = copy_tokenizer(source, directory)
+        if "tokenizer.json" not in written:  # a directory of slow-tokenizer files: its fast form, converted
+            tokenizer.save(str(directory / "tokenizer.json"))
+            written.append("tokenizer.json")
+        generation = _generation_config(source)
+        if generation is not None and GENERATION_CONFIG not in written:  # derived from its config.json
+            (directory / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2))
+            written.append(GENERATION_CONFIG)
+        if chat_template is not None:
+            (directory / "chat_template.jinja").write_text(chat_template)
+            config = json.loads((directory / "tokenizer_config.json").read_text())
+            config.pop("chat_template", None)  # one template, the file's
+            (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+            written.append("chat_template.jinja")
+        return sorted(set(written))
     from transformers import PreTrainedTokenizerFast
 
     eos = end_of_text_id(tokenizer)
     eos_token = None if eos is None else tokenizer.id_to_token(eos)
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos_token, bos_token=eos_token,
-                                      unk_token=eos_token, model_max_length=model_max_length or int(1e30))
+                                      unk_token=eos_token, model_max_length=model_max_length or int(1e30),
+                                      chat_template=chat_template)
     return [Path(f).name for f in wrapped.save_pretrained(str(directory)) if Path(f).is_file()]
 
 
 def copy_tokenizer(source: str | Path, target: str | Path) -> list[str]:
-    """Copy the tokenizer files of ``source`` (a directory ``save_tokenizer`` wrote) into ``target``."""
+    """Copy the tokenizer files of ``source`` (a directory ``save_tokenizer`` wrote, or a transformers one) and its
+    generation config into ``target``."""
     source, target = Path(source), Path(target)
     target.mkdir(parents=True, exist_ok=True)
     copied = []
-    for name in FILES:
+    for name in (*FILES, GENERATION_CONFIG):
         if (source / name).is_file():
             shutil.copyfile(source / name, target / name)
             copied.append(name)
     return copied
 
 
-def export_tokenizer(source: str | Path, target: str | Path, *, model_max_length: int) -> int | None:
-    """Copy a saved tokenizer next to exported weights, with the model's context as ``model_max_length``;
-    returns its end-of-text id (which the exported config names as ``eos_token_id``)."""
+def export_tokenizer(source: str | Path, target: str | Path, *, model_max_length: int) -> dict:
+    """Copy a saved tokenizer next to exported weights, with the model's context as ``model_max_length``; returns
+    the ids generation stops at (``bos_token_id``, ``eos_token_id``, ``pad_token_id``; None where there is none):
+    the model's generation config where it travelled with the tokenizer, else the tokenizer's special tokens, else
+    its end-of-text token as eos and bos (a tokenizer trained here)."""
     from tokenizers import Tokenizer
 
     copy_tokenizer(source, target)
@@ -116,4 +231,13 @@ def export_tokenizer(source: str | Path, target: str | Path, *, model_max_length
         config = json.loads(config_file.read_text())
         config["model_max_length"] = model_max_length
         config_file.write_text(json.dumps(config, indent=2))
-    return end_of_text_id(Tokenizer.from_file(str(Path(source) / "tokenizer.json")))
+    generation = _generation_config(Path(source))
+    if generation is not None and generation.get("eos_token_id") is not None:
+        return {key: generation.get(key) for key in _STOP_IDS}
+    tokenizer = Tokenizer.from_file(str(Path(source) / "tokenizer.json"))
+    specials = special_tokens(source)
+    if "eos_token" in specials:
+        return {f"{key}_id": tokenizer.token_to_id(specials[key]) if key in specials else None
+                for key in ("bos_token", "eos_token", "pad_token")}
+    eos = end_of_text_id(tokenizer)
+    return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": None}

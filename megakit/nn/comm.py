@@ -54,7 +54,7 @@ class Meter:
 
     def __init__(self, *, sync_cuda: bool = False) -> None:
         self.seconds, self.calls, self.sync_cuda = 0.0, 0, sync_cuda
-        self.all_to_all_bytes = 0  # what this rank's all-to-alls sent to other ranks (MoE token dispatch)
+        self.all_to_all_bytes = 0  # what this rank's all-to-alls sent to other ranks (MoE token dispatch, Ulysses CP)
         self.p2p_sent: collections.Counter = collections.Counter()  # bytes of this rank's P2P sends, by global rank
         self.p2p_messages = 0  # how many P2P sends (ring attention's traffic, pipeline activations)
 

@@ -30,7 +30,7 @@ from megakit.nn.fp8 import check_fp8
 from megakit.nn.model import trained_mtp_depth
 from megakit.train.data.batches import DEFAULT_MAX_BYTES, BatchPlan
 from megakit.train.data.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
-from megakit.train.engine.ds_config import load_ds_config, require_optimizer
+from megakit.train.engine.ds_config import load_ds_config, require_optimizer, schedule_over_steps
 from megakit.train.resilience.guards import DEFAULT_MAX_SKIPPED
 from megakit.train.resilience.restarts import auto_load
 from megakit.train.resilience.resume import check_checkpoint_flags, check_same_run
@@ -76,6 +76,7 @@ class TrainConfig:
     metrics_out: str | None = None
     log_every: int = 1
     progress: bool = True
+    deepspeed_logs: bool = False  # DeepSpeed's own INFO lines and start-up messages (hidden: they repeat per rank)
     log_heartbeat_s: float = 60.0  # without a bar: a line every this many seconds while a step runs longer; 0: never
     stall_timeout_s: float = 60.0
     collective_timeout_s: float = 300.0
@@ -101,6 +102,7 @@ class TrainConfig:
     attention_kernel: str = "auto"  # SDPA backend: auto | flash | cudnn | efficient | math (nn.attention_kernel)
     spike_guard: float | None = None  # Z: a loss Z recent standard deviations above the recent mean rolls back (spikes)
     async_save: bool = False  # checkpoints written in a background thread; the step waits for the host copy only
+    save_on_signal: bool = True  # with save: SIGTERM/SIGUSR1 (or the launcher gone) save after the step, then stop
     # packed documents (Megatron's names; off by default: Llama 3 found the mask of "limited impact" in standard
     # pretraining, and it matters for long sequences and for packed fine-tuning examples)
     reset_attention_mask: bool = False  # attention stays inside each document of a window
@@ -183,6 +185,7 @@ class Run:
     attention: KernelChoice = KernelChoice("auto")  # --attention-kernel on this device
     data_offset: int = 0  # step s reads the batch of step s + data_offset (batches a spike rollback skipped)
     spike_window: list | None = None  # the spike guard's recent losses, as the checkpoint saved them
+    lr_schedule: str = ""  # the banner's line on the LR schedule: over --steps, or as the ds_config pins it
 
     @property
     def dtype(self) -> torch.dtype:
@@ -223,6 +226,7 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     layout = Layout.for_world(world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
     ds_config = load_ds_config(cfg.ds_config, dp=layout.dp, pp=layout.pp)
     require_optimizer(ds_config)
+    lr_schedule = schedule_over_steps(ds_config, steps=cfg.steps)
     corpus = open_corpus(cfg.data, max_bytes=cfg.max_bytes)
     model = with_moe_flags(model_for_corpus(ModelConfig.load(cfg.model), cfg.model, corpus), cfg)
     _check_expert_parallel(cfg, model, layout, ds_config)
@@ -286,7 +290,7 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
                                           loss_chunks=cfg.loss_chunks),
                schedule=schedule, compression=compression,
                corpus=corpus, compile=compile, attention=attention, data_offset=data_offset(extra),
-               spike_window=extra.get("spike_guard"))
+               spike_window=extra.get("spike_guard"), lr_schedule=lr_schedule)
 
 
 def _check_schedule(schedule: str, *, pp: int, vpp: int, accumulation: int) -> None:

@@ -35,6 +35,7 @@ mistake that every rank makes alike is marked ``all_ranks`` so that only rank 0 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import math
 import os
@@ -54,7 +55,7 @@ from megakit.nn.attention_kernel import use_kernel
 from megakit.nn.compile import compile_blocks
 from megakit.train.data.batches import TokenBatches
 from megakit.train.doctor.diagnostics import Diagnostics
-from megakit.train.engine.deepspeed_shm import unlink_shared_memory
+from megakit.train.engine.deepspeed_shm import check_shared_memory, unlink_shared_memory, writable_extensions_dir
 from megakit.train.engine.dp_sync import DataParallelSync
 from megakit.train.engine.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
 from megakit.train.doctor.fault_injection import TrainingFaults, with_seed_fault
@@ -67,6 +68,7 @@ from megakit.train.observe.metrics import StepCommunication, StepMetrics, gpu_pe
 from megakit.train.observe.mtp_losses import MTPLosses
 from megakit.train.observe.reporting import Reporter, start_profiler
 from megakit.train.resilience.guards import StepGuard, TrainingDiverged
+from megakit.train.resilience.preemption import EXIT_STOPPED, StopRequests, reason_text
 from megakit.train.resilience.restarts import AUTO, Attempts
 from megakit.train.resilience.resume import per_rank_key, restore, restore_own_state, save_run
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
@@ -78,10 +80,12 @@ from megakit.train.steps import pipeline_step, plain_step, rank_device
 
 @dataclass
 class TrainResult:
-    steps: list = field(default_factory=list)  # StepMetrics per step (rank 0 has them all)
+    steps: list = field(default_factory=list)  # StepMetrics per step (rank 0 has them all); none: keep_steps=False
     memory: list | None = None  # per-rank rows of --verify-memory
     evals: list = field(default_factory=list)  # {"step", "loss", "perplexity"} per evaluation
     events: list = field(default_factory=list)  # {"step", "kind", "text", ...} per intervention (a skipped step)
+    checkpoint: str | None = None  # the last checkpoint this run saved
+    stopped: str | None = None  # why the run ended before cfg.steps (a signal, the launcher gone), said on rank 0
 
     @property
     def losses(self) -> list[float]:
@@ -95,8 +99,17 @@ def _describe(topo, rank: int) -> str:
     return f"rank {rank} (pp {c['pp']}, dp {c['dp']}{cp}, tp {c['tp']})"
 
 
-def train(cfg: TrainConfig) -> TrainResult:
-    """Run ``cfg.steps`` optimizer steps on the job the launcher started; returns the metrics."""
+def train(cfg: TrainConfig, *, keep_steps: bool = True) -> TrainResult:
+    """Run ``cfg.steps`` optimizer steps on the job the launcher started; returns the metrics (``keep_steps``
+    False: not each step's, which would grow with the run; scripts/train.py has them in --metrics-out).
+
+    SIGTERM or SIGUSR1 to any rank, or its launcher gone, ends the run early (``TrainResult.stopped``): after a
+    step every rank agrees on, saved first with ``--save`` (``megakit.train.resilience.preemption``)."""
+    with StopRequests(name=f"rank {os.environ.get('RANK', '0')}") as stops:
+        return _train_job(cfg, stops, keep_steps)
+
+
+def _train_job(cfg: TrainConfig, stops: StopRequests, keep_steps: bool) -> TrainResult:
     from megakit.nn.topology import Topology, init_distributed
     from megakit.train.resilience.faults import from_communication
 
@@ -108,13 +121,18 @@ def train(cfg: TrainConfig) -> TrainResult:
         raise everywhere(error)
     init_distributed(timeout_s=cfg.collective_timeout_s)
     _check_placement(cfg, run.layout)
+    try:  # DeepSpeed's CPU op and its /dev/shm buffers fail with a traceback or SIGSEGV; these say why in one line
+        writable_extensions_dir(say=print if rank0 else (lambda *_: None))
+        check_shared_memory()  # after _check_placement's gather: no rank has written its buffer yet
+    except UsageError as error:
+        raise everywhere(error)
     topo = Topology(run.layout, timeout_s=cfg.collective_timeout_s)
     _seed_default_generators(cfg.seed, topo)
-    watchdog = _start_watchdog(cfg, topo)
+    watchdog = _start_watchdog(cfg, topo, stops)
     writer = AsyncWriter(comm.side_group(cfg.collective_timeout_s)) if cfg.async_save else None  # --async-save
     try:
         with linear_restored():  # ZeRO-3's engine replaces F.linear process-wide
-            result = _train(run, topo, watchdog, writer)
+            result = _train(run, topo, watchdog, writer, stops, keep_steps)
     except (UsageError, TrainingDiverged) as error:
         _drain(writer)
         if isinstance(error, TrainingDiverged) or getattr(error, "all_ranks", False):  # every rank raised it
@@ -188,7 +206,7 @@ def everywhere(error: UsageError) -> UsageError:
     return error
 
 
-def _start_watchdog(cfg: TrainConfig, topo):
+def _start_watchdog(cfg: TrainConfig, topo, stops: StopRequests):
     from megakit.nn.topology import attempt_prefix
     from megakit.train.resilience.faults import Watchdog, connect_store
 
@@ -200,7 +218,8 @@ def _start_watchdog(cfg: TrainConfig, topo):
             store = dist.PrefixStore(attempt_prefix(), store)
     peers = {r for kind in ("tp", "cp", "dp", "pp") for r in topo.group_ranks(kind)}  # the ranks this one waits on
     return Watchdog(topo.rank, dist.get_world_size(), stall_s=cfg.stall_timeout_s, peers=peers,
-                    describe=lambda r: _describe(topo, r), store=store).start()
+                    describe=lambda r: _describe(topo, r), store=store,
+                    store_gone_with_launcher=stops.launcher_gone).start()
 
 
 def _build(run: Run, topo, doctor=None):
@@ -238,7 +257,8 @@ def _build(run: Run, topo, doctor=None):
         clipper = Zero0Clipper(stage.parameters(), topo, float(ds_config.get("gradient_clipping", 0.0)))
         ds_config = {**ds_config, "gradient_clipping": 0.0}
     experts = run.model.moe.experts if run.model.moe else 0
-    with deepspeed_sees_experts(stage, topo, experts):  # EP > 1: expert gradients and ZeRO over EDP
+    quiet = contextlib.nullcontext() if cfg.deepspeed_logs else contextlib.redirect_stdout(io.StringIO())
+    with deepspeed_sees_experts(stage, topo, experts), quiet:  # quiet: DeepSpeed prints that its CPU op was built
         engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=decay_groups(stage), mpu=topo,
                                                        config=ds_config)
     unlink_shared_memory()
@@ -248,13 +268,16 @@ def _build(run: Run, topo, doctor=None):
 
 
 def _not_scheduler_start(record) -> bool:
-    return "before it has started" not in record.getMessage()
+    """DeepSpeed's schedulers warn when built (at iteration -1, where megakit places them right after) and when the
+    warm-up outlasts the run; the banner's LR line says the latter once, in megakit's words."""
+    message = record.getMessage()
+    return "before it has started" not in message and "is less than warmup_num_steps" not in message
 
 
-def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
+def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequests, keep_steps: bool = True
+           ) -> TrainResult:
     logger = logging.getLogger("DeepSpeed")
-    logger.setLevel(logging.WARNING)
-    # DeepSpeed's schedulers warn when built (at iteration -1); megakit places them right after (optim.start_schedule)
+    logger.setLevel(logging.INFO if run.cfg.deepspeed_logs else logging.WARNING)
     logger.addFilter(_not_scheduler_start)  # added once (a filter already there is not added again)
     # DeepSpeed 0.19.8 calls collectives torch 2.13 renamed; the warning repeats every step
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
@@ -328,7 +351,8 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         comm_seconds, comm_calls = communication.result or (None, None)
-        a2a_bytes = communication.all_to_all_bytes if communication.result and moe is not None else None
+        a2a = moe is not None or run.layout.cp_a2a > 1  # MoE dispatch, Ulysses CP: bytes counted from shapes (host)
+        a2a_bytes = communication.all_to_all_bytes if communication.result and a2a else None
         dp_bytes, dp_bytes_dense = dp_sync.take_bytes()
         if clipper is not None:
             grad_norm, grads_finite, applied = clipper.norm, clipper.finite, clipper.applied
@@ -338,7 +362,7 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
             applied = engine.was_step_applied()
         if doctor is not None:
             doctor.after_step(loss=loss, lr=lr, seconds=seconds, comm_seconds=comm_seconds, grad_norm=grad_norm)
-        loss, skipped = guard.check(step, loss, grads_finite=grads_finite, applied=applied)
+        loss, skipped = guard.check(step, loss, grads_finite=grads_finite, applied=applied, stop=stops.reason)
         moe_metrics = moe.after_step(applied=not skipped) if moe is not None else None  # the expert bias moves here
         mtp_losses = mtp.after_step() if mtp is not None else None
         if skipped:  # the batch and the LR slot are spent: data and LR stay functions of the step
@@ -354,7 +378,8 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
                               dp_bytes_dense=dp_bytes_dense, skipped=bool(skipped), moe=moe_metrics, mtp=mtp_losses,
                               all_to_all_bytes=a2a_bytes, compiling=run.compile and step == start,
                               **dict(zip(("gpu_util", "gpu_mem_gib"), gpu_state())))
-        result.steps.append(metrics)
+        if keep_steps:
+            result.steps.append(metrics)
         reporter.log(metrics)
         if metrics.compiling:
             reporter.compiled(metrics)
@@ -368,15 +393,17 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
                 step, offset = back
                 continue
         done, step = step + 1, step + 1
-        evaluating = evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.steps)
-        saving = cfg.save and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0))
+        stopping = bool(guard.stops) and done < cfg.steps  # every rank learnt it from the guard's all-reduce
+        evaluating = evaluate is not None and not stopping and (done % cfg.eval_every == 0 or done == cfg.steps)
+        saving = cfg.save and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)
+                               or (stopping and cfg.save_on_signal))
         if evaluating or saving:
             dp_sync.synchronize()  # one model on every DP rank (compressed updates may be pending)
         if evaluating:
             result.evals.append(reporter.eval(done, *evaluate()))
         if saving:
             try:
-                save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
+                saved = save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
                          extra={"loss": loss if math.isfinite(loss) else None, "seed": cfg.seed,
                                 "global_batch": plan.global_batch, "data": {
                                     "samples": (done + offset) * plan.global_batch, "skipped_batches": offset,
@@ -384,8 +411,15 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
                                 **({"spike_guard": spikes.state()} if spikes else {})},
                          tokenizer=run.corpus.tokenizer_dir, dp_sync=dp_sync, rank_key=per_rank_key(run, topo),
                          writer=writer)
+                result.checkpoint = str(saved)
             except UsageError as error:
                 raise everywhere(error)  # save_checkpoint raises on every rank when any rank fails
+        if stopping:
+            _wait(writer)
+            result.stopped = _stopped(guard.stops, topo, step=done, saved=cfg.save if saving else None,
+                                      why="no --save" if not cfg.save else "--no-save-on-signal",
+                                      gone=stops.gone if stops.launcher_gone() else None)
+            break
     _wait(writer)  # the last save is on disk before the run returns
     if profiler is not None:
         profiler.stop()
@@ -393,8 +427,20 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None) -> TrainResult:
     if probe is not None:
         result.memory = probe.report()
         reporter.memory(result.memory)
-    reporter.close(result)
+    reporter.close(checkpoint=result.checkpoint)
     return result
+
+
+def _stopped(stops: dict[int, int], topo, *, step: int, saved: str | None, why: str, gone: str | None) -> str:
+    """The line a stop ends with (rank 0 prints it): why, where, and what was saved. ``gone``: the launcher's
+    process this rank finds gone, if it does."""
+    first, reason = next(iter(stops.items()))
+    what = reason_text(reason, gone)
+    where = _describe(topo, first) + (f" and {len(stops) - 1} more rank(s)" if len(stops) > 1 else "")
+    kept = f"saved to {saved} (--load auto resumes there)" if saved else f"nothing saved ({why})"
+    if topo.rank == 0:
+        print(f"megakit: {what} {where}: stopped at step {step}, {kept}; exit status {EXIT_STOPPED}", flush=True)
+    return what
 
 
 def _wait(writer: AsyncWriter | None) -> None:

@@ -113,11 +113,13 @@ class TokenBatches:
     shard the samples are those of the single stream. ``masks``: per shard, one 0/1 per token (a
     prepared directory's loss mask); a label whose token has mask 0 becomes -100, which the loss
     leaves out, so how many tokens a window trains varies and the trainer weights the loss by them.
+    ``vocab_size``: a window holding an id at or above it (a shard damaged in place) is one line naming the
+    shard, checked on the host's copy of the batch (no device sync), not a crash in the embedding steps later.
     """
 
     def __init__(self, tokens, plan: BatchPlan, masks: list | None = None, *, starts: list | None = None,
                  document_attention: bool = False, reset_positions: bool = False, eod: int | None = None,
-                 sources: list[tuple[float, int]] | None = None) -> None:
+                 sources: list[tuple[float, int]] | None = None, vocab_size: int | None = None) -> None:
         self.shards = [t.numpy() if isinstance(t, torch.Tensor) else t
                        for t in (tokens if isinstance(tokens, (list, tuple)) else [tokens])]
         self.masks = masks
@@ -127,7 +129,7 @@ class TokenBatches:
         self.eod = eod  # --eod-mask-loss: no loss where the input is the end-of-document token (Megatron's)
         assert starts is not None or not (document_attention or reset_positions)
         self.sources = sources  # a mixture: (weight, shards) per data set, their shards in that order in ``tokens``
-        self.plan = plan
+        self.plan, self.vocab_size = plan, vocab_size
         counts = [max(len(t) - 1, 0) // plan.seq_len for t in self.shards]
         self._first = np.cumsum([0, *counts])  # the first sample of each shard
         self.num_samples = int(self._first[-1])
@@ -158,8 +160,10 @@ class TokenBatches:
     def _samples(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         seq = self.plan.seq_len
         shard, starts = self._windows(indices)
-        windows = torch.from_numpy(np.stack([self.shards[k][s:s + seq + 1] for k, s in zip(shard, starts)])
-                                   .astype(np.int64))
+        stacked = np.stack([self.shards[k][s:s + seq + 1] for k, s in zip(shard, starts)])
+        if self.vocab_size is not None and stacked.size and stacked.max() >= self.vocab_size:
+            self._out_of_vocabulary(stacked, shard, starts)
+        windows = torch.from_numpy(stacked.astype(np.int64))
         inputs, labels = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (B, S), (B, S)
         if self.masks is not None:  # the mask of the token each label names
             counted = np.stack([self.masks[k][s + 1:s + seq + 1] for k, s in zip(shard, starts)])
@@ -167,6 +171,14 @@ class TokenBatches:
         if self.eod is not None:  # the end-of-document token predicts the next document, which it cannot see
             labels[inputs == self.eod] = -100
         return inputs, labels
+
+    def _out_of_vocabulary(self, stacked: np.ndarray, shard: np.ndarray, starts: np.ndarray) -> None:
+        row, column = np.argwhere(stacked >= self.vocab_size)[0]
+        k = int(shard[row])
+        name = getattr(self.shards[k], "filename", None) or f"shard {k} of the data"
+        raise UsageError(f"{name} holds token id {int(stacked[row, column])} at token {int(starts[row]) + column}, "
+                         f"outside the vocabulary of {self.vocab_size}: the shard is damaged; run train.py --check "
+                         "(it verifies the sha256 of every shard) and prepare the data again")
 
     def _documents(self, indices: torch.Tensor) -> torch.Tensor:
         """``(B, S)`` int64: each input token's document, numbered from 0 in its window."""

@@ -70,7 +70,7 @@ class Corpus:
             (w, len(c.train)) for w, c in zip(self.weights, self.sources)]
         return dict(masks=self.train_masks if split == "train" else self.validation_masks, starts=starts,
                     document_attention=cfg.reset_attention_mask, reset_positions=cfg.reset_position_ids,
-                    eod=self.eos_id if cfg.eod_mask_loss else None, sources=sources)
+                    eod=self.eos_id if cfg.eod_mask_loss else None, sources=sources, vocab_size=self.vocab_size)
 
 
 def parse_mixture(data) -> list[tuple[float, str]] | None:
@@ -114,6 +114,18 @@ def open_corpus(data, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
     return Corpus(train=[tokens], validation=None, vocab_size=BYTE_VOCAB, tokenizer_dir=None,
                   fingerprint=f"bytes:{data or 'stdlib'}:{len(tokens)}",
                   source="the standard library" if data is None else f"--data {data}")
+
+
+def verify_corpus(data) -> None:
+    """Check every shard of ``--data`` (each data set of a mixture) against its sha256 in ``index.json``: a
+    UsageError naming the first that differs. It reads all of them, so ``train.py --check`` runs it, not a start."""
+    from megakit.interop.token_shards import looks_prepared, open_shards
+
+    mixture = parse_mixture(data)
+    paths = [path for _, path in mixture] if mixture else [data[0] if isinstance(data, (list, tuple)) else data]
+    for path in paths:
+        if path is not None and looks_prepared(Path(path)):
+            open_shards(path, verify=True)
 
 
 def _mix(parts: list[tuple[float, Corpus]]) -> Corpus:

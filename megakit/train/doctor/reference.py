@@ -11,10 +11,13 @@ curves" check of the FAQ.
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from megakit.train.data.batches import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches
 from megakit.train.data.corpus import ValidationBatches, model_for_corpus, open_corpus
+from megakit.train.engine.ds_config import schedule_over_steps
 from megakit.train.engine.optim import decay_groups, start_schedule
 
 
@@ -52,6 +55,8 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
     batches = TokenBatches(corpus.train, plan, **corpus.loader_options(cfg))
     params = {k: v for k, v in ds_config["optimizer"]["params"].items() if k not in ("torch_adam", "adam_w_mode")}
     optimizer = torch.optim.AdamW(decay_groups(net), **params)
+    ds_config = json.loads(json.dumps(ds_config))  # the caller's stays as it was
+    schedule_over_steps(ds_config, steps=steps)  # over the run's steps, as the trainer's
     scheduler = None
     if "scheduler" in ds_config:
         kind = ds_config["scheduler"]["type"]

@@ -22,6 +22,8 @@ import torch
 
 from megakit.errors import UsageError
 
+# DeepSpeed's schedules that end at total_num_steps (the others, WarmupLR and OneCycle, have no end)
+SCHEDULES_WITH_AN_END = ("WarmupCosineLR", "WarmupDecayLR")
 MISSING_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
 POSITIVE_INTEGERS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                      "steps_per_print")
@@ -174,3 +176,29 @@ def fuse_adam(config: dict, *, cuda: bool) -> None:
     if (cuda and not offloaded and str(optimizer.get("type", "")).lower() in ("adam", "adamw")
             and params.get("torch_adam") and "fused" not in params and params.get("foreach") is None):
         optimizer["params"] = {**params, "fused": True}
+
+
+def schedule_over_steps(config: dict, *, steps: int) -> str:
+    """Give ``config``'s LR schedule ``total_num_steps = steps`` (``--steps``) where the file leaves it out, so a
+    200-step fine-tune decays over its 200 steps; a ``total_num_steps`` the file sets is kept (the file pins it, as
+    ``megakit plan --emit-config`` does for a token budget). Returns the line that says which, for the banner.
+    The single-process reference (``megakit.train.doctor.reference``) calls it too, so both run one schedule."""
+    scheduler = config.get("scheduler")
+    lr = config.get("optimizer", {}).get("params", {}).get("lr")
+    peak = f"lr {lr:g}" if isinstance(lr, (int, float)) else "lr from the optimizer"
+    if scheduler is None:
+        return f"megakit: LR schedule: none in the ds_config ({peak}, constant)"
+    kind, params = scheduler.get("type"), scheduler.setdefault("params", {})
+    if kind not in SCHEDULES_WITH_AN_END:
+        return f"megakit: LR schedule: {kind} ({peak}); it has no end, so --steps does not shape it"
+    pinned = "total_num_steps" in params
+    if not pinned:
+        params["total_num_steps"] = steps
+    total, warmup = params["total_num_steps"], params.get("warmup_num_steps", 1000)  # DeepSpeed's default warm-up
+    shape = {"WarmupCosineLR": f"cosine to {params.get('cos_min_ratio', 0.0001):g} x", "WarmupDecayLR": "linear to 0"}
+    whose = (f"the ds_config pins total_num_steps {total}, not --steps {steps}" if pinned and total != steps
+             else "the ds_config's total_num_steps" if pinned else "--steps")
+    text = f"megakit: LR schedule: {kind}, {peak}, {warmup} warm-up steps, {shape[kind]} at step {total} ({whose})"
+    if warmup >= total:
+        text += f"; the warm-up is not over by step {total}: lower warmup_num_steps in the ds_config"
+    return text

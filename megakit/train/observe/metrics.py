@@ -10,14 +10,17 @@ communication (including waiting for slower peers, as the FAQ's "communication s
 means). DeepSpeed's asynchronous ZeRO-3 gathers count their launch on CPU and the whole
 operation on GPU, where its logger synchronises the device after each call; on GPU,
 measuring synchronises, so a trainer measures sampled steps only. The door also counts the
-bytes the all-to-alls send to other ranks (``all_to_all_bytes``); per-layer MoE figures come
+bytes the all-to-alls (MoE token dispatch, Ulysses CP) send to other ranks (``all_to_all_bytes``), from the
+tensors' shapes on the host; per-layer MoE figures come
 from ``megakit.train.engine.moe_step``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -122,7 +125,7 @@ class StepMetrics:
     skipped: bool = False  # a non-finite step the optimizer did not apply (megakit.train.resilience.guards)
     moe: dict | None = None  # MoE layer -> {max_tokens, mean_tokens, dropped, aux, ...} (engine.moe_step)
     mtp: list | None = None  # each MTP depth's loss L_k of the step (observe.mtp_losses), with --mtp
-    all_to_all_bytes: int | None = None  # what this rank's MoE all-to-alls sent (measured steps)
+    all_to_all_bytes: int | None = None  # what this rank's all-to-alls sent (MoE, Ulysses CP; measured steps)
     compiling: bool = False  # the step's time includes torch.compile of the blocks (--compile's first step)
     gpu_util: float | None = None  # rank 0's GPU utilisation, % (gpu_state); None on CPU
     gpu_mem_gib: float | None = None  # rank 0's peak GPU memory allocated so far, GiB; None on CPU
@@ -219,3 +222,25 @@ class StepMetrics:
                 "dp_bytes_dense": self.dp_bytes_dense, "skipped": self.skipped, "all_to_all_bytes": self.all_to_all_bytes,
                 "compiling": self.compiling, "gpu_util": self.gpu_util, "gpu_mem_gib": self.gpu_mem_gib,
                 "moe": None if self.moe is None else {str(k): v for k, v in self.moe.items()}, "mtp": self.mtp}
+
+
+def read_metrics(path: str | Path) -> dict:
+    """A ``--metrics-out`` file (JSON Lines, ``reporting.MetricsFile``) as ``{"runs", "steps", "eval", "events",
+    "memory"}``: every run's start and every event in order; the newest record of each step and of each evaluation,
+    in step order (a resumed run, or one rolled back by --spike-guard, writes a step again); the last memory table
+    (None without --verify-memory). A last line cut short by a kill is left out."""
+    out: dict = {"runs": [], "steps": {}, "eval": {}, "events": [], "memory": None}
+    for line in Path(path).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        kind = record.pop("type", None)
+        if kind in ("step", "eval"):
+            out["steps" if kind == "step" else "eval"][record["step"]] = record
+        elif kind in ("run", "event"):
+            out[f"{kind}s"].append(record)
+        elif kind == "memory":
+            out["memory"] = record["rows"]
+    return {**out, "steps": [out["steps"][k] for k in sorted(out["steps"])],
+            "eval": [out["eval"][k] for k in sorted(out["eval"])]}

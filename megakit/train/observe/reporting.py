@@ -2,7 +2,10 @@
 
 Only rank 0 prints and writes (every rank computes the same per-step metrics);
 each rank writes its own profiler trace, because ranks of different pipeline stages
-do different work. Files are written to a temporary name and renamed. The bar is drawn
+do different work. Traces are written to a temporary name and renamed. The metrics file
+(``--metrics-out``) is JSON Lines, one record per line appended and flushed as it happens
+(``MetricsFile``), so a run that is killed, preempted or crashes keeps every step it logged and
+nothing waits in memory for the end; ``megakit.train.observe.metrics.read_metrics`` reads it. The bar is drawn
 only on a terminal: in a log file (a cluster job's stderr) its carriage returns would run
 into the step lines, so there the log is one line per step or event, and grep-able, plus a
 heartbeat line every ``--log-heartbeat`` seconds while a step (or a save, an evaluation) runs longer,
@@ -12,6 +15,7 @@ so a slow step is told apart from a stuck job in the log.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -22,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megakit.errors import UsageError
 from megakit.nn.attention_kernel import attention_kernels_in
 from megakit.train.observe.metrics import StepMetrics
 
@@ -98,16 +103,92 @@ class Heartbeat:
             del beat
 
 
+def cp_mode_words(layout) -> str:
+    """How CP splits attention: ``ring``, ``a2a`` (Ulysses) or ``hybrid, all-to-all over N`` (``Layout.cp_a2a``)."""
+    if layout.cp_a2a == layout.cp:
+        return "a2a"
+    return f"hybrid, all-to-all over {layout.cp_a2a}" if layout.cp_a2a > 1 else "ring"
+
+
+def layout_words(layout, *, vpp: int = 1) -> str:
+    """The start-up line's layout: ``TP 2 x PP 2 (x 2 chunks) x CP 2 (a2a) x DP 1 (experts: EP 2 x EDP 2)``."""
+    chunks = f" (x {vpp} chunks)" if vpp > 1 else ""
+    cp = f"x CP {layout.cp} ({cp_mode_words(layout)}) " if layout.cp > 1 else ""
+    experts = f" (experts: EP {layout.ep} x EDP {layout.edp})" if layout.ep > 1 else ""
+    return f"TP {layout.tp} x PP {layout.pp}{chunks} {cp}x DP {layout.dp}{experts}"
+
+
+class MetricsFile:
+    """``--metrics-out``: one JSON object per line, ``{"type": "run" | "step" | "eval" | "event" | "memory", ...}``,
+    appended (a resumed run adds to the file) and flushed line by line: what a killed run logged stays."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close, or at exit)
+        except OSError as error:
+            raise UsageError(f"--metrics-out {path}: cannot write it ({error.strerror}); give a file in a writable "
+                             "directory") from None
+
+    def write(self, kind: str, record: dict) -> None:
+        self.file.write(json.dumps({"type": kind, **record}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class RunSummary:
+    """What the run's closing lines say: the steps and tokens this attempt trained, its time, the first, last and
+    best loss (and validation loss), and where the last checkpoint is, with the command that exports it."""
+
+    def __init__(self, *, start: int, clock=time.perf_counter) -> None:
+        self.clock, self.started = clock, clock()
+        self.start, self.steps, self.tokens = start, 0, 0
+        self.first = self.last = self.best = self.best_eval = None  # (step, loss)
+
+    def step(self, m: StepMetrics) -> None:
+        self.steps, self.tokens = self.steps + 1, self.tokens + m.tokens
+        if math.isfinite(m.loss):  # a skipped step's loss is NaN
+            self.last = (m.step, m.loss)
+            self.first = self.first or self.last
+            if self.best is None or m.loss < self.best[1]:
+                self.best = self.last
+
+    def evaluated(self, step: int, loss: float) -> None:
+        if math.isfinite(loss) and (self.best_eval is None or loss < self.best_eval[1]):
+            self.best_eval = (step, loss)
+
+    def lines(self, *, checkpoint: str | None, save: str | None) -> list[str]:
+        seconds = self.clock() - self.started
+        took = f"{seconds / 60:.0f} min {seconds % 60:02.0f} s" if seconds >= 60 else f"{seconds:.1f} s"
+        text = (f"megakit: done: {self.steps} step(s), {self.start} to {self.start + self.steps - 1}, "
+                f"{self.tokens:,} tokens in {took} of training")
+        if self.last is not None:
+            text += (f" | loss {self.first[1]:.4f} at step {self.first[0]} -> {self.last[1]:.4f} at step "
+                     f"{self.last[0]}, best {self.best[1]:.4f} at step {self.best[0]}")
+        if self.best_eval is not None:
+            text += f" | best val loss {self.best_eval[1]:.4f} after {self.best_eval[0]} steps"
+        if checkpoint is None:
+            return [text + (" | no checkpoint (no --save)" if not save else "")]
+        out = f"{save.rstrip('/')}-hf"
+        return [text, f"megakit: last checkpoint {checkpoint}; export it to transformers with: "
+                      f"megakit convert {save} {out} --to-hf"]
+
+
 class Reporter:
     """Rank 0's progress bar, per-step log lines, TensorBoard events and metrics file."""
 
     def __init__(self, run, topo) -> None:
         cfg, start = run.cfg, run.start_step
         self.cfg, self.active = cfg, topo.rank == 0
-        self.bar = self.writer = self.heartbeat = None
+        self.bar = self.writer = self.heartbeat = self.metrics = None
+        self.summary = RunSummary(start=start)
         if not self.active:
             return
-        chunks = f" (x {cfg.vpp} chunks)" if cfg.vpp > 1 else ""
+        if cfg.metrics_out:
+            self.metrics = MetricsFile(cfg.metrics_out)
+            self.metrics.write("run", {"start_step": start, "steps": cfg.steps, "model": str(cfg.model),
+                                       "world_size": dist.get_world_size(), "time": time.time()})
         options = "".join([", sequence parallel" if run.sequence_parallel else "",
                            ", compiled blocks" if run.compile else "",
                            f", attention kernel {run.attention.name}" if run.attention.name != "auto" else "",
@@ -115,10 +196,10 @@ class Reporter:
                            f", loss in {run.loss_chunks} chunks" if run.loss_chunks > 1 else "",
                            f", fp8 {cfg.fp8}" if cfg.fp8 != "none" else "",
                            f", resuming {run.checkpoint} at step {start}" if start else ""])
-        print(f"megakit: training {cfg.model} on {dist.get_world_size()} process(es): TP {topo.tp} x PP {topo.pp}{chunks} "
-              f"{f'x CP {topo.cp} ' if topo.cp > 1 else ''}x DP {topo.dp}"
-              f"{f' (experts: EP {topo.ep} x EDP {topo.layout.edp})' if topo.ep > 1 else ''}{options}",
-              flush=True)
+        print(f"megakit: training {cfg.model} on {dist.get_world_size()} process(es): "
+              f"{layout_words(topo.layout, vpp=cfg.vpp)}{options}", flush=True)
+        if run.lr_schedule:
+            print(run.lr_schedule, flush=True)
         self.bar = progress_bar(cfg.steps, start) if cfg.progress else None
         if self.bar is None and cfg.log_heartbeat_s > 0:
             self.heartbeat = Heartbeat(cfg.log_heartbeat_s, step=start)
@@ -136,6 +217,7 @@ class Reporter:
     def log(self, m: StepMetrics) -> None:
         if not self.active:
             return
+        self.summary.step(m)
         if m.step % self.cfg.log_every == 0 or m.step == self.cfg.steps - 1:
             self._print(m.line())
         if self.heartbeat is not None:
@@ -146,15 +228,20 @@ class Reporter:
         if self.writer is not None:
             for name, value in m.scalars().items():
                 self.writer.add_scalar(name, value, m.step)
+        if self.metrics is not None:
+            self.metrics.write("step", m.to_dict())
 
     def event(self, step: int, kind: str, text: str, **numbers: float) -> dict:
         """One line for an intervention (a skipped step), its numbers in TensorBoard; returns its metrics record."""
+        record = {"step": step, "kind": kind, "text": text, **numbers}
         if self.active:
             self._print(f"megakit: {text}")
             if self.writer is not None:
                 for name, value in numbers.items():
                     self.writer.add_scalar(f"guard/{name}", value, step)
-        return {"step": step, "kind": kind, "text": text, **numbers}
+            if self.metrics is not None:
+                self.metrics.write("event", record)
+        return record
 
     def eval(self, step: int, loss: float, sources: dict | None = None) -> dict:
         """Log a validation loss (console, TensorBoard), and a mixture's per data set; returns the record the
@@ -163,6 +250,7 @@ class Reporter:
 
         record = {"step": step, "loss": loss, "perplexity": perplexity(loss), **({"sources": sources} if sources else {})}
         if self.active:
+            self.summary.evaluated(step, loss)
             each = "".join(f" | {name} {value:.4f}" for name, value in (sources or {}).items())
             self._print(f"eval after {step} steps | val loss {loss:.4f} | perplexity {record['perplexity']:.2f}{each}")
             if self.writer is not None:
@@ -170,6 +258,8 @@ class Reporter:
                 self.writer.add_scalar("val/perplexity", record["perplexity"], step)
                 for name, value in (sources or {}).items():
                     self.writer.add_scalar(f"val/loss/{name}", value, step)
+            if self.metrics is not None:
+                self.metrics.write("eval", record)
         return record
 
     def compiled(self, m: StepMetrics) -> None:
@@ -189,19 +279,20 @@ class Reporter:
             from megakit.train.observe.memory_probe import format_table
 
             self._print(format_table(rows))
+            if self.metrics is not None:
+                self.metrics.write("memory", {"rows": rows})
 
-    def close(self, result) -> None:
+    def close(self, *, checkpoint: str | None = None) -> None:
+        """The closing summary (``checkpoint``: the last one the run saved), then the bar, TensorBoard, metrics."""
         if not self.active:
             return
+        for line in self.summary.lines(checkpoint=checkpoint, save=self.cfg.save):
+            self._print(line)
         if self.bar is not None:
             self.bar.close()
         if self.heartbeat is not None:
             self.heartbeat.stop()
         if self.writer is not None:
             self.writer.close()
-        if self.cfg.metrics_out:
-            out = Path(self.cfg.metrics_out)
-            tmp = out.with_name(f".{out.name}.tmp")
-            tmp.write_text(json.dumps({"steps": [m.to_dict() for m in result.steps], "memory": result.memory,
-                                       "eval": result.evals, "events": result.events}, indent=1))
-            os.replace(tmp, out)
+        if self.metrics is not None:
+            self.metrics.close()

@@ -60,15 +60,17 @@ class Watchdog:
     neighbours, whose exit ends the job, and each rank reads O(group) keys per beat
     instead of O(world). ``interval_s`` defaults to ``stall_s / 20``.
     ``describe(rank)`` gives the text used to name a rank (e.g. its TP/PP/DP place).
+    ``store_gone_with_launcher()``: whether a lost store went with the launcher that hosted it (torchrun's agent):
+    the run is then stopping on its own (``preemption``), and the watchdog ends quietly instead of the rank.
     """
 
     def __init__(self, rank: int, world_size: int, *, stall_s: float = 60.0, interval_s: float | None = None,
-                 describe=str, store, peers=None) -> None:
+                 describe=str, store, peers=None, store_gone_with_launcher=lambda: False) -> None:
         self.rank, self.world_size = rank, world_size
         self.peers = sorted(set(range(world_size) if peers is None else peers) - {rank})
         interval_s = min(1.0, stall_s / 20) if interval_s is None else interval_s
         self.stall_s, self.interval_s, self.describe = stall_s, interval_s, describe
-        self.store = store
+        self.store, self.store_gone_with_launcher = store, store_gone_with_launcher
         self._beats = 0
         self._seen: dict[int, tuple[bytes, float]] = {}
         self._stop = threading.Event()
@@ -107,7 +109,8 @@ class Watchdog:
                 self._beat()
                 dead = [(p, age) for p, age in self.stalled_peers() if age >= self.stall_s]
             except Exception as error:  # the store lives on rank 0: losing it means rank 0 is gone
-                if self._stop.is_set():
+                if self._stop.is_set() or self.store_gone_with_launcher():
+                    self.store = None  # nothing to tell it on the way out
                     return
                 self._fail(f"lost the job's rendezvous store on {self.describe(0)} ({type(error).__name__}: {error})")
                 return
@@ -160,7 +163,7 @@ class Watchdog:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=self.interval_s * 3)
-        if done and self.world_size > 1:
+        if done and self.world_size > 1 and self.store is not None:
             try:
                 self.store.set(f"{_PREFIX}{self.rank}", DONE.decode())
             except Exception:

@@ -12,6 +12,8 @@ them by hand, Megatron checks for them. Here the optimizer never applies such a 
 - ``StepGuard.check`` then all-reduces, per rank, "my loss is not finite", "my gradients are
   not finite" and "my optimizer stepped", so every rank takes the same decision and the log
   names the ranks. A step that some ranks applied and others did not is a bug, and raises.
+- The same all-reduce carries each rank's request to stop (a signal, its launcher gone: ``preemption``), so
+  every rank stops after the same step without a collective or a host read of its own.
 
 A skipped step still consumes its batch and its place in the LR schedule (the trainer sets
 the schedule from the step, as a resume does): data and LR stay functions of the step, so a
@@ -43,31 +45,38 @@ class StepGuard:
         self.describe, self.device = describe, device
         self.skipped = 0  # steps skipped in all
         self.in_a_row = 0  # non-finite steps since the last good one (that count towards the limit)
+        self.stops: dict[int, int] = {}  # the ranks that asked to stop after the last step checked, with why
 
-    def check(self, step: int, loss: torch.Tensor, *, grads_finite: bool, applied: bool) -> tuple[float, str | None]:
+    def check(self, step: int, loss: torch.Tensor, *, grads_finite: bool, applied: bool,
+              stop: int = 0) -> tuple[float, str | None]:
         """``(loss averaged over the job, None)`` for a good step, ``(nan, why)`` for a skipped one.
 
         Collective: one small all-reduce over every rank. Raises ``TrainingDiverged`` when the
         step is one non-finite step too many, and RuntimeError when the ranks disagree on stepping.
+        ``stop``: this rank's reason to end the run after this step (``preemption.StopRequests.reason``, 0 for
+        none); ``self.stops`` is then every rank's, ``{rank: reason}``, alike everywhere.
         """
         world = torch.distributed.get_world_size()
         loss = loss.detach().double().to(self.device or "cpu")
-        flags = torch.zeros(2 * world + 1, dtype=torch.float64, device=self.device)
+        flags = torch.zeros(3 * world + 1, dtype=torch.float64, device=self.device)
         loss_ok = bool(torch.isfinite(loss))
         own_loss = self.topo.is_last_stage  # earlier stages only received the last stage's loss
         rank = self.topo.rank
         flags[rank] = float(own_loss and not loss_ok) + 2.0 * float(not grads_finite)
         flags[world + rank] = float(applied)
         flags[2 * world] = (loss if loss_ok else torch.zeros((), device=self.device)) / world
+        flags[2 * world + 1 + rank] = stop
         comm.all_reduce(flags, comm.WORLD)
-        bad = [(r, int(v)) for r, v in enumerate(flags[:world].tolist()) if v]
-        stepped = [bool(v) for v in flags[world:2 * world].tolist()]
+        values = flags.tolist()  # the one host read
+        bad = [(r, int(v)) for r, v in enumerate(values[:world]) if v]
+        stepped = [bool(v) for v in values[world:2 * world]]
+        self.stops = {r: int(v) for r, v in enumerate(values[2 * world + 1:]) if v}
         if not bad:
             self.in_a_row = 0
             if not all(stepped):  # a finite step the optimizer refused: cannot happen but by a bug
                 raise RuntimeError(f"step {step}: finite everywhere, but the optimizer did not step on ranks "
                                    f"{[r for r, s in enumerate(stepped) if not s]}")
-            return float(flags[2 * world]), None
+            return values[2 * world], None
         what = {1: "loss", 2: "gradient", 3: "loss and gradient"}
         found = "; ".join(f"{self.describe(r)}: non-finite {what[v]}" for r, v in bad)
         if any(stepped):  # the update happened (e.g. bf16 with check_grad_overflow off): nothing to skip
