@@ -30,35 +30,43 @@ GUIDES = {page.name: shell_blocks(page.read_text()) for page in sorted(DOCS.glob
 SKIPPED = {  # "guide#block" -> why it is not run here
     "clusters.md#deepspeeds-launcher-with-a-hostfile": "starts processes over ssh on two nodes of eight GPUs",
     "clusters.md#torchrun-on-each-node-under-slurm": "a Slurm batch script for four nodes of eight GPUs",
+    "clusters.md#stopping-a-run-signals-preemption-a-lost-launcher": "a Slurm batch script for four nodes of eight GPUs",
     "gpus.md#measuring-them-scriptsbench_gpupy": "times kernels on a CUDA GPU",
     "testing.md#testing": "the test command: it is this suite",
 }
 CHECKED = {  # "guide#block" skipped above -> the world size its train.py flags are checked for, with --check
     "clusters.md#deepspeeds-launcher-with-a-hostfile": 16,
     "clusters.md#torchrun-on-each-node-under-slurm": 32,
+    "clusters.md#stopping-a-run-signals-preemption-a-lost-launcher": 32,
 }
 
+WARNS = {  # "guide#block" -> why a warning a reader sees there is expected (any other block's warning fails)
+}
 CHECKS = {  # "guide#block" -> what the guide says the block does, checked on its output and directory
     "parallelism.md#pipeline-schedules-megakit-schedule":  # the bubbles its comments give
         lambda out, tmp: "bubble 27.3%" in out and "bubble 11.1%" in out and (tmp / "schedule.png").is_file(),
     "checkpoints.md#checkpoints-and-hugging-face":  # resumed at another layout, saved, exported and imported back
-        lambda out, tmp: (tmp / "ckpt" / "step-0000040").is_dir() and (tmp / "mk" / "run" / "manifest.json").is_file(),
+        lambda out, tmp: (tmp / "ckpt" / "step-0000060").is_dir() and (tmp / "mk" / "run" / "manifest.json").is_file(),
 }
 
 
 def _chat_model(directory: Path) -> None:
-    """my-model/: a tiny Llama with a ChatML tokenizer (generation markers in its template), as save_pretrained
-    writes it."""
+    """my-model/: a tiny Llama chat model shaped as released ones are (a ChatML template without generation markers,
+    eos ``<|im_end|>``, pad ``<|endoftext|>``, two stop ids), as save_pretrained writes it."""
     import torch
     import transformers
-    from test_chat_data import CHATML, _tokenizer
+    from test_chat_data import CHATML_RELEASED, _tokenizer, _unmarked
 
-    _tokenizer(directory, CHATML)
-    vocab = len(transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True))
+    _tokenizer(directory, _unmarked(CHATML_RELEASED), eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    end, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)).save_pretrained(directory)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, eos_token_id=end,
+        bos_token_id=None, pad_token_id=None))
+    model.generation_config = transformers.GenerationConfig(eos_token_id=[end, pad], pad_token_id=pad)
+    model.save_pretrained(directory)
 
 
 def _given_data(tmp: Path) -> None:
@@ -120,6 +128,9 @@ def test_guide_runs_as_written_on_cpu(guide, tmp_path):
         code, out, script = run_block(block, tmp_path)
         times.append(f"{name} {time.perf_counter() - start:.1f} s")
         assert code == 0, f"{guide} block {name!r} failed (exit {code}):\n{script}\n{out[-6000:]}"
+        warned = [line for line in out.splitlines() if re.match(r"(megakit|prepare-data|train\.py)[\w -]*: .*warn", line)
+                  or "warm-up is not over" in line]
+        assert not warned or f"{guide}#{name}" in WARNS, f"{guide} block {name!r} warns:\n" + "\n".join(warned)
         check = CHECKS.get(f"{guide}#{name}")
         assert check is None or check(out, tmp_path), f"{guide} block {name!r} did not do what it says:\n{out[-6000:]}"
     print(f"{guide}: " + ", ".join(times))
@@ -133,9 +144,12 @@ def test_guide_runs_as_written_on_cpu(guide, tmp_path):
 
 
 def _train_flags(block: str) -> list[str]:
-    """The flags a block passes to scripts/train.py (lines joined at their backslashes)."""
-    words = shlex.split(block.replace("\\\n", " "), comments=True)
-    return words[words.index("scripts/train.py") + 1:]
+    """The flags a block passes to scripts/train.py (lines joined at their backslashes), up to the command's end."""
+    line = next(line for line in block.replace("\\\n", " ").splitlines() if "scripts/train.py" in line)
+    words = shlex.split(line, comments=True)
+    flags = words[words.index("scripts/train.py") + 1:]
+    ends = [i for i, word in enumerate(flags) if word in ("&", "&&", "||", ";", "|")]
+    return flags[:ends[0]] if ends else flags
 
 
 @pytest.mark.parametrize("key", sorted(CHECKED))
