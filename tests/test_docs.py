@@ -40,7 +40,10 @@ CHECKED = {  # "guide#block" skipped above -> the world size its train.py flags 
     "clusters.md#stopping-a-run-signals-preemption-a-lost-launcher": 32,
 }
 
-WARNS = {  # "guide#block" -> why a warning a reader sees there is expected (any other block's warning fails)
+WARNS = {  # "guide#block" -> (the one warning a reader sees there, why it is expected); any other warning fails
+    "training.md#training-deepspeed-scriptstrainpy": (
+        "the warm-up is not over by step 3", "--verify-memory's 3 steps end inside the preset's 20-step warm-up; "
+        "the memory it measures does not depend on the LR"),
 }
 CHECKS = {  # "guide#block" -> what the guide says the block does, checked on its output and directory
     "parallelism.md#pipeline-schedules-megakit-schedule":  # the bubbles its comments give
@@ -70,11 +73,12 @@ def _chat_model(directory: Path) -> None:
 
 
 def _given_data(tmp: Path) -> None:
-    """data.md's: my-model/, chats.jsonl of 160 conversations, corpus.jsonl of ~1.5 MB of Python source."""
+    """data.md's: my-model/, chats.jsonl of 1,500 conversations (enough for a validation split of 1,024 tokens) and
+    corpus.jsonl of ~1.5 MB of Python source."""
     from test_chat_data import _conversations
 
     _chat_model(tmp / "my-model")
-    (tmp / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _conversations(160)))
+    (tmp / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _conversations(1500)))  # 1 %: 1,413 tokens
     texts, size = [], 0
     for source in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
         texts.append(json.dumps({"text": source.read_text(errors="replace")}) + "\n")
@@ -130,7 +134,9 @@ def test_guide_runs_as_written_on_cpu(guide, tmp_path):
         assert code == 0, f"{guide} block {name!r} failed (exit {code}):\n{script}\n{out[-6000:]}"
         warned = [line for line in out.splitlines() if re.match(r"(megakit|prepare-data|train\.py)[\w -]*: .*warn", line)
                   or "warm-up is not over" in line]
-        assert not warned or f"{guide}#{name}" in WARNS, f"{guide} block {name!r} warns:\n" + "\n".join(warned)
+        expected = WARNS.get(f"{guide}#{name}", ("\0",))[0]
+        warned = [line for line in warned if expected not in line]
+        assert not warned, f"{guide} block {name!r} warns:\n" + "\n".join(warned)
         check = CHECKS.get(f"{guide}#{name}")
         assert check is None or check(out, tmp_path), f"{guide} block {name!r} did not do what it says:\n{out[-6000:]}"
     print(f"{guide}: " + ", ".join(times))
@@ -168,7 +174,7 @@ def test_every_skip_and_check_names_a_block():
     blocks = {f"{guide}#{name}" for guide, named in GUIDES.items() for name in named}
     assert set(SKIPPED) <= blocks, f"skips of blocks the guides no longer have: {set(SKIPPED) - blocks}"
     assert set(CHECKED) <= set(SKIPPED), set(CHECKED) - set(SKIPPED)
-    assert set(CHECKS) <= blocks - set(SKIPPED), set(CHECKS) - (blocks - set(SKIPPED))
+    assert set(CHECKS) | set(WARNS) <= blocks - set(SKIPPED), (set(CHECKS) | set(WARNS)) - (blocks - set(SKIPPED))
     assert set(GIVEN) <= {guide for guide in GUIDES if _runs(guide)}, GIVEN
 
 
