@@ -71,7 +71,8 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
                       f"active per token")
         console.print(f"  Routing priced: {e['routing']} ({e['routing_note']}).")
     console.print(f"[bold]Cluster[/]: {c['num_gpus']} x {c['gpu']} ({c['nodes']} node(s) x {c['gpus_per_node']}), "
-                  f"{c['gpu_memory_gib']:,.4g} GiB, {c['peak_tflops']:,.4g} TFLOP/s peak; intra-node {c['intra_node']}; "
+                  f"{c['gpu_memory_gib']:,.4g} GiB, {c['peak_tflops']:,.4g} TFLOP/s peak; "
+                  f"intra-node {c['intra_node']}; "
                   f"inter-node {c['inter_node']}")
     if c["auto_sized"]:
         console.print(f"  No --gpus/--nodes given: planned for the smallest whole number of nodes on which "

@@ -84,7 +84,7 @@ def timeline_text(report: Report, *, width: int = 120, weight_share: float = 0.5
                 text.append(_label(cell.micro_batch), style=_TERMINAL[cell.kind][min(cell.chunk, 1)])
         text.append(f"│ idle {report.bubble_per_stage[stage]:.0%}, peak in flight {report.peak_in_flight[stage]}\n")
         if not colour:
-            letters = ("·" if c is None else _LETTER[c.kind] if c.chunk == 0 else _LETTER[c.kind].lower() for c in cells)
+            letters = ("·" if c is None else _LETTER[c.kind].lower() if c.chunk else _LETTER[c.kind] for c in cells)
             text.append(f"{'':>8} │{''.join(letters)}│\n")
     for i, (kind, name) in enumerate(legend(report.schedule)):
         text.append(" " if i else "")

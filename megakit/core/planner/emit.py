@@ -67,7 +67,8 @@ def scaled_lr(params: float, global_batch: int, seq_len: int, *, base_lr: float 
     gpt3 = base_lr is None
     if gpt3:
         base_lr, tokens, base_batch_seqs = gpt3_batch(params, seq_len)
-        source = f"GPT-3's {base_lr:.1e} at its {tokens / 1e6:g}M-token batch ({base_batch_seqs:,} sequences of {seq_len})"
+        source = (f"GPT-3's {base_lr:.1e} at its {tokens / 1e6:g}M-token batch ({base_batch_seqs:,} sequences of "
+                  f"{seq_len})")
     else:
         base_batch_seqs = base_batch or 256
         source = f"--base-lr {base_lr:g} at {base_batch_seqs:g} sequences"
