@@ -148,7 +148,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "are averaged every H steps (post-local SGD): ~H x fewer bytes, some loss per step. Prefer "
                         "the default synchronous training unless the network is the bottleneck")
     p.add_argument("--save", metavar="DIR", default=None,
-                   help="write a checkpoint (weights, optimizer state, step) to DIR at the end")
+                   help="write a checkpoint (weights, optimizer state, step) to DIR at the end; one run writes DIR "
+                        "at a time (rank 0 locks it), and a DIR holding another run's checkpoint is refused unless "
+                        "--load resumes from it")
     p.add_argument("--save-every", metavar="N", type=int, default=0,
                    help="with --save: also every N steps (each save replaces DIR, or see --keep)")
     p.add_argument("--keep", metavar="K", type=int, default=0,
@@ -234,7 +236,8 @@ def config(args: argparse.Namespace):
         seq_len=args.seq_len,
         stage_layers=parse_stage_layers(args.stage_layers), tensorboard=args.tensorboard, profile=args.profile,
         verify_memory=args.verify_memory, metrics_out=args.metrics_out, log_every=args.log_every,
-        progress=not args.no_progress, deepspeed_logs=args.deepspeed_logs, log_heartbeat_s=args.log_heartbeat, stall_timeout_s=args.stall_timeout,
+        progress=not args.no_progress, deepspeed_logs=args.deepspeed_logs, log_heartbeat_s=args.log_heartbeat,
+        stall_timeout_s=args.stall_timeout,
         recompute=args.recompute, loss_chunks=parse_loss_chunks(args.loss_chunks), fp8=args.fp8,
         sequence_parallel=args.sequence_parallel, save=args.save, save_every=args.save_every, keep=args.keep,
         load=args.load, allow_cross_node_tp=args.allow_cross_node_tp, compress=args.compress,
@@ -253,21 +256,24 @@ def _check(cfg) -> int:
     """``--check``: ``resolve`` the run (every check the workers make before any process group) and say what it is."""
     from megakit.errors import UsageError
     from megakit.train.data.corpus import verify_corpus
-    from megakit.train.observe.reporting import cp_mode_words
+    from megakit.train.observe.reporting import layout_words
+    from megakit.train.resilience.save_lock import holder, in_use
     from megakit.train.run import resolve
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:
         run = resolve(cfg, world, say=lambda *_: None)
         verify_corpus(cfg.data)  # every shard's sha256: a shard damaged in place is named now, not at its step
+        held = holder(cfg.save) if cfg.save else None
+        if held:  # the run would stop at its start: another run still writes there
+            raise UsageError(in_use(cfg.save, held))
     except UsageError as error:
         print(f"train.py: error: {error}", file=sys.stderr, flush=True)
         return 2
-    layout, batch = run.layout, run.batch
-    cp = f" x CP {layout.cp} ({cp_mode_words(layout)})" if layout.cp > 1 else ""
+    batch = run.batch
     start = f", resuming at step {run.start_step} from {run.checkpoint}" if run.checkpoint is not None else ""
-    print(f"train.py: check passed: {cfg.model} on {world} process(es), TP {layout.tp}{cp} x PP {layout.pp} x DP "
-          f"{layout.dp}, {batch.global_batch} sequences of {batch.seq_len} per step, {cfg.steps} steps{start}", flush=True)
+    print(f"train.py: check passed: {cfg.model} on {world} process(es), {layout_words(run.layout, vpp=cfg.vpp)}, "
+          f"{batch.global_batch} sequences of {batch.seq_len} per step, {cfg.steps} steps{start}", flush=True)
     return 0
 
 
@@ -278,7 +284,9 @@ def _quiet_deepspeed(args: argparse.Namespace) -> None:
         return
     import torch
 
-    if not torch.cuda.is_available():
+    xpu = getattr(torch, "xpu", None)
+    others = (xpu is not None and xpu.is_available()) or torch.backends.mps.is_available()  # DeepSpeed's to detect
+    if not torch.cuda.is_available() and not others:
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 

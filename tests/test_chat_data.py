@@ -168,14 +168,11 @@ def test_every_record_shape_renders_as_its_conversation(tmp_path):
 
 
 COUNTED = "{{ messages | length }} turns\n" + NO_MARKERS  # a prefix renders another count: no turn splits off
-NO_PROMPT = NO_MARKERS[:NO_MARKERS.index("{% if add_generation_prompt %}")]
 
 
 @pytest.mark.parametrize("records,template,extra,needle", [
     (_conversations(2), CHATML, ["--chat-template", "counted.jinja"],
      "--chat-template {tmp}/counted.jinja cannot be split into turns: its first 2 messages render differently"),
-    (_conversations(2), NO_PROMPT, ["--loss-on", "assistant"],
-     "the chat template of --tokenizer {tmp}/tok cannot be split into turns: it renders no generation prompt"),
     (_conversations(2), NO_MARKERS, ["--loss-on", "completion", "--chat-template", "counted.jinja"],
      "--chat-template {tmp}/counted.jinja cannot be split into turns: the prompt renders differently"),
     ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}], CHATML, [],
@@ -183,7 +180,7 @@ NO_PROMPT = NO_MARKERS[:NO_MARKERS.index("{% if add_generation_prompt %}")]
      "{tmp}/chats.jsonl, the line at byte 0 (message 2 (assistant) has no content)"),
     ([{"messages": [{"role": "wizard", "content": "hi"}]}], CHATML, [], "has the role 'wizard'; the roles are"),
     ([{"conversations": [{"from": "robot", "value": "hi"}]}], CHATML, [], "a ShareGPT turn has from='robot'"),
-], ids=["unsplittable", "no-generation-prompt", "unsplittable-completion", "null-content-only", "unknown-role",
+], ids=["unsplittable", "unsplittable-completion", "null-content-only", "unknown-role",
         "unknown-sharegpt"])
 def test_refusals_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, records, template, extra, needle):
     (tmp_path / "counted.jinja").write_text(COUNTED)
@@ -227,6 +224,61 @@ def test_templates_without_markers_mask_the_assistant_as_their_markers_do(tmp_pa
         assert len(ended) == turns  # each assistant turn's end-of-turn token counts: the model learns to stop
     shown = capsys.readouterr().out
     assert f"{end[_name(marked)]}]]" in shown and "[[sunny" in shown, shown
+
+
+def test_a_long_first_example_is_cut_in_index_json_as_on_the_console(tmp_path, capsys):
+    """The first example, marked, is kept in index.json's summary: cut as the console's is, not a whole long
+    conversation."""
+    tokenizer = _tokenizer(tmp_path / "tok", NO_MARKERS)
+    long = {"messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "sunny " * 1000}]}
+    code, out = _prepare(tmp_path, [long], tokenizer)
+    assert code == 0
+    example = json.loads((out / "index.json").read_text())["summary"]["example"]
+    assert example.startswith("<|im_start|>user") and example.endswith(" characters more)"), example[-200:]
+    assert len(example) < 2100 and example in capsys.readouterr().out
+
+
+# Mistral's and Llama 2 chat's template: no generation prompt, the reply follows [/INST] and ends with </s>
+MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+           "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+           "{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}{% elif m['role'] == 'assistant' %}"
+           "{% generation %}{{ ' ' + m['content'] + eos_token }}{% endgeneration %}{% endif %}{% endfor %}")
+
+
+def test_a_template_without_a_generation_prompt_trains_each_reply_and_its_end(tmp_path, capsys):
+    """Mistral's [INST] template has no add_generation_prompt branch: under the default --loss-on auto each reply
+    and its </s> count, as its markers say; a conversation that opens with the assistant (which transformers will
+    not render a prefix of) is trained from its start, and one the template refuses (roles that do not alternate)
+    is counted and skipped: neither stops the run."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from megakit.interop.chat_data import marked
+
+    specials = {"bos_token": "<s>", "eos_token": "</s>"}
+    tokenizer = _tokenizer(tmp_path / "tok", _unmarked(MISTRAL), [*SPECIAL, "<s>", "</s>"], **specials)
+    records = [r for r in _conversations(6) if r["messages"][0]["role"] == "user"]
+    opening = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"},
+               {"role": "assistant", "content": "sunny"}]
+    unordered = [{"role": "user", "content": "hi"}, {"role": "user", "content": "hi"}]
+    code, out = _prepare(tmp_path, [*records, {"messages": unordered}], tokenizer)
+    assert code == 0
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tokenizer / "tokenizer.json")),
+                                 chat_template=MISTRAL, **specials)
+    docs = _documents(out)
+    assert docs == [_expected(hf, r["messages"]) for r in records]
+    for record, (ids, mask) in zip(records, docs):
+        ended = [i for i in range(len(ids)) if mask[i] and ids[i] == hf.eos_token_id]
+        assert len(ended) == sum(m["role"] == "assistant" for m in record["messages"])
+    assert "skipped 1 chat records" in capsys.readouterr().out
+    chatml = _tokenizer(tmp_path / "chatml", NO_MARKERS)
+    (tmp_path / "opening").mkdir()
+    code, out = _prepare(tmp_path / "opening", [{"messages": opening}], chatml)
+    assert code == 0, capsys.readouterr().err
+    [(ids, mask)] = _documents(out)
+    shown = marked(Tokenizer.from_file(str(chatml / "tokenizer.json")), ids, mask).replace("\n", "")
+    assert shown == "[[<|im_start|>assistanthello<|im_end|>]]<|im_start|>userhi<|im_end|><|im_start|>assistant" \
+                    "[[sunny<|im_end|>]]<|endoftext|>", shown
 
 
 def _name(template: str) -> str:
@@ -283,7 +335,8 @@ def test_eos_not_in_the_vocabulary_is_refused(tmp_path, capsys):
     (tokenizer / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 400}))
     code, out = _prepare(tmp_path, _conversations(2), tokenizer)
     err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "its eos_token_id [2, 4000] is outside the tokenizer's" in err, err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "its eos_token_id [2, 4000] is not in the tokenizer's vocabulary of" in err, err
     assert not out.exists()
     code = cli.main(["convert", str(tokenizer), str(tmp_path / "ck"), "--from-hf"])
     err = capsys.readouterr().err
@@ -291,15 +344,82 @@ def test_eos_not_in_the_vocabulary_is_refused(tmp_path, capsys):
     assert not (tmp_path / "ck").exists()
 
 
+def test_an_eos_id_that_is_not_an_id_is_one_line_at_prepare_import_and_export(tmp_path, capsys):
+    """One check of the model's eos ids serves prepare-data, convert --from-hf and --to-hf: an id that is not a
+    number (a null in generation_config.json) is refused in one line at each, as an id past the vocabulary is."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=400, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32)).save_pretrained(tmp_path / "hf")
+    hf = _tokenizer(tmp_path / "hf", CHATML)
+    (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, None]}))
+    capsys.readouterr()  # save_pretrained's progress bar
+    code, out = _prepare(tmp_path, _conversations(2), hf)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "its eos_token_id [2, None] is not in the tokenizer's" in err, err
+    assert cli.main(["convert", str(hf), str(tmp_path / "ck"), "--from-hf"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "its eos_token_id [2, None] is not in the model's vocabulary of 400" in err, err
+    (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert cli.main(["convert", str(hf), str(tmp_path / "ck"), "--from-hf"]) == 0
+    (tmp_path / "ck" / "tokenizer" / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, None]}))
+    capsys.readouterr()
+    assert cli.main(["convert", str(tmp_path / "ck"), str(tmp_path / "back"), "--to-hf"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "its eos_token_id [2, None] is not in the model's vocabulary of 400" in err, err
+    assert not (tmp_path / "back").exists()
+
+
+def test_convert_from_hf_carries_no_tokenizer_built_from_nothing(tmp_path, capsys):
+    """A model directory with a tokenizer_config.json but no vocabulary imports without a tokenizer and says so in
+    one line (transformers 5 would build one of three special tokens from nothing, and it would travel into the
+    checkpoint and the export); a broken tokenizer.json is one line naming the file, not a --tokenizer flag that
+    convert does not have."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32)).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer",
+                                                                       "eos_token": "</s>"}))
+    assert cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "ck"), "--from-hf"]) == 0
+    said = capsys.readouterr().out
+    assert f"convert: note: {tmp_path / 'hf'} has a tokenizer_config.json but no tokenizer.json" in said, said
+    assert "its tokenizer" not in said and not (tmp_path / "ck" / "tokenizer").exists()
+    (tmp_path / "text.txt").write_text("the weather is sunny\n" * 50)  # nor is data prepared with one
+    assert cli.main(["prepare-data", str(tmp_path / "text.txt"), "--tokenizer", str(tmp_path / "hf"), "--out",
+                     str(tmp_path / "data"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no tokenizer.json nor a slow tokenizer's vocabulary" in err, err
+    (tmp_path / "hf" / "tokenizer.json").write_text("{not json")
+    assert cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "ck2"), "--from-hf"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: {tmp_path / 'hf' / 'tokenizer.json'} is not a tokenizers JSON" in err, err
+    assert not (tmp_path / "ck2").exists()
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--chat"], "--chat needs --prompt TEXT"),
     (["--messages", "{tmp}/bad.json"], "--messages {tmp}/bad.json: give a JSON list of"),
     (["--messages", "{tmp}/none.json"], "--messages {tmp}/none.json: cannot read it as JSON"),
     ([], "give --prompt TEXT"),
-], ids=["chat-without-prompt", "not-messages", "no-file", "nothing"])
+    (["--messages", "{tmp}/empty.json"], "--messages {tmp}/empty.json: the conversation is empty"),
+    (["--messages", "{tmp}/twice.json"], "--messages {tmp}/twice.json: the model's chat template cannot render it "
+                                         "(Conversation roles must alternate"),
+], ids=["chat-without-prompt", "not-messages", "no-file", "nothing", "empty", "template-refuses"])
 def test_generate_refuses_a_conversation_it_cannot_read(tmp_path, capsys, args, needle):
+    """One line, exit 2, never a traceback: the model (a transformers directory) is not loaded."""
     (tmp_path / "bad.json").write_text(json.dumps({"messages": [{"role": "user", "content": None}]}))
-    code = cli.main(["generate", str(tmp_path), *[a.format(tmp=tmp_path) for a in args]])
+    (tmp_path / "empty.json").write_text("[]")
+    (tmp_path / "twice.json").write_text(json.dumps([{"role": "user", "content": "hi"}] * 2))
+    model = _tokenizer(tmp_path / "model", _unmarked(MISTRAL), [*SPECIAL, "<s>", "</s>"], eos_token="</s>")
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    code = cli.main(["generate", str(model), *[a.format(tmp=tmp_path) for a in args]])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and needle.format(tmp=tmp_path) in err, err
 
@@ -400,3 +520,16 @@ def test_chat_examples_are_held_out_whole(tmp_path):
     assert sorted(got["train"] + got["validation"]) == sorted(expected)  # every example whole, on one side
     held = sum(len(ids) for ids, _ in got["validation"]) / sum(len(ids) for ids, _ in expected)
     assert got["validation"] and abs(held - 0.25) < 0.05, held
+
+
+def test_the_transformers_floor_has_the_renderer_chat_data_calls():
+    """chat_data reads {% generation %} spans with transformers' render_jinja_template, added in 4.52 (4.51.3 has
+    none): the floor pyproject.toml declares must be at least that, or an older install fails on the first chat."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11
+
+    from megakit.interop import chat_data
+
+    assert "render_jinja_template" in Path(chat_data.__file__).read_text()
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    [floor] = [d.split(">=")[1] for d in pyproject["project"]["dependencies"] if d.startswith("transformers")]
+    assert tuple(int(p) for p in floor.split(".")[:2]) >= (4, 52), floor

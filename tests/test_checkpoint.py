@@ -246,13 +246,22 @@ def test_bad_checkpoints_are_clear_usage_errors(tmp_path):
     with pytest.raises(UsageError, match="JSON-serialisable"):
         save_checkpoint(tmp_path / "x", model, step=0, config=config, extra={"bad": object()})
     assert sorted(os.listdir(tmp_path)) == ["empty", "mine", "ok"]
-    # a save killed mid-way: its leftovers go with the next save; a moved-aside copy is pointed out
+    # a save killed mid-way: a moved-aside copy is pointed out; a save removes only its own moved-aside copy (another
+    # save's temporary, maybe one in progress, is not its to judge): what killed saves left goes under a run's lock
+    # (save_dir.remove_leftovers), the moved-aside copy only once the checkpoint is in place again
+    from megakit.train.resilience.save_dir import remove_leftovers
+
     shutil.copytree(tmp_path / "empty", tmp_path / "ok.tmp-dead")
     shutil.move(tmp_path / "ok", tmp_path / "ok.old-dead")
     with pytest.raises(UsageError, match="left .*ok.old-dead; rename that back to ok"):
         load_checkpoint(tmp_path / "ok", model)
     save_checkpoint(tmp_path / "ok", model, step=1, config=config)
+    save_checkpoint(tmp_path / "ok", model, step=2, config=config)
+    assert sorted(os.listdir(tmp_path)) == ["empty", "mine", "ok", "ok.old-dead", "ok.tmp-dead"]
+    said = []
+    remove_leftovers(tmp_path / "ok", say=said.append)
     assert sorted(os.listdir(tmp_path)) == ["empty", "mine", "ok"]
+    assert said == [f"megakit: removed what saves killed mid-way left in {tmp_path / 'ok'}: ok.tmp-dead, ok.old-dead"]
 
 
 def test_dtype_is_kept_and_converted_on_load(tmp_path):

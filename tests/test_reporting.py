@@ -89,6 +89,13 @@ def test_the_metrics_file_is_json_lines_flushed_as_it_goes_and_appended_by_a_res
     assert [(s["step"], s["loss"]) for s in got["steps"]] == [(0, 10.0), (1, 1.0), (2, 8.0)]
     assert got["eval"] == [{"step": 2, "loss": 7.5}] and got["events"] == [{"step": 1, "kind": "skipped"}]
     assert got["memory"] == [{"rank": 0}]
+    again = MetricsFile(str(path))  # the next resume starts on a line of its own, after the one cut short
+    again.write("run", {"start_step": 2})
+    again.close()
+    assert [r["start_step"] for r in read_metrics(path)["runs"]] == [0, 1, 2]
+    with open(path, "a") as f:
+        f.write("3\n[1, 2]\n")  # JSON, but not a record of ours (an older --metrics-out at the same path)
+    assert read_metrics(path)["steps"] == got["steps"]
 
 
 def test_the_start_up_line_says_the_cp_mode():

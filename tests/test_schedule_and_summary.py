@@ -87,6 +87,55 @@ def test_a_warm_up_longer_than_the_run_is_said():
         "; the warm-up is not over by step 5: lower warmup_num_steps in the ds_config")
 
 
+def test_a_resume_keeps_the_schedule_its_checkpoint_was_trained_on(tmp_path):
+    """--steps 400 from a checkpoint of a 200-step schedule: the schedule continues (the lr would otherwise jump from
+    its decayed value back up a new curve), and the banner says so and how to schedule again."""
+    from megakit.core.model_config import ModelConfig
+    from megakit.interop.checkpoint import save_checkpoint
+    from megakit.nn.model import Transformer
+    from megakit.train.run import TrainConfig, resolve
+
+    config = ModelConfig.load("gpt-tiny")
+    save_checkpoint(tmp_path / "ckpt", Transformer(config, seed=0), step=150, config=config,
+                    extra={"seed": 0, "lr_total_steps": 200})
+    run = resolve(TrainConfig(ds_config=preset("finetune.json"), model="gpt-tiny", steps=400,
+                              load=str(tmp_path / "ckpt")), 1, say=lambda *_: None)
+    assert run.start_step == 150 and run.ds_config["scheduler"]["params"]["total_num_steps"] == 200
+    assert run.lr_schedule.endswith("at step 200 (the loaded checkpoint's schedule, kept: --steps is 400; set "
+                                    "total_num_steps in the ds_config to schedule again)"), run.lr_schedule
+    pinned = preset("finetune.json")
+    pinned["scheduler"]["params"]["total_num_steps"] = 400  # the user's way to stretch it
+    run = resolve(TrainConfig(ds_config=pinned, model="gpt-tiny", steps=400, load=str(tmp_path / "ckpt")), 1,
+                  say=lambda *_: None)
+    assert run.ds_config["scheduler"]["params"]["total_num_steps"] == 400
+
+
+def test_the_summary_counts_what_ran_and_says_minutes():
+    """Minutes and seconds from one rounding (119.6 s is 2 min 00 s, not 1 min 60 s); a --spike-guard rollback's
+    redone steps are named, not counted as steps past the end; skipped (NaN) steps leave the losses alone."""
+    from megakit.train.observe.metrics import StepMetrics
+    from megakit.train.observe.reporting import RunSummary
+
+    now = [0.0]
+    summary = RunSummary(start=10, clock=lambda: now[0])
+
+    def step(i: int, loss: float) -> None:
+        summary.step(StepMetrics(step=i, loss=loss, lr=1e-3, grad_norm=1.0, seconds=0.1, samples=2, tokens=64,
+                                 flops=1.0, comm_seconds=None, comm_calls=None, world_size=1, peak_tflops=None))
+
+    for i, loss in ((10, 3.0), (11, 2.5), (12, float("nan")), (11, 2.6), (12, 2.4)):  # 11-12 redone after a rollback
+        step(i, loss)
+    summary.evaluated(13, 2.7)
+    now[0] = 119.6
+    assert summary.lines(checkpoint=None, save=None) == [
+        "megakit: done: steps 10 to 12 (2 redone after a rollback), 320 tokens in 2 min 00 s of training | loss "
+        "3.0000 at step 10 -> 2.4000 at step 12, best 2.4000 at step 12 | best val loss 2.7000 after 13 steps | no "
+        "checkpoint (no --save)"]
+    now[0] = 5.25
+    assert summary.lines(checkpoint="ck/step-0000013", save="ck")[1] == (
+        "megakit: last checkpoint ck/step-0000013; export it to transformers with: megakit convert ck ck-hf --to-hf")
+
+
 def test_the_reference_follows_steps_as_the_trainer_does():
     """The single-process reference gets the raw preset and must run the trainer's schedule; the caller's dict is
     left as it was."""
@@ -120,7 +169,7 @@ def test_a_fine_tune_says_its_schedule_and_ends_on_a_summary(tmp_path):
     assert float(steps[8][2]) == pytest.approx(1.8e-5, rel=1e-2)  # warm-up: (step + 1) / 10 of 2e-5
     assert float(steps[9][2]) == pytest.approx(1.1e-5, rel=1e-2)  # half-way down the 2-step cosine to 0.1 x
     tokens = 4 * 2 * 2 * 32 * 12  # the preset's micro-batch x accumulation, DP 2, --seq-len, --steps
-    summary = re.search(rf"^megakit: done: 12 step\(s\), 0 to 11, {tokens:,} tokens in [\d.]+ s of training \| loss "
+    summary = re.search(rf"^megakit: done: steps 0 to 11, {tokens:,} tokens in [\d.]+ s of training \| loss "
                         r"([\d.]+) at step 0 -> ([\d.]+) at step 11, best ([\d.]+) at step (\d+)$", done.stdout, re.M)
     assert summary, done.stdout[-2000:]
     losses = [float(loss) for _, loss, _ in steps]
@@ -129,6 +178,8 @@ def test_a_fine_tune_says_its_schedule_and_ends_on_a_summary(tmp_path):
     assert float(summary[3]) == pytest.approx(min(losses), abs=1e-4) and int(summary[4]) == losses.index(min(losses))
     assert (f"megakit: last checkpoint {save}; export it to transformers with: megakit convert {save} {save}-hf "
             "--to-hf") in done.stdout
+    saved = json.loads((save / "manifest.json").read_text())["extra"]
+    assert saved["lr_total_steps"] == 12  # what a resume continues
     assert "built successfully" not in out  # DeepSpeed's CPU op, once per rank
     # the launcher's runner and launch.py each detect the accelerator once; the two ranks no longer do
     assert out.count("Setting accelerator to CPU") <= 2, out[:3000]

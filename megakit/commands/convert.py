@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         from megakit.train.resilience.resume import TOKENIZER
 
         check_model_stop_ids(args.source)
-        tokenizer = model_tokenizer(args.source)
+        tokenizer = model_tokenizer(args.source, say=lambda line: print(f"convert: {line}"))
         summary = import_hf(args.source, args.out)
         if tokenizer is not None:  # with its chat template and stop ids, so the import exports and chats as it is
             save_tokenizer(tokenizer, Path(args.out) / TOKENIZER, source=args.source)

@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give --prompt TEXT (with --chat: the user's message) or --messages FILE")
     source = Path(args.checkpoint)
     options = {"messages": messages, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-               "top_k": args.top_k, "seed": args.seed}
+               "top_k": args.top_k, "seed": args.seed,
+               "source": f"--messages {args.messages}" if args.messages is not None else "--chat --prompt"}
     if (source / "config.json").is_file():
         text = generate(source, args.prompt, **options)
     else:
@@ -86,4 +87,7 @@ def _messages(args: argparse.Namespace) -> list[dict] | None:
                                                   isinstance(m.get("content"), str) for m in messages):
         raise UsageError(f"--messages {args.messages}: give a JSON list of {{\"role\": ..., \"content\": \"...\"}} "
                          "messages, or an object whose 'messages' is one")
+    if not messages and args.prompt is None:
+        raise UsageError(f"--messages {args.messages}: the conversation is empty; give at least one message (or "
+                         "--prompt TEXT, the user's)")
     return messages + ([{"role": "user", "content": args.prompt}] if args.prompt is not None else [])

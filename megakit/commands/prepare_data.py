@@ -18,8 +18,6 @@ from megakit.errors import finite_float
 from megakit.interop.chat_data import LOSS_ON
 from megakit.interop.packing import TOO_LONG
 
-EXAMPLE_CHARS = 2000  # of the example shown with its counted tokens marked
-
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", metavar="INPUT", nargs="*",
@@ -90,10 +88,7 @@ def run(args: argparse.Namespace) -> int:
         train, loss = s["tokens"]["train"], s["loss_tokens"]["train"]
         print(f"loss on {s['loss_on']}: {loss:,} of the {train:,} train tokens ({loss / max(train, 1):.0%}) count in "
               "the loss, the rest is context")
-        if s.get("example"):
-            example = s["example"]
-            if len(example) > EXAMPLE_CHARS:
-                example = example[:EXAMPLE_CHARS] + f"... ({len(s['example']) - EXAMPLE_CHARS:,} characters more)"
-            print(f"the first example, the tokens the loss counts in [[ ]]:\n{example}")
+        if s.get("example"):  # cut at chat_data.EXAMPLE_CHARS
+            print(f"the first example, the tokens the loss counts in [[ ]]:\n{s['example']}")
     print(f"train on it with: deepspeed scripts/train.py --data {args.out} ...")
     return 0

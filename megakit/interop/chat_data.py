@@ -19,8 +19,9 @@ Which tokens the loss counts (``--loss-on``; the mask is 1 there):
   the conversation is rendered prefix by prefix (axolotl finds turns by comparing renders too), and an assistant
   turn is what it adds to the prompt before it (rendered with the generation prompt), less the whitespace the
   template puts between turns: its content and its end-of-turn token. On templates with markers the two agree
-  token for token (a test checks ChatML, Llama 3 and Gemma styles). A template whose prefixes do not render as
-  the start of the whole cannot be split into turns, and is refused.
+  token for token (a test checks ChatML, Llama 3 and Gemma styles). A template with no generation prompt
+  (Mistral's and Llama 2's ``[INST]`` ones) gives the turn after the prompt rendered bare: its reply and ``</s>``.
+  A template whose prefixes do not render as the start of the whole cannot be split into turns, and is refused.
 - ``completion``: what follows the prompt, the prompt rendered with ``add_generation_prompt=True``; for a
   conversation, its last assistant turn (checked on every record, as above).
 - ``all``: every token.
@@ -41,6 +42,7 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
                   "tool": "tool", "function_call": "assistant", "observation": "tool"}
 GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 CHAT_KEYS = ("messages", "conversations", "prompt", "instruction")
+EXAMPLE_CHARS = 2000  # of the example shown (and kept in index.json) with its counted tokens marked
 
 
 def is_chat(record: dict) -> bool:
@@ -141,16 +143,18 @@ def token_mask(offsets, spans: list[tuple[int, int]]) -> list[int]:
     return mask
 
 
-def marked(tokenizer, ids, mask, *, open_: str = "[[", close: str = "]]") -> str:
+def marked(tokenizer, ids, mask, *, open_: str = "[[", close: str = "]]", limit: int = EXAMPLE_CHARS) -> str:
     """The example as text, each run of tokens the loss counts between ``open_`` and ``close``: what prepare-data
-    shows so the mask can be checked by eye."""
+    shows so the mask can be checked by eye; past ``limit`` characters, cut (a long conversation would fill the
+    console and index.json) with how many more there are."""
     out, start = [], 0
     for i in range(1, len(ids) + 1):
         if i == len(ids) or mask[i] != mask[start]:
             text = tokenizer.decode([int(t) for t in ids[start:i]], skip_special_tokens=False)
             out.append(f"{open_}{text}{close}" if mask[start] else text)
             start = i
-    return "".join(out)
+    text = "".join(out)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit:,} characters more)"
 
 
 class ChatRenderer:
@@ -182,19 +186,19 @@ class ChatRenderer:
         """The rendered conversation and the character spans of its assistant turns, by rendering it prefix by
         prefix: turn i is what ``messages[:i + 1]`` adds to ``messages[:i]`` rendered with the generation prompt,
         its trailing whitespace (the template's, between turns) left out. UsageError where the prefixes do not
-        render as the start of the whole (or the template has no generation prompt): no turn can be told apart."""
+        render as the start of the whole: no turn can be told apart. A template with no generation prompt
+        (Mistral's, Llama 2's ``[INST]`` ones) renders the prompt bare, and the turn is what follows it; an opening
+        assistant turn (nothing before it, which transformers will not render) is what the conversation starts
+        with."""
         full = self._text(messages, tools)
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             try:
-                head, turn = self._text(messages[:i], tools, True), self._text(messages[:i + 1], tools)
-                bare = self._text(messages[:i], tools) if not spans else None  # once a record
+                head, turn = self._text(messages[:i], tools, True) if i else "", self._text(messages[:i + 1], tools)
             except _malformed() as error:
                 raise self._unsplittable(where, f"its first {i} messages do not render ({error})") from None
-            if head == bare:
-                raise self._unsplittable(where, "it renders no generation prompt (add_generation_prompt)")
             if not turn.startswith(head) or not full.startswith(turn):
                 raise self._unsplittable(where, f"its first {i + 1 if turn.startswith(head) else i} messages render "
                                                 "differently alone than as the start of the whole conversation")
@@ -282,7 +286,7 @@ class ChatRenderer:
                     raise ValueError("no assistant turn")
                 prompt, completion = prompt[:last], prompt[last:]
             ids, _ = self._render(prompt + completion, tools=tools)
-            head, _ = self._render(prompt, tools=tools, generation_prompt=True)
+            head = self._render(prompt, tools=tools, generation_prompt=True)[0] if prompt else []
             if ids[:len(head)] != head:
                 raise self._unsplittable(where, "the prompt renders differently alone than inside the whole "
                                                 "conversation, so the completion's tokens cannot be told apart")

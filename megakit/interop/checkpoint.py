@@ -50,7 +50,7 @@ of leaving the others waiting. ``DIR`` must be on a filesystem every rank sees.
 
 from __future__ import annotations
 
-import glob
+import errno
 import json
 import os
 import shutil
@@ -93,6 +93,7 @@ from megakit.interop import checkpoint_ranks as R
 from megakit.nn import comm as C
 
 IGNORED_FIELDS = ("dropout", "init_std")  # training settings: they do not change what the weights mean
+ENTRY_BYTES = 1024  # what a stored tensor adds beside its data, at most: its safetensors header and manifest entry
 
 
 class Loaded(NamedTuple):
@@ -227,6 +228,7 @@ class StagedCheckpoint:
     extra: dict
     rank_state: dict | None
     rank_key: dict | None
+    intact: str | None = None  # what a failed write leaves intact, in words (the caller's: a series' newest)
 
     def write(self, group=C.WORLD) -> Path:
         """Write the shards to the temporary directory; once every rank has (a gather to rank 0 over ``group`` is
@@ -235,6 +237,7 @@ class StagedCheckpoint:
         every rank. Returns the directory."""
         topo, tmp, tensors, params = self.topo, self.tmp, self.tensors, self.params
         tp, pp, dp, tp_rank, pp_rank, dp_rank = R.coords(topo)
+        space = self._check_space(group)
         mine, local_error = {"records": []}, None
         try:
             experts = {n: t for n, t in tensors.items()
@@ -251,7 +254,8 @@ class StagedCheckpoint:
                 mine["records"].append({"rank_file": write_rank_file(tmp, self.rank_state, (pp_rank, tp_rank, dp_rank),
                                                                      (pp, tp, dp))})
         except Exception as error:  # reported to rank 0, which cleans up and tells every rank
-            local_error, mine = error, {"failure": R.failure(error)}
+            local_error = self._no_space(error, *space)
+            mine = {"failure": R.failure(local_error)}
         gathered = R.gather_to_0(mine, topo, group)  # every rank has written: the barrier before renaming
         failures = None
         if R.rank(topo) == 0:
@@ -267,14 +271,56 @@ class StagedCheckpoint:
                     fsync(path)
                     _publish(tmp, self.target)
             except Exception as error:
-                local_error = error
-                failures[0] = R.failure(error)
+                local_error = self._no_space(error, *space)
+                failures[0] = R.failure(local_error)
             finally:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
         failures = R.broadcast_from_0(failures, topo, group)
         R.raise_failures(failures, local_error)
         return self.target
+
+    def _bytes(self) -> int:
+        """What this rank writes: its dense shard (DP replica 0), its experts, its own state."""
+        dp_rank = R.coords(self.topo)[5]
+
+        def expert(name: str) -> bool:
+            return split_of(base_name(name), self.params[base_name(name)], self.topo).key == "ep_dim"
+
+        written = [t for n, t in self.tensors.items() if dp_rank == 0 or expert(n)]
+        written += list((self.rank_state or {}).values())
+        return sum(t.nbytes + ENTRY_BYTES for t in written)
+
+    def _check_space(self, group) -> tuple[int, int]:
+        """``(bytes this save needs, bytes free)`` where it writes; UsageError on every rank, before any byte is
+        written, when they do not fit. A gather of each rank's size to rank 0 and a broadcast of the verdict."""
+        sizes = R.gather_to_0(self._bytes(), self.topo, group)
+        verdict = None
+        if R.rank(self.topo) == 0:
+            place = self.tmp.parent
+            while not place.exists() and place != place.parent:
+                place = place.parent
+            needed, free = sum(sizes) + ENTRY_BYTES, shutil.disk_usage(place).free
+            verdict = (needed, free, None if needed <= free else self._no_space_line(needed, free))
+        needed, free, line = R.broadcast_from_0(verdict, self.topo, group)
+        if line is not None:
+            raise UsageError(line)
+        return needed, free
+
+    def _no_space_line(self, needed: int, free: int) -> str:
+        intact = self.intact or (f"the last complete checkpoint (step {read_manifest(self.target)['step']}, "
+                                 f"{self.target}) is intact" if (self.target / MANIFEST).is_file()
+                                 else "no complete checkpoint was touched")
+        return (f"no space for the checkpoint of step {self.step} in {self.tmp.parent}: it needs {needed:,} bytes "
+                f"({needed / 2**20:.1f} MiB), {free:,} are free ({free / 2**20:.1f} MiB); nothing of it was kept and "
+                f"{intact}; free some space or --save elsewhere")
+
+    def _no_space(self, error: Exception, needed: int, free: int) -> Exception:
+        """A full disk (or quota) met while writing, as the one line a check before writing gives."""
+        full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+        if full or any(os.strerror(code) in str(error) for code in (errno.ENOSPC, errno.EDQUOT)):  # safetensors'
+            return UsageError(self._no_space_line(needed, free))
+        return error
 
 
 def _check_visible(tmp: Path, manifest: dict) -> None:
@@ -285,7 +331,9 @@ def _check_visible(tmp: Path, manifest: dict) -> None:
 
 
 def _publish(tmp: Path, target: Path) -> None:
-    """Rename the finished ``tmp`` to ``target``; an old checkpoint there is moved aside first, then removed."""
+    """Rename the finished ``tmp`` to ``target``; an old checkpoint there is moved aside first, then removed.
+    Only this save's own copy: another save's temporaries are not this save's to judge (a run removes what
+    killed saves left under its ``--save`` lock: ``megakit.train.resilience.save_dir``)."""
     old = None
     if target.exists():
         old = target.with_name(f"{target.name}.old-{uuid.uuid4().hex[:8]}")
@@ -297,10 +345,8 @@ def _publish(tmp: Path, target: Path) -> None:
             os.rename(old, target)
         raise
     fsync(target.parent)
-    # this save's old copy, and what saves killed mid-way left behind (they are never read)
-    for stale in target.parent.glob(f"{glob.escape(target.name)}.*-*"):
-        if stale.name.startswith((f"{target.name}.tmp-", f"{target.name}.old-")):
-            shutil.rmtree(stale, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # -- load -------------------------------------------------------------------------------------------

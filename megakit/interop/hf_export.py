@@ -111,17 +111,14 @@ def _tokenizer(checkpoint: Path, tmp: Path, config) -> bool:
     """The checkpoint's tokenizer (``CHECKPOINT/tokenizer``, saved from the data it trained on) beside the weights,
     with the model's ``generation_config.json``, and its stop ids in config.json, so ``AutoTokenizer``,
     ``generate`` and ``pipeline("text-generation")`` load ``OUT_DIR`` and stop where the model was taught to."""
-    from megakit.interop.tokenizer import GENERATION_CONFIG, as_ids, export_tokenizer
+    from megakit.interop.tokenizer import GENERATION_CONFIG, check_eos_ids, export_tokenizer
 
     source = checkpoint / "tokenizer"
     if not (source / "tokenizer.json").is_file():
         return False
     ids = export_tokenizer(source, tmp, model_max_length=config.max_seq_len)
-    stops = ids["eos_token_id"]
-    if any(not 0 <= i < config.vocab_size for i in as_ids(stops)):
-        raise UsageError(f"{checkpoint}: its eos_token_id {stops} is not in the model's vocabulary of "
-                         f"{config.vocab_size}, so generation could never stop; prepare the data with the model's own "
-                         "tokenizer")
+    check_eos_ids(ids["eos_token_id"], config.vocab_size, source=str(checkpoint), vocabulary="the model's vocabulary",
+                  fix="prepare the data with the model's own tokenizer")
     hf_config = json.loads((tmp / "config.json").read_text())
     hf_config.update({key: ids[key] for key in ("bos_token_id", "eos_token_id")})
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))

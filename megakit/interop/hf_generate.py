@@ -16,9 +16,9 @@ from megakit.errors import UsageError
 
 
 def generate(hf_dir: str | Path, prompt: str | None, *, messages: list[dict] | None = None, max_new_tokens: int = 64,
-             temperature: float = 0.0, top_k: int = 0, seed: int = 0) -> str:
+             temperature: float = 0.0, top_k: int = 0, seed: int = 0, source: str = "the conversation") -> str:
     """The prompt's continuation (the prompt not included), or with ``messages`` the assistant's reply; greedy at
-    ``temperature`` 0."""
+    ``temperature`` 0. ``source``: where ``messages`` came from, named when the chat template refuses them."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -30,8 +30,15 @@ def generate(hf_dir: str | Path, prompt: str | None, *, messages: list[dict] | N
         if tokenizer is None or not tokenizer.chat_template:
             raise UsageError("the model has no chat template (its tokenizer, from the data it was trained on, has "
                              "none); drop --chat/--messages and give --prompt text to continue")
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
-                                            return_tensors="pt")["input_ids"]
+        from jinja2 import TemplateError
+
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
+                                                return_tensors="pt")["input_ids"]
+        except (ValueError, TemplateError) as error:  # an empty conversation; the template's raise_exception
+            why = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise UsageError(f"{source}: the model's chat template cannot render it ({why}); give the conversation "
+                             "it expects (e.g. roles that alternate user/assistant)") from None
     elif tokenizer is not None:
         ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     else:

@@ -30,6 +30,8 @@ from megakit.errors import UsageError
 END_OF_TEXT = "<|endoftext|>"
 _EOS_NAMES = (END_OF_TEXT, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "<|eot_id|>")
 FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# a slow tokenizer's vocabulary (SentencePiece, GPT-2 BPE, WordPiece): what transformers converts to a fast one
+SLOW_FILES = ("tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 GENERATION_CONFIG = "generation_config.json"  # the model's stop ids, travelling with its tokenizer
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 _STOP_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -52,28 +54,39 @@ def train_bpe(texts: Iterable[str], vocab_size: int):
     return tokenizer
 
 
-def load_tokenizer(path: str | Path):
+def has_vocabulary(directory: str | Path) -> bool:
+    """Whether a directory holds a tokenizer's vocabulary (``tokenizer.json`` or a slow tokenizer's files): with only
+    ``tokenizer_config.json``, transformers 5 builds a tokenizer of a few special tokens from nothing."""
+    return any((Path(directory) / name).is_file() for name in ("tokenizer.json", *SLOW_FILES))
+
+
+def load_tokenizer(path: str | Path, *, flag: str = "--tokenizer"):
     """A local ``tokenizer.json``, or a directory holding one (a transformers tokenizer directory), as a
-    ``tokenizers.Tokenizer``; UsageError if it is neither. Nothing is downloaded."""
+    ``tokenizers.Tokenizer``; UsageError if it is neither. Nothing is downloaded. ``flag``: what gave ``path``, named
+    in the errors ("" where it is a command's positional argument)."""
     from tokenizers import Tokenizer
 
     source = Path(path)
+    named = f"{flag} " if flag else ""
     file = source / "tokenizer.json" if source.is_dir() else source
     if not source.exists():
-        raise UsageError(f"--tokenizer {source}: no such file or directory; give a tokenizer.json or a transformers "
+        raise UsageError(f"{named}{source}: no such file or directory; give a tokenizer.json or a transformers "
                          "tokenizer directory")
     if file.is_file():
         try:
             return Tokenizer.from_file(str(file))
         except Exception as error:  # noqa: BLE001 (tokenizers raises a plain Exception on a bad file)
-            raise UsageError(f"--tokenizer {file} is not a tokenizers JSON file ({str(error)[:120]}); give the "
+            raise UsageError(f"{named}{file} is not a tokenizers JSON file ({str(error)[:120]}); give the "
                              "tokenizer.json a fast tokenizer saves") from None
+    if not has_vocabulary(source):
+        raise UsageError(f"{named}{source} holds no tokenizer.json nor a slow tokenizer's vocabulary "
+                         f"({', '.join(SLOW_FILES)}); give the directory the model's tokenizer was saved to")
     try:  # a transformers directory without tokenizer.json: its fast tokenizer, converted locally
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(source), local_files_only=True, use_fast=True).backend_tokenizer
     except Exception as error:  # noqa: BLE001 (transformers raises many kinds for a directory it cannot read)
-        raise UsageError(f"--tokenizer {source} holds no tokenizer.json and transformers cannot load a fast tokenizer "
+        raise UsageError(f"{named}{source} holds no tokenizer.json and transformers cannot load a fast tokenizer "
                          f"from it ({str(error)[:120]})") from None
 
 
@@ -128,9 +141,17 @@ def _generation_config(source: Path) -> dict | None:
     return None
 
 
-def as_ids(value) -> list[int]:
-    """A config's token id field (an id, a list of them, or None) as a list."""
-    return [] if value is None else [value] if isinstance(value, int) else list(value)
+def as_ids(value) -> list:
+    """A config's token id field (an id, a list of them, or None) as a list (whatever else it holds, as one item)."""
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def check_eos_ids(stops, rows: int, *, source: str, vocabulary: str, fix: str) -> None:
+    """UsageError, in one line, where an eos id (``stops``: a config's id, list of ids, or None) is not an id below
+    ``rows`` (``vocabulary`` names them: the tokenizer's or the model's): generation could never stop."""
+    if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < rows for i in as_ids(stops)):
+        raise UsageError(f"{source}: its eos_token_id {stops} is not in {vocabulary} of {rows}, so generation could "
+                         f"never stop; {fix}")
 
 
 def check_stop_tokens(tokenizer, directory: str | Path, *, source: str) -> None:
@@ -141,10 +162,9 @@ def check_stop_tokens(tokenizer, directory: str | Path, *, source: str) -> None:
     if eos is not None and tokenizer.token_to_id(eos) is None:
         raise UsageError(f"{source}: the eos token {eos!r} is not in the tokenizer's vocabulary, so generation "
                          "could never stop; fix eos_token in its tokenizer_config.json (or add the token)")
-    rows, stops = vocab_size(tokenizer), (_generation_config(Path(directory)) or {}).get("eos_token_id")
-    if any(not 0 <= i < rows for i in as_ids(stops)):
-        raise UsageError(f"{source}: its eos_token_id {stops} is outside the tokenizer's vocabulary of {rows}; fix "
-                         "the model's generation_config.json (or config.json)")
+    check_eos_ids((_generation_config(Path(directory)) or {}).get("eos_token_id"), vocab_size(tokenizer),
+                  source=source, vocabulary="the tokenizer's vocabulary",
+                  fix="fix the model's generation_config.json (or config.json)")
 
 
 def check_model_stop_ids(hf_dir: str | Path) -> None:
@@ -155,20 +175,24 @@ def check_model_stop_ids(hf_dir: str | Path) -> None:
     except (OSError, json.JSONDecodeError):
         return  # the import names what is wrong with it
     rows = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    stops = (_generation_config(Path(hf_dir)) or {}).get("eos_token_id")
-    if rows and any(not 0 <= i < rows for i in as_ids(stops)):
-        raise UsageError(f"{hf_dir}: its eos_token_id {stops} is not in the model's vocabulary of {rows}, so "
-                         "generation could never stop; fix generation_config.json (or config.json)")
+    if rows:
+        check_eos_ids((_generation_config(Path(hf_dir)) or {}).get("eos_token_id"), rows, source=str(hf_dir),
+                      vocabulary="the model's vocabulary", fix="fix generation_config.json (or config.json)")
 
 
-def model_tokenizer(hf_dir: str | Path):
-    """A transformers model directory's tokenizer (None if it has none), loaded before an import writes anything;
-    ``save_tokenizer(it, CHECKPOINT/tokenizer, source=hf_dir)`` then carries it with its template and stop ids, as
-    ``prepare-data`` does, so the import exports and chats before any training."""
+def model_tokenizer(hf_dir: str | Path, *, say=print):
+    """A transformers model directory's tokenizer (None if it has no vocabulary: ``say`` tells why, where it has a
+    ``tokenizer_config.json``), loaded before an import writes anything; ``save_tokenizer(it, CHECKPOINT/tokenizer,
+    source=hf_dir)`` then carries it with its template and stop ids, as ``prepare-data`` does, so the import exports
+    and chats before any training."""
     hf_dir = Path(hf_dir)
-    if not (hf_dir / "tokenizer.json").is_file() and not (hf_dir / "tokenizer_config.json").is_file():
+    if not has_vocabulary(hf_dir):
+        if (hf_dir / "tokenizer_config.json").is_file():
+            say(f"note: {hf_dir} has a tokenizer_config.json but no tokenizer.json nor a slow tokenizer's vocabulary "
+                f"({', '.join(SLOW_FILES)}), so it is imported without a tokenizer; prepare the data with "
+                "--tokenizer DIR, the model's tokenizer, and the checkpoints carry it")
         return None
-    return load_tokenizer(hf_dir)
+    return load_tokenizer(hf_dir, flag="")
 
 
 def save_tokenizer(tokenizer, directory: str | Path, *, model_max_length: int | None = None,

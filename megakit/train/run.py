@@ -226,7 +226,6 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     layout = Layout.for_world(world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
     ds_config = load_ds_config(cfg.ds_config, dp=layout.dp, pp=layout.pp)
     require_optimizer(ds_config)
-    lr_schedule = schedule_over_steps(ds_config, steps=cfg.steps)
     corpus = open_corpus(cfg.data, max_bytes=cfg.max_bytes)
     model = with_moe_flags(model_for_corpus(ModelConfig.load(cfg.model), cfg.model, corpus), cfg)
     _check_expert_parallel(cfg, model, layout, ds_config)
@@ -248,10 +247,11 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
         raise UsageError(f"{held} is not divisible by TP {cfg.tp}; sequence parallelism needs it to be (change "
                          "--seq-len or drop --sequence-parallel)")
     start, checkpoint = check_checkpoint_flags(save=cfg.save, load=auto_load(cfg.save, cfg.load, say=say),
-                                               steps=cfg.steps, say=say)
+                                               steps=cfg.steps, series=cfg.keep > 0, say=say)
     batch = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
                       accumulation=ds_config["gradient_accumulation_steps"], dp=layout.dp, seed=cfg.seed)
     extra = read_manifest(checkpoint)["extra"] if checkpoint is not None else {}
+    lr_schedule = schedule_over_steps(ds_config, steps=cfg.steps, resumed=extra.get("lr_total_steps"))
     if checkpoint is not None:
         check_same_run(checkpoint, seed=cfg.seed, global_batch=batch.global_batch, vocab_size=model.vocab_size)
         trained_on = extra.get("data", {}).get("corpus")

@@ -57,7 +57,7 @@ from megakit.train.data.batches import TokenBatches
 from megakit.train.doctor.diagnostics import Diagnostics
 from megakit.train.engine.deepspeed_shm import check_shared_memory, unlink_shared_memory, writable_extensions_dir
 from megakit.train.engine.dp_sync import DataParallelSync
-from megakit.train.engine.ds_config import load_ds_config  # noqa: F401 (API: the ds_config as the trainer reads it)
+from megakit.train.engine.ds_config import load_ds_config, scheduled_steps  # noqa: F401 (API: load_ds_config)
 from megakit.train.doctor.fault_injection import TrainingFaults, with_seed_fault
 from megakit.train.engine.experts import deepspeed_sees_experts
 from megakit.train.engine.grad_norm import Zero0Clipper
@@ -71,6 +71,7 @@ from megakit.train.resilience.guards import StepGuard, TrainingDiverged
 from megakit.train.resilience.preemption import EXIT_STOPPED, StopRequests, reason_text
 from megakit.train.resilience.restarts import AUTO, Attempts
 from megakit.train.resilience.resume import per_rank_key, restore, restore_own_state, save_run
+from megakit.train.resilience.save_lock import hold_save_dir
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
 from megakit.train.data.token_weighting import weight_by_tokens
 from megakit.train.engine.zero3_linear import linear_restored, save_weights_not_views
@@ -128,6 +129,10 @@ def _train_job(cfg: TrainConfig, stops: StopRequests, keep_steps: bool) -> Train
         raise everywhere(error)
     topo = Topology(run.layout, timeout_s=cfg.collective_timeout_s)
     _seed_default_generators(cfg.seed, topo)
+    try:  # one writer per --save: rank 0 holds its lock for the run (released below, on every way out)
+        save_lock = hold_save_dir(cfg.save, rank=topo.rank)
+    except UsageError as error:
+        raise everywhere(error)
     watchdog = _start_watchdog(cfg, topo, stops)
     writer = AsyncWriter(comm.side_group(cfg.collective_timeout_s)) if cfg.async_save else None  # --async-save
     try:
@@ -150,6 +155,9 @@ def _train_job(cfg: TrainConfig, stops: StopRequests, keep_steps: bool) -> Train
         if dist.get_world_size() > 1:  # its traceback is the one to read; its peers will report it gone
             error.add_note(f"megakit: raised on {_describe(topo, topo.rank)} itself, not by a peer or the network")
         raise
+    finally:  # after any save in flight has been drained
+        if save_lock is not None:
+            save_lock.release()
     _leave_together(watchdog)
     return result
 
@@ -405,7 +413,8 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequ
             try:
                 saved = save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
                          extra={"loss": loss if math.isfinite(loss) else None, "seed": cfg.seed,
-                                "global_batch": plan.global_batch, "data": {
+                                "global_batch": plan.global_batch, "lr_total_steps": scheduled_steps(run.ds_config),
+                                "data": {
                                     "samples": (done + offset) * plan.global_batch, "skipped_batches": offset,
                                     "corpus": run.corpus.fingerprint},
                                 **({"spike_guard": spikes.state()} if spikes else {})},

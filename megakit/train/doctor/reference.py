@@ -11,7 +11,7 @@ curves" check of the FAQ.
 
 from __future__ import annotations
 
-import json
+import copy
 
 import torch
 
@@ -55,7 +55,7 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
     batches = TokenBatches(corpus.train, plan, **corpus.loader_options(cfg))
     params = {k: v for k, v in ds_config["optimizer"]["params"].items() if k not in ("torch_adam", "adam_w_mode")}
     optimizer = torch.optim.AdamW(decay_groups(net), **params)
-    ds_config = json.loads(json.dumps(ds_config))  # the caller's stays as it was
+    ds_config = copy.deepcopy(ds_config)  # the caller's stays as it was
     schedule_over_steps(ds_config, steps=steps)  # over the run's steps, as the trainer's
     scheduler = None
     if "scheduler" in ds_config:

@@ -178,11 +178,13 @@ def fuse_adam(config: dict, *, cuda: bool) -> None:
         optimizer["params"] = {**params, "fused": True}
 
 
-def schedule_over_steps(config: dict, *, steps: int) -> str:
+def schedule_over_steps(config: dict, *, steps: int, resumed: int | None = None) -> str:
     """Give ``config``'s LR schedule ``total_num_steps = steps`` (``--steps``) where the file leaves it out, so a
     200-step fine-tune decays over its 200 steps; a ``total_num_steps`` the file sets is kept (the file pins it, as
-    ``megakit plan --emit-config`` does for a token budget). Returns the line that says which, for the banner.
-    The single-process reference (``megakit.train.doctor.reference``) calls it too, so both run one schedule."""
+    ``megakit plan --emit-config`` does for a token budget). ``resumed``: the length the loaded checkpoint's run
+    scheduled, kept over ``--steps`` so that a resume continues its schedule instead of jumping to another curve.
+    Returns the line that says which, for the banner. The single-process reference
+    (``megakit.train.doctor.reference``) calls it too, so both run one schedule."""
     scheduler = config.get("scheduler")
     lr = config.get("optimizer", {}).get("params", {}).get("lr")
     peak = f"lr {lr:g}" if isinstance(lr, (int, float)) else "lr from the optimizer"
@@ -193,12 +195,23 @@ def schedule_over_steps(config: dict, *, steps: int) -> str:
         return f"megakit: LR schedule: {kind} ({peak}); it has no end, so --steps does not shape it"
     pinned = "total_num_steps" in params
     if not pinned:
-        params["total_num_steps"] = steps
+        params["total_num_steps"] = steps if resumed is None else resumed
     total, warmup = params["total_num_steps"], params.get("warmup_num_steps", 1000)  # DeepSpeed's default warm-up
     shape = {"WarmupCosineLR": f"cosine to {params.get('cos_min_ratio', 0.0001):g} x", "WarmupDecayLR": "linear to 0"}
-    whose = (f"the ds_config pins total_num_steps {total}, not --steps {steps}" if pinned and total != steps
-             else "the ds_config's total_num_steps" if pinned else "--steps")
+    if pinned:
+        whose = (f"the ds_config pins total_num_steps {total}, not --steps {steps}" if total != steps
+                 else "the ds_config's total_num_steps")
+    elif total != steps:
+        whose = (f"the loaded checkpoint's schedule, kept: --steps is {steps}; set total_num_steps in the ds_config "
+                 "to schedule again")
+    else:
+        whose = "--steps"
     text = f"megakit: LR schedule: {kind}, {peak}, {warmup} warm-up steps, {shape[kind]} at step {total} ({whose})"
     if warmup >= total:
         text += f"; the warm-up is not over by step {total}: lower warmup_num_steps in the ds_config"
     return text
+
+
+def scheduled_steps(config: dict) -> int | None:
+    """The ``total_num_steps`` the run's schedule ends at (None: no schedule with an end), for its checkpoints."""
+    return config.get("scheduler", {}).get("params", {}).get("total_num_steps")

@@ -235,6 +235,8 @@ def read_metrics(path: str | Path) -> dict:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if not isinstance(record, dict):  # not one of ours (an older, indented --metrics-out at the same path)
+            continue
         kind = record.pop("type", None)
         if kind in ("step", "eval"):
             out["steps" if kind == "step" else "eval"][record["step"]] = record

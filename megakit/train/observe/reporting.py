@@ -124,7 +124,11 @@ class MetricsFile:
 
     def __init__(self, path: str) -> None:
         try:
-            self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close, or at exit)
+            self.file = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (closed by close, or at exit)
+            if self.file.tell():  # a run killed mid-line left the last one unfinished: start on a line of our own
+                self.file.seek(self.file.tell() - 1)
+                if self.file.read(1) != "\n":
+                    self.file.write("\n")
         except OSError as error:
             raise UsageError(f"--metrics-out {path}: cannot write it ({error.strerror}); give a file in a writable "
                              "directory") from None
@@ -143,11 +147,11 @@ class RunSummary:
 
     def __init__(self, *, start: int, clock=time.perf_counter) -> None:
         self.clock, self.started = clock, clock()
-        self.start, self.steps, self.tokens = start, 0, 0
+        self.start, self.steps, self.tokens, self.last_step = start, 0, 0, None  # steps and tokens: all that ran
         self.first = self.last = self.best = self.best_eval = None  # (step, loss)
 
     def step(self, m: StepMetrics) -> None:
-        self.steps, self.tokens = self.steps + 1, self.tokens + m.tokens
+        self.steps, self.tokens, self.last_step = self.steps + 1, self.tokens + m.tokens, m.step
         if math.isfinite(m.loss):  # a skipped step's loss is NaN
             self.last = (m.step, m.loss)
             self.first = self.first or self.last
@@ -160,9 +164,12 @@ class RunSummary:
 
     def lines(self, *, checkpoint: str | None, save: str | None) -> list[str]:
         seconds = self.clock() - self.started
-        took = f"{seconds / 60:.0f} min {seconds % 60:02.0f} s" if seconds >= 60 else f"{seconds:.1f} s"
-        text = (f"megakit: done: {self.steps} step(s), {self.start} to {self.start + self.steps - 1}, "
-                f"{self.tokens:,} tokens in {took} of training")
+        minutes, rest = divmod(round(seconds), 60)
+        took = f"{minutes} min {rest:02d} s" if minutes else f"{seconds:.1f} s"
+        end = self.start + self.steps - 1 if self.last_step is None else self.last_step
+        redone = self.steps - (end - self.start + 1)  # a --spike-guard rollback runs steps again
+        text = (f"megakit: done: steps {self.start} to {end}{f' ({redone} redone after a rollback)' if redone else ''}"
+                f", {self.tokens:,} tokens in {took} of training")
         if self.last is not None:
             text += (f" | loss {self.first[1]:.4f} at step {self.first[0]} -> {self.last[1]:.4f} at step "
                      f"{self.last[0]}, best {self.best[1]:.4f} at step {self.best[0]}")

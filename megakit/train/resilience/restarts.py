@@ -1,12 +1,14 @@
 """``--load auto``: one command that a scheduler (torchrun's agent, Slurm's requeue) can run again after a crash.
 
 ``--save DIR --load auto`` starts from DIR's newest intact checkpoint (a ``--keep`` series
-already falls back past a damaged one), or from step 0 while DIR holds none. It is a value
+already falls back past a damaged one; a checkpoint a killed save moved aside counts), or from
+step 0 while DIR holds none (unfinished saves do not count). It is a value
 of ``--load`` and not the default because a default would quietly continue an old run in a
 reused ``--save`` directory; the same command that starts the run also restarts it.
 
 Rank 0 keeps a record of the run's attempts beside DIR, in ``.DIR.attempts.json`` (beside,
-not inside: a single checkpoint at DIR is replaced whole on each save): where each attempt
+not inside: a single checkpoint at DIR is replaced whole on each save), read only once it holds
+DIR's lock (``save_lock``), so never by a second run while the first still runs: where each attempt
 started and the last step it finished. A restarted attempt says which restart it is and
 how many steps it redoes (those its predecessor finished after its last checkpoint).
 """
@@ -18,8 +20,7 @@ import os
 from pathlib import Path
 
 from megakit.errors import UsageError
-from megakit.interop.checkpoint_format import MANIFEST
-from megakit.train.resilience.resume import is_series
+from megakit.train.resilience.save_dir import holds_checkpoint
 
 AUTO = "auto"
 
@@ -31,7 +32,7 @@ def auto_load(save: str | None, load: str | None, *, say=print) -> str | None:
     if not save:
         raise UsageError("--load auto resumes from the --save directory's newest checkpoint; pass --save DIR "
                          "(with --save-every N) as well")
-    if (Path(save) / MANIFEST).is_file() or is_series(save):
+    if holds_checkpoint(save):  # in place, in its series, or moved aside by a save killed while replacing it
         return save
     say(f"megakit: --load auto: no checkpoint in {save} yet; starting at step 0")
     return None

@@ -21,14 +21,16 @@ uninterrupted run's:
 ``--save DIR --save-every N`` writes ``DIR/step-000123`` and then, last, ``DIR/latest``;
 ``--keep K`` removes all but the newest K. ``--load DIR`` takes a checkpoint directory, or
 the newest intact one of a series (``latest`` first), saying which, and falls back past a
-damaged one with one line saying why. A save killed half-way leaves only a ``.tmp-``
-directory, which is never a candidate.
+damaged one with one line saying why. A save killed half-way leaves a ``.tmp-`` directory,
+which is never a candidate, or, between its two renames, the last complete checkpoint moved
+aside, which is (``megakit.train.resilience.save_dir`` lists each point and what it leaves).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -38,22 +40,26 @@ from megakit.interop.checkpoint import load_rank_state, load_state, named_parame
 from megakit.interop.checkpoint_format import (
     MANIFEST,
     ShardReader,
+    manifest_config,
     read_manifest,
     state_keys,
 )
+from megakit.train.resilience.save_dir import (  # noqa: F401 (LATEST, STEP_PREFIX, is_series: API, as before)
+    LATEST,
+    STEP_PREFIX,
+    check_writable,
+    holds_checkpoint,
+    is_series,
+    moved_aside,
+    remove_leftovers,
+    series_steps,
+    temporaries,
+)
 
-LATEST = "latest"
 TOKENIZER = "tokenizer"  # the data's tokenizer, copied into each checkpoint
-STEP_PREFIX = "step-"
 
 
 # -- which checkpoint ------------------------------------------------------------------------------
-def is_series(directory: str | Path) -> bool:
-    path = Path(directory)
-    return path.is_dir() and not (path / MANIFEST).is_file() and (
-        (path / LATEST).is_file() or any(path.glob(f"{STEP_PREFIX}*")))
-
-
 def _intact(path: Path) -> str | None:
     """None if ``path`` is a complete checkpoint whose tensors match their checksums, else why not."""
     try:
@@ -65,32 +71,75 @@ def _intact(path: Path) -> str | None:
     return None
 
 
+def describe(checkpoint: Path, manifest: dict | None = None) -> str:
+    """``step N, MODEL`` of a checkpoint, and where it was imported from (``megakit convert --from-hf``)."""
+    manifest = manifest or read_manifest(checkpoint)
+    words = [f"step {manifest['step']}"]
+    if manifest["extra"].get("imported_from"):
+        words.append(f"imported from {manifest['extra']['imported_from']}")
+    try:
+        config = manifest_config(manifest, source=str(checkpoint))
+        words.append(f"{config.hf_type or config.family}, {config.layers} layers, hidden {config.hidden}, "
+                     f"{config.num_params() / 1e6:.2f} M parameters")
+    except UsageError:
+        pass
+    return ", ".join(words)
+
+
 def choose_checkpoint(load: str, *, say=print, doing: str = "resuming from") -> Path:
     """The checkpoint ``--load`` (or a command reading one) means: the directory itself, or the newest intact one
-    of a series; ``say`` names the one chosen (``megakit: <doing> DIR``) and any damaged one passed over."""
+    of a series; ``say`` names the one chosen (``megakit: <doing> DIR (step N, model)``), any damaged one passed
+    over, and unfinished saves ignored. Where a save killed between its two renames moved the checkpoint aside
+    (``DIR.old-*``, ``megakit.train.resilience.save_dir``), that copy is the one: it is read where it lies."""
     path = Path(load)
+    ignored = temporaries(path)
+    if ignored:
+        say(f"megakit: ignoring {', '.join(str(p) for p in ignored)}: left by a save killed before it finished")
     if not is_series(path):
-        read_manifest(path)  # one clear line if it is not a checkpoint
+        moved = moved_aside(path) if not path.exists() else []
+        if moved:
+            say(f"megakit: {path} is missing: a save killed while replacing it moved its last complete checkpoint "
+                f"aside to {moved[-1]}; {doing} that copy (the next save to {path.name} replaces it)")
+            path = moved[-1]
+        manifest = read_manifest(path)  # one clear line if it is not a checkpoint
+        say(f"megakit: {'starting from' if manifest['step'] == 0 and doing == 'resuming from' else doing} {path} "
+            f"({describe(path, manifest)})")
         return path
-    candidates = sorted(path.glob(f"{STEP_PREFIX}[0-9]*"), reverse=True)
-    candidates = [c for c in candidates if c.is_dir() and ".tmp-" not in c.name and ".old-" not in c.name]
+    candidates = series_steps(path)
     if (path / LATEST).is_file():
-        pointed = path / (path / LATEST).read_text().strip()
-        candidates = [pointed] + [c for c in candidates if c != pointed]
+        name = (path / LATEST).read_text().strip()
+        pointed = [c for c in candidates if c.name.split(".old-")[0] == name] or [path / name]
+        newer = [c.name for c in candidates if c.name.split(".")[0] > name]
+        if newer:
+            say(f"megakit: {path}/{LATEST} names {name}, not the newer {', '.join(newer)}: a save killed before it "
+                f"moved {LATEST}, or a run resumed from an earlier step; {LATEST} is the one taken")
+        candidates = pointed[:1] + [c for c in candidates if c != pointed[0]]
     for candidate in candidates:
         why = _intact(candidate)
         if why is None:
-            say(f"megakit: {doing} {candidate}")
+            aside = " (moved aside by a save killed while replacing it)" if ".old-" in candidate.name else ""
+            say(f"megakit: {doing} {candidate}{aside} ({describe(candidate)})")
             return candidate
         say(f"megakit: skipping damaged checkpoint {candidate} ({why}); trying the one before")
     raise UsageError(f"--load {path}: no intact checkpoint in the series; start without --load or restore one")
 
 
-def check_checkpoint_flags(*, save: str | None, load: str | None, steps: int, say=print) -> tuple[int, Path | None]:
+def _inside(load: Path, save: Path) -> bool:
+    """Whether ``--load`` resumes from the ``--save`` directory (it, a step of its series, or its moved-aside copy)."""
+    load, save = load.absolute(), save.absolute()
+    return load == save or save in load.parents or (load.parent == save.parent
+                                                    and load.name.startswith(f"{save.name}.old-"))
+
+
+def check_checkpoint_flags(*, save: str | None, load: str | None, steps: int, series: bool = False,
+                           say=print) -> tuple[int, Path | None]:
     """``(step to start from, checkpoint to load)``; UsageError for what would fail later.
 
     Runs before any process group exists. ``steps`` counts every step, loaded ones included
     (Megatron's ``--train-iters``), so the LR schedule in the ds_config means the same thing.
+    ``series``: ``--keep`` (the saves go to ``DIR/step-N``). A ``--save`` directory must be writable, of the
+    kind this run writes, and hold no other run's checkpoint: a run that does not resume from it would replace
+    it (or, as a series beside a single checkpoint, leave ``--load DIR`` reading the old one).
     """
     if save:
         target = Path(save)
@@ -98,6 +147,18 @@ def check_checkpoint_flags(*, save: str | None, load: str | None, steps: int, sa
                 not target.is_dir() or any(target.iterdir())):
             raise UsageError(f"--save {target} exists and is not a megakit checkpoint; choose another directory "
                              "or remove it")
+        check_writable(target, series=series)
+        if series and ((target / MANIFEST).is_file() or moved_aside(target)):
+            raise UsageError(f"--save {target} holds a single checkpoint, and --keep would write a series of "
+                             f"{target}/step-N beside it that --load {target} does not read; choose another --save "
+                             "directory for the series, or drop --keep to go on with the single checkpoint")
+        if not series and is_series(target):
+            raise UsageError(f"--save {target} holds a --keep series; add --save-every N --keep K to go on with it, "
+                             "or choose another --save directory")
+        if holds_checkpoint(target) and not (load and _inside(Path(load), target)):
+            raise UsageError(f"--save {target} already holds a checkpoint of another run, which this run "
+                             f"({'from ' + load if load else 'from scratch'}) would replace; resume that run with "
+                             "--load auto, or choose another --save directory (or remove it)")
     if not load:
         return 0, None
     chosen = choose_checkpoint(load, say=say)
@@ -307,17 +368,38 @@ def _add_tokenizer(source: Path, checkpoint: Path) -> None:
     os.replace(tmp, checkpoint / TOKENIZER)
 
 
+def _last_complete(directory: Path, series: bool) -> str:
+    """The checkpoint a failed save leaves as the one to resume from, in words (for its error)."""
+    try:  # the one --load would take first (not verified here: that would read it whole at every save)
+        if is_series(directory):
+            pointed = directory / (directory / LATEST).read_text().strip() if (directory / LATEST).is_file() else None
+            chosen = pointed if pointed is not None and pointed.is_dir() else series_steps(directory)[0]
+        else:
+            chosen = directory if (directory / MANIFEST).is_file() else moved_aside(directory)[-1]
+        return f"the last complete checkpoint (step {read_manifest(chosen)['step']}, {chosen}) is intact"
+    except (UsageError, IndexError, OSError):
+        return "there is no complete checkpoint yet"
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, series: bool, keep: int,
-             tokenizer: Path | None = None, dp_sync=None, rank_key: dict | None = None, writer=None) -> Path:
+             tokenizer: Path | None = None, dp_sync=None, rank_key: dict | None = None, writer=None,
+             say=None) -> Path:
     """Save weights and optimizer state; in a series, as ``DIR/step-N`` with ``DIR/latest`` written last.
     ``tokenizer``: a directory whose tokenizer files go into ``CHECKPOINT/tokenizer`` (for ``convert --to-hf``).
     ``dp_sync`` (synchronized): each rank's own state is saved too, under ``rank_key`` (``per_rank_key``).
     ``writer`` (``--async-save``, an ``AsyncWriter``): return once the state is copied to host memory, after the
     previous save has finished; the writer writes and publishes it in the background.
 
-    Collective over the world (see ``save_checkpoint``); an error on any rank raises on every rank (with a
-    writer: the write's, at its next ``wait``).
+    Once it is on disk, rank 0 says so in one line (step, path, size, seconds) and removes what saves killed
+    mid-way left in DIR (``save_dir.remove_leftovers``): the caller holds DIR's lock (``save_lock``), so no other
+    save is in progress there. Collective over the world (see ``save_checkpoint``); an error on any rank raises on
+    every rank (with a writer: the write's, at its next ``wait``).
     """
+    started, say = time.perf_counter(), say or (lambda text: print(text, flush=True))
     if writer is not None:
         writer.wait()  # one save at a time: host memory holds one copy of the state
     copy = writer.buffers.copy if writer is not None else None  # host buffers kept from the last save
@@ -328,12 +410,20 @@ def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, se
                                      "optimizer_step": optimizer_step_count(engine)},
                               rank_state=None if dp_sync is None else own_state(engine, topo, dp_sync),
                               rank_key=rank_key, copy=copy)
+    if topo.rank == 0:  # what a failed write reports as intact
+        staged.intact = _last_complete(Path(directory), series)
 
     def publish() -> None:  # rank 0, once the checkpoint is in place
-        if tokenizer is not None and topo.rank == 0:
+        if topo.rank != 0:
+            return
+        if tokenizer is not None:
             _add_tokenizer(tokenizer, target)
-        if series and topo.rank == 0:
+        if series:
             publish_in_series(Path(directory), target, keep=keep)
+        background = ", written in the background" if writer is not None else ""
+        say(f"megakit: saved step {step} to {target} ({_size(target) / 2**20:.1f} MiB, on disk "
+            f"{time.perf_counter() - started:.1f} s after the step{background})")
+        remove_leftovers(directory, say=say)
 
     if writer is None:
         staged.write()
@@ -344,10 +434,13 @@ def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, se
 
 
 def publish_in_series(directory: Path, target: Path, *, keep: int) -> None:
-    """Point ``DIR/latest`` at ``target`` (a temporary name, then renamed), then remove all but the newest ``keep``."""
+    """Point ``DIR/latest`` at ``target`` (a temporary name, then renamed), then remove all but the newest ``keep``
+    complete checkpoints up to ``target`` (``save_dir.series_steps``: unfinished saves take no place, a copy moved
+    aside does; ``target`` is never removed, nor a newer step an earlier trajectory left, which this run's own
+    save of that step replaces)."""
     pointer = directory / f"{LATEST}.tmp"
     pointer.write_text(target.name + "\n")
     os.replace(pointer, directory / LATEST)
-    for old in sorted(directory.glob(f"{STEP_PREFIX}[0-9]*"))[:-keep]:
-        if "." not in old.name:
-            shutil.rmtree(old, ignore_errors=True)
+    complete = [p for p in series_steps(directory) if p.name.split(".")[0] <= target.name]  # newest first
+    for old in complete[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
