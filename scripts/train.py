@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -30,10 +31,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"train.py: error: {message}\n" if _rank0() else None)
 
 
+class _Help(argparse.HelpFormatter):
+    """--help gives each flag's default where its text does not say it already (an unset or off flag has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        said = re.search(r"\(default\b|\bdefault:|\bdefault [\w.]+[,;:)]", text)
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS or said \
+                or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(description=__doc__.splitlines()[0])
+    p = _Parser(description=__doc__.splitlines()[0], formatter_class=_Help)
     p.add_argument("--ds_config", "--ds-config", default=str(DEFAULT_DS_CONFIG),
-                   help="DeepSpeed JSON config (ds_configs/*.json, or what `megakit plan --emit-config` wrote)")
+                   help="DeepSpeed JSON config: ds_configs/*.json, or what `megakit plan --emit-config` wrote "
+                        "(default: ds_configs/zero1.json)")
     p.add_argument("--model", default="gpt-mini", help="preset in models/ or a path to a HF config.json")
     p.add_argument("--reset-attention-mask", action="store_true",
                    help="packed documents: attention stays inside each document of a window (Llama 3's pretraining "

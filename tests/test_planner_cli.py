@@ -2,6 +2,7 @@
 and bad input (one line, exit 2, nothing written)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -237,3 +238,58 @@ def test_emitted_pipeline_config_builds_a_deepspeed_engine(tmp_path, capsys):
     assert "--pp 2" in out
     # Two processes stand for one stage's two DP replicas (the engine's view of a PP=2 x DP=2 job).
     assert run_ranks(_deepspeed_engine_from, 2, str(target), 2, 2) == [("DeepSpeedZeroOptimizer", False)] * 2
+
+
+def test_gpt3s_batch_is_one_number_for_the_default_batch_and_the_lr_scaled_to_it():
+    """"2M tokens" at 8192 tokens a sequence is GPT-3's batch rounded to 256 sequences for the default batch; the LR
+    is GPT-3's at that same batch, not scaled by 256 / 244 as it was when the LR read 2e6 tokens as 244 sequences."""
+    from megakit.core.planner import emit
+
+    batch, note = emit.default_global_batch(8e9, 8192, tokens=15e12)
+    lr, why = emit.scaled_lr(8e9, batch, 8192)
+    assert batch == 256 and "2M tokens = 256 sequences of 8192" in note
+    assert lr == 1.2e-4 and why == "0.00012 = GPT-3's 1.2e-04 at its 2M-token batch (256 sequences of 8192)", why
+    lr, why = emit.scaled_lr(8e9, 512, 8192)  # twice the batch: twice the LR, from the same 256
+    assert lr == 2.4e-4 and "x 512 / 256 sequences" in why
+
+
+def test_a_measured_profile_prints_rounded_rates_and_a_tiny_models_count(tmp_path, capsys):
+    """``--hardware``'s measured rates come out to four figures (11.77 GiB, not 11.770145416259766 or 11.7701), and a
+    CPU-sized model's parameters as a count (842K), not 0.00B."""
+    from megakit.commands import cli
+
+    link = {"bytes": 2**24, "seconds": 0.0404, "bus_gbps": 0.4086099588212423}
+    profile = {"profile": "megakit-probe", "version": 1, "device": "cpu", "dtype": "fp32", "backend": "gloo",
+               "nproc": 2, "gpus_per_node": 2, "memory_gib": 11.770145416259766, "matmul_tflops": 0.032171739981735566,
+               "copy_gbps": 3.5378572420870493, "attention_tflops": 0.010661163506496317, "links": {"all_reduce": link}}
+    (tmp_path / "hw.json").write_text(json.dumps(profile))
+    assert cli.main(["plan", "--model", "gpt-mini", "--hardware", str(tmp_path / "hw.json"), "--gpus", "2",
+                     "--global-batch", "8", "--seq-len", "128"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps lines
+    assert "11.77 GiB, 0.03217 TFLOP/s peak" in out and "within 80% of 11.77 GiB" in out, out[:800]
+    assert "0.454 GB/s per GPU" in out and ": 842K parameters" in out
+    assert not re.search(r"\d\.\d{6,}", out), re.findall(r"\S*\d\.\d{6,}\S*", out)
+
+
+def test_plan_shows_a_spinner_on_a_terminal_while_transformers_counts_the_model_and_nothing_in_a_pipe():
+    """``--model`` spends seconds in transformers before the first line: a terminal sees what it waits for (a pipe
+    sees nothing: ``_progress`` asks ``isatty``)."""
+    import os
+    import pty
+
+    controller, terminal = pty.openpty()
+    command = [sys.executable, "-m", "megakit.commands.cli", "plan", "--model", "llama-tiny", "--gpus", "2"]
+    run = subprocess.run(command, stdout=subprocess.PIPE, stderr=terminal, timeout=300)
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(controller, 1 << 16)
+        except OSError:
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(controller)
+    assert run.returncode == 0 and b"Plan" in run.stdout
+    assert b"megakit plan: reading llama-tiny (transformers counts its parameters)" in shown, shown[:400]

@@ -1,23 +1,17 @@
 """The front page's commands work: each ``bash``/``sh`` block of README.md that a CPU can run is run, as written,
 in a temporary directory; the others are skipped by name, with the reason.
 
-A block is named by the heading above it (GitHub's anchor for it), with ``-2``, ``-3`` ... for the second and later
-blocks under one heading. The only change made to a command is a free ``--master_port`` for the ``deepspeed``
-launcher, so that a job cannot meet another's rendezvous. ``scripts/``, ``models/`` and ``ds_configs/`` are linked
-into the directory, so the commands read as they do from the checkout and write only there.
+The blocks are read and run by ``doc_blocks`` (shared with the guides' test, ``test_docs.py``).
 
 Also: the test command is the one CI runs, and every relative link of README.md and docs/ resolves.
 """
 
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
-from multiproc import THREADS, free_port
+from doc_blocks import ROOT, link_checkout, run_block, shell_blocks, slug, uses_launcher
 
-ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 
@@ -26,29 +20,6 @@ SKIPPED = {  # block name -> why it is not run here
     "tests": "the test command: it is this suite",
     "a-five-minute-tour-2": "submits the plan's job to Slurm: needs a cluster of GPU nodes",
 }
-
-
-def slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-
-
-def shell_blocks(text: str) -> dict[str, str]:
-    """name -> the block's text, for every ```bash / ```sh block, in order."""
-    blocks, heading, count, body = {}, "", {}, None
-    for line in text.splitlines():
-        if body is not None:
-            if line.startswith("```"):
-                count[heading] = count.get(heading, 0) + 1
-                blocks[heading + (f"-{count[heading]}" if count[heading] > 1 else "")] = "\n".join(body) + "\n"
-                body = None
-            else:
-                body.append(line)
-        elif line.startswith("#"):
-            heading = slug(line.lstrip("#"))
-        elif line.strip() in ("```bash", "```sh"):
-            body = []
-    return blocks
 
 
 BLOCKS = shell_blocks(README.read_text())
@@ -68,7 +39,7 @@ CHECKS = {"install-2": lambda out, tmp: "Launch" in out, "a-five-minute-tour": c
 
 def params():
     for name, block in BLOCKS.items():
-        marks = [pytest.mark.slow] if re.search(r"^deepspeed ", block, re.M) else []
+        marks = [pytest.mark.slow] if uses_launcher(block) else []
         yield pytest.param(name, block, id=name, marks=marks)
 
 
@@ -76,15 +47,9 @@ def params():
 def test_front_page_block_runs_on_cpu(name, block, tmp_path):
     if name in SKIPPED:
         pytest.skip(f"README block {name!r}: {SKIPPED[name]}")
-    for folder in ("scripts", "models", "ds_configs"):
-        (tmp_path / folder).symlink_to(ROOT / folder)
-    script = re.sub(r"^deepspeed ", lambda _: f"deepspeed --master_port {free_port()} ", block, flags=re.M)
-    env = dict(os.environ, OMP_NUM_THREADS=THREADS,
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    run = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=900)
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, f"README block {name!r} failed (exit {run.returncode}):\n{script}\n{out[-6000:]}"
+    link_checkout(tmp_path)
+    code, out, script = run_block(block, tmp_path)
+    assert code == 0, f"README block {name!r} failed (exit {code}):\n{script}\n{out[-6000:]}"
     check = CHECKS.get(name)
     assert check is None or check(out, tmp_path) is not False, out[-6000:]
 

@@ -279,3 +279,28 @@ def test_cli_takes_costs_per_virtual_stage(capsys):
         with pytest.raises(SystemExit) if "x" in bad[1] else contextlib.nullcontext():  # argparse's own exit
             assert cli.main([*argv, *bad]) == 2
         assert capsys.readouterr().err.strip().count("\n") <= 1
+
+
+def test_the_timeline_tells_forward_from_backward_without_colour_and_shares_the_pngs_legend():
+    """Piped or in a log file rich drops the colours: each stage then gets a row of kind letters under its
+    micro-batch ids. The legend's names are the PNG's, and later chunks are lighter in both."""
+    import io
+
+    from rich.console import Console
+
+    from megakit.commands.schedule_render import LATER_CHUNKS, legend, print_timeline
+
+    report = simulate(build_schedule("interleaved", 2, 4, 2))
+    plain = io.StringIO()
+    print_timeline(report, Console(file=plain, width=200))  # not a terminal: no colour
+    lines = plain.getvalue().splitlines()
+    ids, kinds = lines[1].split("│")[1], lines[2].split("│")[1]
+    assert ids == "0101··20031120031122·332233" and kinds == "FFff··FbbFbbfBBfBBbb·bbBBBB", lines
+    assert [name for _, name in legend(report.schedule)] == ["forward F", "backward B", "idle (bubble)"]
+    assert all(name in lines[-1] for _, name in legend(report.schedule)) and LATER_CHUNKS in lines[-1]
+    coloured = io.StringIO()
+    print_timeline(report, Console(file=coloured, width=200, force_terminal=True, color_system="standard"))
+    out = coloured.getvalue()
+    assert "\x1b[37;44m0" in out and "\x1b[30;42m0" in out and "FFff" not in out  # forward blue, backward green
+    zero_bubble = [name for _, name in legend(simulate(build_schedule("zb-h1", 2, 4, 1)).schedule)]
+    assert zero_bubble == ["forward F", "input gradient B", "weight gradient W", "idle (bubble)"]

@@ -10,6 +10,7 @@ ds_config and prints the launch command. Imports no torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
@@ -72,7 +73,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: GPT-3's for the size)")
     train.add_argument("--tokens", help="training tokens, e.g. 300B: adds time-to-train")
     train.add_argument("--precision", choices=("bf16", "fp16", "fp32"), help="default bf16 (fp16 on V100)")
-    train.add_argument("--offload", choices=("none", "optimizer", "params"), default="none")
+    train.add_argument("--offload", choices=("none", "optimizer", "params"), default="none",
+                       help="ZeRO-Offload: the fp32 master and Adam states (optimizer), or the parameters too "
+                            "(params), in CPU memory (default none; tried by itself when nothing else fits)")
     train.add_argument("--attention", choices=("flash", "standard"), help="default: flash where the GPU has it")
     train.add_argument("--kernels", choices=("eager", "compiled"), default="compiled",
                        help="elementwise work priced fused (compiled: train.py's default on a GPU, torch.compile of "
@@ -189,6 +192,16 @@ def _positive(args, *names):
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
 
 
+def _progress(message: str):
+    """A spinner on stderr while a slow step runs, erased after it, on a terminal only: a log file or a pipe gets
+    nothing, so stderr there still holds only an error line."""
+    if not sys.stderr.isatty():
+        return contextlib.nullcontext()
+    from rich.console import Console
+
+    return Console(stderr=True).status(message)
+
+
 def load_model(args) -> ModelSpec:
     if bool(args.params) == bool(args.model):
         raise UsageError("give exactly one of --params SIZE (e.g. 175B) or --model NAME|config.json")
@@ -199,7 +212,8 @@ def load_model(args) -> ModelSpec:
             exact_param_count,  # transformers on the meta device
         )
 
-        spec = ModelSpec.from_config(args.model, count_params=exact_param_count)
+        with _progress(f"megakit plan: reading {args.model} (transformers counts its parameters)"):
+            spec = ModelSpec.from_config(args.model, count_params=exact_param_count)
     return spec.with_overrides(seq_len=args.seq_len, vocab_size=args.vocab, mtp=getattr(args, "mtp", False))
 
 

@@ -27,6 +27,11 @@ def _short(p: dict) -> str:
     return text + (" SP" if p["sequence_parallel"] else "")
 
 
+def _count(n: float) -> str:
+    """A parameter count as docs/models.md writes it: 61K, 124.4M, 174.62B."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
 def _zero_stage(p: dict) -> str:
     """The stage, and HSDP's shard group where ZeRO-3 shards inside groups smaller than DP x CP."""
     group, ranks = p.get("zero3_shard_group"), p["dp"] * p.get("cp", 1)
@@ -57,7 +62,7 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
     console.print(f"[bold]Model[/]: {m['source']}")
     console.print(f"  {m['family']}: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads"
                   f"{' (' + str(m['kv_heads']) + ' KV)' if m['kv_heads'] != m['heads'] else ''}, FFN {m['ffn']}, "
-                  f"vocab {m['vocab']}, seq {m['seq_len']}: {m['params'] / 1e9:.2f}B parameters")
+                  f"vocab {m['vocab']}, seq {m['seq_len']}: {_count(m['params'])} parameters")
     if "moe" in a:
         e = a["moe"]
         console.print(f"  MoE: {e['experts']} experts of FFN {e['expert_ffn']}, top-{e['top_k']}"
@@ -66,7 +71,8 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
                       f"active per token")
         console.print(f"  Routing priced: {e['routing']} ({e['routing_note']}).")
     console.print(f"[bold]Cluster[/]: {c['num_gpus']} x {c['gpu']} ({c['nodes']} node(s) x {c['gpus_per_node']}), "
-                  f"{c['gpu_memory_gib']:g} GiB, {c['peak_tflops']:g} TFLOP/s peak; intra-node {c['intra_node']}; "
+                  f"{c['gpu_memory_gib']:,.4g} GiB, {c['peak_tflops']:,.4g} TFLOP/s peak; "
+                  f"intra-node {c['intra_node']}; "
                   f"inter-node {c['inter_node']}")
     if c["auto_sized"]:
         console.print(f"  No --gpus/--nodes given: planned for the smallest whole number of nodes on which "

@@ -47,8 +47,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="a Jinja chat template to render chat data with instead of the tokenizer's own (e.g. one "
                              "with {%% generation %%} markers)")
     parser.add_argument("--val-fraction", type=finite_float, default=0.01,
-                        help="share of the tokens held out for validation (default 0.01), in spans of >= 1024 tokens "
-                             "taken from the ends of documents, a long document cut in two")
+                        help="share of the tokens held out for validation (default 0.01), from the ends of "
+                             "documents: a document's end once the share owed reaches 1024 tokens (or at the last), "
+                             "a long document cut in two")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes")
     parser.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard file")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

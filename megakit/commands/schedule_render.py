@@ -1,10 +1,13 @@
 """Draw a simulated schedule: a terminal timeline (rich) and a PNG (matplotlib).
 
-Both show stages as rows and time as columns; forward cells are blue, backward
-cells green (a lighter shade for later chunks when interleaved; with zero bubble the
+Both show stages as rows and time as columns; forward cells F are blue, backward
+cells B green (a lighter shade for later chunks when interleaved; with zero bubble the
 input-gradient B green and the deferred weight-gradient W yellow), each labelled with
-its micro-batch, and idle time — the bubble — is left grey and empty. The title
-carries the bubble fraction measured by the simulator next to the textbook formula.
+its micro-batch, and idle time — the bubble — is left grey and empty. Both take their
+legend from ``legend``. Where the terminal shows no colour (a pipe, a log file,
+``NO_COLOR``) each stage gets a second row of letters, F, B, W (lower case for later
+chunks), so that forward and backward still differ. The title carries the bubble
+fraction measured by the simulator next to the textbook formula.
 """
 
 from __future__ import annotations
@@ -22,10 +25,24 @@ from megakit.core.schedules import (
 )
 from megakit.core.simulator import Report
 
-_TERMINAL = {Forward: ("white on blue", "white on dark_blue"), Backward: ("black on green", "black on dark_green"),
-             BackwardInput: ("black on green", "black on dark_green"), BackwardWeight: ("black on yellow",) * 2}
+_TERMINAL = {Forward: ("white on blue", "black on bright_blue"), Backward: ("black on green", "black on bright_green"),
+             BackwardInput: ("black on green", "black on bright_green"),
+             BackwardWeight: ("black on yellow", "black on bright_yellow")}
+_LETTER = {Forward: "F", Backward: "B", BackwardInput: "B", BackwardWeight: "W"}
 _PNG = {Forward: ("#2f6fd0", "#89aef0"), Backward: ("#2e9e49", "#8fd6a0"), BackwardInput: ("#2e9e49", "#8fd6a0"),
         BackwardWeight: ("#e0a800", "#f0d070")}
+
+
+def legend(schedule) -> list[tuple[type | None, str]]:
+    """(kind, name) of what a timeline shows, idle last (kind None): the terminal's and the PNG's legend."""
+    if schedule.split_backward:
+        kinds = [(Forward, "forward F"), (BackwardInput, "input gradient B"), (BackwardWeight, "weight gradient W")]
+    else:
+        kinds = [(Forward, "forward F"), (Backward, "backward B")]
+    return [*kinds, (None, "idle (bubble)")]
+
+
+LATER_CHUNKS = "lighter = later model chunks"
 
 
 def _label(mb: int) -> str:
@@ -40,8 +57,9 @@ def title(report: Report, weight_share: float = 0.5) -> str:
             f"(formula {formula:.1%}), step time {report.step_time:g}")
 
 
-def timeline_text(report: Report, *, width: int = 120, weight_share: float = 0.5):
-    """A ``rich.text.Text`` with one row per stage; one column is one time unit (scaled to fit ``width``)."""
+def timeline_text(report: Report, *, width: int = 120, weight_share: float = 0.5, colour: bool = True):
+    """A ``rich.text.Text`` with one row per stage; one column is one time unit (scaled to fit ``width``).
+    Without ``colour`` a row of kind letters under each stage's row tells forward from backward."""
     from rich.text import Text
 
     durations = [e.end - e.start for e in report.events if e.end > e.start]
@@ -65,15 +83,15 @@ def timeline_text(report: Report, *, width: int = 120, weight_share: float = 0.5
             else:
                 text.append(_label(cell.micro_batch), style=_TERMINAL[cell.kind][min(cell.chunk, 1)])
         text.append(f"│ idle {report.bubble_per_stage[stage]:.0%}, peak in flight {report.peak_in_flight[stage]}\n")
-    text.append("forward", style=_TERMINAL[Forward][0])
-    text.append(" ")
-    text.append("backward", style=_TERMINAL[Backward][0])
-    if report.schedule.split_backward:
-        text.append(" (input gradient B) ")
-        text.append("weight gradient W", style=_TERMINAL[BackwardWeight][0])
-    text.append(" · idle (bubble); digits are micro-batch ids")
+        if not colour:
+            letters = ("·" if c is None else _LETTER[c.kind].lower() if c.chunk else _LETTER[c.kind] for c in cells)
+            text.append(f"{'':>8} │{''.join(letters)}│\n")
+    for i, (kind, name) in enumerate(legend(report.schedule)):
+        text.append(" " if i else "")
+        text.append(name if kind else f"· {name}", style=_TERMINAL[kind][0] if kind and colour else "")
+    text.append("; cells: micro-batch ids" + (", the row below each stage its kinds" if not colour else ""))
     if report.schedule.vpp > 1:
-        text.append("; darker = later chunks")
+        text.append(f"; {LATER_CHUNKS}" + (" (lower case)" if not colour else ""))
     return text
 
 
@@ -81,7 +99,8 @@ def print_timeline(report: Report, console=None, *, weight_share: float = 0.5) -
     from rich.console import Console
 
     console = console or Console(soft_wrap=True)  # long rows overflow rather than wrap mid-timeline
-    console.print(timeline_text(report, width=160, weight_share=weight_share), soft_wrap=True)
+    text = timeline_text(report, width=160, weight_share=weight_share, colour=console.color_system is not None)
+    console.print(text, soft_wrap=True)
 
 
 def save_png(report: Report, path: str, *, weight_share: float = 0.5) -> None:
@@ -110,12 +129,11 @@ def save_png(report: Report, path: str, *, weight_share: float = 0.5) -> None:
     ax.set_yticks(range(pp), [f"stage {s}" for s in range(pp)])
     ax.invert_yaxis()
     ax.set_xlim(0, report.step_time)
-    chunks = "; lighter shade = later model chunk" if report.schedule.vpp > 1 else ""
+    chunks = f"; {LATER_CHUNKS}" if report.schedule.vpp > 1 else ""
     ax.set_xlabel(f"time (units of the per-op costs){chunks}")
     ax.set_title(title(report, weight_share), fontsize=10)
-    weight = [Patch(color=_PNG[BackwardWeight][0], label="weight grad W")] if report.schedule.split_backward else []
-    ax.legend(handles=[Patch(color=_PNG[Forward][0], label="forward"), Patch(color=_PNG[Backward][0], label="backward"),
-                       *weight, Patch(color="#e6e6e6", label="idle (bubble)")], loc="upper left", fontsize=7,
+    ax.legend(handles=[Patch(color=_PNG[kind][0] if kind else "#e6e6e6", label=name)
+                       for kind, name in legend(report.schedule)], loc="upper left", fontsize=7,
               bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     directory = os.path.dirname(os.path.abspath(path))

@@ -30,14 +30,23 @@ GPT3_TOKENS = 300e9  # the yardstick for time-to-train when the cluster was auto
 MIN_STEPS = 500  # the fewest optimizer steps a default batch leaves the token budget: warm-up and decay need room
 
 
-def default_global_batch(params: float, seq_len: int, tokens: float | None = None) -> tuple[int, str]:
-    """(sequences per step, what was assumed): GPT-3's batch for the nearest size, rounded to a multiple of 256
-    (a power of two below that), unless the token budget (``tokens``, else Chinchilla's 20 per parameter) would
-    then last fewer than ``MIN_STEPS`` steps, as for a small model: then the largest power of two that leaves
-    it ``MIN_STEPS`` steps (GPT-3's 0.5M-token batch would train a 66K-parameter model in 3 steps)."""
-    batch_tokens = min(GPT3_LR, key=lambda row: abs(math.log(row[0] / params)))[2]
+def gpt3_batch(params: float, seq_len: int) -> tuple[float, float, int]:
+    """(LR, batch in tokens, batch in sequences) of GPT-3 for the nearest size: the tokens rounded to whole
+    sequences, a multiple of 256 (a power of two below that). The one definition of "GPT-3's batch", so that the
+    LR scaled to a plan's batch is GPT-3's own when the plan takes that batch (2M tokens at 8192 is 256
+    sequences, not 244)."""
+    _, lr, batch_tokens = min(GPT3_LR, key=lambda row: abs(math.log(row[0] / params)))
     seqs = batch_tokens / seq_len
-    gpt3 = max(1, int(round(seqs / 256)) * 256) if seqs >= 256 else max(1, 2 ** int(round(math.log2(seqs))))
+    return lr, batch_tokens, (max(1, int(round(seqs / 256)) * 256) if seqs >= 256 else
+                              max(1, 2 ** int(round(math.log2(seqs)))))
+
+
+def default_global_batch(params: float, seq_len: int, tokens: float | None = None) -> tuple[int, str]:
+    """(sequences per step, what was assumed): GPT-3's batch for the nearest size (``gpt3_batch``), unless the
+    token budget (``tokens``, else Chinchilla's 20 per parameter) would then last fewer than ``MIN_STEPS`` steps,
+    as for a small model: then the largest power of two that leaves it ``MIN_STEPS`` steps (GPT-3's 0.5M-token
+    batch would train a 66K-parameter model in 3 steps)."""
+    _, batch_tokens, gpt3 = gpt3_batch(params, seq_len)
     budget = tokens or CHINCHILLA_TOKENS_PER_PARAM * params
     source = "--tokens" if tokens else f"{CHINCHILLA_TOKENS_PER_PARAM} per parameter, Chinchilla"
     gpt3_note = f"GPT-3's batch for this size ({batch_tokens / 1e6:g}M tokens = {gpt3:,} sequences of {seq_len})"
@@ -54,18 +63,20 @@ def scaled_lr(params: float, global_batch: int, seq_len: int, *, base_lr: float 
     """Linear scaling (FAQ row 4: batch 64 / lr 0.1 -> batch 512 / lr 0.8) from a reference point:
     the user's ``base_lr`` at ``base_batch`` sequences, else GPT-3's LR and batch for the nearest size. Below
     GPT-3's batch (a small model's batch bounded by its token budget) the LR is not scaled down: 32 sequences
-    against GPT-3's 7,812 would give 2.5e-6, which trains nothing in a few hundred Adam steps."""
+    against GPT-3's 7,936 would give 2.4e-6, which trains nothing in a few hundred Adam steps."""
     gpt3 = base_lr is None
     if gpt3:
-        _, base_lr, tokens = min(GPT3_LR, key=lambda row: abs(math.log(row[0] / params)))
-        base_batch_seqs = tokens / seq_len
-        source = f"GPT-3's {base_lr:.1e} at {tokens / 1e6:g}M tokens/batch"
+        base_lr, tokens, base_batch_seqs = gpt3_batch(params, seq_len)
+        source = (f"GPT-3's {base_lr:.1e} at its {tokens / 1e6:g}M-token batch ({base_batch_seqs:,} sequences of "
+                  f"{seq_len})")
     else:
         base_batch_seqs = base_batch or 256
         source = f"--base-lr {base_lr:g} at {base_batch_seqs:g} sequences"
     if gpt3 and global_batch < base_batch_seqs:
         return base_lr, (f"{base_lr:.3g} = {source}, not scaled down to {global_batch} sequences (linear scaling "
                          f"would give {base_lr * global_batch / base_batch_seqs:.2g}, too small to train)")
+    if global_batch == base_batch_seqs:
+        return base_lr, f"{base_lr:.3g} = {source}"
     lr = base_lr * global_batch / base_batch_seqs
     return lr, f"{lr:.3g} = {source} x {global_batch} / {base_batch_seqs:.0f} sequences (linear scaling)"
 
@@ -222,7 +233,7 @@ def tips(result, cost, plan: Plan, cluster, *, lr_note: str, warmup: int, total:
         out.append(f"Communication is {cost.comm_fraction:.0%} of the step (> 30 %): raise gradient accumulation "
                    "(communication happens only at the boundary), or use a bigger micro-batch.")
         if plan.dp > 1 and plan.tp * plan.dp > cluster.gpus_per_node and plan.compress == "none":
-            out.append(f"DP traffic crosses nodes on {cluster.gpu.inter_link} ({cluster.gpu.inter_gbps:g} GB/s per "
+            out.append(f"DP traffic crosses nodes on {cluster.gpu.inter_link} ({cluster.gpu.inter_gbps:,.4g} GB/s per "
                        "GPU): megakit's compression with error feedback (plan and train with --compress int8, "
                        "with ZeRO 0 or 1, or sign or topk:0.01 with ZeRO 0) sends 4-50x fewer bytes; or, with ZeRO 0, "
                        "--local-sgd H averages the weights only every H steps.")
@@ -231,7 +242,7 @@ def tips(result, cost, plan: Plan, cluster, *, lr_note: str, warmup: int, total:
         out.append(f"A small model on {plan.dp} GPUs is communication-bound: fewer GPUs or a bigger global batch "
                    "would be nearly as fast per GPU-hour.")
     if cluster.gpu.inter_gbps < 12.5 and plan.world > cluster.gpus_per_node:
-        out.append(f"The inter-node link is slow ({cluster.gpu.inter_gbps:g} GB/s per GPU): prefer gradient "
+        out.append(f"The inter-node link is slow ({cluster.gpu.inter_gbps:,.4g} GB/s per GPU): prefer gradient "
                    "accumulation, megakit's --compress (int8 with ZeRO 0 or 1; sign, topk:RATIO with ZeRO 0; "
                    "all with error feedback) or, with ZeRO 0, --local-sgd H.")
     if plan.pp > 1 and cost.bubble_fraction > 0.10:

@@ -115,11 +115,11 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
     elif one_gpu:
         branch = "data-parallel"
         why = (f"the whole training state ({one_gpu_bytes / GIB:.1f} GiB with one sequence) fits one GPU within "
-               f"{threshold:.0%} of {cluster.gpu.mem_gib:g} GiB, so: data parallelism, ZeRO only as memory requires")
+               f"{threshold:.0%} of {cluster.gpu.mem_gib:,.4g} GiB, so: data parallelism, ZeRO only as memory requires")
     else:
         branch = "model-parallel"
         why = (f"the whole training state ({one_gpu_bytes / GIB:.0f} GiB) exceeds {threshold:.0%} of one GPU's "
-               f"{cluster.gpu.mem_gib:g} GiB, so: TP inside a node, PP across nodes, DP for the rest")
+               f"{cluster.gpu.mem_gib:,.4g} GiB, so: TP inside a node, PP across nodes, DP for the rest")
 
     hard = cluster.gpu.mem_gib * GIB if judged else limit
     ctx = _Context(model, cluster, pins, global_batch, s, hard, precision, offload, flash, keep_rejected,
@@ -185,7 +185,7 @@ def _judged_no(model, cluster, ctx, *, threshold, limit) -> NoPlan:
                       gpus_per_node=cluster.gpus_per_node, threshold_bytes=limit,
                       gpu_bytes=cluster.gpu.mem_gib * GIB, overhead_bytes=OVERHEAD_BYTES)
     return NoPlan(f"the pinned layout {c.plan.describe()} does not fit: peak {c.memory.total / GIB:.1f} GiB > "
-                  f"the {cluster.gpu.mem_gib:g} GiB of one {cluster.gpu.name} ({threshold:.0%} line "
+                  f"the {cluster.gpu.mem_gib:,.4g} GiB of one {cluster.gpu.name} ({threshold:.0%} line "
                   f"{limit / GIB:.1f} GiB); fix: {fix}", closest=c, fix=fix)
 
 
@@ -391,7 +391,7 @@ class _Context:
                             self.closest = Candidate(plan, mem, cost)
                         self.reject(plan, f"peak {mem.total / GIB:.2f} GiB > {self.limit / GIB:.2f} GiB "
                                     f"({self.limit / GIB / self.cluster.gpu.mem_gib:.0%} of "
-                                    f"{self.cluster.gpu.mem_gib:g} GiB)", cost.tokens_per_s, peak=mem.total)
+                                    f"{self.cluster.gpu.mem_gib:,.4g} GiB)", cost.tokens_per_s, peak=mem.total)
                         break  # a bigger micro-batch only needs more
                     self.feasible.append(Candidate(plan, mem, cost))
 

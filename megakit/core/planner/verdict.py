@@ -29,7 +29,7 @@ def verdict(peak_bytes: float, *, threshold_bytes: float, gpu_bytes: float) -> s
 
 def headroom_note(peak_gib: float, *, gpu_gib: float, threshold: float) -> str:
     """What running above the line means, in this plan's numbers."""
-    return (f"above the {threshold:.0%} line ({threshold * gpu_gib:.1f} GiB) but within the GPU's {gpu_gib:g} GiB: "
+    return (f"above the {threshold:.0%} line ({threshold * gpu_gib:.1f} GiB) but within the GPU's {gpu_gib:,.4g} GiB: "
             f"{gpu_gib - peak_gib:.1f} GiB remain for allocator fragmentation, NCCL buffers and transient spikes "
             "that the estimate does not itemise; it should run, but the search would not choose it "
             "(watch torch.cuda.max_memory_reserved on the first steps)")
