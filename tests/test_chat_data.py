@@ -78,6 +78,25 @@ def _tokenizer(directory: Path, template: str, special: list[str] = SPECIAL, **s
     return directory
 
 
+def released_chat_model(directory: Path, *, max_positions: int = 128):
+    """``(model, tokenizer)``: a tiny Llama chat model shaped as released ones are (a ChatML template without
+    generation markers, eos ``<|im_end|>``, pad ``<|endoftext|>``, no bos, two stop ids in its generation config), its
+    tokenizer saved in ``directory``; the caller saves the model there (``save_pretrained``) once it has set it up."""
+    import torch
+    import transformers
+
+    _tokenizer(directory, _unmarked(CHATML_RELEASED), eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    end, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=max_positions, tie_word_embeddings=False, eos_token_id=end,
+        bos_token_id=None, pad_token_id=None))
+    model.generation_config = transformers.GenerationConfig(eos_token_id=[end, pad], pad_token_id=pad)
+    return model, tokenizer
+
+
 def _conversations(n: int = 12) -> list[dict]:
     out = []
     for i in range(n):

@@ -54,21 +54,10 @@ CHECKS = {  # "guide#block" -> what the guide says the block does, checked on it
 
 
 def _chat_model(directory: Path) -> None:
-    """my-model/: a tiny Llama chat model shaped as released ones are (a ChatML template without generation markers,
-    eos ``<|im_end|>``, pad ``<|endoftext|>``, two stop ids), as save_pretrained writes it."""
-    import torch
-    import transformers
-    from test_chat_data import CHATML_RELEASED, _tokenizer, _unmarked
+    """my-model/: a tiny Llama chat model shaped as released ones are, as save_pretrained writes it."""
+    from test_chat_data import released_chat_model
 
-    _tokenizer(directory, _unmarked(CHATML_RELEASED), eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    end, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, eos_token_id=end,
-        bos_token_id=None, pad_token_id=None))
-    model.generation_config = transformers.GenerationConfig(eos_token_id=[end, pad], pad_token_id=pad)
+    model, _ = released_chat_model(directory)
     model.save_pretrained(directory)
 
 

@@ -21,7 +21,7 @@ import subprocess
 import pytest
 import torch
 from multiproc import THREADS, free_port
-from test_chat_data import CHATML_RELEASED, _conversations, _tokenizer, _unmarked
+from test_chat_data import CHATML_RELEASED, _conversations, _unmarked, released_chat_model
 from test_trainer import ROOT
 from tolerance import fp32_bound
 
@@ -89,15 +89,9 @@ def test_a_chat_fine_tune_from_transformers_and_back(tmp_path, capsys):
     from megakit.train.data.corpus import open_corpus
 
     chatml = _unmarked(CHATML_RELEASED)  # as released: no {% generation %} markers
-    hf = _tokenizer(tmp_path / "hf", chatml, eos_token="<|im_end|>", pad_token="<|endoftext|>")  # then the model
-    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf), local_files_only=True)
+    hf = tmp_path / "hf"
+    model, hf_tokenizer = released_chat_model(hf, max_positions=64)
     end, pad = hf_tokenizer.convert_tokens_to_ids("<|im_end|>"), hf_tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=len(hf_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, eos_token_id=end,
-        bos_token_id=None, pad_token_id=None))
-    model.generation_config = transformers.GenerationConfig(eos_token_id=[end, pad], pad_token_id=pad)
     reply = _says_then_stops(model, hf_tokenizer)
     model.save_pretrained(hf, safe_serialization=True)
     assert main(["convert", str(hf), str(tmp_path / "ck"), "--from-hf"]) == 0

@@ -424,16 +424,15 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequ
         if evaluating:
             result.evals.append(reporter.eval(done, *evaluate()))
         if saving:
+            extra = {"loss": loss if math.isfinite(loss) else None, "seed": cfg.seed, "global_batch": plan.global_batch,
+                     "lr_total_steps": scheduled_steps(run.ds_config),  # a resume continues this schedule
+                     "data": {"samples": (done + offset) * plan.global_batch, "skipped_batches": offset,
+                              "corpus": run.corpus.fingerprint},
+                     **({"spike_guard": spikes.state()} if spikes else {})}
             try:
                 saved = save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
-                         extra={"loss": loss if math.isfinite(loss) else None, "seed": cfg.seed,
-                                "global_batch": plan.global_batch, "lr_total_steps": scheduled_steps(run.ds_config),
-                                "data": {
-                                    "samples": (done + offset) * plan.global_batch, "skipped_batches": offset,
-                                    "corpus": run.corpus.fingerprint},
-                                **({"spike_guard": spikes.state()} if spikes else {})},
-                         tokenizer=run.corpus.tokenizer_dir, dp_sync=dp_sync, rank_key=per_rank_key(run, topo),
-                         writer=writer)
+                                 extra=extra, tokenizer=run.corpus.tokenizer_dir, dp_sync=dp_sync,
+                                 rank_key=per_rank_key(run, topo), writer=writer)
                 result.checkpoint = str(saved)
             except UsageError as error:
                 raise everywhere(error)  # save_checkpoint raises on every rank when any rank fails
