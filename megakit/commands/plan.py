@@ -121,11 +121,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pins.add_argument("--micro-batch", type=int)
     pins.add_argument("--recompute", choices=("none", "selective", "full"))
     pins.add_argument("--vpp", type=int, help="virtual stages (interleaved chunks) per pipeline stage; they need not "
-                                              "divide the layers")
+                                              "divide the layers, and PP x VPP may exceed them by 2 (an embedding-only "
+                                              "first and a loss-only last virtual stage)")
     pins.add_argument("--stage-layers", metavar="N,N,...",
-                      help="layers per virtual stage, e.g. 3,4,4,3 (chunk c of stage s is virtual stage c x PP + s; "
-                           "needs --pp; the first and last may be 0: embedding or head only); default: balanced by "
-                           "parameters, embedding and head counted")
+                      help="layers per virtual stage, e.g. 3,4,4,3, N*K for K stages of N, e.g. 0,1*94,0 (chunk c of "
+                           "stage s is virtual stage c x PP + s; needs --pp; the first and last may be 0: embedding "
+                           "only, or final norm + head + loss only); default: balanced by parameters, embedding and "
+                           "head counted")
     pins.add_argument("--schedule", choices=("1f1b", "zb-h1"),
                       help="pipeline schedule: zb-h1 (zero bubble, Qi et al. 2023) trades memory for bubble")
     out = parser.add_argument_group("output")
