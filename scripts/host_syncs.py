@@ -10,7 +10,9 @@ tensors: the counts are upper bounds. What matters is how they grow with micro-b
     deepspeed --num_gpus 2 scripts/host_syncs.py CASES.json OUT.json
 
 CASES.json: a list of ``scripts/train.py`` command lines (``--steps`` at least 3), run one after the other in the
-job; rank 0 writes to OUT.json, per case, its arguments and each rank's calls per step ``{site: count}``. Nothing of this runs in a normal training run: the probe is installed
+job (``write_cases`` writes issue 54's families); rank 0 writes to OUT.json, per case, its arguments and each
+rank's calls per step ``{site: count}``. The ``megakit`` imported (PYTHONPATH) is measured, with its tree's
+``scripts/train.py``: another checkout's PYTHONPATH measures that checkout. Nothing of this runs in a normal training run: the probe is installed
 only by this script, and taken off after each case. ``scripts/bench_moe_step.py`` prints the counts side by side.
 """
 
@@ -27,13 +29,65 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
 _TORCH = os.path.dirname(torch.__file__) + os.sep
+DISPATCH = "megakit/nn/moe_dispatch.py:"  # the one site allowed to grow: the all-to-all's split sizes (EP > 1)
+
+# family -> (preset, train.py flags, MoE layers of an L-layer model on each rank): the families of issue 54
+FAMILIES = {
+    "dense": ("llama-tiny", [], lambda layers: 0),
+    "moe-ep1": ("moe-tiny", ["--moe-capacity-factor", "1.0"], lambda layers: layers),  # drops
+    "moe-ep2": ("moe-tiny", ["--ep", "2", "--moe-expert-bias"], lambda layers: layers),
+    "mla": ("deepseek-v3-tiny", [], lambda layers: layers - 1),  # first_k_dense_replace 1; the expert bias on
+    "gpt-oss": ("gpt-oss-tiny", [], lambda layers: layers),
+    "pp2": ("moe-tiny", ["--pp", "2", "--moe-aux-loss", "0.01"], lambda layers: layers // 2),  # per stage
+}
+SETTINGS = ((2, 2), (4, 4))  # (micro-batches, layers): a site growing with either shows
+
+
+def layered(directory: Path, preset: str, layers: int) -> str:
+    """A copy of ``models/<preset>.json`` with ``layers`` blocks (gpt-oss: sliding and full attention in turn)."""
+    config = json.loads((ROOT / "models" / f"{preset}.json").read_text())
+    config["num_hidden_layers"] = layers
+    if "layer_types" in config:
+        config["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(layers)]
+    path = directory / f"{preset}-{layers}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def write_cases(directory: Path, families=FAMILIES, settings=SETTINGS) -> Path:
+    """CASES.json for ``families`` at each setting (setting-major), 3 steps of 32 tokens, one sample a
+    micro-batch; returns its path."""
+    cases = []
+    for micro_batches, layers in settings:
+        ds = json.loads((ROOT / "ds_configs" / "zero1.json").read_text())
+        ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=micro_batches)
+        (directory / f"ds-{micro_batches}.json").write_text(json.dumps(ds))
+        for name in families:
+            preset, flags, _ = FAMILIES[name]
+            cases.append(["--model", layered(directory, preset, layers), "--ds_config",
+                          str(directory / f"ds-{micro_batches}.json"), "--seq-len", "32", "--steps", "3",
+                          "--no-progress", *flags])
+    path = directory / "cases.json"
+    path.write_text(json.dumps(cases))
+    return path
+
+
+def by_family(results: list[dict], families=FAMILIES, settings=SETTINGS) -> dict[str, list[list[dict]]]:
+    """OUT.json of ``write_cases``' cases -> family -> per setting: each rank's ``{site: calls per step}``."""
+    cases = iter(results)
+    table = [[next(cases)["ranks"] for _ in families] for _ in settings]
+    return {name: [row[i] for row in table] for i, name in enumerate(families)}
 
 
 def _where(path: str) -> str:
-    """A site's file, from the repository root or from its installed package."""
+    """A site's file, from the root of the tree it is in (this one, or the one megakit is imported from) or from
+    its installed package."""
+    import megakit
+
     path = os.path.abspath(path)
-    if path.startswith(str(ROOT) + os.sep):
-        return os.path.relpath(path, ROOT)
+    for root in (ROOT, Path(megakit.__file__).resolve().parent.parent):
+        if path.startswith(str(root) + os.sep):
+            return os.path.relpath(path, root)
     parts = Path(path).parts
     return str(Path(*parts[parts.index("site-packages") + 1:])) if "site-packages" in parts else path
 
@@ -108,8 +162,10 @@ def probed_run(cfg) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     cases_path, out = [a for a in argv if not a.startswith("--local_rank")]
-    sys.path.insert(0, str(ROOT / "scripts"))
+    import megakit
     import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(megakit.__file__).resolve().parent.parent / "scripts"))  # its own tree's train.py
     import train as train_script
 
     results = []
