@@ -12,8 +12,9 @@ tensors: the counts are upper bounds. What matters is how they grow with micro-b
 CASES.json: a list of ``scripts/train.py`` command lines (``--steps`` at least 3), run one after the other in the
 job (``write_cases`` writes issue 54's families); rank 0 writes to OUT.json, per case, its arguments and each
 rank's calls per step ``{site: count}``. The ``megakit`` imported (PYTHONPATH) is measured, with its tree's
-``scripts/train.py``: another checkout's PYTHONPATH measures that checkout. Nothing of this runs in a normal training run: the probe is installed
-only by this script, and taken off after each case. ``scripts/bench_moe_step.py`` prints the counts side by side.
+``scripts/train.py``: another checkout's PYTHONPATH measures that checkout. Nothing of this runs in a normal
+training run: the probe is installed only by this script, and taken off after each case.
+``scripts/bench_moe_step.py`` prints the counts side by side.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class HostSyncs:
 
     def _site(self) -> str:
         frame = sys._getframe(2)
-        while frame is not None and (frame.f_code.co_filename.startswith(_TORCH) or frame.f_code.co_filename == __file__):
+        while frame is not None and frame.f_code.co_filename.startswith((_TORCH, __file__)):
             frame = frame.f_back  # torch's own helpers (a tensor's __format__ calls item) count for their caller
         if frame is None:
             return "?"
