@@ -14,7 +14,8 @@ rest, which must not grow (``a == b``). ``--sites`` prints each family's calls b
 host tensors: the counts are upper bounds.
 
 A measure is a function of the options returning ``{column: {family: cell}}`` (``MEASURES``); a family without a
-cell in a column shows ``-``. Another measure (compile time, graphs per block) is one more function in the list.
+cell in a column shows ``-``, and a family no other measure has gets its own row. Another measure (compile time,
+graphs and breaks per MoE block) is one more function in the list.
 """
 
 from __future__ import annotations
@@ -71,10 +72,8 @@ def host_syncs(options) -> dict[str, dict[str, str]]:
         if options.before != "none":
             before = Path(tmp) / "before"
             before.mkdir()
-            archive = subprocess.run(["git", "-C", str(ROOT), "archive", options.before], capture_output=True)
-            if archive.returncode:
-                sys.exit(f"bench_moe_step.py: --before {options.before}: {archive.stderr.decode().strip()}; "
-                         "name a revision of this repository, or --before none")
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", options.before], capture_output=True,
+                                     check=True)
             subprocess.run(["tar", "-x", "-C", str(before)], input=archive.stdout, check=True)
             trees = {"before": before, **trees}
         for name, tree in trees.items():
@@ -107,9 +106,10 @@ MEASURES = [host_syncs]
 
 
 def table(columns: dict[str, dict[str, str]]) -> str:
-    """One row per family, one column per measure."""
+    """One row per family (``FAMILIES``' first, then any other a measure names), one column per measure."""
     header = ["family", *columns]
-    rows = [header] + [[family, *(columns[c].get(family, "-") for c in columns)] for family in FAMILIES]
+    families = list(dict.fromkeys([*FAMILIES, *(f for cells in columns.values() for f in cells)]))
+    rows = [header] + [[family, *(columns[c].get(family, "-") for c in columns)] for family in families]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
@@ -121,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
                    "the tree issue 54 measured)")
     p.add_argument("--sites", action="store_true", help="also print each family's calls per step by site")
     options = p.parse_args(argv)
+    known = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{options.before}^{{commit}}"],
+                           capture_output=True)
+    if options.before != "none" and known.returncode:
+        print(f"bench_moe_step.py: error: --before {options.before} is no revision of this repository; name one "
+              "(a commit, tag or branch), or --before none", file=sys.stderr)
+        return 2
     columns: dict[str, dict[str, str]] = {}
     for measure in MEASURES:
         columns.update(measure(options))
