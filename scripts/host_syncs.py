@@ -35,7 +35,8 @@ DISPATCH = "megakit/nn/moe_dispatch.py:"  # the one site allowed to grow: the al
 # family -> (preset, train.py flags, MoE layers of an L-layer model on each rank): the families of issue 54
 FAMILIES = {
     "dense": ("llama-tiny", [], lambda layers: 0),
-    "moe-ep1": ("moe-tiny", ["--moe-capacity-factor", "1.0"], lambda layers: layers),  # drops
+    "moe-ep1": ("moe-tiny", ["--moe-z-loss", "0.001"], lambda layers: layers),
+    "capacity": ("moe-tiny", ["--moe-capacity-factor", "1.0"], lambda layers: layers),  # EP 1, drops
     "moe-ep2": ("moe-tiny", ["--ep", "2", "--moe-expert-bias"], lambda layers: layers),
     "mla": ("deepseek-v3-tiny", [], lambda layers: layers - 1),  # first_k_dense_replace 1; the expert bias on
     "gpt-oss": ("gpt-oss-tiny", [], lambda layers: layers),
