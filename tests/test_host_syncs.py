@@ -9,14 +9,34 @@ windows, sinks); moe-tiny at PP 2 (the aux loss on). The one site allowed to gro
 split sizes per MoE layer per micro-batch, in ``megakit/nn/moe_dispatch.py``; at EP 1 the dispatcher makes none.
 """
 
+import collections
 import json
 import sys
 
 import pytest
+import torch
 from test_trainer import ROOT, deepspeed
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from host_syncs import DISPATCH, FAMILIES, SETTINGS, by_family, write_cases  # noqa: E402
+from host_syncs import DISPATCH, FAMILIES, METHODS, SETTINGS, HostSyncs, by_family, per_step, write_cases  # noqa: E402
+
+
+def test_the_probe_counts_each_conversion_at_its_caller_and_leaves_torch_as_it_was():
+    """No processes: each of the six methods counted once, at this file's line (a tensor's ``__format__`` calls
+    ``item`` inside torch: counted here); afterwards ``torch.Tensor`` is what it was; steps between marks."""
+    saved = {name: torch.Tensor.__dict__.get(name) for name in METHODS}
+    t, probe = torch.tensor(2), HostSyncs()
+    probe.install()
+    try:
+        float(t), int(t), bool(t), t.item(), t.tolist(), range(t), f"{torch.tensor(0.5):.1f}"
+        line = sys._getframe().f_lineno - 1
+    finally:
+        probe.uninstall()
+    assert {name: torch.Tensor.__dict__.get(name) for name in METHODS} == saved
+    here = f"tests/test_host_syncs.py:{line} {sys._getframe().f_code.co_qualname}"
+    assert probe.counts == {f"{name} {here}": 2 if name == "item" else 1 for name in METHODS}, probe.counts
+    marks = [collections.Counter(a=n, b=1) for n in (5, 20, 21, 22)]  # at each step's top: step 0 makes 15
+    assert per_step(marks) == {"a": 1.0}  # steps 1 and 2: 1 each (the last step, 3, has no mark after it)
 
 
 @pytest.fixture(scope="module")
