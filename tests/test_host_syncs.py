@@ -23,8 +23,8 @@ from host_syncs import DISPATCH, FAMILIES, METHODS, SETTINGS, HostSyncs, by_fami
 
 
 def test_the_probe_counts_each_conversion_at_its_caller_and_leaves_torch_as_it_was():
-    """No processes: each of the six methods counted once, at this file's line (a tensor's ``__format__`` calls
-    ``item`` inside torch: counted here); afterwards ``torch.Tensor`` is what it was; steps between marks."""
+    """No processes: each of the six methods counted at this file's line, ``item`` twice (a tensor's ``__format__``
+    calls it inside torch: counted for its caller); afterwards ``torch.Tensor`` is what it was; steps between marks."""
     saved = {name: torch.Tensor.__dict__.get(name) for name in METHODS}
     t, probe = torch.tensor(2), HostSyncs()
     probe.install()
