@@ -253,7 +253,9 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _record(self, experts, keep, losses, bias, plan, row_bytes: int) -> None:
-        counts = torch.bincount(experts.reshape(-1), minlength=self.config.experts)
+        flat = experts.reshape(-1)  # bincount would wait for the device (its length depends on the values)
+        counts = torch.zeros(self.config.experts, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         sent = getattr(plan, "send", None)  # rows to other EP ranks, there (dispatch) and back (combine)
         a2a = 0 if sent is None else 2 * row_bytes * (sum(sent) - sent[self.ep_rank] + sum(plan.recv)
                                                       - plan.recv[self.ep_rank])
