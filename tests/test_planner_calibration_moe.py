@@ -49,7 +49,7 @@ def case(row) -> tuple[ModelSpec, Cluster, Plan]:
     plan = Plan(tp=row["tp"], pp=row["pp"], dp=dp, cp=row["cp"], vpp=row["vpp"], ep=row["ep"], zero_stage=q["zero"],
                 micro_batch=row["micro_batch"], accumulation=row["global_batch"] // (dp * row["micro_batch"]),
                 recompute=q["recompute"], sequence_parallel=row["tp"] > 1, fused_kernels=q["fused_kernels"],
-                moe_imbalance=ROUTING[q["routing"]], dispatcher=q.get("dispatcher", "alltoall"),
+                moe_imbalance=ROUTING[q["routing"]], dispatcher=q.get("dispatcher", "alltoall"), fp8=q.get("fp8", "none"),
                 **RUNTIMES[q["runtime"]])
     return model, cluster, plan
 

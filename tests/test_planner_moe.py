@@ -17,7 +17,7 @@ from megakit.core.planner.model_spec import ModelSpec
 from megakit.core.planner.pins import Pins
 from megakit.core.planner.plan import ROUTING, Plan
 from megakit.core.planner.search import OVERHEAD_BYTES, search
-from megakit.core.planner.sharding import LINK_EFFICIENCY, all_to_all_time
+from megakit.core.planner.sharding import A2A_LINK_EFFICIENCY, LINK_EFFICIENCY, all_to_all_time
 from megakit.interop.hf import exact_param_count
 
 H100 = gpu_preset("h100-80gb")
@@ -126,9 +126,9 @@ def test_all_to_all_runs_on_nvlink_inside_a_node_and_pays_the_network_beyond():
     cluster = Cluster(gpu=H100, num_gpus=64)
     one_gb = 1e9
     inside = all_to_all_time(cluster, one_gb, 8, 1)
-    assert inside == pytest.approx(one_gb * 7 / 8 / (450e9 * LINK_EFFICIENCY["intra"]))
+    assert inside == pytest.approx(one_gb * 7 / 8 / (450e9 * A2A_LINK_EFFICIENCY["intra"]))
     spans = all_to_all_time(cluster, one_gb, 8, 2)  # EP 8 strided by TP 2: four peers in the node, four outside
-    assert spans == pytest.approx(one_gb * 4 / 8 / (50e9 * LINK_EFFICIENCY["inter"]))
+    assert spans == pytest.approx(one_gb * 4 / 8 / (50e9 * A2A_LINK_EFFICIENCY["inter"]))
     assert spans > 5 * inside and all_to_all_time(cluster, one_gb, 1, 1) == 0.0
 
 
