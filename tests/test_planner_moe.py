@@ -17,7 +17,7 @@ from megakit.core.planner.model_spec import ModelSpec
 from megakit.core.planner.pins import Pins
 from megakit.core.planner.plan import ROUTING, Plan
 from megakit.core.planner.search import OVERHEAD_BYTES, search
-from megakit.core.planner.sharding import A2A_LINK_EFFICIENCY, LINK_EFFICIENCY, all_to_all_time
+from megakit.core.planner.sharding import A2A_LINK_EFFICIENCY, all_to_all_time
 from megakit.interop.hf import exact_param_count
 
 H100 = gpu_preset("h100-80gb")

@@ -116,8 +116,9 @@ def linear_time(gpu: GPU, plan: Plan, m: float, k: float, n: float, *, peak: flo
         return dense
     if plan.megatron:  # Transformer Engine: fused casts, the weight's cast once a step
         cast = FP8_CAST_BYTES_TE * (m * k + k * n / plan.accumulation + m * n) / (gpu.hbm_gbps * 1e9)
-    else:
-        cast = FP8_CAST_BYTES[plan.fp8] * (m * k + k * n + m * n) / (gpu.hbm_gbps * 1e9)
+    else:  # torchao: under FSDP2 a tensorwise weight is cast on its shard, then gathered in FP8
+        weight = k * n / (plan.shard_group if plan.zero_stage == 3 and plan.fp8 == "tensorwise" else 1)
+        cast = FP8_CAST_BYTES[plan.fp8] * (m * k + weight + m * n) / (gpu.hbm_gbps * 1e9)
         cast *= 1 if plan.fused_kernels else FP8_CAST_EAGER
     fp8 = gemm_time(gpu, m, k, n, peak=gpu.fp8_tflops * 1e12, nbytes=1) / FP8_GEMM[plan.fp8] + cast / 3
     return min(dense, fp8)
