@@ -71,13 +71,15 @@ def errors(rows=ROWS) -> dict:
 
 def listed() -> dict:
     """The ``listed`` measurements: a calibrated row's layout run with a lever the planner does not price (Megatron's
-    1F1B A2A overlap, natural routing of many small experts), each against that row's plan: printed, not bounded."""
+    1F1B A2A overlap, natural routing of many small experts) or at another layout it misprices, each against that
+    row's plan: printed, not bounded."""
     by_id = {row["id"]: row for row in ROWS}
     out = {}
     for item in DATA["listed"]:
         row = by_id[item["as"]]
         if "routing" in item:
             row = {**row, "planner": {**row["planner"], "routing": item["routing"]}}
+        row = {**row, **item.get("layout", {})}  # the same model at another layout
         model, cluster, plan = case(row)
         out[item["id"]] = (estimate_cost(model, cluster, plan).tokens_per_s / plan.world, item["tokens_per_s_per_gpu"])
     return out

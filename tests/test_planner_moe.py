@@ -132,6 +132,39 @@ def test_all_to_all_runs_on_nvlink_inside_a_node_and_pays_the_network_beyond():
     assert spans > 5 * inside and all_to_all_time(cluster, one_gb, 1, 1) == 0.0
 
 
+def test_all_to_all_across_nodes_runs_at_the_rdma_rate_deepep_measured():
+    """Qwen3-235B's dispatch at EP 32 over 4 nodes (TP 1 here): what leaves the node goes at 45 GB/s of each GPU's
+    50 GB/s NIC, inside DeepEP's measured 43-58 GB/s (H800 + CX7 400 Gb/s), not at the 31.5 GB/s a ring all-reduce
+    reaches across nodes (``LINK_EFFICIENCY``), which priced cross-node expert parallelism up to 45 % slow."""
+    cluster = Cluster(gpu=H100, num_gpus=256)
+    one_gb = 1e9
+    crossing = one_gb * 24 / 32  # the 24 of 32 peers outside this GPU's node
+    rate = crossing / all_to_all_time(cluster, one_gb, 32, 1) / 1e9
+    assert 43 <= rate <= 50
+    model = ModelSpec.from_config("qwen3-235b-a22b").with_overrides(seq_len=4096)
+    plan = Plan(tp=2, pp=8, dp=16, vpp=4, ep=32, zero_stage=1, micro_batch=1, accumulation=128,
+                sequence_parallel=True, dispatcher="deepep")
+    cost = estimate_cost(model, cluster, plan)
+    assert cost.a2a_s < 0.3 * cost.step_time_s
+
+
+def test_fp8_runs_the_experts_grouped_gemms_on_fp8_tensor_cores():
+    """An MoE's linears are mostly its experts: with --fp8 their grouped GEMMs run in FP8 as the attention's do
+    (Megatron's and torchao's recipes quantize them), so Qwen3-235B's expert time falls on an H100, under torchao's
+    compiled casts and more under Transformer Engine's; without FP8 tensor cores (A100) nothing changes."""
+    from megakit.core.planner.compute import expert_gemm_time
+
+    model = ModelSpec.from_config("qwen3-235b-a22b").with_overrides(seq_len=4096)
+    for runtime, gain in (({}, 0.95), ({"megatron": True}, 0.7)):
+        base = Plan(tp=2, pp=8, dp=16, ep=32, micro_batch=1, accumulation=128, fused_kernels=True, **runtime)
+        bf16, fp8 = (expert_gemm_time(model, H100, dataclasses.replace(base, fp8=r), tokens=4096, peak=989e12)
+                     for r in ("none", "tensorwise"))
+        assert fp8 < gain * bf16, (runtime, fp8 / bf16)
+    a100 = gpu_preset("a100-80gb")
+    assert expert_gemm_time(model, a100, dataclasses.replace(base, fp8="tensorwise"), tokens=4096, peak=312e12) == \
+        expert_gemm_time(model, a100, base, tokens=4096, peak=312e12)
+
+
 def test_four_all_to_alls_per_moe_layer_and_micro_batch_six_when_recomputed():
     model = mixtral()
     cluster = Cluster(gpu=H100, num_gpus=16)
