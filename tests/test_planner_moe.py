@@ -298,3 +298,22 @@ def test_bad_ep_is_one_line_and_exit_2(argv, needle, tmp_path, capsys):
     code, _, err = plan_cli(capsys, *argv, "--emit-config", str(target))
     assert code == 2 and err.startswith("megakit plan: error: ") and err.count("\n") == 1 and needle in err, err
     assert not target.exists()
+
+
+def test_plan_prices_transformer_engines_block_scaled_fp8_under_megatron_and_refuses_it_elsewhere(plan_json, capsys):
+    """``--fp8 blockwise`` (DeepSeek-V3's scales, Megatron's FP8-SC) prices Qwen3-30B-A3B's published EP 16 layout faster
+    than BF16 under --runtime megatron-core, and its launch command asks train.py for no FP8 it cannot run. Under
+    megakit's runtime, and ``mxfp8`` on a Hopper GPU, are one line each, exit 2."""
+    argv = ["--model", PRESETS / "qwen3-30b-a3b.json", "--gpu", "h100-80gb", "--gpus", 16, "--seq-len", 4096, "--tp", 1,
+            "--pp", 1, "--ep", 16, "--zero", 1, "--micro-batch", 1, "--global-batch", 1024, "--recompute", "none"]
+    bf16 = plan_json(*argv, "--runtime", "megatron-core")
+    fp8 = plan_json(*argv, "--runtime", "megatron-core", "--fp8", "blockwise")
+    assert fp8["tokens_per_s"] > 1.1 * bf16["tokens_per_s"] and fp8["fp8"] == "blockwise"
+    flags = emit.train_flags(Plan(ep=16, dp=16, fp8="blockwise", megatron=True), config_path="c.json", model_arg="m",
+                             seq_len=4096)
+    assert "--fp8" not in flags
+    for extra, needle in ((["--fp8", "blockwise"], "add --runtime megatron-core"),
+                          (["--fp8", "mxfp8", "--runtime", "megatron-core"], "Blackwell has them")):
+        assert cli.main(["plan", *map(str, argv + extra)]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err
