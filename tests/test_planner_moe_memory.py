@@ -4,8 +4,8 @@ Each row is a Megatron-Core run on H100 80GB with its layout as published (TP, P
 split per virtual stage where the run pinned one, Megatron's selective recompute modules, the routing regime, the
 distributed optimizer, the dtypes of the main gradients and of Adam's moments). Where the run published its peak
 (``torch.cuda.max_memory_allocated``), the planner is within 15 % of it; every layout that trained is predicted to fit
-its GPU. Both through ``estimate_memory`` (``peak_memory`` over the stages) and through ``megakit plan --json``, with one
-set of constants (``search.OVERHEAD_BYTES`` the only allowance). ``pytest -s`` prints the table.
+its GPU. Both through ``estimate_memory`` (``peak_memory`` over the stages) and through ``megakit plan --json``, with
+one set of constants (``search.OVERHEAD_BYTES`` the only allowance). ``pytest -s`` prints the table.
 
 What the rows pin down (each was a miss before): the experts' fp32 step gradients live in ``step()`` only, as the
 dense ones do (counted with the persistent states they put Qwen3-30B at EP 16 and Moonlight, EDP 1, 9-21 % high);
@@ -157,3 +157,15 @@ def test_megatron_recompute_modules_free_what_they_name(tmp_path):
         estimate_memory(model, recompute_modules=("attention",), **kw)
     with pytest.raises(UsageError, match="Megatron-Core's selective recompute"):
         estimate_memory(model, recompute_modules=("moe_act",), **{**kw, "megatron": False})
+
+
+def test_peak_stage_is_found_among_stages_with_equal_block_counts(tmp_path):
+    """DeepSeek-V3's split 'Et|(tt|)*30mL' gives stages 1-6 eight blocks each, but stage 1 holds two of the three dense
+    blocks: stage 2, all MoE, peaks higher (61 GiB against stage 1's 51), and ``peak_memory`` must look at it."""
+    from megakit.core.planner.memory import estimate_memory
+
+    row = next(r for r in TRAINED if r["id"] == "bridge-deepseek-v3-tp2-pp8-vp4-ep64-1024xh100")
+    model, kw = _model(row, tmp_path), _plan(row).memory_kwargs()
+    every = [estimate_memory(model, seq_len=row["seq_len"], stage=s, **kw).total for s in range(row["pp"])]
+    peak = peak_memory(model, seq_len=row["seq_len"], **kw)
+    assert peak.total == max(every) and peak.stage == every.index(max(every)) == 2
