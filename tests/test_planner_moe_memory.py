@@ -153,6 +153,12 @@ def test_megatron_recompute_modules_free_what_they_name(tmp_path):
                    for m in (("mla_up_proj",), ("mla_up_proj", "mlp")))
         assert (mlp.items["activations"] < up.items["activations"]) == dense
         assert mlp.items["moe_routing"] == up.items["moe_routing"]
+    # Transformer Engine's fused norms keep their input and rstd; the output is the next linear's input (megakit's
+    # composite RMSNorm keeps a normalised copy apart): four such copies a block here (block, MLP, q and kv latents)
+    megakit = estimate_memory(model, **{**kw, "megatron": False})
+    assert {t.name for t in megakit.tensors if "normalised" in t.name} == {
+        "norm1 normalised", "norm2 normalised", "q latent normalised", "kv latent normalised"}
+    assert not [t.name for t in base.tensors if "normalised" in t.name]
     with pytest.raises(UsageError, match="not one of"):
         estimate_memory(model, recompute_modules=("attention",), **kw)
     with pytest.raises(UsageError, match="Megatron-Core's selective recompute"):
