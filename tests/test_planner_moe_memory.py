@@ -175,3 +175,19 @@ def test_peak_stage_is_found_among_stages_with_equal_block_counts(tmp_path):
     every = [estimate_memory(model, seq_len=row["seq_len"], stage=s, **kw).total for s in range(row["pp"])]
     peak = peak_memory(model, seq_len=row["seq_len"], **kw)
     assert peak.total == max(every) and peak.stage == every.index(max(every)) == 2
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (("--recompute", "selective", "--recompute-modules", "moe_act"), "add --runtime megatron-core"),
+    (("--runtime", "megatron-core", "--recompute", "selective", "--recompute-modules", "attn"), "attn is not one of"),
+    (("--runtime", "megatron-core", "--recompute", "full", "--recompute-modules", "moe"), "--recompute selective"),
+    (("--main-grads", "bf16"), "--main-grads bf16 sets Megatron's"),
+    (("--adam-moments", "bf16"), "precision-aware optimizer"),
+])
+def test_megatron_memory_flags_refused_where_they_mean_nothing(capsys, flags, needle):
+    """One line naming the problem and the fix, exit status 2, before any search."""
+    from megakit.commands.cli import main
+
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "16", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err

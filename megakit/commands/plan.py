@@ -263,6 +263,7 @@ def run(args) -> int:
         raise UsageError(f"--moe-imbalance {args.moe_imbalance} must be at least 1 (1: perfectly balanced routing)")
     if not 0 < args.mem_threshold <= 1:
         raise UsageError(f"--mem-threshold {args.mem_threshold} must be in (0, 1], e.g. 0.8")
+    megatron_options = _megatron_options(args)  # checked before the model is read (seconds in transformers)
     gpu, args.gpus_per_node = _hardware(args)
     model = load_model(args)
     _check_moe_flags(args, model)
@@ -273,7 +274,7 @@ def run(args) -> int:
     flash = gpu.flash_attention if args.attention is None else args.attention == "flash"
     _check_fp8(args, gpu, precision)
     execution = dict(fused_kernels=args.kernels == "compiled", fp8=args.fp8, **RUNTIMES[args.runtime])
-    execution |= _megatron_options(args)
+    execution |= megatron_options
     if args.dp_shard is not None:
         if args.runtime != "fsdp":
             raise UsageError(f"--dp-shard {args.dp_shard} is HSDP, which PyTorch FSDP runs: add --runtime fsdp (megakit's "
