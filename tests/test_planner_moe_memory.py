@@ -76,6 +76,8 @@ def _cli(plan_json, row, tmp_path) -> dict:
     assert (got["tp"], got["pp"], got["vpp"], got["cp"], got["ep"], got["micro_batch"]) == (
         row["tp"], row["pp"], row["vpp"], row["cp"], row["ep"], row["micro_batch"])
     assert got["sequence_parallel"] == row["sequence_parallel"]
+    assert (got["recompute_modules"], got["main_grads"], got["adam_moments"]) == (
+        row["recompute_modules"], row["main_grads"], row["adam_moments"])
     return got
 
 
