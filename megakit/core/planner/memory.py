@@ -58,6 +58,7 @@ from megakit.core.planner.activations import (  # noqa: F401 (memory's API: what
     PRECISIONS,
     SavedTensor,
     activation_tensors,
+    dispatch_buffers,
     logits_bytes,
     routed_imbalance,
     routing_tensors,
@@ -75,6 +76,7 @@ from megakit.core.planner.stages import (  # noqa: F401 (memory's API: where the
 from megakit.errors import UsageError
 
 GIB = 1024**3
+STATES = ("params", "grads", "master_params", "optimizer")  # per parameter; the routed experts' as ``expert_*``
 STEP_ONLY = ("fp32_step_grads",)  # items that live during ``step()`` only
 BACKWARD_ONLY = ("activations", "pipeline_outputs", "moe_routing", "weight_grad_inputs", "recompute_working_set",
                  "logits")  # items freed by the end of the last backward
@@ -116,8 +118,13 @@ class MemoryEstimate:
 
     @property
     def model_states(self) -> float:
-        return float(sum(self.items.get(k, 0.0) for k in ("params", "grads", "master_params", "optimizer",
-                                                          "fp32_step_grads", "expert_states")))
+        return float(sum(self.items.get(k, 0.0) for k in STATES + tuple(f"expert_{k}" for k in STATES))
+                     + self.items.get("fp32_step_grads", 0.0))
+
+    @property
+    def expert_states(self) -> float:
+        """The routed experts' parameters, gradients, fp32 master and Adam states (E/EP per GPU, ZeRO over EDP)."""
+        return float(sum(self.items.get(f"expert_{k}", 0.0) for k in STATES))
 
     def gib(self) -> dict:
         return {k: v / GIB for k, v in self.items.items()}
@@ -259,12 +266,15 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                               buckets=buckets, main_grads=megatron)
     experts = model_state_bytes(psi_experts, dp=edp, zero_stage=zero_stage, precision=precision, offload=offload,
                                 buckets=buckets, main_grads=megatron)
-    items["expert_states"] = sum(experts.values())  # over EP and EDP: the same ZeRO formulas, DP -> EDP
+    # over EP and EDP: the same ZeRO formulas, DP -> EDP, each on its own line; their fp32 step copy joins the dense
+    # one (``step()`` flattens every group's partition: one transient phase)
+    items |= {f"expert_{k}": v for k, v in experts.items() if k != "fp32_step_grads"}
+    items["fp32_step_grads"] += experts["fp32_step_grads"]
 
     # ---- activations ------------------------------------------------------------------
     shape = dict(tp=tp, sequence_parallel=sequence_parallel, precision=precision, dropout=dropout,
                  dropout_mask_bytes=dropout_mask_bytes, gathered_inputs=gathered_inputs, fused_swiglu=megatron,
-                 ring=cp > 1 and cp_ring)
+                 ring=cp > 1 and cp_ring, cp=cp > 1)
     block_input = p * s * b * model.hidden / (tp if sequence_parallel else 1)
 
     def kept_bytes(is_moe: bool) -> tuple[list, float, float]:
@@ -286,7 +296,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     dense_kept = kept_bytes(False)[2] if moe else kept
     imbalance = routed_imbalance(model, moe_imbalance, ep)
     routing = sum(x.bytes(seq_len=s, micro_batch=b) for x in routing_tensors(
-        model, tp=tp, precision=precision, imbalance=imbalance, megatron=megatron)) if moe else 0.0
+        model, tp=tp, precision=precision, imbalance=imbalance, megatron=megatron, ep=ep)) if moe else 0.0
     routing_kept = (1 - recompute_fraction) * routing if recompute == "full" else routing
     m = accumulation if accumulation is not None else pp * vpp
     chunk_layers = (stage_chunk_layers(model, pp, vpp)[stage] if layers is None else (n_layers / vpp,) * vpp)
@@ -358,7 +368,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     if cp > 1:  # ring attention: the K/V block in use and the one arriving
         comm += 2 * 2 * p * s * b * model.kv_heads_per_rank(tp) * model.head_dim
     if moe and ep > 1:  # an all-to-all's send and receive buffers: top-k copies of the rank's tokens
-        comm += 2 * p * s * b / tp * model.config.moe.top_k * imbalance * model.hidden
+        comm += sum(x.bytes(seq_len=s, micro_batch=b) for x in dispatch_buffers(
+            model, tp=tp, precision=precision, imbalance=imbalance, ep=ep)[1])
     items["comm_buffers"] = comm
     if zero_stage == 3:  # full (TP-sharded) parameters of the layer in use plus the prefetched one
         sharded, replicated = model.layer_params(tp)
