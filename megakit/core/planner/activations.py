@@ -148,7 +148,7 @@ def value_widths(model: ModelSpec, *, tp: int, kv: float, ring: bool = False, cp
         twice = cp or model.config.attention_sinks
         return kv, heads * model.head_dim if twice else 0.0, heads * model.head_dim
     v = heads * mla.v_head_dim
-    return v, v if ring else 0.0, v
+    return v, v if ring or cp else 0.0, v
 
 
 def latent_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool = False, precision: str = "bf16",

@@ -178,6 +178,17 @@ def stage_expert_params(model: ModelSpec, *, pp: int, stage: int, ep: int = 1, l
     return (n_moe * model.config.block_params().experts + mtp) / ep
 
 
+def _replicated_shared_experts(model: ModelSpec, *, tp: int, pp: int, stage: int, layers: int | None,
+                               vpp: int) -> float:
+    """What megakit's shared experts add on one TP rank to ``stage_params``' count, which shards them over TP as
+    Megatron does: megakit replicates them (``megakit.nn.moe.SharedExpert`` runs on the rank's tokens), so each TP
+    rank holds the other ``(tp - 1) / tp`` of each MoE block's three ``H x shared_ffn`` matrices too."""
+    n_moe = stage_moe_layers(model, pp, vpp)[stage] if layers is None else layers
+    if stage == pp - 1:  # the MTP modules' blocks
+        n_moe += sum(model.config.is_moe_layer(model.layers + k - 1) for k in range(1, model.mtp + 1))
+    return n_moe * 3 * model.hidden * model.config.moe.shared_ffn * (1 - 1 / tp)
+
+
 def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str, offload: str = "none",
                       buckets: "Buckets" = None, main_grads: bool = False) -> dict:
     """Parameters, gradients, fp32 master, Adam m and v, fp32 step gradients of ``psi`` parameters
@@ -253,13 +264,17 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     p = PRECISIONS[precision]
     n_layers = stage_layer_counts(model, pp, vpp)[stage] if layers is None else layers
     psi = stage_params(model, tp=tp, pp=pp, stage=stage, layers=layers, vpp=vpp)
+    if model.config.moe is not None and model.config.moe.shared_ffn and tp > 1 and not megatron:
+        psi += _replicated_shared_experts(model, tp=tp, pp=pp, stage=stage, layers=layers, vpp=vpp)
     moe = model.config.moe is not None
     folded = tp * dp  # TP x CP x DP (dp counts the CP ranks here): the ranks EP folds over
     if ep < 1 or folded % ep or (moe and model.config.moe.experts % ep) or (ep > 1 and not moe):
         raise UsageError(f"EP {ep} must divide TP x CP x DP {folded} and the experts of an MoE model")
     psi_experts = stage_expert_params(model, pp=pp, stage=stage, ep=ep, layers=n_layers if layers is not None
                                       else None, vpp=vpp)
-    edp = folded // ep  # before HSDP: ZeRO-3 is not offered with experts
+    # EDP: the ranks holding the same experts, over which ZeRO shards their states (before HSDP: ZeRO-3 is not offered
+    # with experts); at EP 1 the experts are dense weights, replicated over TP and sharded over DP x CP
+    edp = folded // ep if ep > 1 else dp
     if zero_stage == 3 and 0 < dp_shard < dp:  # HSDP: states sharded inside the shard group only
         dp = dp_shard
     items = model_state_bytes(psi, dp=dp, zero_stage=zero_stage, precision=precision, offload=offload,

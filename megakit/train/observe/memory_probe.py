@@ -9,7 +9,7 @@ allocator statistics, so the bytes are counted from the objects that hold them:
   backward, just before and just after ``optimizer.step`` (largest value per item);
 - activations: every tensor autograd saves for backward passes through
   ``torch.autograd.graph.saved_tensors_hooks``; its storage is counted while the
-  graph holds it (parameters excluded), and the peak over the step is reported, so
+  graph holds it (parameters and buffers excluded), and the peak over the step is reported, so
   a pipeline's micro-batches in flight count as they overlap; of them, those saved from the
   final norm to the loss are the ``logits`` item as well (the planner's ``logits_bytes``,
   its transient logits left out).
@@ -98,7 +98,8 @@ class MemoryProbe:
         self._live: dict[int, list] = {}  # storage -> [bytes, references, saved by the head and loss]
         self._live_bytes = 0
         self.logits_peak, self._logits_bytes, self._in_head = 0, 0, False
-        self._params = {_storage(p)[0] for p in engine.module.parameters() if p.numel()}
+        # parameters and buffers (RoPE tables a block saves a slice of) are the model's memory, not activations
+        self._params = {_storage(p)[0] for p in [*engine.module.parameters(), *engine.module.buffers()] if p.numel()}
         self.counting = not torch.cuda.is_available()  # a GPU's allocator counts for us (see row)
         if not self.counting:
             return
