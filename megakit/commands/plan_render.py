@@ -112,6 +112,8 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
             mem.add_row(MEMORY_LABELS.get(key, key), f"{gib:.2f}")
         elif key == "moe_routing" and "moe" in a:  # shown even when full recompute drops it
             mem.add_row(MEMORY_LABELS[key], f"{gib:.2f} (recomputed)" if p["recompute"] == "full" else f"{gib:.2f}")
+        for line, part in p.get("memory_breakdown", {}).get(key, {}).items():  # inside the item, one line each
+            mem.add_row(f"  of which {line}", f"{part:.2f}")
     mem.add_row("[bold]peak[/]", f"[bold]{p['peak_memory_gib']:.2f}[/]")
     mem.add_row(f"{a['mem_threshold']:.0%} line", f"{limit:.2f}")
     mem.add_row("headroom to the line", f"{limit - p['peak_memory_gib']:.2f}")

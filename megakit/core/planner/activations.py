@@ -117,7 +117,7 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
         out += [t("gate output", f / tp), t("up output", f / tp), t("act(gate)", f / tp), t("down input", f / tp)]
     else:
         out += [t("gelu input", f / tp), t("fc2 input", f / tp)]
-    if moe and f and model.config.moe.shared_gate:  # Qwen2-MoE: shared output x sigmoid(gate), over the rank's tokens
+    if moe and model.config.moe and f and model.config.moe.shared_gate:  # Qwen2-MoE: shared output x sigmoid(gate), over the rank's tokens
         out += [t("shared expert gate", 1 / tp), t("shared expert output", h / tp)]
     if model.config.sandwich_norms:
         out += norm("mlp post-norm")
