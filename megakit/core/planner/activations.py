@@ -5,8 +5,10 @@ Activations per layer and micro-batch follow Korthikanti et al. 2022 (Table 2):
 tensor so it also covers GQA, SwiGLU, fp32, no-dropout and fused (flash) attention, where the
 ``as²`` scores are never stored. TP shards the tensors inside attention and the MLP; sequence
 parallelism shards the rest. An MoE block keeps, in place of the MLP's, its shared experts' and
-``routing_tensors`` (router probabilities, permutation map, the top-k copies of its tokens through
-the experts). Multi-head Latent Attention (DeepSeek-V3) keeps its latents (``latent_tensors``) and heads of
+``routing_tensors`` (the router's logits and scores, the top-k indices and probabilities, the aux-loss
+terms, the dispatch's permutation and permuted tokens -- ``dispatch_buffers``, the one place that prices
+the dispatch -- and the top-k copies of its tokens through the experts), each as megakit's code keeps it
+(``tests/test_memory_truth.py`` measures every family against it). Multi-head Latent Attention (DeepSeek-V3) keeps its latents (``latent_tensors``) and heads of
 its own widths (``value_widths``). ``memory`` multiplies these by the blocks and micro-batches in flight.
 """
 

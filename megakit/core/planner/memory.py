@@ -19,6 +19,10 @@ ZeRO       params       grads       fp32 master        Adam m, v    fp32 grads a
 3          pΨ/N         pΨ/N        4Ψ/N               8Ψ/N         4 × min(Ψ/N, sub-group)
 =========  ===========  ==========  =================  ===========  =====================
 
+The routed experts' states are their own items (``expert_params``, ``expert_grads``, ``expert_master_params``,
+``expert_optimizer``): Ψ_E = E/EP experts per GPU, N = EDP (the TP x CP x DP / EP ranks holding the same experts;
+at EP 1 the experts are dense weights, N = DP x CP); their fp32 step copy joins ``fp32_step_grads``.
+
 With p = 2 this is the ZeRO paper's 16Ψ / 4Ψ+12Ψ/N / 2Ψ+14Ψ/N / 16Ψ/N plus the
 fp32 copy of the gradient partition DeepSpeed makes at ``step()`` (which is why
 DeepSpeed's own ZeRO-2 estimator says 2Ψ+18Ψ/N); that copy is transient (it lives
