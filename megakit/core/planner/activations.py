@@ -8,8 +8,9 @@ parallelism shards the rest. An MoE block keeps, in place of the MLP's, its shar
 ``routing_tensors`` (the router's logits and scores, the top-k indices and probabilities, the aux-loss
 terms, the dispatch's permutation and permuted tokens -- ``dispatch_buffers``, the one place that prices
 the dispatch -- and the top-k copies of its tokens through the experts), each as megakit's code keeps it
-(``tests/test_memory_truth.py`` measures every family against it). Multi-head Latent Attention (DeepSeek-V3) keeps its latents (``latent_tensors``) and heads of
-its own widths (``value_widths``). ``memory`` multiplies these by the blocks and micro-batches in flight.
+(``tests/test_memory_truth.py`` measures every family against it). Multi-head Latent Attention
+(DeepSeek-V3) keeps its latents (``latent_tensors``) and heads of its own widths (``value_widths``).
+``memory`` multiplies these by the blocks and micro-batches in flight.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
         out += [t("gate output", f / tp), t("up output", f / tp), t("act(gate)", f / tp), t("down input", f / tp)]
     else:
         out += [t("gelu input", f / tp), t("fc2 input", f / tp)]
-    if moe and model.config.moe and f and model.config.moe.shared_gate:  # Qwen2-MoE: shared output x sigmoid(gate), over the rank's tokens
+    if moe and model.config.moe and f and model.config.moe.shared_gate:  # Qwen2-MoE: the shared output x
+        # sigmoid(gate), over the rank's tokens
         out += [t("shared expert gate", 1 / tp), t("shared expert output", h / tp)]
     if model.config.sandwich_norms:
         out += norm("mlp post-norm")
