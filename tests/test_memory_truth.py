@@ -60,3 +60,35 @@ def test_memory_truth_every_family_and_layout(tmp_path, tmp_path_factory):
                 off.append((layout, model, row["rank"], f"states {ratio[0]:.3f}", f"activations {ratio[1]:.3f}"))
     assert not off, off
     assert len(ratios) == 5 + 2 * (3 + 5 * 4)  # every rank of every case was compared
+
+
+def test_plan_shows_each_moe_memory_line_and_zero_bubble_w_inputs_at_the_expert_width(capsys):
+    """``megakit plan`` (table and ``--json``) shows the lines inside an item, which add up to it; zero bubble's
+    deferred W inputs of an MoE block are its routed experts' fc1 and fc2 outputs for top-k copies, not a dense MLP's."""
+    from megakit.commands import cli
+    from megakit.core.planner.memory import _matmul_output_bytes
+    from megakit.core.planner.model_spec import ModelSpec
+
+    argv = ["plan", "--model", "deepseek-v3-tiny", "--gpus", "4", "--ep", "2", "--cp", "2", "--seq-len", "4096"]
+    assert cli.main([*argv, "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)["plan"]
+    lines = p["memory_breakdown"]
+    assert set(lines["moe_routing"]) == {"router logits and scores", "top-k indices and probabilities",
+                                         "aux-loss terms", "permutation and dispatch", "routed experts"}
+    assert sum(lines["moe_routing"].values()) == pytest.approx(p["memory"]["moe_routing"])
+    assert set(lines["activations"]) == {"shared experts (MoE blocks)", "MLA latents",
+                                         "attention output kept twice (CP, sinks)"}
+    assert 0 < lines["comm_buffers"]["MoE all-to-all send and receive buffers"] <= p["memory"]["comm_buffers"]
+    assert p["memory"]["expert_grads"] > 0 and "expert_states" not in p["memory"]
+    assert cli.main(argv) == 0
+    table = capsys.readouterr().out
+    for line in ("MoE routing", "of which router logits and scores", "of which permutation and dispatch",
+                 "of which MLA latents", "of which MoE all-to-all send and receive buffers"):
+        assert line in table, line
+
+    spec = ModelSpec.from_config("moe-tiny")  # H 32, 8 experts of F 16, top-2, shared FFN 32
+    kw = dict(tp=1, precision="fp32", seq_len=32, micro_batch=2)
+    dense, moe = _matmul_output_bytes(spec, **kw), _matmul_output_bytes(spec, moe=True, imbalance=1.5, **kw)
+    attention = 8 * 4 + 2 * 4 * 4 + 32  # q, k, v (4 KV heads of 4), o_proj
+    assert dense == 4 * 64 * (attention + 2 * 64 + 32)  # the dense FFN's gate, up and down
+    assert moe == 4 * 64 * (attention + 8 + (2 * 32 + 32) + 2 * 1.5 * (2 * 16 + 32))  # router, shared, top-k copies
