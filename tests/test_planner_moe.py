@@ -91,10 +91,11 @@ def test_expert_states_are_sharded_over_ep_and_zero_shards_them_over_edp():
         est = estimate_memory(model, dp=dp, ep=ep, zero_stage=zero, **layers)
         psi = est.layers * per_layer / ep
         edp = dp // ep
-        # memory.py's table (bf16 + Adam), DP -> EDP; DeepSpeed's fp32 step gradients (4/EDP) live in step() only,
-        # counted with the dense ones in fp32_step_grads
+        # memory.py's table (bf16 + Adam), DP -> EDP, each item on its own line; DeepSpeed's fp32 step gradients
+        # join the dense ones (the step phase)
         per_param = {0: 16, 1: 4 + 12 / edp, 2: 2 + 14 / edp}[zero]
-        assert est.items["expert_states"] == pytest.approx(psi * per_param), (ep, dp, zero)
+        assert est.expert_states == pytest.approx(psi * per_param), (ep, dp, zero)
+        assert est.items["expert_grads"] == pytest.approx(psi * 2 / (edp if zero == 2 else 1)), (ep, dp, zero)
         dense_step = 4 * est.params_local / (dp if zero else 1)
         assert est.items["fp32_step_grads"] == pytest.approx(dense_step + 4 * psi / (edp if zero else 1))
         # the dense part (attention, norms, router) shards over all of DP as before
@@ -108,10 +109,13 @@ def test_routing_activations_scale_with_the_imbalance_and_vanish_under_full_reco
     kw = dict(tp=2, pp=1, dp=8, ep=8, micro_batch=1, sequence_parallel=True)
     balanced = estimate_memory(model, recompute="none", moe_imbalance=1.0, **kw)
     real = estimate_memory(model, recompute="none", moe_imbalance=1.5, **kw)
-    s, h, f, k = 4096, 4096, 14336, 2
-    # per MoE layer: router probs (fp32) and the int64 map, E per token, then top-k copies on the expert side
-    expert_side = s / 2 * k * (h + 2 * f + f + h) * 2
-    fixed = s / 2 * 8 * (4 + 8)
+    s, h, f, k, e = 4096, 4096, 14336, 2, 8
+    # per MoE layer and token of the rank's s/2 (megakit's tensors, ``routing_tensors``): the router's fp32 input
+    # copy, logits and scores; the top-k indices, probabilities, their sum, the bf16 combine weights; the z-loss's
+    # log-sum-exp; the sort order and its inverse; the expert outputs at home. On the expert side, top-k copies:
+    # the received rows' regroup order and inverse, the permuted token, fc1's output, the SwiGLU, fc2's input.
+    fixed = s / 2 * (4 * h + 2 * 4 * e + 8 * k + 4 * k + 4 + 2 * k + 4 + 2 * 8 * k + 2 * k * h)
+    expert_side = s / 2 * k * (2 * 8 + 2 * (h + 2 * f + f + f))
     assert balanced.items["moe_routing"] == pytest.approx(32 * (fixed + expert_side))
     assert real.items["moe_routing"] == pytest.approx(32 * (fixed + 1.5 * expert_side))
     assert estimate_memory(model, recompute="full", **kw).items["moe_routing"] == 0.0
@@ -121,7 +125,7 @@ def test_routing_activations_scale_with_the_imbalance_and_vanish_under_full_reco
         32 * (fixed + 1.25 * expert_side))
     # with all experts on one rank, routing cannot overload it
     single = estimate_memory(model, recompute="none", moe_imbalance=1.5, **{**kw, "ep": 1})
-    assert single.items["moe_routing"] == pytest.approx(balanced.items["moe_routing"])
+    assert single.items["moe_routing"] == pytest.approx(balanced.items["moe_routing"] - 32 * s / 2 * k * 2 * 8)
 
 
 # ---- all-to-all ----------------------------------------------------------------------------------
@@ -204,7 +208,7 @@ def test_mixtral_on_16_h100s_gets_expert_parallelism_under_the_line():
     result = search(mixtral(), cluster, global_batch=256, moe_imbalance=ROUTING["real"])
     best = result.best
     assert best.plan.ep > 1 and best.memory.total <= 0.8 * 80 * GIB
-    assert best.memory.items["expert_states"] > 0.5 * best.memory.total  # the experts dominate the memory
+    assert best.memory.expert_states > 0.5 * best.memory.total  # the experts dominate the memory
     assert all(c.plan.zero_stage < 3 for c in result.ranked)
     assert {c.plan.ep for c in result.ranked} - {1} and all((c.plan.tp * c.plan.dp * c.plan.cp) % c.plan.ep == 0
                                                            for c in result.ranked)
@@ -242,7 +246,7 @@ def test_cli_reports_experts_routing_and_all_to_all(capsys, tmp_path):
     report = json.loads(out)
     p, moe = report["plan"], report["assumptions"]["moe"]
     assert p["ep"] > 1 and p["edp"] * p["ep"] == p["tp"] * p["dp"] * p["cp"]
-    assert p["peak_memory_gib"] <= 0.8 * 80 and p["memory"]["expert_states"] > 0
+    assert p["peak_memory_gib"] <= 0.8 * 80 and p["memory"]["expert_grads"] > 0
     assert p["all_to_all_s"] > 0 and 0 < p["all_to_all_fraction"] < p["comm_fraction"] + 1e-9
     assert moe["routing"] == "real" and moe["imbalance"] == ROUTING["real"]
     assert report["assumptions"]["model"]["params"] == 46702792704
@@ -258,7 +262,7 @@ def test_cli_reports_experts_routing_and_all_to_all(capsys, tmp_path):
     assert set(written) == set(dense) and set(written["zero_optimization"]) == set(dense["zero_optimization"])
     assert written["train_batch_size"] == 256 and written["zero_optimization"]["stage"] in (0, 1, 2)
     out = " ".join(out.split())  # rich wraps lines at the terminal's width
-    for needle in ("12.88B active", "experts: params, grads, Adam", "MoE routing", "MoE all-to-all", "EP x EDP",
+    for needle in ("12.88B active", "experts: gradients", "MoE routing", "MoE all-to-all", "EP x EDP",
                    "balanced",
                    "--ep "):
         assert needle in out, needle
@@ -275,11 +279,11 @@ def test_qwen3_235b_at_megatron_bridges_layout_plans_with_ep_folded_over_tp(caps
     assert (p["tp"], p["pp"], p["dp"], p["ep"], p["edp"]) == (2, 8, 16, 32, 1)
     assert p["ep_group"] == {"ranks": 32, "consecutive": True, "tp_groups": 16, "nodes": 4, "edp_stride": 32,
                              "link": "4 nodes (75% of each rank's tokens leave its node)"}
-    assert p["memory"]["expert_states"] > 0 and p["all_to_all_s"] > 0 and p["peak_memory_gib"] <= 80
+    assert p["memory"]["expert_params"] > 0 and p["all_to_all_s"] > 0 and p["peak_memory_gib"] <= 80
     code, out, _ = plan_cli(capsys, *pinned)
     out = " ".join(out.split())
     for needle in ("EP x EDP │ 32 x 1", "EP group (all-to-all) │ 32 consecutive ranks, 16 TP group(s), 4 nodes",
-                   "experts: params, grads, Adam", "MoE all-to-all (dispatch + combine)"):
+                   "experts: gradients", "MoE all-to-all (dispatch + combine)"):
         assert needle in out, needle
 
 

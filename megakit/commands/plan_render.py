@@ -8,8 +8,10 @@ from rich.table import Table
 MEMORY_LABELS = {
     "params": "parameters", "grads": "gradients", "master_params": "fp32 master params",
     "optimizer": "Adam states (m, v)", "fp32_step_grads": "fp32 grads at step (in the activations' place)",
-    "expert_states": "experts: params, grads, Adam (E/EP per GPU, ZeRO over EDP)", "activations": "activations",
-    "moe_routing": "MoE routing (router probs, permute map, permuted tokens, expert acts)",
+    "expert_params": "experts: params (E/EP per GPU)", "expert_grads": "experts: gradients (ZeRO-2: over EDP)",
+    "expert_master_params": "experts: fp32 master params (ZeRO over EDP)",
+    "expert_optimizer": "experts: Adam states (ZeRO over EDP)", "activations": "activations",
+    "moe_routing": "MoE routing (router logits, top-k, aux-loss terms, dispatch, expert acts)",
     "pipeline_outputs": "stage outputs kept for backward",
     "weight_grad_inputs": "kept for deferred W (ZB-H1)",
     "recompute_working_set": "recompute working set", "logits": "logits + loss (last stage)",
@@ -110,6 +112,8 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
             mem.add_row(MEMORY_LABELS.get(key, key), f"{gib:.2f}")
         elif key == "moe_routing" and "moe" in a:  # shown even when full recompute drops it
             mem.add_row(MEMORY_LABELS[key], f"{gib:.2f} (recomputed)" if p["recompute"] == "full" else f"{gib:.2f}")
+        for line, part in p.get("memory_breakdown", {}).get(key, {}).items():  # inside the item, one line each
+            mem.add_row(f"  of which {line}", f"{part:.2f}")
     mem.add_row("[bold]peak[/]", f"[bold]{p['peak_memory_gib']:.2f}[/]")
     mem.add_row(f"{a['mem_threshold']:.0%} line", f"{limit:.2f}")
     mem.add_row("headroom to the line", f"{limit - p['peak_memory_gib']:.2f}")

@@ -71,6 +71,8 @@ def plan_dict(plan: Plan, mem, cost, cluster: Cluster, tokens, seq_len: int) -> 
     out = plan_fields(plan) | {
         "peak_memory_gib": mem.total / GIB, "gpu_memory_gib": cluster.gpu.mem_gib,
         "memory": mem.gib(), "peak_stage": mem.stage,
+        "memory_breakdown": {item: {line: v / GIB for line, v in lines.items()}  # lines inside an item
+                             for item, lines in mem.breakdown.items()},
         "step_time_s": cost.step_time_s, "tokens_per_s": cost.tokens_per_s,
         "model_tflops_per_gpu": cost.model_tflops_per_gpu, "hardware_tflops_per_gpu": cost.hardware_tflops_per_gpu,
         "mfu": cost.mfu, "flops_conventions": FLOPS_CONVENTIONS, "comm_fraction": cost.comm_fraction,

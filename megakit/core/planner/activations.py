@@ -5,9 +5,12 @@ Activations per layer and micro-batch follow Korthikanti et al. 2022 (Table 2):
 tensor so it also covers GQA, SwiGLU, fp32, no-dropout and fused (flash) attention, where the
 ``as²`` scores are never stored. TP shards the tensors inside attention and the MLP; sequence
 parallelism shards the rest. An MoE block keeps, in place of the MLP's, its shared experts' and
-``routing_tensors`` (router probabilities, permutation map, the top-k copies of its tokens through
-the experts). Multi-head Latent Attention (DeepSeek-V3) keeps its latents (``latent_tensors``) and heads of
-its own widths (``value_widths``). ``memory`` multiplies these by the blocks and micro-batches in flight.
+``routing_tensors`` (the router's logits and scores, the top-k indices and probabilities, the aux-loss
+terms, the dispatch's permutation and permuted tokens -- ``dispatch_buffers``, the one place that prices
+the dispatch -- and the top-k copies of its tokens through the experts), each as megakit's code keeps it
+(``tests/test_memory_truth.py`` measures every family against it). Multi-head Latent Attention
+(DeepSeek-V3) keeps its latents (``latent_tensors``) and heads of its own widths (``value_widths``).
+``memory`` multiplies these by the blocks and micro-batches in flight.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
                        precision: str = "bf16", flash_attention: bool = True,
                        dropout: bool | None = None, dropout_mask_bytes: int = 1,
                        gathered_inputs: bool = False, moe: bool = False,
-                       fused_swiglu: bool = False, ring: bool = False) -> list[SavedTensor]:
+                       fused_swiglu: bool = False, ring: bool = False, cp: bool = False) -> list[SavedTensor]:
     """The tensors one transformer block saves for backward, sizes already divided by TP/SP
     (``moe``: an MoE block's, whose MLP is its shared experts, if any; ``routing_tensors`` adds the rest).
 
@@ -58,7 +61,10 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
     repeated to every query head under GQA. A gated MLP keeps gate, up, act(gate) and the product (megakit's
     composite SwiGLU); with ``fused_swiglu`` (Megatron's ``bias_swiglu_impl``, megatron/core/fusions/
     fused_bias_swiglu.py) the activation saves only its input, fc1's gate and up, and recomputes the rest.
-    ``ring``: the core is ring attention (context parallelism), which changes what MLA keeps (``value_widths``)."""
+    ``ring``: the core is ring attention (context parallelism), which changes what MLA keeps (``value_widths``);
+    ``cp``: context parallelism in any mode, whose core output ``o_proj`` keeps a copy of (``value_widths``).
+    QK-norm (Qwen3, Gemma 3) keeps each head's norm of q and k as the block's norms keep theirs; Gemma 3's sandwich
+    norms two more block norms."""
     p = PRECISIONS[precision]
     dropout = model.dropout > 0 if dropout is None else dropout
     h, hd = model.hidden, model.head_dim
@@ -83,10 +89,14 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
     # input split and all-gather it again in backward (Korthikanti et al.); torchtitan's layers keep the
     # all-gathered (S, B, H) (``gathered_inputs``).
     gathered = h if gathered_inputs else h / rest
-    v, kernel_out, proj_in = value_widths(model, tp=tp, kv=kv, ring=ring)
+    v, kernel_out, proj_in = value_widths(model, tp=tp, kv=kv, ring=ring, cp=cp)
     latents = latent_tensors(model, tp=tp, sequence_parallel=sequence_parallel, precision=precision,
                              gathered_inputs=gathered_inputs) if model.config.mla else []
     out = norm("norm1") + [t("qkv input", gathered, shard="sp"), *latents, t("q", heads * hd), t("k", kv), t("v", v)]
+    if model.config.qk_norm:  # per head, over the rank's heads: input, normalised, fp32 rstd (RoPE follows: q, k)
+        kv_heads = model.kv_heads_per_rank(tp)
+        out += [t("q norm input", heads * hd), t("q norm normalised", heads * hd), t("q norm stats", heads, 4),
+                t("k norm input", kv_heads * hd), t("k norm normalised", kv_heads * hd), t("k norm stats", kv_heads, 4)]
     if flash_attention:
         out.append(t("attention log-sum-exp", heads, 4))
     else:
@@ -97,6 +107,8 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
     if kernel_out:
         out.append(t("ring attention output", kernel_out))
     out.append(t("attention output (proj input)", proj_in))
+    if model.config.sandwich_norms:  # o_proj's output normed before the residual
+        out += norm("attention post-norm")
     if dropout:
         out.append(t("attention residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
     out += norm("norm2") + [t("mlp input", gathered, shard="sp")]
@@ -108,12 +120,22 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
         out += [t("gate output", f / tp), t("up output", f / tp), t("act(gate)", f / tp), t("down input", f / tp)]
     else:
         out += [t("gelu input", f / tp), t("fc2 input", f / tp)]
+    if moe and model.config.moe and f and model.config.moe.shared_gate:  # Qwen2-MoE: the shared output x
+        # sigmoid(gate), over the rank's tokens
+        out += [t("shared expert gate", 1 / tp), t("shared expert output", h / tp)]
+    if model.config.sandwich_norms:
+        out += norm("mlp post-norm")
     if dropout:
         out.append(t("mlp residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
     return out
 
 
-def value_widths(model: ModelSpec, *, tp: int, kv: float, ring: bool = False) -> tuple[float, float, float]:
+SHARED_EXPERT = ("gate output", "up output", "act(gate)", "down input", "gate and up output", "gelu input",
+                 "fc2 input", "shared expert gate", "shared expert output")  # an MoE block's MLP tensors
+
+
+def value_widths(model: ModelSpec, *, tp: int, kv: float, ring: bool = False, cp: bool = False
+                 ) -> tuple[float, float, float]:
     """Per token on one TP rank: (v, the attention kernel's saved output when ``o_proj`` keeps a copy apart, else 0,
     ``o_proj``'s input). ``kv``: the k width as saved (q/k/v heads of one width: v is the same).
 
@@ -122,13 +144,15 @@ def value_widths(model: ModelSpec, *, tp: int, kv: float, ring: bool = False) ->
     (B, S, n, d) so that ``o_proj``'s input is a view of it, or (math path) ``o_proj``'s copy only. The ring carries v
     at its own width too (``megakit.nn.context_parallel._pack``; the fused kernel's zero columns are local to each
     call) and saves v and its (B, n, S, d_v) output, of which ``o_proj`` keeps a (B, S, n, d_v) copy of its own.
-    (Under CP plain attention's ``o_proj`` keeps a copy too, of the ring's output or of Ulysses' all-to-all back;
-    this count leaves that out, as before.)"""
+    Plain attention keeps its output twice under CP (``cp``): the ring's (B, n, S, d) output, or, under Ulysses, the
+    kernel's before the all-to-all back, and ``o_proj``'s (S, B, n d) copy; with attention sinks (gpt-oss) the core
+    is a ring of one (``Attention.core``), so likewise without CP."""
     heads, mla = model.heads // tp, model.config.mla
     if mla is None:
-        return kv, 0.0, heads * model.head_dim
+        twice = cp or model.config.attention_sinks
+        return kv, heads * model.head_dim if twice else 0.0, heads * model.head_dim
     v = heads * mla.v_head_dim
-    return v, v if ring else 0.0, v
+    return v, v if ring or cp else 0.0, v
 
 
 def latent_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool = False, precision: str = "bf16",
@@ -160,27 +184,80 @@ def latent_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool = F
     return q + latent("kv", m.kv_lora_rank, m.kv_lora_rank + m.qk_rope_head_dim)
 
 
-def routing_tensors(model: ModelSpec, *, tp: int = 1, precision: str = "bf16",
-                    imbalance: float = 1.0, megatron: bool = False) -> list[SavedTensor]:
-    """What an MoE block keeps for backward beyond attention and the shared experts, per token of
-    the sequence: each TP rank routes 1/TP of the tokens (the split sequence parallelism makes). The
-    router's fp32 probabilities and its int64 permutation map (E per token: Megatron's estimator,
-    ModelZoo misc/tools/deepseek_mem_estimate.py), and on the expert side, top-k copies of every
-    token: the permuted tokens (fc1's input), fc1's gate and up output, the SwiGLU output (fc2's input)
-    and the expert outputs (the combine's input, for the gradient of the probabilities). The busiest
-    rank holds ``imbalance`` times the balanced share of those (a capacity factor caps it). ``megatron``:
-    Megatron-Core's grouped experts multiply the probabilities inside the fused SwiGLU
-    (``weighted_bias_swiglu_impl`` in megatron/core/transformer/moe/experts.py), so its unpermute needs no
-    expert output for their gradient; megakit weighs the combined slots afterwards and keeps them."""
-    m = model.config.moe
+def routing_tensors(model: ModelSpec, *, tp: int = 1, precision: str = "bf16", imbalance: float = 1.0,
+                    megatron: bool = False, ep: int = 1) -> list[SavedTensor]:
+    """What an MoE block keeps for backward beyond attention and the shared experts, per token of the sequence: each
+    TP rank routes 1/TP of the tokens (the split sequence parallelism makes). In ``ROUTING_GROUPS``' order:
+
+    - the router (``megakit.nn.moe``, ``moe_router``; fp32 whatever the model's dtype): its input's fp32 copy below
+      fp32, the logits (the z-loss's log-sum-exp keeps them) and the scores (the softmax's or sigmoid's output);
+    - the top-k: the chosen experts' int64 indices (the gather's), their probabilities before the renormalisation
+      and its sum (``normalize_top_k``), and the weights the combine multiplies by, in the model's dtype;
+    - the aux-loss terms: the log-sum-exp per token (z-loss) and, with sigmoid scores, their per-token sum;
+    - the dispatch (``dispatch_buffers``): the permutation and the permuted tokens;
+    - the experts, top-k copies of every token: fc1's gate and up output, the SwiGLU's activation (gpt-oss's clamped
+      one keeps three more) and fc2's input, and the expert outputs at home (the combine's input, for the gradient of
+      the probabilities).
+
+    The busiest rank holds ``imbalance`` times the balanced share of the expert side (a capacity factor caps it).
+    ``megatron``: Megatron-Core's router and permutation as its estimator prices them (fp32 probabilities and an int64
+    map, E per token: ModelZoo misc/tools/deepseek_mem_estimate.py); its grouped experts multiply the probabilities
+    inside the fused SwiGLU (``weighted_bias_swiglu_impl`` in megatron/core/transformer/moe/experts.py), so its
+    unpermute keeps no expert output and its activation only its input."""
+    m, c = model.config.moe, model.config
     p = PRECISIONS[precision]
     k = m.top_k * imbalance / tp
-    return [SavedTensor("router probabilities", m.experts / tp, 0.0, 4, "tp"),
-            SavedTensor("permutation map", m.experts / tp, 0.0, 8, "tp"),
-            SavedTensor("permuted tokens", k * model.hidden, 0.0, p, "tp"),
-            SavedTensor("expert fc1 output", k * 2 * m.ffn, 0.0, p, "tp"),
-            SavedTensor("expert fc2 input", k * m.ffn, 0.0, p, "tp"),
-            *([] if megatron else [SavedTensor("expert outputs", k * model.hidden, 0.0, p, "tp")])]
+    top_k = m.top_k / tp  # at home: this rank's own tokens' slots
+    if megatron:
+        return [SavedTensor("router probabilities", m.experts / tp, 0.0, 4, "tp"),
+                SavedTensor("permutation map", m.experts / tp, 0.0, 8, "tp"),
+                SavedTensor("permuted tokens", k * model.hidden, 0.0, p, "tp"),
+                SavedTensor("expert fc1 output", k * 2 * m.ffn, 0.0, p, "tp"),
+                SavedTensor("expert fc2 input", k * m.ffn, 0.0, p, "tp")]
+    router = [*([SavedTensor("router input (fp32 copy)", model.hidden / tp, 0.0, 4, "tp")] if p < 4 else []),
+              SavedTensor("router logits", m.experts / tp, 0.0, 4, "tp"),
+              SavedTensor("router scores", m.experts / tp, 0.0, 4, "tp")]
+    chosen = [SavedTensor("top-k indices", top_k, 0.0, 8, "tp"),
+              *([SavedTensor("top-k probabilities (before renormalising)", top_k, 0.0, 4, "tp"),
+                 SavedTensor("top-k probability sums", 1 / tp, 0.0, 4, "tp")] if m.normalize_top_k else []),
+              SavedTensor("top-k weights (combine)", top_k, 0.0, p, "tp")]
+    aux = [SavedTensor("z-loss log-sum-exp", 1 / tp, 0.0, 4, "tp"),
+           *([SavedTensor("sigmoid score sums", 1 / tp, 0.0, 4, "tp")] if m.score == "sigmoid" else [])]
+    saved, _ = dispatch_buffers(model, tp=tp, precision=precision, imbalance=imbalance, ep=ep)
+    activation = 4 if c.moe.swiglu_limit else 1  # gpt-oss: the clamped gate, (up + 1), its product, the sigmoid
+    experts = [SavedTensor("expert fc1 output", k * 2 * m.ffn, 0.0, p, "tp"),
+               SavedTensor("expert activation", k * activation * m.ffn, 0.0, p, "tp"),
+               SavedTensor("expert fc2 input", k * m.ffn, 0.0, p, "tp"),
+               SavedTensor("expert outputs", top_k * model.hidden, 0.0, p, "tp")]
+    return router + chosen + aux + saved + experts
+
+
+ROUTING_GROUPS = {  # how ``megakit plan`` shows ``routing_tensors``, one line each
+    "router logits and scores": ("router input (fp32 copy)", "router logits", "router scores",
+                                 "router probabilities"),
+    "top-k indices and probabilities": ("top-k indices", "top-k probabilities (before renormalising)",
+                                        "top-k probability sums", "top-k weights (combine)", "permutation map"),
+    "aux-loss terms": ("z-loss log-sum-exp", "sigmoid score sums"),
+    "permutation and dispatch": ("dispatch order", "dispatch regroup order", "permuted tokens"),
+    "routed experts": ("expert fc1 output", "expert activation", "expert fc2 input", "expert outputs"),
+}
+
+
+def dispatch_buffers(model: ModelSpec, *, tp: int, precision: str, imbalance: float, ep: int
+                     ) -> tuple[list[SavedTensor], list[SavedTensor]]:
+    """(saved, transient) per token of one MoE block's token dispatch (``megakit.nn.moe_dispatch``), the one place
+    that prices it. Saved: the sort by expert's order and its inverse (int64, k per token: the permutation's and the
+    un-permutation's gathers keep their indices), at EP > 1 the received rows' regrouping and its inverse (per
+    received row), and the permuted tokens (fc1's input, per row an expert computes: ``imbalance`` x k per token at
+    EP > 1). Transient, at EP > 1: the all-to-all's send and receive buffers, k copies of the rank's tokens each way
+    (the dispatch's while it runs, the combine's likewise)."""
+    m, p = model.config.moe, PRECISIONS[precision]
+    k, rows = m.top_k / tp, m.top_k * (imbalance if ep > 1 else 1.0) / tp
+    saved = [SavedTensor("dispatch order", 2 * k, 0.0, 8, "tp"),
+             *([SavedTensor("dispatch regroup order", 2 * rows, 0.0, 8, "tp")] if ep > 1 else []),
+             SavedTensor("permuted tokens", rows * model.hidden, 0.0, p, "tp")]
+    transient = [SavedTensor("all-to-all send and receive", 2 * rows * model.hidden, 0.0, p, "tp")] if ep > 1 else []
+    return saved, transient
 
 
 def routed_imbalance(model: ModelSpec, imbalance: float, ep: int) -> float:

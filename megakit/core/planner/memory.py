@@ -19,6 +19,10 @@ ZeRO       params       grads       fp32 master        Adam m, v    fp32 grads a
 3          pΨ/N         pΨ/N        4Ψ/N               8Ψ/N         4 × min(Ψ/N, sub-group)
 =========  ===========  ==========  =================  ===========  =====================
 
+The routed experts' states are their own items (``expert_params``, ``expert_grads``, ``expert_master_params``,
+``expert_optimizer``): Ψ_E = E/EP experts per GPU, N = EDP (the TP x CP x DP / EP ranks holding the same experts;
+at EP 1 the experts are dense weights, N = DP x CP); their fp32 step copy joins ``fp32_step_grads``.
+
 With p = 2 this is the ZeRO paper's 16Ψ / 4Ψ+12Ψ/N / 2Ψ+14Ψ/N / 16Ψ/N plus the
 fp32 copy of the gradient partition DeepSpeed makes at ``step()`` (which is why
 DeepSpeed's own ZeRO-2 estimator says 2Ψ+18Ψ/N); that copy is transient (it lives
@@ -57,7 +61,11 @@ from megakit.core.planner.activations import (  # noqa: F401 (memory's API: what
     PER_OP_KEPT,
     PRECISIONS,
     SavedTensor,
+    ROUTING_GROUPS,
+    SHARED_EXPERT,
     activation_tensors,
+    dispatch_buffers,
+    latent_tensors,
     logits_bytes,
     routed_imbalance,
     routing_tensors,
@@ -75,6 +83,7 @@ from megakit.core.planner.stages import (  # noqa: F401 (memory's API: where the
 from megakit.errors import UsageError
 
 GIB = 1024**3
+STATES = ("params", "grads", "master_params", "optimizer")  # per parameter; the routed experts' as ``expert_*``
 STEP_ONLY = ("fp32_step_grads",)  # items that live during ``step()`` only
 BACKWARD_ONLY = ("activations", "pipeline_outputs", "moe_routing", "weight_grad_inputs", "recompute_working_set",
                  "logits")  # items freed by the end of the last backward
@@ -119,6 +128,7 @@ class MemoryEstimate:
 
     items: dict
     stage: int
+    breakdown: dict = dataclasses.field(default_factory=dict)  # item -> {line inside it: bytes}, for the report
     layers: int
     in_flight: float
     params_local: int
@@ -136,8 +146,13 @@ class MemoryEstimate:
 
     @property
     def model_states(self) -> float:
-        return float(sum(self.items.get(k, 0.0) for k in ("params", "grads", "master_params", "optimizer",
-                                                          "fp32_step_grads", "expert_states")))
+        return float(sum(self.items.get(k, 0.0) for k in STATES + tuple(f"expert_{k}" for k in STATES))
+                     + self.items.get("fp32_step_grads", 0.0))
+
+    @property
+    def expert_states(self) -> float:
+        """The routed experts' parameters, gradients, fp32 master and Adam states (E/EP per GPU, ZeRO over EDP)."""
+        return float(sum(self.items.get(f"expert_{k}", 0.0) for k in STATES))
 
     def gib(self) -> dict:
         return {k: v / GIB for k, v in self.items.items()}
@@ -189,6 +204,17 @@ def stage_expert_params(model: ModelSpec, *, pp: int, stage: int, ep: int = 1, l
     n_moe = stage_moe_layers(model, pp, vpp)[stage] if layers is None else layers
     mtp = sum(model.config.mtp_module_params(k).experts for k in range(1, model.mtp + 1)) if stage == pp - 1 else 0
     return (n_moe * model.config.block_params().experts + mtp) / ep
+
+
+def _replicated_shared_experts(model: ModelSpec, *, tp: int, pp: int, stage: int, layers: int | None,
+                               vpp: int) -> float:
+    """What megakit's shared experts add on one TP rank to ``stage_params``' count, which shards them over TP as
+    Megatron does: megakit replicates them (``megakit.nn.moe.SharedExpert`` runs on the rank's tokens), so each TP
+    rank holds the other ``(tp - 1) / tp`` of each MoE block's three ``H x shared_ffn`` matrices too."""
+    n_moe = stage_moe_layers(model, pp, vpp)[stage] if layers is None else layers
+    if stage == pp - 1:  # the MTP modules' blocks
+        n_moe += sum(model.config.is_moe_layer(model.layers + k - 1) for k in range(1, model.mtp + 1))
+    return n_moe * 3 * model.hidden * model.config.moe.shared_ffn * (1 - 1 / tp)
 
 
 def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str, offload: str = "none",
@@ -282,13 +308,17 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     p = PRECISIONS[precision]
     n_layers = stage_layer_counts(model, pp, vpp)[stage] if layers is None else layers
     psi = stage_params(model, tp=tp, pp=pp, stage=stage, layers=layers, vpp=vpp)
+    if model.config.moe is not None and model.config.moe.shared_ffn and tp > 1 and not megatron:
+        psi += _replicated_shared_experts(model, tp=tp, pp=pp, stage=stage, layers=layers, vpp=vpp)
     moe = model.config.moe is not None
     folded = tp * dp  # TP x CP x DP (dp counts the CP ranks here): the ranks EP folds over
     if ep < 1 or folded % ep or (moe and model.config.moe.experts % ep) or (ep > 1 and not moe):
         raise UsageError(f"EP {ep} must divide TP x CP x DP {folded} and the experts of an MoE model")
     psi_experts = stage_expert_params(model, pp=pp, stage=stage, ep=ep, layers=n_layers if layers is not None
                                       else None, vpp=vpp)
-    edp = folded // ep  # before HSDP: ZeRO-3 is not offered with experts
+    # EDP: the ranks holding the same experts, over which ZeRO shards their states (before HSDP: ZeRO-3 is not offered
+    # with experts); at EP 1 the experts are dense weights, replicated over TP and sharded over DP x CP
+    edp = folded // ep if ep > 1 else dp
     if zero_stage == 3 and 0 < dp_shard < dp:  # HSDP: states sharded inside the shard group only
         dp = dp_shard
     main_grads = megatron if main_grads_fp32 is None else main_grads_fp32
@@ -296,15 +326,15 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                               buckets=buckets, main_grads=main_grads, moments=moments)
     experts = model_state_bytes(psi_experts, dp=edp, zero_stage=zero_stage, precision=precision, offload=offload,
                                 buckets=buckets, main_grads=main_grads, moments=moments)
-    # Over EP and EDP: the same ZeRO formulas, DP -> EDP. The experts' fp32 step gradients live in step() only, as the
-    # dense ones do (DeepSpeed's and Megatron's distributed optimizer copy each group's shard there and free it).
-    items["fp32_step_grads"] += experts.pop("fp32_step_grads")
-    items["expert_states"] = sum(experts.values())
+    # over EP and EDP: the same ZeRO formulas, DP -> EDP, each on its own line; their fp32 step copy joins the dense
+    # one (DeepSpeed's and Megatron's distributed optimizer copy each group's shard in ``step()`` and free it)
+    items |= {f"expert_{k}": v for k, v in experts.items() if k != "fp32_step_grads"}
+    items["fp32_step_grads"] += experts["fp32_step_grads"]
 
     # ---- activations ------------------------------------------------------------------
     shape = dict(tp=tp, sequence_parallel=sequence_parallel, precision=precision, dropout=dropout,
                  dropout_mask_bytes=dropout_mask_bytes, gathered_inputs=gathered_inputs, fused_swiglu=megatron,
-                 ring=cp > 1 and cp_ring)
+                 ring=cp > 1 and cp_ring, cp=cp > 1)
     block_input = p * s * b * model.hidden / (tp if sequence_parallel else 1)
 
     def size(tensors) -> float:
@@ -338,10 +368,21 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                                                         if x.name in PER_OP_KEPT)
         return tensors, full, full
 
+    def kept_named(is_moe: bool, names) -> float:
+        """Of a block's kept bytes, those of the tensors ``names`` (the recomputed ones left out)."""
+        if recompute == "full":
+            return (1 - recompute_fraction) * sum(x.bytes(seq_len=s, micro_batch=b) for x in activation_tensors(
+                model, flash_attention=flash_attention, moe=is_moe, **shape) if x.name in names)
+        listed = activation_tensors(model, flash_attention=flash_attention or recompute == "selective", moe=is_moe,
+                                    **shape)
+        return sum(x.bytes(seq_len=s, micro_batch=b) for x in listed
+                   if x.name in names and (recompute != "per-op" or x.name in PER_OP_KEPT))
+
     tensors, full_layer, kept = kept_bytes(moe)  # a typical block: the MoE one in an MoE model
     dense_kept = kept_bytes(False)[2] if moe else kept
     imbalance = routed_imbalance(model, moe_imbalance, ep)
-    route = routing_tensors(model, tp=tp, precision=precision, imbalance=imbalance, megatron=megatron) if moe else []
+    route = (routing_tensors(model, tp=tp, precision=precision, imbalance=imbalance, megatron=megatron, ep=ep)
+             if moe else [])
     routing = size(route)
     routing_kept = (1 - recompute_fraction) * routing if recompute == "full" else routing
     if recompute == "selective" and recompute_modules:
@@ -377,11 +418,24 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
         peak = in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp, zero_bubble=True)[0]
     items["activations"] = sum(n * w for n, (w, _, _) in zip(peak, weights))
     items["moe_routing"] = sum(n * r for n, (_, r, _) in zip(peak, weights))
+    breakdown = _breakdown(model, items, peak=peak, chunk_layers=chunk_layers, chunk_moe=chunk_moe,
+                           kept_named=kept_named, routing=routing, listed=routing_tensors(
+                               model, tp=tp, precision=precision, imbalance=imbalance, megatron=megatron, ep=ep)
+                           if moe else [], seq_len=s, micro_batch=b)
+    moe_blocks = sum(chunk_moe) + (sum(model.config.is_moe_layer(model.layers + k - 1) for k in range(1, model.mtp + 1))
+                                   if stage == pp - 1 else 0)  # an MTP module's block like the others
+    dense_blocks = n_layers + (model.mtp if stage == pp - 1 else 0) - moe_blocks
     if zero_bubble:  # per pending W: the gradients B left, and what B recomputed (kept by the retained graph)
-        blocks = n_layers + (model.mtp if stage == pp - 1 else 0)  # an MTP module's block like the others
-        outputs = _matmul_output_bytes(model, tp=tp, precision=precision, seq_len=s, micro_batch=b,
-                                       sequence_parallel=sequence_parallel)
-        items["weight_grad_inputs"] = min(stage + 1, m) * blocks * (outputs + full_layer - kept) if stage > 0 else 0.0
+        out = dict(tp=tp, precision=precision, seq_len=s, micro_batch=b, sequence_parallel=sequence_parallel)
+        dense_full, dense_kept = kept_bytes(False)[1:]
+        pending = min(stage + 1, m) if stage > 0 else 0
+        experts_out = _matmul_output_bytes(model, moe=True, imbalance=imbalance, **out) if moe else 0.0
+        items["weight_grad_inputs"] = pending * (
+            dense_blocks * (_matmul_output_bytes(model, **out) + dense_full - dense_kept)
+            + moe_blocks * (experts_out + full_layer - kept))
+        if moe:
+            breakdown["weight_grad_inputs"] = {
+                "MoE blocks' matmul outputs (experts at top-k x FFN width)": pending * moe_blocks * experts_out}
     in_flight = sum(peak) / vpp  # in whole-stage units
     # Recomputing one block in backward rebuilds its full activations for one micro-batch.
     items["recompute_working_set"] = max([full_layer + routing if recompute == "full" else
@@ -430,7 +484,10 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     if cp > 1:  # ring attention: the K/V block in use and the one arriving
         comm += 2 * 2 * p * s * b * model.kv_heads_per_rank(tp) * model.head_dim
     if moe and ep > 1:  # an all-to-all's send and receive buffers: top-k copies of the rank's tokens
-        comm += 2 * p * s * b / tp * model.config.moe.top_k * imbalance * model.hidden
+        a2a = sum(x.bytes(seq_len=s, micro_batch=b) for x in dispatch_buffers(
+            model, tp=tp, precision=precision, imbalance=imbalance, ep=ep)[1])
+        comm += a2a
+        breakdown["comm_buffers"] = {"MoE all-to-all send and receive buffers": a2a}
     items["comm_buffers"] = comm
     if zero_stage == 3:  # full (TP-sharded) parameters of the layer in use plus the prefetched one
         sharded, replicated = model.layer_params(tp)
@@ -439,8 +496,33 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     else:
         items["zero3_gather"] = 0.0
     items["overhead"] = float(overhead_bytes)
-    return MemoryEstimate(items=items, stage=stage, layers=n_layers, in_flight=in_flight, params_local=psi,
+    return MemoryEstimate(items=items, breakdown=breakdown, stage=stage, layers=n_layers, in_flight=in_flight,
+                          params_local=psi,
                           activation_per_layer=kept, tensors=tuple(tensors))
+
+
+def _breakdown(model: ModelSpec, items: dict, *, peak, chunk_layers, chunk_moe, kept_named, routing: float,
+               listed: list, seq_len: int, micro_batch: int) -> dict:
+    """Lines inside items, for ``megakit plan``: ``moe_routing`` by ``ROUTING_GROUPS`` (each group's share of a block's
+    routing tensors), and of ``activations`` the MoE blocks' shared experts, MLA's latents and the attention output's
+    second copy (CP, sinks), over the blocks in flight (the MTP modules' left out)."""
+    out = {}
+    if routing and items["moe_routing"]:
+        groups = {name: sum(x.bytes(seq_len=seq_len, micro_batch=micro_batch) for x in listed if x.name in names)
+                  for name, names in ROUTING_GROUPS.items()}
+        out["moe_routing"] = {name: items["moe_routing"] * v / routing for name, v in groups.items() if v}
+    moe_blocks = sum(n * c for n, c in zip(peak, chunk_moe))
+    blocks = sum(n * c for n, c in zip(peak, chunk_layers))
+    latents = tuple(x.name for x in latent_tensors(model)) + ("q_proj input (gathered)",) if model.config.mla else ()
+    lines = {"shared experts (MoE blocks)": moe_blocks * kept_named(True, SHARED_EXPERT) if model.config.moe else 0.0,
+             "MLA latents": (moe_blocks * kept_named(True, latents)
+                             + (blocks - moe_blocks) * kept_named(False, latents)),
+             "attention output kept twice (CP, sinks)": (moe_blocks * kept_named(True, ("ring attention output",))
+                                                         + (blocks - moe_blocks)
+                                                         * kept_named(False, ("ring attention output",)))}
+    if any(lines.values()):
+        out["activations"] = {k: v for k, v in lines.items() if v}
+    return out
 
 
 def _mtp_depth_bytes(model: ModelSpec, block: tuple, routing_kept: float, routing: float, *, moe_block: bool,
@@ -460,16 +542,25 @@ def _mtp_depth_bytes(model: ModelSpec, block: tuple, routing_kept: float, routin
 
 
 def _matmul_output_bytes(model: ModelSpec, *, tp: int, precision: str, seq_len: int, micro_batch: int,
-                         sequence_parallel: bool = False) -> float:
+                         sequence_parallel: bool = False, moe: bool = False, imbalance: float = 1.0) -> float:
     """One block's matmul outputs on a TP rank (q, k, v, attention out, MLP in and out): the gradients W reads.
-    MLA's at its projections' own widths and rows (``MLAConfig.projections``: the latents over the rank's tokens)."""
+    MLA's at its projections' own widths and rows (``MLAConfig.projections``: the latents over the rank's tokens).
+    An MoE block's (``moe``) over the rank's 1/TP of the tokens: the fp32 router logits, the shared experts' gate, up
+    and down, and the routed experts' fc1 (2F) and fc2 (H) for each of the top-k copies that the rank's experts
+    compute (``imbalance`` x the balanced share)."""
     c = model.config
     q, kv, f = c.heads // tp * c.head_dim, c.kv_heads_per_rank(tp) * c.head_dim, c.ffn // tp
     attention = (sum(rows * n for _, rows, _, n in c.mla.projections(c.hidden, c.heads, tp,
                                                                      sequence_parallel=sequence_parallel))
                  if c.mla else q + 2 * kv + c.hidden)
-    width = attention + (2 if c.gated_mlp else 1) * f + c.hidden
-    return PRECISIONS[precision] * seq_len * micro_batch * width
+    p = PRECISIONS[precision]
+    if moe and c.moe is not None:
+        shared = (2 * c.moe.shared_ffn + c.hidden) if c.moe.shared_ffn else 0
+        routed = c.moe.top_k * imbalance * (2 * c.moe.ffn + c.hidden)
+        mlp = (shared + routed) / tp + 4 / p * c.moe.experts / tp
+    else:
+        mlp = (2 if c.gated_mlp else 1) * f + c.hidden
+    return p * seq_len * micro_batch * (attention + mlp)
 
 
 def peak_memory(model: ModelSpec, **layout) -> MemoryEstimate:

@@ -9,7 +9,7 @@ allocator statistics, so the bytes are counted from the objects that hold them:
   backward, just before and just after ``optimizer.step`` (largest value per item);
 - activations: every tensor autograd saves for backward passes through
   ``torch.autograd.graph.saved_tensors_hooks``; its storage is counted while the
-  graph holds it (parameters excluded), and the peak over the step is reported, so
+  graph holds it (parameters and buffers excluded), and the peak over the step is reported, so
   a pipeline's micro-batches in flight count as they overlap; of them, those saved from the
   final norm to the loss are the ``logits`` item as well (the planner's ``logits_bytes``,
   its transient logits left out).
@@ -98,7 +98,8 @@ class MemoryProbe:
         self._live: dict[int, list] = {}  # storage -> [bytes, references, saved by the head and loss]
         self._live_bytes = 0
         self.logits_peak, self._logits_bytes, self._in_head = 0, 0, False
-        self._params = {_storage(p)[0] for p in engine.module.parameters() if p.numel()}
+        # parameters and buffers (RoPE tables a block saves a slice of) are the model's memory, not activations
+        self._params = {_storage(p)[0] for p in [*engine.module.parameters(), *engine.module.buffers()] if p.numel()}
         self.counting = not torch.cuda.is_available()  # a GPU's allocator counts for us (see row)
         if not self.counting:
             return
@@ -167,7 +168,7 @@ class MemoryProbe:
                 self._logits_bytes += nbytes
                 self.logits_peak = max(self.logits_peak, self._logits_bytes)
         entry[1] += 1
-        holder = _Saved(t)
+        holder = _Saved(t.detach())  # not ``t``: a saved output's holder would keep its own node alive (a cycle)
         weakref.finalize(holder, self._release, ptr)
         return holder
 
@@ -235,7 +236,7 @@ class MemoryProbe:
             measured["model_states"] = sum(measured[k] for k in ITEMS)
             measured["fp32_step_grads"] = float(self.peak["fp32_step_grads"])
             measured["activations"] = float(self.activation_peak)
-            predicted = {k: float(est.items[k]) for k in ITEMS}
+            predicted = {k: float(est.items[k] + est.items.get(f"expert_{k}", 0.0)) for k in ITEMS}  # routed experts
             predicted["model_states"] = sum(predicted[k] for k in ITEMS)
             predicted["fp32_step_grads"] = float(est.items["fp32_step_grads"])
             # The planner's "logits" item is the saved head input, norm input and fp32 softmax plus the
@@ -247,7 +248,8 @@ class MemoryProbe:
                                 * self.spec.padded_vocab(self.topo.tp) // self.topo.tp)
                 if self.run.loss_chunks > 1:  # one chunk's logits and fp32 softmax
                     logits_shard = est.items["logits"] - self._saved_logits()
-            predicted["activations"] = float(est.items["activations"] + est.items["logits"] - logits_shard)
+            predicted["activations"] = float(est.items["activations"] + est.items["moe_routing"] + est.items["logits"]
+                                             - logits_shard)
             measured["logits"], predicted["logits"] = float(self.logits_peak), float(est.items["logits"] - logits_shard)
         return {"rank": self.topo.rank, "tp": self.topo.tp_rank, "pp": self.topo.pp_rank, "dp": self.topo.dp_rank,
                 "cp": self.topo.cp_rank, "measured": measured, "predicted": predicted}
@@ -268,7 +270,10 @@ def fused_attention(config) -> bool:
 
 
 class _Saved:
-    """Holds a saved tensor; its finalizer tells the probe when autograd lets go of it."""
+    """Holds a saved tensor; its finalizer tells the probe when autograd lets go of it. It holds a detached alias
+    (same storage and version counter): holding a tensor that a node saves as its own output (``logsumexp``'s
+    result, the MoE router's z-loss) would tie node -> holder -> tensor -> node in a cycle that autograd never frees,
+    leaking the router's logits of every micro-batch while measuring."""
 
     __slots__ = ("tensor", "__weakref__")
 
