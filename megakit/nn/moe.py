@@ -273,9 +273,8 @@ class MoE(nn.Module):
         flat = experts.reshape(-1)  # a scatter-add, not bincount (whose length is data): one graph under --compile
         counts = torch.zeros(self.config.experts, dtype=torch.int64, device=flat.device).scatter_add(
             0, flat, torch.ones_like(flat))
-        sent = getattr(plan, "send", None)  # rows to other EP ranks, there (dispatch) and back (combine)
-        a2a = 0 if sent is None else 2 * row_bytes * (sum(sent) - sent[self.ep_rank] + sum(plan.recv)
-                                                      - plan.recv[self.ep_rank])
+        moved = getattr(plan, "moved", None)  # rows to and from other EP ranks in dispatch; combine moves as many
+        a2a = torch.zeros((), dtype=torch.int64) if moved is None else 2 * row_bytes * moved
         if self.training:
             self.step_tokens += counts * self.counting
         load = counts.float()
@@ -283,7 +282,7 @@ class MoE(nn.Module):
                       "dropped": (1 - keep.float().mean()) if keep is not None else load.new_zeros(()),
                       "aux": losses.aux.detach(), "seq_aux": losses.seq_aux.detach(), "z": losses.z.detach(),
                       "bias_norm": bias.norm() if bias is not None else load.new_zeros(()),
-                      "a2a_bytes": torch.tensor(a2a)}  # sent + received by this rank in forward (backward: as much)
+                      "a2a_bytes": a2a}  # sent + received by this rank in forward (backward: as much)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

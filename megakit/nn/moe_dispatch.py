@@ -114,26 +114,25 @@ class _Exchange:
     send: list[int]  # rows to each EP rank
     recv: list[int]  # rows from each EP rank
     regroup: torch.Tensor  # received rows (by source) -> rows by local expert
+    moved: torch.Tensor  # () rows this rank sends to and receives from other EP ranks in dispatch, on the device
 
 
 @torch.compiler.disable  # the host needs the split sizes: under --compile the exchange stays eager, between 2 graphs
 def _exchange(rows: torch.Tensor, counts: torch.Tensor, plan: _Sorted, group, ep: int, local: int):
     received_counts = C.all_to_all(counts.contiguous(), group).view(ep, local)  # [src, local e]
-    sizes = torch.cat([counts.view(ep, local).sum(1), received_counts.reshape(-1)]).tolist()  # the one copy to host
+    sent, received = counts.view(ep, local).sum(1), received_counts.sum(1)
+    me = C.rank(group)
+    moved = sent.sum() - sent[me] + received.sum() - received[me]  # a tensor: the graph after us guards no number
+    sizes = torch.cat([sent, received_counts.reshape(-1)]).tolist()  # the one copy to the host
     send, by_source = sizes[:ep], sizes[ep:]
     recv = [sum(by_source[r * local:(r + 1) * local]) for r in range(ep)]
     received = all_to_all(rows[:sum(send)], group, send, recv)  # by source rank, then local expert
     segment = torch.arange(local, device=rows.device).repeat(ep)  # local expert of each received block
     segment = segment.repeat_interleave(received_counts.reshape(-1), output_size=sum(recv))
     regroup = torch.argsort(segment, stable=True)
-    return received[regroup], received_counts.sum(0), _Exchange(plan, send, recv, regroup)
-
-
-@torch.compiler.disable
-def _return(y: torch.Tensor, plan: _Exchange, group) -> torch.Tensor:
-    inverse = torch.empty_like(plan.regroup)
-    inverse[plan.regroup] = torch.arange(plan.regroup.numel(), device=y.device)
-    return all_to_all(y[inverse], group, plan.recv, plan.send)
+    rows = received[regroup]
+    torch._dynamo.maybe_mark_dynamic(rows, 0)  # how many rows arrive is data: one graph for every count
+    return rows, received_counts.sum(0), _Exchange(plan, send, recv, regroup, moved)
 
 
 class AllToAllDispatcher:
@@ -149,8 +148,11 @@ class AllToAllDispatcher:
         rows, counts, plan = _sort(x, experts, keep, self.num_experts)
         return _exchange(rows, counts, plan, self.group, self.ep, self.local)
 
+    @torch.compiler.disable  # as dispatch: eager between two graphs, whose inputs have static shapes again
     def combine(self, y, plan):
-        return _unsort(_return(y, plan, self.group), plan.local)
+        inverse = torch.empty_like(plan.regroup)
+        inverse[plan.regroup] = torch.arange(plan.regroup.numel(), device=y.device)
+        return _unsort(all_to_all(y[inverse], self.group, plan.recv, plan.send), plan.local)
 
 
 def make_dispatcher(num_experts: int, ep_group) -> Dispatcher:
