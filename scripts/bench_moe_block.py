@@ -5,10 +5,10 @@ Three forms of the same layer with the same weights and tokens: ``loop`` (the ex
 counts copied to the host: megakit's path before issue 54), ``grouped`` (``torch._grouped_mm`` over device offsets,
 no host sync: today's eager path) and ``compiled`` (that layer through ``torch.compile``, Inductor by default). Per
 form: the median forward + backward milliseconds over the timed rounds (CPU time on the CPU); for the compiled one
-also the first call's wall seconds (compiling), Dynamo's graph and break counts and the largest output gap to eager. Families: the
-routing and expert options of ``moe-tiny`` (softmax, shared expert with its gate), ``deepseek-v3-tiny`` (sigmoid,
-expert groups, the expert bias) and ``gpt-oss-tiny`` (router bias, expert biases, clamped SwiGLU), at a width given
-here.
+also the first call's wall seconds (compiling), Dynamo's graph and break counts and the largest output gap to the
+grouped form. Families: the routing and expert options of ``moe-tiny`` (softmax, shared expert with its gate),
+``deepseek-v3-tiny`` (sigmoid, expert groups, the expert bias) and ``gpt-oss-tiny`` (router bias, expert biases,
+clamped SwiGLU), at the widths given here.
 
     python scripts/bench_moe_block.py                    # CPU, fp32, hidden 256, ffn 512, 8 experts, 2048 tokens
     python scripts/bench_moe_block.py --backend aot_eager --tokens 256

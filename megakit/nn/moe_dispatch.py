@@ -15,8 +15,9 @@ each token ``k`` times (its gradient is a sum over ``k``), and every other step 
 - ``AllToAllDispatcher``: experts sharded over the EP group (rank ``r`` holds experts
   ``[r E/EP, (r+1) E/EP)``). The same sort, then one all-to-all of the per-expert counts and one
   all-to-all with variable splits of the rows (``_AllToAll``: forward the all-to-all, backward
-  the reverse one), whose sizes reach the host in one copy; the received rows, ordered by source rank, are regrouped by local expert.
-  A rank may send or receive no rows at all (Megatron #1877).
+  the reverse one), whose sizes reach the host in one copy; the received rows, ordered by source
+  rank, are regrouped by local expert. A rank may send or receive no rows at all (Megatron #1877).
+  Under ``--compile`` both exchanges stay eager, one graph break each.
 
 An all-gather dispatcher, or a DeepEP-class one, would be a third class with the same two methods.
 """
