@@ -97,10 +97,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mtp-weight", metavar="LAMBDA", type=finite_float, default=0.1,
                    help="the MTP losses' weight (default 0.1, Megatron's; DeepSeek-V3 used 0.3, then 0.1)")
     p.add_argument("--vpp", type=int, default=1,
-                   help="model chunks per pipeline stage (interleaved 1F1B); they need not divide the layers")
+                   help="model chunks per pipeline stage (interleaved 1F1B); they need not divide the layers, and "
+                        "PP x VPP may exceed them by 2 (an embedding-only first and a loss-only last virtual stage)")
     p.add_argument("--stage-layers", metavar="N,N,...", default=None,
                    help="layers per virtual stage, PP x VPP counts in pipeline order (chunk c of stage s is virtual "
-                        "stage c x PP + s), e.g. 3,2,2,3; the first and last may be 0 (embedding or head only); "
+                        "stage c x PP + s), e.g. 3,2,2,3, N*K for K stages of N, e.g. 0,1*94,0; the first and last "
+                        "may be 0 (embedding only, or final norm + head + loss only); "
                         "default: balanced by parameters, embedding and head counted")
     p.add_argument("--schedule", default=None, choices=["1f1b", "gpipe", "interleaved", "zb-h1"],
                    help="pipeline schedule (PP > 1); default 1f1b, or interleaved with --vpp > 1; zb-h1 splits each "

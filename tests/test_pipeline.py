@@ -160,6 +160,32 @@ def test_partition_balances_and_validates():
         partition_layers(config, 2, method="magic")
 
 
+def test_more_virtual_stages_than_blocks_give_the_embedding_and_the_loss_stages_of_their_own():
+    """Megatron's layouts ("E|t|...|t|L"): up to two virtual stages more than blocks, the balanced split leaves the
+    first only the embedding and the last only the final norm, head and loss (one of them with one stage more, the
+    costlier alone); beyond that, one line. ``N*K`` writes K stages of N blocks in --stage-layers."""
+    from megakit.core.partition import parse_stage_layers
+
+    config = ModelConfig.load("gpt-tiny")  # 4 blocks; the embedding (token + positions) outweighs the tied head
+    assert [len(r) for r in partition_layers(config, 2, 3)] == [0, 1, 1, 1, 1, 0]
+    assert [len(r) for r in partition_layers(config, 5)] == [0, 1, 1, 1, 1]
+    assert [len(r) for r in partition_layers(config, 5, method="flops")] == [1, 1, 1, 1, 0]  # the lookup is free
+    qwen = ModelConfig.load("qwen3-235b-a22b")  # 94 blocks on PP 32 x VPP 3
+    assert [len(r) for r in partition_layers(qwen, 32, 3)] == [0] + [1] * 94 + [0]
+    with pytest.raises(UsageError, match=r"^4 layers cannot fill --pp 7 x --vpp 1 = 7 virtual stages, even with an "
+                                         r"embedding-only first and a loss-only last one; .* at most 6 virtual"):
+        partition_layers(config, 7)
+    assert parse_stage_layers("0,1*94,0") == (0,) + (1,) * 94 + (0,)
+    assert parse_stage_layers("3,2*2,3") == (3, 2, 2, 3) and parse_stage_layers(None) is None
+    for bad in ("1*0", "2;2", "1*x", "*3", "1*-2"):
+        with pytest.raises(UsageError, match="is not a list of layer counts; .* N\\*K for K stages of N"):
+            parse_stage_layers(bad)
+    with pytest.raises(UsageError, match="sums to 96 layers but the model has 94"):
+        partition_layers(qwen, 32, 3, method=parse_stage_layers("1*96"))
+    with pytest.raises(UsageError, match="below 1 in the middle"):
+        partition_layers(qwen, 32, 3, method=parse_stage_layers("1,0,1*93,1"))
+
+
 def _deepspeed_worker(rank, world_size):
     """PP = 2 x DP = 2 with one DeepSpeed engine (ZeRO-1) per stage, driven through the pluggable hooks."""
     import deepspeed

@@ -49,7 +49,7 @@ def case(row) -> tuple[ModelSpec, Cluster, Plan]:
     plan = Plan(tp=row["tp"], pp=row["pp"], dp=dp, cp=row["cp"], vpp=row["vpp"], ep=row["ep"], zero_stage=q["zero"],
                 micro_batch=row["micro_batch"], accumulation=row["global_batch"] // (dp * row["micro_batch"]),
                 recompute=q["recompute"], sequence_parallel=row["tp"] > 1, fused_kernels=q["fused_kernels"],
-                moe_imbalance=ROUTING[q["routing"]], dispatcher=q.get("dispatcher", "alltoall"),
+                moe_imbalance=ROUTING[q["routing"]], dispatcher=q.get("dispatcher", "alltoall"), fp8=q.get("fp8", "none"),
                 **RUNTIMES[q["runtime"]])
     return model, cluster, plan
 
@@ -71,13 +71,15 @@ def errors(rows=ROWS) -> dict:
 
 def listed() -> dict:
     """The ``listed`` measurements: a calibrated row's layout run with a lever the planner does not price (Megatron's
-    1F1B A2A overlap, natural routing of many small experts), each against that row's plan: printed, not bounded."""
+    1F1B A2A overlap, natural routing of many small experts) or at another layout it misprices, each against that
+    row's plan: printed, not bounded."""
     by_id = {row["id"]: row for row in ROWS}
     out = {}
     for item in DATA["listed"]:
         row = by_id[item["as"]]
         if "routing" in item:
             row = {**row, "planner": {**row["planner"], "routing": item["routing"]}}
+        row = {**row, **item.get("layout", {})}  # the same model at another layout
         model, cluster, plan = case(row)
         out[item["id"]] = (estimate_cost(model, cluster, plan).tokens_per_s / plan.world, item["tokens_per_s_per_gpu"])
     return out

@@ -5,7 +5,7 @@ pinned through the CLI as its "planner" block says, and FlashAttention-2's own f
 ``compute.attention_time`` prices.
 
 Measured with one set of constants (``pytest -s`` prints the table): EasyContext 64K data parallel +8.1 %, 512K and 700K
-ring +6.5 % and +6.4 %; torchtitan 32K (FSDP 8) +9.0 %, 64K (FSDP 4, CP 2) +7.5 %. Outside 15 %, reported and not fitted:
+ring +6.2 % and +6.1 %; torchtitan 32K (FSDP 8) +10.0 %, 64K (FSDP 4, CP 2) +7.3 %. Outside 15 %, reported and not fitted:
 EasyContext's 64K and 128K ring rows (+29 %, +65 %), which sit off the line their own table's other rows draw, and
 torchtitan's CP 4 and CP 8 rows (+49 %, +59 %), whose attention would have to run at half FlashAttention-2's H100 rate."""
 

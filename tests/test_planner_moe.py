@@ -17,7 +17,7 @@ from megakit.core.planner.model_spec import ModelSpec
 from megakit.core.planner.pins import Pins
 from megakit.core.planner.plan import ROUTING, Plan
 from megakit.core.planner.search import OVERHEAD_BYTES, search
-from megakit.core.planner.sharding import LINK_EFFICIENCY, all_to_all_time
+from megakit.core.planner.sharding import A2A_LINK_EFFICIENCY, all_to_all_time
 from megakit.interop.hf import exact_param_count
 
 H100 = gpu_preset("h100-80gb")
@@ -126,10 +126,43 @@ def test_all_to_all_runs_on_nvlink_inside_a_node_and_pays_the_network_beyond():
     cluster = Cluster(gpu=H100, num_gpus=64)
     one_gb = 1e9
     inside = all_to_all_time(cluster, one_gb, 8, 1)
-    assert inside == pytest.approx(one_gb * 7 / 8 / (450e9 * LINK_EFFICIENCY["intra"]))
+    assert inside == pytest.approx(one_gb * 7 / 8 / (450e9 * A2A_LINK_EFFICIENCY["intra"]))
     spans = all_to_all_time(cluster, one_gb, 8, 2)  # EP 8 strided by TP 2: four peers in the node, four outside
-    assert spans == pytest.approx(one_gb * 4 / 8 / (50e9 * LINK_EFFICIENCY["inter"]))
+    assert spans == pytest.approx(one_gb * 4 / 8 / (50e9 * A2A_LINK_EFFICIENCY["inter"]))
     assert spans > 5 * inside and all_to_all_time(cluster, one_gb, 1, 1) == 0.0
+
+
+def test_all_to_all_across_nodes_runs_at_the_rdma_rate_deepep_measured():
+    """Qwen3-235B's dispatch at EP 32 over 4 nodes (TP 1 here): what leaves the node goes at 45 GB/s of each GPU's
+    50 GB/s NIC, inside DeepEP's measured 43-58 GB/s (H800 + CX7 400 Gb/s), not at the 31.5 GB/s a ring all-reduce
+    reaches across nodes (``LINK_EFFICIENCY``), which priced cross-node expert parallelism up to 45 % slow."""
+    cluster = Cluster(gpu=H100, num_gpus=256)
+    one_gb = 1e9
+    crossing = one_gb * 24 / 32  # the 24 of 32 peers outside this GPU's node
+    rate = crossing / all_to_all_time(cluster, one_gb, 32, 1) / 1e9
+    assert 43 <= rate <= 50
+    model = ModelSpec.from_config("qwen3-235b-a22b").with_overrides(seq_len=4096)
+    plan = Plan(tp=2, pp=8, dp=16, vpp=4, ep=32, zero_stage=1, micro_batch=1, accumulation=128,
+                sequence_parallel=True, dispatcher="deepep")
+    cost = estimate_cost(model, cluster, plan)
+    assert cost.a2a_s < 0.3 * cost.step_time_s
+
+
+def test_fp8_runs_the_experts_grouped_gemms_on_fp8_tensor_cores():
+    """An MoE's linears are mostly its experts: with --fp8 their grouped GEMMs run in FP8 as the attention's do
+    (Megatron's and torchao's recipes quantize them), so Qwen3-235B's expert time falls on an H100, under torchao's
+    compiled casts and more under Transformer Engine's; without FP8 tensor cores (A100) nothing changes."""
+    from megakit.core.planner.compute import expert_gemm_time
+
+    model = ModelSpec.from_config("qwen3-235b-a22b").with_overrides(seq_len=4096)
+    for runtime, gain in (({}, 0.95), ({"megatron": True}, 0.7)):
+        base = Plan(tp=2, pp=8, dp=16, ep=32, micro_batch=1, accumulation=128, fused_kernels=True, **runtime)
+        bf16, fp8 = (expert_gemm_time(model, H100, dataclasses.replace(base, fp8=r), tokens=4096, peak=989e12)
+                     for r in ("none", "tensorwise"))
+        assert fp8 < gain * bf16, (runtime, fp8 / bf16)
+    a100 = gpu_preset("a100-80gb")
+    assert expert_gemm_time(model, a100, dataclasses.replace(base, fp8="tensorwise"), tokens=4096, peak=312e12) == \
+        expert_gemm_time(model, a100, base, tokens=4096, peak=312e12)
 
 
 def test_four_all_to_alls_per_moe_layer_and_micro_batch_six_when_recomputed():
@@ -265,3 +298,22 @@ def test_bad_ep_is_one_line_and_exit_2(argv, needle, tmp_path, capsys):
     code, _, err = plan_cli(capsys, *argv, "--emit-config", str(target))
     assert code == 2 and err.startswith("megakit plan: error: ") and err.count("\n") == 1 and needle in err, err
     assert not target.exists()
+
+
+def test_plan_prices_transformer_engines_block_scaled_fp8_under_megatron_and_refuses_it_elsewhere(plan_json, capsys):
+    """``--fp8 blockwise`` (DeepSeek-V3's scales, Megatron's FP8-SC) prices Qwen3-30B-A3B's published EP 16 layout faster
+    than BF16 under --runtime megatron-core, and its launch command asks train.py for no FP8 it cannot run. Under
+    megakit's runtime, and ``mxfp8`` on a Hopper GPU, are one line each, exit 2."""
+    argv = ["--model", PRESETS / "qwen3-30b-a3b.json", "--gpu", "h100-80gb", "--gpus", 16, "--seq-len", 4096, "--tp", 1,
+            "--pp", 1, "--ep", 16, "--zero", 1, "--micro-batch", 1, "--global-batch", 1024, "--recompute", "none"]
+    bf16 = plan_json(*argv, "--runtime", "megatron-core")
+    fp8 = plan_json(*argv, "--runtime", "megatron-core", "--fp8", "blockwise")
+    assert fp8["tokens_per_s"] > 1.1 * bf16["tokens_per_s"] and fp8["fp8"] == "blockwise"
+    flags = emit.train_flags(Plan(ep=16, dp=16, fp8="blockwise", megatron=True), config_path="c.json", model_arg="m",
+                             seq_len=4096)
+    assert "--fp8" not in flags
+    for extra, needle in ((["--fp8", "blockwise"], "add --runtime megatron-core"),
+                          (["--fp8", "mxfp8", "--runtime", "megatron-core"], "Blackwell has them")):
+        assert cli.main(["plan", *map(str, argv + extra)]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err

@@ -13,6 +13,7 @@ from megakit.core.planner.stages import (
     stage_chunk_layers,
 )
 from megakit.core.schedules import Forward, interleaved_compute
+from megakit.errors import UsageError
 
 
 def _schedule_peaks(pp, m, vpp, stage):
@@ -116,6 +117,38 @@ def test_a_pinned_split_with_empty_end_chunks_is_priced_by_its_schedule():
     assert ends.best.cost.tokens_per_s < plain.best.cost.tokens_per_s < balanced.best.cost.tokens_per_s
 
 
+def test_qwen3_235b_plans_pp32_x_vpp3_with_an_embedding_and_a_loss_stage_of_their_own():
+    """94 blocks on PP 32 x VPP 3 = 96 virtual stages (Megatron's layout with the embedding and the loss in virtual
+    stages of their own) plans as balanced 0, 1 x 94, 0, priced like that split pinned: the chunk times through the
+    simulator; the first rank's memory has the embedding's weights and states in place of a block's, the last rank's
+    the head's and the logits, held while a micro-batch is in its loss-only chunk."""
+    import dataclasses
+
+    from megakit.core.planner.hardware import Cluster, gpu_preset
+    from megakit.core.planner.search import Pins, search
+
+    model = ModelSpec.from_config("qwen3-235b-a22b").with_overrides(seq_len=4096)
+    cluster = Cluster(gpu=gpu_preset("h100-80gb"), num_gpus=256, gpus_per_node=8)
+    pins = Pins(tp=2, pp=32, vpp=3, ep=8, zero=1, micro_batch=1, recompute="full", sequence_parallel=True)
+    auto = search(model, cluster, global_batch=512, pins=pins)
+    pinned = search(model, cluster, global_batch=512,
+                    pins=dataclasses.replace(pins, stage_layers=(0,) + (1,) * 94 + (0,)))
+    assert auto.fits == "yes" and auto.best.plan.vpp == 3
+    assert stage_chunk_layers(model, 32, 3)[0] == (0, 1, 1) and stage_chunk_layers(model, 32, 3)[-1] == (1, 1, 0)
+    assert auto.best.cost.step_time_s == pytest.approx(pinned.best.cost.step_time_s, rel=1e-9)
+    assert auto.best.cost.bubble_s == pytest.approx(pinned.best.cost.bubble_s, rel=1e-9)
+    kwargs = auto.best.plan.memory_kwargs()
+    first, middle, last = (estimate_memory(model, stage=s, **kwargs) for s in (0, 1, 31))
+    block = sum(model.layer_params(2, moe=True))
+    assert (first.layers, middle.layers, last.layers) == (2, 3, 2)
+    assert first.params_local == middle.params_local - block + model.embedding_params(2)
+    assert last.params_local == middle.params_local - block + model.head_params(2, separate=True)
+    assert last.items["logits"] > last.items["activations"] > 0 and first.items["logits"] == 0
+    with pytest.raises(UsageError, match=re.escape("--pp 32 x --vpp 4 = 128 virtual stages exceed the 94 layers plus "
+                                                   "an embedding-only and a loss-only stage")):
+        search(model, cluster, global_batch=512, pins=dataclasses.replace(pins, vpp=4))
+
+
 @pytest.mark.parametrize("chunks, pp, vpp", [((0, 3, 3, 0), 2, 2), ((3, 4, 4, 4, 4, 4, 4, 3), 4, 2),
                                              ((1, 2, 3, 4, 4, 3, 2, 1, 5, 1, 1, 1), 4, 3),
                                              ((0,) + (4,) * 6 + (7, 7) + (4,) * 6 + (0,), 8, 2)])
@@ -142,7 +175,6 @@ def test_the_interleaved_step_extrapolates_what_the_simulator_runs(chunks, pp, v
     (dict(pp=None, stage_layers=(63, 63)), "needs the layout: pin --pp"),
 ])
 def test_bad_stage_layer_pins_are_one_line(pins, message):
-    from megakit.errors import UsageError
 
     with pytest.raises(UsageError, match=re.escape(message)):
         _llama_405b_search(**pins)

@@ -228,7 +228,8 @@ def test_context_parallel_flags_are_checked_before_any_process_group():
 
 @pytest.mark.parametrize("flags, world, message", [
     (["--model", "llama-tiny", "--tp", "8"], 8, "TP 8 does not divide KV heads 4; choose a TP that divides"),
-    (["--model", "gpt-tiny", "--pp", "8"], 8, "4 layers cannot fill 8 pipeline (virtual) stages"),
+    (["--model", "gpt-tiny", "--pp", "8"], 8, "4 layers cannot fill --pp 8 x --vpp 1 = 8 virtual stages, even with an "
+     "embedding-only first and a loss-only last one; lower --pp/--vpp to at most 6 virtual stages in all"),
     (["--model", "gpt-tiny", "--pp", "2", "--vpp", "2", "--ds_config", "ACCUMULATION_3"], 2,
      "but the ds_config's gradient_accumulation_steps is 3; set it to a multiple of 2 (e.g. 4)"),
     (["--model", "gpt-tiny", "--pp", "2", "--stage-layers", "1,1,2"], 2,
@@ -238,6 +239,8 @@ def test_context_parallel_flags_are_checked_before_any_process_group():
     (["--model", "gpt-tiny", "--pp", "2", "--vpp", "2", "--stage-layers", "2,0,1,1"], 2,
      "--stage-layers 2,0,1,1 has an entry below 1 in the middle"),
     (["--model", "gpt-tiny", "--pp", "2", "--stage-layers", "2;2"], 2, "--stage-layers '2;2' is not a list of layer"),
+    (["--model", "gpt-tiny", "--pp", "2", "--vpp", "3", "--stage-layers", "0,1*5"], 2,
+     "--stage-layers 0,1,1,1,1,1 sums to 5 layers but the model has 4"),
 ])
 def test_layout_refusals_come_once_before_any_process_group(flags, world, message, capsys, monkeypatch, tmp_path):
     """What the model or the schedule refuses at this layout is said by rank 0 alone, in one line with status 2,

@@ -33,7 +33,7 @@ from megakit.core.planner.hardware import (
 from megakit.core.planner.memory import GIB
 from megakit.core.planner.model_spec import ModelSpec, parse_count, preset_names
 from megakit.core.planner.pins import hybrid_degree
-from megakit.core.planner.plan import FP8_RECIPES, ROUTING, RUNTIMES, Plan
+from megakit.core.planner.plan import FP8_RECIPES, FP8_TE_RECIPES, ROUTING, RUNTIMES, Plan
 from megakit.core.planner.search import NoPlan, Pins, search, smallest_cluster
 from megakit.core.planner.sharding import LINK_EFFICIENCY
 from megakit.core.planner.stages import virtual_stage_ranges
@@ -80,8 +80,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--kernels", choices=("eager", "compiled"), default="compiled",
                        help="elementwise work priced fused (compiled: train.py's default on a GPU, torch.compile of "
                             "each block, as Megatron's fused kernels) or one kernel per op (eager: --no-compile)")
-    train.add_argument("--fp8", choices=FP8_RECIPES, default="none",
-                       help="the blocks' linears on FP8 tensor cores (torchao float8, as train.py --fp8); Hopper, "
+    train.add_argument("--fp8", choices=FP8_RECIPES + FP8_TE_RECIPES, default="none",
+                       help="the blocks' linears on FP8 tensor cores (torchao float8, as train.py --fp8; with --runtime "
+                            "megatron|megatron-core, Transformer Engine's recipes, blockwise and mxfp8 too); Hopper, "
                             "Ada, Blackwell and MI300 have them, A100 and V100 do not")
     train.add_argument("--runtime", choices=tuple(RUNTIMES), default="megakit",
                        help="whose trainer runs the plan: megakit (default; DeepSpeed), megatron (Megatron-LM: SP "
@@ -121,11 +122,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pins.add_argument("--micro-batch", type=int)
     pins.add_argument("--recompute", choices=("none", "selective", "full"))
     pins.add_argument("--vpp", type=int, help="virtual stages (interleaved chunks) per pipeline stage; they need not "
-                                              "divide the layers")
+                                              "divide the layers, and PP x VPP may exceed them by 2 (an embedding-only "
+                                              "first and a loss-only last virtual stage)")
     pins.add_argument("--stage-layers", metavar="N,N,...",
-                      help="layers per virtual stage, e.g. 3,4,4,3 (chunk c of stage s is virtual stage c x PP + s; "
-                           "needs --pp; the first and last may be 0: embedding or head only); default: balanced by "
-                           "parameters, embedding and head counted")
+                      help="layers per virtual stage, e.g. 3,4,4,3, N*K for K stages of N, e.g. 0,1*94,0 (chunk c of "
+                           "stage s is virtual stage c x PP + s; needs --pp; the first and last may be 0: embedding "
+                           "only, or final norm + head + loss only); default: balanced by parameters, embedding and "
+                           "head counted")
     pins.add_argument("--schedule", choices=("1f1b", "zb-h1"),
                       help="pipeline schedule: zb-h1 (zero bubble, Qi et al. 2023) trades memory for bubble")
     out = parser.add_argument_group("output")
@@ -371,6 +374,12 @@ def _check_fp8(args, gpu: GPU, precision: str) -> None:
                          "and MI300 have them); drop --fp8 or plan for e.g. --gpu h100-80gb")
     if precision != "bf16":
         raise UsageError(f"--fp8 {args.fp8} casts from bf16, not --precision {precision}; use --precision bf16")
+    if args.fp8 in FP8_TE_RECIPES and not RUNTIMES[args.runtime].get("megatron"):
+        raise UsageError(f"--fp8 {args.fp8} is Transformer Engine's recipe, which Megatron runs: add --runtime "
+                         f"megatron-core, or use --fp8 tensorwise|rowwise (torchao, megakit's trainer)")
+    if args.fp8 == "mxfp8" and not gpu.mx_scaling:
+        raise UsageError(f"--fp8 mxfp8 needs tensor cores that apply MX block scales, which {gpu.name} lacks "
+                         "(Blackwell has them); use --fp8 blockwise on Hopper, or plan for --gpu b200-180gb")
 
 
 def _write_outputs(args, plan: Plan, cluster: Cluster, model: ModelSpec, model_file, config_path, launch, kind,

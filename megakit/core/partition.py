@@ -6,11 +6,14 @@ not divide evenly: like Megatron's ``--decoder-first/last-pipeline-num-layers``,
 may hold fewer blocks, and a user may pin the whole split (``--stage-layers 3,2,2,3``).
 The first virtual stage also holds the token (and position) embedding and the last
 one the final norm and LM head, so their cost counts there: with a large vocabulary
-the end stages get fewer blocks. Costs are parameters (memory balance, DeepSpeed's
-``partition_method="parameters"``) or forward FLOPs per token (time balance, where
-the LM head's 2·V·h matters and the embedding lookup costs nothing). The split that
-minimises the most expensive stage is found exactly by dynamic programming, and
-among those the most even one (least sum of squared stage costs).
+the end stages get fewer blocks. Where the virtual stages outnumber the blocks (by one
+or two) an end holds none: only the embedding, or only the final norm, head and loss, as
+Megatron's pipeline layouts place them (``"E|(t|)*94,L"``; its ``account_for_embedding_in_pipeline_split``
+and ``account_for_loss_in_pipeline_split``): 94 blocks fill PP 32 x VPP 3 = 96 virtual stages.
+Costs are parameters (memory balance, DeepSpeed's ``partition_method="parameters"``) or
+forward FLOPs per token (time balance, where the LM head's 2·V·h matters and the embedding
+lookup costs nothing). The split that minimises the most expensive stage is found exactly by
+dynamic programming, and among those the most even one (least sum of squared stage costs).
 """
 
 from __future__ import annotations
@@ -55,14 +58,23 @@ def _mtp_cost(config, method: str, depth: int, seq_len: int | None) -> float:
 
 
 def parse_stage_layers(text: str | None) -> tuple[int, ...] | None:
-    """``"3,2,2,3"`` -> ``(3, 2, 2, 3)`` (None stays None): what ``--stage-layers`` gives."""
+    """``"3,2,2,3"`` -> ``(3, 2, 2, 3)``, ``"0,1*94,0"`` -> ``(0, 1, ..., 1, 0)`` (``N*K``: K stages of N blocks;
+    None stays None): what ``--stage-layers`` gives."""
     if text is None:
         return None
+    counts = []
     try:
-        return tuple(int(part) for part in str(text).split(","))
+        for part in str(text).split(","):
+            count, _, repeat = part.partition("*")
+            times = int(repeat) if repeat else 1
+            if times < 1:
+                raise ValueError(part)
+            counts += [int(count)] * times
     except ValueError:
         raise UsageError(f"--stage-layers {text!r} is not a list of layer counts; write one integer per virtual "
-                         "stage, comma-separated, e.g. --stage-layers 3,2,2,3") from None
+                         "stage, comma-separated, N*K for K stages of N, e.g. --stage-layers 3,2,2,3 or 0,1*94,0"
+                         ) from None
+    return tuple(counts)
 
 
 def check_stage_layers(counts, *, layers: int, pp: int, vpp: int = 1) -> tuple[int, ...]:
@@ -86,8 +98,16 @@ def check_stage_layers(counts, *, layers: int, pp: int, vpp: int = 1) -> tuple[i
     return counts
 
 
+def max_virtual_stages(layers: int) -> int:
+    """The most virtual stages ``layers`` blocks fill: one each, plus an embedding-only first and a loss-only last."""
+    return layers + 2
+
+
 def _balanced_counts(block: list[float], embedding: float, head: float, stages: int) -> list[int]:
     n = len(block)
+    # blocks each virtual stage needs at least: one, but the ends none where the stages outnumber the blocks
+    least = [0 if n < stages and k in (0, stages - 1) else 1 for k in range(stages)]
+    lo = [sum(least[:k]) for k in range(stages + 1)]  # the fewest blocks the first k stages hold
     prefix = [0.0]
     for w in block:
         prefix.append(prefix[-1] + w)
@@ -104,11 +124,11 @@ def _balanced_counts(block: list[float], embedding: float, head: float, stages: 
         best[0][0] = 0.0
         for k in range(1, stages + 1):
             extra = (embedding if k == 1 else 0.0) + (head if k == stages else 0.0)
-            for j in range(k, n - (stages - k) + 1):
-                start = max(k - 1, bisect.bisect_left(prefix, prefix[j] + extra - limit, 0, j))
-                while start > k - 1 and cost(k - 1, start - 1, j) <= limit:  # bisect's float slack
+            for j in range(lo[k], n - (lo[stages] - lo[k]) + 1):
+                start = max(lo[k - 1], bisect.bisect_left(prefix, prefix[j] + extra - limit, 0, j))
+                while start > lo[k - 1] and cost(k - 1, start - 1, j) <= limit:  # bisect's float slack
                     start -= 1
-                for i in range(start, j):
+                for i in range(start, j - least[k - 1] + 1):
                     c = cost(k - 1, i, j)
                     if best[k - 1][i] is None or c > limit:
                         continue
@@ -122,6 +142,8 @@ def _balanced_counts(block: list[float], embedding: float, head: float, stages: 
     even = [n // stages + (1 if k < n % stages else 0) for k in range(stages)]
     edges = [sum(even[:k]) for k in range(stages + 1)]
     upper = max(cost(k, edges[k], edges[k + 1]) for k in range(stages)) * (1 + 1e-6) + 1e-12
+    if n < stages:  # that split has empty stages in the middle: no bound (one or a few splits exist)
+        upper = float("inf")
     # the smallest possible slowest stage; then, among splits that reach it, the most even one
     bound, _ = solve(max, upper)
     _, cut = solve(lambda total, c: total + c * c, bound * (1 + 1e-9))
@@ -139,14 +161,16 @@ def partition_layers(config, pp: int, vpp: int = 1, method="params", *, seq_len:
 
     ``method`` is "params", "flops", or a list of layer counts per virtual stage (``check_stage_layers``).
     Virtual stage ``c * pp + r`` is chunk ``c`` of PP rank ``r``. ``mtp``: the MTP modules trained, which weigh
-    on the last virtual stage (``layer_costs``), so it gets fewer blocks.
+    on the last virtual stage (``layer_costs``), so it gets fewer blocks. Up to two more virtual stages than
+    layers: the balanced split leaves the ends without a block (embedding only, loss only) as its costs say.
     """
     stages = pp * vpp
     if not isinstance(pp, int) or not isinstance(vpp, int) or pp < 1 or vpp < 1:
         raise UsageError(f"--pp and --vpp must be positive integers, got {pp!r} and {vpp!r}")
-    if config.layers < stages and isinstance(method, str):  # a pinned split may leave both ends without a layer
-        raise UsageError(f"{config.layers} layers cannot fill {stages} pipeline (virtual) stages; "
-                         f"lower --pp/--vpp to at most {config.layers} stages in all")
+    if stages > max_virtual_stages(config.layers) and isinstance(method, str):  # a pinned split: check_stage_layers
+        raise UsageError(f"{config.layers} layers cannot fill --pp {pp} x --vpp {vpp} = {stages} virtual stages, even "
+                         "with an embedding-only first and a loss-only last one; lower --pp/--vpp to at most "
+                         f"{max_virtual_stages(config.layers)} virtual stages in all")
     if isinstance(method, str):
         block, embedding, head = layer_costs(config, method, seq_len=seq_len, mtp=mtp)
         counts = _balanced_counts(block, embedding, head, stages)

@@ -260,11 +260,15 @@ def _pairs(q_chunks, k_chunks, half: int, window: int, documents, pos_q, pos_k, 
             allowed = allowed[None, None]  # (1, 1, half, half)
             if documents is not None:
                 allowed = allowed & same_document(documents[:, pos_q[qs]], documents[:, pos_k[ks]])
-            if not allowed.any():
+                some, every = bool(allowed.any()), not bool((~allowed.any(-1)).any())
+            else:  # a window over two whole chunks: the rows that see a key follow from the gaps, with no wait
+                first, last = max(0, (c - a) * half), min(half - 1, half - 2 + window - (a - c) * half)
+                some, every = first <= last, (first, last) == (0, half - 1)
+            if not some:
                 continue
-            none = ~allowed.any(-1)  # (B|1, 1, half): rows the kernel gives lse 0 for, not -inf
+            none = None if every else ~allowed.any(-1)  # (B|1, 1, half): rows the kernel gives lse 0 for, not -inf
             mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-            out.append((qs, ks, False, mask, none if none.any() else None))
+            out.append((qs, ks, False, mask, none))
     return out
 
 

@@ -270,8 +270,8 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _record(self, experts, keep, losses, bias, plan, row_bytes: int) -> None:
-        flat = experts.reshape(-1)  # a scatter-add, not bincount (whose length is data): one graph under --compile
-        counts = torch.zeros(self.config.experts, dtype=torch.int64, device=flat.device).scatter_add(
+        flat = experts.reshape(-1)  # bincount would wait for the device (its length depends on the values)
+        counts = torch.zeros(self.config.experts, dtype=torch.int64, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
         moved = getattr(plan, "moved", None)  # rows to and from other EP ranks in dispatch; combine moves as many
         a2a = torch.zeros((), dtype=torch.int64) if moved is None else 2 * row_bytes * moved

@@ -69,8 +69,18 @@ LAUNCH_S = 2e-4  # host time per block and micro-batch (forward + backward): ~50
 # torchao's H100 microbenchmark of a compiled linear (float8/README.md @0cf1281: 0.80x at M,K,N = 1024,2048,1024,
 # 1.39x at 4096,8192,16384; these give 0.83x and 1.35x); rowwise (a scale per row, CUTLASS's slower GEMM,
 # the transposes re-scaled) from torchao's Llama-3-8B table (+10 %; tests/data/fp8-runs.json).
-FP8_GEMM = {"tensorwise": 1.0, "rowwise": 0.9}
-FP8_CAST_BYTES = {"tensorwise": 21.0, "rowwise": 21.0}
+# Megatron-Core's recipes (Transformer Engine, ``Plan.megatron``): "tensorwise" is its current scaling (FP8-CS),
+# "blockwise" DeepSeek-V3's 1 x 128 activation and 128 x 128 weight scales (Hopper: a scale per K-block, promoted
+# to FP32 in the main loop, as rowwise's per-row scale costs), "mxfp8" Blackwell's 1 x 32 scales, which its tensor
+# cores apply in hardware (the tensorwise rate).
+FP8_GEMM = {"tensorwise": 1.0, "rowwise": 0.9, "blockwise": 0.9, "mxfp8": 1.0}
+FP8_CAST_BYTES = {"tensorwise": 21.0, "rowwise": 21.0, "blockwise": 21.0, "mxfp8": 21.0}
+# Transformer Engine casts in fused kernels (the norm's output, cast-transpose, the scale's amax in the same pass):
+# read bf16 once for the amax and once to cast (2 + 2), write the FP8 copy and its transpose (1 + 1). And it keeps a
+# weight's FP8 copy (and its transpose) for every micro-batch of a step (``is_first_microbatch``; with
+# --fp8-param-gather the weights are gathered in FP8), so a weight is cast once per optimizer step, not per
+# micro-batch as torchao's Float8Linear does.
+FP8_CAST_BYTES_TE = 6.0
 LAUNCH_FUSED = 0.4  # compiled blocks launch fewer, larger kernels (the GEMMs and attention stay; ~20 of ~50)
 FP8_CAST_EAGER = 3.0  # amax, scale and cast as separate kernels without torch.compile
 
@@ -104,8 +114,12 @@ def linear_time(gpu: GPU, plan: Plan, m: float, k: float, n: float, *, peak: flo
     dense = gemm_time(gpu, m, k, n, peak=peak, nbytes=nbytes)
     if plan.fp8 == "none" or not gpu.fp8_tflops:
         return dense
-    cast = FP8_CAST_BYTES[plan.fp8] * (m * k + k * n + m * n) / (gpu.hbm_gbps * 1e9)
-    cast *= 1 if plan.fused_kernels else FP8_CAST_EAGER
+    if plan.megatron:  # Transformer Engine: fused casts, the weight's cast once a step
+        cast = FP8_CAST_BYTES_TE * (m * k + k * n / plan.accumulation + m * n) / (gpu.hbm_gbps * 1e9)
+    else:  # torchao: under FSDP2 a tensorwise weight is cast on its shard, then gathered in FP8
+        weight = k * n / (plan.shard_group if plan.zero_stage == 3 and plan.fp8 == "tensorwise" else 1)
+        cast = FP8_CAST_BYTES[plan.fp8] * (m * k + weight + m * n) / (gpu.hbm_gbps * 1e9)
+        cast *= 1 if plan.fused_kernels else FP8_CAST_EAGER
     fp8 = gemm_time(gpu, m, k, n, peak=gpu.fp8_tflops * 1e12, nbytes=1) / FP8_GEMM[plan.fp8] + cast / 3
     return min(dense, fp8)
 
@@ -130,13 +144,14 @@ def _linears(model: ModelSpec, tp: int, moe: bool = False, *,
 def expert_gemm_time(model: ModelSpec, gpu: GPU, plan: Plan, *, tokens: float, peak: float) -> float:
     """Forward seconds of an MoE block's router and routed experts on one rank: ``tokens`` (this
     rank's, before the TP split) routed, and the grouped GEMMs (fc1: H -> 2F, fc2: F -> H) of the
-    E / EP local experts, each over its share of the top-k copies the rank receives."""
+    E / EP local experts, each over its share of the top-k copies the rank receives, in FP8 with ``plan.fp8``
+    (the experts are most of an MoE's linears: Megatron's and torchao's FP8 recipes quantize the grouped GEMMs)."""
     m, nbytes = model.moe, PRECISIONS[plan.precision]
     local = tokens / plan.tp  # each TP rank routes its 1/TP of the tokens (sequence-parallel split)
     router = gemm_time(gpu, local, model.hidden, m.experts, peak=peak, nbytes=nbytes)
     per_expert = local * m.top_k * routed_imbalance(model, plan.moe_imbalance, plan.ep) * plan.ep / m.experts
-    one = (gemm_time(gpu, per_expert, model.hidden, 2 * m.ffn, peak=peak, nbytes=nbytes)
-           + gemm_time(gpu, per_expert, m.ffn, model.hidden, peak=peak, nbytes=nbytes))
+    one = (linear_time(gpu, plan, per_expert, model.hidden, 2 * m.ffn, peak=peak)  # FP8 too, as the other linears
+           + linear_time(gpu, plan, per_expert, m.ffn, model.hidden, peak=peak))
     return router + one * m.experts / plan.ep
 
 

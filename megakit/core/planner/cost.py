@@ -7,8 +7,9 @@ reduce-scatter) on the intra-node link: 2 forward, 2 backward, 2 more when the b
 not overlapped. The 1F1B pipeline then runs ``m`` micro-batches through ``p`` stages:
 ``m·T_slowest + (ΣT − T_slowest)/v`` plus P2P sends (exact when the last stage is the slowest, a
 slight upper bound when the trainer's split leaves a middle stage slowest). That form assumes each of
-a stage's ``v`` chunks is 1/v of its work; a pinned ``--stage-layers`` split is instead timed chunk by
-chunk, its schedule run in ``core.simulator`` (``stages.interleaved_step_time``). Data parallelism adds
+a stage's ``v`` chunks is 1/v of its work; a pinned ``--stage-layers`` split, or one whose ends hold no block
+(more virtual stages than blocks), is instead timed chunk by chunk, its schedule run in ``core.simulator``
+(``stages.interleaved_step_time``). Data parallelism adds
 the traffic that its compute does not hide (over DP x CP with context parallelism, whose ring passes
 each K/V block around the CP group beside the block's attention, exposed only where it outlasts it; a sliding
 block whose window fits in a chunk swaps K/V with its two neighbours only) (``sharding.dp_time``: DDP/ZeRO-1
@@ -192,7 +193,7 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     bubble_s = (sum(stage_s) + p * p2p_s - slowest) / v if p > 1 else 0.0
     if plan.zero_bubble:  # ZB-H1: the W's fill what 1F1B leaves idle, (p-1)(F+B-W) instead of (p-1)(F+B+W)
         bubble_s *= zero_bubble_bubble_share(weight_grad_share(model, s, plan))
-    if v > 1 and model.stage_layers is not None:  # a pinned split: its chunks may hold unequal work
+    if v > 1 and (model.stage_layers is not None or p * v > model.layers):  # unequal chunks: pinned, or empty ends
         timed = interleaved_step_time(tuple(chunk_s), pp=p, vpp=v, micro_batches=m,
                                       forward_share=block.forward / block.total, message_s=p2p_s / (2 * v))
         if timed is not None:

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from megakit.core.planner.memory import Buckets
-from megakit.core.planner.plan import Plan
+from megakit.core.planner.plan import FP8_RECIPES, Plan
 from megakit.errors import UsageError
 
 # (parameters, learning rate, batch in tokens): GPT-3 (Brown et al. 2020, Table 2.1)
@@ -163,7 +163,7 @@ def train_flags(plan: Plan, *, config_path: str, model_arg: str, seq_len: int, s
         parts += ["--compress", plan.compress]
     if not plan.fused_kernels:  # train.py compiles each block by default on a GPU (--kernels compiled)
         parts.append("--no-compile")
-    if plan.fp8 != "none":
+    if plan.fp8 in FP8_RECIPES[1:]:  # torchao's, which train.py runs (Transformer Engine's recipes it does not)
         parts += ["--fp8", plan.fp8]
     if mtp:  # the prediction modules the plan charged the last stage for (its split gives that stage fewer blocks)
         parts.append("--mtp")
@@ -191,7 +191,9 @@ def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: s
                      "yet")
     if plan.megatron or plan.zero3 != "deepspeed":
         notes.append("the plan is priced as " + ("Megatron-LM" if plan.megatron else plan.zero3) + " runs it "
-                     "(--runtime); megakit's trainer differs in memory and overlap")
+                     "(--runtime); megakit's trainer differs in memory and overlap"
+                     + (f", and runs no {plan.fp8} FP8 (torchao's --fp8 tensorwise|rowwise only)"
+                        if plan.fp8 not in FP8_RECIPES else ""))
     return " ".join(parts), "; ".join(notes)
 
 

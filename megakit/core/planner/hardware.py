@@ -30,6 +30,7 @@ class GPU:
     attention_fraction: float = 0.50  # best FlashAttention-2 forward+backward / datasheet peak
     fp32_rate: float = 0.5  # fp32 matmul rate / peak: TF32 tensor cores run at half the 16-bit rate
     fp8_tflops: float = 0.0  # dense FP8 tensor-core TFLOP/s (datasheet); 0: no FP8 tensor cores (A100, V100)
+    mx_scaling: bool = False  # tensor cores that apply MX block scales (Blackwell: MXFP8); Hopper has none
 
 
 # matmul_fraction: the Maximum Achievable Matmul FLOPS (MAMF) of a bf16 GEMM over the datasheet peak, as
@@ -71,7 +72,7 @@ GPUS = {
             matmul_fraction=0.803, attention_fraction=0.34, fp8_tflops=1979),
         GPU(name="b200-180gb", peak_tflops=2250, mem_gib=178, hbm_gbps=8000, intra_gbps=900, inter_gbps=50,
             intra_link="NVLink 5 / NVSwitch", inter_link="400 Gb/s NDR InfiniBand per GPU",
-            matmul_fraction=0.80, attention_fraction=0.34, fp8_tflops=4500),
+            matmul_fraction=0.80, attention_fraction=0.34, fp8_tflops=4500, mx_scaling=True),
         GPU(name="mi300x-192gb", peak_tflops=1307, mem_gib=192, hbm_gbps=5300, intra_gbps=448, inter_gbps=50,
             intra_link="Infinity Fabric", inter_link="400 Gb/s RoCE per GPU",
             matmul_fraction=0.601, attention_fraction=0.35, fp8_tflops=2615),

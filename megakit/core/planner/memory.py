@@ -338,6 +338,19 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
             logits_bytes(model, transient=False, **head) - (recompute_fraction * norm if recompute == "full" else 0))
     else:
         items["logits"] = 0.0
+    if stage == pp - 1 and vpp > 1 and not chunk_layers[-1] and not zero_bubble:
+        # A loss-only last chunk (Megatron's "L" stage) holds the logits only while a micro-batch is in it, not when
+        # the chunks before it hold the most: the stage peaks at the larger of the two moments. The activations
+        # item stays at least the saved tensors' peak (what --verify-memory counts): the total may then exceed
+        # the loss's moment by up to its transient logits.
+        states = in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp)
+        blocks = {live: sum(n * w for n, (w, _, _) in zip(live, weights)) for live in states}
+        held = max(states, key=lambda live: blocks[live] + items["logits"] * (live[-1] > 0))
+        saved = items["logits"] - logits_bytes(model, **head) + logits_bytes(model, transient=False, **head)
+        items["activations"] = max(blocks[held], max(blocks.values()) - saved) if held[-1] else blocks[held]
+        items["moe_routing"] = sum(n * r for n, (_, r, _) in zip(held, weights))
+        items["logits"] *= held[-1] > 0
+        in_flight = sum(held) / vpp
 
     # ---- communication buffers --------------------------------------------------------
     if dp > 1 or zero_stage >= 1:

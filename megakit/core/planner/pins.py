@@ -7,7 +7,7 @@ import dataclasses
 
 from megakit.core.compression import parse_compression
 from megakit.core.layout import hybrid_degrees
-from megakit.core.partition import check_stage_layers
+from megakit.core.partition import check_stage_layers, max_virtual_stages
 from megakit.core.planner.hardware import Cluster
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.errors import UsageError
@@ -126,9 +126,11 @@ def check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int
     if pins.vpp is not None and pins.vpp > 1 and pins.pp == 1:
         raise UsageError(f"--vpp {pins.vpp} interleaves pipeline stages but --pp is 1; "
                          "pin --pp 2 or more, or drop --vpp")
-    if pins.vpp is not None and pins.pp and pins.pp * pins.vpp > model.layers and pins.stage_layers is None:
+    if (pins.vpp is not None and pins.pp and pins.pp * pins.vpp > max_virtual_stages(model.layers)
+            and pins.stage_layers is None):  # beyond one block each plus an embedding-only and a loss-only stage
         raise UsageError(f"--pp {pins.pp} x --vpp {pins.vpp} = {pins.pp * pins.vpp} virtual stages exceed the "
-                         f"{model.layers} layers; lower --vpp so that each virtual stage holds a layer")
+                         f"{model.layers} layers plus an embedding-only and a loss-only stage; lower --vpp to at most "
+                         f"{max_virtual_stages(model.layers)} virtual stages in all")
     if pins.stage_layers is not None:
         if pins.pp is None:
             raise UsageError("--stage-layers gives the layers of each virtual stage, so it needs the layout: pin --pp "

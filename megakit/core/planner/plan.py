@@ -15,6 +15,9 @@ import dataclasses
 # under-prices imbalance for many small experts and over-prices it for a few large ones. Default: real.
 ROUTING = {"balanced": 1.0, "real": 1.1}
 FP8_RECIPES = ("none", "tensorwise", "rowwise")  # torchao float8 scaling (train.py --fp8)
+# Transformer Engine's block-scaled recipes, priced for Megatron's runtimes only (megakit's trainer runs torchao's):
+# DeepSeek-V3's 1 x 128 / 128 x 128 scales (Hopper) and MXFP8's 1 x 32 (Blackwell's tensor cores apply them).
+FP8_TE_RECIPES = ("blockwise", "mxfp8")
 # Whose trainer runs the plan (megakit plan --runtime), as Plan fields: megakit's (DeepSpeed, the default),
 # Megatron-LM's, PyTorch FSDP's ZeRO-3, or DeepSpeed's ZeRO-3 of 2021 (Narayanan et al. 2021, Table 2).
 RUNTIMES = {"megakit": {}, "megatron": {"megatron": True}, "megatron-core": {"megatron": True, "comm_overlap": True},
@@ -57,7 +60,7 @@ class Plan:
     # them to what each published run did.
     recompute_fraction: float = 1.0  # full recompute on this share of the blocks (HF/FSDP: every n-th block)
     fused_kernels: bool = False  # elementwise ops fused (torch.compile, Megatron's kernels), not eager PyTorch
-    fp8: str = "none"  # FP8 GEMMs in the blocks' linears (torchao Float8Linear): 'tensorwise' or 'rowwise' scaling
+    fp8: str = "none"  # FP8 GEMMs in the blocks' linears and experts: FP8_RECIPES (torchao), FP8_TE_RECIPES (Megatron)
     # Megatron-LM's trainer rather than megakit's (``memory.estimate_memory(megatron=True)``): gradients
     # accumulated in fp32 main-grad buffers. (Both free a stage's output once sent, and keep each
     # column-parallel input split under SP and overlap its backward: ``column_overlap``.)

@@ -30,6 +30,7 @@ import dataclasses
 import itertools
 
 from megakit.core.compression import parse_compression
+from megakit.core.partition import max_virtual_stages
 from megakit.core.planner.cost import Cost, estimate_cost
 from megakit.core.planner.hardware import Cluster
 from megakit.core.planner.memory import (
@@ -366,8 +367,9 @@ class _Context:
         sps = [pins.sequence_parallel] if pins.sequence_parallel is not None else ([True, False] if tp > 1 else [False])
         mbs = [pins.micro_batch] if pins.micro_batch else [b for b in divisors(per_rank) if b <= 64]
         for vpp in vpps:
-            if pp * vpp > m.layers and pins.stage_layers is None:  # a pinned split may leave the ends empty
-                self.reject(Plan(tp=tp, pp=pp, vpp=vpp), f"PP={pp} x VPP={vpp} stages exceed the {m.layers} layers",
+            if pp * vpp > max_virtual_stages(m.layers) and pins.stage_layers is None:  # ends may hold no block
+                self.reject(Plan(tp=tp, pp=pp, vpp=vpp), f"PP={pp} x VPP={vpp} stages exceed the {m.layers} layers "
+                            "plus an embedding-only and a loss-only stage",
                             unique_key=("vpp-layers", pp, vpp), kind="vpp")
                 continue
             # the CP mode prices the attention exchange only (memory is the same), so it is tried past the floor

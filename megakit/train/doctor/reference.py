@@ -24,7 +24,7 @@ from megakit.train.engine.optim import decay_groups, start_schedule
 def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_len: int | None = None, seed: int = 0,
                   data: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES, eval_every: int = 0,
                   eval_batches: int = 8, moe: dict | None = None, documents: dict | None = None,
-                  mtp: dict | None = None) -> dict[str, list]:
+                  mtp: dict | None = None, weights: bool = False) -> dict[str, list]:
     """``{"loss": [...], "grad_norm": [...], "lr": [...], "evals": [...]}`` of ``steps`` steps of the unsplit model.
 
     ``ds_config`` is the dict the trainer used (micro-batch and accumulation per rank);
@@ -32,7 +32,7 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
     holds ``{"step", "loss"}`` where the trainer evaluates: the mean loss, in eval mode, over the tokens of every
     micro-batch of ``eval_batches`` validation batches. ``moe``: the ``TrainConfig`` ``moe_*`` flags
     (``moe_aux_loss=...``); ``documents``: the packed-document flags (``reset_attention_mask=True``, ...); ``mtp``:
-    the MTP flags (``mtp=True, mtp_weight=...``). The
+    the MTP flags (``mtp=True, mtp_weight=...``); ``weights``: also the final ``state_dict`` (``"weights"``). The
     loss is sum(loss) / sum(tokens) over each step's global batch (as ``token_weighting`` makes the trainer's);
     an MoE model's balancing losses are scaled 1 / micro-batches and its expert bias moves once per step.
     """
@@ -92,6 +92,8 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
         if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
             out["evals"].append({"step": step + 1, "loss": _validation_loss(net, corpus.parts, plan,
                                                                            eval_batches, cfg)})
+    if weights:
+        out["weights"] = {name: t.detach().clone() for name, t in net.state_dict().items()}
     return out
 
 

@@ -17,6 +17,9 @@
   Every rank fills the rows of its stage's layers and one all-reduce over the job (through
   ``megakit.nn.comm``) brings all of them to rank 0. The step line shows one figure, the
   worst layer's max/mean load.
+- No host waits in the step: each micro-batch's statistics are summed on the device, and the
+  table is copied to the host once per step, after its all-reduce (on a GPU every ``float(t)``
+  would wait for the device to drain its queue: 4 per MoE layer per micro-batch before).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from megakit.nn import comm
 from megakit.nn.moe import MoE, _in_backward, set_aux_loss_scale, update_expert_bias
 
 FIELDS = ("max_tokens", "mean_tokens", "dropped", "aux", "seq_aux", "z", "bias_norm")
+_SUMMED = slice(2, 6)  # a slice: an index list would be copied to the device
+SUMMED = FIELDS[_SUMMED]  # per micro-batch, in ``MoE.stats``: the step's mean over its micro-batches
 
 
 def _layer_index(name: str, layers: int) -> int:
@@ -46,9 +51,9 @@ class MoEStep:
         self.module, self.topo, self.layers, self.accumulation = module, topo, layers + mtp, accumulation
         # in module order, as update_expert_bias returns their counts
         self.moe = [(_layer_index(n, layers), m) for n, m in module.named_modules() if isinstance(m, MoE)]
-        self.sums = torch.zeros(len(FIELDS), self.layers, dtype=torch.float64)
-        self.forwards = torch.zeros(self.layers, dtype=torch.float64)
         self.device = next(module.parameters()).device
+        self.sums = torch.zeros(len(SUMMED), self.layers, dtype=torch.float64, device=self.device)
+        self.forwards = [0] * self.layers  # counted on the host: the hook runs there
         for index, layer in self.moe:
             layer.register_forward_hook(self._hook(index))
 
@@ -57,8 +62,7 @@ class MoEStep:
             if not layer.training or _in_backward():  # eval, or recompute in backward
                 return
             s = layer.stats
-            for field in ("dropped", "aux", "seq_aux", "z"):
-                self.sums[FIELDS.index(field), index] += float(s[field])
+            self.sums[:, index].add_(torch.stack([s[f].to(self.sums) for f in SUMMED]))  # on the device: no wait
             self.forwards[index] += 1
         return record
 
@@ -73,19 +77,19 @@ class MoEStep:
         """After the step guard's verdict: move the expert bias if the step was ``applied`` (a skipped step
         changes no state); the step's metrics per MoE layer (every rank)."""
         counts = update_expert_bias(self.module, self.topo, move=applied)  # summed over DP x CP and TP
-        table = torch.zeros(len(FIELDS), self.layers, dtype=torch.float64)
-        for row, (index, layer) in enumerate(self.moe):
+        table = torch.zeros(len(FIELDS), self.layers, dtype=torch.float64, device=self.device)
+        for row, (index, layer) in enumerate(self.moe):  # device tensors and host numbers only: nothing waits
             load = counts[row].double()
-            n = max(float(self.forwards[index]), 1.0)
-            table[:, index] = self.sums[:, index] / n
+            table[_SUMMED, index] = self.sums[:, index] / max(self.forwards[index], 1)
             table[FIELDS.index("max_tokens"), index] = load.max()
             table[FIELDS.index("mean_tokens"), index] = load.mean()
             bias = getattr(layer.gate, "e_score_correction_bias", None)
-            table[FIELDS.index("bias_norm"), index] = 0.0 if bias is None else float(bias.norm())
+            if bias is not None:
+                table[FIELDS.index("bias_norm"), index] = bias.norm()
         self.sums.zero_()
-        self.forwards.zero_()
+        self.forwards = [0] * self.layers
         t = self.topo
         holders = t.tp * t.dp * t.cp  # every rank of a stage holds its layers' rows
-        table = comm.all_reduce(table.to(self.device), comm.WORLD).cpu() / holders
-        moe_layers = [i for i in range(self.layers) if table[FIELDS.index("mean_tokens"), i] > 0]
-        return {i: {f: float(table[k, i]) for k, f in enumerate(FIELDS)} for i in moe_layers}
+        rows = (comm.all_reduce(table, comm.WORLD) / holders).tolist()  # the step's one copy to the host
+        mean = rows[FIELDS.index("mean_tokens")]
+        return {i: {f: rows[k][i] for k, f in enumerate(FIELDS)} for i in range(self.layers) if mean[i] > 0}
