@@ -202,6 +202,8 @@ def _in_backward() -> bool:
 class MoE(nn.Module):
     """The routed block: ``(S', B, H) -> (S', B, H)``; see the module docstring."""
 
+    SUMMED = ("dropped", "aux", "seq_aux", "z")  # ``stats`` summed over the step's forwards in ``step_sums``
+
     def __init__(self, config: MoEConfig, hidden: int, *, group=None, sequence_parallel: bool = False,
                  cp_group=None, ep_group=None, dtype=torch.float32, device=None, grouped: bool | str = "auto") -> None:
         super().__init__()
@@ -228,6 +230,11 @@ class MoE(nn.Module):
         # 0 while a checkpointed block recomputes its forward in backward (``counting``): set eagerly, read as a
         # tensor, so the compiled block neither breaks nor recompiles on it
         self.register_buffer("counting", torch.ones((), dtype=torch.int64, device=device), persistent=False)
+        # the step's sums of ``SUMMED`` over its forwards, and how many (the trainer's metrics, ``engine.moe_step``):
+        # buffers, not a hook's Python state, so every layer shares one compiled graph and nothing waits
+        self.register_buffer("step_sums", torch.zeros(len(self.SUMMED), dtype=torch.float64, device=device),
+                             persistent=False)
+        self.register_buffer("step_forwards", torch.zeros((), dtype=torch.float64, device=device), persistent=False)
         self.loss_scale = 1.0
         self.stats: dict[str, torch.Tensor] = {}
 
@@ -283,6 +290,9 @@ class MoE(nn.Module):
                       "aux": losses.aux.detach(), "seq_aux": losses.seq_aux.detach(), "z": losses.z.detach(),
                       "bias_norm": bias.norm() if bias is not None else load.new_zeros(()),
                       "a2a_bytes": a2a}  # sent + received by this rank in forward (backward: as much)
+        if self.training:
+            self.step_sums += torch.stack([self.stats[f] for f in self.SUMMED]).to(self.step_sums) * self.counting
+            self.step_forwards += self.counting
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
