@@ -28,16 +28,16 @@ import time
 FAMILIES = ("moe-tiny", "deepseek-v3-tiny", "gpt-oss-tiny")
 
 
-def _layer(family: str, *, hidden: int, ffn: int, experts: int, top_k: int, dtype, device, grouped):
+def _layer(family: str, *, hidden: int, ffn: int, experts: int, top_k: int, dtype, device, grouped, moe=None):
     import torch
 
     from megakit.core.model_config import ModelConfig
     from megakit.nn.moe import MoE
 
-    moe = ModelConfig.load(family).moe
+    overrides, moe = moe, ModelConfig.load(family).moe
     groups = min(moe.groups, experts)
     config = dataclasses.replace(moe, experts=experts, top_k=top_k, ffn=ffn, shared_ffn=ffn if moe.shared_ffn else 0,
-                                 groups=groups, group_top_k=min(moe.group_top_k, groups))
+                                 groups=groups, group_top_k=min(moe.group_top_k, groups), **(overrides or {}))
     torch.manual_seed(0)
     layer = MoE(config, hidden, dtype=dtype, device=device, grouped=grouped)
     for p in layer.parameters():
@@ -74,8 +74,9 @@ def torch_device_type(device) -> str:
 
 def moe_block_rows(*, families=FAMILIES, hidden: int = 256, ffn: int = 512, experts: int = 8, top_k: int = 2,
                    tokens: int = 2048, dtype=None, device: str = "cpu", backend: str = "inductor",
-                   repeat: int = 10) -> list[dict]:
-    """One row per family: loop, grouped and compiled forward + backward ms, compile seconds, graphs, breaks."""
+                   repeat: int = 10, moe: dict | None = None) -> list[dict]:
+    """One row per family: loop, grouped and compiled forward + backward ms, compile seconds, graphs, breaks.
+    ``moe``: ``MoEConfig`` fields to change in every family (a capacity factor)."""
     import torch
     import torch._dynamo
 
@@ -89,7 +90,7 @@ def moe_block_rows(*, families=FAMILIES, hidden: int = 256, ffn: int = 512, expe
         outputs = {}
         for form, grouped in (("loop", False), ("grouped", True), ("compiled", True)):
             layer = _layer(family, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, dtype=dtype, device=device,
-                           grouped=grouped)
+                           grouped=grouped, moe=moe)
             if form == "compiled":
                 torch._dynamo.reset()
                 torch._dynamo.utils.counters.clear()
