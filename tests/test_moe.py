@@ -283,14 +283,16 @@ def test_expert_bias_update_counts_each_token_once():
 
     config = _config(score="sigmoid", expert_bias=True, bias_update_rate=0.01)
     ids, labels = _batch(0)
-    counts = []
+    counts, sums = [], []
     for recompute in (False, True):  # full recompute re-runs the forward in backward: not counted again
         model = Transformer(config, seed=5, recompute=recompute)
         model(ids, labels).backward()
         model(ids, labels).backward()  # two micro-batches in one step
         counts.append(torch.stack([m.step_tokens.clone() for m in moe_layers(model)]))
+        sums.append(torch.stack([torch.cat([m.step_sums, m.step_forwards.view(1)]) for m in moe_layers(model)]))
         total = update_expert_bias(model)
     assert torch.equal(counts[0], counts[1]) and (counts[0].sum(1) == 2 * 2 * 16 * 2).all()
+    assert torch.equal(sums[0], sums[1]) and (sums[0][:, -1] == 2).all()  # the statistics' sums: 2 forwards each
     bias = moe_layers(model)[0].gate.e_score_correction_bias
     load = total[0].double()
     assert torch.equal(bias, (0.01 * torch.sign(load.mean() - load)).float())
