@@ -91,9 +91,12 @@ def test_expert_states_are_sharded_over_ep_and_zero_shards_them_over_edp():
         est = estimate_memory(model, dp=dp, ep=ep, zero_stage=zero, **layers)
         psi = est.layers * per_layer / ep
         edp = dp // ep
-        # memory.py's table (bf16 + Adam, with DeepSpeed's fp32 step gradients), DP -> EDP
-        per_param = {0: 20, 1: 4 + 16 / edp, 2: 2 + 18 / edp}[zero]
+        # memory.py's table (bf16 + Adam), DP -> EDP; DeepSpeed's fp32 step gradients (4/EDP) live in step() only,
+        # counted with the dense ones in fp32_step_grads
+        per_param = {0: 16, 1: 4 + 12 / edp, 2: 2 + 14 / edp}[zero]
         assert est.items["expert_states"] == pytest.approx(psi * per_param), (ep, dp, zero)
+        dense_step = 4 * est.params_local / (dp if zero else 1)
+        assert est.items["fp32_step_grads"] == pytest.approx(dense_step + 4 * psi / (edp if zero else 1))
         # the dense part (attention, norms, router) shards over all of DP as before
         assert est.items["optimizer"] == pytest.approx(8 * est.params_local / (dp if zero else 1))
     with pytest.raises(Exception, match="EP 3"):
@@ -250,7 +253,8 @@ def test_cli_reports_experts_routing_and_all_to_all(capsys, tmp_path):
                             "--moe-routing", "balanced", "--emit-config", str(target))
     assert code == 0
     written = json.loads(target.read_text())  # DeepSpeed's keys only: EP travels in the launch command
-    dense = emit.ds_config(Plan(dp=4, zero_stage=1, accumulation=2, pp=2), lr=1e-4, total_steps=10, warmup_steps=1)
+    stage = written["zero_optimization"]["stage"]  # the plan's (ZeRO 0 since the experts' step copy is step-only)
+    dense = emit.ds_config(Plan(dp=4, zero_stage=stage, accumulation=2, pp=2), lr=1e-4, total_steps=10, warmup_steps=1)
     assert set(written) == set(dense) and set(written["zero_optimization"]) == set(dense["zero_optimization"])
     assert written["train_batch_size"] == 256 and written["zero_optimization"]["stage"] in (0, 1, 2)
     out = " ".join(out.split())  # rich wraps lines at the terminal's width

@@ -30,7 +30,7 @@ from megakit.core.planner.hardware import (
     gpu_from_profile,
     gpu_preset,
 )
-from megakit.core.planner.memory import GIB
+from megakit.core.planner.memory import GIB, MEGATRON_RECOMPUTE
 from megakit.core.planner.model_spec import ModelSpec, parse_count, preset_names
 from megakit.core.planner.pins import hybrid_degree
 from megakit.core.planner.plan import FP8_RECIPES, FP8_TE_RECIPES, ROUTING, RUNTIMES, Plan
@@ -89,6 +89,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
                             "inputs re-gathered in backward, fp32 main grads under bf16), megatron-core (the same with "
                             "Megatron-Core's TP and DP communication overlap), fsdp (ZeRO-3 "
                             "prefetching whole blocks), deepspeed-2021 (ZeRO-3 as Narayanan et al. 2021 measured)")
+    train.add_argument("--recompute-modules", metavar="M,M,...",
+                       help="--runtime megatron*, --recompute selective: Megatron-Core's --recompute-modules "
+                            f"({', '.join(MEGATRON_RECOMPUTE)}); default: core_attn, its own")
+    train.add_argument("--main-grads", choices=("fp32", "bf16"),
+                       help="--runtime megatron*: the main-gradient buffers' dtype (default fp32, Megatron-LM's under "
+                            "bf16; bf16: --grad-reduce-in-bf16, as Megatron-Bridge's performance recipes run)")
+    train.add_argument("--adam-moments", choices=("fp32", "bf16"), default="fp32",
+                       help="Adam's m and v dtype (bf16: Megatron's --use-precision-aware-optimizer --exp-avg-dtype "
+                            "bf16 --exp-avg-sq-dtype bf16) (default fp32)")
     train.add_argument("--mem-threshold", type=finite_float, default=0.80, help="feasible if peak <= this x GPU memory")
     train.add_argument("--base-lr", type=finite_float, help="reference LR for linear scaling (with --base-batch)")
     train.add_argument("--base-batch", type=int, default=256, help="sequences at which --base-lr applies")
@@ -188,6 +197,31 @@ def _check_moe_flags(args, model: ModelSpec) -> None:
                          "(e.g. --model mixtral-8x7b)")
 
 
+def _megatron_options(args) -> dict:
+    """Plan fields of --recompute-modules, --main-grads and --adam-moments, checked against --runtime."""
+    megatron = RUNTIMES[args.runtime].get("megatron", False)
+    out = {"moments": args.adam_moments}
+    if args.adam_moments != "fp32" and not megatron:
+        raise UsageError(f"--adam-moments {args.adam_moments} is Megatron's precision-aware optimizer: add --runtime "
+                         "megatron or megatron-core, or drop it")
+    if args.main_grads:
+        if not megatron:
+            raise UsageError(f"--main-grads {args.main_grads} sets Megatron's main-gradient buffers: add --runtime "
+                             "megatron or megatron-core, or drop it")
+        out["reduce_precision"] = args.main_grads
+    if args.recompute_modules:
+        modules = tuple(m.strip() for m in args.recompute_modules.split(",") if m.strip())
+        unknown = [m for m in modules if m not in MEGATRON_RECOMPUTE]
+        if unknown or not modules:
+            raise UsageError(f"--recompute-modules {args.recompute_modules}: {unknown[0] if unknown else 'empty'} is "
+                             f"not one of {', '.join(MEGATRON_RECOMPUTE)}")
+        if not megatron or args.recompute != "selective":
+            raise UsageError("--recompute-modules is Megatron-Core's selective recompute: add --runtime megatron-core "
+                             "(or megatron) and --recompute selective, or drop it")
+        out["recompute_modules"] = modules
+    return out
+
+
 def _positive(args, *names):
     for name in names:
         value = getattr(args, name)
@@ -232,6 +266,7 @@ def run(args) -> int:
         raise UsageError(f"--moe-imbalance {args.moe_imbalance} must be at least 1 (1: perfectly balanced routing)")
     if not 0 < args.mem_threshold <= 1:
         raise UsageError(f"--mem-threshold {args.mem_threshold} must be in (0, 1], e.g. 0.8")
+    megatron_options = _megatron_options(args)  # checked before the model is read (seconds in transformers)
     gpu, args.gpus_per_node = _hardware(args)
     model = load_model(args)
     _check_moe_flags(args, model)
@@ -242,6 +277,7 @@ def run(args) -> int:
     flash = gpu.flash_attention if args.attention is None else args.attention == "flash"
     _check_fp8(args, gpu, precision)
     execution = dict(fused_kernels=args.kernels == "compiled", fp8=args.fp8, **RUNTIMES[args.runtime])
+    execution |= megatron_options
     if args.dp_shard is not None:
         if args.runtime != "fsdp":
             raise UsageError(f"--dp-shard {args.dp_shard} is HSDP, which PyTorch FSDP runs: add --runtime fsdp (megakit's "

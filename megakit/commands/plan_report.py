@@ -49,7 +49,9 @@ def plan_fields(plan: Plan) -> dict:
             "zero3_shard_group": plan.shard_group * plan.cp if plan.zero_stage == 3 else None,
             "schedule": "zb-h1" if plan.zero_bubble else "interleaved" if plan.vpp > 1 else "1f1b",
             "micro_batch": plan.micro_batch, "grad_accum": plan.accumulation, "global_batch": plan.global_batch,
-            "recompute": plan.recompute, "sequence_parallel": plan.sequence_parallel, "precision": plan.precision,
+            "recompute": plan.recompute, "recompute_modules": list(plan.recompute_modules),
+            "main_grads": plan.grad_reduce_precision if plan.megatron else None, "adam_moments": plan.moments,
+            "sequence_parallel": plan.sequence_parallel, "precision": plan.precision,
             "offload": plan.offload, "flash_attention": plan.flash_attention,
             "kernels": "compiled" if plan.fused_kernels else "eager", "fp8": plan.fp8,
             "runtime": next(k for k, v in RUNTIMES.items() if v == _runtime_fields(plan))}

@@ -79,6 +79,26 @@ STEP_ONLY = ("fp32_step_grads",)  # items that live during ``step()`` only
 BACKWARD_ONLY = ("activations", "pipeline_outputs", "moe_routing", "weight_grad_inputs", "recompute_working_set",
                  "logits")  # items freed by the end of the last backward
 RECOMPUTE = ("none", "selective", "full", "per-op")
+# Megatron-Core's selective recompute (--recompute-modules, TransformerConfig.recompute_modules): what each module's
+# checkpoint frees of the tensors ``activation_tensors`` and ``routing_tensors`` name, on MoE blocks, dense blocks or
+# both. "layernorm", "mla_up_proj" and "moe_act" discard their outputs (CheckpointWithoutOutput: every consumer's saved
+# copy is that storage); "mlp" is a no-op on MoE blocks, "moe" and "shared_experts" on dense ones; "core_attn" keeps the
+# kernel's inputs and output as flash attention does. The byte counts follow Megatron's own estimator
+# (Megatron-MoE-ModelZoo misc/tools/deepseek_mem_estimate.py, its "By ... recompute, can save" lines).
+MEGATRON_RECOMPUTE = {
+    "core_attn": (("attention log-sum-exp",), ()),
+    "layernorm": (("qkv input", "mlp input"), ("qkv input", "mlp input")),
+    "mla_up_proj": (("q", "k", "v"), ("q", "k", "v")),
+    "mlp": ((), ("gate output", "up output", "act(gate)", "down input", "gate and up output", "gelu input",
+                 "fc2 input")),
+    "moe_act": (("down input", "expert fc2 input"), ()),
+    "shared_experts": (("gate and up output", "down input"), ()),
+    "moe": (("gate and up output", "down input", "router probabilities", "permutation map", "permuted tokens",
+             "expert fc1 output", "expert fc2 input", "expert outputs"), ()),
+}
+# Transformer Engine's fused norms (Megatron-Core) save their input and rstd; the normalised output is the next
+# linear's saved input. megakit's composite RMSNorm keeps the normalised input apart for the weight's gradient.
+TE_NORM_DROPS = ("normalised",)
 OFFLOAD = ("none", "optimizer", "params")
 
 
@@ -172,19 +192,22 @@ def stage_expert_params(model: ModelSpec, *, pp: int, stage: int, ep: int = 1, l
 
 
 def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str, offload: str = "none",
-                      buckets: "Buckets" = None, main_grads: bool = False) -> dict:
+                      buckets: "Buckets" = None, main_grads: bool = False, moments: str = "fp32") -> dict:
     """Parameters, gradients, fp32 master, Adam m and v, fp32 step gradients of ``psi`` parameters
     whose ZeRO group has ``dp`` ranks (the table in the module docstring). ``main_grads``: Megatron-LM's
     optimizer (ZeRO 0-1: its distributed optimizer shards master and Adam), which under bf16 accumulates
     gradients in an fp32 buffer that the step reads: 4Ψ of gradients and no 16-bit ones or step copy.
     Under fp16 its buffer holds fp16 gradients, copied to fp32 at the step as DeepSpeed's are (arguments.py
-    forces --accumulate-allreduce-grads-in-fp32 for bf16 only; optimizer.py _copy_model_grads_to_main_grads)."""
+    forces --accumulate-allreduce-grads-in-fp32 for bf16 only; optimizer.py _copy_model_grads_to_main_grads).
+    ``moments``: the dtype of Adam's m and v (bf16: Megatron's --use-precision-aware-optimizer --exp-avg-dtype bf16
+    --exp-avg-sq-dtype bf16), 2 x 4 bytes or 2 x 2 per parameter."""
     buckets = buckets or Buckets()
     p, mixed = PRECISIONS[precision], precision != "fp32"
+    adam = 2 * PRECISIONS[moments]
     if main_grads and zero_stage <= 1 and megatron_fp32_grads(precision) and offload == "none":
         shard = dp if zero_stage == 1 else 1
-        return {"params": p * psi, "grads": 4 * psi, "master_params": 4 * psi / shard, "optimizer": 8 * psi / shard,
-                "fp32_step_grads": 0.0}
+        return {"params": p * psi, "grads": 4 * psi, "master_params": 4 * psi / shard,
+                "optimizer": adam * psi / shard, "fp32_step_grads": 0.0}
     shard = dp if zero_stage >= 1 else 1
     on_gpu = 0 if offload != "none" else 1
     if zero_stage == 0 and not mixed:  # torch's Adam steps on p.grad directly
@@ -196,7 +219,7 @@ def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str, o
     return {"params": p * psi / (dp if zero_stage == 3 else 1) * (0 if offload == "params" else 1),
             "grads": p * psi / (dp if zero_stage >= 2 else 1),
             "master_params": (4 * psi / shard if (mixed or zero_stage >= 1) else 0) * on_gpu,
-            "optimizer": 8 * psi / shard * on_gpu, "fp32_step_grads": step_grads * on_gpu}
+            "optimizer": adam * psi / shard * on_gpu, "fp32_step_grads": step_grads * on_gpu}
 
 
 def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, zero_stage: int = 0,
@@ -208,7 +231,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                     gathered_inputs: bool = False, zero_bubble: bool = False, ep: int = 1,
                     moe_imbalance: float = 1.0, buckets: Buckets = Buckets(),
                     overhead_bytes: float = 0.0, megatron: bool = False,
-                    loss_chunks: int = 1, cp_ring: bool = True) -> MemoryEstimate:
+                    loss_chunks: int = 1, cp_ring: bool = True, recompute_modules: tuple[str, ...] = (),
+                    main_grads_fp32: bool | None = None, moments: str = "fp32") -> MemoryEstimate:
     """Itemised per-GPU bytes of one layout on one pipeline ``stage`` (index, 'first', 'last', 'middle').
 
     ``accumulation``: micro-batches per optimizer step (gradient accumulation),
@@ -225,7 +249,11 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     SwiGLU (``activation_tensors(fused_swiglu=True)``). ``loss_chunks``: the head
     and loss over that many token chunks (``logits_bytes``; 0: the trainer's default rule, ``auto_loss_chunks``).
     ``cp_ring``: with ``cp`` > 1 the attention core runs on a ring (ring or hybrid CP; False: Ulysses' all-to-all),
-    whose output MLA keeps apart from ``o_proj``'s copy (``activation_tensors(ring=True)``)."""
+    whose output MLA keeps apart from ``o_proj``'s copy (``activation_tensors(ring=True)``).
+    ``recompute_modules``: with ``megatron`` and ``recompute="selective"``, Megatron-Core's modules
+    (``MEGATRON_RECOMPUTE``; none given: its default, core_attn). ``main_grads_fp32``: Megatron's main-gradient buffers
+    in fp32 (default: ``megatron``; False: --grad-reduce-in-bf16, Megatron-Bridge's performance recipes, which keep
+    them in bf16 and copy the shard to fp32 at the step as DeepSpeed does). ``moments``: Adam's m and v dtype."""
     if precision not in PRECISIONS:
         raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if recompute not in RECOMPUTE:
@@ -236,6 +264,14 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
         raise UsageError(f"ZeRO stage {zero_stage} does not exist; use 0, 1, 2 or 3")
     if offload == "params" and zero_stage != 3:
         raise UsageError("parameter offload needs ZeRO stage 3; use --offload optimizer or --zero 3")
+    unknown = sorted(set(recompute_modules) - set(MEGATRON_RECOMPUTE))
+    if unknown:
+        raise UsageError(f"recompute module {unknown[0]!r} is not one of {', '.join(MEGATRON_RECOMPUTE)}")
+    if recompute_modules and not (megatron and recompute == "selective"):
+        raise UsageError("recompute modules are Megatron-Core's selective recompute: use them with --runtime megatron "
+                         "or megatron-core and --recompute selective")
+    if moments not in PRECISIONS:
+        raise UsageError(f"Adam moments {moments!r} are not one of {', '.join(PRECISIONS)}")
     if min(tp, pp, dp, vpp, micro_batch) < 1:
         raise UsageError("tp, pp, dp, vpp and micro-batch must all be at least 1")
     s = model.seq_len if seq_len is None else seq_len
@@ -255,11 +291,15 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     edp = folded // ep  # before HSDP: ZeRO-3 is not offered with experts
     if zero_stage == 3 and 0 < dp_shard < dp:  # HSDP: states sharded inside the shard group only
         dp = dp_shard
+    main_grads = megatron if main_grads_fp32 is None else main_grads_fp32
     items = model_state_bytes(psi, dp=dp, zero_stage=zero_stage, precision=precision, offload=offload,
-                              buckets=buckets, main_grads=megatron)
+                              buckets=buckets, main_grads=main_grads, moments=moments)
     experts = model_state_bytes(psi_experts, dp=edp, zero_stage=zero_stage, precision=precision, offload=offload,
-                                buckets=buckets, main_grads=megatron)
-    items["expert_states"] = sum(experts.values())  # over EP and EDP: the same ZeRO formulas, DP -> EDP
+                                buckets=buckets, main_grads=main_grads, moments=moments)
+    # Over EP and EDP: the same ZeRO formulas, DP -> EDP. The experts' fp32 step gradients live in step() only, as the
+    # dense ones do (DeepSpeed's and Megatron's distributed optimizer copy each group's shard there and free it).
+    items["fp32_step_grads"] += experts.pop("fp32_step_grads")
+    items["expert_states"] = sum(experts.values())
 
     # ---- activations ------------------------------------------------------------------
     shape = dict(tp=tp, sequence_parallel=sequence_parallel, precision=precision, dropout=dropout,
@@ -267,16 +307,32 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
                  ring=cp > 1 and cp_ring)
     block_input = p * s * b * model.hidden / (tp if sequence_parallel else 1)
 
+    def size(tensors) -> float:
+        return sum(x.bytes(seq_len=s, micro_batch=b) for x in tensors)
+
+    def saved(tensors: list) -> list:
+        """What the runtime saves of ``tensors``: Megatron-Core's fused norms keep no normalised copy."""
+        return [x for x in tensors if not (megatron and x.name.endswith(TE_NORM_DROPS))]
+
+    def megatron_kept(tensors: list, is_moe: bool) -> list:
+        """``tensors`` less what Megatron-Core's selective ``recompute_modules`` free (its default: core_attn)."""
+        dropped = {name for module in (recompute_modules or ("core_attn",))
+                   for name in MEGATRON_RECOMPUTE[module][0 if is_moe else 1]}
+        return [x for x in tensors if x.name not in dropped]
+
     def kept_bytes(is_moe: bool) -> tuple[list, float, float]:
         """(the block's saved tensors, their bytes, the bytes recompute leaves kept) of a dense or MoE block."""
-        tensors = activation_tensors(model, flash_attention=flash_attention, moe=is_moe, **shape)
-        full = sum(x.bytes(seq_len=s, micro_batch=b) for x in tensors)
+        tensors = saved(activation_tensors(model, flash_attention=flash_attention, moe=is_moe, **shape))
+        full = size(tensors)
+        if recompute == "selective" and recompute_modules:
+            return tensors, full, size(megatron_kept(tensors, is_moe))
         if recompute == "full":  # the block input only, on recompute_fraction of the blocks
             return tensors, full, recompute_fraction * block_input + (1 - recompute_fraction) * full
         if recompute == "selective":  # the attention core is recomputed: kept are its inputs q, k, v (K and V
             # unrepeated under GQA) and o_proj's input, as flash attention keeps them, without its log-sum-exp
-            return tensors, full, sum(x.bytes(seq_len=s, micro_batch=b) for x in activation_tensors(
-                model, flash_attention=True, moe=is_moe, **shape) if x.name != "attention log-sum-exp")
+            return tensors, full, size(x for x in saved(activation_tensors(model, flash_attention=True, moe=is_moe,
+                                                                              **shape))
+                                       if x.name != "attention log-sum-exp")
         if recompute == "per-op":
             return tensors, full, 2 * block_input + sum(x.bytes(seq_len=s, micro_batch=b) for x in tensors
                                                         if x.name in PER_OP_KEPT)
@@ -285,9 +341,11 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     tensors, full_layer, kept = kept_bytes(moe)  # a typical block: the MoE one in an MoE model
     dense_kept = kept_bytes(False)[2] if moe else kept
     imbalance = routed_imbalance(model, moe_imbalance, ep)
-    routing = sum(x.bytes(seq_len=s, micro_batch=b) for x in routing_tensors(
-        model, tp=tp, precision=precision, imbalance=imbalance, megatron=megatron)) if moe else 0.0
+    route = routing_tensors(model, tp=tp, precision=precision, imbalance=imbalance, megatron=megatron) if moe else []
+    routing = size(route)
     routing_kept = (1 - recompute_fraction) * routing if recompute == "full" else routing
+    if recompute == "selective" and recompute_modules:
+        routing_kept = size(megatron_kept(route, True))
     m = accumulation if accumulation is not None else pp * vpp
     chunk_layers = (stage_chunk_layers(model, pp, vpp)[stage] if layers is None else (n_layers / vpp,) * vpp)
     chunk_moe = (stage_chunk_moe_layers(model, pp, vpp)[stage] if layers is None else
@@ -327,7 +385,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     in_flight = sum(peak) / vpp  # in whole-stage units
     # Recomputing one block in backward rebuilds its full activations for one micro-batch.
     items["recompute_working_set"] = max([full_layer + routing if recompute == "full" else
-                                          full_layer - kept if recompute in ("selective", "per-op") else 0.0]
+                                          full_layer + routing - kept - routing_kept
+                                          if recompute in ("selective", "per-op") else 0.0]
                                          + [x[3] for x in mtp])
     if stage == pp - 1:  # the main head's, and each MTP depth's head and loss (saved until backward; the
         # transient logits of one head at a time), less what full recompute rebuilds: depth k's final norm
@@ -416,16 +475,17 @@ def _matmul_output_bytes(model: ModelSpec, *, tp: int, precision: str, seq_len: 
 def peak_memory(model: ModelSpec, **layout) -> MemoryEstimate:
     """The stage with the largest total, over every distinct stage of the trainer's split.
 
-    Stages differ by their block count, the embedding (first), the head and logits (last) and the
-    micro-batches in flight, which only fall along the pipeline; so among middle stages with the
-    same block count the earliest dominates, and only it is evaluated (the search stays fast)."""
-    pp = layout.get("pp", 1)
-    counts = stage_layer_counts(model, pp, layout.get("vpp", 1)) if layout.get("layers") is None else None
+    Stages differ by their blocks (how many in each chunk, and which of them are MoE blocks: a model's
+    first dense blocks keep far less than its MoE blocks), the embedding (first), the head and logits
+    (last) and the micro-batches in flight, which only fall along the pipeline; so among middle stages
+    with the same blocks the earliest dominates, and only it is evaluated (the search stays fast)."""
+    pp, vpp = layout.get("pp", 1), layout.get("vpp", 1)
     stages = {0, pp - 1}
-    if counts is not None:
+    if layout.get("layers") is None:
+        chunks, moe_chunks = stage_chunk_layers(model, pp, vpp), stage_chunk_moe_layers(model, pp, vpp)
         first_with = {}
         for stage in range(1, pp - 1):
-            first_with.setdefault(counts[stage], stage)
+            first_with.setdefault((chunks[stage], moe_chunks[stage]), stage)
         stages |= set(first_with.values())
     best = None
     for stage in sorted(stages):

@@ -89,6 +89,10 @@ class Plan:
     # (--overlap-moe-expert-parallel-comm) is not priced: tests/data/moe-runs.json lists what it measured.
     dispatcher: str = "alltoall"
     loss_chunks: int = 1  # the LM head and loss over K token chunks (--loss-chunks; 0: the trainer's auto rule)
+    # Megatron-Core's selective recompute modules (--recompute-modules; ``memory.MEGATRON_RECOMPUTE``), with
+    # recompute="selective" and a Megatron runtime; (): its default, the attention core.
+    recompute_modules: tuple[str, ...] = ()
+    moments: str = "fp32"  # Adam's m and v (--adam-moments bf16: Megatron's precision-aware optimizer)
 
     @property
     def column_overlap(self) -> bool:
@@ -129,7 +133,9 @@ class Plan:
                     recompute_fraction=self.recompute_fraction, dp_shard=self.dp_shard,
                     gathered_inputs=not self.column_overlap, megatron=self.megatron,
                     zero_bubble=self.zero_bubble, ep=self.ep, moe_imbalance=self.moe_imbalance,
-                    loss_chunks=self.loss_chunks, cp_ring=self.a2a_degree < self.cp)
+                    loss_chunks=self.loss_chunks, cp_ring=self.a2a_degree < self.cp,
+                    recompute_modules=self.recompute_modules if self.recompute == "selective" else (),
+                    main_grads_fp32=self.megatron and self.grad_reduce_precision == "fp32", moments=self.moments)
 
     @property
     def a2a_degree(self) -> int:
@@ -159,6 +165,8 @@ class Plan:
         parts.append(f"ZeRO-{self.zero_stage}")
         parts.append(f"mb={self.micro_batch}x{self.accumulation}")
         parts.append(f"recompute={self.recompute}")
+        if self.recompute == "selective" and self.recompute_modules:
+            parts[-1] += f"({','.join(self.recompute_modules)})"
         if self.recompute_fraction < 1 and self.recompute == "full":
             parts[-1] += f" ({self.recompute_fraction:.0%} of blocks)"
         if 0 < self.dp_shard < self.dp:
