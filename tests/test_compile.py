@@ -104,23 +104,23 @@ def _counted_once(eager, compiled):
         assert torch.equal(a.step_tokens, b.step_tokens) and a.step_tokens.sum() == 2 * 64 * a.config.top_k
 
 
-@pytest.mark.parametrize("name, recompute, graphs", [("moe-tiny", "full", 1), ("deepseek-v3-tiny", "none", 2)])
+@pytest.mark.parametrize("name, recompute, graphs", [("moe-tiny", "full", 1), ("deepseek-v3-tiny", "none", 2),
+                                                     ("gpt-oss-tiny", "none", 2)])
 def test_a_moe_block_is_one_graph(name, recompute, graphs):
     """Router, sort by expert, grouped experts (torch._grouped_mm over device offsets), shared expert and balancing
     losses in one graph, no break: no bincount, no tolist, no branch on a tensor. moe-tiny's 4 MoE blocks share
     one (with full recompute, whose token counting is a flag set eagerly); DeepSeek-V3's dense first block is the
-    other graph. Loss, gradients and the experts' token counts as eager."""
+    other graph, and gpt-oss's sliding-window blocks the other of its two. Loss, gradients and the experts' token
+    counts as eager."""
     loss, grads, n, breaks = _graphs_and_breaks(ModelConfig.load(name), recompute=recompute, twin=_counted_once)
     assert (n, breaks) == (graphs, 0)
     assert loss <= 1 and grads <= 1
 
 
-@pytest.mark.parametrize("name, moe", [("gpt-oss-tiny", {}), ("moe-tiny", {"capacity_factor": 0.5})])
-def test_a_moe_layer_is_one_graph(name, moe):
-    """gpt-oss's experts (biases, clamped SwiGLU) and capacity drops (a sentinel group no expert computes, masked):
-    the MoE layer of each block is one graph. (gpt-oss's attention, with its sinks, still breaks: not the MoE's.)"""
-    config = ModelConfig.load(name)
-    config = config.replace(moe=dataclasses.replace(config.moe, **moe)) if moe else config
+def test_a_moe_layer_with_capacity_drops_is_one_graph():
+    """Capacity drops (a sentinel group no expert computes, masked to zeros): the MoE layer is one graph."""
+    config = ModelConfig.load("moe-tiny")
+    config = config.replace(moe=dataclasses.replace(config.moe, capacity_factor=0.5))
     loss, grads, n, breaks = _graphs_and_breaks(config, part="mlp", twin=_counted_once)
     assert (n, breaks) == (1, 0)
     assert loss <= 1 and grads <= 1
