@@ -13,7 +13,8 @@ choice dispatches to (profiler kernel names) and its forward+backward time; vari
 lever (``LEVERS``), then A again as the noise floor: 3 warm-up steps (the first includes compiling), 10
 timed steps, median step time, tok/s, MFU (megakit's formula, printed), peak memory, final loss, and
 ``megakit plan``'s prediction for the same settings beside it; the CP ring's block loop at 8k and 16k local
-tokens, fused against explicit (``ring_kernels``); an fp8 parity row (30 steps bf16 vs fp8 from
+tokens, fused against explicit (``ring_kernels``); one MoE layer per family, experts looped, grouped and compiled
+(``moe_rows``); an fp8 parity row (30 steps bf16 vs fp8 from
 one init and data, against the spread of two bf16 seeds). JSON goes to ``--out``; the table is printed last.
 Step times are the trainer's own: host time between ``torch.cuda.synchronize()`` at the step's start and
 end, which is what CUDA events around a whole step measure; the attention micro-benchmark and the
@@ -406,6 +407,26 @@ def ring_kernels(*, cuda: bool) -> list[dict]:
     return rows
 
 
+def moe_rows(*, cuda: bool) -> list[dict]:
+    """One MoE layer per family (``scripts/bench_moe_block.py``), forward + backward: the experts looped (their
+    counts copied to the host), grouped over device offsets, and compiled whole (Inductor); DeepSeek-V2-Lite's
+    widths (2048, 64 experts of 1408, top-6) at 8192 tokens in bf16 on the GPU, tiny and fp32 in the dry run."""
+    import torch
+
+    from bench_moe_block import moe_block_rows
+
+    if cuda:
+        return moe_block_rows(hidden=2048, ffn=1408, experts=64, top_k=6, tokens=8192, dtype=torch.bfloat16,
+                              device="cuda", backend="inductor", repeat=10)
+    return moe_block_rows(hidden=64, ffn=32, experts=4, top_k=2, tokens=128, backend="aot_eager", repeat=2)
+
+
+def describe_moe(row: dict) -> str:
+    from bench_moe_block import describe
+
+    return describe(row)
+
+
 def parity(shape: dict, *, cuda: bool, steps: int) -> dict:
     """bf16 against fp8 (tensorwise) from one init and data, judged against two bf16 runs with other seeds."""
     s = settings("E")
@@ -521,6 +542,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['fwd_bwd_ms']:.2f} ms fwd+bwd, peak {_num(row['peak_gib'], '.2f')} GiB"
               + (f", max gap to explicit: out {row['max_gap_out']:.2e}, dq {row['max_gap_dq']:.2e}"
                  if "max_gap_out" in row else "")), flush=True)
+    save(results)
+    results["moe"] = moe_rows(cuda=cuda)
+    for row in results["moe"]:
+        print(f"  moe {describe_moe(row)}", flush=True)
     save(results)
     results["fp8_parity"] = parity(next(iter(shapes.values())), cuda=cuda, steps=parity_steps)
     print("fp8 parity:", json.dumps(results["fp8_parity"]), flush=True)

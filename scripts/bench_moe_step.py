@@ -13,9 +13,11 @@ the one allowed to grow, by at most one per MoE layer per micro-batch at EP > 1 
 rest, which must not grow (``a == b``). ``--sites`` prints each family's calls by site. On a CPU some calls convert
 host tensors: the counts are upper bounds.
 
+Then, per MoE family at EP 1, one MoE layer forward + backward eager and compiled whole (``compiled_layers``, by
+``scripts/bench_moe_block.py``): milliseconds (CPU time on a CPU), the compile's seconds, graphs and breaks.
+
 A measure is a function of the options returning ``{column: {family: cell}}`` (``MEASURES``); a family without a
-cell in a column shows ``-``, and a family no other measure has gets its own row. Another measure (compile time,
-graphs and breaks per MoE block) is one more function in the list.
+cell in a column shows ``-``, and a family no other measure has gets its own row.
 """
 
 from __future__ import annotations
@@ -102,7 +104,36 @@ def _print_sites(tree: str, counts: dict[str, list[list[dict]]]) -> None:
             print(f"  {cells}  {site}")
 
 
-MEASURES = [host_syncs]
+# host_syncs' MoE families at EP 1 -> (preset, MoEConfig changes) for one MoE layer compiled whole
+COMPILED = {"moe-ep1": ("moe-tiny", None), "capacity": ("moe-tiny", {"capacity_factor": 1.0}),
+            "mla": ("deepseek-v3-tiny", None), "gpt-oss": ("gpt-oss-tiny", None)}
+
+
+def compiled_layers(options) -> dict[str, dict[str, str]]:
+    """Columns: one MoE layer of the family (``scripts/bench_moe_block.py``: hidden 256, 8 experts of 512, top-2,
+    2048 tokens, fp32 here, bf16 on a GPU), forward + backward eager and compiled whole (Inductor), the first
+    compiled call's seconds (compiling), and Dynamo's graphs and breaks: one graph, no break, no slower."""
+    import torch
+
+    from bench_moe_block import moe_block_rows
+
+    cuda = torch.cuda.is_available()
+    columns: dict[str, dict[str, str]] = {"layer eager ms": {}, "compiled ms": {}, "compile s": {},
+                                          "graphs/breaks": {}}
+    for family, (preset, moe) in COMPILED.items():
+        row, = moe_block_rows(families=(preset,), moe=moe, backend=options.backend, repeat=5,
+                              device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
+        columns["layer eager ms"][family] = f"{row['grouped_ms']:.1f}" if "grouped_ms" in row else "failed"
+        if "compiled_ms" not in row:
+            columns["compiled ms"][family] = "failed: " + row.get("compiled_error", "")[:40]
+            continue
+        columns["compiled ms"][family] = f"{row['compiled_ms']:.1f}"
+        columns["compile s"][family] = f"{row['compile_s']:.1f}"
+        columns["graphs/breaks"][family] = f"{row['graphs']}/{row['breaks']}"
+    return columns
+
+
+MEASURES = [host_syncs, compiled_layers]
 
 
 def table(columns: dict[str, dict[str, str]]) -> str:
@@ -120,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--before", default=BEFORE, help=f"the git revision to compare with, or none (default {BEFORE}, "
                    "the tree issue 54 measured)")
     p.add_argument("--sites", action="store_true", help="also print each family's calls per step by site")
+    p.add_argument("--backend", default="inductor", help="torch.compile's backend for the compiled MoE layers "
+                   "(default inductor; aot_eager needs no C++ compiler)")
     options = p.parse_args(argv)
     known = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{options.before}^{{commit}}"],
                            capture_output=True)

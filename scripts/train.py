@@ -130,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each transformer block (regional: one block's graph serves all layers; "
                         "Inductor fuses its elementwise work). Default: on with CUDA, where it pays, off on CPU, "
-                        "where compiling would outlast a short run (and off for MoE and --cp > 1, untested "
+                        "where compiling would outlast a short run (MoE blocks included; off for --cp > 1, untested "
                         "compiled); the first step's time includes compiling and is logged as such")
     p.add_argument("--attention-kernel", default="auto", choices=["auto", "flash", "cudnn", "efficient", "math"],
                    help="pin the SDPA backend (flash, cudnn, efficient need CUDA); auto: cuDNN first on Hopper and "

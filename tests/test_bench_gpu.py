@@ -47,6 +47,12 @@ def test_bench_gpu_dry_run_measures_every_variant_and_prints_the_table_last(tmp_
         assert fused["max_gap_out"] <= fp32_bound(1.0, fused["local_tokens"]), fused
         assert fused["max_gap_dq"] <= fp32_bound(1.0, fused["local_tokens"]), fused
     assert results["shapes"]["tiny-w2L-32"]["variants"][0]["step_s"] > 0  # a derived (fewer layers) shape
+    moe = {row["family"]: row for row in results["moe"]}  # one MoE layer per family: looped, grouped, compiled
+    assert list(moe) == ["moe-tiny", "deepseek-v3-tiny", "gpt-oss-tiny"], results["moe"]
+    for row in moe.values():
+        assert min(row["loop_ms"], row["grouped_ms"], row["compiled_ms"]) > 0
+        assert (row["graphs"], row["breaks"]) == (1, 0)
+        assert row["max_gap"] <= fp32_bound(1.0, row["tokens"]), row
     parity = results["fp8_parity"]
     assert parity["fp8_gap"] < parity["bf16_spread"] and not parity["nan"], parity
     table = out.stdout.rstrip().splitlines()

@@ -7,18 +7,23 @@ may decompose an op (a softmax, a norm) into others that sum in another order, s
 gradients are compared within fp32 rounding of their magnitude over the 64 tokens (``tolerance``).
 """
 
+import dataclasses
+
 import pytest
 import torch
 from multiproc import run_ranks
 from tolerance import fp32_bound, grad_scale
 
 from megakit.core.model_config import ModelConfig
+from megakit.nn.compile import compile_blocks
 from megakit.nn.model import Transformer
 
 
-def _graphs_and_breaks(config: ModelConfig, topo=None, *, sequence_parallel: bool = False, recompute: str = "none"):
+def _graphs_and_breaks(config: ModelConfig, topo=None, *, sequence_parallel: bool = False, recompute: str = "none",
+                       part: str | None = None, twin=None):
     """Loss and gradient differences of a compiled model from its eager twin (2 forward/backward passes), each as a
-    share of its fp32 bound, and the graph and break counts."""
+    share of its fp32 bound, and the graph and break counts. ``part``: compile that submodule of each block (``mlp``)
+    instead of the block; ``twin(eager, compiled)``: a further check on the two models after the passes."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -31,8 +36,10 @@ def _graphs_and_breaks(config: ModelConfig, topo=None, *, sequence_parallel: boo
         graphs.append(gm)
         return gm.forward
 
-    for block in compiled.layers.values():
-        block.compile(backend=count, dynamic=False)
+    if part is None:
+        compile_blocks(compiled, backend=count)
+    for block in compiled.layers.values() if part else ():
+        getattr(block, part).compile(backend=count, dynamic=False)
     ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     worst = 0.0
     for step in range(2):  # the second pass reuses the graphs: nothing recompiles
@@ -43,6 +50,8 @@ def _graphs_and_breaks(config: ModelConfig, topo=None, *, sequence_parallel: boo
     bound = fp32_bound(grad_scale({n: p.grad for n, p in eager.named_parameters()}), ids.numel())
     grads = max((a.grad - b.grad).abs().max().item() for a, b in zip(eager.parameters(), compiled.parameters())) / bound
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    if twin is not None:
+        twin(eager, compiled)
     return worst, grads, len(graphs), breaks
 
 
@@ -84,4 +93,49 @@ def test_tp2_sp_collectives_are_traced_into_the_block_graph():
     not broken around: still one graph per rank, with the eager model's loss and gradients."""
     for loss, grads, graphs, breaks in run_ranks(_tp2, 2):
         assert (graphs, breaks) == (1, 0)
+        assert loss <= 1 and grads <= 1
+
+
+def _counted_once(eager, compiled):
+    """The experts' token counts of the step: the same compiled as eager, and not counted again by recompute."""
+    from megakit.nn.moe import moe_layers
+
+    for a, b in zip(moe_layers(eager), moe_layers(compiled)):
+        assert torch.equal(a.step_tokens, b.step_tokens) and a.step_tokens.sum() == 2 * 64 * a.config.top_k
+
+
+@pytest.mark.parametrize("name, recompute, graphs", [("moe-tiny", "full", 1), ("deepseek-v3-tiny", "none", 2),
+                                                     ("gpt-oss-tiny", "none", 2)])
+def test_a_moe_block_is_one_graph(name, recompute, graphs):
+    """Router, sort by expert, grouped experts (torch._grouped_mm over device offsets), shared expert and balancing
+    losses in one graph, no break: no bincount, no tolist, no branch on a tensor. moe-tiny's 4 MoE blocks share
+    one (with full recompute, whose token counting is a flag set eagerly); DeepSeek-V3's dense first block is the
+    other graph, and gpt-oss's sliding-window blocks the other of its two. Loss, gradients and the experts' token
+    counts as eager."""
+    loss, grads, n, breaks = _graphs_and_breaks(ModelConfig.load(name), recompute=recompute, twin=_counted_once)
+    assert (n, breaks) == (graphs, 0)
+    assert loss <= 1 and grads <= 1
+
+
+def test_a_moe_layer_with_capacity_drops_is_one_graph():
+    """Capacity drops (a sentinel group no expert computes, masked to zeros): the MoE layer is one graph."""
+    config = ModelConfig.load("moe-tiny")
+    config = config.replace(moe=dataclasses.replace(config.moe, capacity_factor=0.5))
+    loss, grads, n, breaks = _graphs_and_breaks(config, part="mlp", twin=_counted_once)
+    assert (n, breaks) == (1, 0)
+    assert loss <= 1 and grads <= 1
+
+
+def _ep2(rank, world_size):
+    from megakit.core.layout import Layout
+    from megakit.nn.topology import Topology
+
+    return _graphs_and_breaks(ModelConfig.load("moe-tiny"), Topology(Layout(dp=world_size, ep=world_size)))
+
+
+def test_ep2_all_to_alls_stay_eager_with_one_break_each():
+    """EP 2: the dispatch (split sizes to the host, all-to-all) and the combine run eager between three graphs that
+    every block reuses (the experts' graph takes any number of received rows), as eager in loss and gradients."""
+    for loss, grads, graphs, breaks in run_ranks(_ep2, 2):
+        assert (graphs, breaks) == (3, 2)
         assert loss <= 1 and grads <= 1

@@ -87,8 +87,8 @@ def test_a_cuda_kernel_on_cpu_is_refused_in_one_line():
                      "or math"], out.stderr[-2000:]
 
 
-def test_compile_defaults_on_for_dense_models_on_cuda_only():
+def test_compile_defaults_on_cuda_only_moe_included():
     from megakit.nn.compile import default_compile
 
     assert default_compile("cuda") and not default_compile("cpu")
-    assert not default_compile("cuda", moe=True) and not default_compile("cuda", cp=2)
+    assert not default_compile("cuda", cp=2)  # MoE blocks compile whole (test_compile): no longer an exception

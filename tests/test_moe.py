@@ -46,7 +46,8 @@ def _round_trip(ep_group, rank: int, n: int, experts: torch.Tensor) -> None:
         keep[0, 1] = False  # one dropped slot comes back as zeros
     rows, counts, plan = d.dispatch(x, experts, keep)
     assert len(counts) == 8 // (1 if ep_group is None else torch.distributed.get_world_size(ep_group))
-    assert rows.shape[0] == sum(counts)
+    assert counts.device == x.device  # on the device: the grouped GEMM's offsets, no host sync
+    assert rows.shape[0] == (n * 2 if ep_group is None else int(counts.sum()))  # EP 1: static, dropped rows last
     slots = d.combine(rows * 1.0, plan)  # identity experts
     want = x.detach().unsqueeze(1).expand(n, 2, 8) * keep.unsqueeze(-1)
     assert torch.equal(slots.detach(), want)
@@ -189,12 +190,46 @@ def test_loop_and_grouped_gemm_agree():
         for p in experts.parameters():
             torch.nn.init.normal_(p)
         x = torch.randn(11, 16, requires_grad=True)
-        counts = [3, 0, 6, 2]  # an expert with no rows
+        counts = [3, 0, 6, 1]  # an expert with no rows; the last row dropped: no expert computes it
         y = experts(x, counts)
         y.backward(torch.randn(11, 16, generator=torch.Generator().manual_seed(1)))
+        assert not y[10:].any() and not x.grad[10:].any()  # the kernel leaves that row unwritten: masked to zeros
         grads.append([y.detach(), x.grad, *(p.grad for p in experts.parameters())])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_an_ep1_moe_layer_never_waits_for_the_device():
+    """Item 2 of issue 54: at EP 1 the routing, the capacity drops, the sort, the grouped experts, the combine, the
+    losses and the statistics convert no tensor to a Python number, forward or backward (a probe on every
+    conversion)."""
+    from megakit.nn.moe import MoE
+
+    config = MoEConfig(experts=8, top_k=2, ffn=16, shared_ffn=16, capacity_factor=0.75, aux_loss_coeff=0.1,
+                       z_loss_coeff=0.01, expert_bias=True, score="sigmoid")
+    torch.manual_seed(0)
+    moe = MoE(config, 16)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(16, 2, 16, requires_grad=True)
+    calls = []
+    names = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+
+    def probe(name):
+        def converted(self, *args, **kwargs):
+            calls.append(name)
+            return saved[name](self, *args, **kwargs)
+        return converted
+
+    try:
+        for name in names:
+            setattr(torch.Tensor, name, probe(name))
+        moe(x).sum().backward()
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+    assert calls == [] and moe.stats["dropped"] > 0 and x.grad.abs().sum() > 0
 
 
 def test_sequence_losses_do_not_depend_on_the_micro_batch_size():
@@ -248,14 +283,16 @@ def test_expert_bias_update_counts_each_token_once():
 
     config = _config(score="sigmoid", expert_bias=True, bias_update_rate=0.01)
     ids, labels = _batch(0)
-    counts = []
+    counts, sums = [], []
     for recompute in (False, True):  # full recompute re-runs the forward in backward: not counted again
         model = Transformer(config, seed=5, recompute=recompute)
         model(ids, labels).backward()
         model(ids, labels).backward()  # two micro-batches in one step
         counts.append(torch.stack([m.step_tokens.clone() for m in moe_layers(model)]))
+        sums.append(torch.stack([torch.cat([m.step_sums, m.step_forwards.view(1)]) for m in moe_layers(model)]))
         total = update_expert_bias(model)
     assert torch.equal(counts[0], counts[1]) and (counts[0].sum(1) == 2 * 2 * 16 * 2).all()
+    assert torch.equal(sums[0], sums[1]) and (sums[0][:, -1] == 2).all()  # the statistics' sums: 2 forwards each
     bias = moe_layers(model)[0].gate.e_score_correction_bias
     load = total[0].double()
     assert torch.equal(bias, (0.01 * torch.sign(load.mean() - load)).float())

@@ -17,13 +17,22 @@ What runs inside a compiled block:
 - Recompute (``torch.utils.checkpoint`` around the block, or around the attention core)
   wraps the compiled block, and the recompute re-enters the same compiled code.
 
-With dropout 0 and TP = 1 a block is exactly one graph (``tests/test_compile.py`` counts it).
+- An MoE block (``megakit.nn.moe``) at EP 1 is one graph too: the sort by expert has static shapes,
+  the counts stay on the device and the experts are grouped GEMMs over device offsets. Under EP
+  the all-to-alls stay eager (they need their split sizes on the host): dispatch and combine each
+  break the graph once, and Dynamo's nested graph breaks (turned on here for such models) resume
+  inside the MoE layer rather than splitting every frame around it: three graphs per block.
+
+With dropout 0 and TP = 1 a block is exactly one graph, an MoE block too (``tests/test_compile.py`` counts them).
 """
 
 from __future__ import annotations
 
 import torch
+import torch._dynamo
 from torch import nn
+
+from megakit.nn.moe import moe_layers
 
 # Inductor needs a C compiler on CPU; the tests use this backend there so that the plumbing is checked cheaply.
 CPU_TEST_BACKEND = "aot_eager"
@@ -35,14 +44,15 @@ def compile_blocks(model: nn.Module, *, backend: str = "inductor", mode: str | N
     ``nn.Module.compile`` keeps the module and its parameter names, so checkpoints, DeepSpeed's
     parameter groups and ``full_state_dict`` see the same model as without compile."""
     blocks = list(model.layers.values())
+    if any(m.ep > 1 for m in moe_layers(model)):
+        torch._dynamo.config.nested_graph_breaks = True  # one break on each side of the all-to-alls, not per frame
     for block in blocks:
         block.compile(backend=backend, mode=mode, dynamic=False)
     return len(blocks)
 
 
-def default_compile(device_type: str, *, moe: bool = False, cp: int = 1) -> bool:
-    """On by default on CUDA (Inductor's fused kernels pay there), off on CPU, where compile time would
-    dwarf the short runs a CPU is used for and the gain is small. Off by default for MoE blocks (their token
-    counts per expert change every step: data-dependent shapes) and ring attention (CP > 1), whose
-    compiled forms are not tested here; ``--compile`` still asks for it."""
-    return device_type == "cuda" and not moe and cp == 1
+def default_compile(device_type: str, *, cp: int = 1) -> bool:
+    """On by default on CUDA (Inductor's fused kernels pay there), MoE blocks included, off on CPU, where compile
+    time would dwarf the short runs a CPU is used for and the gain is small. Off by default for ring attention
+    (CP > 1), whose compiled form is not tested here; ``--compile`` still asks for it."""
+    return device_type == "cuda" and cp == 1

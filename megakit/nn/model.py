@@ -29,6 +29,7 @@ from megakit.nn.block import Block, Norm, ResidualDropout
 from megakit.nn.chunked_loss import chunked_head_loss
 from megakit.nn.context_parallel import positions, sequence_mean
 from megakit.nn.dropout import DropoutKeys
+from megakit.nn.moe import counting
 from megakit.nn.mtp import PredictionModule, depth_labels, shifted
 from megakit.nn.tensor_parallel import (
     ColumnParallelLinear,
@@ -179,7 +180,8 @@ class Transformer(nn.Module):
         for block in self.layers.values():
             rope = ropes[block.local_rope]
             if self.recompute and self.training:  # keep only the block's input; masks are redrawn alike
-                h = torch.utils.checkpoint.checkpoint(block, h, rope, keys, documents, use_reentrant=False)
+                h = torch.utils.checkpoint.checkpoint(counting(block), h, rope, keys, documents,
+                                                  use_reentrant=False)
             else:
                 h = block(h, rope, keys, documents)  # (S', B, H)
         if not self.post:
@@ -202,7 +204,8 @@ class Transformer(nn.Module):
             embedded = self._token_embeddings(shifted(ids, k, 0), held)  # Emb(t_{i+k}) at this rank's rows
             rope = ropes[module.block.local_rope]
             if self.recompute:
-                g = torch.utils.checkpoint.checkpoint(module, g, embedded, rope, keys, documents, use_reentrant=False)
+                g = torch.utils.checkpoint.checkpoint(counting(module), g, embedded, rope, keys, documents,
+                                                  use_reentrant=False)
             else:
                 g = module(g, embedded, rope, keys, documents)
             losses.append(self._head_loss(g, depth_labels(labels, k, documents), held, depth=k))

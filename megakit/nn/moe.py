@@ -57,6 +57,7 @@ from torch import nn
 from megakit.core.moe_config import MoEConfig
 from megakit.errors import UsageError
 from megakit.nn import comm as C
+from megakit.nn.grouped_mm import grouped_mm
 from megakit.nn.moe_dispatch import make_dispatcher
 from megakit.nn.moe_router import balance_losses, capacity_keep, route
 from megakit.nn.tensor_parallel import copy_to_tp, gather_from_tp, mark, scatter_to_tp
@@ -102,8 +103,9 @@ class SharedExpert(nn.Module):
 
 
 class Experts(nn.Module):
-    """This rank's SwiGLU experts, stacked. ``grouped``: ``torch._grouped_mm`` ("auto": on CUDA in
-    bf16/fp16 when the strides allow it) or a loop over experts (same numbers; the CPU default).
+    """This rank's SwiGLU experts, stacked. ``grouped``: ``torch._grouped_mm`` over device offsets ("auto": in
+    fp32/bf16/fp16 when the strides allow it, CPU or CUDA; no host sync, one graph under ``--compile``) or a
+    loop over experts (the same numbers; fp64, or widths the kernel cannot take: one copy of the counts to host).
     gpt-oss's (``biases``, ``limit``): a bias on both matrices, and the clamped SwiGLU (``MoEConfig``)."""
 
     def __init__(self, local: int, hidden: int, ffn: int, *, dtype, device, grouped: bool | str = "auto",
@@ -131,17 +133,22 @@ class Experts(nn.Module):
         return copy_to_tp(self.gate_up_proj_bias, tp_group), copy_to_tp(self.down_proj_bias, tp_group)
 
     def use_grouped(self, x: torch.Tensor) -> bool:
+        """"auto": the kernel's dtypes (fp32, bf16, fp16; on the CPU too), rows and widths 16-byte aligned."""
         if self.grouped != "auto":
             return bool(self.grouped)
         aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], self.down_proj.shape[-1]))
-        return (hasattr(torch, "_grouped_mm") and x.is_cuda and aligned and x.shape[0] > 0
-                and x.dtype in (torch.bfloat16, torch.float16))
+        return (hasattr(torch, "_grouped_mm") and aligned and x.shape[0] > 0
+                and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
-    def forward(self, rows: torch.Tensor, counts: list[int], tp_group=None) -> torch.Tensor:
-        """``rows`` ``(M, H)`` grouped by local expert (``counts[e]`` each) -> ``(M, H)``."""
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor | list[int], tp_group=None) -> torch.Tensor:
+        """``rows`` ``(M, H)`` grouped by local expert (``counts[e]`` each, on the device), then rows no expert
+        computes (dropped assignments: zeros out) -> ``(M, H)``."""
+        counts = torch.as_tensor(counts, dtype=torch.int64, device=rows.device)
         gate_up, down = copy_to_tp(self.gate_up_proj, tp_group), copy_to_tp(self.down_proj, tp_group)
         bias_up, bias_down = self._biases(tp_group)
         if self.use_grouped(rows):
+            if torch.compiler.is_compiling():
+                return self._grouped(rows, counts, gate_up, down, bias_up, bias_down)
             try:
                 return self._grouped(rows, counts, gate_up, down, bias_up, bias_down)
             except RuntimeError:  # a device or build without the kernel: the loop, from now on
@@ -149,21 +156,28 @@ class Experts(nn.Module):
                     raise
                 self.grouped = False
         out, start = [], 0
-        for e, n in enumerate(counts):  # only rows routed to expert e: dropped or padded ones never see its bias
+        for e, n in enumerate(counts.tolist()):  # a copy to the host: only where the kernel cannot run (fp64 tests)
             h = self._glu(F.linear(rows[start:start + n], gate_up[e], None if bias_up is None else bias_up[e]))
             out.append(F.linear(h, down[e], None if bias_down is None else bias_down[e]))
             start += n
+        if start < rows.shape[0]:
+            out.append(rows.new_zeros(rows.shape[0] - start, down.shape[1]))
         return torch.cat(out) if out else rows[:0]
 
     def _grouped(self, rows, counts, gate_up, down, bias_up, bias_down) -> torch.Tensor:
-        sizes = torch.tensor(counts, device=rows.device)
-        offs = sizes.cumsum(0).to(torch.int32)
-        per_row = None if bias_up is None else torch.repeat_interleave(torch.arange(len(counts), device=rows.device),
-                                                                       sizes)
-        h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)  # (M, 2F)
-        h = self._glu(h if per_row is None else h + bias_up[per_row])
-        out = torch._grouped_mm(h.contiguous(), down.transpose(1, 2), offs=offs)
-        return out if per_row is None else out + bias_down[per_row]
+        """Two ``torch._grouped_mm`` over device offsets, static shapes. The kernel leaves rows past the last
+        offset unwritten, in the output and in the input's gradient: both are masked to zeros, so a dropped
+        row adds nothing forward or backward. Only rows routed to expert e see its bias."""
+        ends = counts.cumsum(0)
+        offs = ends.to(torch.int32)
+        position = torch.arange(rows.shape[0], device=rows.device)
+        valid = (position < ends[-1]).unsqueeze(-1)  # (M, 1)
+        expert = None if bias_up is None else torch.searchsorted(ends, position, right=True).clamp(
+            max=counts.numel() - 1)  # (M,) each row's expert
+        h = grouped_mm(torch.where(valid, rows, 0), gate_up.transpose(1, 2), offs)  # (M, 2F)
+        h = torch.where(valid, h if expert is None else h + bias_up[expert], 0)
+        out = grouped_mm(self._glu(h), down.transpose(1, 2), offs)  # (M, H)
+        return torch.where(valid, out if expert is None else out + bias_down[expert], 0)
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -188,6 +202,8 @@ def _in_backward() -> bool:
 class MoE(nn.Module):
     """The routed block: ``(S', B, H) -> (S', B, H)``; see the module docstring."""
 
+    SUMMED = ("dropped", "aux", "seq_aux", "z")  # ``stats`` summed over the step's forwards in ``step_sums``
+
     def __init__(self, config: MoEConfig, hidden: int, *, group=None, sequence_parallel: bool = False,
                  cp_group=None, ep_group=None, dtype=torch.float32, device=None, grouped: bool | str = "auto") -> None:
         super().__init__()
@@ -211,6 +227,14 @@ class MoE(nn.Module):
                 self.shared_expert_gate = _Weight(1, hidden, **kw)
         self.register_buffer("step_tokens", torch.zeros(config.experts, dtype=torch.int64, device=device),
                              persistent=False)
+        # 0 while a checkpointed block recomputes its forward in backward (``counting``): set eagerly, read as a
+        # tensor, so the compiled block neither breaks nor recompiles on it
+        self.register_buffer("counting", torch.ones((), dtype=torch.int64, device=device), persistent=False)
+        # the step's sums of ``SUMMED`` over its forwards, and how many (the trainer's metrics, ``engine.moe_step``):
+        # buffers, not a hook's Python state, so every layer shares one compiled graph and nothing waits
+        self.register_buffer("step_sums", torch.zeros(len(self.SUMMED), dtype=torch.float64, device=device),
+                             persistent=False)
+        self.register_buffer("step_forwards", torch.zeros((), dtype=torch.float64, device=device), persistent=False)
         self.loss_scale = 1.0
         self.stats: dict[str, torch.Tensor] = {}
 
@@ -256,21 +280,38 @@ class MoE(nn.Module):
         flat = experts.reshape(-1)  # bincount would wait for the device (its length depends on the values)
         counts = torch.zeros(self.config.experts, dtype=torch.int64, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
-        sent = getattr(plan, "send", None)  # rows to other EP ranks, there (dispatch) and back (combine)
-        a2a = 0 if sent is None else 2 * row_bytes * (sum(sent) - sent[self.ep_rank] + sum(plan.recv)
-                                                      - plan.recv[self.ep_rank])
-        if self.training and not _in_backward():
-            self.step_tokens += counts
+        moved = getattr(plan, "moved", None)  # rows to and from other EP ranks in dispatch; combine moves as many
+        a2a = torch.zeros((), dtype=torch.int64) if moved is None else 2 * row_bytes * moved
+        if self.training:
+            self.step_tokens += counts * self.counting
         load = counts.float()
         self.stats = {"tokens_per_expert": counts, "max_load": load.max(), "mean_load": load.mean(),
                       "dropped": (1 - keep.float().mean()) if keep is not None else load.new_zeros(()),
                       "aux": losses.aux.detach(), "seq_aux": losses.seq_aux.detach(), "z": losses.z.detach(),
                       "bias_norm": bias.norm() if bias is not None else load.new_zeros(()),
-                      "a2a_bytes": torch.tensor(a2a)}  # sent + received by this rank in forward (backward: as much)
+                      "a2a_bytes": a2a}  # sent + received by this rank in forward (backward: as much)
+        if self.training:
+            self.step_sums += torch.stack([self.stats[f] for f in self.SUMMED]).to(self.step_sums) * self.counting
+            self.step_forwards += self.counting
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def counting(module: nn.Module):
+    """``module`` (a block) as a function for ``torch.utils.checkpoint``: eagerly, before each run, its MoE
+    layers learn whether it is the forward (count the tokens) or the recompute in backward (do not)."""
+    layers = moe_layers(module)
+    if not layers:
+        return module
+
+    def run(*args):
+        forward = not _in_backward()
+        for m in layers:
+            m.counting.fill_(forward)
+        return module(*args)
+    return run
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:

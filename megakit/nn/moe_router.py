@@ -72,7 +72,8 @@ def capacity_keep(experts: torch.Tensor, weights: torch.Tensor, num_experts: int
     flat_e, flat_w = experts.reshape(-1), weights.detach().reshape(-1)
     by_weight = torch.argsort(-flat_w, stable=True)
     order = by_weight[torch.argsort(flat_e[by_weight], stable=True)]  # by expert, then weight descending
-    counts = torch.bincount(flat_e, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_e.device).scatter_add(
+        0, flat_e, torch.ones_like(flat_e))  # not bincount, whose length is data: --compile keeps one graph
     starts = torch.cumsum(counts, 0) - counts
     rank_in_expert = torch.arange(order.numel(), device=experts.device) - starts[flat_e[order]]
     keep = torch.empty_like(flat_e, dtype=torch.bool)

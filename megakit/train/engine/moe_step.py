@@ -27,11 +27,12 @@ from __future__ import annotations
 import torch
 
 from megakit.nn import comm
-from megakit.nn.moe import MoE, _in_backward, set_aux_loss_scale, update_expert_bias
+from megakit.nn.moe import MoE, set_aux_loss_scale, update_expert_bias
 
 FIELDS = ("max_tokens", "mean_tokens", "dropped", "aux", "seq_aux", "z", "bias_norm")
 _SUMMED = slice(2, 6)  # a slice: an index list would be copied to the device
 SUMMED = FIELDS[_SUMMED]  # per micro-batch, in ``MoE.stats``: the step's mean over its micro-batches
+assert SUMMED == MoE.SUMMED  # the layer sums them itself (``MoE.step_sums``), in this order
 
 
 def _layer_index(name: str, layers: int) -> int:
@@ -44,7 +45,8 @@ def _layer_index(name: str, layers: int) -> int:
 
 
 class MoEStep:
-    """Hooks on the stage's MoE layers; ``before_step`` and ``after_step`` around each optimizer step."""
+    """The stage's MoE layers (each sums its statistics on the device, ``MoE.step_sums``); ``before_step`` and
+    ``after_step`` around each optimizer step."""
 
     def __init__(self, module: torch.nn.Module, topo, *, layers: int, accumulation: int, mtp: int = 0) -> None:
         """``layers``: the model's blocks; ``mtp``: its MTP modules trained (their blocks' rows follow)."""
@@ -52,19 +54,6 @@ class MoEStep:
         # in module order, as update_expert_bias returns their counts
         self.moe = [(_layer_index(n, layers), m) for n, m in module.named_modules() if isinstance(m, MoE)]
         self.device = next(module.parameters()).device
-        self.sums = torch.zeros(len(SUMMED), self.layers, dtype=torch.float64, device=self.device)
-        self.forwards = [0] * self.layers  # counted on the host: the hook runs there
-        for index, layer in self.moe:
-            layer.register_forward_hook(self._hook(index))
-
-    def _hook(self, index: int):
-        def record(layer, inputs, output) -> None:
-            if not layer.training or _in_backward():  # eval, or recompute in backward
-                return
-            s = layer.stats
-            self.sums[:, index].add_(torch.stack([s[f].to(self.sums) for f in SUMMED]))  # on the device: no wait
-            self.forwards[index] += 1
-        return record
 
     def before_step(self, engine) -> None:
         """The balancing losses' gradient scale: what DeepSpeed multiplies the loss by."""
@@ -80,14 +69,14 @@ class MoEStep:
         table = torch.zeros(len(FIELDS), self.layers, dtype=torch.float64, device=self.device)
         for row, (index, layer) in enumerate(self.moe):  # device tensors and host numbers only: nothing waits
             load = counts[row].double()
-            table[_SUMMED, index] = self.sums[:, index] / max(self.forwards[index], 1)
+            table[_SUMMED, index] = layer.step_sums / layer.step_forwards.clamp(min=1)  # not recomputes, nor eval
             table[FIELDS.index("max_tokens"), index] = load.max()
             table[FIELDS.index("mean_tokens"), index] = load.mean()
             bias = getattr(layer.gate, "e_score_correction_bias", None)
             if bias is not None:
                 table[FIELDS.index("bias_norm"), index] = bias.norm()
-        self.sums.zero_()
-        self.forwards = [0] * self.layers
+            layer.step_sums.zero_()
+            layer.step_forwards.zero_()
         t = self.topo
         holders = t.tp * t.dp * t.cp  # every rank of a stage holds its layers' rows
         rows = (comm.all_reduce(table, comm.WORLD) / holders).tolist()  # the step's one copy to the host
