@@ -116,3 +116,36 @@ def test_a_zero3_expert_checkpoint_resumes_at_tp2_and_at_zero1_ep4_with_its_weig
             scale = float(want[key].abs().max())
             gap = float((ends[name][key] - want[key]).abs().max())
             assert gap <= fp32_bound(scale, TOKENS), (name, key, gap, scale)
+
+
+def test_plan_prices_zero3_experts_over_edp_and_launches_them(capsys, tmp_path):
+    """``megakit plan --zero 3 --ep N``: the experts' weights, gradients, fp32 master and Adam moments over EDP (16
+    bytes a parameter in bf16, plus DeepSpeed's fp32 copy of one sub-group's gradient), a gathered MoE block holding
+    this rank's experts, and ``--ep`` with a stage-3 ds_config in the launch."""
+    from megakit.commands import cli
+    from megakit.core.planner.memory import Buckets, estimate_memory
+    from megakit.core.planner.model_spec import ModelSpec
+
+    model = ModelSpec.from_config("mixtral-8x7b").with_overrides(seq_len=4096)
+    psi = 32 * 8 * 3 * 4096 * 14336  # 32 layers of 8 experts, gate, up and down of 4096 x 14336
+    for ep, dp in ((8, 16), (4, 16), (2, 8)):
+        zero3 = estimate_memory(model, tp=1, dp=dp, ep=ep, zero_stage=3, micro_batch=1, recompute="full")
+        zero2 = estimate_memory(model, tp=1, dp=dp, ep=ep, zero_stage=2, micro_batch=1, recompute="full")
+        local, edp = psi / ep, dp // ep
+        assert zero3.items["expert_states"] == pytest.approx(16 * local / edp + 4 * min(local / edp,
+                                                                                      Buckets().stage3_sub_group))
+        assert zero3.items["optimizer"] == pytest.approx(8 * zero3.params_local / dp)  # the dense part over DP
+        assert zero3.items["expert_states"] < zero2.items["expert_states"]  # ZeRO 2 keeps the weights whole
+        sharded, replicated = model.layer_params(1)  # a block in use and the next one, with their experts
+        live = min(Buckets().stage3_max_live, 2 * (sharded + replicated + local / 32) + Buckets().stage3_prefetch)
+        assert zero3.items["zero3_gather"] == pytest.approx(2 * live)
+    target = tmp_path / "zero3.json"
+    code = cli.main(["plan", "--model", "models/mixtral-8x7b.json", "--gpu", "h100-80gb", "--gpus", "16", "--zero",
+                     "3", "--ep", "8", "--json", "--emit-config", str(target)])
+    out, _ = capsys.readouterr()
+    assert code == 0, out
+    report = json.loads(out)
+    p = report["plan"]
+    assert (p["zero_stage"], p["ep"], p["edp"]) == (3, 8, p["tp"] * p["dp"] * p["cp"] // 8)
+    assert p["memory"]["expert_states"] > 0 and "--ep 8" in report["assumptions"]["launch"]
+    assert json.loads(target.read_text())["zero_optimization"]["stage"] == 3

@@ -252,7 +252,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
         raise UsageError(f"EP {ep} must divide TP x CP x DP {folded} and the experts of an MoE model")
     psi_experts = stage_expert_params(model, pp=pp, stage=stage, ep=ep, layers=n_layers if layers is not None
                                       else None, vpp=vpp)
-    edp = folded // ep  # before HSDP: ZeRO-3 is not offered with experts
+    edp = folded // ep  # the experts' ZeRO group at every stage, HSDP's shard group aside
     if zero_stage == 3 and 0 < dp_shard < dp:  # HSDP: states sharded inside the shard group only
         dp = dp_shard
     items = model_state_bytes(psi, dp=dp, zero_stage=zero_stage, precision=precision, offload=offload,
@@ -362,6 +362,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     items["comm_buffers"] = comm
     if zero_stage == 3:  # full (TP-sharded) parameters of the layer in use plus the prefetched one
         sharded, replicated = model.layer_params(tp)
+        sharded += psi_experts / max(sum(chunk_moe), 1)  # with this rank's experts, gathered over EDP
         live = min(buckets.stage3_max_live, 2 * (sharded + replicated) + buckets.stage3_prefetch)
         items["zero3_gather"] = p * live
     else:
