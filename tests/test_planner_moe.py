@@ -294,7 +294,6 @@ MOE_BAD = [
     (["--model", "models/qwen3-235b-a22b.json", "--gpu", "h100-80gb", "--gpus", "256", "--tp", "2", "--pp", "8",
       "--ep", "3"], "pick --ep 1, 2, 4, 8, 16, 32"),
     (["--model", "mistral-7b", "--gpus", "16", "--ep", "2"], "dense"),
-    (["--model", "mixtral-8x7b", "--gpus", "16", "--zero", "3"], "--zero 3"),
     (["--model", "mixtral-8x7b", "--gpus", "16", "--moe-imbalance", "0.5"], "--moe-imbalance"),
     (["--model", "mixtral-8x7b", "--gpus", "16", "--ep", "0"], "--ep"),
 ]

@@ -342,10 +342,13 @@ def _check_expert_parallel(cfg: TrainConfig, model: ModelConfig, layout: Layout,
     check_ep_fold(layout.tp, layout.cp, layout.dp, cfg.ep,
                   fix=f", or launch a multiple of PP x EP = {layout.pp * cfg.ep} processes")
     stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
-    if stage == 3:
-        raise UsageError(f"--ep {cfg.ep} with ZeRO 3: DeepSpeed partitions only its own AutoEP experts at stage 3, "
-                         "not megakit's; use ZeRO 0-2 (ds_configs/zero2.json) with --ep, or --ep 1")
     zero = ds_config.get("zero_optimization", {})
+    if stage == 3:  # the experts are partitioned over EDP as DeepSpeed's AutoEP ones (engine.experts)
+        for key, fine in (("zero_hpz_partition_size", 1), ("zero_quantized_gradients", False)):
+            if zero.get(key, fine) not in (fine, None):
+                raise UsageError(f"--ep {cfg.ep} with ZeRO 3 and zero_optimization.{key} {zero[key]}: DeepSpeed's "
+                                 "ZeRO 3 shards experts over their own group only without it; drop the key, or use "
+                                 "ZeRO 1-2 with --ep")
     contiguous = zero.get("contiguous_gradients") is not False
     if stage in (1, 2) and (zero.get("reduce_scatter") is False or (stage == 2 and not contiguous)):
         raise UsageError(f"--ep {cfg.ep} with ZeRO {stage}: DeepSpeed reduces experts over their own group only with "

@@ -279,7 +279,7 @@ def _build(run: Run, topo, doctor=None):
         ds_config = {**ds_config, "gradient_clipping": 0.0}
     experts = run.model.moe.experts if run.model.moe else 0
     quiet = contextlib.nullcontext() if cfg.deepspeed_logs else contextlib.redirect_stdout(io.StringIO())
-    with deepspeed_sees_experts(stage, topo, experts), quiet:  # quiet: DeepSpeed prints that its CPU op was built
+    with deepspeed_sees_experts(stage, topo, experts, zero3=run.zero_stage == 3), quiet:  # quiet: its CPU op's build
         engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=decay_groups(stage), mpu=topo,
                                                        config=ds_config)
     unlink_shared_memory()

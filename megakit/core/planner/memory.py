@@ -316,8 +316,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
         raise UsageError(f"EP {ep} must divide TP x CP x DP {folded} and the experts of an MoE model")
     psi_experts = stage_expert_params(model, pp=pp, stage=stage, ep=ep, layers=n_layers if layers is not None
                                       else None, vpp=vpp)
-    # EDP: the ranks holding the same experts, over which ZeRO shards their states (before HSDP: ZeRO-3 is not offered
-    # with experts); at EP 1 the experts are dense weights, replicated over TP and sharded over DP x CP
+    # EDP: the ranks holding the same experts, over which ZeRO (stage 3 too) shards their states, HSDP's shard group
+    # aside; at EP 1 the experts are dense weights, replicated over TP and sharded over DP x CP
     edp = folded // ep if ep > 1 else dp
     if zero_stage == 3 and 0 < dp_shard < dp:  # HSDP: states sharded inside the shard group only
         dp = dp_shard
@@ -491,6 +491,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     items["comm_buffers"] = comm
     if zero_stage == 3:  # full (TP-sharded) parameters of the layer in use plus the prefetched one
         sharded, replicated = model.layer_params(tp)
+        sharded += psi_experts / max(sum(chunk_moe), 1)  # with this rank's experts, gathered over EDP
         live = min(buckets.stage3_max_live, 2 * (sharded + replicated) + buckets.stage3_prefetch)
         items["zero3_gather"] = p * live
     else:

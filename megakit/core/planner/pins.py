@@ -146,12 +146,9 @@ def check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int
 
 
 def _check_ep(model: ModelSpec, pins: Pins, world: int) -> None:
-    """``--ep`` needs experts, must divide them, and must divide DP x CP when TP and PP are pinned;
-    ZeRO-3 shards no expert groups (DeepSpeed's MoE runs ZeRO 0-2)."""
+    """``--ep`` needs experts, must divide them, and must divide DP x CP when TP and PP are pinned (under any ZeRO
+    stage: ZeRO-3 shards the experts over their EDP ranks, ``megakit.train.engine.experts``)."""
     moe = model.moe
-    if moe is not None and pins.zero == 3:
-        raise UsageError(f"--zero 3 cannot shard {model.name}'s experts (DeepSpeed runs MoE with ZeRO 0-2); "
-                         "use --zero 1 or 2, and --ep to shard the experts")
     if pins.ep is None:
         return
     if pins.ep < 1:

@@ -126,8 +126,6 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
     ctx = _Context(model, cluster, pins, global_batch, s, hard, precision, offload, flash, keep_rejected,
                    moe_imbalance, execution or {})
     zeros = (0, 1, 2, 3) if branch != "model-parallel" or pins.zero is not None else (0, 1, 2)
-    if model.moe is not None:  # DeepSpeed shards no expert groups under ZeRO-3
-        zeros, zero3_fallback = tuple(z for z in zeros if z < 3), False
     if pins.compress != "none":  # megakit compresses ZeRO 0's all-reduce, and (fp16, int8) ZeRO 1's buckets
         zeros = tuple(z for z in zeros if z in ctx.compress_stages)
     ctx.run(branch, zeros)

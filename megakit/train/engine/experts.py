@@ -1,4 +1,4 @@
-"""DeepSpeed's expert machinery, switched on for megakit's MoE layers: expert gradients and ZeRO over EDP.
+"""DeepSpeed's expert machinery, switched on for megakit's MoE layers: expert gradients and ZeRO 0-3 over EDP.
 
 With ``--ep N`` an MoE layer's experts are split over the EP group, and each expert is
 replicated over the expert-data-parallel group (EDP: the TP x CP x DP ranks with the same EP
@@ -20,15 +20,27 @@ and ``deepspeed.utils.groups`` holds the EP and EDP groups under that name. Give
   (``megakit.core.layout``), so the TP ranks of a stage may hold different experts: each expert is
   marked ``model_parallel`` (DeepSpeed's ``is_model_parallel_parameter``), counted on every TP rank
   rather than on TP rank 0 only, and the two sums then see each element of each expert's EDP
-  partition once.
+  partition once;
+- ZeRO 3: each expert weight is partitioned over EDP instead of DP x CP, its gradient
+  reduce-scattered over EDP (divided by DP x CP) and its fp32 master and moments kept in optimizer
+  sub-groups of their own. DeepSpeed 0.19.8 does this for its AutoEP layers (PR #8060, "constrained
+  ZeRO-3"): ``engine._resolve_zero3_param_placement`` gives a parameter whose
+  ``ds_zero_placement_family`` is ``"autoep_expert"`` the EDP group named by
+  ``ds_zero_partition_group_name`` as its ``ds_process_group``, ``stage3`` groups the optimizer's
+  sub-groups by that group, and its gradient norm counts such a sub-group on every rank and sums it
+  over EDP, then EP. megakit's experts get the same two tags, and the stand-in is an ``AutoEPMoELayer``
+  (stage 3 refuses the native ``MoE``). Gathering for forward and backward, and a save's
+  ``GatheredParameters``, then run over EDP.
 
 Why DeepSpeed's and not megakit's own reduction: at ZeRO 0 megakit could reduce (as
-``dp_sync`` does), but at ZeRO 1-2 the optimizer state must be partitioned over EDP inside
-DeepSpeed's optimizer, which only this path does. DeepSpeed turns it on only when the model
-holds one of its own ``deepspeed.moe.layer.MoE`` modules (``engine.has_moe_layers``); so while
-``deepspeed.initialize`` runs, the stage carries a parameterless stand-in of that class, taken
-out again right after. ZeRO 3 refuses native MoE ("MoE not supported with Stage 3"); the
-trainer refuses ``--ep`` with ZeRO 3 before any process starts (``run._check_expert_parallel``).
+``dp_sync`` does), but at ZeRO 1-3 the optimizer state must be partitioned over EDP inside
+DeepSpeed's optimizer, which only this path does (torch's ``fully_shard`` over the EDP mesh would
+need the experts kept out of DeepSpeed's optimizer, its own Adam beside it, and a norm and a
+checkpoint path of its own). DeepSpeed turns it on only when the model holds one of its own expert
+modules (``engine.has_moe_layers``); so while ``deepspeed.initialize`` runs, the stage carries a
+parameterless stand-in of that class, taken out again right after. ZeRO 3 with a pipeline stays
+refused for every model (``ds_config.load_ds_config``), and ZeRO 3's options that DeepSpeed does
+not run with AutoEP (hpZ, quantized gradients) are refused with ``--ep`` (``run._check_expert_parallel``).
 """
 
 from __future__ import annotations
@@ -56,13 +68,16 @@ def expert_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in module.named_parameters() if getattr(p, "ep_dim", None) is not None}
 
 
-def mark_experts(module: torch.nn.Module, ep: int) -> int:
-    """Tag ``module``'s routed-expert parameters as DeepSpeed's experts of group ``ep_size_<ep>``;
-    returns how many. At EP 1 nothing is tagged: every rank holds every expert, a dense weight."""
+def mark_experts(module: torch.nn.Module, ep: int, *, zero3: bool = False) -> int:
+    """Tag ``module``'s routed-expert parameters as DeepSpeed's experts of group ``ep_size_<ep>`` (under ``zero3``
+    also as partitioned over that group's EDP ranks); returns how many. At EP 1 nothing is tagged: every rank holds
+    every expert, a dense weight."""
     params = expert_parameters(module) if ep > 1 else {}
     for p in params.values():
         p.allreduce, p.group_name = False, group_name(ep)
         p.model_parallel = True  # held by one rank of each EDP group, whatever its TP rank: counted in the norm there
+        if zero3:  # what DeepSpeed's AutoEP layers set on their experts (auto_ep_layer.py)
+            p.ds_zero_placement_family, p.ds_zero_partition_group_name = "autoep_expert", group_name(ep)
     return len(params)
 
 
@@ -77,12 +92,14 @@ def register_groups(topo) -> None:
     groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = topo.group_ranks("edp")  # noqa: SLF001
 
 
-def _marker(experts: int) -> torch.nn.Module:
+def _marker(experts: int, *, zero3: bool) -> torch.nn.Module:
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
     from deepspeed.moe.layer import MoE
 
-    class ExpertsHere(MoE):
-        """Tells the engine this model has expert layers (it checks ``isinstance(m, MoE)``); no parameters,
-        never called. DeepSpeed's ``MoE.__init__`` (which would build experts of its own) is not run."""
+    class ExpertsHere(AutoEPMoELayer if zero3 else MoE):
+        """Tells the engine this model has expert layers (it checks ``isinstance(m, MoE)``, at ZeRO 3
+        ``AutoEPMoELayer``); no parameters, never called. The class's ``__init__`` (which would build experts of
+        its own) is not run."""
 
         def __init__(self) -> None:
             torch.nn.Module.__init__(self)
@@ -98,14 +115,14 @@ def _marker(experts: int) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def deepspeed_sees_experts(stage: torch.nn.Module, topo, experts: int):
+def deepspeed_sees_experts(stage: torch.nn.Module, topo, experts: int, *, zero3: bool = False):
     """Around ``deepspeed.initialize``: with EP > 1, mark the experts, register the groups and let the engine
-    find an ``MoE`` module in ``stage``. Nothing at EP 1."""
-    if getattr(topo, "ep", 1) == 1 or not mark_experts(stage, topo.ep):
+    find an expert module in ``stage`` (``zero3``: the ds_config's stage is 3). Nothing at EP 1."""
+    if getattr(topo, "ep", 1) == 1 or not mark_experts(stage, topo.ep, zero3=zero3):
         yield
         return
     register_groups(topo)
-    stage.add_module(MARKER, _marker(experts))
+    stage.add_module(MARKER, _marker(experts, zero3=zero3))
     try:
         yield
     finally:

@@ -242,18 +242,18 @@ def optimizer_state(engine, copy=None) -> dict[str, dict[str, torch.Tensor]]:
 def _create_optimizer_state(engine, keys: list[str]) -> None:
     """Adam-style state for every parameter the torch optimizer steps, as its first step would make it.
 
-    Before a first step nothing exists for DeepSpeed's ``safe_set_full_*`` to write into;
-    ZeRO 1-2 and bf16 then link each parameter to its fragment of the new state (DeepSpeed
-    does the same after its first step).
+    Before a first step nothing exists for DeepSpeed's ``safe_set_full_*`` to write into (ZeRO 3 steps its flat
+    fp32 partitions, in the torch optimizer's groups only during its step); ZeRO 1-2 and bf16 then link each
+    parameter to its fragment of the new state (DeepSpeed does the same after its first step).
     """
     optimizer = _torch_optimizer(engine)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                for key in keys:
-                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", [])  # ZeRO 3: out of param_groups between steps
+    for p in [p for group in optimizer.param_groups for p in group["params"]] + list(flats):
+        state = optimizer.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            for key in keys:
+                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
     link_optimizer_state(engine)
 
 
