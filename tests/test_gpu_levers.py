@@ -92,3 +92,4 @@ def test_compile_defaults_on_cuda_only_moe_included():
 
     assert default_compile("cuda") and not default_compile("cpu")
     assert not default_compile("cuda", cp=2)  # MoE blocks compile whole (test_compile): no longer an exception
+    assert not default_compile("cuda", zero_stage=3)  # its hooks gather inside the block: --compile is refused there

@@ -53,7 +53,7 @@ def plan_fields(plan: Plan) -> dict:
             "main_grads": plan.grad_reduce_precision if plan.megatron else None, "adam_moments": plan.moments,
             "sequence_parallel": plan.sequence_parallel, "precision": plan.precision,
             "offload": plan.offload, "flash_attention": plan.flash_attention,
-            "kernels": "compiled" if plan.fused_kernels else "eager", "fp8": plan.fp8,
+            "kernels": "compiled" if plan.fused else "eager", "fp8": plan.fp8,
             "runtime": next(k for k, v in RUNTIMES.items() if v == _runtime_fields(plan))}
 
 

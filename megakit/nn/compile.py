@@ -51,8 +51,9 @@ def compile_blocks(model: nn.Module, *, backend: str = "inductor", mode: str | N
     return len(blocks)
 
 
-def default_compile(device_type: str, *, cp: int = 1) -> bool:
+def default_compile(device_type: str, *, cp: int = 1, zero_stage: int = 0) -> bool:
     """On by default on CUDA (Inductor's fused kernels pay there), MoE blocks included, off on CPU, where compile
     time would dwarf the short runs a CPU is used for and the gain is small. Off by default for ring attention
-    (CP > 1), whose compiled form is not tested here; ``--compile`` still asks for it."""
-    return device_type == "cuda" and cp == 1
+    (CP > 1), whose compiled form is not tested here (``--compile`` still asks for it), and under ZeRO 3, whose
+    gathering hooks a compiled block cannot hold (``--compile`` is refused there)."""
+    return device_type == "cuda" and cp == 1 and zero_stage != 3

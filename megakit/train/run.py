@@ -276,9 +276,9 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
         raise UsageError(f"--attention-kernel {cfg.attention_kernel} cannot take this model's attention sinks (SDPA's "
                          "kernels return no log-sum-exp to scale by); megakit runs sinks on its ring's fused blocks "
                          "(on CPU, or CUDA's memory-efficient kernel): use --attention-kernel auto")
-    compile = cfg.compile if cfg.compile is not None else default_compile(
-        "cuda" if torch.cuda.is_available() else "cpu", cp=cfg.cp)
     zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    compile = cfg.compile if cfg.compile is not None else default_compile(
+        "cuda" if torch.cuda.is_available() else "cpu", cp=cfg.cp, zero_stage=zero_stage)
     if compile and zero_stage == 3:
         raise UsageError("--compile with ZeRO 3: DeepSpeed gathers each layer's weights in hooks inside the block "
                          "that a compiled block cannot hold; use ZeRO 0-2, or --no-compile")

@@ -119,7 +119,7 @@ def linear_time(gpu: GPU, plan: Plan, m: float, k: float, n: float, *, peak: flo
     else:  # torchao: under FSDP2 a tensorwise weight is cast on its shard, then gathered in FP8
         weight = k * n / (plan.shard_group if plan.zero_stage == 3 and plan.fp8 == "tensorwise" else 1)
         cast = FP8_CAST_BYTES[plan.fp8] * (m * k + weight + m * n) / (gpu.hbm_gbps * 1e9)
-        cast *= 1 if plan.fused_kernels else FP8_CAST_EAGER
+        cast *= 1 if plan.fused else FP8_CAST_EAGER
     fp8 = gemm_time(gpu, m, k, n, peak=gpu.fp8_tflops * 1e12, nbytes=1) / FP8_GEMM[plan.fp8] + cast / 3
     return min(dense, fp8)
 
@@ -200,11 +200,11 @@ def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: fl
                                             fused_swiglu=plan.megatron, ring=plan.a2a_degree < plan.cp)
                 + (routing_tensors(model, tp=t, precision=plan.precision,  # permute, unpermute, SwiGLU
                                    imbalance=routed_imbalance(model, plan.moe_imbalance, plan.ep)) if moe else []))
-    elementwise = (K_MEM_FUSED if plan.fused_kernels else K_MEM) * saved / (gpu.hbm_gbps * 1e9)
+    elementwise = (K_MEM_FUSED if plan.fused else K_MEM) * saved / (gpu.hbm_gbps * 1e9)
     ew_f = elementwise / 3
     forward = gemm_f + attn_f + ew_f
     backward = 2 * gemm_f + attn_b + 2 * ew_f
-    cpu = LAUNCH_S * (LAUNCH_FUSED if plan.fused_kernels else 1.0)
+    cpu = LAUNCH_S * (LAUNCH_FUSED if plan.fused else 1.0)
     if plan.recompute == "full":
         backward += plan.recompute_fraction * forward
         cpu *= 1 + plan.recompute_fraction / 3
@@ -228,5 +228,5 @@ def head_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: flo
     tokens = plan.micro_batch * seq_len
     vocab_shard = model.padded_vocab(plan.tp) // plan.tp
     gemm = 3 * gemm_time(gpu, tokens, model.hidden, vocab_shard, peak=peak, nbytes=nbytes)
-    k_mem = K_MEM_FUSED if plan.fused_kernels else K_MEM
+    k_mem = K_MEM_FUSED if plan.fused else K_MEM
     return gemm + k_mem * tokens * vocab_shard * (nbytes + 4) / (gpu.hbm_gbps * 1e9)

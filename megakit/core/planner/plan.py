@@ -95,6 +95,12 @@ class Plan:
     moments: str = "fp32"  # Adam's m and v (--adam-moments bf16: Megatron's precision-aware optimizer)
 
     @property
+    def fused(self) -> bool:
+        """Whether the elementwise ops run fused: as asked (``fused_kernels``), but megakit's trainer compiles no
+        block under DeepSpeed's ZeRO 3, whose gathering hooks a compiled block cannot hold (``nn.compile``)."""
+        return self.fused_kernels and not (self.zero_stage == 3 and self.zero3 == "deepspeed" and not self.megatron)
+
+    @property
     def column_overlap(self) -> bool:
         """Whether the column-parallel linears keep their input split under SP (all-gathered again in
         backward) and hide the backward's TP exchange behind the weight-gradient GEMMs: Megatron-LM's
