@@ -178,7 +178,10 @@ def test_moe_four_ranks():
 
 
 # -- single process ---------------------------------------------------------------------------------
-def test_loop_and_grouped_gemm_agree():
+@pytest.mark.parametrize("gpt_oss, compiled", [(False, False), (True, False), (True, True)])
+def test_loop_and_grouped_gemm_agree(gpt_oss, compiled):
+    """The grouped path (and, compiled through AOTAutograd, its custom op's shape function and gradient) equals the
+    loop, with gpt-oss's expert biases and clamped SwiGLU too."""
     from megakit.nn.moe import Experts
 
     if not hasattr(torch, "_grouped_mm"):
@@ -186,12 +189,14 @@ def test_loop_and_grouped_gemm_agree():
     grads = []
     for grouped in (False, True):
         torch.manual_seed(0)
-        experts = Experts(4, 16, 8, dtype=torch.float32, device=None, grouped=grouped)
+        experts = Experts(4, 16, 8, dtype=torch.float32, device=None, grouped=grouped, biases=gpt_oss,
+                          limit=7.0 if gpt_oss else 0.0, alpha=1.702 if gpt_oss else 1.0)
         for p in experts.parameters():
             torch.nn.init.normal_(p)
         x = torch.randn(11, 16, requires_grad=True)
-        counts = [3, 0, 6, 1]  # an expert with no rows; the last row dropped: no expert computes it
-        y = experts(x, counts)
+        counts = torch.tensor([3, 0, 6, 1])  # an expert with no rows; the last row dropped: no expert computes it
+        run = torch.compile(experts, backend="aot_eager", fullgraph=True) if compiled and grouped else experts
+        y = run(x, counts)
         y.backward(torch.randn(11, 16, generator=torch.Generator().manual_seed(1)))
         assert not y[10:].any() and not x.grad[10:].any()  # the kernel leaves that row unwritten: masked to zeros
         grads.append([y.detach(), x.grad, *(p.grad for p in experts.parameters())])

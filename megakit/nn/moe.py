@@ -133,12 +133,17 @@ class Experts(nn.Module):
         return copy_to_tp(self.gate_up_proj_bias, tp_group), copy_to_tp(self.down_proj_bias, tp_group)
 
     def use_grouped(self, x: torch.Tensor) -> bool:
-        """"auto": the kernel's dtypes (fp32, bf16, fp16; on the CPU too), rows and widths 16-byte aligned."""
+        """"auto": the kernel's dtypes (fp32, bf16, fp16 on the CPU; on CUDA bf16 on Hopper or Blackwell only,
+        where torch has the fused kernel: elsewhere its fallback copies the offsets to the host and loops, waiting
+        at every product), rows and widths 16-byte aligned."""
         if self.grouped != "auto":
             return bool(self.grouped)
         aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], self.down_proj.shape[-1]))
-        return (hasattr(torch, "_grouped_mm") and aligned and x.shape[0] > 0
-                and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
+        if x.is_cuda:
+            kernel = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+        else:
+            kernel = x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        return hasattr(torch, "_grouped_mm") and aligned and x.shape[0] > 0 and kernel
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor | list[int], tp_group=None) -> torch.Tensor:
         """``rows`` ``(M, H)`` grouped by local expert (``counts[e]`` each, on the device), then rows no expert
