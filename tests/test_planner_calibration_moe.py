@@ -135,3 +135,16 @@ def test_megatron_flops_match_the_models_own_count():
     model, _, _ = case(row)
     ours = model.config.flops_per_token(row["seq_len"])
     assert megatron_flops_per_token(row) == pytest.approx(ours, rel=2e-4)
+
+
+def test_ep8_at_tp4_stays_inside_a_node():
+    """Megatron-Core builds its expert groups with their own rank order (ETP x EP x EDP x PP, parallel_state.py), so at
+    ETP 1 the ModelZoo's TP 4 x EP 8 row dispatches over 8 consecutive ranks, one node: a slower network leaves its
+    all-to-all time unchanged (the row's 42 % is not EP placement), while it slows the EP 32 row's, which spans 4."""
+    by_id = {row["id"]: row for row in ROWS}
+    item = next(i for i in DATA["listed"] if i["id"] == "modelzoo-qwen3-235b-a22b-tp4-ep8-pp8-256xh100")
+    for row, crosses in (({**by_id[item["as"]], **item["layout"]}, False), (by_id[item["as"]], True)):
+        model, cluster, plan = case(row)
+        slow = cluster.with_overrides(inter_gbps=cluster.gpu.inter_gbps / 4)
+        before, after = estimate_cost(model, cluster, plan).a2a_s, estimate_cost(model, slow, plan).a2a_s
+        assert before > 0 and (after > 1.5 * before if crosses else after == pytest.approx(before)), (row["id"], after)
