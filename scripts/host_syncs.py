@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-METHODS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
+# Python's conversions and the copies to the host (on CUDA each waits for the device; torch's own waits inside C++,
+# e.g. bincount's or a boolean index's, are for torch.cuda.set_sync_debug_mode on a GPU)
+METHODS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy")
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 DISPATCH = "megakit/nn/moe_dispatch.py:"  # the one site allowed to grow: the all-to-all's split sizes (EP > 1)
 

@@ -92,3 +92,31 @@ def test_plan_shows_each_moe_memory_line_and_zero_bubble_w_inputs_at_the_expert_
     attention = 8 * 4 + 2 * 4 * 4 + 32  # q, k, v (4 KV heads of 4), o_proj
     assert dense == 4 * 64 * (attention + 2 * 64 + 32)  # the dense FFN's gate, up and down
     assert moe == 4 * 64 * (attention + 8 + (2 * 32 + 32) + 2 * 1.5 * (2 * 16 + 32))  # router, shared, top-k copies
+
+
+def test_lines_follow_their_item_on_a_loss_only_stage_and_under_recompute_modules():
+    """The lines inside an item are what the item holds: on a loss-only last stage (whose peak is another moment
+    than the blocks' own) and under Megatron's recompute modules, which free some of them and not others."""
+    from megakit.core.planner.memory import estimate_memory
+    from megakit.core.planner.model_spec import ModelSpec
+
+    spec = ModelSpec.from_config("moe-tiny").with_overrides(seq_len=32)
+    loss_only = estimate_memory(spec, pp=2, vpp=3, stage=1, precision="fp32", micro_batch=2)
+    routing = loss_only.breakdown["moe_routing"]
+    assert sum(routing.values()) == pytest.approx(loss_only.items["moe_routing"])
+
+    spec = ModelSpec.from_config("deepseek-v3-tiny").with_overrides(seq_len=32)
+    kw = dict(precision="bf16", micro_batch=2, megatron=True, recompute="selective")
+    plain = estimate_memory(spec, **kw)
+    shared = estimate_memory(spec, recompute_modules=("shared_experts",), **kw)
+    act = estimate_memory(spec, recompute_modules=("moe_act",), **kw)
+    assert shared.items["activations"] < plain.items["activations"]
+    assert "shared experts (MoE blocks)" not in shared.breakdown["activations"]  # recomputed: none kept
+    assert plain.breakdown["activations"]["shared experts (MoE blocks)"] > 0
+    router = "router logits and scores"
+    assert act.breakdown["moe_routing"][router] == pytest.approx(plain.breakdown["moe_routing"][router])
+    assert sum(act.breakdown["moe_routing"].values()) == pytest.approx(act.items["moe_routing"])
+    for flash in (True, False):  # the attention core is what plain selective recompute and "core_attn" both free
+        default, core = (estimate_memory(spec, flash_attention=flash, recompute_modules=modules, **kw)
+                         for modules in ((), ("core_attn",)))
+        assert core.items == pytest.approx(default.items)

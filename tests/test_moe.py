@@ -218,7 +218,7 @@ def test_an_ep1_moe_layer_never_waits_for_the_device():
         torch.nn.init.normal_(p, std=0.5)
     x = torch.randn(16, 2, 16, requires_grad=True)
     calls = []
-    names = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
+    names = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy")
     saved = {name: getattr(torch.Tensor, name) for name in names}
 
     def probe(name):

@@ -177,7 +177,7 @@ def test_more_virtual_stages_than_blocks_give_the_embedding_and_the_loss_stages_
         partition_layers(config, 7)
     assert parse_stage_layers("0,1*94,0") == (0,) + (1,) * 94 + (0,)
     assert parse_stage_layers("3,2*2,3") == (3, 2, 2, 3) and parse_stage_layers(None) is None
-    for bad in ("1*0", "2;2", "1*x", "*3", "1*-2"):
+    for bad in ("1*0", "2;2", "1*x", "*3", "1*-2", "2*"):
         with pytest.raises(UsageError, match="is not a list of layer counts; .* N\\*K for K stages of N"):
             parse_stage_layers(bad)
     with pytest.raises(UsageError, match="sums to 96 layers but the model has 94"):

@@ -324,3 +324,15 @@ def test_plan_prices_transformer_engines_block_scaled_fp8_under_megatron_and_ref
         assert cli.main(["plan", *map(str, argv + extra)]) == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_offloaded_host_memory_holds_the_experts_master_and_adam():
+    """``--offload optimizer`` moves the experts' fp32 master and Adam states to the host with the dense ones: the
+    host-RAM check counts both."""
+    from megakit.core.planner.search import _host_bytes
+
+    model = ModelSpec.from_config("mixtral-8x7b")
+    plan = Plan(tp=1, pp=1, dp=8, ep=8, zero_stage=2, micro_batch=1, recompute="full", offload="optimizer")
+    on_gpu = estimate_memory(model, seq_len=4096, **dataclasses.replace(plan, offload="none").memory_kwargs())
+    experts = on_gpu.items["expert_master_params"] + on_gpu.items["expert_optimizer"]
+    assert experts > 0 and _host_bytes(model, plan, 4096) >= experts + on_gpu.items["optimizer"]

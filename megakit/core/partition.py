@@ -65,8 +65,8 @@ def parse_stage_layers(text: str | None) -> tuple[int, ...] | None:
     counts = []
     try:
         for part in str(text).split(","):
-            count, _, repeat = part.partition("*")
-            times = int(repeat) if repeat else 1
+            count, star, repeat = part.partition("*")
+            times = int(repeat) if star else 1  # "2*" (no repeat) is refused with the rest
             if times < 1:
                 raise ValueError(part)
             counts += [int(count)] * times

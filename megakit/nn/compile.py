@@ -45,7 +45,9 @@ def compile_blocks(model: nn.Module, *, backend: str = "inductor", mode: str | N
     parameter groups and ``full_state_dict`` see the same model as without compile."""
     blocks = list(model.layers.values())
     if any(m.ep > 1 for m in moe_layers(model)):
-        torch._dynamo.config.nested_graph_breaks = True  # one break on each side of the all-to-alls, not per frame
+        # one break on each side of the all-to-alls, not one per frame; process-wide, as Dynamo reads it when it first
+        # traces a block (at the first step), and a training process compiles nothing else
+        torch._dynamo.config.nested_graph_breaks = True
     for block in blocks:
         block.compile(backend=backend, mode=mode, dynamic=False)
     return len(blocks)

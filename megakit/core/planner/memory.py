@@ -95,7 +95,7 @@ RECOMPUTE = ("none", "selective", "full", "per-op")
 # kernel's inputs and output as flash attention does. The byte counts follow Megatron's own estimator
 # (Megatron-MoE-ModelZoo misc/tools/deepseek_mem_estimate.py, its "By ... recompute, can save" lines).
 MEGATRON_RECOMPUTE = {
-    "core_attn": (("attention log-sum-exp",), ()),
+    "core_attn": (("attention log-sum-exp",), ("attention log-sum-exp",)),
     "layernorm": (("qkv input", "mlp input"), ("qkv input", "mlp input")),
     "mla_up_proj": (("q", "k", "v"), ("q", "k", "v")),
     "mlp": ((), ("gate output", "up output", "act(gate)", "down input", "gate and up output", "gelu input",
@@ -345,38 +345,38 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
         return [x for x in tensors if not (megatron and x.name.endswith(TE_NORM_DROPS))]
 
     def megatron_kept(tensors: list, is_moe: bool) -> list:
-        """``tensors`` less what Megatron-Core's selective ``recompute_modules`` free (its default: core_attn)."""
+        """``tensors`` less what selective recompute frees: Megatron-Core's ``recompute_modules``, or the attention
+        core (megakit's selective recompute, and Megatron's default)."""
         dropped = {name for module in (recompute_modules or ("core_attn",))
                    for name in MEGATRON_RECOMPUTE[module][0 if is_moe else 1]}
         return [x for x in tensors if x.name not in dropped]
 
+    def block_tensors(is_moe: bool, flash: bool = flash_attention) -> list:
+        return saved(activation_tensors(model, flash_attention=flash, moe=is_moe, **shape))
+
+    def kept_tensors(is_moe: bool) -> list:
+        """The tensors a block keeps under selective, per-op or no recompute. A recomputed attention core keeps
+        its inputs q, k, v (K and V unrepeated under GQA) and o_proj's input, as flash attention keeps them."""
+        if recompute == "selective":
+            return megatron_kept(block_tensors(is_moe, flash_attention or "core_attn" in (recompute_modules or (
+                "core_attn",))), is_moe)
+        if recompute == "per-op":
+            return [x for x in block_tensors(is_moe) if x.name in PER_OP_KEPT]
+        return block_tensors(is_moe)
+
     def kept_bytes(is_moe: bool) -> tuple[list, float, float]:
         """(the block's saved tensors, their bytes, the bytes recompute leaves kept) of a dense or MoE block."""
-        tensors = saved(activation_tensors(model, flash_attention=flash_attention, moe=is_moe, **shape))
+        tensors = block_tensors(is_moe)
         full = size(tensors)
-        if recompute == "selective" and recompute_modules:
-            return tensors, full, size(megatron_kept(tensors, is_moe))
         if recompute == "full":  # the block input only, on recompute_fraction of the blocks
             return tensors, full, recompute_fraction * block_input + (1 - recompute_fraction) * full
-        if recompute == "selective":  # the attention core is recomputed: kept are its inputs q, k, v (K and V
-            # unrepeated under GQA) and o_proj's input, as flash attention keeps them, without its log-sum-exp
-            return tensors, full, size(x for x in saved(activation_tensors(model, flash_attention=True, moe=is_moe,
-                                                                              **shape))
-                                       if x.name != "attention log-sum-exp")
-        if recompute == "per-op":
-            return tensors, full, 2 * block_input + sum(x.bytes(seq_len=s, micro_batch=b) for x in tensors
-                                                        if x.name in PER_OP_KEPT)
-        return tensors, full, full
+        return tensors, full, size(kept_tensors(is_moe)) + (2 * block_input if recompute == "per-op" else 0.0)
 
     def kept_named(is_moe: bool, names) -> float:
         """Of a block's kept bytes, those of the tensors ``names`` (the recomputed ones left out)."""
         if recompute == "full":
-            return (1 - recompute_fraction) * sum(x.bytes(seq_len=s, micro_batch=b) for x in activation_tensors(
-                model, flash_attention=flash_attention, moe=is_moe, **shape) if x.name in names)
-        listed = activation_tensors(model, flash_attention=flash_attention or recompute == "selective", moe=is_moe,
-                                    **shape)
-        return sum(x.bytes(seq_len=s, micro_batch=b) for x in listed
-                   if x.name in names and (recompute != "per-op" or x.name in PER_OP_KEPT))
+            return (1 - recompute_fraction) * size(x for x in block_tensors(is_moe) if x.name in names)
+        return size(x for x in kept_tensors(is_moe) if x.name in names)
 
     tensors, full_layer, kept = kept_bytes(moe)  # a typical block: the MoE one in an MoE model
     dense_kept = kept_bytes(False)[2] if moe else kept
@@ -384,9 +384,8 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     route = (routing_tensors(model, tp=tp, precision=precision, imbalance=imbalance, megatron=megatron, ep=ep)
              if moe else [])
     routing = size(route)
-    routing_kept = (1 - recompute_fraction) * routing if recompute == "full" else routing
-    if recompute == "selective" and recompute_modules:
-        routing_kept = size(megatron_kept(route, True))
+    route_kept = megatron_kept(route, True) if recompute == "selective" else route  # Megatron's "moe" modules
+    routing_kept = (1 - recompute_fraction) * routing if recompute == "full" else size(route_kept)
     m = accumulation if accumulation is not None else pp * vpp
     chunk_layers = (stage_chunk_layers(model, pp, vpp)[stage] if layers is None else (n_layers / vpp,) * vpp)
     chunk_moe = (stage_chunk_moe_layers(model, pp, vpp)[stage] if layers is None else
@@ -418,13 +417,10 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
         peak = in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp, zero_bubble=True)[0]
     items["activations"] = sum(n * w for n, (w, _, _) in zip(peak, weights))
     items["moe_routing"] = sum(n * r for n, (_, r, _) in zip(peak, weights))
-    breakdown = _breakdown(model, items, peak=peak, chunk_layers=chunk_layers, chunk_moe=chunk_moe,
-                           kept_named=kept_named, routing=routing, listed=routing_tensors(
-                               model, tp=tp, precision=precision, imbalance=imbalance, megatron=megatron, ep=ep)
-                           if moe else [], seq_len=s, micro_batch=b)
     moe_blocks = sum(chunk_moe) + (sum(model.config.is_moe_layer(model.layers + k - 1) for k in range(1, model.mtp + 1))
                                    if stage == pp - 1 else 0)  # an MTP module's block like the others
     dense_blocks = n_layers + (model.mtp if stage == pp - 1 else 0) - moe_blocks
+    lines = {}  # the lines inside items, for ``megakit plan``
     if zero_bubble:  # per pending W: the gradients B left, and what B recomputed (kept by the retained graph)
         out = dict(tp=tp, precision=precision, seq_len=s, micro_batch=b, sequence_parallel=sequence_parallel)
         dense_full, dense_kept = kept_bytes(False)[1:]
@@ -434,7 +430,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
             dense_blocks * (_matmul_output_bytes(model, **out) + dense_full - dense_kept)
             + moe_blocks * (experts_out + full_layer - kept))
         if moe:
-            breakdown["weight_grad_inputs"] = {
+            lines["weight_grad_inputs"] = {
                 "MoE blocks' matmul outputs (experts at top-k x FFN width)": pending * moe_blocks * experts_out}
     in_flight = sum(peak) / vpp  # in whole-stage units
     # Recomputing one block in backward rebuilds its full activations for one micro-batch.
@@ -459,11 +455,14 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
         states = in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp)
         blocks = {live: sum(n * w for n, (w, _, _) in zip(live, weights)) for live in states}
         held = max(states, key=lambda live: blocks[live] + items["logits"] * (live[-1] > 0))
-        saved = items["logits"] - logits_bytes(model, **head) + logits_bytes(model, transient=False, **head)
-        items["activations"] = max(blocks[held], max(blocks.values()) - saved) if held[-1] else blocks[held]
+        kept_logits = items["logits"] - logits_bytes(model, **head) + logits_bytes(model, transient=False, **head)
+        items["activations"] = max(blocks[held], max(blocks.values()) - kept_logits) if held[-1] else blocks[held]
         items["moe_routing"] = sum(n * r for n, (_, r, _) in zip(held, weights))
         items["logits"] *= held[-1] > 0
         in_flight = sum(held) / vpp
+        peak = held
+    lines |= _breakdown(model, items, peak=peak, chunk_layers=chunk_layers, chunk_moe=chunk_moe,
+                        kept_named=kept_named, routing=size(route_kept), listed=route_kept, seq_len=s, micro_batch=b)
 
     # ---- communication buffers --------------------------------------------------------
     if dp > 1 or zero_stage >= 1:
@@ -487,7 +486,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
         a2a = sum(x.bytes(seq_len=s, micro_batch=b) for x in dispatch_buffers(
             model, tp=tp, precision=precision, imbalance=imbalance, ep=ep)[1])
         comm += a2a
-        breakdown["comm_buffers"] = {"MoE all-to-all send and receive buffers": a2a}
+        lines["comm_buffers"] = {"MoE all-to-all send and receive buffers": a2a}
     items["comm_buffers"] = comm
     if zero_stage == 3:  # full (TP-sharded) parameters of the layer in use plus the prefetched one
         sharded, replicated = model.layer_params(tp)
@@ -497,7 +496,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     else:
         items["zero3_gather"] = 0.0
     items["overhead"] = float(overhead_bytes)
-    return MemoryEstimate(items=items, breakdown=breakdown, stage=stage, layers=n_layers, in_flight=in_flight,
+    return MemoryEstimate(items=items, breakdown=lines, stage=stage, layers=n_layers, in_flight=in_flight,
                           params_local=psi,
                           activation_per_layer=kept, tensors=tuple(tensors))
 

@@ -189,9 +189,11 @@ def _judged_no(model, cluster, ctx, *, threshold, limit) -> NoPlan:
 
 
 def _host_bytes(model: ModelSpec, plan: Plan, seq_len: int) -> float:
-    """What an offloaded plan keeps in host memory per GPU: the fp32 master, Adam and step gradients."""
+    """What an offloaded plan keeps in host memory per GPU: the fp32 master, Adam and step gradients, the experts'
+    with the dense ones."""
     on_gpu = peak_memory(model, seq_len=seq_len, **dataclasses.replace(plan, offload="none").memory_kwargs())
-    return sum(on_gpu.items[k] for k in ("master_params", "optimizer", "fp32_step_grads"))
+    return sum(on_gpu.items.get(k, 0.0) for k in ("master_params", "optimizer", "expert_master_params",
+                                                  "expert_optimizer", "fp32_step_grads"))
 
 
 def _simplicity(c: Candidate):
