@@ -34,7 +34,7 @@ LINK_EFFICIENCY = {"intra": 0.90, "inter": 0.63}  # achieved collective bandwidt
 # An all-to-all's cross-node part is one RDMA write per peer, no ring of n - 1 dependent steps through every node:
 # it keeps the NIC near its line rate. DeepEP's normal kernels (deepseek-ai/DeepEP README, H800 + CX7 400 Gb/s,
 # ~50 GB/s): 43, 58 and 51 GB/s of RDMA bottleneck bandwidth at EP 16, 32 and 64 (dispatch; combine 43, 57, 50).
-A2A_LINK_EFFICIENCY = {"intra": 0.90, "inter": 0.90}
+A2A_LINK_EFFICIENCY = {"intra": LINK_EFFICIENCY["intra"], "inter": 0.90}
 OVERLAP_NORM = 8.0  # compute and traffic running together take (C^k + Z^k)^(1/k): k=1 no overlap, k=inf perfect
 OVERLAP_NORM_2021 = 2.75  # the previous model's whole-step overlap, fitted to Narayanan et al. 2021 Table 2
 
