@@ -23,13 +23,13 @@ from host_syncs import DISPATCH, FAMILIES, METHODS, SETTINGS, HostSyncs, by_fami
 
 
 def test_the_probe_counts_each_conversion_at_its_caller_and_leaves_torch_as_it_was():
-    """No processes: each of the six methods counted at this file's line, ``item`` twice (a tensor's ``__format__``
+    """No processes: each of the eight methods counted at this file's line, ``item`` twice (a tensor's ``__format__``
     calls it inside torch: counted for its caller); afterwards ``torch.Tensor`` is what it was; steps between marks."""
     saved = {name: torch.Tensor.__dict__.get(name) for name in METHODS}
     t, probe = torch.tensor(2), HostSyncs()
     probe.install()
     try:
-        float(t), int(t), bool(t), t.item(), t.tolist(), range(t), f"{torch.tensor(0.5):.1f}"
+        float(t), int(t), bool(t), t.item(), t.tolist(), range(t), f"{torch.tensor(0.5):.1f}", t.cpu(), t.numpy()
         line = sys._getframe().f_lineno - 1
     finally:
         probe.uninstall()
