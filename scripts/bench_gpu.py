@@ -289,7 +289,7 @@ def attention_kernels(shape: dict, micro: int, *, cuda: bool) -> list[dict]:
 
     from megakit.core.model_config import ModelConfig
     from megakit.errors import UsageError
-    from megakit.nn.attention_kernel import attention_kernels_in, choose_kernel
+    from megakit.nn.attention.kernels import attention_kernels_in, choose_kernel
 
     config = ModelConfig.load(shape["model_path"])
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
@@ -327,14 +327,14 @@ def attention_kernels(shape: dict, micro: int, *, cuda: bool) -> list[dict]:
 
 def document_kernels(shape: dict, micro: int, *, cuda: bool) -> list[dict]:
     """Packed documents (lengths drawn around S/8): SDPA with the boolean mask against FlexAttention's block mask
-    (``megakit.nn.documents``, what ``auto`` runs on the GPU), fwd+bwd ms and the outputs' largest gap. On CPU
+    (``megakit.nn.attention.masks``, what ``auto`` runs on the GPU), fwd+bwd ms and the outputs' largest gap. On CPU
     FlexAttention has no backward: forward only."""
     import torch
     import torch.nn.functional as F
 
     from megakit.core.model_config import ModelConfig
-    from megakit.nn.attention import allowed_keys
-    from megakit.nn.documents import flex_document_attention
+    from megakit.nn.attention.core import allowed_keys
+    from megakit.nn.attention.masks import flex_document_attention
 
     config, s = ModelConfig.load(shape["model_path"]), shape["seq_len"]
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
@@ -373,7 +373,7 @@ def ring_kernels(*, cuda: bool) -> list[dict]:
     bf16: fwd+bwd ms, peak GiB, and the fused output's and dq's largest gap to the explicit ones."""
     import torch
 
-    from megakit.nn.context_parallel import ring_attention
+    from megakit.nn.attention.ring import ring_attention
 
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     rows = []

@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
 _TORCH = os.path.dirname(torch.__file__) + os.sep
-DISPATCH = "megakit/nn/moe_dispatch.py:"  # the one site allowed to grow: the all-to-all's split sizes (EP > 1)
+DISPATCH = "megakit/nn/moe/dispatch.py:"  # the one site allowed to grow: the all-to-all's split sizes (EP > 1)
 
 # family -> (preset, train.py flags, MoE layers of an L-layer model on each rank): the families of issue 54
 FAMILIES = {

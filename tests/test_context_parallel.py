@@ -14,7 +14,7 @@ import pytest
 import torch
 from multiproc import run_ranks
 
-from megakit.nn.context_parallel import positions
+from megakit.nn.attention.ring import positions
 
 RTOL, FLOOR = 1e-5, 1e-9
 
@@ -38,8 +38,8 @@ def _equivalence(topo, preset: str, *, sequence_parallel: bool = False, dropout:
     import torch.distributed as dist
 
     from megakit.nn import comm as C
-    from megakit.nn.context_parallel import gather_sequence
-    from megakit.nn.attention import use_cp_mode
+    from megakit.nn.attention.ring import gather_sequence
+    from megakit.nn.attention.core import use_cp_mode
     from megakit.nn.model import ModelConfig, Transformer, full_state_dict
 
     config = ModelConfig.load(preset).replace(vocab_size=250, dropout=dropout, **changes)
@@ -199,7 +199,7 @@ def _window_case(rank: int, world: int, window: int, fused: bool, documents: boo
     held to an eager reference in ``test_sinks``): ``(largest error / scale over out, dq, dk, dv, d sinks; P2P
     messages sent; bytes sent by peer)`` for this rank. fp64 (the explicit blocks compute in fp32 inside)."""
     from megakit.nn import comm as C
-    from megakit.nn.context_parallel import positions, ring_attention
+    from megakit.nn.attention.ring import positions, ring_attention
     from megakit.nn.topology import Topology
 
     topo = Topology.from_world(cp=world)
@@ -264,7 +264,7 @@ def _mla_case(rank: int, world: int, window: int, fused: bool):
     """``ring_attention`` of MLA-shaped heads at CP ``world`` against causal softmax attention over the whole
     sequence in fp64: ``(largest error / scale over out, dq, dk, dv; P2P messages sent; bytes sent by peer)``."""
     from megakit.nn import comm as C
-    from megakit.nn.context_parallel import ring_attention
+    from megakit.nn.attention.ring import ring_attention
     from megakit.nn.topology import Topology
 
     topo = Topology.from_world(cp=world)
@@ -297,7 +297,7 @@ def _mla_sweep(rank: int, world: int):
 def test_the_ring_carries_mla_values_at_their_own_width():
     """MLA's values (d_v) narrower than its keys (d_qk), at CP 4 over 64 tokens: the output (d_v wide) and gradients
     equal whole-sequence attention's, and each step's K/V message is n (d_qk + d_v) x tokens x element bytes, one
-    flat buffer (``megakit.nn.context_parallel._pack``), not the 2 n d_qk of V padded with zero columns (which the
+    flat buffer (``megakit.nn.attention.ring._pack``), not the 2 n d_qk of V padded with zero columns (which the
     ring sent before: 24 / 20 of it here, 384 / 320 for DeepSeek-V3). The full ring: 3 K/V blocks forward, 3 more
     and 4 gradient blocks backward, all to rank r + 1, one message each; a window within a chunk (8 tokens): half
     blocks to and from the zig-zag neighbours (the counts of ``test_a_window_within_a_chunk_...``)."""

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megakit.nn.context_parallel import ring_attention
-from megakit.nn.documents import same_document
+from megakit.nn.attention.ring import ring_attention
+from megakit.nn.attention.masks import same_document
 
 B, N, KV, S, D = 2, 4, 2, 16, 8
 

@@ -69,7 +69,7 @@ def _gather(x: torch.Tensor, topo) -> list[torch.Tensor]:
 
 def _cross_entropy(topo) -> None:
     """The vocab-parallel loss against F.cross_entropy on gathered logits, values and grads."""
-    from megakit.nn.tensor_parallel import vocab_parallel_cross_entropy
+    from megakit.nn.tensor_parallel.layers import vocab_parallel_cross_entropy
 
     gen = torch.Generator().manual_seed(3)
     vocab = 30 * topo.tp - 1  # one padded column on the last rank
@@ -93,7 +93,7 @@ def _cross_entropy(topo) -> None:
 def _layers(topo) -> None:
     """Column-parallel with a gathered output, fed into row-parallel through scatter_to_tp,
     against plain nn.Linear layers with the same full weights: outputs and all gradients."""
-    from megakit.nn.tensor_parallel import (
+    from megakit.nn.tensor_parallel.layers import (
         ColumnParallelLinear,
         RowParallelLinear,
         scatter_to_tp,

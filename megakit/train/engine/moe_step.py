@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from megakit.nn import comm
-from megakit.nn.moe import MoE, set_aux_loss_scale, update_expert_bias
+from megakit.nn.moe.layer import MoE, set_aux_loss_scale, update_expert_bias
 
 FIELDS = ("max_tokens", "mean_tokens", "dropped", "aux", "seq_aux", "z", "bias_norm")
 _SUMMED = slice(2, 6)  # a slice: an index list would be copied to the device

@@ -3,13 +3,13 @@
 RoPE's variants (llama3, linear, yarn, dynamic) are ``megakit.core.rope``'s frequencies, and a block may have none
 (``ModelConfig.block_uses_rope``: q and k go to the core unrotated, on every path alike); a sliding
 window (Mistral, Qwen2) masks keys more than ``window - 1`` positions back, and packed documents
-(``megakit.nn.documents``) mask keys of other documents, in every path.
+(``megakit.nn.attention.masks``) mask keys of other documents, in every path.
 
 q/k/v are column-parallel and the output row-parallel (Megatron). Without context parallelism
 the core is PyTorch's fused ``scaled_dot_product_attention`` (or, with dropout in training,
 the same written out so the mask is megakit's layout-free one); with it, the rank holds
-``S/cp`` rows of the sequence and the core is ``megakit.nn.context_parallel.ring_attention``, or with
-``cp_mode`` "a2a" the whole sequence of ``heads/cp`` heads after an all-to-all (``megakit.nn.ulysses``), or with
+``S/cp`` rows of the sequence and the core is ``megakit.nn.attention.ring.ring_attention``, or with
+``cp_mode`` "a2a" the whole sequence of ``heads/cp`` heads after an all-to-all (``megakit.nn.attention.ulysses``), or with
 "hybrid" an all-to-all inside groups of CP ranks and a ring across them.
 """
 
@@ -23,12 +23,12 @@ from torch import nn
 from megakit.core.model_config import ModelConfig
 from megakit.core.rope import inv_freq
 from megakit.nn import comm as C
-from megakit.nn.context_parallel import attention_keep, positions, ring_attention
-from megakit.nn.documents import flex_document_attention, same_document
+from megakit.nn.attention.ring import attention_keep, positions, ring_attention
+from megakit.nn.attention.masks import flex_document_attention, same_document
 from megakit.nn.dropout import DropoutKeys, attention_dropout
-from megakit.nn.overlapped_linear import column_parallel
-from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp, mark
-from megakit.nn.ulysses import ulysses_attention
+from megakit.nn.tensor_parallel.overlapped_linear import column_parallel
+from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, copy_to_tp, mark
+from megakit.nn.attention.ulysses import ulysses_attention
 
 
 def rope_tables(config: ModelConfig, device, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,9 +153,9 @@ class Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = config.heads // tp, config.kv_heads // tp, config.head_dim
         self.total_heads, self.head_start = config.heads, C.rank(group) * self.heads
         self.dropout, self.rope = config.dropout, config.block_uses_rope(index)  # SmolLM3's NoPE blocks: no rotation
-        self.expand_kv = False  # set by megakit.nn.attention_kernel.use_kernel for kernels that need it
+        self.expand_kv = False  # set by megakit.nn.attention.kernels.use_kernel for kernels that need it
         self.flex_documents = False  # packed documents through FlexAttention (use_kernel sets it on a GPU)
-        self.cp_mode = "ring"  # with CP: ring attention, "a2a" (Ulysses: megakit.nn.ulysses) or "hybrid"; use_cp_mode
+        self.cp_mode = "ring"  # with CP: ring attention, "a2a" (Ulysses: megakit.nn.attention.ulysses) or "hybrid"; use_cp_mode
         self.a2a_group = self.ring_group = None  # hybrid's groups (use_cp_mode sets them)
         self.scale, self.window = config.attention_scale(index), config.attention_window(index)  # block ``index``'s
         self.sdpa_scale = None if self.scale == self.head_dim ** -0.5 else self.scale  # None: SDPA's own 1/sqrt(d)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from megakit.nn import comm as C
-from megakit.nn.documents import same_document
+from megakit.nn.attention.masks import same_document
 from megakit.nn.dropout import DropoutKeys, keep_mask
 
 _KV_TAG, _GRAD_TAG = 71, 72  # P2P tags of the ring (its peers are never pipeline peers)
@@ -534,7 +534,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
     rotated at their global positions; ``keep``: ``attention_keep``'s dropout mask with
     probability ``p``, or None; ``scale``: the scores' factor (default ``1/sqrt(d)``); ``window``: a
     sliding window (0: none); ``documents``: the whole sequence's ``(B, S)`` document numbers, attention then
-    stays inside each document (``megakit.nn.documents``). ``fused``: each block's chunk pairs on the fused kernel
+    stays inside each document (``megakit.nn.attention.masks``). ``fused``: each block's chunk pairs on the fused kernel
     (``_FusedRingAttention``); default: without dropout. ``sinks`` ``(n,)``: gpt-oss's learned logit per head in
     each softmax denominator (``_sink_forward``). ``group`` None: a ring of one, the whole sequence in order (how
     attention with sinks runs without CP: SDPA returns no log-sum-exp). Returns ``(B, n, S/cp, d_v)``, this rank's

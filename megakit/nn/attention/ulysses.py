@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from megakit.nn import comm as C
-from megakit.nn.context_parallel import positions
-from megakit.nn.moe_dispatch import all_to_all
+from megakit.nn.attention.ring import positions
+from megakit.nn.moe.dispatch import all_to_all
 
 
 def _sequence_order(seq_len: int, cp: int, members: range, device) -> tuple[torch.Tensor, torch.Tensor]:

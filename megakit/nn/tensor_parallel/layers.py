@@ -196,7 +196,7 @@ class ColumnParallelLinear(nn.Module):
         local = _divide(out_features, C.size(group), "output features")
         self.weight = mark(_empty(local, in_features, dtype=dtype, device=device), 0)
         self.bias = mark(_empty(local, dtype=dtype, device=device), 0) if bias else None
-        self.matmul = F.linear  # megakit.nn.fp8 swaps in a float8 matmul (same weight, same names)
+        self.matmul = F.linear  # megakit.nn.tensor_parallel.fp8 swaps in a float8 matmul (same weight, same names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
@@ -220,7 +220,7 @@ class RowParallelLinear(nn.Module):
         local = _divide(in_features, C.size(group), "input features")
         self.weight = mark(_empty(out_features, local, dtype=dtype, device=device), 1)
         self.bias = mark(_empty(out_features, dtype=dtype, device=device), None) if bias else None
-        self.matmul = F.linear  # megakit.nn.fp8 swaps in a float8 matmul (same weight, same names)
+        self.matmul = F.linear  # megakit.nn.tensor_parallel.fp8 swaps in a float8 matmul (same weight, same names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = leave_tp_region(self.matmul(x, self.weight), self.group, self.sequence_parallel)  # (S', B, out)
