@@ -1,8 +1,8 @@
 """Benchmark: context parallelism's attention, the fused ring against the explicit one, and the ring against Ulysses.
 
 1. One rank's block loop (its own block, the diagonal one every rank computes): the ring on the fused kernel
-   (``megakit.nn.attention.ring._FusedRingAttention``: chunk pairs, the masked ones skipped, each pair one
-   LSE-returning flash call) against the explicit blocks (``_RingAttention``: a (S/cp)^2 fp32 score matrix and its
+   (``megakit.nn.attention.blocks._FusedBlockAttention``: chunk pairs, the masked ones skipped, each pair one
+   LSE-returning flash call) against the explicit blocks (``_BlockAttention``: a (S/cp)^2 fp32 score matrix and its
    ``exp``), forward + backward. Each variant runs in a fresh process, so its peak resident memory over the
    inputs (``ru_maxrss``) is its own.
 2. CP 2 over two processes (gloo): the ring against ``--cp-mode a2a`` (``megakit.nn.attention.ulysses``) on the same

@@ -333,7 +333,7 @@ def document_kernels(shape: dict, micro: int, *, cuda: bool) -> list[dict]:
     import torch.nn.functional as F
 
     from megakit.core.model_config import ModelConfig
-    from megakit.nn.attention.core import allowed_keys
+    from megakit.nn.attention.masks import allowed_keys
     from megakit.nn.attention.masks import flex_document_attention
 
     config, s = ModelConfig.load(shape["model_path"]), shape["seq_len"]
@@ -368,8 +368,8 @@ def document_kernels(shape: dict, micro: int, *, cuda: bool) -> list[dict]:
 
 def ring_kernels(*, cuda: bool) -> list[dict]:
     """One CP rank's ring block loop (a ring of one: its own block, the diagonal every rank computes), the fused
-    chunk pairs (``_FusedRingAttention``: on CUDA the memory-efficient kernel) against the explicit fp32 blocks
-    (``_RingAttention``), at 8k and 16k local tokens, 8 query heads over 2 KV heads of 128 (Llama-3-8B at TP 4),
+    chunk pairs (``attention.blocks._FusedBlockAttention``: on CUDA the memory-efficient kernel) against the
+    explicit fp32 blocks (``_BlockAttention``), at 8k and 16k local tokens, 8 query heads over 2 KV heads of 128 (Llama-3-8B at TP 4),
     bf16: fwd+bwd ms, peak GiB, and the fused output's and dq's largest gap to the explicit ones."""
     import torch
 

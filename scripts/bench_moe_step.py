@@ -85,7 +85,7 @@ def host_syncs(options) -> dict[str, dict[str, str]]:
             setting = ", ".join(f"{m} mb {n} L" for m, n in SETTINGS)
             columns[f"syncs/step {name} ({setting.replace(', ', ' -> ')})"] = {
                 family: _cell(settings) for family, settings in counts.items()}
-            if name == "after":  # the dispatcher's share (moe_dispatch.py), and the rest: constant is the target
+            if name == "after":  # the dispatcher's share (moe/dispatch.py), and the rest: constant is the target
                 for label, dispatch in (("dispatcher", True), ("the rest", False)):
                     columns[f"after: {label}"] = {family: _cell(settings, dispatch=dispatch)
                                                   for family, settings in counts.items()}

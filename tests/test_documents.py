@@ -29,7 +29,7 @@ def _per_document(q, k, v, documents, window: int = 0) -> torch.Tensor:
     """Each document of each row through plain causal SDPA on its own, concatenated."""
     import torch.nn.functional as F
 
-    from megakit.nn.attention.core import causal_mask
+    from megakit.nn.attention.masks import causal_mask
 
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
@@ -64,7 +64,7 @@ def test_positions_restart_at_each_document():
 def test_packed_sdpa_and_the_dropout_path_equal_each_document_alone(window):
     import torch.nn.functional as F
 
-    from megakit.nn.attention.core import allowed_keys
+    from megakit.nn.attention.masks import allowed_keys
 
     q, k, v = _qkv()
     docs = _documents()
@@ -122,7 +122,8 @@ def test_flex_attention_equals_each_document_alone(window):
 
 
 def _ring_worker(rank: int, world: int, window: int):
-    from megakit.nn.attention.ring import gather_sequence, positions, ring_attention
+    from megakit.nn.attention.ring import ring_attention
+    from megakit.nn.sequence import gather_sequence, positions
     from megakit.nn.topology import Topology
 
     topo = Topology.from_world(cp=world)

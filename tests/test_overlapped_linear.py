@@ -17,8 +17,9 @@ def _chunk(group, sp: bool, fused: bool, bias: bool):
     import torch
     from torch import nn
 
+    from megakit.nn.tensor_parallel.collectives import enter_tp_region
+    from megakit.nn.tensor_parallel.layers import ColumnParallelLinear
     from megakit.nn.tensor_parallel.overlapped_linear import column_parallel
-    from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, enter_tp_region
 
     class Chunk(nn.Module):
         def __init__(self):

@@ -73,7 +73,7 @@ def test_mla_is_not_counted_as_plain_attention():
 
 
 def test_ring_context_parallelism_keeps_mla_values_at_their_own_width():
-    """The ring carries V at d_v (``megakit.nn.attention.ring._pack``; the fused kernel's zero columns are local to
+    """The ring carries V at d_v (``megakit.nn.attention.transport.pack``; the fused kernel's zero columns are local to
     each call): it keeps v and its (B, n, S, d_v) output, and ``o_proj`` a contiguous (B, S, n, d_v) copy. Before,
     v and the output were padded to d_qk: 285324 bytes a token. Ulysses' all-to-all runs SDPA, whose output the
     all-to-all back copies into ``o_proj``'s input: kept twice as well (measured by ``tests/test_memory_truth.py``:

@@ -14,12 +14,13 @@ from torch import nn
 from megakit.core.model_config import ModelConfig
 from megakit.nn import comm as C
 from megakit.nn.attention.core import Attention, rms_norm
-from megakit.nn.attention.ring import positions
-from megakit.nn.dropout import DropoutKeys, residual_dropout
 from megakit.nn.attention.latent import LatentAttention
+from megakit.nn.dropout import DropoutKeys, residual_dropout
 from megakit.nn.moe.layer import MoE
+from megakit.nn.sequence import positions
+from megakit.nn.tensor_parallel.collectives import replicated
+from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, mark
 from megakit.nn.tensor_parallel.overlapped_linear import column_parallel
-from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, mark, replicated
 
 __all__ = ["Block", "MLP", "Norm", "ResidualDropout"]
 

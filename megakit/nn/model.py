@@ -26,19 +26,14 @@ from megakit.errors import UsageError
 from megakit.nn import comm as C
 from megakit.nn.attention.core import apply_rope, rms_norm, rope_tables  # noqa: F401 (API)
 from megakit.nn.block import Block, Norm, ResidualDropout
-from megakit.nn.tensor_parallel.chunked_loss import chunked_head_loss
-from megakit.nn.attention.ring import positions, sequence_mean
 from megakit.nn.dropout import DropoutKeys
 from megakit.nn.moe.layer import counting
 from megakit.nn.mtp import PredictionModule, depth_labels, shifted
-from megakit.nn.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    VocabParallelEmbedding,
-    enter_tp_region,
-    mark,
-    replicated,
-    vocab_parallel_cross_entropy,
-)
+from megakit.nn.sequence import positions, sequence_mean
+from megakit.nn.tensor_parallel.chunked_loss import chunked_head_loss
+from megakit.nn.tensor_parallel.collectives import enter_tp_region, replicated
+from megakit.nn.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, mark
 from megakit.nn.weights import init_shard_
 
 __all__ = ["ModelConfig", "Transformer", "build_stage_chunks", "full_state_dict", "load_full_state_dict",
@@ -168,7 +163,7 @@ class Transformer(nn.Module):
                 sample_ids: torch.Tensor | list[int] | None = None, documents: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``documents`` ``(B, S)``: attention stays inside each packed document; ``position_ids`` ``(B, S)``: each
-        token's position (``megakit.nn.attention.masks``; default 0..S-1). Both are the whole sequence's, on every stage,
+        token's position (``attention.masks``; default 0..S-1). Both are the whole sequence's, on every stage,
         and so are ``input_ids``, which only a last stage training MTP modules reads."""
         keys = self._dropout_keys(x, sample_ids)
         seq_len = x.shape[1] if self.pre else x.shape[0] * (self.tp if self.sequence_parallel else 1) * self.cp

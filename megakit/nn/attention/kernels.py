@@ -43,7 +43,7 @@ class KernelChoice:
     name: str
     backends: tuple = ()
     expand_kv: bool = False
-    flex_documents: bool = False  # packed documents through FlexAttention (megakit.nn.attention.masks), not a masked SDPA
+    flex_documents: bool = False  # packed documents through FlexAttention (attention.masks), not a masked SDPA
 
     def context(self):
         """The context a step runs in: ``sdpa_kernel`` with these backends, or nothing."""

@@ -31,7 +31,7 @@ and divide by DP x CP** -- the divisor of the dense average (as DeepSpeed's ZeRO
 MoE parameter groups). The EDP sum covers every token slice of the stage once (EP x EDP = TP x CP x
 DP); simply averaging over EDP would leave them EP / TP times too large.
 
-Balancing losses (``moe_router``): the block adds ``aux_loss_coeff * aux + seq_aux_loss_coeff *
+Balancing losses (``moe.router``): the block adds ``aux_loss_coeff * aux + seq_aux_loss_coeff *
 seq_aux + z_loss_coeff * z`` to the training objective by itself, Megatron's
 ``MoEAuxLossAutoScaler`` way: forward: the output unchanged; backward: the output's gradient,
 and ``loss_scale`` as the gradient of that sum -- so every pipeline stage's MoE layers train their
@@ -57,10 +57,11 @@ from torch import nn
 from megakit.core.moe_config import MoEConfig
 from megakit.errors import UsageError
 from megakit.nn import comm as C
-from megakit.nn.moe.grouped_mm import grouped_mm
 from megakit.nn.moe.dispatch import make_dispatcher
+from megakit.nn.moe.grouped_mm import grouped_mm
 from megakit.nn.moe.router import balance_losses, capacity_keep, route
-from megakit.nn.tensor_parallel.layers import copy_to_tp, gather_from_tp, mark, scatter_to_tp
+from megakit.nn.tensor_parallel.collectives import copy_to_tp, gather_from_tp, scatter_to_tp
+from megakit.nn.tensor_parallel.layers import mark
 
 
 def _param(*shape, dtype, device, ep: bool = False) -> nn.Parameter:

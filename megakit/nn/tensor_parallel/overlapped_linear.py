@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from megakit.nn import comm as C
-from megakit.nn.tensor_parallel.layers import enter_tp_region
+from megakit.nn.tensor_parallel.collectives import enter_tp_region
 
 
 def _needed(ctx, index: int) -> bool:
