@@ -1,11 +1,11 @@
 """Benchmark: context parallelism's attention, the fused ring against the explicit one, and the ring against Ulysses.
 
 1. One rank's block loop (its own block, the diagonal one every rank computes): the ring on the fused kernel
-   (``megakit.nn.context_parallel._FusedRingAttention``: chunk pairs, the masked ones skipped, each pair one
-   LSE-returning flash call) against the explicit blocks (``_RingAttention``: a (S/cp)^2 fp32 score matrix and its
+   (``megakit.nn.attention.blocks._FusedBlockAttention``: chunk pairs, the masked ones skipped, each pair one
+   LSE-returning flash call) against the explicit blocks (``_BlockAttention``: a (S/cp)^2 fp32 score matrix and its
    ``exp``), forward + backward. Each variant runs in a fresh process, so its peak resident memory over the
    inputs (``ru_maxrss``) is its own.
-2. CP 2 over two processes (gloo): the ring against ``--cp-mode a2a`` (``megakit.nn.ulysses``) on the same
+2. CP 2 over two processes (gloo): the ring against ``--cp-mode a2a`` (``megakit.nn.attention.ulysses``) on the same
    shapes, forward + backward, alternating rounds, the median counted.
 
     python scripts/bench_cp.py                          # 4k and 8k local tokens, 8 heads of 64, fp32
@@ -35,7 +35,7 @@ def _one_block(fused: bool, tokens: int, heads: int, dim: int, reps: int) -> dic
     """In this process: the ring's own block, fused or explicit, ``reps`` timed fwd+bwd; peak RSS over the inputs."""
     import torch
 
-    from megakit.nn.context_parallel import ring_attention
+    from megakit.nn.attention.ring import ring_attention
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     gen = torch.Generator().manual_seed(0)
@@ -57,9 +57,9 @@ def _ring_or_a2a(rank: int, world: int, port: int, args, results) -> None:
     import torch.distributed as dist
 
     from megakit.core.layout import Layout
-    from megakit.nn.context_parallel import ring_attention
+    from megakit.nn.attention.ring import ring_attention
     from megakit.nn.topology import Topology
-    from megakit.nn.ulysses import ulysses_attention
+    from megakit.nn.attention.ulysses import ulysses_attention
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

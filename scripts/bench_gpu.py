@@ -289,7 +289,7 @@ def attention_kernels(shape: dict, micro: int, *, cuda: bool) -> list[dict]:
 
     from megakit.core.model_config import ModelConfig
     from megakit.errors import UsageError
-    from megakit.nn.attention_kernel import attention_kernels_in, choose_kernel
+    from megakit.nn.attention.kernels import attention_kernels_in, choose_kernel
 
     config = ModelConfig.load(shape["model_path"])
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
@@ -327,14 +327,14 @@ def attention_kernels(shape: dict, micro: int, *, cuda: bool) -> list[dict]:
 
 def document_kernels(shape: dict, micro: int, *, cuda: bool) -> list[dict]:
     """Packed documents (lengths drawn around S/8): SDPA with the boolean mask against FlexAttention's block mask
-    (``megakit.nn.documents``, what ``auto`` runs on the GPU), fwd+bwd ms and the outputs' largest gap. On CPU
+    (``megakit.nn.attention.masks``, what ``auto`` runs on the GPU), fwd+bwd ms and the outputs' largest gap. On CPU
     FlexAttention has no backward: forward only."""
     import torch
     import torch.nn.functional as F
 
     from megakit.core.model_config import ModelConfig
-    from megakit.nn.attention import allowed_keys
-    from megakit.nn.documents import flex_document_attention
+    from megakit.nn.attention.masks import allowed_keys
+    from megakit.nn.attention.masks import flex_document_attention
 
     config, s = ModelConfig.load(shape["model_path"]), shape["seq_len"]
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
@@ -368,12 +368,12 @@ def document_kernels(shape: dict, micro: int, *, cuda: bool) -> list[dict]:
 
 def ring_kernels(*, cuda: bool) -> list[dict]:
     """One CP rank's ring block loop (a ring of one: its own block, the diagonal every rank computes), the fused
-    chunk pairs (``_FusedRingAttention``: on CUDA the memory-efficient kernel) against the explicit fp32 blocks
-    (``_RingAttention``), at 8k and 16k local tokens, 8 query heads over 2 KV heads of 128 (Llama-3-8B at TP 4),
+    chunk pairs (``attention.blocks._FusedBlockAttention``: on CUDA the memory-efficient kernel) against the
+    explicit fp32 blocks (``_BlockAttention``), at 8k and 16k local tokens, 8 query heads over 2 KV heads of 128 (Llama-3-8B at TP 4),
     bf16: fwd+bwd ms, peak GiB, and the fused output's and dq's largest gap to the explicit ones."""
     import torch
 
-    from megakit.nn.context_parallel import ring_attention
+    from megakit.nn.attention.ring import ring_attention
 
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     rows = []

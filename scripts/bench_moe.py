@@ -1,6 +1,6 @@
 """Benchmark: one MoE layer, forward + backward, EP = 2 on 2 CPU processes (gloo), against DeepSpeed's MoE.
 
-megakit's block (``megakit.nn.moe.MoE``: fp32 router, sort-based all-to-all dispatch with variable
+megakit's block (``megakit.nn.moe.layer.MoE``: fp32 router, sort-based all-to-all dispatch with variable
 splits, stacked SwiGLU experts) against ``deepspeed.moe.layer.MoE`` (GShard top-2 gate, einsum
 dispatch into an ``(E, capacity, H)`` buffer, equal-split all-to-all) with the same experts, the same
 weights and the same tokens, in one run. DeepSpeed runs at capacity factor ``E / k``, so its capacity
@@ -75,7 +75,7 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
 
     from megakit.core.layout import Layout
     from megakit.core.moe_config import MoEConfig
-    from megakit.nn.moe import MoE
+    from megakit.nn.moe.layer import MoE
     from megakit.nn.topology import Topology
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

@@ -32,7 +32,7 @@ def _layer(family: str, *, hidden: int, ffn: int, experts: int, top_k: int, dtyp
     import torch
 
     from megakit.core.model_config import ModelConfig
-    from megakit.nn.moe import MoE
+    from megakit.nn.moe.layer import MoE
 
     overrides, moe = moe, ModelConfig.load(family).moe
     groups = min(moe.groups, experts)

@@ -8,7 +8,7 @@ Host conversions per step (``scripts/host_syncs.py``: ``item``, ``tolist``, ``fl
 ``range(t)`` in the trainer's processes, by call site, start-up and the last step left out), for each family of
 ``host_syncs.FAMILIES`` at 2 micro-batches and 2 layers, then at 4 and 4 (``a -> b``; on a GPU each is a wait for the
 device), in one launcher job of 2 processes per tree: this one ("after") and, from ``git archive``, the revision
-``--before`` ("before"). The most any rank makes. After: the dispatcher's share (``megakit/nn/moe_dispatch.py``),
+``--before`` ("before"). The most any rank makes. After: the dispatcher's share (``megakit/nn/moe/dispatch.py``),
 the one allowed to grow, by at most one per MoE layer per micro-batch at EP > 1 and not at all at EP 1, and the
 rest, which must not grow (``a == b``). ``--sites`` prints each family's calls by site. On a CPU some calls convert
 host tensors: the counts are upper bounds.
@@ -85,7 +85,7 @@ def host_syncs(options) -> dict[str, dict[str, str]]:
             setting = ", ".join(f"{m} mb {n} L" for m, n in SETTINGS)
             columns[f"syncs/step {name} ({setting.replace(', ', ' -> ')})"] = {
                 family: _cell(settings) for family, settings in counts.items()}
-            if name == "after":  # the dispatcher's share (moe_dispatch.py), and the rest: constant is the target
+            if name == "after":  # the dispatcher's share (moe/dispatch.py), and the rest: constant is the target
                 for label, dispatch in (("dispatcher", True), ("the rest", False)):
                     columns[f"after: {label}"] = {family: _cell(settings, dispatch=dispatch)
                                                   for family, settings in counts.items()}

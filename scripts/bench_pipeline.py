@@ -100,7 +100,7 @@ def _bench(rank: int, args) -> dict:
     from megakit.core.schedules import build_schedule, schedule_1f1b
     from megakit.core.simulator import Costs, simulate
     from megakit.nn.model import ModelConfig, build_stage_chunks
-    from megakit.nn.pipeline import PipelineExecutor
+    from megakit.nn.pipeline.executor import PipelineExecutor
     from megakit.nn.topology import Topology
     from megakit.train.engine.deepspeed_shm import unlink_shared_memory
 

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # e.g. bincount's or a boolean index's, are for torch.cuda.set_sync_debug_mode on a GPU)
 METHODS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy")
 _TORCH = os.path.dirname(torch.__file__) + os.sep
-DISPATCH = "megakit/nn/moe_dispatch.py:"  # the one site allowed to grow: the all-to-all's split sizes (EP > 1)
+DISPATCH = "megakit/nn/moe/dispatch.py:"  # the one site allowed to grow: the all-to-all's split sizes (EP > 1)
 
 # family -> (preset, train.py flags, MoE layers of an L-layer model on each rank): the families of issue 54
 FAMILIES = {

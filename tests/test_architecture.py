@@ -2,7 +2,8 @@
 
 commands -> train -> interop -> nn -> core, each importing only the layers below it, and the
 core importing no torch (docs/architecture.md). Inside train, its rooms sit below its entry points
-(trainer, steps, run) in tiers, and the doctor and the run's resilience do not import each other.
+(trainer, steps, run) in tiers, and the doctor and the run's resilience do not import each other. Inside nn, its
+rooms (attention, tensor_parallel, moe, pipeline) and modules sit below the model in tiers.
 """
 
 import os
@@ -25,7 +26,7 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
 def test_the_layers_import_only_downwards():
     out = lint_imports(ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "4 kept, 0 broken" in out.stdout, out.stdout
+    assert "5 kept, 0 broken" in out.stdout, out.stdout
 
 
 def test_an_upward_import_and_torch_in_the_core_break_the_contracts(tmp_path):
@@ -39,7 +40,7 @@ def test_an_upward_import_and_torch_in_the_core_break_the_contracts(tmp_path):
     assert out.returncode != 0
     assert "megakit.nn.weights -> megakit.train.trainer" in out.stdout, out.stdout
     assert "megakit.core.schedules -> torch" in out.stdout, out.stdout
-    assert "0 kept, 4 broken" in out.stdout, out.stdout  # through nn, every room of train now reaches its trainer
+    assert "0 kept, 5 broken" in out.stdout, out.stdout  # through nn, every room of train now reaches its trainer
 
 
 def test_imports_across_the_rooms_of_train_break_their_contracts(tmp_path):
@@ -56,4 +57,21 @@ def test_imports_across_the_rooms_of_train_break_their_contracts(tmp_path):
     assert "megakit.train.observe.metrics -> megakit.train.run" in out.stdout, out.stdout
     assert "train's rooms sit below its entry points, in tiers BROKEN" in out.stdout, out.stdout
     assert "the doctor and the run's resilience do not import each other BROKEN" in out.stdout, out.stdout
-    assert "2 kept, 2 broken" in out.stdout, out.stdout
+    assert "3 kept, 2 broken" in out.stdout, out.stdout
+
+
+def test_imports_up_or_across_the_tiers_of_nn_break_its_contract(tmp_path):
+    """A lower room importing a higher one (the TP layers importing the MoE layer), and one room importing its
+    neighbour in a tier (the router importing attention's masks), are each refused."""
+    shutil.copytree(ROOT / "megakit", tmp_path / "megakit", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    with open(tmp_path / "megakit" / "nn" / "tensor_parallel" / "layers.py", "a") as f:
+        f.write("\nfrom megakit.nn.moe import layer  # a room importing a higher tier\n")
+    with open(tmp_path / "megakit" / "nn" / "moe" / "router.py", "a") as f:
+        f.write("\nfrom megakit.nn.attention import masks  # across two rooms of one tier\n")
+    out = lint_imports(tmp_path)
+    assert out.returncode != 0
+    assert "megakit.nn.tensor_parallel.layers -> megakit.nn.moe.layer" in out.stdout, out.stdout
+    assert "megakit.nn.moe.router -> megakit.nn.attention.masks" in out.stdout, out.stdout
+    assert "nn's rooms sit below the model, in tiers BROKEN" in out.stdout, out.stdout
+    assert "4 kept, 1 broken" in out.stdout, out.stdout

@@ -16,10 +16,10 @@ from multiproc import run_ranks
 from tolerance import assert_fp32_close, grad_scale
 
 from megakit.errors import UsageError
-from megakit.nn import split_backward
-from megakit.nn.chunked_loss import chunked_head_loss
 from megakit.nn.model import ModelConfig, Transformer, full_state_dict
-from megakit.nn.tensor_parallel import vocab_parallel_cross_entropy
+from megakit.nn.pipeline import split_backward
+from megakit.nn.tensor_parallel.chunked_loss import chunked_head_loss
+from megakit.nn.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
 
 

@@ -98,7 +98,7 @@ def test_tp2_sp_collectives_are_traced_into_the_block_graph():
 
 def _counted_once(eager, compiled):
     """The experts' token counts of the step: the same compiled as eager, and not counted again by recompute."""
-    from megakit.nn.moe import moe_layers
+    from megakit.nn.moe.layer import moe_layers
 
     for a, b in zip(moe_layers(eager), moe_layers(compiled)):
         assert torch.equal(a.step_tokens, b.step_tokens) and a.step_tokens.sum() == 2 * 64 * a.config.top_k

@@ -14,7 +14,7 @@ import pytest
 import torch
 from multiproc import run_ranks
 
-from megakit.nn.context_parallel import positions
+from megakit.nn.sequence import positions
 
 RTOL, FLOOR = 1e-5, 1e-9
 
@@ -38,9 +38,9 @@ def _equivalence(topo, preset: str, *, sequence_parallel: bool = False, dropout:
     import torch.distributed as dist
 
     from megakit.nn import comm as C
-    from megakit.nn.context_parallel import gather_sequence
-    from megakit.nn.attention import use_cp_mode
+    from megakit.nn.attention.core import use_cp_mode
     from megakit.nn.model import ModelConfig, Transformer, full_state_dict
+    from megakit.nn.sequence import gather_sequence
 
     config = ModelConfig.load(preset).replace(vocab_size=250, dropout=dropout, **changes)
     gen = torch.Generator().manual_seed(5)
@@ -87,8 +87,8 @@ def _equivalence(topo, preset: str, *, sequence_parallel: bool = False, dropout:
 def _sweep(rank, world_size, root):
     from megakit.core.layout import Layout
     from megakit.core.rope import RopeScaling
-    from megakit.interop.checkpoint import save_checkpoint
     from megakit.errors import UsageError
+    from megakit.interop.checkpoint import save_checkpoint
     from megakit.nn.model import ModelConfig, Transformer
     from megakit.nn.topology import Topology
 
@@ -180,7 +180,7 @@ def _window_model_sweep(rank, world_size):
 
 def test_a_window_within_a_chunk_matches_one_process():
     """Models whose windows fit in a chunk at CP 4 over 64 tokens (chunks of 8), each rank's K/V swapped with its
-    two zig-zag neighbours only (``context_parallel._Halo``): one process's logits, loss and every gradient, with
+    two zig-zag neighbours only (``attention.transport.Halo``): one process's logits, loss and every gradient, with
     sinks, packed documents, dropout, blocks that keep the full ring beside windowed ones, and hybrid's ring of 2."""
     assert len(run_ranks(_window_model_sweep, 4, timeout_s=400)[0]) == 6
 
@@ -199,7 +199,8 @@ def _window_case(rank: int, world: int, window: int, fused: bool, documents: boo
     held to an eager reference in ``test_sinks``): ``(largest error / scale over out, dq, dk, dv, d sinks; P2P
     messages sent; bytes sent by peer)`` for this rank. fp64 (the explicit blocks compute in fp32 inside)."""
     from megakit.nn import comm as C
-    from megakit.nn.context_parallel import positions, ring_attention
+    from megakit.nn.attention.ring import ring_attention
+    from megakit.nn.sequence import positions
     from megakit.nn.topology import Topology
 
     topo = Topology.from_world(cp=world)
@@ -264,7 +265,7 @@ def _mla_case(rank: int, world: int, window: int, fused: bool):
     """``ring_attention`` of MLA-shaped heads at CP ``world`` against causal softmax attention over the whole
     sequence in fp64: ``(largest error / scale over out, dq, dk, dv; P2P messages sent; bytes sent by peer)``."""
     from megakit.nn import comm as C
-    from megakit.nn.context_parallel import ring_attention
+    from megakit.nn.attention.ring import ring_attention
     from megakit.nn.topology import Topology
 
     topo = Topology.from_world(cp=world)
@@ -297,7 +298,7 @@ def _mla_sweep(rank: int, world: int):
 def test_the_ring_carries_mla_values_at_their_own_width():
     """MLA's values (d_v) narrower than its keys (d_qk), at CP 4 over 64 tokens: the output (d_v wide) and gradients
     equal whole-sequence attention's, and each step's K/V message is n (d_qk + d_v) x tokens x element bytes, one
-    flat buffer (``megakit.nn.context_parallel._pack``), not the 2 n d_qk of V padded with zero columns (which the
+    flat buffer (``megakit.nn.attention.transport.pack``), not the 2 n d_qk of V padded with zero columns (which the
     ring sent before: 24 / 20 of it here, 384 / 320 for DeepSeek-V3). The full ring: 3 K/V blocks forward, 3 more
     and 4 gradient blocks backward, all to rank r + 1, one message each; a window within a chunk (8 tokens): half
     blocks to and from the zig-zag neighbours (the counts of ``test_a_window_within_a_chunk_...``)."""

@@ -15,7 +15,7 @@ import torch
 from multiproc import run_ranks
 from tolerance import assert_fp32_close
 
-from megakit.nn.documents import position_ids
+from megakit.nn.attention.masks import position_ids
 
 # two rows of 32 tokens: 1-token documents, and lengths that are not multiples of 2 x CP, so they cross the chunks
 LENGTHS = ([5, 1, 9, 1, 7, 9], [3, 13, 1, 15])
@@ -29,7 +29,7 @@ def _per_document(q, k, v, documents, window: int = 0) -> torch.Tensor:
     """Each document of each row through plain causal SDPA on its own, concatenated."""
     import torch.nn.functional as F
 
-    from megakit.nn.attention import causal_mask
+    from megakit.nn.attention.masks import causal_mask
 
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
@@ -64,7 +64,7 @@ def test_positions_restart_at_each_document():
 def test_packed_sdpa_and_the_dropout_path_equal_each_document_alone(window):
     import torch.nn.functional as F
 
-    from megakit.nn.attention import allowed_keys
+    from megakit.nn.attention.masks import allowed_keys
 
     q, k, v = _qkv()
     docs = _documents()
@@ -93,8 +93,8 @@ def test_flex_attention_equals_each_document_alone(window):
     """FlexAttention's block mask (the GPU's kernel for packed documents): the same outputs as each document alone,
     and as the Attention layer's own SDPA path. Forward only: torch has no FlexAttention backward on CPU."""
     from megakit.core.model_config import ModelConfig
-    from megakit.nn.attention import Attention
-    from megakit.nn.documents import document_block_mask, flex_document_attention
+    from megakit.nn.attention.core import Attention
+    from megakit.nn.attention.masks import document_block_mask, flex_document_attention
 
     q, k, v = (t.detach() for t in _qkv())
     docs = _documents()
@@ -111,7 +111,7 @@ def test_flex_attention_equals_each_document_alone(window):
             param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
     s, b = docs.shape[1], docs.shape[0]
     x = torch.randn(s, b, config.hidden, generator=torch.Generator().manual_seed(1))
-    from megakit.nn.attention import rope_tables
+    from megakit.nn.attention.core import rope_tables
 
     rope = tuple(t[position_ids(docs)] for t in rope_tables(config, "cpu"))
     with torch.no_grad():
@@ -122,7 +122,8 @@ def test_flex_attention_equals_each_document_alone(window):
 
 
 def _ring_worker(rank: int, world: int, window: int):
-    from megakit.nn.context_parallel import gather_sequence, positions, ring_attention
+    from megakit.nn.attention.ring import ring_attention
+    from megakit.nn.sequence import gather_sequence, positions
     from megakit.nn.topology import Topology
 
     topo = Topology.from_world(cp=world)

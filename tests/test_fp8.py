@@ -15,7 +15,7 @@ import torch
 from multiproc import THREADS
 
 from megakit.errors import UsageError
-from megakit.nn.fp8 import EMULATE_ENV, Float8Matmul, check_fp8, convert_to_fp8
+from megakit.nn.tensor_parallel.fp8 import EMULATE_ENV, Float8Matmul, check_fp8, convert_to_fp8
 from megakit.nn.model import ModelConfig, Transformer
 
 ROOT = Path(__file__).resolve().parents[1]

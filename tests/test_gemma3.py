@@ -97,7 +97,7 @@ def test_window_aware_attention_context_counts_the_keys_the_mask_allows(capsys):
     every attention path uses); the planner's GFLOP per token adds 12 x q x it per block to 6 x the weight
     matrices."""
     from megakit.commands import cli
-    from megakit.nn.attention import allowed_keys
+    from megakit.nn.attention.masks import allowed_keys
 
     config = ModelConfig.load("gemma3-tiny")
     for s in (8, 16, 64):

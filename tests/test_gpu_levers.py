@@ -11,7 +11,7 @@ from torch.nn.attention import SDPBackend
 
 from megakit.core.model_config import ModelConfig
 from megakit.errors import UsageError
-from megakit.nn.attention_kernel import attention_kernels_in, choose_kernel, use_kernel
+from megakit.nn.attention.kernels import attention_kernels_in, choose_kernel, use_kernel
 from megakit.nn.model import Transformer
 from megakit.train.engine.ds_config import fuse_adam, read_ds_config
 from megakit.train.observe.metrics import StepMetrics, gpu_state

@@ -6,7 +6,7 @@ One launcher job of 2 processes, 3 steps of each family (``host_syncs.FAMILIES``
 then at 4 and 4: dense llama-tiny; moe-tiny at EP 1 (the z loss on), at EP 1 with a capacity (drops) and at EP 2
 (with the expert bias); MLA (deepseek-v3-tiny, its first layer dense, the expert bias on); gpt-oss-tiny (sliding
 windows, sinks); moe-tiny at PP 2 (the aux loss on). The one site allowed to grow is the all-to-all's: at EP > 1,
-one device-to-host copy of the split sizes per MoE layer per micro-batch, in ``megakit/nn/moe_dispatch.py``; at EP 1
+one device-to-host copy of the split sizes per MoE layer per micro-batch, in ``megakit/nn/moe/dispatch.py``; at EP 1
 the dispatcher makes none.
 """
 

@@ -3,7 +3,7 @@
 Two spawns (2 and 4 ranks) each sweep their cases, because starting processes costs far more than
 the tiny models. The reference is the single-process model run on every data-parallel replica's
 micro-batch, with the loss (and the attached balancing losses, ``set_aux_loss_scale``) averaged
-over the replicas; the distributed gradients are reduced as a trainer must (``megakit.nn.moe``):
+over the replicas; the distributed gradients are reduced as a trainer must (``megakit.nn.moe.layer``):
 dense ones averaged over DP x CP, expert ones summed over EDP and divided by DP x CP.
 """
 
@@ -37,7 +37,7 @@ def _config(**moe):
 
 # -- T1: dispatch -> identity experts -> combine ---------------------------------------------------
 def _round_trip(ep_group, rank: int, n: int, experts: torch.Tensor) -> None:
-    from megakit.nn.moe_dispatch import make_dispatcher
+    from megakit.nn.moe.dispatch import make_dispatcher
 
     x = torch.randn(n, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)).requires_grad_()
     d = make_dispatcher(8, ep_group)
@@ -75,7 +75,7 @@ def _batch(replica: int):
 
 def _reference(config, replicas: int, main: float = 1.0):
     from megakit.nn.model import Transformer, full_state_dict
-    from megakit.nn.moe import set_aux_loss_scale, update_expert_bias
+    from megakit.nn.moe.layer import set_aux_loss_scale, update_expert_bias
 
     ref = Transformer(config, seed=5, dtype=torch.float64)
     set_aux_loss_scale(ref, 1.0 / replicas)
@@ -96,7 +96,7 @@ def _equivalence(topo, config, *, sp: bool = False, repeat: bool = False, aux_on
 
     case = f"tp={topo.tp} cp={topo.cp} dp={topo.dp} ep={topo.ep} sp={sp} aux_only={aux_only}"
     rtol, floor, main = FP32_RTOL if topo.cp * topo.tp > 1 else RTOL, 1e-12 if aux_only else 1.0, 0.0 if aux_only else 1.0
-    from megakit.nn.moe import update_expert_bias
+    from megakit.nn.moe.layer import update_expert_bias
 
     want_losses, want_weights, want_grads, want_counts, want_updated = _reference(config, topo.dp, main)
     model = Transformer(config, topo, seed=5, dtype=torch.float64, sequence_parallel=sp)
@@ -151,7 +151,7 @@ def _four_ranks(rank: int, world: int) -> None:
     from megakit.nn.topology import Topology
 
     from megakit.nn.model import Transformer
-    from megakit.nn.moe import MoE
+    from megakit.nn.moe.layer import MoE
 
     _dispatch_cases(rank, world)
     topo = Topology(Layout(dp=4, ep=4))
@@ -182,7 +182,7 @@ def test_moe_four_ranks():
 def test_loop_and_grouped_gemm_agree(gpt_oss, compiled):
     """The grouped path (and, compiled through AOTAutograd, its custom op's shape function and gradient) equals the
     loop, with gpt-oss's expert biases and clamped SwiGLU too."""
-    from megakit.nn.moe import Experts
+    from megakit.nn.moe.layer import Experts
 
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no _grouped_mm")
@@ -208,7 +208,7 @@ def test_an_ep1_moe_layer_never_waits_for_the_device():
     """Item 2 of issue 54: at EP 1 the routing, the capacity drops, the sort, the grouped experts, the combine, the
     losses and the statistics convert no tensor to a Python number, forward or backward (a probe on every
     conversion)."""
-    from megakit.nn.moe import MoE
+    from megakit.nn.moe.layer import MoE
 
     config = MoEConfig(experts=8, top_k=2, ffn=16, shared_ffn=16, capacity_factor=0.75, aux_loss_coeff=0.1,
                        z_loss_coeff=0.01, expert_bias=True, score="sigmoid")
@@ -239,7 +239,7 @@ def test_an_ep1_moe_layer_never_waits_for_the_device():
 
 def test_sequence_losses_do_not_depend_on_the_micro_batch_size():
     """T4: z and per-sequence aux gradients for one batch of 2 sequences: 1 micro-batch of 2 == 2 of 1."""
-    from megakit.nn.moe import MoE, set_aux_loss_scale
+    from megakit.nn.moe.layer import MoE, set_aux_loss_scale
 
     config = MoEConfig(experts=8, top_k=2, ffn=8, seq_aux_loss_coeff=0.3, z_loss_coeff=0.2)
     x = torch.randn(12, 2, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
@@ -258,7 +258,7 @@ def test_sequence_losses_do_not_depend_on_the_micro_batch_size():
 
 
 def test_capacity_drops_the_lowest_weights_per_expert():
-    from megakit.nn.moe_router import capacity_keep
+    from megakit.nn.moe.router import capacity_keep
 
     experts = torch.tensor([[0, 1], [0, 1], [0, 2], [3, 0]])
     weights = torch.tensor([[0.6, 0.4], [0.9, 0.1], [0.5, 0.5], [0.7, 0.3]])
@@ -268,7 +268,7 @@ def test_capacity_drops_the_lowest_weights_per_expert():
 
 
 def test_capacity_factor_large_enough_is_dropless():
-    from megakit.nn.moe import MoE
+    from megakit.nn.moe.layer import MoE
 
     x = torch.randn(8, 2, 16, generator=torch.Generator().manual_seed(1))
     outs = []
@@ -284,7 +284,7 @@ def test_capacity_factor_large_enough_is_dropless():
 
 def test_expert_bias_update_counts_each_token_once():
     from megakit.nn.model import Transformer
-    from megakit.nn.moe import moe_layers, update_expert_bias
+    from megakit.nn.moe.layer import moe_layers, update_expert_bias
 
     config = _config(score="sigmoid", expert_bias=True, bias_update_rate=0.01)
     ids, labels = _batch(0)
@@ -328,7 +328,7 @@ def test_force_balance_spreads_a_skewed_router_evenly_in_training_only():
     """--moe-force-balance (Megatron's --moe-router-force-load-balancing): a router that sends every token to
     experts 0 and 1 is ignored in training, whose load is then near even (random logits, drawn from the default
     generator: the same seed, the same routing); evaluation routes by the router."""
-    from megakit.nn.moe import MoE
+    from megakit.nn.moe.layer import MoE
 
     gen = torch.Generator().manual_seed(2)
     common = torch.randn(16, generator=gen)

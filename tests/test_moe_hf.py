@@ -106,7 +106,7 @@ def test_deepseek_v3_moe_block_matches_transformers():
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
     from megakit.core.moe_config import MoEConfig
-    from megakit.nn.moe import MoE
+    from megakit.nn.moe.layer import MoE
 
     hf_config = transformers.DeepseekV3Config(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8,
                                               num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=2,

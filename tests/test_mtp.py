@@ -178,9 +178,9 @@ def _layouts(rank, world, cases):
     from megakit.core.layout import Layout
     from megakit.core.schedules import build_schedule
     from megakit.nn import comm as C
-    from megakit.nn.context_parallel import positions
     from megakit.nn.model import build_stage_chunks
-    from megakit.nn.pipeline import PipelineExecutor, activation_shape
+    from megakit.nn.pipeline.executor import PipelineExecutor, activation_shape
+    from megakit.nn.sequence import positions
     from megakit.nn.topology import Topology
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The fused column-parallel linears (``megakit.nn.overlapped_linear``) on 2 gloo ranks.
+"""The fused column-parallel linears (``megakit.nn.tensor_parallel.overlapped_linear``) on 2 gloo ranks.
 
 Against the composed path (``enter_tp_region`` then each ``ColumnParallelLinear``): the same
 outputs and gradients within 1e-6 (in fp64, whose rounding is near 1e-15 on any machine), with and without SP;
@@ -17,8 +17,9 @@ def _chunk(group, sp: bool, fused: bool, bias: bool):
     import torch
     from torch import nn
 
-    from megakit.nn.overlapped_linear import column_parallel
-    from megakit.nn.tensor_parallel import ColumnParallelLinear, enter_tp_region
+    from megakit.nn.tensor_parallel.collectives import enter_tp_region
+    from megakit.nn.tensor_parallel.layers import ColumnParallelLinear
+    from megakit.nn.tensor_parallel.overlapped_linear import column_parallel
 
     class Chunk(nn.Module):
         def __init__(self):
@@ -47,7 +48,7 @@ def _worker(rank, world, _):
     from torch.autograd.graph import saved_tensors_hooks
 
     from megakit.nn import comm as C
-    from megakit.nn import split_backward
+    from megakit.nn.pipeline import split_backward
 
     torch.manual_seed(0)
     group = dist.new_group([0, 1])

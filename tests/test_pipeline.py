@@ -22,7 +22,7 @@ from megakit.nn.model import (
     build_stage_chunks,
     full_state_dict,
 )
-from megakit.nn.pipeline import PipelineExecutor, activation_shape
+from megakit.nn.pipeline.executor import PipelineExecutor, activation_shape
 from megakit.nn.topology import Topology
 
 B, S, M = 2, 8, 4  # micro-batch size, sequence length, micro-batches per step

@@ -159,7 +159,7 @@ def test_a_window_within_a_chunk_prices_the_neighbours_k_v_not_the_ring():
 
 def test_the_ring_prices_mla_values_at_their_own_width():
     """DeepSeek-V3 at CP 2 (TP 1): a rank's K/V block of 4096 tokens is 128 heads x (192 + 128) x 2 bytes a token,
-    as the ring sends it (``megakit.nn.context_parallel._pack``), not 2 x 192 (values padded to the key width, 20 %
+    as the ring sends it (``megakit.nn.attention.transport.pack``), not 2 x 192 (values padded to the key width, 20 %
     more); Llama's equal widths give 2 x 8 KV heads x 128 as before."""
     from megakit.core.planner.cost import _ring_block_bytes
 

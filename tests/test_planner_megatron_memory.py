@@ -4,7 +4,7 @@ Models") and Narayanan et al. 2021 state:
 
 * per layer, selective recompute + SP keep ``34·sbh/t`` bytes (Korthikanti Table 2, the ``5as/h`` scores
   recomputed), since Megatron keeps each column-parallel input split and all-gathers it again in backward,
-  as megakit's layers do (``megakit.nn.overlapped_linear``); torchtitan's keep it gathered,
+  as megakit's layers do (``megakit.nn.tensor_parallel.overlapped_linear``); torchtitan's keep it gathered,
   ``(30/t + 4)·sbh``, 1.8x that at TP 8;
 * the first stage of the interleaved schedule holds ``L·(1 + (p-1)/(p·v))`` layers' activations
   (Korthikanti Sec. 4.2.3; Narayanan Sec. 2.2.2: ``(p-1)/(p·v)`` more than 1F1B's ``L``);

@@ -1,6 +1,6 @@
 """The planner's activations for Multi-head Latent Attention (DeepSeek-V3), pinned against a hand derivation.
 
-What ``megakit.nn.latent_attention`` keeps for backward, per token and layer, in bf16 (2 bytes; fp32 stats 4),
+What ``megakit.nn.attention.latent`` keeps for backward, per token and layer, in bf16 (2 bytes; fp32 stats 4),
 with h = 7168, q_lora_rank d_c' = 1536, kv_lora_rank d_c = 512, rope d_r = 64, nope d_n = 128, v d_v = 128,
 n = 128 heads, so a query/key head is d_qk = 192 wide (``models/deepseek-v3.json``):
 
@@ -73,7 +73,7 @@ def test_mla_is_not_counted_as_plain_attention():
 
 
 def test_ring_context_parallelism_keeps_mla_values_at_their_own_width():
-    """The ring carries V at d_v (``megakit.nn.context_parallel._pack``; the fused kernel's zero columns are local to
+    """The ring carries V at d_v (``megakit.nn.attention.transport.pack``; the fused kernel's zero columns are local to
     each call): it keeps v and its (B, n, S, d_v) output, and ``o_proj`` a contiguous (B, S, n, d_v) copy. Before,
     v and the output were padded to d_qk: 285324 bytes a token. Ulysses' all-to-all runs SDPA, whose output the
     all-to-all back copies into ``o_proj``'s input: kept twice as well (measured by ``tests/test_memory_truth.py``:

@@ -27,7 +27,7 @@ def _module_params(tp: int) -> tuple[int, int]:
     n = N_HEADS // tp
     mla = H * Q_LORA + Q_LORA * n * (D_NOPE + D_ROPE) + H * (KV_LORA + D_ROPE) + KV_LORA * n * (D_NOPE + D_V) \
         + n * D_V * H  # q_a, q_b, kv_a_proj_with_mqa, kv_b, o_proj
-    shared = 3 * H * F_SHARED  # replicated over TP (megakit.nn.moe.SharedExpert)
+    shared = 3 * H * F_SHARED  # replicated over TP (megakit.nn.moe.layer.SharedExpert)
     eh_proj = 2 * H * H // tp
     replicated = 2 * H + Q_LORA + KV_LORA + EXPERTS * H + 3 * H  # block norms, latent norms, router, enorm/hnorm/norm
     return mla + shared + eh_proj + replicated, EXPERTS * 3 * H * F_EXPERT

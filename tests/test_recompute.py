@@ -14,7 +14,7 @@ from test_planner_activations import block_saved_bytes
 from megakit.core.planner.memory import estimate_memory
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.errors import UsageError
-from megakit.nn import sent_output
+from megakit.nn.pipeline import sent_output
 from megakit.nn.model import ModelConfig, Transformer
 
 TOL = 1e-6
@@ -138,7 +138,7 @@ class _Holder:
 def _one_f_one_b_peaks(topo, recompute: str, m: int = 4):
     """Two pipeline stages of gpt-tiny run 1F1B in one process (TP over the ranks, SP on), each stage's
     saved bytes tracked as the trainer's census does; its backward is the trainer's (the sent output's
-    handle, ``megakit.nn.sent_output``). Returns (peak of stage 0, peak of stage 1) and the planner's predictions."""
+    handle, ``megakit.nn.pipeline.sent_output``). Returns (peak of stage 0, peak of stage 1) and the planner's predictions."""
     from megakit.core.planner.memory import estimate_memory
 
     config, spec = ModelConfig.load("gpt-tiny"), ModelSpec.from_config("gpt-tiny")

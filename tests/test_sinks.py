@@ -1,12 +1,13 @@
-"""gpt-oss's attention sinks on megakit's ring blocks against an independent fp64 reference.
+"""gpt-oss's attention sinks on megakit's attention blocks against an independent fp64 reference.
 
 The reference is transformers' eager formulation: a sink column of logit ``sink_h`` appended to every row's
 scores, the softmax taken, the column dropped. megakit instead multiplies the merged output by
-``sigmoid(lse - sink)`` and folds the LSE's gradient into the kernels' ``D`` term (``context_parallel._sink_backward``);
+``sigmoid(lse - sink)`` and folds the LSE's gradient into the kernels' ``D`` term (``attention.blocks._sink_backward``);
 the layouts' equivalence (``test_context_parallel``) cannot see a mistake there (every layout runs the same code), so
 the output, ``dq``, ``dk``, ``dv`` and ``d sinks`` are held to the reference here, for the fused blocks (exact in fp64)
 and the explicit ones (fp32 inside: fp32 rounding), with GQA, a window and packed documents. The sinks are drawn
 near the rows' log-sum-exp: at zero their effect ``sigmoid(lse)`` is close to 1 and a wrong gradient hides in rounding.
+Without CP, sinks run on the rank's own block (``block_attention``), bit for bit as a ring of one.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megakit.nn.context_parallel import ring_attention
-from megakit.nn.documents import same_document
+from megakit.nn.attention.blocks import block_attention
+from megakit.nn.attention.masks import same_document
+from megakit.nn.attention.ring import ring_attention
 
 B, N, KV, S, D = 2, 4, 2, 16, 8
 
@@ -44,6 +46,7 @@ def test_sinks_match_the_eager_reference_forward_and_backward(fused, window, doc
     grad = torch.randn(B, N, S, D, generator=gen, dtype=torch.float64)
     results = []
     for run in (lambda: _reference(q, k, v, sinks, window, docs),
+                lambda: block_attention(q, k, v, fused=fused, window=window, documents=docs, sinks=sinks),
                 lambda: ring_attention(q, k, v, None, fused=fused, window=window, documents=docs, sinks=sinks)):
         for t in (q, k, v, sinks):
             t.grad = None
@@ -58,3 +61,5 @@ def test_sinks_match_the_eager_reference_forward_and_backward(fused, window, doc
     tol = 1e-12 if fused else 1e-5  # the explicit blocks compute in fp32
     for name, got, want in zip(("out", "dq", "dk", "dv", "dsinks"), results[1], results[0]):
         assert (got - want).abs().max().item() <= tol * max(1.0, want.abs().max().item()), name
+    for name, own, ring in zip(("out", "dq", "dk", "dv", "dsinks"), results[1], results[2]):
+        assert torch.equal(own, ring), name  # no CP: the own block alone is a ring of one, bit for bit

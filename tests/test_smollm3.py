@@ -27,7 +27,7 @@ from tolerance import assert_fp32_close  # noqa: E402
 from megakit.core.model_config import PRESETS, ModelConfig  # noqa: E402
 from megakit.errors import UsageError  # noqa: E402
 from megakit.interop.hf import exact_param_count, to_hf_state_dict  # noqa: E402
-from megakit.nn.documents import position_ids  # noqa: E402
+from megakit.nn.attention.masks import position_ids  # noqa: E402
 from megakit.nn.model import full_state_dict  # noqa: E402
 
 TOL = 1e-5

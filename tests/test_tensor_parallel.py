@@ -69,7 +69,7 @@ def _gather(x: torch.Tensor, topo) -> list[torch.Tensor]:
 
 def _cross_entropy(topo) -> None:
     """The vocab-parallel loss against F.cross_entropy on gathered logits, values and grads."""
-    from megakit.nn.tensor_parallel import vocab_parallel_cross_entropy
+    from megakit.nn.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
     gen = torch.Generator().manual_seed(3)
     vocab = 30 * topo.tp - 1  # one padded column on the last rank
@@ -93,11 +93,8 @@ def _cross_entropy(topo) -> None:
 def _layers(topo) -> None:
     """Column-parallel with a gathered output, fed into row-parallel through scatter_to_tp,
     against plain nn.Linear layers with the same full weights: outputs and all gradients."""
-    from megakit.nn.tensor_parallel import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        scatter_to_tp,
-    )
+    from megakit.nn.tensor_parallel.collectives import scatter_to_tp
+    from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megakit.nn.weights import init_shard_
 
     col = ColumnParallelLinear(6, 4 * topo.tp, group=topo.tp_group, gather_output=True)

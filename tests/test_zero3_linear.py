@@ -8,7 +8,7 @@ this one checks the mechanism in one process, in about a second once DeepSpeed i
 import torch
 import torch.nn.functional as F
 
-from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megakit.train.engine.zero3_linear import save_weights_not_views
 
 

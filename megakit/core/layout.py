@@ -33,7 +33,7 @@ DP or CP replica: at TP 8 with EP 8, the all-to-all stays inside the TP group's 
 ep=2)``: ep groups [0, 1] [2, 3], edp groups [0, 2] [1, 3]. ``Layout(tp=2, dp=2, ep=4)``: one ep group
 [0, 1, 2, 3], edp groups [0] [1] [2] [3]. ``Layout(tp=2, cp=2, dp=2, ep=2)`` (8 ranks): ep groups [0, 1]
 [2, 3] [4, 5] [6, 7] (the TP pairs), edp groups [0, 2, 4, 6] [1, 3, 5, 7]. Each TP rank routes its own
-part of the tokens (``megakit.nn.moe``).
+part of the tokens (``megakit.nn.moe.layer``).
 
 ``Layout`` is pure data and needs no processes; ``megakit.nn.topology.Topology`` adds
 the torch.distributed groups for the calling rank.

@@ -4,7 +4,7 @@ Queries come through a low-rank latent (``q_lora_rank``; 0: a plain projection),
 compressed latent of ``kv_lora_rank`` and a RoPE key of ``qk_rope_head_dim`` shared by every head; per head the
 query and key are ``qk_nope_head_dim + qk_rope_head_dim`` wide and the value ``v_head_dim``. Under TP the
 down-projections and their norms are replicated, the up-projections split by heads (Megatron-Core, torchtitan).
-Read from transformers 5's ``DeepseekV3Config`` fields; pure Python: the model (``megakit.nn.latent_attention``)
+Read from transformers 5's ``DeepseekV3Config`` fields; pure Python: the model (``megakit.nn.attention.latent``)
 and the planner (``attention_params``, the widths) read it.
 """
 
@@ -49,7 +49,7 @@ class MLAConfig:
     def projections(self, hidden: int, heads: int, tp: int = 1, *,
                     sequence_parallel: bool = False) -> list[tuple[str, float, int, int]]:
         """``(name, rows, k, n)`` of one block's attention GEMMs on one TP rank, in execution order: ``k x n`` weights
-        over ``rows`` of the block's tokens (1: all of them). As ``megakit.nn.latent_attention`` runs them: the
+        over ``rows`` of the block's tokens (1: all of them). As ``megakit.nn.attention.latent`` runs them: the
         down-projections (``q_a_proj``, ``kv_a_proj_with_mqa``) whole on every rank, over the rank's ``1/tp`` of the
         tokens under SP (else all of them, the same work on each rank), the up-projections (``q_b_proj`` or
         ``q_proj``, ``kv_b_proj``) and ``o_proj`` split by heads over all the tokens. Their weights sum to

@@ -6,7 +6,7 @@ older files say ``"type"``) at the top of config.json; transformers 5 writes one
 dict holding ``rope_theta``, ``rope_type`` and the variant's fields. A variant changes the model's
 math (Llama 3.1-3.3 all ship ``llama3``), so each is either computed here formula for formula after
 transformers' ``ROPE_INIT_FUNCTIONS`` (``modeling_rope_utils.py``) or refused in one line naming it.
-Pure Python in float64, so the core imports no torch; ``megakit.nn.attention`` builds the tables.
+Pure Python in float64, so the core imports no torch; ``megakit.nn.attention.core`` builds the tables.
 """
 
 from __future__ import annotations

@@ -13,13 +13,14 @@ from torch import nn
 
 from megakit.core.model_config import ModelConfig
 from megakit.nn import comm as C
-from megakit.nn.attention import Attention, rms_norm
-from megakit.nn.context_parallel import positions
+from megakit.nn.attention.core import Attention, rms_norm
+from megakit.nn.attention.latent import LatentAttention
 from megakit.nn.dropout import DropoutKeys, residual_dropout
-from megakit.nn.latent_attention import LatentAttention
-from megakit.nn.moe import MoE
-from megakit.nn.overlapped_linear import column_parallel
-from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mark, replicated
+from megakit.nn.moe.layer import MoE
+from megakit.nn.sequence import positions
+from megakit.nn.tensor_parallel.collectives import replicated
+from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, mark
+from megakit.nn.tensor_parallel.overlapped_linear import column_parallel
 
 __all__ = ["Block", "MLP", "Norm", "ResidualDropout"]
 
@@ -104,7 +105,7 @@ class Block(nn.Module):
 class ResidualDropout(nn.Module):
     """Dropout on the residual stream ``(S', B, H)`` at the site called ``site``, with layout-free masks
     (``megakit.nn.dropout``): replicated over TP, or this rank's ``S/tp`` rows with SP; with CP, the
-    rows at this rank's global positions (``megakit.nn.context_parallel.positions``)."""
+    rows at this rank's global positions (``megakit.nn.attention.ring.positions``)."""
 
     def __init__(self, p: float, site: str, group, sequence_parallel: bool, cp_group=None) -> None:
         super().__init__()

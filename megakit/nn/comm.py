@@ -12,7 +12,7 @@ one call to ``meter``; nothing in torch is replaced. Collectives that ``--compil
 block's graph (TP's ``f``/``g``) run as functional collectives and are not metered. torch 2.13 renamed the single-
 tensor collectives (``all_gather_into_tensor`` -> ``all_gather_single``, ...); the
 names are resolved once below, so the next rename is a one-line change. None of
-these functions is differentiable: ``megakit.nn.tensor_parallel`` wraps them in
+these functions is differentiable: ``megakit.nn.tensor_parallel.layers`` wraps them in
 autograd functions that say what runs in forward and in backward.
 """
 
@@ -267,7 +267,7 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
 def all_to_all_single(x: torch.Tensor, group, *, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
     """Rows ``x[sum(send_splits[:r]) : ...]`` (``send_splits[r]`` of them) go to rank ``r``; returns the
     ``sum(recv_splits)`` rows received, in rank order (a new tensor). Splits may be zero, and so may
-    every row this rank sends or receives (MoE token dispatch, ``megakit.nn.moe_dispatch``)."""
+    every row this rank sends or receives (MoE token dispatch, ``megakit.nn.moe.dispatch``)."""
     if size(group) == 1:
         return x
     if _meter is not None:

@@ -8,7 +8,7 @@ gradient hooks (they fire on the parameters, outside any graph) and the loss.
 
 What runs inside a compiled block:
 
-- TP/SP's ``f``/``g`` (``megakit.nn.tensor_parallel``) are autograd functions over
+- TP/SP's ``f``/``g`` (``megakit.nn.tensor_parallel.layers``) are autograd functions over
   ``megakit.nn.comm``; they stay eager (``torch.compiler.disable`` on the collective), so a
   TP > 1 block is a few graphs joined at its collectives: Inductor still fuses the
   elementwise work between them, and the collectives are the same calls, metered as before.
@@ -17,7 +17,7 @@ What runs inside a compiled block:
 - Recompute (``torch.utils.checkpoint`` around the block, or around the attention core)
   wraps the compiled block, and the recompute re-enters the same compiled code.
 
-- An MoE block (``megakit.nn.moe``) at EP 1 is one graph too: the sort by expert has static shapes,
+- An MoE block (``megakit.nn.moe.layer``) at EP 1 is one graph too: the sort by expert has static shapes,
   the counts stay on the device and the experts are grouped GEMMs over device offsets. Under EP
   the all-to-alls stay eager (they need their split sizes on the host): dispatch and combine each
   break the graph once, and Dynamo's nested graph breaks (turned on here for such models) resume
@@ -32,7 +32,7 @@ import torch
 import torch._dynamo
 from torch import nn
 
-from megakit.nn.moe import moe_layers
+from megakit.nn.moe.layer import moe_layers
 
 # Inductor needs a C compiler on CPU; the tests use this backend there so that the plumbing is checked cheaply.
 CPU_TEST_BACKEND = "aot_eager"

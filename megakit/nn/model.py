@@ -5,7 +5,7 @@ TP shard, and ``layers=range(a, b)``, ``pre``, ``post`` cut out a pipeline stage
 
 Activations inside the model are sequence-first: ``(S, B, H)``, or ``(S/tp, B, H)``
 with sequence parallelism; with context parallelism ``S`` is the rank's ``S/cp`` tokens (two
-chunks of the load-balanced split, ``megakit.nn.context_parallel``). A stage without ``pre`` takes, and a stage without
+chunks of the load-balanced split, ``megakit.nn.attention.ring``). A stage without ``pre`` takes, and a stage without
 ``post`` returns, exactly that tensor, so one stage's output feeds the next as is.
 
 Weights depend only on ``(seed, parameter name)``: see ``megakit.nn.weights``.
@@ -24,21 +24,16 @@ from megakit.core.model_config import ModelConfig, check_seq_len, model_flops_pe
 from megakit.core.partition import partition_layers
 from megakit.errors import UsageError
 from megakit.nn import comm as C
-from megakit.nn.attention import apply_rope, rms_norm, rope_tables  # noqa: F401 (API)
+from megakit.nn.attention.core import apply_rope, rms_norm, rope_tables  # noqa: F401 (API)
 from megakit.nn.block import Block, Norm, ResidualDropout
-from megakit.nn.chunked_loss import chunked_head_loss
-from megakit.nn.context_parallel import positions, sequence_mean
 from megakit.nn.dropout import DropoutKeys
-from megakit.nn.moe import counting
+from megakit.nn.moe.layer import counting
 from megakit.nn.mtp import PredictionModule, depth_labels, shifted
-from megakit.nn.tensor_parallel import (
-    ColumnParallelLinear,
-    VocabParallelEmbedding,
-    enter_tp_region,
-    mark,
-    replicated,
-    vocab_parallel_cross_entropy,
-)
+from megakit.nn.sequence import positions, sequence_mean
+from megakit.nn.tensor_parallel.chunked_loss import chunked_head_loss
+from megakit.nn.tensor_parallel.collectives import enter_tp_region, replicated
+from megakit.nn.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, mark
 from megakit.nn.weights import init_shard_
 
 __all__ = ["ModelConfig", "Transformer", "build_stage_chunks", "full_state_dict", "load_full_state_dict",
@@ -60,11 +55,11 @@ class Transformer(nn.Module):
     ``recompute``: ``"full"`` (``True``) keeps each block's input only and recomputes the rest in backward
     (~1/3 more compute); ``"selective"`` recomputes the attention core (Korthikanti et al. 2022); ``"none"``.
     Context parallelism (``topo.cp > 1``): ids and labels are still the whole ``(B, S)``; the rank keeps
-    the ``S/cp`` positions ``megakit.nn.context_parallel.positions`` names (hidden states and logits
+    the ``S/cp`` positions ``megakit.nn.attention.ring.positions`` names (hidden states and logits
     hold those rows, in that order) and the loss is the mean over the whole sequence, the same on
     every CP rank, whose gradient on each rank is CP times its share (DP x CP averages it back).
     ``loss_chunks`` K > 1: with labels, the head and loss run over K chunks of the tokens
-    (``megakit.nn.chunked_loss``), so the logits shard never exists whole; the same loss and gradients.
+    (``megakit.nn.tensor_parallel.chunked_loss``), so the logits shard never exists whole; the same loss and gradients.
     ``loss_tokens`` (``set_loss_tokens``): divide the summed loss by the trainer's token count instead of the
     batch's own, so that a step whose micro-batches count different tokens trains sum(loss) / sum(tokens).
     ``mtp``: the last stage holds the config's ``mtp_layers`` Multi-Token Prediction modules (``megakit.nn.mtp``);
@@ -168,7 +163,7 @@ class Transformer(nn.Module):
                 sample_ids: torch.Tensor | list[int] | None = None, documents: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``documents`` ``(B, S)``: attention stays inside each packed document; ``position_ids`` ``(B, S)``: each
-        token's position (``megakit.nn.documents``; default 0..S-1). Both are the whole sequence's, on every stage,
+        token's position (``attention.masks``; default 0..S-1). Both are the whole sequence's, on every stage,
         and so are ``input_ids``, which only a last stage training MTP modules reads."""
         keys = self._dropout_keys(x, sample_ids)
         seq_len = x.shape[1] if self.pre else x.shape[0] * (self.tp if self.sequence_parallel else 1) * self.cp

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from megakit.nn.block import Block, Norm
-from megakit.nn.tensor_parallel import ColumnParallelLinear, scatter_to_tp
+from megakit.nn.tensor_parallel.collectives import scatter_to_tp
+from megakit.nn.tensor_parallel.layers import ColumnParallelLinear
 
 IGNORE = -100
 

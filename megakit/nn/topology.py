@@ -152,7 +152,7 @@ class Topology:
 
     @property
     def cp_group(self):
-        """The ring of ranks that share one sequence (``megakit.nn.context_parallel``)."""
+        """The ring of ranks that share one sequence (``megakit.nn.attention.ring``)."""
         return self._groups["cp"]
 
     @property
@@ -232,7 +232,7 @@ class Topology:
 
     # DeepSpeed's "data parallel" is every rank holding the same weights: DP x CP (Megatron's
     # data-parallel group "with context parallel"). It averages gradients over DP x CP, so a CP
-    # rank's loss is CP times its share (``megakit.nn.context_parallel.sequence_mean``).
+    # rank's loss is CP times its share (``megakit.nn.attention.ring.sequence_mean``).
     def get_data_parallel_rank(self) -> int:
         return self.dp_rank * self.cp + self.cp_rank
 

@@ -35,7 +35,7 @@ def init_shard_(param: torch.Tensor, *, name: str, seed: int, tp_rank: int, rule
     """Fill this rank's shard of ``param`` by ``rule``: ``("normal", std)``, ``("zeros",)``, ``("ones",)``.
 
     Reads ``param.tp_dim`` (split dimension or None) and ``param.tp_unpadded`` (global size
-    without padding: padded slices are zero) as set by ``megakit.nn.tensor_parallel.mark``.
+    without padding: padded slices are zero) as set by ``megakit.nn.tensor_parallel.layers.mark``.
     """
     kind = rule[0]
     if param.is_meta:  # shapes only (e.g. counting parameters): nothing to draw

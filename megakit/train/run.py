@@ -22,11 +22,11 @@ from megakit.core.partition import partition_layers
 from megakit.core.planner.activations import loss_chunks_of
 from megakit.core.schedules import build_schedule
 from megakit.errors import UsageError
-from megakit.nn.attention import CP_MODES
-from megakit.nn.attention_kernel import KernelChoice, device_kernel
+from megakit.nn.attention.core import CP_MODES
+from megakit.nn.attention.kernels import KernelChoice, device_kernel
 from megakit.nn.compile import default_compile
 from megakit.interop.checkpoint_format import read_manifest
-from megakit.nn.fp8 import check_fp8
+from megakit.nn.tensor_parallel.fp8 import check_fp8
 from megakit.nn.model import trained_mtp_depth
 from megakit.train.data.batches import DEFAULT_MAX_BYTES, BatchPlan
 from megakit.train.data.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
@@ -83,8 +83,8 @@ class TrainConfig:
     max_bytes: int = DEFAULT_MAX_BYTES
     recompute: str = "none"  # "full": keep each block's input only; "selective": recompute the attention core
     sequence_parallel: bool = False  # split norms/dropout/residual over TP along the sequence (no-op at TP 1)
-    loss_chunks: int = 0  # the LM head and loss over K token chunks (megakit.nn.chunked_loss); 0: auto_loss_chunks
-    fp8: str = "none"  # float8 GEMMs in the large TP linears (megakit.nn.fp8): none | tensorwise | rowwise
+    loss_chunks: int = 0  # the LM head and loss over K token chunks (tensor_parallel.chunked_loss); 0: auto_loss_chunks
+    fp8: str = "none"  # float8 GEMMs in the large TP linears (nn.tensor_parallel.fp8): none | tensorwise | rowwise
     save: str | None = None  # checkpoint directory, written at the end (and every save_every steps)
     save_every: int = 0
     keep: int = 0  # with --save-every: keep the newest K checkpoints as DIR/step-N with DIR/latest (0: one, replaced)
@@ -100,7 +100,7 @@ class TrainConfig:
     max_skipped_steps: int = DEFAULT_MAX_SKIPPED  # non-finite steps skipped in a row before the run ends (guards)
     compile: bool | None = None  # torch.compile each block (megakit.nn.compile); None: on with CUDA, off on CPU
     compile_backend: str = "inductor"  # torch.compile's backend; the CPU tests use "aot_eager" (no C++ build)
-    attention_kernel: str = "auto"  # SDPA backend: auto | flash | cudnn | efficient | math (nn.attention_kernel)
+    attention_kernel: str = "auto"  # SDPA backend: auto | flash | cudnn | efficient | math (nn.attention.kernels)
     spike_guard: float | None = None  # Z: a loss Z recent standard deviations above the recent mean rolls back (spikes)
     async_save: bool = False  # checkpoints written in a background thread; the step waits for the host copy only
     save_on_signal: bool = True  # with save: SIGTERM/SIGUSR1 (or the launcher gone) save after the step, then stop

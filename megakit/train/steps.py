@@ -34,7 +34,7 @@ def rank_device() -> torch.device | None:
 def pipeline_step(run: Run, topo, engine, dp_sync):
     """PP > 1: one 1F1B (or chosen) schedule per step; DeepSpeed does backward scaling, DP reduction and step."""
     from megakit.core.schedules import build_schedule
-    from megakit.nn.pipeline import PipelineExecutor, activation_shape
+    from megakit.nn.pipeline.executor import PipelineExecutor, activation_shape
     from megakit.train.engine.dp_sync import gradient_of
 
     plan, vpp = run.batch, run.cfg.vpp

@@ -50,8 +50,8 @@ from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_checkpoint
 from megakit.interop.checkpoint_async import AsyncWriter
 from megakit.nn import comm
-from megakit.nn.attention import use_cp_mode
-from megakit.nn.attention_kernel import use_kernel
+from megakit.nn.attention.core import use_cp_mode
+from megakit.nn.attention.kernels import use_kernel
 from megakit.nn.compile import compile_blocks
 from megakit.train.data.batches import TokenBatches
 from megakit.train.doctor.diagnostics import Diagnostics
@@ -247,7 +247,7 @@ def _build(run: Run, topo, doctor=None):
     """This rank's stage model wrapped in a DeepSpeed engine (and the ZeRO-0 clipper when needed)."""
     import deepspeed
 
-    from megakit.nn.fp8 import convert_to_fp8
+    from megakit.nn.tensor_parallel.fp8 import convert_to_fp8
     from megakit.nn.model import build_stage_chunks
 
     cfg, ds_config = run.cfg, run.ds_config

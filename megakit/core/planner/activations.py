@@ -85,7 +85,7 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
                 t(f"{which} stats", 1 / rest, 4, "sp")]
 
     kv = kv if flash_attention else heads * hd
-    # With SP, Megatron-LM and megakit (``megakit.nn.overlapped_linear``) keep the column-parallel layers'
+    # With SP, Megatron-LM and megakit (``nn.tensor_parallel.overlapped_linear``) keep the column-parallel layers'
     # input split and all-gather it again in backward (Korthikanti et al.); torchtitan's layers keep the
     # all-gathered (S, B, H) (``gathered_inputs``).
     gathered = h if gathered_inputs else h / rest
@@ -140,9 +140,9 @@ def value_widths(model: ModelSpec, *, tp: int, kv: float, ring: bool = False, cp
     ``o_proj``'s input). ``kv``: the k width as saved (q/k/v heads of one width: v is the same).
 
     MLA's value heads are ``v_head_dim`` wide, its query and key heads ``qk_head_dim`` (``head_dim``;
-    ``megakit.nn.latent_attention``). SDPA keeps v at ``v_head_dim`` and the output once: a fused kernel's, laid out
+    ``megakit.nn.attention.latent``). SDPA keeps v at ``v_head_dim`` and the output once: a fused kernel's, laid out
     (B, S, n, d) so that ``o_proj``'s input is a view of it, or (math path) ``o_proj``'s copy only. The ring carries v
-    at its own width too (``megakit.nn.context_parallel._pack``; the fused kernel's zero columns are local to each
+    at its own width too (``megakit.nn.attention.transport.pack``; the fused kernel's zero columns are local to each
     call) and saves v and its (B, n, S, d_v) output, of which ``o_proj`` keeps a (B, S, n, d_v) copy of its own.
     Plain attention keeps its output twice under CP (``cp``): the ring's (B, n, S, d) output, or, under Ulysses, the
     kernel's before the all-to-all back, and ``o_proj``'s (S, B, n d) copy; with attention sinks (gpt-oss) the core
@@ -157,7 +157,7 @@ def value_widths(model: ModelSpec, *, tp: int, kv: float, ring: bool = False, cp
 
 def latent_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool = False, precision: str = "bf16",
                    gathered_inputs: bool = False) -> list[SavedTensor]:
-    """What MLA keeps between the block's norm and its heads (``megakit.nn.latent_attention``): each latent's RMSNorm
+    """What MLA keeps between the block's norm and its heads (``megakit.nn.attention.latent``): each latent's RMSNorm
     keeps its input, the normalised input and the fp32 rstd (torch's composite, as ``activation_tensors``' norms), and
     its up-projection keeps the normed latent.
 
@@ -189,7 +189,7 @@ def routing_tensors(model: ModelSpec, *, tp: int = 1, precision: str = "bf16", i
     """What an MoE block keeps for backward beyond attention and the shared experts, per token of the sequence: each
     TP rank routes 1/TP of the tokens (the split sequence parallelism makes). In ``ROUTING_GROUPS``' order:
 
-    - the router (``megakit.nn.moe``, ``moe_router``; fp32 whatever the model's dtype): its input's fp32 copy below
+    - the router (``megakit.nn.moe.layer``, ``router``; fp32 whatever the model's dtype): its input's fp32 copy below
       fp32, the logits (the z-loss's log-sum-exp keeps them) and the scores (the softmax's or sigmoid's output);
     - the top-k: the chosen experts' int64 indices (the gather's), their probabilities before the renormalisation
       and its sum (``normalize_top_k``), and the weights the combine multiplies by, in the model's dtype;
@@ -245,7 +245,7 @@ ROUTING_GROUPS = {  # how ``megakit plan`` shows ``routing_tensors``, one line e
 
 def dispatch_buffers(model: ModelSpec, *, tp: int, precision: str, imbalance: float, ep: int
                      ) -> tuple[list[SavedTensor], list[SavedTensor]]:
-    """(saved, transient) per token of one MoE block's token dispatch (``megakit.nn.moe_dispatch``), the one place
+    """(saved, transient) per token of one MoE block's token dispatch (``megakit.nn.moe.dispatch``), the one place
     that prices it. Saved: the sort by expert's order and its inverse (int64, k per token: the permutation's and the
     un-permutation's gathers keep their indices), at EP > 1 the received rows' regrouping and its inverse (per
     received row), and the permuted tokens (fc1's input, per row an expert computes: ``imbalance`` x k per token at
@@ -271,8 +271,8 @@ def routed_imbalance(model: ModelSpec, imbalance: float, ep: int) -> float:
 
 
 # The default ``--loss-chunks`` (0: this rule): one chunk per 256 MiB of a micro-batch's fp32 logits shard. Chunking
-# keeps the GEMMs and FLOPs of the unchunked head (``megakit.nn.chunked_loss``), so its cost is only smaller GEMMs
-# and two small all-reduces per chunk; below 256 MiB the logits are no memory worth saving (every CPU test, small
+# keeps the GEMMs and FLOPs of the unchunked head (``nn.tensor_parallel.chunked_loss``), so its cost is only smaller
+# GEMMs and two small all-reduces per chunk; below 256 MiB the logits are no memory worth saving (every CPU test, small
 # models), above it they are (TinyLlama at seq 2048 x 4: 1 GiB -> 4 chunks; Llama-3-8B's 128k vocab at seq 8192: 16).
 LOGITS_CHUNK_BYTES = 256 * 2**20
 
@@ -308,7 +308,7 @@ def logits_bytes(model: ModelSpec, *, tp: int, sequence_parallel: bool, precisio
     """The last stage's head for one micro-batch: saved are the final norm's input (+ stats), the
     head's input and the vocab-parallel cross-entropy's fp32 softmax (V/tp per token) and its
     per-token target bookkeeping; transient are the logits shard and, below fp32, their fp32 copy.
-    With ``loss_chunks`` K > 1 (``megakit.nn.chunked_loss``; 0: ``auto_loss_chunks``): saved are the
+    With ``loss_chunks`` K > 1 (``megakit.nn.tensor_parallel.chunked_loss``; 0: ``auto_loss_chunks``): saved are the
     norm's input, the head input's gradient (in place of the input) and the head weight's gradient in
     fp32; transient are one chunk's logits and fp32 softmax."""
     p = PRECISIONS[precision]

@@ -152,7 +152,7 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     if plan.column_overlap and t > 1:
         # Megatron-LM's column-parallel backward launches its input gradient's all-reduce (reduce-scatter with
         # SP) asynchronously and computes the weight gradient meanwhile (--async-tensor-model-parallel-allreduce,
-        # 2021-22; Korthikanti et al. 2022 Sec. 4.2.2), and so does megakit's (megakit.nn.overlapped_linear):
+        # 2021-22; Korthikanti et al. 2022 Sec. 4.2.2), and so does megakit's (nn.tensor_parallel.overlapped_linear):
         # two of the four exchanges hide behind the wgrad GEMMs. With SP it also all-gathers each
         # column-parallel input again there, behind the same GEMMs.
         hidden_comm = (2 + (1 if plan.sequence_parallel else 0)) * one_tp
@@ -257,13 +257,13 @@ def _mtp_time(model: ModelSpec, gpu, plan: Plan, *, layer_s: float, dense_s: flo
 
 def _a2a_heads(model: ModelSpec, plan: Plan) -> tuple[int, int]:
     """Query and K/V heads a rank sends through the all-to-all: its TP rank's, K/V replicated to one per query head
-    when they do not divide by the a2a degree (``megakit.nn.ulysses``)."""
+    when they do not divide by the a2a degree (``megakit.nn.attention.ulysses``)."""
     q, kv = model.heads // plan.tp, model.kv_heads_per_rank(plan.tp)
     return q, (kv if kv % plan.a2a_degree == 0 else q)
 
 
 def _ulysses_time(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int, nbytes: int) -> float:
-    """Ulysses' all-to-alls per block and micro-batch (``megakit.nn.ulysses``): q, k, v in and the output back,
+    """Ulysses' all-to-alls per block and micro-batch (``nn.attention.ulysses``): q, k, v in and the output back,
     forward and again in backward (and in the recomputed forward), not overlapped; K/V at their width, or at the
     query heads' when their heads do not divide by the a2a degree (replicated). The a2a group's ranks are TP apart:
     all of CP with a2a, ``cp_a2a`` consecutive CP ranks with hybrid, none with the ring."""
@@ -318,13 +318,13 @@ def _ring_block_bytes(model: ModelSpec, plan: Plan, *, tokens: int, nbytes: int)
 
 def _kv_width(model: ModelSpec) -> int:
     """A K/V head's key plus value width: MLA's values (``v_head_dim``) are narrower than its keys (``qk_head_dim``)
-    and the ring carries them at their own width (``megakit.nn.context_parallel._pack``), no zero columns."""
+    and the ring carries them at their own width (``megakit.nn.attention.transport.pack``), no zero columns."""
     mla = model.config.mla
     return model.head_dim + (mla.v_head_dim if mla else model.head_dim)
 
 
 def _bounded_layers(model: ModelSpec, seq_len: int, ring: int) -> list[int]:
     """The blocks whose window fits in a ring chunk (``S / (2 ring)`` tokens): their K/V come from the two zig-zag
-    neighbours alone (``megakit.nn.context_parallel._Halo``), not around the ring."""
+    neighbours alone (``megakit.nn.attention.transport.Halo``), not around the ring."""
     chunk = seq_len // (2 * ring)
     return [i for i in range(model.layers) if 0 < model.config.attention_window(i) <= chunk]

@@ -41,7 +41,7 @@ attention keeps q, k, v, its output and log-sum-exp, never the scores) and shard
 DP x CP; the ring adds two K/V blocks in flight. A 1F1B stage ``i`` of ``p`` keeps ``min(p - i, m)`` micro-batches in flight; the
 interleaved schedule keeps ``(p - i - 1)·2 + (v - 1)·p + 1`` model chunks, counted chunk by chunk
 (``in_flight_chunks``: earlier chunks hold more, and chunks hold unequal layers). A chunk's output is
-freed once sent (``megakit.nn.sent_output``, Megatron-LM's ``deallocate_output_tensor``) except under zero
+freed once sent (``megakit.nn.pipeline.sent_output``, Megatron-LM's ``deallocate_output_tensor``) except under zero
 bubble, whose B and W take the output itself; a stage that receives gradients holds one during a backward
 (a communication buffer: the output's handle hands it to autograd, which saves none of it).
 The fp32 gradient copies of ``step()`` live once every activation is freed: ``MemoryEstimate.total``
@@ -209,7 +209,7 @@ def stage_expert_params(model: ModelSpec, *, pp: int, stage: int, ep: int = 1, l
 def _replicated_shared_experts(model: ModelSpec, *, tp: int, pp: int, stage: int, layers: int | None,
                                vpp: int) -> float:
     """What megakit's shared experts add on one TP rank to ``stage_params``' count, which shards them over TP as
-    Megatron does: megakit replicates them (``megakit.nn.moe.SharedExpert`` runs on the rank's tokens), so each TP
+    Megatron does: megakit replicates them (``megakit.nn.moe.layer.SharedExpert`` runs on the rank's tokens), so each TP
     rank holds the other ``(tp - 1) / tp`` of each MoE block's three ``H x shared_ffn`` matrices too."""
     n_moe = stage_moe_layers(model, pp, vpp)[stage] if layers is None else layers
     if stage == pp - 1:  # the MTP modules' blocks

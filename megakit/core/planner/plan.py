@@ -104,7 +104,7 @@ class Plan:
     def column_overlap(self) -> bool:
         """Whether the column-parallel linears keep their input split under SP (all-gathered again in
         backward) and hide the backward's TP exchange behind the weight-gradient GEMMs: Megatron-LM's
-        (Korthikanti et al. 2022) and megakit's (``megakit.nn.overlapped_linear``) do; torchtitan's
+        (Korthikanti et al. 2022) and megakit's (``megakit.nn.tensor_parallel.overlapped_linear``) do; torchtitan's
         (the FSDP runtime) keep the gathered input and exchange after the GEMMs."""
         return self.zero3 != "fsdp"
 

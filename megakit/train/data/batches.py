@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from megakit.errors import UsageError
-from megakit.nn.documents import position_ids
+from megakit.nn.attention.masks import position_ids
 
 DEFAULT_MAX_BYTES = 8 * 2**20
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idlelib"}
@@ -124,7 +124,7 @@ class TokenBatches:
                        for t in (tokens if isinstance(tokens, (list, tuple)) else [tokens])]
         self.masks = masks
         assert masks is None or [len(m) for m in masks] == [len(t) for t in self.shards]
-        # packed documents (``megakit.nn.documents``): each shard's document starts, and what is made of them
+        # packed documents (``megakit.nn.attention.masks``): each shard's document starts, and what is made of them
         self.starts, self.document_attention, self.reset_positions = starts, document_attention, reset_positions
         self.eod = eod  # --eod-mask-loss: no loss where the input is the end-of-document token (Megatron's)
         assert starts is not None or not (document_attention or reset_positions)

@@ -39,7 +39,7 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
     from deepspeed.runtime import lr_schedules
 
     from megakit.nn.model import ModelConfig, Transformer, set_loss_tokens
-    from megakit.nn.moe import set_aux_loss_scale, update_expert_bias
+    from megakit.nn.moe.layer import set_aux_loss_scale, update_expert_bias
     from megakit.nn.mtp import depth_token_counts
     from megakit.train.run import TrainConfig, with_moe_flags
 

@@ -43,7 +43,7 @@ from megakit.nn.compression import (
 
 def _cp_mean(tensors: list[torch.Tensor], group) -> None:
     """Replace each tensor by its exact mean over the CP group, in place: one all-reduce per dtype. Each CP rank's
-    gradient is CP times its share of the sequence's (``megakit.nn.context_parallel.sequence_mean``), so the mean is
+    gradient is CP times its share of the sequence's (``megakit.nn.sequence.sequence_mean``), so the mean is
     the whole sequence's gradient."""
     if comm.size(group) == 1:
         return

@@ -63,7 +63,7 @@ def is_expert(param) -> bool:
 
 
 def expert_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The routed experts' stacked weights (``param.ep_dim``, ``megakit.nn.moe``); the router and the shared
+    """The routed experts' stacked weights (``param.ep_dim``, ``megakit.nn.moe.layer``); the router and the shared
     expert are dense."""
     return {n: p for n, p in module.named_parameters() if getattr(p, "ep_dim", None) is not None}
 

@@ -1,7 +1,7 @@
 """The trainer's part in the MoE layers: the balancing losses' scale, the expert bias once per step, and metrics.
 
 - Losses. Each MoE block adds ``coeff x aux`` (and the sequence aux and z losses) to the
-  objective itself, as the gradient of its output (``megakit.nn.moe``), so pipeline stages
+  objective itself, as the gradient of its output (``megakit.nn.moe.layer``), so pipeline stages
   need not send it on. The trainer tells it what the language-model loss is multiplied by
   before backward: ``1 / gradient_accumulation_steps`` (DeepSpeed's scaling; DP x CP
   averaging follows in DeepSpeed's reduction, as for the dense gradient), times the fp16 loss
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from megakit.nn import comm
-from megakit.nn.moe import MoE, set_aux_loss_scale, update_expert_bias
+from megakit.nn.moe.layer import MoE, set_aux_loss_scale, update_expert_bias
 
 FIELDS = ("max_tokens", "mean_tokens", "dropped", "aux", "seq_aux", "z", "bias_norm")
 _SUMMED = slice(2, 6)  # a slice: an index list would be copied to the device

@@ -24,7 +24,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
 def save_weights_not_views(module: torch.nn.Module) -> int:

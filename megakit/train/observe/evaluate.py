@@ -86,7 +86,7 @@ def validation_sums(modules, topo, batches, *, shape, dtype, device) -> torch.Te
 def evaluator(run, topo, engine, device):
     """``evaluate()`` -> ``(validation loss, per data set of a mixture or None)`` of the engine's model now, on every
     rank: the loss over every data set's validation tokens, each data set evaluated on its own split."""
-    from megakit.nn.pipeline import activation_shape
+    from megakit.nn.pipeline.executor import activation_shape
     from megakit.train.data.corpus import ValidationBatches
 
     plan = run.batch

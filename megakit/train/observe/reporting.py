@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megakit.errors import UsageError
-from megakit.nn.attention_kernel import attention_kernels_in
+from megakit.nn.attention.kernels import attention_kernels_in
 from megakit.train.observe.metrics import StepMetrics
 
 

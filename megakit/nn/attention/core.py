@@ -3,13 +3,13 @@
 RoPE's variants (llama3, linear, yarn, dynamic) are ``megakit.core.rope``'s frequencies, and a block may have none
 (``ModelConfig.block_uses_rope``: q and k go to the core unrotated, on every path alike); a sliding
 window (Mistral, Qwen2) masks keys more than ``window - 1`` positions back, and packed documents
-(``megakit.nn.documents``) mask keys of other documents, in every path.
+(``megakit.nn.attention.masks``) mask keys of other documents, in every path.
 
 q/k/v are column-parallel and the output row-parallel (Megatron). Without context parallelism
 the core is PyTorch's fused ``scaled_dot_product_attention`` (or, with dropout in training,
-the same written out so the mask is megakit's layout-free one); with it, the rank holds
-``S/cp`` rows of the sequence and the core is ``megakit.nn.context_parallel.ring_attention``, or with
-``cp_mode`` "a2a" the whole sequence of ``heads/cp`` heads after an all-to-all (``megakit.nn.ulysses``), or with
+the same written out so the mask is megakit's layout-free one; with gpt-oss's sinks, ``blocks.block_attention``);
+with it, the rank holds ``S/cp`` rows of the sequence and the core is ``ring.ring_attention``, or with
+``cp_mode`` "a2a" the whole sequence of ``heads/cp`` heads after an all-to-all (``ulysses``), or with
 "hybrid" an all-to-all inside groups of CP ranks and a ring across them.
 """
 
@@ -23,12 +23,15 @@ from torch import nn
 from megakit.core.model_config import ModelConfig
 from megakit.core.rope import inv_freq
 from megakit.nn import comm as C
-from megakit.nn.context_parallel import attention_keep, positions, ring_attention
-from megakit.nn.documents import flex_document_attention, same_document
+from megakit.nn.attention.blocks import attention_keep, block_attention
+from megakit.nn.attention.masks import allowed_keys, flex_document_attention
+from megakit.nn.attention.ring import ring_attention
+from megakit.nn.attention.ulysses import ulysses_attention
 from megakit.nn.dropout import DropoutKeys, attention_dropout
-from megakit.nn.overlapped_linear import column_parallel
-from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp, mark
-from megakit.nn.ulysses import ulysses_attention
+from megakit.nn.sequence import positions
+from megakit.nn.tensor_parallel.collectives import copy_to_tp
+from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, mark
+from megakit.nn.tensor_parallel.overlapped_linear import column_parallel
 
 
 def rope_tables(config: ModelConfig, device, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,25 +45,6 @@ def rope_tables(config: ModelConfig, device, index: int | None = None) -> tuple[
     angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float64, device=device), freqs)
     angles = torch.cat([angles, angles], dim=-1)
     return (angles.cos() * factor).float(), (angles.sin() * factor).float()
-
-
-def causal_mask(s: int, window: int, device) -> torch.Tensor | None:
-    """``(S, S)`` bool, True where query ``i`` may see key ``j``: ``i - window < j <= i`` (transformers'
-    sliding window); None when plain causal attention is the same (no window, or one not shorter than S)."""
-    if not window or window >= s:
-        return None
-    pos = torch.arange(s, device=device)
-    gap = pos[:, None] - pos[None, :]
-    return (gap >= 0) & (gap < window)
-
-
-def allowed_keys(s: int, window: int, documents: torch.Tensor | None, device) -> torch.Tensor | None:
-    """``causal_mask``, and with ``documents`` ``(B, S)`` only keys of the query's own document: ``(B, 1, S, S)``."""
-    mask = causal_mask(s, window, device)
-    if documents is None:
-        return mask
-    causal = torch.ones((s, s), dtype=torch.bool, device=device).tril_() if mask is None else mask
-    return same_document(documents, documents) & causal
 
 
 CP_MODES = ("ring", "a2a", "hybrid")  # --cp-mode: K/V blocks around a ring, Ulysses' all-to-all of heads, or both
@@ -153,9 +137,9 @@ class Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = config.heads // tp, config.kv_heads // tp, config.head_dim
         self.total_heads, self.head_start = config.heads, C.rank(group) * self.heads
         self.dropout, self.rope = config.dropout, config.block_uses_rope(index)  # SmolLM3's NoPE blocks: no rotation
-        self.expand_kv = False  # set by megakit.nn.attention_kernel.use_kernel for kernels that need it
+        self.expand_kv = False  # set by megakit.nn.attention.kernels.use_kernel for kernels that need it
         self.flex_documents = False  # packed documents through FlexAttention (use_kernel sets it on a GPU)
-        self.cp_mode = "ring"  # with CP: ring attention, "a2a" (Ulysses: megakit.nn.ulysses) or "hybrid"; use_cp_mode
+        self.cp_mode = "ring"  # with CP: ring attention, "a2a" (Ulysses: attention.ulysses) or "hybrid"; use_cp_mode
         self.a2a_group = self.ring_group = None  # hybrid's groups (use_cp_mode sets them)
         self.scale, self.window = config.attention_scale(index), config.attention_window(index)  # block ``index``'s
         self.sdpa_scale = None if self.scale == self.head_dim ** -0.5 else self.scale  # None: SDPA's own 1/sqrt(d)
@@ -210,7 +194,7 @@ class Attention(nn.Module):
     def _attend(self, q, k, v, keys: DropoutKeys | None, documents: torch.Tensor | None, *, head_start: int
                 ) -> torch.Tensor:
         """Attention over the whole sequence of ``q``'s heads ``(B, n, S, d)`` (global heads from ``head_start``).
-        With sinks, a ring of one (``ring_attention``'s fused blocks): SDPA's kernels return no log-sum-exp."""
+        With sinks, ``block_attention`` on the rank's own block: SDPA's kernels return no log-sum-exp."""
         if hasattr(self, "sinks"):
             return self._ring(q, k, v, keys, documents, group=None, head_start=head_start)
         if self.training and self.dropout > 0:
@@ -243,8 +227,9 @@ class Attention(nn.Module):
 
     def _ring(self, q, k, v, keys: DropoutKeys | None, documents: torch.Tensor | None, *, group, head_start: int
               ) -> torch.Tensor:
-        """Ring attention over ``group`` of ``q``'s heads (global heads from ``head_start``); the dropout mask is this
-        rank's rows of the whole draw."""
+        """Ring attention over ``group`` of ``q``'s heads (global heads from ``head_start``); ``group`` None: the whole
+        sequence on this rank, over the same blocks (``block_attention``). The dropout mask is this rank's rows of the
+        whole draw."""
         keep, ring, r = None, C.size(group), C.rank(group)
         seq_len = q.shape[2] * ring
         if self.training and self.dropout > 0:
@@ -252,5 +237,7 @@ class Attention(nn.Module):
                                   heads_local=q.shape[1], heads=self.total_heads, seq_len=seq_len, device=q.device,
                                   rows=positions(seq_len, ring, r, device=q.device))
         sinks = self.sinks[head_start - self.head_start:][:q.shape[1]] if hasattr(self, "sinks") else None
-        return ring_attention(q, k, v, group, keep=keep, p=self.dropout, scale=self.scale,
-                              window=self.window, documents=documents, sinks=sinks)  # (B, n, S/ring, d)
+        options = dict(keep=keep, p=self.dropout, scale=self.scale, window=self.window, documents=documents)
+        if group is None:
+            return block_attention(q, k, v, sinks=sinks, **options)  # (B, n, S, d)
+        return ring_attention(q, k, v, group, sinks=sinks, **options)  # (B, n, S/ring, d)

@@ -1,7 +1,7 @@
 """``grouped_mm(a, b, offs)``: ``torch._grouped_mm`` that ``torch.compile`` can trace in every dtype the kernel runs.
 
 The kernel multiplies row groups of ``a`` ``(M, K)`` by the matrices of ``b`` ``(G, K, N)``, the groups ending at the
-device offsets ``offs`` ``(G,)`` int32 (no host sync: the MoE experts, ``megakit.nn.moe``). Its eager forms run fp32,
+device offsets ``offs`` ``(G,)`` int32 (no host sync: the MoE experts, ``moe.layer``). Its eager forms run fp32,
 bf16 and fp16 on the CPU and CUDA, but torch 2.13's fake (meta) kernel, which Dynamo traces with, accepts bf16
 only. In bf16 the op is called as it is (Inductor may pick its own kernel); in the other dtypes it goes through the
 custom op below, whose fake kernel only gives the output's shape, and whose gradient is two more grouped products

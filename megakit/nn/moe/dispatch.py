@@ -14,8 +14,8 @@ each token ``k`` times (its gradient is a sum over ``k``), and every other step 
   ``--compile`` traces it into the block's graph.
 - ``AllToAllDispatcher``: experts sharded over the EP group (rank ``r`` holds experts
   ``[r E/EP, (r+1) E/EP)``). The same sort, then one all-to-all of the per-expert counts and one
-  all-to-all with variable splits of the rows (``_AllToAll``: forward the all-to-all, backward
-  the reverse one), whose sizes reach the host in one copy; the received rows, ordered by source
+  all-to-all with variable splits of the rows (``tensor_parallel.collectives.all_to_all``: forward the
+  all-to-all, backward the reverse one), whose sizes reach the host in one copy; the received rows, ordered by source
   rank, are regrouped by local expert. A rank may send or receive no rows at all (Megatron #1877).
   Under ``--compile`` both exchanges stay eager, one graph break each.
 
@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 
 from megakit.nn import comm as C
+from megakit.nn.tensor_parallel.collectives import all_to_all
 
 
 class Dispatcher(Protocol):
@@ -89,24 +90,6 @@ class LocalDispatcher:
 
     def combine(self, y, plan):
         return _unsort(y, plan)
-
-
-class _AllToAll(torch.autograd.Function):
-    """forward: all-to-all of rows with variable splits over ``group``; backward: the reverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx, x, group, send_splits, recv_splits):
-        ctx.group, ctx.send, ctx.recv = group, send_splits, recv_splits
-        return C.all_to_all_single(x, group, send_splits=send_splits, recv_splits=recv_splits)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return C.all_to_all_single(grad, ctx.group, send_splits=ctx.recv, recv_splits=ctx.send), None, None, None
-
-
-def all_to_all(x: torch.Tensor, group, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
-    """Differentiable ``comm.all_to_all_single``: forward the all-to-all, backward the reverse one."""
-    return x if C.size(group) == 1 else _AllToAll.apply(x, group, send_splits, recv_splits)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 ``MoE(config, ...)`` holds, under Hugging Face transformers 5's in-memory names (so the HF
 mapping is a rename-free stack/unstack, ``megakit.interop.hf``):
 
-- ``gate.weight`` ``(E, H)``: the router (``megakit.nn.moe_router``, fp32), and, with the aux-loss-free
+- ``gate.weight`` ``(E, H)``: the router (``megakit.nn.moe.router``, fp32), and, with the aux-loss-free
   balancing, the buffer ``gate.e_score_correction_bias`` ``(E,)`` (fp32; only chooses experts);
 - ``experts.gate_up_proj`` ``(E/EP, 2F, H)`` (gate rows first, then up, as ``MixtralExperts``) and
   ``experts.down_proj`` ``(E/EP, H, F)``: this rank's SwiGLU experts; rank ``r`` of the EP group
@@ -17,7 +17,7 @@ replicated ``(S, B, H)`` input is cut into ``S/tp`` rows (forward: keep the slic
 all-gather) and the output gathered back (forward: all-gather, backward: keep the slice); Megatron
 requires SP for MoE with TP, megakit does the slicing itself instead. The router and the shared
 expert are replicated over TP: each TP rank's partial gradient is summed over TP in backward
-(``tensor_parallel.replicated``). Tokens go to the experts' EP ranks by ``megakit.nn.moe_dispatch``;
+(``tensor_parallel.replicated``). Tokens go to the experts' EP ranks by ``megakit.nn.moe.dispatch``;
 the EP group is folded over TP x CP x DP (``megakit.core.layout``), so with EP > 1 the TP ranks of a
 group may hold different experts, and an expert's gradient is summed over the ranks that hold it
 (EDP, by the trainer), never over TP. At EP 1 every rank holds every expert, replicated over TP like
@@ -31,7 +31,7 @@ and divide by DP x CP** -- the divisor of the dense average (as DeepSpeed's ZeRO
 MoE parameter groups). The EDP sum covers every token slice of the stage once (EP x EDP = TP x CP x
 DP); simply averaging over EDP would leave them EP / TP times too large.
 
-Balancing losses (``moe_router``): the block adds ``aux_loss_coeff * aux + seq_aux_loss_coeff *
+Balancing losses (``moe.router``): the block adds ``aux_loss_coeff * aux + seq_aux_loss_coeff *
 seq_aux + z_loss_coeff * z`` to the training objective by itself, Megatron's
 ``MoEAuxLossAutoScaler`` way: forward: the output unchanged; backward: the output's gradient,
 and ``loss_scale`` as the gradient of that sum -- so every pipeline stage's MoE layers train their
@@ -57,10 +57,11 @@ from torch import nn
 from megakit.core.moe_config import MoEConfig
 from megakit.errors import UsageError
 from megakit.nn import comm as C
-from megakit.nn.grouped_mm import grouped_mm
-from megakit.nn.moe_dispatch import make_dispatcher
-from megakit.nn.moe_router import balance_losses, capacity_keep, route
-from megakit.nn.tensor_parallel import copy_to_tp, gather_from_tp, mark, scatter_to_tp
+from megakit.nn.moe.dispatch import make_dispatcher
+from megakit.nn.moe.grouped_mm import grouped_mm
+from megakit.nn.moe.router import balance_losses, capacity_keep, route
+from megakit.nn.tensor_parallel.collectives import copy_to_tp, gather_from_tp, scatter_to_tp
+from megakit.nn.tensor_parallel.layers import mark
 
 
 def _param(*shape, dtype, device, ep: bool = False) -> nn.Parameter:

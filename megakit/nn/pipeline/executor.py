@@ -60,7 +60,7 @@ from megakit.core.schedules import (
 from megakit.core.simulator import P2P_MODES, ScheduleError, fastest_order, simulate
 from megakit.errors import UsageError
 from megakit.nn import comm as C
-from megakit.nn import sent_output, split_backward, stage_grads
+from megakit.nn.pipeline import sent_output, split_backward, stage_grads
 
 __all__ = ["PipelineExecutor", "StepTimes", "activation_shape"]
 _TAG = {RecvActivation: 0, SendActivation: 0, RecvGrad: 1, SendGrad: 1}
@@ -184,7 +184,7 @@ class PipelineExecutor:
     def holds_last(self) -> bool:
         return self.topo.pp_rank == self.schedule.pp - 1
 
-    # -- end of step: tied copies and DP replicas (megakit.nn.stage_grads) ------------------------
+    # -- end of step: tied copies and DP replicas (megakit.nn.pipeline.stage_grads) ------------------------
     def sync_tied_weights(self) -> None:
         """Make both copies of each tied parameter equal to the first stage's."""
         stage_grads.sync_tied_weights(self.tied, self.topo)

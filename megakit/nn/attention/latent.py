@@ -28,9 +28,10 @@ import torch.utils.checkpoint
 from torch import nn
 
 from megakit.core.model_config import ModelConfig
-from megakit.nn.attention import Attention, apply_rope, rope_at
+from megakit.nn.attention.core import Attention, apply_rope, rope_at
 from megakit.nn.dropout import DropoutKeys
-from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, enter_tp_region, mark, replicated
+from megakit.nn.tensor_parallel.collectives import enter_tp_region, replicated
+from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, mark
 
 
 def _replicated(*shape, dtype, device) -> nn.Parameter:

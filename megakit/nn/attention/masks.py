@@ -1,7 +1,11 @@
-"""Packed documents: attention that stays inside each document, and positions that restart at each.
+"""Which keys a query sees: causal, inside a sliding window, inside its packed document; and positions that restart
+at each document.
 
-A training window of the token stream holds the end of one document, some whole ones and the start of
-another. ``documents`` ``(B, S)`` numbers them along each row (0, 0, 1, 1, 1, 2, ...: nondecreasing), on
+Every path masks keys later than the query (causal) and, with a sliding window (Mistral, Qwen2, gpt-oss), keys
+``window`` or more positions back (``causal_mask``, as transformers does).
+
+A training window of the token stream holds the end of one document, some whole ones and the start of another.
+``documents`` ``(B, S)`` numbers them along each row (0, 0, 1, 1, 1, 2, ...: nondecreasing), on
 every rank alike (the loader computes it from the shards' document starts; nothing is broadcast). Query
 ``i`` then sees key ``j`` only if ``j <= i`` and both are in one document (Llama 3's pretraining mask,
 Megatron's ``--reset-attention-mask``), and ``position_ids`` restart at 0 at each document's first token
@@ -29,6 +33,25 @@ def position_ids(documents: torch.Tensor) -> torch.Tensor:
 def same_document(doc_q: torch.Tensor, doc_k: torch.Tensor) -> torch.Tensor:
     """``(B, 1, S_q, S_k)`` bool, True where query and key are in one document (broadcast over heads)."""
     return (doc_q[:, None, :, None] == doc_k[:, None, None, :])
+
+
+def causal_mask(s: int, window: int, device) -> torch.Tensor | None:
+    """``(S, S)`` bool, True where query ``i`` may see key ``j``: ``i - window < j <= i`` (transformers'
+    sliding window); None when plain causal attention is the same (no window, or one not shorter than S)."""
+    if not window or window >= s:
+        return None
+    pos = torch.arange(s, device=device)
+    gap = pos[:, None] - pos[None, :]
+    return (gap >= 0) & (gap < window)
+
+
+def allowed_keys(s: int, window: int, documents: torch.Tensor | None, device) -> torch.Tensor | None:
+    """``causal_mask``, and with ``documents`` ``(B, S)`` only keys of the query's own document: ``(B, 1, S, S)``."""
+    mask = causal_mask(s, window, device)
+    if documents is None:
+        return mask
+    causal = torch.ones((s, s), dtype=torch.bool, device=device).tril_() if mask is None else mask
+    return same_document(documents, documents) & causal
 
 
 # -- the block-sparse kernel (FlexAttention) ------------------------------------------------------------

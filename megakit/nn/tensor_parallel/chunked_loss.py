@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megakit.nn import comm as C
-from megakit.nn.tensor_parallel import softmax_grad_, vocab_parallel_softmax
+from megakit.nn.tensor_parallel.cross_entropy import softmax_grad_, vocab_parallel_softmax
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):

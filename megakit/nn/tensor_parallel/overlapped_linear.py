@@ -13,7 +13,7 @@ input (q, k, v; gate, up):
   its reduce-scatter (without SP: all-reduce), compute the weight gradients on the gathered
   input while it runs, then wait.
 
-Zero bubble (``megakit.nn.split_backward``) runs the backward in two passes: B wants only the
+Zero bubble (``megakit.nn.pipeline.split_backward``) runs the backward in two passes: B wants only the
 input gradient and W only the weights'. The engine says which edges the running pass needs
 (``torch._C._will_engine_execute_node``), so B skips the re-gather and the weight GEMMs and W
 skips ``grad_input`` and its reduce-scatter: nothing is computed or sent twice. The engine
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from megakit.nn import comm as C
-from megakit.nn.tensor_parallel import enter_tp_region
+from megakit.nn.tensor_parallel.collectives import enter_tp_region
 
 
 def _needed(ctx, index: int) -> bool:

@@ -1,6 +1,6 @@
 """Ulysses context parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023): the sequence's heads split over CP, not its keys.
 
-A CP rank holds ``S/cp`` tokens (the load-balanced chunks of ``context_parallel.positions``) with all of its TP
+A CP rank holds ``S/cp`` tokens (the load-balanced chunks of ``sequence.positions``) with all of its TP
 rank's heads. One all-to-all per tensor turns ``q``, ``k``, ``v`` into all ``S`` tokens, in sequence order, of
 ``heads/cp`` heads; attention then runs over the whole sequence with any kernel and any mask (causal, window,
 documents, dropout), exactly as without CP; one all-to-all takes the output back to the rank's tokens and all its
@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from megakit.nn import comm as C
-from megakit.nn.context_parallel import positions
-from megakit.nn.moe_dispatch import all_to_all
+from megakit.nn.sequence import positions
+from megakit.nn.tensor_parallel.collectives import all_to_all
 
 
 def _sequence_order(seq_len: int, cp: int, members: range, device) -> tuple[torch.Tensor, torch.Tensor]:

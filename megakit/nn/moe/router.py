@@ -86,7 +86,7 @@ class _SequenceSum(torch.autograd.Function):
     backward: ``grad x CP``. Each rank's loss copy then gives its own share of the gradient
     (TP shares are summed by the parameters' TP all-reduce, ``tensor_parallel.replicated``) times
     CP, which DeepSpeed's average over DP x CP divides back out -- megakit's CP convention
-    (``context_parallel.sequence_mean``)."""
+    (``megakit.nn.sequence.sequence_mean``)."""
 
     @staticmethod
     def forward(ctx, x, tp_group, cp_group):

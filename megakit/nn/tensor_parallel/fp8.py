@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from megakit.errors import UsageError
-from megakit.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 RECIPES = ("none", "tensorwise", "rowwise")
 EMULATE_ENV = "MEGAKIT_FP8_EMULATE"

@@ -14,7 +14,7 @@ PyTorch 2.5 notes measured cuDNN's kernel up to 75 % faster than FA2 on H100, an
 wheels prefer it there themselves. Older GPUs: torch's choice. ``scripts/bench_gpu.py``
 measures flash against cuDNN (variant D) so that this default can be checked on the GPU. Packed documents
 (``--reset-attention-mask``) take none of these, whose fused kernels have no mask: on a GPU of compute
-capability 8.0 or newer ``auto`` runs them through FlexAttention (``megakit.nn.documents``), which skips the
+capability 8.0 or newer ``auto`` runs them through FlexAttention (``megakit.nn.attention.masks``), which skips the
 blocks of other documents; elsewhere SDPA with a boolean mask.
 """
 
@@ -43,7 +43,7 @@ class KernelChoice:
     name: str
     backends: tuple = ()
     expand_kv: bool = False
-    flex_documents: bool = False  # packed documents through FlexAttention (megakit.nn.documents), not a masked SDPA
+    flex_documents: bool = False  # packed documents through FlexAttention (attention.masks), not a masked SDPA
 
     def context(self):
         """The context a step runs in: ``sdpa_kernel`` with these backends, or nothing."""
@@ -78,7 +78,7 @@ def device_kernel(name: str) -> KernelChoice:
 
 def use_kernel(model: torch.nn.Module, choice: KernelChoice) -> None:
     """Tell every attention layer of ``model`` whether to expand K/V heads for ``choice``."""
-    from megakit.nn.attention import Attention
+    from megakit.nn.attention.core import Attention
 
     for module in model.modules():
         if isinstance(module, Attention):
