@@ -42,7 +42,8 @@ def test_default_split_weighs_dense_blocks_by_time():
 
 def test_models_with_blocks_of_one_kind_keep_the_parameter_split(tmp_path):
     """Dense models and MoE models without dense blocks: the split is the parameter balance as before (each block
-    weighs its parameters); a small MoE model with three dense first blocks is split by the trainer as by the planner."""
+    weighs its parameters); a small MoE model with three dense first blocks is split by the trainer as by the
+    planner."""
     from megakit.core.partition import _balanced_counts, layer_costs
 
     for name in ("llama-3-8b", "qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b"):

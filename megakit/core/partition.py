@@ -10,7 +10,8 @@ the end stages get fewer blocks. Where the virtual stages outnumber the blocks (
 or two) an end holds none: only the embedding, or only the final norm, head and loss, as
 Megatron's pipeline layouts place them (``"E|(t|)*94,L"``; its ``account_for_embedding_in_pipeline_split``
 and ``account_for_loss_in_pipeline_split``): 94 blocks fill PP 32 x VPP 3 = 96 virtual stages.
-Costs are parameters (memory balance, DeepSpeed's ``partition_method="parameters"``) or
+Costs are parameters (memory balance, DeepSpeed's ``partition_method="parameters"``; an MoE model's dense
+blocks weigh as their time does, ``_dense_block_weight``) or
 forward FLOPs per token (time balance, where the LM head's 2·V·h matters and the embedding
 lookup costs nothing). The split that minimises the most expensive stage is found exactly by
 dynamic programming, and among those the most even one (least sum of squared stage costs).

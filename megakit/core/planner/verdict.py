@@ -61,7 +61,7 @@ def _changes(plan: Plan, *, world: int, gpus_per_node: int, model) -> list[tuple
     return [(text, change) for text, change in out if _divides(plan, change, world)]
 
 
-LIGHT_MODULES = ("layernorm", "moe_act", "mla_up_proj")  # Megatron-Core's cheap recomputes (norms, activations, up-proj)
+LIGHT_MODULES = ("layernorm", "moe_act", "mla_up_proj")  # Megatron-Core's cheap recomputes: norms, activations, up-proj
 HEAVY_MODULES = ("mlp", "shared_experts", "moe")  # whole MLPs: their GEMMs again
 
 
