@@ -10,7 +10,8 @@ the end stages get fewer blocks. Where the virtual stages outnumber the blocks (
 or two) an end holds none: only the embedding, or only the final norm, head and loss, as
 Megatron's pipeline layouts place them (``"E|(t|)*94,L"``; its ``account_for_embedding_in_pipeline_split``
 and ``account_for_loss_in_pipeline_split``): 94 blocks fill PP 32 x VPP 3 = 96 virtual stages.
-Costs are parameters (memory balance, DeepSpeed's ``partition_method="parameters"``) or
+Costs are parameters (memory balance, DeepSpeed's ``partition_method="parameters"``; an MoE model's dense
+blocks weigh as their time does, ``_dense_block_weight``) or
 forward FLOPs per token (time balance, where the LM head's 2·V·h matters and the embedding
 lookup costs nothing). The split that minimises the most expensive stage is found exactly by
 dynamic programming, and among those the most even one (least sum of squared stage costs).
@@ -35,6 +36,8 @@ def layer_costs(config, method: str = "params", *, seq_len: int | None = None,
     kinds = [config.is_moe_layer(i) for i in range(config.layers)]  # an MoE model's dense blocks cost less
     if method == "params":
         cost = {moe: config.block_params(moe=moe).total for moe in set(kinds)}
+        if len(cost) == 2:  # dense blocks beside MoE ones weigh as their time says (_dense_block_weight)
+            cost[False] = _dense_block_weight(config, cost[True])
         embedding = config.embedding_params()
         head = config.head_params(separate=True)  # a copy of the embedding when tied, plus the final norm
     else:  # forward FLOPs per token: 2 per multiply-add; attention scores and values 2·2·s·q
@@ -44,6 +47,21 @@ def layer_costs(config, method: str = "params", *, seq_len: int | None = None,
         head = config.head_flops()
     head += sum(_mtp_cost(config, method, k, seq_len) for k in range(1, mtp + 1))
     return [float(cost[k]) for k in kinds], float(embedding), float(head)
+
+
+def _dense_block_weight(config, moe_block: float) -> float:
+    """A dense block's weight in the parameter balance of a model that also has MoE blocks: an MoE block's
+    parameters times the dense block's forward FLOPs over the MoE block's (at ``max_seq_len``: the trainer's and the
+    planner's split agree without a sequence length).
+
+    By parameters a dense block weighs ~1/20 of DeepSeek-V3's MoE block (256 experts), so its three dense blocks
+    and an MoE one would share the first virtual stage, which holds the most micro-batches in flight (1F1B and
+    interleaved): 4 blocks' activations there, 2 elsewhere. But expert parallelism shards the experts' parameters
+    (E/EP per GPU) while a block's activations and time follow its active width, where DeepSeek-V3's dense FFN
+    (18432) equals its nine experts' (9 x 2048). Weighed by time, as Megatron's uniform layout splits, the split is
+    the published one, ``Et|(tt|)*30mL`` (``--stage-layers 1,2*30,0`` at PP 8 x VPP 4)."""
+    flops = {moe: config.block_flops(config.max_seq_len, convention="matmul", moe=moe)[0] for moe in (True, False)}
+    return moe_block * flops[False] / flops[True]
 
 
 def _mtp_cost(config, method: str, depth: int, seq_len: int | None) -> float:

@@ -140,8 +140,9 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
     if not ctx.feasible and zero3_fallback and offload == "none" and not judged and pins.zero is None:
         # ZeRO-Offload (Ren et al. 2021): fp32 master weights and Adam states in host memory, stepped by
         # DeepSpeed's CPU Adam, gradients down and parameters up over PCIe each step; one GPU is enough.
-        ctx.offload = "optimizer"
+        typed, ctx.offload = ctx.closest, "optimizer"
         ctx.run(branch, (1, 2, 3))
+        ctx.closest = typed or ctx.closest  # a fix is named for the plan without offload (_no_plan_reason)
         if ctx.feasible:
             host = max(_host_bytes(model, c.plan, s) for c in ctx.feasible) * min(cluster.gpus_per_node, world)
             why += (f"; nothing fit on the GPUs under the {threshold:.0%} line (pin --zero to judge a layout against "
@@ -218,6 +219,12 @@ def _no_plan_reason(ctx) -> str:
         return f"no layout of {where} can run: {why[0].reason}"
     smallest = min((r for r in ctx.rejected if r.peak_gib is not None), default=None, key=lambda r: r.peak_gib)
     detail = f" (the smallest peak found: {smallest.reason})" if smallest else ""
+    c = ctx.closest
+    if ctx.pins.layout_pinned and c is not None:  # a layout the user typed: name the change that fits it
+        fix = suggest_fix(ctx.model, c.plan, seq_len=ctx.seq_len, world=ctx.cluster.num_gpus,
+                          gpus_per_node=ctx.cluster.gpus_per_node, threshold_bytes=ctx.limit,
+                          gpu_bytes=ctx.cluster.gpu.mem_gib * GIB, overhead_bytes=OVERHEAD_BYTES)
+        detail += f"; the pinned layout {c.plan.describe()} peaks at {c.memory.total / GIB:.1f} GiB, fix: {fix}"
     return f"no layout fits {where}{detail}"
 
 

@@ -14,6 +14,7 @@ Such a layout is judged against the GPU's whole memory instead:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from megakit.core.planner.memory import GIB, peak_memory
 from megakit.core.planner.plan import Plan
@@ -41,6 +42,7 @@ def _changes(plan: Plan, *, world: int, gpus_per_node: int, model) -> list[tuple
     per_rank = plan.micro_batch * plan.accumulation
     for mb in sorted((b for b in range(1, plan.micro_batch) if per_rank % b == 0), reverse=True):
         out.append((f"--micro-batch {mb}", dict(micro_batch=mb, accumulation=per_rank // mb)))
+    out += _module_changes(plan, model)
     if plan.recompute != "full":
         out.append(("--recompute full", dict(recompute="full")))
     for zero in range(plan.zero_stage + 1, 4):
@@ -57,6 +59,28 @@ def _changes(plan: Plan, *, world: int, gpus_per_node: int, model) -> list[tuple
     if plan.offload == "none" and plan.zero_stage >= 1:
         out.append(("--offload optimizer", dict(offload="optimizer")))
     return [(text, change) for text, change in out if _divides(plan, change, world)]
+
+
+LIGHT_MODULES = ("layernorm", "moe_act", "mla_up_proj")  # Megatron-Core's cheap recomputes: norms, activations, up-proj
+HEAVY_MODULES = ("mlp", "shared_experts", "moe")  # whole MLPs: their GEMMs again
+
+
+def _module_changes(plan: Plan, model) -> list[tuple[str, dict]]:
+    """Under Megatron's runtimes, selective recompute with other ``--recompute-modules`` (up to three of those that
+    apply to the model), fewest heavy modules first, then fewest modules: each costs far less time than
+    ``--recompute full``, and Megatron-Bridge's recipes train this way (DeepSeek-V3: ``mla_up_proj,mlp``)."""
+    if not plan.megatron or plan.recompute == "full":
+        return []
+    c = model.config
+    applies = {"layernorm": True, "mla_up_proj": c.mla is not None, "moe_act": c.moe is not None,
+               "mlp": c.moe is None or c.moe_layers < c.layers,
+               "shared_experts": c.moe is not None and bool(c.moe.shared_ffn), "moe": c.moe is not None}
+    names = [m for m in LIGHT_MODULES + HEAVY_MODULES if applies[m]]
+    sets = [s for k in (1, 2, 3) for s in itertools.combinations(names, k)]
+    sets.sort(key=lambda s: (sum(m in HEAVY_MODULES for m in s), len(s)))
+    flag = "--recompute selective " if plan.recompute != "selective" else ""
+    return [(f"{flag}--recompute-modules {','.join(s)}", dict(recompute="selective", recompute_modules=s))
+            for s in sets if s != plan.recompute_modules]
 
 
 def _fewer_replicas(plan: Plan, factor: int) -> dict:
