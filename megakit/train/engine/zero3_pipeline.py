@@ -106,12 +106,16 @@ def count_norm_over_stages(optimizer, topo) -> None:
     optimizer._get_norm_groups = norm_groups  # noqa: SLF001 (stage 3's one place for the step's norm)
 
 
-def first_copies(optimizer, done: int) -> None:
-    """Before a pipeline's backward, the ``done``-th of its step: tell ZeRO 3 whether to copy or add its gradients.
+def accumulate_from_zero(optimizer) -> None:
+    """At the start of a pipeline's step under ZeRO 3: every backward of the step adds its gradient partitions to
+    buffers that start at zero.
 
-    Stage 3 copies a backward's gradient partitions into their buffers while ``micro_step_id`` is 0 and adds them
-    after, and advances ``micro_step_id`` in ``engine.forward`` when a backward has run since the last forward
-    (``clear_backward_seen_flag``): it assumes each forward is followed by its backward. A pipeline's first stage
-    runs 1F1B's warm-up forwards first (F0 F1 B0 B1 at PP 2), so there the second backward copied over the first's
-    gradients. The count of backwards is the right one (``zero_grad`` sets it back to 0 at the step)."""
-    optimizer.micro_step_id = done
+    Stage 3 copies a backward's partitions into their buffers while ``micro_step_id`` is 0 and adds them after;
+    ``engine.forward`` advances it when a backward has run since the last forward (``clear_backward_seen_flag``),
+    and ``zero_grad`` sets it back to 0 at the step. That assumes each forward is followed by its backward. A
+    pipeline's first stage runs 1F1B's warm-up forwards first (F0 F1 B0 B1 at PP 2), so its second backward copied
+    over the first's gradients; an interleaved stage runs each chunk's first backward at another point of the step,
+    and its chunks' forwards bypass ``engine.forward``. Zeroing the buffers (this rank's 1 / DP share of the
+    gradients) and adding from the first backward on is right for every schedule."""
+    optimizer.grad_partitions_flat_buffer.zero_()
+    optimizer.micro_step_id = 1
