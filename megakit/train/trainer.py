@@ -14,8 +14,8 @@ and ``train_batch_size = micro × accumulation × DP``.
   calls ``engine.backward(loss)``, earlier stages ``engine.backward((out * grad).sum(),
   scale_wrt_gas=False)``, and the schedule's final action calls ``engine.step()``. With
   ``"managed_gradient_accumulation": false`` (DeepSpeed >= 0.19.8) each ``step()`` is
-  the boundary, so DP gradients are reduced once per step. Only ZeRO 0-1: ZeRO 2-3
-  partition gradients per micro-batch, which a pipeline's interleaved backward breaks.
+  the boundary, so DP gradients are reduced once per step. ZeRO 0, 1 and, with 1F1B or
+  GPipe, 3 (``megakit.train.engine.zero3_pipeline``); not ZeRO 2.
 
 Global gradient norm (clipping): TP shards count once each, replicated parameters
 once per stage (``Topology.get_model_parallel_rank`` is the TP rank), and the tied
