@@ -1,15 +1,16 @@
 """ZeRO 3 under megakit's own pipeline executor (``megakit.train.engine.zero3_pipeline``), through the real
 launcher, against one process.
 
-One 4-process job (``tests/launch_sweep.py``), 1F1B with 4 micro-batches per step (warm-up forwards on the first
-stage, then one forward and one backward in turn):
+One 4-process job (``tests/launch_sweep.py``), 4 micro-batches per step:
 
-- ``gpt-tiny`` (tied embeddings: one copy on each stage) at PP 2 x DP 2 under ZeRO 3;
-- ``moe-tiny`` at PP 2 x EP 2, EP folded over DP 2 (each expert on one rank of its stage), under ZeRO 3.
+- ``gpt-tiny`` (tied embeddings: one copy on each stage) at PP 2 x DP 2 under ZeRO 3, 1F1B (warm-up forwards on
+  the first stage, then one forward and one backward in turn);
+- ``moe-tiny`` at PP 2 x EP 2, EP folded over DP 2 (each expert on one rank of its stage), under ZeRO 3, GPipe
+  (every forward, then every backward).
 
 Before the fix the first job hung in its first forward (DeepSpeed's trace check broadcasts over the world while
 the other stage waits for activations); without the copy-or-add fix the first stage's second backward replaced
-the first's gradients; without megakit's norm the tied copy counted twice and the experts' norm missed the other
+the first's gradients (GPipe's backwards all replaced each other's); without megakit's norm the tied copy counted twice and the experts' norm missed the other
 stage. Losses and clipped gradient norms follow the single-process model's within the fp32 bound of a step's
 tokens (``tests/tolerance.py``). Schedules whose chunks bypass DeepSpeed's engine get one line before any process.
 """
@@ -45,7 +46,7 @@ def test_zero3_pipeline_follows_the_single_process(tmp_path_factory):
 
     config = ds_config(3, micro=MICRO, accumulation=ACCUMULATION)
     cases = [dict(ds_config=config, model="gpt-tiny", steps=STEPS, seq_len=32, pp=2),  # PP 2 x DP 2
-             dict(ds_config=config, model="moe-tiny", steps=STEPS, seq_len=32, pp=2, ep=2)]  # PP 2 x EP 2 over DP 2
+             dict(ds_config=config, model="moe-tiny", steps=STEPS, seq_len=32, pp=2, ep=2, schedule="gpipe")]  # EP 2
     results = sweep(tmp_path_factory, 4, cases, timeout=600)
     for case, result in zip(cases, results):
         ref = reference_run(config, model=case["model"], steps=STEPS, dp=2, seq_len=32)
