@@ -10,9 +10,10 @@ One 4-process job (``tests/launch_sweep.py``), 4 micro-batches per step:
 
 Before the fix the first job hung in its first forward (DeepSpeed's trace check broadcasts over the world while
 the other stage waits for activations); without the copy-or-add fix the first stage's second backward replaced
-the first's gradients (GPipe's backwards all replaced each other's); without megakit's norm the tied copy counted twice and the experts' norm missed the other
-stage. Losses and clipped gradient norms follow the single-process model's within the fp32 bound of a step's
-tokens (``tests/tolerance.py``). Schedules whose chunks bypass DeepSpeed's engine get one line before any process.
+the first's gradients (GPipe's backwards all replaced each other's); without megakit's norm the tied copy counted
+twice and the experts' norm missed the other stage. Losses and clipped gradient norms follow the single-process
+model's within the fp32 bound of a step's tokens (``tests/tolerance.py``). Schedules whose chunks bypass
+DeepSpeed's engine get one line before any process.
 """
 
 import json

@@ -1,20 +1,21 @@
-"""ZeRO-3 under megakit's pipeline: DeepSpeed's trace check compares within the stage, not across the world.
+"""ZeRO 3 under megakit's pipeline executor: what DeepSpeed's stage 3 assumes that a pipeline breaks, set right.
 
-At the start of every forward of the engine's module (``parameter_offload._start_of_forward_hook``),
-ZeRO-3's parameter coordinator closes its trace (``PartitionedParameterCoordinator.reset_step``);
-while the trace is not complete (the first forward, and after any change in the order its
-sub-modules run), it checks that every rank recorded the same sub-modules and parameters:
-``assert_ints_same_as_other_ranks``, two ``broadcast``s from global rank 0 over the WORLD group
-(``deepspeed/runtime/zero/utils.py``). At PP > 1 the stages hold different modules and run their
-forwards at different times: the first stage's ranks wait in that broadcast for the last stage's,
-which wait for the first stage's activations -- every ZeRO-3 pipeline hung in its first forward,
-until gloo's timeout. (The interleaved forwards and backwards of 1F1B change the order between
-two forwards, so the trace keeps being recorded again and the check runs at most forwards.)
+DeepSpeed's own ``PipelineEngine`` refuses ZeRO 2-3; megakit drives the engine with its own schedule
+(``megakit.train.steps.pipeline_step``, 1F1B or GPipe: each chunk goes through ``engine.forward`` and
+``engine.backward``), and stage 3 then needs four things from it:
 
-The ranks that must agree are those that share the parameters: the stage's data-parallel group,
-where ZeRO-3 partitions and gathers them, and which runs the same schedule. ``within_stage``
-gives the coordinator that check over that group, from its first rank, for as long as the run
-lasts; the coordinator module's own name for it is put back afterwards.
+- The trace check (``within_stage``). At the start of every forward of the engine's module
+  (``parameter_offload._start_of_forward_hook``) ZeRO 3's parameter coordinator closes its trace
+  (``PartitionedParameterCoordinator.reset_step``); while the trace is not complete (the first forward, and
+  after any change in the order its sub-modules run, which 1F1B's mix of forwards and backwards keeps making)
+  it checks that every rank recorded the same modules: ``assert_ints_same_as_other_ranks``, two ``broadcast``s
+  from global rank 0 over the WORLD group (``deepspeed/runtime/zero/utils.py``). At PP > 1 the first stage's
+  ranks waited there for the last stage's, which waited for the first stage's activations: every ZeRO 3
+  pipeline hung in its first forward until gloo's timeout. The ranks that must agree are those that share the
+  parameters: the stage's DP group, which runs the same schedule.
+- Accumulation (``accumulate_from_zero``): see there.
+- The tied embeddings (``grad_partition``): their gradients are summed over the stages where ZeRO 3 keeps them.
+- The gradient norm (``count_norm_over_stages``): see there.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _same_over(group, device: torch.device | None):
 @contextlib.contextmanager
 def within_stage(topo, *, zero3: bool, device: torch.device | None = None):
     """Around a run: under ZeRO 3 with PP > 1, DeepSpeed's trace check over the stage's DP group (see the module's
-    docstring); otherwise nothing."""
+    docstring), from that group's first rank; DeepSpeed's own is put back afterwards. Otherwise nothing."""
     if not zero3 or topo.pp == 1:
         yield
         return
