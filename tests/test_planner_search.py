@@ -150,3 +150,14 @@ def test_pins_the_trainer_cannot_run_are_refused_and_searched_tp_follows_the_mod
     assert tp_choices(llama, 64) == [1, 2, 4, 8]
     wide = search(llama, Cluster(gpu=A100, num_gpus=64, gpus_per_node=16), global_batch=512)
     assert all(llama.kv_heads % c.plan.tp == 0 for c in wide.ranked)
+
+
+def test_zero3_under_a_pipeline_is_planned_with_one_chunk_per_stage():
+    # the trainer runs ZeRO 3 under its pipeline with 1F1B (megakit.train.engine.zero3_pipeline), not ZeRO 2
+    big = ModelSpec.from_params("175B")
+    result = search(big, a100s(64), global_batch=1536, pins=Pins(pp=4, zero=3))
+    assert {(c.plan.pp, c.plan.zero_stage, c.plan.vpp, c.plan.zero_bubble) for c in result.ranked} == {(4, 3, 1, False)}
+    with pytest.raises(UsageError, match="--zero 3 with --pp 4 runs 1F1B with one model chunk per stage, not --vpp 2"):
+        search(big, a100s(64), global_batch=1536, pins=Pins(pp=4, zero=3, vpp=2))
+    with pytest.raises(UsageError, match="--zero 2 cannot run with --pp 4"):
+        search(big, a100s(64), global_batch=1536, pins=Pins(pp=4, zero=2))

@@ -35,10 +35,12 @@ def test_batch_sizes_follow_the_layout():
         load_ds_config({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, dp=4, pp=1)
 
 
-def test_zero_2_and_3_are_refused_with_pipeline_parallelism():
-    for stage in (2, 3):
-        with pytest.raises(UsageError, match=f"ZeRO stage {stage} .* use ZeRO 0 or 1 with --pp > 1"):
-            load_ds_config(str(ROOT / "ds_configs" / f"zero{stage}.json"), dp=1, pp=2)
+def test_zero_2_and_offloaded_zero_3_are_refused_with_pipeline_parallelism():
+    with pytest.raises(UsageError, match=r"ZeRO 2 with --pp 2: .* use ZeRO 1 or 3 .* with --pp > 1, or --pp 1"):
+        load_ds_config(str(ROOT / "ds_configs" / "zero2.json"), dp=1, pp=2)
+    assert load_ds_config(str(ROOT / "ds_configs" / "zero3.json"), dp=1, pp=2)["managed_gradient_accumulation"] is False
+    with pytest.raises(UsageError, match=r"ZeRO 3 with zero_optimization.offload_optimizer and --pp 2: .* drop"):
+        load_ds_config(str(ROOT / "ds_configs" / "zero3_offload.json"), dp=1, pp=2)
     piped = load_ds_config(str(ROOT / "ds_configs" / "zero1.json"), dp=1, pp=2)
     assert piped["managed_gradient_accumulation"] is False  # every engine.step() is the boundary
     overlapped = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1, "overlap_comm": True}}

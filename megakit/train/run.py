@@ -282,6 +282,10 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     if compile and zero_stage == 3:
         raise UsageError("--compile with ZeRO 3: DeepSpeed gathers each layer's weights in hooks inside the block "
                          "that a compiled block cannot hold; use ZeRO 0-2, or --no-compile")
+    if zero_stage == 3 and cfg.pp > 1 and schedule not in ("1f1b", "gpipe"):  # megakit.train.engine.zero3_pipeline
+        raise UsageError(f"--schedule {schedule} with ZeRO 3: its model chunks run outside DeepSpeed's engine, which "
+                         "gathers ZeRO 3's weights for each forward and backward; use --schedule 1f1b (no --vpp) with "
+                         "ZeRO 3, or ZeRO 0-1")
     precision = ("bf16" if ds_config.get("bf16", {}).get("enabled") else
                  "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32")
     if cfg.spike_guard and int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3:

@@ -36,8 +36,11 @@ def pipeline_step(run: Run, topo, engine, dp_sync):
     from megakit.core.schedules import build_schedule
     from megakit.nn.pipeline.executor import PipelineExecutor, activation_shape
     from megakit.train.engine.dp_sync import gradient_of
+    from megakit.train.engine.zero3_pipeline import accumulate_from_zero, count_norm_over_stages
 
     plan, vpp = run.batch, run.cfg.vpp
+    if run.zero_stage == 3:
+        count_norm_over_stages(engine.optimizer, topo)
 
     def backward(scalar, is_loss):  # the loss is scaled by 1 / accumulation, as with PP = 1; an output's handle not
         engine.backward(scalar, scale_wrt_gas=is_loss)
@@ -58,6 +61,8 @@ def pipeline_step(run: Run, topo, engine, dp_sync):
     mtp = run.cfg.mtp and topo.is_last_stage  # the prediction modules embed the ids shifted by each depth
 
     def step(micro_batches) -> torch.Tensor:
+        if run.zero_stage == 3:
+            accumulate_from_zero(engine.optimizer)
         inputs = [x for x, _, _, _ in micro_batches] if topo.is_first_stage else None
         labels = [y for _, y, _, _ in micro_batches] if topo.is_last_stage else None
         extras = [{**more, "input_ids": x} if mtp else more for x, _, _, more in micro_batches]

@@ -14,8 +14,8 @@ and ``train_batch_size = micro × accumulation × DP``.
   calls ``engine.backward(loss)``, earlier stages ``engine.backward((out * grad).sum(),
   scale_wrt_gas=False)``, and the schedule's final action calls ``engine.step()``. With
   ``"managed_gradient_accumulation": false`` (DeepSpeed >= 0.19.8) each ``step()`` is
-  the boundary, so DP gradients are reduced once per step. Only ZeRO 0-1: ZeRO 2-3
-  partition gradients per micro-batch, which a pipeline's interleaved backward breaks.
+  the boundary, so DP gradients are reduced once per step. ZeRO 0, 1 and, with 1F1B or
+  GPipe, 3 (``megakit.train.engine.zero3_pipeline``); not ZeRO 2.
 
 Global gradient norm (clipping): TP shards count once each, replicated parameters
 once per stage (``Topology.get_model_parallel_rank`` is the TP rank), and the tied
@@ -75,6 +75,7 @@ from megakit.train.resilience.save_lock import hold_save_dir
 from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
 from megakit.train.data.token_weighting import weight_by_tokens
 from megakit.train.engine.zero3_linear import linear_restored, save_weights_not_views
+from megakit.train.engine.zero3_pipeline import within_stage
 from megakit.train.resilience.spikes import SpikeGuard
 from megakit.train.steps import pipeline_step, plain_step, rank_device
 
@@ -141,7 +142,7 @@ def _train_job(cfg: TrainConfig, stops: StopRequests, keep_steps: bool) -> Train
             save_lock.release()
         raise
     try:
-        with linear_restored():  # ZeRO-3's engine replaces F.linear process-wide
+        with linear_restored(), within_stage(topo, zero3=run.zero_stage == 3, device=rank_device()):  # ZeRO-3's
             result = _train(run, topo, watchdog, writer, stops, keep_steps)
     except (UsageError, TrainingDiverged) as error:
         _drain(writer)

@@ -118,9 +118,13 @@ def check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int
     _check_ep(model, pins, world)
     if pins.zero is not None and pins.zero not in (0, 1, 2, 3):
         raise UsageError(f"--zero {pins.zero} does not exist; use 0, 1, 2 or 3")
-    if pins.zero is not None and pins.zero >= 2 and (pins.pp or 1) > 1:
-        raise UsageError(f"--zero {pins.zero} cannot run with --pp {pins.pp} (ZeRO-2/3 partition gradients per "
-                         "micro-batch); use --zero 0 or 1 with a pipeline")
+    if pins.zero == 2 and (pins.pp or 1) > 1:
+        raise UsageError(f"--zero 2 cannot run with --pp {pins.pp} (megakit's pipeline runs ZeRO 0, 1 and 3); use "
+                         "--zero 1 or 3 with a pipeline")
+    if pins.zero == 3 and (pins.pp or 1) > 1 and ((pins.vpp or 1) > 1 or pins.schedule == "zb-h1"):
+        what = f"--vpp {pins.vpp}" if (pins.vpp or 1) > 1 else "--schedule zb-h1"
+        raise UsageError(f"--zero 3 with --pp {pins.pp} runs 1F1B with one model chunk per stage, not {what}; "
+                         f"drop {what.split()[0]}, or use --zero 1")
     if pins.vpp is not None and pins.vpp < 1:
         raise UsageError(f"--vpp {pins.vpp} must be a positive integer")
     if pins.vpp is not None and pins.vpp > 1 and pins.pp == 1:

@@ -4,7 +4,7 @@ The seed's rule (FAQ row 1): while the whole training state of the model fits on
 GPU within the memory threshold, train data-parallel (TP = PP = 1), adding ZeRO
 only as memory requires; beyond it, model parallelism: TP inside a node
 (dividing the heads), PP across nodes, DP for the rest, with ZeRO 0-1 under a
-pipeline (ZeRO-2 only with PP = 1; ZeRO-3 only when nothing else fits). Any
+pipeline (ZeRO-2 only with PP = 1; ZeRO-3 only when nothing else fits, under a pipeline with 1F1B only). Any
 pinned dimension overrides the rule for that dimension.
 
 Context parallelism (CP) is searched when the sequence is long (``LONG_SEQ`` tokens or more: below
@@ -300,9 +300,10 @@ class _Context:
                             f"of DP={dp}", unique_key=f"batch-dp-{dp}", kind="batch")
                 continue
             for zero in ([pins.zero] if pins.zero is not None else zeros):
-                if zero >= 2 and pp > 1:
-                    self.reject(Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero), f"ZeRO-{zero} with PP={pp}: "
-                                "gradients are partitioned per micro-batch, so a pipeline allows ZeRO 0-1 only",
+                if zero >= 2 and pp > 1 and (zero == 2 or self.offload != "none" or (pins.vpp or 1) > 1
+                                             or pins.schedule == "zb-h1"):  # megakit.train.engine.zero3_pipeline
+                    self.reject(Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero), f"ZeRO-{zero} with PP={pp}: megakit's "
+                                "pipeline runs ZeRO 0, 1 and 3 (3 with 1F1B, one chunk per stage, no offload)",
                                 unique_key=f"zero-pp-{zero}", kind="zero-pp")
                     continue
                 shard = self.execution.get("dp_shard", 0)
@@ -368,7 +369,7 @@ class _Context:
             return
         # Virtual stages need not divide the layers: the split (partition_layers) gives some chunks fewer.
         vpps = [pins.vpp] if pins.vpp is not None else [v for v in (1, 2, 3, 4) if v == 1 or pp > 1]
-        vpps = [1] if pins.schedule is not None else vpps  # a pinned schedule runs one chunk per stage
+        vpps = [1] if pins.schedule is not None or zero == 3 else vpps  # a pinned schedule, ZeRO 3: one chunk
         recomputes = [pins.recompute] if pins.recompute else [r for r in RECOMPUTE_ORDER
                                                               if not (r == "selective" and self.flash)]
         sps = [pins.sequence_parallel] if pins.sequence_parallel is not None else ([True, False] if tp > 1 else [False])

@@ -66,7 +66,12 @@ def gradient_of(engine):
     """``gradient(p)``: the tensor DeepSpeed's optimizer will step ``p`` with. Its bf16 optimizer (bf16 with fp32
     gradient accumulation, ``data_types.grad_accum_dtype``) adds each micro-batch's bf16 gradient into an fp32
     accumulator (``p._hp_grad``) and steps from there, so a sum made on ``p.grad`` after the last backward (tied
-    embeddings) would never reach the step; the others step from ``.grad``."""
+    embeddings) would never reach the step; ZeRO 3 steps from its gradient partitions
+    (``megakit.train.engine.zero3_pipeline.grad_partition``); the others step from ``.grad``."""
+    if engine.zero_optimization_stage() == 3:
+        from megakit.train.engine.zero3_pipeline import grad_partition
+
+        return grad_partition(engine.optimizer)
     if hasattr(engine.optimizer, "get_grads_for_reduction"):  # as dp_gradients: the bf16 optimizer
         return lambda p: getattr(p, "_hp_grad", None)
     return lambda p: p.grad

@@ -7,7 +7,7 @@ exists, because DeepSpeed would otherwise fail mid-start on every rank with a tr
 ...``): unknown keys get a "did you mean", wrong types and missing sections one line each,
 and the ZeRO section goes through DeepSpeed's own config model. megakit then fills in what
 depends on the layout (``train_batch_size = micro x accumulation x DP``) and refuses, in
-one sentence, what cannot work: ZeRO 2-3 with PP > 1, optimizers this DeepSpeed lacks,
+one sentence, what cannot work: ZeRO 2 with PP > 1, optimizers this DeepSpeed lacks,
 fp16 without a GPU.
 """
 
@@ -144,9 +144,14 @@ def load_ds_config(source: str | dict, *, dp: int, pp: int) -> dict:
     config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation,
                   train_batch_size=micro * accumulation * dp)
     stage = int(config.get("zero_optimization", {}).get("stage", 0))
-    if pp > 1 and stage >= 2:
-        raise UsageError(f"ZeRO stage {stage} partitions gradients during every micro-batch's backward, which a "
-                         f"pipeline (--pp {pp}) cannot accumulate; use ZeRO 0 or 1 with --pp > 1, or --pp 1")
+    if pp > 1 and stage == 2:  # its copy-or-add of each backward's partitions follows forwards (as stage 3's did)
+        raise UsageError(f"ZeRO 2 with --pp {pp}: megakit accumulates a pipeline's gradients under ZeRO 0, 1 and 3 "
+                         "only; use ZeRO 1 or 3 (ds_configs/zero1.json, zero3.json) with --pp > 1, or --pp 1")
+    if pp > 1 and stage == 3 and (config["zero_optimization"].get("offload_optimizer") or {}).get(
+            "device", "none") not in ("none", None):
+        raise UsageError(f"ZeRO 3 with zero_optimization.offload_optimizer and --pp {pp}: megakit counts a "
+                         "pipeline's gradient norm on the partitions kept on the device; drop offload_optimizer, or "
+                         "use --pp 1")
     if pp > 1 and stage == 1 and config["zero_optimization"].get("overlap_comm"):
         raise UsageError("DeepSpeed allows zero_optimization.overlap_comm with ZeRO-1 only when it manages gradient "
                          f"accumulation, which a pipeline (--pp {pp}) does itself; set overlap_comm to false")
