@@ -16,7 +16,7 @@ search never builds).
 Expert parallelism (EP) is searched for an MoE model (or pinned, ``--ep``) inside each layout: every
 degree that divides TP x CP x DP and the experts (Megatron's "MoE parallel folding" with expert TP 1,
 torchtitan's dp2ep), EP consecutive ranks of a stage, so an EP group fills its node before it leaves it;
-attention stays on TP x CP x DP x PP. ZeRO-3 is not offered for MoE models.
+attention stays on TP x CP x DP x PP. ZeRO-3 shards the experts over EDP (DeepSpeed's AutoEP placement).
 
 Pruning keeps the search fast: a layout whose model states alone already exceed
 the limit is dropped before any micro-batch or recompute choice is tried, and
