@@ -96,3 +96,22 @@ def test_a_pinned_split_of_the_layers_is_never_undone_by_the_fix():
     assert any(text.startswith("--pp") for text, _ in _changes(plan_, world=8, gpus_per_node=8, model=model))
     pinned = model.with_overrides(stage_layers=(11, 13))
     assert not any(text.startswith("--pp") for text, _ in _changes(plan_, world=8, gpus_per_node=8, model=pinned))
+
+
+def test_fixes_under_a_pipeline_are_what_megakits_pipeline_runs():
+    """ZeRO 3 runs under a 1F1B pipeline with one chunk per stage and no offload (megakit.train.engine.zero3_pipeline),
+    ZeRO 2 under none: a fix offers ZeRO 3 and more stages where they run, and never an offload ZeRO 3 x PP refuses."""
+    from megakit.core.planner.model_spec import ModelSpec
+    from megakit.core.planner.plan import Plan
+    from megakit.core.planner.verdict import _changes
+
+    model = ModelSpec.from_params("1.3B", seq_len=2048)
+
+    def fixes(**layout):
+        plan_ = Plan(tp=1, pp=2, dp=4, micro_batch=1, accumulation=8, recompute="full", **layout)
+        return [text for text, _ in _changes(plan_, world=8, gpus_per_node=8, model=model)]
+
+    assert "--zero 3" in fixes(zero_stage=1) and "--zero 2" not in fixes(zero_stage=1)
+    assert "--zero 3" not in fixes(zero_stage=1, vpp=2)
+    zero3 = fixes(zero_stage=3)
+    assert "--pp 4" in zero3 and "--offload optimizer" not in zero3

@@ -4,7 +4,7 @@ The seed's rule (FAQ row 1): while the whole training state of the model fits on
 GPU within the memory threshold, train data-parallel (TP = PP = 1), adding ZeRO
 only as memory requires; beyond it, model parallelism: TP inside a node
 (dividing the heads), PP across nodes, DP for the rest, with ZeRO 0-1 under a
-pipeline (ZeRO-2 only with PP = 1; ZeRO-3 only when nothing else fits, under a pipeline with 1F1B only). Any
+pipeline (ZeRO-2 only with PP = 1; ZeRO-3 only when nothing else fits, under a pipeline with 1F1B or GPipe, one chunk per stage). Any
 pinned dimension overrides the rule for that dimension.
 
 Context parallelism (CP) is searched when the sequence is long (``LONG_SEQ`` tokens or more: below
@@ -224,7 +224,7 @@ def _no_plan_reason(ctx) -> str:
         fix = suggest_fix(ctx.model, c.plan, seq_len=ctx.seq_len, world=ctx.cluster.num_gpus,
                           gpus_per_node=ctx.cluster.gpus_per_node, threshold_bytes=ctx.limit,
                           gpu_bytes=ctx.cluster.gpu.mem_gib * GIB, overhead_bytes=OVERHEAD_BYTES)
-        detail += f"; the pinned layout {c.plan.describe()} peaks at {c.memory.total / GIB:.1f} GiB, fix: {fix}"
+        detail += f"; the closest layout {c.plan.describe()} peaks at {c.memory.total / GIB:.1f} GiB, fix: {fix}"
     return f"no layout fits {where}{detail}"
 
 

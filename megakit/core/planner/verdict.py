@@ -36,6 +36,14 @@ def headroom_note(peak_gib: float, *, gpu_gib: float, threshold: float) -> str:
             "(watch torch.cuda.max_memory_reserved on the first steps)")
 
 
+def _pipeline_runs(plan: Plan, *, zero: int, pp: int) -> bool:
+    """Whether megakit's pipeline runs ``plan`` at ZeRO ``zero`` and PP ``pp``: ZeRO 0-1 always; 3 with one chunk per
+    stage, no zero bubble and no offload (``megakit.train.engine.zero3_pipeline``); 2 only without a pipeline."""
+    if pp == 1 or zero <= 1:
+        return True
+    return zero == 3 and plan.vpp == 1 and not plan.zero_bubble and plan.offload == "none"
+
+
 def _changes(plan: Plan, *, world: int, gpus_per_node: int, model) -> list[tuple[str, dict]]:
     """Single changes that only lower memory, cheapest in speed first."""
     out = []
@@ -46,7 +54,7 @@ def _changes(plan: Plan, *, world: int, gpus_per_node: int, model) -> list[tuple
     if plan.recompute != "full":
         out.append(("--recompute full", dict(recompute="full")))
     for zero in range(plan.zero_stage + 1, 4):
-        if plan.dp > 1 and not (zero >= 2 and plan.pp > 1):
+        if plan.dp > 1 and _pipeline_runs(plan, zero=zero, pp=plan.pp):
             out.append((f"--zero {zero}", dict(zero_stage=zero)))
     if plan.tp > 1 and not plan.sequence_parallel:
         out.append(("sequence parallelism", dict(sequence_parallel=True)))
@@ -54,9 +62,9 @@ def _changes(plan: Plan, *, world: int, gpus_per_node: int, model) -> list[tuple
         if tp <= gpus_per_node and gpus_per_node % tp == 0 and model.tp_ok(tp) and plan.dp * plan.tp % tp == 0:
             out.append((f"--tp {tp}", dict(tp=tp, sequence_parallel=True, **_fewer_replicas(plan, tp // plan.tp))))
     for pp in (() if model.stage_layers else (2 * plan.pp, 4 * plan.pp, 8 * plan.pp)):  # a pinned split fixes PP
-        if pp <= model.layers and plan.dp * plan.pp % pp == 0 and plan.zero_stage <= 1:
+        if pp <= model.layers and plan.dp * plan.pp % pp == 0 and _pipeline_runs(plan, zero=plan.zero_stage, pp=pp):
             out.append((f"--pp {pp}", dict(pp=pp, **_fewer_replicas(plan, pp // plan.pp))))
-    if plan.offload == "none" and plan.zero_stage >= 1:
+    if plan.offload == "none" and plan.zero_stage >= 1 and (plan.zero_stage < 3 or plan.pp == 1):
         out.append(("--offload optimizer", dict(offload="optimizer")))
     return [(text, change) for text, change in out if _divides(plan, change, world)]
 

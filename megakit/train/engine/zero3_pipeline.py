@@ -33,10 +33,12 @@ def _same_over(group, device: torch.device | None):
     def check(ints: list[int]) -> None:
         length = torch.tensor([len(ints)], dtype=torch.long, device=device)
         dist.broadcast(length, src=source, group=group)
-        first = torch.tensor(ints if dist.get_rank() == source else [-1] * len(ints), dtype=torch.long, device=device)
-        if int(length.item()) == len(ints):
-            dist.broadcast(first, src=source, group=group)
-        if int(length.item()) != len(ints) or first.tolist() != list(ints):
+        n = int(length.item())  # every rank takes part in the second broadcast at the source's length, even when
+        first = torch.full((n,), -1, dtype=torch.long, device=device)  # its own differs (DeepSpeed's would hang)
+        if dist.get_rank() == source:
+            first.copy_(torch.tensor(ints, dtype=torch.long))
+        dist.broadcast(first, src=source, group=group)
+        if n != len(ints) or first.tolist() != list(ints):
             raise RuntimeError(f"ZeRO-3's trace differs between rank {source} and rank {dist.get_rank()} of one "
                                "pipeline stage")
 
