@@ -27,10 +27,16 @@ import torch.distributed as dist
 
 
 def _same_over(group, device: torch.device | None):
-    """``assert_ints_same_as_other_ranks`` over ``group``: each rank's ints equal the group's first rank's."""
+    """``assert_ints_same_as_other_ranks`` over ``group``: each rank's ints equal the group's first rank's. A trace
+    checked once is not checked again: 1F1B repeats the same few module orders every step, and each check costs two
+    broadcasts and two waits for the device. The stage's ranks run one schedule, so they skip the same ones."""
     source = dist.get_global_rank(group, 0)
+    checked: set[tuple[int, ...]] = set()
 
     def check(ints: list[int]) -> None:
+        if tuple(ints) in checked:
+            return
+        checked.add(tuple(ints))
         length = torch.tensor([len(ints)], dtype=torch.long, device=device)
         dist.broadcast(length, src=source, group=group)
         n = int(length.item())  # every rank takes part in the second broadcast at the source's length, even when
