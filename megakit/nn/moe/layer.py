@@ -41,8 +41,8 @@ loss scale) with ``set_aux_loss_scale``. Each loss is a mean over one micro-batc
 so the gradient does not depend on TP, CP, EP or PP; ``seq_aux`` and ``z`` not on the micro-batch
 size either (``aux`` is defined per micro-batch: a different cut is a different loss).
 
-Metrics: ``stats`` (the last micro-batch: tokens per expert on this rank, max/mean load, dropped
-fraction, the three losses, the bias norm, the all-to-all bytes this rank sent and received in
+Metrics: ``stats`` (the last micro-batch: tokens per expert on this rank, the dropped
+fraction, the three losses, the all-to-all bytes this rank sent and received in
 forward -- backward moves as many; their time is the door's ``comm.metered``), and ``step_tokens``,
 the step's assignments per expert on this rank, counted once per forward (not again when recomputation re-runs it in
 backward); ``update_expert_bias`` sums them over the job once per optimizer step.
@@ -277,12 +277,12 @@ class MoE(nn.Module):
         if torch.is_grad_enabled() and total.requires_grad and (cfg.aux_loss_coeff or cfg.seq_aux_loss_coeff
                                                                 or cfg.z_loss_coeff):
             y = _AttachLoss.apply(y, total, self.loss_scale)
-        self._record(experts, keep, losses, bias, plan, h * tokens.element_size())
+        self._record(experts, keep, losses, plan, h * tokens.element_size())
         y = y.view(s, b, h)
         return gather_from_tp(y, self.tp_group, 0) if self.split_sequence else y
 
     @torch.no_grad()
-    def _record(self, experts, keep, losses, bias, plan, row_bytes: int) -> None:
+    def _record(self, experts, keep, losses, plan, row_bytes: int) -> None:
         flat = experts.reshape(-1)  # bincount would wait for the device (its length depends on the values)
         counts = torch.zeros(self.config.experts, dtype=torch.int64, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
@@ -290,11 +290,10 @@ class MoE(nn.Module):
         a2a = torch.zeros((), dtype=torch.int64) if moved is None else 2 * row_bytes * moved
         if self.training:
             self.step_tokens += counts * self.counting
-        load = counts.float()
-        self.stats = {"tokens_per_expert": counts, "max_load": load.max(), "mean_load": load.mean(),
-                      "dropped": (1 - keep.float().mean()) if keep is not None else load.new_zeros(()),
+        # the step's loads and bias norm come from ``step_tokens`` and the bias, once a step (``engine.moe_step``)
+        self.stats = {"tokens_per_expert": counts,
+                      "dropped": (1 - keep.float().mean()) if keep is not None else losses.aux.new_zeros(()),
                       "aux": losses.aux.detach(), "seq_aux": losses.seq_aux.detach(), "z": losses.z.detach(),
-                      "bias_norm": bias.norm() if bias is not None else load.new_zeros(()),
                       "a2a_bytes": a2a}  # sent + received by this rank in forward (backward: as much)
         if self.training:
             self.step_sums += torch.stack([self.stats[f] for f in self.SUMMED]).to(self.step_sums) * self.counting
