@@ -483,8 +483,7 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     if cp > 1:  # ring attention: the K/V block in use and the one arriving
         comm += 2 * 2 * p * s * b * model.kv_heads_per_rank(tp) * model.head_dim
     if moe and ep > 1:  # an all-to-all's send and receive buffers: top-k copies of the rank's tokens
-        a2a = sum(x.bytes(seq_len=s, micro_batch=b) for x in dispatch_buffers(
-            model, tp=tp, precision=precision, imbalance=imbalance, ep=ep)[1])
+        a2a = size(dispatch_buffers(model, tp=tp, precision=precision, imbalance=imbalance, ep=ep)[1])
         comm += a2a
         lines["comm_buffers"] = {"MoE all-to-all send and receive buffers": a2a}
     items["comm_buffers"] = comm

@@ -26,6 +26,14 @@ RUNTIMES = {"megakit": {}, "megatron": {"megatron": True}, "megatron-core": {"me
 
 
 
+def pipeline_runs_zero(zero: int, *, pp: int, vpp: int = 1, zero_bubble: bool = False, offload: str = "none") -> bool:
+    """Whether megakit's pipeline runs ZeRO ``zero`` at PP ``pp``: ZeRO 0-1 always; 3 with one chunk per stage, no zero
+    bubble and no offload (``megakit.train.engine.zero3_pipeline``); 2 only without a pipeline."""
+    if pp == 1 or zero <= 1:
+        return True
+    return zero == 3 and vpp == 1 and not zero_bubble and offload == "none"
+
+
 def megatron_fp32_grads(precision: str) -> bool:
     """Whether Megatron-LM keeps and reduces fp32 gradients (main-grad buffers) for this training precision: under bf16
     only, where its arguments.py forces --accumulate-allreduce-grads-in-fp32; under fp16 they stay fp16 until the step."""

@@ -41,7 +41,7 @@ from megakit.core.planner.memory import (
 )
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.core.planner.pins import Pins, check_pins, divisors, hybrid_degree
-from megakit.core.planner.plan import Plan
+from megakit.core.planner.plan import Plan, pipeline_runs_zero
 from megakit.core.planner.verdict import suggest_fix, verdict
 from megakit.errors import UsageError
 
@@ -300,8 +300,8 @@ class _Context:
                             f"of DP={dp}", unique_key=f"batch-dp-{dp}", kind="batch")
                 continue
             for zero in ([pins.zero] if pins.zero is not None else zeros):
-                if zero >= 2 and pp > 1 and (zero == 2 or self.offload != "none" or (pins.vpp or 1) > 1
-                                             or pins.schedule == "zb-h1"):  # megakit.train.engine.zero3_pipeline
+                if not pipeline_runs_zero(zero, pp=pp, vpp=pins.vpp or 1, zero_bubble=pins.schedule == "zb-h1",
+                                          offload=self.offload):
                     self.reject(Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero), f"ZeRO-{zero} with PP={pp}: megakit's "
                                 "pipeline runs ZeRO 0, 1 and 3 (3 with 1F1B, one chunk per stage, no offload)",
                                 unique_key=f"zero-pp-{zero}", kind="zero-pp")

@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 
 from megakit.core.planner.memory import GIB, peak_memory
-from megakit.core.planner.plan import Plan
+from megakit.core.planner.plan import Plan, pipeline_runs_zero
 
 VERDICTS = ("yes", "above_threshold", "no")
 
@@ -37,11 +37,7 @@ def headroom_note(peak_gib: float, *, gpu_gib: float, threshold: float) -> str:
 
 
 def _pipeline_runs(plan: Plan, *, zero: int, pp: int) -> bool:
-    """Whether megakit's pipeline runs ``plan`` at ZeRO ``zero`` and PP ``pp``: ZeRO 0-1 always; 3 with one chunk per
-    stage, no zero bubble and no offload (``megakit.train.engine.zero3_pipeline``); 2 only without a pipeline."""
-    if pp == 1 or zero <= 1:
-        return True
-    return zero == 3 and plan.vpp == 1 and not plan.zero_bubble and plan.offload == "none"
+    return pipeline_runs_zero(zero, pp=pp, vpp=plan.vpp, zero_bubble=plan.zero_bubble, offload=plan.offload)
 
 
 def _changes(plan: Plan, *, world: int, gpus_per_node: int, model) -> list[tuple[str, dict]]:
