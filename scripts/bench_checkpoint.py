@@ -55,16 +55,27 @@ def main() -> int:
     from megakit.interop.checkpoint_async import AsyncWriter
     from megakit.nn.model import ModelConfig, Transformer
 
-    config = ModelConfig(family="llama", vocab_size=args.vocab, max_seq_len=2048, hidden=args.hidden,
-                         layers=args.layers, heads=args.hidden // 64, kv_heads=args.hidden // 64, ffn=4 * args.hidden)
+    config = ModelConfig(
+        family="llama",
+        vocab_size=args.vocab,
+        max_seq_len=2048,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.hidden // 64,
+        kv_heads=args.hidden // 64,
+        ffn=4 * args.hidden,
+    )
     model, other = Transformer(config, seed=0), Transformer(config, seed=1)
-    state = {name: {"exp_avg": torch.randn_like(p) * 1e-3, "exp_avg_sq": torch.rand_like(p) * 1e-6}
-             for name, p in model.named_parameters()}
+    state = {
+        name: {"exp_avg": torch.randn_like(p) * 1e-3, "exp_avg_sq": torch.rand_like(p) * 1e-6}
+        for name, p in model.named_parameters()
+    }
     flat = {**model.state_dict(), **{f"{k}/{n}": t for n, per in state.items() for k, t in per.items()}}
     nbytes = sum(t.numel() * t.element_size() for t in flat.values())
     root = tempfile.mkdtemp(dir=args.dir, prefix="bench_checkpoint-")
-    times = {k: [] for k in ("megakit save", "megakit load", "reference save", "reference load", "async held",
-                             "async write")}
+    times = {
+        k: [] for k in ("megakit save", "megakit load", "reference save", "reference load", "async held", "async write")
+    }
     writer = AsyncWriter(None)
     try:
         for r in range(args.rounds):
@@ -92,8 +103,9 @@ def main() -> int:
             start = time.perf_counter()
             copy = writer.buffers.copy  # as save_run copies: into host buffers kept from the last save
             copies = {n: {k: copy(f"{k}/{n}", t) for k, t in per.items()} for n, per in state.items()}
-            writer.submit(stage_checkpoint(os.path.join(root, "mk-async"), model, step=r, config=config, state=copies,
-                                           copy=copy))
+            writer.submit(
+                stage_checkpoint(os.path.join(root, "mk-async"), model, step=r, config=config, state=copies, copy=copy)
+            )
             held = time.perf_counter()
             times["async held"].append(held - start)
             del copies  # the writer holds them until it is done
@@ -101,8 +113,10 @@ def main() -> int:
             times["async write"].append(time.perf_counter() - held)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"model: {config.num_params() / 1e6:.0f} M parameters; weights + Adam moments {nbytes / 1e9:.2f} GB fp32; "
-          f"median of {args.rounds} rounds")
+    print(
+        f"model: {config.num_params() / 1e6:.0f} M parameters; weights + Adam moments {nbytes / 1e9:.2f} GB fp32; "
+        f"median of {args.rounds} rounds"
+    )
     median = {k: statistics.median(v) for k, v in times.items()}
     for name, seconds in median.items():
         print(f"{name:15s} {seconds:7.3f} s   {nbytes / seconds / 1e9:6.2f} GB/s")
@@ -111,9 +125,11 @@ def main() -> int:
     print(f"ratio {ours / ref:.2f}")
     rounds = times["async held"]
     held, sync = statistics.median(rounds[1:] or rounds), median["megakit save"]
-    print(f"step held by a save: synchronous {sync:.3f} s, --async-save {held:.3f} s (median after the first save, "
-          f"which allocates the host buffers and held it {rounds[0]:.3f} s; then written in "
-          f"{median['async write']:.3f} s in the background; rounds: {', '.join(f'{t:.2f}' for t in rounds)} s)")
+    print(
+        f"step held by a save: synchronous {sync:.3f} s, --async-save {held:.3f} s (median after the first save, "
+        f"which allocates the host buffers and held it {rounds[0]:.3f} s; then written in "
+        f"{median['async write']:.3f} s in the background; rounds: {', '.join(f'{t:.2f}' for t in rounds)} s)"
+    )
     print(f"async stall ratio {held / sync:.2f}")
     return 0
 

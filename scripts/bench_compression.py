@@ -44,9 +44,26 @@ def _port() -> int:
 
 def run(flags: list[str], *, nproc: int, steps: int, model: str, out: Path) -> dict:
     """One launcher run; its per-step metrics (rank 0)."""
-    cmd = ["deepspeed", "--num_gpus", str(nproc), "--master_port", str(_port()), str(ROOT / "scripts" / "train.py"),
-           "--ds_config", str(ROOT / "ds_configs" / "zero0.json"), "--model", model, "--steps", str(steps),
-           "--no-progress", "--log-every", str(10**6), "--metrics-out", str(out), *flags]
+    cmd = [
+        "deepspeed",
+        "--num_gpus",
+        str(nproc),
+        "--master_port",
+        str(_port()),
+        str(ROOT / "scripts" / "train.py"),
+        "--ds_config",
+        str(ROOT / "ds_configs" / "zero0.json"),
+        "--model",
+        model,
+        "--steps",
+        str(steps),
+        "--no-progress",
+        "--log-every",
+        str(10**6),
+        "--metrics-out",
+        str(out),
+        *flags,
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"bench_compression: {' '.join(flags) or 'baseline'} failed:\n{done.stderr[-2000:]}")
@@ -66,17 +83,27 @@ def main(argv=None) -> int:
             rows[label] = run(flags, nproc=args.nproc, steps=args.steps, model=args.model, out=Path(tmp) / f"{i}.jsonl")
     final = {label: statistics.mean(s["loss"] for s in steps[-10:]) for label, steps in rows.items()}
     dense = sum(s["dp_bytes_dense"] or 0 for s in rows["fp16"])  # DeepSpeed's all-reduce is not counted by megakit
-    print(f"{args.model}, {args.steps} steps, DP {args.nproc} (ZeRO 0 unless named, fp32), final loss = mean of the "
-          "last 10 steps")
+    print(
+        f"{args.model}, {args.steps} steps, DP {args.nproc} (ZeRO 0 unless named, fp32), final loss = mean of the "
+        "last 10 steps"
+    )
     print(f"{'method':<18}{'MB sent/rank':>14}{'of dense':>10}{'saved':>8}{'final loss':>12}{'gap':>9}  goal")
     summary = {}
     for label, flags, goal in METHODS:
         sent = dense if label == "none" else sum(s["dp_bytes"] for s in rows[label])
         saved, gap = 1 - sent / dense, (final[label] - final["none"]) / final["none"]
         summary[label] = (saved, gap)
-        target = "" if goal is None else (f">= {goal[0]:.0%} saved, gap <= {goal[1]:.0%}: "
-                                          + ("met" if saved >= goal[0] and gap <= goal[1] else "MISSED"))
-        print(f"{label:<18}{sent / 1e6:>14.2f}{dense / 1e6:>10.2f}{saved:>8.1%}{final[label]:>12.4f}{gap:>+9.2%}  {target}")
+        target = (
+            ""
+            if goal is None
+            else (
+                f">= {goal[0]:.0%} saved, gap <= {goal[1]:.0%}: "
+                + ("met" if saved >= goal[0] and gap <= goal[1] else "MISSED")
+            )
+        )
+        print(
+            f"{label:<18}{sent / 1e6:>14.2f}{dense / 1e6:>10.2f}{saved:>8.1%}{final[label]:>12.4f}{gap:>+9.2%}  {target}"
+        )
     saved, gap = summary["topk:0.01"]
     print(f"topk_bytes_saved {saved:.4f} loss_gap {gap:.4f}")
     return 0

@@ -51,7 +51,7 @@ def plain(files: list[Path], tokenizer_file: Path, *, threads: bool = True) -> f
     started = time.perf_counter()
     out = []
     for i in range(0, len(files), 64):
-        texts = [p.read_text(encoding="utf-8", errors="replace") for p in files[i:i + 64]]
+        texts = [p.read_text(encoding="utf-8", errors="replace") for p in files[i : i + 64]]
         for encoding in tokenizer.encode_batch(texts, add_special_tokens=False):
             out.append(np.array([*encoding.ids, eos], dtype=np.uint16))
     np.concatenate(out)
@@ -62,8 +62,17 @@ def megakit(files: list[Path], tokenizer_file: Path, out: Path, workers: int) ->
     from megakit.interop.prepare_data import PrepareConfig, prepare
 
     started = time.perf_counter()
-    prepare(PrepareConfig(inputs=[str(p) for p in files], out=str(out), tokenizer=str(tokenizer_file),
-                          val_fraction=0.0, workers=workers, progress=False), say=lambda *_: None)
+    prepare(
+        PrepareConfig(
+            inputs=[str(p) for p in files],
+            out=str(out),
+            tokenizer=str(tokenizer_file),
+            val_fraction=0.0,
+            workers=workers,
+            progress=False,
+        ),
+        say=lambda *_: None,
+    )
     return time.perf_counter() - started
 
 
@@ -84,7 +93,7 @@ def loader_share(data: Path, steps: int = 5) -> tuple[float, float]:
     load = train = 0.0
     for step in range(steps + 1):
         t0 = time.perf_counter()
-        (x, y), = batches.micro_batches(step, 0)
+        ((x, y),) = batches.micro_batches(step, 0)
         t1 = time.perf_counter()
         model(x, y).backward()
         optimizer.step()
@@ -95,10 +104,12 @@ def loader_share(data: Path, steps: int = 5) -> tuple[float, float]:
     return load / steps, train / steps
 
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-          "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}"
-          "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}"
+    "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def chat_records(files: list[Path], n: int, seed: int = 0) -> list[dict]:
@@ -108,8 +119,14 @@ def chat_records(files: list[Path], n: int, seed: int = 0) -> list[dict]:
     out, i = [], 0
     for _ in range(n):
         q, a = (int(k) for k in np.exp(rng.uniform(0, np.log(6), 2)))  # 1 to 5 lines each: short and long turns
-        out.append({"messages": [{"role": "user", "content": "\n".join(lines[i:i + q])},
-                                 {"role": "assistant", "content": "\n".join(lines[i + q:i + q + a])}]})
+        out.append(
+            {
+                "messages": [
+                    {"role": "user", "content": "\n".join(lines[i : i + q])},
+                    {"role": "assistant", "content": "\n".join(lines[i + q : i + q + a])},
+                ]
+            }
+        )
         i = (i + q + a) % max(len(lines) - 12, 1)
     return out
 
@@ -121,8 +138,9 @@ def chat_tokenizer(bpe_dir: Path, out: Path) -> Path:
 
     tokenizer = Tokenizer.from_file(str(bpe_dir / "tokenizer.json"))
     tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=CHATML,
-                            eos_token="<|endoftext|>").save_pretrained(str(out))
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, chat_template=CHATML, eos_token="<|endoftext|>"
+    ).save_pretrained(str(out))
     return out
 
 
@@ -133,8 +151,9 @@ def plain_chat(records: list[dict], tokenizer_dir: Path) -> float:
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     started = time.perf_counter()
     for record in records:
-        out = tokenizer.apply_chat_template(record["messages"], tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+        out = tokenizer.apply_chat_template(
+            record["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         np.array(out["input_ids"], dtype=np.uint16), np.array(out["assistant_masks"], dtype=np.uint8)
     return time.perf_counter() - started
 
@@ -143,8 +162,18 @@ def megakit_chat(chats: Path, tokenizer_dir: Path, out: Path, workers: int, **mo
     from megakit.interop.prepare_data import PrepareConfig, prepare
 
     started = time.perf_counter()
-    prepare(PrepareConfig(inputs=[str(chats)], out=str(out), tokenizer=str(tokenizer_dir), val_fraction=0.0,
-                          workers=workers, progress=False, **more), say=lambda *_: None)
+    prepare(
+        PrepareConfig(
+            inputs=[str(chats)],
+            out=str(out),
+            tokenizer=str(tokenizer_dir),
+            val_fraction=0.0,
+            workers=workers,
+            progress=False,
+            **more,
+        ),
+        say=lambda *_: None,
+    )
     return time.perf_counter() - started
 
 
@@ -162,13 +191,14 @@ def useful_tokens_per_second(data: Path, steps: int = 6) -> float:
     corpus = open_corpus(str(data))
     config = model_for_corpus(ModelConfig.load("gpt-mini"), "gpt-mini", corpus)
     cfg = TrainConfig(ds_config={}, reset_attention_mask=True, reset_position_ids=True)
-    batches = TokenBatches(corpus.train, BatchPlan(seq_len=config.max_seq_len, micro_batch=8),
-                           **corpus.loader_options(cfg))
+    batches = TokenBatches(
+        corpus.train, BatchPlan(seq_len=config.max_seq_len, micro_batch=8), **corpus.loader_options(cfg)
+    )
     model = Transformer(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     useful, seconds = 0, 0.0
     for step in range(steps + 1):
-        (x, y), = batches.micro_batches(step, 0)
+        ((x, y),) = batches.micro_batches(step, 0)
         (extras,) = batches.forward_extras(step, 0)
         t0 = time.perf_counter()
         model(x, y, **extras).backward()
@@ -197,9 +227,15 @@ def fine_tuning_rows(files: list[Path], bpe_dir: Path, work: Path, workers: int,
     megakit_chat(chats, tokenizer, work / "packed", workers, pack=128)
     megakit_chat(chats, tokenizer, work / "padded", workers, pad=128)
     packed, padded = useful_tokens_per_second(work / "packed"), useful_tokens_per_second(work / "padded")
-    return [("fine-tuning, packed vs padded (loss tokens/s)", packed, padded, packed / padded),
-            (f"prepare-data of chat JSONL vs apply_chat_template loop (records/s, {workers} workers)",
-             len(records) / min(megakit_s), len(records) / min(plain_s), paired)]
+    return [
+        ("fine-tuning, packed vs padded (loss tokens/s)", packed, padded, packed / padded),
+        (
+            f"prepare-data of chat JSONL vs apply_chat_template loop (records/s, {workers} workers)",
+            len(records) / min(megakit_s),
+            len(records) / min(plain_s),
+            paired,
+        ),
+    ]
 
 
 def main() -> int:
@@ -216,8 +252,10 @@ def main() -> int:
     size = sum(p.stat().st_size for p in files) / 2**20
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         work = Path(tmp)
-        prepare(PrepareConfig(inputs=[str(p) for p in files[:100]], out=str(work / "bpe"), vocab_size=4096,
-                              progress=False), say=lambda *_: None)
+        prepare(
+            PrepareConfig(inputs=[str(p) for p in files[:100]], out=str(work / "bpe"), vocab_size=4096, progress=False),
+            say=lambda *_: None,
+        )
         tokenizer = work / "bpe" / "tokenizer.json"
         times = {"plain": [], "plain, one thread": [], "megakit": []}
         for r in range(args.repeats):
@@ -228,19 +266,28 @@ def main() -> int:
         rows = fine_tuning_rows(files, work / "bpe", work, args.workers, args.repeats)
     best = {k: min(v) for k, v in times.items()}  # wall seconds of the fastest run
     rates = {k: size / wall for k, wall in best.items()}
-    print(f"{len(files)} files, {size:.1f} MiB, BPE 4096, {os.cpu_count()} cores, megakit with {args.workers} workers, "
-          f"best of {args.repeats}")
+    print(
+        f"{len(files)} files, {size:.1f} MiB, BPE 4096, {os.cpu_count()} cores, megakit with {args.workers} workers, "
+        f"best of {args.repeats}"
+    )
     print(f"load average {os.getloadavg()[0]:.1f} (other work on the machine slows both sides)")
     print(f"{'':<42}{'MiB/s':>8}{'seconds':>10}  (every run)")
-    for name, label in (("plain", "plain tokenizers encode_batch"), ("plain, one thread", "  the same, TOKENIZERS_PARALLELISM=false"),
-                        ("megakit", "megakit prepare-data")):
+    for name, label in (
+        ("plain", "plain tokenizers encode_batch"),
+        ("plain, one thread", "  the same, TOKENIZERS_PARALLELISM=false"),
+        ("megakit", "megakit prepare-data"),
+    ):
         runs = " ".join(f"{t:.2f}" for t in times[name])
         print(f"{label:<42}{rates[name]:>8.2f}{best[name]:>10.2f}  ({runs})")
-    print(f"loader: {load * 1e3:.2f} ms to cut a step's batch (8 x 128 tokens) from the shards, a gpt-mini step "
-          f"{step * 1e3:.0f} ms: {load / (load + step):.2%} of the step")
+    print(
+        f"loader: {load * 1e3:.2f} ms to cut a step's batch (8 x 128 tokens) from the shards, a gpt-mini step "
+        f"{step * 1e3:.0f} ms: {load / (load + step):.2%} of the step"
+    )
     paired = statistics.median(p / m for p, m in zip(times["plain"], times["megakit"]))
-    print(f"best against best: {rates['megakit'] / rates['plain']:.2f}; run against the plain run just before it, "
-          f"median of {args.repeats}: {paired:.2f} (steadier when the machine's speed drifts)")
+    print(
+        f"best against best: {rates['megakit'] / rates['plain']:.2f}; run against the plain run just before it, "
+        f"median of {args.repeats}: {paired:.2f} (steadier when the machine's speed drifts)"
+    )
     print(f"{'':<78}{'megakit':>10}{'reference':>11}{'ratio':>7}")
     for label, ours, reference, ratio in rows:
         print(f"{label:<78}{ours:>10,.0f}{reference:>11,.0f}{ratio:>7.2f}")

@@ -60,8 +60,9 @@ WARMUP, TIMED, PARITY_STEPS = 3, 10, 30
 # the shapes: model preset (or a derived config), sequence length, today's micro-batch x accumulation (A)
 SHAPES = {
     "tinyllama-2048": dict(model="tinyllama-1.1b", seq_len=2048, micro=4, accumulation=2),
-    "tinyllama-1024": dict(model="tinyllama-1.1b", seq_len=1024, micro=4, accumulation=2,
-                           variants=("A", "B", "C", "D", "A2")),  # the host-bound gap: E/F are memory/8B levers
+    "tinyllama-1024": dict(
+        model="tinyllama-1.1b", seq_len=1024, micro=4, accumulation=2, variants=("A", "B", "C", "D", "A2")
+    ),  # the host-bound gap: E/F are memory/8B levers
     "llama3-8b-w8L-8192": dict(model="llama-3-8b", layers=8, seq_len=8192, micro=1, accumulation=2),
 }
 DRY_SHAPES = {  # --dry-run: the same code paths on CPU in seconds
@@ -81,8 +82,9 @@ LEVERS = {
     "A2": ("A again: the noise floor", {}),
 }
 ORDER = ("A", "B", "C", "D", "E", "F-tw", "F-rw", "A2")
-BASE = dict(micro_tokens=None, fused_adam=False, compile=False, attention_kernel="torch", loss_chunks=1,
-            fp8=None)  # loss_chunks=1: the head and loss in one piece, as before --loss-chunks (its default is auto)
+BASE = dict(
+    micro_tokens=None, fused_adam=False, compile=False, attention_kernel="torch", loss_chunks=1, fp8=None
+)  # loss_chunks=1: the head and loss in one piece, as before --loss-chunks (its default is auto)
 
 
 def settings(variant: str) -> dict:
@@ -90,7 +92,7 @@ def settings(variant: str) -> dict:
     out = dict(BASE)
     if variant == "A2":
         return out
-    for name in ORDER[:ORDER.index(variant) + 1]:
+    for name in ORDER[: ORDER.index(variant) + 1]:
         if name == "F-rw":
             out.pop("fp8")
         out.update(LEVERS[name][1])
@@ -109,8 +111,11 @@ def cpu_bf16_flash_runs() -> bool:
     try:
         F.scaled_dot_product_attention(q, q, q, is_causal=True)
     except RuntimeError:
-        print("bench_gpu.py: torch's CPU flash attention refuses bf16 at this ATen CPU capability; the dry run uses "
-              "the math kernel for torch's choice", flush=True)
+        print(
+            "bench_gpu.py: torch's CPU flash attention refuses bf16 at this ATen CPU capability; the dry run uses "
+            "the math kernel for torch's choice",
+            flush=True,
+        )
         return False
     return True
 
@@ -131,9 +136,18 @@ def train_kwargs(shape: dict, s: dict, *, cuda: bool, steps: int, seed: int = 0)
     kernel = s["attention_kernel"]
     if not cuda and (kernel in ("cudnn", "flash", "efficient") or not cpu_bf16_flash_runs()):
         kernel = "math"  # the CPU dry run exercises the pinning path with the kernel CPUs have
-    kw = dict(ds_config=ds, model=shape["model_path"], seq_len=shape["seq_len"], steps=steps, seed=seed,
-              progress=False, log_every=10**9, compile=s["compile"], attention_kernel=kernel,
-              compile_backend="inductor" if cuda else "aot_eager")
+    kw = dict(
+        ds_config=ds,
+        model=shape["model_path"],
+        seq_len=shape["seq_len"],
+        steps=steps,
+        seed=seed,
+        progress=False,
+        log_every=10**9,
+        compile=s["compile"],
+        attention_kernel=kernel,
+        compile_backend="inductor" if cuda else "aot_eager",
+    )
     kw.update({k: s[k] for k in ("loss_chunks", "fp8") if s.get(k)})
     return kw, dict(micro=micro, accumulation=accumulation)
 
@@ -155,8 +169,13 @@ def run_variant(shape: dict, s: dict, *, cuda: bool, steps: int, seed: int = 0) 
     log = io.StringIO()
     with redirect_stdout(log):
         result = train(TrainConfig(**kw))
-    out = dict(batch, seconds=[m.seconds for m in result.steps], loss=result.losses,
-               tokens=result.steps[0].tokens, peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+    out = dict(
+        batch,
+        seconds=[m.seconds for m in result.steps],
+        loss=result.losses,
+        tokens=result.steps[0].tokens,
+        peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+    )
     del result
     return out
 
@@ -165,9 +184,32 @@ def planner(shape: dict, s: dict, batch: dict, gpu: str) -> dict:
     """``megakit plan``'s prediction for the same run: step time, tok/s, MFU, peak memory (one place for the flags)."""
     from megakit.commands.cli import main as megakit
 
-    argv = ["plan", "--model", shape["model_path"], "--gpu", gpu, "--gpus", "1", "--seq-len", str(shape["seq_len"]),
-            "--micro-batch", str(batch["micro"]), "--global-batch", str(batch["micro"] * batch["accumulation"]),
-            "--zero", "0", "--tp", "1", "--pp", "1", "--recompute", "none", "--precision", "bf16", "--json"]
+    argv = [
+        "plan",
+        "--model",
+        shape["model_path"],
+        "--gpu",
+        gpu,
+        "--gpus",
+        "1",
+        "--seq-len",
+        str(shape["seq_len"]),
+        "--micro-batch",
+        str(batch["micro"]),
+        "--global-batch",
+        str(batch["micro"] * batch["accumulation"]),
+        "--zero",
+        "0",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--recompute",
+        "none",
+        "--precision",
+        "bf16",
+        "--json",
+    ]
     levers = ["--kernels", "compiled" if s["compile"] else "eager"]
     if s.get("fp8"):
         levers += ["--fp8", s["fp8"]]
@@ -182,8 +224,13 @@ def planner(shape: dict, s: dict, batch: dict, gpu: str) -> dict:
     if code != 0:
         return dict(note=f"planner failed: {err.getvalue().strip()[-200:]}")
     plan = json.loads(out.getvalue())["plan"]
-    return dict(step_s=plan["step_time_s"], tokens_per_s=plan["tokens_per_s"], mfu=plan["mfu"],
-                peak_gib=plan["peak_memory_gib"], note="")
+    return dict(
+        step_s=plan["step_time_s"],
+        tokens_per_s=plan["tokens_per_s"],
+        mfu=plan["mfu"],
+        peak_gib=plan["peak_memory_gib"],
+        note="",
+    )
 
 
 def measure(shape: dict, variant: str, *, cuda: bool, peak: float | None, gpu: str, warmup: int, timed: int) -> dict:
@@ -205,20 +252,36 @@ def measure(shape: dict, variant: str, *, cuda: bool, peak: float | None, gpu: s
         return row
     step = statistics.median(got["seconds"][warmup:])
     flops = ModelConfig.load(shape["model_path"]).flops_per_token(shape["seq_len"])
-    row.update(micro=got["micro"], accumulation=got["accumulation"], step_s=step, first_step_s=got["seconds"][0],
-               tokens_per_s=got["tokens"] / step, loss=got["loss"][-1], first_loss=got["loss"][0], peak_gib=got["peak_gib"],
-               mfu=None if peak is None else got["tokens"] / step * flops / (peak * 1e12),
-               planner=planner(shape, s, got, gpu))
-    print(f"  {variant}: {step * 1e3:.1f} ms/step, {row['tokens_per_s']:,.0f} tok/s"
-          + (f", MFU {row['mfu']:.1%}" if row["mfu"] is not None else "") + f", loss {row['loss']:.4f}", flush=True)
+    row.update(
+        micro=got["micro"],
+        accumulation=got["accumulation"],
+        step_s=step,
+        first_step_s=got["seconds"][0],
+        tokens_per_s=got["tokens"] / step,
+        loss=got["loss"][-1],
+        first_loss=got["loss"][0],
+        peak_gib=got["peak_gib"],
+        mfu=None if peak is None else got["tokens"] / step * flops / (peak * 1e12),
+        planner=planner(shape, s, got, gpu),
+    )
+    print(
+        f"  {variant}: {step * 1e3:.1f} ms/step, {row['tokens_per_s']:,.0f} tok/s"
+        + (f", MFU {row['mfu']:.1%}" if row["mfu"] is not None else "")
+        + f", loss {row['loss']:.4f}",
+        flush=True,
+    )
     return row
 
 
 def environment() -> dict:
     import torch
 
-    env = dict(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
-               cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
+    env = dict(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+    )
     from importlib.metadata import PackageNotFoundError, version
 
     for name in ("triton", "torchao", "liger-kernel", "deepspeed", "nvidia-ml-py"):
@@ -274,8 +337,12 @@ def ceilings(n: int) -> dict:
         a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()  # b column-major
         one = torch.tensor(1.0, device=device)
         torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-        out["fp8_tflops"] = 2 * n**3 / _cuda_ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
-                                                                          out_dtype=torch.bfloat16), 10) / 1e9
+        out["fp8_tflops"] = (
+            2
+            * n**3
+            / _cuda_ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 10)
+            / 1e9
+        )
     except Exception as error:  # noqa: BLE001 (no fp8 GEMM on this device)
         out["fp8_tflops"], out["fp8_note"] = None, str(error).splitlines()[0][:120]
     return out
@@ -294,10 +361,12 @@ def attention_kernels(shape: dict, micro: int, *, cuda: bool) -> list[dict]:
     config = ModelConfig.load(shape["model_path"])
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     capability = torch.cuda.get_device_capability() if cuda else None
-    q = torch.randn(micro, config.heads, shape["seq_len"], config.head_dim, device=device, dtype=dtype,
-                    requires_grad=True)
-    kv = torch.randn(micro, config.kv_heads, shape["seq_len"], config.head_dim, device=device, dtype=dtype,
-                     requires_grad=True)
+    q = torch.randn(
+        micro, config.heads, shape["seq_len"], config.head_dim, device=device, dtype=dtype, requires_grad=True
+    )
+    kv = torch.randn(
+        micro, config.kv_heads, shape["seq_len"], config.head_dim, device=device, dtype=dtype, requires_grad=True
+    )
     rows = []
     for name in ("torch", "auto", "flash", "cudnn", "efficient", "math"):
         try:
@@ -318,8 +387,13 @@ def attention_kernels(shape: dict, micro: int, *, cuda: bool) -> list[dict]:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             with profile(activities=activities) as prof:
                 step()
-            rows.append(dict(choice=name, kernels=attention_kernels_in(e.key for e in prof.key_averages()),
-                             fwd_bwd_ms=_cuda_ms(step, 5)))
+            rows.append(
+                dict(
+                    choice=name,
+                    kernels=attention_kernels_in(e.key for e in prof.key_averages()),
+                    fwd_bwd_ms=_cuda_ms(step, 5),
+                )
+            )
         except RuntimeError as error:
             rows.append(dict(choice=name, error=str(error).splitlines()[0][:160]))
     return rows
@@ -333,8 +407,7 @@ def document_kernels(shape: dict, micro: int, *, cuda: bool) -> list[dict]:
     import torch.nn.functional as F
 
     from megakit.core.model_config import ModelConfig
-    from megakit.nn.attention.masks import allowed_keys
-    from megakit.nn.attention.masks import flex_document_attention
+    from megakit.nn.attention.masks import allowed_keys, flex_document_attention
 
     config, s = ModelConfig.load(shape["model_path"]), shape["seq_len"]
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
@@ -346,10 +419,13 @@ def document_kernels(shape: dict, micro: int, *, cuda: bool) -> list[dict]:
     kv = torch.randn(micro, config.kv_heads, s, config.head_dim, generator=gen).to(device, dtype).requires_grad_(cuda)
     mask = allowed_keys(s, 0, docs, device)
     kept = float(mask.float().mean() / torch.ones(s, s).tril().mean())
-    kernels = {"sdpa-mask": lambda: F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=True),
-               "flex": lambda: flex_document_attention(q, kv, kv, docs, window=0, scale=config.head_dim ** -0.5)}
+    kernels = {
+        "sdpa-mask": lambda: F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=True),
+        "flex": lambda: flex_document_attention(q, kv, kv, docs, window=0, scale=config.head_dim**-0.5),
+    }
     outputs, rows = {}, []
     for name, attend in kernels.items():
+
         def step():
             y = attend()
             if cuda:
@@ -384,6 +460,7 @@ def ring_kernels(*, cuda: bool) -> list[dict]:
         grad = torch.randn(1, 8, tokens, 128, generator=gen).to(device, dtype)
         got = {}
         for name, fused in (("fused", True), ("explicit", False)):
+
             def step():
                 for t in (q, k, v):
                     t.grad = None
@@ -412,12 +489,20 @@ def moe_rows(*, cuda: bool) -> list[dict]:
     counts copied to the host), grouped over device offsets, and compiled whole (Inductor); DeepSeek-V2-Lite's
     widths (2048, 64 experts of 1408, top-6) at 8192 tokens in bf16 on the GPU, tiny and fp32 in the dry run."""
     import torch
-
     from bench_moe_block import moe_block_rows
 
     if cuda:
-        return moe_block_rows(hidden=2048, ffn=1408, experts=64, top_k=6, tokens=8192, dtype=torch.bfloat16,
-                              device="cuda", backend="inductor", repeat=10)
+        return moe_block_rows(
+            hidden=2048,
+            ffn=1408,
+            experts=64,
+            top_k=6,
+            tokens=8192,
+            dtype=torch.bfloat16,
+            device="cuda",
+            backend="inductor",
+            repeat=10,
+        )
     return moe_block_rows(hidden=64, ffn=32, experts=4, top_k=2, tokens=128, backend="aot_eager", repeat=2)
 
 
@@ -435,14 +520,20 @@ def parity(shape: dict, *, cuda: bool, steps: int) -> dict:
 
     tail = max(1, steps // 3)
     try:
-        runs = {name: run_variant(shape, cfg, cuda=cuda, steps=steps, seed=seed)["loss"]
-                for name, cfg, seed in (("fp8", fp8, 0), ("bf16", s, 0), ("bf16_seed1", s, 1))}
+        runs = {
+            name: run_variant(shape, cfg, cuda=cuda, steps=steps, seed=seed)["loss"]
+            for name, cfg, seed in (("fp8", fp8, 0), ("bf16", s, 0), ("bf16_seed1", s, 1))
+        }
     except UsageError as error:
         return dict(skipped=f"refused here: {error}")
     last = {name: statistics.fmean(loss[-tail:]) for name, loss in runs.items()}
-    return dict(steps=steps, mean_last=last, fp8_gap=abs(last["fp8"] - last["bf16"]),
-                bf16_spread=abs(last["bf16_seed1"] - last["bf16"]),
-                nan=any(x != x for loss in runs.values() for x in loss))
+    return dict(
+        steps=steps,
+        mean_last=last,
+        fp8_gap=abs(last["fp8"] - last["bf16"]),
+        bf16_spread=abs(last["bf16_seed1"] - last["bf16"]),
+        nan=any(x != x for loss in runs.values() for x in loss),
+    )
 
 
 def _pct(value) -> str:
@@ -455,8 +546,10 @@ def _num(value, fmt: str) -> str:
 
 def table(results: dict) -> str:
     """The measured rows, the planner's MFU and its step time over the measured one beside each."""
-    head = (f"{'shape':<20} {'var':<5} {'micro':>5} {'ms/step':>9} {'tok/s':>9} {'MFU':>6} {'plan MFU':>8} "
-            f"{'plan/meas':>9} {'peak GiB':>8} {'1st step s':>10} {'loss':>7}")
+    head = (
+        f"{'shape':<20} {'var':<5} {'micro':>5} {'ms/step':>9} {'tok/s':>9} {'MFU':>6} {'plan MFU':>8} "
+        f"{'plan/meas':>9} {'peak GiB':>8} {'1st step s':>10} {'loss':>7}"
+    )
     lines = [head, "-" * len(head)]
     for name, shape in results["shapes"].items():
         for row in shape["variants"]:
@@ -465,10 +558,12 @@ def table(results: dict) -> str:
                 continue
             plan = row["planner"]
             ratio = plan["step_s"] / row["step_s"] if plan.get("step_s") else None
-            lines.append(f"{name:<20} {row['variant']:<5} {row['micro']:>5} {row['step_s'] * 1e3:>9.1f} "
-                         f"{row['tokens_per_s']:>9,.0f} {_pct(row['mfu']):>6} {_pct(plan.get('mfu')):>8} "
-                         f"{_num(ratio, '.2f'):>9} {_num(row['peak_gib'], '.1f'):>8} {row['first_step_s']:>10.1f} "
-                         f"{row['loss']:>7.4f}")
+            lines.append(
+                f"{name:<20} {row['variant']:<5} {row['micro']:>5} {row['step_s'] * 1e3:>9.1f} "
+                f"{row['tokens_per_s']:>9,.0f} {_pct(row['mfu']):>6} {_pct(plan.get('mfu')):>8} "
+                f"{_num(ratio, '.2f'):>9} {_num(row['peak_gib'], '.1f'):>8} {row['first_step_s']:>10.1f} "
+                f"{row['loss']:>7.4f}"
+            )
     return "\n".join(lines)
 
 
@@ -512,8 +607,12 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(json.dumps(results, indent=1, default=str))
         tmp.replace(out_dir / "bench_gpu.json")
 
-    results = dict(environment=environment(), mfu_formula="MFU = tokens/s x (6N + 12 L q S) / peak "
-                   f"(N: block matrices + LM head; q = heads x head_dim; peak {peak} TFLOP/s)", shapes={})
+    results = dict(
+        environment=environment(),
+        mfu_formula="MFU = tokens/s x (6N + 12 L q S) / peak "
+        f"(N: block matrices + LM head; q = heads x head_dim; peak {peak} TFLOP/s)",
+        shapes={},
+    )
     print("environment:", json.dumps(results["environment"]), flush=True)
     print(results["mfu_formula"], flush=True)
     results["ceilings"] = ceilings(8192 if cuda else 64)  # CPU: torchao's emulated fp8 GEMM takes 1 s at 256
@@ -523,25 +622,45 @@ def main(argv: list[str] | None = None) -> int:
         wanted = [v for v in shape.get("variants", ORDER) if not args.variants or v in args.variants.split(",")]
         kernels = attention_kernels(shape, shape["micro"], cuda=cuda)
         for row in kernels:
-            print(f"  attention {row['choice']}: " + (row.get("error") or
-                  f"{', '.join(row['kernels'])} ({row['fwd_bwd_ms']:.2f} ms fwd+bwd)"), flush=True)
+            print(
+                f"  attention {row['choice']}: "
+                + (row.get("error") or f"{', '.join(row['kernels'])} ({row['fwd_bwd_ms']:.2f} ms fwd+bwd)"),
+                flush=True,
+            )
         kernels += document_kernels(shape, shape["micro"], cuda=cuda)
         for row in kernels[-2:]:
-            print(f"  attention {row['choice']}: " + (row.get("error") or
-                  f"{row['fwd_bwd_ms']:.2f} ms {'fwd+bwd' if cuda else 'fwd'}, {row['kept_pairs']:.0%} of causal "
-                  f"pairs kept" + (f", max gap to SDPA {row['max_gap']:.2e}" if "max_gap" in row else "")), flush=True)
+            print(
+                f"  attention {row['choice']}: "
+                + (
+                    row.get("error")
+                    or f"{row['fwd_bwd_ms']:.2f} ms {'fwd+bwd' if cuda else 'fwd'}, {row['kept_pairs']:.0%} of causal "
+                    f"pairs kept"
+                    + (f", max gap to SDPA {row['max_gap']:.2e}" if "max_gap" in row else "")
+                ),
+                flush=True,
+            )
         rows = []
-        results["shapes"][name] = dict(seq_len=shape["seq_len"], model=shape["model"], layers=shape.get("layers"),
-                                       attention=kernels, variants=rows)
+        results["shapes"][name] = dict(
+            seq_len=shape["seq_len"], model=shape["model"], layers=shape.get("layers"), attention=kernels, variants=rows
+        )
         for variant in wanted:
             rows.append(measure(shape, variant, cuda=cuda, peak=peak, gpu=args.gpu, warmup=warmup, timed=timed))
             save(results)  # after every row: a run cut short still leaves what it measured
     results["ring"] = ring_kernels(cuda=cuda)
     for row in results["ring"]:
-        print(f"  {row['choice']} at {row['local_tokens']} local tokens: " + (row.get("error") or
-              f"{row['fwd_bwd_ms']:.2f} ms fwd+bwd, peak {_num(row['peak_gib'], '.2f')} GiB"
-              + (f", max gap to explicit: out {row['max_gap_out']:.2e}, dq {row['max_gap_dq']:.2e}"
-                 if "max_gap_out" in row else "")), flush=True)
+        print(
+            f"  {row['choice']} at {row['local_tokens']} local tokens: "
+            + (
+                row.get("error")
+                or f"{row['fwd_bwd_ms']:.2f} ms fwd+bwd, peak {_num(row['peak_gib'], '.2f')} GiB"
+                + (
+                    f", max gap to explicit: out {row['max_gap_out']:.2e}, dq {row['max_gap_dq']:.2e}"
+                    if "max_gap_out" in row
+                    else ""
+                )
+            ),
+            flush=True,
+        )
     save(results)
     results["moe"] = moe_rows(cuda=cuda)
     for row in results["moe"]:

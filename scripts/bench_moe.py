@@ -32,8 +32,9 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megakit.errors import UsageError  # noqa: E402
 from bench_workers import WorkerFailed, run_workers  # noqa: E402
+
+from megakit.errors import UsageError  # noqa: E402
 
 
 class SwiGLU(nn.Module):
@@ -63,8 +64,14 @@ def _timed(steps: dict, reps: int, barrier) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, args, results) -> None:
-    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        OMP_NUM_THREADS="1",
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     import deepspeed
     import torch.distributed as dist
@@ -78,28 +85,43 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
     from megakit.nn.moe.layer import MoE
     from megakit.nn.topology import Topology
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=600),
+    )
     deepspeed.init_distributed(dist_backend="gloo")
     h, f, e, k = args.hidden, args.ffn, args.experts, 2
     config = MoEConfig(experts=e, top_k=k, ffn=f)
     torch.manual_seed(0)  # the same full weights on both ranks
     router = torch.randn(e, h) * 0.5
-    gate_up, down = torch.randn(e, 2 * f, h) * h ** -0.5, torch.randn(e, h, f) * f ** -0.5
+    gate_up, down = torch.randn(e, 2 * f, h) * h**-0.5, torch.randn(e, h, f) * f**-0.5
 
     def load(moe, ep_rank, local):
         with torch.no_grad():
             moe.gate.weight.copy_(router)
-            moe.experts.gate_up_proj.copy_(gate_up[ep_rank * local:(ep_rank + 1) * local])
-            moe.experts.down_proj.copy_(down[ep_rank * local:(ep_rank + 1) * local])
+            moe.experts.gate_up_proj.copy_(gate_up[ep_rank * local : (ep_rank + 1) * local])
+            moe.experts.down_proj.copy_(down[ep_rank * local : (ep_rank + 1) * local])
         return moe
 
     topo = Topology(Layout(dp=world, ep=world))
     ours = load(MoE(config, h, ep_group=topo.ep_group), topo.ep_rank, e // world)
     groups._create_expert_and_data_parallel(world)
-    theirs = DeepSpeedMoE(h, SwiGLU(h, f), num_experts=e, ep_size=world, k=k, capacity_factor=e / k,
-                          eval_capacity_factor=e / k, min_capacity=0, drop_tokens=True, use_rts=False,
-                          top2_2nd_expert_sampling=False)
+    theirs = DeepSpeedMoE(
+        h,
+        SwiGLU(h, f),
+        num_experts=e,
+        ep_size=world,
+        k=k,
+        capacity_factor=e / k,
+        eval_capacity_factor=e / k,
+        min_capacity=0,
+        drop_tokens=True,
+        use_rts=False,
+        top2_2nd_expert_sampling=False,
+    )
     theirs.set_deepspeed_parallelism()
     with torch.no_grad():
         theirs.deepspeed_moe.gate.wg.weight.copy_(router)
@@ -117,13 +139,15 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
         def run():
             model.zero_grad(set_to_none=True)
             out(model(inp)).sum().backward()
+
         return run
 
     for _ in range(args.warmup):
         step(ours, x_ours)()
         step(theirs, x_theirs, lambda y: y[0])()
-    ep2 = _timed({"megakit": step(ours, x_ours), "deepspeed": step(theirs, x_theirs, lambda y: y[0])}, args.reps,
-                 dist.barrier)
+    ep2 = _timed(
+        {"megakit": step(ours, x_ours), "deepspeed": step(theirs, x_theirs, lambda y: y[0])}, args.reps, dist.barrier
+    )
 
     # EP 2 folded over TP 2 (DP 1): both ranks hold the TP group's whole (S, B, H) input, each routes its S/TP rows
     # and the output is gathered back; DeepSpeed's layer gets the same rows of each rank to route (what it would
@@ -133,19 +157,23 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
     rows = args.tokens // args.batch
     x_group = torch.randn(world * rows, args.batch, h, generator=torch.Generator().manual_seed(7))  # same on both
     x_tp = x_group.clone().requires_grad_()
-    x_half = x_group[rank * rows:(rank + 1) * rows].transpose(0, 1).contiguous().requires_grad_()
+    x_half = x_group[rank * rows : (rank + 1) * rows].transpose(0, 1).contiguous().requires_grad_()
     with torch.no_grad():
-        diff_tp = (ours_tp(x_tp)[rank * rows:(rank + 1) * rows].transpose(0, 1) - theirs(x_half)[0]).abs().max().item()
+        diff_tp = (
+            (ours_tp(x_tp)[rank * rows : (rank + 1) * rows].transpose(0, 1) - theirs(x_half)[0]).abs().max().item()
+        )
     for _ in range(args.warmup):
         step(ours_tp, x_tp)()
         step(theirs, x_half, lambda y: y[0])()
-    tp2 = _timed({"megakit": step(ours_tp, x_tp), "deepspeed": step(theirs, x_half, lambda y: y[0])}, args.reps,
-                 dist.barrier)
+    tp2 = _timed(
+        {"megakit": step(ours_tp, x_tp), "deepspeed": step(theirs, x_half, lambda y: y[0])}, args.reps, dist.barrier
+    )
 
     # EP = 1 against transformers' block, on this rank's tokens alone.
     single = load(MoE(config, h), 0, e)
-    hf = MixtralSparseMoeBlock(MixtralConfig(hidden_size=h, intermediate_size=f, num_local_experts=e,
-                                             num_experts_per_tok=k))
+    hf = MixtralSparseMoeBlock(
+        MixtralConfig(hidden_size=h, intermediate_size=f, num_local_experts=e, num_experts_per_tok=k)
+    )
     with torch.no_grad():
         hf.gate.weight.copy_(router)
         hf.experts.gate_up_proj.copy_(gate_up)
@@ -182,27 +210,33 @@ def main(argv=None) -> int:
         return 2
 
     try:
-        (diff, ep2, diff1, ep1, diff_tp, tp2), = run_workers(_worker, world, args)
+        ((diff, ep2, diff1, ep1, diff_tp, tp2),) = run_workers(_worker, world, args)
     except WorkerFailed as exc:
         print(f"bench_moe.py: error: {exc}", file=sys.stderr)
         return 1
-    print(f"one MoE layer (SwiGLU experts), {args.experts} experts, top-2, hidden {args.hidden}, ffn {args.ffn}, "
-          f"{args.tokens} tokens per rank; forward+backward, median of {args.reps} alternating rounds after "
-          f"{args.warmup} warm-up; gloo, 1 thread per process")
+    print(
+        f"one MoE layer (SwiGLU experts), {args.experts} experts, top-2, hidden {args.hidden}, ffn {args.ffn}, "
+        f"{args.tokens} tokens per rank; forward+backward, median of {args.reps} alternating rounds after "
+        f"{args.warmup} warm-up; gloo, 1 thread per process"
+    )
     med2 = {k: statistics.median(v) for k, v in ep2.items()}
     med1 = {k: statistics.median(v) for k, v in ep1.items()}
     print(f"EP 1, one process: max |output difference| vs transformers {diff1:.2e}")
     print(f"  megakit MoE (EP 1)                          {med1['megakit'] * 1e3:9.2f} ms")
-    print(f"  transformers MixtralSparseMoeBlock          {med1['transformers'] * 1e3:9.2f} ms   "
-          f"ratio {med1['megakit'] / med1['transformers']:.3f}")
+    print(
+        f"  transformers MixtralSparseMoeBlock          {med1['transformers'] * 1e3:9.2f} ms   "
+        f"ratio {med1['megakit'] / med1['transformers']:.3f}"
+    )
     print(f"EP 2, two processes: max |output difference| vs DeepSpeed {diff:.2e} (DeepSpeed drops no token)")
     print(f"  megakit MoE (all-to-all, variable splits)   {med2['megakit'] * 1e3:9.2f} ms")
     print(f"  deepspeed.moe.layer.MoE (capacity E/k)      {med2['deepspeed'] * 1e3:9.2f} ms")
     medtp = {k: statistics.median(v) for k, v in tp2.items()}
     print(f"EP 2 folded over TP 2 (DP 1): max |output difference| vs DeepSpeed {diff_tp:.2e}")
     print(f"  megakit MoE (EP over the TP pair, S/TP rows each, output gathered) {medtp['megakit'] * 1e3:9.2f} ms")
-    print(f"  deepspeed.moe.layer.MoE (EP 2, the same rows per rank)             {medtp['deepspeed'] * 1e3:9.2f} ms   "
-          f"ratio {medtp['megakit'] / medtp['deepspeed']:.3f}")
+    print(
+        f"  deepspeed.moe.layer.MoE (EP 2, the same rows per rank)             {medtp['deepspeed'] * 1e3:9.2f} ms   "
+        f"ratio {medtp['megakit'] / medtp['deepspeed']:.3f}"
+    )
     print(f"ratio {med2['megakit'] / med2['deepspeed']:.3f}")
     return 0
 

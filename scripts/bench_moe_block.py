@@ -36,12 +36,20 @@ def _layer(family: str, *, hidden: int, ffn: int, experts: int, top_k: int, dtyp
 
     overrides, moe = moe, ModelConfig.load(family).moe
     groups = min(moe.groups, experts)
-    config = dataclasses.replace(moe, experts=experts, top_k=top_k, ffn=ffn, shared_ffn=ffn if moe.shared_ffn else 0,
-                                 groups=groups, group_top_k=min(moe.group_top_k, groups), **(overrides or {}))
+    config = dataclasses.replace(
+        moe,
+        experts=experts,
+        top_k=top_k,
+        ffn=ffn,
+        shared_ffn=ffn if moe.shared_ffn else 0,
+        groups=groups,
+        group_top_k=min(moe.group_top_k, groups),
+        **(overrides or {}),
+    )
     torch.manual_seed(0)
     layer = MoE(config, hidden, dtype=dtype, device=device, grouped=grouped)
     for p in layer.parameters():
-        torch.nn.init.normal_(p, std=hidden ** -0.5)
+        torch.nn.init.normal_(p, std=hidden**-0.5)
     return layer
 
 
@@ -72,9 +80,20 @@ def torch_device_type(device) -> str:
     return torch.device(device).type
 
 
-def moe_block_rows(*, families=FAMILIES, hidden: int = 256, ffn: int = 512, experts: int = 8, top_k: int = 2,
-                   tokens: int = 2048, dtype=None, device: str = "cpu", backend: str = "inductor",
-                   repeat: int = 10, moe: dict | None = None) -> list[dict]:
+def moe_block_rows(
+    *,
+    families=FAMILIES,
+    hidden: int = 256,
+    ffn: int = 512,
+    experts: int = 8,
+    top_k: int = 2,
+    tokens: int = 2048,
+    dtype=None,
+    device: str = "cpu",
+    backend: str = "inductor",
+    repeat: int = 10,
+    moe: dict | None = None,
+) -> list[dict]:
     """One row per family: loop, grouped and compiled forward + backward ms, compile seconds, graphs, breaks.
     ``moe``: ``MoEConfig`` fields to change in every family (a capacity factor)."""
     import torch
@@ -85,12 +104,30 @@ def moe_block_rows(*, families=FAMILIES, hidden: int = 256, ffn: int = 512, expe
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(device, dtype)
     rows = []
     for family in families:
-        row = dict(family=family, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, tokens=tokens,
-                   dtype=str(dtype).removeprefix("torch."), device=device, backend=backend)
+        row = dict(
+            family=family,
+            hidden=hidden,
+            ffn=ffn,
+            experts=experts,
+            top_k=top_k,
+            tokens=tokens,
+            dtype=str(dtype).removeprefix("torch."),
+            device=device,
+            backend=backend,
+        )
         outputs = {}
         for form, grouped in (("loop", False), ("grouped", True), ("compiled", True)):
-            layer = _layer(family, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, dtype=dtype, device=device,
-                           grouped=grouped, moe=moe)
+            layer = _layer(
+                family,
+                hidden=hidden,
+                ffn=ffn,
+                experts=experts,
+                top_k=top_k,
+                dtype=dtype,
+                device=device,
+                grouped=grouped,
+                moe=moe,
+            )
             if form == "compiled":
                 torch._dynamo.reset()
                 torch._dynamo.utils.counters.clear()
@@ -114,8 +151,11 @@ def moe_block_rows(*, families=FAMILIES, hidden: int = 256, ffn: int = 512, expe
                 continue
             if form == "compiled":
                 counters = torch._dynamo.utils.counters
-                row.update(compile_s=first, graphs=counters["stats"]["unique_graphs"],
-                           breaks=sum(counters["graph_break"].values()))
+                row.update(
+                    compile_s=first,
+                    graphs=counters["stats"]["unique_graphs"],
+                    breaks=sum(counters["graph_break"].values()),
+                )
         if "compiled" in outputs and "grouped" in outputs:
             row["max_gap"] = float((outputs["compiled"] - outputs["grouped"]).abs().max())
         rows.append(row)
@@ -123,10 +163,18 @@ def moe_block_rows(*, families=FAMILIES, hidden: int = 256, ffn: int = 512, expe
 
 
 def describe(row: dict) -> str:
-    forms = ", ".join(f"{form} {row[f'{form}_ms']:.2f} ms" if f"{form}_ms" in row else f"{form}: {row[f'{form}_error']}"
-                      for form in ("loop", "grouped", "compiled"))
-    tail = (f"; compile {row['compile_s']:.1f} s, {row['graphs']} graph(s), {row['breaks']} break(s), max gap "
-            f"{row.get('max_gap', float('nan')):.1e}") if "compile_s" in row else ""
+    forms = ", ".join(
+        f"{form} {row[f'{form}_ms']:.2f} ms" if f"{form}_ms" in row else f"{form}: {row[f'{form}_error']}"
+        for form in ("loop", "grouped", "compiled")
+    )
+    tail = (
+        (
+            f"; compile {row['compile_s']:.1f} s, {row['graphs']} graph(s), {row['breaks']} break(s), max gap "
+            f"{row.get('max_gap', float('nan')):.1e}"
+        )
+        if "compile_s" in row
+        else ""
+    )
     return f"{row['family']:<17} {row['dtype']} {row['tokens']} tokens: {forms}{tail}"
 
 
@@ -145,9 +193,17 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    for row in moe_block_rows(hidden=args.hidden, ffn=args.ffn, experts=args.experts, top_k=args.top_k,
-                              tokens=args.tokens, dtype=dtype, device=device, backend=args.backend,
-                              repeat=args.repeat):
+    for row in moe_block_rows(
+        hidden=args.hidden,
+        ffn=args.ffn,
+        experts=args.experts,
+        top_k=args.top_k,
+        tokens=args.tokens,
+        dtype=dtype,
+        device=device,
+        backend=args.backend,
+        repeat=args.repeat,
+    ):
         print(describe(row), flush=True)
     return 0
 

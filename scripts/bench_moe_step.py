@@ -47,9 +47,23 @@ def _probe(tree: Path, work: Path) -> dict[str, list[list[dict]]]:
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     out = work / "counts.json"
-    done = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(port), str(ROOT / "scripts" /
-                           "host_syncs.py"), str(write_cases(work)), str(out)], cwd=tree, env=env,
-                          capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        [
+            "deepspeed",
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(port),
+            str(ROOT / "scripts" / "host_syncs.py"),
+            str(write_cases(work)),
+            str(out),
+        ],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if done.returncode:
         sys.exit(f"bench_moe_step.py: the probe failed in {tree}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return by_family(json.loads(out.read_text()))
@@ -57,8 +71,10 @@ def _probe(tree: Path, work: Path) -> dict[str, list[list[dict]]]:
 
 def _total(ranks: list[dict], *, dispatch: bool | None = None) -> float:
     """The most calls per step any rank makes (``dispatch``: only the dispatcher's, or all but them)."""
+
     def keep(site: str) -> bool:
         return dispatch is None or (DISPATCH in site) == dispatch
+
     return max(sum(n for site, n in sites.items() if keep(site)) for sites in ranks)
 
 
@@ -74,8 +90,9 @@ def host_syncs(options) -> dict[str, dict[str, str]]:
         if options.before != "none":
             before = Path(tmp) / "before"
             before.mkdir()
-            archive = subprocess.run(["git", "-C", str(ROOT), "archive", options.before], capture_output=True,
-                                     check=True)
+            archive = subprocess.run(
+                ["git", "-C", str(ROOT), "archive", options.before], capture_output=True, check=True
+            )
             subprocess.run(["tar", "-x", "-C", str(before)], input=archive.stdout, check=True)
             trees = {"before": before, **trees}
         for name, tree in trees.items():
@@ -84,11 +101,13 @@ def host_syncs(options) -> dict[str, dict[str, str]]:
             counts = _probe(tree, work)
             setting = ", ".join(f"{m} mb {n} L" for m, n in SETTINGS)
             columns[f"syncs/step {name} ({setting.replace(', ', ' -> ')})"] = {
-                family: _cell(settings) for family, settings in counts.items()}
+                family: _cell(settings) for family, settings in counts.items()
+            }
             if name == "after":  # the dispatcher's share (moe/dispatch.py), and the rest: constant is the target
                 for label, dispatch in (("dispatcher", True), ("the rest", False)):
-                    columns[f"after: {label}"] = {family: _cell(settings, dispatch=dispatch)
-                                                  for family, settings in counts.items()}
+                    columns[f"after: {label}"] = {
+                        family: _cell(settings, dispatch=dispatch) for family, settings in counts.items()
+                    }
             if options.sites:
                 _print_sites(name, counts)
     return columns
@@ -96,8 +115,10 @@ def host_syncs(options) -> dict[str, dict[str, str]]:
 
 def _print_sites(tree: str, counts: dict[str, list[list[dict]]]) -> None:
     for family, settings in counts.items():
-        print(f"\n{tree}, {family}: calls per step by site, rank by rank, at " +
-              " and ".join(f"{m} micro-batches x {n} layers" for m, n in SETTINGS))
+        print(
+            f"\n{tree}, {family}: calls per step by site, rank by rank, at "
+            + " and ".join(f"{m} micro-batches x {n} layers" for m, n in SETTINGS)
+        )
         sites = sorted({site for ranks in settings for sites in ranks for site in sites})
         for site in sites:
             cells = " | ".join(" ".join(f"{sites_.get(site, 0):>4g}" for sites_ in ranks) for ranks in settings)
@@ -105,8 +126,12 @@ def _print_sites(tree: str, counts: dict[str, list[list[dict]]]) -> None:
 
 
 # host_syncs' MoE families at EP 1 -> (preset, MoEConfig changes) for one MoE layer compiled whole
-COMPILED = {"moe-ep1": ("moe-tiny", None), "capacity": ("moe-tiny", {"capacity_factor": 1.0}),
-            "mla": ("deepseek-v3-tiny", None), "gpt-oss": ("gpt-oss-tiny", None)}
+COMPILED = {
+    "moe-ep1": ("moe-tiny", None),
+    "capacity": ("moe-tiny", {"capacity_factor": 1.0}),
+    "mla": ("deepseek-v3-tiny", None),
+    "gpt-oss": ("gpt-oss-tiny", None),
+}
 
 
 def compiled_layers(options) -> dict[str, dict[str, str]]:
@@ -114,15 +139,19 @@ def compiled_layers(options) -> dict[str, dict[str, str]]:
     2048 tokens, fp32 here, bf16 on a GPU), forward + backward eager and compiled whole (Inductor), the first
     compiled call's seconds (compiling), and Dynamo's graphs and breaks: one graph, no break, no slower."""
     import torch
-
     from bench_moe_block import moe_block_rows
 
     cuda = torch.cuda.is_available()
-    columns: dict[str, dict[str, str]] = {"layer eager ms": {}, "compiled ms": {}, "compile s": {},
-                                          "graphs/breaks": {}}
+    columns: dict[str, dict[str, str]] = {"layer eager ms": {}, "compiled ms": {}, "compile s": {}, "graphs/breaks": {}}
     for family, (preset, moe) in COMPILED.items():
-        row, = moe_block_rows(families=(preset,), moe=moe, backend=options.backend, repeat=5,
-                              device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
+        (row,) = moe_block_rows(
+            families=(preset,),
+            moe=moe,
+            backend=options.backend,
+            repeat=5,
+            device="cuda" if cuda else "cpu",
+            dtype=torch.bfloat16 if cuda else torch.float32,
+        )
         columns["layer eager ms"][family] = f"{row['grouped_ms']:.1f}" if "grouped_ms" in row else "failed"
         if "compiled_ms" not in row:
             columns["compiled ms"][family] = "failed: " + row.get("compiled_error", "")[:40]
@@ -148,17 +177,28 @@ def table(columns: dict[str, dict[str, str]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--before", default=BEFORE, help=f"the git revision to compare with, or none (default {BEFORE}, "
-                   "the tree issue 54 measured)")
+    p.add_argument(
+        "--before",
+        default=BEFORE,
+        help=f"the git revision to compare with, or none (default {BEFORE}, the tree issue 54 measured)",
+    )
     p.add_argument("--sites", action="store_true", help="also print each family's calls per step by site")
-    p.add_argument("--backend", default="inductor", help="torch.compile's backend for the compiled MoE layers "
-                   "(default inductor; aot_eager needs no C++ compiler)")
+    p.add_argument(
+        "--backend",
+        default="inductor",
+        help="torch.compile's backend for the compiled MoE layers (default inductor; aot_eager needs no C++ compiler)",
+    )
     options = p.parse_args(argv)
-    known = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{options.before}^{{commit}}"],
-                           capture_output=True)
+    known = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{options.before}^{{commit}}"],
+        capture_output=True,
+    )
     if options.before != "none" and known.returncode:
-        print(f"bench_moe_step.py: error: --before {options.before} is no revision of this repository; name one "
-              "(a commit, tag or branch), or --before none", file=sys.stderr)
+        print(
+            f"bench_moe_step.py: error: --before {options.before} is no revision of this repository; name one "
+            "(a commit, tag or branch), or --before none",
+            file=sys.stderr,
+        )
         return 2
     columns: dict[str, dict[str, str]] = {}
     for measure in MEASURES:

@@ -75,8 +75,15 @@ def _timed(run_step) -> float:
 
 
 def _worker(rank: int, args, port: int, queue) -> None:
-    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_SIZE="2")
+    os.environ.update(
+        OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_SIZE="2",
+    )
     import torch
     import torch.distributed as dist
 
@@ -121,10 +128,16 @@ def _bench(rank: int, args) -> dict:
 
     if topo.is_last_stage:  # same loss computation as DeepSpeed's loss_fn: only the executors differ
         chunks = [_LogitsLoss(chunks[0])]
-    executor = PipelineExecutor(chunks, topo, schedule=schedule_1f1b(2, m), activation_shape=(s, b, config.hidden),
-                                optimizer_step=step_and_zero)
-    zero_bubble = PipelineExecutor(chunks, topo, schedule=build_schedule("zb-h1", 2, m),
-                                   activation_shape=(s, b, config.hidden), optimizer_step=step_and_zero)
+    executor = PipelineExecutor(
+        chunks, topo, schedule=schedule_1f1b(2, m), activation_shape=(s, b, config.hidden), optimizer_step=step_and_zero
+    )
+    zero_bubble = PipelineExecutor(
+        chunks,
+        topo,
+        schedule=build_schedule("zb-h1", 2, m),
+        activation_shape=(s, b, config.hidden),
+        optimizer_step=step_and_zero,
+    )
     stage_times, zb_times = [], []
 
     def megakit_step():
@@ -140,10 +153,15 @@ def _bench(rank: int, args) -> dict:
     ranges = partition_layers(config, 2)
     specs = [LayerSpec(_Stage, config, ranges[0], True, False, 0), LayerSpec(_Stage, config, ranges[1], False, True, 0)]
     module = PipelineModule(layers=specs, num_stages=2, loss_fn=_logits_loss, partition_method="uniform")
-    ds_config = {"train_micro_batch_size_per_gpu": b, "gradient_accumulation_steps": m, "steps_per_print": 10**9,
-                 "zero_optimization": {"stage": 0}}
-    engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=1e-3),
-                                      config=ds_config)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": b,
+        "gradient_accumulation_steps": m,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 0},
+    }
+    engine, *_ = deepspeed.initialize(
+        model=module, optimizer=torch.optim.SGD(module.parameters(), lr=1e-3), config=ds_config
+    )
     unlink_shared_memory()  # DeepSpeed's CPU all-reduce buffers: leave none behind in /dev/shm
 
     def ds_step():
@@ -160,11 +178,11 @@ def _bench(rank: int, args) -> dict:
             for j in range(3):
                 times[j].append(took[j])
     ours, zb, theirs = times
-    mine = stage_times[args.warmup:]
+    mine = stage_times[args.warmup :]
     fwd = statistics.median(t.forward for t in mine) / m
     bwd = statistics.median(t.backward for t in mine) / m
     bubble = statistics.mean(t.bubble for t in mine)
-    zb_mine = zb_times[args.warmup:]
+    zb_mine = zb_times[args.warmup :]
     zb_bubble, zb_bwd = statistics.mean(t.bubble for t in zb_mine), statistics.median(t.backward for t in zb_mine) / m
     costs = [torch.tensor([fwd, bwd, bubble, zb_bubble, zb_bwd]) for _ in range(2)]
     torch.distributed.all_gather(costs, torch.tensor([fwd, bwd, bubble, zb_bubble, zb_bwd]))
@@ -172,11 +190,19 @@ def _bench(rank: int, args) -> dict:
     sim = simulate(schedule_1f1b(2, m), Costs(forward=forward, backward=backward))
     sim_zb = simulate(build_schedule("zb-h1", 2, m), Costs(forward=forward, backward=backward, weight=0.5))
 
-    return dict(ours=statistics.median(ours), zb=statistics.median(zb), theirs=statistics.median(theirs),
-                bubble=[float(c[2]) for c in costs], sim_bubble=list(sim.bubble_per_stage), sim_step=sim.step_time,
-                zb_bubble=[float(c[3]) for c in costs], sim_zb_bubble=list(sim_zb.bubble_per_stage),
-                sim_zb_step=sim_zb.step_time, zb_backward=[float(c[4]) for c in costs],
-                costs=[(float(c[0]), float(c[1])) for c in costs])
+    return dict(
+        ours=statistics.median(ours),
+        zb=statistics.median(zb),
+        theirs=statistics.median(theirs),
+        bubble=[float(c[2]) for c in costs],
+        sim_bubble=list(sim.bubble_per_stage),
+        sim_step=sim.step_time,
+        zb_bubble=[float(c[3]) for c in costs],
+        sim_zb_bubble=list(sim_zb.bubble_per_stage),
+        sim_zb_step=sim_zb.step_time,
+        zb_backward=[float(c[4]) for c in costs],
+        costs=[(float(c[0]), float(c[1])) for c in costs],
+    )
 
 
 def main(argv=None) -> int:
@@ -196,7 +222,9 @@ def main(argv=None) -> int:
             if getattr(args, flag) < 1:
                 raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
         if args.seq_len > config.max_seq_len:
-            raise UsageError(f"--seq-len {args.seq_len} exceeds {args.model}'s max_seq_len {config.max_seq_len}; lower it")
+            raise UsageError(
+                f"--seq-len {args.seq_len} exceeds {args.model}'s max_seq_len {config.max_seq_len}; lower it"
+            )
         if config.layers < 2:
             raise UsageError(f"{args.model} has {config.layers} layer; a 2-stage split needs at least 2")
 
@@ -220,20 +248,28 @@ def main(argv=None) -> int:
         print(f"bench_pipeline: error: {error}", file=sys.stderr)
         return 2
     r = results[0]
-    print(f"model {args.model} (untied), 2 stages, {args.micro_batches} micro-batches of {args.micro_batch_size} x "
-          f"{args.seq_len} tokens, 2 CPU processes, median of {args.steps} steps")
-    print(f"per-micro-batch costs (forward, backward) s: stage 0 {r['costs'][0][0]:.4f}, {r['costs'][0][1]:.4f}; "
-          f"stage 1 {r['costs'][1][0]:.4f}, {r['costs'][1][1]:.4f}")
+    print(
+        f"model {args.model} (untied), 2 stages, {args.micro_batches} micro-batches of {args.micro_batch_size} x "
+        f"{args.seq_len} tokens, 2 CPU processes, median of {args.steps} steps"
+    )
+    print(
+        f"per-micro-batch costs (forward, backward) s: stage 0 {r['costs'][0][0]:.4f}, {r['costs'][0][1]:.4f}; "
+        f"stage 1 {r['costs'][1][0]:.4f}, {r['costs'][1][1]:.4f}"
+    )
     print(f"megakit 1F1B step:              {r['ours'] * 1e3:8.1f} ms")
     print(f"megakit ZB-H1 step:             {r['zb'] * 1e3:8.1f} ms")
     print(f"DeepSpeed PipelineEngine step:  {r['theirs'] * 1e3:8.1f} ms")
-    print(f"bubble per stage, measured (megakit): {r['bubble'][0]:.1%}, {r['bubble'][1]:.1%}; "
-          f"simulator with the measured costs: {r['sim_bubble'][0]:.1%}, {r['sim_bubble'][1]:.1%} "
-          f"(step {r['sim_step'] * 1e3:.1f} ms); formula at equal stages (p-1)/(m+p-1): {1 / (args.micro_batches + 1):.1%}")
-    print(f"ZB-H1: B + W per micro-batch s: stage 0 {r['zb_backward'][0]:.4f}, stage 1 {r['zb_backward'][1]:.4f} "
-          f"(1F1B's whole backward above); bubble measured {r['zb_bubble'][0]:.1%}, {r['zb_bubble'][1]:.1%}; "
-          f"simulator with the measured costs, W = half the backward: {r['sim_zb_bubble'][0]:.1%}, "
-          f"{r['sim_zb_bubble'][1]:.1%} (step {r['sim_zb_step'] * 1e3:.1f} ms)")
+    print(
+        f"bubble per stage, measured (megakit): {r['bubble'][0]:.1%}, {r['bubble'][1]:.1%}; "
+        f"simulator with the measured costs: {r['sim_bubble'][0]:.1%}, {r['sim_bubble'][1]:.1%} "
+        f"(step {r['sim_step'] * 1e3:.1f} ms); formula at equal stages (p-1)/(m+p-1): {1 / (args.micro_batches + 1):.1%}"
+    )
+    print(
+        f"ZB-H1: B + W per micro-batch s: stage 0 {r['zb_backward'][0]:.4f}, stage 1 {r['zb_backward'][1]:.4f} "
+        f"(1F1B's whole backward above); bubble measured {r['zb_bubble'][0]:.1%}, {r['zb_bubble'][1]:.1%}; "
+        f"simulator with the measured costs, W = half the backward: {r['sim_zb_bubble'][0]:.1%}, "
+        f"{r['sim_zb_bubble'][1]:.1%} (step {r['sim_zb_step'] * 1e3:.1f} ms)"
+    )
     print(f"ratio ZB-H1/1F1B {r['zb'] / r['ours']:.3f}, ZB-H1/DeepSpeed {r['zb'] / r['theirs']:.3f}")
     print(f"ratio {r['ours'] / r['theirs']:.3f}")
     return 0

@@ -33,10 +33,14 @@ def main(argv=None) -> int:
         print(f"bench_planner: error: {error}", file=sys.stderr)
         return 2
     best = result.best
-    print(f"model {model.name} ({model.params / 1e9:.0f}B params) on {args.gpus} x {args.gpu}, "
-          f"global batch {args.global_batch}")
-    print(f"plan {best.plan.describe()}: {best.cost.tokens_per_s:,.0f} tokens/s, "
-          f"{best.cost.hardware_tflops_per_gpu:.0f} hardware TFLOP/s per GPU, peak {best.memory.total / 2**30:.1f} GiB")
+    print(
+        f"model {model.name} ({model.params / 1e9:.0f}B params) on {args.gpus} x {args.gpu}, "
+        f"global batch {args.global_batch}"
+    )
+    print(
+        f"plan {best.plan.describe()}: {best.cost.tokens_per_s:,.0f} tokens/s, "
+        f"{best.cost.hardware_tflops_per_gpu:.0f} hardware TFLOP/s per GPU, peak {best.memory.total / 2**30:.1f} GiB"
+    )
     print(f"layouts evaluated {result.evaluated}, feasible {len(result.ranked)}, rejected {len(result.rejected)}")
     print(f"runs {', '.join(f'{t:.3f}' for t in times)} s; target 0.5 s, ratio {min(times) / 0.5:.3f}")
     print(f"seconds {min(times):.3f}")

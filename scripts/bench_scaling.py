@@ -19,8 +19,20 @@ HIDDEN, LAYERS, HEADS, FFN, VOCAB, SEQ, MICRO = 512, 4, 8, 2048, 1024, 256, 4
 def _config():
     from megakit.core.model_config import ModelConfig
 
-    return ModelConfig(family="gpt2", vocab_size=VOCAB, max_seq_len=SEQ, hidden=HIDDEN, layers=LAYERS, heads=HEADS,
-                       kv_heads=HEADS, ffn=FFN, tie_embeddings=True, qkv_bias=True, out_bias=True, mlp_bias=True)
+    return ModelConfig(
+        family="gpt2",
+        vocab_size=VOCAB,
+        max_seq_len=SEQ,
+        hidden=HIDDEN,
+        layers=LAYERS,
+        heads=HEADS,
+        kv_heads=HEADS,
+        ffn=FFN,
+        tie_embeddings=True,
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+    )
 
 
 def _worker(rank, nproc, port, steps, results):
@@ -47,7 +59,7 @@ def _worker(rank, nproc, port, steps, results):
         comm.all_reduce(flat, comm.WORLD)
         offset = 0
         for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p)).div_(nproc)
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p)).div_(nproc)
             offset += p.numel()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
@@ -77,15 +89,22 @@ def predict(profile: dict, nproc: int) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", default="1,2,4", help="DP sizes to measure, the first the baseline (default 1,2,4)")
-    parser.add_argument("--hardware", help="a megakit probe profile for every size (default: probe each size now, "
-                                           "since processes sharing the cores change the per-process rates)")
+    parser.add_argument(
+        "--hardware",
+        help="a megakit probe profile for every size (default: probe each size now, "
+        "since processes sharing the cores change the per-process rates)",
+    )
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args(argv)
     sizes = [int(n) for n in args.nprocs.split(",")]
     fixed = json.loads(open(args.hardware).read()) if args.hardware else None
-    print(f"model gpt2 {LAYERS}x{HIDDEN} (FFN {FFN}, vocab {VOCAB}), micro-batch {MICRO} x {SEQ} tokens per process, "
-          "fp32, DP all-reduce through megakit.nn.comm")
-    print(f"{'DP':>3}{'samples/s':>11}{'step s':>9}{'predicted s':>13}{'ratio':>7}{'eff.':>7}{'pred. eff.':>12}   probe")
+    print(
+        f"model gpt2 {LAYERS}x{HIDDEN} (FFN {FFN}, vocab {VOCAB}), micro-batch {MICRO} x {SEQ} tokens per process, "
+        "fp32, DP all-reduce through megakit.nn.comm"
+    )
+    print(
+        f"{'DP':>3}{'samples/s':>11}{'step s':>9}{'predicted s':>13}{'ratio':>7}{'eff.':>7}{'pred. eff.':>12}   probe"
+    )
     rows = []
     for n in sizes:
         if fixed is None:
@@ -98,12 +117,17 @@ def main(argv=None) -> int:
         rows.append((n, measured, predicted))
         _, base_m, base_p = rows[0]  # weak scaling (the same batch per process): efficiency = base step / step
         eff, pred_eff = base_m / measured, base_p / predicted
-        print(f"{n:>3}{n * MICRO / measured:>11.2f}{measured:>9.3f}{predicted:>13.3f}{predicted / measured:>7.2f}"
-              f"{eff:>7.2f}{pred_eff:>12.2f}   matmul {profile['matmul_tflops']:.3g} TFLOP/s, all-reduce "
-              f"{profile['links'].get('all_reduce', {}).get('bus_gbps', float('nan')):.3g} GB/s", flush=True)
-    print(f"(the planner's prediction is `megakit plan --hardware PROFILE` for the same layout: the profile's "
-          f"rates replace --peak-tflops and --intra-bw; efficiency = samples/s against {sizes[0]} process(es) "
-          "scaled linearly)")
+        print(
+            f"{n:>3}{n * MICRO / measured:>11.2f}{measured:>9.3f}{predicted:>13.3f}{predicted / measured:>7.2f}"
+            f"{eff:>7.2f}{pred_eff:>12.2f}   matmul {profile['matmul_tflops']:.3g} TFLOP/s, all-reduce "
+            f"{profile['links'].get('all_reduce', {}).get('bus_gbps', float('nan')):.3g} GB/s",
+            flush=True,
+        )
+    print(
+        f"(the planner's prediction is `megakit plan --hardware PROFILE` for the same layout: the profile's "
+        f"rates replace --peak-tflops and --intra-bw; efficiency = samples/s against {sizes[0]} process(es) "
+        "scaled linearly)"
+    )
     print(f"ratio {rows[-1][2] / rows[-1][1]:.3f}")
     print(f"efficiency {eff:.3f} predicted {pred_eff:.3f}")
     return 0

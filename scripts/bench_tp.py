@@ -33,8 +33,9 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megakit.errors import UsageError, finite_float  # noqa: E402
 from bench_workers import WorkerFailed, run_workers  # noqa: E402
+
+from megakit.errors import UsageError, finite_float  # noqa: E402
 
 
 class ReferenceBlock(nn.Module):
@@ -44,7 +45,11 @@ class ReferenceBlock(nn.Module):
         super().__init__()
         h, q, kv = config.hidden, config.heads * config.head_dim, config.kv_heads * config.head_dim
         self.config, self.llama = config, config.family == "llama"
-        norm = (lambda: nn.RMSNorm(h, eps=config.norm_eps)) if self.llama else (lambda: nn.LayerNorm(h, eps=config.norm_eps))
+        norm = (
+            (lambda: nn.RMSNorm(h, eps=config.norm_eps))
+            if self.llama
+            else (lambda: nn.LayerNorm(h, eps=config.norm_eps))
+        )
         self.attn_norm, self.mlp_norm = norm(), norm()
         self.q_proj = nn.Linear(h, q, bias=config.qkv_bias)
         self.k_proj = nn.Linear(h, kv, bias=config.qkv_bias)
@@ -76,9 +81,15 @@ class ReferenceBlock(nn.Module):
 
 
 def _megakit_names(name: str) -> str:
-    return name.replace("q_proj", "attn.q_proj").replace("k_proj", "attn.k_proj").replace(
-        "v_proj", "attn.v_proj").replace("o_proj", "attn.o_proj").replace("gate_proj", "mlp.gate_proj").replace(
-        "up_proj", "mlp.up_proj").replace("down_proj", "mlp.down_proj")
+    return (
+        name.replace("q_proj", "attn.q_proj")
+        .replace("k_proj", "attn.k_proj")
+        .replace("v_proj", "attn.v_proj")
+        .replace("o_proj", "attn.o_proj")
+        .replace("gate_proj", "mlp.gate_proj")
+        .replace("up_proj", "mlp.up_proj")
+        .replace("down_proj", "mlp.down_proj")
+    )
 
 
 def _worker(rank: int, world: int, port: int, args, results) -> None:
@@ -96,12 +107,27 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
     from megakit.nn.model import Block, ModelConfig, load_full_state_dict, rope_tables
     from megakit.nn.topology import Topology
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
-    config = ModelConfig(family=args.family, vocab_size=256, max_seq_len=args.seq, hidden=args.hidden,
-                         layers=1, heads=args.heads, kv_heads=args.kv_heads or args.heads, ffn=args.ffn,
-                         qkv_bias=args.family == "gpt2", out_bias=args.family == "gpt2",
-                         mlp_bias=args.family == "gpt2", dropout=args.dropout)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )
+    config = ModelConfig(
+        family=args.family,
+        vocab_size=256,
+        max_seq_len=args.seq,
+        hidden=args.hidden,
+        layers=1,
+        heads=args.heads,
+        kv_heads=args.kv_heads or args.heads,
+        ffn=args.ffn,
+        qkv_bias=args.family == "gpt2",
+        out_bias=args.family == "gpt2",
+        mlp_bias=args.family == "gpt2",
+        dropout=args.dropout,
+    )
     topo = Topology.from_world(tp=world)
 
     torch.manual_seed(0)  # same full weights on both ranks, then DTensor shards them
@@ -167,7 +193,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--dropout", type=finite_float, default=0.0, help="dropout probability (both blocks, training mode)")
+    parser.add_argument(
+        "--dropout", type=finite_float, default=0.0, help="dropout probability (both blocks, training mode)"
+    )
     args = parser.parse_args(argv)
     world = 2
     try:
@@ -177,20 +205,30 @@ def main(argv=None) -> int:
             raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
         from megakit.nn.model import ModelConfig
 
-        ModelConfig(family=args.family, vocab_size=256, max_seq_len=args.seq, hidden=args.hidden, layers=1,
-                    heads=args.heads, kv_heads=args.kv_heads or args.heads, ffn=args.ffn).check_tp(world)
+        ModelConfig(
+            family=args.family,
+            vocab_size=256,
+            max_seq_len=args.seq,
+            hidden=args.hidden,
+            layers=1,
+            heads=args.heads,
+            kv_heads=args.kv_heads or args.heads,
+            ffn=args.ffn,
+        ).check_tp(world)
     except UsageError as exc:
         print(f"bench_tp.py: error: {exc}", file=sys.stderr)
         return 2
 
     try:
-        (diff, times, layout), = run_workers(_worker, world, args)
+        ((diff, times, layout),) = run_workers(_worker, world, args)
     except WorkerFailed as exc:
         print(f"bench_tp.py: error: {exc}", file=sys.stderr)
         return 1
     kv = args.kv_heads or args.heads
-    print(f"one {args.family} block, TP=2 on 2 CPU processes (gloo, 1 thread each): batch {args.batch}, "
-          f"seq {args.seq}, hidden {args.hidden}, heads {args.heads}/{kv} kv, ffn {args.ffn}, dropout {args.dropout}")
+    print(
+        f"one {args.family} block, TP=2 on 2 CPU processes (gloo, 1 thread each): batch {args.batch}, "
+        f"seq {args.seq}, hidden {args.hidden}, heads {args.heads}/{kv} kv, ffn {args.ffn}, dropout {args.dropout}"
+    )
     print(f"forward+backward, median of {args.reps} alternating rounds after {args.warmup} warm-up")
     print(f"reference q_proj weight: {layout}; max |output difference| megakit vs reference: {diff:.2e}")
     med = {k: statistics.median(v) for k, v in times.items()}

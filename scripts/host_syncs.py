@@ -68,9 +68,20 @@ def write_cases(directory: Path, families=FAMILIES, settings=SETTINGS) -> Path:
         (directory / f"ds-{micro_batches}.json").write_text(json.dumps(ds))
         for name in families:
             preset, flags, _ = FAMILIES[name]
-            cases.append(["--model", layered(directory, preset, layers), "--ds_config",
-                          str(directory / f"ds-{micro_batches}.json"), "--seq-len", "32", "--steps", "3",
-                          "--no-progress", *flags])
+            cases.append(
+                [
+                    "--model",
+                    layered(directory, preset, layers),
+                    "--ds_config",
+                    str(directory / f"ds-{micro_batches}.json"),
+                    "--seq-len",
+                    "32",
+                    "--steps",
+                    "3",
+                    "--no-progress",
+                    *flags,
+                ]
+            )
     path = directory / "cases.json"
     path.write_text(json.dumps(cases))
     return path
@@ -93,7 +104,7 @@ def _where(path: str) -> str:
         if path.startswith(str(root) + os.sep):
             return os.path.relpath(path, root)
     parts = Path(path).parts
-    return str(Path(*parts[parts.index("site-packages") + 1:])) if "site-packages" in parts else path
+    return str(Path(*parts[parts.index("site-packages") + 1 :])) if "site-packages" in parts else path
 
 
 class HostSyncs:
@@ -166,8 +177,9 @@ def probed_run(cfg) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     cases_path, out = [a for a in argv if not a.startswith("--local_rank")]
-    import megakit
     import torch.distributed as dist
+
+    import megakit
 
     sys.path.insert(0, str(Path(megakit.__file__).resolve().parent.parent / "scripts"))  # its own tree's train.py
     import train as train_script

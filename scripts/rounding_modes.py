@@ -28,15 +28,34 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MODES = {
     "threads-2": {"OMP_NUM_THREADS": "2", "MEGAKIT_TEST_THREADS": "2"},
-    "isa-default": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
-                    "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    "isa-default": {
+        "ATEN_CPU_CAPABILITY": "default",
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+        "ONEDNN_MAX_CPU_ISA": "SSE41",
+    },
     "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
 }
-NUMERICAL = ["test_chunked_loss.py", "test_bench_gpu.py", "test_compile.py", "test_tensor_parallel.py",
-             "test_context_parallel.py", "test_pipeline.py", "test_recompute.py", "test_model.py", "test_hf_rope.py",
-             "test_moe.py", "test_moe_hf.py", "test_overlapped_linear.py", "test_zero3_linear.py", "test_dropout.py",
-             "test_gpu_levers.py", "test_compression.py", "test_documents.py", "test_token_weighting.py",
-             "test_packing.py"]
+NUMERICAL = [
+    "test_chunked_loss.py",
+    "test_bench_gpu.py",
+    "test_compile.py",
+    "test_tensor_parallel.py",
+    "test_context_parallel.py",
+    "test_pipeline.py",
+    "test_recompute.py",
+    "test_model.py",
+    "test_hf_rope.py",
+    "test_moe.py",
+    "test_moe_hf.py",
+    "test_overlapped_linear.py",
+    "test_zero3_linear.py",
+    "test_dropout.py",
+    "test_gpu_levers.py",
+    "test_compression.py",
+    "test_documents.py",
+    "test_token_weighting.py",
+    "test_packing.py",
+]
 
 
 def main() -> int:
@@ -55,12 +74,19 @@ def main() -> int:
         env = {**os.environ, "OMP_NUM_THREADS": "1", **MODES[mode]}  # one thread, as CI, unless the mode says
         print(f"== {mode}: {' '.join(f'{k}={v}' for k, v in MODES[mode].items())}", flush=True)
         start = time.perf_counter()
-        out = subprocess.run([sys.executable, "-m", "pytest", *args.pytest_args.split(), *tests], cwd=ROOT, env=env,
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", *args.pytest_args.split(), *tests],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         seconds = time.perf_counter() - start
         sys.stdout.write(out.stdout[-4000:])
-        summary = next((line for line in reversed(out.stdout.splitlines()) if re.search(r"\d+ (passed|failed)", line)),
-                       f"pytest exited {out.returncode}")
+        summary = next(
+            (line for line in reversed(out.stdout.splitlines()) if re.search(r"\d+ (passed|failed)", line)),
+            f"pytest exited {out.returncode}",
+        )
         rows.append((mode, out.returncode, summary.strip("= "), seconds))
     print(f"\n{'mode':<12} {'rc':>3} {'seconds':>8}  result")
     for mode, code, summary, seconds in rows:

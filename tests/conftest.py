@@ -23,8 +23,12 @@ import pytest
 
 def _issued_ports() -> set[int]:
     # the helper is imported both as ``multiproc`` and as ``tests.multiproc``: two modules, two sets
-    return {port for name in ("multiproc", "tests.multiproc") if name in sys.modules
-            for port in sys.modules[name].ISSUED_PORTS}
+    return {
+        port
+        for name in ("multiproc", "tests.multiproc")
+        if name in sys.modules
+        for port in sys.modules[name].ISSUED_PORTS
+    }
 
 
 def _port(path: str) -> int | None:
@@ -50,10 +54,14 @@ def pytest_collection_modifyitems(items):
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         defs = info.name2fixturedefs if info else {}
-        shared[item] = [(item.module.__name__ if d[-1].scope == "module" else "session", name)
-                        for name, d in defs.items()
-                        if d and d[-1].scope in ("module", "session") and d[-1].baseid  # ours, not pytest's
-                        and name not in _AUTOUSE]
+        shared[item] = [
+            (item.module.__name__ if d[-1].scope == "module" else "session", name)
+            for name, d in defs.items()
+            if d
+            and d[-1].scope in ("module", "session")
+            and d[-1].baseid  # ours, not pytest's
+            and name not in _AUTOUSE
+        ]
         for key in shared[item]:
             parent[find(key)] = find(shared[item][0])
     for item in items:
@@ -89,7 +97,7 @@ def resume_jobs(tmp_path_factory) -> dict:
     output: list[str] = []
     results = sweep(tmp_path_factory, 4, [case for job in jobs.values() for case in job["cases"]], output=output)
     for job in jobs.values():
-        job["results"], results = results[:len(job["cases"])], results[len(job["cases"]):]
+        job["results"], results = results[: len(job["cases"])], results[len(job["cases"]) :]
         job["stdout"] = output[0]
     return jobs
 
@@ -106,4 +114,5 @@ def plan_json(monkeypatch, capsys):
     def run(*argv) -> dict:
         assert main(["plan", *map(str, argv), "--json"]) == 0, capsys.readouterr().err
         return json.loads(capsys.readouterr().out)["plan"]
+
     return run

@@ -39,7 +39,7 @@ def shell_blocks(text: str) -> dict[str, str]:
         elif line.startswith("#"):
             heading = slug(line.lstrip("#"))
         elif line.strip() in ("```bash", "```sh"):
-            body, indent = [], line[:len(line) - len(line.lstrip())]
+            body, indent = [], line[: len(line) - len(line.lstrip())]
     return blocks
 
 
@@ -56,8 +56,17 @@ def link_checkout(directory: Path) -> None:
 def run_block(block: str, directory: Path, *, timeout_s: float = 900) -> tuple[int, str, str]:
     """(exit status, output, the script as run): ``block`` run by ``bash -euo pipefail`` in ``directory``."""
     script = re.sub(r"^deepspeed ", lambda _: f"deepspeed --master_port {free_port()} ", block, flags=re.M)
-    env = dict(os.environ, OMP_NUM_THREADS=THREADS,
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    run = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=directory, env=env, capture_output=True,
-                         text=True, timeout=timeout_s)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=THREADS,
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    )
+    run = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=directory,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     return run.returncode, run.stdout + run.stderr, script

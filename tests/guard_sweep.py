@@ -19,8 +19,15 @@ def main() -> int:
         except TrainingDiverged as error:
             results.append({"error": str(error)})
             continue
-        results.append({"loss": result.losses, "lr": [m.lr for m in result.steps], "step": [m.step for m in result.steps],
-                        "skipped": [m.step for m in result.steps if m.skipped], "events": result.events})
+        results.append(
+            {
+                "loss": result.losses,
+                "lr": [m.lr for m in result.steps],
+                "step": [m.step for m in result.steps],
+                "skipped": [m.step for m in result.steps if m.skipped],
+                "events": result.events,
+            }
+        )
     if int(os.environ.get("RANK", 0)) == 0:
         with open(results_path + ".tmp", "w") as f:
             json.dump(results, f)

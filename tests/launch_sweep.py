@@ -42,20 +42,48 @@ def main() -> int:
         except TrainingDiverged as error:
             results.append({"error": str(error)})
             continue
-        results.append({"loss": result.losses, "grad_norm": [m.grad_norm for m in result.steps],
-                        "lr": [m.lr for m in result.steps], "memory": result.memory,
-                        "comm_calls": [m.comm_calls for m in result.steps],
-                        "comm_share": [m.comm_share for m in result.steps], "evals": result.evals,
-                        "dp_bytes": [[m.dp_bytes, m.dp_bytes_dense] for m in result.steps],
-                        "moe": [m.moe for m in result.steps], "mtp": [m.mtp for m in result.steps],
-                        "all_to_all_bytes": [m.all_to_all_bytes for m in result.steps],
-                        "default_draws": _default_draws(),
-                        "dynamo_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]})  # so far, all cases
-    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "send",
-             "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "all_gather_object")
-    results.append({"replaced": [n for n in names if getattr(dist, n) is not getattr(distributed_c10d, n)
-                                 or getattr(dist, n).__module__ != "torch.distributed.distributed_c10d"]
-                + (["F.linear"] if torch.nn.functional.linear is not torch._C._nn.linear else [])})  # ZeRO-3's
+        results.append(
+            {
+                "loss": result.losses,
+                "grad_norm": [m.grad_norm for m in result.steps],
+                "lr": [m.lr for m in result.steps],
+                "memory": result.memory,
+                "comm_calls": [m.comm_calls for m in result.steps],
+                "comm_share": [m.comm_share for m in result.steps],
+                "evals": result.evals,
+                "dp_bytes": [[m.dp_bytes, m.dp_bytes_dense] for m in result.steps],
+                "moe": [m.moe for m in result.steps],
+                "mtp": [m.mtp for m in result.steps],
+                "all_to_all_bytes": [m.all_to_all_bytes for m in result.steps],
+                "default_draws": _default_draws(),
+                "dynamo_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+            }
+        )  # so far, all cases
+    names = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "broadcast",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "batch_isend_irecv",
+        "barrier",
+        "all_gather_object",
+    )
+    results.append(
+        {
+            "replaced": [
+                n
+                for n in names
+                if getattr(dist, n) is not getattr(distributed_c10d, n)
+                or getattr(dist, n).__module__ != "torch.distributed.distributed_c10d"
+            ]
+            + (["F.linear"] if torch.nn.functional.linear is not torch._C._nn.linear else [])
+        }
+    )  # ZeRO-3's
     if int(os.environ.get("RANK", 0)) == 0:
         tmp = results_path + ".tmp"
         with open(tmp, "w") as f:

@@ -19,7 +19,6 @@ import traceback
 
 import torch.multiprocessing as mp
 
-
 # Threads per rank: 1 on this 2-core machine. ``scripts/rounding_modes.py`` sets 2, so that every reduction runs in
 # another order (as on another machine) and the tests show that their tolerances do not lean on one order.
 THREADS = os.environ.get("MEGAKIT_TEST_THREADS", "1")
@@ -57,8 +56,13 @@ def free_port() -> int:
 # Ranks fork from one server that has imported these once, instead of each importing them anew: torch, DeepSpeed,
 # and the Muon optimizer (with torch's compiler) that DeepSpeed's ZeRO check imports when it builds an engine -- about
 # 6 s of CPU a rank on this machine. The server only imports, so no thread or process group is forked.
-PRELOAD = ["torch", "torch.distributed", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer",
-           "megakit.train.trainer"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "deepspeed",
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+    "megakit.train.trainer",
+]
 
 
 def _context():
@@ -70,15 +74,26 @@ def _context():
 def _entry(fn, rank, world_size, port, results, args, environ):
     os.environ.clear()
     os.environ.update(environ)  # the caller's now, not the server's from when it started
-    os.environ.update(OMP_NUM_THREADS=THREADS, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        OMP_NUM_THREADS=THREADS,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(int(THREADS))
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=120),
+        )
         out = fn(rank, world_size, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -92,8 +107,10 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0) -> list:
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args, dict(os.environ)), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args, dict(os.environ)), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     out: dict[int, object] = {}

@@ -19,8 +19,14 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
     """``lint-imports`` on the megakit package found under ``root`` (its own copy first on the path)."""
     env = dict(os.environ, PYTHONPATH=str(root))
     script = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
-    return subprocess.run([sys.executable, "-c", script, "--config", str(root / "pyproject.toml")], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", script, "--config", str(root / "pyproject.toml")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_the_layers_import_only_downwards():

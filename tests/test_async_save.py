@@ -18,7 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CHILD = r'''
+CHILD = r"""
 import sys, threading, time
 from pathlib import Path
 import torch
@@ -61,7 +61,7 @@ writer.wait()
 save(2)
 (root / "went-on").touch()  # the step was not held by the write
 time.sleep(600)
-'''
+"""
 
 
 def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint_loadable(tmp_path):
@@ -70,8 +70,14 @@ def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint_loada
     from megakit.train.resilience.resume import choose_checkpoint
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], cwd=ROOT, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while not ((tmp_path / "writing").exists() and (tmp_path / "went-on").exists()):
@@ -95,4 +101,4 @@ def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint_loada
     loaded, original = Transformer(config, seed=5), Transformer(config, seed=0)
     load_checkpoint(chosen, loaded)
     for (name, got), want in zip(loaded.named_parameters(), original.parameters()):  # the host copy, not the
-        assert torch.equal(got, want), name                                           # weights changed after it
+        assert torch.equal(got, want), name  # weights changed after it

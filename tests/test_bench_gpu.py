@@ -10,13 +10,18 @@ from multiproc import THREADS
 from tolerance import fp32_bound
 
 ROOT = Path(__file__).resolve().parent.parent
-BF16_ROUNDOFF = 2.0 ** -9  # bf16 keeps 8 significant bits: a value is rounded to within 2^-9 of itself
+BF16_ROUNDOFF = 2.0**-9  # bf16 keeps 8 significant bits: a value is rounded to within 2^-9 of itself
 
 
 def test_bench_gpu_dry_run_measures_every_variant_and_prints_the_table_last(tmp_path):
-    out = subprocess.run([sys.executable, "scripts/bench_gpu.py", "--dry-run", "--out", str(tmp_path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS=THREADS, MEGAKIT_FP8_EMULATE="1"))  # fp8 emulated on CPU
+    out = subprocess.run(
+        [sys.executable, "scripts/bench_gpu.py", "--dry-run", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS=THREADS, MEGAKIT_FP8_EMULATE="1"),
+    )  # fp8 emulated on CPU
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     results = json.loads((tmp_path / "bench_gpu.json").read_text())
     assert {"torch", "deepspeed", "torchao", "cudnn"} <= set(results["environment"])
@@ -41,8 +46,9 @@ def test_bench_gpu_dry_run_measures_every_variant_and_prints_the_table_last(tmp_
     flex = attention["documents flex"]  # FlexAttention's block mask against SDPA's boolean mask, forward on CPU
     assert flex["max_gap"] <= fp32_bound(1.0, 64) and 0 < flex["kept_pairs"] < 1, flex
     ring = results["ring"]  # the CP ring's block loop: fused pairs against explicit blocks (256, 512 tokens here)
-    assert [(r["choice"], r["local_tokens"]) for r in ring] == [(f"ring {n}", t) for t in (256, 512)
-                                                              for n in ("fused", "explicit")], ring
+    assert [(r["choice"], r["local_tokens"]) for r in ring] == [
+        (f"ring {n}", t) for t in (256, 512) for n in ("fused", "explicit")
+    ], ring
     for fused in ring[::2]:  # fp32 on CPU: the gap is rounding over the row's keys
         assert fused["max_gap_out"] <= fp32_bound(1.0, fused["local_tokens"]), fused
         assert fused["max_gap_dq"] <= fp32_bound(1.0, fused["local_tokens"]), fused

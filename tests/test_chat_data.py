@@ -15,20 +15,26 @@ import pytest
 
 from megakit.commands import cli
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-          "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}"
-          "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-LLAMA3 = ("<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-          "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim }}<|eot_id|>{% endgeneration %}"
-          "{% else %}{{ m['content'] | trim }}<|eot_id|>{% endif %}{% endfor %}"
-          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
-TOOLS = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
-         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
-         "{% if m['content'] %}{{ m['content'] }}{% endif %}{% for c in m['tool_calls'] or [] %}<tool_call>"
-         "{{ c['function'] | tojson }}</tool_call>{% endfor %}<|im_end|>{% endgeneration %}"
-         "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
-         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}"
+    "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA3 = (
+    "<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim }}<|eot_id|>{% endgeneration %}"
+    "{% else %}{{ m['content'] | trim }}<|eot_id|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+TOOLS = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
+    "{% if m['content'] %}{{ m['content'] }}{% endif %}{% for c in m['tool_calls'] or [] %}<tool_call>"
+    "{{ c['function'] | tojson }}</tool_call>{% endfor %}<|im_end|>{% endgeneration %}"
+    "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 NO_MARKERS = CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 # As released templates write them (whitespace between turns, bos_token, a system turn folded into the first user
 # turn), with {% generation %} markers around what the assistant says: the masks the markers give are what the
@@ -36,12 +42,14 @@ NO_MARKERS = CHATML.replace("{% generation %}", "").replace("{% endgeneration %}
 CHATML_RELEASED = (
     "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' }}{%- if m.role == 'assistant' %}{% generation %}"
     "{{- m.content + '<|im_end|>' }}{% endgeneration %}{{- '\n' }}{%- else %}{{- m.content + '<|im_end|>\n' }}"
-    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
 LLAMA3_RELEASED = (
     "{{- bos_token }}{%- for m in messages %}{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' }}"
     "{%- if m['role'] == 'assistant' %}{% generation %}{{- m['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
     "{%- else %}{{- m['content'] | trim + '<|eot_id|>' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}")
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
+)
 GEMMA_RELEASED = (
     "{{- bos_token }}{%- if messages[0]['role'] == 'system' %}{%- set first = messages[0]['content'] + '\n\n' %}"
     "{%- set turns = messages[1:] %}{%- else %}{%- set first = '' %}{%- set turns = messages %}{%- endif %}"
@@ -49,12 +57,26 @@ GEMMA_RELEASED = (
     "{{- '<start_of_turn>' + role + '\n' + (first if loop.first else '') }}{%- if m['role'] == 'assistant' %}"
     "{% generation %}{{- m['content'] | trim + '<end_of_turn>' }}{% endgeneration %}{{- '\n' }}"
     "{%- else %}{{- m['content'] | trim + '<end_of_turn>\n' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}")
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
-           "<|end_header_id|>", "<|eot_id|>"]
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}"
+)
+SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
 GEMMA_SPECIAL = [*SPECIAL, "<bos>", "<start_of_turn>", "<end_of_turn>"]
-WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 
 
 def _unmarked(template: str) -> str:
@@ -70,11 +92,18 @@ def _tokenizer(directory: Path, template: str, special: list[str] = SPECIAL, **s
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(["what is the weather in Paris? It is sunny, thanks for asking."] * 20, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=special, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=template,
-                            **{"eos_token": "<|endoftext|>", **specials}).save_pretrained(str(directory))
+    bpe.train_from_iterator(
+        ["what is the weather in Paris? It is sunny, thanks for asking."] * 20,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=special,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=bpe, chat_template=template, **{"eos_token": "<|endoftext|>", **specials}
+    ).save_pretrained(str(directory))
     return directory
 
 
@@ -89,10 +118,21 @@ def released_chat_model(directory: Path, *, max_positions: int = 128):
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     end, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=max_positions, tie_word_embeddings=False, eos_token_id=end,
-        bos_token_id=None, pad_token_id=None))
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=False,
+            eos_token_id=end,
+            bos_token_id=None,
+            pad_token_id=None,
+        )
+    )
     model.generation_config = transformers.GenerationConfig(eos_token_id=[end, pad], pad_token_id=pad)
     return model, tokenizer
 
@@ -102,8 +142,10 @@ def _conversations(n: int = 12) -> list[dict]:
     for i in range(n):
         turns = [{"role": "system", "content": "be brief"}] if i % 3 == 0 else []
         for k in range(1 + i % 3):  # one to three exchanges
-            turns += [{"role": "user", "content": f"question {i}.{k}: what is the weather?"},
-                      {"role": "assistant", "content": "sunny " * (1 + (i + k) % 4)}]
+            turns += [
+                {"role": "user", "content": f"question {i}.{k}: what is the weather?"},
+                {"role": "assistant", "content": "sunny " * (1 + (i + k) % 4)},
+            ]
         out.append({"messages": turns})
     return out
 
@@ -112,8 +154,22 @@ def _prepare(tmp_path, records, tokenizer, *extra) -> tuple[int, Path]:
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "out"
-    code = cli.main(["prepare-data", str(data), "--tokenizer", str(tokenizer), "--out", str(out), "--val-fraction", "0",
-                     "--workers", "2", "--no-progress", *extra])
+    code = cli.main(
+        [
+            "prepare-data",
+            str(data),
+            "--tokenizer",
+            str(tokenizer),
+            "--out",
+            str(out),
+            "--val-fraction",
+            "0",
+            "--workers",
+            "2",
+            "--no-progress",
+            *extra,
+        ]
+    )
     return code, out
 
 
@@ -129,8 +185,9 @@ def _documents(out: Path) -> list[tuple[list[int], list[int]]]:
 
 
 def _expected(hf, messages, tools=None):
-    rendered = hf.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
-                                      return_assistant_tokens_mask=True)
+    rendered = hf.apply_chat_template(
+        messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     eos = hf.convert_tokens_to_ids("<|endoftext|>")
     return list(rendered["input_ids"]) + [eos], list(rendered["assistant_masks"]) + [0]
 
@@ -142,11 +199,24 @@ def test_masks_are_token_identical_to_transformers(tmp_path, name, template):
     tokenizer = _tokenizer(tmp_path / "tok", template)
     records = _conversations()
     if name == "tools":
-        records = [{"tools": [WEATHER], "messages": [
-            {"role": "user", "content": f"weather in city {i}?"},
-            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-                "name": "weather", "arguments": {"city": f"city {i}"}}}]},
-            {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]} for i in range(6)]
+        records = [
+            {
+                "tools": [WEATHER],
+                "messages": [
+                    {"role": "user", "content": f"weather in city {i}?"},
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [
+                            {"type": "function", "function": {"name": "weather", "arguments": {"city": f"city {i}"}}}
+                        ],
+                    },
+                    {"role": "tool", "content": "sunny"},
+                    {"role": "assistant", "content": "It is sunny."},
+                ],
+            }
+            for i in range(6)
+        ]
     code, out = _prepare(tmp_path, records, tokenizer)
     assert code == 0
     hf = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
@@ -164,10 +234,12 @@ def test_every_record_shape_renders_as_its_conversation(tmp_path):
     tokenizer = _tokenizer(tmp_path / "tok", CHATML)
     hf = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
     user, answer = "what is the weather in Paris?", "It is sunny."
-    records = [{"conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": answer}]},
-               {"prompt": user, "completion": answer},
-               {"instruction": "what is the weather", "input": "in Paris?", "output": answer},
-               {"text": "a plain record among chat ones is skipped"}]
+    records = [
+        {"conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": answer}]},
+        {"prompt": user, "completion": answer},
+        {"instruction": "what is the weather", "input": "in Paris?", "output": answer},
+        {"text": "a plain record among chat ones is skipped"},
+    ]
     code, out = _prepare(tmp_path, records, tokenizer)
     assert code == 0
     sharegpt, completion, alpaca = _documents(out)
@@ -178,9 +250,13 @@ def test_every_record_shape_renders_as_its_conversation(tmp_path):
     ids, mask = completion  # prompt-completion: everything after the generation prompt
     assert ids[:-1] == list(hf.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
     assert mask == [0] * head + [1] * (len(ids) - 1 - head) + [0]
-    assert alpaca[0][:-1] == list(hf.apply_chat_template(
-        [{"role": "user", "content": "what is the weather\n\nin Paris?"}, messages[1]], tokenize=True,
-        return_dict=True)["input_ids"])
+    assert alpaca[0][:-1] == list(
+        hf.apply_chat_template(
+            [{"role": "user", "content": "what is the weather\n\nin Paris?"}, messages[1]],
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
+    )
     (tmp_path / "all").mkdir()
     code, out = _prepare(tmp_path / "all", _conversations(2), tokenizer, "--loss-on", "all")
     assert code == 0 and all(all(mask[:-1]) and not mask[-1] for _, mask in _documents(out))  # the separator: never
@@ -189,18 +265,33 @@ def test_every_record_shape_renders_as_its_conversation(tmp_path):
 COUNTED = "{{ messages | length }} turns\n" + NO_MARKERS  # a prefix renders another count: no turn splits off
 
 
-@pytest.mark.parametrize("records,template,extra,needle", [
-    (_conversations(2), CHATML, ["--chat-template", "counted.jinja"],
-     "--chat-template {tmp}/counted.jinja cannot be split into turns: its first 2 messages render differently"),
-    (_conversations(2), NO_MARKERS, ["--loss-on", "completion", "--chat-template", "counted.jinja"],
-     "--chat-template {tmp}/counted.jinja cannot be split into turns: the prompt renders differently"),
-    ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}], CHATML, [],
-     "the inputs hold no chat record to train on: all 1 are malformed or leave no token to train on, e.g. "
-     "{tmp}/chats.jsonl, the line at byte 0 (message 2 (assistant) has no content)"),
-    ([{"messages": [{"role": "wizard", "content": "hi"}]}], CHATML, [], "has the role 'wizard'; the roles are"),
-    ([{"conversations": [{"from": "robot", "value": "hi"}]}], CHATML, [], "a ShareGPT turn has from='robot'"),
-], ids=["unsplittable", "unsplittable-completion", "null-content-only", "unknown-role",
-        "unknown-sharegpt"])
+@pytest.mark.parametrize(
+    "records,template,extra,needle",
+    [
+        (
+            _conversations(2),
+            CHATML,
+            ["--chat-template", "counted.jinja"],
+            "--chat-template {tmp}/counted.jinja cannot be split into turns: its first 2 messages render differently",
+        ),
+        (
+            _conversations(2),
+            NO_MARKERS,
+            ["--loss-on", "completion", "--chat-template", "counted.jinja"],
+            "--chat-template {tmp}/counted.jinja cannot be split into turns: the prompt renders differently",
+        ),
+        (
+            [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}],
+            CHATML,
+            [],
+            "the inputs hold no chat record to train on: all 1 are malformed or leave no token to train on, e.g. "
+            "{tmp}/chats.jsonl, the line at byte 0 (message 2 (assistant) has no content)",
+        ),
+        ([{"messages": [{"role": "wizard", "content": "hi"}]}], CHATML, [], "has the role 'wizard'; the roles are"),
+        ([{"conversations": [{"from": "robot", "value": "hi"}]}], CHATML, [], "a ShareGPT turn has from='robot'"),
+    ],
+    ids=["unsplittable", "unsplittable-completion", "null-content-only", "unknown-role", "unknown-sharegpt"],
+)
 def test_refusals_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, records, template, extra, needle):
     (tmp_path / "counted.jinja").write_text(COUNTED)
     tokenizer = _tokenizer(tmp_path / "tok", template)
@@ -212,24 +303,30 @@ def test_refusals_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, record
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
-@pytest.mark.parametrize("marked", [CHATML_RELEASED, LLAMA3_RELEASED, GEMMA_RELEASED],
-                         ids=["chatml", "llama3", "gemma"])
+@pytest.mark.parametrize(
+    "marked", [CHATML_RELEASED, LLAMA3_RELEASED, GEMMA_RELEASED], ids=["chatml", "llama3", "gemma"]
+)
 def test_templates_without_markers_mask_the_assistant_as_their_markers_do(tmp_path, capsys, marked):
     """A released template has no {% generation %} markers: the assistant's turns are found by rendering prefixes,
     and the mask is token for token the one transformers reads from the same template with markers (system turns,
     one to three exchanges); prepare-data shows the first example with the counted tokens marked."""
     from transformers import PreTrainedTokenizerFast
 
-    specials = {"chatml": {}, "llama3": {"bos_token": "<|begin_of_text|>"},
-                "gemma": {"bos_token": "<bos>"}}[_name(marked)]
+    specials = {"chatml": {}, "llama3": {"bos_token": "<|begin_of_text|>"}, "gemma": {"bos_token": "<bos>"}}[
+        _name(marked)
+    ]
     tokenizer = _tokenizer(tmp_path / "tok", _unmarked(marked), GEMMA_SPECIAL if specials else SPECIAL, **specials)
     records = _conversations()
     code, out = _prepare(tmp_path, records, tokenizer, "--loss-on", "assistant")
     assert code == 0
     from tokenizers import Tokenizer
 
-    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tokenizer / "tokenizer.json")),
-                                 chat_template=marked, eos_token="<|endoftext|>", **specials)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_file(str(tokenizer / "tokenizer.json")),
+        chat_template=marked,
+        eos_token="<|endoftext|>",
+        **specials,
+    )
     docs = _documents(out)
     assert len(docs) == len(records)
     end = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>"}
@@ -258,10 +355,12 @@ def test_a_long_first_example_is_cut_in_index_json_as_on_the_console(tmp_path, c
 
 
 # Mistral's and Llama 2 chat's template: no generation prompt, the reply follows [/INST] and ends with </s>
-MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-           "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-           "{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}{% elif m['role'] == 'assistant' %}"
-           "{% generation %}{{ ' ' + m['content'] + eos_token }}{% endgeneration %}{% endif %}{% endfor %}")
+MISTRAL = (
+    "{{ bos_token }}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}{% elif m['role'] == 'assistant' %}"
+    "{% generation %}{{ ' ' + m['content'] + eos_token }}{% endgeneration %}{% endif %}{% endfor %}"
+)
 
 
 def test_a_template_without_a_generation_prompt_trains_each_reply_and_its_end(tmp_path, capsys):
@@ -277,13 +376,17 @@ def test_a_template_without_a_generation_prompt_trains_each_reply_and_its_end(tm
     specials = {"bos_token": "<s>", "eos_token": "</s>"}
     tokenizer = _tokenizer(tmp_path / "tok", _unmarked(MISTRAL), [*SPECIAL, "<s>", "</s>"], **specials)
     records = [r for r in _conversations(6) if r["messages"][0]["role"] == "user"]
-    opening = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"},
-               {"role": "assistant", "content": "sunny"}]
+    opening = [
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "sunny"},
+    ]
     unordered = [{"role": "user", "content": "hi"}, {"role": "user", "content": "hi"}]
     code, out = _prepare(tmp_path, [*records, {"messages": unordered}], tokenizer)
     assert code == 0
-    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tokenizer / "tokenizer.json")),
-                                 chat_template=MISTRAL, **specials)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_file(str(tokenizer / "tokenizer.json")), chat_template=MISTRAL, **specials
+    )
     docs = _documents(out)
     assert docs == [_expected(hf, r["messages"]) for r in records]
     for record, (ids, mask) in zip(records, docs):
@@ -296,8 +399,10 @@ def test_a_template_without_a_generation_prompt_trains_each_reply_and_its_end(tm
     assert code == 0, capsys.readouterr().err
     [(ids, mask)] = _documents(out)
     shown = marked(Tokenizer.from_file(str(chatml / "tokenizer.json")), ids, mask).replace("\n", "")
-    assert shown == "[[<|im_start|>assistanthello<|im_end|>]]<|im_start|>userhi<|im_end|><|im_start|>assistant" \
-                    "[[sunny<|im_end|>]]<|endoftext|>", shown
+    assert (
+        shown == "[[<|im_start|>assistanthello<|im_end|>]]<|im_start|>userhi<|im_end|><|im_start|>assistant"
+        "[[sunny<|im_end|>]]<|endoftext|>"
+    ), shown
 
 
 def _name(template: str) -> str:
@@ -314,23 +419,30 @@ def test_a_chat_template_file_travels_in_place_of_the_tokenizers(tmp_path):
     code, out = _prepare(tmp_path, _conversations(3), tokenizer, "--chat-template", str(tmp_path / "marked.jinja"))
     assert code == 0
     saved = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
-    assert saved.chat_template == CHATML_RELEASED and (saved.eos_token, saved.pad_token) == ("<|im_end|>",
-                                                                                             "<|endoftext|>")
+    assert saved.chat_template == CHATML_RELEASED and (saved.eos_token, saved.pad_token) == (
+        "<|im_end|>",
+        "<|endoftext|>",
+    )
     hf = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
     hf.chat_template = CHATML_RELEASED
     assert _documents(out) == [_expected(hf, r["messages"]) for r in _conversations(3)]
 
 
-@pytest.mark.parametrize("template", [CHATML_RELEASED, NO_MARKERS.replace("m['content']", "m.content")],
-                         ids=["m.content", "m['content']"])
+@pytest.mark.parametrize(
+    "template", [CHATML_RELEASED, NO_MARKERS.replace("m['content']", "m.content")], ids=["m.content", "m['content']"]
+)
 def test_a_message_without_content_is_skipped_and_counted_for_every_template(tmp_path, capsys, template):
     """A message with no content, or a null one, is a malformed record whichever way the template reads it: counted,
     named and skipped, never a Jinja traceback nor an empty turn trained on."""
     tokenizer = _tokenizer(tmp_path / "tok", _unmarked(template))
     good = _conversations(2)
-    records = [good[0], {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]},
-               {"messages": [{"role": "user"}, {"role": "assistant", "content": "sunny"}]},
-               {"conversations": [{"from": "human", "value": None}, {"from": "gpt", "value": "sunny"}]}, good[1]]
+    records = [
+        good[0],
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]},
+        {"messages": [{"role": "user"}, {"role": "assistant", "content": "sunny"}]},
+        {"conversations": [{"from": "human", "value": None}, {"from": "gpt", "value": "sunny"}]},
+        good[1],
+    ]
     code, out = _prepare(tmp_path, records, tokenizer)
     assert code == 0
     assert len(_documents(out)) == 2
@@ -370,9 +482,17 @@ def test_an_eos_id_that_is_not_an_id_is_one_line_at_prepare_import_and_export(tm
     import transformers
 
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=400, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=32)).save_pretrained(tmp_path / "hf")
+    transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=400,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
+    ).save_pretrained(tmp_path / "hf")
     hf = _tokenizer(tmp_path / "hf", CHATML)
     (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, None]}))
     capsys.readouterr()  # save_pretrained's progress bar
@@ -401,18 +521,39 @@ def test_convert_from_hf_carries_no_tokenizer_built_from_nothing(tmp_path, capsy
     import transformers
 
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=32)).save_pretrained(tmp_path / "hf")
-    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer",
-                                                                       "eos_token": "</s>"}))
+    transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
+    ).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "LlamaTokenizer", "eos_token": "</s>"})
+    )
     assert cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "ck"), "--from-hf"]) == 0
     said = capsys.readouterr().out
     assert f"convert: note: {tmp_path / 'hf'} has a tokenizer_config.json but no tokenizer.json" in said, said
     assert "its tokenizer" not in said and not (tmp_path / "ck" / "tokenizer").exists()
     (tmp_path / "text.txt").write_text("the weather is sunny\n" * 50)  # nor is data prepared with one
-    assert cli.main(["prepare-data", str(tmp_path / "text.txt"), "--tokenizer", str(tmp_path / "hf"), "--out",
-                     str(tmp_path / "data"), "--no-progress"]) == 2
+    assert (
+        cli.main(
+            [
+                "prepare-data",
+                str(tmp_path / "text.txt"),
+                "--tokenizer",
+                str(tmp_path / "hf"),
+                "--out",
+                str(tmp_path / "data"),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds no tokenizer.json nor a slow tokenizer's vocabulary" in err, err
     (tmp_path / "hf" / "tokenizer.json").write_text("{not json")
@@ -422,15 +563,22 @@ def test_convert_from_hf_carries_no_tokenizer_built_from_nothing(tmp_path, capsy
     assert not (tmp_path / "ck2").exists()
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--chat"], "--chat needs --prompt TEXT"),
-    (["--messages", "{tmp}/bad.json"], "--messages {tmp}/bad.json: give a JSON list of"),
-    (["--messages", "{tmp}/none.json"], "--messages {tmp}/none.json: cannot read it as JSON"),
-    ([], "give --prompt TEXT"),
-    (["--messages", "{tmp}/empty.json"], "--messages {tmp}/empty.json: the conversation is empty"),
-    (["--messages", "{tmp}/twice.json"], "--messages {tmp}/twice.json: the model's chat template cannot render it "
-                                         "(Conversation roles must alternate"),
-], ids=["chat-without-prompt", "not-messages", "no-file", "nothing", "empty", "template-refuses"])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--chat"], "--chat needs --prompt TEXT"),
+        (["--messages", "{tmp}/bad.json"], "--messages {tmp}/bad.json: give a JSON list of"),
+        (["--messages", "{tmp}/none.json"], "--messages {tmp}/none.json: cannot read it as JSON"),
+        ([], "give --prompt TEXT"),
+        (["--messages", "{tmp}/empty.json"], "--messages {tmp}/empty.json: the conversation is empty"),
+        (
+            ["--messages", "{tmp}/twice.json"],
+            "--messages {tmp}/twice.json: the model's chat template cannot render it "
+            "(Conversation roles must alternate",
+        ),
+    ],
+    ids=["chat-without-prompt", "not-messages", "no-file", "nothing", "empty", "template-refuses"],
+)
 def test_generate_refuses_a_conversation_it_cannot_read(tmp_path, capsys, args, needle):
     """One line, exit 2, never a traceback: the model (a transformers directory) is not loaded."""
     (tmp_path / "bad.json").write_text(json.dumps({"messages": [{"role": "user", "content": None}]}))
@@ -453,8 +601,11 @@ def test_no_markers_train_the_completion_and_chat_needs_a_tokenizer(tmp_path, ca
     code, out = _prepare(tmp_path, records, tokenizer, "--loss-on", "completion")
     assert code == 0
     for record, (ids, mask) in zip(records, _documents(out)):
-        head = len(hf.apply_chat_template(record["messages"][:-1], tokenize=True, add_generation_prompt=True,
-                                          return_dict=True)["input_ids"])
+        head = len(
+            hf.apply_chat_template(
+                record["messages"][:-1], tokenize=True, add_generation_prompt=True, return_dict=True
+            )["input_ids"]
+        )
         assert mask == [0] * head + [1] * (len(ids) - 1 - head) + [0]
     (tmp_path / "plain.jsonl").write_text(json.dumps(records[0]) + "\n")
     code = cli.main(["prepare-data", str(tmp_path / "plain.jsonl"), "--out", str(tmp_path / "p"), "--no-progress"])
@@ -465,8 +616,10 @@ def _shards(out: Path, split: str = "train") -> list[tuple[list[int], list[int]]
     from megakit.interop.token_shards import open_shards
 
     shards = open_shards(out, verify=True)
-    return [(np.asarray(ids).tolist(), np.asarray(mask).tolist())
-            for ids, mask in zip(shards.tokens(split), shards.masks(split))]
+    return [
+        (np.asarray(ids).tolist(), np.asarray(mask).tolist())
+        for ids, mask in zip(shards.tokens(split), shards.masks(split))
+    ]
 
 
 def test_parquet_and_saved_data_sets_read_as_their_jsonl(tmp_path):
@@ -482,12 +635,26 @@ def test_parquet_and_saved_data_sets_read_as_their_jsonl(tmp_path):
     assert code == 0
     pq.write_table(pa.Table.from_pylist(records), tmp_path / "chats.parquet", row_group_size=5)
     datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(records),
-                          "test": datasets.Dataset.from_list(records[:2])}).save_to_disk(str(tmp_path / "dict"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(records), "test": datasets.Dataset.from_list(records[:2])}
+    ).save_to_disk(str(tmp_path / "dict"))
     for source in ("chats.parquet", "saved", "dict"):
         out = tmp_path / f"from-{source}"
-        code = cli.main(["prepare-data", str(tmp_path / source), "--tokenizer", str(tokenizer), "--out", str(out),
-                         "--val-fraction", "0.2", "--workers", "2", "--no-progress"])
+        code = cli.main(
+            [
+                "prepare-data",
+                str(tmp_path / source),
+                "--tokenizer",
+                str(tokenizer),
+                "--out",
+                str(out),
+                "--val-fraction",
+                "0.2",
+                "--workers",
+                "2",
+                "--no-progress",
+            ]
+        )
         assert code == 0, source
         for split in ("train", "validation"):
             assert _shards(out, split) == _shards(jsonl, split), (source, split)
@@ -507,8 +674,24 @@ def test_plain_text_parquet_and_a_bad_file(tmp_path, capsys):
     outs = []
     for name in ("a", "b"):
         outs.append(tmp_path / f"out-{name}")
-        assert cli.main(["prepare-data", str(tmp_path / name), "--field", "body", "--vocab-size", "300", "--out",
-                         str(outs[-1]), "--val-fraction", "0", "--no-progress"]) == 0
+        assert (
+            cli.main(
+                [
+                    "prepare-data",
+                    str(tmp_path / name),
+                    "--field",
+                    "body",
+                    "--vocab-size",
+                    "300",
+                    "--out",
+                    str(outs[-1]),
+                    "--val-fraction",
+                    "0",
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
     from megakit.interop.token_shards import open_shards
 
     a, b = (open_shards(o, verify=True) for o in outs)
@@ -534,8 +717,10 @@ def test_chat_examples_are_held_out_whole(tmp_path):
     for split in ("train", "validation"):
         got[split] = []
         for ids, mask, starts in zip(shards.tokens(split), shards.masks(split), shards.documents(split)):
-            got[split] += [(np.asarray(ids[a:b]).tolist(), np.asarray(mask[a:b]).tolist())
-                           for a, b in zip(starts, [*starts[1:], len(ids)])]
+            got[split] += [
+                (np.asarray(ids[a:b]).tolist(), np.asarray(mask[a:b]).tolist())
+                for a, b in zip(starts, [*starts[1:], len(ids)])
+            ]
     assert sorted(got["train"] + got["validation"]) == sorted(expected)  # every example whole, on one side
     held = sum(len(ids) for ids, _ in got["validation"]) / sum(len(ids) for ids, _ in expected)
     assert got["validation"] and abs(held - 0.25) < 0.05, held

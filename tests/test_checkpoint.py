@@ -85,7 +85,7 @@ def _worker(rank, world_size, root):
         # TP = 2 x PP = 2 -> TP = 4
         m4 = Transformer(config, topo4, seed=LOAD_SEED).eval()
         loaded = load_checkpoint(d / "tp2pp2", m4, topo4)
-        pad = m4.embed.weight[vocab - rank * m4.embed.weight.shape[0]:] if rank == 3 else None
+        pad = m4.embed.weight[vocab - rank * m4.embed.weight.shape[0] :] if rank == 3 else None
         with torch.no_grad():
             loss4 = m4(ids, labels).item()
         # TP = 1 (saved by the test process) -> TP = 2 x PP = 2
@@ -98,22 +98,31 @@ def _worker(rank, world_size, root):
         save_checkpoint(d / "vpp2", chunks, topo22, step=6, config=config)
         # TP = 2 x DP = 2: DP replica 1 holds the same weights and writes nothing
         save_checkpoint(d / "tp2dp2", Transformer(config, topo2x2, seed=SAVE_SEED), topo2x2, step=4, config=config)
-        out[preset] = {"loaded": tuple(loaded), "w4": _numpy(full_state_dict(m4, topo4)), "loss4": loss4,
-                       "pad_zero": None if pad is None else bool((pad == 0).all()) and pad.shape[0] == 3,
-                       "w22": _numpy(full_state_dict(s22, topo22)), "loss22": _pipeline_loss(s22, topo22, ids, labels)}
+        out[preset] = {
+            "loaded": tuple(loaded),
+            "w4": _numpy(full_state_dict(m4, topo4)),
+            "loss4": loss4,
+            "pad_zero": None if pad is None else bool((pad == 0).all()) and pad.shape[0] == 3,
+            "w22": _numpy(full_state_dict(s22, topo22)),
+            "loss22": _pipeline_loss(s22, topo22, ids, labels),
+        }
 
     # Failures: raised on every rank, nothing half-written, the old checkpoint intact.
     config, d = _config(*CASES[0]), root / CASES[0][0]
     (stage,) = build_stage_chunks(config, topo22, seed=LOAD_SEED)
     publish, write_shard = ckpt._publish, ckpt.write_shard
     if rank == 0:
+
         def crash(tmp, target):
             raise RuntimeError("injected crash after every shard was written, before the rename")
+
         ckpt._publish = crash
     out["crash_before_rename"] = _errors(lambda: save_checkpoint(d / "tp2pp2", stage, topo22, step=9, config=config))
     if rank == 3:
+
         def disk_full(*args, **kwargs):
             raise OSError("injected: no space left on device")
+
         ckpt.write_shard = disk_full
     out["write_fails_on_rank_3"] = _errors(lambda: save_checkpoint(d / "tp2pp2", stage, topo22, step=10, config=config))
     ckpt._publish, ckpt.write_shard = publish, write_shard
@@ -131,10 +140,15 @@ def _worker(rank, world_size, root):
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the running process group
     config = _config(*CASES[1])
     model = Transformer(config, topo2x2, seed=SAVE_SEED)
-    ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-                 "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
-    deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=ds_config,
-                         mpu=topo2x2)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=ds_config, mpu=topo2x2
+    )
     out["zero3_partitioned"] = model.embed.weight.numel() == 0
     save_checkpoint(root / "zero3", model, topo2x2, step=5, config=config)
     out["zero3_load"] = _errors(lambda: load_checkpoint(root / "zero3", model, topo2x2))
@@ -174,7 +188,9 @@ def test_tp2pp2_loads_at_tp1_and_tp4(spawned, preset, vocab):
     embed = manifest["params"]["embed.weight"]
     assert embed["shape"] == [vocab, config.hidden]  # padding trimmed; the tied copy on stage 1 is not written
     assert [(s["file"], s["start"], s["stop"]) for s in embed["slices"]] == [
-        ("model-pp00-tp00.safetensors", 0, 127), ("model-pp00-tp01.safetensors", 127, 253)]
+        ("model-pp00-tp00.safetensors", 0, 127),
+        ("model-pp00-tp01.safetensors", 127, 253),
+    ]
 
 
 @pytest.mark.parametrize("preset,vocab", CASES)
@@ -213,7 +229,9 @@ def test_failure_on_any_rank_raises_everywhere_and_keeps_the_old_checkpoint(spaw
 def test_corrupt_byte_names_the_file(spawned, tmp_path):
     root, results = spawned
     for rank, r in enumerate(results):  # only rank 3 reads the file; every rank reports it
-        assert r["corrupt"].startswith("UsageError") and "model-pp01-tp01.safetensors fails its checksum" in r["corrupt"], (rank, r)
+        assert (
+            r["corrupt"].startswith("UsageError") and "model-pp01-tp01.safetensors fails its checksum" in r["corrupt"]
+        ), (rank, r)
     config = _config(*CASES[1])
     model = Transformer(config, seed=SAVE_SEED)
     save_checkpoint(tmp_path / "c", model, step=2, config=config)
@@ -298,7 +316,9 @@ def test_hf_export_matches_transformers(spawned, tmp_path, capsys, preset, vocab
 
     summary = export_hf(root / preset / "tp2pp2", tmp_path / "sharded", max_shard_bytes=1)
     assert len(summary["files"]) == 1 + ref.config.layers
-    sharded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sharded", attn_implementation="eager").eval()
+    sharded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "sharded", attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
         torch.testing.assert_close(sharded(ids).logits, ref(ids), rtol=1e-5, atol=1e-5)
     assert main(["convert", str(root / preset / "tp2pp2"), "--to-hf", str(out)]) == 2  # not over a full directory

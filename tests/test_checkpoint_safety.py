@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 # -- the publish sequence, killed at each point -----------------------------------------------------------------
-CHILD = r'''
+CHILD = r"""
 import os, shutil, signal, sys, time
 from pathlib import Path
 import torch
@@ -95,7 +95,7 @@ for case in cases:
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (case, status)
     (here / "paused").unlink()
-'''
+"""
 
 # (kind, point): the step --load must take and the seed of its weights, and what it must say (an unfinished save is
 # "not (yet) complete": before the lock is held it may be another run's save still in progress)
@@ -146,8 +146,14 @@ def test_a_save_killed_at_each_point_of_its_publish_leaves_the_newest_complete_c
 
     cases = [f"{kind}:{point}" for kind, point in EXPECTED]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    child = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), *cases], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=240)
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tmp_path), *cases],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
     weights = Weights()
     for (kind, point), (step, seed, note) in EXPECTED.items():
@@ -159,8 +165,9 @@ def test_a_save_killed_at_each_point_of_its_publish_leaves_the_newest_complete_c
             assert start == step and weights.of(chosen, seed), (case, chosen, said)
             assert note is None or any(note in line for line in said), (case, said)
         remove_leftovers(ck, say=lambda *_: None)  # what the run's rank 0 does at start, under the lock
-        assert check_checkpoint_flags(save=str(ck), load=str(ck), steps=10, series=series,
-                                      say=lambda *_: None)[0] == step, case  # it kept the newest complete one
+        assert (
+            check_checkpoint_flags(save=str(ck), load=str(ck), steps=10, series=series, say=lambda *_: None)[0] == step
+        ), case  # it kept the newest complete one
         # the resumed run's next save: then only complete checkpoints are left, --keep 2 of them in a series
         target = ck / "step-0000004" if series else ck
         save_checkpoint(target, weights.model(4), step=4, config=weights.config)
@@ -171,10 +178,15 @@ def test_a_save_killed_at_each_point_of_its_publish_leaves_the_newest_complete_c
         assert siblings == ["ck"], (case, siblings)
         if series:
             names = sorted(p.name for p in ck.iterdir())
-            assert len(names) == 3 and names[0] == "latest" and names[-1] == "step-0000004" and all(
-                (ck / n / "manifest.json").is_file() for n in names[1:]), (case, names)
-        assert check_checkpoint_flags(save=str(ck), load=str(ck), steps=10, series=series,
-                                      say=lambda *_: None)[0] == 4, case
+            assert (
+                len(names) == 3
+                and names[0] == "latest"
+                and names[-1] == "step-0000004"
+                and all((ck / n / "manifest.json").is_file() for n in names[1:])
+            ), (case, names)
+        assert (
+            check_checkpoint_flags(save=str(ck), load=str(ck), steps=10, series=series, say=lambda *_: None)[0] == 4
+        ), case
 
 
 # -- one writer, a writable directory, the right kind of directory ----------------------------------------------
@@ -188,13 +200,20 @@ def test_one_run_holds_a_save_directory_and_a_dead_runs_lock_is_taken_over(tmp_p
     lock_path(save).write_text(json.dumps({"host": "gone-node", "pid": 4242, "started": "yesterday"}))  # not locked
     said = []
     lock = SaveLock.acquire(save, say=said.append)
-    assert said == [f"megakit: took over the lock on --save {save} from a run that is gone (host gone-node, "
-                    "PID 4242, started yesterday)"]
+    assert said == [
+        f"megakit: took over the lock on --save {save} from a run that is gone (host gone-node, "
+        "PID 4242, started yesterday)"
+    ]
     with pytest.raises(UsageError) as refused:  # another open of it, even in this process, is another run
         SaveLock.acquire(save)
     line = str(refused.value)
-    assert line.startswith(f"--save {save} is in use by another run (host {socket.gethostname()}, PID {os.getpid()}, "
-                           "started ") and "choose another --save" in line and "\n" not in line, line
+    assert (
+        line.startswith(
+            f"--save {save} is in use by another run (host {socket.gethostname()}, PID {os.getpid()}, started "
+        )
+        and "choose another --save" in line
+        and "\n" not in line
+    ), line
     lock.release()
     lock.release()  # idempotent
     assert os.listdir(tmp_path) == []  # the lock file goes with the lock
@@ -214,8 +233,12 @@ def _train_script():
 def _mount_tmpfs(path: Path, options: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     try:
-        return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True,
-                              timeout=30).returncode == 0
+        return (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, timeout=30
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.SubprocessError):
         return False
 
@@ -247,8 +270,10 @@ def test_an_unwritable_or_foreign_save_directory_is_refused_before_any_step(tmp_
         refusals += [(read_only / "ck", f"cannot write in {read_only} (Read-only file system)")] if mounted else []
         for save, message in refusals:
             for extra in (["--check"], ["--load", "auto"], ["--check", "--load", "auto"]):
-                assert script.main(["--model", "gpt-tiny", "--steps", "1", "--no-progress", "--save", str(save),
-                                    *extra]) == 2
+                assert (
+                    script.main(["--model", "gpt-tiny", "--steps", "1", "--no-progress", "--save", str(save), *extra])
+                    == 2
+                )
                 err = capsys.readouterr().err.strip().splitlines()
                 assert len(err) == 1 and err[0].startswith("train.py: error: --save ") and message in err[0], err
     finally:
@@ -261,7 +286,7 @@ def test_an_unwritable_or_foreign_save_directory_is_refused_before_any_step(tmp_
     try:
         assert script.main(["--model", "gpt-tiny", "--steps", "1", "--save", str(tmp_path / "held"), "--check"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and f"is in use by another run (host " in err[0] and f"PID {os.getpid()}" in err[0], err
+        assert len(err) == 1 and "is in use by another run (host " in err[0] and f"PID {os.getpid()}" in err[0], err
     finally:
         lock.release()
 
@@ -284,12 +309,15 @@ def test_an_unwritable_or_foreign_save_directory_is_refused_before_any_step(tmp_
     assert check_checkpoint_flags(save=str(series), load=str(series / "step-0000003"), series=True, **flags)[0] == 3
     assert check_checkpoint_flags(save=str(tmp_path / "new"), load=str(single), **flags)[0] == 3
     # what is loaded is said in one line: path, step, model (an imported checkpoint's source too)
-    save_checkpoint(tmp_path / "imported", Transformer(config), step=0, config=config,
-                    extra={"imported_from": "hf/my-model"})
+    save_checkpoint(
+        tmp_path / "imported", Transformer(config), step=0, config=config, extra={"imported_from": "hf/my-model"}
+    )
     said = []
     check_checkpoint_flags(save=None, load=str(tmp_path / "imported"), steps=9, say=said.append)
-    assert said == [f"megakit: starting from {tmp_path / 'imported'} (step 0, imported from hf/my-model, gpt2, 4 "
-                    "layers, hidden 32, 0.06 M parameters)"], said
+    assert said == [
+        f"megakit: starting from {tmp_path / 'imported'} (step 0, imported from hf/my-model, gpt2, 4 "
+        "layers, hidden 32, 0.06 M parameters)"
+    ], said
 
 
 def test_a_full_disk_is_one_line_with_the_bytes_and_the_intact_checkpoint(tmp_path):
@@ -316,8 +344,11 @@ def test_a_full_disk_is_one_line_with_the_bytes_and_the_intact_checkpoint(tmp_pa
         real_check = checkpoint.StagedCheckpoint._check_space
         checkpoint.StagedCheckpoint._check_space = lambda self, group: (1, 2)  # as if another writer took the space
         try:
-            with pytest.raises(UsageError, match=r"no space for the checkpoint of step 6 in .*the last complete "
-                                                 r"checkpoint \(step 5"):
+            with pytest.raises(
+                UsageError,
+                match=r"no space for the checkpoint of step 6 in .*the last complete "
+                r"checkpoint \(step 5",
+            ):
                 save_checkpoint(disk / "ck", model, step=6, config=config)
         finally:
             checkpoint.StagedCheckpoint._check_space = real_check
@@ -327,7 +358,7 @@ def test_a_full_disk_is_one_line_with_the_bytes_and_the_intact_checkpoint(tmp_pa
 
 
 # -- a real trainer killed between the two renames, and the lock on its directory --------------------------------
-PAUSED_TRAINER = r'''
+PAUSED_TRAINER = r"""
 import os, runpy, sys, time
 from pathlib import Path
 
@@ -342,13 +373,20 @@ def paused(a, b):  # the trainer's save of step 4 stops right after moving the s
 os.rename = paused
 sys.argv = ["scripts/train.py", *sys.argv[2:]]
 runpy.run_path("scripts/train.py", run_name="__main__")
-'''
+"""
 TRAIN = ["--model", "gpt-tiny", "--seq-len", "32", "--no-progress", "--save-every", "2"]
 
 
 def _run(*args: str, save: Path, env: dict, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/train.py", *TRAIN, "--save", str(save), *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300, **kwargs)
+    return subprocess.run(
+        [sys.executable, "scripts/train.py", *TRAIN, "--save", str(save), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kwargs,
+    )
 
 
 @pytest.mark.slow
@@ -359,9 +397,26 @@ def test_a_trainer_killed_between_the_renames_resumes_and_one_run_holds_the_dire
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop(VARIABLE, None)
     save, paused = tmp_path / "ck", tmp_path / "paused"
-    killed = subprocess.Popen([sys.executable, "-c", PAUSED_TRAINER, str(paused), *TRAIN, "--save", str(save),
-                               "--steps", "4", "--load", "auto"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+    killed = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            PAUSED_TRAINER,
+            str(paused),
+            *TRAIN,
+            "--save",
+            str(save),
+            "--steps",
+            "4",
+            "--load",
+            "auto",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while not paused.exists():
@@ -370,8 +425,9 @@ def test_a_trainer_killed_between_the_renames_resumes_and_one_run_holds_the_dire
         # a second run on the same --save while the first still runs: refused in one line, before any step
         second = _run("--steps", "4", "--load", "auto", save=save, env=env)
         err = second.stderr.strip().splitlines()
-        assert second.returncode == 2 and err[-1].startswith(f"train.py: error: --save {save} is in use by another "
-                                                             f"run (host "), second.stderr[-3000:]
+        assert second.returncode == 2 and err[-1].startswith(
+            f"train.py: error: --save {save} is in use by another run (host "
+        ), second.stderr[-3000:]
         assert f"PID {killed.pid}, started" in err[-1] and "step " not in second.stdout.replace("(step", ""), err
         assert "restart" not in second.stdout, second.stdout  # the first run's attempts record is not read
         os.kill(killed.pid, signal.SIGKILL)
@@ -383,35 +439,50 @@ def test_a_trainer_killed_between_the_renames_resumes_and_one_run_holds_the_dire
     assert not save.exists() and len(list(tmp_path.glob("ck.old-*"))) == 1  # killed between the two renames
     (old,) = tmp_path.glob("ck.old-*")
     (unfinished,) = tmp_path.glob("ck.tmp-*")  # the step-4 checkpoint, complete but never published
-    logged = {int(line.split()[1]): line.split("| loss ")[1].split()[0] for line in first_log.splitlines()
-              if line.startswith("step ")}
+    logged = {
+        int(line.split()[1]): line.split("| loss ")[1].split()[0]
+        for line in first_log.splitlines()
+        if line.startswith("step ")
+    }
     # --load auto resumes from the moved-aside copy (not from step 0), takes over the dead run's lock, removes
     # what the killed save left, and says each in one line
     metrics = tmp_path / "m.json"
     resumed = _run("--steps", "6", "--load", "auto", "--metrics-out", str(metrics), save=save, env=env)
     out = resumed.stdout
     assert resumed.returncode == 0, out[-3000:] + resumed.stderr[-3000:]
-    for line in (f"megakit: {save} is missing: a save killed while replacing it moved its last complete checkpoint "
-                 f"aside to {old}", f"megakit: resuming from {old} (step 2, gpt2, 4 layers",
-                 f"megakit: took over the lock on --save {save} from a run that is gone (host ",
-                 f"megakit: removed what saves killed mid-way left in {save}: {unfinished.name}",
-                 f"megakit: saved step 4 to {save} (", f"megakit: saved step 6 to {save} (",
-                 f"megakit: removed what saves killed mid-way left in {save}: {old.name}",
-                 "megakit: restart 1 of this run: the last attempt finished step 3, resuming at step 2 redoes 2"):
+    for line in (
+        f"megakit: {save} is missing: a save killed while replacing it moved its last complete checkpoint "
+        f"aside to {old}",
+        f"megakit: resuming from {old} (step 2, gpt2, 4 layers",
+        f"megakit: took over the lock on --save {save} from a run that is gone (host ",
+        f"megakit: removed what saves killed mid-way left in {save}: {unfinished.name}",
+        f"megakit: saved step 4 to {save} (",
+        f"megakit: saved step 6 to {save} (",
+        f"megakit: removed what saves killed mid-way left in {save}: {old.name}",
+        "megakit: restart 1 of this run: the last attempt finished step 3, resuming at step 2 redoes 2",
+    ):
         assert line in out, (line, out[-3000:])
     steps = {m["step"]: m["loss"] for m in read_metrics(metrics)["steps"]}
     assert sorted(steps) == [2, 3, 4, 5] and all(f"{steps[s]:.4f}" == logged[s] for s in (2, 3)), (steps, logged)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".ck.attempts.json", "ck", "m.json", "paused"]
     assert json.loads((save / "manifest.json").read_text())["step"] == 6  # and no lock left after a normal end
     # an error after the lock was taken (a NaN loss with --max-skipped-steps 0) releases it too
-    diverged = _run("--steps", "8", "--load", "auto", "--max-skipped-steps", "0", save=save,
-                    env=dict(env, **{VARIABLE: "nanloss@0:6"}))
+    diverged = _run(
+        "--steps",
+        "8",
+        "--load",
+        "auto",
+        "--max-skipped-steps",
+        "0",
+        save=save,
+        env=dict(env, **{VARIABLE: "nanloss@0:6"}),
+    )
     assert diverged.returncode == 1, diverged.stdout[-2000:] + diverged.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".ck.attempts.json", "ck", "m.json", "paused"]
 
 
 # -- at 2 processes: another run's lock, a full disk with and without --async-save ---------------------------------
-JOB = r'''
+JOB = r"""
 import json, os, sys
 import torch.distributed as dist
 from megakit.errors import UsageError
@@ -428,7 +499,7 @@ for case in cases:
 json.dump(said, open(f"{out}.{os.environ['RANK']}", "w"))
 if dist.is_initialized():
     dist.destroy_process_group()
-'''
+"""
 
 
 @pytest.mark.slow
@@ -447,22 +518,38 @@ def test_at_two_processes_a_held_directory_and_a_full_disk_are_one_line_on_every
         pytest.skip("mounting a tmpfs is not permitted here (needs root or CAP_SYS_ADMIN)")
     (tmp_path / "job.py").write_text(JOB)
     base = dict(ds_config=str(ROOT / "ds_configs" / "zero1.json"), model="gpt-tiny", seq_len=32, steps=2)
-    cases = [dict(base, save=str(tmp_path / "held")),
-             dict(base, save=str(disks[0] / "ck"), save_every=1),
-             dict(base, save=str(disks[1] / "ck"), save_every=1, async_save=True)]
+    cases = [
+        dict(base, save=str(tmp_path / "held")),
+        dict(base, save=str(disks[0] / "ck"), save_every=1),
+        dict(base, save=str(disks[1] / "ck"), save_every=1, async_save=True),
+    ]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     lock = SaveLock.acquire(tmp_path / "held")
     try:
-        job = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
-                              str(tmp_path / "job.py"), str(tmp_path / "cases.json"), str(tmp_path / "said")],
-                             cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=THREADS, PYTHONPATH=str(ROOT)),
-                             capture_output=True, text=True, timeout=400)
+        job = subprocess.run(
+            [
+                "deepspeed",
+                "--num_gpus",
+                "2",
+                "--master_port",
+                str(free_port()),
+                str(tmp_path / "job.py"),
+                str(tmp_path / "cases.json"),
+                str(tmp_path / "said"),
+            ],
+            cwd=ROOT,
+            env=dict(os.environ, OMP_NUM_THREADS=THREADS, PYTHONPATH=str(ROOT)),
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
         ranks = [json.loads((tmp_path / f"said.{rank}").read_text()) for rank in (0, 1)]
         assert ranks[0] == ranks[1] and all(all_ranks for _, all_ranks in ranks[0]), ranks  # printed once
         held, *full = [line for line, _ in ranks[0]]
         assert held.startswith(f"--save {tmp_path / 'held'} is in use by another run (host ") and (
-            f"PID {os.getpid()}, started" in held), held
+            f"PID {os.getpid()}, started" in held
+        ), held
         for disk, line in zip(disks, full):
             assert line.startswith(f"no space for the checkpoint of step 2 in {disk}: it needs "), line
             assert f"the last complete checkpoint (step 1, {disk / 'ck'}) is intact" in line, line
@@ -519,10 +606,13 @@ def test_the_cleanup_at_start_keeps_the_moved_aside_copy_the_run_loads(tmp_path,
         save_checkpoint(single if step == 5 else tmp_path / "single.old-dead", model, step=step, config=config)
     save_checkpoint(series / "step-0000004.old-dead", model, step=4, config=config)
     save_checkpoint(series / "step-0000004", model, step=4, config=config)
-    for save, load, series_flag in ((single, tmp_path / "single.old-dead", False),
-                                    (series, series / "step-0000004.old-dead", True)):
-        start, chosen = check_checkpoint_flags(save=str(save), load=str(load), steps=9, series=series_flag,
-                                               say=lambda *_: None)
+    for save, load, series_flag in (
+        (single, tmp_path / "single.old-dead", False),
+        (series, series / "step-0000004.old-dead", True),
+    ):
+        start, chosen = check_checkpoint_flags(
+            save=str(save), load=str(load), steps=9, series=series_flag, say=lambda *_: None
+        )
         assert chosen == load
         hold_save_dir(str(save), rank=0, checkpoint=chosen, start=start, say=lambda *_: None).release()
         assert (load / "manifest.json").is_file(), f"{load} was removed before the run loaded it"
@@ -541,8 +631,11 @@ def test_taking_the_lock_refuses_a_directory_changed_since_the_load_was_chosen_o
     model, save, quiet = Transformer(config), tmp_path / "ck", (lambda *_: None)
     save_checkpoint(save, model, step=3, config=config)
     hold_save_dir(str(save), rank=0, checkpoint=save, start=3, say=quiet).release()  # unchanged: taken
-    for checkpoint, start, now in ((save, 2, "is at step 3 now"), (None, 0, "holds one now"),
-                                   (tmp_path / "gone", 1, "is gone now")):
+    for checkpoint, start, now in (
+        (save, 2, "is at step 3 now"),
+        (None, 0, "holds one now"),
+        (tmp_path / "gone", 1, "is gone now"),
+    ):
         with pytest.raises(UsageError) as refused:
             hold_save_dir(str(save), rank=0, checkpoint=checkpoint, start=start, say=quiet)
         line = str(refused.value)
@@ -586,15 +679,24 @@ def test_a_start_that_fails_after_the_lock_releases_it_in_a_long_lived_process(t
         raise RuntimeError("connect_store: timed out after 30 s")
 
     monkeypatch.chdir(ROOT)
-    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=str(free_port())).items():
+    for name, value in dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    ).items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(trainer, "_start_watchdog", store_timed_out)
     save = tmp_path / "ck"
     try:
         with pytest.raises(RuntimeError, match="timed out"):
-            trainer.train(trainer.TrainConfig(ds_config=str(ROOT / "ds_configs" / "zero1.json"), model="gpt-tiny",
-                                              seq_len=32, steps=1, progress=False, save=str(save)))
+            trainer.train(
+                trainer.TrainConfig(
+                    ds_config=str(ROOT / "ds_configs" / "zero1.json"),
+                    model="gpt-tiny",
+                    seq_len=32,
+                    steps=1,
+                    progress=False,
+                    save=str(save),
+                )
+            )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -614,8 +716,14 @@ def test_init_starts_a_fine_tune_from_a_model_and_the_same_command_restarts_it_f
     config = ModelConfig.load("gpt-tiny")
     pretrained, save = tmp_path / "pretrained", tmp_path / "run"
     save_checkpoint(pretrained, Transformer(config), step=0, config=config, extra={"imported_from": "hf/base"})
-    flags = dict(ds_config=str(ROOT / "ds_configs" / "zero1.json"), model="gpt-tiny", seq_len=32, steps=6,
-                 save=str(save), save_every=2)
+    flags = dict(
+        ds_config=str(ROOT / "ds_configs" / "zero1.json"),
+        model="gpt-tiny",
+        seq_len=32,
+        steps=6,
+        save=str(save),
+        save_every=2,
+    )
     said = []
     for load in (None, "auto"):
         run = resolve(TrainConfig(**flags, load=load, init=str(pretrained)), 1, say=said.append)
@@ -624,12 +732,18 @@ def test_init_starts_a_fine_tune_from_a_model_and_the_same_command_restarts_it_f
     save_checkpoint(save, Transformer(config), step=2, config=config)  # the first attempt's save
     run = resolve(TrainConfig(**flags, init=str(pretrained)), 1, say=said.append)
     assert (run.checkpoint, run.start_step) == (save, 2)
-    with pytest.raises(UsageError, match=f"^--init {pretrained} is what --load auto starts from .* use --load auto "
-                                         f"--init {pretrained} for a run that restarts from --save, or --load "):
+    with pytest.raises(
+        UsageError,
+        match=f"^--init {pretrained} is what --load auto starts from .* use --load auto "
+        f"--init {pretrained} for a run that restarts from --save, or --load ",
+    ):
         TrainConfig(**flags, load=str(save), init=str(pretrained))
-    with pytest.raises(UsageError, match=f"already holds a checkpoint of another run, which this run \\(from "
-                                         f"{pretrained}\\) would replace; resume that run with --load auto --init "
-                                         f"{pretrained} "):
+    with pytest.raises(
+        UsageError,
+        match=f"already holds a checkpoint of another run, which this run \\(from "
+        f"{pretrained}\\) would replace; resume that run with --load auto --init "
+        f"{pretrained} ",
+    ):
         resolve(TrainConfig(**flags, load=str(pretrained)), 1, say=said.append)
 
 

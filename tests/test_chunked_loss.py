@@ -22,7 +22,6 @@ from megakit.nn.tensor_parallel.chunked_loss import chunked_head_loss
 from megakit.nn.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
 
-
 def _batch(vocab: int, seed: int = 0, shape=(2, 16)):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, shape, generator=gen)
@@ -113,8 +112,10 @@ def _tp_worker(rank: int, world_size: int) -> float:
         loss = model(ids, labels)
         loss.backward()
         assert_fp32_close(loss.item(), ref(ids, labels).item(), terms=ids.numel(), what=f"{preset} tp2 loss")
-        worst = max(worst, _assert_close(full_state_dict(model, topo, grads=True), _grads(ref), f"{preset} tp2",
-                                         terms=ids.numel()))
+        worst = max(
+            worst,
+            _assert_close(full_state_dict(model, topo, grads=True), _grads(ref), f"{preset} tp2", terms=ids.numel()),
+        )
     return worst
 
 

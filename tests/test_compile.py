@@ -19,8 +19,15 @@ from megakit.nn.compile import compile_blocks
 from megakit.nn.model import Transformer
 
 
-def _graphs_and_breaks(config: ModelConfig, topo=None, *, sequence_parallel: bool = False, recompute: str = "none",
-                       part: str | None = None, twin=None):
+def _graphs_and_breaks(
+    config: ModelConfig,
+    topo=None,
+    *,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    part: str | None = None,
+    twin=None,
+):
     """Loss and gradient differences of a compiled model from its eager twin (2 forward/backward passes), each as a
     share of its fp32 bound, and the graph and break counts. ``part``: compile that submodule of each block (``mlp``)
     instead of the block; ``twin(eager, compiled)``: a further check on the two models after the passes."""
@@ -28,8 +35,9 @@ def _graphs_and_breaks(config: ModelConfig, topo=None, *, sequence_parallel: boo
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    eager, compiled = (Transformer(config, topo, seed=0, sequence_parallel=sequence_parallel, recompute=recompute)
-                       for _ in range(2))
+    eager, compiled = (
+        Transformer(config, topo, seed=0, sequence_parallel=sequence_parallel, recompute=recompute) for _ in range(2)
+    )
     graphs = []
 
     def count(gm, example_inputs):
@@ -104,8 +112,9 @@ def _counted_once(eager, compiled):
         assert torch.equal(a.step_tokens, b.step_tokens) and a.step_tokens.sum() == 2 * 64 * a.config.top_k
 
 
-@pytest.mark.parametrize("name, recompute, graphs", [("moe-tiny", "full", 1), ("deepseek-v3-tiny", "none", 2),
-                                                     ("gpt-oss-tiny", "none", 2)])
+@pytest.mark.parametrize(
+    "name, recompute, graphs", [("moe-tiny", "full", 1), ("deepseek-v3-tiny", "none", 2), ("gpt-oss-tiny", "none", 2)]
+)
 def test_a_moe_block_is_one_graph(name, recompute, graphs):
     """Router, sort by expert, grouped experts (torch._grouped_mm over device offsets), shared expert and balancing
     losses in one graph, no break: no bincount, no tolist, no branch on a tensor. moe-tiny's 4 MoE blocks share

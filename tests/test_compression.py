@@ -83,7 +83,7 @@ def _expected_mean(spec: str, per_rank: list[list[torch.Tensor]]) -> torch.Tenso
         assert spec.kind == "sign"
         sums = []
         for start in range(0, flats[0].numel(), CHUNK):
-            chunks = [x[start:start + CHUNK] for x in flats]
+            chunks = [x[start : start + CHUNK] for x in flats]
             total = sum(torch.where(c >= 0, 1.0, -1.0) * c.abs().mean() for c in chunks)
             sums.append(torch.where(total >= 0, 1.0, -1.0) * total.abs().mean())
         out.append(torch.cat(sums) / world)
@@ -201,16 +201,21 @@ def _update_rounds(rank, world, spec, rounds):
         before = torch.cat([p.reshape(-1) for p in params]) + held
         reducer.after_step(params)
         if not first:  # what the first exchange made common, and what it cost
-            first = {"shared": torch.cat([p.reshape(-1) for p in reducer.shared]).tolist(),
-                     "bytes": reducer.take_bytes()}
+            first = {
+                "shared": torch.cat([p.reshape(-1) for p in reducer.shared]).tolist(),
+                "bytes": reducer.take_bytes(),
+            }
         held = reducer.held_back(held.numel())  # what sign's second compression keeps for the next sum
         after = torch.cat([p.reshape(-1) for p in params]) + held
         moved = comm.all_reduce(before.clone(), comm.WORLD) - comm.all_reduce(after.clone(), comm.WORLD)
         means.append(moved.abs().max().item())
     reducer.synchronize(params)
-    return {"mean_moved": max(means), "final": torch.cat([p.reshape(-1) for p in params]).tolist(), **first,
-            "expected": (rounds * comm.all_reduce(torch.cat([s.reshape(-1) for s in steps]), comm.WORLD)
-                         / world).tolist()}
+    return {
+        "mean_moved": max(means),
+        "final": torch.cat([p.reshape(-1) for p in params]).tolist(),
+        **first,
+        "expected": (rounds * comm.all_reduce(torch.cat([s.reshape(-1) for s in steps]), comm.WORLD) / world).tolist(),
+    }
 
 
 @pytest.mark.parametrize("spec", UPDATES)

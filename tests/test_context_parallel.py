@@ -32,9 +32,18 @@ def test_load_balanced_split_covers_the_sequence_once():
     assert sorted(sum(held, [])) == list(range(16))
 
 
-def _equivalence(topo, preset: str, *, sequence_parallel: bool = False, dropout: float = 0.0,
-                 recompute: str = "none", cp_mode: str = "ring", seq: int = 16, documents: bool = False,
-                 **changes) -> str:
+def _equivalence(
+    topo,
+    preset: str,
+    *,
+    sequence_parallel: bool = False,
+    dropout: float = 0.0,
+    recompute: str = "none",
+    cp_mode: str = "ring",
+    seq: int = 16,
+    documents: bool = False,
+    **changes,
+) -> str:
     import torch.distributed as dist
 
     from megakit.nn import comm as C
@@ -57,8 +66,10 @@ def _equivalence(topo, preset: str, *, sequence_parallel: bool = False, dropout:
                 block.attn.sinks.copy_(sinks)
                 model.layers[i].attn.sinks.copy_(sinks.chunk(topo.tp)[topo.tp_rank])
     use_cp_mode(model, cp_mode, topo)
-    case = (f"{preset} cp={topo.cp} ({cp_mode}) tp={topo.tp} sp={sequence_parallel} dropout={dropout} "
-            f"recompute={recompute} {changes}")
+    case = (
+        f"{preset} cp={topo.cp} ({cp_mode}) tp={topo.tp} sp={sequence_parallel} dropout={dropout} "
+        f"recompute={recompute} {changes}"
+    )
     rows = {"sample_ids": [11, 12]}
     if documents:  # packed documents of random lengths, crossing the zig-zag chunks
         rows["documents"] = (torch.rand(2, seq, generator=gen) < 0.1).long().cumsum(-1)
@@ -104,13 +115,17 @@ def _sweep(rank, world_size, root):
     done.append(_equivalence(cp4, "gpt-tiny", dropout=0.1, recompute="full"))
     # a sliding window shorter than the sequence (masked in the ring; Qwen2's: blocks 1 on), Llama 3.1's RoPE
     # at the rank's global positions, GPT-2's score scaling; with dropout the single process writes attention out
-    llama3 = RopeScaling("llama3", (("factor", 8.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
-                                    ("original_max_position_embeddings", 4)))
-    done.append(_equivalence(cp4, "llama-tiny", sliding_window=5, sliding_window_from=1, rope_theta=5e5,
-                             rope_scaling=llama3))
+    llama3 = RopeScaling(
+        "llama3",
+        (("factor", 8.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0), ("original_max_position_embeddings", 4)),
+    )
+    done.append(
+        _equivalence(cp4, "llama-tiny", sliding_window=5, sliding_window_from=1, rope_theta=5e5, rope_scaling=llama3)
+    )
     done.append(_equivalence(cp2tp2, "llama-tiny", dropout=0.1, sliding_window=3))
-    done.append(_equivalence(cp2dp2, "gpt-tiny", dropout=0.1, scale_attn_weights=False,
-                             scale_attn_by_inverse_layer_idx=True))
+    done.append(
+        _equivalence(cp2dp2, "gpt-tiny", dropout=0.1, scale_attn_weights=False, scale_attn_by_inverse_layer_idx=True)
+    )
     # Ulysses (--cp-mode a2a): MHA and GQA at CP 4 (llama-tiny's 4 KV heads split; 2 KV heads, fewer than CP 4,
     # replicated per query head), under TP 2 with SP, with dropout, a window and full recompute
     done.append(_equivalence(cp4, "gpt-tiny", cp_mode="a2a"))
@@ -170,12 +185,14 @@ def _window_model_sweep(rank, world_size):
     from megakit.nn.topology import Topology
 
     cp4, hybrid = Topology(Layout(cp=4)), Topology(Layout(cp=4, cp_a2a=2))
-    return [_equivalence(cp4, "llama-tiny", seq=64, sliding_window=8),  # the window a whole chunk: c = 64 / 8
-            _equivalence(cp4, "llama-tiny", seq=64, sliding_window=3, attention_sinks=True, documents=True),
-            _equivalence(cp4, "llama-tiny", seq=64, sliding_window=8, dropout=0.1, documents=True),  # explicit blocks
-            _equivalence(cp4, "gpt-oss-tiny", seq=64, documents=True),  # window 8 on alternate blocks, the ring between
-            _equivalence(cp4, "gemma3-tiny", seq=64),  # window 8 on 5 blocks of 6
-            _equivalence(hybrid, "gpt-oss-tiny", cp_mode="hybrid", seq=64)]  # a ring of 2, chunks of 16
+    return [
+        _equivalence(cp4, "llama-tiny", seq=64, sliding_window=8),  # the window a whole chunk: c = 64 / 8
+        _equivalence(cp4, "llama-tiny", seq=64, sliding_window=3, attention_sinks=True, documents=True),
+        _equivalence(cp4, "llama-tiny", seq=64, sliding_window=8, dropout=0.1, documents=True),  # explicit blocks
+        _equivalence(cp4, "gpt-oss-tiny", seq=64, documents=True),  # window 8 on alternate blocks, the ring between
+        _equivalence(cp4, "gemma3-tiny", seq=64),  # window 8 on 5 blocks of 6
+        _equivalence(hybrid, "gpt-oss-tiny", cp_mode="hybrid", seq=64),
+    ]  # a ring of 2, chunks of 16
 
 
 def test_a_window_within_a_chunk_matches_one_process():
@@ -188,9 +205,15 @@ def test_a_window_within_a_chunk_matches_one_process():
 # -- a window within a chunk: K/V from the two zig-zag neighbours, not around the ring ------------------------------
 B, N, KV, S, D = 2, 4, 2, 64, 8  # at CP 4: chunks of c = S / (2 x 4) = 8 tokens
 WINDOW_CASES = [  # (window, fused, documents, sinks, dropout)
-    (8, True, False, False, 0.0), (8, False, False, False, 0.0), (3, True, True, True, 0.0),
-    (3, False, True, True, 0.0), (8, False, True, False, 0.2), (5, True, False, True, 0.0),
-    (9, True, True, False, 0.0), (0, True, False, False, 0.0), (9, False, False, True, 0.2),
+    (8, True, False, False, 0.0),
+    (8, False, False, False, 0.0),
+    (3, True, True, True, 0.0),
+    (3, False, True, True, 0.0),
+    (8, False, True, False, 0.2),
+    (5, True, False, True, 0.0),
+    (9, True, True, False, 0.0),
+    (0, True, False, False, 0.0),
+    (9, False, False, True, 0.2),
 ]
 
 
@@ -215,8 +238,16 @@ def _window_case(rank: int, world: int, window: int, fused: bool, documents: boo
 
     def run(q, k, v, sink, group, keep):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([sink.clone().requires_grad_()] if sinks else [])
-        out = ring_attention(*leaves[:3], group, keep=keep, p=dropout, window=window, documents=docs, fused=fused,
-                             sinks=leaves[3] if sinks else None)
+        out = ring_attention(
+            *leaves[:3],
+            group,
+            keep=keep,
+            p=dropout,
+            window=window,
+            documents=docs,
+            fused=fused,
+            sinks=leaves[3] if sinks else None,
+        )
         out.backward(grad.index_select(2, held) if group is not None else grad)
         return [out.detach()] + [t.grad for t in leaves]
 
@@ -224,8 +255,12 @@ def _window_case(rank: int, world: int, window: int, fused: bool, documents: boo
     want = [t.index_select(2, held) for t in want[:4]] + want[4:]
     meter = C.Meter()
     with C.metered(meter):
-        got = run(*(t.index_select(2, held) for t in (q, k, v)), sink, topo.cp_group,
-                  None if keep is None else keep.index_select(2, held))
+        got = run(
+            *(t.index_select(2, held) for t in (q, k, v)),
+            sink,
+            topo.cp_group,
+            None if keep is None else keep.index_select(2, held),
+        )
     if sinks:  # each rank's share of d sinks: summed over the ring
         got[4] = C.all_reduce(got[4].clone(), topo.cp_group)
     error = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
@@ -276,7 +311,7 @@ def _mla_case(rank: int, world: int, window: int, fused: bool):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     gap = torch.arange(S)[:, None] - torch.arange(S)[None, :]
     allowed = (gap >= 0) & (gap < window) if window else gap >= 0
-    scores = (leaves[0] @ leaves[1].transpose(-2, -1) * D_QK ** -0.5).masked_fill(~allowed, float("-inf"))
+    scores = (leaves[0] @ leaves[1].transpose(-2, -1) * D_QK**-0.5).masked_fill(~allowed, float("-inf"))
     out = scores.softmax(-1) @ leaves[2]
     out.backward(grad)
     want = [t.index_select(2, held) for t in [out.detach()] + [t.grad for t in leaves]]

@@ -47,8 +47,15 @@ def prepared(tmp_path_factory):
     base = tmp_path_factory.mktemp("data")
     corpus = _corpus(base / "corpus")
     out = base / "tokens"
-    cfg = PrepareConfig(inputs=[str(corpus)], out=str(out), vocab_size=400, val_fraction=0.1, workers=2,
-                        shard_tokens=20_000, progress=False)
+    cfg = PrepareConfig(
+        inputs=[str(corpus)],
+        out=str(out),
+        vocab_size=400,
+        val_fraction=0.1,
+        workers=2,
+        shard_tokens=20_000,
+        progress=False,
+    )
     return cfg, prepare(cfg, say=lambda *_: None), corpus
 
 
@@ -68,16 +75,19 @@ def test_shards_round_trip_to_the_tokenizers_own_ids(prepared):
         for tokens, starts in zip(shards.tokens(split), shards.documents(split)):
             ends = [*starts[1:], len(tokens)]
             got += [(split, tokens[s:e].tolist()) for s, e in zip(starts, ends)]
-    docs = [tokenizer.encode(d, add_special_tokens=False).ids + [eos]
-            for path in sorted(p for p in corpus.rglob("*") if p.is_file()) for d in read_documents(path, "text")[0]]
+    docs = [
+        tokenizer.encode(d, add_special_tokens=False).ids + [eos]
+        for path in sorted(p for p in corpus.rglob("*") if p.is_file())
+        for d in read_documents(path, "text")[0]
+    ]
     want, seen, held = {"train": [], "validation": []}, 0, 0
     for i, ids in enumerate(docs):  # a document's end is held out once the split owes MIN_SPAN tokens, or at the last
         seen += len(ids)
         owed = int(0.1 * seen + 0.5) - held
         take = max(0, min(owed, len(ids), seen - held - 1)) if owed >= MIN_SPAN or i == len(docs) - 1 else 0
         held += take
-        want["train"] += [ids[:len(ids) - take]] if take < len(ids) else []
-        want["validation"] += [ids[len(ids) - take:]] if take else []
+        want["train"] += [ids[: len(ids) - take]] if take < len(ids) else []
+        want["validation"] += [ids[len(ids) - take :]] if take else []
     for split in ("train", "validation"):
         assert [g for s, g in got if s == split] == want[split], split
         assert summary["tokens"][split] == sum(map(len, want[split]))
@@ -88,11 +98,13 @@ def test_shards_round_trip_to_the_tokenizers_own_ids(prepared):
     for name in ("tokenizer.json", "train-00000.bin", "validation-00000.bin"):  # one worker, same bytes
         assert (shards.directory / name).read_bytes() == (shards.directory.parent / "tokens-again" / name).read_bytes()
     assert not again["unchanged"] and prepare(cfg, say=lambda *_: None)["unchanged"]
-    local = prepare(PrepareConfig(**{**cfg.__dict__, "out": cfg.out + "-local", "tokenizer": cfg.out}),
-                    say=lambda *_: None)  # --tokenizer: the saved transformers tokenizer directory
+    local = prepare(
+        PrepareConfig(**{**cfg.__dict__, "out": cfg.out + "-local", "tokenizer": cfg.out}), say=lambda *_: None
+    )  # --tokenizer: the saved transformers tokenizer directory
     assert local["vocab_size"] == 400
     assert (shards.directory / "train-00001.bin").read_bytes() == (
-        shards.directory.parent / "tokens-local" / "train-00001.bin").read_bytes()
+        shards.directory.parent / "tokens-local" / "train-00001.bin"
+    ).read_bytes()
     assert not list(shards.directory.parent.glob(".tokens*"))  # no temporary directory left
 
 
@@ -115,15 +127,25 @@ def test_a_big_jsonl_is_cut_into_pieces_and_its_bad_lines_counted(prepared, tmp_
     assert all(a[2] == b[1] for a, b in itertools.pairwise(cuts))  # contiguous, each cut just after a newline
     assert all(path.read_bytes()[c[1] - 1] == ord("\n") for c in cuts[1:])
     said = []
-    cfg = PrepareConfig(inputs=[str(path)], out=str(tmp_path / "out"), tokenizer=prepared[0].out, val_fraction=0.0,
-                        workers=2, progress=False)
+    cfg = PrepareConfig(
+        inputs=[str(path)],
+        out=str(tmp_path / "out"),
+        tokenizer=prepared[0].out,
+        val_fraction=0.0,
+        workers=2,
+        progress=False,
+    )
     summary = prepare(cfg, say=said.append)
     assert summary["bad_records"] == 3 and summary["documents"]["train"] == 57, summary
     assert any("skipped 3 JSONL lines" in line and "big.jsonl, the line at byte" in line for line in said), said
     shards = open_shards(cfg.out)
     tokenizer = Tokenizer.from_file(str(shards.directory / "tokenizer.json"))
-    want = [t for i, r in enumerate(records) if i not in bad
-            for t in tokenizer.encode(json.loads(r)["text"], add_special_tokens=False).ids + [shards.index["eos_id"]]]
+    want = [
+        t
+        for i, r in enumerate(records)
+        if i not in bad
+        for t in tokenizer.encode(json.loads(r)["text"], add_special_tokens=False).ids + [shards.index["eos_id"]]
+    ]
     assert np.concatenate([np.asarray(t) for t in shards.tokens("train")]).tolist() == want
 
 
@@ -137,11 +159,21 @@ def test_parquet_and_arrow_rows_are_named_as_rows_and_empty_ones_counted(prepare
     texts = ["one two three", None, "", "four five", "six"]
     pq.write_table(pa.table({"text": texts}), tmp_path / "rows.parquet", row_group_size=2)
     datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
-    for source, where in (("rows.parquet", "rows.parquet, row group 0, row 1 ('text' is null)"),
-                          ("saved", "record batch 0, row 1 ('text' is null)")):
+    for source, where in (
+        ("rows.parquet", "rows.parquet, row group 0, row 1 ('text' is null)"),
+        ("saved", "record batch 0, row 1 ('text' is null)"),
+    ):
         said = []
-        summary = prepare(PrepareConfig(inputs=[str(tmp_path / source)], out=str(tmp_path / f"out-{source}"),
-                                        tokenizer=prepared[0].out, val_fraction=0.0, progress=False), say=said.append)
+        summary = prepare(
+            PrepareConfig(
+                inputs=[str(tmp_path / source)],
+                out=str(tmp_path / f"out-{source}"),
+                tokenizer=prepared[0].out,
+                val_fraction=0.0,
+                progress=False,
+            ),
+            say=said.append,
+        )
         assert (summary["input_documents"], summary["bad_records"], summary["empty_records"]) == (3, 1, 1), summary
         assert not any("JSONL" in line for line in said), said
         assert any("skipped 1 Parquet/Arrow rows that are not objects" in line and where in line for line in said), said
@@ -227,8 +259,11 @@ def test_trainer_data_errors_are_one_line(prepared, tmp_path, capsys):
     corpus = open_corpus(str(data))  # the loader as the trainer builds it, one step reading every sample
     options = corpus.loader_options(TrainConfig(ds_config=str(ROOT / "ds_configs" / "zero1.json"), model="gpt-tiny"))
     samples = TokenBatches(corpus.train, BatchPlan(seq_len=64, micro_batch=1)).num_samples
-    with pytest.raises(UsageError, match="train-00001.bin holds token id 65535 at token 5, outside the vocabulary of "
-                                         "400: the shard is damaged; run train.py --check"):
+    with pytest.raises(
+        UsageError,
+        match="train-00001.bin holds token id 65535 at token 5, outside the vocabulary of "
+        "400: the shard is damaged; run train.py --check",
+    ):
         TokenBatches(corpus.train, BatchPlan(seq_len=64, micro_batch=samples), **options).global_batch(0)
     shard.write_bytes(original[:-10])
     assert "train-00001.bin is truncated" in _one_line(capsys, 2, base, train)
@@ -242,11 +277,39 @@ def five_large_files(directory, words_per_file=30_000):
 
     directory.mkdir()
     rng = random.Random(0)
-    vocabulary = ["the", "king", "of", "a", "night", "speak", "my", "lord", "and", "thou", "art", "to", "be", "love",
-                  "death", "sweet", "what", "is", "in", "fair", "heaven", "tongue", "never", "again", "hath", "done"]
+    vocabulary = [
+        "the",
+        "king",
+        "of",
+        "a",
+        "night",
+        "speak",
+        "my",
+        "lord",
+        "and",
+        "thou",
+        "art",
+        "to",
+        "be",
+        "love",
+        "death",
+        "sweet",
+        "what",
+        "is",
+        "in",
+        "fair",
+        "heaven",
+        "tongue",
+        "never",
+        "again",
+        "hath",
+        "done",
+    ]
     for i in range(5):
-        lines = [" ".join(rng.choice(vocabulary) for _ in range(12)) + rng.choice(".,;!?") for _ in
-                 range(words_per_file // 12)]
+        lines = [
+            " ".join(rng.choice(vocabulary) for _ in range(12)) + rng.choice(".,;!?")
+            for _ in range(words_per_file // 12)
+        ]
         (directory / f"play{i}.txt").write_text("\n".join(lines) + "\n")
     return directory
 
@@ -265,7 +328,8 @@ def test_five_large_files_get_a_validation_split_of_the_val_fraction_of_tokens(t
     assert tokens["validation"] >= MIN_SPAN and abs(share - 0.01) < 0.001, tokens
     assert megakit(["prepare-data", str(corpus), "--out", str(tmp_path / "b"), "--workers", "1", *out]) == 0
     assert [(tmp_path / d / "validation-00000.bin").read_bytes() for d in "ab"] == [
-        (tmp_path / "a" / "validation-00000.bin").read_bytes()] * 2  # deterministic
+        (tmp_path / "a" / "validation-00000.bin").read_bytes()
+    ] * 2  # deterministic
     (tmp_path / "tiny.txt").write_text("a few words only\n")
     assert megakit(["prepare-data", str(tmp_path / "tiny.txt"), "--out", str(tmp_path / "c"), *out]) == 0
     said = capsys.readouterr().out

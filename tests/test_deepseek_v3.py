@@ -40,7 +40,7 @@ def test_mla_logits_match_transformers_at_every_position(changes):
     config = ModelConfig.from_hf(hf.config.to_dict(), source="deepseek-v3")
     assert ModelConfig.from_hf(config.to_hf()) == config
     assert config.attention_scale(0) == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-12)
-    assert config.attention_scale(0) != config.head_dim ** -0.5  # mscale(40, 1.0)^2 / sqrt(24)
+    assert config.attention_scale(0) != config.head_dim**-0.5  # mscale(40, 1.0)^2 / sqrt(24)
     ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1))
     want = hf(ids).logits
     got = megakit_copy(config, hf)(ids)
@@ -50,9 +50,17 @@ def test_mla_logits_match_transformers_at_every_position(changes):
     state = from_hf_state_dict(config, hf.state_dict())
     mla = config.mla
     flipped = config.replace(mla=type(mla)(**{**mla.__dict__, "rope_interleave": not mla.rope_interleave}))
-    for what, other in (("the other RoPE pair layout", flipped), ("no softmax mscale", config.replace(
-            rope_scaling=type(config.rope_scaling)("yarn", tuple(p for p in config.rope_scaling.params
-                                                                 if p[0] != "mscale_all_dim"))))):
+    for what, other in (
+        ("the other RoPE pair layout", flipped),
+        (
+            "no softmax mscale",
+            config.replace(
+                rope_scaling=type(config.rope_scaling)(
+                    "yarn", tuple(p for p in config.rope_scaling.params if p[0] != "mscale_all_dim")
+                )
+            ),
+        ),
+    ):
         model = Transformer(other).eval()
         load_full_state_dict(model, state)
         gap = (model(ids) - want)[:, 16:].abs().max().item()
@@ -78,17 +86,25 @@ def _replicated_grads(rank, world, sequence_parallel):
     out = []
     every = slice(None)
     for i in ("0", "1"):
-        for label, name, part in (("q_a_proj", "q_a_proj.weight", every),
-                                  ("q_a_layernorm", "q_a_layernorm.weight", every),
-                                  ("kv_a_layernorm", "kv_a_layernorm.weight", every),
-                                  ("kv_a_proj_with_mqa latent rows", "kv_a_proj_with_mqa.weight", slice(0, rows)),
-                                  ("kv_a_proj_with_mqa RoPE rows", "kv_a_proj_with_mqa.weight", slice(rows, None))):
+        for label, name, part in (
+            ("q_a_proj", "q_a_proj.weight", every),
+            ("q_a_layernorm", "q_a_layernorm.weight", every),
+            ("kv_a_layernorm", "kv_a_layernorm.weight", every),
+            ("kv_a_proj_with_mqa latent rows", "kv_a_proj_with_mqa.weight", slice(0, rows)),
+            ("kv_a_proj_with_mqa RoPE rows", "kv_a_proj_with_mqa.weight", slice(rows, None)),
+        ):
             grad = model.get_parameter(f"layers.{i}.attn.{name}").grad[part].contiguous()
             full = want[f"layers.{i}.attn.{name}"][part]
             both = [torch.empty_like(grad) for _ in range(2)]
             dist.all_gather(both, grad, group=topo.tp_group)
-            out.append((f"layer {i} {label}", (grad - full).abs().max().item(), full.abs().max().item(),
-                        torch.equal(both[0], both[1])))
+            out.append(
+                (
+                    f"layer {i} {label}",
+                    (grad - full).abs().max().item(),
+                    full.abs().max().item(),
+                    torch.equal(both[0], both[1]),
+                )
+            )
     return out
 
 
@@ -114,12 +130,29 @@ def test_the_planner_counts_deepseek_v3_and_plans_it_on_1024_h100s_with_ep(capsy
     assert round(config.num_params() / 1e9) == 671
     kimi = ModelConfig.from_hf({**config.to_hf(), "model_type": "kimi_k2"})
     assert kimi.mla == config.mla and kimi.moe == config.moe
-    assert cli.main(["plan", "--model", "models/deepseek-v3.json", "--gpus", "1024", "--gpu", "h100-80gb",
-                     "--seq-len", "4096", "--json"]) == 0
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--model",
+                "models/deepseek-v3.json",
+                "--gpus",
+                "1024",
+                "--gpu",
+                "h100-80gb",
+                "--seq-len",
+                "4096",
+                "--json",
+            ]
+        )
+        == 0
+    )
     plan = json.loads(capsys.readouterr().out)["plan"]
     assert plan["ep"] > 1 and plan["peak_memory_gib"] < 0.8 * 80, plan
-    assert round(plan["gflops_per_token"]["causal"], 1) == 249.8 and round(plan["gflops_per_token"]["with_mtp"],
-                                                                           1) == 260.0
+    assert (
+        round(plan["gflops_per_token"]["causal"], 1) == 249.8
+        and round(plan["gflops_per_token"]["with_mtp"], 1) == 260.0
+    )
 
 
 def test_an_fp8_block_checkpoint_imports_to_the_logits_of_its_bf16_copy(tmp_path):
@@ -128,8 +161,10 @@ def test_an_fp8_block_checkpoint_imports_to_the_logits_of_its_bf16_copy(tmp_path
     a matrix, the edges cut) and writes the bf16 copy from its own blockwise product; both directories convert with
     ``megakit convert --from-hf`` to the same logits, far from the unquantised model's."""
     hf = hf_deepseek(hidden_size=192, vocab_size=128)  # 192: two blocks along the hidden size, the second cut
-    state = {k: v.to(torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16).contiguous()
-             for k, v in hf.state_dict().items()}
+    state = {
+        k: v.to(torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16).contiguous()
+        for k, v in hf.state_dict().items()
+    }
     packed, plain = dict(state), dict(state)
     for key in [k for k, v in state.items() if k.endswith("proj.weight") and v.dim() == 2 and "norm" not in k]:
         w = state[key].float()
@@ -137,7 +172,7 @@ def test_an_fp8_block_checkpoint_imports_to_the_logits_of_its_bf16_copy(tmp_path
         scale = torch.empty(-(-rows // 128), -(-cols // 128))
         for i in range(scale.shape[0]):
             for j in range(scale.shape[1]):
-                block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+                block = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
                 scale[i, j] = block.abs().max().clamp(min=1e-12) / 448.0  # E4M3's largest value
         expanded = scale.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
         fp8 = (w / expanded).to(torch.float8_e4m3fn)

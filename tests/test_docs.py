@@ -42,14 +42,16 @@ CHECKED = {  # "guide#block" skipped above -> the world size its train.py flags 
 
 WARNS = {  # "guide#block" -> (the one warning a reader sees there, why it is expected); any other warning fails
     "training.md#training-deepspeed-scriptstrainpy": (
-        "the warm-up is not over by step 3", "--verify-memory's 3 steps end inside the preset's 20-step warm-up; "
-        "the memory it measures does not depend on the LR"),
+        "the warm-up is not over by step 3",
+        "--verify-memory's 3 steps end inside the preset's 20-step warm-up; "
+        "the memory it measures does not depend on the LR",
+    ),
 }
 CHECKS = {  # "guide#block" -> what the guide says the block does, checked on its output and directory
     "parallelism.md#pipeline-schedules-megakit-schedule":  # the bubbles its comments give
-        lambda out, tmp: "bubble 27.3%" in out and "bubble 11.1%" in out and (tmp / "schedule.png").is_file(),
+    lambda out, tmp: "bubble 27.3%" in out and "bubble 11.1%" in out and (tmp / "schedule.png").is_file(),
     "checkpoints.md#checkpoints-and-hugging-face":  # resumed at another layout, saved, exported and imported back
-        lambda out, tmp: (tmp / "ckpt" / "step-0000060").is_dir() and (tmp / "mk" / "run" / "manifest.json").is_file(),
+    lambda out, tmp: (tmp / "ckpt" / "step-0000060").is_dir() and (tmp / "mk" / "run" / "manifest.json").is_file(),
 }
 
 
@@ -83,10 +85,22 @@ def _given_moe(tmp: Path) -> None:
     import transformers
 
     torch.manual_seed(0)
-    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=64, tie_word_embeddings=False)).save_pretrained(tmp / "hf" / "qwen3-moe")
+    transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(
+            vocab_size=256,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+    ).save_pretrained(tmp / "hf" / "qwen3-moe")
 
 
 GIVEN = {"data.md": _given_data, "parallelism.md": _given_moe}  # guide -> writes the files its reader brings
@@ -105,8 +119,12 @@ def params():
 
 
 def _checkout_listing() -> set[str]:
-    return {str(p.relative_to(ROOT)) for folder in LINKED for p in (ROOT / folder).rglob("*")
-            if "__pycache__" not in p.parts}
+    return {
+        str(p.relative_to(ROOT))
+        for folder in LINKED
+        for p in (ROOT / folder).rglob("*")
+        if "__pycache__" not in p.parts
+    }
 
 
 @pytest.mark.parametrize("guide", params())
@@ -121,8 +139,11 @@ def test_guide_runs_as_written_on_cpu(guide, tmp_path):
         code, out, script = run_block(block, tmp_path)
         times.append(f"{name} {time.perf_counter() - start:.1f} s")
         assert code == 0, f"{guide} block {name!r} failed (exit {code}):\n{script}\n{out[-6000:]}"
-        warned = [line for line in out.splitlines() if "warm-up is not over" in line
-                  or re.match(r"(megakit|prepare-data|train\.py)[\w -]*: .*warn", line)]
+        warned = [
+            line
+            for line in out.splitlines()
+            if "warm-up is not over" in line or re.match(r"(megakit|prepare-data|train\.py)[\w -]*: .*warn", line)
+        ]
         expected = WARNS.get(f"{guide}#{name}", ("\0",))[0]
         warned = [line for line in warned if expected not in line]
         assert not warned, f"{guide} block {name!r} warns:\n" + "\n".join(warned)
@@ -142,20 +163,30 @@ def _train_flags(block: str) -> list[str]:
     """The flags a block passes to scripts/train.py (lines joined at their backslashes), up to the command's end."""
     line = next(line for line in block.replace("\\\n", " ").splitlines() if "scripts/train.py" in line)
     words = shlex.split(line, comments=True)
-    flags = words[words.index("scripts/train.py") + 1:]
+    flags = words[words.index("scripts/train.py") + 1 :]
     ends = [i for i, word in enumerate(flags) if word in ("&", "&&", "||", ";", "|")]
-    return flags[:ends[0]] if ends else flags
+    return flags[: ends[0]] if ends else flags
 
 
 @pytest.mark.parametrize("key", sorted(CHECKED))
 def test_cluster_blocks_pass_the_trainers_check(key, tmp_path):
     guide, _, name = key.partition("#")
     link_checkout(tmp_path)
-    env = dict(os.environ, WORLD_SIZE=str(CHECKED[key]), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    env = dict(
+        os.environ,
+        WORLD_SIZE=str(CHECKED[key]),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    )
     flags = _train_flags(GUIDES[guide][name])
-    run = subprocess.run([sys.executable, "scripts/train.py", *flags, "--check"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "scripts/train.py", *flags, "--check"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, f"{key}: train.py {' '.join(flags)} --check\n{run.stdout}{run.stderr}"
 
 
@@ -180,21 +211,38 @@ def test_train_help_gives_every_default_the_guides_rely_on():
     spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    defaults = {dest: value for dest, value in vars(script.parse_args([])).items()
-                if value is not None and value is not False and dest != "local_rank"}
-    run = subprocess.run([sys.executable, "scripts/train.py", "--help"], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, COLUMNS="100"), timeout=120)
+    defaults = {
+        dest: value
+        for dest, value in vars(script.parse_args([])).items()
+        if value is not None and value is not False and dest != "local_rank"
+    }
+    run = subprocess.run(
+        [sys.executable, "scripts/train.py", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, COLUMNS="100"),
+        timeout=120,
+    )
     entries = {m.group(1): m.group(2) for m in re.finditer(r"^  (--[\w-]+)(.*?)(?=^  -|\Z)", run.stdout, re.M | re.S)}
-    lacking = [dest for dest in defaults if "default" not in entries.get(f"--{dest}", entries.get(
-        "--" + dest.replace("_", "-"), ""))]
+    lacking = [
+        dest
+        for dest in defaults
+        if "default" not in entries.get(f"--{dest}", entries.get("--" + dest.replace("_", "-"), ""))
+    ]
     assert not lacking, f"train.py --help gives no default for {lacking}"
     assert "(default: ds_configs/zero1.json)" in " ".join(entries["--ds_config"].split())
     assert "(default: 0)" in entries["--seed"]  # "default generators" in its text is not its default
 
 
 def test_every_plan_flag_is_in_a_guide():
-    run = subprocess.run([sys.executable, "-m", "megakit.commands.cli", "plan", "--help"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "megakit.commands.cli", "plan", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     flags = set(re.findall(r"^\s+(--[a-z][\w-]*)", run.stdout, re.M)) - {"--help"}
     text = "".join(page.read_text() for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))])
     missing = sorted(flag for flag in flags if not re.search(re.escape(flag) + r"(?![\w-])", text))

@@ -21,8 +21,22 @@ from test_trainer import ROOT, packed_documents
 from megakit.commands import cli
 from megakit.train.doctor.fault_injection import VARIABLE
 
-DOCTOR = [sys.executable, "-m", "megakit.commands.cli", "doctor", "--steps", "5", "--base-lr", "1.5e-3",
-          "--base-batch", "4", "--model", "gpt-tiny", "--seq-len", "32"]
+DOCTOR = [
+    sys.executable,
+    "-m",
+    "megakit.commands.cli",
+    "doctor",
+    "--steps",
+    "5",
+    "--base-lr",
+    "1.5e-3",
+    "--base-batch",
+    "4",
+    "--model",
+    "gpt-tiny",
+    "--seq-len",
+    "32",
+]
 
 
 def _text(path) -> str:
@@ -34,6 +48,8 @@ def _text(path) -> str:
     words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(500)]
     path.write_text(" ".join(rng.choice(words) for _ in range(8000)))
     return str(path)
+
+
 FAULTS = "seed@1,sleep@1:0.5,overlap@3,unbalanced@2,nan@2:3"
 
 
@@ -49,15 +65,31 @@ def _ds_config(path, *, lr: float, warmup: int | None) -> str:
     return str(path)
 
 
-def _doctor(work, nproc: int, ds_config: str, faults: str = "", data: list[str] | None = None
-            ) -> tuple[subprocess.CompletedProcess, dict]:
+def _doctor(
+    work, nproc: int, ds_config: str, faults: str = "", data: list[str] | None = None
+) -> tuple[subprocess.CompletedProcess, dict]:
     env = {k: v for k, v in os.environ.items() if k != VARIABLE} | {"OMP_NUM_THREADS": THREADS}
     if faults:
         env[VARIABLE] = faults
     report = work / "report.json"
-    out = subprocess.run([*DOCTOR, "--nproc", str(nproc), "--ds_config", ds_config, "--report-out", str(report),
-                          *(data or ["--data", _text(work / "text.txt")])],
-                         cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=600)
+    out = subprocess.run(
+        [
+            *DOCTOR,
+            "--nproc",
+            str(nproc),
+            "--ds_config",
+            ds_config,
+            "--report-out",
+            str(report),
+            *(data or ["--data", _text(work / "text.txt")]),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
     assert report.exists(), out.stdout[-3000:] + out.stderr[-3000:]
     return out, {check["name"]: check for check in json.loads(report.read_text())["checks"]}
 
@@ -65,8 +97,12 @@ def _doctor(work, nproc: int, ds_config: str, faults: str = "", data: list[str] 
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory):
     work = tmp_path_factory.mktemp("healthy")  # global batch 8 = 2 x base batch 4: LR 2 x 1.5e-3, warmed up
-    return _doctor(work, 2, _ds_config(work / "ds.json", lr=3e-3, warmup=3), data=[
-        "--data", packed_documents(work), "--reset-attention-mask", "--reset-position-ids"])
+    return _doctor(
+        work,
+        2,
+        _ds_config(work / "ds.json", lr=3e-3, warmup=3),
+        data=["--data", packed_documents(work), "--reset-attention-mask", "--reset-position-ids"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +118,10 @@ def test_a_healthy_job_passes_every_check(healthy):
     assert [c["passed"] for c in checks.values()] == [True] * 7, checks
     assert "every check passed" in out.stdout and "FAQ 6" in out.stdout
     assert "seeds 0;" in checks["identical initial weights"]["numbers"]
-    assert "tokens per rank and step 128; no sample on two DP ranks; each step trained exactly the seed's global " \
-           "batch" in checks["data balance and no overlap"]["numbers"]
+    assert (
+        "tokens per rank and step 128; no sample on two DP ranks; each step trained exactly the seed's global "
+        "batch" in checks["data balance and no overlap"]["numbers"]
+    )
     assert "steps 0-4" in checks["loss against a single process"]["numbers"]
     assert "x2 = 0.003 (peak is 1.00x that)" in checks["learning rate, scaling and warm-up"]["numbers"]
     assert "gloo on cpu; 2 ranks on 1 node(s)" in checks["backend and interconnect"]["numbers"]
@@ -111,16 +149,23 @@ def test_each_check_fails_on_its_fault_and_names_the_rank(faulty):
     assert not lr["passed"] and "no warm-up" in lr["numbers"] and "warmup_num_steps" in lr["fix"]
     assert checks["backend and interconnect"]["passed"]
     stragglers = checks["stragglers"]
-    assert not stragglers["passed"] and "rank 1 the slowest of its stage by more than 1.5x their median and 20% of the step in" in stragglers["numbers"]
+    assert (
+        not stragglers["passed"]
+        and "rank 1 the slowest of its stage by more than 1.5x their median and 20% of the step in"
+        in stragglers["numbers"]
+    )
 
 
-@pytest.mark.parametrize(("argv", "env", "needle"), [
-    (["--nproc", "1"], "", "--nproc 1: the doctor compares ranks"),
-    (["--nproc", "2", "--tp", "4"], "", "world size 2 is not divisible by TP x PP"),
-    (["--nproc", "2", "--base-lr", "1e-3"], "", "--base-lr and --base-batch go together"),
-    (["--nproc", "2", "--doctor-out", "x.json"], "", "--doctor-out is the doctor's to set"),
-    (["--nproc", "2"], "sleep@1", f"{VARIABLE}: cannot read 'sleep@1'"),
-])
+@pytest.mark.parametrize(
+    ("argv", "env", "needle"),
+    [
+        (["--nproc", "1"], "", "--nproc 1: the doctor compares ranks"),
+        (["--nproc", "2", "--tp", "4"], "", "world size 2 is not divisible by TP x PP"),
+        (["--nproc", "2", "--base-lr", "1e-3"], "", "--base-lr and --base-batch go together"),
+        (["--nproc", "2", "--doctor-out", "x.json"], "", "--doctor-out is the doctor's to set"),
+        (["--nproc", "2"], "sleep@1", f"{VARIABLE}: cannot read 'sleep@1'"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2_before_any_process(argv, env, needle, monkeypatch, capsys):
     monkeypatch.setenv(VARIABLE, env)
     assert cli.main(["doctor", *argv]) == 2
@@ -133,10 +178,24 @@ def test_the_backend_line_and_the_job_line_name_context_parallelism(capsys):
     from megakit.commands.doctor_render import render
     from megakit.train.doctor.checks import check_backend
 
-    ranks = [{"rank": r, "pp": 0, "dp": 0, "tp": 0, "backend": "gloo", "device": "cpu", "node": "node 0",
-              "host": "h"} for r in range(2)]
-    config = {"model": "gpt-tiny", "world": 2, "tp": 1, "pp": 1, "dp": 1, "cp": 2, "zero_stage": 1,
-              "precision": "fp32", "global_batch": 4, "seq_len": 32, "steps": 2, "start_step": 0}
+    ranks = [
+        {"rank": r, "pp": 0, "dp": 0, "tp": 0, "backend": "gloo", "device": "cpu", "node": "node 0", "host": "h"}
+        for r in range(2)
+    ]
+    config = {
+        "model": "gpt-tiny",
+        "world": 2,
+        "tp": 1,
+        "pp": 1,
+        "dp": 1,
+        "cp": 2,
+        "zero_stage": 1,
+        "precision": "fp32",
+        "global_batch": 4,
+        "seq_len": 32,
+        "steps": 2,
+        "start_step": 0,
+    }
     verdict = check_backend({"ranks": ranks, "config": config})
     assert verdict.passed and "; TP 1 x CP 2 x PP 1 x DP 1;" in verdict.numbers, verdict
     render({"config": config, "steps": [{}, {}], "faults": ""}, [verdict])

@@ -35,10 +35,11 @@ def _per_document(q, k, v, documents, window: int = 0) -> torch.Tensor:
     for b in range(q.shape[0]):
         for d in documents[b].unique():
             idx = (documents[b] == d).nonzero().squeeze(1)
-            qd, kd, vd = (t[b:b + 1, :, idx] for t in (q, k, v))
+            qd, kd, vd = (t[b : b + 1, :, idx] for t in (q, k, v))
             mask = causal_mask(len(idx), window, q.device)
-            out[b:b + 1, :, idx] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, is_causal=mask is None,
-                                                                  enable_gqa=q.shape[1] != k.shape[1])
+            out[b : b + 1, :, idx] = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
+            )
     return out
 
 
@@ -72,12 +73,13 @@ def test_packed_sdpa_and_the_dropout_path_equal_each_document_alone(window):
     want, want_grads = _grads(lambda a, b, c: _per_document(a, b, c, docs, window), q, k, v, g)
 
     def packed(a, b, c):
-        return F.scaled_dot_product_attention(a, b, c, attn_mask=allowed_keys(32, window, docs, a.device),
-                                              enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            a, b, c, attn_mask=allowed_keys(32, window, docs, a.device), enable_gqa=True
+        )
 
     def explicit(a, b, c):  # the dropout path's softmax, at p = 0
         b, c = (t.repeat_interleave(2, dim=1) for t in (b, c))
-        scores = a @ b.transpose(-2, -1) * 8 ** -0.5
+        scores = a @ b.transpose(-2, -1) * 8**-0.5
         scores = scores.masked_fill(~allowed_keys(32, window, docs, a.device), float("-inf"))
         return scores.softmax(-1) @ c
 
@@ -99,8 +101,9 @@ def test_flex_attention_equals_each_document_alone(window):
     q, k, v = (t.detach() for t in _qkv())
     docs = _documents()
     want = _per_document(q, k, v, docs, window)
-    assert_fp32_close(flex_document_attention(q, k, v, docs, window=window, scale=8 ** -0.5), want, terms=32,
-                      what="output")
+    assert_fp32_close(
+        flex_document_attention(q, k, v, docs, window=window, scale=8**-0.5), want, terms=32, what="output"
+    )
     assert document_block_mask(docs, window) is document_block_mask(docs, window)  # one mask per micro-batch
     assert document_block_mask(docs.clone(), window) is not document_block_mask(docs, window)
     config = ModelConfig.load("llama-tiny")
@@ -133,15 +136,19 @@ def _ring_worker(rank: int, world: int, window: int):
     want, want_grads = _grads(lambda a, b, c: _per_document(a, b, c, docs, window), q, k, v, g)
     held = positions(32, world, rank)
     out = {}
-    for name, documents, fused in (("packed", docs, True), ("packed, explicit blocks", docs, False),
-                                   ("no document term", None, True)):
+    for name, documents, fused in (
+        ("packed", docs, True),
+        ("packed, explicit blocks", docs, False),
+        ("no document term", None, True),
+    ):
         mine = [t.detach()[:, :, held].clone().requires_grad_() for t in (q, k, v)]
         y = ring_attention(*mine, topo.cp_group, window=window, documents=documents, fused=fused)
         (y * g[:, :, held]).sum().backward()
         full = gather_sequence(y.detach(), topo.cp_group, dim=2)
         grads = [gather_sequence(t.grad, topo.cp_group, dim=2) for t in mine]
-        out[name] = max(float((full - want).abs().max()), *(float((a - b).abs().max())
-                                                            for a, b in zip(grads, want_grads)))
+        out[name] = max(
+            float((full - want).abs().max()), *(float((a - b).abs().max()) for a, b in zip(grads, want_grads))
+        )
     scale = max(float(want.abs().max()), *(float(t.abs().max()) for t in want_grads))
     return out, scale
 
@@ -165,12 +172,22 @@ def _hf_pair(family: str):
 
     torch.manual_seed(0)
     if family == "llama":
-        hf = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                          attn_implementation="sdpa")).eval()
+        hf = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=96,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+                attn_implementation="sdpa",
+            )
+        ).eval()
     else:
-        hf = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                        attn_implementation="eager")).eval()
+        hf = GPT2LMHeadModel(
+            GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64, attn_implementation="eager")
+        ).eval()
     config = ModelConfig.from_hf(hf.config.to_dict())
     ours = Transformer(config, seed=1).eval()
     load_full_state_dict(ours, from_hf_state_dict(config, {k: v for k, v in hf.state_dict().items()}))
@@ -189,7 +206,7 @@ def test_a_packed_model_gives_each_documents_own_logits(family):
         for b in range(ids.shape[0]):
             for d in docs[b].unique():
                 idx = (docs[b] == d).nonzero().squeeze(1)
-                want[b, idx] = hf(ids[b:b + 1, idx]).logits[0]
+                want[b, idx] = hf(ids[b : b + 1, idx]).logits[0]
         assert_fp32_close(packed, want, terms=32, what=f"{family} per document")
         if family == "llama":  # transformers' own packed batch: positions restarting, no attention mask, no cache
             together = hf(ids, position_ids=position_ids(docs), use_cache=False).logits  # packed: no cache

@@ -15,8 +15,8 @@ import torch
 from multiproc import THREADS
 
 from megakit.errors import UsageError
-from megakit.nn.tensor_parallel.fp8 import EMULATE_ENV, Float8Matmul, check_fp8, convert_to_fp8
 from megakit.nn.model import ModelConfig, Transformer
+from megakit.nn.tensor_parallel.fp8 import EMULATE_ENV, Float8Matmul, check_fp8, convert_to_fp8
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,12 +24,20 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without float8 GEMMs")
 def test_fp8_without_a_float8_gpu_is_refused_in_one_line_before_any_process_group():
     env = {k: v for k, v in os.environ.items() if k != EMULATE_ENV} | {"OMP_NUM_THREADS": THREADS}
-    out = subprocess.run([sys.executable, "scripts/train.py", "--fp8", "tensorwise", "--steps", "1"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "scripts/train.py", "--fp8", "tensorwise", "--steps", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.startswith("train.py")]
-    assert lines == ["train.py: error: --fp8 tensorwise needs an NVIDIA GPU with float8 GEMMs (compute capability "
-                     "8.9+: Ada, Hopper, Blackwell) and this machine has none; drop --fp8 (or --fp8 none)"], out.stderr
+    assert lines == [
+        "train.py: error: --fp8 tensorwise needs an NVIDIA GPU with float8 GEMMs (compute capability "
+        "8.9+: Ada, Hopper, Blackwell) and this machine has none; drop --fp8 (or --fp8 none)"
+    ], out.stderr
     assert "Traceback" not in out.stderr
     with pytest.raises(UsageError, match="--fp8 e4m3 is not one of none, tensorwise, rowwise"):
         check_fp8("e4m3")

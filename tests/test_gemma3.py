@@ -23,12 +23,22 @@ from megakit.interop.hf import from_hf_state_dict, to_hf_state_dict  # noqa: E40
 from megakit.nn.model import Transformer, full_state_dict, load_full_state_dict  # noqa: E402
 
 TOL = 1e-5
-FIELDS = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=128, sliding_window=8,
-              query_pre_attn_scalar=24, rope_parameters={"sliding_attention": {"rope_type": "default",
-                                                                               "rope_theta": 10000.0},
-                                                         "full_attention": {"rope_type": "linear", "factor": 8.0,
-                                                                            "rope_theta": 1000000.0}})
+FIELDS = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    sliding_window=8,
+    query_pre_attn_scalar=24,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+    },
+)
 
 
 def _hf_model():
@@ -51,10 +61,15 @@ def test_gemma3_logits_match_transformers_and_each_piece_matters():
     diff = (megakit_copy(config, hf)(ids) - want).abs().max().item()
     print(f"gemma3: max |logit diff| {diff:.2e}")
     assert diff < TOL
-    controls = {"plain RMSNorm": dict(norm_offset=False), "no sandwich norms": dict(sandwich_norms=False),
-                "SwiGLU": dict(mlp_act="silu"), "no embedding scale": dict(embed_scale=1.0),
-                "1/sqrt(head_dim)": dict(query_pre_attn_scalar=0.0), "one RoPE": dict(sliding_rope_theta=0.0),
-                "no windows": dict(layer_types=("full_attention",) * 6)}
+    controls = {
+        "plain RMSNorm": dict(norm_offset=False),
+        "no sandwich norms": dict(sandwich_norms=False),
+        "SwiGLU": dict(mlp_act="silu"),
+        "no embedding scale": dict(embed_scale=1.0),
+        "1/sqrt(head_dim)": dict(query_pre_attn_scalar=0.0),
+        "one RoPE": dict(sliding_rope_theta=0.0),
+        "no windows": dict(layer_types=("full_attention",) * 6),
+    }
     for what, change in controls.items():
         model = Transformer(config.replace(**change)).eval()
         state = from_hf_state_dict(config, hf.state_dict())
@@ -74,8 +89,9 @@ def test_gemma3_config_and_weights_round_trip_and_transformers_reads_them(tmp_pa
     for field, value in written.items():  # field for field what transformers wrote (its own bookkeeping aside)
         if field not in ("architectures",):
             assert original[field] == value, (field, original[field], value)
-    again = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**{k: v for k, v in written.items()
-                                                                            if k != "model_type"})).eval()
+    again = transformers.Gemma3ForCausalLM(
+        transformers.Gemma3TextConfig(**{k: v for k, v in written.items() if k != "model_type"})
+    ).eval()
     ours = megakit_copy(config, hf)
     missing, unexpected = again.load_state_dict(to_hf_state_dict(config, full_state_dict(ours)), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied to the embedding

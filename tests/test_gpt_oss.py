@@ -24,11 +24,28 @@ from megakit.interop.hf import from_hf_state_dict, to_hf_state_dict  # noqa: E40
 from megakit.nn.model import Transformer, full_state_dict, load_full_state_dict  # noqa: E402
 
 TOL = 1e-5
-FIELDS = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-              max_position_embeddings=256, rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
-                                                            "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
-                                                            "original_max_position_embeddings": 4096})
+FIELDS = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    max_position_embeddings=256,
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "rope_theta": 150000.0,
+        "original_max_position_embeddings": 4096,
+    },
+)
 
 
 def hf_gpt_oss(seed: int = 0):
@@ -53,14 +70,21 @@ def test_gpt_oss_logits_match_transformers_and_each_piece_matters():
     assert diff < TOL
     state = from_hf_state_dict(config, hf.state_dict())
     moe = config.moe
-    controls = {"no sinks": (dict(attention_sinks=False), "sinks"),
-                "no windows": (dict(layer_types=("full_attention",) * 4), None),
-                "plain SwiGLU": (dict(moe=dataclasses.replace(moe, swiglu_limit=0.0)), None),
-                "no clamp": (dict(moe=dataclasses.replace(moe, swiglu_limit=1e9)), None),
-                "no router bias": (dict(moe=dataclasses.replace(moe, router_bias=False)), "gate.bias"),
-                "YaRN truncated": (dict(rope_scaling=dataclasses.replace(
-                    config.rope_scaling, params=tuple(p for p in config.rope_scaling.params if p[0] != "truncate"))),
-                    None)}
+    controls = {
+        "no sinks": (dict(attention_sinks=False), "sinks"),
+        "no windows": (dict(layer_types=("full_attention",) * 4), None),
+        "plain SwiGLU": (dict(moe=dataclasses.replace(moe, swiglu_limit=0.0)), None),
+        "no clamp": (dict(moe=dataclasses.replace(moe, swiglu_limit=1e9)), None),
+        "no router bias": (dict(moe=dataclasses.replace(moe, router_bias=False)), "gate.bias"),
+        "YaRN truncated": (
+            dict(
+                rope_scaling=dataclasses.replace(
+                    config.rope_scaling, params=tuple(p for p in config.rope_scaling.params if p[0] != "truncate")
+                )
+            ),
+            None,
+        ),
+    }
     for what, (change, drop) in controls.items():
         model = Transformer(config.replace(**change)).eval()
         load_full_state_dict(model, {k: v for k, v in state.items() if drop is None or not k.endswith(drop)})
@@ -91,8 +115,23 @@ def test_the_planner_counts_gpt_oss_120b_at_32_6_gflop_per_token_and_plans_64_h1
 
     from megakit.commands import cli
 
-    assert cli.main(["plan", "--model", "models/gpt-oss-120b.json", "--gpus", "64", "--gpu", "h100-80gb",
-                     "--seq-len", "4096", "--json"]) == 0
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--model",
+                "models/gpt-oss-120b.json",
+                "--gpus",
+                "64",
+                "--gpu",
+                "h100-80gb",
+                "--seq-len",
+                "4096",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     plan = report["plan"]
     assert round(plan["gflops_per_token"]["causal"], 1) == 32.6
@@ -100,8 +139,10 @@ def test_the_planner_counts_gpt_oss_120b_at_32_6_gflop_per_token_and_plans_64_h1
     assert plan["tp"] * plan["pp"] * plan["dp"] * plan["cp"] == 64 and plan["peak_memory_gib"] < 0.8 * 80
     assert f"--ep {plan['ep']}" in report["assumptions"]["launch"] and plan["ep"] > 1  # 128 experts: sharded
     config = ModelConfig.load("gpt-oss-120b")
-    assert round(config.num_params() / 1e9, 1) == 116.8 and round(ModelConfig.load("gpt-oss-20b").num_params() / 1e9,
-                                                                       1) == 20.9
+    assert (
+        round(config.num_params() / 1e9, 1) == 116.8
+        and round(ModelConfig.load("gpt-oss-20b").num_params() / 1e9, 1) == 20.9
+    )
 
 
 def test_sinks_asked_of_an_sdpa_kernel_are_refused_in_one_line(tmp_path):
@@ -116,9 +157,25 @@ def test_sinks_asked_of_an_sdpa_kernel_are_refused_in_one_line(tmp_path):
     (tmp_path / "gpt-oss").mkdir()
     config = transformers.GptOssConfig(**{**FIELDS, "vocab_size": 256})  # the byte-level default data
     (tmp_path / "gpt-oss" / "config.json").write_text(json.dumps(config.to_dict()))
-    out = subprocess.run([sys.executable, "scripts/train.py", "--model", str(tmp_path / "gpt-oss"), "--seq-len", "32",
-                          "--attention-kernel", "math", "--steps", "1"], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, OMP_NUM_THREADS=THREADS), timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "scripts/train.py",
+            "--model",
+            str(tmp_path / "gpt-oss"),
+            "--seq-len",
+            "32",
+            "--attention-kernel",
+            "math",
+            "--steps",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS=THREADS),
+        timeout=120,
+    )
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "--attention-kernel math cannot take this model's attention sinks" in out.stderr
 
@@ -131,8 +188,9 @@ def _mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.transpose(1, 2).float()  # (E, rows, cols)
     groups = w.reshape(*w.shape[:2], -1, 32)
     exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
-    codes = ((groups / torch.exp2(exponent)[..., None])[..., None]
-             - torch.tensor(E2M1)).abs().argmin(-1).to(torch.uint8)  # the nearest of the 16 values
+    codes = (
+        ((groups / torch.exp2(exponent)[..., None])[..., None] - torch.tensor(E2M1)).abs().argmin(-1).to(torch.uint8)
+    )  # the nearest of the 16 values
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks.contiguous(), (exponent + 127).to(torch.uint8)
 
@@ -154,8 +212,10 @@ def test_an_mxfp4_checkpoint_imports_to_the_logits_of_its_bf16_copy(tmp_path):
         assert plain[key].shape == state[key].shape
     config = ModelConfig.from_hf(hf.config.to_dict())
     ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(3))
-    logits = {name: converted_logits(tmp_path / name, hf.config, tensors, config, ids)
-              for name, tensors in (("mxfp4", packed), ("bf16", plain))}
+    logits = {
+        name: converted_logits(tmp_path / name, hf.config, tensors, config, ids)
+        for name, tensors in (("mxfp4", packed), ("bf16", plain))
+    }
     assert torch.equal(logits["mxfp4"], logits["bf16"])
     with torch.no_grad():
         unquantized = hf(ids).logits.float()

@@ -67,24 +67,56 @@ def test_adam_is_fused_on_cuda_only_and_a_ds_config_choice_wins():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU side: GPU figures are absent")
 def test_gpu_figures_are_absent_on_cpu_not_zero():
     assert gpu_state() == (None, None)
-    m = StepMetrics(step=0, loss=1.0, lr=0.0, grad_norm=1.0, seconds=1.0, samples=1, tokens=1, flops=1.0,
-                    comm_seconds=None, comm_calls=0, world_size=1, peak_tflops=None)
+    m = StepMetrics(
+        step=0,
+        loss=1.0,
+        lr=0.0,
+        grad_norm=1.0,
+        seconds=1.0,
+        samples=1,
+        tokens=1,
+        flops=1.0,
+        comm_seconds=None,
+        comm_calls=0,
+        world_size=1,
+        peak_tflops=None,
+    )
     assert "GPU" not in m.line() and "perf/gpu_util" not in m.scalars() and m.to_dict()["gpu_util"] is None
-    gpu = StepMetrics(step=0, loss=1.0, lr=0.0, grad_norm=1.0, seconds=1.0, samples=1, tokens=1, flops=1.0,
-                      comm_seconds=None, comm_calls=0, world_size=1, peak_tflops=None, gpu_util=87.0, gpu_mem_gib=41.25,
-                      compiling=True)
+    gpu = StepMetrics(
+        step=0,
+        loss=1.0,
+        lr=0.0,
+        grad_norm=1.0,
+        seconds=1.0,
+        samples=1,
+        tokens=1,
+        flops=1.0,
+        comm_seconds=None,
+        comm_calls=0,
+        world_size=1,
+        peak_tflops=None,
+        gpu_util=87.0,
+        gpu_mem_gib=41.25,
+        compiling=True,
+    )
     assert "GPU util 87%" in gpu.line() and "GPU mem 41.2 GiB" in gpu.line() and "(incl. compile)" in gpu.line()
     assert gpu.scalars()["perf/gpu_util"] == 87.0 and gpu.scalars()["perf/gpu_mem_gib"] == 41.25
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="flash is a valid choice on a GPU")
 def test_a_cuda_kernel_on_cpu_is_refused_in_one_line():
-    out = subprocess.run([sys.executable, "scripts/train.py", "--attention-kernel", "flash", "--steps", "1"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "scripts/train.py", "--attention-kernel", "flash", "--steps", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     lines = [line for line in out.stderr.splitlines() if "error" in line]
-    assert lines == ["train.py: error: --attention-kernel flash needs a CUDA GPU; on CPU use auto (torch's choice) "
-                     "or math"], out.stderr[-2000:]
+    assert lines == [
+        "train.py: error: --attention-kernel flash needs a CUDA GPU; on CPU use auto (torch's choice) or math"
+    ], out.stderr[-2000:]
 
 
 def test_compile_defaults_on_cuda_only_moe_included():

@@ -23,15 +23,45 @@ def _config(stage: int, **more) -> dict:
 
 
 def _cases(tmp_path) -> list[dict]:
-    configs = {"zero0": (_config(0), {}), "zero1": (_config(1), {}), "zero2": (_config(2), {}),
-               "zero3": (_config(3), {}), "zero1-bf16": (_config(1, bf16={"enabled": True}), {}),
-               "pp2": (_config(1), {"pp": 2})}
+    configs = {
+        "zero0": (_config(0), {}),
+        "zero1": (_config(1), {}),
+        "zero2": (_config(2), {}),
+        "zero3": (_config(3), {}),
+        "zero1-bf16": (_config(1, bf16={"enabled": True}), {}),
+        "pp2": (_config(1), {"pp": 2}),
+    }
     moe = {"moe-pp2": {"pp": 2}, "moe-ep2": {"ep": 2}}  # the expert bias moves after the guard's verdict, or not at all
-    return [dict(ds_config=config, model="gpt-tiny", steps=7, seq_len=32, save=str(tmp_path / name), save_every=1,
-                 keep=10, **extra) for name, (config, extra) in configs.items()] + [
-        dict(ds_config=_config(1), model="moe-tiny", steps=7, seq_len=32, save=str(tmp_path / name), save_every=1,
-             keep=10, moe_expert_bias=True, **extra) for name, extra in moe.items()] + [
-        dict(ds_config=_config(1), model="gpt-tiny", steps=7, seq_len=32, max_skipped_steps=0)]  # ends at step 4
+    return (
+        [
+            dict(
+                ds_config=config,
+                model="gpt-tiny",
+                steps=7,
+                seq_len=32,
+                save=str(tmp_path / name),
+                save_every=1,
+                keep=10,
+                **extra,
+            )
+            for name, (config, extra) in configs.items()
+        ]
+        + [
+            dict(
+                ds_config=_config(1),
+                model="moe-tiny",
+                steps=7,
+                seq_len=32,
+                save=str(tmp_path / name),
+                save_every=1,
+                keep=10,
+                moe_expert_bias=True,
+                **extra,
+            )
+            for name, extra in moe.items()
+        ]
+        + [dict(ds_config=_config(1), model="gpt-tiny", steps=7, seq_len=32, max_skipped_steps=0)]
+    )  # ends at step 4
 
 
 @pytest.mark.slow
@@ -39,8 +69,9 @@ def test_a_nan_loss_on_one_rank_is_skipped_everywhere(tmp_path, monkeypatch):
     cases = _cases(tmp_path)
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     monkeypatch.setenv(VARIABLE, "nanloss@1:4")
-    out = deepspeed(2, "tests/guard_sweep.py", str(tmp_path / "cases.json"), str(tmp_path / "results.json"),
-                    timeout=900)
+    out = deepspeed(
+        2, "tests/guard_sweep.py", str(tmp_path / "cases.json"), str(tmp_path / "results.json"), timeout=900
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     *results, ended = json.loads((tmp_path / "results.json").read_text())
     for case, result in zip(cases, results):
@@ -61,9 +92,11 @@ def test_a_nan_loss_on_one_rank_is_skipped_everywhere(tmp_path, monkeypatch):
             assert bias and all(before[k].equal(after[k]) for k in bias), (name, bias)
             assert all(not before[k].equal(earlier[k]) for k in bias), name
         assert math.isfinite(result["loss"][6]) and result["loss"][6] != result["loss"][5]
-    assert ended["error"].startswith("NaN/inf at step 4: rank 0 (pp 0, dp 0, tp 0): non-finite gradient; "
-                                     "rank 1 (pp 0, dp 1, tp 0): non-finite loss and gradient; "
-                                     "1 non-finite step(s) in a row (--max-skipped-steps 0)"), ended
+    assert ended["error"].startswith(
+        "NaN/inf at step 4: rank 0 (pp 0, dp 0, tp 0): non-finite gradient; "
+        "rank 1 (pp 0, dp 1, tp 0): non-finite loss and gradient; "
+        "1 non-finite step(s) in a row (--max-skipped-steps 0)"
+    ), ended
     log = out.stdout + out.stderr
     assert log.count("megakit: step 4 skipped (1 in all): rank 0 ") == 8, log[-3000:]  # one line per case
 
@@ -120,8 +153,12 @@ def test_the_guard_decides_alike_on_every_rank_and_ends_after_the_limit():
         out, stops = out[:6:2] + out[6:], out[1:6:2]
         assert stops == [{}, {1: 15}, {}], stops  # a stop asked on one rank, seen on every rank at that step
         assert out[0] == (2.5, None)  # the loss averaged over the job
-        assert out[1] == (pytest.approx(float("nan"), nan_ok=True), "step 1 skipped (1 in all): rank 0: non-finite "
-                                                                      "gradient; rank 1: non-finite loss and gradient")
-        assert out[2].startswith("NaN/inf at step 2: rank 0: non-finite gradient; rank 1: non-finite loss and "
-                                 "gradient; 2 non-finite step(s) in a row (--max-skipped-steps 1)"), out[2]
+        assert out[1] == (
+            pytest.approx(float("nan"), nan_ok=True),
+            "step 1 skipped (1 in all): rank 0: non-finite gradient; rank 1: non-finite loss and gradient",
+        )
+        assert out[2].startswith(
+            "NaN/inf at step 2: rank 0: non-finite gradient; rank 1: non-finite loss and "
+            "gradient; 2 non-finite step(s) in a row (--max-skipped-steps 1)"
+        ), out[2]
         assert out[3] == "step 3: finite everywhere, but the optimizer did not step on ranks [1]", out[3]

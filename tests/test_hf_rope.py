@@ -22,10 +22,17 @@ from megakit.nn.model import Transformer, full_state_dict, load_full_state_dict 
 
 torch.set_num_threads(1)
 TOL = 1e-5
-BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1)  # head_dim 16
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0}
+BASE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.1,
+)  # head_dim 16
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 IDS = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1))  # every position up to 64
 
 
@@ -92,10 +99,24 @@ def test_llama3_rope_imports_and_exports_as_transformers_has_it(tmp_path, form, 
 VARIANTS = {
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
     "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16},
-    "yarn-mscale": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 8.0, "original_max_position_embeddings": 16,
-                    "mscale": 2.0, "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2, "truncate": False},
-    "yarn-attention-factor": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": None,
-                              "original_max_position_embeddings": 16, "attention_factor": 1.3},
+    "yarn-mscale": {
+        "rope_type": "yarn",
+        "rope_theta": 50000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 16,
+        "mscale": 2.0,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 16,
+        "beta_slow": 2,
+        "truncate": False,
+    },
+    "yarn-attention-factor": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": None,
+        "original_max_position_embeddings": 16,
+        "attention_factor": 1.3,
+    },
     "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
 }
 
@@ -114,15 +135,21 @@ def test_rope_variants_match_transformers(name):
     assert control < TOL if name == "dynamic" else control > 1e-3
 
 
-@pytest.mark.parametrize("kind,fields,sliding", [
-    ("Mistral", dict(sliding_window=8), [8, 8]),
-    ("Mistral", dict(sliding_window=64), [64, 64]),  # not shorter than any sequence: plain causal attention
-    ("Qwen2", dict(sliding_window=8, use_sliding_window=True, max_window_layers=1), [0, 8]),
-    ("Qwen2", dict(sliding_window=8, use_sliding_window=False), [0, 0]),
-    # a per-block schedule transformers 5 writes as layer_types: the window on block 0 only (not a run of last ones)
-    ("Qwen2", dict(sliding_window=8, use_sliding_window=True, layer_types=["sliding_attention", "full_attention"]),
-     [8, 0]),
-])
+@pytest.mark.parametrize(
+    "kind,fields,sliding",
+    [
+        ("Mistral", dict(sliding_window=8), [8, 8]),
+        ("Mistral", dict(sliding_window=64), [64, 64]),  # not shorter than any sequence: plain causal attention
+        ("Qwen2", dict(sliding_window=8, use_sliding_window=True, max_window_layers=1), [0, 8]),
+        ("Qwen2", dict(sliding_window=8, use_sliding_window=False), [0, 0]),
+        # a per-block schedule transformers 5 writes as layer_types: the window on block 0 only (not a run of last ones)
+        (
+            "Qwen2",
+            dict(sliding_window=8, use_sliding_window=True, layer_types=["sliding_attention", "full_attention"]),
+            [8, 0],
+        ),
+    ],
+)
 def test_sliding_windows_match_transformers(kind, fields, sliding):
     hf = _hf(kind, **BASE, **fields)
     config = ModelConfig.from_hf(hf.config.to_dict())  # transformers 5 writes Qwen2's layer_types too
@@ -130,16 +157,26 @@ def test_sliding_windows_match_transformers(kind, fields, sliding):
     assert ModelConfig.from_hf(config.to_hf()) == config
     again = transformers.AutoConfig.for_model(**config.to_hf())
     assert again.sliding_window == hf.config.sliding_window and getattr(again, "layer_types", None) == getattr(
-        hf.config, "layer_types", None)
-    diff, control = _diff(megakit_copy(config, hf), hf), _diff(megakit_copy(config.replace(sliding_window=0, layer_types=()), hf), hf)
+        hf.config, "layer_types", None
+    )
+    diff, control = (
+        _diff(megakit_copy(config, hf), hf),
+        _diff(megakit_copy(config.replace(sliding_window=0, layer_types=()), hf), hf),
+    )
     print(f"{kind} {fields}: max |logit diff| {diff:.2e}; without the window {control:.2e}")
     assert diff < TOL
     assert control < TOL if max(sliding) in (0, 64) else control > 1e-3
 
 
-@pytest.mark.parametrize("flags", [dict(scale_attn_by_inverse_layer_idx=True), dict(scale_attn_weights=False),
-                                   dict(scale_attn_by_inverse_layer_idx=True, scale_attn_weights=False),
-                                   dict(reorder_and_upcast_attn=True)])  # precision only: accepted, nothing to do
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(scale_attn_by_inverse_layer_idx=True),
+        dict(scale_attn_weights=False),
+        dict(scale_attn_by_inverse_layer_idx=True, scale_attn_weights=False),
+        dict(reorder_and_upcast_attn=True),
+    ],
+)  # precision only: accepted, nothing to do
 def test_gpt2_attention_scaling_matches_transformers(flags):
     hf = _hf("GPT2", vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, initializer_range=0.1, **flags)
     config = ModelConfig.from_hf(hf.config.to_dict())
@@ -151,28 +188,57 @@ def test_gpt2_attention_scaling_matches_transformers(flags):
     assert control < TOL if "reorder_and_upcast_attn" in flags else control > 1e-3
 
 
-LLAMA = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, max_position_embeddings=64)
+LLAMA = dict(
+    model_type="llama",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+)
 GPT2 = dict(model_type="gpt2", vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)
 
 
-@pytest.mark.parametrize("data,named", [
-    ({**LLAMA, "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
-    ({**LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}},
-     "partial_rotary_factor 0.25"),
-    ({**LLAMA, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
-     "rope_type 'longrope'"),
-    ({**LLAMA, "rope_scaling": {"type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}}, "low_freq_factor None"),
-    ({**LLAMA, "rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per layer type"),
-    ({**LLAMA, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8,
-      "layer_types": ["chunked_attention", "full_attention"]}, "layer_types has 'chunked_attention'"),
-    ({**LLAMA, "model_type": "gemma3_text", "head_dim": 16, "layer_types": ["linear_attention", "full_attention"]},
-     "it runs full_attention and sliding_attention"),
-    ({**LLAMA, "model_type": "gemma3_text", "head_dim": 16, "attn_logit_softcapping": 50.0}, "soft-capping"),
-    ({**LLAMA, "model_type": "mistral", "sliding_window": 0}, "sliding_window 0"),
-    ({**GPT2, "attn_pdrop": 0.0}, "attn_pdrop 0.0"),
-    ({**GPT2, "add_cross_attention": True}, "add_cross_attention"),
-])
+@pytest.mark.parametrize(
+    "data,named",
+    [
+        ({**LLAMA, "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+        (
+            {**LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}},
+            "partial_rotary_factor 0.25",
+        ),
+        (
+            {**LLAMA, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
+            "rope_type 'longrope'",
+        ),
+        ({**LLAMA, "rope_scaling": {"type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}}, "low_freq_factor None"),
+        ({**LLAMA, "rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per layer type"),
+        (
+            {
+                **LLAMA,
+                "model_type": "qwen2",
+                "use_sliding_window": True,
+                "sliding_window": 8,
+                "layer_types": ["chunked_attention", "full_attention"],
+            },
+            "layer_types has 'chunked_attention'",
+        ),
+        (
+            {
+                **LLAMA,
+                "model_type": "gemma3_text",
+                "head_dim": 16,
+                "layer_types": ["linear_attention", "full_attention"],
+            },
+            "it runs full_attention and sliding_attention",
+        ),
+        ({**LLAMA, "model_type": "gemma3_text", "head_dim": 16, "attn_logit_softcapping": 50.0}, "soft-capping"),
+        ({**LLAMA, "model_type": "mistral", "sliding_window": 0}, "sliding_window 0"),
+        ({**GPT2, "attn_pdrop": 0.0}, "attn_pdrop 0.0"),
+        ({**GPT2, "add_cross_attention": True}, "add_cross_attention"),
+    ],
+)
 def test_math_megakit_does_not_implement_is_refused_in_one_line(data, named):
     with pytest.raises(UsageError) as error:
         ModelConfig.from_hf(data, source="config.json")
@@ -188,12 +254,15 @@ def test_convert_refuses_partial_rotary_with_exit_2_and_writes_nothing(tmp_path,
     assert not (tmp_path / "ck").exists()
 
 
-@pytest.mark.parametrize("kind,fields,sliding", [
-    ("Mixtral", dict(sliding_window=8), [8, 8]),
-    ("Mixtral", {}, [0, 0]),  # transformers' Mixtral default: no window
-    ("Qwen3", dict(sliding_window=8, use_sliding_window=True, max_window_layers=1), [0, 8]),
-    ("Qwen3Moe", dict(sliding_window=8, use_sliding_window=True), [8, 8]),
-])
+@pytest.mark.parametrize(
+    "kind,fields,sliding",
+    [
+        ("Mixtral", dict(sliding_window=8), [8, 8]),
+        ("Mixtral", {}, [0, 0]),  # transformers' Mixtral default: no window
+        ("Qwen3", dict(sliding_window=8, use_sliding_window=True, max_window_layers=1), [0, 8]),
+        ("Qwen3Moe", dict(sliding_window=8, use_sliding_window=True), [8, 8]),
+    ],
+)
 def test_sliding_windows_of_the_other_model_types_read_and_write_back(kind, fields, sliding):
     """(megakit's model does not run these types yet: their configs must still carry the window.)"""
     hf = getattr(transformers, f"{kind}Config")(**BASE, **fields)
@@ -202,7 +271,8 @@ def test_sliding_windows_of_the_other_model_types_read_and_write_back(kind, fiel
     assert ModelConfig.from_hf(config.to_hf()) == config
     again = transformers.AutoConfig.for_model(**config.to_hf())
     assert again.sliding_window == hf.sliding_window and getattr(again, "layer_types", None) == getattr(
-        hf, "layer_types", None)
+        hf, "layer_types", None
+    )
 
 
 def test_qwen2_moe_alternating_window_reads_as_transformers_5_does_and_writes_back():

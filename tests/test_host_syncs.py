@@ -60,8 +60,11 @@ def test_host_conversions_do_not_grow_with_micro_batches_or_layers(counts):
     for family, (small, large) in counts.items():
         for rank, (a, b) in enumerate(zip(small, large)):
             a, b = _without_dispatch(a), _without_dispatch(b)
-            grown = {site: (a.get(site, 0), b.get(site, 0)) for site in a.keys() | b.keys()
-                     if a.get(site, 0) != b.get(site, 0)}
+            grown = {
+                site: (a.get(site, 0), b.get(site, 0))
+                for site in a.keys() | b.keys()
+                if a.get(site, 0) != b.get(site, 0)
+            }
             assert not grown, f"{family} rank {rank}: calls per step at (2, 2) -> (4, 4) micro-batches, layers: {grown}"
             if family != "dense":
                 assert sum(n for site, n in b.items() if "engine/moe_step.py:" in site) == 1, (family, rank, b)
@@ -79,6 +82,8 @@ def test_dispatch_converts_only_the_all_to_all_split_sizes(counts):
                 dispatch = {site: n for site, n in sites.items() if DISPATCH in site}
                 allowed = 0 if ep == 1 else moe_layers(layers) * micro_batches
                 if sum(dispatch.values()) > allowed:
-                    over.append(f"{family} rank {rank} at {micro_batches} micro-batches x {layers} layers: "
-                                f"{dispatch}, at most {allowed}")
+                    over.append(
+                        f"{family} rank {rank} at {micro_batches} micro-batches x {layers} layers: "
+                        f"{dispatch}, at most {allowed}"
+                    )
     assert not over, "\n".join(over)

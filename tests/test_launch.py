@@ -32,8 +32,20 @@ def test_the_same_command_twice_gives_identical_losses(tmp_path):
     runs = {}
     for name, seed in (("first", "0"), ("second", "0"), ("other seed", "1")):
         flags = [f for f in TRAIN if f != "--no-progress"] + ["--log-every", "2"] if name == "first" else TRAIN
-        out = deepspeed(2, *flags, "--model", model, "--tp", "2", "--steps", "6", "--seed", seed,
-                        "--metrics-out", str(tmp_path / f"{name}.json"))
+        out = deepspeed(
+            2,
+            *flags,
+            "--model",
+            model,
+            "--tp",
+            "2",
+            "--steps",
+            "6",
+            "--seed",
+            seed,
+            "--metrics-out",
+            str(tmp_path / f"{name}.json"),
+        )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         runs[name] = _losses(tmp_path / f"{name}.json")
         if name == "first":
@@ -49,10 +61,33 @@ def _two_nodes(*args: str, timeout: float = 240) -> list[subprocess.CompletedPro
     """Run ``scripts/train.py ARGS`` as 2 nodes x 2 processes: two torchrun invocations on loopback."""
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS=THREADS)
-    jobs = [subprocess.Popen(["torchrun", "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2",
-                              "--master_addr", "127.0.0.1", "--master_port", port, *TRAIN, "--model", "gpt-tiny",
-                              *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for node in (0, 1)]
+    jobs = [
+        subprocess.Popen(
+            [
+                "torchrun",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                "2",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                port,
+                *TRAIN,
+                "--model",
+                "gpt-tiny",
+                *args,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     try:
         outs = [job.communicate(timeout=timeout) for job in jobs]
     finally:
@@ -68,17 +103,20 @@ def test_a_tp_group_across_nodes_is_refused_and_tp_inside_nodes_trains(tmp_path)
     text = "".join(r.stdout + r.stderr for r in refused)
     assert all(r.returncode != 0 for r in refused), text[-3000:]
     lines = [line for line in text.splitlines() if line.startswith("train.py: error:")]
-    assert lines == ["train.py: error: TP group of ranks 0-3 spans 2 nodes (node 0, node 1), so its all-reduce in "
-                     "every layer would cross the slow link between them; use a --tp that divides the 2 processes "
-                     "per node (e.g. --tp 2) and the rest as --pp, or pass --allow-cross-node-tp to run it anyway"], text[-3000:]
+    assert lines == [
+        "train.py: error: TP group of ranks 0-3 spans 2 nodes (node 0, node 1), so its all-reduce in "
+        "every layer would cross the slow link between them; use a --tp that divides the 2 processes "
+        "per node (e.g. --tp 2) and the rest as --pp, or pass --allow-cross-node-tp to run it anyway"
+    ], text[-3000:]
     assert "exitcode  : 2" in text  # each worker ended with the usage status, not a crash
 
     trained = _two_nodes("--tp", "2", "--pp", "2", "--steps", "2", "--metrics-out", str(tmp_path / "m.json"))
     assert all(r.returncode == 0 for r in trained), "".join(r.stdout + r.stderr for r in trained)[-3000:]
     from megakit.train.doctor.reference import reference_run
 
-    single = reference_run(json.loads((ROOT / "ds_configs" / "zero1.json").read_text()), model="gpt-tiny", steps=2,
-                           seq_len=32)["loss"]  # what one process trains on the same batches
+    single = reference_run(
+        json.loads((ROOT / "ds_configs" / "zero1.json").read_text()), model="gpt-tiny", steps=2, seq_len=32
+    )["loss"]  # what one process trains on the same batches
     got = _losses(tmp_path / "m.json")
     assert len(got) == 2 and all(abs(a - b) < LOSS_TOL for a, b in zip(got, single)), (got, single)
 

@@ -19,8 +19,13 @@ from test_trainer import ROOT, ds_config, sweep
 
 FAMILIES = ("llama-tiny", "moe-tiny", "deepseek-v3-tiny", "gpt-oss-tiny", "gemma3-tiny")
 MOE = ("moe-tiny", "deepseek-v3-tiny", "gpt-oss-tiny")
-LAYOUTS = {"EP 2": dict(ep=2), "TP 2 + SP": dict(tp=2, sequence_parallel=True), "PP 2": dict(pp=2),
-           "CP 2 ring": dict(cp=2), "CP 2 a2a": dict(cp=2, cp_mode="a2a")}
+LAYOUTS = {
+    "EP 2": dict(ep=2),
+    "TP 2 + SP": dict(tp=2, sequence_parallel=True),
+    "PP 2": dict(pp=2),
+    "CP 2 ring": dict(cp=2),
+    "CP 2 a2a": dict(cp=2, cp_mode="a2a"),
+}
 TOLERANCE = 0.10
 
 
@@ -31,11 +36,22 @@ def _case(model: str, **layout) -> dict:
 def _one_process(tmp_path, cases: list[dict]) -> list[dict]:
     """The one-process cases in one plain ``python`` run of the sweep (no launcher: a world of one)."""
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    env = {"OMP_NUM_THREADS": THREADS, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
-           "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-    out = subprocess.run(["python", "tests/launch_sweep.py", str(tmp_path / "cases.json"),
-                          str(tmp_path / "results.json")], cwd=ROOT, env={**os.environ, **env},
-                         capture_output=True, text=True, timeout=300)
+    env = {
+        "OMP_NUM_THREADS": THREADS,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }
+    out = subprocess.run(
+        ["python", "tests/launch_sweep.py", str(tmp_path / "cases.json"), str(tmp_path / "results.json")],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     *results, last = json.loads((tmp_path / "results.json").read_text())
     assert last == {"replaced": []}, last
@@ -45,8 +61,12 @@ def _one_process(tmp_path, cases: list[dict]) -> list[dict]:
 @pytest.mark.slow
 def test_memory_truth_every_family_and_layout(tmp_path, tmp_path_factory):
     single = [("one process", model, _case(model)) for model in FAMILIES]
-    pairs = [(name, model, _case(model, **layout)) for name, layout in LAYOUTS.items() for model in FAMILIES
-             if name != "EP 2" or model in MOE]
+    pairs = [
+        (name, model, _case(model, **layout))
+        for name, layout in LAYOUTS.items()
+        for model in FAMILIES
+        if name != "EP 2" or model in MOE
+    ]
     results = _one_process(tmp_path, [c for _, _, c in single]) + sweep(tmp_path_factory, 2, [c for _, _, c in pairs])
     ratios, off = {}, []
     for (layout, model, _), result in zip(single + pairs, results, strict=True):
@@ -73,17 +93,30 @@ def test_plan_shows_each_moe_memory_line_and_zero_bubble_w_inputs_at_the_expert_
     assert cli.main([*argv, "--json"]) == 0
     p = json.loads(capsys.readouterr().out)["plan"]
     lines = p["memory_breakdown"]
-    assert set(lines["moe_routing"]) == {"router logits and scores", "top-k indices and probabilities",
-                                         "aux-loss terms", "permutation and dispatch", "routed experts"}
+    assert set(lines["moe_routing"]) == {
+        "router logits and scores",
+        "top-k indices and probabilities",
+        "aux-loss terms",
+        "permutation and dispatch",
+        "routed experts",
+    }
     assert sum(lines["moe_routing"].values()) == pytest.approx(p["memory"]["moe_routing"])
-    assert set(lines["activations"]) == {"shared experts (MoE blocks)", "MLA latents",
-                                         "attention output kept twice (CP, sinks)"}
+    assert set(lines["activations"]) == {
+        "shared experts (MoE blocks)",
+        "MLA latents",
+        "attention output kept twice (CP, sinks)",
+    }
     assert 0 < lines["comm_buffers"]["MoE all-to-all send and receive buffers"] <= p["memory"]["comm_buffers"]
     assert p["memory"]["expert_grads"] > 0 and "expert_states" not in p["memory"]
     assert cli.main(argv) == 0
     table = capsys.readouterr().out
-    for line in ("MoE routing", "of which router logits and scores", "of which permutation and dispatch",
-                 "of which MLA latents", "of which MoE all-to-all send and receive buffers"):
+    for line in (
+        "MoE routing",
+        "of which router logits and scores",
+        "of which permutation and dispatch",
+        "of which MLA latents",
+        "of which MoE all-to-all send and receive buffers",
+    ):
         assert line in table, line
 
     spec = ModelSpec.from_config("moe-tiny")  # H 32, 8 experts of F 16, top-2, shared FFN 32
@@ -117,6 +150,8 @@ def test_lines_follow_their_item_on_a_loss_only_stage_and_under_recompute_module
     assert act.breakdown["moe_routing"][router] == pytest.approx(plain.breakdown["moe_routing"][router])
     assert sum(act.breakdown["moe_routing"].values()) == pytest.approx(act.items["moe_routing"])
     for flash in (True, False):  # the attention core is what plain selective recompute and "core_attn" both free
-        default, core = (estimate_memory(spec, flash_attention=flash, recompute_modules=modules, **kw)
-                         for modules in ((), ("core_attn",)))
+        default, core = (
+            estimate_memory(spec, flash_attention=flash, recompute_modules=modules, **kw)
+            for modules in ((), ("core_attn",))
+        )
         assert core.items == pytest.approx(default.items)

@@ -28,8 +28,16 @@ def two_sets(tmp_path_factory) -> tuple[str, str]:
 
     first = _short_documents(tmp_path_factory)
     second = str(tmp_path_factory.mktemp("second") / "data")
-    prepare(PrepareConfig(inputs=[str(Path(sysconfig.get_paths()["stdlib"]) / "json")], out=second, tokenizer=first,
-                          val_fraction=0.1, progress=False), say=lambda *_: None)
+    prepare(
+        PrepareConfig(
+            inputs=[str(Path(sysconfig.get_paths()["stdlib"]) / "json")],
+            out=second,
+            tokenizer=first,
+            val_fraction=0.1,
+            progress=False,
+        ),
+        say=lambda *_: None,
+    )
     return first, second
 
 
@@ -70,10 +78,12 @@ def test_bad_mixtures_are_one_line(two_sets, tmp_path):
     from megakit.train.data.corpus import open_corpus
 
     a, b = two_sets
-    cases = [([0.7, a, 0, b], "mixture weight 0 must be a positive number"),
-             ([0.7, a, -1, b], "mixture weight -1 must be a positive number"),
-             ([0.7, a, 0.3], "a mixture is WEIGHT DIR pairs"),
-             ([0.5, a, 0.5, str(tmp_path / "missing")], "no such file or directory")]
+    cases = [
+        ([0.7, a, 0, b], "mixture weight 0 must be a positive number"),
+        ([0.7, a, -1, b], "mixture weight -1 must be a positive number"),
+        ([0.7, a, 0.3], "a mixture is WEIGHT DIR pairs"),
+        ([0.5, a, 0.5, str(tmp_path / "missing")], "no such file or directory"),
+    ]
     for data, message in cases:
         with pytest.raises(UsageError, match=message):
             open_corpus([str(x) for x in data])
@@ -91,8 +101,9 @@ def test_a_mixture_at_dp2_follows_one_process_with_a_validation_loss_per_data_se
     config["optimizer"]["params"]["eps"] = 1e-4
     case = dict(ds_config=config, model="llama-tiny", steps=4, seq_len=SEQ, data=data, eval_every=2, eval_batches=1)
     (got,) = sweep(tmp_path_factory, 2, [case])
-    want = reference_run(config, model="llama-tiny", steps=4, dp=2, seq_len=SEQ, data=data, eval_every=2,
-                         eval_batches=1)
+    want = reference_run(
+        config, model="llama-tiny", steps=4, dp=2, seq_len=SEQ, data=data, eval_every=2, eval_batches=1
+    )
     for step, (a, b) in enumerate(zip(got["loss"], want["loss"], strict=True)):
         assert abs(a - b) <= fp32_bound(b, 8 * SEQ), (step, a, b)
     for a, b in zip(got["evals"], want["evals"], strict=True):

@@ -20,8 +20,9 @@ from megakit.nn.model import (
 torch.set_num_threads(1)
 
 
-@pytest.mark.parametrize("preset,changes", [("gpt-tiny", {}), ("llama-tiny", {}),
-                                            ("llama-tiny", dict(qkv_bias=True, tie_embeddings=True))])
+@pytest.mark.parametrize(
+    "preset,changes", [("gpt-tiny", {}), ("llama-tiny", {}), ("llama-tiny", dict(qkv_bias=True, tie_embeddings=True))]
+)
 def test_matches_hugging_face_transformers(preset, changes):
     """Same weights in transformers' own implementation give the same logits, both ways round:
     the architecture is right, and so is the weight mapping in megakit.interop.hf."""
@@ -67,9 +68,11 @@ def test_pipeline_stages_are_slices_of_the_full_model(preset):
     full = Transformer(config, seed=7)
     full_params = dict(full.named_parameters())
     ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    stages = [Transformer(config, layers=range(0, 1), pre=True, post=False, seed=7),
-              Transformer(config, layers=range(1, 3), pre=False, post=False, seed=7),
-              Transformer(config, layers=range(3, 4), pre=False, post=True, seed=7)]
+    stages = [
+        Transformer(config, layers=range(0, 1), pre=True, post=False, seed=7),
+        Transformer(config, layers=range(1, 3), pre=False, post=False, seed=7),
+        Transformer(config, layers=range(3, 4), pre=False, post=True, seed=7),
+    ]
     for stage in stages:
         for name, param in stage.named_parameters():
             assert name in full_params, name
@@ -112,7 +115,14 @@ def test_state_dict_round_trip():
 
 def test_config_loading_and_errors(tmp_path):
     gpt = ModelConfig.load("gpt-tiny")
-    assert (gpt.family, gpt.hidden, gpt.heads, gpt.kv_heads, gpt.ffn, gpt.tie_embeddings) == ("gpt2", 32, 4, 4, 128, True)
+    assert (gpt.family, gpt.hidden, gpt.heads, gpt.kv_heads, gpt.ffn, gpt.tie_embeddings) == (
+        "gpt2",
+        32,
+        4,
+        4,
+        128,
+        True,
+    )
     llama = ModelConfig.load("llama-tiny")
     assert (llama.family, llama.kv_heads, llama.head_dim, llama.tie_embeddings) == ("llama", 4, 4, False)
     assert gpt.padded_vocab(3) == 258 and gpt.padded_vocab(4) == 256
@@ -136,17 +146,25 @@ def test_config_loading_and_errors(tmp_path):
         ModelConfig.load(bad)
 
 
-@pytest.mark.parametrize("preset, key, value, message", [
-    ("llama-tiny", "rms_norm_eps", "1e-5", 'has rms_norm_eps "1e-5"; give a number above 0'),
-    ("llama-tiny", "num_hidden_layers", True, "has num_hidden_layers true; give a positive integer (true and false"),
-    ("llama-tiny", "num_hidden_layers", 0, "has num_hidden_layers 0; give a positive integer"),
-    ("llama-tiny", "tie_word_embeddings", "false", 'has tie_word_embeddings "false"; give true or false'),
-    ("llama-tiny", "head_dim", 4.0, "has head_dim 4.0; give an integer >= 0 or null"),
-    ("gpt-tiny", "n_layer", 2.5, "has n_layer 2.5; give a positive integer"),
-    ("gpt-tiny", "resid_pdrop", 1.5, "has resid_pdrop 1.5; give a number in [0, 1)"),
-    ("moe-tiny", "num_experts_per_tok", False, "has num_experts_per_tok false; give a positive integer"),
-    ("deepseek-v3-tiny", "kv_lora_rank", "16", 'has kv_lora_rank "16"; give a positive integer'),
-])
+@pytest.mark.parametrize(
+    "preset, key, value, message",
+    [
+        ("llama-tiny", "rms_norm_eps", "1e-5", 'has rms_norm_eps "1e-5"; give a number above 0'),
+        (
+            "llama-tiny",
+            "num_hidden_layers",
+            True,
+            "has num_hidden_layers true; give a positive integer (true and false",
+        ),
+        ("llama-tiny", "num_hidden_layers", 0, "has num_hidden_layers 0; give a positive integer"),
+        ("llama-tiny", "tie_word_embeddings", "false", 'has tie_word_embeddings "false"; give true or false'),
+        ("llama-tiny", "head_dim", 4.0, "has head_dim 4.0; give an integer >= 0 or null"),
+        ("gpt-tiny", "n_layer", 2.5, "has n_layer 2.5; give a positive integer"),
+        ("gpt-tiny", "resid_pdrop", 1.5, "has resid_pdrop 1.5; give a number in [0, 1)"),
+        ("moe-tiny", "num_experts_per_tok", False, "has num_experts_per_tok false; give a positive integer"),
+        ("deepseek-v3-tiny", "kv_lora_rank", "16", 'has kv_lora_rank "16"; give a positive integer'),
+    ],
+)
 def test_a_config_value_of_the_wrong_type_is_named_by_its_file_and_key(tmp_path, preset, key, value, message):
     """A number given as a string, or a bool where a number goes (Python takes true for 1), is refused in one line
     that names the file and the Hugging Face key, not megakit's own field; a bool is not an int in ModelConfig."""

@@ -30,8 +30,20 @@ def _close(got, want, what, rtol=RTOL, floor=1.0):
 def _config(**moe):
     from megakit.core.model_config import ModelConfig
 
-    fields = dict(experts=8, top_k=2, ffn=16, shared_ffn=24, shared_gate=True, dense_layers=(0,),
-                  aux_loss_coeff=0.1, seq_aux_loss_coeff=0.05, z_loss_coeff=0.01) | moe
+    fields = (
+        dict(
+            experts=8,
+            top_k=2,
+            ffn=16,
+            shared_ffn=24,
+            shared_gate=True,
+            dense_layers=(0,),
+            aux_loss_coeff=0.1,
+            seq_aux_loss_coeff=0.05,
+            z_loss_coeff=0.01,
+        )
+        | moe
+    )
     return ModelConfig.load("llama-tiny").replace(layers=3, qk_norm=True, moe=MoEConfig(**fields))
 
 
@@ -63,7 +75,7 @@ def _dispatch_cases(rank: int, world: int) -> None:
     routed = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(10)])  # (10, 2) distinct experts
     _round_trip(topo.ep_group, rank, 10, routed)
     _round_trip(topo.ep_group, rank, 6, torch.tensor([[0, 1]] * 6))  # every rank but 0 receives nothing
-    _round_trip(topo.ep_group, rank, 0 if rank == 1 else 5, routed[:0 if rank == 1 else 5])  # rank 1 sends nothing
+    _round_trip(topo.ep_group, rank, 0 if rank == 1 else 5, routed[: 0 if rank == 1 else 5])  # rank 1 sends nothing
     _round_trip(None, rank, 10, routed)
 
 
@@ -95,7 +107,11 @@ def _equivalence(topo, config, *, sp: bool = False, repeat: bool = False, aux_on
     from megakit.nn.model import Transformer, full_state_dict
 
     case = f"tp={topo.tp} cp={topo.cp} dp={topo.dp} ep={topo.ep} sp={sp} aux_only={aux_only}"
-    rtol, floor, main = FP32_RTOL if topo.cp * topo.tp > 1 else RTOL, 1e-12 if aux_only else 1.0, 0.0 if aux_only else 1.0
+    rtol, floor, main = (
+        FP32_RTOL if topo.cp * topo.tp > 1 else RTOL,
+        1e-12 if aux_only else 1.0,
+        0.0 if aux_only else 1.0,
+    )
     from megakit.nn.moe.layer import update_expert_bias
 
     want_losses, want_weights, want_grads, want_counts, want_updated = _reference(config, topo.dp, main)
@@ -138,8 +154,15 @@ def _two_ranks(rank: int, world: int) -> None:
     _dispatch_cases(rank, world)
     _equivalence(Topology(Layout(dp=2, ep=2)), _config(), repeat=True)
     _equivalence(Topology(Layout(dp=2, ep=1)), _config())
-    sigmoid = _config(score="sigmoid", groups=4, group_top_k=2, expert_bias=True, route_scale=2.5,
-                      shared_gate=False, aux_loss_coeff=0.0)
+    sigmoid = _config(
+        score="sigmoid",
+        groups=4,
+        group_top_k=2,
+        expert_bias=True,
+        route_scale=2.5,
+        shared_gate=False,
+        aux_loss_coeff=0.0,
+    )
     _equivalence(Topology(Layout(dp=2, ep=2)), sigmoid)
     _equivalence(Topology(Layout(cp=2, ep=2)), _config())  # EP over the CP ranks of one sequence
     _equivalence(Topology(Layout(cp=2, ep=2)), _config(), aux_only=True)
@@ -148,10 +171,9 @@ def _two_ranks(rank: int, world: int) -> None:
 
 
 def _four_ranks(rank: int, world: int) -> None:
-    from megakit.nn.topology import Topology
-
     from megakit.nn.model import Transformer
     from megakit.nn.moe.layer import MoE
+    from megakit.nn.topology import Topology
 
     _dispatch_cases(rank, world)
     topo = Topology(Layout(dp=4, ep=4))
@@ -189,8 +211,17 @@ def test_loop_and_grouped_gemm_agree(gpt_oss, compiled):
     grads = []
     for grouped in (False, True):
         torch.manual_seed(0)
-        experts = Experts(4, 16, 8, dtype=torch.float32, device=None, grouped=grouped, biases=gpt_oss,
-                          limit=7.0 if gpt_oss else 0.0, alpha=1.702 if gpt_oss else 1.0)
+        experts = Experts(
+            4,
+            16,
+            8,
+            dtype=torch.float32,
+            device=None,
+            grouped=grouped,
+            biases=gpt_oss,
+            limit=7.0 if gpt_oss else 0.0,
+            alpha=1.702 if gpt_oss else 1.0,
+        )
         for p in experts.parameters():
             torch.nn.init.normal_(p)
         x = torch.randn(11, 16, requires_grad=True)
@@ -210,8 +241,17 @@ def test_an_ep1_moe_layer_never_waits_for_the_device():
     conversion)."""
     from megakit.nn.moe.layer import MoE
 
-    config = MoEConfig(experts=8, top_k=2, ffn=16, shared_ffn=16, capacity_factor=0.75, aux_loss_coeff=0.1,
-                       z_loss_coeff=0.01, expert_bias=True, score="sigmoid")
+    config = MoEConfig(
+        experts=8,
+        top_k=2,
+        ffn=16,
+        shared_ffn=16,
+        capacity_factor=0.75,
+        aux_loss_coeff=0.1,
+        z_loss_coeff=0.01,
+        expert_bias=True,
+        score="sigmoid",
+    )
     torch.manual_seed(0)
     moe = MoE(config, 16)
     for p in moe.parameters():
@@ -225,6 +265,7 @@ def test_an_ep1_moe_layer_never_waits_for_the_device():
         def converted(self, *args, **kwargs):
             calls.append(name)
             return saved[name](self, *args, **kwargs)
+
         return converted
 
     try:

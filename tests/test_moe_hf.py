@@ -8,8 +8,6 @@ bit-identical. ``DeepseekV3MoE`` (whose attention, MLA, megakit does not build) 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,18 +15,40 @@ transformers = pytest.importorskip("transformers")
 
 from megakit.commands.cli import main  # noqa: E402
 
-SMALL = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=8, max_position_embeddings=64, initializer_range=0.2, rms_norm_eps=1e-6,
-             rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})  # read by ModelConfig in either form
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+)  # read by ModelConfig in either form
 MODELS = {
-    "mixtral": lambda: transformers.MixtralConfig(**SMALL, intermediate_size=16, num_local_experts=4,
-                                                  num_experts_per_tok=2),
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**SMALL, intermediate_size=48, moe_intermediate_size=16,
-                                                     shared_expert_intermediate_size=24, num_experts=4,
-                                                     num_experts_per_tok=2, mlp_only_layers=[0],
-                                                     norm_topk_prob=False),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SMALL, intermediate_size=48, moe_intermediate_size=16,
-                                                     num_experts=6, num_experts_per_tok=2, norm_topk_prob=True),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **SMALL, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2
+    ),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **SMALL,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[0],
+        norm_topk_prob=False,
+    ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **SMALL,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=6,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    ),
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, intermediate_size=48),
 }
 
@@ -97,7 +117,10 @@ def test_unknown_key_error_text(tmp_path):
     weights["model.layers.0.mlp.shared_expert.up_proj.weight"] = torch.zeros(8, 32)  # Qwen3-MoE has none
     with pytest.raises(UsageError, match=r"model\.layers\.0\.mlp\.shared_expert\.up_proj\.weight"):
         from_hf_state_dict(config, weights)
-    del weights["model.layers.0.mlp.shared_expert.up_proj.weight"], weights["model.layers.1.mlp.experts.5.down_proj.weight"]
+    del (
+        weights["model.layers.0.mlp.shared_expert.up_proj.weight"],
+        weights["model.layers.1.mlp.experts.5.down_proj.weight"],
+    )
     with pytest.raises(UsageError, match=r"model\.layers\.1\.mlp\.experts\.5\.down_proj\.weight"):
         from_hf_state_dict(config, weights)
 
@@ -108,10 +131,20 @@ def test_deepseek_v3_moe_block_matches_transformers():
     from megakit.core.moe_config import MoEConfig
     from megakit.nn.moe.layer import MoE
 
-    hf_config = transformers.DeepseekV3Config(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8,
-                                              num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=2,
-                                              routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=0,
-                                              num_hidden_layers=2, intermediate_size=48)
+    hf_config = transformers.DeepseekV3Config(
+        hidden_size=32,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=0,
+        num_hidden_layers=2,
+        intermediate_size=48,
+    )
     torch.manual_seed(0)
     hf = DeepseekV3MoE(hf_config).float().eval()
     with torch.no_grad():

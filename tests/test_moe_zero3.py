@@ -28,8 +28,9 @@ TOKENS = 16 * 32  # a step's global batch: 16 sequences of 32 tokens
 
 
 def _case(stage: int, *, accumulation: int = 2, **extra) -> dict:
-    return dict(ds_config=ds_config(stage, micro=2, accumulation=accumulation), model=MODEL, steps=STEPS, seq_len=32,
-                **extra)
+    return dict(
+        ds_config=ds_config(stage, micro=2, accumulation=accumulation), model=MODEL, steps=STEPS, seq_len=32, **extra
+    )
 
 
 def _follows(result: dict, ref: dict, start: int = 0) -> None:
@@ -47,13 +48,22 @@ def test_zero3_expert_layouts_are_checked_before_any_process_group(tmp_path):
     run = resolve(TrainConfig(ds_config=zero3, data=str(data), model=MODEL, ep=2), 4)
     assert (run.zero_stage, run.layout.ep, run.layout.dp) == (3, 2, 4)
     cases = [
-        (dict(ds_config={**zero3, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}), 4,
-         "--ep 2 with ZeRO 3 and zero_optimization.zero_hpz_partition_size 2"),
-        (dict(ds_config={**zero3, "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}), 4,
-         "zero_optimization.zero_quantized_gradients True"),
+        (
+            dict(ds_config={**zero3, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}),
+            4,
+            "--ep 2 with ZeRO 3 and zero_optimization.zero_hpz_partition_size 2",
+        ),
+        (
+            dict(ds_config={**zero3, "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}),
+            4,
+            "zero_optimization.zero_quantized_gradients True",
+        ),
         (dict(ds_config=zero3, compile=True), 4, "--compile with ZeRO 3"),
-        (dict(ds_config=zero3, pp=2, schedule="zb-h1"), 4, "--schedule zb-h1 with ZeRO 3: its model chunks run "
-         "outside DeepSpeed's engine"),
+        (
+            dict(ds_config=zero3, pp=2, schedule="zb-h1"),
+            4,
+            "--schedule zb-h1 with ZeRO 3: its model chunks run outside DeepSpeed's engine",
+        ),
     ]
     for flags, world, message in cases:
         with pytest.raises(UsageError, match=re.escape(message)):
@@ -64,9 +74,11 @@ def test_zero3_expert_layouts_are_checked_before_any_process_group(tmp_path):
 def zero3_ep(tmp_path_factory):
     saved = tmp_path_factory.mktemp("moe-zero3")
     step5 = str(saved / "ep2" / f"step-{SAVED:07d}")
-    cases = [_case(3, ep=2, verify_memory=True, save=str(saved / "ep2"), save_every=SAVED, keep=2),  # EP 2 x EDP 2
-             _case(3, accumulation=4, ep=2, tp=2, load=step5, save=str(saved / "tp2")),  # EP 2 over TP 2 x DP 2
-             _case(1, ep=4, load=step5, save=str(saved / "ep4"))]  # EP 4 over DP 4, ZeRO 1
+    cases = [
+        _case(3, ep=2, verify_memory=True, save=str(saved / "ep2"), save_every=SAVED, keep=2),  # EP 2 x EDP 2
+        _case(3, accumulation=4, ep=2, tp=2, load=step5, save=str(saved / "tp2")),  # EP 2 over TP 2 x DP 2
+        _case(1, ep=4, load=step5, save=str(saved / "ep4")),
+    ]  # EP 4 over DP 4, ZeRO 1
     return cases, sweep(tmp_path_factory, 4, cases, timeout=900), saved  # 20 steps on 4 processes
 
 
@@ -103,7 +115,8 @@ def test_a_zero3_expert_checkpoint_resumes_at_tp2_and_at_zero1_ep4_with_its_weig
     _, _, saved = zero3_ep
     manifest = read_manifest(saved / "ep2" / f"step-{SAVED:07d}")
     assert sorted(f for f in manifest["files"] if f.startswith("experts")) == [
-        f"experts-pp00-ep{r:02d}.safetensors" for r in range(2)]
+        f"experts-pp00-ep{r:02d}.safetensors" for r in range(2)
+    ]
     ends = {}
     for name in (f"ep2/step-{STEPS:07d}", "tp2", "ep4"):
         path = saved / name
@@ -144,8 +157,24 @@ def test_plan_prices_zero3_experts_over_edp_and_launches_them(capsys, tmp_path):
         live = min(Buckets().stage3_max_live, 2 * (sharded + replicated + local / 32) + Buckets().stage3_prefetch)
         assert zero3.items["zero3_gather"] == pytest.approx(2 * live)
     target = tmp_path / "zero3.json"
-    code = cli.main(["plan", "--model", "models/mixtral-8x7b.json", "--gpu", "h100-80gb", "--gpus", "16", "--zero",
-                     "3", "--ep", "8", "--json", "--emit-config", str(target)])
+    code = cli.main(
+        [
+            "plan",
+            "--model",
+            "models/mixtral-8x7b.json",
+            "--gpu",
+            "h100-80gb",
+            "--gpus",
+            "16",
+            "--zero",
+            "3",
+            "--ep",
+            "8",
+            "--json",
+            "--emit-config",
+            str(target),
+        ]
+    )
     out, _ = capsys.readouterr()
     assert code == 0, out
     report = json.loads(out)

@@ -38,8 +38,9 @@ def test_each_depth_targets_token_i_plus_k_plus_1_inside_its_document():
     labels = torch.tensor([[1, 2, 3, -100, 5, 6, 7, 8]])
     documents = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2]])
     for k in range(4):
-        want = [labels[0, i + k].item() if i + k < 8 and documents[0, i + k] == documents[0, i] else -100
-                for i in range(8)]
+        want = [
+            labels[0, i + k].item() if i + k < 8 and documents[0, i + k] == documents[0, i] else -100 for i in range(8)
+        ]
         assert depth_labels(labels, k, documents)[0].tolist() == want, k
     assert depth_labels(labels, 2)[0].tolist() == [3, -100, 5, 6, 7, 8, -100, -100]  # no documents: only the tail
     assert depth_token_counts(labels, 2, documents).tolist() == [7, 4, 2]
@@ -51,8 +52,9 @@ def hf_models(depths: int, dtype=torch.float32):
     from transformers.modeling_layers import MtpModel
 
     fields = ModelConfig.load("deepseek-v3-tiny").to_hf() | {"vocab_size": V, "num_nextn_predict_layers": depths}
-    config = transformers.DeepseekV3Config(**{k: v for k, v in fields.items() if k != "model_type"},
-                                           experts_implementation="eager")  # its grouped GEMM takes no fp64
+    config = transformers.DeepseekV3Config(
+        **{k: v for k, v in fields.items() if k != "model_type"}, experts_implementation="eager"
+    )  # its grouped GEMM takes no fp64
     main = eager(transformers.DeepseekV3ForCausalLM, config).to(dtype)
     torch.manual_seed(1)
     mtp = MtpModel(main, depths).to(dtype).eval()
@@ -134,7 +136,7 @@ def test_the_loss_equals_an_fp64_reference(depths):
     losses = []
     for k, scores in enumerate(logits):  # target of position i at depth k: labels[i + k], if inside the window
         target = torch.full_like(labels, -100)
-        target[:, :32 - k] = labels[:, k:]
+        target[:, : 32 - k] = labels[:, k:]
         losses.append(torch.nn.functional.cross_entropy(scores.flatten(0, 1), target.flatten(), ignore_index=-100))
     want = losses[0] + weight / depths * torch.stack(losses[1:]).sum()
     got = model(ids, labels)  # its cross-entropy and RoPE tables are fp32's: the bound is fp32's, over 64 tokens
@@ -161,8 +163,17 @@ def test_the_checkpoint_layout_round_trips_bit_for_bit_and_transformers_still_lo
     back = from_hf_state_dict(model.config, written)
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
     for k in (2, 3):  # the modules as decoder layers L + k, with the shared tensors copied beside them
-        for part in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head", "embed_tokens",
-                     "self_attn.kv_a_proj_with_mqa", "mlp.experts.3.down_proj", "mlp.shared_experts.up_proj"):
+        for part in (
+            "enorm",
+            "hnorm",
+            "eh_proj",
+            "shared_head.norm",
+            "shared_head.head",
+            "embed_tokens",
+            "self_attn.kv_a_proj_with_mqa",
+            "mlp.experts.3.down_proj",
+            "mlp.shared_experts.up_proj",
+        ):
             assert f"model.layers.{k}.{part}.weight" in written, part
     assert torch.equal(written["model.layers.3.eh_proj.weight"], mtp.layers[1].eh_proj.weight)
     assert torch.equal(written["model.layers.3.shared_head.norm.weight"], mtp.layers[1].post_norm.weight)
@@ -195,7 +206,7 @@ def _layouts(rank, world, cases):
         labels = torch.stack([shifted(x, 1, -100) for x in ids])
         documents = (torch.arange(seq) >= seq // 2).long().expand(2, seq)  # two documents a row
         if case.get("empty_rank"):  # one target, at the second document's first token: CP rank 0 holds no valid
-            labels[:] = -100        # token at all, and no depth-1 target is left anywhere (i + 1 crosses a document)
+            labels[:] = -100  # token at all, and no depth-1 target is left anywhere (i + 1 crosses a document)
             labels[..., seq // 2] = 7
             assert not (labels[0, :, positions(seq, cp, 0)] != -100).any()
         ref = Transformer(config, seed=3, mtp=True, mtp_weight=0.3)
@@ -204,8 +215,17 @@ def _layouts(rank, world, cases):
         want = full_state_dict(ref, grads=True)
         mine = range(topo.dp_rank * m, (topo.dp_rank + 1) * m)
         sp = case.get("sp", False)
-        chunks = build_stage_chunks(config, topo, vpp=vpp, seed=3, sequence_parallel=sp, mtp=True, mtp_weight=0.3,
-                                    recompute=case.get("recompute", "none"), loss_chunks=case.get("loss_chunks", 1))
+        chunks = build_stage_chunks(
+            config,
+            topo,
+            vpp=vpp,
+            seed=3,
+            sequence_parallel=sp,
+            mtp=True,
+            mtp_weight=0.3,
+            recompute=case.get("recompute", "none"),
+            loss_chunks=case.get("loss_chunks", 1),
+        )
         if pp == 1:
             model = chunks[0]
             losses = [model(ids[i], labels[i], documents=documents) for i in mine]
@@ -214,29 +234,54 @@ def _layouts(rank, world, cases):
             loss = C.all_reduce(loss.detach().clone(), topo.dp_group) / topo.dp
         else:
             schedule = build_schedule(case.get("schedule", "interleaved" if vpp > 1 else "1f1b"), pp, m, vpp)
-            executor = PipelineExecutor(chunks, topo, schedule=schedule, activation_shape=activation_shape(
-                config, micro_batch_size=2, seq_len=seq // cp, tp=tp, sequence_parallel=sp),
-                optimizer_step=lambda: None)
+            executor = PipelineExecutor(
+                chunks,
+                topo,
+                schedule=schedule,
+                activation_shape=activation_shape(
+                    config, micro_batch_size=2, seq_len=seq // cp, tp=tp, sequence_parallel=sp
+                ),
+                optimizer_step=lambda: None,
+            )
             extras = [{"documents": documents, "input_ids": ids[i]} for i in mine]
-            loss = executor.step([ids[i] for i in mine] if topo.is_first_stage else None,
-                                 [labels[i] for i in mine] if topo.is_last_stage else None, extras=extras)
+            loss = executor.step(
+                [ids[i] for i in mine] if topo.is_first_stage else None,
+                [labels[i] for i in mine] if topo.is_last_stage else None,
+                extras=extras,
+            )
         grads = {n: g for c in chunks for n, g in full_state_dict(c, topo, grads=True).items()}
         errors = {}
         for name, g in grads.items():
             if pp == 1:  # no executor: average over DP and CP as DeepSpeed would
                 g = C.all_reduce(g.clone(), topo.get_data_parallel_group()) / (topo.dp * topo.cp)
             errors[name] = (float((g - want[name]).abs().max()), bool(torch.isfinite(g).all()))
-        out.append(dict(loss=float(loss), want=float(torch.stack(ref_losses).mean()), errors=errors,
-                        scale=grad_scale(want), names=sorted(want), mtp=[float(x) for x in ref.mtp_losses]))
+        out.append(
+            dict(
+                loss=float(loss),
+                want=float(torch.stack(ref_losses).mean()),
+                errors=errors,
+                scale=grad_scale(want),
+                names=sorted(want),
+                mtp=[float(x) for x in ref.mtp_losses],
+            )
+        )
     return out
 
 
-CASES = [dict(pp=2, m=4), dict(pp=4, layers=4, m=4, depths=2), dict(pp=2, vpp=2, layers=4, m=4),
-         dict(pp=2, tp=2, sp=True, m=2), dict(cp=2, m=2), dict(cp=4, depths=2, seq=32),
-         dict(cp=2, m=1, empty_rank=True), dict(cp=2, tp=2, sp=True, m=1),
-         # zero bubble's split backward (the embedding's and enorm's weight gradients in W); full recompute of the
-         # modules with the head and loss over token chunks
-         dict(pp=2, schedule="zb-h1", m=4), dict(pp=2, tp=2, m=2, recompute="full", loss_chunks=2, depths=2)]
+CASES = [
+    dict(pp=2, m=4),
+    dict(pp=4, layers=4, m=4, depths=2),
+    dict(pp=2, vpp=2, layers=4, m=4),
+    dict(pp=2, tp=2, sp=True, m=2),
+    dict(cp=2, m=2),
+    dict(cp=4, depths=2, seq=32),
+    dict(cp=2, m=1, empty_rank=True),
+    dict(cp=2, tp=2, sp=True, m=1),
+    # zero bubble's split backward (the embedding's and enorm's weight gradients in W); full recompute of the
+    # modules with the head and loss over token chunks
+    dict(pp=2, schedule="zb-h1", m=4),
+    dict(pp=2, tp=2, m=2, recompute="full", loss_chunks=2, depths=2),
+]
 
 
 @pytest.mark.slow

@@ -32,8 +32,10 @@ def test_best_fit_decreasing_places_every_example_once_within_the_window():
 
 
 def _records(n: int = 60) -> list[dict]:
-    return [{"prompt": f"question {i}: " + "what is the weather? " * (i % 4),
-             "completion": "sunny " * (1 + (i * 7) % 9)} for i in range(n)]
+    return [
+        {"prompt": f"question {i}: " + "what is the weather? " * (i % 4), "completion": "sunny " * (1 + (i * 7) % 9)}
+        for i in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +45,21 @@ def packed_and_padded(tmp_path_factory):
     (tmp / "examples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records()))
     out = {}
     for how in ("pack", "pad"):
-        code = cli.main(["prepare-data", str(tmp / "examples.jsonl"), "--tokenizer", str(tokenizer), "--out",
-                         str(tmp / how), f"--{how}", str(WINDOW), "--val-fraction", "0", "--no-progress"])
+        code = cli.main(
+            [
+                "prepare-data",
+                str(tmp / "examples.jsonl"),
+                "--tokenizer",
+                str(tokenizer),
+                "--out",
+                str(tmp / how),
+                f"--{how}",
+                str(WINDOW),
+                "--val-fraction",
+                "0",
+                "--no-progress",
+            ]
+        )
         assert code == 0
         out[how] = str(tmp / how)
     return out, tmp, tokenizer
@@ -61,7 +76,7 @@ def _weighted_loss(data: str, documents: bool = True) -> tuple[float, int, int]:
     cfg = TrainConfig(ds_config={}, reset_attention_mask=documents, reset_position_ids=documents)
     windows = (len(corpus.train[0]) - 1) // WINDOW
     batches = TokenBatches(corpus.train, BatchPlan(seq_len=WINDOW, micro_batch=windows), **corpus.loader_options(cfg))
-    (x, y), = batches.micro_batches(0, 0)
+    ((x, y),) = batches.micro_batches(0, 0)
     (extras,) = batches.forward_extras(0, 0)
     model = Transformer(ModelConfig.load("gpt-tiny").replace(vocab_size=corpus.vocab_size), seed=2)
     with torch.no_grad():
@@ -86,18 +101,47 @@ def test_too_long_examples_are_cut_or_refused_and_packed_data_asks_for_its_windo
     from megakit.train.run import TrainConfig
 
     dirs, tmp, tokenizer = packed_and_padded
-    code = cli.main(["prepare-data", str(tmp / "examples.jsonl"), "--tokenizer", str(tokenizer), "--out",
-                     str(tmp_path / "x"), "--pad", "16", "--too-long", "refuse", "--no-progress"])
+    code = cli.main(
+        [
+            "prepare-data",
+            str(tmp / "examples.jsonl"),
+            "--tokenizer",
+            str(tokenizer),
+            "--out",
+            str(tmp_path / "x"),
+            "--pad",
+            "16",
+            "--too-long",
+            "refuse",
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "does not fit the --pack/--pad window of 16" in err, err
     assert not (tmp_path / "x").exists()
-    code = cli.main(["prepare-data", str(tmp / "examples.jsonl"), "--tokenizer", str(tokenizer), "--out",
-                     str(tmp_path / "cut"), "--pad", "16", "--no-progress"])
+    code = cli.main(
+        [
+            "prepare-data",
+            str(tmp / "examples.jsonl"),
+            "--tokenizer",
+            str(tokenizer),
+            "--out",
+            str(tmp_path / "cut"),
+            "--pad",
+            "16",
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
-    assert code == 0 and "cut to fit" in out and json.loads((tmp_path / "cut" / "index.json").read_text())[
-        "summary"]["packed"]["truncated"] > 0
+    assert (
+        code == 0
+        and "cut to fit" in out
+        and json.loads((tmp_path / "cut" / "index.json").read_text())["summary"]["packed"]["truncated"] > 0
+    )
     corpus = open_corpus(dirs["pack"])
-    with pytest.raises(UsageError, match=f"is packed into windows of {WINDOW} tokens; train it with --seq-len {WINDOW}"):
+    with pytest.raises(
+        UsageError, match=f"is packed into windows of {WINDOW} tokens; train it with --seq-len {WINDOW}"
+    ):
         corpus.check_packed(TrainConfig(ds_config={}, reset_attention_mask=True, reset_position_ids=True), 32)
     with pytest.raises(UsageError, match="pass --reset-attention-mask --reset-position-ids"):
         corpus.check_packed(TrainConfig(ds_config={}), WINDOW)

@@ -48,16 +48,18 @@ def _batches(config, dp_rank: int, dp: int, seed: int = 1, m: int = M):
     """``dp * m`` micro-batches (token ids, labels) shared by every rank; replica d takes its m."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, config.vocab_size, (dp * m, B, S + 1), generator=g)
-    mine = ids[dp_rank * m:(dp_rank + 1) * m]
+    mine = ids[dp_rank * m : (dp_rank + 1) * m]
     return [x[:, :-1] for x in ids], [x[:, 1:] for x in ids], [x[:, :-1] for x in mine], [x[:, 1:] for x in mine]
 
 
 def _ds_style_backward(m: int, outputs: list, held: list):
     """What a trainer does through DeepSpeed engines, without DeepSpeed: the pluggable path. It notes how
     many sent outputs (``outputs``: what the chunks returned) still hold their values at each backward."""
+
     def backward(scalar, is_loss):  # the loss, or a sent output's handle (its gradient: the one received)
         held.append(sum(out.untyped_storage().nbytes() > 0 for out in outputs if out.dim()))
         (scalar / m if is_loss else scalar).backward()
+
     return backward
 
 
@@ -85,14 +87,25 @@ def _equivalence_worker(rank, world_size, cases):
         lr = 0.1
         params = [p for c in chunks for p in c.parameters()]
         opt = torch.optim.SGD(params, lr=lr)
-        shape = None if schedule_name == "gpipe" else activation_shape(  # None: a shape header per message
-            config, micro_batch_size=B, seq_len=S, tp=tp, sequence_parallel=sp)
+        shape = (
+            None
+            if schedule_name == "gpipe"
+            else activation_shape(  # None: a shape header per message
+                config, micro_batch_size=B, seq_len=S, tp=tp, sequence_parallel=sp
+            )
+        )
         outputs, held = [], []  # the last virtual stage returns the loss, a 0-dim tensor
         for c in chunks:
             c.register_forward_hook(lambda _module, _args, out: outputs.append(out))
-        executor = PipelineExecutor(chunks, topo, schedule=schedule, activation_shape=shape, p2p=p2p,
-                                    backward=_ds_style_backward(m, outputs, held)
-                                    if tp == 2 and not schedule.split_backward else None, optimizer_step=opt.step)
+        executor = PipelineExecutor(
+            chunks,
+            topo,
+            schedule=schedule,
+            activation_shape=shape,
+            p2p=p2p,
+            backward=_ds_style_backward(m, outputs, held) if tp == 2 and not schedule.split_backward else None,
+            optimizer_step=opt.step,
+        )
         loss = executor.step(ids, labels)
         # the executor ran the very list the simulator proved: same activations held at the peak
         assert executor.last_times.peak_in_flight == simulate(schedule).peak_in_flight[topo.pp_rank]
@@ -104,11 +117,20 @@ def _equivalence_worker(rank, world_size, cases):
             for p in ref.parameters():
                 p -= lr * p.grad
         ref_params = dict(ref.named_parameters())
-        weight_err = max(max((w - ref_params[n]).abs().max().item() for n, w in full_state_dict(c, topo).items())
-                         for c in chunks)
-        results.append(dict(case=(model, tp, pp, schedule_name, vpp, p2p), loss_err=abs(loss - ref_loss.item()),
-                            grad_err=grad_err, weight_err=weight_err, names=sorted(grads),
-                            held=max(held, default=None), sent=sum(out.dim() > 0 for out in outputs)))
+        weight_err = max(
+            max((w - ref_params[n]).abs().max().item() for n, w in full_state_dict(c, topo).items()) for c in chunks
+        )
+        results.append(
+            dict(
+                case=(model, tp, pp, schedule_name, vpp, p2p),
+                loss_err=abs(loss - ref_loss.item()),
+                grad_err=grad_err,
+                weight_err=weight_err,
+                names=sorted(grads),
+                held=max(held, default=None),
+                sent=sum(out.dim() > 0 for out in outputs),
+            )
+        )
     return results
 
 
@@ -172,8 +194,11 @@ def test_more_virtual_stages_than_blocks_give_the_embedding_and_the_loss_stages_
     assert [len(r) for r in partition_layers(config, 5, method="flops")] == [1, 1, 1, 1, 0]  # the lookup is free
     qwen = ModelConfig.load("qwen3-235b-a22b")  # 94 blocks on PP 32 x VPP 3
     assert [len(r) for r in partition_layers(qwen, 32, 3)] == [0] + [1] * 94 + [0]
-    with pytest.raises(UsageError, match=r"^4 layers cannot fill --pp 7 x --vpp 1 = 7 virtual stages, even with an "
-                                         r"embedding-only first and a loss-only last one; .* at most 6 virtual"):
+    with pytest.raises(
+        UsageError,
+        match=r"^4 layers cannot fill --pp 7 x --vpp 1 = 7 virtual stages, even with an "
+        r"embedding-only first and a loss-only last one; .* at most 6 virtual",
+    ):
         partition_layers(config, 7)
     assert parse_stage_layers("0,1*94,0") == (0,) + (1,) * 94 + (0,)
     assert parse_stage_layers("3,2*2,3") == (3, 2, 2, 3) and parse_stage_layers(None) is None
@@ -204,18 +229,31 @@ def _deepspeed_worker(rank, world_size):
 
     chunks = build_stage_chunks(config, topo, seed=3)
     stage = torch.nn.ModuleList(chunks)
-    ds_config = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": M,
-                 "zero_optimization": {"stage": 1}, "managed_gradient_accumulation": False,
-                 "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0, "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=lr),
-                                      config=ds_config, mpu=topo)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": B,
+        "gradient_accumulation_steps": M,
+        "zero_optimization": {"stage": 1},
+        "managed_gradient_accumulation": False,
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=lr), config=ds_config, mpu=topo
+    )
 
     def backward(scalar, is_loss):  # DeepSpeed scales the loss by 1 / gradient_accumulation_steps
         engine.backward(scalar, scale_wrt_gas=is_loss)
 
-    executor = PipelineExecutor(chunks, topo, schedule=build_schedule("1f1b", 2, M), backward=backward,
-                                activation_shape=(S, B, config.hidden), reduce_grads=lambda: None,
-                                optimizer_step=engine.step)
+    executor = PipelineExecutor(
+        chunks,
+        topo,
+        schedule=build_schedule("1f1b", 2, M),
+        backward=backward,
+        activation_shape=(S, B, config.hidden),
+        reduce_grads=lambda: None,
+        optimizer_step=engine.step,
+    )
     with pytest.raises(UsageError, match="micro-batch"):
         executor.step(ids[:1] if topo.is_first_stage else None, labels[:1] if topo.is_last_stage else None)
     with pytest.raises(UsageError, match="stages"):
@@ -237,7 +275,6 @@ def test_pipeline_drives_one_deepspeed_engine_per_stage():
     assert max(err for _, err in results) < 1e-5, results
 
 
-
 def _bf16_fp32_accumulation_worker(rank, world_size, sum_tied: bool):
     """PP = 2 in bf16 with fp32 gradient accumulation (DeepSpeed's bf16 optimizer), through the trainer's hooks."""
     import deepspeed
@@ -251,20 +288,37 @@ def _bf16_fp32_accumulation_worker(rank, world_size, sum_tied: bool):
     _, _, ids, labels = _batches(config, 0, 1, seed=5)
     lr = 0.1
     stage = torch.nn.ModuleList(build_stage_chunks(config, topo, seed=3))
-    ds_config = load_ds_config({"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": M,
-                                "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
-                                "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
-                                "steps_per_print": 10**9}, dp=1, pp=2)
-    engine, *_ = deepspeed.initialize(model=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=lr),
-                                      config=ds_config, mpu=topo)
+    ds_config = load_ds_config(
+        {
+            "train_micro_batch_size_per_gpu": B,
+            "gradient_accumulation_steps": M,
+            "bf16": {"enabled": True},
+            "data_types": {"grad_accum_dtype": "fp32"},
+            "zero_optimization": {"stage": 1},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+        },
+        dp=1,
+        pp=2,
+    )
+    engine, *_ = deepspeed.initialize(
+        model=stage, optimizer=torch.optim.SGD(stage.parameters(), lr=lr), config=ds_config, mpu=topo
+    )
 
     def backward(scalar, is_loss):
         engine.backward(scalar, scale_wrt_gas=is_loss)
 
-    executor = PipelineExecutor(list(stage), topo, schedule=build_schedule("1f1b", 2, M), backward=backward,
-                                activation_shape=(S, B, config.hidden), activation_dtype=torch.bfloat16,
-                                reduce_grads=lambda: None, optimizer_step=engine.step,
-                                gradient=gradient_of(engine) if sum_tied else None)
+    executor = PipelineExecutor(
+        list(stage),
+        topo,
+        schedule=build_schedule("1f1b", 2, M),
+        backward=backward,
+        activation_shape=(S, B, config.hidden),
+        activation_dtype=torch.bfloat16,
+        reduce_grads=lambda: None,
+        optimizer_step=engine.step,
+        gradient=gradient_of(engine) if sum_tied else None,
+    )
     executor.step(ids if topo.is_first_stage else None, labels if topo.is_last_stage else None)
     return type(engine.optimizer).__name__, full_state_dict(stage[0], topo)["embed.weight"].float().tolist()
 

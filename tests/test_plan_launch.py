@@ -46,15 +46,24 @@ def test_175b_on_1024_gpus_saves_every_young_daly_interval(capsys):
     flat = " ".join(text.split())  # rich wraps the report at the terminal's width
     assert f"Save every {want} steps (--save-every {want})" in flat and f"--save-every {want}" in flat
     a = p["save_interval"]
-    for shown in (f"write {a['write_s']:,.3g} s", f"MTBF {a['mtbf_s'] / 3600:,.1f} h", "14 B/param",
-                  f"over {len(writers)} writing node(s)", "1 GB/s per node", "50,677 GPU-hours per failure",
-                  "419 unexpected interruptions in 54 days on 16,384 H100s", "/ 1024 GPUs",
-                  f"at {p['step_time_s']:.2f} s per step"):
+    for shown in (
+        f"write {a['write_s']:,.3g} s",
+        f"MTBF {a['mtbf_s'] / 3600:,.1f} h",
+        "14 B/param",
+        f"over {len(writers)} writing node(s)",
+        "1 GB/s per node",
+        "50,677 GPU-hours per failure",
+        "419 unexpected interruptions in 54 days on 16,384 H100s",
+        "/ 1024 GPUs",
+        f"at {p['step_time_s']:.2f} s per step",
+    ):
         assert shown in flat, shown
-    code, out, _ = _plan(capsys, "--params", "175B", "--gpus", "1024", "--json", "--mtbf-gpu-hours", "5000",
-                         "--ckpt-write-gbps", "4")  # the user's failure rate and bandwidth
-    assert json.loads(out)["plan"]["save_every"] == round(math.sqrt(2 * write_s / 4 * 5000 / 1024 * 3600)
-                                                          / p["step_time_s"])
+    code, out, _ = _plan(
+        capsys, "--params", "175B", "--gpus", "1024", "--json", "--mtbf-gpu-hours", "5000", "--ckpt-write-gbps", "4"
+    )  # the user's failure rate and bandwidth
+    assert json.loads(out)["plan"]["save_every"] == round(
+        math.sqrt(2 * write_s / 4 * 5000 / 1024 * 3600) / p["step_time_s"]
+    )
 
 
 def test_emit_launch_writes_a_slurm_script_bash_parses_and_a_hostfile(tmp_path, capsys):
@@ -65,12 +74,21 @@ def test_emit_launch_writes_a_slurm_script_bash_parses_and_a_hostfile(tmp_path, 
     assert subprocess.run(["bash", "-n", str(tmp_path / "job.sh")], capture_output=True).returncode == 0
     assert os.access(tmp_path / "job.sh", os.X_OK) and "#SBATCH --nodes=8" in script
     assert "#SBATCH --gpus-per-node=8" in script and "--nproc-per-node=8 --max-restarts=3" in script
-    assert "--rdzv-backend=c10d" in script and "srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1" in script
-    assert f"--ds_config {tmp_path / 'job.json'} --tp 8 " in script and "--load auto \"$@\"" in script
+    assert "--rdzv-backend=c10d" in script and 'srun --nodes="$SLURM_NNODES" --ntasks-per-node=1' in script
+    assert f"--ds_config {tmp_path / 'job.json'} --tp 8 " in script and '--load auto "$@"' in script
     assert json.loads((tmp_path / "job.json").read_text())["train_batch_size"] > 0  # the ds_config beside it
 
-    code, out, _ = _plan(capsys, *common, "--emit-launch", "hostfile", str(tmp_path / "hosts"), "--emit-config",
-                         str(tmp_path / "plan.json"), "--save-every", "50")
+    code, out, _ = _plan(
+        capsys,
+        *common,
+        "--emit-launch",
+        "hostfile",
+        str(tmp_path / "hosts"),
+        "--emit-config",
+        str(tmp_path / "plan.json"),
+        "--save-every",
+        "50",
+    )
     hosts = (tmp_path / "hosts").read_text().splitlines()
     assert code == 0 and [h for h in hosts if not h.startswith("#")] == [f"node{i} slots=8" for i in range(1, 9)]
     command = f"deepspeed --hostfile {tmp_path / 'hosts'} --num_nodes 8 --num_gpus 8 scripts/train.py"
@@ -78,11 +96,17 @@ def test_emit_launch_writes_a_slurm_script_bash_parses_and_a_hostfile(tmp_path, 
     assert command in " ".join(out.split())
 
     before = sorted(os.listdir(tmp_path))
-    for argv, needle in ((["--emit-launch", "pbs", str(tmp_path / "x.sh")], "--emit-launch pbs: the kinds are"),
-                         (["--emit-launch", "slurm", str(tmp_path / "no" / "x.sh"), "--emit-config",
-                           str(tmp_path / "y.json")], "--emit-launch folder"),
-                         (["--emit-launch", "hostfile", str(tmp_path / "y.json"), "--emit-config",
-                           str(tmp_path / "y.json")], "is also the ds_config's")):
+    for argv, needle in (
+        (["--emit-launch", "pbs", str(tmp_path / "x.sh")], "--emit-launch pbs: the kinds are"),
+        (
+            ["--emit-launch", "slurm", str(tmp_path / "no" / "x.sh"), "--emit-config", str(tmp_path / "y.json")],
+            "--emit-launch folder",
+        ),
+        (
+            ["--emit-launch", "hostfile", str(tmp_path / "y.json"), "--emit-config", str(tmp_path / "y.json")],
+            "is also the ds_config's",
+        ),
+    ):
         code, out, err = _plan(capsys, *common, *argv)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
         assert sorted(os.listdir(tmp_path)) == before  # nothing written
@@ -116,28 +140,97 @@ def test_the_slurm_script_trains_on_two_loopback_nodes_and_survives_a_killed_wor
     data, model = str(tmp_path / "tokens"), dropout_model(tmp_path)
     config = json.loads(open(model).read()) | {"vocab_size": 300}  # the tokenizer's below
     open(model, "w").write(json.dumps(config))
-    prepare(PrepareConfig(inputs=[str(five_large_files(tmp_path / "plays", words_per_file=10_000))], out=data,
-                          vocab_size=300, workers=1, progress=False), say=lambda *_: None)
+    prepare(
+        PrepareConfig(
+            inputs=[str(five_large_files(tmp_path / "plays", words_per_file=10_000))],
+            out=data,
+            vocab_size=300,
+            workers=1,
+            progress=False,
+        ),
+        say=lambda *_: None,
+    )
     job, config = tmp_path / "job.sh", tmp_path / "job.json"
-    code, _, err = _plan(capsys, "--model", model, "--gpus", "4", "--gpus-per-node", "2", "--tp", "2",
-                         "--pp", "2", "--vpp", "1", "--precision", "fp32", "--global-batch", "4", "--micro-batch", "1",
-                         "--seq-len", "32", "--tokens", "5120", "--base-lr", "1e-3", "--base-batch", "4",
-                         "--emit-launch", "slurm", str(job), "--save", str(tmp_path / "ckpt"))
+    code, _, err = _plan(
+        capsys,
+        "--model",
+        model,
+        "--gpus",
+        "4",
+        "--gpus-per-node",
+        "2",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--vpp",
+        "1",
+        "--precision",
+        "fp32",
+        "--global-batch",
+        "4",
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "32",
+        "--tokens",
+        "5120",
+        "--base-lr",
+        "1e-3",
+        "--base-batch",
+        "4",
+        "--emit-launch",
+        "slurm",
+        str(job),
+        "--save",
+        str(tmp_path / "ckpt"),
+    )
     assert code == 0, err
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "srun").write_text(SRUN)
     (tmp_path / "bin" / "srun").chmod(0o755)
-    env = dict(os.environ, OMP_NUM_THREADS=THREADS, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", SLURM_NNODES="2",
-               SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[1-2]", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), **{VARIABLE: "kill@1:7"})
-    mistake = subprocess.run(["bash", str(job), "--cp", "3"], cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=300)  # a flag no worker could run: the script's --check ends the job first
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=THREADS,
+        PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+        SLURM_NNODES="2",
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="node[1-2]",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        **{VARIABLE: "kill@1:7"},
+    )
+    mistake = subprocess.run(
+        ["bash", str(job), "--cp", "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )  # a flag no worker could run: the script's --check ends the job first
     errors = [line for line in mistake.stderr.splitlines() if line.startswith("train.py")]
     assert mistake.returncode == 2 and len(errors) == 1 and "--cp" in errors[0], mistake.stderr[-2000:]
     assert "srun: starting" not in mistake.stderr and not (tmp_path / "ckpt").exists()
-    out = subprocess.run(["bash", str(job), "--steps", "12", "--data", data, "--eval-every", "4", "--eval-batches",
-                          "1", "--save-every", "3", "--keep", "2", "--metrics-out", str(tmp_path / "m.json")],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            "bash",
+            str(job),
+            "--steps",
+            "12",
+            "--data",
+            data,
+            "--eval-every",
+            "4",
+            "--eval-batches",
+            "1",
+            "--save-every",
+            "3",
+            "--keep",
+            "2",
+            "--metrics-out",
+            str(tmp_path / "m.json"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     log = out.stdout + out.stderr
     assert out.returncode == 0, "\n".join(line for line in log.splitlines() if "error" in line)[-4000:]
     assert "train.py: check passed: " in log and "on 4 process(es), TP 2 x PP 2 x DP 1" in log
@@ -146,11 +239,14 @@ def test_the_slurm_script_trains_on_two_loopback_nodes_and_survives_a_killed_wor
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-0000009", "step-0000012"]
     got = read_metrics(tmp_path / "m.json")  # both attempts appended: steps 0-6 (eval at 4), then 6-11
     assert [run["start_step"] for run in got["runs"]] == [0, 6], got["runs"]
-    want = reference_run(json.loads(config.read_text()), model=model, steps=12, seq_len=32, data=data,
-                         eval_every=4, eval_batches=1)
+    want = reference_run(
+        json.loads(config.read_text()), model=model, steps=12, seq_len=32, data=data, eval_every=4, eval_batches=1
+    )
     losses = {s["step"]: s["loss"] for s in got["steps"]}
     assert sorted(losses) == list(range(12)), losses
     assert all(abs(losses[s] - want["loss"][s]) < LOSS_TOL for s in losses), (losses, want["loss"])
     assert [e["step"] for e in got["eval"]] == [4, 8, 12]
     assert all(abs(a["loss"] - b["loss"]) < LOSS_TOL for a, b in zip(got["eval"], want["evals"], strict=True)), (
-        got, want)
+        got,
+        want,
+    )

@@ -61,8 +61,15 @@ def test_one_block_saves_what_the_model_predicts(name, dropout):
     assert predicted == pytest.approx(measured, rel=0.02)
     # Full recompute keeps only each block's input.
     recomputed = Transformer(config, layers=range(0, 1), pre=False, post=False, recompute=True).train()
-    full = estimate_memory(spec, precision="fp32", micro_batch=B, seq_len=S, recompute="full",
-                           flash_attention=dropout == 0, dropout_mask_bytes=1)
+    full = estimate_memory(
+        spec,
+        precision="fp32",
+        micro_batch=B,
+        seq_len=S,
+        recompute="full",
+        flash_attention=dropout == 0,
+        dropout_mask_bytes=1,
+    )
     assert full.activation_per_layer == pytest.approx(saved_bytes(recomputed, x))
 
 
@@ -73,10 +80,10 @@ def test_whole_model_activations_and_head(name):
     model = Transformer(config).train()
     ids = torch.randint(0, config.vocab_size, (B, S))
     measured = saved_bytes(model, ids, labels=ids)
-    est = estimate_memory(spec, precision="fp32", micro_batch=B, seq_len=S, flash_attention=True,
-                          dropout_mask_bytes=1)
-    saved_head = logits_bytes(spec, tp=1, sequence_parallel=False, precision="fp32", seq_len=S, micro_batch=B,
-                              transient=False)
+    est = estimate_memory(spec, precision="fp32", micro_batch=B, seq_len=S, flash_attention=True, dropout_mask_bytes=1)
+    saved_head = logits_bytes(
+        spec, tp=1, sequence_parallel=False, precision="fp32", seq_len=S, micro_batch=B, transient=False
+    )
     assert est.items["activations"] + saved_head == pytest.approx(measured, rel=0.03)
 
 
@@ -118,11 +125,17 @@ def _mla_under_tp_and_cp(rank: int, world: int) -> list:
     for q_lora_rank in (24, 0):
         config, spec = _mla(q_lora_rank)
         for sp in (False, True):
-            block = Transformer(config, tp2, layers=range(0, 1), pre=False, post=False, seed=1,
-                                sequence_parallel=sp).train()
+            block = Transformer(
+                config, tp2, layers=range(0, 1), pre=False, post=False, seed=1, sequence_parallel=sp
+            ).train()
             x = torch.randn(S // 2 if sp else S, B, config.hidden, requires_grad=True)
-            out.append((f"q_lora_rank {q_lora_rank} tp 2 sp {sp}", saved_bytes(block, x),
-                        _predicted(spec, tp=2, sequence_parallel=sp, flash_attention=False)))
+            out.append(
+                (
+                    f"q_lora_rank {q_lora_rank} tp 2 sp {sp}",
+                    saved_bytes(block, x),
+                    _predicted(spec, tp=2, sequence_parallel=sp, flash_attention=False),
+                )
+            )
     config, spec = _mla()
     block = Transformer(config, cp2, layers=range(0, 1), pre=False, post=False, seed=1).train()
     measured = saved_bytes(block, torch.randn(S // 2, B, config.hidden, requires_grad=True))

@@ -38,26 +38,54 @@ GUIDE = Path(__file__).parent.parent / "docs" / "planning.md"  # the planner's g
 def sharded_case(row) -> tuple[ModelSpec, Cluster, Plan]:
     """A sharded-dp.json row as the planner reads it: the shape, the cluster, the pinned plan."""
     q = row["planner"]
-    model = ModelSpec(name=row["id"], family=q.get("family", "llama"), layers=row["layers"], hidden=row["hidden"],
-                      heads=row["heads"], kv_heads=row["kv_heads"] or row["heads"], ffn=row["ffn"],
-                      vocab_size=row["vocab"] or q["vocab"], seq_len=row["seq_len"],
-                      max_seq_len=max(row["seq_len"], 2048), tie_embeddings=False, dropout=0.0)
+    model = ModelSpec(
+        name=row["id"],
+        family=q.get("family", "llama"),
+        layers=row["layers"],
+        hidden=row["hidden"],
+        heads=row["heads"],
+        kv_heads=row["kv_heads"] or row["heads"],
+        ffn=row["ffn"],
+        vocab_size=row["vocab"] or q["vocab"],
+        seq_len=row["seq_len"],
+        max_seq_len=max(row["seq_len"], 2048),
+        tie_embeddings=False,
+        dropout=0.0,
+    )
     tp, dp, mb = row["tp"] or 1, row["dp"] or q["dp"], row["micro_batch"] or q["micro_batch"]
     cluster = Cluster(gpu=gpu_preset(q["gpu"]), num_gpus=tp * dp, gpus_per_node=row["gpus_per_node"] or 8)
     cluster = cluster.with_overrides(inter_gbps=q.get("inter_gbps"))
-    plan = Plan(tp=tp, dp=dp, zero_stage=3, micro_batch=mb, accumulation=1, recompute=q["recompute"],
-                sequence_parallel=bool(row["sp"]), precision="bf16", flash_attention=True,
-                recompute_fraction=q.get("recompute_fraction", 1.0), fused_kernels=q.get("fused_kernels", False),
-                dp_shard=q.get("dp_shard", 0), reduce_precision=q.get("reduce_precision", ""),
-                offload=q.get("offload", "none"), zero3=q["zero3"], fp8=row.get("fp8", "none"))
+    plan = Plan(
+        tp=tp,
+        dp=dp,
+        zero_stage=3,
+        micro_batch=mb,
+        accumulation=1,
+        recompute=q["recompute"],
+        sequence_parallel=bool(row["sp"]),
+        precision="bf16",
+        flash_attention=True,
+        recompute_fraction=q.get("recompute_fraction", 1.0),
+        fused_kernels=q.get("fused_kernels", False),
+        dp_shard=q.get("dp_shard", 0),
+        reduce_precision=q.get("reduce_precision", ""),
+        offload=q.get("offload", "none"),
+        zero3=q["zero3"],
+        fp8=row.get("fp8", "none"),
+    )
     return model, cluster, plan
 
 
 def megakit_case(row) -> tuple[ModelSpec, Cluster, Plan]:
     model = ModelSpec.from_config(row["model"]).with_overrides(seq_len=row["seq_len"])
     cluster = Cluster(gpu=gpu_preset(row["gpu"]), num_gpus=row["num_gpus"])
-    plan = Plan(dp=row["num_gpus"], zero_stage=row["zero"], micro_batch=row["micro_batch"],
-                accumulation=row["accumulation"], recompute=row["recompute"])
+    plan = Plan(
+        dp=row["num_gpus"],
+        zero_stage=row["zero"],
+        micro_batch=row["micro_batch"],
+        accumulation=row["accumulation"],
+        recompute=row["recompute"],
+    )
     return model, cluster, plan
 
 
@@ -66,12 +94,18 @@ def all_errors() -> dict:
     out = {}
     for row in SHARDED["rows"]:
         model, cluster, plan = sharded_case(row)
-        out[row["id"]] = (estimate_cost(model, cluster, plan).tokens_per_s / plan.world,
-                          row["tokens_per_s_per_gpu"], "tok/s/GPU")
+        out[row["id"]] = (
+            estimate_cost(model, cluster, plan).tokens_per_s / plan.world,
+            row["tokens_per_s_per_gpu"],
+            "tok/s/GPU",
+        )
     for row in FP8:  # torchao float8 and its bf16 twins (megakit plan --fp8)
         model, cluster, plan = sharded_case(row)
-        out[row["id"]] = (estimate_cost(model, cluster, plan).tokens_per_s / plan.world,
-                          row["tokens_per_s_per_gpu"], "tok/s/GPU")
+        out[row["id"]] = (
+            estimate_cost(model, cluster, plan).tokens_per_s / plan.world,
+            row["tokens_per_s_per_gpu"],
+            "tok/s/GPU",
+        )
     for row in MEGATRON_ROWS:
         _, _, cost = row_case(row)
         out[row["id"]] = (cost.hardware_tflops_per_gpu, row["tflops_per_gpu"], "TFLOP/s")
@@ -90,8 +124,10 @@ def test_every_row_within_15_percent_printing_the_table():
         lines.append(f"{name:44s} {pred:10.1f} {meas:10.1f} {pred / meas - 1:+7.1%}  {unit}")
     sharded = [abs(ERRORS[r["id"]][0] / ERRORS[r["id"]][1] - 1) for r in SHARDED["rows"]]
     every = [abs(p / m - 1) for p, m, _ in ERRORS.values()]
-    lines.append(f"sharded-dp: mean {statistics.mean(sharded):.1%}, max {max(sharded):.1%} over {len(sharded)} rows; "
-                 f"all: mean {statistics.mean(every):.1%}, max {max(every):.1%} over {len(every)} rows")
+    lines.append(
+        f"sharded-dp: mean {statistics.mean(sharded):.1%}, max {max(sharded):.1%} over {len(sharded)} rows; "
+        f"all: mean {statistics.mean(every):.1%}, max {max(every):.1%} over {len(every)} rows"
+    )
     for dropped in SHARDED["dropped"]:
         lines.append(f"dropped {dropped['id']}: {dropped['reason'][:100]}...")
     print("\n".join(lines))
@@ -103,12 +139,15 @@ def test_every_row_within_15_percent_printing_the_table():
 def test_the_planning_guide_states_the_measured_errors():
     """docs/planning.md's "mean error X %, max Y %" for the published sharded runs is what this table measures."""
     sharded = [abs(ERRORS[r["id"]][0] / ERRORS[r["id"]][1] - 1) for r in SHARDED["rows"]]
-    stated = re.search(r"(\d+) published FSDP/FSDP2/HSDP/ZeRO-3 runs\s+\(mean error ([\d.]+) %, max ([\d.]+) %\)",
-                       GUIDE.read_text())
+    stated = re.search(
+        r"(\d+) published FSDP/FSDP2/HSDP/ZeRO-3 runs\s+\(mean error ([\d.]+) %, max ([\d.]+) %\)", GUIDE.read_text()
+    )
     assert stated, "docs/planning.md no longer states the calibration error"
     assert int(stated.group(1)) == len(sharded)
-    assert (float(stated.group(2)), float(stated.group(3))) == (round(100 * statistics.mean(sharded), 1),
-                                                               round(100 * max(sharded), 1))
+    assert (float(stated.group(2)), float(stated.group(3))) == (
+        round(100 * statistics.mean(sharded), 1),
+        round(100 * max(sharded), 1),
+    )
 
 
 @pytest.mark.parametrize("row", SHARDED["rows"], ids=lambda r: r["id"])
@@ -182,14 +221,41 @@ def test_hsdp_rows_through_the_cli_with_dp_shard(plan_json, tmp_path):
     model, cluster, plan = sharded_case(row)
     config = tmp_path / "llama2-7b.json"
     config.write_text(json.dumps(model.config.to_hf()))
-    argv = ["--model", config, "--seq-len", row["seq_len"], "--gpu", "a100-80gb", "--gpus", plan.world,
-            "--inter-bw", cluster.gpu.inter_gbps, "--tp", 1, "--pp", 1, "--zero", 3, "--micro-batch", plan.micro_batch,
-            "--global-batch", plan.global_batch, "--recompute", "none", "--kernels", "eager", "--runtime", "fsdp"]
+    argv = [
+        "--model",
+        config,
+        "--seq-len",
+        row["seq_len"],
+        "--gpu",
+        "a100-80gb",
+        "--gpus",
+        plan.world,
+        "--inter-bw",
+        cluster.gpu.inter_gbps,
+        "--tp",
+        1,
+        "--pp",
+        1,
+        "--zero",
+        3,
+        "--micro-batch",
+        plan.micro_batch,
+        "--global-batch",
+        plan.global_batch,
+        "--recompute",
+        "none",
+        "--kernels",
+        "eager",
+        "--runtime",
+        "fsdp",
+    ]
     hsdp = plan_json(*argv, "--dp-shard", 8)
     assert hsdp["tokens_per_s"] / plan.world == pytest.approx(ERRORS[row["id"]][0], rel=1e-6)
     fsdp = plan_json(*argv)
     assert fsdp["peak_memory_gib"] < hsdp["peak_memory_gib"] - 5  # 7B: 16 B/param over 8 GPUs, not 128
-    for extra, needle in ((["--dp-shard", 8], "add --runtime fsdp"), (["--runtime", "fsdp", "--dp-shard", 48],
-                                                                       "does not divide DP")):
+    for extra, needle in (
+        (["--dp-shard", 8], "add --runtime fsdp"),
+        (["--runtime", "fsdp", "--dp-shard", 48], "does not divide DP"),
+    ):
         args = [a for a in argv if a not in ("--runtime", "fsdp")] + extra
         assert main(["plan", *map(str, args)]) == 2

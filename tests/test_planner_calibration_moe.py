@@ -37,20 +37,44 @@ def megatron_flops_per_token(row) -> float:
 
 def case(row) -> tuple[ModelSpec, Cluster, Plan]:
     m, q = row["model"], row["planner"]
-    moe = MoEConfig(experts=m["experts"], top_k=m["top_k"], ffn=m["expert_ffn"],
-                    capacity_factor=m.get("capacity_factor"))
-    config = ModelConfig(family="llama", vocab_size=m["vocab"], max_seq_len=row["seq_len"], hidden=m["hidden"],
-                         layers=m["layers"], heads=m["heads"], kv_heads=m["kv_heads"], ffn=m["ffn"],
-                         head_dim=m.get("head_dim", 0), qkv_bias=m.get("qkv_bias", False),
-                         out_bias=m.get("qkv_bias", False), moe=moe)
+    moe = MoEConfig(
+        experts=m["experts"], top_k=m["top_k"], ffn=m["expert_ffn"], capacity_factor=m.get("capacity_factor")
+    )
+    config = ModelConfig(
+        family="llama",
+        vocab_size=m["vocab"],
+        max_seq_len=row["seq_len"],
+        hidden=m["hidden"],
+        layers=m["layers"],
+        heads=m["heads"],
+        kv_heads=m["kv_heads"],
+        ffn=m["ffn"],
+        head_dim=m.get("head_dim", 0),
+        qkv_bias=m.get("qkv_bias", False),
+        out_bias=m.get("qkv_bias", False),
+        moe=moe,
+    )
     model = ModelSpec(config=config, name=row["id"], seq_len=row["seq_len"])
     cluster = Cluster(gpu=gpu_preset("h100-80gb"), num_gpus=row["num_gpus"], gpus_per_node=row["gpus_per_node"])
     dp = row["num_gpus"] // (row["tp"] * row["pp"] * row["cp"])
-    plan = Plan(tp=row["tp"], pp=row["pp"], dp=dp, cp=row["cp"], vpp=row["vpp"], ep=row["ep"], zero_stage=q["zero"],
-                micro_batch=row["micro_batch"], accumulation=row["global_batch"] // (dp * row["micro_batch"]),
-                recompute=q["recompute"], sequence_parallel=row["tp"] > 1, fused_kernels=q["fused_kernels"],
-                moe_imbalance=ROUTING[q["routing"]], dispatcher=q.get("dispatcher", "alltoall"), fp8=q.get("fp8", "none"),
-                **RUNTIMES[q["runtime"]])
+    plan = Plan(
+        tp=row["tp"],
+        pp=row["pp"],
+        dp=dp,
+        cp=row["cp"],
+        vpp=row["vpp"],
+        ep=row["ep"],
+        zero_stage=q["zero"],
+        micro_batch=row["micro_batch"],
+        accumulation=row["global_batch"] // (dp * row["micro_batch"]),
+        recompute=q["recompute"],
+        sequence_parallel=row["tp"] > 1,
+        fused_kernels=q["fused_kernels"],
+        moe_imbalance=ROUTING[q["routing"]],
+        dispatcher=q.get("dispatcher", "alltoall"),
+        fp8=q.get("fp8", "none"),
+        **RUNTIMES[q["runtime"]],
+    )
     return model, cluster, plan
 
 

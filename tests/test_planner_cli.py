@@ -12,9 +12,28 @@ from multiproc import run_ranks
 from megakit.commands import cli
 from megakit.core.planner.memory import BACKWARD_ONLY, STEP_ONLY
 
-PLAN_KEYS = {"tp", "pp", "dp", "vpp", "zero_stage", "micro_batch", "grad_accum", "global_batch", "recompute",
-             "sequence_parallel", "peak_memory_gib", "gpu_memory_gib", "memory", "step_time_s", "tokens_per_s",
-             "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu", "comm_fraction", "bubble_fraction"}
+PLAN_KEYS = {
+    "tp",
+    "pp",
+    "dp",
+    "vpp",
+    "zero_stage",
+    "micro_batch",
+    "grad_accum",
+    "global_batch",
+    "recompute",
+    "sequence_parallel",
+    "peak_memory_gib",
+    "gpu_memory_gib",
+    "memory",
+    "step_time_s",
+    "tokens_per_s",
+    "model_tflops_per_gpu",
+    "hardware_tflops_per_gpu",
+    "mfu",
+    "comm_fraction",
+    "bubble_fraction",
+}
 
 
 def plan(capsys, *argv):
@@ -27,12 +46,25 @@ def plan(capsys, *argv):
 
 
 def test_console_script_plans_175b_from_a_fresh_shell():
-    done = subprocess.run([sys.executable, "-m", "megakit.commands.cli", "plan", "--params", "175B"], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "megakit.commands.cli", "plan", "--params", "175B"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    for needle in ("gpt3-175b shape", "smallest whole number of nodes", "TP x PP x DP", "80% line",
-                   "hardware TFLOP/s per GPU", "Top alternatives", "Rejected", "Tips", "deepspeed --num_nodes"):
+    for needle in (
+        "gpt3-175b shape",
+        "smallest whole number of nodes",
+        "TP x PP x DP",
+        "80% line",
+        "hardware TFLOP/s per GPU",
+        "Top alternatives",
+        "Rejected",
+        "Tips",
+        "deepspeed --num_nodes",
+    ):
         assert needle in out, needle
     assert "torch" not in done.stderr
 
@@ -68,8 +100,7 @@ def test_every_json_entry_names_the_runtime_that_priced_it(capsys):
 
 
 def test_small_model_gets_pure_dp_and_a_tip_about_communication(capsys):
-    code, out, _ = plan(capsys, "--params", "125M", "--gpus", "64", "--gpu", "a100-80gb", "--inter-bw", "1",
-                        "--json")
+    code, out, _ = plan(capsys, "--params", "125M", "--gpus", "64", "--gpu", "a100-80gb", "--inter-bw", "1", "--json")
     report = json.loads(out)
     assert code == 0 and (report["plan"]["tp"], report["plan"]["pp"]) == (1, 1)
     assert report["plan"]["comm_fraction"] > 0.3
@@ -88,9 +119,16 @@ def _parse_with_deepspeed(rank, world, path, dp):
             return dp
 
     config = DeepSpeedConfig(path, mpu=PlannedDataParallel())
-    return (config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps,
-            config.zero_optimization_stage, config.gradient_clipping, config.scheduler_name, config.optimizer_name,
-            config.bfloat16_config.enabled)
+    return (
+        config.train_batch_size,
+        config.train_micro_batch_size_per_gpu,
+        config.gradient_accumulation_steps,
+        config.zero_optimization_stage,
+        config.gradient_clipping,
+        config.scheduler_name,
+        config.optimizer_name,
+        config.bfloat16_config.enabled,
+    )
 
 
 def test_emitted_ds_config_is_accepted_by_deepspeed(tmp_path, capsys):
@@ -102,8 +140,16 @@ def test_emitted_ds_config_is_accepted_by_deepspeed(tmp_path, capsys):
     p = json.loads(out)["plan"]
     assert written["train_batch_size"] == p["micro_batch"] * p["grad_accum"] * p["dp"]
     parsed = run_ranks(_parse_with_deepspeed, 1, str(target), p["dp"])[0]
-    assert parsed == (p["global_batch"], p["micro_batch"], p["grad_accum"], p["zero_stage"], 1.0, "WarmupCosineLR",
-                      "adamw", True)
+    assert parsed == (
+        p["global_batch"],
+        p["micro_batch"],
+        p["grad_accum"],
+        p["zero_stage"],
+        1.0,
+        "WarmupCosineLR",
+        "adamw",
+        True,
+    )
     assert written["optimizer"]["params"]["lr"] == pytest.approx(p["lr"])
     assert sorted(f.name for f in tmp_path.iterdir()) == ["plan.json", "plan.model.json"]  # no temporary file left
 
@@ -132,24 +178,38 @@ BAD = [
     (["--model", "llama-2-70b", "--nodes", "8", "--tp", "16"], "KV heads 8"),
     (["--params", "1.3B", "--gpus", "8", "--pp", "1", "--vpp", "2"], "--vpp 2"),
     (["--params", "1.3B", "--gpus", "1", "--zero", "1"], "DP=1 with 1 GPU(s); use --zero 0"),
-    (["--model", "gpt-tiny", "--gpus", "2", "--pp", "2", "--zero", "1", "--global-batch", "8"],
-     "TP=1 x PP=2 leaves DP=1"),
+    (
+        ["--model", "gpt-tiny", "--gpus", "2", "--pp", "2", "--zero", "1", "--global-batch", "8"],
+        "TP=1 x PP=2 leaves DP=1",
+    ),
     (["--params", "-5B"], "--params '-5B' must be a positive size"),
     (["--params", "175B", "--gpus", "64", "--tp", "8", "--pp", "3"], "--pp 3"),
-    (["--params", "175B", "--gpus", "64", "--pp", "4", "--zero", "3", "--vpp", "2"],
-     "--zero 3 with --pp 4 runs 1F1B with one model chunk per stage, not --vpp 2"),
+    (
+        ["--params", "175B", "--gpus", "64", "--pp", "4", "--zero", "3", "--vpp", "2"],
+        "--zero 3 with --pp 4 runs 1F1B with one model chunk per stage, not --vpp 2",
+    ),
     (["--params", "175B", "--gpus", "64", "--pp", "4", "--zero", "2"], "--zero 2 cannot run with --pp 4"),
     (["--params", "175B", "--gpus", "8"], "needs at least"),
     (["--params", "175B", "--mem-threshold", "1.5"], "--mem-threshold"),
     (["--params", "1T", "--tokens", "-3"], "--tokens"),
     (["--params", "1.3B", "--gpus", "8", "--stage-layers", "12,12"], "needs the layout: pin --pp"),
-    (["--params", "1.3B", "--gpus", "8", "--pp", "2", "--vpp", "2", "--stage-layers", "12,12"],
-     "--stage-layers 12,12 gives 2 layer counts for --pp 2 x --vpp 2 = 4 virtual stages"),
-    (["--params", "1.3B", "--gpus", "8", "--pp", "2", "--stage-layers", "12,11"], "sums to 23 layers but the model has 24"),
-    (["--params", "1.3B", "--gpus", "8", "--pp", "4", "--stage-layers", "12,0,6,6"], "has an entry below 1 in the middle"),
+    (
+        ["--params", "1.3B", "--gpus", "8", "--pp", "2", "--vpp", "2", "--stage-layers", "12,12"],
+        "--stage-layers 12,12 gives 2 layer counts for --pp 2 x --vpp 2 = 4 virtual stages",
+    ),
+    (
+        ["--params", "1.3B", "--gpus", "8", "--pp", "2", "--stage-layers", "12,11"],
+        "sums to 23 layers but the model has 24",
+    ),
+    (
+        ["--params", "1.3B", "--gpus", "8", "--pp", "4", "--stage-layers", "12,0,6,6"],
+        "has an entry below 1 in the middle",
+    ),
     (["--params", "1.3B", "--gpus", "8", "--pp", "2", "--stage-layers", "12;12"], "is not a list of layer counts"),
-    (["--params", "7B", "--moe-routing", "balanced"], "--moe-routing balanced prices Mixture-of-Experts routing, and "
-                                                      "gpt3-6.7b is dense"),  # refused as --ep 2 is, not ignored
+    (
+        ["--params", "7B", "--moe-routing", "balanced"],
+        "--moe-routing balanced prices Mixture-of-Experts routing, and gpt3-6.7b is dense",
+    ),  # refused as --ep 2 is, not ignored
     (["--params", "7B", "--moe-imbalance", "1.5"], "--moe-imbalance 1.5 prices Mixture-of-Experts routing"),
     (["--params", "7B", "--mem-threshold", "nan"], "--mem-threshold: nan is not a finite number"),
     (["--params", "7B", "--inter-bw", "inf"], "--inter-bw: inf is not a finite number"),
@@ -184,8 +244,17 @@ def test_malformed_and_unsupported_configs(tmp_path, capsys):
     code, _, err = plan(capsys, "--model", str(broken))
     assert code == 2 and "model_type 'bert'; supported" in err
     # a config without hidden_size: one line naming the key, never a Python TypeError
-    broken.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "num_hidden_layers": 2,
-                                  "num_attention_heads": 4, "intermediate_size": 64}))
+    broken.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 256,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "intermediate_size": 64,
+            }
+        )
+    )
     code, _, err = plan(capsys, "--model", str(broken))
     assert code == 2 and "lacks the field 'hidden_size'" in err and err.count("\n") == 1, err
 
@@ -208,8 +277,22 @@ def test_params_plan_writes_the_model_config_the_trainer_reads(tmp_path, capsys)
 
 
 def test_launch_command_carries_the_plans_recompute_sp_and_virtual_stages(capsys):
-    code, out, _ = plan(capsys, "--params", "175B", "--gpus", "1024", "--tp", "8", "--pp", "16", "--vpp", "2",
-                        "--recompute", "full", "--json")
+    code, out, _ = plan(
+        capsys,
+        "--params",
+        "175B",
+        "--gpus",
+        "1024",
+        "--tp",
+        "8",
+        "--pp",
+        "16",
+        "--vpp",
+        "2",
+        "--recompute",
+        "full",
+        "--json",
+    )
     assert code == 0
     report = json.loads(out)
     launch, p = report["assumptions"]["launch"], report["plan"]
@@ -234,8 +317,21 @@ def _deepspeed_engine_from(rank, world, path, dp, pp):
 def test_emitted_pipeline_config_builds_a_deepspeed_engine(tmp_path, capsys):
     """DeepSpeed refuses overlap_comm with ZeRO-1 when each step is the accumulation boundary (PP > 1)."""
     target = tmp_path / "pp.json"
-    code, out, err = plan(capsys, "--model", "gpt-tiny", "--gpus", "4", "--pp", "2", "--zero", "1",
-                          "--global-batch", "8", "--emit-config", str(target))
+    code, out, err = plan(
+        capsys,
+        "--model",
+        "gpt-tiny",
+        "--gpus",
+        "4",
+        "--pp",
+        "2",
+        "--zero",
+        "1",
+        "--global-batch",
+        "8",
+        "--emit-config",
+        str(target),
+    )
     assert code == 0, err
     assert "--pp 2" in out
     # Two processes stand for one stage's two DP replicas (the engine's view of a PP=2 x DP=2 job).
@@ -243,7 +339,7 @@ def test_emitted_pipeline_config_builds_a_deepspeed_engine(tmp_path, capsys):
 
 
 def test_gpt3s_batch_is_one_number_for_the_default_batch_and_the_lr_scaled_to_it():
-    """"2M tokens" at 8192 tokens a sequence is GPT-3's batch rounded to 256 sequences for the default batch; the LR
+    """ "2M tokens" at 8192 tokens a sequence is GPT-3's batch rounded to 256 sequences for the default batch; the LR
     is GPT-3's at that same batch, not scaled by 256 / 244 as it was when the LR read 2e6 tokens as 244 sequences."""
     from megakit.core.planner import emit
 
@@ -261,12 +357,39 @@ def test_a_measured_profile_prints_rounded_rates_and_a_tiny_models_count(tmp_pat
     from megakit.commands import cli
 
     link = {"bytes": 2**24, "seconds": 0.0404, "bus_gbps": 0.4086099588212423}
-    profile = {"profile": "megakit-probe", "version": 1, "device": "cpu", "dtype": "fp32", "backend": "gloo",
-               "nproc": 2, "gpus_per_node": 2, "memory_gib": 11.770145416259766, "matmul_tflops": 0.032171739981735566,
-               "copy_gbps": 3.5378572420870493, "attention_tflops": 0.010661163506496317, "links": {"all_reduce": link}}
+    profile = {
+        "profile": "megakit-probe",
+        "version": 1,
+        "device": "cpu",
+        "dtype": "fp32",
+        "backend": "gloo",
+        "nproc": 2,
+        "gpus_per_node": 2,
+        "memory_gib": 11.770145416259766,
+        "matmul_tflops": 0.032171739981735566,
+        "copy_gbps": 3.5378572420870493,
+        "attention_tflops": 0.010661163506496317,
+        "links": {"all_reduce": link},
+    }
     (tmp_path / "hw.json").write_text(json.dumps(profile))
-    assert cli.main(["plan", "--model", "gpt-mini", "--hardware", str(tmp_path / "hw.json"), "--gpus", "2",
-                     "--global-batch", "8", "--seq-len", "128"]) == 0
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--model",
+                "gpt-mini",
+                "--hardware",
+                str(tmp_path / "hw.json"),
+                "--gpus",
+                "2",
+                "--global-batch",
+                "8",
+                "--seq-len",
+                "128",
+            ]
+        )
+        == 0
+    )
     out = " ".join(capsys.readouterr().out.split())  # rich wraps lines
     assert "11.77 GiB, 0.03217 TFLOP/s peak" in out and "within 80% of 11.77 GiB" in out, out[:800]
     assert "0.454 GB/s per GPU" in out and ": 842K parameters" in out

@@ -33,7 +33,9 @@ def test_ring_traffic_hides_behind_attention_inside_a_node_and_not_across_slow_n
     model = _llama8b()
     plan = Plan(tp=1, cp=8, dp=1, zero_stage=1, micro_batch=1, accumulation=16, recompute="full")
     inside = estimate_cost(model, Cluster(gpu=gpu_preset("a100-80gb"), num_gpus=8, gpus_per_node=8), plan)
-    assert inside.cp_comm_s < 1e-6 * inside.step_time_s  # K/V blocks arrive before the previous block's attention is done
+    assert (
+        inside.cp_comm_s < 1e-6 * inside.step_time_s
+    )  # K/V blocks arrive before the previous block's attention is done
     short = model.with_overrides(seq_len=8192)
     slow = Cluster(gpu=gpu_preset("a100-80gb"), num_gpus=8, gpus_per_node=1).with_overrides(inter_gbps=1.0)
     assert estimate_cost(short, slow, plan, seq_len=8192).cp_comm_s > 0.01  # a short sequence over a slow network
@@ -67,15 +69,43 @@ def test_ulysses_prices_its_all_to_alls_and_is_launched_as_planned(capsys):
     ring = Plan(tp=1, cp=8, dp=1, zero_stage=1, micro_batch=1, accumulation=16, recompute="none")
     a2a = estimate_cost(model, cluster, Plan(**{**ring.__dict__, "cp_mode": "a2a"}), seq_len=8192)
     assert a2a.cp_comm_s > 0 and a2a.tokens_per_s != estimate_cost(model, cluster, ring, seq_len=8192).tokens_per_s
-    code, out, err = _plan(capsys, "--model", "llama-3-8b", "--seq-len", str(LONG), "--gpus", "8", "--cp", "8",
-                           "--cp-mode", "a2a", "--json")
+    code, out, err = _plan(
+        capsys,
+        "--model",
+        "llama-3-8b",
+        "--seq-len",
+        str(LONG),
+        "--gpus",
+        "8",
+        "--cp",
+        "8",
+        "--cp-mode",
+        "a2a",
+        "--json",
+    )
     assert code == 0, err
     report = json.loads(out)
     assert report["plan"]["cp_mode"] == "a2a" and "--cp 8 --cp-mode a2a" in report["assumptions"]["launch"]
-    code, _, err = _plan(capsys, "--model", "llama-3-8b", "--seq-len", str(LONG), "--gpus", "64", "--cp", "8",
-                         "--tp", "8", "--cp-mode", "a2a")
-    assert code == 2 and err.count("\n") == 1 and "--cp-mode a2a splits each TP rank's 4 attention heads over --cp 8" \
-        in err, err
+    code, _, err = _plan(
+        capsys,
+        "--model",
+        "llama-3-8b",
+        "--seq-len",
+        str(LONG),
+        "--gpus",
+        "64",
+        "--cp",
+        "8",
+        "--tp",
+        "8",
+        "--cp-mode",
+        "a2a",
+    )
+    assert (
+        code == 2
+        and err.count("\n") == 1
+        and "--cp-mode a2a splits each TP rank's 4 attention heads over --cp 8" in err
+    ), err
 
 
 def test_the_mode_follows_the_node_a2a_inside_hybrid_across_ring_where_heads_forbid(capsys):
@@ -83,11 +113,14 @@ def test_the_mode_follows_the_node_a2a_inside_hybrid_across_ring_where_heads_for
     node's 8 GPUs, a ring of 4 across the nodes), which the launch command carries; at TP 8 each rank keeps 4 heads,
     which CP 8 cannot split: the ring, saying why. The ring's chunk pairs are short (32k / (2 x 32) = 512 tokens),
     so its attention alone runs slower than Ulysses' over the whole sequence (the per-block kernel time)."""
+
     def planned(*argv):
-        code, out, err = _plan(capsys, "--model", "llama-3-8b", "--seq-len", "32768", "--gpu", "h100-80gb", *argv,
-                               "--json")
+        code, out, err = _plan(
+            capsys, "--model", "llama-3-8b", "--seq-len", "32768", "--gpu", "h100-80gb", *argv, "--json"
+        )
         assert code == 0, err
         return json.loads(out)
+
     inside, across = planned("--gpus", "8", "--cp", "8"), planned("--gpus", "32", "--cp", "32")
     assert (inside["plan"]["cp_mode"], inside["plan"]["cp_a2a"]) == ("a2a", 8)
     assert (across["plan"]["cp_mode"], across["plan"]["cp_a2a"]) == ("hybrid", 8)
@@ -100,9 +133,20 @@ def test_the_mode_follows_the_node_a2a_inside_hybrid_across_ring_where_heads_for
     ring = Plan(tp=1, cp=32, dp=1, zero_stage=1, micro_batch=1, accumulation=16, recompute="none")
     a2a = Plan(**{**ring.__dict__, "cp_mode": "a2a"})
     hybrid = Plan(**{**ring.__dict__, "cp_mode": "hybrid", "cp_a2a": 8})
-    attention = {p.cp_mode: attention_time(model, cluster.gpu, tp=1, seq_len=32768, micro_batch=1, flash=True,
-                                           peak=1e15, nbytes=2, kernel_seq=cp_kernel_seq(p, 32768))[0]
-                 for p in (ring, a2a, hybrid)}
+    attention = {
+        p.cp_mode: attention_time(
+            model,
+            cluster.gpu,
+            tp=1,
+            seq_len=32768,
+            micro_batch=1,
+            flash=True,
+            peak=1e15,
+            nbytes=2,
+            kernel_seq=cp_kernel_seq(p, 32768),
+        )[0]
+        for p in (ring, a2a, hybrid)
+    }
     assert [cp_kernel_seq(p, 32768) for p in (ring, a2a, hybrid)] == [512, 32768, 4096]  # hybrid: a ring of 4
     assert attention["ring"] > 1.9 * attention["a2a"] and attention["a2a"] < attention["hybrid"] < attention["ring"]
     speed = {p.cp_mode: estimate_cost(model, cluster, p, seq_len=32768).tokens_per_s for p in (ring, a2a, hybrid)}
@@ -110,18 +154,22 @@ def test_the_mode_follows_the_node_a2a_inside_hybrid_across_ring_where_heads_for
 
 
 def test_hybrid_pins_are_checked_in_one_line(capsys):
-    for argv, needle in ((["--cp", "8", "--cp-mode", "hybrid", "--cp-a2a", "3"],
-                          "--cp-a2a 3 must be above 1, below --cp 8"),
-                         (["--cp", "8", "--cp-a2a", "2"], "--cp-a2a 2 sets the all-to-all degree of --cp-mode hybrid"),
-                         (["--cp", "2", "--cp-mode", "hybrid"], "it must be above 1, below --cp 2")):
+    for argv, needle in (
+        (["--cp", "8", "--cp-mode", "hybrid", "--cp-a2a", "3"], "--cp-a2a 3 must be above 1, below --cp 8"),
+        (["--cp", "8", "--cp-a2a", "2"], "--cp-a2a 2 sets the all-to-all degree of --cp-mode hybrid"),
+        (["--cp", "2", "--cp-mode", "hybrid"], "it must be above 1, below --cp 2"),
+    ):
         code, _, err = _plan(capsys, "--model", "llama-3-8b", "--seq-len", "32768", "--gpus", "8", *argv)
         assert code == 2 and err.count("\n") == 1 and needle in err, (argv, err)
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--cp", "3"], "--cp 3 does not divide the sequence"),
-    (["--cp", "16"], "--cp 16 (x --tp 1 x --pp 1) does not divide the 8 GPUs"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--cp", "3"], "--cp 3 does not divide the sequence"),
+        (["--cp", "16"], "--cp 16 (x --tp 1 x --pp 1) does not divide the 8 GPUs"),
+    ],
+)
 def test_a_pinned_cp_that_does_not_divide_is_refused_in_one_line(argv, needle, capsys):
     code, _, err = _plan(capsys, "--params", "8B", "--seq-len", str(LONG), "--gpus", "8", *argv)
     assert code == 2
@@ -148,7 +196,7 @@ def test_a_window_within_a_chunk_prices_the_neighbours_k_v_not_the_ring():
     model = ModelSpec.from_config("gpt-oss-120b").with_overrides(seq_len=32768)
     slow = Cluster(gpu=gpu_preset("h100-80gb"), num_gpus=8, gpus_per_node=1).with_overrides(inter_gbps=0.01)
     plan = Plan(tp=1, cp=8, micro_batch=1, accumulation=1)
-    rate, mib = 0.01e9 * 0.63, 2 ** 20
+    rate, mib = 0.01e9 * 0.63, 2**20
 
     def exposed(seq_len):
         return _ring_exposed(model, slow, plan, tokens=seq_len // 8, nbytes=2, peak=1e15, seq_len=seq_len)

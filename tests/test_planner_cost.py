@@ -2,7 +2,6 @@
 published. One set of physical constants for every row: the efficiency differences come from GEMM
 sizes, memory-bound kernels, TP/DP traffic and the pipeline bubble, not from per-row factors."""
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -24,9 +23,20 @@ def _vpp(layers_per_stage: int) -> int:
 
 
 def row_case(row):
-    model = ModelSpec(name=row["id"], family="gpt2", layers=row["layers"], hidden=row["hidden"], heads=row["heads"],
-                      kv_heads=row["heads"], ffn=row["ffn"], vocab_size=row["vocab"], seq_len=row["seq_len"],
-                      max_seq_len=row["seq_len"], tie_embeddings=True, dropout=0.1)
+    model = ModelSpec(
+        name=row["id"],
+        family="gpt2",
+        layers=row["layers"],
+        hidden=row["hidden"],
+        heads=row["heads"],
+        kv_heads=row["heads"],
+        ffn=row["ffn"],
+        vocab_size=row["vocab"],
+        seq_len=row["seq_len"],
+        max_seq_len=row["seq_len"],
+        tie_embeddings=True,
+        dropout=0.1,
+    )
     n = row["num_gpus"]
     tp, pp = row["tp"], row["pp"]
     if tp is None:  # Table 2 PTD-P 175B rows give only t*p = 96; the GPT-3 estimate: docs/planning.md's 8 x 16
@@ -36,10 +46,20 @@ def row_case(row):
     mb = row["micro_batch"] or 1
     # Megatron-LM's fused kernels (bias-GeLU, bias-dropout-add, masked softmax); its Table 2 ZeRO-3 is
     # DeepSpeed's of 2021, without today's prefetch and overlap.
-    plan = Plan(tp=tp, pp=pp, dp=dp, vpp=_vpp(model.layers // pp) if pp > 1 else 1,
-                zero_stage=3 if "ZeRO-3" in (row["zero_or_fsdp"] or "") else 0, micro_batch=mb,
-                accumulation=row["global_batch_seqs"] // (mb * dp), recompute="full", precision="fp16",
-                flash_attention=False, fused_kernels=True, zero3="deepspeed-2021")
+    plan = Plan(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        vpp=_vpp(model.layers // pp) if pp > 1 else 1,
+        zero_stage=3 if "ZeRO-3" in (row["zero_or_fsdp"] or "") else 0,
+        micro_batch=mb,
+        accumulation=row["global_batch_seqs"] // (mb * dp),
+        recompute="full",
+        precision="fp16",
+        flash_attention=False,
+        fused_kernels=True,
+        zero3="deepspeed-2021",
+    )
     assert plan.world == n and plan.global_batch == row["global_batch_seqs"]
     return model, plan, estimate_cost(model, Cluster(gpu=A100, num_gpus=n), plan)
 
@@ -88,8 +108,19 @@ def test_gpt3_175b_on_1024_a100_for_300b_tokens_takes_about_34_days():
 
 
 def test_efficiency_comes_from_physics_not_a_constant():
-    model = ModelSpec(name="m", family="gpt2", layers=24, hidden=2048, heads=16, kv_heads=16, ffn=8192,
-                      vocab_size=51200, seq_len=2048, max_seq_len=2048, tie_embeddings=True)
+    model = ModelSpec(
+        name="m",
+        family="gpt2",
+        layers=24,
+        hidden=2048,
+        heads=16,
+        kv_heads=16,
+        ffn=8192,
+        vocab_size=51200,
+        seq_len=2048,
+        max_seq_len=2048,
+        tie_embeddings=True,
+    )
     cluster = Cluster(gpu=A100, num_gpus=8)
     tp8 = estimate_cost(model, cluster, Plan(tp=8, dp=1, micro_batch=8, accumulation=1))
     dp8 = estimate_cost(model, cluster, Plan(dp=8, micro_batch=1, accumulation=1))
@@ -101,8 +132,19 @@ def test_efficiency_comes_from_physics_not_a_constant():
     plan = Plan(dp=64, micro_batch=4, accumulation=1)
     assert estimate_cost(model, slow, plan).comm_fraction > 0.3 > estimate_cost(model, fast, plan).comm_fraction
     # A pipeline bubble of (p-1)/(v·m): interleaving shrinks it.
-    big = ModelSpec(name="b", family="gpt2", layers=48, hidden=8192, heads=64, kv_heads=64, ffn=32768, vocab_size=51200,
-                    seq_len=2048, max_seq_len=2048, tie_embeddings=True)
+    big = ModelSpec(
+        name="b",
+        family="gpt2",
+        layers=48,
+        hidden=8192,
+        heads=64,
+        kv_heads=64,
+        ffn=32768,
+        vocab_size=51200,
+        seq_len=2048,
+        max_seq_len=2048,
+        tie_embeddings=True,
+    )
     c = Cluster(gpu=A100, num_gpus=64)
     one = estimate_cost(big, c, Plan(tp=8, pp=8, dp=1, micro_batch=1, accumulation=16))
     two = estimate_cost(big, c, Plan(tp=8, pp=8, dp=1, vpp=2, micro_batch=1, accumulation=16))
@@ -118,14 +160,27 @@ def test_pipeline_time_agrees_with_the_schedule_simulator(pp, m, vpp):
     from megakit.core.schedules import build_schedule
     from megakit.core.simulator import Costs, simulate
 
-    model = ModelSpec(name="m", family="llama", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336,
-                      vocab_size=128256, seq_len=4096, max_seq_len=4096, tie_embeddings=False)
+    model = ModelSpec(
+        name="m",
+        family="llama",
+        layers=32,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        ffn=14336,
+        vocab_size=128256,
+        seq_len=4096,
+        max_seq_len=4096,
+        tie_embeddings=False,
+    )
     cluster = Cluster(gpu=A100, num_gpus=pp).with_overrides(intra_gbps=1e12, inter_gbps=1e12)  # P2P ~ free
     cost = estimate_cost(model, cluster, Plan(pp=pp, vpp=vpp, micro_batch=1, accumulation=m))
     times = cost.stage_times
     assert times[-1] > times[0]  # the LM head makes the last stage slower than the first
-    report = simulate(build_schedule("interleaved" if vpp > 1 else "1f1b", pp, m, vpp),
-                      Costs(forward=tuple(t / 3 for t in times), backward=tuple(2 * t / 3 for t in times)))
+    report = simulate(
+        build_schedule("interleaved" if vpp > 1 else "1f1b", pp, m, vpp),
+        Costs(forward=tuple(t / 3 for t in times), backward=tuple(2 * t / 3 for t in times)),
+    )
     if times[-1] == max(times):  # the slowest stage last: the formula is the schedule's exact length
         assert cost.pipeline_s == pytest.approx(report.step_time, rel=1e-6)
     else:  # the trainer's split (by parameters) can leave a middle stage slowest: then a close upper bound

@@ -30,10 +30,34 @@ def _megatron_argv(row, tmp_path) -> list:
     model, plan, _ = row_case(row)
     config = tmp_path / f"{row['id']}.json"
     config.write_text(json.dumps(model.config.to_hf()))
-    argv = ["--model", config, "--seq-len", row["seq_len"], "--gpu", "a100-80gb", "--gpus", plan.world,
-            "--tp", plan.tp, "--pp", plan.pp, "--zero", plan.zero_stage, "--micro-batch", plan.micro_batch,
-            "--global-batch", plan.global_batch, "--recompute", "full", "--precision", "fp16",
-            "--attention", "standard", "--kernels", "compiled"]  # megakit's own runtime: Megatron's TP linears
+    argv = [
+        "--model",
+        config,
+        "--seq-len",
+        row["seq_len"],
+        "--gpu",
+        "a100-80gb",
+        "--gpus",
+        plan.world,
+        "--tp",
+        plan.tp,
+        "--pp",
+        plan.pp,
+        "--zero",
+        plan.zero_stage,
+        "--micro-batch",
+        plan.micro_batch,
+        "--global-batch",
+        plan.global_batch,
+        "--recompute",
+        "full",
+        "--precision",
+        "fp16",
+        "--attention",
+        "standard",
+        "--kernels",
+        "compiled",
+    ]  # megakit's own runtime: Megatron's TP linears
     if plan.vpp > 1:
         argv += ["--vpp", plan.vpp]
     if plan.zero_stage == 3:  # DeepSpeed's ZeRO-3 of 2021, as measured then
@@ -65,16 +89,56 @@ def test_eager_kernels_price_megatron_slower_than_fused(plan_json, tmp_path):
 @pytest.mark.parametrize("row", MEGAKIT, ids=lambda r: r["id"])
 def test_megakit_eager_h200_rows_through_the_cli(plan_json, row):
     """megakit's own eager trainer on one H200 (tests/data/megakit-runs.json) with ``--kernels eager``."""
-    got = plan_json("--model", row["model"], "--seq-len", row["seq_len"], "--gpu", row["gpu"], "--gpus",
-                    row["num_gpus"], "--tp", 1, "--pp", 1, "--zero", row["zero"], "--micro-batch", row["micro_batch"],
-                    "--global-batch", row["micro_batch"] * row["accumulation"], "--recompute", row["recompute"],
-                    "--kernels", "eager")
+    got = plan_json(
+        "--model",
+        row["model"],
+        "--seq-len",
+        row["seq_len"],
+        "--gpu",
+        row["gpu"],
+        "--gpus",
+        row["num_gpus"],
+        "--tp",
+        1,
+        "--pp",
+        1,
+        "--zero",
+        row["zero"],
+        "--micro-batch",
+        row["micro_batch"],
+        "--global-batch",
+        row["micro_batch"] * row["accumulation"],
+        "--recompute",
+        row["recompute"],
+        "--kernels",
+        "eager",
+    )
     assert got["tokens_per_s"] == pytest.approx(row["tokens_per_s"], rel=0.15)
 
 
 def test_the_default_is_compiled_and_fp8_speeds_up_large_gemms_on_hopper(plan_json):
-    base = ("--model", "llama-3-8b", "--seq-len", 8192, "--gpu", "h100-80gb", "--gpus", 8, "--tp", 1, "--pp", 1,
-            "--zero", 2, "--micro-batch", 1, "--global-batch", 8, "--recompute", "full")
+    base = (
+        "--model",
+        "llama-3-8b",
+        "--seq-len",
+        8192,
+        "--gpu",
+        "h100-80gb",
+        "--gpus",
+        8,
+        "--tp",
+        1,
+        "--pp",
+        1,
+        "--zero",
+        2,
+        "--micro-batch",
+        1,
+        "--global-batch",
+        8,
+        "--recompute",
+        "full",
+    )
     default, eager = plan_json(*base), plan_json(*base, "--kernels", "eager")
     tensorwise, rowwise = plan_json(*base, "--fp8", "tensorwise"), plan_json(*base, "--fp8", "rowwise")
     assert default["kernels"] == "compiled" and default["fp8"] == "none"
@@ -87,8 +151,28 @@ def test_the_default_is_compiled_and_fp8_speeds_up_large_gemms_on_hopper(plan_js
 
 def test_the_launch_command_runs_what_was_priced(monkeypatch, capsys):
     monkeypatch.setattr(hf, "exact_param_count", lambda raw: None)
-    argv = ["plan", "--model", "llama-3-8b", "--gpu", "h100-80gb", "--gpus", "8", "--tp", "1", "--pp", "1", "--zero", "3",
-            "--micro-batch", "1", "--recompute", "full", "--global-batch", "8", "--json"]
+    argv = [
+        "plan",
+        "--model",
+        "llama-3-8b",
+        "--gpu",
+        "h100-80gb",
+        "--gpus",
+        "8",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--zero",
+        "3",
+        "--micro-batch",
+        "1",
+        "--recompute",
+        "full",
+        "--global-batch",
+        "8",
+        "--json",
+    ]
     assert main([*argv, "--kernels", "eager", "--fp8", "rowwise"]) == 0
     a = json.loads(capsys.readouterr().out)["assumptions"]
     assert "--no-compile" in a["launch"] and "--fp8 rowwise" in a["launch"] and a["launch_note"] == ""
@@ -97,11 +181,14 @@ def test_the_launch_command_runs_what_was_priced(monkeypatch, capsys):
     assert "--no-compile" not in a["launch"] and "--fp8" not in a["launch"] and "fsdp runs it" in a["launch_note"]
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (("--gpu", "a100-80gb", "--fp8", "tensorwise"), "a100-80gb lacks"),
-    (("--gpu", "v100-32gb", "--fp8", "rowwise"), "v100-32gb lacks"),
-    (("--gpu", "h100-80gb", "--fp8", "rowwise", "--precision", "fp16"), "use --precision bf16"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (("--gpu", "a100-80gb", "--fp8", "tensorwise"), "a100-80gb lacks"),
+        (("--gpu", "v100-32gb", "--fp8", "rowwise"), "v100-32gb lacks"),
+        (("--gpu", "h100-80gb", "--fp8", "rowwise", "--precision", "fp16"), "use --precision bf16"),
+    ],
+)
 def test_fp8_refused_in_one_line_where_it_cannot_run(argv, needle, capsys):
     assert main(["plan", "--params", "7B", "--gpus", "8", *argv]) == 2
     err = capsys.readouterr().err
@@ -117,8 +204,10 @@ def test_hardware_tflops_never_exceed_the_matmul_ceiling(gpu, seq_len):
     model = ModelSpec.from_config("mistral-7b").with_overrides(seq_len=seq_len)
     g = gpu_preset(gpu)
     ceiling = g.peak_tflops * g.matmul_fraction * IN_TRAINING
-    for plan in (Plan(dp=8, zero_stage=3, micro_batch=1, accumulation=1, recompute="full", fused_kernels=True),
-                 Plan(dp=8, zero_stage=3, micro_batch=1, accumulation=1, recompute="none", fused_kernels=True)):
+    for plan in (
+        Plan(dp=8, zero_stage=3, micro_batch=1, accumulation=1, recompute="full", fused_kernels=True),
+        Plan(dp=8, zero_stage=3, micro_batch=1, accumulation=1, recompute="none", fused_kernels=True),
+    ):
         cost = estimate_cost(model, Cluster(gpu=g, num_gpus=8), plan)
         assert cost.hardware_tflops_per_gpu <= ceiling
 

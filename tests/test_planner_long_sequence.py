@@ -32,30 +32,64 @@ def _argv(row, tmp_path) -> list:
         model = MODELS / Path(q["model"].split()[0]).name
     else:
         model = tmp_path / f"{row['id']}.json"
-        model.write_text(json.dumps({
-            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": row["vocab"],
-            "hidden_size": row["hidden"], "intermediate_size": row["ffn"], "num_hidden_layers": row["layers"],
-            "num_attention_heads": row["heads"], "num_key_value_heads": row["kv_heads"], "hidden_act": "silu",
-            "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}))
-    flags = ("gpu", "gpus", "tp", "pp", "cp", "zero", "micro_batch", "global_batch", "seq_len", "recompute", "offload",
-             "runtime", "kernels", "fp8")
+        model.write_text(
+            json.dumps(
+                {
+                    "model_type": "llama",
+                    "architectures": ["LlamaForCausalLM"],
+                    "vocab_size": row["vocab"],
+                    "hidden_size": row["hidden"],
+                    "intermediate_size": row["ffn"],
+                    "num_hidden_layers": row["layers"],
+                    "num_attention_heads": row["heads"],
+                    "num_key_value_heads": row["kv_heads"],
+                    "hidden_act": "silu",
+                    "max_position_embeddings": 4096,
+                    "rms_norm_eps": 1e-5,
+                    "tie_word_embeddings": False,
+                }
+            )
+        )
+    flags = (
+        "gpu",
+        "gpus",
+        "tp",
+        "pp",
+        "cp",
+        "zero",
+        "micro_batch",
+        "global_batch",
+        "seq_len",
+        "recompute",
+        "offload",
+        "runtime",
+        "kernels",
+        "fp8",
+    )
     return ["--model", model] + [x for key in flags for x in (f"--{key.replace('_', '-')}", q[key])]
 
 
 def test_long_sequence_rows_through_the_cli(plan_json, tmp_path):
     """Each run keeps its layout and fits its GPU (it trained); the rows held to 15 % land there, and the two pairs
     reported outside it are ones the planner finds faster than measured (nothing fitted to pull them in)."""
-    lines, errors = [f"{'row':34s} {'cp':>2s} {'predicted':>9s} {'measured':>9s} {'error':>7s} {'hw TF/s':>7s} "
-                     f"{'mem GiB':>7s}  held"], {}
+    lines, errors = (
+        [
+            f"{'row':34s} {'cp':>2s} {'predicted':>9s} {'measured':>9s} {'error':>7s} {'hw TF/s':>7s} "
+            f"{'mem GiB':>7s}  held"
+        ],
+        {},
+    )
     for row in ROWS:
         got = plan_json(*_argv(row, tmp_path))
         assert (got["tp"], got["pp"], got["cp"], got["dp"]) == (row["tp"], row["pp"], row["cp"], row["dp"])
         assert got["peak_memory_gib"] <= got["gpu_memory_gib"], f"{row['id']} called out of memory"
         errors[row["id"]] = got["tokens_per_s"] / got["num_gpus"] / row["tokens_per_s_per_gpu"] - 1
-        lines.append(f"{row['id']:34s} {row['cp']:2d} {got['tokens_per_s'] / got['num_gpus']:9.1f} "
-                     f"{row['tokens_per_s_per_gpu']:9.1f} {errors[row['id']]:+7.1%} "
-                     f"{got['hardware_tflops_per_gpu']:7.1f} {got['peak_memory_gib']:7.1f}  "
-                     f"{'15 %' if row['planner']['within'] else 'outside'}")
+        lines.append(
+            f"{row['id']:34s} {row['cp']:2d} {got['tokens_per_s'] / got['num_gpus']:9.1f} "
+            f"{row['tokens_per_s_per_gpu']:9.1f} {errors[row['id']]:+7.1%} "
+            f"{got['hardware_tflops_per_gpu']:7.1f} {got['peak_memory_gib']:7.1f}  "
+            f"{'15 %' if row['planner']['within'] else 'outside'}"
+        )
     print("\n".join(lines))
     held = {k: e for k, e in errors.items() if next(r for r in ROWS if r["id"] == k)["planner"]["within"]}
     assert len(held) >= 5 and max(map(abs, held.values())) <= TOLERANCE, held
@@ -69,12 +103,24 @@ def test_flash_attention_follows_its_own_benchmark():
     errors = {}
     for point in k["rows"]:
         s, gpu = point["seq_len"], gpu_preset(point["gpu"])
-        model = ModelSpec(name="fa2-bench", family="llama", layers=1, hidden=k["heads"] * k["head_dim"], heads=k["heads"],
-                          kv_heads=k["heads"], ffn=4 * k["heads"] * k["head_dim"], vocab_size=32000, seq_len=s,
-                          max_seq_len=s, tie_embeddings=False, dropout=0.0)
+        model = ModelSpec(
+            name="fa2-bench",
+            family="llama",
+            layers=1,
+            hidden=k["heads"] * k["head_dim"],
+            heads=k["heads"],
+            kv_heads=k["heads"],
+            ffn=4 * k["heads"] * k["head_dim"],
+            vocab_size=32000,
+            seq_len=s,
+            max_seq_len=s,
+            tie_embeddings=False,
+            dropout=0.0,
+        )
         batch = k["tokens"] // s
-        fwd, bwd = attention_time(model, gpu, tp=1, seq_len=s, micro_batch=batch, flash=True,
-                                  peak=gpu.peak_tflops * 1e12, nbytes=2)
+        fwd, bwd = attention_time(
+            model, gpu, tp=1, seq_len=s, micro_batch=batch, flash=True, peak=gpu.peak_tflops * 1e12, nbytes=2
+        )
         flops = 3.5 * 4 * batch * s * s * k["head_dim"] * k["heads"] / 2
         errors[(point["gpu"], s)] = flops / (fwd + bwd) / 1e12 / point["tflops"] - 1
     print("\n".join(f"{g:10s} {s:6d} {e:+6.1%}" for (g, s), e in errors.items()))
@@ -86,12 +132,15 @@ def test_easycontext_rows_that_miss_are_off_their_own_table_line():
     table's 512K and 700K ring rows fix a line. Its 64K data-parallel row lies on it (within 3 %); its 64K and 128K ring rows are
     20 %+ slower than the line -- an excess no attention rate gives, which is why the planner is not fitted to them."""
     ec = {r["id"]: r for r in ROWS if r["id"].startswith("ec-")}
-    (s1, t1), (s2, t2) = ((r["seq_len"], 1 / r["tokens_per_s_per_gpu"]) for r in
-                          (ec["ec-a100x8-llama2-7b-s512k-ring8"], ec["ec-a100x8-llama2-7b-s700k-ring8"]))
+    (s1, t1), (s2, t2) = (
+        (r["seq_len"], 1 / r["tokens_per_s_per_gpu"])
+        for r in (ec["ec-a100x8-llama2-7b-s512k-ring8"], ec["ec-a100x8-llama2-7b-s700k-ring8"])
+    )
     slope = (t2 - t1) / (s2 - s1)
 
     def line(s):
         return 1 / (t1 + slope * (s - s1))
+
     dp = ec["ec-a100x8-llama2-7b-s64k-dp"]
     assert line(dp["seq_len"]) == pytest.approx(dp["tokens_per_s_per_gpu"], rel=0.03)
     for name in ("ec-a100x8-llama2-7b-s64k-ring8", "ec-a100x8-llama2-7b-s128k-ring8"):

@@ -34,15 +34,41 @@ def _argv(row, tmp_path, **override) -> list:
     """The row's GPT shape as a config.json and what it states pinned as tests/data says (``row["planner"]``;
     a null is left to the planner)."""
     config = tmp_path / f"{row['id']}.json"
-    config.write_text(json.dumps({
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": row["vocab"],
-        "n_positions": row["seq_len"], "n_embd": row["hidden"], "n_layer": row["layers"], "n_head": row["heads"],
-        "n_inner": row["ffn"], "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True}))
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "architectures": ["GPT2LMHeadModel"],
+                "vocab_size": row["vocab"],
+                "n_positions": row["seq_len"],
+                "n_embd": row["hidden"],
+                "n_layer": row["layers"],
+                "n_head": row["heads"],
+                "n_inner": row["ffn"],
+                "activation_function": "gelu_new",
+                "layer_norm_epsilon": 1e-5,
+                "resid_pdrop": 0.0,
+                "embd_pdrop": 0.0,
+                "attn_pdrop": 0.0,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
     q = {**row["planner"], **override}
-    flags = {"--gpu": "gpu", "--gpus": "gpus", "--tp": "tp", "--pp": "pp", "--cp": "cp", "--vpp": "vpp", "--zero": "zero",
-             "--micro-batch": "micro_batch", "--global-batch": "global_batch", "--seq-len": "seq_len",
-             "--recompute": "recompute", "--runtime": "runtime"}
+    flags = {
+        "--gpu": "gpu",
+        "--gpus": "gpus",
+        "--tp": "tp",
+        "--pp": "pp",
+        "--cp": "cp",
+        "--vpp": "vpp",
+        "--zero": "zero",
+        "--micro-batch": "micro_batch",
+        "--global-batch": "global_batch",
+        "--seq-len": "seq_len",
+        "--recompute": "recompute",
+        "--runtime": "runtime",
+    }
     return ["--model", config] + [x for flag, key in flags.items() if q[key] is not None for x in (flag, q[key])]
 
 
@@ -52,8 +78,13 @@ def _error(got, row) -> float:
 
 def test_megatron_core_h100_rows_through_the_cli(plan_json, tmp_path):
     """Each published run keeps its layout, fits its GPU (it trained), and tokens/s/GPU lands within 15 %."""
-    lines, errors = [f"{'row':26s} {'tp':>2s} {'pp':>2s} {'mb':>2s} {'vpp':>3s} {'predicted':>9s} {'measured':>9s} "
-                     f"{'error':>7s} comm bubble"], {}
+    lines, errors = (
+        [
+            f"{'row':26s} {'tp':>2s} {'pp':>2s} {'mb':>2s} {'vpp':>3s} {'predicted':>9s} {'measured':>9s} "
+            f"{'error':>7s} comm bubble"
+        ],
+        {},
+    )
     for row in ROWS:
         got = plan_json(*_argv(row, tmp_path))
         assert (got["tp"], got["pp"], got["dp"]) == (row["tp"], row["pp"], row["dp"])
@@ -61,9 +92,11 @@ def test_megatron_core_h100_rows_through_the_cli(plan_json, tmp_path):
         assert got["runtime"] == row["planner"]["runtime"]  # the JSON names the runtime that priced it
         assert got["peak_memory_gib"] <= got["gpu_memory_gib"], f"{row['id']} called out of memory"
         errors[row["id"]] = _error(got, row)
-        lines.append(f"{row['id']:26s} {row['tp']:2d} {row['pp']:2d} {got['micro_batch']:2d} {got['vpp']:3d} "
-                     f"{got['tokens_per_s'] / got['num_gpus']:9.1f} {row['tokens_per_s_per_gpu']:9.1f} "
-                     f"{errors[row['id']]:+7.1%} {got['comm_fraction']:4.2f} {got['bubble_fraction']:6.2f}")
+        lines.append(
+            f"{row['id']:26s} {row['tp']:2d} {row['pp']:2d} {got['micro_batch']:2d} {got['vpp']:3d} "
+            f"{got['tokens_per_s'] / got['num_gpus']:9.1f} {row['tokens_per_s_per_gpu']:9.1f} "
+            f"{errors[row['id']]:+7.1%} {got['comm_fraction']:4.2f} {got['bubble_fraction']:6.2f}"
+        )
     print("\n".join(lines))
     assert max(map(abs, errors.values())) <= TOLERANCE, errors
 
@@ -89,15 +122,37 @@ def _fp8_case(row):
     if q["model"].startswith("models/"):
         model = ModelSpec.from_config(str(MODELS / Path(q["model"]).name))
     else:
-        model = ModelSpec(name=row["id"], family="llama", layers=row["layers"], hidden=row["hidden"], heads=row["heads"],
-                          kv_heads=row["kv_heads"], ffn=row["ffn"], vocab_size=row["vocab"], seq_len=row["seq_len"],
-                          max_seq_len=row["seq_len"], tie_embeddings=False, dropout=0.0)
+        model = ModelSpec(
+            name=row["id"],
+            family="llama",
+            layers=row["layers"],
+            hidden=row["hidden"],
+            heads=row["heads"],
+            kv_heads=row["kv_heads"],
+            ffn=row["ffn"],
+            vocab_size=row["vocab"],
+            seq_len=row["seq_len"],
+            max_seq_len=row["seq_len"],
+            tie_embeddings=False,
+            dropout=0.0,
+        )
     model = model.with_overrides(seq_len=q["seq_len"])
     dp = q["gpus"] // (q["tp"] * q["pp"] * q["cp"])
-    plan = Plan(tp=q["tp"], pp=q["pp"], cp=q["cp"], dp=dp, vpp=q["vpp"], zero_stage=q["zero"],
-                micro_batch=q["micro_batch"], accumulation=q["global_batch"] // (dp * q["micro_batch"]),
-                recompute=q["recompute"], sequence_parallel=q["tp"] > 1, fused_kernels=q["kernels"] == "compiled",
-                fp8=q["fp8"], **RUNTIMES[q["runtime"]])
+    plan = Plan(
+        tp=q["tp"],
+        pp=q["pp"],
+        cp=q["cp"],
+        dp=dp,
+        vpp=q["vpp"],
+        zero_stage=q["zero"],
+        micro_batch=q["micro_batch"],
+        accumulation=q["global_batch"] // (dp * q["micro_batch"]),
+        recompute=q["recompute"],
+        sequence_parallel=q["tp"] > 1,
+        fused_kernels=q["kernels"] == "compiled",
+        fp8=q["fp8"],
+        **RUNTIMES[q["runtime"]],
+    )
     return model, Cluster(gpu=gpu_preset(q["gpu"]), num_gpus=q["gpus"]), plan
 
 

@@ -25,16 +25,34 @@ from megakit.core.planner.stages import in_flight_chunks, stage_chunk_layers
 
 def _gpt(row_id: str) -> ModelSpec:
     r = next(r for r in ROWS if r["id"] == row_id)
-    return ModelSpec(name=r["id"], family="gpt2", layers=r["layers"], hidden=r["hidden"], heads=r["heads"],
-                     kv_heads=r["heads"], ffn=r["ffn"], vocab_size=r["vocab"], seq_len=2048, max_seq_len=2048,
-                     tie_embeddings=True, dropout=0.1)
+    return ModelSpec(
+        name=r["id"],
+        family="gpt2",
+        layers=r["layers"],
+        hidden=r["hidden"],
+        heads=r["heads"],
+        kv_heads=r["heads"],
+        ffn=r["ffn"],
+        vocab_size=r["vocab"],
+        seq_len=2048,
+        max_seq_len=2048,
+        tie_embeddings=True,
+        dropout=0.1,
+    )
 
 
 @pytest.mark.parametrize("row_id", ["nar21-t1-145.6B", "nar21-t1-529.6B", "nar21-t1-1008.0B"])
 def test_selective_recompute_with_sp_keeps_34_sbh_over_t_per_layer(row_id):
     model, s, t = _gpt(row_id), 2048, 8
-    kw = dict(tp=t, pp=8, micro_batch=1, recompute="selective", sequence_parallel=True, flash_attention=False,
-              precision="bf16")
+    kw = dict(
+        tp=t,
+        pp=8,
+        micro_batch=1,
+        recompute="selective",
+        sequence_parallel=True,
+        flash_attention=False,
+        precision="bf16",
+    )
     megatron = estimate_memory(model, megatron=True, **kw).activation_per_layer
     megakit = estimate_memory(model, **kw).activation_per_layer
     gathered = estimate_memory(model, gathered_inputs=True, **kw).activation_per_layer  # torchtitan's layers
@@ -46,8 +64,10 @@ def test_selective_recompute_with_sp_keeps_34_sbh_over_t_per_layer(row_id):
 def test_interleaved_first_stage_holds_korthikantis_factor(pp, vpp, layers):
     model = ModelSpec(config=_gpt("nar21-t1-529.6B").config, name="m", seq_len=2048, layers=layers)
     chunk_layers = stage_chunk_layers(model, pp, vpp)[0]
-    live = max(sum(n * c for n, c in zip(state, chunk_layers))
-               for state in in_flight_chunks(pp=pp, stage=0, accumulation=4 * pp, vpp=vpp))
+    live = max(
+        sum(n * c for n, c in zip(state, chunk_layers))
+        for state in in_flight_chunks(pp=pp, stage=0, accumulation=4 * pp, vpp=vpp)
+    )
     assert live == pytest.approx(layers * (1 + (pp - 1) / (pp * vpp)), rel=0.02)
 
 
@@ -56,9 +76,34 @@ def test_deep_interleaved_pipelines_fit_80gb_through_the_cli(row_id, gpus, pp, v
     monkeypatch.setattr(hf, "exact_param_count", lambda raw: None)  # only names the model; 11 s for 1T
     config = tmp_path / "config.json"
     config.write_text(json.dumps(_gpt(row_id).config.to_hf()))
-    argv = ["plan", "--model", str(config), "--seq-len", "2048", "--gpu", "a100-80gb", "--gpus", str(gpus),
-            "--tp", "8", "--pp", str(pp), "--vpp", str(vpp), "--zero", "0", "--micro-batch", "1",
-            "--global-batch", str(4 * pp), "--recompute", "selective", "--attention", "standard", "--json"]
+    argv = [
+        "plan",
+        "--model",
+        str(config),
+        "--seq-len",
+        "2048",
+        "--gpu",
+        "a100-80gb",
+        "--gpus",
+        str(gpus),
+        "--tp",
+        "8",
+        "--pp",
+        str(pp),
+        "--vpp",
+        str(vpp),
+        "--zero",
+        "0",
+        "--micro-batch",
+        "1",
+        "--global-batch",
+        str(4 * pp),
+        "--recompute",
+        "selective",
+        "--attention",
+        "standard",
+        "--json",
+    ]
     assert main([*argv, "--runtime", "megatron"]) == 0, capsys.readouterr().err
     plan = json.loads(capsys.readouterr().out)["plan"]
     assert plan["fits"] in ("yes", "above_threshold") and plan["peak_memory_gib"] < 80
@@ -79,9 +124,13 @@ def test_megatron_fused_swiglu_keeps_its_input_only():
 
     llama = ModelSpec.from_config("models/llama-3.1-405b.json")
     f, tp = llama.ffn, 8
-    kept = {fused: sum(x.bytes(seq_len=8192, micro_batch=1) for x in
-                       activation_tensors(llama, tp=tp, sequence_parallel=True, fused_swiglu=fused))
-            for fused in (False, True)}
+    kept = {
+        fused: sum(
+            x.bytes(seq_len=8192, micro_batch=1)
+            for x in activation_tensors(llama, tp=tp, sequence_parallel=True, fused_swiglu=fused)
+        )
+        for fused in (False, True)
+    }
     assert kept[False] - kept[True] == 8192 * f // tp * 2  # one F/t tensor of bf16 per token
     common = dict(tp=tp, pp=16, dp=64, vpp=2, micro_batch=1, accumulation=32, sequence_parallel=True)
     megakit_run = estimate_memory(llama.with_overrides(seq_len=8192), **common)

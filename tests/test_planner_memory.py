@@ -28,16 +28,27 @@ def test_korthikanti_table2_coefficients():
     assert per_layer(GPT3, flash_attention=False, dropout=True) == pytest.approx(34 + 5 * A * S / H, rel=1e-4)
     for t in (2, 4, 8):  # TP without SP: sbh(10 + 24/t + 5as/(ht)); with SP everything is divided by t
         assert per_layer(GPT3, tp=t, flash_attention=False, dropout=True) == pytest.approx(
-            10 + 24 / t + 5 * A * S / (H * t), rel=1e-3)
+            10 + 24 / t + 5 * A * S / (H * t), rel=1e-3
+        )
         assert per_layer(GPT3, tp=t, sequence_parallel=True, flash_attention=False, dropout=True) == pytest.approx(
-            (34 + 5 * A * S / H) / t, rel=1e-4)
+            (34 + 5 * A * S / H) / t, rel=1e-4
+        )
     # Flash attention never stores the s x s scores: 34 + (fp32 log-sum-exp: 4 bytes x heads per token).
     assert per_layer(GPT3, flash_attention=True, dropout=True) == pytest.approx(34 + 4 * A / H, rel=1e-3)
 
 
 def test_recompute_variants_keep_what_the_paper_says():
-    kw = dict(tp=8, pp=1, dp=1, micro_batch=1, seq_len=S, flash_attention=False, dropout=True,
-              sequence_parallel=True, stage="first")
+    kw = dict(
+        tp=8,
+        pp=1,
+        dp=1,
+        micro_batch=1,
+        seq_len=S,
+        flash_attention=False,
+        dropout=True,
+        sequence_parallel=True,
+        stage="first",
+    )
     full = estimate_memory(GPT3, recompute="full", **kw)
     selective = estimate_memory(GPT3, recompute="selective", **kw)
     none = estimate_memory(GPT3, recompute="none", **kw)
@@ -53,18 +64,22 @@ def test_in_flight_micro_batches_of_1f1b_and_interleaving():
     assert in_flight_micro_batches(pp=4, stage=0, accumulation=2) == 2  # fewer micro-batches than stages
     for p, v in ((4, 2), (8, 3), (16, 4)):  # Korthikanti: stage 0 holds p(1 + (p-1)/(pv)) micro-batches
         assert in_flight_micro_batches(pp=p, stage=0, accumulation=64, vpp=v) == pytest.approx(
-            p * (1 + (p - 1) / (p * v)))
+            p * (1 + (p - 1) / (p * v))
+        )
 
 
-@pytest.mark.parametrize("precision,zero,expected", [
-    ("bf16", 0, lambda P, N: 2 * P + 2 * P + 4 * P + 8 * P + 4 * P),
-    ("bf16", 1, lambda P, N: 4 * P + 16 * P / N),
-    ("bf16", 2, lambda P, N: 2 * P + 18 * P / N),
-    ("fp32", 0, lambda P, N: 16 * P),
-    ("fp32", 1, lambda P, N: 8 * P + 16 * P / N),
-    ("fp32", 2, lambda P, N: 4 * P + 20 * P / N),
-    ("fp32", 3, lambda P, N: 24 * P / N),
-])
+@pytest.mark.parametrize(
+    "precision,zero,expected",
+    [
+        ("bf16", 0, lambda P, N: 2 * P + 2 * P + 4 * P + 8 * P + 4 * P),
+        ("bf16", 1, lambda P, N: 4 * P + 16 * P / N),
+        ("bf16", 2, lambda P, N: 2 * P + 18 * P / N),
+        ("fp32", 0, lambda P, N: 16 * P),
+        ("fp32", 1, lambda P, N: 8 * P + 16 * P / N),
+        ("fp32", 2, lambda P, N: 4 * P + 20 * P / N),
+        ("fp32", 3, lambda P, N: 24 * P / N),
+    ],
+)
 def test_model_states_follow_the_zero_table(precision, zero, expected):
     model = known_shape("gpt3-1.3b")
     est = estimate_memory(model, dp=8, zero_stage=zero, precision=precision)
@@ -92,27 +107,33 @@ def test_model_states_agree_with_deepspeed_estimators(capsys):
             n = nodes * per_node
             # ZeRO-2. DeepSpeed: 2Ψ fp16 params + 18Ψ/N (2 grads + 4 fp32 grads + 4 master + 8 Adam): our items.
             capsys.readouterr()
-            stage_1_and_2.estimate_zero2_model_states_mem_needs_all_cold(psi, num_gpus_per_node=per_node,
-                                                                         num_nodes=nodes)
+            stage_1_and_2.estimate_zero2_model_states_mem_needs_all_cold(
+                psi, num_gpus_per_node=per_node, num_nodes=nodes
+            )
             ours = estimate_memory(model, dp=n, zero_stage=2)
             assert ours.model_states / gib == pytest.approx(
-                _printed_gpu_gib(capsys, ["offload_optimizer=none"]), abs=0.006)
+                _printed_gpu_gib(capsys, ["offload_optimizer=none"]), abs=0.006
+            )
             # CPU offload: DeepSpeed keeps only the 16-bit params (2Ψ); we also count the 16-bit gradient
             # partition (2Ψ/N) that lives on the GPU until it is copied to the host.
             off = estimate_memory(model, dp=n, zero_stage=2, offload="optimizer")
-            stage_1_and_2.estimate_zero2_model_states_mem_needs_all_cold(psi, num_gpus_per_node=per_node,
-                                                                         num_nodes=nodes)
+            stage_1_and_2.estimate_zero2_model_states_mem_needs_all_cold(
+                psi, num_gpus_per_node=per_node, num_nodes=nodes
+            )
             assert (off.model_states - off.items["grads"]) / gib == pytest.approx(
-                _printed_gpu_gib(capsys, ["offload_optimizer=", "cpu"]), abs=0.006)
+                _printed_gpu_gib(capsys, ["offload_optimizer=", "cpu"]), abs=0.006
+            )
 
             # ZeRO-3. DeepSpeed: 4·largest layer + 18Ψ/N. Ours: 16Ψ/N partitioned states plus the fp32
             # gradient of one optimizer sub-group at step (≤ 4Ψ/N, DeepSpeed says a flat 2Ψ/N), and the
             # gathered layers as a separate buffer (2 layers + prefetch; DeepSpeed: 2 bytes x 2 of the largest).
-            stage3.estimate_zero3_model_states_mem_needs_all_cold(psi, model.largest_layer_params(),
-                                                                  num_gpus_per_node=per_node, num_nodes=nodes)
+            stage3.estimate_zero3_model_states_mem_needs_all_cold(
+                psi, model.largest_layer_params(), num_gpus_per_node=per_node, num_nodes=nodes
+            )
             ds3 = _printed_gpu_gib(capsys, ["offload_param=none", "offload_optimizer=none", "zero_init=1"]) * gib
             _, _, largest = stage3.estimate_zero3_model_states_mem_needs(
-                psi, model.largest_layer_params(), num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=False)
+                psi, model.largest_layer_params(), num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=False
+            )
             ours3 = estimate_memory(model, dp=n, zero_stage=3)
             partitioned = ours3.model_states - ours3.items["fp32_step_grads"]
             assert partitioned == pytest.approx(16 * psi / n, rel=1e-9)
@@ -129,8 +150,9 @@ def test_embedding_on_first_stage_head_on_last_and_peak_picks_the_worst():
     assert last - middle == model.head_params(8, separate=True)  # tied, but a copy lives on the last stage
     one_stage = stage_params(model, tp=1, pp=1, stage=0)
     assert one_stage == model.params  # tied head counted once
-    layout = dict(tp=8, pp=16, dp=8, zero_stage=1, micro_batch=1, accumulation=64, recompute="selective",
-                  sequence_parallel=True)
+    layout = dict(
+        tp=8, pp=16, dp=8, zero_stage=1, micro_batch=1, accumulation=64, recompute="selective", sequence_parallel=True
+    )
     peak = peak_memory(model, **layout)
     assert peak.total == max(estimate_memory(model, stage=s, **layout).total for s in range(16))
 
@@ -172,9 +194,13 @@ def test_stages_follow_the_trainers_split_and_peak_covers_middle_stages():
     assert stage_layer_counts(GPT3, 7) == (13, 14, 14, 14, 14, 14, 13)
     peak = peak_memory(GPT3, **layout)
     assert peak.stage not in (0, 6)
-    for model, layout in ((GPT3, layout), (GPT3, {**layout, "accumulation": 64, "recompute": "none"}),
-                          (llama, dict(pp=4, dp=2, zero_stage=1, accumulation=2)),
-                          (llama, dict(pp=2, vpp=2, accumulation=8, recompute="selective"))):
+    for model, layout in (
+        (GPT3, layout),
+        (GPT3, {**layout, "accumulation": 64, "recompute": "none"}),
+        (llama, dict(pp=4, dp=2, zero_stage=1, accumulation=2)),
+        (llama, dict(pp=2, vpp=2, accumulation=8, recompute="selective")),
+    ):
         pp = layout["pp"]
-        assert peak_memory(model, **layout).total == max(estimate_memory(model, stage=s, **layout).total
-                                                         for s in range(pp))
+        assert peak_memory(model, **layout).total == max(
+            estimate_memory(model, stage=s, **layout).total for s in range(pp)
+        )

@@ -68,8 +68,11 @@ def test_mla_is_not_counted_as_plain_attention():
     plain = PLAIN
     assert attention_bytes(plain) == 28676 + 14336 + 4 * 2 * 128 * 192 + 4 * 128  # = 240132
     assert attention_bytes(DSV3) == 219788 != attention_bytes(plain)
-    assert attention_bytes(DSV3, tp=8, sequence_parallel=True) == 31057.5 != attention_bytes(
-        plain, tp=8, sequence_parallel=True)  # 30016.5
+    assert (
+        attention_bytes(DSV3, tp=8, sequence_parallel=True)
+        == 31057.5
+        != attention_bytes(plain, tp=8, sequence_parallel=True)
+    )  # 30016.5
 
 
 def test_ring_context_parallelism_keeps_mla_values_at_their_own_width():

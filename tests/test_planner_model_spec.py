@@ -16,8 +16,9 @@ from megakit.errors import UsageError
 from megakit.interop.hf import exact_param_count
 
 
-@pytest.mark.parametrize("text,value", [("125M", 125e6), ("1.3B", 1.3e9), ("70b", 70e9), ("175e9", 175e9),
-                                        ("1T", 1e12), (" 6.7 B ", 6.7e9)])
+@pytest.mark.parametrize(
+    "text,value", [("125M", 125e6), ("1.3B", 1.3e9), ("70b", 70e9), ("175e9", 175e9), ("1T", 1e12), (" 6.7 B ", 6.7e9)]
+)
 def test_sizes_parse(text, value):
     assert parse_count(text) == pytest.approx(value)
 
@@ -28,9 +29,18 @@ def test_bad_sizes_are_usage_errors(text):
         parse_count(text)
 
 
-@pytest.mark.parametrize("size,name", [("125M", "gpt3-125m"), ("1.3B", "gpt3-1.3b"), ("175B", "gpt3-175b"),
-                                       ("70b", "llama-2-70b"), ("1T", "megatron-1t"), ("8B", "llama-3-8b"),
-                                       ("529.6B", "megatron-529.6b")])
+@pytest.mark.parametrize(
+    "size,name",
+    [
+        ("125M", "gpt3-125m"),
+        ("1.3B", "gpt3-1.3b"),
+        ("175B", "gpt3-175b"),
+        ("70b", "llama-2-70b"),
+        ("1T", "megatron-1t"),
+        ("8B", "llama-3-8b"),
+        ("529.6B", "megatron-529.6b"),
+    ],
+)
 def test_params_map_to_well_known_shapes(size, name):
     spec = ModelSpec.from_params(size)
     assert spec.name == name and name in spec.assumed
@@ -45,15 +55,28 @@ def test_sizes_between_table_rows_scale_the_layer_count():
 
 
 def test_megatron_table_sizes_reproduce_the_published_counts():
-    for name, published in (("megatron-1.7b", 1.7e9), ("megatron-18.4b", 18.4e9), ("megatron-145.6b", 145.6e9),
-                            ("megatron-1t", 1008e9), ("gpt3-175b", 174.6e9)):
+    for name, published in (
+        ("megatron-1.7b", 1.7e9),
+        ("megatron-18.4b", 18.4e9),
+        ("megatron-145.6b", 145.6e9),
+        ("megatron-1t", 1008e9),
+        ("gpt3-175b", 174.6e9),
+    ):
         assert known_shape(name).params == pytest.approx(published, rel=0.03), name
 
 
 def test_presets_exact_counts_from_transformers_match_the_analytic_count():
     assert {"gpt3-175b", "megatron-1t", "llama-2-70b", "llama-3-8b", "gpt2", "gpt-tiny"} <= set(preset_names())
-    for name in ("gpt2", "gpt-tiny", "llama-tiny", "llama-2-70b", "llama-3-8b", "mistral-7b", "qwen2-7b",
-                 "gpt3-175b"):  # megatron-1t: same family and code path as gpt3-175b, 2 s more
+    for name in (
+        "gpt2",
+        "gpt-tiny",
+        "llama-tiny",
+        "llama-2-70b",
+        "llama-3-8b",
+        "mistral-7b",
+        "qwen2-7b",
+        "gpt3-175b",
+    ):  # megatron-1t: same family and code path as gpt3-175b, 2 s more
         spec = ModelSpec.from_config(name, count_params=exact_param_count)
         assert spec.exact_params == spec.analytic_params(), name
     llama = ModelSpec.from_config("llama-2-70b", count_params=exact_param_count)
@@ -64,9 +87,11 @@ def test_presets_exact_counts_from_transformers_match_the_analytic_count():
 
 
 def test_planner_runs_without_importing_torch():
-    code = ("import sys; from megakit.commands import cli; rc = cli.main(['plan', '--params', '1.3B', '--gpus', '8', "
-            "'--json']); assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'; "
-            "assert 'transformers' not in sys.modules")
+    code = (
+        "import sys; from megakit.commands import cli; rc = cli.main(['plan', '--params', '1.3B', '--gpus', '8', "
+        "'--json']); assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'; "
+        "assert 'transformers' not in sys.modules"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
 
@@ -74,9 +99,18 @@ def test_planner_runs_without_importing_torch():
 def test_config_is_read_by_the_model_code_parser_with_head_dim(tmp_path):
     from megakit.core.model_config import ModelConfig
 
-    raw = {"model_type": "llama", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
-           "max_position_embeddings": 256, "tie_word_embeddings": False}
+    raw = {
+        "model_type": "llama",
+        "vocab_size": 512,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(raw))
     spec = ModelSpec.from_config(str(path), count_params=exact_param_count)

@@ -21,22 +21,47 @@ from megakit.core.planner.sharding import A2A_LINK_EFFICIENCY, all_to_all_time
 from megakit.interop.hf import exact_param_count
 
 H100 = gpu_preset("h100-80gb")
-QWEN2_MOE_TINY = {"model_type": "qwen2_moe", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
-                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "num_hidden_layers": 3,
-                  "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8, "num_experts_per_tok": 2,
-                  "mlp_only_layers": [1], "decoder_sparse_step": 1, "norm_topk_prob": False,
-                  "max_position_embeddings": 128, "tie_word_embeddings": False}
-QWEN3_DENSE_TINY = {"model_type": "qwen3", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
-                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-                    "max_position_embeddings": 128, "tie_word_embeddings": True}
+QWEN2_MOE_TINY = {
+    "model_type": "qwen2_moe",
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "mlp_only_layers": [1],
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": False,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+QWEN3_DENSE_TINY = {
+    "model_type": "qwen3",
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": True,
+}
 
 
 def _preset(name):
     return json.loads((PRESETS / f"{name}.json").read_text())
 
 
-@pytest.mark.parametrize("raw", ["mixtral-8x7b", "qwen3-30b-a3b", QWEN2_MOE_TINY, QWEN3_DENSE_TINY],
-                         ids=["mixtral-8x7b", "qwen3-30b-a3b", "qwen2-moe-shared-gate-dense-layer", "qwen3-dense"])
+@pytest.mark.parametrize(
+    "raw",
+    ["mixtral-8x7b", "qwen3-30b-a3b", QWEN2_MOE_TINY, QWEN3_DENSE_TINY],
+    ids=["mixtral-8x7b", "qwen3-30b-a3b", "qwen2-moe-shared-gate-dense-layer", "qwen3-dense"],
+)
 def test_total_parameters_equal_transformers_exact_count(raw):
     raw = _preset(raw) if isinstance(raw, str) else raw
     assert ModelConfig.from_hf(raw).num_params() == exact_param_count(raw)
@@ -64,7 +89,8 @@ def test_moe_flops_are_a_dense_mlp_of_top_k_experts_plus_the_router(convention):
         router = 2 * m.experts * moe.hidden * moe.layers * (4 if recompute == "full" else 3)
         assert got == pytest.approx(want + router, rel=1e-12)
     assert moe.replace(moe=dataclasses.replace(m, experts=64)).flops_per_token(4096) == pytest.approx(
-        moe.flops_per_token(4096) + 3 * 2 * 56 * moe.hidden * moe.layers)
+        moe.flops_per_token(4096) + 3 * 2 * 56 * moe.hidden * moe.layers
+    )
 
 
 def test_qwen2_moe_dense_layers_and_shared_experts_are_counted_per_layer():
@@ -119,10 +145,12 @@ def test_routing_activations_scale_with_the_imbalance_and_vanish_under_full_reco
     assert balanced.items["moe_routing"] == pytest.approx(32 * (fixed + expert_side))
     assert real.items["moe_routing"] == pytest.approx(32 * (fixed + 1.5 * expert_side))
     assert estimate_memory(model, recompute="full", **kw).items["moe_routing"] == 0.0
-    capped = dataclasses.replace(model, config=model.config.replace(
-        moe=dataclasses.replace(model.config.moe, capacity_factor=1.25)))
+    capped = dataclasses.replace(
+        model, config=model.config.replace(moe=dataclasses.replace(model.config.moe, capacity_factor=1.25))
+    )
     assert estimate_memory(capped, recompute="none", moe_imbalance=1.5, **kw).items["moe_routing"] == pytest.approx(
-        32 * (fixed + 1.25 * expert_side))
+        32 * (fixed + 1.25 * expert_side)
+    )
     # with all experts on one rank, routing cannot overload it
     single = estimate_memory(model, recompute="none", moe_imbalance=1.5, **{**kw, "ep": 1})
     assert single.items["moe_routing"] == pytest.approx(balanced.items["moe_routing"] - 32 * s / 2 * k * 2 * 8)
@@ -149,8 +177,18 @@ def test_all_to_all_across_nodes_runs_at_the_rdma_rate_deepep_measured():
     rate = crossing / all_to_all_time(cluster, one_gb, 32, 1) / 1e9
     assert 43 <= rate <= 50
     model = ModelSpec.from_config("qwen3-235b-a22b").with_overrides(seq_len=4096)
-    plan = Plan(tp=2, pp=8, dp=16, vpp=4, ep=32, zero_stage=1, micro_batch=1, accumulation=128,
-                sequence_parallel=True, dispatcher="deepep")
+    plan = Plan(
+        tp=2,
+        pp=8,
+        dp=16,
+        vpp=4,
+        ep=32,
+        zero_stage=1,
+        micro_batch=1,
+        accumulation=128,
+        sequence_parallel=True,
+        dispatcher="deepep",
+    )
     cost = estimate_cost(model, cluster, plan)
     assert cost.a2a_s < 0.3 * cost.step_time_s
 
@@ -164,12 +202,15 @@ def test_fp8_runs_the_experts_grouped_gemms_on_fp8_tensor_cores():
     model = ModelSpec.from_config("qwen3-235b-a22b").with_overrides(seq_len=4096)
     for runtime, gain in (({}, 0.95), ({"megatron": True}, 0.7)):
         base = Plan(tp=2, pp=8, dp=16, ep=32, micro_batch=1, accumulation=128, fused_kernels=True, **runtime)
-        bf16, fp8 = (expert_gemm_time(model, H100, dataclasses.replace(base, fp8=r), tokens=4096, peak=989e12)
-                     for r in ("none", "tensorwise"))
+        bf16, fp8 = (
+            expert_gemm_time(model, H100, dataclasses.replace(base, fp8=r), tokens=4096, peak=989e12)
+            for r in ("none", "tensorwise")
+        )
         assert fp8 < gain * bf16, (runtime, fp8 / bf16)
     a100 = gpu_preset("a100-80gb")
-    assert expert_gemm_time(model, a100, dataclasses.replace(base, fp8="tensorwise"), tokens=4096, peak=312e12) == \
-        expert_gemm_time(model, a100, base, tokens=4096, peak=312e12)
+    assert expert_gemm_time(
+        model, a100, dataclasses.replace(base, fp8="tensorwise"), tokens=4096, peak=312e12
+    ) == expert_gemm_time(model, a100, base, tokens=4096, peak=312e12)
 
 
 def test_four_all_to_alls_per_moe_layer_and_micro_batch_six_when_recomputed():
@@ -194,9 +235,20 @@ def test_forced_balance_is_faster_by_what_megatron_measured():
     planner's two regimes sit in that range."""
     model = ModelSpec.from_config("qwen3-30b-a3b").with_overrides(seq_len=4096)
     cluster = Cluster(gpu=H100, num_gpus=64)
-    for plan in (Plan(tp=1, pp=1, dp=64, ep=8, zero_stage=1, micro_batch=2, accumulation=4, recompute="selective"),
-                 Plan(tp=2, pp=2, dp=16, ep=16, zero_stage=1, micro_batch=1, accumulation=16, recompute="full",
-                      sequence_parallel=True)):
+    for plan in (
+        Plan(tp=1, pp=1, dp=64, ep=8, zero_stage=1, micro_batch=2, accumulation=4, recompute="selective"),
+        Plan(
+            tp=2,
+            pp=2,
+            dp=16,
+            ep=16,
+            zero_stage=1,
+            micro_batch=1,
+            accumulation=16,
+            recompute="full",
+            sequence_parallel=True,
+        ),
+    ):
         forced = estimate_cost(model, cluster, plan).tokens_per_s
         real = estimate_cost(model, cluster, dataclasses.replace(plan, moe_imbalance=ROUTING["real"])).tokens_per_s
         assert 1.03 <= forced / real <= 1.25, forced / real
@@ -210,8 +262,9 @@ def test_mixtral_on_16_h100s_gets_expert_parallelism_under_the_line():
     assert best.plan.ep > 1 and best.memory.total <= 0.8 * 80 * GIB
     assert best.memory.expert_states > 0.5 * best.memory.total  # the experts dominate the memory
     assert all(c.plan.zero_stage < 3 for c in result.ranked)
-    assert {c.plan.ep for c in result.ranked} - {1} and all((c.plan.tp * c.plan.dp * c.plan.cp) % c.plan.ep == 0
-                                                           for c in result.ranked)
+    assert {c.plan.ep for c in result.ranked} - {1} and all(
+        (c.plan.tp * c.plan.dp * c.plan.cp) % c.plan.ep == 0 for c in result.ranked
+    )
     # without EP nothing this fast fits: the experts would be whole on every GPU of a stage
     ep1 = [c for c in result.ranked if c.plan.ep == 1]
     assert all(c.cost.tokens_per_s < best.cost.tokens_per_s for c in ep1)
@@ -240,8 +293,9 @@ def plan_cli(capsys, *argv):
 
 
 def test_cli_reports_experts_routing_and_all_to_all(capsys, tmp_path):
-    code, out, _ = plan_cli(capsys, "--model", "models/mixtral-8x7b.json", "--gpu", "h100-80gb", "--gpus", "16",
-                            "--json")
+    code, out, _ = plan_cli(
+        capsys, "--model", "models/mixtral-8x7b.json", "--gpu", "h100-80gb", "--gpus", "16", "--json"
+    )
     assert code == 0
     report = json.loads(out)
     p, moe = report["plan"], report["assumptions"]["moe"]
@@ -253,8 +307,19 @@ def test_cli_reports_experts_routing_and_all_to_all(capsys, tmp_path):
     assert round(moe["active_params"] / 1e9, 1) == 12.9
     assert f"--ep {p['ep']}" in report["assumptions"]["launch"]
     target = tmp_path / "moe.json"
-    code, out, _ = plan_cli(capsys, "--model", "models/mixtral-8x7b.json", "--gpu", "h100-80gb", "--gpus", "16",
-                            "--moe-routing", "balanced", "--emit-config", str(target))
+    code, out, _ = plan_cli(
+        capsys,
+        "--model",
+        "models/mixtral-8x7b.json",
+        "--gpu",
+        "h100-80gb",
+        "--gpus",
+        "16",
+        "--moe-routing",
+        "balanced",
+        "--emit-config",
+        str(target),
+    )
     assert code == 0
     written = json.loads(target.read_text())  # DeepSpeed's keys only: EP travels in the launch command
     stage = written["zero_optimization"]["stage"]  # the plan's (ZeRO 0 since the experts' step copy is step-only)
@@ -262,37 +327,84 @@ def test_cli_reports_experts_routing_and_all_to_all(capsys, tmp_path):
     assert set(written) == set(dense) and set(written["zero_optimization"]) == set(dense["zero_optimization"])
     assert written["train_batch_size"] == 256 and written["zero_optimization"]["stage"] in (0, 1, 2)
     out = " ".join(out.split())  # rich wraps lines at the terminal's width
-    for needle in ("12.88B active", "experts: gradients", "MoE routing", "MoE all-to-all", "EP x EDP",
-                   "balanced",
-                   "--ep "):
+    for needle in (
+        "12.88B active",
+        "experts: gradients",
+        "MoE routing",
+        "MoE all-to-all",
+        "EP x EDP",
+        "balanced",
+        "--ep ",
+    ):
         assert needle in out, needle
 
 
 def test_qwen3_235b_at_megatron_bridges_layout_plans_with_ep_folded_over_tp(capsys):
     """Megatron-Bridge's public Qwen3-235B-A22B recipe (TP 2, PP 8, EP 32 on 256 H100s): EP 32 exceeds DP x CP = 16,
     so it folds over TP too: 16 TP pairs, 4 nodes; EDP 1."""
-    pinned = ("--model", "models/qwen3-235b-a22b.json", "--gpu", "h100-80gb", "--gpus", "256", "--tp", "2", "--pp",
-              "8", "--ep", "32", "--vpp", "4")
+    pinned = (
+        "--model",
+        "models/qwen3-235b-a22b.json",
+        "--gpu",
+        "h100-80gb",
+        "--gpus",
+        "256",
+        "--tp",
+        "2",
+        "--pp",
+        "8",
+        "--ep",
+        "32",
+        "--vpp",
+        "4",
+    )
     code, out, _ = plan_cli(capsys, *pinned, "--json")
     assert code == 0
     p = json.loads(out)["plan"]
     assert (p["tp"], p["pp"], p["dp"], p["ep"], p["edp"]) == (2, 8, 16, 32, 1)
-    assert p["ep_group"] == {"ranks": 32, "consecutive": True, "tp_groups": 16, "nodes": 4, "edp_stride": 32,
-                             "link": "4 nodes (75% of each rank's tokens leave its node)"}
+    assert p["ep_group"] == {
+        "ranks": 32,
+        "consecutive": True,
+        "tp_groups": 16,
+        "nodes": 4,
+        "edp_stride": 32,
+        "link": "4 nodes (75% of each rank's tokens leave its node)",
+    }
     assert p["memory"]["expert_params"] > 0 and p["all_to_all_s"] > 0 and p["peak_memory_gib"] <= 80
     code, out, _ = plan_cli(capsys, *pinned)
     out = " ".join(out.split())
-    for needle in ("EP x EDP │ 32 x 1", "EP group (all-to-all) │ 32 consecutive ranks, 16 TP group(s), 4 nodes",
-                   "experts: gradients", "MoE all-to-all (dispatch + combine)"):
+    for needle in (
+        "EP x EDP │ 32 x 1",
+        "EP group (all-to-all) │ 32 consecutive ranks, 16 TP group(s), 4 nodes",
+        "experts: gradients",
+        "MoE all-to-all (dispatch + combine)",
+    ):
         assert needle in out, needle
 
 
 MOE_BAD = [
     (["--model", "mixtral-8x7b", "--gpus", "16", "--ep", "3"], "--ep 3 must divide the 8 experts and the 16 GPUs"),
-    (["--model", "mixtral-8x7b", "--gpus", "16", "--tp", "1", "--pp", "4", "--ep", "8"],
-     "TP x CP x DP = 4 (the 16 GPUs over --pp 4), the ranks expert parallelism folds over; pick --ep 1, 2, 4"),
-    (["--model", "models/qwen3-235b-a22b.json", "--gpu", "h100-80gb", "--gpus", "256", "--tp", "2", "--pp", "8",
-      "--ep", "3"], "pick --ep 1, 2, 4, 8, 16, 32"),
+    (
+        ["--model", "mixtral-8x7b", "--gpus", "16", "--tp", "1", "--pp", "4", "--ep", "8"],
+        "TP x CP x DP = 4 (the 16 GPUs over --pp 4), the ranks expert parallelism folds over; pick --ep 1, 2, 4",
+    ),
+    (
+        [
+            "--model",
+            "models/qwen3-235b-a22b.json",
+            "--gpu",
+            "h100-80gb",
+            "--gpus",
+            "256",
+            "--tp",
+            "2",
+            "--pp",
+            "8",
+            "--ep",
+            "3",
+        ],
+        "pick --ep 1, 2, 4, 8, 16, 32",
+    ),
     (["--model", "mistral-7b", "--gpus", "16", "--ep", "2"], "dense"),
     (["--model", "mixtral-8x7b", "--gpus", "16", "--moe-imbalance", "0.5"], "--moe-imbalance"),
     (["--model", "mixtral-8x7b", "--gpus", "16", "--ep", "0"], "--ep"),
@@ -311,16 +423,41 @@ def test_plan_prices_transformer_engines_block_scaled_fp8_under_megatron_and_ref
     """``--fp8 blockwise`` (DeepSeek-V3's scales, Megatron's FP8-SC) prices Qwen3-30B-A3B's published EP 16 layout faster
     than BF16 under --runtime megatron-core, and its launch command asks train.py for no FP8 it cannot run. Under
     megakit's runtime, and ``mxfp8`` on a Hopper GPU, are one line each, exit 2."""
-    argv = ["--model", PRESETS / "qwen3-30b-a3b.json", "--gpu", "h100-80gb", "--gpus", 16, "--seq-len", 4096, "--tp", 1,
-            "--pp", 1, "--ep", 16, "--zero", 1, "--micro-batch", 1, "--global-batch", 1024, "--recompute", "none"]
+    argv = [
+        "--model",
+        PRESETS / "qwen3-30b-a3b.json",
+        "--gpu",
+        "h100-80gb",
+        "--gpus",
+        16,
+        "--seq-len",
+        4096,
+        "--tp",
+        1,
+        "--pp",
+        1,
+        "--ep",
+        16,
+        "--zero",
+        1,
+        "--micro-batch",
+        1,
+        "--global-batch",
+        1024,
+        "--recompute",
+        "none",
+    ]
     bf16 = plan_json(*argv, "--runtime", "megatron-core")
     fp8 = plan_json(*argv, "--runtime", "megatron-core", "--fp8", "blockwise")
     assert fp8["tokens_per_s"] > 1.1 * bf16["tokens_per_s"] and fp8["fp8"] == "blockwise"
-    flags = emit.train_flags(Plan(ep=16, dp=16, fp8="blockwise", megatron=True), config_path="c.json", model_arg="m",
-                             seq_len=4096)
+    flags = emit.train_flags(
+        Plan(ep=16, dp=16, fp8="blockwise", megatron=True), config_path="c.json", model_arg="m", seq_len=4096
+    )
     assert "--fp8" not in flags
-    for extra, needle in ((["--fp8", "blockwise"], "add --runtime megatron-core"),
-                          (["--fp8", "mxfp8", "--runtime", "megatron-core"], "Blackwell has them")):
+    for extra, needle in (
+        (["--fp8", "blockwise"], "add --runtime megatron-core"),
+        (["--fp8", "mxfp8", "--runtime", "megatron-core"], "Blackwell has them"),
+    ):
         assert cli.main(["plan", *map(str, argv + extra)]) == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err

@@ -17,9 +17,33 @@ from megakit.core.planner.search import OVERHEAD_BYTES
 from megakit.core.planner.stages import virtual_stage_ranges
 
 PUBLISHED = "1,2*30,0"  # 'Et|(tt|)*30mL'
-TYPED = ["--model", "deepseek-v3", "--mtp", "--gpu", "h100-80gb", "--gpus", "1024", "--gpus-per-node", "8",
-         "--seq-len", "4096", "--global-batch", "16384", "--tp", "2", "--pp", "8", "--vpp", "4", "--ep", "64",
-         "--recompute", "selective", "--runtime", "megatron-core"]
+TYPED = [
+    "--model",
+    "deepseek-v3",
+    "--mtp",
+    "--gpu",
+    "h100-80gb",
+    "--gpus",
+    "1024",
+    "--gpus-per-node",
+    "8",
+    "--seq-len",
+    "4096",
+    "--global-batch",
+    "16384",
+    "--tp",
+    "2",
+    "--pp",
+    "8",
+    "--vpp",
+    "4",
+    "--ep",
+    "64",
+    "--recompute",
+    "selective",
+    "--runtime",
+    "megatron-core",
+]
 
 
 def _spec(split=None) -> ModelSpec:
@@ -31,12 +55,28 @@ def test_default_split_weighs_dense_blocks_by_time():
     one), and the default peaks no higher than the published split, with the run's own Megatron flags."""
     counts = [len(r) for r in virtual_stage_ranges(_spec(), 8, 4)]
     assert counts[0] == 1 and max(counts) == 2 and sum(counts) == 61, counts
-    plan = Plan(tp=2, pp=8, dp=64, vpp=4, ep=64, zero_stage=1, micro_batch=1, accumulation=256, recompute="selective",
-                recompute_modules=("mla_up_proj", "mlp"), sequence_parallel=True, moe_imbalance=1.0,
-                reduce_precision="bf16", moments="bf16", fused_kernels=True, **RUNTIMES["megatron-core"])
-    default, published = (peak_memory(_spec(split), seq_len=4096, overhead_bytes=OVERHEAD_BYTES,
-                                      **plan.memory_kwargs()).total / GIB
-                          for split in (None, parse_stage_layers(PUBLISHED)))
+    plan = Plan(
+        tp=2,
+        pp=8,
+        dp=64,
+        vpp=4,
+        ep=64,
+        zero_stage=1,
+        micro_batch=1,
+        accumulation=256,
+        recompute="selective",
+        recompute_modules=("mla_up_proj", "mlp"),
+        sequence_parallel=True,
+        moe_imbalance=1.0,
+        reduce_precision="bf16",
+        moments="bf16",
+        fused_kernels=True,
+        **RUNTIMES["megatron-core"],
+    )
+    default, published = (
+        peak_memory(_spec(split), seq_len=4096, overhead_bytes=OVERHEAD_BYTES, **plan.memory_kwargs()).total / GIB
+        for split in (None, parse_stage_layers(PUBLISHED))
+    )
     assert default <= published < 64, (default, published)
 
 
@@ -51,7 +91,8 @@ def test_models_with_blocks_of_one_kind_keep_the_parameter_split(tmp_path):
         block, embedding, head = layer_costs(config, "params")
         assert len(set(block)) == 1
         assert [len(r) for r in partition_layers(config, 4, 2)] == _balanced_counts(
-            [config.block_params(moe=config.moe is not None).total] * config.layers, embedding, head, 8)
+            [config.block_params(moe=config.moe is not None).total] * config.layers, embedding, head, 8
+        )
     raw = json.loads((PRESETS / "deepseek-v3-tiny.json").read_text())
     raw.update(num_hidden_layers=8, first_k_dense_replace=3, n_routed_experts=64, moe_intermediate_size=64)
     (tmp_path / "tiny.json").write_text(json.dumps(raw))
@@ -84,6 +125,21 @@ def test_pinned_layout_names_the_recompute_modules_that_fit(capsys, plan_json):
 def test_published_run_fits_without_its_split(plan_json):
     """The run's own flags without --stage-layers: under the 80 % line at the default split (it was above it, 68.6
     GiB, when the first virtual stage held four blocks)."""
-    got = plan_json(*TYPED, "--zero", "1", "--micro-batch", "1", "--moe-routing", "balanced", "--recompute-modules",
-                    "mla_up_proj,mlp", "--main-grads", "bf16", "--adam-moments", "bf16", "--loss-chunks", "1")
+    got = plan_json(
+        *TYPED,
+        "--zero",
+        "1",
+        "--micro-batch",
+        "1",
+        "--moe-routing",
+        "balanced",
+        "--recompute-modules",
+        "mla_up_proj,mlp",
+        "--main-grads",
+        "bf16",
+        "--adam-moments",
+        "bf16",
+        "--loss-chunks",
+        "1",
+    )
     assert got["fits"] == "yes" and got["peak_memory_gib"] <= 64, got["peak_memory_gib"]

@@ -34,24 +34,72 @@ def _config(row, tmp_path, layers: int) -> Path:
     """The row's GPT shape as a GPT-2 config.json: Megatron's defaults of the time (learned positions up to 2048,
     tied embedding, dropout 0.1)."""
     path = tmp_path / f"{row['model'].split()[-1]}-{layers}.json"
-    path.write_text(json.dumps({
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": row["vocab"], "n_positions": 2048,
-        "n_embd": row["hidden"], "n_layer": layers, "n_head": row["heads"], "n_inner": row["ffn"],
-        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.1, "embd_pdrop": 0.1,
-        "attn_pdrop": 0.1, "tie_word_embeddings": True}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "architectures": ["GPT2LMHeadModel"],
+                "vocab_size": row["vocab"],
+                "n_positions": 2048,
+                "n_embd": row["hidden"],
+                "n_layer": layers,
+                "n_head": row["heads"],
+                "n_inner": row["ffn"],
+                "activation_function": "gelu_new",
+                "layer_norm_epsilon": 1e-5,
+                "resid_pdrop": 0.1,
+                "embd_pdrop": 0.1,
+                "attn_pdrop": 0.1,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
     return path
 
 
 def _cli(plan_json, row, tmp_path) -> dict:
     """The row through ``megakit plan``, its split as run."""
     split = row["stage_layers"]
-    got = plan_json("--model", _config(row, tmp_path, row["layers"]), "--seq-len", row["seq_len"], "--gpu", "a100-80gb",
-                    "--gpus", row["num_gpus"], "--tp", row["tp"], "--pp", row["pp"], "--vpp", row["vpp"], "--zero", 0,
-                    "--micro-batch", row["micro_batch"], "--global-batch", row["micro_batch"] * row["micro_batches"],
-                    "--recompute", "none", "--attention", "standard", "--precision", "fp16", "--runtime", "megatron",
-                    "--stage-layers", ",".join(map(str, split)))
+    got = plan_json(
+        "--model",
+        _config(row, tmp_path, row["layers"]),
+        "--seq-len",
+        row["seq_len"],
+        "--gpu",
+        "a100-80gb",
+        "--gpus",
+        row["num_gpus"],
+        "--tp",
+        row["tp"],
+        "--pp",
+        row["pp"],
+        "--vpp",
+        row["vpp"],
+        "--zero",
+        0,
+        "--micro-batch",
+        row["micro_batch"],
+        "--global-batch",
+        row["micro_batch"] * row["micro_batches"],
+        "--recompute",
+        "none",
+        "--attention",
+        "standard",
+        "--precision",
+        "fp16",
+        "--runtime",
+        "megatron",
+        "--stage-layers",
+        ",".join(map(str, split)),
+    )
     assert (got["tp"], got["pp"], got["dp"], got["vpp"], got["micro_batch"], got["grad_accum"]) == (
-        row["tp"], row["pp"], row["dp"], row["vpp"], row["micro_batch"], row["micro_batches"])
+        row["tp"],
+        row["pp"],
+        row["dp"],
+        row["vpp"],
+        row["micro_batch"],
+        row["micro_batches"],
+    )
     assert got["runtime"] == "megatron" and not got["flash_attention"] and got["precision"] == "fp16"
     return got
 
@@ -68,8 +116,10 @@ def test_plain_1f1b_rows_through_the_cli(plan_json, tmp_path):
         got = _cli(plan_json, row, tmp_path)
         assert got["fits"] != "no" and got["peak_memory_gib"] <= got["gpu_memory_gib"], f"{row['id']} out of memory"
         errors[row["id"]] = _error(got["peak_memory_gib"], row)
-        lines.append(f"{row['id']:34s} {row['micro_batch']:3d} {row['micro_batches']:4d} {got['peak_stage']:5d} "
-                     f"{got['peak_memory_gib']:9.1f} {row['measured_gb']:8d} {errors[row['id']]:+7.1%}")
+        lines.append(
+            f"{row['id']:34s} {row['micro_batch']:3d} {row['micro_batches']:4d} {got['peak_stage']:5d} "
+            f"{got['peak_memory_gib']:9.1f} {row['measured_gb']:8d} {errors[row['id']]:+7.1%}"
+        )
     print("\n" + "\n".join(lines))
     assert max(map(abs, errors.values())) <= TOLERANCE, errors
 
@@ -78,8 +128,13 @@ def test_interleaved_rows_and_what_interleaving_adds(plan_json, tmp_path):
     """Each 1F1B-I row within 15 % with its split as run (embedding-only and head-only end chunks), none called out of
     memory, its peak on a middle stage (one layer in each chunk), and the increase over the same model's 1F1B row
     measured in the same table positive and within 20 %."""
-    lines, errors = [f"{'1F1B-I row':38s} {'vpp':>3s} {'stage':>5s} {'predicted':>9s} {'measured':>8s} {'error':>7s} "
-                     f"{'+pred':>6s} {'+meas':>5s} {'error':>7s}"], {}
+    lines, errors = (
+        [
+            f"{'1F1B-I row':38s} {'vpp':>3s} {'stage':>5s} {'predicted':>9s} {'measured':>8s} {'error':>7s} "
+            f"{'+pred':>6s} {'+meas':>5s} {'error':>7s}"
+        ],
+        {},
+    )
     for row in INTERLEAVED:
         plain = next(r for r in PLAIN if r["source"] == row["source"] and r["model"] == row["model"])
         got = _cli(plan_json, row, tmp_path)
@@ -89,8 +144,10 @@ def test_interleaved_rows_and_what_interleaving_adds(plan_json, tmp_path):
         added = peak - _cli(plan_json, plain, tmp_path)["peak_memory_gib"]
         measured_added = row["measured_gb"] - plain["measured_gb"]
         errors[row["id"]] = (_error(peak, row), added / measured_added - 1)
-        lines.append(f"{row['id']:38s} {row['vpp']:3d} {got['peak_stage']:5d} {peak:9.1f} {row['measured_gb']:8d} "
-                     f"{errors[row['id']][0]:+7.1%} {added:6.1f} {measured_added:5d} {errors[row['id']][1]:+7.1%}")
+        lines.append(
+            f"{row['id']:38s} {row['vpp']:3d} {got['peak_stage']:5d} {peak:9.1f} {row['measured_gb']:8d} "
+            f"{errors[row['id']][0]:+7.1%} {added:6.1f} {measured_added:5d} {errors[row['id']][1]:+7.1%}"
+        )
         assert added > 0
     print("\n" + "\n".join(lines))
     assert all(abs(peak) <= TOLERANCE for peak, _ in errors.values()), errors
@@ -104,5 +161,7 @@ def test_megatron_keeps_fp16_gradients_under_fp16(plan_json, tmp_path):
     row = next(r for r in PLAIN if r["id"] == "zb24-t12-14.6B-p16-b1-m4-1f1b")
     got = _cli(plan_json, row, tmp_path)
     items = got["memory"]
-    assert items["grads"] == pytest.approx(items["params"]) and items["fp32_step_grads"] == pytest.approx(2 * items["grads"])
+    assert items["grads"] == pytest.approx(items["params"]) and items["fp32_step_grads"] == pytest.approx(
+        2 * items["grads"]
+    )
     assert abs(_error(got["peak_memory_gib"], row)) < 0.05

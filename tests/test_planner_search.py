@@ -78,8 +78,17 @@ def test_pruned_search_finds_the_brute_force_optimum():
             if (zero >= 2 and pp > 1) or (vpp > 1 and (pp == 1 or model.layers % (pp * vpp))) or (sp and tp == 1):
                 continue
             for mb in divisors(batch // dp):
-                plan = Plan(tp=tp, pp=pp, dp=dp, vpp=vpp, zero_stage=zero, micro_batch=mb,
-                            accumulation=batch // dp // mb, recompute=rc, sequence_parallel=sp)
+                plan = Plan(
+                    tp=tp,
+                    pp=pp,
+                    dp=dp,
+                    vpp=vpp,
+                    zero_stage=zero,
+                    micro_batch=mb,
+                    accumulation=batch // dp // mb,
+                    recompute=rc,
+                    sequence_parallel=sp,
+                )
                 if vpp > 1 and plan.accumulation % pp or mb > 64:
                     continue
                 mem = peak_memory(model, seq_len=1024, overhead_bytes=OVERHEAD_BYTES, **plan.memory_kwargs())
@@ -91,8 +100,9 @@ def test_pruned_search_finds_the_brute_force_optimum():
 def test_pins_fix_dimensions_and_bad_pins_name_the_dimension():
     model = ModelSpec.from_params("175B")
     result = search(model, a100s(1024), global_batch=1536, pins=Pins(tp=8, pp=16, recompute="full", micro_batch=1))
-    assert all((c.plan.tp, c.plan.pp, c.plan.recompute, c.plan.micro_batch) == (8, 16, "full", 1)
-               for c in result.ranked)
+    assert all(
+        (c.plan.tp, c.plan.pp, c.plan.recompute, c.plan.micro_batch) == (8, 16, "full", 1) for c in result.ranked
+    )
     assert result.branch == "pinned"
     with pytest.raises(UsageError, match="--tp 5"):
         search(model, a100s(1024), global_batch=1536, pins=Pins(tp=5))
@@ -130,8 +140,21 @@ def test_gqa_llama_and_long_sequences_with_flash_attention():
 
 
 def _layout(plan: Plan) -> tuple:
-    return tuple(getattr(plan, k) for k in ("tp", "pp", "dp", "cp", "vpp", "zero_stage", "micro_batch", "recompute",
-                                            "sequence_parallel", "offload"))
+    return tuple(
+        getattr(plan, k)
+        for k in (
+            "tp",
+            "pp",
+            "dp",
+            "cp",
+            "vpp",
+            "zero_stage",
+            "micro_batch",
+            "recompute",
+            "sequence_parallel",
+            "offload",
+        )
+    )
 
 
 def test_pins_the_trainer_cannot_run_are_refused_and_searched_tp_follows_the_model_rule():

@@ -31,8 +31,9 @@ def test_per_chunk_counts_are_the_schedules(pp, vpp):
         peaks = in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp)
         assert peaks == _schedule_peaks(pp, m, vpp, stage), (m, stage)
         if m > pp:  # with m == pp the trainer runs every forward first: all m * vpp chunks are in flight
-            assert {sum(p) for p in peaks} == {in_flight_micro_batches(pp=pp, stage=stage, accumulation=m, vpp=vpp)
-                                               * vpp}
+            assert {sum(p) for p in peaks} == {
+                in_flight_micro_batches(pp=pp, stage=stage, accumulation=m, vpp=vpp) * vpp
+            }
 
 
 def test_a_stage_peaks_where_its_biggest_chunks_are_in_flight():
@@ -96,7 +97,9 @@ def test_a_pinned_split_is_what_the_memory_and_cost_models_price():
     assert times[-1] == max(times) > max(even) and times[0] < even[0]
     assert pinned.best.cost.tokens_per_s < balanced.best.cost.tokens_per_s
     first = estimate_memory(model.with_overrides(stage_layers=split), stage=0, **pinned.best.plan.memory_kwargs())
-    assert first.layers == 5 and first.total < estimate_memory(model, stage=0, **balanced.best.plan.memory_kwargs()).total
+    assert (
+        first.layers == 5 and first.total < estimate_memory(model, stage=0, **balanced.best.plan.memory_kwargs()).total
+    )
 
 
 def test_a_pinned_split_with_empty_end_chunks_is_priced_by_its_schedule():
@@ -131,8 +134,9 @@ def test_qwen3_235b_plans_pp32_x_vpp3_with_an_embedding_and_a_loss_stage_of_thei
     cluster = Cluster(gpu=gpu_preset("h100-80gb"), num_gpus=256, gpus_per_node=8)
     pins = Pins(tp=2, pp=32, vpp=3, ep=8, zero=1, micro_batch=1, recompute="full", sequence_parallel=True)
     auto = search(model, cluster, global_batch=512, pins=pins)
-    pinned = search(model, cluster, global_batch=512,
-                    pins=dataclasses.replace(pins, stage_layers=(0,) + (1,) * 94 + (0,)))
+    pinned = search(
+        model, cluster, global_batch=512, pins=dataclasses.replace(pins, stage_layers=(0,) + (1,) * 94 + (0,))
+    )
     assert auto.fits == "yes" and auto.best.plan.vpp == 3
     assert stage_chunk_layers(model, 32, 3)[0] == (0, 1, 1) and stage_chunk_layers(model, 32, 3)[-1] == (1, 1, 0)
     assert auto.best.cost.step_time_s == pytest.approx(pinned.best.cost.step_time_s, rel=1e-9)
@@ -144,14 +148,24 @@ def test_qwen3_235b_plans_pp32_x_vpp3_with_an_embedding_and_a_loss_stage_of_thei
     assert first.params_local == middle.params_local - block + model.embedding_params(2)
     assert last.params_local == middle.params_local - block + model.head_params(2, separate=True)
     assert last.items["logits"] > last.items["activations"] > 0 and first.items["logits"] == 0
-    with pytest.raises(UsageError, match=re.escape("--pp 32 x --vpp 4 = 128 virtual stages exceed the 94 layers plus "
-                                                   "an embedding-only and a loss-only stage")):
+    with pytest.raises(
+        UsageError,
+        match=re.escape(
+            "--pp 32 x --vpp 4 = 128 virtual stages exceed the 94 layers plus an embedding-only and a loss-only stage"
+        ),
+    ):
         search(model, cluster, global_batch=512, pins=dataclasses.replace(pins, vpp=4))
 
 
-@pytest.mark.parametrize("chunks, pp, vpp", [((0, 3, 3, 0), 2, 2), ((3, 4, 4, 4, 4, 4, 4, 3), 4, 2),
-                                             ((1, 2, 3, 4, 4, 3, 2, 1, 5, 1, 1, 1), 4, 3),
-                                             ((0,) + (4,) * 6 + (7, 7) + (4,) * 6 + (0,), 8, 2)])
+@pytest.mark.parametrize(
+    "chunks, pp, vpp",
+    [
+        ((0, 3, 3, 0), 2, 2),
+        ((3, 4, 4, 4, 4, 4, 4, 3), 4, 2),
+        ((1, 2, 3, 4, 4, 3, 2, 1, 5, 1, 1, 1), 4, 3),
+        ((0,) + (4,) * 6 + (7, 7) + (4,) * 6 + (0,), 8, 2),
+    ],
+)
 def test_the_interleaved_step_extrapolates_what_the_simulator_runs(chunks, pp, vpp):
     """The planner simulates 2·PP and 3·PP micro-batches and extends the line; the whole step simulated agrees
     within the 1e-3 its cached relative costs are rounded to, at every length."""
@@ -160,20 +174,28 @@ def test_the_interleaved_step_extrapolates_what_the_simulator_runs(chunks, pp, v
     from megakit.core.simulator import Costs, simulate
 
     for m in (pp, 2 * pp, 5 * pp, 13 * pp):
-        got = interleaved_step_time(tuple(map(float, chunks)), pp=pp, vpp=vpp, micro_batches=m, forward_share=1 / 3,
-                                    message_s=0.1)
+        got = interleaved_step_time(
+            tuple(map(float, chunks)), pp=pp, vpp=vpp, micro_batches=m, forward_share=1 / 3, message_s=0.1
+        )
         costs = Costs(forward=tuple(c / 3 for c in chunks), backward=tuple(2 * c / 3 for c in chunks), p2p=0.1)
         assert got == pytest.approx(simulate(build_schedule("interleaved", pp, m, vpp), costs).step_time, rel=1e-3)
-    assert interleaved_step_time(tuple(map(float, chunks)), pp=pp, vpp=vpp, micro_batches=pp + 1,
-                                 forward_share=1 / 3, message_s=0.1) is None  # the schedule needs m % pp == 0
+    assert (
+        interleaved_step_time(
+            tuple(map(float, chunks)), pp=pp, vpp=vpp, micro_batches=pp + 1, forward_share=1 / 3, message_s=0.1
+        )
+        is None
+    )  # the schedule needs m % pp == 0
 
 
-@pytest.mark.parametrize("pins, message", [
-    (dict(stage_layers=(63, 63)), "gives 2 layer counts for --pp 16 x --vpp 1 = 16 virtual stages"),
-    (dict(vpp=2, stage_layers=(4,) * 32), "sums to 128 layers but the model has 126"),
-    (dict(vpp=2, stage_layers=(4, 0, 6) + (4,) * 29), "has an entry below 1 in the middle"),
-    (dict(pp=None, stage_layers=(63, 63)), "needs the layout: pin --pp"),
-])
+@pytest.mark.parametrize(
+    "pins, message",
+    [
+        (dict(stage_layers=(63, 63)), "gives 2 layer counts for --pp 16 x --vpp 1 = 16 virtual stages"),
+        (dict(vpp=2, stage_layers=(4,) * 32), "sums to 128 layers but the model has 126"),
+        (dict(vpp=2, stage_layers=(4, 0, 6) + (4,) * 29), "has an entry below 1 in the middle"),
+        (dict(pp=None, stage_layers=(63, 63)), "needs the layout: pin --pp"),
+    ],
+)
 def test_bad_stage_layer_pins_are_one_line(pins, message):
 
     with pytest.raises(UsageError, match=re.escape(message)):

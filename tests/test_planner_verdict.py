@@ -8,8 +8,24 @@ import pytest
 from megakit.commands import cli
 from megakit.core.planner.verdict import verdict
 
-PINNED = ["--params", "1.3B", "--gpus", "8", "--tp", "1", "--pp", "1", "--zero", "1", "--micro-batch", "4",
-          "--recompute", "none", "--global-batch", "64"]
+PINNED = [
+    "--params",
+    "1.3B",
+    "--gpus",
+    "8",
+    "--tp",
+    "1",
+    "--pp",
+    "1",
+    "--zero",
+    "1",
+    "--micro-batch",
+    "4",
+    "--recompute",
+    "none",
+    "--global-batch",
+    "64",
+]
 
 
 def plan(capsys, *argv):
@@ -39,8 +55,9 @@ def test_pinned_layout_at_83_percent_runs_with_a_note_on_headroom(capsys):
     assert code == 0, err
     p = json.loads(out)["plan"]
     assert p["fits"] == "above_threshold" and p["mem_threshold"] == 0.8
-    assert p["peak_memory_gib"] == pytest.approx(peak) and p["peak_memory_gib"] / p["gpu_memory_gib"] == \
-        pytest.approx(0.83, abs=1e-3)
+    assert p["peak_memory_gib"] == pytest.approx(peak) and p["peak_memory_gib"] / p["gpu_memory_gib"] == pytest.approx(
+        0.83, abs=1e-3
+    )
     assert "fragmentation" in p["headroom"] and "NCCL" in p["headroom"]
     code, out, err = plan(capsys, *PINNED, "--gpu-mem", mem)  # the tables say it too
     assert code == 0 and "above the line" in out and "fragmentation" in out
@@ -65,16 +82,34 @@ def test_pinned_layout_at_120_percent_exits_2_naming_the_fix(capsys):
 
 
 def test_no_single_change_is_named_when_none_is_enough(capsys):
-    code, _, err = plan(capsys, "--params", "175B", "--gpus", "8", "--tp", "8", "--pp", "1", "--zero", "0",
-                        "--micro-batch", "1", "--recompute", "full", "--global-batch", "8")
+    code, _, err = plan(
+        capsys,
+        "--params",
+        "175B",
+        "--gpus",
+        "8",
+        "--tp",
+        "8",
+        "--pp",
+        "1",
+        "--zero",
+        "0",
+        "--micro-batch",
+        "1",
+        "--recompute",
+        "full",
+        "--global-batch",
+        "8",
+    )
     assert code == 2 and err.count("\n") == 1 and "fix: " in err, err
 
 
 def test_when_nothing_fits_the_search_offloads_the_optimizer_and_says_so(capsys):
     """6.7B on one 40 GB GPU: 16 bytes per parameter cannot fit; ZeRO-Offload (optimizer in host memory,
     PCIe traffic each step) can, and the plan says how much CPU memory it needs."""
-    code, out, err = plan(capsys, "--params", "6.7B", "--gpu", "a100-40gb", "--gpus", "1", "--global-batch", "8",
-                          "--json")
+    code, out, err = plan(
+        capsys, "--params", "6.7B", "--gpu", "a100-40gb", "--gpus", "1", "--global-batch", "8", "--json"
+    )
     assert code == 0, err
     report = json.loads(out)
     p, why = report["plan"], report["assumptions"]["rule"]["why"]

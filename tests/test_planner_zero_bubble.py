@@ -26,8 +26,9 @@ from megakit.core.simulator import simulate
 def test_held_micro_batches_are_the_simulators():
     for pp, m in ((2, 8), (4, 8), (4, 2), (8, 16)):
         peaks = simulate(build_schedule("zb-h1", pp, m)).peak_in_flight
-        assert tuple(in_flight_micro_batches(pp=pp, stage=i, accumulation=m, zero_bubble=True)
-                     for i in range(pp)) == peaks
+        assert (
+            tuple(in_flight_micro_batches(pp=pp, stage=i, accumulation=m, zero_bubble=True) for i in range(pp)) == peaks
+        )
 
 
 def test_bubble_is_qi_et_al_with_the_weight_gradient_share():
@@ -55,15 +56,33 @@ def test_extra_memory_is_the_deferred_ws():
         assert zb.in_flight == 4 and one.in_flight == 4 - stage  # every stage holds p, as 1F1B's first does
         assert (zb.items["activations"] > one.items["activations"]) == (stage > 0)
         assert one.items["pipeline_outputs"] == 0  # freed once sent (sent_output); zero bubble's B takes the output
-        assert (zb.items["pipeline_outputs"] > 0) == (stage < 3)  # itself, so it keeps them until B (the last sends none)
+        assert (zb.items["pipeline_outputs"] > 0) == (
+            stage < 3
+        )  # itself, so it keeps them until B (the last sends none)
         # the first stage's B does nothing (no input gradient); later stages keep B's gradients per pending W
         assert (zb.items["weight_grad_inputs"] > 0) == (stage > 0)
         assert zb.total >= one.total
 
 
 def test_schedule_pin(capsys):
-    args = ["plan", "--params", "175B", "--gpus", "1024", "--tp", "8", "--pp", "16", "--zero", "1", "--micro-batch",
-            "1", "--recompute", "full", "--json"]
+    args = [
+        "plan",
+        "--params",
+        "175B",
+        "--gpus",
+        "1024",
+        "--tp",
+        "8",
+        "--pp",
+        "16",
+        "--zero",
+        "1",
+        "--micro-batch",
+        "1",
+        "--recompute",
+        "full",
+        "--json",
+    ]
     reports = {}
     for schedule in ("1f1b", "zb-h1"):
         assert cli.main([*args, "--schedule", schedule]) == 0

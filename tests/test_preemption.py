@@ -132,12 +132,24 @@ def _built_op() -> Path:
     first build takes about 50 s of CPU: outside the jobs' timed waits, and once for the jobs of this module)."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    built = Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / \
-        "deepspeed_shm_comm"
+    built = (
+        Path(get_default_build_root())
+        / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+        / "deepspeed_shm_comm"
+    )
     if not list(built.glob("*.so")):  # torch's file lock makes a build in flight elsewhere (xdist) wait for it
-        subprocess.run([sys.executable, "-c", "from deepspeed.accelerator import get_accelerator; "
-                        "get_accelerator().create_op_builder('ShareMemCommBuilder').load()"],
-                       env=_env(), check=True, capture_output=True, timeout=1200)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from deepspeed.accelerator import get_accelerator; "
+                "get_accelerator().create_op_builder('ShareMemCommBuilder').load()",
+            ],
+            env=_env(),
+            check=True,
+            capture_output=True,
+            timeout=1200,
+        )
     return built
 
 
@@ -170,8 +182,12 @@ def test_a_signal_or_a_lost_launcher_saves_at_an_agreed_step_and_the_run_resumes
     # 1. SIGTERM to the worker of rank 1, with HOME unwritable
     port = free_port()
     save = tmp_path / "ckpt"
-    first = _Job(tmp_path, "first", [*deepspeed, str(port), *TRAIN, "--save", str(save), "--metrics-out",
-                                     str(tmp_path / "first.json")], _env(**_unwritable_home(tmp_path)))
+    first = _Job(
+        tmp_path,
+        "first",
+        [*deepspeed, str(port), *TRAIN, "--save", str(save), "--metrics-out", str(tmp_path / "first.json")],
+        _env(**_unwritable_home(tmp_path)),
+    )
     tree = first.until(2)
     victim = first.worker(tree, 1)
     mapped = _shm_mappings(victim.pid, port)
@@ -180,8 +196,11 @@ def test_a_signal_or_a_lost_launcher_saves_at_an_agreed_step_and_the_run_resumes
     assert _all_gone(tree) == [] and not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     _no_lock_held(save)
     assert mapped == [-(-WORKSPACE_BYTES // page) * page] * 2, mapped  # its own buffer and its peer's, measured
-    stopped = re.search(r"megakit: SIGTERM on rank 1 \(pp 0, dp 0, tp 1\): stopped at step (\d+), saved to "
-                        rf"{re.escape(str(save))} \(--load auto resumes there\); exit status 75", first.text)
+    stopped = re.search(
+        r"megakit: SIGTERM on rank 1 \(pp 0, dp 0, tp 1\): stopped at step (\d+), saved to "
+        rf"{re.escape(str(save))} \(--load auto resumes there\); exit status 75",
+        first.text,
+    )
     assert stopped, first.text[-3000:]
     n = int(stopped.group(1))
     assert _saved_step(save) == n and _steps(first.text) == n - 1, (n, first.text[-2000:])
@@ -191,29 +210,62 @@ def test_a_signal_or_a_lost_launcher_saves_at_an_agreed_step_and_the_run_resumes
 
     # 2. SIGTERM to the deepspeed command: it dies alone; the workers notice, save and end, and so does launch.py
     port = free_port()
-    reference = _Job(tmp_path, "reference", [*deepspeed, str(port), *TRAIN, "--save", str(tmp_path / "other"),
-                                             "--metrics-out", str(tmp_path / "reference.json")], _env())
+    reference = _Job(
+        tmp_path,
+        "reference",
+        [
+            *deepspeed,
+            str(port),
+            *TRAIN,
+            "--save",
+            str(tmp_path / "other"),
+            "--metrics-out",
+            str(tmp_path / "reference.json"),
+        ],
+        _env(),
+    )
     tree = reference.until(n + 3)
     reference.process.send_signal(signal.SIGTERM)
     assert reference.end() == -signal.SIGTERM
     assert _all_gone(tree) == [], reference.text[-3000:]
-    gone = re.search(r"megakit: the deepspeed command \(pid \d+\) gone for rank \d .*: stopped at step (\d+), saved "
-                     r"to .*other", reference.text)
+    gone = re.search(
+        r"megakit: the deepspeed command \(pid \d+\) gone for rank \d .*: stopped at step (\d+), saved "
+        r"to .*other",
+        reference.text,
+    )
     assert gone, reference.text[-3000:]
     assert _saved_step(tmp_path / "other") == int(gone.group(1)) > n + 3
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     _no_lock_held(tmp_path / "other")
 
     # 3. torchrun resumes the first checkpoint bit for bit; SIGKILL to its agent: the workers save and end
-    resumed = _Job(tmp_path, "resumed", ["torchrun", "--standalone", "--nproc_per_node", "2", *TRAIN, "--save",
-                                         str(save), "--load", "auto", "--metrics-out", str(tmp_path / "resumed.json")],
-                   _env())
+    resumed = _Job(
+        tmp_path,
+        "resumed",
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            *TRAIN,
+            "--save",
+            str(save),
+            "--load",
+            "auto",
+            "--metrics-out",
+            str(tmp_path / "resumed.json"),
+        ],
+        _env(),
+    )
     tree = resumed.until(n + 2)
     resumed.process.kill()
     resumed.end()
     assert _all_gone(tree) == [], resumed.text[-3000:]
-    again = re.search(r"megakit: torchrun's agent \(pid \d+\) gone for rank \d .*: stopped at step (\d+), saved to "
-                      rf"{re.escape(str(save))} ", resumed.text)
+    again = re.search(
+        r"megakit: torchrun's agent \(pid \d+\) gone for rank \d .*: stopped at step (\d+), saved to "
+        rf"{re.escape(str(save))} ",
+        resumed.text,
+    )
     assert again and _saved_step(save) == int(again.group(1)) > n + 2, resumed.text[-3000:]
     _no_lock_held(save)
     full, before, after = (_losses(tmp_path / f"{name}.json") for name in ("reference", "first", "resumed"))
@@ -229,8 +281,11 @@ def test_without_save_sigusr1_stops_one_process_cleanly(tmp_path):
     job.until(1)
     job.process.send_signal(signal.SIGUSR1)
     assert job.end() == EXIT_STOPPED, job.text[-3000:]
-    assert re.search(r"megakit: SIGUSR1 on rank 0 \(pp 0, dp 0, tp 0\): stopped at step \d+, nothing saved "
-                     r"\(no --save\); exit status 75", job.text), job.text[-3000:]
+    assert re.search(
+        r"megakit: SIGUSR1 on rank 0 \(pp 0, dp 0, tp 0\): stopped at step \d+, nothing saved "
+        r"\(no --save\); exit status 75",
+        job.text,
+    ), job.text[-3000:]
     assert "Traceback" not in job.text
 
 
@@ -252,8 +307,14 @@ _ECHO_S = 4.0  # wider than ECHO_S: the echo is sent after a readline round trip
 
 
 def test_a_second_signal_stops_at_once_even_in_a_blocking_call_and_an_echo_does_not():
-    child = subprocess.Popen([sys.executable, "-c", _BLOCKED, str(_ECHO_S)], cwd=ROOT, env=_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _BLOCKED, str(_ECHO_S)],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout.readline() == "ready\n"
         child.send_signal(signal.SIGTERM)
@@ -286,8 +347,15 @@ sys.exit(EXIT_STOPPED)
 def test_a_signal_once_the_run_is_leaving_is_ignored():
     """DeepSpeed's launch.py passes scancel's SIGTERM on one worker at a time: a later rank's comes seconds after
     the first, once its checkpoint is saved; it must not end the rank with 143 and "without a checkpoint"."""
-    child = subprocess.Popen([sys.executable, "-c", _LEAVING], cwd=ROOT, env=_env(), stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _LEAVING],
+        cwd=ROOT,
+        env=_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout.readline() == "ready\n"
         child.send_signal(signal.SIGTERM)
@@ -305,8 +373,10 @@ def test_a_signal_once_the_run_is_leaving_is_ignored():
 
 
 def test_a_launcher_gone_is_a_link_of_the_process_chain_broken():
-    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
-            " print(p.pid, flush=True); time.sleep(60)")
+    code = (
+        "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+        " print(p.pid, flush=True); time.sleep(60)"
+    )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
     try:
@@ -326,20 +396,36 @@ def test_a_launcher_gone_is_a_link_of_the_process_chain_broken():
 def test_dev_shm_without_room_for_deepspeed_s_buffers_is_one_line_and_exit_2(tmp_path):
     """Docker's default /dev/shm (64 MB) in a mount namespace of its own: the ranks died of SIGSEGV in 3 runs of 5
     (those where one rank's ``write`` of its buffer failed outright), and ran on truncated buffers in the others."""
-    if shutil.which("unshare") is None or subprocess.run(
-            ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64m tmpfs /dev/shm"],
-            capture_output=True).returncode != 0:
+    if (
+        shutil.which("unshare") is None
+        or subprocess.run(
+            ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64m tmpfs /dev/shm"], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("this machine cannot mount a small tmpfs on /dev/shm in a mount namespace (unshare -m)")
     _built_op()  # not inside the run's timeout
-    command = " ".join(["mount -t tmpfs -o size=64m tmpfs /dev/shm &&", "deepspeed", "--num_gpus", "2",
-                        "--master_port", str(free_port()), *TRAIN])
-    out = subprocess.run(["unshare", "-m", "sh", "-c", command], cwd=ROOT, env=_env(), capture_output=True,
-                         text=True, timeout=300)
+    command = " ".join(
+        [
+            "mount -t tmpfs -o size=64m tmpfs /dev/shm &&",
+            "deepspeed",
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            *TRAIN,
+        ]
+    )
+    out = subprocess.run(
+        ["unshare", "-m", "sh", "-c", command], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     lines = [line for line in (out.stdout + out.stderr).splitlines() if "/dev/shm" in line]
-    assert lines == ["train.py: error: DeepSpeed's CPU all-reduce needs 132 MiB of /dev/shm (66 MiB for each of the "
-                     "2 ranks on this host) but 64 MiB is free (short of it, they can die of SIGSEGV): free some, or "
-                     "enlarge it (Docker: --shm-size=1g; its default is 64m)"], out.stdout[-3000:] + out.stderr[-3000:]
+    assert lines == [
+        "train.py: error: DeepSpeed's CPU all-reduce needs 132 MiB of /dev/shm (66 MiB for each of the "
+        "2 ranks on this host) but 64 MiB is free (short of it, they can die of SIGSEGV): free some, or "
+        "enlarge it (Docker: --shm-size=1g; its default is 64m)"
+    ], out.stdout[-3000:] + out.stderr[-3000:]
 
 
 def test_an_unwritable_torch_extensions_dir_is_one_line_naming_it(tmp_path, monkeypatch):
@@ -348,8 +434,11 @@ def test_an_unwritable_torch_extensions_dir_is_one_line_naming_it(tmp_path, monk
 
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "file" / "ext"))
-    with pytest.raises(UsageError, match=r"^TORCH_EXTENSIONS_DIR=.*/file/ext cannot be written \(Not a directory\); "
-                                         "DeepSpeed builds its CPU ops there: point it at a writable directory$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^TORCH_EXTENSIONS_DIR=.*/file/ext cannot be written \(Not a directory\); "
+        "DeepSpeed builds its CPU ops there: point it at a writable directory$",
+    ):
         writable_extensions_dir()
 
 
@@ -381,9 +470,11 @@ def test_a_guessable_torch_extensions_dir_others_can_write_is_not_used(tmp_path,
     writable_extensions_dir(say=said.append)
     chosen = Path(os.environ["TORCH_EXTENSIONS_DIR"])
     assert chosen != squatted and chosen.parent == tmp_path and chosen.stat().st_mode & 0o777 == 0o700, chosen
-    assert said == [f"megakit: {tmp_path}/file/home/.cache/torch_extensions cannot be written (Not a directory); "
-                    f"DeepSpeed builds its CPU ops in {chosen} instead (not {squatted}: it is another user's, or "
-                    "others can write in it) (set TORCH_EXTENSIONS_DIR to choose)"], said
+    assert said == [
+        f"megakit: {tmp_path}/file/home/.cache/torch_extensions cannot be written (Not a directory); "
+        f"DeepSpeed builds its CPU ops in {chosen} instead (not {squatted}: it is another user's, or "
+        "others can write in it) (set TORCH_EXTENSIONS_DIR to choose)"
+    ], said
     squatted.chmod(0o700)  # this user's own, and only it can write: used
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     writable_extensions_dir(say=said.append)
@@ -396,8 +487,10 @@ def test_workspace_bytes_is_the_size_of_deepspeed_s_struct():
     import deepspeed
 
     source = (Path(deepspeed.__file__).parent / "ops" / "csrc" / "cpu" / "comm" / "shm.cpp").read_text()
-    defined = {name: eval(value.split("//")[0]) for name, value in
-               re.findall(r"^#define (NAIVE_ALLREDUCE_THRESHOLD|MAX_BUF_SIZE) ([^\n]+)$", source, re.M)}
+    defined = {
+        name: eval(value.split("//")[0])
+        for name, value in re.findall(r"^#define (NAIVE_ALLREDUCE_THRESHOLD|MAX_BUF_SIZE) ([^\n]+)$", source, re.M)
+    }
     struct = re.search(r"struct allreduce_workspace \{(.*?)\};", source, re.S).group(1)
     states = int(re.search(r"enum coll_state states\[(\d+)\];", struct).group(1))
     buffer = eval(re.search(r"char buffer\[([^\]]+)\];", struct).group(1), {}, defined)

@@ -14,14 +14,33 @@ from megakit.commands import cli
 def test_probe_writes_a_profile_that_plan_uses(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "hw.json"
-    code = cli.main(["probe", "--nproc", "2", "--out", str(out), "--hidden", "128", "--tokens", "256",
-                     "--bytes", str(2**20), "--repeat", "2"])
+    code = cli.main(
+        [
+            "probe",
+            "--nproc",
+            "2",
+            "--out",
+            str(out),
+            "--hidden",
+            "128",
+            "--tokens",
+            "256",
+            "--bytes",
+            str(2**20),
+            "--repeat",
+            "2",
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0 and f"wrote {out}" in printed
     profile = json.loads(out.read_text())
     assert profile["profile"] == "megakit-probe" and profile["nproc"] == 2 and profile["backend"] == "gloo"
-    assert [(m["m"], m["k"], m["n"]) for m in profile["matmul"]] == [(256, 128, 128), (256, 128, 512),
-                                                                      (256, 512, 128), (512, 256, 256)]
+    assert [(m["m"], m["k"], m["n"]) for m in profile["matmul"]] == [
+        (256, 128, 128),
+        (256, 128, 512),
+        (256, 512, 128),
+        (512, 256, 256),
+    ]
     assert profile["matmul_tflops"] == statistics.median(m["tflops"] for m in profile["matmul"])
     here = _matmul_tflops(256, 128, 512)  # the same multiply timed in this process, on one thread
     assert here / 10 < profile["matmul_tflops"] < 10 * here, (profile["matmul"], here)
@@ -37,8 +56,22 @@ def test_probe_writes_a_profile_that_plan_uses(tmp_path, capsys, monkeypatch):
     rates = [v["bus_gbps"] for v in links.values()]
     assert max(rates) < 50 * min(rates), links  # one link, four ways of using it
 
-    code = cli.main(["plan", "--model", "gpt-mini", "--hardware", str(out), "--gpus", "2", "--global-batch", "8",
-                     "--seq-len", "128", "--json"])
+    code = cli.main(
+        [
+            "plan",
+            "--model",
+            "gpt-mini",
+            "--hardware",
+            str(out),
+            "--gpus",
+            "2",
+            "--global-batch",
+            "8",
+            "--seq-len",
+            "128",
+            "--json",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     assert code == 0
     cluster = report["assumptions"]["cluster"]
@@ -60,10 +93,12 @@ def _matmul_tflops(m: int, k: int, n: int) -> float:
     return 2 * m * k * n / best / 1e12
 
 
-BAD = [(["probe", "--nproc", "0", "--out", "x.json"], "--nproc must be a positive integer"),
-       (["probe", "--nproc", "1", "--out", "x.txt"], "should name a .json file"),
-       (["plan", "--params", "1B", "--hardware", "no/such.json"], "cannot read --hardware no/such.json"),
-       (["plan", "--params", "1B", "--hardware", "models/gpt-tiny.json"], "is not a megakit probe profile")]
+BAD = [
+    (["probe", "--nproc", "0", "--out", "x.json"], "--nproc must be a positive integer"),
+    (["probe", "--nproc", "1", "--out", "x.txt"], "should name a .json file"),
+    (["plan", "--params", "1B", "--hardware", "no/such.json"], "cannot read --hardware no/such.json"),
+    (["plan", "--params", "1B", "--hardware", "models/gpt-tiny.json"], "is not a megakit probe profile"),
+]
 
 
 @pytest.mark.parametrize("argv,needle", BAD, ids=[" ".join(a) for a, _ in BAD])

@@ -60,8 +60,11 @@ def test_every_skip_names_a_block_and_every_check_one_that_runs():
 
 
 def test_the_readme_gives_the_test_command_ci_runs():
-    ci = [line.split("#")[0].strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
-          if line.startswith("python -m pytest")]
+    ci = [
+        line.split("#")[0].strip()
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.startswith("python -m pytest")
+    ]
     assert ci == [BLOCKS["tests"].strip()] == ["python -m pytest -q tests -n 2 --dist loadgroup"], (ci, BLOCKS["tests"])
 
 

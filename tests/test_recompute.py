@@ -14,8 +14,8 @@ from test_planner_activations import block_saved_bytes
 from megakit.core.planner.memory import estimate_memory
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.errors import UsageError
-from megakit.nn.pipeline import sent_output
 from megakit.nn.model import ModelConfig, Transformer
+from megakit.nn.pipeline import sent_output
 
 TOL = 1e-6
 
@@ -86,8 +86,15 @@ def test_selective_keeps_what_the_planner_predicts(name):
     spec = dataclasses.replace(ModelSpec.from_config(name), dropout=0.1)
     s, b = 64, 2
     kept = block_saved_bytes(config, torch.randn(s, b, config.hidden, requires_grad=True))
-    est = estimate_memory(spec, precision="fp32", micro_batch=b, seq_len=s, recompute="selective",
-                          flash_attention=False, dropout_mask_bytes=1)
+    est = estimate_memory(
+        spec,
+        precision="fp32",
+        micro_batch=b,
+        seq_len=s,
+        recompute="selective",
+        flash_attention=False,
+        dropout_mask_bytes=1,
+    )
     assert kept["selective"] < 0.8 * kept["none"]
     assert est.activation_per_layer == pytest.approx(kept["selective"], rel=0.05)
 
@@ -144,8 +151,10 @@ def _one_f_one_b_peaks(topo, recompute: str, m: int = 4):
     config, spec = ModelConfig.load("gpt-tiny"), ModelSpec.from_config("gpt-tiny")
     s, b = 32, 2
     kw = dict(seed=1, sequence_parallel=True, recompute=recompute)
-    stages = [Transformer(config, topo, layers=range(0, 2), post=False, **kw).train(),
-              Transformer(config, topo, layers=range(2, 4), pre=False, **kw).train()]
+    stages = [
+        Transformer(config, topo, layers=range(0, 2), post=False, **kw).train(),
+        Transformer(config, topo, layers=range(2, 4), pre=False, **kw).train(),
+    ]
     peaks = [_Peak(stage.parameters()) for stage in stages]
     gen = torch.Generator().manual_seed(2)
     ids = [torch.randint(0, config.vocab_size, (b, s), generator=gen) for _ in range(m)]
@@ -167,15 +176,41 @@ def _one_f_one_b_peaks(topo, recompute: str, m: int = 4):
             else:
                 sent_output.with_gradient(outs.pop((0, mb))[1], grads.pop(mb)).backward()
 
-    order = [(0, "F", 0), (0, "F", 1), (1, "F", 0), (1, "B", 0), (0, "B", 0), (0, "F", 2), (1, "F", 1),
-             (1, "B", 1), (0, "B", 1), (0, "F", 3), (1, "F", 2), (1, "B", 2), (0, "B", 2), (1, "F", 3),
-             (1, "B", 3), (0, "B", 3)]  # 1F1B for pp = 2, m = 4, as the two stages interleave it
+    order = [
+        (0, "F", 0),
+        (0, "F", 1),
+        (1, "F", 0),
+        (1, "B", 0),
+        (0, "B", 0),
+        (0, "F", 2),
+        (1, "F", 1),
+        (1, "B", 1),
+        (0, "B", 1),
+        (0, "F", 3),
+        (1, "F", 2),
+        (1, "B", 2),
+        (0, "B", 2),
+        (1, "F", 3),
+        (1, "B", 3),
+        (0, "B", 3),
+    ]  # 1F1B for pp = 2, m = 4, as the two stages interleave it
     for stage, action, mb in order:
         run(stage, action, mb)
     predicted = []
     for stage in (0, 1):
-        est = estimate_memory(spec, tp=topo.tp, pp=2, stage=stage, precision="fp32", micro_batch=b, seq_len=s,
-                              accumulation=m, recompute=recompute, sequence_parallel=True, flash_attention=True)
+        est = estimate_memory(
+            spec,
+            tp=topo.tp,
+            pp=2,
+            stage=stage,
+            precision="fp32",
+            micro_batch=b,
+            seq_len=s,
+            accumulation=m,
+            recompute=recompute,
+            sequence_parallel=True,
+            flash_attention=True,
+        )
         logits_shard = s * b * 4 * spec.padded_vocab(topo.tp) // topo.tp if stage == 1 else 0  # transient
         predicted.append(est.items["activations"] + est.items["logits"] - logits_shard)
     return [p.peak for p in peaks], predicted
@@ -184,8 +219,24 @@ def _one_f_one_b_peaks(topo, recompute: str, m: int = 4):
 def test_planner_launches_selective_recompute(capsys):
     from megakit.commands import cli
 
-    code = cli.main(["plan", "--params", "13B", "--gpus", "64", "--tp", "8", "--pp", "2", "--recompute", "selective",
-                     "--attention", "standard", "--json"])
+    code = cli.main(
+        [
+            "plan",
+            "--params",
+            "13B",
+            "--gpus",
+            "64",
+            "--tp",
+            "8",
+            "--pp",
+            "2",
+            "--recompute",
+            "selective",
+            "--attention",
+            "standard",
+            "--json",
+        ]
+    )
     import json
 
     report = json.loads(capsys.readouterr().out)

@@ -67,11 +67,13 @@ def test_the_metrics_file_is_json_lines_flushed_as_it_goes_and_appended_by_a_res
     from megakit.train.observe.metrics import read_metrics
 
     path = tmp_path / "m.jsonl"
-    killed = ("import os, signal, sys\nfrom megakit.train.observe.reporting import MetricsFile\n"
-              "f = MetricsFile(sys.argv[1])\nf.write('run', {'start_step': 0})\n"
-              "for step in range(3):\n    f.write('step', {'step': step, 'loss': 10.0 - step})\n"
-              "f.write('eval', {'step': 2, 'loss': 7.5})\nf.write('event', {'step': 1, 'kind': 'skipped'})\n"
-              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    killed = (
+        "import os, signal, sys\nfrom megakit.train.observe.reporting import MetricsFile\n"
+        "f = MetricsFile(sys.argv[1])\nf.write('run', {'start_step': 0})\n"
+        "for step in range(3):\n    f.write('step', {'step': step, 'loss': 10.0 - step})\n"
+        "f.write('eval', {'step': 2, 'loss': 7.5})\nf.write('event', {'step': 1, 'kind': 'skipped'})\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
     assert subprocess.run([sys.executable, "-c", killed, str(path)]).returncode == -9
     lines = path.read_text().splitlines()
     assert [json.loads(line)["type"] for line in lines] == ["run", "step", "step", "step", "eval", "event"]

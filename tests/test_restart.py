@@ -17,8 +17,18 @@ from test_trainer import ROOT, dropout_model
 from megakit.train.doctor.fault_injection import VARIABLE
 from megakit.train.observe.metrics import read_metrics
 
-TRAIN = ["scripts/train.py", "--ds_config", "ds_configs/zero1.json", "--seq-len", "32", "--no-progress", "--tp", "2",
-         "--steps", "9"]
+TRAIN = [
+    "scripts/train.py",
+    "--ds_config",
+    "ds_configs/zero1.json",
+    "--seq-len",
+    "32",
+    "--no-progress",
+    "--tp",
+    "2",
+    "--steps",
+    "9",
+]
 
 
 def _torchrun(*args: str, fault: str = "") -> subprocess.CompletedProcess:
@@ -33,13 +43,28 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_bitwise(tmp_path):
     full = _torchrun("--model", model, "--metrics-out", str(tmp_path / "full.json"))
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
     save = tmp_path / "ckpt"
-    out = _torchrun("--model", model, "--metrics-out", str(tmp_path / "restarted.json"), "--save", str(save),
-                    "--save-every", "3", "--keep", "2", "--load", "auto", fault="kill@1:7")
+    out = _torchrun(
+        "--model",
+        model,
+        "--metrics-out",
+        str(tmp_path / "restarted.json"),
+        "--save",
+        str(save),
+        "--save-every",
+        "3",
+        "--keep",
+        "2",
+        "--load",
+        "auto",
+        fault="kill@1:7",
+    )
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
     assert "megakit: --load auto: no checkpoint in" in log  # the first attempt started at step 0
-    assert ("megakit: restart 1 of this run (torchrun restart 1): the last attempt finished step 6, resuming at "
-            "step 6 redoes 1 step(s) (1 in all)") in log, log[-4000:]
+    assert (
+        "megakit: restart 1 of this run (torchrun restart 1): the last attempt finished step 6, resuming at "
+        "step 6 redoes 1 step(s) (1 in all)"
+    ) in log, log[-4000:]
     losses = {m["step"]: m["loss"] for m in read_metrics(tmp_path / "full.json")["steps"]}
     restarted = read_metrics(tmp_path / "restarted.json")  # both attempts appended: steps 0-6, then 6-8
     assert [run["start_step"] for run in restarted["runs"]] == [0, 6], restarted["runs"]
@@ -75,10 +100,12 @@ def test_attempts_count_restarts_and_the_steps_they_redo(tmp_path):
     second = Attempts(str(tmp_path / "ckpt"), start=6, active=True, say=said.append)  # resumed from step 6
     second.finished(6)  # killed again after step 6
     third = Attempts(str(tmp_path / "ckpt"), start=3, active=True, say=said.append)  # the step-6 one was damaged
-    assert said == ["megakit: restart 1 of this run: the last attempt finished step 7, resuming at step 6 redoes "
-                    "2 step(s) (2 in all)",
-                    "megakit: restart 2 of this run: the last attempt finished step 6, resuming at step 3 redoes "
-                    "4 step(s) (6 in all)"]
+    assert said == [
+        "megakit: restart 1 of this run: the last attempt finished step 7, resuming at step 6 redoes "
+        "2 step(s) (2 in all)",
+        "megakit: restart 2 of this run: the last attempt finished step 6, resuming at step 3 redoes "
+        "4 step(s) (6 in all)",
+    ]
     assert third.restarts == 2
     assert not Attempts(str(tmp_path / "other"), start=0, active=False).restarts  # only rank 0 keeps the record
     assert not (tmp_path / ".other.attempts.json").exists()

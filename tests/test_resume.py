@@ -27,8 +27,13 @@ TOL = 1e-5
 
 
 def _case(tmp, model, *, stage, micro, accumulation, steps=STEPS, **layout) -> dict:
-    return dict(ds_config=ds_config(stage, micro=micro, accumulation=accumulation), model=model, steps=steps,
-                seq_len=32, **layout)
+    return dict(
+        ds_config=ds_config(stage, micro=micro, accumulation=accumulation),
+        model=model,
+        steps=steps,
+        seq_len=32,
+        **layout,
+    )
 
 
 def sweep_cases(tmp: Path) -> list[dict]:
@@ -45,26 +50,39 @@ def sweep_cases(tmp: Path) -> list[dict]:
         {**_case(tmp, model, stage=0, micro=2, accumulation=4, tp=4), "load": str(series / "step-0000006")},
     ]
     # packed documents with loss masks, saved at TP2 x DP2 and resumed at PP2 x DP2 and at DP4 x 2 micro-batches
-    documents = dict(data=packed_documents(tmp), reset_attention_mask=True, reset_position_ids=True,
-                     eod_mask_loss=True)
+    documents = dict(data=packed_documents(tmp), reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True)
     config = json.loads(Path(model).read_text()) | {"vocab_size": 300}  # the packed data's tokenizer
     model = tmp / "gpt-tiny-dropout-300.json"
     model.write_text(json.dumps(config))
     model, packed = str(model), tmp / "packed-series"
     cases += [
-        {**_case(tmp, model, stage=1, micro=2, accumulation=2, tp=2), **documents, "save": str(packed),
-         "save_every": 4, "keep": 10},  # 5
-        {**_case(tmp, model, stage=0, micro=2, accumulation=2, pp=2), **documents,
-         "load": str(packed / "step-0000004")},  # 6
+        {
+            **_case(tmp, model, stage=1, micro=2, accumulation=2, tp=2),
+            **documents,
+            "save": str(packed),
+            "save_every": 4,
+            "keep": 10,
+        },  # 5
+        {
+            **_case(tmp, model, stage=0, micro=2, accumulation=2, pp=2),
+            **documents,
+            "load": str(packed / "step-0000004"),
+        },  # 6
         {**_case(tmp, model, stage=2, micro=1, accumulation=2), **documents, "load": str(packed / "step-0000004")},
     ]
     rings = tmp / "ring-series"  # context parallelism saved as a ring (CP 2 x DP 2), resumed as Ulysses (a2a)
     base_model = dropout_model(tmp)
     cases += [
-        {**_case(tmp, base_model, stage=1, micro=2, accumulation=2, cp=2), "save": str(rings), "save_every": 4,
-         "keep": 10},  # 8
-        {**_case(tmp, base_model, stage=1, micro=2, accumulation=2, cp=2, cp_mode="a2a"),
-         "load": str(rings / "step-0000004")},  # 9
+        {
+            **_case(tmp, base_model, stage=1, micro=2, accumulation=2, cp=2),
+            "save": str(rings),
+            "save_every": 4,
+            "keep": 10,
+        },  # 8
+        {
+            **_case(tmp, base_model, stage=1, micro=2, accumulation=2, cp=2, cp_mode="a2a"),
+            "load": str(rings / "step-0000004"),
+        },  # 9
     ]
     return cases
 
@@ -147,10 +165,25 @@ def test_a_series_keeps_its_newest_and_falls_back_past_damage(resumed, tmp_path,
 def _train(tmp_path, *args, nprocs=2, model="gpt-tiny", stage=1, steps=None):
     config = tmp_path / f"zero{stage}.json"
     config.write_text(json.dumps(ds_config(stage, micro=2, accumulation=2)))
-    cmd = ["deepspeed", "--num_gpus", str(nprocs), "--master_port", str(free_port()), "scripts/train.py",
-           "--ds_config", str(config), "--model", model, "--seq-len", "32", "--no-progress", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=THREADS), capture_output=True,
-                          text=True, timeout=300)
+    cmd = [
+        "deepspeed",
+        "--num_gpus",
+        str(nprocs),
+        "--master_port",
+        str(free_port()),
+        "scripts/train.py",
+        "--ds_config",
+        str(config),
+        "--model",
+        model,
+        "--seq-len",
+        "32",
+        "--no-progress",
+        *args,
+    ]
+    return subprocess.run(
+        cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=THREADS), capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.slow
@@ -171,8 +204,7 @@ def test_bad_checkpoints_are_refused_in_one_line(resumed, tmp_path):
     foreign = _train(tmp_path, "--load", str(good), "--steps", "6", nprocs=2, model="gpt-mini")  # another model
     lines = [line for line in (foreign.stdout + foreign.stderr).splitlines() if line.startswith("train.py: error:")]
     assert foreign.returncode != 0 and len(lines) == 1 and "different model" in lines[0], foreign.stderr[-2000:]
-    other_seed = _train(tmp_path, "--load", str(good), "--steps", "6", "--seed", "3", nprocs=2,
-                        model=cases[0]["model"])
+    other_seed = _train(tmp_path, "--load", str(good), "--steps", "6", "--seed", "3", nprocs=2, model=cases[0]["model"])
     assert other_seed.returncode == 2 and "resume with the same --seed" in other_seed.stderr, other_seed.stderr[-2000:]
     # another global batch (here 16 sequences against the checkpoint's 8): refused as the trainer resolves its run,
     # before any process group, in one line naming the fix
@@ -180,14 +212,26 @@ def test_bad_checkpoints_are_refused_in_one_line(resumed, tmp_path):
     from megakit.train.run import TrainConfig, resolve
 
     for world, micro, accumulation in ((4, 4, 2), (4, 2, 4), (2, 4, 4)):  # 4 ranks: TP 2 x DP 2; 2 ranks: DP 1
-        wrong = TrainConfig(ds_config=ds_config(1, micro=micro, accumulation=accumulation), model=cases[0]["model"],
-                            seq_len=32, steps=6, tp=2, load=str(good))
+        wrong = TrainConfig(
+            ds_config=ds_config(1, micro=micro, accumulation=accumulation),
+            model=cases[0]["model"],
+            seq_len=32,
+            steps=6,
+            tp=2,
+            load=str(good),
+        )
         with pytest.raises(UsageError) as refused:
             resolve(wrong, world, say=lambda *_: None)
         line = str(refused.value)
         assert "\n" not in line and "global_batch 8, this run has 16" in line and "same global batch" in line, line
-    right = TrainConfig(ds_config=ds_config(1, micro=4, accumulation=1), model=cases[0]["model"], seq_len=32,
-                        steps=6, tp=2, load=str(good))
+    right = TrainConfig(
+        ds_config=ds_config(1, micro=4, accumulation=1),
+        model=cases[0]["model"],
+        seq_len=32,
+        steps=6,
+        tp=2,
+        load=str(good),
+    )
     assert resolve(right, 4, say=lambda *_: None).start_step == 4  # the same 8 sequences in another split resume
 
 
@@ -223,11 +267,36 @@ def test_a_job_killed_while_saving_resumes_on_the_uninterrupted_trajectory(tmp_p
     config = tmp_path / "zero1.json"
     log = open(tmp_path / "job.txt", "w")
     port = free_port()
-    job = subprocess.Popen(["deepspeed", "--num_gpus", "2", "--master_port", str(port), "scripts/train.py",
-                            "--ds_config", str(config), "--model", "gpt-tiny", "--seq-len", "32", "--no-progress",
-                            "--steps", "400", "--save", str(series), "--save-every", "1", "--keep", "3"],
-                           cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=THREADS), stdout=log, stderr=subprocess.STDOUT,
-                           start_new_session=True)
+    job = subprocess.Popen(
+        [
+            "deepspeed",
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(port),
+            "scripts/train.py",
+            "--ds_config",
+            str(config),
+            "--model",
+            "gpt-tiny",
+            "--seq-len",
+            "32",
+            "--no-progress",
+            "--steps",
+            "400",
+            "--save",
+            str(series),
+            "--save-every",
+            "1",
+            "--keep",
+            "3",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS=THREADS),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline, caught = time.time() + 240, []
         while time.time() < deadline and job.poll() is None and not caught:

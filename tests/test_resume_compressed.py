@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from test_trainer import ds_config, dropout_model
+from test_trainer import dropout_model, ds_config
 
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_rank_state, save_checkpoint
@@ -37,14 +37,23 @@ def sweep_cases(tmp) -> list[dict]:
     model = dropout_model(tmp)
     cases = []
     for name, (stage, layout, flags) in METHODS.items():
-        base = dict(ds_config=ds_config(stage, micro=2, accumulation=2), model=model, steps=STEPS, seq_len=32,
-                    **layout, **flags)
+        base = dict(
+            ds_config=ds_config(stage, micro=2, accumulation=2), model=model, steps=STEPS, seq_len=32, **layout, **flags
+        )
         series = tmp / name
         cases.append({**base, "save": str(series), "save_every": SAVED, "keep": 2})
         cases.append({**base, "load": str(series / f"step-{SAVED:07d}")})
     stage, _, flags = METHODS["topk"]  # another layout: DP 4 takes DP rank 0's moments, residuals from zero
-    cases.append(dict(ds_config=ds_config(stage, micro=1, accumulation=2), model=model, steps=STEPS, seq_len=32,
-                      load=str(tmp / "topk" / f"step-{SAVED:07d}"), **flags))
+    cases.append(
+        dict(
+            ds_config=ds_config(stage, micro=1, accumulation=2),
+            model=model,
+            steps=STEPS,
+            seq_len=32,
+            load=str(tmp / "topk" / f"step-{SAVED:07d}"),
+            **flags,
+        )
+    )
     return cases
 
 
@@ -67,12 +76,14 @@ def test_a_resume_at_the_same_layout_reproduces_the_losses_bitwise(runs, method)
 @pytest.mark.slow
 def test_per_rank_state_is_saved_per_dp_rank_and_dropped_at_another_layout_with_one_warning(runs):
     tmp, results, stdout = runs
-    for name, wanted in (("local-sgd", "optimizer/exp_avg/"), ("topk", "optimizer/exp_avg_sq/"),
-                         ("int8", "residual/")):
+    for name, wanted in (("local-sgd", "optimizer/exp_avg/"), ("topk", "optimizer/exp_avg_sq/"), ("int8", "residual/")):
         manifest = json.loads((tmp / name / f"step-{SAVED:07d}" / "manifest.json").read_text())
         files = manifest["per_rank"]["files"]
-        assert files and all(any(t.startswith(wanted) for t in f["tensors"]) for f in files.values()
-                             if f["dp"] > 0 or wanted == "residual/"), (name, files)
+        assert files and all(
+            any(t.startswith(wanted) for t in f["tensors"])
+            for f in files.values()
+            if f["dp"] > 0 or wanted == "residual/"
+        ), (name, files)
     warnings = [line for line in stdout.splitlines() if "per-DP-rank state" in line]
     assert len(warnings) == 1 and "DP rank 0's" in warnings[0], warnings
     assert len(results[-1]["loss"]) == STEPS - SAVED  # the resharded run trains on
@@ -82,10 +93,14 @@ def test_per_rank_files_round_trip_and_are_checksummed(tmp_path):
     """A rank's own tensors come back bitwise; a flipped byte in its file makes the checkpoint damaged (a series
     then resumes from the one before) and its load one clear error naming the file."""
     config = ModelConfig.load("gpt-tiny")
-    model, own = Transformer(config, seed=1), {"residual/residual": torch.randn(1000), "residual/sizes": torch.arange(3)}
+    model, own = (
+        Transformer(config, seed=1),
+        {"residual/residual": torch.randn(1000), "residual/sizes": torch.arange(3)},
+    )
     for step in (2, 4):
-        save_checkpoint(tmp_path / f"step-{step:07d}", model, step=step, config=config, rank_state=own,
-                        rank_key={"dp": 2})
+        save_checkpoint(
+            tmp_path / f"step-{step:07d}", model, step=step, config=config, rank_state=own, rank_key={"dp": 2}
+        )
     newest = tmp_path / "step-0000004"
     assert json.loads((newest / "manifest.json").read_text())["per_rank"]["key"] == {"dp": 2}
     back = load_rank_state(newest)
@@ -111,8 +126,10 @@ def _reduce_resumed(rank, world, specs, rounds, cut):
     from megakit.nn.compression import GradientReducer
 
     shapes = [(37, 29), (1000,), (3,)]
-    grads = [[torch.randn(s, generator=torch.Generator().manual_seed(1000 * r + rank)) for s in shapes]
-             for r in range(rounds)]
+    grads = [
+        [torch.randn(s, generator=torch.Generator().manual_seed(1000 * r + rank)) for s in shapes]
+        for r in range(rounds)
+    ]
     outs = {}
     for spec, run in ((spec, run) for spec in specs for run in ("full", "resumed")):
         reducer = GradientReducer(parse_compression(spec), comm.WORLD)

@@ -42,8 +42,11 @@ def test_1f1b_compute_order_matches_deepspeed_train_schedule():
                 order = []
                 for step_id, cmds in enumerate(ds.steps()):
                     mb, _ = ds._step_to_micro_batch(step_id)
-                    order += [(FORWARD if isinstance(c, ForwardPass) else BACKWARD, mb)
-                              for c in cmds if isinstance(c, (ForwardPass, BackwardPass))]
+                    order += [
+                        (FORWARD if isinstance(c, ForwardPass) else BACKWARD, mb)
+                        for c in cmds
+                        if isinstance(c, (ForwardPass, BackwardPass))
+                    ]
                 assert order == [(a.kind, a.micro_batch) for a in ours.stages[stage]], (pp, m, stage)
 
 
@@ -70,10 +73,14 @@ def test_costs_per_virtual_stage():
     whose rank 1 holds all of virtual stage 1's work and rank 0 all of stage 2's (PP 2 x VPP 2, empty ends) is two
     plain stages run in interleaving's order: a third of the step idle, worse than 1F1B's ninth, not better."""
     pp, m, vpp = 4, 8, 2
-    per_stage = simulate(schedule_interleaved(pp, m, vpp), Costs(forward=(1.0, 2.0, 1.5, 1.0), backward=(2.0, 4.0, 3.0, 2.0)))
+    per_stage = simulate(
+        schedule_interleaved(pp, m, vpp), Costs(forward=(1.0, 2.0, 1.5, 1.0), backward=(2.0, 4.0, 3.0, 2.0))
+    )
     chunked = Costs(forward=(0.5, 1.0, 0.75, 0.5) * 2, backward=(1.0, 2.0, 1.5, 1.0) * 2)
     assert simulate(schedule_interleaved(pp, m, vpp), chunked).step_time == pytest.approx(per_stage.step_time)
-    empty_ends = simulate(schedule_interleaved(2, 8, 2), Costs(forward=(0.0, 1.0, 1.0, 0.0), backward=(0.0, 2.0, 2.0, 0.0)))
+    empty_ends = simulate(
+        schedule_interleaved(2, 8, 2), Costs(forward=(0.0, 1.0, 1.0, 0.0), backward=(0.0, 2.0, 2.0, 0.0))
+    )
     balanced = simulate(schedule_interleaved(2, 8, 2), Costs(forward=1.0, backward=2.0))
     assert balanced.bubble == pytest.approx(1 / (2 * 8 + 1))
     assert empty_ends.bubble == pytest.approx(1 / 3)
@@ -180,14 +187,33 @@ def test_unequal_measured_costs_bound_step_by_slowest_stage():
 def test_cli_prints_timeline_and_writes_png(tmp_path):
     out = tmp_path / "s.png"
     env = {**os.environ, "OMP_NUM_THREADS": THREADS}
-    cmd = [sys.executable, "-m", "megakit.commands.cli", "schedule", "--pp", "4", "--micro-batches", "8",
-           "--schedule", "interleaved", "--vpp", "2", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megakit.commands.cli",
+        "schedule",
+        "--pp",
+        "4",
+        "--micro-batches",
+        "8",
+        "--schedule",
+        "interleaved",
+        "--vpp",
+        "2",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "bubble 15.8%" in done.stdout and "stage  3" in done.stdout
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    bad = subprocess.run(cmd[:6] + ["--micro-batches", "6", "--schedule", "interleaved", "--out", str(tmp_path / "b.png")],
-                         capture_output=True, text=True, env=env, timeout=120)
+    bad = subprocess.run(
+        cmd[:6] + ["--micro-batches", "6", "--schedule", "interleaved", "--out", str(tmp_path / "b.png")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "divisible" in bad.stderr
     assert not (tmp_path / "b.png").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["s.png"]  # no temporary file left behind

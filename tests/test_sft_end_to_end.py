@@ -46,14 +46,30 @@ def _trainer_losses(hf, data: str, tmp_path) -> list[float]:
     for step in range(STEPS):
         (x, y), (_, targets) = masked.global_batch(step), raw.global_batch(step)
         for r in range(len(x)):
-            rows.append({"input_ids": torch.cat([x[r], targets[r, -1:]]),
-                         "labels": torch.cat([torch.tensor([-100]), y[r]])})
+            rows.append(
+                {"input_ids": torch.cat([x[r], targets[r, -1:]]), "labels": torch.cat([torch.tensor([-100]), y[r]])}
+            )
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-        max_steps=STEPS, learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01,
-        adam_epsilon=1e-4, max_grad_norm=1.0, optim="adamw_torch", logging_steps=1, report_to=[], use_cpu=True,
-        save_strategy="no", train_sampling_strategy="sequential", average_tokens_across_devices=True,
-        disable_tqdm=True, seed=0)
+        output_dir=str(tmp_path / "trainer"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.01,
+        adam_epsilon=1e-4,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        train_sampling_strategy="sequential",
+        average_tokens_across_devices=True,
+        disable_tqdm=True,
+        seed=0,
+    )
     logged = []
 
     class Losses(transformers.TrainerCallback):
@@ -99,19 +115,69 @@ def test_a_chat_fine_tune_from_transformers_and_back(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "ck"), "--chat", "--prompt", "hi", "--max-new-tokens", "12"]) == 0
     assert capsys.readouterr().out == hf_tokenizer.decode(reply[:1]) + "\n"
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _conversations(160)))
-    assert main(["prepare-data", str(tmp_path / "chats.jsonl"), "--tokenizer", str(hf), "--loss-on", "assistant",
-                 "--out", str(tmp_path / "data"), "--val-fraction", "0", "--no-progress"]) == 0
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
-          "zero_optimization": {"stage": 1}, "steps_per_print": 10**9}
+    assert (
+        main(
+            [
+                "prepare-data",
+                str(tmp_path / "chats.jsonl"),
+                "--tokenizer",
+                str(hf),
+                "--loss-on",
+                "assistant",
+                "--out",
+                str(tmp_path / "data"),
+                "--val-fraction",
+                "0",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 10**9,
+    }
     (tmp_path / "ds.json").write_text(json.dumps(ds))
-    out = subprocess.run(["deepspeed", "--num_gpus", "4", "--master_port", str(free_port()), "scripts/train.py",
-                          "--ds_config", str(tmp_path / "ds.json"), "--model", str(hf), "--load", str(tmp_path / "ck"),
-                          "--data", str(tmp_path / "data"), "--steps", str(STEPS), "--tp", "2", "--pp", "2", "--seq-len", "32",
-                          "--save", str(tmp_path / "trained"), "--metrics-out", str(tmp_path / "m.json"),
-                          "--no-progress"],
-                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=THREADS), capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [
+            "deepspeed",
+            "--num_gpus",
+            "4",
+            "--master_port",
+            str(free_port()),
+            "scripts/train.py",
+            "--ds_config",
+            str(tmp_path / "ds.json"),
+            "--model",
+            str(hf),
+            "--load",
+            str(tmp_path / "ck"),
+            "--data",
+            str(tmp_path / "data"),
+            "--steps",
+            str(STEPS),
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--seq-len",
+            "32",
+            "--save",
+            str(tmp_path / "trained"),
+            "--metrics-out",
+            str(tmp_path / "m.json"),
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS=THREADS),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     losses = [step["loss"] for step in read_metrics(tmp_path / "m.json")["steps"]]
 
@@ -136,18 +202,25 @@ def test_a_chat_fine_tune_from_transformers_and_back(tmp_path, capsys):
     assert (tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token) == ("<|im_end|>", "<|endoftext|>", None)
     assert tokenizer.added_tokens_decoder == hf_tokenizer.added_tokens_decoder
     assert json.loads((exported / "generation_config.json").read_text()) == json.loads(
-        (hf / "generation_config.json").read_text())
+        (hf / "generation_config.json").read_text()
+    )
     assert tuned.config.eos_token_id == [end, pad] and tuned.config.bos_token_id is None
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "what is the weather?"}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "what is the weather?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     generated = tuned.generate(**prompt, max_new_tokens=12, do_sample=False)
-    assert generated[0, prompt["input_ids"].shape[1]:].tolist() == reply  # it stops at the end of its turn
+    assert generated[0, prompt["input_ids"].shape[1] :].tolist() == reply  # it stops at the end of its turn
     capsys.readouterr()
-    assert main(["generate", str(exported), "--chat", "--prompt", "what is the weather?",
-                 "--max-new-tokens", "12"]) == 0
+    assert (
+        main(["generate", str(exported), "--chat", "--prompt", "what is the weather?", "--max-new-tokens", "12"]) == 0
+    )
     assert capsys.readouterr().out == tokenizer.decode(reply[:1]) + "\n"
-    (tmp_path / "chat.json").write_text(json.dumps([{"role": "system", "content": "be brief"},
-                                                    {"role": "user", "content": "what is the weather?"}]))
+    (tmp_path / "chat.json").write_text(
+        json.dumps([{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is the weather?"}])
+    )
     assert main(["generate", str(exported), "--messages", str(tmp_path / "chat.json"), "--max-new-tokens", "12"]) == 0
     assert capsys.readouterr().out == tokenizer.decode(reply[:1]) + "\n"
     moved = max((a - b).abs().max().item() for a, b in zip(tuned.parameters(), model.parameters()))

@@ -24,7 +24,7 @@ B, N, KV, S, D = 2, 4, 2, 16, 8
 
 def _reference(q, k, v, sinks, window, documents):
     k, v = (t.repeat_interleave(N // KV, 1) for t in (k, v))
-    scores = q @ k.transpose(-1, -2) * D ** -0.5
+    scores = q @ k.transpose(-1, -2) * D**-0.5
     i = torch.arange(S)
     gap = i[:, None] - i[None, :]
     allowed = (gap >= 0) & (gap < window) if window else gap >= 0
@@ -45,16 +45,18 @@ def test_sinks_match_the_eager_reference_forward_and_backward(fused, window, doc
     docs = (torch.rand(B, S, generator=gen) < 0.2).long().cumsum(-1) if documents else None
     grad = torch.randn(B, N, S, D, generator=gen, dtype=torch.float64)
     results = []
-    for run in (lambda: _reference(q, k, v, sinks, window, docs),
-                lambda: block_attention(q, k, v, fused=fused, window=window, documents=docs, sinks=sinks),
-                lambda: ring_attention(q, k, v, None, fused=fused, window=window, documents=docs, sinks=sinks)):
+    for run in (
+        lambda: _reference(q, k, v, sinks, window, docs),
+        lambda: block_attention(q, k, v, fused=fused, window=window, documents=docs, sinks=sinks),
+        lambda: ring_attention(q, k, v, None, fused=fused, window=window, documents=docs, sinks=sinks),
+    ):
         for t in (q, k, v, sinks):
             t.grad = None
         out = run()
         out.backward(grad)
         results.append([out.detach()] + [t.grad.clone() for t in (q, k, v, sinks)])
     with torch.no_grad():  # the sinks act: the share each row keeps, sigmoid(lse - sink), spans most of (0, 1)
-        scores = q @ k.repeat_interleave(N // KV, 1).transpose(-1, -2) * D ** -0.5
+        scores = q @ k.repeat_interleave(N // KV, 1).transpose(-1, -2) * D**-0.5
         lse = scores.masked_fill(~torch.ones(S, S, dtype=torch.bool).tril(), float("-inf")).logsumexp(-1)
         kept = torch.sigmoid(lse - sinks[None, :, None])
         assert kept.min() < 0.2 and kept.max() > 0.8, (kept.min(), kept.max())

@@ -31,10 +31,22 @@ from megakit.nn.attention.masks import position_ids  # noqa: E402
 from megakit.nn.model import full_state_dict  # noqa: E402
 
 TOL = 1e-5
-FIELDS = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, no_rope_layers=[1, 0, 1, 1],
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attention_bias=True, mlp_bias=True,
-              pad_token_id=None, bos_token_id=None, eos_token_id=None)
+FIELDS = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    no_rope_layers=[1, 0, 1, 1],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    attention_bias=True,
+    mlp_bias=True,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+)
 
 
 def _hf_model(**changes):
@@ -75,7 +87,7 @@ def test_packed_documents_restart_positions_in_rope_and_nope_blocks():
     docs = torch.tensor([[0] * 5 + [1] * 20 + [2] * 7, [0] * 13 + [1] * 19])
     ids = torch.randint(0, 128, docs.shape, generator=torch.Generator().manual_seed(3))
     got = megakit_copy(config, hf)(ids, documents=docs, position_ids=position_ids(docs))
-    want = torch.cat([hf(ids[b:b + 1, docs[b] == d]).logits for b in range(2) for d in docs[b].unique()], dim=1)
+    want = torch.cat([hf(ids[b : b + 1, docs[b] == d]).logits for b in range(2) for d in docs[b].unique()], dim=1)
     assert_fp32_close(got.reshape(1, -1, 128), want, terms=64, what="smollm3 per document")
 
 
@@ -88,10 +100,13 @@ def test_smollm3_config_and_weights_round_trip_and_transformers_reads_them():
         if field != "architectures":
             assert original[field] == value, (field, original[field], value)
     assert written["no_rope_layers"] == [1, 0, 1, 1] and written["layer_types"] == ["full_attention"] * 4
-    again = eager(transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config(
-        **{k: v for k, v in written.items() if k != "model_type"}))  # pad_token_id None: megakit trains every row
-    missing, unexpected = again.load_state_dict(to_hf_state_dict(config, full_state_dict(megakit_copy(config, hf))),
-                                                strict=False)
+    again = eager(
+        transformers.SmolLM3ForCausalLM,
+        transformers.SmolLM3Config(**{k: v for k, v in written.items() if k != "model_type"}),
+    )  # pad_token_id None: megakit trains every row
+    missing, unexpected = again.load_state_dict(
+        to_hf_state_dict(config, full_state_dict(megakit_copy(config, hf))), strict=False
+    )
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied to the embedding
     again.tie_weights()
     ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(2))
@@ -139,15 +154,20 @@ def test_parameter_counts_are_transformers_own():
     assert big.rope_theta == 5e6 and big.tie_embeddings and not big.sliding_window
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(layer_types=["chunked_attention", "full_attention", "full_attention", "full_attention"]),
-     "'chunked_attention', which megakit does not implement"),
-    (dict(no_rope_layers=[1, 0, 1]), "give a 1 (RoPE) or 0 (none) per block"),
-    (dict(no_rope_layers=[1, 2, 1, 1]), "give a 1 (RoPE) or 0 (none) per block"),
-    (dict(layer_types=["sliding_attention"] * 4, sliding_window=8), "but use_sliding_window false"),
-    (dict(hidden_act="gelu"), "uses activation 'gelu'"),
-    (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}), "per layer type"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            dict(layer_types=["chunked_attention", "full_attention", "full_attention", "full_attention"]),
+            "'chunked_attention', which megakit does not implement",
+        ),
+        (dict(no_rope_layers=[1, 0, 1]), "give a 1 (RoPE) or 0 (none) per block"),
+        (dict(no_rope_layers=[1, 2, 1, 1]), "give a 1 (RoPE) or 0 (none) per block"),
+        (dict(layer_types=["sliding_attention"] * 4, sliding_window=8), "but use_sliding_window false"),
+        (dict(hidden_act="gelu"), "uses activation 'gelu'"),
+        (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}), "per layer type"),
+    ],
+)
 def test_what_megakit_does_not_implement_is_refused_in_one_line(change, message):
     with pytest.raises(UsageError, match=re.escape(message)) as error:
         ModelConfig.from_hf({"model_type": "smollm3", **FIELDS, **change})
@@ -171,15 +191,19 @@ def _cp_tp_cases(rank, world_size):
 
     cp2dp2, tp2dp2 = Topology(Layout(cp=2, dp=2)), Topology(Layout(tp=2, dp=2))
     cp2tp2, cp4 = Topology(Layout(tp=2, cp=2)), Topology(Layout(cp=4))
-    return [_equivalence(cp2dp2, "smollm3-tiny", seq=64),
-            _equivalence(tp2dp2, "smollm3-tiny", sequence_parallel=True),
-            _equivalence(cp2tp2, "smollm3-tiny", sequence_parallel=True),
-            _equivalence(cp4, "smollm3-tiny", cp_mode="a2a"),
-            _equivalence(cp2tp2, "smollm3-tiny", cp_mode="a2a", sequence_parallel=True)]
+    return [
+        _equivalence(cp2dp2, "smollm3-tiny", seq=64),
+        _equivalence(tp2dp2, "smollm3-tiny", sequence_parallel=True),
+        _equivalence(cp2tp2, "smollm3-tiny", sequence_parallel=True),
+        _equivalence(cp4, "smollm3-tiny", cp_mode="a2a"),
+        _equivalence(cp2tp2, "smollm3-tiny", cp_mode="a2a", sequence_parallel=True),
+    ]
 
 
-PP_CASES = [("smollm3-tiny", 1, 2, "1f1b", 1, None, "async"),  # blocks 0-1 | 2-3: the NoPE block on stage 2
-            ("smollm3-tiny+sp", 2, 2, "1f1b", 1, None, "batched")]
+PP_CASES = [
+    ("smollm3-tiny", 1, 2, "1f1b", 1, None, "async"),  # blocks 0-1 | 2-3: the NoPE block on stage 2
+    ("smollm3-tiny+sp", 2, 2, "1f1b", 1, None, "batched"),
+]
 
 
 def test_smollm3_under_cp_tp_and_pp_matches_one_process():

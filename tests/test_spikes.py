@@ -25,8 +25,14 @@ def _launch(tmp_path, name: str, cases: list[dict], monkeypatch, fault: str = ""
     monkeypatch.setenv(VARIABLE, fault)
     (tmp_path / f"{name}.json").write_text(json.dumps(cases))
     port = free_port()
-    out = deepspeed(2, "tests/guard_sweep.py", str(tmp_path / f"{name}.json"), str(tmp_path / f"{name}-results.json"),
-                    port=port, timeout=600)
+    out = deepspeed(
+        2,
+        "tests/guard_sweep.py",
+        str(tmp_path / f"{name}.json"),
+        str(tmp_path / f"{name}-results.json"),
+        port=port,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
     return json.loads((tmp_path / f"{name}-results.json").read_text()), out.stdout + out.stderr
@@ -40,14 +46,27 @@ def _extra(checkpoint) -> dict:
 def test_a_spike_rolls_back_skips_its_batches_and_a_resume_keeps_the_skip(tmp_path, monkeypatch):
     model, save = dropout_model(tmp_path), tmp_path / "spiked"
     common = dict(ds_config=ds_config(1), model=model, steps=12, seq_len=32)
-    spiked = dict(common, save=str(save), save_every=3, keep=10, spike_guard=4.0, async_save=True,
-                  metrics_out=str(tmp_path / "metrics.json"), tensorboard=str(tmp_path / "tb"))
+    spiked = dict(
+        common,
+        save=str(save),
+        save_every=3,
+        keep=10,
+        spike_guard=4.0,
+        async_save=True,
+        metrics_out=str(tmp_path / "metrics.json"),
+        tensorboard=str(tmp_path / "tb"),
+    )
     (a,), log = _launch(tmp_path, "spiked", [spiked], monkeypatch, fault="spike@8")
     assert a["step"] == [*range(9), *range(6, 12)], a  # steps 6-8 again, after the rollback
     assert a["loss"][8] > 100 * a["loss"][7]  # the injected spike
     (event,) = a["events"]
     assert {k: event[k] for k in ("step", "kind", "rollback_to", "skipped_batches", "data_offset")} == {
-        "step": 8, "kind": "rollback", "rollback_to": 6, "skipped_batches": 3, "data_offset": 3}, event
+        "step": 8,
+        "kind": "rollback",
+        "rollback_to": 6,
+        "skipped_batches": 3,
+        "data_offset": 3,
+    }, event
     assert log.count("megakit: loss spike at step 8: ") == 1, log[-3000:]  # one line, rank 0's
     assert f"rolled back to {save / 'step-0000006'} (step 6), skipping the batches of steps 6-8 (3)" in event["text"]
     assert read_metrics(tmp_path / "metrics.json")["events"] == [event]
@@ -63,8 +82,10 @@ def test_a_spike_rolls_back_skips_its_batches_and_a_resume_keeps_the_skip(tmp_pa
     assert manifest["extra"]["data"]["skipped_batches"] == 0
     manifest["extra"]["data"]["skipped_batches"] = 3
     (never / "manifest.json").write_text(json.dumps(manifest))
-    resumed, unspiked = (dict(common, load=str(save / "step-0000009"), save=str(tmp_path / "resumed")),
-                         dict(common, load=str(never)))
+    resumed, unspiked = (
+        dict(common, load=str(save / "step-0000009"), save=str(tmp_path / "resumed")),
+        dict(common, load=str(never)),
+    )
     (b, c), _ = _launch(tmp_path, "resumed", [resumed, unspiked], monkeypatch)
     after = dict(zip(a["step"][9:], a["loss"][9:]))  # the run after its rollback
     assert b["step"] == [9, 10, 11] and c["step"] == [*range(6, 12)]

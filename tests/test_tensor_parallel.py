@@ -24,8 +24,9 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
-def _equivalence(topo, preset: str, vocab: int, sequence_parallel: bool, recompute: bool = False,
-                 dropout: float = 0.0) -> None:
+def _equivalence(
+    topo, preset: str, vocab: int, sequence_parallel: bool, recompute: bool = False, dropout: float = 0.0
+) -> None:
     """In training mode: with dropout the TP model must drop the very units the TP = 1 model drops."""
     from megakit.nn.model import ModelConfig, Transformer, full_state_dict
 
@@ -84,10 +85,12 @@ def _cross_entropy(topo) -> None:
     loss.backward()
     want.backward()
     _close(mine.grad, full.grad.chunk(topo.tp, dim=-1)[topo.tp_rank], "cross-entropy grad")
-    per_token = vocab_parallel_cross_entropy(mine.detach(), target, topo.tp_group, vocab_size=vocab,
-                                             reduction="none")
-    _close(per_token, F.cross_entropy(full.detach()[..., :vocab].transpose(1, 2), target, reduction="none"),
-           "cross-entropy per token")
+    per_token = vocab_parallel_cross_entropy(mine.detach(), target, topo.tp_group, vocab_size=vocab, reduction="none")
+    _close(
+        per_token,
+        F.cross_entropy(full.detach()[..., :vocab].transpose(1, 2), target, reduction="none"),
+        "cross-entropy per token",
+    )
 
 
 def _layers(topo) -> None:
@@ -118,8 +121,11 @@ def _layers(topo) -> None:
     (want * want).sum().backward()
     _close(x_ours.grad, x_ref.grad, "input grad")
     for ours, ref in ((col, ref_col), (row, ref_row)):
-        _close(ours.bias.grad if ours.bias.tp_dim is None else torch.cat(_gather(ours.bias.grad, topo)),
-               ref.bias.grad, "bias grad")
+        _close(
+            ours.bias.grad if ours.bias.tp_dim is None else torch.cat(_gather(ours.bias.grad, topo)),
+            ref.bias.grad,
+            "bias grad",
+        )
         _close(torch.cat(_gather(ours.weight.grad, topo), dim=ours.weight.tp_dim), ref.weight.grad, "weight grad")
 
 
@@ -161,7 +167,7 @@ def _dropout_is_layout_free(topo) -> None:
     single = Transformer(config, post=False, seed=2).train()(ids, sample_ids=[40, 41])
     split = Transformer(config, topo, post=False, seed=2, sequence_parallel=True).train()(ids, sample_ids=[40, 41])
     rows = 8 // topo.tp
-    _close(split, single[topo.tp_rank * rows:(topo.tp_rank + 1) * rows], "SP residual stream under dropout")
+    _close(split, single[topo.tp_rank * rows : (topo.tp_rank + 1) * rows], "SP residual stream under dropout")
     _close(hidden, single, "TP residual stream under dropout")
     swapped = Transformer(config, topo, post=False, seed=2).train()(ids.flip(0), sample_ids=[41, 40])
     _close(swapped.flip(1), hidden, "a sample's masks follow it to another batch row")
@@ -174,8 +180,9 @@ def _bad_tp(topo) -> None:
 
     config = ModelConfig.load("gpt-tiny").replace(heads=2, kv_heads=2, hidden=34, ffn=130)
     if topo.tp == 4:
-        with pytest.raises(UsageError, match="TP 4 does not divide attention heads 2, KV heads 2, "
-                                             "hidden size 34, FFN size 130"):
+        with pytest.raises(
+            UsageError, match="TP 4 does not divide attention heads 2, KV heads 2, hidden size 34, FFN size 130"
+        ):
             Transformer(config, topo)
     model = Transformer(ModelConfig.load("gpt-tiny"), topo, sequence_parallel=True)
     with pytest.raises(UsageError, match=f"sequence length 9 is not divisible by TP {topo.tp}"):
@@ -236,11 +243,17 @@ def _deepspeed_worker(rank: int, world_size: int) -> list[float]:
     errors = []
     for sequence_parallel in (False, True):
         model = Transformer(config, topo, seed=3, sequence_parallel=sequence_parallel)
-        ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                     "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
-                     "gradient_clipping": 0.5, "steps_per_print": 10**9}
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                          config=ds_config, mpu=topo)
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 1},
+            "zero_allow_untested_optimizer": True,
+            "gradient_clipping": 0.5,
+            "steps_per_print": 10**9,
+        }
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=ds_config, mpu=topo
+        )
         engine.backward(engine(ids[topo.dp_rank], ids[topo.dp_rank]))
         engine.step()
         state, want = full_state_dict(model, topo), dict(ref.named_parameters())

@@ -53,12 +53,16 @@ def _short_documents(tmp_path_factory) -> str:
     docs, i, gen = [], 0, np.random.default_rng(1)
     while i < len(lines):
         n = int(gen.integers(1, 9))
-        docs.append("\n".join(lines[i:i + n]))
+        docs.append("\n".join(lines[i : i + n]))
         i += n
     out = tmp_path_factory.mktemp("short")
     (out / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    prepare(PrepareConfig(inputs=[str(out / "docs.jsonl")], out=str(out / "data"), vocab_size=512, val_fraction=0.1,
-                          progress=False), say=lambda *_: None)
+    prepare(
+        PrepareConfig(
+            inputs=[str(out / "docs.jsonl")], out=str(out / "data"), vocab_size=512, val_fraction=0.1, progress=False
+        ),
+        say=lambda *_: None,
+    )
     return str(out / "data")
 
 
@@ -82,7 +86,7 @@ def test_the_loader_masks_labels_and_a_truncated_mask_is_one_line(masked, tmp_pa
         (x, y), (x0, y0) = batches.global_batch(step), plain.global_batch(step)
         assert torch.equal(x, x0)  # inputs are the stream's, masked or not
         for row, sample in enumerate(batches.global_indices(step).tolist()):  # brute force: the mask of each target
-            mask = np.asarray(corpus.train_masks[0][sample * SEQ + 1:(sample + 1) * SEQ + 1])
+            mask = np.asarray(corpus.train_masks[0][sample * SEQ + 1 : (sample + 1) * SEQ + 1])
             assert torch.equal(y[row], torch.where(torch.from_numpy(mask == 1), y0[row], -100))
     counts = [int((batches.global_batch(s)[1][r] != -100).sum()) for s in range(4) for r in range(4)]
     assert 0 in counts and max(counts) >= 20 * max(min(c for c in counts if c), 1) / 2, counts
@@ -130,32 +134,38 @@ def test_the_weighted_loss_is_the_global_sum_over_the_global_count(masked):
 
 DOCUMENTS = dict(reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True)
 MTP_MODEL = "deepseek-v3-tiny"  # one MTP module (num_nextn_predict_layers 1), trained with --mtp
-CASES = {"dp2-ga2": dict(zero=1, accumulation=2), "tp2-ga4": dict(zero=1, accumulation=4, tp=2),
-         "pp2-4mb": dict(zero=1, accumulation=4, pp=2), "cp2": dict(zero=1, accumulation=2, cp=2),
-         "zero3": dict(zero=3, accumulation=2),
-         # packed documents on top: the mask, restarted positions and no loss on the end-of-document token
-         "cp2-documents": dict(zero=1, accumulation=2, cp=2, **DOCUMENTS),
-         "pp2-documents": dict(zero=1, accumulation=4, pp=2, model="gpt-tiny", **DOCUMENTS),
-         "tp2-sp-documents": dict(zero=1, accumulation=2, tp=2, sequence_parallel=True, **DOCUMENTS),
-         "ep2-moe-documents": dict(zero=1, accumulation=2, ep=2, model="moe-tiny", **DOCUMENTS),
-         "a2a2-documents": dict(zero=1, accumulation=2, cp=2, cp_mode="a2a", **DOCUMENTS),  # Ulysses
-         # DeepSeek-V3's MTP module on the last stage: each depth's tokens counted apart, the embedding's two copies
-         "pp2-mtp-documents": dict(zero=1, accumulation=4, pp=2, model=MTP_MODEL, mtp=True, mtp_weight=0.3,
-                                   **DOCUMENTS),
-         # and the MTP module's MoE block with its experts over EP 2, and under ZeRO 3
-         "ep2-mtp-documents": dict(zero=1, accumulation=2, ep=2, model=MTP_MODEL, mtp=True, **DOCUMENTS),
-         "zero3-mtp": dict(zero=3, accumulation=2, model=MTP_MODEL, mtp=True)}
-CASES4 = {"tp2-cp2-documents": dict(zero=1, accumulation=2, tp=2, cp=2, **DOCUMENTS),
-          "tp2-a2a2-documents": dict(zero=2, accumulation=2, tp=2, cp=2, cp_mode="a2a", **DOCUMENTS),
-          # EP 4 folded over TP 2 x DP 2 with packed documents; Ulysses under a pipeline
-          "tp2-ep4-moe-documents": dict(zero=1, accumulation=2, tp=2, ep=4, sequence_parallel=True,
-                                        model="moe-tiny", **DOCUMENTS),
-          "a2a2-pp2-documents": dict(zero=1, accumulation=2, cp=2, cp_mode="a2a", pp=2, **DOCUMENTS),
-          "cp2-pp2-documents": dict(zero=1, accumulation=2, cp=2, pp=2, **DOCUMENTS),
-          # hybrid CP 4: an all-to-all inside CP ranks {0, 1} and {2, 3}, a ring of 2 across them
-          "hybrid2x2-documents": dict(zero=1, accumulation=2, cp=4, cp_mode="hybrid", cp_a2a=2, **DOCUMENTS),
-          # MTP's targets cut before the CP split, and its loss weighted over GA 2 x DP 2 x CP 2 like the main loss
-          "cp2-dp2-mtp-documents": dict(zero=1, accumulation=2, cp=2, model=MTP_MODEL, mtp=True, **DOCUMENTS)}
+CASES = {
+    "dp2-ga2": dict(zero=1, accumulation=2),
+    "tp2-ga4": dict(zero=1, accumulation=4, tp=2),
+    "pp2-4mb": dict(zero=1, accumulation=4, pp=2),
+    "cp2": dict(zero=1, accumulation=2, cp=2),
+    "zero3": dict(zero=3, accumulation=2),
+    # packed documents on top: the mask, restarted positions and no loss on the end-of-document token
+    "cp2-documents": dict(zero=1, accumulation=2, cp=2, **DOCUMENTS),
+    "pp2-documents": dict(zero=1, accumulation=4, pp=2, model="gpt-tiny", **DOCUMENTS),
+    "tp2-sp-documents": dict(zero=1, accumulation=2, tp=2, sequence_parallel=True, **DOCUMENTS),
+    "ep2-moe-documents": dict(zero=1, accumulation=2, ep=2, model="moe-tiny", **DOCUMENTS),
+    "a2a2-documents": dict(zero=1, accumulation=2, cp=2, cp_mode="a2a", **DOCUMENTS),  # Ulysses
+    # DeepSeek-V3's MTP module on the last stage: each depth's tokens counted apart, the embedding's two copies
+    "pp2-mtp-documents": dict(zero=1, accumulation=4, pp=2, model=MTP_MODEL, mtp=True, mtp_weight=0.3, **DOCUMENTS),
+    # and the MTP module's MoE block with its experts over EP 2, and under ZeRO 3
+    "ep2-mtp-documents": dict(zero=1, accumulation=2, ep=2, model=MTP_MODEL, mtp=True, **DOCUMENTS),
+    "zero3-mtp": dict(zero=3, accumulation=2, model=MTP_MODEL, mtp=True),
+}
+CASES4 = {
+    "tp2-cp2-documents": dict(zero=1, accumulation=2, tp=2, cp=2, **DOCUMENTS),
+    "tp2-a2a2-documents": dict(zero=2, accumulation=2, tp=2, cp=2, cp_mode="a2a", **DOCUMENTS),
+    # EP 4 folded over TP 2 x DP 2 with packed documents; Ulysses under a pipeline
+    "tp2-ep4-moe-documents": dict(
+        zero=1, accumulation=2, tp=2, ep=4, sequence_parallel=True, model="moe-tiny", **DOCUMENTS
+    ),
+    "a2a2-pp2-documents": dict(zero=1, accumulation=2, cp=2, cp_mode="a2a", pp=2, **DOCUMENTS),
+    "cp2-pp2-documents": dict(zero=1, accumulation=2, cp=2, pp=2, **DOCUMENTS),
+    # hybrid CP 4: an all-to-all inside CP ranks {0, 1} and {2, 3}, a ring of 2 across them
+    "hybrid2x2-documents": dict(zero=1, accumulation=2, cp=4, cp_mode="hybrid", cp_a2a=2, **DOCUMENTS),
+    # MTP's targets cut before the CP split, and its loss weighted over GA 2 x DP 2 x CP 2 like the main loss
+    "cp2-dp2-mtp-documents": dict(zero=1, accumulation=2, cp=2, model=MTP_MODEL, mtp=True, **DOCUMENTS),
+}
 
 
 def _cases(specs: dict, data: str) -> list[dict]:
@@ -164,8 +174,18 @@ def _cases(specs: dict, data: str) -> list[dict]:
         spec = dict(spec)
         config = ds_config(spec.pop("zero"), micro=1, accumulation=spec.pop("accumulation"))
         config["optimizer"]["params"]["eps"] = 1e-4  # no near-ties in Adam's first steps (see test_trainer.sync_cases)
-        cases.append(dict(ds_config=config, model=spec.pop("model", "llama-tiny"), steps=3, seq_len=SEQ, data=data,
-                          eval_every=3, eval_batches=2, **spec))
+        cases.append(
+            dict(
+                ds_config=config,
+                model=spec.pop("model", "llama-tiny"),
+                steps=3,
+                seq_len=SEQ,
+                data=data,
+                eval_every=3,
+                eval_batches=2,
+                **spec,
+            )
+        )
     return cases
 
 
@@ -182,21 +202,31 @@ def test_every_layout_trains_sum_over_sum_as_one_process(masked, tmp_path_factor
 def _check_against_one_process(name, spec, case, got, world, reference_run) -> None:
     """Every step's loss, the first gradient norm and the validation loss against one process's sum/sum run."""
     dp = world // (spec.get("tp", 1) * spec.get("pp", 1) * spec.get("cp", 1))
-    want = reference_run(case["ds_config"], model=case["model"], steps=case["steps"], dp=dp, seq_len=SEQ,
-                         data=case["data"], eval_every=3, eval_batches=2,
-                         documents={k: v for k, v in spec.items() if k in DOCUMENTS},
-                         mtp={k: v for k, v in spec.items() if k.startswith("mtp")})
+    want = reference_run(
+        case["ds_config"],
+        model=case["model"],
+        steps=case["steps"],
+        dp=dp,
+        seq_len=SEQ,
+        data=case["data"],
+        eval_every=3,
+        eval_batches=2,
+        documents={k: v for k, v in spec.items() if k in DOCUMENTS},
+        mtp={k: v for k, v in spec.items() if k.startswith("mtp")},
+    )
     for step, (a, b) in enumerate(zip(got["loss"], want["loss"], strict=True)):
         assert abs(a - b) <= fp32_bound(b, 2 * 4 * SEQ), (name, step, a, b)  # the step's tokens, at most
     for step, (a, b) in enumerate(zip(got["mtp"], want["mtp"], strict=True)):  # each depth's own loss, logged
-        assert (a is None) == (b is None) and all(abs(x - y) <= fp32_bound(y, 2 * 4 * SEQ) for x, y in
-                                                  zip(a or [], b or [], strict=True)), (name, step, a, b)
+        assert (a is None) == (b is None) and all(
+            abs(x - y) <= fp32_bound(y, 2 * 4 * SEQ) for x, y in zip(a or [], b or [], strict=True)
+        ), (name, step, a, b)
     a, b = got["grad_norm"][0], want["grad_norm"][0]  # the first step's gradient, before clipping
     assert abs(a - b) <= 1e-4 * b, (name, a, b)
     (ea,), (eb,) = got["evals"], want["evals"]
     assert abs(ea["loss"] - eb["loss"]) <= fp32_bound(eb["loss"], 2 * 2 * SEQ), (name, ea, eb)
     if "reset_attention_mask" in spec:  # and the documents change the run: the comparison can fail
-        plain = reference_run(case["ds_config"], model=case["model"], steps=case["steps"], dp=dp, seq_len=SEQ,
-                              data=case["data"])
+        plain = reference_run(
+            case["ds_config"], model=case["model"], steps=case["steps"], dp=dp, seq_len=SEQ, data=case["data"]
+        )
         gap = max(abs(a - b) for a, b in zip(plain["loss"], want["loss"]))
         assert gap > fp32_bound(max(want["loss"]), 2 * 4 * SEQ), (name, gap)  # past the tolerance above

@@ -48,12 +48,27 @@ def packed_documents(directory: Path, *, window: int = 32, documents: int = 1200
 
     rng = random.Random(seed)
     words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(500)]
-    lines = [json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(1, 4)))})
-             for _ in range(documents)]
+    lines = [
+        json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(1, 4)))}) for _ in range(documents)
+    ]
     (directory / "docs.jsonl").write_text("\n".join(lines) + "\n")
     out = directory / "packed"
-    assert cli.main(["prepare-data", str(directory / "docs.jsonl"), "--out", str(out), "--vocab-size", "300",
-                     "--pack", str(window), "--no-progress"]) == 0
+    assert (
+        cli.main(
+            [
+                "prepare-data",
+                str(directory / "docs.jsonl"),
+                "--out",
+                str(out),
+                "--vocab-size",
+                "300",
+                "--pack",
+                str(window),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return str(out)
 
 
@@ -79,14 +94,21 @@ def deepspeed(nprocs: int, *args: str, timeout: float = 300, port: int | None = 
     return out
 
 
-def sweep(tmp_path_factory, nprocs: int, cases: list[dict], *, timeout: float = 900, output: list | None = None
-          ) -> list[dict]:
+def sweep(
+    tmp_path_factory, nprocs: int, cases: list[dict], *, timeout: float = 900, output: list | None = None
+) -> list[dict]:
     """Run ``cases`` in one launcher job of ``nprocs`` processes; the job's stdout is appended to ``output``."""
     work = tmp_path_factory.mktemp(f"sweep{nprocs}")
     (work / "cases.json").write_text(json.dumps(cases))
     port = free_port()
-    out = deepspeed(nprocs, "tests/launch_sweep.py", str(work / "cases.json"), str(work / "results.json"), port=port,
-                    timeout=timeout)
+    out = deepspeed(
+        nprocs,
+        "tests/launch_sweep.py",
+        str(work / "cases.json"),
+        str(work / "results.json"),
+        port=port,
+        timeout=timeout,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     if output is not None:
         output.append(out.stdout)
@@ -100,9 +122,16 @@ def sweep(tmp_path_factory, nprocs: int, cases: list[dict], *, timeout: float = 
 def reference(case: dict, dp: int) -> dict:
     from megakit.train.doctor.reference import reference_run
 
-    return reference_run(case["ds_config"], model=case["model"], steps=case["steps"], dp=dp, seq_len=case["seq_len"],
-                         data=case.get("data"), eval_every=case.get("eval_every", 0),
-                         eval_batches=case.get("eval_batches", 8))
+    return reference_run(
+        case["ds_config"],
+        model=case["model"],
+        steps=case["steps"],
+        dp=dp,
+        seq_len=case["seq_len"],
+        data=case.get("data"),
+        eval_every=case.get("eval_every", 0),
+        eval_batches=case.get("eval_batches", 8),
+    )
 
 
 def assert_same_trajectory(result: dict, ref: dict) -> None:
@@ -146,8 +175,19 @@ def sync_cases(data: str, flags: list[dict], **layout) -> list[dict]:
         extra = dict(extra)
         config = ds_config(extra.pop("zero", 0))
         config["optimizer"]["params"]["eps"] = 1e-4
-        cases.append(dict(ds_config=config, model="gpt-tiny", steps=6, seq_len=32, data=data, eval_every=3,
-                          eval_batches=1, **extra, **layout))
+        cases.append(
+            dict(
+                ds_config=config,
+                model="gpt-tiny",
+                steps=6,
+                seq_len=32,
+                data=data,
+                eval_every=3,
+                eval_batches=1,
+                **extra,
+                **layout,
+            )
+        )
     return cases
 
 
@@ -158,8 +198,9 @@ DP_SYNC = [dict(local_sgd=2), dict(compress="int8"), dict(compress="int8", zero=
 # -- DP x ZeRO 0-3 (2 processes) -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def dp_results(tmp_path_factory, shards):
-    cases = [dict(ds_config=ds_config(z), model="gpt-tiny", steps=STEPS, seq_len=32, verify_memory=True)
-             for z in range(4)]
+    cases = [
+        dict(ds_config=ds_config(z), model="gpt-tiny", steps=STEPS, seq_len=32, verify_memory=True) for z in range(4)
+    ]
     diverge = ds_config(0)
     diverge["optimizer"]["params"]["lr"] = 1e5
     diverge["gradient_clipping"] = 0.0
@@ -170,23 +211,46 @@ def dp_results(tmp_path_factory, shards):
     # PP = 2 with ZeRO-0: megakit's own clipper must count the tied embedding once
     cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, pp=2))
     # interleaved 1F1B: two chunks per stage under one DeepSpeed engine
-    cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, pp=2, vpp=2,
-                      verify_memory=True))
+    cases.append(
+        dict(
+            ds_config=ds_config(1, accumulation=4),
+            model="gpt-tiny",
+            steps=STEPS,
+            seq_len=32,
+            pp=2,
+            vpp=2,
+            verify_memory=True,
+        )
+    )
     # checkpoints: save at TP 2 (every 3 steps, so the final save replaces one), and a run one step longer
     saved = tmp_path_factory.mktemp("ckpt") / "tp2"
-    cases.append(dict(ds_config=ds_config(1), model="gpt-tiny", steps=6, seq_len=32, tp=2, save=str(saved), save_every=3))
+    cases.append(
+        dict(ds_config=ds_config(1), model="gpt-tiny", steps=6, seq_len=32, tp=2, save=str(saved), save_every=3)
+    )
     cases.append(dict(ds_config=ds_config(1), model="gpt-tiny", steps=7, seq_len=32, tp=2))
     # dropout 0.1: DP 2 and TP 2 must drop the units the single process drops (cases 11, 12)
     dropout = dropout_model(tmp_path_factory.mktemp("models"))
     cases.append(dict(ds_config=ds_config(1), model=dropout, steps=STEPS, seq_len=32))
     cases.append(dict(ds_config=ds_config(1), model=dropout, steps=STEPS, seq_len=32, tp=2))
     # cases 13-16: megakit syncs DP itself (ZeRO 0): Top-K 1 % with and without error feedback, local SGD, fp16
-    for extra in (dict(compress="topk:0.01"), dict(compress="topk:0.01", error_feedback=False), dict(local_sgd=4),
-                  dict(compress="fp16")):
+    for extra in (
+        dict(compress="topk:0.01"),
+        dict(compress="topk:0.01", error_feedback=False),
+        dict(local_sgd=4),
+        dict(compress="fp16"),
+    ):
         cases.append(dict(ds_config=ds_config(0), model="gpt-tiny", steps=GAP_STEPS, seq_len=32, **extra))
     for stage in (0, 1):  # cases 17, 18: zero bubble (ZB-H1), backward split into B and W, under ZeRO 0 and 1
-        cases.append(dict(ds_config=ds_config(stage, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32,
-                          pp=2, schedule="zb-h1"))
+        cases.append(
+            dict(
+                ds_config=ds_config(stage, accumulation=4),
+                model="gpt-tiny",
+                steps=STEPS,
+                seq_len=32,
+                pp=2,
+                schedule="zb-h1",
+            )
+        )
     # cases 19-21: CP 2 (DP 1) under local SGD, int8 (ZeRO-1's buckets) and Top-K; 22-25: DP 2 under local SGD, int8
     # (ZeRO 0 and 1) and Top-K, which CP 2 x DP 2 must equal (mp_results)
     cases += sync_cases(shards, CP_DP1_SYNC, cp=2) + sync_cases(shards, DP_SYNC)
@@ -201,15 +265,44 @@ def dp_results(tmp_path_factory, shards):
     # cases 29, 30: vocab 32k at TP 2 with SP, the head and loss in one piece and over 8 token chunks (--loss-chunks)
     big_vocab = vocab_model(tmp_path_factory.mktemp("models"), 32000)
     for chunks in (1, 8):
-        cases.append(dict(ds_config=ds_config(1, micro=4, accumulation=1), model=big_vocab, steps=2, seq_len=64, tp=2,
-                          sequence_parallel=True, loss_chunks=chunks, verify_memory=True))
+        cases.append(
+            dict(
+                ds_config=ds_config(1, micro=4, accumulation=1),
+                model=big_vocab,
+                steps=2,
+                seq_len=64,
+                tp=2,
+                sequence_parallel=True,
+                loss_chunks=chunks,
+                verify_memory=True,
+            )
+        )
     # cases 31, 32: --fp8 tensorwise and rowwise at TP 2 under torchao's emulation (CPU), 10 steps; 31 saves
     for recipe in ("tensorwise", "rowwise"):
-        cases.append(dict(ds_config=ds_config(1), model="gpt-tiny", steps=FP8_STEPS, seq_len=32, tp=2, fp8=recipe,
-                          save=str(saved.parent / "fp8") if recipe == "tensorwise" else None))
+        cases.append(
+            dict(
+                ds_config=ds_config(1),
+                model="gpt-tiny",
+                steps=FP8_STEPS,
+                seq_len=32,
+                tp=2,
+                fp8=recipe,
+                save=str(saved.parent / "fp8") if recipe == "tensorwise" else None,
+            )
+        )
     # case 33: 4 blocks on PP 2 x VPP 3, the default split 0,1,1,1,1,0 (an embedding-only and a loss-only chunk), saved
-    cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, pp=2, vpp=3,
-                      verify_memory=True, save=str(tmp_path_factory.mktemp("ends") / "ckpt")))
+    cases.append(
+        dict(
+            ds_config=ds_config(1, accumulation=4),
+            model="gpt-tiny",
+            steps=STEPS,
+            seq_len=32,
+            pp=2,
+            vpp=3,
+            verify_memory=True,
+            save=str(tmp_path_factory.mktemp("ends") / "ckpt"),
+        )
+    )
     os.environ["MEGAKIT_FP8_EMULATE"] = "1"  # read by --fp8 cases only
     try:
         return cases, sweep(tmp_path_factory, 2, cases)
@@ -296,8 +389,11 @@ def test_each_rank_seeds_its_default_generators_from_the_seed_and_its_place(dp_r
     draws = {i: r["default_draws"] for i, r in enumerate(results) if "default_draws" in r}
     for i, (first, second) in draws.items():
         assert all(a != b for a, b in zip(first, second)), (i, first, second)  # DP rank 0 vs DP rank 1 (or PP)
-    same_place = [i for i, c in enumerate(cases)  # DP 2: ranks at (pp 0, dp 0, tp 0) and (pp 0, dp 1, tp 0)
-                  if c.get("pp", 1) == c.get("tp", 1) == c.get("cp", 1) == 1 and c.get("seed", 0) == 0 and i in draws]
+    same_place = [
+        i
+        for i, c in enumerate(cases)  # DP 2: ranks at (pp 0, dp 0, tp 0) and (pp 0, dp 1, tp 0)
+        if c.get("pp", 1) == c.get("tp", 1) == c.get("cp", 1) == 1 and c.get("seed", 0) == 0 and i in draws
+    ]
     assert len(same_place) > 5
     for i in same_place:
         assert draws[i] == draws[0], (i, draws[i], draws[0])
@@ -324,7 +420,8 @@ def test_verify_memory_zero_0_to_3(dp_results):
         assert_memory_matches(rows)
     # ZeRO-3 holds half the parameters per rank, ZeRO-0 all of them
     assert results[3]["memory"][0]["measured"]["params"] == pytest.approx(
-        results[0]["memory"][0]["measured"]["params"] / 2, rel=0.01)
+        results[0]["memory"][0]["measured"]["params"] / 2, rel=0.01
+    )
 
 
 @pytest.mark.slow
@@ -372,7 +469,6 @@ def test_embedding_only_and_loss_only_virtual_stages_follow_the_single_process_m
     alone in its last). Ten steps follow one process (losses, clipped norms, LRs), and the saved weights equal its
     final weights within fp32 rounding; the memory rows match the planner's, whose loss-only chunk holds the
     logits only while a micro-batch is in it (predicted 12 % high when they were counted at the blocks' peak)."""
-    import torch
     from tolerance import assert_fp32_close
 
     from megakit.core.model_config import ModelConfig
@@ -384,8 +480,9 @@ def test_embedding_only_and_loss_only_virtual_stages_follow_the_single_process_m
     cases, results = dp_results
     case, result = cases[33], results[33]
     assert [len(r) for r in partition_layers(ModelConfig.load("gpt-tiny"), 2, 3)] == [0, 1, 1, 1, 1, 0]
-    ref = reference_run(case["ds_config"], model=case["model"], steps=case["steps"], seq_len=case["seq_len"],
-                        weights=True)
+    ref = reference_run(
+        case["ds_config"], model=case["model"], steps=case["steps"], seq_len=case["seq_len"], weights=True
+    )
     assert_same_trajectory(result, ref)
     net = Transformer(ModelConfig.load("gpt-tiny"))
     load_checkpoint(case["save"], net)
@@ -415,12 +512,39 @@ def test_tp2_checkpoint_resumes_at_tp1(dp_results, tmp_path):
     saved, longer = cases[9], results[10]
     assert json.loads((Path(saved["save"]) / "manifest.json").read_text())["step"] == 6
     (tmp_path / "ds.json").write_text(json.dumps(saved["ds_config"]))
-    env = dict(os.environ, OMP_NUM_THREADS=THREADS, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))  # what the launcher sets for one process
-    out = subprocess.run(["python", "scripts/train.py", "--ds_config", str(tmp_path / "ds.json"), "--model", "gpt-tiny",
-                          "--seq-len", "32", "--load", saved["save"], "--steps", "7", "--no-progress",
-                          "--metrics-out", str(tmp_path / "m.json")],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=THREADS,
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )  # what the launcher sets for one process
+    out = subprocess.run(
+        [
+            "python",
+            "scripts/train.py",
+            "--ds_config",
+            str(tmp_path / "ds.json"),
+            "--model",
+            "gpt-tiny",
+            "--seq-len",
+            "32",
+            "--load",
+            saved["save"],
+            "--steps",
+            "7",
+            "--no-progress",
+            "--metrics-out",
+            str(tmp_path / "m.json"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "resuming" in out.stdout and "at step 6" in out.stdout
     (step,) = read_metrics(tmp_path / "m.json")["steps"]
@@ -454,56 +578,155 @@ def test_accumulation_communicates_only_at_the_boundary(dp_results):
     _, results = dp_results
     for stage, doubled in ((0, results[5]), (1, results[6])):
         assert doubled["comm_calls"][1:] == results[stage]["comm_calls"][1:3], (stage, doubled, results[stage])
-        assert 0 < results[stage]["comm_calls"][1] <= 5 + stage  # the step's token count; ZeRO-1: a norm per param group
+        assert (
+            0 < results[stage]["comm_calls"][1] <= 5 + stage
+        )  # the step's token count; ZeRO-1: a norm per param group
 
 
 # -- TP x PP and TP x DP (4 processes) -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def mp_results(tmp_path_factory, shards):
-    cases = [dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
-                  verify_memory=True),
-             dict(ds_config=ds_config(1), model="llama-tiny", steps=STEPS, seq_len=32, tp=2, pp=1),
-             dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
-                  sequence_parallel=True, recompute="full", verify_memory=True)]
+    cases = [
+        dict(
+            ds_config=ds_config(1, accumulation=4),
+            model="gpt-tiny",
+            steps=STEPS,
+            seq_len=32,
+            tp=2,
+            pp=2,
+            verify_memory=True,
+        ),
+        dict(ds_config=ds_config(1), model="llama-tiny", steps=STEPS, seq_len=32, tp=2, pp=1),
+        dict(
+            ds_config=ds_config(1, accumulation=4),
+            model="gpt-tiny",
+            steps=STEPS,
+            seq_len=32,
+            tp=2,
+            pp=2,
+            sequence_parallel=True,
+            recompute="full",
+            verify_memory=True,
+        ),
+    ]
     text = tmp_path_factory.mktemp("data")  # --data: the user's own text instead of the standard library
     (text / "a.txt").write_text((ROOT / "README.md").read_text() * 3)
     (text / "b.md").write_text((ROOT / "ds_configs" / "README.md").read_text() * 3)
     cases[1]["data"] = str(text)
     dropout = dropout_model(tmp_path_factory.mktemp("models"))
     for sp in (False, True):  # cases 3, 4: TP2 x PP2 under dropout, without and with SP
-        cases.append(dict(ds_config=ds_config(1, accumulation=4), model=dropout, steps=STEPS, seq_len=32, tp=2,
-                          pp=2, sequence_parallel=sp))
+        cases.append(
+            dict(
+                ds_config=ds_config(1, accumulation=4),
+                model=dropout,
+                steps=STEPS,
+                seq_len=32,
+                tp=2,
+                pp=2,
+                sequence_parallel=sp,
+            )
+        )
     # case 5: selective recompute (the attention core), TP2 x PP2 with SP
-    cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=STEPS, seq_len=32, tp=2, pp=2,
-                      sequence_parallel=True, recompute="selective", verify_memory=True))
+    cases.append(
+        dict(
+            ds_config=ds_config(1, accumulation=4),
+            model="gpt-tiny",
+            steps=STEPS,
+            seq_len=32,
+            tp=2,
+            pp=2,
+            sequence_parallel=True,
+            recompute="selective",
+            verify_memory=True,
+        )
+    )
     # cases 6, 7: context parallelism, CP 2 x DP 2 (Llama, GQA, ZeRO-0) and CP 2 x PP 2 under dropout (ZeRO-1)
     cases.append(dict(ds_config=ds_config(0), model="llama-tiny", steps=STEPS, seq_len=32, cp=2, verify_memory=True))
     cases.append(dict(ds_config=ds_config(1, accumulation=4), model=dropout, steps=STEPS, seq_len=32, cp=2, pp=2))
     # cases 8, 9: compressed DP reduction composes with TP and ZeRO-1 (int8 in DeepSpeed's buckets at TP2 x DP2) and
     # PP (sign at PP2 x DP2)
     cases.append(dict(ds_config=ds_config(1), model="gpt-tiny", steps=GAP_STEPS, seq_len=32, tp=2, compress="int8"))
-    cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=GAP_STEPS, seq_len=32, pp=2,
-                      compress="sign"))
+    cases.append(
+        dict(
+            ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=GAP_STEPS, seq_len=32, pp=2, compress="sign"
+        )
+    )
     # case 10: TP2 x PP2, interleaved (2 chunks), on token shards (BPE 512) with validation every 5 steps, saved; 20
     # steps (on these tokens the loss falls by 0.5 only after 10: measured 6.26 -> 5.86)
-    cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=2 * STEPS, seq_len=32, tp=2, pp=2,
-                      vpp=2, data=shards, eval_every=5, eval_batches=2,
-                      save=str(tmp_path_factory.mktemp("ckpt") / "run")))
+    cases.append(
+        dict(
+            ds_config=ds_config(1, accumulation=4),
+            model="gpt-tiny",
+            steps=2 * STEPS,
+            seq_len=32,
+            tp=2,
+            pp=2,
+            vpp=2,
+            data=shards,
+            eval_every=5,
+            eval_batches=2,
+            save=str(tmp_path_factory.mktemp("ckpt") / "run"),
+        )
+    )
     # case 11: zero bubble (ZB-H1) with TP2 (and SP) x PP2
-    cases.append(dict(ds_config=ds_config(1, accumulation=4), model="llama-tiny", steps=STEPS, seq_len=32, tp=2,
-                      pp=2, sequence_parallel=True, schedule="zb-h1"))
+    cases.append(
+        dict(
+            ds_config=ds_config(1, accumulation=4),
+            model="llama-tiny",
+            steps=STEPS,
+            seq_len=32,
+            tp=2,
+            pp=2,
+            sequence_parallel=True,
+            schedule="zb-h1",
+        )
+    )
     # case 12: CP 2 x PP 2 validated (the stages pass S/cp rows); 13-16: CP 2 x DP 2 under megakit's DP sync
-    cases.append(dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=6, seq_len=32, cp=2, pp=2,
-                      data=shards, eval_every=3, eval_batches=1))
+    cases.append(
+        dict(
+            ds_config=ds_config(1, accumulation=4),
+            model="gpt-tiny",
+            steps=6,
+            seq_len=32,
+            cp=2,
+            pp=2,
+            data=shards,
+            eval_every=3,
+            eval_batches=1,
+        )
+    )
     cases += sync_cases(shards, DP_SYNC, cp=2)
     # case 17: CP 2 x DP 2 validated (Llama, GQA)
-    cases.append(dict(ds_config=ds_config(0), model="llama-tiny", steps=6, seq_len=32, cp=2, data=shards,
-                      eval_every=3, eval_batches=1))
+    cases.append(
+        dict(
+            ds_config=ds_config(0),
+            model="llama-tiny",
+            steps=6,
+            seq_len=32,
+            cp=2,
+            data=shards,
+            eval_every=3,
+            eval_batches=1,
+        )
+    )
     # cases 18, 19: sign at PP2 x DP2 and Top-K at TP2 x DP2, evaluating and saving every 3 steps (pending updates)
     for compress, layout in (("sign", dict(pp=2)), ("topk:0.1", dict(tp=2))):
-        cases.append(dict(ds_config=ds_config(0, accumulation=4), model="gpt-tiny", steps=6, seq_len=32, data=shards,
-                          compress=compress, eval_every=3, eval_batches=2, save_every=3, keep=2,
-                          save=str(tmp_path_factory.mktemp("ckpt") / compress.split(":")[0]), **layout))
+        cases.append(
+            dict(
+                ds_config=ds_config(0, accumulation=4),
+                model="gpt-tiny",
+                steps=6,
+                seq_len=32,
+                data=shards,
+                compress=compress,
+                eval_every=3,
+                eval_batches=2,
+                save_every=3,
+                keep=2,
+                save=str(tmp_path_factory.mktemp("ckpt") / compress.split(":")[0]),
+                **layout,
+            )
+        )
     # case 20: case 4 (TP2 x PP2, SP, dropout 0.1) with compiled blocks, 5 steps (aot_eager: Inductor's C++ build
     # takes minutes on this CPU; the plumbing checked here is Dynamo's and AOTAutograd's)
     cases.append(dict(cases[4], steps=COMPILED_STEPS, compile=True, compile_backend="aot_eager"))
@@ -518,8 +741,12 @@ def _token_shards(tmp_path_factory) -> str:
     from megakit.train.data.batches import stdlib_files
 
     out = tmp_path_factory.mktemp("tokens") / "stdlib"
-    prepare(PrepareConfig(inputs=[str(p) for p in stdlib_files()[:40]], out=str(out), vocab_size=512,
-                          val_fraction=0.1, progress=False), say=lambda *_: None)
+    prepare(
+        PrepareConfig(
+            inputs=[str(p) for p in stdlib_files()[:40]], out=str(out), vocab_size=512, val_fraction=0.1, progress=False
+        ),
+        say=lambda *_: None,
+    )
     return str(out)
 
 
@@ -565,13 +792,17 @@ def test_tp2_pp2_on_token_shards_validates_and_exports_a_model_transformers_talk
     plan = BatchPlan(seq_len=32, micro_batch=2, accumulation=4)
     batches = ValidationBatches(open_corpus(case["data"]), plan, 2)
     with torch.no_grad():
-        losses = [torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
-                  for k in range(2) for x, y in batches.micro_batches(k, 0)]
+        losses = [
+            torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
+            for k in range(2)
+            for x, y in batches.micro_batches(k, 0)
+        ]
     assert abs(float(torch.stack(losses).mean()) - evals[-1]["loss"]) < 1e-4
     tokenizer = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
     assert tokenizer.eos_token == "<|endoftext|>" and model.config.vocab_size == 512
-    generated = transformers.pipeline("text-generation", model=str(out))("import os\n", max_new_tokens=8,
-                                                                        do_sample=False)[0]["generated_text"]
+    generated = transformers.pipeline("text-generation", model=str(out))(
+        "import os\n", max_new_tokens=8, do_sample=False
+    )[0]["generated_text"]
     assert generated.startswith("import os\n") and len(generated) > len("import os\n")
     # megakit generate: the checkpoint itself, continued as transformers' pipeline continues its export
     capsys.readouterr()
@@ -608,8 +839,12 @@ def test_sign_and_topk_send_their_pending_updates_before_each_save_and_evaluatio
             load_checkpoint(saved, model)
             model.eval()
             with torch.no_grad():
-                losses = [float(model(x, y)) for k in range(batches.batches) for rank in range(plan.dp)
-                          for x, y in batches.micro_batches(k, rank)]
+                losses = [
+                    float(model(x, y))
+                    for k in range(batches.batches)
+                    for rank in range(plan.dp)
+                    for x, y in batches.micro_batches(k, rank)
+                ]
             assert abs(sum(losses) / len(losses) - evaluation["loss"]) < 1e-5, (case["compress"], evaluation, losses)
 
 
@@ -720,23 +955,40 @@ def test_verify_memory_tp2_pp2(mp_results):
 
 @pytest.mark.slow
 def test_3d_tp2_pp2_dp2_on_8_processes(tmp_path_factory):
-    case = dict(ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=4, seq_len=32, tp=2, pp=2,
-                verify_memory=True)
+    case = dict(
+        ds_config=ds_config(1, accumulation=4), model="gpt-tiny", steps=4, seq_len=32, tp=2, pp=2, verify_memory=True
+    )
     (result,) = sweep(tmp_path_factory, 8, [case])
     ref = reference(case, dp=2)
     for got, want in zip(result["loss"], ref["loss"], strict=True):
         assert abs(got - want) < LOSS_TOL, (got, want)
     rows = result["memory"]
-    assert sorted((r["pp"], r["dp"], r["tp"]) for r in rows) == [(p, d, t) for p in (0, 1) for d in (0, 1) for t in (0, 1)]
+    assert sorted((r["pp"], r["dp"], r["tp"]) for r in rows) == [
+        (p, d, t) for p in (0, 1) for d in (0, 1) for t in (0, 1)
+    ]
     assert_memory_matches(rows)
 
 
 # -- the default run, TensorBoard and profiler -----------------------------------------------------
 @pytest.mark.slow
 def test_default_run_loss_falls(tmp_path):
-    out = deepspeed(1, "scripts/train.py", "--ds_config", "ds_configs/zero2.json", "--steps", "40",
-                    "--metrics-out", str(tmp_path / "m.json"), "--tensorboard", str(tmp_path / "tb"),
-                    "--profile", str(tmp_path / "prof"), "--no-progress", "--log-every", "10")
+    out = deepspeed(
+        1,
+        "scripts/train.py",
+        "--ds_config",
+        "ds_configs/zero2.json",
+        "--steps",
+        "40",
+        "--metrics-out",
+        str(tmp_path / "m.json"),
+        "--tensorboard",
+        str(tmp_path / "tb"),
+        "--profile",
+        str(tmp_path / "prof"),
+        "--no-progress",
+        "--log-every",
+        "10",
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "training gpt-mini" in out.stdout and "tok/s" in out.stdout and "grad-norm" in out.stdout
     lines = (tmp_path / "m.json").read_text().splitlines()  # JSON Lines: the run, then one line per step
@@ -754,9 +1006,26 @@ def _start_and_signal(tmp_path, sig: int, *extra: str) -> tuple[int, float, str]
     """Start a 4-rank job, send ``sig`` to rank 2 once it is training; returns (status, seconds, output)."""
     log = open(tmp_path / "out.txt", "w+")
     env = dict(os.environ, OMP_NUM_THREADS=THREADS)
-    cmd = ["deepspeed", "--num_gpus", "4", "--master_port", str(free_port()), "scripts/train.py",
-           "--ds_config", "ds_configs/zero1.json", "--model", "gpt-tiny", "--seq-len", "32", "--steps", "100000",
-           "--tp", "2", "--no-progress", *extra]
+    cmd = [
+        "deepspeed",
+        "--num_gpus",
+        "4",
+        "--master_port",
+        str(free_port()),
+        "scripts/train.py",
+        "--ds_config",
+        "ds_configs/zero1.json",
+        "--model",
+        "gpt-tiny",
+        "--seq-len",
+        "32",
+        "--steps",
+        "100000",
+        "--tp",
+        "2",
+        "--no-progress",
+        *extra,
+    ]
     job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         victim, deadline = None, time.time() + 180

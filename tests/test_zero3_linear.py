@@ -39,8 +39,11 @@ def test_zero3_linears_save_the_parameter_not_a_view_and_compute_the_same():
     assert save_weights_not_views(layers) == 2
     assert save_weights_not_views(layers) == 0  # a layer already swapped (or --fp8's) is left alone
     y, saved = _run(layers, x)
-    assert not [t for t in saved if not isinstance(t, torch.nn.Parameter) and t._base is not None
-                and any(t._base is w for w in weights)]
+    assert not [
+        t
+        for t in saved
+        if not isinstance(t, torch.nn.Parameter) and t._base is not None and any(t._base is w for w in weights)
+    ]
     assert all(any(t is w for t in saved) for w in weights)  # the parameters themselves
     torch.testing.assert_close(y, y_plain, rtol=1e-6, atol=1e-5)
     for got, want in zip([p.grad for p in layers.parameters()] + [x.grad], grads_plain):

@@ -35,8 +35,10 @@ def test_zero3_pipeline_schedules_outside_the_engine_are_refused(tmp_path):
     data.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
     zero3 = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
     assert resolve(TrainConfig(ds_config=zero3, data=str(data), model="gpt-tiny", pp=2), 4).schedule == "1f1b"
-    for flags, message in ((dict(vpp=2), "--schedule interleaved with ZeRO 3"),
-                           (dict(schedule="zb-h1"), "--schedule zb-h1 with ZeRO 3")):
+    for flags, message in (
+        (dict(vpp=2), "--schedule interleaved with ZeRO 3"),
+        (dict(schedule="zb-h1"), "--schedule zb-h1 with ZeRO 3"),
+    ):
         with pytest.raises(UsageError, match=re.escape(message) + ".* use --schedule 1f1b"):
             resolve(TrainConfig(ds_config=zero3, data=str(data), model="gpt-tiny", pp=2, **flags), 4)
 
@@ -46,8 +48,10 @@ def test_zero3_pipeline_follows_the_single_process(tmp_path_factory):
     from megakit.train.doctor.reference import reference_run
 
     config = ds_config(3, micro=MICRO, accumulation=ACCUMULATION)
-    cases = [dict(ds_config=config, model="gpt-tiny", steps=STEPS, seq_len=32, pp=2),  # PP 2 x DP 2
-             dict(ds_config=config, model="moe-tiny", steps=STEPS, seq_len=32, pp=2, ep=2, schedule="gpipe")]  # EP 2
+    cases = [
+        dict(ds_config=config, model="gpt-tiny", steps=STEPS, seq_len=32, pp=2),  # PP 2 x DP 2
+        dict(ds_config=config, model="moe-tiny", steps=STEPS, seq_len=32, pp=2, ep=2, schedule="gpipe"),
+    ]  # EP 2
     results = sweep(tmp_path_factory, 4, cases, timeout=600)
     for case, result in zip(cases, results):
         ref = reference_run(config, model=case["model"], steps=STEPS, dp=2, seq_len=32)

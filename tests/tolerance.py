@@ -38,8 +38,9 @@ def max_error(got, want) -> tuple[float, float]:
     return float((got - want).abs().max()), float(want.abs().max())
 
 
-def assert_fp32_close(got, want, *, terms: int, what: str = "", scale: float | None = None,
-                      ulps: float = ULPS) -> float:
+def assert_fp32_close(
+    got, want, *, terms: int, what: str = "", scale: float | None = None, ulps: float = ULPS
+) -> float:
     """Fail unless ``got`` equals ``want`` within ``fp32_bound(scale, terms)``; returns the error over the bound.
 
     ``scale`` defaults to ``max|want|``; a gradient that is zero in exact arithmetic (a key bias: softmax ignores a

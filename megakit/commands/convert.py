@@ -16,20 +16,41 @@ from megakit.errors import finite_float
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", metavar="SOURCE",
-                        help="a megakit checkpoint directory or a --keep series, whose newest intact checkpoint is "
-                             "taken (with --to-hf); or a transformers directory (with --from-hf)")
-    parser.add_argument("out", metavar="OUT_DIR", nargs="?", default=None,
-                        help="where to write: the transformers directory (--to-hf) or the megakit checkpoint "
-                             "(--from-hf); a new or empty directory")
-    parser.add_argument("--to-hf", metavar="OUT_DIR", nargs="?", const=True, default=None,
-                        help="SOURCE is a megakit checkpoint: write config.json and model.safetensors to OUT_DIR "
-                             "(given before or, as before, after --to-hf)")
-    parser.add_argument("--from-hf", action="store_true",
-                        help="SOURCE is a transformers checkpoint (config.json + safetensors): write it to OUT_DIR "
-                             "as a megakit checkpoint that train.py --load starts from at any layout")
-    parser.add_argument("--max-shard-gb", type=finite_float, default=5.0,
-                        help="with --to-hf: split the weights into files of at most this size, as transformers does")
+    parser.add_argument(
+        "source",
+        metavar="SOURCE",
+        help="a megakit checkpoint directory or a --keep series, whose newest intact checkpoint is "
+        "taken (with --to-hf); or a transformers directory (with --from-hf)",
+    )
+    parser.add_argument(
+        "out",
+        metavar="OUT_DIR",
+        nargs="?",
+        default=None,
+        help="where to write: the transformers directory (--to-hf) or the megakit checkpoint "
+        "(--from-hf); a new or empty directory",
+    )
+    parser.add_argument(
+        "--to-hf",
+        metavar="OUT_DIR",
+        nargs="?",
+        const=True,
+        default=None,
+        help="SOURCE is a megakit checkpoint: write config.json and model.safetensors to OUT_DIR "
+        "(given before or, as before, after --to-hf)",
+    )
+    parser.add_argument(
+        "--from-hf",
+        action="store_true",
+        help="SOURCE is a transformers checkpoint (config.json + safetensors): write it to OUT_DIR "
+        "as a megakit checkpoint that train.py --load starts from at any layout",
+    )
+    parser.add_argument(
+        "--max-shard-gb",
+        type=finite_float,
+        default=5.0,
+        help="with --to-hf: split the weights into files of at most this size, as transformers does",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,9 +73,11 @@ def run(args: argparse.Namespace) -> int:
         summary = import_hf(args.source, args.out)
         if tokenizer is not None:  # with its chat template and stop ids, so the import exports and chats as it is
             save_tokenizer(tokenizer, Path(args.out) / TOKENIZER, source=args.source)
-        print(f"wrote {args.out}: a megakit checkpoint at step 0 ({summary['model_type']}, "
-              f"{summary['params'] / 1e6:.2f} M parameters, {summary['dtype']})"
-              f"{' and its tokenizer' if tokenizer is not None else ''} from {args.source}")
+        print(
+            f"wrote {args.out}: a megakit checkpoint at step 0 ({summary['model_type']}, "
+            f"{summary['params'] / 1e6:.2f} M parameters, {summary['dtype']})"
+            f"{' and its tokenizer' if tokenizer is not None else ''} from {args.source}"
+        )
         print(f"train from it with: deepspeed scripts/train.py --model {args.source} --load {args.out} ...")
         return 0
     from megakit.interop.hf_export import export_hf
@@ -64,9 +87,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
     checkpoint = choose_checkpoint(args.source, doing="converting")  # a --keep series: its newest intact one
     summary = export_hf(checkpoint, args.out, max_shard_bytes=int(args.max_shard_gb * 2**30))
-    print(f"wrote {args.out}: {', '.join(summary['files'])} + config.json "
-          f"({summary['params'] / 1e6:.2f} M parameters, {summary['dtype']}, {summary['bytes'] / 2**20:.1f} MiB) "
-          f"from step {summary['step']} of {checkpoint}")
+    print(
+        f"wrote {args.out}: {', '.join(summary['files'])} + config.json "
+        f"({summary['params'] / 1e6:.2f} M parameters, {summary['dtype']}, {summary['bytes'] / 2**20:.1f} MiB) "
+        f"from step {summary['step']} of {checkpoint}"
+    )
     print(f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
     if summary["tokenizer"]:
         print(f"with its tokenizer: transformers.pipeline('text-generation', model={str(args.out)!r})")

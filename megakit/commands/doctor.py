@@ -28,13 +28,19 @@ TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = ("Every other flag goes to scripts/train.py (its --ds_config, --model, --tp, --pp, ...). Exit status "
-                     "0 when every check passed, 1 when one failed, 2 for bad input.")
+    parser.epilog = (
+        "Every other flag goes to scripts/train.py (its --ds_config, --model, --tp, --pp, ...). Exit status "
+        "0 when every check passed, 1 when one failed, 2 for bad input."
+    )
     parser.usage = "megakit doctor --nproc N [doctor flags] [scripts/train.py flags]"
     parser.add_argument("--nproc", type=int, default=2, help="processes to start (one per GPU, or CPU processes)")
     parser.add_argument("--steps", type=int, default=6, help="steps to run and to compare with one process")
-    parser.add_argument("--base-lr", type=finite_float, help="an LR known to train well at --base-batch (e.g. the "
-                        "single-GPU run's): the LR check then judges linear scaling and warm-up against it")
+    parser.add_argument(
+        "--base-lr",
+        type=finite_float,
+        help="an LR known to train well at --base-batch (e.g. the "
+        "single-GPU run's): the LR check then judges linear scaling and warm-up against it",
+    )
     parser.add_argument("--base-batch", type=int, help="sequences per step at which --base-lr was used")
     parser.add_argument("--facts-out", metavar="FILE", help="keep the facts the job gathered (JSON)")
     parser.add_argument("--report-out", metavar="FILE", help="write the verdicts as JSON")
@@ -49,8 +55,10 @@ def _check(args, train_args: list[str]) -> None:
     if args.steps < 2:
         raise UsageError(f"--steps {args.steps}: the doctor needs at least 2 steps (the first one warms up)")
     if (args.base_lr is None) != (args.base_batch is None) or (args.base_lr or 1) <= 0 or (args.base_batch or 1) < 1:
-        raise UsageError("--base-lr and --base-batch go together: a positive LR and the batch (sequences) it was "
-                         "tuned at, e.g. --base-lr 1e-3 --base-batch 8")
+        raise UsageError(
+            "--base-lr and --base-batch go together: a positive LR and the batch (sequences) it was "
+            "tuned at, e.g. --base-lr 1e-3 --base-batch 8"
+        )
     if any(a.split("=")[0] == "--doctor-out" for a in train_args):
         raise UsageError("--doctor-out is the doctor's to set; drop it")
     if not TRAIN_SCRIPT.exists():
@@ -89,17 +97,36 @@ def _free_port() -> int:
 
 
 def _launch(args, train_args: list[str], facts: Path) -> subprocess.CompletedProcess:
-    cmd = ["deepspeed", "--num_gpus", str(args.nproc), "--master_port", str(_free_port()), str(TRAIN_SCRIPT),
-           *train_args, "--steps", str(args.steps), "--no-progress", "--doctor-out", str(facts)]
+    cmd = [
+        "deepspeed",
+        "--num_gpus",
+        str(args.nproc),
+        "--master_port",
+        str(_free_port()),
+        str(TRAIN_SCRIPT),
+        *train_args,
+        "--steps",
+        str(args.steps),
+        "--no-progress",
+        "--doctor-out",
+        str(facts),
+    ]
     print(f"megakit doctor: {' '.join(cmd)}", flush=True)
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=args.timeout,
-                              env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
+        return subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=args.timeout,
+            env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")),
+        )
     except FileNotFoundError:
         raise UsageError("the deepspeed launcher is not on PATH; pip install deepspeed") from None
     except subprocess.TimeoutExpired:
-        raise UsageError(f"the job took longer than --timeout {args.timeout:g} s; fewer --steps or a longer "
-                         "--timeout") from None
+        raise UsageError(
+            f"the job took longer than --timeout {args.timeout:g} s; fewer --steps or a longer --timeout"
+        ) from None
 
 
 def _job_ending(out: subprocess.CompletedProcess) -> str:
@@ -122,14 +149,17 @@ def run(args) -> int:
             print(_job_ending(out), file=sys.stderr)
             return 2
         if not facts_path.exists() or not json.loads(facts_path.read_text())["steps"]:
-            print(f"megakit doctor: the job failed (status {out.returncode}) before its first step:\n"
-                  f"{_job_ending(out)}", file=sys.stderr)
+            print(
+                f"megakit doctor: the job failed (status {out.returncode}) before its first step:\n{_job_ending(out)}",
+                file=sys.stderr,
+            )
             return 1
         facts = json.loads(facts_path.read_text())
     verdicts = judge(facts, base_lr=args.base_lr, base_batch=args.base_batch)
     ended = "" if out.returncode == 0 else f"the job ended with status {out.returncode}: {_job_ending(out)}"
     render(facts, verdicts, ended=ended)
     if args.report_out:
-        Path(args.report_out).write_text(json.dumps({"checks": [v.to_dict() for v in verdicts],
-                                                     "job_status": out.returncode}, indent=1))
+        Path(args.report_out).write_text(
+            json.dumps({"checks": [v.to_dict() for v in verdicts], "job_status": out.returncode}, indent=1)
+        )
     return 0 if all(v.passed is not False for v in verdicts) else 1

@@ -13,10 +13,12 @@ RESULT = {True: "[green]pass[/]", False: "[bold red]FAIL[/]", None: "[yellow]n/a
 def render(facts: dict, verdicts: list, *, ended: str = "") -> None:
     console = Console(highlight=False)
     c = facts["config"]
-    console.print(f"[bold]Job[/]: {c['model']} on {c['world']} processes, {grid(c)}, "
-                  f"ZeRO {c['zero_stage']}, {c['precision']}, global batch {c['global_batch']} x {c['seq_len']} "
-                  f"tokens, {len(facts['steps'])} of {c['steps'] - c['start_step']} steps ran"
-                  + (f"; faults injected: {facts['faults']}" if facts["faults"] else ""))
+    console.print(
+        f"[bold]Job[/]: {c['model']} on {c['world']} processes, {grid(c)}, "
+        f"ZeRO {c['zero_stage']}, {c['precision']}, global batch {c['global_batch']} x {c['seq_len']} "
+        f"tokens, {len(facts['steps'])} of {c['steps'] - c['start_step']} steps ran"
+        + (f"; faults injected: {facts['faults']}" if facts["faults"] else "")
+    )
     if ended:
         console.print(f"[bold]Job ended early[/]: {ended}")
     table = Table(title="FAQ 6: why the loss does not go down", show_lines=True)

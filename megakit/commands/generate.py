@@ -21,17 +21,28 @@ from megakit.errors import finite_float
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", metavar="CHECKPOINT",
-                        help="a megakit checkpoint, a --keep series (its newest intact one), or a transformers directory")
+    parser.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT",
+        help="a megakit checkpoint, a --keep series (its newest intact one), or a transformers directory",
+    )
     parser.add_argument("--prompt", help="the text to continue; with --chat, the user's message")
-    parser.add_argument("--chat", action="store_true",
-                        help="a chat model: send --prompt as a user turn through the model's chat template and print "
-                             "its reply, which ends at its end of turn")
-    parser.add_argument("--messages", metavar="FILE",
-                        help="a conversation to reply to (implies --chat): a JSON list of {role, content} messages, or "
-                             "an object with 'messages'; --prompt, if given, is added as a last user turn")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="a chat model: send --prompt as a user turn through the model's chat template and print "
+        "its reply, which ends at its end of turn",
+    )
+    parser.add_argument(
+        "--messages",
+        metavar="FILE",
+        help="a conversation to reply to (implies --chat): a JSON list of {role, content} messages, or "
+        "an object with 'messages'; --prompt, if given, is added as a last user turn",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated at most (default 64)")
-    parser.add_argument("--temperature", type=finite_float, default=0.0, help="0: greedy (the default); above 0: sampled")
+    parser.add_argument(
+        "--temperature", type=finite_float, default=0.0, help="0: greedy (the default); above 0: sampled"
+    )
     parser.add_argument("--top-k", type=int, default=0, help="with --temperature: sample from the K likeliest only")
     parser.add_argument("--seed", type=int, default=0, help="with --temperature: the sampling seed")
 
@@ -49,9 +60,14 @@ def run(args: argparse.Namespace) -> int:
     if messages is None and args.prompt is None:
         raise UsageError("give --prompt TEXT (with --chat: the user's message) or --messages FILE")
     source = Path(args.checkpoint)
-    options = {"messages": messages, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-               "top_k": args.top_k, "seed": args.seed,
-               "source": f"--messages {args.messages}" if args.messages is not None else "--chat --prompt"}
+    options = {
+        "messages": messages,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "source": f"--messages {args.messages}" if args.messages is not None else "--chat --prompt",
+    }
     if (source / "config.json").is_file():
         text = generate(source, args.prompt, **options)
     else:
@@ -83,11 +99,16 @@ def _messages(args: argparse.Namespace) -> list[dict] | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise UsageError(f"--messages {args.messages}: cannot read it as JSON ({error})") from None
     messages = value.get("messages") if isinstance(value, dict) else value
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and
-                                                  isinstance(m.get("content"), str) for m in messages):
-        raise UsageError(f"--messages {args.messages}: give a JSON list of {{\"role\": ..., \"content\": \"...\"}} "
-                         "messages, or an object whose 'messages' is one")
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise UsageError(
+            f'--messages {args.messages}: give a JSON list of {{"role": ..., "content": "..."}} '
+            "messages, or an object whose 'messages' is one"
+        )
     if not messages and args.prompt is None:
-        raise UsageError(f"--messages {args.messages}: the conversation is empty; give at least one message (or "
-                         "--prompt TEXT, the user's)")
+        raise UsageError(
+            f"--messages {args.messages}: the conversation is empty; give at least one message (or "
+            "--prompt TEXT, the user's)"
+        )
     return messages + ([{"role": "user", "content": args.prompt}] if args.prompt is not None else [])

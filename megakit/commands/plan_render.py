@@ -6,16 +6,23 @@ from rich.console import Console
 from rich.table import Table
 
 MEMORY_LABELS = {
-    "params": "parameters", "grads": "gradients", "master_params": "fp32 master params",
-    "optimizer": "Adam states (m, v)", "fp32_step_grads": "fp32 grads at step (in the activations' place)",
-    "expert_params": "experts: params (E/EP per GPU)", "expert_grads": "experts: gradients (ZeRO-2: over EDP)",
+    "params": "parameters",
+    "grads": "gradients",
+    "master_params": "fp32 master params",
+    "optimizer": "Adam states (m, v)",
+    "fp32_step_grads": "fp32 grads at step (in the activations' place)",
+    "expert_params": "experts: params (E/EP per GPU)",
+    "expert_grads": "experts: gradients (ZeRO-2: over EDP)",
     "expert_master_params": "experts: fp32 master params (ZeRO over EDP)",
-    "expert_optimizer": "experts: Adam states (ZeRO over EDP)", "activations": "activations",
+    "expert_optimizer": "experts: Adam states (ZeRO over EDP)",
+    "activations": "activations",
     "moe_routing": "MoE routing (router logits, top-k, aux-loss terms, dispatch, expert acts)",
     "pipeline_outputs": "stage outputs kept for backward",
     "weight_grad_inputs": "kept for deferred W (ZB-H1)",
-    "recompute_working_set": "recompute working set", "logits": "logits + loss (last stage)",
-    "comm_buffers": "communication buckets", "zero3_gather": "ZeRO-3 gather buffers",
+    "recompute_working_set": "recompute working set",
+    "logits": "logits + loss (last stage)",
+    "comm_buffers": "communication buckets",
+    "zero3_gather": "ZeRO-3 gather buffers",
     "overhead": "CUDA context / workspaces",
 }
 
@@ -56,50 +63,88 @@ def _layers_row(p: dict) -> tuple:
     return (("layers per virtual stage", f"{text} ({sum(p['stage_layers'])} in all)"),)
 
 
-def render(report: dict, result, model, cluster, *, tips: list, emitted: str | None, launch: str,
-           launch_note: str = "") -> None:
+def render(
+    report: dict, result, model, cluster, *, tips: list, emitted: str | None, launch: str, launch_note: str = ""
+) -> None:
     console = Console(highlight=False)
     a, p = report["assumptions"], report["plan"]
     m, c = a["model"], a["cluster"]
     console.print(f"[bold]Model[/]: {m['source']}")
-    console.print(f"  {m['family']}: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads"
-                  f"{' (' + str(m['kv_heads']) + ' KV)' if m['kv_heads'] != m['heads'] else ''}, FFN {m['ffn']}, "
-                  f"vocab {m['vocab']}, seq {m['seq_len']}: {_count(m['params'])} parameters")
+    console.print(
+        f"  {m['family']}: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads"
+        f"{' (' + str(m['kv_heads']) + ' KV)' if m['kv_heads'] != m['heads'] else ''}, FFN {m['ffn']}, "
+        f"vocab {m['vocab']}, seq {m['seq_len']}: {_count(m['params'])} parameters"
+    )
     if "moe" in a:
         e = a["moe"]
-        console.print(f"  MoE: {e['experts']} experts of FFN {e['expert_ffn']}, top-{e['top_k']}"
-                      f"{', shared FFN ' + str(e['shared_ffn']) if e['shared_ffn'] else ''}, in {e['moe_layers']} "
-                      f"of {m['layers']} layers: {m['params'] / 1e9:.2f}B total, {e['active_params'] / 1e9:.2f}B "
-                      f"active per token")
+        console.print(
+            f"  MoE: {e['experts']} experts of FFN {e['expert_ffn']}, top-{e['top_k']}"
+            f"{', shared FFN ' + str(e['shared_ffn']) if e['shared_ffn'] else ''}, in {e['moe_layers']} "
+            f"of {m['layers']} layers: {m['params'] / 1e9:.2f}B total, {e['active_params'] / 1e9:.2f}B "
+            f"active per token"
+        )
         console.print(f"  Routing priced: {e['routing']} ({e['routing_note']}).")
-    console.print(f"[bold]Cluster[/]: {c['num_gpus']} x {c['gpu']} ({c['nodes']} node(s) x {c['gpus_per_node']}), "
-                  f"{c['gpu_memory_gib']:,.4g} GiB, {c['peak_tflops']:,.4g} TFLOP/s peak; "
-                  f"intra-node {c['intra_node']}; "
-                  f"inter-node {c['inter_node']}")
+    console.print(
+        f"[bold]Cluster[/]: {c['num_gpus']} x {c['gpu']} ({c['nodes']} node(s) x {c['gpus_per_node']}), "
+        f"{c['gpu_memory_gib']:,.4g} GiB, {c['peak_tflops']:,.4g} TFLOP/s peak; "
+        f"intra-node {c['intra_node']}; "
+        f"inter-node {c['inter_node']}"
+    )
     if c["auto_sized"]:
-        console.print(f"  No --gpus/--nodes given: planned for the smallest whole number of nodes on which "
-                      f"training fits: [bold]{c['nodes']} nodes ({c['num_gpus']} GPUs)[/].")
+        console.print(
+            f"  No --gpus/--nodes given: planned for the smallest whole number of nodes on which "
+            f"training fits: [bold]{c['nodes']} nodes ({c['num_gpus']} GPUs)[/]."
+        )
     console.print(f"[bold]Rule[/] ({a['rule']['branch']}): {a['rule']['why']}.")
     if a.get("global_batch_note") and a["global_batch_note"] != "--global-batch":
         console.print(f"[bold]Global batch[/] (no --global-batch given): {a['global_batch_note']}.")
 
     plan = Table(title="Plan", show_header=False)
-    grid = (("TP x CP x PP x DP", f"{p['tp']} x {p['cp']} x {p['pp']} x {p['dp']} = {p['num_gpus']} GPUs")
-            if p.get("cp", 1) > 1 else ("TP x PP x DP", f"{p['tp']} x {p['pp']} x {p['dp']} = {p['num_gpus']} GPUs"))
+    grid = (
+        ("TP x CP x PP x DP", f"{p['tp']} x {p['cp']} x {p['pp']} x {p['dp']} = {p['num_gpus']} GPUs")
+        if p.get("cp", 1) > 1
+        else ("TP x PP x DP", f"{p['tp']} x {p['pp']} x {p['dp']} = {p['num_gpus']} GPUs")
+    )
     span = p.get("ep_group")
-    moe = (("experts: EP x EDP", f"{p['ep']} x {p['edp']} (E/EP experts per GPU; EP folded over TP x CP x DP, "
-                                 f"attention on TP x CP x DP)"),
-           *((("EP group (all-to-all)", f"{span['ranks']} consecutive ranks, {span['tp_groups']} TP group(s), "
-                                         f"{span['link']}"),) if span else ())) if "moe" in a else ()
+    moe = (
+        (
+            (
+                "experts: EP x EDP",
+                f"{p['ep']} x {p['edp']} (E/EP experts per GPU; EP folded over TP x CP x DP, "
+                f"attention on TP x CP x DP)",
+            ),
+            *(
+                (
+                    (
+                        "EP group (all-to-all)",
+                        f"{span['ranks']} consecutive ranks, {span['tp_groups']} TP group(s), {span['link']}",
+                    ),
+                )
+                if span
+                else ()
+            ),
+        )
+        if "moe" in a
+        else ()
+    )
     cp_mode = (("context parallelism", p["cp_mode_note"]),) if p.get("cp_mode_note") else ()
-    for key, value in (grid, *cp_mode, *moe,
-                       ("virtual stages", p["vpp"]), *_layers_row(p), ("schedule", p.get("schedule", "1f1b")),
-                       ("ZeRO stage", _zero_stage(p)),
-                       ("batch", f"micro {p['micro_batch']} x accumulation {p['grad_accum']} x DP {p['dp']} = "
-                                 f"{p['global_batch']} sequences"),
-                       ("recompute", p["recompute"]), ("sequence parallel", p["sequence_parallel"]),
-                       ("precision / attention", f"{p['precision']} / {a['attention']}"),
-                       ("kernels / fp8", f"{p['kernels']} / {p['fp8']}")):
+    for key, value in (
+        grid,
+        *cp_mode,
+        *moe,
+        ("virtual stages", p["vpp"]),
+        *_layers_row(p),
+        ("schedule", p.get("schedule", "1f1b")),
+        ("ZeRO stage", _zero_stage(p)),
+        (
+            "batch",
+            f"micro {p['micro_batch']} x accumulation {p['grad_accum']} x DP {p['dp']} = {p['global_batch']} sequences",
+        ),
+        ("recompute", p["recompute"]),
+        ("sequence parallel", p["sequence_parallel"]),
+        ("precision / attention", f"{p['precision']} / {a['attention']}"),
+        ("kernels / fp8", f"{p['kernels']} / {p['fp8']}"),
+    ):
         plan.add_row(key, str(value))
     console.print(plan)
 
@@ -124,19 +169,35 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
         console.print(f"[bold]Fits[/]: yes, under the {a['mem_threshold']:.0%} line.")
 
     speed = Table(title="Throughput (predicted)", show_header=False)
-    rows = [("step time", f"{p['step_time_s']:.2f} s"), ("tokens/s", f"{p['tokens_per_s']:,.0f}"),
-            ("model TFLOP/s per GPU (full S x S attention)", f"{p['model_tflops_per_gpu']:.0f}"),
-            ("GFLOP per token (causal attention, windows counted)",
-             f"{p['gflops_per_token']['causal']:.1f}" + (f" ({p['gflops_per_token']['windows_ignored']:.1f} if the "
-                                                          "windows were ignored)" if p['gflops_per_token']['causal']
-                                                         != p['gflops_per_token']['windows_ignored'] else "")),
-            ("hardware TFLOP/s per GPU (as executed: recompute, causal flash half)",
-             f"{p['hardware_tflops_per_gpu']:.0f}"), ("MFU (model FLOPs, PaLM's convention)", f"{p['mfu']:.1%}"),
-            ("communication share", f"{p['comm_fraction']:.1%}"), ("pipeline bubble", f"{p['bubble_fraction']:.1%}"),
-            *((("MoE all-to-all (dispatch + combine)", f"{p['all_to_all_s']:.2f} s per step, "
-                f"{p['all_to_all_fraction']:.1%} of it"),) if "moe" in a else ()),
-            ("speed-up vs one GPU", f"{p['speedup_vs_one_gpu']:.1f}x (scaling efficiency "
-                                    f"{p['scaling_efficiency']:.0%})")]
+    rows = [
+        ("step time", f"{p['step_time_s']:.2f} s"),
+        ("tokens/s", f"{p['tokens_per_s']:,.0f}"),
+        ("model TFLOP/s per GPU (full S x S attention)", f"{p['model_tflops_per_gpu']:.0f}"),
+        (
+            "GFLOP per token (causal attention, windows counted)",
+            f"{p['gflops_per_token']['causal']:.1f}"
+            + (
+                f" ({p['gflops_per_token']['windows_ignored']:.1f} if the windows were ignored)"
+                if p["gflops_per_token"]["causal"] != p["gflops_per_token"]["windows_ignored"]
+                else ""
+            ),
+        ),
+        ("hardware TFLOP/s per GPU (as executed: recompute, causal flash half)", f"{p['hardware_tflops_per_gpu']:.0f}"),
+        ("MFU (model FLOPs, PaLM's convention)", f"{p['mfu']:.1%}"),
+        ("communication share", f"{p['comm_fraction']:.1%}"),
+        ("pipeline bubble", f"{p['bubble_fraction']:.1%}"),
+        *(
+            (
+                (
+                    "MoE all-to-all (dispatch + combine)",
+                    f"{p['all_to_all_s']:.2f} s per step, {p['all_to_all_fraction']:.1%} of it",
+                ),
+            )
+            if "moe" in a
+            else ()
+        ),
+        ("speed-up vs one GPU", f"{p['speedup_vs_one_gpu']:.1f}x (scaling efficiency {p['scaling_efficiency']:.0%})"),
+    ]
     if "train_days" in p:
         rows.append((f"time to train {a['tokens'] / 1e9:g}B tokens", f"{p['train_days']:.1f} days"))
     for key, value in rows:
@@ -148,8 +209,12 @@ def render(report: dict, result, model, cluster, *, tips: list, emitted: str | N
         for col in ("layout", "peak GiB", "tokens/s", "vs plan"):
             alt.add_column(col, justify="left" if col == "layout" else "right")
         for q in report["alternatives"]:
-            alt.add_row(_short(q), f"{q['peak_memory_gib']:.1f}", f"{q['tokens_per_s']:,.0f}",
-                        f"{q['tokens_per_s'] / p['tokens_per_s']:.0%}")
+            alt.add_row(
+                _short(q),
+                f"{q['peak_memory_gib']:.1f}",
+                f"{q['tokens_per_s']:,.0f}",
+                f"{q['tokens_per_s'] / p['tokens_per_s']:.0%}",
+            )
         console.print(alt)
     if report["rejected"]:
         rej = Table(title="Rejected")

@@ -36,15 +36,21 @@ def run(args) -> int:
     if gpu and args.nproc > torch.cuda.device_count():
         raise UsageError(f"--nproc {args.nproc} exceeds the {torch.cuda.device_count()} GPUs here; use at most that")
     try:
-        profile = probe.run(args.nproc, hidden=args.hidden or (4096 if gpu else 512),
-                            tokens=args.tokens or (8192 if gpu else 1024),
-                            nbytes=args.bytes or (256 if gpu else 16) * 2**20, repeat=args.repeat)
+        profile = probe.run(
+            args.nproc,
+            hidden=args.hidden or (4096 if gpu else 512),
+            tokens=args.tokens or (8192 if gpu else 1024),
+            nbytes=args.bytes or (256 if gpu else 16) * 2**20,
+            repeat=args.repeat,
+        )
     except RuntimeError as error:
         raise UsageError(f"the probe failed: {error}") from None
     write_json_atomic(args.out, profile)
     links = ", ".join(f"{k} {v['bus_gbps']:.2f}" for k, v in profile["links"].items()) or "none (one process)"
-    print(f"{profile['device']} x {profile['nproc']} ({profile['backend']}, {profile['dtype']}): matmul "
-          f"{profile['matmul_tflops']:.3g} TFLOP/s, copy {profile['copy_gbps']:.3g} GB/s, attention "
-          f"{profile['attention_tflops']:.3g} TFLOP/s; bus bandwidth GB/s: {links}")
+    print(
+        f"{profile['device']} x {profile['nproc']} ({profile['backend']}, {profile['dtype']}): matmul "
+        f"{profile['matmul_tflops']:.3g} TFLOP/s, copy {profile['copy_gbps']:.3g} GB/s, attention "
+        f"{profile['attention_tflops']:.3g} TFLOP/s; bus bandwidth GB/s: {links}"
+    )
     print(f"wrote {args.out}; plan with: megakit plan --hardware {args.out} ...")
     return 0

@@ -19,18 +19,37 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, default=4, help="pipeline stages (default 4)")
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (default 8)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="schedule (default 1f1b)")
-    parser.add_argument("--vpp", type=int, default=None,
-                        help="model chunks per stage for --schedule interleaved (default 2)")
-    parser.add_argument("--forward-cost", type=_costs, default=1.0,
-                        help="time of one stage's forward (default 1); comma-separated, one per stage (e.g. 1,1,1,2) "
-                             "or one per virtual stage (chunk c of stage s is c x PP + s; e.g. 0,1,1,0 at PP 2 x VPP 2)")
-    parser.add_argument("--backward-cost", type=_costs, default=2.0,
-                        help="time of one stage's backward (default 2); comma-separated as --forward-cost")
-    parser.add_argument("--weight-share", type=finite_float, default=0.5,
-                        help="zb-h1: the share of the backward that is the weight gradient W (default 0.5: F = B = W)")
-    parser.add_argument("--p2p-cost", type=finite_float, default=0.0, help="time for a message between stages (default 0)")
-    parser.add_argument("--p2p", choices=("async", "batched"), default="async",
-                        help="P2P model: async sends (gloo) or batched rendezvous (NCCL) (default async)")
+    parser.add_argument(
+        "--vpp", type=int, default=None, help="model chunks per stage for --schedule interleaved (default 2)"
+    )
+    parser.add_argument(
+        "--forward-cost",
+        type=_costs,
+        default=1.0,
+        help="time of one stage's forward (default 1); comma-separated, one per stage (e.g. 1,1,1,2) "
+        "or one per virtual stage (chunk c of stage s is c x PP + s; e.g. 0,1,1,0 at PP 2 x VPP 2)",
+    )
+    parser.add_argument(
+        "--backward-cost",
+        type=_costs,
+        default=2.0,
+        help="time of one stage's backward (default 2); comma-separated as --forward-cost",
+    )
+    parser.add_argument(
+        "--weight-share",
+        type=finite_float,
+        default=0.5,
+        help="zb-h1: the share of the backward that is the weight gradient W (default 0.5: F = B = W)",
+    )
+    parser.add_argument(
+        "--p2p-cost", type=finite_float, default=0.0, help="time for a message between stages (default 0)"
+    )
+    parser.add_argument(
+        "--p2p",
+        choices=("async", "batched"),
+        default="async",
+        help="P2P model: async sends (gloo) or batched rendezvous (NCCL) (default async)",
+    )
     parser.add_argument("--out", default=None, help="also draw the timeline to this PNG file")
 
 
@@ -39,7 +58,9 @@ def _costs(text: str) -> float | tuple[float, ...]:
     try:
         values = tuple(float(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number or comma-separated numbers, e.g. 1 or 1,1,2") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number or comma-separated numbers, e.g. 1 or 1,1,2"
+        ) from None
     return values[0] if len(values) == 1 else values
 
 
@@ -59,13 +80,18 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if min(value if isinstance(value, tuple) else (value,)) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-    report = simulate(schedule, Costs(forward=args.forward_cost, backward=args.backward_cost, p2p=args.p2p_cost,
-                                      weight=args.weight_share), p2p=args.p2p)
+    report = simulate(
+        schedule,
+        Costs(forward=args.forward_cost, backward=args.backward_cost, p2p=args.p2p_cost, weight=args.weight_share),
+        p2p=args.p2p,
+    )
     print_timeline(report, weight_share=args.weight_share)
     formula = bubble_formula(args.schedule, args.pp, args.micro_batches, vpp, weight_share=args.weight_share)
     idle = report.step_time - min(report.busy)
-    print(f"step time {report.step_time:g}  bubble {report.bubble:.1%} ({idle:g} idle per stage)  (formula {formula:.1%})  "
-          f"peak in-flight activations per stage {list(report.peak_in_flight)}")
+    print(
+        f"step time {report.step_time:g}  bubble {report.bubble:.1%} ({idle:g} idle per stage)  (formula {formula:.1%})  "
+        f"peak in-flight activations per stage {list(report.peak_in_flight)}"
+    )
     if args.out:
         save_png(report, args.out, weight_share=args.weight_share)
         print(f"wrote {args.out}")

@@ -25,12 +25,19 @@ from megakit.core.schedules import (
 )
 from megakit.core.simulator import Report
 
-_TERMINAL = {Forward: ("white on blue", "black on bright_blue"), Backward: ("black on green", "black on bright_green"),
-             BackwardInput: ("black on green", "black on bright_green"),
-             BackwardWeight: ("black on yellow", "black on bright_yellow")}
+_TERMINAL = {
+    Forward: ("white on blue", "black on bright_blue"),
+    Backward: ("black on green", "black on bright_green"),
+    BackwardInput: ("black on green", "black on bright_green"),
+    BackwardWeight: ("black on yellow", "black on bright_yellow"),
+}
 _LETTER = {Forward: "F", Backward: "B", BackwardInput: "B", BackwardWeight: "W"}
-_PNG = {Forward: ("#2f6fd0", "#89aef0"), Backward: ("#2e9e49", "#8fd6a0"), BackwardInput: ("#2e9e49", "#8fd6a0"),
-        BackwardWeight: ("#e0a800", "#f0d070")}
+_PNG = {
+    Forward: ("#2f6fd0", "#89aef0"),
+    Backward: ("#2e9e49", "#8fd6a0"),
+    BackwardInput: ("#2e9e49", "#8fd6a0"),
+    BackwardWeight: ("#e0a800", "#f0d070"),
+}
 
 
 def legend(schedule) -> list[tuple[type | None, str]]:
@@ -53,8 +60,10 @@ def title(report: Report, weight_share: float = 0.5) -> str:
     s = report.schedule
     name = s.name.split("(")[0]
     formula = bubble_formula(name, s.pp, s.micro_batches, s.vpp, weight_share=weight_share)
-    return (f"{s.name}  pp={s.pp} micro-batches={s.micro_batches}: bubble {report.bubble:.1%} "
-            f"(formula {formula:.1%}), step time {report.step_time:g}")
+    return (
+        f"{s.name}  pp={s.pp} micro-batches={s.micro_batches}: bubble {report.bubble:.1%} "
+        f"(formula {formula:.1%}), step time {report.step_time:g}"
+    )
 
 
 def timeline_text(report: Report, *, width: int = 120, weight_share: float = 0.5, colour: bool = True):
@@ -124,17 +133,23 @@ def save_png(report: Report, path: str, *, weight_share: float = 0.5) -> None:
     per_unit = fig.get_size_inches()[0] * 72 / max(report.step_time, 1e-9)
     for e in report.events if len(report.events) <= 2000 else ():
         if (e.end - e.start) * per_unit > 9:  # label a cell with its micro-batch only where it fits
-            ax.text((e.start + e.end) / 2, e.stage, str(e.micro_batch), ha="center", va="center", fontsize=7,
-                    color="white")
+            ax.text(
+                (e.start + e.end) / 2, e.stage, str(e.micro_batch), ha="center", va="center", fontsize=7, color="white"
+            )
     ax.set_yticks(range(pp), [f"stage {s}" for s in range(pp)])
     ax.invert_yaxis()
     ax.set_xlim(0, report.step_time)
     chunks = f"; {LATER_CHUNKS}" if report.schedule.vpp > 1 else ""
     ax.set_xlabel(f"time (units of the per-op costs){chunks}")
     ax.set_title(title(report, weight_share), fontsize=10)
-    ax.legend(handles=[Patch(color=_PNG[kind][0] if kind else "#e6e6e6", label=name)
-                       for kind, name in legend(report.schedule)], loc="upper left", fontsize=7,
-              bbox_to_anchor=(1.0, 1.0))
+    ax.legend(
+        handles=[
+            Patch(color=_PNG[kind][0] if kind else "#e6e6e6", label=name) for kind, name in legend(report.schedule)
+        ],
+        loc="upper left",
+        fontsize=7,
+        bbox_to_anchor=(1.0, 1.0),
+    )
     fig.tight_layout()
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(suffix=".png", dir=directory)

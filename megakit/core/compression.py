@@ -68,8 +68,13 @@ class Compression:
 
     def wire_bytes_per_element(self) -> float:
         """Bytes of this rank's compressed tensor per gradient element (what ``collective`` carries)."""
-        return {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / CHUNK, "sign": 1 / 8 + 4.0 / CHUNK,
-                "topk": 8.0 * self.ratio}[self.kind]
+        return {
+            "none": 4.0,
+            "fp16": 2.0,
+            "int8": 1.0 + 4.0 / CHUNK,
+            "sign": 1 / 8 + 4.0 / CHUNK,
+            "topk": 8.0 * self.ratio,
+        }[self.kind]
 
     def wire_fraction(self, dp: int = 2) -> float:
         """Bytes on the wire against the uncompressed fp32 ring all-reduce of the same gradients, at ``dp``."""
@@ -85,8 +90,10 @@ def parse_compression(text: str) -> Compression:
     """``none | fp16 | int8 | sign | topk:RATIO`` (0 < RATIO < 1) as a ``Compression``; UsageError otherwise."""
     kind, _, arg = text.strip().lower().partition(":")
     if kind not in KINDS:
-        raise UsageError(f"--compress {text}: not one of none, fp16, int8, sign, topk:RATIO "
-                         "(e.g. topk:0.01 sends the largest 1 % of gradient elements)")
+        raise UsageError(
+            f"--compress {text}: not one of none, fp16, int8, sign, topk:RATIO "
+            "(e.g. topk:0.01 sends the largest 1 % of gradient elements)"
+        )
     if kind != "topk":
         if arg:
             raise UsageError(f"--compress {text}: {kind} takes no argument; only topk:RATIO does")
@@ -96,6 +103,8 @@ def parse_compression(text: str) -> Compression:
     except ValueError:
         raise UsageError(f"--compress {text}: topk needs the share of elements to send, e.g. topk:0.01") from None
     if not 0.0 < ratio < 1.0:
-        raise UsageError(f"--compress {text}: the Top-K ratio must be above 0 and below 1 (topk:0.01 sends 1 %); "
-                         "use --compress none to send everything")
+        raise UsageError(
+            f"--compress {text}: the Top-K ratio must be above 0 and below 1 (topk:0.01 sends 1 %); "
+            "use --compress none to send everything"
+        )
     return Compression("topk", ratio)

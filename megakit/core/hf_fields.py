@@ -24,26 +24,93 @@ _FLAG = ("bool", None, None, False)
 _RATE = ("number", 0, 1, False)
 _SCALE = ("number", 0, None, False)
 FIELDS = {
-    **dict.fromkeys(("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "hidden_size", "num_hidden_layers",
-                     "num_attention_heads", "intermediate_size", "max_position_embeddings", "num_experts_per_tok",
-                     "num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size", "kv_lora_rank",
-                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "sliding_window_pattern",
-                     "_sliding_window_pattern"), _POSITIVE),
-    **dict.fromkeys(("first_k_dense_replace", "n_shared_experts", "shared_expert_intermediate_size",
-                     "max_window_layers", "num_nextn_predict_layers"), _COUNT),
-    **dict.fromkeys(("n_inner", "num_key_value_heads", "head_dim", "q_lora_rank", "n_group", "topk_group",
-                     "decoder_sparse_step", "sliding_window"), _OPTIONAL),
+    **dict.fromkeys(
+        (
+            "vocab_size",
+            "n_positions",
+            "n_embd",
+            "n_layer",
+            "n_head",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "num_experts_per_tok",
+            "num_local_experts",
+            "num_experts",
+            "n_routed_experts",
+            "moe_intermediate_size",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "sliding_window_pattern",
+            "_sliding_window_pattern",
+        ),
+        _POSITIVE,
+    ),
+    **dict.fromkeys(
+        (
+            "first_k_dense_replace",
+            "n_shared_experts",
+            "shared_expert_intermediate_size",
+            "max_window_layers",
+            "num_nextn_predict_layers",
+        ),
+        _COUNT,
+    ),
+    **dict.fromkeys(
+        (
+            "n_inner",
+            "num_key_value_heads",
+            "head_dim",
+            "q_lora_rank",
+            "n_group",
+            "topk_group",
+            "decoder_sparse_step",
+            "sliding_window",
+        ),
+        _OPTIONAL,
+    ),
     **dict.fromkeys(("attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"), _RATE),
     **dict.fromkeys(("initializer_range", "router_aux_loss_coef", "swiglu_limit"), _SCALE),
-    **dict.fromkeys(("layer_norm_epsilon", "rms_norm_eps", "routed_scaling_factor", "query_pre_attn_scalar",
-                     "rope_local_base_freq", "swiglu_alpha"), ("number", 0, None, False)),  # above 0: checked apart
-    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias", "qkv_bias", "scale_attn_weights",
-                     "scale_attn_by_inverse_layer_idx", "use_sliding_window", "norm_topk_prob", "output_router_logits",
-                     "rope_interleave"), _FLAG),
+    **dict.fromkeys(
+        (
+            "layer_norm_epsilon",
+            "rms_norm_eps",
+            "routed_scaling_factor",
+            "query_pre_attn_scalar",
+            "rope_local_base_freq",
+            "swiglu_alpha",
+        ),
+        ("number", 0, None, False),
+    ),  # above 0: checked apart
+    **dict.fromkeys(
+        (
+            "tie_word_embeddings",
+            "attention_bias",
+            "mlp_bias",
+            "qkv_bias",
+            "scale_attn_weights",
+            "scale_attn_by_inverse_layer_idx",
+            "use_sliding_window",
+            "norm_topk_prob",
+            "output_router_logits",
+            "rope_interleave",
+        ),
+        _FLAG,
+    ),
     **dict.fromkeys(("add_cross_attention", "use_bidirectional_attention"), ("bool", None, None, True)),
 }
-_ABOVE_ZERO = ("layer_norm_epsilon", "rms_norm_eps", "routed_scaling_factor", "query_pre_attn_scalar",
-               "rope_local_base_freq", "swiglu_alpha")
+_ABOVE_ZERO = (
+    "layer_norm_epsilon",
+    "rms_norm_eps",
+    "routed_scaling_factor",
+    "query_pre_attn_scalar",
+    "rope_local_base_freq",
+    "swiglu_alpha",
+)
 
 
 def check_hf_fields(data: dict, source: str) -> None:
@@ -58,13 +125,25 @@ def check_hf_fields(data: dict, source: str) -> None:
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
             want = "a positive integer" if low == 1 else "an integer >= 0"
         else:
-            ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-                  and (value > low if key in _ABOVE_ZERO else value >= low) and (high is None or value < high))
-            want = ("a number above 0" if key in _ABOVE_ZERO else f"a number in [{low}, {high})" if high is not None
-                    else "a number >= 0")
+            ok = (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+                and (value > low if key in _ABOVE_ZERO else value >= low)
+                and (high is None or value < high)
+            )
+            want = (
+                "a number above 0"
+                if key in _ABOVE_ZERO
+                else f"a number in [{low}, {high})"
+                if high is not None
+                else "a number >= 0"
+            )
         if not ok:
-            raise UsageError(f"model config {source} has {key} {json.dumps(value)}; give {want}"
-                             f"{' or null' if nullable else ''}{_bool_note(value, kind)}")
+            raise UsageError(
+                f"model config {source} has {key} {json.dumps(value)}; give {want}"
+                f"{' or null' if nullable else ''}{_bool_note(value, kind)}"
+            )
 
 
 def _bool_note(value, kind: str) -> str:

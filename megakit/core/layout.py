@@ -54,8 +54,10 @@ def check_ep_fold(tp: int, cp: int, dp: int, ep: int, *, fix: str = "") -> None:
     folded = tp * cp * dp
     if folded % ep:
         divisors = ", ".join(str(d) for d in range(1, folded + 1) if folded % d == 0)
-        raise UsageError(f"--ep {ep} does not divide TP x CP x DP = {tp} x {cp} x {dp} = {folded}, the ranks of a "
-                         f"pipeline stage that expert parallelism folds over; use one of {divisors}{fix}")
+        raise UsageError(
+            f"--ep {ep} does not divide TP x CP x DP = {tp} x {cp} x {dp} = {folded}, the ranks of a "
+            f"pipeline stage that expert parallelism folds over; use one of {divisors}{fix}"
+        )
 
 
 def hybrid_degrees(cp: int, heads: int) -> list[int]:
@@ -113,8 +115,12 @@ class Layout:
     def coords(self, rank: int) -> dict[str, int]:
         """``{"pp": ., "dp": ., "cp": ., "tp": .}`` of a global rank."""
         assert 0 <= rank < self.world_size, (rank, self)
-        return {"tp": rank % self.tp, "cp": rank // self.tp % self.cp, "dp": rank // (self.tp * self.cp) % self.dp,
-                "pp": rank // (self.tp * self.cp * self.dp)}
+        return {
+            "tp": rank % self.tp,
+            "cp": rank // self.tp % self.cp,
+            "dp": rank // (self.tp * self.cp) % self.dp,
+            "pp": rank // (self.tp * self.cp * self.dp),
+        }
 
     @property
     def edp(self) -> int:
@@ -142,31 +148,41 @@ class Layout:
         if kind in ("cp_a2a", "cp_ring"):
             a, out = self.cp_a2a, []
             for ring in self.groups("cp"):
-                out += ([ring[i:i + a] for i in range(0, self.cp, a)] if kind == "cp_a2a"
-                        else [ring[i::a] for i in range(a)])
+                out += (
+                    [ring[i : i + a] for i in range(0, self.cp, a)]
+                    if kind == "cp_a2a"
+                    else [ring[i::a] for i in range(a)]
+                )
             return sorted(out)
         if kind in ("ep", "edp"):
             stage, out = self.tp * self.cp * self.dp, []
             for p in range(self.pp):
                 folded = list(range(p * stage, (p + 1) * stage))
-                out += ([folded[i:i + self.ep] for i in range(0, stage, self.ep)] if kind == "ep"
-                        else [folded[i::self.ep] for i in range(self.ep)])
+                out += (
+                    [folded[i : i + self.ep] for i in range(0, stage, self.ep)]
+                    if kind == "ep"
+                    else [folded[i :: self.ep] for i in range(self.ep)]
+                )
             return sorted(out)
         if kind == "mp":
             return sorted(
                 [self.rank(pp=p, dp=d, cp=c, tp=t) for p in range(self.pp) for t in range(self.tp)]
-                for d in range(self.dp) for c in range(self.cp)
+                for d in range(self.dp)
+                for c in range(self.cp)
             )
         if kind == "embedding":
             stages = sorted({0, self.pp - 1})
             return sorted(
                 [self.rank(pp=p, dp=d, cp=c, tp=t) for p in stages]
-                for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)
+                for d in range(self.dp)
+                for c in range(self.cp)
+                for t in range(self.tp)
             )
         if kind == "dpcp":
             return sorted(
                 [self.rank(pp=p, dp=d, cp=c, tp=t) for d in range(self.dp) for c in range(self.cp)]
-                for p in range(self.pp) for t in range(self.tp)
+                for p in range(self.pp)
+                for t in range(self.tp)
             )
         assert kind in AXES, kind
         others = [axis for axis in AXES if axis != kind]

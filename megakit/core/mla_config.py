@@ -40,14 +40,19 @@ class MLAConfig:
         """``(matrices, norms)`` of one block's attention on one TP rank: the up-projections and ``o_proj`` split
         by heads, the down-projections (``q_a_proj``, ``kv_a_proj_with_mqa``) and the latent norms whole."""
         n = heads // tp
-        q = (hidden * self.q_lora_rank + self.q_lora_rank * n * self.qk_head_dim if self.q_lora_rank
-             else hidden * n * self.qk_head_dim)
+        q = (
+            hidden * self.q_lora_rank + self.q_lora_rank * n * self.qk_head_dim
+            if self.q_lora_rank
+            else hidden * n * self.qk_head_dim
+        )
         kv = hidden * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * n * (
-            self.qk_nope_head_dim + self.v_head_dim)
+            self.qk_nope_head_dim + self.v_head_dim
+        )
         return q + kv + n * self.v_head_dim * hidden, self.q_lora_rank + self.kv_lora_rank
 
-    def projections(self, hidden: int, heads: int, tp: int = 1, *,
-                    sequence_parallel: bool = False) -> list[tuple[str, float, int, int]]:
+    def projections(
+        self, hidden: int, heads: int, tp: int = 1, *, sequence_parallel: bool = False
+    ) -> list[tuple[str, float, int, int]]:
         """``(name, rows, k, n)`` of one block's attention GEMMs on one TP rank, in execution order: ``k x n`` weights
         over ``rows`` of the block's tokens (1: all of them). As ``megakit.nn.attention.latent`` runs them: the
         down-projections (``q_a_proj``, ``kv_a_proj_with_mqa``) whole on every rank, over the rank's ``1/tp`` of the
@@ -55,19 +60,34 @@ class MLAConfig:
         ``q_proj``, ``kv_b_proj``) and ``o_proj`` split by heads over all the tokens. Their weights sum to
         ``attention_params``' matrices."""
         n, down = heads // tp, 1 / tp if sequence_parallel else 1.0
-        q = ([("q_a_proj", down, hidden, self.q_lora_rank), ("q_b_proj", 1.0, self.q_lora_rank, n * self.qk_head_dim)]
-             if self.q_lora_rank else [("q_proj", 1.0, hidden, n * self.qk_head_dim)])
-        return q + [("kv_a_proj_with_mqa", down, hidden, self.kv_lora_rank + self.qk_rope_head_dim),
-                    ("kv_b_proj", 1.0, self.kv_lora_rank, n * (self.qk_nope_head_dim + self.v_head_dim)),
-                    ("o_proj", 1.0, n * self.v_head_dim, hidden)]
+        q = (
+            [("q_a_proj", down, hidden, self.q_lora_rank), ("q_b_proj", 1.0, self.q_lora_rank, n * self.qk_head_dim)]
+            if self.q_lora_rank
+            else [("q_proj", 1.0, hidden, n * self.qk_head_dim)]
+        )
+        return q + [
+            ("kv_a_proj_with_mqa", down, hidden, self.kv_lora_rank + self.qk_rope_head_dim),
+            ("kv_b_proj", 1.0, self.kv_lora_rank, n * (self.qk_nope_head_dim + self.v_head_dim)),
+            ("o_proj", 1.0, n * self.v_head_dim, hidden),
+        ]
 
     @classmethod
     def from_hf(cls, data: dict) -> "MLAConfig":
-        return cls(kv_lora_rank=data["kv_lora_rank"], qk_nope_head_dim=data["qk_nope_head_dim"],
-                   qk_rope_head_dim=data["qk_rope_head_dim"], v_head_dim=data["v_head_dim"],
-                   q_lora_rank=data.get("q_lora_rank") or 0, rope_interleave=bool(data.get("rope_interleave", True)))
+        return cls(
+            kv_lora_rank=data["kv_lora_rank"],
+            qk_nope_head_dim=data["qk_nope_head_dim"],
+            qk_rope_head_dim=data["qk_rope_head_dim"],
+            v_head_dim=data["v_head_dim"],
+            q_lora_rank=data.get("q_lora_rank") or 0,
+            rope_interleave=bool(data.get("rope_interleave", True)),
+        )
 
     def to_hf(self) -> dict:
-        return {"kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.qk_nope_head_dim,
-                "qk_rope_head_dim": self.qk_rope_head_dim, "v_head_dim": self.v_head_dim,
-                "q_lora_rank": self.q_lora_rank or None, "rope_interleave": self.rope_interleave}
+        return {
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "q_lora_rank": self.q_lora_rank or None,
+            "rope_interleave": self.rope_interleave,
+        }

@@ -39,12 +39,20 @@ LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # of transformers' ALLOWED_ATTN_LAYER_TYPES, what megakit runs
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "kimi_k2")
 MLA_TYPES = ("deepseek_v3", "kimi_k2")  # Kimi K2's config is DeepSeek-V3's under another name
-HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                    "smollm3": "SmolLM3ForCausalLM",
-                    "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                    "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-                    "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM"}
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,8 +103,9 @@ class ModelConfig:
         if isinstance(self.mla, dict):
             object.__setattr__(self, "mla", MLAConfig(**self.mla))
         if isinstance(self.moe, dict):  # read back from a checkpoint manifest (``to_dict``)
-            object.__setattr__(self, "moe", MoEConfig(**{k: tuple(v) if k == "dense_layers" else v
-                                                         for k, v in self.moe.items()}))
+            object.__setattr__(
+                self, "moe", MoEConfig(**{k: tuple(v) if k == "dense_layers" else v for k, v in self.moe.items()})
+            )
         if self.family not in ("gpt2", "llama"):
             raise UsageError(f"model family must be 'gpt2' or 'llama', got {self.family!r}")
         for field in ("vocab_size", "max_seq_len", "hidden", "layers", "heads", "kv_heads", "ffn"):
@@ -108,8 +117,9 @@ class ModelConfig:
             raise UsageError(f"attention heads {self.heads} must be a multiple of KV heads {self.kv_heads}")
         if not self.head_dim:
             if self.hidden % self.heads:
-                raise UsageError(f"hidden size {self.hidden} is not divisible by {self.heads} heads; "
-                                 "set head_dim in the config")
+                raise UsageError(
+                    f"hidden size {self.hidden} is not divisible by {self.heads} heads; set head_dim in the config"
+                )
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
         if not 0.0 <= self.dropout < 1.0:
             raise UsageError(f"dropout must be in [0, 1), got {self.dropout}")
@@ -120,8 +130,9 @@ class ModelConfig:
                 object.__setattr__(self, field, RopeScaling(**getattr(self, field)))
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if self.layer_types and len(self.layer_types) != self.layers:
-            raise UsageError(f"layer_types has {len(self.layer_types)} entries for {self.layers} blocks; give one "
-                             "per block")
+            raise UsageError(
+                f"layer_types has {len(self.layer_types)} entries for {self.layers} blocks; give one per block"
+            )
         check_layer_types(self.layer_types)
         self._check_nope_layers()
         if "sliding_attention" in self.layer_types and not self.sliding_window:
@@ -129,8 +140,10 @@ class ModelConfig:
         if self.mlp_act not in ("silu", "gelu_tanh"):
             raise UsageError(f"mlp_act {self.mlp_act!r} is not silu or gelu_tanh")
         if self.sliding_window < 0 or self.sliding_window_from < 0:
-            raise UsageError(f"sliding_window {self.sliding_window} and sliding_window_from {self.sliding_window_from} "
-                             "must not be negative")
+            raise UsageError(
+                f"sliding_window {self.sliding_window} and sliding_window_from {self.sliding_window_from} "
+                "must not be negative"
+            )
 
     def _check_types(self) -> None:
         """Every other number a number (never a bool: Python takes true for 1) and every flag a bool."""
@@ -138,13 +151,30 @@ class ModelConfig:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise UsageError(f"model config field {field} must be an integer, got {value!r}")
-        for field in ("norm_eps", "dropout", "rope_theta", "init_std", "embed_scale", "query_pre_attn_scalar",
-                      "sliding_rope_theta"):
+        for field in (
+            "norm_eps",
+            "dropout",
+            "rope_theta",
+            "init_std",
+            "embed_scale",
+            "query_pre_attn_scalar",
+            "sliding_rope_theta",
+        ):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise UsageError(f"model config field {field} must be a finite number, got {value!r}")
-        for field in ("tie_embeddings", "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "qkv_bias",
-                      "out_bias", "mlp_bias", "qk_norm", "norm_offset", "sandwich_norms", "attention_sinks"):
+        for field in (
+            "tie_embeddings",
+            "scale_attn_weights",
+            "scale_attn_by_inverse_layer_idx",
+            "qkv_bias",
+            "out_bias",
+            "mlp_bias",
+            "qk_norm",
+            "norm_offset",
+            "sandwich_norms",
+            "attention_sinks",
+        ):
             if not isinstance(getattr(self, field), bool):
                 raise UsageError(f"model config field {field} must be true or false, got {getattr(self, field)!r}")
 
@@ -154,8 +184,10 @@ class ModelConfig:
         if not self.nope_layers:
             return
         if self.family != "llama" or self.mla:
-            raise UsageError("nope_layers (blocks without RoPE) needs the llama family's q/k heads (not GPT-2's "
-                             "learned positions, not MLA's shared RoPE key)")
+            raise UsageError(
+                "nope_layers (blocks without RoPE) needs the llama family's q/k heads (not GPT-2's "
+                "learned positions, not MLA's shared RoPE key)"
+            )
         if not all(isinstance(i, int) and 0 <= i < self.layers for i in self.nope_layers):
             raise UsageError(f"nope_layers {list(self.nope_layers)} has entries outside blocks 0..{self.layers - 1}")
 
@@ -171,8 +203,10 @@ class ModelConfig:
             path = path / "config.json"
         if not path.is_file():
             known = sorted(p.stem for p in PRESETS.glob("*.json"))
-            raise UsageError(f"model config {name_or_path!s} not found; give a path to a config.json "
-                             f"or one of the presets: {', '.join(known)}")
+            raise UsageError(
+                f"model config {name_or_path!s} not found; give a path to a config.json "
+                f"or one of the presets: {', '.join(known)}"
+            )
         try:
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -188,20 +222,32 @@ class ModelConfig:
         kind = data.get("model_type")
         check_hf_fields(data, source)  # "1e-5" or true where a number goes: one line naming the file and the key
         act = data.get({"gpt2": "activation_function", "gemma3_text": "hidden_activation"}.get(kind, "hidden_act"))
-        allowed = {"gpt2": ("gelu_new", "gelu_pytorch_tanh"),
-                   "gemma3_text": ("gelu_pytorch_tanh",)}.get(kind, ("silu",))
+        allowed = {"gpt2": ("gelu_new", "gelu_pytorch_tanh"), "gemma3_text": ("gelu_pytorch_tanh",)}.get(
+            kind, ("silu",)
+        )
         if kind in ("gpt2", *LLAMA_LIKE, *MOE_TYPES) and act is not None and act not in allowed:
-            raise UsageError(f"model config {source} uses activation {act!r}, which megakit does not implement; "
-                             f"the {kind} family here uses {allowed[0]}")
+            raise UsageError(
+                f"model config {source} uses activation {act!r}, which megakit does not implement; "
+                f"the {kind} family here uses {allowed[0]}"
+            )
         try:
             if kind == "gpt2":
                 hidden, dropout = data["n_embd"], _gpt2_dropout(data, source)
                 return cls(
-                    family="gpt2", vocab_size=data["vocab_size"], max_seq_len=data["n_positions"],
-                    hidden=hidden, layers=data["n_layer"], heads=data["n_head"], kv_heads=data["n_head"],
-                    ffn=data.get("n_inner") or 4 * hidden, norm_eps=data.get("layer_norm_epsilon", 1e-5),
+                    family="gpt2",
+                    vocab_size=data["vocab_size"],
+                    max_seq_len=data["n_positions"],
+                    hidden=hidden,
+                    layers=data["n_layer"],
+                    heads=data["n_head"],
+                    kv_heads=data["n_head"],
+                    ffn=data.get("n_inner") or 4 * hidden,
+                    norm_eps=data.get("layer_norm_epsilon", 1e-5),
                     tie_embeddings=data.get("tie_word_embeddings", True),
-                    dropout=dropout, qkv_bias=True, out_bias=True, mlp_bias=True,
+                    dropout=dropout,
+                    qkv_bias=True,
+                    out_bias=True,
+                    mlp_bias=True,
                     init_std=data.get("initializer_range", 0.02),
                     scale_attn_weights=bool(data.get("scale_attn_weights", True)),
                     scale_attn_by_inverse_layer_idx=bool(data.get("scale_attn_by_inverse_layer_idx", False)),
@@ -213,8 +259,15 @@ class ModelConfig:
                 if kind in ("qwen2", "mistral", "mixtral"):  # transformers fixes these: q/k/v biases (Qwen2) or none
                     bias = kind == "qwen2"
                 layers = data["num_hidden_layers"]
-                moe = MoEConfig.from_hf({**data, "model_type": "deepseek_v3" if kind in MLA_TYPES else kind},
-                                        layers=layers, source=source) if kind in MOE_TYPES else None
+                moe = (
+                    MoEConfig.from_hf(
+                        {**data, "model_type": "deepseek_v3" if kind in MLA_TYPES else kind},
+                        layers=layers,
+                        source=source,
+                    )
+                    if kind in MOE_TYPES
+                    else None
+                )
                 mla = MLAConfig.from_hf(data) if kind in MLA_TYPES else None
                 if kind == "gemma3_text":
                     return cls._from_gemma3(data, source)
@@ -223,62 +276,105 @@ class ModelConfig:
                 theta, scaling = read_rope(data, source=source)
                 window, window_from, types = _sliding_window(data, kind, source)
                 return cls(
-                    family="llama", vocab_size=data["vocab_size"],
+                    family="llama",
+                    vocab_size=data["vocab_size"],
                     max_seq_len=data.get("max_position_embeddings", 2048),
-                    hidden=data["hidden_size"], layers=layers, heads=heads,
-                    kv_heads=heads if mla else data.get("num_key_value_heads") or heads, ffn=data["intermediate_size"],
-                    norm_eps=data.get("rms_norm_eps", 1e-6), tie_embeddings=data.get("tie_word_embeddings", False),
+                    hidden=data["hidden_size"],
+                    layers=layers,
+                    heads=heads,
+                    kv_heads=heads if mla else data.get("num_key_value_heads") or heads,
+                    ffn=data["intermediate_size"],
+                    norm_eps=data.get("rms_norm_eps", 1e-6),
+                    tie_embeddings=data.get("tie_word_embeddings", False),
                     dropout=data.get("attention_dropout", 0.0),
-                    head_dim=mla.qk_head_dim if mla else data.get("head_dim") or 0, mla=mla,
+                    head_dim=mla.qk_head_dim if mla else data.get("head_dim") or 0,
+                    mla=mla,
                     mtp_layers=data.get("num_nextn_predict_layers", 0) if mla else 0,
-                    rope_theta=theta, rope_scaling=scaling, sliding_window=window, sliding_window_from=window_from,
+                    rope_theta=theta,
+                    rope_scaling=scaling,
+                    sliding_window=window,
+                    sliding_window_from=window_from,
                     layer_types=types,
-                    qkv_bias=bool(bias), out_bias=bool(bias) and not qwen,
+                    qkv_bias=bool(bias),
+                    out_bias=bool(bias) and not qwen,
                     mlp_bias=kind == "llama" and bool(data.get("mlp_bias", False)),  # only Llama reads it
-                    init_std=data.get("initializer_range", 0.02), qk_norm=kind in ("qwen3", "qwen3_moe"),
-                    moe=moe, hf_type=kind if kind in (*MOE_TYPES, "qwen3") else "", attention_sinks=kind == "gpt_oss",
+                    init_std=data.get("initializer_range", 0.02),
+                    qk_norm=kind in ("qwen3", "qwen3_moe"),
+                    moe=moe,
+                    hf_type=kind if kind in (*MOE_TYPES, "qwen3") else "",
+                    attention_sinks=kind == "gpt_oss",
                 )
         except KeyError as exc:
-            raise UsageError(f"model config {source} lacks the field {exc.args[0]!r}; "
-                             "give a complete HF config.json") from exc
-        raise UsageError(f"model config {source} has model_type {kind!r}; supported: gpt2, "
-                         f"{', '.join((*LLAMA_LIKE, *MOE_TYPES))}")
+            raise UsageError(
+                f"model config {source} lacks the field {exc.args[0]!r}; give a complete HF config.json"
+            ) from exc
+        raise UsageError(
+            f"model config {source} has model_type {kind!r}; supported: gpt2, {', '.join((*LLAMA_LIKE, *MOE_TYPES))}"
+        )
 
     @classmethod
     def _from_gemma3(cls, data: dict, source: str) -> "ModelConfig":
         """Gemma 3's text model (``Gemma3ForCausalLM``), transformers 5's defaults where a field is absent."""
         for field in ("attn_logit_softcapping", "final_logit_softcapping"):
             if data.get(field) is not None:
-                raise UsageError(f"model config {source} sets {field} {data[field]!r} (Gemma 2's soft-capping), "
-                                 "which megakit does not implement; set it null as Gemma 3 does")
+                raise UsageError(
+                    f"model config {source} sets {field} {data[field]!r} (Gemma 2's soft-capping), "
+                    "which megakit does not implement; set it null as Gemma 3 does"
+                )
         if data.get("use_bidirectional_attention"):
-            raise UsageError(f"model config {source} sets use_bidirectional_attention, which megakit (causal "
-                             "language models) does not implement; set it false")
+            raise UsageError(
+                f"model config {source} sets use_bidirectional_attention, which megakit (causal "
+                "language models) does not implement; set it false"
+            )
         layers, heads = data["num_hidden_layers"], data["num_attention_heads"]
         pattern = data.get("sliding_window_pattern", data.get("_sliding_window_pattern", 6))
-        types = data.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                            for i in range(layers)]
+        types = data.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
         params = data.get("rope_parameters")
         if isinstance(params, dict) and set(params) <= set(LAYER_TYPES) and params:
-            per_type = {t: read_rope({**data, "rope_scaling": None, "rope_parameters": p}, source=source)
-                        for t, p in params.items()}
+            per_type = {
+                t: read_rope({**data, "rope_scaling": None, "rope_parameters": p}, source=source)
+                for t, p in params.items()
+            }
         else:  # transformers 4's fields: rope_theta (global), rope_local_base_freq, rope_scaling (global)
-            per_type = {"full_attention": read_rope({"rope_theta": 1e6, **data}, source=source),
-                        "sliding_attention": (float(data.get("rope_local_base_freq", 10000.0)), None)}
+            per_type = {
+                "full_attention": read_rope({"rope_theta": 1e6, **data}, source=source),
+                "sliding_attention": (float(data.get("rope_local_base_freq", 10000.0)), None),
+            }
         full = per_type.get("full_attention", (1e6, None))
         sliding = per_type.get("sliding_attention", full)
         bias = bool(data.get("attention_bias", False))
         return cls(
-            family="llama", vocab_size=data["vocab_size"], max_seq_len=data.get("max_position_embeddings", 131072),
-            hidden=data["hidden_size"], layers=layers, heads=heads, kv_heads=data.get("num_key_value_heads") or heads,
-            ffn=data["intermediate_size"], norm_eps=data.get("rms_norm_eps", 1e-6),
-            tie_embeddings=data.get("tie_word_embeddings", True), dropout=data.get("attention_dropout", 0.0),
-            head_dim=data.get("head_dim") or 256, rope_theta=full[0], rope_scaling=full[1],
-            sliding_window=data.get("sliding_window") or 4096, layer_types=tuple(types), qkv_bias=bias,
-            out_bias=bias, init_std=data.get("initializer_range", 0.02), qk_norm=True, norm_offset=True,
-            sandwich_norms=True, mlp_act="gelu_tanh", embed_scale=data["hidden_size"] ** 0.5,
-            query_pre_attn_scalar=float(data.get("query_pre_attn_scalar", 256)), sliding_rope_theta=sliding[0],
-            sliding_rope_scaling=sliding[1], hf_type="gemma3_text")
+            family="llama",
+            vocab_size=data["vocab_size"],
+            max_seq_len=data.get("max_position_embeddings", 131072),
+            hidden=data["hidden_size"],
+            layers=layers,
+            heads=heads,
+            kv_heads=data.get("num_key_value_heads") or heads,
+            ffn=data["intermediate_size"],
+            norm_eps=data.get("rms_norm_eps", 1e-6),
+            tie_embeddings=data.get("tie_word_embeddings", True),
+            dropout=data.get("attention_dropout", 0.0),
+            head_dim=data.get("head_dim") or 256,
+            rope_theta=full[0],
+            rope_scaling=full[1],
+            sliding_window=data.get("sliding_window") or 4096,
+            layer_types=tuple(types),
+            qkv_bias=bias,
+            out_bias=bias,
+            init_std=data.get("initializer_range", 0.02),
+            qk_norm=True,
+            norm_offset=True,
+            sandwich_norms=True,
+            mlp_act="gelu_tanh",
+            embed_scale=data["hidden_size"] ** 0.5,
+            query_pre_attn_scalar=float(data.get("query_pre_attn_scalar", 256)),
+            sliding_rope_theta=sliding[0],
+            sliding_rope_scaling=sliding[1],
+            hf_type="gemma3_text",
+        )
 
     @classmethod
     def _from_smollm3(cls, data: dict, source: str) -> "ModelConfig":
@@ -289,49 +385,94 @@ class ModelConfig:
         window, types = _smollm3_windows(data, source)
         bias = bool(data.get("attention_bias", False))
         return cls(
-            family="llama", vocab_size=data["vocab_size"], max_seq_len=data.get("max_position_embeddings", 32768),
-            hidden=data["hidden_size"], layers=layers, heads=heads, kv_heads=data.get("num_key_value_heads") or heads,
-            ffn=data["intermediate_size"], norm_eps=data.get("rms_norm_eps", 1e-6),
-            tie_embeddings=data.get("tie_word_embeddings", True), dropout=data.get("attention_dropout", 0.0),
-            head_dim=data.get("head_dim") or 0, rope_theta=theta, rope_scaling=scaling, sliding_window=window,
-            layer_types=types, nope_layers=_smollm3_nope_layers(data, source), qkv_bias=bias, out_bias=bias,
-            mlp_bias=bool(data.get("mlp_bias", False)), init_std=data.get("initializer_range", 0.02),
-            hf_type="smollm3")
+            family="llama",
+            vocab_size=data["vocab_size"],
+            max_seq_len=data.get("max_position_embeddings", 32768),
+            hidden=data["hidden_size"],
+            layers=layers,
+            heads=heads,
+            kv_heads=data.get("num_key_value_heads") or heads,
+            ffn=data["intermediate_size"],
+            norm_eps=data.get("rms_norm_eps", 1e-6),
+            tie_embeddings=data.get("tie_word_embeddings", True),
+            dropout=data.get("attention_dropout", 0.0),
+            head_dim=data.get("head_dim") or 0,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            sliding_window=window,
+            layer_types=types,
+            nope_layers=_smollm3_nope_layers(data, source),
+            qkv_bias=bias,
+            out_bias=bias,
+            mlp_bias=bool(data.get("mlp_bias", False)),
+            init_std=data.get("initializer_range", 0.02),
+            hf_type="smollm3",
+        )
 
     def _smollm3_to_hf(self) -> dict:
         """``_from_smollm3``'s inverse: the fields transformers' ``SmolLM3Config.to_dict`` writes and its model reads
         (``head_dim`` only where it is not ``hidden / heads``, as transformers derives it)."""
-        out = {"model_type": "smollm3", "architectures": [HF_ARCHITECTURES["smollm3"]], "vocab_size": self.vocab_size,
-               "max_position_embeddings": self.max_seq_len, "hidden_size": self.hidden,
-               "intermediate_size": self.ffn, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
-               "num_key_value_heads": self.kv_heads, "hidden_act": "silu", "rms_norm_eps": self.norm_eps,
-               "rope_parameters": write_rope(self.rope_theta, self.rope_scaling)["rope_parameters"],
-               "tie_word_embeddings": self.tie_embeddings, "attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias,
-               "attention_dropout": self.dropout, "initializer_range": self.init_std,
-               "use_sliding_window": "sliding_attention" in self.layer_types,
-               "sliding_window": self.sliding_window if "sliding_attention" in self.layer_types else None,
-               "layer_types": list(self.layer_types or ("full_attention",) * self.layers),
-               "no_rope_layers": [int(self.block_uses_rope(i)) for i in range(self.layers)],
-               "pad_token_id": None}  # megakit trains every embedding row; transformers' default 128004 freezes one
+        out = {
+            "model_type": "smollm3",
+            "architectures": [HF_ARCHITECTURES["smollm3"]],
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_seq_len,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.ffn,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.norm_eps,
+            "rope_parameters": write_rope(self.rope_theta, self.rope_scaling)["rope_parameters"],
+            "tie_word_embeddings": self.tie_embeddings,
+            "attention_bias": self.qkv_bias,
+            "mlp_bias": self.mlp_bias,
+            "attention_dropout": self.dropout,
+            "initializer_range": self.init_std,
+            "use_sliding_window": "sliding_attention" in self.layer_types,
+            "sliding_window": self.sliding_window if "sliding_attention" in self.layer_types else None,
+            "layer_types": list(self.layer_types or ("full_attention",) * self.layers),
+            "no_rope_layers": [int(self.block_uses_rope(i)) for i in range(self.layers)],
+            "pad_token_id": None,
+        }  # megakit trains every embedding row; transformers' default 128004 freezes one
         if self.head_dim != self.hidden // self.heads:
             out["head_dim"] = self.head_dim
         return out
 
     def _gemma3_to_hf(self) -> dict:
         """``_from_gemma3``'s inverse."""
-        rope = {"full_attention": write_rope(self.rope_theta, self.rope_scaling)["rope_parameters"],
-                "sliding_attention": write_rope(self.sliding_rope_theta or self.rope_theta,
-                                                self.sliding_rope_scaling)["rope_parameters"]}
-        return {"model_type": "gemma3_text", "architectures": [HF_ARCHITECTURES["gemma3_text"]],
-                "vocab_size": self.vocab_size, "max_position_embeddings": self.max_seq_len, "hidden_size": self.hidden,
-                "intermediate_size": self.ffn, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
-                "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
-                "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": self.norm_eps,
-                "tie_word_embeddings": self.tie_embeddings, "rope_parameters": rope, "attention_bias": self.qkv_bias,
-                "attention_dropout": self.dropout, "query_pre_attn_scalar": _number(self.query_pre_attn_scalar),
-                "sliding_window": self.sliding_window, "layer_types": list(self.layer_types),
-                "attn_logit_softcapping": None, "final_logit_softcapping": None,
-                "use_bidirectional_attention": False, "initializer_range": self.init_std}
+        rope = {
+            "full_attention": write_rope(self.rope_theta, self.rope_scaling)["rope_parameters"],
+            "sliding_attention": write_rope(self.sliding_rope_theta or self.rope_theta, self.sliding_rope_scaling)[
+                "rope_parameters"
+            ],
+        }
+        return {
+            "model_type": "gemma3_text",
+            "architectures": [HF_ARCHITECTURES["gemma3_text"]],
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_seq_len,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.ffn,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rms_norm_eps": self.norm_eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "rope_parameters": rope,
+            "attention_bias": self.qkv_bias,
+            "attention_dropout": self.dropout,
+            "query_pre_attn_scalar": _number(self.query_pre_attn_scalar),
+            "sliding_window": self.sliding_window,
+            "layer_types": list(self.layer_types),
+            "attn_logit_softcapping": None,
+            "final_logit_softcapping": None,
+            "use_bidirectional_attention": False,
+            "initializer_range": self.init_std,
+        }
 
     def attention_scale(self, index: int) -> float:
         """What block ``index`` multiplies its attention scores by: 1/sqrt(head_dim), Gemma's
@@ -368,16 +509,27 @@ class ModelConfig:
         """What TP does not divide, e.g. ``["attention heads 14"]`` (empty: ``tp`` shards this model;
         KV heads are never replicated)."""
         shared = (("shared-expert FFN size", self.moe.shared_ffn),) if self.moe and self.moe.shared_ffn else ()
-        return [f"{what} {n}" for what, n in (("attention heads", self.heads), ("KV heads", self.kv_heads),
-                                              ("hidden size", self.hidden), ("FFN size", self.ffn), *shared) if n % tp]
+        return [
+            f"{what} {n}"
+            for what, n in (
+                ("attention heads", self.heads),
+                ("KV heads", self.kv_heads),
+                ("hidden size", self.hidden),
+                ("FFN size", self.ffn),
+                *shared,
+            )
+            if n % tp
+        ]
 
     def check_tp(self, tp: int) -> None:
         """UsageError unless TP divides heads, KV heads, hidden size and FFN size."""
         bad = self.tp_conflicts(tp)
         if bad:
-            raise UsageError(f"TP {tp} does not divide {', '.join(bad)}; choose a TP that divides "
-                             f"all of heads {self.heads}, KV heads {self.kv_heads}, hidden {self.hidden} "
-                             f"and FFN {self.ffn}")
+            raise UsageError(
+                f"TP {tp} does not divide {', '.join(bad)}; choose a TP that divides "
+                f"all of heads {self.heads}, KV heads {self.kv_heads}, hidden {self.hidden} "
+                f"and FFN {self.ffn}"
+            )
 
     @property
     def gated_mlp(self) -> bool:
@@ -412,8 +564,14 @@ class ModelConfig:
         m = self.moe
         router = m.experts * h + (h if m.shared_gate else 0) + (m.experts if m.router_bias else 0)
         expert = 3 * h * m.ffn + (2 * m.ffn + h if m.expert_biases else 0)  # gpt-oss: biases on both matrices
-        return BlockParams(matmul, column_bias, replicated + router, experts=m.experts * expert,
-                           active_experts=m.top_k * expert, router=router)
+        return BlockParams(
+            matmul,
+            column_bias,
+            replicated + router,
+            experts=m.experts * expert,
+            active_experts=m.top_k * expert,
+            router=router,
+        )
 
     def layer_params(self, layer: int | None = None) -> int:
         """Parameters of one transformer block (``layer``: that one, dense or MoE; default: a typical one)."""
@@ -445,15 +603,19 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Total parameters (tied embeddings counted once, vocab unpadded; every expert)."""
-        return (sum(n * self.block_params(moe=moe).total for n, moe in self._blocks()) + self.embedding_params()
-                + self.head_params(separate=not self.tie_embeddings))
+        return (
+            sum(n * self.block_params(moe=moe).total for n, moe in self._blocks())
+            + self.embedding_params()
+            + self.head_params(separate=not self.tie_embeddings)
+        )
 
     def active_params(self) -> int:
         """Parameters one token uses: ``num_params`` with each MoE block's top-k experts only."""
         return self.num_params() - self.moe_layers * (self.block_params().experts - self.block_params().active_experts)
 
-    def block_flops(self, seq_len: int, tp: int = 1, *, convention: str = "palm",
-                    moe: bool | None = None) -> tuple[float, float]:
+    def block_flops(
+        self, seq_len: int, tp: int = 1, *, convention: str = "palm", moe: bool | None = None
+    ) -> tuple[float, float]:
         """(forward FLOPs per token of one block on one TP rank, of which core attention).
 
         2 FLOPs per weight the ``convention`` counts (``FLOPS_CONVENTIONS``; of the routed experts only
@@ -494,16 +656,21 @@ class ModelConfig:
             total += 6 * (block.matmul + block.active_experts) + 6 * widths * context  # scores, then values
         for k in range(1, self.mtp_layers + 1 if mtp else 1):  # block L + k - 1 of DeepSeek's checkpoints
             block = self.block_params(moe=self.is_moe_layer(self.layers + k - 1))
-            total += (6 * (block.matmul + block.active_experts + 2 * self.hidden ** 2)
-                      + 6 * widths * (seq_len + 1) / 2 + 3 * self.head_flops())
+            total += (
+                6 * (block.matmul + block.active_experts + 2 * self.hidden**2)
+                + 6 * widths * (seq_len + 1) / 2
+                + 3 * self.head_flops()
+            )
         return total
 
     def mtp_depth(self, mtp: bool) -> int:
         """The MTP modules trained with ``--mtp`` (``mtp``): the config's, refused where it has none, as the trainer
         refuses it (``megakit.nn.model.trained_mtp_depth``); 0 without ``--mtp``."""
         if mtp and not self.mtp_layers:
-            raise UsageError("MTP asked of a model without prediction modules: only DeepSeek-V3's configs (deepseek_v3, "
-                             "kimi_k2) have them, in num_nextn_predict_layers (DeepSeek-V3: 1); drop --mtp")
+            raise UsageError(
+                "MTP asked of a model without prediction modules: only DeepSeek-V3's configs (deepseek_v3, "
+                "kimi_k2) have them, in num_nextn_predict_layers (DeepSeek-V3: 1); drop --mtp"
+            )
         return self.mtp_layers if mtp else 0
 
     def mtp_module_params(self, depth: int, tp: int = 1) -> BlockParams:
@@ -513,15 +680,23 @@ class ModelConfig:
         The embedding copy and the head it shares are not its own."""
         block = self.block_params(tp, moe=self.is_moe_layer(self.layers + depth - 1))
         norm = (2 if self.family == "gpt2" else 1) * self.hidden
-        return block._replace(matmul=block.matmul + 2 * self.hidden * self.hidden // tp,
-                              replicated=block.replicated + 3 * norm)
+        return block._replace(
+            matmul=block.matmul + 2 * self.hidden * self.hidden // tp, replicated=block.replicated + 3 * norm
+        )
 
     def head_flops(self) -> int:
         """Forward FLOPs per token of the LM head (``V x H``, paid even when tied; the lookups are free)."""
         return 2 * self.hidden * self.vocab_size
 
-    def flops_per_token(self, seq_len: int, *, convention: str = "palm", recompute: str = "none",
-                        flash_attention: bool = False, mtp: int = 0) -> float:
+    def flops_per_token(
+        self,
+        seq_len: int,
+        *,
+        convention: str = "palm",
+        recompute: str = "none",
+        flash_attention: bool = False,
+        mtp: int = 0,
+    ) -> float:
         """Training FLOPs per token: 3 x forward (blocks and LM head), plus what ``recompute`` and
         flash attention run again (``recompute_flops``; the defaults: none, the model FLOPs). ``mtp``: the MTP
         modules trained (``mtp_depth``), each a block (numbered ``layers + k - 1``), ``eh_proj``'s 2H x H and one
@@ -533,41 +708,73 @@ class ModelConfig:
             total += n * (3 * fwd + recompute_flops(fwd, attn, recompute, flash_attention))
         for k in range(1, mtp + 1):
             fwd, attn = self.block_flops(seq_len, convention=convention, moe=self.is_moe_layer(self.layers + k - 1))
-            total += (3 * fwd + recompute_flops(fwd, attn, recompute, flash_attention) + 6 * 2 * self.hidden ** 2
-                      + 3 * self.head_flops())
+            total += (
+                3 * fwd
+                + recompute_flops(fwd, attn, recompute, flash_attention)
+                + 6 * 2 * self.hidden**2
+                + 3 * self.head_flops()
+            )
         return float(total)
 
     # -- writing -----------------------------------------------------------------------------
     def to_hf(self) -> dict:
         """A transformers config.json dict of this model (``from_hf`` reads it back unchanged)."""
         if self.family == "gpt2":
-            return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": self.vocab_size,
-                    "n_positions": self.max_seq_len, "n_embd": self.hidden, "n_layer": self.layers,
-                    "n_head": self.heads, "n_inner": self.ffn, "activation_function": "gelu_new",
-                    "layer_norm_epsilon": self.norm_eps, "tie_word_embeddings": self.tie_embeddings,
-                    "resid_pdrop": self.dropout, "embd_pdrop": self.dropout, "attn_pdrop": self.dropout,
-                    "initializer_range": self.init_std, "scale_attn_weights": self.scale_attn_weights,
-                    "scale_attn_by_inverse_layer_idx": self.scale_attn_by_inverse_layer_idx}
+            return {
+                "model_type": "gpt2",
+                "architectures": ["GPT2LMHeadModel"],
+                "vocab_size": self.vocab_size,
+                "n_positions": self.max_seq_len,
+                "n_embd": self.hidden,
+                "n_layer": self.layers,
+                "n_head": self.heads,
+                "n_inner": self.ffn,
+                "activation_function": "gelu_new",
+                "layer_norm_epsilon": self.norm_eps,
+                "tie_word_embeddings": self.tie_embeddings,
+                "resid_pdrop": self.dropout,
+                "embd_pdrop": self.dropout,
+                "attn_pdrop": self.dropout,
+                "initializer_range": self.init_std,
+                "scale_attn_weights": self.scale_attn_weights,
+                "scale_attn_by_inverse_layer_idx": self.scale_attn_by_inverse_layer_idx,
+            }
         if self.hf_type == "gemma3_text":
             return self._gemma3_to_hf()
         if self.hf_type == "smollm3":
             return self._smollm3_to_hf()
         if self.nope_layers:
-            raise UsageError(f"blocks without RoPE (nope_layers {list(self.nope_layers)}) cannot be written as a "
-                             f"transformers {self.hf_type or 'llama'} config; SmolLM3's (smollm3) has them")
+            raise UsageError(
+                f"blocks without RoPE (nope_layers {list(self.nope_layers)}) cannot be written as a "
+                f"transformers {self.hf_type or 'llama'} config; SmolLM3's (smollm3) has them"
+            )
         qwen2 = self.qkv_bias and not self.out_bias  # Llama's attention_bias covers o_proj too
         kind = self.hf_type or ("qwen2" if qwen2 else "mistral" if self.sliding_window else "llama")
         if kind == "mistral" and (self.qkv_bias or self.mlp_bias):
-            raise UsageError("a sliding window with Llama's biases cannot be written as a transformers config "
-                             "(Mistral has no biases, Llama no window)")
-        out = {"model_type": kind, "architectures": [HF_ARCHITECTURES[kind]], "vocab_size": self.vocab_size,
-               "max_position_embeddings": self.max_seq_len, "hidden_size": self.hidden,
-               "intermediate_size": self.ffn, "num_hidden_layers": self.layers,
-               "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
-               "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.norm_eps,
-               **write_rope(self.rope_theta, self.rope_scaling), "tie_word_embeddings": self.tie_embeddings,
-               "attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias,
-               "attention_dropout": self.dropout, "initializer_range": self.init_std}
+            raise UsageError(
+                "a sliding window with Llama's biases cannot be written as a transformers config "
+                "(Mistral has no biases, Llama no window)"
+            )
+        out = {
+            "model_type": kind,
+            "architectures": [HF_ARCHITECTURES[kind]],
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_seq_len,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.ffn,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.norm_eps,
+            **write_rope(self.rope_theta, self.rope_scaling),
+            "tie_word_embeddings": self.tie_embeddings,
+            "attention_bias": self.qkv_bias,
+            "mlp_bias": self.mlp_bias,
+            "attention_dropout": self.dropout,
+            "initializer_range": self.init_std,
+        }
         if kind in ("qwen2", "qwen2_moe"):
             del out["attention_bias"]
         types = self.layer_types or (("full_attention",) * self.layers if kind == "gpt_oss" else ())
@@ -631,8 +838,7 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-def recompute_flops(block_fwd: float, attn_fwd: float, recompute: str = "none",
-                    flash_attention: bool = False) -> float:
+def recompute_flops(block_fwd: float, attn_fwd: float, recompute: str = "none", flash_attention: bool = False) -> float:
     """Forward FLOPs per token of one block that training runs a second time: the whole block
     (``recompute="full"``), its core attention ("selective"), and flash attention's scores in backward."""
     if recompute == "full":
@@ -658,11 +864,15 @@ def _gpt2_dropout(data: dict, source: str) -> float:
     """GPT-2's one dropout rate: megakit drops embeddings, attention and residuals alike (transformers: 0.1 each)."""
     rates = {k: data.get(k, 0.1) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
     if len(set(rates.values())) > 1:
-        raise UsageError(f"model config {source} sets {', '.join(f'{k} {v}' for k, v in rates.items())}; megakit uses "
-                         "one dropout rate for all three: set them equal")
+        raise UsageError(
+            f"model config {source} sets {', '.join(f'{k} {v}' for k, v in rates.items())}; megakit uses "
+            "one dropout rate for all three: set them equal"
+        )
     if data.get("add_cross_attention"):
-        raise UsageError(f"model config {source} sets add_cross_attention (blocks that attend to an encoder), which "
-                         "megakit does not implement; set it false")
+        raise UsageError(
+            f"model config {source} sets add_cross_attention (blocks that attend to an encoder), which "
+            "megakit does not implement; set it false"
+        )
     return rates["resid_pdrop"]
 
 
@@ -675,8 +885,10 @@ def check_layer_types(types) -> None:
     """UsageError naming the ``layer_types`` entries megakit does not run (``LAYER_TYPES``)."""
     unknown = sorted(set(types or ()) - set(LAYER_TYPES))
     if unknown:
-        raise UsageError(f"layer_types has {', '.join(map(repr, unknown))}, which megakit does not implement; it runs "
-                         f"{' and '.join(LAYER_TYPES)} (chunked, linear and other attention types are refused)")
+        raise UsageError(
+            f"layer_types has {', '.join(map(repr, unknown))}, which megakit does not implement; it runs "
+            f"{' and '.join(LAYER_TYPES)} (chunked, linear and other attention types are refused)"
+        )
 
 
 def _smollm3_nope_layers(data: dict, source: str) -> tuple[int, ...]:
@@ -701,8 +913,10 @@ def _smollm3_windows(data: dict, source: str) -> tuple[int, tuple[str, ...]]:
     sliding = "sliding_attention" in (types or ())
     if not data.get("use_sliding_window", False):
         if sliding:  # transformers' eager mask would slide, its flash path would not
-            raise UsageError(f"model config {source} has sliding_attention in layer_types but use_sliding_window "
-                             "false, which transformers' attention paths read differently; set one of them")
+            raise UsageError(
+                f"model config {source} has sliding_attention in layer_types but use_sliding_window "
+                "false, which transformers' attention paths read differently; set one of them"
+            )
         return 0, ()
     if types is None and window is not None:
         nope = _smollm3_nope_layers(data, source)
@@ -730,13 +944,19 @@ def _sliding_window(data: dict, kind: str, source: str) -> tuple[int, int, tuple
     if kind in ("mistral", "mixtral"):
         window, sliding = data.get("sliding_window", 4096 if kind == "mistral" else None), [True] * n
     elif kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and data.get("use_sliding_window", False):
-        window, last, types = (data.get(k, d) for k, d in (("sliding_window", 4096), ("max_window_layers", 28),
-                                                             ("layer_types", None)))
+        window, last, types = (
+            data.get(k, d) for k, d in (("sliding_window", 4096), ("max_window_layers", 28), ("layer_types", None))
+        )
         check_layer_types(types)
-        sliding = ([t == "sliding_attention" for t in types] if types and kind != "qwen3_moe" else
-                   [True] * n if kind == "qwen3_moe" else
-                   [i % 2 == 0 and i < last for i in range(n)] if kind == "qwen2_moe" else
-                   [i >= last for i in range(n)])
+        sliding = (
+            [t == "sliding_attention" for t in types]
+            if types and kind != "qwen3_moe"
+            else [True] * n
+            if kind == "qwen3_moe"
+            else [i % 2 == 0 and i < last for i in range(n)]
+            if kind == "qwen2_moe"
+            else [i >= last for i in range(n)]
+        )
     else:
         return 0, 0, ()
     if window is None or not any(sliding):
@@ -752,8 +972,12 @@ def _sliding_window(data: dict, kind: str, source: str) -> tuple[int, int, tuple
 def _window_to_hf(kind: str, window: int, start: int, types: tuple[str, ...] = ()) -> dict:
     """The config.json fields that give transformers' ``kind`` this window (``_sliding_window``'s inverse)."""
     if kind in ("qwen2", "qwen3", "qwen2_moe") and types:
-        return {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 0,
-                "layer_types": list(types)}
+        return {
+            "use_sliding_window": True,
+            "sliding_window": window,
+            "max_window_layers": 0,
+            "layer_types": list(types),
+        }
     if kind == "gpt_oss":
         return {"sliding_window": window or None, "layer_types": list(types)}
     if types:
@@ -769,5 +993,7 @@ def _window_to_hf(kind: str, window: int, start: int, types: tuple[str, ...] = (
 
 def check_seq_len(config: ModelConfig, seq_len: int) -> None:
     if seq_len > config.max_seq_len:
-        raise UsageError(f"sequence length {seq_len} exceeds the model's max_seq_len {config.max_seq_len}; "
-                         "use shorter sequences or a config with more positions")
+        raise UsageError(
+            f"sequence length {seq_len} exceeds the model's max_seq_len {config.max_seq_len}; "
+            "use shorter sequences or a config with more positions"
+        )

@@ -56,19 +56,26 @@ class MoEConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UsageError(f"MoE field {name} must be a positive integer, got {value!r}")
         if self.top_k > self.experts:
-            raise UsageError(f"MoE top-k {self.top_k} exceeds the {self.experts} experts; "
-                             "route each token to at most as many experts as there are")
+            raise UsageError(
+                f"MoE top-k {self.top_k} exceeds the {self.experts} experts; "
+                "route each token to at most as many experts as there are"
+            )
         if self.score not in SCORES:
             raise UsageError(f"MoE router score {self.score!r} is not one of {', '.join(SCORES)}")
         if self.experts % self.groups or self.group_top_k > self.groups:
-            raise UsageError(f"MoE expert groups {self.groups} (top {self.group_top_k}) must divide the "
-                             f"{self.experts} experts and be at least the groups used")
+            raise UsageError(
+                f"MoE expert groups {self.groups} (top {self.group_top_k}) must divide the "
+                f"{self.experts} experts and be at least the groups used"
+            )
         if self.group_top_k * (self.experts // self.groups) < self.top_k:
-            raise UsageError(f"MoE group-limited routing keeps {self.group_top_k} of {self.groups} groups, "
-                             f"fewer experts than top-k {self.top_k}; raise topk_group")
+            raise UsageError(
+                f"MoE group-limited routing keeps {self.group_top_k} of {self.groups} groups, "
+                f"fewer experts than top-k {self.top_k}; raise topk_group"
+            )
         if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise UsageError(f"MoE capacity factor must be > 0, got {self.capacity_factor}; "
-                             "leave it unset for dropless routing")
+            raise UsageError(
+                f"MoE capacity factor must be > 0, got {self.capacity_factor}; leave it unset for dropless routing"
+            )
         for name in ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "shared_ffn"):
             if not 0 <= getattr(self, name) < float("inf"):  # NaN fails too: it would skip every step
                 raise UsageError(f"MoE field {name} must be a finite number >= 0, got {getattr(self, name)}")
@@ -82,58 +89,100 @@ class MoEConfig:
         """The MoE fields of a Mixtral, gpt-oss, Qwen2-MoE, Qwen3-MoE or DeepSeek-V3 config.json."""
         kind = data.get("model_type")
         if data.get("router_jitter_noise"):
-            raise UsageError(f"model config {source} sets router_jitter_noise, which megakit does not "
-                             "implement; set it to 0")
-        common = dict(top_k=data["num_experts_per_tok"],
-                      aux_loss_coeff=float(data.get("router_aux_loss_coef", 0.0))
-                      if data.get("output_router_logits") else 0.0)
+            raise UsageError(
+                f"model config {source} sets router_jitter_noise, which megakit does not implement; set it to 0"
+            )
+        common = dict(
+            top_k=data["num_experts_per_tok"],
+            aux_loss_coeff=float(data.get("router_aux_loss_coef", 0.0)) if data.get("output_router_logits") else 0.0,
+        )
         if kind == "mixtral":
             return cls(experts=data["num_local_experts"], ffn=data["intermediate_size"], **common)
         if kind == "gpt_oss":  # top-k of the biased logits, softmax over the k: Mixtral's routing with a bias
-            return cls(experts=data["num_local_experts"], ffn=data["intermediate_size"], router_bias=True,
-                       expert_biases=True, swiglu_limit=float(data.get("swiglu_limit", 7.0)),
-                       swiglu_alpha=float(data.get("swiglu_alpha", 1.702)), **common)
+            return cls(
+                experts=data["num_local_experts"],
+                ffn=data["intermediate_size"],
+                router_bias=True,
+                expert_biases=True,
+                swiglu_limit=float(data.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(data.get("swiglu_alpha", 1.702)),
+                **common,
+            )
         if kind in ("qwen2_moe", "qwen3_moe"):
             step = data.get("decoder_sparse_step", 1) or 1
             only = set(data.get("mlp_only_layers") or ())
             dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
             shared = data.get("shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0
             experts = data["num_experts"] if "num_experts" in data else data["num_local_experts"]  # transformers 4 | 5
-            return cls(experts=experts, ffn=data["moe_intermediate_size"], shared_ffn=shared,
-                       shared_gate=bool(shared), normalize_top_k=bool(data.get("norm_topk_prob", False)),
-                       dense_layers=dense, **common)
+            return cls(
+                experts=experts,
+                ffn=data["moe_intermediate_size"],
+                shared_ffn=shared,
+                shared_gate=bool(shared),
+                normalize_top_k=bool(data.get("norm_topk_prob", False)),
+                dense_layers=dense,
+                **common,
+            )
         if kind == "deepseek_v3":
             if data.get("topk_method", "noaux_tc") != "noaux_tc":
-                raise UsageError(f"model config {source} uses topk_method {data['topk_method']!r}; "
-                                 "megakit implements DeepSeek-V3's noaux_tc")
-            return cls(experts=data["n_routed_experts"], ffn=data["moe_intermediate_size"],
-                       shared_ffn=data.get("n_shared_experts", 0) * data["moe_intermediate_size"],
-                       score=data.get("scoring_func", "sigmoid"), normalize_top_k=bool(data.get("norm_topk_prob", True)),
-                       route_scale=float(data.get("routed_scaling_factor", 1.0)), groups=data.get("n_group", 1) or 1,
-                       group_top_k=data.get("topk_group", 1) or 1, expert_bias=True,
-                       dense_layers=tuple(range(min(data.get("first_k_dense_replace", 0), layers))), **common)
+                raise UsageError(
+                    f"model config {source} uses topk_method {data['topk_method']!r}; "
+                    "megakit implements DeepSeek-V3's noaux_tc"
+                )
+            return cls(
+                experts=data["n_routed_experts"],
+                ffn=data["moe_intermediate_size"],
+                shared_ffn=data.get("n_shared_experts", 0) * data["moe_intermediate_size"],
+                score=data.get("scoring_func", "sigmoid"),
+                normalize_top_k=bool(data.get("norm_topk_prob", True)),
+                route_scale=float(data.get("routed_scaling_factor", 1.0)),
+                groups=data.get("n_group", 1) or 1,
+                group_top_k=data.get("topk_group", 1) or 1,
+                expert_bias=True,
+                dense_layers=tuple(range(min(data.get("first_k_dense_replace", 0), layers))),
+                **common,
+            )
         raise UsageError(f"model config {source} has model_type {kind!r}, which has no MoE reader")
 
     def to_hf(self, kind: str, *, layers: int) -> dict:
         """The MoE fields of a ``kind`` config.json (``from_hf`` reads them back unchanged)."""
-        out: dict = {"num_experts_per_tok": self.top_k, "router_aux_loss_coef": self.aux_loss_coeff,
-                     "output_router_logits": self.aux_loss_coeff > 0}
+        out: dict = {
+            "num_experts_per_tok": self.top_k,
+            "router_aux_loss_coef": self.aux_loss_coeff,
+            "output_router_logits": self.aux_loss_coeff > 0,
+        }
         if kind == "mixtral":
             return out | {"num_local_experts": self.experts, "intermediate_size": self.ffn}
         if kind == "gpt_oss":
-            return out | {"num_local_experts": self.experts, "intermediate_size": self.ffn,
-                          "swiglu_limit": self.swiglu_limit, "swiglu_alpha": self.swiglu_alpha}
+            return out | {
+                "num_local_experts": self.experts,
+                "intermediate_size": self.ffn,
+                "swiglu_limit": self.swiglu_limit,
+                "swiglu_alpha": self.swiglu_alpha,
+            }
         if kind in ("qwen2_moe", "qwen3_moe"):
-            out |= {"num_experts": self.experts, "moe_intermediate_size": self.ffn, "decoder_sparse_step": 1,
-                    "mlp_only_layers": list(self.dense_layers), "norm_topk_prob": self.normalize_top_k}
+            out |= {
+                "num_experts": self.experts,
+                "moe_intermediate_size": self.ffn,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": list(self.dense_layers),
+                "norm_topk_prob": self.normalize_top_k,
+            }
             if kind == "qwen2_moe":
                 out["shared_expert_intermediate_size"] = self.shared_ffn
             return out
         if kind in ("deepseek_v3", "kimi_k2"):
             first = len(self.dense_layers)
-            return out | {"n_routed_experts": self.experts, "moe_intermediate_size": self.ffn,
-                          "n_shared_experts": self.shared_ffn // self.ffn, "scoring_func": self.score,
-                          "norm_topk_prob": self.normalize_top_k, "routed_scaling_factor": self.route_scale,
-                          "n_group": self.groups, "topk_group": self.group_top_k, "first_k_dense_replace": first,
-                          "topk_method": "noaux_tc"}
+            return out | {
+                "n_routed_experts": self.experts,
+                "moe_intermediate_size": self.ffn,
+                "n_shared_experts": self.shared_ffn // self.ffn,
+                "scoring_func": self.score,
+                "norm_topk_prob": self.normalize_top_k,
+                "routed_scaling_factor": self.route_scale,
+                "n_group": self.groups,
+                "topk_group": self.group_top_k,
+                "first_k_dense_replace": first,
+                "topk_method": "noaux_tc",
+            }
         raise UsageError(f"cannot write MoE fields for model_type {kind!r}")

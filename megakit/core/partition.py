@@ -26,13 +26,16 @@ from megakit.errors import UsageError
 METHODS = ("params", "flops")
 
 
-def layer_costs(config, method: str = "params", *, seq_len: int | None = None,
-                mtp: int = 0) -> tuple[list[float], float, float]:
+def layer_costs(
+    config, method: str = "params", *, seq_len: int | None = None, mtp: int = 0
+) -> tuple[list[float], float, float]:
     """``(per block, embedding, head)`` cost of a ``ModelConfig`` (its own counts: ``block_params``,
     ``embedding_params``, ``head_params``; ``block_flops`` in the weight-matrices convention). ``mtp``: the
     Multi-Token Prediction modules trained (``ModelConfig.mtp_depth``), which sit with the head on the last stage."""
     if method not in METHODS:
-        raise UsageError(f"unknown partition method {method!r}; use one of {', '.join(METHODS)} or a list of layer counts")
+        raise UsageError(
+            f"unknown partition method {method!r}; use one of {', '.join(METHODS)} or a list of layer counts"
+        )
     kinds = [config.is_moe_layer(i) for i in range(config.layers)]  # an MoE model's dense blocks cost less
     if method == "params":
         cost = {moe: config.block_params(moe=moe).total for moe in set(kinds)}
@@ -41,8 +44,10 @@ def layer_costs(config, method: str = "params", *, seq_len: int | None = None,
         embedding = config.embedding_params()
         head = config.head_params(separate=True)  # a copy of the embedding when tied, plus the final norm
     else:  # forward FLOPs per token: 2 per multiply-add; attention scores and values 2·2·s·q
-        cost = {moe: config.block_flops(seq_len or config.max_seq_len, convention="matmul", moe=moe)[0]
-                for moe in set(kinds)}
+        cost = {
+            moe: config.block_flops(seq_len or config.max_seq_len, convention="matmul", moe=moe)[0]
+            for moe in set(kinds)
+        }
         embedding = 0.0
         head = config.head_flops()
     head += sum(_mtp_cost(config, method, k, seq_len) for k in range(1, mtp + 1))
@@ -70,9 +75,10 @@ def _mtp_cost(config, method: str, depth: int, seq_len: int | None) -> float:
     module = config.mtp_module_params(depth)
     if method == "params":
         return module.total + (config.embedding_params() if depth == 1 and not config.tie_embeddings else 0)
-    block, _ = config.block_flops(seq_len or config.max_seq_len, convention="matmul",
-                                  moe=config.is_moe_layer(config.layers + depth - 1))
-    return block + 2 * 2 * config.hidden ** 2 + config.head_flops()
+    block, _ = config.block_flops(
+        seq_len or config.max_seq_len, convention="matmul", moe=config.is_moe_layer(config.layers + depth - 1)
+    )
+    return block + 2 * 2 * config.hidden**2 + config.head_flops()
 
 
 def parse_stage_layers(text: str | None) -> tuple[int, ...] | None:
@@ -89,9 +95,10 @@ def parse_stage_layers(text: str | None) -> tuple[int, ...] | None:
                 raise ValueError(part)
             counts += [int(count)] * times
     except ValueError:
-        raise UsageError(f"--stage-layers {text!r} is not a list of layer counts; write one integer per virtual "
-                         "stage, comma-separated, N*K for K stages of N, e.g. --stage-layers 3,2,2,3 or 0,1*94,0"
-                         ) from None
+        raise UsageError(
+            f"--stage-layers {text!r} is not a list of layer counts; write one integer per virtual "
+            "stage, comma-separated, N*K for K stages of N, e.g. --stage-layers 3,2,2,3 or 0,1*94,0"
+        ) from None
     return tuple(counts)
 
 
@@ -102,17 +109,23 @@ def check_stage_layers(counts, *, layers: int, pp: int, vpp: int = 1) -> tuple[i
     counts, stages = tuple(counts), pp * vpp
     shown = ",".join(map(str, counts))
     if len(counts) != stages:
-        raise UsageError(f"--stage-layers {shown} gives {len(counts)} layer counts for --pp {pp} x --vpp {vpp} = "
-                         f"{stages} virtual stages; give one per virtual stage (chunk c of stage s is virtual stage "
-                         f"c x PP + s)")
+        raise UsageError(
+            f"--stage-layers {shown} gives {len(counts)} layer counts for --pp {pp} x --vpp {vpp} = "
+            f"{stages} virtual stages; give one per virtual stage (chunk c of stage s is virtual stage "
+            f"c x PP + s)"
+        )
     ends = {0, stages - 1} if stages > 1 else set()  # the embedding's and the head's virtual stages
     if any(not isinstance(c, int) or c < (0 if i in ends else 1) for i, c in enumerate(counts)):
-        raise UsageError(f"--stage-layers {shown} has an entry below 1 in the middle or below 0; every virtual stage "
-                         "but the first and the last (which hold the embedding and the head) needs at least one layer "
-                         "(lower --pp or --vpp for fewer stages)")
+        raise UsageError(
+            f"--stage-layers {shown} has an entry below 1 in the middle or below 0; every virtual stage "
+            "but the first and the last (which hold the embedding and the head) needs at least one layer "
+            "(lower --pp or --vpp for fewer stages)"
+        )
     if sum(counts) != layers:
-        raise UsageError(f"--stage-layers {shown} sums to {sum(counts)} layers but the model has {layers}; make the "
-                         f"counts add up to {layers}")
+        raise UsageError(
+            f"--stage-layers {shown} sums to {sum(counts)} layers but the model has {layers}; make the "
+            f"counts add up to {layers}"
+        )
     return counts
 
 
@@ -173,8 +186,9 @@ def _balanced_counts(block: list[float], embedding: float, head: float, stages: 
     return counts[::-1]
 
 
-def partition_layers(config, pp: int, vpp: int = 1, method="params", *, seq_len: int | None = None,
-                     mtp: int = 0) -> list[range]:
+def partition_layers(
+    config, pp: int, vpp: int = 1, method="params", *, seq_len: int | None = None, mtp: int = 0
+) -> list[range]:
     """The global layer indices of each virtual stage (``pp * vpp`` ranges, in pipeline order).
 
     ``method`` is "params", "flops", or a list of layer counts per virtual stage (``check_stage_layers``).
@@ -186,9 +200,11 @@ def partition_layers(config, pp: int, vpp: int = 1, method="params", *, seq_len:
     if not isinstance(pp, int) or not isinstance(vpp, int) or pp < 1 or vpp < 1:
         raise UsageError(f"--pp and --vpp must be positive integers, got {pp!r} and {vpp!r}")
     if stages > max_virtual_stages(config.layers) and isinstance(method, str):  # a pinned split: check_stage_layers
-        raise UsageError(f"{config.layers} layers cannot fill --pp {pp} x --vpp {vpp} = {stages} virtual stages, even "
-                         "with an embedding-only first and a loss-only last one; lower --pp/--vpp to at most "
-                         f"{max_virtual_stages(config.layers)} virtual stages in all")
+        raise UsageError(
+            f"{config.layers} layers cannot fill --pp {pp} x --vpp {vpp} = {stages} virtual stages, even "
+            "with an embedding-only first and a loss-only last one; lower --pp/--vpp to at most "
+            f"{max_virtual_stages(config.layers)} virtual stages in all"
+        )
     if isinstance(method, str):
         block, embedding, head = layer_costs(config, method, seq_len=seq_len, mtp=mtp)
         counts = _balanced_counts(block, embedding, head, stages)

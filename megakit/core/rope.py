@@ -24,8 +24,10 @@ VARIANTS = {
     # never runs (``check_seq_len``): inside them transformers uses the plain frequencies, as here
     "dynamic": (("factor",), ()),
     "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
-    "yarn": (("factor", "original_max_position_embeddings"),
-             ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")),
+    "yarn": (
+        ("factor", "original_max_position_embeddings"),
+        ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+    ),
 }
 
 
@@ -51,33 +53,43 @@ def read_rope(data: dict, *, source: str) -> tuple[float, RopeScaling | None]:
     the same field at the top; a top-level ``original_max_position_embeddings`` over both."""
     params = data.get("rope_scaling") or data.get("rope_parameters") or {}
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-        raise UsageError(f"model config {source} gives rope parameters per layer type or not as a JSON object; "
-                         "megakit implements one RoPE for all blocks: give one flat rope_parameters dict")
+        raise UsageError(
+            f"model config {source} gives rope parameters per layer type or not as a JSON object; "
+            "megakit implements one RoPE for all blocks: give one flat rope_parameters dict"
+        )
     theta = params.get("rope_theta", data.get("rope_theta", 10000.0))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 1:
         raise UsageError(f"model config {source} has rope_theta {theta!r}; give a number above 1")
     partial = params.get("partial_rotary_factor", data.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
-        raise UsageError(f"model config {source} sets partial_rotary_factor {partial!r} (rotary on part of each "
-                         "head), which megakit does not implement; remove it (transformers' Llama rotates whole heads)")
+        raise UsageError(
+            f"model config {source} sets partial_rotary_factor {partial!r} (rotary on part of each "
+            "head), which megakit does not implement; remove it (transformers' Llama rotates whole heads)"
+        )
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return float(theta), None
     if kind not in VARIANTS:
-        raise UsageError(f"model config {source} uses rope_type {kind!r}, which megakit does not implement; "
-                         f"supported: default, {', '.join(VARIANTS)}")
+        raise UsageError(
+            f"model config {source} uses rope_type {kind!r}, which megakit does not implement; "
+            f"supported: default, {', '.join(VARIANTS)}"
+        )
     needed, optional = VARIANTS[kind]
     fields = {k: params[k] for k in (*needed, *optional) if k in params}
     if "original_max_position_embeddings" in needed:
         fields["original_max_position_embeddings"] = data.get(
-            "original_max_position_embeddings", fields.get("original_max_position_embeddings",
-                                                           data.get("max_position_embeddings", 2048)))
+            "original_max_position_embeddings",
+            fields.get("original_max_position_embeddings", data.get("max_position_embeddings", 2048)),
+        )
     for key in needed:
         value = fields.get(key)
         if not (kind == "yarn" and key == "factor" and key in fields and value is None) and (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-            raise UsageError(f"model config {source}'s {kind} rope parameters have {key} {value!r}; "
-                             f"give a positive number, as transformers requires")
+            isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+        ):
+            raise UsageError(
+                f"model config {source}'s {kind} rope parameters have {key} {value!r}; "
+                f"give a positive number, as transformers requires"
+            )
     return float(theta), RopeScaling(kind, tuple(fields.items()))
 
 
@@ -123,6 +135,7 @@ def inv_freq(theta: float, head_dim: int, scaling: RopeScaling | None, max_posit
 def _yarn(theta: float, d: int, scaling: RopeScaling, factor: float, old: int) -> tuple[list[float], float]:
     """YaRN (Peng et al. 2023): interpolate the slow channels by ``factor``, keep the fast ones, ramp
     between (``beta_fast``/``beta_slow`` rotations in ``old`` positions); scale cos and sin by mscale."""
+
     def mscale(scale, m=1.0):
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 

@@ -168,8 +168,7 @@ def _check(pp: int, micro_batches: int, vpp: int = 1) -> None:
 
 
 def _schedule(name, pp, micro_batches, vpp, stages) -> Schedule:
-    return Schedule(name=name, pp=pp, micro_batches=micro_batches, vpp=vpp,
-                    stages=tuple(tuple(s) for s in stages))
+    return Schedule(name=name, pp=pp, micro_batches=micro_batches, vpp=vpp, stages=tuple(tuple(s) for s in stages))
 
 
 # -- compute orders ---------------------------------------------------------------------------
@@ -212,8 +211,10 @@ def interleaved_compute(pp: int, micro_batches: int, vpp: int) -> Schedule:
     """
     _check(pp, micro_batches, vpp)
     if micro_batches < pp:
-        raise UsageError(f"the interleaved schedule needs at least as many micro-batches as stages, got "
-                         f"--micro-batches {micro_batches} for --pp {pp}; use {pp} or a multiple of it")
+        raise UsageError(
+            f"the interleaved schedule needs at least as many micro-batches as stages, got "
+            f"--micro-batches {micro_batches} for --pp {pp}; use {pp} or a multiple of it"
+        )
     if micro_batches % pp:
         raise UsageError(
             f"the interleaved schedule needs --micro-batches divisible by --pp, got {micro_batches} and {pp}; "
@@ -307,8 +308,13 @@ def add_p2p(compute: Schedule, *, fuse_pairs: bool = False) -> Schedule:
         while i < len(units):
             recv, a, send = units[i]
             nxt = units[i + 1] if i + 1 < len(units) else None
-            if (fuse_pairs and nxt and isinstance(a, Forward) and isinstance(nxt[1], Backward)
-                    and not (nxt[1].micro_batch == a.micro_batch and nxt[0])):
+            if (
+                fuse_pairs
+                and nxt
+                and isinstance(a, Forward)
+                and isinstance(nxt[1], Backward)
+                and not (nxt[1].micro_batch == a.micro_batch and nxt[0])
+            ):
                 out += recv + nxt[0] + [a, nxt[1]] + send + nxt[2]
                 i += 2
             else:
@@ -370,8 +376,9 @@ def build_schedule(name: str, pp: int, micro_batches: int, vpp: int = 1) -> Sche
         return schedule_interleaved(pp, micro_batches, vpp)
     if name == "zb-h1":
         if vpp != 1:
-            raise UsageError(f"--schedule zb-h1 runs one chunk per stage, got --vpp {vpp}; drop --vpp or use "
-                             "--schedule interleaved")
+            raise UsageError(
+                f"--schedule zb-h1 runs one chunk per stage, got --vpp {vpp}; drop --vpp or use --schedule interleaved"
+            )
         return add_p2p(zb_h1_compute(pp, micro_batches))
     raise UsageError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
 

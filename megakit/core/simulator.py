@@ -176,11 +176,19 @@ class _Simulator:
         self.posted_sends: dict[tuple, deque[_Op]] = {}  # batched mode: ops posted, not yet matched, per channel
         self.posted_recvs: dict[tuple, deque[_Op]] = {}
         self.events: list[Event] = []
-        self.handlers = {Forward: self._forward, Backward: self._backward, BackwardInput: self._backward,
-                         BackwardWeight: self._weight,
-                         SendActivation: self._send, SendGrad: self._send,
-                         RecvActivation: self._recv, RecvGrad: self._recv,
-                         ReduceTiedGrads: self._reduce, ReduceGrads: self._reduce, OptimizerStep: self._optimizer_step}
+        self.handlers = {
+            Forward: self._forward,
+            Backward: self._backward,
+            BackwardInput: self._backward,
+            BackwardWeight: self._weight,
+            SendActivation: self._send,
+            SendGrad: self._send,
+            RecvActivation: self._recv,
+            RecvGrad: self._recv,
+            ReduceTiedGrads: self._reduce,
+            ReduceGrads: self._reduce,
+            OptimizerStep: self._optimizer_step,
+        }
 
     def fail(self, st: _Stage, a: Instruction, why: str) -> None:
         s = self.schedule
@@ -196,15 +204,22 @@ class _Simulator:
             if all(st.pc >= len(st.actions) for st in self.stages):
                 break
             if not moved:
-                waits = "; ".join(f"stage {st.index} waits at {st.actions[st.pc]}" for st in self.stages
-                                  if st.pc < len(st.actions))
+                waits = "; ".join(
+                    f"stage {st.index} waits at {st.actions[st.pc]}" for st in self.stages if st.pc < len(st.actions)
+                )
                 raise ScheduleError(f"{s.name} p={s.pp} m={s.micro_batches}: deadlock: {waits}")
         self._check_all_done()
         clocks, busy = [st.clock for st in self.stages], tuple(st.busy for st in self.stages)
         step_time = max(clocks)
         bubble = tuple(1.0 - b / step_time if step_time else 0.0 for b in busy)
-        return Report(schedule=s, step_time=step_time, busy=busy, bubble_per_stage=bubble,
-                      peak_in_flight=tuple(st.peak for st in self.stages), events=tuple(self.events))
+        return Report(
+            schedule=s,
+            step_time=step_time,
+            busy=busy,
+            bubble_per_stage=bubble,
+            peak_in_flight=tuple(st.peak for st in self.stages),
+            events=tuple(self.events),
+        )
 
     def _check_all_done(self) -> None:
         s = self.schedule
@@ -215,8 +230,10 @@ class _Simulator:
         for st in self.stages:
             weights = expected if s.split_backward else set()
             if set(st.forwarded) != expected or st.done_backward != expected or st.done_weight != weights:
-                raise ScheduleError(f"{s.name}: stage {st.index} does not run forward and backward exactly once "
-                                    f"for every micro-batch and chunk")
+                raise ScheduleError(
+                    f"{s.name}: stage {st.index} does not run forward and backward exactly once "
+                    f"for every micro-batch and chunk"
+                )
 
     def step(self, st: _Stage) -> bool:
         """Run one instruction of ``st`` if it can; False if it is blocked or finished."""
@@ -266,8 +283,12 @@ class _Simulator:
             return False  # blocked: the message has not been sent yet
         (got, arrival) = queue[0]
         if got != payload:
-            self.fail(st, a, f"expects {kind} of micro-batch {payload[0]} for virtual stage {payload[1]} from "
-                             f"stage {a.peer} but the next message on that channel is {got} (mismatched send/recv)")
+            self.fail(
+                st,
+                a,
+                f"expects {kind} of micro-batch {payload[0]} for virtual stage {payload[1]} from "
+                f"stage {a.peer} but the next message on that channel is {got} (mismatched send/recv)",
+            )
         queue.popleft()
         st.received[(kind, *payload[:2])] = arrival
         st.clock = max(st.clock, arrival)
@@ -299,7 +320,9 @@ class _Simulator:
                 self._check_peer(st, a)
             (src, dst, kind), payload = _message(self.schedule, st.index, a)
             op = _Op(stage=st, action=a, payload=(*payload, kind), posted=st.clock)
-            (self.posted_sends if isinstance(a, SENDS) else self.posted_recvs).setdefault((src, dst), deque()).append(op)
+            (self.posted_sends if isinstance(a, SENDS) else self.posted_recvs).setdefault((src, dst), deque()).append(
+                op
+            )
             ops.append(op)
             self._match((src, dst))
             i += 1
@@ -311,8 +334,12 @@ class _Simulator:
         while sends and recvs:
             if sends[0].payload != recvs[0].payload:
                 r = recvs[0]
-                self.fail(r.stage, r.action, f"expects {r.payload} from stage {channel[0]} but the next message "
-                                             f"posted on that channel is {sends[0].payload} (mismatched send/recv)")
+                self.fail(
+                    r.stage,
+                    r.action,
+                    f"expects {r.payload} from stage {channel[0]} but the next message "
+                    f"posted on that channel is {sends[0].payload} (mismatched send/recv)",
+                )
             s, r = sends.popleft(), recvs.popleft()
             s.done = r.done = max(s.posted, r.posted) + self.costs.p2p
 
@@ -370,8 +397,9 @@ class _Simulator:
         start = st.clock
         st.clock = start + cost
         st.busy += cost
-        self.events.append(Event(stage=st.index, kind=type(a), micro_batch=a.micro_batch, chunk=a.chunk,
-                                 start=start, end=start + cost))
+        self.events.append(
+            Event(stage=st.index, kind=type(a), micro_batch=a.micro_batch, chunk=a.chunk, start=start, end=start + cost)
+        )
         return True
 
     def _reduce(self, st: _Stage, a: Instruction) -> bool:

@@ -38,8 +38,16 @@ from megakit.errors import UsageError
 
 LOSS_ON = ("auto", "assistant", "completion", "all")
 ROLES = ("system", "developer", "user", "assistant", "tool")
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "tool": "tool", "function_call": "assistant", "observation": "tool"}
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "tool": "tool",
+    "function_call": "assistant",
+    "observation": "tool",
+}
 GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 CHAT_KEYS = ("messages", "conversations", "prompt", "instruction")
 EXAMPLE_CHARS = 2000  # of the example shown (and kept in index.json) with its counted tokens marked
@@ -71,8 +79,10 @@ def _messages(value, where: str) -> list[dict]:
     for message in value:
         role = message.get("role")
         if role not in ROLES:
-            raise UsageError(f"{where}: a message has the role {role!r}; the roles are {', '.join(ROLES)} (map other "
-                             "names to them, or give ShareGPT data as 'conversations' with from/value)")
+            raise UsageError(
+                f"{where}: a message has the role {role!r}; the roles are {', '.join(ROLES)} (map other "
+                "names to them, or give ShareGPT data as 'conversations' with from/value)"
+            )
     for n, message in enumerate(value):
         _content(message, n)
     return value
@@ -92,16 +102,21 @@ def conversation(record: dict, where: str) -> tuple[list[dict], list[dict] | Non
         for turn in turns:
             role = SHAREGPT_ROLES.get(turn.get("from")) if isinstance(turn, dict) else None
             if role is None:
-                raise UsageError(f"{where}: a ShareGPT turn has from={turn.get('from') if isinstance(turn, dict) else turn!r}; "
-                                 f"the known ones are {', '.join(SHAREGPT_ROLES)}")
+                raise UsageError(
+                    f"{where}: a ShareGPT turn has from={turn.get('from') if isinstance(turn, dict) else turn!r}; "
+                    f"the known ones are {', '.join(SHAREGPT_ROLES)}"
+                )
             out.append({"role": role, "content": turn.get("value")})
         for n, message in enumerate(out):
             _content(message, n)
         return out, None
     if "prompt" in record:
         prompt, completion = record["prompt"], record.get("completion")
-        answer = ([{"role": "assistant", "content": completion}] if isinstance(completion, str)
-                  else _messages(completion, where))
+        answer = (
+            [{"role": "assistant", "content": completion}]
+            if isinstance(completion, str)
+            else _messages(completion, where)
+        )
         return _messages(prompt, where), answer
     instruction, extra, output = record.get("instruction"), record.get("input") or "", record.get("output")
     if not isinstance(instruction, str) or not isinstance(output, str) or not isinstance(extra, str):
@@ -163,24 +178,41 @@ class ChatRenderer:
     ``specials``: the tokenizer's special tokens (``bos_token``, ``eos_token``...), which templates read as
     variables; ``source``: where the template came from, for the messages."""
 
-    def __init__(self, tokenizer, template: str | None, loss_on: str, specials: dict | None = None,
-                 source: str = "the chat template", *, eos: int | None) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        template: str | None,
+        loss_on: str,
+        specials: dict | None = None,
+        source: str = "the chat template",
+        *,
+        eos: int | None,
+    ) -> None:
         from transformers import PreTrainedTokenizerFast
 
-        self.fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=template,
-                                            **(specials or {})) if template else None
+        self.fast = (
+            PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=template, **(specials or {}))
+            if template
+            else None
+        )
         self.markers = has_generation_markers(template)
         self.tokenizer, self.loss_on, self.eos, self.source = tokenizer, loss_on, eos, source
 
     def _render(self, messages, *, tools=None, generation_prompt=False, assistant_mask=False):
-        out = self.fast.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
-                                            add_generation_prompt=generation_prompt,
-                                            return_assistant_tokens_mask=assistant_mask)
+        out = self.fast.apply_chat_template(
+            messages,
+            tools=tools,
+            tokenize=True,
+            return_dict=True,
+            add_generation_prompt=generation_prompt,
+            return_assistant_tokens_mask=assistant_mask,
+        )
         return list(out["input_ids"]), list(out.get("assistant_masks", []))
 
     def _text(self, messages, tools=None, generation_prompt=False) -> str:
-        return self.fast.apply_chat_template(messages, tools=tools, tokenize=False,
-                                             add_generation_prompt=generation_prompt)
+        return self.fast.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def assistant_spans(self, messages: list[dict], tools, where: str) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans of its assistant turns, by rendering it prefix by
@@ -196,21 +228,26 @@ class ChatRenderer:
             if message["role"] != "assistant":
                 continue
             try:
-                head, turn = self._text(messages[:i], tools, True) if i else "", self._text(messages[:i + 1], tools)
+                head, turn = self._text(messages[:i], tools, True) if i else "", self._text(messages[: i + 1], tools)
             except _malformed() as error:
                 raise self._unsplittable(where, f"its first {i} messages do not render ({error})") from None
             if not turn.startswith(head) or not full.startswith(turn):
-                raise self._unsplittable(where, f"its first {i + 1 if turn.startswith(head) else i} messages render "
-                                                "differently alone than as the start of the whole conversation")
+                raise self._unsplittable(
+                    where,
+                    f"its first {i + 1 if turn.startswith(head) else i} messages render "
+                    "differently alone than as the start of the whole conversation",
+                )
             end = len(turn.rstrip())
             if end > len(head):
                 spans.append((len(head), end))
         return full, spans
 
     def _unsplittable(self, where: str, why: str) -> UsageError:
-        return UsageError(f"{where}: {self.source} cannot be split into turns: {why}; give --chat-template FILE "
-                          "whose assistant content sits in {% generation %} ... {% endgeneration %}, or use "
-                          "--loss-on all")
+        return UsageError(
+            f"{where}: {self.source} cannot be split into turns: {why}; give --chat-template FILE "
+            "whose assistant content sits in {% generation %} ... {% endgeneration %}, or use "
+            "--loss-on all"
+        )
 
     def many(self, records: list[tuple[dict, str]]) -> list:
         """``ids_and_mask`` of each ``(record, where)``, or the ValueError that skips it. The conversations the
@@ -234,8 +271,11 @@ class ChatRenderer:
             encoded = self.fast([text for _, text, _ in batch], add_special_tokens=False)
             for j, (i, _, spans) in enumerate(batch):
                 mask = token_mask(encoded.encodings[j].offsets, spans)
-                out[i] = self._finish(list(encoded["input_ids"][j]), mask) if any(mask) else ValueError(
-                    "no token to train on")
+                out[i] = (
+                    self._finish(list(encoded["input_ids"][j]), mask)
+                    if any(mask)
+                    else ValueError("no token to train on")
+                )
         for i, (record, where) in enumerate(records):
             if out[i] is None:
                 out[i] = _or_skip(self.ids_and_mask, record, where)
@@ -249,8 +289,13 @@ class ChatRenderer:
         from transformers.utils.chat_template_utils import render_jinja_template
 
         plain = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as apply_chat_template does
-        texts, spans = render_jinja_template(conversations=[plain], tools=tools, chat_template=self.fast.chat_template,
-                                             return_assistant_tokens_mask=True, **self.fast.special_tokens_map)
+        texts, spans = render_jinja_template(
+            conversations=[plain],
+            tools=tools,
+            chat_template=self.fast.chat_template,
+            return_assistant_tokens_mask=True,
+            **self.fast.special_tokens_map,
+        )
         return texts[0], [tuple(s) for s in spans[0]]
 
     def _mode(self, completion) -> str:
@@ -268,8 +313,10 @@ class ChatRenderer:
         tools = record.get("tools")
         if self.fast is None:  # no template: a prompt-completion record as plain text
             if completion is None or any(not isinstance(m.get("content"), str) for m in prompt + completion):
-                raise UsageError(f"{where}: conversations need a chat template, and the tokenizer has none; pass "
-                                 "--chat-template FILE (a Jinja template) or a --tokenizer whose config holds one")
+                raise UsageError(
+                    f"{where}: conversations need a chat template, and the tokenizer has none; pass "
+                    "--chat-template FILE (a Jinja template) or a --tokenizer whose config holds one"
+                )
             head = self.tokenizer.encode("".join(m["content"] for m in prompt), add_special_tokens=False).ids
             tail = self.tokenizer.encode("".join(m["content"] for m in completion), add_special_tokens=False).ids
             ids, mask = head + tail, [0] * len(head) + [1] * len(tail)
@@ -287,9 +334,12 @@ class ChatRenderer:
                 prompt, completion = prompt[:last], prompt[last:]
             ids, _ = self._render(prompt + completion, tools=tools)
             head = self._render(prompt, tools=tools, generation_prompt=True)[0] if prompt else []
-            if ids[:len(head)] != head:
-                raise self._unsplittable(where, "the prompt renders differently alone than inside the whole "
-                                                "conversation, so the completion's tokens cannot be told apart")
+            if ids[: len(head)] != head:
+                raise self._unsplittable(
+                    where,
+                    "the prompt renders differently alone than inside the whole "
+                    "conversation, so the completion's tokens cannot be told apart",
+                )
             mask = [0] * len(head) + [1] * (len(ids) - len(head))
         if mode == "all":
             mask = [1] * len(ids)

@@ -55,8 +55,8 @@ import json
 import os
 import shutil
 import uuid
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -64,6 +64,7 @@ from torch import nn
 
 from megakit.core.model_config import ModelConfig
 from megakit.errors import UsageError
+from megakit.interop import checkpoint_ranks as R
 from megakit.interop.checkpoint_format import (
     MANIFEST,
     STATE_PREFIX,
@@ -89,7 +90,6 @@ from megakit.interop.checkpoint_split import (
     write_shard,
     writes,
 )
-from megakit.interop import checkpoint_ranks as R
 from megakit.nn import comm as C
 
 IGNORED_FIELDS = ("dropout", "init_std")  # training settings: they do not change what the weights mean
@@ -157,9 +157,18 @@ def _config_diff(saved: ModelConfig, ours: ModelConfig) -> list[str]:
 
 
 # -- save -------------------------------------------------------------------------------------------
-def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConfig, extra: dict | None = None,
-                    state: dict[str, dict[str, torch.Tensor]] | None = None,
-                    rank_state: dict[str, torch.Tensor] | None = None, rank_key: dict | None = None) -> Path:
+def save_checkpoint(
+    directory,
+    model,
+    topo=None,
+    *,
+    step: int,
+    config: ModelConfig,
+    extra: dict | None = None,
+    state: dict[str, dict[str, torch.Tensor]] | None = None,
+    rank_state: dict[str, torch.Tensor] | None = None,
+    rank_key: dict | None = None,
+) -> Path:
     """Write this rank's shard of ``model`` (a stage module, or a list/ModuleList of chunks) to ``directory``.
 
     Collective over the world: every rank calls it with its own stage. ``extra`` is any
@@ -168,14 +177,32 @@ def save_checkpoint(directory, model, topo=None, *, step: int, config: ModelConf
     only this rank holds, written as they are, on any DP rank, for ``load_rank_state`` at the same
     layout; ``rank_key`` (JSON) says what a reader must match. Returns the directory.
     """
-    return stage_checkpoint(directory, model, topo, step=step, config=config, extra=extra, state=state,
-                            rank_state=rank_state, rank_key=rank_key).write()
+    return stage_checkpoint(
+        directory,
+        model,
+        topo,
+        step=step,
+        config=config,
+        extra=extra,
+        state=state,
+        rank_state=rank_state,
+        rank_key=rank_key,
+    ).write()
 
 
-def stage_checkpoint(directory, model, topo=None, *, step: int, config: ModelConfig, extra: dict | None = None,
-                     state: dict[str, dict[str, torch.Tensor]] | None = None,
-                     rank_state: dict[str, torch.Tensor] | None = None, rank_key: dict | None = None,
-                     copy=None) -> "StagedCheckpoint":
+def stage_checkpoint(
+    directory,
+    model,
+    topo=None,
+    *,
+    step: int,
+    config: ModelConfig,
+    extra: dict | None = None,
+    state: dict[str, dict[str, torch.Tensor]] | None = None,
+    rank_state: dict[str, torch.Tensor] | None = None,
+    rank_key: dict | None = None,
+    copy=None,
+) -> "StagedCheckpoint":
     """The first half of ``save_checkpoint`` (same arguments and collectives on the trainer's groups): check the
     request, agree on the temporary directory, and copy this rank's tensors to host memory. Its ``write()`` is
     the second half. ``copy(name, tensor)`` (``HostBuffers.copy``): copy the weights even from the CPU, so the
@@ -185,16 +212,22 @@ def stage_checkpoint(directory, model, topo=None, *, step: int, config: ModelCon
     try:
         json.dumps(extra, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise UsageError(f"checkpoint metadata must be JSON-serialisable ({exc}); pass plain numbers, "
-                         "strings, lists and dicts as extra") from exc
+        raise UsageError(
+            f"checkpoint metadata must be JSON-serialisable ({exc}); pass plain numbers, "
+            "strings, lists and dicts as extra"
+        ) from exc
     if not isinstance(step, int) or step < 0:
         raise UsageError(f"checkpoint step must be a non-negative integer, got {step!r}")
     if target.exists() and not (target / MANIFEST).is_file() and (not target.is_dir() or any(target.iterdir())):
-        raise UsageError(f"{target} exists and is not a megakit checkpoint; refusing to replace it: "
-                         "choose another directory or remove it")
+        raise UsageError(
+            f"{target} exists and is not a megakit checkpoint; refusing to replace it: "
+            "choose another directory or remove it"
+        )
     if _model_config(model) is not None and _config_diff(config, _model_config(model)):
-        raise UsageError(f"the config given to save_checkpoint differs from the model's "
-                         f"({', '.join(_config_diff(config, _model_config(model))[:4])}); pass the model's own config")
+        raise UsageError(
+            f"the config given to save_checkpoint differs from the model's "
+            f"({', '.join(_config_diff(config, _model_config(model))[:4])}); pass the model's own config"
+        )
     _, _, _, _, pp_rank, _ = R.coords(topo)
     params = named_tensors(_modules(model))  # parameters and persistent buffers (the expert bias)
     # Who writes what: the first PP stage that holds a name (a tied embedding: the first stage).
@@ -210,8 +243,18 @@ def stage_checkpoint(directory, model, topo=None, *, step: int, config: ModelCon
     for name in list(tensors):  # state tensors are split like their parameter
         for key, t in (state or {}).get(name, {}).items():
             tensors[state_name(key, name)] = t
-    return StagedCheckpoint(target=target, tmp=tmp, topo=topo, params=params, tensors=tensors, step=step,
-                            config=config, extra=extra, rank_state=rank_state, rank_key=rank_key)
+    return StagedCheckpoint(
+        target=target,
+        tmp=tmp,
+        topo=topo,
+        params=params,
+        tensors=tensors,
+        step=step,
+        config=config,
+        extra=extra,
+        rank_state=rank_state,
+        rank_key=rank_key,
+    )
 
 
 @dataclass
@@ -240,19 +283,32 @@ class StagedCheckpoint:
         space = self._check_space(group)
         mine, local_error = {"records": []}, None
         try:
-            experts = {n: t for n, t in tensors.items()
-                       if split_of(base_name(n), params[base_name(n)], topo).key == "ep_dim"}
+            experts = {
+                n: t for n, t in tensors.items() if split_of(base_name(n), params[base_name(n)], topo).key == "ep_dim"
+            }
             if dp_rank == 0:
                 dense = {n: t for n, t in tensors.items() if n not in experts}
-                mine["records"].append(write_shard(tmp, params, dense, topo, shard_file(pp_rank, tp_rank, pp, tp),
-                                                   pp=pp_rank, tp=tp_rank))
+                mine["records"].append(
+                    write_shard(tmp, params, dense, topo, shard_file(pp_rank, tp_rank, pp, tp), pp=pp_rank, tp=tp_rank)
+                )
             if experts:
                 ep, ep_rank, _ = ep_place(topo)
-                mine["records"].append(write_shard(tmp, params, experts, topo, expert_file(pp_rank, ep_rank, pp, ep),
-                                                   pp=pp_rank, tp=tp_rank, ep=ep_rank))
+                mine["records"].append(
+                    write_shard(
+                        tmp,
+                        params,
+                        experts,
+                        topo,
+                        expert_file(pp_rank, ep_rank, pp, ep),
+                        pp=pp_rank,
+                        tp=tp_rank,
+                        ep=ep_rank,
+                    )
+                )
             if self.rank_state:
-                mine["records"].append({"rank_file": write_rank_file(tmp, self.rank_state, (pp_rank, tp_rank, dp_rank),
-                                                                     (pp, tp, dp))})
+                mine["records"].append(
+                    {"rank_file": write_rank_file(tmp, self.rank_state, (pp_rank, tp_rank, dp_rank), (pp, tp, dp))}
+                )
         except Exception as error:  # reported to rank 0, which cleans up and tells every rank
             local_error = self._no_space(error, *space)
             mine = {"failure": R.failure(local_error)}
@@ -263,8 +319,17 @@ class StagedCheckpoint:
             try:
                 if not any(failures):
                     records = [record for r in gathered for record in r["records"]]
-                    manifest = build_manifest(records, step=self.step, config=self.config, extra=self.extra, tp=tp,
-                                              pp=pp, dp=dp, ep=ep_place(topo)[0], rank_key=self.rank_key)
+                    manifest = build_manifest(
+                        records,
+                        step=self.step,
+                        config=self.config,
+                        extra=self.extra,
+                        tp=tp,
+                        pp=pp,
+                        dp=dp,
+                        ep=ep_place(topo)[0],
+                        rank_key=self.rank_key,
+                    )
                     _check_visible(tmp, manifest)
                     path = tmp / MANIFEST
                     path.write_text(json.dumps(manifest, indent=1))
@@ -311,8 +376,10 @@ class StagedCheckpoint:
                     needed, free = sum(sizes) + ENTRY_BYTES, shutil.disk_usage(existing_ancestor(self.tmp.parent)).free
                     line = None if needed <= free else self._no_space_line(needed, free)
             except OSError as error:
-                line = (f"cannot check the free space for the checkpoint of step {self.step} in {self.tmp.parent} "
-                        f"({error.strerror or error}); --save to a directory on a working filesystem")
+                line = (
+                    f"cannot check the free space for the checkpoint of step {self.step} in {self.tmp.parent} "
+                    f"({error.strerror or error}); --save to a directory on a working filesystem"
+                )
             verdict = (needed, free, line, failures)
         needed, free, line, failures = R.broadcast_from_0(verdict, self.topo, group)
         R.raise_failures(failures, local_error)
@@ -322,9 +389,11 @@ class StagedCheckpoint:
 
     def _no_space_line(self, needed: int, free: int) -> str:
         intact = self.intact or self._target_intact()
-        return (f"no space for the checkpoint of step {self.step} in {self.tmp.parent}: it needs {needed:,} bytes "
-                f"({needed / 2**20:.1f} MiB), {free:,} are free ({free / 2**20:.1f} MiB); nothing of it was kept and "
-                f"{intact}; free some space or --save elsewhere")
+        return (
+            f"no space for the checkpoint of step {self.step} in {self.tmp.parent}: it needs {needed:,} bytes "
+            f"({needed / 2**20:.1f} MiB), {free:,} are free ({free / 2**20:.1f} MiB); nothing of it was kept and "
+            f"{intact}; free some space or --save elsewhere"
+        )
 
     def _target_intact(self) -> str:
         """Without the caller's words (``save_run``'s: a --save directory's newest, ``save_dir.newest_complete``),
@@ -352,8 +421,10 @@ def existing_ancestor(path: Path) -> Path:
 def _check_visible(tmp: Path, manifest: dict) -> None:
     for fname in [*manifest["files"], *manifest.get("per_rank", {}).get("files", {})]:
         if not (tmp / fname).is_file():
-            raise UsageError(f"{tmp / fname}, written by another rank, is not visible on rank 0; "
-                             "save checkpoints to a filesystem that every node shares")
+            raise UsageError(
+                f"{tmp / fname}, written by another rank, is not visible on rank 0; "
+                "save checkpoints to a filesystem that every node shares"
+            )
 
 
 def _publish(tmp: Path, target: Path) -> None:
@@ -395,11 +466,15 @@ def _load(directory: Path, model, topo) -> Loaded:
     if config is not None:
         diff = _config_diff(saved, config)
         if diff:
-            raise UsageError(f"checkpoint {directory} was saved from a different model ({', '.join(diff[:4])}, "
-                             "checkpoint vs model); build the model from the checkpoint's config")
+            raise UsageError(
+                f"checkpoint {directory} was saved from a different model ({', '.join(diff[:4])}, "
+                "checkpoint vs model); build the model from the checkpoint's config"
+            )
     if any(_zero3(p) for p in named_parameters(model).values()):
-        raise UsageError("the model is already partitioned by DeepSpeed ZeRO-3; load the checkpoint into the "
-                         "model before deepspeed.initialize (the engine copies its master weights from it there)")
+        raise UsageError(
+            "the model is already partitioned by DeepSpeed ZeRO-3; load the checkpoint into the "
+            "model before deepspeed.initialize (the engine copies its master weights from it there)"
+        )
     with ShardReader(directory, manifest) as reader:
         for name, tensor in named_tensors(_modules(model)).items():  # parameters and persistent buffers
             tensor.copy_(_read_shard(reader, name, list(tensor.shape), split_of(name, tensor, topo), directory))
@@ -421,8 +496,10 @@ def _read_shard(reader: ShardReader, name: str, shape: list[int], split: Split, 
     entry = reader.entry(name)
     if _saved_split(entry) != (split.key, split.dim):
         (key, dim), over = _saved_split(entry), {"tp_dim": " over TP", "ep_dim": " over EP", None: ""}
-        raise UsageError(f"parameter {pname} is split along {dim}{over[key]} in checkpoint {directory} but "
-                         f"along {split.dim}{over[split.key]} in the model; it was saved from a different model")
+        raise UsageError(
+            f"parameter {pname} is split along {dim}{over[key]} in checkpoint {directory} but "
+            f"along {split.dim}{over[split.key]} in the model; it was saved from a different model"
+        )
     dim = split.dim
     if dim is None:
         t = reader.read(name)
@@ -431,9 +508,11 @@ def _read_shard(reader: ShardReader, name: str, shape: list[int], split: Split, 
         want[dim] = entry["shape"][dim]
         if split.parts * local < want[dim] or list(entry["shape"]) != want:
             axis = "TP" if split.key == "tp_dim" else "EP"
-            raise UsageError(f"parameter {pname} has full shape {entry['shape']} in checkpoint {directory} "
-                             f"but the model's shard is {shape} at {axis} {split.parts}; it was saved from "
-                             "a different model")
+            raise UsageError(
+                f"parameter {pname} has full shape {entry['shape']} in checkpoint {directory} "
+                f"but the model's shard is {shape} at {axis} {split.parts}; it was saved from "
+                "a different model"
+            )
         start = split.index * local
         t = reader.read(name, min(start, want[dim]), min(start + local, want[dim]))
         if t.shape[dim] < local:  # vocab padding
@@ -441,8 +520,10 @@ def _read_shard(reader: ShardReader, name: str, shape: list[int], split: Split, 
             pad[dim] = local - t.shape[dim]
             t = torch.cat([t, t.new_zeros(pad)], dim=dim)
     if list(t.shape) != shape:
-        raise UsageError(f"parameter {pname} has shape {list(t.shape)} in checkpoint {directory} but "
-                         f"{shape} in the model; it was saved from a different model")
+        raise UsageError(
+            f"parameter {pname} has shape {list(t.shape)} in checkpoint {directory} but "
+            f"{shape} in the model; it was saved from a different model"
+        )
     return t
 
 
@@ -461,8 +542,10 @@ def _load_state(directory: Path, model, topo) -> dict[str, dict[str, torch.Tenso
     with ShardReader(directory, manifest) as reader:
         for name, param in named_parameters(model).items():
             shape = list(param.ds_shape if _zero3(param) else param.shape)  # ZeRO-3: the unpartitioned shard
-            out[name] = {key: _read_shard(reader, state_name(key, name), shape, split_of(name, param, topo), directory)
-                         for key in state_keys(manifest)}
+            out[name] = {
+                key: _read_shard(reader, state_name(key, name), shape, split_of(name, param, topo), directory)
+                for key in state_keys(manifest)
+            }
     return out
 
 
@@ -470,5 +553,6 @@ def load_rank_state(directory, topo=None) -> dict[str, torch.Tensor]:
     """This rank's ``rank_state``, as the same rank of the same layout saved it (empty if it saved none); the
     caller first checks the manifest's ``per_rank`` key. Collective like ``load_checkpoint``."""
     tp, pp, dp, tp_rank, pp_rank, dp_rank = R.coords(topo)
-    return R.collectively(lambda: read_rank_file(Path(directory), rank_file(pp_rank, tp_rank, dp_rank, pp, tp, dp)),
-                         topo)
+    return R.collectively(
+        lambda: read_rank_file(Path(directory), rank_file(pp_rank, tp_rank, dp_rank, pp, tp, dp)), topo
+    )

@@ -42,7 +42,7 @@ def state_name(key: str, name: str) -> str:
 
 def state_keys(manifest: dict) -> list[str]:
     """The per-parameter state keys a checkpoint holds (empty: weights only)."""
-    return sorted({n[len(STATE_PREFIX):].split("/", 1)[0] for n in manifest["params"] if n.startswith(STATE_PREFIX)})
+    return sorted({n[len(STATE_PREFIX) :].split("/", 1)[0] for n in manifest["params"] if n.startswith(STATE_PREFIX)})
 
 
 def sha256_file(path: Path) -> str:
@@ -101,15 +101,20 @@ def rank_file(pp_rank: int, tp_rank: int, dp_rank: int, pp: int, tp: int, dp: in
     return f"rank-pp{pp_rank:0{width}d}-tp{tp_rank:0{width}d}-dp{dp_rank:0{width}d}.safetensors"
 
 
-def write_rank_file(directory: Path, tensors: dict[str, torch.Tensor], ranks: tuple[int, int, int],
-                    sizes: tuple[int, int, int]) -> dict:
+def write_rank_file(
+    directory: Path, tensors: dict[str, torch.Tensor], ranks: tuple[int, int, int], sizes: tuple[int, int, int]
+) -> dict:
     """Write one rank's own CPU ``tensors`` to ``directory`` (``ranks``, ``sizes``: its (pp, tp, dp) coordinates
     and the layout's); its record for ``build_manifest``."""
     directory.mkdir(parents=True, exist_ok=True)
     fname = rank_file(*ranks, *sizes)
     sums = write_tensors(directory / fname, {k: t.contiguous() for k, t in tensors.items()})
-    return {"file": fname, "bytes": (directory / fname).stat().st_size, **dict(zip(("pp", "tp", "dp"), ranks)),
-            "tensors": sums}
+    return {
+        "file": fname,
+        "bytes": (directory / fname).stat().st_size,
+        **dict(zip(("pp", "tp", "dp"), ranks)),
+        "tensors": sums,
+    }
 
 
 def expert_file(pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:
@@ -123,8 +128,18 @@ def split_dim(entry: dict) -> int | None:
     return entry["tp_dim"] if entry["tp_dim"] is not None else entry.get("ep_dim")
 
 
-def build_manifest(records: list, *, step: int, config: ModelConfig, extra: dict, tp: int, pp: int,
-                   dp: int, ep: int = 1, rank_key: dict | None = None) -> dict:
+def build_manifest(
+    records: list,
+    *,
+    step: int,
+    config: ModelConfig,
+    extra: dict,
+    tp: int,
+    pp: int,
+    dp: int,
+    ep: int = 1,
+    rank_key: dict | None = None,
+) -> dict:
     """The manifest from every written file's record (``None`` for ranks that wrote nothing).
 
     Checks that each split parameter's slices tile ``[0, full)`` exactly. Per-rank files (a record's
@@ -138,8 +153,9 @@ def build_manifest(records: list, *, step: int, config: ModelConfig, extra: dict
             continue
         files[record["file"]] = {k: record[k] for k in ("bytes", "pp", "tp", "ep") if k in record}
         for name, entry in record["params"].items():
-            merged = params.setdefault(name, {k: entry[k] for k in ("shape", "dtype", "tp_dim", "ep_dim")
-                                              if k in entry} | {"slices": []})
+            merged = params.setdefault(
+                name, {k: entry[k] for k in ("shape", "dtype", "tp_dim", "ep_dim") if k in entry} | {"slices": []}
+            )
             assert merged["shape"] == entry["shape"] and merged["dtype"] == entry["dtype"], (name, merged, entry)
             if entry["slice"] is not None:
                 merged["slices"].append({"file": record["file"], **entry["slice"]})
@@ -152,8 +168,16 @@ def build_manifest(records: list, *, step: int, config: ModelConfig, extra: dict
             tiled = [s["start"] for s in entry["slices"]] == ends[:-1]
             assert tiled and ends[-1] == entry["shape"][split_dim(entry)], (name, entry)
     layout = {"tp": tp, "pp": pp, "dp": dp} | ({"ep": ep} if ep > 1 else {})
-    manifest = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "config": config.to_dict(),
-                "layout": layout, "files": files, "params": params}
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "extra": extra,
+        "config": config.to_dict(),
+        "layout": layout,
+        "files": files,
+        "params": params,
+    }
     if per_rank:
         manifest["per_rank"] = {"key": rank_key or {}, "files": dict(sorted(per_rank.items()))}
     return manifest
@@ -164,27 +188,40 @@ def read_manifest(directory) -> dict:
     path = Path(directory)
     moved = sorted(path.parent.glob(f"{glob.escape(path.name)}.old-*"))
     if not path.exists() and moved:
-        raise UsageError(f"checkpoint directory {path} does not exist, but a save killed while replacing it left "
-                         f"{moved[-1]}; rename that back to {path.name}")
+        raise UsageError(
+            f"checkpoint directory {path} does not exist, but a save killed while replacing it left "
+            f"{moved[-1]}; rename that back to {path.name}"
+        )
     if not path.is_dir():
-        raise UsageError(f"checkpoint directory {path} does not exist; give a directory written by save_checkpoint "
-                         f"(it holds {MANIFEST})")
+        raise UsageError(
+            f"checkpoint directory {path} does not exist; give a directory written by save_checkpoint "
+            f"(it holds {MANIFEST})"
+        )
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
-        raise UsageError(f"{path} holds no {MANIFEST}, so it is not a complete megakit checkpoint; "
-                         "give the directory a finished save wrote")
+        raise UsageError(
+            f"{path} holds no {MANIFEST}, so it is not a complete megakit checkpoint; "
+            "give the directory a finished save wrote"
+        )
     try:
         manifest = json.loads(manifest_path.read_text())
-        ok = (isinstance(manifest, dict) and manifest.get("format") == FORMAT
-              and all(isinstance(manifest.get(k), dict) for k in ("config", "files", "params", "layout", "extra"))
-              and isinstance(manifest.get("step"), int))
+        ok = (
+            isinstance(manifest, dict)
+            and manifest.get("format") == FORMAT
+            and all(isinstance(manifest.get(k), dict) for k in ("config", "files", "params", "layout", "extra"))
+            and isinstance(manifest.get("step"), int)
+        )
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"{manifest_path} is corrupt ({exc}); restore it or save the checkpoint again") from exc
     if not ok:
-        raise UsageError(f"{manifest_path} is not a megakit checkpoint manifest; restore it or save the checkpoint again")
+        raise UsageError(
+            f"{manifest_path} is not a megakit checkpoint manifest; restore it or save the checkpoint again"
+        )
     if manifest.get("version") not in READABLE:
-        raise UsageError(f"{manifest_path} has format version {manifest.get('version')!r}; this megakit reads "
-                         f"versions {', '.join(map(str, READABLE))}")
+        raise UsageError(
+            f"{manifest_path} has format version {manifest.get('version')!r}; this megakit reads "
+            f"versions {', '.join(map(str, READABLE))}"
+        )
     return manifest
 
 
@@ -224,8 +261,10 @@ class ShardReader:
         self._stack.close()
 
     def _corrupt(self, fname: str, why: str) -> UsageError:
-        return UsageError(f"checkpoint file {self.directory / fname} fails its checksum ({why}): it is corrupt; "
-                          "restore it or save the checkpoint again")
+        return UsageError(
+            f"checkpoint file {self.directory / fname} fails its checksum ({why}): it is corrupt; "
+            "restore it or save the checkpoint again"
+        )
 
     def _open(self, fname: str):
         """The safetensors file, memory-mapped (version 1 checkpoints: after checking its sha256)."""
@@ -234,8 +273,10 @@ class ShardReader:
 
             path = self.directory / fname
             if not path.is_file():
-                raise UsageError(f"checkpoint {self.directory} lacks {fname}, which its manifest lists; "
-                                 "it is incomplete: restore the file or save the checkpoint again")
+                raise UsageError(
+                    f"checkpoint {self.directory} lacks {fname}, which its manifest lists; "
+                    "it is incomplete: restore the file or save the checkpoint again"
+                )
             want = self.manifest["files"].get(fname, {}).get("sha256")  # version 1: one sha256 per file
             if want is not None and sha256_file(path) != want:
                 raise self._corrupt(fname, "its sha256 differs from the manifest's")
@@ -270,17 +311,22 @@ class ShardReader:
         """Every tensor of the per-rank file ``fname`` (``rank_file``), each checked against its checksum."""
         entry = self.manifest.get("per_rank", {}).get("files", {}).get(fname)
         if entry is None:
-            raise UsageError(f"checkpoint {self.directory} lists no per-rank file {fname}; it was saved at "
-                             "another layout")
+            raise UsageError(
+                f"checkpoint {self.directory} lists no per-rank file {fname}; it was saved at another layout"
+            )
         return {name: self._tensor({"file": fname, "xxh3": digest}, name) for name, digest in entry["tensors"].items()}
 
     def entry(self, name: str) -> dict:
         entry = self.manifest["params"].get(name)
         if entry is None and name.startswith("mtp."):  # the same model, its prediction modules not kept
-            raise UsageError(f"checkpoint {self.directory} holds no Multi-Token Prediction modules ({name!r}): it was "
-                             "saved without --mtp, or imported from weights without them; drop --mtp")
+            raise UsageError(
+                f"checkpoint {self.directory} holds no Multi-Token Prediction modules ({name!r}): it was "
+                "saved without --mtp, or imported from weights without them; drop --mtp"
+            )
         if entry is None:
-            raise UsageError(f"checkpoint {self.directory} has no parameter {name!r}; it was saved from a different model")
+            raise UsageError(
+                f"checkpoint {self.directory} has no parameter {name!r}; it was saved from a different model"
+            )
         return entry
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
@@ -288,8 +334,10 @@ class ShardReader:
         try:
             return self._read(name, start, stop)
         except (KeyError, IndexError, TypeError) as exc:  # a hand-edited manifest, not a bug of ours
-            raise UsageError(f"{self.directory / MANIFEST} describes {name!r} inconsistently ({type(exc).__name__}: "
-                             f"{exc}); restore it or save the checkpoint again") from exc
+            raise UsageError(
+                f"{self.directory / MANIFEST} describes {name!r} inconsistently ({type(exc).__name__}: "
+                f"{exc}); restore it or save the checkpoint again"
+            ) from exc
 
     def _read(self, name: str, start: int | None, stop: int | None) -> torch.Tensor:
         entry = self.entry(name)

@@ -27,8 +27,12 @@ def saved_dataset(directory: Path) -> list[Path] | None:
     if (directory / SPLITS).is_file():
         splits = json.loads((directory / SPLITS).read_text()).get("splits", [])
         if "train" not in splits:
-            raise ValueError(f"{directory} holds the splits {', '.join(splits)} and no 'train'; give the directory "
-                             f"of the split to read, e.g. {directory / splits[0]}" if splits else f"{directory} is empty")
+            raise ValueError(
+                f"{directory} holds the splits {', '.join(splits)} and no 'train'; give the directory "
+                f"of the split to read, e.g. {directory / splits[0]}"
+                if splits
+                else f"{directory} is empty"
+            )
         directory = directory / "train"
     if not (directory / STATE).is_file():
         return None
@@ -70,5 +74,6 @@ def records(path: Path, start: int, end: int | None) -> list[tuple[dict | None, 
         kind, groups = "row group", list(range(pieces.num_row_groups)[start:end])
         first = groups[0] if groups else 0
         tables = [pieces.read_row_group(g).to_pylist() for g in groups]
-    return [(row, f"{path}, {kind} {first + k}, row {n}")
-            for k, rows in enumerate(tables) for n, row in enumerate(rows)]
+    return [
+        (row, f"{path}, {kind} {first + k}, row {n}") for k, rows in enumerate(tables) for n, row in enumerate(rows)
+    ]

@@ -23,11 +23,16 @@ from megakit.core.model_config import ModelConfig
 from megakit.errors import UsageError
 
 _GPT2_BLOCK = {  # megakit suffix -> (transformers suffix, transposed)
-    "attn_norm.weight": ("ln_1.weight", False), "attn_norm.bias": ("ln_1.bias", False),
-    "mlp_norm.weight": ("ln_2.weight", False), "mlp_norm.bias": ("ln_2.bias", False),
-    "attn.o_proj.weight": ("attn.c_proj.weight", True), "attn.o_proj.bias": ("attn.c_proj.bias", False),
-    "mlp.up_proj.weight": ("mlp.c_fc.weight", True), "mlp.up_proj.bias": ("mlp.c_fc.bias", False),
-    "mlp.down_proj.weight": ("mlp.c_proj.weight", True), "mlp.down_proj.bias": ("mlp.c_proj.bias", False),
+    "attn_norm.weight": ("ln_1.weight", False),
+    "attn_norm.bias": ("ln_1.bias", False),
+    "mlp_norm.weight": ("ln_2.weight", False),
+    "mlp_norm.bias": ("ln_2.bias", False),
+    "attn.o_proj.weight": ("attn.c_proj.weight", True),
+    "attn.o_proj.bias": ("attn.c_proj.bias", False),
+    "mlp.up_proj.weight": ("mlp.c_fc.weight", True),
+    "mlp.up_proj.bias": ("mlp.c_fc.bias", False),
+    "mlp.down_proj.weight": ("mlp.c_proj.weight", True),
+    "mlp.down_proj.bias": ("mlp.c_proj.bias", False),
 }
 _LLAMA_BLOCK = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight"}
 for _x in ("q", "k", "v", "o"):
@@ -39,14 +44,28 @@ for _x in ("gate", "up", "down"):
 for _x in ("q", "k"):  # Qwen3
     _LLAMA_BLOCK[f"attn.{_x}_norm.weight"] = f"self_attn.{_x}_norm.weight"
 _LLAMA_BLOCK["attn.sinks"] = "self_attn.sinks"  # gpt-oss
-for _x in ("q_a_proj.weight", "q_a_proj.bias", "q_a_layernorm.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
-           "kv_a_proj_with_mqa.bias", "kv_a_layernorm.weight", "kv_b_proj.weight"):  # DeepSeek-V3's MLA
+for _x in (
+    "q_a_proj.weight",
+    "q_a_proj.bias",
+    "q_a_layernorm.weight",
+    "q_b_proj.weight",
+    "kv_a_proj_with_mqa.weight",
+    "kv_a_proj_with_mqa.bias",
+    "kv_a_layernorm.weight",
+    "kv_b_proj.weight",
+):  # DeepSeek-V3's MLA
     _LLAMA_BLOCK[f"attn.{_x}"] = f"self_attn.{_x}"
-_GEMMA_BLOCK = {**_LLAMA_BLOCK, "mlp_norm.weight": "pre_feedforward_layernorm.weight",  # Gemma's sandwich norms
-                "attn_post_norm.weight": "post_attention_layernorm.weight",
-                "mlp_post_norm.weight": "post_feedforward_layernorm.weight"}
-_MOE_EXTRA = ("gate.e_score_correction_bias", "shared_expert_gate.weight",
-              *(f"shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")))
+_GEMMA_BLOCK = {
+    **_LLAMA_BLOCK,
+    "mlp_norm.weight": "pre_feedforward_layernorm.weight",  # Gemma's sandwich norms
+    "attn_post_norm.weight": "post_attention_layernorm.weight",
+    "mlp_post_norm.weight": "post_feedforward_layernorm.weight",
+}
+_MOE_EXTRA = (
+    "gate.e_score_correction_bias",
+    "shared_expert_gate.weight",
+    *(f"shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")),
+)
 _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}  # gate, up, down per expert on disk; default Qwen-MoE's
 
 
@@ -57,12 +76,14 @@ def _gpt_oss_to_hf(ours: str, theirs: str, state: dict) -> dict[str, torch.Tenso
     gate_up, bias = _get(state, ours + "experts.gate_up_proj"), _get(state, ours + "experts.gate_up_proj_bias")
     f = gate_up.shape[1] // 2
     interleaved = torch.stack([gate_up[:, :f], gate_up[:, f:]], dim=2).flatten(1, 2)  # (E, 2F, H): g0 u0 g1 u1 ...
-    return {theirs + "router.weight": _get(state, ours + "gate.weight"),
-            theirs + "router.bias": _get(state, ours + "gate.bias"),
-            theirs + "experts.gate_up_proj": interleaved.transpose(1, 2).contiguous(),
-            theirs + "experts.gate_up_proj_bias": torch.stack([bias[:, :f], bias[:, f:]], dim=2).flatten(1, 2),
-            theirs + "experts.down_proj": _get(state, ours + "experts.down_proj").transpose(1, 2).contiguous(),
-            theirs + "experts.down_proj_bias": _get(state, ours + "experts.down_proj_bias")}
+    return {
+        theirs + "router.weight": _get(state, ours + "gate.weight"),
+        theirs + "router.bias": _get(state, ours + "gate.bias"),
+        theirs + "experts.gate_up_proj": interleaved.transpose(1, 2).contiguous(),
+        theirs + "experts.gate_up_proj_bias": torch.stack([bias[:, :f], bias[:, f:]], dim=2).flatten(1, 2),
+        theirs + "experts.down_proj": _get(state, ours + "experts.down_proj").transpose(1, 2).contiguous(),
+        theirs + "experts.down_proj_bias": _get(state, ours + "experts.down_proj_bias"),
+    }
 
 
 def _gpt_oss_from_hf(ours: str, theirs: str, hf: dict) -> dict[str, torch.Tensor]:
@@ -70,13 +91,16 @@ def _gpt_oss_from_hf(ours: str, theirs: str, hf: dict) -> dict[str, torch.Tensor
     from the shapes, which are square for the released models (F = H = 2880; Megatron-Bridge warns of the same)."""
     ours, theirs = ours + "mlp.", theirs + "mlp."
     gate_up, bias = _get(hf, theirs + "experts.gate_up_proj"), _get(hf, theirs + "experts.gate_up_proj_bias")
-    return {ours + "gate.weight": _get(hf, theirs + "router.weight"),
-            ours + "gate.bias": _get(hf, theirs + "router.bias"),
-            ours + "experts.gate_up_proj": torch.cat([gate_up[..., ::2], gate_up[..., 1::2]], dim=-1)
-            .transpose(1, 2).contiguous(),
-            ours + "experts.gate_up_proj_bias": torch.cat([bias[:, ::2], bias[:, 1::2]], dim=-1),
-            ours + "experts.down_proj": _get(hf, theirs + "experts.down_proj").transpose(1, 2).contiguous(),
-            ours + "experts.down_proj_bias": _get(hf, theirs + "experts.down_proj_bias")}
+    return {
+        ours + "gate.weight": _get(hf, theirs + "router.weight"),
+        ours + "gate.bias": _get(hf, theirs + "router.bias"),
+        ours + "experts.gate_up_proj": torch.cat([gate_up[..., ::2], gate_up[..., 1::2]], dim=-1)
+        .transpose(1, 2)
+        .contiguous(),
+        ours + "experts.gate_up_proj_bias": torch.cat([bias[:, ::2], bias[:, 1::2]], dim=-1),
+        ours + "experts.down_proj": _get(hf, theirs + "experts.down_proj").transpose(1, 2).contiguous(),
+        ours + "experts.down_proj_bias": _get(hf, theirs + "experts.down_proj_bias"),
+    }
 
 
 def _moe_to_hf(config: ModelConfig, block: str, layer: str, state: dict) -> dict[str, torch.Tensor]:
@@ -117,11 +141,17 @@ def _moe_from_hf(config: ModelConfig, block: str, layer: str, hf: dict) -> dict[
         out[ours + "experts.down_proj"] = _get(hf, theirs + "experts.down_proj")
     else:
         experts = range(moe.experts)
-        out[ours + "experts.gate_up_proj"] = torch.stack([torch.cat([_get(hf, theirs + f"experts.{j}.{gate}.weight"),
-                                                                     _get(hf, theirs + f"experts.{j}.{up}.weight")])
-                                                          for j in experts])
-        out[ours + "experts.down_proj"] = torch.stack([_get(hf, theirs + f"experts.{j}.{down}.weight")
-                                                       for j in experts])
+        out[ours + "experts.gate_up_proj"] = torch.stack(
+            [
+                torch.cat(
+                    [_get(hf, theirs + f"experts.{j}.{gate}.weight"), _get(hf, theirs + f"experts.{j}.{up}.weight")]
+                )
+                for j in experts
+            ]
+        )
+        out[ours + "experts.down_proj"] = torch.stack(
+            [_get(hf, theirs + f"experts.{j}.{down}.weight") for j in experts]
+        )
     wanted = {"gate.e_score_correction_bias": moe.expert_bias, "shared_expert_gate.weight": moe.shared_gate}
     wanted |= {f"shared_expert.{x}_proj.weight": bool(moe.shared_ffn) for x in ("gate", "up", "down")}
     out.update({ours + x: _get(hf, theirs + _shared_name(config, x)) for x in _MOE_EXTRA if wanted[x]})
@@ -197,8 +227,12 @@ def _block_from_hf(config: ModelConfig, ours: str, theirs: str, hf: dict, *, moe
 
 # DeepSeek-V3's Multi-Token Prediction module k sits in its checkpoints as decoder layer L + k, with the
 # module's own tensors beside the block and copies of the shared embedding and head (megakit.nn.mtp).
-_MTP_PARTS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-              "norm.weight": "shared_head.norm.weight"}
+_MTP_PARTS = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
 
 
 def mtp_to_hf(config: ModelConfig, k: int, state: dict) -> dict[str, torch.Tensor]:
@@ -207,8 +241,12 @@ def mtp_to_hf(config: ModelConfig, k: int, state: dict) -> dict[str, torch.Tenso
     out = {theirs + hf: _get(state, ours + part) for part, hf in _MTP_PARTS.items()}
     out.update(_block_to_hf(config, ours + "block.", theirs, state))
     out[theirs + "embed_tokens.weight"] = _get(state, "embed.weight").clone()  # own storage: safetensors refuses
-    out[theirs + "shared_head.head.weight"] = _get(state, "embed.weight" if config.tie_embeddings  # shared ones
-                                                   else "lm_head.weight").clone()
+    out[theirs + "shared_head.head.weight"] = _get(
+        state,
+        "embed.weight"
+        if config.tie_embeddings  # shared ones
+        else "lm_head.weight",
+    ).clone()
     return out
 
 
@@ -218,11 +256,15 @@ def _mtp_from_hf(config: ModelConfig, k: int, hf: dict, main: dict) -> dict[str,
     out = {ours + part: _get(hf, theirs + name) for part, name in _MTP_PARTS.items()}
     moe = config.moe is not None and config.moe.is_moe_layer(config.layers + k)
     out.update(_block_from_hf(config, ours + "block.", theirs, hf, moe=moe))
-    for copy, source in (("embed_tokens.weight", "embed.weight"),
-                         ("shared_head.head.weight", "embed.weight" if config.tie_embeddings else "lm_head.weight")):
+    for copy, source in (
+        ("embed_tokens.weight", "embed.weight"),
+        ("shared_head.head.weight", "embed.weight" if config.tie_embeddings else "lm_head.weight"),
+    ):
         if theirs + copy in hf and not torch.equal(hf[theirs + copy], main[source]):
-            raise UsageError(f"{theirs + copy} differs from the main model's; megakit's MTP modules share the "
-                             "embedding and the head with it, as DeepSeek-V3 trains them")
+            raise UsageError(
+                f"{theirs + copy} differs from the main model's; megakit's MTP modules share the "
+                "embedding and the head with it, as DeepSeek-V3 trains them"
+            )
     return out
 
 
@@ -249,8 +291,15 @@ def from_hf_state_dict(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict
     else:
         out["embed.weight"] = _get(hf, "model.embed_tokens.weight")
         for i in range(config.layers):
-            out.update(_block_from_hf(config, f"layers.{i}.", f"model.layers.{i}.", hf,
-                                      moe=config.moe is not None and config.moe.is_moe_layer(i)))
+            out.update(
+                _block_from_hf(
+                    config,
+                    f"layers.{i}.",
+                    f"model.layers.{i}.",
+                    hf,
+                    moe=config.moe is not None and config.moe.is_moe_layer(i),
+                )
+            )
         out["norm.weight"] = _get(hf, "model.norm.weight")
     if not config.tie_embeddings:
         out["lm_head.weight"] = _get(hf, "lm_head.weight")
@@ -259,9 +308,11 @@ def from_hf_state_dict(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict
             out.update(_mtp_from_hf(config, k, hf, out))
     unread = sorted(k for k in set(hf) - hf.read if ".mlp." in k or ".block_sparse_moe." in k or "expert" in k)
     if config.moe is not None and unread:
-        raise UsageError(f"weights hold {unread[0]!r} ({len(unread)} MLP/expert tensors in all) that megakit's "
-                         f"model of this config has no place for; check num_experts, the dense layers and "
-                         "shared-expert fields of config.json")
+        raise UsageError(
+            f"weights hold {unread[0]!r} ({len(unread)} MLP/expert tensors in all) that megakit's "
+            f"model of this config has no place for; check num_experts, the dense layers and "
+            "shared-expert fields of config.json"
+        )
     return out
 
 
@@ -288,8 +339,10 @@ def exact_param_count(raw: dict) -> int:
             model = AutoModelForCausalLM.from_config(config)  # made by torch.empty, which accelerate does not patch
         model.tie_weights()  # tied embeddings share one tensor (counted once below)
     except Exception as error:  # transformers raises many types for bad configs
-        raise UsageError(f"transformers cannot build this config ({error.__class__.__name__}: "
-                         f"{str(error).splitlines()[0][:120]}); fix the config.json")
+        raise UsageError(
+            f"transformers cannot build this config ({error.__class__.__name__}: "
+            f"{str(error).splitlines()[0][:120]}); fix the config.json"
+        )
     finally:
         hf_logging.set_verbosity(verbosity)
     return sum({id(p): p.numel() for p in model.parameters()}.values())

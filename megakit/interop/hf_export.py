@@ -39,8 +39,9 @@ def _layer_prefix(family: str, i: int) -> str:
     return f"transformer.h.{i}." if family == "gpt2" else f"model.layers.{i}."
 
 
-def _unit(config, manifest: dict, reader: ShardReader, unit: int | str | None, *,
-          meta: bool) -> dict[str, torch.Tensor]:
+def _unit(
+    config, manifest: dict, reader: ShardReader, unit: int | str | None, *, meta: bool
+) -> dict[str, torch.Tensor]:
     """transformers' tensors of one unit: ``None`` = everything outside the blocks, ``"mtp.k"`` = MTP module k (layer
     ``L + k``, with its copies of the embedding and head), else block ``unit``.
 
@@ -64,7 +65,7 @@ def _unit(config, manifest: dict, reader: ShardReader, unit: int | str | None, *
         if not name.startswith(("layers.", "mtp.")):
             state[name] = tensor(name, name, unit is None)
         elif name.startswith(block):
-            state["layers.0." + name[len(block):]] = tensor(name, name, unit is not None)
+            state["layers.0." + name[len(block) :]] = tensor(name, name, unit is not None)
     one_block = config.replace(layers=1, layer_types=config.layer_types[:1], nope_layers=())  # names only
     hf = to_hf_state_dict(one_block, state)
     first = _layer_prefix(config.family, 0)
@@ -73,7 +74,7 @@ def _unit(config, manifest: dict, reader: ShardReader, unit: int | str | None, *
         if config.tie_embeddings:
             del out["lm_head.weight"]  # transformers ties it to the input embedding, as save_pretrained does
         return out
-    return {_layer_prefix(config.family, unit) + k[len(first):]: v for k, v in hf.items() if k.startswith(first)}
+    return {_layer_prefix(config.family, unit) + k[len(first) :]: v for k, v in hf.items() if k.startswith(first)}
 
 
 def export_hf(checkpoint, out_dir, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:
@@ -88,7 +89,9 @@ def export_hf(checkpoint, out_dir, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES
     with ShardReader(checkpoint, manifest) as reader:
         shards, size = [[]], 0  # units per output file, sized from meta tensors
         for unit in units:
-            nbytes = sum(t.numel() * t.element_size() for t in _unit(config, manifest, reader, unit, meta=True).values())
+            nbytes = sum(
+                t.numel() * t.element_size() for t in _unit(config, manifest, reader, unit, meta=True).values()
+            )
             if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append([])
                 size = 0
@@ -117,8 +120,13 @@ def _tokenizer(checkpoint: Path, tmp: Path, config) -> bool:
     if not (source / "tokenizer.json").is_file():
         return False
     ids = export_tokenizer(source, tmp, model_max_length=config.max_seq_len)
-    check_eos_ids(ids["eos_token_id"], config.vocab_size, source=str(checkpoint), vocabulary="the model's vocabulary",
-                  fix="prepare the data with the model's own tokenizer")
+    check_eos_ids(
+        ids["eos_token_id"],
+        config.vocab_size,
+        source=str(checkpoint),
+        vocabulary="the model's vocabulary",
+        fix="prepare the data with the model's own tokenizer",
+    )
     hf_config = json.loads((tmp / "config.json").read_text())
     hf_config.update({key: ids[key] for key in ("bos_token_id", "eos_token_id")})
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
@@ -132,8 +140,11 @@ def _write(config, manifest: dict, reader: ShardReader, shards: list[list], tmp:
     from safetensors.torch import save_file
 
     weight_map, params, total = {}, 0, 0
-    names = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     for fname, units in zip(names, shards):
         tensors = {}
         for unit in units:
@@ -149,5 +160,11 @@ def _write(config, manifest: dict, reader: ShardReader, shards: list[list], tmp:
     if len(names) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return {"files": names, "tensors": len(weight_map), "params": params, "bytes": total, "dtype": dtype,
-            "step": manifest["step"]}
+    return {
+        "files": names,
+        "tensors": len(weight_map),
+        "params": params,
+        "bytes": total,
+        "dtype": dtype,
+        "step": manifest["step"],
+    }

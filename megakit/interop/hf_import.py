@@ -35,11 +35,15 @@ def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
     elif (directory / "model.safetensors").is_file():
         files = ["model.safetensors"]
     elif list(directory.glob("*.bin")):
-        raise UsageError(f"{directory} holds pickled PyTorch weights (*.bin), which megakit does not load (loading "
-                         "runs code); save the model with safe_serialization=True and convert again")
+        raise UsageError(
+            f"{directory} holds pickled PyTorch weights (*.bin), which megakit does not load (loading "
+            "runs code); save the model with safe_serialization=True and convert again"
+        )
     else:
-        raise UsageError(f"{directory} holds no model.safetensors (nor an index of shards); give a transformers "
-                         "checkpoint directory saved with save_pretrained")
+        raise UsageError(
+            f"{directory} holds no model.safetensors (nor an index of shards); give a transformers "
+            "checkpoint directory saved with save_pretrained"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
         if not (directory / name).is_file():
@@ -80,5 +84,9 @@ def import_hf(hf_dir, out_dir) -> dict:
     model = _materialised(Transformer(config, dtype=dtype, device="meta", mtp=mtp))
     load_full_state_dict(model, full)
     save_checkpoint(out, model, None, step=0, config=config, extra={"imported_from": str(hf_dir)})
-    return {"params": sum(t.numel() for t in full.values()), "dtype": str(dtype).removeprefix("torch."),
-            "family": config.family, "model_type": config.to_hf()["model_type"]}
+    return {
+        "params": sum(t.numel() for t in full.values()),
+        "dtype": str(dtype).removeprefix("torch."),
+        "family": config.family,
+        "model_type": config.to_hf()["model_type"],
+    }

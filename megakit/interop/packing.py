@@ -47,20 +47,25 @@ def fit(ids: np.ndarray, mask: np.ndarray, capacity: int, too_long: str, where: 
     if len(ids) <= capacity:
         return ids, mask
     if too_long == "refuse":
-        raise UsageError(f"{where}: an example of {len(ids)} tokens does not fit the --pack/--pad window of {capacity}; "
-                         "raise the window, or pass --too-long truncate to cut such examples (counted)")
+        raise UsageError(
+            f"{where}: an example of {len(ids)} tokens does not fit the --pack/--pad window of {capacity}; "
+            "raise the window, or pass --too-long truncate to cut such examples (counted)"
+        )
     return ids[:capacity], mask[:capacity]
 
 
 def bins(examples: list[tuple[np.ndarray, np.ndarray]], capacity: int, *, pack: bool, pad_id: int):
     """``(ids, mask, document starts)`` of each bin of exactly ``capacity`` tokens, in order of the bins."""
-    groups = best_fit_decreasing([len(ids) for ids, _ in examples], capacity) if pack else [
-        [i] for i in range(len(examples))]
+    groups = (
+        best_fit_decreasing([len(ids) for ids, _ in examples], capacity)
+        if pack
+        else [[i] for i in range(len(examples))]
+    )
     for group in sorted(groups, key=min):  # the bins in the order of their first example: stable and readable
         parts = [examples[i] for i in sorted(group)]
         used = sum(len(ids) for ids, _ in parts)
         ids = np.concatenate([p[0] for p in parts] + [np.full(capacity - used, pad_id, dtype=parts[0][0].dtype)])
         mask = np.concatenate([p[1] for p in parts] + [np.zeros(capacity - used, dtype=np.uint8)])
-        starts = np.cumsum([0] + [len(p[0]) for p in parts])[:len(parts) + (used < capacity)]
+        starts = np.cumsum([0] + [len(p[0]) for p in parts])[: len(parts) + (used < capacity)]
         mask[starts] = 0  # an example's first token is predicted by nothing of its own (a bin's: by the previous bin)
         yield ids, mask, starts

@@ -49,8 +49,7 @@ import numpy as np
 
 from megakit.errors import UsageError
 from megakit.interop import chat_data as chat
-from megakit.interop import columnar
-from megakit.interop import packing
+from megakit.interop import columnar, packing
 from megakit.interop import tokenizer as tok
 from megakit.interop.token_shards import (
     INDEX,
@@ -145,8 +144,12 @@ def list_inputs(inputs: list[str], *, exclude: Path | None = None) -> list[Path]
             raise UsageError(f"input {path}: {error}") from None
         if saved is not None:
             return saved
-        return [f for child in sorted(path.iterdir()) if not child.name.startswith(".") and child.resolve() != skip
-                for f in (walk(child) if child.is_dir() else [child] if child.is_file() else [])]
+        return [
+            f
+            for child in sorted(path.iterdir())
+            if not child.name.startswith(".") and child.resolve() != skip
+            for f in (walk(child) if child.is_dir() else [child] if child.is_file() else [])
+        ]
 
     files = []
     for item in inputs:
@@ -155,12 +158,15 @@ def list_inputs(inputs: list[str], *, exclude: Path | None = None) -> list[Path]
             raise UsageError(f"input {path}: no such file or directory")
         files += [path] if path.is_file() else walk(path)
     if not files:
-        raise UsageError(f"the inputs ({', '.join(inputs)}) hold no files; give text files, directories of them or JSONL")
+        raise UsageError(
+            f"the inputs ({', '.join(inputs)}) hold no files; give text files, directories of them or JSONL"
+        )
     return files
 
 
-def read_documents(path: Path, text_field: str | None, start: int = 0,
-                   end: int | None = None) -> tuple[list, str | None, tuple[int, str | None, int]]:
+def read_documents(
+    path: Path, text_field: str | None, start: int = 0, end: int | None = None
+) -> tuple[list, str | None, tuple[int, str | None, int]]:
     """``(documents, why the file is skipped, (bad records, the first named and why, empty records))`` of the
     file, or of bytes ``start:end`` of a JSONL file (whole lines: see ``pieces``), or of pieces ``start:end`` of a
     Parquet or Arrow file (a record named by its row group and row). ``text_field`` None: chat data, each
@@ -245,7 +251,7 @@ def pieces(path: Path) -> list[tuple[str, int, int | None, int]]:
     if columnar.is_columnar(path):
         try:
             rows = columnar.piece_rows(path)
-        except Exception:  # noqa: BLE001: read (and skipped, with the reason) as one piece
+        except Exception:  # noqa: BLE001 - read (and skipped, with the reason) as one piece
             return [(str(path), 0, None, size)]
         total = max(sum(rows), 1)
         return [(str(path), i, i + 1, size * n // total) for i, n in enumerate(rows)] or [(str(path), 0, None, size)]
@@ -274,8 +280,9 @@ def fingerprint(files: list[Path], settings: dict) -> str:
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_json: str, text_field: str | None, eos: int | None, dtype: str,
-                 chat_args: tuple | None = None) -> None:
+def _init_worker(
+    tokenizer_json: str, text_field: str | None, eos: int | None, dtype: str, chat_args: tuple | None = None
+) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the pool is the parallelism
     from tokenizers import Tokenizer
 
@@ -301,7 +308,9 @@ def _encode_chat(task) -> list[tuple[list, int, str | None, tuple]]:
     return out
 
 
-def _encode_pieces(task: list[tuple[str, int, int | None, int]]) -> list[tuple[list[np.ndarray], int, str | None, tuple]]:
+def _encode_pieces(
+    task: list[tuple[str, int, int | None, int]],
+) -> list[tuple[list[np.ndarray], int, str | None, tuple]]:
     """Per piece: its documents' ids (end-of-text appended), its size in bytes, why its file was skipped (or
     None), its bad and empty records (``read_documents``)."""
     if _WORKER["chat"] is not None:
@@ -370,11 +379,15 @@ def _settings(cfg: PrepareConfig) -> dict:
         source = Path(cfg.tokenizer)
         file = source / "tokenizer.json" if source.is_dir() else source
         settings["vocab_size"] = None
-        settings["tokenizer"] = hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else str(source.resolve())
+        settings["tokenizer"] = (
+            hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else str(source.resolve())
+        )
         if source.is_dir():  # its special tokens, template and the model's stop ids travel with the data
-            settings["tokenizer_files"] = {name: hashlib.sha256((source / name).read_bytes()).hexdigest()
-                                           for name in (*tok.FILES, tok.GENERATION_CONFIG, "config.json")
-                                           if (source / name).is_file()}
+            settings["tokenizer_files"] = {
+                name: hashlib.sha256((source / name).read_bytes()).hexdigest()
+                for name in (*tok.FILES, tok.GENERATION_CONFIG, "config.json")
+                if (source / name).is_file()
+            }
     return settings
 
 
@@ -417,7 +430,7 @@ def first_record(files: list[Path]) -> dict | None:
             for _, start, end, _ in pieces(path):
                 try:
                     rows = columnar.records(path, start, end)
-                except Exception:  # noqa: BLE001: skipped with the reason when read
+                except Exception:  # noqa: BLE001 - skipped with the reason when read
                     break
                 if rows:
                     return rows[0][0]
@@ -460,14 +473,21 @@ def _chat_args(cfg: PrepareConfig, files: list[Path]) -> tuple | None:
     if record is None or not chat.is_chat(record):
         return None
     if not cfg.tokenizer:
-        raise UsageError("chat and instruction data is tokenized with the model's own tokenizer: pass --tokenizer DIR "
-                         "(a transformers tokenizer directory, with its chat template)")
+        raise UsageError(
+            "chat and instruction data is tokenized with the model's own tokenizer: pass --tokenizer DIR "
+            "(a transformers tokenizer directory, with its chat template)"
+        )
     template = chat_template(cfg)
     if template is None and ("messages" in record or "conversations" in record):
-        raise UsageError(f"conversations are rendered with a chat template, and --tokenizer {cfg.tokenizer} has none; "
-                         "pass --chat-template FILE (a Jinja template)")
-    source = (f"--chat-template {cfg.chat_template}" if cfg.chat_template else
-              f"the chat template of --tokenizer {cfg.tokenizer}")
+        raise UsageError(
+            f"conversations are rendered with a chat template, and --tokenizer {cfg.tokenizer} has none; "
+            "pass --chat-template FILE (a Jinja template)"
+        )
+    source = (
+        f"--chat-template {cfg.chat_template}"
+        if cfg.chat_template
+        else f"the chat template of --tokenizer {cfg.tokenizer}"
+    )
     return template, cfg.loss_on, tok.special_tokens(cfg.tokenizer), source
 
 
@@ -482,12 +502,17 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
     dtype = token_dtype(vocab)
     window = cfg.window
     shard_tokens = cfg.shard_tokens if not window else 1 << 62  # packed: one shard a split, its windows its bins
-    writers = {split: ShardWriter(tmp, split, dtype, shard_tokens=shard_tokens, masks=chat_args is not None or
-                                  bool(window)) for split in ("train", "validation")}
+    writers = {
+        split: ShardWriter(tmp, split, dtype, shard_tokens=shard_tokens, masks=chat_args is not None or bool(window))
+        for split in ("train", "validation")
+    }
     examples, truncated = [], 0  # with --pack/--pad: every example, packed at the end
     example = None  # the first chat example (ids, mask), shown with its counted tokens marked
-    counts = {"documents": {"train": 0, "validation": 0}, "tokens": {"train": 0, "validation": 0},
-              "loss_tokens": {"train": 0, "validation": 0}}
+    counts = {
+        "documents": {"train": 0, "validation": 0},
+        "tokens": {"train": 0, "validation": 0},
+        "loss_tokens": {"train": 0, "validation": 0},
+    }
     skipped, bad, first_bad, empty, total_bytes, docs = [], 0, None, 0, sum(p.stat().st_size for p in files), 0
     split, cut, held_back = TokenSplit(fraction=cfg.val_fraction), 0, None
 
@@ -497,17 +522,27 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
         held = split.cut(len(ids), last=last, whole=chat_args is not None)
         cut += 0 < held < len(ids)
         keep = len(ids) - held
-        for name, part, bits in (("train", ids[:keep], None if mask is None else mask[:keep]),
-                                 ("validation", ids[keep:], None if mask is None else mask[keep:])):
+        for name, part, bits in (
+            ("train", ids[:keep], None if mask is None else mask[:keep]),
+            ("validation", ids[keep:], None if mask is None else mask[keep:]),
+        ):
             if len(part):
                 writers[name].add(part, bits)
                 counts["documents"][name] += 1
                 counts["tokens"][name] += len(part)
                 counts["loss_tokens"][name] += len(part) if bits is None else int(bits.sum())
+
     args = (tokenizer.to_str(), None if chat_args else cfg.field, eos, dtype.str, chat_args)
     tasks = _tasks(files)
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="prepare-data",
-               disable=not cfg.progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=total_bytes,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="prepare-data",
+        disable=not cfg.progress,
+        dynamic_ncols=True,
+    )
     workers = min(cfg.workers, len(tasks))
     pool = _context().Pool(workers, _init_worker, args) if workers > 1 else None
     try:
@@ -540,43 +575,80 @@ def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) ->
     packed = _write_bins(examples, writers, counts, cfg, pad_id=eos if eos is not None else 0) if window else None
     splits = {split: writer.close() for split, writer in writers.items()}
     if not counts["tokens"]["train"]:
-        why = f" ({skipped[0]})" if len(skipped) == 1 else f" ({len(skipped)} skipped, e.g. {skipped[0]})" if skipped else ""
+        why = (
+            f" ({skipped[0]})"
+            if len(skipped) == 1
+            else f" ({len(skipped)} skipped, e.g. {skipped[0]})"
+            if skipped
+            else ""
+        )
         if chat_args and bad:  # every chat record malformed: name one, and why
-            raise UsageError(f"the inputs hold no chat record to train on: all {bad:,} are malformed or leave no "
-                             f"token to train on, e.g. {first_bad}")
+            raise UsageError(
+                f"the inputs hold no chat record to train on: all {bad:,} are malformed or leave no "
+                f"token to train on, e.g. {first_bad}"
+            )
         raise UsageError(f"the inputs hold no text to train on{why}; give UTF-8 text files or JSONL")
     if skipped:
-        say(f"prepare-data: warning: skipped {len(skipped)} of {len(files)} files that are not UTF-8 text or "
-            f"readable Parquet/Arrow, e.g. {skipped[0]}")
+        say(
+            f"prepare-data: warning: skipped {len(skipped)} of {len(files)} files that are not UTF-8 text or "
+            f"readable Parquet/Arrow, e.g. {skipped[0]}"
+        )
     records = _record_kinds(files)
     if bad:
-        what = ("chat records that are malformed or leave no token to train on" if chat_args else
-                f"{records} that are not {'UTF-8 JSON ' if records == 'JSONL lines' else ''}objects with a "
-                f"{cfg.field!r} string (--field)")
+        what = (
+            "chat records that are malformed or leave no token to train on"
+            if chat_args
+            else f"{records} that are not {'UTF-8 JSON ' if records == 'JSONL lines' else ''}objects with a "
+            f"{cfg.field!r} string (--field)"
+        )
         say(f"prepare-data: warning: skipped {bad:,} {what}, e.g. {first_bad}")
     if empty:
         say(f"prepare-data: warning: skipped {empty:,} {records} whose {cfg.field!r} is an empty string (no text)")
     _say_validation(cfg.val_fraction, counts["tokens"], say)
     # the tokenizer, its template and the model's stop ids travel with the data, into checkpoints and the export
-    tok.save_tokenizer(tokenizer, tmp, source=cfg.tokenizer,
-                       chat_template=chat_args[0] if chat_args and cfg.chat_template else None)
-    summary = {"files": len(files), "skipped": len(skipped), "bad_records": bad, "empty_records": empty,
-               "bytes": total_bytes,
-               "vocab_size": vocab, "input_documents": docs, "cut_documents": cut, "chat": chat_args is not None,
-               "loss_on": chat_args[1] if chat_args else "all", **counts,
-               **({"packed": dict(packed, truncated=truncated)} if packed else {}),
-               **({"example": chat.marked(tokenizer, *example)} if example is not None else {})}
-    write_index(tmp, {"dtype": dtype.name, "vocab_size": vocab, "eos_id": eos,
-                      **({"packed": {"seq_len": window, "strategy": "bfd" if cfg.pack else "pad"}} if window else {}),
-                      "source": {"fingerprint": stamp, "inputs": [str(i) for i in cfg.inputs], "skipped": skipped},
-                      "splits": splits, "summary": summary})
+    tok.save_tokenizer(
+        tokenizer, tmp, source=cfg.tokenizer, chat_template=chat_args[0] if chat_args and cfg.chat_template else None
+    )
+    summary = {
+        "files": len(files),
+        "skipped": len(skipped),
+        "bad_records": bad,
+        "empty_records": empty,
+        "bytes": total_bytes,
+        "vocab_size": vocab,
+        "input_documents": docs,
+        "cut_documents": cut,
+        "chat": chat_args is not None,
+        "loss_on": chat_args[1] if chat_args else "all",
+        **counts,
+        **({"packed": dict(packed, truncated=truncated)} if packed else {}),
+        **({"example": chat.marked(tokenizer, *example)} if example is not None else {}),
+    }
+    write_index(
+        tmp,
+        {
+            "dtype": dtype.name,
+            "vocab_size": vocab,
+            "eos_id": eos,
+            **({"packed": {"seq_len": window, "strategy": "bfd" if cfg.pack else "pad"}} if window else {}),
+            "source": {"fingerprint": stamp, "inputs": [str(i) for i in cfg.inputs], "skipped": skipped},
+            "splits": splits,
+            "summary": summary,
+        },
+    )
     return summary
 
 
 def _record_kinds(files: list[Path]) -> str:
     """What the inputs' records are called: JSONL lines, Parquet/Arrow rows, or both."""
-    kinds = [name for name, there in (("JSONL lines", any(p.suffix == ".jsonl" for p in files)),
-                                      ("Parquet/Arrow rows", any(columnar.is_columnar(p) for p in files))) if there]
+    kinds = [
+        name
+        for name, there in (
+            ("JSONL lines", any(p.suffix == ".jsonl" for p in files)),
+            ("Parquet/Arrow rows", any(columnar.is_columnar(p) for p in files)),
+        )
+        if there
+    ]
     return " and ".join(kinds) or "records"
 
 
@@ -607,9 +679,13 @@ def _say_validation(fraction: float, tokens: dict, say) -> None:
     """Why the validation split is empty or too small to evaluate on, now rather than at --eval-every."""
     total, held = tokens["train"] + tokens["validation"], tokens["validation"]
     if fraction > 0 and held == 0:
-        say(f"prepare-data: warning: no validation split: {total:,} tokens x --val-fraction {fraction:g} = "
-            f"{total * fraction:.2f} rounds to none; raise --val-fraction or add text (--eval-every needs one)")
+        say(
+            f"prepare-data: warning: no validation split: {total:,} tokens x --val-fraction {fraction:g} = "
+            f"{total * fraction:.2f} rounds to none; raise --val-fraction or add text (--eval-every needs one)"
+        )
     elif 0 < held < MIN_SPAN:
-        say(f"prepare-data: warning: the validation split holds only {held:,} tokens ({total:,} x --val-fraction "
+        say(
+            f"prepare-data: warning: the validation split holds only {held:,} tokens ({total:,} x --val-fraction "
             f"{fraction:g}); --eval-every needs at least a global batch x (seq-len + 1): raise --val-fraction or add "
-            "text")
+            "text"
+        )

@@ -25,8 +25,10 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``(E, rows, groups, 16)`` codes and ``(E, rows, groups)`` scales -> ``(E, groups x 32, rows)`` in ``dtype``."""
     if blocks.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise UsageError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} do not "
-                         "match gpt-oss's layout (uint8 blocks of 16 bytes, one scale per block)")
+        raise UsageError(
+            f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} do not "
+            "match gpt-oss's layout (uint8 blocks of 16 bytes, one scale per block)"
+        )
     lut = torch.tensor(E2M1, dtype=dtype)
     values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)  # (..., 32)
     values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
@@ -51,8 +53,10 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, dtype=t
     """An FP8 ``(rows, cols)`` weight times its ``(ceil(rows/128), ceil(cols/128))`` block scales, in ``dtype``."""
     rows, cols = weight.shape
     if scale_inv.shape != (-(-rows // BLOCK), -(-cols // BLOCK)):
-        raise UsageError(f"an FP8 weight of {rows} x {cols} has block scales {tuple(scale_inv.shape)}, not one per "
-                         f"{BLOCK} x {BLOCK} block; the checkpoint is not DeepSeek's FP8 layout")
+        raise UsageError(
+            f"an FP8 weight of {rows} x {cols} has block scales {tuple(scale_inv.shape)}, not one per "
+            f"{BLOCK} x {BLOCK} block; the checkpoint is not DeepSeek's FP8 layout"
+        )
     scale = scale_inv.float().repeat_interleave(BLOCK, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
     return (weight.float() * scale).to(dtype)
 

@@ -68,8 +68,10 @@ class ShardWriter:
         """One document's ids (its end-of-text included) and, for a writer with ``masks``, its loss mask: one
         0/1 per id, 1 where the id is a target the loss counts."""
         if (mask is None) == self.masks or (mask is not None and len(mask) != len(ids)):
-            raise ValueError(f"a loss mask per id is {'required' if self.masks else 'not expected'} here "
-                             f"({len(ids)} ids, mask {None if mask is None else len(mask)})")
+            raise ValueError(
+                f"a loss mask per id is {'required' if self.masks else 'not expected'} here "
+                f"({len(ids)} ids, mask {None if mask is None else len(mask)})"
+            )
         if self._file is None:
             self._open()
         data = np.ascontiguousarray(ids, dtype=self.dtype).tobytes()
@@ -90,9 +92,16 @@ class ShardWriter:
         docs = f"{self._name[:-4]}.docs"
         starts = np.asarray(self._starts, dtype=np.int64)
         (self.directory / docs).write_bytes(starts.tobytes())
-        self.entries.append({"file": self._name, "tokens": self._tokens, "documents": len(starts),
-                             "sha256": self._digest.hexdigest(), "docs_file": docs,
-                             "docs_sha256": hashlib.sha256(starts.tobytes()).hexdigest()})
+        self.entries.append(
+            {
+                "file": self._name,
+                "tokens": self._tokens,
+                "documents": len(starts),
+                "sha256": self._digest.hexdigest(),
+                "docs_file": docs,
+                "docs_sha256": hashlib.sha256(starts.tobytes()).hexdigest(),
+            }
+        )
         if self.masks:
             self._mask_file.close()
             self.entries[-1].update(mask_file=f"{self._name[:-4]}.mask", mask_sha256=self._mask_digest.hexdigest())
@@ -116,15 +125,20 @@ def write_index(directory: Path, index: dict) -> None:
 def looks_prepared(directory: Path) -> bool:
     """Whether ``directory`` holds what prepare-data writes (so a missing index is an error, not raw text)."""
     return directory.is_dir() and (
-        (directory / INDEX).exists() or any(directory.glob("train-[0-9]*.bin")) or (directory / "tokenizer.json").exists())
+        (directory / INDEX).exists()
+        or any(directory.glob("train-[0-9]*.bin"))
+        or (directory / "tokenizer.json").exists()
+    )
 
 
 def read_index(directory: str | Path) -> dict:
     path = Path(directory) / INDEX
     if not path.is_file():
-        raise UsageError(f"{directory} has no {INDEX}, so it is not a finished megakit data directory (prepare-data "
-                         "was interrupted, or the index was removed); run megakit prepare-data ... --out "
-                         f"{directory} again")
+        raise UsageError(
+            f"{directory} has no {INDEX}, so it is not a finished megakit data directory (prepare-data "
+            "was interrupted, or the index was removed); run megakit prepare-data ... --out "
+            f"{directory} again"
+        )
     try:
         index = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -150,12 +164,18 @@ class TokenShards:
         return self.index["source"]["fingerprint"]
 
     def tokens(self, split: str) -> list[np.ndarray]:
-        return [self._map(entry["file"], self.index["dtype"], entry["tokens"])
-                for entry in self.index["splits"][split] if entry["tokens"]]
+        return [
+            self._map(entry["file"], self.index["dtype"], entry["tokens"])
+            for entry in self.index["splits"][split]
+            if entry["tokens"]
+        ]
 
     def documents(self, split: str) -> list[np.ndarray]:
-        return [self._map(entry["docs_file"], "int64", entry["documents"])
-                for entry in self.index["splits"][split] if entry["tokens"]]
+        return [
+            self._map(entry["docs_file"], "int64", entry["documents"])
+            for entry in self.index["splits"][split]
+            if entry["tokens"]
+        ]
 
     def masks(self, split: str) -> list[np.ndarray] | None:
         """Per shard, the loss mask (``uint8``, 1: a target the loss counts); None for data prepared without one."""
@@ -175,17 +195,23 @@ def open_shards(directory: str | Path, *, verify: bool = False) -> TokenShards:
     itemsize = np.dtype(index["dtype"]).itemsize
     for split in SPLITS:
         for entry in index["splits"][split]:
-            files = [(entry["file"], entry["tokens"] * itemsize, entry["sha256"]),
-                     (entry["docs_file"], entry["documents"] * 8, entry["docs_sha256"])]
+            files = [
+                (entry["file"], entry["tokens"] * itemsize, entry["sha256"]),
+                (entry["docs_file"], entry["documents"] * 8, entry["docs_sha256"]),
+            ]
             if "mask_file" in entry:
                 files.append((entry["mask_file"], entry["tokens"], entry["mask_sha256"]))
             for name, size, digest in files:
                 path = directory / name
                 have = path.stat().st_size if path.is_file() else None
                 if have != size:
-                    state = ("missing" if have is None else f"truncated ({have} bytes, {INDEX} says {size})"
-                             if have < size else f"longer than {INDEX} says ({have} bytes, it says {size}), so it "
-                             f"does not match {INDEX}")
+                    state = (
+                        "missing"
+                        if have is None
+                        else f"truncated ({have} bytes, {INDEX} says {size})"
+                        if have < size
+                        else f"longer than {INDEX} says ({have} bytes, it says {size}), so it does not match {INDEX}"
+                    )
                     raise UsageError(f"{path} is {state}; run megakit prepare-data ... --out {directory} again")
                 if verify and sha256_file(path) != digest:
                     raise UsageError(f"{path} does not match its sha256 in {INDEX}; run megakit prepare-data again")

@@ -43,13 +43,19 @@ def train_bpe(texts: Iterable[str], vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < MIN_VOCAB:
-        raise UsageError(f"--vocab-size {vocab_size} is too small: byte-level BPE needs at least {MIN_VOCAB} "
-                         "(256 bytes and the end-of-text token); 4096 or more is usual")
+        raise UsageError(
+            f"--vocab-size {vocab_size} is too small: byte-level BPE needs at least {MIN_VOCAB} "
+            "(256 bytes and the end-of-text token); 4096 or more is usual"
+        )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
 
@@ -70,24 +76,31 @@ def load_tokenizer(path: str | Path, *, flag: str = "--tokenizer"):
     named = f"{flag} " if flag else ""
     file = source / "tokenizer.json" if source.is_dir() else source
     if not source.exists():
-        raise UsageError(f"{named}{source}: no such file or directory; give a tokenizer.json or a transformers "
-                         "tokenizer directory")
+        raise UsageError(
+            f"{named}{source}: no such file or directory; give a tokenizer.json or a transformers tokenizer directory"
+        )
     if file.is_file():
         try:
             return Tokenizer.from_file(str(file))
         except Exception as error:  # noqa: BLE001 (tokenizers raises a plain Exception on a bad file)
-            raise UsageError(f"{named}{file} is not a tokenizers JSON file ({str(error)[:120]}); give the "
-                             "tokenizer.json a fast tokenizer saves") from None
+            raise UsageError(
+                f"{named}{file} is not a tokenizers JSON file ({str(error)[:120]}); give the "
+                "tokenizer.json a fast tokenizer saves"
+            ) from None
     if not has_vocabulary(source):
-        raise UsageError(f"{named}{source} holds no tokenizer.json nor a slow tokenizer's vocabulary "
-                         f"({', '.join(SLOW_FILES)}); give the directory the model's tokenizer was saved to")
+        raise UsageError(
+            f"{named}{source} holds no tokenizer.json nor a slow tokenizer's vocabulary "
+            f"({', '.join(SLOW_FILES)}); give the directory the model's tokenizer was saved to"
+        )
     try:  # a transformers directory without tokenizer.json: its fast tokenizer, converted locally
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(source), local_files_only=True, use_fast=True).backend_tokenizer
     except Exception as error:  # noqa: BLE001 (transformers raises many kinds for a directory it cannot read)
-        raise UsageError(f"{named}{source} holds no tokenizer.json and transformers cannot load a fast tokenizer "
-                         f"from it ({str(error)[:120]})") from None
+        raise UsageError(
+            f"{named}{source} holds no tokenizer.json and transformers cannot load a fast tokenizer "
+            f"from it ({str(error)[:120]})"
+        ) from None
 
 
 def end_of_text_id(tokenizer) -> int | None:
@@ -150,8 +163,10 @@ def check_eos_ids(stops, rows: int, *, source: str, vocabulary: str, fix: str) -
     """UsageError, in one line, where an eos id (``stops``: a config's id, list of ids, or None) is not an id below
     ``rows`` (``vocabulary`` names them: the tokenizer's or the model's): generation could never stop."""
     if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < rows for i in as_ids(stops)):
-        raise UsageError(f"{source}: its eos_token_id {stops} is not in {vocabulary} of {rows}, so generation could "
-                         f"never stop; {fix}")
+        raise UsageError(
+            f"{source}: its eos_token_id {stops} is not in {vocabulary} of {rows}, so generation could "
+            f"never stop; {fix}"
+        )
 
 
 def check_stop_tokens(tokenizer, directory: str | Path, *, source: str) -> None:
@@ -160,11 +175,17 @@ def check_stop_tokens(tokenizer, directory: str | Path, *, source: str) -> None:
     specials = special_tokens(directory)
     eos = specials.get("eos_token")
     if eos is not None and tokenizer.token_to_id(eos) is None:
-        raise UsageError(f"{source}: the eos token {eos!r} is not in the tokenizer's vocabulary, so generation "
-                         "could never stop; fix eos_token in its tokenizer_config.json (or add the token)")
-    check_eos_ids((_generation_config(Path(directory)) or {}).get("eos_token_id"), vocab_size(tokenizer),
-                  source=source, vocabulary="the tokenizer's vocabulary",
-                  fix="fix the model's generation_config.json (or config.json)")
+        raise UsageError(
+            f"{source}: the eos token {eos!r} is not in the tokenizer's vocabulary, so generation "
+            "could never stop; fix eos_token in its tokenizer_config.json (or add the token)"
+        )
+    check_eos_ids(
+        (_generation_config(Path(directory)) or {}).get("eos_token_id"),
+        vocab_size(tokenizer),
+        source=source,
+        vocabulary="the tokenizer's vocabulary",
+        fix="fix the model's generation_config.json (or config.json)",
+    )
 
 
 def check_model_stop_ids(hf_dir: str | Path) -> None:
@@ -176,8 +197,13 @@ def check_model_stop_ids(hf_dir: str | Path) -> None:
         return  # the import names what is wrong with it
     rows = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     if rows:
-        check_eos_ids((_generation_config(Path(hf_dir)) or {}).get("eos_token_id"), rows, source=str(hf_dir),
-                      vocabulary="the model's vocabulary", fix="fix generation_config.json (or config.json)")
+        check_eos_ids(
+            (_generation_config(Path(hf_dir)) or {}).get("eos_token_id"),
+            rows,
+            source=str(hf_dir),
+            vocabulary="the model's vocabulary",
+            fix="fix generation_config.json (or config.json)",
+        )
 
 
 def model_tokenizer(hf_dir: str | Path, *, say=print):
@@ -188,15 +214,23 @@ def model_tokenizer(hf_dir: str | Path, *, say=print):
     hf_dir = Path(hf_dir)
     if not has_vocabulary(hf_dir):
         if (hf_dir / "tokenizer_config.json").is_file():
-            say(f"note: {hf_dir} has a tokenizer_config.json but no tokenizer.json nor a slow tokenizer's vocabulary "
+            say(
+                f"note: {hf_dir} has a tokenizer_config.json but no tokenizer.json nor a slow tokenizer's vocabulary "
                 f"({', '.join(SLOW_FILES)}), so it is imported without a tokenizer; prepare the data with "
-                "--tokenizer DIR, the model's tokenizer, and the checkpoints carry it")
+                "--tokenizer DIR, the model's tokenizer, and the checkpoints carry it"
+            )
         return None
     return load_tokenizer(hf_dir, flag="")
 
 
-def save_tokenizer(tokenizer, directory: str | Path, *, model_max_length: int | None = None,
-                   source: str | Path | None = None, chat_template: str | None = None) -> list[str]:
+def save_tokenizer(
+    tokenizer,
+    directory: str | Path,
+    *,
+    model_max_length: int | None = None,
+    source: str | Path | None = None,
+    chat_template: str | None = None,
+) -> list[str]:
     """Write ``tokenizer`` as transformers saves a fast tokenizer (``AutoTokenizer.from_pretrained(directory)``
     loads it); returns the file names written. ``source``, a transformers directory: its files as they are (special
     tokens, template, added tokens) and its model's generation config; else (a tokenizer trained here, or a
@@ -223,9 +257,14 @@ def save_tokenizer(tokenizer, directory: str | Path, *, model_max_length: int | 
 
     eos = end_of_text_id(tokenizer)
     eos_token = None if eos is None else tokenizer.id_to_token(eos)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos_token, bos_token=eos_token,
-                                      unk_token=eos_token, model_max_length=model_max_length or int(1e30),
-                                      chat_template=chat_template)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=eos_token,
+        bos_token=eos_token,
+        unk_token=eos_token,
+        model_max_length=model_max_length or int(1e30),
+        chat_template=chat_template,
+    )
     return [Path(f).name for f in wrapped.save_pretrained(str(directory)) if Path(f).is_file()]
 
 
@@ -261,7 +300,9 @@ def export_tokenizer(source: str | Path, target: str | Path, *, model_max_length
     tokenizer = Tokenizer.from_file(str(Path(source) / "tokenizer.json"))
     specials = special_tokens(source)
     if "eos_token" in specials:
-        return {f"{key}_id": tokenizer.token_to_id(specials[key]) if key in specials else None
-                for key in ("bos_token", "eos_token", "pad_token")}
+        return {
+            f"{key}_id": tokenizer.token_to_id(specials[key]) if key in specials else None
+            for key in ("bos_token", "eos_token", "pad_token")
+        }
     eos = end_of_text_id(tokenizer)
     return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": None}

@@ -51,20 +51,33 @@ class MLP(nn.Module):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.gated, self.geglu = config.family == "llama", config.mlp_act == "gelu_tanh"
-        col = dict(group=group, sequence_parallel=sequence_parallel, enter_region=False, bias=config.mlp_bias,
-                   dtype=dtype, device=device)
+        col = dict(
+            group=group,
+            sequence_parallel=sequence_parallel,
+            enter_region=False,
+            bias=config.mlp_bias,
+            dtype=dtype,
+            device=device,
+        )
         if self.gated:
             self.gate_proj = ColumnParallelLinear(config.hidden, config.ffn, **col)
         self.up_proj = ColumnParallelLinear(config.hidden, config.ffn, **col)
-        self.down_proj = RowParallelLinear(config.ffn, config.hidden, bias=config.mlp_bias, group=group,
-                                           sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(
+            config.ffn,
+            config.hidden,
+            bias=config.mlp_bias,
+            group=group,
+            sequence_parallel=sequence_parallel,
+            dtype=dtype,
+            device=device,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, up = column_parallel(x, (self.gate_proj, self.up_proj), self.group, self.sequence_parallel)
             h = (F.gelu(gate, approximate="tanh") if self.geglu else F.silu(gate)) * up  # (S, B, ffn/tp)
         else:
-            up, = column_parallel(x, (self.up_proj,), self.group, self.sequence_parallel)
+            (up,) = column_parallel(x, (self.up_proj,), self.group, self.sequence_parallel)
             h = F.gelu(up, approximate="tanh")  # (S, B, ffn/tp)
         return self.down_proj(h)  # (S', B, H)
 
@@ -73,15 +86,27 @@ class Block(nn.Module):
     """Pre-norm residual block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``; with Gemma's sandwich
     norms each branch's output is normed too: ``x + drop(post_norm(attn(norm(x))))``."""
 
-    def __init__(self, config: ModelConfig, *, index: int, group, sequence_parallel: bool, dtype, device,
-                 selective: bool = False, cp_group=None, ep_group=None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        index: int,
+        group,
+        sequence_parallel: bool,
+        dtype,
+        device,
+        selective: bool = False,
+        cp_group=None,
+        ep_group=None,
+    ) -> None:
         super().__init__()
         kw = dict(group=group, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         site = f"layers.{index}"
         self.attn_norm = Norm(config, **kw)
         attention = LatentAttention if config.mla else Attention  # DeepSeek-V3's MLA, or q/k/v heads
-        self.attn = attention(config, site=f"{site}.attn_probs", selective=selective, cp_group=cp_group, index=index,
-                              **kw)
+        self.attn = attention(
+            config, site=f"{site}.attn_probs", selective=selective, cp_group=cp_group, index=index, **kw
+        )
         self.mlp_norm = Norm(config, **kw)
         if config.sandwich_norms:
             self.attn_post_norm, self.mlp_post_norm = Norm(config, **kw), Norm(config, **kw)
@@ -94,8 +119,9 @@ class Block(nn.Module):
         self.attn_dropout = ResidualDropout(config.dropout, f"{site}.attn_residual", **drop)
         self.mlp_dropout = ResidualDropout(config.dropout, f"{site}.mlp_residual", **drop)
 
-    def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:  # (S', B, H)
+    def forward(
+        self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:  # (S', B, H)
         a = self.attn(self.attn_norm(x), rope, keys, documents)
         x = x + self.attn_dropout(self.attn_post_norm(a) if hasattr(self, "attn_post_norm") else a, keys)
         m = self.mlp(self.mlp_norm(x))
@@ -120,5 +146,11 @@ class ResidualDropout(nn.Module):
         if self.cp == 1:
             return residual_dropout(x, self.p, keys, site=self.site, seq_start=self.tp_rank * s, seq_len=self.tp * s)
         held = positions(s * self.tp * self.cp, self.cp, self.cp_rank, device=x.device)
-        return residual_dropout(x, self.p, keys, site=self.site, rows=held[self.tp_rank * s:(self.tp_rank + 1) * s],
-                                seq_len=s * self.tp * self.cp)
+        return residual_dropout(
+            x,
+            self.p,
+            keys,
+            site=self.site,
+            rows=held[self.tp_rank * s : (self.tp_rank + 1) * s],
+            seq_len=s * self.tp * self.cp,
+        )

@@ -274,8 +274,14 @@ def all_to_all_single(x: torch.Tensor, group, *, send_splits: list[int], recv_sp
         row = x[:1].numel() * x.element_size() if x.shape[0] else 0
         _meter.all_to_all_bytes += (sum(send_splits) - send_splits[rank(group)]) * row
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-    _call(dist.all_to_all_single, out, x.contiguous(), output_split_sizes=list(recv_splits),
-          input_split_sizes=list(send_splits), group=_pg(group))
+    _call(
+        dist.all_to_all_single,
+        out,
+        x.contiguous(),
+        output_split_sizes=list(recv_splits),
+        input_split_sizes=list(send_splits),
+        group=_pg(group),
+    )
     return out
 
 

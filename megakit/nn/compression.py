@@ -71,7 +71,7 @@ def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
 def _unflatten_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
     offset = 0
     for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
 
 
@@ -96,7 +96,7 @@ def _encode(kind: str, x: torch.Tensor, ids: torch.Tensor, chunks: int) -> tuple
 
 def _decode(kind: str, payload: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     if kind == "int8":
-        return payload[:ids.numel()].float() * scale[ids]
+        return payload[: ids.numel()].float() * scale[ids]
     return _unpack_bits(payload, ids.numel()).float().mul_(2).sub_(1) * scale[ids]
 
 
@@ -104,7 +104,7 @@ def _padded(parts: list[torch.Tensor]) -> torch.Tensor:
     """``(len(parts), longest)``, each part zero-padded: the equal blocks a collective needs."""
     out = torch.zeros(len(parts), max(p.numel() for p in parts), dtype=parts[0].dtype, device=parts[0].device)
     for row, part in zip(out, parts):
-        row[:part.numel()] = part
+        row[: part.numel()] = part
     return out
 
 
@@ -233,7 +233,7 @@ class _Codec(ByteMeter):
         for (e0, e1, _, _), local, payload, scale in zip(segments, ids, payloads, scales):  # phase 2: every sum
             total[e0:e1] = _decode(kind, payload, scale, local)
         if self.error_feedback and torch.isfinite(total).all():  # the same on every rank; an overflow step is
-            self.server_residual = mine - decoded                  # skipped, and so is its residual
+            self.server_residual = mine - decoded  # skipped, and so is its residual
         return total, kept
 
     def _topk(self, flat):

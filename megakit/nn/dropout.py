@@ -46,8 +46,16 @@ class DropoutKeys:
 
 
 @torch.compiler.disable  # per-sample generators cannot live in a graph: under --compile the draw stays eager
-def keep_mask(p: float, keys: DropoutKeys, *, site: str, streams: Sequence[int], full_shape: tuple[int, ...],
-              rows: slice | torch.Tensor = slice(None), device=None) -> torch.Tensor:
+def keep_mask(
+    p: float,
+    keys: DropoutKeys,
+    *,
+    site: str,
+    streams: Sequence[int],
+    full_shape: tuple[int, ...],
+    rows: slice | torch.Tensor = slice(None),
+    device=None,
+) -> torch.Tensor:
     """``(len(streams), *local)`` bool, True where a unit is kept (probability ``1 - p``).
 
     Stream ``i`` draws the whole ``full_shape`` from the generator of ``(keys.seed, site,
@@ -69,8 +77,16 @@ def apply_mask(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
     return x.masked_fill(~keep, 0.0) * (1.0 / (1.0 - p))
 
 
-def residual_dropout(x: torch.Tensor, p: float, keys: DropoutKeys, *, site: str, seq_start: int = 0,
-                     seq_len: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+def residual_dropout(
+    x: torch.Tensor,
+    p: float,
+    keys: DropoutKeys,
+    *,
+    site: str,
+    seq_start: int = 0,
+    seq_len: int | None = None,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Dropout on the residual stream ``x`` ``(S', B, H)``: rows ``seq_start .. seq_start + S'`` of a
     sequence of ``seq_len`` (default ``S'``), or the ``S'`` positions ``rows`` (context parallelism
     holds two chunks apart); batch row ``b`` is sample ``keys.samples[b]``."""
@@ -78,13 +94,15 @@ def residual_dropout(x: torch.Tensor, p: float, keys: DropoutKeys, *, site: str,
     if len(keys.samples) != b:
         raise ValueError(f"{len(keys.samples)} sample numbers for a batch of {b}")
     rows = slice(seq_start, seq_start + s) if rows is None else rows
-    keep = keep_mask(p, keys, site=site, streams=keys.samples, full_shape=(seq_len or s, h),
-                     rows=rows, device=x.device)  # (B, S', H)
+    keep = keep_mask(
+        p, keys, site=site, streams=keys.samples, full_shape=(seq_len or s, h), rows=rows, device=x.device
+    )  # (B, S', H)
     return apply_mask(x, keep.transpose(0, 1), p)
 
 
-def attention_dropout(probs: torch.Tensor, p: float, keys: DropoutKeys, *, site: str, head_start: int,
-                      heads: int) -> torch.Tensor:
+def attention_dropout(
+    probs: torch.Tensor, p: float, keys: DropoutKeys, *, site: str, head_start: int, heads: int
+) -> torch.Tensor:
     """Dropout on attention probabilities ``(B, n, S, S)`` of global heads ``head_start .. head_start + n``
     out of ``heads``.
 
@@ -95,6 +113,13 @@ def attention_dropout(probs: torch.Tensor, p: float, keys: DropoutKeys, *, site:
     b, n, s, t = probs.shape
     if len(keys.samples) != b:
         raise ValueError(f"{len(keys.samples)} sample numbers for a batch of {b}")
-    keep = keep_mask(p, keys, site=site, streams=keys.samples, full_shape=(heads, s, t),
-                     rows=slice(head_start, head_start + n), device=probs.device)  # (B, n, S, S)
+    keep = keep_mask(
+        p,
+        keys,
+        site=site,
+        streams=keys.samples,
+        full_shape=(heads, s, t),
+        rows=slice(head_start, head_start + n),
+        device=probs.device,
+    )  # (B, n, S, S)
     return apply_mask(probs, keep, p)

@@ -36,8 +36,14 @@ from megakit.nn.tensor_parallel.cross_entropy import vocab_parallel_cross_entrop
 from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, mark
 from megakit.nn.weights import init_shard_
 
-__all__ = ["ModelConfig", "Transformer", "build_stage_chunks", "full_state_dict", "load_full_state_dict",
-           "model_flops_per_token"]
+__all__ = [
+    "ModelConfig",
+    "Transformer",
+    "build_stage_chunks",
+    "full_state_dict",
+    "load_full_state_dict",
+    "model_flops_per_token",
+]
 
 
 class Transformer(nn.Module):
@@ -68,11 +74,23 @@ class Transformer(nn.Module):
     them as ``input_ids``.
     """
 
-    def __init__(self, config: ModelConfig, topo=None, *, layers: range | None = None, pre: bool = True,
-                 post: bool = True, sequence_parallel: bool = False, seed: int = 0,
-                 dtype: torch.dtype = torch.float32, device=None, recompute: bool | str = False,
-                 loss_chunks: int = 1, mtp: bool = False,
-                 mtp_weight: float = 0.1) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        topo=None,
+        *,
+        layers: range | None = None,
+        pre: bool = True,
+        post: bool = True,
+        sequence_parallel: bool = False,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        recompute: bool | str = False,
+        loss_chunks: int = 1,
+        mtp: bool = False,
+        mtp_weight: float = 0.1,
+    ) -> None:
         super().__init__()
         group = None if topo is None else topo.tp_group
         tp, tp_rank = C.size(group), C.rank(group)
@@ -81,8 +99,10 @@ class Transformer(nn.Module):
         self.ep_group = topo.ep_group if getattr(topo, "ep", 1) > 1 else None  # experts split over EP ranks
         self.ep_rank = C.rank(self.ep_group)
         if self.ep_group is not None and config.moe is None:
-            raise UsageError(f"--ep {topo.ep} asks for expert parallelism but the model has no experts; "
-                             "drop --ep or use an MoE model config")
+            raise UsageError(
+                f"--ep {topo.ep} asks for expert parallelism but the model has no experts; "
+                "drop --ep or use an MoE model config"
+            )
         config.check_tp(tp)
         layers = range(config.layers) if layers is None else layers
         if not isinstance(layers, range) or layers.step != 1 or not (0 <= layers.start <= layers.stop <= config.layers):
@@ -155,13 +175,21 @@ class Transformer(nn.Module):
     def reset_parameters(self) -> None:
         """(Re)draw every parameter of this shard from ``(seed, name)``; see ``megakit.nn.weights``."""
         for name, param in self.named_parameters():
-            init_shard_(param, name=name, seed=self.seed, tp_rank=self.tp_rank, rule=self.init_rule(name),
-                        ep_rank=self.ep_rank)
+            init_shard_(
+                param, name=name, seed=self.seed, tp_rank=self.tp_rank, rule=self.init_rule(name), ep_rank=self.ep_rank
+            )
 
     # -- forward -----------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
-                sample_ids: torch.Tensor | list[int] | None = None, documents: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        sample_ids: torch.Tensor | list[int] | None = None,
+        documents: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``documents`` ``(B, S)``: attention stays inside each packed document; ``position_ids`` ``(B, S)``: each
         token's position (``attention.masks``; default 0..S-1). Both are the whole sequence's, on every stage,
         and so are ``input_ids``, which only a last stage training MTP modules reads."""
@@ -175,8 +203,7 @@ class Transformer(nn.Module):
         for block in self.layers.values():
             rope = ropes[block.local_rope]
             if self.recompute and self.training:  # keep only the block's input; masks are redrawn alike
-                h = torch.utils.checkpoint.checkpoint(counting(block), h, rope, keys, documents,
-                                                  use_reentrant=False)
+                h = torch.utils.checkpoint.checkpoint(counting(block), h, rope, keys, documents, use_reentrant=False)
             else:
                 h = block(h, rope, keys, documents)  # (S', B, H)
         if not self.post:
@@ -199,8 +226,9 @@ class Transformer(nn.Module):
             embedded = self._token_embeddings(shifted(ids, k, 0), held)  # Emb(t_{i+k}) at this rank's rows
             rope = ropes[module.block.local_rope]
             if self.recompute:
-                g = torch.utils.checkpoint.checkpoint(counting(module), g, embedded, rope, keys, documents,
-                                                  use_reentrant=False)
+                g = torch.utils.checkpoint.checkpoint(
+                    counting(module), g, embedded, rope, keys, documents, use_reentrant=False
+                )
             else:
                 g = module(g, embedded, rope, keys, documents)
             losses.append(self._head_loss(g, depth_labels(labels, k, documents), held, depth=k))
@@ -215,11 +243,13 @@ class Transformer(nn.Module):
         target = labels.t() if held is None else labels.index_select(1, held).t()  # (S, B), (S/cp, B) with CP
         tokens = self._loss_tokens(depth)
         if self.loss_chunks > 1:
-            total = chunked_head_loss(h, head, target, self.group, chunks=self.loss_chunks,
-                                      vocab_size=self.config.vocab_size)
+            total = chunked_head_loss(
+                h, head, target, self.group, chunks=self.loss_chunks, vocab_size=self.config.vocab_size
+            )
         else:
-            total = vocab_parallel_cross_entropy(F.linear(h, head), target, self.group,
-                                                 vocab_size=self.config.vocab_size, reduction="sum")
+            total = vocab_parallel_cross_entropy(
+                F.linear(h, head), target, self.group, vocab_size=self.config.vocab_size, reduction="sum"
+            )
         if held is not None:
             return sequence_mean(total, target != -100, self.cp_group, tokens)
         return total / (tokens if tokens is not None else (target != -100).sum().clamp(min=1))
@@ -231,8 +261,10 @@ class Transformer(nn.Module):
         if isinstance(tokens, torch.Tensor) and tokens.dim() == 1:
             return tokens[depth]
         if depth and tokens is not None:
-            raise UsageError("set_loss_tokens was given one count but the model trains MTP modules; give "
-                             "(1 + D,) counts (megakit.nn.mtp.depth_token_counts)")
+            raise UsageError(
+                "set_loss_tokens was given one count but the model trains MTP modules; give "
+                "(1 + D,) counts (megakit.nn.mtp.depth_token_counts)"
+            )
         return tokens
 
     def _head_weight(self) -> torch.Tensor:
@@ -245,7 +277,7 @@ class Transformer(nn.Module):
         start = self.tp_rank * logits.shape[-1]
         if start + logits.shape[-1] > self.config.vocab_size:
             logits = logits.clone()
-            logits[..., max(self.config.vocab_size - start, 0):] = float("-inf")
+            logits[..., max(self.config.vocab_size - start, 0) :] = float("-inf")
         return logits
 
     def _rope(self, name: str, position_ids, held) -> tuple | None:
@@ -272,15 +304,24 @@ class Transformer(nn.Module):
 
     def _held_positions(self, seq_len: int, device) -> torch.Tensor:
         if seq_len % (2 * self.cp):
-            raise UsageError(f"sequence length {seq_len} is not divisible by 2 x CP = {2 * self.cp}; context "
-                             "parallelism splits it into that many equal chunks (pad the batch or change --cp)")
+            raise UsageError(
+                f"sequence length {seq_len} is not divisible by 2 x CP = {2 * self.cp}; context "
+                "parallelism splits it into that many equal chunks (pad the batch or change --cp)"
+            )
         return positions(seq_len, self.cp, self.cp_rank, device=device)
 
-    def _embed(self, ids: torch.Tensor, keys: DropoutKeys | None, held: torch.Tensor | None,
-               position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _embed(
+        self,
+        ids: torch.Tensor,
+        keys: DropoutKeys | None,
+        held: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-            raise UsageError(f"the first stage takes token ids of shape (batch, seq) and integer dtype, "
-                             f"got {tuple(ids.shape)} {ids.dtype}")
+            raise UsageError(
+                f"the first stage takes token ids of shape (batch, seq) and integer dtype, "
+                f"got {tuple(ids.shape)} {ids.dtype}"
+            )
         check_seq_len(self.config, ids.shape[1])
         h = self._token_embeddings(ids, held)  # (S', B, H)
         s = ids.shape[1] if held is None else held.numel()
@@ -289,10 +330,10 @@ class Transformer(nn.Module):
             offset = self.tp_rank * local if self.sequence_parallel else 0
             table = replicated(self.pos_embed.weight, self.group, self.sequence_parallel)
             if position_ids is not None:  # (B, S) held rows: each row's own positions
-                h = h + F.embedding(position_ids[:, offset:offset + local], table).transpose(0, 1)  # (S', B, H)
+                h = h + F.embedding(position_ids[:, offset : offset + local], table).transpose(0, 1)  # (S', B, H)
             else:
                 where = torch.arange(s, device=ids.device) if held is None else held
-                h = h + F.embedding(where[offset:offset + local], table).unsqueeze(1)  # (S', B, H)
+                h = h + F.embedding(where[offset : offset + local], table).unsqueeze(1)  # (S', B, H)
         return self.embed_dropout(h, keys)
 
     def _token_embeddings(self, ids: torch.Tensor, held: torch.Tensor | None) -> torch.Tensor:
@@ -300,8 +341,10 @@ class Transformer(nn.Module):
         if held is not None:
             ids = ids.index_select(1, held)  # (B, S/cp): this CP rank's two chunks
         if self.sequence_parallel and ids.shape[1] % self.tp:
-            raise UsageError(f"sequence length {ids.shape[1]} is not divisible by TP {self.tp}; sequence parallelism "
-                             "needs it to be (pad the batch or turn sequence parallelism off)")
+            raise UsageError(
+                f"sequence length {ids.shape[1]} is not divisible by TP {self.tp}; sequence parallelism "
+                "needs it to be (pad the batch or turn sequence parallelism off)"
+            )
         h = self.embed(ids.t())  # (S', B, H)
         if self.config.embed_scale != 1.0:  # Gemma: times sqrt(hidden), rounded to the weights' dtype as transformers
             h = h * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(h.dtype)
@@ -395,8 +438,10 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], topo=
             buffer.copy_(state[name])
     missing = sorted(set(params) - set(state))
     if strict and missing:
-        raise UsageError(f"state lacks {len(missing)} parameters of the model, e.g. {missing[:3]}; "
-                         "it was saved from a different model")
+        raise UsageError(
+            f"state lacks {len(missing)} parameters of the model, e.g. {missing[:3]}; "
+            "it was saved from a different model"
+        )
     for name, param in params.items():
         if name not in state:
             continue
@@ -413,6 +458,8 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], topo=
                 full = torch.cat([full, full.new_zeros(pad)], dim=dim)
             full = full.narrow(dim, rank * param.shape[dim], param.shape[dim])
         if full.shape != param.shape:
-            raise UsageError(f"parameter {name} has shape {tuple(full.shape)} in the state but the model "
-                             f"shard needs {tuple(param.shape)}; it was saved from a different model")
+            raise UsageError(
+                f"parameter {name} has shape {tuple(full.shape)} in the state but the model "
+                f"shard needs {tuple(param.shape)}; it was saved from a different model"
+            )
         param.copy_(full)

@@ -34,7 +34,7 @@ def shifted(t: torch.Tensor, depth: int, fill: int) -> torch.Tensor:
     """``t`` ``(B, S)`` moved ``depth`` places left, its last ``depth`` columns ``fill``."""
     out = torch.full_like(t, fill)
     if depth < t.shape[1]:
-        out[:, :t.shape[1] - depth] = t[:, depth:]
+        out[:, : t.shape[1] - depth] = t[:, depth:]
     return out
 
 

@@ -50,8 +50,13 @@ def init_distributed(*, timeout_s: float = 300.0) -> None:
     global _attempt
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     _attempt = _new_attempt_prefix(store)
-    dist.init_process_group(backend=backend, timeout=timeout, store=dist.PrefixStore(_attempt, store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(
+        backend=backend,
+        timeout=timeout,
+        store=dist.PrefixStore(_attempt, store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
 
 
 _attempt: str | None = None  # this attempt's store key prefix under torchrun's agents (init_distributed sets it)
@@ -211,8 +216,10 @@ class Topology:
 
     def __repr__(self) -> str:
         cp = f", cp={self.cp_rank}/{self.cp}" if self.cp > 1 else ""
-        return (f"Topology(rank={self.rank}, tp={self.tp_rank}/{self.tp}{cp}, dp={self.dp_rank}/{self.dp}, "
-                f"pp={self.pp_rank}/{self.pp})")
+        return (
+            f"Topology(rank={self.rank}, tp={self.tp_rank}/{self.tp}{cp}, dp={self.dp_rank}/{self.dp}, "
+            f"pp={self.pp_rank}/{self.pp})"
+        )
 
     # -- DeepSpeed mpu interface -------------------------------------------------------------
     def get_model_parallel_rank(self) -> int:

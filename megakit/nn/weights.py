@@ -55,7 +55,7 @@ def init_shard_(param: torch.Tensor, *, name: str, seed: int, tp_rank: int, rule
     local = param.shape[dim]
     start = 0 if split is None else rank * local
     unpadded = getattr(param, "tp_unpadded", None)
-    slice_shape = param.shape[:dim] + param.shape[dim + 1:]
+    slice_shape = param.shape[:dim] + param.shape[dim + 1 :]
     for lo in range(0, local, BLOCK):
         hi = min(lo + BLOCK, local)
         block = torch.zeros((hi - lo, *slice_shape), dtype=torch.float32)

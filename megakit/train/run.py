@@ -22,12 +22,12 @@ from megakit.core.partition import partition_layers
 from megakit.core.planner.activations import loss_chunks_of
 from megakit.core.schedules import build_schedule
 from megakit.errors import UsageError
+from megakit.interop.checkpoint_format import read_manifest
 from megakit.nn.attention.core import CP_MODES
 from megakit.nn.attention.kernels import KernelChoice, device_kernel
 from megakit.nn.compile import default_compile
-from megakit.interop.checkpoint_format import read_manifest
-from megakit.nn.tensor_parallel.fp8 import check_fp8
 from megakit.nn.model import trained_mtp_depth
+from megakit.nn.tensor_parallel.fp8 import check_fp8
 from megakit.train.data.batches import DEFAULT_MAX_BYTES, BatchPlan
 from megakit.train.data.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.engine.ds_config import load_ds_config, require_optimizer, schedule_over_steps
@@ -39,9 +39,13 @@ from megakit.train.resilience.spikes import data_offset
 RECOMPUTE = ("none", "selective", "full")
 
 
-MOE_FLAGS = {"moe_aux_loss": "aux_loss_coeff", "moe_z_loss": "z_loss_coeff",  # TrainConfig's --moe-* fields
-             "moe_capacity_factor": "capacity_factor", "moe_expert_bias": "expert_bias",  # -> the MoEConfig
-             "moe_force_balance": "force_balance"}  # fields they override
+MOE_FLAGS = {
+    "moe_aux_loss": "aux_loss_coeff",
+    "moe_z_loss": "z_loss_coeff",  # TrainConfig's --moe-* fields
+    "moe_capacity_factor": "capacity_factor",
+    "moe_expert_bias": "expert_bias",  # -> the MoEConfig
+    "moe_force_balance": "force_balance",
+}  # fields they override
 DOCUMENT_FLAGS = ("reset_attention_mask", "reset_position_ids", "eod_mask_loss")  # its packed-document fields
 
 
@@ -116,53 +120,72 @@ class TrainConfig:
         if self.stage_layers is not None:  # a list from JSON (tests/launch_sweep.py) or a tuple from --stage-layers
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
         if self.recompute not in RECOMPUTE:
-            raise UsageError(f"--recompute {self.recompute} is not one of {', '.join(RECOMPUTE)}; megakit recomputes "
-                             "whole blocks (full), the attention core (selective) or nothing (none)")
+            raise UsageError(
+                f"--recompute {self.recompute} is not one of {', '.join(RECOMPUTE)}; megakit recomputes "
+                "whole blocks (full), the attention core (selective) or nothing (none)"
+            )
         if self.save_every < 0 or (self.save_every and not self.save):
             raise UsageError(f"--save-every {self.save_every} needs --save DIR and a count of at least 1")
         if self.keep < 0 or (self.keep and not self.save_every):
-            raise UsageError(f"--keep {self.keep} keeps the newest of the checkpoints --save-every writes; "
-                             "pass --save DIR --save-every N with it, and a count of at least 1")
+            raise UsageError(
+                f"--keep {self.keep} keeps the newest of the checkpoints --save-every writes; "
+                "pass --save DIR --save-every N with it, and a count of at least 1"
+            )
         if self.steps < 1:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
         if self.max_skipped_steps < 0:
-            raise UsageError(f"--max-skipped-steps must be 0 (end at the first non-finite step) or more, "
-                             f"got {self.max_skipped_steps}")
+            raise UsageError(
+                f"--max-skipped-steps must be 0 (end at the first non-finite step) or more, "
+                f"got {self.max_skipped_steps}"
+            )
         if not self.log_heartbeat_s >= 0:
             raise UsageError(f"--log-heartbeat must be 0 (off) or a number of seconds, got {self.log_heartbeat_s}")
         if self.spike_guard is not None and (self.spike_guard <= 0 or not self.save_every):
-            raise UsageError(f"--spike-guard {self.spike_guard:g} rolls back to the newest checkpoint of --save DIR; "
-                             "pass --save DIR --save-every N with it, and a Z above 0 (e.g. 4)")
+            raise UsageError(
+                f"--spike-guard {self.spike_guard:g} rolls back to the newest checkpoint of --save DIR; "
+                "pass --save DIR --save-every N with it, and a Z above 0 (e.g. 4)"
+            )
         if self.init is not None and self.load not in (None, AUTO):
-            raise UsageError(f"--init {self.init} is what --load auto starts from while --save holds no checkpoint, "
-                             f"and --load {self.load} names another: use --load auto --init {self.init} for a run "
-                             f"that restarts from --save, or --load {self.load} alone")
+            raise UsageError(
+                f"--init {self.init} is what --load auto starts from while --save holds no checkpoint, "
+                f"and --load {self.load} names another: use --load auto --init {self.init} for a run "
+                f"that restarts from --save, or --load {self.load} alone"
+            )
         if self.async_save and not self.save:
-            raise UsageError("--async-save writes the checkpoints of --save DIR in the background; pass --save DIR "
-                             "(with --save-every N) with it, or drop it")
+            raise UsageError(
+                "--async-save writes the checkpoints of --save DIR in the background; pass --save DIR "
+                "(with --save-every N) with it, or drop it"
+            )
         if self.log_every < 1:
             raise UsageError(f"--log-every must be at least 1, got {self.log_every}")
         compression = parse_compression(self.compress)
         if self.local_sgd is not None and self.local_sgd < 1:
-            raise UsageError(f"--local-sgd {self.local_sgd}: the averaging period must be at least 1 step "
-                             "(leave it out for synchronous training)")
+            raise UsageError(
+                f"--local-sgd {self.local_sgd}: the averaging period must be at least 1 step "
+                "(leave it out for synchronous training)"
+            )
         if self.local_sgd and compression.enabled:
             raise UsageError(f"--local-sgd averages weights, --compress {self.compress} gradients; choose one")
         if self.eval_every < 0 or self.eval_batches < 1:
-            raise UsageError(f"--eval-every must be at least 0 and --eval-batches at least 1, got {self.eval_every} "
-                             f"and {self.eval_batches}")
+            raise UsageError(
+                f"--eval-every must be at least 0 and --eval-batches at least 1, got {self.eval_every} "
+                f"and {self.eval_batches}"
+            )
         if self.ep < 1:
             raise UsageError(f"--ep must be at least 1, got {self.ep}")
         if self.cp_mode not in CP_MODES:
             raise UsageError(f"--cp-mode {self.cp_mode} is not one of {', '.join(CP_MODES)}")
         if not self.mtp_weight > 0:
-            raise UsageError(f"--mtp-weight must be above 0 (DeepSeek-V3 trained with 0.3, then 0.1), got "
-                             f"{self.mtp_weight}")
+            raise UsageError(
+                f"--mtp-weight must be above 0 (DeepSeek-V3 trained with 0.3, then 0.1), got {self.mtp_weight}"
+            )
         if self.vpp > 1 and self.pp == 1:
             raise UsageError(f"--vpp {self.vpp} splits each pipeline stage into chunks, so it needs --pp > 1")
         if self.schedule == "zb-h1" and self.vpp > 1:
-            raise UsageError(f"--schedule zb-h1 runs one model chunk per stage, got --vpp {self.vpp}; drop --vpp, "
-                             "or use --schedule interleaved")
+            raise UsageError(
+                f"--schedule zb-h1 runs one model chunk per stage, got --vpp {self.vpp}; drop --vpp, "
+                "or use --schedule interleaved"
+            )
 
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -202,14 +225,18 @@ def _cp_a2a_degree(cfg: TrainConfig, model: ModelConfig) -> int:
     hybrid); UsageError where the heads per TP rank do not divide by it."""
     heads = model.heads // cfg.tp  # each TP rank's heads, split again by the all-to-all
     if cfg.cp_a2a and cfg.cp_mode != "hybrid":
-        raise UsageError(f"--cp-a2a {cfg.cp_a2a} sets the all-to-all degree of --cp-mode hybrid; add --cp-mode hybrid "
-                         "or drop --cp-a2a")
+        raise UsageError(
+            f"--cp-a2a {cfg.cp_a2a} sets the all-to-all degree of --cp-mode hybrid; add --cp-mode hybrid "
+            "or drop --cp-a2a"
+        )
     if cfg.cp == 1 or cfg.cp_mode == "ring":
         return 1
     if cfg.cp_mode == "a2a":
         if heads % cfg.cp:
-            raise UsageError(f"--cp-mode a2a splits each TP rank's {heads} attention heads over CP {cfg.cp}, which "
-                             f"does not divide them; use a --cp that divides {heads}, or --cp-mode ring")
+            raise UsageError(
+                f"--cp-mode a2a splits each TP rank's {heads} attention heads over CP {cfg.cp}, which "
+                f"does not divide them; use a --cp that divides {heads}, or --cp-mode ring"
+            )
         return cfg.cp
     proper = hybrid_degrees(cfg.cp, heads)
     if cfg.cp_a2a and cfg.cp_a2a in proper:
@@ -217,9 +244,11 @@ def _cp_a2a_degree(cfg: TrainConfig, model: ModelConfig) -> int:
     if cfg.cp_a2a or not proper:
         given = f"--cp-a2a {cfg.cp_a2a}" if cfg.cp_a2a else "it"
         choices = ", ".join(map(str, proper)) or "none at this --cp"
-        raise UsageError(f"--cp-mode hybrid runs an all-to-all inside groups of --cp-a2a CP ranks and a ring across "
-                         f"them; {given} must be above 1, below --cp {cfg.cp}, and divide both CP and each TP rank's "
-                         f"{heads} heads: {choices} (or use --cp-mode ring or a2a)")
+        raise UsageError(
+            f"--cp-mode hybrid runs an all-to-all inside groups of --cp-a2a CP ranks and a ring across "
+            f"them; {given} must be above 1, below --cp {cfg.cp}, and divide both CP and each TP rank's "
+            f"{heads} heads: {choices} (or use --cp-mode ring or a2a)"
+        )
     return proper[-1]
 
 
@@ -242,27 +271,38 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     partition_layers(model, cfg.pp, cfg.vpp, cfg.stage_layers or "params", mtp=mtp)
     layout = dataclasses.replace(layout, cp_a2a=_cp_a2a_degree(cfg, model))
     if cfg.cp > 1 and seq_len % (2 * cfg.cp):
-        raise UsageError(f"sequence length {seq_len} is not divisible by 2 x CP = {2 * cfg.cp}; context parallelism "
-                         "splits it into that many equal chunks (change --seq-len or --cp)")
+        raise UsageError(
+            f"sequence length {seq_len} is not divisible by 2 x CP = {2 * cfg.cp}; context parallelism "
+            "splits it into that many equal chunks (change --seq-len or --cp)"
+        )
     if cfg.cp > 1:  # DeepSpeed counts every rank that holds the same weights, DP x CP, in its batch
         ds_config["train_batch_size"] *= cfg.cp
     sequence_parallel = cfg.sequence_parallel and cfg.tp > 1
     if sequence_parallel and seq_len // cfg.cp % cfg.tp:  # the model would find out only on the first stage
         held = f"sequence length {seq_len}" if cfg.cp == 1 else f"sequence length {seq_len // cfg.cp} per CP rank"
-        raise UsageError(f"{held} is not divisible by TP {cfg.tp}; sequence parallelism needs it to be (change "
-                         "--seq-len or drop --sequence-parallel)")
+        raise UsageError(
+            f"{held} is not divisible by TP {cfg.tp}; sequence parallelism needs it to be (change "
+            "--seq-len or drop --sequence-parallel)"
+        )
     load = auto_load(cfg.save, cfg.load, init=cfg.init, say=say)  # --load auto and --init: what --save holds now
     start, checkpoint = check_checkpoint_flags(save=cfg.save, load=load, steps=cfg.steps, series=cfg.keep > 0, say=say)
-    batch = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
-                      accumulation=ds_config["gradient_accumulation_steps"], dp=layout.dp, seed=cfg.seed)
+    batch = BatchPlan(
+        seq_len=seq_len,
+        micro_batch=ds_config["train_micro_batch_size_per_gpu"],
+        accumulation=ds_config["gradient_accumulation_steps"],
+        dp=layout.dp,
+        seed=cfg.seed,
+    )
     extra = read_manifest(checkpoint)["extra"] if checkpoint is not None else {}
     lr_schedule = schedule_over_steps(ds_config, steps=cfg.steps, resumed=extra.get("lr_total_steps"))
     if checkpoint is not None:
         check_same_run(checkpoint, seed=cfg.seed, global_batch=batch.global_batch, vocab_size=model.vocab_size)
         trained_on = extra.get("data", {}).get("corpus")
         if trained_on not in (None, corpus.fingerprint):
-            say(f"megakit: warning: checkpoint {checkpoint} was trained on other data than {corpus.source}; its data "
-                "position (the step) continues on this data")
+            say(
+                f"megakit: warning: checkpoint {checkpoint} was trained on other data than {corpus.source}; its data "
+                "position (the step) continues on this data"
+            )
     corpus.loader_options(cfg)  # one clear line now if packed documents are asked of data without document starts
     corpus.check_packed(cfg, seq_len)
     if cfg.eval_every:  # one clear line now if there is no validation split (each data set of a mixture's)
@@ -273,33 +313,63 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     _check_schedule(schedule, pp=cfg.pp, vpp=cfg.vpp, accumulation=batch.accumulation)
     attention = device_kernel(cfg.attention_kernel)
     if model.attention_sinks and cfg.attention_kernel != "auto":
-        raise UsageError(f"--attention-kernel {cfg.attention_kernel} cannot take this model's attention sinks (SDPA's "
-                         "kernels return no log-sum-exp to scale by); megakit runs sinks on its ring's fused blocks "
-                         "(on CPU, or CUDA's memory-efficient kernel): use --attention-kernel auto")
+        raise UsageError(
+            f"--attention-kernel {cfg.attention_kernel} cannot take this model's attention sinks (SDPA's "
+            "kernels return no log-sum-exp to scale by); megakit runs sinks on its ring's fused blocks "
+            "(on CPU, or CUDA's memory-efficient kernel): use --attention-kernel auto"
+        )
     zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
-    compile = cfg.compile if cfg.compile is not None else default_compile(
-        "cuda" if torch.cuda.is_available() else "cpu", cp=cfg.cp, zero_stage=zero_stage)
+    compile = (
+        cfg.compile
+        if cfg.compile is not None
+        else default_compile("cuda" if torch.cuda.is_available() else "cpu", cp=cfg.cp, zero_stage=zero_stage)
+    )
     if compile and zero_stage == 3:
-        raise UsageError("--compile with ZeRO 3: DeepSpeed gathers each layer's weights in hooks inside the block "
-                         "that a compiled block cannot hold; use ZeRO 0-2, or --no-compile")
+        raise UsageError(
+            "--compile with ZeRO 3: DeepSpeed gathers each layer's weights in hooks inside the block "
+            "that a compiled block cannot hold; use ZeRO 0-2, or --no-compile"
+        )
     if zero_stage == 3 and cfg.pp > 1 and schedule not in ("1f1b", "gpipe"):  # megakit.train.engine.zero3_pipeline
-        raise UsageError(f"--schedule {schedule} with ZeRO 3: its model chunks run outside DeepSpeed's engine, which "
-                         "gathers ZeRO 3's weights for each forward and backward; use --schedule 1f1b (no --vpp) with "
-                         "ZeRO 3, or ZeRO 0-1")
-    precision = ("bf16" if ds_config.get("bf16", {}).get("enabled") else
-                 "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32")
+        raise UsageError(
+            f"--schedule {schedule} with ZeRO 3: its model chunks run outside DeepSpeed's engine, which "
+            "gathers ZeRO 3's weights for each forward and backward; use --schedule 1f1b (no --vpp) with "
+            "ZeRO 3, or ZeRO 0-1"
+        )
+    precision = (
+        "bf16"
+        if ds_config.get("bf16", {}).get("enabled")
+        else "fp16"
+        if ds_config.get("fp16", {}).get("enabled")
+        else "fp32"
+    )
     if cfg.spike_guard and int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3:
-        raise UsageError(f"--spike-guard {cfg.spike_guard:g} with ZeRO 3: a rollback loads the weights into the "
-                         "running model, which ZeRO 3 partitions; use ZeRO 0-2 with --spike-guard, or drop it")
-    return Run(cfg=cfg, layout=layout, ds_config=ds_config, model=model, batch=batch, start_step=start,
-               checkpoint=checkpoint,
-               precision=precision, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
-               sequence_parallel=sequence_parallel,
-               loss_chunks=loss_chunks_of(model, tp=cfg.tp, tokens=batch.micro_batch * seq_len // cfg.cp,
-                                          loss_chunks=cfg.loss_chunks),
-               schedule=schedule, compression=compression,
-               corpus=corpus, compile=compile, attention=attention, data_offset=data_offset(extra),
-               spike_window=extra.get("spike_guard"), lr_schedule=lr_schedule)
+        raise UsageError(
+            f"--spike-guard {cfg.spike_guard:g} with ZeRO 3: a rollback loads the weights into the "
+            "running model, which ZeRO 3 partitions; use ZeRO 0-2 with --spike-guard, or drop it"
+        )
+    return Run(
+        cfg=cfg,
+        layout=layout,
+        ds_config=ds_config,
+        model=model,
+        batch=batch,
+        start_step=start,
+        checkpoint=checkpoint,
+        precision=precision,
+        zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
+        sequence_parallel=sequence_parallel,
+        loss_chunks=loss_chunks_of(
+            model, tp=cfg.tp, tokens=batch.micro_batch * seq_len // cfg.cp, loss_chunks=cfg.loss_chunks
+        ),
+        schedule=schedule,
+        compression=compression,
+        corpus=corpus,
+        compile=compile,
+        attention=attention,
+        data_offset=data_offset(extra),
+        spike_window=extra.get("spike_guard"),
+        lr_schedule=lr_schedule,
+    )
 
 
 def _check_schedule(schedule: str, *, pp: int, vpp: int, accumulation: int) -> None:
@@ -309,9 +379,11 @@ def _check_schedule(schedule: str, *, pp: int, vpp: int, accumulation: int) -> N
     if pp == 1:
         return
     if schedule == "interleaved" and accumulation % pp:
-        raise UsageError(f"the interleaved schedule runs a step's micro-batches in groups of --pp {pp}, but the "
-                         f"ds_config's gradient_accumulation_steps is {accumulation}; set it to a multiple of {pp} "
-                         f"(e.g. {pp * max(1, -(-accumulation // pp))})")
+        raise UsageError(
+            f"the interleaved schedule runs a step's micro-batches in groups of --pp {pp}, but the "
+            f"ds_config's gradient_accumulation_steps is {accumulation}; set it to a multiple of {pp} "
+            f"(e.g. {pp * max(1, -(-accumulation // pp))})"
+        )
     build_schedule(schedule, pp, accumulation, vpp)
 
 
@@ -327,8 +399,9 @@ def with_moe_flags(model: ModelConfig, cfg: TrainConfig) -> ModelConfig:
         return model
     if model.moe is None:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
-        raise UsageError(f"{flags}: model {cfg.model} has no experts; drop the flag, or train an MoE model "
-                         "(e.g. --model moe-tiny)")
+        raise UsageError(
+            f"{flags}: model {cfg.model} has no experts; drop the flag, or train an MoE model (e.g. --model moe-tiny)"
+        )
     changes = {MOE_FLAGS[name]: getattr(cfg, name) for name in given}
     return model.replace(moe=dataclasses.replace(model.moe, **changes))
 
@@ -338,30 +411,45 @@ def _check_expert_parallel(cfg: TrainConfig, model: ModelConfig, layout: Layout,
     if cfg.ep == 1:
         return
     if model.moe is None:
-        raise UsageError(f"--ep {cfg.ep}: model {cfg.model} has no experts to split; drop --ep, or train an MoE "
-                         "model (e.g. --model moe-tiny)")
+        raise UsageError(
+            f"--ep {cfg.ep}: model {cfg.model} has no experts to split; drop --ep, or train an MoE "
+            "model (e.g. --model moe-tiny)"
+        )
     if model.moe.experts % cfg.ep:
-        raise UsageError(f"--ep {cfg.ep} does not divide the {model.moe.experts} experts of each MoE layer; use a "
-                         f"divisor of {model.moe.experts}")
-    check_ep_fold(layout.tp, layout.cp, layout.dp, cfg.ep,
-                  fix=f", or launch a multiple of PP x EP = {layout.pp * cfg.ep} processes")
+        raise UsageError(
+            f"--ep {cfg.ep} does not divide the {model.moe.experts} experts of each MoE layer; use a "
+            f"divisor of {model.moe.experts}"
+        )
+    check_ep_fold(
+        layout.tp,
+        layout.cp,
+        layout.dp,
+        cfg.ep,
+        fix=f", or launch a multiple of PP x EP = {layout.pp * cfg.ep} processes",
+    )
     stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     zero = ds_config.get("zero_optimization", {})
     if stage == 3:  # the experts are partitioned over EDP as DeepSpeed's AutoEP ones (engine.experts)
         for key, fine in (("zero_hpz_partition_size", 1), ("zero_quantized_gradients", False)):
             if zero.get(key, fine) not in (fine, None):
-                raise UsageError(f"--ep {cfg.ep} with ZeRO 3 and zero_optimization.{key} {zero[key]}: DeepSpeed's "
-                                 "ZeRO 3 shards experts over their own group only without it; drop the key, or use "
-                                 "ZeRO 1-2 with --ep")
+                raise UsageError(
+                    f"--ep {cfg.ep} with ZeRO 3 and zero_optimization.{key} {zero[key]}: DeepSpeed's "
+                    "ZeRO 3 shards experts over their own group only without it; drop the key, or use "
+                    "ZeRO 1-2 with --ep"
+                )
     contiguous = zero.get("contiguous_gradients") is not False
     if stage in (1, 2) and (zero.get("reduce_scatter") is False or (stage == 2 and not contiguous)):
-        raise UsageError(f"--ep {cfg.ep} with ZeRO {stage}: DeepSpeed reduces experts over their own group only with "
-                         "zero_optimization.reduce_scatter and contiguous_gradients on; drop those keys (both default "
-                         "to true)")
+        raise UsageError(
+            f"--ep {cfg.ep} with ZeRO {stage}: DeepSpeed reduces experts over their own group only with "
+            "zero_optimization.reduce_scatter and contiguous_gradients on; drop those keys (both default "
+            "to true)"
+        )
     if parse_compression(cfg.compress).enabled or cfg.local_sgd:
         flag = f"--compress {cfg.compress}" if not cfg.local_sgd else f"--local-sgd {cfg.local_sgd}"
-        raise UsageError(f"{flag} with --ep {cfg.ep}: megakit's DP exchange would average the experts over ranks "
-                         "that hold different ones; drop one of the two")
+        raise UsageError(
+            f"{flag} with --ep {cfg.ep}: megakit's DP exchange would average the experts over ranks "
+            "that hold different ones; drop one of the two"
+        )
 
 
 def _check_dp_sync(cfg: TrainConfig, ds_config: dict) -> Compression:
@@ -369,26 +457,40 @@ def _check_dp_sync(cfg: TrainConfig, ds_config: dict) -> Compression:
     gradient codecs (fp16, int8), through the one all-reduce DeepSpeed's ZeRO-1 optimizer makes with its
     reduce-scatter off (``megakit.train.engine.dp_sync``)."""
     compression = parse_compression(cfg.compress)
-    flag = f"--compress {cfg.compress}" if compression.enabled else f"--local-sgd {cfg.local_sgd}" if cfg.local_sgd else None
+    flag = (
+        f"--compress {cfg.compress}"
+        if compression.enabled
+        else f"--local-sgd {cfg.local_sgd}"
+        if cfg.local_sgd
+        else None
+    )
     zero = ds_config.get("zero_optimization", {})
     stage = int(zero.get("stage", 0))
     if flag and stage > 1:
-        raise UsageError(f"{flag} needs ZeRO stage 0 or 1 (ds_configs/zero0.json, zero1.json): ZeRO {stage} "
-                         "reduce-scatters the gradients inside DeepSpeed's backward hooks, where megakit cannot "
-                         "compress or skip the exchange")
+        raise UsageError(
+            f"{flag} needs ZeRO stage 0 or 1 (ds_configs/zero0.json, zero1.json): ZeRO {stage} "
+            "reduce-scatters the gradients inside DeepSpeed's backward hooks, where megakit cannot "
+            "compress or skip the exchange"
+        )
     if flag and stage == 1 and (cfg.local_sgd or 1 not in compression.zero_stages):
-        raise UsageError(f"{flag} averages whole weights (or their updates), but ZeRO 1 keeps each rank's optimizer "
-                         "step to its own shard; use ZeRO 0 (ds_configs/zero0.json), or --compress fp16/int8 with ZeRO 1")
+        raise UsageError(
+            f"{flag} averages whole weights (or their updates), but ZeRO 1 keeps each rank's optimizer "
+            "step to its own shard; use ZeRO 0 (ds_configs/zero0.json), or --compress fp16/int8 with ZeRO 1"
+        )
     bf16 = ds_config.get("bf16", {}).get("enabled")
     fp32_accumulation = str(ds_config.get("data_types", {}).get("grad_accum_dtype", "")).lower() in ("fp32", "float32")
     if compression.enabled and stage == 1 and bf16 and fp32_accumulation and not zero.get("offload_optimizer"):
-        raise UsageError(f"{flag} with ZeRO 1: bf16 with fp32 gradient accumulation (data_types.grad_accum_dtype) "
-                         "makes DeepSpeed use its BF16_Optimizer, whose reduction megakit cannot replace; drop "
-                         "grad_accum_dtype, or use ZeRO 0")
+        raise UsageError(
+            f"{flag} with ZeRO 1: bf16 with fp32 gradient accumulation (data_types.grad_accum_dtype) "
+            "makes DeepSpeed use its BF16_Optimizer, whose reduction megakit cannot replace; drop "
+            "grad_accum_dtype, or use ZeRO 0"
+        )
     if compression.enabled and stage == 1:  # one all-reduce per bucket, through the method dp_sync replaces
         ds_config["zero_optimization"] = {**zero, "reduce_scatter": False, "contiguous_gradients": True}
     fp32 = not (ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled"))
     if (cfg.local_sgd or compression.after_optimizer) and not fp32:
-        raise UsageError(f"{flag} averages the module's weights (or their updates), but with bf16/fp16 DeepSpeed "
-                         "steps a separate fp32 master copy; use fp32, or --compress fp16/int8 for mixed precision")
+        raise UsageError(
+            f"{flag} averages the module's weights (or their updates), but with bf16/fp16 DeepSpeed "
+            "steps a separate fp32 master copy; use fp32, or --compress fp16/int8 for mixed precision"
+        )
     return compression

@@ -50,13 +50,25 @@ def pipeline_step(run: Run, topo, engine, dp_sync):
     # and so calls no engine.backward: its chunk is the bare module, whose outputs carry no engine backward hooks
     bare = vpp > 1 or schedule.split_backward
     chunks = [engine] if not bare else list(engine.module) if vpp > 1 else [engine.module]  # no hooks needed, ZeRO 0-1
-    executor = PipelineExecutor(chunks, topo, schedule=schedule,
-                                backward=None if schedule.split_backward else backward, activation_shape=activation_shape(
-                                    run.model, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len // topo.cp, tp=topo.tp,
-                                    sequence_parallel=run.sequence_parallel),
-                                activation_dtype=run.dtype, device=rank_device(),  # stages exchange the weights' type
-                                reduce_grads=dp_sync.before_step, optimizer_step=engine.step, broadcast_loss=True,
-                                gradient=gradient_of(engine))
+    executor = PipelineExecutor(
+        chunks,
+        topo,
+        schedule=schedule,
+        backward=None if schedule.split_backward else backward,
+        activation_shape=activation_shape(
+            run.model,
+            micro_batch_size=plan.micro_batch,
+            seq_len=plan.seq_len // topo.cp,
+            tp=topo.tp,
+            sequence_parallel=run.sequence_parallel,
+        ),
+        activation_dtype=run.dtype,
+        device=rank_device(),  # stages exchange the weights' type
+        reduce_grads=dp_sync.before_step,
+        optimizer_step=engine.step,
+        broadcast_loss=True,
+        gradient=gradient_of(engine),
+    )
 
     mtp = run.cfg.mtp and topo.is_last_stage  # the prediction modules embed the ids shifted by each depth
 
@@ -66,7 +78,8 @@ def pipeline_step(run: Run, topo, engine, dp_sync):
         inputs = [x for x, _, _, _ in micro_batches] if topo.is_first_stage else None
         labels = [y for _, y, _, _ in micro_batches] if topo.is_last_stage else None
         extras = [{**more, "input_ids": x} if mtp else more for x, _, _, more in micro_batches]
-        return torch.tensor(executor.step(inputs, labels, sample_ids=[rows for _, _, rows, _ in micro_batches],
-                                          extras=extras))
+        return torch.tensor(
+            executor.step(inputs, labels, sample_ids=[rows for _, _, rows, _ in micro_batches], extras=extras)
+        )
 
     return step

@@ -54,15 +54,18 @@ from megakit.nn.attention.core import use_cp_mode
 from megakit.nn.attention.kernels import use_kernel
 from megakit.nn.compile import compile_blocks
 from megakit.train.data.batches import TokenBatches
+from megakit.train.data.token_weighting import weight_by_tokens
 from megakit.train.doctor.diagnostics import Diagnostics
+from megakit.train.doctor.fault_injection import TrainingFaults, with_seed_fault
 from megakit.train.engine.deepspeed_shm import check_shared_memory, unlink_shared_memory, writable_extensions_dir
 from megakit.train.engine.dp_sync import DataParallelSync
 from megakit.train.engine.ds_config import load_ds_config, scheduled_steps  # noqa: F401 (API: load_ds_config)
-from megakit.train.doctor.fault_injection import TrainingFaults, with_seed_fault
 from megakit.train.engine.experts import deepspeed_sees_experts
 from megakit.train.engine.grad_norm import Zero0Clipper
 from megakit.train.engine.moe_step import MoEStep
 from megakit.train.engine.optim import decay_groups, start_schedule
+from megakit.train.engine.zero3_linear import linear_restored, save_weights_not_views
+from megakit.train.engine.zero3_pipeline import within_stage
 from megakit.train.observe.evaluate import evaluator
 from megakit.train.observe.metrics import StepCommunication, StepMetrics, gpu_peak_tflops, gpu_state
 from megakit.train.observe.mtp_losses import MTPLosses
@@ -72,11 +75,8 @@ from megakit.train.resilience.preemption import EXIT_STOPPED, StopRequests, reas
 from megakit.train.resilience.restarts import Attempts, restarts_from_save
 from megakit.train.resilience.resume import per_rank_key, restore, restore_own_state, save_run
 from megakit.train.resilience.save_lock import hold_save_dir
-from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
-from megakit.train.data.token_weighting import weight_by_tokens
-from megakit.train.engine.zero3_linear import linear_restored, save_weights_not_views
-from megakit.train.engine.zero3_pipeline import within_stage
 from megakit.train.resilience.spikes import SpikeGuard
+from megakit.train.run import Run, TrainConfig, resolve  # noqa: F401 (API: TrainConfig is the trainer's input)
 from megakit.train.steps import pipeline_step, plain_step, rank_device
 
 
@@ -156,8 +156,9 @@ def _train_job(cfg: TrainConfig, stops: StopRequests, keep_steps: bool) -> Train
         if dist.get_world_size() > 1 and not isinstance(error, AssertionError) and from_communication(error):
             why = watchdog.diagnose()
             detail = str(error).splitlines()[0] if str(error) else ""
-            raise RuntimeError(f"{_describe(topo, topo.rank)}: communication failed: {why} "
-                               f"({type(error).__name__}: {detail[:120]})") from error
+            raise RuntimeError(
+                f"{_describe(topo, topo.rank)}: communication failed: {why} ({type(error).__name__}: {detail[:120]})"
+            ) from error
         if dist.get_world_size() > 1:  # its traceback is the one to read; its peers will report it gone
             error.add_note(f"megakit: raised on {_describe(topo, topo.rank)} itself, not by a peer or the network")
         raise
@@ -226,15 +227,23 @@ def _start_watchdog(cfg: TrainConfig, topo, stops: StopRequests):
 
     store = None
     if dist.get_world_size() > 1:
-        store = connect_store(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 29500)),
-                              timeout_s=max(5.0, cfg.stall_timeout_s / 2))
+        store = connect_store(
+            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            int(os.environ.get("MASTER_PORT", 29500)),
+            timeout_s=max(5.0, cfg.stall_timeout_s / 2),
+        )
         if attempt_prefix() is not None:  # a torchrun restart: not the dead attempt's heartbeats
             store = dist.PrefixStore(attempt_prefix(), store)
     peers = {r for kind in ("tp", "cp", "dp", "pp") for r in topo.group_ranks(kind)}  # the ranks this one waits on
-    return Watchdog(topo.rank, dist.get_world_size(), stall_s=cfg.stall_timeout_s, peers=peers,
-                    describe=lambda r: _describe(topo, r), store=store,
-                    store_gone_with_launcher=_store_went_with_launcher(stops, agent_store=attempt_prefix() is not None)
-                    ).start()
+    return Watchdog(
+        topo.rank,
+        dist.get_world_size(),
+        stall_s=cfg.stall_timeout_s,
+        peers=peers,
+        describe=lambda r: _describe(topo, r),
+        store=store,
+        store_gone_with_launcher=_store_went_with_launcher(stops, agent_store=attempt_prefix() is not None),
+    ).start()
 
 
 def _store_went_with_launcher(stops: StopRequests, *, agent_store: bool):
@@ -248,14 +257,23 @@ def _build(run: Run, topo, doctor=None):
     """This rank's stage model wrapped in a DeepSpeed engine (and the ZeRO-0 clipper when needed)."""
     import deepspeed
 
-    from megakit.nn.tensor_parallel.fp8 import convert_to_fp8
     from megakit.nn.model import build_stage_chunks
+    from megakit.nn.tensor_parallel.fp8 import convert_to_fp8
 
     cfg, ds_config = run.cfg, run.ds_config
-    chunks = build_stage_chunks(run.model, topo, vpp=cfg.vpp, method=cfg.stage_layers or "params", seed=cfg.seed,
-                                device=rank_device(), sequence_parallel=run.sequence_parallel,  # this rank's shard
-                                recompute=cfg.recompute, loss_chunks=run.loss_chunks, mtp=cfg.mtp,
-                                mtp_weight=cfg.mtp_weight)
+    chunks = build_stage_chunks(
+        run.model,
+        topo,
+        vpp=cfg.vpp,
+        method=cfg.stage_layers or "params",
+        seed=cfg.seed,
+        device=rank_device(),
+        sequence_parallel=run.sequence_parallel,  # this rank's shard
+        recompute=cfg.recompute,
+        loss_chunks=run.loss_chunks,
+        mtp=cfg.mtp,
+        mtp_weight=cfg.mtp_weight,
+    )
     for chunk in chunks:  # before DeepSpeed: its hooks sit on the parameters, outside the compiled blocks
         convert_to_fp8(chunk, cfg.fp8)  # the weights stay the module's own: checkpoints see plain parameters
         use_kernel(chunk, run.attention)
@@ -281,8 +299,9 @@ def _build(run: Run, topo, doctor=None):
     experts = run.model.moe.experts if run.model.moe else 0
     quiet = contextlib.nullcontext() if cfg.deepspeed_logs else contextlib.redirect_stdout(io.StringIO())
     with deepspeed_sees_experts(stage, topo, experts, zero3=run.zero_stage == 3), quiet:  # quiet: its CPU op's build
-        engine, optimizer, _, _ = deepspeed.initialize(model=stage, model_parameters=decay_groups(stage), mpu=topo,
-                                                       config=ds_config)
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=stage, model_parameters=decay_groups(stage), mpu=topo, config=ds_config
+        )
     unlink_shared_memory()
     if clipper is not None:
         optimizer.register_step_pre_hook(clipper)
@@ -296,8 +315,9 @@ def _not_scheduler_start(record) -> bool:
     return "before it has started" not in message and "is less than warmup_num_steps" not in message
 
 
-def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequests, keep_steps: bool = True
-           ) -> TrainResult:
+def _train(
+    run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequests, keep_steps: bool = True
+) -> TrainResult:
     logger = logging.getLogger("DeepSpeed")
     logger.setLevel(logging.INFO if run.cfg.deepspeed_logs else logging.WARNING)
     logger.addFilter(_not_scheduler_start)  # added once (a filter already there is not added again)
@@ -317,14 +337,25 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequ
     dp_sync = DataParallelSync(run, topo, engine)
     if run.checkpoint:
         try:  # each DP rank's own moments and residuals, at the layout that saved them
-            restore_own_state(engine, topo, run.checkpoint, dp_sync, per_rank_key(run, topo),
-                              say=print if topo.rank == 0 else lambda *_: None)
+            restore_own_state(
+                engine,
+                topo,
+                run.checkpoint,
+                dp_sync,
+                per_rank_key(run, topo),
+                say=print if topo.rank == 0 else lambda *_: None,
+            )
         except UsageError as error:
             raise everywhere(error)
     run_step = pipeline_step(run, topo, engine, dp_sync) if topo.pp > 1 else plain_step(engine, dp_sync)
     faults = TrainingFaults(topo.rank, list(engine.module) if cfg.vpp > 1 else [engine.module])  # tests only
-    guard = StepGuard(topo, max_skipped=0 if doctor is not None else cfg.max_skipped_steps, precision=run.precision,
-                      describe=lambda r: _describe(topo, r), device=rank_device())  # the doctor sees the first NaN
+    guard = StepGuard(
+        topo,
+        max_skipped=0 if doctor is not None else cfg.max_skipped_steps,
+        precision=run.precision,
+        describe=lambda r: _describe(topo, r),
+        device=rank_device(),
+    )  # the doctor sees the first NaN
     if doctor is not None:
         batches, run_step = doctor.attach(engine, batches, run_step)
     device = rank_device() or torch.device("cpu")
@@ -338,15 +369,23 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequ
         probe = MemoryProbe(engine, topo, run)
     moe = None
     if run.model.moe is not None:  # the balancing losses' scale, the expert bias, per-layer metrics
-        moe = MoEStep(engine.module, topo, layers=run.model.layers, accumulation=plan.accumulation,
-                      mtp=run.model.mtp_layers if cfg.mtp else 0)
+        moe = MoEStep(
+            engine.module,
+            topo,
+            layers=run.model.layers,
+            accumulation=plan.accumulation,
+            mtp=run.model.mtp_layers if cfg.mtp else 0,
+        )
     mtp = MTPLosses(engine.module, topo, run.model.mtp_layers) if cfg.mtp else None  # each depth's loss, logged
     reporter = Reporter(run, topo)
     restarting = restarts_from_save(cfg.load, cfg.init)
     attempts = Attempts(cfg.save if restarting else None, start=start, active=topo.rank == 0)
     result = TrainResult()
-    flops_per_step = (model_flops_per_token(run.model, plan.seq_len, mtp=run.model.mtp_depth(cfg.mtp))
-                      * plan.global_batch * plan.seq_len)
+    flops_per_step = (
+        model_flops_per_token(run.model, plan.seq_len, mtp=run.model.mtp_depth(cfg.mtp))
+        * plan.global_batch
+        * plan.seq_len
+    )
     peak = gpu_peak_tflops()
     communication = StepCommunication(sync_cuda=torch.cuda.is_available())
     profiler = start_profiler(cfg.profile, steps=cfg.steps - start, rank=topo.rank)
@@ -355,14 +394,20 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequ
     while step < cfg.steps:
         faults.at_step(step)
         waited = time.perf_counter()  # the loader's share of the step (reads from memory-mapped shards)
-        micro_batches = [(x.to(device), y.to(device), rows, {k: t.to(device) for k, t in extras.items()})
-                         for (x, y), rows, extras in zip(batches.micro_batches(step + offset, topo.dp_rank),
-                                                         batches.sample_numbers(step + offset, topo.dp_rank),
-                                                         batches.forward_extras(step + offset, topo.dp_rank))]
+        micro_batches = [
+            (x.to(device), y.to(device), rows, {k: t.to(device) for k, t in extras.items()})
+            for (x, y), rows, extras in zip(
+                batches.micro_batches(step + offset, topo.dp_rank),
+                batches.sample_numbers(step + offset, topo.dp_rank),
+                batches.forward_extras(step + offset, topo.dp_rank),
+            )
+        ]
         waited = time.perf_counter() - waited
         lr = engine.get_lr()[0]
         t0 = time.perf_counter()
-        with communication.measure(not torch.cuda.is_available() or step % 10 == 1 or doctor is not None):  # on GPU it synchronises
+        with communication.measure(
+            not torch.cuda.is_available() or step % 10 == 1 or doctor is not None
+        ):  # on GPU it synchronises
             with probe.step() if probe else contextlib.nullcontext():
                 if moe is not None:
                     moe.before_step(engine)
@@ -394,13 +439,29 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequ
         spike = spikes.check(step, loss) if spikes is not None else None
         if profiler is not None:
             profiler.step()
-        metrics = StepMetrics(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds,
-                              samples=plan.global_batch, tokens=plan.global_batch * plan.seq_len, flops=flops_per_step,
-                              comm_seconds=comm_seconds, comm_calls=comm_calls, world_size=dist.get_world_size(),
-                              peak_tflops=peak, data_seconds=waited, dp_bytes=dp_bytes,
-                              dp_bytes_dense=dp_bytes_dense, skipped=bool(skipped), moe=moe_metrics, mtp=mtp_losses,
-                              all_to_all_bytes=a2a_bytes, compiling=run.compile and step == start,
-                              **dict(zip(("gpu_util", "gpu_mem_gib"), gpu_state())))
+        metrics = StepMetrics(
+            step=step,
+            loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            seconds=seconds,
+            samples=plan.global_batch,
+            tokens=plan.global_batch * plan.seq_len,
+            flops=flops_per_step,
+            comm_seconds=comm_seconds,
+            comm_calls=comm_calls,
+            world_size=dist.get_world_size(),
+            peak_tflops=peak,
+            data_seconds=waited,
+            dp_bytes=dp_bytes,
+            dp_bytes_dense=dp_bytes_dense,
+            skipped=bool(skipped),
+            moe=moe_metrics,
+            mtp=mtp_losses,
+            all_to_all_bytes=a2a_bytes,
+            compiling=run.compile and step == start,
+            **dict(zip(("gpu_util", "gpu_mem_gib"), gpu_state())),
+        )
         if keep_steps:
             result.steps.append(metrics)
         reporter.log(metrics)
@@ -409,8 +470,9 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequ
         attempts.finished(step)
         if spike:  # the newest checkpoint back into the engine; the batches since then are skipped
             _wait(writer)
-            back, event = spikes.roll_back(spike, step=step, offset=offset, engine=engine, topo=topo, run=run,
-                                           dp_sync=dp_sync, reporter=reporter)
+            back, event = spikes.roll_back(
+                spike, step=step, offset=offset, engine=engine, topo=topo, run=run, dp_sync=dp_sync, reporter=reporter
+            )
             result.events.append(event)
             if back is not None:
                 step, offset = back
@@ -418,30 +480,54 @@ def _train(run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequ
         done, step = step + 1, step + 1
         stopping = bool(guard.stops) and done < cfg.steps  # every rank learnt it from the guard's all-reduce
         evaluating = evaluate is not None and not stopping and (done % cfg.eval_every == 0 or done == cfg.steps)
-        saving = cfg.save and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)
-                               or (stopping and cfg.save_on_signal))
+        saving = cfg.save and (
+            done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0) or (stopping and cfg.save_on_signal)
+        )
         if evaluating or saving:
             dp_sync.synchronize()  # one model on every DP rank (compressed updates may be pending)
         if evaluating:
             result.evals.append(reporter.eval(done, *evaluate()))
         if saving:
-            extra = {"loss": loss if math.isfinite(loss) else None, "seed": cfg.seed, "global_batch": plan.global_batch,
-                     "lr_total_steps": scheduled_steps(run.ds_config),  # a resume continues this schedule
-                     "data": {"samples": (done + offset) * plan.global_batch, "skipped_batches": offset,
-                              "corpus": run.corpus.fingerprint},
-                     **({"spike_guard": spikes.state()} if spikes else {})}
+            extra = {
+                "loss": loss if math.isfinite(loss) else None,
+                "seed": cfg.seed,
+                "global_batch": plan.global_batch,
+                "lr_total_steps": scheduled_steps(run.ds_config),  # a resume continues this schedule
+                "data": {
+                    "samples": (done + offset) * plan.global_batch,
+                    "skipped_batches": offset,
+                    "corpus": run.corpus.fingerprint,
+                },
+                **({"spike_guard": spikes.state()} if spikes else {}),
+            }
             try:
-                saved = save_run(cfg.save, engine, topo, run.model, step=done, series=cfg.keep > 0, keep=cfg.keep,
-                                 extra=extra, tokenizer=run.corpus.tokenizer_dir, dp_sync=dp_sync,
-                                 rank_key=per_rank_key(run, topo), writer=writer)
+                saved = save_run(
+                    cfg.save,
+                    engine,
+                    topo,
+                    run.model,
+                    step=done,
+                    series=cfg.keep > 0,
+                    keep=cfg.keep,
+                    extra=extra,
+                    tokenizer=run.corpus.tokenizer_dir,
+                    dp_sync=dp_sync,
+                    rank_key=per_rank_key(run, topo),
+                    writer=writer,
+                )
                 result.checkpoint = str(saved)
             except UsageError as error:
                 raise everywhere(error)  # save_checkpoint raises on every rank when any rank fails
         if stopping:
             _wait(writer)
-            result.stopped = _stopped(guard.stops, topo, step=done, saved=cfg.save if saving else None,
-                                      why="no --save" if not cfg.save else "--no-save-on-signal",
-                                      gone=stops.gone if stops.launcher_gone() else None)
+            result.stopped = _stopped(
+                guard.stops,
+                topo,
+                step=done,
+                saved=cfg.save if saving else None,
+                why="no --save" if not cfg.save else "--no-save-on-signal",
+                gone=stops.gone if stops.launcher_gone() else None,
+            )
             break
     _wait(writer)  # the last save is on disk before the run returns
     stops.leaving()  # a later signal (DeepSpeed's launch.py passing scancel's on) does not end the rank now

@@ -24,8 +24,7 @@ PRECISIONS = {"bf16": 2, "fp16": 2, "fp32": 4}
 # torchtitan's per-op selective checkpointing keeps the outputs of every other matmul (q, v, gate/fc1, and
 # the down projection's, the size of the block input), flash attention's output and log-sum-exp, and the
 # block input; everything else is recomputed (torchtitan/models/llama/parallelize_llama.py, _save_list).
-PER_OP_KEPT = ("q", "v", "attention log-sum-exp", "attention output (proj input)",
-               "gate output", "gelu input")
+PER_OP_KEPT = ("q", "v", "attention log-sum-exp", "attention output (proj input)", "gate output", "gelu input")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +45,21 @@ class SavedTensor:
         return seq_len * micro_batch * (self.per_token + self.per_token_seq * seq_len) * self.bytes_per_element
 
 
-def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool = False,
-                       precision: str = "bf16", flash_attention: bool = True,
-                       dropout: bool | None = None, dropout_mask_bytes: int = 1,
-                       gathered_inputs: bool = False, moe: bool = False,
-                       fused_swiglu: bool = False, ring: bool = False, cp: bool = False) -> list[SavedTensor]:
+def activation_tensors(
+    model: ModelSpec,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    precision: str = "bf16",
+    flash_attention: bool = True,
+    dropout: bool | None = None,
+    dropout_mask_bytes: int = 1,
+    gathered_inputs: bool = False,
+    moe: bool = False,
+    fused_swiglu: bool = False,
+    ring: bool = False,
+    cp: bool = False,
+) -> list[SavedTensor]:
     """The tensors one transformer block saves for backward, sizes already divided by TP/SP
     (``moe``: an MoE block's, whose MLP is its shared experts, if any; ``routing_tensors`` adds the rest).
 
@@ -81,8 +90,11 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
         normalised input (for the weight's gradient) and the fp32 rstd."""
         if model.family == "gpt2":
             return [t(f"{which} input", h / rest, shard="sp"), t(f"{which} stats", 2 / rest, 4, "sp")]
-        return [t(f"{which} input", h / rest, shard="sp"), t(f"{which} normalised", h / rest, shard="sp"),
-                t(f"{which} stats", 1 / rest, 4, "sp")]
+        return [
+            t(f"{which} input", h / rest, shard="sp"),
+            t(f"{which} normalised", h / rest, shard="sp"),
+            t(f"{which} stats", 1 / rest, 4, "sp"),
+        ]
 
     kv = kv if flash_attention else heads * hd
     # With SP, Megatron-LM and megakit (``nn.tensor_parallel.overlapped_linear``) keep the column-parallel layers'
@@ -90,20 +102,33 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
     # all-gathered (S, B, H) (``gathered_inputs``).
     gathered = h if gathered_inputs else h / rest
     v, kernel_out, proj_in = value_widths(model, tp=tp, kv=kv, ring=ring, cp=cp)
-    latents = latent_tensors(model, tp=tp, sequence_parallel=sequence_parallel, precision=precision,
-                             gathered_inputs=gathered_inputs) if model.config.mla else []
+    latents = (
+        latent_tensors(
+            model, tp=tp, sequence_parallel=sequence_parallel, precision=precision, gathered_inputs=gathered_inputs
+        )
+        if model.config.mla
+        else []
+    )
     out = norm("norm1") + [t("qkv input", gathered, shard="sp"), *latents, t("q", heads * hd), t("k", kv), t("v", v)]
     if model.config.qk_norm:  # per head, over the rank's heads: input, normalised, fp32 rstd (RoPE follows: q, k)
         kv_heads = model.kv_heads_per_rank(tp)
-        out += [t("q norm input", heads * hd), t("q norm normalised", heads * hd), t("q norm stats", heads, 4),
-                t("k norm input", kv_heads * hd), t("k norm normalised", kv_heads * hd), t("k norm stats", kv_heads, 4)]
+        out += [
+            t("q norm input", heads * hd),
+            t("q norm normalised", heads * hd),
+            t("q norm stats", heads, 4),
+            t("k norm input", kv_heads * hd),
+            t("k norm normalised", kv_heads * hd),
+            t("k norm stats", kv_heads, 4),
+        ]
     if flash_attention:
         out.append(t("attention log-sum-exp", heads, 4))
     else:
         out.append(t("softmax output", 0, per_seq=heads))
         if dropout:
-            out += [t("attention dropout mask", 0, dropout_mask_bytes, per_seq=heads),
-                    t("attention dropout output", 0, per_seq=heads)]
+            out += [
+                t("attention dropout mask", 0, dropout_mask_bytes, per_seq=heads),
+                t("attention dropout output", 0, per_seq=heads),
+            ]
     if kernel_out:
         out.append(t("ring attention output", kernel_out))
     out.append(t("attention output (proj input)", proj_in))
@@ -130,12 +155,22 @@ def activation_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool
     return out
 
 
-SHARED_EXPERT = ("gate output", "up output", "act(gate)", "down input", "gate and up output", "gelu input",
-                 "fc2 input", "shared expert gate", "shared expert output")  # an MoE block's MLP tensors
+SHARED_EXPERT = (
+    "gate output",
+    "up output",
+    "act(gate)",
+    "down input",
+    "gate and up output",
+    "gelu input",
+    "fc2 input",
+    "shared expert gate",
+    "shared expert output",
+)  # an MoE block's MLP tensors
 
 
-def value_widths(model: ModelSpec, *, tp: int, kv: float, ring: bool = False, cp: bool = False
-                 ) -> tuple[float, float, float]:
+def value_widths(
+    model: ModelSpec, *, tp: int, kv: float, ring: bool = False, cp: bool = False
+) -> tuple[float, float, float]:
     """Per token on one TP rank: (v, the attention kernel's saved output when ``o_proj`` keeps a copy apart, else 0,
     ``o_proj``'s input). ``kv``: the k width as saved (q/k/v heads of one width: v is the same).
 
@@ -155,8 +190,14 @@ def value_widths(model: ModelSpec, *, tp: int, kv: float, ring: bool = False, cp
     return v, v if ring or cp else 0.0, v
 
 
-def latent_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool = False, precision: str = "bf16",
-                   gathered_inputs: bool = False) -> list[SavedTensor]:
+def latent_tensors(
+    model: ModelSpec,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    precision: str = "bf16",
+    gathered_inputs: bool = False,
+) -> list[SavedTensor]:
     """What MLA keeps between the block's norm and its heads (``megakit.nn.attention.latent``): each latent's RMSNorm
     keeps its input, the normalised input and the fp32 rstd (torch's composite, as ``activation_tensors``' norms), and
     its up-projection keeps the normed latent.
@@ -171,10 +212,12 @@ def latent_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool = F
     rows = tp if sequence_parallel and not gathered_inputs else 1  # 1: every rank holds every token
 
     def latent(which: str, width: int, stored: int) -> list[SavedTensor]:
-        return [SavedTensor(f"{which} latent (norm input)", stored / rows, 0.0, p, "sp"),
-                SavedTensor(f"{which} latent normalised", width / rows, 0.0, p, "sp"),
-                SavedTensor(f"{which} latent stats", 1 / rows, 0.0, 4, "sp"),
-                SavedTensor(f"{which} latent normed (up-projection input)", width, 0.0, p, "none")]
+        return [
+            SavedTensor(f"{which} latent (norm input)", stored / rows, 0.0, p, "sp"),
+            SavedTensor(f"{which} latent normalised", width / rows, 0.0, p, "sp"),
+            SavedTensor(f"{which} latent stats", 1 / rows, 0.0, 4, "sp"),
+            SavedTensor(f"{which} latent normed (up-projection input)", width, 0.0, p, "none"),
+        ]
 
     if m.q_lora_rank:
         q = latent("q", m.q_lora_rank, m.q_lora_rank)
@@ -184,8 +227,15 @@ def latent_tensors(model: ModelSpec, *, tp: int = 1, sequence_parallel: bool = F
     return q + latent("kv", m.kv_lora_rank, m.kv_lora_rank + m.qk_rope_head_dim)
 
 
-def routing_tensors(model: ModelSpec, *, tp: int = 1, precision: str = "bf16", imbalance: float = 1.0,
-                    megatron: bool = False, ep: int = 1) -> list[SavedTensor]:
+def routing_tensors(
+    model: ModelSpec,
+    *,
+    tp: int = 1,
+    precision: str = "bf16",
+    imbalance: float = 1.0,
+    megatron: bool = False,
+    ep: int = 1,
+) -> list[SavedTensor]:
     """What an MoE block keeps for backward beyond attention and the shared experts, per token of the sequence: each
     TP rank routes 1/TP of the tokens (the split sequence parallelism makes). In ``ROUTING_GROUPS``' order:
 
@@ -209,42 +259,63 @@ def routing_tensors(model: ModelSpec, *, tp: int = 1, precision: str = "bf16", i
     k = m.top_k * imbalance / tp
     top_k = m.top_k / tp  # at home: this rank's own tokens' slots
     if megatron:
-        return [SavedTensor("router probabilities", m.experts / tp, 0.0, 4, "tp"),
-                SavedTensor("permutation map", m.experts / tp, 0.0, 8, "tp"),
-                SavedTensor("permuted tokens", k * model.hidden, 0.0, p, "tp"),
-                SavedTensor("expert fc1 output", k * 2 * m.ffn, 0.0, p, "tp"),
-                SavedTensor("expert fc2 input", k * m.ffn, 0.0, p, "tp")]
-    router = [*([SavedTensor("router input (fp32 copy)", model.hidden / tp, 0.0, 4, "tp")] if p < 4 else []),
-              SavedTensor("router logits", m.experts / tp, 0.0, 4, "tp"),
-              SavedTensor("router scores", m.experts / tp, 0.0, 4, "tp")]
-    chosen = [SavedTensor("top-k indices", top_k, 0.0, 8, "tp"),
-              *([SavedTensor("top-k probabilities (before renormalising)", top_k, 0.0, 4, "tp"),
-                 SavedTensor("top-k probability sums", 1 / tp, 0.0, 4, "tp")] if m.normalize_top_k else []),
-              SavedTensor("top-k weights (combine)", top_k, 0.0, p, "tp")]
-    aux = [SavedTensor("z-loss log-sum-exp", 1 / tp, 0.0, 4, "tp"),
-           *([SavedTensor("sigmoid score sums", 1 / tp, 0.0, 4, "tp")] if m.score == "sigmoid" else [])]
+        return [
+            SavedTensor("router probabilities", m.experts / tp, 0.0, 4, "tp"),
+            SavedTensor("permutation map", m.experts / tp, 0.0, 8, "tp"),
+            SavedTensor("permuted tokens", k * model.hidden, 0.0, p, "tp"),
+            SavedTensor("expert fc1 output", k * 2 * m.ffn, 0.0, p, "tp"),
+            SavedTensor("expert fc2 input", k * m.ffn, 0.0, p, "tp"),
+        ]
+    router = [
+        *([SavedTensor("router input (fp32 copy)", model.hidden / tp, 0.0, 4, "tp")] if p < 4 else []),
+        SavedTensor("router logits", m.experts / tp, 0.0, 4, "tp"),
+        SavedTensor("router scores", m.experts / tp, 0.0, 4, "tp"),
+    ]
+    chosen = [
+        SavedTensor("top-k indices", top_k, 0.0, 8, "tp"),
+        *(
+            [
+                SavedTensor("top-k probabilities (before renormalising)", top_k, 0.0, 4, "tp"),
+                SavedTensor("top-k probability sums", 1 / tp, 0.0, 4, "tp"),
+            ]
+            if m.normalize_top_k
+            else []
+        ),
+        SavedTensor("top-k weights (combine)", top_k, 0.0, p, "tp"),
+    ]
+    aux = [
+        SavedTensor("z-loss log-sum-exp", 1 / tp, 0.0, 4, "tp"),
+        *([SavedTensor("sigmoid score sums", 1 / tp, 0.0, 4, "tp")] if m.score == "sigmoid" else []),
+    ]
     saved, _ = dispatch_buffers(model, tp=tp, precision=precision, imbalance=imbalance, ep=ep)
     activation = 4 if c.moe.swiglu_limit else 1  # gpt-oss: the clamped gate, (up + 1), its product, the sigmoid
-    experts = [SavedTensor("expert fc1 output", k * 2 * m.ffn, 0.0, p, "tp"),
-               SavedTensor("expert activation", k * activation * m.ffn, 0.0, p, "tp"),
-               SavedTensor("expert fc2 input", k * m.ffn, 0.0, p, "tp"),
-               SavedTensor("expert outputs", top_k * model.hidden, 0.0, p, "tp")]
+    experts = [
+        SavedTensor("expert fc1 output", k * 2 * m.ffn, 0.0, p, "tp"),
+        SavedTensor("expert activation", k * activation * m.ffn, 0.0, p, "tp"),
+        SavedTensor("expert fc2 input", k * m.ffn, 0.0, p, "tp"),
+        SavedTensor("expert outputs", top_k * model.hidden, 0.0, p, "tp"),
+    ]
     return router + chosen + aux + saved + experts
 
 
 ROUTING_GROUPS = {  # how ``megakit plan`` shows ``routing_tensors``, one line each
-    "router logits and scores": ("router input (fp32 copy)", "router logits", "router scores",
-                                 "router probabilities"),
-    "top-k indices and probabilities": ("top-k indices", "top-k probabilities (before renormalising)",
-                                        "top-k probability sums", "top-k weights (combine)", "permutation map"),
+    "router logits and scores": ("router input (fp32 copy)", "router logits", "router scores", "router probabilities"),
+    "top-k indices and probabilities": (
+        "top-k indices",
+        "top-k probabilities (before renormalising)",
+        "top-k probability sums",
+        "top-k weights (combine)",
+        "permutation map",
+    ),
     "aux-loss terms": ("z-loss log-sum-exp", "sigmoid score sums"),
     "permutation and dispatch": ("dispatch order", "dispatch regroup order", "permuted tokens"),
     "routed experts": ("expert fc1 output", "expert activation", "expert fc2 input", "expert outputs"),
 }
 
 
-def dispatch_buffers(model: ModelSpec, *, tp: int, precision: str, imbalance: float, ep: int
-                     ) -> tuple[list[SavedTensor], list[SavedTensor]]:
+def dispatch_buffers(
+    model: ModelSpec, *, tp: int, precision: str, imbalance: float, ep: int
+) -> tuple[list[SavedTensor], list[SavedTensor]]:
     """(saved, transient) per token of one MoE block's token dispatch (``megakit.nn.moe.dispatch``), the one place
     that prices it. Saved: the sort by expert's order and its inverse (int64, k per token: the permutation's and the
     un-permutation's gathers keep their indices), at EP > 1 the received rows' regrouping and its inverse (per
@@ -253,9 +324,11 @@ def dispatch_buffers(model: ModelSpec, *, tp: int, precision: str, imbalance: fl
     (the dispatch's while it runs, the combine's likewise)."""
     m, p = model.config.moe, PRECISIONS[precision]
     k, rows = m.top_k / tp, m.top_k * (imbalance if ep > 1 else 1.0) / tp
-    saved = [SavedTensor("dispatch order", 2 * k, 0.0, 8, "tp"),
-             *([SavedTensor("dispatch regroup order", 2 * rows, 0.0, 8, "tp")] if ep > 1 else []),
-             SavedTensor("permuted tokens", rows * model.hidden, 0.0, p, "tp")]
+    saved = [
+        SavedTensor("dispatch order", 2 * k, 0.0, 8, "tp"),
+        *([SavedTensor("dispatch regroup order", 2 * rows, 0.0, 8, "tp")] if ep > 1 else []),
+        SavedTensor("permuted tokens", rows * model.hidden, 0.0, p, "tp"),
+    ]
     transient = [SavedTensor("all-to-all send and receive", 2 * rows * model.hidden, 0.0, p, "tp")] if ep > 1 else []
     return saved, transient
 
@@ -291,8 +364,9 @@ def parse_loss_chunks(text: str | int | None) -> int:
     except ValueError:
         chunks = 0
     if chunks < 1:
-        raise UsageError(f"--loss-chunks {text}: give a count of at least 1 (1: the head and loss in one piece) "
-                         "or auto")
+        raise UsageError(
+            f"--loss-chunks {text}: give a count of at least 1 (1: the head and loss in one piece) or auto"
+        )
     return chunks
 
 
@@ -303,8 +377,17 @@ def loss_chunks_of(model: ModelSpec, *, tp: int, tokens: int, loss_chunks: int) 
     return loss_chunks or auto_loss_chunks(tokens, model.padded_vocab(tp) // tp)
 
 
-def logits_bytes(model: ModelSpec, *, tp: int, sequence_parallel: bool, precision: str, seq_len: int,
-                 micro_batch: int, transient: bool = True, loss_chunks: int = 1) -> float:
+def logits_bytes(
+    model: ModelSpec,
+    *,
+    tp: int,
+    sequence_parallel: bool,
+    precision: str,
+    seq_len: int,
+    micro_batch: int,
+    transient: bool = True,
+    loss_chunks: int = 1,
+) -> float:
     """The last stage's head for one micro-batch: saved are the final norm's input (+ stats), the
     head's input and the vocab-parallel cross-entropy's fp32 softmax (V/tp per token) and its
     per-token target bookkeeping; transient are the logits shard and, below fp32, their fp32 copy.

@@ -124,8 +124,9 @@ def linear_time(gpu: GPU, plan: Plan, m: float, k: float, n: float, *, peak: flo
     return min(dense, fp8)
 
 
-def _linears(model: ModelSpec, tp: int, moe: bool = False, *,
-             sequence_parallel: bool = False) -> list[tuple[float, float, float]]:
+def _linears(
+    model: ModelSpec, tp: int, moe: bool = False, *, sequence_parallel: bool = False
+) -> list[tuple[float, float, float]]:
     """(rows, k, n) of the block's weight GEMMs on one TP rank, in execution order, ``rows`` the share of the rank's
     tokens each runs over (an MoE block: attention and the shared experts; ``expert_gemm_time`` adds the rest).
     MLA's projections at their own shapes (``MLAConfig.projections``: latents whole, up-projections by heads), not
@@ -135,9 +136,11 @@ def _linears(model: ModelSpec, tp: int, moe: bool = False, *,
     f = (model.moe.shared_ffn if moe else model.ffn) // tp
     mlp = [] if f == 0 else [(h, f), (h, f), (f, h)] if model.gated_mlp else [(h, f), (f, h)]
     mla = model.config.mla
-    attention = ([(rows, k, n) for _, rows, k, n in mla.projections(h, model.heads, tp,
-                                                                   sequence_parallel=sequence_parallel)]
-                 if mla else [(1.0, h, q), (1.0, h, kv), (1.0, h, kv), (1.0, q, h)])
+    attention = (
+        [(rows, k, n) for _, rows, k, n in mla.projections(h, model.heads, tp, sequence_parallel=sequence_parallel)]
+        if mla
+        else [(1.0, h, q), (1.0, h, kv), (1.0, h, kv), (1.0, q, h)]
+    )
     return attention + [(1.0, k, n) for k, n in mlp]
 
 
@@ -150,8 +153,10 @@ def expert_gemm_time(model: ModelSpec, gpu: GPU, plan: Plan, *, tokens: float, p
     local = tokens / plan.tp  # each TP rank routes its 1/TP of the tokens (sequence-parallel split)
     router = gemm_time(gpu, local, model.hidden, m.experts, peak=peak, nbytes=nbytes)
     per_expert = local * m.top_k * routed_imbalance(model, plan.moe_imbalance, plan.ep) * plan.ep / m.experts
-    one = (linear_time(gpu, plan, per_expert, model.hidden, 2 * m.ffn, peak=peak)  # FP8 too, as the other linears
-           + linear_time(gpu, plan, per_expert, m.ffn, model.hidden, peak=peak))
+    one = (
+        linear_time(gpu, plan, per_expert, model.hidden, 2 * m.ffn, peak=peak)  # FP8 too, as the other linears
+        + linear_time(gpu, plan, per_expert, m.ffn, model.hidden, peak=peak)
+    )
     return router + one * m.experts / plan.ep
 
 
@@ -162,8 +167,18 @@ def cp_kernel_seq(plan: Plan, seq_len: int) -> int:
     return seq_len // (2 * ring) if ring > 1 else seq_len
 
 
-def attention_time(model: ModelSpec, gpu: GPU, *, tp: int, seq_len: int, micro_batch: int, flash: bool,
-                   peak: float, nbytes: int, kernel_seq: int | None = None) -> tuple[float, float]:
+def attention_time(
+    model: ModelSpec,
+    gpu: GPU,
+    *,
+    tp: int,
+    seq_len: int,
+    micro_batch: int,
+    flash: bool,
+    peak: float,
+    nbytes: int,
+    kernel_seq: int | None = None,
+) -> tuple[float, float]:
     """(forward, backward) seconds of the attention core (scores, softmax, values) of one block; ``kernel_seq``:
     the tokens each kernel call sees, when the ring cuts the sequence into chunk pairs (``cp_kernel_seq``)."""
     s, b = seq_len, micro_batch
@@ -187,19 +202,46 @@ def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: fl
     t, b, s = plan.tp, plan.micro_batch, seq_len // plan.cp
     nbytes = PRECISIONS[plan.precision]
     tokens = b * s
-    per_gemm = [linear_time(gpu, plan, rows * tokens, k, n, peak=peak)
-                for rows, k, n in _linears(model, t, moe, sequence_parallel=plan.sequence_parallel)]
+    per_gemm = [
+        linear_time(gpu, plan, rows * tokens, k, n, peak=peak)
+        for rows, k, n in _linears(model, t, moe, sequence_parallel=plan.sequence_parallel)
+    ]
     gemm_f = sum(per_gemm) + (expert_gemm_time(model, gpu, plan, tokens=tokens, peak=peak) if moe else 0.0)
-    attn_f, attn_b = attention_time(model, gpu, tp=t, seq_len=seq_len, micro_batch=b,
-                                    flash=plan.flash_attention or plan.cp > 1, peak=peak, nbytes=nbytes,
-                                    kernel_seq=cp_kernel_seq(plan, seq_len))
+    attn_f, attn_b = attention_time(
+        model,
+        gpu,
+        tp=t,
+        seq_len=seq_len,
+        micro_batch=b,
+        flash=plan.flash_attention or plan.cp > 1,
+        peak=peak,
+        nbytes=nbytes,
+        kernel_seq=cp_kernel_seq(plan, seq_len),
+    )
     attn_f, attn_b = attn_f / plan.cp, attn_b / plan.cp
-    saved = sum(x.bytes(seq_len=s, micro_batch=b)
-                for x in activation_tensors(model, tp=t, sequence_parallel=plan.sequence_parallel,
-                                            precision=plan.precision, flash_attention=plan.flash_attention, moe=moe,
-                                            fused_swiglu=plan.megatron, ring=plan.a2a_degree < plan.cp)
-                + (routing_tensors(model, tp=t, precision=plan.precision,  # permute, unpermute, SwiGLU
-                                   imbalance=routed_imbalance(model, plan.moe_imbalance, plan.ep)) if moe else []))
+    saved = sum(
+        x.bytes(seq_len=s, micro_batch=b)
+        for x in activation_tensors(
+            model,
+            tp=t,
+            sequence_parallel=plan.sequence_parallel,
+            precision=plan.precision,
+            flash_attention=plan.flash_attention,
+            moe=moe,
+            fused_swiglu=plan.megatron,
+            ring=plan.a2a_degree < plan.cp,
+        )
+        + (
+            routing_tensors(
+                model,
+                tp=t,
+                precision=plan.precision,  # permute, unpermute, SwiGLU
+                imbalance=routed_imbalance(model, plan.moe_imbalance, plan.ep),
+            )
+            if moe
+            else []
+        )
+    )
     elementwise = (K_MEM_FUSED if plan.fused else K_MEM) * saved / (gpu.hbm_gbps * 1e9)
     ew_f = elementwise / 3
     forward = gemm_f + attn_f + ew_f

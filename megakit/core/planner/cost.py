@@ -89,8 +89,9 @@ class Cost:
     a2a_s: float = 0.0  # the MoE dispatch and combine all-to-alls of the step on the slowest stage
 
 
-def flops_per_token(model: ModelSpec, seq_len: int, *, recompute: str = "none", flash_attention: bool = False,
-                    hardware: bool = True) -> float:
+def flops_per_token(
+    model: ModelSpec, seq_len: int, *, recompute: str = "none", flash_attention: bool = False, hardware: bool = True
+) -> float:
     """Training FLOPs per token (``ModelConfig.flops_per_token``, Megatron's Eq. 3 convention): 3 × forward,
     plus, when ``hardware``, the recomputed forward ('full'), the recomputed core attention ('selective')
     or flash attention's recomputed scores.
@@ -102,8 +103,9 @@ def flops_per_token(model: ModelSpec, seq_len: int, *, recompute: str = "none", 
     written-out attention computes the whole square and masks it)."""
     if not hardware:
         recompute, flash_attention = "none", False
-    total = model.config.flops_per_token(seq_len, convention="megatron", recompute=recompute,
-                                         flash_attention=flash_attention, mtp=model.mtp)
+    total = model.config.flops_per_token(
+        seq_len, convention="megatron", recompute=recompute, flash_attention=flash_attention, mtp=model.mtp
+    )
     if hardware and flash_attention:  # each attention pass the kernels run does half the square, windows less
         attn = 4 * seq_len * model.hidden  # one forward pass of scores and values per token and block (width H)
         passes = 3.5 + (1.0 if recompute == "full" else 0.0)  # forward, 2.5 x for backward (scores again), recompute
@@ -116,11 +118,17 @@ def weight_grad_share(model: ModelSpec, seq_len: int, plan: Plan) -> float:
     blocks' matmuls and the LM head), over all the training FLOPs the hardware runs (a third without
     recompute, a quarter with full recompute, whose extra forward falls in B)."""
     c = model.config
-    weights = (c.moe_layers * c.block_params(moe=True).flop_weights("matmul")
-               + (c.layers - c.moe_layers) * c.block_params(moe=False).flop_weights("matmul")
-               + c.vocab_size * model.hidden)
-    total = flops_per_token(model, seq_len, recompute=plan.recompute if plan.recompute != "per-op" else "none",
-                            flash_attention=plan.flash_attention)
+    weights = (
+        c.moe_layers * c.block_params(moe=True).flop_weights("matmul")
+        + (c.layers - c.moe_layers) * c.block_params(moe=False).flop_weights("matmul")
+        + c.vocab_size * model.hidden
+    )
+    total = flops_per_token(
+        model,
+        seq_len,
+        recompute=plan.recompute if plan.recompute != "per-op" else "none",
+        flash_attention=plan.flash_attention,
+    )
     return 2 * weights / total
 
 
@@ -159,10 +167,12 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
         tp_s += exposed(block.weight_grad, hidden_comm) - 2 * one_tp
     if plan.comm_overlap and t > 1:  # every exchange pipelined with its GEMM: only what outlasts the block shows
         tp_s = exposed(block.total, (4 + 2 * recomputed + (1 if plan.sequence_parallel else 0)) * one_tp)
-    cp_s = (_ulysses_time(model, cluster, plan, tokens=tokens, nbytes=nbytes)
-            + _ring_exposed(model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s))
-    a2a_s = (4 + 2 * recomputed) * _dispatch_time(model, cluster, plan, tokens / t * model.hidden * nbytes) \
-        if moe else 0.0
+    cp_s = _ulysses_time(model, cluster, plan, tokens=tokens, nbytes=nbytes) + _ring_exposed(
+        model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s
+    )
+    a2a_s = (
+        (4 + 2 * recomputed) * _dispatch_time(model, cluster, plan, tokens / t * model.hidden * nbytes) if moe else 0.0
+    )
     layer_s = overlapped(block.total + tp_s + cp_s + a2a_s, block.cpu)  # the host issues while the GPU runs
     dense_s = overlapped(dense_block.total + tp_s + cp_s, dense_block.cpu)
 
@@ -177,11 +187,23 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     # the blocks whose TP, CP and EP exchanges a stage runs: the last one's MTP modules' too
     blocks = counts[:-1] + [counts[-1] + model.mtp]
     moe_blocks = moes[:-1] + [moes[-1] + sum(model.config.is_moe_layer(model.layers + k) for k in range(model.mtp))]
-    chunk_s = [chunk_moes[r][c] * layer_s + (chunk_layers[r][c] - chunk_moes[r][c]) * dense_s
-               for c in range(v) for r in range(p)]
+    chunk_s = [
+        chunk_moes[r][c] * layer_s + (chunk_layers[r][c] - chunk_moes[r][c]) * dense_s
+        for c in range(v)
+        for r in range(p)
+    ]
     chunk_s[0] += embed_s
-    chunk_s[-1] += head_s + _mtp_time(model, gpu, plan, layer_s=layer_s, dense_s=dense_s, head_s=head_s,
-                                      one_tp=one_tp, seq_len=s // plan.cp, peak=peak)
+    chunk_s[-1] += head_s + _mtp_time(
+        model,
+        gpu,
+        plan,
+        layer_s=layer_s,
+        dense_s=dense_s,
+        head_s=head_s,
+        one_tp=one_tp,
+        seq_len=s // plan.cp,
+        peak=peak,
+    )
     stage_s = [sum(chunk_s[c * p + r] for c in range(v)) for r in range(p)]
     # P2P: activations forward, gradients backward, per micro-batch and stage boundary; with TP the
     # send is split over the TP ranks (Megatron's scatter/gather) when it crosses nodes.
@@ -194,8 +216,14 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     if plan.zero_bubble:  # ZB-H1: the W's fill what 1F1B leaves idle, (p-1)(F+B-W) instead of (p-1)(F+B+W)
         bubble_s *= zero_bubble_bubble_share(weight_grad_share(model, s, plan))
     if v > 1 and (model.stage_layers is not None or p * v > model.layers):  # unequal chunks: pinned, or empty ends
-        timed = interleaved_step_time(tuple(chunk_s), pp=p, vpp=v, micro_batches=m,
-                                      forward_share=block.forward / block.total, message_s=p2p_s / (2 * v))
+        timed = interleaved_step_time(
+            tuple(chunk_s),
+            pp=p,
+            vpp=v,
+            micro_batches=m,
+            forward_share=block.forward / block.total,
+            message_s=p2p_s / (2 * v),
+        )
         if timed is not None:
             bubble_s = max(timed - m * slowest, 0.0)
     pipeline_s = m * slowest + bubble_s
@@ -206,16 +234,30 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     psi = max(stage_params(model, tp=t, pp=p, stage=i, layers=counts[i]) for i in range(p))
     sharded, replicated = model.layer_params(t)
     replicas = dataclasses.replace(plan, dp=d * plan.cp, cp=1)  # ZeRO shards, gradients reduce over DP x CP
-    dp_exposed = dp_time(cluster, replicas, psi=psi, layer_params=sharded + replicated, layers=counts[worst],
-                         stage_s=max(stage_s), layer_fwd_s=block.forward + 2 * one_tp,
-                         layer_bwd_s=block.backward + (2 + 2 * recomputed) * one_tp)
+    dp_exposed = dp_time(
+        cluster,
+        replicas,
+        psi=psi,
+        layer_params=sharded + replicated,
+        layers=counts[worst],
+        stage_s=max(stage_s),
+        layer_fwd_s=block.forward + 2 * one_tp,
+        layer_bwd_s=block.backward + (2 + 2 * recomputed) * one_tp,
+    )
 
     psi_e = stage_expert_params(model, pp=p, stage=worst, ep=plan.ep, vpp=v)
     if psi_e:  # expert gradients: over the EDP ranks (EP apart); at EP 1 also over TP, which routes other tokens
         experts = dataclasses.replace(replicas, dp=plan.edp, tp=plan.ep, compress="none")  # tp: the stride
-        dp_exposed += dp_time(cluster, experts, psi=psi_e, layer_params=psi_e / max(moes[worst], 1),
-                              layers=moes[worst], stage_s=max(stage_s), layer_fwd_s=block.forward,
-                              layer_bwd_s=block.backward)
+        dp_exposed += dp_time(
+            cluster,
+            experts,
+            psi=psi_e,
+            layer_params=psi_e / max(moes[worst], 1),
+            layers=moes[worst],
+            stage_s=max(stage_s),
+            layer_fwd_s=block.forward,
+            layer_bwd_s=block.backward,
+        )
         if plan.ep == 1:
             rbytes = PRECISIONS[plan.grad_reduce_precision]
             dp_exposed += exposed(max(stage_s) * 2 / 3, collective_time(psi_e * rbytes, t, tp_bw, tp_where))
@@ -229,30 +271,61 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     step = pipeline_s + dp_exposed + optimizer_s + STEP_S
     global_tokens = plan.global_batch * s
     model_flops = flops_per_token(model, s, hardware=False) * global_tokens
-    hardware_flops = flops_per_token(model, s, recompute=plan.recompute if plan.recompute != "per-op" else "none",
-                                     flash_attention=plan.flash_attention) * global_tokens
+    hardware_flops = (
+        flops_per_token(
+            model,
+            s,
+            recompute=plan.recompute if plan.recompute != "per-op" else "none",
+            flash_attention=plan.flash_attention,
+        )
+        * global_tokens
+    )
     world = plan.world
     cp_total = m * blocks[worst] * cp_s
     a2a_total = m * moe_blocks[worst] * a2a_s
     comm = tp_total + m * p2p_s + dp_exposed + cp_total + a2a_total
-    return Cost(cp_comm_s=cp_total, step_time_s=step, tokens_per_s=global_tokens / step,
-                model_tflops_per_gpu=model_flops / step / world / 1e12,
-                hardware_tflops_per_gpu=hardware_flops / step / world / 1e12,
-                mfu=model_flops / step / world / peak, comm_fraction=comm / step, bubble_fraction=bubble_s / step,
-                compute_s=compute_s, tp_comm_s=tp_total, pp_comm_s=m * p2p_s, dp_comm_s=dp_exposed,
-                bubble_s=bubble_s, optimizer_s=optimizer_s, pipeline_s=pipeline_s, stage_times=tuple(stage_s),
-                a2a_s=a2a_total)
+    return Cost(
+        cp_comm_s=cp_total,
+        step_time_s=step,
+        tokens_per_s=global_tokens / step,
+        model_tflops_per_gpu=model_flops / step / world / 1e12,
+        hardware_tflops_per_gpu=hardware_flops / step / world / 1e12,
+        mfu=model_flops / step / world / peak,
+        comm_fraction=comm / step,
+        bubble_fraction=bubble_s / step,
+        compute_s=compute_s,
+        tp_comm_s=tp_total,
+        pp_comm_s=m * p2p_s,
+        dp_comm_s=dp_exposed,
+        bubble_s=bubble_s,
+        optimizer_s=optimizer_s,
+        pipeline_s=pipeline_s,
+        stage_times=tuple(stage_s),
+        a2a_s=a2a_total,
+    )
 
 
-def _mtp_time(model: ModelSpec, gpu, plan: Plan, *, layer_s: float, dense_s: float, head_s: float, one_tp: float,
-              seq_len: int, peak: float) -> float:
+def _mtp_time(
+    model: ModelSpec,
+    gpu,
+    plan: Plan,
+    *,
+    layer_s: float,
+    dense_s: float,
+    head_s: float,
+    one_tp: float,
+    seq_len: int,
+    peak: float,
+) -> float:
     """The last stage's MTP modules, one micro-batch: per depth its block (with its TP, CP and EP exchanges, as the
     other blocks), ``eh_proj`` and its gather (one all-gather forward, one exchange backward) and one more head."""
     if not model.mtp:
         return 0.0
     eh = eh_proj_time(model, gpu, plan, seq_len=seq_len, peak=peak) + 2 * one_tp
-    return sum((layer_s if model.config.is_moe_layer(model.layers + k - 1) else dense_s) + eh + head_s
-               for k in range(1, model.mtp + 1))
+    return sum(
+        (layer_s if model.config.is_moe_layer(model.layers + k - 1) else dense_s) + eh + head_s
+        for k in range(1, model.mtp + 1)
+    )
 
 
 def _a2a_heads(model: ModelSpec, plan: Plan) -> tuple[int, int]:
@@ -276,8 +349,9 @@ def _ulysses_time(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int
     return (2 + recomputed) * one_pass
 
 
-def _ring_exposed(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int, nbytes: int, peak: float,
-                  seq_len: int) -> float:
+def _ring_exposed(
+    model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int, nbytes: int, peak: float, seq_len: int
+) -> float:
     """Ring attention's K/V traffic per block and micro-batch that its attention compute does not hide, the mean over
     the blocks of the full ring's and, on sliding blocks whose window fits in a chunk, the neighbours' exchange's.
 
@@ -296,8 +370,17 @@ def _ring_exposed(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int
     grads = kv / nbytes * 4  # a block's gradients travel in fp32
     bw, where = group_bandwidth(cluster, ring, plan.tp * plan.a2a_degree)
     rate = bw * 1e9 * LINK_EFFICIENCY[where]
-    attn_f, attn_b = attention_time(model, cluster.gpu, tp=plan.tp, seq_len=seq_len, micro_batch=plan.micro_batch,
-                                    flash=True, peak=peak, nbytes=nbytes, kernel_seq=cp_kernel_seq(plan, seq_len))
+    attn_f, attn_b = attention_time(
+        model,
+        cluster.gpu,
+        tp=plan.tp,
+        seq_len=seq_len,
+        micro_batch=plan.micro_batch,
+        flash=True,
+        peak=peak,
+        nbytes=nbytes,
+        kernel_seq=cp_kernel_seq(plan, seq_len),
+    )
     passes = 1 + (plan.recompute_fraction if plan.recompute == "full" else 0.0)
 
     def hidden(fwd: float, bwd: float) -> float:

@@ -20,8 +20,16 @@ from megakit.core.planner.plan import FP8_RECIPES, Plan
 from megakit.errors import UsageError
 
 # (parameters, learning rate, batch in tokens): GPT-3 (Brown et al. 2020, Table 2.1)
-GPT3_LR = [(125e6, 6.0e-4, 0.5e6), (350e6, 3.0e-4, 0.5e6), (760e6, 2.5e-4, 0.5e6), (1.3e9, 2.0e-4, 1e6),
-           (2.7e9, 1.6e-4, 1e6), (6.7e9, 1.2e-4, 2e6), (13e9, 1.0e-4, 2e6), (175e9, 0.6e-4, 3.2e6)]
+GPT3_LR = [
+    (125e6, 6.0e-4, 0.5e6),
+    (350e6, 3.0e-4, 0.5e6),
+    (760e6, 2.5e-4, 0.5e6),
+    (1.3e9, 2.0e-4, 1e6),
+    (2.7e9, 1.6e-4, 1e6),
+    (6.7e9, 1.2e-4, 2e6),
+    (13e9, 1.0e-4, 2e6),
+    (175e9, 0.6e-4, 3.2e6),
+]
 WARMUP_TOKENS = 375e6  # GPT-3's linear warm-up
 CHINCHILLA_TOKENS_PER_PARAM = 20
 GPT3_TOKENS = 300e9  # the yardstick for time-to-train when the cluster was auto-sized
@@ -37,8 +45,11 @@ def gpt3_batch(params: float, seq_len: int) -> tuple[float, float, int]:
     sequences, not 244)."""
     _, lr, batch_tokens = min(GPT3_LR, key=lambda row: abs(math.log(row[0] / params)))
     seqs = batch_tokens / seq_len
-    return lr, batch_tokens, (max(1, int(round(seqs / 256)) * 256) if seqs >= 256 else
-                              max(1, 2 ** int(round(math.log2(seqs)))))
+    return (
+        lr,
+        batch_tokens,
+        (max(1, int(round(seqs / 256)) * 256) if seqs >= 256 else max(1, 2 ** int(round(math.log2(seqs))))),
+    )
 
 
 def default_global_batch(params: float, seq_len: int, tokens: float | None = None) -> tuple[int, str]:
@@ -53,13 +64,16 @@ def default_global_batch(params: float, seq_len: int, tokens: float | None = Non
     if gpt3 * seq_len * MIN_STEPS <= budget:
         return gpt3, gpt3_note
     bounded = max(1, 2 ** int(math.floor(math.log2(max(budget / (MIN_STEPS * seq_len), 1)))))
-    return bounded, (f"{bounded:,} sequences of {seq_len}, so that the token budget, {budget:,.0f} tokens ({source}), "
-                     f"lasts at least {MIN_STEPS} steps; {gpt3_note} would last "
-                     f"{math.ceil(budget / (gpt3 * seq_len))} steps")
+    return bounded, (
+        f"{bounded:,} sequences of {seq_len}, so that the token budget, {budget:,.0f} tokens ({source}), "
+        f"lasts at least {MIN_STEPS} steps; {gpt3_note} would last "
+        f"{math.ceil(budget / (gpt3 * seq_len))} steps"
+    )
 
 
-def scaled_lr(params: float, global_batch: int, seq_len: int, *, base_lr: float | None = None,
-              base_batch: int | None = None) -> tuple[float, str]:
+def scaled_lr(
+    params: float, global_batch: int, seq_len: int, *, base_lr: float | None = None, base_batch: int | None = None
+) -> tuple[float, str]:
     """Linear scaling (FAQ row 4: batch 64 / lr 0.1 -> batch 512 / lr 0.8) from a reference point:
     the user's ``base_lr`` at ``base_batch`` sequences, else GPT-3's LR and batch for the nearest size. Below
     GPT-3's batch (a small model's batch bounded by its token budget) the LR is not scaled down: 32 sequences
@@ -67,14 +81,17 @@ def scaled_lr(params: float, global_batch: int, seq_len: int, *, base_lr: float 
     gpt3 = base_lr is None
     if gpt3:
         base_lr, tokens, base_batch_seqs = gpt3_batch(params, seq_len)
-        source = (f"GPT-3's {base_lr:.1e} at its {tokens / 1e6:g}M-token batch ({base_batch_seqs:,} sequences of "
-                  f"{seq_len})")
+        source = (
+            f"GPT-3's {base_lr:.1e} at its {tokens / 1e6:g}M-token batch ({base_batch_seqs:,} sequences of {seq_len})"
+        )
     else:
         base_batch_seqs = base_batch or 256
         source = f"--base-lr {base_lr:g} at {base_batch_seqs:g} sequences"
     if gpt3 and global_batch < base_batch_seqs:
-        return base_lr, (f"{base_lr:.3g} = {source}, not scaled down to {global_batch} sequences (linear scaling "
-                         f"would give {base_lr * global_batch / base_batch_seqs:.2g}, too small to train)")
+        return base_lr, (
+            f"{base_lr:.3g} = {source}, not scaled down to {global_batch} sequences (linear scaling "
+            f"would give {base_lr * global_batch / base_batch_seqs:.2g}, too small to train)"
+        )
     if global_batch == base_batch_seqs:
         return base_lr, f"{base_lr:.3g} = {source}"
     lr = base_lr * global_batch / base_batch_seqs
@@ -86,14 +103,21 @@ def ds_config(plan: Plan, *, lr: float, total_steps: int, warmup_steps: int, buc
     if plan.zero_stage >= 1:
         # A pipeline steps once per flush (managed_gradient_accumulation off), and DeepSpeed then
         # allows overlap_comm only with ZeRO-2, which PP excludes: so overlap only without PP.
-        zero.update(overlap_comm=plan.pp == 1, contiguous_gradients=True, reduce_scatter=True,
-                    reduce_bucket_size=buckets.reduce_bucket, allgather_bucket_size=buckets.allgather_bucket)
+        zero.update(
+            overlap_comm=plan.pp == 1,
+            contiguous_gradients=True,
+            reduce_scatter=True,
+            reduce_bucket_size=buckets.reduce_bucket,
+            allgather_bucket_size=buckets.allgather_bucket,
+        )
     if plan.zero_stage == 3:
         zero.pop("allgather_bucket_size")
         zero.pop("reduce_scatter")
-        zero.update(stage3_prefetch_bucket_size=buckets.stage3_prefetch,
-                    stage3_max_live_parameters=buckets.stage3_max_live,
-                    sub_group_size=buckets.stage3_sub_group)
+        zero.update(
+            stage3_prefetch_bucket_size=buckets.stage3_prefetch,
+            stage3_max_live_parameters=buckets.stage3_max_live,
+            sub_group_size=buckets.stage3_sub_group,
+        )
     if plan.offload in ("optimizer", "params"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if plan.offload == "params":
@@ -104,19 +128,31 @@ def ds_config(plan: Plan, *, lr: float, total_steps: int, warmup_steps: int, buc
         "gradient_accumulation_steps": plan.accumulation,
         "gradient_clipping": 1.0,
         "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                  "weight_decay": 0.1}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": max(total_steps, warmup_steps + 1), "warmup_num_steps": warmup_steps,
-            "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1, "warmup_type": "linear"}},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": max(total_steps, warmup_steps + 1),
+                "warmup_num_steps": warmup_steps,
+                "warmup_min_ratio": 0.0,
+                "cos_min_ratio": 0.1,
+                "warmup_type": "linear",
+            },
+        },
         "steps_per_print": 10,
         "wall_clock_breakdown": False,
     }
     if plan.precision == "bf16":
         config["bf16"] = {"enabled": True}
     elif plan.precision == "fp16":
-        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-                          "hysteresis": 2, "min_loss_scale": 1}
+        config["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        }
     return config
 
 
@@ -135,15 +171,33 @@ def schedule_steps(global_batch: int, seq_len: int, tokens: float | None, *, par
 KEEP = 3  # checkpoints the emitted launch keeps (--keep): the newest is the one --load auto takes
 
 
-def train_flags(plan: Plan, *, config_path: str, model_arg: str, seq_len: int, save: str | None = None,
-                save_every: int = 0, stage_layers: tuple[int, ...] | None = None,
-                mtp: bool = False) -> list[str]:
+def train_flags(
+    plan: Plan,
+    *,
+    config_path: str,
+    model_arg: str,
+    seq_len: int,
+    save: str | None = None,
+    save_every: int = 0,
+    stage_layers: tuple[int, ...] | None = None,
+    mtp: bool = False,
+) -> list[str]:
     """``scripts/train.py``'s flags for the plan's layout, recompute, sequence parallelism, virtual stages, a
     pinned ``stage_layers`` split (the default split is the trainer's own), ``--mtp``, and with ``save`` a
     checkpoint series
     every ``save_every`` steps that the same command resumes (``--load auto``)."""
-    parts = ["--ds_config", config_path, "--tp", str(plan.tp), "--pp", str(plan.pp), "--model", model_arg,
-             "--seq-len", str(seq_len)]
+    parts = [
+        "--ds_config",
+        config_path,
+        "--tp",
+        str(plan.tp),
+        "--pp",
+        str(plan.pp),
+        "--model",
+        model_arg,
+        "--seq-len",
+        str(seq_len),
+    ]
     if plan.cp > 1:
         parts += ["--cp", str(plan.cp)] + (["--cp-mode", plan.cp_mode] if plan.cp_mode != "ring" else [])
         parts += ["--cp-a2a", str(plan.cp_a2a)] if plan.cp_mode == "hybrid" else []
@@ -172,10 +226,20 @@ def train_flags(plan: Plan, *, config_path: str, model_arg: str, seq_len: int, s
     return parts
 
 
-def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: str, model_arg: str,
-                   seq_len: int, save: str | None = None, save_every: int = 0,
-                   stage_layers: tuple[int, ...] | None = None, hostfile: str | None = None,
-                   mtp: bool = False) -> tuple[str, str]:
+def launch_command(
+    plan: Plan,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    config_path: str,
+    model_arg: str,
+    seq_len: int,
+    save: str | None = None,
+    save_every: int = 0,
+    stage_layers: tuple[int, ...] | None = None,
+    hostfile: str | None = None,
+    mtp: bool = False,
+) -> tuple[str, str]:
     """(the ``deepspeed`` command line for ``scripts/train.py`` with ``train_flags``; a note on what the plan
     assumes that train.py cannot do yet, '' if none)."""
     gpus = min(gpus_per_node, plan.world)
@@ -183,17 +247,31 @@ def launch_command(plan: Plan, *, nodes: int, gpus_per_node: int, config_path: s
     if nodes > 1:
         parts += ["--num_nodes", str(nodes)]
     parts += ["--num_gpus", str(gpus), "scripts/train.py"]
-    parts += train_flags(plan, config_path=config_path, model_arg=model_arg, seq_len=seq_len, save=save,
-                         save_every=save_every, stage_layers=stage_layers, mtp=mtp)
+    parts += train_flags(
+        plan,
+        config_path=config_path,
+        model_arg=model_arg,
+        seq_len=seq_len,
+        save=save,
+        save_every=save_every,
+        stage_layers=stage_layers,
+        mtp=mtp,
+    )
     notes = []
     if plan.recompute not in ("none", "selective", "full"):
-        notes.append(f"the plan also assumes {plan.recompute} activation recompute, which megakit's model does not do "
-                     "yet")
+        notes.append(
+            f"the plan also assumes {plan.recompute} activation recompute, which megakit's model does not do yet"
+        )
     if plan.megatron or plan.zero3 != "deepspeed":
-        notes.append("the plan is priced as " + ("Megatron-LM" if plan.megatron else plan.zero3) + " runs it "
-                     "(--runtime); megakit's trainer differs in memory and overlap"
-                     + (f", and runs no {plan.fp8} FP8 (torchao's --fp8 tensorwise|rowwise only)"
-                        if plan.fp8 not in FP8_RECIPES else ""))
+        notes.append(
+            "the plan is priced as " + ("Megatron-LM" if plan.megatron else plan.zero3) + " runs it "
+            "(--runtime); megakit's trainer differs in memory and overlap"
+            + (
+                f", and runs no {plan.fp8} FP8 (torchao's --fp8 tensorwise|rowwise only)"
+                if plan.fp8 not in FP8_RECIPES
+                else ""
+            )
+        )
     return " ".join(parts), "; ".join(notes)
 
 
@@ -227,33 +305,48 @@ def write_json_atomic(path: str, data: dict, *, flag: str = "--emit-config") -> 
     write_text_atomic(path, json.dumps(data, indent=2) + "\n", flag=flag)
 
 
-def tips(result, cost, plan: Plan, cluster, *, lr_note: str, warmup: int, total: int,
-         auto_sized: bool = False) -> list[str]:
+def tips(
+    result, cost, plan: Plan, cluster, *, lr_note: str, warmup: int, total: int, auto_sized: bool = False
+) -> list[str]:
     """FAQ advice (rows 1, 2, 4, 5) that applies to this plan, with its numbers."""
     out = []
     if cost.comm_fraction > 0.30:
-        out.append(f"Communication is {cost.comm_fraction:.0%} of the step (> 30 %): raise gradient accumulation "
-                   "(communication happens only at the boundary), or use a bigger micro-batch.")
+        out.append(
+            f"Communication is {cost.comm_fraction:.0%} of the step (> 30 %): raise gradient accumulation "
+            "(communication happens only at the boundary), or use a bigger micro-batch."
+        )
         if plan.dp > 1 and plan.tp * plan.dp > cluster.gpus_per_node and plan.compress == "none":
-            out.append(f"DP traffic crosses nodes on {cluster.gpu.inter_link} ({cluster.gpu.inter_gbps:,.4g} GB/s per "
-                       "GPU): megakit's compression with error feedback (plan and train with --compress int8, "
-                       "with ZeRO 0 or 1, or sign or topk:0.01 with ZeRO 0) sends 4-50x fewer bytes; or, with ZeRO 0, "
-                       "--local-sgd H averages the weights only every H steps.")
+            out.append(
+                f"DP traffic crosses nodes on {cluster.gpu.inter_link} ({cluster.gpu.inter_gbps:,.4g} GB/s per "
+                "GPU): megakit's compression with error feedback (plan and train with --compress int8, "
+                "with ZeRO 0 or 1, or sign or topk:0.01 with ZeRO 0) sends 4-50x fewer bytes; or, with ZeRO 0, "
+                "--local-sgd H averages the weights only every H steps."
+            )
     small_model = result.branch == "data-parallel" and plan.dp >= 8
     if small_model and cost.comm_fraction > 0.15:
-        out.append(f"A small model on {plan.dp} GPUs is communication-bound: fewer GPUs or a bigger global batch "
-                   "would be nearly as fast per GPU-hour.")
+        out.append(
+            f"A small model on {plan.dp} GPUs is communication-bound: fewer GPUs or a bigger global batch "
+            "would be nearly as fast per GPU-hour."
+        )
     if cluster.gpu.inter_gbps < 12.5 and plan.world > cluster.gpus_per_node:
-        out.append(f"The inter-node link is slow ({cluster.gpu.inter_gbps:,.4g} GB/s per GPU): prefer gradient "
-                   "accumulation, megakit's --compress (int8 with ZeRO 0 or 1; sign, topk:RATIO with ZeRO 0; "
-                   "all with error feedback) or, with ZeRO 0, --local-sgd H.")
+        out.append(
+            f"The inter-node link is slow ({cluster.gpu.inter_gbps:,.4g} GB/s per GPU): prefer gradient "
+            "accumulation, megakit's --compress (int8 with ZeRO 0 or 1; sign, topk:RATIO with ZeRO 0; "
+            "all with error feedback) or, with ZeRO 0, --local-sgd H."
+        )
     if plan.pp > 1 and cost.bubble_fraction > 0.10:
-        out.append(f"The pipeline bubble is {cost.bubble_fraction:.0%}: more micro-batches per step or "
-                   "interleaving (--vpp) shrink it.")
+        out.append(
+            f"The pipeline bubble is {cost.bubble_fraction:.0%}: more micro-batches per step or "
+            "interleaving (--vpp) shrink it."
+        )
     if auto_sized:
         days = GPT3_TOKENS / cost.tokens_per_s / 86400
-        out.append(f"This is the fewest whole nodes that fit ({cluster.nodes}); 300B tokens would take {days:,.0f} "
-                   "days here: pass --nodes or --gpus to plan a bigger cluster.")
-    out.append(f"LR {lr_note}; linear warm-up over {warmup} steps, cosine decay to 10 % over {total} steps, "
-               "gradient clipping at 1.0 (all in the emitted ds_config).")
+        out.append(
+            f"This is the fewest whole nodes that fit ({cluster.nodes}); 300B tokens would take {days:,.0f} "
+            "days here: pass --nodes or --gpus to plan a bigger cluster."
+        )
+    out.append(
+        f"LR {lr_note}; linear warm-up over {warmup} steps, cosine decay to 10 % over {total} steps, "
+        "gradient clipping at 1.0 (all in the emitted ds_config)."
+    )
     return out

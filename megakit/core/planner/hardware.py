@@ -52,36 +52,135 @@ class GPU:
 GPUS = {
     g.name: g
     for g in (
-        GPU(name="v100-32gb", peak_tflops=125, mem_gib=32, hbm_gbps=900, intra_gbps=150, inter_gbps=12.5,
-            intra_link="NVLink 2", inter_link="100 Gb/s EDR InfiniBand per GPU", flash_attention=False,
-            matmul_fraction=0.80, attention_fraction=0.0),
-        GPU(name="a100-40gb", peak_tflops=312, mem_gib=40, hbm_gbps=1555, intra_gbps=300, inter_gbps=25,
-            intra_link="NVLink 3 / NVSwitch", inter_link="200 Gb/s HDR InfiniBand per GPU",
-            matmul_fraction=0.859, attention_fraction=0.62),
-        GPU(name="a100-80gb", peak_tflops=312, mem_gib=80, hbm_gbps=2039, intra_gbps=300, inter_gbps=25,
-            intra_link="NVLink 3 / NVSwitch", inter_link="200 Gb/s HDR InfiniBand per GPU",
-            matmul_fraction=0.859, attention_fraction=0.62),
-        GPU(name="h100-80gb", peak_tflops=989, mem_gib=80, hbm_gbps=3350, intra_gbps=450, inter_gbps=50,
-            intra_link="NVLink 4 / NVSwitch", inter_link="400 Gb/s NDR InfiniBand per GPU",
-            matmul_fraction=0.801, attention_fraction=0.34, fp8_tflops=1979),
-        GPU(name="h100-96gb", peak_tflops=989, mem_gib=95, hbm_gbps=2400, intra_gbps=450, inter_gbps=50,
-            intra_link="NVLink 4 / NVSwitch", inter_link="400 Gb/s RDMA per GPU (Grand Teton, 500 W)",
-            matmul_fraction=0.70, attention_fraction=0.30, fp8_tflops=1979),
-        GPU(name="h200-141gb", peak_tflops=989, mem_gib=140, hbm_gbps=4800, intra_gbps=450, inter_gbps=50,
-            intra_link="NVLink 4 / NVSwitch", inter_link="400 Gb/s NDR InfiniBand per GPU",
-            matmul_fraction=0.803, attention_fraction=0.34, fp8_tflops=1979),
-        GPU(name="b200-180gb", peak_tflops=2250, mem_gib=178, hbm_gbps=8000, intra_gbps=900, inter_gbps=50,
-            intra_link="NVLink 5 / NVSwitch", inter_link="400 Gb/s NDR InfiniBand per GPU",
-            matmul_fraction=0.80, attention_fraction=0.34, fp8_tflops=4500, mx_scaling=True),
-        GPU(name="mi300x-192gb", peak_tflops=1307, mem_gib=192, hbm_gbps=5300, intra_gbps=448, inter_gbps=50,
-            intra_link="Infinity Fabric", inter_link="400 Gb/s RoCE per GPU",
-            matmul_fraction=0.601, attention_fraction=0.35, fp8_tflops=2615),
-        GPU(name="l40s-48gb", peak_tflops=362, mem_gib=45, hbm_gbps=864, intra_gbps=25, inter_gbps=12.5,
-            intra_link="PCIe 4.0 x16", inter_link="100 Gb/s Ethernet per GPU",
-            matmul_fraction=0.80, attention_fraction=0.50, fp8_tflops=733),
-        GPU(name="rtx4090-24gb", peak_tflops=165, mem_gib=24, hbm_gbps=1008, intra_gbps=25, inter_gbps=3.1,
-            intra_link="PCIe 4.0 x16", inter_link="25 Gb/s Ethernet per GPU",
-            matmul_fraction=0.80, attention_fraction=0.50, fp8_tflops=330),
+        GPU(
+            name="v100-32gb",
+            peak_tflops=125,
+            mem_gib=32,
+            hbm_gbps=900,
+            intra_gbps=150,
+            inter_gbps=12.5,
+            intra_link="NVLink 2",
+            inter_link="100 Gb/s EDR InfiniBand per GPU",
+            flash_attention=False,
+            matmul_fraction=0.80,
+            attention_fraction=0.0,
+        ),
+        GPU(
+            name="a100-40gb",
+            peak_tflops=312,
+            mem_gib=40,
+            hbm_gbps=1555,
+            intra_gbps=300,
+            inter_gbps=25,
+            intra_link="NVLink 3 / NVSwitch",
+            inter_link="200 Gb/s HDR InfiniBand per GPU",
+            matmul_fraction=0.859,
+            attention_fraction=0.62,
+        ),
+        GPU(
+            name="a100-80gb",
+            peak_tflops=312,
+            mem_gib=80,
+            hbm_gbps=2039,
+            intra_gbps=300,
+            inter_gbps=25,
+            intra_link="NVLink 3 / NVSwitch",
+            inter_link="200 Gb/s HDR InfiniBand per GPU",
+            matmul_fraction=0.859,
+            attention_fraction=0.62,
+        ),
+        GPU(
+            name="h100-80gb",
+            peak_tflops=989,
+            mem_gib=80,
+            hbm_gbps=3350,
+            intra_gbps=450,
+            inter_gbps=50,
+            intra_link="NVLink 4 / NVSwitch",
+            inter_link="400 Gb/s NDR InfiniBand per GPU",
+            matmul_fraction=0.801,
+            attention_fraction=0.34,
+            fp8_tflops=1979,
+        ),
+        GPU(
+            name="h100-96gb",
+            peak_tflops=989,
+            mem_gib=95,
+            hbm_gbps=2400,
+            intra_gbps=450,
+            inter_gbps=50,
+            intra_link="NVLink 4 / NVSwitch",
+            inter_link="400 Gb/s RDMA per GPU (Grand Teton, 500 W)",
+            matmul_fraction=0.70,
+            attention_fraction=0.30,
+            fp8_tflops=1979,
+        ),
+        GPU(
+            name="h200-141gb",
+            peak_tflops=989,
+            mem_gib=140,
+            hbm_gbps=4800,
+            intra_gbps=450,
+            inter_gbps=50,
+            intra_link="NVLink 4 / NVSwitch",
+            inter_link="400 Gb/s NDR InfiniBand per GPU",
+            matmul_fraction=0.803,
+            attention_fraction=0.34,
+            fp8_tflops=1979,
+        ),
+        GPU(
+            name="b200-180gb",
+            peak_tflops=2250,
+            mem_gib=178,
+            hbm_gbps=8000,
+            intra_gbps=900,
+            inter_gbps=50,
+            intra_link="NVLink 5 / NVSwitch",
+            inter_link="400 Gb/s NDR InfiniBand per GPU",
+            matmul_fraction=0.80,
+            attention_fraction=0.34,
+            fp8_tflops=4500,
+            mx_scaling=True,
+        ),
+        GPU(
+            name="mi300x-192gb",
+            peak_tflops=1307,
+            mem_gib=192,
+            hbm_gbps=5300,
+            intra_gbps=448,
+            inter_gbps=50,
+            intra_link="Infinity Fabric",
+            inter_link="400 Gb/s RoCE per GPU",
+            matmul_fraction=0.601,
+            attention_fraction=0.35,
+            fp8_tflops=2615,
+        ),
+        GPU(
+            name="l40s-48gb",
+            peak_tflops=362,
+            mem_gib=45,
+            hbm_gbps=864,
+            intra_gbps=25,
+            inter_gbps=12.5,
+            intra_link="PCIe 4.0 x16",
+            inter_link="100 Gb/s Ethernet per GPU",
+            matmul_fraction=0.80,
+            attention_fraction=0.50,
+            fp8_tflops=733,
+        ),
+        GPU(
+            name="rtx4090-24gb",
+            peak_tflops=165,
+            mem_gib=24,
+            hbm_gbps=1008,
+            intra_gbps=25,
+            inter_gbps=3.1,
+            intra_link="PCIe 4.0 x16",
+            inter_link="25 Gb/s Ethernet per GPU",
+            matmul_fraction=0.80,
+            attention_fraction=0.50,
+            fp8_tflops=330,
+        ),
     )
 }
 
@@ -119,8 +218,13 @@ class Cluster:
         return self.gpu.intra_gbps if span * stride <= self.gpus_per_node else self.gpu.inter_gbps
 
     def with_overrides(self, *, mem_gib=None, intra_gbps=None, inter_gbps=None, peak_tflops=None) -> "Cluster":
-        changes = {k: v for k, v in dict(mem_gib=mem_gib, intra_gbps=intra_gbps, inter_gbps=inter_gbps,
-                                         peak_tflops=peak_tflops).items() if v is not None}
+        changes = {
+            k: v
+            for k, v in dict(
+                mem_gib=mem_gib, intra_gbps=intra_gbps, inter_gbps=inter_gbps, peak_tflops=peak_tflops
+            ).items()
+            if v is not None
+        }
         for key, value in changes.items():
             if not value > 0:
                 raise UsageError(f"--{key.replace('_', '-')} must be positive, got {value}")
@@ -147,11 +251,19 @@ def gpu_from_profile(profile: dict, *, source: str = "profile", link_efficiency:
         bus = 1e3  # one process: no link measured, and none used
     intra = bus / link_efficiency["intra"]
     name = f"probed:{profile.get('device', 'device')}"
-    gpu = GPU(name=name, peak_tflops=peak, mem_gib=float(profile["memory_gib"]), hbm_gbps=float(profile["copy_gbps"]),
-              intra_gbps=intra, inter_gbps=bus / link_efficiency["inter"],
-              intra_link=f"{profile.get('backend', '?')} between {profile.get('nproc', '?')} processes, measured "
-                         f"{bus:.2f} GB/s bus bandwidth", inter_link="not measured (one node): taken as intra-node",
-              flash_attention=True, matmul_fraction=1.0,
-              attention_fraction=min(1.0, float(profile["attention_tflops"]) / peak),
-              fp32_rate=1.0 if profile["dtype"] == "fp32" else 0.5)
+    gpu = GPU(
+        name=name,
+        peak_tflops=peak,
+        mem_gib=float(profile["memory_gib"]),
+        hbm_gbps=float(profile["copy_gbps"]),
+        intra_gbps=intra,
+        inter_gbps=bus / link_efficiency["inter"],
+        intra_link=f"{profile.get('backend', '?')} between {profile.get('nproc', '?')} processes, measured "
+        f"{bus:.2f} GB/s bus bandwidth",
+        inter_link="not measured (one node): taken as intra-node",
+        flash_attention=True,
+        matmul_fraction=1.0,
+        attention_fraction=min(1.0, float(profile["attention_tflops"]) / peak),
+        fp32_rate=1.0 if profile["dtype"] == "fp32" else 0.5,
+    )
     return gpu, int(profile["gpus_per_node"])

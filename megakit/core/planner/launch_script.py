@@ -59,8 +59,10 @@ srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \\
 def hostfile(*, nodes: int, gpus_per_node: int, command: str, summary: str) -> str:
     """A DeepSpeed hostfile with ``node1`` ... ``nodeN`` to replace, its launch line on top."""
     hosts = "".join(f"node{i} slots={gpus_per_node}\n" for i in range(1, nodes + 1))
-    return (f"# {summary}\n"
-            "# Written by megakit plan --emit-launch hostfile. Replace node1... with your hosts; DeepSpeed starts\n"
-            "# every node's processes over ssh from the first (pdsh): it needs passwordless ssh to each, and the\n"
-            "# same checkout and Python environment on all. Run from the megakit checkout on node1:\n"
-            f"#   {command}\n{hosts}")
+    return (
+        f"# {summary}\n"
+        "# Written by megakit plan --emit-launch hostfile. Replace node1... with your hosts; DeepSpeed starts\n"
+        "# every node's processes over ssh from the first (pdsh): it needs passwordless ssh to each, and the\n"
+        "# same checkout and Python environment on all. Run from the megakit checkout on node1:\n"
+        f"#   {command}\n{hosts}"
+    )

@@ -60,9 +60,9 @@ import dataclasses
 from megakit.core.planner.activations import (  # noqa: F401 (memory's API: what one block keeps)
     PER_OP_KEPT,
     PRECISIONS,
-    SavedTensor,
     ROUTING_GROUPS,
     SHARED_EXPERT,
+    SavedTensor,
     activation_tensors,
     dispatch_buffers,
     latent_tensors,
@@ -85,8 +85,14 @@ from megakit.errors import UsageError
 GIB = 1024**3
 STATES = ("params", "grads", "master_params", "optimizer")  # per parameter; the routed experts' as ``expert_*``
 STEP_ONLY = ("fp32_step_grads",)  # items that live during ``step()`` only
-BACKWARD_ONLY = ("activations", "pipeline_outputs", "moe_routing", "weight_grad_inputs", "recompute_working_set",
-                 "logits")  # items freed by the end of the last backward
+BACKWARD_ONLY = (
+    "activations",
+    "pipeline_outputs",
+    "moe_routing",
+    "weight_grad_inputs",
+    "recompute_working_set",
+    "logits",
+)  # items freed by the end of the last backward
 RECOMPUTE = ("none", "selective", "full", "per-op")
 # Megatron-Core's selective recompute (--recompute-modules, TransformerConfig.recompute_modules): what each module's
 # checkpoint frees of the tensors ``activation_tensors`` and ``routing_tensors`` name, on MoE blocks, dense blocks or
@@ -98,12 +104,25 @@ MEGATRON_RECOMPUTE = {
     "core_attn": (("attention log-sum-exp",), ("attention log-sum-exp",)),
     "layernorm": (("qkv input", "mlp input"), ("qkv input", "mlp input")),
     "mla_up_proj": (("q", "k", "v"), ("q", "k", "v")),
-    "mlp": ((), ("gate output", "up output", "act(gate)", "down input", "gate and up output", "gelu input",
-                 "fc2 input")),
+    "mlp": (
+        (),
+        ("gate output", "up output", "act(gate)", "down input", "gate and up output", "gelu input", "fc2 input"),
+    ),
     "moe_act": (("down input", "expert fc2 input"), ()),
     "shared_experts": (("gate and up output", "down input"), ()),
-    "moe": (("gate and up output", "down input", "router probabilities", "permutation map", "permuted tokens",
-             "expert fc1 output", "expert fc2 input", "expert outputs"), ()),
+    "moe": (
+        (
+            "gate and up output",
+            "down input",
+            "router probabilities",
+            "permutation map",
+            "permuted tokens",
+            "expert fc1 output",
+            "expert fc2 input",
+            "expert outputs",
+        ),
+        (),
+    ),
 }
 # Transformer Engine's fused norms (Megatron-Core) save their input and rstd; the normalised output is the next
 # linear's saved input. megakit's composite RMSNorm keeps the normalised input apart for the weight's gradient.
@@ -146,8 +165,10 @@ class MemoryEstimate:
 
     @property
     def model_states(self) -> float:
-        return float(sum(self.items.get(k, 0.0) for k in STATES + tuple(f"expert_{k}" for k in STATES))
-                     + self.items.get("fp32_step_grads", 0.0))
+        return float(
+            sum(self.items.get(k, 0.0) for k in STATES + tuple(f"expert_{k}" for k in STATES))
+            + self.items.get("fp32_step_grads", 0.0)
+        )
 
     @property
     def expert_states(self) -> float:
@@ -190,13 +211,16 @@ def mtp_params(model: ModelSpec, *, tp: int, pp: int) -> int:
     (``megakit.nn.model``: a last stage with MTP keeps one; a tied head already is one)."""
     if not model.mtp:
         return 0
-    modules = sum(model.config.mtp_module_params(k, tp).sharded + model.config.mtp_module_params(k, tp).replicated
-                  for k in range(1, model.mtp + 1))
+    modules = sum(
+        model.config.mtp_module_params(k, tp).sharded + model.config.mtp_module_params(k, tp).replicated
+        for k in range(1, model.mtp + 1)
+    )
     return modules + (model.embedding_params(tp) if pp > 1 and not model.tie_embeddings else 0)
 
 
-def stage_expert_params(model: ModelSpec, *, pp: int, stage: int, ep: int = 1, layers: int | None = None,
-                        vpp: int = 1) -> float:
+def stage_expert_params(
+    model: ModelSpec, *, pp: int, stage: int, ep: int = 1, layers: int | None = None, vpp: int = 1
+) -> float:
     """Routed-expert parameters one GPU of this PP stage holds: E / EP experts of each of its MoE blocks
     (every TP rank holds them whole: ETP = 1)."""
     if model.config.moe is None:
@@ -206,8 +230,9 @@ def stage_expert_params(model: ModelSpec, *, pp: int, stage: int, ep: int = 1, l
     return (n_moe * model.config.block_params().experts + mtp) / ep
 
 
-def _replicated_shared_experts(model: ModelSpec, *, tp: int, pp: int, stage: int, layers: int | None,
-                               vpp: int) -> float:
+def _replicated_shared_experts(
+    model: ModelSpec, *, tp: int, pp: int, stage: int, layers: int | None, vpp: int
+) -> float:
     """What megakit's shared experts add on one TP rank to ``stage_params``' count, which shards them over TP as
     Megatron does: megakit replicates them (``megakit.nn.moe.layer.SharedExpert`` runs on the rank's tokens), so each TP
     rank holds the other ``(tp - 1) / tp`` of each MoE block's three ``H x shared_ffn`` matrices too."""
@@ -217,8 +242,17 @@ def _replicated_shared_experts(model: ModelSpec, *, tp: int, pp: int, stage: int
     return n_moe * 3 * model.hidden * model.config.moe.shared_ffn * (1 - 1 / tp)
 
 
-def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str, offload: str = "none",
-                      buckets: "Buckets" = None, main_grads: bool = False, moments: str = "fp32") -> dict:
+def model_state_bytes(
+    psi: float,
+    *,
+    dp: int,
+    zero_stage: int,
+    precision: str,
+    offload: str = "none",
+    buckets: "Buckets" = None,
+    main_grads: bool = False,
+    moments: str = "fp32",
+) -> dict:
     """Parameters, gradients, fp32 master, Adam m and v, fp32 step gradients of ``psi`` parameters
     whose ZeRO group has ``dp`` ranks (the table in the module docstring). ``main_grads``: Megatron-LM's
     optimizer (ZeRO 0-1: its distributed optimizer shards master and Adam), which under bf16 accumulates
@@ -232,8 +266,13 @@ def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str, o
     adam = 2 * PRECISIONS[moments]
     if main_grads and zero_stage <= 1 and megatron_fp32_grads(precision) and offload == "none":
         shard = dp if zero_stage == 1 else 1
-        return {"params": p * psi, "grads": 4 * psi, "master_params": 4 * psi / shard,
-                "optimizer": adam * psi / shard, "fp32_step_grads": 0.0}
+        return {
+            "params": p * psi,
+            "grads": 4 * psi,
+            "master_params": 4 * psi / shard,
+            "optimizer": adam * psi / shard,
+            "fp32_step_grads": 0.0,
+        }
     shard = dp if zero_stage >= 1 else 1
     on_gpu = 0 if offload != "none" else 1
     if zero_stage == 0 and not mixed:  # torch's Adam steps on p.grad directly
@@ -242,23 +281,51 @@ def model_state_bytes(psi: float, *, dp: int, zero_stage: int, precision: str, o
         step_grads = 4 * min(psi / dp, buckets.stage3_sub_group)
     else:
         step_grads = 4 * psi / shard
-    return {"params": p * psi / (dp if zero_stage == 3 else 1) * (0 if offload == "params" else 1),
-            "grads": p * psi / (dp if zero_stage >= 2 else 1),
-            "master_params": (4 * psi / shard if (mixed or zero_stage >= 1) else 0) * on_gpu,
-            "optimizer": adam * psi / shard * on_gpu, "fp32_step_grads": step_grads * on_gpu}
+    return {
+        "params": p * psi / (dp if zero_stage == 3 else 1) * (0 if offload == "params" else 1),
+        "grads": p * psi / (dp if zero_stage >= 2 else 1),
+        "master_params": (4 * psi / shard if (mixed or zero_stage >= 1) else 0) * on_gpu,
+        "optimizer": adam * psi / shard * on_gpu,
+        "fp32_step_grads": step_grads * on_gpu,
+    }
 
 
-def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, zero_stage: int = 0,
-                    micro_batch: int = 1, seq_len: int | None = None, accumulation: int | None = None,
-                    recompute: str = "none", sequence_parallel: bool = False, vpp: int = 1,
-                    precision: str = "bf16", offload: str = "none", stage="first",
-                    flash_attention: bool = True, dropout: bool | None = None, dropout_mask_bytes: int = 1,
-                    layers: int | None = None, recompute_fraction: float = 1.0, dp_shard: int = 0,
-                    gathered_inputs: bool = False, zero_bubble: bool = False, ep: int = 1,
-                    moe_imbalance: float = 1.0, buckets: Buckets = Buckets(),
-                    overhead_bytes: float = 0.0, megatron: bool = False,
-                    loss_chunks: int = 1, cp_ring: bool = True, recompute_modules: tuple[str, ...] = (),
-                    main_grads_fp32: bool | None = None, moments: str = "fp32") -> MemoryEstimate:
+def estimate_memory(
+    model: ModelSpec,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    cp: int = 1,
+    zero_stage: int = 0,
+    micro_batch: int = 1,
+    seq_len: int | None = None,
+    accumulation: int | None = None,
+    recompute: str = "none",
+    sequence_parallel: bool = False,
+    vpp: int = 1,
+    precision: str = "bf16",
+    offload: str = "none",
+    stage="first",
+    flash_attention: bool = True,
+    dropout: bool | None = None,
+    dropout_mask_bytes: int = 1,
+    layers: int | None = None,
+    recompute_fraction: float = 1.0,
+    dp_shard: int = 0,
+    gathered_inputs: bool = False,
+    zero_bubble: bool = False,
+    ep: int = 1,
+    moe_imbalance: float = 1.0,
+    buckets: Buckets = Buckets(),
+    overhead_bytes: float = 0.0,
+    megatron: bool = False,
+    loss_chunks: int = 1,
+    cp_ring: bool = True,
+    recompute_modules: tuple[str, ...] = (),
+    main_grads_fp32: bool | None = None,
+    moments: str = "fp32",
+) -> MemoryEstimate:
     """Itemised per-GPU bytes of one layout on one pipeline ``stage`` (index, 'first', 'last', 'middle').
 
     ``accumulation``: micro-batches per optimizer step (gradient accumulation),
@@ -294,8 +361,10 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     if unknown:
         raise UsageError(f"recompute module {unknown[0]!r} is not one of {', '.join(MEGATRON_RECOMPUTE)}")
     if recompute_modules and not (megatron and recompute == "selective"):
-        raise UsageError("recompute modules are Megatron-Core's selective recompute: use them with --runtime megatron "
-                         "or megatron-core and --recompute selective")
+        raise UsageError(
+            "recompute modules are Megatron-Core's selective recompute: use them with --runtime megatron "
+            "or megatron-core and --recompute selective"
+        )
     if moments not in PRECISIONS:
         raise UsageError(f"Adam moments {moments!r} are not one of {', '.join(PRECISIONS)}")
     if min(tp, pp, dp, vpp, micro_batch) < 1:
@@ -314,27 +383,52 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     folded = tp * dp  # TP x CP x DP (dp counts the CP ranks here): the ranks EP folds over
     if ep < 1 or folded % ep or (moe and model.config.moe.experts % ep) or (ep > 1 and not moe):
         raise UsageError(f"EP {ep} must divide TP x CP x DP {folded} and the experts of an MoE model")
-    psi_experts = stage_expert_params(model, pp=pp, stage=stage, ep=ep, layers=n_layers if layers is not None
-                                      else None, vpp=vpp)
+    psi_experts = stage_expert_params(
+        model, pp=pp, stage=stage, ep=ep, layers=n_layers if layers is not None else None, vpp=vpp
+    )
     # EDP: the ranks holding the same experts, over which ZeRO (stage 3 too) shards their states, HSDP's shard group
     # aside; at EP 1 the experts are dense weights, replicated over TP and sharded over DP x CP
     edp = folded // ep if ep > 1 else dp
     if zero_stage == 3 and 0 < dp_shard < dp:  # HSDP: states sharded inside the shard group only
         dp = dp_shard
     main_grads = megatron if main_grads_fp32 is None else main_grads_fp32
-    items = model_state_bytes(psi, dp=dp, zero_stage=zero_stage, precision=precision, offload=offload,
-                              buckets=buckets, main_grads=main_grads, moments=moments)
-    experts = model_state_bytes(psi_experts, dp=edp, zero_stage=zero_stage, precision=precision, offload=offload,
-                                buckets=buckets, main_grads=main_grads, moments=moments)
+    items = model_state_bytes(
+        psi,
+        dp=dp,
+        zero_stage=zero_stage,
+        precision=precision,
+        offload=offload,
+        buckets=buckets,
+        main_grads=main_grads,
+        moments=moments,
+    )
+    experts = model_state_bytes(
+        psi_experts,
+        dp=edp,
+        zero_stage=zero_stage,
+        precision=precision,
+        offload=offload,
+        buckets=buckets,
+        main_grads=main_grads,
+        moments=moments,
+    )
     # over EP and EDP: the same ZeRO formulas, DP -> EDP, each on its own line; their fp32 step copy joins the dense
     # one (DeepSpeed's and Megatron's distributed optimizer copy each group's shard in ``step()`` and free it)
     items |= {f"expert_{k}": v for k, v in experts.items() if k != "fp32_step_grads"}
     items["fp32_step_grads"] += experts["fp32_step_grads"]
 
     # ---- activations ------------------------------------------------------------------
-    shape = dict(tp=tp, sequence_parallel=sequence_parallel, precision=precision, dropout=dropout,
-                 dropout_mask_bytes=dropout_mask_bytes, gathered_inputs=gathered_inputs, fused_swiglu=megatron,
-                 ring=cp > 1 and cp_ring, cp=cp > 1)
+    shape = dict(
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        precision=precision,
+        dropout=dropout,
+        dropout_mask_bytes=dropout_mask_bytes,
+        gathered_inputs=gathered_inputs,
+        fused_swiglu=megatron,
+        ring=cp > 1 and cp_ring,
+        cp=cp > 1,
+    )
     block_input = p * s * b * model.hidden / (tp if sequence_parallel else 1)
 
     def size(tensors) -> float:
@@ -347,8 +441,11 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     def megatron_kept(tensors: list, is_moe: bool) -> list:
         """``tensors`` less what selective recompute frees: Megatron-Core's ``recompute_modules``, or the attention
         core (megakit's selective recompute, and Megatron's default)."""
-        dropped = {name for module in (recompute_modules or ("core_attn",))
-                   for name in MEGATRON_RECOMPUTE[module][0 if is_moe else 1]}
+        dropped = {
+            name
+            for module in (recompute_modules or ("core_attn",))
+            for name in MEGATRON_RECOMPUTE[module][0 if is_moe else 1]
+        }
         return [x for x in tensors if x.name not in dropped]
 
     def block_tensors(is_moe: bool, flash: bool = flash_attention) -> list:
@@ -358,8 +455,9 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
         """The tensors a block keeps under selective, per-op or no recompute. A recomputed attention core keeps
         its inputs q, k, v (K and V unrepeated under GQA) and o_proj's input, as flash attention keeps them."""
         if recompute == "selective":
-            return megatron_kept(block_tensors(is_moe, flash_attention or "core_attn" in (recompute_modules or (
-                "core_attn",))), is_moe)
+            return megatron_kept(
+                block_tensors(is_moe, flash_attention or "core_attn" in (recompute_modules or ("core_attn",))), is_moe
+            )
         if recompute == "per-op":
             return [x for x in block_tensors(is_moe) if x.name in PER_OP_KEPT]
         return block_tensors(is_moe)
@@ -381,15 +479,15 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     tensors, full_layer, kept = kept_bytes(moe)  # a typical block: the MoE one in an MoE model
     dense_kept = kept_bytes(False)[2] if moe else kept
     imbalance = routed_imbalance(model, moe_imbalance, ep)
-    route = (routing_tensors(model, tp=tp, precision=precision, imbalance=imbalance, megatron=megatron, ep=ep)
-             if moe else [])
+    route = (
+        routing_tensors(model, tp=tp, precision=precision, imbalance=imbalance, megatron=megatron, ep=ep) if moe else []
+    )
     routing = size(route)
     route_kept = megatron_kept(route, True) if recompute == "selective" else route  # Megatron's "moe" modules
     routing_kept = (1 - recompute_fraction) * routing if recompute == "full" else size(route_kept)
     m = accumulation if accumulation is not None else pp * vpp
-    chunk_layers = (stage_chunk_layers(model, pp, vpp)[stage] if layers is None else (n_layers / vpp,) * vpp)
-    chunk_moe = (stage_chunk_moe_layers(model, pp, vpp)[stage] if layers is None else
-                 chunk_layers if moe else (0,) * vpp)
+    chunk_layers = stage_chunk_layers(model, pp, vpp)[stage] if layers is None else (n_layers / vpp,) * vpp
+    chunk_moe = stage_chunk_moe_layers(model, pp, vpp)[stage] if layers is None else chunk_layers if moe else (0,) * vpp
     uses_dropout = model.dropout > 0 if dropout is None else dropout
     mask_split = tp if sequence_parallel else 1  # the embedding is dropped out after its reduce-scatter (both trainers)
     embedded = s * b * (8 + (model.hidden * dropout_mask_bytes / mask_split if uses_dropout else 0))  # ids, mask
@@ -398,27 +496,48 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     # Per chunk: its blocks' kept tensors, the first one's embedding inputs, and the output of every chunk that
     # sends on, which zero bubble's executor keeps until B (not saved by autograd; freed once sent otherwise).
     # An MoE block keeps its routing tensors too (``moe_routing``, shown apart).
-    weights = [(kept * moe_c + dense_kept * (layers_c - moe_c) + (embedded if stage == 0 and c == 0 else 0.0),
-                routing_kept * moe_c, hidden if c < last_chunk else 0.0)
-               for c, (layers_c, moe_c) in enumerate(zip(chunk_layers, chunk_moe))]
-    mtp = [(0.0, 0.0, 0.0, 0.0)] if stage < pp - 1 or not model.mtp else [
-        _mtp_depth_bytes(model, kept_bytes(model.config.is_moe_layer(model.layers + k - 1)), routing_kept, routing,
-                         moe_block=model.config.is_moe_layer(model.layers + k - 1), recompute=recompute,
-                         fraction=recompute_fraction, hidden=hidden, rows=s * b / (tp if sequence_parallel else 1))
-        for k in range(1, model.mtp + 1)]
+    weights = [
+        (
+            kept * moe_c + dense_kept * (layers_c - moe_c) + (embedded if stage == 0 and c == 0 else 0.0),
+            routing_kept * moe_c,
+            hidden if c < last_chunk else 0.0,
+        )
+        for c, (layers_c, moe_c) in enumerate(zip(chunk_layers, chunk_moe))
+    ]
+    mtp = (
+        [(0.0, 0.0, 0.0, 0.0)]
+        if stage < pp - 1 or not model.mtp
+        else [
+            _mtp_depth_bytes(
+                model,
+                kept_bytes(model.config.is_moe_layer(model.layers + k - 1)),
+                routing_kept,
+                routing,
+                moe_block=model.config.is_moe_layer(model.layers + k - 1),
+                recompute=recompute,
+                fraction=recompute_fraction,
+                hidden=hidden,
+                rows=s * b / (tp if sequence_parallel else 1),
+            )
+            for k in range(1, model.mtp + 1)
+        ]
+    )
     mtp_kept, mtp_routing = sum(x[0] for x in mtp), sum(x[1] for x in mtp)
     if mtp_kept:  # the MTP modules follow the last block, in the last chunk, kept as long as it is in flight
         w, r, o = weights[-1]
         weights[-1] = (w + mtp_kept, r + mtp_routing, o)
-    peak = max(in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp),
-               key=lambda live: sum(n * sum(w) for n, w in zip(live, weights)))
+    peak = max(
+        in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp),
+        key=lambda live: sum(n * sum(w) for n, w in zip(live, weights)),
+    )
     items["pipeline_outputs"] = sum(n * o for n, (_, _, o) in zip(peak, weights)) if zero_bubble else 0.0
     if zero_bubble:
         peak = in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp, zero_bubble=True)[0]
     items["activations"] = sum(n * w for n, (w, _, _) in zip(peak, weights))
     items["moe_routing"] = sum(n * r for n, (_, r, _) in zip(peak, weights))
-    moe_blocks = sum(chunk_moe) + (sum(model.config.is_moe_layer(model.layers + k - 1) for k in range(1, model.mtp + 1))
-                                   if stage == pp - 1 else 0)  # an MTP module's block like the others
+    moe_blocks = sum(chunk_moe) + (
+        sum(model.config.is_moe_layer(model.layers + k - 1) for k in range(1, model.mtp + 1)) if stage == pp - 1 else 0
+    )  # an MTP module's block like the others
     dense_blocks = n_layers + (model.mtp if stage == pp - 1 else 0) - moe_blocks
     lines = {}  # the lines inside items, for ``megakit plan``
     if zero_bubble:  # per pending W: the gradients B left, and what B recomputed (kept by the retained graph)
@@ -428,23 +547,38 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
         experts_out = _matmul_output_bytes(model, moe=True, imbalance=imbalance, **out) if moe else 0.0
         items["weight_grad_inputs"] = pending * (
             dense_blocks * (_matmul_output_bytes(model, **out) + dense_full - dense_kept)
-            + moe_blocks * (experts_out + full_layer - kept))
+            + moe_blocks * (experts_out + full_layer - kept)
+        )
         if moe:
             lines["weight_grad_inputs"] = {
-                "MoE blocks' matmul outputs (experts at top-k x FFN width)": pending * moe_blocks * experts_out}
+                "MoE blocks' matmul outputs (experts at top-k x FFN width)": pending * moe_blocks * experts_out
+            }
     in_flight = sum(peak) / vpp  # in whole-stage units
     # Recomputing one block in backward rebuilds its full activations for one micro-batch.
-    items["recompute_working_set"] = max([full_layer + routing if recompute == "full" else
-                                          full_layer + routing - kept - routing_kept
-                                          if recompute in ("selective", "per-op") else 0.0]
-                                         + [x[3] for x in mtp])
+    items["recompute_working_set"] = max(
+        [
+            full_layer + routing
+            if recompute == "full"
+            else full_layer + routing - kept - routing_kept
+            if recompute in ("selective", "per-op")
+            else 0.0
+        ]
+        + [x[3] for x in mtp]
+    )
     if stage == pp - 1:  # the main head's, and each MTP depth's head and loss (saved until backward; the
         # transient logits of one head at a time), less what full recompute rebuilds: depth k's final norm
-        head = dict(tp=tp, sequence_parallel=sequence_parallel, precision=precision, seq_len=s, micro_batch=b,
-                    loss_chunks=loss_chunks)
+        head = dict(
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+            precision=precision,
+            seq_len=s,
+            micro_batch=b,
+            loss_chunks=loss_chunks,
+        )
         norm = s * b * (2 * p * model.hidden + 4) / (tp if sequence_parallel else 1)  # RMSNorm: MTP is llama-only
         items["logits"] = logits_bytes(model, **head) + model.mtp * (
-            logits_bytes(model, transient=False, **head) - (recompute_fraction * norm if recompute == "full" else 0))
+            logits_bytes(model, transient=False, **head) - (recompute_fraction * norm if recompute == "full" else 0)
+        )
     else:
         items["logits"] = 0.0
     if stage == pp - 1 and vpp > 1 and not chunk_layers[-1] and not zero_bubble:
@@ -461,8 +595,18 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
         items["logits"] *= held[-1] > 0
         in_flight = sum(held) / vpp
         peak = held
-    lines |= _breakdown(model, items, peak=peak, chunk_layers=chunk_layers, chunk_moe=chunk_moe,
-                        kept_named=kept_named, routing=size(route_kept), listed=route_kept, seq_len=s, micro_batch=b)
+    lines |= _breakdown(
+        model,
+        items,
+        peak=peak,
+        chunk_layers=chunk_layers,
+        chunk_moe=chunk_moe,
+        kept_named=kept_named,
+        routing=size(route_kept),
+        listed=route_kept,
+        seq_len=s,
+        micro_batch=b,
+    )
 
     # ---- communication buffers --------------------------------------------------------
     if dp > 1 or zero_stage >= 1:
@@ -495,37 +639,69 @@ def estimate_memory(model: ModelSpec, *, tp: int = 1, pp: int = 1, dp: int = 1, 
     else:
         items["zero3_gather"] = 0.0
     items["overhead"] = float(overhead_bytes)
-    return MemoryEstimate(items=items, breakdown=lines, stage=stage, layers=n_layers, in_flight=in_flight,
-                          params_local=psi,
-                          activation_per_layer=kept, tensors=tuple(tensors))
+    return MemoryEstimate(
+        items=items,
+        breakdown=lines,
+        stage=stage,
+        layers=n_layers,
+        in_flight=in_flight,
+        params_local=psi,
+        activation_per_layer=kept,
+        tensors=tuple(tensors),
+    )
 
 
-def _breakdown(model: ModelSpec, items: dict, *, peak, chunk_layers, chunk_moe, kept_named, routing: float,
-               listed: list, seq_len: int, micro_batch: int) -> dict:
+def _breakdown(
+    model: ModelSpec,
+    items: dict,
+    *,
+    peak,
+    chunk_layers,
+    chunk_moe,
+    kept_named,
+    routing: float,
+    listed: list,
+    seq_len: int,
+    micro_batch: int,
+) -> dict:
     """Lines inside items, for ``megakit plan``: ``moe_routing`` by ``ROUTING_GROUPS`` (each group's share of a block's
     routing tensors), and of ``activations`` the MoE blocks' shared experts, MLA's latents and the attention output's
     second copy (CP, sinks), over the blocks in flight (the MTP modules' left out)."""
     out = {}
     if routing and items["moe_routing"]:
-        groups = {name: sum(x.bytes(seq_len=seq_len, micro_batch=micro_batch) for x in listed if x.name in names)
-                  for name, names in ROUTING_GROUPS.items()}
+        groups = {
+            name: sum(x.bytes(seq_len=seq_len, micro_batch=micro_batch) for x in listed if x.name in names)
+            for name, names in ROUTING_GROUPS.items()
+        }
         out["moe_routing"] = {name: items["moe_routing"] * v / routing for name, v in groups.items() if v}
     moe_blocks = sum(n * c for n, c in zip(peak, chunk_moe))
     blocks = sum(n * c for n, c in zip(peak, chunk_layers))
     latents = tuple(x.name for x in latent_tensors(model)) + ("q_proj input (gathered)",) if model.config.mla else ()
-    lines = {"shared experts (MoE blocks)": moe_blocks * kept_named(True, SHARED_EXPERT) if model.config.moe else 0.0,
-             "MLA latents": (moe_blocks * kept_named(True, latents)
-                             + (blocks - moe_blocks) * kept_named(False, latents)),
-             "attention output kept twice (CP, sinks)": (moe_blocks * kept_named(True, ("ring attention output",))
-                                                         + (blocks - moe_blocks)
-                                                         * kept_named(False, ("ring attention output",)))}
+    lines = {
+        "shared experts (MoE blocks)": moe_blocks * kept_named(True, SHARED_EXPERT) if model.config.moe else 0.0,
+        "MLA latents": (moe_blocks * kept_named(True, latents) + (blocks - moe_blocks) * kept_named(False, latents)),
+        "attention output kept twice (CP, sinks)": (
+            moe_blocks * kept_named(True, ("ring attention output",))
+            + (blocks - moe_blocks) * kept_named(False, ("ring attention output",))
+        ),
+    }
     if any(lines.values()):
         out["activations"] = {k: v for k, v in lines.items() if v}
     return out
 
 
-def _mtp_depth_bytes(model: ModelSpec, block: tuple, routing_kept: float, routing: float, *, moe_block: bool,
-                     recompute: str, fraction: float, hidden: float, rows: float) -> tuple[float, float, float, float]:
+def _mtp_depth_bytes(
+    model: ModelSpec,
+    block: tuple,
+    routing_kept: float,
+    routing: float,
+    *,
+    moe_block: bool,
+    recompute: str,
+    fraction: float,
+    hidden: float,
+    rows: float,
+) -> tuple[float, float, float, float]:
     """(kept, routing kept, -, recompute working set) bytes of one MTP depth for one micro-batch, beside its head
     (``megakit.nn.mtp.PredictionModule``). ``block``: ``kept_bytes`` of its block, at the stage's recompute like the
     others. Before the block, ahead of ``eh_proj``: the looked-up embedding (enorm's input; the previous depth's
@@ -540,8 +716,17 @@ def _mtp_depth_bytes(model: ModelSpec, block: tuple, routing_kept: float, routin
     return kept + inputs, route, 0.0, full - kept if recompute in ("selective", "per-op") else 0.0
 
 
-def _matmul_output_bytes(model: ModelSpec, *, tp: int, precision: str, seq_len: int, micro_batch: int,
-                         sequence_parallel: bool = False, moe: bool = False, imbalance: float = 1.0) -> float:
+def _matmul_output_bytes(
+    model: ModelSpec,
+    *,
+    tp: int,
+    precision: str,
+    seq_len: int,
+    micro_batch: int,
+    sequence_parallel: bool = False,
+    moe: bool = False,
+    imbalance: float = 1.0,
+) -> float:
     """One block's matmul outputs on a TP rank (q, k, v, attention out, MLP in and out): the gradients W reads.
     MLA's at its projections' own widths and rows (``MLAConfig.projections``: the latents over the rank's tokens).
     An MoE block's (``moe``) over the rank's 1/TP of the tokens: the fp32 router logits, the shared experts' gate, up
@@ -549,9 +734,11 @@ def _matmul_output_bytes(model: ModelSpec, *, tp: int, precision: str, seq_len: 
     compute (``imbalance`` x the balanced share)."""
     c = model.config
     q, kv, f = c.heads // tp * c.head_dim, c.kv_heads_per_rank(tp) * c.head_dim, c.ffn // tp
-    attention = (sum(rows * n for _, rows, _, n in c.mla.projections(c.hidden, c.heads, tp,
-                                                                     sequence_parallel=sequence_parallel))
-                 if c.mla else q + 2 * kv + c.hidden)
+    attention = (
+        sum(rows * n for _, rows, _, n in c.mla.projections(c.hidden, c.heads, tp, sequence_parallel=sequence_parallel))
+        if c.mla
+        else q + 2 * kv + c.hidden
+    )
     p = PRECISIONS[precision]
     if moe and c.moe is not None:
         shared = (2 * c.moe.shared_ffn + c.hidden) if c.moe.shared_ffn else 0

@@ -90,8 +90,18 @@ class ModelSpec:
     rope_theta = _Shape()
     init_std = _Shape()
 
-    def __init__(self, *, name: str, seq_len: int, config: ModelConfig | None = None, exact_params: int | None = None,
-                 assumed: str = "", stage_layers: tuple[int, ...] | None = None, mtp: int = 0, **shape):
+    def __init__(
+        self,
+        *,
+        name: str,
+        seq_len: int,
+        config: ModelConfig | None = None,
+        exact_params: int | None = None,
+        assumed: str = "",
+        stage_layers: tuple[int, ...] | None = None,
+        mtp: int = 0,
+        **shape,
+    ):
         """``shape``: ModelConfig fields by their own names (``vocab_size``, ``max_seq_len``, ...):
         the whole shape without ``config``, else changes to it (so ``dataclasses.replace(spec, layers=8)``
         works). Biases default by family: GPT-2 has them all, Llama none."""
@@ -108,9 +118,15 @@ class ModelSpec:
             config = config.replace(**fields)
         if int(seq_len) < 1:
             raise UsageError(f"model seq_len must be a positive integer, got {seq_len!r}")
-        for key, value in (("config", config), ("name", name), ("seq_len", seq_len), ("exact_params", exact_params),
-                           ("assumed", assumed),
-                           ("stage_layers", None if stage_layers is None else tuple(stage_layers)), ("mtp", mtp)):
+        for key, value in (
+            ("config", config),
+            ("name", name),
+            ("seq_len", seq_len),
+            ("exact_params", exact_params),
+            ("assumed", assumed),
+            ("stage_layers", None if stage_layers is None else tuple(stage_layers)),
+            ("mtp", mtp),
+        ):
             object.__setattr__(self, key, value)
 
     def to_model_config(self) -> ModelConfig:
@@ -173,8 +189,14 @@ class ModelSpec:
         """The biggest single module (DeepSpeed's ZeRO-3 estimator and gather buffer want it)."""
         return max(self.config.layer_params(), self.vocab_size * self.hidden)
 
-    def with_overrides(self, *, seq_len: int | None = None, vocab_size: int | None = None,
-                       stage_layers: tuple[int, ...] | None = None, mtp: bool | None = None) -> "ModelSpec":
+    def with_overrides(
+        self,
+        *,
+        seq_len: int | None = None,
+        vocab_size: int | None = None,
+        stage_layers: tuple[int, ...] | None = None,
+        mtp: bool | None = None,
+    ) -> "ModelSpec":
         """``stage_layers``: the split over virtual stages that ``planner.stages`` uses where it has as many
         entries as the layout's ``pp * vpp`` stages (the layout it was pinned with). ``mtp``: plan the config's
         Multi-Token Prediction modules (``--mtp``; refused for a model without them, as the trainer refuses it)."""
@@ -187,8 +209,10 @@ class ModelSpec:
             if seq_len < 1:
                 raise UsageError(f"--seq-len {seq_len} must be a positive integer")
             if self.family == "gpt2" and seq_len > self.max_seq_len and self.exact_params is not None:
-                raise UsageError(f"--seq-len {seq_len} exceeds this GPT-2 model's {self.max_seq_len} learned "
-                                 "positions; use a shorter --seq-len or a config with larger n_positions")
+                raise UsageError(
+                    f"--seq-len {seq_len} exceeds this GPT-2 model's {self.max_seq_len} learned "
+                    "positions; use a shorter --seq-len or a config with larger n_positions"
+                )
             changes["seq_len"] = seq_len
             if self.exact_params is None and self.family == "gpt2":
                 changes["max_seq_len"] = max(self.max_seq_len, seq_len)
@@ -212,15 +236,21 @@ class ModelSpec:
         candidates = [_known(name, seq_len=seq_len) for name in KNOWN_SHAPES]
         nearest = min(candidates, key=lambda s: abs(math.log(s.params / target)))
         if abs(nearest.params / target - 1) <= 0.10:
-            spec = dataclasses.replace(nearest, assumed=f"{_fmt(target)} -> the {nearest.name} shape from the table "
-                                                        f"of well-known sizes ({_fmt(nearest.params)} parameters)")
+            spec = dataclasses.replace(
+                nearest,
+                assumed=f"{_fmt(target)} -> the {nearest.name} shape from the table "
+                f"of well-known sizes ({_fmt(nearest.params)} parameters)",
+            )
         else:
             block = nearest.config.layer_params()
             fixed = nearest.params - nearest.layers * block
             layers = max(1, round((target - fixed) / block))
             spec = dataclasses.replace(nearest, layers=layers, name=f"{_fmt(target)}-scaled")
-            spec = dataclasses.replace(spec, assumed=f"{_fmt(target)} is not in the table: took the {nearest.name} "
-                                                     f"shape with {layers} layers ({_fmt(spec.params)} parameters)")
+            spec = dataclasses.replace(
+                spec,
+                assumed=f"{_fmt(target)} is not in the table: took the {nearest.name} "
+                f"shape with {layers} layers ({_fmt(spec.params)} parameters)",
+            )
         return spec.with_overrides(vocab_size=vocab) if vocab else spec
 
     @classmethod
@@ -235,9 +265,13 @@ class ModelSpec:
         path = _resolve_config(name_or_path)
         config = ModelConfig.load(path)
         raw = json.loads(path.read_text())  # already parsed once by ModelConfig.load
-        return cls(config=config, name=path.stem, seq_len=min(config.max_seq_len, 8192),
-                   assumed=f"read from {path.stem} ({raw.get('model_type')})",
-                   exact_params=count_params(raw) if count_params is not None else None)
+        return cls(
+            config=config,
+            name=path.stem,
+            seq_len=min(config.max_seq_len, 8192),
+            assumed=f"read from {path.stem} ({raw.get('model_type')})",
+            exact_params=count_params(raw) if count_params is not None else None,
+        )
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, *, name: str) -> "ModelSpec":
@@ -260,8 +294,10 @@ def _resolve_config(name_or_path: str) -> Path:
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
-            raise UsageError(f"model config {name_or_path} does not exist; pass a config.json path or a preset "
-                             f"({', '.join(preset_names())})")
+            raise UsageError(
+                f"model config {name_or_path} does not exist; pass a config.json path or a preset "
+                f"({', '.join(preset_names())})"
+            )
         return path
     preset = MODELS_DIR / f"{name_or_path}.json"
     if not preset.is_file():
@@ -275,9 +311,20 @@ def preset_names() -> list[str]:
 
 def _known(name: str, *, seq_len: int) -> ModelSpec:
     family, layers, hidden, heads, kv_heads, ffn, vocab, tie = KNOWN_SHAPES[name]
-    return ModelSpec(name=name, family=family, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                     ffn=ffn, vocab_size=vocab, seq_len=seq_len, max_seq_len=seq_len, tie_embeddings=tie,
-                     dropout=0.1 if family == "gpt2" else 0.0)
+    return ModelSpec(
+        name=name,
+        family=family,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        ffn=ffn,
+        vocab_size=vocab,
+        seq_len=seq_len,
+        max_seq_len=seq_len,
+        tie_embeddings=tie,
+        dropout=0.1 if family == "gpt2" else 0.0,
+    )
 
 
 # name: (family, layers, hidden, heads, kv_heads, ffn, vocab, tied embeddings)

@@ -68,83 +68,118 @@ def _tp_rule(model: ModelSpec, tp: int) -> str:
     return f"TP must divide {', '.join(model.config.tp_conflicts(tp))}"
 
 
-def check_pins(model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int, *, seq_len: int | None = None) -> None:
+def check_pins(
+    model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int, *, seq_len: int | None = None
+) -> None:
     world = cluster.num_gpus
     node = cluster.gpus_per_node
     stages = parse_compression(pins.compress).zero_stages
     if pins.compress != "none" and pins.zero not in (None, *stages):
-        raise UsageError(f"--compress {pins.compress} runs with ZeRO {' or '.join(map(str, stages))} only (higher "
-                         f"stages reduce inside DeepSpeed's backward); drop --zero or pin --zero {stages[-1]}")
+        raise UsageError(
+            f"--compress {pins.compress} runs with ZeRO {' or '.join(map(str, stages))} only (higher "
+            f"stages reduce inside DeepSpeed's backward); drop --zero or pin --zero {stages[-1]}"
+        )
     if pins.cp is not None:
         s = model.seq_len if seq_len is None else seq_len
         if pins.cp < 1:
             raise UsageError(f"--cp {pins.cp} must be a positive integer")
         if s % (2 * pins.cp):
-            raise UsageError(f"--cp {pins.cp} does not divide the sequence: context parallelism cuts the {s} tokens "
-                             f"into 2 x CP = {2 * pins.cp} equal chunks; pick a CP with 2 x CP dividing --seq-len")
+            raise UsageError(
+                f"--cp {pins.cp} does not divide the sequence: context parallelism cuts the {s} tokens "
+                f"into 2 x CP = {2 * pins.cp} equal chunks; pick a CP with 2 x CP dividing --seq-len"
+            )
         if world % ((pins.tp or 1) * (pins.pp or 1) * pins.cp):
-            raise UsageError(f"--cp {pins.cp} (x --tp {pins.tp or 1} x --pp {pins.pp or 1}) does not divide the "
-                             f"{world} GPUs; pick a CP that divides the GPU count")
+            raise UsageError(
+                f"--cp {pins.cp} (x --tp {pins.tp or 1} x --pp {pins.pp or 1}) does not divide the "
+                f"{world} GPUs; pick a CP that divides the GPU count"
+            )
         heads = model.heads // (pins.tp or 1)
         if pins.cp_mode == "a2a" and heads % pins.cp:
-            raise UsageError(f"--cp-mode a2a splits each TP rank's {heads} attention heads over --cp {pins.cp}, which "
-                             f"does not divide them; pick a --cp dividing {heads}, or --cp-mode ring")
+            raise UsageError(
+                f"--cp-mode a2a splits each TP rank's {heads} attention heads over --cp {pins.cp}, which "
+                f"does not divide them; pick a --cp dividing {heads}, or --cp-mode ring"
+            )
         if pins.cp_mode == "hybrid" and not hybrid_degree(model, cluster, pins.tp or 1, pins.cp, pins.cp_a2a):
             given = f"--cp-a2a {pins.cp_a2a}" if pins.cp_a2a is not None else "it"
-            raise UsageError(f"--cp-mode hybrid runs an all-to-all inside groups of --cp-a2a GPUs and a ring across "
-                             f"them; {given} must be above 1, below --cp {pins.cp}, divide CP and each TP rank's "
-                             f"{heads} heads, and keep TP x it within a {node}-GPU node; or use --cp-mode ring or a2a")
+            raise UsageError(
+                f"--cp-mode hybrid runs an all-to-all inside groups of --cp-a2a GPUs and a ring across "
+                f"them; {given} must be above 1, below --cp {pins.cp}, divide CP and each TP rank's "
+                f"{heads} heads, and keep TP x it within a {node}-GPU node; or use --cp-mode ring or a2a"
+            )
     if pins.cp_a2a is not None and pins.cp_mode != "hybrid":
-        raise UsageError(f"--cp-a2a {pins.cp_a2a} sets the all-to-all degree of --cp-mode hybrid; add --cp-mode "
-                         "hybrid or drop --cp-a2a")
+        raise UsageError(
+            f"--cp-a2a {pins.cp_a2a} sets the all-to-all degree of --cp-mode hybrid; add --cp-mode "
+            "hybrid or drop --cp-a2a"
+        )
     if pins.tp is not None:
         if pins.tp < 1:
             raise UsageError(f"--tp {pins.tp} must be a positive integer")
         if not model.tp_ok(pins.tp):
             ok = [t for t in divisors(node) if model.tp_ok(t)]
-            raise UsageError(f"--tp {pins.tp} cannot shard this model ({_tp_rule(model, pins.tp)}); "
-                             f"pick --tp {' or '.join(map(str, ok))}")
+            raise UsageError(
+                f"--tp {pins.tp} cannot shard this model ({_tp_rule(model, pins.tp)}); "
+                f"pick --tp {' or '.join(map(str, ok))}"
+            )
         if world % pins.tp:
             raise UsageError(f"--tp {pins.tp} does not divide the {world} GPUs; pick a TP that divides {world}")
         if node % pins.tp:
-            raise UsageError(f"--tp {pins.tp} does not divide the {node} GPUs per node (a TP group would span "
-                             f"nodes); pick --tp {' or '.join(str(t) for t in divisors(node) if model.tp_ok(t))}")
+            raise UsageError(
+                f"--tp {pins.tp} does not divide the {node} GPUs per node (a TP group would span "
+                f"nodes); pick --tp {' or '.join(str(t) for t in divisors(node) if model.tp_ok(t))}"
+            )
     if pins.pp is not None:
         if pins.pp > model.layers:
             raise UsageError(f"--pp {pins.pp} exceeds the model's {model.layers} layers; use at most {model.layers}")
         if world % ((pins.tp or 1) * pins.pp):
-            raise UsageError(f"--tp {pins.tp or 1} x --pp {pins.pp} does not divide the {world} GPUs; "
-                             "pick TP x PP that divides the GPU count")
+            raise UsageError(
+                f"--tp {pins.tp or 1} x --pp {pins.pp} does not divide the {world} GPUs; "
+                "pick TP x PP that divides the GPU count"
+            )
     _check_ep(model, pins, world)
     if pins.zero is not None and pins.zero not in (0, 1, 2, 3):
         raise UsageError(f"--zero {pins.zero} does not exist; use 0, 1, 2 or 3")
     if pins.zero == 2 and (pins.pp or 1) > 1:
-        raise UsageError(f"--zero 2 cannot run with --pp {pins.pp} (megakit's pipeline runs ZeRO 0, 1 and 3); use "
-                         "--zero 1 or 3 with a pipeline")
+        raise UsageError(
+            f"--zero 2 cannot run with --pp {pins.pp} (megakit's pipeline runs ZeRO 0, 1 and 3); use "
+            "--zero 1 or 3 with a pipeline"
+        )
     if pins.zero == 3 and (pins.pp or 1) > 1 and ((pins.vpp or 1) > 1 or pins.schedule == "zb-h1"):
         what = f"--vpp {pins.vpp}" if (pins.vpp or 1) > 1 else "--schedule zb-h1"
-        raise UsageError(f"--zero 3 with --pp {pins.pp} runs 1F1B with one model chunk per stage, not {what}; "
-                         f"drop {what.split()[0]}, or use --zero 1")
+        raise UsageError(
+            f"--zero 3 with --pp {pins.pp} runs 1F1B with one model chunk per stage, not {what}; "
+            f"drop {what.split()[0]}, or use --zero 1"
+        )
     if pins.vpp is not None and pins.vpp < 1:
         raise UsageError(f"--vpp {pins.vpp} must be a positive integer")
     if pins.vpp is not None and pins.vpp > 1 and pins.pp == 1:
-        raise UsageError(f"--vpp {pins.vpp} interleaves pipeline stages but --pp is 1; "
-                         "pin --pp 2 or more, or drop --vpp")
-    if (pins.vpp is not None and pins.pp and pins.pp * pins.vpp > max_virtual_stages(model.layers)
-            and pins.stage_layers is None):  # beyond one block each plus an embedding-only and a loss-only stage
-        raise UsageError(f"--pp {pins.pp} x --vpp {pins.vpp} = {pins.pp * pins.vpp} virtual stages exceed the "
-                         f"{model.layers} layers plus an embedding-only and a loss-only stage; lower --vpp to at most "
-                         f"{max_virtual_stages(model.layers)} virtual stages in all")
+        raise UsageError(
+            f"--vpp {pins.vpp} interleaves pipeline stages but --pp is 1; pin --pp 2 or more, or drop --vpp"
+        )
+    if (
+        pins.vpp is not None
+        and pins.pp
+        and pins.pp * pins.vpp > max_virtual_stages(model.layers)
+        and pins.stage_layers is None
+    ):  # beyond one block each plus an embedding-only and a loss-only stage
+        raise UsageError(
+            f"--pp {pins.pp} x --vpp {pins.vpp} = {pins.pp * pins.vpp} virtual stages exceed the "
+            f"{model.layers} layers plus an embedding-only and a loss-only stage; lower --vpp to at most "
+            f"{max_virtual_stages(model.layers)} virtual stages in all"
+        )
     if pins.stage_layers is not None:
         if pins.pp is None:
-            raise UsageError("--stage-layers gives the layers of each virtual stage, so it needs the layout: pin --pp "
-                             "(and --vpp when interleaving)")
+            raise UsageError(
+                "--stage-layers gives the layers of each virtual stage, so it needs the layout: pin --pp "
+                "(and --vpp when interleaving)"
+            )
         check_stage_layers(pins.stage_layers, layers=model.layers, pp=pins.pp, vpp=pins.vpp or 1)
     if pins.schedule not in (None, "1f1b", "zb-h1"):
         raise UsageError(f"--schedule {pins.schedule} is not one of 1f1b, zb-h1 (interleaving: pin --vpp)")
     if pins.schedule is not None and (pins.vpp or 1) > 1:
-        raise UsageError(f"--schedule {pins.schedule} runs one model chunk per stage, got --vpp {pins.vpp}; "
-                         "drop --vpp, or drop --schedule to interleave")
+        raise UsageError(
+            f"--schedule {pins.schedule} runs one model chunk per stage, got --vpp {pins.vpp}; "
+            "drop --vpp, or drop --schedule to interleave"
+        )
     if pins.micro_batch is not None and global_batch % pins.micro_batch:
         raise UsageError(f"--micro-batch {pins.micro_batch} does not divide --global-batch {global_batch}")
 
@@ -159,13 +194,20 @@ def _check_ep(model: ModelSpec, pins: Pins, world: int) -> None:
         raise UsageError(f"--ep {pins.ep} must be a positive integer")
     if moe is None:
         if pins.ep > 1:
-            raise UsageError(f"--ep {pins.ep} needs a Mixture-of-Experts model, and {model.name} is dense; "
-                             "drop --ep or plan an MoE config (e.g. --model mixtral-8x7b)")
+            raise UsageError(
+                f"--ep {pins.ep} needs a Mixture-of-Experts model, and {model.name} is dense; "
+                "drop --ep or plan an MoE config (e.g. --model mixtral-8x7b)"
+            )
         return
     stage = world // pins.pp if pins.pp is not None else world  # TP x CP x DP: the ranks EP folds over
     if moe.experts % pins.ep or stage % pins.ep:
         ok = ", ".join(str(e) for e in divisors(stage) if moe.experts % e == 0)
-        ranks = (f"TP x CP x DP = {stage} (the {world} GPUs over --pp {pins.pp})" if pins.pp is not None
-                 else f"the {world} GPUs")
-        raise UsageError(f"--ep {pins.ep} must divide the {moe.experts} experts and {ranks}, the ranks expert "
-                         f"parallelism folds over; pick --ep {ok}")
+        ranks = (
+            f"TP x CP x DP = {stage} (the {world} GPUs over --pp {pins.pp})"
+            if pins.pp is not None
+            else f"the {world} GPUs"
+        )
+        raise UsageError(
+            f"--ep {pins.ep} must divide the {moe.experts} experts and {ranks}, the ranks expert "
+            f"parallelism folds over; pick --ep {ok}"
+        )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-
 # The routing regimes an MoE plan is priced in: the busiest expert rank's tokens over the balanced share.
 # "balanced" is what most published MoE throughput forces (Megatron-Bridge docs/performance-summary.md:
 # "we force-balance the token distribution among experts"; torchtitan's --debug.moe_force_load_balance).
@@ -20,10 +19,13 @@ FP8_RECIPES = ("none", "tensorwise", "rowwise")  # torchao float8 scaling (train
 FP8_TE_RECIPES = ("blockwise", "mxfp8")
 # Whose trainer runs the plan (megakit plan --runtime), as Plan fields: megakit's (DeepSpeed, the default),
 # Megatron-LM's, PyTorch FSDP's ZeRO-3, or DeepSpeed's ZeRO-3 of 2021 (Narayanan et al. 2021, Table 2).
-RUNTIMES = {"megakit": {}, "megatron": {"megatron": True}, "megatron-core": {"megatron": True, "comm_overlap": True},
-            "fsdp": {"zero3": "fsdp"},
-            "deepspeed-2021": {"zero3": "deepspeed-2021"}}
-
+RUNTIMES = {
+    "megakit": {},
+    "megatron": {"megatron": True},
+    "megatron-core": {"megatron": True, "comm_overlap": True},
+    "fsdp": {"zero3": "fsdp"},
+    "deepspeed-2021": {"zero3": "deepspeed-2021"},
+}
 
 
 def pipeline_runs_zero(zero: int, *, pp: int, vpp: int = 1, zero_bubble: bool = False, offload: str = "none") -> bool:
@@ -140,16 +142,33 @@ class Plan:
 
     def memory_kwargs(self) -> dict:
         """The keyword arguments of ``memory.estimate_memory`` for this plan."""
-        return dict(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, zero_stage=self.zero_stage, micro_batch=self.micro_batch,
-                    accumulation=self.accumulation, recompute=self.recompute,
-                    sequence_parallel=self.sequence_parallel, vpp=self.vpp, precision=self.precision,
-                    offload=self.offload, flash_attention=self.flash_attention,
-                    recompute_fraction=self.recompute_fraction, dp_shard=self.dp_shard,
-                    gathered_inputs=not self.column_overlap, megatron=self.megatron,
-                    zero_bubble=self.zero_bubble, ep=self.ep, moe_imbalance=self.moe_imbalance,
-                    loss_chunks=self.loss_chunks, cp_ring=self.a2a_degree < self.cp,
-                    recompute_modules=self.recompute_modules if self.recompute == "selective" else (),
-                    main_grads_fp32=self.megatron and self.grad_reduce_precision == "fp32", moments=self.moments)
+        return dict(
+            tp=self.tp,
+            pp=self.pp,
+            dp=self.dp,
+            cp=self.cp,
+            zero_stage=self.zero_stage,
+            micro_batch=self.micro_batch,
+            accumulation=self.accumulation,
+            recompute=self.recompute,
+            sequence_parallel=self.sequence_parallel,
+            vpp=self.vpp,
+            precision=self.precision,
+            offload=self.offload,
+            flash_attention=self.flash_attention,
+            recompute_fraction=self.recompute_fraction,
+            dp_shard=self.dp_shard,
+            gathered_inputs=not self.column_overlap,
+            megatron=self.megatron,
+            zero_bubble=self.zero_bubble,
+            ep=self.ep,
+            moe_imbalance=self.moe_imbalance,
+            loss_chunks=self.loss_chunks,
+            cp_ring=self.a2a_degree < self.cp,
+            recompute_modules=self.recompute_modules if self.recompute == "selective" else (),
+            main_grads_fp32=self.megatron and self.grad_reduce_precision == "fp32",
+            moments=self.moments,
+        )
 
     @property
     def a2a_degree(self) -> int:

@@ -71,8 +71,15 @@ def writer_nodes(plan: Plan, gpus_per_node: int) -> int:
     return len({rank // gpus_per_node for rank in ranks})
 
 
-def advise(plan: Plan, *, params: float, gpus_per_node: int, step_time_s: float,
-           write_gbps: float = WRITE_GBPS_PER_NODE, gpu_mtbf_hours: float = GPU_MTBF_HOURS) -> SaveAdvice:
+def advise(
+    plan: Plan,
+    *,
+    params: float,
+    gpus_per_node: int,
+    step_time_s: float,
+    write_gbps: float = WRITE_GBPS_PER_NODE,
+    gpu_mtbf_hours: float = GPU_MTBF_HOURS,
+) -> SaveAdvice:
     """Young/Daly's save interval for ``plan``, in seconds and in steps of ``step_time_s``."""
     assert write_gbps > 0 and gpu_mtbf_hours > 0 and step_time_s > 0
     size, per = checkpoint_bytes(params, plan.precision)
@@ -80,23 +87,34 @@ def advise(plan: Plan, *, params: float, gpus_per_node: int, step_time_s: float,
     write_s = size / (nodes * write_gbps * 1e9)
     mtbf_s = gpu_mtbf_hours * 3600 / plan.world
     interval = math.sqrt(2 * write_s * mtbf_s)
-    return SaveAdvice(checkpoint_bytes=size, bytes_per_param=per, writer_nodes=nodes, write_gbps_per_node=write_gbps,
-                      write_s=write_s, gpu_mtbf_hours=gpu_mtbf_hours, gpus=plan.world, mtbf_s=mtbf_s,
-                      interval_s=interval, step_time_s=step_time_s,
-                      save_every=max(1, round(interval / step_time_s)),
-                      overhead=write_s / interval + interval / (2 * mtbf_s))
+    return SaveAdvice(
+        checkpoint_bytes=size,
+        bytes_per_param=per,
+        writer_nodes=nodes,
+        write_gbps_per_node=write_gbps,
+        write_s=write_s,
+        gpu_mtbf_hours=gpu_mtbf_hours,
+        gpus=plan.world,
+        mtbf_s=mtbf_s,
+        interval_s=interval,
+        step_time_s=step_time_s,
+        save_every=max(1, round(interval / step_time_s)),
+        overhead=write_s / interval + interval / (2 * mtbf_s),
+    )
 
 
 def describe(a: SaveAdvice) -> str:
     """One paragraph with the formula's inputs, for the plan report."""
-    return (f"Save every {a.save_every} steps (--save-every {a.save_every}): Young/Daly's interval "
-            f"sqrt(2 x write {a.write_s:,.3g} s x MTBF {a.mtbf_s / 3600:,.1f} h) = {a.interval_s / 60:,.1f} min at "
-            f"{a.step_time_s:.2f} s per step. Write: {_size(a.checkpoint_bytes)} ({a.bytes_per_param} B/param: "
-            f"weights + fp32 master + Adam m, v) over {a.writer_nodes} writing node(s) (DP replica 0's TP x PP ranks) "
-            "at "
-            f"{a.write_gbps_per_node:g} GB/s per node (--ckpt-write-gbps). MTBF: {a.gpu_mtbf_hours:,.0f} GPU-hours per "
-            f"failure (--mtbf-gpu-hours; default: Llama 3's 419 unexpected interruptions in 54 days on 16,384 H100s) / "
-            f"{a.gpus} GPUs. Expected cost of failures and saves together: {a.overhead:.1%} of the run.")
+    return (
+        f"Save every {a.save_every} steps (--save-every {a.save_every}): Young/Daly's interval "
+        f"sqrt(2 x write {a.write_s:,.3g} s x MTBF {a.mtbf_s / 3600:,.1f} h) = {a.interval_s / 60:,.1f} min at "
+        f"{a.step_time_s:.2f} s per step. Write: {_size(a.checkpoint_bytes)} ({a.bytes_per_param} B/param: "
+        f"weights + fp32 master + Adam m, v) over {a.writer_nodes} writing node(s) (DP replica 0's TP x PP ranks) "
+        "at "
+        f"{a.write_gbps_per_node:g} GB/s per node (--ckpt-write-gbps). MTBF: {a.gpu_mtbf_hours:,.0f} GPU-hours per "
+        f"failure (--mtbf-gpu-hours; default: Llama 3's 419 unexpected interruptions in 54 days on 16,384 H100s) / "
+        f"{a.gpus} GPUs. Expected cost of failures and saves together: {a.overhead:.1%} of the run."
+    )
 
 
 def _size(nbytes: float) -> str:

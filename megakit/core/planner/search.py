@@ -80,11 +80,19 @@ class SearchResult:
     threshold: float = 0.8
 
 
-def fits_one_gpu(model: ModelSpec, cluster: Cluster, *, threshold: float, precision: str, flash: bool,
-                 seq_len: int) -> tuple[bool, float]:
+def fits_one_gpu(
+    model: ModelSpec, cluster: Cluster, *, threshold: float, precision: str, flash: bool, seq_len: int
+) -> tuple[bool, float]:
     """Whole training state (ZeRO-0 model states + one sequence with full recompute) on one GPU."""
-    est = estimate_memory(model, precision=precision, micro_batch=1, seq_len=seq_len, recompute="full",
-                          flash_attention=flash, overhead_bytes=OVERHEAD_BYTES)
+    est = estimate_memory(
+        model,
+        precision=precision,
+        micro_batch=1,
+        seq_len=seq_len,
+        recompute="full",
+        flash_attention=flash,
+        overhead_bytes=OVERHEAD_BYTES,
+    )
     return est.total <= threshold * cluster.gpu.mem_gib * GIB, est.total
 
 
@@ -94,10 +102,22 @@ def tp_choices(model: ModelSpec, world: int) -> list[int]:
     return [t for t in divisors(world) if model.tp_ok(t)]
 
 
-def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins = Pins(), threshold: float = 0.8,
-           precision: str = "bf16", offload: str = "none", flash_attention: bool | None = None,
-           seq_len: int | None = None, keep_rejected: int = 200, zero3_fallback: bool = True,
-           moe_imbalance: float = 1.0, execution: dict | None = None) -> SearchResult:
+def search(
+    model: ModelSpec,
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    pins: Pins = Pins(),
+    threshold: float = 0.8,
+    precision: str = "bf16",
+    offload: str = "none",
+    flash_attention: bool | None = None,
+    seq_len: int | None = None,
+    keep_rejected: int = 200,
+    zero3_fallback: bool = True,
+    moe_imbalance: float = 1.0,
+    execution: dict | None = None,
+) -> SearchResult:
     """The fastest layout under the memory line (``moe_imbalance``: the routing regime, ``Plan.moe_imbalance``;
     ``execution``: Plan fields of how the run executes, the same for every layout: kernels, fp8, ...)."""
     s = model.seq_len if seq_len is None else seq_len
@@ -109,30 +129,49 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
     judged = pins.memory_pinned  # "will my layout fit?": against the whole memory, then a verdict
     world = cluster.num_gpus
     check_pins(model, cluster, pins, global_batch, seq_len=s)
-    one_gpu, one_gpu_bytes = fits_one_gpu(model, cluster, threshold=threshold, precision=precision, flash=flash,
-                                          seq_len=s)
+    one_gpu, one_gpu_bytes = fits_one_gpu(
+        model, cluster, threshold=threshold, precision=precision, flash=flash, seq_len=s
+    )
     if pins.layout_pinned:
         branch, why = "pinned", "the layout was pinned on the command line"
     elif one_gpu:
         branch = "data-parallel"
-        why = (f"the whole training state ({one_gpu_bytes / GIB:.1f} GiB with one sequence) fits one GPU within "
-               f"{threshold:.0%} of {cluster.gpu.mem_gib:,.4g} GiB, so: data parallelism, ZeRO only as memory requires")
+        why = (
+            f"the whole training state ({one_gpu_bytes / GIB:.1f} GiB with one sequence) fits one GPU within "
+            f"{threshold:.0%} of {cluster.gpu.mem_gib:,.4g} GiB, so: data parallelism, ZeRO only as memory requires"
+        )
     else:
         branch = "model-parallel"
-        why = (f"the whole training state ({one_gpu_bytes / GIB:.0f} GiB) exceeds {threshold:.0%} of one GPU's "
-               f"{cluster.gpu.mem_gib:,.4g} GiB, so: TP inside a node, PP across nodes, DP for the rest")
+        why = (
+            f"the whole training state ({one_gpu_bytes / GIB:.0f} GiB) exceeds {threshold:.0%} of one GPU's "
+            f"{cluster.gpu.mem_gib:,.4g} GiB, so: TP inside a node, PP across nodes, DP for the rest"
+        )
 
     hard = cluster.gpu.mem_gib * GIB if judged else limit
-    ctx = _Context(model, cluster, pins, global_batch, s, hard, precision, offload, flash, keep_rejected,
-                   moe_imbalance, execution or {})
+    ctx = _Context(
+        model,
+        cluster,
+        pins,
+        global_batch,
+        s,
+        hard,
+        precision,
+        offload,
+        flash,
+        keep_rejected,
+        moe_imbalance,
+        execution or {},
+    )
     zeros = (0, 1, 2, 3) if branch != "model-parallel" or pins.zero is not None else (0, 1, 2)
     if pins.compress != "none":  # megakit compresses ZeRO 0's all-reduce, and (fp16, int8) ZeRO 1's buckets
         zeros = tuple(z for z in zeros if z in ctx.compress_stages)
     ctx.run(branch, zeros)
     if not ctx.feasible and branch == "data-parallel":  # e.g. a global batch smaller than the GPU count
         branch = "model-parallel"
-        why += (f"; but data parallelism alone cannot use {world} GPUs with a global batch of {global_batch}, "
-                "so TP inside a node and PP across nodes take the rest")
+        why += (
+            f"; but data parallelism alone cannot use {world} GPUs with a global batch of {global_batch}, "
+            "so TP inside a node and PP across nodes take the rest"
+        )
         ctx.run(branch, (0, 1, 2))
     if not ctx.feasible and branch == "model-parallel" and zero3_fallback:  # memory requires ZeRO-3
         why += "; nothing fit with ZeRO 0-2, so ZeRO-3 shards the model states too"
@@ -145,9 +184,11 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
         ctx.closest = typed or ctx.closest  # a fix is named for the plan without offload (_no_plan_reason)
         if ctx.feasible:
             host = max(_host_bytes(model, c.plan, s) for c in ctx.feasible) * min(cluster.gpus_per_node, world)
-            why += (f"; nothing fit on the GPUs under the {threshold:.0%} line (pin --zero to judge a layout against "
-                    "the whole memory instead), so ZeRO-Offload keeps the optimizer in host memory (up to "
-                    f"{host / GIB:.0f} GiB of CPU memory per node, and PCIe traffic every step)")
+            why += (
+                f"; nothing fit on the GPUs under the {threshold:.0%} line (pin --zero to judge a layout against "
+                "the whole memory instead), so ZeRO-Offload keeps the optimizer in host memory (up to "
+                f"{host / GIB:.0f} GiB of CPU memory per node, and PCIe traffic every step)"
+            )
     if not ctx.feasible:
         if judged and ctx.closest is not None:
             raise _judged_no(model, cluster, ctx, threshold=threshold, limit=limit)
@@ -163,8 +204,17 @@ def search(model: ModelSpec, cluster: Cluster, *, global_batch: int, pins: Pins 
     rejected = sorted((r for r in ctx.rejected if r.tokens_per_s is not None), key=lambda r: -r.tokens_per_s)
     rejected = rejected[:keep_rejected] + [r for r in ctx.rejected if r.tokens_per_s is None]
     fits = verdict(best.memory.total, threshold_bytes=limit, gpu_bytes=hard)
-    return SearchResult(best=ranked[0], ranked=ranked, rejected=rejected, branch=branch, branch_why=why,
-                        limit_bytes=limit, evaluated=ctx.evaluated, fits=fits, threshold=threshold)
+    return SearchResult(
+        best=ranked[0],
+        ranked=ranked,
+        rejected=rejected,
+        branch=branch,
+        branch_why=why,
+        limit_bytes=limit,
+        evaluated=ctx.evaluated,
+        fits=fits,
+        threshold=threshold,
+    )
 
 
 class NoPlan(UsageError):
@@ -172,8 +222,9 @@ class NoPlan(UsageError):
     (else every layout was excluded by divisibility: batch, heads, layers). For a judged (fully
     pinned) layout, ``closest`` is its evaluated candidate and ``fix`` the change that fits."""
 
-    def __init__(self, message: str, *, memory_bound: bool = True, closest: Candidate | None = None,
-                 fix: str | None = None):
+    def __init__(
+        self, message: str, *, memory_bound: bool = True, closest: Candidate | None = None, fix: str | None = None
+    ):
         super().__init__(message)
         self.memory_bound, self.closest, self.fix = memory_bound, closest, fix
 
@@ -181,26 +232,48 @@ class NoPlan(UsageError):
 def _judged_no(model, cluster, ctx, *, threshold, limit) -> NoPlan:
     """Verdict 'no': the pinned layout's peak is over the GPU's memory; name the fix."""
     c = ctx.closest
-    fix = suggest_fix(model, c.plan, seq_len=ctx.seq_len, world=cluster.num_gpus,
-                      gpus_per_node=cluster.gpus_per_node, threshold_bytes=limit,
-                      gpu_bytes=cluster.gpu.mem_gib * GIB, overhead_bytes=OVERHEAD_BYTES)
-    return NoPlan(f"the pinned layout {c.plan.describe()} does not fit: peak {c.memory.total / GIB:.1f} GiB > "
-                  f"the {cluster.gpu.mem_gib:,.4g} GiB of one {cluster.gpu.name} ({threshold:.0%} line "
-                  f"{limit / GIB:.1f} GiB); fix: {fix}", closest=c, fix=fix)
+    fix = suggest_fix(
+        model,
+        c.plan,
+        seq_len=ctx.seq_len,
+        world=cluster.num_gpus,
+        gpus_per_node=cluster.gpus_per_node,
+        threshold_bytes=limit,
+        gpu_bytes=cluster.gpu.mem_gib * GIB,
+        overhead_bytes=OVERHEAD_BYTES,
+    )
+    return NoPlan(
+        f"the pinned layout {c.plan.describe()} does not fit: peak {c.memory.total / GIB:.1f} GiB > "
+        f"the {cluster.gpu.mem_gib:,.4g} GiB of one {cluster.gpu.name} ({threshold:.0%} line "
+        f"{limit / GIB:.1f} GiB); fix: {fix}",
+        closest=c,
+        fix=fix,
+    )
 
 
 def _host_bytes(model: ModelSpec, plan: Plan, seq_len: int) -> float:
     """What an offloaded plan keeps in host memory per GPU: the fp32 master, Adam and step gradients, the experts'
     with the dense ones."""
     on_gpu = peak_memory(model, seq_len=seq_len, **dataclasses.replace(plan, offload="none").memory_kwargs())
-    return sum(on_gpu.items.get(k, 0.0) for k in ("master_params", "optimizer", "expert_master_params",
-                                                  "expert_optimizer", "fp32_step_grads"))
+    return sum(
+        on_gpu.items.get(k, 0.0)
+        for k in ("master_params", "optimizer", "expert_master_params", "expert_optimizer", "fp32_step_grads")
+    )
 
 
 def _simplicity(c: Candidate):
     p = c.plan
-    return (p.zero_stage, p.pp, p.cp, p.tp, p.ep, RECOMPUTE_ORDER.index(p.recompute), p.vpp,
-            not p.sequence_parallel, c.memory.total)
+    return (
+        p.zero_stage,
+        p.pp,
+        p.cp,
+        p.tp,
+        p.ep,
+        RECOMPUTE_ORDER.index(p.recompute),
+        p.vpp,
+        not p.sequence_parallel,
+        c.memory.total,
+    )
 
 
 def _no_plan_reason(ctx) -> str:
@@ -208,22 +281,33 @@ def _no_plan_reason(ctx) -> str:
     if ctx.evaluated == 0:
         dps = sorted({r.plan.dp for r in ctx.rejected if r.kind == "batch"})
         if dps:
-            return (f"no layout of {where} divides the global batch {ctx.global_batch} (DP would be "
-                    f"{', '.join(map(str, dps[:6]))}); pick --global-batch divisible by one of them or another "
-                    "GPU count")
+            return (
+                f"no layout of {where} divides the global batch {ctx.global_batch} (DP would be "
+                f"{', '.join(map(str, dps[:6]))}); pick --global-batch divisible by one of them or another "
+                "GPU count"
+            )
         # the pin that excluded everything says more than the seed's rule or the node boundary
         why = sorted(ctx.rejected, key=lambda r: r.kind in ("rule", "tp-node"))
         if not why:
-            return (f"no layout of {where} passes the pinned dimensions; relax --tp, --pp, --zero or --vpp, or "
-                    "use another GPU count")
+            return (
+                f"no layout of {where} passes the pinned dimensions; relax --tp, --pp, --zero or --vpp, or "
+                "use another GPU count"
+            )
         return f"no layout of {where} can run: {why[0].reason}"
     smallest = min((r for r in ctx.rejected if r.peak_gib is not None), default=None, key=lambda r: r.peak_gib)
     detail = f" (the smallest peak found: {smallest.reason})" if smallest else ""
     c = ctx.closest
     if ctx.pins.layout_pinned and c is not None:  # a layout the user typed: name the change that fits it
-        fix = suggest_fix(ctx.model, c.plan, seq_len=ctx.seq_len, world=ctx.cluster.num_gpus,
-                          gpus_per_node=ctx.cluster.gpus_per_node, threshold_bytes=ctx.limit,
-                          gpu_bytes=ctx.cluster.gpu.mem_gib * GIB, overhead_bytes=OVERHEAD_BYTES)
+        fix = suggest_fix(
+            ctx.model,
+            c.plan,
+            seq_len=ctx.seq_len,
+            world=ctx.cluster.num_gpus,
+            gpus_per_node=ctx.cluster.gpus_per_node,
+            threshold_bytes=ctx.limit,
+            gpu_bytes=ctx.cluster.gpu.mem_gib * GIB,
+            overhead_bytes=OVERHEAD_BYTES,
+        )
         detail += f"; the closest layout {c.plan.describe()} peaks at {c.memory.total / GIB:.1f} GiB, fix: {fix}"
     return f"no layout fits {where}{detail}"
 
@@ -231,8 +315,21 @@ def _no_plan_reason(ctx) -> str:
 class _Context:
     """Search state: what fits, what was rejected and why."""
 
-    def __init__(self, model, cluster, pins, global_batch, seq_len, limit, precision, offload, flash, keep,
-                 moe_imbalance=1.0, execution=None):
+    def __init__(
+        self,
+        model,
+        cluster,
+        pins,
+        global_batch,
+        seq_len,
+        limit,
+        precision,
+        offload,
+        flash,
+        keep,
+        moe_imbalance=1.0,
+        execution=None,
+    ):
         self.model, self.cluster, self.pins, self.global_batch = model, cluster, pins, global_batch
         self.execution = execution or {}
         self.moe_imbalance = moe_imbalance
@@ -259,13 +356,21 @@ class _Context:
         tps = [pins.tp] if pins.tp is not None else tp_choices(m, world)
         for tp in tps:
             if pins.tp is None and branch == "data-parallel" and tp > 1:
-                self.reject(Plan(tp=tp), "model fits one GPU: the seed's rule trains it data-parallel (TP=1)",
-                            unique_key="dp-branch-tp", kind="rule")
+                self.reject(
+                    Plan(tp=tp),
+                    "model fits one GPU: the seed's rule trains it data-parallel (TP=1)",
+                    unique_key="dp-branch-tp",
+                    kind="rule",
+                )
                 continue
             if pins.tp is None and (tp > node or node % tp):
-                self.reject(Plan(tp=tp), f"TP={tp} {'crosses' if tp > node else 'straddles'} the node ({node} "
-                            "GPUs per node): its per-layer all-reduces would run on the network",
-                            unique_key=f"tp-node-{tp}", kind="tp-node")
+                self.reject(
+                    Plan(tp=tp),
+                    f"TP={tp} {'crosses' if tp > node else 'straddles'} the node ({node} "
+                    "GPUs per node): its per-layer all-reduces would run on the network",
+                    unique_key=f"tp-node-{tp}",
+                    kind="tp-node",
+                )
                 continue
             for cp in self._cps(branch, tp):
                 self._pps(branch, zeros, tp, cp)
@@ -284,40 +389,64 @@ class _Context:
         pps = [pins.pp] if pins.pp is not None else [p for p in divisors(world // (tp * cp)) if p <= m.layers]
         if (pins.vpp or 1) > 1:  # interleaving needs a pipeline
             for pp in [p for p in pps if p == 1]:
-                self.reject(Plan(tp=tp, pp=pp), f"--vpp {pins.vpp} needs PP > 1; pin --pp 2 or more, or "
-                            "drop --vpp", unique_key="vpp-pp1", kind="vpp")
+                self.reject(
+                    Plan(tp=tp, pp=pp),
+                    f"--vpp {pins.vpp} needs PP > 1; pin --pp 2 or more, or drop --vpp",
+                    unique_key="vpp-pp1",
+                    kind="vpp",
+                )
             pps = [p for p in pps if p > 1]
         for pp in pps:
             if world % (tp * pp * cp):
                 continue
             dp = world // (tp * pp * cp)
             if pins.pp is None and branch == "data-parallel" and pp > 1:
-                self.reject(Plan(pp=pp), "model fits one GPU: the seed's rule trains it data-parallel (PP=1)",
-                            unique_key="dp-branch-pp", kind="rule")
+                self.reject(
+                    Plan(pp=pp),
+                    "model fits one GPU: the seed's rule trains it data-parallel (PP=1)",
+                    unique_key="dp-branch-pp",
+                    kind="rule",
+                )
                 continue
             if self.global_batch % dp:
-                self.reject(Plan(tp=tp, pp=pp, dp=dp), f"global batch {self.global_batch} is not a multiple "
-                            f"of DP={dp}", unique_key=f"batch-dp-{dp}", kind="batch")
+                self.reject(
+                    Plan(tp=tp, pp=pp, dp=dp),
+                    f"global batch {self.global_batch} is not a multiple of DP={dp}",
+                    unique_key=f"batch-dp-{dp}",
+                    kind="batch",
+                )
                 continue
-            for zero in ([pins.zero] if pins.zero is not None else zeros):
-                if not pipeline_runs_zero(zero, pp=pp, vpp=pins.vpp or 1, zero_bubble=pins.schedule == "zb-h1",
-                                          offload=self.offload):
-                    self.reject(Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero), f"ZeRO-{zero} with PP={pp}: megakit's "
-                                "pipeline runs ZeRO 0, 1 and 3 (3 with 1F1B, one chunk per stage, no offload)",
-                                unique_key=f"zero-pp-{zero}", kind="zero-pp")
+            for zero in [pins.zero] if pins.zero is not None else zeros:
+                if not pipeline_runs_zero(
+                    zero, pp=pp, vpp=pins.vpp or 1, zero_bubble=pins.schedule == "zb-h1", offload=self.offload
+                ):
+                    self.reject(
+                        Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero),
+                        f"ZeRO-{zero} with PP={pp}: megakit's "
+                        "pipeline runs ZeRO 0, 1 and 3 (3 with 1F1B, one chunk per stage, no offload)",
+                        unique_key=f"zero-pp-{zero}",
+                        kind="zero-pp",
+                    )
                     continue
                 shard = self.execution.get("dp_shard", 0)
                 if zero == 3 and shard and dp * cp > shard and dp * cp % shard:
-                    self.reject(Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero), f"HSDP shard group {shard} does not "
-                                f"divide DP x CP = {dp * cp}; pick --dp-shard dividing it",
-                                unique_key=f"hsdp-{dp * cp}", kind="zero-dp")
+                    self.reject(
+                        Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero),
+                        f"HSDP shard group {shard} does not divide DP x CP = {dp * cp}; pick --dp-shard dividing it",
+                        unique_key=f"hsdp-{dp * cp}",
+                        kind="zero-dp",
+                    )
                     continue
                 if zero >= 1 and dp * cp == 1 and self.offload == "none":  # offload runs ZeRO on one replica
                     if pins.zero is not None:
-                        self.reject(Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero), f"--zero {zero} shards over "
-                                    f"data-parallel replicas but TP={tp} x PP={pp} leaves DP=1 with {world} "
-                                    "GPU(s); use --zero 0 (the same with one replica) or more GPUs",
-                                    unique_key=f"zero-dp1-{tp}-{pp}", kind="zero-dp")
+                        self.reject(
+                            Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero),
+                            f"--zero {zero} shards over "
+                            f"data-parallel replicas but TP={tp} x PP={pp} leaves DP=1 with {world} "
+                            "GPU(s); use --zero 0 (the same with one replica) or more GPUs",
+                            unique_key=f"zero-dp1-{tp}-{pp}",
+                            kind="zero-dp",
+                        )
                     continue  # identical to ZeRO-0
                 self._layout(tp, pp, dp, zero, cp)
 
@@ -330,8 +459,12 @@ class _Context:
         eps = [self.pins.ep] if self.pins.ep is not None else divisors(folded)
         ok = [e for e in eps if folded % e == 0 and moe.experts % e == 0]
         for e in sorted(set(eps) - set(ok)):
-            self.reject(Plan(tp=tp, pp=pp, dp=dp, cp=cp, ep=e), f"EP={e} does not divide TP x CP x DP = {folded} "
-                        f"and the {moe.experts} experts", unique_key=("ep", e, folded), kind="ep")
+            self.reject(
+                Plan(tp=tp, pp=pp, dp=dp, cp=cp, ep=e),
+                f"EP={e} does not divide TP x CP x DP = {folded} and the {moe.experts} experts",
+                unique_key=("ep", e, folded),
+                kind="ep",
+            )
         return ok
 
     def _cp_modes(self, tp: int, cp: int) -> list[tuple[str, int]]:
@@ -350,35 +483,65 @@ class _Context:
     def _layout_ep(self, tp, pp, dp, zero, cp, ep) -> None:
         m, pins = self.model, self.pins
         per_rank = self.global_batch // dp
-        base = Plan(tp=tp, pp=pp, dp=dp, cp=cp, zero_stage=zero, micro_batch=1, accumulation=per_rank, recompute="full",
-                    sequence_parallel=tp > 1, precision=self.precision, offload=self.offload,
-                    flash_attention=self.flash, compress=pins.compress if zero in self.compress_stages else "none",
-                    zero_bubble=pins.schedule == "zb-h1" and pp > 1, ep=ep, loss_chunks=pins.loss_chunks,
-                    moe_imbalance=self.moe_imbalance if m.moe is not None else 1.0, **self.execution)
+        base = Plan(
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            cp=cp,
+            zero_stage=zero,
+            micro_batch=1,
+            accumulation=per_rank,
+            recompute="full",
+            sequence_parallel=tp > 1,
+            precision=self.precision,
+            offload=self.offload,
+            flash_attention=self.flash,
+            compress=pins.compress if zero in self.compress_stages else "none",
+            zero_bubble=pins.schedule == "zb-h1" and pp > 1,
+            ep=ep,
+            loss_chunks=pins.loss_chunks,
+            moe_imbalance=self.moe_imbalance if m.moe is not None else 1.0,
+            **self.execution,
+        )
         if self.offload == "params" and zero != 3:
             return
         # Lower bound: the smallest activations this layout can have (one sequence, full recompute);
         # a judged layout skips it: its own plan is evaluated, so that a verdict 'no' can name the fix.
-        floor = None if pins.memory_pinned else peak_memory(m, seq_len=self.seq_len, overhead_bytes=OVERHEAD_BYTES,
-                                                            **base.memory_kwargs())
+        floor = (
+            None
+            if pins.memory_pinned
+            else peak_memory(m, seq_len=self.seq_len, overhead_bytes=OVERHEAD_BYTES, **base.memory_kwargs())
+        )
         self.evaluated += 1
         if floor is not None and floor.total > self.limit:
-            self.reject(base, f"peak {floor.total / GIB:.2f} GiB > {self.limit / GIB:.2f} GiB even with one "
-                        f"sequence and full recompute (model states {floor.model_states / GIB:.1f} GiB)",
-                        unique_key=("floor", tp, pp, zero, ep), kind="floor", peak=floor.total)
+            self.reject(
+                base,
+                f"peak {floor.total / GIB:.2f} GiB > {self.limit / GIB:.2f} GiB even with one "
+                f"sequence and full recompute (model states {floor.model_states / GIB:.1f} GiB)",
+                unique_key=("floor", tp, pp, zero, ep),
+                kind="floor",
+                peak=floor.total,
+            )
             return
         # Virtual stages need not divide the layers: the split (partition_layers) gives some chunks fewer.
         vpps = [pins.vpp] if pins.vpp is not None else [v for v in (1, 2, 3, 4) if v == 1 or pp > 1]
         vpps = [1] if pins.schedule is not None or zero == 3 else vpps  # a pinned schedule, ZeRO 3: one chunk
-        recomputes = [pins.recompute] if pins.recompute else [r for r in RECOMPUTE_ORDER
-                                                              if not (r == "selective" and self.flash)]
+        recomputes = (
+            [pins.recompute]
+            if pins.recompute
+            else [r for r in RECOMPUTE_ORDER if not (r == "selective" and self.flash)]
+        )
         sps = [pins.sequence_parallel] if pins.sequence_parallel is not None else ([True, False] if tp > 1 else [False])
         mbs = [pins.micro_batch] if pins.micro_batch else [b for b in divisors(per_rank) if b <= 64]
         for vpp in vpps:
             if pp * vpp > max_virtual_stages(m.layers) and pins.stage_layers is None:  # ends may hold no block
-                self.reject(Plan(tp=tp, pp=pp, vpp=vpp), f"PP={pp} x VPP={vpp} stages exceed the {m.layers} layers "
-                            "plus an embedding-only and a loss-only stage",
-                            unique_key=("vpp-layers", pp, vpp), kind="vpp")
+                self.reject(
+                    Plan(tp=tp, pp=pp, vpp=vpp),
+                    f"PP={pp} x VPP={vpp} stages exceed the {m.layers} layers "
+                    "plus an embedding-only and a loss-only stage",
+                    unique_key=("vpp-layers", pp, vpp),
+                    kind="vpp",
+                )
                 continue
             # the CP mode prices the attention exchange only (memory is the same), so it is tried past the floor
             for recompute, sp, (cp_mode, cp_a2a) in itertools.product(recomputes, sps, self._cp_modes(tp, cp)):
@@ -386,22 +549,38 @@ class _Context:
                     if per_rank % mb:
                         continue
                     ga = per_rank // mb
-                    plan = dataclasses.replace(base, vpp=vpp, recompute=recompute, sequence_parallel=sp,
-                                               cp_mode=cp_mode, cp_a2a=cp_a2a, micro_batch=mb, accumulation=ga)
+                    plan = dataclasses.replace(
+                        base,
+                        vpp=vpp,
+                        recompute=recompute,
+                        sequence_parallel=sp,
+                        cp_mode=cp_mode,
+                        cp_a2a=cp_a2a,
+                        micro_batch=mb,
+                        accumulation=ga,
+                    )
                     if vpp > 1 and ga % pp:
-                        self.reject(plan, f"interleaving (VPP={vpp}) needs the {ga} micro-batches to be a "
-                                    f"multiple of PP={pp}", unique_key=("vpp-ga", pp, vpp), kind="vpp")
+                        self.reject(
+                            plan,
+                            f"interleaving (VPP={vpp}) needs the {ga} micro-batches to be a multiple of PP={pp}",
+                            unique_key=("vpp-ga", pp, vpp),
+                            kind="vpp",
+                        )
                         continue
                     self.evaluated += 1
-                    mem = peak_memory(m, seq_len=self.seq_len, overhead_bytes=OVERHEAD_BYTES,
-                                      **plan.memory_kwargs())
+                    mem = peak_memory(m, seq_len=self.seq_len, overhead_bytes=OVERHEAD_BYTES, **plan.memory_kwargs())
                     cost = estimate_cost(m, self.cluster, plan, seq_len=self.seq_len)
                     if mem.total > self.limit:
                         if self.closest is None or mem.total < self.closest.memory.total:
                             self.closest = Candidate(plan, mem, cost)
-                        self.reject(plan, f"peak {mem.total / GIB:.2f} GiB > {self.limit / GIB:.2f} GiB "
-                                    f"({self.limit / GIB / self.cluster.gpu.mem_gib:.0%} of "
-                                    f"{self.cluster.gpu.mem_gib:,.4g} GiB)", cost.tokens_per_s, peak=mem.total)
+                        self.reject(
+                            plan,
+                            f"peak {mem.total / GIB:.2f} GiB > {self.limit / GIB:.2f} GiB "
+                            f"({self.limit / GIB / self.cluster.gpu.mem_gib:.0%} of "
+                            f"{self.cluster.gpu.mem_gib:,.4g} GiB)",
+                            cost.tokens_per_s,
+                            peak=mem.total,
+                        )
                         break  # a bigger micro-batch only needs more
                     self.feasible.append(Candidate(plan, mem, cost))
 
@@ -419,8 +598,7 @@ def smallest_cluster(model: ModelSpec, make_cluster, *, global_batch: int, max_n
         if (nodes * per_node) % fixed:
             continue  # the pinned TP x PP does not divide this many GPUs
         try:
-            return nodes, search(model, make_cluster(nodes), global_batch=global_batch, zero3_fallback=False,
-                                 **kwargs)
+            return nodes, search(model, make_cluster(nodes), global_batch=global_batch, zero3_fallback=False, **kwargs)
         except NoPlan:
             continue
     raise UsageError(f"the model does not fit on {max_nodes} nodes of {probe.gpu.name}; use bigger GPUs")

@@ -101,8 +101,18 @@ def node_deduplicated_all_to_all_time(cluster: Cluster, token_bytes: float, top_
     return max(intra, inter)
 
 
-def dp_time(cluster: Cluster, plan: Plan, *, psi: float, layer_params: float, layers: int, stage_s: float,
-            layer_fwd_s: float, layer_bwd_s: float, prefetch: float = Buckets().stage3_prefetch) -> float:
+def dp_time(
+    cluster: Cluster,
+    plan: Plan,
+    *,
+    psi: float,
+    layer_params: float,
+    layers: int,
+    stage_s: float,
+    layer_fwd_s: float,
+    layer_bwd_s: float,
+    prefetch: float = Buckets().stage3_prefetch,
+) -> float:
     """Exposed data-parallel communication of one optimizer step on the slowest stage.
 
     ``psi``: parameters on this GPU's TP×PP shard; ``layer_params``: one block's; ``stage_s``: one

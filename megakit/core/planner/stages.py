@@ -15,8 +15,9 @@ from megakit.core.schedules import build_schedule
 from megakit.core.simulator import Costs, simulate
 
 
-def in_flight_micro_batches(*, pp: int, stage: int, accumulation: int, vpp: int = 1,
-                            zero_bubble: bool = False) -> float:
+def in_flight_micro_batches(
+    *, pp: int, stage: int, accumulation: int, vpp: int = 1, zero_bubble: bool = False
+) -> float:
     """Micro-batches of a stage's layers alive at the peak of a 1F1B (interleaved) schedule.
 
     Counted in whole-stage units: with ``vpp`` chunks each holding 1/vpp of the stage's layers.
@@ -32,8 +33,9 @@ def in_flight_micro_batches(*, pp: int, stage: int, accumulation: int, vpp: int 
 
 
 @functools.lru_cache(maxsize=4096)
-def in_flight_chunks(*, pp: int, stage: int, accumulation: int, vpp: int = 1,
-                     zero_bubble: bool = False) -> tuple[tuple[int, ...], ...]:
+def in_flight_chunks(
+    *, pp: int, stage: int, accumulation: int, vpp: int = 1, zero_bubble: bool = False
+) -> tuple[tuple[int, ...], ...]:
     """Live micro-batches of each of the stage's ``vpp`` chunks at the moments its total peaks, over one
     step of the trainer's schedule (as ``schedules.interleaved_compute`` orders it): the k-th forward runs chunk
     ``(k // pp) % vpp`` for its k-th forward, so earlier chunks hold more than later ones, and a stage
@@ -58,8 +60,9 @@ def in_flight_chunks(*, pp: int, stage: int, accumulation: int, vpp: int = 1,
     return tuple(sorted(states))
 
 
-def interleaved_step_time(chunk_times: tuple[float, ...], *, pp: int, vpp: int, micro_batches: int,
-                          forward_share: float, message_s: float) -> float | None:
+def interleaved_step_time(
+    chunk_times: tuple[float, ...], *, pp: int, vpp: int, micro_batches: int, forward_share: float, message_s: float
+) -> float | None:
     """Seconds of an interleaved step whose chunks hold unequal work (``chunk_times``: forward + backward of one
     micro-batch per virtual stage; ``message_s``: one P2P send), from the trainer's schedule run in the simulator.
 
@@ -74,7 +77,13 @@ def interleaved_step_time(chunk_times: tuple[float, ...], *, pp: int, vpp: int, 
     scale = max(chunk_times)
     if scale <= 0:
         return 0.0
-    key = (tuple(round(t / scale, 3) for t in chunk_times), pp, vpp, round(forward_share, 3), round(message_s / scale, 3))
+    key = (
+        tuple(round(t / scale, 3) for t in chunk_times),
+        pp,
+        vpp,
+        round(forward_share, 3),
+        round(message_s / scale, 3),
+    )
     if micro_batches <= 3 * pp:
         return _interleaved_time(*key, micro_batches) * scale
     two, three = _interleaved_time(*key, 2 * pp), _interleaved_time(*key, 3 * pp)
@@ -82,11 +91,15 @@ def interleaved_step_time(chunk_times: tuple[float, ...], *, pp: int, vpp: int, 
 
 
 @functools.lru_cache(maxsize=256)
-def _interleaved_time(chunks: tuple[float, ...], pp: int, vpp: int, forward_share: float, p2p: float,
-                      micro_batches: int) -> float:
+def _interleaved_time(
+    chunks: tuple[float, ...], pp: int, vpp: int, forward_share: float, p2p: float, micro_batches: int
+) -> float:
     """The simulated step of ``micro_batches`` through the interleaved schedule, chunk costs as given."""
-    costs = Costs(forward=tuple(t * forward_share for t in chunks),
-                  backward=tuple(t * (1 - forward_share) for t in chunks), p2p=p2p)
+    costs = Costs(
+        forward=tuple(t * forward_share for t in chunks),
+        backward=tuple(t * (1 - forward_share) for t in chunks),
+        p2p=p2p,
+    )
     return simulate(build_schedule("interleaved", pp, micro_batches, vpp), costs).step_time
 
 
@@ -129,8 +142,10 @@ def stage_layer_counts(model: ModelSpec, pp: int, vpp: int = 1) -> tuple[int, ..
 def stage_chunk_moe_layers(model: ModelSpec, pp: int, vpp: int = 1) -> tuple[tuple[int, ...], ...]:
     """MoE blocks (those with routed experts) of each chunk on each PP rank, as the trainer splits them."""
     ranges = virtual_stage_ranges(model, pp, vpp)
-    return tuple(tuple(sum(model.config.is_moe_layer(i) for i in ranges[chunk * pp + rank]) for chunk in range(vpp))
-                 for rank in range(pp))
+    return tuple(
+        tuple(sum(model.config.is_moe_layer(i) for i in ranges[chunk * pp + rank]) for chunk in range(vpp))
+        for rank in range(pp)
+    )
 
 
 def stage_moe_layers(model: ModelSpec, pp: int, vpp: int = 1) -> tuple[int, ...]:

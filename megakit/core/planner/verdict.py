@@ -30,10 +30,12 @@ def verdict(peak_bytes: float, *, threshold_bytes: float, gpu_bytes: float) -> s
 
 def headroom_note(peak_gib: float, *, gpu_gib: float, threshold: float) -> str:
     """What running above the line means, in this plan's numbers."""
-    return (f"above the {threshold:.0%} line ({threshold * gpu_gib:.1f} GiB) but within the GPU's {gpu_gib:,.4g} GiB: "
-            f"{gpu_gib - peak_gib:.1f} GiB remain for allocator fragmentation, NCCL buffers and transient spikes "
-            "that the estimate does not itemise; it should run, but the search would not choose it "
-            "(watch torch.cuda.max_memory_reserved on the first steps)")
+    return (
+        f"above the {threshold:.0%} line ({threshold * gpu_gib:.1f} GiB) but within the GPU's {gpu_gib:,.4g} GiB: "
+        f"{gpu_gib - peak_gib:.1f} GiB remain for allocator fragmentation, NCCL buffers and transient spikes "
+        "that the estimate does not itemise; it should run, but the search would not choose it "
+        "(watch torch.cuda.max_memory_reserved on the first steps)"
+    )
 
 
 def _pipeline_runs(plan: Plan, *, zero: int, pp: int) -> bool:
@@ -57,7 +59,7 @@ def _changes(plan: Plan, *, world: int, gpus_per_node: int, model) -> list[tuple
     for tp in (2 * plan.tp, 4 * plan.tp, 8 * plan.tp):
         if tp <= gpus_per_node and gpus_per_node % tp == 0 and model.tp_ok(tp) and plan.dp * plan.tp % tp == 0:
             out.append((f"--tp {tp}", dict(tp=tp, sequence_parallel=True, **_fewer_replicas(plan, tp // plan.tp))))
-    for pp in (() if model.stage_layers else (2 * plan.pp, 4 * plan.pp, 8 * plan.pp)):  # a pinned split fixes PP
+    for pp in () if model.stage_layers else (2 * plan.pp, 4 * plan.pp, 8 * plan.pp):  # a pinned split fixes PP
         if pp <= model.layers and plan.dp * plan.pp % pp == 0 and _pipeline_runs(plan, zero=plan.zero_stage, pp=pp):
             out.append((f"--pp {pp}", dict(pp=pp, **_fewer_replicas(plan, pp // plan.pp))))
     if plan.offload == "none" and plan.zero_stage >= 1 and (plan.zero_stage < 3 or plan.pp == 1):
@@ -76,15 +78,23 @@ def _module_changes(plan: Plan, model) -> list[tuple[str, dict]]:
     if not plan.megatron or plan.recompute == "full":
         return []
     c = model.config
-    applies = {"layernorm": True, "mla_up_proj": c.mla is not None, "moe_act": c.moe is not None,
-               "mlp": c.moe is None or c.moe_layers < c.layers,
-               "shared_experts": c.moe is not None and bool(c.moe.shared_ffn), "moe": c.moe is not None}
+    applies = {
+        "layernorm": True,
+        "mla_up_proj": c.mla is not None,
+        "moe_act": c.moe is not None,
+        "mlp": c.moe is None or c.moe_layers < c.layers,
+        "shared_experts": c.moe is not None and bool(c.moe.shared_ffn),
+        "moe": c.moe is not None,
+    }
     names = [m for m in LIGHT_MODULES + HEAVY_MODULES if applies[m]]
     sets = [s for k in (1, 2, 3) for s in itertools.combinations(names, k)]
     sets.sort(key=lambda s: (sum(m in HEAVY_MODULES for m in s), len(s)))
     flag = "--recompute selective " if plan.recompute != "selective" else ""
-    return [(f"{flag}--recompute-modules {','.join(s)}", dict(recompute="selective", recompute_modules=s))
-            for s in sets if s != plan.recompute_modules]
+    return [
+        (f"{flag}--recompute-modules {','.join(s)}", dict(recompute="selective", recompute_modules=s))
+        for s in sets
+        if s != plan.recompute_modules
+    ]
 
 
 def _fewer_replicas(plan: Plan, factor: int) -> dict:
@@ -97,8 +107,17 @@ def _divides(plan: Plan, change: dict, world: int) -> bool:
     return new.world == world and new.global_batch == plan.global_batch and (new.dp * new.cp) % new.ep == 0
 
 
-def suggest_fix(model, plan: Plan, *, seq_len: int, world: int, gpus_per_node: int, threshold_bytes: float,
-                gpu_bytes: float, overhead_bytes: float) -> str:
+def suggest_fix(
+    model,
+    plan: Plan,
+    *,
+    seq_len: int,
+    world: int,
+    gpus_per_node: int,
+    threshold_bytes: float,
+    gpu_bytes: float,
+    overhead_bytes: float,
+) -> str:
     """The first single change (``_changes``' order) that brings the peak under the line, else under
     the GPU's memory, with the peak it gives; or what to do when no single change is enough."""
     within = None

@@ -28,13 +28,30 @@ def chunk_positions(chunks, half: int, device) -> torch.Tensor:
     return torch.cat([torch.arange(c * half, (c + 1) * half, device=device) for c in chunks])
 
 
-def attention_keep(p: float, keys: DropoutKeys, *, site: str, head_start: int, heads_local: int, heads: int,
-                   rows: torch.Tensor, seq_len: int, device) -> torch.Tensor:
+def attention_keep(
+    p: float,
+    keys: DropoutKeys,
+    *,
+    site: str,
+    head_start: int,
+    heads_local: int,
+    heads: int,
+    rows: torch.Tensor,
+    seq_len: int,
+    device,
+) -> torch.Tensor:
     """The attention-probability dropout mask of this rank's query rows against every key:
     ``(B, heads_local, S/cp, S)`` bool, cut from the same ``(heads, S, S)`` draw per sample as
     ``megakit.nn.dropout.attention_dropout`` (so the same units drop at any layout)."""
-    keep = keep_mask(p, keys, site=site, streams=keys.samples, full_shape=(heads, seq_len, seq_len),
-                     rows=slice(head_start, head_start + heads_local), device=device)
+    keep = keep_mask(
+        p,
+        keys,
+        site=site,
+        streams=keys.samples,
+        full_shape=(heads, seq_len, seq_len),
+        rows=slice(head_start, head_start + heads_local),
+        device=device,
+    )
     return keep.index_select(2, rows)
 
 
@@ -54,8 +71,9 @@ class _BlockAttention(torch.autograd.Function):
         total = torch.zeros((b, n, s, 1), dtype=torch.float32, device=q.device)
         acc = torch.zeros((b, n, s, v.shape[-1]), dtype=torch.float32, device=q.device)  # v's width (MLA: d_v)
         for (kb, vb), chunks in transport(s // 2, window).blocks(k, v):
-            scores, keep_j = _block_scores(q, kb, pos, chunk_positions(chunks, s // 2, q.device), keep, scale,
-                                           window, documents)
+            scores, keep_j = _block_scores(
+                q, kb, pos, chunk_positions(chunks, s // 2, q.device), keep, scale, window, documents
+            )
             m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))  # finite: step 0 is the own block
             alpha, e = (m - m_new).exp(), (scores - m_new).exp()
             total = total * alpha + e.sum(dim=-1, keepdim=True)
@@ -87,8 +105,9 @@ class _BlockAttention(torch.autograd.Function):
         transport = ctx.transport(s // 2, ctx.window)
         for (kb, vb), chunks in transport.blocks(k, v):
             kj, vj = _repeat_kv(kb, n).float(), _repeat_kv(vb, n).float()
-            scores, keep_j = _block_scores(q, kb, pos, chunk_positions(chunks, s // 2, q.device), keep, scale,
-                                           ctx.window, ctx.documents)
+            scores, keep_j = _block_scores(
+                q, kb, pos, chunk_positions(chunks, s // 2, q.device), keep, scale, ctx.window, ctx.documents
+            )
             probs = (scores - lse).exp()  # masked entries: exp(-inf) = 0
             dropped = probs if keep_j is None else probs * keep_j / (1.0 - p)
             grad_v = torch.matmul(dropped.transpose(-2, -1), grad_out)  # (B, n, S_k, d_v)
@@ -100,8 +119,20 @@ class _BlockAttention(torch.autograd.Function):
             grad_k = torch.matmul(grad_s.transpose(-2, -1), q.float()) * scale
             transport.give_back(_sum_kv(grad_k, k.shape[1]), _sum_kv(grad_v, k.shape[1]))
         dk, dv = transport.own_gradients()  # this rank's K/V gradients, home
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None,
-                grad_sinks)
+        return (
+            dq.to(q.dtype),
+            dk.to(k.dtype),
+            dv.to(v.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            grad_sinks,
+        )
 
 
 # -- the blocks on a fused kernel ------------------------------------------------------------------------------
@@ -128,8 +159,8 @@ def _cuda_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> t
         return None
     cols = -(-mask.shape[-1] // 16) * 16
     padded = mask.new_zeros((*mask.shape[:-1], cols))
-    padded[..., :mask.shape[-1]] = mask
-    return padded[..., :mask.shape[-1]].expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    padded[..., : mask.shape[-1]] = mask
+    return padded[..., : mask.shape[-1]].expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
 def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -147,7 +178,7 @@ def _pair_forward(q, k, v, causal: bool, mask, scale: float) -> tuple[torch.Tens
         out, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
         return out[..., :width], lse
     out, lse, _, _ = _EFFICIENT(q, k, v, _cuda_bias(mask, q, k), True, 0.0, causal, scale=scale)
-    return out[..., :width], lse[..., :q.shape[2]]  # the kernel pads the LSE's rows to a multiple of 32
+    return out[..., :width], lse[..., : q.shape[2]]  # the kernel pads the LSE's rows to a multiple of 32
 
 
 def _pair_backward(grad_out, q, k, v, out, lse, causal: bool, mask, scale: float):
@@ -161,8 +192,21 @@ def _pair_backward(grad_out, q, k, v, out, lse, causal: bool, mask, scale: float
     rows = lse.shape[-1]
     padded = torch.nn.functional.pad(lse, (0, -rows % 32))  # the layout its forward returned
     no_dropout = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed and offset, unread at p = 0
-    gq, gk, gv, _ = _EFFICIENT_BACKWARD(grad_out, q, k, v, _cuda_bias(mask, q, k), out, padded, no_dropout,
-                                        no_dropout, 0.0, [True, True, True, False], causal, scale=scale)
+    gq, gk, gv, _ = _EFFICIENT_BACKWARD(
+        grad_out,
+        q,
+        k,
+        v,
+        _cuda_bias(mask, q, k),
+        out,
+        padded,
+        no_dropout,
+        no_dropout,
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scale,
+    )
     return gq, gk, gv[..., :width]
 
 
@@ -210,16 +254,25 @@ class _FusedBlockAttention(torch.autograd.Function):
         lse = torch.full((b, n, s), float("-inf"), dtype=acc, device=q.device)
         for (kb, vb), chunks in transport(half, window).blocks(k, v):
             kj, vj = _repeat_kv(kb, n), _repeat_kv(vb, n)
-            for qs, ks, causal, mask, none in _pairs((r, 2 * cp - 1 - r), chunks, half, window, documents, pos,
-                                                      chunk_positions(chunks, half, q.device), q.dtype):
+            for qs, ks, causal, mask, none in _pairs(
+                (r, 2 * cp - 1 - r),
+                chunks,
+                half,
+                window,
+                documents,
+                pos,
+                chunk_positions(chunks, half, q.device),
+                q.dtype,
+            ):
                 o, l = _pair_forward(q[:, :, qs], kj[:, :, ks], vj[:, :, ks], causal, mask, scale)
                 if none is not None:  # rows with no allowed key: nothing (a kernel may give lse 0 or o NaN there)
                     l = l.masked_fill(none.expand(b, n, -1), float("-inf"))
                     o = o.masked_fill(none.expand(b, n, -1)[..., None], 0.0)
                 merged = torch.logaddexp(lse[:, :, qs], l)
                 safe = merged.masked_fill(merged == float("-inf"), 0.0)
-                out[:, :, qs] = (out[:, :, qs] * (lse[:, :, qs] - safe).exp()[..., None]
-                                 + o.to(acc) * (l - safe).exp()[..., None])
+                out[:, :, qs] = (
+                    out[:, :, qs] * (lse[:, :, qs] - safe).exp()[..., None] + o.to(acc) * (l - safe).exp()[..., None]
+                )
                 lse[:, :, qs] = merged
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
@@ -243,11 +296,28 @@ class _FusedBlockAttention(torch.autograd.Function):
             kj, vj = _repeat_kv(kb, n), _repeat_kv(vb, n)
             dk = torch.zeros(kj.shape, dtype=acc, device=q.device)
             dv = torch.zeros(vj.shape, dtype=acc, device=q.device)
-            for qs, ks, causal, mask, _ in _pairs((r, 2 * cp - 1 - r), chunks, half, ctx.window, ctx.documents, pos,
-                                                   chunk_positions(chunks, half, q.device), q.dtype):
+            for qs, ks, causal, mask, _ in _pairs(
+                (r, 2 * cp - 1 - r),
+                chunks,
+                half,
+                ctx.window,
+                ctx.documents,
+                pos,
+                chunk_positions(chunks, half, q.device),
+                q.dtype,
+            ):
                 # the final output and log-sum-exp: each pair's share of dS = P (dP - rowsum(dO O))
-                gq, gk, gv = _pair_backward(grad_out[:, :, qs], q[:, :, qs], kj[:, :, ks], vj[:, :, ks],
-                                            out[:, :, qs], lse[:, :, qs].contiguous(), causal, mask, scale)
+                gq, gk, gv = _pair_backward(
+                    grad_out[:, :, qs],
+                    q[:, :, qs],
+                    kj[:, :, ks],
+                    vj[:, :, ks],
+                    out[:, :, qs],
+                    lse[:, :, qs].contiguous(),
+                    causal,
+                    mask,
+                    scale,
+                )
                 dq[:, :, qs] += gq.to(acc)
                 dk[:, :, ks] += gk.to(acc)
                 dv[:, :, ks] += gv.to(acc)
@@ -323,10 +393,22 @@ class Own:
         return self.grads
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp: int = 1, r: int = 0, transport=Own,
-                    keep: torch.Tensor | None = None, p: float = 0.0, scale: float | None = None, window: int = 0,
-                    documents: torch.Tensor | None = None, fused: bool | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+def block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cp: int = 1,
+    r: int = 0,
+    transport=Own,
+    keep: torch.Tensor | None = None,
+    p: float = 0.0,
+    scale: float | None = None,
+    window: int = 0,
+    documents: torch.Tensor | None = None,
+    fused: bool | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention of CP rank ``r`` of ``cp``'s queries over the whole sequence, its K/V blocks brought by
     ``transport(half, window)`` (default ``Own``: no CP, the whole sequence here); see ``ring_attention`` for the
     arguments. ``fused``: each block's chunk pairs on the fused kernel (``_FusedBlockAttention``); default: without

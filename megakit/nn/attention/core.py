@@ -110,26 +110,53 @@ class Attention(nn.Module):
     log-sum-exp and recomputes the scores in backward by itself (so ``selective`` changes nothing).
     """
 
-    def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, site: str, dtype, device,
-                 selective: bool = False, cp_group=None, index: int = 0) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        group,
+        sequence_parallel: bool,
+        site: str,
+        dtype,
+        device,
+        selective: bool = False,
+        cp_group=None,
+        index: int = 0,
+    ) -> None:
         super().__init__()
-        self._setup(config, group=group, sequence_parallel=sequence_parallel, site=site, selective=selective,
-                    cp_group=cp_group, index=index)
+        self._setup(
+            config,
+            group=group,
+            sequence_parallel=sequence_parallel,
+            site=site,
+            selective=selective,
+            cp_group=cp_group,
+            index=index,
+        )
         q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
         col = dict(group=group, sequence_parallel=sequence_parallel, enter_region=False, dtype=dtype, device=device)
         self.q_proj = ColumnParallelLinear(config.hidden, q, bias=config.qkv_bias, **col)
         self.k_proj = ColumnParallelLinear(config.hidden, kv, bias=config.qkv_bias, **col)
         self.v_proj = ColumnParallelLinear(config.hidden, kv, bias=config.qkv_bias, **col)
-        self.o_proj = RowParallelLinear(q, config.hidden, bias=config.out_bias, group=group,
-                                        sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(
+            q,
+            config.hidden,
+            bias=config.out_bias,
+            group=group,
+            sequence_parallel=sequence_parallel,
+            dtype=dtype,
+            device=device,
+        )
         if config.attention_sinks:  # gpt-oss: one logit per head, split over TP with the heads
             self.sinks = mark(nn.Parameter(torch.empty(self.heads, dtype=dtype, device=device)), 0)
         if config.qk_norm:  # Qwen3: RMSNorm over each head's q and k before RoPE, one weight for all heads
-            self.q_norm, self.k_norm = (HeadNorm(config.head_dim, config.norm_eps, dtype, device, config.norm_offset)
-                                        for _ in "qk")
+            self.q_norm, self.k_norm = (
+                HeadNorm(config.head_dim, config.norm_eps, dtype, device, config.norm_offset) for _ in "qk"
+            )
 
-    def _setup(self, config: ModelConfig, *, group, sequence_parallel: bool, site: str, selective: bool, cp_group,
-               index: int) -> None:
+    def _setup(
+        self, config: ModelConfig, *, group, sequence_parallel: bool, site: str, selective: bool, cp_group, index: int
+    ) -> None:
         """The state every attention variant keeps: its groups and heads, the CP mode, kernels, scale and window."""
         tp = C.size(group)
         self.cp_group, self.cp, self.cp_rank = cp_group, C.size(cp_group), C.rank(cp_group)
@@ -142,13 +169,14 @@ class Attention(nn.Module):
         self.cp_mode = "ring"  # with CP: ring attention, "a2a" (Ulysses: attention.ulysses) or "hybrid"; use_cp_mode
         self.a2a_group = self.ring_group = None  # hybrid's groups (use_cp_mode sets them)
         self.scale, self.window = config.attention_scale(index), config.attention_window(index)  # block ``index``'s
-        self.sdpa_scale = None if self.scale == self.head_dim ** -0.5 else self.scale  # None: SDPA's own 1/sqrt(d)
+        self.sdpa_scale = None if self.scale == self.head_dim**-0.5 else self.scale  # None: SDPA's own 1/sqrt(d)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(*x.shape[:2], n, self.head_dim).permute(1, 2, 0, 3)  # (S, B, n*d) -> (B, n, S, d)
 
-    def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         projections = (self.q_proj, self.k_proj, self.v_proj)  # (S', B, H) -> (S, B, nh/tp * d), (S, B, nkv/tp * d) x 2
         q, k, v = column_parallel(x, projections, self.group, self.sequence_parallel)
         if hasattr(self, "q_norm"):
@@ -159,8 +187,9 @@ class Attention(nn.Module):
             y = self._core(q, k, v, rope, keys, documents)
         return self.o_proj(y)  # (S', B, H)
 
-    def _core(self, q, k, v, rope: tuple | None, keys: DropoutKeys | None,
-              documents: torch.Tensor | None = None) -> torch.Tensor:
+    def _core(
+        self, q, k, v, rope: tuple | None, keys: DropoutKeys | None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The attention core: projections in, ``(S, B, nh/tp * d)`` out (what ``o_proj`` takes). ``documents``
         ``(B, S)`` (the whole sequence's, also under CP): attention stays inside each document."""
         s, b, _ = q.shape
@@ -177,8 +206,9 @@ class Attention(nn.Module):
         if self.cp > 1 and self.cp_mode == "a2a":
             heads = self.heads // self.cp  # this rank's head group of the whole sequence
             start = self.head_start + self.cp_rank * heads
-            return ulysses_attention(q, k, v, self.cp_group,
-                                     lambda q, k, v: self._attend(q, k, v, keys, documents, head_start=start))
+            return ulysses_attention(
+                q, k, v, self.cp_group, lambda q, k, v: self._attend(q, k, v, keys, documents, head_start=start)
+            )
         if self.cp > 1 and self.cp_mode == "hybrid":  # a2a inside the run of CP ranks, a ring across the runs
             a, place = C.size(self.a2a_group), C.rank(self.a2a_group)
             start = self.head_start + place * self.heads // a
@@ -191,8 +221,9 @@ class Attention(nn.Module):
             return self._ring(q, k, v, keys, documents, group=self.cp_group, head_start=self.head_start)
         return self._attend(q, k, v, keys, documents, head_start=self.head_start)
 
-    def _attend(self, q, k, v, keys: DropoutKeys | None, documents: torch.Tensor | None, *, head_start: int
-                ) -> torch.Tensor:
+    def _attend(
+        self, q, k, v, keys: DropoutKeys | None, documents: torch.Tensor | None, *, head_start: int
+    ) -> torch.Tensor:
         """Attention over the whole sequence of ``q``'s heads ``(B, n, S, d)`` (global heads from ``head_start``).
         With sinks, ``block_attention`` on the rank's own block: SDPA's kernels return no log-sum-exp."""
         if hasattr(self, "sinks"):
@@ -205,11 +236,19 @@ class Attention(nn.Module):
         gqa = q.shape[1] != k.shape[1]
         if gqa and self.expand_kv:  # kernels without GQA broadcast (cuDNN, efficient): one K/V per query head
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.sdpa_scale,
-                                              enable_gqa=gqa and not self.expand_kv)  # (B, n, S, d)
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.sdpa_scale,
+            enable_gqa=gqa and not self.expand_kv,
+        )  # (B, n, S, d)
 
-    def _attend_with_dropout(self, q, k, v, keys: DropoutKeys, documents: torch.Tensor | None = None, *,
-                             head_start: int) -> torch.Tensor:
+    def _attend_with_dropout(
+        self, q, k, v, keys: DropoutKeys, documents: torch.Tensor | None = None, *, head_start: int
+    ) -> torch.Tensor:
         """``softmax(q k^T * scale + causal) -> dropout -> @ v``, as SDPA's math path, with megakit's masks."""
         if k.shape[1] != q.shape[1]:  # GQA: each KV head serves a run of query heads (SDPA's enable_gqa)
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
@@ -219,24 +258,36 @@ class Attention(nn.Module):
         if allowed is None:
             causal = torch.full((s, s), float("-inf"), dtype=scores.dtype, device=q.device).triu_(1)
         else:
-            causal = torch.zeros(allowed.shape, dtype=scores.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+            causal = torch.zeros(allowed.shape, dtype=scores.dtype, device=q.device).masked_fill_(
+                ~allowed, float("-inf")
+            )
         probs = (scores + causal).softmax(dim=-1)  # an added constant: nothing more saved for backward
-        probs = attention_dropout(probs, self.dropout, keys, site=self.site, head_start=head_start,
-                                  heads=self.total_heads)
+        probs = attention_dropout(
+            probs, self.dropout, keys, site=self.site, head_start=head_start, heads=self.total_heads
+        )
         return torch.matmul(probs, v)  # (B, nh/tp, S, d)
 
-    def _ring(self, q, k, v, keys: DropoutKeys | None, documents: torch.Tensor | None, *, group, head_start: int
-              ) -> torch.Tensor:
+    def _ring(
+        self, q, k, v, keys: DropoutKeys | None, documents: torch.Tensor | None, *, group, head_start: int
+    ) -> torch.Tensor:
         """Ring attention over ``group`` of ``q``'s heads (global heads from ``head_start``); ``group`` None: the whole
         sequence on this rank, over the same blocks (``block_attention``). The dropout mask is this rank's rows of the
         whole draw."""
         keep, ring, r = None, C.size(group), C.rank(group)
         seq_len = q.shape[2] * ring
         if self.training and self.dropout > 0:
-            keep = attention_keep(self.dropout, keys, site=self.site, head_start=head_start,
-                                  heads_local=q.shape[1], heads=self.total_heads, seq_len=seq_len, device=q.device,
-                                  rows=positions(seq_len, ring, r, device=q.device))
-        sinks = self.sinks[head_start - self.head_start:][:q.shape[1]] if hasattr(self, "sinks") else None
+            keep = attention_keep(
+                self.dropout,
+                keys,
+                site=self.site,
+                head_start=head_start,
+                heads_local=q.shape[1],
+                heads=self.total_heads,
+                seq_len=seq_len,
+                device=q.device,
+                rows=positions(seq_len, ring, r, device=q.device),
+            )
+        sinks = self.sinks[head_start - self.head_start :][: q.shape[1]] if hasattr(self, "sinks") else None
         options = dict(keep=keep, p=self.dropout, scale=self.scale, window=self.window, documents=documents)
         if group is None:
             return block_attention(q, k, v, sinks=sinks, **options)  # (B, n, S, d)

@@ -29,8 +29,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megakit.errors import UsageError
 
 KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
-_BACKEND = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+_BACKEND = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
 _EXPANDS_KV = ("cudnn", "efficient")
 _CUDA_ONLY = ("flash", "cudnn", "efficient")
 
@@ -63,9 +67,17 @@ def choose_kernel(name: str, *, cuda: bool, capability: tuple[int, int] | None =
     if name == "auto":
         flex = cuda and capability is not None and capability >= (8, 0)  # FlexAttention's Triton kernels: Ampere on
         if cuda and capability is not None and capability >= (9, 0):
-            return KernelChoice("auto", (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                                         SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH), expand_kv=True,
-                                flex_documents=flex)
+            return KernelChoice(
+                "auto",
+                (
+                    SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.FLASH_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.MATH,
+                ),
+                expand_kv=True,
+                flex_documents=flex,
+            )
         return KernelChoice("auto", flex_documents=flex)
     return KernelChoice(name, (_BACKEND[name],), expand_kv=name in _EXPANDS_KV)
 
@@ -86,9 +98,12 @@ def use_kernel(model: torch.nn.Module, choice: KernelChoice) -> None:
 
 
 # kernel names as the profiler shows them, per backend (CUDA kernels and the aten ops that launch them)
-KERNEL_PATTERNS = {"cudnn": ("cudnn", "sm90_flash", "cudnn_attention"), "flash": ("flash_fwd", "flash_bwd",
-                   "flash_attention"), "efficient": ("fmha", "efficient_attention", "mem_eff"),
-                   "math": ("_scaled_dot_product_attention_math", "attention_math")}
+KERNEL_PATTERNS = {
+    "cudnn": ("cudnn", "sm90_flash", "cudnn_attention"),
+    "flash": ("flash_fwd", "flash_bwd", "flash_attention"),
+    "efficient": ("fmha", "efficient_attention", "mem_eff"),
+    "math": ("_scaled_dot_product_attention_math", "attention_math"),
+}
 
 
 def attention_kernels_in(names) -> list[str]:

@@ -65,11 +65,29 @@ class _LatentNorm(nn.Module):
 class LatentAttention(Attention):
     """MLA with ``Attention``'s core; see the module docstring."""
 
-    def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, site: str, dtype, device,
-                 selective: bool = False, cp_group=None, index: int = 0) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        group,
+        sequence_parallel: bool,
+        site: str,
+        dtype,
+        device,
+        selective: bool = False,
+        cp_group=None,
+        index: int = 0,
+    ) -> None:
         nn.Module.__init__(self)  # Attention's state, not its q/k/v projections
-        self._setup(config, group=group, sequence_parallel=sequence_parallel, site=site, selective=selective,
-                    cp_group=cp_group, index=index)
+        self._setup(
+            config,
+            group=group,
+            sequence_parallel=sequence_parallel,
+            site=site,
+            selective=selective,
+            cp_group=cp_group,
+            index=index,
+        )
         m, h, n = config.mla, config.hidden, config.heads
         self.mla = m
         kw = dict(dtype=dtype, device=device)
@@ -83,11 +101,13 @@ class LatentAttention(Attention):
         self.kv_a_proj_with_mqa = _Down(m.kv_lora_rank + m.qk_rope_head_dim, h, bias=config.qkv_bias, **kw)
         self.kv_a_layernorm = _LatentNorm(m.kv_lora_rank, config.norm_eps, **kw)
         self.kv_b_proj = ColumnParallelLinear(m.kv_lora_rank, n * (m.qk_nope_head_dim + m.v_head_dim), **col)
-        self.o_proj = RowParallelLinear(n * m.v_head_dim, h, bias=config.out_bias, group=group,
-                                        sequence_parallel=sequence_parallel, **kw)
+        self.o_proj = RowParallelLinear(
+            n * m.v_head_dim, h, bias=config.out_bias, group=group, sequence_parallel=sequence_parallel, **kw
+        )
 
-    def forward(self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``(S', B, H)`` in and out (``S' = S/tp`` with SP)."""
         m, g, sp = self.mla, self.group, self.sequence_parallel
         if m.q_lora_rank:

@@ -32,7 +32,7 @@ def position_ids(documents: torch.Tensor) -> torch.Tensor:
 
 def same_document(doc_q: torch.Tensor, doc_k: torch.Tensor) -> torch.Tensor:
     """``(B, 1, S_q, S_k)`` bool, True where query and key are in one document (broadcast over heads)."""
-    return (doc_q[:, None, :, None] == doc_k[:, None, None, :])
+    return doc_q[:, None, :, None] == doc_k[:, None, None, :]
 
 
 def causal_mask(s: int, window: int, device) -> torch.Tensor | None:
@@ -79,17 +79,21 @@ def document_block_mask(documents: torch.Tensor, window: int):
     ``window``, if any): built once per micro-batch, then reused by every layer."""
     cached = _BLOCK_MASKS.get(window)
     if cached is None or cached[0] is not documents:  # held, so no later tensor can take its place (and its id)
+
         def allowed(b, h, q, k):
             inside = (documents[b, q] == documents[b, k]) & (q >= k)
             return inside & (q - k < window) if window else inside
 
         b, s = documents.shape
-        cached = _BLOCK_MASKS[window] = documents, _flex(documents.is_cuda)[0](allowed, b, None, s, s,
-                                                                                device=documents.device)
+        cached = _BLOCK_MASKS[window] = (
+            documents,
+            _flex(documents.is_cuda)[0](allowed, b, None, s, s, device=documents.device),
+        )
     return cached[1]
 
 
 def flex_document_attention(q, k, v, documents: torch.Tensor, *, window: int, scale: float) -> torch.Tensor:
     """``(B, n, S, d)``: attention of ``q`` over ``k``/``v`` (GQA broadcast) inside each document, by FlexAttention."""
-    return _flex(q.is_cuda)[1](q, k, v, block_mask=document_block_mask(documents, window), scale=scale,
-                               enable_gqa=q.shape[1] != k.shape[1])
+    return _flex(q.is_cuda)[1](
+        q, k, v, block_mask=document_block_mask(documents, window), scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )

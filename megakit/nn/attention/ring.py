@@ -34,10 +34,20 @@ from megakit.nn.attention.blocks import block_attention
 from megakit.nn.attention.transport import ring_transport
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, keep: torch.Tensor | None = None,
-                   p: float = 0.0, scale: float | None = None, window: int = 0,
-                   documents: torch.Tensor | None = None, fused: bool | None = None,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group,
+    *,
+    keep: torch.Tensor | None = None,
+    p: float = 0.0,
+    scale: float | None = None,
+    window: int = 0,
+    documents: torch.Tensor | None = None,
+    fused: bool | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention over the whole sequence held by the CP ``group`` (load-balanced split).
 
     ``q``/``k`` ``(B, n, S/cp, d)``/``(B, n_kv, S/cp, d)``, ``v`` ``(B, n_kv, S/cp, d_v)`` (GQA when ``n_kv < n``;
@@ -52,5 +62,18 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
     rows.
     """
     ranks, r = C.group_ranks(group), C.rank(group)
-    return block_attention(q, k, v, cp=len(ranks), r=r, transport=functools.partial(ring_transport, ranks, r),
-                           keep=keep, p=p, scale=scale, window=window, documents=documents, fused=fused, sinks=sinks)
+    return block_attention(
+        q,
+        k,
+        v,
+        cp=len(ranks),
+        r=r,
+        transport=functools.partial(ring_transport, ranks, r),
+        keep=keep,
+        p=p,
+        scale=scale,
+        window=window,
+        documents=documents,
+        fused=fused,
+        sinks=sinks,
+    )

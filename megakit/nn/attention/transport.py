@@ -109,8 +109,9 @@ class Halo:
         each (one batch): ``(sent, received, handle)``, the halves from before and after as ``self.chunks`` orders
         them (``sent`` kept until the wait). The ends send and receive one."""
         peers = [peer for peer in (self.before, self.after) if peer is not None]
-        sends = [(pack(*x), peer, tag) for x, peer in ((to_before, self.before), (to_after, self.after))
-                 if peer is not None]
+        sends = [
+            (pack(*x), peer, tag) for x, peer in ((to_before, self.before), (to_after, self.after)) if peer is not None
+        ]
         received = [torch.empty_like(sends[0][0]) for _ in peers]
         return sends, received, C.exchange(sends, [(buf, peer, tag) for buf, peer in zip(received, peers)])
 

@@ -50,8 +50,9 @@ def _sequence_to_heads(y: torch.Tensor, group, cp: int, order: torch.Tensor) -> 
     return got.view(cp, b, m, s // cp, d).transpose(0, 1).reshape(b, cp * m, s // cp, d)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, attend, *, cp: int | None = None,
-                      first: int = 0) -> torch.Tensor:
+def ulysses_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, attend, *, cp: int | None = None, first: int = 0
+) -> torch.Tensor:
     """``(B, n, S/cp, d)`` out for this rank's tokens: ``attend(q, k, v)`` run on ``(B, n/a, S a/cp, d)``, ``a`` the
     ``group``'s size (the tokens of the group's ranks, in sequence order, of this rank's head group; ``attend``
     knows which heads by ``C.rank(group)``). The group holds CP ranks ``first .. first + a - 1`` of ``cp`` (default:

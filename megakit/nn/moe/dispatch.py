@@ -34,8 +34,9 @@ from megakit.nn.tensor_parallel.collectives import all_to_all
 
 
 class Dispatcher(Protocol):
-    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, object]:
+    def dispatch(
+        self, x: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, object]:
         """``(rows (M, H) grouped by local expert, rows per local expert (E/EP,) on the device, plan for
         combine)``; rows past the counts' sum (dropped assignments, at EP 1) are computed by no expert."""
 
@@ -51,8 +52,9 @@ class _Sorted:
     k: int
 
 
-def _sort(x: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor | None, num_experts: int
-          ) -> tuple[torch.Tensor, torch.Tensor, _Sorted]:
+def _sort(
+    x: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor | None, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, _Sorted]:
     """``(all N k rows sorted by expert, dropped last (N k, H), kept assignments per expert (E,), plan)``.
 
     Static shapes, no host sync: the dropped assignments go to a sentinel expert ``E`` that sorts last and
@@ -109,8 +111,8 @@ def _exchange(rows: torch.Tensor, counts: torch.Tensor, plan: _Sorted, group, ep
     moved = sent.sum() - sent[me] + received.sum() - received[me]  # a tensor: the graph after us guards no number
     sizes = torch.cat([sent, received_counts.reshape(-1)]).tolist()  # the one copy to the host
     send, by_source = sizes[:ep], sizes[ep:]
-    recv = [sum(by_source[r * local:(r + 1) * local]) for r in range(ep)]
-    received = all_to_all(rows[:sum(send)], group, send, recv)  # by source rank, then local expert
+    recv = [sum(by_source[r * local : (r + 1) * local]) for r in range(ep)]
+    received = all_to_all(rows[: sum(send)], group, send, recv)  # by source rank, then local expert
     segment = torch.arange(local, device=rows.device).repeat(ep)  # local expert of each received block
     segment = segment.repeat_interleave(received_counts.reshape(-1), output_size=sum(recv))
     regroup = torch.argsort(segment, stable=True)

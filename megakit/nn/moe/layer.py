@@ -85,8 +85,9 @@ class Router(nn.Module):
         if config.router_bias:  # gpt-oss: a learned bias on the logits
             self.bias = _param(config.experts, dtype=dtype, device=device)
         if config.expert_bias:
-            self.register_buffer("e_score_correction_bias", torch.zeros(config.experts, dtype=torch.float32,
-                                                                        device=device))
+            self.register_buffer(
+                "e_score_correction_bias", torch.zeros(config.experts, dtype=torch.float32, device=device)
+            )
 
 
 class SharedExpert(nn.Module):
@@ -95,8 +96,11 @@ class SharedExpert(nn.Module):
     def __init__(self, hidden: int, ffn: int, *, dtype, device) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device)
-        self.gate_proj, self.up_proj, self.down_proj = _Weight(ffn, hidden, **kw), _Weight(ffn, hidden, **kw), \
-            _Weight(hidden, ffn, **kw)
+        self.gate_proj, self.up_proj, self.down_proj = (
+            _Weight(ffn, hidden, **kw),
+            _Weight(ffn, hidden, **kw),
+            _Weight(hidden, ffn, **kw),
+        )
 
     def forward(self, x: torch.Tensor, tp_group) -> torch.Tensor:
         w = [copy_to_tp(m.weight, tp_group) for m in (self.gate_proj, self.up_proj, self.down_proj)]
@@ -109,8 +113,19 @@ class Experts(nn.Module):
     loop over experts (the same numbers; fp64, or widths the kernel cannot take: one copy of the counts to host).
     gpt-oss's (``biases``, ``limit``): a bias on both matrices, and the clamped SwiGLU (``MoEConfig``)."""
 
-    def __init__(self, local: int, hidden: int, ffn: int, *, dtype, device, grouped: bool | str = "auto",
-                 biases: bool = False, limit: float = 0.0, alpha: float = 1.0) -> None:
+    def __init__(
+        self,
+        local: int,
+        hidden: int,
+        ffn: int,
+        *,
+        dtype,
+        device,
+        grouped: bool | str = "auto",
+        biases: bool = False,
+        limit: float = 0.0,
+        alpha: float = 1.0,
+    ) -> None:
         super().__init__()
         self.gate_up_proj = _param(local, 2 * ffn, hidden, dtype=dtype, device=device, ep=True)
         self.down_proj = _param(local, hidden, ffn, dtype=dtype, device=device, ep=True)
@@ -134,7 +149,7 @@ class Experts(nn.Module):
         return copy_to_tp(self.gate_up_proj_bias, tp_group), copy_to_tp(self.down_proj_bias, tp_group)
 
     def use_grouped(self, x: torch.Tensor) -> bool:
-        """"auto": the kernel's dtypes (fp32, bf16, fp16 on the CPU; on CUDA bf16 on Hopper or Blackwell only,
+        """ "auto": the kernel's dtypes (fp32, bf16, fp16 on the CPU; on CUDA bf16 on Hopper or Blackwell only,
         where torch has the fused kernel: elsewhere its fallback copies the offsets to the host and loops, waiting
         at every product), rows and widths 16-byte aligned."""
         if self.grouped != "auto":
@@ -163,7 +178,7 @@ class Experts(nn.Module):
                 self.grouped = False
         out, start = [], 0
         for e, n in enumerate(counts.tolist()):  # a copy to the host: only where the kernel cannot run (fp64 tests)
-            h = self._glu(F.linear(rows[start:start + n], gate_up[e], None if bias_up is None else bias_up[e]))
+            h = self._glu(F.linear(rows[start : start + n], gate_up[e], None if bias_up is None else bias_up[e]))
             out.append(F.linear(h, down[e], None if bias_down is None else bias_down[e]))
             start += n
         if start < rows.shape[0]:
@@ -178,8 +193,9 @@ class Experts(nn.Module):
         offs = ends.to(torch.int32)
         position = torch.arange(rows.shape[0], device=rows.device)
         valid = (position < ends[-1]).unsqueeze(-1)  # (M, 1)
-        expert = None if bias_up is None else torch.searchsorted(ends, position, right=True).clamp(
-            max=counts.numel() - 1)  # (M,) each row's expert
+        expert = (
+            None if bias_up is None else torch.searchsorted(ends, position, right=True).clamp(max=counts.numel() - 1)
+        )  # (M,) each row's expert
         h = grouped_mm(torch.where(valid, rows, 0), gate_up.transpose(1, 2), offs)  # (M, 2F)
         h = torch.where(valid, h if expert is None else h + bias_up[expert], 0)
         out = grouped_mm(self._glu(h), down.transpose(1, 2), offs)  # (M, H)
@@ -210,13 +226,26 @@ class MoE(nn.Module):
 
     SUMMED = ("dropped", "aux", "seq_aux", "z")  # ``stats`` summed over the step's forwards in ``step_sums``
 
-    def __init__(self, config: MoEConfig, hidden: int, *, group=None, sequence_parallel: bool = False,
-                 cp_group=None, ep_group=None, dtype=torch.float32, device=None, grouped: bool | str = "auto") -> None:
+    def __init__(
+        self,
+        config: MoEConfig,
+        hidden: int,
+        *,
+        group=None,
+        sequence_parallel: bool = False,
+        cp_group=None,
+        ep_group=None,
+        dtype=torch.float32,
+        device=None,
+        grouped: bool | str = "auto",
+    ) -> None:
         super().__init__()
         ep = C.size(ep_group)
         if config.experts % ep:
-            raise UsageError(f"--ep {ep} does not divide the {config.experts} experts; choose an EP that divides "
-                             "the number of experts")
+            raise UsageError(
+                f"--ep {ep} does not divide the {config.experts} experts; choose an EP that divides "
+                "the number of experts"
+            )
         self.config, self.hidden = config, hidden
         self.tp_group = group if C.size(group) > 1 else None
         self.split_sequence = self.tp_group is not None and not sequence_parallel
@@ -225,21 +254,31 @@ class MoE(nn.Module):
         self.dispatcher = make_dispatcher(config.experts, ep_group)
         kw = dict(dtype=dtype, device=device)
         self.gate = Router(config, hidden, **kw)
-        self.experts = Experts(config.experts // ep, hidden, config.ffn, grouped=grouped, biases=config.expert_biases,
-                               limit=config.swiglu_limit, alpha=config.swiglu_alpha, **kw)
+        self.experts = Experts(
+            config.experts // ep,
+            hidden,
+            config.ffn,
+            grouped=grouped,
+            biases=config.expert_biases,
+            limit=config.swiglu_limit,
+            alpha=config.swiglu_alpha,
+            **kw,
+        )
         if config.shared_ffn:
             self.shared_expert = SharedExpert(hidden, config.shared_ffn, **kw)
             if config.shared_gate:
                 self.shared_expert_gate = _Weight(1, hidden, **kw)
-        self.register_buffer("step_tokens", torch.zeros(config.experts, dtype=torch.int64, device=device),
-                             persistent=False)
+        self.register_buffer(
+            "step_tokens", torch.zeros(config.experts, dtype=torch.int64, device=device), persistent=False
+        )
         # 0 while a checkpointed block recomputes its forward in backward (``counting``): set eagerly, read as a
         # tensor, so the compiled block neither breaks nor recompiles on it
         self.register_buffer("counting", torch.ones((), dtype=torch.int64, device=device), persistent=False)
         # the step's sums of ``SUMMED`` over its forwards, and how many (the trainer's metrics, ``engine.moe_step``):
         # buffers, not a hook's Python state, so every layer shares one compiled graph and nothing waits
-        self.register_buffer("step_sums", torch.zeros(len(self.SUMMED), dtype=torch.float64, device=device),
-                             persistent=False)
+        self.register_buffer(
+            "step_sums", torch.zeros(len(self.SUMMED), dtype=torch.float64, device=device), persistent=False
+        )
         self.register_buffer("step_forwards", torch.zeros((), dtype=torch.float64, device=device), persistent=False)
         self.loss_scale = 1.0
         self.stats: dict[str, torch.Tensor] = {}
@@ -247,8 +286,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split_sequence:
             if x.shape[0] % C.size(self.tp_group):
-                raise UsageError(f"sequence length {x.shape[0]} is not divisible by TP {C.size(self.tp_group)}; "
-                                 "MoE layers split the tokens over TP (pad the batch or change --tp)")
+                raise UsageError(
+                    f"sequence length {x.shape[0]} is not divisible by TP {C.size(self.tp_group)}; "
+                    "MoE layers split the tokens over TP (pad the batch or change --tp)"
+                )
             x = scatter_to_tp(x, self.tp_group, 0)  # forward: keep S/tp rows; backward: all-gather
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)  # token i is position i // B of sequence i % B
@@ -261,8 +302,9 @@ class MoE(nn.Module):
             # seeded from --seed and its place in the grid (Megatron's apply_random_logits); the router learns nothing
             logits = torch.randn(logits.shape, dtype=logits.dtype, device=logits.device)
         experts, weights, scores = route(logits, cfg, bias)
-        keep = None if cfg.capacity_factor is None else capacity_keep(experts, weights, cfg.experts,
-                                                                      cfg.capacity_factor)
+        keep = (
+            None if cfg.capacity_factor is None else capacity_keep(experts, weights, cfg.experts, cfg.capacity_factor)
+        )
         rows, counts, plan = self.dispatcher.dispatch(tokens, experts, keep)
         experts_tp = tp if self.ep == 1 else None  # EP > 1: the experts' gradient is summed over EDP instead
         slots = self.dispatcher.combine(self.experts(rows, counts, experts_tp), plan)  # (N, k, H)
@@ -274,8 +316,11 @@ class MoE(nn.Module):
             y = y + shared
         losses = balance_losses(logits, scores, experts, batch=b, config=cfg, tp_group=tp, cp_group=self.cp_group)
         total = cfg.aux_loss_coeff * losses.aux + cfg.seq_aux_loss_coeff * losses.seq_aux + cfg.z_loss_coeff * losses.z
-        if torch.is_grad_enabled() and total.requires_grad and (cfg.aux_loss_coeff or cfg.seq_aux_loss_coeff
-                                                                or cfg.z_loss_coeff):
+        if (
+            torch.is_grad_enabled()
+            and total.requires_grad
+            and (cfg.aux_loss_coeff or cfg.seq_aux_loss_coeff or cfg.z_loss_coeff)
+        ):
             y = _AttachLoss.apply(y, total, self.loss_scale)
         self._record(experts, keep, losses, plan, h * tokens.element_size())
         y = y.view(s, b, h)
@@ -285,16 +330,21 @@ class MoE(nn.Module):
     def _record(self, experts, keep, losses, plan, row_bytes: int) -> None:
         flat = experts.reshape(-1)  # bincount would wait for the device (its length depends on the values)
         counts = torch.zeros(self.config.experts, dtype=torch.int64, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
+            0, flat, torch.ones_like(flat)
+        )
         moved = getattr(plan, "moved", None)  # rows to and from other EP ranks in dispatch; combine moves as many
         a2a = torch.zeros((), dtype=torch.int64) if moved is None else 2 * row_bytes * moved
         if self.training:
             self.step_tokens += counts * self.counting
         # the step's loads and bias norm come from ``step_tokens`` and the bias, once a step (``engine.moe_step``)
-        self.stats = {"tokens_per_expert": counts,
-                      "dropped": (1 - keep.float().mean()) if keep is not None else losses.aux.new_zeros(()),
-                      "aux": losses.aux.detach(), "seq_aux": losses.seq_aux.detach(), "z": losses.z.detach(),
-                      "a2a_bytes": a2a}  # sent + received by this rank in forward (backward: as much)
+        self.stats = {
+            "tokens_per_expert": counts,
+            "dropped": (1 - keep.float().mean()) if keep is not None else losses.aux.new_zeros(()),
+            "aux": losses.aux.detach(),
+            "seq_aux": losses.seq_aux.detach(),
+            "z": losses.z.detach(),
+            "a2a_bytes": a2a,
+        }  # sent + received by this rank in forward (backward: as much)
         if self.training:
             self.step_sums += torch.stack([self.stats[f] for f in self.SUMMED]).to(self.step_sums) * self.counting
             self.step_forwards += self.counting
@@ -316,6 +366,7 @@ def counting(module: nn.Module):
         for m in layers:
             m.counting.fill_(forward)
         return module(*args)
+
     return run
 
 

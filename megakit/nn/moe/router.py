@@ -35,8 +35,9 @@ from megakit.core.moe_config import MoEConfig
 from megakit.nn import comm as C
 
 
-def route(logits: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(experts (N, k), weights (N, k), scores (N, E))`` from fp32 router ``logits`` ``(N, E)``."""
     scores = logits.softmax(-1) if config.score == "softmax" else logits.sigmoid()
     choice = scores.detach() if bias is None else scores.detach() + bias.to(scores.dtype)
@@ -56,8 +57,9 @@ def route(logits: torch.Tensor, config: MoEConfig, bias: torch.Tensor | None
     return experts, weights, scores
 
 
-def capacity_keep(experts: torch.Tensor, weights: torch.Tensor, num_experts: int,
-                  capacity_factor: float) -> torch.Tensor:
+def capacity_keep(
+    experts: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity_factor: float
+) -> torch.Tensor:
     """Which assignments an expert keeps under a capacity: ``(N, k)`` bool.
 
     Policy: each expert takes at most ``ceil(capacity_factor * N * k / E)`` of the assignments made
@@ -73,7 +75,8 @@ def capacity_keep(experts: torch.Tensor, weights: torch.Tensor, num_experts: int
     by_weight = torch.argsort(-flat_w, stable=True)
     order = by_weight[torch.argsort(flat_e[by_weight], stable=True)]  # by expert, then weight descending
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_e.device).scatter_add(
-        0, flat_e, torch.ones_like(flat_e))  # not bincount, whose length is data: --compile keeps one graph
+        0, flat_e, torch.ones_like(flat_e)
+    )  # not bincount, whose length is data: --compile keeps one graph
     starts = torch.cumsum(counts, 0) - counts
     rank_in_expert = torch.arange(order.numel(), device=experts.device) - starts[flat_e[order]]
     keep = torch.empty_like(flat_e, dtype=torch.bool)
@@ -107,8 +110,16 @@ class Losses:
     tokens: int  # T: the micro-batch's tokens over the TP x CP group
 
 
-def balance_losses(logits: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor, *, batch: int,
-                   config: MoEConfig, tp_group=None, cp_group=None) -> Losses:
+def balance_losses(
+    logits: torch.Tensor,
+    scores: torch.Tensor,
+    experts: torch.Tensor,
+    *,
+    batch: int,
+    config: MoEConfig,
+    tp_group=None,
+    cp_group=None,
+) -> Losses:
     """The three losses of the module docstring. Tokens are ordered ``(S_local, B)`` (sequence-first):
     token ``i`` belongs to sequence ``i % batch``. ``tp_group``: the group splitting the tokens
     (None when it does not); ``cp_group``: context parallelism."""
@@ -121,7 +132,11 @@ def balance_losses(logits: torch.Tensor, scores: torch.Tensor, experts: torch.Te
     packed = torch.cat([counts.reshape(-1), mass.reshape(-1), zsum])
     if C.size(tp_group) * C.size(cp_group) > 1:
         packed = _SequenceSum.apply(packed, tp_group, cp_group)
-    counts, mass, zsum = packed[:batch * e].view(batch, e), packed[batch * e:2 * batch * e].view(batch, e), packed[-1]
+    counts, mass, zsum = (
+        packed[: batch * e].view(batch, e),
+        packed[batch * e : 2 * batch * e].view(batch, e),
+        packed[-1],
+    )
     per_seq = n // batch * C.size(tp_group) * C.size(cp_group)  # S
     tokens = per_seq * batch  # T
     aux = e / (k * tokens * tokens) * (counts.sum(0) * mass.sum(0)).sum()

@@ -124,14 +124,27 @@ class PipelineExecutor:
             stage (a scalar all-reduce and broadcast); otherwise return this replica's loss on the last stage.
     """
 
-    def __init__(self, chunks: Sequence[nn.Module], topo, *, schedule: Schedule,
-                 backward: Callable | None = None, activation_shape: Sequence[int] | None = None,
-                 activation_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 reduce_grads: Callable[[], None] | None = None, optimizer_step: Callable[[], None] | None = None,
-                 broadcast_loss: bool = True, prefetch: int = 2, p2p: str | None = None,
-                 gradient: Callable | None = None) -> None:
+    def __init__(
+        self,
+        chunks: Sequence[nn.Module],
+        topo,
+        *,
+        schedule: Schedule,
+        backward: Callable | None = None,
+        activation_shape: Sequence[int] | None = None,
+        activation_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        reduce_grads: Callable[[], None] | None = None,
+        optimizer_step: Callable[[], None] | None = None,
+        broadcast_loss: bool = True,
+        prefetch: int = 2,
+        p2p: str | None = None,
+        gradient: Callable | None = None,
+    ) -> None:
         if schedule.pp != topo.pp:
-            raise UsageError(f"the schedule has {schedule.pp} stages but the topology has --pp {topo.pp}; build it with pp={topo.pp}")
+            raise UsageError(
+                f"the schedule has {schedule.pp} stages but the topology has --pp {topo.pp}; build it with pp={topo.pp}"
+            )
         if len(chunks) != schedule.vpp:
             raise UsageError(f"this rank holds {len(chunks)} model chunks but the schedule wants vpp={schedule.vpp}")
         if not schedule.has_p2p:
@@ -139,7 +152,9 @@ class PipelineExecutor:
         self.chunks = list(chunks)
         self.topo = topo
         if backward is not None and schedule.split_backward:
-            raise UsageError(f"{schedule.name} splits each backward into B and W and runs both itself; pass no backward")
+            raise UsageError(
+                f"{schedule.name} splits each backward into B and W and runs both itself; pass no backward"
+            )
         self.backward_fn = backward or self._default_backward
         self.activation_shape = tuple(activation_shape) if activation_shape is not None else None
         self.dtype = activation_dtype
@@ -154,21 +169,32 @@ class PipelineExecutor:
             raise UsageError(f"unknown P2P mode {p2p!r}; use one of {', '.join(P2P_MODES)}")
         if self.p2p == "batched":
             if activation_shape is None:
-                raise UsageError("batched P2P (NCCL) needs activation_shape: pass the hidden-state shape between stages")
+                raise UsageError(
+                    "batched P2P (NCCL) needs activation_shape: pass the hidden-state shape between stages"
+                )
             try:  # NCCL's send waits for its receive: only schedules proven safe under that may run
                 simulate(schedule, p2p="batched")
             except ScheduleError as error:
-                raise UsageError(f"schedule {schedule.name} is not deadlock-free with batched (NCCL) P2P: {error}; "
-                                 "use a schedule from schedules.build_schedule") from None
+                raise UsageError(
+                    f"schedule {schedule.name} is not deadlock-free with batched (NCCL) P2P: {error}; "
+                    "use a schedule from schedules.build_schedule"
+                ) from None
         self.schedule = fastest_order(schedule, p2p=self.p2p)  # zero bubble under NCCL: maybe W before a send
         self.actions = self.schedule.stages[topo.pp_rank]
         self.last_times: StepTimes | None = None  # filled by every step()
-        self._handlers = {RecvActivation: self._run_recv, RecvGrad: self._run_recv, Forward: self._run_forward,
-                          Backward: self._run_backward, BackwardInput: self._run_backward_input,
-                          BackwardWeight: self._run_backward_weight, SendActivation: self._run_send, SendGrad: self._run_send,
-                          ReduceTiedGrads: lambda st, index, a: self.reduce_tied_grads(),
-                          ReduceGrads: lambda st, index, a: self.reduce_grads_fn(),
-                          OptimizerStep: self._run_optimizer_step}  # what each instruction class runs
+        self._handlers = {
+            RecvActivation: self._run_recv,
+            RecvGrad: self._run_recv,
+            Forward: self._run_forward,
+            Backward: self._run_backward,
+            BackwardInput: self._run_backward_input,
+            BackwardWeight: self._run_backward_weight,
+            SendActivation: self._run_send,
+            SendGrad: self._run_send,
+            ReduceTiedGrads: lambda st, index, a: self.reduce_tied_grads(),
+            ReduceGrads: lambda st, index, a: self.reduce_grads_fn(),
+            OptimizerStep: self._run_optimizer_step,
+        }  # what each instruction class runs
         self.tied = stage_grads.find_tied_parameters(self.chunks, topo, virtual_stages=schedule.virtual_stages)
         self.sync_tied_weights()
 
@@ -239,7 +265,7 @@ class PipelineExecutor:
         assert isinstance(a, RecvActivation), "a gradient's shape is that of the activation sent: always known"
         header = torch.zeros(9, dtype=torch.int64, device=self.device)
         C.recv(header, self.topo.stage_rank(a.peer), tag=_TAG[type(a)])
-        buf = torch.empty(tuple(header[1:1 + int(header[0])].tolist()), dtype=self.dtype, device=self.device)
+        buf = torch.empty(tuple(header[1 : 1 + int(header[0])].tolist()), dtype=self.dtype, device=self.device)
         C.recv(buf, self.topo.stage_rank(a.peer), tag=_TAG[type(a)])
         return buf
 
@@ -256,9 +282,15 @@ class PipelineExecutor:
 
     def _checked(self, a: Instruction, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach().to(self.dtype).contiguous()
-        if isinstance(a, SendActivation) and self.activation_shape is not None and tuple(tensor.shape) != self.activation_shape:
-            raise UsageError(f"a stage produced an activation of shape {tuple(tensor.shape)} but activation_shape "
-                             f"is {self.activation_shape}; pass the hidden-state shape the model sends")
+        if (
+            isinstance(a, SendActivation)
+            and self.activation_shape is not None
+            and tuple(tensor.shape) != self.activation_shape
+        ):
+            raise UsageError(
+                f"a stage produced an activation of shape {tuple(tensor.shape)} but activation_shape "
+                f"is {self.activation_shape}; pass the hidden-state shape the model sends"
+            )
         return tensor
 
     def _send(self, st: _StepState, a: Instruction, tensor: torch.Tensor) -> None:
@@ -269,8 +301,9 @@ class PipelineExecutor:
             return
         if isinstance(a, SendActivation) and self.activation_shape is None:
             assert tensor.dim() <= 8, tensor.shape
-            header = torch.tensor([tensor.dim(), *tensor.shape] + [0] * (8 - tensor.dim()), dtype=torch.int64,
-                                  device=tensor.device)
+            header = torch.tensor(
+                [tensor.dim(), *tensor.shape] + [0] * (8 - tensor.dim()), dtype=torch.int64, device=tensor.device
+            )
             st.pending.append((header, self._isend(header, a)))
         if isinstance(a, SendActivation):
             st.outputs.sent((a.micro_batch, a.chunk), tensor, self._isend(tensor, a))
@@ -352,7 +385,9 @@ class PipelineExecutor:
         x, out = st.stash.pop(key)
         last = self._vs(a.chunk) == self.schedule.virtual_stages - 1  # the loss: scaled as _default_backward does
         out, grad = (out / self.schedule.micro_batches, None) if last else (out, st.received.pop((RecvGrad, *key)))
-        st.stash[("grad", *key)], st.stash[("W", *key)] = split_backward.backward_input(self.chunks[a.chunk], x, out, grad)
+        st.stash[("grad", *key)], st.stash[("W", *key)] = split_backward.backward_input(
+            self.chunks[a.chunk], x, out, grad
+        )
         st.backward_time += time.perf_counter() - began
 
     def _run_backward_weight(self, st: _StepState, index: int, a: Instruction) -> None:
@@ -366,8 +401,13 @@ class PipelineExecutor:
             self.optimizer_step_fn()
 
     # -- one step -------------------------------------------------------------------------------
-    def step(self, inputs: Sequence[torch.Tensor] | None = None, labels: Sequence[torch.Tensor] | None = None,
-             sample_ids: Sequence[Sequence[int]] | None = None, extras: Sequence[dict] | None = None):
+    def step(
+        self,
+        inputs: Sequence[torch.Tensor] | None = None,
+        labels: Sequence[torch.Tensor] | None = None,
+        sample_ids: Sequence[Sequence[int]] | None = None,
+        extras: Sequence[dict] | None = None,
+    ):
         """Run one optimizer step's schedule: ``inputs`` (first stage) and ``labels`` (last stage), one per micro-batch.
 
         ``sample_ids`` (every stage, one per micro-batch): the rows' numbers in the data stream,
@@ -383,9 +423,14 @@ class PipelineExecutor:
             if needed and (values is None or len(values) != m):
                 got = "none" if values is None else len(values)
                 raise UsageError(f"this stage needs {m} micro-batch {name} (one per micro-batch), got {got}")
-        st = _StepState(inputs=inputs, labels=labels, sample_ids=sample_ids, extras=extras,
-                        recv_index=[i for i, a in enumerate(self.actions) if isinstance(a, RECVS)],
-                        outputs=sent_output.SentOutputs(enabled=not self.schedule.split_backward))
+        st = _StepState(
+            inputs=inputs,
+            labels=labels,
+            sample_ids=sample_ids,
+            extras=extras,
+            recv_index=[i for i, a in enumerate(self.actions) if isinstance(a, RECVS)],
+            outputs=sent_output.SentOutputs(enabled=not self.schedule.split_backward),
+        )
         start = time.perf_counter()
         batched, index = self.p2p == "batched", 0
         while index < len(self.actions):
@@ -401,8 +446,13 @@ class PipelineExecutor:
         for _, work in st.pending:
             work.wait()
         assert not st.posted and not st.received, "schedule left messages unconsumed"
-        self.last_times = StepTimes(forward=st.forward_time, backward=st.backward_time,
-                                    total=time.perf_counter() - start, micro_batches=m, peak_in_flight=st.peak)
+        self.last_times = StepTimes(
+            forward=st.forward_time,
+            backward=st.backward_time,
+            total=time.perf_counter() - start,
+            micro_batches=m,
+            peak_in_flight=st.peak,
+        )
         return self._step_loss(st.losses)
 
     def _step_loss(self, losses: list[torch.Tensor]) -> float | None:
@@ -418,7 +468,8 @@ class PipelineExecutor:
         return float(loss)
 
 
-def activation_shape(config, *, micro_batch_size: int, seq_len: int, tp: int = 1,
-                     sequence_parallel: bool = False) -> tuple[int, int, int]:
+def activation_shape(
+    config, *, micro_batch_size: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False
+) -> tuple[int, int, int]:
     """The hidden state one ``Transformer`` stage hands the next: ``(S, B, H)``, ``(S/tp, B, H)`` with SP."""
     return (seq_len // tp if sequence_parallel else seq_len, micro_batch_size, config.hidden)

@@ -33,8 +33,12 @@ class Deferred:
     param_groups: list | None  # None: B did nothing (no input gradient), W runs the whole backward
 
 
-def backward_input(chunk: nn.Module, x: torch.Tensor, output: torch.Tensor, grad: torch.Tensor | None,
-                   ) -> tuple[torch.Tensor | None, Deferred]:
+def backward_input(
+    chunk: nn.Module,
+    x: torch.Tensor,
+    output: torch.Tensor,
+    grad: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, Deferred]:
     """B: the gradient of ``x`` (None when ``x`` needs none); ``output`` is the scaled loss when ``grad`` is None."""
     if not x.requires_grad:
         return None, Deferred(output=output, grad=grad, param_groups=None)

@@ -91,5 +91,5 @@ def average_over_dp(chunks: Sequence[nn.Module], topo) -> None:
     flat /= n
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()

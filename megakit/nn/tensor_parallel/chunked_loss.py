@@ -39,8 +39,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 continue
             h_c = h[a:b]
             logits = F.linear(h_c, weight)  # (N/K, V/tp): the only logits there are
-            softmax, loss, mine, idx, valid = vocab_parallel_softmax(logits, target[a:b], group, start, vocab_size,
-                                                                     ignore_index)
+            softmax, loss, mine, idx, valid = vocab_parallel_softmax(
+                logits, target[a:b], group, start, vocab_size, ignore_index
+            )
             del logits
             total += loss.sum()
             if not (need_h or need_w):
@@ -62,8 +63,16 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return dh, dw, None, None, None, None, None, None, None
 
 
-def chunked_head_loss(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, group=None, *, chunks: int,
-                      vocab_size: int, ignore_index: int = -100) -> torch.Tensor:
+def chunked_head_loss(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    group=None,
+    *,
+    chunks: int,
+    vocab_size: int,
+    ignore_index: int = -100,
+) -> torch.Tensor:
     """Sum over the non-ignored tokens of the cross-entropy of ``target`` under ``h @ weight^T``.
 
     ``h``: the head's input ``(..., H)``, replicated over TP (after ``enter_tp_region``); ``weight``:
@@ -75,5 +84,6 @@ def chunked_head_loss(h: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
         raise ValueError(f"chunks must be at least 1, got {chunks}")
     start = C.rank(group) * weight.shape[0]
     flat = h.reshape(-1, h.shape[-1])
-    return _ChunkedHeadLoss.apply(flat, weight, target.reshape(-1).long(), group, start, vocab_size, ignore_index,
-                                  chunks, torch.is_grad_enabled())
+    return _ChunkedHeadLoss.apply(
+        flat, weight, target.reshape(-1).long(), group, start, vocab_size, ignore_index, chunks, torch.is_grad_enabled()
+    )

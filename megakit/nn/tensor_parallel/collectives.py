@@ -145,7 +145,6 @@ def replicated(param: torch.Tensor, group, sequence_parallel: bool) -> torch.Ten
     return copy_to_tp(param, group) if sequence_parallel else param
 
 
-
 class _AllToAll(torch.autograd.Function):
     """forward: all-to-all of rows with variable splits over ``group``; backward: the reverse all-to-all."""
 

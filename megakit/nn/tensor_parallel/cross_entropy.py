@@ -22,7 +22,7 @@ def vocab_parallel_softmax(logits, target, group, start: int, vocab_size: int, i
     x = logits.float()  # (..., V/tp); the softmax is computed in fp32
     if start + local > vocab_size:  # padded vocab rows must not count
         x = x.clone() if x is logits else x
-        x[..., max(vocab_size - start, 0):] = float("-inf")
+        x[..., max(vocab_size - start, 0) :] = float("-inf")
     row_max = x.max(dim=-1).values
     C.all_reduce(row_max, group, op=torch.distributed.ReduceOp.MAX)
     x = x - row_max.unsqueeze(-1)
@@ -54,8 +54,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, group, start, vocab_size, ignore_index):
-        softmax, loss, mine, idx, valid = vocab_parallel_softmax(logits, target, group, start, vocab_size,
-                                                                 ignore_index)
+        softmax, loss, mine, idx, valid = vocab_parallel_softmax(logits, target, group, start, vocab_size, ignore_index)
         ctx.save_for_backward(softmax, mine, idx, valid)  # softmax, kept for backward
         ctx.logits_dtype = logits.dtype
         return loss
@@ -67,9 +66,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return g.to(ctx.logits_dtype), None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None, *,
-                                 vocab_size: int | None = None, ignore_index: int = -100,
-                                 reduction: str = "mean") -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    group=None,
+    *,
+    vocab_size: int | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
     """Cross-entropy of ``target`` (``(...)``, global ids) under vocab-split ``logits`` (``(..., V/tp)``).
 
     Equals ``F.cross_entropy`` on the gathered (unpadded) logits; ``vocab_size`` is the real
@@ -78,8 +83,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     tp, local = C.size(group), logits.shape[-1]
     vocab_size = local * tp if vocab_size is None else vocab_size
     target = target.long()
-    loss = _VocabParallelCrossEntropy.apply(logits, target, group, C.rank(group) * local, vocab_size,
-                                            ignore_index)
+    loss = _VocabParallelCrossEntropy.apply(logits, target, group, C.rank(group) * local, vocab_size, ignore_index)
     if reduction == "none":
         return loss
     if reduction == "sum":

@@ -48,12 +48,16 @@ def check_fp8(recipe: str) -> None:
     if emulating():
         return
     if not torch.cuda.is_available():
-        raise UsageError(f"--fp8 {recipe} needs an NVIDIA GPU with float8 GEMMs (compute capability 8.9+: Ada, "
-                         "Hopper, Blackwell) and this machine has none; drop --fp8 (or --fp8 none)")
+        raise UsageError(
+            f"--fp8 {recipe} needs an NVIDIA GPU with float8 GEMMs (compute capability 8.9+: Ada, "
+            "Hopper, Blackwell) and this machine has none; drop --fp8 (or --fp8 none)"
+        )
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < (8, 9):
-        raise UsageError(f"--fp8 {recipe}: {torch.cuda.get_device_name()} has compute capability {major}.{minor}, "
-                         "float8 GEMMs need 8.9+ (Ada, Hopper, Blackwell); drop --fp8 (or --fp8 none)")
+        raise UsageError(
+            f"--fp8 {recipe}: {torch.cuda.get_device_name()} has compute capability {major}.{minor}, "
+            "float8 GEMMs need 8.9+ (Ada, Hopper, Blackwell); drop --fp8 (or --fp8 none)"
+        )
 
 
 class Float8Matmul:

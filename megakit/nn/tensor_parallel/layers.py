@@ -49,9 +49,19 @@ class ColumnParallelLinear(nn.Module):
     or ``(S, B, out)`` with ``gather_output`` (forward: all-gather last dim, backward: split).
     """
 
-    def __init__(self, in_features: int, out_features: int, *, group=None, bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool = False, enter_region: bool = True,
-                 dtype=torch.float32, device=None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group=None,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        enter_region: bool = True,
+        dtype=torch.float32,
+        device=None,
+    ) -> None:
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.gather_output, self.enter_region = gather_output, enter_region
@@ -75,8 +85,17 @@ class RowParallelLinear(nn.Module):
     and added once, after the sum.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, group=None, bias: bool = True,
-                 sequence_parallel: bool = False, dtype=torch.float32, device=None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group=None,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        dtype=torch.float32,
+        device=None,
+    ) -> None:
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         local = _divide(in_features, C.size(group), "input features")
@@ -99,8 +118,16 @@ class VocabParallelEmbedding(nn.Module):
     sequence with SP), backward identity (or all-gather). Ids ``(S, B)`` -> ``(S', B, H)``.
     """
 
-    def __init__(self, vocab_size: int, dim: int, *, group=None, sequence_parallel: bool = False,
-                 dtype=torch.float32, device=None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        dim: int,
+        *,
+        group=None,
+        sequence_parallel: bool = False,
+        dtype=torch.float32,
+        device=None,
+    ) -> None:
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         tp = C.size(group)

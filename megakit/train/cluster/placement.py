@@ -78,11 +78,15 @@ def check_tp_within_nodes(tp_groups: list[list[int]], places: list[Place], *, al
         if len(nodes) == 1:
             continue
         per_node = sum(1 for p in places if p.node == places[group[0]].node)
-        what = (f"TP group of ranks {group[0]}-{group[-1]} spans {len(nodes)} nodes ({', '.join(nodes)}), so its "
-                "all-reduce in every layer would cross the slow link between them")
+        what = (
+            f"TP group of ranks {group[0]}-{group[-1]} spans {len(nodes)} nodes ({', '.join(nodes)}), so its "
+            "all-reduce in every layer would cross the slow link between them"
+        )
         if allow:
             return f"warning: {what}; running anyway because of --allow-cross-node-tp"
-        raise UsageError(f"{what}; use a --tp that divides the {per_node} processes per node (e.g. --tp "
-                         f"{math.gcd(len(group), per_node)}) and the rest as --pp, or pass --allow-cross-node-tp "
-                         "to run it anyway")
+        raise UsageError(
+            f"{what}; use a --tp that divides the {per_node} processes per node (e.g. --tp "
+            f"{math.gcd(len(group), per_node)}) and the rest as --pp, or pass --allow-cross-node-tp "
+            "to run it anyway"
+        )
     return None

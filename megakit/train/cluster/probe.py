@@ -52,10 +52,20 @@ def _device_sync(device):
 def measure_compute(device, dtype, *, hidden: int, tokens: int, repeat: int) -> dict:
     """Matmul TFLOP/s at plan-like shapes, copy bandwidth (GB/s) and attention TFLOP/s on this device."""
     sync = _device_sync(device)
-    shapes = [(tokens, hidden, hidden), (tokens, hidden, 4 * hidden), (tokens, 4 * hidden, hidden),
-              (2 * tokens, 2 * hidden, 2 * hidden)]
-    operands = [(torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype),
-                 torch.empty(m, n, device=device, dtype=dtype)) for m, k, n in shapes]
+    shapes = [
+        (tokens, hidden, hidden),
+        (tokens, hidden, 4 * hidden),
+        (tokens, 4 * hidden, hidden),
+        (2 * tokens, 2 * hidden, 2 * hidden),
+    ]
+    operands = [
+        (
+            torch.randn(m, k, device=device, dtype=dtype),
+            torch.randn(k, n, device=device, dtype=dtype),
+            torch.empty(m, n, device=device, dtype=dtype),
+        )
+        for m, k, n in shapes
+    ]
     for a, b, c in operands:  # warm up every shape first: clocks, thread pools, allocator
         _timed(lambda: torch.matmul(a, b, out=c), repeat=2, sync=sync)
     matmul = []
@@ -74,8 +84,12 @@ def measure_compute(device, dtype, *, hidden: int, tokens: int, repeat: int) -> 
 
     attn_s = _timed(attention, repeat=repeat, sync=sync)
     attn_flops = 3.5 * 4 * 2 * heads * seq * seq * head_dim / 2  # forward + backward, causal (as cost.py counts)
-    return {"matmul": matmul, "copy_gbps": 2 * big.numel() * big.element_size() / copy_s / 1e9,
-            "attention_tflops": attn_flops / attn_s / 1e12, "attention_shape": [2, heads, seq, head_dim]}
+    return {
+        "matmul": matmul,
+        "copy_gbps": 2 * big.numel() * big.element_size() / copy_s / 1e9,
+        "attention_tflops": attn_flops / attn_s / 1e12,
+        "attention_shape": [2, heads, seq, head_dim],
+    }
 
 
 def measure_links(device, dtype, *, nbytes: int, repeat: int) -> dict:
@@ -91,9 +105,11 @@ def measure_links(device, dtype, *, nbytes: int, repeat: int) -> dict:
         comm.barrier(comm.WORLD)
         return _timed(fn, repeat=repeat, sync=sync)
 
-    for kind, fn, factor in (("all_reduce", lambda: comm.all_reduce(x, comm.WORLD), 2 * (n - 1) / n),
-                             ("all_gather", lambda: comm.all_gather(x[: elems // n], comm.WORLD), (n - 1) / n),
-                             ("reduce_scatter", lambda: comm.reduce_scatter(x, comm.WORLD), (n - 1) / n)):
+    for kind, fn, factor in (
+        ("all_reduce", lambda: comm.all_reduce(x, comm.WORLD), 2 * (n - 1) / n),
+        ("all_gather", lambda: comm.all_gather(x[: elems // n], comm.WORLD), (n - 1) / n),
+        ("reduce_scatter", lambda: comm.reduce_scatter(x, comm.WORLD), (n - 1) / n),
+    ):
         seconds = timed(fn)
         out[kind] = {"bytes": size, "seconds": seconds, "bus_gbps": factor * size / seconds / 1e9}
     peer_next, peer_prev = (me + 1) % n, (me - 1) % n
@@ -108,8 +124,9 @@ def measure_links(device, dtype, *, nbytes: int, repeat: int) -> dict:
 
 
 def _worker(rank: int, nproc: int, port: int, settings: dict, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank)
+    )
     import torch.distributed as dist
 
     cuda = torch.cuda.is_available()
@@ -120,11 +137,16 @@ def _worker(rank: int, nproc: int, port: int, settings: dict, results) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     try:
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=nproc,
-                                timeout=datetime.timedelta(seconds=settings["timeout_s"]))
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            rank=rank,
+            world_size=nproc,
+            timeout=datetime.timedelta(seconds=settings["timeout_s"]),
+        )
         comm.barrier(comm.WORLD)  # every rank measures at once, sharing the machine as training ranks do
-        compute = measure_compute(device, dtype, hidden=settings["hidden"], tokens=settings["tokens"],
-                                  repeat=settings["repeat"])
+        compute = measure_compute(
+            device, dtype, hidden=settings["hidden"], tokens=settings["tokens"], repeat=settings["repeat"]
+        )
         links = measure_links(device, dtype, nbytes=settings["bytes"], repeat=settings["repeat"]) if nproc > 1 else {}
         rows = comm.gather_object({"compute": compute, "links": links}, 0, comm.WORLD)
         dist.destroy_process_group()
@@ -136,22 +158,40 @@ def _worker(rank: int, nproc: int, port: int, settings: dict, results) -> None:
 
 def _profile(rows: list[dict], device, dtype, nproc: int, settings: dict) -> dict:
     """Rank 0's JSON: every rank's numbers reduced to the slowest rank (the one a step waits for)."""
-    matmul = [{**shape, "tflops": min(r["compute"]["matmul"][i]["tflops"] for r in rows)}
-              for i, shape in enumerate(rows[0]["compute"]["matmul"])]
-    links = {kind: {**rows[0]["links"][kind], "bus_gbps": min(r["links"][kind]["bus_gbps"] for r in rows)}
-             for kind in rows[0]["links"]}
+    matmul = [
+        {**shape, "tflops": min(r["compute"]["matmul"][i]["tflops"] for r in rows)}
+        for i, shape in enumerate(rows[0]["compute"]["matmul"])
+    ]
+    links = {
+        kind: {**rows[0]["links"][kind], "bus_gbps": min(r["links"][kind]["bus_gbps"] for r in rows)}
+        for kind in rows[0]["links"]
+    }
     if device.type == "cuda":
         name, mem = torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory
     else:
-        name, mem = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads/rank)", \
-            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / nproc
-    return {"profile": "megakit-probe", "version": PROFILE_VERSION, "host": socket.gethostname(), "device": name,
-            "device_type": device.type, "dtype": {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype],
-            "backend": "nccl" if device.type == "cuda" else "gloo", "nproc": nproc, "gpus_per_node": nproc,
-            "memory_gib": mem / 2**30, "matmul": matmul, "matmul_tflops": statistics.median(m["tflops"] for m in matmul),
-            "copy_gbps": min(r["compute"]["copy_gbps"] for r in rows),
-            "attention_tflops": min(r["compute"]["attention_tflops"] for r in rows), "links": links,
-            "settings": settings, "measured": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+        name, mem = (
+            f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads/rank)",
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / nproc,
+        )
+    return {
+        "profile": "megakit-probe",
+        "version": PROFILE_VERSION,
+        "host": socket.gethostname(),
+        "device": name,
+        "device_type": device.type,
+        "dtype": {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype],
+        "backend": "nccl" if device.type == "cuda" else "gloo",
+        "nproc": nproc,
+        "gpus_per_node": nproc,
+        "memory_gib": mem / 2**30,
+        "matmul": matmul,
+        "matmul_tflops": statistics.median(m["tflops"] for m in matmul),
+        "copy_gbps": min(r["compute"]["copy_gbps"] for r in rows),
+        "attention_tflops": min(r["compute"]["attention_tflops"] for r in rows),
+        "links": links,
+        "settings": settings,
+        "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    }
 
 
 def run(nproc: int, *, hidden: int, tokens: int, nbytes: int, repeat: int = 5, timeout_s: float = 300.0) -> dict:

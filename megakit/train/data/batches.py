@@ -68,7 +68,9 @@ def load_tokens(path: str | Path | None = None, *, max_bytes: int = DEFAULT_MAX_
         except OSError as error:
             if path is None:
                 continue
-            raise UsageError(f"--data: cannot read {file} ({error.strerror}); fix its permissions or remove it") from None
+            raise UsageError(
+                f"--data: cannot read {file} ({error.strerror}); fix its permissions or remove it"
+            ) from None
         if not data or b"\0" in data:
             continue
         data = data[: max_bytes - total]
@@ -117,11 +119,23 @@ class TokenBatches:
     shard, checked on the host's copy of the batch (no device sync), not a crash in the embedding steps later.
     """
 
-    def __init__(self, tokens, plan: BatchPlan, masks: list | None = None, *, starts: list | None = None,
-                 document_attention: bool = False, reset_positions: bool = False, eod: int | None = None,
-                 sources: list[tuple[float, int]] | None = None, vocab_size: int | None = None) -> None:
-        self.shards = [t.numpy() if isinstance(t, torch.Tensor) else t
-                       for t in (tokens if isinstance(tokens, (list, tuple)) else [tokens])]
+    def __init__(
+        self,
+        tokens,
+        plan: BatchPlan,
+        masks: list | None = None,
+        *,
+        starts: list | None = None,
+        document_attention: bool = False,
+        reset_positions: bool = False,
+        eod: int | None = None,
+        sources: list[tuple[float, int]] | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        self.shards = [
+            t.numpy() if isinstance(t, torch.Tensor) else t
+            for t in (tokens if isinstance(tokens, (list, tuple)) else [tokens])
+        ]
         self.masks = masks
         assert masks is None or [len(m) for m in masks] == [len(t) for t in self.shards]
         # packed documents (``megakit.nn.attention.masks``): each shard's document starts, and what is made of them
@@ -135,8 +149,9 @@ class TokenBatches:
         self.num_samples = int(self._first[-1])
         self.steps_per_epoch = self.num_samples // plan.global_batch
         if sources is not None:
-            self._mixture = Mixture([w for w, _ in sources], np.cumsum([0, *(n for _, n in sources)]), self._first,
-                                    plan.seed)
+            self._mixture = Mixture(
+                [w for w, _ in sources], np.cumsum([0, *(n for _, n in sources)]), self._first, plan.seed
+            )
             self.steps_per_epoch = max(self.steps_per_epoch, 1)  # each data set wraps around on its own
         if self.steps_per_epoch < 1:
             raise UsageError(
@@ -160,13 +175,13 @@ class TokenBatches:
     def _samples(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         seq = self.plan.seq_len
         shard, starts = self._windows(indices)
-        stacked = np.stack([self.shards[k][s:s + seq + 1] for k, s in zip(shard, starts)])
+        stacked = np.stack([self.shards[k][s : s + seq + 1] for k, s in zip(shard, starts)])
         if self.vocab_size is not None and stacked.size and stacked.max() >= self.vocab_size:
             self._out_of_vocabulary(stacked, shard, starts)
         windows = torch.from_numpy(stacked.astype(np.int64))
         inputs, labels = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (B, S), (B, S)
         if self.masks is not None:  # the mask of the token each label names
-            counted = np.stack([self.masks[k][s + 1:s + seq + 1] for k, s in zip(shard, starts)])
+            counted = np.stack([self.masks[k][s + 1 : s + seq + 1] for k, s in zip(shard, starts)])
             labels[torch.from_numpy(counted == 0)] = -100
         if self.eod is not None:  # the end-of-document token predicts the next document, which it cannot see
             labels[inputs == self.eod] = -100
@@ -176,9 +191,11 @@ class TokenBatches:
         row, column = np.argwhere(stacked >= self.vocab_size)[0]
         k = int(shard[row])
         name = getattr(self.shards[k], "filename", None) or f"shard {k} of the data"
-        raise UsageError(f"{name} holds token id {int(stacked[row, column])} at token {int(starts[row]) + column}, "
-                         f"outside the vocabulary of {self.vocab_size}: the shard is damaged; run train.py --check "
-                         "(it verifies the sha256 of every shard) and prepare the data again")
+        raise UsageError(
+            f"{name} holds token id {int(stacked[row, column])} at token {int(starts[row]) + column}, "
+            f"outside the vocabulary of {self.vocab_size}: the shard is damaged; run train.py --check "
+            "(it verifies the sha256 of every shard) and prepare the data again"
+        )
 
     def _documents(self, indices: torch.Tensor) -> torch.Tensor:
         """``(B, S)`` int64: each input token's document, numbered from 0 in its window."""
@@ -193,8 +210,13 @@ class TokenBatches:
         if not (self.document_attention or self.reset_positions):
             return [{} for _ in range(self.plan.accumulation)]
         docs = self._documents(self.rank_indices(step, dp_rank)).split(self.plan.micro_batch)
-        return [{**({"documents": d} if self.document_attention else {}),
-                 **({"position_ids": position_ids(d)} if self.reset_positions else {})} for d in docs]
+        return [
+            {
+                **({"documents": d} if self.document_attention else {}),
+                **({"position_ids": position_ids(d)} if self.reset_positions else {}),
+            }
+            for d in docs
+        ]
 
     def global_indices(self, step: int) -> torch.Tensor:
         """Sample indices of optimizer step ``step``, DP rank 0's slice first."""
@@ -224,8 +246,9 @@ class TokenBatches:
         """
         plan = self.plan
         first = step * plan.global_batch + dp_rank * plan.micro_batch * plan.accumulation
-        return [range(first + i * plan.micro_batch, first + (i + 1) * plan.micro_batch)
-                for i in range(plan.accumulation)]
+        return [
+            range(first + i * plan.micro_batch, first + (i + 1) * plan.micro_batch) for i in range(plan.accumulation)
+        ]
 
     def micro_batches(self, step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """DP rank ``dp_rank``'s ``accumulation`` micro-batches of step ``step``."""
@@ -254,8 +277,10 @@ class Mixture:
         self.seed, self._orders = seed, {}
         for d, n in enumerate(self.count):
             if n < 1:
-                raise UsageError(f"data set {d + 1} of the mixture holds no whole sample (seq_len + 1 tokens); give it "
-                                 "more text or drop it")
+                raise UsageError(
+                    f"data set {d + 1} of the mixture holds no whole sample (seq_len + 1 tokens); give it "
+                    "more text or drop it"
+                )
 
     def taken(self, step: int, global_batch: int) -> np.ndarray:
         """``K_d(step)``: samples each data set gave before ``step``."""

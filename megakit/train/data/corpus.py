@@ -49,28 +49,49 @@ class Corpus:
             if part.packed is None:
                 continue
             if seq_len != part.packed:
-                raise UsageError(f"{part.source} is packed into windows of {part.packed} tokens; train it with "
-                                 f"--seq-len {part.packed} (got {seq_len}), or prepare it again with --pack {seq_len}")
+                raise UsageError(
+                    f"{part.source} is packed into windows of {part.packed} tokens; train it with "
+                    f"--seq-len {part.packed} (got {seq_len}), or prepare it again with --pack {seq_len}"
+                )
             if not (cfg.reset_attention_mask and cfg.reset_position_ids):
-                raise UsageError(f"{part.source} holds packed examples; pass --reset-attention-mask "
-                                 "--reset-position-ids so that each trains as it would alone")
+                raise UsageError(
+                    f"{part.source} holds packed examples; pass --reset-attention-mask "
+                    "--reset-position-ids so that each trains as it would alone"
+                )
 
     def loader_options(self, cfg, split: str = "train") -> dict:
         """``TokenBatches`` keywords for ``split``: its loss masks and, as ``cfg`` asks, packed-document options."""
         wants = cfg.reset_attention_mask or cfg.reset_position_ids or cfg.eod_mask_loss
         starts = self.train_documents if split == "train" else self.validation_documents
         if wants and (starts is None or self.eos_id is None):
-            flags = [f for f, on in (("--reset-attention-mask", cfg.reset_attention_mask),
-                                     ("--reset-position-ids", cfg.reset_position_ids),
-                                     ("--eod-mask-loss", cfg.eod_mask_loss)) if on]
-            raise UsageError(f"{' and '.join(flags)} {'need' if len(flags) > 1 else 'needs'} each document's start, "
-                             f"which {self.source} does not record; prepare the text with megakit prepare-data and "
-                             "pass --data DIR")
-        sources = None if self.sources is None or split != "train" else [
-            (w, len(c.train)) for w, c in zip(self.weights, self.sources)]
-        return dict(masks=self.train_masks if split == "train" else self.validation_masks, starts=starts,
-                    document_attention=cfg.reset_attention_mask, reset_positions=cfg.reset_position_ids,
-                    eod=self.eos_id if cfg.eod_mask_loss else None, sources=sources, vocab_size=self.vocab_size)
+            flags = [
+                f
+                for f, on in (
+                    ("--reset-attention-mask", cfg.reset_attention_mask),
+                    ("--reset-position-ids", cfg.reset_position_ids),
+                    ("--eod-mask-loss", cfg.eod_mask_loss),
+                )
+                if on
+            ]
+            raise UsageError(
+                f"{' and '.join(flags)} {'need' if len(flags) > 1 else 'needs'} each document's start, "
+                f"which {self.source} does not record; prepare the text with megakit prepare-data and "
+                "pass --data DIR"
+            )
+        sources = (
+            None
+            if self.sources is None or split != "train"
+            else [(w, len(c.train)) for w, c in zip(self.weights, self.sources)]
+        )
+        return dict(
+            masks=self.train_masks if split == "train" else self.validation_masks,
+            starts=starts,
+            document_attention=cfg.reset_attention_mask,
+            reset_positions=cfg.reset_position_ids,
+            eod=self.eos_id if cfg.eod_mask_loss else None,
+            sources=sources,
+            vocab_size=self.vocab_size,
+        )
 
 
 def parse_mixture(data) -> list[tuple[float, str]] | None:
@@ -86,8 +107,10 @@ def parse_mixture(data) -> list[tuple[float, str]] | None:
         raise UsageError(f"--data {' '.join(items)}: a mixture is WEIGHT DIR pairs, e.g. --data 0.7 web/ 0.3 code/")
     bad = [w for w in weights if not 0 < w < float("inf")]
     if bad:
-        raise UsageError(f"--data: mixture weight {bad[0]:g} must be a positive number (a data set's share of the "
-                         "samples; drop a data set rather than weigh it 0)")
+        raise UsageError(
+            f"--data: mixture weight {bad[0]:g} must be a positive number (a data set's share of the "
+            "samples; drop a data set rather than weigh it 0)"
+        )
     return list(zip(weights, items[1::2]))
 
 
@@ -104,16 +127,29 @@ def open_corpus(data, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
 
     if data is not None and looks_prepared(Path(data)):
         shards = open_shards(data)  # one clear line when the index is missing or a shard is truncated
-        return Corpus(train=shards.tokens("train"), validation=shards.tokens("validation") or None,
-                      vocab_size=shards.vocab_size, tokenizer_dir=Path(data).resolve(),
-                      fingerprint=shards.fingerprint, source=f"--data {data}", train_masks=shards.masks("train"),
-                      validation_masks=shards.masks("validation"), train_documents=shards.documents("train"),
-                      validation_documents=shards.documents("validation") or None,
-                      eos_id=shards.index.get("eos_id"), packed=shards.index.get("packed", {}).get("seq_len"))
+        return Corpus(
+            train=shards.tokens("train"),
+            validation=shards.tokens("validation") or None,
+            vocab_size=shards.vocab_size,
+            tokenizer_dir=Path(data).resolve(),
+            fingerprint=shards.fingerprint,
+            source=f"--data {data}",
+            train_masks=shards.masks("train"),
+            validation_masks=shards.masks("validation"),
+            train_documents=shards.documents("train"),
+            validation_documents=shards.documents("validation") or None,
+            eos_id=shards.index.get("eos_id"),
+            packed=shards.index.get("packed", {}).get("seq_len"),
+        )
     tokens = load_tokens(data, max_bytes=max_bytes)
-    return Corpus(train=[tokens], validation=None, vocab_size=BYTE_VOCAB, tokenizer_dir=None,
-                  fingerprint=f"bytes:{data or 'stdlib'}:{len(tokens)}",
-                  source="the standard library" if data is None else f"--data {data}")
+    return Corpus(
+        train=[tokens],
+        validation=None,
+        vocab_size=BYTE_VOCAB,
+        tokenizer_dir=None,
+        fingerprint=f"bytes:{data or 'stdlib'}:{len(tokens)}",
+        source="the standard library" if data is None else f"--data {data}",
+    )
 
 
 def verify_corpus(data) -> None:
@@ -136,8 +172,10 @@ def _mix(parts: list[tuple[float, Corpus]]) -> Corpus:
     first = parts[0][1]
     for _, c in parts[1:]:
         if c.vocab_size != first.vocab_size or _tokenizer_file(c) != _tokenizer_file(first):
-            raise UsageError(f"{c.source} and {first.source} were tokenized differently; a mixture needs one tokenizer "
-                             "(prepare every data set with the same --tokenizer)")
+            raise UsageError(
+                f"{c.source} and {first.source} were tokenized differently; a mixture needs one tokenizer "
+                "(prepare every data set with the same --tokenizer)"
+            )
 
     def joined(field: str, fill=None) -> list | None:
         lists = [getattr(c, field) for _, c in parts]
@@ -150,12 +188,19 @@ def _mix(parts: list[tuple[float, Corpus]]) -> Corpus:
     def ones(c):  # a data set without a loss mask counts every token: a view, nothing allocated
         return [np.broadcast_to(np.uint8(1), (len(t),)) for t in c.train]
 
-    return Corpus(train=[t for _, c in parts for t in c.train], validation=None, vocab_size=first.vocab_size,
-                  tokenizer_dir=first.tokenizer_dir,
-                  fingerprint="mixture:" + ",".join(f"{w:g}:{c.fingerprint}" for w, c in parts),
-                  source="--data " + " ".join(f"{w:g} {c.source.removeprefix('--data ')}" for w, c in parts),
-                  train_masks=joined("train_masks", ones), train_documents=joined("train_documents"),
-                  eos_id=first.eos_id, sources=[c for _, c in parts], weights=[w for w, _ in parts])
+    return Corpus(
+        train=[t for _, c in parts for t in c.train],
+        validation=None,
+        vocab_size=first.vocab_size,
+        tokenizer_dir=first.tokenizer_dir,
+        fingerprint="mixture:" + ",".join(f"{w:g}:{c.fingerprint}" for w, c in parts),
+        source="--data " + " ".join(f"{w:g} {c.source.removeprefix('--data ')}" for w, c in parts),
+        train_masks=joined("train_masks", ones),
+        train_documents=joined("train_documents"),
+        eos_id=first.eos_id,
+        sources=[c for _, c in parts],
+        weights=[w for w, _ in parts],
+    )
 
 
 def _tokenizer_file(corpus: Corpus) -> bytes | None:
@@ -174,9 +219,11 @@ def model_for_corpus(model: ModelConfig, name: str, corpus: Corpus) -> ModelConf
     if preset:
         return model.replace(vocab_size=corpus.vocab_size)
     if model.vocab_size < corpus.vocab_size:
-        raise UsageError(f"model {name} has a vocabulary of {model.vocab_size} but the tokenizer of {corpus.source} "
-                         f"has {corpus.vocab_size} tokens; set vocab_size to {corpus.vocab_size} in the model config "
-                         "(or use a preset, which takes the tokenizer's)")
+        raise UsageError(
+            f"model {name} has a vocabulary of {model.vocab_size} but the tokenizer of {corpus.source} "
+            f"has {corpus.vocab_size} tokens; set vocab_size to {corpus.vocab_size} in the model config "
+            "(or use a preset, which takes the tokenizer's)"
+        )
     return model
 
 
@@ -186,13 +233,17 @@ class ValidationBatches(TokenBatches):
 
     def __init__(self, corpus: Corpus, plan: BatchPlan, batches: int, options: dict | None = None) -> None:
         if corpus.validation is None:
-            raise UsageError(f"--eval-every needs a validation split, which {corpus.source} does not have; prepare "
-                             "the text with megakit prepare-data and pass --data DIR")
+            raise UsageError(
+                f"--eval-every needs a validation split, which {corpus.source} does not have; prepare "
+                "the text with megakit prepare-data and pass --data DIR"
+            )
         try:
             super().__init__(corpus.validation, plan, **(options or {"masks": corpus.validation_masks}))
         except UsageError:
-            raise UsageError(f"the validation split of {corpus.source} holds fewer samples than one global batch of "
-                             f"{plan.global_batch}; prepare the data with a larger --val-fraction") from None
+            raise UsageError(
+                f"the validation split of {corpus.source} holds fewer samples than one global batch of "
+                f"{plan.global_batch}; prepare the data with a larger --val-fraction"
+            ) from None
         self.batches = min(batches, self.steps_per_epoch)
 
     def _order(self, epoch: int) -> torch.Tensor:

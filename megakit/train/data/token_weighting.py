@@ -27,8 +27,9 @@ from megakit.nn.mtp import depth_token_counts
 def step_tokens(micro_batches, topo, device=None, *, depths: int = 0) -> torch.Tensor:
     """The valid (``!= -100``) labels of the step over every DP replica, ``(1 + depths,)``: the main loss's, then each
     MTP depth's. One all-reduce over DP x CP."""
-    count = sum(depth_token_counts(labels, depths, extras.get("documents"))
-                for _, labels, _, extras in micro_batches).to(device, torch.float64)  # no host sync
+    count = sum(
+        depth_token_counts(labels, depths, extras.get("documents")) for _, labels, _, extras in micro_batches
+    ).to(device, torch.float64)  # no host sync
     if topo.dp * topo.cp > 1:
         comm.all_reduce(count, topo.get_data_parallel_group())
     return count / topo.cp

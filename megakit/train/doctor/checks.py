@@ -70,8 +70,10 @@ def _differences(ranks: list[dict], which: str) -> list[str]:
         for r in group[1:]:
             bad = [n for n in shared if r[which].get(n) != first[which][n]]
             if bad:
-                found.append(f"{_who(r)} differs from TP rank {first['tp']} in {len(bad)} replicated tensors "
-                             f"({', '.join(bad[:2])}{', ...' if len(bad) > 2 else ''})")
+                found.append(
+                    f"{_who(r)} differs from TP rank {first['tp']} in {len(bad)} replicated tensors "
+                    f"({', '.join(bad[:2])}{', ...' if len(bad) > 2 else ''})"
+                )
     return found
 
 
@@ -81,22 +83,30 @@ def check_weights(facts: dict) -> Verdict:
     trained = _differences(ranks, "weights") if ranks[0]["weights"] is not None else []
     seeds = sorted({r["seed"] for r in ranks})
     tensors = sum(len(r["built"]) for r in ranks)
-    numbers = (f"{tensors} tensors hashed on {len(ranks)} ranks; seeds {', '.join(map(str, seeds))}; as each rank "
-               f"built them: {'; '.join(built) or 'identical where they should be'}; after deepspeed.initialize: "
-               + ("; ".join(trained) or "identical" if ranks[0]["weights"] is not None else "partitioned (ZeRO-3)"))
+    numbers = (
+        f"{tensors} tensors hashed on {len(ranks)} ranks; seeds {', '.join(map(str, seeds))}; as each rank "
+        f"built them: {'; '.join(built) or 'identical where they should be'}; after deepspeed.initialize: "
+        + ("; ".join(trained) or "identical" if ranks[0]["weights"] is not None else "partitioned (ZeRO-3)")
+    )
     if not built and not trained and len(seeds) == 1:
         return Verdict("identical initial weights", True, numbers)
     if len(seeds) > 1:
         odd = [f"rank {r['rank']} --seed {r['seed']}" for r in ranks if r["seed"] != ranks[0]["seed"]]
-        fix = (f"start every rank with the same --seed ({', '.join(odd)}; rank 0 has {ranks[0]['seed']}): the weights, "
-               "the data order and the dropout masks derive from it. DeepSpeed's broadcast at initialize copies DP "
-               "rank 0's weights, but not its data order")
+        fix = (
+            f"start every rank with the same --seed ({', '.join(odd)}; rank 0 has {ranks[0]['seed']}): the weights, "
+            "the data order and the dropout masks derive from it. DeepSpeed's broadcast at initialize copies DP "
+            "rank 0's weights, but not its data order"
+        )
     elif built and not trained:
-        fix = ("ranks built different weights from one seed: make the initialisation a function of the seed alone "
-               "(no unseeded generator); DeepSpeed's broadcast hid it for the DP replicas")
+        fix = (
+            "ranks built different weights from one seed: make the initialisation a function of the seed alone "
+            "(no unseeded generator); DeepSpeed's broadcast hid it for the DP replicas"
+        )
     else:
-        fix = ("ranks train from different weights: load the same checkpoint on every rank and make TP-replicated "
-               "parameters (norms, biases) identical across the TP group")
+        fix = (
+            "ranks train from different weights: load the same checkpoint on every rank and make TP-replicated "
+            "parameters (norms, biases) identical across the TP group"
+        )
     return Verdict("identical initial weights", False, numbers, fix)
 
 
@@ -118,8 +128,9 @@ def check_data(facts: dict, expected: list[list[str]] | None = None) -> Verdict:
         if len(set(tokens.values())) > 1:
             imbalance += 1
             if imbalance == 1:
-                problems.append(f"tokens per DP rank at step {step['step']}: "
-                                + ", ".join(f"dp {d} {t}" for d, t in tokens.items()))
+                problems.append(
+                    f"tokens per DP rank at step {step['step']}: " + ", ".join(f"dp {d} {t}" for d, t in tokens.items())
+                )
         for d, row in by_dp.items():
             for h in row["samples"]:
                 seen.setdefault(h, set()).add(d)
@@ -129,26 +140,38 @@ def check_data(facts: dict, expected: list[list[str]] | None = None) -> Verdict:
             missing += len(set(expected[index]) - got)
     shared = [h for h, ranks in seen.items() if len(ranks) > 1]
     if imbalance:
-        fixes.append("give every DP rank micro_batch x accumulation samples per step (a sampler that drops the "
-                     "remainder, as DistributedSampler(drop_last=True) or megakit's TokenBatches do)")
+        fixes.append(
+            "give every DP rank micro_batch x accumulation samples per step (a sampler that drops the "
+            "remainder, as DistributedSampler(drop_last=True) or megakit's TokenBatches do)"
+        )
     if shared:
         pairs = sorted({tuple(sorted(seen[h])) for h in shared})
-        problems.append(f"{len(shared)} samples trained by more than one DP rank (dp "
-                        + "; dp ".join(" and ".join(map(str, p)) for p in pairs) + ")")
-        fixes.append("shard by the DP rank: DP rank d takes the d-th slice of each global batch "
-                     "(DistributedSampler(num_replicas=dp, rank=dp_rank)); a shard keyed by 0 or by the global rank "
-                     "repeats samples")
+        problems.append(
+            f"{len(shared)} samples trained by more than one DP rank (dp "
+            + "; dp ".join(" and ".join(map(str, p)) for p in pairs)
+            + ")"
+        )
+        fixes.append(
+            "shard by the DP rank: DP rank d takes the d-th slice of each global batch "
+            "(DistributedSampler(num_replicas=dp, rank=dp_rank)); a shard keyed by 0 or by the global rank "
+            "repeats samples"
+        )
     if foreign or missing:
         problems.append(f"{foreign} samples outside the seed's global batches trained, {missing} of theirs not")
         fixes.append("every rank must read the same data in the same order: the same --data and --seed everywhere")
     if replicas_disagree:
         problems.append(f"the TP/PP ranks of one DP replica read different samples ({replicas_disagree} times)")
-        fixes.append("the ranks of one DP replica (its TP and PP ranks) must read the same batch: key the shard by "
-                     "the DP rank, not the global rank")
+        fixes.append(
+            "the ranks of one DP replica (its TP and PP ranks) must read the same batch: key the shard by "
+            "the DP rank, not the global rank"
+        )
     counts = "/".join(str(t) for t in sorted(token_counts))
-    numbers = (f"{len(facts['steps'])} steps x {facts['config']['dp']} DP ranks, tokens per rank and step {counts}; "
-               + ("; ".join(problems) if problems else "no sample on two DP ranks"
-                  + ("" if expected is None else "; each step trained exactly the seed's global batch")))
+    numbers = f"{len(facts['steps'])} steps x {facts['config']['dp']} DP ranks, tokens per rank and step {counts}; " + (
+        "; ".join(problems)
+        if problems
+        else "no sample on two DP ranks"
+        + ("" if expected is None else "; each step trained exactly the seed's global batch")
+    )
     return Verdict("data balance and no overlap", not problems, numbers, "; ".join(fixes))
 
 
@@ -162,11 +185,17 @@ def check_gradients(facts: dict) -> Verdict:
             where = ", ".join(_who(info[row["rank"]]) for row in bad)
             finite = ", ".join(f"rank {row['rank']} ({_g(row['local_grad_norm'])})" for row in good)
             others = f"; finite on {finite}" if good else ""
-            numbers = (f"step {step['step']}: this rank's own gradients (before the DP reduction) non-finite on "
-                       f"{where}{others}" + ("; the DP all-reduce then spreads it to every rank" if good else ""))
-            return Verdict("finite, similar gradient norms", False, numbers,
-                           f"look at {where}: its data (a corrupt or extreme sample), its device (ECC errors, "
-                           "nvidia-smi -q), or an overflow (lower the LR, enable gradient_clipping, bf16 not fp16)")
+            numbers = (
+                f"step {step['step']}: this rank's own gradients (before the DP reduction) non-finite on "
+                f"{where}{others}" + ("; the DP all-reduce then spreads it to every rank" if good else "")
+            )
+            return Verdict(
+                "finite, similar gradient norms",
+                False,
+                numbers,
+                f"look at {where}: its data (a corrupt or extreme sample), its device (ECC errors, "
+                "nvidia-smi -q), or an overflow (lower the LR, enable gradient_clipping, bf16 not fp16)",
+            )
     medians = {}
     for rank in info:
         values = [row["local_grad_norm"] for step in facts["steps"] for row in step["ranks"] if row["rank"] == rank]
@@ -176,14 +205,20 @@ def check_gradients(facts: dict) -> Verdict:
         norms = [medians[r["rank"]] for r in group]
         if len(norms) > 1 and min(norms) > 0 and max(norms) / min(norms) > worst:
             worst, where = max(norms) / min(norms), group[norms.index(max(norms))]
-    numbers = ("each rank's own gradient norm before the DP reduction, median over steps: "
-               + ", ".join(f"rank {r} {_g(v)}" for r, v in medians.items())
-               + f"; largest/smallest among DP replicas {worst:.2f} (limit {GRAD_RATIO_LIMIT:g})")
+    numbers = (
+        "each rank's own gradient norm before the DP reduction, median over steps: "
+        + ", ".join(f"rank {r} {_g(v)}" for r, v in medians.items())
+        + f"; largest/smallest among DP replicas {worst:.2f} (limit {GRAD_RATIO_LIMIT:g})"
+    )
     if worst <= GRAD_RATIO_LIMIT:
         return Verdict("finite, similar gradient norms", True, numbers)
-    return Verdict("finite, similar gradient norms", False, numbers,
-                   f"{_who(where)} has {worst:.1f}x the gradients of another replica: the DP ranks train on different "
-                   "data or weights (checks 1 and 2) or different micro-batch sizes")
+    return Verdict(
+        "finite, similar gradient norms",
+        False,
+        numbers,
+        f"{_who(where)} has {worst:.1f}x the gradients of another replica: the DP ranks train on different "
+        "data or weights (checks 1 and 2) or different micro-batch sizes",
+    )
 
 
 # -- 4. the distributed loss against one process ---------------------------------------------------
@@ -204,15 +239,25 @@ def check_loss(facts: dict, reference: list[float] | None, *, why_not: str = "")
         return Verdict(name, False, "no step with a finite loss to compare", "see the gradient check")
     gaps = [abs(losses[i] - reference[i]) / abs(reference[i]) for i in finite]
     limit = LOSS_LIMIT[config["precision"]]
-    numbers = (f"steps 0-{finite[-1]}, distributed {' '.join(f'{losses[i]:.4f}' for i in finite)} vs one process "
-               f"{' '.join(f'{reference[i]:.4f}' for i in finite)}; largest relative gap {max(gaps):.1e} at step "
-               f"{gaps.index(max(gaps))} (limit {limit:g}, {config['precision']})")
+    numbers = (
+        f"steps 0-{finite[-1]}, distributed {' '.join(f'{losses[i]:.4f}' for i in finite)} vs one process "
+        f"{' '.join(f'{reference[i]:.4f}' for i in finite)}; largest relative gap {max(gaps):.1e} at step "
+        f"{gaps.index(max(gaps))} (limit {limit:g}, {config['precision']})"
+    )
     if max(gaps) <= limit:
         return Verdict(name, True, numbers)
-    lossy = [flag for flag, on in ((f"--compress {config['compress']}", config.get("compress", "none") != "none"),
-                                   (f"--local-sgd {config['local_sgd']}", config.get("local_sgd"))) if on]
-    fix = ("the distributed job does not compute what one process computes on the same global batch: fix the checks "
-           "above that failed (seeds, shards)")
+    lossy = [
+        flag
+        for flag, on in (
+            (f"--compress {config['compress']}", config.get("compress", "none") != "none"),
+            (f"--local-sgd {config['local_sgd']}", config.get("local_sgd")),
+        )
+        if on
+    ]
+    fix = (
+        "the distributed job does not compute what one process computes on the same global batch: fix the checks "
+        "above that failed (seeds, shards)"
+    )
     if lossy:
         fix += f"; {' and '.join(lossy)} change the trajectory by design: rerun without to separate the two"
     return Verdict(name, False, numbers, fix)
@@ -230,8 +275,9 @@ def single_process(facts: dict, steps: int) -> tuple[list[float] | None, list[li
 
     c = facts["config"]
     documents, moe = c.get("documents", {}), c.get("moe", {})
-    plan = BatchPlan(seq_len=c["seq_len"], micro_batch=c["micro_batch"], accumulation=c["accumulation"], dp=c["dp"],
-                     seed=c["seed"])
+    plan = BatchPlan(
+        seq_len=c["seq_len"], micro_batch=c["micro_batch"], accumulation=c["accumulation"], dp=c["dp"], seed=c["seed"]
+    )
     corpus = open_corpus(c["data"], max_bytes=c["max_bytes"])
     options = corpus.loader_options(TrainConfig(ds_config=c["ds_config"], model=c["model"], **documents))
     batches = TokenBatches(corpus.train, plan, **options)
@@ -241,10 +287,26 @@ def single_process(facts: dict, steps: int) -> tuple[list[float] | None, list[li
     if start:
         return None, samples, f"the job resumed at step {start}; the single process starts from scratch"
     if params > REFERENCE_MAX_PARAMS:
-        return None, samples, (f"{params / 1e9:.1f}B parameters do not train in one process here; run the doctor "
-                               "with a smaller --model of the same family")
-    ref = reference_run(c["ds_config"], model=c["model"], steps=steps, dp=c["dp"], seq_len=c["seq_len"],
-                        seed=c["seed"], data=c["data"], max_bytes=c["max_bytes"], moe=moe, documents=documents)
+        return (
+            None,
+            samples,
+            (
+                f"{params / 1e9:.1f}B parameters do not train in one process here; run the doctor "
+                "with a smaller --model of the same family"
+            ),
+        )
+    ref = reference_run(
+        c["ds_config"],
+        model=c["model"],
+        steps=steps,
+        dp=c["dp"],
+        seq_len=c["seq_len"],
+        seed=c["seed"],
+        data=c["data"],
+        max_bytes=c["max_bytes"],
+        moe=moe,
+        documents=documents,
+    )
     return ref["loss"], samples, ""
 
 
@@ -262,27 +324,39 @@ def check_lr(facts: dict, *, base_lr: float | None = None, base_batch: int | Non
     first = observed[0] if observed else peak
     warms_up = first < 0.5 * peak
     glob = config["global_batch"]
-    schedule = (f"{scheduler['type']}, warm-up {warmup_steps} steps" if scheduler else "no scheduler (constant LR)")
+    schedule = f"{scheduler['type']}, warm-up {warmup_steps} steps" if scheduler else "no scheduler (constant LR)"
     last = config["start_step"] + len(observed) - 1
-    numbers = [f"peak {_g(peak)} at global batch {glob}; {schedule}; LR at steps {config['start_step']}-{last}: "
-               + " ".join(_g(x) for x in observed)]
+    numbers = [
+        f"peak {_g(peak)} at global batch {glob}; {schedule}; LR at steps {config['start_step']}-{last}: "
+        + " ".join(_g(x) for x in observed)
+    ]
     scale = None
     if base_lr is None:
         numbers.append("no --base-lr: the ds_config's LR taken as tuned for this batch")
     else:
         scale = glob / base_batch
         linear = base_lr * scale
-        numbers.append(f"linear scaling from --base-lr {_g(base_lr)} at batch {base_batch}: x{scale:g} = {_g(linear)}"
-                       f" (peak is {peak / linear:.2f}x that)")
+        numbers.append(
+            f"linear scaling from --base-lr {_g(base_lr)} at batch {base_batch}: x{scale:g} = {_g(linear)}"
+            f" (peak is {peak / linear:.2f}x that)"
+        )
         if peak > OVERSCALED_LIMIT * linear:
-            return Verdict("learning rate, scaling and warm-up", False, "; ".join(numbers),
-                           f"lower optimizer.params.lr to {_g(linear)} (= {_g(base_lr)} x {glob} / {base_batch}); "
-                           "beyond linear scaling the loss oscillates or diverges")
+            return Verdict(
+                "learning rate, scaling and warm-up",
+                False,
+                "; ".join(numbers),
+                f"lower optimizer.params.lr to {_g(linear)} (= {_g(base_lr)} x {glob} / {base_batch}); "
+                "beyond linear scaling the loss oscillates or diverges",
+            )
     if config["start_step"] == 0 and not warms_up and scale is not None and scale > 1 and peak > base_lr:
         numbers.append(f"the first step already runs at {first / peak:.0%} of the peak: no warm-up")
-        return Verdict("learning rate, scaling and warm-up", False, "; ".join(numbers),
-                       "a linearly scaled LR needs a warm-up: a WarmupCosineLR or WarmupLR scheduler in the ds_config "
-                       "with warmup_num_steps a few % of the run (`megakit plan --emit-config` writes one)")
+        return Verdict(
+            "learning rate, scaling and warm-up",
+            False,
+            "; ".join(numbers),
+            "a linearly scaled LR needs a warm-up: a WarmupCosineLR or WarmupLR scheduler in the ds_config "
+            "with warmup_num_steps a few % of the run (`megakit plan --emit-config` writes one)",
+        )
     return Verdict("learning rate, scaling and warm-up", True, "; ".join(numbers))
 
 
@@ -294,13 +368,18 @@ def check_backend(facts: dict) -> Verdict:
     nodes = sorted({r["node"] for r in ranks})
     hosts = {r["host"] for r in ranks}
     dp_nodes = max(len({r["node"] for r in group}) for group in _groups(ranks, "pp", "tp"))
-    numbers = (f"{'/'.join(backends)} on {', '.join(devices)}; {len(ranks)} ranks on {len(nodes)} node(s) "
-               f"({', '.join(nodes)}), {len(hosts)} host(s); {grid(config)}"
-               + (f"; the DP all-reduce crosses {dp_nodes} nodes" if dp_nodes > 1 else "; DP stays inside a node"))
+    numbers = (
+        f"{'/'.join(backends)} on {', '.join(devices)}; {len(ranks)} ranks on {len(nodes)} node(s) "
+        f"({', '.join(nodes)}), {len(hosts)} host(s); {grid(config)}"
+        + (f"; the DP all-reduce crosses {dp_nodes} nodes" if dp_nodes > 1 else "; DP stays inside a node")
+    )
     if any(d != "cpu" for d in devices) and backends != ["nccl"]:
-        return Verdict("backend and interconnect", False, numbers,
-                       "use NCCL on GPUs (init_process_group(backend='nccl')); gloo copies every gradient through "
-                       "the host")
+        return Verdict(
+            "backend and interconnect",
+            False,
+            numbers,
+            "use NCCL on GPUs (init_process_group(backend='nccl')); gloo copies every gradient through the host",
+        )
     return Verdict("backend and interconnect", True, numbers)
 
 
@@ -319,8 +398,11 @@ def check_stragglers(facts: dict) -> Verdict:
     slow_steps: dict[int, int] = {}
     measured = 0
     for step in steps:
-        times = {row["rank"]: row["seconds"] - row["comm_seconds"] for row in step["ranks"]
-                 if row["comm_seconds"] is not None}
+        times = {
+            row["rank"]: row["seconds"] - row["comm_seconds"]
+            for row in step["ranks"]
+            if row["comm_seconds"] is not None
+        }
         measured += len(times) > 1
         step_seconds = statistics.median(row["seconds"] for row in step["ranks"])
         for rank, value in times.items():
@@ -339,23 +421,35 @@ def check_stragglers(facts: dict) -> Verdict:
     worst = max(slow_steps, key=slow_steps.get, default=max(medians, key=medians.get))
     count = slow_steps.get(worst, 0)
     typical = statistics.median_low(v for r, v in medians.items() if stage[r] == stage[worst])
-    numbers = ("busy seconds per step (step minus communication), median per rank: "
-               + ", ".join(f"rank {r} {v:.3f}" for r, v in medians.items())
-               + f"; rank {worst} the slowest of its stage by more than {STRAGGLER_LIMIT:g}x their median and "
-               f"{STRAGGLER_COST:.0%} of the step in {count}/{measured} steps "
-               f"({medians[worst] / typical if typical > 0 else 1.0:.2f}x over all steps)")
+    numbers = (
+        "busy seconds per step (step minus communication), median per rank: "
+        + ", ".join(f"rank {r} {v:.3f}" for r, v in medians.items())
+        + f"; rank {worst} the slowest of its stage by more than {STRAGGLER_LIMIT:g}x their median and "
+        f"{STRAGGLER_COST:.0%} of the step in {count}/{measured} steps "
+        f"({medians[worst] / typical if typical > 0 else 1.0:.2f}x over all steps)"
+    )
     if count < math.ceil(0.75 * measured):
         return Verdict("stragglers", True, numbers)
     info = {r["rank"]: r for r in facts["ranks"]}
-    return Verdict("stragglers", False, numbers + f"; the others wait ~{medians[worst] - typical:.3f} s a step",
-                   f"{_who(info[worst])} on {info[worst]['node']} is slow on its own: check its device (clocks, "
-                   "temperature, another process on it), its data loading and its host's load; synchronous training "
-                   "runs at the slowest rank's pace")
+    return Verdict(
+        "stragglers",
+        False,
+        numbers + f"; the others wait ~{medians[worst] - typical:.3f} s a step",
+        f"{_who(info[worst])} on {info[worst]['node']} is slow on its own: check its device (clocks, "
+        "temperature, another process on it), its data loading and its host's load; synchronous training "
+        "runs at the slowest rank's pace",
+    )
 
 
 def judge(facts: dict, *, base_lr: float | None = None, base_batch: int | None = None) -> list[Verdict]:
     """All seven checks, in the FAQ's order (the single-process run is computed here, on this process)."""
     losses, samples, why_not = single_process(facts, len(facts["steps"]))
-    return [check_weights(facts), check_data(facts, samples), check_gradients(facts),
-            check_loss(facts, losses, why_not=why_not), check_lr(facts, base_lr=base_lr, base_batch=base_batch),
-            check_backend(facts), check_stragglers(facts)]
+    return [
+        check_weights(facts),
+        check_data(facts, samples),
+        check_gradients(facts),
+        check_loss(facts, losses, why_not=why_not),
+        check_lr(facts, base_lr=base_lr, base_batch=base_batch),
+        check_backend(facts),
+        check_stragglers(facts),
+    ]

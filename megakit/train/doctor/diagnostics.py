@@ -43,8 +43,9 @@ def tensor_hash(tensor: torch.Tensor) -> str:
 
 def weight_hashes(module: torch.nn.Module) -> dict[str, str]:
     """The weights DP replicas must share; routed experts (``ep_dim``) differ between EP ranks by design."""
-    return {name: tensor_hash(param) for name, param in module.named_parameters()
-            if getattr(param, "ep_dim", None) is None}
+    return {
+        name: tensor_hash(param) for name, param in module.named_parameters() if getattr(param, "ep_dim", None) is None
+    }
 
 
 class Diagnostics:
@@ -58,8 +59,12 @@ class Diagnostics:
         self.samples: list[str] = []
         self.tokens = self.micro_batches = 0
         self.squares: torch.Tensor | None = None
-        self.facts = {"config": _config_facts(run, topo), "faults": os.environ.get(VARIABLE, ""), "ranks": [],
-                      "steps": []}
+        self.facts = {
+            "config": _config_facts(run, topo),
+            "faults": os.environ.get(VARIABLE, ""),
+            "ranks": [],
+            "steps": [],
+        }
         if topo.rank == 0 and self.facts["faults"]:
             print(f"megakit: injecting faults to test the doctor: {self.facts['faults']}", flush=True)
 
@@ -78,11 +83,21 @@ class Diagnostics:
         for param in params:
             param.register_hook(self._on_gradient)
         place = here()
-        mine = {"rank": self.topo.rank, "tp": self.topo.tp_rank, "pp": self.topo.pp_rank, "dp": self.topo.dp_rank,
-                "seed": self.run.cfg.seed, "node": place.node, "host": place.host, "pid": place.pid,
-                "backend": dist.get_backend(), "device": _device_name(params[0].device),
-                "built": self.built, "weights": weight_hashes(module) if self.run.zero_stage < 3 else None,
-                "tp_split": [n for n, p in module.named_parameters() if getattr(p, "tensor_model_parallel", False)]}
+        mine = {
+            "rank": self.topo.rank,
+            "tp": self.topo.tp_rank,
+            "pp": self.topo.pp_rank,
+            "dp": self.topo.dp_rank,
+            "seed": self.run.cfg.seed,
+            "node": place.node,
+            "host": place.host,
+            "pid": place.pid,
+            "backend": dist.get_backend(),
+            "device": _device_name(params[0].device),
+            "built": self.built,
+            "weights": weight_hashes(module) if self.run.zero_stage < 3 else None,
+            "tp_split": [n for n, p in module.named_parameters() if getattr(p, "tensor_model_parallel", False)],
+        }
         self._gather(mine, lambda rows: self.facts.update(ranks=rows))
         if self.faults.overlap or self.faults.unbalanced:
             batches = FaultyBatches(batches, self.faults)
@@ -113,8 +128,15 @@ class Diagnostics:
 
     def after_step(self, *, loss, lr: float, seconds: float, comm_seconds: float | None, grad_norm: float) -> None:
         """Gather this step's facts to rank 0 and rewrite the file (collective: call on every rank)."""
-        mine = {"rank": self.topo.rank, "loss": float(loss), "samples": self.samples, "tokens": self.tokens,
-                "local_grad_norm": self.local_grad_norm(), "seconds": seconds, "comm_seconds": comm_seconds}
+        mine = {
+            "rank": self.topo.rank,
+            "loss": float(loss),
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "local_grad_norm": self.local_grad_norm(),
+            "seconds": seconds,
+            "comm_seconds": comm_seconds,
+        }
         record = {"step": self.step, "lr": lr, "grad_norm": grad_norm}
         self._gather(mine, lambda rows: self.facts["steps"].append({**record, "ranks": rows}))
         self.step += 1
@@ -135,11 +157,28 @@ def _device_name(device: torch.device) -> str:
 
 def _config_facts(run, topo) -> dict:
     cfg, batch = run.cfg, run.batch
-    return {"model": cfg.model, "data": cfg.data, "max_bytes": cfg.max_bytes, "seed": cfg.seed, "steps": cfg.steps,
-            "start_step": run.start_step, "seq_len": batch.seq_len, "micro_batch": batch.micro_batch,
-            "accumulation": batch.accumulation, "global_batch": batch.global_batch, "tp": topo.tp, "pp": topo.pp,
-            "dp": topo.dp, "cp": topo.cp, "vpp": cfg.vpp, "world": dist.get_world_size(), "precision": run.precision,
-            "zero_stage": run.zero_stage, "ds_config": run.ds_config, "compress": getattr(cfg, "compress", "none"),
-            "local_sgd": getattr(cfg, "local_sgd", None),
-            "documents": {name: getattr(cfg, name) for name in DOCUMENT_FLAGS},
-            "moe": {name: getattr(cfg, name) for name in MOE_FLAGS}}
+    return {
+        "model": cfg.model,
+        "data": cfg.data,
+        "max_bytes": cfg.max_bytes,
+        "seed": cfg.seed,
+        "steps": cfg.steps,
+        "start_step": run.start_step,
+        "seq_len": batch.seq_len,
+        "micro_batch": batch.micro_batch,
+        "accumulation": batch.accumulation,
+        "global_batch": batch.global_batch,
+        "tp": topo.tp,
+        "pp": topo.pp,
+        "dp": topo.dp,
+        "cp": topo.cp,
+        "vpp": cfg.vpp,
+        "world": dist.get_world_size(),
+        "precision": run.precision,
+        "zero_stage": run.zero_stage,
+        "ds_config": run.ds_config,
+        "compress": getattr(cfg, "compress", "none"),
+        "local_sgd": getattr(cfg, "local_sgd", None),
+        "documents": {name: getattr(cfg, name) for name in DOCUMENT_FLAGS},
+        "moe": {name: getattr(cfg, name) for name in MOE_FLAGS},
+    }

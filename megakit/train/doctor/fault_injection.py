@@ -71,16 +71,25 @@ def parse(spec: str) -> dict[int, Faults]:
             rank = number = -1
         # a number: required (True), optional (None) or refused (False)
         takes_number = {"sleep": True, "nan": None, "nanloss": True, "kill": True, "spike": True}.get(kind, False)
-        ok = kind in KINDS and (rank == EVERY_RANK if kind == "spike" else rank >= 0) and (
-            number is None or number >= 0)
+        ok = (
+            kind in KINDS and (rank == EVERY_RANK if kind == "spike" else rank >= 0) and (number is None or number >= 0)
+        )
         if not ok or (takes_number is not None and takes_number != (number is not None)):
-            raise UsageError(f"{VARIABLE}: cannot read '{item}'; use KIND@RANK with KIND one of {', '.join(KINDS)} "
-                             "(nan@RANK:STEP, nanloss@RANK:STEP, kill@RANK:STEP and sleep@RANK:SECONDS take a number; "
-                             "spike@STEP plays on every rank)")
-        field = {"seed": ("seed", True), "overlap": ("overlap", True), "unbalanced": ("unbalanced", True),
-                 "nan": ("nan_from_step", int(number) if number is not None else 1), "sleep": ("sleep_s", number),
-                 "nanloss": ("nan_loss_step", int(number or 0)), "kill": ("kill_step", int(number or 0)),
-                 "spike": ("spike_step", int(number or 0))}[kind]
+            raise UsageError(
+                f"{VARIABLE}: cannot read '{item}'; use KIND@RANK with KIND one of {', '.join(KINDS)} "
+                "(nan@RANK:STEP, nanloss@RANK:STEP, kill@RANK:STEP and sleep@RANK:SECONDS take a number; "
+                "spike@STEP plays on every rank)"
+            )
+        field = {
+            "seed": ("seed", True),
+            "overlap": ("overlap", True),
+            "unbalanced": ("unbalanced", True),
+            "nan": ("nan_from_step", int(number) if number is not None else 1),
+            "sleep": ("sleep_s", number),
+            "nanloss": ("nan_loss_step", int(number or 0)),
+            "kill": ("kill_step", int(number or 0)),
+            "spike": ("spike_step", int(number or 0)),
+        }[kind]
         out.setdefault(rank, {})[field[0]] = field[1]
     return {rank: Faults(**fields) for rank, fields in out.items()}
 
@@ -138,12 +147,16 @@ class FaultyBatches:
         return max(1, rows // 2) if self.faults.unbalanced else rows
 
     def micro_batches(self, step: int, dp_rank: int):
-        return [(x[: self._keep(len(x))], y[: self._keep(len(y))])
-                for x, y in self.batches.micro_batches(step, self._source(dp_rank))]
+        return [
+            (x[: self._keep(len(x))], y[: self._keep(len(y))])
+            for x, y in self.batches.micro_batches(step, self._source(dp_rank))
+        ]
 
     def sample_numbers(self, step: int, dp_rank: int) -> list[range]:
         return [rows[: self._keep(len(rows))] for rows in self.batches.sample_numbers(step, self._source(dp_rank))]
 
     def forward_extras(self, step: int, dp_rank: int) -> list[dict]:
-        return [{k: t[: self._keep(len(t))] for k, t in extras.items()}
-                for extras in self.batches.forward_extras(step, self._source(dp_rank))]
+        return [
+            {k: t[: self._keep(len(t))] for k, t in extras.items()}
+            for extras in self.batches.forward_extras(step, self._source(dp_rank))
+        ]

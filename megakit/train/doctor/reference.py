@@ -21,10 +21,23 @@ from megakit.train.engine.ds_config import schedule_over_steps
 from megakit.train.engine.optim import decay_groups, start_schedule
 
 
-def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_len: int | None = None, seed: int = 0,
-                  data: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES, eval_every: int = 0,
-                  eval_batches: int = 8, moe: dict | None = None, documents: dict | None = None,
-                  mtp: dict | None = None, weights: bool = False) -> dict[str, list]:
+def reference_run(
+    ds_config: dict,
+    *,
+    model: str,
+    steps: int,
+    dp: int = 1,
+    seq_len: int | None = None,
+    seed: int = 0,
+    data: str | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    eval_every: int = 0,
+    eval_batches: int = 8,
+    moe: dict | None = None,
+    documents: dict | None = None,
+    mtp: dict | None = None,
+    weights: bool = False,
+) -> dict[str, list]:
     """``{"loss": [...], "grad_norm": [...], "lr": [...], "evals": [...]}`` of ``steps`` steps of the unsplit model.
 
     ``ds_config`` is the dict the trainer used (micro-batch and accumulation per rank);
@@ -50,8 +63,13 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
     net = Transformer(config, seed=seed, mtp=cfg.mtp, mtp_weight=cfg.mtp_weight)
     depths = len(net.mtp)
     seq_len = seq_len or config.max_seq_len
-    plan = BatchPlan(seq_len=seq_len, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
-                     accumulation=ds_config.get("gradient_accumulation_steps", 1), dp=dp, seed=seed)
+    plan = BatchPlan(
+        seq_len=seq_len,
+        micro_batch=ds_config["train_micro_batch_size_per_gpu"],
+        accumulation=ds_config.get("gradient_accumulation_steps", 1),
+        dp=dp,
+        seed=seed,
+    )
     batches = TokenBatches(corpus.train, plan, **corpus.loader_options(cfg))
     params = {k: v for k, v in ds_config["optimizer"]["params"].items() if k not in ("torch_adam", "adam_w_mode")}
     optimizer = torch.optim.AdamW(decay_groups(net), **params)
@@ -69,10 +87,15 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
     for step in range(steps):
         out["lr"].append(optimizer.param_groups[0]["lr"])
         total, depth_losses = 0.0, torch.zeros(depths, dtype=torch.float64)
-        step_batches = [(batches.micro_batches(step, rank), batches.sample_numbers(step, rank),
-                         batches.forward_extras(step, rank)) for rank in range(plan.dp)]
-        tokens = sum(depth_token_counts(labels, depths, more.get("documents")).double()  # the main's, each depth's
-                     for mbs, _, extras in step_batches for (_, labels), more in zip(mbs, extras))
+        step_batches = [
+            (batches.micro_batches(step, rank), batches.sample_numbers(step, rank), batches.forward_extras(step, rank))
+            for rank in range(plan.dp)
+        ]
+        tokens = sum(
+            depth_token_counts(labels, depths, more.get("documents")).double()  # the main's, each depth's
+            for mbs, _, extras in step_batches
+            for (_, labels), more in zip(mbs, extras)
+        )
         set_loss_tokens(net, tokens.clamp(min=1).float())  # sum / sum over the whole global batch; no target: 0
         for micro_batches, numbers, extras in step_batches:
             for (inputs, labels), rows, more in zip(micro_batches, numbers, extras):
@@ -90,8 +113,9 @@ def reference_run(ds_config: dict, *, model: str, steps: int, dp: int = 1, seq_l
         out["grad_norm"].append(float(norm))
         out["mtp"].append(depth_losses.tolist() if depths else None)  # each L_k: its sum over its own tokens
         if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            out["evals"].append({"step": step + 1, "loss": _validation_loss(net, corpus.parts, plan,
-                                                                           eval_batches, cfg)})
+            out["evals"].append(
+                {"step": step + 1, "loss": _validation_loss(net, corpus.parts, plan, eval_batches, cfg)}
+            )
     if weights:
         out["weights"] = {name: t.detach().clone() for name, t in net.state_dict().items()}
     return out
@@ -106,8 +130,12 @@ def _validation_loss(net, corpora, plan: BatchPlan, batches: int, cfg) -> float:
     net.eval()
     set_loss_tokens(net, None)
     with torch.no_grad():
-        pairs = [(net(x, y, **more).double(), int((y != -100).sum())) for validation in sets
-                 for k in range(validation.batches) for rank in range(plan.dp)
-                 for (x, y), more in zip(validation.micro_batches(k, rank), validation.forward_extras(k, rank))]
+        pairs = [
+            (net(x, y, **more).double(), int((y != -100).sum()))
+            for validation in sets
+            for k in range(validation.batches)
+            for rank in range(plan.dp)
+            for (x, y), more in zip(validation.micro_batches(k, rank), validation.forward_extras(k, rank))
+        ]
     net.train()
     return float(sum(loss * n for loss, n in pairs) / max(sum(n for _, n in pairs), 1))

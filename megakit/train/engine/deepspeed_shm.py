@@ -52,8 +52,10 @@ def writable_extensions_dir(*, say=print) -> None:
     if chosen:
         why = unwritable(chosen)
         if why is not None:
-            raise UsageError(f"TORCH_EXTENSIONS_DIR={chosen} cannot be written ({why}); DeepSpeed builds its CPU "
-                             "ops there: point it at a writable directory")
+            raise UsageError(
+                f"TORCH_EXTENSIONS_DIR={chosen} cannot be written ({why}); DeepSpeed builds its CPU "
+                "ops there: point it at a writable directory"
+            )
         return
     default = get_default_build_root()
     why = unwritable(default)
@@ -68,11 +70,15 @@ def writable_extensions_dir(*, say=print) -> None:
         elif unwritable(fallback) is not None:
             raise OSError
     except OSError:
-        raise UsageError(f"DeepSpeed builds its CPU ops in {default}, which cannot be written ({why}), and "
-                         f"{fallback} cannot either; set TORCH_EXTENSIONS_DIR to a writable directory") from None
+        raise UsageError(
+            f"DeepSpeed builds its CPU ops in {default}, which cannot be written ({why}), and "
+            f"{fallback} cannot either; set TORCH_EXTENSIONS_DIR to a writable directory"
+        ) from None
     os.environ["TORCH_EXTENSIONS_DIR"] = fallback
-    say(f"megakit: {default} cannot be written ({why}); DeepSpeed builds its CPU ops in {fallback} instead{unsafe} "
-        "(set TORCH_EXTENSIONS_DIR to choose)")
+    say(
+        f"megakit: {default} cannot be written ({why}); DeepSpeed builds its CPU ops in {fallback} instead{unsafe} "
+        "(set TORCH_EXTENSIONS_DIR to choose)"
+    )
 
 
 def _private(directory: str) -> bool:
@@ -96,8 +102,12 @@ def _creates_buffers() -> bool:
 
     accelerator = get_accelerator()
     builder = accelerator.create_op_builder("ShareMemCommBuilder") if accelerator.device_name() == "cpu" else None
-    return (builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False)
-            and os.environ.get("LOCAL_SIZE") == str(dist.get_world_size()) and not ds_comm.is_initialized())
+    return (
+        builder is not None
+        and deepspeed.ops.__compatible_ops__.get(builder.NAME, False)
+        and os.environ.get("LOCAL_SIZE") == str(dist.get_world_size())
+        and not ds_comm.is_initialized()
+    )
 
 
 def check_shared_memory(path: str = "/dev/shm") -> None:
@@ -117,10 +127,12 @@ def check_shared_memory(path: str = "/dev/shm") -> None:
     comm.all_reduce(short, comm.WORLD)  # ranks that saw another moment's free space still decide alike
     if short.item():
         mib = 2**20
-        raise UsageError(f"DeepSpeed's CPU all-reduce needs {need / mib:.0f} MiB of {path} ({WORKSPACE_BYTES / mib:.0f}"
-                         f" MiB for each of the {ranks} ranks on this host) but {free / mib:.0f} MiB is free (short of "
-                         "it, they can die of SIGSEGV): free some, or enlarge it (Docker: --shm-size="
-                         f"{math.ceil((need + 256 * mib) / 2**30)}g; its default is 64m)")
+        raise UsageError(
+            f"DeepSpeed's CPU all-reduce needs {need / mib:.0f} MiB of {path} ({WORKSPACE_BYTES / mib:.0f}"
+            f" MiB for each of the {ranks} ranks on this host) but {free / mib:.0f} MiB is free (short of "
+            "it, they can die of SIGSEGV): free some, or enlarge it (Docker: --shm-size="
+            f"{math.ceil((need + 256 * mib) / 2**30)}g; its default is 64m)"
+        )
 
 
 def unlink_shared_memory() -> None:
@@ -135,8 +147,10 @@ def unlink_shared_memory() -> None:
     """
     comm.barrier(comm.WORLD)
     env = os.environ
-    pattern = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_"
-               f"{env.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    pattern = (
+        f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_"
+        f"{env.get('MASTER_PORT', '')}_{dist.get_rank()}"
+    )
     for path in glob.glob(glob.escape(pattern)):
         with contextlib.suppress(OSError):
             os.remove(path)

@@ -86,8 +86,10 @@ class ZeroOneBuckets(ByteMeter):
     def __init__(self, optimizer, make_reducer, cp_group=None) -> None:
         super().__init__()
         if not hasattr(optimizer, "gradient_reduction_w_predivide"):
-            raise RuntimeError(f"DeepSpeed's {type(optimizer).__name__} has no gradient_reduction_w_predivide: "
-                               "this DeepSpeed reduces ZeRO-1 gradients elsewhere, so --compress needs ZeRO 0")
+            raise RuntimeError(
+                f"DeepSpeed's {type(optimizer).__name__} has no gradient_reduction_w_predivide: "
+                "this DeepSpeed reduces ZeRO-1 gradients elsewhere, so --compress needs ZeRO 0"
+            )
         self.optimizer, self.make_reducer, self.reducers, self.cp_group = optimizer, make_reducer, {}, cp_group
         optimizer.gradient_reduction_w_predivide = self
         self.loaded: dict[str, dict] = {}  # a checkpoint's residuals, by bucket, until the bucket is first seen
@@ -121,8 +123,11 @@ class ZeroOneBuckets(ByteMeter):
 
     def state(self) -> dict[str, torch.Tensor]:
         """Every bucket's residuals, named by the bucket (its parameters), as ``bucket-HASH/FIELD``."""
-        return {f"{_bucket_name(key)}/{field}": t for key, reducer in self.reducers.items()
-                for field, t in reducer.state().items()}
+        return {
+            f"{_bucket_name(key)}/{field}": t
+            for key, reducer in self.reducers.items()
+            for field, t in reducer.state().items()
+        }
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Keep ``state()``'s residuals until their bucket is reduced (DeepSpeed builds buckets in the backward)."""
@@ -150,8 +155,11 @@ class DataParallelSync:
         if run.compression.after_optimizer:
             self.updates = UpdateReducer(run.compression, group, self._params(), error_feedback=cfg.error_feedback)
         elif run.compression.enabled and run.zero_stage == 1:  # DeepSpeed reduces; megakit compresses its buckets
-            self.buckets = ZeroOneBuckets(engine.optimizer, lambda: GradientReducer(
-                run.compression, group, error_feedback=cfg.error_feedback), self.cp_group)
+            self.buckets = ZeroOneBuckets(
+                engine.optimizer,
+                lambda: GradientReducer(run.compression, group, error_feedback=cfg.error_feedback),
+                self.cp_group,
+            )
         elif run.compression.enabled:
             self.gradients = GradientReducer(run.compression, group, error_feedback=cfg.error_feedback)
         elif cfg.local_sgd:

@@ -25,18 +25,57 @@ from megakit.errors import UsageError
 # DeepSpeed's schedules that end at total_num_steps (the others, WarmupLR and OneCycle, have no end)
 SCHEDULES_WITH_AN_END = ("WarmupCosineLR", "WarmupDecayLR")
 MISSING_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
-POSITIVE_INTEGERS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                     "steps_per_print")
-SECTIONS = ("optimizer", "scheduler", "zero_optimization", "bf16", "fp16", "comms_logger", "activation_checkpointing",
-            "flops_profiler", "tensorboard", "wandb", "csv_monitor", "aio", "data_types")
+POSITIVE_INTEGERS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "steps_per_print",
+)
+SECTIONS = (
+    "optimizer",
+    "scheduler",
+    "zero_optimization",
+    "bf16",
+    "fp16",
+    "comms_logger",
+    "activation_checkpointing",
+    "flops_profiler",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "aio",
+    "data_types",
+)
 # where DeepSpeed names its config keys; their union is the set of keys it knows
-_KEY_MODULES = ("deepspeed.runtime.constants", "deepspeed.runtime.zero.constants", "deepspeed.comm.constants",
-                "deepspeed.profiling.constants", "deepspeed.autotuning.constants", "deepspeed.elasticity.constants",
-                "deepspeed.compression.constants", "deepspeed.runtime.data_pipeline.constants",
-                "deepspeed.nebula.constants", "deepspeed.runtime.swap_tensor.constants",
-                "deepspeed.checkpoint.constants", "deepspeed.runtime.activation_checkpointing.config")
-_MORE_KEYS = ("tensorboard", "wandb", "csv_monitor", "comet", "compile", "hybrid_engine", "weight_quantization",
-              "torch_autocast", "zenflow", "tensor_parallel", "timers", "data_types", "pipeline")
+_KEY_MODULES = (
+    "deepspeed.runtime.constants",
+    "deepspeed.runtime.zero.constants",
+    "deepspeed.comm.constants",
+    "deepspeed.profiling.constants",
+    "deepspeed.autotuning.constants",
+    "deepspeed.elasticity.constants",
+    "deepspeed.compression.constants",
+    "deepspeed.runtime.data_pipeline.constants",
+    "deepspeed.nebula.constants",
+    "deepspeed.runtime.swap_tensor.constants",
+    "deepspeed.checkpoint.constants",
+    "deepspeed.runtime.activation_checkpointing.config",
+)
+_MORE_KEYS = (
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "compile",
+    "hybrid_engine",
+    "weight_quantization",
+    "torch_autocast",
+    "zenflow",
+    "tensor_parallel",
+    "timers",
+    "data_types",
+    "pipeline",
+)
 
 
 def known_keys() -> set[str]:
@@ -88,8 +127,10 @@ def validate_ds_config(config: dict) -> None:
 def require_optimizer(config: dict) -> None:
     """The trainer lets DeepSpeed build the optimizer, so the ds_config must say which."""
     if "optimizer" not in config:
-        raise UsageError('the ds_config has no "optimizer" section (megakit lets DeepSpeed build the optimizer); add '
-                         'one, e.g. "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}')
+        raise UsageError(
+            'the ds_config has no "optimizer" section (megakit lets DeepSpeed build the optimizer); add '
+            'one, e.g. "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}'
+        )
 
 
 def _validate_zero(section: dict) -> None:
@@ -105,8 +146,9 @@ def _validate_zero(section: dict) -> None:
         if first["type"] == "extra_forbidden":
             fields = set(DeepSpeedZeroConfig.model_fields)
             fields |= {f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias}
-            raise UsageError(f"the ds_config has an unknown key {where!r}; "
-                             f"{_did_you_mean(str(first['loc'][-1]), fields)}") from None
+            raise UsageError(
+                f"the ds_config has an unknown key {where!r}; {_did_you_mean(str(first['loc'][-1]), fields)}"
+            ) from None
         raise UsageError(f"ds_config {where}: {first['msg'].lower()}, got {first.get('input')!r}") from None
 
 
@@ -116,11 +158,15 @@ def read_ds_config(source: str | dict) -> dict:
         return json.loads(json.dumps(source))
     path = Path(source)
     if not path.is_file():
-        raise UsageError(f"--ds_config {source}: no such file; pass a DeepSpeed JSON config such as ds_configs/zero1.json")
+        raise UsageError(
+            f"--ds_config {source}: no such file; pass a DeepSpeed JSON config such as ds_configs/zero1.json"
+        )
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as error:
-        raise UsageError(f"--ds_config {source} is not valid JSON ({error.msg} at line {error.lineno}); fix the file") from None
+        raise UsageError(
+            f"--ds_config {source} is not valid JSON ({error.msg} at line {error.lineno}); fix the file"
+        ) from None
     if not isinstance(config, dict):
         raise UsageError(f"--ds_config {source} must hold a JSON object; see ds_configs/zero1.json")
     return config
@@ -135,36 +181,56 @@ def load_ds_config(source: str | dict, *, dp: int, pp: int) -> dict:
     total = config.get("train_batch_size")
     if micro is None:
         if total is None or total % (accumulation * dp):
-            raise UsageError("the ds_config needs train_micro_batch_size_per_gpu (or a train_batch_size divisible by "
-                             f"gradient_accumulation_steps x DP = {accumulation} x {dp}); add it")
+            raise UsageError(
+                "the ds_config needs train_micro_batch_size_per_gpu (or a train_batch_size divisible by "
+                f"gradient_accumulation_steps x DP = {accumulation} x {dp}); add it"
+            )
         micro = total // (accumulation * dp)
     if total is not None and total != micro * accumulation * dp:
-        raise UsageError(f"train_batch_size {total} != micro-batch {micro} x accumulation {accumulation} x DP {dp}; "
-                         "drop train_batch_size from the ds_config or make it match this layout")
-    config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation,
-                  train_batch_size=micro * accumulation * dp)
+        raise UsageError(
+            f"train_batch_size {total} != micro-batch {micro} x accumulation {accumulation} x DP {dp}; "
+            "drop train_batch_size from the ds_config or make it match this layout"
+        )
+    config.update(
+        train_micro_batch_size_per_gpu=micro,
+        gradient_accumulation_steps=accumulation,
+        train_batch_size=micro * accumulation * dp,
+    )
     stage = int(config.get("zero_optimization", {}).get("stage", 0))
     if pp > 1 and stage == 2:  # its copy-or-add of each backward's partitions follows forwards (as stage 3's did)
-        raise UsageError(f"ZeRO 2 with --pp {pp}: megakit accumulates a pipeline's gradients under ZeRO 0, 1 and 3 "
-                         "only; use ZeRO 1 or 3 (ds_configs/zero1.json, zero3.json) with --pp > 1, or --pp 1")
-    if pp > 1 and stage == 3 and (config["zero_optimization"].get("offload_optimizer") or {}).get(
-            "device", "none") not in ("none", None):
-        raise UsageError(f"ZeRO 3 with zero_optimization.offload_optimizer and --pp {pp}: megakit counts a "
-                         "pipeline's gradient norm on the partitions kept on the device; drop offload_optimizer, or "
-                         "use --pp 1")
+        raise UsageError(
+            f"ZeRO 2 with --pp {pp}: megakit accumulates a pipeline's gradients under ZeRO 0, 1 and 3 "
+            "only; use ZeRO 1 or 3 (ds_configs/zero1.json, zero3.json) with --pp > 1, or --pp 1"
+        )
+    if (
+        pp > 1
+        and stage == 3
+        and (config["zero_optimization"].get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+    ):
+        raise UsageError(
+            f"ZeRO 3 with zero_optimization.offload_optimizer and --pp {pp}: megakit counts a "
+            "pipeline's gradient norm on the partitions kept on the device; drop offload_optimizer, or "
+            "use --pp 1"
+        )
     if pp > 1 and stage == 1 and config["zero_optimization"].get("overlap_comm"):
-        raise UsageError("DeepSpeed allows zero_optimization.overlap_comm with ZeRO-1 only when it manages gradient "
-                         f"accumulation, which a pipeline (--pp {pp}) does itself; set overlap_comm to false")
+        raise UsageError(
+            "DeepSpeed allows zero_optimization.overlap_comm with ZeRO-1 only when it manages gradient "
+            f"accumulation, which a pipeline (--pp {pp}) does itself; set overlap_comm to false"
+        )
     optimizer = str(config.get("optimizer", {}).get("type", "")).lower()
     if optimizer in MISSING_OPTIMIZERS:
         import deepspeed
 
-        raise UsageError(f"this DeepSpeed ({deepspeed.__version__}) no longer ships {config['optimizer']['type']} "
-                         "(1-bit Adam/LAMB were removed); for 1-bit compressed DP with error feedback use AdamW with "
-                         "ZeRO 0 (ds_configs/zero0.json) and the trainer's --compress sign")
+        raise UsageError(
+            f"this DeepSpeed ({deepspeed.__version__}) no longer ships {config['optimizer']['type']} "
+            "(1-bit Adam/LAMB were removed); for 1-bit compressed DP with error feedback use AdamW with "
+            "ZeRO 0 (ds_configs/zero0.json) and the trainer's --compress sign"
+        )
     if config.get("fp16", {}).get("enabled") and not torch.cuda.is_available():
-        raise UsageError("fp16 training needs a GPU (CPU kernels and DeepSpeed's loss scaler are GPU-only here); "
-                         "use ds_configs/zero1.json (fp32) or bf16 on CPU")
+        raise UsageError(
+            "fp16 training needs a GPU (CPU kernels and DeepSpeed's loss scaler are GPU-only here); "
+            "use ds_configs/zero1.json (fp32) or bf16 on CPU"
+        )
     if pp > 1:
         config["managed_gradient_accumulation"] = False  # each engine.step() is the boundary
     fuse_adam(config, cuda=torch.cuda.is_available())
@@ -178,8 +244,14 @@ def fuse_adam(config: dict, *, cuda: bool) -> None:
     optimizer = config.get("optimizer", {})
     params = optimizer.get("params", {})
     offloaded = config.get("zero_optimization", {}).get("offload_optimizer")
-    if (cuda and not offloaded and str(optimizer.get("type", "")).lower() in ("adam", "adamw")
-            and params.get("torch_adam") and "fused" not in params and params.get("foreach") is None):
+    if (
+        cuda
+        and not offloaded
+        and str(optimizer.get("type", "")).lower() in ("adam", "adamw")
+        and params.get("torch_adam")
+        and "fused" not in params
+        and params.get("foreach") is None
+    ):
         optimizer["params"] = {**params, "fused": True}
 
 
@@ -204,11 +276,16 @@ def schedule_over_steps(config: dict, *, steps: int, resumed: int | None = None)
     total, warmup = params["total_num_steps"], params.get("warmup_num_steps", 1000)  # DeepSpeed's default warm-up
     shape = {"WarmupCosineLR": f"cosine to {params.get('cos_min_ratio', 0.0001):g} x", "WarmupDecayLR": "linear to 0"}
     if pinned:
-        whose = (f"the ds_config pins total_num_steps {total}, not --steps {steps}" if total != steps
-                 else "the ds_config's total_num_steps")
+        whose = (
+            f"the ds_config pins total_num_steps {total}, not --steps {steps}"
+            if total != steps
+            else "the ds_config's total_num_steps"
+        )
     elif total != steps:
-        whose = (f"the loaded checkpoint's schedule, kept: --steps is {steps}; set total_num_steps in the ds_config "
-                 "to schedule again")
+        whose = (
+            f"the loaded checkpoint's schedule, kept: --steps is {steps}; set total_num_steps in the ds_config "
+            "to schedule again"
+        )
     else:
         whose = "--steps"
     text = f"megakit: LR schedule: {kind}, {peak}, {warmup} warm-up steps, {shape[kind]} at step {total} ({whose})"

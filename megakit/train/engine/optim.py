@@ -22,8 +22,10 @@ def decay_groups(module: torch.nn.Module) -> list[dict]:
     Named: DeepSpeed splits the experts (``megakit.train.engine.experts``) out of each group by its name."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     decayed = [p.ndim >= 2 and not n.endswith("bias") for n, p in named]
-    groups = [{"name": "decay", "params": [p for (_, p), d in zip(named, decayed) if d]},
-              {"name": "no_decay", "params": [p for (_, p), d in zip(named, decayed) if not d], "weight_decay": 0.0}]
+    groups = [
+        {"name": "decay", "params": [p for (_, p), d in zip(named, decayed) if d]},
+        {"name": "no_decay", "params": [p for (_, p), d in zip(named, decayed) if not d], "weight_decay": 0.0},
+    ]
     return [g for g in groups if g["params"]]
 
 

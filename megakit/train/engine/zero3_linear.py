@@ -31,8 +31,9 @@ def save_weights_not_views(module: torch.nn.Module) -> int:
     """Give each plain column/row-parallel linear in ``module`` DeepSpeed's ZeRO-3 linear; how many."""
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
 
-    layers = [m for m in module.modules()
-              if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.matmul is F.linear]
+    layers = [
+        m for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.matmul is F.linear
+    ]
     for layer in layers:
         layer.matmul = zero3_linear_wrap
     return len(layers)

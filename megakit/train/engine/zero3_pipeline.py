@@ -45,8 +45,9 @@ def _same_over(group, device: torch.device | None):
             first.copy_(torch.tensor(ints, dtype=torch.long))
         dist.broadcast(first, src=source, group=group)
         if n != len(ints) or first.tolist() != list(ints):
-            raise RuntimeError(f"ZeRO-3's trace differs between rank {source} and rank {dist.get_rank()} of one "
-                               "pipeline stage")
+            raise RuntimeError(
+                f"ZeRO-3's trace differs between rank {source} and rank {dist.get_rank()} of one pipeline stage"
+            )
 
     return check
 
@@ -92,8 +93,11 @@ def count_norm_over_stages(optimizer, topo) -> None:
     from megakit.train.engine.grad_norm import counted_in_norm
 
     def norm_groups() -> list[torch.Tensor]:
-        pairs = [(p, g) for i, group in enumerate(optimizer.fp16_groups)
-                 for p, g in zip(group, optimizer.averaged_gradients[i])]
+        pairs = [
+            (p, g)
+            for i, group in enumerate(optimizer.fp16_groups)
+            for p, g in zip(group, optimizer.averaged_gradients[i])
+        ]
         device = pairs[0][1].device if pairs else None
         dense = torch.zeros((), dtype=torch.float64, device=device)
         experts = torch.zeros((), dtype=torch.float64, device=device)

@@ -63,7 +63,9 @@ def validation_sums(modules, topo, batches, *, shape, dtype, device) -> torch.Te
     try:
         with torch.no_grad():
             for k in range(batches.batches):
-                for (x, y), extras in zip(batches.micro_batches(k, topo.dp_rank), batches.forward_extras(k, topo.dp_rank)):
+                for (x, y), extras in zip(
+                    batches.micro_batches(k, topo.dp_rank), batches.forward_extras(k, topo.dp_rank)
+                ):
                     x, y = x.to(device or "cpu"), y.to(device or "cpu")
                     extras = {name: t.to(device or "cpu") for name, t in extras.items()}
                     if topo.pp == 1:
@@ -94,11 +96,19 @@ def evaluator(run, topo, engine, device):
     sets = [ValidationBatches(c, plan, run.cfg.eval_batches, c.loader_options(run.cfg, "validation")) for c in corpora]
     for c, batches in zip(corpora, sets):
         if batches.batches < run.cfg.eval_batches and topo.rank == 0:
-            print(f"megakit: the validation split of {c.source} holds {batches.batches} global batches; "
-                  f"--eval-batches {run.cfg.eval_batches} uses those", flush=True)
+            print(
+                f"megakit: the validation split of {c.source} holds {batches.batches} global batches; "
+                f"--eval-batches {run.cfg.eval_batches} uses those",
+                flush=True,
+            )
     modules = [engine] if run.cfg.vpp == 1 else list(engine.module)  # the chunks the pipeline runs
-    shape = activation_shape(run.model, micro_batch_size=plan.micro_batch, seq_len=plan.seq_len // topo.cp,
-                             tp=topo.tp, sequence_parallel=run.sequence_parallel)
+    shape = activation_shape(
+        run.model,
+        micro_batch_size=plan.micro_batch,
+        seq_len=plan.seq_len // topo.cp,
+        tp=topo.tp,
+        sequence_parallel=run.sequence_parallel,
+    )
 
     def run_all() -> tuple[float, dict | None]:
         """The validation loss over every data set's tokens, and (for a mixture) each data set's own."""

@@ -28,8 +28,13 @@ import torch
 from megakit.nn import comm
 
 ITEMS = ("params", "grads", "master_params", "optimizer")  # the model states compared within 2 %
-_GRAD_BUFFERS = ("grads_in_partition", "all_grad_tensors", "averaged_gradients", "grad_partitions_flat_buffer",
-                 "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
+_GRAD_BUFFERS = (
+    "grads_in_partition",
+    "all_grad_tensors",
+    "averaged_gradients",
+    "grad_partitions_flat_buffer",
+    "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",
+)
 _COMM_BUFFERS = ("ipg", "bucket")
 _MASTER = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat")
 
@@ -133,8 +138,13 @@ class MemoryProbe:
             else:
                 census.add("params", p)
         for name, value in vars(wrapper).items():
-            if name in ("fp16_groups", "bit16_groups", "fp16_partitioned_groups", "fp16_partitioned_groups_flat",
-                        "bit16_groups_flat"):
+            if name in (
+                "fp16_groups",
+                "bit16_groups",
+                "fp16_partitioned_groups",
+                "fp16_partitioned_groups_flat",
+                "bit16_groups_flat",
+            ):
                 census.walk("params", value)
         for p in self.engine.module.parameters():
             census.add("grads", p.grad)
@@ -200,19 +210,37 @@ class MemoryProbe:
         # give by building the model (5-10 s a rank)
         spec = ModelSpec.from_config(run.cfg.model)
         mtp = run.model.mtp_depth(run.cfg.mtp)
-        split = [len(r) for r in partition_layers(run.model, self.topo.pp, run.cfg.vpp,
-                                                  run.cfg.stage_layers or "params", mtp=mtp)]
+        split = [
+            len(r)
+            for r in partition_layers(run.model, self.topo.pp, run.cfg.vpp, run.cfg.stage_layers or "params", mtp=mtp)
+        ]
         spec = self.spec = spec.with_overrides(seq_len=plan.seq_len, stage_layers=split, mtp=run.cfg.mtp)  # as built
-        buckets = Buckets(reduce_bucket=int(zero.get("reduce_bucket_size", 5e8)),
-                          allgather_bucket=int(zero.get("allgather_bucket_size", 5e8)))
-        return estimate_memory(spec, tp=self.topo.tp, pp=self.topo.pp, dp=self.topo.dp, cp=self.topo.cp,
-                               ep=getattr(self.topo, "ep", 1), zero_stage=run.zero_stage,
-                               micro_batch=plan.micro_batch, seq_len=plan.seq_len,
-                               accumulation=plan.accumulation, precision=run.precision, stage=self.topo.pp_rank,
-                               vpp=run.cfg.vpp, flash_attention=fused_attention(spec.config), buckets=buckets,
-                               recompute=run.cfg.recompute, sequence_parallel=run.sequence_parallel,
-                               zero_bubble=self.topo.pp > 1 and run.schedule == "zb-h1",
-                               loss_chunks=run.loss_chunks, cp_ring=run.cfg.cp_mode != "a2a")
+        buckets = Buckets(
+            reduce_bucket=int(zero.get("reduce_bucket_size", 5e8)),
+            allgather_bucket=int(zero.get("allgather_bucket_size", 5e8)),
+        )
+        return estimate_memory(
+            spec,
+            tp=self.topo.tp,
+            pp=self.topo.pp,
+            dp=self.topo.dp,
+            cp=self.topo.cp,
+            ep=getattr(self.topo, "ep", 1),
+            zero_stage=run.zero_stage,
+            micro_batch=plan.micro_batch,
+            seq_len=plan.seq_len,
+            accumulation=plan.accumulation,
+            precision=run.precision,
+            stage=self.topo.pp_rank,
+            vpp=run.cfg.vpp,
+            flash_attention=fused_attention(spec.config),
+            buckets=buckets,
+            recompute=run.cfg.recompute,
+            sequence_parallel=run.sequence_parallel,
+            zero_bubble=self.topo.pp > 1 and run.schedule == "zb-h1",
+            loss_chunks=run.loss_chunks,
+            cp_ring=run.cfg.cp_mode != "a2a",
+        )
 
     def _chunks(self) -> list:
         module = self.engine.module
@@ -222,9 +250,16 @@ class MemoryProbe:
         from megakit.core.planner.activations import logits_bytes
 
         plan = self.run.batch
-        return logits_bytes(self.spec, tp=self.topo.tp, sequence_parallel=self.run.sequence_parallel,
-                            precision=self.run.precision, seq_len=plan.seq_len // self.topo.cp,
-                            micro_batch=plan.micro_batch, transient=False, loss_chunks=self.run.loss_chunks)
+        return logits_bytes(
+            self.spec,
+            tp=self.topo.tp,
+            sequence_parallel=self.run.sequence_parallel,
+            precision=self.run.precision,
+            seq_len=plan.seq_len // self.topo.cp,
+            micro_batch=plan.micro_batch,
+            transient=False,
+            loss_chunks=self.run.loss_chunks,
+        )
 
     def row(self) -> dict:
         est = self.predicted()
@@ -244,15 +279,29 @@ class MemoryProbe:
             logits_shard = 0.0
             if est.items["logits"]:
                 bytes_per = 4 if self.run.precision == "fp32" else 2
-                logits_shard = (self.run.batch.seq_len // self.topo.cp * self.run.batch.micro_batch * bytes_per
-                                * self.spec.padded_vocab(self.topo.tp) // self.topo.tp)
+                logits_shard = (
+                    self.run.batch.seq_len
+                    // self.topo.cp
+                    * self.run.batch.micro_batch
+                    * bytes_per
+                    * self.spec.padded_vocab(self.topo.tp)
+                    // self.topo.tp
+                )
                 if self.run.loss_chunks > 1:  # one chunk's logits and fp32 softmax
                     logits_shard = est.items["logits"] - self._saved_logits()
-            predicted["activations"] = float(est.items["activations"] + est.items["moe_routing"] + est.items["logits"]
-                                             - logits_shard)
+            predicted["activations"] = float(
+                est.items["activations"] + est.items["moe_routing"] + est.items["logits"] - logits_shard
+            )
             measured["logits"], predicted["logits"] = float(self.logits_peak), float(est.items["logits"] - logits_shard)
-        return {"rank": self.topo.rank, "tp": self.topo.tp_rank, "pp": self.topo.pp_rank, "dp": self.topo.dp_rank,
-                "cp": self.topo.cp_rank, "measured": measured, "predicted": predicted}
+        return {
+            "rank": self.topo.rank,
+            "tp": self.topo.tp_rank,
+            "pp": self.topo.pp_rank,
+            "dp": self.topo.dp_rank,
+            "cp": self.topo.cp_rank,
+            "measured": measured,
+            "predicted": predicted,
+        }
 
     def report(self) -> list[dict] | None:
         """Every rank's row, gathered on rank 0 (None elsewhere). Collective over the world."""
@@ -289,20 +338,35 @@ def format_table(rows: list[dict]) -> str:
     """Per rank: measured/predicted for each item, and the ratio for the two checked totals."""
     items = list(rows[0]["measured"])
     largest = max(max(r["measured"].values()) for r in rows)
-    unit, scale = next((u, f) for u, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
-                       if largest >= 10 * f or f == 1)
-    short = {"master_params": "master", "optimizer": "adam", "fp32_step_grads": "step-grads",
-             "model_states": "states", "activations": "activations", "total": "total"}
-    head = ["rank", "pp", "dp", "tp"] + [short.get(k, k) for k in items] + [f"{short.get(k, k)} ratio" for k in items
-                                                                               if k in ("model_states", "activations", "total")]
+    unit, scale = next(
+        (u, f) for u, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)) if largest >= 10 * f or f == 1
+    )
+    short = {
+        "master_params": "master",
+        "optimizer": "adam",
+        "fp32_step_grads": "step-grads",
+        "model_states": "states",
+        "activations": "activations",
+        "total": "total",
+    }
+    head = (
+        ["rank", "pp", "dp", "tp"]
+        + [short.get(k, k) for k in items]
+        + [f"{short.get(k, k)} ratio" for k in items if k in ("model_states", "activations", "total")]
+    )
     table = []
     for r in rows:
         cells = [str(r[k]) for k in ("rank", "pp", "dp", "tp")]
         cells += [f"{r['measured'][k] / scale:.2f}/{r['predicted'][k] / scale:.2f}" for k in items]
-        cells += [f"{r['measured'][k] / r['predicted'][k]:.3f}" if r["predicted"][k] else "-"
-                  for k in items if k in ("model_states", "activations", "total")]
+        cells += [
+            f"{r['measured'][k] / r['predicted'][k]:.3f}" if r["predicted"][k] else "-"
+            for k in items
+            if k in ("model_states", "activations", "total")
+        ]
         table.append(cells)
     widths = [max(len(x) for x in col) for col in zip(head, *table)]
-    lines = [f"--verify-memory: measured/predicted {unit} per rank (planner: megakit.core.planner.memory.estimate_memory)"]
+    lines = [
+        f"--verify-memory: measured/predicted {unit} per rank (planner: megakit.core.planner.memory.estimate_memory)"
+    ]
     lines += ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [head] + table]
     return "\n".join(lines)

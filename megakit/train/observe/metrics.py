@@ -119,7 +119,9 @@ class StepMetrics:
     comm_calls: int | None  # collective and P2P calls this rank made during the step, None when not sampled
     world_size: int
     peak_tflops: float | None  # per device
-    dp_bytes: int | None = None  # DP bytes this rank sent (when megakit, not DeepSpeed, syncs DP: --compress, --local-sgd)
+    dp_bytes: int | None = (
+        None  # DP bytes this rank sent (when megakit, not DeepSpeed, syncs DP: --compress, --local-sgd)
+    )
     dp_bytes_dense: int | None = None  # what the plain fp32 all-reduce of the same gradients would have sent
     data_seconds: float | None = None  # this rank's wait for its batch (the loader), before the step's clock
     skipped: bool = False  # a non-finite step the optimizer did not apply (megakit.train.resilience.guards)
@@ -166,10 +168,17 @@ class StepMetrics:
         return max(m["max_tokens"] / m["mean_tokens"] for m in self.moe.values())
 
     def line(self) -> str:
-        parts = [f"step {self.step:>5}" + (" (skipped)" if self.skipped else "")
-                 + (" (incl. compile)" if self.compiling else ""), f"loss {self.loss:.4f}",
-                 f"lr {self.lr:.2e}", f"grad-norm {self.grad_norm:.3f}",
-                 f"{self.samples_per_s:.1f} samples/s", f"{self.tokens_per_s:,.0f} tok/s", f"{self.tflops:.3f} TFLOP/s"]
+        parts = [
+            f"step {self.step:>5}"
+            + (" (skipped)" if self.skipped else "")
+            + (" (incl. compile)" if self.compiling else ""),
+            f"loss {self.loss:.4f}",
+            f"lr {self.lr:.2e}",
+            f"grad-norm {self.grad_norm:.3f}",
+            f"{self.samples_per_s:.1f} samples/s",
+            f"{self.tokens_per_s:,.0f} tok/s",
+            f"{self.tflops:.3f} TFLOP/s",
+        ]
         if self.mfu is not None:
             parts.append(f"MFU {self.mfu:.1%}")
         if self.comm_share is not None:
@@ -189,9 +198,14 @@ class StepMetrics:
         return " | ".join(parts)
 
     def scalars(self) -> dict[str, float]:
-        out = {"train/loss": self.loss, "train/lr": self.lr, "train/grad_norm": self.grad_norm,
-               "perf/samples_per_s": self.samples_per_s, "perf/tokens_per_s": self.tokens_per_s,
-               "perf/tflops": self.tflops}
+        out = {
+            "train/loss": self.loss,
+            "train/lr": self.lr,
+            "train/grad_norm": self.grad_norm,
+            "perf/samples_per_s": self.samples_per_s,
+            "perf/tokens_per_s": self.tokens_per_s,
+            "perf/tflops": self.tflops,
+        }
         if self.mfu is not None:
             out["perf/mfu"] = self.mfu
         if self.comm_share is not None:
@@ -215,13 +229,29 @@ class StepMetrics:
         return out
 
     def to_dict(self) -> dict:
-        return {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
-                "seconds": self.seconds, "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
-                "tflops": self.tflops, "mfu": self.mfu, "comm_share": self.comm_share,
-                "comm_calls": self.comm_calls, "data_share": self.data_share, "dp_bytes": self.dp_bytes,
-                "dp_bytes_dense": self.dp_bytes_dense, "skipped": self.skipped, "all_to_all_bytes": self.all_to_all_bytes,
-                "compiling": self.compiling, "gpu_util": self.gpu_util, "gpu_mem_gib": self.gpu_mem_gib,
-                "moe": None if self.moe is None else {str(k): v for k, v in self.moe.items()}, "mtp": self.mtp}
+        return {
+            "step": self.step,
+            "loss": self.loss,
+            "lr": self.lr,
+            "grad_norm": self.grad_norm,
+            "seconds": self.seconds,
+            "samples_per_s": self.samples_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops": self.tflops,
+            "mfu": self.mfu,
+            "comm_share": self.comm_share,
+            "comm_calls": self.comm_calls,
+            "data_share": self.data_share,
+            "dp_bytes": self.dp_bytes,
+            "dp_bytes_dense": self.dp_bytes_dense,
+            "skipped": self.skipped,
+            "all_to_all_bytes": self.all_to_all_bytes,
+            "compiling": self.compiling,
+            "gpu_util": self.gpu_util,
+            "gpu_mem_gib": self.gpu_mem_gib,
+            "moe": None if self.moe is None else {str(k): v for k, v in self.moe.items()},
+            "mtp": self.mtp,
+        }
 
 
 def read_metrics(path: str | Path) -> dict:
@@ -244,5 +274,8 @@ def read_metrics(path: str | Path) -> dict:
             out[f"{kind}s"].append(record)
         elif kind == "memory":
             out["memory"] = record["rows"]
-    return {**out, "steps": [out["steps"][k] for k in sorted(out["steps"])],
-            "eval": [out["eval"][k] for k in sorted(out["eval"])]}
+    return {
+        **out,
+        "steps": [out["steps"][k] for k in sorted(out["steps"])],
+        "eval": [out["eval"][k] for k in sorted(out["eval"])],
+    }

@@ -50,9 +50,12 @@ def start_profiler(directory: str | None, *, steps: int, rank: int):
 
     wait = 1 if steps >= 4 else 0  # skip the first step (lazy initialisation) when there are enough
     warmup = 1 if steps >= 3 else 0
-    prof = profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup,
-                                                            active=min(2, steps - wait - warmup), repeat=1),
-                   on_trace_ready=save, record_shapes=False)
+    prof = profile(
+        activities=activities,
+        schedule=schedule(wait=wait, warmup=warmup, active=min(2, steps - wait - warmup), repeat=1),
+        on_trace_ready=save,
+        record_shapes=False,
+    )
     prof.start()
     return prof
 
@@ -77,8 +80,12 @@ class Heartbeat:
         self.say = say or (lambda text: print(text, flush=True))
         self.since = self.last = clock()
         self._stop = threading.Event()
-        threading.Thread(target=Heartbeat._run, args=(weakref.ref(self), self._stop, every_s / 4), daemon=True,
-                         name="megakit-heartbeat").start()
+        threading.Thread(
+            target=Heartbeat._run,
+            args=(weakref.ref(self), self._stop, every_s / 4),
+            daemon=True,
+            name="megakit-heartbeat",
+        ).start()
 
     def beat(self, step: int) -> None:
         self.step, self.since = step, self.clock()
@@ -130,8 +137,9 @@ class MetricsFile:
                 if self.file.read(1) != "\n":
                     self.file.write("\n")
         except OSError as error:
-            raise UsageError(f"--metrics-out {path}: cannot write it ({error.strerror}); give a file in a writable "
-                             "directory") from None
+            raise UsageError(
+                f"--metrics-out {path}: cannot write it ({error.strerror}); give a file in a writable directory"
+            ) from None
 
     def write(self, kind: str, record: dict) -> None:
         self.file.write(json.dumps({"type": kind, **record}) + "\n")
@@ -168,18 +176,25 @@ class RunSummary:
         took = f"{minutes} min {rest:02d} s" if minutes else f"{seconds:.1f} s"
         end = self.start + self.steps - 1 if self.last_step is None else self.last_step
         redone = self.steps - (end - self.start + 1)  # a --spike-guard rollback runs steps again
-        text = (f"megakit: done: steps {self.start} to {end}{f' ({redone} redone after a rollback)' if redone else ''}"
-                f", {self.tokens:,} tokens in {took} of training")
+        text = (
+            f"megakit: done: steps {self.start} to {end}{f' ({redone} redone after a rollback)' if redone else ''}"
+            f", {self.tokens:,} tokens in {took} of training"
+        )
         if self.last is not None:
-            text += (f" | loss {self.first[1]:.4f} at step {self.first[0]} -> {self.last[1]:.4f} at step "
-                     f"{self.last[0]}, best {self.best[1]:.4f} at step {self.best[0]}")
+            text += (
+                f" | loss {self.first[1]:.4f} at step {self.first[0]} -> {self.last[1]:.4f} at step "
+                f"{self.last[0]}, best {self.best[1]:.4f} at step {self.best[0]}"
+            )
         if self.best_eval is not None:
             text += f" | best val loss {self.best_eval[1]:.4f} after {self.best_eval[0]} steps"
         if checkpoint is None:
             return [text + (" | no checkpoint (no --save)" if not save else "")]
         out = f"{save.rstrip('/')}-hf"
-        return [text, f"megakit: last checkpoint {checkpoint}; export it to transformers with: "
-                      f"megakit convert {save} {out} --to-hf"]
+        return [
+            text,
+            f"megakit: last checkpoint {checkpoint}; export it to transformers with: "
+            f"megakit convert {save} {out} --to-hf",
+        ]
 
 
 class Reporter:
@@ -194,17 +209,32 @@ class Reporter:
             return
         if cfg.metrics_out:
             self.metrics = MetricsFile(cfg.metrics_out)
-            self.metrics.write("run", {"start_step": start, "steps": cfg.steps, "model": str(cfg.model),
-                                       "world_size": dist.get_world_size(), "time": time.time()})
-        options = "".join([", sequence parallel" if run.sequence_parallel else "",
-                           ", compiled blocks" if run.compile else "",
-                           f", attention kernel {run.attention.name}" if run.attention.name != "auto" else "",
-                           f", {cfg.recompute} recompute" if cfg.recompute != "none" else "",
-                           f", loss in {run.loss_chunks} chunks" if run.loss_chunks > 1 else "",
-                           f", fp8 {cfg.fp8}" if cfg.fp8 != "none" else "",
-                           f", resuming {run.checkpoint} at step {start}" if start else ""])
-        print(f"megakit: training {cfg.model} on {dist.get_world_size()} process(es): "
-              f"{layout_words(topo.layout, vpp=cfg.vpp)}{options}", flush=True)
+            self.metrics.write(
+                "run",
+                {
+                    "start_step": start,
+                    "steps": cfg.steps,
+                    "model": str(cfg.model),
+                    "world_size": dist.get_world_size(),
+                    "time": time.time(),
+                },
+            )
+        options = "".join(
+            [
+                ", sequence parallel" if run.sequence_parallel else "",
+                ", compiled blocks" if run.compile else "",
+                f", attention kernel {run.attention.name}" if run.attention.name != "auto" else "",
+                f", {cfg.recompute} recompute" if cfg.recompute != "none" else "",
+                f", loss in {run.loss_chunks} chunks" if run.loss_chunks > 1 else "",
+                f", fp8 {cfg.fp8}" if cfg.fp8 != "none" else "",
+                f", resuming {run.checkpoint} at step {start}" if start else "",
+            ]
+        )
+        print(
+            f"megakit: training {cfg.model} on {dist.get_world_size()} process(es): "
+            f"{layout_words(topo.layout, vpp=cfg.vpp)}{options}",
+            flush=True,
+        )
         if run.lr_schedule:
             print(run.lr_schedule, flush=True)
         self.bar = progress_bar(cfg.steps, start) if cfg.progress else None
@@ -255,7 +285,12 @@ class Reporter:
         metrics file keeps."""
         from megakit.train.observe.evaluate import perplexity
 
-        record = {"step": step, "loss": loss, "perplexity": perplexity(loss), **({"sources": sources} if sources else {})}
+        record = {
+            "step": step,
+            "loss": loss,
+            "perplexity": perplexity(loss),
+            **({"sources": sources} if sources else {}),
+        }
         if self.active:
             self.summary.evaluated(step, loss)
             each = "".join(f" | {name} {value:.4f}" for name, value in (sources or {}).items())
@@ -272,8 +307,10 @@ class Reporter:
     def compiled(self, m: StepMetrics) -> None:
         """Say that step ``m`` paid for compiling, apart from the throughput of the steps after it."""
         if self.active:
-            self._print(f"megakit: compile: step {m.step} took {m.seconds:.1f} s including torch.compile of the "
-                        "blocks; throughput counts from the next step")
+            self._print(
+                f"megakit: compile: step {m.step} took {m.seconds:.1f} s including torch.compile of the "
+                "blocks; throughput counts from the next step"
+            )
 
     def attention_kernels(self, profiler) -> None:
         """Name the attention kernels the profiler saw (``--profile``), so a run shows which SDPA backend ran."""

@@ -29,8 +29,11 @@ _PREFIX = "megakit/heartbeat/"
 DONE = b"done"
 
 
-_COMMUNICATION = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}deepspeed{os.sep}comm{os.sep}",
-                  f"{os.sep}megakit{os.sep}nn{os.sep}comm.py")
+_COMMUNICATION = (
+    f"{os.sep}torch{os.sep}distributed{os.sep}",
+    f"{os.sep}deepspeed{os.sep}comm{os.sep}",
+    f"{os.sep}megakit{os.sep}nn{os.sep}comm.py",
+)
 
 
 def from_communication(error: BaseException) -> bool:
@@ -64,8 +67,18 @@ class Watchdog:
     the run is then stopping on its own (``preemption``), and the watchdog ends quietly instead of the rank.
     """
 
-    def __init__(self, rank: int, world_size: int, *, stall_s: float = 60.0, interval_s: float | None = None,
-                 describe=str, store, peers=None, store_gone_with_launcher=lambda: False) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        stall_s: float = 60.0,
+        interval_s: float | None = None,
+        describe=str,
+        store,
+        peers=None,
+        store_gone_with_launcher=lambda: False,
+    ) -> None:
         self.rank, self.world_size = rank, world_size
         self.peers = sorted(set(range(world_size) if peers is None else peers) - {rank})
         interval_s = min(1.0, stall_s / 20) if interval_s is None else interval_s
@@ -122,8 +135,11 @@ class Watchdog:
     def _fail(self, why: str) -> None:
         if self.rank == 0:  # rank 0 hosts the store: give the others time to read who is silent
             time.sleep(self.interval_s * 2)
-        print(f"megakit: {self.describe(self.rank)}: {why}; ending this rank so the job fails instead of hanging",
-              file=sys.stderr, flush=True)
+        print(
+            f"megakit: {self.describe(self.rank)}: {why}; ending this rank so the job fails instead of hanging",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)
 
     def _local_state(self, peer: int) -> str | None:

@@ -47,8 +47,9 @@ class StepGuard:
         self.in_a_row = 0  # non-finite steps since the last good one (that count towards the limit)
         self.stops: dict[int, int] = {}  # the ranks that asked to stop after the last step checked, with why
 
-    def check(self, step: int, loss: torch.Tensor, *, grads_finite: bool, applied: bool,
-              stop: int = 0) -> tuple[float, str | None]:
+    def check(
+        self, step: int, loss: torch.Tensor, *, grads_finite: bool, applied: bool, stop: int = 0
+    ) -> tuple[float, str | None]:
         """``(loss averaged over the job, None)`` for a good step, ``(nan, why)`` for a skipped one.
 
         Collective: one small all-reduce over every rank. Raises ``TrainingDiverged`` when the
@@ -69,29 +70,35 @@ class StepGuard:
         comm.all_reduce(flags, comm.WORLD)
         values = flags.tolist()  # the one host read
         bad = [(r, int(v)) for r, v in enumerate(values[:world]) if v]
-        stepped = [bool(v) for v in values[world:2 * world]]
-        self.stops = {r: int(v) for r, v in enumerate(values[2 * world + 1:]) if v}
+        stepped = [bool(v) for v in values[world : 2 * world]]
+        self.stops = {r: int(v) for r, v in enumerate(values[2 * world + 1 :]) if v}
         if not bad:
             self.in_a_row = 0
             if not all(stepped):  # a finite step the optimizer refused: cannot happen but by a bug
-                raise RuntimeError(f"step {step}: finite everywhere, but the optimizer did not step on ranks "
-                                   f"{[r for r, s in enumerate(stepped) if not s]}")
+                raise RuntimeError(
+                    f"step {step}: finite everywhere, but the optimizer did not step on ranks "
+                    f"{[r for r, s in enumerate(stepped) if not s]}"
+                )
             return values[2 * world], None
         what = {1: "loss", 2: "gradient", 3: "loss and gradient"}
         found = "; ".join(f"{self.describe(r)}: non-finite {what[v]}" for r, v in bad)
         if any(stepped):  # the update happened (e.g. bf16 with check_grad_overflow off): nothing to skip
             if not all(stepped):
                 raise RuntimeError(f"step {step}: ranks disagree on skipping a non-finite step ({found})")
-            raise TrainingDiverged(f"NaN/inf at step {step}: {found}; the optimizer applied it (set "
-                                   "check_grad_overflow in the ds_config's bf16 section); lower the learning rate, "
-                                   "enable gradient_clipping, or use bf16 instead of fp16")
+            raise TrainingDiverged(
+                f"NaN/inf at step {step}: {found}; the optimizer applied it (set "
+                "check_grad_overflow in the ds_config's bf16 section); lower the learning rate, "
+                "enable gradient_clipping, or use bf16 instead of fp16"
+            )
         scaler_overflow = self.precision == "fp16" and not any(v & 1 for _, v in bad)
         if not scaler_overflow:
             self.in_a_row += 1
             if self.in_a_row > self.max_skipped:
-                raise TrainingDiverged(f"NaN/inf at step {step}: {found}; {self.in_a_row} non-finite step(s) in a row "
-                                       f"(--max-skipped-steps {self.max_skipped}); lower the learning rate, enable "
-                                       "gradient_clipping, or use bf16 instead of fp16")
+                raise TrainingDiverged(
+                    f"NaN/inf at step {step}: {found}; {self.in_a_row} non-finite step(s) in a row "
+                    f"(--max-skipped-steps {self.max_skipped}); lower the learning rate, enable "
+                    "gradient_clipping, or use bf16 instead of fp16"
+                )
         self.skipped += 1
         why = "fp16 overflow (loss scale lowered)" if scaler_overflow else found
         return float("nan"), f"step {step} skipped ({self.skipped} in all): {why}"

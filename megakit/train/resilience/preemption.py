@@ -72,8 +72,10 @@ def launcher_links(pid: int | None = None) -> list[tuple[int, int, str]]:
     if "deepspeed.launcher.launch" in command:
         grandparent = parent_pid(parent)
         return [(pid, parent, f"DeepSpeed's launch.py (pid {parent})")] + (
-            [(parent, grandparent, f"the deepspeed command (pid {grandparent})")] if grandparent not in (None, 0, 1)
-            else [])
+            [(parent, grandparent, f"the deepspeed command (pid {grandparent})")]
+            if grandparent not in (None, 0, 1)
+            else []
+        )
     if any(os.path.basename(arg) == "torchrun" or arg == "torch.distributed.run" for arg in command[:3]):
         return [(pid, parent, f"torchrun's agent (pid {parent})")]
     return []
@@ -95,8 +97,9 @@ class StopRequests:
     soon after the first a signal is that one passed on (tests widen it: on busy cores a round trip is slow).
     """
 
-    def __init__(self, *, name: str, interval_s: float = 1.0, links: list | None = None, echo_s: float = ECHO_S
-                 ) -> None:
+    def __init__(
+        self, *, name: str, interval_s: float = 1.0, links: list | None = None, echo_s: float = ECHO_S
+    ) -> None:
         self.name, self.interval_s, self.echo_s = name, interval_s, echo_s
         self.links = launcher_links() if links is None else links
         self.reason = 0
@@ -162,8 +165,11 @@ class StopRequests:
             if self.reason != LAUNCHER_GONE:
                 self.reason = number
         elif not self._leaving and now - self._first >= self.echo_s:  # a second notice: no step to finish, no save
-            os.write(sys.stderr.fileno(), f"megakit: {self.name}: a second {signal.Signals(number).name}: stopping "
-                                          "at once, without a checkpoint\n".encode())
+            os.write(
+                sys.stderr.fileno(),
+                f"megakit: {self.name}: a second {signal.Signals(number).name}: stopping "
+                "at once, without a checkpoint\n".encode(),
+            )
             os._exit(128 + number)
 
 

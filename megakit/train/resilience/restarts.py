@@ -34,8 +34,10 @@ def auto_load(save: str | None, load: str | None, *, init: str | None = None, sa
     if load != AUTO:
         return load
     if not save:
-        raise UsageError(f"--load auto{' (implied by --init)' if init else ''} resumes from the --save directory's "
-                         "newest checkpoint; pass --save DIR (with --save-every N) as well")
+        raise UsageError(
+            f"--load auto{' (implied by --init)' if init else ''} resumes from the --save directory's "
+            "newest checkpoint; pass --save DIR (with --save-every N) as well"
+        )
     if holds_checkpoint(save):  # in place, in its series, or moved aside by a save killed while replacing it
         return save
     if init is not None:
@@ -71,8 +73,10 @@ class Attempts:
             total = sum(max(0, a["reached"] - b["started"]) for a, b in zip(self.history, self.history[1:])) + redo
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
             agent = f" (torchrun restart {restart})" if restart not in (None, "0") else ""
-            say(f"megakit: restart {len(self.history)} of this run{agent}: the last attempt finished step "
-                f"{last['reached'] - 1}, resuming at step {start} redoes {redo} step(s) ({total} in all)")
+            say(
+                f"megakit: restart {len(self.history)} of this run{agent}: the last attempt finished step "
+                f"{last['reached'] - 1}, resuming at step {start} redoes {redo} step(s) ({total} in all)"
+            )
         self.history.append({"started": start, "reached": start})
         self._write()
 

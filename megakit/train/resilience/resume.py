@@ -81,8 +81,10 @@ def describe(checkpoint: Path, manifest: dict | None = None) -> str:
         words.append(f"imported from {manifest['extra']['imported_from']}")
     try:
         config = manifest_config(manifest, source=str(checkpoint))
-        words.append(f"{config.hf_type or config.family}, {config.layers} layers, hidden {config.hidden}, "
-                     f"{config.num_params() / 1e6:.2f} M parameters")
+        words.append(
+            f"{config.hf_type or config.family}, {config.layers} layers, hidden {config.hidden}, "
+            f"{config.num_params() / 1e6:.2f} M parameters"
+        )
     except UsageError:
         pass
     return ", ".join(words)
@@ -96,24 +98,32 @@ def choose_checkpoint(load: str, *, say=print, doing: str = "resuming from") -> 
     path = Path(load)
     ignored = temporaries(path)
     if ignored:
-        say(f"megakit: ignoring {', '.join(str(p) for p in ignored)}: not (yet) complete (a save killed before "
-            "it finished, or one still in progress: only the run that holds the --save lock may tell)")
+        say(
+            f"megakit: ignoring {', '.join(str(p) for p in ignored)}: not (yet) complete (a save killed before "
+            "it finished, or one still in progress: only the run that holds the --save lock may tell)"
+        )
     if not is_series(path):
         moved = moved_aside(path) if not path.exists() else []
         if moved:
-            say(f"megakit: {path} is missing: a save killed while replacing it moved its last complete checkpoint "
-                f"aside to {moved[-1]}; {doing} that copy (the next save to {path.name} replaces it)")
+            say(
+                f"megakit: {path} is missing: a save killed while replacing it moved its last complete checkpoint "
+                f"aside to {moved[-1]}; {doing} that copy (the next save to {path.name} replaces it)"
+            )
             path = moved[-1]
         manifest = read_manifest(path)  # one clear line if it is not a checkpoint
-        say(f"megakit: {'starting from' if manifest['step'] == 0 and doing == 'resuming from' else doing} {path} "
-            f"({describe(path, manifest)})")
+        say(
+            f"megakit: {'starting from' if manifest['step'] == 0 and doing == 'resuming from' else doing} {path} "
+            f"({describe(path, manifest)})"
+        )
         return path
     if (path / LATEST).is_file():
         name = (path / LATEST).read_text().strip()
         newer = [c.name for c in series_steps(path) if c.name.split(".")[0] > name]
         if newer:
-            say(f"megakit: {path}/{LATEST} names {name}, not the newer {', '.join(newer)}: a save killed before it "
-                f"moved {LATEST}, or a run resumed from an earlier step; {LATEST} is the one taken")
+            say(
+                f"megakit: {path}/{LATEST} names {name}, not the newer {', '.join(newer)}: a save killed before it "
+                f"moved {LATEST}, or a run resumed from an earlier step; {LATEST} is the one taken"
+            )
     for candidate in series_candidates(path):
         why = _intact(candidate)
         if why is None:
@@ -127,12 +137,16 @@ def choose_checkpoint(load: str, *, say=print, doing: str = "resuming from") -> 
 def _inside(load: Path, save: Path) -> bool:
     """Whether ``--load`` resumes from the ``--save`` directory (it, a step of its series, or its moved-aside copy)."""
     load, save = load.absolute(), save.absolute()
-    return load == save or save in load.parents or (load.parent == save.parent
-                                                    and load.name.startswith(f"{save.name}.old-"))
+    return (
+        load == save
+        or save in load.parents
+        or (load.parent == save.parent and load.name.startswith(f"{save.name}.old-"))
+    )
 
 
-def check_checkpoint_flags(*, save: str | None, load: str | None, steps: int, series: bool = False,
-                           say=print) -> tuple[int, Path | None]:
+def check_checkpoint_flags(
+    *, save: str | None, load: str | None, steps: int, series: bool = False, say=print
+) -> tuple[int, Path | None]:
     """``(step to start from, checkpoint to load)``; UsageError for what would fail later.
 
     Runs before any process group exists. ``steps`` counts every step, loaded ones included
@@ -143,30 +157,43 @@ def check_checkpoint_flags(*, save: str | None, load: str | None, steps: int, se
     """
     if save:
         target = Path(save)
-        if target.exists() and not (target / MANIFEST).is_file() and not is_series(target) and (
-                not target.is_dir() or any(target.iterdir())):
-            raise UsageError(f"--save {target} exists and is not a megakit checkpoint; choose another directory "
-                             "or remove it")
+        if (
+            target.exists()
+            and not (target / MANIFEST).is_file()
+            and not is_series(target)
+            and (not target.is_dir() or any(target.iterdir()))
+        ):
+            raise UsageError(
+                f"--save {target} exists and is not a megakit checkpoint; choose another directory or remove it"
+            )
         check_writable(target, series=series)
         if series and ((target / MANIFEST).is_file() or moved_aside(target)):
-            raise UsageError(f"--save {target} holds a single checkpoint, and --keep would write a series of "
-                             f"{target}/step-N beside it that --load {target} does not read; choose another --save "
-                             "directory for the series, or drop --keep to go on with the single checkpoint")
+            raise UsageError(
+                f"--save {target} holds a single checkpoint, and --keep would write a series of "
+                f"{target}/step-N beside it that --load {target} does not read; choose another --save "
+                "directory for the series, or drop --keep to go on with the single checkpoint"
+            )
         if not series and is_series(target):
-            raise UsageError(f"--save {target} holds a --keep series; add --save-every N --keep K to go on with it, "
-                             "or choose another --save directory")
+            raise UsageError(
+                f"--save {target} holds a --keep series; add --save-every N --keep K to go on with it, "
+                "or choose another --save directory"
+            )
         if holds_checkpoint(target) and not (load and _inside(Path(load), target)):
-            raise UsageError(f"--save {target} already holds a checkpoint of another run, which this run "
-                             f"({'from ' + load if load else 'from scratch'}) would replace; resume that run with "
-                             f"--load auto{f' --init {load}' if load else ''} (the same command then restarts it), "
-                             "or choose another --save directory (or remove it)")
+            raise UsageError(
+                f"--save {target} already holds a checkpoint of another run, which this run "
+                f"({'from ' + load if load else 'from scratch'}) would replace; resume that run with "
+                f"--load auto{f' --init {load}' if load else ''} (the same command then restarts it), "
+                "or choose another --save directory (or remove it)"
+            )
     if not load:
         return 0, None
     chosen = choose_checkpoint(load, say=say)
     start = read_manifest(chosen)["step"]
     if start >= steps:
-        raise UsageError(f"checkpoint {chosen} is at step {start} and --steps counts all steps, loaded ones "
-                         f"included; pass --steps larger than {start}")
+        raise UsageError(
+            f"checkpoint {chosen} is at step {start} and --steps counts all steps, loaded ones "
+            f"included; pass --steps larger than {start}"
+        )
     return start, chosen
 
 
@@ -177,14 +204,20 @@ def check_same_run(checkpoint: Path, *, seed: int, global_batch: int, vocab_size
     extra = manifest["extra"]
     saved_vocab = manifest.get("config", {}).get("vocab_size")
     if vocab_size is not None and saved_vocab is not None and saved_vocab != vocab_size:
-        raise UsageError(f"checkpoint {checkpoint} has a vocabulary of {saved_vocab} but this run's model and data have "
-                         f"{vocab_size}; resume with the --data (tokenizer) it was trained on")
-    for what, flag, ours in (("seed", "--seed", seed),
-                             ("global_batch", "global batch (micro-batch x accumulation x DP)", global_batch)):
+        raise UsageError(
+            f"checkpoint {checkpoint} has a vocabulary of {saved_vocab} but this run's model and data have "
+            f"{vocab_size}; resume with the --data (tokenizer) it was trained on"
+        )
+    for what, flag, ours in (
+        ("seed", "--seed", seed),
+        ("global_batch", "global batch (micro-batch x accumulation x DP)", global_batch),
+    ):
         if what in extra and extra[what] != ours:
-            raise UsageError(f"checkpoint {checkpoint} was trained with {what} {extra[what]}, this run has {ours}; "
-                             f"resume with the same {flag}, or the data position and dropout masks would not "
-                             "continue")
+            raise UsageError(
+                f"checkpoint {checkpoint} was trained with {what} {extra[what]}, this run has {ours}; "
+                f"resume with the same {flag}, or the data position and dropout masks would not "
+                "continue"
+            )
 
 
 # -- what the optimizer holds ----------------------------------------------------------------------
@@ -193,8 +226,12 @@ def _torch_optimizer(engine) -> torch.optim.Optimizer:
 
 
 def _moment_keys(optimizer) -> list[str]:
-    keys = {k for state in optimizer.state.values() for k, v in state.items() if k != "step" and torch.is_tensor(v)
-            and v.dim() > 0}
+    keys = {
+        k
+        for state in optimizer.state.values()
+        for k, v in state.items()
+        if k != "step" and torch.is_tensor(v) and v.dim() > 0
+    }
     return sorted(keys) or ["exp_avg", "exp_avg_sq"]
 
 
@@ -293,8 +330,9 @@ def set_optimizer_state(engine, state: dict[str, dict[str, torch.Tensor]], step:
                 safe_set_full_optimizer_state(param, saved[key].to(param.device), key)
     for per_param in optimizer.state.values():
         if "step" in per_param:
-            per_param["step"] = torch.tensor(float(step), dtype=per_param["step"].dtype,
-                                             device=per_param["step"].device)
+            per_param["step"] = torch.tensor(
+                float(step), dtype=per_param["step"].dtype, device=per_param["step"].device
+            )
     for group in optimizer.param_groups:
         if "step" in group:
             group["step"] = step
@@ -305,8 +343,15 @@ def per_rank_key(run, topo) -> dict:
     """What a resumed run must match to reuse per-rank state: every rank holding the same shard, and kept in step
     over DP the same way (the period of local SGD aside: it only says when to average)."""
     sync = "local-sgd" if run.cfg.local_sgd else str(run.compression)
-    return {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "cp": topo.cp, "vpp": run.cfg.vpp, "zero": run.zero_stage,
-            "sync": sync}
+    return {
+        "tp": topo.tp,
+        "pp": topo.pp,
+        "dp": topo.dp,
+        "cp": topo.cp,
+        "vpp": run.cfg.vpp,
+        "zero": run.zero_stage,
+        "sync": sync,
+    }
 
 
 def _describe_key(key: dict) -> str:
@@ -334,9 +379,11 @@ def restore_own_state(engine, topo, checkpoint: Path, dp_sync, key: dict, *, say
     if saved is None:
         return
     if saved["key"] != key:
-        say(f"megakit: {checkpoint} holds per-DP-rank state (each replica's Adam moments, error-feedback residuals) "
+        say(
+            f"megakit: {checkpoint} holds per-DP-rank state (each replica's Adam moments, error-feedback residuals) "
             f"saved at {_describe_key(saved['key'])}; this run is {_describe_key(key)}, so every DP rank starts from "
-            "DP rank 0's moments and empty residuals (the resume is not bitwise)")
+            "DP rank 0's moments and empty residuals (the resume is not bitwise)"
+        )
         return
     state = load_rank_state(checkpoint, topo)
     optimizer, params = _torch_optimizer(engine), named_parameters(engine.module)
@@ -354,8 +401,9 @@ def restore(engine, topo, checkpoint: Path, step: int) -> None:
     """After ``deepspeed.initialize``: the saved optimizer state (if any); the trainer places the LR schedule."""
     manifest = read_manifest(checkpoint)
     if state_keys(manifest):
-        set_optimizer_state(engine, load_state(checkpoint, engine.module, topo),
-                            int(manifest["extra"].get("optimizer_step", step)))
+        set_optimizer_state(
+            engine, load_state(checkpoint, engine.module, topo), int(manifest["extra"].get("optimizer_step", step))
+        )
 
 
 def _add_tokenizer(source: Path, checkpoint: Path) -> None:
@@ -387,9 +435,22 @@ def _size(checkpoint: Path) -> int:
     return sum(entry.get("bytes", 0) for entry in files)
 
 
-def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, series: bool, keep: int,
-             tokenizer: Path | None = None, dp_sync=None, rank_key: dict | None = None, writer=None,
-             say=None) -> Path:
+def save_run(
+    directory: str,
+    engine,
+    topo,
+    config,
+    *,
+    step: int,
+    extra: dict,
+    series: bool,
+    keep: int,
+    tokenizer: Path | None = None,
+    dp_sync=None,
+    rank_key: dict | None = None,
+    writer=None,
+    say=None,
+) -> Path:
     """Save weights and optimizer state; in a series, as ``DIR/step-N`` with ``DIR/latest`` written last.
     ``tokenizer``: a directory whose tokenizer files go into ``CHECKPOINT/tokenizer`` (for ``convert --to-hf``).
     ``dp_sync`` (synchronized): each rank's own state is saved too, under ``rank_key`` (``per_rank_key``).
@@ -407,11 +468,18 @@ def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, se
     copy = writer.buffers.copy if writer is not None else None  # host buffers kept from the last save
     state = optimizer_state(engine, copy)  # collective over DP under ZeRO: every rank; copies on the CPU
     target = Path(directory) / f"{STEP_PREFIX}{step:07d}" if series else Path(directory)
-    staged = stage_checkpoint(target, engine.module, topo, step=step, config=config, state=state,
-                              extra={**extra, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-                                     "optimizer_step": optimizer_step_count(engine)},
-                              rank_state=None if dp_sync is None else own_state(engine, topo, dp_sync),
-                              rank_key=rank_key, copy=copy)
+    staged = stage_checkpoint(
+        target,
+        engine.module,
+        topo,
+        step=step,
+        config=config,
+        state=state,
+        extra={**extra, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "optimizer_step": optimizer_step_count(engine)},
+        rank_state=None if dp_sync is None else own_state(engine, topo, dp_sync),
+        rank_key=rank_key,
+        copy=copy,
+    )
     if topo.rank == 0:  # what a failed write reports as intact
         staged.intact = _last_complete(Path(directory))
 
@@ -423,8 +491,10 @@ def save_run(directory: str, engine, topo, config, *, step: int, extra: dict, se
         if series:
             publish_in_series(Path(directory), target, keep=keep)
         background = ", written in the background" if writer is not None else ""
-        say(f"megakit: saved step {step} to {target} ({_size(target) / 2**20:.1f} MiB, on disk "
-            f"{time.perf_counter() - started:.1f} s after the step{background})")
+        say(
+            f"megakit: saved step {step} to {target} ({_size(target) / 2**20:.1f} MiB, on disk "
+            f"{time.perf_counter() - started:.1f} s after the step{background})"
+        )
         remove_leftovers(directory, say=say)
 
     if writer is None:

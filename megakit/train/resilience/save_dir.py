@@ -34,8 +34,11 @@ STEP_PREFIX = "step-"
 
 def is_series(directory: str | Path) -> bool:
     path = Path(directory)
-    return path.is_dir() and not (path / MANIFEST).is_file() and (
-        (path / LATEST).is_file() or any(path.glob(f"{STEP_PREFIX}*")))
+    return (
+        path.is_dir()
+        and not (path / MANIFEST).is_file()
+        and ((path / LATEST).is_file() or any(path.glob(f"{STEP_PREFIX}*")))
+    )
 
 
 def _siblings(path: Path, kind: str) -> list[Path]:
@@ -147,8 +150,10 @@ def check_writable(save: str | Path, *, series: bool) -> None:
     for place in [target.parent] + ([target] if series and target.is_dir() else []):
         existing = existing_ancestor(place)
         if not existing.is_dir():
-            raise UsageError(f"--save {save}: {existing} is a file, not a directory, so no checkpoint can be written "
-                             "under it; choose another --save path")
+            raise UsageError(
+                f"--save {save}: {existing} is a file, not a directory, so no checkpoint can be written "
+                "under it; choose another --save path"
+            )
         why = unwritable(existing)
         if why is not None:
             raise UsageError(f"--save {save}: cannot write in {existing} ({why}); choose a writable --save directory")

@@ -43,8 +43,10 @@ def _holder(fd: int) -> str:
 
 
 def in_use(save: str | Path, held: str) -> str:
-    return (f"--save {save} is in use by another run ({held}); two runs on one --save would replace each other's "
-            "checkpoints: wait for it to end or stop it, or choose another --save")
+    return (
+        f"--save {save} is in use by another run ({held}); two runs on one --save would replace each other's "
+        "checkpoints: wait for it to end or stop it, or choose another --save"
+    )
 
 
 def holder(save: str | Path) -> str | None:
@@ -89,8 +91,10 @@ class SaveLock:
             except OSError as error:  # a filesystem without locks: the run goes on, unguarded, and says so
                 os.close(fd)
                 path.unlink(missing_ok=True)
-                say(f"megakit: warning: the filesystem of --save {save} cannot lock {path} "
-                    f"({error.strerror or error}); nothing stops a second run from writing there too")
+                say(
+                    f"megakit: warning: the filesystem of --save {save} cannot lock {path} "
+                    f"({error.strerror or error}); nothing stops a second run from writing there too"
+                )
                 return cls(path, None)
             try:  # the file we locked is still the one at the path (a releasing run may have just removed it)
                 if os.stat(path).st_ino == os.fstat(fd).st_ino:
@@ -101,8 +105,7 @@ class SaveLock:
         previous = _holder(fd)
         if previous:
             say(f"megakit: took over the lock on --save {save} from a run that is gone ({previous})")
-        record = {"host": socket.gethostname(), "pid": os.getpid(),
-                  "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
         return cls(path, fd)
@@ -139,12 +142,15 @@ def changed(save: str | Path, checkpoint: Path | None, start: int) -> str | None
             return None
         what = f"this run chose {checkpoint} at step {start}"
         now = "is gone" if step is None else f"is at step {step}"
-    return (f"--save {save} changed while this run started: {what}, and that {now} now (another run saved there "
-            "before this one took the directory's lock); start the run again")
+    return (
+        f"--save {save} changed while this run started: {what}, and that {now} now (another run saved there "
+        "before this one took the directory's lock); start the run again"
+    )
 
 
-def hold_save_dir(save: str | None, *, rank: int, checkpoint: Path | None = None, start: int = 0,
-                  say=print) -> SaveLock | None:
+def hold_save_dir(
+    save: str | None, *, rank: int, checkpoint: Path | None = None, start: int = 0, say=print
+) -> SaveLock | None:
     """Rank 0 takes ``save``'s lock for the run, checks that ``checkpoint`` (the one ``resolve`` chose, at step
     ``start``; None: from scratch) is still what DIR holds (``changed``), and removes what saves killed mid-way left
     there (``save_dir.remove_leftovers``), never ``checkpoint``. Every rank learns the verdict (a broadcast over
@@ -164,8 +170,10 @@ def hold_save_dir(save: str | None, *, rank: int, checkpoint: Path | None = None
         except UsageError as error:
             verdict = str(error)
         except OSError as error:  # a directory at the lock's path, a lock file another user owns: the user's to fix
-            verdict = (f"--save {save}: cannot lock {lock_path(save)} ({error.strerror or error}); remove it or "
-                       "make it writable, or choose another --save")
+            verdict = (
+                f"--save {save}: cannot lock {lock_path(save)} ({error.strerror or error}); remove it or "
+                "make it writable, or choose another --save"
+            )
         except Exception as error:  # an internal error: raised here, and named on the ranks that wait for rank 0
             raised, verdict = error, f"rank 0 failed while taking --save {save}: {type(error).__name__}: {error}"
         if verdict is not None and lock is not None:

@@ -75,8 +75,10 @@ class SpikeGuard:
             mean = statistics.fmean(values)
             spread = max(statistics.pstdev(values), FLOOR * abs(mean))
             if loss > mean + self.z * spread:
-                return (f"loss {loss:.4g} is {(loss - mean) / spread:.1f} standard deviations ({spread:.3g}) above the "
-                        f"mean {mean:.4g} of the last {len(values)} steps (--spike-guard {self.z:g})")
+                return (
+                    f"loss {loss:.4g} is {(loss - mean) / spread:.1f} standard deviations ({spread:.3g}) above the "
+                    f"mean {mean:.4g} of the last {len(values)} steps (--spike-guard {self.z:g})"
+                )
         self.recent = (self.recent + [(step, loss)])[-WINDOW:]
         return None
 
@@ -85,8 +87,11 @@ class SpikeGuard:
         ``(None, event)`` when there is no checkpoint yet. Collective: every rank, after the same ``check``."""
         say = print if topo.rank == 0 else (lambda *_: None)
         try:
-            checkpoint = choose_checkpoint(run.cfg.save, doing="rolling back to",  # the event names the one chosen
-                                           say=lambda text: "skipping damaged" in text and say(text))
+            checkpoint = choose_checkpoint(
+                run.cfg.save,
+                doing="rolling back to",  # the event names the one chosen
+                say=lambda text: "skipping damaged" in text and say(text),
+            )
         except UsageError:
             text = f"loss spike at step {step}: {why}; no checkpoint in {run.cfg.save} yet to roll back to: going on"
             return None, reporter.event(step, "spike", text, spikes=1)
@@ -94,9 +99,11 @@ class SpikeGuard:
         back, extra = manifest["step"], manifest["extra"]
         self.rollbacks[back] = self.rollbacks.get(back, 0) + 1
         if self.rollbacks[back] > MAX_ROLLBACKS:
-            raise TrainingDiverged(f"loss spike at step {step}: {why}; the run already rolled back to {checkpoint} "
-                                   f"{MAX_ROLLBACKS} times; lower the learning rate, or resume from an earlier "
-                                   "checkpoint with other data")
+            raise TrainingDiverged(
+                f"loss spike at step {step}: {why}; the run already rolled back to {checkpoint} "
+                f"{MAX_ROLLBACKS} times; lower the learning rate, or resume from an earlier "
+                "checkpoint with other data"
+            )
         try:
             load_checkpoint(checkpoint, engine.module, topo)  # the weights the forward uses
             restore(engine, topo, checkpoint, back)  # fp32 masters, moments, the optimizer's step count
@@ -107,8 +114,11 @@ class SpikeGuard:
         start_schedule(engine.lr_scheduler, back)
         first, last = back + data_offset(extra), step + offset  # the batches read since that checkpoint
         self.recent = [(int(s), float(v)) for s, v in extra.get("spike_guard", [])]
-        text = (f"loss spike at step {step}: {why}; rolled back to {checkpoint} (step {back}), skipping the batches of "
-                f"steps {first}-{last} ({last - first + 1}); step s now reads the batch of step s + {last + 1 - back}")
-        event = reporter.event(step, "rollback", text, rollback_to=back, skipped_batches=last - first + 1,
-                               data_offset=last + 1 - back)
+        text = (
+            f"loss spike at step {step}: {why}; rolled back to {checkpoint} (step {back}), skipping the batches of "
+            f"steps {first}-{last} ({last - first + 1}); step s now reads the batch of step s + {last + 1 - back}"
+        )
+        event = reporter.event(
+            step, "rollback", text, rollback_to=back, skipped_batches=last - first + 1, data_offset=last + 1 - back
+        )
         return (back, last + 1 - back), event
