@@ -170,6 +170,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the MTP losses' weight (default 0.1, Megatron's; DeepSeek-V3 used 0.3, then 0.1)",
     )
     p.add_argument(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="adamw (default): the ds_config's optimizer; muon: Muon (torch.optim.Muon's math, match_rms_adamw lr) "
+        "for the hidden matrices and AdamW for embeddings, head, norms and biases, exact at any TP/PP/DP/CP/EP "
+        "with ZeRO 0 in fp32; the ds_config must have no optimizer section (ds_configs/muon.json)",
+    )
+    p.add_argument(
+        "--muon-lr", type=finite_float, default=2e-3, help="--optimizer muon: the lr of both halves (default 2e-3)"
+    )
+    p.add_argument(
+        "--muon-weight-decay",
+        type=finite_float,
+        default=0.1,
+        help="--optimizer muon: the decoupled weight decay of both halves (default 0.1)",
+    )
+    p.add_argument(
         "--vpp",
         type=int,
         default=1,
@@ -499,6 +516,9 @@ def config(args: argparse.Namespace):
         eod_mask_loss=args.eod_mask_loss,
         mtp=args.mtp,
         mtp_weight=args.mtp_weight,
+        optimizer=args.optimizer,
+        muon_lr=args.muon_lr,
+        muon_weight_decay=args.muon_weight_decay,
         **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}),
     )
 

@@ -31,6 +31,7 @@ from megakit.nn.tensor_parallel.fp8 import check_fp8
 from megakit.train.data.batches import DEFAULT_MAX_BYTES, BatchPlan
 from megakit.train.data.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.engine.ds_config import load_ds_config, require_optimizer, schedule_over_steps
+from megakit.train.engine.muon import OPTIMIZERS, check_muon
 from megakit.train.resilience.guards import DEFAULT_MAX_SKIPPED
 from megakit.train.resilience.restarts import AUTO, auto_load
 from megakit.train.resilience.resume import check_checkpoint_flags, check_same_run
@@ -115,6 +116,9 @@ class TrainConfig:
     eod_mask_loss: bool = False  # no loss where the input is the end-of-document token
     mtp: bool = False  # train the config's Multi-Token Prediction modules (DeepSeek-V3's num_nextn_predict_layers)
     mtp_weight: float = 0.1  # lambda of L_main + lambda / D x sum(L_k) (Megatron's default; DeepSeek-V3: 0.3, then 0.1)
+    optimizer: str = "adamw"  # "adamw": the ds_config's; "muon": megakit's Muon + AdamW (megakit.train.engine.muon)
+    muon_lr: float = 2e-3  # --optimizer muon: the lr of both halves (Muon's scaled by match_rms_adamw)
+    muon_weight_decay: float = 0.1  # --optimizer muon: decoupled weight decay of both halves
 
     def __post_init__(self) -> None:
         if self.stage_layers is not None:  # a list from JSON (tests/launch_sweep.py) or a tuple from --stage-layers
@@ -179,6 +183,8 @@ class TrainConfig:
             raise UsageError(
                 f"--mtp-weight must be above 0 (DeepSeek-V3 trained with 0.3, then 0.1), got {self.mtp_weight}"
             )
+        if self.optimizer not in OPTIMIZERS:
+            raise UsageError(f"--optimizer {self.optimizer} is not one of {', '.join(OPTIMIZERS)}")
         if self.vpp > 1 and self.pp == 1:
             raise UsageError(f"--vpp {self.vpp} splits each pipeline stage into chunks, so it needs --pp > 1")
         if self.schedule == "zb-h1" and self.vpp > 1:
@@ -259,7 +265,10 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     check_fp8(cfg.fp8)  # torchao and a GPU with float8 GEMMs, or one line now
     layout = Layout.for_world(world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
     ds_config = load_ds_config(cfg.ds_config, dp=layout.dp, pp=layout.pp)
-    require_optimizer(ds_config)
+    if cfg.optimizer == "muon":
+        check_muon(ds_config, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay)
+    else:
+        require_optimizer(ds_config)
     corpus = open_corpus(cfg.data, max_bytes=cfg.max_bytes)
     model = with_moe_flags(model_for_corpus(ModelConfig.load(cfg.model), cfg.model, corpus), cfg)
     _check_expert_parallel(cfg, model, layout, ds_config)

@@ -300,12 +300,24 @@ def _build(run: Run, topo, doctor=None):
     quiet = contextlib.nullcontext() if cfg.deepspeed_logs else contextlib.redirect_stdout(io.StringIO())
     with deepspeed_sees_experts(stage, topo, experts, zero3=run.zero_stage == 3), quiet:  # quiet: its CPU op's build
         engine, optimizer, _, _ = deepspeed.initialize(
-            model=stage, model_parameters=decay_groups(stage), mpu=topo, config=ds_config
+            model=stage, mpu=topo, config=ds_config, **_optimizer(run, stage, topo)
         )
     unlink_shared_memory()
     if clipper is not None:
         optimizer.register_step_pre_hook(clipper)
     return engine, clipper
+
+
+def _optimizer(run: Run, stage, topo) -> dict:
+    """``deepspeed.initialize``'s optimizer arguments: the ds_config's optimizer over the decay groups, or megakit's
+    Muon + AdamW (``--optimizer muon``), built here as a client optimizer."""
+    if run.cfg.optimizer != "muon":
+        return {"model_parameters": decay_groups(stage)}
+    from megakit.train.engine.muon import MuonWithAdamW, muon_groups
+
+    cfg = run.cfg
+    groups = muon_groups(stage, weight_decay=cfg.muon_weight_decay)
+    return {"optimizer": MuonWithAdamW(groups, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay, tp_group=topo.tp_group)}
 
 
 def _not_scheduler_start(record) -> bool:

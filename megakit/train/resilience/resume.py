@@ -321,8 +321,11 @@ def set_optimizer_state(engine, state: dict[str, dict[str, torch.Tensor]], step:
             if not hasattr(param, "_hp_mapping") and not hasattr(param, "ds_id"):  # fp32 ZeRO-0: torch's own
                 if "fp32" in saved:  # saved by a mixed-precision or ZeRO run: the master is the better copy
                     param.copy_(saved["fp32"])
-                for key in keys:
-                    optimizer.state[param][key].copy_(saved[key])
+                for key in keys:  # --optimizer muon: a Muon matrix has a momentum, an AdamW one its two moments
+                    if key in saved:
+                        optimizer.state[param][key].copy_(saved[key])
+                    else:
+                        del optimizer.state[param][key]
                 continue
             if "fp32" in saved:  # every DP rank calls: each writes its own fragment
                 safe_set_full_fp32_param(param, saved["fp32"].to(param.device))

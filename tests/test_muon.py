@@ -1,0 +1,145 @@
+"""``--optimizer muon`` (megakit.train.engine.muon): one process equals torch.optim.Muon on the same matrices, every
+layout equals one process, the momentum resumes at another layout, and what it cannot run is one line.
+
+The layouts run in ONE launcher job of 2 processes (``tests/launch_sweep.py``): TP 2 with SP (column- and
+row-parallel shards gathered), PP 2, DP 2, CP 2 and EP 2 of ``moe-tiny``, against the single process
+(``reference_run(muon=...)``); TP 2 saves at step 3 and DP 2 resumes from it with its momenta.
+"""
+
+import json
+import re
+
+import pytest
+import torch
+
+from megakit.errors import UsageError
+from megakit.train.engine.muon import MuonWithAdamW, matrices, muon_groups, uses_muon
+from test_trainer import ROOT, _token_shards, sweep
+
+LR, WD = 3e-3, 0.1
+MUON = {"optimizer": "muon", "muon_lr": LR, "muon_weight_decay": WD}
+
+
+def _grads(net: torch.nn.Module, step: int) -> None:
+    gen = torch.Generator().manual_seed(step)
+    for p in net.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def test_one_process_equals_torch_muon_and_adamw_on_the_same_matrices():
+    from megakit.nn.model import ModelConfig, Transformer
+
+    net = Transformer(ModelConfig.load(ROOT / "models" / "moe-tiny.json"), seed=0)
+    ref = Transformer(ModelConfig.load(ROOT / "models" / "moe-tiny.json"), seed=0)
+    ours = MuonWithAdamW(muon_groups(net, weight_decay=WD), lr=LR, weight_decay=WD)
+    names = dict(ref.named_parameters())
+    hidden = [n for n, p in names.items() if uses_muon(n, p)]
+    assert "layers.0.mlp.experts.gate_up_proj" in hidden and "layers.0.attn.q_proj.weight" in hidden
+    assert not {"embed.weight", "lm_head.weight", "layers.0.mlp.gate.weight", "norm.weight"} & set(hidden)
+    # torch.optim.Muon on the unfused matrices: each expert's gate, up and down a parameter of its own
+    leaves = {n: [torch.nn.Parameter(m.clone()) for m in matrices(n, names[n].detach())] for n in hidden}
+    muon = torch.optim.Muon(
+        [q for n in hidden for q in leaves[n]], lr=LR, weight_decay=WD, adjust_lr_fn="match_rms_adamw"
+    )
+    rest = [p for n, p in names.items() if n not in hidden]
+    decayed = [p for n, p in names.items() if n not in hidden and p.ndim >= 2 and not n.endswith("bias")]
+    adamw = torch.optim.AdamW(
+        [{"params": decayed}, {"params": [p for p in rest if all(p is not d for d in decayed)], "weight_decay": 0.0}],
+        lr=LR,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=WD,
+    )
+    for step in range(3):
+        _grads(net, step)
+        _grads(ref, step)
+        for n in hidden:
+            for leaf, g in zip(leaves[n], matrices(n, names[n].grad)):
+                leaf.grad = g.clone()
+        ours.step()
+        muon.step()
+        adamw.step()
+    got = dict(net.named_parameters())
+    for n in hidden:
+        for leaf, m in zip(leaves[n], matrices(n, got[n].detach())):
+            assert torch.equal(leaf.detach(), m), n
+    for n, p in names.items():
+        if n not in hidden:
+            assert torch.equal(p.detach(), got[n].detach()), n
+    assert set(ours.state[got["layers.0.attn.q_proj.weight"]]) == {"momentum_buffer", "step"}
+    assert set(ours.state[got["embed.weight"]]) == {"exp_avg", "exp_avg_sq", "step"}
+
+
+def test_what_muon_cannot_run_is_one_line(tmp_path):
+    from megakit.train.run import TrainConfig, resolve
+
+    muon = json.loads((ROOT / "ds_configs" / "muon.json").read_text())
+    adamw = json.loads((ROOT / "ds_configs" / "zero0.json").read_text())
+    data = tmp_path / "text.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    cases = [
+        (adamw, {}, 'the ds_config has an "optimizer" section (AdamW); remove it'),
+        ({**muon, "zero_optimization": {"stage": 1}}, {}, "--optimizer muon with ZeRO 1"),
+        ({**muon, "zero_optimization": {"stage": 3}}, {}, "--optimizer muon with ZeRO 3"),
+        ({**muon, "bf16": {"enabled": True}}, {}, "--optimizer muon with bf16"),
+        (muon, {"muon_lr": 0.0}, "--muon-lr must be above 0"),
+    ]
+    for ds, flags, message in cases:
+        with pytest.raises(UsageError, match=re.escape(message)):
+            resolve(TrainConfig(ds_config=ds, data=str(data), model="gpt-tiny", **{**MUON, **flags}), 2)
+    with pytest.raises(UsageError, match="--optimizer lion is not one of adamw, muon"):
+        TrainConfig(ds_config=muon, optimizer="lion")
+    resolve(TrainConfig(ds_config=muon, data=str(data), model="gpt-tiny", tp=2, **MUON), 2)  # runs
+
+
+# -- 2 processes: each layout against the single process, and a resume at another layout -----------------------------
+def _ds(micro: int = 2, accumulation: int = 2) -> dict:
+    config = json.loads((ROOT / "ds_configs" / "muon.json").read_text())
+    config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation)
+    config["scheduler"]["params"].update(warmup_num_steps=2, total_num_steps=6)
+    return config
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    data = _token_shards(tmp_path_factory)
+    saved = tmp_path_factory.mktemp("muon") / "tp2"
+    base = dict(data=data, steps=6, seq_len=32, seed=3, **MUON)
+    cases = [
+        dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4), tp=2, sequence_parallel=True),  # 0: TP 2 + SP
+        dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4), pp=2),  # 1: PP 2
+        dict(base, model="gpt-tiny", ds_config=_ds()),  # 2: DP 2
+        dict(base, model="gpt-tiny", ds_config=_ds(), cp=2),  # 3: CP 2 x DP 1 ... each CP rank half the sequence
+        dict(base, model="moe-tiny", ds_config=_ds(), ep=2),  # 4: EP 2 over DP 2
+        dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4), tp=2, save=str(saved), save_every=3),  # 5
+        dict(base, model="gpt-tiny", ds_config=_ds(), load=str(saved / "step-0000003")),  # 6: resumed at DP 2
+    ]
+    cases[3]["ds_config"] = _ds(accumulation=4)
+    return cases, sweep(tmp_path_factory, 2, cases, timeout=600)
+
+
+def _reference(case: dict, dp: int) -> dict:
+    from megakit.train.doctor.reference import reference_run
+
+    return reference_run(
+        case["ds_config"],
+        model=case["model"],
+        steps=case["steps"],
+        dp=dp,
+        seq_len=case["seq_len"],
+        seed=case["seed"],
+        data=case["data"],
+        muon={"lr": LR, "weight_decay": WD},
+    )
+
+
+@pytest.mark.slow
+def test_each_layout_equals_one_process_and_the_momentum_resumes_at_another(layouts):
+    cases, results = layouts
+    dense = _reference(cases[2], dp=2)  # cases 0, 1, 3, 5 run DP 1 with 4 micro-batches: the same global batch
+    moe = _reference(cases[4], dp=2)
+    for i, want in [(0, dense), (1, dense), (2, dense), (3, dense), (4, moe), (5, dense)]:
+        got = results[i]["loss"]
+        assert len(got) == 6, (i, got)
+        assert got == pytest.approx(want["loss"], rel=2e-3), (i, got, want["loss"])
+    assert results[6]["loss"] == pytest.approx(results[5]["loss"][3:], rel=2e-3)  # with its momenta, not from zero
