@@ -545,6 +545,7 @@ def _load_state(directory: Path, model, topo) -> dict[str, dict[str, torch.Tenso
             out[name] = {
                 key: _read_shard(reader, state_name(key, name), shape, split_of(name, param, topo), directory)
                 for key in state_keys(manifest)
+                if state_name(key, name) in manifest["params"]  # --optimizer muon: a momentum or two Adam moments
             }
     return out
 

@@ -317,7 +317,9 @@ def _optimizer(run: Run, stage, topo) -> dict:
 
     cfg = run.cfg
     groups = muon_groups(stage, weight_decay=cfg.muon_weight_decay)
-    return {"optimizer": MuonWithAdamW(groups, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay, tp_group=topo.tp_group)}
+    return {
+        "optimizer": MuonWithAdamW(groups, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay, tp_group=topo.tp_group)
+    }
 
 
 def _not_scheduler_start(record) -> bool:
