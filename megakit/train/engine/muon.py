@@ -18,9 +18,9 @@ all the FLOPs (Llama-3-8B at TP 8: 666 TFLOP per GPU and step instead of 83) and
 matrices' bytes instead of about 2 (TP-1)/TP^2 (23 GiB instead of 5.7 GiB); the same at TP 2. PP stages, EP ranks
 (each holds whole experts), SP and CP (their gradients are reduced before the step) and DP at ZeRO 0 (every rank
 holds the same averaged gradient) need nothing more. DeepSpeed's ZeRO 1-3 hand a client optimizer flat fp32
-partitions, not matrices, so they are refused. DeepSpeed's own Muon (``deepspeed/runtime/zero/muon``, its ZeRO
-1-2 orthogonalise in ``get_flat_partition``) is not used, as it is not torch's: it scales by ``sqrt(max(1, A/B))``, iterates in fp16 ("gram" Newton-Schulz) by default and
-orthogonalises TP shards alone.
+partitions, not matrices, so they are refused. DeepSpeed's own Muon (``deepspeed/runtime/zero/muon``, its ZeRO 1-2
+orthogonalise in ``get_flat_partition``) is not used, as it is not torch's: it scales by ``sqrt(max(1, A/B))``,
+iterates in fp16 ("gram" Newton-Schulz) by default and orthogonalises TP shards alone.
 
 State: ``momentum_buffer`` per Muon parameter (one fp32 moment, the parameter's shape, split over TP like it) and
 ``exp_avg``/``exp_avg_sq`` per AdamW parameter, so megakit's layout-free checkpoints save and reshard both.
