@@ -187,6 +187,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="--optimizer muon: the decoupled weight decay of both halves (default 0.1)",
     )
     p.add_argument(
+        "--qk-clip",
+        metavar="TAU",
+        type=finite_float,
+        default=0.0,
+        help="--optimizer muon: MuonClip's QK-clip, scaling W_q and W_k of each head whose largest attention "
+        "logit passed TAU back to TAU after each step (Kimi K2: 100; default 0: off)",
+    )
+    p.add_argument(
         "--vpp",
         type=int,
         default=1,
@@ -519,6 +527,7 @@ def config(args: argparse.Namespace):
         optimizer=args.optimizer,
         muon_lr=args.muon_lr,
         muon_weight_decay=args.muon_weight_decay,
+        qk_clip=args.qk_clip,
         **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}),
     )
 

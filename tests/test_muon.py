@@ -70,6 +70,28 @@ def test_one_process_equals_torch_muon_and_adamw_on_the_same_matrices():
     assert set(ours.state[got["embed.weight"]]) == {"exp_avg", "exp_avg_sq", "step"}
 
 
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])  # K/V heads: one per query head, one per two
+def test_qk_clip_brings_each_head_above_tau_back_to_tau(model):
+    from megakit.nn.model import ModelConfig, Transformer
+    from megakit.train.engine.muon import QKClip
+
+    net = Transformer(ModelConfig.load(ROOT / "models" / f"{model}.json"), seed=0)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    clip = QKClip(net, tau=1.0)
+    net(x, x)
+    first = clip.attention[0].max_logits  # the first block's: its input stays as it was after the clip
+    tau = float(first.median())
+    clip = QKClip(net, tau=tau)
+    net(x, x)
+    clip.clip()
+    assert torch.count_nonzero(torch.stack([m.max_logits for m in clip.attention])) == 0  # the next step's maxima
+    net(x, x)
+    after, above = clip.attention[0].max_logits, first > tau
+    assert above.any() and (~above).any(), first
+    assert torch.allclose(after[above], torch.full_like(after[above], tau), rtol=1e-5)  # clipped to tau
+    assert torch.equal(after[~above], first[~above])  # the others untouched
+
+
 def test_what_muon_cannot_run_is_one_line(tmp_path):
     from megakit.train.run import TrainConfig, resolve
 
@@ -83,10 +105,14 @@ def test_what_muon_cannot_run_is_one_line(tmp_path):
         ({**muon, "zero_optimization": {"stage": 3}}, {}, "--optimizer muon with ZeRO 3"),
         ({**muon, "bf16": {"enabled": True}}, {}, "--optimizer muon with bf16"),
         (muon, {"muon_lr": 0.0}, "--muon-lr must be above 0"),
+        (muon, {"qk_clip": 100.0, "model": "deepseek-v3-tiny"}, "its attention is MLA"),
+        (muon, {"qk_clip": 100.0, "model": "gpt-oss-tiny"}, "its attention sinks or dropout"),
+        (muon, {"qk_clip": 100.0, "cp": 2}, "--qk-clip with --cp 2"),
+        (adamw, {"qk_clip": 100.0, "optimizer": "adamw"}, "--qk-clip 100 is MuonClip's: use it with --optimizer muon"),
     ]
     for ds, flags, message in cases:
         with pytest.raises(UsageError, match=re.escape(message)):
-            resolve(TrainConfig(ds_config=ds, data=str(data), model="gpt-tiny", **{**MUON, **flags}), 2)
+            resolve(TrainConfig(**{"ds_config": ds, "data": str(data), "model": "gpt-tiny", **MUON, **flags}), 2)
     with pytest.raises(UsageError, match="--optimizer lion is not one of adamw, muon"):
         TrainConfig(ds_config=muon, optimizer="lion")
     resolve(TrainConfig(ds_config=muon, data=str(data), model="gpt-tiny", tp=2, **MUON), 2)  # runs
@@ -113,12 +139,14 @@ def layouts(tmp_path_factory):
         dict(base, model="moe-tiny", ds_config=_ds(), ep=2),  # 4: EP 2 over DP 2
         dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4), tp=2, save=str(saved), save_every=3, keep=5),  # 5
         dict(base, model="gpt-tiny", ds_config=_ds(), load=str(saved / "step-0000003")),  # 6: resumed at DP 2
+        dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4), tp=2, qk_clip=0.05),  # 7: QK-clip, heads over TP
+        dict(base, model="llama-tiny", ds_config=_ds(), qk_clip=0.05),  # 8: QK-clip of grouped K/V heads, DP 2
     ]
     cases[3]["ds_config"] = _ds(accumulation=4)
     return cases, sweep(tmp_path_factory, 2, cases, timeout=600)
 
 
-def _reference(case: dict, dp: int) -> dict:
+def _reference(case: dict, dp: int, qk_clip: float = 0.0) -> dict:
     from megakit.train.doctor.reference import reference_run
 
     return reference_run(
@@ -129,7 +157,7 @@ def _reference(case: dict, dp: int) -> dict:
         seq_len=case["seq_len"],
         seed=case["seed"],
         data=case["data"],
-        muon={"lr": LR, "weight_decay": WD},
+        muon={"lr": LR, "weight_decay": WD, "qk_clip": qk_clip},
     )
 
 
@@ -144,6 +172,10 @@ def test_each_layout_equals_one_process_and_the_momentum_resumes_at_another(layo
         # 1e-5: TP 2 follows within 2e-6; orthogonalising each TP shard alone is 8e-5 off
         assert got == pytest.approx(want["loss"], rel=1e-5), (i, got, want["loss"])
     assert results[6]["loss"] == pytest.approx(results[5]["loss"][3:], rel=1e-5)  # with its momenta, not from zero
+    for i in (7, 8):  # QK-clip: the maximum over DP, each TP rank its own heads
+        clipped, plain = _reference(cases[i], dp=2, qk_clip=0.05), _reference(cases[i], dp=2)
+        assert results[i]["loss"] == pytest.approx(clipped["loss"], rel=1e-5), i
+        assert results[i]["loss"] != pytest.approx(plain["loss"], rel=1e-4), i  # it clipped
 
 
 def test_the_planner_prices_torch_newton_schulz_and_one_moment():

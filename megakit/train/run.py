@@ -31,7 +31,7 @@ from megakit.nn.tensor_parallel.fp8 import check_fp8
 from megakit.train.data.batches import DEFAULT_MAX_BYTES, BatchPlan
 from megakit.train.data.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.engine.ds_config import load_ds_config, require_optimizer, schedule_over_steps
-from megakit.train.engine.muon import OPTIMIZERS, check_muon
+from megakit.train.engine.muon import OPTIMIZERS, check_muon, check_qk_clip
 from megakit.train.resilience.guards import DEFAULT_MAX_SKIPPED
 from megakit.train.resilience.restarts import AUTO, auto_load
 from megakit.train.resilience.resume import check_checkpoint_flags, check_same_run
@@ -119,6 +119,7 @@ class TrainConfig:
     optimizer: str = "adamw"  # "adamw": the ds_config's; "muon": megakit's Muon + AdamW (megakit.train.engine.muon)
     muon_lr: float = 2e-3  # --optimizer muon: the lr of both halves (Muon's scaled by match_rms_adamw)
     muon_weight_decay: float = 0.1  # --optimizer muon: decoupled weight decay of both halves
+    qk_clip: float = 0.0  # --optimizer muon: MuonClip's QK-clip, the largest attention logit kept (0: off)
 
     def __post_init__(self) -> None:
         if self.stage_layers is not None:  # a list from JSON (tests/launch_sweep.py) or a tuple from --stage-layers
@@ -272,6 +273,7 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     corpus = open_corpus(cfg.data, max_bytes=cfg.max_bytes)
     model = with_moe_flags(model_for_corpus(ModelConfig.load(cfg.model), cfg.model, corpus), cfg)
     _check_expert_parallel(cfg, model, layout, ds_config)
+    check_qk_clip(model, tau=cfg.qk_clip, optimizer=cfg.optimizer, cp=cfg.cp)
     layout = dataclasses.replace(layout, ep=cfg.ep)
     seq_len = cfg.seq_len or model.max_seq_len
     check_seq_len(model, seq_len)

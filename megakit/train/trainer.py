@@ -313,13 +313,15 @@ def _optimizer(run: Run, stage, topo) -> dict:
     Muon + AdamW (``--optimizer muon``), built here as a client optimizer."""
     if run.cfg.optimizer != "muon":
         return {"model_parameters": decay_groups(stage)}
-    from megakit.train.engine.muon import MuonWithAdamW, muon_groups
+    from megakit.train.engine.muon import MuonWithAdamW, QKClip, muon_groups
 
     cfg = run.cfg
     groups = muon_groups(stage, weight_decay=cfg.muon_weight_decay)
-    return {
-        "optimizer": MuonWithAdamW(groups, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay, tp_group=topo.tp_group)
-    }
+    clip = QKClip(stage, tau=cfg.qk_clip, group=topo.dp_group) if cfg.qk_clip else None
+    optimizer = MuonWithAdamW(
+        groups, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay, tp_group=topo.tp_group, qk_clip=clip
+    )
+    return {"optimizer": optimizer}
 
 
 def _not_scheduler_start(record) -> bool:

@@ -34,6 +34,17 @@ from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, RowParallelL
 from megakit.nn.tensor_parallel.overlapped_linear import column_parallel
 
 
+@torch.no_grad()
+def _max_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Each head's largest attention logit ``(n,)`` over the batch and the allowed (causal) keys: ``q``
+    ``(B, n, S, d)``, ``k`` ``(B, n_kv, S, d)``; a second ``q k^T``, which only QK-clip asks for."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * scale  # (B, n, S, S)
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    return scores.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
+
+
 def rope_tables(config: ModelConfig, device, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, ``(max_seq_len, head_dim)`` in fp32, in Hugging Face Llama's half-split layout, times
     the variant's attention factor (yarn's mscale) as transformers multiplies them; ``index``: block ``index``'s
@@ -170,6 +181,7 @@ class Attention(nn.Module):
         self.a2a_group = self.ring_group = None  # hybrid's groups (use_cp_mode sets them)
         self.scale, self.window = config.attention_scale(index), config.attention_window(index)  # block ``index``'s
         self.sdpa_scale = None if self.scale == self.head_dim**-0.5 else self.scale  # None: SDPA's own 1/sqrt(d)
+        self.max_logits = None  # (heads/tp,) with QK-clip: the largest logit of each head since the last step
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(*x.shape[:2], n, self.head_dim).permute(1, 2, 0, 3)  # (S, B, n*d) -> (B, n, S, d)
@@ -233,6 +245,8 @@ class Attention(nn.Module):
         if documents is not None and self.flex_documents:
             return flex_document_attention(q, k, v, documents, window=self.window, scale=self.scale)
         mask = allowed_keys(q.shape[2], self.window, documents, q.device)
+        if self.max_logits is not None and self.training:  # QK-clip (megakit.train.engine.muon): each head's largest
+            self.max_logits = torch.maximum(self.max_logits, _max_logits(q, k, mask, self.scale))
         gqa = q.shape[1] != k.shape[1]
         if gqa and self.expand_kv:  # kernels without GQA broadcast (cuDNN, efficient): one K/V per query head
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))

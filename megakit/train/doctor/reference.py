@@ -46,8 +46,9 @@ def reference_run(
     holds ``{"step", "loss"}`` where the trainer evaluates: the mean loss, in eval mode, over the tokens of every
     micro-batch of ``eval_batches`` validation batches. ``moe``: the ``TrainConfig`` ``moe_*`` flags
     (``moe_aux_loss=...``); ``documents``: the packed-document flags (``reset_attention_mask=True``, ...); ``mtp``:
-    the MTP flags (``mtp=True, mtp_weight=...``); ``muon``: ``--optimizer muon``'s ``{"lr": ..., "weight_decay": ...}``
-    (one process of ``megakit.train.engine.muon``); ``weights``: also the final ``state_dict`` (``"weights"``). The
+    the MTP flags (``mtp=True, mtp_weight=...``); ``muon``: ``--optimizer muon``'s
+    ``{"lr": ..., "weight_decay": ..., "qk_clip": ...}`` (one process of ``megakit.train.engine.muon``);
+    ``weights``: also the final ``state_dict`` (``"weights"``). The
     loss is sum(loss) / sum(tokens) over each step's global batch (as ``token_weighting`` makes the trainer's);
     an MoE model's balancing losses are scaled 1 / micro-batches and its expert bias moves once per step.
     """
@@ -77,9 +78,11 @@ def reference_run(
         params = {k: v for k, v in ds_config["optimizer"]["params"].items() if k not in ("torch_adam", "adam_w_mode")}
         optimizer = torch.optim.AdamW(decay_groups(net), **params)
     else:
-        from megakit.train.engine.muon import MuonWithAdamW, muon_groups
+        from megakit.train.engine.muon import MuonWithAdamW, QKClip, muon_groups
 
-        optimizer = MuonWithAdamW(muon_groups(net, weight_decay=muon["weight_decay"]), **muon)
+        clip = QKClip(net, tau=muon["qk_clip"]) if muon.get("qk_clip") else None
+        settings = {k: v for k, v in muon.items() if k != "qk_clip"}
+        optimizer = MuonWithAdamW(muon_groups(net, weight_decay=muon["weight_decay"]), **settings, qk_clip=clip)
     ds_config = copy.deepcopy(ds_config)  # the caller's stays as it was
     schedule_over_steps(ds_config, steps=steps)  # over the run's steps, as the trainer's
     scheduler = None

@@ -101,6 +101,61 @@ def check_muon(ds_config: dict, *, lr: float, weight_decay: float) -> None:
         )
 
 
+class QKClip:
+    """MuonClip's QK-clip (Kimi K2, arXiv 2507.20534): after each step, a head whose largest attention logit in the
+    step's forwards passed ``tau`` has its query and key weights scaled so that it would be ``tau``.
+
+    Each attention module records its heads' largest logit (``Attention.max_logits``, a second ``q k^T`` in the
+    forward); the maximum over the ranks holding the same weights (``group``: DP) gives ``gamma = min(1, tau / max)``
+    per head. With as many K/V heads as query heads, the head's rows of ``W_q`` and ``W_k`` (and biases) are scaled
+    by ``sqrt(gamma)`` each; with grouped K/V heads shared by several query heads, ``W_q``'s rows by ``gamma`` (the
+    shared key stays), as Kimi K2 does for MLA's shared rotary key. TP splits the heads with the rows: no exchange."""
+
+    def __init__(self, module: torch.nn.Module, *, tau: float, group=None) -> None:
+        from megakit.nn.attention.core import Attention
+
+        self.tau, self.group = tau, group
+        self.attention = [m for m in module.modules() if isinstance(m, Attention)]
+        for m in self.attention:
+            m.max_logits = torch.zeros(m.heads, device=m.q_proj.weight.device)
+
+    @torch.no_grad()
+    def clip(self) -> None:
+        """Scale the heads above ``tau`` and start the next step's maxima (no host sync: on device)."""
+        if not self.attention:
+            return
+        logits = torch.stack([m.max_logits for m in self.attention])  # (attention modules, heads/tp)
+        logits = C.all_reduce(logits, self.group, op=torch.distributed.ReduceOp.MAX)
+        gamma = (self.tau / logits.clamp(min=self.tau)).to(self.attention[0].q_proj.weight.dtype)
+        for m, g in zip(self.attention, gamma):
+            scaled = [(m.q_proj, g)] if m.kv_heads != m.heads else [(m.q_proj, g.sqrt()), (m.k_proj, g.sqrt())]
+            for proj, factor in scaled:
+                rows = factor.repeat_interleave(m.head_dim)  # (heads * head_dim,): each head's rows
+                proj.weight.mul_(rows[:, None])
+                if proj.bias is not None:
+                    proj.bias.mul_(rows)
+            m.max_logits = torch.zeros_like(m.max_logits)
+
+
+def check_qk_clip(config, *, tau: float, optimizer: str, cp: int) -> None:
+    """One line where QK-clip has no attention logits it can clip by scaling W_q and W_k."""
+    if tau == 0:
+        return
+    if optimizer != "muon" or not tau > 0:
+        raise UsageError(
+            f"--qk-clip {tau:g} is MuonClip's: use it with --optimizer muon and a tau above 0 (Kimi K2: 100)"
+        )
+    cannot = "--qk-clip cannot clip this model's attention logits by scaling W_q and W_k:"
+    if config.mla is not None:
+        raise UsageError(f"{cannot} its attention is MLA (latent q and k, not q/k heads); drop --qk-clip")
+    if config.qk_norm:
+        raise UsageError(f"{cannot} it normalises each head's q and k (qk_norm), so no scale reaches a logit")
+    if config.attention_sinks or config.dropout > 0:
+        raise UsageError(f"{cannot} its attention sinks or dropout run outside the path that records the logits")
+    if cp > 1:
+        raise UsageError(f"--qk-clip with --cp {cp}: CP splits each query's keys over ranks; use --cp 1")
+
+
 class MuonWithAdamW(torch.optim.Optimizer):
     """One optimizer for DeepSpeed (a client optimizer at ZeRO 0): Muon's groups, AdamW's groups, one lr.
 
@@ -117,10 +172,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = ADAMW_BETAS,
         eps: float = 1e-8,
         tp_group=None,
+        qk_clip: QKClip | None = None,
     ) -> None:
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=True, betas=betas, eps=eps)
         super().__init__(groups, defaults)
-        self.tp_group = tp_group
+        self.tp_group, self.qk_clip = tp_group, qk_clip
         adam = [g for g in self.param_groups if not g["use_muon"]]
         self.adamw = torch.optim.AdamW(adam, lr=lr, betas=betas, eps=eps) if adam else None
         if self.adamw is not None:
@@ -151,6 +207,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if self.adamw is not None:
             self.adamw.param_groups = [g for g in self.param_groups if not g["use_muon"]]
             self.adamw.step()
+        if self.qk_clip is not None:
+            self.qk_clip.clip()
         return loss
 
     def _momentum(self, p: torch.Tensor, group: dict) -> torch.Tensor:
