@@ -142,11 +142,13 @@ def layouts(tmp_path_factory):
         dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4), tp=2, qk_clip=0.05),  # 7: QK-clip, heads over TP
         dict(base, model="llama-tiny", ds_config=_ds(), qk_clip=0.05),  # 8: QK-clip of grouped K/V heads, DP 2
     ]
+    for i in (7, 8):
+        cases[i]["save"] = str(saved.parent / f"qk{i}")
     cases[3]["ds_config"] = _ds(accumulation=4)
     return cases, sweep(tmp_path_factory, 2, cases, timeout=600)
 
 
-def _reference(case: dict, dp: int, qk_clip: float = 0.0) -> dict:
+def _reference(case: dict, dp: int, qk_clip: float = 0.0, weights: bool = False) -> dict:
     from megakit.train.doctor.reference import reference_run
 
     return reference_run(
@@ -158,6 +160,7 @@ def _reference(case: dict, dp: int, qk_clip: float = 0.0) -> dict:
         seed=case["seed"],
         data=case["data"],
         muon={"lr": LR, "weight_decay": WD, "qk_clip": qk_clip},
+        weights=weights,
     )
 
 
@@ -172,10 +175,21 @@ def test_each_layout_equals_one_process_and_the_momentum_resumes_at_another(layo
         # 1e-5: TP 2 follows within 2e-6; orthogonalising each TP shard alone is 8e-5 off
         assert got == pytest.approx(want["loss"], rel=1e-5), (i, got, want["loss"])
     assert results[6]["loss"] == pytest.approx(results[5]["loss"][3:], rel=1e-5)  # with its momenta, not from zero
-    for i in (7, 8):  # QK-clip: the maximum over DP, each TP rank its own heads
-        clipped, plain = _reference(cases[i], dp=2, qk_clip=0.05), _reference(cases[i], dp=2)
+    from megakit.interop.checkpoint import load_checkpoint
+    from megakit.interop.checkpoint_format import manifest_config, read_manifest
+    from megakit.nn.model import Transformer
+
+    for i, dp in ((7, 1), (8, 2)):  # QK-clip: each TP rank its own heads; the maximum over DP
+        clipped = _reference(cases[i], dp=dp, qk_clip=0.05, weights=True)
+        plain = _reference(cases[i], dp=dp, weights=True)
         assert results[i]["loss"] == pytest.approx(clipped["loss"], rel=1e-5), i
-        assert results[i]["loss"] != pytest.approx(plain["loss"], rel=1e-4), i  # it clipped
+        net = Transformer(manifest_config(read_manifest(cases[i]["save"])))
+        load_checkpoint(cases[i]["save"], net)
+        for name in ("layers.0.attn.q_proj.weight", "layers.3.attn.q_proj.weight"):
+            got, want, unclipped = net.state_dict()[name], clipped["weights"][name], plain["weights"][name]
+            # Newton-Schulz's bf16 turns the layouts' fp32 rounding into ~4e-5 here; the clip moves W_q by ~1e-2
+            assert (got - want).abs().max() < 2e-4, (i, name)
+            assert (got - unclipped).abs().max() > 5e-3, (i, name)  # it clipped
 
 
 def test_the_planner_prices_torch_newton_schulz_and_one_moment():
