@@ -1,9 +1,10 @@
 """``--optimizer muon`` (megakit.train.engine.muon): one process equals torch.optim.Muon on the same matrices, every
 layout equals one process, the momentum resumes at another layout, and what it cannot run is one line.
 
-The layouts run in ONE launcher job of 2 processes (``tests/launch_sweep.py``): TP 2 with SP (column- and
-row-parallel shards gathered), PP 2, DP 2, CP 2 and EP 2 of ``moe-tiny``, against the single process
-(``reference_run(muon=...)``); TP 2 saves at step 3 and DP 2 resumes from it with its momenta.
+The layouts run in ONE launcher job of 2 processes (``tests/launch_sweep.py``): TP 2 (column- and row-parallel
+shards sent to their owners), PP 2, DP 2, CP 2 and EP 2 of ``moe-tiny``, against the single process
+(``reference_run(muon=...)``); TP 2 saves at step 3 and DP 2 resumes from it with its momenta; QK-clip at TP 2 with
+SP (MHA) and at DP 2 (grouped K/V heads) against the single process's weights.
 """
 
 import json
@@ -11,7 +12,7 @@ import re
 
 import pytest
 import torch
-from test_trainer import ROOT, _token_shards, sweep
+from test_trainer import ROOT, sweep
 
 from megakit.errors import UsageError
 from megakit.train.engine.muon import MuonWithAdamW, matrices, muon_groups, uses_muon
@@ -128,21 +129,19 @@ def _ds(micro: int = 2, accumulation: int = 2) -> dict:
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
-    data = _token_shards(tmp_path_factory)
     saved = tmp_path_factory.mktemp("muon") / "tp2"
-    base = dict(data=data, steps=6, seq_len=32, seed=3, **MUON)
+    base = dict(data=None, steps=6, seq_len=32, seed=3, **MUON)  # the standard library's sources, as bytes
     cases = [
-        dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4), tp=2, sequence_parallel=True),  # 0: TP 2 + SP
+        dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4), tp=2, sequence_parallel=True, qk_clip=0.05),  # 0
         dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4), pp=2),  # 1: PP 2
         dict(base, model="gpt-tiny", ds_config=_ds()),  # 2: DP 2
         dict(base, model="gpt-tiny", ds_config=_ds(), cp=2),  # 3: CP 2 x DP 1 ... each CP rank half the sequence
         dict(base, model="moe-tiny", ds_config=_ds(), ep=2),  # 4: EP 2 over DP 2
         dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4), tp=2, save=str(saved), save_every=3, keep=5),  # 5
         dict(base, model="gpt-tiny", ds_config=_ds(), load=str(saved / "step-0000003")),  # 6: resumed at DP 2
-        dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4), tp=2, qk_clip=0.05),  # 7: QK-clip, heads over TP
-        dict(base, model="llama-tiny", ds_config=_ds(), qk_clip=0.05),  # 8: QK-clip of grouped K/V heads, DP 2
+        dict(base, model="llama-tiny", ds_config=_ds(), qk_clip=0.05),  # 7: QK-clip of grouped K/V heads, DP 2
     ]
-    for i in (7, 8):
+    for i in (0, 7):
         cases[i]["save"] = str(saved.parent / f"qk{i}")
     cases[3]["ds_config"] = _ds(accumulation=4)
     return cases, sweep(tmp_path_factory, 2, cases, timeout=600)
@@ -167,9 +166,9 @@ def _reference(case: dict, dp: int, qk_clip: float = 0.0, weights: bool = False)
 @pytest.mark.slow
 def test_each_layout_equals_one_process_and_the_momentum_resumes_at_another(layouts):
     cases, results = layouts
-    dense = _reference(cases[2], dp=2)  # cases 0, 1, 3, 5 run DP 1 with 4 micro-batches: the same global batch
-    moe = _reference(cases[4], dp=2)
-    for i, want in [(0, dense), (1, dense), (2, dense), (3, dense), (4, moe), (5, dense)]:
+    dense = _reference(cases[2], dp=2, weights=True)  # cases 0, 1, 3, 5 run DP 1 with 4 micro-batches: the same
+    moe = _reference(cases[4], dp=2)  # global batch
+    for i, want in [(1, dense), (2, dense), (3, dense), (4, moe), (5, dense)]:
         got = results[i]["loss"]
         assert len(got) == 6, (i, got)
         # 1e-5: TP 2 follows within 2e-6; orthogonalising each TP shard alone is 8e-5 off
@@ -179,17 +178,17 @@ def test_each_layout_equals_one_process_and_the_momentum_resumes_at_another(layo
     from megakit.interop.checkpoint_format import manifest_config, read_manifest
     from megakit.nn.model import Transformer
 
-    for i, dp in ((7, 1), (8, 2)):  # QK-clip: each TP rank its own heads; the maximum over DP
+    for i, dp in ((0, 1), (7, 2)):  # QK-clip: each TP rank its own heads (SP too); the maximum over DP
         clipped = _reference(cases[i], dp=dp, qk_clip=0.05, weights=True)
-        plain = _reference(cases[i], dp=dp, weights=True)
+        plain = dense if i == 0 else _reference(cases[i], dp=dp, weights=True)
         assert results[i]["loss"] == pytest.approx(clipped["loss"], rel=1e-5), i
         net = Transformer(manifest_config(read_manifest(cases[i]["save"])))
         load_checkpoint(cases[i]["save"], net)
         for name in ("layers.0.attn.q_proj.weight", "layers.3.attn.q_proj.weight"):
             got, want, unclipped = net.state_dict()[name], clipped["weights"][name], plain["weights"][name]
-            # Newton-Schulz's bf16 turns the layouts' fp32 rounding into ~4e-5 here; the clip moves W_q by ~1e-2
+            # Newton-Schulz's bf16 turns the layouts' fp32 rounding into ~4e-5 here; the clip moves W_q by 3e-3 to 2e-2
             assert (got - want).abs().max() < 2e-4, (i, name)
-            assert (got - unclipped).abs().max() > 5e-3, (i, name)  # it clipped
+            assert (got - unclipped).abs().max() > 2e-3, (i, name)  # it clipped
 
 
 def test_the_planner_prices_torch_newton_schulz_and_one_moment():

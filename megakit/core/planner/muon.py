@@ -105,25 +105,41 @@ def muon_cost(config, *, tp: int = 1, pp: int = 1, ep: int = 1) -> MuonCost:
     return MuonCost(params=params, moment_bytes=moment, ns_flops=flops, gather_bytes=gather, rows=table)
 
 
-def render(cost: MuonCost, *, step_flops_per_gpu: float | None = None, peak_flops: float | None = None) -> list[str]:
-    """The lines ``megakit plan --optimizer muon`` prints, one per matrix kind, then the totals."""
+def render(
+    cost: MuonCost,
+    *,
+    step_flops_per_gpu: float | None = None,
+    matmul_flops: float | None = None,
+    link_gbps: float | None = None,
+    step_s: float | None = None,
+) -> list[str]:
+    """The lines ``megakit plan --optimizer muon`` prints, one per matrix kind, then the totals. ``matmul_flops``:
+    the GPU's achievable matmul rate (FLOP/s); ``link_gbps``: the TP link (GB/s); ``step_s``: the plan's step."""
     lines = [f"Muon (--optimizer muon), per GPU and step, {NS_STEPS} Newton-Schulz iterations per matrix:"]
     for what, r, c, n, per_iteration in cost.rows:
-        lines.append(
-            f"  {what:<18} {r:>6} x {c:<6} x {n:>5} per GPU: {per_iteration / 1e9:10.3f} GFLOP per matrix and iteration"
-        )
+        lines.append(f"  {what:<18} {r:>6} x {c:<6} x {n:>5} per GPU: {per_iteration / 1e9:10.3f} GFLOP per iteration")
     lines.append(
-        f"  moment: one fp32 per hidden weight, {cost.moment_bytes / 2**30:.2f} GiB (Adam's two: "
-        f"{2 * cost.moment_bytes / 2**30:.2f} GiB); {cost.params / 1e9:.3f} B weights on Muon"
+        f"  moment: one fp32 per hidden weight, {cost.moment_bytes / 2**30:.2f} GiB where Adam keeps two "
+        f"({2 * cost.moment_bytes / 2**30:.2f} GiB); {cost.params / 1e9:.3f} B weights on Muon"
     )
     share = ""
     if step_flops_per_gpu:
         share = f", {100 * cost.ns_flops / (cost.ns_flops + step_flops_per_gpu):.1f} % of the step's FLOPs"
     lines.append(f"  Newton-Schulz: {cost.ns_flops / 1e12:.2f} TFLOP per step{share}")
-    if peak_flops:
-        lines[-1] += f" ({cost.ns_flops / peak_flops * 1e3:.1f} ms at peak)"
+    seconds = 0.0
+    if matmul_flops:
+        seconds += cost.ns_flops / matmul_flops
+        lines[-1] += f", {cost.ns_flops / matmul_flops * 1e3:.1f} ms"
     lines.append(
         f"  TP exchange of the split matrices (to their owners and back): {cost.gather_bytes / 2**20:.1f} MiB "
         "received per step" + ("" if cost.gather_bytes else " (TP 1: none)")
     )
+    if link_gbps and cost.gather_bytes:
+        seconds += cost.gather_bytes / (link_gbps * 1e9)
+        lines[-1] += f", {cost.gather_bytes / (link_gbps * 1e9) * 1e3:.1f} ms"
+    if step_s and seconds:
+        lines.append(
+            f"  optimizer's share of the step: {100 * seconds / (step_s + seconds):.1f} % ({seconds * 1e3:.0f} ms "
+            f"added to the plan's {step_s:.2f} s; megakit's trainer runs it at ZeRO 0 in fp32 today)"
+        )
     return lines
