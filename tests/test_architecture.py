@@ -93,8 +93,6 @@ LONG_FUNCTIONS_BEING_SPLIT = {
     ("megakit/commands/plan.py", "run"),
     ("megakit/commands/plan_render.py", "render"),
     ("megakit/core/planner/cost.py", "estimate_cost"),
-    ("megakit/core/planner/search.py", "search"),
-    ("megakit/core/planner/search.py", "_layout_ep"),
 }
 
 
