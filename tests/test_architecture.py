@@ -92,7 +92,6 @@ LONG_FUNCTIONS_BEING_SPLIT = {
     ("megakit/commands/plan.py", "configure"),  # the planner's split, under way
     ("megakit/commands/plan.py", "run"),
     ("megakit/commands/plan_render.py", "render"),
-    ("megakit/core/planner/cost.py", "estimate_cost"),
 }
 
 
