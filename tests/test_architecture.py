@@ -89,7 +89,6 @@ LONG_FUNCTIONS_BEING_SPLIT = {
     ("megakit/train/trainer.py", "_train"),  # the trainer's split (issue 50 item 3)
     ("megakit/train/run.py", "resolve"),  # the trainer's split (issue 50 item 3)
     ("megakit/interop/prepare_data.py", "_write"),  # the trainer's split (issue 50 item 3)
-    ("megakit/commands/plan.py", "configure"),  # the planner's split, under way
     ("megakit/commands/plan.py", "run"),
     ("megakit/commands/plan_render.py", "render"),
 }
