@@ -90,7 +90,6 @@ LONG_FUNCTIONS_BEING_SPLIT = {
     ("megakit/train/run.py", "resolve"),  # the trainer's split (issue 50 item 3)
     ("megakit/interop/prepare_data.py", "_write"),  # the trainer's split (issue 50 item 3)
     ("megakit/commands/plan.py", "run"),
-    ("megakit/commands/plan_render.py", "render"),
 }
 
 
