@@ -89,7 +89,7 @@ LONG_FUNCTIONS_BEING_SPLIT = {
     ("megakit/train/trainer.py", "_train"),  # the trainer's split (issue 50 item 3)
     ("megakit/train/run.py", "resolve"),  # the trainer's split (issue 50 item 3)
     ("megakit/interop/prepare_data.py", "_write"),  # the trainer's split (issue 50 item 3)
-    ("megakit/commands/plan.py", "run"),
+    ("megakit/commands/plan.py", "run"),  # the planner command: not split yet (issue 50 item 3)
 }
 
 
