@@ -48,8 +48,19 @@ _NEGATIVE_VALUE = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[+-]?\d+)?[kmbgt]?$", re.IGN
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    """``megakit plan``'s flags, one argument group (and one function) per topic, as ``--help`` shows them."""
     if hasattr(parser, "_negative_number_matcher"):
         parser._negative_number_matcher = _NEGATIVE_VALUE
+    _model_flags(parser)
+    _cluster_flags(parser)
+    _training_flags(parser)
+    _pin_flags(parser)
+    _output_flags(parser)
+    _checkpoint_flags(parser)
+
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    """The model: a size, a preset or a config.json, and its sequence."""
     model = parser.add_argument_group("model")
     model.add_argument("--params", help="model size: 125M, 1.3B, 70b, 175e9, 1T (nearest well-known shape)")
     model.add_argument("--model", help="preset name from models/ or a Hugging Face config.json path")
@@ -61,6 +72,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="train the config's Multi-Token Prediction modules (DeepSeek-V3's "
         "num_nextn_predict_layers) on the last stage, as train.py --mtp does",
     )
+
+
+def _cluster_flags(parser: argparse.ArgumentParser) -> None:
+    """The cluster: a GPU preset or a probed profile, how many, and overrides of its rates."""
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--gpu", default="a100-80gb", help=f"GPU preset: {', '.join(GPUS)}")
     cluster.add_argument("--gpus", type=int, help="total GPUs (default: the fewest whole nodes that fit)")
@@ -75,6 +90,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--intra-bw", type=finite_float, help="intra-node link override, GB/s per GPU")
     cluster.add_argument("--inter-bw", type=finite_float, help="inter-node network override, GB/s per GPU")
     cluster.add_argument("--peak-tflops", type=finite_float, help="peak dense 16-bit TFLOP/s override")
+
+
+def _training_flags(parser: argparse.ArgumentParser) -> None:
+    """How the run trains: batch, tokens, precision, kernels, runtime and the memory levers."""
     train = parser.add_argument_group("training")
     train.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: GPT-3's for the size)")
     train.add_argument("--tokens", help="training tokens, e.g. 300B: adds time-to-train")
@@ -166,6 +185,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the LM head and loss over K token chunks, as train.py --loss-chunks (default auto: "
         "one per 256 MiB of fp32 logits)",
     )
+
+
+def _pin_flags(parser: argparse.ArgumentParser) -> None:
+    """Dimensions to pin; the search fills in the rest around them."""
     pins = parser.add_argument_group("pin a dimension (the rest is searched)")
     pins.add_argument("--tp", type=int)
     pins.add_argument("--pp", type=int)
@@ -212,6 +235,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=("1f1b", "zb-h1"),
         help="pipeline schedule: zb-h1 (zero bubble, Qi et al. 2023) trades memory for bubble",
     )
+
+
+def _output_flags(parser: argparse.ArgumentParser) -> None:
+    """What to print or write: tables or JSON, a ds_config, a launch script."""
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     out.add_argument("--emit-config", metavar="PATH", help="write the plan's ds_config here")
@@ -224,6 +251,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "beside PATH as PATH's stem + .json",
     )
     out.add_argument("--top", type=int, default=5, help="alternatives and rejections to show")
+
+
+def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
+    """Checkpoint cadence: Young/Daly's interval from the write time and the cluster's MTBF."""
     ckpt = parser.add_argument_group("checkpoints (Young/Daly: save every sqrt(2 x write time x cluster MTBF))")
     ckpt.add_argument(
         "--save",
