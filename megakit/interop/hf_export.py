@@ -2,8 +2,8 @@
 
 The output directory holds ``config.json``, the tokenizer the run trained with (if any) and
 ``model.safetensors`` -- or, past ``max_shard_bytes``, transformers' sharded form
-(``model-00001-of-0000N.safetensors`` and ``model.safetensors.index.json``) -- so ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``
-loads it with no megakit installed.
+(``model-00001-of-0000N.safetensors`` and ``model.safetensors.index.json``) -- so
+``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads it with no megakit installed.
 
 Streaming: the weights are converted one unit at a time (the embeddings, final norm and
 head; then each block), reading each parameter's TP slices straight from the checkpoint's
