@@ -345,9 +345,10 @@ class ModelConfig:
         """The MTP modules trained with ``--mtp`` (``mtp``): the config's, refused where it has none, as the trainer
         refuses it (``megakit.nn.model.trained_mtp_depth``); 0 without ``--mtp``."""
         if mtp and not self.mtp_layers:
+            types = ", ".join(t for f in FAMILIES if f.weights.mtp for t in f.model_types)
             raise UsageError(
-                "MTP asked of a model without prediction modules: only DeepSeek-V3's configs (deepseek_v3, "
-                "kimi_k2) have them, in num_nextn_predict_layers (DeepSeek-V3: 1); drop --mtp"
+                f"MTP asked of a model without prediction modules: only DeepSeek-V3's configs ({types}) have them, "
+                "in num_nextn_predict_layers (DeepSeek-V3: 1); drop --mtp"
             )
         return self.mtp_layers if mtp else 0
 
