@@ -13,16 +13,8 @@ from megakit.core.rope import read_rope, write_rope
 from megakit.errors import UsageError
 
 ARCHITECTURES = {"gemma3_text": "Gemma3ForCausalLM"}
-BLOCK = tuple(
-    (
-        ours,
-        {  # Gemma's sandwich norms
-            "mlp_norm.weight": "pre_feedforward_layernorm.weight",
-        }.get(ours, theirs),
-        how,
-    )
-    for ours, theirs, how in llama.BLOCK
-) + (
+_SANDWICH = {"mlp_norm.weight": "pre_feedforward_layernorm.weight"}  # Gemma's norm before the MLP; after it, below
+BLOCK = tuple((ours, _SANDWICH.get(ours, theirs), how) for ours, theirs, how in llama.BLOCK) + (
     ("attn_post_norm.weight", "post_attention_layernorm.weight", "rename"),
     ("mlp_post_norm.weight", "post_feedforward_layernorm.weight", "rename"),
 )
