@@ -212,3 +212,19 @@ def test_the_planner_prices_torch_newton_schulz_and_one_moment():
     assert ("experts' gate, up", 14336, 4096, 32 * 2, newton_schulz_flops(14336, 4096, 1)) in moe.rows  # 1 expert
     text = "\n".join(render(eight, step_flops_per_gpu=1e15))
     assert "Newton-Schulz: 83.24 TFLOP per step, 7.7 % of the step's FLOPs" in text
+
+
+def test_megakit_plan_optimizer_muon_prints_it_line_by_line(capsys):
+    from megakit.commands import cli
+    from megakit.core.planner.model_spec import ModelSpec
+    from megakit.core.planner.muon import muon_cost
+
+    assert cli.main(["plan", "--params", "8B", "--gpus", "8", "--tp", "8", "--optimizer", "muon", "--json"]) == 0
+    muon = json.loads(capsys.readouterr().out)["plan"]["muon"]
+    want = muon_cost(ModelSpec.from_params("8B").config, tp=8)
+    assert muon["ns_flops"] == want.ns_flops and muon["moment_bytes"] == want.moment_bytes
+    assert muon["lines"][0].startswith("Muon (--optimizer muon), per GPU and step")
+    assert any(line.strip().startswith("TP exchange of the split matrices") for line in muon["lines"])
+    assert any("optimizer's share of the step" in line for line in muon["lines"])
+    assert cli.main(["plan", "--params", "8B", "--gpus", "8", "--tp", "8", "--json"]) == 0
+    assert "muon" not in json.loads(capsys.readouterr().out)["plan"]  # AdamW: nothing added

@@ -95,6 +95,13 @@ def _cluster_flags(parser: argparse.ArgumentParser) -> None:
 def _training_flags(parser: argparse.ArgumentParser) -> None:
     """How the run trains: batch, tokens, precision, kernels, runtime and the memory levers."""
     train = parser.add_argument_group("training")
+    train.add_argument(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="adamw (default), or muon: also print what Muon costs the plan per GPU, line by line (its moment, "
+        "the Newton-Schulz FLOPs per matrix and iteration, the TP exchange and its share of the step)",
+    )
     train.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: GPT-3's for the size)")
     train.add_argument("--tokens", help="training tokens, e.g. 300B: adds time-to-train")
     train.add_argument("--precision", choices=("bf16", "fp16", "fp32"), help="default bf16 (fp16 on V100)")
@@ -749,8 +756,26 @@ def _add_model_notes(entry: dict, args, inputs: _Inputs, cluster: Cluster, resul
         entry["gflops_per_token"]["with_mtp"] = model.config.causal_flops_per_token(model.seq_len, mtp=True) / 1e9
     if plan.cp > 1:
         entry["cp_mode_note"] = _cp_mode_note(model, cluster, plan, cost, inputs.pins)
+    if args.optimizer == "muon":
+        entry["muon"] = _muon(inputs, cluster, result)
     if result.fits == "above_threshold":
         entry["headroom"] = headroom_note(mem.total / GIB, gpu_gib=cluster.gpu.mem_gib, threshold=args.mem_threshold)
+
+
+def _muon(inputs: _Inputs, cluster: Cluster, result) -> dict:
+    """``--optimizer muon``: Muon's cost on one GPU of the plan (``megakit.core.planner.muon``), with its lines."""
+    from megakit.core.planner.muon import muon_cost, render
+
+    plan, cost, gpu = result.best.plan, result.best.cost, cluster.gpu
+    muon = muon_cost(inputs.model.config, tp=plan.tp, pp=plan.pp, ep=plan.ep)
+    lines = render(
+        muon,
+        step_flops_per_gpu=cost.model_tflops_per_gpu * 1e12 * cost.step_time_s,
+        matmul_flops=gpu.peak_tflops * 1e12 * gpu.matmul_fraction,
+        link_gbps=gpu.intra_gbps,
+        step_s=cost.step_time_s,
+    )
+    return dataclasses.asdict(muon) | {"lines": lines}
 
 
 def _print_plan(args, report, result, inputs: _Inputs, cluster, launch: _Launch, *, auto, kind, launch_path) -> None:
@@ -782,6 +807,8 @@ def _print_plan(args, report, result, inputs: _Inputs, cluster, launch: _Launch,
         launch=f"sbatch {launch_path}" if kind == "slurm" else launch.command,
         launch_note=launch.note,
     )
+    if "muon" in report["plan"]:
+        print("\n".join(report["plan"]["muon"]["lines"]))
 
 
 def _check_fp8(args, gpu: GPU, precision: str) -> None:

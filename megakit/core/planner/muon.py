@@ -80,7 +80,7 @@ class MuonCost:
     moment_bytes: float
     ns_flops: float
     gather_bytes: float
-    rows: tuple[tuple[str, int, int, int, float], ...]  # (what, rows, cols, matrices per GPU, NS FLOPs per iteration)
+    rows: tuple[tuple[str, int, int, int, float], ...]  # (what, rows, cols, in the GPU's stage, FLOPs per iteration)
 
 
 def muon_cost(config, *, tp: int = 1, pp: int = 1, ep: int = 1) -> MuonCost:
@@ -117,7 +117,9 @@ def render(
     the GPU's achievable matmul rate (FLOP/s); ``link_gbps``: the TP link (GB/s); ``step_s``: the plan's step."""
     lines = [f"Muon (--optimizer muon), per GPU and step, {NS_STEPS} Newton-Schulz iterations per matrix:"]
     for what, r, c, n, per_iteration in cost.rows:
-        lines.append(f"  {what:<18} {r:>6} x {c:<6} x {n:>5} per GPU: {per_iteration / 1e9:10.3f} GFLOP per iteration")
+        lines.append(
+            f"  {what:<18} {r:>6} x {c:<6} {n:>5} in the stage: {per_iteration / 1e9:10.3f} GFLOP per iteration"
+        )
     lines.append(
         f"  moment: one fp32 per hidden weight, {cost.moment_bytes / 2**30:.2f} GiB where Adam keeps two "
         f"({2 * cost.moment_bytes / 2**30:.2f} GiB); {cost.params / 1e9:.3f} B weights on Muon"
