@@ -174,6 +174,12 @@ def test_each_layout_equals_one_process_and_the_momentum_resumes_at_another(layo
         # 1e-5: TP 2 follows within 2e-6; orthogonalising each TP shard alone is 8e-5 off
         assert got == pytest.approx(want["loss"], rel=1e-5), (i, got, want["loss"])
     assert results[6]["loss"] == pytest.approx(results[5]["loss"][3:], rel=1e-5)  # with its momenta, not from zero
+    from megakit.train.run import TrainConfig, resolve
+
+    optimizer = json.loads((ROOT / "ds_configs" / "zero0.json").read_text())["optimizer"]
+    adamw = {**cases[6], "optimizer": "adamw", "ds_config": {**cases[6]["ds_config"], "optimizer": optimizer}}
+    with pytest.raises(UsageError, match="holds --optimizer muon's state .* resume with --optimizer muon"):
+        resolve(TrainConfig(**adamw), 2)
     from megakit.interop.checkpoint import load_checkpoint
     from megakit.interop.checkpoint_format import manifest_config, read_manifest
     from megakit.nn.model import Transformer

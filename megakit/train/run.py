@@ -22,7 +22,7 @@ from megakit.core.partition import partition_layers
 from megakit.core.planner.activations import loss_chunks_of
 from megakit.core.schedules import build_schedule
 from megakit.errors import UsageError
-from megakit.interop.checkpoint_format import read_manifest
+from megakit.interop.checkpoint_format import read_manifest, state_keys
 from megakit.nn.attention.core import CP_MODES
 from megakit.nn.attention.kernels import KernelChoice, device_kernel
 from megakit.nn.compile import default_compile
@@ -299,6 +299,12 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     lr_schedule = schedule_over_steps(ds_config, steps=cfg.steps, resumed=extra.get("lr_total_steps"))
     if checkpoint is not None:
         _check_resumed_run(cfg, checkpoint, extra, batch=batch, model=model, corpus=corpus, say=say)
+    saved_with = extra.get("optimizer", "adamw")  # checkpoints from before --optimizer: AdamW's moments
+    if checkpoint is not None and saved_with != cfg.optimizer and state_keys(read_manifest(checkpoint)):
+        raise UsageError(
+            f"checkpoint {checkpoint} holds --optimizer {saved_with}'s state (its moments), this run has "
+            f"--optimizer {cfg.optimizer}; resume with --optimizer {saved_with}"
+        )
     _check_data(cfg, corpus, batch, seq_len)
     compression = _check_dp_sync(cfg, ds_config)
     schedule = cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b")

@@ -647,6 +647,7 @@ def _save(run: Run, topo, loop: _Loop, writer: AsyncWriter | None, *, done: int,
         "seed": cfg.seed,
         "global_batch": plan.global_batch,
         "lr_total_steps": scheduled_steps(run.ds_config),  # a resume continues this schedule
+        "optimizer": cfg.optimizer,  # whose state the checkpoint holds (Muon's momentum, or Adam's moments)
         "data": {
             "samples": (done + offset) * plan.global_batch,
             "skipped_batches": offset,

@@ -74,15 +74,7 @@ def reference_run(
         seed=seed,
     )
     batches = TokenBatches(corpus.train, plan, **corpus.loader_options(cfg))
-    if muon is None:
-        params = {k: v for k, v in ds_config["optimizer"]["params"].items() if k not in ("torch_adam", "adam_w_mode")}
-        optimizer = torch.optim.AdamW(decay_groups(net), **params)
-    else:
-        from megakit.train.engine.muon import MuonWithAdamW, QKClip, muon_groups
-
-        clip = QKClip(net, tau=muon["qk_clip"]) if muon.get("qk_clip") else None
-        settings = {k: v for k, v in muon.items() if k != "qk_clip"}
-        optimizer = MuonWithAdamW(muon_groups(net, weight_decay=muon["weight_decay"]), **settings, qk_clip=clip)
+    optimizer = _optimizer(net, ds_config, muon)
     ds_config = copy.deepcopy(ds_config)  # the caller's stays as it was
     schedule_over_steps(ds_config, steps=steps)  # over the run's steps, as the trainer's
     scheduler = None
@@ -129,6 +121,18 @@ def reference_run(
     if weights:
         out["weights"] = {name: t.detach().clone() for name, t in net.state_dict().items()}
     return out
+
+
+def _optimizer(net: torch.nn.Module, ds_config: dict, muon: dict | None) -> torch.optim.Optimizer:
+    """The ds_config's AdamW over the decay groups, or ``--optimizer muon``'s Muon + AdamW (and QK-clip)."""
+    if muon is None:
+        params = {k: v for k, v in ds_config["optimizer"]["params"].items() if k not in ("torch_adam", "adam_w_mode")}
+        return torch.optim.AdamW(decay_groups(net), **params)
+    from megakit.train.engine.muon import MuonWithAdamW, QKClip, muon_groups
+
+    clip = QKClip(net, tau=muon["qk_clip"]) if muon.get("qk_clip") else None
+    settings = {k: v for k, v in muon.items() if k != "qk_clip"}
+    return MuonWithAdamW(muon_groups(net, weight_decay=muon["weight_decay"]), **settings, qk_clip=clip)
 
 
 def _validation_loss(net, corpora, plan: BatchPlan, batches: int, cfg) -> float:
