@@ -170,6 +170,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the MTP losses' weight (default 0.1, Megatron's; DeepSeek-V3 used 0.3, then 0.1)",
     )
     p.add_argument(
+        "--lora-rank",
+        metavar="R",
+        type=int,
+        default=None,
+        help="train LoRA adapters of rank R on a frozen base instead of every weight (default: off, full "
+        "fine-tuning); checkpoints then hold the adapters and their optimizer state only",
+    )
+    p.add_argument(
+        "--lora-alpha",
+        type=finite_float,
+        default=16.0,
+        help="LoRA's alpha: the adapters are scaled by alpha / R (default 16)",
+    )
+    p.add_argument("--lora-dropout", type=finite_float, default=0.0, help="dropout on the adapters' input (default 0)")
+    p.add_argument(
+        "--lora-targets",
+        metavar="NAMES",
+        default="all-linear",
+        help="comma-separated Hugging Face module names that get adapters (q_proj, k_proj, v_proj, o_proj, "
+        "gate_proj, up_proj, down_proj, ...) or peft's all-linear, every linear layer but the head (default)",
+    )
+    p.add_argument(
+        "--lora-rslora", action="store_true", help="rank-stabilised scaling alpha / sqrt(R) (peft's use_rslora)"
+    )
+    p.add_argument(
+        "--lora-base",
+        metavar="CKPT",
+        default=None,
+        help="the base checkpoint whose frozen weights the adapters train on (megakit convert --from-hf makes "
+        "one); --load CKPT of a checkpoint without adapters does the same. Default: the seed's weights, or on "
+        "--load of a LoRA checkpoint the base it names",
+    )
+    p.add_argument(
         "--vpp",
         type=int,
         default=1,
@@ -499,7 +532,28 @@ def config(args: argparse.Namespace):
         eod_mask_loss=args.eod_mask_loss,
         mtp=args.mtp,
         mtp_weight=args.mtp_weight,
+        lora=_lora(args),
+        lora_base=args.lora_base,
         **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}),
+    )
+
+
+def _lora(args: argparse.Namespace):
+    """The ``LoraSpec`` of the --lora-* flags (None without --lora-rank)."""
+    from megakit.core.lora import LoraSpec, parse_targets
+    from megakit.errors import UsageError
+
+    if args.lora_rank is None:
+        given = [flag for flag in ("lora_rslora", "lora_base") if getattr(args, flag)]
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} applies to LoRA; give --lora-rank R too")
+        return None
+    return LoraSpec(
+        rank=args.lora_rank,
+        alpha=args.lora_alpha,
+        dropout=args.lora_dropout,
+        targets=parse_targets(args.lora_targets),
+        rslora=args.lora_rslora,
     )
 
 

@@ -62,6 +62,7 @@ from megakit.train.engine.dp_sync import DataParallelSync
 from megakit.train.engine.ds_config import load_ds_config, scheduled_steps  # noqa: F401 (API: load_ds_config)
 from megakit.train.engine.experts import deepspeed_sees_experts
 from megakit.train.engine.grad_norm import Zero0Clipper
+from megakit.train.engine.lora import lora_extra
 from megakit.train.engine.moe_step import MoEStep
 from megakit.train.engine.optim import decay_groups, start_schedule
 from megakit.train.engine.zero3_linear import linear_restored, save_weights_not_views
@@ -257,6 +258,7 @@ def _build(run: Run, topo, doctor=None):
     """This rank's stage model wrapped in a DeepSpeed engine (and the ZeRO-0 clipper when needed)."""
     import deepspeed
 
+    from megakit.nn.lora import add_lora
     from megakit.nn.model import build_stage_chunks
     from megakit.nn.tensor_parallel.fp8 import convert_to_fp8
 
@@ -274,6 +276,8 @@ def _build(run: Run, topo, doctor=None):
         mtp=cfg.mtp,
         mtp_weight=cfg.mtp_weight,
     )
+    for chunk in chunks if cfg.lora is not None else ():  # the base frozen, the adapters drawn from the seed
+        add_lora(chunk, cfg.lora, config=run.model, seed=cfg.seed, tp_group=topo.tp_group)
     for chunk in chunks:  # before DeepSpeed: its hooks sit on the parameters, outside the compiled blocks
         convert_to_fp8(chunk, cfg.fp8)  # the weights stay the module's own: checkpoints see plain parameters
         use_kernel(chunk, run.attention)
@@ -285,6 +289,11 @@ def _build(run: Run, topo, doctor=None):
     stage = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # interleaved: one engine, all chunks
     if run.zero_stage == 3:  # F.linear would keep each gathered weight alive until backward
         save_weights_not_views(stage)
+    if run.lora_base:  # the frozen weights under the adapters
+        try:
+            load_checkpoint(run.lora_base, stage, topo, base=True)
+        except UsageError as error:
+            raise everywhere(error)
     if run.checkpoint:  # before deepspeed.initialize: the engine copies its master weights from the model
         try:
             load_checkpoint(run.checkpoint, stage, topo)
@@ -499,6 +508,7 @@ def _train(
                     "corpus": run.corpus.fingerprint,
                 },
                 **({"spike_guard": spikes.state()} if spikes else {}),
+                **({"lora": lora_extra(cfg.lora, run.lora_base)} if cfg.lora else {}),
             }
             try:
                 saved = save_run(
