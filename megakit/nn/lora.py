@@ -47,13 +47,19 @@ def linear_names(config) -> tuple[str, ...]:
     return tuple(dict.fromkeys(name.rsplit(".", 1)[-1] for name in adaptable(blocks)))
 
 
+def check_supported(spec: LoraSpec) -> None:
+    """What megakit's adapters do not do yet, as one line each: DoRA, and dropout (its masks would have to be keyed
+    like ``megakit.nn.dropout``'s to be the same at every layout)."""
+    if spec.dora:
+        raise UsageError("DoRA is not supported yet; train plain LoRA (leave use_dora off)")
+    if spec.dropout:
+        raise UsageError(f"LoRA dropout {spec.dropout:g} is not supported yet; give --lora-dropout 0")
+
+
 def add_lora(model: nn.Module, spec: LoraSpec, *, config, seed: int, tp_group=None) -> list[str]:
     """Freeze every parameter of ``model`` and give each target layer an adapter (drawn from ``seed``); the names
     of the adapted layers. ``config``: the model's ``ModelConfig`` (to resolve targets against the whole model)."""
-    if spec.dora:
-        raise UsageError("DoRA (--lora-dora) is not supported yet; train plain LoRA")
-    if spec.dropout:
-        raise UsageError(f"LoRA dropout {spec.dropout} is not supported yet; give --lora-dropout 0")
+    check_supported(spec)
     targets = set(spec.resolve(linear_names(config)))
     tp, tp_rank = C.size(tp_group), C.rank(tp_group)
     for param in model.parameters():

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_checkpoint
+from megakit.interop.peft import lora_extra
 from megakit.interop.checkpoint_async import AsyncWriter
 from megakit.nn import comm
 from megakit.nn.attention.core import use_cp_mode
@@ -62,7 +63,6 @@ from megakit.train.engine.dp_sync import DataParallelSync
 from megakit.train.engine.ds_config import load_ds_config, scheduled_steps  # noqa: F401 (API: load_ds_config)
 from megakit.train.engine.experts import deepspeed_sees_experts
 from megakit.train.engine.grad_norm import Zero0Clipper
-from megakit.train.engine.lora import lora_extra
 from megakit.train.engine.moe_step import MoEStep
 from megakit.train.engine.optim import decay_groups, start_schedule
 from megakit.train.engine.zero3_linear import linear_restored, save_weights_not_views

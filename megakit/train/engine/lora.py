@@ -9,7 +9,6 @@ and name the base in their metadata (``extra["lora"]``), so ``--load`` resumes o
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 
 from megakit.core.lora import LoraSpec
@@ -57,9 +56,21 @@ def check_resume(spec: LoraSpec | None, checkpoint: Path | None, base: str | Non
     return None if base is None else Path(base)
 
 
-def lora_extra(spec: LoraSpec, base: Path | None) -> dict:
-    """The checkpoint metadata of a LoRA run: its spec and its base."""
-    return {"spec": asdict(spec), "base": None if base is None else str(Path(base).resolve())}
+def check_layout(spec: LoraSpec | None, model, *, ep: int, zero_stage: int) -> None:
+    """Before any process starts: the targets name layers of ``model`` (a ``ModelConfig``), and the layout is one
+    LoRA runs (not frozen routed experts split over EP under ZeRO 3: DeepSpeed would partition each EP rank's own
+    experts over the whole DP group, as if they were one tensor)."""
+    if spec is None:
+        return
+    from megakit.nn.lora import check_supported, linear_names
+
+    check_supported(spec)
+    spec.resolve(linear_names(model))
+    if ep > 1 and zero_stage == 3:
+        raise UsageError(
+            f"LoRA with --ep {ep} under ZeRO 3 is not supported (the frozen experts are split over EP); "
+            "use ZeRO 0-2 with --ep, or --ep 1"
+        )
 
 
 def _describe(spec: LoraSpec) -> str:
