@@ -24,6 +24,7 @@ import torch
 
 from megakit.core.lora import LoraSpec
 from megakit.errors import UsageError
+from megakit.interop.checkpoint_format import STATE_PREFIX as STATE
 from megakit.interop.checkpoint_format import ShardReader, manifest_config, read_manifest
 from megakit.interop.hf import to_hf_state_dict
 
@@ -66,7 +67,9 @@ def hf_modules(config) -> dict[str, str]:
 
 
 def _adapted_layers(manifest: dict) -> list[str]:
-    return sorted({n.removesuffix(".lora_A") for n in manifest["params"] if n.endswith(".lora_A")})
+    return sorted(
+        {n.removesuffix(".lora_A") for n in manifest["params"] if n.endswith(".lora_A") and not n.startswith(STATE)}
+    )
 
 
 def _names(config, layers: list[str]) -> dict[str, str]:
