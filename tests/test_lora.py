@@ -4,9 +4,10 @@ One launcher job of 4 processes (``tests/launch_sweep.py``) trains ``llama-tiny`
 (unlike the seed's weights; ``--load BASE``) at TP 2 x PP 2 x VPP 2 with SP under ZeRO 1, saving at step 2, and
 resumes them at DP 4 under ZeRO 3; and ``moe-tiny``'s attention and shared-expert adapters at EP 2 x CP 2 (ring)
 under ZeRO 0 (ZeRO 2 and CP's all-to-all ran alike by hand; left out for time). B starts at zero, so step 1 moves
-only B and the later steps' losses and A's gradients show the adapters agree: every loss and grad norm follows the single process
-(``reference_run(lora=...)``) within 1e-5. Against peft 0.21 on transformers: the exported adapter's logits and one
-step's adapter gradients equal megakit's. Bad input: one line, exit 2, nothing written.
+only B, and the later steps' losses and A's gradients show that the adapters agree: every loss and grad norm
+follows the single process (``reference_run(lora=...)``) within 1e-5. Against peft 0.21 on transformers: the
+exported adapter's logits and one step's adapter gradients equal megakit's. Bad input: one line, exit 2, nothing
+written.
 """
 
 import importlib.util
