@@ -295,7 +295,9 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     load, lora_base = lora_run.base_for_load(cfg.lora, load, cfg.lora_base)  # LoRA: --load BASE starts a fine-tune
     start, checkpoint = check_checkpoint_flags(save=cfg.save, load=load, steps=cfg.steps, series=cfg.keep > 0, say=say)
     lora_base = lora_run.check_resume(cfg.lora, checkpoint, lora_base)
-    lora_run.check_layout(cfg.lora, model, ep=cfg.ep, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)))
+    lora_run.check_layout(
+        cfg.lora, model, ep=cfg.ep, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    )
     batch = BatchPlan(
         seq_len=seq_len,
         micro_batch=ds_config["train_micro_batch_size_per_gpu"],
