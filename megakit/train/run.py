@@ -286,6 +286,8 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     load, lora_base = lora_run.base_for_load(cfg.lora, load, cfg.lora_base)  # LoRA: --load BASE starts a fine-tune
     start, checkpoint = check_checkpoint_flags(save=cfg.save, load=load, steps=cfg.steps, series=cfg.keep > 0, say=say)
     lora_base = lora_run.check_resume(cfg.lora, checkpoint, lora_base)
+    if cfg.lora is not None:
+        say(lora_run.banner(cfg.lora, lora_base))
     batch = BatchPlan(
         seq_len=seq_len,
         micro_batch=ds_config["train_micro_batch_size_per_gpu"],

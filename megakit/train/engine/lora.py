@@ -74,6 +74,12 @@ def check_layout(spec: LoraSpec | None, model, *, ep: int, zero_stage: int) -> N
         )
 
 
+def banner(spec: LoraSpec, base: Path | None) -> str:
+    """The run's line on its adapters and their base."""
+    on = f"the frozen base {base}" if base is not None else "the seed's weights, frozen (no --lora-base)"
+    return f"megakit: LoRA {_describe(spec)} (scaling {spec.scaling:g}) on {on}"
+
+
 def _same(spec: LoraSpec) -> LoraSpec:
     """``spec`` with its targets in one order: ``q_proj,v_proj`` and ``v_proj,q_proj`` train the same adapters."""
     return replace(spec, targets=tuple(sorted(spec.targets)))
