@@ -38,6 +38,7 @@ def reference_run(
     mtp: dict | None = None,
     weights: bool = False,
     muon: dict | None = None,
+    lora: dict | None = None,
 ) -> dict[str, list]:
     """``{"loss": [...], "grad_norm": [...], "lr": [...], "evals": [...]}`` of ``steps`` steps of the unsplit model.
 
@@ -48,6 +49,7 @@ def reference_run(
     (``moe_aux_loss=...``); ``documents``: the packed-document flags (``reset_attention_mask=True``, ...); ``mtp``:
     the MTP flags (``mtp=True, mtp_weight=...``); ``muon``: ``--optimizer muon``'s
     ``{"lr": ..., "weight_decay": ..., "qk_clip": ...}`` (one process of ``megakit.train.engine.muon``);
+    ``lora``: a ``LoraSpec``'s fields and the ``base`` checkpoint;
     ``weights``: also the final ``state_dict`` (``"weights"``). The
     loss is sum(loss) / sum(tokens) over each step's global batch (as ``token_weighting`` makes the trainer's);
     an MoE model's balancing losses are scaled 1 / micro-batches and its expert bias moves once per step.
@@ -63,7 +65,7 @@ def reference_run(
     config = model_for_corpus(ModelConfig.load(model), model, corpus)
     cfg = TrainConfig(ds_config=ds_config, model=model, **(moe or {}), **(documents or {}), **(mtp or {}))
     config = with_moe_flags(config, cfg)
-    net = Transformer(config, seed=seed, mtp=cfg.mtp, mtp_weight=cfg.mtp_weight)
+    net = _adapted(Transformer(config, seed=seed, mtp=cfg.mtp, mtp_weight=cfg.mtp_weight), config, lora, seed)
     depths = len(net.mtp)
     seq_len = seq_len or config.max_seq_len
     plan = BatchPlan(
@@ -133,6 +135,22 @@ def _optimizer(net: torch.nn.Module, ds_config: dict, muon: dict | None) -> torc
     clip = QKClip(net, tau=muon["qk_clip"]) if muon.get("qk_clip") else None
     settings = {k: v for k, v in muon.items() if k != "qk_clip"}
     return MuonWithAdamW(muon_groups(net, weight_decay=muon["weight_decay"]), **settings, qk_clip=clip)
+
+
+def _adapted(net, config, lora: dict | None, seed: int):
+    """``net``, or with ``lora`` (a ``LoraSpec``'s fields, and ``base``: a checkpoint, else the seed's weights) its
+    adapters on the frozen model."""
+    if lora is None:
+        return net
+    from megakit.core.lora import LoraSpec
+    from megakit.interop.checkpoint import load_checkpoint
+    from megakit.nn.lora import add_lora
+
+    fields = {k: v for k, v in lora.items() if k != "base"}
+    add_lora(net, LoraSpec(**fields), config=config, seed=seed)
+    if lora.get("base") is not None:
+        load_checkpoint(lora["base"], net, base=True)
+    return net
 
 
 def _validation_loss(net, corpora, plan: BatchPlan, batches: int, cfg) -> float:
