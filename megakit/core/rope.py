@@ -43,6 +43,7 @@ class RopeScaling:
         object.__setattr__(self, "params", tuple(sorted((str(k), v) for k, v in self.params)))
 
     def get(self, key: str, default=None):
+        """A scaling parameter by name, like ``dict.get``: the params are a tuple so the dataclass stays hashable."""
         return dict(self.params).get(key, default)
 
 

@@ -42,6 +42,7 @@ class SavedTensor:
     shard: str
 
     def bytes(self, *, seq_len: int, micro_batch: int) -> float:
+        """Bytes this tensor takes for one micro-batch of ``seq_len`` tokens, before any sharding."""
         return seq_len * micro_batch * (self.per_token + self.per_token_seq * seq_len) * self.bytes_per_element
 
 

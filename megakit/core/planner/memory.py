@@ -38,8 +38,8 @@ fused (flash) attention, where the ``as²`` scores are never stored. TP shards
 the tensors inside attention and the MLP; sequence parallelism shards the rest.
 Context parallelism (``cp``) divides every activation by CP (a rank holds ``s/cp`` tokens; ring
 attention keeps q, k, v, its output and log-sum-exp, never the scores) and shards ZeRO's states over
-DP x CP; the ring adds two K/V blocks in flight. A 1F1B stage ``i`` of ``p`` keeps ``min(p - i, m)`` micro-batches in flight; the
-interleaved schedule keeps ``(p - i - 1)·2 + (v - 1)·p + 1`` model chunks, counted chunk by chunk
+DP x CP; the ring adds two K/V blocks in flight. A 1F1B stage ``i`` of ``p`` keeps ``min(p - i, m)`` micro-batches in
+flight; the interleaved schedule keeps ``(p - i - 1)·2 + (v - 1)·p + 1`` model chunks, counted chunk by chunk
 (``in_flight_chunks``: earlier chunks hold more, and chunks hold unequal layers). A chunk's output is
 freed once sent (``megakit.nn.pipeline.sent_output``, Megatron-LM's ``deallocate_output_tensor``) except under zero
 bubble, whose B and W take the output itself; a stage that receives gradients holds one during a backward
@@ -177,6 +177,7 @@ class MemoryEstimate:
         return float(sum(self.items.get(f"expert_{k}", 0.0) for k in STATES))
 
     def gib(self) -> dict:
+        """The breakdown in GiB, as the report and ``--json`` print it."""
         return {k: v / GIB for k, v in self.items.items()}
 
 

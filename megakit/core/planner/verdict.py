@@ -23,6 +23,7 @@ VERDICTS = ("yes", "above_threshold", "no")
 
 
 def verdict(peak_bytes: float, *, threshold_bytes: float, gpu_bytes: float) -> str:
+    """Whether the peak fits: ``yes``, ``above_threshold`` (fits, past the safety margin) or ``no``."""
     if peak_bytes <= threshold_bytes:
         return "yes"
     return "above_threshold" if peak_bytes <= gpu_bytes else "no"
