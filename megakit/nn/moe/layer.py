@@ -103,6 +103,7 @@ class SharedExpert(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, tp_group) -> torch.Tensor:
+        """The shared expert on every token, its weights copied into the TP region for their gradients."""
         w = [copy_to_tp(m.weight, tp_group) for m in (self.gate_proj, self.up_proj, self.down_proj)]
         return F.linear(F.silu(F.linear(x, w[0])) * F.linear(x, w[1]), w[2])
 
@@ -284,6 +285,7 @@ class MoE(nn.Module):
         self.stats: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Routes each token to its top-k experts over EP and adds the shared expert, if any."""
         if self.split_sequence:
             if x.shape[0] % C.size(self.tp_group):
                 raise UsageError(
@@ -351,6 +353,7 @@ class MoE(nn.Module):
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
+    """The model's MoE layers, whose load-balance losses and counts the trainer collects."""
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 

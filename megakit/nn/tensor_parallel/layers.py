@@ -71,6 +71,7 @@ class ColumnParallelLinear(nn.Module):
         self.matmul = F.linear  # megakit.nn.tensor_parallel.fp8 swaps in a float8 matmul (same weight, same names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` with W split by output features: each TP rank computes its share of the outputs."""
         if self.enter_region:
             x = enter_tp_region(x, self.group, self.sequence_parallel)  # (S, B, in)
         y = self.matmul(x, self.weight, self.bias)  # (S, B, out/tp)
@@ -104,6 +105,7 @@ class RowParallelLinear(nn.Module):
         self.matmul = F.linear  # megakit.nn.tensor_parallel.fp8 swaps in a float8 matmul (same weight, same names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` with W split by input features: the partial sums are reduced (or reduce-scattered) over TP."""
         y = leave_tp_region(self.matmul(x, self.weight), self.group, self.sequence_parallel)  # (S', B, out)
         if self.bias is not None:
             y = y + replicated(self.bias, self.group, self.sequence_parallel)
@@ -136,6 +138,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = mark(_empty(self.local, dim, dtype=dtype, device=device), 0, unpadded=vocab_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Looks ids up in this rank's vocabulary slice; others' rows are zero and the TP reduction fills them in."""
         if C.size(self.group) == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.start) | (ids >= self.start + self.local)
