@@ -113,6 +113,7 @@ def inv_freq(theta: float, head_dim: int, scaling: RopeScaling | None, max_posit
     kind = scaling.type if scaling else "default"
     if kind in ("default", "dynamic"):
         return plain, 1.0
+    assert scaling is not None  # kind came from it
     factor = scaling.get("factor")
     if kind == "linear":
         return [f / factor for f in plain], 1.0

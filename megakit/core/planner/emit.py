@@ -80,7 +80,7 @@ def scaled_lr(
     GPT-3's batch (a small model's batch bounded by its token budget) the LR is not scaled down: 32 sequences
     against GPT-3's 7,936 would give 2.4e-6, which trains nothing in a few hundred Adam steps."""
     gpt3 = base_lr is None
-    if gpt3:
+    if base_lr is None:
         base_lr, tokens, base_batch_seqs = gpt3_batch(params, seq_len)
         source = (
             f"GPT-3's {base_lr:.1e} at its {tokens / 1e6:g}M-token batch ({base_batch_seqs:,} sequences of {seq_len})"

@@ -27,6 +27,7 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from megakit.core.model_config import PRESETS as MODELS_DIR
 from megakit.core.model_config import ModelConfig
@@ -204,7 +205,7 @@ class ModelSpec:
         """``stage_layers``: the split over virtual stages that ``planner.stages`` uses where it has as many
         entries as the layout's ``pp * vpp`` stages (the layout it was pinned with). ``mtp``: plan the config's
         Multi-Token Prediction modules (``--mtp``; refused for a model without them, as the trainer refuses it)."""
-        changes = {}
+        changes: dict[str, Any] = {}
         if mtp is not None:
             changes["mtp"] = self.config.mtp_depth(mtp)
         if stage_layers is not None:
@@ -250,7 +251,8 @@ class ModelSpec:
             block = nearest.config.layer_params()
             fixed = nearest.params - nearest.layers * block
             layers = max(1, round((target - fixed) / block))
-            spec = dataclasses.replace(nearest, layers=layers, name=f"{_fmt(target)}-scaled")
+            # mypy checks replace() against the fields, not the custom __init__'s **shape that takes ``layers``
+            spec = dataclasses.replace(nearest, layers=layers, name=f"{_fmt(target)}-scaled")  # type: ignore[call-arg]
             spec = dataclasses.replace(
                 spec,
                 assumed=f"{_fmt(target)} is not in the table: took the {nearest.name} "

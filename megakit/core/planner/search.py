@@ -156,7 +156,7 @@ def search(
         moe_imbalance,
         execution or {},
     )
-    zeros = (0, 1, 2, 3) if branch != "model-parallel" or pins.zero is not None else (0, 1, 2)
+    zeros: tuple[int, ...] = (0, 1, 2, 3) if branch != "model-parallel" or pins.zero is not None else (0, 1, 2)
     if pins.compress != "none":  # megakit compresses ZeRO 0's all-reduce, and (fp16, int8) ZeRO 1's buckets
         zeros = tuple(z for z in zeros if z in ctx.compress_stages)
     ctx.run(branch, zeros)
@@ -228,7 +228,8 @@ def _rank(ctx: _Context, *, limit: float, keep_rejected: int) -> tuple[list, lis
     near = [c for c in ranked if c.cost.tokens_per_s >= (1 - TIE) * ranked[0].cost.tokens_per_s]
     best = min(near, key=_simplicity)
     ranked = [best] + [c for c in ranked if c is not best]
-    rejected = sorted((r for r in ctx.rejected if r.tokens_per_s is not None), key=lambda r: -r.tokens_per_s)
+    priced = (r for r in ctx.rejected if r.tokens_per_s is not None)
+    rejected = sorted(priced, key=lambda r: -(r.tokens_per_s or 0.0))  # ``or``: mypy cannot see the filter
     return ranked, rejected[:keep_rejected] + [r for r in ctx.rejected if r.tokens_per_s is None]
 
 
