@@ -345,7 +345,7 @@ class _Context:
         keep,
         moe_imbalance=1.0,
         execution=None,
-    ):
+    ) -> None:
         self.model, self.cluster, self.pins, self.global_batch = model, cluster, pins, global_batch
         self.execution = execution or {}
         self.moe_imbalance = moe_imbalance
