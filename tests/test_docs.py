@@ -33,6 +33,7 @@ SKIPPED = {  # "guide#block" -> why it is not run here
     "clusters.md#stopping-a-run-signals-preemption-a-lost-launcher": "the same Slurm script, requeued on notice",
     "gpus.md#measuring-them-scriptsbench_gpupy": "times kernels on a CUDA GPU",
     "testing.md#testing": "the test command: it is this suite",
+    "testing.md#lint": "the linters: .ci/run runs them before this suite",
 }
 CHECKED = {  # "guide#block" skipped above -> the world size its train.py flags are checked for, with --check
     "clusters.md#deepspeeds-launcher-with-a-hostfile": 16,

@@ -1,9 +1,9 @@
 """The cost model against every calibration row, with one set of constants: 26 published FSDP / FSDP2 /
 HSDP / ZeRO-3 runs (tests/data/sharded-dp.json, a copy of ../shared/calibration with how the planner reads
 each row), Narayanan et al. 2021 Tables 1-2 (tests/data/megatron-2021.json) and megakit's own trainer on
-an H200 (tests/data/megakit-runs.json), torchao/torchtitan float8 runs (tests/data/fp8-runs.json). Each layout is pinned as published; the per-row errors are printed
-(``pytest -s``). The bounds sit just above what is measured (sharded-dp: mean 6.6 %, max 14.5 %), and
-docs/planning.md states the measured figures.
+an H200 (tests/data/megakit-runs.json), torchao/torchtitan float8 runs (tests/data/fp8-runs.json). Each layout is pinned
+as published; the per-row errors are printed (``pytest -s``). The bounds sit just above what is measured (sharded-dp:
+mean 6.6 %, max 14.5 %), and docs/planning.md states the measured figures.
 
 The other public rows, one file each, through ``megakit plan``: Megatron-Core's H100 weak-scaling table, TP up to 8
 and PP up to 16 (tests/test_planner_mcore.py, every row within 15 %); measured peak memory of 1F1B and interleaved
@@ -210,7 +210,7 @@ def test_fp8_runs_are_not_called_out_of_memory(row):
     assert peak <= cluster.gpu.mem_gib * GIB, f"{peak / GIB:.1f} GiB > {cluster.gpu.mem_gib} GiB"
 
 
-def test_hsdp_rows_through_the_cli_with_dp_shard(plan_json, tmp_path):
+def test_hsdp_rows_through_the_cli_with_dp_shard(plan_json, tmp_path, capsys):
     """IBM's HSDP runs (shard inside each 8-GPU node, replicate across) through ``megakit plan --runtime fsdp
     --dp-shard 8``: the CLI prices what the row's in-process plan prices; sharding over all 128 GPUs (FSDP) holds
     a sixteenth of the states per GPU instead. --dp-shard without --runtime fsdp, or one that does not divide DP,
@@ -258,4 +258,6 @@ def test_hsdp_rows_through_the_cli_with_dp_shard(plan_json, tmp_path):
         (["--runtime", "fsdp", "--dp-shard", 48], "does not divide DP"),
     ):
         args = [a for a in argv if a not in ("--runtime", "fsdp")] + extra
+        capsys.readouterr()
         assert main(["plan", *map(str, args)]) == 2
+        assert needle in capsys.readouterr().err

@@ -226,7 +226,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, needle, tmp_path,
 
 
 def test_a_bad_launch_path_names_the_flag_given(tmp_path, capsys):
-    """--params writes a model config beside the ds_config, which --emit-launch placed: the error names --emit-launch."""
+    """--params writes a model config beside the ds_config, which --emit-launch placed: the error names
+    --emit-launch."""
     code, _, err = plan(capsys, "--params", "7B", "--emit-launch", "slurm", "/nonexistent/dir/job.sh")
     assert code == 2 and err.count("\n") == 1 and "--emit-launch folder /nonexistent/dir does not exist" in err, err
     assert "--emit-config" not in err

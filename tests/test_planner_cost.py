@@ -68,8 +68,8 @@ def test_eq3_flops_match_the_paper():
     # Megatron Eq. 3: 96·B·s·l·h²·(1 + s/6h + V/16lh) per batch, with the recomputed forward.
     row = next(r for r in ROWS if r["id"] == "nar21-t1-1008.0B")
     model, _, _ = row_case(row)
-    s, l, h, v = 2048, model.layers, model.hidden, model.vocab_size
-    eq3 = 96 * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)) / s  # per token
+    s, layers, h, v = 2048, model.layers, model.hidden, model.vocab_size
+    eq3 = 96 * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h)) / s  # per token
     ours = flops_per_token(model, s, recompute="full", flash_attention=False)
     assert ours == pytest.approx(eq3, rel=0.002)  # ours also counts biases
     assert flops_per_token(model, s, hardware=False) == pytest.approx(eq3 * 3 / 4, rel=0.002)

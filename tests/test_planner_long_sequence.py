@@ -5,9 +5,10 @@ pinned through the CLI as its "planner" block says, and FlashAttention-2's own f
 ``compute.attention_time`` prices.
 
 Measured with one set of constants (``pytest -s`` prints the table): EasyContext 64K data parallel +8.1 %, 512K and 700K
-ring +6.2 % and +6.1 %; torchtitan 32K (FSDP 8) +10.0 %, 64K (FSDP 4, CP 2) +7.3 %. Outside 15 %, reported and not fitted:
-EasyContext's 64K and 128K ring rows (+29 %, +65 %), which sit off the line their own table's other rows draw, and
-torchtitan's CP 4 and CP 8 rows (+49 %, +59 %), whose attention would have to run at half FlashAttention-2's H100 rate."""
+ring +6.2 % and +6.1 %; torchtitan 32K (FSDP 8) +10.0 %, 64K (FSDP 4, CP 2) +7.3 %. Outside 15 %, reported and not
+fitted: EasyContext's 64K and 128K ring rows (+29 %, +65 %), which sit off the line their own table's other rows draw,
+and torchtitan's CP 4 and CP 8 rows (+49 %, +59 %), whose attention would have to run at half FlashAttention-2's H100
+rate."""
 
 import json
 from pathlib import Path
@@ -129,8 +130,9 @@ def test_flash_attention_follows_its_own_benchmark():
 
 def test_easycontext_rows_that_miss_are_off_their_own_table_line():
     """Per-token time is linear in s (the weights' work per token is fixed, causal attention's grows with s), so the
-    table's 512K and 700K ring rows fix a line. Its 64K data-parallel row lies on it (within 3 %); its 64K and 128K ring rows are
-    20 %+ slower than the line -- an excess no attention rate gives, which is why the planner is not fitted to them."""
+    table's 512K and 700K ring rows fix a line. Its 64K data-parallel row lies on it (within 3 %); its 64K and 128K ring
+    rows are 20 %+ slower than the line -- an excess no attention rate gives, which is why the planner is not fitted to
+    them."""
     ec = {r["id"]: r for r in ROWS if r["id"].startswith("ec-")}
     (s1, t1), (s2, t2) = (
         (r["seq_len"], 1 / r["tokens_per_s_per_gpu"])

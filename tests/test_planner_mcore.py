@@ -117,7 +117,8 @@ def test_micro_batch_one_cannot_be_what_ran(plan_json, tmp_path):
 
 
 def _fp8_case(row):
-    """A Megatron-Bridge FP8 row pinned as its "planner" block says: the models/ preset it names or a Llama of its shape."""
+    """A Megatron-Bridge FP8 row pinned as its "planner" block says: the models/ preset it names or a Llama of its
+    shape."""
     q = row["planner"]
     if q["model"].startswith("models/"):
         model = ModelSpec.from_config(str(MODELS / Path(q["model"]).name))

@@ -194,13 +194,13 @@ def test_stages_follow_the_trainers_split_and_peak_covers_middle_stages():
     assert stage_layer_counts(GPT3, 7) == (13, 14, 14, 14, 14, 14, 13)
     peak = peak_memory(GPT3, **layout)
     assert peak.stage not in (0, 6)
-    for model, layout in (
+    for model, kwargs in (
         (GPT3, layout),
         (GPT3, {**layout, "accumulation": 64, "recompute": "none"}),
         (llama, dict(pp=4, dp=2, zero_stage=1, accumulation=2)),
         (llama, dict(pp=2, vpp=2, accumulation=8, recompute="selective")),
     ):
-        pp = layout["pp"]
-        assert peak_memory(model, **layout).total == max(
-            estimate_memory(model, stage=s, **layout).total for s in range(pp)
+        pp = kwargs["pp"]
+        assert peak_memory(model, **kwargs).total == max(
+            estimate_memory(model, stage=s, **kwargs).total for s in range(pp)
         )

@@ -420,8 +420,8 @@ def test_bad_ep_is_one_line_and_exit_2(argv, needle, tmp_path, capsys):
 
 
 def test_plan_prices_transformer_engines_block_scaled_fp8_under_megatron_and_refuses_it_elsewhere(plan_json, capsys):
-    """``--fp8 blockwise`` (DeepSeek-V3's scales, Megatron's FP8-SC) prices Qwen3-30B-A3B's published EP 16 layout faster
-    than BF16 under --runtime megatron-core, and its launch command asks train.py for no FP8 it cannot run. Under
+    """``--fp8 blockwise`` (DeepSeek-V3's scales, Megatron's FP8-SC) prices Qwen3-30B-A3B's published EP 16 layout
+    faster than BF16 under --runtime megatron-core, and its launch command asks train.py for no FP8 it cannot run. Under
     megakit's runtime, and ``mxfp8`` on a Hopper GPU, are one line each, exit 2."""
     argv = [
         "--model",

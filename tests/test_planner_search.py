@@ -122,8 +122,8 @@ def test_pins_fix_dimensions_and_bad_pins_name_the_dimension():
 def test_gqa_llama_and_long_sequences_with_flash_attention():
     """A 32k sequence: without fused attention its s x s scores cost memory in every layer. Pinned to --cp 1 (no
     context parallelism to spread them) that is the difference between a plan fitting or not: a quarter as many
-    fit (a third as many), each fitting one fits with flash attention too, and every layout's peak is higher without it. With CP
-    searched, splitting the sequence rescues nearly all of them."""
+    fit (a third as many), each fitting one fits with flash attention too, and every layout's peak is higher without it.
+    With CP searched, splitting the sequence rescues nearly all of them."""
     model = ModelSpec.from_params("70B", seq_len=32768)
     assert model.family == "llama" and model.kv_heads == 8
     cluster = a100s(256)

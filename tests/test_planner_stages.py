@@ -46,7 +46,7 @@ def test_a_stage_peaks_where_its_biggest_chunks_are_in_flight():
     est = estimate_memory(model, tp=1, pp=pp, vpp=vpp, accumulation=m, stage=0, recompute="full")
     per_block = est.activation_per_layer
     counts = in_flight_chunks(pp=pp, stage=0, accumulation=m, vpp=vpp)
-    heaviest = max(sum(n * l for n, l in zip(c, layers)) for c in counts)
+    heaviest = max(sum(n * k for n, k in zip(c, layers)) for c in counts)
     assert est.items["activations"] >= heaviest * per_block
     equal = in_flight_micro_batches(pp=pp, stage=0, accumulation=m, vpp=vpp) * sum(layers) * per_block
     assert heaviest * per_block != pytest.approx(equal)  # whole-stage units would be off here

@@ -145,7 +145,8 @@ class _Holder:
 def _one_f_one_b_peaks(topo, recompute: str, m: int = 4):
     """Two pipeline stages of gpt-tiny run 1F1B in one process (TP over the ranks, SP on), each stage's
     saved bytes tracked as the trainer's census does; its backward is the trainer's (the sent output's
-    handle, ``megakit.nn.pipeline.sent_output``). Returns (peak of stage 0, peak of stage 1) and the planner's predictions."""
+    handle, ``megakit.nn.pipeline.sent_output``). Returns (peak of stage 0, peak of stage 1) and the planner's
+    predictions."""
     from megakit.core.planner.memory import estimate_memory
 
     config, spec = ModelConfig.load("gpt-tiny"), ModelSpec.from_config("gpt-tiny")

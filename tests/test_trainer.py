@@ -349,7 +349,7 @@ def test_loss_chunks_shrink_the_logits_item_and_keep_the_losses(dp_results):
     whole, chunked = results[29], results[30]
     for a, b in zip(whole["loss"], chunked["loss"], strict=True):  # measured: 1 fp32 ulp (9.5e-7 at 10.28)
         assert abs(a - b) <= 1e-6 * abs(a), (whole["loss"], chunked["loss"])
-    for one, rows in ((whole, whole["memory"]), (chunked, chunked["memory"])):
+    for rows in (whole["memory"], chunked["memory"]):
         assert_memory_matches(rows)
         for row in rows:
             assert abs(row["measured"]["logits"] - row["predicted"]["logits"]) <= 0.05 * row["predicted"]["logits"], row
@@ -443,7 +443,8 @@ def test_uneven_virtual_stages_pinned_then_balanced_follow_the_single_process_mo
     0,6,4,0 (the embedding and the head alone in their chunks; stages hold 4 and 6 blocks), saved, then resumed at
     the balanced 2,3,3,2 for 5 more. Both halves
     follow one single-process run within 1e-5: the checkpoint names blocks by global index, so it loads at any
-    split. The memory rows show which split ran (parameters per stage) and that the planner's chunks are the trainer's."""
+    split. The memory rows show which split ran (parameters per stage) and that the planner's chunks are the
+    trainer's."""
     from megakit.core.model_config import ModelConfig
     from megakit.core.partition import partition_layers
 
@@ -771,8 +772,8 @@ def test_compiled_blocks_follow_eager_at_tp2_pp2_with_sp_and_dropout(mp_results)
 
 @pytest.mark.slow
 def test_tp2_pp2_on_token_shards_validates_and_exports_a_model_transformers_talks_to(mp_results, tmp_path, capsys):
-    """Shards through the loader at TP2 x PP2 (interleaved) follow the single process; evaluating every 5 steps leaves the
-    training losses alone and its loss falls; the export loads with its tokenizer in transformers, gives the
+    """Shards through the loader at TP2 x PP2 (interleaved) follow the single process; evaluating every 5 steps leaves
+    the training losses alone and its loss falls; the export loads with its tokenizer in transformers, gives the
     trainer's last validation loss, and generates; ``megakit generate`` prints what transformers generates."""
     import torch
     import transformers

@@ -83,7 +83,8 @@ def test_script_reports_a_bad_data_path_in_one_line(tmp_path):
 
 
 def test_non_finite_float_flags_are_one_line_and_exit_2():
-    """--moe-aux-loss nan used to be accepted: every step was then skipped, and the run exited 0 having trained nothing."""
+    """--moe-aux-loss nan used to be accepted: every step was then skipped, and the run exited 0 having trained
+    nothing."""
     env = dict(os.environ, OMP_NUM_THREADS=THREADS)
     for flag, value in (("--moe-aux-loss", "nan"), ("--moe-z-loss", "nan"), ("--spike-guard", "inf")):
         out = subprocess.run(
@@ -320,7 +321,8 @@ def test_context_parallel_flags_are_checked_before_any_process_group():
         (
             ["--model", "gpt-tiny", "--pp", "2", "--stage-layers", "1,1,2"],
             2,
-            "--stage-layers 1,1,2 gives 3 layer counts for --pp 2 x --vpp 1 = 2 virtual stages; give one per virtual stage",
+            "--stage-layers 1,1,2 gives 3 layer counts for --pp 2 x --vpp 1 = 2 virtual stages; "
+            "give one per virtual stage",
         ),
         (
             ["--model", "gpt-tiny", "--pp", "2", "--vpp", "2", "--stage-layers", "1,1,1,2"],

@@ -46,6 +46,7 @@ def build_parser(wanted: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``megakit`` entry point: picks the sub-command and returns its exit status (2 for bad input)."""
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv[0] if argv else None)
     args, passed_on = parser.parse_known_args(argv)

@@ -16,6 +16,7 @@ from megakit.errors import finite_float
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    """Adds ``megakit convert``'s flags (each command module owns its own, so ``cli`` stays a table)."""
     parser.add_argument(
         "source",
         metavar="SOURCE",
@@ -73,6 +74,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Converts one checkpoint between megakit and transformers; UsageError names a bad flag."""
     from megakit.errors import UsageError
 
     to_hf = args.to_hf is not None

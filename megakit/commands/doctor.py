@@ -28,6 +28,7 @@ TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    """Adds ``megakit doctor``'s own flags; the rest are passed on to scripts/train.py."""
     parser.epilog = (
         "Every other flag goes to scripts/train.py (its --ds_config, --model, --tp, --pp, ...). Exit status "
         "0 when every check passed, 1 when one failed, 2 for bad input."
@@ -137,6 +138,7 @@ def _job_ending(out: subprocess.CompletedProcess) -> str:
 
 
 def run(args) -> int:
+    """Runs the job a few steps in a scratch directory and prints each check's verdict (0 all passed, 1 one failed)."""
     train_args = list(getattr(args, "passed_on", []))
     _check(args, train_args)
     from megakit.commands.doctor_render import render

@@ -11,6 +11,7 @@ RESULT = {True: "[green]pass[/]", False: "[bold red]FAIL[/]", None: "[yellow]n/a
 
 
 def render(facts: dict, verdicts: list, *, ended: str = "") -> None:
+    """Prints the doctor's report (job line, then one line per check) so a person sees what failed and why."""
     console = Console(highlight=False)
     c = facts["config"]
     console.print(

@@ -21,6 +21,7 @@ from megakit.errors import finite_float
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    """Adds ``megakit generate``'s flags (each command module owns its own, so ``cli`` stays a table)."""
     parser.add_argument(
         "checkpoint",
         metavar="CHECKPOINT",
@@ -48,6 +49,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Continues a prompt from a checkpoint, to check by eye that a trained or converted model works."""
     import tempfile
     from pathlib import Path
 

@@ -50,7 +50,8 @@ def _zero_stage(p: dict) -> str:
 
 
 def _layers_row(p: dict) -> tuple:
-    """The blocks of each virtual stage in pipeline order, runs written once (3, 4 x 30, 3), when there is a pipeline."""
+    """The blocks of each virtual stage in pipeline order, runs written once (3, 4 x 30, 3), when there is a
+    pipeline."""
     if p["pp"] == 1:
         return ()
     runs: list[list[int]] = []

@@ -54,6 +54,7 @@ def moe_assumptions(model: ModelSpec, args, imbalance: float) -> dict:
 
 
 def plan_fields(plan: Plan) -> dict:
+    """The plan's shape as JSON fields, shared by the chosen plan and the rejected ones so they read alike."""
     return {
         "tp": plan.tp,
         "pp": plan.pp,
@@ -95,6 +96,7 @@ FLOPS_CONVENTIONS = {
 
 
 def plan_dict(plan: Plan, mem, cost, cluster: Cluster, tokens, seq_len: int) -> dict:
+    """The chosen plan with its memory and cost, as JSON for ``megakit plan --json`` and the tests."""
     out = plan_fields(plan) | {
         "peak_memory_gib": mem.total / GIB,
         "gpu_memory_gib": cluster.gpu.mem_gib,
@@ -154,6 +156,7 @@ def assumptions(
     launch_note,
     batch_note: str = "",
 ) -> dict:
+    """What the planner assumed (model, hardware, batch, launch), printed so the user can check the inputs."""
     gpu = cluster.gpu
     return {
         "model": {

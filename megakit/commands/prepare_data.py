@@ -20,6 +20,7 @@ from megakit.interop.packing import TOO_LONG
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    """Adds ``megakit prepare-data``'s flags (each command module owns its own, so ``cli`` stays a table)."""
     parser.add_argument(
         "inputs",
         metavar="INPUT",
@@ -85,6 +86,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Tokenizes the inputs into training shards once, so a run does not pay for it at every start."""
     from megakit.interop.prepare_data import PrepareConfig, prepare
 
     inputs = list(args.inputs)

@@ -13,6 +13,7 @@ from megakit.errors import UsageError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    """Adds ``megakit probe``'s flags (each command module owns its own, so ``cli`` stays a table)."""
     parser.add_argument("--nproc", type=int, default=1, help="processes to start, one per GPU (or CPU share)")
     parser.add_argument("--out", required=True, metavar="PROFILE.json", help="where to write the profile")
     parser.add_argument("--hidden", type=int, help="hidden size of the plan-like GEMMs (default 4096 GPU, 512 CPU)")
@@ -22,6 +23,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    """Measures this machine's GEMM and collective speeds into a profile that ``megakit plan --hardware`` reads."""
     for name in ("nproc", "hidden", "tokens", "bytes", "repeat"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -57,6 +57,7 @@ def _label(mb: int) -> str:
 
 
 def title(report: Report, weight_share: float = 0.5) -> str:
+    """The timeline's heading: the simulated bubble next to the textbook formula, so a mismatch shows."""
     s = report.schedule
     name = s.name.split("(")[0]
     formula = bubble_formula(name, s.pp, s.micro_batches, s.vpp, weight_share=weight_share)
@@ -105,6 +106,7 @@ def timeline_text(report: Report, *, width: int = 120, weight_share: float = 0.5
 
 
 def print_timeline(report: Report, console=None, *, weight_share: float = 0.5) -> None:
+    """Prints the schedule's timeline unwrapped, since a wrapped row no longer lines up with the others."""
     from rich.console import Console
 
     console = console or Console(soft_wrap=True)  # long rows overflow rather than wrap mid-timeline

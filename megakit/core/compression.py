@@ -42,6 +42,8 @@ KINDS = ("none", "fp16", "int8", "sign", "topk")
 
 @dataclass(frozen=True)
 class Compression:
+    """How DP gradients are compressed (``--compress``): one value object that parses, prints and compares."""
+
     kind: str = "none"
     ratio: float = 1.0  # topk: the share of elements sent
 

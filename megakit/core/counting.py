@@ -91,7 +91,8 @@ def block_params(config: ModelConfig, tp: int = 1, *, moe: bool | None = None) -
     moe = config.moe is not None if moe is None else (moe and config.moe is not None)
     h, hd = config.hidden, config.head_dim
     q, kv = config.heads // tp * hd, config.kv_heads_per_rank(tp) * hd
-    f = (config.moe.shared_ffn if moe else config.ffn) // tp
+    m = config.moe if moe else None
+    f = (m.shared_ffn if m else config.ffn) // tp
     mats = 3 if config.gated_mlp else 2
     matmul = h * (q + 2 * kv) + q * h + mats * h * f
     if config.mla:  # latent attention in place of q, k, v, o
@@ -102,9 +103,8 @@ def block_params(config: ModelConfig, tp: int = 1, *, moe: bool | None = None) -
         4 if config.family == "gpt2" else 4 if config.sandwich_norms else 2
     ) * h + 2 * config.qk_norm * hd  # + q, k
     replicated = norms + config.out_bias * h + config.mlp_bias * h + (latent_norms if config.mla else 0)
-    if not moe:
+    if m is None:
         return BlockParams(matmul, column_bias, replicated)
-    m = config.moe
     router = m.experts * h + (h if m.shared_gate else 0) + (m.experts if m.router_bias else 0)
     expert = 3 * h * m.ffn + (2 * m.ffn + h if m.expert_biases else 0)  # gpt-oss: biases on both matrices
     return BlockParams(

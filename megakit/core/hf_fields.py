@@ -122,9 +122,11 @@ def check_hf_fields(data: dict, source: str) -> None:
         if kind == "bool":
             ok, want = isinstance(value, bool), "true or false"
         elif kind == "int":
+            assert low is not None  # only flags have no lower bound
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
             want = "a positive integer" if low == 1 else "an integer >= 0"
         else:
+            assert low is not None  # only flags have no lower bound
             ok = (
                 isinstance(value, (int, float))
                 and not isinstance(value, bool)

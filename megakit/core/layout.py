@@ -110,6 +110,7 @@ class Layout:
         return self.tp * self.cp * self.pp * self.dp
 
     def rank(self, *, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        """The global rank at these coordinates (TP innermost, then CP, DP, PP): the inverse of ``coords``."""
         return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def coords(self, rank: int) -> dict[str, int]:

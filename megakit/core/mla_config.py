@@ -17,6 +17,8 @@ from megakit.errors import UsageError
 
 @dataclass(frozen=True, kw_only=True)
 class MLAConfig:
+    """Multi-head latent attention's shapes (DeepSeek-V2/V3), validated here so a bad config fails before any build."""
+
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
@@ -73,6 +75,7 @@ class MLAConfig:
 
     @classmethod
     def from_hf(cls, data: dict) -> "MLAConfig":
+        """Reads the MLA fields of a transformers config.json, so converted checkpoints keep their shapes."""
         return cls(
             kv_lora_rank=data["kv_lora_rank"],
             qk_nope_head_dim=data["qk_nope_head_dim"],
@@ -83,6 +86,7 @@ class MLAConfig:
         )
 
     def to_hf(self) -> dict:
+        """The MLA fields as transformers writes them (q_lora_rank None when absent), for the export."""
         return {
             "kv_lora_rank": self.kv_lora_rank,
             "qk_nope_head_dim": self.qk_nope_head_dim,

@@ -211,6 +211,7 @@ class ModelConfig:
         kind = data.get("model_type")
         check_hf_fields(data, source)  # "1e-5" or true where a number goes: one line naming the file and the key
         family = family_for(kind, source=source)
+        assert isinstance(kind, str)  # family_for refused any other
         act = data.get(family.activation_key)
         if act is not None and act not in family.activations:
             raise UsageError(

@@ -43,6 +43,7 @@ class RopeScaling:
         object.__setattr__(self, "params", tuple(sorted((str(k), v) for k, v in self.params)))
 
     def get(self, key: str, default=None):
+        """A scaling parameter by name, like ``dict.get``: the params are a tuple so the dataclass stays hashable."""
         return dict(self.params).get(key, default)
 
 
@@ -112,6 +113,7 @@ def inv_freq(theta: float, head_dim: int, scaling: RopeScaling | None, max_posit
     kind = scaling.type if scaling else "default"
     if kind in ("default", "dynamic"):
         return plain, 1.0
+    assert scaling is not None  # kind came from it
     factor = scaling.get("factor")
     if kind == "linear":
         return [f / factor for f in plain], 1.0

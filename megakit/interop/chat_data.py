@@ -59,6 +59,7 @@ def is_chat(record: dict) -> bool:
 
 
 def has_generation_markers(template: str | None) -> bool:
+    """Whether the template marks assistant turns, which lets prepare-data train on the replies alone."""
     return bool(template) and GENERATION.search(template) is not None
 
 
@@ -308,6 +309,7 @@ class ChatRenderer:
         return ids, mask
 
     def ids_and_mask(self, record: dict, where: str) -> tuple[list[int], list[int]]:
+        """A record's token ids and loss mask (1 where the model learns to reply); UsageError names a bad record."""
         prompt, completion = conversation(record, where)
         mode = self._mode(completion)
         tools = record.get("tools")

@@ -37,8 +37,8 @@ class Split(NamedTuple):
 
 
 def is_expert(tensor) -> bool:
-    """A routed expert's stacked weights (``param.ep_dim``, set by ``megakit.nn.moe.layer``): split over EP along that dim.
-    The router (``mlp.gate``) and the shared expert are dense."""
+    """A routed expert's stacked weights (``param.ep_dim``, set by ``megakit.nn.moe.layer``): split over EP along that
+    dim. The router (``mlp.gate``) and the shared expert are dense."""
     return getattr(tensor, "ep_dim", None) is not None
 
 

@@ -18,6 +18,7 @@ SPLITS = "dataset_dict.json"  # a DatasetDict's save_to_disk: one save_to_disk d
 
 
 def is_columnar(path: Path) -> bool:
+    """Whether the file is Parquet or Arrow, read by columns rather than as text."""
     return path.suffix in SUFFIXES
 
 

@@ -39,7 +39,8 @@ MIN_VOCAB = 256 + 1  # the 256 byte symbols and the end-of-text token
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int):
-    """A byte-level BPE ``tokenizers.Tokenizer`` of ``vocab_size`` tokens (end-of-text included) trained on ``texts``."""
+    """A byte-level BPE ``tokenizers.Tokenizer`` of ``vocab_size`` tokens (end-of-text included) trained on
+    ``texts``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < MIN_VOCAB:

@@ -37,6 +37,7 @@ class Norm(nn.Module):
         self.bias = None if self.rms else mark(nn.Parameter(torch.empty(h, dtype=dtype, device=device)), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalizes the hidden state; the weight is replicated over TP, its gradient summed when sequence parallel."""
         w = replicated(self.weight, self.group, self.sequence_parallel)
         if self.rms:
             return rms_norm(x, w, self.eps, self.offset)
@@ -73,6 +74,7 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP on this TP rank's share of the ffn width, reduced over TP by the down projection."""
         if self.gated:
             gate, up = column_parallel(x, (self.gate_proj, self.up_proj), self.group, self.sequence_parallel)
             h = (F.gelu(gate, approximate="tanh") if self.geglu else F.silu(gate)) * up  # (S, B, ffn/tp)
@@ -122,6 +124,7 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None, documents: torch.Tensor | None = None
     ) -> torch.Tensor:  # (S', B, H)
+        """One pre-norm transformer block: attention then MLP, each added back to the residual stream."""
         a = self.attn(self.attn_norm(x), rope, keys, documents)
         x = x + self.attn_dropout(self.attn_post_norm(a) if hasattr(self, "attn_post_norm") else a, keys)
         m = self.mlp(self.mlp_norm(x))
@@ -140,6 +143,7 @@ class ResidualDropout(nn.Module):
         self.cp, self.cp_rank = C.size(cp_group), C.rank(cp_group)
 
     def forward(self, x: torch.Tensor, keys: DropoutKeys | None) -> torch.Tensor:
+        """Dropout on the residual, its mask set by each token's global position, so any TP/CP split agrees."""
         if not self.training or self.p == 0.0:
             return x
         s = x.shape[0]

@@ -38,7 +38,9 @@ def sliding_window(data: dict, kind: str, source: str) -> tuple[int, int, tuple[
         window, sliding = data.get("sliding_window", 4096 if kind == "mistral" else None), [True] * n
     elif kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and data.get("use_sliding_window", False):
         window, last, types = (
-            data.get(k, d) for k, d in (("sliding_window", 4096), ("max_window_layers", 28), ("layer_types", None))
+            data.get("sliding_window", 4096),
+            data.get("max_window_layers", 28),
+            data.get("layer_types"),
         )
         check_layer_types(types)
         sliding = (

@@ -42,6 +42,7 @@ class SavedTensor:
     shard: str
 
     def bytes(self, *, seq_len: int, micro_batch: int) -> float:
+        """Bytes this tensor takes for one micro-batch of ``seq_len`` tokens, before any sharding."""
         return seq_len * micro_batch * (self.per_token + self.per_token_seq * seq_len) * self.bytes_per_element
 
 
@@ -220,6 +221,7 @@ def latent_tensors(
     so its norm's saved input holds the RoPE key's ``qk_rope_head_dim`` columns too. Without a query latent
     (``q_lora_rank`` 0), ``q_proj`` all-gathers the block input itself under SP and keeps it."""
     m, p = model.config.mla, PRECISIONS[precision]
+    assert m is not None, "latent_tensors is for MLA models"
     rows = tp if sequence_parallel and not gathered_inputs else 1  # 1: every rank holds every token
 
     def latent(which: str, width: int, stored: int) -> list[SavedTensor]:
@@ -265,7 +267,8 @@ def routing_tensors(
     map, E per token: ModelZoo misc/tools/deepseek_mem_estimate.py); its grouped experts multiply the probabilities
     inside the fused SwiGLU (``weighted_bias_swiglu_impl`` in megatron/core/transformer/moe/experts.py), so its
     unpermute keeps no expert output and its activation only its input."""
-    m, c = model.config.moe, model.config
+    m = model.config.moe
+    assert m is not None, "routing_tensors is for MoE models"
     p = PRECISIONS[precision]
     k = m.top_k * imbalance / tp
     top_k = m.top_k / tp  # at home: this rank's own tokens' slots
@@ -299,7 +302,7 @@ def routing_tensors(
         *([SavedTensor("sigmoid score sums", 1 / tp, 0.0, 4, "tp")] if m.score == "sigmoid" else []),
     ]
     saved, _ = dispatch_buffers(model, tp=tp, precision=precision, imbalance=imbalance, ep=ep)
-    activation = 4 if c.moe.swiglu_limit else 1  # gpt-oss: the clamped gate, (up + 1), its product, the sigmoid
+    activation = 4 if m.swiglu_limit else 1  # gpt-oss: the clamped gate, (up + 1), its product, the sigmoid
     experts = [
         SavedTensor("expert fc1 output", k * 2 * m.ffn, 0.0, p, "tp"),
         SavedTensor("expert activation", k * activation * m.ffn, 0.0, p, "tp"),
@@ -334,6 +337,7 @@ def dispatch_buffers(
     EP > 1). Transient, at EP > 1: the all-to-all's send and receive buffers, k copies of the rank's tokens each way
     (the dispatch's while it runs, the combine's likewise)."""
     m, p = model.config.moe, PRECISIONS[precision]
+    assert m is not None, "dispatch_buffers is for MoE models"
     k, rows = m.top_k / tp, m.top_k * (imbalance if ep > 1 else 1.0) / tp
     saved = [
         SavedTensor("dispatch order", 2 * k, 0.0, 8, "tp"),

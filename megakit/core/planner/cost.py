@@ -70,6 +70,8 @@ CPU_ADAM_S = 1e-9  # seconds per parameter of DeepSpeed's CPU Adam (Ren et al. 2
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Cost:
+    """One plan's modelled step time and throughput, so the search can rank plans and the report explain them."""
+
     step_time_s: float
     tokens_per_s: float
     model_tflops_per_gpu: float

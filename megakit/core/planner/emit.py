@@ -30,6 +30,7 @@ GPT3_LR = [
     (13e9, 1.0e-4, 2e6),
     (175e9, 0.6e-4, 3.2e6),
 ]
+DEFAULT_BUCKETS = Buckets()  # DeepSpeed's own sizes (frozen, so one shared default is safe)
 WARMUP_TOKENS = 375e6  # GPT-3's linear warm-up
 CHINCHILLA_TOKENS_PER_PARAM = 20
 GPT3_TOKENS = 300e9  # the yardstick for time-to-train when the cluster was auto-sized
@@ -79,7 +80,7 @@ def scaled_lr(
     GPT-3's batch (a small model's batch bounded by its token budget) the LR is not scaled down: 32 sequences
     against GPT-3's 7,936 would give 2.4e-6, which trains nothing in a few hundred Adam steps."""
     gpt3 = base_lr is None
-    if gpt3:
+    if base_lr is None:
         base_lr, tokens, base_batch_seqs = gpt3_batch(params, seq_len)
         source = (
             f"GPT-3's {base_lr:.1e} at its {tokens / 1e6:g}M-token batch ({base_batch_seqs:,} sequences of {seq_len})"
@@ -98,7 +99,10 @@ def scaled_lr(
     return lr, f"{lr:.3g} = {source} x {global_batch} / {base_batch_seqs:.0f} sequences (linear scaling)"
 
 
-def ds_config(plan: Plan, *, lr: float, total_steps: int, warmup_steps: int, buckets: Buckets = Buckets()) -> dict:
+def ds_config(
+    plan: Plan, *, lr: float, total_steps: int, warmup_steps: int, buckets: Buckets = DEFAULT_BUCKETS
+) -> dict:
+    """The DeepSpeed config the plan needs, so the emitted launch runs the plan that was priced."""
     zero: dict = {"stage": plan.zero_stage}
     if plan.zero_stage >= 1:
         # A pipeline steps once per flush (managed_gradient_accumulation off), and DeepSpeed then
@@ -302,6 +306,7 @@ def write_text_atomic(path: str, text: str, *, flag: str = "--emit-config", exec
 
 
 def write_json_atomic(path: str, data: dict, *, flag: str = "--emit-config") -> None:
+    """Writes JSON whole or not at all, so a failed write never leaves a half config for the launch."""
     write_text_atomic(path, json.dumps(data, indent=2) + "\n", flag=flag)
 
 

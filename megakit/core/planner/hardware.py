@@ -17,6 +17,8 @@ from megakit.errors import UsageError
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GPU:
+    """One GPU's speeds and sizes, the planner's hardware inputs (presets, or measured by ``megakit probe``)."""
+
     name: str
     peak_tflops: float  # dense bf16/fp16 tensor-core TFLOP/s
     mem_gib: float
@@ -186,6 +188,7 @@ GPUS = {
 
 
 def gpu_preset(name: str) -> GPU:
+    """The GPU preset named by ``--gpu``; UsageError lists the known ones otherwise."""
     key = name.strip().lower()
     if key not in GPUS:
         raise UsageError(f"unknown GPU {name!r}; known GPUs: {', '.join(GPUS)}")
@@ -218,6 +221,7 @@ class Cluster:
         return self.gpu.intra_gbps if span * stride <= self.gpus_per_node else self.gpu.inter_gbps
 
     def with_overrides(self, *, mem_gib=None, intra_gbps=None, inter_gbps=None, peak_tflops=None) -> "Cluster":
+        """This cluster with the GPU's figures the user gave on the command line in place of the preset's."""
         changes = {
             k: v
             for k, v in dict(

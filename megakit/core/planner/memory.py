@@ -38,8 +38,8 @@ fused (flash) attention, where the ``as²`` scores are never stored. TP shards
 the tensors inside attention and the MLP; sequence parallelism shards the rest.
 Context parallelism (``cp``) divides every activation by CP (a rank holds ``s/cp`` tokens; ring
 attention keeps q, k, v, its output and log-sum-exp, never the scores) and shards ZeRO's states over
-DP x CP; the ring adds two K/V blocks in flight. A 1F1B stage ``i`` of ``p`` keeps ``min(p - i, m)`` micro-batches in flight; the
-interleaved schedule keeps ``(p - i - 1)·2 + (v - 1)·p + 1`` model chunks, counted chunk by chunk
+DP x CP; the ring adds two K/V blocks in flight. A 1F1B stage ``i`` of ``p`` keeps ``min(p - i, m)`` micro-batches in
+flight; the interleaved schedule keeps ``(p - i - 1)·2 + (v - 1)·p + 1`` model chunks, counted chunk by chunk
 (``in_flight_chunks``: earlier chunks hold more, and chunks hold unequal layers). A chunk's output is
 freed once sent (``megakit.nn.pipeline.sent_output``, Megatron-LM's ``deallocate_output_tensor``) except under zero
 bubble, whose B and W take the output itself; a stage that receives gradients holds one during a backward
@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 from megakit.core.planner.activations import (  # noqa: F401 (memory's API: what one block keeps)
     PER_OP_KEPT,
@@ -151,7 +152,7 @@ class MemoryEstimate:
     breakdown: dict = dataclasses.field(default_factory=dict)  # item -> {line inside it: bytes}, for the report
     layers: int
     in_flight: float
-    params_local: int
+    params_local: float
     activation_per_layer: float  # bytes, one micro-batch
     tensors: tuple  # the SavedTensor list behind the activations
 
@@ -177,6 +178,7 @@ class MemoryEstimate:
         return float(sum(self.items.get(f"expert_{k}", 0.0) for k in STATES))
 
     def gib(self) -> dict:
+        """The breakdown in GiB, as the report and ``--json`` print it."""
         return {k: v / GIB for k, v in self.items.items()}
 
 
@@ -240,7 +242,9 @@ def _replicated_shared_experts(
     n_moe = stage_moe_layers(model, pp, vpp)[stage] if layers is None else layers
     if stage == pp - 1:  # the MTP modules' blocks
         n_moe += sum(model.config.is_moe_layer(model.layers + k - 1) for k in range(1, model.mtp + 1))
-    return n_moe * 3 * model.hidden * model.config.moe.shared_ffn * (1 - 1 / tp)
+    moe = model.config.moe
+    assert moe is not None, "only MoE models have shared experts"
+    return n_moe * 3 * model.hidden * moe.shared_ffn * (1 - 1 / tp)
 
 
 def model_state_bytes(
@@ -250,7 +254,7 @@ def model_state_bytes(
     zero_stage: int,
     precision: str,
     offload: str = "none",
-    buckets: "Buckets" = None,
+    buckets: Buckets | None = None,
     main_grads: bool = False,
     moments: str = "fp32",
 ) -> dict:
@@ -487,11 +491,12 @@ class _Stage:
         """(items, dense params, expert params) of the model states: the dense ones over DP (or HSDP's shard
         group), the routed experts' over EDP, each by ``model_state_bytes``."""
         model, tp, pp, dp, ep, stage, vpp = self.model, self.tp, self.pp, self.dp, self.ep, self.stage, self.vpp
-        psi = stage_params(model, tp=tp, pp=pp, stage=stage, layers=self.layers, vpp=vpp)
-        if self.moe and model.config.moe.shared_ffn and tp > 1 and not self.megatron:
+        psi: float = stage_params(model, tp=tp, pp=pp, stage=stage, layers=self.layers, vpp=vpp)
+        moe = model.config.moe
+        if moe is not None and moe.shared_ffn and tp > 1 and not self.megatron:
             psi += _replicated_shared_experts(model, tp=tp, pp=pp, stage=stage, layers=self.layers, vpp=vpp)
         folded = tp * dp  # TP x CP x DP (dp counts the CP ranks here): the ranks EP folds over
-        if ep < 1 or folded % ep or (self.moe and model.config.moe.experts % ep) or (ep > 1 and not self.moe):
+        if ep < 1 or folded % ep or (moe is not None and moe.experts % ep) or (ep > 1 and not self.moe):
             raise UsageError(f"EP {ep} must divide TP x CP x DP {folded} and the experts of an MoE model")
         psi_experts = stage_expert_params(
             model, pp=pp, stage=stage, ep=ep, layers=self.n_layers if self.layers is not None else None, vpp=vpp
@@ -499,7 +504,7 @@ class _Stage:
         # EDP: the ranks holding the same experts, over which ZeRO (stage 3 too) shards their states, HSDP's shard group
         # aside; at EP 1 the experts are dense weights, replicated over TP and sharded over DP x CP
         edp = folded // ep if ep > 1 else dp
-        states = dict(
+        states: dict[str, Any] = dict(
             zero_stage=self.zero_stage,
             precision=self.precision,
             offload=self.offload,
@@ -542,7 +547,7 @@ class _Stage:
 
     def block_tensors(self, is_moe: bool, flash: bool | None = None) -> list:
         """A dense or MoE block's saved tensors (``activation_tensors``), flash attention's or not."""
-        shape = dict(
+        shape: dict[str, Any] = dict(
             tp=self.tp,
             sequence_parallel=self.sequence_parallel,
             precision=self.precision,
@@ -610,7 +615,7 @@ class _Stage:
             peak = in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp, zero_bubble=True)[0]
         items["activations"] = sum(n * w for n, (w, _, _) in zip(peak, weights))
         items["moe_routing"] = sum(n * r for n, (_, r, _) in zip(peak, weights))
-        lines = {}  # the lines inside items, for ``megakit plan``
+        lines: dict = {}  # the lines inside items, for ``megakit plan``
         if self.zero_bubble:
             lines |= self.weight_grad_inputs(items, chunk_moe, full_layer=full_layer, kept=kept, accumulation=m)
         in_flight = sum(peak) / vpp  # in whole-stage units
@@ -716,7 +721,7 @@ class _Stage:
             else 0
         )  # an MTP module's block like the others
         dense_blocks = self.n_layers + (model.mtp if stage == pp - 1 else 0) - moe_blocks
-        out = dict(
+        out: dict[str, Any] = dict(
             tp=self.tp,
             precision=self.precision,
             seq_len=self.seq_len,
@@ -931,7 +936,7 @@ def peak_memory(model: ModelSpec, **layout) -> MemoryEstimate:
     stages = {0, pp - 1}
     if layout.get("layers") is None:
         chunks, moe_chunks = stage_chunk_layers(model, pp, vpp), stage_chunk_moe_layers(model, pp, vpp)
-        first_with = {}
+        first_with: dict[tuple, int] = {}
         for stage in range(1, pp - 1):
             first_with.setdefault((chunks[stage], moe_chunks[stage]), stage)
         stages |= set(first_with.values())
@@ -940,4 +945,5 @@ def peak_memory(model: ModelSpec, **layout) -> MemoryEstimate:
         est = estimate_memory(model, stage=stage, **layout)
         if best is None or est.total > best.total:
             best = est
+    assert best is not None  # stages holds stage 0 at least
     return best

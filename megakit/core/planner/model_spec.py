@@ -27,6 +27,7 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from megakit.core.model_config import PRESETS as MODELS_DIR
 from megakit.core.model_config import ModelConfig
@@ -139,6 +140,7 @@ class ModelSpec:
         self.config.check_tp(tp)
 
     def tp_ok(self, tp: int) -> bool:
+        """Whether TP ``tp`` divides the model's heads, vocabulary and widths (the planner skips it otherwise)."""
         return not self.config.tp_conflicts(tp)
 
     # ---- shapes and parameter counts: the ModelConfig's ----------------------------------
@@ -147,9 +149,11 @@ class ModelSpec:
         return self.config.gated_mlp
 
     def kv_heads_per_rank(self, tp: int) -> int:
+        """K/V heads on one TP rank (replicated when TP exceeds them), which sizes the K/V activations."""
         return self.config.kv_heads_per_rank(tp)
 
     def padded_vocab(self, tp: int) -> int:
+        """The vocabulary padded to a multiple of TP, as the model builds it, so memory counts the real tensors."""
         return self.config.padded_vocab(tp)
 
     def layer_params(self, tp: int = 1, *, moe: bool | None = None) -> tuple[int, int]:
@@ -183,6 +187,7 @@ class ModelSpec:
         return self.analytic_params()
 
     def analytic_params(self) -> int:
+        """The model's parameter count from its shapes, the same figure the built model has."""
         return self.config.num_params()
 
     def largest_layer_params(self) -> int:
@@ -200,7 +205,7 @@ class ModelSpec:
         """``stage_layers``: the split over virtual stages that ``planner.stages`` uses where it has as many
         entries as the layout's ``pp * vpp`` stages (the layout it was pinned with). ``mtp``: plan the config's
         Multi-Token Prediction modules (``--mtp``; refused for a model without them, as the trainer refuses it)."""
-        changes = {}
+        changes: dict[str, Any] = {}
         if mtp is not None:
             changes["mtp"] = self.config.mtp_depth(mtp)
         if stage_layers is not None:
@@ -230,6 +235,7 @@ class ModelSpec:
     # ---- constructors ---------------------------------------------------------------------
     @classmethod
     def from_params(cls, size: str | float, *, seq_len: int = 2048, vocab: int | None = None) -> "ModelSpec":
+        """The known shape nearest ``size`` parameters, for planning a model given only its size (``--params 7B``)."""
         target = parse_count(size, minimum=1e6) if isinstance(size, str) else float(size)
         if not target >= 1e6:
             raise UsageError(f"--params {size!r} must be at least 1M")
@@ -245,7 +251,8 @@ class ModelSpec:
             block = nearest.config.layer_params()
             fixed = nearest.params - nearest.layers * block
             layers = max(1, round((target - fixed) / block))
-            spec = dataclasses.replace(nearest, layers=layers, name=f"{_fmt(target)}-scaled")
+            # mypy checks replace() against the fields, not the custom __init__'s **shape that takes ``layers``
+            spec = dataclasses.replace(nearest, layers=layers, name=f"{_fmt(target)}-scaled")  # type: ignore[call-arg]
             spec = dataclasses.replace(
                 spec,
                 assumed=f"{_fmt(target)} is not in the table: took the {nearest.name} "
@@ -275,6 +282,7 @@ class ModelSpec:
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, *, name: str) -> "ModelSpec":
+        """The spec of a model read from a config, planned at its context length (at most 8192)."""
         return cls(config=config, name=name, seq_len=min(config.max_seq_len, 8192), assumed=f"read from {name}")
 
 
@@ -306,6 +314,7 @@ def _resolve_config(name_or_path: str) -> Path:
 
 
 def preset_names() -> list[str]:
+    """The model presets shipped in megakit/models, for ``--model``'s help and its error message."""
     return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
 
 

@@ -51,6 +51,7 @@ class Pins:
 
 
 def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending: the degrees a parallelism axis of size ``n`` can take."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 

@@ -38,7 +38,8 @@ def pipeline_runs_zero(zero: int, *, pp: int, vpp: int = 1, zero_bubble: bool = 
 
 def megatron_fp32_grads(precision: str) -> bool:
     """Whether Megatron-LM keeps and reduces fp32 gradients (main-grad buffers) for this training precision: under bf16
-    only, where its arguments.py forces --accumulate-allreduce-grads-in-fp32; under fp16 they stay fp16 until the step."""
+    only, where its arguments.py forces --accumulate-allreduce-grads-in-fp32; under fp16 they stay fp16 until the
+    step."""
     return precision == "bf16"
 
 
@@ -188,6 +189,7 @@ class Plan:
         return self.dp_shard if 0 < self.dp_shard < self.dp else self.dp
 
     def describe(self) -> str:
+        """The plan in one line (``TP=2 PP=4 DP=8 ...``), as the report and the rejection list print it."""
         parts = [f"TP={self.tp}"] + ([self.cp_label] if self.cp > 1 else []) + [f"PP={self.pp}", f"DP={self.dp}"]
         if self.ep > 1:
             parts.append(f"EP={self.ep}")

@@ -4,8 +4,8 @@ The seed's rule (FAQ row 1): while the whole training state of the model fits on
 GPU within the memory threshold, train data-parallel (TP = PP = 1), adding ZeRO
 only as memory requires; beyond it, model parallelism: TP inside a node
 (dividing the heads), PP across nodes, DP for the rest, with ZeRO 0-1 under a
-pipeline (ZeRO-2 only with PP = 1; ZeRO-3 only when nothing else fits, under a pipeline with 1F1B or GPipe, one chunk per stage). Any
-pinned dimension overrides the rule for that dimension.
+pipeline (ZeRO-2 only with PP = 1; ZeRO-3 only when nothing else fits, under a pipeline with 1F1B or GPipe, one chunk
+per stage). Any pinned dimension overrides the rule for that dimension.
 
 Context parallelism (CP) is searched when the sequence is long (``LONG_SEQ`` tokens or more: below
 that the per-layer ring costs more than the memory it saves is worth) or pinned, outside the
@@ -45,6 +45,7 @@ from megakit.core.planner.plan import Plan, pipeline_runs_zero
 from megakit.core.planner.verdict import suggest_fix, verdict
 from megakit.errors import UsageError
 
+NO_PINS = Pins()  # nothing fixed: every dimension searched (frozen, so one shared default is safe)
 RECOMPUTE_ORDER = ("none", "selective", "full")
 TIE = 0.01  # plans within 1 % of the fastest count as equally fast
 LONG_SEQ = 16384  # sequences from this length on are also split over CP ranks in the search
@@ -53,6 +54,8 @@ OVERHEAD_BYTES = 1.0 * GIB  # CUDA context, cuBLAS/NCCL workspaces, allocator fr
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
+    """A plan that fits, with the memory and cost that ranked it."""
+
     plan: Plan
     memory: MemoryEstimate
     cost: Cost
@@ -60,6 +63,8 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class Rejection:
+    """A plan the search dropped and why, so the report can say what stood in the way."""
+
     plan: Plan | None
     reason: str
     tokens_per_s: float | None = None  # what it would have done, when the cost was evaluated
@@ -69,6 +74,8 @@ class Rejection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SearchResult:
+    """The search's answer: the best plan, the ranking behind it and the rejections, for the report."""
+
     best: Candidate
     ranked: list  # all feasible candidates, best first
     rejected: list
@@ -107,7 +114,7 @@ def search(
     cluster: Cluster,
     *,
     global_batch: int,
-    pins: Pins = Pins(),
+    pins: Pins = NO_PINS,
     threshold: float = 0.8,
     precision: str = "bf16",
     offload: str = "none",
@@ -149,7 +156,7 @@ def search(
         moe_imbalance,
         execution or {},
     )
-    zeros = (0, 1, 2, 3) if branch != "model-parallel" or pins.zero is not None else (0, 1, 2)
+    zeros: tuple[int, ...] = (0, 1, 2, 3) if branch != "model-parallel" or pins.zero is not None else (0, 1, 2)
     if pins.compress != "none":  # megakit compresses ZeRO 0's all-reduce, and (fp16, int8) ZeRO 1's buckets
         zeros = tuple(z for z in zeros if z in ctx.compress_stages)
     ctx.run(branch, zeros)
@@ -221,7 +228,8 @@ def _rank(ctx: _Context, *, limit: float, keep_rejected: int) -> tuple[list, lis
     near = [c for c in ranked if c.cost.tokens_per_s >= (1 - TIE) * ranked[0].cost.tokens_per_s]
     best = min(near, key=_simplicity)
     ranked = [best] + [c for c in ranked if c is not best]
-    rejected = sorted((r for r in ctx.rejected if r.tokens_per_s is not None), key=lambda r: -r.tokens_per_s)
+    priced = (r for r in ctx.rejected if r.tokens_per_s is not None)
+    rejected = sorted(priced, key=lambda r: -(r.tokens_per_s or 0.0))  # ``or``: mypy cannot see the filter
     return ranked, rejected[:keep_rejected] + [r for r in ctx.rejected if r.tokens_per_s is None]
 
 
@@ -337,7 +345,7 @@ class _Context:
         keep,
         moe_imbalance=1.0,
         execution=None,
-    ):
+    ) -> None:
         self.model, self.cluster, self.pins, self.global_batch = model, cluster, pins, global_batch
         self.execution = execution or {}
         self.moe_imbalance = moe_imbalance

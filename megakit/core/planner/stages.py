@@ -35,7 +35,7 @@ def in_flight_micro_batches(
 @functools.lru_cache(maxsize=4096)
 def in_flight_chunks(
     *, pp: int, stage: int, accumulation: int, vpp: int = 1, zero_bubble: bool = False
-) -> tuple[tuple[int, ...], ...]:
+) -> tuple[tuple[float, ...], ...]:
     """Live micro-batches of each of the stage's ``vpp`` chunks at the moments its total peaks, over one
     step of the trainer's schedule (as ``schedules.interleaved_compute`` orders it): the k-th forward runs chunk
     ``(k // pp) % vpp`` for its k-th forward, so earlier chunks hold more than later ones, and a stage

@@ -23,6 +23,7 @@ VERDICTS = ("yes", "above_threshold", "no")
 
 
 def verdict(peak_bytes: float, *, threshold_bytes: float, gpu_bytes: float) -> str:
+    """Whether the peak fits: ``yes``, ``above_threshold`` (fits, past the safety margin) or ``no``."""
     if peak_bytes <= threshold_bytes:
         return "yes"
     return "above_threshold" if peak_bytes <= gpu_bytes else "no"
@@ -44,7 +45,7 @@ def _pipeline_runs(plan: Plan, *, zero: int, pp: int) -> bool:
 
 def _changes(plan: Plan, *, world: int, gpus_per_node: int, model) -> list[tuple[str, dict]]:
     """Single changes that only lower memory, cheapest in speed first."""
-    out = []
+    out: list[tuple[str, dict]] = []
     per_rank = plan.micro_batch * plan.accumulation
     for mb in sorted((b for b in range(1, plan.micro_batch) if per_rank % b == 0), reverse=True):
         out.append((f"--micro-batch {mb}", dict(micro_batch=mb, accumulation=per_rank // mb)))

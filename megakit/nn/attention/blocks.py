@@ -264,14 +264,15 @@ class _FusedBlockAttention(torch.autograd.Function):
                 chunk_positions(chunks, half, q.device),
                 q.dtype,
             ):
-                o, l = _pair_forward(q[:, :, qs], kj[:, :, ks], vj[:, :, ks], causal, mask, scale)
+                o, pair_lse = _pair_forward(q[:, :, qs], kj[:, :, ks], vj[:, :, ks], causal, mask, scale)
                 if none is not None:  # rows with no allowed key: nothing (a kernel may give lse 0 or o NaN there)
-                    l = l.masked_fill(none.expand(b, n, -1), float("-inf"))
+                    pair_lse = pair_lse.masked_fill(none.expand(b, n, -1), float("-inf"))
                     o = o.masked_fill(none.expand(b, n, -1)[..., None], 0.0)
-                merged = torch.logaddexp(lse[:, :, qs], l)
+                merged = torch.logaddexp(lse[:, :, qs], pair_lse)
                 safe = merged.masked_fill(merged == float("-inf"), 0.0)
                 out[:, :, qs] = (
-                    out[:, :, qs] * (lse[:, :, qs] - safe).exp()[..., None] + o.to(acc) * (l - safe).exp()[..., None]
+                    out[:, :, qs] * (lse[:, :, qs] - safe).exp()[..., None]
+                    + o.to(acc) * (pair_lse - safe).exp()[..., None]
                 )
                 lse[:, :, qs] = merged
         out = out.to(q.dtype)
@@ -387,9 +388,11 @@ class Own:
         yield (k, v), (0, 1)
 
     def give_back(self, grad_k, grad_v) -> None:
+        """Keeps the K/V gradients, since a ring of one has no neighbour to send them to."""
         self.grads = grad_k, grad_v
 
     def own_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V gradients kept by ``give_back``, this rank's whole share."""
         return self.grads
 
 

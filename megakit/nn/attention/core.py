@@ -104,6 +104,7 @@ class HeadNorm(nn.Module):
         self.weight = mark(nn.Parameter(torch.empty(head_dim, dtype=dtype, device=device)), None)
 
     def forward(self, x: torch.Tensor, group) -> torch.Tensor:
+        """Normalizes each head on its own (QK-norm), with the weight copied into the TP region for its gradient."""
         d = self.weight.shape[0]
         y = rms_norm(x.view(*x.shape[:-1], -1, d), copy_to_tp(self.weight, group), self.eps, self.offset)
         return y.view(x.shape)
@@ -189,6 +190,7 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None, documents: torch.Tensor | None = None
     ) -> torch.Tensor:
+        """Self-attention on the TP rank's heads; the sequence arrives and leaves split when sequence parallel."""
         projections = (self.q_proj, self.k_proj, self.v_proj)  # (S', B, H) -> (S, B, nh/tp * d), (S, B, nkv/tp * d) x 2
         q, k, v = column_parallel(x, projections, self.group, self.sequence_parallel)
         if hasattr(self, "q_norm"):

@@ -110,6 +110,7 @@ class SharedExpert(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, tp_group) -> torch.Tensor:
+        """The shared expert on every token; its weights enter the TP region so their gradients are summed."""
         gate, up = self.gate_proj.apply_to(x, tp_group), self.up_proj.apply_to(x, tp_group)
         return self.down_proj.apply_to(F.silu(gate) * up, tp_group)
 
@@ -291,6 +292,7 @@ class MoE(nn.Module):
         self.stats: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Routes each token to its top-k experts over EP and adds the shared expert, if any."""
         if self.split_sequence:
             if x.shape[0] % C.size(self.tp_group):
                 raise UsageError(
@@ -358,6 +360,7 @@ class MoE(nn.Module):
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
+    """The model's MoE layers, whose load-balance losses and counts the trainer collects."""
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 

@@ -104,6 +104,8 @@ class _SequenceSum(torch.autograd.Function):
 
 @dataclass
 class Losses:
+    """The router's auxiliary losses of one micro-batch, kept apart so each is logged and weighted on its own."""
+
     aux: torch.Tensor  # scalars, fp32, the same on every rank of the TP x CP group
     seq_aux: torch.Tensor
     z: torch.Tensor

@@ -73,6 +73,7 @@ class ColumnParallelLinear(nn.Module):
         self.lora_scaling = None  # megakit.nn.lora adds lora_A, lora_B and sets it (tensor_parallel.lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` with W split by output features: each TP rank computes its share of the outputs."""
         if self.enter_region:
             x = enter_tp_region(x, self.group, self.sequence_parallel)  # (S, B, in)
         y = self.matmul(x, self.weight, self.bias)  # (S, B, out/tp)
@@ -109,6 +110,7 @@ class RowParallelLinear(nn.Module):
         self.lora_scaling = None  # megakit.nn.lora adds lora_A, lora_B and sets it (tensor_parallel.lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` with W split by input features: the partial sums are reduced (or reduce-scattered) over TP."""
         y = self.matmul(x, self.weight)  # (S, B, out), partial over TP
         if self.lora_scaling is not None:
             y = y + row_delta(self, x)  # the adapter's partial sum joins the base's: one collective for both
@@ -144,6 +146,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = mark(_empty(self.local, dim, dtype=dtype, device=device), 0, unpadded=vocab_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Looks ids up in this rank's vocabulary slice; others' rows are zero and the TP reduction fills them in."""
         if C.size(self.group) == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.start) | (ids >= self.start + self.local)

@@ -296,6 +296,7 @@ class Mixture:
         return kept[1]
 
     def step_samples(self, step: int, global_batch: int) -> torch.Tensor:
+        """Step ``step``'s sample indices, each data set's in its own shuffled order, so a resume repeats them."""
         before, after = self.taken(step, global_batch), self.taken(step + 1, global_batch)
         picks = []
         for d, (a, b) in enumerate(zip(before.tolist(), after.tolist())):

@@ -23,6 +23,8 @@ BYTE_VOCAB = 256
 
 @dataclass(frozen=True)
 class Corpus:
+    """The training data as loaded, with what checkpoints and messages need to name it."""
+
     train: list  # 1-D token arrays (memory-mapped shards) or one byte tensor
     validation: list | None  # None: raw text has no held-out split
     vocab_size: int

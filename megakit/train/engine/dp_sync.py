@@ -118,6 +118,7 @@ class ZeroOneBuckets(ByteMeter):
         return tuple(pid for _, _, pid in params), sizes
 
     def take_bytes(self) -> tuple[int, int]:
+        """``(sent, dense)`` DP bytes over all buckets since the last call, for the communication metrics."""
         taken = [r.take_bytes() for r in self.reducers.values()]
         return sum(s for s, _ in taken), sum(d for _, d in taken)
 

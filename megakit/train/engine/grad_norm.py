@@ -65,6 +65,7 @@ class Zero0Clipper:
         self.norm, self.finite, self.applied = float("nan"), True, True
 
     def __call__(self, optimizer, args, kwargs) -> None:
+        """The pre-step hook: clips by the global norm, or clears the gradients so the step is skipped."""
         self.norm, self.finite = global_grad_norm(self.params, self.topo)
         self.applied = _everywhere(self.finite and math.isfinite(self.norm), self.params)
         if not self.applied:
