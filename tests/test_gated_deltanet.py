@@ -67,16 +67,14 @@ def _megakit_from_hf(hf, config, chunk: int = 64):
     b, a = hf.in_proj_ba.weight.view(nk, 2 * r, HIDDEN).split([r, r], dim=1)
     conv = hf.conv1d.weight.squeeze(1)
     with torch.no_grad():
-        for layer, w in zip(
-            (ours.q_proj, ours.k_proj, ours.v_proj, ours.z_proj, ours.b_proj, ours.a_proj), (q, k, v, z, b, a)
-        ):
+        for layer, w in zip((ours.in_q, ours.in_k, ours.in_v, ours.in_z, ours.in_b, ours.in_a), (q, k, v, z, b, a)):
             layer.weight.copy_(w.reshape(-1, HIDDEN))
         ours.conv_q.copy_(conv[: nk * dk])
         ours.conv_k.copy_(conv[nk * dk : 2 * nk * dk])
         ours.conv_v.copy_(conv[2 * nk * dk :])
         ours.A_log.copy_(hf.A_log)
         ours.dt_bias.copy_(hf.dt_bias)
-        ours.norm_weight.copy_(hf.norm.weight)
+        ours.gated_norm.weight.copy_(hf.norm.weight)
         ours.out_proj.weight.copy_(hf.out_proj.weight)
     return ours
 
