@@ -272,6 +272,8 @@ class ModelConfig:
         """What TP does not divide, e.g. ``["attention heads 14"]`` (empty: ``tp`` shards this model;
         KV heads are never replicated)."""
         shared = (("shared-expert FFN size", self.moe.shared_ffn),) if self.moe and self.moe.shared_ffn else ()
+        if self.linear:  # Gated DeltaNet's heads: whole key-head groups per rank
+            shared += (("linear attention key heads", self.linear.key_heads),)
         return [
             f"{what} {n}"
             for what, n in (
