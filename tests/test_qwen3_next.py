@@ -13,6 +13,7 @@ TP 2 x DP 2 with SP under ZeRO 3: every loss, and the first step's gradient norm
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -28,6 +29,7 @@ from hf_reference import eager, megakit_copy  # noqa: E402
 from megakit.core.model_config import ModelConfig  # noqa: E402
 from megakit.errors import UsageError  # noqa: E402
 from megakit.interop.hf import from_hf_state_dict, to_hf_state_dict  # noqa: E402
+from megakit.train.run import TrainConfig, resolve  # noqa: E402
 
 TOL = 1e-5
 TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
@@ -107,13 +109,18 @@ def test_logits_match_transformers_and_the_weights_round_trip(kind):
     assert ModelConfig.from_hf(config.to_hf(), source=kind) == config
 
 
-def test_presets_and_bad_input_are_one_line():
+def test_presets_and_bad_input_are_one_line(tmp_path):
     big = ModelConfig.load("qwen3-next-80b-a3b")
     assert big.linear.layer_types.count("full_attention") == 12 and big.moe.experts == 512
     with pytest.raises(UsageError, match="layer type 'mamba' is not one megakit builds"):
         ModelConfig.from_hf({**transformers.Qwen3NextConfig(**FIELDS).to_dict(), "layer_types": TYPES[:3] + ["mamba"]})
     tiny = ModelConfig.load("qwen3-next-tiny")
     assert "linear attention key heads 4" in " ".join(tiny.tp_conflicts(8))
+    data = tmp_path / "text.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    ds = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with pytest.raises(UsageError, match=re.escape("key heads 4 are not divisible by TP x CP = 2 x 4")):
+        resolve(TrainConfig(ds_config=ds, data=str(data), model="qwen3-next-tiny", tp=2, cp=4, seq_len=32), 8)
 
 
 # -- one launcher job: TP x CP with SP, PP x VPP, ZeRO 3 and EP on packed documents, against one process --------
