@@ -84,18 +84,22 @@ def _draw(model):
 def _models(kind: str):
     if kind == "qwen3_next":
         hf = eager(transformers.Qwen3NextForCausalLM, transformers.Qwen3NextConfig(**FIELDS, **MOE))
+    elif kind == "qwen3_5_moe_text":  # experts in every block, no dense MLP
+        moe = {k: v for k, v in MOE.items() if k not in ("mlp_only_layers", "norm_topk_prob")}
+        fields = {k: v for k, v in FIELDS.items() if k != "intermediate_size"}
+        hf = eager(transformers.Qwen3_5MoeForCausalLM, transformers.Qwen3_5MoeTextConfig(**fields, **moe))
     else:
         hf = eager(transformers.Qwen3_5ForCausalLM, transformers.Qwen3_5TextConfig(**FIELDS))
     _draw(hf)
     return hf, ModelConfig.from_hf(hf.config.to_dict(), source=kind)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_text"])
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"])
 @torch.no_grad()
 def test_logits_match_transformers_and_the_weights_round_trip(kind):
     hf, config = _models(kind)
     assert config.linear.layer_types == tuple(TYPES) and config.rotary_fraction == 0.25
-    assert (config.moe is not None) == (kind == "qwen3_next")
+    assert (config.moe is not None) == (kind != "qwen3_5_text")
     ids = torch.randint(0, 128, (2, 150), generator=torch.Generator().manual_seed(1))
     want = hf(ids).logits
     diff = (megakit_copy(config, hf)(ids) - want).abs().max().item()

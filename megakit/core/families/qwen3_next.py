@@ -5,7 +5,8 @@ mixer (``LinearAttentionConfig``; ``megakit.nn.linear_attention``), the others g
 each head's q and an output gate (``attn_output_gate``), q and k are RMS-normed per head, RoPE turns the first
 ``partial_rotary_factor`` of each head (``rotary_fraction``). Every RMSNorm but the mixer's gated one is times
 ``1 + w`` (``norm_offset``). Qwen3-Next's MLPs are experts with a shared expert gated by ``sigmoid(Linear(h, 1))``
-(``mlp_only_layers`` keep a dense one); Qwen3.5's text model is dense. On disk Qwen3-Next fuses the mixer's
+(``mlp_only_layers`` keep a dense one),
+Qwen3.5-MoE's in every block; Qwen3.5's text model is dense. On disk Qwen3-Next fuses the mixer's
 projections per key head, Qwen3.5 keeps them apart (``megakit.interop.hf_linear``).
 """
 
@@ -15,8 +16,14 @@ from megakit.core.families import llama
 from megakit.core.families.base import Family, WeightMap
 from megakit.core.linear_attention_config import LinearAttentionConfig
 from megakit.core.moe_config import MoEConfig, read_common, write_common
+from megakit.errors import UsageError
 
-ARCHITECTURES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
+ARCHITECTURES = {
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+}
+MOE_TYPES = ("qwen3_next", "qwen3_5_moe_text")  # Qwen3.5-MoE: experts in every block, top-k always renormalised
 
 
 def read_moe(data: dict, *, layers: int, source: str) -> MoEConfig:
@@ -29,7 +36,7 @@ def read_moe(data: dict, *, layers: int, source: str) -> MoEConfig:
         ffn=data["moe_intermediate_size"],
         shared_ffn=shared,
         shared_gate=bool(shared),
-        normalize_top_k=bool(data.get("norm_topk_prob", True)),
+        normalize_top_k=bool(data.get("norm_topk_prob", True)),  # Qwen3.5-MoE has no such field: always
         dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step),
         **read_common(data, source),
     )
@@ -37,6 +44,17 @@ def read_moe(data: dict, *, layers: int, source: str) -> MoEConfig:
 
 def write_moe(moe: MoEConfig, kind: str, *, layers: int) -> dict:
     """``read_moe``'s inverse."""
+    if kind == "qwen3_5_moe_text":
+        if moe.dense_layers or not moe.normalize_top_k:
+            raise UsageError(
+                "a qwen3_5_moe_text config has experts in every block with renormalised top-k weights; "
+                "write this model as qwen3_next"
+            )
+        return write_common(moe) | {
+            "num_experts": moe.experts,
+            "moe_intermediate_size": moe.ffn,
+            "shared_expert_intermediate_size": moe.shared_ffn,
+        }
     return write_common(moe) | {
         "num_experts": moe.experts,
         "moe_intermediate_size": moe.ffn,
@@ -58,7 +76,9 @@ def read(data: dict, kind: str, source: str) -> dict:
     rope = {k: v for k, v in (data.get("rope_parameters") or {}).items() if k not in _ROPE_EXTRAS}
     plain = {k: v for k, v in data.items() if k != "partial_rotary_factor"} | {"rope_parameters": rope}
     plain.pop("rope_scaling", None)
-    moe = read_moe(data, layers=layers, source=source) if kind == "qwen3_next" and data.get("num_experts") else None
+    moe = read_moe(data, layers=layers, source=source) if kind in MOE_TYPES and data.get("num_experts") else None
+    if kind == "qwen3_5_moe_text":  # no dense MLP anywhere: its width is the experts'
+        plain.setdefault("intermediate_size", data["moe_intermediate_size"])
     fields = llama.read_decoder(plain, kind, source, moe=moe)
     return fields | dict(
         linear=LinearAttentionConfig.from_hf(data, layers),
@@ -84,6 +104,8 @@ def write(config) -> dict:
         "partial_rotary_factor": config.rotary_fraction,
     }
     out.pop("rope_theta", None)
+    if config.hf_type == "qwen3_5_moe_text":
+        del out["intermediate_size"]
     return out
 
 
