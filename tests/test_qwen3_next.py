@@ -128,7 +128,7 @@ def test_presets_and_bad_input_are_one_line(tmp_path):
 
 
 # -- one launcher job: TP x CP with SP, PP x VPP, ZeRO 3 and EP on packed documents, against one process --------
-SEQ, STEPS = 32, 3
+SEQ, STEPS = 32, 2
 DOCUMENTS = dict(reset_attention_mask=True, reset_position_ids=True)
 LAYOUTS = {
     "tp2-cp2-sp-zero2": dict(zero=2, tp=2, cp=2, sequence_parallel=True),
@@ -145,7 +145,7 @@ def test_layouts_train_as_one_process(tmp_path_factory):
     cases = []
     for spec in LAYOUTS.values():
         spec = dict(spec)
-        config = ds_config(spec.pop("zero"), micro=1, accumulation=2)
+        config = ds_config(spec.pop("zero"), micro=1, accumulation=2 if "pp" in spec else 1)
         config["optimizer"]["params"]["eps"] = 1e-4
         cases.append(
             dict(ds_config=config, model="qwen3-next-tiny", steps=STEPS, seq_len=SEQ, data=data, **DOCUMENTS, **spec)
@@ -156,7 +156,7 @@ def test_layouts_train_as_one_process(tmp_path_factory):
             case["ds_config"], model=case["model"], steps=STEPS, dp=dp, seq_len=SEQ, data=data, documents=DOCUMENTS
         )
         for step, (a, b) in enumerate(zip(got["loss"], want["loss"], strict=True)):
-            assert abs(a - b) <= fp32_bound(b, 2 * 4 * SEQ), (name, step, a, b)
+            assert abs(a - b) <= fp32_bound(b, 4 * SEQ), (name, step, a, b)  # the step's tokens, at most
         a, b = got["grad_norm"][0], want["grad_norm"][0]  # the first step's gradient, before clipping
         assert abs(a - b) <= 1e-4 * b, (name, a, b)
 

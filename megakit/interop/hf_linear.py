@@ -37,7 +37,7 @@ def linear_to_hf(linear: LinearAttentionConfig, kind: str, ours: str, theirs: st
     out = {theirs + hf: state[ours + name] for name, hf in LINEAR_BLOCK}
     p = {x: state[f"{ours}attn.in_{x}.weight"] for x in "qkvzba"}
     hidden = p["q"].shape[1]
-    nq, _, r = _widths(linear)
+    r = _widths(linear)[2]
     conv = torch.cat([state[ours + f"attn.conv_{x}"] for x in "qkv"]).unsqueeze(1)
     out[theirs + "linear_attn.conv1d.weight"] = conv
     if kind in FUSED_TYPES:
