@@ -81,7 +81,33 @@ def model_flops_per_token(config: ModelConfig, seq_len: int, *, mtp: int = 0) ->
     return config.flops_per_token(seq_len, mtp=mtp)
 
 
-def block_params(config: ModelConfig, tp: int = 1, *, moe: bool | None = None) -> BlockParams:
+def _mean(kinds: list[tuple[float, BlockParams]]) -> BlockParams:
+    """The weighted mean of block kinds, field by field (a hybrid model's typical block)."""
+    total = sum(w for w, _ in kinds)
+    return BlockParams._make(sum(w * b[f] for w, b in kinds) / total for f in range(len(BlockParams._fields)))
+
+
+def _linear_share(config: ModelConfig, moe: bool | None) -> float:
+    """The share of ``moe``'s kind of blocks (None: of all) that run Gated DeltaNet."""
+    assert config.linear is not None, "the share of linear blocks of a model without linear attention"
+    blocks = [i for i in range(config.layers) if moe is None or config.is_moe_layer(i) == moe] or range(config.layers)
+    return sum(config.linear.is_linear(i) for i in blocks) / len(blocks)
+
+
+def block_params(
+    config: ModelConfig, tp: int = 1, *, moe: bool | None = None, linear: bool | None = None
+) -> BlockParams:
+    """``_block_params``; for a hybrid model (``config.linear``) with ``linear`` None, the mean of its Gated DeltaNet
+    and attention blocks of that kind, so that ``n x`` it is their sum (the planner's blocks of one kind)."""
+    if config.linear is None or linear is not None:
+        return _block_params(config, tp, moe=moe, linear=bool(linear))
+    share = _linear_share(config, moe)
+    kinds = [(share, _block_params(config, tp, moe=moe, linear=True))]
+    kinds.append((1 - share, _block_params(config, tp, moe=moe, linear=False)))
+    return _mean([(w, b) for w, b in kinds if w])
+
+
+def _block_params(config: ModelConfig, tp: int = 1, *, moe: bool | None = None, linear: bool = False) -> BlockParams:
     """One transformer block's parameters on one TP rank, split as tensor parallelism splits them.
 
     ``moe``: an MoE block (default: whenever the model has experts) or a dense one. An MoE block
@@ -94,7 +120,7 @@ def block_params(config: ModelConfig, tp: int = 1, *, moe: bool | None = None) -
     m = config.moe if moe else None
     f = (m.shared_ffn if m else config.ffn) // tp
     mats = 3 if config.gated_mlp else 2
-    matmul = h * (q + 2 * kv) + q * h + mats * h * f
+    matmul = h * ((1 + config.attn_output_gate) * q + 2 * kv) + q * h + mats * h * f  # Qwen3-Next: q and its gate
     if config.mla:  # latent attention in place of q, k, v, o
         matmul, latent_norms = config.mla.attention_params(h, config.heads, tp)
         matmul += mats * h * f
@@ -103,6 +129,11 @@ def block_params(config: ModelConfig, tp: int = 1, *, moe: bool | None = None) -
         4 if config.family == "gpt2" else 4 if config.sandwich_norms else 2
     ) * h + 2 * config.qk_norm * hd  # + q, k
     replicated = norms + config.out_bias * h + config.mlp_bias * h + (latent_norms if config.mla else 0)
+    if linear:  # Gated DeltaNet in place of attention (no q/k norms, no attention biases)
+        assert config.linear is not None, "a linear block of a model without linear attention"
+        mixer, vectors, gated_norm = config.linear.mixer_params(h, tp)
+        matmul, column_bias = mixer + mats * h * f, vectors + config.mlp_bias * (mats - 1) * f
+        replicated = 2 * h + gated_norm + config.mlp_bias * h
     if m is None:
         return BlockParams(matmul, column_bias, replicated)
     router = m.experts * h + (h if m.shared_gate else 0) + (m.experts if m.router_bias else 0)
@@ -143,6 +174,12 @@ def head_params(config: ModelConfig, tp: int = 1, *, separate: bool = True) -> i
 
 def num_params(config: ModelConfig) -> int:
     """Total parameters (tied embeddings counted once, vocab unpadded; every expert)."""
+    if config.linear is not None:  # block by block: Gated DeltaNet or attention, MoE or dense
+        blocks = sum(
+            _block_params(config, moe=config.is_moe_layer(i), linear=config.linear.is_linear(i)).total
+            for i in range(config.layers)
+        )
+        return blocks + config.embedding_params() + config.head_params(separate=not config.tie_embeddings)
     return (
         sum(n * config.block_params(moe=moe).total for n, moe in _blocks(config))
         + config.embedding_params()
@@ -152,8 +189,8 @@ def num_params(config: ModelConfig) -> int:
 
 def active_params(config: ModelConfig) -> int:
     """Parameters one token uses: ``num_params`` with each MoE block's top-k experts only."""
-    return config.num_params() - config.moe_layers * (
-        config.block_params().experts - config.block_params().active_experts
+    return config.num_params() - round(
+        config.moe_layers * (config.block_params().experts - config.block_params().active_experts)
     )
 
 
@@ -169,6 +206,9 @@ def block_flops(
         raise ValueError(f"unknown FLOPs convention {convention!r}; use one of {', '.join(FLOPS_CONVENTIONS)}")
     weights, width = FLOPS_CONVENTIONS[convention]
     attn = 4 * seq_len * (config.heads // tp * config.head_dim) if width == "q" else 4 * seq_len * config.hidden / tp
+    if config.linear is not None:  # Gated DeltaNet's chunked core is constant per token: linear in the sequence
+        share = _linear_share(config, moe)
+        attn = share * config.linear.core_flops_per_token(tp) + (1 - share) * attn
     return 2 * config.block_params(tp, moe=moe).flop_weights(weights) + attn, attn
 
 
@@ -198,7 +238,11 @@ def causal_flops_per_token(config: ModelConfig, seq_len: int, *, windows: bool =
     total = 3.0 * config.head_flops()
     widths = config.heads * config.head_dim + config.heads * (config.mla.v_head_dim if config.mla else config.head_dim)
     for i in range(config.layers):
-        block = config.block_params(moe=config.is_moe_layer(i))
+        if config.linear is not None and config.linear.is_linear(i):  # the chunked delta rule, fwd + bwd
+            block = _block_params(config, moe=config.is_moe_layer(i), linear=True)
+            total += 6 * (block.matmul + block.active_experts) + 3 * config.linear.core_flops_per_token()
+            continue
+        block = _block_params(config, moe=config.is_moe_layer(i))
         context = config.attention_context(i, seq_len) if windows else (seq_len + 1) / 2
         total += 6 * (block.matmul + block.active_experts) + 6 * widths * context  # scores, then values
     for k in range(1, config.mtp_layers + 1 if mtp else 1):  # block L + k - 1 of DeepSeek's checkpoints

@@ -33,6 +33,7 @@ from megakit.core.counting import (  # noqa: F401 (API)
 from megakit.core.families import FAMILIES, family_for, family_of
 from megakit.core.families.windows import LAYER_TYPES, check_layer_types  # noqa: F401 (API)
 from megakit.core.hf_fields import check_hf_fields
+from megakit.core.linear_attention_config import LinearAttentionConfig
 from megakit.core.mla_config import MLAConfig
 from megakit.core.moe_config import MoEConfig
 from megakit.core.rope import RopeScaling
@@ -86,9 +87,21 @@ class ModelConfig:
     mla: MLAConfig | None = None  # DeepSeek-V3's Multi-head Latent Attention in place of q/k/v heads
     mtp_layers: int = 0  # DeepSeek-V3's Multi-Token Prediction depth (megakit.nn.mtp; trained with --mtp)
     moe: MoEConfig | None = None  # None: a dense model
+    # Qwen3-Next, Qwen3.5: Gated DeltaNet in the blocks ``linear.layer_types`` names; their full-attention blocks
+    # gate the attention output by sigmoid of a second half of q_proj, and rotate part of each head
+    linear: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False
+    rotary_fraction: float = 1.0  # RoPE on the first head_dim x this channels of q and k (partial_rotary_factor)
     hf_type: str = ""  # the config.json's model_type, kept for the export ("": gpt2, llama or qwen2)
 
     def __post_init__(self) -> None:
+        if isinstance(self.linear, dict):  # read back from a checkpoint manifest
+            linear = {k: tuple(v) if k == "layer_types" else v for k, v in self.linear.items()}
+            object.__setattr__(self, "linear", LinearAttentionConfig(**linear))
+        if self.linear and self.linear.layer_types and len(self.linear.layer_types) != self.layers:
+            raise UsageError(
+                f"layer_types has {len(self.linear.layer_types)} entries for {self.layers} blocks; give one per block"
+            )
         if isinstance(self.mla, dict):
             object.__setattr__(self, "mla", MLAConfig(**self.mla))
         if isinstance(self.moe, dict):  # read back from a checkpoint manifest (``to_dict``)
@@ -259,7 +272,11 @@ class ModelConfig:
     def tp_conflicts(self, tp: int) -> list[str]:
         """What TP does not divide, e.g. ``["attention heads 14"]`` (empty: ``tp`` shards this model;
         KV heads are never replicated)."""
-        shared = (("shared-expert FFN size", self.moe.shared_ffn),) if self.moe and self.moe.shared_ffn else ()
+        shared: tuple[tuple[str, int], ...] = (
+            (("shared-expert FFN size", self.moe.shared_ffn),) if self.moe and self.moe.shared_ffn else ()
+        )
+        if self.linear:  # Gated DeltaNet's heads: whole key-head groups per rank
+            shared += (("linear attention key heads", self.linear.key_heads),)
         return [
             f"{what} {n}"
             for what, n in (

@@ -26,6 +26,7 @@ import torch
 from megakit.core.families import WeightMap, family_of
 from megakit.core.model_config import ModelConfig
 from megakit.errors import UsageError
+from megakit.interop.hf_linear import linear_from_hf, linear_to_hf
 
 _MOE_EXTRA = (  # our names of the optional MoE tensors beside the router and the experts
     "gate.e_score_correction_bias",
@@ -174,6 +175,8 @@ def _block_to_hf(config: ModelConfig, ours: str, theirs: str, state: dict) -> di
         parts = [ours + f"attn.{x}_proj.{kind}" for x in "qkv"]
         if kind == "weight" or parts[0] in state:
             out[theirs + hf] = _moved(torch.cat([_get(state, p) for p in parts]), how)
+    if ours + "attn.conv_q" in state:  # a Gated DeltaNet block (Qwen3-Next, Qwen3.5): its own layouts
+        out.update(linear_to_hf(config.linear, config.hf_type, ours, theirs, state))
     if ours + "mlp.experts.gate_up_proj" in state:  # by the keys: export converts one block at a time
         out.update(_moe_to_hf(config, ours, theirs, state))
     return out
@@ -192,6 +195,8 @@ def _block_from_hf(config: ModelConfig, ours: str, theirs: str, hf: dict, *, moe
         fused = _moved(_get(hf, theirs + name), how)
         for x, part in zip("qkv", fused.split(widths)):
             out[ours + f"attn.{x}_proj.{kind}"] = part.contiguous()
+    if theirs + "linear_attn.conv1d.weight" in hf:  # a Gated DeltaNet block
+        out.update(linear_from_hf(config.linear, config.hf_type, ours, theirs, hf))
     if moe:
         out.update(_moe_from_hf(config, ours, theirs, hf))
     return out

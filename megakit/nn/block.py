@@ -16,6 +16,7 @@ from megakit.nn import comm as C
 from megakit.nn.attention.core import Attention, rms_norm
 from megakit.nn.attention.latent import LatentAttention
 from megakit.nn.dropout import DropoutKeys, residual_dropout
+from megakit.nn.linear_attention.gated_deltanet import GatedDeltaNet
 from megakit.nn.moe.layer import MoE
 from megakit.nn.sequence import positions
 from megakit.nn.tensor_parallel.collectives import replicated
@@ -105,10 +106,14 @@ class Block(nn.Module):
         kw = dict(group=group, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         site = f"layers.{index}"
         self.attn_norm = Norm(config, **kw)
-        attention = LatentAttention if config.mla else Attention  # DeepSeek-V3's MLA, or q/k/v heads
-        self.attn = attention(
-            config, site=f"{site}.attn_probs", selective=selective, cp_group=cp_group, index=index, **kw
-        )
+        self.linear = bool(config.linear and config.linear.is_linear(index))  # Gated DeltaNet in place of attention
+        if self.linear:
+            self.attn = GatedDeltaNet(config.linear, config.hidden, eps=config.norm_eps, cp_group=cp_group, **kw)
+        else:
+            attention = LatentAttention if config.mla else Attention  # DeepSeek-V3's MLA, or q/k/v heads
+            self.attn = attention(
+                config, site=f"{site}.attn_probs", selective=selective, cp_group=cp_group, index=index, **kw
+            )
         self.mlp_norm = Norm(config, **kw)
         if config.sandwich_norms:
             self.attn_post_norm, self.mlp_post_norm = Norm(config, **kw), Norm(config, **kw)
@@ -124,8 +129,9 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None, documents: torch.Tensor | None = None
     ) -> torch.Tensor:  # (S', B, H)
-        """One pre-norm transformer block: attention then MLP, each added back to the residual stream."""
-        a = self.attn(self.attn_norm(x), rope, keys, documents)
+        """One pre-norm block: attention (or Gated DeltaNet) then the MLP, each added back to the residual stream."""
+        h = self.attn_norm(x)
+        a = self.attn(h, documents) if self.linear else self.attn(h, rope, keys, documents)
         x = x + self.attn_dropout(self.attn_post_norm(a) if hasattr(self, "attn_post_norm") else a, keys)
         m = self.mlp(self.mlp_norm(x))
         return x + self.mlp_dropout(self.mlp_post_norm(m) if hasattr(self, "mlp_post_norm") else m, keys)

@@ -165,10 +165,12 @@ class Transformer(nn.Module):
         leaf = name.rsplit(".", 2)
         if leaf[-1] == "bias":
             return ("zeros",)
+        if leaf[-2] == "gated_norm":  # Gated DeltaNet's output norm: times its weight (not 1 + weight) in Qwen3-Next
+            return ("ones",)
         if "norm" in leaf[-2]:
             return ("zeros",) if self.config.norm_offset else ("ones",)  # Gemma's norms: times 1 + weight
         std = self.config.init_std
-        if leaf[-2] in ("o_proj", "down_proj") or leaf[-2:] == ["experts", "down_proj"]:
+        if leaf[-2] in ("o_proj", "down_proj", "out_proj") or leaf[-2:] == ["experts", "down_proj"]:
             std /= (2 * self.config.layers) ** 0.5
         return ("normal", std)
 

@@ -143,7 +143,49 @@ def activation_tensors(
         out += norm("mlp post-norm")
     if dropout:
         out.append(t("mlp residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
-    return out
+    return _hybrid(out, model, tp=tp, bytes_per_element=p) if model.config.linear is not None else out
+
+
+_ATTENTION_CORE = (
+    "q",
+    "k",
+    "v",
+    "q norm input",
+    "q norm normalised",
+    "q norm stats",
+    "k norm input",
+    "k norm normalised",
+    "k norm stats",
+    "attention log-sum-exp",
+    "softmax output",
+    "attention dropout mask",
+    "attention dropout output",
+    "ring attention output",
+    "attention output (proj input)",
+)
+
+
+def _hybrid(out: list[SavedTensor], model: ModelSpec, *, tp: int, bytes_per_element: int) -> list[SavedTensor]:
+    """A hybrid model's typical block (Qwen3-Next, Qwen3.5): attention's tensors in the share of blocks that run it,
+    and in the others Gated DeltaNet's (``LinearAttentionConfig.activation_elements_per_token``, linear in the
+    sequence: no ``s x s`` term), plus the fp32 recurrent state its chunked scan keeps at each chunk's start. Under
+    CP the all-to-all gives a rank all tokens of ``1/cp`` of the heads: the same elements per rank."""
+    linear = model.config.linear
+    assert linear is not None, "a hybrid block of a model without linear attention"
+    share = sum(linear.is_linear(i) for i in range(model.layers)) / model.layers
+    kept = [
+        dataclasses.replace(x, per_token=x.per_token * (1 - share), per_token_seq=x.per_token_seq * (1 - share))
+        if x.name in _ATTENTION_CORE
+        else x
+        for x in out
+    ]
+    states = share * linear.state_elements() / (tp * linear.chunk)  # one d_k x d_v state per head and chunk
+    return kept + [
+        SavedTensor(
+            "linear attention mixer", share * linear.activation_elements_per_token(tp), 0, bytes_per_element, "tp"
+        ),
+        SavedTensor("linear attention states", states, 0, 4, "tp"),
+    ]
 
 
 def _mlp_tensors(model: ModelSpec, *, f: int, tp: int, p: int, moe: bool, fused_swiglu: bool) -> list[SavedTensor]:

@@ -161,9 +161,7 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     one_tp = collective_time(tokens * model.hidden * nbytes, t, tp_bw, tp_where)
     recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
     tp_s = _tp_exposed(plan, block, one_tp=one_tp, recomputed=recomputed)
-    cp_s = _ulysses_time(model, cluster, plan, tokens=tokens, nbytes=nbytes) + _ring_exposed(
-        model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s
-    )
+    cp_s = _cp_time(model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s)
     a2a_s = (
         (4 + 2 * recomputed) * _dispatch_time(model, cluster, plan, tokens / t * model.hidden * nbytes) if moe else 0.0
     )
@@ -388,6 +386,38 @@ def _ulysses_time(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int
     one_pass = sum(all_to_all_time(cluster, tokens * width * nbytes, a, plan.tp) for width in (q, kv, kv, q))
     recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
     return (2 + recomputed) * one_pass
+
+
+def _cp_time(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int, nbytes: int, peak: float, seq_len: int):
+    """CP's exposed time per typical block and micro-batch: Ulysses' all-to-alls and the ring's exposed part; in a
+    hybrid model, those in its attention blocks and the mixer's all-to-alls in the others (``_linear_cp_mix``)."""
+    cp_s = _ulysses_time(model, cluster, plan, tokens=tokens, nbytes=nbytes) + _ring_exposed(
+        model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=seq_len
+    )
+    if model.config.linear is None:
+        return cp_s
+    return _linear_cp_mix(model, cluster, plan, attention_s=cp_s, tokens=tokens, nbytes=nbytes)
+
+
+def _linear_cp_mix(
+    model: ModelSpec, cluster: Cluster, plan: Plan, *, attention_s: float, tokens: int, nbytes: int
+) -> float:
+    """A hybrid model's CP time per typical block and micro-batch: ``attention_s`` in its share of attention blocks,
+    in the others Gated DeltaNet's all-to-alls over the whole CP group whatever ``--cp-mode`` (q, k, v, beta and the
+    decay to head groups of the whole sequence, the output back: ``nn.linear_attention.context_parallel``), forward
+    and again in backward (and in the recomputed forward), not overlapped."""
+    linear = model.config.linear
+    assert linear is not None, "the CP time of a hybrid model without linear attention"
+    share = sum(linear.is_linear(i) for i in range(model.layers)) / model.layers
+    if plan.cp == 1:
+        return (1 - share) * attention_s
+    out_width = linear.value_heads * linear.value_head_dim / plan.tp
+    one_pass = sum(
+        all_to_all_time(cluster, tokens * width * nbytes, plan.cp, plan.tp)
+        for width in (linear.cp_all_to_all_elements_per_token(plan.tp) - out_width, out_width)
+    )
+    recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
+    return (1 - share) * attention_s + share * (2 + recomputed) * one_pass
 
 
 def _ring_exposed(
