@@ -170,6 +170,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the MTP losses' weight (default 0.1, Megatron's; DeepSeek-V3 used 0.3, then 0.1)",
     )
     p.add_argument(
+        "--objective",
+        choices=("lm", "dpo", "ipo", "simpo"),
+        default="lm",
+        help="lm: the token loss (default); dpo, ipo, simpo: preference tuning on the chosen/rejected pairs of "
+        "prepare-data (docs/training.md); DPO and IPO compare with the starting model, once, before step 1",
+    )
+    p.add_argument(
+        "--dpo-beta",
+        metavar="BETA",
+        type=finite_float,
+        default=0.1,
+        help="DPO's and SimPO's beta, IPO's tau (default 0.1, TRL's)",
+    )
+    p.add_argument(
+        "--label-smoothing",
+        metavar="EPS",
+        type=finite_float,
+        default=0.0,
+        help="conservative DPO (and SimPO): the chance a preference label is flipped, in [0, 0.5) (default 0)",
+    )
+    p.add_argument(
+        "--simpo-gamma",
+        metavar="GAMMA",
+        type=finite_float,
+        default=None,
+        help="SimPO's target reward margin (default 0.5, TRL's); only with --objective simpo",
+    )
+    p.add_argument(
         "--vpp",
         type=int,
         default=1,
@@ -499,6 +527,10 @@ def config(args: argparse.Namespace):
         eod_mask_loss=args.eod_mask_loss,
         mtp=args.mtp,
         mtp_weight=args.mtp_weight,
+        objective=args.objective,
+        dpo_beta=args.dpo_beta,
+        label_smoothing=args.label_smoothing,
+        simpo_gamma=args.simpo_gamma,
         **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}),
     )
 

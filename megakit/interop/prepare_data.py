@@ -494,6 +494,10 @@ def _chat_args(cfg: PrepareConfig, files: list[Path]) -> tuple | None:
 def _write(cfg: PrepareConfig, files: list[Path], tmp: Path, stamp: str, say) -> dict:
     from tqdm.auto import tqdm
 
+    from megakit.interop import preference_data
+
+    if preference_data.is_preference(first_record(files)):  # chosen/rejected rows: pairs for DPO, IPO, SimPO
+        return preference_data.write_pairs(cfg, files, tmp, stamp, say)
     chat_args = _chat_args(cfg, files)
     tokenizer = _tokenizer(cfg, files, say)
     if cfg.tokenizer and Path(cfg.tokenizer).is_dir():

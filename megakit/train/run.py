@@ -31,6 +31,7 @@ from megakit.nn.tensor_parallel.fp8 import check_fp8
 from megakit.train.data.batches import DEFAULT_MAX_BYTES, BatchPlan
 from megakit.train.data.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.engine.ds_config import load_ds_config, require_optimizer, schedule_over_steps
+from megakit.train.observe.preference import check_pairs
 from megakit.train.resilience.guards import DEFAULT_MAX_SKIPPED
 from megakit.train.resilience.restarts import AUTO, auto_load
 from megakit.train.resilience.resume import check_checkpoint_flags, check_same_run
@@ -115,6 +116,11 @@ class TrainConfig:
     eod_mask_loss: bool = False  # no loss where the input is the end-of-document token
     mtp: bool = False  # train the config's Multi-Token Prediction modules (DeepSeek-V3's num_nextn_predict_layers)
     mtp_weight: float = 0.1  # lambda of L_main + lambda / D x sum(L_k) (Megatron's default; DeepSeek-V3: 0.3, then 0.1)
+    # preference tuning on chosen/rejected pairs (megakit.nn.tensor_parallel.preference); lm: the token loss
+    objective: str = "lm"  # lm | dpo | ipo | simpo
+    dpo_beta: float = 0.1  # DPO's and SimPO's beta, IPO's tau (TRL's default 0.1)
+    label_smoothing: float = 0.0  # conservative DPO (and SimPO): the chance a preference label is flipped
+    simpo_gamma: float | None = None  # SimPO's target margin (None: 0.5, TRL's default); only with simpo
 
     def __post_init__(self) -> None:
         if self.stage_layers is not None:  # a list from JSON (tests/launch_sweep.py) or a tuple from --stage-layers
@@ -179,6 +185,12 @@ class TrainConfig:
             raise UsageError(
                 f"--mtp-weight must be above 0 (DeepSeek-V3 trained with 0.3, then 0.1), got {self.mtp_weight}"
             )
+        if self.objective not in ("lm", "dpo", "ipo", "simpo"):
+            raise UsageError(f"--objective {self.objective} is not one of lm, dpo, ipo, simpo")
+        if self.simpo_gamma is not None and self.objective != "simpo":
+            raise UsageError("--simpo-gamma is SimPO's target margin; drop it, or pass --objective simpo")
+        if self.label_smoothing and self.objective not in ("dpo", "simpo"):
+            raise UsageError(f"--label-smoothing smooths DPO's and SimPO's labels, not --objective {self.objective}")
         if self.vpp > 1 and self.pp == 1:
             raise UsageError(f"--vpp {self.vpp} splits each pipeline stage into chunks, so it needs --pp > 1")
         if self.schedule == "zb-h1" and self.vpp > 1:
@@ -305,6 +317,7 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
             )
     corpus.loader_options(cfg)  # one clear line now if packed documents are asked of data without document starts
     corpus.check_packed(cfg, seq_len)
+    check_pairs(corpus, cfg)  # a pair objective on data without pairs: one line now
     if cfg.eval_every:  # one clear line now if there is no validation split (each data set of a mixture's)
         for part in corpus.parts:
             ValidationBatches(part, batch, cfg.eval_batches, part.loader_options(cfg, "validation"))

@@ -69,6 +69,7 @@ from megakit.train.engine.zero3_pipeline import within_stage
 from megakit.train.observe.evaluate import evaluator
 from megakit.train.observe.metrics import StepCommunication, StepMetrics, gpu_peak_tflops, gpu_state
 from megakit.train.observe.mtp_losses import MTPLosses
+from megakit.train.observe.preference import PreferenceRun
 from megakit.train.observe.reporting import Reporter, start_profiler
 from megakit.train.resilience.guards import StepGuard, TrainingDiverged
 from megakit.train.resilience.preemption import EXIT_STOPPED, StopRequests, reason_text
@@ -334,6 +335,9 @@ def _train(
     start_schedule(engine.lr_scheduler, start)
     batches = TokenBatches(run.corpus.train, plan, **run.corpus.loader_options(cfg))
     evaluate = evaluator(run, topo, engine, rank_device()) if cfg.eval_every else None
+    pairs = None  # --objective dpo|ipo|simpo: the reference pass now, then each step's reference and weighting
+    if cfg.objective != "lm":
+        pairs = PreferenceRun(run, topo, engine, batches, rank_device() or torch.device("cpu"))
     dp_sync = DataParallelSync(run, topo, engine)
     if run.checkpoint:
         try:  # each DP rank's own moments and residuals, at the layout that saved them
@@ -399,7 +403,9 @@ def _train(
             for (x, y), rows, extras in zip(
                 batches.micro_batches(step + offset, topo.dp_rank),
                 batches.sample_numbers(step + offset, topo.dp_rank),
-                batches.forward_extras(step + offset, topo.dp_rank),
+                batches.forward_extras(step + offset, topo.dp_rank)
+                if pairs is None
+                else pairs.extras(step + offset, topo.dp_rank, batches.forward_extras(step + offset, topo.dp_rank)),
             )
         ]
         waited = time.perf_counter() - waited
@@ -411,7 +417,12 @@ def _train(
             with probe.step() if probe else contextlib.nullcontext():
                 if moe is not None:
                     moe.before_step(engine)
-                weight_by_tokens(engine.module, micro_batches, topo, device)  # sum(loss) / sum(tokens) over the step
+                if pairs is not None:  # the mean over the step's pairs
+                    pairs.weight(engine.module, micro_batches)
+                else:
+                    weight_by_tokens(
+                        engine.module, micro_batches, topo, device
+                    )  # sum(loss) / sum(tokens) over the step
                 with run.attention.context():  # the SDPA backend --attention-kernel pinned, forward and backward
                     loss = faults.spiked(step + offset, run_step(micro_batches))
                 dp_sync.after_step()
@@ -433,6 +444,7 @@ def _train(
         loss, skipped = guard.check(step, loss, grads_finite=grads_finite, applied=applied, stop=stops.reason)
         moe_metrics = moe.after_step(applied=not skipped) if moe is not None else None  # the expert bias moves here
         mtp_losses = mtp.after_step() if mtp is not None else None
+        preference = pairs.after_step() if pairs is not None else None  # TRL's rewards/... and logps/...
         if skipped:  # the batch and the LR slot are spent: data and LR stay functions of the step
             start_schedule(engine.lr_scheduler, step + 1)
             result.events.append(reporter.event(step, "skipped", skipped, skipped_steps=guard.skipped))
@@ -458,6 +470,7 @@ def _train(
             skipped=bool(skipped),
             moe=moe_metrics,
             mtp=mtp_losses,
+            preference=preference,
             all_to_all_bytes=a2a_bytes,
             compiling=run.compile and step == start,
             **dict(zip(("gpu_util", "gpu_mem_gib"), gpu_state())),

@@ -83,6 +83,15 @@ def sequence_logps(
     return logps, counts
 
 
+def count_pairs(labels: torch.Tensor, documents: torch.Tensor, slots: int) -> torch.Tensor:
+    """The pairs ``(B, S)`` labels and documents hold: both sequences with a counted token (a 0-dim tensor)."""
+    valid = (labels != -100) & (documents < slots)
+    counts = torch.zeros(labels.shape[0], slots, device=labels.device)
+    counts.scatter_add_(1, documents.clamp(max=slots - 1), valid.float())
+    half = slots // 2 * 2
+    return ((counts[:, 0:half:2] > 0) & (counts[:, 1:half:2] > 0)).sum()
+
+
 def pair_losses(pref: Preference, logps, counts, reference=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(losses, stats, paired)`` of the pairs in ``logps``/``counts`` ``(B, 2P)`` (chosen at even slots): each
     pair's loss ``(B, P)`` (0 where there is no pair), the step statistics' sums (``STATS``, detached) and which

@@ -15,6 +15,7 @@ import copy
 
 import torch
 
+from megakit.nn.tensor_parallel.preference import count_pairs
 from megakit.train.data.batches import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches
 from megakit.train.data.corpus import ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.engine.ds_config import schedule_over_steps
@@ -37,6 +38,7 @@ def reference_run(
     documents: dict | None = None,
     mtp: dict | None = None,
     weights: bool = False,
+    preference: dict | None = None,
 ) -> dict[str, list]:
     """``{"loss": [...], "grad_norm": [...], "lr": [...], "evals": [...]}`` of ``steps`` steps of the unsplit model.
 
@@ -45,9 +47,11 @@ def reference_run(
     holds ``{"step", "loss"}`` where the trainer evaluates: the mean loss, in eval mode, over the tokens of every
     micro-batch of ``eval_batches`` validation batches. ``moe``: the ``TrainConfig`` ``moe_*`` flags
     (``moe_aux_loss=...``); ``documents``: the packed-document flags (``reset_attention_mask=True``, ...); ``mtp``:
-    the MTP flags (``mtp=True, mtp_weight=...``); ``weights``: also the final ``state_dict`` (``"weights"``). The
-    loss is sum(loss) / sum(tokens) over each step's global batch (as ``token_weighting`` makes the trainer's);
-    an MoE model's balancing losses are scaled 1 / micro-batches and its expert bias moves once per step.
+    the MTP flags (``mtp=True, mtp_weight=...``); ``preference``: the pair objective's flags (``objective="dpo",
+    dpo_beta=...``: the reference pass first, the loss the mean over each step's pairs); ``weights``: also the final
+    ``state_dict`` (``"weights"``). The loss is sum(loss) / sum(tokens) over each step's global batch (as
+    ``token_weighting`` makes the trainer's); an MoE model's balancing losses are scaled 1 / micro-batches and its
+    expert bias moves once per step.
     """
     from deepspeed.runtime import lr_schedules
 
@@ -58,7 +62,9 @@ def reference_run(
 
     corpus = open_corpus(data, max_bytes=max_bytes)
     config = model_for_corpus(ModelConfig.load(model), model, corpus)
-    cfg = TrainConfig(ds_config=ds_config, model=model, **(moe or {}), **(documents or {}), **(mtp or {}))
+    cfg = TrainConfig(
+        ds_config=ds_config, model=model, **(moe or {}), **(documents or {}), **(mtp or {}), **(preference or {})
+    )
     config = with_moe_flags(config, cfg)
     net = Transformer(config, seed=seed, mtp=cfg.mtp, mtp_weight=cfg.mtp_weight)
     depths = len(net.mtp)
@@ -83,6 +89,7 @@ def reference_run(
     max_norm = float(ds_config.get("gradient_clipping", 0.0))
     out = {"loss": [], "grad_norm": [], "lr": [], "evals": [], "mtp": []}
     micro_count = plan.dp * plan.accumulation
+    pairs = _Pairs(net, batches, cfg, corpus.pairs) if preference else None  # the reference: the start, once
     set_aux_loss_scale(net, 1.0 / micro_count)
     for step in range(steps):
         out["lr"].append(optimizer.param_groups[0]["lr"])
@@ -97,6 +104,17 @@ def reference_run(
             for (_, labels), more in zip(mbs, extras)
         )
         set_loss_tokens(net, tokens.clamp(min=1).float())  # sum / sum over the whole global batch; no target: 0
+        if pairs is not None:  # the extras gain each row's reference; the loss is the mean over the step's pairs
+            step_batches = [
+                (mbs, numbers, pairs.extras(step, rank, extras))
+                for rank, (mbs, numbers, extras) in enumerate(step_batches)
+            ]
+            count = sum(
+                count_pairs(labels, more["documents"], pairs.slots)
+                for mbs, _, extras in step_batches
+                for (_, labels), more in zip(mbs, extras)
+            )
+            set_loss_tokens(net, count.clamp(min=1).float())
         for micro_batches, numbers, extras in step_batches:
             for (inputs, labels), rows, more in zip(micro_batches, numbers, extras):
                 loss = net(inputs, labels, sample_ids=rows, **more)
@@ -119,6 +137,45 @@ def reference_run(
     if weights:
         out["weights"] = {name: t.detach().clone() for name, t in net.state_dict().items()}
     return out
+
+
+class _Pairs:
+    """The single process's reference log-probabilities of every window, and each micro-batch's share of them."""
+
+    def __init__(self, net, batches, cfg, slots: int) -> None:
+        from megakit.nn.model import set_loss_tokens, set_preference
+        from megakit.nn.tensor_parallel.preference import Preference
+
+        self.batches, self.slots = batches, slots
+        preference = Preference(
+            objective=cfg.objective,
+            beta=cfg.dpo_beta,
+            label_smoothing=cfg.label_smoothing,
+            gamma=0.5 if cfg.simpo_gamma is None else cfg.simpo_gamma,
+        )
+        set_preference(net, preference)
+        set_loss_tokens(net, None)
+        self.reference = torch.zeros(batches.num_samples, slots)
+        if preference.needs_reference:
+            net.eval()
+            with torch.no_grad():
+                for start in range(0, batches.num_samples, 8):
+                    rows = torch.arange(start, min(start + 8, batches.num_samples))
+                    x, y = batches._samples(rows)
+                    docs = batches._documents(rows)
+                    more = {"documents": docs, "reference": torch.zeros(len(rows), slots)}
+                    if batches.reset_positions:
+                        from megakit.nn.attention.masks import position_ids
+
+                        more["position_ids"] = position_ids(docs)
+                    net(x, y, **more)
+                    self.reference[rows] = net.sequence_logps
+            net.train()
+        net.preference_stats = None
+
+    def extras(self, step: int, rank: int, extras: list[dict]) -> list[dict]:
+        parts = self.reference[self.batches.rank_indices(step, rank)].split(self.batches.plan.micro_batch)
+        return [{**e, "reference": p} for e, p in zip(extras, parts)]
 
 
 def _validation_loss(net, corpora, plan: BatchPlan, batches: int, cfg) -> float:
