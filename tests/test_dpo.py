@@ -188,9 +188,12 @@ def test_every_layout_equals_one_process(pairs, tmp_path_factory):
                 data=data,
                 documents=DOCUMENTS,
                 preference=flags,
-            )["loss"]
-        want = references[key]
+            )
+            references[key] = references[key]["loss"], references[key]["grad_norm"]
+        want, norms = references[key]
         got = results[name]["loss"]
+        for step, norm in enumerate(results[name]["grad_norm"], start=1 if name.endswith("resumes") else 0):
+            assert abs(norm - norms[step]) < 2e-3 * norms[step], (name, step, norm, norms[step])  # Adam hides a scale
         first = 1 if name.endswith("resumes") else 0
         assert len(got) == c["steps"] - first, (name, got)
         for step, loss in enumerate(got, start=first):
