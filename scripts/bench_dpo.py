@@ -83,7 +83,7 @@ def models(args, vocab: int):
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "vocab_size": vocab,
-        "max_position_embeddings": 256,
+        "max_position_embeddings": 1024,
         "hidden_size": args.hidden,
         "intermediate_size": 3 * args.hidden,
         "num_hidden_layers": args.layers,
