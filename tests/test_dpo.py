@@ -201,3 +201,16 @@ def test_every_layout_equals_one_process(pairs, tmp_path_factory):
         if c["objective"] == "dpo" and first == 0:
             assert abs(got[0] - math.log(2)) < 1e-6, (name, got[0])
     assert Path(saved + ".reference-logps.npz").is_file()
+
+
+def test_implicit_prompts_and_truncation_by_hand():
+    from megakit.interop.preference_data import pair_sequences, split_pair
+
+    user = [{"role": "user", "content": "hi"}]
+    say = {"role": "assistant", "content": "a"}
+    row = {"chosen": user + [say], "rejected": user + [{**say, "content": "b"}]}
+    assert split_pair(row, "row") == (user, [say], [{**say, "content": "b"}])
+    assert split_pair({"chosen": "Q: x A: yes", "rejected": "Q: x A: no"}, "row") == ("Q: x A: ", "yes", "no")
+    (chosen, rejected), cut = pair_sequences([1, 2], [[3] * 20, [4] * 5], 20, "truncate", "row")
+    assert cut and len(chosen[0]) + len(rejected[0]) == 20 and len(rejected[0]) == 7  # the short one kept whole
+    assert chosen[1].tolist() == [0, 0] + [1] * 11 and rejected[1].sum() == 5
