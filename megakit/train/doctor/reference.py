@@ -53,8 +53,6 @@ def reference_run(
     ``token_weighting`` makes the trainer's); an MoE model's balancing losses are scaled 1 / micro-batches and its
     expert bias moves once per step.
     """
-    from deepspeed.runtime import lr_schedules
-
     from megakit.nn.model import ModelConfig, Transformer, set_loss_tokens
     from megakit.nn.moe.layer import set_aux_loss_scale, update_expert_bias
     from megakit.nn.mtp import depth_token_counts
@@ -62,9 +60,8 @@ def reference_run(
 
     corpus = open_corpus(data, max_bytes=max_bytes)
     config = model_for_corpus(ModelConfig.load(model), model, corpus)
-    cfg = TrainConfig(
-        ds_config=ds_config, model=model, **(moe or {}), **(documents or {}), **(mtp or {}), **(preference or {})
-    )
+    flags = {**(moe or {}), **(documents or {}), **(mtp or {}), **(preference or {})}
+    cfg = TrainConfig(ds_config=ds_config, model=model, **flags)
     config = with_moe_flags(config, cfg)
     net = Transformer(config, seed=seed, mtp=cfg.mtp, mtp_weight=cfg.mtp_weight)
     depths = len(net.mtp)
@@ -80,12 +77,7 @@ def reference_run(
     params = {k: v for k, v in ds_config["optimizer"]["params"].items() if k not in ("torch_adam", "adam_w_mode")}
     optimizer = torch.optim.AdamW(decay_groups(net), **params)
     ds_config = copy.deepcopy(ds_config)  # the caller's stays as it was
-    schedule_over_steps(ds_config, steps=steps)  # over the run's steps, as the trainer's
-    scheduler = None
-    if "scheduler" in ds_config:
-        kind = ds_config["scheduler"]["type"]
-        scheduler = getattr(lr_schedules, kind)(optimizer, **ds_config["scheduler"].get("params", {}))
-        start_schedule(scheduler, 0)
+    scheduler = _scheduler(optimizer, ds_config, steps)
     max_norm = float(ds_config.get("gradient_clipping", 0.0))
     out = {"loss": [], "grad_norm": [], "lr": [], "evals": [], "mtp": []}
     micro_count = plan.dp * plan.accumulation
@@ -104,17 +96,8 @@ def reference_run(
             for (_, labels), more in zip(mbs, extras)
         )
         set_loss_tokens(net, tokens.clamp(min=1).float())  # sum / sum over the whole global batch; no target: 0
-        if pairs is not None:  # the extras gain each row's reference; the loss is the mean over the step's pairs
-            step_batches = [
-                (mbs, numbers, pairs.extras(step, rank, extras))
-                for rank, (mbs, numbers, extras) in enumerate(step_batches)
-            ]
-            count = sum(
-                count_pairs(labels, more["documents"], pairs.slots)
-                for mbs, _, extras in step_batches
-                for (_, labels), more in zip(mbs, extras)
-            )
-            set_loss_tokens(net, count.clamp(min=1).float())
+        if pairs is not None:  # each row's reference; the loss is the mean over the step's pairs
+            step_batches = pairs.for_step(net, step, step_batches)
         for micro_batches, numbers, extras in step_batches:
             for (inputs, labels), rows, more in zip(micro_batches, numbers, extras):
                 loss = net(inputs, labels, sample_ids=rows, **more)
@@ -137,6 +120,19 @@ def reference_run(
     if weights:
         out["weights"] = {name: t.detach().clone() for name, t in net.state_dict().items()}
     return out
+
+
+def _scheduler(optimizer, ds_config: dict, steps: int):
+    """The ds_config's LR scheduler over the run's steps (as the trainer's), placed at step 0; None without one."""
+    from deepspeed.runtime import lr_schedules
+
+    schedule_over_steps(ds_config, steps=steps)
+    if "scheduler" not in ds_config:
+        return None
+    kind = ds_config["scheduler"]["type"]
+    scheduler = getattr(lr_schedules, kind)(optimizer, **ds_config["scheduler"].get("params", {}))
+    start_schedule(scheduler, 0)
+    return scheduler
 
 
 class _Pairs:
@@ -173,9 +169,21 @@ class _Pairs:
             net.train()
         net.preference_stats = None
 
-    def extras(self, step: int, rank: int, extras: list[dict]) -> list[dict]:
-        parts = self.reference[self.batches.rank_indices(step, rank)].split(self.batches.plan.micro_batch)
-        return [{**e, "reference": p} for e, p in zip(extras, parts)]
+    def for_step(self, net, step: int, step_batches: list) -> list:
+        """Every DP rank's micro-batches with their rows' reference; ``net`` divides by the step's pairs."""
+        from megakit.nn.model import set_loss_tokens
+
+        out = []
+        for rank, (mbs, numbers, extras) in enumerate(step_batches):
+            parts = self.reference[self.batches.rank_indices(step, rank)].split(self.batches.plan.micro_batch)
+            out.append((mbs, numbers, [{**e, "reference": p} for e, p in zip(extras, parts)]))
+        count = sum(
+            count_pairs(labels, more["documents"], self.slots)
+            for mbs, _, extras in out
+            for (_, labels), more in zip(mbs, extras)
+        )
+        set_loss_tokens(net, count.clamp(min=1).float())
+        return out
 
 
 def _validation_loss(net, corpora, plan: BatchPlan, batches: int, cfg) -> float:
