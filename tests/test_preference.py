@@ -114,7 +114,11 @@ def test_loss_logps_and_gradients_equal_trl(pref):
     want.backward()
     assert_fp32_close(logps, want_logps.detach(), terms=V * 7, what="per-sequence log-probabilities")
     assert_fp32_close(
-        loss.detach().item(), want.detach().item(), terms=V * 7, scale=float(want_logps.abs().max()) * pref.beta, what="loss"
+        loss.detach().item(),
+        want.detach().item(),
+        terms=V * 7,
+        scale=float(want_logps.abs().max()) * pref.beta,
+        what="loss",
     )
     for (lg, _), g in zip(seqs, ours):
         assert_fp32_close(g, lg.grad, terms=V, what="gradient of the logits")
