@@ -58,18 +58,21 @@ class PreferenceRun:
 
     # -- the reference ------------------------------------------------------------------------
     def _stored_or_computed(self, run, engine) -> torch.Tensor:
-        path, stamp = (
-            reference_path(run.cfg.save),
-            {
-                "corpus": run.corpus.fingerprint,
-                "seq_len": run.batch.seq_len,
-                "windows": self.batches.num_samples,
-                "slots": self.slots,
-            },
-        )
+        path = reference_path(run.cfg.save)
+        data = {
+            "corpus": run.corpus.fingerprint,
+            "seq_len": run.batch.seq_len,
+            "windows": self.batches.num_samples,
+            "slots": self.slots,
+        }
+        # the weights the reference is of: a fresh start's (a resume's checkpoint is a trained one, not this)
+        start = {"model": run.cfg.model, "seed": run.cfg.seed, "from": str(run.checkpoint)}
+        stamp = {**data, "start": start}
         if path is not None and path.is_file():
             with np.load(path) as stored:
-                if json.loads(str(stored["stamp"])) == stamp:
+                kept = json.loads(str(stored["stamp"]))
+                same = kept == stamp if run.start_step == 0 else {k: kept.get(k) for k in data} == data
+                if same:
                     return torch.from_numpy(stored["logps"].copy())
             if run.start_step > 0:
                 raise UsageError(
