@@ -2,14 +2,15 @@
 
     python scripts/bench_dpo.py [--steps 12] [--batch 8] [--pairs 96] [--hidden 64] [--layers 4]
 
-Both start from one set of weights (megakit's Transformer, exported to transformers' LlamaForCausalLM) and train
-the pairs TRL tokenized (its ``prompt_ids``/``chosen_ids``/``rejected_ids``) with AdamW at the same learning
-rate, beta 0.1, and the reference log-probabilities computed once before training (TRL's
-``precompute_ref_log_probs=True``; without it TRL runs the reference model every step as well). A step is the
-forward, the backward and the optimizer step on ``--batch`` pairs: TRL's ``training_step`` padded to the batch's
-longest sequence as its collator pads, megakit's pairs packed into windows of whole pairs (``prepare-data --pack``),
-each sequence its own document. The first step's losses are printed (ln 2 for both: the policy is the reference),
-then the median step time of each and the ratio. On CPU it runs on one thread (OMP_NUM_THREADS) unless told.
+Both start from one set of weights (megakit's Transformer, exported to transformers' LlamaForCausalLM) and train the
+pairs TRL tokenized (its ``prompt_ids``/``chosen_ids``/``rejected_ids``) with AdamW at the same learning rate, beta
+0.1, and the reference log-probabilities computed once before training (TRL's ``precompute_ref_log_probs=True``;
+without it TRL runs the reference model every step as well). A step is the forward, the backward and the optimizer
+step on ``--batch`` pairs: TRL's ``training_step`` padded to the batch's longest sequence as its collator pads,
+megakit's pairs packed into windows of whole pairs (``prepare-data --pack``), each sequence its own document (`--pad`:
+one pair a window, as padded as TRL's batches). The first step's losses are printed (ln 2 for both: the policy is the
+reference), then the median step time of each and the ratio. On CPU it runs on one thread (OMP_NUM_THREADS) unless
+told.
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ def megakit_steps(args, model, dataset, eos: int, device) -> tuple[list[float], 
         pair_sequences(list(r["prompt_ids"]), [list(r["chosen_ids"]), list(r["rejected_ids"])], 10**6, "refuse", "")[0]
         for r in dataset
     ]
-    window = 2 * max(len(a[0]) + len(b[0]) for a, b in pairs)  # room for two or more pairs a window
+    longest = max(len(a[0]) + len(b[0]) for a, b in pairs)
+    window = longest if args.pad else 2 * longest  # --pad: one pair a window; else room for two or more
     window += -window % 8
     model.to(device)
     pref = Preference(objective="dpo", beta=0.1)
@@ -158,7 +160,7 @@ def megakit_steps(args, model, dataset, eos: int, device) -> tuple[list[float], 
 
     def batch(k: int):
         chosen = [pairs[(k * args.batch + i) % len(pairs)] for i in range(args.batch)]
-        bins = list(pair_bins(chosen, window, pack=True, pad_id=eos))
+        bins = list(pair_bins(chosen, window, pack=not args.pad, pad_id=eos))
         ids = torch.stack([torch.from_numpy(b[0]) for b in bins])
         mask = torch.stack([torch.from_numpy(b[1]) for b in bins])
         docs = torch.stack(
@@ -207,6 +209,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pad", action="store_true", help="megakit: one pair a window (padded), not packed")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -224,7 +227,7 @@ def main() -> int:
     print(f"model: Llama hidden {args.hidden}, {args.layers} layers; {args.batch} pairs a step, {args.steps} steps")
     print(f"first-step DPO loss: TRL {trl_first:.4f}, megakit {mk_first:.4f} (ln 2 = {math.log(2):.4f})")
     print(f"TRL DPOTrainer step: {trl_median * 1e3:8.1f} ms (median of steps {skip}..{args.steps - 1})")
-    print(f"megakit DPO step:    {mk_median * 1e3:8.1f} ms")
+    print(f"megakit DPO step:    {mk_median * 1e3:8.1f} ms ({'one pair a window' if args.pad else 'pairs packed'})")
     faster = "megakit faster" if mk_median < trl_median else "TRL faster"
     print(f"ratio TRL / megakit: {trl_median / mk_median:.2f}x ({faster})")
     return 0
