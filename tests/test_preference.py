@@ -117,7 +117,7 @@ def test_loss_logps_and_gradients_equal_trl(pref):
         loss.detach().item(),
         want.detach().item(),
         terms=V * 7,
-        scale=float(want_logps.abs().max()) * pref.beta,
+        scale=float(want_logps.detach().abs().max()) * pref.beta,
         what="loss",
     )
     for (lg, _), g in zip(seqs, ours):
