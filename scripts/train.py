@@ -57,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _data_flags(p)
     _optimisation_flags(p)
     _lora_flags(p)
+    _objective_flags(p)
     _speed_flags(p)
     _checkpoint_flags(p)
     _report_flags(p)
@@ -335,6 +336,39 @@ def _lora_flags(p: argparse.ArgumentParser) -> None:
         help="the base checkpoint whose frozen weights the adapters train on (megakit convert --from-hf makes "
         "one); --load CKPT of a checkpoint without adapters does the same (default: the seed's weights, or on "
         "--load of a LoRA checkpoint the base it names)",
+    )
+
+
+def _objective_flags(p: argparse.ArgumentParser) -> None:
+    """What the loss is: the next token, or a preference objective on chosen/rejected pairs."""
+    g = p.add_argument_group("objective", "the next-token loss, or preference tuning on pairs (DPO, IPO, SimPO)")
+    g.add_argument(
+        "--objective",
+        choices=("lm", "dpo", "ipo", "simpo"),
+        default="lm",
+        help="lm: the token loss (default); dpo, ipo, simpo: preference tuning on the chosen/rejected pairs of "
+        "prepare-data (docs/training.md); DPO and IPO compare with the starting model, once, before step 1",
+    )
+    g.add_argument(
+        "--dpo-beta",
+        metavar="BETA",
+        type=finite_float,
+        default=0.1,
+        help="DPO's and SimPO's beta, IPO's tau (default 0.1, TRL's)",
+    )
+    g.add_argument(
+        "--label-smoothing",
+        metavar="EPS",
+        type=finite_float,
+        default=0.0,
+        help="conservative DPO (and SimPO): the chance a preference label is flipped, in [0, 0.5) (default 0)",
+    )
+    g.add_argument(
+        "--simpo-gamma",
+        metavar="GAMMA",
+        type=finite_float,
+        default=None,
+        help="SimPO's target reward margin (default 0.5, TRL's); only with --objective simpo",
     )
 
 
@@ -617,6 +651,10 @@ def config(args: argparse.Namespace):
         qk_clip=args.qk_clip,
         lora=_lora(args),
         lora_base=args.lora_base,
+        objective=args.objective,
+        dpo_beta=args.dpo_beta,
+        label_smoothing=args.label_smoothing,
+        simpo_gamma=args.simpo_gamma,
         **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}),
     )
 

@@ -114,6 +114,14 @@ def run(args: argparse.Namespace) -> int:
     if s["unchanged"]:
         print(f"{args.out} is up to date ({s['tokens']['train']:,} train tokens); nothing to do")
         return 0
+    if "preference" in s:  # chosen/rejected rows (megakit.interop.preference_data)
+        c, window = s["preference"], args.pack or args.pad
+        print(
+            f"wrote {args.out}: {c['pairs']:,} preference pairs ({c['identical']:,} with chosen = rejected skipped, "
+            f"{c['truncated']:,} cut to fit) in {s['tokens']['train'] // window:,} train windows of {window} tokens; "
+            f"train with --objective dpo --seq-len {window} --reset-attention-mask --reset-position-ids"
+        )
+        return 0
     rate = s["bytes"] / 2**20 / s["seconds"]
     bad = f", {s['bad_records']:,} bad records skipped" if s.get("bad_records") else ""
     bad += f", {s['empty_records']:,} empty records skipped" if s.get("empty_records") else ""

@@ -34,6 +34,7 @@ from megakit.nn.tensor_parallel.chunked_loss import chunked_head_loss
 from megakit.nn.tensor_parallel.collectives import enter_tp_region, replicated
 from megakit.nn.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, mark
+from megakit.nn.tensor_parallel.preference import preference_loss
 from megakit.nn.weights import init_shard_
 
 __all__ = [
@@ -122,6 +123,8 @@ class Transformer(nn.Module):
         # micro-batch's own mean.
         self.loss_tokens: float | torch.Tensor | None = None  # with MTP: (1 + D,), the main loss's then each depth's
         self.mtp_weight, self.mtp_losses = mtp_weight, []
+        # A pair objective (``set_preference``) in place of the token loss, and its statistics' sums since read
+        self.preference, self.preference_stats = None, None
         mtp_depth = trained_mtp_depth(config, mtp, mtp_weight)  # checked on every stage alike; built on the last
         kw = dict(group=group, sequence_parallel=self.sequence_parallel, dtype=dtype, device=device)
         tied = config.tie_embeddings
@@ -191,10 +194,12 @@ class Transformer(nn.Module):
         documents: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         input_ids: torch.Tensor | None = None,
+        reference: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``documents`` ``(B, S)``: attention stays inside each packed document; ``position_ids`` ``(B, S)``: each
         token's position (``attention.masks``; default 0..S-1). Both are the whole sequence's, on every stage,
-        and so are ``input_ids``, which only a last stage training MTP modules reads."""
+        and so are ``input_ids``, which only a last stage training MTP modules reads. ``reference`` ``(B, K)``: with a
+        pair objective, the starting model's log-probability of each row's K sequences (its documents)."""
         keys = self._dropout_keys(x, sample_ids)
         seq_len = x.shape[1] if self.pre else x.shape[0] * (self.tp if self.sequence_parallel else 1) * self.cp
         held = None if self.cp == 1 else self._held_positions(seq_len, x.device)  # (S/cp,) global positions
@@ -213,6 +218,8 @@ class Transformer(nn.Module):
         h = self.norm(h)  # (S', B, H)
         if labels is None:
             return self._logits(h)
+        if self.preference is not None:
+            return self._preference_loss(h, labels, held, documents, reference)
         loss = self._head_loss(h, labels, held, depth=0)
         if len(self.mtp) and self.training:
             ids = x if self.pre else input_ids
@@ -255,6 +262,31 @@ class Transformer(nn.Module):
         if held is not None:
             return sequence_mean(total, target != -100, self.cp_group, tokens)
         return total / (tokens if tokens is not None else (target != -100).sum().clamp(min=1))
+
+    def _preference_loss(self, h, labels, held, documents, reference) -> torch.Tensor:
+        """The pair objective over this batch's sequences (``megakit.nn.tensor_parallel.preference``), divided by
+        the trainer's share of the step's pairs (``loss_tokens``); its statistics' sums add to ``preference_stats``."""
+        if documents is None:
+            raise UsageError("a pair objective needs each sequence as its own document; pass --reset-attention-mask")
+        head = self._head_weight()  # (V/tp, H)
+        h = enter_tp_region(h, self.group, self.sequence_parallel)  # (S, B, H)
+        target = labels.t() if held is None else labels.index_select(1, held).t()  # (S, B), (S/cp, B) with CP
+        docs = documents.t() if held is None else documents.index_select(1, held).t()
+        token_losses = vocab_parallel_cross_entropy(
+            F.linear(h, head), target, self.group, vocab_size=self.config.vocab_size, reduction="none"
+        )
+        loss, stats, logps = preference_loss(
+            self.preference,
+            token_losses,
+            target,
+            docs,
+            reference=reference,
+            pairs=self.loss_tokens,
+            cp_group=self.cp_group,
+        )
+        self.preference_stats = stats if self.preference_stats is None else self.preference_stats + stats
+        self.sequence_logps = logps.detach()  # the reference pass reads them
+        return loss.to(h.dtype)
 
     def _loss_tokens(self, depth: int):
         """The trainer's token count for depth ``depth`` (0: the main loss): one of its ``(1 + D,)`` counts, its one
@@ -380,6 +412,18 @@ def trained_mtp_depth(config: ModelConfig, mtp: bool, weight: float) -> int:
 def mtp_depth(module: nn.Module) -> int:
     """The MTP modules a loss-computing ``Transformer`` inside ``module`` trains (0: none)."""
     return max((len(m.mtp) for m in module.modules() if isinstance(m, Transformer) and m.post), default=0)
+
+
+def set_preference(module: nn.Module, preference) -> None:
+    """Every loss-computing ``Transformer`` inside ``module`` trains ``preference`` (a ``Preference``; None: the token
+    loss) from now on: its loss divisor (``set_loss_tokens``) is then the trainer's share of the step's pairs."""
+    for m in module.modules():
+        if isinstance(m, Transformer) and m.post:
+            if preference is not None and (len(m.mtp) or m.loss_chunks > 1):
+                raise UsageError(
+                    "a pair objective does not train MTP modules nor run --loss-chunks; drop --mtp / --loss-chunks"
+                )
+            m.preference = preference
 
 
 def set_loss_tokens(module: nn.Module, tokens: float | torch.Tensor | None) -> None:

@@ -34,6 +34,7 @@ from megakit.train.data.corpus import Corpus, ValidationBatches, model_for_corpu
 from megakit.train.engine import lora as lora_run
 from megakit.train.engine.ds_config import load_ds_config, require_optimizer, schedule_over_steps
 from megakit.train.engine.muon import OPTIMIZERS, check_muon, check_qk_clip
+from megakit.train.observe.preference import check_pairs
 from megakit.train.resilience.guards import DEFAULT_MAX_SKIPPED
 from megakit.train.resilience.restarts import AUTO, auto_load
 from megakit.train.resilience.resume import check_checkpoint_flags, check_same_run
@@ -124,6 +125,11 @@ class TrainConfig:
     qk_clip: float = 0.0  # --optimizer muon: MuonClip's QK-clip, the largest attention logit kept (0: off)
     lora: LoraSpec | dict | None = None  # train LoRA adapters on a frozen base (megakit.core.lora; a dict from JSON)
     lora_base: str | None = None  # the base checkpoint a LoRA fine-tune starts from (train.engine.lora)
+    # preference tuning on chosen/rejected pairs (megakit.nn.tensor_parallel.preference); lm: the token loss
+    objective: str = "lm"  # lm | dpo | ipo | simpo
+    dpo_beta: float = 0.1  # DPO's and SimPO's beta, IPO's tau (TRL's default 0.1)
+    label_smoothing: float = 0.0  # conservative DPO (and SimPO): the chance a preference label is flipped
+    simpo_gamma: float | None = None  # SimPO's target margin (None: 0.5, TRL's default); only with simpo
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
@@ -192,6 +198,12 @@ class TrainConfig:
             )
         if self.optimizer not in OPTIMIZERS:
             raise UsageError(f"--optimizer {self.optimizer} is not one of {', '.join(OPTIMIZERS)}")
+        if self.objective not in ("lm", "dpo", "ipo", "simpo"):
+            raise UsageError(f"--objective {self.objective} is not one of lm, dpo, ipo, simpo")
+        if self.simpo_gamma is not None and self.objective != "simpo":
+            raise UsageError("--simpo-gamma is SimPO's target margin; drop it, or pass --objective simpo")
+        if self.label_smoothing and self.objective not in ("dpo", "simpo"):
+            raise UsageError(f"--label-smoothing smooths DPO's and SimPO's labels, not --objective {self.objective}")
         if self.vpp > 1 and self.pp == 1:
             raise UsageError(f"--vpp {self.vpp} splits each pipeline stage into chunks, so it needs --pp > 1")
         if self.schedule == "zb-h1" and self.vpp > 1:
@@ -392,6 +404,7 @@ def _check_data(cfg: TrainConfig, corpus, batch: BatchPlan, seq_len: int) -> Non
     """What the data flags ask of the corpus, refused in one line now rather than at the first batch or eval."""
     corpus.loader_options(cfg)  # one clear line now if packed documents are asked of data without document starts
     corpus.check_packed(cfg, seq_len)
+    check_pairs(corpus, cfg)  # a pair objective on data without pairs
     if cfg.eval_every:  # one clear line now if there is no validation split (each data set of a mixture's)
         for part in corpus.parts:
             ValidationBatches(part, batch, cfg.eval_batches, part.loader_options(cfg, "validation"))

@@ -70,6 +70,7 @@ from megakit.train.engine.zero3_pipeline import within_stage
 from megakit.train.observe.evaluate import evaluator
 from megakit.train.observe.metrics import StepCommunication, StepMetrics, gpu_peak_tflops, gpu_state
 from megakit.train.observe.mtp_losses import MTPLosses
+from megakit.train.observe.preference import PreferenceRun
 from megakit.train.observe.reporting import Reporter, start_profiler
 from megakit.train.resilience.guards import StepGuard, TrainingDiverged
 from megakit.train.resilience.preemption import EXIT_STOPPED, StopRequests, reason_text
@@ -367,6 +368,7 @@ class _Loop:
     communication: StepCommunication
     profiler: object
     spikes: SpikeGuard | None
+    pairs: PreferenceRun | None = None  # --objective dpo|ipo|simpo: the reference, each step's weighting, metrics
 
 
 def _quiet_deepspeed(run: Run) -> None:
@@ -416,6 +418,9 @@ def _setup(run: Run, topo) -> _Loop:
     engine, clipper = _restored_engine(run, topo, doctor)
     batches = TokenBatches(run.corpus.train, plan, **run.corpus.loader_options(cfg))
     evaluate = evaluator(run, topo, engine, rank_device()) if cfg.eval_every else None
+    pairs = None  # a pair objective: the reference pass runs here, before the first step
+    if cfg.objective != "lm":
+        pairs = PreferenceRun(run, topo, engine, batches, rank_device() or torch.device("cpu"))
     dp_sync = DataParallelSync(run, topo, engine)
     _restore_own_state(run, topo, engine, dp_sync)
     run_step = pipeline_step(run, topo, engine, dp_sync) if topo.pp > 1 else plain_step(engine, dp_sync)
@@ -478,6 +483,7 @@ def _setup(run: Run, topo) -> _Loop:
         communication=communication,
         profiler=profiler,
         spikes=spikes,
+        pairs=pairs,
     )
 
 
@@ -524,12 +530,15 @@ def _train(
 def _micro_batches(loop: _Loop, topo, step: int) -> list:
     """The step's micro-batches on this rank's device: ``(x, y, rows, forward extras)`` each."""
     batches, device = loop.batches, loop.device
+    extras = batches.forward_extras(step, topo.dp_rank)
+    if loop.pairs is not None:  # each row's reference log-probabilities
+        extras = loop.pairs.extras(step, topo.dp_rank, extras)
     return [
-        (x.to(device), y.to(device), rows, {k: t.to(device) for k, t in extras.items()})
-        for (x, y), rows, extras in zip(
+        (x.to(device), y.to(device), rows, {k: t.to(device) for k, t in more.items()})
+        for (x, y), rows, more in zip(
             batches.micro_batches(step, topo.dp_rank),
             batches.sample_numbers(step, topo.dp_rank),
-            batches.forward_extras(step, topo.dp_rank),
+            extras,
         )
     ]
 
@@ -559,7 +568,10 @@ def _step(run: Run, topo, loop: _Loop, stops: StopRequests, result: TrainResult,
         with loop.probe.step() if loop.probe else contextlib.nullcontext():
             if moe is not None:
                 moe.before_step(engine)
-            weight_by_tokens(engine.module, micro_batches, topo, loop.device)  # sum(loss) / sum(tokens) over the step
+            if loop.pairs is not None:  # the mean over the step's pairs
+                loop.pairs.weight(engine.module, micro_batches)
+            else:
+                weight_by_tokens(engine.module, micro_batches, topo, loop.device)  # sum(loss) / sum(tokens) of the step
             with run.attention.context():  # the SDPA backend --attention-kernel pinned, forward and backward
                 loss = loop.faults.spiked(step + offset, loop.run_step(micro_batches))
             loop.dp_sync.after_step()
@@ -576,6 +588,7 @@ def _step(run: Run, topo, loop: _Loop, stops: StopRequests, result: TrainResult,
     loss, skipped = loop.guard.check(step, loss, grads_finite=grads_finite, applied=applied, stop=stops.reason)
     moe_metrics = moe.after_step(applied=not skipped) if moe is not None else None  # the expert bias moves here
     mtp_losses = loop.mtp.after_step() if loop.mtp is not None else None
+    preference = loop.pairs.after_step() if loop.pairs is not None else None  # TRL's rewards/* and logps/*
     if skipped:  # the batch and the LR slot are spent: data and LR stay functions of the step
         start_schedule(engine.lr_scheduler, step + 1)
         result.events.append(loop.reporter.event(step, "skipped", skipped, skipped_steps=loop.guard.skipped))
@@ -601,6 +614,7 @@ def _step(run: Run, topo, loop: _Loop, stops: StopRequests, result: TrainResult,
         skipped=bool(skipped),
         moe=moe_metrics,
         mtp=mtp_losses,
+        preference=preference,
         all_to_all_bytes=a2a_bytes,
         compiling=run.compile and step == run.start_step,
         **dict(zip(("gpu_util", "gpu_mem_gib"), gpu_state())),

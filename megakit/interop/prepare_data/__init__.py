@@ -46,6 +46,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from megakit.errors import UsageError
+from megakit.interop import preference_data
 from megakit.interop import tokenizer as tok
 from megakit.interop.prepare_data.chat import chat_args, chat_template, first_record
 from megakit.interop.prepare_data.config import PrepareConfig
@@ -128,8 +129,11 @@ def prepare(cfg: PrepareConfig, *, say=print) -> dict:
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     try:
-        chats = chat_args(cfg, files)
-        summary = write(cfg, files, tmp, stamp, say, chat_args=chats, tokenizer=_tokenizer(cfg, files, say))
+        if preference_data.is_preference(first_record(files)):  # chosen/rejected rows: pairs for DPO, IPO, SimPO
+            summary = preference_data.write_pairs(cfg, files, tmp, stamp, say)
+        else:
+            chats = chat_args(cfg, files)
+            summary = write(cfg, files, tmp, stamp, say, chat_args=chats, tokenizer=_tokenizer(cfg, files, say))
         summary["seconds"] = time.perf_counter() - started
         if out.exists():
             old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")

@@ -39,6 +39,7 @@ class Corpus:
     packed: int | None = None  # prepare-data --pack/--pad: the window its bins are (train at --seq-len of it)
     sources: list | None = None  # a mixture: its data sets' corpora, with their weights as ``weights``
     weights: list | None = None
+    pairs: int | None = None  # preference pairs (prepare-data on chosen/rejected rows): documents a window holds
 
     @property
     def parts(self) -> list["Corpus"]:
@@ -142,6 +143,7 @@ def open_corpus(data, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
             validation_documents=shards.documents("validation") or None,
             eos_id=shards.index.get("eos_id"),
             packed=shards.index.get("packed", {}).get("seq_len"),
+            pairs=shards.index.get("packed", {}).get("pairs"),
         )
     tokens = load_tokens(data, max_bytes=max_bytes)
     return Corpus(

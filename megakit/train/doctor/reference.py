@@ -15,6 +15,7 @@ import copy
 
 import torch
 
+from megakit.nn.tensor_parallel.preference import count_pairs
 from megakit.train.data.batches import DEFAULT_MAX_BYTES, BatchPlan, TokenBatches
 from megakit.train.data.corpus import ValidationBatches, model_for_corpus, open_corpus
 from megakit.train.engine.ds_config import schedule_over_steps
@@ -39,6 +40,7 @@ def reference_run(
     weights: bool = False,
     muon: dict | None = None,
     lora: dict | None = None,
+    preference: dict | None = None,
 ) -> dict[str, list]:
     """``{"loss": [...], "grad_norm": [...], "lr": [...], "evals": [...]}`` of ``steps`` steps of the unsplit model.
 
@@ -49,21 +51,20 @@ def reference_run(
     (``moe_aux_loss=...``); ``documents``: the packed-document flags (``reset_attention_mask=True``, ...); ``mtp``:
     the MTP flags (``mtp=True, mtp_weight=...``); ``muon``: ``--optimizer muon``'s
     ``{"lr": ..., "weight_decay": ..., "qk_clip": ...}`` (one process of ``megakit.train.engine.muon``);
-    ``lora``: a ``LoraSpec``'s fields and the ``base`` checkpoint;
-    ``weights``: also the final ``state_dict`` (``"weights"``). The
-    loss is sum(loss) / sum(tokens) over each step's global batch (as ``token_weighting`` makes the trainer's);
-    an MoE model's balancing losses are scaled 1 / micro-batches and its expert bias moves once per step.
+    ``lora``: a ``LoraSpec``'s fields and the ``base`` checkpoint; ``preference``: the pair objective's flags
+    (``objective="dpo", dpo_beta=...``: the reference pass first, the loss the mean over each step's pairs);
+    ``weights``: also the final ``state_dict`` (``"weights"``). The loss is sum(loss) / sum(tokens) over each step's
+    global batch (as ``token_weighting`` makes the trainer's); an MoE model's balancing losses are scaled
+    1 / micro-batches and its expert bias moves once per step.
     """
-    from deepspeed.runtime import lr_schedules
-
-    from megakit.nn.model import ModelConfig, Transformer, set_loss_tokens
-    from megakit.nn.moe.layer import set_aux_loss_scale, update_expert_bias
-    from megakit.nn.mtp import depth_token_counts
+    from megakit.nn.model import ModelConfig, Transformer
+    from megakit.nn.moe.layer import set_aux_loss_scale
     from megakit.train.run import TrainConfig, with_moe_flags
 
     corpus = open_corpus(data, max_bytes=max_bytes)
     config = model_for_corpus(ModelConfig.load(model), model, corpus)
-    cfg = TrainConfig(ds_config=ds_config, model=model, **(moe or {}), **(documents or {}), **(mtp or {}))
+    flags = {**(moe or {}), **(documents or {}), **(mtp or {}), **(preference or {})}
+    cfg = TrainConfig(ds_config=ds_config, model=model, **flags)
     config = with_moe_flags(config, cfg)
     net = _adapted(Transformer(config, seed=seed, mtp=cfg.mtp, mtp_weight=cfg.mtp_weight), config, lora, seed)
     depths = len(net.mtp)
@@ -78,44 +79,20 @@ def reference_run(
     batches = TokenBatches(corpus.train, plan, **corpus.loader_options(cfg))
     optimizer = _optimizer(net, ds_config, muon)
     ds_config = copy.deepcopy(ds_config)  # the caller's stays as it was
-    schedule_over_steps(ds_config, steps=steps)  # over the run's steps, as the trainer's
-    scheduler = None
-    if "scheduler" in ds_config:
-        kind = ds_config["scheduler"]["type"]
-        scheduler = getattr(lr_schedules, kind)(optimizer, **ds_config["scheduler"].get("params", {}))
-        start_schedule(scheduler, 0)
+    scheduler = _scheduler(optimizer, ds_config, steps)
     max_norm = float(ds_config.get("gradient_clipping", 0.0))
     out = {"loss": [], "grad_norm": [], "lr": [], "evals": [], "mtp": []}
     micro_count = plan.dp * plan.accumulation
+    pairs = _Pairs(net, batches, cfg, corpus.pairs) if preference else None  # the reference: the start, once
     set_aux_loss_scale(net, 1.0 / micro_count)
     for step in range(steps):
         out["lr"].append(optimizer.param_groups[0]["lr"])
-        total, depth_losses = 0.0, torch.zeros(depths, dtype=torch.float64)
-        step_batches = [
-            (batches.micro_batches(step, rank), batches.sample_numbers(step, rank), batches.forward_extras(step, rank))
-            for rank in range(plan.dp)
-        ]
-        tokens = sum(
-            depth_token_counts(labels, depths, more.get("documents")).double()  # the main's, each depth's
-            for mbs, _, extras in step_batches
-            for (_, labels), more in zip(mbs, extras)
-        )
-        set_loss_tokens(net, tokens.clamp(min=1).float())  # sum / sum over the whole global batch; no target: 0
-        for micro_batches, numbers, extras in step_batches:
-            for (inputs, labels), rows, more in zip(micro_batches, numbers, extras):
-                loss = net(inputs, labels, sample_ids=rows, **more)
-                loss.backward()
-                total += float(loss.detach())
-                depth_losses += torch.tensor([float(x) for x in net.mtp_losses], dtype=torch.float64)
-        norm = torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm if max_norm > 0 else float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        update_expert_bias(net)
+        total, norm, depth_losses = _step(net, batches, step, pairs=pairs, optimizer=optimizer, max_norm=max_norm)
         if scheduler is not None:
             scheduler.step()
         out["loss"].append(total)
-        out["grad_norm"].append(float(norm))
-        out["mtp"].append(depth_losses.tolist() if depths else None)  # each L_k: its sum over its own tokens
+        out["grad_norm"].append(norm)
+        out["mtp"].append(depth_losses if depths else None)  # each L_k: its sum over its own tokens
         if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
             out["evals"].append(
                 {"step": step + 1, "loss": _validation_loss(net, corpus.parts, plan, eval_batches, cfg)}
@@ -123,6 +100,39 @@ def reference_run(
     if weights:
         out["weights"] = {name: t.detach().clone() for name, t in net.state_dict().items()}
     return out
+
+
+def _step(net, batches, step: int, *, pairs, optimizer, max_norm: float) -> tuple[float, float, list[float]]:
+    """One optimizer step over every DP rank's micro-batches in turn: ``(loss, grad norm, each MTP depth's loss)``."""
+    from megakit.nn.model import set_loss_tokens
+    from megakit.nn.moe.layer import update_expert_bias
+    from megakit.nn.mtp import depth_token_counts
+
+    depths, plan = len(net.mtp), batches.plan
+    total, depth_losses = 0.0, torch.zeros(depths, dtype=torch.float64)
+    step_batches = [
+        (batches.micro_batches(step, rank), batches.sample_numbers(step, rank), batches.forward_extras(step, rank))
+        for rank in range(plan.dp)
+    ]
+    tokens = sum(
+        depth_token_counts(labels, depths, more.get("documents")).double()  # the main's, each depth's
+        for mbs, _, extras in step_batches
+        for (_, labels), more in zip(mbs, extras)
+    )
+    set_loss_tokens(net, tokens.clamp(min=1).float())  # sum / sum over the whole global batch; no target: 0
+    if pairs is not None:  # each row's reference; the loss is the mean over the step's pairs
+        step_batches = pairs.for_step(net, step, step_batches)
+    for micro_batches, numbers, extras in step_batches:
+        for (inputs, labels), rows, more in zip(micro_batches, numbers, extras):
+            loss = net(inputs, labels, sample_ids=rows, **more)
+            loss.backward()
+            total += float(loss.detach())
+            depth_losses += torch.tensor([float(x) for x in net.mtp_losses], dtype=torch.float64)
+    norm = torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm if max_norm > 0 else float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    update_expert_bias(net)
+    return total, float(norm), depth_losses.tolist()
 
 
 def _optimizer(net: torch.nn.Module, ds_config: dict, muon: dict | None) -> torch.optim.Optimizer:
@@ -151,6 +161,70 @@ def _adapted(net, config, lora: dict | None, seed: int):
     if lora.get("base") is not None:
         load_checkpoint(lora["base"], net, base=True)
     return net
+
+
+def _scheduler(optimizer, ds_config: dict, steps: int):
+    """The ds_config's LR scheduler over the run's steps (as the trainer's), placed at step 0; None without one."""
+    from deepspeed.runtime import lr_schedules
+
+    schedule_over_steps(ds_config, steps=steps)
+    if "scheduler" not in ds_config:
+        return None
+    kind = ds_config["scheduler"]["type"]
+    scheduler = getattr(lr_schedules, kind)(optimizer, **ds_config["scheduler"].get("params", {}))
+    start_schedule(scheduler, 0)
+    return scheduler
+
+
+class _Pairs:
+    """The single process's reference log-probabilities of every window, and each micro-batch's share of them."""
+
+    def __init__(self, net, batches, cfg, slots: int) -> None:
+        from megakit.nn.model import set_loss_tokens, set_preference
+        from megakit.nn.tensor_parallel.preference import Preference
+
+        self.batches, self.slots = batches, slots
+        preference = Preference(
+            objective=cfg.objective,
+            beta=cfg.dpo_beta,
+            label_smoothing=cfg.label_smoothing,
+            gamma=0.5 if cfg.simpo_gamma is None else cfg.simpo_gamma,
+        )
+        set_preference(net, preference)
+        set_loss_tokens(net, None)
+        self.reference = torch.zeros(batches.num_samples, slots)
+        if preference.needs_reference:
+            net.eval()
+            with torch.no_grad():
+                for start in range(0, batches.num_samples, 8):
+                    rows = torch.arange(start, min(start + 8, batches.num_samples))
+                    x, y = batches._samples(rows)
+                    docs = batches._documents(rows)
+                    more = {"documents": docs, "reference": torch.zeros(len(rows), slots)}
+                    if batches.reset_positions:
+                        from megakit.nn.attention.masks import position_ids
+
+                        more["position_ids"] = position_ids(docs)
+                    net(x, y, **more)
+                    self.reference[rows] = net.sequence_logps
+            net.train()
+        net.preference_stats = None
+
+    def for_step(self, net, step: int, step_batches: list) -> list:
+        """Every DP rank's micro-batches with their rows' reference; ``net`` divides by the step's pairs."""
+        from megakit.nn.model import set_loss_tokens
+
+        out = []
+        for rank, (mbs, numbers, extras) in enumerate(step_batches):
+            parts = self.reference[self.batches.rank_indices(step, rank)].split(self.batches.plan.micro_batch)
+            out.append((mbs, numbers, [{**e, "reference": p} for e, p in zip(extras, parts)]))
+        count = sum(
+            count_pairs(labels, more["documents"], self.slots)
+            for mbs, _, extras in out
+            for (_, labels), more in zip(mbs, extras)
+        )
+        set_loss_tokens(net, count.clamp(min=1).float())
+        return out
 
 
 def _validation_loss(net, corpora, plan: BatchPlan, batches: int, cfg) -> float:

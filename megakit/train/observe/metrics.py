@@ -128,6 +128,7 @@ class StepMetrics:
     skipped: bool = False  # a non-finite step the optimizer did not apply (megakit.train.resilience.guards)
     moe: dict | None = None  # MoE layer -> {max_tokens, mean_tokens, dropped, aux, ...} (engine.moe_step)
     mtp: list | None = None  # each MTP depth's loss L_k of the step (observe.mtp_losses), with --mtp
+    preference: dict | None = None  # TRL's rewards/* and logps/* means over the step's pairs (observe.preference)
     all_to_all_bytes: int | None = None  # what this rank's all-to-alls sent (MoE, Ulysses CP; measured steps)
     compiling: bool = False  # the step's time includes torch.compile of the blocks (--compile's first step)
     gpu_util: float | None = None  # rank 0's GPU utilisation, % (gpu_state); None on CPU
@@ -193,6 +194,9 @@ class StepMetrics:
             parts.append(f"experts max/mean {self.moe_imbalance:.2f}")
         if self.mtp:
             parts.append("MTP loss " + "/".join(f"{x:.4f}" for x in self.mtp))
+        if self.preference:
+            p = self.preference
+            parts.append(f"margin {p['rewards/margins']:.4f} acc {p['rewards/accuracies']:.2f}")
         if self.gpu_util is not None:
             parts.append(f"GPU util {self.gpu_util:.0f}%")
         if self.gpu_mem_gib is not None:
@@ -225,6 +229,7 @@ class StepMetrics:
             out["comm/all_to_all_bytes"] = float(self.all_to_all_bytes)
         for k, value in enumerate(self.mtp or [], start=1):
             out[f"train/mtp_{k}_loss"] = value
+        out.update(self.preference or {})  # TRL's names: rewards/chosen, ..., logps/rejected
         if self.gpu_util is not None:
             out["perf/gpu_util"] = self.gpu_util
         if self.gpu_mem_gib is not None:
@@ -255,6 +260,7 @@ class StepMetrics:
             "gpu_mem_gib": self.gpu_mem_gib,
             "moe": None if self.moe is None else {str(k): v for k, v in self.moe.items()},
             "mtp": self.mtp,
+            **(self.preference or {}),
         }
 
 
