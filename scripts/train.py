@@ -53,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _Parser(description=__doc__.splitlines()[0], formatter_class=_Help)
     _model_flags(p)
     _moe_flags(p)
+    _lora_flags(p)
     _parallel_flags(p)
     _data_flags(p)
     _optimisation_flags(p)
@@ -128,6 +129,44 @@ def _moe_flags(p: argparse.ArgumentParser) -> None:
         help="benchmarking aid (Megatron's --moe-router-force-load-balancing): route by random logits, "
         "so every expert gets its even share in expectation, as most published MoE throughput is "
         "measured; the router learns nothing and the run is not a model to keep",
+    )
+
+
+def _lora_flags(p: argparse.ArgumentParser) -> None:
+    """LoRA: adapters on a frozen base instead of full fine-tuning."""
+    g = p.add_argument_group("LoRA", "parameter-efficient fine-tuning: adapters on a frozen base")
+    g.add_argument(
+        "--lora-rank",
+        metavar="R",
+        type=int,
+        default=None,
+        help="train LoRA adapters of rank R on a frozen base instead of every weight (default: off, full "
+        "fine-tuning); checkpoints then hold the adapters and their optimizer state only",
+    )
+    g.add_argument(
+        "--lora-alpha",
+        type=finite_float,
+        default=16.0,
+        help="LoRA's alpha: the adapters are scaled by alpha / R (default 16)",
+    )
+    g.add_argument("--lora-dropout", type=finite_float, default=0.0, help="dropout on the adapters' input (default 0)")
+    g.add_argument(
+        "--lora-targets",
+        metavar="NAMES",
+        default="all-linear",
+        help="comma-separated Hugging Face module names that get adapters (q_proj, k_proj, v_proj, o_proj, "
+        "gate_proj, up_proj, down_proj, ...) or peft's all-linear, every linear layer but the head (default)",
+    )
+    g.add_argument(
+        "--lora-rslora", action="store_true", help="rank-stabilised scaling alpha / sqrt(R) (peft's use_rslora)"
+    )
+    g.add_argument(
+        "--lora-base",
+        metavar="CKPT",
+        default=None,
+        help="the base checkpoint whose frozen weights the adapters train on (megakit convert --from-hf makes "
+        "one); --load CKPT of a checkpoint without adapters does the same. Default: the seed's weights, or on "
+        "--load of a LoRA checkpoint the base it names",
     )
 
 
@@ -552,7 +591,28 @@ def config(args: argparse.Namespace):
         eod_mask_loss=args.eod_mask_loss,
         mtp=args.mtp,
         mtp_weight=args.mtp_weight,
+        lora=_lora(args),
+        lora_base=args.lora_base,
         **({} if args.max_skipped_steps is None else {"max_skipped_steps": args.max_skipped_steps}),
+    )
+
+
+def _lora(args: argparse.Namespace):
+    """The ``LoraSpec`` of the --lora-* flags (None without --lora-rank)."""
+    from megakit.core.lora import LoraSpec, parse_targets
+    from megakit.errors import UsageError
+
+    if args.lora_rank is None:
+        given = [flag for flag in ("lora_rslora", "lora_base") if getattr(args, flag)]
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} applies to LoRA; give --lora-rank R too")
+        return None
+    return LoraSpec(
+        rank=args.lora_rank,
+        alpha=args.lora_alpha,
+        dropout=args.lora_dropout,
+        targets=parse_targets(args.lora_targets),
+        rslora=args.lora_rslora,
     )
 
 

@@ -83,8 +83,10 @@ from megakit.interop.checkpoint_format import (
 )
 from megakit.interop.checkpoint_split import (
     Split,
+    adapted,
     base_name,
     ep_place,
+    is_adapter,
     named_tensors,
     split_of,
     write_shard,
@@ -111,12 +113,15 @@ def _modules(model) -> list[nn.Module]:
 
 
 def named_parameters(model) -> dict[str, nn.Parameter]:
-    """Name -> parameter over this rank's stage module(s), by the model's layout-independent names."""
+    """Name -> parameter over this rank's stage module(s), by the model's layout-independent names (with LoRA
+    adapters: the adapters, the only parameters that train)."""
     out: dict[str, nn.Parameter] = {}
     for module in _modules(model):
         for name, param in module.named_parameters():
             assert name not in out, f"parameter {name} appears in two chunks"
             out[name] = param
+    if adapted(_modules(model)):
+        return {name: p for name, p in out.items() if is_adapter(name)}
     return out
 
 
@@ -447,19 +452,20 @@ def _publish(tmp: Path, target: Path) -> None:
 
 
 # -- load -------------------------------------------------------------------------------------------
-def load_checkpoint(directory, model, topo=None) -> Loaded:
-    """Copy this rank's shard of every parameter of ``model`` from the checkpoint in ``directory``.
+def load_checkpoint(directory, model, topo=None, *, base: bool = False) -> Loaded:
+    """Copy this rank's shard of every parameter of ``model`` from the checkpoint in ``directory``; of a model with
+    LoRA adapters, the adapters, or with ``base`` the frozen weights under them.
 
     Any saved TP x PP layout loads into any other: each rank reads only the slices its shard
     needs. Collective over the world (one all-gather of the outcome): every rank calls it, and
     an error on any rank (missing or corrupt file, other model) raises on all of them.
     Returns the saved step and extra metadata.
     """
-    return R.collectively(lambda: _load(Path(directory), model, topo), topo)
+    return R.collectively(lambda: _load(Path(directory), model, topo, base), topo)
 
 
 @torch.no_grad()
-def _load(directory: Path, model, topo) -> Loaded:
+def _load(directory: Path, model, topo, base: bool = False) -> Loaded:
     manifest = read_manifest(directory)
     saved = manifest_config(manifest, source=str(directory))
     config = _model_config(model)
@@ -476,7 +482,7 @@ def _load(directory: Path, model, topo) -> Loaded:
             "model before deepspeed.initialize (the engine copies its master weights from it there)"
         )
     with ShardReader(directory, manifest) as reader:
-        for name, tensor in named_tensors(_modules(model)).items():  # parameters and persistent buffers
+        for name, tensor in named_tensors(_modules(model), base=base).items():  # parameters, persistent buffers
             tensor.copy_(_read_shard(reader, name, list(tensor.shape), split_of(name, tensor, topo), directory))
     return Loaded(step=manifest["step"], extra=manifest["extra"])
 

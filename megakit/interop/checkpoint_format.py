@@ -325,6 +325,11 @@ class ShardReader:
                 f"checkpoint {self.directory} holds no Multi-Token Prediction modules ({name!r}): it was "
                 "saved without --mtp, or imported from weights without them; drop --mtp"
             )
+        if entry is None and name.endswith((".lora_A", ".lora_B")):
+            raise UsageError(
+                f"checkpoint {self.directory} holds no LoRA adapter {name!r}: it is a base model or was trained "
+                "with other --lora-targets; start a fine-tune from it with --lora-base, or give its --lora-* flags"
+            )
         if entry is None:
             raise UsageError(
                 f"checkpoint {self.directory} has no parameter {name!r}; it was saved from a different model"

@@ -77,9 +77,20 @@ def writes(name: str, tensor: torch.Tensor, topo) -> bool:
     return dp_first and (getattr(tensor, "tp_dim", None) is not None or tp_rank == 0)
 
 
-def named_tensors(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
+def is_adapter(name: str) -> bool:
+    """Whether the tensor called ``name`` is a LoRA adapter's (``megakit.nn.lora``)."""
+    return name.endswith((".lora_A", ".lora_B"))
+
+
+def adapted(modules: list[nn.Module]) -> bool:
+    """Whether the stage carries LoRA adapters (``megakit.nn.lora.add_lora`` marks each chunk it adapts)."""
+    return any(getattr(module, "lora_spec", None) is not None for module in modules)
+
+
+def named_tensors(modules: list[nn.Module], *, base: bool = False) -> dict[str, torch.Tensor]:
     """Name -> parameter or persistent buffer (the expert bias) over a stage's module(s), by the model's
-    layout-independent names; non-persistent buffers (RoPE tables) are derived, not saved."""
+    layout-independent names; non-persistent buffers (RoPE tables) are derived, not saved. A stage with LoRA
+    adapters: its adapters only (what trains and what its checkpoints hold), or with ``base`` all but them."""
     out: dict[str, torch.Tensor] = {}
     for module in modules:
         tensors = dict(module.named_parameters())
@@ -90,6 +101,8 @@ def named_tensors(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
         for name, tensor in tensors.items():
             assert name not in out, f"tensor {name} appears in two chunks"
             out[name] = tensor
+    if base or adapted(modules):
+        return {name: t for name, t in out.items() if is_adapter(name) != base}
     return out
 
 

@@ -16,6 +16,7 @@ directory and renamed, so a failed export leaves nothing at ``OUT_DIR``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -77,8 +78,9 @@ def _unit(
     return {_layer_prefix(config.family, unit) + k[len(first) :]: v for k, v in hf.items() if k.startswith(first)}
 
 
-def export_hf(checkpoint, out_dir, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:
-    """Write ``checkpoint`` to ``out_dir`` in transformers' layout; returns a summary dict."""
+def export_hf(checkpoint, out_dir, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, lora=None) -> dict:
+    """Write ``checkpoint`` to ``out_dir`` in transformers' layout; returns a summary dict. ``lora``: a LoRA
+    checkpoint trained on ``checkpoint``, whose adapters are merged into the weights (``megakit.interop.peft``)."""
     checkpoint, out = Path(checkpoint), Path(out_dir)
     manifest = read_manifest(checkpoint)
     config = manifest_config(manifest, source=str(checkpoint))
@@ -86,7 +88,13 @@ def export_hf(checkpoint, out_dir, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES
         raise UsageError(f"{out} already exists and is not empty; choose a new output directory or remove it")
     mtp = [f"mtp.{k}" for k in range(config.mtp_layers) if f"mtp.{k}.norm.weight" in manifest["params"]]
     units = [None, *range(config.layers), *mtp]
-    with ShardReader(checkpoint, manifest) as reader:
+    with ShardReader(checkpoint, manifest) as reader, contextlib.ExitStack() as stack:
+        if lora is not None:  # the adapted weights read as W + scaling B A
+            from megakit.interop.peft import MergedReader, merge_source
+
+            _, layers, scaling = merge_source(lora)
+            adapters = stack.enter_context(ShardReader(Path(lora), read_manifest(Path(lora))))
+            reader = MergedReader(reader, adapters, layers, scaling)
         shards, size = [[]], 0  # units per output file, sized from meta tensors
         for unit in units:
             nbytes = sum(

@@ -32,7 +32,8 @@ def index_seed(seed: int, name: str, index: int) -> int:
 
 @torch.no_grad()
 def init_shard_(param: torch.Tensor, *, name: str, seed: int, tp_rank: int, rule: tuple, ep_rank: int = 0) -> None:
-    """Fill this rank's shard of ``param`` by ``rule``: ``("normal", std)``, ``("zeros",)``, ``("ones",)``.
+    """Fill this rank's shard of ``param`` by ``rule``: ``("normal", std)``, ``("uniform", bound)`` (in
+    ``[-bound, bound)``), ``("zeros",)``, ``("ones",)``.
 
     Reads ``param.tp_dim`` (split dimension or None) and ``param.tp_unpadded`` (global size
     without padding: padded slices are zero) as set by ``megakit.nn.tensor_parallel.layers.mark``.
@@ -46,8 +47,8 @@ def init_shard_(param: torch.Tensor, *, name: str, seed: int, tp_rank: int, rule
     if kind == "ones":
         param.fill_(1.0)
         return
-    assert kind == "normal", rule
-    std = float(rule[1])
+    assert kind in ("normal", "uniform"), rule
+    scale = float(rule[1])
     split, rank = getattr(param, "tp_dim", None), tp_rank
     if getattr(param, "ep_dim", None) is not None:
         split, rank = param.ep_dim, ep_rank
@@ -64,5 +65,8 @@ def init_shard_(param: torch.Tensor, *, name: str, seed: int, tp_rank: int, rule
             if unpadded is not None and index >= unpadded:
                 continue  # padding rows stay zero
             gen = torch.Generator().manual_seed(index_seed(seed, name, index))
-            block[i - lo] = torch.randn(slice_shape, generator=gen) * std
+            if kind == "normal":
+                block[i - lo] = torch.randn(slice_shape, generator=gen) * scale
+            else:
+                block[i - lo] = (torch.rand(slice_shape, generator=gen) * 2 - 1) * scale
         param.narrow(dim, lo, hi - lo).copy_(block.movedim(0, dim))

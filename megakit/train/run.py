@@ -17,6 +17,7 @@ import torch
 
 from megakit.core.compression import Compression, parse_compression
 from megakit.core.layout import Layout, check_ep_fold, hybrid_degrees
+from megakit.core.lora import LoraSpec
 from megakit.core.model_config import ModelConfig, check_seq_len
 from megakit.core.partition import partition_layers
 from megakit.core.planner.activations import loss_chunks_of
@@ -30,6 +31,7 @@ from megakit.nn.model import trained_mtp_depth
 from megakit.nn.tensor_parallel.fp8 import check_fp8
 from megakit.train.data.batches import DEFAULT_MAX_BYTES, BatchPlan
 from megakit.train.data.corpus import Corpus, ValidationBatches, model_for_corpus, open_corpus
+from megakit.train.engine import lora as lora_run
 from megakit.train.engine.ds_config import load_ds_config, require_optimizer, schedule_over_steps
 from megakit.train.resilience.guards import DEFAULT_MAX_SKIPPED
 from megakit.train.resilience.restarts import AUTO, auto_load
@@ -115,8 +117,12 @@ class TrainConfig:
     eod_mask_loss: bool = False  # no loss where the input is the end-of-document token
     mtp: bool = False  # train the config's Multi-Token Prediction modules (DeepSeek-V3's num_nextn_predict_layers)
     mtp_weight: float = 0.1  # lambda of L_main + lambda / D x sum(L_k) (Megatron's default; DeepSeek-V3: 0.3, then 0.1)
+    lora: LoraSpec | dict | None = None  # train LoRA adapters on a frozen base (megakit.core.lora; a dict from JSON)
+    lora_base: str | None = None  # the base checkpoint a LoRA fine-tune starts from (train.engine.lora)
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):
+            object.__setattr__(self, "lora", LoraSpec(**self.lora))
         if self.stage_layers is not None:  # a list from JSON (tests/launch_sweep.py) or a tuple from --stage-layers
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
         if self.recompute not in RECOMPUTE:
@@ -214,6 +220,7 @@ class Run:
     data_offset: int = 0  # step s reads the batch of step s + data_offset (batches a spike rollback skipped)
     spike_window: list | None = None  # the spike guard's recent losses, as the checkpoint saved them
     lr_schedule: str = ""  # the banner's line on the LR schedule: over --steps, or as the ds_config pins it
+    lora_base: Path | None = None  # with LoRA: the checkpoint of the frozen base (None: the seed's weights)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -276,7 +283,10 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
         ds_config["train_batch_size"] *= cfg.cp
     sequence_parallel = cfg.sequence_parallel and cfg.tp > 1
     load = auto_load(cfg.save, cfg.load, init=cfg.init, say=say)  # --load auto and --init: what --save holds now
+    load, lora_base = lora_run.base_for_load(cfg.lora, load, cfg.lora_base)  # LoRA: --load BASE starts a fine-tune
     start, checkpoint = check_checkpoint_flags(save=cfg.save, load=load, steps=cfg.steps, series=cfg.keep > 0, say=say)
+    lora_base = lora_run.check_resume(cfg.lora, checkpoint, lora_base)
+    lora_run.check_layout(cfg.lora, model, ep=cfg.ep, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)))
     batch = BatchPlan(
         seq_len=seq_len,
         micro_batch=ds_config["train_micro_batch_size_per_gpu"],
@@ -323,6 +333,7 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
         data_offset=data_offset(extra),
         spike_window=extra.get("spike_guard"),
         lr_schedule=lr_schedule,
+        lora_base=lora_base,
     )
 
 

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_checkpoint
+from megakit.interop.peft import lora_extra
 from megakit.interop.checkpoint_async import AsyncWriter
 from megakit.nn import comm
 from megakit.nn.attention.core import use_cp_mode
@@ -260,6 +261,7 @@ def _build(run: Run, topo, doctor=None):
     """This rank's stage model wrapped in a DeepSpeed engine (and the ZeRO-0 clipper when needed)."""
     import deepspeed
 
+    from megakit.nn.lora import add_lora
     from megakit.nn.model import build_stage_chunks
     from megakit.nn.tensor_parallel.fp8 import convert_to_fp8
 
@@ -277,6 +279,8 @@ def _build(run: Run, topo, doctor=None):
         mtp=cfg.mtp,
         mtp_weight=cfg.mtp_weight,
     )
+    for chunk in chunks if cfg.lora is not None else ():  # the base frozen, the adapters drawn from the seed
+        add_lora(chunk, cfg.lora, config=run.model, seed=cfg.seed, tp_group=topo.tp_group)
     for chunk in chunks:  # before DeepSpeed: its hooks sit on the parameters, outside the compiled blocks
         convert_to_fp8(chunk, cfg.fp8)  # the weights stay the module's own: checkpoints see plain parameters
         use_kernel(chunk, run.attention)
@@ -288,6 +292,11 @@ def _build(run: Run, topo, doctor=None):
     stage = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # interleaved: one engine, all chunks
     if run.zero_stage == 3:  # F.linear would keep each gathered weight alive until backward
         save_weights_not_views(stage)
+    if run.lora_base:  # the frozen weights under the adapters
+        try:
+            load_checkpoint(run.lora_base, stage, topo, base=True)
+        except UsageError as error:
+            raise everywhere(error)
     if run.checkpoint:  # before deepspeed.initialize: the engine copies its master weights from the model
         try:
             load_checkpoint(run.checkpoint, stage, topo)
@@ -637,6 +646,7 @@ def _save(run: Run, topo, loop: _Loop, writer: AsyncWriter | None, *, done: int,
             "corpus": run.corpus.fingerprint,
         },
         **({"spike_guard": loop.spikes.state()} if loop.spikes else {}),
+        **({"lora": lora_extra(run.cfg.lora, run.lora_base)} if run.cfg.lora else {}),
     }
     try:
         saved = save_run(

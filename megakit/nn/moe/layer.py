@@ -62,6 +62,7 @@ from megakit.nn.moe.grouped_mm import grouped_mm
 from megakit.nn.moe.router import balance_losses, capacity_keep, route
 from megakit.nn.tensor_parallel.collectives import copy_to_tp, gather_from_tp, scatter_to_tp
 from megakit.nn.tensor_parallel.layers import mark
+from megakit.nn.tensor_parallel.lora import replicated_delta
 
 
 def _param(*shape, dtype, device, ep: bool = False) -> nn.Parameter:
@@ -74,6 +75,12 @@ class _Weight(nn.Module):
     def __init__(self, rows: int, cols: int, *, dtype, device) -> None:
         super().__init__()
         self.weight = _param(rows, cols, dtype=dtype, device=device)
+        self.lora_scaling = None  # megakit.nn.lora adds lora_A, lora_B and sets it (shared experts)
+
+    def apply_to(self, x: torch.Tensor, tp_group) -> torch.Tensor:
+        """``x W^T`` with the weight replicated over TP (its gradient summed), plus a LoRA adapter's output."""
+        y = F.linear(x, copy_to_tp(self.weight, tp_group))
+        return y if self.lora_scaling is None else y + replicated_delta(self, x, tp_group)
 
 
 class Router(nn.Module):
@@ -103,8 +110,8 @@ class SharedExpert(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, tp_group) -> torch.Tensor:
-        w = [copy_to_tp(m.weight, tp_group) for m in (self.gate_proj, self.up_proj, self.down_proj)]
-        return F.linear(F.silu(F.linear(x, w[0])) * F.linear(x, w[1]), w[2])
+        gate, up = self.gate_proj.apply_to(x, tp_group), self.up_proj.apply_to(x, tp_group)
+        return self.down_proj.apply_to(F.silu(gate) * up, tp_group)
 
 
 class Experts(nn.Module):

@@ -15,6 +15,7 @@ from torch import nn
 from megakit.core.model_config import padded_vocab
 from megakit.nn import comm as C
 from megakit.nn.tensor_parallel.collectives import enter_tp_region, gather_from_tp, leave_tp_region, replicated
+from megakit.nn.tensor_parallel.lora import column_delta, row_delta
 
 
 def mark(param: nn.Parameter, tp_dim: int | None, *, unpadded: int | None = None) -> nn.Parameter:
@@ -69,11 +70,14 @@ class ColumnParallelLinear(nn.Module):
         self.weight = mark(_empty(local, in_features, dtype=dtype, device=device), 0)
         self.bias = mark(_empty(local, dtype=dtype, device=device), 0) if bias else None
         self.matmul = F.linear  # megakit.nn.tensor_parallel.fp8 swaps in a float8 matmul (same weight, same names)
+        self.lora_scaling = None  # megakit.nn.lora adds lora_A, lora_B and sets it (tensor_parallel.lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
             x = enter_tp_region(x, self.group, self.sequence_parallel)  # (S, B, in)
         y = self.matmul(x, self.weight, self.bias)  # (S, B, out/tp)
+        if self.lora_scaling is not None:
+            y = y + column_delta(self, x)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
@@ -102,9 +106,13 @@ class RowParallelLinear(nn.Module):
         self.weight = mark(_empty(out_features, local, dtype=dtype, device=device), 1)
         self.bias = mark(_empty(out_features, dtype=dtype, device=device), None) if bias else None
         self.matmul = F.linear  # megakit.nn.tensor_parallel.fp8 swaps in a float8 matmul (same weight, same names)
+        self.lora_scaling = None  # megakit.nn.lora adds lora_A, lora_B and sets it (tensor_parallel.lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = leave_tp_region(self.matmul(x, self.weight), self.group, self.sequence_parallel)  # (S', B, out)
+        y = self.matmul(x, self.weight)  # (S, B, out), partial over TP
+        if self.lora_scaling is not None:
+            y = y + row_delta(self, x)  # the adapter's partial sum joins the base's: one collective for both
+        y = leave_tp_region(y, self.group, self.sequence_parallel)  # (S', B, out)
         if self.bias is not None:
             y = y + replicated(self.bias, self.group, self.sequence_parallel)
         return y

@@ -88,11 +88,16 @@ def column_parallel(x: torch.Tensor, layers, group, sequence_parallel: bool) -> 
     """
     if C.size(group) == 1:
         return tuple(layer(x) for layer in layers)
-    if torch.compiler.is_compiling() or any(layer.matmul is not F.linear for layer in layers):
+    if (
+        torch.compiler.is_compiling()
+        or any(layer.matmul is not F.linear for layer in layers)
+        or any(layer.lora_scaling is not None for layer in layers)
+    ):
         # torch.compile traces the composed functions (the engine questions and async waits below do not trace);
-        # a float8 matmul (--fp8) is the layer's own: both keep the gathered input, as before
+        # a float8 matmul (--fp8) is the layer's own, and so is a LoRA adapter (tensor_parallel.lora): all keep
+        # the gathered input, as before
         x = enter_tp_region(x, group, sequence_parallel)
-        return tuple(layer.matmul(x, layer.weight, layer.bias) for layer in layers)
+        return tuple(layer(x) for layer in layers)
     weights = [_askable(layer.weight) for layer in layers]
     biases = [_askable(layer.bias) for layer in layers]
     return _ColumnParallelLinears.apply(_askable(x), group, sequence_parallel, len(layers), *weights, *biases)

@@ -37,6 +37,8 @@ def reference_run(
     documents: dict | None = None,
     mtp: dict | None = None,
     weights: bool = False,
+    lora: dict | None = None,
+    lora_base: str | None = None,
 ) -> dict[str, list]:
     """``{"loss": [...], "grad_norm": [...], "lr": [...], "evals": [...]}`` of ``steps`` steps of the unsplit model.
 
@@ -45,7 +47,9 @@ def reference_run(
     holds ``{"step", "loss"}`` where the trainer evaluates: the mean loss, in eval mode, over the tokens of every
     micro-batch of ``eval_batches`` validation batches. ``moe``: the ``TrainConfig`` ``moe_*`` flags
     (``moe_aux_loss=...``); ``documents``: the packed-document flags (``reset_attention_mask=True``, ...); ``mtp``:
-    the MTP flags (``mtp=True, mtp_weight=...``); ``weights``: also the final ``state_dict`` (``"weights"``). The
+    the MTP flags (``mtp=True, mtp_weight=...``); ``lora``: a ``LoraSpec``'s fields (adapters on the frozen model, the
+    checkpoint ``lora_base`` or the seed's);
+    ``weights``: also the final ``state_dict`` (``"weights"``). The
     loss is sum(loss) / sum(tokens) over each step's global batch (as ``token_weighting`` makes the trainer's);
     an MoE model's balancing losses are scaled 1 / micro-batches and its expert bias moves once per step.
     """
@@ -61,6 +65,15 @@ def reference_run(
     cfg = TrainConfig(ds_config=ds_config, model=model, **(moe or {}), **(documents or {}), **(mtp or {}))
     config = with_moe_flags(config, cfg)
     net = Transformer(config, seed=seed, mtp=cfg.mtp, mtp_weight=cfg.mtp_weight)
+    if lora is not None:
+        from megakit.core.lora import LoraSpec
+        from megakit.nn.lora import add_lora
+
+        add_lora(net, LoraSpec(**lora), config=config, seed=seed)
+        if lora_base is not None:
+            from megakit.interop.checkpoint import load_checkpoint
+
+            load_checkpoint(lora_base, net, base=True)
     depths = len(net.mtp)
     seq_len = seq_len or config.max_seq_len
     plan = BatchPlan(

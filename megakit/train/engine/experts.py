@@ -73,6 +73,10 @@ def mark_experts(module: torch.nn.Module, ep: int, *, zero3: bool = False) -> in
     also as partitioned over that group's EDP ranks); returns how many. At EP 1 nothing is tagged: every rank holds
     every expert, a dense weight."""
     params = expert_parameters(module) if ep > 1 else {}
+    for p in params.values():  # frozen by LoRA: no optimizer state, so not DeepSpeed's experts (no MoE group), but
+        if not p.requires_grad:  # each EP rank holds its own: ds_optim_param keeps its start-up broadcast off them
+            p.ds_optim_param = True
+    params = {n: p for n, p in params.items() if p.requires_grad}
     for p in params.values():
         p.allreduce, p.group_name = False, group_name(ep)
         p.model_parallel = True  # held by one rank of each EDP group, whatever its TP rank: counted in the norm there
