@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from megakit.commands import plan_report
+from megakit.commands import plan_lora, plan_report
 from megakit.core.compression import parse_compression
 from megakit.core.partition import parse_stage_layers
 from megakit.core.planner import emit, launch_script, save_interval
@@ -54,6 +54,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _model_flags(parser)
     _cluster_flags(parser)
     _training_flags(parser)
+    plan_lora.configure(parser)
     _pin_flags(parser)
     _output_flags(parser)
     _checkpoint_flags(parser)
@@ -446,6 +447,7 @@ def run(args) -> int:
     _check_fp8(args, gpu, precision)
     execution = dict(fused_kernels=args.kernels == "compiled", fp8=args.fp8, **RUNTIMES[args.runtime])
     execution |= megatron_options
+    execution["lora"] = plan_lora.spec(args, model, runtime=args.runtime)
     if args.dp_shard is not None:
         if args.runtime != "fsdp":
             raise UsageError(
@@ -639,6 +641,8 @@ def run(args) -> int:
         report["plan"]["gflops_per_token"]["with_mtp"] = (
             model.config.causal_flops_per_token(model.seq_len, mtp=True) / 1e9
         )
+    if plan.lora is not None:
+        report["plan"]["lora"] = plan_lora.report(model, plan, mem, cluster, threshold=args.mem_threshold)
     if plan.cp > 1:
         report["plan"]["cp_mode_note"] = _cp_mode_note(model, cluster, plan, cost, pins)
     if result.fits == "above_threshold":
