@@ -63,7 +63,8 @@ def report(model: ModelSpec, plan, mem, cluster, *, threshold: float) -> dict:
     line = threshold * cluster.gpu.mem_gib * GIB
     full_floor = 16 * model.params / cluster.num_gpus  # bf16/fp16: 2 + 2 + 4 + 8; fp32: 4 + 4 + 8 (no master)
     why = (
-        f"LoRA is what lets it fit: a full fine-tune's model states alone, ZeRO-3 over all {cluster.num_gpus} GPUs, "
+        f"LoRA is what lets it fit: a full fine-tune's model states alone, ZeRO-3 over all {cluster.num_gpus} GPUs "
+        "without offload, "
         f"are {full_floor / GIB:,.1f} GiB per GPU, over the {line / GIB:,.1f} GiB line; LoRA keeps the frozen base "
         f"({mem.items['params'] / GIB:,.2f} GiB here) and the adapters' states only"
         if full_floor > line
