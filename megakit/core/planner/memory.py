@@ -558,8 +558,10 @@ class _Stage:
         return sum(x.bytes(seq_len=self.seq_len, micro_batch=self.micro_batch) for x in tensors)
 
     def saved(self, tensors: list) -> list:
-        """What the runtime saves of ``tensors``: Megatron-Core's fused norms keep no normalised copy."""
-        return [x for x in tensors if not (self.megatron and x.name.endswith(TE_NORM_DROPS))]
+        """What the runtime saves of ``tensors``: Megatron-Core's fused norms keep no normalised copy, nor do frozen
+        norms (LoRA), whose weight wants no gradient."""
+        frozen = self.megatron or self.lora is not None
+        return [x for x in tensors if not (frozen and x.name.endswith(TE_NORM_DROPS))]
 
     def megatron_kept(self, tensors: list, is_moe: bool) -> list:
         """``tensors`` less what selective recompute frees: Megatron-Core's ``recompute_modules``, or the attention
@@ -802,6 +804,11 @@ class _Stage:
         logits of one head at a time), less what full recompute rebuilds: depth k's final norm."""
         model, s, b, head = self.model, self.seq_len, self.micro_batch, self.head
         norm = s * b * (2 * self.p * model.hidden + 4) / (self.tp if self.sequence_parallel else 1)  # RMSNorm (llama)
+        if self.lora is not None and self.loss_chunks == 1:  # a frozen head and final norm: no weight gradients,
+            # so neither keeps its normalised input (RMSNorm's, or the head's input: one copy each)
+            frozen = self.seq_len * self.micro_batch * self.p * model.hidden
+            frozen *= 1 if model.family == "gpt2" else 1 + 1 / (self.tp if self.sequence_parallel else 1)
+            return logits_bytes(model, **head) - frozen
         return logits_bytes(model, **head) + model.mtp * (
             logits_bytes(model, transient=False, **head)
             - (self.recompute_fraction * norm if self.recompute == "full" else 0)

@@ -113,7 +113,8 @@ class MemoryProbe:
         basic.register_step_pre_hook(lambda *_: self.sample(pre_step=True))
         basic.register_step_post_hook(lambda *_: self.sample())
         for p in engine.module.parameters():
-            p.register_post_accumulate_grad_hook(lambda _p: self.sample())
+            if p.requires_grad:  # a frozen base (LoRA) gets no gradient to sample at
+                p.register_post_accumulate_grad_hook(lambda _p: self.sample())
         for chunk in self._chunks():  # from the final norm to the loss: the head's saved tensors
             if chunk.post:
                 chunk.norm.register_forward_pre_hook(lambda *_: setattr(self, "_in_head", True))
