@@ -4,10 +4,10 @@ each rank of the trainer holds (issue 45, item 1).
 Families: dense (llama-tiny), MoE (moe-tiny: softmax router, a gated shared expert), MLA with a sigmoid router and
 a shared expert (deepseek-v3-tiny), gpt-oss (router and expert biases, clamped SwiGLU, attention sinks) and Gemma 3
 (QK-norm, sandwich norms, sliding windows). Layouts: one process, EP 2 (the MoE families), TP 2 with SP, PP 2 and
-CP 2 as a ring and as Ulysses' all-to-all; ZeRO 1, seq 32. LoRA (issue 46) on llama-tiny at TP 2 with SP: the
-frozen base, the adapters' states and the activations they keep. Two jobs: one process, then every two-process
-case in one launcher run (``tests/launch_sweep.py``); one optimizer step each (two micro-batches: PP 2's 1F1B has
-both in flight), enough for every state (Adam's moments appear at the first step) and every activation.
+CP 2 as a ring and as Ulysses' all-to-all; ZeRO 1, seq 32. LoRA (issue 46) on llama-tiny at TP 2 with SP and at
+DP 2 under ZeRO 2: the frozen base, the adapters' states and what they keep. Two jobs: one process, then every
+two-process case in one launcher run (``tests/launch_sweep.py``); one optimizer step each (two micro-batches: PP 2's
+1F1B has both in flight), enough for every state (Adam's moments appear at the first step) and every activation.
 """
 
 import json

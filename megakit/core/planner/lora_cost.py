@@ -9,10 +9,12 @@ forward, twice that backward (input and weight gradients). The output head, the 
 experts get none (``megakit.nn.lora.NOT_ADAPTED``; routed experts are refused).
 
 What an adapter keeps for backward, per micro-batch: its rank-``r`` intermediate ``A x`` (``B``'s input, p bytes an
-element) and, with dropout, its dropped input and the mask; under SP a column-parallel layer's adapter keeps the
-all-gathered input (the frozen base keeps nothing: its weight needs no gradient, and megakit's full fine-tune keeps
-the shard and gathers it again). Without dropout or SP the input ``A`` keeps is the tensor a full fine-tune's weight
-gradient keeps, so the block's other saved tensors are counted as before (``activations``).
+element) and, with dropout, its dropped input and the mask; under SP the column-parallel layers' adapters keep their
+all-gathered input, once for q, k and v and once for gate and up (the frozen base keeps nothing: its weight needs no
+gradient; megakit's full fine-tune keeps the shard and gathers it again, counted in ``activations``). Without
+dropout or SP the input ``A`` keeps is the tensor a full fine-tune's weight gradient keeps, so the block's other
+saved tensors are counted as before (``activations``), less the norms' normalised copies that only their frozen
+weights' gradients would want (``memory._Stage.saved``).
 Pure Python: no torch.
 """
 
@@ -21,6 +23,14 @@ from __future__ import annotations
 from megakit.core.lora import LoraSpec
 from megakit.core.planner.activations import PRECISIONS
 from megakit.core.planner.model_spec import ModelSpec
+
+SHARED_INPUT = {
+    "q_proj": "attention",
+    "k_proj": "attention",
+    "v_proj": "attention",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+}
 
 
 def block_linears(model: ModelSpec, tp: int, *, moe: bool = False, sequence_parallel: bool = False) -> list:
@@ -88,14 +98,15 @@ def block_activations(
     split): the rank-``r`` intermediates, the dropped inputs and masks, and under SP the column layers' gathered
     inputs."""
     p = PRECISIONS[precision]
-    total = 0.0
-    for _, kind, rows, k, _ in adapted(model, spec, tp, moe=moe, sequence_parallel=sequence_parallel):
+    total, gathered = 0.0, set()
+    for name, kind, rows, k, _ in adapted(model, spec, tp, moe=moe, sequence_parallel=sequence_parallel):
         m = rows * tokens
         total += p * m * spec.rank
         if spec.dropout:
             total += m * k * (p + 1)  # the dropped copy of the input and its mask (bool)
-        elif sequence_parallel and tp > 1 and kind == "column":
-            total += p * m * k  # the gathered input (a full fine-tune keeps the shard: counted in activations)
+        elif sequence_parallel and tp > 1 and kind == "column" and SHARED_INPUT.get(name, name) not in gathered:
+            gathered.add(SHARED_INPUT.get(name, name))  # q, k and v (gate and up) adapt one gathered input
+            total += p * m * k * (1 - 1 / tp)  # the gathered input, where a full fine-tune keeps its shard
     return total
 
 
