@@ -57,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _parallel_flags(p)
     _data_flags(p)
     _optimisation_flags(p)
+    _lora_flags(p)
     _speed_flags(p)
     _checkpoint_flags(p)
     _report_flags(p)
@@ -315,6 +316,39 @@ def _optimisation_flags(p: argparse.ArgumentParser) -> None:
         help="asynchronous-style DP (ZeRO 0, fp32): each rank steps on its own gradients and the weights "
         "are averaged every H steps (post-local SGD): ~H x fewer bytes, some loss per step. Prefer "
         "the default synchronous training unless the network is the bottleneck",
+    )
+
+
+def _lora_flags(p: argparse.ArgumentParser) -> None:
+    """LoRA: adapters on a frozen base instead of every weight (megakit.core.lora, megakit.nn.lora)."""
+    g = p.add_argument_group("LoRA", "train low-rank adapters on a frozen base (docs/training.md)")
+    g.add_argument(
+        "--lora-rank",
+        metavar="R",
+        type=int,
+        default=None,
+        help="train LoRA adapters of rank R on a frozen base instead of every weight (default: off, full "
+        "fine-tuning); checkpoints then hold the adapters and their optimizer state only",
+    )
+    g.add_argument("--lora-alpha", type=finite_float, default=16.0, help="LoRA's alpha: adapters scaled by alpha / R")
+    g.add_argument("--lora-dropout", type=finite_float, default=0.0, help="dropout on the adapters' input (0 only)")
+    g.add_argument(
+        "--lora-targets",
+        metavar="NAMES",
+        default="all-linear",
+        help="comma-separated Hugging Face module names that get adapters (q_proj, k_proj, v_proj, o_proj, "
+        "gate_proj, up_proj, down_proj, ...) or peft's all-linear: every linear layer but the head",
+    )
+    g.add_argument(
+        "--lora-rslora", action="store_true", help="rank-stabilised scaling alpha / sqrt(R) (peft's use_rslora)"
+    )
+    g.add_argument(
+        "--lora-base",
+        metavar="CKPT",
+        default=None,
+        help="the base checkpoint whose frozen weights the adapters train on (megakit convert --from-hf makes "
+        "one); --load CKPT of a checkpoint without adapters does the same (default: the seed's weights, or on "
+        "--load of a LoRA checkpoint the base it names)",
     )
 
 

@@ -76,8 +76,8 @@ def test_every_layout_trains_the_adapters_as_one_process(job, base):
 
     cases, results, _ = job
     # the base's weights are not the seed's, so a run that did not load it would not follow
-    ref = reference_run(ds_config(1, micro=2, accumulation=2), model=MODEL, steps=STEPS, seq_len=32, lora=LORA,
-                        lora_base=str(base))  # fmt: skip
+    lora = LORA | {"base": str(base)}
+    ref = reference_run(ds_config(1, micro=2, accumulation=2), model=MODEL, steps=STEPS, seq_len=32, lora=lora)
     tp_pp, resumed, moe = results
     _follows(tp_pp, ref)
     _follows(resumed, ref, start=2)  # from the TP x PP checkpoint, at DP 4 under ZeRO 3

@@ -286,7 +286,8 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     load, lora_base = lora_run.base_for_load(cfg.lora, load, cfg.lora_base)  # LoRA: --load BASE starts a fine-tune
     start, checkpoint = check_checkpoint_flags(save=cfg.save, load=load, steps=cfg.steps, series=cfg.keep > 0, say=say)
     lora_base = lora_run.check_resume(cfg.lora, checkpoint, lora_base)
-    lora_run.check_layout(cfg.lora, model, ep=cfg.ep, zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)))
+    if cfg.lora is not None:
+        say(lora_run.banner(cfg.lora, lora_base))
     batch = BatchPlan(
         seq_len=seq_len,
         micro_batch=ds_config["train_micro_batch_size_per_gpu"],
@@ -311,6 +312,7 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
         )
     zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     compile = _check_zero3(cfg, zero_stage, schedule)
+    lora_run.check_layout(cfg.lora, model, ep=cfg.ep, zero_stage=zero_stage)
     return Run(
         cfg=cfg,
         layout=layout,

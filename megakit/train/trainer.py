@@ -48,8 +48,8 @@ import torch.distributed as dist
 
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_checkpoint
-from megakit.interop.peft import lora_extra
 from megakit.interop.checkpoint_async import AsyncWriter
+from megakit.interop.peft import lora_extra
 from megakit.nn import comm
 from megakit.nn.attention.core import use_cp_mode
 from megakit.nn.attention.kernels import use_kernel
@@ -296,7 +296,7 @@ def _build(run: Run, topo, doctor=None):
         try:
             load_checkpoint(run.lora_base, stage, topo, base=True)
         except UsageError as error:
-            raise everywhere(error)
+            raise everywhere(error) from None
     if run.checkpoint:  # before deepspeed.initialize: the engine copies its master weights from the model
         try:
             load_checkpoint(run.checkpoint, stage, topo)
@@ -646,7 +646,7 @@ def _save(run: Run, topo, loop: _Loop, writer: AsyncWriter | None, *, done: int,
             "corpus": run.corpus.fingerprint,
         },
         **({"spike_guard": loop.spikes.state()} if loop.spikes else {}),
-        **({"lora": lora_extra(run.cfg.lora, run.lora_base)} if run.cfg.lora else {}),
+        **({"lora": lora_extra(cfg.lora, run.lora_base)} if cfg.lora else {}),  # the spec and base a resume needs
     }
     try:
         saved = save_run(

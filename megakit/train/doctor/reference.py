@@ -38,7 +38,6 @@ def reference_run(
     mtp: dict | None = None,
     weights: bool = False,
     lora: dict | None = None,
-    lora_base: str | None = None,
 ) -> dict[str, list]:
     """``{"loss": [...], "grad_norm": [...], "lr": [...], "evals": [...]}`` of ``steps`` steps of the unsplit model.
 
@@ -47,8 +46,7 @@ def reference_run(
     holds ``{"step", "loss"}`` where the trainer evaluates: the mean loss, in eval mode, over the tokens of every
     micro-batch of ``eval_batches`` validation batches. ``moe``: the ``TrainConfig`` ``moe_*`` flags
     (``moe_aux_loss=...``); ``documents``: the packed-document flags (``reset_attention_mask=True``, ...); ``mtp``:
-    the MTP flags (``mtp=True, mtp_weight=...``); ``lora``: a ``LoraSpec``'s fields (adapters on the frozen model, the
-    checkpoint ``lora_base`` or the seed's);
+    the MTP flags (``mtp=True, mtp_weight=...``); ``lora``: a ``LoraSpec``'s fields and the ``base`` checkpoint;
     ``weights``: also the final ``state_dict`` (``"weights"``). The
     loss is sum(loss) / sum(tokens) over each step's global batch (as ``token_weighting`` makes the trainer's);
     an MoE model's balancing losses are scaled 1 / micro-batches and its expert bias moves once per step.
@@ -64,16 +62,7 @@ def reference_run(
     config = model_for_corpus(ModelConfig.load(model), model, corpus)
     cfg = TrainConfig(ds_config=ds_config, model=model, **(moe or {}), **(documents or {}), **(mtp or {}))
     config = with_moe_flags(config, cfg)
-    net = Transformer(config, seed=seed, mtp=cfg.mtp, mtp_weight=cfg.mtp_weight)
-    if lora is not None:
-        from megakit.core.lora import LoraSpec
-        from megakit.nn.lora import add_lora
-
-        add_lora(net, LoraSpec(**lora), config=config, seed=seed)
-        if lora_base is not None:
-            from megakit.interop.checkpoint import load_checkpoint
-
-            load_checkpoint(lora_base, net, base=True)
+    net = _adapted(Transformer(config, seed=seed, mtp=cfg.mtp, mtp_weight=cfg.mtp_weight), config, lora, seed)
     depths = len(net.mtp)
     seq_len = seq_len or config.max_seq_len
     plan = BatchPlan(
@@ -132,6 +121,22 @@ def reference_run(
     if weights:
         out["weights"] = {name: t.detach().clone() for name, t in net.state_dict().items()}
     return out
+
+
+def _adapted(net, config, lora: dict | None, seed: int):
+    """``net``, or with ``lora`` (a ``LoraSpec``'s fields, and ``base``: a checkpoint, else the seed's weights) its
+    adapters on the frozen model."""
+    if lora is None:
+        return net
+    from megakit.core.lora import LoraSpec
+    from megakit.interop.checkpoint import load_checkpoint
+    from megakit.nn.lora import add_lora
+
+    fields = {k: v for k, v in lora.items() if k != "base"}
+    add_lora(net, LoraSpec(**fields), config=config, seed=seed)
+    if lora.get("base") is not None:
+        load_checkpoint(lora["base"], net, base=True)
+    return net
 
 
 def _validation_loss(net, corpora, plan: BatchPlan, batches: int, cfg) -> float:

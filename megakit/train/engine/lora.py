@@ -9,6 +9,7 @@ and name the base in their metadata (``extra["lora"]``), so ``--load`` resumes o
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from megakit.core.lora import LoraSpec
@@ -45,7 +46,7 @@ def check_resume(spec: LoraSpec | None, checkpoint: Path | None, base: str | Non
             )
         raise UsageError(f"checkpoint {checkpoint} holds no LoRA adapters; start a fine-tune from it with --lora-base")
     if saved is not None:
-        if LoraSpec(**saved["spec"]) != spec:
+        if _same(LoraSpec(**saved["spec"])) != _same(spec):
             raise UsageError(
                 f"checkpoint {checkpoint} was trained with LoRA {_describe(LoraSpec(**saved['spec']))}, this run asks "
                 f"for {_describe(spec)}; resume with the same --lora-* flags"
@@ -71,6 +72,17 @@ def check_layout(spec: LoraSpec | None, model, *, ep: int, zero_stage: int) -> N
             f"LoRA with --ep {ep} under ZeRO 3 is not supported (the frozen experts are split over EP); "
             "use ZeRO 0-2 with --ep, or --ep 1"
         )
+
+
+def banner(spec: LoraSpec, base: Path | None) -> str:
+    """The run's line on its adapters and their base."""
+    on = f"the frozen base {base}" if base is not None else "the seed's weights, frozen (no --lora-base)"
+    return f"megakit: LoRA {_describe(spec)} (scaling {spec.scaling:g}) on {on}"
+
+
+def _same(spec: LoraSpec) -> LoraSpec:
+    """``spec`` with its targets in one order: ``q_proj,v_proj`` and ``v_proj,q_proj`` train the same adapters."""
+    return replace(spec, targets=tuple(sorted(spec.targets)))
 
 
 def _describe(spec: LoraSpec) -> str:
