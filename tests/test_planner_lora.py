@@ -83,6 +83,7 @@ def test_llama_3_70b_lora_plans_on_one_8_x_h100_node_and_says_why(capsys):
     assert p["lora"]["lets_it_fit"] and "LoRA is what lets it fit" in p["lora"]["why"]
     assert p["memory"]["grads"] == p["memory"]["optimizer"] == 0 and p["memory"]["lora_optimizer"] > 0
     assert "--lora-rank 16" in json.loads(out)["assumptions"]["launch"]
+    assert p["save_interval"]["write_s"] < 10  # adapter-only checkpoints: 0.2B parameters' states, not 70B's
     assert cli.main([*argv, "--json"]) == 0  # a full fine-tune fits that node only by offloading Adam to the host
     assert json.loads(capsys.readouterr().out)["plan"]["offload"] != "none"
 

@@ -634,7 +634,7 @@ def _launch(args, inputs: _Inputs, cluster: Cluster, plan: Plan, cost, *, kind, 
     model_arg, model_file = _model_arg(args, model, config_path)
     advice = save_interval.advise(
         plan,
-        params=model.params,
+        params=plan_lora.saved_params(model, plan),
         gpus_per_node=cluster.gpus_per_node,
         step_time_s=cost.step_time_s,
         write_gbps=args.ckpt_write_gbps,

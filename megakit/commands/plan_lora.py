@@ -54,6 +54,11 @@ def spec(args, model: ModelSpec, *, runtime: str) -> LoraSpec | None:
     return lora
 
 
+def saved_params(model: ModelSpec, plan) -> float:
+    """The parameters a checkpoint writes with its optimizer state: LoRA's checkpoints hold the adapters only."""
+    return model.params if plan.lora is None else lora_cost.model_params(model, plan.lora)
+
+
 def report(model: ModelSpec, plan, mem, cluster, *, threshold: float) -> dict:
     """``megakit plan``'s LoRA entry: the adapters, what the frozen base costs, the compute it saves, and the
     verdict's reason: whether a full fine-tune could fit this cluster at all (its model states fully sharded,
