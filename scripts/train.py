@@ -53,7 +53,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _Parser(description=__doc__.splitlines()[0], formatter_class=_Help)
     _model_flags(p)
     _moe_flags(p)
-    _lora_flags(p)
     _parallel_flags(p)
     _data_flags(p)
     _optimisation_flags(p)
@@ -130,44 +129,6 @@ def _moe_flags(p: argparse.ArgumentParser) -> None:
         help="benchmarking aid (Megatron's --moe-router-force-load-balancing): route by random logits, "
         "so every expert gets its even share in expectation, as most published MoE throughput is "
         "measured; the router learns nothing and the run is not a model to keep",
-    )
-
-
-def _lora_flags(p: argparse.ArgumentParser) -> None:
-    """LoRA: adapters on a frozen base instead of full fine-tuning."""
-    g = p.add_argument_group("LoRA", "parameter-efficient fine-tuning: adapters on a frozen base")
-    g.add_argument(
-        "--lora-rank",
-        metavar="R",
-        type=int,
-        default=None,
-        help="train LoRA adapters of rank R on a frozen base instead of every weight (default: off, full "
-        "fine-tuning); checkpoints then hold the adapters and their optimizer state only",
-    )
-    g.add_argument(
-        "--lora-alpha",
-        type=finite_float,
-        default=16.0,
-        help="LoRA's alpha: the adapters are scaled by alpha / R (default 16)",
-    )
-    g.add_argument("--lora-dropout", type=finite_float, default=0.0, help="dropout on the adapters' input (default 0)")
-    g.add_argument(
-        "--lora-targets",
-        metavar="NAMES",
-        default="all-linear",
-        help="comma-separated Hugging Face module names that get adapters (q_proj, k_proj, v_proj, o_proj, "
-        "gate_proj, up_proj, down_proj, ...) or peft's all-linear, every linear layer but the head (default)",
-    )
-    g.add_argument(
-        "--lora-rslora", action="store_true", help="rank-stabilised scaling alpha / sqrt(R) (peft's use_rslora)"
-    )
-    g.add_argument(
-        "--lora-base",
-        metavar="CKPT",
-        default=None,
-        help="the base checkpoint whose frozen weights the adapters train on (megakit convert --from-hf makes "
-        "one); --load CKPT of a checkpoint without adapters does the same. Default: the seed's weights, or on "
-        "--load of a LoRA checkpoint the base it names",
     )
 
 
