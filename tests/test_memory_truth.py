@@ -4,9 +4,10 @@ each rank of the trainer holds (issue 45, item 1).
 Families: dense (llama-tiny), MoE (moe-tiny: softmax router, a gated shared expert), MLA with a sigmoid router and
 a shared expert (deepseek-v3-tiny), gpt-oss (router and expert biases, clamped SwiGLU, attention sinks) and Gemma 3
 (QK-norm, sandwich norms, sliding windows). Layouts: one process, EP 2 (the MoE families), TP 2 with SP, PP 2 and
-CP 2 as a ring and as Ulysses' all-to-all; ZeRO 1, seq 32. Two jobs: one process, then every two-process case in one
-launcher run (``tests/launch_sweep.py``); one optimizer step each (two micro-batches: PP 2's 1F1B has both in
-flight), enough for every state (Adam's moments appear at the first step) and every activation.
+CP 2 as a ring and as Ulysses' all-to-all; ZeRO 1, seq 32. LoRA (issue 46) on llama-tiny at TP 2 with SP and at
+DP 2 under ZeRO 2: the frozen base, the adapters' states and what they keep. Two jobs: one process, then every
+two-process case in one launcher run (``tests/launch_sweep.py``); one optimizer step each (two micro-batches: PP 2's
+1F1B has both in flight), enough for every state (Adam's moments appear at the first step) and every activation.
 """
 
 import json
@@ -27,10 +28,12 @@ LAYOUTS = {
     "CP 2 a2a": dict(cp=2, cp_mode="a2a"),
 }
 TOLERANCE = 0.10
+LORA = dict(rank=4, alpha=8.0)  # all-linear: the frozen base, the adapters' states and what they keep
+LORA_LAYOUTS = {"LoRA TP 2 + SP": dict(tp=2, sequence_parallel=True), "LoRA ZeRO 2": dict(ds_config=ds_config(2))}
 
 
 def _case(model: str, **layout) -> dict:
-    return dict(ds_config=ds_config(1), model=model, steps=1, seq_len=32, verify_memory=True, **layout)
+    return dict(ds_config=ds_config(1), model=model, steps=1, seq_len=32, verify_memory=True) | layout
 
 
 def _one_process(tmp_path, cases: list[dict]) -> list[dict]:
@@ -66,7 +69,7 @@ def test_memory_truth_every_family_and_layout(tmp_path, tmp_path_factory):
         for name, layout in LAYOUTS.items()
         for model in FAMILIES
         if name != "EP 2" or model in MOE
-    ]
+    ] + [(name, "llama-tiny", _case("llama-tiny", lora=LORA, **layout)) for name, layout in LORA_LAYOUTS.items()]
     results = _one_process(tmp_path, [c for _, _, c in single]) + sweep(tmp_path_factory, 2, [c for _, _, c in pairs])
     ratios, off = {}, []
     for (layout, model, _), result in zip(single + pairs, results, strict=True):
@@ -79,7 +82,7 @@ def test_memory_truth_every_family_and_layout(tmp_path, tmp_path_factory):
             if any(abs(r - 1) > TOLERANCE for r in ratio):
                 off.append((layout, model, row["rank"], f"states {ratio[0]:.3f}", f"activations {ratio[1]:.3f}"))
     assert not off, off
-    assert len(ratios) == 5 + 2 * (3 + 5 * 4)  # every rank of every case was compared
+    assert len(ratios) == 5 + 2 * (3 + 5 * 4 + 2)  # every rank of every case was compared
 
 
 def test_plan_shows_each_moe_memory_line_and_zero_bubble_w_inputs_at_the_expert_width(capsys):

@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from megakit.commands import plan_report
+from megakit.commands import plan_lora, plan_report
 from megakit.core.compression import parse_compression
 from megakit.core.partition import parse_stage_layers
 from megakit.core.planner import emit, launch_script, save_interval
@@ -54,6 +54,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _model_flags(parser)
     _cluster_flags(parser)
     _training_flags(parser)
+    plan_lora.configure(parser)
     _pin_flags(parser)
     _output_flags(parser)
     _checkpoint_flags(parser)
@@ -536,6 +537,7 @@ def _inputs(args) -> _Inputs:
     _check_fp8(args, gpu, precision)
     execution = dict(fused_kernels=args.kernels == "compiled", fp8=args.fp8, **RUNTIMES[args.runtime])
     execution |= megatron_options
+    execution["lora"] = plan_lora.spec(args, model, runtime=args.runtime)
     if args.dp_shard is not None:
         if args.runtime != "fsdp":
             raise UsageError(
@@ -639,7 +641,7 @@ def _launch(args, inputs: _Inputs, cluster: Cluster, plan: Plan, cost, *, kind, 
     model_arg, model_file = _model_arg(args, model, config_path)
     advice = save_interval.advise(
         plan,
-        params=model.params,
+        params=plan_lora.saved_params(model, plan),
         gpus_per_node=cluster.gpus_per_node,
         step_time_s=cost.step_time_s,
         write_gbps=args.ckpt_write_gbps,
@@ -754,6 +756,8 @@ def _add_model_notes(entry: dict, args, inputs: _Inputs, cluster: Cluster, resul
     entry["mtp"] = model.mtp  # the MTP modules planned on the last stage (--mtp), in its memory and time
     if model.config.mtp_layers:  # DeepSeek-V3's prediction modules (counted in the plan's FLOPs with --mtp)
         entry["gflops_per_token"]["with_mtp"] = model.config.causal_flops_per_token(model.seq_len, mtp=True) / 1e9
+    if plan.lora is not None:
+        entry["lora"] = plan_lora.report(model, plan, mem, cluster, threshold=args.mem_threshold)
     if plan.cp > 1:
         entry["cp_mode_note"] = _cp_mode_note(model, cluster, plan, cost, inputs.pins)
     if args.optimizer == "muon":

@@ -24,6 +24,11 @@ MEMORY_LABELS = {
     "comm_buffers": "communication buckets",
     "zero3_gather": "ZeRO-3 gather buffers",
     "overhead": "CUDA context / workspaces",
+    "lora_params": "LoRA adapters: params",
+    "lora_grads": "LoRA adapters: gradients",
+    "lora_master_params": "LoRA adapters: fp32 master params",
+    "lora_optimizer": "LoRA adapters: Adam states (m, v)",
+    "lora_activations": "LoRA: kept rank-r intermediates (and dropped/gathered inputs)",
 }
 
 
@@ -190,6 +195,12 @@ def _print_memory(console, a: dict, p: dict) -> None:
     mem.add_row(f"{a['mem_threshold']:.0%} line", f"{limit:.2f}")
     mem.add_row("headroom to the line", f"{limit - p['peak_memory_gib']:.2f}")
     console.print(mem)
+    if p.get("lora"):
+        lora = p["lora"]
+        console.print(
+            f"[bold]LoRA[/] rank {lora['rank']} on {', '.join(lora['targets'])}: {_count(lora['adapter_params'])} "
+            f"adapter parameters ({lora['adapter_share']:.2%} of the model); {lora['why']}."
+        )
     if p.get("fits") == "above_threshold":
         console.print(f"[bold yellow]Fits: above the line[/]: {p['headroom']}.")
     elif a["rule"]["branch"] == "pinned":

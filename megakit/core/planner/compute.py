@@ -9,6 +9,9 @@ a GEMM to get as close to its peak, and a thin TP-sharded GEMM is slower everywh
 maximum, is what the calibration rows were fitted with; it is harshest on thin GEMMs of micro-batch 1 at TP 8,
 where Megatron-Core's H100 runs come out 7-13 % slow: tests/test_planner_mcore.py.)
 
+Under LoRA (``plan.lora``) the base is frozen: its GEMMs run forward and input-gradient only (no weight-gradient
+GEMM, 2 of the 3), and each adapter adds its two thin GEMMs three times (``lora_gemm_time``); the head likewise.
+
 Fused (flash) attention runs at ``GPU.attention_fraction`` of the peak (FlashAttention-2's causal rate at
 long sequences) scaled by ``s / (s + ATTENTION_SEQ_HALF)``: a causal kernel computes the diagonal tiles
 whole and short sequences fill fewer waves of tiles. The causal mask halves its FLOPs; its backward is
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megakit.core.planner import lora_cost
 from megakit.core.planner.hardware import GPU
 from megakit.core.planner.memory import PRECISIONS, activation_tensors, routed_imbalance, routing_tensors
 from megakit.core.planner.model_spec import ModelSpec
@@ -246,6 +250,11 @@ def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: fl
     ew_f = elementwise / 3
     forward = gemm_f + attn_f + ew_f
     backward = 2 * gemm_f + attn_b + 2 * ew_f
+    if plan.lora is not None:  # the frozen base: input gradients only; the adapters' GEMMs forward and backward
+        adapters = lora_gemm_time(model, gpu, plan, tokens=tokens, peak=peak, moe=moe)
+        forward += adapters
+        backward += 2 * adapters - gemm_f
+        gemm_f = adapters  # the weight-gradient GEMMs left: the adapters'
     cpu = LAUNCH_S * (LAUNCH_FUSED if plan.fused else 1.0)
     if plan.recompute == "full":
         backward += plan.recompute_fraction * forward
@@ -256,6 +265,17 @@ def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: fl
         backward += sum(per_gemm[1::2][:3]) + ew_f
         cpu *= 4 / 3
     return BlockTime(forward, backward, cpu, weight_grad=gemm_f)
+
+
+def lora_gemm_time(model: ModelSpec, gpu: GPU, plan: Plan, *, tokens: float, peak: float, moe: bool) -> float:
+    """Forward seconds of one block's LoRA adapters on one TP rank (``lora_cost.adapted``): the thin GEMMs
+    ``(m x k) @ (k x r)`` and ``(m x r) @ (r x n)`` of each, at the roofline's rate (far below the peak at small r)."""
+    nbytes, r = PRECISIONS[plan.precision], plan.lora.rank
+    return sum(
+        gemm_time(gpu, rows * tokens, k, r, peak=peak, nbytes=nbytes)
+        + gemm_time(gpu, rows * tokens, r, n, peak=peak, nbytes=nbytes)
+        for _, _, rows, k, n in lora_cost.adapted(model, plan.lora, plan.tp, moe=moe)
+    )
 
 
 def eh_proj_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: float) -> float:
@@ -269,6 +289,7 @@ def head_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: flo
     nbytes = PRECISIONS[plan.precision]
     tokens = plan.micro_batch * seq_len
     vocab_shard = model.padded_vocab(plan.tp) // plan.tp
-    gemm = 3 * gemm_time(gpu, tokens, model.hidden, vocab_shard, peak=peak, nbytes=nbytes)
+    gemms = 2 if plan.lora is not None else 3  # a frozen head (LoRA) computes no weight gradient
+    gemm = gemms * gemm_time(gpu, tokens, model.hidden, vocab_shard, peak=peak, nbytes=nbytes)
     k_mem = K_MEM_FUSED if plan.fused else K_MEM
     return gemm + k_mem * tokens * vocab_shard * (nbytes + 4) / (gpu.hbm_gbps * 1e9)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megakit.core.planner import lora_cost
 from megakit.core.planner.compute import attention_time, block_time, cp_kernel_seq, eh_proj_time, head_time
 from megakit.core.planner.hardware import Cluster
 from megakit.core.planner.memory import (
@@ -119,12 +120,7 @@ def weight_grad_share(model: ModelSpec, seq_len: int, plan: Plan) -> float:
     """W's share of a stage's compute: the weight-gradient GEMMs, 2 FLOPs per weight and token (the
     blocks' matmuls and the LM head), over all the training FLOPs the hardware runs (a third without
     recompute, a quarter with full recompute, whose extra forward falls in B)."""
-    c = model.config
-    weights = (
-        c.moe_layers * c.block_params(moe=True).flop_weights("matmul")
-        + (c.layers - c.moe_layers) * c.block_params(moe=False).flop_weights("matmul")
-        + c.vocab_size * model.hidden
-    )
+    weights = _matmul_weights(model)
     total = flops_per_token(
         model,
         seq_len,
@@ -292,6 +288,10 @@ def _data_parallel(
     tp_bw, tp_where = group_bandwidth(cluster, t, 1)
     psi = max(stage_params(model, tp=t, pp=p, stage=i, layers=counts[i]) for i in range(p))
     sharded, replicated = model.layer_params(t)
+    if plan.lora is not None and plan.zero_stage < 3:  # only the adapters' gradients cross DP (ZeRO-3: and the base's
+        # gathers, priced as a full model's)
+        sharded, replicated = lora_cost.block_params(model, plan.lora, t, moe=model.moe is not None), 0
+        psi = sharded * max(counts)
     replicas = dataclasses.replace(plan, dp=d * plan.cp, cp=1)  # ZeRO shards, gradients reduce over DP x CP
     dp_exposed = dp_time(
         cluster,
@@ -304,7 +304,7 @@ def _data_parallel(
         layer_bwd_s=block.backward + (2 + 2 * recomputed) * one_tp,
     )
 
-    psi_e = stage_expert_params(model, pp=p, stage=worst, ep=plan.ep, vpp=v)
+    psi_e = stage_expert_params(model, pp=p, stage=worst, ep=plan.ep, vpp=v) if plan.lora is None else 0.0
     if psi_e:  # expert gradients: over the EDP ranks (EP apart); at EP 1 also over TP, which routes other tokens
         experts = dataclasses.replace(replicas, dp=plan.edp, tp=plan.ep, compress="none")  # tp: the stride
         dp_exposed += dp_time(
@@ -341,7 +341,20 @@ def _step_flops(model: ModelSpec, plan: Plan, *, seq_len: int, tokens: int) -> t
         )
         * tokens
     )
+    if plan.lora is not None:  # no weight gradients of the base; the adapters' 6 FLOPs a parameter and token
+        lora = (6 * lora_cost.model_params(model, plan.lora) - 2 * _matmul_weights(model)) * tokens
+        model_flops, hardware_flops = model_flops + lora, hardware_flops + lora
     return model_flops, hardware_flops
+
+
+def _matmul_weights(model: ModelSpec) -> float:
+    """The weights a token multiplies (the blocks' matmuls and the head): a weight-gradient GEMM's 2 FLOPs each."""
+    c = model.config
+    return (
+        c.moe_layers * c.block_params(moe=True).flop_weights("matmul")
+        + (c.layers - c.moe_layers) * c.block_params(moe=False).flop_weights("matmul")
+        + c.vocab_size * model.hidden
+    )
 
 
 def _mtp_time(

@@ -223,6 +223,9 @@ def train_flags(
         parts.append("--no-compile")
     if plan.fp8 in FP8_RECIPES[1:]:  # torchao's, which train.py runs (Transformer Engine's recipes it does not)
         parts += ["--fp8", plan.fp8]
+    if plan.lora is not None:  # the adapters the plan priced (alpha and rslora cost nothing: the trainer's defaults)
+        parts += ["--lora-rank", str(plan.lora.rank), "--lora-targets", ",".join(plan.lora.targets)]
+        parts += ["--lora-dropout", f"{plan.lora.dropout:g}"] if plan.lora.dropout else []
     if mtp:  # the prediction modules the plan charged the last stage for (its split gives that stage fewer blocks)
         parts.append("--mtp")
     if save:

@@ -59,6 +59,8 @@ import dataclasses
 import functools
 from typing import Any
 
+from megakit.core.lora import LoraSpec
+from megakit.core.planner import lora_cost
 from megakit.core.planner.activations import (  # noqa: F401 (memory's API: what one block keeps)
     PER_OP_KEPT,
     PRECISIONS,
@@ -94,7 +96,9 @@ BACKWARD_ONLY = (
     "weight_grad_inputs",
     "recompute_working_set",
     "logits",
+    "lora_activations",
 )  # items freed by the end of the last backward
+FROZEN = ("grads", "master_params", "optimizer") + tuple(f"expert_{k}" for k in ("grads", "master_params", "optimizer"))
 RECOMPUTE = ("none", "selective", "full", "per-op")
 # Megatron-Core's selective recompute (--recompute-modules, TransformerConfig.recompute_modules): what each module's
 # checkpoint frees of the tensors ``activation_tensors`` and ``routing_tensors`` name, on MoE blocks, dense blocks or
@@ -168,7 +172,7 @@ class MemoryEstimate:
     @property
     def model_states(self) -> float:
         return float(
-            sum(self.items.get(k, 0.0) for k in STATES + tuple(f"expert_{k}" for k in STATES))
+            sum(self.items.get(k, 0.0) for k in STATES + tuple(f"{w}_{k}" for w in ("expert", "lora") for k in STATES))
             + self.items.get("fp32_step_grads", 0.0)
         )
 
@@ -330,6 +334,7 @@ def estimate_memory(
     recompute_modules: tuple[str, ...] = (),
     main_grads_fp32: bool | None = None,
     moments: str = "fp32",
+    lora: LoraSpec | None = None,
 ) -> MemoryEstimate:
     """Itemised per-GPU bytes of one layout on one pipeline ``stage`` (index, 'first', 'last', 'middle').
 
@@ -351,7 +356,8 @@ def estimate_memory(
     ``recompute_modules``: with ``megatron`` and ``recompute="selective"``, Megatron-Core's modules
     (``MEGATRON_RECOMPUTE``; none given: its default, core_attn). ``main_grads_fp32``: Megatron's main-gradient buffers
     in fp32 (default: ``megatron``; False: --grad-reduce-in-bf16, Megatron-Bridge's performance recipes, which keep
-    them in bf16 and copy the shard to fp32 at the step as DeepSpeed does). ``moments``: Adam's m and v dtype."""
+    them in bf16 and copy the shard to fp32 at the step as DeepSpeed does). ``moments``: Adam's m and v dtype.
+    ``lora``: LoRA fine-tuning (``lora_states``, ``lora_activations``): the base frozen, the adapters trained."""
     _check_options(
         precision, recompute, offload, zero_stage, recompute_modules, megatron, moments, (tp, pp, dp, vpp, micro_batch)
     )
@@ -434,6 +440,7 @@ class _Stage:
     recompute_modules: tuple
     main_grads_fp32: bool | None
     moments: str
+    lora: LoraSpec | None
 
     @classmethod
     def of(cls, *, seq_len, cp, dp, flash_attention, stage, model, pp, **layout) -> _Stage:
@@ -518,7 +525,31 @@ class _Stage:
         # one (DeepSpeed's and Megatron's distributed optimizer copy each group's shard in ``step()`` and free it)
         items |= {f"expert_{k}": v for k, v in experts.items() if k != "fp32_step_grads"}
         items["fp32_step_grads"] += experts["fp32_step_grads"]
+        if self.lora is not None:
+            items = self.lora_states(items, states)
         return items, psi, psi_experts
+
+    def lora_blocks(self) -> tuple[float, float]:
+        """(dense, MoE) blocks on this stage, whose adapters ``lora_*`` count."""
+        if self.layers is not None:
+            n_moe = self.n_layers if self.moe else 0
+        else:
+            n_moe = stage_moe_layers(self.model, self.pp, self.vpp)[self.stage]
+        return self.n_layers - n_moe, n_moe
+
+    def lora_states(self, items: dict, states: dict) -> dict:
+        """LoRA's model states: the frozen base keeps its parameters (in the training dtype, ZeRO-3 partitions them
+        too) and nothing else; the adapters (``lora_*``) have every state a trained weight has (ZeRO over the dense
+        states' ranks), and only their fp32 copy is made at the step."""
+        dense, moe = self.lora_blocks()
+        psi = sum(
+            n * lora_cost.block_params(self.model, self.lora, self.tp, moe=is_moe)
+            for n, is_moe in ((dense, False), (moe, True))
+        )
+        adapters = model_state_bytes(psi, dp=self.state_dp, **states)
+        items |= {k: 0.0 for k in FROZEN} | {f"lora_{k}": v for k, v in adapters.items() if k != "fp32_step_grads"}
+        items["fp32_step_grads"] = adapters["fp32_step_grads"]
+        return items
 
     # ---- what one block keeps ----------------------------------------------------------
 
@@ -532,8 +563,10 @@ class _Stage:
         return sum(x.bytes(seq_len=self.seq_len, micro_batch=self.micro_batch) for x in tensors)
 
     def saved(self, tensors: list) -> list:
-        """What the runtime saves of ``tensors``: Megatron-Core's fused norms keep no normalised copy."""
-        return [x for x in tensors if not (self.megatron and x.name.endswith(TE_NORM_DROPS))]
+        """What the runtime saves of ``tensors``: Megatron-Core's fused norms keep no normalised copy, nor do frozen
+        norms (LoRA), whose weight wants no gradient."""
+        frozen = self.megatron or self.lora is not None
+        return [x for x in tensors if not (frozen and x.name.endswith(TE_NORM_DROPS))]
 
     def megatron_kept(self, tensors: list, is_moe: bool) -> list:
         """``tensors`` less what selective recompute frees: Megatron-Core's ``recompute_modules``, or the attention
@@ -631,6 +664,7 @@ class _Stage:
             + [x[3] for x in mtp]
         )
         items["logits"] = self.logits() if stage == pp - 1 else 0.0
+        items["lora_activations"] = self.lora_activations(in_flight=sum(peak) / vpp)
         if stage == pp - 1 and vpp > 1 and not chunk_layers[-1] and not self.zero_bubble:
             peak = self.loss_only_chunk(items, weights, accumulation=m)
             in_flight = sum(peak) / vpp
@@ -649,6 +683,24 @@ class _Stage:
         return _Activations(
             tensors=tensors, kept=kept, in_flight=in_flight, hidden=self.block_input, chunk_moe=chunk_moe, lines=lines
         )
+
+    def lora_activations(self, *, in_flight: float) -> float:
+        """What the adapters keep (``lora_cost.block_activations``) on this stage's blocks, ``in_flight`` micro-batches
+        of them (whole-stage units); full recompute rebuilds them with the rest of the block."""
+        if self.lora is None:
+            return 0.0
+        kept = 1 - self.recompute_fraction if self.recompute == "full" else 1.0
+        shape = dict(
+            tp=self.tp,
+            tokens=self.seq_len * self.micro_batch,
+            precision=self.precision,
+            sequence_parallel=self.sequence_parallel,
+        )
+        per_stage = sum(
+            n * lora_cost.block_activations(self.model, self.lora, moe=is_moe, **shape)
+            for n, is_moe in zip(self.lora_blocks(), (False, True))
+        )
+        return kept * in_flight * per_stage
 
     def routing_tensors(self) -> list:
         """An MoE block's routing tensors (none in a dense model), the busiest expert rank's."""
@@ -757,6 +809,11 @@ class _Stage:
         logits of one head at a time), less what full recompute rebuilds: depth k's final norm."""
         model, s, b, head = self.model, self.seq_len, self.micro_batch, self.head
         norm = s * b * (2 * self.p * model.hidden + 4) / (self.tp if self.sequence_parallel else 1)  # RMSNorm (llama)
+        if self.lora is not None and self.loss_chunks == 1:  # a frozen head and final norm: no weight gradients,
+            # so neither keeps its normalised input (RMSNorm's, or the head's input: one copy each)
+            frozen = self.seq_len * self.micro_batch * self.p * model.hidden
+            frozen *= 1 if model.family == "gpt2" else 1 + 1 / (self.tp if self.sequence_parallel else 1)
+            return logits_bytes(model, **head) - frozen
         return logits_bytes(model, **head) + model.mtp * (
             logits_bytes(model, transient=False, **head)
             - (self.recompute_fraction * norm if self.recompute == "full" else 0)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from megakit.core.lora import LoraSpec
+
 # The routing regimes an MoE plan is priced in: the busiest expert rank's tokens over the balanced share.
 # "balanced" is what most published MoE throughput forces (Megatron-Bridge docs/performance-summary.md:
 # "we force-balance the token distribution among experts"; torchtitan's --debug.moe_force_load_balance).
@@ -104,6 +106,9 @@ class Plan:
     # recompute="selective" and a Megatron runtime; (): its default, the attention core.
     recompute_modules: tuple[str, ...] = ()
     moments: str = "fp32"  # Adam's m and v (--adam-moments bf16: Megatron's precision-aware optimizer)
+    lora: LoraSpec | None = (
+        None  # LoRA fine-tuning (--lora-rank): the base frozen, adapters trained (planner.lora_cost)
+    )
 
     @property
     def fused(self) -> bool:
@@ -169,6 +174,7 @@ class Plan:
             recompute_modules=self.recompute_modules if self.recompute == "selective" else (),
             main_grads_fp32=self.megatron and self.grad_reduce_precision == "fp32",
             moments=self.moments,
+            lora=self.lora,
         )
 
     @property
@@ -210,4 +216,6 @@ class Plan:
             parts.append("SP")
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
+        if self.lora is not None:
+            parts.append(f"LoRA r={self.lora.rank}")
         return " ".join(parts)

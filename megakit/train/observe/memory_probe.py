@@ -113,7 +113,8 @@ class MemoryProbe:
         basic.register_step_pre_hook(lambda *_: self.sample(pre_step=True))
         basic.register_step_post_hook(lambda *_: self.sample())
         for p in engine.module.parameters():
-            p.register_post_accumulate_grad_hook(lambda _p: self.sample())
+            if p.requires_grad:  # a frozen base (LoRA) gets no gradient to sample at
+                p.register_post_accumulate_grad_hook(lambda _p: self.sample())
         for chunk in self._chunks():  # from the final norm to the loss: the head's saved tensors
             if chunk.post:
                 chunk.norm.register_forward_pre_hook(lambda *_: setattr(self, "_in_head", True))
@@ -243,6 +244,7 @@ class MemoryProbe:
             zero_bubble=self.topo.pp > 1 and run.schedule == "zb-h1",
             loss_chunks=run.loss_chunks,
             cp_ring=run.cfg.cp_mode != "a2a",
+            lora=run.cfg.lora,
         )
 
     def _chunks(self) -> list:
@@ -275,7 +277,10 @@ class MemoryProbe:
             measured["model_states"] = sum(measured[k] for k in ITEMS)
             measured["fp32_step_grads"] = float(self.peak["fp32_step_grads"])
             measured["activations"] = float(self.activation_peak)
-            predicted = {k: float(est.items[k] + est.items.get(f"expert_{k}", 0.0)) for k in ITEMS}  # routed experts
+            predicted = {  # the routed experts' and LoRA adapters' states with the rest
+                k: float(est.items[k] + est.items.get(f"expert_{k}", 0.0) + est.items.get(f"lora_{k}", 0.0))
+                for k in ITEMS
+            }
             predicted["model_states"] = sum(predicted[k] for k in ITEMS)
             predicted["fp32_step_grads"] = float(est.items["fp32_step_grads"])
             # The planner's "logits" item is the saved head input, norm input and fp32 softmax plus the
@@ -294,7 +299,11 @@ class MemoryProbe:
                 if self.run.loss_chunks > 1:  # one chunk's logits and fp32 softmax
                     logits_shard = est.items["logits"] - self._saved_logits()
             predicted["activations"] = float(
-                est.items["activations"] + est.items["moe_routing"] + est.items["logits"] - logits_shard
+                est.items["activations"]
+                + est.items["moe_routing"]
+                + est.items["logits"]
+                + est.items.get("lora_activations", 0.0)
+                - logits_shard
             )
             measured["logits"], predicted["logits"] = float(self.logits_peak), float(est.items["logits"] - logits_shard)
         return {
