@@ -270,12 +270,14 @@ def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: fl
 def lora_gemm_time(model: ModelSpec, gpu: GPU, plan: Plan, *, tokens: float, peak: float, moe: bool) -> float:
     """Forward seconds of one block's LoRA adapters on one TP rank (``lora_cost.adapted``): the thin GEMMs
     ``(m x k) @ (k x r)`` and ``(m x r) @ (r x n)`` of each, at the roofline's rate (far below the peak at small r)."""
+    assert plan.lora is not None, "the adapters' time of a plan without LoRA"
     nbytes, r = PRECISIONS[plan.precision], plan.lora.rank
-    return sum(
+    time: float = sum(
         gemm_time(gpu, rows * tokens, k, r, peak=peak, nbytes=nbytes)
         + gemm_time(gpu, rows * tokens, r, n, peak=peak, nbytes=nbytes)
         for _, _, rows, k, n in lora_cost.adapted(model, plan.lora, plan.tp, moe=moe)
     )
+    return time
 
 
 def eh_proj_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: float) -> float:

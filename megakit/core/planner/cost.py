@@ -286,7 +286,8 @@ def _data_parallel(
     gpu, nbytes = cluster.gpu, PRECISIONS[plan.precision]
     recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
     tp_bw, tp_where = group_bandwidth(cluster, t, 1)
-    psi = max(stage_params(model, tp=t, pp=p, stage=i, layers=counts[i]) for i in range(p))
+    psi: float = max(stage_params(model, tp=t, pp=p, stage=i, layers=counts[i]) for i in range(p))
+    sharded: float
     sharded, replicated = model.layer_params(t)
     if plan.lora is not None and plan.zero_stage < 3:  # only the adapters' gradients cross DP (ZeRO-3: and the base's
         # gathers, priced as a full model's)

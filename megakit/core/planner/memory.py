@@ -541,8 +541,9 @@ class _Stage:
         """LoRA's model states: the frozen base keeps its parameters (in the training dtype, ZeRO-3 partitions them
         too) and nothing else; the adapters (``lora_*``) have every state a trained weight has (ZeRO over the dense
         states' ranks), and only their fp32 copy is made at the step."""
+        assert self.lora is not None, "LoRA's states of a plan without LoRA"
         dense, moe = self.lora_blocks()
-        psi = sum(
+        psi: float = sum(
             n * lora_cost.block_params(self.model, self.lora, self.tp, moe=is_moe)
             for n, is_moe in ((dense, False), (moe, True))
         )
@@ -690,14 +691,17 @@ class _Stage:
         if self.lora is None:
             return 0.0
         kept = 1 - self.recompute_fraction if self.recompute == "full" else 1.0
-        shape = dict(
-            tp=self.tp,
-            tokens=self.seq_len * self.micro_batch,
-            precision=self.precision,
-            sequence_parallel=self.sequence_parallel,
-        )
-        per_stage = sum(
-            n * lora_cost.block_activations(self.model, self.lora, moe=is_moe, **shape)
+        per_stage: float = sum(
+            n
+            * lora_cost.block_activations(
+                self.model,
+                self.lora,
+                moe=is_moe,
+                tp=self.tp,
+                tokens=self.seq_len * self.micro_batch,
+                precision=self.precision,
+                sequence_parallel=self.sequence_parallel,
+            )
             for n, is_moe in zip(self.lora_blocks(), (False, True))
         )
         return kept * in_flight * per_stage
