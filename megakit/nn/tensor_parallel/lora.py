@@ -12,7 +12,9 @@ The adapter's two matrices sit on the layer as ``lora_A`` ``(rank, in)`` and ``l
   activations are partial): ``copy_to_tp`` sums it over TP in backward;
 - replicated (MoE's shared experts): both whole, both through ``copy_to_tp`` as the layer's weights are.
 
-So the adapters' values and gradients equal one process's at every TP, with or without SP. The base weight is
+So the adapters' values and gradients equal one process's at every TP, with or without SP. The scaling multiplies
+the rank-``r`` intermediate, not the layer-wide output: the same product, a pass over ``r`` columns instead of
+``out``. The base weight is
 frozen (``requires_grad`` False) by ``megakit.nn.lora``, which attaches the adapters and draws them.
 """
 
@@ -29,7 +31,7 @@ def column_delta(layer, x: torch.Tensor) -> torch.Tensor:
 
     forward: no collective; backward: all-reduce of ``A``'s gradient over TP."""
     a = copy_to_tp(layer.lora_A, layer.group)  # (r, in)
-    return F.linear(F.linear(x, a), layer.lora_B) * layer.lora_scaling  # (S, B, out/tp)
+    return F.linear(F.linear(x, a) * layer.lora_scaling, layer.lora_B)  # (S, B, out/tp); scaled at rank r: cheaper
 
 
 def row_delta(layer, x: torch.Tensor) -> torch.Tensor:
@@ -38,7 +40,7 @@ def row_delta(layer, x: torch.Tensor) -> torch.Tensor:
 
     forward: no collective (the layer's); backward: all-reduce of ``B``'s gradient over TP."""
     b = copy_to_tp(layer.lora_B, layer.group)  # (out, r)
-    return F.linear(F.linear(x, layer.lora_A), b) * layer.lora_scaling  # (S, B, out), partial over TP
+    return F.linear(F.linear(x, layer.lora_A) * layer.lora_scaling, b)  # (S, B, out), partial over TP
 
 
 def replicated_delta(layer, x: torch.Tensor, group) -> torch.Tensor:
@@ -46,4 +48,4 @@ def replicated_delta(layer, x: torch.Tensor, group) -> torch.Tensor:
 
     forward: no collective; backward: all-reduce of both matrices' gradients over TP."""
     a, b = copy_to_tp(layer.lora_A, group), copy_to_tp(layer.lora_B, group)
-    return F.linear(F.linear(x, a), b) * layer.lora_scaling
+    return F.linear(F.linear(x, a) * layer.lora_scaling, b)
