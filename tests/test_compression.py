@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from multiproc import run_many
 
 from megakit.core.compression import Compression, parse_compression
 from megakit.errors import UsageError
-from tests.multiproc import run_many
 
 
 @pytest.mark.parametrize("text", ["topk:0", "topk:2", "topk:1", "topk:x", "topk", "int9", "fp16:3", ""])

@@ -12,87 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from equivalence import _equivalence
 from multiproc import run_ranks
 
 from megakit.nn.sequence import positions
-
-RTOL, FLOOR = 1e-5, 1e-9
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.shape == want.shape, (what, got.shape, want.shape)
-    err = (got - want).abs().max().item()
-    bound = RTOL * want.abs().max().item() + FLOOR
-    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
 def test_load_balanced_split_covers_the_sequence_once():
     held = [positions(16, 4, r).tolist() for r in range(4)]
     assert held[0] == [0, 1, 14, 15] and held[3] == [6, 7, 8, 9]
     assert sorted(sum(held, [])) == list(range(16))
-
-
-def _equivalence(
-    topo,
-    preset: str,
-    *,
-    sequence_parallel: bool = False,
-    dropout: float = 0.0,
-    recompute: str = "none",
-    cp_mode: str = "ring",
-    seq: int = 16,
-    documents: bool = False,
-    **changes,
-) -> str:
-    import torch.distributed as dist
-
-    from megakit.nn import comm as C
-    from megakit.nn.attention.core import use_cp_mode
-    from megakit.nn.model import ModelConfig, Transformer, full_state_dict
-    from megakit.nn.sequence import gather_sequence
-
-    config = ModelConfig.load(preset).replace(vocab_size=250, dropout=dropout, **changes)
-    gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 250, (2, seq), generator=gen)
-    labels = torch.randint(0, 250, (2, seq), generator=gen)
-    labels[0, :3] = -100  # ignored tokens (all in CP rank 0's first chunk) are left out of the mean
-    labels[1, 9] = -100
-    ref = Transformer(config, seed=3)
-    model = Transformer(config, topo, seed=3, sequence_parallel=sequence_parallel, recompute=recompute)
-    if config.attention_sinks:  # drawn near the rows' log-sum-exp (about ln 16), so sigmoid(lse - sink) spans 0.1-0.9
-        with torch.no_grad():
-            for i, block in ref.layers.items():
-                sinks = 2.8 + torch.randn(config.heads, generator=torch.Generator().manual_seed(int(i)))
-                block.attn.sinks.copy_(sinks)
-                model.layers[i].attn.sinks.copy_(sinks.chunk(topo.tp)[topo.tp_rank])
-    use_cp_mode(model, cp_mode, topo)
-    case = (
-        f"{preset} cp={topo.cp} ({cp_mode}) tp={topo.tp} sp={sequence_parallel} dropout={dropout} "
-        f"recompute={recompute} {changes}"
-    )
-    rows = {"sample_ids": [11, 12]}
-    if documents:  # packed documents of random lengths, crossing the zig-zag chunks
-        rows["documents"] = (torch.rand(2, seq, generator=gen) < 0.1).long().cumsum(-1)
-        case += " documents"
-
-    want_logits, got = ref(ids, **rows), model(ids, **rows)  # (B, S, V) vs (B, S/cp, V/tp)
-    got = gather_sequence(got, topo.cp_group, dim=1)
-    if topo.tp > 1:
-        parts = [torch.empty_like(got) for _ in range(topo.tp)]
-        dist.all_gather(parts, got.contiguous(), group=topo.tp_group)
-        got = torch.cat(parts, dim=-1)
-    _close(got[..., :250], want_logits[..., :250], f"{case} logits")
-
-    want_loss, loss = ref(ids, labels, **rows), model(ids, labels, **rows)
-    _close(loss.detach(), want_loss.detach(), f"{case} loss")  # the whole sequence's mean, on every CP rank
-    want_loss.backward()
-    loss.backward()
-    grads, ref_grads = full_state_dict(model, topo, grads=True), full_state_dict(ref, grads=True)
-    assert grads.keys() == ref_grads.keys()
-    for name, want in ref_grads.items():
-        mean = C.all_reduce(grads[name].clone(), topo.cp_group) / topo.cp
-        _close(mean, want, f"{case} grad of {name}")
-    return case
 
 
 def _sweep(rank, world_size, root):

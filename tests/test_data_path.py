@@ -12,7 +12,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from test_trainer import ROOT
+from corpora import five_large_files
+from paths import ROOT
 
 from megakit.commands.cli import main as megakit
 from megakit.errors import UsageError
@@ -269,49 +270,6 @@ def test_trainer_data_errors_are_one_line(prepared, tmp_path, capsys):
     assert "train-00001.bin is truncated" in _one_line(capsys, 2, base, train)
     (data / "index.json").unlink()
     assert "has no index.json" in _one_line(capsys, 2, base, train)
-
-
-def five_large_files(directory, words_per_file=30_000):
-    """5 text files of made-up prose (~170 KB each, one document each), the same on every call: no downloads."""
-    import random
-
-    directory.mkdir()
-    rng = random.Random(0)
-    vocabulary = [
-        "the",
-        "king",
-        "of",
-        "a",
-        "night",
-        "speak",
-        "my",
-        "lord",
-        "and",
-        "thou",
-        "art",
-        "to",
-        "be",
-        "love",
-        "death",
-        "sweet",
-        "what",
-        "is",
-        "in",
-        "fair",
-        "heaven",
-        "tongue",
-        "never",
-        "again",
-        "hath",
-        "done",
-    ]
-    for i in range(5):
-        lines = [
-            " ".join(rng.choice(vocabulary) for _ in range(12)) + rng.choice(".,;!?")
-            for _ in range(words_per_file // 12)
-        ]
-        (directory / f"play{i}.txt").write_text("\n".join(lines) + "\n")
-    return directory
 
 
 def test_five_large_files_get_a_validation_split_of_the_val_fraction_of_tokens(tmp_path, capsys):

@@ -15,8 +15,9 @@ import subprocess
 import sys
 
 import pytest
+from jobs import packed_documents
 from multiproc import THREADS
-from test_trainer import ROOT, packed_documents
+from paths import ROOT
 
 from megakit.commands import cli
 from megakit.train.doctor.fault_injection import VARIABLE

@@ -152,7 +152,7 @@ def test_sinks_asked_of_an_sdpa_kernel_are_refused_in_one_line(tmp_path):
     import sys
 
     from multiproc import THREADS
-    from test_trainer import ROOT
+    from paths import ROOT
 
     (tmp_path / "gpt-oss").mkdir()
     config = transformers.GptOssConfig(**{**FIELDS, "vocab_size": 256})  # the byte-level default data

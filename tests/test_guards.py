@@ -6,8 +6,8 @@ import json
 import math
 
 import pytest
+from jobs import deepspeed, ds_config
 from safetensors.torch import load_file
-from test_trainer import deepspeed, ds_config
 
 from megakit.train.doctor.fault_injection import VARIABLE
 
@@ -70,7 +70,7 @@ def test_a_nan_loss_on_one_rank_is_skipped_everywhere(tmp_path, monkeypatch):
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     monkeypatch.setenv(VARIABLE, "nanloss@1:4")
     out = deepspeed(
-        2, "tests/guard_sweep.py", str(tmp_path / "cases.json"), str(tmp_path / "results.json"), timeout=900
+        2, "tests/helpers/guard_sweep.py", str(tmp_path / "cases.json"), str(tmp_path / "results.json"), timeout=900
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     *results, ended = json.loads((tmp_path / "results.json").read_text())

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from multiproc import THREADS, free_port  # noqa: E402
-from test_trainer import ROOT  # noqa: E402
+from paths import ROOT  # noqa: E402
 
 from megakit.commands.cli import main  # noqa: E402
 from megakit.train.data.batches import BatchPlan, TokenBatches, load_tokens  # noqa: E402

@@ -16,7 +16,8 @@ import sys
 
 import pytest
 import torch
-from test_trainer import ROOT, deepspeed
+from jobs import deepspeed
+from paths import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from host_syncs import DISPATCH, FAMILIES, METHODS, SETTINGS, HostSyncs, by_family, per_step, write_cases  # noqa: E402

@@ -10,8 +10,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from jobs import LOSS_TOL, deepspeed, dropout_model
 from multiproc import THREADS, free_port
-from test_trainer import LOSS_TOL, ROOT, deepspeed, dropout_model
+from paths import ROOT
 
 from megakit.train.observe.metrics import read_metrics
 

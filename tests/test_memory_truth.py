@@ -14,8 +14,9 @@ import os
 import subprocess
 
 import pytest
+from jobs import ds_config, sweep
 from multiproc import THREADS, free_port
-from test_trainer import ROOT, ds_config, sweep
+from paths import ROOT
 
 FAMILIES = ("llama-tiny", "moe-tiny", "deepseek-v3-tiny", "gpt-oss-tiny", "gemma3-tiny")
 MOE = ("moe-tiny", "deepseek-v3-tiny", "gpt-oss-tiny")
@@ -45,7 +46,7 @@ def _one_process(tmp_path, cases: list[dict]) -> list[dict]:
         "WORLD_SIZE": "1",
     }
     out = subprocess.run(
-        ["python", "tests/launch_sweep.py", str(tmp_path / "cases.json"), str(tmp_path / "results.json")],
+        ["python", "tests/helpers/launch_sweep.py", str(tmp_path / "cases.json"), str(tmp_path / "results.json")],
         cwd=ROOT,
         env={**os.environ, **env},
         capture_output=True,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_token_weighting import SEQ, _short_documents
-from test_trainer import ds_config, sweep
+from corpora import SEQ, _short_documents
+from jobs import ds_config, sweep
 from tolerance import fp32_bound
 
 from megakit.errors import UsageError

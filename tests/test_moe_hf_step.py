@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from hf_reference import draw_gpt_oss  # noqa: E402
 from multiproc import THREADS, free_port  # noqa: E402
-from test_trainer import ROOT  # noqa: E402
+from paths import ROOT  # noqa: E402
 
 from megakit.commands.cli import main  # noqa: E402
 from megakit.train.data.batches import BatchPlan, TokenBatches, load_tokens  # noqa: E402

@@ -18,7 +18,8 @@ import json
 import re
 
 import pytest
-from test_trainer import ROOT, _token_shards, ds_config, sweep
+from jobs import _token_shards, ds_config, sweep
+from paths import ROOT
 
 from megakit.errors import UsageError
 from megakit.train.run import TrainConfig, resolve

@@ -17,7 +17,8 @@ import json
 import re
 
 import pytest
-from test_trainer import ROOT, ds_config, sweep
+from jobs import ds_config, sweep
+from paths import ROOT
 from tolerance import fp32_bound
 
 from megakit.errors import UsageError

@@ -8,7 +8,7 @@ gives the same gradients with each collective run once (B: the reduce-scatter, W
 
 from __future__ import annotations
 
-from tests.multiproc import run_ranks
+from multiproc import run_ranks
 
 S, B, H = 8, 2, 6
 

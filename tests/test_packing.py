@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_chat_data import CHATML, _tokenizer
+from chat import CHATML, _tokenizer
 from tolerance import fp32_bound
 
 from megakit.commands import cli

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from equivalence import B, M, S, _batches, _equivalence_worker
 from multiproc import run_ranks
 
 from megakit.core.layout import Layout
 from megakit.core.partition import partition_layers
 from megakit.core.schedules import add_p2p, build_schedule, interleaved_compute
-from megakit.core.simulator import simulate
 from megakit.errors import UsageError
 from megakit.nn.model import (
     ModelConfig,
@@ -22,10 +22,8 @@ from megakit.nn.model import (
     build_stage_chunks,
     full_state_dict,
 )
-from megakit.nn.pipeline.executor import PipelineExecutor, activation_shape
+from megakit.nn.pipeline.executor import PipelineExecutor
 from megakit.nn.topology import Topology
-
-B, S, M = 2, 8, 4  # micro-batch size, sequence length, micro-batches per step
 
 # (model, tp, pp, schedule, vpp, layers or None, p2p[, micro-batches]); "+sp": TP with sequence parallelism
 CASES = [
@@ -42,96 +40,6 @@ CASES = [
     ("gpt-tiny", 1, 4, "zb-h1", 1, None, "async", 8),  # B and W split, W deferred: 4 stages, 8 micro-batches
     ("llama-tiny+sp", 2, 2, "zb-h1", 1, None, "batched"),  # with TP (SP's collectives in B) and NCCL's P2P
 ]
-
-
-def _batches(config, dp_rank: int, dp: int, seed: int = 1, m: int = M):
-    """``dp * m`` micro-batches (token ids, labels) shared by every rank; replica d takes its m."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, config.vocab_size, (dp * m, B, S + 1), generator=g)
-    mine = ids[dp_rank * m : (dp_rank + 1) * m]
-    return [x[:, :-1] for x in ids], [x[:, 1:] for x in ids], [x[:, :-1] for x in mine], [x[:, 1:] for x in mine]
-
-
-def _ds_style_backward(m: int, outputs: list, held: list):
-    """What a trainer does through DeepSpeed engines, without DeepSpeed: the pluggable path. It notes how
-    many sent outputs (``outputs``: what the chunks returned) still hold their values at each backward."""
-
-    def backward(scalar, is_loss):  # the loss, or a sent output's handle (its gradient: the one received)
-        held.append(sum(out.untyped_storage().nbytes() > 0 for out in outputs if out.dim()))
-        (scalar / m if is_loss else scalar).backward()
-
-    return backward
-
-
-def _equivalence_worker(rank, world_size, cases):
-    torch.manual_seed(0)
-    results = []
-    for model, tp, pp, schedule_name, vpp, layers, p2p, *m in cases:
-        m = m[0] if m else M
-        sp = model.endswith("+sp")
-        config = ModelConfig.load(model.removesuffix("+sp"))
-        if layers:
-            config = config.replace(layers=layers)
-        layout = Layout.for_world(world_size, tp=tp, pp=pp)
-        topo = Topology(layout)
-        all_ids, all_labels, ids, labels = _batches(config, topo.dp_rank, topo.dp, m=m)
-
-        ref = Transformer(config, seed=3)
-        ref_losses = [ref(x, y) for x, y in zip(all_ids, all_labels)]
-        ref_loss = torch.stack(ref_losses).mean()
-        ref_loss.backward()
-        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-
-        chunks = build_stage_chunks(config, topo, vpp=vpp, seed=3, sequence_parallel=sp)
-        schedule = build_schedule(schedule_name, pp, m, vpp)
-        lr = 0.1
-        params = [p for c in chunks for p in c.parameters()]
-        opt = torch.optim.SGD(params, lr=lr)
-        shape = (
-            None
-            if schedule_name == "gpipe"
-            else activation_shape(  # None: a shape header per message
-                config, micro_batch_size=B, seq_len=S, tp=tp, sequence_parallel=sp
-            )
-        )
-        outputs, held = [], []  # the last virtual stage returns the loss, a 0-dim tensor
-        for c in chunks:
-            c.register_forward_hook(lambda _module, _args, out: outputs.append(out))
-        executor = PipelineExecutor(
-            chunks,
-            topo,
-            schedule=schedule,
-            activation_shape=shape,
-            p2p=p2p,
-            backward=_ds_style_backward(m, outputs, held) if tp == 2 and not schedule.split_backward else None,
-            optimizer_step=opt.step,
-        )
-        loss = executor.step(ids, labels)
-        # the executor ran the very list the simulator proved: same activations held at the peak
-        assert executor.last_times.peak_in_flight == simulate(schedule).peak_in_flight[topo.pp_rank]
-        grads = {n: g for c in chunks for n, g in full_state_dict(c, topo, grads=True).items()}
-        assert grads, "stage holds no parameters"
-        grad_err = max((grads[n] - ref_grads[n]).abs().max().item() for n in grads)
-        # after the optimizer step, every weight (both copies of a tied embedding too) equals the reference's
-        with torch.no_grad():
-            for p in ref.parameters():
-                p -= lr * p.grad
-        ref_params = dict(ref.named_parameters())
-        weight_err = max(
-            max((w - ref_params[n]).abs().max().item() for n, w in full_state_dict(c, topo).items()) for c in chunks
-        )
-        results.append(
-            dict(
-                case=(model, tp, pp, schedule_name, vpp, p2p),
-                loss_err=abs(loss - ref_loss.item()),
-                grad_err=grad_err,
-                weight_err=weight_err,
-                names=sorted(grads),
-                held=max(held, default=None),
-                sent=sum(out.dim() > 0 for out in outputs),
-            )
-        )
-    return results
 
 
 @pytest.mark.slow

@@ -12,9 +12,10 @@ import os
 import subprocess
 
 import pytest
+from corpora import five_large_files
+from jobs import LOSS_TOL, dropout_model
 from multiproc import THREADS, free_port
-from test_data_path import five_large_files
-from test_trainer import LOSS_TOL, ROOT, dropout_model
+from paths import ROOT
 
 from megakit.commands import cli
 from megakit.train.observe.metrics import read_metrics

@@ -7,6 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from activations import block_saved_bytes, saved_bytes  # noqa: E402
+
 from megakit.core.planner.memory import (  # noqa: E402
     activation_tensors,
     estimate_memory,
@@ -16,33 +18,6 @@ from megakit.core.planner.model_spec import ModelSpec  # noqa: E402
 from megakit.nn.model import ModelConfig, Transformer  # noqa: E402
 
 S, B = 64, 2
-
-
-def saved_bytes(model, x, labels=None, skip_input=False):
-    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    if skip_input:
-        skip.add(x.untyped_storage().data_ptr())
-    seen = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            seen.setdefault(ptr, t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x, labels)
-    return sum(seen.values())
-
-
-def block_saved_bytes(config, x, modes=("none", "selective")) -> dict[str, int]:
-    """What one training block of ``config`` keeps for backward from input ``x``, per recompute mode (same weights)."""
-    kept = {}
-    for recompute in modes:
-        torch.manual_seed(0)
-        block = Transformer(config, layers=range(0, 1), pre=False, post=False, recompute=recompute).train()
-        kept[recompute] = saved_bytes(block, x)
-    return kept
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])

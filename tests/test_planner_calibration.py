@@ -16,8 +16,8 @@ import statistics
 from pathlib import Path
 
 import pytest
-from test_planner_cost import ROWS as MEGATRON_ROWS
-from test_planner_cost import row_case
+from megatron_rows import ROWS as MEGATRON_ROWS
+from megatron_rows import row_case
 
 from megakit.core.planner.cost import estimate_cost
 from megakit.core.planner.hardware import Cluster, gpu_preset

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_planner_cost import ROWS as MEGATRON_ROWS
-from test_planner_cost import row_case
+from megatron_rows import ROWS as MEGATRON_ROWS
+from megatron_rows import row_case
 
 import megakit.interop.hf as hf
 from megakit.commands.cli import main

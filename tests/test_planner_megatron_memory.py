@@ -14,7 +14,7 @@ Models") and Narayanan et al. 2021 state:
 import json
 
 import pytest
-from test_planner_cost import ROWS
+from megatron_rows import ROWS
 
 import megakit.interop.hf as hf
 from megakit.commands.cli import main

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 from multiproc import THREADS, free_port
-from test_trainer import ROOT
+from paths import ROOT
 
 from megakit.train.engine.deepspeed_shm import WORKSPACE_BYTES
 from megakit.train.resilience.preemption import EXIT_STOPPED, broken_link

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 import torch
+from activations import block_saved_bytes
 from multiproc import run_ranks
-from test_planner_activations import block_saved_bytes
 
 from megakit.core.planner.memory import estimate_memory
 from megakit.core.planner.model_spec import ModelSpec

@@ -11,8 +11,9 @@ import os
 import subprocess
 
 import pytest
+from jobs import dropout_model
 from multiproc import THREADS
-from test_trainer import ROOT, dropout_model
+from paths import ROOT
 
 from megakit.train.doctor.fault_injection import VARIABLE
 from megakit.train.observe.metrics import read_metrics

@@ -17,74 +17,14 @@ import time
 from pathlib import Path
 
 import pytest
+from jobs import ds_config
 from multiproc import THREADS, free_port
-from test_trainer import ROOT, dropout_model, ds_config, packed_documents
+from paths import ROOT
+from resume_cases import RESUME_STEPS as STEPS
 
 from megakit.train.observe.metrics import read_metrics
 
-STEPS = 8
 TOL = 1e-5
-
-
-def _case(tmp, model, *, stage, micro, accumulation, steps=STEPS, **layout) -> dict:
-    return dict(
-        ds_config=ds_config(stage, micro=micro, accumulation=accumulation),
-        model=model,
-        steps=steps,
-        seq_len=32,
-        **layout,
-    )
-
-
-def sweep_cases(tmp: Path) -> list[dict]:
-    """This module's cases of the 4-process job (``resume_jobs`` in conftest.py runs them with
-    test_resume_compressed.py's: one launcher start for both)."""
-    model = dropout_model(tmp)
-    series = tmp / "series"
-    base = _case(tmp, model, stage=1, micro=2, accumulation=2, tp=2, save=str(series), save_every=2, keep=10)
-    cases = [
-        base,  # 0: uninterrupted; checkpoints at steps 2, 4, 6, 8
-        {**_case(tmp, model, stage=1, micro=2, accumulation=2, tp=2), "load": str(series / "step-0000004")},  # same
-        {**_case(tmp, model, stage=0, micro=2, accumulation=2, pp=2), "load": str(series / "step-0000002")},
-        {**_case(tmp, model, stage=2, micro=2, accumulation=1), "load": str(series / "step-0000004")},  # DP 4
-        {**_case(tmp, model, stage=0, micro=2, accumulation=4, tp=4), "load": str(series / "step-0000006")},
-    ]
-    # packed documents with loss masks, saved at TP2 x DP2 and resumed at PP2 x DP2 and at DP4 x 2 micro-batches
-    documents = dict(data=packed_documents(tmp), reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True)
-    config = json.loads(Path(model).read_text()) | {"vocab_size": 300}  # the packed data's tokenizer
-    model = tmp / "gpt-tiny-dropout-300.json"
-    model.write_text(json.dumps(config))
-    model, packed = str(model), tmp / "packed-series"
-    cases += [
-        {
-            **_case(tmp, model, stage=1, micro=2, accumulation=2, tp=2),
-            **documents,
-            "save": str(packed),
-            "save_every": 4,
-            "keep": 10,
-        },  # 5
-        {
-            **_case(tmp, model, stage=0, micro=2, accumulation=2, pp=2),
-            **documents,
-            "load": str(packed / "step-0000004"),
-        },  # 6
-        {**_case(tmp, model, stage=2, micro=1, accumulation=2), **documents, "load": str(packed / "step-0000004")},
-    ]
-    rings = tmp / "ring-series"  # context parallelism saved as a ring (CP 2 x DP 2), resumed as Ulysses (a2a)
-    base_model = dropout_model(tmp)
-    cases += [
-        {
-            **_case(tmp, base_model, stage=1, micro=2, accumulation=2, cp=2),
-            "save": str(rings),
-            "save_every": 4,
-            "keep": 10,
-        },  # 8
-        {
-            **_case(tmp, base_model, stage=1, micro=2, accumulation=2, cp=2, cp_mode="a2a"),
-            "load": str(rings / "step-0000004"),
-        },  # 9
-    ]
-    return cases
 
 
 @pytest.fixture(scope="module")

@@ -15,46 +15,14 @@ import json
 
 import pytest
 import torch
-from test_trainer import dropout_model, ds_config
+from multiproc import run_ranks
+from resume_cases import COMPRESSED_STEPS as STEPS
+from resume_cases import METHODS, SAVED
 
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_rank_state, save_checkpoint
 from megakit.nn.model import ModelConfig, Transformer
 from megakit.train.resilience.resume import choose_checkpoint
-from tests.multiproc import run_ranks
-
-STEPS, SAVED = 4, 2
-
-METHODS = {  # method -> (ZeRO stage, layout, DP flags)
-    "local-sgd": (0, {"tp": 2}, {"local_sgd": 3}),  # DP 2; the save at step 2 averages off the period
-    "topk": (0, {"pp": 2}, {"compress": "topk:0.1"}),  # PP2 x DP2
-    "int8": (1, {"pp": 2}, {"compress": "int8"}),  # PP2 x DP2, ZeRO-1's buckets compressed
-}
-
-
-def sweep_cases(tmp) -> list[dict]:
-    """This module's cases of the 4-process job (``resume_jobs`` in conftest.py runs them with test_resume.py's)."""
-    model = dropout_model(tmp)
-    cases = []
-    for name, (stage, layout, flags) in METHODS.items():
-        base = dict(
-            ds_config=ds_config(stage, micro=2, accumulation=2), model=model, steps=STEPS, seq_len=32, **layout, **flags
-        )
-        series = tmp / name
-        cases.append({**base, "save": str(series), "save_every": SAVED, "keep": 2})
-        cases.append({**base, "load": str(series / f"step-{SAVED:07d}")})
-    stage, _, flags = METHODS["topk"]  # another layout: DP 4 takes DP rank 0's moments, residuals from zero
-    cases.append(
-        dict(
-            ds_config=ds_config(stage, micro=1, accumulation=2),
-            model=model,
-            steps=STEPS,
-            seq_len=32,
-            load=str(tmp / "topk" / f"step-{SAVED:07d}"),
-            **flags,
-        )
-    )
-    return cases
 
 
 @pytest.fixture(scope="module")

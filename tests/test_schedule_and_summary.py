@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from deepspeed.runtime import lr_schedules
-from test_trainer import deepspeed
+from jobs import deepspeed
 
 from megakit.train.engine.ds_config import schedule_over_steps
 from megakit.train.engine.optim import start_schedule

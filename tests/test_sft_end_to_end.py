@@ -20,9 +20,9 @@ import subprocess
 
 import pytest
 import torch
+from chat import CHATML_RELEASED, _conversations, _unmarked, released_chat_model
 from multiproc import THREADS, free_port
-from test_chat_data import CHATML_RELEASED, _conversations, _unmarked, released_chat_model
-from test_trainer import ROOT
+from paths import ROOT
 from tolerance import fp32_bound
 
 transformers = pytest.importorskip("transformers")

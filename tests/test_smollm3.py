@@ -15,9 +15,8 @@ import re
 
 import pytest
 import torch
+from equivalence import _equivalence, _equivalence_worker
 from multiproc import run_many
-from test_context_parallel import _equivalence
-from test_pipeline import _equivalence_worker
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,22 +12,22 @@ import json
 import shutil
 
 import pytest
+from jobs import dropout_model, ds_config
 from multiproc import free_port
-from test_trainer import dropout_model, ds_config
 
 from megakit.train.doctor.fault_injection import VARIABLE
 from megakit.train.observe.metrics import read_metrics
 
 
 def _launch(tmp_path, name: str, cases: list[dict], monkeypatch, fault: str = "") -> tuple[list[dict], str]:
-    from test_trainer import deepspeed
+    from jobs import deepspeed
 
     monkeypatch.setenv(VARIABLE, fault)
     (tmp_path / f"{name}.json").write_text(json.dumps(cases))
     port = free_port()
     out = deepspeed(
         2,
-        "tests/guard_sweep.py",
+        "tests/helpers/guard_sweep.py",
         str(tmp_path / f"{name}.json"),
         str(tmp_path / f"{name}-results.json"),
         port=port,

@@ -13,18 +13,17 @@ positions), TP 2 with SP, EP 2 (an MoE model), and in a job of 4 at TP 2 x CP 2 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from test_trainer import ds_config, sweep
+from corpora import SEQ, _short_documents
+from jobs import ds_config, sweep
 from tolerance import fp32_bound
 
 from megakit.errors import UsageError
 
-SEQ = 32
 KEEP = (0.0, 0.05, 0.3, 1.0)  # the share of a window's labels its mask keeps, cycling over the windows
 
 
@@ -42,28 +41,6 @@ def _mask_shards(directory: Path, seed: int = 0) -> None:
             (directory / name).write_bytes(mask.tobytes())
             entry.update(mask_file=name, mask_sha256=hashlib.sha256(mask.tobytes()).hexdigest())
     write_index(directory, {k: v for k, v in index.items() if k not in ("format", "version")})
-
-
-def _short_documents(tmp_path_factory) -> str:
-    """Standard-library lines as 1-8-line documents (a few to ~100 tokens): most windows hold a document boundary."""
-    from megakit.interop.prepare_data import PrepareConfig, prepare
-    from megakit.train.data.batches import stdlib_files
-
-    lines = [line for f in stdlib_files()[:30] for line in f.read_text().splitlines() if line.strip()]
-    docs, i, gen = [], 0, np.random.default_rng(1)
-    while i < len(lines):
-        n = int(gen.integers(1, 9))
-        docs.append("\n".join(lines[i : i + n]))
-        i += n
-    out = tmp_path_factory.mktemp("short")
-    (out / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    prepare(
-        PrepareConfig(
-            inputs=[str(out / "docs.jsonl")], out=str(out / "data"), vocab_size=512, val_fraction=0.1, progress=False
-        ),
-        say=lambda *_: None,
-    )
-    return str(out / "data")
 
 
 @pytest.fixture(scope="module")

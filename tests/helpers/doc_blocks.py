@@ -15,8 +15,8 @@ import subprocess
 from pathlib import Path
 
 from multiproc import THREADS, free_port
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 LINKED = ("scripts", "models", "ds_configs")
 
 
