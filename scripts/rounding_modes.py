@@ -51,7 +51,7 @@ NUMERICAL = [
     "test_zero3_linear.py",
     "test_dropout.py",
     "test_gpu_levers.py",
-    "test_compression.py",
+    "core/test_compression.py",
     "test_documents.py",
     "test_token_weighting.py",
     "test_packing.py",

@@ -666,7 +666,7 @@ def test_a_free_space_check_that_fails_is_one_line_and_writes_nothing(tmp_path, 
 
 
 def test_a_start_that_fails_after_the_lock_releases_it_in_a_long_lived_process(tmp_path, monkeypatch):
-    """The trainer in this process (as tests/launch_sweep.py runs case after case): its start failing after the
+    """The trainer in this process (as tests/helpers/launch_sweep.py runs case after case): its start failing after the
     --save lock was taken (here the watchdog's store, as a connect_store timeout would) must not keep the flock for
     the process's life, which would refuse every later case on that --save."""
     import torch.distributed as dist

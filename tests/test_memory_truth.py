@@ -5,7 +5,7 @@ Families: dense (llama-tiny), MoE (moe-tiny: softmax router, a gated shared expe
 a shared expert (deepseek-v3-tiny), gpt-oss (router and expert biases, clamped SwiGLU, attention sinks) and Gemma 3
 (QK-norm, sandwich norms, sliding windows). Layouts: one process, EP 2 (the MoE families), TP 2 with SP, PP 2 and
 CP 2 as a ring and as Ulysses' all-to-all; ZeRO 1, seq 32. Two jobs: one process, then every two-process case in one
-launcher run (``tests/launch_sweep.py``); one optimizer step each (two micro-batches: PP 2's 1F1B has both in
+launcher run (``tests/helpers/launch_sweep.py``); one optimizer step each (two micro-batches: PP 2's 1F1B has both in
 flight), enough for every state (Adam's moments appear at the first step) and every activation.
 """
 

@@ -1,6 +1,6 @@
 """Training Mixture-of-Experts models with expert parallelism, through the real launcher, against the single process.
 
-Two jobs (``tests/launch_sweep.py``), 20 steps of ``models/moe-tiny.json`` (8 experts, top-2, a gated
+Two jobs (``tests/helpers/launch_sweep.py``), 20 steps of ``models/moe-tiny.json`` (8 experts, top-2, a gated
 shared expert) each case:
 
 - 2 processes: EP 2 under ZeRO 0 (megakit's own clipper: the experts' norm summed over EP),

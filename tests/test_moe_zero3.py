@@ -1,7 +1,7 @@
 """ZeRO 3 with expert parallelism: the experts' weights, gradients and optimizer states sharded over their
 expert-data-parallel group (``megakit.train.engine.experts``), through the real launcher, against one process.
 
-One 4-process job (``tests/launch_sweep.py``) of ``models/moe-tiny.json`` (8 experts, top-2, a shared expert):
+One 4-process job (``tests/helpers/launch_sweep.py``) of ``models/moe-tiny.json`` (8 experts, top-2, a shared expert):
 
 - EP 2 over DP 4 (EDP 2) under ZeRO 3 for 10 steps, with ``--verify-memory``, saving at steps 5 and 10;
 - its step-5 checkpoint resumed at EP 2 over TP 2 x DP 2 under ZeRO 3 (EDP 2 again, the TP ranks holding
@@ -9,7 +9,7 @@ One 4-process job (``tests/launch_sweep.py``) of ``models/moe-tiny.json`` (8 exp
   kept at 16 sequences.
 
 Losses and clipped gradient norms follow the single-process model's within the fp32 bound of a step's tokens
-(``tests/tolerance.py``); the resumed runs end with the uninterrupted run's weights and Adam moments. A ZeRO-3
+(``tests/helpers/tolerance.py``); the resumed runs end with the uninterrupted run's weights and Adam moments. A ZeRO-3
 expert layout that cannot run gets one line before any process group.
 """
 

@@ -1,7 +1,7 @@
 """The trainer through the real ``deepspeed`` launcher on CPU, against the single-process reference.
 
 Launcher starts are expensive (~10 s), so each job runs several cases
-(``tests/launch_sweep.py``): one 2-process job for ZeRO 0-3 and one 4-process job
+(``tests/helpers/launch_sweep.py``): one 2-process job for ZeRO 0-3 and one 4-process job
 for TP x PP, TP x DP and CP, most with ``--verify-memory`` on (it only observes).
 """
 

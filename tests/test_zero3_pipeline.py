@@ -1,7 +1,7 @@
 """ZeRO 3 under megakit's own pipeline executor (``megakit.train.engine.zero3_pipeline``), through the real
 launcher, against one process.
 
-One 4-process job (``tests/launch_sweep.py``), 4 micro-batches per step:
+One 4-process job (``tests/helpers/launch_sweep.py``), 4 micro-batches per step:
 
 - ``gpt-tiny`` (tied embeddings: one copy on each stage) at PP 2 x DP 2 under ZeRO 3, 1F1B (warm-up forwards on
   the first stage, then one forward and one backward in turn);
@@ -12,7 +12,7 @@ Before the fix the first job hung in its first forward (DeepSpeed's trace check 
 the other stage waits for activations); without the copy-or-add fix the first stage's second backward replaced
 the first's gradients (GPipe's backwards all replaced each other's); without megakit's norm the tied copy counted
 twice and the experts' norm missed the other stage. Losses and clipped gradient norms follow the single-process
-model's within the fp32 bound of a step's tokens (``tests/tolerance.py``). Schedules whose chunks bypass
+model's within the fp32 bound of a step's tokens (``tests/helpers/tolerance.py``). Schedules whose chunks bypass
 DeepSpeed's engine get one line before any process.
 """
 

@@ -117,7 +117,7 @@ class TrainConfig:
     mtp_weight: float = 0.1  # lambda of L_main + lambda / D x sum(L_k) (Megatron's default; DeepSeek-V3: 0.3, then 0.1)
 
     def __post_init__(self) -> None:
-        if self.stage_layers is not None:  # a list from JSON (tests/launch_sweep.py) or a tuple from --stage-layers
+        if self.stage_layers is not None:  # a list (JSON of tests/helpers/launch_sweep.py) or a tuple (--stage-layers)
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
         if self.recompute not in RECOMPUTE:
             raise UsageError(

@@ -1,6 +1,6 @@
 """Run several training cases in ONE job started by the real ``deepspeed`` launcher (saves launcher starts).
 
-    deepspeed --num_gpus N tests/launch_sweep.py CASES.json RESULTS.json
+    deepspeed --num_gpus N tests/helpers/launch_sweep.py CASES.json RESULTS.json
 
 CASES.json: a list of ``TrainConfig`` keyword dicts (``ds_config`` may be a dict). Rank 0
 writes, per case, the per-step losses, grad norms, LRs, communication shares and calls and

@@ -80,7 +80,8 @@ METHODS = {  # method -> (ZeRO stage, layout, DP flags)
 
 
 def compressed_resume_cases(tmp) -> list[dict]:
-    """test_resume_compressed.py's cases of the 4-process job (``resume_jobs`` in conftest.py runs them with test_resume.py's)."""
+    """test_resume_compressed.py's cases of the 4-process job (``resume_jobs`` in conftest.py runs them with
+    test_resume.py's)."""
     model = dropout_model(tmp)
     cases = []
     for name, (stage, layout, flags) in METHODS.items():

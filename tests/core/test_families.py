@@ -6,15 +6,15 @@ see (the unsupported-type error, docs/models.md's table) are exactly the registr
 
 import json
 import re
-from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 from megakit.core.families import FAMILIES, MODEL_TYPES, family_for
 from megakit.core.model_config import PRESETS, ModelConfig
 from megakit.errors import UsageError
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = ROOT / "docs"
 # a type without a preset of its own borrows one of its family's (same fields, another name)
 BORROWED = {
     "mistral": "llama-tiny",

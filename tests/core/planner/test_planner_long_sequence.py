@@ -13,14 +13,15 @@ import json
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 from megakit.core.planner.compute import attention_time
 from megakit.core.planner.hardware import gpu_preset
 from megakit.core.planner.model_spec import ModelSpec
 
-DATA = json.loads((Path(__file__).parent / "data" / "long-sequence-runs.json").read_text())
+DATA = json.loads((ROOT / "tests" / "data" / "long-sequence-runs.json").read_text())
 ROWS = DATA["rows"]
-MODELS = Path(__file__).parent.parent / "models"
+MODELS = ROOT / "models"
 TOLERANCE = 0.15  # every row held to it ("within": true)
 KERNEL_TOLERANCE = 0.05  # FlashAttention-2's published bars; measured max 3.0 %
 

@@ -6,9 +6,9 @@ planner does not price) are printed beside them."""
 
 import json
 import statistics
-from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 from megakit.core.model_config import ModelConfig
 from megakit.core.moe_config import MoEConfig
@@ -19,7 +19,7 @@ from megakit.core.planner.model_spec import ModelSpec
 from megakit.core.planner.plan import ROUTING, RUNTIMES, Plan
 from megakit.core.planner.search import OVERHEAD_BYTES
 
-DATA = json.loads((Path(__file__).parent / "data" / "moe-runs.json").read_text())
+DATA = json.loads((ROOT / "tests" / "data" / "moe-runs.json").read_text())
 ROWS = DATA["rows"]
 TOLERANCE = 0.15  # per row, as for the dense rows; the mean is held to 12 %
 

@@ -14,16 +14,16 @@ Megatron-Core's selective recompute modules and its fused norms (no normalised c
 first blocks are dense (DeepSeek-V3: the middle stages with the same block count differ in MoE blocks)."""
 
 import json
-from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 from megakit.core.planner.memory import GIB, peak_memory
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.core.planner.plan import ROUTING, RUNTIMES, Plan
 from megakit.core.planner.search import OVERHEAD_BYTES
 
-DATA = json.loads((Path(__file__).parent / "data" / "moe-memory-runs.json").read_text())
+DATA = json.loads((ROOT / "tests" / "data" / "moe-memory-runs.json").read_text())
 ROWS = DATA["rows"]
 PEAKS = [r for r in ROWS if r["measured"]]
 TRAINED = [r for r in ROWS if not r["measured"]]

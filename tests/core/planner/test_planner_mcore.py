@@ -18,15 +18,17 @@ less its compute at the 7.1B row's efficiency."""
 import json
 from pathlib import Path
 
+from paths import ROOT
+
 from megakit.core.planner.cost import estimate_cost
 from megakit.core.planner.hardware import Cluster, gpu_preset
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.core.planner.plan import RUNTIMES, Plan
 
-ALL_ROWS = json.loads((Path(__file__).parent / "data" / "megatron-core-runs.json").read_text())["rows"]
+ALL_ROWS = json.loads((ROOT / "tests" / "data" / "megatron-core-runs.json").read_text())["rows"]
 ROWS = [r for r in ALL_ROWS if "fp8" not in r["planner"]]  # the README's BF16 table, through the CLI
 FP8_ROWS = [r for r in ALL_ROWS if "fp8" in r["planner"]]  # Megatron-Bridge's FP8 Llama rows, in-process
-MODELS = Path(__file__).parent.parent / "models"
+MODELS = ROOT / "models"
 TOLERANCE = 0.15  # every row
 
 

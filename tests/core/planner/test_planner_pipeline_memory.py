@@ -21,8 +21,9 @@ import json
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
-DATA = json.loads((Path(__file__).parent / "data" / "pipeline-memory-runs.json").read_text())
+DATA = json.loads((ROOT / "tests" / "data" / "pipeline-memory-runs.json").read_text())
 ROWS = DATA["rows"]
 PLAIN = [r for r in ROWS if r["schedule"] == "1f1b"]
 INTERLEAVED = [r for r in ROWS if r["schedule"] == "interleaved"]

@@ -5,19 +5,19 @@ an H200 (tests/data/megakit-runs.json), torchao/torchtitan float8 runs (tests/da
 (``pytest -s``). The bounds sit just above what is measured (sharded-dp: mean 6.6 %, max 14.5 %), and
 docs/planning.md states the measured figures.
 
-The other public rows, one file each, through ``megakit plan``: Megatron-Core's H100 weak-scaling table, TP up to 8
-and PP up to 16 (tests/test_planner_mcore.py, every row within 15 %); measured peak memory of 1F1B and interleaved
-1F1B pipelines (tests/test_planner_pipeline_memory.py, from the Zero Bubble paper); 32K-700K-token runs
-(tests/test_planner_long_sequence.py); Narayanan et al. 2021 with compiled kernels (tests/test_planner_kernels.py)."""
+The other public rows, one file each (in this folder), through ``megakit plan``: Megatron-Core's H100 weak-scaling
+table, TP up to 8 and PP up to 16 (test_planner_mcore.py, every row within 15 %); measured peak memory of 1F1B and
+interleaved 1F1B pipelines (test_planner_pipeline_memory.py, from the Zero Bubble paper); 32K-700K-token runs
+(test_planner_long_sequence.py); Narayanan et al. 2021 with compiled kernels (test_planner_kernels.py)."""
 
 import json
 import re
 import statistics
-from pathlib import Path
 
 import pytest
 from megatron_rows import ROWS as MEGATRON_ROWS
 from megatron_rows import row_case
+from paths import ROOT
 
 from megakit.core.planner.cost import estimate_cost
 from megakit.core.planner.hardware import Cluster, gpu_preset
@@ -26,13 +26,13 @@ from megakit.core.planner.model_spec import ModelSpec
 from megakit.core.planner.plan import Plan
 from megakit.core.planner.search import OVERHEAD_BYTES
 
-DATA = Path(__file__).parent / "data"
+DATA = ROOT / "tests" / "data"
 SHARDED = json.loads((DATA / "sharded-dp.json").read_text())
 MEGAKIT = json.loads((DATA / "megakit-runs.json").read_text())["rows"]
 FP8 = json.loads((DATA / "fp8-runs.json").read_text())["rows"]
 TOLERANCE = 0.15  # per row; measured max 14.5 %
 MEAN_TOLERANCE = 0.075  # sharded-dp mean; measured 6.6 %
-GUIDE = Path(__file__).parent.parent / "docs" / "planning.md"  # the planner's guide, which states the errors
+GUIDE = ROOT / "docs" / "planning.md"  # the planner's guide, which states the errors
 
 
 def sharded_case(row) -> tuple[ModelSpec, Cluster, Plan]:
@@ -159,7 +159,7 @@ def test_published_sharded_layouts_are_not_called_out_of_memory(row):
 
 
 def test_every_row_says_how_the_planner_reads_it_and_dropped_rows_say_why():
-    shared = Path(__file__).parents[2] / "shared" / "calibration" / "sharded-dp.json"
+    shared = ROOT.parent / "shared" / "calibration" / "sharded-dp.json"
     ours = {r["id"] for r in SHARDED["rows"]} | {d["id"] for d in SHARDED["dropped"]}
     if shared.is_file():  # the copy holds every row of the shared file
         assert ours == {r["id"] for r in json.loads(shared.read_text())["rows"]}

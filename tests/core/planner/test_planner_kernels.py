@@ -8,11 +8,11 @@ only names the model in the report, the cost model never reads it."""
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 from megatron_rows import ROWS as MEGATRON_ROWS
 from megatron_rows import row_case
+from paths import ROOT
 
 import megakit.interop.hf as hf
 from megakit.commands.cli import main
@@ -22,7 +22,7 @@ from megakit.core.planner.hardware import Cluster, gpu_preset
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.core.planner.plan import Plan
 
-MEGAKIT = json.loads((Path(__file__).parent / "data" / "megakit-runs.json").read_text())["rows"]
+MEGAKIT = json.loads((ROOT / "tests" / "data" / "megakit-runs.json").read_text())["rows"]
 
 
 def _megatron_argv(row, tmp_path) -> list:
