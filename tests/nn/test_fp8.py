@@ -8,17 +8,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from multiproc import THREADS
+from paths import ROOT
 
 from megakit.errors import UsageError
 from megakit.nn.model import ModelConfig, Transformer
 from megakit.nn.tensor_parallel.fp8 import EMULATE_ENV, Float8Matmul, check_fp8, convert_to_fp8
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without float8 GEMMs")
