@@ -44,17 +44,17 @@ NUMERICAL = [
     "nn/test_pipeline.py",
     "nn/test_recompute.py",
     "nn/test_model.py",
-    "test_hf_rope.py",
+    "interop/test_hf_rope.py",
     "nn/test_moe.py",
-    "test_moe_hf.py",
+    "interop/test_moe_hf.py",
     "nn/test_overlapped_linear.py",
     "nn/test_zero3_linear.py",
     "nn/test_dropout.py",
-    "test_gpu_levers.py",
+    "train/test_gpu_levers.py",
     "core/test_compression.py",
     "nn/test_documents.py",
-    "test_token_weighting.py",
-    "test_packing.py",
+    "train/test_token_weighting.py",
+    "interop/test_packing.py",
 ]
 
 

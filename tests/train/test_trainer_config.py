@@ -5,16 +5,15 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from multiproc import THREADS
+from paths import ROOT
 
 from megakit.errors import UsageError
 from megakit.train.engine.ds_config import load_ds_config, require_optimizer
 from megakit.train.trainer import TrainConfig
 
-ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "ds_configs").glob("*.json"))
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from multiproc import run_ranks
+from paths import ROOT
 
 from megakit.errors import UsageError
 from megakit.interop.checkpoint import load_checkpoint, save_checkpoint
@@ -336,7 +337,7 @@ def test_zero3_partitioned_model_saves_whole_shards(spawned):
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 
-V1 = Path(__file__).parent / "data" / "checkpoint-v1"  # written by megakit's save_checkpoint at format 1
+V1 = ROOT / "tests" / "data" / "checkpoint-v1"  # written by megakit's save_checkpoint at format 1
 
 
 def test_a_version_1_checkpoint_still_loads(tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from chat import CHATML, CHATML_RELEASED, SPECIAL, _conversations, _tokenizer, _unmarked
+from paths import ROOT
 
 from megakit.commands import cli
 
@@ -641,6 +642,6 @@ def test_the_transformers_floor_has_the_renderer_chat_data_calls():
     from megakit.interop import chat_data
 
     assert "render_jinja_template" in Path(chat_data.__file__).read_text()
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     [floor] = [d.split(">=")[1] for d in pyproject["project"]["dependencies"] if d.startswith("transformers")]
     assert tuple(int(p) for p in floor.split(".")[:2]) >= (4, 52), floor

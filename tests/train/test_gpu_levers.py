@@ -3,10 +3,10 @@ fused AdamW on CUDA only, GPU figures absent on CPU, and the CLI's one-line refu
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from paths import ROOT
 from torch.nn.attention import SDPBackend
 
 from megakit.core.model_config import ModelConfig
@@ -15,8 +15,6 @@ from megakit.nn.attention.kernels import attention_kernels_in, choose_kernel, us
 from megakit.nn.model import Transformer
 from megakit.train.engine.ds_config import fuse_adam, read_ds_config
 from megakit.train.observe.metrics import StepMetrics, gpu_state
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_kernel_choice_per_device():

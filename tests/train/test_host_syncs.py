@@ -35,7 +35,7 @@ def test_the_probe_counts_each_conversion_at_its_caller_and_leaves_torch_as_it_w
     finally:
         probe.uninstall()
     assert {name: torch.Tensor.__dict__.get(name) for name in METHODS} == saved
-    here = f"tests/test_host_syncs.py:{line} {sys._getframe().f_code.co_qualname}"
+    here = f"tests/train/test_host_syncs.py:{line} {sys._getframe().f_code.co_qualname}"
     assert probe.counts == {f"{name} {here}": 2 if name == "item" else 1 for name in METHODS}, probe.counts
     marks = [collections.Counter(a=n, b=1) for n in (5, 20, 21, 22)]  # at each step's top: step 0 makes 15
     assert per_step(marks) == {"a": 1.0}  # steps 1 and 2: 1 each (the last step, 3, has no mark after it)

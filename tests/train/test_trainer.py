@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from jobs import LOSS_TOL, _token_shards, deepspeed, dropout_model, ds_config, sweep
 from multiproc import THREADS, free_port
+from paths import ROOT
 
 from megakit.train.observe.metrics import read_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS = 10  # a trajectory case: the warm-up (5 steps) and the cosine after it; the loss falls by over 0.8
 GAP_STEPS = 20  # a compressed run: its distance from the exact run is measured over its last 5 steps
 FP8_STEPS = 10  # an fp8 run (emulated, slow on CPU): its largest gap over 10 steps is 5e-5 to 8e-5 (> 1e-5)

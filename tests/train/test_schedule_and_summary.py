@@ -8,17 +8,16 @@ per-step lr, the closing lines, and none of DeepSpeed's per-rank start-up noise.
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
 from deepspeed.runtime import lr_schedules
 from jobs import deepspeed
+from paths import ROOT
 
 from megakit.train.engine.ds_config import schedule_over_steps
 from megakit.train.engine.optim import start_schedule
 
-ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "ds_configs").glob("*.json"))
 
 

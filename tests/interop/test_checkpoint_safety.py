@@ -24,8 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
+from paths import ROOT
 
 # -- the publish sequence, killed at each point -----------------------------------------------------------------
 CHILD = r"""

@@ -12,11 +12,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
+from paths import ROOT
 
 CHILD = r"""
 import sys, threading, time
