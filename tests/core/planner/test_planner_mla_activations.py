@@ -80,7 +80,8 @@ def test_ring_context_parallelism_keeps_mla_values_at_their_own_width():
     each call): it keeps v and its (B, n, S, d_v) output, and ``o_proj`` a contiguous (B, S, n, d_v) copy. Before,
     v and the output were padded to d_qk: 285324 bytes a token. Ulysses' all-to-all runs SDPA, whose output the
     all-to-all back copies into ``o_proj``'s input: kept twice as well (measured by
-    ``tests/train/test_memory_truth.py``: deepseek-v3-tiny at CP 2 a2a, 1.086 of the prediction without it, 1.042 with it)."""
+    ``tests/train/test_memory_truth.py``: deepseek-v3-tiny at CP 2 a2a, 1.086 of the prediction without it, 1.042
+    with it)."""
     ring_bytes = 219788 + 2 * 128 * 128  # the ring's output, apart from o_proj's copy
     assert ring_bytes == 252556
     assert attention_bytes(DSV3, ring=True) == ring_bytes
