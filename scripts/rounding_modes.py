@@ -2,7 +2,7 @@
 on this CPU's rounding.
 
     python scripts/rounding_modes.py                       # the numerical tests, in each mode
-    python scripts/rounding_modes.py tests/test_model.py --modes isa-default
+    python scripts/rounding_modes.py tests/nn/test_model.py --modes isa-default
 
 Another x86 machine changes the order of fp32 reductions in three ways, each a mode here:
 
@@ -36,25 +36,25 @@ MODES = {
     "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
 }
 NUMERICAL = [
-    "test_chunked_loss.py",
+    "nn/test_chunked_loss.py",
     "test_bench_gpu.py",
-    "test_compile.py",
-    "test_tensor_parallel.py",
-    "test_context_parallel.py",
-    "test_pipeline.py",
-    "test_recompute.py",
-    "test_model.py",
-    "test_hf_rope.py",
-    "test_moe.py",
-    "test_moe_hf.py",
-    "test_overlapped_linear.py",
-    "test_zero3_linear.py",
-    "test_dropout.py",
-    "test_gpu_levers.py",
-    "test_compression.py",
-    "test_documents.py",
-    "test_token_weighting.py",
-    "test_packing.py",
+    "nn/test_compile.py",
+    "nn/test_tensor_parallel.py",
+    "nn/test_context_parallel.py",
+    "nn/test_pipeline.py",
+    "nn/test_recompute.py",
+    "nn/test_model.py",
+    "interop/test_hf_rope.py",
+    "nn/test_moe.py",
+    "interop/test_moe_hf.py",
+    "nn/test_overlapped_linear.py",
+    "nn/test_zero3_linear.py",
+    "nn/test_dropout.py",
+    "train/test_gpu_levers.py",
+    "core/test_compression.py",
+    "nn/test_documents.py",
+    "train/test_token_weighting.py",
+    "interop/test_packing.py",
 ]
 
 

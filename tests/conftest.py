@@ -20,15 +20,11 @@ import sys
 
 import pytest
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))  # multiproc, jobs, paths, ...
+
 
 def _issued_ports() -> set[int]:
-    # the helper is imported both as ``multiproc`` and as ``tests.multiproc``: two modules, two sets
-    return {
-        port
-        for name in ("multiproc", "tests.multiproc")
-        if name in sys.modules
-        for port in sys.modules[name].ISSUED_PORTS
-    }
+    return set(sys.modules["multiproc"].ISSUED_PORTS) if "multiproc" in sys.modules else set()
 
 
 def _port(path: str) -> int | None:
@@ -86,14 +82,13 @@ def _no_deepspeed_shared_memory_left():
 def resume_jobs(tmp_path_factory) -> dict:
     """test_resume.py's and test_resume_compressed.py's 4-process cases in ONE launcher job; per module: its
     directory, cases, results and the job's stdout."""
-    import test_resume
-    import test_resume_compressed
-    from test_trainer import sweep
+    from jobs import sweep
+    from resume_cases import compressed_resume_cases, resume_cases
 
     jobs = {}
-    for module in (test_resume, test_resume_compressed):
-        tmp = tmp_path_factory.mktemp(module.__name__)
-        jobs[module.__name__] = {"tmp": tmp, "cases": module.sweep_cases(tmp)}
+    for name, cases in (("test_resume", resume_cases), ("test_resume_compressed", compressed_resume_cases)):
+        tmp = tmp_path_factory.mktemp(name)
+        jobs[name] = {"tmp": tmp, "cases": cases(tmp)}
     output: list[str] = []
     results = sweep(tmp_path_factory, 4, [case for job in jobs.values() for case in job["cases"]], output=output)
     for job in jobs.values():

@@ -58,7 +58,7 @@ CHECKS = {  # "guide#block" -> what the guide says the block does, checked on it
 
 def _chat_model(directory: Path) -> None:
     """my-model/: a tiny Llama chat model shaped as released ones are, as save_pretrained writes it."""
-    from test_chat_data import released_chat_model
+    from chat import released_chat_model
 
     model, _ = released_chat_model(directory)
     model.save_pretrained(directory)
@@ -67,7 +67,7 @@ def _chat_model(directory: Path) -> None:
 def _given_data(tmp: Path) -> None:
     """data.md's: my-model/, chats.jsonl of 1,500 conversations (enough for a validation split of 1,024 tokens) and
     corpus.jsonl of ~1.5 MB of Python source."""
-    from test_chat_data import _conversations
+    from chat import _conversations
 
     _chat_model(tmp / "my-model")
     (tmp / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _conversations(1500)))  # 1 %: 1,413 tokens

@@ -7,7 +7,7 @@ MTP parts).
 megakit keeps q, k and v (and gate, up) as separate ``(out, in)`` matrices under
 layout-independent names; transformers' GPT-2 fuses q/k/v into ``c_attn`` and stores
 ``Conv1D`` weights as ``(in, out)``, while its Llama family (also Mistral, Qwen2) uses
-``nn.Linear`` like megakit. ``tests/test_model.py`` proves the mapping by comparing
+``nn.Linear`` like megakit. ``tests/nn/test_model.py`` proves the mapping by comparing
 logits with transformers' own models.
 
 MoE layers: megakit's names are transformers 5's in-memory ones (``mlp.gate.weight``, stacked

@@ -23,7 +23,7 @@ What runs inside a compiled block:
   break the graph once, and Dynamo's nested graph breaks (turned on here for such models) resume
   inside the MoE layer rather than splitting every frame around it: three graphs per block.
 
-With dropout 0 and TP = 1 a block is exactly one graph, an MoE block too (``tests/test_compile.py`` counts them).
+With dropout 0 and TP = 1 a block is exactly one graph, an MoE block too (``tests/nn/test_compile.py`` counts them).
 """
 
 from __future__ import annotations

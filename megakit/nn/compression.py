@@ -18,7 +18,7 @@ Both reducers replace DeepSpeed's DP all-reduce (the trainer sets
   what is pending, densely, so that checkpoints and evaluations see one model.
 
 Without error feedback Top-K never sends the small coordinates at all and the model
-trains measurably worse (tests/test_compression.py, tests/test_trainer.py).
+trains measurably worse (tests/core/test_compression.py, tests/train/test_trainer.py).
 
 ``fp16`` is all-reduced in half precision; ``int8`` and ``sign`` are reduced in two
 compressed phases (all-to-all, then all-gather: ``_Codec``), so their traffic per rank does

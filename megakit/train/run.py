@@ -134,7 +134,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
             object.__setattr__(self, "lora", LoraSpec(**self.lora))
-        if self.stage_layers is not None:  # a list from JSON (tests/launch_sweep.py) or a tuple from --stage-layers
+        if self.stage_layers is not None:  # a list (JSON of tests/helpers/launch_sweep.py) or a tuple (--stage-layers)
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
         if self.recompute not in RECOMPUTE:
             raise UsageError(

@@ -8,7 +8,7 @@ parallelism shards the rest. An MoE block keeps, in place of the MLP's, its shar
 ``routing_tensors`` (the router's logits and scores, the top-k indices and probabilities, the aux-loss
 terms, the dispatch's permutation and permuted tokens -- ``dispatch_buffers``, the one place that prices
 the dispatch -- and the top-k copies of its tokens through the experts), each as megakit's code keeps it
-(``tests/test_memory_truth.py`` measures every family against it). Multi-head Latent Attention
+(``tests/train/test_memory_truth.py`` measures every family against it). Multi-head Latent Attention
 (DeepSeek-V3) keeps its latents (``latent_tensors``) and heads of its own widths (``value_widths``).
 ``memory`` multiplies these by the blocks and micro-batches in flight.
 """

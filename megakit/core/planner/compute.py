@@ -7,7 +7,7 @@ intensity implies, not overlapped: ``time = FLOPs / rate × (1 + ROOFLINE · rid
 GPU's ridge point ``rate / HBM bandwidth``. So an H100, whose ridge is twice an A100's, needs twice as large
 a GEMM to get as close to its peak, and a thin TP-sharded GEMM is slower everywhere. (The sum, not a smooth
 maximum, is what the calibration rows were fitted with; it is harshest on thin GEMMs of micro-batch 1 at TP 8,
-where Megatron-Core's H100 runs come out 7-13 % slow: tests/test_planner_mcore.py.)
+where Megatron-Core's H100 runs come out 7-13 % slow: tests/core/planner/test_planner_mcore.py.)
 
 Under LoRA (``plan.lora``) the base is frozen: its GEMMs run forward and input-gradient only (no weight-gradient
 GEMM, 2 of the 3), and each adapter adds its two thin GEMMs three times (``lora_gemm_time``); the head likewise.

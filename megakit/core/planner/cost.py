@@ -27,7 +27,7 @@ reduce over the EDP ranks (and over TP at EP 1, whose ranks route different toke
 experts), beside the dense ones over DP x CP.
 
 One set of constants (here, in ``compute`` and ``sharding``, and the GPU presets' measured matmul and
-attention rates) is used for every model, GPU and layout; ``tests/test_planner_calibration.py``
+attention rates) is used for every model, GPU and layout; ``tests/core/planner/test_planner_calibration.py``
 checks it row by row against Narayanan et al. 2021, 26 published FSDP/ZeRO-3 runs and megakit's own.
 """
 

@@ -12,7 +12,7 @@ from megakit.core.lora import LoraSpec
 # "real" is dropless training with a load-balancing loss, which Megatron measured costing 3 % for
 # Mixtral-8x22B (Megatron-MoE-ModelZoo best_practice/Mixtral: 455 TFLOP/s dropless, 470 at capacity 1.0)
 # and 9-25 % for the fine-grained Qwen3-235B (best_practice/Qwen3: forced balance vs dropless, 16K-128K
-# tokens): 1.1 on the expert side puts the planner between the two (tests/test_planner_moe.py), so it
+# tokens): 1.1 on the expert side puts the planner between the two (tests/core/planner/test_planner_moe.py), so it
 # under-prices imbalance for many small experts and over-prices it for a few large ones. Default: real.
 ROUTING = {"balanced": 1.0, "real": 1.1}
 FP8_RECIPES = ("none", "tensorwise", "rowwise")  # torchao float8 scaling (train.py --fp8)

@@ -70,7 +70,8 @@ def interleaved_step_time(
     stall the steady state: at PP 2 x VPP 2, ``0,12,12,0`` takes 1.5x a rank's work per micro-batch, where the
     balanced split takes 1x. The schedule repeats every ``pp`` micro-batches once warmed up, so ``2pp`` and ``3pp``
     are simulated and longer steps extrapolated along that line (within 1e-3 of the whole step simulated:
-    tests/test_planner_stages.py). None where the schedule cannot run (micro-batches not a multiple of ``pp``).
+    tests/core/planner/test_planner_stages.py). None where the schedule cannot run (micro-batches not a multiple
+    of ``pp``).
     Cached on the costs relative to the slowest chunk, to 1e-3: the search prices one pinned split many times."""
     if micro_batches < pp or micro_batches % pp:
         return None

@@ -1,0 +1,237 @@
+"""``--optimizer muon`` (megakit.train.engine.muon): one process equals torch.optim.Muon on the same matrices, every
+layout equals one process, the momentum resumes at another layout, and what it cannot run is one line.
+
+The layouts run in ONE launcher job of 2 processes (``tests/helpers/launch_sweep.py``): TP 2 (column- and row-parallel
+shards sent to their owners), PP 2, DP 2, CP 2 and EP 2 of ``moe-tiny``, against the single process
+(``reference_run(muon=...)``); TP 2 saves at step 3 and DP 2 resumes from it with its momenta; QK-clip at TP 2 with
+SP (MHA) and at DP 2 (grouped K/V heads) against the single process's weights.
+"""
+
+import json
+import re
+
+import pytest
+import torch
+from jobs import sweep
+from paths import ROOT
+
+from megakit.errors import UsageError
+from megakit.train.engine.muon import MuonWithAdamW, matrices, muon_groups, uses_muon
+
+LR, WD = 3e-3, 0.1
+MUON = {"optimizer": "muon", "muon_lr": LR, "muon_weight_decay": WD}
+
+
+def _grads(net: torch.nn.Module, step: int) -> None:
+    gen = torch.Generator().manual_seed(step)
+    for p in net.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def test_one_process_equals_torch_muon_and_adamw_on_the_same_matrices():
+    from megakit.nn.model import ModelConfig, Transformer
+
+    net = Transformer(ModelConfig.load(ROOT / "models" / "moe-tiny.json"), seed=0)
+    ref = Transformer(ModelConfig.load(ROOT / "models" / "moe-tiny.json"), seed=0)
+    ours = MuonWithAdamW(muon_groups(net, weight_decay=WD), lr=LR, weight_decay=WD)
+    names = dict(ref.named_parameters())
+    hidden = [n for n, p in names.items() if uses_muon(n, p)]
+    assert "layers.0.mlp.experts.gate_up_proj" in hidden and "layers.0.attn.q_proj.weight" in hidden
+    assert not {"embed.weight", "lm_head.weight", "layers.0.mlp.gate.weight", "norm.weight"} & set(hidden)
+    # torch.optim.Muon on the unfused matrices: each expert's gate, up and down a parameter of its own
+    leaves = {n: [torch.nn.Parameter(m.clone()) for m in matrices(n, names[n].detach())] for n in hidden}
+    muon = torch.optim.Muon(
+        [q for n in hidden for q in leaves[n]], lr=LR, weight_decay=WD, adjust_lr_fn="match_rms_adamw"
+    )
+    rest = [p for n, p in names.items() if n not in hidden]
+    decayed = [p for n, p in names.items() if n not in hidden and p.ndim >= 2 and not n.endswith("bias")]
+    adamw = torch.optim.AdamW(
+        [{"params": decayed}, {"params": [p for p in rest if all(p is not d for d in decayed)], "weight_decay": 0.0}],
+        lr=LR,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=WD,
+    )
+    for step in range(3):
+        _grads(net, step)
+        _grads(ref, step)
+        for n in hidden:
+            for leaf, g in zip(leaves[n], matrices(n, names[n].grad)):
+                leaf.grad = g.clone()
+        ours.step()
+        muon.step()
+        adamw.step()
+    got = dict(net.named_parameters())
+    for n in hidden:
+        for leaf, m in zip(leaves[n], matrices(n, got[n].detach())):
+            assert torch.equal(leaf.detach(), m), n
+    for n, p in names.items():
+        if n not in hidden:
+            assert torch.equal(p.detach(), got[n].detach()), n
+    assert set(ours.state[got["layers.0.attn.q_proj.weight"]]) == {"momentum_buffer", "step"}
+    assert set(ours.state[got["embed.weight"]]) == {"exp_avg", "exp_avg_sq", "step"}
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])  # K/V heads: one per query head, one per two
+def test_qk_clip_brings_each_head_above_tau_back_to_tau(model):
+    from megakit.nn.model import ModelConfig, Transformer
+    from megakit.train.engine.muon import QKClip
+
+    net = Transformer(ModelConfig.load(ROOT / "models" / f"{model}.json"), seed=0)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    clip = QKClip(net, tau=1.0)
+    net(x, x)
+    first = clip.attention[0].max_logits  # the first block's: its input stays as it was after the clip
+    tau = float(first.median())
+    clip = QKClip(net, tau=tau)
+    net(x, x)
+    clip.clip()
+    assert torch.count_nonzero(torch.stack([m.max_logits for m in clip.attention])) == 0  # the next step's maxima
+    net(x, x)
+    after, above = clip.attention[0].max_logits, first > tau
+    assert above.any() and (~above).any(), first
+    assert torch.allclose(after[above], torch.full_like(after[above], tau), rtol=1e-5)  # clipped to tau
+    assert torch.equal(after[~above], first[~above])  # the others untouched
+
+
+def test_what_muon_cannot_run_is_one_line(tmp_path):
+    from megakit.train.run import TrainConfig, resolve
+
+    muon = json.loads((ROOT / "ds_configs" / "muon.json").read_text())
+    adamw = json.loads((ROOT / "ds_configs" / "zero0.json").read_text())
+    data = tmp_path / "text.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    cases = [
+        (adamw, {}, 'the ds_config has an "optimizer" section (AdamW); remove it'),
+        ({**muon, "zero_optimization": {"stage": 1}}, {}, "--optimizer muon with ZeRO 1"),
+        ({**muon, "zero_optimization": {"stage": 3}}, {}, "--optimizer muon with ZeRO 3"),
+        ({**muon, "bf16": {"enabled": True}}, {}, "--optimizer muon with bf16"),
+        (muon, {"muon_lr": 0.0}, "--muon-lr must be above 0"),
+        (muon, {"qk_clip": 100.0, "model": "deepseek-v3-tiny"}, "its attention is MLA"),
+        (muon, {"qk_clip": 100.0, "model": "gpt-oss-tiny"}, "its attention sinks or dropout"),
+        (muon, {"qk_clip": 100.0, "cp": 2}, "--qk-clip with --cp 2"),
+        (adamw, {"qk_clip": 100.0, "optimizer": "adamw"}, "--qk-clip 100 is MuonClip's: use it with --optimizer muon"),
+    ]
+    for ds, flags, message in cases:
+        with pytest.raises(UsageError, match=re.escape(message)):
+            resolve(TrainConfig(**{"ds_config": ds, "data": str(data), "model": "gpt-tiny", **MUON, **flags}), 2)
+    with pytest.raises(UsageError, match="--optimizer lion is not one of adamw, muon"):
+        TrainConfig(ds_config=muon, optimizer="lion")
+    resolve(TrainConfig(ds_config=muon, data=str(data), model="gpt-tiny", tp=2, **MUON), 2)  # runs
+
+
+# -- 2 processes: each layout against the single process, and a resume at another layout -----------------------------
+def _ds(micro: int = 2, accumulation: int = 2) -> dict:
+    config = json.loads((ROOT / "ds_configs" / "muon.json").read_text())
+    config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation)
+    config["scheduler"]["params"].update(warmup_num_steps=2, total_num_steps=6)
+    return config
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    saved = tmp_path_factory.mktemp("muon") / "tp2"
+    base = dict(data=None, steps=6, seq_len=32, seed=3, **MUON)  # the standard library's sources, as bytes
+    cases = [
+        dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4), tp=2, sequence_parallel=True, qk_clip=0.05),  # 0
+        dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4), pp=2),  # 1: PP 2
+        dict(base, model="gpt-tiny", ds_config=_ds()),  # 2: DP 2
+        dict(base, model="gpt-tiny", ds_config=_ds(), cp=2),  # 3: CP 2 x DP 1 ... each CP rank half the sequence
+        dict(base, model="moe-tiny", ds_config=_ds(), ep=2),  # 4: EP 2 over DP 2
+        dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4), tp=2, save=str(saved), save_every=3, keep=5),  # 5
+        dict(base, model="gpt-tiny", ds_config=_ds(), load=str(saved / "step-0000003")),  # 6: resumed at DP 2
+        dict(base, model="llama-tiny", ds_config=_ds(), qk_clip=0.05),  # 7: QK-clip of grouped K/V heads, DP 2
+    ]
+    for i in (0, 7):
+        cases[i]["save"] = str(saved.parent / f"qk{i}")
+    cases[3]["ds_config"] = _ds(accumulation=4)
+    return cases, sweep(tmp_path_factory, 2, cases, timeout=600)
+
+
+def _reference(case: dict, dp: int, qk_clip: float = 0.0, weights: bool = False) -> dict:
+    from megakit.train.doctor.reference import reference_run
+
+    return reference_run(
+        case["ds_config"],
+        model=case["model"],
+        steps=case["steps"],
+        dp=dp,
+        seq_len=case["seq_len"],
+        seed=case["seed"],
+        data=case["data"],
+        muon={"lr": LR, "weight_decay": WD, "qk_clip": qk_clip},
+        weights=weights,
+    )
+
+
+@pytest.mark.slow
+def test_each_layout_equals_one_process_and_the_momentum_resumes_at_another(layouts):
+    cases, results = layouts
+    dense = _reference(cases[2], dp=2, weights=True)  # cases 0, 1, 3, 5 run DP 1 with 4 micro-batches: the same
+    moe = _reference(cases[4], dp=2)  # global batch
+    for i, want in [(1, dense), (2, dense), (3, dense), (4, moe), (5, dense)]:
+        got = results[i]["loss"]
+        assert len(got) == 6, (i, got)
+        # 1e-5: TP 2 follows within 2e-6; orthogonalising each TP shard alone is 8e-5 off
+        assert got == pytest.approx(want["loss"], rel=1e-5), (i, got, want["loss"])
+    assert results[6]["loss"] == pytest.approx(results[5]["loss"][3:], rel=1e-5)  # with its momenta, not from zero
+    from megakit.train.run import TrainConfig, resolve
+
+    optimizer = json.loads((ROOT / "ds_configs" / "zero0.json").read_text())["optimizer"]
+    adamw = {**cases[6], "optimizer": "adamw", "ds_config": {**cases[6]["ds_config"], "optimizer": optimizer}}
+    with pytest.raises(UsageError, match="holds --optimizer muon's state .* resume with --optimizer muon"):
+        resolve(TrainConfig(**adamw), 2)
+    from megakit.interop.checkpoint import load_checkpoint
+    from megakit.interop.checkpoint_format import manifest_config, read_manifest
+    from megakit.nn.model import Transformer
+
+    for i, dp in ((0, 1), (7, 2)):  # QK-clip: each TP rank its own heads (SP too); the maximum over DP
+        clipped = _reference(cases[i], dp=dp, qk_clip=0.05, weights=True)
+        plain = dense if i == 0 else _reference(cases[i], dp=dp, weights=True)
+        assert results[i]["loss"] == pytest.approx(clipped["loss"], rel=1e-5), i
+        net = Transformer(manifest_config(read_manifest(cases[i]["save"])))
+        load_checkpoint(cases[i]["save"], net)
+        for name in ("layers.0.attn.q_proj.weight", "layers.3.attn.q_proj.weight"):
+            got, want, unclipped = net.state_dict()[name], clipped["weights"][name], plain["weights"][name]
+            # Newton-Schulz's bf16 turns the layouts' fp32 rounding into ~4e-5 here; the clip moves W_q by 3e-3 to 2e-2
+            assert (got - want).abs().max() < 2e-4, (i, name)
+            assert (got - unclipped).abs().max() > 2e-3, (i, name)  # it clipped
+
+
+def test_the_planner_prices_torch_newton_schulz_and_one_moment():
+    from torch.optim._muon import _zeropower_via_newtonschulz
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megakit.core.model_config import ModelConfig
+    from megakit.core.planner.muon import muon_cost, newton_schulz_flops, render
+
+    for rows, cols in [(48, 16), (16, 48), (32, 32)]:
+        with FlopCounterMode(display=False) as counter:
+            _zeropower_via_newtonschulz(torch.randn(rows, cols), (3.4445, -4.775, 2.0315), 5, 1e-7)
+        assert counter.get_total_flops() == newton_schulz_flops(rows, cols), (rows, cols)
+    config = ModelConfig.load(ROOT / "models" / "llama-3-8b.json")
+    one, eight = muon_cost(config), muon_cost(config, tp=8)
+    hidden = config.layers * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096)
+    assert one.params == hidden and one.moment_bytes == 4 * hidden  # one fp32 moment where Adam keeps two
+    assert one.gather_bytes == 0 and eight.ns_flops == one.ns_flops / 8  # each matrix on one owner
+    assert eight.gather_bytes == pytest.approx(2 * 7 / 64 * 4 * hidden)  # to the owners and back
+    moe = muon_cost(ModelConfig.load(ROOT / "models" / "mixtral-8x7b.json"), ep=8)
+    assert ("experts' gate, up", 14336, 4096, 32 * 2, newton_schulz_flops(14336, 4096, 1)) in moe.rows  # 1 expert
+    text = "\n".join(render(eight, step_flops_per_gpu=1e15))
+    assert "Newton-Schulz: 83.24 TFLOP per step, 7.7 % of the step's FLOPs" in text
+
+
+def test_megakit_plan_optimizer_muon_prints_it_line_by_line(capsys):
+    from megakit.commands import cli
+    from megakit.core.planner.model_spec import ModelSpec
+    from megakit.core.planner.muon import muon_cost
+
+    assert cli.main(["plan", "--params", "8B", "--gpus", "8", "--tp", "8", "--optimizer", "muon", "--json"]) == 0
+    muon = json.loads(capsys.readouterr().out)["plan"]["muon"]
+    want = muon_cost(ModelSpec.from_params("8B").config, tp=8)
+    assert muon["ns_flops"] == want.ns_flops and muon["moment_bytes"] == want.moment_bytes
+    assert muon["lines"][0].startswith("Muon (--optimizer muon), per GPU and step")
+    assert any(line.strip().startswith("TP exchange of the split matrices") for line in muon["lines"])
+    assert any("optimizer's share of the step" in line for line in muon["lines"])
+    assert cli.main(["plan", "--params", "8B", "--gpus", "8", "--tp", "8", "--json"]) == 0
+    assert "muon" not in json.loads(capsys.readouterr().out)["plan"]  # AdamW: nothing added
