@@ -17,6 +17,8 @@ from megakit.errors import UsageError
 
 @dataclass(frozen=True, kw_only=True)
 class Mamba2Config:
+    """The Mamba-2 mixer's shape (the field comments name transformers' ``NemotronHConfig`` fields)."""
+
     heads: int  # mamba_num_heads
     head_dim: int  # mamba_head_dim
     state: int  # ssm_state_size

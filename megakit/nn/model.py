@@ -45,6 +45,9 @@ __all__ = [
     "model_flops_per_token",
 ]
 
+# Mamba-2's reference start: A = -1 .. -heads, D one, dt = softplus(dt_bias) = 0.01 (mamba_ssm's dt in [1e-3, 0.1])
+MAMBA_INIT = {"A_log": ("log_index",), "D": ("ones",), "dt_bias": ("fill", -4.600166)}
+
 
 class Transformer(nn.Module):
     """The model, or one pipeline stage of it, holding this rank's TP shard.
@@ -163,12 +166,14 @@ class Transformer(nn.Module):
         stacked ``experts.down_proj``) ``N(0, (std / sqrt(2 L))^2)``, everything else ``N(0, std^2)``.
         """
         leaf = name.rsplit(".", 2)
+        if leaf[-1] in MAMBA_INIT:  # Mamba-2's per-head A_log, D and dt_bias
+            return MAMBA_INIT[leaf[-1]]
         if leaf[-1] == "bias":
             return ("zeros",)
         if "norm" in leaf[-2]:
             return ("zeros",) if self.config.norm_offset else ("ones",)  # Gemma's norms: times 1 + weight
         std = self.config.init_std
-        if leaf[-2] in ("o_proj", "down_proj") or leaf[-2:] == ["experts", "down_proj"]:
+        if leaf[-2] in ("o_proj", "down_proj", "out_proj") or leaf[-2:] == ["experts", "down_proj"]:
             std /= (2 * self.config.layers) ** 0.5
         return ("normal", std)
 

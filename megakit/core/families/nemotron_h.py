@@ -8,6 +8,9 @@ x, B and C: megakit keeps them as separate parameters, so that each splits over 
 
 from __future__ import annotations
 
+from megakit.core.mamba_config import Mamba2Config
+from megakit.errors import UsageError
+
 PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}  # hybrid_override_pattern's characters
 
 
@@ -47,4 +50,127 @@ def mixer_to_hf(state: dict) -> dict:
     for name in ("dt_bias", "A_log", "D", "norm.weight", "out_proj.weight", "out_proj.bias"):
         if name in state:
             out[name] = state[name]
+    return out
+
+
+HF_TYPES = {"mamba": "linear_attention", "attention": "full_attention", "mlp": "mlp", "moe": "moe"}
+FROM_HF_TYPES = {v: k for k, v in HF_TYPES.items()}
+CHARACTERS = {part: c for c, part in PATTERN.items()}
+
+
+def _pattern(data: dict, source: str) -> str:
+    """The layer pattern from ``hybrid_override_pattern`` (NVIDIA's files) or ``layers_block_type`` (transformers
+    5's), refusing a layer type megakit does not build by name."""
+    if data.get("hybrid_override_pattern"):
+        pattern = data["hybrid_override_pattern"]
+    else:
+        types = data.get("layers_block_type") or data.get("layer_types")
+        if not types:
+            raise UsageError(f"model config {source} has neither hybrid_override_pattern nor layers_block_type")
+        unknown = sorted(set(types) - set(FROM_HF_TYPES))
+        if unknown:
+            raise UsageError(f"model config {source} has layer type {unknown[0]!r}, which megakit does not build")
+        pattern = "".join(CHARACTERS[FROM_HF_TYPES[t]] for t in types)
+    bad = sorted(set(pattern) - set(PATTERN) - {"E"}) + sorted(set(pattern) & {"E"})
+    if bad:
+        what = {"E": "an MoE block"}.get(bad[0], "unknown")
+        raise UsageError(
+            f"model config {source} has layer type {bad[0]!r} ({what}) in its pattern, which megakit does not build; "
+            "it builds 'M' (Mamba-2), '*' (attention) and '-' (MLP)"
+        )
+    return pattern
+
+
+def config_from_hf(cls, data: dict, source: str):
+    """A ``ModelConfig`` of a ``nemotron_h`` config.json (transformers' ``NemotronHConfig`` defaults where absent)."""
+    act = data.get("mlp_hidden_act", "relu2")
+    if act != "relu2" or data.get("mamba_hidden_act", "silu") != "silu":
+        raise UsageError(f"model config {source} uses activation {act!r}; Nemotron-H here uses relu2 and silu")
+    try:
+        pattern = _pattern(data, source)
+        heads = data.get("num_attention_heads", 32)
+        return cls(
+            family="llama",
+            vocab_size=data["vocab_size"],
+            max_seq_len=data.get("max_position_embeddings", 4096),
+            hidden=data["hidden_size"],
+            layers=len(pattern),
+            heads=heads,
+            kv_heads=data.get("num_key_value_heads") or heads,
+            head_dim=data.get("head_dim") or 0,
+            ffn=data.get("intermediate_size", 21504),
+            norm_eps=data.get("layer_norm_epsilon", 1e-5),
+            tie_embeddings=data.get("tie_word_embeddings", False),
+            dropout=data.get("attention_dropout", 0.0),
+            qkv_bias=bool(data.get("attention_bias", False)),
+            out_bias=bool(data.get("attention_bias", False)),
+            mlp_bias=bool(data.get("mlp_bias", False)),
+            mlp_act="relu2",
+            init_std=data.get("initializer_range", 0.02),
+            nope_layers=tuple(range(len(pattern))),  # Nemotron-H's attention has no RoPE
+            layer_pattern=pattern,
+            mamba=Mamba2Config.from_hf(data) if "M" in pattern else None,
+            hf_type="nemotron_h",
+        )
+    except KeyError as exc:
+        raise UsageError(
+            f"model config {source} lacks the field {exc.args[0]!r}; give a complete HF config.json"
+        ) from exc
+
+
+def config_to_hf(config) -> dict:
+    """The ``nemotron_h`` config.json of ``config`` (``config_from_hf`` reads it back unchanged)."""
+    out = {
+        "model_type": "nemotron_h",
+        "architectures": ["NemotronHForCausalLM"],
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_seq_len,
+        "hidden_size": config.hidden,
+        "num_hidden_layers": config.layers,
+        "layers_block_type": [HF_TYPES[PATTERN[c]] for c in config.layer_pattern],
+        "num_attention_heads": config.heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.ffn,
+        "mlp_hidden_act": "relu2",
+        "mamba_hidden_act": "silu",
+        "layer_norm_epsilon": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_bias": config.qkv_bias,
+        "mlp_bias": config.mlp_bias,
+        "attention_dropout": config.dropout,
+        "initializer_range": config.init_std,
+    }
+    if config.mamba is not None:
+        out |= config.mamba.to_hf()
+    return out
+
+
+def state_from_hf(hf: dict, config) -> dict:
+    """megakit's full state dict from a ``NemotronHForCausalLM`` one (``model.`` or NVIDIA's ``backbone.``)."""
+    prefix = "backbone." if any(k.startswith("backbone.") for k in hf) else "model."
+    out = {"embed.weight": hf[f"{prefix}embeddings.weight"], "norm.weight": hf[f"{prefix}norm_f.weight"]}
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = hf["lm_head.weight"]
+    for i, c in enumerate(config.layer_pattern):
+        layer = f"{prefix}layers.{i}."
+        out[f"layers.{i}.norm.weight"] = hf[f"{layer}norm.weight"]
+        mixer = {k[len(layer) + 6 :]: v for k, v in hf.items() if k.startswith(f"{layer}mixer.")}
+        if PATTERN[c] == "mamba":
+            mixer = mixer_from_hf(mixer, config.mamba)
+        out |= {f"layers.{i}.mixer.{k}": v for k, v in mixer.items()}
+    return out
+
+
+def state_to_hf(state: dict, config) -> dict:
+    """Inverse of ``state_from_hf``: transformers' ``NemotronHForCausalLM`` names."""
+    out = {"model.embeddings.weight": state["embed.weight"], "model.norm_f.weight": state["norm.weight"]}
+    out["lm_head.weight"] = state["embed.weight" if config.tie_embeddings else "lm_head.weight"]
+    for i, c in enumerate(config.layer_pattern):
+        out[f"model.layers.{i}.norm.weight"] = state[f"layers.{i}.norm.weight"]
+        head = f"layers.{i}.mixer."
+        mixer = {k[len(head) :]: v for k, v in state.items() if k.startswith(head)}
+        if PATTERN[c] == "mamba":
+            mixer = mixer_to_hf(mixer)
+        out |= {f"model.layers.{i}.mixer.{k}": v for k, v in mixer.items()}
     return out

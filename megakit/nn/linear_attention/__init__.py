@@ -1,0 +1,1 @@
+"""Linear-attention and state-space mixers: Mamba-2 (``mamba2``)."""

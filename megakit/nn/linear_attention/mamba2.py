@@ -104,6 +104,7 @@ class GatedNorm(nn.Module):
         self.weight = mark(nn.Parameter(torch.empty(channels, dtype=dtype, device=device)), 0)
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``weight * norm(y * silu(z))`` per group, the norm in fp32 (transformers' order)."""
         dtype = y.dtype
         y = y.float() * F.silu(z.float())
         y = y.view(*y.shape[:-1], -1, self.group_size)
@@ -164,6 +165,8 @@ class Mamba2(nn.Module):
         )
 
     def forward(self, h: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward: the projections' TP all-gather (SP), with CP an all-to-all of heads each way; backward: the
+        same in reverse. ``out_proj``'s all-reduce (reduce-scatter with SP)."""
         m, cp = self.m, self.cp
         projections = (self.z_proj, self.x_proj, self.b_proj, self.c_proj, self.dt_proj)
         z, x, b, c, dt = column_parallel(h, projections, self.group, self.sequence_parallel)  # (S/cp, B, ./tp)
