@@ -52,6 +52,15 @@ class Mamba2Config:
         """What a split of the heads over ``n`` ranks (TP, or TP x CP) does not divide; the groups go with them."""
         return [f"{what} {k}" for what, k in (("Mamba heads", self.heads), ("Mamba groups", self.groups)) if k % n]
 
+    def check_split(self, tp: int, cp: int) -> None:
+        """UsageError unless TP x CP divides the heads and the groups (the mixer splits both over both)."""
+        bad = self.split_conflicts(tp * cp)
+        if bad:
+            raise UsageError(
+                f"TP x CP = {tp} x {cp} = {tp * cp} does not divide {', '.join(bad)}; the Mamba-2 mixer splits its "
+                f"heads and groups over both: choose TP and CP whose product divides {self.groups}"
+            )
+
     def params(self, hidden: int, tp: int = 1) -> tuple[int, int, int]:
         """(matrix, TP-sharded vector, replicated) parameters of one mixer on one TP rank."""
         proj = self.inner + self.conv_channels + self.heads  # z, x, B, C, dt

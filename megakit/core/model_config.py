@@ -553,6 +553,7 @@ class ModelConfig:
         """What TP does not divide, e.g. ``["attention heads 14"]`` (empty: ``tp`` shards this model;
         KV heads are never replicated)."""
         shared = (("shared-expert FFN size", self.moe.shared_ffn),) if self.moe and self.moe.shared_ffn else ()
+        shared += (("Mamba heads", self.mamba.heads), ("Mamba groups", self.mamba.groups)) if self.mamba else ()
         return [
             f"{what} {n}"
             for what, n in (

@@ -267,6 +267,8 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     seq_len = cfg.seq_len or model.max_seq_len
     check_seq_len(model, seq_len)
     model.check_tp(cfg.tp)  # the model's shards and stages, refused here once rather than by every rank's model
+    if model.mamba is not None:  # Mamba-2's heads and groups go over TP x CP (megakit.nn.linear_attention.mamba2)
+        model.mamba.check_split(cfg.tp, cfg.cp)
     mtp = trained_mtp_depth(model, cfg.mtp, cfg.mtp_weight)  # --mtp of a model that has no prediction modules
     partition_layers(model, cfg.pp, cfg.vpp, cfg.stage_layers or "params", mtp=mtp)
     layout = dataclasses.replace(layout, cp_a2a=_cp_a2a_degree(cfg, model))

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from megakit.core.mamba_config import Mamba2Config
-from megakit.errors import UsageError
 from megakit.nn import comm as C
 from megakit.nn.linear_attention._standin import causal_conv, heads_to_sequence, sequence_to_heads
 from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, mark
@@ -137,12 +136,7 @@ class Mamba2(nn.Module):
         super().__init__()
         tp = C.size(group)
         self.cp_group, self.cp, self.cp_rank = cp_group, C.size(cp_group), C.rank(cp_group)
-        bad = mamba.split_conflicts(tp * self.cp)
-        if bad:
-            raise UsageError(
-                f"TP x CP = {tp * self.cp} does not divide {', '.join(bad)}; the Mamba-2 mixer splits its heads "
-                "and groups over both: choose TP and CP whose product divides them"
-            )
+        mamba.check_split(tp, self.cp)
         self.group, self.sequence_parallel, self.m = group, sequence_parallel, mamba
         self.heads, self.groups = mamba.heads // tp, mamba.groups // tp  # this TP rank's
         col = dict(group=group, sequence_parallel=sequence_parallel, enter_region=False, dtype=dtype, device=device)
