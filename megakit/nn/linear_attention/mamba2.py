@@ -11,7 +11,7 @@ chunks of ``chunk`` tokens, a recurrence over the chunks' states, linear in the 
 TP: z, x, B, C, dt are column-parallel (the HF ``in_proj`` in its five parts, so each splits by its own rows), the
 conv channels, ``A_log``, ``dt_bias``, ``D`` and the norm's weight split with the heads, B and C by group (TP must
 divide the groups: each rank's heads read only their own groups), ``out_proj`` row-parallel. CP: an all-to-all of
-heads, as Ulysses does (``context_parallel``): each rank gets the whole sequence of ``heads / cp`` heads before the
+heads, as Ulysses does (``context_parallel``, shared with Gated DeltaNet): each rank gets the whole sequence of ``heads / cp`` heads before the
 conv, runs conv and scan there, and sends the output back. That is exact, with no state passed along a ring, and the
 conv needs no halo, so its kernel may be any length.
 """
@@ -24,7 +24,8 @@ from torch import nn
 
 from megakit.core.mamba_config import Mamba2Config
 from megakit.nn import comm as C
-from megakit.nn.linear_attention._standin import causal_conv, heads_to_sequence, sequence_to_heads
+from megakit.nn.linear_attention.context_parallel import to_own_tokens, to_whole_sequence
+from megakit.nn.linear_attention.conv import causal_conv1d
 from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, mark
 from megakit.nn.tensor_parallel.overlapped_linear import column_parallel
 
@@ -122,7 +123,7 @@ class CausalConv(nn.Module):
     def forward(self, x: torch.Tensor, documents, rows: slice) -> torch.Tensor:
         """``silu(conv(x))`` of ``x`` ``(S, B, c)``, the whole sequence of channels ``rows`` of this rank's."""
         bias = None if self.bias is None else self.bias[rows]
-        return F.silu(causal_conv(x, self.weight[rows], bias, documents))
+        return F.silu(causal_conv1d(x, self.weight[rows], bias, documents=documents))
 
 
 class Mamba2(nn.Module):
@@ -169,7 +170,7 @@ class Mamba2(nn.Module):
         x, b, c = x.view(s, batch, -1, m.head_dim), b.view(s, batch, -1, m.state), c.view(s, batch, -1, m.state)
         dt = dt.unsqueeze(-1)
         if cp > 1:  # (S/cp, B, n, d) -> (S, B, n/cp, d): every token, in sequence order, of this rank's heads
-            x, b, c, dt = (heads_to_sequence(t, self.cp_group) for t in (x, b, c, dt))
+            x, b, c, dt = (to_whole_sequence(t, self.cp_group) for t in (x, b, c, dt))
         own = slice(self.cp_rank * heads, (self.cp_rank + 1) * heads)  # this rank's heads among the TP rank's
         rows = lambda n, d: slice(self.cp_rank * n * d, (self.cp_rank + 1) * n * d)  # noqa: E731
         full = x.shape[0]
@@ -189,6 +190,6 @@ class Mamba2(nn.Module):
             documents=documents,
         ).transpose(0, 1)  # (S, B, heads, head_dim)
         if cp > 1:
-            y = sequence_to_heads(y, self.cp_group)  # (S/cp, B, heads x cp, head_dim)
+            y = to_own_tokens(y, self.cp_group)  # (S/cp, B, heads x cp, head_dim)
         y = self.norm(y.reshape(s, batch, -1), z)  # (S/cp, B, inner/tp)
         return self.out_proj(y.to(h.dtype))  # (S', B, H)

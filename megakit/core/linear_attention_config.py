@@ -1,0 +1,92 @@
+"""``LinearAttentionConfig``: the Gated DeltaNet part of a hybrid model description (Qwen3-Next, Qwen3.5).
+
+A hybrid model runs a linear-attention mixer in some blocks and full attention in the others, by ``layer_types``
+(transformers' field: one of ``LAYER_TYPES`` per block; Qwen3-Next's ``full_attention_interval`` N gives every N-th
+block full attention). The Gated DeltaNet mixer has ``key_heads`` query/key heads of ``key_head_dim`` and
+``value_heads`` (a multiple) value heads of ``value_head_dim``, a causal depthwise conv of ``conv_kernel`` taps, and
+runs its delta rule in chunks of ``chunk`` tokens. Pure Python: the planner reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megakit.errors import UsageError
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearAttentionConfig:
+    """The linear-attention fields of a hybrid model (validated on construction: one line per bad field)."""
+
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+    chunk: int = 64  # transformers' torch path's chunk
+    layer_types: tuple[str, ...] = ()  # per block; empty: every block linear
+
+    def __post_init__(self) -> None:
+        for name in ("key_heads", "value_heads", "key_head_dim", "value_head_dim", "conv_kernel", "chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"linear attention field {name} must be a positive integer, got {value!r}")
+        if self.value_heads % self.key_heads:
+            raise UsageError(
+                f"linear attention value heads {self.value_heads} are not a multiple of its key heads "
+                f"{self.key_heads}; each key head serves a whole group of value heads"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise UsageError(
+                f"layer type {unknown[0]!r} is not one megakit builds; use {' or '.join(map(repr, LAYER_TYPES))}"
+            )
+
+    def is_linear(self, index: int) -> bool:
+        """Whether block ``index`` runs the linear-attention mixer (else full attention)."""
+        return not self.layer_types or self.layer_types[index] == "linear_attention"
+
+    def check_parallel(self, *, tp: int, cp: int) -> None:
+        """Refuse, in one line, head counts that TP x CP does not divide (each rank runs whole heads)."""
+        if self.key_heads % (tp * cp):
+            raise UsageError(
+                f"linear attention key heads {self.key_heads} are not divisible by TP x CP = {tp} x {cp}; "
+                "choose --tp and --cp whose product divides them"
+            )
+
+    def state_elements(self) -> int:
+        """One sequence's recurrent state of one block: ``value_heads x key_head_dim x value_head_dim``."""
+        return self.value_heads * self.key_head_dim * self.value_head_dim
+
+    def conv_channels(self) -> int:
+        """The conv's channels: q and k (``key_heads x key_head_dim`` each) and v."""
+        return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
+
+    @classmethod
+    def from_hf(cls, hf: dict, layers: int) -> LinearAttentionConfig:
+        """From a transformers ``qwen3_next`` / ``qwen3_5_text`` config dict of ``layers`` blocks."""
+        types = hf.get("layer_types")
+        if not types:
+            interval = hf.get("full_attention_interval", 4)
+            types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+        return cls(
+            key_heads=hf["linear_num_key_heads"],
+            value_heads=hf["linear_num_value_heads"],
+            key_head_dim=hf["linear_key_head_dim"],
+            value_head_dim=hf["linear_value_head_dim"],
+            conv_kernel=hf.get("linear_conv_kernel_dim", 4),
+            layer_types=tuple(types),
+        )
+
+    def to_hf(self) -> dict:
+        """The transformers fields (``from_hf``'s inverse)."""
+        return dict(
+            linear_num_key_heads=self.key_heads,
+            linear_num_value_heads=self.value_heads,
+            linear_key_head_dim=self.key_head_dim,
+            linear_value_head_dim=self.value_head_dim,
+            linear_conv_kernel_dim=self.conv_kernel,
+            layer_types=list(self.layer_types),
+        )
