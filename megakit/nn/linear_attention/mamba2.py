@@ -11,9 +11,9 @@ chunks of ``chunk`` tokens, a recurrence over the chunks' states, linear in the 
 TP: z, x, B, C, dt are column-parallel (the HF ``in_proj`` in its five parts, so each splits by its own rows), the
 conv channels, ``A_log``, ``dt_bias``, ``D`` and the norm's weight split with the heads, B and C by group (TP must
 divide the groups: each rank's heads read only their own groups), ``out_proj`` row-parallel. CP: an all-to-all of
-heads, as Ulysses does (``context_parallel``, shared with Gated DeltaNet): each rank gets the whole sequence of ``heads / cp`` heads before the
-conv, runs conv and scan there, and sends the output back. That is exact, with no state passed along a ring, and the
-conv needs no halo, so its kernel may be any length.
+heads, as Ulysses does (``context_parallel``, shared with Gated DeltaNet): each rank gets the whole sequence of
+``heads / cp`` heads before the conv, runs conv and scan there, and sends the output back. That is exact, with no
+state passed along a ring, and the conv needs no halo, so its kernel may be any length (no shard-length limit).
 """
 
 from __future__ import annotations
