@@ -174,3 +174,33 @@ def state_to_hf(state: dict, config) -> dict:
             mixer = mixer_to_hf(mixer)
         out |= {f"model.layers.{i}.mixer.{k}": v for k, v in mixer.items()}
     return out
+
+
+def shares(config) -> dict[str, float]:
+    """Each part's share of the blocks of a hybrid model (``{"mamba": 24/52, "attention": 4/52, "mlp": 24/52}``)."""
+    return {part: config.layer_pattern.count(c) / config.layers for c, part in PATTERN.items() if c != "E"}
+
+
+def part_params(config, part: str, tp: int = 1) -> tuple[int, int, int]:
+    """(matrix, TP-sharded vector, replicated) parameters of one block of ``part`` on one TP rank, its norm included."""
+    h, hd = config.hidden, config.head_dim
+    if part == "mamba":
+        matmul, vectors, replicated = config.mamba.params(h, tp)
+        return matmul, vectors, replicated + h
+    if part == "attention":
+        q, kv = config.heads // tp * hd, config.kv_heads_per_rank(tp) * hd
+        return h * (q + 2 * kv) + q * h, config.qkv_bias * (q + 2 * kv), h + config.out_bias * h
+    f = config.ffn // tp
+    return 2 * h * f, config.mlp_bias * f, h + config.mlp_bias * h
+
+
+def total_params(config) -> int:
+    """Every block's parameters, summed exactly (``ModelConfig.num_params``' blocks for a hybrid)."""
+    return sum(sum(part_params(config, PATTERN[c])) for c in config.layer_pattern)
+
+
+def mean_block(config, tp: int = 1) -> tuple[int, int, int]:
+    """The mean block's (matrix, sharded vector, replicated) parameters on one TP rank, rounded down: the planner
+    prices a hybrid's blocks as so many mean blocks (its stages hold whole blocks of every kind alike)."""
+    parts = [part_params(config, PATTERN[c], tp) for c in config.layer_pattern]
+    return tuple(sum(p[i] for p in parts) // config.layers for i in range(3))
