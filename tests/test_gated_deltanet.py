@@ -53,7 +53,8 @@ def _hf_module(seed: int = 0):
 
 
 def _megakit_from_hf(hf, config, chunk: int = 64):
-    """megakit's mixer with ``hf``'s weights: Qwen3-Next's fused, per-key-head-group projections split apart."""
+    """megakit's mixer with ``hf``'s weights, through the import's own split of the fused projections (and back)."""
+    from megakit.interop.hf_linear import linear_from_hf, linear_to_hf
     from megakit.nn.linear_attention.gated_deltanet import GatedDeltaNet
 
     linear = LinearAttentionConfig.from_hf(config.to_dict(), 1)
@@ -61,23 +62,11 @@ def _megakit_from_hf(hf, config, chunk: int = 64):
     ours = GatedDeltaNet(
         linear, HIDDEN, eps=config.rms_norm_eps, group=None, sequence_parallel=False, dtype=torch.float32, device=None
     )
-    nk, dk, dv, r = linear.key_heads, linear.key_head_dim, linear.value_head_dim, linear.value_heads // linear.key_heads
-    qkvz = hf.in_proj_qkvz.weight.view(nk, 2 * dk + 2 * r * dv, HIDDEN)
-    q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=1)
-    b, a = hf.in_proj_ba.weight.view(nk, 2 * r, HIDDEN).split([r, r], dim=1)
-    conv = hf.conv1d.weight.squeeze(1)
-    with torch.no_grad():
-        for layer, w in zip(
-            (ours.q_proj, ours.k_proj, ours.v_proj, ours.z_proj, ours.b_proj, ours.a_proj), (q, k, v, z, b, a)
-        ):
-            layer.weight.copy_(w.reshape(-1, HIDDEN))
-        ours.conv_q.copy_(conv[: nk * dk])
-        ours.conv_k.copy_(conv[nk * dk : 2 * nk * dk])
-        ours.conv_v.copy_(conv[2 * nk * dk :])
-        ours.A_log.copy_(hf.A_log)
-        ours.dt_bias.copy_(hf.dt_bias)
-        ours.norm_weight.copy_(hf.norm.weight)
-        ours.out_proj.weight.copy_(hf.out_proj.weight)
+    theirs = {f"linear_attn.{k}": v for k, v in hf.state_dict().items()}
+    state = linear_from_hf(linear, "qwen3_next", "", "", theirs)
+    ours.load_state_dict({k.removeprefix("attn."): v for k, v in state.items()})
+    back = linear_to_hf(linear, "qwen3_next", "", "", state)
+    assert back.keys() == theirs.keys() and all(torch.equal(back[k], theirs[k]) for k in back)
     return ours
 
 
@@ -194,3 +183,36 @@ def _layouts(rank, world_size):
 def test_tensor_and_context_parallel_layouts_match_one_process():
     results = run_ranks(_layouts, 4, timeout_s=200)
     assert results[0] == [(2, 2, True), (2, 2, False), (1, 4, False), (4, 1, True)]
+
+
+def test_qwen3_5_layout_matches_transformers():
+    """Qwen3.5's mixer (q, k, v in one projection, z, b and a apart) through the same import, over 70 tokens."""
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    from megakit.interop.hf_linear import linear_from_hf
+    from megakit.nn.linear_attention.gated_deltanet import GatedDeltaNet
+
+    config = Qwen3_5TextConfig(
+        hidden_size=HIDDEN,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=6,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+    )
+    torch.manual_seed(2)
+    hf = Qwen3_5GatedDeltaNet(config, layer_idx=0).float()
+    with torch.no_grad():
+        hf.dt_bias.copy_(torch.randn_like(hf.dt_bias))
+        hf.conv1d.weight.copy_(torch.randn_like(hf.conv1d.weight) * 0.5)
+    linear = LinearAttentionConfig.from_hf(config.to_dict(), 1)
+    ours = GatedDeltaNet(
+        linear, HIDDEN, eps=config.rms_norm_eps, group=None, sequence_parallel=False, dtype=torch.float32, device=None
+    )
+    state = linear_from_hf(linear, "qwen3_5_text", "", "", {f"linear_attn.{k}": v for k, v in hf.state_dict().items()})
+    ours.load_state_dict({k.removeprefix("attn."): v for k, v in state.items()})
+    x = torch.randn(2, 70, HIDDEN)
+    with torch.no_grad():
+        _close(ours(x.transpose(0, 1)).transpose(0, 1), hf(x), "Qwen3.5 output")

@@ -64,6 +64,45 @@ class LinearAttentionConfig:
         """The conv's channels: q and k (``key_heads x key_head_dim`` each) and v."""
         return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
 
+    # -- what the planner and the counts read (per block, per TP rank) ------------------------------------------
+    def mixer_params(self, hidden: int, tp: int = 1) -> tuple[int, int, int]:
+        """``(matmul, column-split vectors, replicated)`` parameters of one mixer on one TP rank: the q/k/v/z/b/a
+        projections and the out projection; the conv taps, ``A_log`` and ``dt_bias`` (split with the heads); the
+        gated norm's weight."""
+        nk, nv = self.key_heads * self.key_head_dim, self.value_heads * self.value_head_dim
+        matmul = hidden * (2 * nk + 2 * nv + 2 * self.value_heads) + nv * hidden
+        return matmul // tp, (self.conv_channels() * self.conv_kernel + 2 * self.value_heads) // tp, self.value_head_dim
+
+    def core_flops_per_token(self, tp: int = 1) -> float:
+        """Forward FLOPs per token of the chunked delta rule on one TP rank, constant in the sequence (chunk ``C``):
+        inside its chunk ``k_beta k^T`` and ``q k^T`` (``2 C d_k`` each), the two triangular solves (``C (d_k +
+        d_v)``), the scores times the new values (``2 C d_v``); across chunks three ``d_k x d_v`` products with the
+        state (``6 d_k d_v``); per value head."""
+        c, dk, dv = self.chunk, self.key_head_dim, self.value_head_dim
+        per_head = 4 * c * dk + c * (dk + dv) + 2 * c * dv + 6 * dk * dv
+        return self.value_heads / tp * per_head
+
+    def state_bytes(self, *, micro_batch: int, tp: int, cp: int, bytes_per_element: int = 4) -> float:
+        """One mixer's recurrent state held through the scan, per rank: a ``d_k x d_v`` fp32 state per value head
+        and sequence, for each chunk boundary that backward reads (``chunks``: the caller multiplies), over TP x CP."""
+        return micro_batch * self.state_elements() / (tp * cp) * bytes_per_element
+
+    def activation_elements_per_token(self, tp: int = 1) -> float:
+        """Elements per token one mixer keeps for backward on one TP rank (any CP: the all-to-all trades tokens for
+        heads), linear in the sequence: the projections' outputs (q, k, v, z, b, a), the conv's output after SiLU,
+        the l2-normed q and k, the chunk's ``C x C`` decay, UT and score matrices per value head, the solved new
+        values and decayed keys, the output before and after the gated norm."""
+        nk, nv = self.key_heads * self.key_head_dim, self.value_heads * self.value_head_dim
+        projections = 2 * nk + 2 * nv + 2 * self.value_heads
+        per_head = 3 * self.chunk + 2 * self.key_head_dim + 2 * self.value_head_dim  # decay, UT, scores; l2; solves
+        return (projections + self.conv_channels() + 2 * nv + self.value_heads * per_head) / tp
+
+    def cp_all_to_all_elements_per_token(self, tp: int = 1) -> float:
+        """Elements per token one rank sends through the CP all-to-alls of one mixer's forward (the same again in
+        backward): q, k, v, b and a to the head groups, the output back; ``(cp - 1) / cp`` of it leaves the rank."""
+        nk, nv = self.key_heads * self.key_head_dim, self.value_heads * self.value_head_dim
+        return (2 * nk + 2 * nv + 2 * self.value_heads) / tp
+
     @classmethod
     def from_hf(cls, hf: dict, layers: int) -> LinearAttentionConfig:
         """From a transformers ``qwen3_next`` / ``qwen3_5_text`` config dict of ``layers`` blocks."""

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from megakit.core.hf_fields import check_hf_fields
+from megakit.core.linear_attention_config import LinearAttentionConfig
 from megakit.core.mamba_config import Mamba2Config
 from megakit.core.mla_config import MLAConfig
 from megakit.core.moe_config import MoEConfig
@@ -98,6 +99,11 @@ class ModelConfig:
     mla: MLAConfig | None = None  # DeepSeek-V3's Multi-head Latent Attention in place of q/k/v heads
     mtp_layers: int = 0  # DeepSeek-V3's Multi-Token Prediction depth (megakit.nn.mtp; trained with --mtp)
     moe: MoEConfig | None = None  # None: a dense model
+    # Qwen3-Next, Qwen3.5: Gated DeltaNet in the blocks ``linear.layer_types`` names; their full-attention blocks
+    # gate the attention output by sigmoid of a second half of q_proj, and rotate part of each head
+    linear: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False
+    rotary_fraction: float = 1.0  # RoPE on the first head_dim x this channels of q and k (partial_rotary_factor)
     hf_type: str = ""  # the config.json's model_type, kept for the export ("": gpt2, llama or qwen2)
     # Hybrid models (Nemotron-H): one part per block, by ``core.families.nemotron_h.PATTERN``'s characters ("M": a
     # Mamba-2 mixer, "*": attention, "-": an MLP); "": every block is attention then MLP
@@ -105,6 +111,13 @@ class ModelConfig:
     mamba: Mamba2Config | None = None  # the Mamba-2 mixers' shape (core.mamba_config)
 
     def __post_init__(self) -> None:
+        if isinstance(self.linear, dict):  # read back from a checkpoint manifest
+            linear = {k: tuple(v) if k == "layer_types" else v for k, v in self.linear.items()}
+            object.__setattr__(self, "linear", LinearAttentionConfig(**linear))
+        if self.linear and self.linear.layer_types and len(self.linear.layer_types) != self.layers:
+            raise UsageError(
+                f"layer_types has {len(self.linear.layer_types)} entries for {self.layers} blocks; give one per block"
+            )
         if isinstance(self.mla, dict):
             object.__setattr__(self, "mla", MLAConfig(**self.mla))
         if isinstance(self.mamba, dict):

@@ -16,6 +16,7 @@ from megakit.nn import comm as C
 from megakit.nn.attention.core import Attention, rms_norm
 from megakit.nn.attention.latent import LatentAttention
 from megakit.nn.dropout import DropoutKeys, residual_dropout
+from megakit.nn.linear_attention.gated_deltanet import GatedDeltaNet
 from megakit.nn.linear_attention.mamba2 import Mamba2
 from megakit.nn.moe.layer import MoE
 from megakit.nn.sequence import positions
@@ -112,10 +113,14 @@ class Block(nn.Module):
             self.dropout = ResidualDropout(config.dropout, f"{site}.residual", **drop)
             return
         self.attn_norm = Norm(config, **kw)
-        attention = LatentAttention if config.mla else Attention  # DeepSeek-V3's MLA, or q/k/v heads
-        self.attn = attention(
-            config, site=f"{site}.attn_probs", selective=selective, cp_group=cp_group, index=index, **kw
-        )
+        self.linear = bool(config.linear and config.linear.is_linear(index))  # Gated DeltaNet in place of attention
+        if self.linear:
+            self.attn = GatedDeltaNet(config.linear, config.hidden, eps=config.norm_eps, cp_group=cp_group, **kw)
+        else:
+            attention = LatentAttention if config.mla else Attention  # DeepSeek-V3's MLA, or q/k/v heads
+            self.attn = attention(
+                config, site=f"{site}.attn_probs", selective=selective, cp_group=cp_group, index=index, **kw
+            )
         self.mlp_norm = Norm(config, **kw)
         if config.sandwich_norms:
             self.attn_post_norm, self.mlp_post_norm = Norm(config, **kw), Norm(config, **kw)
@@ -152,7 +157,8 @@ class Block(nn.Module):
             else:
                 h = self.mixer(h)
             return x + self.dropout(h, keys)
-        a = self.attn(self.attn_norm(x), rope, keys, documents)
+        h = self.attn_norm(x)
+        a = self.attn(h, documents) if self.linear else self.attn(h, rope, keys, documents)
         x = x + self.attn_dropout(self.attn_post_norm(a) if hasattr(self, "attn_post_norm") else a, keys)
         m = self.mlp(self.mlp_norm(x))
         return x + self.mlp_dropout(self.mlp_post_norm(m) if hasattr(self, "mlp_post_norm") else m, keys)

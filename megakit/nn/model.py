@@ -166,10 +166,12 @@ class Transformer(nn.Module):
         stacked ``experts.down_proj``) ``N(0, (std / sqrt(2 L))^2)``, everything else ``N(0, std^2)``.
         """
         leaf = name.rsplit(".", 2)
-        if leaf[-1] in MAMBA_INIT:  # Mamba-2's per-head A_log, D and dt_bias
+        if leaf[-1] in MAMBA_INIT and ".mixer." in name:  # Mamba-2's per-head A_log, D and dt_bias
             return MAMBA_INIT[leaf[-1]]
         if leaf[-1] == "bias":
             return ("zeros",)
+        if leaf[-2] == "gated_norm":  # Gated DeltaNet's output norm: times its weight (not 1 + weight) in Qwen3-Next
+            return ("ones",)
         if "norm" in leaf[-2]:
             return ("zeros",) if self.config.norm_offset else ("ones",)  # Gemma's norms: times 1 + weight
         std = self.config.init_std

@@ -39,7 +39,8 @@ def rope_tables(config: ModelConfig, device, index: int | None = None) -> tuple[
     the variant's attention factor (yarn's mscale) as transformers multiplies them; ``index``: block ``index``'s
     RoPE (``ModelConfig.block_rope``; default: the model's)."""
     theta, scaling = (config.rope_theta, config.rope_scaling) if index is None else config.block_rope(index)
-    dim = config.mla.qk_rope_head_dim if config.mla else config.head_dim  # MLA rotates its RoPE part only
+    dim = config.mla.qk_rope_head_dim if config.mla else int(config.head_dim * config.rotary_fraction)  # MLA: its
+    # RoPE part only; Qwen3-Next: the first quarter of each head
     freqs, factor = inv_freq(theta, dim, scaling, config.max_seq_len)
     freqs = torch.tensor(freqs, dtype=torch.float64, device=device)
     angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float64, device=device), freqs)
@@ -69,7 +70,11 @@ def rope_at(rope: tuple, s: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``(B, n, S, d)`` by position; ``cos``/``sin`` are ``(S, d)``."""
+    """Rotate ``x`` ``(B, n, S, d)`` by position; ``cos``/``sin`` are ``(S, r)``: the first ``r`` channels rotate, the
+    rest pass (partial rotary)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
@@ -135,7 +140,8 @@ class Attention(nn.Module):
         )
         q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
         col = dict(group=group, sequence_parallel=sequence_parallel, enter_region=False, dtype=dtype, device=device)
-        self.q_proj = ColumnParallelLinear(config.hidden, q, bias=config.qkv_bias, **col)
+        self.output_gate = config.attn_output_gate  # Qwen3-Next: q_proj gives each head's q, then its gate
+        self.q_proj = ColumnParallelLinear(config.hidden, q * (1 + self.output_gate), bias=config.qkv_bias, **col)
         self.k_proj = ColumnParallelLinear(config.hidden, kv, bias=config.qkv_bias, **col)
         self.v_proj = ColumnParallelLinear(config.hidden, kv, bias=config.qkv_bias, **col)
         self.o_proj = RowParallelLinear(
@@ -179,12 +185,18 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         projections = (self.q_proj, self.k_proj, self.v_proj)  # (S', B, H) -> (S, B, nh/tp * d), (S, B, nkv/tp * d) x 2
         q, k, v = column_parallel(x, projections, self.group, self.sequence_parallel)
+        gate = None
+        if self.output_gate:  # (S, B, n (q, gate) d) -> q and gate, (S, B, n d) each
+            q, gate = q.view(*q.shape[:2], self.heads, 2, self.head_dim).unbind(3)
+            q, gate = q.reshape(*q.shape[:2], -1), gate.reshape(*gate.shape[:2], -1)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q, self.group), self.k_norm(k, self.group)
         if self.selective and self.training and self.cp == 1:  # no collective inside the core: none is recomputed
             y = torch.utils.checkpoint.checkpoint(self._core, q, k, v, rope, keys, documents, use_reentrant=False)
         else:
             y = self._core(q, k, v, rope, keys, documents)
+        if gate is not None:
+            y = y * torch.sigmoid(gate)
         return self.o_proj(y)  # (S', B, H)
 
     def _core(

@@ -82,9 +82,11 @@ def chunk_gated_delta_rule(
     chunk_decay = chunk_decay[..., None, None]
     state = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1])  # (B, n, d_k, d_v)
     out = []
-    for i in range(q.shape[2]):  # the scan over chunks
-        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
-        out.append(q[:, :, i] @ state + intra[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    # unbind, not index: the backward of each ``t[:, :, i]`` would write a zero tensor of the whole ``t`` (quadratic)
+    chunks = zip(*(t.unbind(2) for t in (new_values, k_cumdecay, q, intra, k, chunk_decay)))
+    for values, k_decayed, q_i, intra_i, k_i, decay_i in chunks:  # the scan over chunks
+        v_new = values - k_decayed @ state
+        out.append(q_i @ state + intra_i @ v_new)
+        state = state * decay_i + k_i.transpose(-1, -2) @ v_new
     y = torch.stack(out, dim=2).flatten(2, 3)[:, :, :s]  # (B, n, S, d_v)
     return y.permute(2, 0, 1, 3).to(dtype)

@@ -34,6 +34,20 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (h * F.silu(gate.float())).to(dtype)
 
 
+class GatedNorm(nn.Module):
+    """``gated_rms_norm`` of every head's ``d_v`` channels; one weight shared by the heads of every TP rank, so its
+    gradient is partial per rank: summed over TP in backward."""
+
+    def __init__(self, dim: int, eps: float, dtype, device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = mark(nn.Parameter(torch.empty(dim, dtype=dtype, device=device)), None)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, group) -> torch.Tensor:
+        """``(..., d_v)`` in and out."""
+        return gated_rms_norm(x, gate, copy_to_tp(self.weight, group), self.eps)
+
+
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet over ``(S', B, H)`` (the sequence shard under SP), ``(S', B, H)`` out.
 
@@ -62,9 +76,9 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = config.key_head_dim, config.value_head_dim
         nk, nv = config.key_heads * self.dk, config.value_heads * self.dv
         col = dict(group=group, sequence_parallel=sequence_parallel, enter_region=False, dtype=dtype, device=device)
-        self.q_proj, self.k_proj = (ColumnParallelLinear(hidden, nk, bias=False, **col) for _ in "qk")
-        self.v_proj, self.z_proj = (ColumnParallelLinear(hidden, nv, bias=False, **col) for _ in "vz")
-        self.b_proj, self.a_proj = (ColumnParallelLinear(hidden, config.value_heads, bias=False, **col) for _ in "ba")
+        self.in_q, self.in_k = (ColumnParallelLinear(hidden, nk, bias=False, **col) for _ in "qk")
+        self.in_v, self.in_z = (ColumnParallelLinear(hidden, nv, bias=False, **col) for _ in "vz")
+        self.in_b, self.in_a = (ColumnParallelLinear(hidden, config.value_heads, bias=False, **col) for _ in "ba")
         k = config.conv_kernel
 
         def param(*shape, tp_dim):
@@ -73,7 +87,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_q, self.conv_k = param(nk // tp, k, tp_dim=0), param(nk // tp, k, tp_dim=0)
         self.conv_v = param(nv // tp, k, tp_dim=0)
         self.A_log, self.dt_bias = param(self.value_heads, tp_dim=0), param(self.value_heads, tp_dim=0)
-        self.norm_weight = param(self.dv, tp_dim=None)
+        self.gated_norm = GatedNorm(self.dv, eps, dtype, device)
         self.out_proj = RowParallelLinear(
             nv, hidden, bias=False, group=group, sequence_parallel=sequence_parallel, dtype=dtype, device=device
         )
@@ -84,7 +98,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """``(S', B, H)`` in and out; ``documents`` ``(B, S)`` the whole sequence's (see the class)."""
-        projections = (self.q_proj, self.k_proj, self.v_proj, self.z_proj, self.b_proj, self.a_proj)
+        projections = (self.in_q, self.in_k, self.in_v, self.in_z, self.in_b, self.in_a)
         q, k, v, z, b, a = column_parallel(x, projections, self.group, self.sequence_parallel)  # (S, B, heads/tp ...)
         s, bsz = q.shape[:2]
         cp, nk, nv = self.cp, self.key_heads, self.value_heads
@@ -111,5 +125,5 @@ class GatedDeltaNet(nn.Module):
         )  # (S, B, n_v/(tp cp), d_v)
         if cp > 1:
             o = to_own_tokens(o, self.cp_group)  # (S/cp, B, n_v/tp, d_v)
-        o = gated_rms_norm(o, z.view(s, bsz, nv, self.dv), copy_to_tp(self.norm_weight, self.group), self.eps)
+        o = self.gated_norm(o, z.view(s, bsz, nv, self.dv), self.group)
         return self.out_proj(o.reshape(s, bsz, -1))  # (S', B, H)
