@@ -1,7 +1,8 @@
 """DP gradient compression and local SGD against exact synchronous training, in one run.
 
 Trains the same model, data and seed through the deepspeed launcher on ``--nproc`` CPU
-processes (ZeRO 0, fp32; one int8 run at ZeRO 1, inside DeepSpeed's buckets) once per method, and prints, per method, the DP bytes each rank
+processes (ZeRO 0, fp32; one int8 run at ZeRO 1, inside DeepSpeed's buckets) once per method, and prints,
+per method, the DP bytes each rank
 sent over the run against the dense fp32 all-reduce of the same gradients, and the final
 loss (mean of the last 10 steps) against the uncompressed run's. Top-K is also run without
 error feedback, to show what feedback buys. Last line:
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     )
     print(f"{'method':<18}{'MB sent/rank':>14}{'of dense':>10}{'saved':>8}{'final loss':>12}{'gap':>9}  goal")
     summary = {}
-    for label, flags, goal in METHODS:
+    for label, _flags, goal in METHODS:
         sent = dense if label == "none" else sum(s["dp_bytes"] for s in rows[label])
         saved, gap = 1 - sent / dense, (final[label] - final["none"]) / final["none"]
         summary[label] = (saved, gap)
@@ -102,7 +103,8 @@ def main(argv=None) -> int:
             )
         )
         print(
-            f"{label:<18}{sent / 1e6:>14.2f}{dense / 1e6:>10.2f}{saved:>8.1%}{final[label]:>12.4f}{gap:>+9.2%}  {target}"
+            f"{label:<18}{sent / 1e6:>14.2f}{dense / 1e6:>10.2f}{saved:>8.1%}{final[label]:>12.4f}{gap:>+9.2%}  "
+            f"{target}"
         )
     saved, gap = summary["topk:0.01"]
     print(f"topk_bytes_saved {saved:.4f} loss_gap {gap:.4f}")

@@ -445,7 +445,8 @@ def document_kernels(shape: dict, micro: int, *, cuda: bool) -> list[dict]:
 def ring_kernels(*, cuda: bool) -> list[dict]:
     """One CP rank's ring block loop (a ring of one: its own block, the diagonal every rank computes), the fused
     chunk pairs (``attention.blocks._FusedBlockAttention``: on CUDA the memory-efficient kernel) against the
-    explicit fp32 blocks (``_BlockAttention``), at 8k and 16k local tokens, 8 query heads over 2 KV heads of 128 (Llama-3-8B at TP 4),
+    explicit fp32 blocks (``_BlockAttention``), at 8k and 16k local tokens, 8 query heads over 2 KV heads of 128
+    (Llama-3-8B at TP 4),
     bf16: fwd+bwd ms, peak GiB, and the fused output's and dq's largest gap to the explicit ones."""
     import torch
 

@@ -262,7 +262,8 @@ def main(argv=None) -> int:
     print(
         f"bubble per stage, measured (megakit): {r['bubble'][0]:.1%}, {r['bubble'][1]:.1%}; "
         f"simulator with the measured costs: {r['sim_bubble'][0]:.1%}, {r['sim_bubble'][1]:.1%} "
-        f"(step {r['sim_step'] * 1e3:.1f} ms); formula at equal stages (p-1)/(m+p-1): {1 / (args.micro_batches + 1):.1%}"
+        f"(step {r['sim_step'] * 1e3:.1f} ms); formula at equal stages (p-1)/(m+p-1): "
+        f"{1 / (args.micro_batches + 1):.1%}"
     )
     print(
         f"ZB-H1: B + W per micro-batch s: stage 0 {r['zb_backward'][0]:.4f}, stage 1 {r['zb_backward'][1]:.4f} "

@@ -49,56 +49,103 @@ class _Help(argparse.HelpFormatter):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, its flags grouped by topic so that --help reads by topic."""
     p = _Parser(description=__doc__.splitlines()[0], formatter_class=_Help)
+    _model_flags(p)
+    _moe_flags(p)
+    _parallel_flags(p)
+    _data_flags(p)
+    _optimisation_flags(p)
+    _speed_flags(p)
+    _checkpoint_flags(p)
+    _report_flags(p)
     p.add_argument(
-        "--ds_config",
-        "--ds-config",
-        default=str(DEFAULT_DS_CONFIG),
-        help="DeepSpeed JSON config: ds_configs/*.json, or what `megakit plan --emit-config` wrote "
-        "(default: ds_configs/zero1.json)",
-    )
-    p.add_argument("--model", default="gpt-mini", help="preset in models/ or a path to a HF config.json")
-    p.add_argument(
-        "--reset-attention-mask",
-        action="store_true",
-        help="packed documents: attention stays inside each document of a window (Llama 3's pretraining "
-        "mask; needs --data DIR from prepare-data, which records where documents start)",
-    )
-    p.add_argument(
-        "--reset-position-ids",
-        action="store_true",
-        help="packed documents: positions restart at each document (what transformers reads as packing)",
-    )
-    p.add_argument(
-        "--eod-mask-loss",
-        action="store_true",
-        help="no loss where the input is the end-of-document token (it predicts the next document)",
-    )
-    p.add_argument(
-        "--data",
-        default=None,
-        nargs="+",
-        metavar="DIR",
-        help="a directory `megakit prepare-data` wrote (token shards and their tokenizer), or a text file "
-        "or directory trained on as bytes (default: the Python standard library's sources, as bytes); "
-        "or a mixture of WEIGHT DIR pairs, e.g. --data 0.7 web/ 0.3 code/ (shares of the samples)",
-    )
-    p.add_argument(
-        "--steps",
+        "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
+    )  # set by the launcher
+    return p.parse_args(argv)
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    """Which model trains, on what length of sequence, from which seed."""
+    g = p.add_argument_group("model", "the model and its sequence")
+    g.add_argument("--model", default="gpt-mini", help="preset in models/ or a path to a HF config.json")
+    g.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's max)")
+    g.add_argument(
+        "--seed",
         type=int,
-        default=None,
-        help="optimizer steps in all, a --load checkpoint's included (default 200; 3 with --verify-memory)",
+        default=0,
+        help="every random stream derives from it: weights, data order and dropout masks (the same at any "
+        "TP/PP/DP layout), and each rank's default generators from it and the rank's grid place",
     )
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
-    p.add_argument(
+    g.add_argument(
+        "--mtp",
+        action="store_true",
+        help="train the model's Multi-Token Prediction modules (DeepSeek-V3's num_nextn_predict_layers; "
+        "off by default, as for fine-tuning): loss = main + MTP_WEIGHT / D x sum of each depth's",
+    )
+    g.add_argument(
+        "--mtp-weight",
+        metavar="LAMBDA",
+        type=finite_float,
+        default=0.1,
+        help="the MTP losses' weight (default 0.1, Megatron's; DeepSeek-V3 used 0.3, then 0.1)",
+    )
+
+
+def _moe_flags(p: argparse.ArgumentParser) -> None:
+    """A MoE model's routing and balancing, overriding its config for one run."""
+    g = p.add_argument_group("mixture of experts", "MoE models: routing and balancing (they override the model config)")
+    g.add_argument(
+        "--moe-aux-loss",
+        metavar="COEFF",
+        type=finite_float,
+        default=None,
+        help="load-balancing aux loss coefficient (overrides the model config; 0 turns it off)",
+    )
+    g.add_argument(
+        "--moe-z-loss",
+        metavar="COEFF",
+        type=finite_float,
+        default=None,
+        help="router z-loss coefficient (overrides the model config)",
+    )
+    g.add_argument(
+        "--moe-capacity-factor",
+        metavar="CF",
+        type=finite_float,
+        default=None,
+        help="cap each expert at CF x its even share of the tokens, dropping the rest (default: dropless)",
+    )
+    g.add_argument(
+        "--moe-expert-bias",
+        action="store_true",
+        help="aux-loss-free load balancing (DeepSeek-V3): a per-expert routing bias updated once per "
+        "optimizer step from the step's token counts",
+    )
+    g.add_argument(
+        "--moe-force-balance",
+        action="store_true",
+        help="benchmarking aid (Megatron's --moe-router-force-load-balancing): route by random logits, "
+        "so every expert gets its even share in expectation, as most published MoE throughput is "
+        "measured; the router learns nothing and the run is not a model to keep",
+    )
+
+
+def _parallel_flags(p: argparse.ArgumentParser) -> None:
+    """How the processes split the model, the sequence and the experts, and the pipeline schedule they run."""
+    g = p.add_argument_group(
+        "parallelism", "how the processes split the model and the batch: DP takes what TP x PP x CP leave"
+    )
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    g.add_argument(
         "--cp",
         type=int,
         default=1,
         help="context-parallel degree: the sequence split over CP ranks (load-balanced causal halves), "
         "attention as ring attention; --seq-len must divide by 2 x CP",
     )
-    p.add_argument(
+    g.add_argument(
         "--cp-mode",
         choices=("ring", "a2a", "hybrid"),
         default="ring",
@@ -107,14 +154,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "needs the heads per TP rank to divide by CP) or hybrid (an all-to-all inside groups of "
         "--cp-a2a consecutive CP ranks, a ring across the groups: USP, Megatron's a2a+p2p)",
     )
-    p.add_argument(
+    g.add_argument(
         "--cp-a2a",
         type=int,
         default=0,
         help="with --cp-mode hybrid: the all-to-all degree, dividing CP and the heads per TP rank; keep "
         "TP x it within a node (default: the largest such degree below CP)",
     )
-    p.add_argument(
+    g.add_argument(
         "--ep",
         type=int,
         default=1,
@@ -122,61 +169,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "over TP x CP x DP (consecutive ranks, TP first), tokens exchanged by all-to-all; must divide "
         "the experts and TP x CP x DP",
     )
-    p.add_argument(
-        "--moe-aux-loss",
-        metavar="COEFF",
-        type=finite_float,
-        default=None,
-        help="load-balancing aux loss coefficient (overrides the model config; 0 turns it off)",
-    )
-    p.add_argument(
-        "--moe-z-loss",
-        metavar="COEFF",
-        type=finite_float,
-        default=None,
-        help="router z-loss coefficient (overrides the model config)",
-    )
-    p.add_argument(
-        "--moe-capacity-factor",
-        metavar="CF",
-        type=finite_float,
-        default=None,
-        help="cap each expert at CF x its even share of the tokens, dropping the rest (default: dropless)",
-    )
-    p.add_argument(
-        "--moe-expert-bias",
-        action="store_true",
-        help="aux-loss-free load balancing (DeepSeek-V3): a per-expert routing bias updated once per "
-        "optimizer step from the step's token counts",
-    )
-    p.add_argument(
-        "--moe-force-balance",
-        action="store_true",
-        help="benchmarking aid (Megatron's --moe-router-force-load-balancing): route by random logits, "
-        "so every expert gets its even share in expectation, as most published MoE throughput is "
-        "measured; the router learns nothing and the run is not a model to keep",
-    )
-    p.add_argument(
-        "--mtp",
-        action="store_true",
-        help="train the model's Multi-Token Prediction modules (DeepSeek-V3's num_nextn_predict_layers; "
-        "off by default, as for fine-tuning): loss = main + MTP_WEIGHT / D x sum of each depth's",
-    )
-    p.add_argument(
-        "--mtp-weight",
-        metavar="LAMBDA",
-        type=finite_float,
-        default=0.1,
-        help="the MTP losses' weight (default 0.1, Megatron's; DeepSeek-V3 used 0.3, then 0.1)",
-    )
-    p.add_argument(
+    g.add_argument(
         "--vpp",
         type=int,
         default=1,
         help="model chunks per pipeline stage (interleaved 1F1B); they need not divide the layers, and "
         "PP x VPP may exceed them by 2 (an embedding-only first and a loss-only last virtual stage)",
     )
-    p.add_argument(
+    g.add_argument(
         "--stage-layers",
         metavar="N,N,...",
         default=None,
@@ -185,73 +185,74 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "may be 0 (embedding only, or final norm + head + loss only); "
         "default: balanced by parameters, embedding and head counted",
     )
-    p.add_argument(
+    g.add_argument(
         "--schedule",
         default=None,
         choices=["1f1b", "gpipe", "interleaved", "zb-h1"],
         help="pipeline schedule (PP > 1); default 1f1b, or interleaved with --vpp > 1; zb-h1 splits each "
         "backward into the input gradient and the deferred weight gradient (zero bubble, Qi et al. 2023)",
     )
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's max)")
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="every random stream derives from it: weights, data order and dropout masks (the same at any "
-        "TP/PP/DP layout), and each rank's default generators from it and the rank's grid place",
-    )
-    p.add_argument(
-        "--allow-cross-node-tp",
-        action="store_true",
-        help="run a TP group that spans nodes (refused by default: its per-layer all-reduce would "
-        "cross the slow inter-node link)",
-    )
-    p.add_argument(
-        "--recompute",
-        choices=["none", "selective", "full"],
-        default="none",
-        help="full: keep only each block's input and recompute the block in backward (~1/3 more "
-        "compute, far less activation memory); selective: recompute only the attention core "
-        "(Korthikanti et al. 2022), which saves its s x s scores when attention is written out",
-    )
-    p.add_argument(
-        "--loss-chunks",
-        metavar="K",
-        default="auto",
-        help="compute the LM head and loss over K chunks of the tokens, so the whole logits never exist "
-        "(same loss and gradients); default auto: one chunk per 256 MiB of fp32 logits, 1 below",
-    )
-    p.add_argument(
-        "--fp8",
-        choices=["none", "tensorwise", "rowwise"],
-        default="none",
-        help="float8 GEMMs in the large TP linears through torchao (GPUs of compute capability 8.9+: "
-        "Ada, Hopper, Blackwell); tensorwise is the faster recipe, rowwise the more accurate",
-    )
-    p.add_argument(
+    g.add_argument(
         "--sequence-parallel",
         action="store_true",
         help="split norms, dropout and the residual stream over TP along the sequence (Megatron SP; "
         "--seq-len must divide by --tp); nothing to split at --tp 1, where it changes nothing",
     )
-    p.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
+    g.add_argument(
+        "--allow-cross-node-tp",
+        action="store_true",
+        help="run a TP group that spans nodes (refused by default: its per-layer all-reduce would "
+        "cross the slow inter-node link)",
+    )
+
+
+def _data_flags(p: argparse.ArgumentParser) -> None:
+    """Where the tokens come from and how packed documents are seen."""
+    g = p.add_argument_group("data", "the corpus and how packed documents are read")
+    g.add_argument(
+        "--data",
         default=None,
-        help="torch.compile each transformer block (regional: one block's graph serves all layers; "
-        "Inductor fuses its elementwise work). Default: on with CUDA, where it pays, off on CPU, "
-        "where compiling would outlast a short run (MoE blocks included; off for --cp > 1, untested "
-        "compiled); the first step's time includes compiling and is logged as such",
+        nargs="+",
+        metavar="DIR",
+        help="a directory `megakit prepare-data` wrote (token shards and their tokenizer), or a text file "
+        "or directory trained on as bytes (default: the Python standard library's sources, as bytes); "
+        "or a mixture of WEIGHT DIR pairs, e.g. --data 0.7 web/ 0.3 code/ (shares of the samples)",
     )
-    p.add_argument(
-        "--attention-kernel",
-        default="auto",
-        choices=["auto", "flash", "cudnn", "efficient", "math"],
-        help="pin the SDPA backend (flash, cudnn, efficient need CUDA); auto: cuDNN first on Hopper and "
-        "newer (K/V heads expanded for GQA), torch's own choice elsewhere. --profile names the kernel "
-        "that ran",
+    g.add_argument(
+        "--reset-attention-mask",
+        action="store_true",
+        help="packed documents: attention stays inside each document of a window (Llama 3's pretraining "
+        "mask; needs --data DIR from prepare-data, which records where documents start)",
     )
-    p.add_argument(
+    g.add_argument(
+        "--reset-position-ids",
+        action="store_true",
+        help="packed documents: positions restart at each document (what transformers reads as packing)",
+    )
+    g.add_argument(
+        "--eod-mask-loss",
+        action="store_true",
+        help="no loss where the input is the end-of-document token (it predicts the next document)",
+    )
+
+
+def _optimisation_flags(p: argparse.ArgumentParser) -> None:
+    """The optimizer and its schedule (in the ds_config), how long, and how DP ranks exchange gradients."""
+    g = p.add_argument_group("optimisation", "the optimizer (its ds_config), the steps and the DP exchange")
+    g.add_argument(
+        "--ds_config",
+        "--ds-config",
+        default=str(DEFAULT_DS_CONFIG),
+        help="DeepSpeed JSON config: ds_configs/*.json, or what `megakit plan --emit-config` wrote "
+        "(default: ds_configs/zero1.json)",
+    )
+    g.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="optimizer steps in all, a --load checkpoint's included (default 200; 3 with --verify-memory)",
+    )
+    g.add_argument(
         "--compress",
         metavar="CODEC",
         default="none",
@@ -262,12 +263,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "links that cannot keep up with the step (FAQ 3/5); on NVLink/InfiniBand the default exact "
         "all-reduce is faster",
     )
-    p.add_argument(
+    g.add_argument(
         "--no-error-feedback",
         action="store_true",
         help="drop what --compress loses instead of sending it next step (to measure what feedback buys)",
     )
-    p.add_argument(
+    g.add_argument(
         "--local-sgd",
         metavar="H",
         type=int,
@@ -276,7 +277,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "are averaged every H steps (post-local SGD): ~H x fewer bytes, some loss per step. Prefer "
         "the default synchronous training unless the network is the bottleneck",
     )
-    p.add_argument(
+
+
+def _speed_flags(p: argparse.ArgumentParser) -> None:
+    """Trade-offs of memory against compute, and the kernels a step runs; none changes what is learnt."""
+    g = p.add_argument_group(
+        "memory and speed", "recompute, chunked loss, float8, compiled blocks and the attention kernel"
+    )
+    g.add_argument(
+        "--recompute",
+        choices=["none", "selective", "full"],
+        default="none",
+        help="full: keep only each block's input and recompute the block in backward (~1/3 more "
+        "compute, far less activation memory); selective: recompute only the attention core "
+        "(Korthikanti et al. 2022), which saves its s x s scores when attention is written out",
+    )
+    g.add_argument(
+        "--loss-chunks",
+        metavar="K",
+        default="auto",
+        help="compute the LM head and loss over K chunks of the tokens, so the whole logits never exist "
+        "(same loss and gradients); default auto: one chunk per 256 MiB of fp32 logits, 1 below",
+    )
+    g.add_argument(
+        "--fp8",
+        choices=["none", "tensorwise", "rowwise"],
+        default="none",
+        help="float8 GEMMs in the large TP linears through torchao (GPUs of compute capability 8.9+: "
+        "Ada, Hopper, Blackwell); tensorwise is the faster recipe, rowwise the more accurate",
+    )
+    g.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile each transformer block (regional: one block's graph serves all layers; "
+        "Inductor fuses its elementwise work). Default: on with CUDA, where it pays, off on CPU, "
+        "where compiling would outlast a short run (MoE blocks included; off for --cp > 1, untested "
+        "compiled); the first step's time includes compiling and is logged as such",
+    )
+    g.add_argument(
+        "--attention-kernel",
+        default="auto",
+        choices=["auto", "flash", "cudnn", "efficient", "math"],
+        help="pin the SDPA backend (flash, cudnn, efficient need CUDA); auto: cuDNN first on Hopper and "
+        "newer (K/V heads expanded for GQA), torch's own choice elsewhere. --profile names the kernel "
+        "that ran",
+    )
+
+
+def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    """Saving and resuming, and what a run survives: signals, NaN steps, loss spikes, dead peers."""
+    g = p.add_argument_group("checkpoints and resilience", "saving, resuming and what a run survives")
+    g.add_argument(
         "--save",
         metavar="DIR",
         default=None,
@@ -284,14 +336,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "at a time (rank 0 locks it), and a DIR holding another run's checkpoint is refused unless "
         "--load resumes from it",
     )
-    p.add_argument(
+    g.add_argument(
         "--save-every",
         metavar="N",
         type=int,
         default=0,
         help="with --save: also every N steps (each save replaces DIR, or see --keep)",
     )
-    p.add_argument(
+    g.add_argument(
         "--keep",
         metavar="K",
         type=int,
@@ -299,14 +351,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --save-every: keep the newest K checkpoints as DIR/step-N, DIR/latest written last; "
         "--load DIR then takes the newest intact one",
     )
-    p.add_argument(
+    g.add_argument(
         "--async-save",
         action="store_true",
         help="with --save: the step waits only for the copy of the state to host memory; writing, fsync "
         "and the rename run in a background thread (one save at a time; a crash mid-write leaves "
         "the previous checkpoint as it was)",
     )
-    p.add_argument(
+    g.add_argument(
         "--save-on-signal",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -315,7 +367,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "same step; a second signal 2 s or more later stops at once (default: on; off, or without "
         "--save, the run stops there without saving, also with status 75; docs/clusters.md)",
     )
-    p.add_argument(
+    g.add_argument(
         "--load",
         metavar="DIR",
         default=None,
@@ -325,7 +377,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "TP/PP/DP layout and ZeRO stage: weights, fp32 master weights, Adam moments and step; data and "
         "LR schedule continue (same --seed and global batch); --steps counts the loaded steps too",
     )
-    p.add_argument(
+    g.add_argument(
         "--init",
         metavar="DIR",
         default=None,
@@ -333,65 +385,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fine-tune, as --load DIR would); implies --load auto, so the same command restarts the run "
         "from --save after a crash or a requeue (default: none; not with --load DIR)",
     )
-    p.add_argument(
-        "--eval-every",
-        metavar="N",
-        type=int,
-        default=0,
-        help="validation loss and perplexity every N steps and at the end (needs --data from prepare-data)",
-    )
-    p.add_argument(
-        "--eval-batches",
-        metavar="K",
-        type=int,
-        default=8,
-        help="global batches of the validation split per evaluation (default 8)",
-    )
-    p.add_argument("--tensorboard", metavar="DIR", default=None, help="write TensorBoard event files to DIR")
-    p.add_argument(
-        "--profile",
-        metavar="DIR",
-        nargs="?",
-        const="profile",
-        default=None,
-        help="write a PyTorch profiler trace per rank (steps 2-3) to DIR (default ./profile)",
-    )
-    p.add_argument(
-        "--verify-memory",
-        action="store_true",
-        help="print each rank's measured memory next to the planner's prediction",
-    )
-    p.add_argument(
-        "--metrics-out",
-        metavar="FILE",
-        default=None,
-        help="append one JSON line per step, evaluation and event to FILE as it happens (JSON Lines; rank "
-        "0; default: none); a killed run keeps what it logged",
-    )
-    p.add_argument("--log-every", type=int, default=1, help="print a metrics line every N steps")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument(
-        "--deepspeed-logs",
-        action="store_true",
-        help="show DeepSpeed's own start-up and INFO lines in the workers (hidden by default: each rank "
-        "repeats them, and megakit's banner says what they would; the launcher's own lines follow its "
-        "--log_level)",
-    )
-    p.add_argument(
-        "--check",
-        action="store_true",
-        help="check the flags, the ds_config, the model, the data and --load for $WORLD_SIZE processes "
-        "(default 1) in this one process, say what would run and exit (2 on a mistake): what a "
-        "cluster job runs before it starts its workers",
-    )
-    p.add_argument(
-        "--log-heartbeat",
-        metavar="SECONDS",
-        type=finite_float,
-        default=60.0,
-        help="without a progress bar (a log file): a line every SECONDS while a step runs longer (0: off)",
-    )
-    p.add_argument(
+    g.add_argument(
         "--max-skipped-steps",
         metavar="N",
         type=int,
@@ -399,7 +393,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a step whose loss or gradient norm is NaN/inf is skipped (no update; its batch is spent); "
         "the run ends at the next one after N skipped in a row (default 10; 0: at the first)",
     )
-    p.add_argument(
+    g.add_argument(
         "--spike-guard",
         metavar="Z",
         type=finite_float,
@@ -408,23 +402,82 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "rolls back to the newest checkpoint of --save and skips the batches read since; needs --save "
         "DIR --save-every N (ZeRO 0-2); a resume keeps the skip",
     )
-    p.add_argument(
+    g.add_argument(
         "--stall-timeout",
         type=finite_float,
         default=60.0,
         help="seconds without a heartbeat after which a peer counts as dead and the job ends",
     )
-    p.add_argument(
+
+
+def _report_flags(p: argparse.ArgumentParser) -> None:
+    """What the run evaluates, logs and writes for tools (TensorBoard, the profiler, megakit doctor), and --check."""
+    g = p.add_argument_group("evaluation and logging", "what the run measures and writes, and checks before it starts")
+    g.add_argument(
+        "--eval-every",
+        metavar="N",
+        type=int,
+        default=0,
+        help="validation loss and perplexity every N steps and at the end (needs --data from prepare-data)",
+    )
+    g.add_argument(
+        "--eval-batches",
+        metavar="K",
+        type=int,
+        default=8,
+        help="global batches of the validation split per evaluation (default 8)",
+    )
+    g.add_argument("--log-every", type=int, default=1, help="print a metrics line every N steps")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--log-heartbeat",
+        metavar="SECONDS",
+        type=finite_float,
+        default=60.0,
+        help="without a progress bar (a log file): a line every SECONDS while a step runs longer (0: off)",
+    )
+    g.add_argument(
+        "--metrics-out",
+        metavar="FILE",
+        default=None,
+        help="append one JSON line per step, evaluation and event to FILE as it happens (JSON Lines; rank "
+        "0; default: none); a killed run keeps what it logged",
+    )
+    g.add_argument("--tensorboard", metavar="DIR", default=None, help="write TensorBoard event files to DIR")
+    g.add_argument(
+        "--profile",
+        metavar="DIR",
+        nargs="?",
+        const="profile",
+        default=None,
+        help="write a PyTorch profiler trace per rank (steps 2-3) to DIR (default ./profile)",
+    )
+    g.add_argument(
+        "--verify-memory",
+        action="store_true",
+        help="print each rank's measured memory next to the planner's prediction",
+    )
+    g.add_argument(
+        "--deepspeed-logs",
+        action="store_true",
+        help="show DeepSpeed's own start-up and INFO lines in the workers (hidden by default: each rank "
+        "repeats them, and megakit's banner says what they would; the launcher's own lines follow its "
+        "--log_level)",
+    )
+    g.add_argument(
         "--doctor-out",
         metavar="FILE",
         default=None,
         help="write per-rank facts (weight hashes, samples, local gradient norms, step times) to FILE for "
         "`megakit doctor`, which starts the job with it",
     )
-    p.add_argument(
-        "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
-    )  # set by the launcher
-    return p.parse_args(argv)
+    g.add_argument(
+        "--check",
+        action="store_true",
+        help="check the flags, the ds_config, the model, the data and --load for $WORLD_SIZE processes "
+        "(default 1) in this one process, say what would run and exit (2 on a mistake): what a "
+        "cluster job runs before it starts its workers",
+    )
 
 
 def _leave() -> None:

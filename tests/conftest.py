@@ -105,7 +105,8 @@ def resume_jobs(tmp_path_factory) -> dict:
 @pytest.fixture
 def plan_json(monkeypatch, capsys):
     """``megakit plan ... --json`` in-process, returning its "plan" object (the calibration tests' way in). The exact
-    parameter count is skipped: it builds the model through transformers only to name it, and the cost never reads it."""
+    parameter count is skipped: it builds the model through transformers only to name it, and the cost never reads
+    it."""
     import megakit.interop.hf as hf
     from megakit.commands.cli import main
 

@@ -119,7 +119,8 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0) -> list:
             try:
                 rank, ok, value = results.get(timeout=timeout_s)
             except queue.Empty:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout_s}s")
+                missing = sorted(set(range(world_size)) - set(out))
+                raise TimeoutError(f"ranks {missing} did not finish in {timeout_s}s") from None
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             out[rank] = value

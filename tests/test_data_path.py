@@ -116,7 +116,7 @@ def test_a_big_jsonl_is_cut_into_pieces_and_its_bad_lines_counted(prepared, tmp_
 
     from megakit.interop import prepare_data
 
-    monkeypatch.setattr(prepare_data, "TASK_BYTES", 700)
+    monkeypatch.setattr(prepare_data.inputs, "TASK_BYTES", 700)  # read by pieces() and tasks()
     records = [json.dumps({"text": f"record {i} " + "naïve café " * (i % 5)}).encode() for i in range(60)]
     bad = {7: b'{"text": "\xff\xfe broken"}', 21: b"not json at all", 40: b'{"body": "no text field"}'}
     lines = [bad.get(i, r) for i, r in enumerate(records)]

@@ -2,9 +2,9 @@
 
 Packed attention equals the concatenation of each document's own causal attention (outputs and q/k/v
 gradients), with GQA, a sliding window and 1-token documents: SDPA with the mask, the dropout path's explicit
-softmax, and the ring (its fused chunk pairs and its explicit blocks) at CP 2 and CP 4 over gloo with documents crossing the zig-zag chunks (lengths not
-multiples of 2 x CP); the ring without the document term differs. A packed Llama and a packed GPT-2 with
-restarted positions give the logits transformers gives each document alone, and for Llama also transformers'
+softmax, and the ring (its fused chunk pairs and its explicit blocks) at CP 2 and CP 4 over gloo with documents
+crossing the zig-zag chunks (lengths not multiples of 2 x CP); the ring without the document term differs. A
+packed Llama and a packed GPT-2 with restarted positions give the logits transformers gives each document alone, and for Llama also transformers'
 own packed batch (``position_ids`` restarting, no attention mask). fp32, bounds from ``tolerance``.
 """
 

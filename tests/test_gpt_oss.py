@@ -4,8 +4,8 @@ A tiny config where every piece of gpt-oss is made to act: 4 blocks alternating 
 64 tokens; sinks drawn near the rows' log-sum-exp (at zero, ``sigmoid(lse - sink)`` is about 1 and a wrong sink
 hides in rounding); non-zero router, attention and expert biases; expert weights large enough that the SwiGLU's
 clamp at 7 acts; YaRN with ``truncate`` false. Each control turns one piece off in megakit and must move the logits
-past 20 times megakit's own error, so each is shown to be read. Also: the config and the weights written back as transformers
-reads them (gate and up interleaved, ``x @ W`` layout), and the parameter count.
+past 20 times megakit's own error, so each is shown to be read. Also: the config and the weights written back as
+transformers reads them (gate and up interleaved, ``x @ W`` layout), and the parameter count.
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ def test_memory_truth_every_family_and_layout(tmp_path, tmp_path_factory):
 
 def test_plan_shows_each_moe_memory_line_and_zero_bubble_w_inputs_at_the_expert_width(capsys):
     """``megakit plan`` (table and ``--json``) shows the lines inside an item, which add up to it; zero bubble's
-    deferred W inputs of an MoE block are its routed experts' fc1 and fc2 outputs for top-k copies, not a dense MLP's."""
+    deferred W inputs of an MoE block are its routed experts' fc1 and fc2 outputs for top-k copies, not a dense
+    MLP's."""
     from megakit.commands import cli
     from megakit.core.planner.memory import _matmul_output_bytes
     from megakit.core.planner.model_spec import ModelSpec

@@ -2,8 +2,8 @@
 
 Against the composed path (``enter_tp_region`` then each ``ColumnParallelLinear``): the same
 outputs and gradients within 1e-6 (in fp64, whose rounding is near 1e-15 on any machine), with and without SP;
-under SP the saved activation is the ``(S/t, B, H)`` shard, never the gathered input; and zero bubble's B/W split gives the same
-gradients with each collective run once (B: the reduce-scatter, W: the re-gather).
+under SP the saved activation is the ``(S/t, B, H)`` shard, never the gathered input; and zero bubble's B/W split
+gives the same gradients with each collective run once (B: the reduce-scatter, W: the re-gather).
 """
 
 from __future__ import annotations

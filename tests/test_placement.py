@@ -16,7 +16,8 @@ def test_tp_groups_inside_nodes_pass_and_across_nodes_are_refused():
     assert check_tp_within_nodes(Layout(tp=2, pp=2).groups("tp"), two_nodes) is None
     with pytest.raises(
         UsageError,
-        match=r"TP group of ranks 0-3 spans 2 nodes \(node 0, node 1\).*divides the 2 processes per node \(e.g. --tp 2\)",
+        match=r"TP group of ranks 0-3 spans 2 nodes \(node 0, node 1\).*"
+        r"divides the 2 processes per node \(e.g. --tp 2\)",
     ):
         check_tp_within_nodes(Layout(tp=4).groups("tp"), two_nodes)
     warning = check_tp_within_nodes(Layout(tp=4).groups("tp"), two_nodes, allow=True)

@@ -33,7 +33,7 @@ def _mask_shards(directory: Path, seed: int = 0) -> None:
     from megakit.interop.token_shards import read_index, write_index
 
     index, gen = read_index(directory), np.random.default_rng(seed)
-    for split, entries in index["splits"].items():
+    for entries in index["splits"].values():
         for entry in entries:
             n = entry["tokens"]
             keep = np.array([KEEP[(i // SEQ) % len(KEEP)] for i in range(n)])  # window w = tokens w*SEQ+1 .. (w+1)*SEQ

@@ -48,8 +48,19 @@ _NEGATIVE_VALUE = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[+-]?\d+)?[kmbgt]?$", re.IGN
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    """``megakit plan``'s flags, one argument group (and one function) per topic, as ``--help`` shows them."""
     if hasattr(parser, "_negative_number_matcher"):
         parser._negative_number_matcher = _NEGATIVE_VALUE
+    _model_flags(parser)
+    _cluster_flags(parser)
+    _training_flags(parser)
+    _pin_flags(parser)
+    _output_flags(parser)
+    _checkpoint_flags(parser)
+
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    """The model: a size, a preset or a config.json, and its sequence."""
     model = parser.add_argument_group("model")
     model.add_argument("--params", help="model size: 125M, 1.3B, 70b, 175e9, 1T (nearest well-known shape)")
     model.add_argument("--model", help="preset name from models/ or a Hugging Face config.json path")
@@ -61,6 +72,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="train the config's Multi-Token Prediction modules (DeepSeek-V3's "
         "num_nextn_predict_layers) on the last stage, as train.py --mtp does",
     )
+
+
+def _cluster_flags(parser: argparse.ArgumentParser) -> None:
+    """The cluster: a GPU preset or a probed profile, how many, and overrides of its rates."""
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--gpu", default="a100-80gb", help=f"GPU preset: {', '.join(GPUS)}")
     cluster.add_argument("--gpus", type=int, help="total GPUs (default: the fewest whole nodes that fit)")
@@ -75,6 +90,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--intra-bw", type=finite_float, help="intra-node link override, GB/s per GPU")
     cluster.add_argument("--inter-bw", type=finite_float, help="inter-node network override, GB/s per GPU")
     cluster.add_argument("--peak-tflops", type=finite_float, help="peak dense 16-bit TFLOP/s override")
+
+
+def _training_flags(parser: argparse.ArgumentParser) -> None:
+    """How the run trains: batch, tokens, precision, kernels, runtime and the memory levers."""
     train = parser.add_argument_group("training")
     train.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: GPT-3's for the size)")
     train.add_argument("--tokens", help="training tokens, e.g. 300B: adds time-to-train")
@@ -166,6 +185,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the LM head and loss over K token chunks, as train.py --loss-chunks (default auto: "
         "one per 256 MiB of fp32 logits)",
     )
+
+
+def _pin_flags(parser: argparse.ArgumentParser) -> None:
+    """Dimensions to pin; the search fills in the rest around them."""
     pins = parser.add_argument_group("pin a dimension (the rest is searched)")
     pins.add_argument("--tp", type=int)
     pins.add_argument("--pp", type=int)
@@ -212,6 +235,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=("1f1b", "zb-h1"),
         help="pipeline schedule: zb-h1 (zero bubble, Qi et al. 2023) trades memory for bubble",
     )
+
+
+def _output_flags(parser: argparse.ArgumentParser) -> None:
+    """What to print or write: tables or JSON, a ds_config, a launch script."""
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     out.add_argument("--emit-config", metavar="PATH", help="write the plan's ds_config here")
@@ -224,6 +251,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "beside PATH as PATH's stem + .json",
     )
     out.add_argument("--top", type=int, default=5, help="alternatives and rejections to show")
+
+
+def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
+    """Checkpoint cadence: Young/Daly's interval from the write time and the cluster's MTBF."""
     ckpt = parser.add_argument_group("checkpoints (Young/Daly: save every sqrt(2 x write time x cluster MTBF))")
     ckpt.add_argument(
         "--save",
@@ -348,6 +379,7 @@ def _progress(message: str):
 
 
 def load_model(args) -> ModelSpec:
+    """The planned model: ``--params`` (a GPT of that size) or ``--model`` (a preset or a config.json)."""
     if bool(args.params) == bool(args.model):
         raise UsageError("give exactly one of --params SIZE (e.g. 175B) or --model NAME|config.json")
     if args.params:
@@ -362,7 +394,84 @@ def load_model(args) -> ModelSpec:
     return spec.with_overrides(seq_len=args.seq_len, vocab_size=args.vocab, mtp=getattr(args, "mtp", False))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What the search is asked: the model, the GPU, the run's precision and execution, and the pins."""
+
+    gpu: GPU
+    model: ModelSpec
+    tokens: int | None
+    precision: str
+    flash: bool
+    execution: dict
+    global_batch: int
+    batch_note: str
+    imbalance: float
+    pins: Pins
+
+    def search_kwargs(self, args) -> dict:
+        """The keyword arguments every search of this run shares."""
+        return dict(
+            pins=self.pins,
+            threshold=args.mem_threshold,
+            precision=self.precision,
+            offload=args.offload,
+            flash_attention=self.flash,
+            seq_len=self.model.seq_len,
+            moe_imbalance=self.imbalance,
+            execution=self.execution,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """How to run the plan: learning rate and schedule, checkpoint interval, the files and the command."""
+
+    lr: float
+    lr_note: str
+    total_steps: int
+    warmup: int
+    save_every: int
+    advice: save_interval.SaveAdvice
+    config_path: str
+    model_file: object
+    flags: dict
+    command: str
+    note: str
+
+
 def run(args) -> int:
+    """Plan the run: check the flags, search the layouts, and print (or write) the plan and how to launch it."""
+    kind, launch_path = _check_args(args)
+    inputs = _inputs(args)
+    cluster, result, auto = _find_plan(args, inputs)
+    plan, cost = result.best.plan, result.best.cost
+    launch = _launch(args, inputs, cluster, plan, cost, kind=kind, launch_path=launch_path)
+    report = _report(args, inputs, cluster, result, auto, launch)
+    if args.emit_config or launch_path:
+        _write_outputs(
+            args,
+            plan,
+            cluster,
+            inputs.model,
+            launch.model_file,
+            launch.config_path,
+            launch.command,
+            kind,
+            launch_path,
+            emit.ds_config(plan, lr=launch.lr, total_steps=launch.total_steps, warmup_steps=launch.warmup),
+            emit.train_flags(plan, **launch.flags),
+        )
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    _print_plan(args, report, result, inputs, cluster, launch, auto=auto, kind=kind, launch_path=launch_path)
+    return 0
+
+
+def _check_args(args) -> tuple[str | None, str | None]:
+    """The flags that need no model: positive numbers, ``--emit-launch``'s kind, the routing and memory fractions."""
     _positive(
         args,
         "seq_len",
@@ -398,6 +507,11 @@ def run(args) -> int:
         raise UsageError(f"--moe-imbalance {args.moe_imbalance} must be at least 1 (1: perfectly balanced routing)")
     if not 0 < args.mem_threshold <= 1:
         raise UsageError(f"--mem-threshold {args.mem_threshold} must be in (0, 1], e.g. 0.8")
+    return kind, launch_path
+
+
+def _inputs(args) -> _Inputs:
+    """Read the model and the GPU, and resolve precision, execution, the global batch and the pins."""
     megatron_options = _megatron_options(args)  # checked before the model is read (seconds in transformers)
     gpu, args.gpus_per_node = _hardware(args)
     model = load_model(args)
@@ -446,58 +560,64 @@ def run(args) -> int:
         stage_layers=parse_stage_layers(args.stage_layers),
         loss_chunks=parse_loss_chunks(args.loss_chunks),
     ).resolved()
+    return _Inputs(gpu, model, tokens, precision, flash, execution, global_batch, batch_note, imbalance, pins)
 
-    def make_cluster(nodes: int | None = None, gpus: int | None = None) -> Cluster:
-        total = gpus if gpus is not None else nodes * args.gpus_per_node
-        return Cluster(gpu=gpu, num_gpus=total, gpus_per_node=args.gpus_per_node).with_overrides(
-            mem_gib=args.gpu_mem, intra_gbps=args.intra_bw, inter_gbps=args.inter_bw, peak_tflops=args.peak_tflops
-        )
 
-    kwargs = dict(
-        pins=pins,
-        threshold=args.mem_threshold,
-        precision=precision,
-        offload=args.offload,
-        flash_attention=flash,
-        seq_len=model.seq_len,
-        moe_imbalance=imbalance,
-        execution=execution,
+def _cluster(args, gpu: GPU, *, nodes: int | None = None, gpus: int | None = None) -> Cluster:
+    """``nodes`` whole nodes (or ``gpus`` GPUs) of ``gpu``, with the flags' overrides."""
+    total = gpus if gpus is not None else nodes * args.gpus_per_node
+    return Cluster(gpu=gpu, num_gpus=total, gpus_per_node=args.gpus_per_node).with_overrides(
+        mem_gib=args.gpu_mem, intra_gbps=args.intra_bw, inter_gbps=args.inter_bw, peak_tflops=args.peak_tflops
     )
+
+
+def _find_plan(args, inputs: _Inputs):
+    """``(cluster, result, auto)``: the search on the given cluster, or on the fewest nodes that fit (``auto``).
+
+    On a given cluster where nothing fits, the error says the closest layout's fix (and, with ``--json``, prints
+    it as a 'no' verdict) or how many GPUs the model needs.
+    """
+    kwargs = inputs.search_kwargs(args)
+    model, gpu, global_batch = inputs.model, inputs.gpu, inputs.global_batch
     auto = args.gpus is None and args.nodes is None
     if auto:
-        _, result = smallest_cluster(model, lambda n: make_cluster(nodes=n), global_batch=global_batch, **kwargs)
-        cluster = make_cluster(gpus=result.best.plan.world)
-    else:
-        if args.gpus is not None and args.nodes is not None and args.gpus != args.nodes * args.gpus_per_node:
-            raise UsageError(
-                f"--gpus {args.gpus} disagrees with --nodes {args.nodes} x --gpus-per-node "
-                f"{args.gpus_per_node}; give one of them"
-            )
-        cluster = make_cluster(gpus=args.gpus) if args.gpus is not None else make_cluster(nodes=args.nodes)
+        _, result = smallest_cluster(model, lambda n: _cluster(args, gpu, nodes=n), global_batch=global_batch, **kwargs)
+        return _cluster(args, gpu, gpus=result.best.plan.world), result, auto
+    if args.gpus is not None and args.nodes is not None and args.gpus != args.nodes * args.gpus_per_node:
+        raise UsageError(
+            f"--gpus {args.gpus} disagrees with --nodes {args.nodes} x --gpus-per-node "
+            f"{args.gpus_per_node}; give one of them"
+        )
+    cluster = _cluster(args, gpu, gpus=args.gpus) if args.gpus is not None else _cluster(args, gpu, nodes=args.nodes)
+    try:
+        return cluster, search(model, cluster, global_batch=global_batch, **kwargs), auto
+    except NoPlan as error:
+        if error.closest is not None:  # a judged layout over the GPU's memory: verdict 'no', the fix named
+            if args.json:
+                c = error.closest
+                no = plan_report.plan_dict(c.plan, c.memory, c.cost, cluster, inputs.tokens, model.seq_len)
+                json.dump(
+                    {"plan": no | {"fits": "no", "mem_threshold": args.mem_threshold, "fix": error.fix}},
+                    sys.stdout,
+                    indent=2,
+                )
+                sys.stdout.write("\n")
+            raise
+        if not error.memory_bound:
+            raise
         try:
-            result = search(model, cluster, global_batch=global_batch, **kwargs)
-        except NoPlan as error:
-            if error.closest is not None:  # a judged layout over the GPU's memory: verdict 'no', the fix named
-                if args.json:
-                    c = error.closest
-                    no = plan_report.plan_dict(c.plan, c.memory, c.cost, cluster, tokens, model.seq_len)
-                    json.dump(
-                        {"plan": no | {"fits": "no", "mem_threshold": args.mem_threshold, "fix": error.fix}},
-                        sys.stdout,
-                        indent=2,
-                    )
-                    sys.stdout.write("\n")
-                raise
-            if not error.memory_bound:
-                raise
-            try:
-                nodes, _ = smallest_cluster(model, lambda n: make_cluster(nodes=n), global_batch=global_batch, **kwargs)
-                need = f"; it needs at least {nodes * args.gpus_per_node} GPUs ({nodes} nodes)"
-            except UsageError:
-                need = ""
-            raise UsageError(f"{error}{need}") from None
+            nodes, _ = smallest_cluster(
+                model, lambda n: _cluster(args, gpu, nodes=n), global_batch=global_batch, **kwargs
+            )
+            need = f"; it needs at least {nodes * args.gpus_per_node} GPUs ({nodes} nodes)"
+        except UsageError:
+            need = ""
+        raise UsageError(f"{error}{need}") from None
 
-    plan, cost, mem = result.best.plan, result.best.cost, result.best.memory
+
+def _launch(args, inputs: _Inputs, cluster: Cluster, plan: Plan, cost, *, kind, launch_path) -> _Launch:
+    """The learning rate and schedule, the checkpoint interval, and the launch command for ``plan``."""
+    model = inputs.model
     lr, lr_note = emit.scaled_lr(
         model.params,
         plan.global_batch,
@@ -505,7 +625,7 @@ def run(args) -> int:
         base_lr=args.base_lr,
         base_batch=args.base_batch if args.base_lr else None,
     )
-    total_steps, warmup = emit.schedule_steps(plan.global_batch, model.seq_len, tokens, params=model.params)
+    total_steps, warmup = emit.schedule_steps(plan.global_batch, model.seq_len, inputs.tokens, params=model.params)
     config_path = args.emit_config or (
         str(Path(launch_path).with_suffix(".json")) if launch_path else "ds_configs/plan.json"
     )
@@ -525,16 +645,21 @@ def run(args) -> int:
         seq_len=model.seq_len,
         save=args.save,
         save_every=save_every,
-        stage_layers=pins.stage_layers,
+        stage_layers=inputs.pins.stage_layers,
         mtp=model.mtp > 0,
     )
-    launch, launch_note = emit.launch_command(
+    command, note = emit.launch_command(
         plan,
         nodes=cluster.nodes,
         gpus_per_node=cluster.gpus_per_node,
         hostfile=launch_path if kind == "hostfile" else None,
         **flags,
     )
+    return _Launch(lr, lr_note, total_steps, warmup, save_every, advice, config_path, model_file, flags, command, note)
+
+
+def _speedup(model: ModelSpec, cluster: Cluster, plan: Plan, cost) -> float:
+    """The plan's tokens/s over one GPU's running the same global batch by accumulation alone."""
     single = estimate_cost(
         model,
         dataclasses.replace(cluster, num_gpus=1),
@@ -552,7 +677,14 @@ def run(args) -> int:
         ),
         seq_len=model.seq_len,
     )
-    speedup = cost.tokens_per_s / single.tokens_per_s
+    return cost.tokens_per_s / single.tokens_per_s
+
+
+def _report(args, inputs: _Inputs, cluster: Cluster, result, auto: bool, launch: _Launch) -> dict:
+    """The plan as ``--json`` prints it (and the tables render): the plan, alternatives, rejections, assumptions."""
+    model, tokens = inputs.model, inputs.tokens
+    plan, cost, mem = result.best.plan, result.best.cost, result.best.memory
+    speedup = _speedup(model, cluster, plan, cost)
     report = {
         "plan": plan_report.plan_dict(plan, mem, cost, cluster, tokens, model.seq_len)
         | {
@@ -560,14 +692,16 @@ def run(args) -> int:
             "mem_threshold": result.threshold,
             "speedup_vs_one_gpu": speedup,
             "scaling_efficiency": speedup / plan.world,
-            "lr": lr,
-            "warmup_steps": warmup,
-            "total_steps": total_steps,
-            "save_every": save_every,
-            "save_interval": dataclasses.asdict(advice),
+            "lr": launch.lr,
+            "warmup_steps": launch.warmup,
+            "total_steps": launch.total_steps,
+            "save_every": launch.save_every,
+            "save_interval": dataclasses.asdict(launch.advice),
             "stage_layers": [
                 len(r)
-                for r in virtual_stage_ranges(model.with_overrides(stage_layers=pins.stage_layers), plan.pp, plan.vpp)
+                for r in virtual_stage_ranges(
+                    model.with_overrides(stage_layers=inputs.pins.stage_layers), plan.pp, plan.vpp
+                )
             ],
         },
         "alternatives": [
@@ -588,52 +722,42 @@ def run(args) -> int:
             cluster,
             auto,
             result,
-            precision,
-            flash,
+            inputs.precision,
+            inputs.flash,
             args.mem_threshold,
-            global_batch,
+            inputs.global_batch,
             tokens,
-            launch,
-            launch_note,
-            batch_note,
+            launch.command,
+            launch.note,
+            inputs.batch_note,
         )
-        | plan_report.moe_assumptions(model, args, imbalance),
+        | plan_report.moe_assumptions(model, args, inputs.imbalance),
     }
-    report["plan"]["gflops_per_token"] = {  # causal, window-aware (Megatron-Bridge's convention), and without windows
+    _add_model_notes(report["plan"], args, inputs, cluster, result)
+    return report
+
+
+def _add_model_notes(entry: dict, args, inputs: _Inputs, cluster: Cluster, result) -> None:
+    """The FLOPs per token (with and without windows, with MTP), the CP mode's reason and the headroom."""
+    model, plan, cost, mem = inputs.model, result.best.plan, result.best.cost, result.best.memory
+    entry["gflops_per_token"] = {  # causal, window-aware (Megatron-Bridge's convention), and without windows
         "causal": model.config.causal_flops_per_token(model.seq_len) / 1e9,
         "windows_ignored": model.config.causal_flops_per_token(model.seq_len, windows=False) / 1e9,
     }
-    report["plan"]["mtp"] = model.mtp  # the MTP modules planned on the last stage (--mtp), in its memory and time
+    entry["mtp"] = model.mtp  # the MTP modules planned on the last stage (--mtp), in its memory and time
     if model.config.mtp_layers:  # DeepSeek-V3's prediction modules (counted in the plan's FLOPs with --mtp)
-        report["plan"]["gflops_per_token"]["with_mtp"] = (
-            model.config.causal_flops_per_token(model.seq_len, mtp=True) / 1e9
-        )
+        entry["gflops_per_token"]["with_mtp"] = model.config.causal_flops_per_token(model.seq_len, mtp=True) / 1e9
     if plan.cp > 1:
-        report["plan"]["cp_mode_note"] = _cp_mode_note(model, cluster, plan, cost, pins)
+        entry["cp_mode_note"] = _cp_mode_note(model, cluster, plan, cost, inputs.pins)
     if result.fits == "above_threshold":
-        report["plan"]["headroom"] = headroom_note(
-            mem.total / GIB, gpu_gib=cluster.gpu.mem_gib, threshold=args.mem_threshold
-        )
-    if args.emit_config or launch_path:
-        _write_outputs(
-            args,
-            plan,
-            cluster,
-            model,
-            model_file,
-            config_path,
-            launch,
-            kind,
-            launch_path,
-            emit.ds_config(plan, lr=lr, total_steps=total_steps, warmup_steps=warmup),
-            emit.train_flags(plan, **flags),
-        )
-    if args.json:
-        json.dump(report, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return 0
+        entry["headroom"] = headroom_note(mem.total / GIB, gpu_gib=cluster.gpu.mem_gib, threshold=args.mem_threshold)
+
+
+def _print_plan(args, report, result, inputs: _Inputs, cluster, launch: _Launch, *, auto, kind, launch_path) -> None:
+    """The plan's tables (rich), with the tips: learning rate, warm-up, checkpoint interval, what was written."""
     from megakit.commands.plan_render import render  # rich, only for the tables
 
+    advice, total_steps = launch.advice, launch.total_steps
     saving = save_interval.describe(advice) + (
         f" The launch command uses your --save-every {args.save_every}."
         if args.save_every
@@ -642,21 +766,22 @@ def run(args) -> int:
         if advice.save_every > total_steps
         else ""
     )
+    plan, cost = result.best.plan, result.best.cost
     tips = emit.tips(
-        result, cost, plan, cluster, lr_note=lr_note, warmup=warmup, total=total_steps, auto_sized=auto
+        result, cost, plan, cluster, lr_note=launch.lr_note, warmup=launch.warmup, total=total_steps, auto_sized=auto
     ) + [saving]
-    emitted = ", ".join(p for p in (args.emit_config or (config_path if launch_path else None), launch_path) if p)
+    written = (args.emit_config or (launch.config_path if launch_path else None), launch_path)
+    emitted = ", ".join(p for p in written if p)
     render(
         report,
         result,
-        model,
+        inputs.model,
         cluster,
         tips=tips,
         emitted=emitted or None,
-        launch=f"sbatch {launch_path}" if kind == "slurm" else launch,
-        launch_note=launch_note,
+        launch=f"sbatch {launch_path}" if kind == "slurm" else launch.command,
+        launch_note=launch.note,
     )
-    return 0
 
 
 def _check_fp8(args, gpu: GPU, precision: str) -> None:

@@ -66,8 +66,28 @@ def _layers_row(p: dict) -> tuple:
 def render(
     report: dict, result, model, cluster, *, tips: list, emitted: str | None, launch: str, launch_note: str = ""
 ) -> None:
+    """``megakit plan``'s tables, from the report its ``--json`` prints: one section per function, in order."""
     console = Console(highlight=False)
     a, p = report["assumptions"], report["plan"]
+    _print_assumptions(console, a)
+    _print_plan(console, a, p)
+    _print_memory(console, a, p)
+    _print_speed(console, a, p)
+    _print_others(console, report, p)
+    console.print("[bold]Tips[/]")
+    for tip in tips:
+        console.print(f"  - {tip}")
+    if emitted:
+        console.print(f"[bold]Wrote[/] {emitted}. Launch:")
+    else:
+        console.print("[bold]Launch[/] (write the config with --emit-config PATH):")
+    console.print(f"  {launch}", soft_wrap=True)
+    if launch_note:
+        console.print(f"  ({launch_note}; the memory and speed above count on them)")
+
+
+def _print_assumptions(console, a: dict) -> None:
+    """The model, the cluster, the rule the search started from and the batch: what the plan assumed."""
     m, c = a["model"], a["cluster"]
     console.print(f"[bold]Model[/]: {m['source']}")
     console.print(
@@ -99,6 +119,9 @@ def render(
     if a.get("global_batch_note") and a["global_batch_note"] != "--global-batch":
         console.print(f"[bold]Global batch[/] (no --global-batch given): {a['global_batch_note']}.")
 
+
+def _print_plan(console, a: dict, p: dict) -> None:
+    """The layout: the parallel degrees, the experts' groups, the schedule, ZeRO, batch and precision."""
     plan = Table(title="Plan", show_header=False)
     grid = (
         ("TP x CP x PP x DP", f"{p['tp']} x {p['cp']} x {p['pp']} x {p['dp']} = {p['num_gpus']} GPUs")
@@ -148,6 +171,9 @@ def render(
         plan.add_row(key, str(value))
     console.print(plan)
 
+
+def _print_memory(console, a: dict, p: dict) -> None:
+    """The peak stage's memory item by item against the line, and the verdict of a pinned layout."""
     limit = a["mem_threshold"] * p["gpu_memory_gib"]
     mem = Table(title=f"Memory per GPU (stage {p['peak_stage']}, the peak)")
     mem.add_column("item")
@@ -168,6 +194,9 @@ def render(
     elif a["rule"]["branch"] == "pinned":
         console.print(f"[bold]Fits[/]: yes, under the {a['mem_threshold']:.0%} line.")
 
+
+def _print_speed(console, a: dict, p: dict) -> None:
+    """The predicted step time, throughput, MFU and where the time goes."""
     speed = Table(title="Throughput (predicted)", show_header=False)
     rows = [
         ("step time", f"{p['step_time_s']:.2f} s"),
@@ -204,6 +233,9 @@ def render(
         speed.add_row(key, value)
     console.print(speed)
 
+
+def _print_others(console, report: dict, p: dict) -> None:
+    """The fastest alternatives and the rejected layouts, each with why not."""
     if report["alternatives"]:
         alt = Table(title="Top alternatives")
         for col in ("layout", "peak GiB", "tokens/s", "vs plan"):
@@ -234,13 +266,3 @@ def render(
             speed_text = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"
             rej.add_row(layout, speed_text, r["reason"])
         console.print(rej)
-    console.print("[bold]Tips[/]")
-    for tip in tips:
-        console.print(f"  - {tip}")
-    if emitted:
-        console.print(f"[bold]Wrote[/] {emitted}. Launch:")
-    else:
-        console.print("[bold]Launch[/] (write the config with --emit-config PATH):")
-    console.print(f"  {launch}", soft_wrap=True)
-    if launch_note:
-        console.print(f"  ({launch_note}; the memory and speed above count on them)")

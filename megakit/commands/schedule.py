@@ -16,6 +16,7 @@ from megakit.errors import UsageError, finite_float
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``megakit schedule``."""
     parser.add_argument("--pp", type=int, default=4, help="pipeline stages (default 4)")
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (default 8)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="schedule (default 1f1b)")
@@ -65,6 +66,7 @@ def _costs(text: str) -> float | tuple[float, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Simulate the schedule, print its timeline and bubble, and draw it with ``--out``."""
     from megakit.commands.schedule_render import print_timeline, save_png
     from megakit.core.simulator import Costs, fastest_order, simulate
 
@@ -89,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     formula = bubble_formula(args.schedule, args.pp, args.micro_batches, vpp, weight_share=args.weight_share)
     idle = report.step_time - min(report.busy)
     print(
-        f"step time {report.step_time:g}  bubble {report.bubble:.1%} ({idle:g} idle per stage)  (formula {formula:.1%})  "
+        f"step time {report.step_time:g}  bubble {report.bubble:.1%} ({idle:g} idle per stage)  "
+        f"(formula {formula:.1%})  "
         f"peak in-flight activations per stage {list(report.peak_in_flight)}"
     )
     if args.out:

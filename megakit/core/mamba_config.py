@@ -79,6 +79,11 @@ class Mamba2Config:
         scan = self.heads * (2 * q * n + 2 * q * p + 4 * n * p)
         return float(proj + conv + scan)
 
+    def scan_flops_per_token(self) -> float:
+        """Forward FLOPs per token of the conv and the chunked scan (``flops_per_token`` less the projections)."""
+        q, n, p = self.chunk, self.state, self.head_dim
+        return float(2 * self.conv_channels * self.conv_kernel + self.heads * (2 * q * n + 2 * q * p + 4 * n * p))
+
     def state_bytes(self, batch: int, bytes_per: int = 4) -> int:
         """One mixer's recurrent state and conv window, per sequence batch: ``heads x head_dim x state`` (fp32) and
         ``(conv_kernel - 1) x conv channels``."""

@@ -3,8 +3,9 @@
 A model with ``ModelConfig.moe`` set replaces the MLP of every layer not listed in
 ``dense_layers`` with a routed block: a token-choice top-k router, ``experts`` SwiGLU experts
 of width ``ffn``, and optionally shared experts (``shared_ffn``, gated by a sigmoid in
-Qwen2-MoE). Read from the Hugging Face fields of Mixtral, Qwen2-MoE, Qwen3-MoE and
-DeepSeek-V3 (``from_hf``) and written back (``to_hf``). Pure Python: the planner reads it.
+Qwen2-MoE). Read from the Hugging Face fields of Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss and
+DeepSeek-V3 by their families
+(``megakit.core.families``; ``from_hf`` and ``to_hf`` dispatch to them). Pure Python: the planner reads it.
 
 Routing, as the three anchors (Megatron-Core, DeepSpeed AutoEP, torchtitan) converge on it:
 scores = softmax or sigmoid of the fp32 router logits; the top-k experts are chosen on the
@@ -24,6 +25,8 @@ SCORES = ("softmax", "sigmoid")
 
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig:
+    """The experts and their routing (the module docstring says how they route)."""
+
     experts: int
     top_k: int
     ffn: int  # each routed expert's intermediate width
@@ -81,108 +84,47 @@ class MoEConfig:
                 raise UsageError(f"MoE field {name} must be a finite number >= 0, got {getattr(self, name)}")
 
     def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` has routed experts (not one of ``dense_layers``)."""
         return layer not in self.dense_layers
 
-    # -- Hugging Face ------------------------------------------------------------------------
+    # -- Hugging Face: each MoE family reads and writes its own fields (megakit.core.families) ------------------
     @classmethod
     def from_hf(cls, data: dict, *, layers: int, source: str = "config") -> "MoEConfig":
         """The MoE fields of a Mixtral, gpt-oss, Qwen2-MoE, Qwen3-MoE or DeepSeek-V3 config.json."""
+        from megakit.core.families import FAMILIES
+
         kind = data.get("model_type")
-        if data.get("router_jitter_noise"):
-            raise UsageError(
-                f"model config {source} sets router_jitter_noise, which megakit does not implement; set it to 0"
-            )
-        common = dict(
-            top_k=data["num_experts_per_tok"],
-            aux_loss_coeff=float(data.get("router_aux_loss_coef", 0.0)) if data.get("output_router_logits") else 0.0,
-        )
-        if kind == "mixtral":
-            return cls(experts=data["num_local_experts"], ffn=data["intermediate_size"], **common)
-        if kind == "gpt_oss":  # top-k of the biased logits, softmax over the k: Mixtral's routing with a bias
-            return cls(
-                experts=data["num_local_experts"],
-                ffn=data["intermediate_size"],
-                router_bias=True,
-                expert_biases=True,
-                swiglu_limit=float(data.get("swiglu_limit", 7.0)),
-                swiglu_alpha=float(data.get("swiglu_alpha", 1.702)),
-                **common,
-            )
-        if kind in ("qwen2_moe", "qwen3_moe"):
-            step = data.get("decoder_sparse_step", 1) or 1
-            only = set(data.get("mlp_only_layers") or ())
-            dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
-            shared = data.get("shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0
-            experts = data["num_experts"] if "num_experts" in data else data["num_local_experts"]  # transformers 4 | 5
-            return cls(
-                experts=experts,
-                ffn=data["moe_intermediate_size"],
-                shared_ffn=shared,
-                shared_gate=bool(shared),
-                normalize_top_k=bool(data.get("norm_topk_prob", False)),
-                dense_layers=dense,
-                **common,
-            )
-        if kind == "deepseek_v3":
-            if data.get("topk_method", "noaux_tc") != "noaux_tc":
-                raise UsageError(
-                    f"model config {source} uses topk_method {data['topk_method']!r}; "
-                    "megakit implements DeepSeek-V3's noaux_tc"
-                )
-            return cls(
-                experts=data["n_routed_experts"],
-                ffn=data["moe_intermediate_size"],
-                shared_ffn=data.get("n_shared_experts", 0) * data["moe_intermediate_size"],
-                score=data.get("scoring_func", "sigmoid"),
-                normalize_top_k=bool(data.get("norm_topk_prob", True)),
-                route_scale=float(data.get("routed_scaling_factor", 1.0)),
-                groups=data.get("n_group", 1) or 1,
-                group_top_k=data.get("topk_group", 1) or 1,
-                expert_bias=True,
-                dense_layers=tuple(range(min(data.get("first_k_dense_replace", 0), layers))),
-                **common,
-            )
-        raise UsageError(f"model config {source} has model_type {kind!r}, which has no MoE reader")
+        family = next((f for f in FAMILIES if kind in f.model_types), None)
+        if family is None or family.read_moe is None:
+            raise UsageError(f"model config {source} has model_type {kind!r}, which has no MoE reader")
+        return family.read_moe(data, layers=layers, source=source)
 
     def to_hf(self, kind: str, *, layers: int) -> dict:
         """The MoE fields of a ``kind`` config.json (``from_hf`` reads them back unchanged)."""
-        out: dict = {
-            "num_experts_per_tok": self.top_k,
-            "router_aux_loss_coef": self.aux_loss_coeff,
-            "output_router_logits": self.aux_loss_coeff > 0,
-        }
-        if kind == "mixtral":
-            return out | {"num_local_experts": self.experts, "intermediate_size": self.ffn}
-        if kind == "gpt_oss":
-            return out | {
-                "num_local_experts": self.experts,
-                "intermediate_size": self.ffn,
-                "swiglu_limit": self.swiglu_limit,
-                "swiglu_alpha": self.swiglu_alpha,
-            }
-        if kind in ("qwen2_moe", "qwen3_moe"):
-            out |= {
-                "num_experts": self.experts,
-                "moe_intermediate_size": self.ffn,
-                "decoder_sparse_step": 1,
-                "mlp_only_layers": list(self.dense_layers),
-                "norm_topk_prob": self.normalize_top_k,
-            }
-            if kind == "qwen2_moe":
-                out["shared_expert_intermediate_size"] = self.shared_ffn
-            return out
-        if kind in ("deepseek_v3", "kimi_k2"):
-            first = len(self.dense_layers)
-            return out | {
-                "n_routed_experts": self.experts,
-                "moe_intermediate_size": self.ffn,
-                "n_shared_experts": self.shared_ffn // self.ffn,
-                "scoring_func": self.score,
-                "norm_topk_prob": self.normalize_top_k,
-                "routed_scaling_factor": self.route_scale,
-                "n_group": self.groups,
-                "topk_group": self.group_top_k,
-                "first_k_dense_replace": first,
-                "topk_method": "noaux_tc",
-            }
-        raise UsageError(f"cannot write MoE fields for model_type {kind!r}")
+        from megakit.core.families import FAMILIES
+
+        family = next((f for f in FAMILIES if kind in f.model_types), None)
+        if family is None or family.write_moe is None:
+            raise UsageError(f"cannot write MoE fields for model_type {kind!r}")
+        return family.write_moe(self, kind, layers=layers)
+
+
+def read_common(data: dict, source: str) -> dict:
+    """The routing fields every MoE family's config.json spells alike (top-k, the load-balancing loss)."""
+    if data.get("router_jitter_noise"):
+        raise UsageError(
+            f"model config {source} sets router_jitter_noise, which megakit does not implement; set it to 0"
+        )
+    return dict(
+        top_k=data["num_experts_per_tok"],
+        aux_loss_coeff=float(data.get("router_aux_loss_coef", 0.0)) if data.get("output_router_logits") else 0.0,
+    )
+
+
+def write_common(moe: MoEConfig) -> dict:
+    """``read_common``'s inverse."""
+    return {
+        "num_experts_per_tok": moe.top_k,
+        "router_aux_loss_coef": moe.aux_loss_coeff,
+        "output_router_logits": moe.aux_loss_coeff > 0,
+    }

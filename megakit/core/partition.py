@@ -20,6 +20,7 @@ dynamic programming, and among those the most even one (least sum of squared sta
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 
 from megakit.errors import UsageError
 
@@ -207,7 +208,7 @@ def partition_layers(
         )
     if isinstance(method, str):
         block, embedding, head = layer_costs(config, method, seq_len=seq_len, mtp=mtp)
-        counts = _balanced_counts(block, embedding, head, stages)
+        counts: Sequence[int] = _balanced_counts(block, embedding, head, stages)
     else:
         counts = check_stage_layers(method, layers=config.layers, pp=pp, vpp=vpp)
     ranges, start = [], 0

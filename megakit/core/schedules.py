@@ -43,6 +43,7 @@ class Instruction:
     chunk: int = 0
     peer: int | None = None
     short: ClassVar[str]  # the name in a printed schedule
+    channel: ClassVar[str] = ""  # sends and receives: "act" or "grad" (their P2P tag)
 
     def __post_init__(self) -> None:
         assert type(self) in KINDS, type(self)  # one of the classes below, not the base
@@ -61,10 +62,14 @@ class Instruction:
 
 
 class Forward(Instruction):
+    """Run the stage (this chunk) forward on one micro-batch and keep what its backward needs."""
+
     short = "F"
 
 
 class Backward(Instruction):
+    """The whole backward of one micro-batch: input and weight gradients together."""
+
     short = "B"
 
 
@@ -81,30 +86,44 @@ class BackwardWeight(Instruction):
 
 
 class SendActivation(Instruction):
+    """Send a forward's output to the next virtual stage."""
+
     short, channel = "sA", "act"  # channel: activations and gradients travel apart (the P2P tag)
 
 
 class RecvActivation(Instruction):
+    """Receive the previous virtual stage's output: this forward's input."""
+
     short, channel = "rA", "act"
 
 
 class SendGrad(Instruction):
+    """Send the gradient of a backward's input to the virtual stage before."""
+
     short, channel = "sG", "grad"
 
 
 class RecvGrad(Instruction):
+    """Receive the gradient of this stage's output from the virtual stage after."""
+
     short, channel = "rG", "grad"
 
 
 class ReduceTiedGrads(Instruction):
+    """Sum the tied embedding's gradient between the first and last stage."""
+
     short = "tied"
 
 
 class ReduceGrads(Instruction):
+    """Average the step's gradients over data parallelism (DeepSpeed's reduction)."""
+
     short = "reduce"
 
 
 class OptimizerStep(Instruction):
+    """Step the optimizer once the step's gradients are complete."""
+
     short = "step"
 
 
@@ -140,6 +159,7 @@ class Schedule:
         return self.pp * self.vpp
 
     def virtual_stage(self, stage: int, chunk: int) -> int:
+        """The model-order index of ``stage``'s chunk ``chunk`` (chunks are dealt round-robin over stages)."""
         return chunk * self.pp + stage
 
     def owner(self, virtual_stage: int) -> tuple[int, int]:
@@ -175,7 +195,7 @@ def _schedule(name, pp, micro_batches, vpp, stages) -> Schedule:
 def gpipe_compute(pp: int, micro_batches: int) -> Schedule:
     """All forwards, then all backwards (GPipe): keeps every micro-batch in flight."""
     _check(pp, micro_batches)
-    stage = [Forward(micro_batch=i) for i in range(micro_batches)]
+    stage: list[Instruction] = [Forward(micro_batch=i) for i in range(micro_batches)]
     stage += [Backward(micro_batch=i) for i in range(micro_batches)]
     return _schedule("gpipe", pp, micro_batches, 1, [stage] * pp)
 
@@ -191,7 +211,7 @@ def one_f_one_b_compute(pp: int, micro_batches: int) -> Schedule:
     for rank in range(pp):
         warmup = min(pp - rank - 1, micro_batches)
         steady = micro_batches - warmup
-        actions = [Forward(micro_batch=i) for i in range(warmup)]
+        actions: list[Instruction] = [Forward(micro_batch=i) for i in range(warmup)]
         for i in range(steady):  # steady state: F(warmup + i), B(i)
             actions.append(Forward(micro_batch=warmup + i))
             actions.append(Backward(micro_batch=i))
@@ -256,7 +276,8 @@ def zb_h1_compute(pp: int, micro_batches: int) -> Schedule:
     stages = []
     for rank in range(pp):
         warmup = min(pp - rank - 1, micro_batches)
-        actions, weights = [Forward(micro_batch=i) for i in range(warmup)], 0
+        actions: list[Instruction] = [Forward(micro_batch=i) for i in range(warmup)]
+        weights = 0
         for i in range(micro_batches):  # the i-th B, after the forward of the steady state if any is left
             if warmup + i < micro_batches:
                 actions.append(Forward(micro_batch=warmup + i))
@@ -290,13 +311,15 @@ def add_p2p(compute: Schedule, *, fuse_pairs: bool = False) -> Schedule:
     pp, last = compute.pp, compute.virtual_stages - 1
     stages = []
     for rank, actions in enumerate(compute.stages):
-        units = []  # (receives, compute, sends) per compute action
+        units: list[tuple[list[Instruction], Instruction, list[Instruction]]] = []  # (receives, compute, sends)
         for a in actions:
             vs = compute.virtual_stage(rank, a.chunk)
             mb, chunk = a.micro_batch, a.chunk
             if isinstance(a, BackwardWeight):  # local: nothing to receive or send
                 units.append(([], a, []))
                 continue
+            recv: list[Instruction]
+            send: list[Instruction]
             if isinstance(a, Forward):
                 recv = [RecvActivation(micro_batch=mb, chunk=chunk, peer=(vs - 1) % pp)] if vs > 0 else []
                 send = [SendActivation(micro_batch=mb, chunk=chunk, peer=(vs + 1) % pp)] if vs < last else []
@@ -304,7 +327,8 @@ def add_p2p(compute: Schedule, *, fuse_pairs: bool = False) -> Schedule:
                 recv = [RecvGrad(micro_batch=mb, chunk=chunk, peer=(vs + 1) % pp)] if vs < last else []
                 send = [SendGrad(micro_batch=mb, chunk=chunk, peer=(vs - 1) % pp)] if vs > 0 else []
             units.append((recv, a, send))
-        out, i = [], 0
+        out: list[Instruction] = []
+        i = 0
         while i < len(units):
             recv, a, send = units[i]
             nxt = units[i + 1] if i + 1 < len(units) else None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, Callable, NoReturn
 
 from megakit.core.schedules import (
     RECVS,
@@ -77,6 +78,7 @@ class Costs:
     step: float = 0.0
 
     def per_stage(self, name: str, stage: int) -> float:
+        """Cost ``name`` on ``stage``: its own value when given per stage, else the one value."""
         value = getattr(self, name)
         return float(value[stage] if isinstance(value, (tuple, list)) else value)
 
@@ -127,6 +129,7 @@ def _validate_costs(costs: Costs, pp: int, vpp: int = 1) -> None:
 
 def _message(schedule: Schedule, stage: int, a: Instruction) -> tuple[tuple[int, int, str], tuple[int, int]]:
     """``(channel, payload)`` of a send or recv: channel = (src, dst, kind), payload = (mb, dst virtual stage)."""
+    assert a.peer is not None and a.micro_batch is not None, a  # the simulator checks both before it gets here
     vs = schedule.virtual_stage(stage, a.chunk)
     if isinstance(a, SENDS):  # an activation goes to the next virtual stage, a gradient to the one before
         return (stage, a.peer, a.channel), (a.micro_batch, vs + (1 if isinstance(a, SendActivation) else -1))
@@ -176,7 +179,7 @@ class _Simulator:
         self.posted_sends: dict[tuple, deque[_Op]] = {}  # batched mode: ops posted, not yet matched, per channel
         self.posted_recvs: dict[tuple, deque[_Op]] = {}
         self.events: list[Event] = []
-        self.handlers = {
+        self.handlers: dict[type[Instruction], Callable[[_Stage, Any], bool]] = {
             Forward: self._forward,
             Backward: self._backward,
             BackwardInput: self._backward,
@@ -190,7 +193,7 @@ class _Simulator:
             OptimizerStep: self._optimizer_step,
         }
 
-    def fail(self, st: _Stage, a: Instruction, why: str) -> None:
+    def fail(self, st: _Stage, a: Instruction, why: str) -> NoReturn:
         s = self.schedule
         raise ScheduleError(f"{s.name} p={s.pp} m={s.micro_batches}: stage {st.index} action #{st.pc} ({a}): {why}")
 
@@ -264,7 +267,7 @@ class _Simulator:
         channel, payload = _message(self.schedule, st.index, a)
         kind = channel[2]
         if not self.tagged:
-            channel, payload = channel[:2], (*payload, kind)
+            return channel[:2], (*payload, kind), kind
         return channel, payload, kind
 
     def _send(self, st: _Stage, a: Instruction) -> bool:
@@ -290,7 +293,7 @@ class _Simulator:
                 f"stage {a.peer} but the next message on that channel is {got} (mismatched send/recv)",
             )
         queue.popleft()
-        st.received[(kind, *payload[:2])] = arrival
+        st.received[(kind, payload[0], payload[1])] = arrival
         st.clock = max(st.clock, arrival)
         return True
 
@@ -304,7 +307,7 @@ class _Simulator:
             return False
         for op in ops:
             if isinstance(op.action, RECVS):
-                st.received[(op.payload[2], *op.payload[:2])] = op.done
+                st.received[(op.payload[2], op.payload[0], op.payload[1])] = op.done
         st.clock = max([st.clock] + [op.done for op in ops])
         st.pc += len(ops)
         st.batch = None
@@ -387,13 +390,15 @@ class _Simulator:
         return self._compute(st, a, self._cost("backward", st.index, chunk) * self.costs.weight)
 
     def _cost(self, name: str, stage: int, chunk: int) -> float:
-        """One chunk's ``forward`` or ``backward``: its own value when given per virtual stage, else 1/vpp of its stage's."""
+        """One chunk's ``forward`` or ``backward``: its own value when given per virtual stage, else 1/vpp of its
+        stage's."""
         value = getattr(self.costs, name)
         if self.vpp > 1 and isinstance(value, (tuple, list)) and len(value) == self.pp * self.vpp:
             return float(value[self.schedule.virtual_stage(stage, chunk)])
         return self.costs.per_stage(name, stage) / self.vpp
 
     def _compute(self, st: _Stage, a: Instruction, cost: float) -> bool:
+        assert a.micro_batch is not None, a  # _target checked it
         start = st.clock
         st.clock = start + cost
         st.busy += cost
@@ -430,7 +435,8 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), *, tagged: bool = True,
 
 
 def fastest_order(schedule: Schedule, *, p2p: str) -> Schedule:
-    """Zero bubble under rendezvous P2P: the schedule or its ``weights_before_grad_sends`` order, whichever runs faster."""
+    """Zero bubble under rendezvous P2P: the schedule or its ``weights_before_grad_sends`` order, whichever runs
+    faster."""
     if p2p != "batched" or not schedule.split_backward:
         return schedule
     return min((schedule, weights_before_grad_sends(schedule)), key=lambda s: simulate(s, p2p=p2p).step_time)

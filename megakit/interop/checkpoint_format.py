@@ -226,6 +226,7 @@ def read_manifest(directory) -> dict:
 
 
 def manifest_config(manifest: dict, *, source="checkpoint") -> ModelConfig:
+    """The model config a manifest stores; a malformed one is the user's checkpoint to save again."""
     try:
         return ModelConfig(**manifest["config"])
     except TypeError as exc:
@@ -317,6 +318,7 @@ class ShardReader:
         return {name: self._tensor({"file": fname, "xxh3": digest}, name) for name, digest in entry["tensors"].items()}
 
     def entry(self, name: str) -> dict:
+        """The manifest's record of parameter ``name`` (its file, shape, dtype and digest)."""
         entry = self.manifest["params"].get(name)
         if entry is None and name.startswith("mtp."):  # the same model, its prediction modules not kept
             raise UsageError(

@@ -17,20 +17,24 @@ def coords(topo) -> tuple[int, int, int, int, int, int]:
 
 
 def rank(topo) -> int:
+    """This rank, or 0 in a single process (``topo`` None)."""
     return 0 if topo is None else topo.rank
 
 
 def all_gather(obj, topo, group=None) -> list:
+    """Every rank's ``obj`` (over ``group``, else the world); ``[obj]`` in a single process."""
     if topo is None:
         return [obj]
     return C.all_gather_object(obj, C.WORLD if group is None else group)
 
 
 def gather_to_0(obj, topo, group=C.WORLD) -> list | None:
+    """Every rank's ``obj`` on rank 0 of ``group`` (None elsewhere); ``[obj]`` in a single process."""
     return [obj] if topo is None else C.gather_object(obj, 0, group)
 
 
 def broadcast_from_0(obj, topo, group=C.WORLD):
+    """Rank 0's ``obj`` on every rank of ``group``; ``obj`` itself in a single process."""
     return obj if topo is None else C.broadcast_object(obj, 0, group)
 
 

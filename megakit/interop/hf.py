@@ -1,5 +1,9 @@
 """Translate full (TP-gathered) megakit weights to and from Hugging Face transformers' layout.
 
+Generic: each family's weight-key table (``megakit.core.families``, a ``WeightMap`` of plain strings and transform
+names) says what goes where; this module applies it (rename, transpose, fuse q/k/v, stack or interleave experts,
+MTP parts).
+
 megakit keeps q, k and v (and gate, up) as separate ``(out, in)`` matrices under
 layout-independent names; transformers' GPT-2 fuses q/k/v into ``c_attn`` and stores
 ``Conv1D`` weights as ``(in, out)``, while its Llama family (also Mistral, Qwen2) uses
@@ -19,54 +23,25 @@ from __future__ import annotations
 
 import torch
 
+from megakit.core.families import WeightMap, family_of, nemotron_h
 from megakit.core.model_config import ModelConfig
 from megakit.errors import UsageError
 
-_GPT2_BLOCK = {  # megakit suffix -> (transformers suffix, transposed)
-    "attn_norm.weight": ("ln_1.weight", False),
-    "attn_norm.bias": ("ln_1.bias", False),
-    "mlp_norm.weight": ("ln_2.weight", False),
-    "mlp_norm.bias": ("ln_2.bias", False),
-    "attn.o_proj.weight": ("attn.c_proj.weight", True),
-    "attn.o_proj.bias": ("attn.c_proj.bias", False),
-    "mlp.up_proj.weight": ("mlp.c_fc.weight", True),
-    "mlp.up_proj.bias": ("mlp.c_fc.bias", False),
-    "mlp.down_proj.weight": ("mlp.c_proj.weight", True),
-    "mlp.down_proj.bias": ("mlp.c_proj.bias", False),
-}
-_LLAMA_BLOCK = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight"}
-for _x in ("q", "k", "v", "o"):
-    for _p in ("weight", "bias"):
-        _LLAMA_BLOCK[f"attn.{_x}_proj.{_p}"] = f"self_attn.{_x}_proj.{_p}"
-for _x in ("gate", "up", "down"):
-    for _p in ("weight", "bias"):
-        _LLAMA_BLOCK[f"mlp.{_x}_proj.{_p}"] = f"mlp.{_x}_proj.{_p}"
-for _x in ("q", "k"):  # Qwen3
-    _LLAMA_BLOCK[f"attn.{_x}_norm.weight"] = f"self_attn.{_x}_norm.weight"
-_LLAMA_BLOCK["attn.sinks"] = "self_attn.sinks"  # gpt-oss
-for _x in (
-    "q_a_proj.weight",
-    "q_a_proj.bias",
-    "q_a_layernorm.weight",
-    "q_b_proj.weight",
-    "kv_a_proj_with_mqa.weight",
-    "kv_a_proj_with_mqa.bias",
-    "kv_a_layernorm.weight",
-    "kv_b_proj.weight",
-):  # DeepSeek-V3's MLA
-    _LLAMA_BLOCK[f"attn.{_x}"] = f"self_attn.{_x}"
-_GEMMA_BLOCK = {
-    **_LLAMA_BLOCK,
-    "mlp_norm.weight": "pre_feedforward_layernorm.weight",  # Gemma's sandwich norms
-    "attn_post_norm.weight": "post_attention_layernorm.weight",
-    "mlp_post_norm.weight": "post_feedforward_layernorm.weight",
-}
-_MOE_EXTRA = (
+_MOE_EXTRA = (  # our names of the optional MoE tensors beside the router and the experts
     "gate.e_score_correction_bias",
     "shared_expert_gate.weight",
     *(f"shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")),
 )
-_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}  # gate, up, down per expert on disk; default Qwen-MoE's
+
+
+def _weights(config: ModelConfig) -> WeightMap:
+    """The weight-key table of ``config``'s family (``megakit.core.families``)."""
+    return family_of(config).weights
+
+
+def _moved(t: torch.Tensor, how: str) -> torch.Tensor:
+    """``t`` under a table's transform: ``rename`` (as it is) or ``transpose`` (GPT-2's ``Conv1D``; its own inverse)."""
+    return t.t().contiguous() if how == "transpose" else t
 
 
 def _gpt_oss_to_hf(ours: str, theirs: str, state: dict) -> dict[str, torch.Tensor]:
@@ -106,11 +81,11 @@ def _gpt_oss_from_hf(ours: str, theirs: str, hf: dict) -> dict[str, torch.Tensor
 def _moe_to_hf(config: ModelConfig, block: str, layer: str, state: dict) -> dict[str, torch.Tensor]:
     """The MoE weights of our block ``block`` (a name prefix) in the per-expert layout of safetensors files, under
     their layer prefix ``layer``."""
-    if config.hf_type == "gpt_oss":
+    w = _weights(config)
+    if w.experts == "interleave":
         return _gpt_oss_to_hf(block, layer, state)
-    ours = block + "mlp."
-    theirs = layer + ("block_sparse_moe." if config.hf_type == "mixtral" else "mlp.")
-    gate, up, down = _EXPERT_NAMES.get(config.hf_type, ("gate_proj", "up_proj", "down_proj"))
+    ours, theirs = block + "mlp.", layer + w.expert_prefix
+    gate, up, down = w.expert_names
     out = {theirs + "gate.weight": state[ours + "gate.weight"]}
     gate_up, down_w = state[ours + "experts.gate_up_proj"], _get(state, ours + "experts.down_proj")
     f = gate_up.shape[1] // 2
@@ -124,17 +99,18 @@ def _moe_to_hf(config: ModelConfig, block: str, layer: str, state: dict) -> dict
 
 def _shared_name(config: ModelConfig, name: str) -> str:
     """transformers' name of a shared-expert tensor: DeepSeek-V3's ``shared_experts``, Qwen2-MoE's ``shared_expert``."""
-    return name.replace("shared_expert.", "shared_experts.") if config.mla else name
+    return name.replace("shared_expert.", _weights(config).shared_expert + ".")
 
 
 def _moe_from_hf(config: ModelConfig, block: str, layer: str, hf: dict) -> dict[str, torch.Tensor]:
     """The MoE weights of their layer ``layer`` (a name prefix) from a per-expert (or already stacked) transformers
     checkpoint, under our block prefix ``block``."""
-    if config.hf_type == "gpt_oss":
+    w = _weights(config)
+    if w.experts == "interleave":
         return _gpt_oss_from_hf(block, layer, hf)
     moe, ours = config.moe, block + "mlp."
-    theirs = layer + ("block_sparse_moe." if layer + "block_sparse_moe.gate.weight" in hf else "mlp.")
-    gate, up, down = _EXPERT_NAMES.get(config.hf_type, ("gate_proj", "up_proj", "down_proj"))
+    theirs = layer + (w.expert_prefix if layer + w.expert_prefix + "gate.weight" in hf else "mlp.")
+    gate, up, down = w.expert_names
     out = {ours + "gate.weight": _get(hf, theirs + "gate.weight")}
     if theirs + "experts.gate_up_proj" in hf:
         out[ours + "experts.gate_up_proj"] = hf[theirs + "experts.gate_up_proj"]
@@ -178,28 +154,13 @@ def _get(state: dict, name: str) -> torch.Tensor:
 
 def to_hf_state_dict(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Full megakit weights (``megakit.nn.model.full_state_dict``) -> transformers' names and layouts."""
-    out: dict[str, torch.Tensor] = {}
-    if config.family == "gpt2":
-        out["transformer.wte.weight"] = _get(state, "embed.weight")
-        out["transformer.wpe.weight"] = _get(state, "pos_embed.weight")
-        for i in range(config.layers):
-            ours, theirs = f"layers.{i}.", f"transformer.h.{i}."
-            for suffix, (hf, transposed) in _GPT2_BLOCK.items():
-                if ours + suffix in state:
-                    t = state[ours + suffix]
-                    out[theirs + hf] = t.t().contiguous() if transposed else t
-            qkv = [_get(state, ours + f"attn.{x}_proj.weight") for x in "qkv"]
-            out[theirs + "attn.c_attn.weight"] = torch.cat(qkv).t().contiguous()
-            if ours + "attn.q_proj.bias" in state:
-                out[theirs + "attn.c_attn.bias"] = torch.cat([state[ours + f"attn.{x}_proj.bias"] for x in "qkv"])
-        out["transformer.ln_f.weight"] = _get(state, "norm.weight")
-        out["transformer.ln_f.bias"] = _get(state, "norm.bias")
-        out["lm_head.weight"] = _get(state, "embed.weight" if config.tie_embeddings else "lm_head.weight")
-        return out
-    out["model.embed_tokens.weight"] = _get(state, "embed.weight")
+    if config.layer_pattern:  # Nemotron-H: its mixers' in_proj and conv1d packed (core.families.nemotron_h)
+        return nemotron_h.state_to_hf(state, config)
+    w = _weights(config)
+    out = {theirs: _get(state, ours) for ours, theirs in w.embeddings}
     for i in range(config.layers):
-        out.update(_block_to_hf(config, f"layers.{i}.", f"model.layers.{i}.", state))
-    out["model.norm.weight"] = _get(state, "norm.weight")
+        out.update(_block_to_hf(config, f"layers.{i}.", w.layer.format(i=i), state))
+    out.update({theirs: _get(state, ours) for ours, theirs in w.final})
     out["lm_head.weight"] = _get(state, "embed.weight" if config.tie_embeddings else "lm_head.weight")
     for k in range(config.mtp_layers):
         if f"mtp.{k}.norm.weight" in state:  # trained or imported with --mtp
@@ -208,9 +169,13 @@ def to_hf_state_dict(config: ModelConfig, state: dict[str, torch.Tensor]) -> dic
 
 
 def _block_to_hf(config: ModelConfig, ours: str, theirs: str, state: dict) -> dict[str, torch.Tensor]:
-    """Our block under the name prefix ``ours`` as transformers' decoder layer ``theirs`` (Llama's layout)."""
-    names = _GEMMA_BLOCK if config.sandwich_norms else _LLAMA_BLOCK
-    out = {theirs + hf: state[ours + suffix] for suffix, hf in names.items() if ours + suffix in state}
+    """Our block under the name prefix ``ours`` as transformers' decoder layer ``theirs`` (its family's table)."""
+    w = _weights(config)
+    out = {theirs + hf: _moved(state[ours + suffix], how) for suffix, hf, how in w.block if ours + suffix in state}
+    for kind, hf, how in w.fused_qkv:  # q, k, v concatenated (GPT-2's c_attn); a bias only where there is one
+        parts = [ours + f"attn.{x}_proj.{kind}" for x in "qkv"]
+        if kind == "weight" or parts[0] in state:
+            out[theirs + hf] = _moved(torch.cat([_get(state, p) for p in parts]), how)
     if ours + "mlp.experts.gate_up_proj" in state:  # by the keys: export converts one block at a time
         out.update(_moe_to_hf(config, ours, theirs, state))
     return out
@@ -218,8 +183,17 @@ def _block_to_hf(config: ModelConfig, ours: str, theirs: str, state: dict) -> di
 
 def _block_from_hf(config: ModelConfig, ours: str, theirs: str, hf: dict, *, moe: bool) -> dict[str, torch.Tensor]:
     """``_block_to_hf``'s inverse; ``moe``: the block's MLP is a mixture of experts."""
-    names = _GEMMA_BLOCK if config.sandwich_norms else _LLAMA_BLOCK
-    out = {ours + suffix: hf[theirs + name] for suffix, name in names.items() if theirs + name in hf}
+    w = _weights(config)
+    out = {
+        ours + suffix: _moved(_get(hf, theirs + name), how)
+        for suffix, name, how in w.block
+        if w.block_required or theirs + name in hf
+    }
+    widths = (config.heads * config.head_dim, *(2 * (config.kv_heads * config.head_dim,)))
+    for kind, name, how in w.fused_qkv:
+        fused = _moved(_get(hf, theirs + name), how)
+        for x, part in zip("qkv", fused.split(widths)):
+            out[ours + f"attn.{x}_proj.{kind}"] = part.contiguous()
     if moe:
         out.update(_moe_from_hf(config, ours, theirs, hf))
     return out
@@ -227,18 +201,10 @@ def _block_from_hf(config: ModelConfig, ours: str, theirs: str, hf: dict, *, moe
 
 # DeepSeek-V3's Multi-Token Prediction module k sits in its checkpoints as decoder layer L + k, with the
 # module's own tensors beside the block and copies of the shared embedding and head (megakit.nn.mtp).
-_MTP_PARTS = {
-    "enorm.weight": "enorm.weight",
-    "hnorm.weight": "hnorm.weight",
-    "eh_proj.weight": "eh_proj.weight",
-    "norm.weight": "shared_head.norm.weight",
-}
-
-
 def mtp_to_hf(config: ModelConfig, k: int, state: dict) -> dict[str, torch.Tensor]:
     """Our MTP module ``k`` (0-based) as ``model.layers.{L + k}.*``: its parts, its block, the shared copies."""
     ours, theirs = f"mtp.{k}.", f"model.layers.{config.layers + k}."
-    out = {theirs + hf: _get(state, ours + part) for part, hf in _MTP_PARTS.items()}
+    out = {theirs + hf: _get(state, ours + part) for part, hf in _weights(config).mtp}
     out.update(_block_to_hf(config, ours + "block.", theirs, state))
     out[theirs + "embed_tokens.weight"] = _get(state, "embed.weight").clone()  # own storage: safetensors refuses
     out[theirs + "shared_head.head.weight"] = _get(
@@ -253,7 +219,7 @@ def mtp_to_hf(config: ModelConfig, k: int, state: dict) -> dict[str, torch.Tenso
 def _mtp_from_hf(config: ModelConfig, k: int, hf: dict, main: dict) -> dict[str, torch.Tensor]:
     """``mtp_to_hf``'s inverse; the copies of the embedding and head must equal the main model's ``main``."""
     ours, theirs = f"mtp.{k}.", f"model.layers.{config.layers + k}."
-    out = {ours + part: _get(hf, theirs + name) for part, name in _MTP_PARTS.items()}
+    out = {ours + part: _get(hf, theirs + name) for part, name in _weights(config).mtp}
     moe = config.moe is not None and config.moe.is_moe_layer(config.layers + k)
     out.update(_block_from_hf(config, ours + "block.", theirs, hf, moe=moe))
     for copy, source in (
@@ -270,37 +236,14 @@ def _mtp_from_hf(config: ModelConfig, k: int, hf: dict, main: dict) -> dict[str,
 
 def from_hf_state_dict(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers' weights -> full megakit weights (load with ``megakit.nn.model.load_full_state_dict``)."""
-    out: dict[str, torch.Tensor] = {}
-    hf = _Reads(hf)
-    if config.family == "gpt2":
-        out["embed.weight"] = _get(hf, "transformer.wte.weight")
-        out["pos_embed.weight"] = _get(hf, "transformer.wpe.weight")
-        q = config.heads * config.head_dim
-        for i in range(config.layers):
-            ours, theirs = f"layers.{i}.", f"transformer.h.{i}."
-            for suffix, (name, transposed) in _GPT2_BLOCK.items():
-                t = _get(hf, theirs + name)
-                out[ours + suffix] = t.t().contiguous() if transposed else t
-            w = _get(hf, theirs + "attn.c_attn.weight").t()
-            b = _get(hf, theirs + "attn.c_attn.bias")
-            for x, rows in zip("qkv", (slice(0, q), slice(q, 2 * q), slice(2 * q, 3 * q))):
-                out[ours + f"attn.{x}_proj.weight"] = w[rows].contiguous()
-                out[ours + f"attn.{x}_proj.bias"] = b[rows].contiguous()
-        out["norm.weight"] = _get(hf, "transformer.ln_f.weight")
-        out["norm.bias"] = _get(hf, "transformer.ln_f.bias")
-    else:
-        out["embed.weight"] = _get(hf, "model.embed_tokens.weight")
-        for i in range(config.layers):
-            out.update(
-                _block_from_hf(
-                    config,
-                    f"layers.{i}.",
-                    f"model.layers.{i}.",
-                    hf,
-                    moe=config.moe is not None and config.moe.is_moe_layer(i),
-                )
-            )
-        out["norm.weight"] = _get(hf, "model.norm.weight")
+    if config.layer_pattern:  # Nemotron-H: its mixers' in_proj and conv1d split (core.families.nemotron_h)
+        return nemotron_h.state_from_hf(hf, config)
+    hf, w = _Reads(hf), _weights(config)
+    out = {ours: _get(hf, theirs) for ours, theirs in w.embeddings}
+    for i in range(config.layers):
+        moe = config.moe is not None and config.moe.is_moe_layer(i)
+        out.update(_block_from_hf(config, f"layers.{i}.", w.layer.format(i=i), hf, moe=moe))
+    out.update({ours: _get(hf, theirs) for ours, theirs in w.final})
     if not config.tie_embeddings:
         out["lm_head.weight"] = _get(hf, "lm_head.weight")
     for k in range(config.mtp_layers):
@@ -327,7 +270,9 @@ def exact_param_count(raw: dict) -> int:
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as error:  # pragma: no cover - both are dependencies
-        raise UsageError(f"exact parameter counts need transformers and accelerate ({error}); pip install them")
+        raise UsageError(
+            f"exact parameter counts need transformers and accelerate ({error}); pip install them"
+        ) from error
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "transformers_version")}
     from transformers.utils import logging as hf_logging
 
@@ -342,7 +287,7 @@ def exact_param_count(raw: dict) -> int:
         raise UsageError(
             f"transformers cannot build this config ({error.__class__.__name__}: "
             f"{str(error).splitlines()[0][:120]}); fix the config.json"
-        )
+        ) from error
     finally:
         hf_logging.set_verbosity(verbosity)
     return sum({id(p): p.numel() for p in model.parameters()}.values())

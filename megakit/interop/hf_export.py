@@ -1,9 +1,9 @@
 """Export a megakit checkpoint (any TP x PP layout) to Hugging Face transformers' layout.
 
-The output directory holds ``config.json``, the tokenizer the run trained with (if any) and ``model.safetensors`` -- or, past
-``max_shard_bytes``, transformers' sharded form (``model-00001-of-0000N.safetensors`` and
-``model.safetensors.index.json``) -- so ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``
-loads it with no megakit installed.
+The output directory holds ``config.json``, the tokenizer the run trained with (if any) and
+``model.safetensors`` -- or, past ``max_shard_bytes``, transformers' sharded form
+(``model-00001-of-0000N.safetensors`` and ``model.safetensors.index.json``) -- so
+``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads it with no megakit installed.
 
 Streaming: the weights are converted one unit at a time (the embeddings, final norm and
 head; then each block), reading each parameter's TP slices straight from the checkpoint's
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from megakit.core.families import family_of
 from megakit.errors import UsageError
 from megakit.interop.checkpoint_format import (
     ShardReader,
@@ -35,8 +36,9 @@ from megakit.interop.hf import mtp_to_hf, to_hf_state_dict
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
 
 
-def _layer_prefix(family: str, i: int) -> str:
-    return f"transformer.h.{i}." if family == "gpt2" else f"model.layers.{i}."
+def _layer_prefix(config, i: int) -> str:
+    """transformers' name prefix of block ``i`` (its family's weight table)."""
+    return family_of(config).weights.layer.format(i=i)
 
 
 def _unit(
@@ -68,13 +70,13 @@ def _unit(
             state["layers.0." + name[len(block) :]] = tensor(name, name, unit is not None)
     one_block = config.replace(layers=1, layer_types=config.layer_types[:1], nope_layers=())  # names only
     hf = to_hf_state_dict(one_block, state)
-    first = _layer_prefix(config.family, 0)
+    first = _layer_prefix(config, 0)
     if unit is None:
         out = {k: v for k, v in hf.items() if not k.startswith(first)}
         if config.tie_embeddings:
             del out["lm_head.weight"]  # transformers ties it to the input embedding, as save_pretrained does
         return out
-    return {_layer_prefix(config.family, unit) + k[len(first) :]: v for k, v in hf.items() if k.startswith(first)}
+    return {_layer_prefix(config, unit) + k[len(first) :]: v for k, v in hf.items() if k.startswith(first)}
 
 
 def export_hf(checkpoint, out_dir, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:

@@ -40,6 +40,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def sha256_file(path: Path) -> str:
+    """The file's sha256, read in 1 MiB blocks (shards are larger than memory wants)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -107,6 +108,7 @@ class ShardWriter:
             self.entries[-1].update(mask_file=f"{self._name[:-4]}.mask", mask_sha256=self._mask_digest.hexdigest())
 
     def close(self) -> list[dict]:
+        """Finish the open shard and return every shard's index entry."""
         if self._file is not None:
             self._close()
         return self.entries
@@ -132,6 +134,7 @@ def looks_prepared(directory: Path) -> bool:
 
 
 def read_index(directory: str | Path) -> dict:
+    """The data directory's index; a directory without one was never finished by prepare-data."""
     path = Path(directory) / INDEX
     if not path.is_file():
         raise UsageError(
@@ -164,6 +167,7 @@ class TokenShards:
         return self.index["source"]["fingerprint"]
 
     def tokens(self, split: str) -> list[np.ndarray]:
+        """The split's token shards, memory-mapped (read-only, nothing loaded)."""
         return [
             self._map(entry["file"], self.index["dtype"], entry["tokens"])
             for entry in self.index["splits"][split]
@@ -171,6 +175,7 @@ class TokenShards:
         ]
 
     def documents(self, split: str) -> list[np.ndarray]:
+        """The split's document-start offsets, one memory-mapped array per shard."""
         return [
             self._map(entry["docs_file"], "int64", entry["documents"])
             for entry in self.index["splits"][split]

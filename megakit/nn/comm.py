@@ -59,6 +59,7 @@ class Meter:
         self.p2p_messages = 0  # how many P2P sends (ring attention's traffic, pipeline activations)
 
     def timed(self, fn, *args, **kwargs):
+        """Call ``fn`` and add its wall time to the meter (after the GPU's queue drains, when asked to)."""
         if self.sync_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -107,6 +108,7 @@ class Handle:
         self._work = work
 
     def wait(self) -> None:
+        """Wait for the posted operation, timing the wait when a meter runs."""
         if self._work is None:
             return
         if _meter is None:
@@ -194,6 +196,7 @@ def broadcast_object(obj, src: int, group):
 
 
 def barrier(group) -> None:
+    """Wait for every rank of ``group``; free for a group of one."""
     if size(group) > 1:
         _call(dist.barrier, group=_pg(group))
 
@@ -305,15 +308,18 @@ def _count_sends(sends) -> None:
 
 
 def isend(x: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+    """Post a send of ``x`` to global rank ``dst``; counted for the communication report."""
     _count_sends([(x, dst)])
     return _posted(dist.isend, x, dst=dst, tag=tag)
 
 
 def irecv(x: torch.Tensor, src: int, tag: int = 0) -> Handle:
+    """Post a receive into ``x`` from global rank ``src``."""
     return _posted(dist.irecv, x, src=src, tag=tag)
 
 
 def recv(x: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+    """Receive into ``x`` from global rank ``src`` and return it."""
     _call(dist.recv, x, src=src, tag=tag)
     return x
 

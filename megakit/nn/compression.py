@@ -271,9 +271,11 @@ class GradientReducer(_Codec):
         _unflatten_into(grads, mean)
 
     def state(self) -> dict[str, torch.Tensor]:
+        """The state to checkpoint: the base's and the error-feedback residual."""
         return super().state() | ({} if self.residual is None else {"residual": self.residual})
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore the base's state and the residual a checkpoint kept."""
         super().load_state(state)
         self.residual = state.get("residual")
 
@@ -307,6 +309,7 @@ class UpdateReducer(_Codec):
         return {}
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Nothing to restore: this compressor keeps no state."""
         assert not state, sorted(state)
 
     def synchronize(self, params: list[torch.Tensor]) -> None:

@@ -5,8 +5,8 @@ a run at any layout starts as the single process does. Dropout keeps that promis
 is a function of ``(seed, site, sample)`` only, where the *site* is the dropout's global
 name (``layers.3.mlp_residual``) and the *sample* is the row's number in the run's data
 stream (step x global batch + its place in the step's batch). Each such key seeds its own
-generator, which draws the mask of the *whole* per-sample tensor (``S x H`` of the residual stream, ``heads x S x S`` of the
-attention probabilities), and the rank keeps the part it holds:
+generator, which draws the mask of the *whole* per-sample tensor (``S x H`` of the residual stream,
+``heads x S x S`` of the attention probabilities), and the rank keeps the part it holds:
 
 - TP without SP: the residual stream is replicated, so every TP rank draws the same mask
   (bit-identical replicas); attention heads are split, so each rank keeps its own heads;
@@ -41,6 +41,7 @@ class DropoutKeys:
 
     @classmethod
     def of(cls, seed: int, samples: Sequence[int] | torch.Tensor) -> "DropoutKeys":
+        """The keys of a micro-batch's samples (global sample numbers), from a list or a tensor."""
         values = samples.tolist() if isinstance(samples, torch.Tensor) else samples
         return cls(seed, tuple(int(n) for n in values))
 

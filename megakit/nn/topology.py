@@ -192,6 +192,7 @@ class Topology:
         return self._groups["embedding"]
 
     def group_ranks(self, kind: str) -> list[int]:
+        """The global ranks of this rank's ``kind`` group, in group order."""
         return list(self._ranks[kind])
 
     @property
@@ -232,45 +233,58 @@ class Topology:
         return self.tp_rank
 
     def get_model_parallel_world_size(self) -> int:
+        """DeepSpeed mpu: the size of the TP x PP group."""
         return self.tp * self.pp
 
     def get_model_parallel_group(self):
+        """DeepSpeed mpu: the TP x PP group, over which the gradient norm is summed."""
         return self.mp_group
 
     # DeepSpeed's "data parallel" is every rank holding the same weights: DP x CP (Megatron's
     # data-parallel group "with context parallel"). It averages gradients over DP x CP, so a CP
     # rank's loss is CP times its share (``megakit.nn.attention.ring.sequence_mean``).
     def get_data_parallel_rank(self) -> int:
+        """DeepSpeed mpu: this rank's place in DP x CP."""
         return self.dp_rank * self.cp + self.cp_rank
 
     def get_data_parallel_world_size(self) -> int:
+        """DeepSpeed mpu: the size of DP x CP."""
         return self.dp * self.cp
 
     def get_data_parallel_group(self):
+        """DeepSpeed mpu: the DP x CP group that averages (and ZeRO-shards) gradients."""
         return self._groups["dpcp"]
 
     def get_data_parallel_group_ranks(self) -> list[int]:
+        """DeepSpeed mpu: the global ranks of the DP x CP group."""
         return self.group_ranks("dpcp")
 
     def get_tensor_model_parallel_rank(self) -> int:
+        """DeepSpeed mpu: the TP rank."""
         return self.tp_rank
 
     def get_tensor_model_parallel_world_size(self) -> int:
+        """DeepSpeed mpu: the TP size."""
         return self.tp
 
     def get_tensor_model_parallel_group(self):
+        """DeepSpeed mpu: the TP group."""
         return self.tp_group
 
     def get_tensor_model_parallel_src_rank(self) -> int:
+        """DeepSpeed mpu: the global rank of TP rank 0 in this rank's TP group."""
         return self._ranks["tp"][0]
 
     def get_pipeline_model_parallel_rank(self) -> int:
+        """DeepSpeed mpu: the pipeline stage."""
         return self.pp_rank
 
     def get_pipeline_model_parallel_world_size(self) -> int:
+        """DeepSpeed mpu: the number of pipeline stages."""
         return self.pp
 
     def get_pipeline_model_parallel_group(self):
+        """DeepSpeed mpu: the PP group."""
         return self.pp_group
 
     get_pipe_parallel_group = get_pipeline_model_parallel_group

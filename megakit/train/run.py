@@ -217,6 +217,7 @@ class Run:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The torch dtype of the run's precision."""
         return PRECISION_DTYPES[self.precision]
 
 
@@ -272,20 +273,10 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     mtp = trained_mtp_depth(model, cfg.mtp, cfg.mtp_weight)  # --mtp of a model that has no prediction modules
     partition_layers(model, cfg.pp, cfg.vpp, cfg.stage_layers or "params", mtp=mtp)
     layout = dataclasses.replace(layout, cp_a2a=_cp_a2a_degree(cfg, model))
-    if cfg.cp > 1 and seq_len % (2 * cfg.cp):
-        raise UsageError(
-            f"sequence length {seq_len} is not divisible by 2 x CP = {2 * cfg.cp}; context parallelism "
-            "splits it into that many equal chunks (change --seq-len or --cp)"
-        )
+    _check_sequence_split(cfg, seq_len)
     if cfg.cp > 1:  # DeepSpeed counts every rank that holds the same weights, DP x CP, in its batch
         ds_config["train_batch_size"] *= cfg.cp
     sequence_parallel = cfg.sequence_parallel and cfg.tp > 1
-    if sequence_parallel and seq_len // cfg.cp % cfg.tp:  # the model would find out only on the first stage
-        held = f"sequence length {seq_len}" if cfg.cp == 1 else f"sequence length {seq_len // cfg.cp} per CP rank"
-        raise UsageError(
-            f"{held} is not divisible by TP {cfg.tp}; sequence parallelism needs it to be (change "
-            "--seq-len or drop --sequence-parallel)"
-        )
     load = auto_load(cfg.save, cfg.load, init=cfg.init, say=say)  # --load auto and --init: what --save holds now
     start, checkpoint = check_checkpoint_flags(save=cfg.save, load=load, steps=cfg.steps, series=cfg.keep > 0, say=say)
     batch = BatchPlan(
@@ -298,18 +289,8 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     extra = read_manifest(checkpoint)["extra"] if checkpoint is not None else {}
     lr_schedule = schedule_over_steps(ds_config, steps=cfg.steps, resumed=extra.get("lr_total_steps"))
     if checkpoint is not None:
-        check_same_run(checkpoint, seed=cfg.seed, global_batch=batch.global_batch, vocab_size=model.vocab_size)
-        trained_on = extra.get("data", {}).get("corpus")
-        if trained_on not in (None, corpus.fingerprint):
-            say(
-                f"megakit: warning: checkpoint {checkpoint} was trained on other data than {corpus.source}; its data "
-                "position (the step) continues on this data"
-            )
-    corpus.loader_options(cfg)  # one clear line now if packed documents are asked of data without document starts
-    corpus.check_packed(cfg, seq_len)
-    if cfg.eval_every:  # one clear line now if there is no validation split (each data set of a mixture's)
-        for part in corpus.parts:
-            ValidationBatches(part, batch, cfg.eval_batches, part.loader_options(cfg, "validation"))
+        _check_resumed_run(cfg, checkpoint, extra, batch=batch, model=model, corpus=corpus, say=say)
+    _check_data(cfg, corpus, batch, seq_len)
     compression = _check_dp_sync(cfg, ds_config)
     schedule = cfg.schedule or ("interleaved" if cfg.vpp > 1 else "1f1b")
     _check_schedule(schedule, pp=cfg.pp, vpp=cfg.vpp, accumulation=batch.accumulation)
@@ -321,6 +302,72 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
             "(on CPU, or CUDA's memory-efficient kernel): use --attention-kernel auto"
         )
     zero_stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    compile = _check_zero3(cfg, zero_stage, schedule)
+    return Run(
+        cfg=cfg,
+        layout=layout,
+        ds_config=ds_config,
+        model=model,
+        batch=batch,
+        start_step=start,
+        checkpoint=checkpoint,
+        precision=_precision(ds_config),
+        zero_stage=zero_stage,
+        sequence_parallel=sequence_parallel,
+        loss_chunks=loss_chunks_of(
+            model, tp=cfg.tp, tokens=batch.micro_batch * seq_len // cfg.cp, loss_chunks=cfg.loss_chunks
+        ),
+        schedule=schedule,
+        compression=compression,
+        corpus=corpus,
+        compile=compile,
+        attention=attention,
+        data_offset=data_offset(extra),
+        spike_window=extra.get("spike_guard"),
+        lr_schedule=lr_schedule,
+    )
+
+
+def _check_sequence_split(cfg: TrainConfig, seq_len: int) -> None:
+    """Refuse a sequence that CP's chunks or sequence parallelism's shards do not divide, here rather than on the
+    first stage of every rank."""
+    if cfg.cp > 1 and seq_len % (2 * cfg.cp):
+        raise UsageError(
+            f"sequence length {seq_len} is not divisible by 2 x CP = {2 * cfg.cp}; context parallelism "
+            "splits it into that many equal chunks (change --seq-len or --cp)"
+        )
+    if cfg.sequence_parallel and cfg.tp > 1 and seq_len // cfg.cp % cfg.tp:  # the model would find out only later
+        held = f"sequence length {seq_len}" if cfg.cp == 1 else f"sequence length {seq_len // cfg.cp} per CP rank"
+        raise UsageError(
+            f"{held} is not divisible by TP {cfg.tp}; sequence parallelism needs it to be (change "
+            "--seq-len or drop --sequence-parallel)"
+        )
+
+
+def _check_resumed_run(cfg: TrainConfig, checkpoint, extra: dict, *, batch: BatchPlan, model, corpus, say) -> None:
+    """A checkpoint resumes only the run that saved it (seed, global batch, vocabulary); other data is warned of,
+    since its data position (the step) then continues on data it never read."""
+    check_same_run(checkpoint, seed=cfg.seed, global_batch=batch.global_batch, vocab_size=model.vocab_size)
+    trained_on = extra.get("data", {}).get("corpus")
+    if trained_on not in (None, corpus.fingerprint):
+        say(
+            f"megakit: warning: checkpoint {checkpoint} was trained on other data than {corpus.source}; its data "
+            "position (the step) continues on this data"
+        )
+
+
+def _check_data(cfg: TrainConfig, corpus, batch: BatchPlan, seq_len: int) -> None:
+    """What the data flags ask of the corpus, refused in one line now rather than at the first batch or eval."""
+    corpus.loader_options(cfg)  # one clear line now if packed documents are asked of data without document starts
+    corpus.check_packed(cfg, seq_len)
+    if cfg.eval_every:  # one clear line now if there is no validation split (each data set of a mixture's)
+        for part in corpus.parts:
+            ValidationBatches(part, batch, cfg.eval_batches, part.loader_options(cfg, "validation"))
+
+
+def _check_zero3(cfg: TrainConfig, zero_stage: int, schedule: str) -> bool:
+    """Whether blocks are compiled (--compile, else the device's default); refuses what ZeRO 3's gathering hooks
+    cannot run under: compiled blocks, an interleaved pipeline, a spike guard's rollback."""
     compile = (
         cfg.compile
         if cfg.compile is not None
@@ -337,41 +384,19 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
             "gathers ZeRO 3's weights for each forward and backward; use --schedule 1f1b (no --vpp) with "
             "ZeRO 3, or ZeRO 0-1"
         )
-    precision = (
-        "bf16"
-        if ds_config.get("bf16", {}).get("enabled")
-        else "fp16"
-        if ds_config.get("fp16", {}).get("enabled")
-        else "fp32"
-    )
-    if cfg.spike_guard and int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3:
+    if cfg.spike_guard and zero_stage == 3:
         raise UsageError(
             f"--spike-guard {cfg.spike_guard:g} with ZeRO 3: a rollback loads the weights into the "
             "running model, which ZeRO 3 partitions; use ZeRO 0-2 with --spike-guard, or drop it"
         )
-    return Run(
-        cfg=cfg,
-        layout=layout,
-        ds_config=ds_config,
-        model=model,
-        batch=batch,
-        start_step=start,
-        checkpoint=checkpoint,
-        precision=precision,
-        zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
-        sequence_parallel=sequence_parallel,
-        loss_chunks=loss_chunks_of(
-            model, tp=cfg.tp, tokens=batch.micro_batch * seq_len // cfg.cp, loss_chunks=cfg.loss_chunks
-        ),
-        schedule=schedule,
-        compression=compression,
-        corpus=corpus,
-        compile=compile,
-        attention=attention,
-        data_offset=data_offset(extra),
-        spike_window=extra.get("spike_guard"),
-        lr_schedule=lr_schedule,
-    )
+    return compile
+
+
+def _precision(ds_config: dict) -> str:
+    """The ds_config's training precision: bf16, fp16 or fp32."""
+    if ds_config.get("bf16", {}).get("enabled"):
+        return "bf16"
+    return "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32"
 
 
 def _check_schedule(schedule: str, *, pp: int, vpp: int, accumulation: int) -> None:

@@ -82,6 +82,8 @@ from megakit.train.steps import pipeline_step, plain_step, rank_device
 
 @dataclass
 class TrainResult:
+    """What a run hands back: its steps' metrics, evaluations, interventions, last checkpoint and why it stopped."""
+
     steps: list = field(default_factory=list)  # StepMetrics per step (rank 0 has them all); none: keep_steps=False
     memory: list | None = None  # per-rank rows of --verify-memory
     evals: list = field(default_factory=list)  # {"step", "loss", "perplexity"} per evaluation
@@ -91,6 +93,7 @@ class TrainResult:
 
     @property
     def losses(self) -> list[float]:
+        """Each kept step's loss, in order."""
         return [m.loss for m in self.steps]
 
 
@@ -120,20 +123,20 @@ def _train_job(cfg: TrainConfig, stops: StopRequests, keep_steps: bool) -> Train
         rank0 = os.environ.get("RANK", "0") == "0"
         run = resolve(cfg, int(os.environ.get("WORLD_SIZE", 1)), say=print if rank0 else (lambda *_: None))
     except UsageError as error:
-        raise everywhere(error)
+        raise everywhere(error) from None
     init_distributed(timeout_s=cfg.collective_timeout_s)
     _check_placement(cfg, run.layout)
     try:  # DeepSpeed's CPU op and its /dev/shm buffers fail with a traceback or SIGSEGV; these say why in one line
         writable_extensions_dir(say=print if rank0 else (lambda *_: None))
         check_shared_memory()  # after _check_placement's gather: no rank has written its buffer yet
     except UsageError as error:
-        raise everywhere(error)
+        raise everywhere(error) from None
     topo = Topology(run.layout, timeout_s=cfg.collective_timeout_s)
     _seed_default_generators(cfg.seed, topo)
     try:  # one writer per --save: rank 0 holds its lock for the run (released below, on every way out)
         save_lock = hold_save_dir(cfg.save, rank=topo.rank, checkpoint=run.checkpoint, start=run.start_step)
     except UsageError as error:
-        raise everywhere(error)
+        raise everywhere(error) from None
     try:  # a start that fails here (the watchdog's store timing out) must not keep the lock for the process's life
         watchdog = _start_watchdog(cfg, topo, stops)
         writer = AsyncWriter(comm.side_group(cfg.collective_timeout_s)) if cfg.async_save else None  # --async-save
@@ -191,7 +194,7 @@ def _check_placement(cfg: TrainConfig, layout) -> None:
     try:
         warning = check_tp_within_nodes(layout.groups("tp"), gather_places(), allow=cfg.allow_cross_node_tp)
     except UsageError as error:
-        raise everywhere(error)
+        raise everywhere(error) from None
     if warning and dist.get_rank() == 0:
         print(f"megakit: {warning}", flush=True)
 
@@ -289,7 +292,7 @@ def _build(run: Run, topo, doctor=None):
         try:
             load_checkpoint(run.checkpoint, stage, topo)
         except UsageError as error:
-            raise everywhere(error)  # load_checkpoint raises on every rank when any rank fails
+            raise everywhere(error) from None  # load_checkpoint raises on every rank when any rank fails
     if doctor is not None:
         doctor.weights_built(stage)  # before DeepSpeed broadcasts DP rank 0's weights
     clipper = None
@@ -315,28 +318,57 @@ def _not_scheduler_start(record) -> bool:
     return "before it has started" not in message and "is less than warmup_num_steps" not in message
 
 
-def _train(
-    run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequests, keep_steps: bool = True
-) -> TrainResult:
+@dataclass(kw_only=True)
+class _Loop:
+    """What one run's steps share, built once by ``_setup``: the engine and everything that watches a step."""
+
+    engine: object
+    clipper: Zero0Clipper | None
+    batches: TokenBatches
+    evaluate: object  # evaluator(...) or None (no --eval-every)
+    dp_sync: DataParallelSync
+    run_step: object
+    faults: TrainingFaults
+    guard: StepGuard
+    doctor: Diagnostics | None
+    device: torch.device
+    probe: object  # MemoryProbe or None (no --verify-memory)
+    moe: MoEStep | None
+    mtp: MTPLosses | None
+    reporter: Reporter
+    attempts: Attempts
+    flops_per_step: float
+    peak: float | None
+    communication: StepCommunication
+    profiler: object
+    spikes: SpikeGuard | None
+
+
+def _quiet_deepspeed(run: Run) -> None:
+    """DeepSpeed's logger at the level --deepspeed-logs asks, without the warnings megakit says in its own words."""
     logger = logging.getLogger("DeepSpeed")
     logger.setLevel(logging.INFO if run.cfg.deepspeed_logs else logging.WARNING)
     logger.addFilter(_not_scheduler_start)  # added once (a filter already there is not added again)
     # DeepSpeed 0.19.8 calls collectives torch 2.13 renamed; the warning repeats every step
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    cfg, plan, start = run.cfg, run.batch, run.start_step
-    doctor = Diagnostics(run, topo, cfg.doctor_out) if cfg.doctor_out else None  # facts for megakit doctor
+
+
+def _restored_engine(run: Run, topo, doctor):
+    """The engine built, the checkpoint's optimizer state and LR slot restored: ``(engine, clipper, dp_sync)``."""
     engine, clipper = _build(run, topo, doctor)
     if run.checkpoint:
         try:
-            restore(engine, topo, run.checkpoint, start)  # optimizer state
+            restore(engine, topo, run.checkpoint, run.start_step)  # optimizer state
         except UsageError as error:
-            raise everywhere(error)  # load_state raises on every rank when any rank fails
-    start_schedule(engine.lr_scheduler, start)
-    batches = TokenBatches(run.corpus.train, plan, **run.corpus.loader_options(cfg))
-    evaluate = evaluator(run, topo, engine, rank_device()) if cfg.eval_every else None
-    dp_sync = DataParallelSync(run, topo, engine)
+            raise everywhere(error) from None  # load_state raises on every rank when any rank fails
+    start_schedule(engine.lr_scheduler, run.start_step)
+    return engine, clipper
+
+
+def _restore_own_state(run: Run, topo, engine, dp_sync: DataParallelSync) -> None:
+    """Each DP rank's own moments and residuals, at the layout that saved them (after the data loader is built)."""
     if run.checkpoint:
-        try:  # each DP rank's own moments and residuals, at the layout that saved them
+        try:
             restore_own_state(
                 engine,
                 topo,
@@ -346,7 +378,21 @@ def _train(
                 say=print if topo.rank == 0 else lambda *_: None,
             )
         except UsageError as error:
-            raise everywhere(error)
+            raise everywhere(error) from None
+
+
+def _setup(run: Run, topo) -> _Loop:
+    """Build the engine and the step's helpers (loader, guards, metrics, profiler) in the order they depend on."""
+    from megakit.nn.model import model_flops_per_token
+
+    _quiet_deepspeed(run)
+    cfg, plan, start = run.cfg, run.batch, run.start_step
+    doctor = Diagnostics(run, topo, cfg.doctor_out) if cfg.doctor_out else None  # facts for megakit doctor
+    engine, clipper = _restored_engine(run, topo, doctor)
+    batches = TokenBatches(run.corpus.train, plan, **run.corpus.loader_options(cfg))
+    evaluate = evaluator(run, topo, engine, rank_device()) if cfg.eval_every else None
+    dp_sync = DataParallelSync(run, topo, engine)
+    _restore_own_state(run, topo, engine, dp_sync)
     run_step = pipeline_step(run, topo, engine, dp_sync) if topo.pp > 1 else plain_step(engine, dp_sync)
     faults = TrainingFaults(topo.rank, list(engine.module) if cfg.vpp > 1 else [engine.module])  # tests only
     guard = StepGuard(
@@ -359,9 +405,6 @@ def _train(
     if doctor is not None:
         batches, run_step = doctor.attach(engine, batches, run_step)
     device = rank_device() or torch.device("cpu")
-
-    from megakit.nn.model import model_flops_per_token
-
     probe = None
     if cfg.verify_memory:
         from megakit.train.observe.memory_probe import MemoryProbe
@@ -380,7 +423,6 @@ def _train(
     reporter = Reporter(run, topo)
     restarting = restarts_from_save(cfg.load, cfg.init)
     attempts = Attempts(cfg.save if restarting else None, start=start, active=topo.rank == 0)
-    result = TrainResult()
     flops_per_step = (
         model_flops_per_token(run.model, plan.seq_len, mtp=run.model.mtp_depth(cfg.mtp))
         * plan.global_batch
@@ -390,155 +432,243 @@ def _train(
     communication = StepCommunication(sync_cuda=torch.cuda.is_available())
     profiler = start_profiler(cfg.profile, steps=cfg.steps - start, rank=topo.rank)
     spikes = SpikeGuard(cfg.spike_guard, saved=run.spike_window) if cfg.spike_guard else None
+    return _Loop(
+        engine=engine,
+        clipper=clipper,
+        batches=batches,
+        evaluate=evaluate,
+        dp_sync=dp_sync,
+        run_step=run_step,
+        faults=faults,
+        guard=guard,
+        doctor=doctor,
+        device=device,
+        probe=probe,
+        moe=moe,
+        mtp=mtp,
+        reporter=reporter,
+        attempts=attempts,
+        flops_per_step=flops_per_step,
+        peak=peak,
+        communication=communication,
+        profiler=profiler,
+        spikes=spikes,
+    )
+
+
+def _train(
+    run: Run, topo, watchdog, writer: AsyncWriter | None, stops: StopRequests, keep_steps: bool = True
+) -> TrainResult:
+    """The steps from the run's start to ``--steps``: each step, then a spike's roll-back, an evaluation, a save or
+    a stop as the step's end calls for; ``watchdog`` watches from its own thread."""
+    cfg, start = run.cfg, run.start_step
+    loop = _setup(run, topo)
+    result = TrainResult()
     step, offset = start, run.data_offset  # step s reads the batch of step s + offset (spikes skip batches)
     while step < cfg.steps:
-        faults.at_step(step)
-        waited = time.perf_counter()  # the loader's share of the step (reads from memory-mapped shards)
-        micro_batches = [
-            (x.to(device), y.to(device), rows, {k: t.to(device) for k, t in extras.items()})
-            for (x, y), rows, extras in zip(
-                batches.micro_batches(step + offset, topo.dp_rank),
-                batches.sample_numbers(step + offset, topo.dp_rank),
-                batches.forward_extras(step + offset, topo.dp_rank),
-            )
-        ]
-        waited = time.perf_counter() - waited
-        lr = engine.get_lr()[0]
-        t0 = time.perf_counter()
-        with communication.measure(
-            not torch.cuda.is_available() or step % 10 == 1 or doctor is not None
-        ):  # on GPU it synchronises
-            with probe.step() if probe else contextlib.nullcontext():
-                if moe is not None:
-                    moe.before_step(engine)
-                weight_by_tokens(engine.module, micro_batches, topo, device)  # sum(loss) / sum(tokens) over the step
-                with run.attention.context():  # the SDPA backend --attention-kernel pinned, forward and backward
-                    loss = faults.spiked(step + offset, run_step(micro_batches))
-                dp_sync.after_step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        comm_seconds, comm_calls = communication.result or (None, None)
-        a2a = moe is not None or run.layout.cp_a2a > 1  # MoE dispatch, Ulysses CP: bytes counted from shapes (host)
-        a2a_bytes = communication.all_to_all_bytes if communication.result and a2a else None
-        dp_bytes, dp_bytes_dense = dp_sync.take_bytes()
-        if clipper is not None:
-            grad_norm, grads_finite, applied = clipper.norm, clipper.finite, clipper.applied
-        else:
-            grad_norm = float(engine.get_global_grad_norm() or float("nan"))
-            grads_finite = math.isfinite(grad_norm) and grad_norm >= 0  # DeepSpeed masks inf/nan as -1
-            applied = engine.was_step_applied()
-        if doctor is not None:
-            doctor.after_step(loss=loss, lr=lr, seconds=seconds, comm_seconds=comm_seconds, grad_norm=grad_norm)
-        loss, skipped = guard.check(step, loss, grads_finite=grads_finite, applied=applied, stop=stops.reason)
-        moe_metrics = moe.after_step(applied=not skipped) if moe is not None else None  # the expert bias moves here
-        mtp_losses = mtp.after_step() if mtp is not None else None
-        if skipped:  # the batch and the LR slot are spent: data and LR stay functions of the step
-            start_schedule(engine.lr_scheduler, step + 1)
-            result.events.append(reporter.event(step, "skipped", skipped, skipped_steps=guard.skipped))
-        spike = spikes.check(step, loss) if spikes is not None else None
-        if profiler is not None:
-            profiler.step()
-        metrics = StepMetrics(
-            step=step,
-            loss=loss,
-            lr=lr,
-            grad_norm=grad_norm,
-            seconds=seconds,
-            samples=plan.global_batch,
-            tokens=plan.global_batch * plan.seq_len,
-            flops=flops_per_step,
-            comm_seconds=comm_seconds,
-            comm_calls=comm_calls,
-            world_size=dist.get_world_size(),
-            peak_tflops=peak,
-            data_seconds=waited,
-            dp_bytes=dp_bytes,
-            dp_bytes_dense=dp_bytes_dense,
-            skipped=bool(skipped),
-            moe=moe_metrics,
-            mtp=mtp_losses,
-            all_to_all_bytes=a2a_bytes,
-            compiling=run.compile and step == start,
-            **dict(zip(("gpu_util", "gpu_mem_gib"), gpu_state())),
-        )
+        metrics, spike = _step(run, topo, loop, stops, result, step=step, offset=offset)
         if keep_steps:
             result.steps.append(metrics)
-        reporter.log(metrics)
+        loop.reporter.log(metrics)
         if metrics.compiling:
-            reporter.compiled(metrics)
-        attempts.finished(step)
+            loop.reporter.compiled(metrics)
+        loop.attempts.finished(step)
         if spike:  # the newest checkpoint back into the engine; the batches since then are skipped
             _wait(writer)
-            back, event = spikes.roll_back(
-                spike, step=step, offset=offset, engine=engine, topo=topo, run=run, dp_sync=dp_sync, reporter=reporter
+            back, event = loop.spikes.roll_back(
+                spike,
+                step=step,
+                offset=offset,
+                engine=loop.engine,
+                topo=topo,
+                run=run,
+                dp_sync=loop.dp_sync,
+                reporter=loop.reporter,
             )
             result.events.append(event)
             if back is not None:
                 step, offset = back
                 continue
         done, step = step + 1, step + 1
-        stopping = bool(guard.stops) and done < cfg.steps  # every rank learnt it from the guard's all-reduce
-        evaluating = evaluate is not None and not stopping and (done % cfg.eval_every == 0 or done == cfg.steps)
-        saving = cfg.save and (
-            done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0) or (stopping and cfg.save_on_signal)
-        )
-        if evaluating or saving:
-            dp_sync.synchronize()  # one model on every DP rank (compressed updates may be pending)
-        if evaluating:
-            result.evals.append(reporter.eval(done, *evaluate()))
-        if saving:
-            extra = {
-                "loss": loss if math.isfinite(loss) else None,
-                "seed": cfg.seed,
-                "global_batch": plan.global_batch,
-                "lr_total_steps": scheduled_steps(run.ds_config),  # a resume continues this schedule
-                "data": {
-                    "samples": (done + offset) * plan.global_batch,
-                    "skipped_batches": offset,
-                    "corpus": run.corpus.fingerprint,
-                },
-                **({"spike_guard": spikes.state()} if spikes else {}),
-            }
-            try:
-                saved = save_run(
-                    cfg.save,
-                    engine,
-                    topo,
-                    run.model,
-                    step=done,
-                    series=cfg.keep > 0,
-                    keep=cfg.keep,
-                    extra=extra,
-                    tokenizer=run.corpus.tokenizer_dir,
-                    dp_sync=dp_sync,
-                    rank_key=per_rank_key(run, topo),
-                    writer=writer,
-                )
-                result.checkpoint = str(saved)
-            except UsageError as error:
-                raise everywhere(error)  # save_checkpoint raises on every rank when any rank fails
-        if stopping:
-            _wait(writer)
-            result.stopped = _stopped(
-                guard.stops,
-                topo,
-                step=done,
-                saved=cfg.save if saving else None,
-                why="no --save" if not cfg.save else "--no-save-on-signal",
-                gone=stops.gone if stops.launcher_gone() else None,
-            )
+        if _after_step(run, topo, loop, writer, stops, result, done=done, offset=offset, loss=metrics.loss):
             break
+    _finish(loop, writer, stops, result)
+    return result
+
+
+def _micro_batches(loop: _Loop, topo, step: int) -> list:
+    """The step's micro-batches on this rank's device: ``(x, y, rows, forward extras)`` each."""
+    batches, device = loop.batches, loop.device
+    return [
+        (x.to(device), y.to(device), rows, {k: t.to(device) for k, t in extras.items()})
+        for (x, y), rows, extras in zip(
+            batches.micro_batches(step, topo.dp_rank),
+            batches.sample_numbers(step, topo.dp_rank),
+            batches.forward_extras(step, topo.dp_rank),
+        )
+    ]
+
+
+def _grads(loop: _Loop) -> tuple[float, bool, bool]:
+    """``(grad norm, finite, the optimizer step applied)``: from megakit's ZeRO-0 clipper, else from DeepSpeed."""
+    if loop.clipper is not None:
+        return loop.clipper.norm, loop.clipper.finite, loop.clipper.applied
+    grad_norm = float(loop.engine.get_global_grad_norm() or float("nan"))
+    grads_finite = math.isfinite(grad_norm) and grad_norm >= 0  # DeepSpeed masks inf/nan as -1
+    return grad_norm, grads_finite, loop.engine.was_step_applied()
+
+
+def _step(run: Run, topo, loop: _Loop, stops: StopRequests, result: TrainResult, *, step: int, offset: int):
+    """One optimizer step, kept on the device until the guard's check: ``(its StepMetrics, a loss spike or None)``.
+    A skipped step (non-finite gradients) spends its batch and LR slot, so data and LR stay functions of the step."""
+    plan, engine, moe, doctor = run.batch, loop.engine, loop.moe, loop.doctor
+    loop.faults.at_step(step)
+    waited = time.perf_counter()  # the loader's share of the step (reads from memory-mapped shards)
+    micro_batches = _micro_batches(loop, topo, step + offset)
+    waited = time.perf_counter() - waited
+    lr = engine.get_lr()[0]
+    t0 = time.perf_counter()
+    with loop.communication.measure(
+        not torch.cuda.is_available() or step % 10 == 1 or doctor is not None
+    ):  # on GPU it synchronises
+        with loop.probe.step() if loop.probe else contextlib.nullcontext():
+            if moe is not None:
+                moe.before_step(engine)
+            weight_by_tokens(engine.module, micro_batches, topo, loop.device)  # sum(loss) / sum(tokens) over the step
+            with run.attention.context():  # the SDPA backend --attention-kernel pinned, forward and backward
+                loss = loop.faults.spiked(step + offset, loop.run_step(micro_batches))
+            loop.dp_sync.after_step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    comm_seconds, comm_calls = loop.communication.result or (None, None)
+    a2a = moe is not None or run.layout.cp_a2a > 1  # MoE dispatch, Ulysses CP: bytes counted from shapes (host)
+    a2a_bytes = loop.communication.all_to_all_bytes if loop.communication.result and a2a else None
+    dp_bytes, dp_bytes_dense = loop.dp_sync.take_bytes()
+    grad_norm, grads_finite, applied = _grads(loop)
+    if doctor is not None:
+        doctor.after_step(loss=loss, lr=lr, seconds=seconds, comm_seconds=comm_seconds, grad_norm=grad_norm)
+    loss, skipped = loop.guard.check(step, loss, grads_finite=grads_finite, applied=applied, stop=stops.reason)
+    moe_metrics = moe.after_step(applied=not skipped) if moe is not None else None  # the expert bias moves here
+    mtp_losses = loop.mtp.after_step() if loop.mtp is not None else None
+    if skipped:  # the batch and the LR slot are spent: data and LR stay functions of the step
+        start_schedule(engine.lr_scheduler, step + 1)
+        result.events.append(loop.reporter.event(step, "skipped", skipped, skipped_steps=loop.guard.skipped))
+    spike = loop.spikes.check(step, loss) if loop.spikes is not None else None
+    if loop.profiler is not None:
+        loop.profiler.step()
+    metrics = StepMetrics(
+        step=step,
+        loss=loss,
+        lr=lr,
+        grad_norm=grad_norm,
+        seconds=seconds,
+        samples=plan.global_batch,
+        tokens=plan.global_batch * plan.seq_len,
+        flops=loop.flops_per_step,
+        comm_seconds=comm_seconds,
+        comm_calls=comm_calls,
+        world_size=dist.get_world_size(),
+        peak_tflops=loop.peak,
+        data_seconds=waited,
+        dp_bytes=dp_bytes,
+        dp_bytes_dense=dp_bytes_dense,
+        skipped=bool(skipped),
+        moe=moe_metrics,
+        mtp=mtp_losses,
+        all_to_all_bytes=a2a_bytes,
+        compiling=run.compile and step == run.start_step,
+        **dict(zip(("gpu_util", "gpu_mem_gib"), gpu_state())),
+    )
+    return metrics, spike
+
+
+def _after_step(
+    run: Run,
+    topo,
+    loop: _Loop,
+    writer: AsyncWriter | None,
+    stops: StopRequests,
+    result: TrainResult,
+    *,
+    done: int,
+    offset: int,
+    loss: float,
+) -> bool:
+    """Evaluate, save and stop as step ``done``'s end calls for; True when the run stops here (a signal, the
+    launcher gone). Every rank decides alike: the stop is learnt from the guard's all-reduce."""
+    cfg = run.cfg
+    stopping = bool(loop.guard.stops) and done < cfg.steps  # every rank learnt it from the guard's all-reduce
+    evaluating = loop.evaluate is not None and not stopping and (done % cfg.eval_every == 0 or done == cfg.steps)
+    saving = cfg.save and (
+        done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0) or (stopping and cfg.save_on_signal)
+    )
+    if evaluating or saving:
+        loop.dp_sync.synchronize()  # one model on every DP rank (compressed updates may be pending)
+    if evaluating:
+        result.evals.append(loop.reporter.eval(done, *loop.evaluate()))
+    if saving:
+        result.checkpoint = _save(run, topo, loop, writer, done=done, offset=offset, loss=loss)
+    if stopping:
+        _wait(writer)
+        result.stopped = _stopped(
+            loop.guard.stops,
+            topo,
+            step=done,
+            saved=cfg.save if saving else None,
+            why="no --save" if not cfg.save else "--no-save-on-signal",
+            gone=stops.gone if stops.launcher_gone() else None,
+        )
+    return stopping
+
+
+def _save(run: Run, topo, loop: _Loop, writer: AsyncWriter | None, *, done: int, offset: int, loss: float) -> str:
+    """Save step ``done`` to --save with what a resume needs to continue exactly (data position, LR schedule,
+    spike window); returns where it went."""
+    cfg, plan = run.cfg, run.batch
+    extra = {
+        "loss": loss if math.isfinite(loss) else None,
+        "seed": cfg.seed,
+        "global_batch": plan.global_batch,
+        "lr_total_steps": scheduled_steps(run.ds_config),  # a resume continues this schedule
+        "data": {
+            "samples": (done + offset) * plan.global_batch,
+            "skipped_batches": offset,
+            "corpus": run.corpus.fingerprint,
+        },
+        **({"spike_guard": loop.spikes.state()} if loop.spikes else {}),
+    }
+    try:
+        saved = save_run(
+            cfg.save,
+            loop.engine,
+            topo,
+            run.model,
+            step=done,
+            series=cfg.keep > 0,
+            keep=cfg.keep,
+            extra=extra,
+            tokenizer=run.corpus.tokenizer_dir,
+            dp_sync=loop.dp_sync,
+            rank_key=per_rank_key(run, topo),
+            writer=writer,
+        )
+    except UsageError as error:
+        raise everywhere(error) from None  # save_checkpoint raises on every rank when any rank fails
+    return str(saved)
+
+
+def _finish(loop: _Loop, writer: AsyncWriter | None, stops: StopRequests, result: TrainResult) -> None:
+    """The run's end: the last save on disk, the profiler's and the memory probe's reports, the reporter closed."""
     _wait(writer)  # the last save is on disk before the run returns
     stops.leaving()  # a later signal (DeepSpeed's launch.py passing scancel's on) does not end the rank now
-    if profiler is not None:
-        profiler.stop()
-        reporter.attention_kernels(profiler)
-    if probe is not None:
-        result.memory = probe.report()
-        reporter.memory(result.memory)
-    reporter.close(checkpoint=result.checkpoint)
-    return result
+    if loop.profiler is not None:
+        loop.profiler.stop()
+        loop.reporter.attention_kernels(loop.profiler)
+    if loop.probe is not None:
+        result.memory = loop.probe.report()
+        loop.reporter.memory(result.memory)
+    loop.reporter.close(checkpoint=result.checkpoint)
 
 
 def _stopped(stops: dict[int, int], topo, *, step: int, saved: str | None, why: str, gone: str | None) -> str:
@@ -559,4 +689,4 @@ def _wait(writer: AsyncWriter | None) -> None:
         if writer is not None:
             writer.wait()
     except UsageError as error:
-        raise everywhere(error)
+        raise everywhere(error) from None

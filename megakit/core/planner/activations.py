@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megakit.core.planner import mamba
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.errors import UsageError
 
@@ -137,21 +138,35 @@ def activation_tensors(
     if dropout:
         out.append(t("attention residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
     out += norm("norm2") + [t("mlp input", gathered, shard="sp")]
-    if f == 0:
-        pass
-    elif model.gated_mlp and fused_swiglu:
-        out += [t("gate and up output", 2 * f / tp), t("down input", f / tp)]
-    elif model.gated_mlp:
-        out += [t("gate output", f / tp), t("up output", f / tp), t("act(gate)", f / tp), t("down input", f / tp)]
-    else:
-        out += [t("gelu input", f / tp), t("fc2 input", f / tp)]
-    if moe and model.config.moe and f and model.config.moe.shared_gate:  # Qwen2-MoE: the shared output x
-        # sigmoid(gate), over the rank's tokens
-        out += [t("shared expert gate", 1 / tp), t("shared expert output", h / tp)]
+    out += _mlp_tensors(model, f=f, tp=tp, p=p, moe=moe, fused_swiglu=fused_swiglu)
     if model.config.sandwich_norms:
         out += norm("mlp post-norm")
     if dropout:
         out.append(t("mlp residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
+    if model.config.layer_pattern:  # a hybrid (Nemotron-H): the mean of its attention, MLP and Mamba-2 blocks
+        mixer = mamba.tensors(model, tp=tp, sequence_parallel=sequence_parallel, precision=precision)
+        return mamba.mean_tensors(out, mixer if model.config.mamba else [], model.config)
+    return out
+
+
+def _mlp_tensors(model: ModelSpec, *, f: int, tp: int, p: int, moe: bool, fused_swiglu: bool) -> list[SavedTensor]:
+    """What the MLP of FFN width ``f`` keeps past its input, TP-sharded (``activation_tensors``): a block's own
+    tensors, apart so the MLP's kinds (GELU, SwiGLU, fused SwiGLU, a gated shared expert) read in one place."""
+
+    def t(name, per_token):
+        return SavedTensor(name, per_token, 0.0, p, "tp")
+
+    if f == 0:
+        out = []
+    elif model.gated_mlp and fused_swiglu:
+        out = [t("gate and up output", 2 * f / tp), t("down input", f / tp)]
+    elif model.gated_mlp:
+        out = [t("gate output", f / tp), t("up output", f / tp), t("act(gate)", f / tp), t("down input", f / tp)]
+    else:
+        out = [t("gelu input", f / tp), t("fc2 input", f / tp)]
+    if moe and model.config.moe and f and model.config.moe.shared_gate:  # Qwen2-MoE: the shared output x
+        # sigmoid(gate), over the rank's tokens
+        out += [t("shared expert gate", 1 / tp), t("shared expert output", model.hidden / tp)]
     return out
 
 

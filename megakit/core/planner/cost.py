@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megakit.core.planner import mamba
 from megakit.core.planner.compute import attention_time, block_time, cp_kernel_seq, eh_proj_time, head_time
 from megakit.core.planner.hardware import Cluster
 from megakit.core.planner.memory import (
@@ -109,7 +110,11 @@ def flops_per_token(
     if hardware and flash_attention:  # each attention pass the kernels run does half the square, windows less
         attn = 4 * seq_len * model.hidden  # one forward pass of scores and values per token and block (width H)
         passes = 3.5 + (1.0 if recompute == "full" else 0.0)  # forward, 2.5 x for backward (scores again), recompute
-        total -= (model.layers + model.mtp) * passes * attn * (1 - model.config.attention_share(seq_len) / 2)
+        share = model.config.attention_share(seq_len)
+        # windows: of each block's whole square (counted) the window's half runs; a hybrid (Nemotron-H): its attention
+        # blocks' share of the square is counted (``counting.block_flops``), and half of it runs
+        kept = share / 2 if model.config.layer_pattern else 1 - share / 2
+        total -= (model.layers + model.mtp) * passes * attn * kept
     return total
 
 
@@ -142,6 +147,8 @@ def _dispatch_time(model: ModelSpec, cluster: Cluster, plan: Plan, token_bytes: 
 
 
 def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: int | None = None) -> Cost:
+    """The step time of ``plan`` on ``cluster`` and what it is made of: the slowest stage's blocks, the exposed TP,
+    CP, EP, PP and DP exchanges, the pipeline bubble and the optimizer step."""
     s = model.seq_len if seq_len is None else seq_len
     t, p, d, v, b, m = plan.tp, plan.pp, plan.dp, plan.vpp, plan.micro_batch, plan.accumulation
     gpu = cluster.gpu
@@ -156,19 +163,11 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     tp_bw, tp_where = group_bandwidth(cluster, t, 1)
     one_tp = collective_time(tokens * model.hidden * nbytes, t, tp_bw, tp_where)
     recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
-    tp_s = (4 + 2 * recomputed) * one_tp
-    if plan.column_overlap and t > 1:
-        # Megatron-LM's column-parallel backward launches its input gradient's all-reduce (reduce-scatter with
-        # SP) asynchronously and computes the weight gradient meanwhile (--async-tensor-model-parallel-allreduce,
-        # 2021-22; Korthikanti et al. 2022 Sec. 4.2.2), and so does megakit's (nn.tensor_parallel.overlapped_linear):
-        # two of the four exchanges hide behind the wgrad GEMMs. With SP it also all-gathers each
-        # column-parallel input again there, behind the same GEMMs.
-        hidden_comm = (2 + (1 if plan.sequence_parallel else 0)) * one_tp
-        tp_s += exposed(block.weight_grad, hidden_comm) - 2 * one_tp
-    if plan.comm_overlap and t > 1:  # every exchange pipelined with its GEMM: only what outlasts the block shows
-        tp_s = exposed(block.total, (4 + 2 * recomputed + (1 if plan.sequence_parallel else 0)) * one_tp)
-    cp_s = _ulysses_time(model, cluster, plan, tokens=tokens, nbytes=nbytes) + _ring_exposed(
-        model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s
+    tp_s = _tp_exposed(plan, block, one_tp=one_tp, recomputed=recomputed)
+    cp_s = (
+        _ulysses_time(model, cluster, plan, tokens=tokens, nbytes=nbytes)
+        + _ring_exposed(model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s)
+        + _mamba_a2a_time(model, cluster, plan, tokens=tokens, nbytes=nbytes)
     )
     a2a_s = (
         (4 + 2 * recomputed) * _dispatch_time(model, cluster, plan, tokens / t * model.hidden * nbytes) if moe else 0.0
@@ -212,74 +211,19 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     p2p_s = 2 * v * p2p_bytes / (p2p_bw * 1e9 * LINK_EFFICIENCY[p2p_where]) if p > 1 else 0.0
     slowest = max(stage_s) + p2p_s
     compute_s = m * max(stage_s)
-    bubble_s = (sum(stage_s) + p * p2p_s - slowest) / v if p > 1 else 0.0
-    if plan.zero_bubble:  # ZB-H1: the W's fill what 1F1B leaves idle, (p-1)(F+B-W) instead of (p-1)(F+B+W)
-        bubble_s *= zero_bubble_bubble_share(weight_grad_share(model, s, plan))
-    if v > 1 and (model.stage_layers is not None or p * v > model.layers):  # unequal chunks: pinned, or empty ends
-        timed = interleaved_step_time(
-            tuple(chunk_s),
-            pp=p,
-            vpp=v,
-            micro_batches=m,
-            forward_share=block.forward / block.total,
-            message_s=p2p_s / (2 * v),
-        )
-        if timed is not None:
-            bubble_s = max(timed - m * slowest, 0.0)
+    bubble_s = _bubble(model, plan, block, chunk_s, stage_s, p2p_s=p2p_s, seq_len=s)
     pipeline_s = m * slowest + bubble_s
     worst = stage_s.index(max(stage_s))
     tp_total = m * blocks[worst] * tp_s
 
-    # ---- data parallelism / ZeRO / FSDP ----------------------------------------------------
-    psi = max(stage_params(model, tp=t, pp=p, stage=i, layers=counts[i]) for i in range(p))
-    sharded, replicated = model.layer_params(t)
-    replicas = dataclasses.replace(plan, dp=d * plan.cp, cp=1)  # ZeRO shards, gradients reduce over DP x CP
-    dp_exposed = dp_time(
-        cluster,
-        replicas,
-        psi=psi,
-        layer_params=sharded + replicated,
-        layers=counts[worst],
-        stage_s=max(stage_s),
-        layer_fwd_s=block.forward + 2 * one_tp,
-        layer_bwd_s=block.backward + (2 + 2 * recomputed) * one_tp,
+    # ---- data parallelism / ZeRO / FSDP, and the optimizer step ---------------------------
+    dp_exposed, optimizer_s = _data_parallel(
+        model, cluster, plan, block, counts=counts, moes=moes, worst=worst, stage_s=max(stage_s), one_tp=one_tp
     )
-
-    psi_e = stage_expert_params(model, pp=p, stage=worst, ep=plan.ep, vpp=v)
-    if psi_e:  # expert gradients: over the EDP ranks (EP apart); at EP 1 also over TP, which routes other tokens
-        experts = dataclasses.replace(replicas, dp=plan.edp, tp=plan.ep, compress="none")  # tp: the stride
-        dp_exposed += dp_time(
-            cluster,
-            experts,
-            psi=psi_e,
-            layer_params=psi_e / max(moes[worst], 1),
-            layers=moes[worst],
-            stage_s=max(stage_s),
-            layer_fwd_s=block.forward,
-            layer_bwd_s=block.backward,
-        )
-        if plan.ep == 1:
-            rbytes = PRECISIONS[plan.grad_reduce_precision]
-            dp_exposed += exposed(max(stage_s) * 2 / 3, collective_time(psi_e * rbytes, t, tp_bw, tp_where))
-
-    shard = (replicas.shard_group if plan.zero_stage == 3 else d * plan.cp) if plan.zero_stage >= 1 else 1
-    local = psi / shard + psi_e / (plan.edp if plan.zero_stage >= 1 else 1)  # parameters this GPU steps
-    optimizer_s = ADAM_BYTES * local / (gpu.hbm_gbps * 1e9)
-    if plan.offload != "none":  # gradients down and parameters up over PCIe, Adam on the host
-        optimizer_s = 2 * nbytes * local / (PCIE_GBPS * 1e9) + local * CPU_ADAM_S
 
     step = pipeline_s + dp_exposed + optimizer_s + STEP_S
     global_tokens = plan.global_batch * s
-    model_flops = flops_per_token(model, s, hardware=False) * global_tokens
-    hardware_flops = (
-        flops_per_token(
-            model,
-            s,
-            recompute=plan.recompute if plan.recompute != "per-op" else "none",
-            flash_attention=plan.flash_attention,
-        )
-        * global_tokens
-    )
+    model_flops, hardware_flops = _step_flops(model, plan, seq_len=s, tokens=global_tokens)
     world = plan.world
     cp_total = m * blocks[worst] * cp_s
     a2a_total = m * moe_blocks[worst] * a2a_s
@@ -303,6 +247,108 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
         stage_times=tuple(stage_s),
         a2a_s=a2a_total,
     )
+
+
+def _tp_exposed(plan: Plan, block, *, one_tp: float, recomputed: float) -> float:
+    """One block's exposed TP exchanges: four (and two per recomputed forward), less what overlaps its GEMMs."""
+    t = plan.tp
+    tp_s = (4 + 2 * recomputed) * one_tp
+    if plan.column_overlap and t > 1:
+        # Megatron-LM's column-parallel backward launches its input gradient's all-reduce (reduce-scatter with
+        # SP) asynchronously and computes the weight gradient meanwhile (--async-tensor-model-parallel-allreduce,
+        # 2021-22; Korthikanti et al. 2022 Sec. 4.2.2), and so does megakit's (nn.tensor_parallel.overlapped_linear):
+        # two of the four exchanges hide behind the wgrad GEMMs. With SP it also all-gathers each
+        # column-parallel input again there, behind the same GEMMs.
+        hidden_comm = (2 + (1 if plan.sequence_parallel else 0)) * one_tp
+        tp_s += exposed(block.weight_grad, hidden_comm) - 2 * one_tp
+    if plan.comm_overlap and t > 1:  # every exchange pipelined with its GEMM: only what outlasts the block shows
+        tp_s = exposed(block.total, (4 + 2 * recomputed + (1 if plan.sequence_parallel else 0)) * one_tp)
+    return tp_s
+
+
+def _bubble(model: ModelSpec, plan: Plan, block, chunk_s: list, stage_s: list, *, p2p_s: float, seq_len: int) -> float:
+    """The pipeline's idle time per step: 1F1B's or interleaving's, zero bubble's share of it, or the interleaved
+    schedule timed chunk by chunk when the chunks are unequal (pinned, or empty ends)."""
+    p, v, m = plan.pp, plan.vpp, plan.accumulation
+    slowest = max(stage_s) + p2p_s
+    bubble_s = (sum(stage_s) + p * p2p_s - slowest) / v if p > 1 else 0.0
+    if plan.zero_bubble:  # ZB-H1: the W's fill what 1F1B leaves idle, (p-1)(F+B-W) instead of (p-1)(F+B+W)
+        bubble_s *= zero_bubble_bubble_share(weight_grad_share(model, seq_len, plan))
+    if v > 1 and (model.stage_layers is not None or p * v > model.layers):  # unequal chunks: pinned, or empty ends
+        timed = interleaved_step_time(
+            tuple(chunk_s),
+            pp=p,
+            vpp=v,
+            micro_batches=m,
+            forward_share=block.forward / block.total,
+            message_s=p2p_s / (2 * v),
+        )
+        if timed is not None:
+            bubble_s = max(timed - m * slowest, 0.0)
+    return bubble_s
+
+
+def _data_parallel(
+    model: ModelSpec, cluster: Cluster, plan: Plan, block, *, counts, moes, worst: int, stage_s: float, one_tp: float
+) -> tuple[float, float]:
+    """(exposed DP/ZeRO/FSDP communication, optimizer step) of the slowest stage: the dense gradients over DP x CP,
+    the experts' over EDP, and Adam over the parameters this GPU steps (on the host under offload)."""
+    t, p, d, v = plan.tp, plan.pp, plan.dp, plan.vpp
+    gpu, nbytes = cluster.gpu, PRECISIONS[plan.precision]
+    recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
+    tp_bw, tp_where = group_bandwidth(cluster, t, 1)
+    psi = max(stage_params(model, tp=t, pp=p, stage=i, layers=counts[i]) for i in range(p))
+    sharded, replicated = model.layer_params(t)
+    replicas = dataclasses.replace(plan, dp=d * plan.cp, cp=1)  # ZeRO shards, gradients reduce over DP x CP
+    dp_exposed = dp_time(
+        cluster,
+        replicas,
+        psi=psi,
+        layer_params=sharded + replicated,
+        layers=counts[worst],
+        stage_s=stage_s,
+        layer_fwd_s=block.forward + 2 * one_tp,
+        layer_bwd_s=block.backward + (2 + 2 * recomputed) * one_tp,
+    )
+
+    psi_e = stage_expert_params(model, pp=p, stage=worst, ep=plan.ep, vpp=v)
+    if psi_e:  # expert gradients: over the EDP ranks (EP apart); at EP 1 also over TP, which routes other tokens
+        experts = dataclasses.replace(replicas, dp=plan.edp, tp=plan.ep, compress="none")  # tp: the stride
+        dp_exposed += dp_time(
+            cluster,
+            experts,
+            psi=psi_e,
+            layer_params=psi_e / max(moes[worst], 1),
+            layers=moes[worst],
+            stage_s=stage_s,
+            layer_fwd_s=block.forward,
+            layer_bwd_s=block.backward,
+        )
+        if plan.ep == 1:
+            rbytes = PRECISIONS[plan.grad_reduce_precision]
+            dp_exposed += exposed(stage_s * 2 / 3, collective_time(psi_e * rbytes, t, tp_bw, tp_where))
+
+    shard = (replicas.shard_group if plan.zero_stage == 3 else d * plan.cp) if plan.zero_stage >= 1 else 1
+    local = psi / shard + psi_e / (plan.edp if plan.zero_stage >= 1 else 1)  # parameters this GPU steps
+    optimizer_s = ADAM_BYTES * local / (gpu.hbm_gbps * 1e9)
+    if plan.offload != "none":  # gradients down and parameters up over PCIe, Adam on the host
+        optimizer_s = 2 * nbytes * local / (PCIE_GBPS * 1e9) + local * CPU_ADAM_S
+    return dp_exposed, optimizer_s
+
+
+def _step_flops(model: ModelSpec, plan: Plan, *, seq_len: int, tokens: int) -> tuple[float, float]:
+    """(model, hardware) FLOPs of one step: the hardware's count recompute and written-out attention."""
+    model_flops = flops_per_token(model, seq_len, hardware=False) * tokens
+    hardware_flops = (
+        flops_per_token(
+            model,
+            seq_len,
+            recompute=plan.recompute if plan.recompute != "per-op" else "none",
+            flash_attention=plan.flash_attention,
+        )
+        * tokens
+    )
+    return model_flops, hardware_flops
 
 
 def _mtp_time(
@@ -347,6 +393,21 @@ def _ulysses_time(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int
     one_pass = sum(all_to_all_time(cluster, tokens * width * nbytes, a, plan.tp) for width in (q, kv, kv, q))
     recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
     return (2 + recomputed) * one_pass
+
+
+def _mamba_a2a_time(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int, nbytes: int) -> float:
+    """A hybrid's Mamba-2 all-to-alls per mean block and micro-batch (``nn.linear_attention.context_parallel``): x, B,
+    C and dt to the whole sequence of a head group and the scan's output back, over all of CP whatever attention's
+    CP mode, forward and again in backward (and in the recomputed forward); the Mamba blocks' share of them."""
+    share = mamba.shares(model.config).get("mamba", 0.0)
+    if plan.cp == 1 or not share:
+        return 0.0
+    one_pass = sum(
+        all_to_all_time(cluster, tokens * width * nbytes, plan.cp, plan.tp)
+        for width in mamba.a2a_widths(model, plan.tp)
+    )
+    recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
+    return share * (2 + recomputed) * one_pass
 
 
 def _ring_exposed(

@@ -11,8 +11,6 @@ decays and scores (``Q`` each, fp32) and ``p n / Q`` of the chunk states, which 
 
 from __future__ import annotations
 
-from megakit.core.planner.activations import PRECISIONS, SavedTensor
-
 
 def shares(config) -> dict[str, float]:
     """Each part's share of the blocks (``core.families.nemotron_h.shares``); {} for a model without a pattern."""
@@ -37,10 +35,7 @@ def linears(model, tp: int) -> list[tuple[float, float, float]]:
 def scan_flops(model, tp: int) -> float:
     """Forward FLOPs per token of one Mamba block's conv and chunked scan on one TP rank (0 without Mamba)."""
     m = model.config.mamba
-    if m is None:
-        return 0.0
-    q, n, p = m.chunk, m.state, m.head_dim
-    return (2 * m.conv_channels * m.conv_kernel + m.heads * (2 * q * n + 2 * q * p + 4 * n * p)) / tp
+    return 0.0 if m is None else m.scan_flops_per_token() / tp
 
 
 def scan_time(model, *, tp: int, tokens: float, peak: float, efficiency: float = 0.3) -> tuple[float, float]:
@@ -51,10 +46,12 @@ def scan_time(model, *, tp: int, tokens: float, peak: float, efficiency: float =
     return forward, 2 * forward
 
 
-def tensors(model, *, tp: int, sequence_parallel: bool, precision: str) -> list[SavedTensor]:
+def tensors(model, *, tp: int, sequence_parallel: bool, precision: str) -> list:
     """What one Mamba-2 block keeps for backward per token on one TP rank (megakit's torch path): its norm, the
     projections' input and outputs, the conv's input and output, dt, the scan's fp32 operands, decays, scores and
     chunk states, the gated norm's input and out_proj's."""
+    from megakit.core.planner.activations import PRECISIONS, SavedTensor  # noqa: PLC0415 (it reads this module)
+
     m, p, h = model.config.mamba, PRECISIONS[precision], model.hidden
     rest = tp if sequence_parallel else 1
     heads, inner, conv = m.heads / tp, m.inner / tp, m.conv_channels / tp
@@ -80,9 +77,11 @@ def tensors(model, *, tp: int, sequence_parallel: bool, precision: str) -> list[
     ]
 
 
-def mean_tensors(block: list[SavedTensor], mamba: list[SavedTensor], config) -> list[SavedTensor]:
+def mean_tensors(block: list, mamba: list, config) -> list:
     """A hybrid's mean block: an attention+MLP block's tensors (``block``, in ``activation_tensors``' order: the
     attention part up to ``norm2``) and a Mamba block's, each scaled by its part's share."""
+    from megakit.core.planner.activations import SavedTensor  # noqa: PLC0415
+
     share = shares(config)
     split = next(i for i, x in enumerate(block) if x.name == "norm2 input")
 

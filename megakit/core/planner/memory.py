@@ -56,6 +56,7 @@ retained graph keeps until W (``weight_grad_inputs``): the extra memory of zero 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from megakit.core.planner.activations import (  # noqa: F401 (memory's API: what one block keeps)
     PER_OP_KEPT,
@@ -347,6 +348,14 @@ def estimate_memory(
     (``MEGATRON_RECOMPUTE``; none given: its default, core_attn). ``main_grads_fp32``: Megatron's main-gradient buffers
     in fp32 (default: ``megatron``; False: --grad-reduce-in-bf16, Megatron-Bridge's performance recipes, which keep
     them in bf16 and copy the shard to fp32 at the step as DeepSpeed does). ``moments``: Adam's m and v dtype."""
+    _check_options(
+        precision, recompute, offload, zero_stage, recompute_modules, megatron, moments, (tp, pp, dp, vpp, micro_batch)
+    )
+    return _Stage.of(**locals()).estimate()
+
+
+def _check_options(precision, recompute, offload, zero_stage, recompute_modules, megatron, moments, sizes) -> None:
+    """One line naming the bad option and its fix, before any arithmetic runs on it."""
     if precision not in PRECISIONS:
         raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if recompute not in RECOMPUTE:
@@ -367,288 +376,450 @@ def estimate_memory(
         )
     if moments not in PRECISIONS:
         raise UsageError(f"Adam moments {moments!r} are not one of {', '.join(PRECISIONS)}")
-    if min(tp, pp, dp, vpp, micro_batch) < 1:
+    if min(sizes) < 1:
         raise UsageError("tp, pp, dp, vpp and micro-batch must all be at least 1")
-    s = model.seq_len if seq_len is None else seq_len
-    if cp > 1:  # this rank's s/cp tokens; the ring keeps what flash attention keeps; ZeRO over DP x CP
-        s, dp, flash_attention = s // cp, dp * cp, True
-    b = micro_batch
-    stage = _resolve_stage(stage, pp)
-    p = PRECISIONS[precision]
-    n_layers = stage_layer_counts(model, pp, vpp)[stage] if layers is None else layers
-    psi = stage_params(model, tp=tp, pp=pp, stage=stage, layers=layers, vpp=vpp)
-    if model.config.moe is not None and model.config.moe.shared_ffn and tp > 1 and not megatron:
-        psi += _replicated_shared_experts(model, tp=tp, pp=pp, stage=stage, layers=layers, vpp=vpp)
-    moe = model.config.moe is not None
-    folded = tp * dp  # TP x CP x DP (dp counts the CP ranks here): the ranks EP folds over
-    if ep < 1 or folded % ep or (moe and model.config.moe.experts % ep) or (ep > 1 and not moe):
-        raise UsageError(f"EP {ep} must divide TP x CP x DP {folded} and the experts of an MoE model")
-    psi_experts = stage_expert_params(
-        model, pp=pp, stage=stage, ep=ep, layers=n_layers if layers is not None else None, vpp=vpp
-    )
-    # EDP: the ranks holding the same experts, over which ZeRO (stage 3 too) shards their states, HSDP's shard group
-    # aside; at EP 1 the experts are dense weights, replicated over TP and sharded over DP x CP
-    edp = folded // ep if ep > 1 else dp
-    if zero_stage == 3 and 0 < dp_shard < dp:  # HSDP: states sharded inside the shard group only
-        dp = dp_shard
-    main_grads = megatron if main_grads_fp32 is None else main_grads_fp32
-    items = model_state_bytes(
-        psi,
-        dp=dp,
-        zero_stage=zero_stage,
-        precision=precision,
-        offload=offload,
-        buckets=buckets,
-        main_grads=main_grads,
-        moments=moments,
-    )
-    experts = model_state_bytes(
-        psi_experts,
-        dp=edp,
-        zero_stage=zero_stage,
-        precision=precision,
-        offload=offload,
-        buckets=buckets,
-        main_grads=main_grads,
-        moments=moments,
-    )
-    # over EP and EDP: the same ZeRO formulas, DP -> EDP, each on its own line; their fp32 step copy joins the dense
-    # one (DeepSpeed's and Megatron's distributed optimizer copy each group's shard in ``step()`` and free it)
-    items |= {f"expert_{k}": v for k, v in experts.items() if k != "fp32_step_grads"}
-    items["fp32_step_grads"] += experts["fp32_step_grads"]
 
-    # ---- activations ------------------------------------------------------------------
-    shape = dict(
-        tp=tp,
-        sequence_parallel=sequence_parallel,
-        precision=precision,
-        dropout=dropout,
-        dropout_mask_bytes=dropout_mask_bytes,
-        gathered_inputs=gathered_inputs,
-        fused_swiglu=megatron,
-        ring=cp > 1 and cp_ring,
-        cp=cp > 1,
-    )
-    block_input = p * s * b * model.hidden / (tp if sequence_parallel else 1)
 
-    def size(tensors) -> float:
-        return sum(x.bytes(seq_len=s, micro_batch=b) for x in tensors)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Activations:
+    """The activation items' by-products that the buffers and the report read."""
 
-    def saved(tensors: list) -> list:
+    tensors: list  # a typical block's saved tensors
+    kept: float  # their bytes kept per micro-batch
+    in_flight: float  # whole-stage units of micro-batches in flight
+    hidden: float  # one (S', B, H) tensor
+    chunk_moe: tuple
+    lines: dict
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Stage:
+    """``estimate_memory``'s arguments, resolved for one stage (``seq_len``: this rank's tokens; ``dp`` counts the
+    CP ranks), with one method per memory item, so each item reads its rule alone."""
+
+    model: ModelSpec
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    zero_stage: int
+    micro_batch: int
+    seq_len: int
+    accumulation: int | None
+    recompute: str
+    sequence_parallel: bool
+    vpp: int
+    precision: str
+    offload: str
+    stage: int
+    flash_attention: bool
+    dropout: bool | None
+    dropout_mask_bytes: int
+    layers: int | None
+    recompute_fraction: float
+    dp_shard: int
+    gathered_inputs: bool
+    zero_bubble: bool
+    ep: int
+    moe_imbalance: float
+    buckets: Buckets
+    overhead_bytes: float
+    megatron: bool
+    loss_chunks: int
+    cp_ring: bool
+    recompute_modules: tuple
+    main_grads_fp32: bool | None
+    moments: str
+
+    @classmethod
+    def of(cls, *, seq_len, cp, dp, flash_attention, stage, model, pp, **layout) -> _Stage:
+        """The arguments as given, CP folded in (a rank's s/cp tokens; the ring keeps what flash attention keeps;
+        ZeRO over DP x CP) and the stage named by its index."""
+        s = model.seq_len if seq_len is None else seq_len
+        if cp > 1:
+            s, dp, flash_attention = s // cp, dp * cp, True
+        stage = _resolve_stage(stage, pp)
+        return cls(seq_len=s, cp=cp, dp=dp, flash_attention=flash_attention, stage=stage, model=model, pp=pp, **layout)
+
+    @property
+    def p(self) -> int:
+        """Bytes of the training dtype."""
+        return PRECISIONS[self.precision]
+
+    @functools.cached_property
+    def n_layers(self) -> int:
+        """The blocks on this stage."""
+        return stage_layer_counts(self.model, self.pp, self.vpp)[self.stage] if self.layers is None else self.layers
+
+    @property
+    def state_dp(self) -> int:
+        """The ranks ZeRO shards the dense states over: HSDP's shard group under ZeRO-3 when smaller than DP."""
+        return self.dp_shard if self.zero_stage == 3 and 0 < self.dp_shard < self.dp else self.dp
+
+    @property
+    def moe(self) -> bool:
+        return self.model.config.moe is not None
+
+    @functools.cached_property
+    def imbalance(self) -> float:
+        """The busiest expert rank's share of routed tokens over the balanced one."""
+        return routed_imbalance(self.model, self.moe_imbalance, self.ep)
+
+    def estimate(self) -> MemoryEstimate:
+        """Every item of this stage: model states, activations, buffers, overhead."""
+        items, psi, psi_experts = self.state_items()
+        act = self.activation_items(items)
+        items["comm_buffers"] = self.comm_buffers(psi, act)
+        items["zero3_gather"] = self.zero3_gather(psi_experts, act.chunk_moe)
+        items["overhead"] = float(self.overhead_bytes)
+        return MemoryEstimate(
+            items=items,
+            breakdown=act.lines,
+            stage=self.stage,
+            layers=self.n_layers,
+            in_flight=act.in_flight,
+            params_local=psi,
+            activation_per_layer=act.kept,
+            tensors=tuple(act.tensors),
+        )
+
+    def state_items(self) -> tuple[dict, float, float]:
+        """(items, dense params, expert params) of the model states: the dense ones over DP (or HSDP's shard
+        group), the routed experts' over EDP, each by ``model_state_bytes``."""
+        model, tp, pp, dp, ep, stage, vpp = self.model, self.tp, self.pp, self.dp, self.ep, self.stage, self.vpp
+        psi = stage_params(model, tp=tp, pp=pp, stage=stage, layers=self.layers, vpp=vpp)
+        if self.moe and model.config.moe.shared_ffn and tp > 1 and not self.megatron:
+            psi += _replicated_shared_experts(model, tp=tp, pp=pp, stage=stage, layers=self.layers, vpp=vpp)
+        folded = tp * dp  # TP x CP x DP (dp counts the CP ranks here): the ranks EP folds over
+        if ep < 1 or folded % ep or (self.moe and model.config.moe.experts % ep) or (ep > 1 and not self.moe):
+            raise UsageError(f"EP {ep} must divide TP x CP x DP {folded} and the experts of an MoE model")
+        psi_experts = stage_expert_params(
+            model, pp=pp, stage=stage, ep=ep, layers=self.n_layers if self.layers is not None else None, vpp=vpp
+        )
+        # EDP: the ranks holding the same experts, over which ZeRO (stage 3 too) shards their states, HSDP's shard group
+        # aside; at EP 1 the experts are dense weights, replicated over TP and sharded over DP x CP
+        edp = folded // ep if ep > 1 else dp
+        states = dict(
+            zero_stage=self.zero_stage,
+            precision=self.precision,
+            offload=self.offload,
+            buckets=self.buckets,
+            main_grads=self.megatron if self.main_grads_fp32 is None else self.main_grads_fp32,
+            moments=self.moments,
+        )
+        items = model_state_bytes(psi, dp=self.state_dp, **states)
+        experts = model_state_bytes(psi_experts, dp=edp, **states)
+        # over EP and EDP: the same ZeRO formulas, DP -> EDP, each on its own line; their fp32 step copy joins the dense
+        # one (DeepSpeed's and Megatron's distributed optimizer copy each group's shard in ``step()`` and free it)
+        items |= {f"expert_{k}": v for k, v in experts.items() if k != "fp32_step_grads"}
+        items["fp32_step_grads"] += experts["fp32_step_grads"]
+        return items, psi, psi_experts
+
+    # ---- what one block keeps ----------------------------------------------------------
+
+    @property
+    def block_input(self) -> float:
+        """One block's input, one micro-batch: what full recompute keeps of a block."""
+        return self.p * self.seq_len * self.micro_batch * self.model.hidden / (self.tp if self.sequence_parallel else 1)
+
+    def size(self, tensors) -> float:
+        """Bytes of ``tensors`` at this rank's tokens and micro-batch."""
+        return sum(x.bytes(seq_len=self.seq_len, micro_batch=self.micro_batch) for x in tensors)
+
+    def saved(self, tensors: list) -> list:
         """What the runtime saves of ``tensors``: Megatron-Core's fused norms keep no normalised copy."""
-        return [x for x in tensors if not (megatron and x.name.endswith(TE_NORM_DROPS))]
+        return [x for x in tensors if not (self.megatron and x.name.endswith(TE_NORM_DROPS))]
 
-    def megatron_kept(tensors: list, is_moe: bool) -> list:
+    def megatron_kept(self, tensors: list, is_moe: bool) -> list:
         """``tensors`` less what selective recompute frees: Megatron-Core's ``recompute_modules``, or the attention
         core (megakit's selective recompute, and Megatron's default)."""
         dropped = {
             name
-            for module in (recompute_modules or ("core_attn",))
+            for module in (self.recompute_modules or ("core_attn",))
             for name in MEGATRON_RECOMPUTE[module][0 if is_moe else 1]
         }
         return [x for x in tensors if x.name not in dropped]
 
-    def block_tensors(is_moe: bool, flash: bool = flash_attention) -> list:
-        return saved(activation_tensors(model, flash_attention=flash, moe=is_moe, **shape))
+    def block_tensors(self, is_moe: bool, flash: bool | None = None) -> list:
+        """A dense or MoE block's saved tensors (``activation_tensors``), flash attention's or not."""
+        shape = dict(
+            tp=self.tp,
+            sequence_parallel=self.sequence_parallel,
+            precision=self.precision,
+            dropout=self.dropout,
+            dropout_mask_bytes=self.dropout_mask_bytes,
+            gathered_inputs=self.gathered_inputs,
+            fused_swiglu=self.megatron,
+            ring=self.cp > 1 and self.cp_ring,
+            cp=self.cp > 1,
+        )
+        flash = self.flash_attention if flash is None else flash
+        return self.saved(activation_tensors(self.model, flash_attention=flash, moe=is_moe, **shape))
 
-    def kept_tensors(is_moe: bool) -> list:
+    def kept_tensors(self, is_moe: bool) -> list:
         """The tensors a block keeps under selective, per-op or no recompute. A recomputed attention core keeps
         its inputs q, k, v (K and V unrepeated under GQA) and o_proj's input, as flash attention keeps them."""
-        if recompute == "selective":
-            return megatron_kept(
-                block_tensors(is_moe, flash_attention or "core_attn" in (recompute_modules or ("core_attn",))), is_moe
-            )
-        if recompute == "per-op":
-            return [x for x in block_tensors(is_moe) if x.name in PER_OP_KEPT]
-        return block_tensors(is_moe)
+        if self.recompute == "selective":
+            flash = self.flash_attention or "core_attn" in (self.recompute_modules or ("core_attn",))
+            return self.megatron_kept(self.block_tensors(is_moe, flash), is_moe)
+        if self.recompute == "per-op":
+            return [x for x in self.block_tensors(is_moe) if x.name in PER_OP_KEPT]
+        return self.block_tensors(is_moe)
 
-    def kept_bytes(is_moe: bool) -> tuple[list, float, float]:
+    def kept_bytes(self, is_moe: bool) -> tuple[list, float, float]:
         """(the block's saved tensors, their bytes, the bytes recompute leaves kept) of a dense or MoE block."""
-        tensors = block_tensors(is_moe)
-        full = size(tensors)
-        if recompute == "full":  # the block input only, on recompute_fraction of the blocks
-            return tensors, full, recompute_fraction * block_input + (1 - recompute_fraction) * full
-        return tensors, full, size(kept_tensors(is_moe)) + (2 * block_input if recompute == "per-op" else 0.0)
+        tensors = self.block_tensors(is_moe)
+        full = self.size(tensors)
+        if self.recompute == "full":  # the block input only, on recompute_fraction of the blocks
+            return tensors, full, self.recompute_fraction * self.block_input + (1 - self.recompute_fraction) * full
+        kept = self.size(self.kept_tensors(is_moe))
+        return tensors, full, kept + (2 * self.block_input if self.recompute == "per-op" else 0.0)
 
-    def kept_named(is_moe: bool, names) -> float:
+    def kept_named(self, is_moe: bool, names) -> float:
         """Of a block's kept bytes, those of the tensors ``names`` (the recomputed ones left out)."""
-        if recompute == "full":
-            return (1 - recompute_fraction) * size(x for x in block_tensors(is_moe) if x.name in names)
-        return size(x for x in kept_tensors(is_moe) if x.name in names)
+        if self.recompute == "full":
+            return (1 - self.recompute_fraction) * self.size(x for x in self.block_tensors(is_moe) if x.name in names)
+        return self.size(x for x in self.kept_tensors(is_moe) if x.name in names)
 
-    tensors, full_layer, kept = kept_bytes(moe)  # a typical block: the MoE one in an MoE model
-    dense_kept = kept_bytes(False)[2] if moe else kept
-    imbalance = routed_imbalance(model, moe_imbalance, ep)
-    route = (
-        routing_tensors(model, tp=tp, precision=precision, imbalance=imbalance, megatron=megatron, ep=ep) if moe else []
-    )
-    routing = size(route)
-    route_kept = megatron_kept(route, True) if recompute == "selective" else route  # Megatron's "moe" modules
-    routing_kept = (1 - recompute_fraction) * routing if recompute == "full" else size(route_kept)
-    m = accumulation if accumulation is not None else pp * vpp
-    chunk_layers = stage_chunk_layers(model, pp, vpp)[stage] if layers is None else (n_layers / vpp,) * vpp
-    chunk_moe = stage_chunk_moe_layers(model, pp, vpp)[stage] if layers is None else chunk_layers if moe else (0,) * vpp
-    uses_dropout = model.dropout > 0 if dropout is None else dropout
-    mask_split = tp if sequence_parallel else 1  # the embedding is dropped out after its reduce-scatter (both trainers)
-    embedded = s * b * (8 + (model.hidden * dropout_mask_bytes / mask_split if uses_dropout else 0))  # ids, mask
-    hidden = p * s * b * model.hidden / (tp if sequence_parallel else 1)  # one (S', B, H) tensor
-    last_chunk = vpp - 1 if stage == pp - 1 else vpp  # the last virtual stage sends nothing on
-    # Per chunk: its blocks' kept tensors, the first one's embedding inputs, and the output of every chunk that
-    # sends on, which zero bubble's executor keeps until B (not saved by autograd; freed once sent otherwise).
-    # An MoE block keeps its routing tensors too (``moe_routing``, shown apart).
-    weights = [
-        (
-            kept * moe_c + dense_kept * (layers_c - moe_c) + (embedded if stage == 0 and c == 0 else 0.0),
-            routing_kept * moe_c,
-            hidden if c < last_chunk else 0.0,
+    # ---- activations -------------------------------------------------------------------
+
+    def activation_items(self, items: dict) -> _Activations:
+        """The activation items (activations, MoE routing, pipeline outputs, W's inputs, recompute working set,
+        logits): what the micro-batches in flight keep at the stage's peak moment."""
+        model, pp, vpp, stage, recompute = self.model, self.pp, self.vpp, self.stage, self.recompute
+        tensors, full_layer, kept = self.kept_bytes(self.moe)  # a typical block: the MoE one in an MoE model
+        dense_kept = self.kept_bytes(False)[2] if self.moe else kept
+        route = self.routing_tensors()
+        routing = self.size(route)
+        route_kept = self.megatron_kept(route, True) if recompute == "selective" else route  # Megatron's "moe" modules
+        routing_kept = (1 - self.recompute_fraction) * routing if recompute == "full" else self.size(route_kept)
+        m = self.accumulation if self.accumulation is not None else pp * vpp
+        chunk_layers, chunk_moe = self.chunk_blocks()
+        weights = self.chunk_weights(chunk_layers, chunk_moe, kept=kept, dense_kept=dense_kept, routing=routing_kept)
+        mtp = self.mtp_depths(routing_kept, routing)
+        mtp_kept, mtp_routing = sum(x[0] for x in mtp), sum(x[1] for x in mtp)
+        if mtp_kept:  # the MTP modules follow the last block, in the last chunk, kept as long as it is in flight
+            w, r, o = weights[-1]
+            weights[-1] = (w + mtp_kept, r + mtp_routing, o)
+        peak = max(
+            in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp),
+            key=lambda live: sum(n * sum(w) for n, w in zip(live, weights)),
         )
-        for c, (layers_c, moe_c) in enumerate(zip(chunk_layers, chunk_moe))
-    ]
-    mtp = (
-        [(0.0, 0.0, 0.0, 0.0)]
-        if stage < pp - 1 or not model.mtp
-        else [
+        items["pipeline_outputs"] = sum(n * o for n, (_, _, o) in zip(peak, weights)) if self.zero_bubble else 0.0
+        if self.zero_bubble:
+            peak = in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp, zero_bubble=True)[0]
+        items["activations"] = sum(n * w for n, (w, _, _) in zip(peak, weights))
+        items["moe_routing"] = sum(n * r for n, (_, r, _) in zip(peak, weights))
+        lines = {}  # the lines inside items, for ``megakit plan``
+        if self.zero_bubble:
+            lines |= self.weight_grad_inputs(items, chunk_moe, full_layer=full_layer, kept=kept, accumulation=m)
+        in_flight = sum(peak) / vpp  # in whole-stage units
+        # Recomputing one block in backward rebuilds its full activations for one micro-batch.
+        items["recompute_working_set"] = max(
+            [
+                full_layer + routing
+                if recompute == "full"
+                else full_layer + routing - kept - routing_kept
+                if recompute in ("selective", "per-op")
+                else 0.0
+            ]
+            + [x[3] for x in mtp]
+        )
+        items["logits"] = self.logits() if stage == pp - 1 else 0.0
+        if stage == pp - 1 and vpp > 1 and not chunk_layers[-1] and not self.zero_bubble:
+            peak = self.loss_only_chunk(items, weights, accumulation=m)
+            in_flight = sum(peak) / vpp
+        lines |= _breakdown(
+            model,
+            items,
+            peak=peak,
+            chunk_layers=chunk_layers,
+            chunk_moe=chunk_moe,
+            kept_named=self.kept_named,
+            routing=self.size(route_kept),
+            listed=route_kept,
+            seq_len=self.seq_len,
+            micro_batch=self.micro_batch,
+        )
+        return _Activations(
+            tensors=tensors, kept=kept, in_flight=in_flight, hidden=self.block_input, chunk_moe=chunk_moe, lines=lines
+        )
+
+    def routing_tensors(self) -> list:
+        """An MoE block's routing tensors (none in a dense model), the busiest expert rank's."""
+        if not self.moe:
+            return []
+        return routing_tensors(
+            self.model,
+            tp=self.tp,
+            precision=self.precision,
+            imbalance=self.imbalance,
+            megatron=self.megatron,
+            ep=self.ep,
+        )
+
+    def chunk_blocks(self) -> tuple[tuple, tuple]:
+        """(blocks, MoE blocks) of each model chunk on this stage."""
+        model, pp, vpp = self.model, self.pp, self.vpp
+        if self.layers is not None:
+            chunk_layers = (self.n_layers / vpp,) * vpp
+            return chunk_layers, chunk_layers if self.moe else (0,) * vpp
+        return stage_chunk_layers(model, pp, vpp)[self.stage], stage_chunk_moe_layers(model, pp, vpp)[self.stage]
+
+    def chunk_weights(self, chunk_layers, chunk_moe, *, kept: float, dense_kept: float, routing: float) -> list:
+        """Per chunk, per micro-batch in it: (its blocks' kept tensors with the first chunk's embedding inputs, their
+        routing tensors, its output). Every chunk that sends on keeps its output under zero bubble, whose executor
+        keeps it until B (not saved by autograd; freed once sent otherwise)."""
+        model, s, b, tp = self.model, self.seq_len, self.micro_batch, self.tp
+        uses_dropout = model.dropout > 0 if self.dropout is None else self.dropout
+        mask_split = tp if self.sequence_parallel else 1  # the embedding is dropped out after its reduce-scatter
+        embedded = (
+            s * b * (8 + (model.hidden * self.dropout_mask_bytes / mask_split if uses_dropout else 0))
+        )  # ids, mask
+        last_chunk = self.vpp - 1 if self.stage == self.pp - 1 else self.vpp  # the last virtual stage sends nothing on
+        return [
+            (
+                kept * moe_c + dense_kept * (layers_c - moe_c) + (embedded if self.stage == 0 and c == 0 else 0.0),
+                routing * moe_c,
+                self.block_input if c < last_chunk else 0.0,
+            )
+            for c, (layers_c, moe_c) in enumerate(zip(chunk_layers, chunk_moe))
+        ]
+
+    def mtp_depths(self, routing_kept: float, routing: float) -> list:
+        """(kept, routing kept, -, recompute working set) of each MTP depth on the last stage (``_mtp_depth_bytes``)."""
+        model = self.model
+        if self.stage < self.pp - 1 or not model.mtp:
+            return [(0.0, 0.0, 0.0, 0.0)]
+        return [
             _mtp_depth_bytes(
                 model,
-                kept_bytes(model.config.is_moe_layer(model.layers + k - 1)),
+                self.kept_bytes(model.config.is_moe_layer(model.layers + k - 1)),
                 routing_kept,
                 routing,
                 moe_block=model.config.is_moe_layer(model.layers + k - 1),
-                recompute=recompute,
-                fraction=recompute_fraction,
-                hidden=hidden,
-                rows=s * b / (tp if sequence_parallel else 1),
+                recompute=self.recompute,
+                fraction=self.recompute_fraction,
+                hidden=self.block_input,
+                rows=self.seq_len * self.micro_batch / (self.tp if self.sequence_parallel else 1),
             )
             for k in range(1, model.mtp + 1)
         ]
-    )
-    mtp_kept, mtp_routing = sum(x[0] for x in mtp), sum(x[1] for x in mtp)
-    if mtp_kept:  # the MTP modules follow the last block, in the last chunk, kept as long as it is in flight
-        w, r, o = weights[-1]
-        weights[-1] = (w + mtp_kept, r + mtp_routing, o)
-    peak = max(
-        in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp),
-        key=lambda live: sum(n * sum(w) for n, w in zip(live, weights)),
-    )
-    items["pipeline_outputs"] = sum(n * o for n, (_, _, o) in zip(peak, weights)) if zero_bubble else 0.0
-    if zero_bubble:
-        peak = in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp, zero_bubble=True)[0]
-    items["activations"] = sum(n * w for n, (w, _, _) in zip(peak, weights))
-    items["moe_routing"] = sum(n * r for n, (_, r, _) in zip(peak, weights))
-    moe_blocks = sum(chunk_moe) + (
-        sum(model.config.is_moe_layer(model.layers + k - 1) for k in range(1, model.mtp + 1)) if stage == pp - 1 else 0
-    )  # an MTP module's block like the others
-    dense_blocks = n_layers + (model.mtp if stage == pp - 1 else 0) - moe_blocks
-    lines = {}  # the lines inside items, for ``megakit plan``
-    if zero_bubble:  # per pending W: the gradients B left, and what B recomputed (kept by the retained graph)
-        out = dict(tp=tp, precision=precision, seq_len=s, micro_batch=b, sequence_parallel=sequence_parallel)
-        dense_full, dense_kept = kept_bytes(False)[1:]
-        pending = min(stage + 1, m) if stage > 0 else 0
-        experts_out = _matmul_output_bytes(model, moe=True, imbalance=imbalance, **out) if moe else 0.0
+
+    def weight_grad_inputs(self, items: dict, chunk_moe, *, full_layer: float, kept: float, accumulation: int) -> dict:
+        """Zero bubble's item: per pending W, the gradients B left and what B recomputed (kept by the retained
+        graph). Returns its line for the report."""
+        model, stage, pp = self.model, self.stage, self.pp
+        moe_blocks = sum(chunk_moe) + (
+            sum(model.config.is_moe_layer(model.layers + k - 1) for k in range(1, model.mtp + 1))
+            if stage == pp - 1
+            else 0
+        )  # an MTP module's block like the others
+        dense_blocks = self.n_layers + (model.mtp if stage == pp - 1 else 0) - moe_blocks
+        out = dict(
+            tp=self.tp,
+            precision=self.precision,
+            seq_len=self.seq_len,
+            micro_batch=self.micro_batch,
+            sequence_parallel=self.sequence_parallel,
+        )
+        dense_full, dense_kept = self.kept_bytes(False)[1:]
+        pending = min(stage + 1, accumulation) if stage > 0 else 0
+        experts_out = _matmul_output_bytes(model, moe=True, imbalance=self.imbalance, **out) if self.moe else 0.0
         items["weight_grad_inputs"] = pending * (
             dense_blocks * (_matmul_output_bytes(model, **out) + dense_full - dense_kept)
             + moe_blocks * (experts_out + full_layer - kept)
         )
-        if moe:
-            lines["weight_grad_inputs"] = {
-                "MoE blocks' matmul outputs (experts at top-k x FFN width)": pending * moe_blocks * experts_out
-            }
-    in_flight = sum(peak) / vpp  # in whole-stage units
-    # Recomputing one block in backward rebuilds its full activations for one micro-batch.
-    items["recompute_working_set"] = max(
-        [
-            full_layer + routing
-            if recompute == "full"
-            else full_layer + routing - kept - routing_kept
-            if recompute in ("selective", "per-op")
-            else 0.0
-        ]
-        + [x[3] for x in mtp]
-    )
-    if stage == pp - 1:  # the main head's, and each MTP depth's head and loss (saved until backward; the
-        # transient logits of one head at a time), less what full recompute rebuilds: depth k's final norm
-        head = dict(
-            tp=tp,
-            sequence_parallel=sequence_parallel,
-            precision=precision,
-            seq_len=s,
-            micro_batch=b,
-            loss_chunks=loss_chunks,
+        if not self.moe:
+            return {}
+        line = "MoE blocks' matmul outputs (experts at top-k x FFN width)"
+        return {"weight_grad_inputs": {line: pending * moe_blocks * experts_out}}
+
+    @property
+    def head(self) -> dict:
+        """``logits_bytes``' layout arguments."""
+        return dict(
+            tp=self.tp,
+            sequence_parallel=self.sequence_parallel,
+            precision=self.precision,
+            seq_len=self.seq_len,
+            micro_batch=self.micro_batch,
+            loss_chunks=self.loss_chunks,
         )
-        norm = s * b * (2 * p * model.hidden + 4) / (tp if sequence_parallel else 1)  # RMSNorm: MTP is llama-only
-        items["logits"] = logits_bytes(model, **head) + model.mtp * (
-            logits_bytes(model, transient=False, **head) - (recompute_fraction * norm if recompute == "full" else 0)
+
+    def logits(self) -> float:
+        """The last stage's main head's, and each MTP depth's head and loss (saved until backward; the transient
+        logits of one head at a time), less what full recompute rebuilds: depth k's final norm."""
+        model, s, b, head = self.model, self.seq_len, self.micro_batch, self.head
+        norm = s * b * (2 * self.p * model.hidden + 4) / (self.tp if self.sequence_parallel else 1)  # RMSNorm (llama)
+        return logits_bytes(model, **head) + model.mtp * (
+            logits_bytes(model, transient=False, **head)
+            - (self.recompute_fraction * norm if self.recompute == "full" else 0)
         )
-    else:
-        items["logits"] = 0.0
-    if stage == pp - 1 and vpp > 1 and not chunk_layers[-1] and not zero_bubble:
-        # A loss-only last chunk (Megatron's "L" stage) holds the logits only while a micro-batch is in it, not when
-        # the chunks before it hold the most: the stage peaks at the larger of the two moments. The activations
-        # item stays at least the saved tensors' peak (what --verify-memory counts): the total may then exceed
-        # the loss's moment by up to its transient logits.
-        states = in_flight_chunks(pp=pp, stage=stage, accumulation=m, vpp=vpp)
+
+    def loss_only_chunk(self, items: dict, weights: list, *, accumulation: int) -> tuple:
+        """The moment a loss-only last chunk (Megatron's "L" stage) peaks at, its items set. It holds the logits only
+        while a micro-batch is in it, not when the chunks before it hold the most: the stage peaks at the larger of
+        the two moments. The activations item stays at least the saved tensors' peak (what --verify-memory counts):
+        the total may then exceed the loss's moment by up to its transient logits."""
+        model, head = self.model, self.head
+        states = in_flight_chunks(pp=self.pp, stage=self.stage, accumulation=accumulation, vpp=self.vpp)
         blocks = {live: sum(n * w for n, (w, _, _) in zip(live, weights)) for live in states}
         held = max(states, key=lambda live: blocks[live] + items["logits"] * (live[-1] > 0))
         kept_logits = items["logits"] - logits_bytes(model, **head) + logits_bytes(model, transient=False, **head)
         items["activations"] = max(blocks[held], max(blocks.values()) - kept_logits) if held[-1] else blocks[held]
         items["moe_routing"] = sum(n * r for n, (_, r, _) in zip(held, weights))
         items["logits"] *= held[-1] > 0
-        in_flight = sum(held) / vpp
-        peak = held
-    lines |= _breakdown(
-        model,
-        items,
-        peak=peak,
-        chunk_layers=chunk_layers,
-        chunk_moe=chunk_moe,
-        kept_named=kept_named,
-        routing=size(route_kept),
-        listed=route_kept,
-        seq_len=s,
-        micro_batch=b,
-    )
+        return held
 
-    # ---- communication buffers --------------------------------------------------------
-    if dp > 1 or zero_stage >= 1:
-        if zero_stage == 0:
-            comm = p * min(buckets.reduce_bucket, psi)
-        elif zero_stage in (1, 2):
-            # With contiguous gradients DeepSpeed allocates whole reduce buckets up front, however small
-            # the model (stage_1_and_2.setup_buckets): two with overlap_comm, which emit.py sets without PP.
-            comm = (2 if pp == 1 else 1) * p * buckets.reduce_bucket + p * min(buckets.allgather_bucket, psi / dp)
+    # ---- buffers -----------------------------------------------------------------------
+
+    def comm_buffers(self, psi: float, act: _Activations) -> float:
+        """DeepSpeed's reduce and all-gather buckets, the pipeline's receive buffers, ring attention's K/V blocks and
+        the MoE all-to-all's buffers (the latter's line into ``act.lines``)."""
+        p, pp, buckets, zero_stage, dp = self.p, self.pp, self.buckets, self.zero_stage, self.state_dp
+        if dp > 1 or zero_stage >= 1:
+            if zero_stage == 0:
+                comm = p * min(buckets.reduce_bucket, psi)
+            elif zero_stage in (1, 2):
+                # With contiguous gradients DeepSpeed allocates whole reduce buckets up front, however small
+                # the model (stage_1_and_2.setup_buckets): two with overlap_comm, which emit.py sets without PP.
+                comm = (2 if pp == 1 else 1) * p * buckets.reduce_bucket + p * min(buckets.allgather_bucket, psi / dp)
+            else:
+                comm = p * min(buckets.reduce_bucket, psi)
         else:
-            comm = p * min(buckets.reduce_bucket, psi)
-    else:
-        comm = 0.0
-    if pp > 1:  # the receive buffer posted for the next micro-batch's activation or gradient
-        comm += hidden
-    if pp > 1 and stage < pp - 1:  # the gradient received for the micro-batch in backward, held until it ends
-        comm += hidden
-    if cp > 1:  # ring attention: the K/V block in use and the one arriving
-        comm += 2 * 2 * p * s * b * model.kv_heads_per_rank(tp) * model.head_dim
-    if moe and ep > 1:  # an all-to-all's send and receive buffers: top-k copies of the rank's tokens
-        a2a = size(dispatch_buffers(model, tp=tp, precision=precision, imbalance=imbalance, ep=ep)[1])
-        comm += a2a
-        lines["comm_buffers"] = {"MoE all-to-all send and receive buffers": a2a}
-    items["comm_buffers"] = comm
-    if zero_stage == 3:  # full (TP-sharded) parameters of the layer in use plus the prefetched one
-        sharded, replicated = model.layer_params(tp)
+            comm = 0.0
+        if pp > 1:  # the receive buffer posted for the next micro-batch's activation or gradient
+            comm += act.hidden
+        if pp > 1 and self.stage < pp - 1:  # the gradient received for the micro-batch in backward, held until it ends
+            comm += act.hidden
+        if self.cp > 1:  # ring attention: the K/V block in use and the one arriving
+            comm += (
+                2
+                * 2
+                * p
+                * self.seq_len
+                * self.micro_batch
+                * self.model.kv_heads_per_rank(self.tp)
+                * self.model.head_dim
+            )
+        if self.moe and self.ep > 1:  # an all-to-all's send and receive buffers: top-k copies of the rank's tokens
+            buffers = dispatch_buffers(
+                self.model, tp=self.tp, precision=self.precision, imbalance=self.imbalance, ep=self.ep
+            )
+            a2a = self.size(buffers[1])
+            comm += a2a
+            act.lines["comm_buffers"] = {"MoE all-to-all send and receive buffers": a2a}
+        return comm
+
+    def zero3_gather(self, psi_experts: float, chunk_moe) -> float:
+        """ZeRO-3's full (TP-sharded) parameters of the layer in use plus the prefetched one."""
+        if self.zero_stage != 3:
+            return 0.0
+        sharded, replicated = self.model.layer_params(self.tp)
         sharded += psi_experts / max(sum(chunk_moe), 1)  # with this rank's experts, gathered over EDP
-        live = min(buckets.stage3_max_live, 2 * (sharded + replicated) + buckets.stage3_prefetch)
-        items["zero3_gather"] = p * live
-    else:
-        items["zero3_gather"] = 0.0
-    items["overhead"] = float(overhead_bytes)
-    return MemoryEstimate(
-        items=items,
-        breakdown=lines,
-        stage=stage,
-        layers=n_layers,
-        in_flight=in_flight,
-        params_local=psi,
-        activation_per_layer=kept,
-        tensors=tuple(tensors),
-    )
+        live = min(self.buckets.stage3_max_live, 2 * (sharded + replicated) + self.buckets.stage3_prefetch)
+        return self.p * live
 
 
 def _breakdown(

@@ -71,6 +71,8 @@ def _tp_rule(model: ModelSpec, tp: int) -> str:
 def check_pins(
     model: ModelSpec, cluster: Cluster, pins: Pins, global_batch: int, *, seq_len: int | None = None
 ) -> None:
+    """Refuse, in one line naming the fix, a pinned dimension the model, the cluster or the batch cannot take,
+    before the search runs (the rest of the layout is searched around the pins)."""
     world = cluster.num_gpus
     node = cluster.gpus_per_node
     stages = parse_compression(pins.compress).zero_stages
@@ -79,6 +81,17 @@ def check_pins(
             f"--compress {pins.compress} runs with ZeRO {' or '.join(map(str, stages))} only (higher "
             f"stages reduce inside DeepSpeed's backward); drop --zero or pin --zero {stages[-1]}"
         )
+    _check_cp(model, cluster, pins, seq_len=seq_len)
+    _check_tp_pp(model, pins, world, node)
+    _check_ep(model, pins, world)
+    _check_pipeline(model, pins)
+    if pins.micro_batch is not None and global_batch % pins.micro_batch:
+        raise UsageError(f"--micro-batch {pins.micro_batch} does not divide --global-batch {global_batch}")
+
+
+def _check_cp(model: ModelSpec, cluster: Cluster, pins: Pins, *, seq_len: int | None) -> None:
+    """``--cp`` must cut the sequence into 2 x CP chunks, divide the GPUs, and suit its mode's heads and node."""
+    world, node = cluster.num_gpus, cluster.gpus_per_node
     if pins.cp is not None:
         s = model.seq_len if seq_len is None else seq_len
         if pins.cp < 1:
@@ -111,6 +124,10 @@ def check_pins(
             f"--cp-a2a {pins.cp_a2a} sets the all-to-all degree of --cp-mode hybrid; add --cp-mode "
             "hybrid or drop --cp-a2a"
         )
+
+
+def _check_tp_pp(model: ModelSpec, pins: Pins, world: int, node: int) -> None:
+    """``--tp`` must shard the model inside a node and ``--pp`` fit its layers, both dividing the GPUs."""
     if pins.tp is not None:
         if pins.tp < 1:
             raise UsageError(f"--tp {pins.tp} must be a positive integer")
@@ -135,7 +152,10 @@ def check_pins(
                 f"--tp {pins.tp or 1} x --pp {pins.pp} does not divide the {world} GPUs; "
                 "pick TP x PP that divides the GPU count"
             )
-    _check_ep(model, pins, world)
+
+
+def _check_pipeline(model: ModelSpec, pins: Pins) -> None:
+    """ZeRO, interleaving, the stages' layers and the schedule: the pipelines megakit runs."""
     if pins.zero is not None and pins.zero not in (0, 1, 2, 3):
         raise UsageError(f"--zero {pins.zero} does not exist; use 0, 1, 2 or 3")
     if pins.zero == 2 and (pins.pp or 1) > 1:
@@ -180,8 +200,6 @@ def check_pins(
             f"--schedule {pins.schedule} runs one model chunk per stage, got --vpp {pins.vpp}; "
             "drop --vpp, or drop --schedule to interleave"
         )
-    if pins.micro_batch is not None and global_batch % pins.micro_batch:
-        raise UsageError(f"--micro-batch {pins.micro_batch} does not divide --global-batch {global_batch}")
 
 
 def _check_ep(model: ModelSpec, pins: Pins, world: int) -> None:

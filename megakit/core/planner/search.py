@@ -132,20 +132,7 @@ def search(
     one_gpu, one_gpu_bytes = fits_one_gpu(
         model, cluster, threshold=threshold, precision=precision, flash=flash, seq_len=s
     )
-    if pins.layout_pinned:
-        branch, why = "pinned", "the layout was pinned on the command line"
-    elif one_gpu:
-        branch = "data-parallel"
-        why = (
-            f"the whole training state ({one_gpu_bytes / GIB:.1f} GiB with one sequence) fits one GPU within "
-            f"{threshold:.0%} of {cluster.gpu.mem_gib:,.4g} GiB, so: data parallelism, ZeRO only as memory requires"
-        )
-    else:
-        branch = "model-parallel"
-        why = (
-            f"the whole training state ({one_gpu_bytes / GIB:.0f} GiB) exceeds {threshold:.0%} of one GPU's "
-            f"{cluster.gpu.mem_gib:,.4g} GiB, so: TP inside a node, PP across nodes, DP for the rest"
-        )
+    branch, why = _branch(cluster, pins, one_gpu, one_gpu_bytes, threshold=threshold)
 
     hard = cluster.gpu.mem_gib * GIB if judged else limit
     ctx = _Context(
@@ -193,17 +180,8 @@ def search(
         if judged and ctx.closest is not None:
             raise _judged_no(model, cluster, ctx, threshold=threshold, limit=limit)
         raise NoPlan(_no_plan_reason(ctx), memory_bound=ctx.evaluated > 0)
-    under = [c for c in ctx.feasible if c.memory.total <= limit]
-    ranked = sorted(under or ctx.feasible, key=lambda c: -c.cost.tokens_per_s)
-    # Within TIE of the fastest, the simplest plan wins (lower ZeRO, fewer stages, ...): the seed's
-    # "ZeRO only as memory requires" and no complexity the cost model cannot tell apart.
-    near = [c for c in ranked if c.cost.tokens_per_s >= (1 - TIE) * ranked[0].cost.tokens_per_s]
-    best = min(near, key=_simplicity)
-    ranked = [best] + [c for c in ranked if c is not best]
-    # The fastest plans that did not fit (up to keep_rejected), then every structural reason once.
-    rejected = sorted((r for r in ctx.rejected if r.tokens_per_s is not None), key=lambda r: -r.tokens_per_s)
-    rejected = rejected[:keep_rejected] + [r for r in ctx.rejected if r.tokens_per_s is None]
-    fits = verdict(best.memory.total, threshold_bytes=limit, gpu_bytes=hard)
+    ranked, rejected = _rank(ctx, limit=limit, keep_rejected=keep_rejected)
+    fits = verdict(ranked[0].memory.total, threshold_bytes=limit, gpu_bytes=hard)
     return SearchResult(
         best=ranked[0],
         ranked=ranked,
@@ -215,6 +193,36 @@ def search(
         fits=fits,
         threshold=threshold,
     )
+
+
+def _branch(cluster: Cluster, pins: Pins, one_gpu: bool, one_gpu_bytes: float, *, threshold: float) -> tuple:
+    """(branch, why): the rule the search starts from, in words for the report: the pinned layout, data parallelism
+    when the whole training state fits one GPU, else TP inside a node and PP across nodes."""
+    if pins.layout_pinned:
+        return "pinned", "the layout was pinned on the command line"
+    if one_gpu:
+        return "data-parallel", (
+            f"the whole training state ({one_gpu_bytes / GIB:.1f} GiB with one sequence) fits one GPU within "
+            f"{threshold:.0%} of {cluster.gpu.mem_gib:,.4g} GiB, so: data parallelism, ZeRO only as memory requires"
+        )
+    return "model-parallel", (
+        f"the whole training state ({one_gpu_bytes / GIB:.0f} GiB) exceeds {threshold:.0%} of one GPU's "
+        f"{cluster.gpu.mem_gib:,.4g} GiB, so: TP inside a node, PP across nodes, DP for the rest"
+    )
+
+
+def _rank(ctx: _Context, *, limit: float, keep_rejected: int) -> tuple[list, list]:
+    """(ranked, rejected): the feasible plans under the line, fastest first with the simplest near the top first;
+    the fastest plans that did not fit (up to ``keep_rejected``), then every structural reason once."""
+    under = [c for c in ctx.feasible if c.memory.total <= limit]
+    ranked = sorted(under or ctx.feasible, key=lambda c: -c.cost.tokens_per_s)
+    # Within TIE of the fastest, the simplest plan wins (lower ZeRO, fewer stages, ...): the seed's
+    # "ZeRO only as memory requires" and no complexity the cost model cannot tell apart.
+    near = [c for c in ranked if c.cost.tokens_per_s >= (1 - TIE) * ranked[0].cost.tokens_per_s]
+    best = min(near, key=_simplicity)
+    ranked = [best] + [c for c in ranked if c is not best]
+    rejected = sorted((r for r in ctx.rejected if r.tokens_per_s is not None), key=lambda r: -r.tokens_per_s)
+    return ranked, rejected[:keep_rejected] + [r for r in ctx.rejected if r.tokens_per_s is None]
 
 
 class NoPlan(UsageError):
@@ -382,7 +390,12 @@ class _Context:
             return [self.pins.cp]
         if branch == "data-parallel" or self.seq_len < LONG_SEQ:
             return [1]
-        return [c for c in divisors(self.cluster.num_gpus // tp) if self.seq_len % (2 * c) == 0]
+        mixers = self.model.config.mamba  # Mamba-2 splits its heads and groups over TP x CP
+        return [
+            c
+            for c in divisors(self.cluster.num_gpus // tp)
+            if self.seq_len % (2 * c) == 0 and not (mixers and mixers.split_conflicts(tp * c))
+        ]
 
     def _pps(self, branch: str, zeros, tp: int, cp: int) -> None:
         m, pins, world = self.model, self.pins, self.cluster.num_gpus
@@ -545,44 +558,41 @@ class _Context:
                 continue
             # the CP mode prices the attention exchange only (memory is the same), so it is tried past the floor
             for recompute, sp, (cp_mode, cp_a2a) in itertools.product(recomputes, sps, self._cp_modes(tp, cp)):
-                for mb in mbs:
-                    if per_rank % mb:
-                        continue
-                    ga = per_rank // mb
-                    plan = dataclasses.replace(
-                        base,
-                        vpp=vpp,
-                        recompute=recompute,
-                        sequence_parallel=sp,
-                        cp_mode=cp_mode,
-                        cp_a2a=cp_a2a,
-                        micro_batch=mb,
-                        accumulation=ga,
-                    )
-                    if vpp > 1 and ga % pp:
-                        self.reject(
-                            plan,
-                            f"interleaving (VPP={vpp}) needs the {ga} micro-batches to be a multiple of PP={pp}",
-                            unique_key=("vpp-ga", pp, vpp),
-                            kind="vpp",
-                        )
-                        continue
-                    self.evaluated += 1
-                    mem = peak_memory(m, seq_len=self.seq_len, overhead_bytes=OVERHEAD_BYTES, **plan.memory_kwargs())
-                    cost = estimate_cost(m, self.cluster, plan, seq_len=self.seq_len)
-                    if mem.total > self.limit:
-                        if self.closest is None or mem.total < self.closest.memory.total:
-                            self.closest = Candidate(plan, mem, cost)
-                        self.reject(
-                            plan,
-                            f"peak {mem.total / GIB:.2f} GiB > {self.limit / GIB:.2f} GiB "
-                            f"({self.limit / GIB / self.cluster.gpu.mem_gib:.0%} of "
-                            f"{self.cluster.gpu.mem_gib:,.4g} GiB)",
-                            cost.tokens_per_s,
-                            peak=mem.total,
-                        )
-                        break  # a bigger micro-batch only needs more
-                    self.feasible.append(Candidate(plan, mem, cost))
+                layout = dict(vpp=vpp, recompute=recompute, sequence_parallel=sp, cp_mode=cp_mode, cp_a2a=cp_a2a)
+                self._micro_batches(base, layout, mbs, per_rank=per_rank)
+
+    def _micro_batches(self, base: Plan, layout: dict, mbs: list, *, per_rank: int) -> None:
+        """Each micro-batch of one layout, smallest first, until one does not fit: a bigger one only needs more."""
+        m, pp, vpp = self.model, base.pp, layout["vpp"]
+        for mb in mbs:
+            if per_rank % mb:
+                continue
+            ga = per_rank // mb
+            plan = dataclasses.replace(base, **layout, micro_batch=mb, accumulation=ga)
+            if vpp > 1 and ga % pp:
+                self.reject(
+                    plan,
+                    f"interleaving (VPP={vpp}) needs the {ga} micro-batches to be a multiple of PP={pp}",
+                    unique_key=("vpp-ga", pp, vpp),
+                    kind="vpp",
+                )
+                continue
+            self.evaluated += 1
+            mem = peak_memory(m, seq_len=self.seq_len, overhead_bytes=OVERHEAD_BYTES, **plan.memory_kwargs())
+            cost = estimate_cost(m, self.cluster, plan, seq_len=self.seq_len)
+            if mem.total > self.limit:
+                if self.closest is None or mem.total < self.closest.memory.total:
+                    self.closest = Candidate(plan, mem, cost)
+                self.reject(
+                    plan,
+                    f"peak {mem.total / GIB:.2f} GiB > {self.limit / GIB:.2f} GiB "
+                    f"({self.limit / GIB / self.cluster.gpu.mem_gib:.0%} of "
+                    f"{self.cluster.gpu.mem_gib:,.4g} GiB)",
+                    cost.tokens_per_s,
+                    peak=mem.total,
+                )
+                break  # a bigger micro-batch only needs more
+            self.feasible.append(Candidate(plan, mem, cost))
 
 
 def smallest_cluster(model: ModelSpec, make_cluster, *, global_batch: int, max_nodes: int = 4096, **kwargs):

@@ -1,4 +1,4 @@
-"""Ulysses context parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023): the sequence's heads split over CP, not its keys.
+"""Ulysses context parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023): the heads split over CP, not the keys.
 
 A CP rank holds ``S/cp`` tokens (the load-balanced chunks of ``sequence.positions``) with all of its TP
 rank's heads. One all-to-all per tensor turns ``q``, ``k``, ``v`` into all ``S`` tokens, in sequence order, of
@@ -34,7 +34,8 @@ def _sequence_order(seq_len: int, cp: int, members: range, device) -> tuple[torc
 
 
 def _heads_to_sequence(x: torch.Tensor, group, cp: int, inverse: torch.Tensor) -> torch.Tensor:
-    """``(B, n, S/cp, d)`` -> ``(B, n/cp, S, d)``: head group ``j`` to rank ``j``, every rank's tokens in sequence order."""
+    """``(B, n, S/cp, d)`` -> ``(B, n/cp, S, d)``: head group ``j`` to rank ``j``, every rank's tokens in sequence
+    order."""
     b, n, s, d = x.shape
     parts = x.reshape(b, cp, n // cp, s, d).transpose(0, 1).reshape(cp, -1)  # (cp, B n/cp S/cp d): part j to rank j
     got = all_to_all(parts.contiguous(), group, [1] * cp, [1] * cp)  # part r: rank r's tokens of my heads

@@ -34,6 +34,8 @@ from megakit.nn.tensor_parallel.collectives import all_to_all
 
 
 class Dispatcher(Protocol):
+    """Moves each routed token to the rank of its expert and back: local sorting, or an all-to-all over EP."""
+
     def dispatch(
         self, x: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, object]:
@@ -88,9 +90,11 @@ class LocalDispatcher:
         self.num_experts = num_experts
 
     def dispatch(self, x, experts, keep):
+        """Rows grouped by expert, in this process."""
         return _sort(x, experts, keep, self.num_experts)
 
     def combine(self, y, plan):
+        """The experts' outputs back in token order."""
         return _unsort(y, plan)
 
 
@@ -131,15 +135,18 @@ class AllToAllDispatcher:
         self.local = num_experts // self.ep
 
     def dispatch(self, x, experts, keep):
+        """Rows sorted by expert, then exchanged so each rank holds its own experts' rows."""
         rows, counts, plan = _sort(x, experts, keep, self.num_experts)
         return _exchange(rows, counts, plan, self.group, self.ep, self.local)
 
     @torch.compiler.disable  # as dispatch: eager between two graphs, whose inputs have static shapes again
     def combine(self, y, plan):
+        """The experts' outputs sent back to their tokens' ranks, in token order."""
         inverse = torch.empty_like(plan.regroup)
         inverse[plan.regroup] = torch.arange(plan.regroup.numel(), device=y.device)
         return _unsort(all_to_all(y[inverse], self.group, plan.recv, plan.send), plan.local)
 
 
 def make_dispatcher(num_experts: int, ep_group) -> Dispatcher:
+    """Local sorting without EP, the all-to-all dispatcher with it."""
     return LocalDispatcher(num_experts) if C.size(ep_group) == 1 else AllToAllDispatcher(num_experts, ep_group)

@@ -311,7 +311,8 @@ class PipelineExecutor:
             st.pending.append((tensor, self._isend(tensor, a)))
 
     def _run_batch(self, st: _StepState, index: int) -> int:
-        """Batched mode: post the run of sends/receives at ``index`` at once, wait for all; return the index after it."""
+        """Batched mode: post the run of sends/receives at ``index`` at once, wait for all; return the index after
+        it."""
         sends, receives, recvs, end = [], [], [], index
         while end < len(self.actions) and isinstance(self.actions[end], SENDS + RECVS):
             a = self.actions[end]

@@ -62,6 +62,7 @@ class SentOutputs:
         self.sending: list = []  # (key, tensor, work) of isends not yet known complete, oldest first
 
     def keep(self, key, output: torch.Tensor) -> None:
+        """Hold ``output`` (a stage's forward result) until its send completes."""
         if self.enabled and output.requires_grad:
             self.outputs[key] = (output, handle(output))
 

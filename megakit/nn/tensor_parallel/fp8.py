@@ -32,6 +32,7 @@ EMULATE_ENV = "MEGAKIT_FP8_EMULATE"
 
 
 def emulating() -> bool:
+    """Whether FP8 GEMMs are emulated on the CPU (tests set the environment variable)."""
     return os.environ.get(EMULATE_ENV, "") not in ("", "0")
 
 
@@ -70,6 +71,7 @@ class Float8Matmul:
         self.config, self.mm_config = meta.config, meta.linear_mm_config
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias`` with torchao's float8 GEMM under this recipe."""
         from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
         y = matmul_with_hp_or_float8_args.apply(x, weight.t(), self.mm_config, self.config)

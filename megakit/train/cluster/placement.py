@@ -54,6 +54,7 @@ def node_id(environ=os.environ) -> str:
 
 
 def here() -> Place:
+    """This process's node, host and pid."""
     return Place(node=node_id(), host=host_id(), pid=os.getpid())
 
 

@@ -67,10 +67,10 @@ def measure_compute(device, dtype, *, hidden: int, tokens: int, repeat: int) -> 
         for m, k, n in shapes
     ]
     for a, b, c in operands:  # warm up every shape first: clocks, thread pools, allocator
-        _timed(lambda: torch.matmul(a, b, out=c), repeat=2, sync=sync)
+        _timed(lambda a=a, b=b, c=c: torch.matmul(a, b, out=c), repeat=2, sync=sync)
     matmul = []
     for (m, k, n), (a, b, c) in zip(shapes, operands):
-        seconds = _timed(lambda: torch.matmul(a, b, out=c), repeat=repeat, sync=sync)
+        seconds = _timed(lambda a=a, b=b, c=c: torch.matmul(a, b, out=c), repeat=repeat, sync=sync)
         matmul.append({"m": m, "k": k, "n": n, "tflops": 2 * m * k * n / seconds / 1e12})
     mib = 1024 if device.type == "cuda" else 64  # large enough to stream past the caches
     big = torch.empty(mib * 2**20 // torch.finfo(dtype).bits * 8, device=device, dtype=dtype)

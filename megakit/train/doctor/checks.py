@@ -22,12 +22,15 @@ REFERENCE_MAX_PARAMS = 2e9  # the single-process run must fit this machine
 
 @dataclass(frozen=True)
 class Verdict:
+    """One check's outcome: passed, failed or not judged, its numbers, and the fix when it failed."""
+
     name: str
     passed: bool | None  # None: not judged (say why in ``numbers``)
     numbers: str
     fix: str = ""  # what to change, when it failed
 
     def to_dict(self) -> dict:
+        """The verdict as JSON for ``--json``."""
         return {"name": self.name, "passed": self.passed, "numbers": self.numbers, "fix": self.fix}
 
 
@@ -78,6 +81,7 @@ def _differences(ranks: list[dict], which: str) -> list[str]:
 
 
 def check_weights(facts: dict) -> Verdict:
+    """Replicas hold the same weights after building and after training."""
     ranks = facts["ranks"]
     built = _differences(ranks, "built")
     trained = _differences(ranks, "weights") if ranks[0]["weights"] is not None else []
@@ -177,6 +181,7 @@ def check_data(facts: dict, expected: list[list[str]] | None = None) -> Verdict:
 
 # -- 3. gradient norms -----------------------------------------------------------------------------
 def check_gradients(facts: dict) -> Verdict:
+    """Every rank's gradients are finite and the DP replicas' norms agree."""
     info = {r["rank"]: r for r in facts["ranks"]}
     for step in facts["steps"]:
         bad = [row for row in step["ranks"] if not math.isfinite(row["local_grad_norm"])]
@@ -228,6 +233,7 @@ def job_losses(facts: dict) -> list[float]:
 
 
 def check_loss(facts: dict, reference: list[float] | None, *, why_not: str = "") -> Verdict:
+    """The job's losses equal one process's on the same data, within the fp32 bound."""
     name = "loss against a single process"
     if reference is None:
         return Verdict(name, None, f"skipped: {why_not}")
@@ -362,6 +368,7 @@ def check_lr(facts: dict, *, base_lr: float | None = None, base_batch: int | Non
 
 # -- 6. backend and interconnect -------------------------------------------------------------------
 def check_backend(facts: dict) -> Verdict:
+    """One backend and device kind over the job, and what the nodes are."""
     ranks, config = facts["ranks"], facts["config"]
     backends = sorted({r["backend"] for r in ranks})
     devices = sorted({r["device"] for r in ranks})

@@ -123,9 +123,11 @@ class TrainingFaults:
         return output * float("nan") if self.step == self.nan_step else output
 
     def spiked(self, data_step: int, loss):
+        """The loss, multiplied at the planted spike's step."""
         return loss * SPIKE_FACTOR if data_step == self.spike_step else loss
 
     def at_step(self, step: int) -> None:
+        """Note the step; kill this process at the planted step."""
         self.step = step
         if step == self.kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -147,15 +149,18 @@ class FaultyBatches:
         return max(1, rows // 2) if self.faults.unbalanced else rows
 
     def micro_batches(self, step: int, dp_rank: int):
+        """The wrapped batches, cut short where a fault plants a short batch."""
         return [
             (x[: self._keep(len(x))], y[: self._keep(len(y))])
             for x, y in self.batches.micro_batches(step, self._source(dp_rank))
         ]
 
     def sample_numbers(self, step: int, dp_rank: int) -> list[range]:
+        """The wrapped sample numbers, cut like the batches."""
         return [rows[: self._keep(len(rows))] for rows in self.batches.sample_numbers(step, self._source(dp_rank))]
 
     def forward_extras(self, step: int, dp_rank: int) -> list[dict]:
+        """The wrapped extras (document ids, weights), cut like the batches."""
         return [
             {k: t[: self._keep(len(t))] for k, t in extras.items()}
             for extras in self.batches.forward_extras(step, self._source(dp_rank))

@@ -121,4 +121,5 @@ def evaluator(run, topo, engine, device):
 
 
 def perplexity(loss: float) -> float:
+    """exp(loss), infinite past where exp overflows."""
     return math.exp(loss) if loss < 700 else float("inf")

@@ -125,6 +125,7 @@ class MemoryProbe:
 
     # -- model states ---------------------------------------------------------------------------
     def sample(self, *, pre_step: bool = False) -> None:
+        """Count what each kind of state holds now (grads, master weights, moments) and keep the largest."""
         census = _Census()
         wrapper = self.engine.optimizer
         basic = getattr(wrapper, "optimizer", wrapper)
@@ -192,6 +193,7 @@ class MemoryProbe:
 
     @contextlib.contextmanager
     def step(self):
+        """Count activations saved for backward during a micro-batch (a context manager)."""
         if not self.counting:  # the census after every gradient costs ~5x the step on a GPU, for nothing
             yield
             return
@@ -200,6 +202,7 @@ class MemoryProbe:
 
     # -- report ---------------------------------------------------------------------------------
     def predicted(self):
+        """The planner's estimate for this run's layout, to set beside the measurement."""
         from megakit.core.partition import partition_layers
         from megakit.core.planner.memory import Buckets, estimate_memory
         from megakit.core.planner.model_spec import ModelSpec
@@ -262,6 +265,7 @@ class MemoryProbe:
         )
 
     def row(self) -> dict:
+        """Measured against predicted, item by item, for the memory table."""
         est = self.predicted()
         if torch.cuda.is_available():
             measured = {"total": float(torch.cuda.max_memory_allocated())}

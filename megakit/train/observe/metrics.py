@@ -37,6 +37,7 @@ class StepCommunication:
 
     @contextlib.contextmanager
     def measure(self, enabled: bool):
+        """Time the enclosed work (a context manager); no cost when disabled."""
         if not enabled:
             self.result = None
             yield
@@ -168,6 +169,7 @@ class StepMetrics:
         return max(m["max_tokens"] / m["mean_tokens"] for m in self.moe.values())
 
     def line(self) -> str:
+        """The step's log line."""
         parts = [
             f"step {self.step:>5}"
             + (" (skipped)" if self.skipped else "")
@@ -198,6 +200,7 @@ class StepMetrics:
         return " | ".join(parts)
 
     def scalars(self) -> dict[str, float]:
+        """The step's values under TensorBoard's tag names."""
         out = {
             "train/loss": self.loss,
             "train/lr": self.lr,
@@ -229,6 +232,7 @@ class StepMetrics:
         return out
 
     def to_dict(self) -> dict:
+        """The step's values for ``--metrics-out``."""
         return {
             "step": self.step,
             "loss": self.loss,

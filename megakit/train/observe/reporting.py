@@ -88,13 +88,16 @@ class Heartbeat:
         ).start()
 
     def beat(self, step: int) -> None:
+        """A step started: reset the heartbeat's clock."""
         self.step, self.since = step, self.clock()
         self.last = self.since
 
     def stop(self) -> None:
+        """Stop the heartbeat thread."""
         self._stop.set()
 
     def check(self) -> None:
+        """Say how long the current step has run, once per interval."""
         now = self.clock()
         if now - self.last >= self.every_s:
             self.last = now
@@ -142,10 +145,12 @@ class MetricsFile:
             ) from None
 
     def write(self, kind: str, record: dict) -> None:
+        """Append one JSON record of ``kind`` and flush, so a crash keeps it."""
         self.file.write(json.dumps({"type": kind, **record}) + "\n")
         self.file.flush()
 
     def close(self) -> None:
+        """Close the file."""
         self.file.close()
 
 
@@ -159,6 +164,7 @@ class RunSummary:
         self.first = self.last = self.best = self.best_eval = None  # (step, loss)
 
     def step(self, m: StepMetrics) -> None:
+        """Add a step to the summary."""
         self.steps, self.tokens, self.last_step = self.steps + 1, self.tokens + m.tokens, m.step
         if math.isfinite(m.loss):  # a skipped step's loss is NaN
             self.last = (m.step, m.loss)
@@ -167,10 +173,12 @@ class RunSummary:
                 self.best = self.last
 
     def evaluated(self, step: int, loss: float) -> None:
+        """Keep the best evaluation loss and its step."""
         if math.isfinite(loss) and (self.best_eval is None or loss < self.best_eval[1]):
             self.best_eval = (step, loss)
 
     def lines(self, *, checkpoint: str | None, save: str | None) -> list[str]:
+        """The end-of-run summary: steps, time, losses, best eval and where the checkpoint is."""
         seconds = self.clock() - self.started
         minutes, rest = divmod(round(seconds), 60)
         took = f"{minutes} min {rest:02d} s" if minutes else f"{seconds:.1f} s"
@@ -252,6 +260,7 @@ class Reporter:
             print(text, flush=True)
 
     def log(self, m: StepMetrics) -> None:
+        """Log a step: the line every ``--log-every`` steps, the metrics file and TensorBoard."""
         if not self.active:
             return
         self.summary.step(m)
@@ -319,6 +328,7 @@ class Reporter:
             self._print(f"megakit: attention kernels in the profile: {', '.join(names) or 'none (written out)'}")
 
     def memory(self, rows: list) -> None:
+        """Print the memory table (measured against predicted)."""
         if self.active:
             from megakit.train.observe.memory_probe import format_table
 

@@ -90,6 +90,7 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="megakit-watchdog", daemon=True)
 
     def start(self) -> "Watchdog":
+        """Register this rank and start beating, so others can tell it is alive."""
         if self.world_size > 1:
             self.store.set(f"{_PREFIX}where/{self.rank}", f"{host_id()} {os.getpid()}")
             self._beat()

@@ -53,6 +53,7 @@ def restarts_from_save(load: str | None, init: str | None) -> bool:
 
 
 def attempts_path(save: str) -> Path:
+    """Where a ``--save`` directory's attempt history is kept (beside it, hidden)."""
     path = Path(save)
     return path.with_name(f".{path.name}.attempts.json")
 
@@ -85,6 +86,7 @@ class Attempts:
         return max(0, len(self.history) - 1)
 
     def finished(self, step: int) -> None:
+        """Record the step the current attempt reached."""
         if self.path is not None:
             self.history[-1]["reached"] = step + 1
             self._write()

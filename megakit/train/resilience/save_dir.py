@@ -33,6 +33,7 @@ STEP_PREFIX = "step-"
 
 
 def is_series(directory: str | Path) -> bool:
+    """Whether ``directory`` holds a ``--keep`` series of checkpoints rather than one."""
     path = Path(directory)
     return (
         path.is_dir()

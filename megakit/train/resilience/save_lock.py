@@ -29,6 +29,7 @@ from megakit.train.resilience.save_dir import holds_checkpoint, remove_leftovers
 
 
 def lock_path(save: str | Path) -> Path:
+    """The lock file of a ``--save`` directory (beside it, hidden)."""
     path = Path(save)
     return path.with_name(f".{path.name}.lock")
 
@@ -43,6 +44,7 @@ def _holder(fd: int) -> str:
 
 
 def in_use(save: str | Path, held: str) -> str:
+    """The one line that says another run holds ``save``."""
     return (
         f"--save {save} is in use by another run ({held}); two runs on one --save would replace each other's "
         "checkpoints: wait for it to end or stop it, or choose another --save"
