@@ -189,7 +189,7 @@ def mamba_against_transformers(hidden: int, seq: int, repeats: int) -> tuple[flo
     from transformers import NemotronHConfig
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 
-    from megakit.core.families.nemotron_h import mixer_from_hf
+    from megakit.interop.hf_mamba import mixer_from_hf
 
     m = _mamba(hidden)
     config = NemotronHConfig(hidden_size=hidden, layers_block_type=["linear_attention"], **m.to_hf())

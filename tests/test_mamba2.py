@@ -33,7 +33,7 @@ def _hf_mixer(**changes):
 
 
 def _ours(config, ref):
-    from megakit.core.families.nemotron_h import mixer_from_hf
+    from megakit.interop.hf_mamba import mixer_from_hf
     from megakit.nn.linear_attention.mamba2 import Mamba2
 
     mamba = Mamba2Config.from_hf(config.to_dict())

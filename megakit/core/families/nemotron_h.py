@@ -15,45 +15,6 @@ from megakit.errors import UsageError
 PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}  # hybrid_override_pattern's characters
 
 
-def mixer_from_hf(state: dict, mamba) -> dict:
-    """megakit's parameters of one Mamba-2 mixer from transformers' ``NemotronHMamba2Mixer`` state (names relative
-    to the mixer)."""
-    inner, bc, heads = mamba.inner, mamba.groups * mamba.state, mamba.heads
-    out = {}
-    for suffix in ("weight", "bias"):
-        if f"in_proj.{suffix}" in state:
-            parts = state[f"in_proj.{suffix}"].split([inner, inner, bc, bc, heads])
-            out.update({f"{n}_proj.{suffix}": t for n, t in zip("zxbc", parts[:4], strict=True)})
-            out[f"dt_proj.{suffix}"] = parts[4]
-    conv = state["conv1d.weight"][:, 0].split([inner, bc, bc])
-    out.update({f"conv_{n}.weight": t for n, t in zip("xbc", conv, strict=True)})
-    if "conv1d.bias" in state:
-        out.update(
-            {f"conv_{n}.bias": t for n, t in zip("xbc", state["conv1d.bias"].split([inner, bc, bc]), strict=True)}
-        )
-    for name in ("dt_bias", "A_log", "D", "norm.weight", "out_proj.weight", "out_proj.bias"):
-        if name in state:
-            out[name] = state[name]
-    return out
-
-
-def mixer_to_hf(state: dict) -> dict:
-    """Inverse of ``mixer_from_hf``: transformers' names and packing."""
-    import torch
-
-    out = {}
-    for suffix in ("weight", "bias"):
-        if f"z_proj.{suffix}" in state:
-            out[f"in_proj.{suffix}"] = torch.cat([state[f"{n}_proj.{suffix}"] for n in ("z", "x", "b", "c", "dt")])
-    out["conv1d.weight"] = torch.cat([state[f"conv_{n}.weight"] for n in "xbc"])[:, None]
-    if "conv_x.bias" in state:
-        out["conv1d.bias"] = torch.cat([state[f"conv_{n}.bias"] for n in "xbc"])
-    for name in ("dt_bias", "A_log", "D", "norm.weight", "out_proj.weight", "out_proj.bias"):
-        if name in state:
-            out[name] = state[name]
-    return out
-
-
 HF_TYPES = {"mamba": "linear_attention", "attention": "full_attention", "mlp": "mlp", "moe": "moe"}
 FROM_HF_TYPES = {v: k for k, v in HF_TYPES.items()}
 CHARACTERS = {part: c for c, part in PATTERN.items()}
@@ -147,36 +108,6 @@ def write(config) -> dict:
     return out
 
 
-def state_from_hf(hf: dict, config) -> dict:
-    """megakit's full state dict from a ``NemotronHForCausalLM`` one (``model.`` or NVIDIA's ``backbone.``)."""
-    prefix = "backbone." if any(k.startswith("backbone.") for k in hf) else "model."
-    out = {"embed.weight": hf[f"{prefix}embeddings.weight"], "norm.weight": hf[f"{prefix}norm_f.weight"]}
-    if not config.tie_embeddings:
-        out["lm_head.weight"] = hf["lm_head.weight"]
-    for i, c in enumerate(config.layer_pattern):
-        layer = f"{prefix}layers.{i}."
-        out[f"layers.{i}.norm.weight"] = hf[f"{layer}norm.weight"]
-        mixer = {k[len(layer) + 6 :]: v for k, v in hf.items() if k.startswith(f"{layer}mixer.")}
-        if PATTERN[c] == "mamba":
-            mixer = mixer_from_hf(mixer, config.mamba)
-        out |= {f"layers.{i}.mixer.{k}": v for k, v in mixer.items()}
-    return out
-
-
-def state_to_hf(state: dict, config) -> dict:
-    """Inverse of ``state_from_hf``: transformers' ``NemotronHForCausalLM`` names."""
-    out = {"model.embeddings.weight": state["embed.weight"], "model.norm_f.weight": state["norm.weight"]}
-    out["lm_head.weight"] = state["embed.weight" if config.tie_embeddings else "lm_head.weight"]
-    for i, c in enumerate(config.layer_pattern):
-        out[f"model.layers.{i}.norm.weight"] = state[f"layers.{i}.norm.weight"]
-        head = f"layers.{i}.mixer."
-        mixer = {k[len(head) :]: v for k, v in state.items() if k.startswith(head)}
-        if PATTERN[c] == "mamba":
-            mixer = mixer_to_hf(mixer)
-        out |= {f"model.layers.{i}.mixer.{k}": v for k, v in mixer.items()}
-    return out
-
-
 def shares(config) -> dict[str, float]:
     """Each part's share of the blocks of a hybrid model (``{"mamba": 24/52, "attention": 4/52, "mlp": 24/52}``)."""
     return {part: config.layer_pattern.count(c) / config.layers for c, part in PATTERN.items() if c != "E"}
@@ -207,8 +138,8 @@ def mean_block(config, tp: int = 1) -> tuple[int, int, int]:
     return tuple(sum(p[i] for p in parts) // config.layers for i in range(3))
 
 
-# The weights: ``megakit.interop.hf`` calls ``state_from_hf`` and ``state_to_hf`` (the mixers' in_proj and conv1d
-# are split and packed there, which a key table cannot say); the table names the embeddings and the final norm.
+# The weights: ``megakit.interop.hf`` calls ``megakit.interop.hf_mamba`` (the mixers' in_proj and conv1d are split
+# and packed there, which a key table cannot say); the table names the embeddings and the final norm.
 FAMILY = Family(
     name="nemotron_h",
     architectures={"nemotron_h": "NemotronHForCausalLM"},
