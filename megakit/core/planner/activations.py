@@ -143,10 +143,7 @@ def activation_tensors(
         out += norm("mlp post-norm")
     if dropout:
         out.append(t("mlp residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
-    if model.config.layer_pattern:  # a hybrid (Nemotron-H): the mean of its attention, MLP and Mamba-2 blocks
-        mixer = mamba.tensors(model, tp=tp, sequence_parallel=sequence_parallel, precision=precision)
-        return mamba.mean_tensors(out, mixer if model.config.mamba else [], model.config)
-    return out
+    return mamba.mean_tensors(out, model, tp=tp, sequence_parallel=sequence_parallel, precision=precision)
 
 
 def _mlp_tensors(model: ModelSpec, *, f: int, tp: int, p: int, moe: bool, fused_swiglu: bool) -> list[SavedTensor]:

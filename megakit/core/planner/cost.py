@@ -164,10 +164,8 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
     one_tp = collective_time(tokens * model.hidden * nbytes, t, tp_bw, tp_where)
     recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
     tp_s = _tp_exposed(plan, block, one_tp=one_tp, recomputed=recomputed)
-    cp_s = (
-        _ulysses_time(model, cluster, plan, tokens=tokens, nbytes=nbytes)
-        + _ring_exposed(model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s)
-        + _mamba_a2a_time(model, cluster, plan, tokens=tokens, nbytes=nbytes)
+    cp_s = _ulysses_time(model, cluster, plan, tokens=tokens, nbytes=nbytes) + _ring_exposed(
+        model, cluster, plan, tokens=tokens, nbytes=nbytes, peak=peak, seq_len=s
     )
     a2a_s = (
         (4 + 2 * recomputed) * _dispatch_time(model, cluster, plan, tokens / t * model.hidden * nbytes) if moe else 0.0
@@ -385,14 +383,16 @@ def _ulysses_time(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int
     """Ulysses' all-to-alls per block and micro-batch (``nn.attention.ulysses``): q, k, v in and the output back,
     forward and again in backward (and in the recomputed forward), not overlapped; K/V at their width, or at the
     query heads' when their heads do not divide by the a2a degree (replicated). The a2a group's ranks are TP apart:
-    all of CP with a2a, ``cp_a2a`` consecutive CP ranks with hybrid, none with the ring."""
+    all of CP with a2a, ``cp_a2a`` consecutive CP ranks with hybrid, none with the ring. Plus a hybrid model's
+    Mamba-2 all-to-alls, which run over all of CP in every mode (``_mamba_a2a_time``)."""
+    mixers = _mamba_a2a_time(model, cluster, plan, tokens=tokens, nbytes=nbytes)  # a hybrid's Mamba-2 blocks'
     a = plan.a2a_degree
     if a == 1:
-        return 0.0
+        return mixers
     q, kv = (heads * model.head_dim for heads in _a2a_heads(model, plan))
     one_pass = sum(all_to_all_time(cluster, tokens * width * nbytes, a, plan.tp) for width in (q, kv, kv, q))
     recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
-    return (2 + recomputed) * one_pass
+    return (2 + recomputed) * one_pass + mixers
 
 
 def _mamba_a2a_time(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int, nbytes: int) -> float:

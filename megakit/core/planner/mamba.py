@@ -77,11 +77,16 @@ def tensors(model, *, tp: int, sequence_parallel: bool, precision: str) -> list:
     ]
 
 
-def mean_tensors(block: list, mamba: list, config) -> list:
+def mean_tensors(block: list, model, *, tp: int, sequence_parallel: bool, precision: str) -> list:
     """A hybrid's mean block: an attention+MLP block's tensors (``block``, in ``activation_tensors``' order: the
-    attention part up to ``norm2``) and a Mamba block's, each scaled by its part's share."""
+    attention part up to ``norm2``) and a Mamba block's (``tensors``), each scaled by its part's share; ``block``
+    itself for a model without a pattern."""
     from megakit.core.planner.activations import SavedTensor  # noqa: PLC0415
 
+    config = model.config
+    if not config.layer_pattern:
+        return block
+    mamba = tensors(model, tp=tp, sequence_parallel=sequence_parallel, precision=precision) if config.mamba else []
     share = shares(config)
     split = next(i for i, x in enumerate(block) if x.name == "norm2 input")
 
