@@ -1,12 +1,13 @@
-"""Benchmark: the Gated DeltaNet mixer against full attention of the same width, and against transformers' torch path.
+"""Benchmark: the Gated DeltaNet and Mamba-2 mixers against full attention of one width, and against transformers'.
 
 One process, fp32 (bf16 on a GPU), batch 1. For each sequence length (default 2k, 8k, 32k tokens) it times forward +
 backward of megakit's ``GatedDeltaNet`` and of megakit's causal ``Attention`` (SDPA) of the same hidden width, and
 measures each one's peak memory: on a GPU ``torch.cuda.max_memory_allocated``, on the CPU the growth of the peak
 resident set of a fresh child process that runs only that case (torch's CPU allocator keeps no peak of its own).
 The GDN's time and memory grow linearly with the sequence (chunks of 64), attention's time quadratically (its
-memory is linear too where SDPA's fused kernels run). Then megakit's mixer against transformers'
-``Qwen3NextGatedDeltaNet`` (its torch fallback: no flash-linear-attention here), same weights, at the first length.
+memory is linear too where SDPA's fused kernels run); Mamba-2's likewise (chunks of 128, Nemotron-H's). Then megakit's
+mixer against transformers' ``Qwen3NextGatedDeltaNet`` (its torch fallback: no flash-linear-attention here), same
+weights, at the first length; and Mamba-2 against ``NemotronHMamba2Mixer``'s torch path.
 
     python scripts/bench_linear_attention.py                          # hidden 128, minutes on two CPU cores
     python scripts/bench_linear_attention.py --hidden 2048 --lengths 4096 16384 65536   # on a GPU
@@ -33,6 +34,18 @@ from megakit.core.linear_attention_config import LinearAttentionConfig  # noqa: 
 from megakit.core.model_config import ModelConfig  # noqa: E402
 from megakit.nn.attention.core import Attention, rope_tables  # noqa: E402
 from megakit.nn.linear_attention.gated_deltanet import GatedDeltaNet  # noqa: E402
+from megakit.nn.linear_attention.mamba2 import Mamba2  # noqa: E402
+
+KINDS = ("gdn", "mamba2", "attention")  # Mamba-2 rows: Nemotron-H's mixer (megakit.nn.linear_attention.mamba2)
+
+
+def _mamba(hidden: int):
+    """Nemotron-H 8B's proportions: inner width twice the hidden, state twice the head dim, 8 groups, chunks of 128."""
+    from megakit.core.mamba_config import Mamba2Config
+
+    d = max(hidden // 16, 8)
+    heads = 2 * hidden // d
+    return Mamba2Config(heads=heads, head_dim=d, state=2 * d, groups=min(8, heads), chunk=128)
 
 
 def _linear(hidden: int) -> LinearAttentionConfig:
@@ -43,7 +56,18 @@ def _linear(hidden: int) -> LinearAttentionConfig:
 
 def _build(kind: str, hidden: int, seq: int, dtype, device):
     torch.manual_seed(0)
-    if kind == "gdn":
+    if kind == "mamba2":
+        mixer = Mamba2(
+            _mamba(hidden),
+            hidden,
+            eps=1e-5,
+            group=None,
+            sequence_parallel=False,
+            dtype=dtype,
+            device=device,
+            cp_group=None,
+        )
+    elif kind == "gdn":
         mixer = GatedDeltaNet(
             _linear(hidden), hidden, eps=1e-6, group=None, sequence_parallel=False, dtype=dtype, device=device
         )
@@ -67,7 +91,7 @@ def _build(kind: str, hidden: int, seq: int, dtype, device):
 
 
 def _step(kind: str, mixer, x):
-    y = mixer(x) if kind == "gdn" else mixer(x, mixer.rope_table, None)
+    y = mixer(x) if kind in ("gdn", "mamba2") else mixer(x, mixer.rope_table, None)
     y.float().square().mean().backward()
 
 
@@ -159,6 +183,29 @@ def against_transformers(hidden: int, seq: int, repeats: int) -> tuple[float, fl
     return min(t_hf), min(t_ours)
 
 
+def mamba_against_transformers(hidden: int, seq: int, repeats: int) -> tuple[float, float]:
+    """``against_transformers`` for Mamba-2: transformers' ``NemotronHMamba2Mixer`` (its torch path, in eval mode:
+    in training it calls the fused mamba_ssm kernel's stub first) and megakit's, same weights."""
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    from megakit.interop.hf_mamba import mixer_from_hf
+
+    m = _mamba(hidden)
+    config = NemotronHConfig(hidden_size=hidden, layers_block_type=["linear_attention"], **m.to_hf())
+    torch.manual_seed(0)
+    hf = NemotronHMamba2Mixer(config, layer_idx=0).float().eval()
+    ours = _build("mamba2", hidden, seq, torch.float32, None)
+    ours.load_state_dict(mixer_from_hf(hf.state_dict(), m))
+    x = torch.randn(1, seq, hidden, requires_grad=True)
+    xs = x.detach().transpose(0, 1).contiguous().requires_grad_()
+    t_hf, t_ours = [], []
+    for _ in range(repeats):  # alternate, so machine load hits both alike
+        t_hf.append(_time(lambda: hf(x).square().mean().backward(), 1, torch.device("cpu")))
+        t_ours.append(_time(lambda: ours(xs).square().mean().backward(), 1, torch.device("cpu")))
+    return min(t_hf), min(t_ours)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=128, help="mixer width (default: %(default)s)")
@@ -168,19 +215,19 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=1, help="timed repeats per case, best kept (default: %(default)s)"
     )
-    parser.add_argument("--case", choices=("gdn", "attention"), help=argparse.SUPPRESS)  # one case, in a child
+    parser.add_argument("--case", choices=KINDS, help=argparse.SUPPRESS)  # one case, in a child
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if args.case:
         print(json.dumps(run_case(args.case, args.hidden, args.lengths[0], args.repeats)))
         return
     rows = {}
-    for kind in ("gdn", "attention"):
+    for kind in KINDS:
         for seq in args.lengths:
             rows[kind, seq] = row = _in_child(kind, args.hidden, seq, args.repeats)
             print(f"{kind:9} S={seq:6}  {row['ms']:10.1f} ms fwd+bwd  {row['peak_mib']:8.1f} MiB peak", flush=True)
     first, last = args.lengths[0], args.lengths[-1]
-    for kind in ("gdn", "attention"):
+    for kind in KINDS:
         a, b = rows[kind, first], rows[kind, last]
         print(
             f"growth {kind:9} x{last / first:.0f} tokens: time x{b['ms'] / a['ms']:.1f}, "
@@ -189,6 +236,9 @@ def main() -> None:
     hf_ms, ours_ms = against_transformers(args.hidden, first, max(args.repeats, 3))
     print(f"transformers torch path S={first}: {hf_ms:.1f} ms, megakit {ours_ms:.1f} ms")
     print(f"ratio {ours_ms / hf_ms:.2f} <megakit / transformers>")
+    hf_ms, ours_ms = mamba_against_transformers(args.hidden, first, max(args.repeats, 3))
+    print(f"Mamba-2: transformers torch path S={first}: {hf_ms:.1f} ms, megakit {ours_ms:.1f} ms")
+    print(f"ratio {ours_ms / hf_ms:.2f} <megakit / transformers> (Mamba-2)")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
+from megakit.core.families import nemotron_h
+
 if TYPE_CHECKING:
     from megakit.core.model_config import ModelConfig
 
@@ -114,6 +116,8 @@ def _block_params(config: ModelConfig, tp: int = 1, *, moe: bool | None = None, 
     has, in place of the MLP, a router (E x H, replicated over TP), the routed experts (E x 3 x H x F,
     sharded over EP, never over TP: ETP = 1), and shared experts TP-sharded like a dense MLP of
     width ``shared_ffn`` (plus Qwen2-MoE's H x 1 shared gate, replicated)."""
+    if config.layer_pattern:  # a hybrid (Nemotron-H): its mean block (core.families.nemotron_h.mean_block)
+        return BlockParams(*nemotron_h.mean_block(config, tp))
     moe = config.moe is not None if moe is None else (moe and config.moe is not None)
     h, hd = config.hidden, config.head_dim
     q, kv = config.heads // tp * hd, config.kv_heads_per_rank(tp) * hd
@@ -180,8 +184,9 @@ def num_params(config: ModelConfig) -> int:
             for i in range(config.layers)
         )
         return blocks + config.embedding_params() + config.head_params(separate=not config.tie_embeddings)
+    blocks = sum(n * config.block_params(moe=moe).total for n, moe in _blocks(config))
     return (
-        sum(n * config.block_params(moe=moe).total for n, moe in _blocks(config))
+        (nemotron_h.total_params(config) if config.layer_pattern else blocks)
         + config.embedding_params()
         + config.head_params(separate=not config.tie_embeddings)
     )
@@ -209,19 +214,28 @@ def block_flops(
     if config.linear is not None:  # Gated DeltaNet's chunked core is constant per token: linear in the sequence
         share = _linear_share(config, moe)
         attn = share * config.linear.core_flops_per_token(tp) + (1 - share) * attn
+    if config.layer_pattern:  # a hybrid's mean block: its attention blocks' share of attention, its mixers' scans
+        parts = nemotron_h.shares(config)
+        attn *= parts["attention"]
+        scan = parts["mamba"] * config.mamba.scan_flops_per_token() / tp if config.mamba else 0.0
+        return 2 * config.block_params(tp, moe=moe).flop_weights(weights) + attn + scan, attn
     return 2 * config.block_params(tp, moe=moe).flop_weights(weights) + attn, attn
 
 
 def attention_context(config: ModelConfig, index: int, seq_len: int) -> float:
     """The keys a query of block ``index`` attends to on average under the causal mask and its window ``w``:
     ``w - w (w - 1) / (2 s)`` (query ``i`` sees ``min(i + 1, w)``; Megatron-Bridge's ``calculate_swa_context``),
-    ``(s + 1) / 2`` without a window."""
+    ``(s + 1) / 2`` without a window; 0 in a hybrid's blocks without attention (Mamba-2, MLP)."""
+    if config.layer_pattern and config.block_part(index) != "attention":
+        return 0.0
     w = min(config.attention_window(index) or seq_len, seq_len)
     return w - w * (w - 1) / (2 * seq_len)
 
 
 def attention_share(config: ModelConfig, seq_len: int) -> float:
     """The blocks' mean causal attention work over what it would be without windows (1.0: no windows)."""
+    if config.layer_pattern:  # a hybrid: the share of its blocks that attend (Nemotron-H 8B: 4 of 52)
+        return config.layer_pattern.count("*") / config.layers
     if not config.sliding_window:  # the planner's search asks for every candidate: no loop where nothing slides
         return 1.0
     full = (seq_len + 1) / 2
@@ -243,8 +257,10 @@ def causal_flops_per_token(config: ModelConfig, seq_len: int, *, windows: bool =
             total += 6 * (block.matmul + block.active_experts) + 3 * config.linear.core_flops_per_token()
             continue
         block = _block_params(config, moe=config.is_moe_layer(i))
-        context = config.attention_context(i, seq_len) if windows else (seq_len + 1) / 2
+        context = config.attention_context(i, seq_len) if windows or config.layer_pattern else (seq_len + 1) / 2
         total += 6 * (block.matmul + block.active_experts) + 6 * widths * context  # scores, then values
+        if config.mamba is not None and config.block_part(i) == "mamba":  # the chunked scan, linear in the sequence
+            total += 3 * config.mamba.scan_flops_per_token()
     for k in range(1, config.mtp_layers + 1 if mtp else 1):  # block L + k - 1 of DeepSeek's checkpoints
         block = config.block_params(moe=config.is_moe_layer(config.layers + k - 1))
         total += (

@@ -34,6 +34,7 @@ from megakit.core.families import FAMILIES, family_for, family_of
 from megakit.core.families.windows import LAYER_TYPES, check_layer_types  # noqa: F401 (API)
 from megakit.core.hf_fields import check_hf_fields
 from megakit.core.linear_attention_config import LinearAttentionConfig
+from megakit.core.mamba_config import Mamba2Config
 from megakit.core.mla_config import MLAConfig
 from megakit.core.moe_config import MoEConfig
 from megakit.core.rope import RopeScaling
@@ -93,6 +94,10 @@ class ModelConfig:
     attn_output_gate: bool = False
     rotary_fraction: float = 1.0  # RoPE on the first head_dim x this channels of q and k (partial_rotary_factor)
     hf_type: str = ""  # the config.json's model_type, kept for the export ("": gpt2, llama or qwen2)
+    # Hybrid models (Nemotron-H): one part per block, by ``core.families.nemotron_h.PATTERN``'s characters ("M": a
+    # Mamba-2 mixer, "*": attention, "-": an MLP); "": every block is attention then MLP
+    layer_pattern: str = ""
+    mamba: Mamba2Config | None = None  # the Mamba-2 mixers' shape (core.mamba_config)
 
     def __post_init__(self) -> None:
         if isinstance(self.linear, dict):  # read back from a checkpoint manifest
@@ -104,6 +109,9 @@ class ModelConfig:
             )
         if isinstance(self.mla, dict):
             object.__setattr__(self, "mla", MLAConfig(**self.mla))
+        if isinstance(self.mamba, dict):
+            object.__setattr__(self, "mamba", Mamba2Config(**self.mamba))
+        self._check_pattern()
         if isinstance(self.moe, dict):  # read back from a checkpoint manifest (``to_dict``)
             object.__setattr__(
                 self, "moe", MoEConfig(**{k: tuple(v) if k == "dense_layers" else v for k, v in self.moe.items()})
@@ -139,8 +147,8 @@ class ModelConfig:
         self._check_nope_layers()
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise UsageError("layer_types has sliding_attention blocks but sliding_window is not set; give the window")
-        if self.mlp_act not in ("silu", "gelu_tanh"):
-            raise UsageError(f"mlp_act {self.mlp_act!r} is not silu or gelu_tanh")
+        if self.mlp_act not in ("silu", "gelu_tanh", "relu2"):
+            raise UsageError(f"mlp_act {self.mlp_act!r} is not silu, gelu_tanh or relu2 (squared ReLU, not gated)")
         if self.sliding_window < 0 or self.sliding_window_from < 0:
             raise UsageError(
                 f"sliding_window {self.sliding_window} and sliding_window_from {self.sliding_window_from} "
@@ -179,6 +187,37 @@ class ModelConfig:
         ):
             if not isinstance(getattr(self, field), bool):
                 raise UsageError(f"model config field {field} must be true or false, got {getattr(self, field)!r}")
+
+    def _check_pattern(self) -> None:
+        """A ``layer_pattern`` of one known character per block, with ``mamba`` exactly when it has mixers."""
+        if not self.layer_pattern:
+            if self.mamba is not None:
+                raise UsageError("a Mamba-2 config (mamba) needs a layer_pattern naming the blocks that are mixers")
+            return
+        from megakit.core.families.nemotron_h import PATTERN  # noqa: PLC0415 (the family's own characters)
+
+        if len(self.layer_pattern) != self.layers:
+            raise UsageError(
+                f"layer_pattern has {len(self.layer_pattern)} characters for {self.layers} blocks; give one per block"
+            )
+        unknown = sorted(set(self.layer_pattern) - {c for c, part in PATTERN.items() if part != "moe"})
+        if unknown:
+            names = ", ".join(f"{c!r} ({PATTERN.get(c, 'unknown')})" for c in unknown)
+            raise UsageError(
+                f"layer_pattern has layer type {names}, which megakit does not build; it builds "
+                "'M' (Mamba-2), '*' (attention) and '-' (MLP)"
+            )
+        if ("M" in self.layer_pattern) != (self.mamba is not None):
+            raise UsageError("layer_pattern's 'M' blocks and the Mamba-2 config (mamba) go together; give both")
+
+    def block_part(self, index: int) -> str | None:
+        """The one part of block ``index`` of a hybrid model ("mamba", "attention" or "mlp"); None: attention then
+        the MLP (every other model)."""
+        if not self.layer_pattern:
+            return None
+        from megakit.core.families.nemotron_h import PATTERN  # noqa: PLC0415
+
+        return PATTERN[self.layer_pattern[index]]
 
     def _check_nope_layers(self) -> None:
         """``nope_layers`` as a sorted tuple of block indices, only where the blocks rotate q and k at all."""
@@ -277,6 +316,8 @@ class ModelConfig:
         )
         if self.linear:  # Gated DeltaNet's heads: whole key-head groups per rank
             shared += (("linear attention key heads", self.linear.key_heads),)
+        if self.mamba:  # Mamba-2's heads and its B/C groups split over TP
+            shared += (("Mamba heads", self.mamba.heads), ("Mamba groups", self.mamba.groups))
         return [
             f"{what} {n}"
             for what, n in (
@@ -302,7 +343,7 @@ class ModelConfig:
     @property
     def gated_mlp(self) -> bool:
         """SwiGLU (gate, up and down matrices) rather than GPT-2's two-matrix GELU MLP."""
-        return self.family == "llama"
+        return self.family == "llama" and self.mlp_act != "relu2"
 
     def kv_heads_per_rank(self, tp: int) -> int:
         """Key/value heads a TP rank holds: split when they divide, else one replicated head."""

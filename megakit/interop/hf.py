@@ -26,6 +26,7 @@ import torch
 from megakit.core.families import WeightMap, family_of
 from megakit.core.model_config import ModelConfig
 from megakit.errors import UsageError
+from megakit.interop import hf_mamba
 from megakit.interop.hf_linear import linear_from_hf, linear_to_hf
 
 _MOE_EXTRA = (  # our names of the optional MoE tensors beside the router and the experts
@@ -155,6 +156,8 @@ def _get(state: dict, name: str) -> torch.Tensor:
 
 def to_hf_state_dict(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Full megakit weights (``megakit.nn.model.full_state_dict``) -> transformers' names and layouts."""
+    if config.layer_pattern:  # Nemotron-H: its mixers' in_proj and conv1d packed (interop.hf_mamba)
+        return hf_mamba.state_to_hf(state, config)
     w = _weights(config)
     out = {theirs: _get(state, ours) for ours, theirs in w.embeddings}
     for i in range(config.layers):
@@ -239,6 +242,8 @@ def _mtp_from_hf(config: ModelConfig, k: int, hf: dict, main: dict) -> dict[str,
 
 def from_hf_state_dict(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers' weights -> full megakit weights (load with ``megakit.nn.model.load_full_state_dict``)."""
+    if config.layer_pattern:  # Nemotron-H: its mixers' in_proj and conv1d split (interop.hf_mamba)
+        return hf_mamba.state_from_hf(hf, config)
     hf, w = _Reads(hf), _weights(config)
     out = {ours: _get(hf, theirs) for ours, theirs in w.embeddings}
     for i in range(config.layers):

@@ -17,6 +17,7 @@ from megakit.nn.attention.core import Attention, rms_norm
 from megakit.nn.attention.latent import LatentAttention
 from megakit.nn.dropout import DropoutKeys, residual_dropout
 from megakit.nn.linear_attention.gated_deltanet import GatedDeltaNet
+from megakit.nn.linear_attention.mamba2 import Mamba2
 from megakit.nn.moe.layer import MoE
 from megakit.nn.sequence import positions
 from megakit.nn.tensor_parallel.collectives import replicated
@@ -52,7 +53,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, *, group, sequence_parallel: bool, dtype, device) -> None:
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.gated, self.geglu = config.family == "llama", config.mlp_act == "gelu_tanh"
+        self.gated, self.geglu = config.gated_mlp, config.mlp_act == "gelu_tanh"
+        self.relu2 = config.mlp_act == "relu2"  # Nemotron-H: relu(x)^2, not gated
         col = dict(
             group=group,
             sequence_parallel=sequence_parallel,
@@ -81,7 +83,7 @@ class MLP(nn.Module):
             h = (F.gelu(gate, approximate="tanh") if self.geglu else F.silu(gate)) * up  # (S, B, ffn/tp)
         else:
             (up,) = column_parallel(x, (self.up_proj,), self.group, self.sequence_parallel)
-            h = F.gelu(up, approximate="tanh")  # (S, B, ffn/tp)
+            h = F.relu(up).square() if self.relu2 else F.gelu(up, approximate="tanh")  # (S, B, ffn/tp)
         return self.down_proj(h)  # (S', B, H)
 
 
@@ -105,6 +107,13 @@ class Block(nn.Module):
         super().__init__()
         kw = dict(group=group, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         site = f"layers.{index}"
+        drop = dict(group=group, sequence_parallel=sequence_parallel, cp_group=cp_group)
+        self.local_rope = False
+        part = config.block_part(index)  # a hybrid model's one part; None: attention, then the MLP
+        if part is not None:
+            self._one_part(config, part, site=site, selective=selective, cp_group=cp_group, index=index, **kw)
+            self.dropout = ResidualDropout(config.dropout, f"{site}.residual", **drop)
+            return
         self.attn_norm = Norm(config, **kw)
         self.linear = bool(config.linear and config.linear.is_linear(index))  # Gated DeltaNet in place of attention
         if self.linear:
@@ -122,14 +131,36 @@ class Block(nn.Module):
             self.mlp = MoE(config.moe, config.hidden, cp_group=cp_group, ep_group=ep_group, **kw)
         else:
             self.mlp = MLP(config, **kw)
-        drop = dict(group=group, sequence_parallel=sequence_parallel, cp_group=cp_group)
         self.attn_dropout = ResidualDropout(config.dropout, f"{site}.attn_residual", **drop)
         self.mlp_dropout = ResidualDropout(config.dropout, f"{site}.mlp_residual", **drop)
+
+    def _one_part(self, config: ModelConfig, part: str, *, site: str, selective: bool, cp_group, index: int, **kw):
+        """A hybrid model's block (Nemotron-H): ``x + drop(part(norm(x)))`` with one part, a Mamba-2 mixer,
+        attention or an MLP."""
+        self.norm = Norm(config, **kw)
+        if part == "mamba":
+            self.mixer = Mamba2(config.mamba, config.hidden, eps=config.norm_eps, cp_group=cp_group, **kw)
+        elif part == "attention":
+            self.mixer = Attention(
+                config, site=f"{site}.attn_probs", selective=selective, cp_group=cp_group, index=index, **kw
+            )
+        else:
+            self.mixer = MLP(config, **kw)
 
     def forward(
         self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None, documents: torch.Tensor | None = None
     ) -> torch.Tensor:  # (S', B, H)
-        """One pre-norm block: attention (or Gated DeltaNet) then the MLP, each added back to the residual stream."""
+        """One pre-norm block: attention (or Gated DeltaNet) then the MLP, each added back to the residual stream;
+        a Nemotron-H block has one part (Mamba-2, attention or the MLP)."""
+        if hasattr(self, "mixer"):  # a hybrid model's block
+            h = self.norm(x)
+            if isinstance(self.mixer, Mamba2):
+                h = self.mixer(h, documents)
+            elif isinstance(self.mixer, Attention):
+                h = self.mixer(h, rope, keys, documents)
+            else:
+                h = self.mixer(h)
+            return x + self.dropout(h, keys)
         h = self.attn_norm(x)
         a = self.attn(h, documents) if self.linear else self.attn(h, rope, keys, documents)
         x = x + self.attn_dropout(self.attn_post_norm(a) if hasattr(self, "attn_post_norm") else a, keys)

@@ -46,6 +46,9 @@ __all__ = [
     "model_flops_per_token",
 ]
 
+# Mamba-2's reference start: A = -1 .. -heads, D one, dt = softplus(dt_bias) = 0.01 (mamba_ssm's dt in [1e-3, 0.1])
+MAMBA_INIT = {"A_log": ("log_index",), "D": ("ones",), "dt_bias": ("fill", -4.600166)}
+
 
 class Transformer(nn.Module):
     """The model, or one pipeline stage of it, holding this rank's TP shard.
@@ -166,6 +169,8 @@ class Transformer(nn.Module):
         stacked ``experts.down_proj``) ``N(0, (std / sqrt(2 L))^2)``, everything else ``N(0, std^2)``.
         """
         leaf = name.rsplit(".", 2)
+        if leaf[-1] in MAMBA_INIT and ".mixer." in name:  # Mamba-2's per-head A_log, D and dt_bias
+            return MAMBA_INIT[leaf[-1]]
         if leaf[-1] == "bias":
             return ("zeros",)
         if leaf[-2] == "gated_norm":  # Gated DeltaNet's output norm: times its weight (not 1 + weight) in Qwen3-Next

@@ -33,7 +33,7 @@ def index_seed(seed: int, name: str, index: int) -> int:
 @torch.no_grad()
 def init_shard_(param: torch.Tensor, *, name: str, seed: int, tp_rank: int, rule: tuple, ep_rank: int = 0) -> None:
     """Fill this rank's shard of ``param`` by ``rule``: ``("normal", std)``, ``("uniform", bound)`` (in
-    ``[-bound, bound)``), ``("zeros",)``, ``("ones",)``.
+    ``[-bound, bound)``), ``("zeros",)``, ``("ones",)``, ``("fill", value)``, ``("log_index",)``.
 
     Reads ``param.tp_dim`` (split dimension or None) and ``param.tp_unpadded`` (global size
     without padding: padded slices are zero) as set by ``megakit.nn.tensor_parallel.layers.mark``.
@@ -46,6 +46,13 @@ def init_shard_(param: torch.Tensor, *, name: str, seed: int, tp_rank: int, rule
         return
     if kind == "ones":
         param.fill_(1.0)
+        return
+    if kind == "fill":  # a constant (Mamba-2's dt_bias)
+        param.fill_(float(rule[1]))
+        return
+    if kind == "log_index":  # log(1 + global index along dim 0): Mamba-2's A_log, A = -1, -2, ..., -heads
+        start = tp_rank * param.shape[0] if getattr(param, "tp_dim", None) == 0 else 0
+        param.copy_(torch.arange(start + 1, start + 1 + param.shape[0], dtype=torch.float32).log())
         return
     assert kind in ("normal", "uniform"), rule
     scale = float(rule[1])

@@ -302,6 +302,8 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     model.check_tp(cfg.tp)  # the model's shards and stages, refused here once rather than by every rank's model
     if model.linear:  # Gated DeltaNet's key heads split over TP, then over CP by the all-to-all
         model.linear.check_parallel(tp=cfg.tp, cp=cfg.cp)
+    if model.mamba is not None:  # Mamba-2's heads and groups go over TP x CP (megakit.nn.linear_attention.mamba2)
+        model.mamba.check_split(cfg.tp, cfg.cp)
     mtp = trained_mtp_depth(model, cfg.mtp, cfg.mtp_weight)  # --mtp of a model that has no prediction modules
     partition_layers(model, cfg.pp, cfg.vpp, cfg.stage_layers or "params", mtp=mtp)
     layout = dataclasses.replace(layout, cp_a2a=_cp_a2a_degree(cfg, model))

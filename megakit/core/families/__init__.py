@@ -6,14 +6,25 @@ module here, an entry below, a preset in ``models/`` and a test file (docs/addin
 
 from __future__ import annotations
 
-from megakit.core.families import deepseek_v3, gemma3, gpt2, gpt_oss, llama, mixtral, qwen3_next, qwen_moe, smollm3
+from megakit.core.families import (
+    deepseek_v3,
+    gemma3,
+    gpt2,
+    gpt_oss,
+    llama,
+    mixtral,
+    nemotron_h,
+    qwen3_next,
+    qwen_moe,
+    smollm3,
+)
 from megakit.core.families.base import Family, WeightMap
 from megakit.errors import UsageError
 
 __all__ = ["FAMILIES", "MODEL_TYPES", "Family", "WeightMap", "family_for", "family_of"]
 
 FAMILIES: tuple[Family, ...] = tuple(
-    m.FAMILY for m in (gpt2, llama, gemma3, smollm3, mixtral, qwen_moe, gpt_oss, deepseek_v3, qwen3_next)
+    m.FAMILY for m in (gpt2, llama, gemma3, smollm3, mixtral, qwen_moe, gpt_oss, deepseek_v3, qwen3_next, nemotron_h)
 )
 MODEL_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES for t in f.model_types)
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}

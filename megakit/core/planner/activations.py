@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megakit.core.planner import mamba
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.errors import UsageError
 
@@ -143,7 +144,9 @@ def activation_tensors(
         out += norm("mlp post-norm")
     if dropout:
         out.append(t("mlp residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
-    return _hybrid(out, model, tp=tp, bytes_per_element=p) if model.config.linear is not None else out
+    if model.config.linear is not None:
+        return _hybrid(out, model, tp=tp, bytes_per_element=p)
+    return mamba.mean_tensors(out, model, tp=tp, sequence_parallel=sequence_parallel, precision=precision)
 
 
 _ATTENTION_CORE = (

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megakit.core.planner import lora_cost
+from megakit.core.planner import lora_cost, mamba
 from megakit.core.planner.hardware import GPU
 from megakit.core.planner.memory import PRECISIONS, activation_tensors, routed_imbalance, routing_tensors
 from megakit.core.planner.model_spec import ModelSpec
@@ -135,6 +135,8 @@ def _linears(
     tokens each runs over (an MoE block: attention and the shared experts; ``expert_gemm_time`` adds the rest).
     MLA's projections at their own shapes (``MLAConfig.projections``: latents whole, up-projections by heads), not
     q, k, v and o at the query width, which for DeepSeek-V3 would be 3.8x its attention weights."""
+    if model.config.layer_pattern:  # a hybrid's mean block: each part's GEMMs over its share of the tokens
+        return mamba.linears(model, tp)
     h, hd = model.hidden, model.head_dim
     q, kv = model.heads // tp * hd, model.kv_heads_per_rank(tp) * hd
     f = (model.moe.shared_ffn if moe else model.ffn) // tp
@@ -194,6 +196,7 @@ def attention_time(
         rate = peak * gpu.attention_fraction * k / (k + ATTENTION_SEQ_HALF)
         return fwd_flops / rate, 2.5 * fwd_flops / rate
     one = gemm_time(gpu, s, model.head_dim, s, peak=peak, nbytes=nbytes) * b * heads
+    one *= model.config.attention_share(s) if model.config.layer_pattern else 1.0  # a hybrid: its attention blocks
     return 2 * one, 4 * one  # q k^T and p v, full s x s; backward twice each
 
 
@@ -248,8 +251,9 @@ def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: fl
     )
     elementwise = (K_MEM_FUSED if plan.fused else K_MEM) * saved / (gpu.hbm_gbps * 1e9)
     ew_f = elementwise / 3
-    forward = gemm_f + attn_f + ew_f
-    backward = 2 * gemm_f + attn_b + 2 * ew_f
+    scan_f, scan_b = mamba.scan_time(model, tp=t, tokens=tokens, peak=peak)  # a hybrid's Mamba-2 blocks' share
+    forward = gemm_f + attn_f + ew_f + scan_f
+    backward = 2 * gemm_f + attn_b + 2 * ew_f + scan_b
     if plan.lora is not None:  # the frozen base: input gradients only; the adapters' GEMMs forward and backward
         adapters = lora_gemm_time(model, gpu, plan, tokens=tokens, peak=peak, moe=moe)
         forward += adapters

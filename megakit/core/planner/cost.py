@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megakit.core.planner import lora_cost
+from megakit.core.planner import lora_cost, mamba
 from megakit.core.planner.compute import attention_time, block_time, cp_kernel_seq, eh_proj_time, head_time
 from megakit.core.planner.hardware import Cluster
 from megakit.core.planner.memory import (
@@ -112,7 +112,11 @@ def flops_per_token(
     if hardware and flash_attention:  # each attention pass the kernels run does half the square, windows less
         attn = 4 * seq_len * model.hidden  # one forward pass of scores and values per token and block (width H)
         passes = 3.5 + (1.0 if recompute == "full" else 0.0)  # forward, 2.5 x for backward (scores again), recompute
-        total -= (model.layers + model.mtp) * passes * attn * (1 - model.config.attention_share(seq_len) / 2)
+        share = model.config.attention_share(seq_len)
+        # windows: of each block's whole square (counted) the window's half runs; a hybrid (Nemotron-H): its attention
+        # blocks' share of the square is counted (``counting.block_flops``), and half of it runs
+        kept = share / 2 if model.config.layer_pattern else 1 - share / 2
+        total -= (model.layers + model.mtp) * passes * attn * kept
     return total
 
 
@@ -392,14 +396,31 @@ def _ulysses_time(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int
     """Ulysses' all-to-alls per block and micro-batch (``nn.attention.ulysses``): q, k, v in and the output back,
     forward and again in backward (and in the recomputed forward), not overlapped; K/V at their width, or at the
     query heads' when their heads do not divide by the a2a degree (replicated). The a2a group's ranks are TP apart:
-    all of CP with a2a, ``cp_a2a`` consecutive CP ranks with hybrid, none with the ring."""
+    all of CP with a2a, ``cp_a2a`` consecutive CP ranks with hybrid, none with the ring. Plus a hybrid model's
+    Mamba-2 all-to-alls, which run over all of CP in every mode (``_mamba_a2a_time``)."""
+    mixers = _mamba_a2a_time(model, cluster, plan, tokens=tokens, nbytes=nbytes)  # a hybrid's Mamba-2 blocks'
     a = plan.a2a_degree
     if a == 1:
-        return 0.0
+        return mixers
     q, kv = (heads * model.head_dim for heads in _a2a_heads(model, plan))
     one_pass = sum(all_to_all_time(cluster, tokens * width * nbytes, a, plan.tp) for width in (q, kv, kv, q))
     recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
-    return (2 + recomputed) * one_pass
+    return (2 + recomputed) * one_pass + mixers
+
+
+def _mamba_a2a_time(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int, nbytes: int) -> float:
+    """A hybrid's Mamba-2 all-to-alls per mean block and micro-batch (``nn.linear_attention.context_parallel``): x, B,
+    C and dt to the whole sequence of a head group and the scan's output back, over all of CP whatever attention's
+    CP mode, forward and again in backward (and in the recomputed forward); the Mamba blocks' share of them."""
+    share = mamba.shares(model.config).get("mamba", 0.0)
+    if plan.cp == 1 or not share:
+        return 0.0
+    one_pass = sum(
+        all_to_all_time(cluster, tokens * width * nbytes, plan.cp, plan.tp)
+        for width in mamba.a2a_widths(model, plan.tp)
+    )
+    recomputed = plan.recompute_fraction if plan.recompute == "full" else 0.0
+    return share * (2 + recomputed) * one_pass
 
 
 def _cp_time(model: ModelSpec, cluster: Cluster, plan: Plan, *, tokens: int, nbytes: int, peak: float, seq_len: int):

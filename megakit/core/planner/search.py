@@ -398,7 +398,12 @@ class _Context:
             return [self.pins.cp]
         if branch == "data-parallel" or self.seq_len < LONG_SEQ:
             return [1]
-        return [c for c in divisors(self.cluster.num_gpus // tp) if self.seq_len % (2 * c) == 0]
+        mixers = self.model.config.mamba  # Mamba-2 splits its heads and groups over TP x CP
+        return [
+            c
+            for c in divisors(self.cluster.num_gpus // tp)
+            if self.seq_len % (2 * c) == 0 and not (mixers and mixers.split_conflicts(tp * c))
+        ]
 
     def _pps(self, branch: str, zeros, tp: int, cp: int) -> None:
         m, pins, world = self.model, self.pins, self.cluster.num_gpus
