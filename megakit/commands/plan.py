@@ -34,6 +34,7 @@ from megakit.core.planner.memory import GIB, MEGATRON_RECOMPUTE
 from megakit.core.planner.model_spec import ModelSpec, parse_count, preset_names
 from megakit.core.planner.pins import hybrid_degree
 from megakit.core.planner.plan import FP8_RECIPES, FP8_TE_RECIPES, ROUTING, RUNTIMES, Plan
+from megakit.core.planner.preference import OBJECTIVES, preference_cost
 from megakit.core.planner.search import NoPlan, Pins, search, smallest_cluster
 from megakit.core.planner.sharding import LINK_EFFICIENCY
 from megakit.core.planner.stages import virtual_stage_ranges
@@ -102,6 +103,20 @@ def _training_flags(parser: argparse.ArgumentParser) -> None:
         default="adamw",
         help="adamw (default), or muon: also print what Muon costs the plan per GPU, line by line (its moment, "
         "the Newton-Schulz FLOPs per matrix and iteration, the TP exchange and its share of the step)",
+    )
+    train.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="lm",
+        help="lm (default): the next-token loss; dpo, ipo, simpo: preference tuning on chosen/rejected pairs, which "
+        "also prints the reference pass and the log-probabilities it keeps (none for simpo)",
+    )
+    train.add_argument(
+        "--pairs-per-window",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --objective: the pairs prepare-data puts in a window (1 with --pad, more with --pack; default 1)",
     )
     train.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: GPT-3's for the size)")
     train.add_argument("--tokens", help="training tokens, e.g. 300B: adds time-to-train")
@@ -504,6 +519,7 @@ def _check_args(args) -> tuple[str | None, str | None]:
         "save_every",
         "ckpt_write_gbps",
         "mtbf_gpu_hours",
+        "pairs_per_window",
     )
     kind, launch_path = args.emit_launch or (None, None)
     if kind is not None and kind not in launch_script.KINDS:
@@ -656,6 +672,7 @@ def _launch(args, inputs: _Inputs, cluster: Cluster, plan: Plan, cost, *, kind, 
         save_every=save_every,
         stage_layers=inputs.pins.stage_layers,
         mtp=model.mtp > 0,
+        objective=args.objective,
     )
     command, note = emit.launch_command(
         plan,
@@ -762,8 +779,27 @@ def _add_model_notes(entry: dict, args, inputs: _Inputs, cluster: Cluster, resul
         entry["cp_mode_note"] = _cp_mode_note(model, cluster, plan, cost, inputs.pins)
     if args.optimizer == "muon":
         entry["muon"] = _muon(inputs, cluster, result)
+    if args.objective != "lm":
+        entry["preference"] = _preference(args, inputs, result)
     if result.fits == "above_threshold":
         entry["headroom"] = headroom_note(mem.total / GIB, gpu_gib=cluster.gpu.mem_gib, threshold=args.mem_threshold)
+
+
+def _preference(args, inputs: _Inputs, result) -> dict:
+    """``--objective dpo|ipo|simpo``: the reference pass over the run's windows and the log-probabilities it keeps
+    (``megakit.core.planner.preference``); the windows are the run's tokens (``--tokens``, else the schedule's)."""
+    plan, cost, model = result.best.plan, result.best.cost, inputs.model
+    steps, _ = emit.schedule_steps(plan.global_batch, model.seq_len, inputs.tokens, params=model.params)
+    windows = -(-int(inputs.tokens) // model.seq_len) if inputs.tokens else steps * plan.global_batch
+    found = preference_cost(
+        args.objective,
+        windows=windows,
+        pairs_per_window=args.pairs_per_window,
+        step_time_s=cost.step_time_s,
+        global_batch=plan.global_batch,
+        recompute_fraction=plan.recompute_fraction if plan.recompute == "full" else 0.0,
+    )
+    return dataclasses.asdict(found) | {"lines": found.lines()}
 
 
 def _muon(inputs: _Inputs, cluster: Cluster, result) -> dict:
@@ -811,8 +847,9 @@ def _print_plan(args, report, result, inputs: _Inputs, cluster, launch: _Launch,
         launch=f"sbatch {launch_path}" if kind == "slurm" else launch.command,
         launch_note=launch.note,
     )
-    if "muon" in report["plan"]:
-        print("\n".join(report["plan"]["muon"]["lines"]))
+    for section in ("muon", "preference"):
+        if section in report["plan"]:
+            print("\n".join(report["plan"][section]["lines"]))
 
 
 def _check_fp8(args, gpu: GPU, precision: str) -> None:

@@ -185,6 +185,7 @@ def train_flags(
     save_every: int = 0,
     stage_layers: tuple[int, ...] | None = None,
     mtp: bool = False,
+    objective: str = "lm",
 ) -> list[str]:
     """``scripts/train.py``'s flags for the plan's layout, recompute, sequence parallelism, virtual stages, a
     pinned ``stage_layers`` split (the default split is the trainer's own), ``--mtp``, and with ``save`` a
@@ -228,6 +229,8 @@ def train_flags(
         parts += ["--lora-dropout", f"{plan.lora.dropout:g}"] if plan.lora.dropout else []
     if mtp:  # the prediction modules the plan charged the last stage for (its split gives that stage fewer blocks)
         parts.append("--mtp")
+    if objective != "lm":  # preference tuning on the pairs prepare-data wrote (the planner priced its reference)
+        parts += ["--objective", objective]
     if save:
         parts += ["--save", save, "--save-every", str(save_every), "--keep", str(KEEP), "--load", "auto"]
     return parts
@@ -246,6 +249,7 @@ def launch_command(
     stage_layers: tuple[int, ...] | None = None,
     hostfile: str | None = None,
     mtp: bool = False,
+    objective: str = "lm",
 ) -> tuple[str, str]:
     """(the ``deepspeed`` command line for ``scripts/train.py`` with ``train_flags``; a note on what the plan
     assumes that train.py cannot do yet, '' if none)."""
@@ -263,6 +267,7 @@ def launch_command(
         save_every=save_every,
         stage_layers=stage_layers,
         mtp=mtp,
+        objective=objective,
     )
     notes = []
     if plan.recompute not in ("none", "selective", "full"):
