@@ -43,6 +43,13 @@ def spec(args, model: ModelSpec, *, runtime: str) -> LoraSpec | None:
         return None
     if runtime != "megakit":
         raise UsageError(f"LoRA is priced for megakit's trainer; drop --runtime {runtime} or --lora-rank")
+    if getattr(args, "optimizer", "adamw") == "muon":  # as the trainer refuses it (train.run.resolve)
+        raise UsageError("--optimizer muon does not train LoRA adapters; drop --lora-rank or use AdamW")
+    if model.config.layer_pattern or model.config.linear is not None:  # lora_cost knows attention + MLP blocks
+        raise UsageError(
+            f"the planner prices LoRA on attention and MLP blocks, not yet on {model.config.hf_type or 'this'}'s "
+            "linear-attention or Mamba-2 mixers; plan it without --lora-rank (the trainer runs it)"
+        )
     lora = LoraSpec(
         rank=args.lora_rank,
         alpha=args.lora_alpha,

@@ -88,8 +88,9 @@ def _trl(pref, seqs, reference):
         fed = (summed - ref) / counts  # DPOTrainer's IPO: the log-ratios per completion token
     else:
         fed = summed / counts
-    losses, _, _ = cpo.CPOTrainer.cpo_loss(me, fed[:3], fed[3:])
-    return losses.mean(), summed[[0, 3, 1, 4, 2, 5]]
+    losses, chosen_rewards, rejected_rewards = cpo.CPOTrainer.cpo_loss(me, fed[:3], fed[3:])
+    rewards = torch.stack([chosen_rewards.sum(), rejected_rewards.sum()]).detach()
+    return losses.mean(), summed[[0, 3, 1, 4, 2, 5]], rewards
 
 
 @pytest.mark.parametrize(
@@ -110,7 +111,7 @@ def test_loss_logps_and_gradients_equal_trl(pref):
     ours = [lg.grad.clone() for lg, _ in seqs]
     for lg, _ in seqs:
         lg.grad = None
-    want, want_logps = _trl(pref, seqs, reference)
+    want, want_logps, want_rewards = _trl(pref, seqs, reference)
     want.backward()
     assert_fp32_close(logps, want_logps.detach(), terms=V * 7, what="per-sequence log-probabilities")
     assert_fp32_close(
@@ -123,6 +124,8 @@ def test_loss_logps_and_gradients_equal_trl(pref):
     for (lg, _), g in zip(seqs, ours):
         assert_fp32_close(g, lg.grad, terms=V, what="gradient of the logits")
     assert stats[0].item() == 3  # three pairs; the padding document is none
+    scale = float(want_logps.detach().abs().max()) * pref.beta
+    assert_fp32_close(stats[1:3].float(), want_rewards.float(), terms=V * 7, scale=scale, what="rewards/*")
 
 
 def test_the_first_step_of_dpo_is_ln2_and_its_metrics():

@@ -215,3 +215,20 @@ def test_implicit_prompts_and_truncation_by_hand():
     (chosen, rejected), cut = pair_sequences([1, 2], [[3] * 20, [4] * 5], 20, "truncate", "row")
     assert cut and len(chosen[0]) + len(rejected[0]) == 20 and len(rejected[0]) == 7  # the short one kept whole
     assert chosen[1].tolist() == [0, 0] + [1] * 11 and rejected[1].sum() == 5
+
+
+def test_the_stored_reference_names_the_lora_base_it_is_of():
+    """A fresh LoRA run loads no checkpoint (``run.checkpoint`` None): the stamp must still tell two bases apart, or
+    a second run on one ``--save`` would reuse the first base's reference log-probabilities."""
+    from types import SimpleNamespace
+
+    from megakit.train.observe.preference import reference_stamp
+
+    def run(base):
+        cfg = SimpleNamespace(model="llama-tiny", seed=0)
+        corpus, batch = SimpleNamespace(fingerprint="f"), SimpleNamespace(seq_len=64)
+        return SimpleNamespace(cfg=cfg, corpus=corpus, batch=batch, checkpoint=None, lora_base=base)
+
+    stamps = [reference_stamp(run(base), windows=8, slots=2)[1] for base in (None, "base-a", "base-b")]
+    assert stamps[1] != stamps[2] and stamps[0] != stamps[1]
+    assert "lora_base" not in stamps[0]["start"]  # a full fine-tune's stamp is as it was: stored files stay valid

@@ -189,3 +189,40 @@ def test_bad_lora_input_is_one_line_exit_2_and_writes_nothing(base, tmp_path, ca
     assert len(err) == 1 and re.search(r"q_proj.lora_A is \(2, 48\) but the base .* needs \(2, 32\)", err[0]), err
     assert not (tmp_path / "imp").exists()
     shutil.rmtree(wrong)
+
+
+def test_a_frozen_router_keeps_the_bases_expert_bias():
+    """DeepSeek-V3's expert bias is a buffer the base owns: under LoRA it must not move (an adapter checkpoint does
+    not keep it, so a moved bias would make a resume, and the exported adapter, route unlike the run)."""
+    from megakit.nn.moe.layer import moe_layers, update_expert_bias
+
+    config = ModelConfig.load("deepseek-v3-tiny")
+
+    def moved(lora: bool) -> bool:
+        net = Transformer(config, seed=0)
+        if lora:
+            add_lora(net, LoraSpec(rank=2, targets=("o_proj",)), config=config, seed=0)
+        layers = moe_layers(net)
+        for m in layers:  # an uneven load: the bias would move towards the idle experts
+            m.step_tokens.copy_(torch.arange(m.step_tokens.numel(), dtype=m.step_tokens.dtype))
+        before = [m.gate.e_score_correction_bias.clone() for m in layers]
+        update_expert_bias(net)
+        return any(not torch.equal(b, m.gate.e_score_correction_bias) for b, m in zip(before, layers))
+
+    assert moved(lora=False)  # the control: a full fine-tune moves it
+    assert not moved(lora=True)
+
+
+@pytest.mark.slow
+def test_a_resume_keeps_the_base_its_adapters_were_trained_on(job, tmp_path):
+    """A LoRA checkpoint names its frozen base; resuming it with another ``--lora-base`` is one line, not adapters
+    silently continued on other weights."""
+    from megakit.train.engine.lora import check_resume
+
+    _, _, saved = job
+    config = ModelConfig.load(MODEL)
+    other = tmp_path / "other"
+    save_checkpoint(other, Transformer(config, seed=3), step=0, config=config)
+    with pytest.raises(UsageError, match="were trained on the base"):
+        check_resume(LoraSpec(**LORA), saved, str(other))
+    assert check_resume(LoraSpec(**LORA), saved, None) is not None  # the base the checkpoint names

@@ -235,3 +235,20 @@ def test_megakit_plan_optimizer_muon_prints_it_line_by_line(capsys):
     assert any("optimizer's share of the step" in line for line in muon["lines"])
     assert cli.main(["plan", "--params", "8B", "--gpus", "8", "--tp", "8", "--json"]) == 0
     assert "muon" not in json.loads(capsys.readouterr().out)["plan"]  # AdamW: nothing added
+
+
+def test_the_hybrids_conv_filters_stay_on_adamw():
+    """Gated DeltaNet's and Mamba-2's depthwise conv taps ``(C, K)`` are 2-D but no matrix: AdamW steps them; the
+    mixers' projections stay on Muon."""
+    import torch
+
+    from megakit.core.model_config import ModelConfig
+    from megakit.nn.model import Transformer
+
+    for model in ("nemotron-h-tiny", "qwen3.5-tiny"):
+        net = Transformer(ModelConfig.load(model), seed=0)
+        convs = [n for n, p in net.named_parameters() if p.ndim == 2 and ".conv_" in n]
+        assert convs and not any(uses_muon(n, p) for n, p in net.named_parameters() if n in convs)
+        projections = [n for n, p in net.named_parameters() if uses_muon(n, p) and (".mixer." in n or ".attn." in n)]
+        assert projections, model
+    assert uses_muon("layers.0.mlp.down_proj.weight", torch.zeros(4, 4))

@@ -391,7 +391,8 @@ def update_expert_bias(model: nn.Module, topo=None, *, move: bool = True) -> tor
     """Once per optimizer step: sum each MoE layer's ``step_tokens`` over every rank that routes tokens
     for it (DP x CP, then TP; one all-reduce each for all layers), move the expert bias by
     ``bias_update_rate * sign(mean load - load)`` (DeepSeek-V3; layers with ``expert_bias``) unless
-    ``move`` is False (a skipped step changes no state), and zero the counts. Returns the summed
+    ``move`` is False (a skipped step changes no state) or the router is frozen (a LoRA fine-tune: the bias is
+    the base's, which an adapter checkpoint does not keep), and zero the counts. Returns the summed
     counts ``(layers, E)`` (metrics), None without MoE layers.
     Collective over DP x CP and TP: every rank of a pipeline stage calls it."""
     layers = moe_layers(model)
@@ -403,7 +404,7 @@ def update_expert_bias(model: nn.Module, topo=None, *, move: bool = True) -> tor
         C.all_reduce(counts, topo.tp_group if topo.tp > 1 else None)
     for m, load in zip(layers, counts.double()):
         bias = getattr(m.gate, "e_score_correction_bias", None)
-        if bias is not None and m.config.expert_bias and move:
+        if bias is not None and m.config.expert_bias and move and m.gate.weight.requires_grad:
             bias += (m.config.bias_update_rate * torch.sign(load.mean() - load)).to(bias.dtype)
         m.step_tokens.zero_()
     return counts

@@ -112,9 +112,9 @@ def pair_losses(pref: Preference, logps, counts, reference=None) -> tuple[torch.
         losses = -(1 - eps) * F.logsigmoid(margin) - eps * F.logsigmoid(-margin)
         rewards = pref.beta * chosen_ratio, pref.beta * rejected_ratio
     elif pref.objective == "ipo":  # TRL's IPO: the log-ratios per completion token
-        delta = chosen_ratio / n_chosen.clamp(min=1) - rejected_ratio / n_rejected.clamp(min=1)
-        losses = (delta - 1 / (2 * pref.beta)) ** 2
-        rewards = pref.beta * chosen_ratio, pref.beta * rejected_ratio
+        per_token = chosen_ratio / n_chosen.clamp(min=1), rejected_ratio / n_rejected.clamp(min=1)
+        losses = (per_token[0] - per_token[1] - 1 / (2 * pref.beta)) ** 2
+        rewards = pref.beta * per_token[0], pref.beta * per_token[1]  # TRL's: its IPO's log-probs are per token
     else:  # SimPO: length-normalised, no reference, a target margin gamma
         average = chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1)
         margin = pref.beta * (average[0] - average[1]) - pref.gamma

@@ -51,7 +51,13 @@ def check_resume(spec: LoraSpec | None, checkpoint: Path | None, base: str | Non
                 f"checkpoint {checkpoint} was trained with LoRA {_describe(LoraSpec(**saved['spec']))}, this run asks "
                 f"for {_describe(spec)}; resume with the same --lora-* flags"
             )
-        base = base or saved["base"]
+        recorded = saved["base"]
+        if base is not None and (recorded is None or Path(base).resolve() != Path(recorded).resolve()):
+            raise UsageError(
+                f"checkpoint {checkpoint}'s adapters were trained on the base {recorded or 'of the seed weights'}, "
+                f"not --lora-base {base}; resume without --lora-base (the checkpoint names its base)"
+            )
+        base = base or recorded
     if base is not None:
         read_manifest(Path(base))  # a missing or damaged base: one line now, before any process starts
     return None if base is None else Path(base)

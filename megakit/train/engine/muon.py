@@ -45,8 +45,12 @@ _ADAMW_NAMES = ("embed.weight", "lm_head.weight", "mlp.gate.weight", "shared_exp
 
 
 def uses_muon(name: str, param: torch.Tensor) -> bool:
-    """A hidden matrix (or a stack of experts' matrices): Muon; anything else: AdamW."""
-    return param.ndim >= 2 and not name.endswith("bias") and not name.endswith(_ADAMW_NAMES)
+    """A hidden matrix (or a stack of experts' matrices): Muon; anything else: AdamW, the short depthwise conv
+    filters of Gated DeltaNet and Mamba-2 too (``(C, K)`` taps, not a matrix: Moonlight and Megatron keep them on
+    AdamW, and torch.optim.Muon refuses transformers' ``(C, 1, K)`` conv weight)."""
+    leaf = name.rsplit(".", 2)
+    conv = any(part.startswith("conv_") for part in leaf[-2:])
+    return param.ndim >= 2 and not conv and not name.endswith("bias") and not name.endswith(_ADAMW_NAMES)
 
 
 def matrices(name: str, update: torch.Tensor) -> list[torch.Tensor]:

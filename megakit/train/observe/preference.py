@@ -33,6 +33,17 @@ def reference_path(save: str | None) -> Path | None:
     return None if not save else Path(save).parent / f"{Path(save).name}.reference-logps.npz"
 
 
+def reference_stamp(run, *, windows: int, slots: int) -> tuple[dict, dict]:
+    """``(data, stamp)``: what the stored log-probabilities are of. ``data``: the corpus, window and slots (a resume
+    checks these); ``stamp`` adds the start's weights (a fresh start reuses the file only from the same ones): the
+    model, seed, the checkpoint it loads, and under LoRA the frozen base the adapters start on."""
+    data = {"corpus": run.corpus.fingerprint, "seq_len": run.batch.seq_len, "windows": windows, "slots": slots}
+    start = {"model": run.cfg.model, "seed": run.cfg.seed, "from": str(run.checkpoint)}
+    if getattr(run, "lora_base", None) is not None:  # --lora-base B (or --load B of a base): the reference is B's
+        start["lora_base"] = str(run.lora_base)
+    return data, {**data, "start": start}
+
+
 def _losses(module) -> list[Transformer]:
     return [m for m in module.modules() if isinstance(m, Transformer) and m.post]
 
@@ -59,15 +70,7 @@ class PreferenceRun:
     # -- the reference ------------------------------------------------------------------------
     def _stored_or_computed(self, run, engine) -> torch.Tensor:
         path = reference_path(run.cfg.save)
-        data = {
-            "corpus": run.corpus.fingerprint,
-            "seq_len": run.batch.seq_len,
-            "windows": self.batches.num_samples,
-            "slots": self.slots,
-        }
-        # the weights the reference is of: a fresh start's (a resume's checkpoint is a trained one, not this)
-        start = {"model": run.cfg.model, "seed": run.cfg.seed, "from": str(run.checkpoint)}
-        stamp = {**data, "start": start}
+        data, stamp = reference_stamp(run, windows=self.batches.num_samples, slots=self.slots)
         if path is not None and path.is_file():
             with np.load(path) as stored:
                 kept = json.loads(str(stored["stamp"]))

@@ -101,3 +101,18 @@ def test_bad_lora_input_is_one_line_and_exit_2(capsys, flags, says):
     code = cli.main(["plan", "--model", "llama-tiny", "--gpus", "2", *flags])
     err = capsys.readouterr().err
     assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--model", "nemotron-h-tiny", "--lora-rank", "4"], "linear-attention or Mamba-2 mixers"),
+        (["--model", "qwen3.5-tiny", "--lora-rank", "4"], "linear-attention or Mamba-2 mixers"),
+        (["--model", "llama-tiny", "--lora-rank", "4", "--optimizer", "muon"], "--optimizer muon does not train LoRA"),
+    ],
+)
+def test_lora_plans_it_cannot_price_are_one_line(flags, says, capsys):
+    """Hybrid models' mixers (their adapters are not in ``lora_cost``'s block) and Muon with LoRA (which the
+    trainer refuses) are refused in one line, exit 2, rather than priced wrong."""
+    assert cli.main(["plan", "--gpus", "8", "--gpu", "h100-80gb", *flags]) == 2
+    assert says in capsys.readouterr().err
