@@ -55,6 +55,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _model_flags(parser)
     _cluster_flags(parser)
     _training_flags(parser)
+    _objective_flags(parser)
     plan_lora.configure(parser)
     _pin_flags(parser)
     _output_flags(parser)
@@ -94,6 +95,25 @@ def _cluster_flags(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--peak-tflops", type=finite_float, help="peak dense 16-bit TFLOP/s override")
 
 
+def _objective_flags(parser: argparse.ArgumentParser) -> None:
+    """What the run optimises: the next token, or a preference objective on pairs (its one-off reference pass)."""
+    objective = parser.add_argument_group("objective")
+    objective.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="lm",
+        help="lm (default): the next-token loss; dpo, ipo, simpo: preference tuning on chosen/rejected pairs, which "
+        "also prints the reference pass and the log-probabilities it keeps (none for simpo)",
+    )
+    objective.add_argument(
+        "--pairs-per-window",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --objective: the pairs prepare-data puts in a window (1 with --pad, more with --pack; default 1)",
+    )
+
+
 def _training_flags(parser: argparse.ArgumentParser) -> None:
     """How the run trains: batch, tokens, precision, kernels, runtime and the memory levers."""
     train = parser.add_argument_group("training")
@@ -103,20 +123,6 @@ def _training_flags(parser: argparse.ArgumentParser) -> None:
         default="adamw",
         help="adamw (default), or muon: also print what Muon costs the plan per GPU, line by line (its moment, "
         "the Newton-Schulz FLOPs per matrix and iteration, the TP exchange and its share of the step)",
-    )
-    train.add_argument(
-        "--objective",
-        choices=OBJECTIVES,
-        default="lm",
-        help="lm (default): the next-token loss; dpo, ipo, simpo: preference tuning on chosen/rejected pairs, which "
-        "also prints the reference pass and the log-probabilities it keeps (none for simpo)",
-    )
-    train.add_argument(
-        "--pairs-per-window",
-        type=int,
-        default=1,
-        metavar="K",
-        help="with --objective: the pairs prepare-data puts in a window (1 with --pad, more with --pack; default 1)",
     )
     train.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: GPT-3's for the size)")
     train.add_argument("--tokens", help="training tokens, e.g. 300B: adds time-to-train")
