@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 from multiproc import run_ranks
@@ -404,18 +405,24 @@ def test_plan_shows_a_spinner_on_a_terminal_while_transformers_counts_the_model_
     import pty
 
     controller, terminal = pty.openpty()
+    shown = bytearray()
+
+    def drain() -> None:  # read while the child runs: a full pty buffer would block its spinner's writes
+        while True:
+            try:
+                chunk = os.read(controller, 1 << 16)
+            except OSError:  # EIO once the child and this test have closed the terminal side
+                return
+            if not chunk:
+                return
+            shown.extend(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
     command = [sys.executable, "-m", "megakit.commands.cli", "plan", "--model", "llama-tiny", "--gpus", "2"]
     run = subprocess.run(command, stdout=subprocess.PIPE, stderr=terminal, timeout=300)
     os.close(terminal)
-    shown = b""
-    while True:
-        try:
-            chunk = os.read(controller, 1 << 16)
-        except OSError:
-            break
-        if not chunk:
-            break
-        shown += chunk
+    reader.join(timeout=30)
     os.close(controller)
     assert run.returncode == 0 and b"Plan" in run.stdout
-    assert b"megakit plan: reading llama-tiny (transformers counts its parameters)" in shown, shown[:400]
+    assert b"megakit plan: reading llama-tiny (transformers counts its parameters)" in shown, bytes(shown[:400])
