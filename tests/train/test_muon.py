@@ -16,7 +16,7 @@ from jobs import sweep
 from paths import ROOT
 
 from megakit.errors import UsageError
-from megakit.train.engine.muon import MuonWithAdamW, matrices, muon_groups, uses_muon
+from megakit.train.engine.muon import MuonWithAdamW, check_muon, matrices, muon_groups, uses_muon
 
 LR, WD = 3e-3, 0.1
 MUON = {"optimizer": "muon", "muon_lr": LR, "muon_weight_decay": WD}
@@ -72,6 +72,31 @@ def test_one_process_equals_torch_muon_and_adamw_on_the_same_matrices():
     assert set(ours.state[got["embed.weight"]]) == {"exp_avg", "exp_avg_sq", "step"}
 
 
+def test_zero_partitions_cut_each_weight_into_contiguous_pieces():
+    """DeepSpeed ZeRO 1-2's flat group (weights at their offsets, alignment padding between and after) cut into
+    partitions: each weight's pieces cover it once, in order, and lie where the partitions hold them."""
+    from megakit.train.engine.muon_zero import Piece, pieces
+
+    numels = [6, 3, 10, 1]
+    offsets = [0, 6, 10, 20]  # 1 element of padding after the 3, 3 after the last (24 = 4 partitions of 6)
+    got = pieces(offsets, numels, partition_size=6, ranks=4)
+    assert got[0] == [Piece(rank=0, start=0, numel=6, at=0)]  # exactly one partition
+    assert got[1] == [Piece(rank=1, start=0, numel=3, at=0)]
+    assert got[2] == [  # straddles three partitions
+        Piece(rank=1, start=0, numel=2, at=4),
+        Piece(rank=2, start=2, numel=6, at=0),
+        Piece(rank=3, start=8, numel=2, at=0),
+    ]
+    assert got[3] == [Piece(rank=3, start=0, numel=1, at=2)]
+    flat = torch.arange(24.0)
+    for offset, numel, row in zip(offsets, numels, got):
+        weight = torch.cat([flat.view(4, 6)[pc.rank, pc.at : pc.at + pc.numel] for pc in row])
+        assert torch.equal(weight, torch.arange(offset, offset + numel, dtype=torch.float32))
+    assert pieces([0], [12], partition_size=6, ranks=2) == [
+        [Piece(rank=0, start=0, numel=6, at=0), Piece(rank=1, start=6, numel=6, at=0)]
+    ]
+
+
 @pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])  # K/V heads: one per query head, one per two
 def test_qk_clip_brings_each_head_above_tau_back_to_tau(model):
     from megakit.nn.model import ModelConfig, Transformer
@@ -99,13 +124,16 @@ def test_what_muon_cannot_run_is_one_line(tmp_path):
 
     muon = json.loads((ROOT / "ds_configs" / "muon.json").read_text())
     adamw = json.loads((ROOT / "ds_configs" / "zero0.json").read_text())
+    zero1 = json.loads((ROOT / "ds_configs" / "muon_zero1.json").read_text())
+    offload = {**zero1, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     data = tmp_path / "text.txt"
     data.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
     cases = [
         (adamw, {}, 'the ds_config has an "optimizer" section (AdamW); remove it'),
-        ({**muon, "zero_optimization": {"stage": 1}}, {}, "--optimizer muon with ZeRO 1"),
         ({**muon, "zero_optimization": {"stage": 3}}, {}, "--optimizer muon with ZeRO 3"),
-        ({**muon, "bf16": {"enabled": True}}, {}, "--optimizer muon with bf16"),
+        ({**muon, "bf16": {"enabled": True}}, {}, "--optimizer muon with bf16 at ZeRO 0"),
+        (zero1, {"qk_clip": 100.0}, "--qk-clip with ZeRO 1"),
+        (offload, {}, "--optimizer muon with the optimizer offloaded"),
         (muon, {"muon_lr": 0.0}, "--muon-lr must be above 0"),
         (muon, {"qk_clip": 100.0, "model": "deepseek-v3-tiny"}, "its attention is MLA"),
         (muon, {"qk_clip": 100.0, "model": "gpt-oss-tiny"}, "its attention sinks or dropout"),
@@ -115,9 +143,13 @@ def test_what_muon_cannot_run_is_one_line(tmp_path):
     for ds, flags, message in cases:
         with pytest.raises(UsageError, match=re.escape(message)):
             resolve(TrainConfig(**{"ds_config": ds, "data": str(data), "model": "gpt-tiny", **MUON, **flags}), 2)
+    with pytest.raises(UsageError, match="--optimizer muon with fp16 at ZeRO 0"):  # resolve: fp16 needs a GPU
+        check_muon({**muon, "fp16": {"enabled": True}}, lr=LR, weight_decay=WD)
     with pytest.raises(UsageError, match="--optimizer lion is not one of adamw, muon"):
         TrainConfig(ds_config=muon, optimizer="lion")
     resolve(TrainConfig(ds_config=muon, data=str(data), model="gpt-tiny", tp=2, **MUON), 2)  # runs
+    for stage in (1, 2):  # ZeRO 1-2, fp32 or bf16
+        resolve(TrainConfig(ds_config={**zero1, "zero_optimization": {"stage": stage}}, data=str(data), **MUON), 2)
 
 
 # -- 2 processes: each layout against the single process, and a resume at another layout -----------------------------

@@ -64,8 +64,12 @@ def matrices(name: str, update: torch.Tensor) -> list[torch.Tensor]:
     return list(stack)
 
 
-def muon_groups(module: torch.nn.Module, *, weight_decay: float) -> list[dict]:
-    """``module``'s trainable parameters as optimizer groups: Muon's (decayed), then AdamW's decayed and not."""
+def muon_groups(module: torch.nn.Module, *, weight_decay: float, experts: bool = False) -> list[dict]:
+    """``module``'s trainable parameters as optimizer groups: Muon's (decayed), then AdamW's decayed and not.
+
+    ``experts`` (ZeRO 1-2 with EP): DeepSpeed's experts (``megakit.train.engine.experts``) in groups of their own,
+    as its ZeRO optimizer partitions them over their EDP group (``split_params_into_different_moe_groups_for_
+    optimizer``, which DeepSpeed runs itself only for an optimizer of the ds_config)."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     hidden = [p for n, p in named if uses_muon(n, p)]
     ids = {id(p) for p in hidden}
@@ -75,30 +79,49 @@ def muon_groups(module: torch.nn.Module, *, weight_decay: float) -> list[dict]:
     groups += [{**g, "use_muon": False} for g in rest if g["params"]]
     for group in groups:
         group.setdefault("weight_decay", weight_decay)
+    if experts:
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+        for group in (g for g in groups if g["use_muon"]):
+            group["names"] = [names[id(p)] for p in group["params"]]
     return [g for g in groups if g["params"]]
 
 
-def check_muon(ds_config: dict, *, lr: float, weight_decay: float) -> None:
-    """One line for what ``--optimizer muon`` cannot run: an optimizer the ds_config names too, a ZeRO stage that
-    hands the optimizer flat partitions, a precision whose optimizer does the same, a bad lr or weight decay."""
+def check_muon(ds_config: dict, *, lr: float, weight_decay: float, qk_clip: float = 0.0) -> None:
+    """One line for what ``--optimizer muon`` cannot run: an optimizer the ds_config names too, ZeRO 3 (flat
+    partitions of whole weights it cannot exchange), bf16/fp16 at ZeRO 0 (DeepSpeed's BF16/FP16 optimizer flattens
+    without the layout ZeRO 1-2 give), the optimizer offloaded to the CPU, QK-clip under ZeRO, a bad lr or weight
+    decay."""
     if "optimizer" in ds_config:
         kind = ds_config["optimizer"].get("type")
         raise UsageError(
             f'--optimizer muon builds the optimizer itself, but the ds_config has an "optimizer" section ({kind}); '
             "remove it (ds_configs/muon.json has none) and set --muon-lr and --muon-weight-decay"
         )
-    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
-    if stage != 0:
+    zero = ds_config.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    if stage == 3:
         raise UsageError(
-            f"--optimizer muon with ZeRO {stage}: DeepSpeed's ZeRO 1-3 hand the optimizer flat partitions, and "
-            "Newton-Schulz needs whole matrices; use ZeRO 0 (ds_configs/muon.json)"
+            "--optimizer muon with ZeRO 3: each weight is partitioned over DP, and Newton-Schulz needs whole "
+            "matrices; use ZeRO 1 or 2 (ds_configs/muon_zero1.json)"
         )
     for key in ("bf16", "fp16"):
-        if ds_config.get(key, {}).get("enabled"):
+        if stage == 0 and ds_config.get(key, {}).get("enabled"):
             raise UsageError(
-                f"--optimizer muon with {key}: DeepSpeed's {key} optimizer steps flat fp32 copies, not matrices; "
-                "train in fp32 (ds_configs/muon.json)"
+                f"--optimizer muon with {key} at ZeRO 0: DeepSpeed's {key} optimizer steps flat fp32 copies, not "
+                "matrices; use ZeRO 1 (ds_configs/muon_zero1.json), or train in fp32 (ds_configs/muon.json)"
             )
+    if stage and zero.get("offload_optimizer", {}).get("device", "none") != "none":
+        raise UsageError(
+            "--optimizer muon with the optimizer offloaded: its DP exchange runs on the accelerator's partitions; "
+            'drop "offload_optimizer" from the ds_config'
+        )
+    if stage and qk_clip:
+        raise UsageError(
+            f"--qk-clip with ZeRO {stage}: it scales W_q and W_k, whose fp32 masters ZeRO partitions; use ZeRO 0 "
+            "(ds_configs/muon.json) or drop --qk-clip"
+        )
     if not lr > 0 or not weight_decay >= 0:
         raise UsageError(
             f"--muon-lr must be above 0 and --muon-weight-decay at least 0, got {lr:g} and {weight_decay:g}"
@@ -181,6 +204,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=True, betas=betas, eps=eps)
         super().__init__(groups, defaults)
         self.tp_group, self.qk_clip = tp_group, qk_clip
+        self.names = {id(p): n for g in groups if g["use_muon"] for n, p in zip(g["names"], g["params"], strict=True)}
+        self.muon_params = set(self.names)  # ids of the weights (and, under ZeRO, flat partitions) Muon steps
+        self.flat: dict = {}  # ZeRO 1-2: id of a Muon group's flat partition -> its layout (``muon_zero.bind``)
         adam = [g for g in self.param_groups if not g["use_muon"]]
         self.adamw = torch.optim.AdamW(adam, lr=lr, betas=betas, eps=eps) if adam else None
         if self.adamw is not None:
@@ -194,7 +220,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            if group["use_muon"]:
+            if group["use_muon"] and id(group["params"][0]) in self.flat:
+                self._step_flat(group)
+            elif group["use_muon"]:
                 named = [(n, p) for n, p in zip(group["names"], group["params"]) if p.grad is not None]
                 updates = [self._momentum(p, group) for _, p in named]
                 split = [getattr(p, "tp_dim", None) if C.size(self.tp_group) > 1 else None for _, p in named]
@@ -214,6 +242,27 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if self.qk_clip is not None:
             self.qk_clip.clip()
         return loss
+
+    def _step_flat(self, group: dict) -> None:
+        """ZeRO 1-2: the same step on this rank's flat fp32 partition, each weight orthogonalised whole by its owner
+        DP rank (``muon_zero.orthogonalise_flat``)."""
+        from megakit.train.engine.muon_zero import orthogonalise_flat
+
+        partition = group["params"][0]
+        flat = self.flat[id(partition)]
+        orthogonal = orthogonalise_flat(self._momentum(partition, group), flat, self.tp_group)
+        partition.mul_(1 - group["lr"] * group["weight_decay"])
+        for j, piece in flat.mine(C.rank(flat.group)):
+            split = flat.tp_dims[j] if C.size(self.tp_group) > 1 else None
+            whole_shape = flat.shapes[j] if split is None else _gathered(flat.shapes[j], split, self.tp_group)
+            shape = matrices(flat.names[j], _meta(whole_shape))[0].shape
+            lr = adjust_lr(group["lr"], ADJUST_LR, shape)
+            partition.narrow(0, piece.at, piece.numel).add_(orthogonal.narrow(0, piece.at, piece.numel), alpha=-lr)
+
+    def state_keys(self, param: torch.Tensor) -> tuple[str, ...]:
+        """The moments ``param`` (a weight, or a ZeRO flat partition) has: Muon's momentum or AdamW's two; the
+        checkpoints ask, as under ZeRO 1-2 a rank without a fragment of ``param`` cannot see it."""
+        return ("momentum_buffer",) if id(param) in self.muon_params else ("exp_avg", "exp_avg_sq")
 
     def _momentum(self, p: torch.Tensor, group: dict) -> torch.Tensor:
         """torch.optim.Muon's momentum and Nesterov blend (``_single_tensor_muon``): the update to orthogonalise."""
