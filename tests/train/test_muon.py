@@ -153,10 +153,13 @@ def test_what_muon_cannot_run_is_one_line(tmp_path):
 
 
 # -- 2 processes: each layout against the single process, and a resume at another layout -----------------------------
-def _ds(micro: int = 2, accumulation: int = 2) -> dict:
-    config = json.loads((ROOT / "ds_configs" / "muon.json").read_text())
+def _ds(micro: int = 2, accumulation: int = 2, *, zero: int = 0, bf16: bool = False) -> dict:
+    config = json.loads((ROOT / "ds_configs" / ("muon_zero1.json" if zero else "muon.json")).read_text())
     config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation)
     config["scheduler"]["params"].update(warmup_num_steps=2, total_num_steps=6)
+    if zero:
+        config["zero_optimization"]["stage"] = zero
+        config["bf16"]["enabled"] = bf16
     return config
 
 
@@ -173,7 +176,17 @@ def layouts(tmp_path_factory):
         dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4), tp=2, save=str(saved), save_every=3, keep=5),  # 5
         dict(base, model="gpt-tiny", ds_config=_ds(), load=str(saved / "step-0000003")),  # 6: resumed at DP 2
         dict(base, model="llama-tiny", ds_config=_ds(), qk_clip=0.05),  # 7: QK-clip of grouped K/V heads, DP 2
-    ]
+        dict(base, model="moe-tiny", ds_config=_ds(zero=2), ep=2),  # 8: ZeRO 2, the experts over EDP
+        dict(base, model="gpt-tiny", ds_config=_ds(zero=2), save=str(saved.parent / "zero2"), save_every=3, keep=5),
+        dict(
+            base,
+            model="gpt-tiny",
+            ds_config=_ds(accumulation=4),
+            tp=2,
+            load=str(saved.parent / "zero2" / "step-0000003"),
+        ),
+        dict(base, model="gpt-tiny", ds_config=_ds(zero=1, bf16=True)),  # 11: bf16 ZeRO 1, fp32 masters
+    ]  # 9: ZeRO 2 saves at step 3, 10: ZeRO 0 x TP 2 resumes from it
     for i in (0, 7):
         cases[i]["save"] = str(saved.parent / f"qk{i}")
     cases[3]["ds_config"] = _ds(accumulation=4)
@@ -201,12 +214,16 @@ def test_each_layout_equals_one_process_and_the_momentum_resumes_at_another(layo
     cases, results = layouts
     dense = _reference(cases[2], dp=2, weights=True)  # cases 0, 1, 3, 5 run DP 1 with 4 micro-batches: the same
     moe = _reference(cases[4], dp=2)  # global batch
-    for i, want in [(1, dense), (2, dense), (3, dense), (4, moe), (5, dense)]:
+    for i, want in [(1, dense), (2, dense), (3, dense), (4, moe), (5, dense), (8, moe), (9, dense)]:
         got = results[i]["loss"]
         assert len(got) == 6, (i, got)
         # 1e-5: TP 2 follows within 2e-6; orthogonalising each TP shard alone is 8e-5 off
         assert got == pytest.approx(want["loss"], rel=1e-5), (i, got, want["loss"])
     assert results[6]["loss"] == pytest.approx(results[5]["loss"][3:], rel=1e-5)  # with its momenta, not from zero
+    assert results[10]["loss"] == pytest.approx(results[9]["loss"][3:], rel=1e-5)  # ZeRO 2's partitioned momenta
+    # bf16 (Muon steps the fp32 masters): one bf16 rounding is 2^-9 = 2e-3 relative, the bound; measured 1.2e-4
+    # off the fp32 one process, where one step's update moves the loss by 1e-2 to 2e-2
+    assert results[11]["loss"] == pytest.approx(dense["loss"], rel=2e-3), results[11]["loss"]
     from megakit.train.run import TrainConfig, resolve
 
     optimizer = json.loads((ROOT / "ds_configs" / "zero0.json").read_text())["optimizer"]
@@ -228,6 +245,20 @@ def test_each_layout_equals_one_process_and_the_momentum_resumes_at_another(layo
             # Newton-Schulz's bf16 turns the layouts' fp32 rounding into ~4e-5 here; the clip moves W_q by 3e-3 to 2e-2
             assert (got - want).abs().max() < 2e-4, (i, name)
             assert (got - unclipped).abs().max() > 2e-3, (i, name)  # it clipped
+
+
+@pytest.mark.slow
+def test_zero1_at_tp2_x_dp2_equals_one_process_and_resumes_a_zero0_save(layouts, tmp_path_factory):
+    """4 processes: ZeRO 1 at TP 2 x DP 2 (each DP owner orthogonalises its weights over TP with its TP peer), from
+    the start and from case 5's ZeRO 0 x TP 2 save at step 3 (its momenta into ZeRO 1's partitions)."""
+    cases, results = layouts
+    saved = cases[5]["save"] + "/step-0000003"
+    base = {k: v for k, v in cases[2].items() if k != "ds_config"}
+    mine = [dict(base, ds_config=_ds(zero=1), tp=2), dict(base, ds_config=_ds(zero=1), tp=2, load=saved)]
+    got = sweep(tmp_path_factory, 4, mine, timeout=600)
+    dense = _reference(cases[2], dp=2)
+    assert got[0]["loss"] == pytest.approx(dense["loss"], rel=1e-5), (got[0]["loss"], dense["loss"])
+    assert got[1]["loss"] == pytest.approx(results[5]["loss"][3:], rel=1e-5), (got[1]["loss"], results[5]["loss"])
 
 
 def test_the_planner_prices_torch_newton_schulz_and_one_moment():
