@@ -287,7 +287,7 @@ def resolve(cfg: TrainConfig, world_size: int, *, say=print) -> Run:
     layout = Layout.for_world(world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
     ds_config = load_ds_config(cfg.ds_config, dp=layout.dp, pp=layout.pp)
     if cfg.optimizer == "muon":
-        check_muon(ds_config, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay, qk_clip=cfg.qk_clip)
+        check_muon(ds_config, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay)
         if cfg.lora is not None:  # its TP exchange knows the model's matrices, not the adapters' low-rank halves
             raise UsageError("--optimizer muon does not train LoRA adapters; drop --lora-rank or use AdamW")
     else:

@@ -88,11 +88,10 @@ def muon_groups(module: torch.nn.Module, *, weight_decay: float, experts: bool =
     return [g for g in groups if g["params"]]
 
 
-def check_muon(ds_config: dict, *, lr: float, weight_decay: float, qk_clip: float = 0.0) -> None:
+def check_muon(ds_config: dict, *, lr: float, weight_decay: float) -> None:
     """One line for what ``--optimizer muon`` cannot run: an optimizer the ds_config names too, ZeRO 3 (flat
     partitions of whole weights it cannot exchange), bf16/fp16 at ZeRO 0 (DeepSpeed's BF16/FP16 optimizer flattens
-    without the layout ZeRO 1-2 give), the optimizer offloaded to the CPU, QK-clip under ZeRO, a bad lr or weight
-    decay."""
+    without the layout ZeRO 1-2 give), the optimizer offloaded to the CPU, a bad lr or weight decay."""
     if "optimizer" in ds_config:
         kind = ds_config["optimizer"].get("type")
         raise UsageError(
@@ -116,11 +115,6 @@ def check_muon(ds_config: dict, *, lr: float, weight_decay: float, qk_clip: floa
         raise UsageError(
             "--optimizer muon with the optimizer offloaded: its DP exchange runs on the accelerator's partitions; "
             'drop "offload_optimizer" from the ds_config'
-        )
-    if stage and qk_clip:
-        raise UsageError(
-            f"--qk-clip with ZeRO {stage}: it scales W_q and W_k, whose fp32 masters ZeRO partitions; use ZeRO 0 "
-            "(ds_configs/muon.json) or drop --qk-clip"
         )
     if not lr > 0 or not weight_decay >= 0:
         raise UsageError(
@@ -153,15 +147,29 @@ class QKClip:
             return
         logits = torch.stack([m.max_logits for m in self.attention])  # (attention modules, heads/tp)
         logits = C.all_reduce(logits, self.group, op=torch.distributed.ReduceOp.MAX)
-        gamma = (self.tau / logits.clamp(min=self.tau)).to(self.attention[0].q_proj.weight.dtype)
+        gamma = self.tau / logits.clamp(min=self.tau)
         for m, g in zip(self.attention, gamma):
             scaled = [(m.q_proj, g)] if m.kv_heads != m.heads else [(m.q_proj, g.sqrt()), (m.k_proj, g.sqrt())]
             for proj, factor in scaled:
                 rows = factor.repeat_interleave(m.head_dim)  # (heads * head_dim,): each head's rows
-                proj.weight.mul_(rows[:, None])
+                _scale_rows(proj.weight, rows)
                 if proj.bias is not None:
-                    proj.bias.mul_(rows)
+                    _scale_rows(proj.bias, rows)
             m.max_logits = torch.zeros_like(m.max_logits)
+
+
+def _scale_rows(param: torch.Tensor, rows: torch.Tensor) -> None:
+    """``param``'s rows times ``rows``. ZeRO 1-2 (a DeepSpeed fragment mapping): the fp32 master's fragment this
+    rank holds, copied into the weight's same elements (DeepSpeed's all-gather after the step spreads them)."""
+    if not hasattr(param, "_hp_mapping"):  # ZeRO 0 in fp32: the weight is the master
+        param.mul_(rows.to(param.dtype).view(-1, *[1] * (param.ndim - 1)))
+        return
+    if param._hp_mapping is None:  # no fragment on this rank
+        return
+    address, master = param._hp_mapping.lp_fragment_address, param._hp_mapping.get_hp_fragment()
+    factor = rows.repeat_interleave(param[0].numel()) if param.ndim > 1 else rows  # per element, row-major
+    master.mul_(factor.narrow(0, address.start, address.numel).to(master.dtype))
+    param.view(-1).narrow(0, address.start, address.numel).copy_(master)
 
 
 def check_qk_clip(config, *, tau: float, optimizer: str, cp: int) -> None:
@@ -207,6 +215,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.names = {id(p): n for g in groups if g["use_muon"] for n, p in zip(g["names"], g["params"], strict=True)}
         self.muon_params = set(self.names)  # ids of the weights (and, under ZeRO, flat partitions) Muon steps
         self.flat: dict = {}  # ZeRO 1-2: id of a Muon group's flat partition -> its layout (``muon_zero.bind``)
+        self.last_group = self.param_groups[-1]
         adam = [g for g in self.param_groups if not g["use_muon"]]
         self.adamw = torch.optim.AdamW(adam, lr=lr, betas=betas, eps=eps) if adam else None
         if self.adamw is not None:
@@ -239,8 +248,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if self.adamw is not None:
             self.adamw.param_groups = [g for g in self.param_groups if not g["use_muon"]]
             self.adamw.step()
-        if self.qk_clip is not None:
-            self.qk_clip.clip()
+        if self.qk_clip is not None and (not self.flat or self.param_groups[-1] is self.last_group):
+            self.qk_clip.clip()  # ZeRO 1-2 step one group a call: after the last
         return loss
 
     def _step_flat(self, group: dict) -> None:
