@@ -4,7 +4,9 @@ layout equals one process, the momentum resumes at another layout, and what it c
 The layouts run in ONE launcher job of 2 processes (``tests/helpers/launch_sweep.py``): TP 2 (column- and row-parallel
 shards sent to their owners), PP 2, DP 2, CP 2 and EP 2 of ``moe-tiny``, against the single process
 (``reference_run(muon=...)``); TP 2 saves at step 3 and DP 2 resumes from it with its momenta; QK-clip at TP 2 with
-SP (MHA) and at DP 2 (grouped K/V heads) against the single process's weights.
+SP (MHA) and at DP 2 (grouped K/V heads, ZeRO 0 and 1) against the single process's weights; ZeRO 2 at EP 2, a ZeRO 2
+save resumed at ZeRO 0 x TP 2, and bf16 at ZeRO 1. A job of 4 processes runs ZeRO 1 at TP 2 x DP 2, from the start
+and from the TP 2 save.
 """
 
 import json

@@ -17,13 +17,19 @@ gather with Newton-Schulz on every TP rank because the planner's cost of that gr
 all the FLOPs (Llama-3-8B at TP 8: 666 TFLOP per GPU and step instead of 83) and receive (TP-1)/TP of the split
 matrices' bytes instead of about 2 (TP-1)/TP^2 (23 GiB instead of 5.7 GiB); the same at TP 2. PP stages, EP ranks
 (each holds whole experts), SP and CP (their gradients are reduced before the step) and DP at ZeRO 0 (every rank
-holds the same averaged gradient) need nothing more. DeepSpeed's ZeRO 1-3 hand a client optimizer flat fp32
-partitions, not matrices, so they are refused. DeepSpeed's own Muon (``deepspeed/runtime/zero/muon``, its ZeRO 1-2
+holds the same averaged gradient) need nothing more. DeepSpeed's ZeRO 1-2 hand a client optimizer one flat fp32
+partition per group: the momentum is elementwise and steps it there, and each weight goes whole to one owner DP
+rank and back, layer-wise over DP as over TP (``megakit.train.engine.muon_zero``); bf16 and fp16 then step the fp32
+masters. ZeRO 3 (each weight partitioned alone) and bf16/fp16 at ZeRO 0 (DeepSpeed's BF16 optimizer flattens
+without handing out its layout) are refused. DeepSpeed's own Muon (``deepspeed/runtime/zero/muon``, its ZeRO 1-2
 orthogonalise in ``get_flat_partition``) is not used, as it is not torch's: it scales by ``sqrt(max(1, A/B))``,
-iterates in fp16 ("gram" Newton-Schulz) by default and orthogonalises TP shards alone.
+iterates in fp16 ("gram" Newton-Schulz) by default and orthogonalises TP shards alone. Its hooks stay off here:
+they look for a ``use_muon`` attribute on the weights (megakit's groups carry a ``use_muon`` key) or an
+``isinstance`` of its ``MuonWithAuxAdam``.
 
-State: ``momentum_buffer`` per Muon parameter (one fp32 moment, the parameter's shape, split over TP like it) and
-``exp_avg``/``exp_avg_sq`` per AdamW parameter, so megakit's layout-free checkpoints save and reshard both.
+State: ``momentum_buffer`` per Muon parameter (one fp32 moment, the parameter's shape, split over TP like it; at
+ZeRO 1-2 one per flat partition, partitioned over DP like the masters) and ``exp_avg``/``exp_avg_sq`` per AdamW
+parameter, so megakit's layout-free checkpoints save and reshard both (``state_keys`` says which a weight has).
 """
 
 from __future__ import annotations
@@ -130,7 +136,8 @@ class QKClip:
     forward); the maximum over the ranks holding the same weights (``group``: DP) gives ``gamma = min(1, tau / max)``
     per head. With as many K/V heads as query heads, the head's rows of ``W_q`` and ``W_k`` (and biases) are scaled
     by ``sqrt(gamma)`` each; with grouped K/V heads shared by several query heads, ``W_q``'s rows by ``gamma`` (the
-    shared key stays), as Kimi K2 does for MLA's shared rotary key. TP splits the heads with the rows: no exchange."""
+    shared key stays), as Kimi K2 does for MLA's shared rotary key. TP splits the heads with the rows: no exchange.
+    Under ZeRO 1-2 the fp32 masters are the weights' truth: each rank scales its fragments of them."""
 
     def __init__(self, module: torch.nn.Module, *, tau: float, group=None) -> None:
         from megakit.nn.attention.core import Attention
@@ -192,7 +199,7 @@ def check_qk_clip(config, *, tau: float, optimizer: str, cp: int) -> None:
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """One optimizer for DeepSpeed (a client optimizer at ZeRO 0): Muon's groups, AdamW's groups, one lr.
+    """One optimizer for DeepSpeed (a client optimizer at ZeRO 0-2): Muon's groups, AdamW's groups, one lr.
 
     ``tp_group``: the TP group, over which split matrices go to their owners (``None``: one rank). The LR schedule
     sets every group's ``lr``; Muon's matrices step at ``adjust_lr(lr)``."""
