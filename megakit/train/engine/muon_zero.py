@@ -70,23 +70,26 @@ class FlatGroup:
 
 
 def flat_group(zero_optimizer, index: int, names: dict[int, str]) -> FlatGroup:
-    """``FlatGroup`` of DeepSpeed ZeRO 1/2's group ``index`` (its ``round_robin_bit16_*`` lists: the params in the
-    flat buffer's order, with their offsets)."""
+    """``FlatGroup`` of group ``index`` of DeepSpeed's ZeRO 1/2 optimizer (its ``round_robin_bit16_*`` lists: the
+    params in the flat buffer's order, with their offsets) or of its BF16 optimizer (bf16 with fp32 gradient
+    accumulation at ZeRO 1: the params back to back, padding at the end only)."""
     from megakit.train.engine.muon import owners
 
-    params = zero_optimizer.round_robin_bit16_groups[index]
     group = zero_optimizer.real_dp_process_group[index]
+    if hasattr(zero_optimizer, "round_robin_bit16_groups"):
+        params = zero_optimizer.round_robin_bit16_groups[index]
+        offsets = zero_optimizer.round_robin_bit16_offsets[index]
+        partition_size = int(zero_optimizer.partition_size[index])
+    else:
+        params = zero_optimizer.bf16_groups[index]
+        offsets = [sum(p.numel() for p in params[:j]) for j in range(len(params))]
+        partition_size = zero_optimizer.bf16_groups_flat[index].numel() // C.size(group)
     numels = [p.numel() for p in params]
     return FlatGroup(
         names=[names[id(p)] for p in params],
         shapes=[p.shape for p in params],
         tp_dims=[getattr(p, "tp_dim", None) for p in params],
-        pieces=pieces(
-            zero_optimizer.round_robin_bit16_offsets[index],
-            numels,
-            partition_size=int(zero_optimizer.partition_size[index]),
-            ranks=C.size(group),
-        ),
+        pieces=pieces(offsets, numels, partition_size=partition_size, ranks=C.size(group)),
         owner=owners(numels, C.size(group)),
         group=group,
     )
@@ -138,15 +141,18 @@ def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 
 
 def bind(zero_optimizer) -> None:
-    """Tell ``--optimizer muon``'s ``MuonWithAdamW`` the flat layout of DeepSpeed ZeRO 1/2's groups (a no-op for
-    any other optimizer: ZeRO 0 hands it the weights themselves). Called once after ``deepspeed.initialize``."""
+    """Tell ``--optimizer muon``'s ``MuonWithAdamW`` the flat layout of the groups DeepSpeed's ZeRO 1/2 (or BF16)
+    optimizer hands it (a no-op where it steps the weights themselves: ZeRO 0 in fp32). Called once after
+    ``deepspeed.initialize``."""
     from megakit.train.engine.muon import MuonWithAdamW
 
     client = getattr(zero_optimizer, "optimizer", None)
-    if not isinstance(client, MuonWithAdamW) or not hasattr(zero_optimizer, "round_robin_bit16_groups"):
+    if not isinstance(client, MuonWithAdamW):
         return
+    flattens = hasattr(zero_optimizer, "round_robin_bit16_groups") or hasattr(zero_optimizer, "bf16_groups")
+    assert flattens, f"--optimizer muon does not know the layout of {type(zero_optimizer).__name__}'s groups"
     for i, group in enumerate(client.param_groups):
-        params = zero_optimizer.round_robin_bit16_groups[i]
+        params = (getattr(zero_optimizer, "round_robin_bit16_groups", None) or zero_optimizer.bf16_groups)[i]
         assert not any(hasattr(p, "use_muon") for p in params), "DeepSpeed's own Muon hooks would step these"
         if group["use_muon"]:
             client.flat[id(group["params"][0])] = flat_group(zero_optimizer, i, client.names)
