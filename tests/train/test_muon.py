@@ -5,8 +5,8 @@ The layouts run in ONE launcher job of 2 processes (``tests/helpers/launch_sweep
 shards sent to their owners), PP 2, DP 2, CP 2 and EP 2 of ``moe-tiny``, against the single process
 (``reference_run(muon=...)``); TP 2 saves at step 3 and DP 2 resumes from it with its momenta; QK-clip at TP 2 with
 SP (MHA) and at DP 2 (grouped K/V heads, ZeRO 0 and 1) against the single process's weights; ZeRO 2 at EP 2, a ZeRO 2
-save resumed at ZeRO 0 x TP 2, and bf16 at ZeRO 1 (both of DeepSpeed's optimizers for it). A job of 4 processes
-runs ZeRO 1 at TP 2 x DP 2, from the start and from the TP 2 save.
+save resumed at ZeRO 0 x TP 2, CP 2 at ZeRO 1, and bf16 at ZeRO 1 (both of DeepSpeed's optimizers for it). A job of
+4 processes runs ZeRO 1 at TP 2 x DP 2, from the start and from the TP 2 save.
 """
 
 import json
@@ -184,6 +184,7 @@ def layouts(tmp_path_factory):
         dict(base, model="gpt-tiny", ds_config=_ds(zero=1, bf16=True)),  # 11: bf16 ZeRO 1, fp32 masters
         dict(base, model="llama-tiny", ds_config=_ds(zero=1), qk_clip=0.05),  # 12: 7 at ZeRO 1: the masters clipped
         dict(base, model="gpt-tiny", ds_config={**_ds(zero=1, bf16=True), "data_types": {"grad_accum_dtype": "fp32"}}),
+        dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4, zero=1), cp=2),  # 14: partitions over DP x CP
     ]  # 9: ZeRO 2 saves at step 3, 10: ZeRO 0 x TP 2 resumes from it; 13: 11 accumulating in fp32 (BF16_Optimizer)
     for i in (0, 7, 12):
         cases[i]["save"] = str(saved.parent / f"qk{i}")
@@ -212,7 +213,7 @@ def test_each_layout_equals_one_process_and_the_momentum_resumes_at_another(layo
     cases, results = layouts
     dense = _reference(cases[2], dp=2, weights=True)  # cases 0, 1, 3, 5 run DP 1 with 4 micro-batches: the same
     moe = _reference(cases[4], dp=2)  # global batch
-    for i, want in [(1, dense), (2, dense), (3, dense), (4, moe), (5, dense), (8, moe), (9, dense)]:
+    for i, want in [(1, dense), (2, dense), (3, dense), (4, moe), (5, dense), (8, moe), (9, dense), (14, dense)]:
         got = results[i]["loss"]
         assert len(got) == 6, (i, got)
         # 1e-5: TP 2 follows within 2e-6; orthogonalising each TP shard alone is 8e-5 off
