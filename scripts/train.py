@@ -247,7 +247,8 @@ def _optimisation_flags(p: argparse.ArgumentParser) -> None:
         default="adamw",
         help="adamw (default): the ds_config's optimizer; muon: Muon (torch.optim.Muon's math, match_rms_adamw lr) "
         "for the hidden matrices and AdamW for embeddings, head, norms and biases, exact at any TP/PP/DP/CP/EP "
-        "with ZeRO 0 in fp32; the ds_config must have no optimizer section (ds_configs/muon.json)",
+        "with ZeRO 0 in fp32 or ZeRO 1-2 in fp32/bf16/fp16 (not ZeRO 3); the ds_config must have no optimizer "
+        "section (ds_configs/muon.json, ds_configs/muon_zero1.json)",
     )
     g.add_argument(
         "--muon-lr", type=finite_float, default=2e-3, help="--optimizer muon: the lr of both halves (default 2e-3)"

@@ -309,6 +309,8 @@ def _build(run: Run, topo, doctor=None):
     if run.zero_stage == 0 and run.precision == "fp32":
         clipper = Zero0Clipper(stage.parameters(), topo, float(ds_config.get("gradient_clipping", 0.0)))
         ds_config = {**ds_config, "gradient_clipping": 0.0}
+    if run.cfg.optimizer == "muon":  # ZeRO 1-2 step megakit's client optimizer (muon_zero), which DeepSpeed asks
+        ds_config = {**ds_config, "zero_allow_untested_optimizer": True}
     experts = run.model.moe.experts if run.model.moe else 0
     quiet = contextlib.nullcontext() if cfg.deepspeed_logs else contextlib.redirect_stdout(io.StringIO())
     with deepspeed_sees_experts(stage, topo, experts, zero3=run.zero_stage == 3), quiet:  # quiet: its CPU op's build
@@ -316,6 +318,10 @@ def _build(run: Run, topo, doctor=None):
             model=stage, mpu=topo, config=ds_config, **_optimizer(run, stage, topo)
         )
     unlink_shared_memory()
+    if run.cfg.optimizer == "muon":
+        from megakit.train.engine.muon_zero import bind
+
+        bind(optimizer)  # ZeRO 1-2: the flat partitions' layout (nothing at ZeRO 0)
     if clipper is not None:
         optimizer.register_step_pre_hook(clipper)
     return engine, clipper
@@ -329,7 +335,8 @@ def _optimizer(run: Run, stage, topo) -> dict:
     from megakit.train.engine.muon import MuonWithAdamW, QKClip, muon_groups
 
     cfg = run.cfg
-    groups = muon_groups(stage, weight_decay=cfg.muon_weight_decay)
+    experts = run.zero_stage > 0 and getattr(topo, "ep", 1) > 1  # ZeRO 1-2 partition the experts over EDP
+    groups = muon_groups(stage, weight_decay=cfg.muon_weight_decay, experts=experts)
     clip = QKClip(stage, tau=cfg.qk_clip, group=topo.dp_group) if cfg.qk_clip else None
     optimizer = MuonWithAdamW(
         groups, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay, tp_group=topo.tp_group, qk_clip=clip

@@ -4,7 +4,9 @@ layout equals one process, the momentum resumes at another layout, and what it c
 The layouts run in ONE launcher job of 2 processes (``tests/helpers/launch_sweep.py``): TP 2 (column- and row-parallel
 shards sent to their owners), PP 2, DP 2, CP 2 and EP 2 of ``moe-tiny``, against the single process
 (``reference_run(muon=...)``); TP 2 saves at step 3 and DP 2 resumes from it with its momenta; QK-clip at TP 2 with
-SP (MHA) and at DP 2 (grouped K/V heads) against the single process's weights.
+SP (MHA) and at DP 2 (grouped K/V heads, ZeRO 0 and 1) against the single process's weights; ZeRO 2 at EP 2, a ZeRO 2
+save resumed at ZeRO 0 x TP 2, CP 2 at ZeRO 1, and bf16 at ZeRO 1 (both of DeepSpeed's optimizers for it). A job of
+4 processes runs ZeRO 1 at TP 2 x DP 2, from the start and from the TP 2 save.
 """
 
 import json
@@ -16,7 +18,7 @@ from jobs import sweep
 from paths import ROOT
 
 from megakit.errors import UsageError
-from megakit.train.engine.muon import MuonWithAdamW, matrices, muon_groups, uses_muon
+from megakit.train.engine.muon import MuonWithAdamW, check_muon, matrices, muon_groups, uses_muon
 
 LR, WD = 3e-3, 0.1
 MUON = {"optimizer": "muon", "muon_lr": LR, "muon_weight_decay": WD}
@@ -72,6 +74,31 @@ def test_one_process_equals_torch_muon_and_adamw_on_the_same_matrices():
     assert set(ours.state[got["embed.weight"]]) == {"exp_avg", "exp_avg_sq", "step"}
 
 
+def test_zero_partitions_cut_each_weight_into_contiguous_pieces():
+    """DeepSpeed ZeRO 1-2's flat group (weights at their offsets, alignment padding between and after) cut into
+    partitions: each weight's pieces cover it once, in order, and lie where the partitions hold them."""
+    from megakit.train.engine.muon_zero import Piece, pieces
+
+    numels = [6, 3, 10, 1]
+    offsets = [0, 6, 10, 20]  # 1 element of padding after the 3, 3 after the last (24 = 4 partitions of 6)
+    got = pieces(offsets, numels, partition_size=6, ranks=4)
+    assert got[0] == [Piece(rank=0, start=0, numel=6, at=0)]  # exactly one partition
+    assert got[1] == [Piece(rank=1, start=0, numel=3, at=0)]
+    assert got[2] == [  # straddles three partitions
+        Piece(rank=1, start=0, numel=2, at=4),
+        Piece(rank=2, start=2, numel=6, at=0),
+        Piece(rank=3, start=8, numel=2, at=0),
+    ]
+    assert got[3] == [Piece(rank=3, start=0, numel=1, at=2)]
+    flat = torch.arange(24.0)
+    for offset, numel, row in zip(offsets, numels, got):
+        weight = torch.cat([flat.view(4, 6)[pc.rank, pc.at : pc.at + pc.numel] for pc in row])
+        assert torch.equal(weight, torch.arange(offset, offset + numel, dtype=torch.float32))
+    assert pieces([0], [12], partition_size=6, ranks=2) == [
+        [Piece(rank=0, start=0, numel=6, at=0), Piece(rank=1, start=6, numel=6, at=0)]
+    ]
+
+
 @pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])  # K/V heads: one per query head, one per two
 def test_qk_clip_brings_each_head_above_tau_back_to_tau(model):
     from megakit.nn.model import ModelConfig, Transformer
@@ -99,13 +126,15 @@ def test_what_muon_cannot_run_is_one_line(tmp_path):
 
     muon = json.loads((ROOT / "ds_configs" / "muon.json").read_text())
     adamw = json.loads((ROOT / "ds_configs" / "zero0.json").read_text())
+    zero1 = json.loads((ROOT / "ds_configs" / "muon_zero1.json").read_text())
+    offload = {**zero1, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     data = tmp_path / "text.txt"
     data.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
     cases = [
         (adamw, {}, 'the ds_config has an "optimizer" section (AdamW); remove it'),
-        ({**muon, "zero_optimization": {"stage": 1}}, {}, "--optimizer muon with ZeRO 1"),
         ({**muon, "zero_optimization": {"stage": 3}}, {}, "--optimizer muon with ZeRO 3"),
-        ({**muon, "bf16": {"enabled": True}}, {}, "--optimizer muon with bf16"),
+        ({**muon, "bf16": {"enabled": True}}, {}, "--optimizer muon with bf16 at ZeRO 0"),
+        (offload, {}, "--optimizer muon with the optimizer offloaded"),
         (muon, {"muon_lr": 0.0}, "--muon-lr must be above 0"),
         (muon, {"qk_clip": 100.0, "model": "deepseek-v3-tiny"}, "its attention is MLA"),
         (muon, {"qk_clip": 100.0, "model": "gpt-oss-tiny"}, "its attention sinks or dropout"),
@@ -115,22 +144,30 @@ def test_what_muon_cannot_run_is_one_line(tmp_path):
     for ds, flags, message in cases:
         with pytest.raises(UsageError, match=re.escape(message)):
             resolve(TrainConfig(**{"ds_config": ds, "data": str(data), "model": "gpt-tiny", **MUON, **flags}), 2)
+    with pytest.raises(UsageError, match="--optimizer muon with fp16 at ZeRO 0"):  # resolve: fp16 needs a GPU
+        check_muon({**muon, "fp16": {"enabled": True}}, lr=LR, weight_decay=WD)
     with pytest.raises(UsageError, match="--optimizer lion is not one of adamw, muon"):
         TrainConfig(ds_config=muon, optimizer="lion")
     resolve(TrainConfig(ds_config=muon, data=str(data), model="gpt-tiny", tp=2, **MUON), 2)  # runs
+    for stage in (1, 2):  # ZeRO 1-2, fp32 or bf16
+        resolve(TrainConfig(ds_config={**zero1, "zero_optimization": {"stage": stage}}, data=str(data), **MUON), 2)
 
 
 # -- 2 processes: each layout against the single process, and a resume at another layout -----------------------------
-def _ds(micro: int = 2, accumulation: int = 2) -> dict:
-    config = json.loads((ROOT / "ds_configs" / "muon.json").read_text())
+def _ds(micro: int = 2, accumulation: int = 2, *, zero: int = 0, bf16: bool = False) -> dict:
+    config = json.loads((ROOT / "ds_configs" / ("muon_zero1.json" if zero else "muon.json")).read_text())
     config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation)
     config["scheduler"]["params"].update(warmup_num_steps=2, total_num_steps=6)
+    if zero:
+        config["zero_optimization"]["stage"] = zero
+        config["bf16"]["enabled"] = bf16
     return config
 
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     saved = tmp_path_factory.mktemp("muon") / "tp2"
+    zero2 = saved.parent / "zero2"
     base = dict(data=None, steps=6, seq_len=32, seed=3, **MUON)  # the standard library's sources, as bytes
     cases = [
         dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4), tp=2, sequence_parallel=True, qk_clip=0.05),  # 0
@@ -141,8 +178,15 @@ def layouts(tmp_path_factory):
         dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4), tp=2, save=str(saved), save_every=3, keep=5),  # 5
         dict(base, model="gpt-tiny", ds_config=_ds(), load=str(saved / "step-0000003")),  # 6: resumed at DP 2
         dict(base, model="llama-tiny", ds_config=_ds(), qk_clip=0.05),  # 7: QK-clip of grouped K/V heads, DP 2
-    ]
-    for i in (0, 7):
+        dict(base, model="moe-tiny", ds_config=_ds(zero=2), ep=2),  # 8: ZeRO 2, the experts over EDP
+        dict(base, model="gpt-tiny", ds_config=_ds(zero=2), save=str(zero2), save_every=3, keep=5),  # 9
+        dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4), tp=2, load=str(zero2 / "step-0000003")),  # 10
+        dict(base, model="gpt-tiny", ds_config=_ds(zero=1, bf16=True)),  # 11: bf16 ZeRO 1, fp32 masters
+        dict(base, model="llama-tiny", ds_config=_ds(zero=1), qk_clip=0.05),  # 12: 7 at ZeRO 1: the masters clipped
+        dict(base, model="gpt-tiny", ds_config={**_ds(zero=1, bf16=True), "data_types": {"grad_accum_dtype": "fp32"}}),
+        dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4, zero=1), cp=2),  # 14: partitions over DP x CP
+    ]  # 9: ZeRO 2 saves at step 3, 10: ZeRO 0 x TP 2 resumes from it; 13: 11 accumulating in fp32 (BF16_Optimizer)
+    for i in (0, 7, 12):
         cases[i]["save"] = str(saved.parent / f"qk{i}")
     cases[3]["ds_config"] = _ds(accumulation=4)
     return cases, sweep(tmp_path_factory, 2, cases, timeout=600)
@@ -169,12 +213,17 @@ def test_each_layout_equals_one_process_and_the_momentum_resumes_at_another(layo
     cases, results = layouts
     dense = _reference(cases[2], dp=2, weights=True)  # cases 0, 1, 3, 5 run DP 1 with 4 micro-batches: the same
     moe = _reference(cases[4], dp=2)  # global batch
-    for i, want in [(1, dense), (2, dense), (3, dense), (4, moe), (5, dense)]:
+    for i, want in [(1, dense), (2, dense), (3, dense), (4, moe), (5, dense), (8, moe), (9, dense), (14, dense)]:
         got = results[i]["loss"]
         assert len(got) == 6, (i, got)
         # 1e-5: TP 2 follows within 2e-6; orthogonalising each TP shard alone is 8e-5 off
         assert got == pytest.approx(want["loss"], rel=1e-5), (i, got, want["loss"])
     assert results[6]["loss"] == pytest.approx(results[5]["loss"][3:], rel=1e-5)  # with its momenta, not from zero
+    assert results[10]["loss"] == pytest.approx(results[9]["loss"][3:], rel=1e-5)  # ZeRO 2's partitioned momenta
+    # bf16 (Muon steps the fp32 masters): one bf16 rounding is 2^-9 = 2e-3 relative, the bound; measured 1.2e-4
+    # off the fp32 one process, where one step's update moves the loss by 1e-2 to 2e-2
+    for i in (11, 13):
+        assert results[i]["loss"] == pytest.approx(dense["loss"], rel=2e-3), (i, results[i]["loss"])
     from megakit.train.run import TrainConfig, resolve
 
     optimizer = json.loads((ROOT / "ds_configs" / "zero0.json").read_text())["optimizer"]
@@ -185,9 +234,9 @@ def test_each_layout_equals_one_process_and_the_momentum_resumes_at_another(layo
     from megakit.interop.checkpoint_format import manifest_config, read_manifest
     from megakit.nn.model import Transformer
 
-    for i, dp in ((0, 1), (7, 2)):  # QK-clip: each TP rank its own heads (SP too); the maximum over DP
-        clipped = _reference(cases[i], dp=dp, qk_clip=0.05, weights=True)
-        plain = dense if i == 0 else _reference(cases[i], dp=dp, weights=True)
+    grouped = _reference(cases[7], dp=2, qk_clip=0.05, weights=True), _reference(cases[7], dp=2, weights=True)
+    for i, dp in ((0, 1), (7, 2), (12, 2)):  # QK-clip: each TP rank its own heads (SP too); the maximum over DP
+        clipped, plain = (_reference(cases[i], dp=dp, qk_clip=0.05, weights=True), dense) if i == 0 else grouped
         assert results[i]["loss"] == pytest.approx(clipped["loss"], rel=1e-5), i
         net = Transformer(manifest_config(read_manifest(cases[i]["save"])))
         load_checkpoint(cases[i]["save"], net)
@@ -196,6 +245,20 @@ def test_each_layout_equals_one_process_and_the_momentum_resumes_at_another(layo
             # Newton-Schulz's bf16 turns the layouts' fp32 rounding into ~4e-5 here; the clip moves W_q by 3e-3 to 2e-2
             assert (got - want).abs().max() < 2e-4, (i, name)
             assert (got - unclipped).abs().max() > 2e-3, (i, name)  # it clipped
+
+
+@pytest.mark.slow
+def test_zero1_at_tp2_x_dp2_equals_one_process_and_resumes_a_zero0_save(layouts, tmp_path_factory):
+    """4 processes: ZeRO 1 at TP 2 x DP 2 (each DP owner orthogonalises its weights over TP with its TP peer), from
+    the start and from case 5's ZeRO 0 x TP 2 save at step 3 (its momenta into ZeRO 1's partitions)."""
+    cases, results = layouts
+    saved = cases[5]["save"] + "/step-0000003"
+    base = {k: v for k, v in cases[2].items() if k != "ds_config"}
+    mine = [dict(base, ds_config=_ds(zero=1), tp=2), dict(base, ds_config=_ds(zero=1), tp=2, load=saved)]
+    got = sweep(tmp_path_factory, 4, mine, timeout=600)
+    dense = _reference(cases[2], dp=2)
+    assert got[0]["loss"] == pytest.approx(dense["loss"], rel=1e-5), (got[0]["loss"], dense["loss"])
+    assert got[1]["loss"] == pytest.approx(results[5]["loss"][3:], rel=1e-5), (got[1]["loss"], results[5]["loss"])
 
 
 def test_the_planner_prices_torch_newton_schulz_and_one_moment():

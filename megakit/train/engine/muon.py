@@ -17,13 +17,19 @@ gather with Newton-Schulz on every TP rank because the planner's cost of that gr
 all the FLOPs (Llama-3-8B at TP 8: 666 TFLOP per GPU and step instead of 83) and receive (TP-1)/TP of the split
 matrices' bytes instead of about 2 (TP-1)/TP^2 (23 GiB instead of 5.7 GiB); the same at TP 2. PP stages, EP ranks
 (each holds whole experts), SP and CP (their gradients are reduced before the step) and DP at ZeRO 0 (every rank
-holds the same averaged gradient) need nothing more. DeepSpeed's ZeRO 1-3 hand a client optimizer flat fp32
-partitions, not matrices, so they are refused. DeepSpeed's own Muon (``deepspeed/runtime/zero/muon``, its ZeRO 1-2
+holds the same averaged gradient) need nothing more. DeepSpeed's ZeRO 1-2 hand a client optimizer one flat fp32
+partition per group: the momentum is elementwise and steps it there, and each weight goes whole to one owner DP
+rank and back, layer-wise over DP as over TP (``megakit.train.engine.muon_zero``); bf16 and fp16 then step the fp32
+masters. ZeRO 3 (each weight partitioned alone) and bf16/fp16 at ZeRO 0 (DeepSpeed's BF16 optimizer flattens
+without handing out its layout) are refused. DeepSpeed's own Muon (``deepspeed/runtime/zero/muon``, its ZeRO 1-2
 orthogonalise in ``get_flat_partition``) is not used, as it is not torch's: it scales by ``sqrt(max(1, A/B))``,
-iterates in fp16 ("gram" Newton-Schulz) by default and orthogonalises TP shards alone.
+iterates in fp16 ("gram" Newton-Schulz) by default and orthogonalises TP shards alone. Its hooks stay off here:
+they look for a ``use_muon`` attribute on the weights (megakit's groups carry a ``use_muon`` key) or an
+``isinstance`` of its ``MuonWithAuxAdam``.
 
-State: ``momentum_buffer`` per Muon parameter (one fp32 moment, the parameter's shape, split over TP like it) and
-``exp_avg``/``exp_avg_sq`` per AdamW parameter, so megakit's layout-free checkpoints save and reshard both.
+State: ``momentum_buffer`` per Muon parameter (one fp32 moment, the parameter's shape, split over TP like it; at
+ZeRO 1-2 one per flat partition, partitioned over DP like the masters) and ``exp_avg``/``exp_avg_sq`` per AdamW
+parameter, so megakit's layout-free checkpoints save and reshard both (``state_keys`` says which a weight has).
 """
 
 from __future__ import annotations
@@ -64,8 +70,12 @@ def matrices(name: str, update: torch.Tensor) -> list[torch.Tensor]:
     return list(stack)
 
 
-def muon_groups(module: torch.nn.Module, *, weight_decay: float) -> list[dict]:
-    """``module``'s trainable parameters as optimizer groups: Muon's (decayed), then AdamW's decayed and not."""
+def muon_groups(module: torch.nn.Module, *, weight_decay: float, experts: bool = False) -> list[dict]:
+    """``module``'s trainable parameters as optimizer groups: Muon's (decayed), then AdamW's decayed and not.
+
+    ``experts`` (ZeRO 1-2 with EP): DeepSpeed's experts (``megakit.train.engine.experts``) in groups of their own,
+    as its ZeRO optimizer partitions them over their EDP group (``split_params_into_different_moe_groups_for_
+    optimizer``, which DeepSpeed runs itself only for an optimizer of the ds_config)."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     hidden = [p for n, p in named if uses_muon(n, p)]
     ids = {id(p) for p in hidden}
@@ -75,30 +85,43 @@ def muon_groups(module: torch.nn.Module, *, weight_decay: float) -> list[dict]:
     groups += [{**g, "use_muon": False} for g in rest if g["params"]]
     for group in groups:
         group.setdefault("weight_decay", weight_decay)
+    if experts:
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+        for group in (g for g in groups if g["use_muon"]):
+            group["names"] = [names[id(p)] for p in group["params"]]
     return [g for g in groups if g["params"]]
 
 
 def check_muon(ds_config: dict, *, lr: float, weight_decay: float) -> None:
-    """One line for what ``--optimizer muon`` cannot run: an optimizer the ds_config names too, a ZeRO stage that
-    hands the optimizer flat partitions, a precision whose optimizer does the same, a bad lr or weight decay."""
+    """One line for what ``--optimizer muon`` cannot run: an optimizer the ds_config names too, ZeRO 3 (flat
+    partitions of whole weights it cannot exchange), bf16/fp16 at ZeRO 0 (DeepSpeed's BF16/FP16 optimizer flattens
+    without the layout ZeRO 1-2 give), the optimizer offloaded to the CPU, a bad lr or weight decay."""
     if "optimizer" in ds_config:
         kind = ds_config["optimizer"].get("type")
         raise UsageError(
             f'--optimizer muon builds the optimizer itself, but the ds_config has an "optimizer" section ({kind}); '
             "remove it (ds_configs/muon.json has none) and set --muon-lr and --muon-weight-decay"
         )
-    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
-    if stage != 0:
+    zero = ds_config.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    if stage == 3:
         raise UsageError(
-            f"--optimizer muon with ZeRO {stage}: DeepSpeed's ZeRO 1-3 hand the optimizer flat partitions, and "
-            "Newton-Schulz needs whole matrices; use ZeRO 0 (ds_configs/muon.json)"
+            "--optimizer muon with ZeRO 3: each weight is partitioned over DP, and Newton-Schulz needs whole "
+            "matrices; use ZeRO 1 or 2 (ds_configs/muon_zero1.json)"
         )
     for key in ("bf16", "fp16"):
-        if ds_config.get(key, {}).get("enabled"):
+        if stage == 0 and ds_config.get(key, {}).get("enabled"):
             raise UsageError(
-                f"--optimizer muon with {key}: DeepSpeed's {key} optimizer steps flat fp32 copies, not matrices; "
-                "train in fp32 (ds_configs/muon.json)"
+                f"--optimizer muon with {key} at ZeRO 0: DeepSpeed's {key} optimizer steps flat fp32 copies, not "
+                "matrices; use ZeRO 1 (ds_configs/muon_zero1.json), or train in fp32 (ds_configs/muon.json)"
             )
+    if stage and zero.get("offload_optimizer", {}).get("device", "none") != "none":
+        raise UsageError(
+            "--optimizer muon with the optimizer offloaded: its DP exchange runs on the accelerator's partitions; "
+            'drop "offload_optimizer" from the ds_config'
+        )
     if not lr > 0 or not weight_decay >= 0:
         raise UsageError(
             f"--muon-lr must be above 0 and --muon-weight-decay at least 0, got {lr:g} and {weight_decay:g}"
@@ -113,7 +136,8 @@ class QKClip:
     forward); the maximum over the ranks holding the same weights (``group``: DP) gives ``gamma = min(1, tau / max)``
     per head. With as many K/V heads as query heads, the head's rows of ``W_q`` and ``W_k`` (and biases) are scaled
     by ``sqrt(gamma)`` each; with grouped K/V heads shared by several query heads, ``W_q``'s rows by ``gamma`` (the
-    shared key stays), as Kimi K2 does for MLA's shared rotary key. TP splits the heads with the rows: no exchange."""
+    shared key stays), as Kimi K2 does for MLA's shared rotary key. TP splits the heads with the rows: no exchange.
+    Under ZeRO 1-2 the fp32 masters are the weights' truth: each rank scales its fragments of them."""
 
     def __init__(self, module: torch.nn.Module, *, tau: float, group=None) -> None:
         from megakit.nn.attention.core import Attention
@@ -130,15 +154,29 @@ class QKClip:
             return
         logits = torch.stack([m.max_logits for m in self.attention])  # (attention modules, heads/tp)
         logits = C.all_reduce(logits, self.group, op=torch.distributed.ReduceOp.MAX)
-        gamma = (self.tau / logits.clamp(min=self.tau)).to(self.attention[0].q_proj.weight.dtype)
+        gamma = self.tau / logits.clamp(min=self.tau)
         for m, g in zip(self.attention, gamma):
             scaled = [(m.q_proj, g)] if m.kv_heads != m.heads else [(m.q_proj, g.sqrt()), (m.k_proj, g.sqrt())]
             for proj, factor in scaled:
                 rows = factor.repeat_interleave(m.head_dim)  # (heads * head_dim,): each head's rows
-                proj.weight.mul_(rows[:, None])
+                _scale_rows(proj.weight, rows)
                 if proj.bias is not None:
-                    proj.bias.mul_(rows)
+                    _scale_rows(proj.bias, rows)
             m.max_logits = torch.zeros_like(m.max_logits)
+
+
+def _scale_rows(param: torch.Tensor, rows: torch.Tensor) -> None:
+    """``param``'s rows times ``rows``. ZeRO 1-2 (a DeepSpeed fragment mapping): the fp32 master's fragment this
+    rank holds, copied into the weight's same elements (DeepSpeed's all-gather after the step spreads them)."""
+    if not hasattr(param, "_hp_mapping"):  # ZeRO 0 in fp32: the weight is the master
+        param.mul_(rows.to(param.dtype).view(-1, *[1] * (param.ndim - 1)))
+        return
+    if param._hp_mapping is None:  # no fragment on this rank
+        return
+    address, master = param._hp_mapping.lp_fragment_address, param._hp_mapping.get_hp_fragment()
+    factor = rows.repeat_interleave(param[0].numel()) if param.ndim > 1 else rows  # per element, row-major
+    master.mul_(factor.narrow(0, address.start, address.numel).to(master.dtype))
+    param.view(-1).narrow(0, address.start, address.numel).copy_(master)
 
 
 def check_qk_clip(config, *, tau: float, optimizer: str, cp: int) -> None:
@@ -161,7 +199,7 @@ def check_qk_clip(config, *, tau: float, optimizer: str, cp: int) -> None:
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """One optimizer for DeepSpeed (a client optimizer at ZeRO 0): Muon's groups, AdamW's groups, one lr.
+    """One optimizer for DeepSpeed (a client optimizer at ZeRO 0-2): Muon's groups, AdamW's groups, one lr.
 
     ``tp_group``: the TP group, over which split matrices go to their owners (``None``: one rank). The LR schedule
     sets every group's ``lr``; Muon's matrices step at ``adjust_lr(lr)``."""
@@ -181,6 +219,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=True, betas=betas, eps=eps)
         super().__init__(groups, defaults)
         self.tp_group, self.qk_clip = tp_group, qk_clip
+        self.names = {id(p): n for g in groups if g["use_muon"] for n, p in zip(g["names"], g["params"], strict=True)}
+        self.muon_params = set(self.names)  # ids of the weights (and, under ZeRO, flat partitions) Muon steps
+        self.flat: dict = {}  # ZeRO 1-2: id of a Muon group's flat partition -> its layout (``muon_zero.bind``)
+        self.last_group = self.param_groups[-1]
         adam = [g for g in self.param_groups if not g["use_muon"]]
         self.adamw = torch.optim.AdamW(adam, lr=lr, betas=betas, eps=eps) if adam else None
         if self.adamw is not None:
@@ -194,7 +236,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            if group["use_muon"]:
+            if group["use_muon"] and id(group["params"][0]) in self.flat:
+                self._step_flat(group)
+            elif group["use_muon"]:
                 named = [(n, p) for n, p in zip(group["names"], group["params"]) if p.grad is not None]
                 updates = [self._momentum(p, group) for _, p in named]
                 split = [getattr(p, "tp_dim", None) if C.size(self.tp_group) > 1 else None for _, p in named]
@@ -211,9 +255,30 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if self.adamw is not None:
             self.adamw.param_groups = [g for g in self.param_groups if not g["use_muon"]]
             self.adamw.step()
-        if self.qk_clip is not None:
-            self.qk_clip.clip()
+        if self.qk_clip is not None and (not self.flat or self.param_groups[-1] is self.last_group):
+            self.qk_clip.clip()  # ZeRO 1-2 step one group a call: after the last
         return loss
+
+    def _step_flat(self, group: dict) -> None:
+        """ZeRO 1-2: the same step on this rank's flat fp32 partition, each weight orthogonalised whole by its owner
+        DP rank (``muon_zero.orthogonalise_flat``)."""
+        from megakit.train.engine.muon_zero import orthogonalise_flat
+
+        partition = group["params"][0]
+        flat = self.flat[id(partition)]
+        orthogonal = orthogonalise_flat(self._momentum(partition, group), flat, self.tp_group)
+        partition.mul_(1 - group["lr"] * group["weight_decay"])
+        for j, piece in flat.mine(C.rank(flat.group)):
+            split = flat.tp_dims[j] if C.size(self.tp_group) > 1 else None
+            whole_shape = flat.shapes[j] if split is None else _gathered(flat.shapes[j], split, self.tp_group)
+            shape = matrices(flat.names[j], _meta(whole_shape))[0].shape
+            lr = adjust_lr(group["lr"], ADJUST_LR, shape)
+            partition.narrow(0, piece.at, piece.numel).add_(orthogonal.narrow(0, piece.at, piece.numel), alpha=-lr)
+
+    def state_keys(self, param: torch.Tensor) -> tuple[str, ...]:
+        """The moments ``param`` (a weight, or a ZeRO flat partition) has: Muon's momentum or AdamW's two; the
+        checkpoints ask, as under ZeRO 1-2 a rank without a fragment of ``param`` cannot see it."""
+        return ("momentum_buffer",) if id(param) in self.muon_params else ("exp_avg", "exp_avg_sq")
 
     def _momentum(self, p: torch.Tensor, group: dict) -> torch.Tensor:
         """torch.optim.Muon's momentum and Nesterov blend (``_single_tensor_muon``): the update to orthogonalise."""

@@ -245,6 +245,13 @@ def optimizer_step_count(engine) -> int:
     return max(counts)
 
 
+def _keys_of(optimizer, param, keys: list[str]) -> list[str]:
+    """The moments among ``keys`` that ``param`` has: all, except where the optimizer says (``--optimizer muon``'s
+    ``state_keys``: Muon's momentum or AdamW's two; under ZeRO 1-2 a rank without a fragment cannot see which)."""
+    own = getattr(optimizer, "state_keys", None)
+    return keys if own is None else [k for k in keys if k in own(param)]
+
+
 def _host(name: str, tensor: torch.Tensor, copy=None) -> torch.Tensor:
     return copy(name, tensor) if copy is not None else tensor.detach().to("cpu", copy=True)
 
@@ -269,7 +276,7 @@ def optimizer_state(engine, copy=None) -> dict[str, dict[str, torch.Tensor]]:
             out[name] = {k: _host(f"{k}/{name}", state[k], copy) for k in keys if k in state}
             continue
         out[name] = {"fp32": _host(f"fp32/{name}", master, copy)}
-        for key in keys:
+        for key in _keys_of(optimizer, param, keys):
             value = safe_get_full_optimizer_state(param, key)
             if value is not None:
                 out[name][key] = _host(f"{key}/{name}", value, copy)
@@ -289,7 +296,7 @@ def _create_optimizer_state(engine, keys: list[str]) -> None:
         state = optimizer.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
-            for key in keys:
+            for key in _keys_of(optimizer, p, keys):
                 state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
     link_optimizer_state(engine)
 
@@ -322,14 +329,14 @@ def set_optimizer_state(engine, state: dict[str, dict[str, torch.Tensor]], step:
                 if "fp32" in saved:  # saved by a mixed-precision or ZeRO run: the master is the better copy
                     param.copy_(saved["fp32"])
                 for key in keys:  # --optimizer muon: a Muon matrix has a momentum, an AdamW one its two moments
-                    if key in saved:
+                    if key in saved and key in optimizer.state[param]:
                         optimizer.state[param][key].copy_(saved[key])
                     else:
-                        del optimizer.state[param][key]
+                        optimizer.state[param].pop(key, None)
                 continue
             if "fp32" in saved:  # every DP rank calls: each writes its own fragment
                 safe_set_full_fp32_param(param, saved["fp32"].to(param.device))
-            for key in keys:
+            for key in _keys_of(optimizer, param, keys):
                 safe_set_full_optimizer_state(param, saved[key].to(param.device), key)
     for per_param in optimizer.state.values():
         if "step" in per_param:
