@@ -57,29 +57,44 @@ def test_layouts_follow_the_single_process(layouts):
     assert refs[1]["loss"][-1] < refs[1]["loss"][0] - 0.05  # it trained (the warm-up's 5 steps)
 
 
-def test_logits_equal_transformers():
-    """The tiny preset through transformers' ``NemotronHForCausalLM`` and megakit, with A_log, dt_bias, D and the
-    conv taps away from their initial values, over 21 tokens (the mixers' chunk is 8); exported and read back."""
+@pytest.mark.parametrize("model", [MODEL, "nemotron-3-tiny"])
+def test_logits_equal_transformers(model):
+    """The tiny presets through transformers' ``NemotronHForCausalLM`` and megakit, with A_log, dt_bias, D and the
+    conv taps away from their initial values, over 21 tokens (the mixers' chunk is 8); exported and read back.
+    Nemotron-3's ("MEM*E"): its 'E' blocks' experts, shared expert and router scaled up (the routing and the experts
+    weigh in the logits), the score-correction bias drawn, 8 experts in 2 groups (top-2 of the best group)."""
     transformers = pytest.importorskip("transformers")
     from megakit.core.model_config import ModelConfig
-    from megakit.interop.hf import from_hf_state_dict, to_hf_state_dict
+    from megakit.interop.hf import exact_param_count, from_hf_state_dict, to_hf_state_dict
     from megakit.nn.model import Transformer, full_state_dict, load_full_state_dict
+    from megakit.nn.moe.layer import Experts
 
-    config = ModelConfig.load(MODEL)
+    config = ModelConfig.load(model)
     assert ModelConfig.from_hf(config.to_hf()) == config
     assert config.num_params() == sum(p.numel() for p in Transformer(config).parameters())
+    assert config.num_params() == exact_param_count(config.to_hf())
     torch.manual_seed(0)
     ref = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**config.to_hf())).float().eval()
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if name.rsplit(".", 1)[-1] in ("A_log", "dt_bias", "D") or "conv1d" in name:
                 p.add_(torch.randn_like(p) * 0.3)
+            if "experts" in name or name.endswith("gate.weight"):
+                p.mul_(10)
+        for name, b in ref.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
     ours = Transformer(config, seed=1).eval()
     load_full_state_dict(ours, from_hf_state_dict(config, ref.state_dict()))
     ids = torch.randint(0, config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(3))
     want = ref(ids).logits
-    err = (ours(ids)[..., : config.vocab_size] - want).abs().max().item()
-    assert err <= 1e-5 * want.abs().max().item(), err
+    experts = [m for m in ours.modules() if isinstance(m, Experts)]
+    assert all(m.use_grouped(torch.zeros(1, config.hidden)) for m in experts)  # torch._grouped_mm, then the loop
+    for grouped in (True, False) if experts else (True,):
+        for m in experts:
+            m.grouped = grouped
+        err = (ours(ids)[..., : config.vocab_size] - want).abs().max().item()
+        assert err <= 1e-5 * want.abs().max().item(), (grouped, err)
     back = to_hf_state_dict(config, full_state_dict(ours))
     assert back.keys() == ref.state_dict().keys()
     assert all(torch.equal(back[k], v) for k, v in ref.state_dict().items())
@@ -90,12 +105,15 @@ def test_bad_input_gets_one_line(tmp_path):
     from megakit.train.run import TrainConfig, resolve
 
     config = json.loads((ROOT / "models" / f"{MODEL}.json").read_text())
-    for pattern, message in (
-        ("M-E*", "layer type 'E' (an MoE block) in its pattern, which megakit does not build"),
-        ("M-X*", "layer type 'X' (unknown)"),
+    with pytest.raises(UsageError, match=re.escape("layer type 'X' (unknown)")):
+        ModelConfig.from_hf({**config, "hybrid_override_pattern": "M-X*"})
+    nano = json.loads((ROOT / "models" / "nemotron-3-tiny.json").read_text())
+    for extra, message in (
+        (dict(moe_latent_size=16), "sets moe_latent_size (LatentMoE's projections, Nemotron-3 Super and Ultra)"),
+        (dict(mlp_bias=True), "sets mlp_bias with 'E' blocks: megakit's shared expert has no biases"),
     ):
         with pytest.raises(UsageError, match=re.escape(message)):
-            ModelConfig.from_hf({**config, "hybrid_override_pattern": pattern})
+            ModelConfig.from_hf({**nano, **extra})
     with pytest.raises(UsageError, match="layer type 'sliding_attention', which megakit does not build"):
         ModelConfig.from_hf(
             {

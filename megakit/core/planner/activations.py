@@ -79,7 +79,8 @@ def activation_tensors(
     p = PRECISIONS[precision]
     dropout = model.dropout > 0 if dropout is None else dropout
     h, hd = model.hidden, model.head_dim
-    f = model.config.moe.shared_ffn if moe and model.config.moe else model.ffn
+    hybrid = bool(model.config.layer_pattern)  # its mean block, whichever kind: an 'E' block adds routing_tensors
+    f = model.config.moe.shared_ffn if moe and model.config.moe and not hybrid else model.ffn
     heads = model.heads // tp
     kv = model.kv_heads_per_rank(tp) * hd
     rest = tp if sequence_parallel else 1  # the LayerNorm/dropout region: split only with SP
@@ -146,7 +147,14 @@ def activation_tensors(
         out.append(t("mlp residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
     if model.config.linear is not None:
         return _hybrid(out, model, tp=tp, bytes_per_element=p)
-    return mamba.mean_tensors(out, model, tp=tp, sequence_parallel=sequence_parallel, precision=precision)
+    shared = []  # a hybrid's 'E' blocks: their norm, the shared expert's input and tensors
+    if hybrid and model.config.moe and model.config.moe.shared_ffn:
+        shared_f = model.config.moe.shared_ffn
+        mlp = _mlp_tensors(model, f=shared_f, tp=tp, p=p, moe=True, fused_swiglu=fused_swiglu)
+        shared = norm("norm2") + [t("mlp input", gathered, shard="sp"), *mlp]
+    return mamba.mean_tensors(
+        out, model, tp=tp, sequence_parallel=sequence_parallel, precision=precision, experts=shared
+    )
 
 
 _ATTENTION_CORE = (
@@ -322,7 +330,7 @@ def routing_tensors(
             SavedTensor("router probabilities", m.experts / tp, 0.0, 4, "tp"),
             SavedTensor("permutation map", m.experts / tp, 0.0, 8, "tp"),
             SavedTensor("permuted tokens", k * model.hidden, 0.0, p, "tp"),
-            SavedTensor("expert fc1 output", k * 2 * m.ffn, 0.0, p, "tp"),
+            SavedTensor("expert fc1 output", k * (m.matrices - 1) * m.ffn, 0.0, p, "tp"),
             SavedTensor("expert fc2 input", k * m.ffn, 0.0, p, "tp"),
         ]
     router = [
@@ -349,8 +357,8 @@ def routing_tensors(
     saved, _ = dispatch_buffers(model, tp=tp, precision=precision, imbalance=imbalance, ep=ep)
     activation = 4 if m.swiglu_limit else 1  # gpt-oss: the clamped gate, (up + 1), its product, the sigmoid
     experts = [
-        SavedTensor("expert fc1 output", k * 2 * m.ffn, 0.0, p, "tp"),
-        SavedTensor("expert activation", k * activation * m.ffn, 0.0, p, "tp"),
+        SavedTensor("expert fc1 output", k * (m.matrices - 1) * m.ffn, 0.0, p, "tp"),  # gate and up, or up
+        SavedTensor("expert activation", k * activation * m.ffn, 0.0, p, "tp"),  # relu2: relu's output
         SavedTensor("expert fc2 input", k * m.ffn, 0.0, p, "tp"),
         SavedTensor("expert outputs", top_k * model.hidden, 0.0, p, "tp"),
     ]
