@@ -4,7 +4,8 @@ single process; its logits against transformers' ``NemotronHForCausalLM``; bad i
 One 4-process job (``tests/helpers/launch_sweep.py``), 5 steps of ``models/nemotron-h-tiny.json`` ("M-M*": 8 Mamba
 heads in 4 groups, chunk 8, over 32 tokens) on packed documents with the state, the conv and attention restarting at
 each document: TP 2 with SP x DP 2 (ZeRO 1), TP 2 x CP 2 (ZeRO 3; the mixers' all-to-all of heads, attention's ring),
-PP 2 x CP 2 (ZeRO 1). Every loss follows the single process within 1e-5.
+PP 2 x CP 2 (ZeRO 1); and ``models/nemotron-3-tiny.json`` ("MEM*E", Nemotron-3's 'E' blocks) at EP 2 x TP 2 with
+SP x DP 2 (ZeRO 1). Every loss follows the single process within 1e-5.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from paths import ROOT
 from megakit.errors import UsageError
 
 MODEL, STEPS, TOL = "nemotron-h-tiny", 5, 1e-5
+NEMOTRON_3 = "nemotron-3-tiny"
 DOCUMENTS = dict(reset_attention_mask=True, reset_position_ids=True)
 
 
@@ -34,30 +36,41 @@ def layouts(tmp_path_factory):
         _case(1, tp=2, sequence_parallel=True, data=data),
         _case(3, tp=2, cp=2, data=data),
         _case(1, pp=2, cp=2, data=data),
+        _case(1, tp=2, ep=2, sequence_parallel=True, data=data) | dict(model=NEMOTRON_3),
     ]
     return cases, sweep(tmp_path_factory, 4, cases, timeout=600)
 
 
 @pytest.mark.slow
 def test_layouts_follow_the_single_process(layouts):
+    """... and Nemotron-3's tiny preset ("MEM*E": 8 experts in 2 groups, top-2, the score-correction bias moving
+    each step) at EP 2 x TP 2 with SP x DP 2: its experts split over EP, its router and shared expert over TP."""
     from megakit.train.doctor.reference import reference_run
 
     cases, results = layouts
-    dps = (2, 1, 1)
+    dps = (2, 1, 1, 2)
     refs = {}
     for case, result, dp in zip(cases, results, dps, strict=True):
-        if dp not in refs:
-            refs[dp] = reference_run(
-                case["ds_config"], model=MODEL, steps=STEPS, dp=dp, seq_len=32, data=case["data"], documents=DOCUMENTS
+        key = (case["model"], dp)
+        if key not in refs:
+            refs[key] = reference_run(
+                case["ds_config"],
+                model=case["model"],
+                steps=STEPS,
+                dp=dp,
+                seq_len=32,
+                data=case["data"],
+                documents=DOCUMENTS,
             )
-        want = refs[dp]["loss"]
+        want = refs[key]["loss"]
         assert len(result["loss"]) == len(want) == STEPS
         for step, (a, b) in enumerate(zip(result["loss"], want)):
             assert abs(a - b) < TOL, (case, step, a, b)
-    assert refs[1]["loss"][-1] < refs[1]["loss"][0] - 0.05  # it trained (the warm-up's 5 steps)
+    assert refs[MODEL, 1]["loss"][-1] < refs[MODEL, 1]["loss"][0] - 0.05  # it trained (the warm-up's 5 steps)
+    assert refs[NEMOTRON_3, 2]["loss"][-1] < refs[NEMOTRON_3, 2]["loss"][0] - 0.05
 
 
-@pytest.mark.parametrize("model", [MODEL, "nemotron-3-tiny"])
+@pytest.mark.parametrize("model", [MODEL, NEMOTRON_3])
 def test_logits_equal_transformers(model):
     """The tiny presets through transformers' ``NemotronHForCausalLM`` and megakit, with A_log, dt_bias, D and the
     conv taps away from their initial values, over 21 tokens (the mixers' chunk is 8); exported and read back.
@@ -107,7 +120,7 @@ def test_bad_input_gets_one_line(tmp_path):
     config = json.loads((ROOT / "models" / f"{MODEL}.json").read_text())
     with pytest.raises(UsageError, match=re.escape("layer type 'X' (unknown)")):
         ModelConfig.from_hf({**config, "hybrid_override_pattern": "M-X*"})
-    nano = json.loads((ROOT / "models" / "nemotron-3-tiny.json").read_text())
+    nano = json.loads((ROOT / "models" / f"{NEMOTRON_3}.json").read_text())
     for extra, message in (
         (dict(moe_latent_size=16), "sets moe_latent_size (LatentMoE's projections, Nemotron-3 Super and Ultra)"),
         (dict(mlp_bias=True), "sets mlp_bias with 'E' blocks: megakit's shared expert has no biases"),
