@@ -86,14 +86,15 @@ def state_from_hf(hf: dict, config) -> dict:
 
 
 def state_to_hf(state: dict, config) -> dict:
-    """Inverse of ``state_from_hf``: transformers' ``NemotronHForCausalLM`` names."""
+    """Inverse of ``state_from_hf``: transformers' ``NemotronHForCausalLM`` names. Each block's kind is read from its
+    keys, not the pattern: the export converts one block at a time as block 0 (``megakit.interop.hf_export``)."""
     out = {"model.embeddings.weight": state["embed.weight"], "model.norm_f.weight": state["norm.weight"]}
     out["lm_head.weight"] = state["embed.weight" if config.tie_embeddings else "lm_head.weight"]
-    for i, c in enumerate(config.layer_pattern):
+    for i in sorted({int(k.split(".")[1]) for k in state if k.startswith("layers.")}):
         out[f"model.layers.{i}.norm.weight"] = state[f"layers.{i}.norm.weight"]
         head = f"layers.{i}.mixer."
         mixer = {k[len(head) :]: v for k, v in state.items() if k.startswith(head)}
-        if PATTERN[c] == "mamba":
+        if "conv_x.weight" in mixer:  # a Mamba-2 mixer
             mixer = mixer_to_hf(mixer)
         mixer = {k.replace("shared_expert.", "shared_experts."): v for k, v in mixer.items()}  # an 'E' block's
         out |= {f"model.layers.{i}.mixer.{k}": v for k, v in mixer.items()}

@@ -71,14 +71,17 @@ def test_layouts_follow_the_single_process(layouts):
 
 
 @pytest.mark.parametrize("model", [MODEL, NEMOTRON_3])
-def test_logits_equal_transformers(model):
+def test_logits_equal_transformers(model, tmp_path):
     """The tiny presets through transformers' ``NemotronHForCausalLM`` and megakit, with A_log, dt_bias, D and the
-    conv taps away from their initial values, over 21 tokens (the mixers' chunk is 8); exported and read back.
+    conv taps away from their initial values, over 21 tokens (the mixers' chunk is 8); exported and read back, and
+    saved as a megakit checkpoint, exported by ``export_hf`` and loaded by ``from_pretrained``.
     Nemotron-3's ("MEM*E"): its 'E' blocks' experts, shared expert and router scaled up (the routing and the experts
     weigh in the logits), the score-correction bias drawn, 8 experts in 2 groups (top-2 of the best group)."""
     transformers = pytest.importorskip("transformers")
     from megakit.core.model_config import ModelConfig
+    from megakit.interop.checkpoint import save_checkpoint
     from megakit.interop.hf import exact_param_count, from_hf_state_dict, to_hf_state_dict
+    from megakit.interop.hf_export import export_hf
     from megakit.nn.model import Transformer, full_state_dict, load_full_state_dict
     from megakit.nn.moe.layer import Experts
 
@@ -111,6 +114,10 @@ def test_logits_equal_transformers(model):
     back = to_hf_state_dict(config, full_state_dict(ours))
     assert back.keys() == ref.state_dict().keys()
     assert all(torch.equal(back[k], v) for k, v in ref.state_dict().items())
+    save_checkpoint(tmp_path / "ck", ours, None, step=0, config=config)  # ``megakit convert``'s export, block by block
+    export_hf(tmp_path / "ck", tmp_path / "hf")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+    assert torch.equal(loaded(ids).logits, want)
 
 
 def test_bad_input_gets_one_line(tmp_path):
