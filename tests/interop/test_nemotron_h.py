@@ -101,7 +101,18 @@ def test_logits_equal_transformers(model, tmp_path):
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.1)
     ours = Transformer(config, seed=1).eval()
-    load_full_state_dict(ours, from_hf_state_dict(config, ref.state_dict()))
+    state = from_hf_state_dict(config, ref.state_dict())
+    load_full_state_dict(ours, state)
+    files = {}  # NVIDIA's files: ``backbone.``, one matrix per expert
+    for k, v in ref.state_dict().items():
+        k = k.replace("model.", "backbone.", 1)
+        stack, _, name = k.rpartition(".")
+        if name in ("up_proj", "down_proj") and stack.endswith(".experts"):
+            files |= {f"{stack}.{j}.{name}.weight": w for j, w in enumerate(v)}
+        else:
+            files[k] = v
+    again = from_hf_state_dict(config, files)
+    assert again.keys() == state.keys() and all(torch.equal(again[k], v) for k, v in state.items())
     ids = torch.randint(0, config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(3))
     want = ref(ids).logits
     experts = [m for m in ours.modules() if isinstance(m, Experts)]
