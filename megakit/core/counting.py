@@ -119,11 +119,11 @@ def _block_params(config: ModelConfig, tp: int = 1, *, moe: bool | None = None, 
     moe = config.moe is not None if moe is None else (moe and config.moe is not None)
     if config.layer_pattern:  # a hybrid (Nemotron-H): its mean block (core.families.nemotron_h.mean_block), and an
         mean = BlockParams(*nemotron_h.mean_block(config, tp))  # 'E' block's routed experts on top of it
-        if not moe:
+        if not moe or config.moe is None:
             return mean
-        expert, m = nemotron_h.expert_params(config), config.moe
+        expert, routed = nemotron_h.expert_params(config), config.moe
         return mean._replace(
-            experts=m.experts * expert, active_experts=m.top_k * expert, router=m.experts * config.hidden
+            experts=routed.experts * expert, active_experts=routed.top_k * expert, router=routed.experts * config.hidden
         )
     h, hd = config.hidden, config.head_dim
     q, kv = config.heads // tp * hd, config.kv_heads_per_rank(tp) * hd

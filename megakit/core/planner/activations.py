@@ -79,8 +79,7 @@ def activation_tensors(
     p = PRECISIONS[precision]
     dropout = model.dropout > 0 if dropout is None else dropout
     h, hd = model.hidden, model.head_dim
-    hybrid = bool(model.config.layer_pattern)  # its mean block, whichever kind: an 'E' block adds routing_tensors
-    f = model.config.moe.shared_ffn if moe and model.config.moe and not hybrid else model.ffn
+    f = model.config.moe.shared_ffn if moe and model.config.moe and not model.config.layer_pattern else model.ffn
     heads = model.heads // tp
     kv = model.kv_heads_per_rank(tp) * hd
     rest = tp if sequence_parallel else 1  # the LayerNorm/dropout region: split only with SP
@@ -147,14 +146,7 @@ def activation_tensors(
         out.append(t("mlp residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
     if model.config.linear is not None:
         return _hybrid(out, model, tp=tp, bytes_per_element=p)
-    shared = []  # a hybrid's 'E' blocks: their norm, the shared expert's input and tensors
-    if hybrid and model.config.moe and model.config.moe.shared_ffn:
-        shared_f = model.config.moe.shared_ffn
-        mlp = _mlp_tensors(model, f=shared_f, tp=tp, p=p, moe=True, fused_swiglu=fused_swiglu)
-        shared = norm("norm2") + [t("mlp input", gathered, shard="sp"), *mlp]
-    return mamba.mean_tensors(
-        out, model, tp=tp, sequence_parallel=sequence_parallel, precision=precision, experts=shared
-    )
+    return _mean_block(out, model, tp=tp, sp=sequence_parallel, precision=precision, fused_swiglu=fused_swiglu)
 
 
 _ATTENTION_CORE = (
@@ -197,6 +189,21 @@ def _hybrid(out: list[SavedTensor], model: ModelSpec, *, tp: int, bytes_per_elem
         ),
         SavedTensor("linear attention states", states, 0, 4, "tp"),
     ]
+
+
+def _mean_block(
+    block: list[SavedTensor], model: ModelSpec, *, tp: int, sp: bool, precision: str, fused_swiglu: bool
+) -> list[SavedTensor]:
+    """``block`` itself, or a hybrid's (Nemotron-H) mean block (``mamba.mean_tensors``), whichever kind the planner
+    asks for (an 'E' block adds ``routing_tensors``): with Nemotron-3's 'E' blocks, their norm and MLP input as
+    ``block``'s, then the shared expert's tensors at its own width."""
+    moe, shared = model.config.moe, []
+    if model.config.layer_pattern and moe is not None and moe.shared_ffn:
+        start = next(i for i, x in enumerate(block) if x.name == "norm2 input")
+        shared = [x for x in block[start:] if x.name.startswith("norm2") or x.name == "mlp input"]
+        p = PRECISIONS[precision]
+        shared += _mlp_tensors(model, f=moe.shared_ffn, tp=tp, p=p, moe=True, fused_swiglu=fused_swiglu)
+    return mamba.mean_tensors(block, model, tp=tp, sequence_parallel=sp, precision=precision, experts=shared)
 
 
 def _mlp_tensors(model: ModelSpec, *, f: int, tp: int, p: int, moe: bool, fused_swiglu: bool) -> list[SavedTensor]:

@@ -83,7 +83,9 @@ def tensors(model, *, tp: int, sequence_parallel: bool, precision: str) -> list:
     ]
 
 
-def mean_tensors(block: list, model, *, tp: int, sequence_parallel: bool, precision: str, experts: list = ()) -> list:
+def mean_tensors(
+    block: list, model, *, tp: int, sequence_parallel: bool, precision: str, experts: tuple | list = ()
+) -> list:
     """A hybrid's mean block: an attention+MLP block's tensors (``block``, in ``activation_tensors``' order: the
     attention part up to ``norm2``), a Mamba block's (``tensors``) and an 'E' block's norm and shared expert
     (``experts``; its routing is ``routing_tensors``', per 'E' block), each scaled by its part's share; ``block``
