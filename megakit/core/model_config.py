@@ -214,7 +214,8 @@ class ModelConfig:
             moe and any(moe.is_moe_layer(i) != (c == "E") for i, c in enumerate(self.layer_pattern))
         ):
             raise UsageError(
-                "layer_pattern's 'E' blocks and the experts (moe, its dense_layers every other block) go together"
+                "layer_pattern's 'E' blocks and the experts (moe) go together: give moe exactly when the pattern has "
+                "'E', with every other block in its dense_layers"
             )
 
     def block_part(self, index: int) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -142,9 +143,14 @@ def test_bad_input_gets_one_line(tmp_path):
     for extra, message in (
         (dict(moe_latent_size=16), "sets moe_latent_size (LatentMoE's projections, Nemotron-3 Super and Ultra)"),
         (dict(mlp_bias=True), "sets mlp_bias with 'E' blocks: megakit's shared expert has no biases"),
+        (dict(moe_shared_expert_intermediate_size="32"), 'has moe_shared_expert_intermediate_size "32"'),
     ):
         with pytest.raises(UsageError, match=re.escape(message)):
             ModelConfig.from_hf({**nano, **extra})
+    three = ModelConfig.from_hf(nano)
+    for moe in (None, replace(three.moe, dense_layers=())):
+        with pytest.raises(UsageError, match="layer_pattern's 'E' blocks and the experts \\(moe\\) go together"):
+            three.replace(moe=moe)
     with pytest.raises(UsageError, match="layer type 'sliding_attention', which megakit does not build"):
         ModelConfig.from_hf(
             {
