@@ -1,11 +1,12 @@
-"""Nemotron-H (Mamba-2 / attention / MLP layers) trained through the real launcher at several layouts, against the
-single process; its logits against transformers' ``NemotronHForCausalLM``; bad input in one line.
+"""Nemotron-H and Nemotron-3 (Mamba-2 / attention / MLP / MoE layers) trained through the real launcher at several
+layouts, against the single process; their logits against transformers' ``NemotronHForCausalLM``; bad input in one
+line.
 
-One 4-process job (``tests/helpers/launch_sweep.py``), 5 steps of ``models/nemotron-h-tiny.json`` ("M-M*": 8 Mamba
-heads in 4 groups, chunk 8, over 32 tokens) on packed documents with the state, the conv and attention restarting at
-each document: TP 2 with SP x DP 2 (ZeRO 1), TP 2 x CP 2 (ZeRO 3; the mixers' all-to-all of heads, attention's ring),
-PP 2 x CP 2 (ZeRO 1); and ``models/nemotron-3-tiny.json`` ("MEM*E", Nemotron-3's 'E' blocks) at EP 2 x TP 2 with
-SP x DP 2 (ZeRO 1). Every loss follows the single process within 1e-5.
+One 4-process job (``tests/helpers/launch_sweep.py``), 5 steps each on packed documents with the state, the conv and
+attention restarting at each document: ``models/nemotron-h-tiny.json`` ("M-M*": 8 Mamba heads in 4 groups, chunk 8,
+over 32 tokens) at TP 2 with SP x DP 2 (ZeRO 1) and TP 2 x CP 2 (ZeRO 3; the mixers' all-to-all of heads, attention's
+ring); ``models/nemotron-3-tiny.json`` ("MEM*E", Nemotron-3's 'E' blocks) at PP 2 x CP 2 (ZeRO 1) and EP 2 x TP 2
+with SP x DP 2 (ZeRO 1). Every loss follows the single process within 1e-5.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def layouts(tmp_path_factory):
     cases = [
         _case(1, tp=2, sequence_parallel=True, data=data),
         _case(3, tp=2, cp=2, data=data),
-        _case(1, pp=2, cp=2, data=data),
+        _case(1, pp=2, cp=2, data=data) | dict(model=NEMOTRON_3),
         _case(1, tp=2, ep=2, sequence_parallel=True, data=data) | dict(model=NEMOTRON_3),
     ]
     return cases, sweep(tmp_path_factory, 4, cases, timeout=600)
@@ -44,8 +45,9 @@ def layouts(tmp_path_factory):
 
 @pytest.mark.slow
 def test_layouts_follow_the_single_process(layouts):
-    """... and Nemotron-3's tiny preset ("MEM*E": 8 experts in 2 groups, top-2, the score-correction bias moving
-    each step) at EP 2 x TP 2 with SP x DP 2: its experts split over EP, its router and shared expert over TP."""
+    """The module docstring's four layouts. Nemotron-3's tiny preset ("MEM*E": 8 experts in 2 groups, top-2, the
+    score-correction bias moving each step): its 'E' blocks on both pipeline stages under CP, and at EP 2 x TP 2 its
+    experts split over EP, its router and shared expert replicated over TP."""
     from megakit.train.doctor.reference import reference_run
 
     cases, results = layouts
