@@ -116,9 +116,15 @@ def _block_params(config: ModelConfig, tp: int = 1, *, moe: bool | None = None, 
     has, in place of the MLP, a router (E x H, replicated over TP), the routed experts (E x 3 x H x F,
     sharded over EP, never over TP: ETP = 1), and shared experts TP-sharded like a dense MLP of
     width ``shared_ffn`` (plus Qwen2-MoE's H x 1 shared gate, replicated)."""
-    if config.layer_pattern:  # a hybrid (Nemotron-H): its mean block (core.families.nemotron_h.mean_block)
-        return BlockParams(*nemotron_h.mean_block(config, tp))
     moe = config.moe is not None if moe is None else (moe and config.moe is not None)
+    if config.layer_pattern:  # a hybrid (Nemotron-H): its mean block (core.families.nemotron_h.mean_block), and an
+        mean = BlockParams(*nemotron_h.mean_block(config, tp))  # 'E' block's routed experts on top of it
+        if not moe or config.moe is None:
+            return mean
+        expert, routed = nemotron_h.expert_params(config), config.moe
+        return mean._replace(
+            experts=routed.experts * expert, active_experts=routed.top_k * expert, router=routed.experts * config.hidden
+        )
     h, hd = config.hidden, config.head_dim
     q, kv = config.heads // tp * hd, config.kv_heads_per_rank(tp) * hd
     m = config.moe if moe else None
@@ -141,7 +147,7 @@ def _block_params(config: ModelConfig, tp: int = 1, *, moe: bool | None = None, 
     if m is None:
         return BlockParams(matmul, column_bias, replicated)
     router = m.experts * h + (h if m.shared_gate else 0) + (m.experts if m.router_bias else 0)
-    expert = 3 * h * m.ffn + (2 * m.ffn + h if m.expert_biases else 0)  # gpt-oss: biases on both matrices
+    expert = m.matrices * h * m.ffn + (2 * m.ffn + h if m.expert_biases else 0)  # gpt-oss: biases on both
     return BlockParams(
         matmul,
         column_bias,

@@ -55,6 +55,7 @@ FIELDS = {
             "first_k_dense_replace",
             "n_shared_experts",
             "shared_expert_intermediate_size",
+            "moe_shared_expert_intermediate_size",
             "max_window_layers",
             "num_nextn_predict_layers",
         ),

@@ -95,7 +95,7 @@ class ModelConfig:
     rotary_fraction: float = 1.0  # RoPE on the first head_dim x this channels of q and k (partial_rotary_factor)
     hf_type: str = ""  # the config.json's model_type, kept for the export ("": gpt2, llama or qwen2)
     # Hybrid models (Nemotron-H): one part per block, by ``core.families.nemotron_h.PATTERN``'s characters ("M": a
-    # Mamba-2 mixer, "*": attention, "-": an MLP); "": every block is attention then MLP
+    # Mamba-2 mixer, "*": attention, "-": an MLP, "E": ``moe``'s experts); "": every block is attention then MLP
     layer_pattern: str = ""
     mamba: Mamba2Config | None = None  # the Mamba-2 mixers' shape (core.mamba_config)
 
@@ -111,11 +111,11 @@ class ModelConfig:
             object.__setattr__(self, "mla", MLAConfig(**self.mla))
         if isinstance(self.mamba, dict):
             object.__setattr__(self, "mamba", Mamba2Config(**self.mamba))
-        self._check_pattern()
         if isinstance(self.moe, dict):  # read back from a checkpoint manifest (``to_dict``)
             object.__setattr__(
                 self, "moe", MoEConfig(**{k: tuple(v) if k == "dense_layers" else v for k, v in self.moe.items()})
             )
+        self._check_pattern()
         if self.family not in ("gpt2", "llama"):
             raise UsageError(f"model family must be 'gpt2' or 'llama', got {self.family!r}")
         for field in ("vocab_size", "max_seq_len", "hidden", "layers", "heads", "kv_heads", "ffn"):
@@ -200,19 +200,27 @@ class ModelConfig:
             raise UsageError(
                 f"layer_pattern has {len(self.layer_pattern)} characters for {self.layers} blocks; give one per block"
             )
-        unknown = sorted(set(self.layer_pattern) - {c for c, part in PATTERN.items() if part != "moe"})
+        unknown = sorted(set(self.layer_pattern) - set(PATTERN))
         if unknown:
             names = ", ".join(f"{c!r} ({PATTERN.get(c, 'unknown')})" for c in unknown)
             raise UsageError(
                 f"layer_pattern has layer type {names}, which megakit does not build; it builds "
-                "'M' (Mamba-2), '*' (attention) and '-' (MLP)"
+                "'M' (Mamba-2), '*' (attention), '-' (MLP) and 'E' (MoE)"
             )
         if ("M" in self.layer_pattern) != (self.mamba is not None):
             raise UsageError("layer_pattern's 'M' blocks and the Mamba-2 config (mamba) go together; give both")
+        moe = self.moe
+        if ("E" in self.layer_pattern) != (moe is not None) or (
+            moe and any(moe.is_moe_layer(i) != (c == "E") for i, c in enumerate(self.layer_pattern))
+        ):
+            raise UsageError(
+                "layer_pattern's 'E' blocks and the experts (moe) go together: give moe exactly when the pattern has "
+                "'E', with every other block in its dense_layers"
+            )
 
     def block_part(self, index: int) -> str | None:
-        """The one part of block ``index`` of a hybrid model ("mamba", "attention" or "mlp"); None: attention then
-        the MLP (every other model)."""
+        """The one part of block ``index`` of a hybrid model ("mamba", "attention", "mlp" or "moe"); None: attention
+        then the MLP (every other model)."""
         if not self.layer_pattern:
             return None
         from megakit.core.families.nemotron_h import PATTERN  # noqa: PLC0415

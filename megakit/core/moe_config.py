@@ -2,9 +2,9 @@
 
 A model with ``ModelConfig.moe`` set replaces the MLP of every layer not listed in
 ``dense_layers`` with a routed block: a token-choice top-k router, ``experts`` SwiGLU experts
-of width ``ffn``, and optionally shared experts (``shared_ffn``, gated by a sigmoid in
-Qwen2-MoE). Read from the Hugging Face fields of Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss and
-DeepSeek-V3 by their families
+of width ``ffn`` (Nemotron-3's: non-gated squared ReLU, ``activation``), and optionally shared
+experts (``shared_ffn``, gated by a sigmoid in Qwen2-MoE). Read from the Hugging Face fields of
+Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, DeepSeek-V3 and Nemotron-3 by their families
 (``megakit.core.families``; ``from_hf`` and ``to_hf`` dispatch to them). Pure Python: the planner reads it.
 
 Routing, as the three anchors (Megatron-Core, DeepSpeed AutoEP, torchtitan) converge on it:
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from megakit.errors import UsageError
 
 SCORES = ("softmax", "sigmoid")
+ACTIVATIONS = ("swiglu", "relu2")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +53,9 @@ class MoEConfig:
     expert_biases: bool = False
     swiglu_limit: float = 0.0  # 0: the plain SwiGLU
     swiglu_alpha: float = 1.0
+    # "swiglu": gated experts (``gate_up_proj``); "relu2": Nemotron-3's non-gated squared-ReLU experts and shared
+    # expert, ``down(relu(up x)^2)`` (``experts.up_proj`` (E, F, H))
+    activation: str = "swiglu"
 
     def __post_init__(self) -> None:
         for name in ("experts", "top_k", "ffn", "groups", "group_top_k"):
@@ -62,6 +66,12 @@ class MoEConfig:
             raise UsageError(
                 f"MoE top-k {self.top_k} exceeds the {self.experts} experts; "
                 "route each token to at most as many experts as there are"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise UsageError(f"MoE expert activation {self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        if self.activation == "relu2" and (self.expert_biases or self.swiglu_limit or self.shared_gate):
+            raise UsageError(
+                "non-gated relu2 experts (Nemotron-3) take no expert biases, SwiGLU limit or shared-expert gate"
             )
         if self.score not in SCORES:
             raise UsageError(f"MoE router score {self.score!r} is not one of {', '.join(SCORES)}")
@@ -82,6 +92,11 @@ class MoEConfig:
         for name in ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "shared_ffn"):
             if not 0 <= getattr(self, name) < float("inf"):  # NaN fails too: it would skip every step
                 raise UsageError(f"MoE field {name} must be a finite number >= 0, got {getattr(self, name)}")
+
+    @property
+    def matrices(self) -> int:
+        """Weight matrices per expert: gate, up and down (SwiGLU), or up and down (relu2)."""
+        return 3 if self.activation == "swiglu" else 2
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block ``layer`` has routed experts (not one of ``dense_layers``)."""

@@ -69,7 +69,10 @@ def _unit(
             state[name] = tensor(name, name, unit is None)
         elif name.startswith(block):
             state["layers.0." + name[len(block) :]] = tensor(name, name, unit is not None)
-    one_block = config.replace(layers=1, layer_types=config.layer_types[:1], nope_layers=())  # names only
+    # names only; a hybrid's (Nemotron-H) blocks are told apart by their keys (``interop.hf_mamba.state_to_hf``)
+    one_block = (
+        config if config.layer_pattern else config.replace(layers=1, layer_types=config.layer_types[:1], nope_layers=())
+    )
     hf = to_hf_state_dict(one_block, state)
     first = _layer_prefix(config, 0)
     if unit is None:

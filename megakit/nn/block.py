@@ -111,7 +111,9 @@ class Block(nn.Module):
         self.local_rope = False
         part = config.block_part(index)  # a hybrid model's one part; None: attention, then the MLP
         if part is not None:
-            self._one_part(config, part, site=site, selective=selective, cp_group=cp_group, index=index, **kw)
+            self._one_part(
+                config, part, site=site, selective=selective, cp_group=cp_group, ep_group=ep_group, index=index, **kw
+            )
             self.dropout = ResidualDropout(config.dropout, f"{site}.residual", **drop)
             return
         self.attn_norm = Norm(config, **kw)
@@ -134,9 +136,11 @@ class Block(nn.Module):
         self.attn_dropout = ResidualDropout(config.dropout, f"{site}.attn_residual", **drop)
         self.mlp_dropout = ResidualDropout(config.dropout, f"{site}.mlp_residual", **drop)
 
-    def _one_part(self, config: ModelConfig, part: str, *, site: str, selective: bool, cp_group, index: int, **kw):
+    def _one_part(
+        self, config: ModelConfig, part: str, *, site: str, selective: bool, cp_group, ep_group, index: int, **kw
+    ):
         """A hybrid model's block (Nemotron-H): ``x + drop(part(norm(x)))`` with one part, a Mamba-2 mixer,
-        attention or an MLP."""
+        attention, an MLP or the experts (Nemotron-3's 'E')."""
         self.norm = Norm(config, **kw)
         if part == "mamba":
             self.mixer = Mamba2(config.mamba, config.hidden, eps=config.norm_eps, cp_group=cp_group, **kw)
@@ -144,6 +148,8 @@ class Block(nn.Module):
             self.mixer = Attention(
                 config, site=f"{site}.attn_probs", selective=selective, cp_group=cp_group, index=index, **kw
             )
+        elif part == "moe":
+            self.mixer = MoE(config.moe, config.hidden, cp_group=cp_group, ep_group=ep_group, **kw)
         else:
             self.mixer = MLP(config, **kw)
 
@@ -151,7 +157,7 @@ class Block(nn.Module):
         self, x: torch.Tensor, rope: tuple | None, keys: DropoutKeys | None, documents: torch.Tensor | None = None
     ) -> torch.Tensor:  # (S', B, H)
         """One pre-norm block: attention (or Gated DeltaNet) then the MLP, each added back to the residual stream;
-        a Nemotron-H block has one part (Mamba-2, attention or the MLP)."""
+        a Nemotron-H block has one part (Mamba-2, attention, the MLP or the experts)."""
         if hasattr(self, "mixer"):  # a hybrid model's block
             h = self.norm(x)
             if isinstance(self.mixer, Mamba2):

@@ -1,16 +1,19 @@
-"""Nemotron-H (Mamba-2 / attention / MLP layers) trained through the real launcher at several layouts, against the
-single process; its logits against transformers' ``NemotronHForCausalLM``; bad input in one line.
+"""Nemotron-H and Nemotron-3 (Mamba-2 / attention / MLP / MoE layers) trained through the real launcher at several
+layouts, against the single process; their logits against transformers' ``NemotronHForCausalLM``; bad input in one
+line.
 
-One 4-process job (``tests/helpers/launch_sweep.py``), 5 steps of ``models/nemotron-h-tiny.json`` ("M-M*": 8 Mamba
-heads in 4 groups, chunk 8, over 32 tokens) on packed documents with the state, the conv and attention restarting at
-each document: TP 2 with SP x DP 2 (ZeRO 1), TP 2 x CP 2 (ZeRO 3; the mixers' all-to-all of heads, attention's ring),
-PP 2 x CP 2 (ZeRO 1). Every loss follows the single process within 1e-5.
+One 4-process job (``tests/helpers/launch_sweep.py``), 5 steps each on packed documents with the state, the conv and
+attention restarting at each document: ``models/nemotron-h-tiny.json`` ("M-M*": 8 Mamba heads in 4 groups, chunk 8,
+over 32 tokens) at TP 2 with SP x DP 2 (ZeRO 1) and TP 2 x CP 2 (ZeRO 3; the mixers' all-to-all of heads, attention's
+ring); ``models/nemotron-3-tiny.json`` ("MEM*E", Nemotron-3's 'E' blocks) at PP 2 x CP 2 (ZeRO 1) and EP 2 x TP 2
+with SP x DP 2 (ZeRO 1). Every loss follows the single process within 1e-5.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ from paths import ROOT
 from megakit.errors import UsageError
 
 MODEL, STEPS, TOL = "nemotron-h-tiny", 5, 1e-5
+NEMOTRON_3 = "nemotron-3-tiny"
 DOCUMENTS = dict(reset_attention_mask=True, reset_position_ids=True)
 
 
@@ -33,56 +37,101 @@ def layouts(tmp_path_factory):
     cases = [
         _case(1, tp=2, sequence_parallel=True, data=data),
         _case(3, tp=2, cp=2, data=data),
-        _case(1, pp=2, cp=2, data=data),
+        _case(1, pp=2, cp=2, data=data) | dict(model=NEMOTRON_3),
+        _case(1, tp=2, ep=2, sequence_parallel=True, data=data) | dict(model=NEMOTRON_3),
     ]
     return cases, sweep(tmp_path_factory, 4, cases, timeout=600)
 
 
 @pytest.mark.slow
 def test_layouts_follow_the_single_process(layouts):
+    """The module docstring's four layouts. Nemotron-3's tiny preset ("MEM*E": 8 experts in 2 groups, top-2, the
+    score-correction bias moving each step): its 'E' blocks on both pipeline stages under CP, and at EP 2 x TP 2 its
+    experts split over EP, its router and shared expert replicated over TP."""
     from megakit.train.doctor.reference import reference_run
 
     cases, results = layouts
-    dps = (2, 1, 1)
+    dps = (2, 1, 1, 2)
     refs = {}
     for case, result, dp in zip(cases, results, dps, strict=True):
-        if dp not in refs:
-            refs[dp] = reference_run(
-                case["ds_config"], model=MODEL, steps=STEPS, dp=dp, seq_len=32, data=case["data"], documents=DOCUMENTS
+        key = (case["model"], dp)
+        if key not in refs:
+            refs[key] = reference_run(
+                case["ds_config"],
+                model=case["model"],
+                steps=STEPS,
+                dp=dp,
+                seq_len=32,
+                data=case["data"],
+                documents=DOCUMENTS,
             )
-        want = refs[dp]["loss"]
+        want = refs[key]["loss"]
         assert len(result["loss"]) == len(want) == STEPS
         for step, (a, b) in enumerate(zip(result["loss"], want)):
             assert abs(a - b) < TOL, (case, step, a, b)
-    assert refs[1]["loss"][-1] < refs[1]["loss"][0] - 0.05  # it trained (the warm-up's 5 steps)
+    assert refs[MODEL, 1]["loss"][-1] < refs[MODEL, 1]["loss"][0] - 0.05  # it trained (the warm-up's 5 steps)
+    assert refs[NEMOTRON_3, 2]["loss"][-1] < refs[NEMOTRON_3, 2]["loss"][0] - 0.05
 
 
-def test_logits_equal_transformers():
-    """The tiny preset through transformers' ``NemotronHForCausalLM`` and megakit, with A_log, dt_bias, D and the
-    conv taps away from their initial values, over 21 tokens (the mixers' chunk is 8); exported and read back."""
+@pytest.mark.parametrize("model", [MODEL, NEMOTRON_3])
+def test_logits_equal_transformers(model, tmp_path):
+    """The tiny presets through transformers' ``NemotronHForCausalLM`` and megakit, with A_log, dt_bias, D and the
+    conv taps away from their initial values, over 21 tokens (the mixers' chunk is 8); exported and read back, and
+    saved as a megakit checkpoint, exported by ``export_hf`` and loaded by ``from_pretrained``.
+    Nemotron-3's ("MEM*E"): its 'E' blocks' experts, shared expert and router scaled up (the routing and the experts
+    weigh in the logits), the score-correction bias drawn, 8 experts in 2 groups (top-2 of the best group)."""
     transformers = pytest.importorskip("transformers")
     from megakit.core.model_config import ModelConfig
-    from megakit.interop.hf import from_hf_state_dict, to_hf_state_dict
+    from megakit.interop.checkpoint import save_checkpoint
+    from megakit.interop.hf import exact_param_count, from_hf_state_dict, to_hf_state_dict
+    from megakit.interop.hf_export import export_hf
     from megakit.nn.model import Transformer, full_state_dict, load_full_state_dict
+    from megakit.nn.moe.layer import Experts
 
-    config = ModelConfig.load(MODEL)
+    config = ModelConfig.load(model)
     assert ModelConfig.from_hf(config.to_hf()) == config
     assert config.num_params() == sum(p.numel() for p in Transformer(config).parameters())
+    assert config.num_params() == exact_param_count(config.to_hf())
     torch.manual_seed(0)
     ref = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**config.to_hf())).float().eval()
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if name.rsplit(".", 1)[-1] in ("A_log", "dt_bias", "D") or "conv1d" in name:
                 p.add_(torch.randn_like(p) * 0.3)
+            if "experts" in name or name.endswith("gate.weight"):
+                p.mul_(10)
+        for name, b in ref.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
     ours = Transformer(config, seed=1).eval()
-    load_full_state_dict(ours, from_hf_state_dict(config, ref.state_dict()))
+    state = from_hf_state_dict(config, ref.state_dict())
+    load_full_state_dict(ours, state)
+    files = {}  # NVIDIA's files: ``backbone.``, one matrix per expert
+    for k, v in ref.state_dict().items():
+        k = k.replace("model.", "backbone.", 1)
+        stack, _, name = k.rpartition(".")
+        if name in ("up_proj", "down_proj") and stack.endswith(".experts"):
+            files |= {f"{stack}.{j}.{name}.weight": w for j, w in enumerate(v)}
+        else:
+            files[k] = v
+    again = from_hf_state_dict(config, files)
+    assert again.keys() == state.keys() and all(torch.equal(again[k], v) for k, v in state.items())
     ids = torch.randint(0, config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(3))
     want = ref(ids).logits
-    err = (ours(ids)[..., : config.vocab_size] - want).abs().max().item()
-    assert err <= 1e-5 * want.abs().max().item(), err
+    experts = [m for m in ours.modules() if isinstance(m, Experts)]
+    assert all(m.use_grouped(torch.zeros(1, config.hidden)) for m in experts)  # torch._grouped_mm, then the loop
+    for grouped in (True, False) if experts else (True,):
+        for m in experts:
+            m.grouped = grouped
+        err = (ours(ids)[..., : config.vocab_size] - want).abs().max().item()
+        assert err <= 1e-5 * want.abs().max().item(), (grouped, err)
     back = to_hf_state_dict(config, full_state_dict(ours))
     assert back.keys() == ref.state_dict().keys()
     assert all(torch.equal(back[k], v) for k, v in ref.state_dict().items())
+    save_checkpoint(tmp_path / "ck", ours, None, step=0, config=config)  # ``megakit convert``'s export, block by block
+    export_hf(tmp_path / "ck", tmp_path / "hf")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+    assert torch.equal(loaded(ids).logits, want)
 
 
 def test_bad_input_gets_one_line(tmp_path):
@@ -90,12 +139,20 @@ def test_bad_input_gets_one_line(tmp_path):
     from megakit.train.run import TrainConfig, resolve
 
     config = json.loads((ROOT / "models" / f"{MODEL}.json").read_text())
-    for pattern, message in (
-        ("M-E*", "layer type 'E' (an MoE block) in its pattern, which megakit does not build"),
-        ("M-X*", "layer type 'X' (unknown)"),
+    with pytest.raises(UsageError, match=re.escape("layer type 'X' (unknown)")):
+        ModelConfig.from_hf({**config, "hybrid_override_pattern": "M-X*"})
+    nano = json.loads((ROOT / "models" / f"{NEMOTRON_3}.json").read_text())
+    for extra, message in (
+        (dict(moe_latent_size=16), "sets moe_latent_size (LatentMoE's projections, Nemotron-3 Super and Ultra)"),
+        (dict(mlp_bias=True), "sets mlp_bias with 'E' blocks: megakit's shared expert has no biases"),
+        (dict(moe_shared_expert_intermediate_size="32"), 'has moe_shared_expert_intermediate_size "32"'),
     ):
         with pytest.raises(UsageError, match=re.escape(message)):
-            ModelConfig.from_hf({**config, "hybrid_override_pattern": pattern})
+            ModelConfig.from_hf({**nano, **extra})
+    three = ModelConfig.from_hf(nano)
+    for moe in (None, replace(three.moe, dense_layers=())):
+        with pytest.raises(UsageError, match="layer_pattern's 'E' blocks and the experts \\(moe\\) go together"):
+            three.replace(moe=moe)
     with pytest.raises(UsageError, match="layer type 'sliding_attention', which megakit does not build"):
         ModelConfig.from_hf(
             {

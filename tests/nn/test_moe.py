@@ -168,6 +168,8 @@ def _two_ranks(rank: int, world: int) -> None:
     _equivalence(Topology(Layout(cp=2, ep=2)), _config(), aux_only=True)
     _equivalence(Topology(Layout(tp=2, ep=2)), _config())  # folded: EP over the TP pair, DP 1
     _equivalence(Topology(Layout(tp=2, ep=2)), _config(), sp=True)
+    relu2 = dict(activation="relu2", shared_gate=False)  # Nemotron-3: non-gated experts and shared expert
+    _equivalence(Topology(Layout(tp=2, ep=2)), _config(**relu2, expert_bias=True), sp=True)
 
 
 def _four_ranks(rank: int, world: int) -> None:
@@ -200,10 +202,12 @@ def test_moe_four_ranks():
 
 
 # -- single process ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("gpt_oss, compiled", [(False, False), (True, False), (True, True)])
-def test_loop_and_grouped_gemm_agree(gpt_oss, compiled):
+@pytest.mark.parametrize(
+    "gpt_oss, compiled, gated", [(False, False, True), (True, False, True), (True, True, True), (False, True, False)]
+)
+def test_loop_and_grouped_gemm_agree(gpt_oss, compiled, gated):
     """The grouped path (and, compiled through AOTAutograd, its custom op's shape function and gradient) equals the
-    loop, with gpt-oss's expert biases and clamped SwiGLU too."""
+    loop, with gpt-oss's expert biases and clamped SwiGLU too, and Nemotron-3's non-gated squared ReLU."""
     from megakit.nn.moe.layer import Experts
 
     if not hasattr(torch, "_grouped_mm"):
@@ -221,7 +225,9 @@ def test_loop_and_grouped_gemm_agree(gpt_oss, compiled):
             biases=gpt_oss,
             limit=7.0 if gpt_oss else 0.0,
             alpha=1.702 if gpt_oss else 1.0,
+            gated=gated,
         )
+        assert hasattr(experts, "gate_up_proj") == gated and experts.down_proj.shape == (4, 16, 8)
         for p in experts.parameters():
             torch.nn.init.normal_(p)
         x = torch.randn(11, 16, requires_grad=True)

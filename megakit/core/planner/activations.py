@@ -79,7 +79,7 @@ def activation_tensors(
     p = PRECISIONS[precision]
     dropout = model.dropout > 0 if dropout is None else dropout
     h, hd = model.hidden, model.head_dim
-    f = model.config.moe.shared_ffn if moe and model.config.moe else model.ffn
+    f = model.config.moe.shared_ffn if moe and model.config.moe and not model.config.layer_pattern else model.ffn
     heads = model.heads // tp
     kv = model.kv_heads_per_rank(tp) * hd
     rest = tp if sequence_parallel else 1  # the LayerNorm/dropout region: split only with SP
@@ -146,7 +146,7 @@ def activation_tensors(
         out.append(t("mlp residual dropout mask", h / rest, dropout_mask_bytes, "sp"))
     if model.config.linear is not None:
         return _hybrid(out, model, tp=tp, bytes_per_element=p)
-    return mamba.mean_tensors(out, model, tp=tp, sequence_parallel=sequence_parallel, precision=precision)
+    return _mean_block(out, model, tp=tp, sp=sequence_parallel, precision=precision, fused_swiglu=fused_swiglu)
 
 
 _ATTENTION_CORE = (
@@ -189,6 +189,21 @@ def _hybrid(out: list[SavedTensor], model: ModelSpec, *, tp: int, bytes_per_elem
         ),
         SavedTensor("linear attention states", states, 0, 4, "tp"),
     ]
+
+
+def _mean_block(
+    block: list[SavedTensor], model: ModelSpec, *, tp: int, sp: bool, precision: str, fused_swiglu: bool
+) -> list[SavedTensor]:
+    """``block`` itself, or a hybrid's (Nemotron-H) mean block (``mamba.mean_tensors``), whichever kind the planner
+    asks for (an 'E' block adds ``routing_tensors``): with Nemotron-3's 'E' blocks, their norm and MLP input as
+    ``block``'s, then the shared expert's tensors at its own width."""
+    moe, shared = model.config.moe, []
+    if model.config.layer_pattern and moe is not None and moe.shared_ffn:
+        start = next(i for i, x in enumerate(block) if x.name == "norm2 input")
+        shared = [x for x in block[start:] if x.name.startswith("norm2") or x.name == "mlp input"]
+        p = PRECISIONS[precision]
+        shared += _mlp_tensors(model, f=moe.shared_ffn, tp=tp, p=p, moe=True, fused_swiglu=fused_swiglu)
+    return mamba.mean_tensors(block, model, tp=tp, sequence_parallel=sp, precision=precision, experts=shared)
 
 
 def _mlp_tensors(model: ModelSpec, *, f: int, tp: int, p: int, moe: bool, fused_swiglu: bool) -> list[SavedTensor]:
@@ -322,7 +337,7 @@ def routing_tensors(
             SavedTensor("router probabilities", m.experts / tp, 0.0, 4, "tp"),
             SavedTensor("permutation map", m.experts / tp, 0.0, 8, "tp"),
             SavedTensor("permuted tokens", k * model.hidden, 0.0, p, "tp"),
-            SavedTensor("expert fc1 output", k * 2 * m.ffn, 0.0, p, "tp"),
+            SavedTensor("expert fc1 output", k * (m.matrices - 1) * m.ffn, 0.0, p, "tp"),
             SavedTensor("expert fc2 input", k * m.ffn, 0.0, p, "tp"),
         ]
     router = [
@@ -349,8 +364,8 @@ def routing_tensors(
     saved, _ = dispatch_buffers(model, tp=tp, precision=precision, imbalance=imbalance, ep=ep)
     activation = 4 if m.swiglu_limit else 1  # gpt-oss: the clamped gate, (up + 1), its product, the sigmoid
     experts = [
-        SavedTensor("expert fc1 output", k * 2 * m.ffn, 0.0, p, "tp"),
-        SavedTensor("expert activation", k * activation * m.ffn, 0.0, p, "tp"),
+        SavedTensor("expert fc1 output", k * (m.matrices - 1) * m.ffn, 0.0, p, "tp"),  # gate and up, or up
+        SavedTensor("expert activation", k * activation * m.ffn, 0.0, p, "tp"),  # relu2: relu's output
         SavedTensor("expert fc2 input", k * m.ffn, 0.0, p, "tp"),
         SavedTensor("expert outputs", top_k * model.hidden, 0.0, p, "tp"),
     ]

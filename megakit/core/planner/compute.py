@@ -152,7 +152,7 @@ def _linears(
 
 def expert_gemm_time(model: ModelSpec, gpu: GPU, plan: Plan, *, tokens: float, peak: float) -> float:
     """Forward seconds of an MoE block's router and routed experts on one rank: ``tokens`` (this
-    rank's, before the TP split) routed, and the grouped GEMMs (fc1: H -> 2F, fc2: F -> H) of the
+    rank's, before the TP split) routed, and the grouped GEMMs (fc1: H -> 2F, or F non-gated; fc2: F -> H) of the
     E / EP local experts, each over its share of the top-k copies the rank receives, in FP8 with ``plan.fp8``
     (the experts are most of an MoE's linears: Megatron's and torchao's FP8 recipes quantize the grouped GEMMs)."""
     m, nbytes = model.moe, PRECISIONS[plan.precision]
@@ -160,7 +160,7 @@ def expert_gemm_time(model: ModelSpec, gpu: GPU, plan: Plan, *, tokens: float, p
     router = gemm_time(gpu, local, model.hidden, m.experts, peak=peak, nbytes=nbytes)
     per_expert = local * m.top_k * routed_imbalance(model, plan.moe_imbalance, plan.ep) * plan.ep / m.experts
     one = (
-        linear_time(gpu, plan, per_expert, model.hidden, 2 * m.ffn, peak=peak)  # FP8 too, as the other linears
+        linear_time(gpu, plan, per_expert, model.hidden, (m.matrices - 1) * m.ffn, peak=peak)  # FP8 too
         + linear_time(gpu, plan, per_expert, m.ffn, model.hidden, peak=peak)
     )
     return router + one * m.experts / plan.ep

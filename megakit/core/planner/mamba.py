@@ -3,7 +3,10 @@ and context parallelism's all-to-alls (``megakit.nn.linear_attention.mamba2``).
 
 The planner prices a hybrid (Nemotron-H: Mamba-2, attention and MLP blocks by a pattern) as ``layers`` mean blocks:
 each part's GEMMs run over its share of the tokens (``linears``), attention's core over the attention blocks' share
-(``ModelConfig.attention_share``), and the scan over the Mamba blocks'. The scan is SSD's chunked form (Dao and Gu
+(``ModelConfig.attention_share``), and the scan over the Mamba blocks'. Nemotron-3's 'E' blocks are the model's MoE
+layers (``ModelConfig.is_moe_layer``): their norm, router and shared expert are in the mean block by their share, and
+each one adds its routed experts as any MoE block does (their weights, grouped GEMMs, routing tensors, all-to-alls),
+as Qwen3-Next's MoE blocks are priced. The scan is SSD's chunked form (Dao and Gu
 2024): per token and head ``2 Q n`` (C B^T in its chunk of ``Q``), ``2 Q p`` (those scores times x), ``4 n p`` (the
 chunk's state in and out): linear in the sequence. Megakit's torch scan keeps, per token and head, its chunk's
 decays and scores (``Q`` each, fp32) and ``p n / Q`` of the chunk states, which ``tensors`` lists.
@@ -29,6 +32,9 @@ def linears(model, tp: int) -> list[tuple[float, float, float]]:
     out += [(share["attention"], q, h), (share["mlp"], h, model.ffn // tp), (share["mlp"], model.ffn // tp, h)]
     if m is not None:  # z, x, B, C, dt as one GEMM's width, then out_proj
         out += [(share["mamba"], h, (m.inner + m.conv_channels + m.heads) // tp), (share["mamba"], m.inner // tp, h)]
+    if model.config.moe is not None:  # an 'E' block's shared expert (its router and experts: ``expert_gemm_time``)
+        f = model.config.moe.shared_ffn // tp
+        out += [(share["moe"], h, f), (share["moe"], f, h)]
     return [row for row in out if row[0] > 0]
 
 
@@ -77,9 +83,12 @@ def tensors(model, *, tp: int, sequence_parallel: bool, precision: str) -> list:
     ]
 
 
-def mean_tensors(block: list, model, *, tp: int, sequence_parallel: bool, precision: str) -> list:
+def mean_tensors(
+    block: list, model, *, tp: int, sequence_parallel: bool, precision: str, experts: tuple | list = ()
+) -> list:
     """A hybrid's mean block: an attention+MLP block's tensors (``block``, in ``activation_tensors``' order: the
-    attention part up to ``norm2``) and a Mamba block's (``tensors``), each scaled by its part's share; ``block``
+    attention part up to ``norm2``), a Mamba block's (``tensors``) and an 'E' block's norm and shared expert
+    (``experts``; its routing is ``routing_tensors``', per 'E' block), each scaled by its part's share; ``block``
     itself for a model without a pattern."""
     from megakit.core.planner.activations import SavedTensor  # noqa: PLC0415
 
@@ -94,7 +103,10 @@ def mean_tensors(block: list, model, *, tp: int, sequence_parallel: bool, precis
         return [SavedTensor(x.name, x.per_token * f, x.per_token_seq * f, x.bytes_per_element, x.shard) for x in xs]
 
     return (
-        scaled(block[:split], share["attention"]) + scaled(block[split:], share["mlp"]) + scaled(mamba, share["mamba"])
+        scaled(block[:split], share["attention"])
+        + scaled(block[split:], share["mlp"])
+        + scaled(mamba, share["mamba"])
+        + scaled(list(experts), share["moe"])
     )
 
 

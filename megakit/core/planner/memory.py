@@ -242,13 +242,13 @@ def _replicated_shared_experts(
 ) -> float:
     """What megakit's shared experts add on one TP rank to ``stage_params``' count, which shards them over TP as
     Megatron does: megakit replicates them (``megakit.nn.moe.layer.SharedExpert`` runs on the rank's tokens), so each TP
-    rank holds the other ``(tp - 1) / tp`` of each MoE block's three ``H x shared_ffn`` matrices too."""
+    rank holds the other ``(tp - 1) / tp`` of each MoE block's three ``H x shared_ffn`` matrices too (two: relu2)."""
     n_moe = stage_moe_layers(model, pp, vpp)[stage] if layers is None else layers
     if stage == pp - 1:  # the MTP modules' blocks
         n_moe += sum(model.config.is_moe_layer(model.layers + k - 1) for k in range(1, model.mtp + 1))
     moe = model.config.moe
     assert moe is not None, "only MoE models have shared experts"
-    return n_moe * 3 * model.hidden * moe.shared_ffn * (1 - 1 / tp)
+    return n_moe * moe.matrices * model.hidden * moe.shared_ffn * (1 - 1 / tp)
 
 
 def model_state_bytes(
@@ -978,8 +978,9 @@ def _matmul_output_bytes(
     )
     p = PRECISIONS[precision]
     if moe and c.moe is not None:
-        shared = (2 * c.moe.shared_ffn + c.hidden) if c.moe.shared_ffn else 0
-        routed = c.moe.top_k * imbalance * (2 * c.moe.ffn + c.hidden)
+        fc1 = c.moe.matrices - 1  # gate and up, or up (relu2)
+        shared = (fc1 * c.moe.shared_ffn + c.hidden) if c.moe.shared_ffn else 0
+        routed = c.moe.top_k * imbalance * (fc1 * c.moe.ffn + c.hidden)
         mlp = (shared + routed) / tp + 4 / p * c.moe.experts / tp
     else:
         mlp = (2 if c.gated_mlp else 1) * f + c.hidden

@@ -7,8 +7,10 @@ mapping is a rename-free stack/unstack, ``megakit.interop.hf``):
   balancing, the buffer ``gate.e_score_correction_bias`` ``(E,)`` (fp32; only chooses experts);
 - ``experts.gate_up_proj`` ``(E/EP, 2F, H)`` (gate rows first, then up, as ``MixtralExperts``) and
   ``experts.down_proj`` ``(E/EP, H, F)``: this rank's SwiGLU experts; rank ``r`` of the EP group
-  holds experts ``[r E/EP, (r+1) E/EP)``;
-- optionally ``shared_expert.{gate,up,down}_proj.weight`` (every token, width ``shared_ffn``) and
+  holds experts ``[r E/EP, (r+1) E/EP)``; Nemotron-3's non-gated squared-ReLU experts hold
+  ``experts.up_proj`` ``(E/EP, F, H)`` in place of ``gate_up_proj``;
+- optionally ``shared_expert.{gate,up,down}_proj.weight`` (every token, width ``shared_ffn``; no gate when
+  non-gated) and
   Qwen2-MoE's ``shared_expert_gate.weight`` ``(1, H)`` (the shared output times its sigmoid).
 
 Layout. Experts are not split over TP (expert TP = 1). The block works on *this TP rank's part of
@@ -98,28 +100,31 @@ class Router(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """A SwiGLU MLP every token goes through (its TP-replicated weights see this rank's tokens)."""
+    """A SwiGLU MLP every token goes through (its TP-replicated weights see this rank's tokens); ``gated`` False:
+    Nemotron-3's ``down(relu(up x)^2)``, no gate."""
 
-    def __init__(self, hidden: int, ffn: int, *, dtype, device) -> None:
+    def __init__(self, hidden: int, ffn: int, *, dtype, device, gated: bool = True) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device)
-        self.gate_proj, self.up_proj, self.down_proj = (
-            _Weight(ffn, hidden, **kw),
-            _Weight(ffn, hidden, **kw),
-            _Weight(hidden, ffn, **kw),
-        )
+        if gated:
+            self.gate_proj = _Weight(ffn, hidden, **kw)
+        self.up_proj, self.down_proj = _Weight(ffn, hidden, **kw), _Weight(hidden, ffn, **kw)
 
     def forward(self, x: torch.Tensor, tp_group) -> torch.Tensor:
         """The shared expert on every token; its weights enter the TP region so their gradients are summed."""
-        gate, up = self.gate_proj.apply_to(x, tp_group), self.up_proj.apply_to(x, tp_group)
-        return self.down_proj.apply_to(F.silu(gate) * up, tp_group)
+        up = self.up_proj.apply_to(x, tp_group)
+        if not hasattr(self, "gate_proj"):
+            return self.down_proj.apply_to(F.relu(up).square(), tp_group)
+        return self.down_proj.apply_to(F.silu(self.gate_proj.apply_to(x, tp_group)) * up, tp_group)
 
 
 class Experts(nn.Module):
     """This rank's SwiGLU experts, stacked. ``grouped``: ``torch._grouped_mm`` over device offsets ("auto": in
     fp32/bf16/fp16 when the strides allow it, CPU or CUDA; no host sync, one graph under ``--compile``) or a
     loop over experts (the same numbers; fp64, or widths the kernel cannot take: one copy of the counts to host).
-    gpt-oss's (``biases``, ``limit``): a bias on both matrices, and the clamped SwiGLU (``MoEConfig``)."""
+    gpt-oss's (``biases``, ``limit``): a bias on both matrices, and the clamped SwiGLU (``MoEConfig``).
+    ``gated`` False: Nemotron-3's non-gated squared ReLU, ``up_proj`` ``(E/EP, F, H)`` in place of ``gate_up_proj``
+    (transformers' ``NemotronHExperts``), through the same two products."""
 
     def __init__(
         self,
@@ -133,9 +138,11 @@ class Experts(nn.Module):
         biases: bool = False,
         limit: float = 0.0,
         alpha: float = 1.0,
+        gated: bool = True,
     ) -> None:
         super().__init__()
-        self.gate_up_proj = _param(local, 2 * ffn, hidden, dtype=dtype, device=device, ep=True)
+        self.first = "gate_up_proj" if gated else "up_proj"  # the first product's stacked weight
+        setattr(self, self.first, _param(local, (1 + gated) * ffn, hidden, dtype=dtype, device=device, ep=True))
         self.down_proj = _param(local, hidden, ffn, dtype=dtype, device=device, ep=True)
         if biases:
             self.gate_up_proj_bias = _param(local, 2 * ffn, dtype=dtype, device=device, ep=True)
@@ -144,7 +151,9 @@ class Experts(nn.Module):
 
     def _glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU of ``[gate | up]``, or gpt-oss's: ``(clamp(up, -l, l) + 1) x g sigmoid(alpha g)``,
-        ``g = min(gate, l)``."""
+        ``g = min(gate, l)``; non-gated: ``relu(up)^2``."""
+        if self.first == "up_proj":
+            return F.relu(gate_up).square()
         gate, up = gate_up.chunk(2, dim=-1)
         if not self.limit:
             return F.silu(gate) * up
@@ -173,7 +182,7 @@ class Experts(nn.Module):
         """``rows`` ``(M, H)`` grouped by local expert (``counts[e]`` each, on the device), then rows no expert
         computes (dropped assignments: zeros out) -> ``(M, H)``."""
         counts = torch.as_tensor(counts, dtype=torch.int64, device=rows.device)
-        gate_up, down = copy_to_tp(self.gate_up_proj, tp_group), copy_to_tp(self.down_proj, tp_group)
+        gate_up, down = copy_to_tp(getattr(self, self.first), tp_group), copy_to_tp(self.down_proj, tp_group)
         bias_up, bias_down = self._biases(tp_group)
         if self.use_grouped(rows):
             if torch.compiler.is_compiling():
@@ -270,10 +279,11 @@ class MoE(nn.Module):
             biases=config.expert_biases,
             limit=config.swiglu_limit,
             alpha=config.swiglu_alpha,
+            gated=config.activation == "swiglu",
             **kw,
         )
         if config.shared_ffn:
-            self.shared_expert = SharedExpert(hidden, config.shared_ffn, **kw)
+            self.shared_expert = SharedExpert(hidden, config.shared_ffn, gated=config.activation == "swiglu", **kw)
             if config.shared_gate:
                 self.shared_expert_gate = _Weight(1, hidden, **kw)
         self.register_buffer(

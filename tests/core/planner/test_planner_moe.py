@@ -59,8 +59,8 @@ def _preset(name):
 
 @pytest.mark.parametrize(
     "raw",
-    ["mixtral-8x7b", "qwen3-30b-a3b", QWEN2_MOE_TINY, QWEN3_DENSE_TINY],
-    ids=["mixtral-8x7b", "qwen3-30b-a3b", "qwen2-moe-shared-gate-dense-layer", "qwen3-dense"],
+    ["mixtral-8x7b", "qwen3-30b-a3b", "nemotron-3-nano-30b-a3b", QWEN2_MOE_TINY, QWEN3_DENSE_TINY],
+    ids=["mixtral-8x7b", "qwen3-30b-a3b", "nemotron-3-nano", "qwen2-moe-shared-gate-dense-layer", "qwen3-dense"],
 )
 def test_total_parameters_equal_transformers_exact_count(raw):
     raw = _preset(raw) if isinstance(raw, str) else raw
@@ -337,6 +337,33 @@ def test_cli_reports_experts_routing_and_all_to_all(capsys, tmp_path):
         "--ep ",
     ):
         assert needle in out, needle
+
+
+def test_nemotron_3_nano_plans_on_16_h100s_and_at_megatron_bridges_layout(capsys):
+    """Nemotron-3-Nano-30B-A3B (23 'E' blocks among 23 Mamba-2 and 6 attention blocks): 31.58B parameters, 3.58B
+    active (embedding and head included; 3.23B without the embedding); each 'E' block adds its routed experts
+    (128 x 2 x H x F, non-gated) to the hybrid's mean block. The free search on 16 H100s fits TP 1 x PP 1 x EP 8;
+    Megatron-Bridge's H100 performance recipe (``nemotron_3_nano_pretrain_16gpu_h100_bf16_config``: TP 1, PP 1,
+    EP 8, micro-batch 1, 1024 x 8k tokens, recompute of its MoE layers and norms) fits with megakit's full
+    recompute, and megakit's selective one (attention's core only) is refused naming that fix."""
+    config = ModelConfig.load("nemotron-3-nano-30b-a3b")
+    assert config.num_params() == 31_577_937_344 and config.active_params() == 3_580_073_408
+    assert config.moe_layers == 23 and [config.is_moe_layer(i) for i in range(6)] == [0, 1, 0, 1, 0, 0]
+    moe, mean = config.block_params(moe=True), config.block_params(moe=False)
+    assert moe.experts == 128 * 2 * 2688 * 1856 and moe.active_experts == 6 * 2 * 2688 * 1856
+    assert moe.total - moe.experts == mean.total  # the routed experts on top of the mean block
+    code, out, _ = plan_cli(
+        capsys, "--model", "nemotron-3-nano-30b-a3b", "--gpu", "h100-80gb", "--gpus", "16", "--json"
+    )
+    assert code == 0
+    p = json.loads(out)["plan"]
+    assert (p["tp"], p["pp"], p["ep"], p["fits"]) == (1, 1, 8, "yes") and p["memory"]["expert_params"] > 0
+    pinned = ["--model", "nemotron-3-nano-30b-a3b", "--gpu", "h100-80gb", "--gpus", "16", "--seq-len", "8192"]
+    pinned += ["--tp", "1", "--pp", "1", "--ep", "8", "--micro-batch", "1", "--global-batch", "1024", "--zero", "1"]
+    code, out, _ = plan_cli(capsys, *pinned, "--recompute", "full", "--json")
+    assert code == 0 and json.loads(out)["plan"]["fits"] == "yes"
+    code, _, err = plan_cli(capsys, *pinned, "--recompute", "selective")
+    assert code == 2 and "fix: --recompute full" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_qwen3_235b_at_megatron_bridges_layout_plans_with_ep_folded_over_tp(capsys):
