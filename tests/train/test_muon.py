@@ -300,7 +300,7 @@ def test_megakit_plan_optimizer_muon_prints_it_line_by_line(capsys):
     assert "muon" not in json.loads(capsys.readouterr().out)["plan"]  # AdamW: nothing added
 
 
-def test_the_hybrids_conv_filters_stay_on_adamw():
+def test_the_hybrids_conv_filters_and_routers_stay_on_adamw():
     """Gated DeltaNet's and Mamba-2's depthwise conv taps ``(C, K)`` are 2-D but no matrix: AdamW steps them; the
     mixers' projections stay on Muon."""
     import torch
@@ -315,3 +315,7 @@ def test_the_hybrids_conv_filters_stay_on_adamw():
         projections = [n for n, p in net.named_parameters() if uses_muon(n, p) and (".mixer." in n or ".attn." in n)]
         assert projections, model
     assert uses_muon("layers.0.mlp.down_proj.weight", torch.zeros(4, 4))
+    nemotron_3 = Transformer(ModelConfig.load("nemotron-3-tiny"), seed=0)  # its 'E' blocks' router is mixer.gate
+    routers = [n for n, _ in nemotron_3.named_parameters() if n.endswith(".gate.weight")]
+    assert routers and not any(uses_muon(n, p) for n, p in nemotron_3.named_parameters() if n in routers)
+    assert uses_muon("layers.1.mixer.experts.up_proj", torch.zeros(2, 4, 4))

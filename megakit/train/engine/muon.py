@@ -47,7 +47,7 @@ OPTIMIZERS = ("adamw", "muon")
 ADJUST_LR = "match_rms_adamw"
 ADAMW_BETAS = (0.9, 0.95)
 # weights that are not hidden matrices although 2-D: embeddings, the head, the routers' gates
-_ADAMW_NAMES = ("embed.weight", "lm_head.weight", "mlp.gate.weight", "shared_expert_gate.weight")
+_ADAMW_NAMES = ("embed.weight", "lm_head.weight", "mlp.gate.weight", "mixer.gate.weight", "shared_expert_gate.weight")
 
 
 def uses_muon(name: str, param: torch.Tensor) -> bool:
