@@ -162,8 +162,9 @@ def layer_params(config: ModelConfig, layer: int | None = None) -> int:
 def own_block_params(config: ModelConfig, layer: int, tp: int = 1) -> BlockParams:
     """Block ``layer``'s own parameters on one TP rank: in a hybrid its own mixer (Gated DeltaNet or attention; in
     Nemotron-H its one part) with its own MLP kind, where ``block_params`` gives the mean of a kind's blocks."""
-    if config.layer_pattern:
-        return BlockParams(*nemotron_h.part_params(config, config.block_part(layer), tp))
+    part = config.block_part(layer)
+    if part is not None:
+        return BlockParams(*nemotron_h.part_params(config, part, tp))
     linear = config.linear is not None and config.linear.is_linear(layer)
     return _block_params(config, tp, moe=config.is_moe_layer(layer), linear=linear)
 
