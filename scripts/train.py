@@ -383,7 +383,8 @@ def _speed_flags(p: argparse.ArgumentParser) -> None:
         default="none",
         help="full: keep only each block's input and recompute the block in backward (~1/3 more "
         "compute, far less activation memory); selective: recompute only the attention core "
-        "(Korthikanti et al. 2022), which saves its s x s scores when attention is written out",
+        "(Korthikanti et al. 2022), which saves its s x s scores when attention is written out, and the "
+        "Gated DeltaNet / Mamba-2 mixers' cores (conv and chunked scan)",
     )
     g.add_argument(
         "--loss-chunks",
