@@ -19,8 +19,7 @@ from torch import nn
 from megakit.core.linear_attention_config import LinearAttentionConfig
 from megakit.nn import comm as C
 from megakit.nn.linear_attention.context_parallel import to_own_tokens, to_whole_sequence
-from megakit.nn.linear_attention.conv import causal_conv1d
-from megakit.nn.linear_attention.delta_rule import chunk_gated_delta_rule
+from megakit.nn.linear_attention.kernels import conv_silu, gated_delta_rule
 from megakit.nn.tensor_parallel.collectives import copy_to_tp
 from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, mark
 from megakit.nn.tensor_parallel.overlapped_linear import column_parallel
@@ -74,6 +73,7 @@ class GatedDeltaNet(nn.Module):
         config.check_parallel(tp=tp, cp=cp)
         self.group, self.sequence_parallel, self.cp_group, self.eps = group, sequence_parallel, cp_group, eps
         self.selective = selective  # in training, keep the core's inputs only and recompute it in backward
+        self.linear_kernels = "auto"  # fla's and causal-conv1d's kernels on CUDA where installed (kernels.py)
         self.cp, self.cp_rank, self.chunk = cp, C.rank(cp_group), config.chunk
         self.key_heads, self.value_heads = config.key_heads // tp, config.value_heads // tp
         self.dk, self.dv = config.key_head_dim, config.value_head_dim
@@ -105,12 +105,12 @@ class GatedDeltaNet(nn.Module):
         What ``selective`` recomputes (Megatron-Core's selective recompute of a core, Korthikanti et al. 2022)."""
         nk, nv, bsz = self.key_heads, self.value_heads, q.shape[1]
         weight = torch.cat([self._mine(w, n) for w, n in ((self.conv_q, nk), (self.conv_k, nk), (self.conv_v, nv))])
-        qkv = F.silu(causal_conv1d(torch.cat([q, k, v], dim=-1), weight, documents=documents))
+        qkv = conv_silu(torch.cat([q, k, v], dim=-1), weight, documents=documents, choice=self.linear_kernels)
         q, k, v = qkv.split([q.shape[-1], k.shape[-1], v.shape[-1]], dim=-1)
         seq = q.shape[0]
         beta = b.sigmoid()
         g = -self._mine(self.A_log, nv).float().exp() * F.softplus(a.float() + self._mine(self.dt_bias, nv))
-        return chunk_gated_delta_rule(
+        return gated_delta_rule(
             q.view(seq, bsz, -1, self.dk),
             k.view(seq, bsz, -1, self.dk),
             v.view(seq, bsz, -1, self.dv),
@@ -118,6 +118,7 @@ class GatedDeltaNet(nn.Module):
             beta,
             chunk=self.chunk,
             documents=documents,
+            choice=self.linear_kernels,
         )
 
     def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
