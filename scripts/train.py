@@ -417,6 +417,14 @@ def _speed_flags(p: argparse.ArgumentParser) -> None:
         "newer (K/V heads expanded for GQA), torch's own choice elsewhere. --profile names the kernel "
         "that ran",
     )
+    g.add_argument(
+        "--linear-attention-kernels",
+        default="auto",
+        choices=["auto", "torch"],
+        help="the Gated DeltaNet / Mamba-2 mixers' kernels (default: %(default)s): auto runs flash-linear-attention, "
+        "causal-conv1d and mamba-ssm on a GPU where installed (pip install 'megakit[kernels]'), the torch chunked "
+        "forms elsewhere; torch pins the torch forms",
+    )
 
 
 def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
@@ -638,6 +646,7 @@ def config(args: argparse.Namespace):
         moe_force_balance=args.moe_force_balance,
         compile=args.compile,
         attention_kernel=args.attention_kernel,
+        linear_attention_kernels=args.linear_attention_kernels,
         spike_guard=args.spike_guard,
         async_save=args.async_save,
         reset_attention_mask=args.reset_attention_mask,

@@ -44,8 +44,16 @@ def test_the_torch_forms_run_on_the_cpu_and_without_the_packages():
     model = Transformer(ModelConfig.load("nemotron-h-tiny"))
     kernels.use_linear_kernels(model, "torch")
     assert {m.linear_kernels for m in model.modules() if hasattr(m, "linear_kernels")} == {"torch"}
-    with pytest.raises(UsageError, match="--linear-attention-kernels fla is not one of auto, torch"):
-        kernels.use_linear_kernels(model, "fla")
+    for bad in (lambda: kernels.use_linear_kernels(model, "fla"), lambda: _train_config("fla")):
+        with pytest.raises(UsageError, match="--linear-attention-kernels fla is not one of auto, torch"):
+            bad()
+    assert _train_config().linear_attention_kernels == "auto"
+
+
+def _train_config(kernels: str = "auto"):
+    from megakit.train.run import TrainConfig
+
+    return TrainConfig(ds_config="zero1.json", model="nemotron-h-tiny", data="d", linear_attention_kernels=kernels)
 
 
 def test_cu_seqlens_and_seq_idx_from_document_numbers():
