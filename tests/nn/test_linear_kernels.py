@@ -56,6 +56,11 @@ def _train_config(kernels: str = "auto"):
     return TrainConfig(ds_config="zero1.json", model="nemotron-h-tiny", data="d", linear_attention_kernels=kernels)
 
 
+def test_causal_conv1d_takes_what_its_checks_accept():
+    assert kernels.conv_kernel_fits(1024, 4) and kernels.conv_kernel_fits(16, 2)
+    assert not kernels.conv_kernel_fits(1024, 5) and not kernels.conv_kernel_fits(12, 4)
+
+
 def test_cu_seqlens_and_seq_idx_from_document_numbers():
     assert kernels.cu_seqlens(DOCUMENTS).tolist() == [0, 9, 39, 50, 100]
     index = kernels.seq_idx(DOCUMENTS)

@@ -7,11 +7,12 @@ flash-linear-attention's ``chunk_gated_delta_rule``, causal-conv1d's ``causal_co
 each falls back to the torch form by itself where its package does not import or the tensors are on the CPU
 (Triton and CUDA kernels). Packed documents: fla takes them as the ``cu_seqlens`` of one flattened row of ``B x S``
 tokens, causal-conv1d and mamba-ssm as a ``seq_idx`` per token (``cu_seqlens`` and ``seq_idx`` build both from
-megakit's document numbers); causal-conv1d takes kernels of 2 to 4 taps only, longer ones run the torch conv.
+megakit's document numbers); causal-conv1d takes 2 to 4 taps over channels in multiples of 8, other convs run the
+torch form.
 
-The kernels have been checked against the torch forms only where a GPU was lent: ``scripts/bench_gpu.py``'s
-linear-attention rows run each mixer forward and backward both ways on the same inputs, documents included, and
-print the largest difference and the times; ``--linear-attention-kernels torch`` pins the torch forms.
+No GPU has run the kernels here yet: they are unchecked until one does. ``scripts/bench_gpu.py``'s linear-attention
+rows run each mixer forward and backward both ways on the same inputs, documents included, and print the largest
+difference and the times; ``--linear-attention-kernels torch`` pins the torch forms.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def fla_gated_delta_rule(fn: Callable, q, k, v, g, beta, *, documents: torch.Ten
     """megakit's ``chunk_gated_delta_rule`` through fla's: the same ``(S, B, ...)`` tensors in (q and k not yet
     l2-normed: ``use_qk_l2norm_in_kernel``; ``g`` the log-decay; ``beta`` after its sigmoid; each key head serves
     ``n_v / n_k`` consecutive value heads, fla's GVA), ``(S, B, n_v, d_v)`` out in ``v``'s dtype. Documents: one
-    flattened row with ``cu_seqlens``."""
+    flattened row with ``cu_seqlens``. fla chunks by its own 64 tokens, not the config's ``chunk``: the result is the
+    same but for rounding."""
     s, b = v.shape[:2]
     q, k, v, g, beta = (t.transpose(0, 1) for t in (q, k, v, g, beta))  # (B, S, n, ...)
     cu = None
@@ -119,11 +121,17 @@ def conv_silu(
     choice: str = "auto",
 ) -> torch.Tensor:
     """``silu(causal_conv1d(x))`` of ``x`` ``(S, B, C)`` by ``weight`` ``(C, K)``, or causal-conv1d's fused conv and
-    SiLU (channels last, which its ``seq_idx`` needs) where ``choice`` runs it and ``K`` is 2 to 4."""
+    SiLU (channels last, which its ``seq_idx`` needs) where ``choice`` runs it and it fits (``conv_kernel_fits``)."""
     fn = kernel("causal-conv1d", choice, x)
-    if fn is None or not 2 <= weight.shape[1] <= 4:
+    if fn is None or not conv_kernel_fits(*weight.shape):
         return F.silu(causal_conv1d(x, weight, bias, documents=documents))
     return conv_kernel_silu(fn, x, weight, bias, documents=documents)
+
+
+def conv_kernel_fits(channels: int, taps: int) -> bool:
+    """Whether causal-conv1d takes a conv of ``channels`` and ``taps``: 2 to 4 taps, and (channels last, which its
+    ``seq_idx`` needs) channels, hence the strides, a multiple of 8 (its ``causal_conv1d_fwd`` checks)."""
+    return 2 <= taps <= 4 and channels % 8 == 0
 
 
 def conv_kernel_silu(fn: Callable, x, weight, bias, *, documents: torch.Tensor | None) -> torch.Tensor:
@@ -141,4 +149,5 @@ def mamba_chunk_scan(
     ``(b, s, h)`` before its bias, softplus and clamp (done in the kernel, as transformers' nemotron_h passes them),
     ``A`` ``(h,)`` fp32, ``B``/``C`` ``(b, s, g, n)``, ``D`` ``(h,)``; ``(b, s, h, p)`` out."""
     index = None if documents is None else seq_idx(documents)
+    x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
     return fn(x, dt, A, B, C, chunk, D=D, z=None, dt_bias=dt_bias, dt_softplus=True, dt_limit=dt_limit, seq_idx=index)
