@@ -62,9 +62,12 @@ def kernel(package: str, choice: str, tensor: torch.Tensor) -> Callable | None:
 
 def use_linear_kernels(model: torch.nn.Module, choice: str) -> None:
     """Run every linear-attention mixer of ``model`` (Gated DeltaNet, Mamba-2) with ``choice`` (``KERNELS``)."""
+    from megakit.nn.linear_attention.gated_deltanet import GatedDeltaNet  # noqa: PLC0415 (they import this module)
+    from megakit.nn.linear_attention.mamba2 import Mamba2  # noqa: PLC0415
+
     check_kernels(choice)
     for module in model.modules():
-        if hasattr(module, "linear_kernels"):
+        if isinstance(module, GatedDeltaNet | Mamba2):
             module.linear_kernels = choice
 
 
