@@ -14,7 +14,8 @@ lever (``LEVERS``), then A again as the noise floor: 3 warm-up steps (the first 
 timed steps, median step time, tok/s, MFU (megakit's formula, printed), peak memory, final loss, and
 ``megakit plan``'s prediction for the same settings beside it; the CP ring's block loop at 8k and 16k local
 tokens, fused against explicit (``ring_kernels``); one MoE layer per family, experts looped, grouped and compiled
-(``moe_rows``); an fp8 parity row (30 steps bf16 vs fp8 from
+(``moe_rows``); each linear-attention mixer with its CUDA kernels against its torch forms (``linear_kernel_rows``);
+an fp8 parity row (30 steps bf16 vs fp8 from
 one init and data, against the spread of two bf16 seeds). JSON goes to ``--out``; the table is printed last.
 Step times are the trainer's own: host time between ``torch.cuda.synchronize()`` at the step's start and
 end, which is what CUDA events around a whole step measure; the attention micro-benchmark and the
@@ -38,6 +39,10 @@ then on the H200, from the repository root (carry ``.whl``):
     python scripts/bench_gpu.py --out bench-out
 
 (DS_BUILD_OPS=0: no CUDA op is built; megakit uses torch's fused AdamW through ``torch_adam``.)
+The linear-attention rows want the ``kernels`` extra: ``pip download --no-deps -d .whl flash-linear-attention
+fla-core causal-conv1d mamba-ssm einops`` (fla's are pure Python over Triton; causal-conv1d's and mamba-ssm's sdists
+compile CUDA code on the GPU box: ``pip install --no-index --no-build-isolation --find-links .whl ...``, minutes);
+without them those rows say "not installed".
 """
 
 from __future__ import annotations
@@ -507,6 +512,75 @@ def moe_rows(*, cuda: bool) -> list[dict]:
     return moe_block_rows(hidden=64, ffn=32, experts=4, top_k=2, tokens=128, backend="aot_eager", repeat=2)
 
 
+def linear_kernel_rows(*, cuda: bool) -> list[dict]:
+    """Each linear-attention mixer (Gated DeltaNet, Mamba-2; ``scripts/bench_linear_attention.py``'s shapes) forward
+    + backward with the CUDA kernels (``--linear-attention-kernels auto``: flash-linear-attention, causal-conv1d,
+    mamba-ssm) and with megakit's torch forms, on the same weights and inputs, three packed documents per row: both
+    times, the output's and the input gradient's largest gap. Width 2048 at 2 x 8192 tokens in bf16 on the GPU;
+    there a mixer whose packages do not import gets a "not installed" row. The dry run (CPU, tiny, fp32) runs the
+    torch forms both ways: the kernels need CUDA."""
+    import torch
+    from bench_linear_attention import _build
+
+    from megakit.nn.linear_attention import kernels
+
+    device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    hidden, seq, batch = (2048, 8192, 2) if cuda else (64, 256, 2)
+    position = torch.arange(seq, device=device)
+    documents = ((position >= seq // 5).long() + (position >= seq // 2).long()).expand(batch, seq)  # (B, S)
+    rows = []
+    for kind, packages in (
+        ("gdn", ("flash-linear-attention", "causal-conv1d")),
+        ("mamba2", ("causal-conv1d", "mamba-ssm")),
+    ):
+        missing = [p for p in packages if kernels.imported(p) is None]
+        if cuda and missing:
+            rows.append(
+                dict(mixer=kind, skipped=f"{', '.join(missing)} not installed (pip install 'megakit[kernels]')")
+            )
+            continue
+        mixer = _build(kind, hidden, seq, dtype, device)
+        gen = torch.Generator().manual_seed(7)
+        x = torch.randn(seq, batch, hidden, generator=gen).to(device, dtype).requires_grad_()
+        grad = torch.randn(seq, batch, hidden, generator=gen).to(device, dtype)
+        row, got = dict(mixer=kind, tokens=seq * batch, documents=3), {}
+        for choice in ("auto", "torch"):
+            kernels.use_linear_kernels(mixer, choice)
+
+            def step():
+                x.grad = None
+                y = mixer(x, documents)
+                y.backward(grad)
+                return y
+
+            try:
+                got[choice] = (step().detach().float(), x.grad.float())
+                row[f"{choice}_ms"] = _cuda_ms(step, 3)
+            except Exception as error:  # a kernel's refusal of any kind is this row's, not the run's end
+                row[f"{choice}_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        if len(got) == 2:
+            row["max_gap_out"] = float((got["auto"][0] - got["torch"][0]).abs().max())
+            row["max_gap_dx"] = float((got["auto"][1] - got["torch"][1]).abs().max())
+            row["scale_out"] = float(got["torch"][0].abs().max())
+        rows.append(row)
+    return rows
+
+
+def describe_linear(row: dict) -> str:
+    """One line of ``linear_kernel_rows``: the skip, or both times and the gaps."""
+    if "skipped" in row:
+        return f"{row['mixer']}: {row['skipped']}: the kernels are unchecked"
+    times = ", ".join(
+        f"{c} {row[f'{c}_ms']:.2f} ms" if f"{c}_ms" in row else f"{c} {row[f'{c}_error']}" for c in ("auto", "torch")
+    )
+    gaps = (
+        f", max gap out {row['max_gap_out']:.2e} (of {row['scale_out']:.2e}), dx {row['max_gap_dx']:.2e}"
+        if "max_gap_out" in row
+        else ""
+    )
+    return f"{row['mixer']} kernels (auto) vs torch forms, fwd+bwd of {row['tokens']} tokens: {times}{gaps}"
+
+
 def describe_moe(row: dict) -> str:
     from bench_moe_block import describe
 
@@ -666,6 +740,10 @@ def main(argv: list[str] | None = None) -> int:
     results["moe"] = moe_rows(cuda=cuda)
     for row in results["moe"]:
         print(f"  moe {describe_moe(row)}", flush=True)
+    save(results)
+    results["linear_attention"] = linear_kernel_rows(cuda=cuda)
+    for row in results["linear_attention"]:
+        print(f"  linear attention {describe_linear(row)}", flush=True)
     save(results)
     results["fp8_parity"] = parity(next(iter(shapes.values())), cuda=cuda, steps=parity_steps)
     print("fp8 parity:", json.dumps(results["fp8_parity"]), flush=True)

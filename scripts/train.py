@@ -384,7 +384,8 @@ def _speed_flags(p: argparse.ArgumentParser) -> None:
         default="none",
         help="full: keep only each block's input and recompute the block in backward (~1/3 more "
         "compute, far less activation memory); selective: recompute only the attention core "
-        "(Korthikanti et al. 2022), which saves its s x s scores when attention is written out",
+        "(Korthikanti et al. 2022), which saves its s x s scores when attention is written out, and the "
+        "Gated DeltaNet / Mamba-2 mixers' cores (conv and chunked scan)",
     )
     g.add_argument(
         "--loss-chunks",
@@ -416,6 +417,14 @@ def _speed_flags(p: argparse.ArgumentParser) -> None:
         help="pin the SDPA backend (flash, cudnn, efficient need CUDA); auto: cuDNN first on Hopper and "
         "newer (K/V heads expanded for GQA), torch's own choice elsewhere. --profile names the kernel "
         "that ran",
+    )
+    g.add_argument(
+        "--linear-attention-kernels",
+        default="auto",
+        choices=["auto", "torch"],
+        help="the Gated DeltaNet / Mamba-2 mixers' kernels (default: %(default)s): auto runs flash-linear-attention, "
+        "causal-conv1d and mamba-ssm on a GPU where installed (pip install 'megakit[kernels]'), the torch chunked "
+        "forms elsewhere; torch pins the torch forms",
     )
 
 
@@ -638,6 +647,7 @@ def config(args: argparse.Namespace):
         moe_force_balance=args.moe_force_balance,
         compile=args.compile,
         attention_kernel=args.attention_kernel,
+        linear_attention_kernels=args.linear_attention_kernels,
         spike_guard=args.spike_guard,
         async_save=args.async_save,
         reset_attention_mask=args.reset_attention_mask,

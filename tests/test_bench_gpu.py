@@ -59,6 +59,8 @@ def test_bench_gpu_dry_run_measures_every_variant_and_prints_the_table_last(tmp_
         assert min(row["loop_ms"], row["grouped_ms"], row["compiled_ms"]) > 0
         assert (row["graphs"], row["breaks"]) == (1, 0)
         assert row["max_gap"] <= fp32_bound(1.0, row["tokens"]), row
+    linear = {row["mixer"]: row for row in results["linear_attention"]}  # CPU: the torch forms both ways, exactly
+    assert list(linear) == ["gdn", "mamba2"] and all(r["max_gap_out"] == r["max_gap_dx"] == 0 for r in linear.values())
     parity = results["fp8_parity"]
     assert parity["fp8_gap"] < parity["bf16_spread"] and not parity["nan"], parity
     table = out.stdout.rstrip().splitlines()

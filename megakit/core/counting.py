@@ -159,8 +159,36 @@ def _block_params(config: ModelConfig, tp: int = 1, *, moe: bool | None = None, 
 
 
 def layer_params(config: ModelConfig, layer: int | None = None) -> int:
-    """Parameters of one transformer block (``layer``: that one, dense or MoE; default: a typical one)."""
-    return config.block_params(1, moe=None if layer is None else config.is_moe_layer(layer)).total
+    """Parameters of one transformer block (``layer``: that one, its own kind; default: a typical one)."""
+    if layer is None:
+        return config.block_params(1).total
+    return own_block_params(config, layer).total
+
+
+def own_block_params(config: ModelConfig, layer: int, tp: int = 1) -> BlockParams:
+    """Block ``layer``'s own parameters on one TP rank: in a hybrid its own mixer (Gated DeltaNet or attention; in
+    Nemotron-H its one part) with its own MLP kind, where ``block_params`` gives the mean of a kind's blocks."""
+    part = config.block_part(layer)
+    if part is not None:
+        return BlockParams(*nemotron_h.part_params(config, part, tp))
+    linear = config.linear is not None and config.linear.is_linear(layer)
+    return _block_params(config, tp, moe=config.is_moe_layer(layer), linear=linear)
+
+
+def own_block_flops(config: ModelConfig, layer: int, seq_len: int, tp: int = 1) -> float:
+    """Block ``layer``'s forward FLOPs per token in the weight-matrices convention (``block_flops``' "matmul"), from
+    its own parameters and its own core: attention's scores and values, the chunked delta rule, or the SSD scan."""
+    attention = 4 * seq_len * (config.heads // tp * config.head_dim)
+    if config.layer_pattern:
+        part = config.block_part(layer)
+        core = attention if part == "attention" else 0.0
+        if part == "mamba" and config.mamba is not None:
+            core = config.mamba.scan_flops_per_token() / tp
+    elif config.linear is not None and config.linear.is_linear(layer):
+        core = config.linear.core_flops_per_token(tp)
+    else:
+        core = attention
+    return 2 * own_block_params(config, layer, tp).flop_weights("matmul") + core
 
 
 def _blocks(config: ModelConfig) -> list[tuple[int, bool]]:

@@ -89,13 +89,25 @@ class LinearAttentionConfig:
 
     def activation_elements_per_token(self, tp: int = 1) -> float:
         """Elements per token one mixer keeps for backward on one TP rank (any CP: the all-to-all trades tokens for
-        heads), linear in the sequence: the projections' outputs (q, k, v, z, b, a), the conv's output after SiLU,
-        the l2-normed q and k, the chunk's ``C x C`` decay, UT and score matrices per value head, the solved new
-        values and decayed keys, the output before and after the gated norm."""
+        heads), linear in the sequence: what ``kept_elements_per_token`` and ``core_elements_per_token`` count."""
+        return self.kept_elements_per_token(tp) + self.core_elements_per_token(tp)
+
+    def kept_elements_per_token(self, tp: int = 1) -> float:
+        """Of ``activation_elements_per_token``, what selective recompute keeps: the projections' outputs (q, k, v,
+        z, b, a: the core's inputs and the gate), the gated norm's input, normalised, weighted and ``silu(z)`` tensors
+        (and its rstd per value head), and the out projection's input."""
         nk, nv = self.key_heads * self.key_head_dim, self.value_heads * self.value_head_dim
         projections = 2 * nk + 2 * nv + 2 * self.value_heads
-        per_head = 3 * self.chunk + 2 * self.key_head_dim + 2 * self.value_head_dim  # decay, UT, scores; l2; solves
-        return (projections + self.conv_channels() + 2 * nv + self.value_heads * per_head) / tp
+        return (projections + 5 * nv + self.value_heads) / tp
+
+    def core_elements_per_token(self, tp: int = 1) -> float:
+        """Of ``activation_elements_per_token``, what the torch core keeps (selective recompute drops it), fp32 as it
+        runs, as measured of ``delta_rule`` (``tests/nn/test_mixer_recompute.py``): the conv's output (SiLU's input)
+        and the gates' three per value head; then per value head ``5 C`` (the chunk's decay, UT, scores and their
+        masks), ``8 d_k`` (q and k repeated to the value heads, in fp32, l2-normed, scaled, decayed, their solves),
+        ``3 d_v`` (v times beta, the new values, the output) and 9 scalars (beta, the decays' cumulative sums)."""
+        c, dk, dv = self.chunk, self.key_head_dim, self.value_head_dim
+        return (self.conv_channels() + self.value_heads * (5 * c + 8 * dk + 3 * dv + 9)) / tp
 
     def cp_all_to_all_elements_per_token(self, tp: int = 1) -> float:
         """Elements per token one rank sends through the CP all-to-alls of one mixer's forward (the same again in

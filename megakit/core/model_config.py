@@ -365,6 +365,14 @@ class ModelConfig:
         """``megakit.core.counting.layer_params``."""
         return counting.layer_params(self, layer)
 
+    def own_block_params(self, layer: int, tp: int = 1) -> BlockParams:
+        """``megakit.core.counting.own_block_params``."""
+        return counting.own_block_params(self, layer, tp)
+
+    def own_block_flops(self, layer: int, seq_len: int, tp: int = 1) -> float:
+        """``megakit.core.counting.own_block_flops``."""
+        return counting.own_block_flops(self, layer, seq_len, tp)
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block ``layer`` has routed experts."""
         return self.moe is not None and self.moe.is_moe_layer(layer)

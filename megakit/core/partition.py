@@ -52,7 +52,19 @@ def layer_costs(
         embedding = 0.0
         head = config.head_flops()
     head += sum(_mtp_cost(config, method, k, seq_len) for k in range(1, mtp + 1))
+    if config.linear is not None or config.layer_pattern:  # a hybrid: each block weighs as its own mixer and MLP
+        return _hybrid_costs(config, method, cost, kinds, seq_len), float(embedding), float(head)
     return [float(cost[k]) for k in kinds], float(embedding), float(head)
+
+
+def _hybrid_costs(config, method: str, cost: dict, kinds: list[bool], seq_len: int | None) -> list[float]:
+    """A hybrid's blocks (Qwen3-Next's Gated DeltaNet and attention, Nemotron-H's Mamba-2, attention and MLP) each at
+    its own cost, not its kind's mean: by FLOPs its own; by parameters its own, scaled as its kind is
+    (``_dense_block_weight``: by one where the blocks are all dense or all MoE), so the kind's total stays."""
+    if method == "flops":
+        return [config.own_block_flops(i, seq_len or config.max_seq_len) for i in range(config.layers)]
+    own = [config.own_block_params(i).total for i in range(config.layers)]
+    return [cost[k] / config.block_params(moe=k).total * own[i] for i, k in enumerate(kinds)]
 
 
 def _dense_block_weight(config, moe_block: float) -> float:

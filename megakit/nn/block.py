@@ -119,7 +119,9 @@ class Block(nn.Module):
         self.attn_norm = Norm(config, **kw)
         self.linear = bool(config.linear and config.linear.is_linear(index))  # Gated DeltaNet in place of attention
         if self.linear:
-            self.attn = GatedDeltaNet(config.linear, config.hidden, eps=config.norm_eps, cp_group=cp_group, **kw)
+            self.attn = GatedDeltaNet(
+                config.linear, config.hidden, eps=config.norm_eps, cp_group=cp_group, selective=selective, **kw
+            )
         else:
             attention = LatentAttention if config.mla else Attention  # DeepSeek-V3's MLA, or q/k/v heads
             self.attn = attention(
@@ -143,7 +145,9 @@ class Block(nn.Module):
         attention, an MLP or the experts (Nemotron-3's 'E')."""
         self.norm = Norm(config, **kw)
         if part == "mamba":
-            self.mixer = Mamba2(config.mamba, config.hidden, eps=config.norm_eps, cp_group=cp_group, **kw)
+            self.mixer = Mamba2(
+                config.mamba, config.hidden, eps=config.norm_eps, cp_group=cp_group, selective=selective, **kw
+            )
         elif part == "attention":
             self.mixer = Attention(
                 config, site=f"{site}.attn_probs", selective=selective, cp_group=cp_group, index=index, **kw

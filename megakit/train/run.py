@@ -27,6 +27,7 @@ from megakit.interop.checkpoint_format import read_manifest, state_keys
 from megakit.nn.attention.core import CP_MODES
 from megakit.nn.attention.kernels import KernelChoice, device_kernel
 from megakit.nn.compile import default_compile
+from megakit.nn.linear_attention.kernels import check_kernels
 from megakit.nn.model import trained_mtp_depth
 from megakit.nn.tensor_parallel.fp8 import check_fp8
 from megakit.train.data.batches import DEFAULT_MAX_BYTES, BatchPlan
@@ -109,6 +110,7 @@ class TrainConfig:
     compile: bool | None = None  # torch.compile each block (megakit.nn.compile); None: on with CUDA, off on CPU
     compile_backend: str = "inductor"  # torch.compile's backend; the CPU tests use "aot_eager" (no C++ build)
     attention_kernel: str = "auto"  # SDPA backend: auto | flash | cudnn | efficient | math (nn.attention.kernels)
+    linear_attention_kernels: str = "auto"  # auto: fla / causal-conv1d / mamba-ssm on CUDA where installed; torch
     spike_guard: float | None = None  # Z: a loss Z recent standard deviations above the recent mean rolls back (spikes)
     async_save: bool = False  # checkpoints written in a background thread; the step waits for the host copy only
     save_on_signal: bool = True  # with save: SIGTERM/SIGUSR1 (or the launcher gone) save after the step, then stop
@@ -141,6 +143,7 @@ class TrainConfig:
                 f"--recompute {self.recompute} is not one of {', '.join(RECOMPUTE)}; megakit recomputes "
                 "whole blocks (full), the attention core (selective) or nothing (none)"
             )
+        check_kernels(self.linear_attention_kernels)
         if self.save_every < 0 or (self.save_every and not self.save):
             raise UsageError(f"--save-every {self.save_every} needs --save DIR and a count of at least 1")
         if self.keep < 0 or (self.keep and not self.save_every):

@@ -54,6 +54,7 @@ from megakit.nn import comm
 from megakit.nn.attention.core import use_cp_mode
 from megakit.nn.attention.kernels import use_kernel
 from megakit.nn.compile import compile_blocks
+from megakit.nn.linear_attention.kernels import use_linear_kernels
 from megakit.train.data.batches import TokenBatches
 from megakit.train.data.token_weighting import weight_by_tokens
 from megakit.train.doctor.diagnostics import Diagnostics
@@ -285,6 +286,7 @@ def _build(run: Run, topo, doctor=None):
     for chunk in chunks:  # before DeepSpeed: its hooks sit on the parameters, outside the compiled blocks
         convert_to_fp8(chunk, cfg.fp8)  # the weights stay the module's own: checkpoints see plain parameters
         use_kernel(chunk, run.attention)
+        use_linear_kernels(chunk, cfg.linear_attention_kernels)
         use_cp_mode(chunk, cfg.cp_mode, topo)
         if run.compile:
             compile_blocks(chunk, backend=cfg.compile_backend)

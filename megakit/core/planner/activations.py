@@ -184,9 +184,8 @@ def _hybrid(out: list[SavedTensor], model: ModelSpec, *, tp: int, bytes_per_elem
     ]
     states = share * linear.state_elements() / (tp * linear.chunk)  # one d_k x d_v state per head and chunk
     return kept + [
-        SavedTensor(
-            "linear attention mixer", share * linear.activation_elements_per_token(tp), 0, bytes_per_element, "tp"
-        ),
+        SavedTensor("linear attention mixer", share * linear.kept_elements_per_token(tp), 0, bytes_per_element, "tp"),
+        SavedTensor("linear attention core", share * linear.core_elements_per_token(tp), 0, bytes_per_element, "tp"),
         SavedTensor("linear attention states", states, 0, 4, "tp"),
     ]
 
@@ -204,6 +203,16 @@ def _mean_block(
         p = PRECISIONS[precision]
         shared += _mlp_tensors(model, f=moe.shared_ffn, tp=tp, p=p, moe=True, fused_swiglu=fused_swiglu)
     return mamba.mean_tensors(block, model, tp=tp, sequence_parallel=sp, precision=precision, experts=shared)
+# What megakit's selective recompute frees of a hybrid's mixers (``nn.linear_attention``: the Gated DeltaNet and
+# Mamba-2 cores run under a checkpoint, their inputs kept): the chunked scans' intermediates and the conv's output.
+MIXER_CORES = (
+    "linear attention core",
+    "linear attention states",
+    "conv output",
+    "scan x, B, C (fp32)",
+    "scan decays and scores (fp32)",
+    "scan chunk states (fp32)",
+)
 
 
 def _mlp_tensors(model: ModelSpec, *, f: int, tp: int, p: int, moe: bool, fused_swiglu: bool) -> list[SavedTensor]:

@@ -263,8 +263,8 @@ def block_time(model: ModelSpec, gpu: GPU, plan: Plan, *, seq_len: int, peak: fl
     if plan.recompute == "full":
         backward += plan.recompute_fraction * forward
         cpu *= 1 + plan.recompute_fraction / 3
-    elif plan.recompute == "selective":  # the attention core (Korthikanti et al. 2022)
-        backward += attn_f
+    elif plan.recompute == "selective":  # the attention core (Korthikanti et al. 2022), and the Mamba-2 scans
+        backward += attn_f + scan_f
     elif plan.recompute == "per-op":  # every other matmul (k, o, the MLP's second) and the elementwise ops
         backward += sum(per_gemm[1::2][:3]) + ew_f
         cpu *= 4 / 3

@@ -74,7 +74,7 @@ def tensors(model, *, tp: int, sequence_parallel: bool, precision: str) -> list:
         t("conv input", conv),
         t("conv output", conv),
         t("dt", 2 * heads),
-        t("scan x, B, C (fp32)", inner + 2 * heads * m.state, 4),
+        t("scan x, B, C (fp32)", inner + heads * (5 * m.state + 4), 4),  # B, C per head and chunked; dt's sums
         t("scan decays and scores (fp32)", 3 * heads * m.chunk, 4),
         t("scan chunk states (fp32)", 2 * heads * m.head_dim * m.state / m.chunk, 4),
         t("scan output (fp32)", 2 * inner, 4),

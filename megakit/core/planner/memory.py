@@ -62,6 +62,7 @@ from typing import Any
 from megakit.core.lora import LoraSpec
 from megakit.core.planner import lora_cost
 from megakit.core.planner.activations import (  # noqa: F401 (memory's API: what one block keeps)
+    MIXER_CORES,
     PER_OP_KEPT,
     PRECISIONS,
     ROUTING_GROUPS,
@@ -600,7 +601,8 @@ class _Stage:
         its inputs q, k, v (K and V unrepeated under GQA) and o_proj's input, as flash attention keeps them."""
         if self.recompute == "selective":
             flash = self.flash_attention or "core_attn" in (self.recompute_modules or ("core_attn",))
-            return self.megatron_kept(self.block_tensors(is_moe, flash), is_moe)
+            kept = self.megatron_kept(self.block_tensors(is_moe, flash), is_moe)
+            return kept if self.megatron else [x for x in kept if x.name not in MIXER_CORES]  # megakit's mixers too
         if self.recompute == "per-op":
             return [x for x in self.block_tensors(is_moe) if x.name in PER_OP_KEPT]
         return self.block_tensors(is_moe)

@@ -547,10 +547,11 @@ class _Context:
         # Virtual stages need not divide the layers: the split (partition_layers) gives some chunks fewer.
         vpps = [pins.vpp] if pins.vpp is not None else [v for v in (1, 2, 3, 4) if v == 1 or pp > 1]
         vpps = [1] if pins.schedule is not None or zero == 3 else vpps  # a pinned schedule, ZeRO 3: one chunk
+        mixers = m.config.linear is not None or bool(m.config.layer_pattern)  # selective recomputes their cores
         recomputes = (
             [pins.recompute]
             if pins.recompute
-            else [r for r in RECOMPUTE_ORDER if not (r == "selective" and self.flash)]
+            else [r for r in RECOMPUTE_ORDER if not (r == "selective" and self.flash and not mixers)]
         )
         sps = [pins.sequence_parallel] if pins.sequence_parallel is not None else ([True, False] if tp > 1 else [False])
         mbs = [pins.micro_batch] if pins.micro_batch else [b for b in divisors(per_rank) if b <= 64]

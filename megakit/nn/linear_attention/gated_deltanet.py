@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from megakit.core.linear_attention_config import LinearAttentionConfig
 from megakit.nn import comm as C
 from megakit.nn.linear_attention.context_parallel import to_own_tokens, to_whole_sequence
-from megakit.nn.linear_attention.conv import causal_conv1d
-from megakit.nn.linear_attention.delta_rule import chunk_gated_delta_rule
+from megakit.nn.linear_attention.kernels import conv_silu, gated_delta_rule
 from megakit.nn.tensor_parallel.collectives import copy_to_tp
 from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, mark
 from megakit.nn.tensor_parallel.overlapped_linear import column_parallel
@@ -66,11 +66,14 @@ class GatedDeltaNet(nn.Module):
         dtype,
         device,
         cp_group=None,
+        selective: bool = False,
     ) -> None:
         super().__init__()
         tp, cp = C.size(group), C.size(cp_group)
         config.check_parallel(tp=tp, cp=cp)
         self.group, self.sequence_parallel, self.cp_group, self.eps = group, sequence_parallel, cp_group, eps
+        self.selective = selective  # in training, keep the core's inputs only and recompute it in backward
+        self.linear_kernels = "auto"  # fla's and causal-conv1d's kernels on CUDA where installed (kernels.py)
         self.cp, self.cp_rank, self.chunk = cp, C.rank(cp_group), config.chunk
         self.key_heads, self.value_heads = config.key_heads // tp, config.value_heads // tp
         self.dk, self.dv = config.key_head_dim, config.value_head_dim
@@ -96,25 +99,18 @@ class GatedDeltaNet(nn.Module):
         """The rows of a per-head parameter ``t`` (``heads`` of this TP rank) that this CP rank's head group uses."""
         return t.view(heads, -1)[self.cp_rank * heads // self.cp :][: heads // self.cp].reshape(-1, *t.shape[1:])
 
-    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
-        """``(S', B, H)`` in and out; ``documents`` ``(B, S)`` the whole sequence's (see the class)."""
-        projections = (self.in_q, self.in_k, self.in_v, self.in_z, self.in_b, self.in_a)
-        q, k, v, z, b, a = column_parallel(x, projections, self.group, self.sequence_parallel)  # (S, B, heads/tp ...)
-        s, bsz = q.shape[:2]
-        cp, nk, nv = self.cp, self.key_heads, self.value_heads
-        mixed = [q, k, v, b, a]
-        if cp > 1:  # one all-to-all: this rank's tokens of every head -> the whole sequence of head group cp_rank
-            widths = [t.shape[-1] // cp for t in mixed]
-            packed = torch.cat([t.view(s, bsz, cp, -1) for t in mixed], dim=-1)  # (S/cp, B, cp, sum widths)
-            mixed = list(to_whole_sequence(packed, self.cp_group).squeeze(2).split(widths, dim=-1))
-        q, k, v, b, a = mixed  # (S, B, heads/(tp cp) x d)
+    def _core(self, q, k, v, b, a, documents: torch.Tensor | None) -> torch.Tensor:
+        """The mixer's core on the whole sequence of this rank's head group: the conv and SiLU, the gates, the chunked
+        delta rule; ``(S, B, heads x d)`` in (q, k, v; b and a per value head), ``(S, B, n_v/(tp cp), d_v)`` out.
+        What ``selective`` recomputes (Megatron-Core's selective recompute of a core, Korthikanti et al. 2022)."""
+        nk, nv, bsz = self.key_heads, self.value_heads, q.shape[1]
         weight = torch.cat([self._mine(w, n) for w, n in ((self.conv_q, nk), (self.conv_k, nk), (self.conv_v, nv))])
-        qkv = F.silu(causal_conv1d(torch.cat([q, k, v], dim=-1), weight, documents=documents))
+        qkv = conv_silu(torch.cat([q, k, v], dim=-1), weight, documents=documents, choice=self.linear_kernels)
         q, k, v = qkv.split([q.shape[-1], k.shape[-1], v.shape[-1]], dim=-1)
         seq = q.shape[0]
         beta = b.sigmoid()
         g = -self._mine(self.A_log, nv).float().exp() * F.softplus(a.float() + self._mine(self.dt_bias, nv))
-        o = chunk_gated_delta_rule(
+        return gated_delta_rule(
             q.view(seq, bsz, -1, self.dk),
             k.view(seq, bsz, -1, self.dk),
             v.view(seq, bsz, -1, self.dv),
@@ -122,7 +118,25 @@ class GatedDeltaNet(nn.Module):
             beta,
             chunk=self.chunk,
             documents=documents,
-        )  # (S, B, n_v/(tp cp), d_v)
+            choice=self.linear_kernels,
+        )
+
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``(S', B, H)`` in and out; ``documents`` ``(B, S)`` the whole sequence's (see the class)."""
+        projections = (self.in_q, self.in_k, self.in_v, self.in_z, self.in_b, self.in_a)
+        q, k, v, z, b, a = column_parallel(x, projections, self.group, self.sequence_parallel)  # (S, B, heads/tp ...)
+        s, bsz = q.shape[:2]
+        cp, nv = self.cp, self.value_heads
+        mixed = [q, k, v, b, a]
+        if cp > 1:  # one all-to-all: this rank's tokens of every head -> the whole sequence of head group cp_rank
+            widths = [t.shape[-1] // cp for t in mixed]
+            packed = torch.cat([t.view(s, bsz, cp, -1) for t in mixed], dim=-1)  # (S/cp, B, cp, sum widths)
+            mixed = list(to_whole_sequence(packed, self.cp_group).squeeze(2).split(widths, dim=-1))
+        q, k, v, b, a = mixed  # (S, B, heads/(tp cp) x d)
+        if self.selective and self.training:  # no collective inside the core: the all-to-alls stay outside
+            o = torch.utils.checkpoint.checkpoint(self._core, q, k, v, b, a, documents, use_reentrant=False)
+        else:
+            o = self._core(q, k, v, b, a, documents)  # (S, B, n_v/(tp cp), d_v)
         if cp > 1:
             o = to_own_tokens(o, self.cp_group)  # (S/cp, B, n_v/tp, d_v)
         o = self.gated_norm(o, z.view(s, bsz, nv, self.dv), self.group)

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from megakit.core.mamba_config import Mamba2Config
 from megakit.nn import comm as C
 from megakit.nn.linear_attention.context_parallel import to_own_tokens, to_whole_sequence
-from megakit.nn.linear_attention.conv import causal_conv1d
+from megakit.nn.linear_attention.kernels import conv_silu, kernel, mamba_chunk_scan
 from megakit.nn.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, mark
 from megakit.nn.tensor_parallel.overlapped_linear import column_parallel
 
@@ -120,10 +121,11 @@ class CausalConv(nn.Module):
         self.weight = mark(nn.Parameter(torch.empty(channels, kernel, dtype=dtype, device=device)), 0)
         self.bias = mark(nn.Parameter(torch.empty(channels, dtype=dtype, device=device)), 0) if bias else None
 
-    def forward(self, x: torch.Tensor, documents, rows: slice) -> torch.Tensor:
-        """``silu(conv(x))`` of ``x`` ``(S, B, c)``, the whole sequence of channels ``rows`` of this rank's."""
+    def forward(self, x: torch.Tensor, documents, rows: slice, choice: str = "auto") -> torch.Tensor:
+        """``silu(conv(x))`` of ``x`` ``(S, B, c)``, the whole sequence of channels ``rows`` of this rank's;
+        ``choice``: ``kernels.KERNELS``."""
         bias = None if self.bias is None else self.bias[rows]
-        return F.silu(causal_conv1d(x, self.weight[rows], bias, documents=documents))
+        return conv_silu(x, self.weight[rows], bias, documents=documents, choice=choice)
 
 
 class Mamba2(nn.Module):
@@ -132,9 +134,21 @@ class Mamba2(nn.Module):
     ``documents`` ``(B, S)``, the whole sequence's on every rank: the state and conv restart at each document."""
 
     def __init__(
-        self, mamba: Mamba2Config, hidden: int, *, eps: float, group, sequence_parallel: bool, dtype, device, cp_group
+        self,
+        mamba: Mamba2Config,
+        hidden: int,
+        *,
+        eps: float,
+        group,
+        sequence_parallel: bool,
+        dtype,
+        device,
+        cp_group,
+        selective: bool = False,
     ) -> None:
         super().__init__()
+        self.selective = selective  # in training, keep the core's inputs only and recompute it in backward
+        self.linear_kernels = "auto"  # causal-conv1d's and mamba-ssm's kernels on CUDA where installed (kernels.py)
         tp = C.size(group)
         self.cp_group, self.cp, self.cp_rank = cp_group, C.size(cp_group), C.rank(cp_group)
         mamba.check_split(tp, self.cp)
@@ -159,6 +173,45 @@ class Mamba2(nn.Module):
             mamba.inner, hidden, bias=mamba.bias, group=group, sequence_parallel=sequence_parallel, **vector
         )
 
+    def _core(self, x, b, c, dt, documents: torch.Tensor | None) -> torch.Tensor:
+        """The mixer's core on the whole sequence of this rank's heads: the conv and SiLU of x, B and C, dt's softplus
+        and clamp, the SSD scan; ``(S, B, n, d)`` in (dt ``(S, B, heads, 1)``), ``(S, B, heads, head_dim)`` out. What
+        ``selective`` recomputes (Megatron-Core's selective recompute of a core, Korthikanti et al. 2022)."""
+        m, batch = self.m, x.shape[1]
+        heads, groups = self.heads // self.cp, self.groups // self.cp  # this rank's share of the whole sequence's
+        own = slice(self.cp_rank * heads, (self.cp_rank + 1) * heads)  # this rank's heads among the TP rank's
+        rows = lambda n, d: slice(self.cp_rank * n * d, (self.cp_rank + 1) * n * d)  # noqa: E731
+        full, choice = x.shape[0], self.linear_kernels
+        x = self.conv_x(x.reshape(full, batch, -1), documents, rows(heads, m.head_dim), choice)
+        b = self.conv_b(b.reshape(full, batch, -1), documents, rows(groups, m.state), choice)
+        c = self.conv_c(c.reshape(full, batch, -1), documents, rows(groups, m.state), choice)
+        seq_first = lambda t, d: t.view(full, batch, -1, d).transpose(0, 1)  # noqa: E731  (B, S, n, d)
+        x, b, c, A = (
+            seq_first(x, m.head_dim),
+            seq_first(b, m.state),
+            seq_first(c, m.state),
+            -self.A_log[own].float().exp(),
+        )
+        scan = kernel("mamba-ssm", choice, x)
+        if scan is not None:  # softplus, bias and clamp of dt in the kernel
+            y = mamba_chunk_scan(
+                scan,
+                x,
+                dt[..., 0].transpose(0, 1),
+                A,
+                b,
+                c,
+                self.D[own],
+                dt_bias=self.dt_bias[own],
+                dt_limit=(m.dt_min, m.dt_max),
+                chunk=m.chunk,
+                documents=documents,
+            )
+            return y.transpose(0, 1)  # (S, B, heads, head_dim)
+        dt = F.softplus(dt[..., 0] + self.dt_bias[own]).clamp(m.dt_min, m.dt_max)  # (S, B, heads)
+        y = ssd_scan(x, dt.transpose(0, 1), A, b, c, self.D[own], chunk=m.chunk, documents=documents)
+        return y.transpose(0, 1)  # (S, B, heads, head_dim)
+
     def forward(self, h: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Forward: the projections' TP all-gather (SP), with CP an all-to-all of heads each way; backward: the
         same in reverse. ``out_proj``'s all-reduce (reduce-scatter with SP)."""
@@ -166,29 +219,14 @@ class Mamba2(nn.Module):
         projections = (self.z_proj, self.x_proj, self.b_proj, self.c_proj, self.dt_proj)
         z, x, b, c, dt = column_parallel(h, projections, self.group, self.sequence_parallel)  # (S/cp, B, ./tp)
         s, batch = x.shape[:2]
-        heads, groups = self.heads // cp, self.groups // cp  # this rank's share of the whole sequence's
         x, b, c = x.view(s, batch, -1, m.head_dim), b.view(s, batch, -1, m.state), c.view(s, batch, -1, m.state)
         dt = dt.unsqueeze(-1)
         if cp > 1:  # (S/cp, B, n, d) -> (S, B, n/cp, d): every token, in sequence order, of this rank's heads
             x, b, c, dt = (to_whole_sequence(t, self.cp_group) for t in (x, b, c, dt))
-        own = slice(self.cp_rank * heads, (self.cp_rank + 1) * heads)  # this rank's heads among the TP rank's
-        rows = lambda n, d: slice(self.cp_rank * n * d, (self.cp_rank + 1) * n * d)  # noqa: E731
-        full = x.shape[0]
-        x = self.conv_x(x.reshape(full, batch, -1), documents, rows(heads, m.head_dim))
-        b = self.conv_b(b.reshape(full, batch, -1), documents, rows(groups, m.state))
-        c = self.conv_c(c.reshape(full, batch, -1), documents, rows(groups, m.state))
-        dt = F.softplus(dt[..., 0] + self.dt_bias[own]).clamp(m.dt_min, m.dt_max)  # (S, B, heads)
-        seq_first = lambda t, d: t.view(full, batch, -1, d).transpose(0, 1)  # noqa: E731  (B, S, n, d)
-        y = ssd_scan(
-            seq_first(x, m.head_dim),
-            dt.transpose(0, 1),
-            -torch.exp(self.A_log[own].float()),
-            seq_first(b, m.state),
-            seq_first(c, m.state),
-            self.D[own],
-            chunk=m.chunk,
-            documents=documents,
-        ).transpose(0, 1)  # (S, B, heads, head_dim)
+        if self.selective and self.training:  # no collective inside the core: the all-to-alls stay outside
+            y = torch.utils.checkpoint.checkpoint(self._core, x, b, c, dt, documents, use_reentrant=False)
+        else:
+            y = self._core(x, b, c, dt, documents)  # (S, B, heads, head_dim)
         if cp > 1:
             y = to_own_tokens(y, self.cp_group)  # (S/cp, B, heads x cp, head_dim)
         y = self.norm(y.reshape(s, batch, -1), z)  # (S/cp, B, inner/tp)
