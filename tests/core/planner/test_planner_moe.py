@@ -342,7 +342,7 @@ def test_cli_reports_experts_routing_and_all_to_all(capsys, tmp_path):
 def test_nemotron_3_nano_plans_on_16_h100s_and_at_megatron_bridges_layout(capsys):
     """Nemotron-3-Nano-30B-A3B (23 'E' blocks among 23 Mamba-2 and 6 attention blocks): 31.58B parameters, 3.58B
     active (embedding and head included; 3.23B without the embedding); each 'E' block adds its routed experts
-    (128 x 2 x H x F, non-gated) to the hybrid's mean block. The free search on 16 H100s fits TP 1 x PP 1 x EP 8;
+    (128 x 2 x H x F, non-gated) to the hybrid's mean block. The free search on 16 H100s fits at EP 8, TP 1 x PP 1 with full recompute within 5 % of its best;
     Megatron-Bridge's H100 performance recipe (``nemotron_3_nano_pretrain_16gpu_h100_bf16_config``: TP 1, PP 1,
     EP 8, micro-batch 1, 1024 x 8k tokens, recompute of its MoE layers and norms) fits with megakit's full
     recompute, and megakit's selective one (attention's core only) is refused naming that fix."""
@@ -357,7 +357,10 @@ def test_nemotron_3_nano_plans_on_16_h100s_and_at_megatron_bridges_layout(capsys
     )
     assert code == 0
     p = json.loads(out)["plan"]
-    assert (p["tp"], p["pp"], p["ep"], p["fits"]) == (1, 1, 8, "yes") and p["memory"]["expert_params"] > 0
+    assert (p["ep"], p["fits"]) == (8, "yes") and p["memory"]["expert_params"] > 0
+    # the free search's best and TP 1 x PP 1 with full recompute are within a few percent of each other
+    alternatives = [a for a in json.loads(out)["alternatives"] if (a["tp"], a["pp"], a["recompute"]) == (1, 1, "full")]
+    assert alternatives and alternatives[0]["tokens_per_s"] > 0.95 * p["tokens_per_s"]
     pinned = ["--model", "nemotron-3-nano-30b-a3b", "--gpu", "h100-80gb", "--gpus", "16", "--seq-len", "8192"]
     pinned += ["--tp", "1", "--pp", "1", "--ep", "8", "--micro-batch", "1", "--global-batch", "1024", "--zero", "1"]
     code, out, _ = plan_cli(capsys, *pinned, "--recompute", "full", "--json")
