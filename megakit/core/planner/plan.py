@@ -109,6 +109,7 @@ class Plan:
     lora: LoraSpec | None = (
         None  # LoRA fine-tuning (--lora-rank): the base frozen, adapters trained (planner.lora_cost)
     )
+    optimizer: str = "adamw"  # --optimizer muon: Muon for the hidden matrices, AdamW for the rest (planner.muon)
 
     @property
     def fused(self) -> bool:
@@ -175,6 +176,7 @@ class Plan:
             main_grads_fp32=self.megatron and self.grad_reduce_precision == "fp32",
             moments=self.moments,
             lora=self.lora,
+            optimizer=self.optimizer,
         )
 
     @property
@@ -218,4 +220,6 @@ class Plan:
             parts.append(f"offload={self.offload}")
         if self.lora is not None:
             parts.append(f"LoRA r={self.lora.rank}")
+        if self.optimizer != "adamw":
+            parts.append(self.optimizer.capitalize())
         return " ".join(parts)
