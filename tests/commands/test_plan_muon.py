@@ -50,6 +50,7 @@ def test_the_emitted_ds_config_and_launch_run_muon_as_planned(tmp_path, capsys, 
     if want_zero:
         pytest.importorskip("megakit.train.engine.muon_zero", reason="the trainer runs Muon at ZeRO 0 only here")
     check_muon(config, lr=float(_flag(launch, "--muon-lr")), weight_decay=float(_flag(launch, "--muon-weight-decay")))
+    capsys.readouterr()  # what DeepSpeed printed when the trainer's reader imported it
     # AdamW's plan of the same flags keeps its optimizer section and launches without --optimizer
     adamw = [a for a in argv if a not in ("--optimizer", "muon")]
     code, out, _ = plan(capsys, *adamw, "--emit-config", str(tmp_path / "adamw.json"), "--json")
