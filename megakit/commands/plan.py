@@ -121,9 +121,8 @@ def _training_flags(parser: argparse.ArgumentParser) -> None:
         "--optimizer",
         choices=("adamw", "muon"),
         default="adamw",
-        help="adamw (default), or muon: plan for Muon on the hidden matrices and AdamW on the rest, as train.py "
-        "--optimizer muon runs it (one fp32 moment for Muon's weights, its step's buffers, Newton-Schulz and its TP "
-        "and DP exchanges in the step; ZeRO 0 in fp32, 1 and 2 in any precision), and print it line by line",
+        help="adamw (default), or muon: plan train.py --optimizer muon (its moment, step buffers, Newton-Schulz, TP "
+        "and DP exchanges priced in; ZeRO 1-2, or 0 in fp32), and print its cost line by line",
     )
     train.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: GPT-3's for the size)")
     train.add_argument("--tokens", help="training tokens, e.g. 300B: adds time-to-train")

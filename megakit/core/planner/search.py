@@ -41,7 +41,7 @@ from megakit.core.planner.memory import (
 )
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.core.planner.pins import Pins, check_pins, divisors, hybrid_degree
-from megakit.core.planner.plan import Plan, pipeline_runs_zero
+from megakit.core.planner.plan import Plan, optimizer_runs_zero, pipeline_runs_zero
 from megakit.core.planner.verdict import suggest_fix, verdict
 from megakit.errors import UsageError
 
@@ -339,15 +339,6 @@ def _no_plan_reason(ctx) -> str:
     return f"no layout fits {where}{detail}"
 
 
-def zero_stages(optimizer: str, precision: str) -> tuple[int, ...]:
-    """The ZeRO stages megakit's trainer runs ``optimizer`` at in ``precision``: AdamW all; Muon (``check_muon``)
-    ZeRO 0 in fp32 only (DeepSpeed's bf16 and fp16 optimizers step flat copies without ZeRO's layout) and 1-2, never
-    3 (each weight partitioned over DP)."""
-    if optimizer != "muon":
-        return (0, 1, 2, 3)
-    return (0, 1, 2) if precision == "fp32" else (1, 2)
-
-
 class _Context:
     """Search state: what fits, what was rejected and why."""
 
@@ -372,7 +363,10 @@ class _Context:
         self.seq_len, self.limit, self.precision, self.offload, self.flash = seq_len, limit, precision, offload, flash
         self.keep = keep
         self.compress_stages = parse_compression(pins.compress).zero_stages  # where --compress applies
-        self.zero_stages = zero_stages(self.execution.get("optimizer", "adamw"), precision)  # what the optimizer runs
+        optimizer = self.execution.get("optimizer", "adamw")  # the stages it runs at (Muon: 1-2, 0 in fp32)
+        self.zero_stages = tuple(
+            z for z in range(4) if optimizer_runs_zero(z, optimizer=optimizer, precision=precision)
+        )
         self.feasible: list[Candidate] = []
         self.rejected: list[Rejection] = []
         self.reasons_seen: set = set()
