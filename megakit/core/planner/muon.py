@@ -15,14 +15,16 @@ rank: each of an expert's gate, up and down is a matrix of its own.
 
 Which weights: ``ModelConfig.block_params``' matrices (``matmul``: attention's or a mixer's projections, the MLP's,
 the shared experts') and the routed experts' matrices step with Muon; the embeddings, the head, the norms, the
-biases, the routers and the conv taps with AdamW (``uses_muon``). Pure arithmetic on the ``ModelConfig``; the FLOPs
-leave the MTP modules' matrices out (small next to the blocks), the memory counts them.
+biases, the routers and the conv taps with AdamW (``uses_muon``). The FLOPs walk each block's own matrices
+(``layer_matrices``: a hybrid's Gated DeltaNet or Mamba-2 mixers theirs). Pure arithmetic on the ``ModelConfig``; the
+FLOPs leave the MTP modules' matrices out (small next to the blocks), the memory counts them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megakit.core.families import nemotron_h
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.core.planner.stages import stage_layer_counts, stage_moe_layers
 
@@ -50,36 +52,76 @@ def newton_schulz_flops(rows: int, cols: int, steps: int = NS_STEPS) -> float:
 
 
 def block_matrices(config, *, moe: bool) -> list[Matrix]:
-    """The hidden matrices of one block (dense or MoE) of ``config``, as Muon steps them."""
+    """The hidden matrices of one attention block (dense or MoE) of ``config``, as Muon steps them."""
+    return _attention(config) + _mlp(config, moe=moe)
+
+
+def layer_matrices(config, index: int) -> list[Matrix]:
+    """The hidden matrices of block ``index``: its mixer's (attention, MLA, Gated DeltaNet or Mamba-2) and its MLP's
+    or experts' (Nemotron-H: one of them per block, by its pattern)."""
+    if config.layer_pattern:
+        part = nemotron_h.PATTERN[config.layer_pattern[index]]
+        if part == "mamba":
+            return _mamba(config)
+        return _attention(config) if part == "attention" else _mlp(config, moe=part == "moe")
+    moe = config.is_moe_layer(index)
+    if config.linear is not None and config.linear.is_linear(index):
+        return _gated_deltanet(config) + _mlp(config, moe=moe)
+    return block_matrices(config, moe=moe)
+
+
+def _attention(config) -> list[Matrix]:
     h, hd = config.hidden, config.head_dim
-    out = []
-    if config.mla is not None:
-        m = config.mla
-        if m.q_lora_rank:
-            out += [Matrix(what="q_a", rows=m.q_lora_rank, cols=h, tp_split=False)]
-            out += [Matrix(what="q_b", rows=config.heads * m.qk_head_dim, cols=m.q_lora_rank)]
-        else:
-            out += [Matrix(what="q", rows=config.heads * m.qk_head_dim, cols=h)]
-        out += [Matrix(what="kv_a", rows=m.kv_lora_rank + m.qk_rope_head_dim, cols=h, tp_split=False)]
-        out += [Matrix(what="kv_b", rows=config.heads * (m.qk_nope_head_dim + m.v_head_dim), cols=m.kv_lora_rank)]
-        out += [Matrix(what="o", rows=h, cols=config.heads * m.v_head_dim)]
+    if config.mla is None:  # Qwen3-Next's q_proj holds each head's output gate too
+        q = Matrix(what="q", rows=(1 + config.attn_output_gate) * config.heads * hd, cols=h)
+        kv = Matrix(what="k, v", rows=config.kv_heads * hd, cols=h, count=2)
+        return [q, kv, Matrix(what="o", rows=h, cols=config.heads * hd)]
+    m, out = config.mla, []
+    if m.q_lora_rank:
+        out += [Matrix(what="q_a", rows=m.q_lora_rank, cols=h, tp_split=False)]
+        out += [Matrix(what="q_b", rows=config.heads * m.qk_head_dim, cols=m.q_lora_rank)]
     else:
-        out += [
-            Matrix(what="q", rows=config.heads * hd, cols=h),
-            Matrix(what="k, v", rows=config.kv_heads * hd, cols=h, count=2),
-        ]
-        out += [Matrix(what="o", rows=h, cols=config.heads * hd)]
-    if moe:
-        e = config.moe
-        out += [Matrix(what="experts' gate, up", rows=e.ffn, cols=h, count=2 * e.experts, tp_split=False, expert=True)]
-        out += [Matrix(what="experts' down", rows=h, cols=e.ffn, count=e.experts, tp_split=False, expert=True)]
-        if e.shared_ffn:  # whole on every TP rank (``megakit.nn.moe.layer.SharedExpert``)
-            out += [Matrix(what="shared gate, up", rows=e.shared_ffn, cols=h, count=2, tp_split=False)]
-            out += [Matrix(what="shared down", rows=h, cols=e.shared_ffn, tp_split=False)]
-    else:
+        out += [Matrix(what="q", rows=config.heads * m.qk_head_dim, cols=h)]
+    out += [Matrix(what="kv_a", rows=m.kv_lora_rank + m.qk_rope_head_dim, cols=h, tp_split=False)]
+    out += [Matrix(what="kv_b", rows=config.heads * (m.qk_nope_head_dim + m.v_head_dim), cols=m.kv_lora_rank)]
+    return out + [Matrix(what="o", rows=h, cols=config.heads * m.v_head_dim)]
+
+
+def _gated_deltanet(config) -> list[Matrix]:
+    """``megakit.nn.linear_attention``'s projections: in_q, in_k, in_v, in_z, in_b, in_a and out_proj."""
+    a, h = config.linear, config.hidden
+    nk, nv = a.key_heads * a.key_head_dim, a.value_heads * a.value_head_dim
+    return [
+        Matrix(what="in_q, in_k", rows=nk, cols=h, count=2),
+        Matrix(what="in_v, in_z", rows=nv, cols=h, count=2),
+        Matrix(what="in_b, in_a", rows=a.value_heads, cols=h, count=2),
+        Matrix(what="out_proj", rows=h, cols=nv),
+    ]
+
+
+def _mamba(config) -> list[Matrix]:
+    """Mamba-2's projections as megakit splits its in_proj: z, x, B, C, dt, and out_proj."""
+    m, h = config.mamba, config.hidden
+    return [
+        Matrix(what="z, x", rows=m.inner, cols=h, count=2),
+        Matrix(what="B, C", rows=m.groups * m.state, cols=h, count=2),
+        Matrix(what="dt", rows=m.heads, cols=h),
+        Matrix(what="out_proj", rows=h, cols=m.inner),
+    ]
+
+
+def _mlp(config, *, moe: bool) -> list[Matrix]:
+    h = config.hidden
+    if not moe:
         mats = 2 if config.gated_mlp else 1
-        out += [Matrix(what="gate, up" if mats == 2 else "up", rows=config.ffn, cols=h, count=mats)]
-        out += [Matrix(what="down", rows=h, cols=config.ffn)]
+        up = Matrix(what="gate, up" if mats == 2 else "up", rows=config.ffn, cols=h, count=mats)
+        return [up, Matrix(what="down", rows=h, cols=config.ffn)]
+    e = config.moe
+    out = [Matrix(what="experts' gate, up", rows=e.ffn, cols=h, count=2 * e.experts, tp_split=False, expert=True)]
+    out += [Matrix(what="experts' down", rows=h, cols=e.ffn, count=e.experts, tp_split=False, expert=True)]
+    if e.shared_ffn:  # whole on every TP rank (``megakit.nn.moe.layer.SharedExpert``)
+        out += [Matrix(what="shared gate, up", rows=e.shared_ffn, cols=h, count=2, tp_split=False)]
+        out += [Matrix(what="shared down", rows=h, cols=e.shared_ffn, tp_split=False)]
     return out
 
 
@@ -104,11 +146,9 @@ def muon_cost(config, *, tp: int = 1, pp: int = 1, ep: int = 1, dp: int = 1, edp
     EDP for the experts; 1 at ZeRO 0, where every DP rank runs all of it)."""
     params = experts = flops = gather = 0.0
     rows: dict[tuple[str, int, int], float] = {}
-    kinds = [(config.moe_layers, True), (config.layers - config.moe_layers, False)]
-    for blocks, moe in kinds:
-        per_stage = blocks / pp
-        for m in block_matrices(config, moe=moe) if blocks else []:
-            count = per_stage * m.count / (ep if m.expert else 1)
+    for index in range(config.layers):
+        for m in layer_matrices(config, index):
+            count = m.count / pp / (ep if m.expert else 1)
             size = m.rows * m.cols
             shard = size / tp if m.tp_split else size
             share = edp if m.expert else dp  # the ranks that share this matrix's momentum and iterations

@@ -26,7 +26,7 @@ def test_the_muon_weights_are_the_trainers(name):
     """The planner's Muon share (torch-free, from the config's counts) equals ``uses_muon`` on the built model: the
     hidden matrices (MLA's, the mixers' projections, the shared and routed experts'; DeepSeek-V3's MTP module too) on
     Muon, the embeddings, head, norms, biases, routers and conv taps on AdamW; and the two add up to the stage's
-    parameters."""
+    parameters. The Newton-Schulz pricing walks the same matrices block by block (hybrids' mixers their own)."""
     from megakit.nn.model import Transformer
     from megakit.train.engine.muon import uses_muon
 
@@ -38,6 +38,10 @@ def test_the_muon_weights_are_the_trainers(name):
     experts = sum(p.numel() for n, p in named if uses_muon(n, p) and ".experts." in n)
     share = stage_share(spec, tp=1, pp=1, stage=0)
     assert (share.dense, share.experts) == (dense, experts)
+    blocks = [(n, p.numel()) for n, p in named if uses_muon(n, p) and not n.startswith("mtp.")]  # FLOPs' matrices
+    priced = muon_cost(spec.config)
+    assert priced.params == sum(k for _, k in blocks)
+    assert priced.expert_params == sum(k for n, k in blocks if ".experts." in n)
     assert stage_params(spec, tp=1, pp=1, stage=0) + stage_expert_params(spec, pp=1, stage=0) == sum(
         p.numel() for _, p in named
     )
