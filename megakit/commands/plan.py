@@ -32,6 +32,7 @@ from megakit.core.planner.hardware import (
 )
 from megakit.core.planner.memory import GIB, MEGATRON_RECOMPUTE
 from megakit.core.planner.model_spec import ModelSpec, parse_count, preset_names
+from megakit.core.planner.muon import muon_cost
 from megakit.core.planner.pins import hybrid_degree
 from megakit.core.planner.plan import FP8_RECIPES, FP8_TE_RECIPES, ROUTING, RUNTIMES, Plan
 from megakit.core.planner.preference import OBJECTIVES, preference_cost
@@ -665,6 +666,7 @@ def _launch(args, inputs: _Inputs, cluster: Cluster, plan: Plan, cost, *, kind, 
     advice = save_interval.advise(
         plan,
         params=plan_lora.saved_params(model, plan),
+        momentum_params=muon_cost(model.config).params if plan.optimizer == "muon" else 0.0,
         gpus_per_node=cluster.gpus_per_node,
         step_time_s=cost.step_time_s,
         write_gbps=args.ckpt_write_gbps,

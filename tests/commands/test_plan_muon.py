@@ -59,13 +59,16 @@ def test_the_emitted_ds_config_and_launch_run_muon_as_planned(tmp_path, capsys, 
 
 
 def test_the_report_says_muon_momentum_and_adam_moments_line_by_line(capsys):
-    """The memory table's rows name Muon's momentum and its step apart from Adam's moments, and the Muon lines give
-    the plan's own Newton-Schulz, TP and DP exchange times and their share of the step it was ranked by."""
+    """The memory table's rows name Muon's momentum and its step apart from Adam's moments, the checkpoint's size
+    counts one momentum for Muon's 6.98 B weights (14 - 4 x 6.98 / 8.03 B/param), and the Muon lines give the plan's
+    own Newton-Schulz, TP and DP exchange times and their share of the step it was ranked by."""
     code, out, err = plan(capsys, "--model", "llama-3-8b", "--gpus", "8", "--gpu", "h100-80gb", "--optimizer", "muon")
     assert code == 0, err
     for needle in ("Adam moments (m, v)", "Muon momentum (one fp32 per hidden-matrix weight)", "Muon step: updates"):
         assert needle in out, needle
     assert "--optimizer muon --muon-lr" in out
+    flat = " ".join(out.split())  # the save tip: Muon's weights save one momentum, not Adam's two moments
+    assert "(10.5 B/param: weights + fp32 master + Adam m, v or Muon momentum)" in flat
     lines = out[out.index("Muon (--optimizer muon), per GPU and step") :]
     for needle in ("Newton-Schulz:", "TP exchange of the split", "DP exchange of the partitions", "which the search"):
         assert needle in lines, needle
