@@ -32,6 +32,7 @@ from megakit.core.planner.hardware import (
 )
 from megakit.core.planner.memory import GIB, MEGATRON_RECOMPUTE
 from megakit.core.planner.model_spec import ModelSpec, parse_count, preset_names
+from megakit.core.planner.muon import muon_cost
 from megakit.core.planner.pins import hybrid_degree
 from megakit.core.planner.plan import FP8_RECIPES, FP8_TE_RECIPES, ROUTING, RUNTIMES, Plan
 from megakit.core.planner.preference import OBJECTIVES, preference_cost
@@ -121,8 +122,8 @@ def _training_flags(parser: argparse.ArgumentParser) -> None:
         "--optimizer",
         choices=("adamw", "muon"),
         default="adamw",
-        help="adamw (default), or muon: also print what Muon costs the plan per GPU, line by line (its moment, "
-        "the Newton-Schulz FLOPs per matrix and iteration, the TP exchange and its share of the step)",
+        help="adamw (default), or muon: plan train.py --optimizer muon (its moment, step buffers, Newton-Schulz, TP "
+        "and DP exchanges priced in; ZeRO 1-2, or 0 in fp32), and print its cost line by line",
     )
     train.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: GPT-3's for the size)")
     train.add_argument("--tokens", help="training tokens, e.g. 300B: adds time-to-train")
@@ -557,8 +558,9 @@ def _inputs(args) -> _Inputs:
     )
     flash = gpu.flash_attention if args.attention is None else args.attention == "flash"
     _check_fp8(args, gpu, precision)
+    _check_muon(args, precision)
     execution = dict(fused_kernels=args.kernels == "compiled", fp8=args.fp8, **RUNTIMES[args.runtime])
-    execution |= megatron_options
+    execution |= megatron_options | ({"optimizer": args.optimizer} if args.optimizer != "adamw" else {})
     execution["lora"] = plan_lora.spec(args, model, runtime=args.runtime)
     if args.dp_shard is not None:
         if args.runtime != "fsdp":
@@ -664,6 +666,7 @@ def _launch(args, inputs: _Inputs, cluster: Cluster, plan: Plan, cost, *, kind, 
     advice = save_interval.advise(
         plan,
         params=plan_lora.saved_params(model, plan),
+        momentum_params=muon_cost(model.config).params if plan.optimizer == "muon" else 0.0,
         gpus_per_node=cluster.gpus_per_node,
         step_time_s=cost.step_time_s,
         write_gbps=args.ckpt_write_gbps,
@@ -679,6 +682,7 @@ def _launch(args, inputs: _Inputs, cluster: Cluster, plan: Plan, cost, *, kind, 
         stage_layers=inputs.pins.stage_layers,
         mtp=model.mtp > 0,
         objective=args.objective,
+        lr=lr,
     )
     command, note = emit.launch_command(
         plan,
@@ -809,19 +813,21 @@ def _preference(args, inputs: _Inputs, result) -> dict:
 
 
 def _muon(inputs: _Inputs, cluster: Cluster, result) -> dict:
-    """``--optimizer muon``: Muon's cost on one GPU of the plan (``megakit.core.planner.muon``), with its lines."""
-    from megakit.core.planner.muon import muon_cost, render
+    """``--optimizer muon``: Muon's cost on one GPU of the plan (``megakit.core.planner.muon``), which its memory and
+    step time hold, with its lines."""
+    from megakit.core.planner.cost import muon_plan_cost, muon_times
+    from megakit.core.planner.muon import render
 
-    plan, cost, gpu = result.best.plan, result.best.cost, cluster.gpu
-    muon = muon_cost(inputs.model.config, tp=plan.tp, pp=plan.pp, ep=plan.ep)
+    plan, cost = result.best.plan, result.best.cost
+    muon, times = muon_plan_cost(inputs.model, plan), muon_times(inputs.model, cluster, plan)
     lines = render(
         muon,
+        zero_stage=plan.zero_stage,
         step_flops_per_gpu=cost.model_tflops_per_gpu * 1e12 * cost.step_time_s,
-        matmul_flops=gpu.peak_tflops * 1e12 * gpu.matmul_fraction,
-        link_gbps=gpu.intra_gbps,
+        times=times,
         step_s=cost.step_time_s,
     )
-    return dataclasses.asdict(muon) | {"lines": lines}
+    return dataclasses.asdict(muon) | {"times_s": times, "lines": lines}
 
 
 def _print_plan(args, report, result, inputs: _Inputs, cluster, launch: _Launch, *, auto, kind, launch_path) -> None:
@@ -856,6 +862,32 @@ def _print_plan(args, report, result, inputs: _Inputs, cluster, launch: _Launch,
     for section in ("muon", "preference"):
         if section in report["plan"]:
             print("\n".join(report["plan"][section]["lines"]))
+
+
+def _check_muon(args, precision: str) -> None:
+    """What megakit's trainer runs --optimizer muon with (``megakit.train.engine.muon.check_muon``), said before the
+    search: ZeRO 0-2 (0 in fp32 only), no offload, its own runtime."""
+    if args.optimizer != "muon":
+        return
+    if args.zero == 3:
+        raise UsageError(
+            "--optimizer muon --zero 3: ZeRO 3 partitions each weight over DP, and Newton-Schulz needs whole "
+            "matrices; use --zero 1 or 2 (or drop --zero)"
+        )
+    if args.zero == 0 and precision != "fp32":
+        raise UsageError(
+            f"--optimizer muon --zero 0 in {precision}: DeepSpeed's {precision} optimizer steps flat copies, not "
+            "matrices; use --zero 1 or 2, or --precision fp32"
+        )
+    if args.offload != "none":
+        raise UsageError(
+            f"--optimizer muon --offload {args.offload}: Muon steps on the GPU (its exchanges run on the GPU's "
+            "partitions); drop --offload"
+        )
+    if args.runtime != "megakit":
+        raise UsageError(
+            f"--optimizer muon prices megakit's trainer's Muon, not --runtime {args.runtime}'s; drop --runtime"
+        )
 
 
 def _check_fp8(args, gpu: GPU, precision: str) -> None:

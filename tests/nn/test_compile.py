@@ -148,3 +148,46 @@ def test_ep2_all_to_alls_stay_eager_with_one_break_each():
     for loss, grads, graphs, breaks in run_ranks(_ep2, 2):
         assert (graphs, breaks) == (3, 2)
         assert loss <= 1 and grads <= 1
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_qk_clip_records_and_clips_as_eager_in_one_graph(recompute):
+    """--qk-clip under --compile: each attention's largest logits, recorded in the compiled block, equal eager's over
+    3 steps of Muon, and so do the weights its clip scaled (half the heads above tau each step); still one graph, no
+    break. With selective recompute the maxima are kept outside the checkpointed core, which Dynamo cannot trace a
+    module's mutation inside (it broke the block in 4 graphs before)."""
+    import torch._dynamo
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from megakit.train.engine.muon import MuonWithAdamW, QKClip, muon_groups
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    config = ModelConfig.load("llama-tiny")
+    eager, compiled = (Transformer(config, seed=0, recompute=recompute) for _ in range(2))
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    compile_blocks(compiled, backend=count)
+    clips = [QKClip(m, tau=1.0) for m in (eager, compiled)]
+    optimizers = [
+        MuonWithAdamW(muon_groups(m, weight_decay=0.1), lr=1e-2, qk_clip=c) for m, c in zip((eager, compiled), clips)
+    ]
+    ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        for m in (eager, compiled):
+            m(ids, ids.roll(-1, 1)).backward()
+        maxima = [torch.stack([m.max_logits for m in clip.attention]) for clip in clips]
+        assert torch.equal(*maxima)
+        tau = float(maxima[0].median())
+        assert (maxima[0] > tau).any()
+        for clip, optimizer in zip(clips, optimizers):
+            clip.tau = tau
+            optimizer.step()
+            optimizer.zero_grad()
+        for a, b in zip(eager.parameters(), compiled.parameters()):
+            assert torch.equal(a, b)
+    assert (len(graphs), sum(torch._dynamo.utils.counters["graph_break"].values())) == (1, 0)

@@ -13,7 +13,8 @@ a stage's ``v`` chunks is 1/v of its work; a pinned ``--stage-layers`` split, or
 the traffic that its compute does not hide (over DP x CP with context parallelism, whose ring passes
 each K/V block around the CP group beside the block's attention, exposed only where it outlasts it; a sliding
 block whose window fits in a chunk swaps K/V with its two neighbours only) (``sharding.dp_time``: DDP/ZeRO-1
-all-reduce, ZeRO-2 reduce-scatter, ZeRO-3/FSDP gathers prefetched behind the previous block), then the optimizer step.
+all-reduce, ZeRO-2 reduce-scatter, ZeRO-3/FSDP gathers prefetched behind the previous block), then the optimizer step
+(with ``--optimizer muon`` also its Newton-Schulz iterations and its TP and DP exchanges, ``muon_times``).
 
 An MoE block (``compute.block_time(moe=True)``) adds its dispatch and combine all-to-alls over the EP
 group, EP consecutive ranks (TP first: ``core.layout``), NVLink while it fits a node, the network for what
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megakit.core.planner import lora_cost, mamba
+from megakit.core.planner import lora_cost, mamba, muon
 from megakit.core.planner.compute import attention_time, block_time, cp_kernel_seq, eh_proj_time, head_time
 from megakit.core.planner.hardware import Cluster
 from megakit.core.planner.memory import (
@@ -90,6 +91,7 @@ class Cost:
     pipeline_s: float = 0.0  # the 1F1B schedule's length: m·T_slowest + (ΣT − T_slowest)/v
     stage_times: tuple = ()  # forward + backward of one micro-batch, per stage (no P2P)
     a2a_s: float = 0.0  # the MoE dispatch and combine all-to-alls of the step on the slowest stage
+    muon_s: float = 0.0  # of ``optimizer_s``, Muon's Newton-Schulz and exchanges (``muon_times``)
 
 
 def flops_per_token(
@@ -214,6 +216,8 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
         model, cluster, plan, block, counts=counts, moes=moes, worst=worst, stage_s=max(stage_s), one_tp=one_tp
     )
 
+    muon_s = sum(muon_times(model, cluster, plan).values()) if plan.optimizer == "muon" else 0.0
+    optimizer_s += muon_s
     step = pipeline_s + dp_exposed + optimizer_s + STEP_S
     global_tokens = plan.global_batch * s
     model_flops, hardware_flops = _step_flops(model, plan, seq_len=s, tokens=global_tokens)
@@ -239,7 +243,40 @@ def estimate_cost(model: ModelSpec, cluster: Cluster, plan: Plan, *, seq_len: in
         pipeline_s=pipeline_s,
         stage_times=tuple(stage_s),
         a2a_s=a2a_total,
+        muon_s=muon_s,
     )
+
+
+def muon_plan_cost(model: ModelSpec, plan: Plan) -> muon.MuonCost:
+    """``muon.muon_cost`` of the plan: ZeRO 1-2 share the orthogonalisation over DP x CP (the experts' over EDP)."""
+    sharded = plan.zero_stage >= 1
+    return muon.muon_cost(
+        model.config,
+        tp=plan.tp,
+        pp=plan.pp,
+        ep=plan.ep,
+        dp=plan.dp * plan.cp if sharded else 1,
+        edp=plan.edp if sharded else 1,
+    )
+
+
+def muon_times(model: ModelSpec, cluster: Cluster, plan: Plan) -> dict:
+    """Seconds of one Muon step on a GPU of ``plan``, not overlapped: its Newton-Schulz iterations (bf16 GEMMs at the
+    GPU's achievable matmul rate, whatever the training precision: torch's iterations run in bf16), the TP exchange
+    (two all-to-alls over TP, each of the rank's split matrices' fp32 bytes) and at ZeRO 1-2 the DP exchange (two
+    all-to-alls over DP x CP of the rank's partition of the dense Muon weights, and over EDP of the experts')."""
+    cost, gpu = muon_plan_cost(model, plan), cluster.gpu
+    times = {"newton_schulz": cost.ns_flops / (gpu.peak_tflops * 1e12 * gpu.matmul_fraction)}
+    if plan.tp > 1 and cost.gather_bytes:  # received = sent: (TP-1)/TP of the bytes each all-to-all sends
+        sent = cost.gather_bytes / 2 * plan.tp / (plan.tp - 1)
+        times["tp_exchange"] = 2 * all_to_all_time(cluster, sent, plan.tp, 1)
+    if cost.dp_bytes:
+        dense = cost.params - cost.expert_params
+        groups = [(dense, plan.dp * plan.cp, plan.tp), (cost.expert_params, plan.edp, plan.ep)]
+        times["dp_exchange"] = sum(
+            2 * all_to_all_time(cluster, muon.MOMENT_BYTES * n / g, g, stride) for n, g, stride in groups if n
+        )
+    return times
 
 
 def _tp_exposed(plan: Plan, block, *, one_tp: float, recomputed: float) -> float:

@@ -4,7 +4,9 @@ The ds_config keeps to standard DeepSpeed keys (DeepSpeed's own parser must acce
 it): batch sizes (``train_batch_size = micro × accumulation × DP``), bf16/fp16,
 the ZeRO section, AdamW with a linearly scaled LR, a WarmupCosineLR schedule and
 gradient clipping (FAQ row 4). TP and PP are not DeepSpeed keys: they go into
-the printed launch command.
+the printed launch command. A Muon plan (``Plan.optimizer``) has no optimizer
+section (the trainer builds Muon + AdamW, ``check_muon``): its LR goes to the
+launch command's ``--muon-lr``.
 """
 
 from __future__ import annotations
@@ -132,7 +134,10 @@ def ds_config(
         "gradient_accumulation_steps": plan.accumulation,
         "gradient_clipping": 1.0,
         "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": WEIGHT_DECAY},
+        },
         "scheduler": {
             "type": "WarmupCosineLR",
             "params": {
@@ -146,6 +151,8 @@ def ds_config(
         "steps_per_print": 10,
         "wall_clock_breakdown": False,
     }
+    if plan.optimizer == "muon":  # the trainer builds Muon + AdamW at --muon-lr (train_flags) and refuses a section
+        del config["optimizer"]
     if plan.precision == "bf16":
         config["bf16"] = {"enabled": True}
     elif plan.precision == "fp16":
@@ -173,6 +180,7 @@ def schedule_steps(global_batch: int, seq_len: int, tokens: float | None, *, par
 
 
 KEEP = 3  # checkpoints the emitted launch keeps (--keep): the newest is the one --load auto takes
+WEIGHT_DECAY = 0.1  # AdamW's in the ds_config, and --muon-weight-decay (both of Muon's halves) in a Muon launch
 
 
 def train_flags(
@@ -186,11 +194,12 @@ def train_flags(
     stage_layers: tuple[int, ...] | None = None,
     mtp: bool = False,
     objective: str = "lm",
+    lr: float = 0.0,
 ) -> list[str]:
     """``scripts/train.py``'s flags for the plan's layout, recompute, sequence parallelism, virtual stages, a
-    pinned ``stage_layers`` split (the default split is the trainer's own), ``--mtp``, and with ``save`` a
-    checkpoint series
-    every ``save_every`` steps that the same command resumes (``--load auto``)."""
+    pinned ``stage_layers`` split (the default split is the trainer's own), ``--mtp``, a Muon plan's
+    ``--optimizer muon`` at ``lr`` (the ds_config's would be AdamW's; Muon's ``match_rms_adamw`` takes the same), and
+    with ``save`` a checkpoint series every ``save_every`` steps that the same command resumes (``--load auto``)."""
     parts = [
         "--ds_config",
         config_path,
@@ -231,6 +240,8 @@ def train_flags(
         parts.append("--mtp")
     if objective != "lm":  # preference tuning on the pairs prepare-data wrote (the planner priced its reference)
         parts += ["--objective", objective]
+    if plan.optimizer == "muon":
+        parts += ["--optimizer", "muon", "--muon-lr", f"{lr:.3g}", "--muon-weight-decay", f"{WEIGHT_DECAY:g}"]
     if save:
         parts += ["--save", save, "--save-every", str(save_every), "--keep", str(KEEP), "--load", "auto"]
     return parts
@@ -250,6 +261,7 @@ def launch_command(
     hostfile: str | None = None,
     mtp: bool = False,
     objective: str = "lm",
+    lr: float = 0.0,
 ) -> tuple[str, str]:
     """(the ``deepspeed`` command line for ``scripts/train.py`` with ``train_flags``; a note on what the plan
     assumes that train.py cannot do yet, '' if none)."""
@@ -268,6 +280,7 @@ def launch_command(
         stage_layers=stage_layers,
         mtp=mtp,
         objective=objective,
+        lr=lr,
     )
     notes = []
     if plan.recompute not in ("none", "selective", "full"):

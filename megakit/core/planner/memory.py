@@ -60,7 +60,7 @@ import functools
 from typing import Any
 
 from megakit.core.lora import LoraSpec
-from megakit.core.planner import lora_cost
+from megakit.core.planner import lora_cost, muon
 from megakit.core.planner.activations import (  # noqa: F401 (memory's API: what one block keeps)
     MIXER_CORES,
     PER_OP_KEPT,
@@ -89,7 +89,8 @@ from megakit.errors import UsageError
 
 GIB = 1024**3
 STATES = ("params", "grads", "master_params", "optimizer")  # per parameter; the routed experts' as ``expert_*``
-STEP_ONLY = ("fp32_step_grads",)  # items that live during ``step()`` only
+STEP_ONLY = ("fp32_step_grads", "muon_step")  # items that live during ``step()`` only
+MUON_STATES = ("muon_momentum", "expert_muon_momentum")  # --optimizer muon: one fp32 moment per hidden-matrix weight
 BACKWARD_ONLY = (
     "activations",
     "pipeline_outputs",
@@ -174,13 +175,15 @@ class MemoryEstimate:
     def model_states(self) -> float:
         return float(
             sum(self.items.get(k, 0.0) for k in STATES + tuple(f"{w}_{k}" for w in ("expert", "lora") for k in STATES))
+            + sum(self.items.get(k, 0.0) for k in MUON_STATES)
             + self.items.get("fp32_step_grads", 0.0)
         )
 
     @property
     def expert_states(self) -> float:
-        """The routed experts' parameters, gradients, fp32 master and Adam states (E/EP per GPU, ZeRO over EDP)."""
-        return float(sum(self.items.get(f"expert_{k}", 0.0) for k in STATES))
+        """The routed experts' parameters, gradients, fp32 master and Adam states or Muon momentum (E/EP per GPU, ZeRO
+        over EDP)."""
+        return float(sum(self.items.get(f"expert_{k}", 0.0) for k in STATES + ("muon_momentum",)))
 
     def gib(self) -> dict:
         """The breakdown in GiB, as the report and ``--json`` print it."""
@@ -336,6 +339,7 @@ def estimate_memory(
     main_grads_fp32: bool | None = None,
     moments: str = "fp32",
     lora: LoraSpec | None = None,
+    optimizer: str = "adamw",
 ) -> MemoryEstimate:
     """Itemised per-GPU bytes of one layout on one pipeline ``stage`` (index, 'first', 'last', 'middle').
 
@@ -358,10 +362,13 @@ def estimate_memory(
     (``MEGATRON_RECOMPUTE``; none given: its default, core_attn). ``main_grads_fp32``: Megatron's main-gradient buffers
     in fp32 (default: ``megatron``; False: --grad-reduce-in-bf16, Megatron-Bridge's performance recipes, which keep
     them in bf16 and copy the shard to fp32 at the step as DeepSpeed does). ``moments``: Adam's m and v dtype.
-    ``lora``: LoRA fine-tuning (``lora_states``, ``lora_activations``): the base frozen, the adapters trained."""
+    ``lora``: LoRA fine-tuning (``lora_states``, ``lora_activations``): the base frozen, the adapters trained.
+    ``optimizer``: "muon" keeps one fp32 moment for the hidden matrices and Adam's two for the rest, and adds the
+    step's buffers (``muon_states``)."""
     _check_options(
         precision, recompute, offload, zero_stage, recompute_modules, megatron, moments, (tp, pp, dp, vpp, micro_batch)
     )
+    _check_muon(optimizer, zero_stage=zero_stage, offload=offload, megatron=megatron, lora=lora)
     return _Stage.of(**locals()).estimate()
 
 
@@ -389,6 +396,18 @@ def _check_options(precision, recompute, offload, zero_stage, recompute_modules,
         raise UsageError(f"Adam moments {moments!r} are not one of {', '.join(PRECISIONS)}")
     if min(sizes) < 1:
         raise UsageError("tp, pp, dp, vpp and micro-batch must all be at least 1")
+
+
+def _check_muon(optimizer: str, *, zero_stage: int, offload: str, megatron: bool, lora) -> None:
+    """What megakit's trainer runs Muon with (``megakit.train.engine.muon.check_muon``): ZeRO 0-2, no offload."""
+    if optimizer not in muon.OPTIMIZERS:
+        raise UsageError(f"optimizer {optimizer!r} is not one of {', '.join(muon.OPTIMIZERS)}")
+    if optimizer == "adamw":
+        return
+    if zero_stage == 3:
+        raise UsageError("Muon with ZeRO 3: each weight is partitioned over DP, and Newton-Schulz needs whole matrices")
+    if offload != "none" or megatron or lora is not None:
+        raise UsageError("Muon is priced as megakit's trainer runs it: no offload, no Megatron runtime, no LoRA")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -442,6 +461,7 @@ class _Stage:
     main_grads_fp32: bool | None
     moments: str
     lora: LoraSpec | None
+    optimizer: str
 
     @classmethod
     def of(cls, *, seq_len, cp, dp, flash_attention, stage, model, pp, **layout) -> _Stage:
@@ -528,7 +548,27 @@ class _Stage:
         items["fp32_step_grads"] += experts["fp32_step_grads"]
         if self.lora is not None:
             items = self.lora_states(items, states)
+        if self.optimizer == "muon":
+            items = self.muon_states(items, psi_experts, edp)
         return items, psi, psi_experts
+
+    def muon_states(self, items: dict, psi_experts: float, edp: int) -> dict:
+        """--optimizer muon: the hidden matrices' one fp32 moment (``muon_momentum``) in place of their share of Adam's
+        two (``optimizer`` keeps AdamW's weights' m and v), sharded as ZeRO 1-2 shard Adam's, and the step's buffers
+        (``muon.step_bytes``: the updates, the TP and DP exchanges' buffers, Newton-Schulz's working set)."""
+        share = muon.stage_share(
+            self.model, tp=self.tp, pp=self.pp, stage=self.stage, ep=self.ep, layers=self.layers, vpp=self.vpp
+        )
+        adam = 2 * PRECISIONS[self.moments]
+        dense_shard, expert_shard = (self.state_dp, edp) if self.zero_stage >= 1 else (1, 1)
+        for prefix, weights, shard in (("", share.dense, dense_shard), ("expert_", share.experts, expert_shard)):
+            if weights:
+                items[f"{prefix}optimizer"] -= adam * weights / shard
+                items[f"{prefix}muon_momentum"] = muon.MOMENT_BYTES * weights / shard
+        items["muon_step"] = muon.step_bytes(
+            share, tp=self.tp, zero_stage=self.zero_stage, dp=dense_shard, edp=expert_shard
+        )
+        return items
 
     def lora_blocks(self) -> tuple[float, float]:
         """(dense, MoE) blocks on this stage, whose adapters ``lora_*`` count."""

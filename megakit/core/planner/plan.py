@@ -38,6 +38,15 @@ def pipeline_runs_zero(zero: int, *, pp: int, vpp: int = 1, zero_bubble: bool = 
     return zero == 3 and vpp == 1 and not zero_bubble and offload == "none"
 
 
+def optimizer_runs_zero(zero: int, *, optimizer: str, precision: str, offload: str = "none") -> bool:
+    """Whether megakit's trainer runs ``optimizer`` at ZeRO ``zero``: AdamW at every stage; Muon
+    (``megakit.train.engine.muon.check_muon``) at 1 and 2, at 0 in fp32 only (DeepSpeed's bf16 and fp16 optimizers
+    step flat copies without ZeRO's layout), never at 3 (each weight partitioned over DP) nor offloaded."""
+    if optimizer != "muon":
+        return True
+    return offload == "none" and (zero in (1, 2) or (zero == 0 and precision == "fp32"))
+
+
 def megatron_fp32_grads(precision: str) -> bool:
     """Whether Megatron-LM keeps and reduces fp32 gradients (main-grad buffers) for this training precision: under bf16
     only, where its arguments.py forces --accumulate-allreduce-grads-in-fp32; under fp16 they stay fp16 until the
@@ -109,6 +118,7 @@ class Plan:
     lora: LoraSpec | None = (
         None  # LoRA fine-tuning (--lora-rank): the base frozen, adapters trained (planner.lora_cost)
     )
+    optimizer: str = "adamw"  # --optimizer muon: Muon for the hidden matrices, AdamW for the rest (planner.muon)
 
     @property
     def fused(self) -> bool:
@@ -175,6 +185,7 @@ class Plan:
             main_grads_fp32=self.megatron and self.grad_reduce_precision == "fp32",
             moments=self.moments,
             lora=self.lora,
+            optimizer=self.optimizer,
         )
 
     @property
@@ -218,4 +229,6 @@ class Plan:
             parts.append(f"offload={self.offload}")
         if self.lora is not None:
             parts.append(f"LoRA r={self.lora.rank}")
+        if self.optimizer != "adamw":
+            parts.append(self.optimizer.capitalize())
         return " ".join(parts)

@@ -7,7 +7,8 @@ time between failures (any GPU's failure stops a synchronous job).
 
 - **Write time** = the checkpoint's bytes / the bandwidth its writers get. megakit writes
   the weights at the training precision plus, per parameter, the fp32 master copy and Adam's
-  two moments (12 bytes more: 14 B/param in bf16); only DP replica 0 writes, so the writers
+  two moments (12 bytes more: 14 B/param in bf16; Muon's weights one momentum, 4 bytes less); only DP replica 0
+  writes, so the writers
   are the TP x PP ranks of that replica and the nodes they sit on. The bandwidth is per
   writing node (``write_gbps``); the filesystem's aggregate is assumed not to bind.
   Default 1 GB/s per node: Llama 3's checkpoint storage (Tectonic) sustains 2 TB/s for
@@ -45,7 +46,7 @@ class SaveAdvice:
     """The recommended ``--save-every`` and every input of the formula, for the report."""
 
     checkpoint_bytes: float
-    bytes_per_param: int
+    bytes_per_param: float
     writer_nodes: int
     write_gbps_per_node: float
     write_s: float
@@ -56,6 +57,7 @@ class SaveAdvice:
     step_time_s: float
     save_every: int  # interval_s / step_time_s, rounded, at least 1
     overhead: float  # expected share of the run lost to saves and to redone work: write/interval + interval/(2 MTBF)
+    optimizer: str = "adamw"  # whose state the checkpoint holds
 
 
 def checkpoint_bytes(params: float, precision: str) -> tuple[float, int]:
@@ -79,10 +81,14 @@ def advise(
     step_time_s: float,
     write_gbps: float = WRITE_GBPS_PER_NODE,
     gpu_mtbf_hours: float = GPU_MTBF_HOURS,
+    momentum_params: float = 0.0,
 ) -> SaveAdvice:
-    """Young/Daly's save interval for ``plan``, in seconds and in steps of ``step_time_s``."""
+    """Young/Daly's save interval for ``plan``, in seconds and in steps of ``step_time_s``. ``momentum_params``: of
+    ``params``, those a Muon plan steps with one fp32 momentum where Adam keeps two moments."""
     assert write_gbps > 0 and gpu_mtbf_hours > 0 and step_time_s > 0
-    size, per = checkpoint_bytes(params, plan.precision)
+    size, whole = checkpoint_bytes(params, plan.precision)
+    size -= 4 * momentum_params
+    per: float = size / params if momentum_params else whole
     nodes = writer_nodes(plan, gpus_per_node)
     write_s = size / (nodes * write_gbps * 1e9)
     mtbf_s = gpu_mtbf_hours * 3600 / plan.world
@@ -100,16 +106,18 @@ def advise(
         step_time_s=step_time_s,
         save_every=max(1, round(interval / step_time_s)),
         overhead=write_s / interval + interval / (2 * mtbf_s),
+        optimizer=plan.optimizer,
     )
 
 
 def describe(a: SaveAdvice) -> str:
     """One paragraph with the formula's inputs, for the plan report."""
+    states = "fp32 master + Adam m, v" + (" or Muon momentum" if a.optimizer == "muon" else "")
     return (
         f"Save every {a.save_every} steps (--save-every {a.save_every}): Young/Daly's interval "
         f"sqrt(2 x write {a.write_s:,.3g} s x MTBF {a.mtbf_s / 3600:,.1f} h) = {a.interval_s / 60:,.1f} min at "
-        f"{a.step_time_s:.2f} s per step. Write: {_size(a.checkpoint_bytes)} ({a.bytes_per_param} B/param: "
-        f"weights + fp32 master + Adam m, v) over {a.writer_nodes} writing node(s) (DP replica 0's TP x PP ranks) "
+        f"{a.step_time_s:.2f} s per step. Write: {_size(a.checkpoint_bytes)} ({a.bytes_per_param:.3g} B/param: "
+        f"weights + {states}) over {a.writer_nodes} writing node(s) (DP replica 0's TP x PP ranks) "
         "at "
         f"{a.write_gbps_per_node:g} GB/s per node (--ckpt-write-gbps). MTBF: {a.gpu_mtbf_hours:,.0f} GPU-hours per "
         f"failure (--mtbf-gpu-hours; default: Llama 3's 419 unexpected interruptions in 54 days on 16,384 H100s) / "

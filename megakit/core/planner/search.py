@@ -41,7 +41,7 @@ from megakit.core.planner.memory import (
 )
 from megakit.core.planner.model_spec import ModelSpec
 from megakit.core.planner.pins import Pins, check_pins, divisors, hybrid_degree
-from megakit.core.planner.plan import Plan, pipeline_runs_zero
+from megakit.core.planner.plan import Plan, optimizer_runs_zero, pipeline_runs_zero
 from megakit.core.planner.verdict import suggest_fix, verdict
 from megakit.errors import UsageError
 
@@ -88,11 +88,19 @@ class SearchResult:
 
 
 def fits_one_gpu(
-    model: ModelSpec, cluster: Cluster, *, threshold: float, precision: str, flash: bool, seq_len: int
+    model: ModelSpec,
+    cluster: Cluster,
+    *,
+    threshold: float,
+    precision: str,
+    flash: bool,
+    seq_len: int,
+    optimizer: str = "adamw",
 ) -> tuple[bool, float]:
     """Whole training state (ZeRO-0 model states + one sequence with full recompute) on one GPU."""
     est = estimate_memory(
         model,
+        optimizer=optimizer,
         precision=precision,
         micro_batch=1,
         seq_len=seq_len,
@@ -136,8 +144,9 @@ def search(
     judged = pins.memory_pinned  # "will my layout fit?": against the whole memory, then a verdict
     world = cluster.num_gpus
     check_pins(model, cluster, pins, global_batch, seq_len=s)
+    optimizer = (execution or {}).get("optimizer", "adamw")
     one_gpu, one_gpu_bytes = fits_one_gpu(
-        model, cluster, threshold=threshold, precision=precision, flash=flash, seq_len=s
+        model, cluster, threshold=threshold, precision=precision, flash=flash, seq_len=s, optimizer=optimizer
     )
     branch, why = _branch(cluster, pins, one_gpu, one_gpu_bytes, threshold=threshold)
 
@@ -159,6 +168,7 @@ def search(
     zeros: tuple[int, ...] = (0, 1, 2, 3) if branch != "model-parallel" or pins.zero is not None else (0, 1, 2)
     if pins.compress != "none":  # megakit compresses ZeRO 0's all-reduce, and (fp16, int8) ZeRO 1's buckets
         zeros = tuple(z for z in zeros if z in ctx.compress_stages)
+    zeros = tuple(z for z in zeros if z in ctx.zero_stages)
     ctx.run(branch, zeros)
     if not ctx.feasible and branch == "data-parallel":  # e.g. a global batch smaller than the GPU count
         branch = "model-parallel"
@@ -166,7 +176,8 @@ def search(
             f"; but data parallelism alone cannot use {world} GPUs with a global batch of {global_batch}, "
             "so TP inside a node and PP across nodes take the rest"
         )
-        ctx.run(branch, (0, 1, 2))
+        ctx.run(branch, tuple(z for z in (0, 1, 2) if z in ctx.zero_stages))
+    zero3_fallback = zero3_fallback and 3 in ctx.zero_stages  # Muon: never ZeRO 3, nor offload
     if not ctx.feasible and branch == "model-parallel" and zero3_fallback:  # memory requires ZeRO-3
         why += "; nothing fit with ZeRO 0-2, so ZeRO-3 shards the model states too"
         ctx.run(branch, (3,))
@@ -352,6 +363,10 @@ class _Context:
         self.seq_len, self.limit, self.precision, self.offload, self.flash = seq_len, limit, precision, offload, flash
         self.keep = keep
         self.compress_stages = parse_compression(pins.compress).zero_stages  # where --compress applies
+        optimizer = self.execution.get("optimizer", "adamw")  # the stages it runs at (Muon: 1-2, 0 in fp32)
+        self.zero_stages = tuple(
+            z for z in range(4) if optimizer_runs_zero(z, optimizer=optimizer, precision=precision)
+        )
         self.feasible: list[Candidate] = []
         self.rejected: list[Rejection] = []
         self.reasons_seen: set = set()
@@ -458,7 +473,8 @@ class _Context:
                         kind="zero-dp",
                     )
                     continue
-                if zero >= 1 and dp * cp == 1 and self.offload == "none":  # offload runs ZeRO on one replica
+                if zero >= 1 and dp * cp == 1 and self.offload == "none" and 0 in self.zero_stages:  # offload runs
+                    # ZeRO on one replica; Muon in bf16 or fp16 runs ZeRO 1 there
                     if pins.zero is not None:
                         self.reject(
                             Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero),

@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 
 from megakit.core.planner.memory import GIB, peak_memory
-from megakit.core.planner.plan import Plan, pipeline_runs_zero
+from megakit.core.planner.plan import Plan, optimizer_runs_zero, pipeline_runs_zero
 
 VERDICTS = ("yes", "above_threshold", "no")
 
@@ -52,8 +52,9 @@ def _changes(plan: Plan, *, world: int, gpus_per_node: int, model) -> list[tuple
     out += _module_changes(plan, model)
     if plan.recompute != "full":
         out.append(("--recompute full", dict(recompute="full")))
+    runs = [z for z in range(4) if optimizer_runs_zero(z, optimizer=plan.optimizer, precision=plan.precision)]
     for zero in range(plan.zero_stage + 1, 4):
-        if plan.dp > 1 and _pipeline_runs(plan, zero=zero, pp=plan.pp):
+        if plan.dp > 1 and _pipeline_runs(plan, zero=zero, pp=plan.pp) and zero in runs:
             out.append((f"--zero {zero}", dict(zero_stage=zero)))
     if plan.tp > 1 and not plan.sequence_parallel:
         out.append(("sequence parallelism", dict(sequence_parallel=True)))
@@ -63,7 +64,8 @@ def _changes(plan: Plan, *, world: int, gpus_per_node: int, model) -> list[tuple
     for pp in () if model.stage_layers else (2 * plan.pp, 4 * plan.pp, 8 * plan.pp):  # a pinned split fixes PP
         if pp <= model.layers and plan.dp * plan.pp % pp == 0 and _pipeline_runs(plan, zero=plan.zero_stage, pp=pp):
             out.append((f"--pp {pp}", dict(pp=pp, **_fewer_replicas(plan, pp // plan.pp))))
-    if plan.offload == "none" and plan.zero_stage >= 1 and (plan.zero_stage < 3 or plan.pp == 1):
+    offload = optimizer_runs_zero(plan.zero_stage, optimizer=plan.optimizer, precision=plan.precision, offload="cpu")
+    if plan.offload == "none" and plan.zero_stage >= 1 and (plan.zero_stage < 3 or plan.pp == 1) and offload:
         out.append(("--offload optimizer", dict(offload="optimizer")))
     return [(text, change) for text, change in out if _divides(plan, change, world)]
 

@@ -206,25 +206,35 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q, self.group), self.k_norm(k, self.group)
         if self.selective and self.training and self.cp == 1:  # no collective inside the core: none is recomputed
-            y = torch.utils.checkpoint.checkpoint(self._core, q, k, v, rope, keys, documents, use_reentrant=False)
+            y, logits = torch.utils.checkpoint.checkpoint(
+                self._core, q, k, v, rope, keys, documents, use_reentrant=False
+            )
         else:
-            y = self._core(q, k, v, rope, keys, documents)
+            y, logits = self._core(q, k, v, rope, keys, documents)
+        if logits is not None:  # QK-clip (megakit.train.engine.muon): each head's largest logit since the last step,
+            # kept here, outside the checkpointed core, whose recompute would replay it and which torch.compile
+            # cannot trace a module's mutation inside (a graph break)
+            self.max_logits = torch.maximum(self.max_logits, logits)
         if gate is not None:
             y = y * torch.sigmoid(gate)
         return self.o_proj(y)  # (S', B, H)
 
     def _core(
         self, q, k, v, rope: tuple | None, keys: DropoutKeys | None, documents: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The attention core: projections in, ``(S, B, nh/tp * d)`` out (what ``o_proj`` takes). ``documents``
-        ``(B, S)`` (the whole sequence's, also under CP): attention stays inside each document."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention core: projections in, ``(S, B, nh/tp * d)`` out (what ``o_proj`` takes), and with QK-clip
+        each head's largest logit ``(nh/tp,)`` (else None). ``documents`` ``(B, S)`` (the whole sequence's, also
+        under CP): attention stays inside each document."""
         s, b, _ = q.shape
         q, k, v = self._heads(q, self.heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
         if self.rope:
             cos, sin = rope_at(rope, s)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        logits = None
+        if self.max_logits is not None and self.training and self.cp == 1:  # QK-clip's (no CP: check_qk_clip)
+            logits = _max_logits(q, k, allowed_keys(s, self.window, documents, q.device), self.scale)
         y = self._dispatch(q, k, v, keys, documents)
-        return y.permute(2, 0, 1, 3).reshape(s, b, -1)  # (S, B, nh/tp * d)
+        return y.permute(2, 0, 1, 3).reshape(s, b, -1), logits  # (S, B, nh/tp * d)
 
     def _dispatch(self, q, k, v, keys: DropoutKeys | None, documents: torch.Tensor | None) -> torch.Tensor:
         """Attention of this rank's heads ``(B, n, S', d)`` (rotated) by the CP mode: Ulysses, hybrid, the ring,
@@ -259,8 +269,6 @@ class Attention(nn.Module):
         if documents is not None and self.flex_documents:
             return flex_document_attention(q, k, v, documents, window=self.window, scale=self.scale)
         mask = allowed_keys(q.shape[2], self.window, documents, q.device)
-        if self.max_logits is not None and self.training:  # QK-clip (megakit.train.engine.muon): each head's largest
-            self.max_logits = torch.maximum(self.max_logits, _max_logits(q, k, mask, self.scale))
         gqa = q.shape[1] != k.shape[1]
         if gqa and self.expand_kv:  # kernels without GQA broadcast (cuDNN, efficient): one K/V per query head
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
