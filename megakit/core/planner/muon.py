@@ -117,10 +117,11 @@ def _mlp(config, *, moe: bool) -> list[Matrix]:
         up = Matrix(what="gate, up" if mats == 2 else "up", rows=config.ffn, cols=h, count=mats)
         return [up, Matrix(what="down", rows=h, cols=config.ffn)]
     e = config.moe
-    out = [Matrix(what="experts' gate, up", rows=e.ffn, cols=h, count=2 * e.experts, tp_split=False, expert=True)]
+    ups, what = e.matrices - 1, "gate, up" if e.matrices == 3 else "up"  # Nemotron-3's relu2 experts: up only
+    out = [Matrix(what=f"experts' {what}", rows=e.ffn, cols=h, count=ups * e.experts, tp_split=False, expert=True)]
     out += [Matrix(what="experts' down", rows=h, cols=e.ffn, count=e.experts, tp_split=False, expert=True)]
     if e.shared_ffn:  # whole on every TP rank (``megakit.nn.moe.layer.SharedExpert``)
-        out += [Matrix(what="shared gate, up", rows=e.shared_ffn, cols=h, count=2, tp_split=False)]
+        out += [Matrix(what=f"shared {what}", rows=e.shared_ffn, cols=h, count=ups, tp_split=False)]
         out += [Matrix(what="shared down", rows=h, cols=e.shared_ffn, tp_split=False)]
     return out
 
@@ -208,9 +209,9 @@ def stage_share(
     dense += (2 * config.hidden * config.hidden // tp) * model.mtp if stage == pp - 1 else 0  # eh_proj
     moe_blocks, experts = sum(k for k, moe in blocks if moe), 0.0
     if config.moe is not None:  # block_params counts a shared expert split over TP; megakit keeps it whole
-        shared = (3 if config.gated_mlp else 2) * config.hidden * config.moe.shared_ffn
+        shared = config.moe.matrices * config.hidden * config.moe.shared_ffn
         dense += moe_blocks * shared * (1 - 1 / tp)
-        experts = moe_blocks * config.moe.experts * 3 * config.hidden * config.moe.ffn / ep
+        experts = moe_blocks * config.moe.experts * config.moe.matrices * config.hidden * config.moe.ffn / ep
     matrices = [(k, m) for k, moe in blocks for m in block_matrices(config, moe=moe)]
     whole = sum(k * m.rows * m.cols * m.count for k, m in matrices if not m.tp_split and not m.expert)
     largest = max(((m.rows, m.cols) for _, m in matrices), key=lambda rc: rc[0] * rc[1], default=(0, 0))

@@ -20,7 +20,16 @@ H100 = gpu_preset("h100-80gb")
 
 @pytest.mark.parametrize(
     "name",
-    ["gpt-tiny", "llama-tiny", "moe-tiny", "deepseek-v3-tiny", "gpt-oss-tiny", "qwen3-next-tiny", "nemotron-h-tiny"],
+    [
+        "gpt-tiny",
+        "llama-tiny",
+        "moe-tiny",
+        "deepseek-v3-tiny",
+        "gpt-oss-tiny",
+        "qwen3-next-tiny",
+        "nemotron-h-tiny",
+        "nemotron-3-tiny",
+    ],
 )
 def test_the_muon_weights_are_the_trainers(name):
     """The planner's Muon share (torch-free, from the config's counts) equals ``uses_muon`` on the built model: the
@@ -42,9 +51,9 @@ def test_the_muon_weights_are_the_trainers(name):
     priced = muon_cost(spec.config)
     assert priced.params == sum(k for _, k in blocks)
     assert priced.expert_params == sum(k for n, k in blocks if ".experts." in n)
-    assert stage_params(spec, tp=1, pp=1, stage=0) + stage_expert_params(spec, pp=1, stage=0) == sum(
-        p.numel() for _, p in named
-    )
+    counted = stage_params(spec, tp=1, pp=1, stage=0) + stage_expert_params(spec, pp=1, stage=0)
+    rounding = spec.config.layers if spec.config.layer_pattern else 0  # Nemotron's mean block is rounded down
+    assert 0 <= sum(p.numel() for _, p in named) - counted <= rounding
 
 
 def test_memory_holds_one_moment_for_muons_weights_and_two_for_adamws():
