@@ -93,11 +93,12 @@ def test_what_the_trainer_cannot_run_muon_at_is_one_line(tmp_path, capsys, flags
 
 
 def test_a_pinned_muon_layout_that_does_not_fit_is_fixed_by_what_the_trainer_runs(capsys):
-    """Llama-3-8B pinned at TP 1 x DP 4, ZeRO 1 on 4 H100: AdamW fits, Muon's step buffers do not; the fix named is a
-    change Muon runs with (a pipeline), never ZeRO 3 or offload, which its memory model refuses."""
-    argv = ["--model", "llama-3-8b", "--gpus", "4", "--gpu", "h100-80gb", "--tp", "1", "--pp", "1", "--zero", "1"]
+    """Llama-3-8B pinned at TP 1 x DP 2, ZeRO 1 on 2 H100: neither fits; AdamW's fix is to offload its optimizer,
+    Muon's a change Muon runs with (TP 2), never ZeRO 3 or offload, which its memory model refuses."""
+    argv = ["--model", "llama-3-8b", "--gpus", "2", "--gpu", "h100-80gb", "--tp", "1", "--pp", "1", "--zero", "1"]
     argv += ["--micro-batch", "1", "--recompute", "full"]
-    assert plan(capsys, *argv)[0] == 0
+    code, _, err = plan(capsys, *argv)
+    assert code == 2 and "fix: --offload optimizer" in err, err
     code, out, err = plan(capsys, *argv, "--optimizer", "muon")
     assert code == 2 and err.count("\n") == 1 and "Muon does not fit" in err, err
-    assert "fix: --pp 2" in err and "--zero 3" not in err and "--offload" not in err
+    assert "fix: --tp 2" in err and "--zero 3" not in err and "--offload" not in err

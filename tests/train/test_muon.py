@@ -99,6 +99,65 @@ def test_zero_partitions_cut_each_weight_into_contiguous_pieces():
     ]
 
 
+# Weights of a flat ZeRO group (an expert stack among them: orthogonalised per expert) and the exchange's bucket
+# limits: one bucket per weight or two, and all in one.
+_FLAT = [
+    ("layers.0.attn.q_proj.weight", (6, 4)),
+    ("layers.0.attn.o_proj.weight", (3, 5)),
+    ("layers.0.mlp.experts.down_proj", (2, 4, 3)),
+    ("layers.1.mlp.up_proj.weight", (8, 8)),
+    ("layers.1.mlp.down_proj.weight", (2, 7)),
+]
+
+
+def _exchange(rank: int, world: int, limit: int) -> tuple[list[float], int]:
+    """This DP rank's partition of the orthogonalised group, bucket by bucket (``limit`` elements a bucket)."""
+    from megakit.train.engine import muon_zero as Z
+
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(shape, generator=gen) for _, shape in _FLAT]
+    numels = [w.numel() for w in weights]
+    offsets = [sum(numels[:j]) for j in range(len(numels))]
+    size = -(-sum(numels) // world) + 1  # padding at the end, as DeepSpeed's alignment leaves
+    flat = torch.zeros(size * world)
+    flat[: sum(numels)] = torch.cat([w.reshape(-1) for w in weights])
+    runs, owner = Z.buckets(numels, world, limit)
+    group = Z.FlatGroup(
+        names=[n for n, _ in _FLAT],
+        shapes=[w.shape for w in weights],
+        tp_dims=[None] * len(weights),
+        pieces=Z.pieces(offsets, numels, partition_size=size, ranks=world),
+        buckets=runs,
+        owner=owner,
+        group=torch.distributed.group.WORLD,  # (None is one rank in megakit.nn.comm)
+    )
+    update, out = flat[rank * size : (rank + 1) * size].clone(), torch.zeros(size)
+    for run in runs:
+        for _, piece, orthogonal in Z.orthogonalise_flat(update, group, None, run):
+            out.narrow(0, piece.at, piece.numel).copy_(orthogonal)
+    return out.tolist(), len(runs)  # a list: tensors would travel back through shared memory
+
+
+def test_zero_exchange_bucket_by_bucket_equals_newton_schulz_on_each_whole_weight():
+    """2 processes over gloo: ZeRO 1-2's exchange of a flat group, in buckets of a few weights or all at once,
+    gives every piece of every weight Newton-Schulz's result on the whole weight (bit for bit: the same product on
+    the same matrix), padding 0; the buckets hold consecutive weights and a weight above the limit alone."""
+    from multiproc import run_ranks
+
+    from megakit.train.engine.muon import orthogonalise
+    from megakit.train.engine.muon_zero import buckets
+
+    assert buckets([4, 4, 9, 1], 2, limit=8) == ([[0, 1], [2], [3]], [0, 1, 0, 0])
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(shape, generator=gen) for _, shape in _FLAT]
+    want = torch.cat([orthogonalise(name, w).reshape(-1) for (name, _), w in zip(_FLAT, weights)])
+    for limit, runs in ((30, 5), (1 << 26, 1)):
+        parts = run_ranks(_exchange, 2, limit)
+        got = torch.tensor([x for out, _ in parts for x in out])
+        assert [n for _, n in parts] == [runs, runs]
+        assert torch.equal(got[: want.numel()], want) and not got[want.numel() :].any(), limit
+
+
 @pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])  # K/V heads: one per query head, one per two
 def test_qk_clip_brings_each_head_above_tau_back_to_tau(model):
     from megakit.nn.model import ModelConfig, Transformer

@@ -218,15 +218,22 @@ def stage_share(
     return StageShare(dense=dense, experts=experts, split=max(dense - whole, 0.0) if tp > 1 else 0.0, largest=largest)
 
 
+# The elements of consecutive weights one ZeRO 1-2 exchange carries (``megakit.train.engine.muon_zero``, which
+# imports it: one number for the trainer and the planner).
+BUCKET_NUMEL = 1 << 26
+
+
 def step_bytes(share: StageShare, *, tp: int, zero_stage: int, dp: int, edp: int) -> float:
     """The buffers one Muon step holds at its peak on this GPU (``step()`` only, in the activations' place), fp32.
 
     ZeRO 0 (``MuonWithAdamW.step``, one group): every Nesterov update (``U``, one per Muon weight), the whole
     matrices' results, and at TP > 1 the split matrices' send, receive, whole result, send-back and returned
     buffers (``orthogonalise_over_tp``): ``U + whole + 5 split`` weights. ZeRO 1-2 (``muon_zero.orthogonalise_flat``,
-    one group at a time, the dense weights' partition ``P`` over ``dp`` ranks, the experts' over ``edp``): the
-    partition's update, the owner's received, rebuilt and orthogonalised matrices (``O``: at least the largest), the
-    pieces returned and the result: the larger of ``P + 2 O + 5 O_split`` (inside the TP exchange) and ``3 P + 3 O``.
+    one group at a time, the dense weights' partition ``P`` over ``dp`` ranks, the experts' over ``edp``, in buckets
+    of ``BUCKET_NUMEL`` elements): the partition's update ``P``, and of one bucket this rank's pieces ``H`` (sent,
+    then returned: at most the bucket or ``P``) and the owner's received, rebuilt, orthogonalised and sent-back
+    weights (``O``: the bucket's share, at least the largest weight): ``P`` and the larger of ``H + 4 O`` and
+    ``3 O + 5 O_split`` (inside the TP exchange).
     Both: Newton-Schulz's bf16 working set on the largest matrix (X, its Gram matrix, the quintic's update and the
     next X)."""
     m, n = sorted(share.largest)
@@ -235,10 +242,11 @@ def step_bytes(share: StageShare, *, tp: int, zero_stage: int, dp: int, edp: int
     if zero_stage == 0:
         return ns + MOMENT_BYTES * (2 * (share.dense + share.experts) + 4 * split)
     peaks = [0.0]
+    bucket = max(BUCKET_NUMEL, share.largest_size)
     for weights, ranks, split_share in ((share.dense, dp, split / max(share.dense, 1)), (share.experts, edp, 0.0)):
         if weights:
-            p, o = weights / ranks, max(weights / ranks, share.largest_size)
-            peaks.append(max(p + 2 * o + 5 * o * split_share, 3 * p + 3 * o))
+            p, o = weights / ranks, max(min(bucket, weights) / ranks, share.largest_size)
+            peaks.append(p + max(min(bucket, p) + 4 * o, 3 * o + 5 * o * split_share))
     return ns + MOMENT_BYTES * max(peaks)
 
 

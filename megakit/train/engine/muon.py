@@ -266,14 +266,15 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
         partition = group["params"][0]
         flat = self.flat[id(partition)]
-        orthogonal = orthogonalise_flat(self._momentum(partition, group), flat, self.tp_group)
+        update = self._momentum(partition, group)
         partition.mul_(1 - group["lr"] * group["weight_decay"])
-        for j, piece in flat.mine(C.rank(flat.group)):
-            split = flat.tp_dims[j] if C.size(self.tp_group) > 1 else None
-            whole_shape = flat.shapes[j] if split is None else _gathered(flat.shapes[j], split, self.tp_group)
-            shape = matrices(flat.names[j], _meta(whole_shape))[0].shape
-            lr = adjust_lr(group["lr"], ADJUST_LR, shape)
-            partition.narrow(0, piece.at, piece.numel).add_(orthogonal.narrow(0, piece.at, piece.numel), alpha=-lr)
+        for bucket in flat.buckets:  # a bucket's buffers are freed before the next one's exchange
+            for j, piece, orthogonal in orthogonalise_flat(update, flat, self.tp_group, bucket):
+                split = flat.tp_dims[j] if C.size(self.tp_group) > 1 else None
+                whole_shape = flat.shapes[j] if split is None else _gathered(flat.shapes[j], split, self.tp_group)
+                shape = matrices(flat.names[j], _meta(whole_shape))[0].shape
+                lr = adjust_lr(group["lr"], ADJUST_LR, shape)
+                partition.narrow(0, piece.at, piece.numel).add_(orthogonal, alpha=-lr)
 
     def state_keys(self, param: torch.Tensor) -> tuple[str, ...]:
         """The moments ``param`` (a weight, or a ZeRO flat partition) has: Muon's momentum or AdamW's two; the

@@ -9,14 +9,15 @@ the fp32 masters, the clip, fp16's loss scale, copying the masters back into the
 
 1. the momentum and its Nesterov blend are elementwise, so they run on the partition (``momentum_buffer`` has the
    partition's shape: DeepSpeed's fragment mapping saves and restores it per weight);
-2. each Muon weight has one owner DP rank (``owners``, the same answer on every rank); ONE all-to-all over the
-   group's DP group sends each rank's pieces of each weight to its owner (a weight may straddle partitions: its
-   pieces are contiguous ranges of its row-major elements), the owner rebuilds it (a TP shard: TP peers at the same
-   DP index own the same weights) and orthogonalises it (``orthogonalise_over_tp`` for TP-split ones), and a second
-   all-to-all returns each rank its pieces;
+2. the weights go in buckets of consecutive weights (``BUCKET_NUMEL`` elements at most), and in each bucket every
+   Muon weight has one owner DP rank (``owners``, the same answer on every rank); one all-to-all over the group's DP
+   group sends each rank's pieces of the bucket's weights to their owners (a weight may straddle partitions: its
+   pieces are contiguous ranges of its row-major elements), the owner rebuilds each (a TP shard: TP peers at the
+   same DP index own the same weights) and orthogonalises it (``orthogonalise_over_tp`` for TP-split ones), and a
+   second all-to-all returns each rank its pieces;
 3. weight decay and ``-adjust_lr(lr, shape)`` apply per element of each piece, as ZeRO 0 does per weight.
 
-Per rank the optimizer holds the partition and its owned weights (O(params / DP)) and moves about twice the
+Per rank the step holds the partition's update and one bucket's exchange at a time, and moves about twice the
 partition per step; an all-gather of the flat group would hold all of it (tens of GiB at 8B parameters).
 """
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megakit.core.planner.muon import BUCKET_NUMEL
 from megakit.nn import comm as C
 
 
@@ -61,7 +63,8 @@ class FlatGroup:
     shapes: list[torch.Size]  # this rank's (TP-shard) shapes
     tp_dims: list[int | None]  # the TP split dimension (None: whole on every TP rank)
     pieces: list[list[Piece]]
-    owner: list[int]  # the DP rank that orthogonalises each weight
+    buckets: list[list[int]]  # the weights exchanged together, in flat order (``buckets``)
+    owner: list[int]  # the DP rank that orthogonalises each weight (balanced within its bucket)
     group: object  # the group's DP process group (experts: their EDP group)
 
     def mine(self, rank: int) -> list[tuple[int, Piece]]:
@@ -69,12 +72,36 @@ class FlatGroup:
         return [(j, pc) for j, row in enumerate(self.pieces) for pc in row if pc.rank == rank]
 
 
+# The weights one exchange carries: at most BUCKET_NUMEL elements (fp32: 256 MiB), or one weight larger than it.
+# One exchange for the whole group would hold about eight fp32 copies of the rank's partition at once (the update,
+# what is sent, received, rebuilt, orthogonalised and returned: 26 GiB for Llama-3-8B at TP 2 x DP 4), more than
+# the activations; bucket by bucket, the partition's update and about five buckets' shares.
+
+
+def buckets(numels: list[int], ranks: int, limit: int = BUCKET_NUMEL) -> tuple[list[list[int]], list[int]]:
+    """The weights' indices in runs of consecutive weights, each at most ``limit`` elements (a larger weight alone),
+    and each weight's owner among ``ranks``, balanced within its run (``muon.owners``)."""
+    from megakit.train.engine.muon import owners
+
+    runs: list[list[int]] = []
+    size = 0
+    for j, numel in enumerate(numels):
+        if not runs or size + numel > limit:
+            runs.append([])
+            size = 0
+        runs[-1].append(j)
+        size += numel
+    owner = [0] * len(numels)
+    for run in runs:
+        for j, o in zip(run, owners([numels[j] for j in run], ranks), strict=True):
+            owner[j] = o
+    return runs, owner
+
+
 def flat_group(zero_optimizer, index: int, names: dict[int, str]) -> FlatGroup:
     """``FlatGroup`` of group ``index`` of DeepSpeed's ZeRO 1/2 optimizer (its ``round_robin_bit16_*`` lists: the
     params in the flat buffer's order, with their offsets) or of its BF16 optimizer (bf16 with fp32 gradient
     accumulation at ZeRO 1: the params back to back, padding at the end only)."""
-    from megakit.train.engine.muon import owners
-
     group = zero_optimizer.real_dp_process_group[index]
     if hasattr(zero_optimizer, "round_robin_bit16_groups"):
         params = zero_optimizer.round_robin_bit16_groups[index]
@@ -85,25 +112,29 @@ def flat_group(zero_optimizer, index: int, names: dict[int, str]) -> FlatGroup:
         offsets = [sum(p.numel() for p in params[:j]) for j in range(len(params))]
         partition_size = zero_optimizer.bf16_groups_flat[index].numel() // C.size(group)
     numels = [p.numel() for p in params]
+    runs, owner = buckets(numels, C.size(group))
     return FlatGroup(
         names=[names[id(p)] for p in params],
         shapes=[p.shape for p in params],
         tp_dims=[getattr(p, "tp_dim", None) for p in params],
         pieces=pieces(offsets, numels, partition_size=partition_size, ranks=C.size(group)),
-        owner=owners(numels, C.size(group)),
+        buckets=runs,
+        owner=owner,
         group=group,
     )
 
 
-def orthogonalise_flat(update: torch.Tensor, flat: FlatGroup, tp_group) -> torch.Tensor:
-    """The orthogonalised update of this rank's partition (``update``'s shape; padding stays 0), layer-wise over
-    DP: one all-to-all of the pieces to their weights' owners (forward: pieces to owners), Newton-Schulz on each
-    owned weight, one all-to-all of the results back to the ranks holding the pieces."""
+def orthogonalise_flat(
+    update: torch.Tensor, flat: FlatGroup, tp_group, weights: list[int]
+) -> list[tuple[int, Piece, torch.Tensor]]:
+    """(weight, piece, its orthogonalised elements) of each piece this rank's partition holds of ``weights`` (one
+    bucket), layer-wise over DP: one all-to-all of the pieces to their weights' owners (forward: pieces to owners),
+    Newton-Schulz on each owned weight, one all-to-all of the results back to the ranks holding the pieces."""
     from megakit.train.engine.muon import orthogonalise, orthogonalise_over_tp
 
-    n, me = C.size(flat.group), C.rank(flat.group)
-    held = flat.mine(me)
-    owned = [j for j, o in enumerate(flat.owner) if o == me]
+    n, me, chosen = C.size(flat.group), C.rank(flat.group), set(weights)
+    held = [(j, pc) for j, pc in flat.mine(me) if j in chosen]
+    owned = [j for j in weights if flat.owner[j] == me]
     send = [update.narrow(0, pc.at, pc.numel) for r in range(n) for j, pc in held if flat.owner[j] == r]
     send_splits = [sum(pc.numel for j, pc in held if flat.owner[j] == r) for r in range(n)]
     recv_splits = [sum(pc.numel for j in owned for pc in flat.pieces[j] if pc.rank == s) for s in range(n)]
@@ -127,11 +158,11 @@ def orthogonalise_flat(update: torch.Tensor, flat: FlatGroup, tp_group) -> torch
         if pc.rank == s
     ]
     returned = C.all_to_all_single(_cat(back, update), flat.group, send_splits=recv_splits, recv_splits=send_splits)
-    out, cursor = torch.zeros_like(update), 0
+    out, cursor = [], 0
     for r in range(n):
         for j, pc in held:
             if flat.owner[j] == r:
-                out.narrow(0, pc.at, pc.numel).copy_(returned.narrow(0, cursor, pc.numel))
+                out.append((j, pc, returned.narrow(0, cursor, pc.numel)))
                 cursor += pc.numel
     return out
 

@@ -10,7 +10,7 @@ from megakit.core.planner.cost import estimate_cost, muon_plan_cost, muon_times
 from megakit.core.planner.hardware import Cluster, gpu_preset
 from megakit.core.planner.memory import estimate_memory, stage_expert_params, stage_params
 from megakit.core.planner.model_spec import ModelSpec
-from megakit.core.planner.muon import MOMENT_BYTES, muon_cost, stage_share, step_bytes
+from megakit.core.planner.muon import BUCKET_NUMEL, MOMENT_BYTES, muon_cost, stage_share, step_bytes
 from megakit.core.planner.plan import Plan
 from megakit.core.planner.search import search
 from megakit.errors import UsageError
@@ -88,17 +88,20 @@ def test_moe_experts_keep_their_momentum_over_edp():
 
 
 def test_step_buffers_follow_the_trainers_exchanges():
-    """ZeRO 0: every update and its result, and at TP > 1 the split matrices' five exchange buffers; ZeRO 1-2: a
-    partition's and an owner's buffers, one group at a time, at least the largest matrix whole."""
+    """ZeRO 0: every update and its result, and at TP > 1 the split matrices' five exchange buffers; ZeRO 1-2: the
+    partition's update, then one bucket's pieces and an owner's share of it at a time, at least the largest matrix
+    whole."""
     model = ModelSpec.from_config("llama-3-8b")
     tp1, tp8 = stage_share(model, tp=1, pp=1, stage=0), stage_share(model, tp=8, pp=1, stage=0)
     ns = 2 * (2 * 4096 * 14336 + 2 * 4096 * 4096)  # bf16 X, Gram, update and the next X of the largest matrix
     assert step_bytes(tp1, tp=1, zero_stage=0, dp=1, edp=1) == ns + 4 * 2 * tp1.dense
     assert tp8.split == tp8.dense == tp1.dense / 8
     assert step_bytes(tp8, tp=8, zero_stage=0, dp=1, edp=1) == ns + 4 * 6 * tp8.dense
-    p = tp8.dense / 4
-    assert step_bytes(tp8, tp=8, zero_stage=1, dp=4, edp=1) == ns + 4 * (p + 2 * p + 5 * p)
-    assert step_bytes(tp8, tp=8, zero_stage=1, dp=4096, edp=1) == ns + 4 * (tp8.dense / 4096 + 7 * 4096 * 14336)
+    largest = 4096 * 14336
+    p, o = tp8.dense / 4, max(BUCKET_NUMEL / 4, largest)  # a bucket's pieces and an owner's share: not all of p
+    assert p > 2 * BUCKET_NUMEL
+    assert step_bytes(tp8, tp=8, zero_stage=1, dp=4, edp=1) == ns + 4 * (p + max(BUCKET_NUMEL + 4 * o, 8 * o))
+    assert step_bytes(tp8, tp=8, zero_stage=1, dp=4096, edp=1) == ns + 4 * (tp8.dense / 4096 + 8 * largest)
 
 
 def test_zero_1_2_share_the_iterations_and_exchange_the_partitions_over_dp():
