@@ -244,6 +244,7 @@ def layouts(tmp_path_factory):
         dict(base, model="llama-tiny", ds_config=_ds(zero=1), qk_clip=0.05),  # 12: 7 at ZeRO 1: the masters clipped
         dict(base, model="gpt-tiny", ds_config={**_ds(zero=1, bf16=True), "data_types": {"grad_accum_dtype": "fp32"}}),
         dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4, zero=1), cp=2),  # 14: partitions over DP x CP
+        dict(base, model="gpt-tiny", ds_config=_ds(accumulation=4, zero=1), pp=2, vpp=2),  # 15: PP 2 x VPP 2, ZeRO 1
     ]  # 9: ZeRO 2 saves at step 3, 10: ZeRO 0 x TP 2 resumes from it; 13: 11 accumulating in fp32 (BF16_Optimizer)
     for i in (0, 7, 12):
         cases[i]["save"] = str(saved.parent / f"qk{i}")
@@ -270,9 +271,19 @@ def _reference(case: dict, dp: int, qk_clip: float = 0.0, weights: bool = False)
 @pytest.mark.slow
 def test_each_layout_equals_one_process_and_the_momentum_resumes_at_another(layouts):
     cases, results = layouts
-    dense = _reference(cases[2], dp=2, weights=True)  # cases 0, 1, 3, 5 run DP 1 with 4 micro-batches: the same
+    dense = _reference(cases[2], dp=2, weights=True)  # cases 0, 1, 3, 5, 15 run DP 1 with 4 micro-batches: the same
     moe = _reference(cases[4], dp=2)  # global batch
-    for i, want in [(1, dense), (2, dense), (3, dense), (4, moe), (5, dense), (8, moe), (9, dense), (14, dense)]:
+    for i, want in [
+        (1, dense),
+        (2, dense),
+        (3, dense),
+        (4, moe),
+        (5, dense),
+        (8, moe),
+        (9, dense),
+        (14, dense),
+        (15, dense),
+    ]:
         got = results[i]["loss"]
         assert len(got) == 6, (i, got)
         # 1e-5: TP 2 follows within 2e-6; orthogonalising each TP shard alone is 8e-5 off

@@ -203,6 +203,8 @@ def _mean_block(
         p = PRECISIONS[precision]
         shared += _mlp_tensors(model, f=moe.shared_ffn, tp=tp, p=p, moe=True, fused_swiglu=fused_swiglu)
     return mamba.mean_tensors(block, model, tp=tp, sequence_parallel=sp, precision=precision, experts=shared)
+
+
 # What megakit's selective recompute frees of a hybrid's mixers (``nn.linear_attention``: the Gated DeltaNet and
 # Mamba-2 cores run under a checkpoint, their inputs kept): the chunked scans' intermediates and the conv's output.
 MIXER_CORES = (
