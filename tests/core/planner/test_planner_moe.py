@@ -342,10 +342,11 @@ def test_cli_reports_experts_routing_and_all_to_all(capsys, tmp_path):
 def test_nemotron_3_nano_plans_on_16_h100s_and_at_megatron_bridges_layout(capsys):
     """Nemotron-3-Nano-30B-A3B (23 'E' blocks among 23 Mamba-2 and 6 attention blocks): 31.58B parameters, 3.58B
     active (embedding and head included; 3.23B without the embedding); each 'E' block adds its routed experts
-    (128 x 2 x H x F, non-gated) to the hybrid's mean block. The free search on 16 H100s fits at EP 8, TP 1 x PP 1 with full recompute within 5 % of its best;
-    Megatron-Bridge's H100 performance recipe (``nemotron_3_nano_pretrain_16gpu_h100_bf16_config``: TP 1, PP 1,
-    EP 8, micro-batch 1, 1024 x 8k tokens, recompute of its MoE layers and norms) fits with megakit's full
-    recompute, and megakit's selective one (attention's core only) is refused naming that fix."""
+    (128 x 2 x H x F, non-gated) to the hybrid's mean block. The free search on 16 H100s fits at EP 8, with TP 1 x
+    PP 1 and full recompute within 5 % of its best; Megatron-Bridge's H100 performance recipe
+    (``nemotron_3_nano_pretrain_16gpu_h100_bf16_config``: TP 1, PP 1, EP 8, micro-batch 1, 1024 x 8k tokens,
+    recompute of its MoE layers and norms) fits with megakit's full recompute, and megakit's selective one
+    (attention's and the mixers' cores) is refused naming that fix."""
     config = ModelConfig.load("nemotron-3-nano-30b-a3b")
     assert config.num_params() == 31_577_937_344 and config.active_params() == 3_580_073_408
     assert config.moe_layers == 23 and [config.is_moe_layer(i) for i in range(6)] == [0, 1, 0, 1, 0, 0]
