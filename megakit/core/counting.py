@@ -119,12 +119,7 @@ def _block_params(config: ModelConfig, tp: int = 1, *, moe: bool | None = None, 
     moe = config.moe is not None if moe is None else (moe and config.moe is not None)
     if config.layer_pattern:  # a hybrid (Nemotron-H): its mean block (core.families.nemotron_h.mean_block), and an
         mean = BlockParams(*nemotron_h.mean_block(config, tp))  # 'E' block's routed experts on top of it
-        if not moe or config.moe is None:
-            return mean
-        expert, routed = nemotron_h.expert_params(config), config.moe
-        return mean._replace(
-            experts=routed.experts * expert, active_experts=routed.top_k * expert, router=routed.experts * config.hidden
-        )
+        return _routed_experts(config, mean) if moe and config.moe is not None else mean
     h, hd = config.hidden, config.head_dim
     q, kv = config.heads // tp * hd, config.kv_heads_per_rank(tp) * hd
     m = config.moe if moe else None
@@ -170,9 +165,20 @@ def own_block_params(config: ModelConfig, layer: int, tp: int = 1) -> BlockParam
     Nemotron-H its one part) with its own MLP kind, where ``block_params`` gives the mean of a kind's blocks."""
     part = config.block_part(layer)
     if part is not None:
-        return BlockParams(*nemotron_h.part_params(config, part, tp))
+        own = BlockParams(*nemotron_h.part_params(config, part, tp))
+        return _routed_experts(config, own) if part == "moe" else own
     linear = config.linear is not None and config.linear.is_linear(layer)
     return _block_params(config, tp, moe=config.is_moe_layer(layer), linear=linear)
+
+
+def _routed_experts(config: ModelConfig, block: BlockParams) -> BlockParams:
+    """A Nemotron-3 'E' block: ``block`` (its norm and shared expert, or the mean block) with its routed experts
+    (E of them, top-k active) and its router."""
+    expert, routed = nemotron_h.expert_params(config), config.moe
+    assert routed is not None
+    return block._replace(
+        experts=routed.experts * expert, active_experts=routed.top_k * expert, router=routed.experts * config.hidden
+    )
 
 
 def own_block_flops(config: ModelConfig, layer: int, seq_len: int, tp: int = 1) -> float:

@@ -28,7 +28,7 @@ def _best_largest_stage(own: list[float], embedding: float, head: float, stages:
     return best
 
 
-@pytest.mark.parametrize("name", ["nemotron-h-8b", "qwen3.5-9b", "qwen3-next-tiny"])
+@pytest.mark.parametrize("name", ["nemotron-h-8b", "nemotron-3-nano-30b-a3b", "qwen3.5-9b", "qwen3-next-tiny"])
 def test_each_block_counts_its_own_parts_and_they_sum_to_the_model(name):
     config = ModelConfig.load(name)
     own = [config.layer_params(i) for i in range(config.layers)]

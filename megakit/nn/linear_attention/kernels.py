@@ -91,10 +91,13 @@ def seq_idx(documents: torch.Tensor) -> torch.Tensor:
 def fla_gated_delta_rule(fn: Callable, q, k, v, g, beta, *, documents: torch.Tensor | None) -> torch.Tensor:
     """megakit's ``chunk_gated_delta_rule`` through fla's: the same ``(S, B, ...)`` tensors in (q and k not yet
     l2-normed: ``use_qk_l2norm_in_kernel``; ``g`` the log-decay; ``beta`` after its sigmoid; each key head serves
-    ``n_v / n_k`` consecutive value heads, fla's GVA), ``(S, B, n_v, d_v)`` out in ``v``'s dtype. Documents: one
-    flattened row with ``cu_seqlens``. fla chunks by its own 64 tokens, not the config's ``chunk``: the result is the
-    same but for rounding."""
+    ``n_v / n_k`` consecutive value heads: repeated to them here), ``(S, B, n_v, d_v)`` out in ``v``'s dtype.
+    Documents: one flattened row with ``cu_seqlens``. fla chunks by its own 64 tokens, not the config's ``chunk``:
+    the result is the same but for rounding."""
     s, b = v.shape[:2]
+    if k.shape[2] != v.shape[2]:  # each key head's value heads, as transformers' qwen3_next and the torch form do:
+        repeat = v.shape[2] // k.shape[2]  # fla versions without grouped value heads take them so too
+        q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
     q, k, v, g, beta = (t.transpose(0, 1) for t in (q, k, v, g, beta))  # (B, S, n, ...)
     cu = None
     if documents is not None:
