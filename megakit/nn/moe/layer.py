@@ -112,10 +112,11 @@ class SharedExpert(nn.Module):
 
     def forward(self, x: torch.Tensor, tp_group) -> torch.Tensor:
         """The shared expert on every token; its weights enter the TP region so their gradients are summed."""
-        up = self.up_proj.apply_to(x, tp_group)
         if not hasattr(self, "gate_proj"):
-            return self.down_proj.apply_to(F.relu(up).square(), tp_group)
-        return self.down_proj.apply_to(F.silu(self.gate_proj.apply_to(x, tp_group)) * up, tp_group)
+            return self.down_proj.apply_to(F.relu(self.up_proj.apply_to(x, tp_group)).square(), tp_group)
+        # gate before up: the order autograd sums x's gradient in (a routed model's losses follow its rounding)
+        gate, up = self.gate_proj.apply_to(x, tp_group), self.up_proj.apply_to(x, tp_group)
+        return self.down_proj.apply_to(F.silu(gate) * up, tp_group)
 
 
 class Experts(nn.Module):
