@@ -248,10 +248,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 tp_updates = [(named[i][0], updates[i], split[i]) for i in shards]
                 orthogonal |= dict(zip(shards, orthogonalise_over_tp(tp_updates, self.tp_group)))
                 for i, (name, p) in enumerate(named):
-                    whole_shape = p.shape if split[i] is None else _gathered(p.shape, split[i], self.tp_group)
                     p.mul_(1 - group["lr"] * group["weight_decay"])
-                    shape = matrices(name, _meta(whole_shape))[0].shape  # of one whole matrix, as torch's
-                    p.add_(orthogonal[i], alpha=-adjust_lr(group["lr"], ADJUST_LR, shape))
+                    p.add_(orthogonal[i], alpha=-self._matrix_lr(group["lr"], name, p.shape, split[i]))
         if self.adamw is not None:
             self.adamw.param_groups = [g for g in self.param_groups if not g["use_muon"]]
             self.adamw.step()
@@ -271,10 +269,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for bucket in flat.buckets:  # a bucket's buffers are freed before the next one's exchange
             for j, piece, orthogonal in orthogonalise_flat(update, flat, self.tp_group, bucket):
                 split = flat.tp_dims[j] if C.size(self.tp_group) > 1 else None
-                whole_shape = flat.shapes[j] if split is None else _gathered(flat.shapes[j], split, self.tp_group)
-                shape = matrices(flat.names[j], _meta(whole_shape))[0].shape
-                lr = adjust_lr(group["lr"], ADJUST_LR, shape)
+                lr = self._matrix_lr(group["lr"], flat.names[j], flat.shapes[j], split)
                 partition.narrow(0, piece.at, piece.numel).add_(orthogonal, alpha=-lr)
+
+    def _matrix_lr(self, lr: float, name: str, shape: torch.Size, split: int | None) -> float:
+        """``match_rms_adamw``'s lr for weight ``name`` (this rank's ``shape``, split over TP along ``split``): by the
+        shape of one of its whole matrices, as torch.optim.Muon sees it."""
+        whole = shape if split is None else _gathered(shape, split, self.tp_group)
+        return adjust_lr(lr, ADJUST_LR, matrices(name, _meta(whole))[0].shape)
 
     def state_keys(self, param: torch.Tensor) -> tuple[str, ...]:
         """The moments ``param`` (a weight, or a ZeRO flat partition) has: Muon's momentum or AdamW's two; the
